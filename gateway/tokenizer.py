@@ -1,0 +1,299 @@
+"""The gateway's tokenizer: a checkpoint's `tokenizer.json` and chat template, without transformers.
+
+The gateway needs four things from a Hugging Face checkpoint directory: encode prompts, render chat templates the way
+`transformers` does (same Jinja environment, so a checkpoint's template gives the same prompt here as there), know the
+ids generation stops on, and stream generated text. Streaming is the subtle part: a byte-level BPE token can hold half
+of a multi-byte UTF-8 character, so text is emitted only once its bytes are complete (see IncrementalDetokenizer).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # newer checkpoints ship the template beside the config instead of inside it
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# Names a message's reasoning arrives under; templates read the first (transformers aliases them the same way).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode table that byte-level BPE vocabularies are written in.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are shifted to U+0100..
+    in byte order, so every byte has a visible, non-whitespace character.
+    """
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in visible}
+    shifted = 0
+    for b in range(256):
+        if b not in visible:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_decoder()
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, null, or a serialized AddedToken dict."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _plain(value: Any) -> Any:
+    """Messages and tools as plain dicts and lists (pydantic models too), as the template sees them."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return value
+
+
+def _alias_reasoning(message: dict) -> dict:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson HTML-escapes and forces ASCII; chat templates expect plain json.dumps (as transformers has).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile in an environment that matches transformers', so Hub templates render identically."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _pick_template(config: dict, directory: Path) -> str | None:
+    jinja_file = directory / TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """Encode, decode and chat-format for one checkpoint; build it with `Tokenizer.from_dir`."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str | None],
+        eos_token_ids: Iterable[int],
+        model_max_length: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self._template_source = chat_template
+        self._special_tokens = dict(special_tokens)  # bos_token/eos_token/... strings, passed to the template
+        self._eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.model_max_length = model_max_length
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # A byte-level decoder maps each token to bytes independently, which is what lets streaming be exact.
+        self.is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`)."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ValueError(f"tokenizer directory {directory} does not exist")
+        for name in (TOKENIZER_FILE, CONFIG_FILE):
+            if not (directory / name).is_file():
+                raise ValueError(f"{directory} has no {name}: not a Hugging Face tokenizer directory")
+        try:
+            backend = _Backend.from_file(str(directory / TOKENIZER_FILE))
+        except Exception as e:  # the Rust side raises a bare Exception for malformed files
+            raise ValueError(f"cannot load {directory / TOKENIZER_FILE}: {e}") from e
+        config = _read_json(directory / CONFIG_FILE)
+
+        special_tokens = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        eos_ids: list[int] = []
+        generation_file = directory / GENERATION_CONFIG_FILE
+        if generation_file.is_file():
+            configured = _read_json(generation_file).get("eos_token_id")
+            eos_ids += configured if isinstance(configured, list) else [] if configured is None else [configured]
+        eos_text = special_tokens["eos_token"]
+        if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
+            eos_ids.append(eos_id)
+        max_len = config.get("model_max_length")
+        return cls(
+            backend,
+            chat_template=_pick_template(config, directory),
+            special_tokens=special_tokens,
+            eos_token_ids=[int(i) for i in eos_ids],
+            model_max_length=int(max_len) if isinstance(max_len, (int, float)) else None,
+        )
+
+    # ---- ids and text -------------------------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation: generation_config.json's list, then the tokenizer's own eos_token."""
+        return list(self._eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included; the model's embedding may have more rows."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids `decode(..., skip_special_tokens=True)` drops (not the tool-call and think tags)."""
+        return self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings in `text` (as in a rendered chat template) become their single ids."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes one token contributes to the decoded text (byte-level tokenizers only).
+
+        Mirrors the `tokenizers` ByteLevel decoder: a token whose characters are all in the byte table is those
+        bytes, any other (an added token like "a b") is its UTF-8. Unknown ids (embedding rows past the
+        vocabulary) contribute nothing, as in `decode`.
+        """
+        if skip_special_tokens and token_id in self._special_ids:
+            return b""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            text = self._backend.id_to_token(token_id)
+            if text is None:
+                cached = b""
+            else:
+                try:
+                    cached = bytes(_BYTE_OF_CHAR[c] for c in text)
+                except KeyError:
+                    cached = text.encode("utf-8")
+            self._bytes_cache[token_id] = cached
+        return cached
+
+    # ---- chat ---------------------------------------------------------------------------------------------------
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self._template_source is None:
+            raise ValueError("this checkpoint's tokenizer has no chat template")
+        return _compile_template(self._template_source)
+
+    def apply_chat_template(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render a conversation to prompt text. Extra kwargs (e.g. `enable_thinking=False`) go to the template.
+
+        A template's `raise_exception` (bad roles, unsupported content) and other template errors surface as
+        ValueError, so the API layer can answer 400.
+        """
+        context = {
+            **self._special_tokens,
+            **_plain(template_kwargs),
+            "messages": [_alias_reasoning(m) for m in _plain(list(messages))],
+            "tools": _plain(tools) if tools is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**context)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template rejected the conversation: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text one token at a time, never emitting half a character.
+
+    Byte-level tokenizers (all Qwen checkpoints): each token's bytes go through an incremental UTF-8 decoder, which
+    holds back an incomplete trailing sequence until its remaining bytes arrive: O(1) per token, and the pieces add
+    up to exactly `decode(all_ids)`, even when BPE merged the tail of one character with the head of the next.
+
+    Other decoders (or `window=True`): vLLM's scheme, decoding only the ids since the last complete character plus
+    one step of context and emitting the new suffix unless it ends in U+FFFD (an incomplete character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, window: bool | None = None) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._window = (not tokenizer.is_byte_level) if window is None else window
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # window mode: ids from the prefix offset on
+        self._read = 0  # window mode: ids before this index have been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes (often "", never a dangling partial character)."""
+        if not self._window:
+            return self._utf8.decode(self._tok.token_bytes(token_id, self._skip))
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[: self._read], self._skip)
+        text = self._tok.decode(self._ids, self._skip)
+        if text.endswith("\ufffd"):
+            return ""  # wait for the rest of the character
+        # Keep the last emitted step as context: some decoders render a token differently at the start of a string.
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """End of generation: whatever is still held back (a truncated character decodes to U+FFFD)."""
+        if not self._window:
+            return self._utf8.decode(b"", final=True)
+        prefix_text = self._tok.decode(self._ids[: self._read], self._skip)
+        text = self._tok.decode(self._ids, self._skip)
+        self._ids, self._read = [], 0
+        return text[len(prefix_text) :]

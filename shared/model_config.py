@@ -1,0 +1,391 @@
+"""Model configuration for the three supported families, read from a Hugging Face `config.json`.
+
+One dataclass per family. Field names and defaults follow `transformers`' own config classes (`qwen4_exp`,
+`qwen3_next`, `qwen3_5_moe`), because checkpoints are written by that code: a field we name differently is a field we
+silently lose. Unknown keys (vision tower, training knobs) are ignored with one log line; known keys with inconsistent
+values are rejected with a `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+INDEXED = "indexed_attention"
+
+
+class ConfigError(ValueError):
+    """A config.json value that moepipe cannot serve; the message names the field."""
+
+
+# Keys that are present in real configs and carry nothing the inference path needs.
+_IGNORED_KEYS = {
+    "architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "use_cache", "initializer_range",
+    "output_router_logits", "router_aux_loss_coef", "attention_dropout", "number_of_conv_states", "_name_or_path",
+    "full_attention_interval", "base_config_key", "rope_scaling", "rope_theta", "partial_rotary_factor",
+    "mrope_section", "mrope_interleaved", "use_sliding_window", "sliding_window", "max_window_layers",
+    "tie_word_embeddings", "id2label", "label2id", "return_dict", "output_hidden_states", "output_attentions",
+    "is_encoder_decoder", "problem_type", "chunk_size_feed_forward", "pruned_heads", "tokenizer_class",
+}
+
+
+@dataclass
+class HybridMoeConfig:
+    """Fields shared by every family: Gated DeltaNet + gated full attention + sparse MoE with a shared expert."""
+
+    family: ClassVar[str] = ""
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    norm_topk_prob: bool = True
+    layer_types: list[str] = field(default_factory=list)
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    mtp_num_hidden_layers: int = 0
+    dtype: str = "bfloat16"
+
+    # ---- derived -------------------------------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def uses_hyper_connections(self) -> bool:
+        return False
+
+    @property
+    def attention_layer_type(self) -> str:
+        return FULL
+
+    def is_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] != LINEAR
+
+    def is_sparse_moe(self, layer: int) -> bool:
+        return True
+
+    @property
+    def primary_eos(self) -> int | None:
+        return self.eos_token_id[0] if self.eos_token_id else None
+
+    # ---- validation ----------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"config field {name!r}: {why} (got {getattr(self, name, None)!r})")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "moe_intermediate_size", "num_experts", "linear_conv_kernel_dim"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive integer")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             "must divide num_attention_heads")
+        need(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
+             "must divide linear_num_value_heads")
+        need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", "must be in [1, num_experts]")
+        need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
+        need(0.0 < self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in (0, 1]")
+        need(self.rotary_dim % 2 == 0, "partial_rotary_factor", "head_dim * factor must be even")
+        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+             f"must have num_hidden_layers={self.num_hidden_layers} entries")
+        allowed = {LINEAR, self.attention_layer_type}
+        bad = sorted(set(self.layer_types) - allowed)
+        need(not bad, "layer_types", f"{self.family} supports only {sorted(allowed)}, not {bad}")
+        need(self.hidden_act == "silu", "hidden_act", "only silu is supported")
+        need(self.mtp_num_hidden_layers in (0, 1), "mtp_num_hidden_layers", "0 or 1 MTP layers are supported")
+        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+
+    # ---- construction --------------------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json text config that `transformers` reads back into the same model."""
+        out = dataclasses.asdict(self)
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": out.pop("rope_theta"),
+                                  "partial_rotary_factor": out.pop("partial_rotary_factor")}
+        out["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
+        out["model_type"] = MODEL_TYPES[self.family]
+        out["architectures"] = [ARCHITECTURES[self.family]]
+        if not self.mtp_num_hidden_layers:
+            out.pop("mtp_num_hidden_layers")
+        return out
+
+
+@dataclass
+class Qwen3NextConfig(HybridMoeConfig):
+    """Qwen3-Next: plain residual, grouped qkvz/ba projections on disk, optional dense-MLP layers."""
+
+    family: ClassVar[str] = "qwen3_next"
+    vocab_size: int = 151936
+    num_hidden_layers: int = 48
+    intermediate_size: int = 5632
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_sparse_moe(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"config field 'decoder_sparse_step': must be >= 1 (got {self.decoder_sparse_step})")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"config field 'mlp_only_layers': layer indices out of range: {bad}")
+
+
+@dataclass
+class Qwen35MoeConfig(HybridMoeConfig):
+    """Qwen3.5-MoE text model: plain residual, separate qkv/z/b/a projections."""
+
+    family: ClassVar[str] = "qwen3_5_moe"
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+
+
+@dataclass
+class Qwen4ExpConfig(HybridMoeConfig):
+    """Qwen4-Exp: hyper-connections, QSA indexed attention, the n-gram PLE branch."""
+
+    family: ClassVar[str] = "qwen4_exp"
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: list[int] = field(default_factory=list)
+    ple_embed_dim: int | None = None
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    output_gate_type: str | None = None
+
+    @property
+    def uses_hyper_connections(self) -> bool:
+        return True
+
+    @property
+    def attention_layer_type(self) -> str:
+        return INDEXED
+
+    @property
+    def has_qsa(self) -> bool:
+        return self.indexer_n_heads is not None
+
+    @property
+    def ple_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def ple_head_dim(self) -> int:
+        return (self.ple_embed_dim or self.hidden_size) // self.ple_heads
+
+    def ple_index(self, layer: int) -> int | None:
+        """Position of 0-indexed `layer` in `ple_layer_ids` (which are 1-indexed), or None."""
+        return self.ple_layer_ids.index(layer + 1) if layer + 1 in self.ple_layer_ids else None
+
+    @property
+    def gate_activation(self) -> str:
+        return self.output_gate_type or self.hidden_act
+
+    def validate(self) -> None:
+        super().validate()
+
+        def fail(name: str, why: str) -> None:
+            raise ConfigError(f"config field {name!r}: {why} (got {getattr(self, name)!r})")
+
+        if self.hc_count <= 1:
+            fail("hc_count", "Qwen4-Exp needs more than one residual stream")
+        if self.hc_lowrank <= 0:
+            fail("hc_lowrank", "must be positive")
+        if self.gate_activation not in ("sigmoid", "silu"):
+            fail("output_gate_type", "must be sigmoid or silu")
+        qsa = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+        given = [n for n in qsa if getattr(self, n) is not None]
+        if given:
+            for n in qsa:
+                if getattr(self, n) is None:
+                    fail(n, f"QSA needs all of {list(qsa)} once any is set")
+                if getattr(self, n) <= 0:
+                    fail(n, "must be positive")
+            if self.indexer_kv_heads != 1:
+                fail("indexer_kv_heads", "Qwen4-Exp QSA has exactly one indexer key head")
+            if self.indexer_budget % self.indexer_compress_ratio:
+                fail("indexer_budget", "must be divisible by indexer_compress_ratio")
+            if self.rotary_dim > self.indexer_head_dim:
+                fail("indexer_head_dim", f"must hold the RoPE dimensions ({self.rotary_dim})")
+        if self.ple_layer_ids:
+            dim = self.ple_embed_dim
+            if self.ple_heads <= 0 or dim is None or dim <= 0 or dim % self.ple_heads:
+                fail("ple_embed_dim", f"must be a positive multiple of the {self.ple_heads} n-gram heads")
+            bad = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers]
+            if bad:
+                fail("ple_layer_ids", f"ids are 1-indexed layers in [1, {self.num_hidden_layers}]; bad: {bad}")
+            bad = [i for i in self.ple_layer_ids if self.layer_types[i - 1] != LINEAR]
+            if bad:
+                fail("ple_layer_ids", f"PLE sits only on linear_attention layers; bad: {bad}")
+            if not self.eos_token_id:
+                fail("eos_token_id", "PLE needs an EOS id (its hash resets at EOS)")
+            if self.split_ngram_parts <= 0:
+                fail("split_ngram_parts", "must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if not self.has_qsa:
+            for n in ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+                      "indexer_compress_ratio"):
+                out.pop(n)
+        return out
+
+
+FAMILIES: dict[str, type[HybridMoeConfig]] = {
+    "qwen4_exp": Qwen4ExpConfig, "qwen4_exp_text": Qwen4ExpConfig,
+    "qwen3_next": Qwen3NextConfig,
+    "qwen3_5_moe": Qwen35MoeConfig, "qwen3_5_moe_text": Qwen35MoeConfig,
+}
+MODEL_TYPES = {"qwen4_exp": "qwen4_exp_text", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe_text"}
+ARCHITECTURES = {"qwen4_exp": "Qwen4ExpForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+def _default_layer_types(cls: type[HybridMoeConfig], n: int, interval: int) -> list[str]:
+    attn = INDEXED if cls is Qwen4ExpConfig else FULL
+    return [LINEAR if (i + 1) % interval else attn for i in range(n)]
+
+
+def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
+    """Build the family's config from a parsed config.json (top level or its `text_config`)."""
+    outer_type = raw.get("model_type")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    model_type = text.get("model_type") or outer_type
+    if model_type not in FAMILIES:
+        raise ConfigError(f"config field 'model_type': unsupported model type {model_type!r}; "
+                          f"moepipe serves {sorted(set(MODEL_TYPES.values()) | set(MODEL_TYPES))}")
+    cls = FAMILIES[model_type]
+    names = cls.field_names()
+    values: dict[str, Any] = {}
+    unknown: list[str] = []
+    for key, val in text.items():
+        if key in names:
+            values[key] = val
+        elif key not in _IGNORED_KEYS and key not in ("rope_parameters", "text_config", "vision_config",
+                                                      "num_nextn_predict_layers"):
+            unknown.append(key)
+    if unknown:
+        log.info("config.json: ignoring keys moepipe does not use: %s", ", ".join(sorted(unknown)))
+    if text is not raw:
+        ignored_outer = sorted(k for k in raw if k not in ("text_config", "model_type"))
+        if ignored_outer:
+            log.info("config.json: ignoring top-level keys outside text_config: %s", ", ".join(ignored_outer))
+
+    # RoPE: transformers 5 nests it in rope_parameters; older configs keep rope_theta / partial_rotary_factor flat.
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"config field 'rope_parameters.rope_type': {rope_type!r} is not supported yet")
+    values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", cls.rope_theta)))
+    values["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
+                                                     text.get("partial_rotary_factor", cls.partial_rotary_factor)))
+    if "num_nextn_predict_layers" in text and "mtp_num_hidden_layers" not in text:
+        values["mtp_num_hidden_layers"] = text["num_nextn_predict_layers"]
+    if "dtype" in text or "torch_dtype" in text:
+        values["dtype"] = str(text.get("dtype") or text.get("torch_dtype"))
+    eos = values.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
+    values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
+    if not values.get("layer_types"):
+        values["layer_types"] = _default_layer_types(cls, n_layers, int(text.get("full_attention_interval", 4)))
+    elif cls is Qwen4ExpConfig:
+        # Released Qwen4-Exp configs call their indexed layers "full_attention".
+        values["layer_types"] = [INDEXED if t == FULL else t for t in values["layer_types"]]
+    if cls is Qwen4ExpConfig:
+        values["ple_layer_ids"] = sorted(set(values.get("ple_layer_ids") or []))
+        if values.get("ple_embed_dim") is None:
+            values["ple_embed_dim"] = values.get("hidden_size", cls.hidden_size)
+    if cls is Qwen3NextConfig:
+        values["mlp_only_layers"] = list(values.get("mlp_only_layers") or [])
+    try:
+        cfg = cls(**values)
+    except TypeError as exc:  # pragma: no cover - dataclass signature errors name the field themselves
+        raise ConfigError(str(exc)) from exc
+    _check_types(cfg)
+    cfg.validate()
+    return cfg
+
+
+def _check_types(cfg: HybridMoeConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        typ = f.type if isinstance(f.type, str) else str(f.type)
+        if val is None:
+            if "None" not in typ:
+                raise ConfigError(f"config field {f.name!r}: must not be null")
+            continue
+        if typ.startswith("int") and (not isinstance(val, int) or isinstance(val, bool)):
+            raise ConfigError(f"config field {f.name!r}: expected an integer, got {val!r}")
+        if typ.startswith("float") and not isinstance(val, (int, float)):
+            raise ConfigError(f"config field {f.name!r}: expected a number, got {val!r}")
+        if typ.startswith("bool") and not isinstance(val, bool):
+            raise ConfigError(f"config field {f.name!r}: expected true/false, got {val!r}")
+        if typ.startswith("list") and not isinstance(val, list):
+            raise ConfigError(f"config field {f.name!r}: expected a list, got {val!r}")
+
+
+def load_config(model_dir: str | Path) -> HybridMoeConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json in the model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return config_from_dict(raw)
+
+
+def ple_table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
+    """Rows of one PLE table, padded as `transformers` pads them (needed before the hash module is imported)."""
+    from shared.ngram_hash import NgramHashSpec  # local: keeps config import light
+
+    spec = NgramHashSpec.from_model_config(cfg, ple_index)
+    return spec.padded_rows
+
+
+def round_up(x: int, m: int) -> int:
+    return int(math.ceil(x / m) * m)

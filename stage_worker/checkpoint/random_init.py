@@ -1,0 +1,58 @@
+"""Seeded random weights, by parameter name: for `make-model` checkpoints and the `dummy` load format.
+
+Values follow the families' own initialisation (zero-centred norms at 0, gated norms at 1, decay rates spread over
+[1, 16]) with std 0.02 matrices, so a random model's activations stay finite through 48 layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def random_param(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each tensor depends only on (seed, name): any subset can be generated alone, in any order."""
+    gen = _generator(seed, name)
+    leaf = name.rsplit(".", 2)
+    if name.endswith("A_log"):
+        t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+    elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        t = torch.ones(shape)
+    elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("hc_norm.weight") or \
+            leaf[-2].startswith("norm_"):
+        t = torch.randn(shape, generator=gen) * 0.02      # zero-centred norms: small perturbation of 1 + w
+    elif name.endswith("conv1d.weight"):
+        t = torch.randn(shape, generator=gen) * 0.2
+    else:
+        t = torch.randn(shape, generator=gen) * 0.02
+    return t.to(dtype)
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int) -> None:
+    for name, p in model.named_parameters():
+        p.copy_(random_param(name, tuple(p.shape), seed, p.dtype))
+
+
+class ProceduralTable:
+    """A PLE table that computes each row from its index: the `dummy` format's stand-in for a 95 GiB file."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, seed: int) -> None:
+        self.rows, self.dim, self.dtype, self.seed = rows, dim, dtype, seed
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        idx = rows.reshape(-1, 1).long().cpu() * self.dim + torch.arange(self.dim)[None, :] + self.seed * 7919
+        x = idx * -7046029254386353131          # 0x9E3779B97F4A7C15 as a signed int64: wrapping multiply
+        x = x ^ (x >> 29)
+        vals = ((x & 0xFFFFFF).float() / float(1 << 24) - 0.5) * 0.04
+        vals = vals.to(self.dtype).view(*rows.shape, self.dim)
+        if out is not None:
+            out.view(-1, self.dim).copy_(vals.view(-1, self.dim))
+            return out.view(*rows.shape, self.dim)
+        return vals

@@ -1,0 +1,69 @@
+"""Single-process driver of a whole model: block/slot bookkeeping for `moepipe generate` and the parity tests.
+
+The served path splits this work between the gateway's scheduler (blocks, slots) and the stage runners; this class is
+the smallest correct version of both, kept for in-process generation and as the oracle the cluster is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import CacheSpec
+from stage_worker.model.model import StageModel
+
+
+@dataclass
+class _Seq:
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class LocalEngine:
+    def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int = 16,
+                 max_tokens: int = 4096) -> None:
+        if not stages or not stages[0].has_embedding or not stages[-1].has_head:
+            raise ValueError("stages must run from the embedding to the head")
+        self.stages, self.block_size = stages, block_size
+        p = next(stages[0].parameters())
+        num_blocks = max_seqs * (-(-max_tokens // block_size))
+        spec = CacheSpec(num_blocks=num_blocks, block_size=block_size, num_slots=max_seqs, dtype=p.dtype,
+                         device=p.device)
+        self.device = p.device
+        self.caches = [s.new_cache(spec) for s in stages]
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.seqs: dict[int, _Seq] = {}
+
+    def add(self, seq_id: int) -> None:
+        if not self.free_slots:
+            raise RuntimeError("no free state slot")
+        self.seqs[seq_id] = _Seq(slot=self.free_slots.pop())
+
+    def release(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        self.free_blocks.extend(seq.blocks)
+        self.free_slots.append(seq.slot)
+
+    @torch.no_grad()
+    def step(self, feeds: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
+        """feeds: (seq_id, tokens) each. Returns logits of each feed's last token (or of every token)."""
+        rows = []
+        for seq_id, tokens in feeds:
+            seq = self.seqs[seq_id]
+            need = -(-(seq.length + len(tokens)) // self.block_size)
+            while len(seq.blocks) < need:
+                if not self.free_blocks:
+                    raise RuntimeError("out of KV blocks")
+                seq.blocks.append(self.free_blocks.pop())
+            rows.append((tokens, seq.length, seq.slot, seq.blocks))
+        batch = StepBatch.build(rows, self.block_size, self.device, all_logits=all_logits)
+        hidden = None
+        for stage, cache in zip(self.stages, self.caches):
+            hidden = stage(batch, cache, hidden)
+        for seq_id, tokens in feeds:
+            self.seqs[seq_id].length += len(tokens)
+        return self.stages[-1].logits(hidden, batch).float()

@@ -1,0 +1,138 @@
+"""Gated full attention over paged K/V, with the QSA indexer of Qwen4-Exp choosing which K/V rows each query reads.
+
+QSA: the indexer scores blocks of `compress_ratio` keys (the block's raw keys averaged, normalised, rotated at the
+block's first position) by sum over heads of ReLU(q.k)/sqrt(d); each query reads the top `budget/ratio` complete blocks
+plus the incomplete tail. A decode step therefore reads a bounded number of K/V rows whatever the context length
+(001 §1), which is what later lets K/V live in host RAM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import AttentionCache
+from stage_worker.model.norms import ZeroCentredRMSNorm
+from stage_worker.model.rope import Rotary, apply_rotary
+
+
+def stable_topk_mask(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the k best valid entries per row; equal scores go to the lower index (documented tie rule)."""
+    masked = scores.masked_fill(~valid, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return (rank < k) & valid
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, cfg: Qwen4ExpConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.indexer_n_heads
+        self.head_dim = cfg.indexer_head_dim
+        self.ratio = cfg.indexer_compress_ratio
+        self.block_topk = cfg.indexer_budget // cfg.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_layernorm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = self.index_qk_proj(x)
+        q, raw_k = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = apply_rotary(self.q_layernorm(q.view(-1, self.n_heads, self.head_dim)), cos, sin)
+        return q, raw_k
+
+    def pool(self, raw_keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """raw_keys: [blocks, ratio, d] -> normalised, rotated pooled keys [blocks, d] (cos/sin at block starts)."""
+        pooled = raw_keys.float().mean(dim=1).to(raw_keys.dtype)
+        return apply_rotary(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0]
+
+    def select(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Visibility mask [q_len, ctx]: selected complete blocks plus the tail, causal."""
+        r = self.ratio
+        scores = torch.relu(torch.einsum("qhd,bd->qbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.head_dim)
+        complete = (positions + 1) // r                                   # complete blocks visible per query
+        block_ids = torch.arange(pooled.shape[0], device=q.device)
+        valid = block_ids[None, :] < complete[:, None]
+        chosen = stable_topk_mask(scores, self.block_topk, valid)         # [q, blocks]
+        key_pos = torch.arange(ctx, device=q.device)
+        in_block = chosen.repeat_interleave(r, dim=1)
+        if in_block.shape[1] < ctx:
+            in_block = F.pad(in_block, (0, ctx - in_block.shape[1]))
+        tail = (key_pos[None, :] >= (complete * r)[:, None]) & (key_pos[None, :] <= positions[:, None])
+        return in_block[:, :ctx] | tail
+
+
+class GatedAttention(nn.Module):
+    """Attention whose q_proj also produces a per-feature output gate; q/k are RMS-normalised per head."""
+
+    def __init__(self, cfg: HybridMoeConfig, use_qsa: bool, rotary: Rotary) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.n_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.indexer = QSAIndexer(cfg) if use_qsa else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = rope
+        q, gate = self.q_proj(x).view(T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        cache.k[batch.slot_mapping] = k.to(cache.k.dtype)
+        cache.v[batch.slot_mapping] = v.to(cache.v.dtype)
+        iq = None
+        if self.indexer is not None:
+            iq, raw_k = self.indexer.project(x, cos, sin)
+            cache.index_keys[batch.slot_mapping] = raw_k.to(cache.index_keys.dtype)
+
+        out = torch.empty_like(q)
+        cu = batch.cu_seqlens
+        for i in range(batch.num_seqs):
+            s, e = cu[i], cu[i + 1]
+            ctx = batch.context_lens[i] + batch.seq_lens[i]
+            rows = batch.context_rows(i, ctx)
+            pos = batch.positions[s:e]
+            visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]
+            if self.indexer is not None:
+                pooled = self._update_pooled(cache, rows, batch.context_lens[i], ctx, x.device, x.dtype)
+                visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
+            out[s:e] = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible)
+        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out)
+
+    def _update_pooled(self, cache: AttentionCache, rows: torch.Tensor, old_ctx: int, ctx: int,
+                       device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Pool the compression blocks this step completed; return every complete block's pooled key."""
+        r = self.indexer.ratio
+        first, last = old_ctx // r, ctx // r
+        pooled_rows = rows[::r][: last] // r
+        if last > first:
+            raw = cache.index_keys[rows[first * r: last * r]].view(last - first, r, -1)
+            starts = torch.arange(first, last, device=device) * r
+            cos, sin = self.rotary.cos_sin(starts, dtype)
+            cache.pooled_keys[pooled_rows[first:last]] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
+        return cache.pooled_keys[pooled_rows]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        rep = self.n_heads // self.kv_heads
+        k = k.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)   # [H, ctx, d]
+        v = v.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)
+        scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * self.scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).transpose(0, 1)

@@ -1,0 +1,72 @@
+"""Per-step metadata for a flat, unpadded batch of sequences.
+
+Each sequence contributes a contiguous run of tokens: a prefill chunk or one decode token. Layers read only this
+object and the caches; they never see requests, schedulers or sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    token_ids: torch.Tensor          # [T] int64, the tokens being fed (every stage gets them: PLE needs them)
+    positions: torch.Tensor          # [T] int64, absolute position of each token in its sequence
+    seq_lens: list[int]              # tokens each sequence feeds this step
+    context_lens: list[int]          # tokens each sequence already has in the caches before this step
+    slots: list[int]                 # per-sequence state slot (Gated DeltaNet, PLE conv and n-gram context)
+    block_tables: list[list[int]]    # per-sequence KV block ids, covering context_len + seq_len tokens
+    block_size: int
+    slot_mapping: torch.Tensor = field(init=False)   # [T] flat KV row of each token
+    # Rows already gathered by the PLE service, keyed by global layer index: [T, heads, head_dim].
+    ple_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Which token rows the last stage turns into logits: default the last token of each sequence.
+    logits_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        rows = []
+        for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
+            for p in range(ctx, ctx + n):
+                rows.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+        self.slot_mapping = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        if self.logits_indices is None:
+            ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0) - 1
+            self.logits_indices = ends.to(self.token_ids.device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        out = [0]
+        for n in self.seq_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def context_rows(self, i: int, length: int) -> torch.Tensor:
+        """Flat KV rows of the first `length` tokens of sequence i."""
+        bs = self.block_size
+        pos = torch.arange(length)
+        table = torch.tensor(self.block_tables[i], dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.token_ids.device)
+
+    @classmethod
+    def build(cls, seqs: list[tuple[list[int], int, int, list[int]]], block_size: int,
+              device: torch.device | str = "cpu", all_logits: bool = False) -> "StepBatch":
+        """seqs: (tokens fed this step, context_len, slot, block_table) per sequence."""
+        ids, pos = [], []
+        for tokens, ctx, _, _ in seqs:
+            ids.extend(tokens)
+            pos.extend(range(ctx, ctx + len(tokens)))
+        n = len(ids)
+        return cls(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            seq_lens=[len(s[0]) for s in seqs], context_lens=[s[1] for s in seqs],
+            slots=[s[2] for s in seqs], block_tables=[list(s[3]) for s in seqs], block_size=block_size,
+            logits_indices=torch.arange(n, device=device) if all_logits else None,
+        )

@@ -1,0 +1,66 @@
+"""One decoder layer: token mixer (Gated DeltaNet or gated attention) then MoE, with either a plain pre-norm
+residual (Qwen3-Next, Qwen3.5-MoE) or hyper-connection streams (Qwen4-Exp, where PLE may come first)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+from stage_worker.model.attention import GatedAttention
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import ModelCache
+from stage_worker.model.deltanet import GatedDeltaNet
+from stage_worker.model.hyper_connection import GatedResidual
+from stage_worker.model.moe import SparseMoE, SwiGLU
+from stage_worker.model.norms import ZeroCentredRMSNorm
+from stage_worker.model.ple import PLEBranch
+from stage_worker.model.rope import Rotary
+
+
+def build_mlp(cfg: HybridMoeConfig, layer: int) -> nn.Module:
+    if cfg.is_sparse_moe(layer):
+        return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridMoeConfig, layer: int, rotary: Rotary, force_full_attention: bool = False) -> None:
+        super().__init__()
+        self.layer = layer
+        self.is_attention = force_full_attention or cfg.is_attention(layer)
+        self.hyper = cfg.uses_hyper_connections and not force_full_attention
+        gate_act = cfg.gate_activation if isinstance(cfg, Qwen4ExpConfig) else "silu"
+        if self.is_attention:
+            use_qsa = isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa and not force_full_attention
+            self.self_attn = GatedAttention(cfg, use_qsa, rotary)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, gate_act)
+        self.mlp = build_mlp(cfg, layer)
+        self.ple = None
+        if self.hyper:
+            ple_index = cfg.ple_index(layer)
+            self.ple = PLEBranch(cfg, ple_index) if ple_index is not None else None
+            args = (cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps)
+            self.attn_hyper_connection = GatedResidual(*args)
+            self.mlp_hyper_connection = GatedResidual(*args)
+        else:
+            self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def mixer(self, x: torch.Tensor, batch: StepBatch, cache: ModelCache, rope) -> torch.Tensor:
+        if self.is_attention:
+            return self.self_attn(x, batch, cache.attention[self.layer], rope)
+        return self.linear_attn(x, batch, cache.deltanet[self.layer])
+
+    def forward(self, h: torch.Tensor, batch: StepBatch, cache: ModelCache, rope) -> torch.Tensor:
+        if not self.hyper:
+            h = h + self.mixer(self.input_layernorm(h), batch, cache, rope)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        if self.ple is not None:
+            h = self.ple(h, batch, cache.ple[self.layer], self.layer)
+        x, w = self.attn_hyper_connection.mix(h)
+        h = GatedResidual.inject(h, self.mixer(x, batch, cache, rope), w)
+        x, w = self.mlp_hyper_connection.mix(h)
+        return GatedResidual.inject(h, self.mlp(x), w)

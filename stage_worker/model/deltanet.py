@@ -1,0 +1,92 @@
+"""Gated DeltaNet token mixer (linear attention with a fixed-size state per sequence)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model_config import HybridMoeConfig
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import DeltaNetState
+from stage_worker.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from stage_worker.model.norms import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 projection layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+
+    Qwen3-Next stores grouped in_proj_qkvz / in_proj_ba instead; the checkpoint loader permutes those rows into this
+    layout once at load time, so one forward serves both families.
+    """
+
+    def __init__(self, cfg: HybridMoeConfig, gate_activation: str = "silu") -> None:
+        super().__init__()
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
+        T = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(T, self.nv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        cu = batch.cu_seqlens
+        decode = [i for i in range(batch.num_seqs) if batch.seq_lens[i] == 1 and batch.context_lens[i] > 0]
+        if decode:
+            # One token each: batch the recurrence over sequences.
+            tok = torch.tensor([cu[i] for i in decode], device=x.device)
+            slots = torch.tensor([batch.slots[i] for i in decode], device=x.device)
+            mixed_t = self._conv_step(mixed[tok], state, slots)
+            q, k, v = self._split(mixed_t[:, None])
+            o, s = recurrent_delta_rule(q, k, v, g[tok][:, None], beta[tok][:, None], state.recurrent[slots])
+            state.recurrent[slots] = s
+            out[tok] = o[:, 0].to(x.dtype)
+        for i in range(batch.num_seqs):
+            if i in decode:
+                continue
+            s_, e_ = cu[i], cu[i + 1]
+            slot = batch.slots[i]
+            fresh = batch.context_lens[i] == 0
+            conv_tail = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
+            seq = torch.cat([conv_tail, mixed[s_:e_].T.to(conv_tail.dtype)], dim=-1)     # [C, k-1+n]
+            state.conv[slot] = seq[:, -(self.kernel - 1):]
+            conv = F.silu(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
+            q, k, v = self._split(conv[None])
+            init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
+            rule = recurrent_delta_rule if e_ - s_ == 1 else chunked_delta_rule
+            o, s = rule(q, k, v, g[None, s_:e_], beta[None, s_:e_], init[None])
+            state.recurrent[slot] = s[0]
+            out[s_:e_] = o[0].to(x.dtype)
+        out = self.norm(out, z).reshape(T, -1)
+        return self.out_proj(out)
+
+    def _conv_step(self, mixed: torch.Tensor, state: DeltaNetState, slots: torch.Tensor) -> torch.Tensor:
+        seq = torch.cat([state.conv[slots], mixed[:, :, None].to(state.conv.dtype)], dim=-1)   # [B, C, k]
+        state.conv[slots] = seq[:, :, 1:]
+        w = self.conv1d.weight[:, 0, :]
+        return F.silu((seq.to(mixed.dtype) * w[None]).sum(-1))
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, conv_dim] -> q, k (L2-normalised, heads repeated to value heads) and v."""
+        B, T, _ = mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.float().view(B, T, self.nk, self.dk))
+        k = l2_normalize(k.float().view(B, T, self.nk, self.dk))
+        rep = self.nv // self.nk
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        return q, k, v.view(B, T, self.nv, self.dv)

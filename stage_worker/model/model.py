@@ -1,0 +1,74 @@
+"""A contiguous slice of the model: what one pipeline stage holds.
+
+`StageModel(cfg, start, end)` owns layers [start, end); the first slice also owns the token embedding, the last the
+final mixer/norm, lm_head and (optionally) the MTP head. Between stages the hidden state is `hc_count * hidden_size`
+wide for Qwen4-Exp (all residual streams travel) and `hidden_size` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.model_config import HybridMoeConfig
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import CacheSpec, ModelCache
+from stage_worker.model.decoder import DecoderLayer
+from stage_worker.model.hyper_connection import GatedResidual
+from stage_worker.model.mtp import MTPHead
+from stage_worker.model.norms import ZeroCentredRMSNorm
+from stage_worker.model.rope import Rotary
+
+
+class StageModel(nn.Module):
+    def __init__(self, cfg: HybridMoeConfig, start: int = 0, end: int | None = None, *,
+                 with_embedding: bool | None = None, with_head: bool | None = None, with_mtp: bool = False) -> None:
+        super().__init__()
+        end = cfg.num_hidden_layers if end is None else end
+        if not 0 <= start < end <= cfg.num_hidden_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {cfg.num_hidden_layers})")
+        self.cfg, self.start, self.end = cfg, start, end
+        self.has_embedding = start == 0 if with_embedding is None else with_embedding
+        self.has_head = end == cfg.num_hidden_layers if with_head is None else with_head
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        if self.has_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.rotary) for i in range(start, end)})
+        if self.has_head:
+            if cfg.uses_hyper_connections:
+                self.hyper_connection_mixer = GatedResidual(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank,
+                                                            cfg.rms_norm_eps, inject=False)
+            else:
+                self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPHead(cfg, self.rotary) if (with_mtp and self.has_head) else None
+
+    @property
+    def stream_width(self) -> int:
+        hc = self.cfg.hc_count if self.cfg.uses_hyper_connections else 1
+        return hc * self.cfg.hidden_size
+
+    def new_cache(self, spec: CacheSpec) -> ModelCache:
+        return ModelCache(self.cfg, spec, self.start, self.end, with_mtp=self.mtp is not None)
+
+    def forward(self, batch: StepBatch, cache: ModelCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this slice. `hidden` is the previous stage's output; the first slice embeds `batch.token_ids`."""
+        if self.has_embedding:
+            hidden = self.embed_tokens(batch.token_ids)
+            if self.cfg.uses_hyper_connections:
+                hidden = hidden.repeat(1, self.cfg.hc_count)
+        if hidden is None:
+            raise ValueError("a stage without the embedding needs the previous stage's hidden states")
+        rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        for layer in self.layers.values():
+            hidden = layer(hidden, batch, cache, rope)
+        return hidden
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Collapse the streams (or apply the final norm): the state lm_head and the MTP head read."""
+        if self.cfg.uses_hyper_connections:
+            return self.hyper_connection_mixer.mix(hidden)[0]
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        return self.lm_head(self.final_hidden(hidden[batch.logits_indices]))

@@ -1,0 +1,57 @@
+"""Sparse MoE with a sigmoid-gated shared expert, and the plain SwiGLU MLP it is built from."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k (equal probabilities: lower expert id first), optional renormalisation."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = order.values[:, :top_k], order.indices[:, :top_k]
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class SparseMoE(nn.Module):
+    """Experts are stored fused per layer: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
+                 renormalise: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalise, self.num_experts = top_k, renormalise, num_experts
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared_expert = SwiGLU(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+        self.last_expert_ids: torch.Tensor | None = None   # routing trace hook: what the last call selected
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        self.last_expert_ids = ids
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            gate_up = F.linear(x[tok], self.w13[e])
+            g, u = gate_up.chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

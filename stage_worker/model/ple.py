@@ -1,0 +1,81 @@
+"""The PLE branch of Qwen4-Exp: hashed n-gram rows projected to a value and one key per residual stream, gated
+against each normalised stream, then a dilated depthwise conv (kernel `ple_conv_kernel_size`, dilation `ngram_size`)
+adds local context. Applied to the streams before the layer's token mixer.
+
+The table itself is not a parameter: it is a flat file (95 GiB at full size) that the PLE service gathers from, or
+that this module gathers from itself behind the in-process fallback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model_config import Qwen4ExpConfig
+from shared.ngram_hash import NgramHashSpec, ngram_rows_torch
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import PLEState
+from stage_worker.model.norms import ZeroCentredRMSNorm
+
+
+class PLEBranch(nn.Module):
+    def __init__(self, cfg: Qwen4ExpConfig, ple_index: int) -> None:
+        super().__init__()
+        self.hidden, self.hc = cfg.hidden_size, cfg.hc_count
+        self.spec = NgramHashSpec.from_model_config(cfg, ple_index)
+        self.heads, self.head_dim = cfg.ple_heads, cfg.ple_head_dim
+        width = self.hidden * self.hc
+        dim = cfg.ple_embed_dim
+        self.key_proj = nn.Linear(dim, width, bias=False)
+        self.value_proj = nn.Linear(dim, self.hidden, bias=False)
+        self.norm_key = ZeroCentredRMSNorm(width, cfg.rms_norm_eps, group_size=self.hidden)
+        self.norm_query = ZeroCentredRMSNorm(width, cfg.rms_norm_eps, group_size=self.hidden)
+        self.norm_conv = ZeroCentredRMSNorm(width, cfg.rms_norm_eps, group_size=self.hidden)
+        self.kernel, self.dilation = cfg.ple_conv_kernel_size, cfg.ngram_size
+        self.conv1d = nn.Conv1d(width, width, self.kernel, groups=width, dilation=self.dilation, bias=False)
+        self.table = None   # set by the loader: an object with .gather(rows) -> [N, head_dim]
+
+    def rows(self, batch: StepBatch, state: PLEState) -> torch.Tensor:
+        """Table rows [T, heads] for this step's tokens; advances the per-slot n-gram context."""
+        out = []
+        cu = batch.cu_seqlens
+        for i in range(batch.num_seqs):
+            slot = batch.slots[i]
+            ctx = state.context[slot:slot + 1]
+            if batch.context_lens[i] == 0:
+                ctx = torch.full_like(ctx, self.spec.eos_token_id)
+            r, new_ctx = ngram_rows_torch(self.spec, ctx, batch.token_ids[None, cu[i]:cu[i + 1]])
+            state.context[slot] = new_ctx[0]
+            out.append(r[0])
+        return torch.cat(out)
+
+    def forward(self, streams: torch.Tensor, batch: StepBatch, state: PLEState, layer: int) -> torch.Tensor:
+        rows = self.rows(batch, state)
+        emb = batch.ple_rows.get(layer)
+        if emb is None:
+            emb = self.table.gather(rows.flatten()).view(*rows.shape, -1)
+        emb = emb.flatten(-2).to(streams.dtype)
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
+        value = self.value_proj(emb)
+        query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * value[:, None, :]).flatten(-2)
+        return streams + gated + self._conv(self.norm_conv(gated), batch, state)
+
+    def _conv(self, x: torch.Tensor, batch: StepBatch, state: PLEState) -> torch.Tensor:
+        tail_len = state.conv.shape[1]
+        out = torch.empty_like(x)
+        cu = batch.cu_seqlens
+        for i in range(batch.num_seqs):
+            s, e = cu[i], cu[i + 1]
+            slot = batch.slots[i]
+            tail = torch.zeros_like(state.conv[slot]) if batch.context_lens[i] == 0 else state.conv[slot]
+            seq = torch.cat([tail, x[s:e].to(tail.dtype)], dim=0)          # [tail + n, width]
+            state.conv[slot] = seq[-tail_len:]
+            y = F.conv1d(seq.T[None].to(x.dtype), self.conv1d.weight, groups=seq.shape[1], dilation=self.dilation)
+            out[s:e] = F.silu(y[0].T)
+        return out

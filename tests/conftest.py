@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoints(tmp_path_factory):
+    """family -> (directory written by transformers.save_pretrained, the in-memory transformers model)."""
+    from hf_oracle import FAMILIES, save_reference
+
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(f"ref_{family}")
+        out[family] = (path, save_reference(family, path))
+    return out
