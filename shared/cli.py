@@ -1,0 +1,87 @@
+"""The `moepipe` command. Each subcommand imports its implementation lazily, so `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def builtin_model_dir() -> Path:
+    """Where the built-in tiny model lives: written once on first use, reused after."""
+    base = Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
+    return base / "models" / "tiny"
+
+
+def ensure_builtin_model() -> Path:
+    path = builtin_model_dir()
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        from stage_worker.checkpoint.make_model import make_model
+
+        print(f"moepipe: writing the built-in tiny model to {path} (once)", file=sys.stderr)
+        make_model("tiny", path, seed=0)
+    return path
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from stage_worker.checkpoint.make_model import make_model
+
+    out = make_model(args.preset, Path(args.out), seed=args.seed)
+    print(out)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from stage_worker.generate import run_cli
+
+    if args.model is None:
+        args.model = str(ensure_builtin_model())
+    return run_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moepipe", description="Serve huge hybrid MoE models on small GPUs.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a random-weight Qwen4-Exp checkpoint")
+    mk.add_argument("--preset", choices=["tiny", "small", "full-shape"], default="tiny")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+    g = sub.add_parser("generate", help="generate from a prompt in this process")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
+        print("moepipe: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moepipe {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`moepipe make-model`: write a complete random-weight Qwen4-Exp checkpoint in `transformers`' on-disk layout.
+
+Presets: `tiny` (every extension on, a few MB: the built-in default model), `small` (a mid-size model for server
+benchmarks on a GPU), `full-shape` (the field reports' dimensions, 001 §1; config and tokenizer only, for the `dummy`
+load format, since its weights would not fit this machine's disk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model_config import Qwen4ExpConfig, config_from_dict
+from shared.ngram_hash import NgramHashSpec
+from shared.ple_table import shard_row_counts
+from stage_worker.checkpoint.names import EXPERT, pieces_for
+from stage_worker.checkpoint.random_init import random_param
+from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+from stage_worker.model.model import StageModel
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 2 << 30
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=2048, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, partial_rotary_factor=0.25, max_position_embeddings=8192,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        hc_count=4, hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64, ngram_size=3, heads_per_ngram=4,
+        ngram_vocab_size_base=3000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4,
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=64, indexer_compress_ratio=4,
+        output_gate_type="sigmoid", mtp_num_hidden_layers=1, dtype="float32",
+    ),
+    "small": dict(
+        vocab_size=32768, hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, partial_rotary_factor=0.25, max_position_embeddings=65536,
+        layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, shared_expert_intermediate_size=384,
+        hc_count=4, hc_lowrank=128, ple_layer_ids=[2], ple_embed_dim=1024, ngram_size=3, heads_per_ngram=8,
+        ngram_vocab_size_base=200_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=8,
+        indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=512, indexer_compress_ratio=4,
+        output_gate_type="sigmoid", mtp_num_hidden_layers=1, dtype="bfloat16",
+    ),
+    # 001 §1: 48 layers ([linear x3, full] x 12), hidden 2560, hc 4 / rank 320, 512 experts top-10, moe 640,
+    # 24 heads / 2 KV heads of 256, QSA budget 2048 / ratio 4 / head dim 128, 3-gram x 8 heads PLE on layer 2,
+    # 128 shards of [2,500,012, 160]. Not in the report, taken from the Qwen3.5 family: linear heads 16 K / 32 V of
+    # 128, 32 indexer heads, partial RoPE 0.25.
+    "full-shape": dict(
+        vocab_size=248320, hidden_size=2560, num_hidden_layers=48, num_attention_heads=24, num_key_value_heads=2,
+        head_dim=256, partial_rotary_factor=0.25, max_position_embeddings=262144,
+        layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=640, shared_expert_intermediate_size=640,
+        hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2560, ngram_size=3, heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=128,
+        indexer_n_heads=32, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        output_gate_type="sigmoid", mtp_num_hidden_layers=1, dtype="bfloat16",
+    ),
+}
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    raw = dict(PRESETS[name])
+    n = raw["num_hidden_layers"]
+    pattern = raw["layer_types"]
+    raw["layer_types"] = [pattern[i % len(pattern)] for i in range(n)]
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000_000.0,
+                              "partial_rotary_factor": raw.pop("partial_rotary_factor")}
+    raw["model_type"] = "qwen4_exp_text"
+    return raw
+
+
+def make_model(preset: str, out: Path, seed: int = 0) -> Path:
+    t0 = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = preset_config(preset)
+    special = write_tokenizer_files(out, vocab_size=raw["vocab_size"], model_max_length=raw["max_position_embeddings"])
+    raw.update(eos_token_id=special.im_end, pad_token_id=special.endoftext, bos_token_id=None)
+    cfg = config_from_dict(raw)
+    assert isinstance(cfg, Qwen4ExpConfig)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    gen = {"eos_token_id": special.eos_ids, "pad_token_id": special.pad_id, "bos_token_id": None,
+           **GENERATION_DEFAULTS}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if preset != "full-shape":
+        _write_weights(cfg, out, seed)
+    log.info("wrote %s checkpoint to %s in %.1f s", preset, out, time.time() - t0)
+    return out
+
+
+def _planned_tensors(cfg: Qwen4ExpConfig, seed: int) -> list[tuple[str, tuple[int, ...], torch.dtype, object]]:
+    """(on-disk name, shape, dtype, producer) for every tensor, in a stable order."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    with torch.device("meta"):
+        model = StageModel(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    plan = []
+    for name, pieces in pieces_for(cfg, params).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue                     # the fused alternative; we write per-expert tensors like transformers
+        piece = next((p for p in pieces if not p.local.startswith("mtp.embed_tokens")), pieces[0])
+        plan.append((name, piece.shape, dtype, (piece.local, params[piece.local], piece.index)))
+    for layer_idx, layer in model.layers.items():
+        if layer.ple is None:
+            continue
+        spec: NgramHashSpec = layer.ple.spec
+        prefix = f"model.layers.{layer_idx}.ple.ple_embedding"
+        for k, rows in enumerate(shard_row_counts(spec.padded_rows, cfg.split_ngram_parts)):
+            plan.append((f"{prefix}.ngram_embedding.shard_{k}.weight", (rows, cfg.ple_head_dim), dtype, None))
+        for buf, values in (("layer_multipliers", spec.multipliers), ("ngram_heads_vocab_sizes", spec.primes),
+                            ("ngram_heads_offsets", spec.offsets)):
+            plan.append((f"{prefix}.{buf}", (len(values),), torch.int64, torch.tensor(values, dtype=torch.int64)))
+    return plan
+
+
+def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int) -> None:
+    plan = _planned_tensors(cfg, seed)
+    files: list[list] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = item[2].itemsize * int(torch.tensor(item[1]).prod().item())
+        if files[-1] and size + nbytes > SHARD_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += nbytes
+    names = ["model.safetensors"] if len(files) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    weight_map = {}
+    cache: dict[str, torch.Tensor] = {}
+    for fname, items in zip(names, files):
+        tensors = {}
+        for name, shape, dtype, producer in items:
+            tensors[name] = _produce(name, shape, dtype, producer, seed, cache)
+            weight_map[name] = fname
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(item[2].itemsize * int(torch.tensor(item[1]).prod().item()) for item in plan)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _produce(name: str, shape: tuple, dtype: torch.dtype, producer, seed: int,
+             cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    if isinstance(producer, torch.Tensor):
+        return producer
+    if producer is None:
+        return random_param(name, shape, seed, dtype)
+    local, local_shape, index = producer
+    if EXPERT.match(local):
+        # One fused expert tensor yields many on-disk tensors: generate it once, keep only the current one.
+        if local not in cache:
+            cache.clear()
+            cache[local] = random_param(local, local_shape, seed, dtype)
+        full = cache[local]
+    else:
+        full = random_param(local, local_shape, seed, dtype)
+    return (full[index] if index else full).contiguous().clone()

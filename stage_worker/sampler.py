@@ -1,0 +1,59 @@
+"""Turn last-position logits into tokens: penalties, temperature, top-k, top-p, min-p, per-request seeded draws."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from shared.sampling import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+                    prompt_ids: list[int] | None = None) -> torch.Tensor:
+    """OpenAI semantics for presence/frequency (over generated tokens); repetition as in HF (prompt + output)."""
+    if params.presence_penalty or params.frequency_penalty:
+        counts = Counter(output_ids)
+        if counts:
+            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+            freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+            logits = logits.clone()
+            logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    if params.repetition_penalty and params.repetition_penalty != 1.0:
+        seen = set(output_ids) | set(prompt_ids or [])
+        if seen:
+            ids = torch.tensor(sorted(seen), dtype=torch.long, device=logits.device)
+            vals = logits[ids]
+            logits = logits.clone()
+            logits[ids] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (for one row of logits)."""
+    logits = logits.float() / max(params.temperature, 1e-5)
+    if params.top_k and params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p is not None and params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        keep = sorted_p.cumsum(0) - sorted_p < params.top_p       # always keeps the most likely token
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, keep)
+        probs = probs.masked_fill(~mask, 0.0)
+    if params.min_p and params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(torch.argmax(logits).item())       # first maximal index: ties go to the lower id
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else torch.seed() & ((1 << 63) - 1))
+    return g

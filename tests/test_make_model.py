@@ -1,0 +1,119 @@
+"""`moepipe make-model` writes checkpoints that transformers reads as the same model, and `generate` runs on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stage_worker.checkpoint.loader import LoadOptions, load_model
+from stage_worker.local_engine import LocalEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _moepipe(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    res = _moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def test_tiny_checkpoint_is_complete(tiny):
+    names = {p.name for p in tiny.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["model_type"] == "qwen4_exp_text" and cfg["ple_layer_ids"] and cfg["indexer_budget"]
+    assert cfg["mtp_num_hidden_layers"] == 1
+    gen = json.loads((tiny / "generation_config.json").read_text())
+    assert gen["eos_token_id"][0] == cfg["eos_token_id"]
+    assert sum(p.stat().st_size for p in tiny.iterdir()) < 20 << 20       # "a few MB"
+    from safetensors import safe_open
+
+    with safe_open(tiny / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.15.down_proj.weight" in keys
+    assert "mtp.fc.weight" in keys and "mtp.layers.0.mlp.experts.0.gate_proj.weight" in keys
+    assert "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight" in keys
+
+
+def test_transformers_reads_our_checkpoint_as_the_same_model(tiny):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="eager", dtype=torch.float32).eval()
+    ids = torch.randint(3, 2000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        expected = ref(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    model = load_model(tiny, LoadOptions(dtype=torch.float32))
+    engine = LocalEngine([model])
+    engine.add(0)
+    got = engine.step([(0, ids)], all_logits=True)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_seed_changes_weights_and_same_seed_repeats(tmp_path):
+    from stage_worker.checkpoint.random_init import random_param
+
+    a = random_param("layers.0.mlp.w13", (4, 8, 8), seed=1)
+    assert torch.equal(a, random_param("layers.0.mlp.w13", (4, 8, 8), seed=1))
+    assert not torch.equal(a, random_param("layers.0.mlp.w13", (4, 8, 8), seed=2))
+
+
+def test_generate_end_to_end_in_a_subprocess(tiny):
+    res = _moepipe("generate", "--model", str(tiny), "--prompt", "def add(a, b):", "--max-tokens", "12",
+                   "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    assert "12 tokens, finish_reason=length" in res.stderr or "finish_reason=stop" in res.stderr
+    again = _moepipe("generate", "--model", str(tiny), "--prompt", "def add(a, b):", "--max-tokens", "12",
+                     "--temperature", "0")
+    assert again.stdout == res.stdout            # greedy is deterministic
+    chat = _moepipe("generate", "--model", str(tiny), "--chat", "--prompt", "Hi", "--max-tokens", "8", "--seed", "5")
+    assert chat.returncode == 0, chat.stderr
+
+
+def test_generate_names_the_problem_on_bad_input(tiny, tmp_path):
+    res = _moepipe("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert res.returncode == 2 and "tokenizer.json" in res.stderr or "config.json" in res.stderr
+    res = _moepipe("generate", "--model", str(tiny), "--prompt", "x", "--max-tokens", "0")
+    assert res.returncode == 2 and "--max-tokens" in res.stderr
+    res = _moepipe("make-model", "--preset", "huge", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and "huge" in res.stderr
+
+
+def test_full_shape_writes_config_and_tokenizer_only(tmp_path):
+    res = _moepipe("make-model", "--preset", "full-shape", "--out", str(tmp_path / "full"))
+    assert res.returncode == 0, res.stderr
+    names = {p.name for p in (tmp_path / "full").iterdir()}
+    assert "config.json" in names and "tokenizer.json" in names and not any(n.endswith(".safetensors") for n in names)
+    from shared.model_config import load_config
+
+    cfg = load_config(tmp_path / "full")
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok) == (48, 2560, 512, 10)
+    assert (cfg.indexer_budget, cfg.indexer_compress_ratio, cfg.indexer_head_dim) == (2048, 4, 128)
+    assert cfg.ple_layer_ids == [2] and cfg.vocab_size == 248320 and cfg.split_ngram_parts == 128
+    from shared.ngram_hash import NgramHashSpec
+
+    rows = NgramHashSpec.from_model_config(cfg, 0).padded_rows
+    assert rows == 128 * 2_500_012 and cfg.ple_head_dim == 160     # 001 §1: 128 shards of [2500012, 160]
+
+
+def test_dummy_load_format_runs_without_weight_files(tiny, tmp_path):
+    for name in ("config.json",):
+        (tmp_path / name).write_text((tiny / name).read_text())
+    model = load_model(tmp_path, LoadOptions(load_format="dummy", seed=1))
+    engine = LocalEngine([model])
+    engine.add(0)
+    logits = engine.step([(0, [5, 6, 7, 8])])
+    assert torch.isfinite(logits).all()
