@@ -41,6 +41,21 @@ def _generate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.launcher import ServeOptions, run_serve
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    extra = {}
+    if args.no_ple_service:
+        extra["ple_service"] = False
+    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
+        if getattr(args, key) is not None:
+            extra[key] = getattr(args, key)
+    opts = ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
+                        extra=extra, verbose=args.verbose)
+    return run_serve(opts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moepipe", description="Serve huge hybrid MoE models on small GPUs.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -64,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default="cpu")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="start the whole cluster and serve the OpenAI API")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    s.add_argument("--stages", type=int, default=1, help="pipeline stages, one process each")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per stage")
+    s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--no-ple-service", action="store_true",
+                   help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
+    s.set_defaults(func=_serve)
     return p
 
 

@@ -179,6 +179,9 @@ class Qwen4ExpConfig(HybridMoeConfig):
     """Qwen4-Exp: hyper-connections, QSA indexed attention, the n-gram PLE branch."""
 
     family: ClassVar[str] = "qwen4_exp"
+    # transformers' Qwen4-Exp config skips Qwen3.5's 0.25 default: without a factor in config.json RoPE spans
+    # the whole head.
+    partial_rotary_factor: float = 1.0
     hc_count: int = 4
     hc_lowrank: int = 320
     ple_layer_ids: list[int] = field(default_factory=list)
@@ -305,8 +308,7 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
     for key, val in text.items():
         if key in names:
             values[key] = val
-        elif key not in _IGNORED_KEYS and key not in ("rope_parameters", "text_config", "vision_config",
-                                                      "num_nextn_predict_layers"):
+        elif key not in _IGNORED_KEYS and key not in ("rope_parameters", "text_config", "num_nextn_predict_layers"):
             unknown.append(key)
     if unknown:
         log.info("config.json: ignoring keys moepipe does not use: %s", ", ".join(sorted(unknown)))

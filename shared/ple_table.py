@@ -12,6 +12,7 @@ an interrupted expansion and is rebuilt.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -278,7 +279,17 @@ def ensure_table(
     dtype: torch.dtype,
     desc: str = "",
 ) -> FlatTable:
-    """Open `out_path`, expanding it from the checkpoint shards first unless a current expansion is already there."""
-    if not table_is_current(out_path, rows, dim, dtype):
-        expand_table(read_shard, num_shards, out_path, rows=rows, dim=dim, dtype=dtype, desc=desc)
+    """Open `out_path`, expanding it from the checkpoint shards first unless a current expansion is already there.
+
+    An exclusive lock beside the table serialises processes that start together (the PLE stage and the PLE
+    service both open the table at start-up): one expands, the other waits and then only reopens."""
+    out_path = Path(out_path)
+    lock_path = out_path.with_name(out_path.name + ".lock")
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not table_is_current(out_path, rows, dim, dtype):
+                expand_table(read_shard, num_shards, out_path, rows=rows, dim=dim, dtype=dtype, desc=desc)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return open_table(out_path)

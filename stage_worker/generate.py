@@ -18,7 +18,7 @@ from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling import SamplingParams, read_generation_config
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
-from stage_worker.sampler import apply_penalties, make_generator, sample
+from stage_worker.sampler import apply_penalties, position_generator, random_seed, sample
 
 
 @dataclass
@@ -71,10 +71,11 @@ def generate(model_dir: Path, prompt: str, params: SamplingParams, *, chat: bool
 
 
 def _tokens(engine: LocalEngine, prompt_ids: list[int], params: SamplingParams, max_new: int) -> Iterator[int]:
-    gen = make_generator(params.seed)
+    seed = params.seed if params.seed is not None else random_seed()
     logits = engine.step([(0, prompt_ids)])[0]
     history: list[int] = []
-    for _ in range(max_new):
+    for i in range(max_new):
+        gen = position_generator(seed, len(prompt_ids) + i)
         tid = sample(apply_penalties(logits, params, history, prompt_ids), params, gen)
         history.append(tid)
         yield tid

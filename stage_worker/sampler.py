@@ -53,7 +53,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed() & ((1 << 63) - 1))
-    return g
+def random_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The draw for a token depends only on (request seed, position): a request preempted and recomputed, or run
+    in another process, samples exactly the same tokens."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[int], list[float]]:
+    """Logprob of `token` and the `top` best, under the model's raw distribution (before temperature and
+    filtering), as vLLM returns them by default."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    if top > 0:
+        vals, ids = torch.topk(lp, min(top, lp.numel()))
+        return float(lp[token]), ids.tolist(), vals.tolist()
+    return float(lp[token]), [], []

@@ -7,8 +7,10 @@ start-up took 27 minutes until a closure stopped holding a second copy).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from safetensors import safe_open
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
 from shared.ngram_hash import NgramHashSpec
-from shared.ple_table import ensure_table
+from shared.ple_table import ensure_table, shard_row_counts
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
 from stage_worker.model.model import StageModel
@@ -102,7 +104,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         full = StageModel(cfg, with_mtp=True)
     known = set(pieces_for(cfg, {n: p.shape for n, p in full.named_parameters()}))
     del full
-    filled: dict[str, int] = defaultdict(int)
+    seen: dict[str, Path] = {}
     ple_shards: dict[int, dict[int, tuple[Path, str]]] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
@@ -111,17 +113,20 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
             for raw_name in f.keys():
                 name = normalise(raw_name)
                 if name in pieces:
+                    if name in seen:
+                        raise CheckpointError(f"tensor {raw_name!r} appears twice: in {seen[name]} and {path}")
+                    seen[name] = path
                     tensor = f.get_tensor(raw_name)
                     for piece in pieces[name]:
                         _place(params[piece.local], piece, tensor, raw_name, path)
-                        filled[piece.local] += _numel(piece)
                     del tensor
                     continue
                 m = PLE_SHARD.match(name)
                 if m:
                     layer = int(m.group(1))
                     if layer in ple_layers:
-                        ple_shards[layer][int(m.group(2) or -1)] = (path, raw_name)
+                        ple_shards[layer][int(m.group(2) or -1)] = (path, raw_name, tuple(f.get_slice(raw_name)
+                                                                                             .get_shape()))
                     continue
                 m = PLE_BUFFER.match(name)
                 if m:
@@ -138,18 +143,9 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                                       f"{cfg.family} model with this config.json takes it")
     if skipped_extra:
         log.info("checkpoint: skipped tensors under %s (not served by this stage)", ", ".join(sorted(skipped_extra)))
-    _check_complete(params, pieces, filled, model_dir)
+    _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
-
-
-def _numel(piece: Piece) -> int:
-    n = 1
-    for d in piece.shape:
-        n *= d
-    if piece.transform is not None:
-        return -1                                   # counted by the caller through the local slice instead
-    return n
 
 
 @torch.no_grad()
@@ -163,17 +159,29 @@ def _place(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, name: str, p
     target.copy_(tensor.to(param.dtype))
 
 
-def _check_complete(params: dict[str, torch.Tensor], pieces: dict[str, list[Piece]], filled: dict[str, int],
+def _check_complete(params: dict[str, torch.Tensor], pieces: dict[str, list[Piece]], seen: set[str],
                     model_dir: Path) -> None:
-    # Transformed pieces (Qwen3-Next grouped projections) fill their whole local tensor.
-    covered = {local: (n < 0 or n >= params[local].numel()) for local, n in filled.items()}
-    missing_locals = [n for n in params if not covered.get(n)]
-    if not missing_locals:
-        return
-    names = sorted(hf for hf, ps in pieces.items() if any(p.local in missing_locals for p in ps)
-                   and not hf.endswith(("experts.gate_up_proj", "experts.down_proj")))
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    raise CheckpointError(f"missing tensor(s) in {model_dir}: {shown}")
+    """Every parameter is covered by its fused on-disk tensor or by all of its per-piece tensors."""
+    fused_alt = ("experts.gate_up_proj", "experts.down_proj")
+    by_local: dict[str, list[str]] = defaultdict(list)
+    for hf, ps in pieces.items():
+        for p in ps:
+            by_local[p.local].append(hf)
+    missing: list[str] = []
+    for local in params:
+        names = by_local.get(local, [])
+        if any(n in seen for n in names if n.endswith(fused_alt)):
+            continue
+        missing.extend(n for n in names if not n.endswith(fused_alt) and n not in seen)
+    if missing:
+        missing = sorted(set(missing), key=_natural)
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                                           else "")
+        raise CheckpointError(f"missing tensor(s) in {model_dir}: {shown}")
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _check_hash_buffer(spec: NgramHashSpec, kind: str, tensor: torch.Tensor, name: str, path: Path) -> None:
@@ -184,8 +192,8 @@ def _check_hash_buffer(spec: NgramHashSpec, kind: str, tensor: torch.Tensor, nam
                               f"(seed, vocab_size, ngram_vocab_size_base): {tensor.tolist()} != {list(expected)}")
 
 
-def _open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards: dict[int, tuple[Path, str]],
-                    model_dir: Path, opts: LoadOptions):
+def _open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec,
+                    shards: dict[int, tuple[Path, str, tuple]], model_dir: Path, opts: LoadOptions):
     prefix = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding"
     if not shards:
         raise CheckpointError(f"missing tensor(s) in {model_dir}: {prefix}.shard_0.weight "
@@ -203,18 +211,43 @@ def _open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards
             raise CheckpointError(f"unexpected tensor {prefix}.shard_{extra[0]}.weight in {shards[extra[0]][0]}: "
                                   f"config.json says split_ngram_parts={cfg.split_ngram_parts}")
 
+    expected_rows = shard_row_counts(spec.padded_rows, len(order))
+    for k, (path, name, shape) in enumerate(order):
+        want = (expected_rows[k], cfg.ple_head_dim)
+        if shape != want:
+            raise CheckpointError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(want)}")
+
     def read(k: int) -> torch.Tensor:
-        path, name = order[k]
+        path, name, _ = order[k]
         with safe_open(path, framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
-    first = read(0)
-    dtype = first.dtype
-    del first
+    with safe_open(order[0][0], framework="pt", device="cpu") as f:
+        dtype = f.get_slice(order[0][1]).get_dtype()
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
     out_dir = Path(opts.ple_dir) if opts.ple_dir else model_dir
-    out = out_dir / f"ple_table.layer{layer}.bin"
+    # The expansion's name carries a fingerprint of its source shards, so a checkpoint rewritten in place is
+    # expanded again rather than served from a stale table.
+    out = out_dir / f"ple_table.layer{layer}.{_fingerprint(order)}.bin"
+    for stale in out_dir.glob(f"ple_table.layer{layer}.*.bin*"):
+        if not stale.name.startswith(out.name):
+            stale.unlink(missing_ok=True)
     try:
         return ensure_table(read, len(order), out, rows=spec.padded_rows, dim=cfg.ple_head_dim, dtype=dtype,
                             desc=f"expanding PLE table of layer {layer}")
     except ValueError as exc:
         raise CheckpointError(f"PLE table of layer {layer} in {model_dir}: {exc}") from exc
+
+
+def _fingerprint(order: list[tuple[Path, str, tuple]]) -> str:
+    h = hashlib.blake2b(digest_size=6)
+    for path, name, shape in order:
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{name}:{shape};".encode())
+    return h.hexdigest()
+
+
+def ple_table_path(model_dir: Path, layer: int, ple_dir: Path | None = None) -> Path | None:
+    """The current expansion of a layer's PLE table, if one exists (the PLE service reopens it)."""
+    found = sorted((Path(ple_dir) if ple_dir else Path(model_dir)).glob(f"ple_table.layer{layer}.*.bin"))
+    return found[-1] if found else None

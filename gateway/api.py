@@ -1,0 +1,549 @@
+"""The OpenAI-compatible HTTP API over any `Engine`: /v1/chat/completions, /v1/completions, /v1/models, /health,
+/metrics.
+
+Each request is parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every client mistake becomes an
+OpenAI-shaped 4xx naming the field. The engine's first token is awaited before a streaming response starts, so
+back-pressure and outages still answer 429/503 instead of a broken stream. Whatever way a request ends (finished,
+stop string, client gone, error), the engine's iterator is closed in a `finally`, which cancels the request there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from gateway import errors
+from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest,
+                            TokenEvent)
+from gateway.errors import APIError, invalid_request
+from gateway.metrics import Metrics, RequestTimer
+from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                             ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage, ChatTokenLogprob,
+                             CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse, DeltaMessage, ModelCard, ModelList, TopLogprob, Usage)
+from gateway.stop import StopMatcher
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.sampling import SamplingParams
+
+__all__ = ["create_app", "DEFAULT_MAX_BODY_BYTES"]
+
+log = logging.getLogger("moepipe.gateway")
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+NORMALIZE_SLACK = 4          # NFC can shrink text up to 3x (decomposed Hangul); bytes/token bound gets this margin
+MIN_LOGPROB = -9999.0        # vLLM's stand-in for -inf, which JSON cannot carry
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+@dataclass
+class _Token:
+    """One generated token, for logprobs: its id, logprob, alternatives and character offset in the output."""
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+    offset: int
+
+
+@dataclass
+class _Piece:
+    text: str
+    tokens: list[_Token] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _Generation:
+    """One engine request turned into text pieces: detokenized, stop-string checked, timed.
+
+    Stop token ids (EOS unless ignore_eos) end generation with "stop"; their text is never emitted and they get no
+    logprobs entry, but they count as completion tokens (the engine computed them; vLLM counts them too).
+    """
+
+    def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
+                 timer: RequestTimer, *, want_logprobs: bool, offset: int = 0) -> None:
+        self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
+        self._events = engine.generate(request)
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopMatcher(stops)
+        self._chars = offset
+        self._first: TokenEvent | None = None
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.prompt_logprobs: list[float | None] | None = None
+
+    async def start(self) -> None:
+        """Wait for the first token: engine errors that precede generation (429, 503) surface here."""
+        self._first = await self._next()
+        self.prompt_logprobs = self._first.prompt_logprobs
+        self.timer.started(len(self.request.prompt_ids))
+
+    async def pieces(self) -> AsyncIterator[_Piece]:
+        """One piece per token event; the last one carries finish_reason (and any text held back until then)."""
+        event = self._first
+        assert event is not None, "start() first"
+        while True:
+            piece = self._consume(event)
+            yield piece
+            if piece.finish_reason is not None:
+                await self.aclose()           # a stop string ends the request early: cancel it in the engine now
+                return
+            event = await self._next()
+
+    async def aclose(self) -> None:
+        close = getattr(self._events, "aclose", None)
+        if close is not None:
+            await close()
+
+    async def _next(self) -> TokenEvent:
+        try:
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            raise EngineFailed("the engine ended the request without a finish reason") from None
+
+    def _consume(self, event: TokenEvent) -> _Piece:
+        self.completion_tokens += 1
+        self.timer.token()
+        piece = _Piece("")
+        is_stop_token = event.finish_reason == "stop" and event.token_id in self.request.stop_token_ids
+        if not is_stop_token:
+            if self.want_logprobs:
+                piece.tokens.append(_Token(event.token_id, event.logprob, event.top_logprobs, self._chars))
+            delta = self._detok.push(event.token_id)
+            self._chars += len(delta)
+            piece.text = self._stop.feed(delta)
+        if self._stop.stopped:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            tail = self._detok.flush()
+            self._chars += len(tail)
+            piece.text += self._stop.feed(tail)
+            piece.text += self._stop.flush()
+            self.finish_reason = "stop" if self._stop.stopped else event.finish_reason
+        piece.finish_reason = self.finish_reason
+        return piece
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body and the generation, whichever way the stream ends (even if
+    the body never started: closing an unstarted async generator would not run its `finally`)."""
+
+    def __init__(self, body: AsyncIterator[str], gen: _Generation) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.timer.finish(self._gen.finish_reason or "abort")
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            await self._gen.aclose()
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (the body has been read, so receive() only ever
+    reports the disconnect)."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
+
+
+class _Server:
+    """The state behind the routes: engine, tokenizer, defaults."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, generation_config: dict[str, Any],
+                 metrics: Metrics, max_body_bytes: int) -> None:
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.gen_cfg, self.metrics, self.max_body_bytes = dict(generation_config), metrics, max_body_bytes
+        self.created = int(time.time())
+        configured = generation_config.get("eos_token_id") or []
+        configured = [configured] if isinstance(configured, int) else list(configured)
+        self.eos_ids = set(tokenizer.eos_token_ids) | {int(i) for i in configured}
+        # Longest byte string one token decodes to: bounds the tokens a text needs from below, without encoding it.
+        sizes = (len(tokenizer.token_bytes(i, skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
+        self.max_token_bytes = max(max(sizes, default=1), 1)
+        self._token_text: dict[int, tuple[str, list[int]]] = {}
+
+    # ---- parsing and prompt preparation ------------------------------------------------------------------------
+
+    async def parse(self, request: Request, model: type[T]) -> T:
+        raw = await errors.read_body(request, self.max_body_bytes)
+        req = errors.validate(model, errors.parse_json_body(raw))
+        if req.model is not None and req.model != self.model_name:
+            raise errors.model_not_found(req.model)
+        return req
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize, refusing text that cannot fit the context before spending time on it."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise invalid_request(f"The {param} contain invalid Unicode (lone surrogates).", param=param) from None
+        limit = self.engine.max_model_len
+        if size > NORMALIZE_SLACK * self.max_token_bytes * limit:
+            raise errors.context_length_exceeded(limit, None, param)
+        return await run_in_threadpool(self.tok.encode, text)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tok.vocab_size
+        bad = next((i for i in ids if i < 0 or i >= vocab), None)
+        if bad is not None:
+            raise invalid_request(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param=param)
+
+    def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """Tokens to generate: what the client asked for, clamped to what fits (vLLM's rule); default all of it."""
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise invalid_request(f"The {param} must contain at least one token.", param=param)
+        if prompt_len + 1 > limit:
+            raise errors.context_length_exceeded(limit, prompt_len, param)
+        room = limit - prompt_len
+        default = self.gen_cfg.get("max_new_tokens")
+        if requested is None:
+            return min(room, default) if isinstance(default, int) and default > 0 else room
+        return min(requested, room)
+
+    def generation_request(self, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+                           max_tokens: int, request_id: str, prompt_logprobs: bool = False) -> GenerationRequest:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs,
+        ).with_defaults(self.gen_cfg)
+        stop_ids = set(params.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
+                                 prompt_logprobs=prompt_logprobs, ignore_eos=bool(req.ignore_eos))
+
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+        if reserved:
+            raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs")
+        messages = [_plain_message(i, m) for i, m in enumerate(req.messages)]
+        try:
+            return self.tok.apply_chat_template(messages, tools=None, add_generation_prompt=True, **kwargs)
+        except ValueError as e:
+            raise invalid_request(str(e), param="messages") from None
+
+    # ---- logprobs formatting -------------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as logprobs show it: its bytes as text (incomplete UTF-8 as \\x escapes), and the bytes."""
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            raw = self.tok.token_bytes(token_id, skip_special_tokens=False)
+            cached = self._token_text[token_id] = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+        return cached
+
+    def chat_logprobs(self, tokens: list[_Token]) -> ChatLogprobs:
+        content = []
+        for t in tokens:
+            text, raw = self.token_text(t.token_id)
+            top = [TopLogprob(token=self.token_text(i)[0], logprob=_lp(lp), bytes=self.token_text(i)[1])
+                   for i, lp in (t.top or [])]
+            content.append(ChatTokenLogprob(token=text, logprob=_lp(t.logprob), bytes=raw, top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, tokens: list[_Token]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for t in tokens:
+            text = self.token_text(t.token_id)[0]
+            top = {self.token_text(i)[0]: _lp(lp) for i, lp in (t.top or [])}
+            top.setdefault(text, _lp(t.logprob))        # OpenAI: the sampled token is always among them
+            out.tokens.append(text)
+            out.token_logprobs.append(_lp(t.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(t.offset)
+        return out
+
+    def prompt_logprobs(self, prompt_ids: list[int], lps: list[float | None] | None) -> CompletionLogprobs:
+        """Echoed prompt tokens; the engine reports no alternatives for them, so their top_logprobs are null."""
+        out = CompletionLogprobs()
+        detok, offset = IncrementalDetokenizer(self.tok, skip_special_tokens=False), 0
+        lps = lps or [None] * len(prompt_ids)
+        for tid, lp in zip(prompt_ids, lps):
+            out.tokens.append(self.token_text(tid)[0])
+            out.token_logprobs.append(None if lp is None else _lp(lp))
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(detok.push(tid))
+        return out
+
+
+def _lp(value: float | None) -> float:
+    return MIN_LOGPROB if value is None or value != value else max(float(value), MIN_LOGPROB)
+
+
+def _plain_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template sees it (content parts pass through, as transformers passes them)."""
+    out: dict[str, Any] = {"role": message.role, **(message.model_extra or {})}
+    if message.name is not None:
+        out["name"] = message.name
+    content = message.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise invalid_request(f"Content part type {part.type!r} is not supported: only text.",
+                                      param=f"messages[{index}].content[{j}]")
+        content = [part.model_dump(exclude_none=True) for part in content]
+    out["content"] = content
+    return out
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(prompt: int, completion: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`; omitted sampling fields take generation_config's values."""
+    app = FastAPI(title="moepipe", docs_url=None, redoc_url=None)
+    errors.install_error_handlers(app)
+    srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes)
+    app.state.server = srv
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        card = ModelCard(id=model_name, created=srv.created, max_model_len=engine.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict:
+        if name != model_name:
+            raise errors.model_not_found(name)
+        return ModelCard(id=model_name, created=srv.created, max_model_len=engine.max_model_len).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        down = engine.health()
+        if down:
+            return APIError(503, f"Unhealthy: {', '.join(down)} missed the heartbeat deadline.",
+                            type="service_unavailable_error", param=None, code="unhealthy").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await srv.parse(request, ChatCompletionRequest)
+        unsupported = req.unsupported_field()
+        if unsupported:
+            raise invalid_request(unsupported[1], param=unsupported[0])
+        text = await run_in_threadpool(srv.render_chat, req)
+        prompt_ids = await srv.encode(text, "messages")
+        max_tokens = srv.budget(len(prompt_ids), req.budget, "messages")
+        rid = _new_id("chatcmpl")
+        gen = _Generation(engine, srv.generation_request(req, prompt_ids, max_tokens, rid), tokenizer,
+                          req.stop_strings, metrics.request_started(arrival), want_logprobs=bool(req.logprobs))
+        return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid),
+                            lambda: _chat_full(srv, gen, rid))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await srv.parse(request, CompletionRequest)
+        prompt = req.prompt_value()
+        if isinstance(prompt, str):
+            prompt_ids, prompt_text = await srv.encode(prompt, "prompt"), prompt
+        else:
+            srv.check_ids(prompt, "prompt")
+            prompt_ids, prompt_text = list(prompt), None
+        max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
+        if req.echo and prompt_text is None:
+            prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
+        rid = _new_id("cmpl")
+        echo = prompt_text if req.echo else None
+        want = req.logprobs is not None
+        gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid, prompt_logprobs=bool(req.echo) and want)
+        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival),
+                          want_logprobs=want, offset=len(echo or ""))
+        return await _serve(request, gen, bool(req.stream), lambda: _completion_stream(srv, req, gen, rid, echo),
+                            lambda: _completion_full(srv, req, gen, rid, echo))
+
+    return app
+
+
+async def _serve(request: Request, gen: _Generation, stream: bool, make_stream: Callable[[], AsyncIterator[str]],
+                 make_full: Callable[[], Awaitable[dict]]) -> Response:
+    """Start generation (so 429/503 can still be answered), then stream or collect; always close the engine side."""
+    handed_over = False
+    try:
+        await _until_disconnected(request, gen.start())
+        if stream:
+            handed_over = True                # from here _SSEResponse owns closing
+            return _SSEResponse(make_stream(), gen)
+        return JSONResponse(await _until_disconnected(request, make_full()))
+    except _ClientGone:
+        return Response(status_code=499)      # nobody is listening; the status only shows in access logs
+    except (EngineOverloaded, EngineUnavailable):
+        gen.timer.finish("rejected")
+        raise
+    except Exception:
+        gen.timer.finish("error")
+        raise
+    finally:
+        if not handed_over:
+            gen.timer.finish(gen.finish_reason or "abort")
+            await gen.aclose()
+
+
+async def _chat_full(srv: _Server, gen: _Generation, rid: str) -> dict:
+    texts, tokens = [], []
+    async for piece in gen.pieces():
+        texts.append(piece.text)
+        tokens.extend(piece.tokens)
+    choice = ChatChoice(message=ChatResponseMessage(content="".join(texts)), finish_reason=gen.finish_reason,
+                        logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
+    return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=[choice],
+                                  usage=_usage(len(gen.request.prompt_ids), gen.completion_tokens)).model_dump()
+
+
+async def _completion_full(srv: _Server, req: CompletionRequest, gen: _Generation, rid: str,
+                           echo: str | None) -> dict:
+    texts, tokens = [echo or ""], []
+    async for piece in gen.pieces():
+        texts.append(piece.text)
+        tokens.extend(piece.tokens)
+    logprobs = None
+    if gen.want_logprobs:
+        logprobs = srv.completion_logprobs(tokens)
+        if echo is not None:
+            logprobs = _join(srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs), logprobs)
+    choice = CompletionChoice(text="".join(texts), logprobs=logprobs, finish_reason=gen.finish_reason)
+    return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=[choice],
+                              usage=_usage(len(gen.request.prompt_ids), gen.completion_tokens)).model_dump()
+
+
+def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+
+
+async def _stream_body(gen: _Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE framing shared by both endpoints: errors become an error event; always ends with [DONE]; always closes."""
+    reason = None
+    try:
+        async for chunk in chunks:
+            yield chunk
+        reason = gen.finish_reason
+    except Exception as exc:
+        reason = "error"
+        if isinstance(exc, EngineFailed):
+            err = errors.engine_error(exc)
+        else:
+            log.exception("stream %s failed", gen.request.request_id)
+            err = errors.internal_error()
+        yield _sse(json.dumps(err.body()))
+    finally:
+        gen.timer.finish(reason or "abort")      # before any await: a cancelled task may not get past one
+        await gen.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    exclude = None if req.include_usage else {"usage"}
+
+    def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None) -> str:
+        logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
+        c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
+                                choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+        return _sse(c.model_dump_json(exclude=exclude))
+
+    async def chunks() -> AsyncIterator[str]:
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        async for text, tokens, finish in _coalesce(gen):
+            if text or tokens:
+                yield chunk(DeltaMessage(content=text), tokens)
+            if finish is not None:
+                yield chunk(DeltaMessage(), None, finish)
+        if req.include_usage:
+            usage = _usage(len(gen.request.prompt_ids), gen.completion_tokens)
+            yield _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
+                                           usage=usage).model_dump_json())
+
+    return _stream_body(gen, chunks())
+
+
+def _completion_stream(srv: _Server, req: CompletionRequest, gen: _Generation, rid: str,
+                       echo: str | None) -> AsyncIterator[str]:
+    created = int(time.time())
+    exclude = None if req.include_usage else {"usage"}
+
+    def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> str:
+        c = CompletionChunk(id=rid, created=created, model=srv.model_name,
+                            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)])
+        return _sse(c.model_dump_json(exclude=exclude))
+
+    async def chunks() -> AsyncIterator[str]:
+        if echo is not None:
+            lps = srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs) if gen.want_logprobs else None
+            yield chunk(echo, lps)
+        async for text, tokens, finish in _coalesce(gen):
+            if text or tokens:
+                yield chunk(text, srv.completion_logprobs(tokens) if gen.want_logprobs else None)
+            if finish is not None:
+                yield chunk("", None, finish)
+        if req.include_usage:
+            usage = _usage(len(gen.request.prompt_ids), gen.completion_tokens)
+            yield _sse(CompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
+                                       usage=usage).model_dump_json())
+
+    return _stream_body(gen, chunks())
+
+
+async def _coalesce(gen: _Generation) -> AsyncIterator[tuple[str, list[_Token], str | None]]:
+    """Pieces grouped so each chunk carries text: tokens whose text is still held back ride with the next text."""
+    pending: list[_Token] = []
+    async for piece in gen.pieces():
+        pending.extend(piece.tokens)
+        if piece.text or piece.finish_reason is not None:
+            yield piece.text, pending, piece.finish_reason
+            pending = []

@@ -1,0 +1,62 @@
+"""The gateway process: `python -m gateway --config cluster.toml`. Serves the OpenAI API on uvicorn and drives the
+stage workers through `ClusterBackend`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from gateway.cluster_backend import ClusterBackend
+from gateway.metrics import Metrics
+from gateway.tokenizer import Tokenizer
+from shared.cluster_config import ClusterConfigError, load_cluster_config
+from shared.model_config import Qwen4ExpConfig, load_config
+from shared.sampling import read_generation_config
+
+log = logging.getLogger("moepipe.gateway")
+
+
+async def serve(config_path: str) -> int:
+    from gateway.api import create_app
+
+    cluster = load_cluster_config(config_path)
+    cfg = load_config(cluster.model)
+    max_len = cluster.max_model_len or cfg.max_position_embeddings
+    expect_ple = bool(cluster.ple_service and cluster.ple_endpoint and isinstance(cfg, Qwen4ExpConfig)
+                      and cfg.ple_layer_ids)
+    backend = ClusterBackend(cluster, max_len, expect_ple=expect_ple)
+    metrics = Metrics()
+    backend.attach_metrics(metrics)
+    tokenizer = Tokenizer.from_dir(cluster.model)
+    app = create_app(backend, tokenizer, model_name=cluster.served_model_name,
+                     generation_config=read_generation_config(cluster.model), metrics=metrics)
+    await backend.start()
+    server = uvicorn.Server(uvicorn.Config(app, host=cluster.host, port=cluster.port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    try:
+        await server.serve()
+    finally:
+        await backend.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gateway", description="run the OpenAI-compatible gateway")
+    ap.add_argument("--config", required=True, help="cluster config file (TOML)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve(args.config))
+    except ClusterConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2

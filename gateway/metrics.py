@@ -1,0 +1,157 @@
+"""Prometheus metrics of the gateway, in a registry of their own (so a test process can build several apps).
+
+Request-level series are updated by the API layer through `RequestTimer`; scheduler, stage and PLE series are pushed
+by whatever engine runs the model (`set_scheduler_state`, `observe_stage_step`, `set_stage_busy`, `set_ple_totals`).
+
+The three `moepipe_ple_*_total` series are COUNTERS whose values are set from the cumulative totals the PLE service
+and the stages report (each reporter keeps its own running sum; the exposed value is the sum over reporters). A
+custom collector exposes them, because prometheus_client's Counter can only be incremented. A reporter that restarts
+from zero looks like an ordinary counter reset to Prometheus.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics", "RequestTimer", "CONTENT_TYPE_LATEST"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+PLE_SERIES = {
+    "prefetch_pages": ("moepipe_ple_prefetch_pages", "PLE table pages prefetched (cumulative, as reported)"),
+    "gather_seconds": ("moepipe_ple_gather_seconds", "Seconds spent gathering PLE rows (cumulative, as reported)"),
+    "stage_wait_seconds": ("moepipe_ple_stage_wait_seconds",
+                           "Seconds stages waited for PLE rows (cumulative, as reported)"),
+}
+
+
+class _PleCollector(Collector):
+    """Exposes reported cumulative PLE totals as counters (sum over reporters)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_source: dict[str, dict[str, float]] = {}
+
+    def set(self, source: str, values: dict[str, float]) -> None:
+        with self._lock:
+            self._by_source.setdefault(source, {}).update(values)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        with self._lock:
+            sources = [dict(v) for v in self._by_source.values()]
+        for key, (name, doc) in PLE_SERIES.items():
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], sum(s.get(key, 0.0) for s in sources))
+            yield family
+
+
+class Metrics:
+    """All gateway series, registered in `self.registry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("moepipe_time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("moepipe_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("moepipe_e2e_request_latency_seconds", "Request arrival to its last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("moepipe_prompt_tokens", "Prompt tokens of requests that started generating",
+                                     registry=r)
+        self.generation_tokens = Counter("moepipe_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("moepipe_requests", "Finished requests by finish reason (stop, length, abort, error)",
+                                ["finish_reason"], registry=r)
+        self.running = Gauge("moepipe_requests_running", "Requests being computed", registry=r)
+        self.waiting = Gauge("moepipe_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_used = Gauge("moepipe_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("moepipe_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.slots_used = Gauge("moepipe_state_slots_used", "Recurrent-state slots in use", registry=r)
+        self.stage_step = Histogram("moepipe_stage_step_seconds", "Compute time of one step on a stage", ["stage"],
+                                    buckets=STEP_BUCKETS, registry=r)
+        self.stage_busy = Gauge("moepipe_stage_busy_fraction", "Fraction of recent wall time a stage computed",
+                                ["stage"], registry=r)
+        self._ple = _PleCollector()
+        r.register(self._ple)
+        for reason in ("stop", "length"):
+            self.requests.labels(finish_reason=reason)      # expose zeros before the first request
+
+    # ---- request level (API layer) -----------------------------------------------------------------------------
+
+    def request_started(self, arrival: float | None = None) -> RequestTimer:
+        """A timer for one request; `arrival` is a time.monotonic() value (default: now)."""
+        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+
+    # ---- engine level --------------------------------------------------------------------------------------------
+
+    def set_scheduler_state(self, *, running: int | None = None, waiting: int | None = None,
+                            kv_blocks_used: int | None = None, kv_blocks_total: int | None = None,
+                            state_slots_used: int | None = None) -> None:
+        """Set whichever scheduler gauges are given."""
+        for gauge, value in ((self.running, running), (self.waiting, waiting), (self.kv_used, kv_blocks_used),
+                             (self.kv_total, kv_blocks_total), (self.slots_used, state_slots_used)):
+            if value is not None:
+                gauge.set(value)
+
+    def observe_stage_step(self, stage: str | int, seconds: float) -> None:
+        self.stage_step.labels(stage=str(stage)).observe(seconds)
+
+    def set_stage_busy(self, stage: str | int, fraction: float) -> None:
+        self.stage_busy.labels(stage=str(stage)).set(min(max(fraction, 0.0), 1.0))
+
+    def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
+                       gather_seconds: float | None = None, stage_wait_seconds: float | None = None) -> None:
+        """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
+        given = {"prefetch_pages": prefetch_pages, "gather_seconds": gather_seconds,
+                 "stage_wait_seconds": stage_wait_seconds}
+        self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series, for GET /metrics."""
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Times one request: TTFT from arrival to the first token event, ITL between events, e2e at the finish."""
+
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
+        self._m = metrics
+        self.arrival = arrival
+        self._last: float | None = None
+        self._done = False
+
+    def started(self, prompt_tokens: int) -> None:
+        """The first token arrived: the prompt has been computed."""
+        self._m.prompt_tokens.inc(prompt_tokens)
+
+    def token(self, count: int = 1) -> None:
+        now = time.monotonic()
+        if self._last is None:
+            self._m.ttft.observe(now - self.arrival)
+        else:
+            self._m.itl.observe(now - self._last)
+        self._last = now
+        self._m.generation_tokens.inc(count)
+
+    def finish(self, reason: str) -> None:
+        """Count the request under `reason` (stop, length, abort, error); only the first call counts."""
+        if self._done:
+            return
+        self._done = True
+        self._m.requests.labels(finish_reason=reason).inc()
+        if self._last is not None:
+            self._m.e2e.observe(time.monotonic() - self.arrival)

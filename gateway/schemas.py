@@ -1,0 +1,273 @@
+"""Request and response bodies of the OpenAI-compatible endpoints (pydantic v2).
+
+Requests ignore unknown fields (clients send many we do not use). Fields we accept but cannot honour yet (tools,
+tool_choice, response_format) are validated here for shape only; `unsupported_field` says which one to refuse, so the
+API answers 400 naming it instead of silently generating something the client did not ask for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions", "Usage",
+    "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs",
+    "ChatResponseMessage", "ChatChoice", "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
+    "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
+]
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1     # what torch.Generator.manual_seed accepts
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra fields (tool_calls, tool_call_id, reasoning_content, ...) pass through to the template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Request):
+    """Fields shared by both endpoints. None means "not given": generation_config.json fills it. Every field
+    accepts an explicit null (many clients send null for "unset")."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)          # -1 and 0 both mean "off" (vLLM uses -1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None                 # vLLM extension: extra ids that end generation
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def budget(self) -> int | None:
+        """max_completion_tokens supersedes the deprecated max_tokens (vLLM's rule)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None for no logprobs, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(param, message) of the first field we accept but cannot honour yet; None if the request is servable."""
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.tools:
+            return "tools", "tool calling is not supported yet"
+        # "auto" without tools is as harmless as "none": there is nothing to call.
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            return "tool_choice", "tool_choice is not supported yet (only \"none\")"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format", "structured output is not supported yet (only {\"type\": \"text\"})"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], (str, list)) and len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return v
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_value(self) -> str | list[int]:
+        """The single prompt, as text or token ids."""
+        p = self.prompt
+        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def _omit_none(v: Any) -> bool:
+    return v is None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed delta: fields not carried by this chunk are left out of the JSON, as OpenAI does."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
+    content: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moepipe"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,152 @@
+"""The PLE service process: one inbox (Plan, Sampled, Shutdown in), PleReady out to the PLE stage, heartbeats and
+errors out to the gateway.
+
+The loop never dies on one bad message (logged and skipped) and never blocks forever on a peer that is gone, so a
+SIGTERM/SIGINT always ends it promptly, with the shared-memory ring unlinked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+import zmq
+
+from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+from shared.model_config import load_config
+from shared.protocol import Heartbeat, Message, Plan, ProtocolError, Sampled, Shutdown, decode, encode
+
+log = logging.getLogger("ple_service")
+
+_POLL_MS = 50
+
+
+def ple_stage(cluster: ClusterConfig, cfg) -> int:
+    """Index of the stage that holds the PLE layers; all of them must sit on that one stage."""
+    layers = sorted(i - 1 for i in set(getattr(cfg, "ple_layer_ids", None) or []))
+    if not layers:
+        raise ClusterConfigError(f"{cluster.model}: the model has no PLE layers; set ple_service = false")
+    owner = {layer: next((k for k, s in enumerate(cluster.stages) if s.start <= layer < s.end), None)
+             for layer in layers}
+    first = owner[layers[0]]
+    if first is None:
+        raise ClusterConfigError(f"cluster config: no stage holds PLE layer {layers[0]} (0-based)")
+    stray = [layer for layer in layers if owner[layer] != first]
+    if stray:
+        raise ClusterConfigError(
+            f"cluster config: PLE layers {layers} (0-based) must all be on one stage; layer {layers[0]} is on stage "
+            f"{first} [{cluster.stages[first].start}, {cluster.stages[first].end}) but "
+            + ", ".join(f"layer {layer} is on stage {owner[layer]}" for layer in stray))
+    return first
+
+
+def _send(sock: zmq.Socket, msg: Message, stop: threading.Event, wait: bool = True) -> bool:
+    """Send without ever blocking past a stop request; `wait=False` drops the message if the peer's queue is full."""
+    frames = encode(msg)
+    while True:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            if not wait or stop.is_set():
+                return False
+            time.sleep(0.001)
+
+
+def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
+    from ple_service.service import PleService     # heavy imports (torch) after argument errors are out of the way
+
+    if not cluster.ple_endpoint:
+        raise ClusterConfigError("cluster config: ple_endpoint is empty, the PLE service has no inbox to bind")
+    cfg = load_config(cluster.model)
+    cluster.validate(cfg.num_hidden_layers)
+    stage_index = ple_stage(cluster, cfg)
+    service = PleService(cluster.model, cfg, cluster)
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    try:
+        inbox = ctx.socket(zmq.PULL)
+        socks.append(inbox)
+        inbox.bind(cluster.ple_endpoint)
+        gateway, stage = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        socks += [gateway, stage]
+        for s, endpoint in ((gateway, cluster.gateway_endpoint), (stage, cluster.stages[stage_index].endpoint)):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+        log.info("PLE service: layers %s, ring %s (%d slots x %d tokens), PleReady -> stage %d, prefetch %s",
+                 service.layers, service.ring.path, service.ring.slots, service.ring.max_tokens, stage_index,
+                 "on" if service.prefetcher else "off")
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        next_beat = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                _send(gateway, Heartbeat(component="ple", pid=os.getpid(), stats=service.stats()), stop, wait=False)
+                next_beat = now + cluster.heartbeat_interval
+            if not poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))):
+                continue
+            frames = inbox.recv_multipart(copy=False)
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("skipping malformed message: %s", exc)
+                continue
+            except Exception as exc:          # a decoder bug or garbage frames must not end the service
+                log.warning("skipping undecodable message: %r", exc)
+                continue
+            try:
+                if isinstance(msg, Plan):
+                    ready = service.on_plan(msg)
+                    out = [ready] if ready is not None else []
+                elif isinstance(msg, Sampled):
+                    out = service.on_sampled(msg)
+                elif isinstance(msg, Shutdown):
+                    log.info("PLE service: shutdown requested")
+                    break
+                else:
+                    log.warning("skipping %s message: not meant for the PLE service", msg.TYPE)
+                    continue
+            except Exception:
+                log.exception("PLE service: handling %s failed; message skipped", msg.TYPE)
+                continue
+            for ready in out:
+                _send(stage, ready, stop)
+            for err in service.take_errors():
+                _send(gateway, err, stop)
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        service.close(unlink=True)
+    log.info("PLE service: stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ple_service", description="moepipe PLE gather service")
+    parser.add_argument("--config", required=True, help="cluster config (TOML)")
+    parser.add_argument("--log-level", default=os.environ.get("MOEPIPE_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s ple %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        log.info("PLE service: %s received, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster = load_cluster_config(args.config)
+        if not cluster.ple_service:
+            log.info("ple_service = false: stages gather PLE rows in-process; nothing to serve")
+            return 0
+        return serve(cluster, stop)
+    except (ClusterConfigError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2

@@ -1,0 +1,251 @@
+"""The PLE service's logic, free of sockets so it can be tested step by step.
+
+Per step it hashes the fed tokens of every sequence (the same n-gram hash as `stage_worker.model.ple`), gathers their
+rows from every PLE table into ring slot `step % slots` and answers with `PleReady`; the stage then never touches the
+memory-mapped tables inside its forward. Decode entries carry no token: the token sampled at position
+`entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it. Prompts and
+freshly sampled tokens have their table pages read ahead (`prefetch.py`) unless the `ple_prefetch` switch is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.cluster_config import ClusterConfig
+from shared.model_config import Qwen4ExpConfig
+from shared.ngram_hash import initial_context, ngram_rows_numpy
+from shared.ple_table import FlatTable
+from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
+from ple_service.prefetch import Advisor, PromptPrefetcher
+from ple_service.ring import GatherRing
+from ple_service.tables import open_tables, ple_specs
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PleService", "PleServiceError"]
+
+
+class PleServiceError(ValueError):
+    """A configuration the PLE service cannot run with (no PLE layers, mixed table dtypes...)."""
+
+
+class _PlanError(ValueError):
+    """A plan the service cannot serve (lost context, oversized step); reported to the gateway as a StageError."""
+
+
+@dataclass
+class _Request:
+    context: np.ndarray           # the last ngram_size - 1 raw token ids fed (the hash's only state)
+    length: int                   # tokens fed so far: the context_len the next entry must start at
+
+
+class PleService:
+    """Owns the PLE tables and the gather ring; turns Plans (+ Sampled tokens) into filled ring slots."""
+
+    def __init__(self, model_dir: str | Path, cfg: Qwen4ExpConfig, cluster: ClusterConfig, *,
+                 ring_path: str | Path | None = None, tables: dict | None = None,
+                 force_madvise_fallback: bool = False) -> None:
+        if not getattr(cfg, "ple_layer_ids", None):
+            raise PleServiceError(f"{model_dir}: the model has no PLE layers; run without a PLE service "
+                                  "(ple_service = false)")
+        self.cfg, self.cluster = cfg, cluster
+        self.specs = list(ple_specs(cfg).items())                 # [(0-based layer, spec)] in ring layer order
+        self.layers = [layer for layer, _ in self.specs]
+        self.tables = tables if tables is not None else open_tables(
+            model_dir, cfg, load_format=cluster.load_format, seed=cluster.seed,
+            dtype=getattr(torch, cluster.dtype) if cluster.dtype else None)
+        dtypes = {self.tables[layer].dtype for layer in self.layers}
+        if len(dtypes) != 1:
+            raise PleServiceError(f"PLE tables of layers {self.layers} have different dtypes "
+                                  f"{sorted(map(str, dtypes))}")
+        path = ring_path or cluster.ple_ring
+        if not path:
+            raise PleServiceError("cluster config: ple_ring must name the shared-memory file of the gather ring "
+                                  "(e.g. /dev/shm/moepipe-ple.ring)")
+        self.ring = GatherRing.create(path, slots=cluster.ple_ring_slots, max_tokens=cluster.max_num_batched_tokens,
+                                      layers=len(self.layers), heads=cfg.ple_heads, head_dim=cfg.ple_head_dim,
+                                      dtype=dtypes.pop())
+        self.advisors: list[Advisor] = []
+        self.prefetcher: PromptPrefetcher | None = None
+        if cluster.ple_prefetch:
+            flat = [self.tables[layer] for layer in self.layers]
+            if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
+                self.advisors = [Advisor.for_table(t, force_fallback=force_madvise_fallback) for t in flat]
+                self.prefetcher = PromptPrefetcher(self.advisors)
+        self._requests: dict[str, _Request] = {}
+        self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
+        self._waiting: deque[Plan] = deque()
+        self._errors: list[StageError] = []
+        self.gathers = 0
+        self.gather_tokens = 0
+        self.gather_seconds = 0.0
+
+    # -- messages --------------------------------------------------------------------------------------------------
+    def on_plan(self, plan: Plan) -> PleReady | None:
+        """Start prefetches, then fill the plan's ring slot; None while it waits for sampled tokens (or failed:
+        see `take_errors`)."""
+        for spec in plan.new_requests:
+            self._start_prefetch(spec)
+        if self.prefetcher is not None:
+            for req_id in plan.finished:                 # at once: no reason to keep reading a dead prompt
+                self.prefetcher.cancel(req_id)
+        self._waiting.append(plan)
+        for ready in self._drain():
+            if ready.step == plan.step:
+                return ready
+        return None
+
+    def on_sampled(self, msg: Sampled) -> list[PleReady]:
+        """Record sampled tokens, read their rows' pages ahead, and run every plan they unblock (in order)."""
+        fresh: list[tuple[_Request, int]] = []
+        for t in msg.tokens:
+            state = self._requests.get(t.req_id)
+            if state is None:            # a finished (or unknown) request: nothing will ever read this token
+                log.debug("sampled token for unknown request %s ignored", t.req_id)
+                continue
+            self._sampled.setdefault(t.req_id, {})[int(t.position)] = int(t.token)
+            if state.length == t.position:
+                fresh.append((state, int(t.token)))
+        if fresh and self.advisors:
+            for (_, spec), advisor in zip(self.specs, self.advisors):
+                rows = [ngram_rows_numpy(spec, state.context, np.array([tok]))[0] for state, tok in fresh]
+                advisor.advise_rows(np.concatenate(rows))          # one call per table for the whole message
+        return self._drain()
+
+    def take_errors(self) -> list[StageError]:
+        """Plans that failed since the last call, as StageErrors for the gateway (so it fails them, not waits)."""
+        out, self._errors = self._errors, []
+        return out
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def tracked_requests(self) -> set[str]:
+        return set(self._requests) | set(self._sampled)
+
+    def waiting_steps(self) -> list[int]:
+        return [p.step for p in self._waiting]
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for the heartbeat: gather work, prefetch work, and whether madvise is the fallback in use."""
+        out = {"gathers": float(self.gathers), "gather_tokens": float(self.gather_tokens),
+               "gather_seconds": self.gather_seconds, "waiting_plans": float(len(self._waiting)),
+               "requests": float(len(self._requests)), "prefetch_enabled": float(self.prefetcher is not None)}
+        totals = {"calls": 0.0, "pages": 0.0, "ranges": 0.0, "seconds": 0.0, "errors": 0.0, "fallback": 0.0}
+        for a in self.advisors:
+            for k, v in a.stats().items():
+                totals[k] = max(totals[k], v) if k == "fallback" else totals[k] + v
+        out.update({f"prefetch_{k}": v for k, v in totals.items()})
+        out["prefetch_queue"] = float(self.prefetcher.pending()) if self.prefetcher else 0.0
+        return out
+
+    def close(self, unlink: bool = True) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+        for a in self.advisors:
+            a.close()
+        self.ring.close()
+        if unlink:
+            self.ring.unlink()
+        for t in self.tables.values():
+            if hasattr(t, "close"):
+                t.close()
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _start_prefetch(self, spec: SamplingSpec) -> None:
+        if self.prefetcher is None or not spec.prompt_ids:
+            return
+        self.prefetcher.submit_prompt(spec.req_id, np.asarray(spec.prompt_ids, dtype=np.int64),
+                                      [s for _, s in self.specs])
+
+    def _ready_to_run(self, plan: Plan) -> bool:
+        return all(e.tokens is not None or e.context_len in self._sampled.get(e.req_id, {}) for e in plan.entries)
+
+    def _drain(self) -> list[PleReady]:
+        """Run waiting plans that have their tokens, in arrival order; a plan touching a request of an earlier,
+        still-waiting plan waits too (its n-gram context depends on that plan)."""
+        done: list[PleReady] = []
+        blocked: set[str] = set()
+        still: deque[Plan] = deque()
+        for plan in self._waiting:
+            ids = {e.req_id for e in plan.entries} | set(plan.finished)
+            if ids & blocked or not self._ready_to_run(plan):
+                blocked |= ids
+                still.append(plan)
+                continue
+            try:
+                done.append(self._run(plan))
+            except _PlanError as exc:
+                log.error("PLE step %d failed: %s", plan.step, exc)
+                self._errors.append(StageError(component="ple", step=plan.step, message=str(exc)))
+                for req_id in {e.req_id for e in plan.entries} | set(plan.finished):
+                    self._drop(req_id)
+        self._waiting = still
+        return done
+
+    def _run(self, plan: Plan) -> PleReady:
+        total = sum(e.num_tokens for e in plan.entries)
+        if total > self.ring.max_tokens:
+            raise _PlanError(f"step {plan.step} feeds {total} tokens, the PLE ring holds {self.ring.max_tokens} "
+                             "(max_num_batched_tokens)")
+        rows: list[list[np.ndarray]] = [[] for _ in self.specs]
+        updates: dict[str, _Request] = {}
+        for e in plan.entries:          # hash everything first: a bad entry leaves no half-updated state
+            if e.tokens is None:
+                tokens = np.array([self._sampled[e.req_id][e.context_len]], dtype=np.int64)
+            else:
+                tokens = np.asarray(e.tokens, dtype=np.int64)
+            if tokens.shape[0] != e.num_tokens:
+                raise _PlanError(f"request {e.req_id}: entry says {e.num_tokens} tokens, carries {tokens.shape[0]}")
+            state = updates.get(e.req_id) or self._requests.get(e.req_id)
+            if e.context_len == 0:
+                context = initial_context(self.specs[0][1])
+            elif state is not None and state.length == e.context_len:
+                context = state.context
+            else:
+                have = "no tokens" if state is None else f"{state.length} tokens"
+                raise _PlanError(f"request {e.req_id}: step {plan.step} feeds from position {e.context_len}, the PLE "
+                                 f"service has {have} of it (lost n-gram context)")
+            new_context = context
+            for i, (_, spec) in enumerate(self.specs):
+                r, new_context = ngram_rows_numpy(spec, context, tokens)
+                rows[i].append(r)
+            updates[e.req_id] = _Request(new_context, e.context_len + e.num_tokens)
+
+        t0 = time.perf_counter()
+        slot_index = self.ring.slot_for_step(plan.step)
+        if total:
+            slot = self.ring.slot(slot_index)
+            for i, layer in enumerate(self.layers):
+                index = torch.from_numpy(np.concatenate(rows[i]))          # [T, heads], StepBatch token order
+                dest = slot[:total, i]
+                if dest.is_contiguous():
+                    self.tables[layer].gather(index, out=dest)
+                else:
+                    dest.copy_(self.tables[layer].gather(index))
+        self.gather_seconds += time.perf_counter() - t0
+        self.gathers += 1
+        self.gather_tokens += total
+
+        self._requests.update(updates)
+        for e in plan.entries:
+            if e.tokens is None:
+                pending = self._sampled.get(e.req_id, {})
+                for pos in [p for p in pending if p <= e.context_len]:
+                    del pending[pos]
+                if not pending:
+                    self._sampled.pop(e.req_id, None)
+        for req_id in plan.finished:
+            self._drop(req_id)
+        return PleReady(step=plan.step, ring_slot=slot_index, num_tokens=total)
+
+    def _drop(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._sampled.pop(req_id, None)
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(req_id)

@@ -1,0 +1,172 @@
+"""The cluster config file (TOML): one file describes every process, so each can also run alone as a systemd unit.
+
+Every speed-relevant feature has a switch here (and an environment override read in this module only), so it can
+be measured against its absence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ClusterConfigError(ValueError):
+    """A cluster config the processes cannot run with; the message names the key."""
+
+
+@dataclass
+class StageSpec:
+    start: int                    # first decoder layer (inclusive)
+    end: int                      # last decoder layer (exclusive)
+    endpoint: str                 # the stage's inbox, a ZeroMQ endpoint it binds
+    device: str = "cpu"
+
+
+@dataclass
+class ClusterConfig:
+    model: str
+    stages: list[StageSpec]
+    gateway_endpoint: str                       # the gateway's inbox (results, heartbeats)
+    ple_endpoint: str = ""                      # the PLE service's inbox ("" = no PLE service process)
+    ple_ring: str = ""                          # shared-memory file of the PLE gather ring
+    ple_ring_slots: int = 8
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "moepipe"
+    dtype: str = ""                             # "" = the checkpoint's dtype
+    load_format: str = "safetensors"
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 0                      # 0 = the model's max_position_embeddings
+    max_queue: int = 256                        # waiting requests beyond this get 429
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
+    # Feature switches (A/B): the PLE service gathers rows (off = stage gathers in-process, the fallback);
+    # prompt prefetch with process_madvise; micro-batches across stages.
+    ple_service: bool = True
+    ple_prefetch: bool = True
+    microbatches: int = 0                       # 0 = one per stage
+    seed: int = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or self.num_stages
+
+    def validate(self, num_layers: int | None = None) -> None:
+        if not self.stages:
+            raise ClusterConfigError("cluster config: [[stages]] must list at least one stage")
+        expect = 0
+        for i, s in enumerate(self.stages):
+            if s.start != expect or s.end <= s.start:
+                raise ClusterConfigError(f"cluster config: stages[{i}] covers layers [{s.start}, {s.end}); stages "
+                                         f"must cover contiguous, non-empty layer ranges starting at {expect}")
+            expect = s.end
+        if num_layers is not None and expect != num_layers:
+            raise ClusterConfigError(f"cluster config: stages end at layer {expect}, the model has {num_layers}")
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
+            if getattr(self, name) < 1:
+                raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges, the remainder spread over the first stages."""
+    if not 1 <= num_stages <= num_layers:
+        raise ClusterConfigError(f"--stages {num_stages}: must be between 1 and the model's {num_layers} layers")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+_ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
+        "MOEPIPE_MICROBATCHES": "microbatches"}
+
+
+def _apply_env(raw: dict[str, Any]) -> None:
+    for env, key in _ENV.items():
+        if env in os.environ:
+            val = os.environ[env]
+            raw[key] = int(val) if key == "microbatches" else val.lower() not in ("0", "false", "no", "off")
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ClusterConfigError(f"{path}: no such cluster config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterConfigError(f"{path}: not valid TOML ({exc})") from exc
+    return cluster_from_dict(raw, source=str(path))
+
+
+def cluster_from_dict(raw: dict[str, Any], source: str = "cluster config") -> ClusterConfig:
+    raw = dict(raw)
+    _apply_env(raw)
+    names = {f.name for f in dataclasses.fields(ClusterConfig)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ClusterConfigError(f"{source}: unknown keys {unknown}")
+    for key in ("model", "stages", "gateway_endpoint"):
+        if key not in raw:
+            raise ClusterConfigError(f"{source}: missing required key {key!r}")
+    try:
+        raw["stages"] = [StageSpec(**s) for s in raw["stages"]]
+        cfg = ClusterConfig(**raw)
+    except TypeError as exc:
+        raise ClusterConfigError(f"{source}: {exc}") from exc
+    cfg.validate()
+    return cfg
+
+
+def dump_toml(cfg: ClusterConfig) -> str:
+    """A small TOML writer for this flat structure (tomllib only reads)."""
+    lines = []
+    for f in dataclasses.fields(cfg):
+        if f.name == "stages":
+            continue
+        lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+    for s in cfg.stages:
+        lines.append("")
+        lines.append("[[stages]]")
+        for f in dataclasses.fields(s):
+            lines.append(f"{f.name} = {_toml_value(getattr(s, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def stage_name(index: int) -> str:
+    return f"stage{index}"
+
+
+@dataclass
+class RunPaths:
+    """Where a `moepipe serve` run keeps its sockets and ring."""
+
+    run_dir: Path
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{self.run_dir / (name + '.sock')}"

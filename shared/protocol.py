@@ -1,0 +1,225 @@
+"""Every message that crosses a process boundary, and the only code that knows their bytes.
+
+A message is one ZeroMQ multipart message: frame 0 is a msgpack header `{"t": type, "v": version, ...fields}`; each
+tensor field is replaced in the header by a descriptor (dtype, shape, frame number) and its raw bytes travel as a
+following frame, sent without copying. Nothing else in moepipe pickles or hand-rolls bytes.
+
+Every process has one inbox (a PULL socket it binds); senders connect PUSH sockets to it. Types, by receiver:
+  stage k     Plan (from the gateway, broadcast to all stages), Activations (from stage k-1),
+              Sampled (stage 0, from the last stage), PleReady (the PLE stage, from the PLE service), Shutdown
+  gateway     StepResult (from the last stage), Heartbeat (from every component), StageError
+  PLE service Plan, Sampled, Shutdown
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+import torch
+
+VERSION = 1
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
+    "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded: wrong version, unknown type, malformed frames."""
+
+
+@dataclass
+class SeqEntry:
+    """One sequence's share of a step."""
+
+    req_id: str
+    slot: int                        # Gated DeltaNet / PLE state slot
+    context_len: int                 # tokens already in the caches
+    num_tokens: int                  # tokens fed this step (prefill chunk length, or 1 for decode)
+    block_table: list[int]
+    tokens: list[int] | None = None  # prefill tokens; None for decode: the token comes from the last stage
+    sample: bool = True              # last chunk of a prefill or a decode: the last stage samples a token
+    prompt_logprobs: bool = False    # return logprobs of the fed tokens (echo)
+    next_token: int | None = None    # with prompt_logprobs: the prompt token after this chunk
+
+
+@dataclass
+class SamplingSpec:
+    """Per-request sampling state the last stage needs; sent once, with the request's first plan entry."""
+
+    req_id: str
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    logprobs: int | None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)     # tokens generated before a preemption (penalties)
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass
+class Plan(Message):
+    """What every stage runs at `step`; stages prepare metadata from it before activations arrive."""
+
+    TYPE: ClassVar[str] = "plan"
+    step: int
+    microbatch: int
+    entries: list[SeqEntry]
+    new_requests: list[SamplingSpec] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)      # drop per-request state (sampler, pending tokens)
+    dropped: list[int] = field(default_factory=list)       # steps a stage failed: forget their pending inputs
+
+
+@dataclass
+class Activations(Message):
+    TYPE: ClassVar[str] = "act"
+    step: int
+    hidden: torch.Tensor
+    token_ids: torch.Tensor                                   # stages with PLE layers need the ids
+    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end] wall clock, per stage so far
+
+
+@dataclass
+class TokenOut:
+    req_id: str
+    position: int                    # position the sampled token will occupy
+    token: int                       # -1: nothing sampled (a middle prefill chunk that only returns prompt logprobs)
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None   # logprob of each fed token after the first, given its prefix
+
+
+@dataclass
+class Sampled(Message):
+    """Sampled tokens, straight from the last stage to stage 0 (next decode input) and the PLE service."""
+
+    TYPE: ClassVar[str] = "sampled"
+    step: int
+    microbatch: int
+    tokens: list[TokenOut]
+
+
+@dataclass
+class StepResult(Message):
+    """The same tokens, with logprobs and timings, for the gateway to stream."""
+
+    TYPE: ClassVar[str] = "result"
+    step: int
+    microbatch: int
+    tokens: list[TokenOut]
+    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end] wall clock, every stage
+
+
+@dataclass
+class PleReady(Message):
+    """Rows for `step` sit in ring slot `ring_slot`: [tokens, ple_layers, heads, head_dim]."""
+
+    TYPE: ClassVar[str] = "ple_ready"
+    step: int
+    ring_slot: int
+    num_tokens: int
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "hb"
+    component: str                                            # "stage0", "stage1", ..., "ple"
+    pid: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StageError(Message):
+    """A stage failed a step; the gateway fails the step's requests instead of waiting forever."""
+
+    TYPE: ClassVar[str] = "error"
+    component: str
+    step: int
+    message: str
+
+
+@dataclass
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+
+
+MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Plan, Activations, Sampled, StepResult, PleReady,
+                                                           Heartbeat, StageError, Shutdown)}
+_NESTED = {"entries": SeqEntry, "new_requests": SamplingSpec, "tokens": TokenOut}
+
+
+def encode(msg: Message) -> list[Any]:
+    """Message -> frames: msgpack header, then one raw frame per tensor (zero-copy memoryviews)."""
+    frames: list[Any] = [b""]
+    header: dict[str, Any] = {"t": msg.TYPE, "v": VERSION}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            raw = t.view(torch.uint8) if t.dtype == torch.bfloat16 or t.numel() == 0 else t
+            header[f.name] = {"__tensor__": len(frames), "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+            frames.append(memoryview(raw.numpy()).cast("B") if raw.numel() else b"")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            header[f.name] = [dataclasses.asdict(v) for v in value]
+        else:
+            header[f.name] = value
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def decode(frames: list[Any]) -> Message:
+    try:
+        header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {header.get('v') if isinstance(header, dict) else '?'} "
+                            f"!= {VERSION}")
+    cls = MESSAGES.get(header.pop("t", None))
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    header.pop("v")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in header:
+            continue
+        value = header[f.name]
+        if isinstance(value, dict) and "__tensor__" in value:
+            value = _tensor(frames, value)
+        elif f.name in _NESTED and isinstance(value, list):
+            value = [_NESTED[f.name](**v) for v in value]
+        kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.TYPE}: {exc}") from exc
+
+
+def _tensor(frames: list[Any], desc: dict) -> torch.Tensor:
+    idx, dtype, shape = desc["__tensor__"], _DTYPES[desc["dtype"]], desc["shape"]
+    buf = frames[idx]
+    buf = buf.buffer if hasattr(buf, "buffer") else buf       # zmq.Frame
+    n = int(np.prod(shape)) if shape else 1
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=torch.uint8)
+    return storage.view(dtype).view(shape)

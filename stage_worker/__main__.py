@@ -1,0 +1,5 @@
+import sys
+
+from stage_worker.main import main
+
+sys.exit(main())

@@ -1,0 +1,159 @@
+"""A stage worker process: `python -m stage_worker --config cluster.toml --stage K`.
+
+Binds its inbox, connects to the next stage (or, as the last stage, to stage 0, the PLE service and the gateway),
+and runs steps as their inputs arrive. A step that fails is reported to the gateway and dropped; the process keeps
+serving. SIGTERM ends it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, stage_name
+from shared.model_config import load_config
+from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
+from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
+from stage_worker.runner import StageRunner
+
+log = logging.getLogger("moepipe.stage")
+
+
+def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
+    from ple_service.ring import GatherRing
+
+    deadline = time.time() + timeout
+    while not Path(cluster.ple_ring).exists():
+        if time.time() > deadline:
+            raise RuntimeError(f"PLE ring {cluster.ple_ring} did not appear within {timeout:.0f} s")
+        time.sleep(0.05)
+    ring = GatherRing.open(cluster.ple_ring)
+    if torch.cuda.is_available():
+        ring.pin()
+    return ring
+
+
+def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: StageRunner,
+                stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10)
+    sock.connect(cluster.gateway_endpoint)
+    while not stop.is_set():
+        try:
+            sock.send_multipart(encode(Heartbeat(component=name, pid=os.getpid(), stats=runner.stats())),
+                                flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        stop.wait(cluster.heartbeat_interval)
+    sock.close()
+
+
+def serve(cluster: ClusterConfig, index: int) -> int:
+    spec = cluster.stages[index]
+    name = stage_name(index)
+    cfg = load_config(cluster.model)
+    cluster.validate(cfg.num_hidden_layers)
+    opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
+                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
+    t0 = time.time()
+    model = load_model(cluster.model, opts, cfg)
+    ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
+    has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
+    ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
+    runner = StageRunner(model, cluster, index, ring)
+    log.info("%s: layers [%d, %d) loaded in %.1f s%s", name, spec.start, spec.end, time.time() - t0,
+             " (PLE rows from the PLE service)" if ring is not None else "")
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(spec.endpoint)
+    peers: dict[str, zmq.Socket] = {}
+
+    def connect(key: str, endpoint: str) -> None:
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        peers[key] = s
+
+    connect("gateway", cluster.gateway_endpoint)
+    if not runner.is_last:
+        connect("next", cluster.stages[index + 1].endpoint)
+    else:
+        if not runner.is_first:
+            connect("first", cluster.stages[0].endpoint)
+        if cluster.ple_endpoint and cluster.ple_service:
+            connect("ple", cluster.ple_endpoint)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, name, runner, stop), daemon=True)
+    hb.start()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while not stop.is_set():
+        if not poller.poll(100):
+            continue
+        while True:
+            try:
+                frames = inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("%s: dropped a malformed message: %s", name, exc)
+                continue
+            if isinstance(msg, Shutdown):
+                stop.set()
+                break
+            runner.on_message(msg)
+        while (plan := runner.ready()) is not None:
+            try:
+                outgoing = runner.run(plan)
+            except Exception as exc:  # a bad step must not take the worker down
+                log.exception("%s: step %d failed", name, plan.step)
+                runner.plans.pop(plan.step, None)
+                peers["gateway"].send_multipart(encode(StageError(component=name, step=plan.step,
+                                                                  message=f"{type(exc).__name__}: {exc}")))
+                continue
+            for o in outgoing:
+                if o.to in peers:
+                    peers[o.to].send_multipart(encode(o.message), copy=False)
+    stop.set()
+    hb.join(timeout=2)
+    for s in peers.values():
+        s.close()
+    inbox.close(linger=0)
+    ctx.term()
+    log.info("%s: stopped", name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stage_worker", description="run one pipeline stage")
+    ap.add_argument("--config", required=True, help="cluster config file (TOML)")
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cluster = load_cluster_config(args.config)
+        if not 0 <= args.stage < cluster.num_stages:
+            raise ClusterConfigError(f"--stage {args.stage}: the config has {cluster.num_stages} stages")
+    except (ClusterConfigError, ValueError) as exc:
+        print(f"stage_worker: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, int(os.environ.get("MOEPIPE_THREADS", "1"))))
+    return serve(cluster, args.stage)

@@ -1,0 +1,229 @@
+"""One stage's step logic: collect a step's inputs (plan, activations, sampled tokens, PLE rows), run the slice,
+and say what goes where. No sockets here: `stage_worker.main` moves the messages.
+
+Plans arrive by broadcast before the activations, so a stage builds its step metadata while the previous stage is
+still computing (002 §3.2 measured that stall at 3 ms a step when preparation waited for the activations).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.cluster_config import ClusterConfig
+from shared.protocol import Activations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult, TokenOut
+from shared.sampling import SamplingParams
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import CacheSpec
+from stage_worker.model.model import StageModel
+from stage_worker.sampler import apply_penalties, position_generator, sample, token_logprobs
+
+
+@dataclass
+class Outgoing:
+    to: str                      # "next", "first", "gateway", "ple"
+    message: Message
+
+
+@dataclass
+class _Prepared:
+    plan: Plan
+    batch: StepBatch | None = None
+
+
+@dataclass
+class _ReqState:
+    spec: SamplingSpec
+    params: SamplingParams
+    history: list[int] = field(default_factory=list)
+
+
+class StageRunner:
+    def __init__(self, model: StageModel, cluster: ClusterConfig, index: int, ring=None) -> None:
+        self.model, self.cluster, self.index = model, cluster, index
+        self.is_first, self.is_last = index == 0, index == cluster.num_stages - 1
+        p = next(model.parameters())
+        self.device = p.device
+        spec = CacheSpec(num_blocks=cluster.num_blocks, block_size=cluster.block_size,
+                         num_slots=cluster.max_num_seqs, dtype=p.dtype, device=p.device)
+        self.cache = model.new_cache(spec)
+        self.plans: dict[int, _Prepared] = {}
+        self.acts: dict[int, Activations] = {}
+        self.ple: dict[int, PleReady] = {}
+        self.next_tokens: dict[tuple[str, int], int] = {}
+        self.requests: dict[str, _ReqState] = {}
+        cfg = model.cfg
+        self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
+        self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
+        self.ring = ring if self.my_ple_layers else None
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self.last_step_seconds = 0.0
+        self.ple_wait_seconds = 0.0
+        self._ple_wait_start: dict[int, float] = {}
+
+    # ---- inputs ------------------------------------------------------------------------------------------------
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Plan):
+            self._on_plan(msg)
+        elif isinstance(msg, Activations):
+            self.acts[msg.step] = msg
+        elif isinstance(msg, Sampled):
+            for t in msg.tokens:
+                if t.token >= 0:
+                    self.next_tokens[(t.req_id, t.position)] = t.token
+        elif isinstance(msg, PleReady):
+            self.ple[msg.step] = msg
+
+    def _on_plan(self, plan: Plan) -> None:
+        for step in plan.dropped:
+            self.plans.pop(step, None)
+            self.acts.pop(step, None)
+            self.ple.pop(step, None)
+        for rid in plan.finished:
+            self.requests.pop(rid, None)
+            for key in [k for k in self.next_tokens if k[0] == rid]:
+                del self.next_tokens[key]
+        if self.is_last:
+            for spec in plan.new_requests:
+                params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                                        min_p=spec.min_p, presence_penalty=spec.presence_penalty,
+                                        frequency_penalty=spec.frequency_penalty,
+                                        repetition_penalty=spec.repetition_penalty, seed=spec.seed,
+                                        logprobs=spec.logprobs)
+                self.requests[spec.req_id] = _ReqState(spec, params, list(spec.output_ids))
+        if plan.entries:
+            prepared = _Prepared(plan)
+            if all(e.tokens is not None for e in plan.entries):
+                prepared.batch = self._build_batch(plan, [e.tokens for e in plan.entries])
+            self.plans[plan.step] = prepared
+            if self.ring is not None:
+                self._ple_wait_start[plan.step] = time.perf_counter()
+
+    def _build_batch(self, plan: Plan, tokens: list[list[int]]) -> StepBatch:
+        seqs = [(toks, e.context_len, e.slot, e.block_table) for e, toks in zip(plan.entries, tokens)]
+        batch = StepBatch.build(seqs, self.cluster.block_size, self.device)
+        if self.is_last:
+            idx, start = [], 0
+            for e in plan.entries:
+                if e.prompt_logprobs:
+                    idx.extend(range(start, start + e.num_tokens))
+                elif e.sample:
+                    idx.append(start + e.num_tokens - 1)
+                start += e.num_tokens
+            batch.logits_indices = torch.tensor(idx, dtype=torch.long, device=self.device)
+        return batch
+
+    # ---- readiness ---------------------------------------------------------------------------------------------
+    def ready(self) -> Plan | None:
+        """The oldest prepared step whose inputs are all here (steps run in plan order)."""
+        if not self.plans:
+            return None
+        step = min(self.plans)
+        prepared = self.plans[step]
+        if not self.is_first and step not in self.acts:
+            return None
+        if self.ring is not None and step not in self.ple:
+            return None
+        if prepared.batch is None:
+            if self.is_first:
+                keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
+                if any(k not in self.next_tokens for k in keys):
+                    return None
+                tokens = [e.tokens if e.tokens is not None else [self.next_tokens.pop((e.req_id, e.context_len))]
+                          for e in prepared.plan.entries]
+            else:
+                ids = self.acts[step].token_ids.tolist()
+                tokens, start = [], 0
+                for e in prepared.plan.entries:
+                    tokens.append(ids[start:start + e.num_tokens])
+                    start += e.num_tokens
+            prepared.batch = self._build_batch(prepared.plan, tokens)
+        return prepared.plan
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, plan: Plan) -> list[Outgoing]:
+        prepared = self.plans.pop(plan.step)
+        batch = prepared.batch
+        act = self.acts.pop(plan.step, None)
+        hidden = act.hidden.to(self.device) if act is not None else None
+        timing = list(act.timing) if act is not None else []
+        if self.ring is not None:
+            ready = self.ple.pop(plan.step)
+            self.ple_wait_seconds += time.perf_counter() - self._ple_wait_start.pop(plan.step, time.perf_counter())
+            # Copy out of the ring at once: the service reuses the slot `ple_ring_slots` steps later.
+            rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens]
+            for li, layer in enumerate(self.all_ple_layers):
+                if layer in self.my_ple_layers:
+                    batch.ple_rows[layer] = rows[:, li].to(self.device, copy=True)
+        t0 = time.time()
+        start = time.perf_counter()
+        hidden = self.model(batch, self.cache, hidden)
+        out: list[Outgoing] = []
+        if self.is_last:
+            tokens = self._sample(plan, batch, self.model.logits(hidden, batch))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_step_seconds = time.perf_counter() - start
+        self.busy_seconds += self.last_step_seconds
+        self.steps += 1
+        timing.append([self.index, t0, time.time()])
+        if not self.is_last:
+            out.append(Outgoing("next", Activations(step=plan.step, hidden=hidden, token_ids=batch.token_ids,
+                                                    timing=timing)))
+            return out
+        sampled = Sampled(step=plan.step, microbatch=plan.microbatch, tokens=[t for t in tokens if t.token >= 0])
+        if self.is_first:
+            self.on_message(sampled)
+        else:
+            out.append(Outgoing("first", sampled))
+        out.append(Outgoing("ple", sampled))
+        out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,
+                                                  timing=timing)))
+        return out
+
+    def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor) -> list[TokenOut]:
+        logits = logits.float()
+        outs: list[TokenOut] = []
+        row = 0
+        for e, toks in zip(plan.entries, _split(batch.token_ids.tolist(), [x.num_tokens for x in plan.entries])):
+            n_rows = e.num_tokens if e.prompt_logprobs else (1 if e.sample else 0)
+            rows = logits[row: row + n_rows]
+            row += n_rows
+            prompt_lps = None
+            if e.prompt_logprobs:
+                targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
+                lp = torch.log_softmax(rows[: len(targets)], dim=-1)
+                prompt_lps = [float(lp[i, t]) for i, t in enumerate(targets)]
+            if not e.sample:
+                outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
+                continue
+            state = self.requests.get(e.req_id)
+            if state is None:
+                raise RuntimeError(f"no sampling parameters for request {e.req_id}")
+            position = e.context_len + e.num_tokens
+            raw = rows[-1]
+            adjusted = apply_penalties(raw, state.params, state.history, state.spec.prompt_ids)
+            token = sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
+            state.history.append(token)
+            lp, top_ids, top_lps = (None, None, None)
+            if state.params.logprobs is not None:
+                lp, top_ids, top_lps = token_logprobs(raw, token, state.params.logprobs)
+            outs.append(TokenOut(req_id=e.req_id, position=position, token=token, logprob=lp, top_ids=top_ids,
+                                 top_logprobs=top_lps, prompt_logprobs=prompt_lps))
+        return outs
+
+    def stats(self) -> dict[str, float]:
+        return {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
+                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds}
+
+
+def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(ids[start:start + n])
+        start += n
+    return out

@@ -1,0 +1,103 @@
+"""StopMatcher: stop strings split across deltas never leak, and text is released as soon as it is safe."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.stop import StopMatcher
+
+
+def run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
+    m = StopMatcher(stops)
+    out = []
+    for d in deltas:
+        out.append(m.feed(d))
+        if m.stopped:
+            break
+    if not m.stopped:
+        out.append(m.flush())
+    return "".join(out), m.stopped, out
+
+
+def reference(stops: list[str], text: str) -> tuple[str, bool]:
+    hits = [i for i in (text.find(s) for s in stops if s) if i != -1]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def test_no_stops_passes_through():
+    assert run([], ["ab", "cd"]) == ("abcd", False, ["ab", "cd", ""])
+
+
+def test_stop_split_across_many_deltas():
+    text, stopped, pieces = run(["<END>"], ["hello ", "<", "E", "N", "D", ">", " after"])
+    assert (text, stopped) == ("hello ", True)
+    assert pieces[0] == "hello " and all(p == "" for p in pieces[1:])
+
+
+def test_held_prefix_released_when_it_stops_matching():
+    m = StopMatcher(["<END>"])
+    assert m.feed("a<E") == "a"
+    assert m.held == "<E"
+    assert m.feed("x") == "<Ex"
+    assert m.flush() == ""
+
+
+def test_flush_releases_held_text_at_end():
+    m = StopMatcher(["stop"])
+    assert m.feed("go st") == "go "
+    assert m.flush() == "st"
+    assert not m.stopped
+
+
+def test_match_at_the_very_start():
+    assert run(["ab"], ["ab", "cd"])[:2] == ("", True)
+    assert run(["ab"], ["a", "bcd"])[:2] == ("", True)
+
+
+def test_overlapping_prefixes():
+    # "aab" inside "aaab": the first candidate start fails, a later one succeeds.
+    assert run(["aab"], ["a", "a", "a", "b", "z"])[:2] == ("a", True)
+    assert run(["abab"], ["ab", "ab", "ab"])[:2] == ("", True)
+    assert run(["abac"], ["ab", "ab", "ac"])[:2] == ("ab", True)
+
+
+def test_multiple_stops_earliest_wins():
+    assert run(["world", "lo w"], ["hello world"])[:2] == ("hel", True)
+    assert run(["xyz", "b"], ["a", "b", "xyz"])[:2] == ("a", True)
+    # One stop is a prefix of another: the shorter one matches first.
+    assert run(["ab", "abc"], ["a", "bc"])[:2] == ("", True)
+
+
+def test_nothing_after_stop():
+    m = StopMatcher(["."])
+    assert m.feed("one. two") == "one"
+    assert m.feed("three") == ""
+    assert m.flush() == ""
+    assert m.matched == "."
+
+
+def test_unicode_and_empty_deltas():
+    assert run(["東京"], ["naïve ", "", "東", "", "京 🍣"])[:2] == ("naïve ", True)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_splits_match_reference(seed):
+    rng = random.Random(seed)
+    alphabet = "ab c"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 10))))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    got, stopped, pieces = run(stops, deltas)
+    assert (got, stopped) == reference(stops, text)
+    # Emitted text is released as early as possible: after each delta, only a possible stop-string start is held.
+    emitted = ""
+    for d_end, piece in zip(range(len(deltas)), pieces):
+        emitted += piece
+        seen = "".join(deltas[: d_end + 1])
+        if not stopped:
+            held = seen[len(emitted):]
+            assert len(held) < max(len(s) for s in stops)
+            assert held == "" or any(s.startswith(held) for s in stops)
