@@ -88,7 +88,7 @@ class ClusterBackend:
             raise EngineUnavailable(f"not serving: no heartbeat from {', '.join(missing)}")
         rid = request.request_id or uuid.uuid4().hex
         req = Request(req_id=rid, prompt_ids=list(request.prompt_ids), params=request.params,
-                      stop_token_ids=set() if request.ignore_eos else set(request.stop_token_ids),
+                      stop_token_ids=set(request.stop_token_ids),     # the API already left EOS out for ignore_eos
                       max_tokens=request.params.max_tokens, want_prompt_logprobs=request.prompt_logprobs)
         if req.params.seed is None:
             from stage_worker.sampler import random_seed
@@ -182,8 +182,8 @@ class ClusterBackend:
                     if q is not None:
                         q.put_nowait(EngineFailed(f"{msg.component} failed: {msg.message}"))
             drop = Plan(step=-1, microbatch=mb, entries=[], dropped=[msg.step],
-                        finished=self.scheduler.pending_finished[mb])
-            self.scheduler.pending_finished[mb] = []
+                        finished=self.scheduler.pending_finished)
+            self.scheduler.pending_finished = []
             await self._broadcast(drop)
         await self._kick()
 
@@ -218,6 +218,9 @@ class ClusterBackend:
         self._overlap = Gauge("moepipe_stage_overlap_seconds", "Wall time two or more stages computed at once "
                               "(different micro-batches): > 0 shows the pipeline overlapping", registry=metrics.registry)
         self._overlap.set_function(lambda: self.stage_overlap_seconds)
+        preempt = Gauge("moepipe_preemptions", "Requests preempted (recomputed later) because KV blocks ran out",
+                        registry=metrics.registry)
+        preempt.set_function(lambda: self.scheduler.num_preemptions)
         self._push_gauges()
 
     def _push_gauges(self) -> None:

@@ -131,19 +131,15 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
 
-def _engine_error(exc: Exception) -> APIError:
+def engine_error(exc: Exception) -> APIError:
+    """APIError for EngineOverloaded (429), EngineUnavailable (503) or EngineFailed (500)."""
     if isinstance(exc, EngineOverloaded):
         return APIError(429, f"The server is overloaded, try again later ({exc}).", type="rate_limit_error",
                         code="overloaded")
     if isinstance(exc, EngineUnavailable):
         return APIError(503, f"A serving component is unavailable: {exc}", type="service_unavailable_error",
-                        param=None, code="component_unavailable")
+                        code="component_unavailable")
     return APIError(500, f"The request failed while generating: {exc}", type="server_error", code="engine_failed")
-
-
-def engine_error(exc: Exception) -> APIError:
-    """APIError for EngineOverloaded (429), EngineUnavailable (503) or EngineFailed (500)."""
-    return _engine_error(exc)
 
 
 def internal_error() -> APIError:
@@ -163,7 +159,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_validation(exc).response()
 
     async def on_engine(_: Request, exc: Exception) -> JSONResponse:
-        return _engine_error(exc).response()
+        return engine_error(exc).response()
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

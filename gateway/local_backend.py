@@ -96,7 +96,7 @@ class LocalBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self._closed or not self._thread.is_alive():
             raise EngineUnavailable(COMPONENT)
-        if len(request.prompt_ids) + 1 > self.max_model_len:
+        if not request.prompt_ids or len(request.prompt_ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in {self.max_model_len}")
         job = _Job(request=request, loop=asyncio.get_running_loop(), queue=asyncio.Queue(), seq_id=next(self._ids),
                    seed=random_seed() if request.params.seed is None else request.params.seed,
@@ -160,7 +160,9 @@ class LocalBackend:
         finally:
             with self._cond:
                 self._closed = True
-                for job in [*self._running, *self._waiting]:
+                for job in self._running:       # started requests fail; queued ones never reached the model
+                    job.deliver(EngineFailed(f"{COMPONENT} stopped") if job.output else EngineUnavailable(COMPONENT))
+                for job in self._waiting:
                     job.deliver(EngineUnavailable(COMPONENT))
 
     def _reap(self) -> None:

@@ -50,6 +50,7 @@ class Request:
     finished: str | None = None        # finish reason once done
     cancelled: bool = False
     spec_sent: bool = False
+    fresh_sample: bool = False         # the newest output was sampled by the stages since the last admission
     preemptions: int = 0
     events: list[TokenOut] = field(default_factory=list)   # results not yet consumed by the API layer
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -76,7 +77,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.in_flight: dict[int, Plan] = {}                # microbatch -> plan being computed
-        self.pending_finished: dict[int, list[str]] = {m: [] for m in range(num_microbatches)}
+        # Requests whose per-request state stages must drop. Flushed into the next plan of any micro-batch, so a
+        # preempted request's "finished" always reaches the stages before its re-admission's sampling spec.
+        self.pending_finished: list[str] = []
+        self.num_preemptions = 0
         self._step = itertools.count()
         self._arrivals = itertools.count()
 
@@ -109,6 +113,7 @@ class Scheduler:
         """The next step of micro-batch `mb`, or None when it has nothing to run."""
         assert mb not in self.in_flight
         budget = self.max_num_batched_tokens
+        self._planned: set[str] = set()          # requests already in this plan: never preemption victims
         entries: list[SeqEntry] = []
         new_specs: list[SamplingSpec] = []
         members = sorted((r for r in self.running.values() if r.microbatch == mb), key=lambda r: r.arrival)
@@ -116,6 +121,8 @@ class Scheduler:
         for req in [r for r in members if r.prefill_done] + [r for r in members if not r.prefill_done]:
             if budget <= 0:
                 break
+            if req.req_id not in self.running:
+                continue                        # preempted by an earlier entry of this same plan
             entry = self._entry(req, budget, mb)
             if entry is None:
                 continue
@@ -138,10 +145,10 @@ class Scheduler:
             entries.append(entry)
             budget -= entry.num_tokens
             new_specs.append(self._spec(req))
-        finished = self.pending_finished[mb]
+        finished = self.pending_finished
         if not entries and not finished:
             return None
-        self.pending_finished[mb] = []
+        self.pending_finished = []
         plan = Plan(step=next(self._step), microbatch=mb, entries=entries, new_requests=new_specs, finished=finished)
         if entries:
             self.in_flight[mb] = plan
@@ -161,7 +168,8 @@ class Scheduler:
     def _entry(self, req: Request, budget: int, mb: int) -> SeqEntry | None:
         ids = req.all_ids
         if req.prefill_done:
-            n, tokens = 1, None                     # the newest sampled token: stage 0 has it from the last stage
+            # Stage 0 got the newest sampled token straight from the last stage, unless it predates a preemption.
+            n, tokens = 1, (None if req.fresh_sample else [ids[-1]])
         else:
             remaining = len(ids) - req.computed - (1 if req.output_ids else 0)
             # After a preemption the newest sampled token is part of what must be recomputed.
@@ -171,6 +179,7 @@ class Scheduler:
             tokens = ids[req.computed: req.computed + n]
         if not self._reserve(req, n, mb):
             return None
+        self._planned.add(req.req_id)
         done_prefill = req.computed + n >= len(ids)
         entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=req.computed, num_tokens=n,
                          block_table=list(req.blocks), tokens=tokens, sample=done_prefill or tokens is None,
@@ -193,16 +202,17 @@ class Scheduler:
     def _victim(self, mb: int, exclude: Request) -> Request | None:
         """The most recently admitted request not in a computing micro-batch (it loses the least work)."""
         cands = [r for r in self.running.values()
-                 if r is not exclude and r.microbatch not in self.in_flight and r.blocks]
+                 if r is not exclude and r.microbatch not in self.in_flight and r.blocks
+                 and r.req_id not in self._planned]
         return max(cands, key=lambda r: r.arrival) if cands else None
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free its blocks and slot, put it first in the queue; outputs so far are kept."""
         self._free(req)
-        if req.microbatch is not None:
-            self.pending_finished[req.microbatch].append(req.req_id)
-        req.computed, req.microbatch, req.spec_sent = 0, None, False
+        self.pending_finished.append(req.req_id)
+        req.computed, req.microbatch, req.spec_sent, req.fresh_sample = 0, None, False, False
         req.preemptions += 1
+        self.num_preemptions += 1
         del self.running[req.req_id]
         self.waiting.appendleft(req)
 
@@ -237,6 +247,7 @@ class Scheduler:
             if out.token < 0:
                 continue
             req.output_ids.append(out.token)
+            req.fresh_sample = True
             req.events.append(out)
             touched.append(req)
             reason = self._finish_reason(req)
@@ -265,8 +276,7 @@ class Scheduler:
         req.finished = reason
         self._free(req)
         self.running.pop(req.req_id, None)
-        if req.microbatch is not None:
-            self.pending_finished[req.microbatch].append(req.req_id)
+        self.pending_finished.append(req.req_id)
 
     def _free(self, req: Request) -> None:
         self.pool.free_blocks.extend(reversed(req.blocks))

@@ -46,7 +46,7 @@ class ClusterConfig:
     max_model_len: int = 0                      # 0 = the model's max_position_embeddings
     max_queue: int = 256                        # waiting requests beyond this get 429
     heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 3.0
+    heartbeat_timeout: float = 2.5             # /health turns 503 within 3 s of a component's death
     # Feature switches (A/B): the PLE service gathers rows (off = stage gathers in-process, the fallback);
     # prompt prefetch with process_madvise; micro-batches across stages.
     ple_service: bool = True

@@ -327,8 +327,10 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
                                                      text.get("partial_rotary_factor", cls.partial_rotary_factor)))
     if "num_nextn_predict_layers" in text and "mtp_num_hidden_layers" not in text:
         values["mtp_num_hidden_layers"] = text["num_nextn_predict_layers"]
-    if "dtype" in text or "torch_dtype" in text:
+    if text.get("dtype") or text.get("torch_dtype"):
         values["dtype"] = str(text.get("dtype") or text.get("torch_dtype"))
+    else:
+        values.pop("dtype", None)
     eos = values.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
     values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)

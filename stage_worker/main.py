@@ -118,13 +118,18 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 stop.set()
                 break
             runner.on_message(msg)
-        while (plan := runner.ready()) is not None:
+        while True:
+            plan = None
             try:
+                plan = runner.ready()
+                if plan is None:
+                    break
                 outgoing = runner.run(plan)
             except Exception as exc:  # a bad step must not take the worker down
-                log.exception("%s: step %d failed", name, plan.step)
-                runner.plans.pop(plan.step, None)
-                peers["gateway"].send_multipart(encode(StageError(component=name, step=plan.step,
+                step = plan.step if plan is not None else min(runner.plans, default=-1)
+                log.exception("%s: step %d failed", name, step)
+                runner.plans.pop(step, None)
+                peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
                                                                   message=f"{type(exc).__name__}: {exc}")))
                 continue
             for o in outgoing:

@@ -74,7 +74,7 @@ class StageRunner:
             for t in msg.tokens:
                 if t.token >= 0:
                     self.next_tokens[(t.req_id, t.position)] = t.token
-        elif isinstance(msg, PleReady):
+        elif isinstance(msg, PleReady) and msg.num_tokens > 0:
             self.ple[msg.step] = msg
 
     def _on_plan(self, plan: Plan) -> None:

@@ -1,0 +1,116 @@
+"""Client-side serving benchmark: time to first token, inter-token latency (median, p90) and tokens/s at 1 and 4
+concurrent streams, measured as the field reports do (002 §3.0): fixed prompts and seed, one warm-up run, three
+measured runs, median ITL and mean tokens/s, TTFT from the client.
+
+    python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in tiny model
+    python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
+    python bench/serve.py --stages 2 --no-ple-service          # A/B: the in-process PLE fallback
+Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = [
+    "Write a Python function that merges two sorted lists.",
+    "Explain what a mixture-of-experts layer does, in two sentences.",
+    "List three uses of a hash map in a compiler.",
+    "def quicksort(xs):",
+]
+
+
+async def one_stream(client, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
+    t0 = time.perf_counter()
+    stamps = []
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.7,
+                                             seed=seed, stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    if not stamps:
+        return {"ttft": float("nan"), "itl": [], "tokens": 0, "seconds": time.perf_counter() - t0}
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
+            "seconds": stamps[-1] - t0}
+
+
+async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600)
+    results = []
+    for run in range(runs + 1):                        # run 0 is the warm-up
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*[one_stream(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, 1000 + i)
+                                      for i in range(streams)])
+        wall = time.perf_counter() - t0
+        if run:
+            results.append((outs, wall))
+    itl = [x for outs, _ in results for o in outs for x in o["itl"]]
+    ttft = [o["ttft"] for outs, _ in results for o in outs]
+    per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
+    itl_sorted = sorted(itl)
+    return {"streams": streams, "runs": runs, "max_tokens": max_tokens,
+            "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
+            "itl_median_ms": 1e3 * statistics.median(itl) if itl else float("nan"),
+            "itl_p90_ms": 1e3 * itl_sorted[int(0.9 * (len(itl_sorted) - 1))] if itl else float("nan"),
+            "tokens_per_s_mean": statistics.fmean(per_run_tps)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
+    ap.add_argument("--model", default=None, help="checkpoint to serve (default: the built-in tiny model)")
+    ap.add_argument("--model-name", default="moepipe")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--no-ple-service", action="store_true")
+    ap.add_argument("--streams", default="1,4")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/serve.json")
+    args = ap.parse_args()
+
+    cluster = None
+    url = args.url
+    if url is None:
+        from gateway.launcher import Cluster, ServeOptions
+        from shared.cli import ensure_builtin_model
+
+        model = Path(args.model) if args.model else ensure_builtin_model()
+        extra = {"ple_service": False} if args.no_ple_service else {}
+        cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
+                                       extra=extra)).__enter__()
+        url = cluster.url
+    try:
+        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs))
+                for n in args.streams.split(",")]
+    finally:
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
+    meta = {"command": " ".join(sys.argv), "machine": platform.node(), "python": platform.python_version(),
+            "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print(f"{'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['streams']:>7} {r['ttft_median_s']:>10.3f} {r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} "
+              f"{r['tokens_per_s_mean']:>8.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible API end to end: real uvicorn over LocalBackend and the tiny model, driven by the official
+`openai` client and raw httpx; error paths of the engine interface through stub engines."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from fastapi.testclient import TestClient
+
+from gateway.api import create_app
+from gateway.engine import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
+from gateway.local_backend import LocalBackend
+from gateway.metrics import Metrics
+from gateway.tokenizer import Tokenizer
+from shared.sampling import SamplingParams, read_generation_config
+from stage_worker.checkpoint.loader import load_model
+from stage_worker.checkpoint.make_model import make_model
+from stage_worker.generate import GenerateResult, generate
+from stage_worker.local_engine import LocalEngine
+
+MODEL = "tiny-test"
+MAX_LEN = 512
+CHAT_PROMPT = "Write a haiku about GPUs"
+TEXT_PROMPT = "The quick brown fox jumps over"
+N = 8
+
+
+@dataclass
+class Served:
+    url: str
+    backend: LocalBackend
+    metrics: Metrics
+    tok: Tokenizer
+    model_dir: Path
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    tok = Tokenizer.from_dir(model_dir)
+    metrics = Metrics()
+    backend = LocalBackend.from_dir(model_dir, max_model_len=MAX_LEN, metrics=metrics)
+    app = create_app(backend, tok, model_name=MODEL, generation_config=read_generation_config(model_dir),
+                     metrics=metrics)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", backend, metrics, tok, model_dir)
+    server.should_exit = True
+    thread.join(10)
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def chat_ref(model_dir) -> GenerateResult:
+    return generate(model_dir, CHAT_PROMPT, SamplingParams(max_tokens=N, temperature=0.0), chat=True)
+
+
+@pytest.fixture(scope="module")
+def text_ref(model_dir) -> GenerateResult:
+    return generate(model_dir, TEXT_PROMPT, SamplingParams(max_tokens=N, temperature=0.0))
+
+
+def chat(served: Served, **kwargs):
+    kwargs.setdefault("messages", [{"role": "user", "content": CHAT_PROMPT}])
+    return served.client.chat.completions.create(model=MODEL, temperature=0.0, **kwargs)
+
+
+def stream_chat(served: Served, **kwargs) -> list:
+    return list(chat(served, stream=True, **kwargs))
+
+
+def reference_logprobs(model_dir: Path, prompt_ids: list[int], out_ids: list[int]) -> list[torch.Tensor]:
+    """log_softmax rows in-process, fed exactly as the backend feeds them: prompt, then one token at a time."""
+    engine = LocalEngine([load_model(model_dir)], max_seqs=1, max_tokens=len(prompt_ids) + len(out_ids) + 16)
+    engine.add(0)
+    rows = [engine.step([(0, prompt_ids)])[0]]
+    for t in out_ids[:-1]:
+        rows.append(engine.step([(0, [t])])[0])
+    return [torch.log_softmax(r.float(), dim=-1) for r in rows]
+
+
+def chat_prompt_ids(served: Served) -> list[int]:
+    return served.tok.encode(served.tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}]))
+
+
+def metric_value(served: Served, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{served.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_idle(backend: LocalBackend, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while backend.num_running or backend.num_waiting:
+        assert time.monotonic() < deadline, "the backend kept computing a request nobody listens to"
+        time.sleep(0.02)
+
+
+# ---- happy paths --------------------------------------------------------------------------------------------------
+
+def test_models_and_health(served):
+    assert [m.id for m in served.client.models.list().data] == [MODEL]
+    r = httpx.get(f"{served.url}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_chat_greedy_matches_generate(served, chat_ref):
+    r = chat(served, max_tokens=N)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == chat_ref.text
+    assert r.choices[0].finish_reason == chat_ref.finish_reason == "length"
+    assert r.usage.prompt_tokens == chat_ref.prompt_tokens
+    assert r.usage.completion_tokens == N
+    assert r.usage.total_tokens == chat_ref.prompt_tokens + N
+
+
+def test_chat_stream_equals_nonstream(served, chat_ref):
+    chunks = stream_chat(served, max_completion_tokens=N, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
+    assert chunks[-1].usage.prompt_tokens == chat_ref.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_text_and_token_ids(served, text_ref):
+    r = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=N, temperature=0.0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == text_ref.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (text_ref.prompt_tokens, N)
+    ids = served.tok.encode(TEXT_PROMPT)
+    r2 = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=N, temperature=0.0)
+    assert r2.choices[0].text == text_ref.text
+    pieces = served.client.completions.create(model=MODEL, prompt=[TEXT_PROMPT], max_tokens=N, temperature=0.0,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == text_ref.text
+
+
+def test_concurrent_requests_are_batched_and_unchanged(served, chat_ref, text_ref):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def text_call():
+        return served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=N, temperature=0.0)
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(chat, served, max_tokens=N), pool.submit(text_call), pool.submit(chat, served,
+                                                                                                max_tokens=N)]
+        a, b, c = (f.result() for f in futures)
+    assert a.choices[0].message.content == c.choices[0].message.content == chat_ref.text
+    assert b.choices[0].text == text_ref.text
+
+
+def test_stop_string_never_in_output(served, chat_ref):
+    text = chat_ref.text
+    middle = len(text) // 2
+    stop = text[middle: middle + 3]
+    assert len(stop) == 3
+    expected = text[: text.find(stop)]
+    r = chat(served, max_tokens=N, stop=[stop, "\x00never"])
+    assert r.choices[0].message.content == expected and stop not in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < N or text.find(stop) + len(stop) > len(text) - 1
+    chunks = stream_chat(served, max_tokens=N, stop=stop)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    wait_idle(served.backend)
+
+
+def test_stop_token_ends_with_stop_and_is_not_emitted(served, chat_ref):
+    stop_id = chat_ref.token_ids[3]
+    first = chat_ref.token_ids.index(stop_id)
+    r = chat(served, max_tokens=N, extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == served.tok.decode(chat_ref.token_ids[:first])
+    assert r.usage.completion_tokens == first + 1        # the stop token was generated, so it counts
+
+
+def test_chat_logprobs_match_in_process(served, chat_ref):
+    k, n = 5, 6
+    r = chat(served, max_tokens=n, logprobs=True, top_logprobs=k)
+    content = r.choices[0].logprobs.content
+    out_ids = chat_ref.token_ids[:n]
+    assert len(content) == n
+    rows = reference_logprobs(served.model_dir, chat_prompt_ids(served), out_ids)
+    for entry, tid, lp in zip(content, out_ids, rows):
+        raw = served.tok.token_bytes(tid, skip_special_tokens=False)
+        assert entry.bytes == list(raw)
+        assert math.isclose(entry.logprob, float(lp[tid]), abs_tol=1e-4)
+        tops = entry.top_logprobs
+        assert len(tops) == k
+        assert all(a.logprob >= b.logprob for a, b in zip(tops, tops[1:]))
+        assert tops[0].token == entry.token and math.isclose(tops[0].logprob, entry.logprob, abs_tol=1e-6)
+        best = torch.topk(lp, k)
+        for t, ref_lp in zip(tops, best.values.tolist()):
+            assert math.isclose(t.logprob, ref_lp, abs_tol=1e-4) and t.logprob <= 0 and isinstance(t.bytes, list)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    chunks = stream_chat(served, max_tokens=n, logprobs=True, top_logprobs=k)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+def test_completion_echo_with_logprobs(served, model_dir):
+    n = 4
+    ref = generate(model_dir, TEXT_PROMPT, SamplingParams(max_tokens=n, temperature=0.0))
+    r = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=n, temperature=0.0,
+                                         echo=True, logprobs=3)
+    choice = r.choices[0]
+    assert choice.text == TEXT_PROMPT + ref.text
+    lp = choice.logprobs
+    prompt_ids = served.tok.encode(TEXT_PROMPT)
+    p = len(prompt_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == p + n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    engine = LocalEngine([load_model(model_dir)], max_seqs=1, max_tokens=64)
+    engine.add(0)
+    rows = torch.log_softmax(engine.step([(0, prompt_ids)], all_logits=True).float(), dim=-1)
+    for i in range(1, p):
+        assert math.isclose(lp.token_logprobs[i], float(rows[i - 1, prompt_ids[i]]), abs_tol=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[p] == len(TEXT_PROMPT)
+    for tok, val, top in zip(lp.tokens[p:], lp.token_logprobs[p:], lp.top_logprobs[p:]):
+        assert val <= 0 and tok in top and 3 <= len(top) <= 4 and math.isclose(top[tok], val)
+    stream = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=n, temperature=0.0,
+                                              echo=True, stream=True)
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert texts[0] == TEXT_PROMPT and "".join(texts) == TEXT_PROMPT + ref.text
+
+
+def test_seeded_sampling_reproduces_generate(served, model_dir):
+    params = dict(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=1234)
+    a = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, extra_body={"top_k": 0},
+                                         **{k: v for k, v in params.items() if k != "top_k"})
+    b = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, extra_body={"top_k": 0},
+                                         **{k: v for k, v in params.items() if k != "top_k"})
+    assert a.choices[0].text == b.choices[0].text
+    ref = generate(model_dir, TEXT_PROMPT, SamplingParams(**params))
+    assert a.choices[0].text == ref.text
+
+
+def test_context_length_clamp_and_refusal(served):
+    ids = [100] * (MAX_LEN - 1)
+    r = served.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 50, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
+    r = served.post("/v1/completions", json={"model": MODEL, "prompt": [100] * MAX_LEN})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt" and r.json()["error"]["code"] == "context_length_exceeded"
+    r = served.post("/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+# ---- client mistakes ----------------------------------------------------------------------------------------------
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"content": "no role"}]}, "messages[0].role"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+])
+def test_chat_bad_requests_name_the_field(served, body, param):
+    err = _assert_error(served.post("/v1/chat/completions", json={**GOOD_CHAT, **body}), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"n": 3}, "n"),
+])
+def test_completion_bad_requests_name_the_field(served, body, param):
+    _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body}),
+                  400, param)
+
+
+def test_malformed_bodies(served):
+    for raw in (b'{"model": "\xff\xfe"}', b'{"model": ', b"[1, 2]", b"", b'"just a string"', b"[" * 100000):
+        _assert_error(served.post("/v1/chat/completions", content=raw,
+                                  headers={"content-type": "application/json"}), 400)
+
+
+def test_lone_surrogates_are_refused(served):
+    raw = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 1}' % MODEL.encode()
+    _assert_error(served.post("/v1/completions", content=raw), 400, "prompt")
+    raw = b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'
+    _assert_error(served.post("/v1/chat/completions", content=raw), 400, "messages")
+
+
+def test_unknown_model_and_route(served):
+    _assert_error(served.post("/v1/chat/completions", json={**GOOD_CHAT, "model": "gpt-9"}), 404, "model",
+                  "model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        served.client.completions.create(model="gpt-9", prompt="hi", max_tokens=1)
+    _assert_error(httpx.get(f"{served.url}/v1/nothing-here"), 404)
+
+
+def test_ten_megabyte_prompt_is_a_clean_400(served):
+    big = "a" * (10 << 20)
+    t0 = time.monotonic()
+    _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": big}), 400, "prompt",
+                  "context_length_exceeded")
+    _assert_error(served.post("/v1/chat/completions",
+                              json={"model": MODEL, "messages": [{"role": "user", "content": big}]}),
+                  400, "messages", "context_length_exceeded")
+    assert time.monotonic() - t0 < 20
+
+
+def test_harmless_tool_fields_are_accepted(served):
+    r = served.post("/v1/chat/completions", json={**GOOD_CHAT, "tool_choice": "none", "parallel_tool_calls": False,
+                                                  "response_format": {"type": "text"}, "user": "u",
+                                                  "some_future_field": {"x": 1},
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+
+
+def test_explicit_nulls_mean_unset(served):
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
+                           "top_logprobs", "tools", "tool_choice", "response_format", "chat_template_kwargs",
+                           "ignore_eos", "max_completion_tokens", "stop_token_ids"])
+    r = served.post("/v1/chat/completions", json={**GOOD_CHAT, **nulls})
+    assert r.status_code == 200, r.text
+    nulls = {k: None for k in ("echo", "logprobs", "stream", "seed", "stop", "suffix")}
+    r = served.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **nulls})
+    assert r.status_code == 200, r.text
+
+
+def test_normal_request_after_errors(served, chat_ref):
+    assert chat(served, max_tokens=N).choices[0].message.content == chat_ref.text
+
+
+# ---- disconnects, metrics -------------------------------------------------------------------------------------
+
+def test_client_disconnect_cancels_the_request(served):
+    aborted = metric_value(served, "moepipe_requests_total", '{finish_reason="abort"}')
+    # Greedy and ignore_eos: the request cannot end on its own before the client leaves.
+    body = {**GOOD_CHAT, "max_tokens": 400, "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    wait_idle(served.backend)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_idle(served.backend)
+    deadline = time.monotonic() + 5
+    while metric_value(served, "moepipe_requests_total", '{finish_reason="abort"}') < aborted + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_metrics_count_requests(served):
+    before = metric_value(served, "moepipe_requests_total", '{finish_reason="length"}')
+    gen_before = metric_value(served, "moepipe_generation_tokens_total")
+    chat(served, max_tokens=2)
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in ("moepipe_time_to_first_token_seconds", "moepipe_inter_token_latency_seconds",
+                 "moepipe_e2e_request_latency_seconds", "moepipe_prompt_tokens_total",
+                 "moepipe_generation_tokens_total", "moepipe_requests_total", "moepipe_requests_running",
+                 "moepipe_requests_waiting", "moepipe_kv_blocks_used", "moepipe_kv_blocks_total",
+                 "moepipe_state_slots_used", "moepipe_stage_step_seconds", "moepipe_stage_busy_fraction",
+                 "moepipe_ple_prefetch_pages_total", "moepipe_ple_gather_seconds_total",
+                 "moepipe_ple_stage_wait_seconds_total"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    assert metric_value(served, "moepipe_requests_total", '{finish_reason="length"}') == before + 1
+    assert metric_value(served, "moepipe_generation_tokens_total") == gen_before + 2
+    assert metric_value(served, "moepipe_time_to_first_token_seconds_count") >= 1
+    assert metric_value(served, "moepipe_kv_blocks_total") > 0
+
+
+# ---- engine failures through stub engines --------------------------------------------------------------------
+
+class StubEngine:
+    """Raises `fail` when generation starts (or after `after` tokens); records the last request."""
+
+    max_model_len = 256
+
+    def __init__(self, fail: BaseException | None = None, after: int = 0, down: list[str] | None = None) -> None:
+        self.fail, self.after, self.down = fail, after, down or []
+        self.last: GenerationRequest | None = None
+
+    async def generate(self, request: GenerationRequest):
+        self.last = request
+        for i in range(request.params.max_tokens):
+            if self.fail is not None and i == self.after:
+                raise self.fail
+            done = i + 1 == request.params.max_tokens
+            yield TokenEvent(token_id=100 + i, finish_reason="length" if done else None)
+
+    def health(self) -> list[str]:
+        return self.down
+
+
+@pytest.fixture(scope="module")
+def stub_app(model_dir):
+    tok = Tokenizer.from_dir(model_dir)
+    gen_cfg = read_generation_config(model_dir)
+
+    def build(engine: StubEngine, **kwargs) -> TestClient:
+        app = create_app(engine, tok, model_name=MODEL, generation_config=gen_cfg, metrics=Metrics(), **kwargs)
+        return TestClient(app, raise_server_exceptions=False)
+
+    return build
+
+
+def test_engine_errors_map_to_status(stub_app):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+    _assert_error(stub_app(StubEngine(EngineOverloaded("queue full"))).post("/v1/completions", json=body), 429)
+    err = _assert_error(stub_app(StubEngine(EngineUnavailable("stage-1"))).post("/v1/completions", json=body), 503)
+    assert "stage-1" in err["message"]
+    err = _assert_error(stub_app(StubEngine(RuntimeError("secret detail"))).post("/v1/completions", json=body), 500)
+    assert "secret" not in err["message"]
+    err = _assert_error(stub_app(StubEngine(EngineFailed("stage 2 died"), after=1)).post("/v1/completions",
+                                                                                         json=body), 500)
+    client = stub_app(StubEngine(EngineFailed("stage 2 died"), after=1))
+    lines = [ln for ln in client.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if ln]
+    assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2].removeprefix("data: "))
+
+
+def test_health_names_missing_components(stub_app):
+    r = stub_app(StubEngine(down=["stage-0", "ple"])).get("/health")
+    err = _assert_error(r, 503)
+    assert "stage-0" in err["message"] and "ple" in err["message"]
+
+
+def test_body_size_limit(stub_app):
+    client = stub_app(StubEngine(), max_body_bytes=1024)
+    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 2000}), 413)
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_defaults_come_from_generation_config(stub_app, model_dir):
+    engine = StubEngine()
+    client = stub_app(engine)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "seed": 7})
+    assert r.status_code == 200, r.text
+    params, gen_cfg = engine.last.params, read_generation_config(model_dir)
+    assert (params.temperature, params.top_p, params.top_k) == (gen_cfg["temperature"], gen_cfg["top_p"],
+                                                                 gen_cfg["top_k"])
+    assert params.seed == 7
+    assert params.max_tokens == StubEngine.max_model_len - len(engine.last.prompt_ids)
+    assert engine.last.stop_token_ids == set(gen_cfg["eos_token_id"])
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "ignore_eos": True, "top_k": -1,
+                                         "temperature": 0.5, "max_tokens": 5})
+    assert engine.last.stop_token_ids == set() and engine.last.params.top_k == 0
+    assert (engine.last.params.temperature, engine.last.params.max_tokens) == (0.5, 5)
