@@ -31,6 +31,7 @@ class Outgoing:
 class _Prepared:
     plan: Plan
     batch: StepBatch | None = None
+    complete: bool = False            # token ids known
 
 
 @dataclass
@@ -95,9 +96,12 @@ class StageRunner:
                                         logprobs=spec.logprobs)
                 self.requests[spec.req_id] = _ReqState(spec, params, list(spec.output_ids))
         if plan.entries:
+            # Everything but the ids of decode tokens is known now: positions, KV rows, slots, logits rows. The ids
+            # (from the previous stage's activations, or on stage 0 the last stage's Sampled) are filled in later.
             prepared = _Prepared(plan)
-            if all(e.tokens is not None for e in plan.entries):
-                prepared.batch = self._build_batch(plan, [e.tokens for e in plan.entries])
+            prepared.batch = self._build_batch(plan, [e.tokens if e.tokens is not None else [0] * e.num_tokens
+                                                      for e in plan.entries])
+            prepared.complete = all(e.tokens is not None for e in plan.entries)
             self.plans[plan.step] = prepared
             if self.ring is not None:
                 self._ple_wait_start[plan.step] = time.perf_counter()
@@ -127,20 +131,17 @@ class StageRunner:
             return None
         if self.ring is not None and step not in self.ple:
             return None
-        if prepared.batch is None:
+        if not prepared.complete:
             if self.is_first:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
                 if any(k not in self.next_tokens for k in keys):
                     return None
-                tokens = [e.tokens if e.tokens is not None else [self.next_tokens.pop((e.req_id, e.context_len))]
-                          for e in prepared.plan.entries]
+                ids = [t for e in prepared.plan.entries
+                       for t in (e.tokens if e.tokens is not None else [self.next_tokens.pop((e.req_id, e.context_len))])]
+                prepared.batch.token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             else:
-                ids = self.acts[step].token_ids.tolist()
-                tokens, start = [], 0
-                for e in prepared.plan.entries:
-                    tokens.append(ids[start:start + e.num_tokens])
-                    start += e.num_tokens
-            prepared.batch = self._build_batch(prepared.plan, tokens)
+                prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
+            prepared.complete = True
         return prepared.plan
 
     # ---- the step ----------------------------------------------------------------------------------------------
