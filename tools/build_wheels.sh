@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build the wheel folder an offline GPU machine needs (the lent H200s: Python 3.12, torch 2.11, triton 3.6,
+# msgpack, numpy, tokenizers, safetensors, httpx, prometheus-client already there; transformers there is 5.17,
+# older than our oracle). One command:  tools/build_wheels.sh [DIR]   (default .whl, git-ignored)
+# On the GPU machine:  python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
+#                      export PYTHONPATH=/tmp/site:$PWD
+set -euo pipefail
+dir="${1:-.whl}"
+mkdir -p "$dir"
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+pkgs=(
+  # the server
+  fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
+  opentelemetry-api pyzmq
+  # test clients and the reference implementation
+  openai distro jiter sniffio httpx2 httpcore2 truststore idna "transformers>=5.24"
+  # GPU kernels: flash-linear-attention's Gated DeltaNet kernels
+  flash-linear-attention fla-core einops
+)
+for p in "${pkgs[@]}"; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dir" "$p"
+done
+ls -1 "$dir"
+du -sh "$dir"
