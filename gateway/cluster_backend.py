@@ -193,10 +193,15 @@ class ClusterBackend:
             missing = [c for c in self.health() if self.state[c].last_seen > 0]
             if missing and (self.scheduler.num_running or self.scheduler.num_waiting):
                 err = EngineFailed(f"{', '.join(missing)} stopped responding")
-                for req in self.scheduler.fail_all("error"):
+                steps = [p.step for p in self.scheduler.in_flight.values()]
+                failed = self.scheduler.fail_all("error")
+                for req in failed:
                     q = self.queues.get(req.req_id)
                     if q is not None:
                         q.put_nowait(err)
+                # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
+                await self._broadcast(Plan(step=-1, microbatch=0, entries=[], dropped=steps,
+                                           finished=[r.req_id for r in failed]))
 
     # ---- statistics --------------------------------------------------------------------------------------------
     def _account_timing(self, msg: StepResult) -> None:

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, split_layers
+from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
 from shared.model_config import Qwen4ExpConfig, load_config
 
 
@@ -40,10 +40,16 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
     ipc = lambda name: f"ipc://{run_dir / (name + '.sock')}"          # noqa: E731
     devices = [opts.device] * opts.stages
     if opts.device == "cuda":
-        devices = [f"cuda:{i}" for i in range(opts.stages)]
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError("--device cuda: no CUDA device is visible")
+        # One GPU per stage when there are enough; otherwise stages share GPUs round-robin.
+        devices = [f"cuda:{i % count}" for i in range(opts.stages)]
     stages = [StageSpec(start=s, end=e, endpoint=ipc(f"stage{i}"), device=devices[i])
               for i, (s, e) in enumerate(split_layers(cfg.num_hidden_layers, opts.stages))]
-    extra = dict(opts.extra or {})
+    extra = {**env_overrides(), **(opts.extra or {})}        # command-line flags win over the environment
     has_ple = isinstance(cfg, Qwen4ExpConfig) and bool(cfg.ple_layer_ids)
     use_service = has_ple and extra.pop("ple_service", True)
     cluster = ClusterConfig(model=str(Path(opts.model).resolve()), stages=stages,

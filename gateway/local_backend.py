@@ -1,6 +1,6 @@
 """`Engine` in one process: a worker thread drives `LocalEngine` over a loaded model, one step at a time.
 
-What the API tests run against, and the `--stages 0` debug mode. Requests queue up to `max_waiting`, at most
+What the API tests run against (a single-process backend; `moepipe serve` always starts stage processes). Requests queue up to `max_waiting`, at most
 `max_seqs` run at once; every step feeds each running request either its next prompt chunk or its last sampled token,
 so requests are batched continuously (simply: no preemption, no token budget beyond `prefill_chunk` per prompt).
 Each request has an asyncio queue; the thread hands events to it with `call_soon_threadsafe`.

@@ -211,6 +211,8 @@ class Scheduler:
         self._free(req)
         self.pending_finished.append(req.req_id)
         req.computed, req.microbatch, req.spec_sent, req.fresh_sample = 0, None, False, False
+        if not req.output_ids:
+            req.prompt_logprobs.clear()          # a prefill cut short is recomputed, prompt logprobs included
         req.preemptions += 1
         self.num_preemptions += 1
         del self.running[req.req_id]

@@ -95,11 +95,18 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_MICROBATCHES": "microbatches"}
 
 
-def _apply_env(raw: dict[str, Any]) -> None:
+def env_overrides() -> dict[str, Any]:
+    """Feature switches set in the environment (A/B without editing the config file)."""
+    out: dict[str, Any] = {}
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            raw[key] = int(val) if key == "microbatches" else val.lower() not in ("0", "false", "no", "off")
+            out[key] = int(val) if key == "microbatches" else val.lower() not in ("0", "false", "no", "off")
+    return out
+
+
+def _apply_env(raw: dict[str, Any]) -> None:
+    raw.update(env_overrides())
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

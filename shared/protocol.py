@@ -199,19 +199,19 @@ def decode(frames: list[Any]) -> Message:
         raise ProtocolError("unknown message type")
     header.pop("v")
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in header:
-            continue
-        value = header[f.name]
-        if isinstance(value, dict) and "__tensor__" in value:
-            value = _tensor(frames, value)
-        elif f.name in _NESTED and isinstance(value, list):
-            value = [_NESTED[f.name](**v) for v in value]
-        kwargs[f.name] = value
     try:
+        for f in dataclasses.fields(cls):
+            if f.name not in header:
+                continue
+            value = header[f.name]
+            if isinstance(value, dict) and "__tensor__" in value:
+                value = _tensor(frames, value)
+            elif f.name in _NESTED and isinstance(value, list):
+                value = [_NESTED[f.name](**v) for v in value]
+            kwargs[f.name] = value
         return cls(**kwargs)
-    except TypeError as exc:
-        raise ProtocolError(f"{cls.TYPE}: {exc}") from exc
+    except Exception as exc:  # any malformed field (bad nested entry, dtype, frame index) is a protocol error
+        raise ProtocolError(f"{cls.TYPE}: {type(exc).__name__}: {exc}") from exc
 
 
 def _tensor(frames: list[Any], desc: dict) -> torch.Tensor:

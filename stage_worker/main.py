@@ -117,7 +117,10 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             if isinstance(msg, Shutdown):
                 stop.set()
                 break
-            runner.on_message(msg)
+            try:
+                runner.on_message(msg)
+            except Exception:  # a message the runner cannot use must not take the worker down
+                log.exception("%s: could not handle a %s message", name, type(msg).__name__)
         while True:
             plan = None
             try:

@@ -103,8 +103,6 @@ class StageRunner:
                                                       for e in plan.entries])
             prepared.complete = all(e.tokens is not None for e in plan.entries)
             self.plans[plan.step] = prepared
-            if self.ring is not None:
-                self._ple_wait_start[plan.step] = time.perf_counter()
 
     def _build_batch(self, plan: Plan, tokens: list[list[int]]) -> StepBatch:
         seqs = [(toks, e.context_len, e.slot, e.block_table) for e, toks in zip(plan.entries, tokens)]
@@ -129,8 +127,6 @@ class StageRunner:
         prepared = self.plans[step]
         if not self.is_first and step not in self.acts:
             return None
-        if self.ring is not None and step not in self.ple:
-            return None
         if not prepared.complete:
             if self.is_first:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
@@ -142,6 +138,10 @@ class StageRunner:
             else:
                 prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
             prepared.complete = True
+        if self.ring is not None and step not in self.ple:
+            # Everything else is here: from now on the stage is waiting for the PLE service.
+            self._ple_wait_start.setdefault(step, time.perf_counter())
+            return None
         return prepared.plan
 
     # ---- the step ----------------------------------------------------------------------------------------------

@@ -291,3 +291,31 @@ def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
             launcher.wait()
         for p in _children(launcher.pid):
             os.kill(p, signal.SIGKILL)
+
+
+def test_malformed_messages_never_take_a_process_down(cluster, tiny):
+    """Garbage pushed into the gateway's and a stage's inboxes is logged and skipped."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    bad = [
+        [b"\x00not msgpack"],
+        [msgpack.packb({"t": "plan", "v": 1, "step": 1, "microbatch": 0, "entries": [{"nope": 1}]})],
+        [msgpack.packb({"t": "act", "v": 1, "step": 1, "hidden": {"__tensor__": 1, "dtype": "complex", "shape": [1]},
+                        "token_ids": {"__tensor__": 9, "dtype": "int64", "shape": [1]}}), b"x"],
+        [msgpack.packb({"t": "result", "v": 99})],
+    ]
+    for endpoint in (cluster.cluster.gateway_endpoint, cluster.cluster.stages[1].endpoint):
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.connect(endpoint)
+        for frames in bad:
+            s.send_multipart(frames)
+        s.close()
+    ctx.term()
+    time.sleep(1.0)
+    assert httpx.get(cluster.url + "/health").status_code == 200
+    ok = OpenAI(base_url=cluster.url + "/v1", api_key="x").completions.create(
+        model="moepipe", prompt="x", max_tokens=3, temperature=0)
+    assert ok.choices[0].text == _solo(tiny, "x", 3, temperature=0.0)

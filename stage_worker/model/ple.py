@@ -56,7 +56,7 @@ class PLEBranch(nn.Module):
         rows = self.rows(batch, state)
         emb = batch.ple_rows.get(layer)
         if emb is None:
-            emb = self.table.gather(rows.flatten()).view(*rows.shape, -1)
+            emb = self.table.gather(rows.flatten()).view(*rows.shape, -1).to(streams.device, non_blocking=True)
         emb = emb.flatten(-2).to(streams.dtype)
         key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
         value = self.value_proj(emb)
