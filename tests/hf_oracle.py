@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+
+# The oracle runs on the CPU. Where flash-linear-attention is installed (GPU machines), transformers would route its
+# Gated DeltaNet through fla's Triton kernels, which cannot take CPU tensors: hide fla from it.
+sys.modules.setdefault("fla", None)
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 COMMON = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

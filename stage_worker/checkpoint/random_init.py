@@ -11,33 +11,38 @@ import hashlib
 import torch
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def _generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
-def random_param(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Each tensor depends only on (seed, name): any subset can be generated alone, in any order."""
-    gen = _generator(seed, name)
+def random_param(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each tensor depends only on (seed, name, device): any subset can be generated alone, in any order.
+
+    On a GPU the values come from the GPU's generator (a 100 GB dummy model fills in seconds there); they differ
+    from the CPU's, which only matters for comparing dummy models across devices."""
+    gen = _generator(seed, name, device)
     leaf = name.rsplit(".", 2)
+    kw = dict(device=device, dtype=torch.float32 if torch.device(device).type == "cpu" else dtype)
     if name.endswith("A_log"):
-        t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+        t = torch.empty(shape, **kw).uniform_(1.0, 16.0, generator=gen).log_()
     elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-        t = torch.ones(shape)
+        t = torch.ones(shape, **kw)
     elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("hc_norm.weight") or \
             leaf[-2].startswith("norm_"):
-        t = torch.randn(shape, generator=gen) * 0.02      # zero-centred norms: small perturbation of 1 + w
+        t = torch.randn(shape, generator=gen, **kw) * 0.02      # zero-centred norms: small perturbation of 1 + w
     elif name.endswith("conv1d.weight"):
-        t = torch.randn(shape, generator=gen) * 0.2
+        t = torch.randn(shape, generator=gen, **kw) * 0.2
     else:
-        t = torch.randn(shape, generator=gen) * 0.02
+        t = torch.randn(shape, generator=gen, **kw) * 0.02
     return t.to(dtype)
 
 
 @torch.no_grad()
 def fill_random(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
-        p.copy_(random_param(name, tuple(p.shape), seed, p.dtype))
+        p.copy_(random_param(name, tuple(p.shape), seed, p.dtype, p.device))
 
 
 class ProceduralTable:

@@ -1,0 +1,232 @@
+"""In-process decode benchmark against the memory-bandwidth roofline (DESIGN §6, 002 §3.0).
+
+    python bench/decode.py --preset full-shape          # Qwen4-Exp at the reports' dimensions, dummy weights
+    python bench/decode.py --preset qwen3-next-shape    # Qwen3-Next-80B-A3B's dimensions, also vs transformers
+
+Dummy weights are generated on the GPU; the layer count is the largest that fits the card in bf16 (or --layers).
+For each batch size it prints and writes as JSON: the bytes one decode step must read (dense weights, the union of
+experts the batch selected, recurrent states, the K/V rows attention reads), HBM bandwidth measured in the same run,
+the roofline tokens/s, the measured median step time and tokens/s, the percentage of the roofline, CUDA kernels per
+step, and peak GPU memory against the weights' size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
+from stage_worker.checkpoint.make_model import preset_config  # noqa: E402
+from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+from stage_worker.model.moe import SparseMoE  # noqa: E402
+
+QWEN3_NEXT_80B = dict(   # Qwen3-Next-80B-A3B's config.json
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                          "partial_rotary_factor": 0.25},
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    intermediate_size=5120, decoder_sparse_step=1, max_position_embeddings=262144, eos_token_id=151645,
+    dtype="bfloat16", full_attention_interval=4,
+)
+
+
+def preset(name: str) -> dict:
+    if name == "full-shape":
+        raw = preset_config("full-shape")
+        raw.update(eos_token_id=248046)
+        return raw
+    if name == "qwen3-next-shape":
+        return dict(QWEN3_NEXT_80B)
+    raise SystemExit(f"unknown preset {name!r}: full-shape or qwen3-next-shape")
+
+
+def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
+    """(bytes of `layers` decoder layers, bytes outside the layers) in bf16, computed on the meta device."""
+    with torch.device("meta"):
+        from stage_worker.model.model import StageModel
+
+        m = StageModel(dataclasses.replace(cfg, num_hidden_layers=1, layer_types=cfg.layer_types[:1]))
+    per_type = {}
+    for kind in ("linear_attention", cfg.attention_layer_type):
+        c = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=[kind],
+                                **({"ple_layer_ids": []} if isinstance(cfg, Qwen4ExpConfig) else {}))
+        with torch.device("meta"):
+            mm = StageModel(c)
+        per_type[kind] = sum(p.numel() for n, p in mm.named_parameters() if n.startswith("layers.")) * 2
+    outside = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("layers.")) * 2
+    total = sum(per_type[cfg.layer_types[i]] for i in range(layers))
+    return total, outside
+
+
+def fit_layers(cfg: HybridMoeConfig, share: float) -> int:
+    free, _ = torch.cuda.mem_get_info()
+    n = cfg.num_hidden_layers
+    while n > 4:
+        layers, outside = param_bytes(cfg, n)
+        if layers + outside < free * share:
+            break
+        n -= 4          # keep the [linear x3, attention] pattern whole
+    return n
+
+
+def hbm_bandwidth(gib: float = 4.0) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    n = int(gib * (1 << 30)) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n * 2 / statistics.median(times[2:])
+
+
+def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[str, int]:
+    """Bytes one decode step must read from HBM, from the experts the last step actually selected."""
+    dense = experts = 0
+    expert_each = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.endswith(".w13") or name.endswith(".w2"):
+            expert_each += nbytes // p.shape[0]
+            continue
+        if "embed_tokens" in name:
+            nbytes = batch * p.shape[1] * p.element_size()      # only the batch's rows
+        dense += nbytes
+    union = 0
+    for m in model.modules():
+        if isinstance(m, SparseMoE) and m.last_expert_ids is not None:
+            union += int(torch.unique(m.last_expert_ids).numel())
+    n_mlps = sum(1 for m in model.modules() if isinstance(m, SparseMoE))
+    experts = union * (expert_each // max(1, n_mlps))
+    n_attn = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_attention(i))
+    n_lin = cfg.num_hidden_layers - n_attn
+    state = n_lin * batch * 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    kv_tokens = context
+    if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa:
+        kv_tokens = min(context, cfg.indexer_budget + cfg.indexer_compress_ratio - 1)
+    kv = n_attn * batch * kv_tokens * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa:
+        kv += n_attn * batch * (context // cfg.indexer_compress_ratio) * cfg.indexer_head_dim * 2
+    return {"dense": dense, "experts": experts, "experts_selected": union, "states": state, "kv": kv,
+            "total": dense + experts + state + kv}
+
+
+def kernels_per_step(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int) -> dict:
+    engine = LocalEngine([model], max_seqs=batch, block_size=16, max_tokens=context + warmup + steps + 8)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add(i)
+    prompts = [torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist() for _ in range(batch)]
+    for i, p in enumerate(prompts):
+        engine.step([(i, p)])
+    toks = [[p[-1]] for p in prompts]
+
+    def step():
+        return engine.step([(i, toks[i]) for i in range(batch)])
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    kernels = kernels_per_step(step)
+    by = step_bytes(model, cfg, batch, context + warmup + steps)
+    med = statistics.median(times)
+    return {"batch": batch, "context": context, "median_step_s": med, "tokens_per_s": batch / med,
+            "bytes": by, "kernels_per_step": kernels, "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full-shape")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: as many as fit)")
+    ap.add_argument("--batch", default="1,4,16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/decode.py needs a CUDA device")
+    raw = preset(args.preset)
+    full = config_from_dict(raw)
+    n = args.layers or fit_layers(full, 0.8)
+    raw = dict(raw, num_hidden_layers=n, layer_types=full.layer_types[:n],
+               max_position_embeddings=full.max_position_embeddings)
+    if isinstance(full, Qwen4ExpConfig):
+        raw["ple_layer_ids"] = [i for i in full.ple_layer_ids if i <= n]
+    cfg = config_from_dict(raw)
+    bandwidth = hbm_bandwidth()
+    t0 = time.time()
+    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16))
+    fill_random(model, seed=0)
+    for layer in model.layers.values():
+        if getattr(layer, "ple", None) is not None:
+            layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.bfloat16, 0)
+    torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"{args.preset}: {n} layers, {weights / 1e9:.1f} GB of bf16 weights, built in {time.time() - t0:.0f} s; "
+          f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    rows = []
+    with torch.inference_mode():
+        for b in (int(x) for x in args.batch.split(",")):
+            r = run_batch(model, cfg, b, args.context, args.steps, args.warmup)
+            r["roofline_tokens_per_s"] = b * bandwidth / r["bytes"]["total"]
+            r["percent_of_roofline"] = 100 * r["tokens_per_s"] / r["roofline_tokens_per_s"]
+            rows.append(r)
+    print(f"{'batch':>5} {'GB/step':>8} {'experts':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'%':>6} "
+          f"{'kernels':>8} {'peak GB':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
+              f"{1e3 * r['median_step_s']:>8.1f} {r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
+              f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
+    out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "layers": n, "weights_bytes": weights,
+                    "hbm_copy_bandwidth_bytes_per_s": bandwidth, "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "note": "roofline = batch * bandwidth / bytes per step; bandwidth counts read + write of a copy",
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+           "results": rows}
+    path = Path(args.out or f"bench/results/decode_{args.preset}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
