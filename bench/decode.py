@@ -139,8 +139,9 @@ def kernels_per_step(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int) -> dict:
-    engine = LocalEngine([model], max_seqs=batch, block_size=16, max_tokens=context + warmup + steps + 8)
+def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict:
+    engine = LocalEngine([model], max_seqs=batch, block_size=16, max_tokens=context + warmup + steps + 8,
+                         cuda_graphs=graphs)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add(i)
@@ -179,6 +180,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--configs", default="none:0,all:0,all:1",
+                    help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -203,16 +206,28 @@ def main() -> int:
     print(f"{args.preset}: {n} layers, {weights / 1e9:.1f} GB of bf16 weights, built in {time.time() - t0:.0f} s; "
           f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     rows = []
+    from stage_worker.kernels.flags import KernelFlags
+
     with torch.inference_mode():
-        for b in (int(x) for x in args.batch.split(",")):
-            r = run_batch(model, cfg, b, args.context, args.steps, args.warmup)
-            r["roofline_tokens_per_s"] = b * bandwidth / r["bytes"]["total"]
-            r["percent_of_roofline"] = 100 * r["tokens_per_s"] / r["roofline_tokens_per_s"]
-            rows.append(r)
-    print(f"{'batch':>5} {'GB/step':>8} {'experts':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'%':>6} "
-          f"{'kernels':>8} {'peak GB':>8}")
+        for conf in args.configs.split(","):
+            kernels, graphs = conf.rsplit(":", 1)
+            model.set_kernels(KernelFlags.parse(kernels))
+            for b in (int(x) for x in args.batch.split(",")):
+                try:
+                    r = run_batch(model, cfg, b, args.context, args.steps, args.warmup, graphs == "1")
+                except Exception as exc:  # report a failing configuration and go on with the others
+                    print(f"kernels={kernels} graphs={graphs} batch={b}: FAILED {type(exc).__name__}: {exc}")
+                    continue
+                r["kernels"], r["cuda_graphs"] = KernelFlags.parse(kernels).describe(), graphs == "1"
+                r["roofline_tokens_per_s"] = b * bandwidth / r["bytes"]["total"]
+                r["percent_of_roofline"] = 100 * r["tokens_per_s"] / r["roofline_tokens_per_s"]
+                rows.append(r)
+                torch.cuda.empty_cache()
+    print(f"{'kernels':>28} {'graphs':>6} {'batch':>5} {'GB/step':>8} {'experts':>8} {'step ms':>8} {'tok/s':>8} "
+          f"{'roofline':>9} {'%':>6} {'kernels':>8} {'peak GB':>8}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
+        print(f"{r['kernels']:>28} {str(r['cuda_graphs']):>6} "
+              f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
               f"{1e3 * r['median_step_s']:>8.1f} {r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
               f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
     out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "layers": n, "weights_bytes": weights,

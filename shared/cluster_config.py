@@ -52,6 +52,8 @@ class ClusterConfig:
     ple_service: bool = True
     ple_prefetch: bool = True
     microbatches: int = 0                       # 0 = one per stage
+    kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
+    cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     seed: int = 0
 
     @property
@@ -92,7 +94,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
-        "MOEPIPE_MICROBATCHES": "microbatches"}
+        "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -101,7 +103,12 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            out[key] = int(val) if key == "microbatches" else val.lower() not in ("0", "false", "no", "off")
+            if key == "microbatches":
+                out[key] = int(val)
+            elif key == "kernels":
+                out[key] = val
+            else:
+                out[key] = val.lower() not in ("0", "false", "no", "off")
     return out
 
 

@@ -24,19 +24,28 @@ class _Seq:
 
 class LocalEngine:
     def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int = 16,
-                 max_tokens: int = 4096) -> None:
+                 max_tokens: int = 4096, cuda_graphs: bool = False) -> None:
         if not stages or not stages[0].has_embedding or not stages[-1].has_head:
             raise ValueError("stages must run from the embedding to the head")
         self.stages, self.block_size = stages, block_size
         p = next(stages[0].parameters())
-        num_blocks = max_seqs * (-(-max_tokens // block_size))
-        spec = CacheSpec(num_blocks=num_blocks, block_size=block_size, num_slots=max_seqs, dtype=p.dtype,
+        max_blocks = -(-max_tokens // block_size)
+        num_blocks = max_seqs * max_blocks
+        # One more slot and block than requests can own: scratch space for CUDA-graph padding entries.
+        spec = CacheSpec(num_blocks=num_blocks + 1, block_size=block_size, num_slots=max_seqs + 1, dtype=p.dtype,
                          device=p.device)
         self.device = p.device
         self.caches = [s.new_cache(spec) for s in stages]
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
+        self.graphs = None
+        if cuda_graphs and p.device.type == "cuda" and len(stages) == 1:
+            from stage_worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(stages[0], self.caches[0], max_blocks_per_seq=max_blocks,
+                                       scratch_slot=max_seqs, scratch_block=num_blocks,
+                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= max_seqs) or (1,))
 
     def add(self, seq_id: int) -> None:
         if not self.free_slots:
@@ -61,6 +70,14 @@ class LocalEngine:
                 seq.blocks.append(self.free_blocks.pop())
             rows.append((tokens, seq.length, seq.slot, seq.blocks))
         batch = StepBatch.build(rows, self.block_size, self.device, all_logits=all_logits)
+        if self.graphs is not None and not all_logits and batch.is_decode:
+            if not self.graphs.graphs:
+                self.graphs.capture()
+            if self.graphs.fits(batch):
+                logits = self.graphs.run(batch)
+                for seq_id, tokens in feeds:
+                    self.seqs[seq_id].length += len(tokens)
+                return logits.float()
         hidden = None
         for stage, cache in zip(self.stages, self.caches):
             hidden = stage(batch, cache, hidden)

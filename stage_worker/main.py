@@ -23,6 +23,7 @@ from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluste
 from shared.model_config import load_config
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
+from stage_worker.kernels.flags import KernelFlags
 from stage_worker.runner import StageRunner
 
 log = logging.getLogger("moepipe.stage")
@@ -67,6 +68,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
     t0 = time.time()
     model = load_model(cluster.model, opts, cfg)
+    model.set_kernels(KernelFlags.parse(cluster.kernels))
     ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None

@@ -47,9 +47,20 @@ class StageRunner:
         self.is_first, self.is_last = index == 0, index == cluster.num_stages - 1
         p = next(model.parameters())
         self.device = p.device
-        spec = CacheSpec(num_blocks=cluster.num_blocks, block_size=cluster.block_size,
-                         num_slots=cluster.max_num_seqs, dtype=p.dtype, device=p.device)
+        # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries.
+        spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
+                         num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device)
         self.cache = model.new_cache(spec)
+        self.graphs = None
+        kernels = getattr(model, "kernel_flags", None)
+        if cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
+                and kernels.moe:
+            from stage_worker.cuda_graphs import DecodeGraphs
+
+            max_len = cluster.max_model_len or model.cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
+                                       scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
+                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs))
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
         self.ple: dict[int, PleReady] = {}
@@ -162,10 +173,18 @@ class StageRunner:
                     batch.ple_rows[layer] = rows[:, li].to(self.device, copy=True)
         t0 = time.time()
         start = time.perf_counter()
-        hidden = self.model(batch, self.cache, hidden)
         out: list[Outgoing] = []
-        if self.is_last:
-            tokens = self._sample(plan, batch, self.model.logits(hidden, batch))
+        graphed = self.graphs is not None and self._graph_ready(batch)
+        if graphed:
+            result = self.graphs.run(batch, hidden)
+            if self.is_last:
+                tokens = self._sample(plan, batch, result)
+            else:
+                hidden = result
+        else:
+            hidden = self.model(batch, self.cache, hidden)
+            if self.is_last:
+                tokens = self._sample(plan, batch, self.model.logits(hidden, batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_step_seconds = time.perf_counter() - start
@@ -185,6 +204,14 @@ class StageRunner:
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,
                                                   timing=timing)))
         return out
+
+    def _graph_ready(self, batch: StepBatch) -> bool:
+        """Capture lazily (weights and caches exist by the first decode step), then replay what fits."""
+        if not batch.is_decode:
+            return False
+        if not self.graphs.graphs:
+            self.graphs.capture()
+        return self.graphs.fits(batch)
 
     def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor) -> list[TokenOut]:
         logits = logits.float()

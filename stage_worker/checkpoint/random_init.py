@@ -52,7 +52,9 @@ class ProceduralTable:
         self.rows, self.dim, self.dtype, self.seed = rows, dim, dtype, seed
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        idx = rows.reshape(-1, 1).long().cpu() * self.dim + torch.arange(self.dim)[None, :] + self.seed * 7919
+        # Computed where the rows are: no host round trip, so a decode step stays free of synchronisation.
+        idx = rows.reshape(-1, 1).long() * self.dim + torch.arange(self.dim, device=rows.device)[None, :] \
+            + self.seed * 7919
         x = idx * -7046029254386353131          # 0x9E3779B97F4A7C15 as a signed int64: wrapping multiply
         x = x ^ (x >> 29)
         vals = ((x & 0xFFFFFF).float() / float(1 << 24) - 0.5) * 0.04

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import AttentionCache
 from stage_worker.model.norms import ZeroCentredRMSNorm
@@ -71,6 +72,8 @@ class QSAIndexer(nn.Module):
 class GatedAttention(nn.Module):
     """Attention whose q_proj also produces a per-feature output gate; q/k are RMS-normalised per head."""
 
+    kernels: KernelFlags = NONE
+
     def __init__(self, cfg: HybridMoeConfig, use_qsa: bool, rotary: Rotary) -> None:
         super().__init__()
         self.rotary = rotary
@@ -100,6 +103,10 @@ class GatedAttention(nn.Module):
             iq, raw_k = self.indexer.project(x, cos, sin)
             cache.index_keys[batch.slot_mapping] = raw_k.to(cache.index_keys.dtype)
 
+        if self.kernels.attention and x.is_cuda and batch.is_decode:
+            out = self._decode_kernels(q, iq, batch, cache, x.dtype)
+            out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+            return self.o_proj(out)
         out = torch.empty_like(q)
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
@@ -127,6 +134,30 @@ class GatedAttention(nn.Module):
             cos, sin = self.rotary.cos_sin(starts, dtype)
             cache.pooled_keys[pooled_rows[first:last]] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
         return cache.pooled_keys[pooled_rows]
+
+    def _decode_kernels(self, q: torch.Tensor, iq: torch.Tensor | None, batch: StepBatch, cache: AttentionCache,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """One token per sequence, no host synchronisation: paged split-K attention over the selected rows."""
+        from stage_worker.kernels.decode_attention import paged_decode_attention
+
+        tables, lens = batch.device_tables()
+        bs = batch.block_size
+        selected = None
+        if self.indexer is not None:
+            from stage_worker.kernels.qsa import qsa_select
+
+            r = self.indexer.ratio
+            # Re-pool the compression block holding the new token. Until the block is complete the value is unused
+            # (selection reads complete blocks only); once complete it is exact. Writing every step avoids a sync.
+            first = (lens.long() - 1) // r * r                                        # [B]
+            pos = first[:, None] + torch.arange(r, device=lens.device)[None, :]       # [B, r]
+            blk = torch.gather(tables.long(), 1, (pos // bs).clamp_max(tables.shape[1] - 1))
+            rows = blk * bs + pos % bs
+            raw = cache.index_keys[rows]                                              # [B, r, d]
+            cos, sin = self.rotary.cos_sin(first, dtype)
+            cache.pooled_keys[rows[:, 0] // r] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
+            selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
+        return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         rep = self.n_heads // self.kv_heads

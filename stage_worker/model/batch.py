@@ -37,6 +37,29 @@ class StepBatch:
             self.logits_indices = ends.to(self.token_ids.device)
 
     @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each with context in the caches: the fast decode kernels apply."""
+        return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)
+
+    def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, max_blocks] int32 (padded with 0) and lengths after this step [B] int32, on the device."""
+        if getattr(self, "_tables", None) is None:
+            width = max(len(t) for t in self.block_tables)
+            bt = torch.zeros(len(self.block_tables), width, dtype=torch.int32)
+            for i, t in enumerate(self.block_tables):
+                bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            lens = torch.tensor([c + n for c, n in zip(self.context_lens, self.seq_lens)], dtype=torch.int32)
+            dev = self.token_ids.device
+            self._tables = (bt.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
+        return self._tables
+
+    def device_slots(self) -> torch.Tensor:
+        """Per-sequence state slots [B] int64 on the device (built once per step; static under CUDA graphs)."""
+        if getattr(self, "_slots", None) is None:
+            self._slots = torch.tensor(self.slots, dtype=torch.long).to(self.token_ids.device, non_blocking=True)
+        return self._slots
+
+    @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 

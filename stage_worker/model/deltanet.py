@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridMoeConfig
+from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import DeltaNetState
 from stage_worker.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
@@ -19,6 +20,8 @@ class GatedDeltaNet(nn.Module):
     Qwen3-Next stores grouped in_proj_qkvz / in_proj_ba instead; the checkpoint loader permutes those rows into this
     layout once at load time, so one forward serves both families.
     """
+
+    kernels: KernelFlags = NONE
 
     def __init__(self, cfg: HybridMoeConfig, gate_activation: str = "silu") -> None:
         super().__init__()
@@ -48,11 +51,21 @@ class GatedDeltaNet(nn.Module):
         decode = [i for i in range(batch.num_seqs) if batch.seq_lens[i] == 1 and batch.context_lens[i] > 0]
         if decode:
             # One token each: batch the recurrence over sequences.
-            tok = torch.tensor([cu[i] for i in decode], device=x.device)
-            slots = torch.tensor([batch.slots[i] for i in decode], device=x.device)
+            if len(decode) == batch.num_seqs:      # a pure decode step: no index tensors built here
+                tok, slots = slice(None), batch.device_slots()
+            else:
+                tok = torch.tensor([cu[i] for i in decode], device=x.device)
+                slots = torch.tensor([batch.slots[i] for i in decode], device=x.device)
             mixed_t = self._conv_step(mixed[tok], state, slots)
-            q, k, v = self._split(mixed_t[:, None])
-            o, s = recurrent_delta_rule(q, k, v, g[tok][:, None], beta[tok][:, None], state.recurrent[slots])
+            rule = self._fla_rule("recurrent") if (self.kernels.deltanet and x.is_cuda) else None
+            if rule is not None:
+                q, k, v = self._split_raw(mixed_t[:, None])
+                o, s = rule(q, k, v, g=g[tok][:, None], beta=beta[tok][:, None], scale=self.dk ** -0.5,
+                            initial_state=state.recurrent[slots], output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            else:
+                q, k, v = self._split(mixed_t[:, None])
+                o, s = recurrent_delta_rule(q, k, v, g[tok][:, None], beta[tok][:, None], state.recurrent[slots])
             state.recurrent[slots] = s
             out[tok] = o[:, 0].to(x.dtype)
         for i in range(batch.num_seqs):
@@ -65,10 +78,16 @@ class GatedDeltaNet(nn.Module):
             seq = torch.cat([conv_tail, mixed[s_:e_].T.to(conv_tail.dtype)], dim=-1)     # [C, k-1+n]
             state.conv[slot] = seq[:, -(self.kernel - 1):]
             conv = F.silu(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
-            q, k, v = self._split(conv[None])
             init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
-            rule = recurrent_delta_rule if e_ - s_ == 1 else chunked_delta_rule
-            o, s = rule(q, k, v, g[None, s_:e_], beta[None, s_:e_], init[None])
+            fla = self._fla_rule("chunk") if (self.kernels.deltanet and x.is_cuda) else None
+            if fla is not None:
+                q, k, v = self._split_raw(conv[None])
+                o, s = fla(q, k, v, g=g[None, s_:e_], beta=beta[None, s_:e_], scale=self.dk ** -0.5,
+                           initial_state=init[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+            else:
+                q, k, v = self._split(conv[None])
+                rule = recurrent_delta_rule if e_ - s_ == 1 else chunked_delta_rule
+                o, s = rule(q, k, v, g[None, s_:e_], beta[None, s_:e_], init[None])
             state.recurrent[slot] = s[0]
             out[s_:e_] = o[0].to(x.dtype)
         out = self.norm(out, z).reshape(T, -1)
@@ -79,6 +98,23 @@ class GatedDeltaNet(nn.Module):
         state.conv[slots] = seq[:, :, 1:]
         w = self.conv1d.weight[:, 0, :]
         return F.silu((seq.to(mixed.dtype) * w[None]).sum(-1))
+
+    @staticmethod
+    def _fla_rule(kind: str):
+        """flash-linear-attention's kernels, the field's standard for Gated DeltaNet on GPUs (None if absent)."""
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        except ImportError:
+            return None
+        return fused_recurrent_gated_delta_rule if kind == "recurrent" else chunk_gated_delta_rule
+
+    def _split_raw(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, conv_dim] -> q, k [B, T, nk, dk] and v [B, T, nv, dv], contiguous, not normalised (the kernel
+        L2-normalises and maps value heads onto key heads itself)."""
+        B, T, _ = mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(B, T, self.nk, self.dk).contiguous(), k.reshape(B, T, self.nk, self.dk).contiguous(),
+                v.reshape(B, T, self.nv, self.dv).contiguous())
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, conv_dim] -> q, k (L2-normalised, heads repeated to value heads) and v."""

@@ -11,10 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.norms import ZeroCentredRMSNorm
 
 
 class GatedResidual(nn.Module):
+    kernels: KernelFlags = NONE
+
     def __init__(self, hidden: int, hc_count: int, rank: int, eps: float, inject: bool = True) -> None:
         super().__init__()
         self.hidden, self.hc = hidden, hc_count
@@ -26,6 +29,10 @@ class GatedResidual(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> (block input [T, H], per-stream injection weights [T, hc] or None)."""
+        if self.kernels.hyper_connection and streams.is_cuda:
+            from stage_worker.kernels.hyper_connection import hc_mix_module
+
+            return hc_mix_module(self, streams)
         normed = self.hc_norm(streams)
         w = F.silu(self.input_mix_weight_down(normed) / self.hc)
         w = torch.sigmoid(self.input_mix_weight_up(w)).unflatten(-1, (self.hc, self.hidden))

@@ -43,6 +43,13 @@ class StageModel(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg, self.rotary) if (with_mtp and self.has_head) else None
 
+    def set_kernels(self, flags) -> None:
+        """Switch fast kernels on or off for every layer (see stage_worker/kernels/flags.py)."""
+        self.kernel_flags = flags
+        for m in self.modules():
+            if hasattr(type(m), "kernels"):
+                m.kernels = flags
+
     @property
     def stream_width(self) -> int:
         hc = self.cfg.hc_count if self.cfg.uses_hyper_connections else 1

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_worker.kernels.flags import NONE, KernelFlags
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -31,6 +33,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
 class SparseMoE(nn.Module):
     """Experts are stored fused per layer: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
 
+    kernels: KernelFlags = NONE
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool) -> None:
         super().__init__()
@@ -43,6 +47,12 @@ class SparseMoE(nn.Module):
         self.last_expert_ids: torch.Tensor | None = None   # routing trace hook: what the last call selected
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.moe and x.is_cuda:
+            from stage_worker.kernels.moe import moe_forward
+
+            out, self.last_expert_ids = moe_forward(x, self.gate.weight, self.w13, self.w2, self.top_k,
+                                                    self.renormalise)
+            return self._add_shared(x, out)
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         self.last_expert_ids = ids
         out = torch.zeros_like(x)
@@ -52,6 +62,9 @@ class SparseMoE(nn.Module):
             g, u = gate_up.chunk(2, dim=-1)
             y = F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_worker.kernels.flags import NONE, KernelFlags
+
 
 class ZeroCentredRMSNorm(nn.Module):
     """RMSNorm whose weight is stored around zero and applied as (1 + w).
@@ -14,6 +16,8 @@ class ZeroCentredRMSNorm(nn.Module):
     scaled by one weight vector over the full width.
     """
 
+    kernels: KernelFlags = NONE
+
     def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
@@ -21,6 +25,10 @@ class ZeroCentredRMSNorm(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.rmsnorm and x.is_cuda:
+            from stage_worker.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.group_size).view_as(x)
         h = x.float()
         if self.group_size is not None:
             h = h.unflatten(-1, (-1, self.group_size))

@@ -40,6 +40,11 @@ class PLEBranch(nn.Module):
 
     def rows(self, batch: StepBatch, state: PLEState) -> torch.Tensor:
         """Table rows [T, heads] for this step's tokens; advances the per-slot n-gram context."""
+        if batch.is_decode:
+            slots = batch.device_slots()
+            r, new_ctx = ngram_rows_torch(self.spec, state.context[slots], batch.token_ids[:, None])
+            state.context[slots] = new_ctx
+            return r[:, 0]
         out = []
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
@@ -68,6 +73,12 @@ class PLEBranch(nn.Module):
 
     def _conv(self, x: torch.Tensor, batch: StepBatch, state: PLEState) -> torch.Tensor:
         tail_len = state.conv.shape[1]
+        if batch.is_decode:
+            slots = batch.device_slots()
+            seq = torch.cat([state.conv[slots], x[:, None, :].to(state.conv.dtype)], dim=1)   # [B, tail + 1, W]
+            state.conv[slots] = seq[:, 1:]
+            taps = seq[:, :: self.dilation].to(x.dtype)                                       # [B, kernel, W]
+            return F.silu((taps * self.conv1d.weight[:, 0, :].T[None]).sum(1))
         out = torch.empty_like(x)
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):

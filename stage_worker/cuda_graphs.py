@@ -1,0 +1,113 @@
+"""CUDA graphs of decode steps, captured for a ladder of batch sizes; a step replays the smallest that fits.
+
+A decode step of a 48-layer model is thousands of small kernels; launched one by one from Python the GPU idles
+between them (001 §5.6, 002 §3: full CUDA graphs were one of the three fixes that took decode from 29% of the
+bandwidth roofline). Capture needs a step with no host synchronisation and fixed-shape inputs: every input the step
+reads is a static buffer here, refilled before each replay. Batches smaller than a graph are padded with entries
+that write only to a scratch slot and a scratch KV block reserved for that purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stage_worker.model.batch import StepBatch
+from stage_worker.model.cache import ModelCache
+from stage_worker.model.model import StageModel
+
+DEFAULT_SIZES = (1, 2, 4, 8)
+
+
+@dataclass
+class _Graph:
+    size: int
+    graph: torch.cuda.CUDAGraph
+    batch: StepBatch
+    hidden_in: torch.Tensor | None
+    out: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, model: StageModel, cache: ModelCache, *, max_blocks_per_seq: int, scratch_slot: int,
+                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES) -> None:
+        self.model, self.cache = model, cache
+        self.block_size = cache.spec.block_size
+        self.max_blocks = max_blocks_per_seq
+        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self.sizes = tuple(sorted(sizes))
+        self.device = next(model.parameters()).device
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def capture(self) -> None:
+        for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
+            self.graphs[size] = self._capture(size)
+
+    def _static_batch(self, size: int) -> tuple[StepBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev = self.device
+        seqs = [([0], 1, self.scratch_slot, [self.scratch_block]) for _ in range(size)]
+        batch = StepBatch.build(seqs, self.block_size, dev)
+        tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
+        lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
+        slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)
+        batch._tables = (tables, lens)
+        batch._slots = slots
+        batch.logits_indices = torch.arange(size, device=dev)
+        return batch, tables, lens, slots
+
+    def _run(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(batch, self.cache, hidden)
+        return self.model.logits(out, batch) if self.model.has_head else out
+
+    def _capture(self, size: int) -> _Graph:
+        batch, tables, lens, slots = self._static_batch(size)
+        hidden_in = None
+        if not self.model.has_embedding:
+            hidden_in = torch.zeros(size, self.model.stream_width, dtype=next(self.model.parameters()).dtype,
+                                    device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):                         # warm-up: Triton autotuning and lazy init happen here
+                self._run(batch, hidden_in)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(batch, hidden_in)
+        self.pool = graph.pool()
+        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots)
+
+    def fits(self, batch: StepBatch) -> bool:
+        return bool(self.graphs) and batch.is_decode and batch.num_seqs <= self.sizes[-1] and \
+            all(len(t) <= self.max_blocks for t in batch.block_tables) and not batch.ple_rows
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay for `batch` (which `fits`); returns logits [B, vocab] (last stage) or hidden [B, width]."""
+        n = batch.num_seqs
+        g = self.graphs[next(s for s in self.sizes if s >= n)]
+        sb = g.batch
+        sb.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
+        sb.positions[:n].copy_(batch.positions, non_blocking=True)
+        sb.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        tables, lens = batch.device_tables()
+        g.tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        g.lens[:n].copy_(lens, non_blocking=True)
+        g.slots[:n].copy_(batch.device_slots(), non_blocking=True)
+        if n < g.size:                                  # padding entries: scratch slot, scratch block
+            pad_row = self.scratch_block * self.block_size + 1
+            sb.token_ids[n:].zero_()
+            sb.positions[n:].fill_(1)
+            sb.slot_mapping[n:].fill_(pad_row)
+            g.tables[n:].fill_(self.scratch_block)
+            g.lens[n:].fill_(2)
+            g.slots[n:].fill_(self.scratch_slot)
+        if g.hidden_in is not None:
+            g.hidden_in[:n].copy_(hidden, non_blocking=True)
+        g.graph.replay()
+        return g.out[:n]

@@ -1,0 +1,50 @@
+"""Which fast kernels the model uses: one switch per kernel family, so each can be measured against its absence.
+
+Read once (from the cluster config, a benchmark's flags, or MOEPIPE_KERNELS) and handed to the model with
+`StageModel.set_kernels`; layers never read the environment. Kernels only run on CUDA tensors; on the CPU every
+layer takes its PyTorch reference path whatever the flags say.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+NAMES = ("moe", "hyper_connection", "rmsnorm", "attention", "deltanet")
+
+
+@dataclass(frozen=True)
+class KernelFlags:
+    moe: bool = False                 # Triton router top-k + fused expert GEMVs (stage_worker/kernels/moe.py)
+    hyper_connection: bool = False    # two fused GatedResidual kernels (stage_worker/kernels/hyper_connection.py)
+    rmsnorm: bool = False             # fused zero-centred / grouped RMSNorm (stage_worker/kernels/rmsnorm.py)
+    attention: bool = False           # paged split-K decode attention + QSA selection (decode_attention.py, qsa.py)
+    deltanet: bool = False            # flash-linear-attention's Gated DeltaNet kernels (GPU-only dependency)
+
+    @classmethod
+    def parse(cls, spec: str) -> "KernelFlags":
+        """"all", "none", or a comma list of names, each optionally prefixed with '-' to turn it off."""
+        spec = spec.strip()
+        if spec in ("", "none", "0", "off"):
+            return cls()
+        on = dict.fromkeys(NAMES, spec.startswith("all") or spec.startswith("-"))
+        for part in spec.split(","):
+            part = part.strip()
+            if part in ("", "all"):
+                continue
+            name, value = (part[1:], False) if part.startswith("-") else (part, True)
+            if name not in NAMES:
+                raise ValueError(f"unknown kernel {name!r}: choose from {', '.join(NAMES)}, all, none")
+            on[name] = value
+        return cls(**on)
+
+    @classmethod
+    def from_env(cls, default: str = "all") -> "KernelFlags":
+        return cls.parse(os.environ.get("MOEPIPE_KERNELS", default))
+
+    def describe(self) -> str:
+        on = [f.name for f in fields(self) if getattr(self, f.name)]
+        return ",".join(on) if on else "none"
+
+
+NONE = KernelFlags()

@@ -1,0 +1,225 @@
+"""Fused MoE decode (002 §3.3): router top-k and the selected experts in three Triton launches, no host sync.
+
+Decode is memory-bandwidth bound, so a step must read each selected expert's rows once and nothing else, with no
+`.item()`/`.tolist()` so the step can be captured in a CUDA graph:
+
+* `route`: one program per token row; softmax in fp32, top-k by repeated max over an order-preserving int64 key
+  (logit bits << 32 | E-1-id) so equal logits go to the lower expert id, as in 002 §3.3.
+* `fused_moe` phase 1, grid (T*k, cdiv(I, BLOCK_I)): act[t, j] = silu(x_t . Wg_e) * (x_t . Wu_e) in fp32.
+* `fused_moe` phase 2, grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j w[t, j] * (act[t, j] . W2_e), summed in fp32 in a
+  fixed order (no atomics), so the result is deterministic.
+
+Not fused yet (002 §3.3 does): the router GEMV with the shared-expert gate as one extra row, and top-k in the
+router's last CTA; the router GEMV and the shared expert stay in PyTorch here.
+
+Large T (prefill, T*k > DECODE_MAX_TK) and machines without Triton take `grouped_moe`, a PyTorch path that sorts the
+(token, slot) pairs by expert and runs two GEMMs per present expert; it syncs with the host once (the per-expert
+counts), which is fine for prefill and not graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stage_worker.kernels.moe_ref import route_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs off Linux: everything falls back to PyTorch
+    triton = None
+
+DECODE_MAX_TK = 256      # T*k above this takes grouped_moe: the per-(token, slot) kernels re-read shared experts
+MAX_EXPERTS = 1024       # route keeps a whole row of logits in one program
+
+# Tunables (H200, H=2048-2560, I=512-640; clipped to the next power of two of tiny test shapes).
+UP_BLOCK_I, UP_BLOCK_H = 16, 256      # phase 1: T=1, k=10, I=640 -> 400 programs, 16-byte loads along H
+DOWN_BLOCK_H, DOWN_BLOCK_I = 8, 128   # phase 2: T=1, H=2560 -> 320 programs, each streams k * 8 rows of W2
+NUM_WARPS = 4
+
+_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)   # decided when the kernels are defined
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
+    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# H and I are constexpr in the expert kernels: one compile per model shape, loops with known trip counts, and the
+# Triton 3.6 interpreter under numpy >= 2.4 cannot run `range` to a runtime bound (int() of a 1-element array).
+if triton is not None:
+    _KEY_MIN = tl.constexpr(-(2 ** 63))
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
+                      TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        logit = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        logit = tl.where(logit == 0.0, 0.0, logit)              # -0.0 == +0.0 must give equal keys
+        bits = logit.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
+        key = (ordered.to(tl.int64) << 32) | (E - 1 - offs).to(tl.int64)
+        key = tl.where(valid, key, _KEY_MIN)
+
+        kk = tl.arange(0, BLOCK_K)
+        top_logit = tl.full([BLOCK_K], float("-inf"), tl.float32)
+        top_id = tl.zeros([BLOCK_K], tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, axis=0)
+            idx = E - 1 - best.to(tl.int32)                   # truncation keeps the low word: E-1-id
+            hi = (best >> 32).to(tl.int32)
+            val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+            top_logit = tl.where(kk == j, val, top_logit)
+            top_id = tl.where(kk == j, idx, top_id)
+            key = tl.where(offs == idx, _KEY_MIN, key)
+
+        row_max = tl.max(logit, axis=0)
+        p = tl.exp(top_logit - row_max)                         # lanes >= TOP_K: exp(-inf) = 0
+        if RENORM:
+            denom = tl.sum(p, axis=0)                           # the full softmax denominator cancels
+        else:
+            denom = tl.sum(tl.where(valid, tl.exp(logit - row_max), 0.0), axis=0)
+        out = t * TOP_K + kk
+        tl.store(weights_ptr + out, p / denom, mask=kk < TOP_K)
+        tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
+                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]."""
+        tj = tl.program_id(0)
+        t = tj // TOP_K
+        e = tl.load(ids_ptr + tj).to(tl.int64)
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < I
+        gate_rows = w13_ptr + e * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
+        up_rows = gate_rows + I * stride_wr
+        acc_g = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)    # 2-D: FMAs in the loop, one reduction at the end
+        acc_u = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            xv = tl.load(x_ptr + t * stride_xt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            m = mask_i[:, None] & mask_h[None, :]
+            wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            acc_g += wg * xv[None, :]
+            acc_u += wu * xv[None, :]
+        g = tl.sum(acc_g, axis=1)
+        act = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
+        tl.store(act_ptr + tj * I + offs_i, act, mask=mask_i)
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, out_ptr, stride_we, stride_wh, stride_ot,
+                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+        """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32."""
+        t = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)       # 2-D: FMAs in the loops, one reduction at the end
+        for j in range(TOP_K):
+            tj = t * TOP_K + j
+            e = tl.load(ids_ptr + tj).to(tl.int64)
+            wt = tl.load(wts_ptr + tj).to(tl.float32)
+            rows = w2_ptr + e * stride_we + offs_h[:, None].to(tl.int64) * stride_wh
+            for i0 in range(0, I, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = offs_i < I
+                a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
+                w = tl.load(rows + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
+                acc += w.to(tl.float32) * (wt * a)[None, :]
+        out = tl.sum(acc, axis=1)
+        tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref."""
+    T, E = logits.shape
+    if not triton_usable(logits) or E > MAX_EXPERTS:
+        return route_ref(logits, top_k, renormalise)
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in 1..{E}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalise),
+                            BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), num_warps=NUM_WARPS)
+    return weights, ids
+
+
+def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+    """Prefill path: (token, slot) pairs sorted by expert, two GEMMs per present expert, a fixed-order combine.
+
+    One host sync (the per-expert counts), so not for CUDA graphs; deterministic (no index_add_ atomics).
+    """
+    T, k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()   # host sync: acceptable for prefill only
+    down = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        g, u = F.linear(x[pairs // k], w13[e]).float().chunk(2, dim=-1)
+        down[pairs] = F.linear((F.silu(g) * u).to(x.dtype), w2[e])
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), down.view(T, k, -1)).squeeze(1)
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype; = fused_moe_ref.
+
+    Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe`.
+    """
+    T, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    if w13.shape != (E, 2 * I, H) or w2.shape != (E, H, I) or weights.shape != ids.shape or ids.shape[0] != T:
+        raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} "
+                         f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)}")
+    if T * k > DECODE_MAX_TK or not triton_usable(x):
+        return grouped_moe(x, ids, weights, w13, w2)
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("w13 and w2 need a contiguous last dimension")   # never copy the expert tables
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    weights = weights.contiguous()
+    act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
+    bi, bh = min(UP_BLOCK_I, _pow2(I)), min(UP_BLOCK_H, _pow2(H))
+    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, act, x.stride(0), w13.stride(0), w13.stride(1),
+                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=NUM_WARPS)
+    bh, bi = min(DOWN_BLOCK_H, _pow2(H)), min(DOWN_BLOCK_I, _pow2(I))
+    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, out, w2.stride(0), w2.stride(1), out.stride(0),
+                                             H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi, num_warps=NUM_WARPS)
+    return out
+
+
+def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed experts of one MoE layer: x [..., H] -> (out [..., H], ids [..., k] int32); the shared expert is the
+    caller's. Router weights are cast to x.dtype before the combine, as SparseMoE does. No `.item()`/`.tolist()` on
+    the decode path (Triton usable and T*k <= DECODE_MAX_TK).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise)
+    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2)
+    return out.view(x.shape), ids.view(*x.shape[:-1], top_k)

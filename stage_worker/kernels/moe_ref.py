@@ -1,0 +1,43 @@
+"""Plain PyTorch references for the fused MoE decode kernels in `moe.py` (002 §3.3): the test oracle.
+
+Vectorised over tokens (no Python loop), fp32 throughout. `fused_moe_ref` gathers the selected experts' weights into a
+[T, k, ...] copy, so it is meant for small T (tests, CPU decode), not for prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first.
+
+    Equal logits go to the lower expert id: a stable descending sort keeps equal keys in index order. Selecting on
+    logits rather than probabilities is the same order (softmax is monotone) without the rounding of exp().
+    With `renormalise` the full softmax denominator cancels, so the weights are a softmax over the k chosen logits.
+    """
+    lf = logits.float()
+    order = torch.sort(lf, dim=-1, descending=True, stable=True)
+    top, ids = order.values[:, :top_k], order.indices[:, :top_k]
+    if renormalise:
+        weights = torch.softmax(top, dim=-1)
+    else:
+        weights = torch.softmax(lf, dim=-1).gather(-1, ids)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype.
+
+    out[t] = sum_j weights[t, j] * W2[e] @ (silu(Wg[e] @ x[t]) * (Wu[e] @ x[t])), e = ids[t, j], all in fp32.
+    Only the selected experts are gathered, so an expert no token picked is never read.
+    """
+    sel = ids.long()
+    xf = x.float()
+    gate_up = torch.einsum("th,tkrh->tkr", xf, w13[sel].float())          # [T, k, 2I]
+    g, u = gate_up.chunk(2, dim=-1)
+    act = F.silu(g) * u                                                   # [T, k, I]
+    down = torch.einsum("tki,tkhi->tkh", act, w2[sel].float())             # [T, k, H]
+    return (down * weights.float()[..., None]).sum(dim=1).to(x.dtype)
