@@ -1,0 +1,206 @@
+"""Paged decode attention in Triton: split-K flash decoding over the block table, one launch (plus a small reduce).
+
+Why: the reference path loops over sequences in Python and gathers the whole context; decode must be one launch per
+step with no host sync, reading only the K/V rows it needs: every position before the token, or with QSA only the
+`budget + ratio - 1` selected ones, a bounded number whatever the context length (001 §1).
+
+Structure: grid (B, kv_heads, num_splits). A program loads the query heads of one GQA group (padded to 16 rows for
+`tl.dot`), walks its share of the positions (or of the `selected` entries) in tiles of BLOCK_N, gathers those K/V
+rows through the block table and keeps an online softmax in fp32 (exp2, log2 units). It writes its partial output,
+normalised, and its log-sum-exp; `_reduce_kernel` merges the splits per (sequence, head). With one split the first
+kernel writes the output itself. The number of splits comes from tensor shapes only (max context or S), never from
+tensor values, so nothing waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Under TRITON_INTERPRET=1, triton 3.6 turns a tensor loop bound into an int with `int(array of shape (1,))`,
+    which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails (triton-lang/triton#9171). Apply the
+    upstream one-line fix, so the interpreter runs the same `for` loop the GPU compiles (and pipelines)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_index_fix", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    patched._scalar_index_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+_INTERPRET = bool(triton.knobs.runtime.interpret)   # decided when the kernels are defined, as they are
+if _INTERPRET:
+    _fix_interpreter_loop_bounds()
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """fp32 operands: exact fp32 products (no TF32). The interpreter multiplies bf16 operands as raw uint16 bits, so
+    there bf16 operands are widened first: exact, and the same math as the GPU's bf16 MMA with fp32 accumulation."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, lse_ptr, out_ptr,
+                  scale_log2, n_sel,
+                  s_qb, s_qh, s_kr, s_kh, s_vr, s_vh, s_tb, s_sb, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    if HAS_SEL:
+        total = n_sel
+    else:
+        total = ctx
+    chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        in_range = j < end
+        if HAS_SEL:
+            pos = tl.load(sel_ptr + b.to(tl.int64) * s_sb + j, mask=in_range, other=-1)
+            ok = in_range & (pos >= 0) & (pos < ctx)
+        else:
+            pos = j
+            ok = in_range
+        pos = tl.where(ok, pos, 0)
+        page = tl.load(tables_ptr + b.to(tl.int64) * s_tb + pos // PAGE, mask=ok, other=0)
+        row = page.to(tl.int64) * PAGE + pos % PAGE
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] * s_kr + kvh * s_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_F32) * scale_log2                             # [BLOCK_G, BLOCK_N]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                       # a tile with no visible key
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row[:, None] * s_vr + kvh * s_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if DIRECT:
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        base = b.to(tl.int64) * s_pb + split * s_ps
+        tl.store(part_ptr + base + heads[:, None] * s_ph + offs_d[None, :], o, mask=out_mask)
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b.to(tl.int64) * s_lb + heads * s_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
+                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + b * s_lb + h * s_lh + offs_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))                    # 0 for empty splits
+    part = tl.load(part_ptr + b * s_pb + h * s_ph + offs_s[:, None] * s_ps + offs_d[None, :],
+                   mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill (a host-side property query, no sync); 8 for the CPU interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def choose_num_splits(programs: int, length: int, device: torch.device, min_per_split: int = 64) -> int:
+    """Enough splits for about two programs per SM, but no split shorter than `min_per_split` positions."""
+    want = triton.cdiv(2 * _sm_count(device), max(programs, 1))
+    return max(1, min(want, triton.cdiv(length, min_per_split), 64))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
+                           selected: torch.Tensor | None = None, *, max_context_len: int | None = None,
+                           num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [rows, kv_heads, D]; block_tables [B, max_blocks] int32; context_lens [B] int32 (the
+    new token's K/V already written); selected [B, S] int32 positions, -1 = padding. Returns [B, Hq, D] like q.
+
+    `max_context_len` (a host-side bound the scheduler knows) only sizes the split; without it the table width is
+    used. `num_splits` / `block_n` override the heuristics (tests)."""
+    B, Hq, D = q.shape
+    kv_heads = k_cache.shape[1]
+    assert Hq % kv_heads == 0 and k_cache.shape[2] == D and v_cache.shape == k_cache.shape
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "cast the query to the cache's dtype"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    group = Hq // kv_heads
+    if selected is not None:
+        assert selected.dtype == torch.int32 and selected.stride(-1) == 1
+        length = selected.shape[1]
+    else:
+        length = max_context_len if max_context_len is not None else block_tables.shape[1] * block_size
+    block_n = block_n or (64 if D <= 128 else 32)
+    splits = num_splits or choose_num_splits(B * kv_heads, length, q.device)
+    out = torch.empty_like(q)
+    if splits > 1:
+        part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out                              # neither read nor written: the kernel stores `out` itself
+    sel = selected if selected is not None else context_lens
+    block_d = max(16, triton.next_power_of_2(D))
+    _split_kernel[(B, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, sel, part, lse, out,
+        scale * math.log2(math.e), length if selected is not None else 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), sel.stride(0),
+        *(part.stride()[:3] if splits > 1 else (0, 0, 0)), *(lse.stride()[:2] if splits > 1 else (0, 0)),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=D, PAGE=block_size, NUM_SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        HAS_SEL=selected is not None, DIRECT=splits == 1,
+        DOT_F32=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
+    if splits > 1:
+        _reduce_kernel[(B, Hq)](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+    return out
