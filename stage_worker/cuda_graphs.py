@@ -30,6 +30,7 @@ class _Graph:
     tables: torch.Tensor
     lens: torch.Tensor
     slots: torch.Tensor
+    expert_ids: list        # each MoE layer's routing output inside this graph (for routing statistics)
 
 
 class DecodeGraphs:
@@ -80,7 +81,13 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._run(batch, hidden_in)
         self.pool = graph.pool()
-        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots)
+        ids = [m.last_expert_ids for m in self._moes()]
+        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, ids)
+
+    def _moes(self):
+        from stage_worker.model.moe import SparseMoE
+
+        return [m for m in self.model.modules() if isinstance(m, SparseMoE)]
 
     def fits(self, batch: StepBatch) -> bool:
         return bool(self.graphs) and batch.is_decode and batch.num_seqs <= self.sizes[-1] and \
@@ -110,4 +117,6 @@ class DecodeGraphs:
         if g.hidden_in is not None:
             g.hidden_in[:n].copy_(hidden, non_blocking=True)
         g.graph.replay()
+        for m, ids in zip(self._moes(), g.expert_ids):
+            m.last_expert_ids = ids[:n] if ids is not None else None
         return g.out[:n]

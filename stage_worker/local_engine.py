@@ -40,7 +40,10 @@ class LocalEngine:
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
         self.graphs = None
-        if cuda_graphs and p.device.type == "cuda" and len(stages) == 1:
+        flags = getattr(stages[0], "kernel_flags", None)
+        # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
+        if cuda_graphs and p.device.type == "cuda" and len(stages) == 1 and flags is not None and flags.moe \
+                and flags.attention:
             from stage_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(stages[0], self.caches[0], max_blocks_per_seq=max_blocks,

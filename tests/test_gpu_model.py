@@ -38,8 +38,16 @@ def _teacher_forced(model, prompts: list[list[int]], forced: list[list[int]]) ->
     return torch.stack(out)                      # [steps + 1, batch, vocab]
 
 
+def _compare(ref: torch.Tensor, fast: torch.Tensor) -> tuple[float, float, float]:
+    spread = ref.float().std().item()
+    diff = (fast.float() - ref.float()).abs()
+    agree = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return diff.max().item() / spread, diff.mean().item() / spread, agree
+
+
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_fast_kernels_agree_with_the_pytorch_path(preset):
+@pytest.mark.parametrize("kernels", ["all", "-attention", "moe", "hyper_connection", "rmsnorm", "deltanet"])
+def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
     model, cfg = _model(preset)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 90, 5)]
@@ -47,13 +55,13 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset):
     with torch.inference_mode():
         model.set_kernels(NONE)
         ref = _teacher_forced(model, prompts, forced)
-        model.set_kernels(KernelFlags.parse("all"))
+        model.set_kernels(KernelFlags.parse(kernels))
         fast = _teacher_forced(model, prompts, forced)
-    # bf16 weights and activations: the two paths round at different points (fused kernels keep fp32 partial sums
-    # where PyTorch rounds each op to bf16), so logits differ by a few bf16 ulps of their magnitude, and 64 steps of
-    # recurrent state carry that forward. Tolerance: 3% of the logits' spread, and the same top-1 token almost always.
-    spread = ref.float().std().item()
-    diff = (fast.float() - ref.float()).abs()
-    assert diff.max().item() < 0.03 * spread * 10 and diff.mean().item() < 0.03 * spread, (diff.max(), spread)
-    agree = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree > 0.95, agree
+    worst, mean, agree = _compare(ref, fast)
+    print(f"{preset} kernels={kernels}: max |diff| {worst:.3f} and mean |diff| {mean:.4f} of the logits' spread, "
+          f"top-1 agreement {agree:.3f}")
+    # Tolerance, bf16: the paths round at different points (fused kernels keep fp32 partial sums where PyTorch
+    # rounds each op to bf16) and 64 steps of fp32 recurrent state carry the difference forward; QSA's discrete
+    # block choice can flip on near-ties, which moves a logit by more than rounding does. So: the mean difference
+    # within 3% of the logits' spread, no logit off by more than the spread itself, top-1 the same >= 95% of rows.
+    assert mean < 0.03 and worst < 1.0 and agree >= 0.95

@@ -1,0 +1,167 @@
+"""The fused GatedResidual kernels (002 §3.3) against their PyTorch reference, and the reference against the model.
+
+Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported): tiny shapes,
+few cases. With CUDA the same tests run natively and the `gpu` test adds the real decode shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from stage_worker.kernels import hyper_connection as K  # noqa: E402
+from stage_worker.kernels import hyper_connection_ref as ref  # noqa: E402
+from stage_worker.kernels import rmsnorm as rmsnorm_kernel  # noqa: E402
+from stage_worker.kernels.flags import NONE, KernelFlags  # noqa: E402
+from stage_worker.model.hyper_connection import GatedResidual  # noqa: E402
+
+if not CUDA and not isinstance(K._hc_up_mix_kernel, InterpretedFunction):   # imported earlier without the interpreter
+    importlib.reload(rmsnorm_kernel)
+    K = importlib.reload(K)
+
+DEV = "cuda" if CUDA else "cpu"
+EPS = 1e-6
+
+
+def _weights(hidden: int, hc: int, rank: int, inject: bool, dtype: torch.dtype, seed: int) -> list:
+    """hc_norm_w, down_w, up_w, inject_w: scaled so every sigmoid and silu sees O(1) inputs, not a flat tail."""
+    g = torch.Generator().manual_seed(seed)
+    width = hc * hidden
+    ws = [torch.randn(width, generator=g) * 0.1, torch.randn(rank, width, generator=g) / width ** 0.5,
+          torch.randn(width, rank, generator=g) * 2 / rank ** 0.5,
+          torch.randn(hc, width, generator=g) * 2 / width ** 0.5 if inject else None]
+    return [w.to(DEV, dtype) if w is not None else None for w in ws]
+
+
+def _streams(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 3).to(DEV, dtype)
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 0.02) -> None:
+    """Within bf16 tolerance, and bit-equal almost everywhere: a rounding point that moved shifts a third or more of
+    the elements by one ulp, which a tolerance alone would let through."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+    frac = (got != want).float().mean().item()
+    assert frac <= max_mismatch, f"{frac:.1%} of elements differ from the reference: a rounding point moved?"
+
+
+def _module(hidden: int, hc: int, rank: int, inject: bool) -> GatedResidual:
+    module = GatedResidual(hidden, hc, rank, EPS, inject=inject).to(DEV)
+    with torch.no_grad():
+        for p, w in zip(_module_weights(module), _weights(hidden, hc, rank, inject, torch.float32, seed=hidden)):
+            if p is not None:
+                p.copy_(w)
+    return module
+
+
+def _module_weights(module: GatedResidual) -> list:
+    """hc_norm_w, down_w, up_w, inject_w, as `hc_mix` takes them."""
+    inject = module.block_inject_weight
+    return [module.hc_norm.weight, module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
+            None if inject is None else inject.weight]
+
+
+@pytest.mark.parametrize("inject", [True, False], ids=["block", "final_mixer"])
+def test_reference_is_the_model(inject):
+    module = _module(32, 4, 8, inject)
+    streams = _streams(5, 128, torch.float32, seed=1)
+    with torch.no_grad():
+        mixed, weights = module.mix(streams)
+        got_mixed, got_weights = ref.hc_mix(streams, *_module_weights(module), 4, EPS)
+    torch.testing.assert_close(got_mixed, mixed, rtol=0, atol=1e-6)
+    if inject:
+        torch.testing.assert_close(got_weights, weights, rtol=0, atol=1e-6)
+        out = _streams(5, 32, torch.float32, seed=2)
+        torch.testing.assert_close(ref.hc_inject(streams, out, weights), GatedResidual.inject(streams, out, weights),
+                                   rtol=0, atol=1e-6)
+    else:
+        assert got_weights is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,hc,rank,inject", [
+    (1, 32, 4, 8, True),      # one decode token
+    (3, 32, 4, 8, False),     # the final mixer: no inject tile
+    (5, 40, 3, 6, True),      # nothing a power of two: every mask
+    (17, 24, 4, 5, True),     # two row blocks
+])
+def test_mix_kernels_match_reference(dtype, rows, hidden, hc, rank, inject):
+    streams = _streams(rows, hc * hidden, dtype, seed=rows)
+    weights = _weights(hidden, hc, rank, inject, dtype, seed=rows + hidden)
+    mixed, weights_out = K.hc_mix(streams, *weights, hc, EPS)
+    want_mixed, want_weights = ref.hc_mix(streams, *weights, hc, EPS)
+    assert mixed.dtype == dtype and mixed.shape == (rows, hidden)
+    pairs = [(mixed, want_mixed)] + ([(weights_out, want_weights)] if inject else [])
+    assert (weights_out is None) == (not inject)
+    for got, want in pairs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inject_kernel_matches_reference(dtype):
+    streams = _streams(3, 3 * 40, dtype, seed=7)
+    out = _streams(3, 40, dtype, seed=8)
+    weights = (2 * torch.rand(3, 3, generator=torch.Generator().manual_seed(9))).to(DEV, dtype)
+    got, want = K.hc_inject(streams, out, weights), ref.hc_inject(streams, out, weights)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert_bf16_close(got, want, max_mismatch=0.0)
+
+
+@pytest.mark.parametrize("inject", [True, False], ids=["block", "final_mixer"])
+def test_module_entry_point(inject):
+    """`hc_mix_module` gives `GatedResidual.mix`, through the kernels at decode sizes and the reference above them;
+    with the module's flag on, `mix` itself (on CUDA) goes through it and must not come back."""
+    module = _module(32, 4, 8, inject)
+    for rows in (2, K.DECODE_ROWS + 1):
+        streams = _streams(rows, 128, torch.float32, seed=rows)
+        with torch.no_grad():
+            module.kernels = NONE
+            want = module.mix(streams)
+            module.kernels = KernelFlags(hyper_connection=True)
+            for got in (K.hc_mix_module(module, streams), module.mix(streams)):
+                torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+                if inject:
+                    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fp32_matmul_reduction():
+    """cuBLAS may otherwise reduce bf16 split-K partial sums in bf16: a rounding point the model path does not
+    promise and the kernels do not copy."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    yield
+    matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inject", [True, False], ids=["block", "final_mixer"])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_real_shapes_bf16(rows, inject, fp32_matmul_reduction):
+    """Qwen4-Exp at decode: 4 streams of 2560, rank 320, bf16 weights and streams."""
+    hidden, hc, rank = 2560, 4, 320
+    streams = _streams(rows, hc * hidden, torch.bfloat16, seed=rows)
+    weights = _weights(hidden, hc, rank, inject, torch.bfloat16, seed=rows)
+    mixed, weights_out = K.hc_mix(streams, *weights, hc, EPS)
+    want_mixed, want_weights = ref.hc_mix(streams, *weights, hc, EPS)
+    assert_bf16_close(mixed, want_mixed, max_mismatch=0.05)
+    if inject:
+        assert_bf16_close(weights_out, want_weights, max_mismatch=0.05)
+        out = _streams(rows, hidden, torch.bfloat16, seed=rows + 1)
+        assert_bf16_close(K.hc_inject(streams, out, weights_out), ref.hc_inject(streams, out, weights_out),
+                          max_mismatch=0.0)
