@@ -20,6 +20,19 @@ from stage_worker.model.model import StageModel
 DEFAULT_SIZES = (1, 2, 4, 8)
 
 
+def capturable(model: StageModel) -> bool:
+    """A decode step can be captured only if every input it reads is on the device: a PLE branch that gathers
+    from a memory-mapped host table (the in-process fallback) cannot be; rows from the PLE service come through a
+    host ring, so that stage runs eagerly too (for now)."""
+    from stage_worker.checkpoint.random_init import ProceduralTable
+
+    for layer in model.layers.values():
+        ple = getattr(layer, "ple", None)
+        if ple is not None and not isinstance(ple.table, ProceduralTable):
+            return False
+    return True
+
+
 @dataclass
 class _Graph:
     size: int

@@ -42,8 +42,10 @@ class LocalEngine:
         self.graphs = None
         flags = getattr(stages[0], "kernel_flags", None)
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
+        from stage_worker.cuda_graphs import capturable
+
         if cuda_graphs and p.device.type == "cuda" and len(stages) == 1 and flags is not None and flags.moe \
-                and flags.attention:
+                and flags.attention and capturable(stages[0]):
             from stage_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(stages[0], self.caches[0], max_blocks_per_seq=max_blocks,

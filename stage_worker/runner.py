@@ -51,16 +51,6 @@ class StageRunner:
         spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
                          num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device)
         self.cache = model.new_cache(spec)
-        self.graphs = None
-        kernels = getattr(model, "kernel_flags", None)
-        if cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
-                and kernels.moe:
-            from stage_worker.cuda_graphs import DecodeGraphs
-
-            max_len = cluster.max_model_len or model.cfg.max_position_embeddings
-            self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
-                                       scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
-                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs))
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
         self.ple: dict[int, PleReady] = {}
@@ -75,6 +65,18 @@ class StageRunner:
         self.last_step_seconds = 0.0
         self.ple_wait_seconds = 0.0
         self._ple_wait_start: dict[int, float] = {}
+        self.graphs = None
+        kernels = getattr(model, "kernel_flags", None)
+        from stage_worker.cuda_graphs import capturable
+
+        if cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
+                and kernels.moe and capturable(model) and not self.my_ple_layers:
+            from stage_worker.cuda_graphs import DecodeGraphs
+
+            max_len = cluster.max_model_len or model.cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
+                                       scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
+                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs))
 
     # ---- inputs ------------------------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
