@@ -181,7 +181,7 @@ class LocalBackend:
             self._running.append(job)
 
     def _step(self, batch: list[_Job]) -> None:
-        feeds, spans = [], []
+        feeds = []
         for job in batch:
             if job.prefilling:
                 tokens = job.request.prompt_ids[job.fed: job.fed + self.prefill_chunk]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,14 +173,3 @@ def _toml_value(v: Any) -> str:
 
 def stage_name(index: int) -> str:
     return f"stage{index}"
-
-
-@dataclass
-class RunPaths:
-    """Where a `moepipe serve` run keeps its sockets and ring."""
-
-    run_dir: Path
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def ipc(self, name: str) -> str:
-        return f"ipc://{self.run_dir / (name + '.sock')}"

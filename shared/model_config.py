@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -381,15 +380,3 @@ def load_config(model_dir: str | Path) -> HybridMoeConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
     return config_from_dict(raw)
-
-
-def ple_table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
-    """Rows of one PLE table, padded as `transformers` pads them (needed before the hash module is imported)."""
-    from shared.ngram_hash import NgramHashSpec  # local: keeps config import light
-
-    spec = NgramHashSpec.from_model_config(cfg, ple_index)
-    return spec.padded_rows
-
-
-def round_up(x: int, m: int) -> int:
-    return int(math.ceil(x / m) * m)

@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Test tensors are tiny: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def reference_checkpoints(tmp_path_factory):
     """family -> (directory written by transformers.save_pretrained, the in-memory transformers model)."""

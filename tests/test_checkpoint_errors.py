@@ -20,14 +20,6 @@ from stage_worker.checkpoint.loader import CheckpointError, LoadOptions, load_mo
 from stage_worker.local_engine import LocalEngine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 FAMILY = "qwen4_exp"
 PROMPT = [9, 17, 250, 5, 33, 81, 81, 140, 6, 77, 310, 12, 44]

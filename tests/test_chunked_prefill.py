@@ -17,14 +17,6 @@ from stage_worker.model.attention import QSAIndexer
 from stage_worker.model.moe import SparseMoE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 TOL = 1e-5
 PROMPT_LEN = 70

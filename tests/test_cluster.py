@@ -4,7 +4,6 @@ service) on 127.0.0.1, driven by the official `openai` client and httpx, compare
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket

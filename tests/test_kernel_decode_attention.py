@@ -35,14 +35,6 @@ N_IDX, D_IDX, RATIO, BUDGET = 2, 16, 4, 8
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_config() -> Qwen4ExpConfig:
     cfg = Qwen4ExpConfig(

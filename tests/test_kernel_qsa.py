@@ -23,14 +23,6 @@ from test_kernel_decode_attention import (DEVICE, D_IDX, N_IDX, RATIO, paged_tab
                                           tiny_config)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def indexer(budget: int) -> QSAIndexer:
     import dataclasses

@@ -12,14 +12,6 @@ from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 TOL = 1e-6
 DECODE = [7, 5, 9, 300]          # 5 is EOS: the PLE hash resets on every stage that holds a PLE layer

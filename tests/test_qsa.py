@@ -19,14 +19,6 @@ from stage_worker.model.cache import AttentionCache, CacheSpec
 from stage_worker.model.rope import Rotary, apply_rotary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a shared, busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def qwen4_cfg(reference_checkpoints):
