@@ -73,6 +73,13 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
     runner = StageRunner(model, cluster, index, ring)
+    if runner.graphs is not None:
+        # Capture before the first heartbeat: /health turns 200 only once decode steps can replay, so the first
+        # request does not pay for Triton compiles and capture.
+        t1 = time.time()
+        runner.graphs.capture()
+        log.info("%s: captured decode graphs for batch sizes %s in %.1f s", name, runner.graphs.sizes,
+                 time.time() - t1)
     log.info("%s: layers [%d, %d) loaded in %.1f s%s", name, spec.start, spec.end, time.time() - t0,
              " (PLE rows from the PLE service)" if ring is not None else "")
 
