@@ -1,0 +1,46 @@
+"""The kernel switches: parsing, and that the model obeys them (on the CPU every layer keeps its reference path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage_worker.kernels.flags import NAMES, NONE, KernelFlags
+
+
+def test_parse_all_none_lists_and_negations():
+    assert KernelFlags.parse("all") == KernelFlags(**dict.fromkeys(NAMES, True))
+    assert KernelFlags.parse("none") == NONE == KernelFlags.parse("")
+    assert KernelFlags.parse("moe,rmsnorm").describe() == "moe,rmsnorm"
+    off = KernelFlags.parse("-hyper_connection")
+    assert not off.hyper_connection and all(getattr(off, n) for n in NAMES if n != "hyper_connection")
+    with pytest.raises(ValueError, match="unknown kernel 'flash'"):
+        KernelFlags.parse("flash")
+
+
+def test_environment_default(monkeypatch):
+    monkeypatch.setenv("MOEPIPE_KERNELS", "-moe")
+    assert not KernelFlags.from_env().moe
+    monkeypatch.delenv("MOEPIPE_KERNELS")
+    assert KernelFlags.from_env() == KernelFlags.parse("all")
+
+
+def test_set_kernels_reaches_every_layer_and_cpu_output_is_unchanged(reference_checkpoints):
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.local_engine import LocalEngine
+    from stage_worker.model.moe import SparseMoE
+    from stage_worker.model.norms import ZeroCentredRMSNorm
+
+    path, _ = reference_checkpoints["qwen4_exp"]
+    model = load_model(path, LoadOptions(dtype=torch.float32))
+
+    def run():
+        e = LocalEngine([model], cuda_graphs=True)     # graphs need CUDA: ignored here
+        e.add(0)
+        return torch.cat([e.step([(0, list(range(6, 40)))]), e.step([(0, [7])])])
+
+    ref = run()
+    flags = KernelFlags.parse("all")
+    model.set_kernels(flags)
+    assert all(m.kernels == flags for m in model.modules() if isinstance(m, (SparseMoE, ZeroCentredRMSNorm)))
+    assert torch.equal(run(), ref)
