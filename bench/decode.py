@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
@@ -182,6 +183,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="none:0,all:0,all:1",
                     help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -230,12 +232,33 @@ def main() -> int:
               f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
               f"{1e3 * r['median_step_s']:>8.1f} {r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
               f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
+    hf_rows = []
+    if args.preset == "qwen3-next-shape" and not args.no_transformers:
+        # transformers' own Qwen3-Next on the same weights (experts shared, not copied), same prompts and batches.
+        from hf_reference import hf_model_from_ours, time_decode
+
+        hf = hf_model_from_ours(model)
+        g = torch.Generator().manual_seed(0)
+        for b in (int(x) for x in args.batch.split(",")):
+            prompts = [torch.randint(10, cfg.vocab_size - 10, (args.context,), generator=g).tolist()
+                       for _ in range(b)]
+            try:
+                step = time_decode(hf, prompts, steps=min(args.steps, 8), warmup=2)
+            except Exception as exc:
+                print(f"transformers batch={b}: FAILED {type(exc).__name__}: {exc}")
+                continue
+            best = max((r["tokens_per_s"] for r in rows if r["batch"] == b), default=float("nan"))
+            hf_rows.append({"batch": b, "median_step_s": step, "tokens_per_s": b / step,
+                            "moepipe_best_tokens_per_s": best, "ratio": best / (b / step)})
+            print(f"transformers Qwen3NextForCausalLM batch {b}: {1e3 * step:.1f} ms/step, {b / step:.1f} tok/s; "
+                  f"moepipe's best {best:.1f} tok/s = {best / (b / step):.1f}x")
+        del hf
     out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "layers": n, "weights_bytes": weights,
                     "hbm_copy_bandwidth_bytes_per_s": bandwidth, "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "note": "roofline = batch * bandwidth / bytes per step; bandwidth counts read + write of a copy",
                     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "results": rows}
+           "results": rows, "transformers": hf_rows}
     path = Path(args.out or f"bench/results/decode_{args.preset}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
