@@ -107,9 +107,11 @@ class Cluster:
             # A new session per child: Ctrl-C in the terminal reaches only us, and we stop them in order.
             self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
 
-    def wait_healthy(self) -> None:
+    def wait_healthy(self, should_stop=lambda: False) -> None:
         deadline = time.time() + self.opts.startup_timeout
         while time.time() < deadline:
+            if should_stop():
+                raise RuntimeError("stopped during start-up")
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             if dead:
                 raise RuntimeError(f"{', '.join(f'{n} exited with {c}' for n, c in dead.items())} during start-up")
@@ -166,14 +168,20 @@ def run_serve(opts: ServeOptions) -> int:
         cluster.start()
         print(f"moepipe: starting {cluster.cluster.num_stages} stage(s)"
               f"{' + PLE service' if cluster.cluster.ple_service else ''} for {opts.model}", file=sys.stderr)
-        cluster.wait_healthy()
+        cluster.wait_healthy(lambda: stop["flag"])
         print(f"moepipe: serving {cluster.cluster.served_model_name} at {cluster.url}/v1  (Ctrl-C stops)",
               flush=True)
+        reported: set[str] = set()
         while not stop["flag"]:
             time.sleep(0.2)
             if cluster.procs["gateway"].poll() is not None:
                 print("moepipe: the gateway exited; stopping", file=sys.stderr)
                 return 1
+            for name, p in cluster.procs.items():
+                if p.poll() is not None and name not in reported:
+                    # Keep serving /health (503 naming it) so operators and clients see what failed.
+                    print(f"moepipe: {name} exited with {p.returncode}; /health now reports it", file=sys.stderr)
+                    reported.add(name)
         return 0
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)

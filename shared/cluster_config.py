@@ -78,6 +78,10 @@ class ClusterConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.ple_service and self.ple_ring_slots <= self.num_microbatches:
+            # The service reuses ring slot step % slots with no handshake: more slots than steps in flight.
+            raise ClusterConfigError(f"cluster config: ple_ring_slots ({self.ple_ring_slots}) must exceed the "
+                                     f"micro-batches in flight ({self.num_microbatches})")
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
