@@ -30,8 +30,10 @@ from stage_worker.kernels.rmsnorm import round_to
 if TYPE_CHECKING:   # the model will import this module behind its kernel flag: no import cycle at run time
     from stage_worker.model.hyper_connection import GatedResidual
 
-# Above this many rows `hc_mix_module` takes the PyTorch path: these kernels re-read the weights per 16-row block.
-DECODE_ROWS = 16
+# Above this many rows `hc_mix_module` takes the PyTorch path: these kernels re-normalise each row block per
+# program. Measured on the H200 (docs/performance.md, full-shape decode with graphs): the kernels win at batch 1
+# (21.9% vs 17.7% of the roofline) and 4 (28.1% vs 26.0%) and lose at 16 (31.2% vs 42.9%); 8 is unmeasured.
+DECODE_ROWS = 4
 
 
 @triton.jit
