@@ -54,6 +54,7 @@ class ClusterConfig:
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
+    threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     seed: int = 0
 
     @property
@@ -98,7 +99,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
-        "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs"}
+        "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
+        "MOEPIPE_THREADS": "threads_per_stage"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -107,7 +109,7 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            if key == "microbatches":
+            if key in ("microbatches", "threads_per_stage"):
                 out[key] = int(val)
             elif key == "kernels":
                 out[key] = val

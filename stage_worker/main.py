@@ -172,5 +172,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterConfigError, ValueError) as exc:
         print(f"stage_worker: {exc}", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, int(os.environ.get("MOEPIPE_THREADS", "1"))))
+    torch.set_num_threads(max(1, cluster.threads_per_stage))
     return serve(cluster, args.stage)
