@@ -131,13 +131,25 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
             "total": dense + experts + state + kv}
 
 
-def kernels_per_step(fn) -> int:
+def kernels_per_step(fn, top: int = 30) -> tuple[int, list[dict]]:
+    """CUDA kernels one step launches (graph replays included: CUPTI sees the nodes) and the `top` kernels by GPU
+    time, so the next fusion can be picked from measurement."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    by_name: dict[str, list[float]] = {}
+    count = 0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        count += 1
+        by_name.setdefault(e.name[:90], []).append(e.device_time_total if hasattr(e, "device_time_total")
+                                                   else e.cuda_time_total)
+    rows = sorted(({"name": k, "count": len(v), "total_us": sum(v)} for k, v in by_name.items()),
+                  key=lambda r: -r["total_us"])
+    return count, rows[:top]
 
 
 def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict:
@@ -166,11 +178,11 @@ def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, gra
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
-    kernels = kernels_per_step(step)
+    kernels, top = kernels_per_step(step)
     by = step_bytes(model, cfg, batch, context + warmup + steps)
     med = statistics.median(times)
     return {"batch": batch, "context": context, "median_step_s": med, "tokens_per_s": batch / med,
-            "bytes": by, "kernels_per_step": kernels, "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+            "bytes": by, "kernels_per_step": kernels, "top_kernels": top, "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
 
 def main() -> int:
@@ -184,6 +196,7 @@ def main() -> int:
     ap.add_argument("--configs", default="none:0,all:0,all:1",
                     help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -232,6 +245,13 @@ def main() -> int:
               f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
               f"{1e3 * r['median_step_s']:>8.1f} {r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
               f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
+    if args.profile:
+        for r in rows:
+            busy = sum(k["total_us"] for k in r["top_kernels"])
+            print(f"\n{r['kernels']} graphs={r['cuda_graphs']} batch {r['batch']}: top kernels by GPU time "
+                  f"({busy / 1e3:.2f} ms of {1e3 * r['median_step_s']:.2f} ms step)")
+            for k in r["top_kernels"]:
+                print(f"  {k['total_us']:>9.1f} us {k['count']:>5}x  {k['name']}")
     hf_rows = []
     if args.preset == "qwen3-next-shape" and not args.no_transformers:
         # transformers' own Qwen3-Next on the same weights (experts shared, not copied), same prompts and batches.

@@ -110,6 +110,25 @@ def test_mix_kernels_match_reference(dtype, rows, hidden, hc, rank, inject):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,hc,rank", [(1, 32, 4, 8), (5, 40, 3, 6)])
+def test_inject_then_mix_in_one_call_matches_reference(dtype, rows, hidden, hc, rank):
+    """The previous block's injection fused into the mix's first kernel = inject, then mix (reference)."""
+    streams = _streams(rows, hc * hidden, dtype, seed=40 + rows)
+    out = _streams(rows, hidden, dtype, seed=41 + rows)
+    inj = (2 * torch.rand(rows, hc, generator=torch.Generator().manual_seed(42))).to(DEV, dtype)
+    weights = _weights(hidden, hc, rank, True, dtype, seed=43)
+    new, mixed, w = K.hc_inject_mix(streams, out, inj, *weights, hc, EPS)
+    want_new = ref.hc_inject(streams, out, inj)
+    want_mixed, want_w = ref.hc_mix(want_new, *weights, hc, EPS)
+    for got, want in ((new, want_new), (mixed, want_mixed), (w, want_w)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert_bf16_close(got, want)
+    assert torch.equal(streams, _streams(rows, hc * hidden, dtype, seed=40 + rows))   # input left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inject_kernel_matches_reference(dtype):
     streams = _streams(3, 3 * 40, dtype, seed=7)
     out = _streams(3, 40, dtype, seed=8)

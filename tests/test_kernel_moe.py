@@ -177,3 +177,82 @@ def test_real_shapes_on_gpu(t):
     graph.replay()
     want, _ = K.moe_forward(x, gate, w13, w2, k, True)
     assert _rel(g_out, want) < 1e-3                             # the replay computed the new input
+
+
+def _shared(h: int, i: int, dtype: torch.dtype, seed: int) -> "K.SharedExpert":
+    g = _gen(seed)
+    return K.SharedExpert((torch.randn(2 * i, h, generator=g) / h ** 0.5).to(DEV, dtype),
+                          (torch.randn(h, i, generator=g) / i ** 0.5).to(DEV, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_with_shared_slot(dtype):
+    logits = torch.randn(5, E + 1, generator=_gen(21)).to(DEV, dtype)
+    w, ids = K.route(logits, TOP_K, True, shared=True)
+    w_ref, ids_ref = route_ref(logits[:, :E], TOP_K, True)
+    assert w.shape == (5, TOP_K + 1) and ids.shape == (5, TOP_K + 1)
+    assert torch.equal(ids[:, :TOP_K], ids_ref) and (ids[:, TOP_K] == -1).all()
+    torch.testing.assert_close(w[:, :TOP_K], w_ref, rtol=0, atol=1e-6)
+    want = torch.sigmoid(logits[:, E]).float()          # rounded to the logits' dtype, as SparseMoE's sigmoid
+    torch.testing.assert_close(w[:, TOP_K], want, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (3, torch.bfloat16)])
+def test_fused_moe_with_shared_expert_matches_ref(t, dtype):
+    h, i = 48, 24
+    w13, w2 = _experts(h, i, dtype, seed=31 + t)
+    shared = _shared(h, i, dtype, seed=32 + t)
+    g = _gen(33 + t)
+    x = torch.randn(t, h, generator=g).to(DEV, dtype)
+    weights, ids = K.route(torch.randn(t, E + 1, generator=g).to(DEV), TOP_K, False, shared=True)
+    weights = weights.to(dtype)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, shared)
+    _check(K.fused_moe(x, ids, weights, w13, w2, shared), ref)
+    _check(K.grouped_moe(x, ids, weights, w13, w2, shared), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_fused_matches_sparse_moe(dtype):
+    """prepare_kernels lays the shared expert out as views (state dict unchanged) and the fused path with the
+    shared slot equals SparseMoE's PyTorch path (routed experts plus the sigmoid-gated shared SwiGLU)."""
+    torch.manual_seed(13)
+    m = SparseMoE(48, 24, E, TOP_K, shared_intermediate=24, renormalise=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 48 ** -0.5)
+    m = m.to(DEV, dtype)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m.prepare_kernels()
+    after = m.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    router, shared = m._fused_shared()
+    assert router.data_ptr() == m.gate.weight.data_ptr() and shared.w13.data_ptr() == m.shared_expert.gate_proj.weight.data_ptr()
+    x = torch.randn(3, 48, generator=_gen(14)).to(DEV, dtype)
+    with torch.no_grad():
+        want = m(x) if not CUDA else None
+        if CUDA:       # the module itself would take the kernels: compute its PyTorch path by hand
+            m.kernels = type(m.kernels)()
+            want = m(x)
+        out, ids = K.moe_forward(x, router, m.w13, m.w2, TOP_K, True, shared)
+    assert ids.tolist() == m.last_expert_ids.tolist()
+    _check(out, want)
+    m.gate.weight = torch.nn.Parameter(m.gate.weight.detach().clone())   # rebinding un-fuses: no stale copy used
+    assert m._fused_shared() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_shared_slot_real_shapes_on_gpu(t):
+    h, i, e, k = 2560, 640, 512, 10
+    g = torch.Generator(device="cuda").manual_seed(100 + t)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h ** 0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i ** 0.5).bfloat16()
+    router = (torch.randn(e + 1, h, device="cuda", generator=g) / h ** 0.5).bfloat16()
+    shared = K.SharedExpert((torch.randn(2 * i, h, device="cuda", generator=g) / h ** 0.5).bfloat16(),
+                            (torch.randn(h, i, device="cuda", generator=g) / i ** 0.5).bfloat16())
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    w, ids = K.route(torch.nn.functional.linear(x, router), k, True, shared=True)
+    ref = fused_moe_ref(x, ids, w.bfloat16(), w13, w2, shared)
+    out, _ = K.moe_forward(x, router, w13, w2, k, True, shared)
+    assert _rel(out, ref) < 2e-2
+    assert _rel(K.grouped_moe(x, ids, w.bfloat16(), w13, w2, shared), ref) < 2e-2

@@ -1,6 +1,8 @@
 """QSA decode selection: the PyTorch reference and the Triton path choose exactly the keys `QSAIndexer.select` makes
 visible to the last query, on the same paged cache (shuffled block tables), ties included (lower block wins), and
-agree with each other in layout. Without CUDA the kernels run in Triton's interpreter.
+agree with each other in layout (chosen blocks in ascending order, then the tail), also when the block table is far
+wider than the context (as under CUDA graphs) and when more blocks are complete than the budget holds (the radix
+select). Without CUDA the kernels run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from stage_worker.kernels.qsa import qsa_select  # noqa: E402
-from stage_worker.kernels.qsa_ref import qsa_select_ref  # noqa: E402
+import stage_worker.kernels.qsa as qsa_kernels  # noqa: E402
+from stage_worker.kernels.qsa import qsa_scores_keys, qsa_select, select_from_keys  # noqa: E402
+from stage_worker.kernels.qsa_ref import expand_selection, qsa_scores_ref, qsa_select_ref  # noqa: E402
 from stage_worker.model.attention import QSAIndexer  # noqa: E402
 from stage_worker.model.cache import AttentionCache, CacheSpec  # noqa: E402
 from test_kernel_decode_attention import (DEVICE, D_IDX, N_IDX, RATIO, paged_tables, table_tensor,  # noqa: E402
@@ -90,7 +93,7 @@ def test_selection_equals_indexer_select(block_size, ctxs, budget, block_c):
         assert sel.shape == (len(ctxs), budget + RATIO - 1) and sel.dtype == torch.int32
         for i, (got, w) in enumerate(zip(as_masks(sel, ctxs), want)):
             assert torch.equal(got, w), (i, sel[i].tolist())
-    assert torch.equal(ref, fast)                     # same layout, same best-first order
+    assert torch.equal(ref, fast)                     # same layout, same (ascending) order
 
 
 def test_layout_blocks_then_tail():
@@ -102,6 +105,7 @@ def test_layout_blocks_then_tail():
         blocks = sel[2, :8].view(2, RATIO)
         assert torch.equal(blocks - blocks[:, :1], torch.arange(RATIO).expand(2, RATIO))
         assert (blocks[:, 0] % RATIO == 0).all() and (blocks < 20).all()
+        assert blocks[0, 0] < blocks[1, 0]                           # ascending block order
         assert sel[2, 8:].tolist() == [20, 21, 22]
 
 
@@ -136,6 +140,116 @@ def test_bf16_inputs():
         assert all(torch.equal(a, b) for a, b in zip(as_masks(sel, ctxs), want))
 
 
+def small_int_inputs(q_idx: torch.Tensor, cache: AttentionCache, seed: int) -> torch.Tensor:
+    """Replace the pooled keys and queries by values in {-1, 0, 1}: every score is exact in any summation order, and
+    there are few distinct scores, so the K-th largest almost always sits in a group of equal scores."""
+    g = torch.Generator().manual_seed(seed)
+    cache.pooled_keys = torch.randint(-1, 2, cache.pooled_keys.shape, generator=g).float()
+    return torch.randint(-1, 2, q_idx.shape, generator=g).float()
+
+
+@pytest.mark.parametrize("budget,programs", [(8, 2), (64, None)])
+def test_table_much_wider_than_the_context(budget, programs, monkeypatch):
+    """64 table pages (128 compression blocks) for contexts of 1..70 tokens, as under CUDA graphs where the tables are
+    padded to the model length: the same selection as the reference, which scores the whole width. Two score
+    programs per sequence make each walk several tiles (block_c 4); budget 64 takes every complete block."""
+    if programs is not None:
+        monkeypatch.setattr(qsa_kernels, "MAX_SCORE_PROGRAMS", programs)
+    ctxs = [5, 70, 33, 8, 64, 17, 1]
+    bs = 8
+    q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=21 + budget)
+    table = table_tensor(tables, 64)
+    want = select_masks(indexer(budget), q_idx, cache, tables, ctxs, bs)
+    ref, fast = both(q_idx, cache.pooled_keys, table, ctx, bs, budget, block_c=4 if programs else None)
+    for sel in (ref, fast):
+        for i, (got, w) in enumerate(zip(as_masks(sel, ctxs), want)):
+            assert torch.equal(got, w), (i, sel[i].tolist())
+    assert torch.equal(ref, fast)
+    # every complete block got its score (the key is the score's float bits), whichever program owns its tile, and
+    # nothing past the complete blocks was written
+    scores = qsa_scores_ref(q_idx, cache.pooled_keys, table, ctx, bs, RATIO)
+    keys = torch.full(scores.shape, -7, dtype=torch.int32, device=DEVICE)
+    qsa_scores_keys(*[t.to(DEVICE) for t in (q_idx, cache.pooled_keys, table, ctx)], bs, RATIO,
+                    block_c=4 if programs else None, out=keys)
+    keys = keys.cpu()
+    for i, c in enumerate(ctxs):
+        torch.testing.assert_close(keys[i, : c // RATIO].view(torch.float32), scores[i, : c // RATIO])
+        assert (keys[i, c // RATIO:] == -7).all()
+
+
+def test_more_complete_blocks_than_the_budget_with_ties(monkeypatch):
+    """budget 64 (k = 16) with 30, 24 and 17 complete blocks: the radix select runs, on scores with many exact ties
+    (inputs in {-1, 0, 1}) plus planted duplicate pooled rows; equal scores go to the lower block, as
+    `stable_topk_mask`. Sequence 3 has every score 0 (the first 16 blocks win) and sequence 4 exactly k blocks."""
+    monkeypatch.setattr(qsa_kernels, "MAX_SCORE_PROGRAMS", 3)
+    ctxs = [122, 97, 70, 90, 64]
+    bs, budget = 8, 64
+    q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=31)
+    q_idx = small_int_inputs(q_idx, cache, seed=31)
+    for dup, src in ((20, 2), (27, 2), (9, 4), (13, 4), (29, 11)):      # sequence 0: more planted exact ties
+        cache.pooled_keys[block_row(tables[0], dup, bs)] = cache.pooled_keys[block_row(tables[0], src, bs)]
+    q_idx[3] = 1.0                                                       # sequence 3: every score 0
+    for c in range(90 // RATIO):
+        cache.pooled_keys[block_row(tables[3], c, bs)] = -1.0
+    want = select_masks(indexer(budget), q_idx, cache, tables, ctxs, bs)
+    ref, fast = both(q_idx, cache.pooled_keys, table_tensor(tables, 40), ctx, bs, budget, block_c=4)
+    for sel in (ref, fast):
+        for i, (got, w) in enumerate(zip(as_masks(sel, ctxs), want)):
+            assert torch.equal(got, w), (i, sel[i].tolist())
+        assert ((sel[:, :budget] >= 0).sum(1) == budget).all()          # k blocks chosen in every sequence
+        assert sel[3, :budget].tolist() == list(range(budget))           # all tied: blocks 0..15, ascending
+    assert torch.equal(ref, fast)
+
+
+def keys_oracle(keys: torch.Tensor, ctx: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
+    """`select_from_keys` in PyTorch: stable descending sort of each row's complete keys, the first k, ascending."""
+    n = keys.shape[1]
+    valid = torch.arange(n)[None, :] < ctx.long()[:, None] // ratio
+    order = torch.sort(keys.long().masked_fill(~valid, -1), dim=1, descending=True, stable=True).indices
+    return expand_selection(order[:, : min(budget // ratio, n)].sort(dim=1).values, ctx, ratio, budget)
+
+
+@pytest.mark.parametrize("kind", ["full_range", "shared_high_bits", "few_values", "tie_across_tiles", "whole_bucket",
+                                  "float_bits"])
+def test_radix_select_on_planted_keys(kind):
+    """The select kernel alone on int32 keys shaped to reach each branch of the radix select: keys over the whole
+    range, keys equal but for the low byte (all four passes), heavy ties, the K-th key in a tie group that spans two
+    tiles (the tie count carries over), a first-pass bucket holding exactly k keys (early stop), and the float bits
+    of real scores. Rows have none, fewer than k, exactly k, k + 1, and more than one tile (2048) of complete blocks;
+    entries past them hold the largest key and must be ignored."""
+    budget, n = 64, 4608                                                 # k = 16
+    k = budget // RATIO
+    g = torch.Generator().manual_seed(7)
+    completes = [0, 5, k, k + 1, 300, 2047, 2049, 4500]
+    if kind == "full_range":
+        keys = torch.randint(0, 2**31 - 1, (len(completes), n), generator=g)
+    elif kind == "shared_high_bits":
+        keys = 0x3F8ABC00 + torch.randint(0, 256, (len(completes), n), generator=g)
+    elif kind == "few_values":
+        keys = torch.randint(0, 3, (len(completes), n), generator=g) * 1000
+    elif kind == "whole_bucket":
+        keys = torch.randint(0, 50 << 24, (len(completes), n), generator=g)
+        for i, c in enumerate(completes):                                # exactly k keys with top byte 100
+            top = torch.randperm(max(c, 1), generator=g)[:k]
+            keys[i, top] = (100 << 24) + torch.randint(0, 1 << 24, (len(top),), generator=g)
+    elif kind == "tie_across_tiles":                                    # k-th key: a tie group over two tiles,
+        keys = torch.randint(0, 3, (len(completes), n), generator=g)     # with larger keys after it
+        for i, c in enumerate(completes):
+            if c > 2200:
+                keys[i, :c] = 1
+                keys[i, 2040:2060] = 5                                   # 8 in the first tile, 4 more taken
+                keys[i, 2100:2104] = 9
+    else:
+        keys = torch.rand(len(completes), n, generator=g).abs().view(torch.int32).long()
+    ctx = torch.tensor([c * RATIO + i % RATIO for i, c in enumerate(completes)], dtype=torch.int32)
+    for i, c in enumerate(completes):
+        keys[i, c:] = 2**31 - 1                                          # past the complete blocks: never read
+    keys = keys.to(torch.int32)
+    want = keys_oracle(keys, ctx, RATIO, budget)
+    got = select_from_keys(keys.to(DEVICE), ctx.to(DEVICE), RATIO, budget).cpu()
+    assert torch.equal(got, want), [i for i in range(len(completes)) if not torch.equal(got[i], want[i])]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_real_shapes_on_gpu(batch):
@@ -156,3 +270,81 @@ def test_real_shapes_on_gpu(batch):
         fast = qsa_select(q_idx, pooled, tables, ctx, bs, RATIO, budget)
         assert fast.shape == (batch, budget + RATIO - 1)
         assert torch.equal(ref.sort(dim=1).values, fast.sort(dim=1).values)
+
+
+def wide_gpu_case(ctxs: list[int], inputs: str, dtype: torch.dtype, seed: int):
+    """Real shapes (001 §1): 32 indexer heads of 128, block size 16, tables 16384 pages wide (262144 tokens = 65,536
+    compression blocks, as CUDA graphs pad them) holding each sequence's pages, shuffled, then -1."""
+    bs, n_idx, d_idx, width = 16, 32, 128, 16384
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    pages = [-(-c // bs) for c in ctxs]
+    num_blocks = sum(pages) + 5
+    pool = torch.randperm(num_blocks, device=dev, generator=g).to(torch.int32)
+    tables = torch.full((len(ctxs), width), -1, dtype=torch.int32, device=dev)
+    start = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = pool[start: start + n]
+        start += n
+    shape_p, shape_q = (num_blocks * bs // RATIO, d_idx), (len(ctxs), n_idx, d_idx)
+    if inputs == "small_ints":                  # exact scores in any summation order, many exact ties
+        pooled = torch.randint(-1, 2, shape_p, device=dev, generator=g).to(dtype)
+        q_idx = torch.randint(-1, 2, shape_q, device=dev, generator=g).to(dtype)
+    else:
+        pooled = torch.randn(shape_p, device=dev, generator=g).to(dtype)
+        q_idx = torch.randn(shape_q, device=dev, generator=g).to(dtype)
+    return q_idx, pooled, tables, torch.tensor(ctxs, dtype=torch.int32, device=dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inputs", ["small_ints", "randn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wide_table_real_shapes_on_gpu(inputs, dtype):
+    """Ratio 4, budget 2048 (k = 512), B = 4: contexts 300 and 301 (75 complete blocks <= k: every block, no ranking)
+    and 20000 / 20003 (5000 > k: the radix select), in a table 16384 pages wide. Identical output to the reference
+    (with random inputs that assumes no two scores within rounding of each other straddle the k-th; small integers
+    make it exact). Prints the time of `qsa_select`, which should follow the context, not the table width."""
+    budget = 2048
+    q_idx, pooled, tables, ctx = wide_gpu_case([300, 20000, 20003, 301], inputs, dtype, seed=1)
+    ref = qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+    fast = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+    assert fast.shape == (4, budget + RATIO - 1) and fast.dtype == torch.int32
+    assert torch.equal(ref, fast)
+    assert ((fast[:, :budget] >= 0).sum(1).tolist() == [300 // 4 * 4, budget, budget, 301 // 4 * 4])
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 * 1e3
+
+    short = ctx.clone().fill_(256)
+    print(f"\nqsa_select, table 16384 pages: contexts {ctx.tolist()}: "
+          f"{timed(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)):.1f} us; "
+          f"contexts 256: {timed(lambda: qsa_select(q_idx, pooled, tables, short, 16, RATIO, budget)):.1f} us")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_the_context_lengths():
+    """Captured once, replayed with other context lengths written into the same device tensor: the kernels read the
+    lengths on the device, so every replay equals the reference for the new lengths."""
+    budget = 2048
+    q_idx, pooled, tables, ctx = wide_gpu_case([20003, 8191, 5000, 256], "randn", torch.bfloat16, seed=2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                        # compile and warm up outside the capture
+        qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+    for lens in ([20000, 300, 5000, 4], [1, 8191, 2052, 256], [256, 256, 256, 256]):     # within each table
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)), lens

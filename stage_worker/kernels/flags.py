@@ -15,11 +15,13 @@ NAMES = ("moe", "hyper_connection", "rmsnorm", "attention", "deltanet")
 
 @dataclass(frozen=True)
 class KernelFlags:
-    moe: bool = False                 # Triton router top-k + fused expert GEMVs (stage_worker/kernels/moe.py)
-    hyper_connection: bool = False    # two fused GatedResidual kernels (stage_worker/kernels/hyper_connection.py)
+    moe: bool = False                 # router top-k + fused expert GEMVs, shared expert as one more slot (moe.py)
+    hyper_connection: bool = False    # GatedResidual in three kernels, injection fused in (hyper_connection.py)
     rmsnorm: bool = False             # fused zero-centred / grouped RMSNorm (stage_worker/kernels/rmsnorm.py)
-    attention: bool = False           # paged split-K decode attention + QSA selection (decode_attention.py, qsa.py)
-    deltanet: bool = False            # flash-linear-attention's Gated DeltaNet kernels (GPU-only dependency)
+    attention: bool = False           # one q/k/v GEMV, prologue kernel, QSA selection, paged split-K decode
+                                      # attention (attention_prep.py, qsa.py, decode_attention.py)
+    deltanet: bool = False            # decode: one in-projection GEMV + one fused conv/recurrence/norm kernel
+                                      # (deltanet_decode.py); prefill: flash-linear-attention's chunked kernel
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

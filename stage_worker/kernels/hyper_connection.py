@@ -1,18 +1,23 @@
-"""The two GatedResidual decode kernels of the field report (002 §3.3), and the stream update after a block.
+"""The GatedResidual decode kernels of the field report (002 §3.3), with the stream update after a block fused in.
 
 Why: a GatedResidual is six small kernels in PyTorch (~32 µs each on a 3090, two per layer), and its down/up
-weights, 2 x [320, 10240], are ~23% of the bytes a decode step reads (001 §2). Two kernels read each weight once:
+weights, 2 x [320, 10240], are ~23% of the bytes a decode step reads (001 §2). Three kernels per mix:
 
-A `_hc_down_inject_kernel`, one program per (r-tile, row block): the grouped RMSNorm statistics, then the normed
-  streams on the fly while streaming over hc*H, dotted with a tile of `down` rows (the last tiles: `block_inject`
-  rows); SiLU (or 2*sigmoid) applied on store. It also saves each row's per-stream 1/rms for kernel B.
-B `_hc_up_mix_kernel`, one program per (H-tile, row block): the `up` GEMV for each stream's H-tile, sigmoid, and the
-  mean over streams of gate * normed, in registers (normed recomputed from the streams and the saved 1/rms).
-Each weight tile is loaded once per row block and used for all its rows (up to 16).
+P `_hc_prep_kernel`, grid (T, hc): optionally first the previous block's injection (streams + out * g, the
+  `GatedResidual.inject` that would otherwise be its own launches), then the stream's RMSNorm, stored in bf16 as
+  the PyTorch path stores it. One stream per program: the statistics are per stream, so no program waits on another.
+A `_hc_down_kernel`, grid (down/inject row tiles, row blocks): the `down` GEMV (and the `block_inject` rows) over the
+  normed streams, SiLU (or 2*sigmoid) on store. Each weight tile is loaded once per row block and used for all rows.
+B `_hc_up_mix_kernel`, grid (H tiles, row blocks): the `up` GEMV for each stream's H tile, sigmoid, and the mean
+  over streams of gate * normed, in registers.
 
-Both round to the input dtype wherever `GatedResidual.mix` does (normed, each Linear output, /hc, silu, sigmoid,
-gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise. Sized for decode (T <= 16): each
-row block re-reads the weights, so prefill-size batches belong on a tl.dot GEMM (002 §3.3: different tiles again).
+An earlier version fused the norm into A (two kernels instead of three): each of its ~160 programs then
+re-normalised the whole row before its first weight load, a chain of dependent loads that ran A at 12.9 µs for
+6.6 MB on the H200 (about 0.5 TB/s). With the norm in P the GEMVs are plain weight streams.
+
+All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (the injection, normed, each Linear
+output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
+Sized for decode (T <= DECODE_ROWS): each row block re-reads the weights, so prefill-size batches take PyTorch.
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
 """
 
@@ -30,21 +35,48 @@ from stage_worker.kernels.rmsnorm import round_to
 if TYPE_CHECKING:   # the model will import this module behind its kernel flag: no import cycle at run time
     from stage_worker.model.hyper_connection import GatedResidual
 
-# Above this many rows `hc_mix_module` takes the PyTorch path: these kernels re-normalise each row block per
-# program. Measured on the H200 (docs/performance.md, full-shape decode with graphs): the kernels win at batch 1
-# (21.9% vs 17.7% of the roofline) and 4 (28.1% vs 26.0%) and lose at 16 (31.2% vs 42.9%); 8 is unmeasured.
+# Above this many rows `hc_mix_module` takes the PyTorch path. Measured on the H200 with the two-kernel version
+# (docs/performance.md): the kernels won at batch 1 and 4 and lost at 16; re-measure with `bench/tune_kernels.py`.
 DECODE_ROWS = 4
+
+# Launch tunables per row count bucket (1, <=4, <=16): rows per program / K chunk / warps for A, H tile / R chunk /
+# warps for B. `bench/tune_kernels.py` sweeps them on the device.
+DOWN_CFG = {1: (2, 2048, 4), 4: (4, 1024, 4), 16: (8, 512, 4)}
+UP_CFG = {1: (8, 512, 4), 4: (16, 512, 4), 16: (16, 256, 4)}
+
+
+def _bucket(t: int) -> int:
+    return 1 if t == 1 else 4 if t <= 4 else 16
 
 
 @triton.jit
-def _hc_down_inject_kernel(x_ptr, nw_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, rstd_ptr, T, stride_x, eps,
-                           H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr):
+def _hc_prep_kernel(x_ptr, o_ptr, g_ptr, y_ptr, nw_ptr, n_ptr, stride_x, stride_o, stride_y, eps,
+                    H: tl.constexpr, HC: tl.constexpr, INJECT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    dt: tl.constexpr = n_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_x + s * H + offs, mask=m, other=0.0).to(tl.float32)
+    if INJECT:
+        o = tl.load(o_ptr + t * stride_o + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * HC + s).to(tl.float32)
+        x = round_to(x + round_to(o * g, dt), dt)
+        tl.store(y_ptr + t * stride_y + s * H + offs, x.to(dt), mask=m)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    scale = 1.0 + tl.load(nw_ptr + s * H + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(n_ptr + t * (HC * H) + s * H + offs, round_to((x * rstd) * scale, dt).to(dt), mask=m)
+
+
+@triton.jit
+def _hc_down_kernel(n_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, T,
+                    H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    K: tl.constexpr = HC * H
     pid_r = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_T
     ts = tl.arange(0, BLOCK_T)
     mt = row0 + ts < T
-    x_rows = x_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_x
     n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     is_down = pid_r < n_down
     if is_down:
@@ -55,30 +87,18 @@ def _hc_down_inject_kernel(x_ptr, nw_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, rstd_
         w_ptr = inj_ptr
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
-    w_rows = w_ptr + outs.to(tl.int64)[:, None] * (HC * H)
+    w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
     dt: tl.constexpr = a_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-    for s in tl.static_range(HC):
-        sq = tl.zeros([BLOCK_T, BLOCK_KS], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_KS):
-            ks = k0 + tl.arange(0, BLOCK_KS)
-            x = tl.load(x_rows + (s * H + ks)[None, :], mask=mt[:, None] & (ks < H)[None, :], other=0.0)
-            sq += x.to(tl.float32) * x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / H + eps)
-        if pid_r == 0:
-            tl.store(rstd_ptr + (row0 + ts) * HC + s, rstd, mask=mt)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mk = ks < H
-            # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
-            w = tl.load(w_rows + (s * H + ks)[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            scale = 1.0 + tl.load(nw_ptr + s * H + ks, mask=mk, other=0.0).to(tl.float32)
-            for t in range(BLOCK_T):
-                x = tl.load(x_ptr + (row0 + t).to(tl.int64) * stride_x + s * H + ks, mask=mk & (row0 + t < T),
-                            other=0.0).to(tl.float32)
-                normed = round_to((x * tl.sum(tl.where(ts == t, rstd, 0.0), axis=0)) * scale, dt)
-                part = tl.sum(w * normed[None, :], axis=1)
-                acc += tl.where((ts == t)[:, None], part[None, :], 0.0)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mk = ks < K
+        # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
+        w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        for t in tl.static_range(BLOCK_T):
+            x = tl.load(n_ptr + (row0 + t).to(tl.int64) * K + ks, mask=mk & (row0 + t < T), other=0.0)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.where((ts == t)[:, None], part[None, :], 0.0)
     v = round_to(round_to(acc, dt) / HC, dt)
     mask = mt[:, None] & mo[None, :]
     if is_down:
@@ -90,7 +110,7 @@ def _hc_down_inject_kernel(x_ptr, nw_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, rstd_
 
 
 @triton.jit
-def _hc_up_mix_kernel(x_ptr, nw_ptr, rstd_ptr, a_ptr, up_ptr, y_ptr, T, stride_x, stride_y,
+def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
     hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -103,21 +123,19 @@ def _hc_up_mix_kernel(x_ptr, nw_ptr, rstd_ptr, a_ptr, up_ptr, y_ptr, T, stride_x
     mix = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
         u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for j0 in range(0, R, BLOCK_J):
+        for j0 in tl.static_range(0, R, BLOCK_J):
             js = j0 + tl.arange(0, BLOCK_J)
             mj = js < R
             w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
                         mask=mh[:, None] & mj[None, :], other=0.0).to(tl.float32)
-            for t in range(BLOCK_T):
+            for t in tl.static_range(BLOCK_T):
                 a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
                 part = tl.sum(w * a[None, :], axis=1)
                 u += tl.where((ts == t)[:, None], part[None, :], 0.0)
         gate = round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
-        rstd = tl.load(rstd_ptr + (row0 + ts) * HC + s, mask=mt, other=0.0)
-        x = tl.load(x_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_x + (s * H + hs)[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        scale = 1.0 + tl.load(nw_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)
-        mix += round_to(gate * round_to((x * rstd[:, None]) * scale[None, :], dt), dt)
+        nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        mix += round_to(gate * nx, dt)
     y = round_to(mix / HC, dt).to(dt)
     tl.store(y_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_y + hs[None, :], y, mask=mask)
 
@@ -143,7 +161,20 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
            inject_w: torch.Tensor | None, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer);
-    `hyper_connection_ref.hc_mix` in two kernels. Weights in the streams' dtype."""
+    `hyper_connection_ref.hc_mix` in three kernels. Weights in the streams' dtype."""
+    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps)
+    return mixed, inject
+
+
+def hc_inject_mix(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, hc_norm_w: torch.Tensor,
+                  down_w: torch.Tensor, up_w: torch.Tensor, inject_w: torch.Tensor | None, hc: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`hc_inject` of the previous block's output, then `hc_mix` of the result, with the injection inside the mix's
+    first kernel: -> (new streams, block input, injection weights)."""
+    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps)
+
+
+def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
     t, width = streams.shape
     hidden, rank = width // hc, down_w.shape[0]
     if hidden * hc != width or tuple(down_w.shape) != (rank, width) or tuple(up_w.shape) != (width, rank):
@@ -154,27 +185,34 @@ def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor,
     x = _rows_contiguous(streams)
     dev, dt = x.device, x.dtype
     hc_norm_w, down_w, up_w = hc_norm_w.contiguous(), down_w.contiguous(), up_w.contiguous()
+    new_streams = x
+    normed = torch.empty((t, width), dtype=dt, device=dev)
     a = torch.empty((t, rank), dtype=dt, device=dev)
-    rstd = torch.empty((t, hc), dtype=torch.float32, device=dev)
     mixed = torch.empty((t, hidden), dtype=dt, device=dev)
     inject = torch.empty((t, hc), dtype=dt, device=dev) if inject_w is not None else None
+    if out is not None:
+        new_streams = torch.empty_like(x)
+        o, g = _rows_contiguous(out), weights.contiguous()
     if t == 0:
-        return mixed, inject
+        return new_streams, mixed, inject
+    _hc_prep_kernel[(t, hc)](
+        x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
+        x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
+        H=hidden, HC=hc, INJECT=out is not None, BLOCK=triton.next_power_of_2(hidden),
+        num_warps=8 if hidden >= 2048 else 4)
     bt = min(triton.next_power_of_2(t), 16)
-    # Untuned starting points for the GPU run. ~160 programs of 2 `down` rows at T=1 spread the 6.5 MB over the
-    # SMs; more rows per program as T grows, since each program normalises its whole row block again.
-    br = 2 if t == 1 else 4 if t <= 4 else 8
+    br, bk, warps = DOWN_CFG[_bucket(t)]
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
-    _hc_down_inject_kernel[(n_tiles, triton.cdiv(t, bt))](
-        x, hc_norm_w, down_w, inject_w.contiguous() if inject_w is not None else down_w, a,
-        inject if inject is not None else a, rstd, t, x.stride(0), eps, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
-        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(hidden), 4096 // br),
-        BLOCK_KS=min(triton.next_power_of_2(hidden), max(16, 4096 // bt)))
-    bh = min(triton.next_power_of_2(hidden), 16)
+    _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
+        normed, down_w, inject_w.contiguous() if inject_w is not None else down_w, a,
+        inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
+        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), num_warps=warps)
+    bh, bj, warps = UP_CFG[_bucket(t)]
+    bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
-        x, hc_norm_w, rstd, a, up_w, mixed, t, x.stride(0), mixed.stride(0), H=hidden, R=rank, HC=hc,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), 256))
-    return mixed, inject
+        normed, a, up_w, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), num_warps=warps)
+    return new_streams, mixed, inject
 
 
 def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
@@ -199,3 +237,18 @@ def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.T
                None if inject is None else inject.weight)
     mix = hc_mix if streams.shape[0] <= DECODE_ROWS else hyper_connection_ref.hc_mix
     return mix(streams, *weights, module.hc, module.hc_norm.eps)
+
+
+def _module_weights(module: GatedResidual) -> tuple:
+    inject = module.block_inject_weight
+    return (module.hc_norm.weight, module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
+            None if inject is None else inject.weight)
+
+
+def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torch.Tensor,
+                         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`GatedResidual.inject` then `module.mix`, fused at decode sizes (reference above `DECODE_ROWS` rows)."""
+    if streams.shape[0] <= DECODE_ROWS:
+        return hc_inject_mix(streams, out, weights, *_module_weights(module), module.hc, module.hc_norm.eps)
+    streams = hyper_connection_ref.hc_inject(streams, out, weights)
+    return (streams, *hyper_connection_ref.hc_mix(streams, *_module_weights(module), module.hc, module.hc_norm.eps))

@@ -9,8 +9,12 @@ Decode is memory-bandwidth bound, so a step must read each selected expert's row
 * `fused_moe` phase 2, grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j w[t, j] * (act[t, j] . W2_e), summed in fp32 in a
   fixed order (no atomics), so the result is deterministic.
 
-Not fused yet (002 §3.3 does): the router GEMV with the shared-expert gate as one extra row, and top-k in the
-router's last CTA; the router GEMV and the shared expert stay in PyTorch here.
+The shared expert rides along as one more slot (002 §3.3): its gate row is appended to the router weight (one GEMV
+gives E routed logits and the shared gate logit), `route` writes sigmoid(shared logit) as slot k's weight with id -1,
+and the expert kernels read the shared expert's gate/up rows and down rows from their own tensors for that slot. That
+removes the shared expert's ~9 separate launches per layer (two GEMVs, the gate GEMV, SiLU, two multiplies, the down
+GEMV, sigmoid, the add). It needs the shared expert's intermediate size to equal the routed experts' (true for every
+preset and for Qwen3-Next-80B); otherwise the caller runs the shared expert in PyTorch.
 
 Large T (prefill, T*k > DECODE_MAX_TK) and machines without Triton take `grouped_moe`, a PyTorch path that sorts the
 (token, slot) pairs by expert and runs two GEMMs per present expert; it syncs with the host once (the per-expert
@@ -19,10 +23,17 @@ counts), which is fine for prefill and not graph-capturable.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from stage_worker.kernels.moe_ref import route_ref
+from stage_worker.kernels.moe_ref import route_ref, shared_gate_ref
+
+try:
+    from stage_worker.kernels.rmsnorm import round_to
+except ImportError:   # no Triton
+    round_to = None
 
 try:
     import triton
@@ -33,10 +44,21 @@ except ImportError:   # CPU-only installs off Linux: everything falls back to Py
 DECODE_MAX_TK = 256      # T*k above this takes grouped_moe: the per-(token, slot) kernels re-read shared experts
 MAX_EXPERTS = 1024       # route keeps a whole row of logits in one program
 
-# Tunables (H200, H=2048-2560, I=512-640; clipped to the next power of two of tiny test shapes).
+# Tunables (H200, H=2048-2560, I=512-640; clipped to the next power of two of tiny test shapes). `bench/tune_kernels.py`
+# sweeps them on the device; the values here are its winners (docs/performance.md).
 UP_BLOCK_I, UP_BLOCK_H = 16, 256      # phase 1: T=1, k=10, I=640 -> 400 programs, 16-byte loads along H
 DOWN_BLOCK_H, DOWN_BLOCK_I = 8, 128   # phase 2: T=1, H=2560 -> 320 programs, each streams k * 8 rows of W2
 NUM_WARPS = 4
+UP_WARPS, DOWN_WARPS = 4, 4
+
+
+@dataclass
+class SharedExpert:
+    """The shared expert's weights in the routed experts' layout: w13 [2I, H] (gate rows then up rows, typically a
+    view over the module's gate_proj/up_proj storage), w2 [H, I]; its gate logit is the router GEMV's last column."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
 
 _INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)   # decided when the kernels are defined
 
@@ -57,8 +79,11 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
-                      TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys."""
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
+        SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
+        dtype, as `torch.sigmoid` on them would) and id -1."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -87,21 +112,31 @@ if triton is not None:
             denom = tl.sum(p, axis=0)                           # the full softmax denominator cancels
         else:
             denom = tl.sum(tl.where(valid, tl.exp(logit - row_max), 0.0), axis=0)
-        out = t * TOP_K + kk
+        out = t * (TOP_K + SHARED) + kk
         tl.store(weights_ptr + out, p / denom, mask=kk < TOP_K)
         tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+        if SHARED:
+            sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
+            sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
+            tl.store(weights_ptr + t * (TOP_K + SHARED) + TOP_K, sg)
+            tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, -1)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
+    def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]."""
+        """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
+        (id -1: the shared expert's rows). TOP_K counts every slot, the shared one included."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
+        if e >= 0:
+            base = w13_ptr + e * stride_we
+        else:
+            base = sw13_ptr
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask_i = offs_i < I
-        gate_rows = w13_ptr + e * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
+        gate_rows = base + offs_i[:, None].to(tl.int64) * stride_wr
         up_rows = gate_rows + I * stride_wr
         acc_g = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)    # 2-D: FMAs in the loop, one reduction at the end
         acc_u = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)
@@ -119,7 +154,7 @@ if triton is not None:
         tl.store(act_ptr + tj * I + offs_i, act, mask=mask_i)
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, out_ptr, stride_we, stride_wh, stride_ot,
+    def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, sw2_ptr, out_ptr, stride_we, stride_wh, stride_ot,
                          H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32."""
@@ -131,7 +166,11 @@ if triton is not None:
             tj = t * TOP_K + j
             e = tl.load(ids_ptr + tj).to(tl.int64)
             wt = tl.load(wts_ptr + tj).to(tl.float32)
-            rows = w2_ptr + e * stride_we + offs_h[:, None].to(tl.int64) * stride_wh
+            if e >= 0:
+                base = w2_ptr + e * stride_we
+            else:
+                base = sw2_ptr
+            rows = base + offs_h[:, None].to(tl.int64) * stride_wh
             for i0 in range(0, I, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
                 mask_i = offs_i < I
@@ -142,28 +181,47 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref."""
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref.
+
+    With `shared` the last column is the shared expert's gate logit: the result has k + 1 slots, the last one
+    (sigmoid of that logit, id -1) for the shared expert."""
     T, E = logits.shape
+    E -= int(shared)
     if not triton_usable(logits) or E > MAX_EXPERTS:
-        return route_ref(logits, top_k, renormalise)
+        w, ids = route_ref(logits[:, :E], top_k, renormalise)
+        if shared:
+            w = torch.cat([w, shared_gate_ref(logits[:, E:]).float()], dim=1)
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], -1)], dim=1)
+        return w, ids
     if not 0 < top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..{E}")
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    slots = top_k + int(shared)
+    weights = torch.empty(T, slots, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, slots, dtype=torch.int32, device=logits.device)
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, RENORM=bool(renormalise),
-                            BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), num_warps=NUM_WARPS)
+        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, SHARED=int(shared),
+                            RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), num_warps=NUM_WARPS)
     return weights, ids
 
 
 def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
+                w2: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """Prefill path: (token, slot) pairs sorted by expert, two GEMMs per present expert, a fixed-order combine.
 
-    One host sync (the per-expert counts), so not for CUDA graphs; deterministic (no index_add_ atomics).
+    One host sync (the per-expert counts), so not for CUDA graphs; deterministic (no index_add_ atomics). With
+    `shared`, the last slot (id -1) is the shared expert: one GEMM pair over every token.
     """
+    if shared is not None:
+        k = ids.shape[1] - 1
+        g, u = F.linear(x, shared.w13).float().chunk(2, dim=-1)
+        shared_down = F.linear((F.silu(g) * u).to(x.dtype), shared.w2)
+        routed = grouped_moe(x, ids[:, :k], weights[:, :k], w13, w2)
+        both = torch.stack([routed, shared_down], dim=1)                      # [T, 2, H]
+        ones = torch.ones_like(weights[:, :1])
+        return torch.bmm(torch.cat([ones, weights[:, k:]], dim=1).to(x.dtype).unsqueeze(1), both).squeeze(1)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -181,10 +239,11 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor) -> torch.Tensor:
+              w2: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype; = fused_moe_ref.
 
-    Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe`.
+    Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe`. With
+    `shared`, slot k (id -1) is the shared expert (see `route`).
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -193,10 +252,16 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if w13.shape != (E, 2 * I, H) or w2.shape != (E, H, I) or weights.shape != ids.shape or ids.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} "
                          f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)}")
+    if shared is not None and (tuple(shared.w13.shape) != (2 * I, H) or tuple(shared.w2.shape) != (H, I)):
+        raise ValueError(f"shared expert w13 {tuple(shared.w13.shape)} / w2 {tuple(shared.w2.shape)} do not match "
+                         f"the routed experts' [{2 * I}, {H}] / [{H}, {I}]")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
-        return grouped_moe(x, ids, weights, w13, w2)
+        return grouped_moe(x, ids, weights, w13, w2, shared)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")   # never copy the expert tables
+    sw13, sw2 = (w13, w2) if shared is None else (shared.w13, shared.w2)
+    if shared is not None and (sw13.stride() != w13.stride()[1:] or sw2.stride() != w2.stride()[1:]):
+        raise ValueError("the shared expert's weights need the routed experts' row strides")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
@@ -205,21 +270,23 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     weights = weights.contiguous()
     act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
     bi, bh = min(UP_BLOCK_I, _pow2(I)), min(UP_BLOCK_H, _pow2(H))
-    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, act, x.stride(0), w13.stride(0), w13.stride(1),
-                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=NUM_WARPS)
+    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, act, x.stride(0), w13.stride(0), w13.stride(1),
+                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=UP_WARPS)
     bh, bi = min(DOWN_BLOCK_H, _pow2(H)), min(DOWN_BLOCK_I, _pow2(I))
-    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, out, w2.stride(0), w2.stride(1), out.stride(0),
-                                             H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi, num_warps=NUM_WARPS)
+    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, out, w2.stride(0), w2.stride(1),
+                                             out.stride(0), H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
+                                             num_warps=DOWN_WARPS)
     return out
 
 
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed experts of one MoE layer: x [..., H] -> (out [..., H], ids [..., k] int32); the shared expert is the
-    caller's. Router weights are cast to x.dtype before the combine, as SparseMoE does. No `.item()`/`.tolist()` on
-    the decode path (Triton usable and T*k <= DECODE_MAX_TK).
+                renormalise: bool, shared: SharedExpert | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
+    experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
+    expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
+    `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise)
-    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2)
-    return out.view(x.shape), ids.view(*x.shape[:-1], top_k)
+    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None)
+    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared)
+    return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)

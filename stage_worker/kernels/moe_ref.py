@@ -28,16 +28,27 @@ def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torc
 
 
 def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> torch.Tensor:
+                  w2: torch.Tensor, shared=None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype.
 
     out[t] = sum_j weights[t, j] * W2[e] @ (silu(Wg[e] @ x[t]) * (Wu[e] @ x[t])), e = ids[t, j], all in fp32.
-    Only the selected experts are gathered, so an expert no token picked is never read.
+    Only the selected experts are gathered, so an expert no token picked is never read. Slots with id -1 use
+    `shared.w13` / `shared.w2` (the shared expert, see `moe.SharedExpert`).
     """
     sel = ids.long()
     xf = x.float()
-    gate_up = torch.einsum("th,tkrh->tkr", xf, w13[sel].float())          # [T, k, 2I]
+    w13_sel, w2_sel = w13[sel.clamp_min(0)].float(), w2[sel.clamp_min(0)].float()
+    if shared is not None:
+        is_shared = (sel < 0)[:, :, None, None]
+        w13_sel = torch.where(is_shared, shared.w13.float()[None, None], w13_sel)
+        w2_sel = torch.where(is_shared, shared.w2.float()[None, None], w2_sel)
+    gate_up = torch.einsum("th,tkrh->tkr", xf, w13_sel)                   # [T, k, 2I]
     g, u = gate_up.chunk(2, dim=-1)
     act = F.silu(g) * u                                                   # [T, k, I]
-    down = torch.einsum("tki,tkhi->tkh", act, w2[sel].float())             # [T, k, H]
+    down = torch.einsum("tki,tkhi->tkh", act, w2_sel)                     # [T, k, H]
     return (down * weights.float()[..., None]).sum(dim=1).to(x.dtype)
+
+
+def shared_gate_ref(logit: torch.Tensor) -> torch.Tensor:
+    """The shared expert's weight from its gate logit: sigmoid in the logits' dtype, as SparseMoE computes it."""
+    return torch.sigmoid(logit)

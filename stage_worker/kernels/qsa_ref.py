@@ -6,7 +6,10 @@ tail. That list has at most `budget + ratio - 1` entries whatever the context le
 rows a decode step reads (001 §1).
 
 Layout of the result [B, budget + ratio - 1] int32: entry `j < budget` is token `j % ratio` of the (j // ratio)-th
-chosen block (best first), entry `budget + t` is tail position `complete * ratio + t`; -1 where there is nothing.
+chosen block in ascending block order (not best first: attention does not depend on the order of the rows it reads,
+and ascending order lets the Triton path emit blocks with a prefix count instead of a sort), entry `budget + t` is tail
+position `complete * ratio + t`; -1 where there is nothing (the block slots past the min(complete, budget / ratio)
+chosen blocks, tail positions past the context).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def qsa_scores_ref(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torc
 
 
 def expand_selection(blocks: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
-    """Chosen block ids [B, k] (best first; ids >= complete are padding) -> positions [B, budget + ratio - 1]."""
+    """Chosen block ids [B, k] (ascending; ids >= complete are padding, so they come last) -> positions
+    [B, budget + ratio - 1]."""
     B, k = blocks.shape
     ctx = context_lens.long()[:, None]
     complete = ctx // ratio
@@ -57,4 +61,5 @@ def qsa_select_ref(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torc
     k = min(budget // ratio, scores.shape[1])
     # Valid scores are >= 0 > -inf, so the stable order puts every complete block first, ties by lower index.
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    return expand_selection(order, context_lens, ratio, budget)
+    chosen = torch.sort(order, dim=1).values             # ascending block order (padding ids >= complete last)
+    return expand_selection(chosen, context_lens, ratio, budget)

@@ -88,10 +88,45 @@ class GatedAttention(nn.Module):
         self.indexer = QSAIndexer(cfg) if use_qsa else None
         self.scale = self.head_dim ** -0.5
 
+    def prepare_kernels(self) -> None:
+        """Lay q/k/v (and the indexer's) projection weights out as row views of one tensor, without copying twice:
+        one GEMV per decode step instead of three or four. State-dict names and values do not change."""
+        parts = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
+        if any(m.bias is not None for m in parts) or self._fused_proj() is not None:
+            return
+        with torch.no_grad():
+            fused = torch.cat([m.weight for m in parts])
+        start, offs = 0, []
+        for m in parts:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(fused[start:start + n], requires_grad=m.weight.requires_grad)
+            offs.append(start)
+            start += n
+        from stage_worker.kernels.attention_prep import PrepLayout
+
+        idx = self.indexer
+        layout = PrepLayout(self.n_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, offs[0], offs[1],
+                            offs[2], idx.n_heads if idx else 0, idx.head_dim if idx else 0,
+                            offs[3] if idx else 0, offs[3] + idx.n_heads * idx.head_dim if idx else 0)
+        self._fused = (fused, layout, [m.weight.data_ptr() for m in parts])
+
+    def _fused_proj(self):
+        """(weight [N, hidden], PrepLayout) if `prepare_kernels` fused the projections and nothing rebound them."""
+        fused = getattr(self, "_fused", None)
+        if fused is None:
+            return None
+        parts = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
+        if [m.weight.data_ptr() for m in parts] != fused[2] or fused[0].device != self.q_proj.weight.device:
+            self._fused = None
+            return None
+        return fused[0], fused[1]
+
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = rope
+        if self.kernels.attention and x.is_cuda and batch.is_decode and self._fused_proj() is not None:
+            return self._decode_fused(x, batch, cache, rope)
         q, gate = self.q_proj(x).view(T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim)), cos, sin)
@@ -135,6 +170,22 @@ class GatedAttention(nn.Module):
             cache.pooled_keys[pooled_rows[first:last]] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
         return cache.pooled_keys[pooled_rows]
 
+    def _decode_fused(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Decode with the kernels: one projection GEMV, one prologue launch (norms, RoPE, cache writes, gate),
+        QSA selection and paged attention, the gate product and o_proj."""
+        from stage_worker.kernels.attention_prep import attention_decode_prep
+
+        weight, layout = self._fused_proj()
+        cos, sin = rope
+        idx = self.indexer
+        q, gate, iq = attention_decode_prep(
+            F.linear(x, weight), layout, cos, sin, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+            cache.k, cache.v, self.q_norm.eps, idx.q_layernorm.weight if idx else None,
+            cache.index_keys if idx else None)
+        out = self._decode_kernels(q, iq, batch, cache, x.dtype)
+        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+
     def _decode_kernels(self, q: torch.Tensor, iq: torch.Tensor | None, batch: StepBatch, cache: AttentionCache,
                         dtype: torch.dtype) -> torch.Tensor:
         """One token per sequence, no host synchronisation: paged split-K attention over the selected rows."""
@@ -146,16 +197,13 @@ class GatedAttention(nn.Module):
         if self.indexer is not None:
             from stage_worker.kernels.qsa import qsa_select
 
+            from stage_worker.kernels.attention_prep import qsa_pool_update
+
             r = self.indexer.ratio
             # Re-pool the compression block holding the new token. Until the block is complete the value is unused
             # (selection reads complete blocks only); once complete it is exact. Writing every step avoids a sync.
-            first = (lens.long() - 1) // r * r                                        # [B]
-            pos = first[:, None] + torch.arange(r, device=lens.device)[None, :]       # [B, r]
-            blk = torch.gather(tables.long(), 1, (pos // bs).clamp_max(tables.shape[1] - 1))
-            rows = blk * bs + pos % bs
-            raw = cache.index_keys[rows]                                              # [B, r, d]
-            cos, sin = self.rotary.cos_sin(first, dtype)
-            cache.pooled_keys[rows[:, 0] // r] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
+            qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self.indexer.k_layernorm.weight,
+                            self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
         return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
 

@@ -58,9 +58,22 @@ class DecoderLayer(nn.Module):
         if not self.hyper:
             h = h + self.mixer(self.input_layernorm(h), batch, cache, rope)
             return h + self.mlp(self.post_attention_layernorm(h))
+        h, pending = self.forward_deferred(h, None, batch, cache, rope)
+        return self.mlp_hyper_connection.inject_fast(h, *pending)
+
+    def forward_deferred(self, h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None,
+                         batch: StepBatch, cache: ModelCache, rope) -> tuple[torch.Tensor, tuple]:
+        """Hyper-connection layers: `pending` is the previous layer's (block output, injection weights) not yet
+        added to the streams `h`; this layer returns its own MLP output the same way. The injection then happens
+        inside the next mix (one launch fewer per block with the kernels on). Same math as `forward`."""
         if self.ple is not None:
+            if pending is not None:
+                h, pending = self.attn_hyper_connection.inject_fast(h, *pending), None
             h = self.ple(h, batch, cache.ple[self.layer], self.layer)
-        x, w = self.attn_hyper_connection.mix(h)
-        h = GatedResidual.inject(h, self.mixer(x, batch, cache, rope), w)
-        x, w = self.mlp_hyper_connection.mix(h)
-        return GatedResidual.inject(h, self.mlp(x), w)
+        if pending is None:
+            x, w = self.attn_hyper_connection.mix(h)
+        else:
+            h, x, w = self.attn_hyper_connection.inject_mix(h, *pending)
+        out = self.mixer(x, batch, cache, rope)
+        h, x, w = self.mlp_hyper_connection.inject_mix(h, out, w)
+        return h, (self.mlp(x), w)

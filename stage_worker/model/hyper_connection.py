@@ -41,6 +41,25 @@ class GatedResidual(nn.Module):
             return mixed, None
         return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
 
+    def inject_mix(self, streams: torch.Tensor, block_out: torch.Tensor,
+                   weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`inject` of the previous block's output, then `mix`: (new streams, block input, injection weights).
+        One call so the kernels can do the injection inside the mix's first launch."""
+        if self.kernels.hyper_connection and streams.is_cuda:
+            from stage_worker.kernels.hyper_connection import hc_inject_mix_module
+
+            return hc_inject_mix_module(self, streams, block_out, weights)
+        streams = self.inject(streams, block_out, weights)
+        return (streams, *self.mix(streams))
+
     @staticmethod
     def inject(streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return streams + (block_out[:, None, :] * weights[:, :, None]).flatten(-2)
+
+    def inject_fast(self, streams: torch.Tensor, block_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`inject` in one launch when the kernel flag is on (the last injection of a stage's layers)."""
+        if self.kernels.hyper_connection and streams.is_cuda:
+            from stage_worker.kernels.hyper_connection import hc_inject
+
+            return hc_inject(streams, block_out, weights)
+        return self.inject(streams, block_out, weights)

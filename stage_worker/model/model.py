@@ -49,6 +49,8 @@ class StageModel(nn.Module):
         for m in self.modules():
             if hasattr(type(m), "kernels"):
                 m.kernels = flags
+            if hasattr(m, "prepare_kernels"):
+                m.prepare_kernels()     # weight layouts the kernels want (views over the same storage, no copy)
 
     @property
     def stream_width(self) -> int:
@@ -67,8 +69,15 @@ class StageModel(nn.Module):
         if hidden is None:
             raise ValueError("a stage without the embedding needs the previous stage's hidden states")
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        pending, last = None, None
         for layer in self.layers.values():
-            hidden = layer(hidden, batch, cache, rope)
+            if layer.hyper:
+                hidden, pending = layer.forward_deferred(hidden, pending, batch, cache, rope)
+                last = layer
+            else:
+                hidden = layer(hidden, batch, cache, rope)
+        if pending is not None:
+            hidden = last.mlp_hyper_connection.inject_fast(hidden, *pending)
         return hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,12 @@ class SparseMoE(nn.Module):
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import moe_forward
 
+            fused = self._fused_shared()
+            if fused is not None:
+                router, shared = fused
+                out, self.last_expert_ids = moe_forward(x, router, self.w13, self.w2, self.top_k, self.renormalise,
+                                                        shared)
+                return out
             out, self.last_expert_ids = moe_forward(x, self.gate.weight, self.w13, self.w2, self.top_k,
                                                     self.renormalise)
             return self._add_shared(x, out)
@@ -63,6 +69,41 @@ class SparseMoE(nn.Module):
             y = F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return self._add_shared(x, out)
+
+    def prepare_kernels(self) -> None:
+        """Lay the shared expert out for the fused MoE kernels, without copying it: the router and shared-gate
+        weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
+        one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
+        se = self.shared_expert
+        if se is None or se.gate_proj.weight.shape[0] != self.w13.shape[1] // 2 or self._fused_shared() is not None:
+            return
+        with torch.no_grad():
+            router = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+            w13 = torch.cat([se.gate_proj.weight, se.up_proj.weight])
+        n, i = self.num_experts, se.gate_proj.weight.shape[0]
+        grad = self.gate.weight.requires_grad
+        self.gate.weight = nn.Parameter(router[:n], requires_grad=grad)
+        self.shared_expert_gate.weight = nn.Parameter(router[n:], requires_grad=grad)
+        se.gate_proj.weight = nn.Parameter(w13[:i], requires_grad=grad)
+        se.up_proj.weight = nn.Parameter(w13[i:], requires_grad=grad)
+        self._router_and_shared = (router, w13)
+
+    def _fused_shared(self):
+        """(router [E + 1, H], SharedExpert) if `prepare_kernels` laid the weights out and nothing rebound them
+        since (a load that assigns new tensors would leave the fused copies stale: checked by address)."""
+        fused = getattr(self, "_router_and_shared", None)
+        if fused is None:
+            return None
+        router, w13 = fused
+        se = self.shared_expert
+        if (self.gate.weight.data_ptr() != router.data_ptr() or se.gate_proj.weight.data_ptr() != w13.data_ptr()
+                or self.shared_expert_gate.weight.data_ptr() != router[self.num_experts:].data_ptr()
+                or se.up_proj.weight.data_ptr() != w13[w13.shape[0] // 2:].data_ptr()):
+            self._router_and_shared = None
+            return None
+        from stage_worker.kernels.moe import SharedExpert
+
+        return router, SharedExpert(w13, se.down_proj.weight)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:

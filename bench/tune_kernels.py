@@ -1,0 +1,182 @@
+"""Sweep the launch tunables of the byte-bound decode kernels at real shapes, on the GPU.
+
+    python bench/tune_kernels.py                         # MoE up/down and hyper-connection down/up, T = 1, 4, 16
+    python bench/tune_kernels.py --only moe_up --rows 1
+
+Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
+cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
+configuration's microseconds and effective bandwidth (weight bytes the call must read / time), the best one, the
+PyTorch path of the same computation, and a cuBLAS GEMV over the same number of bytes as a yardstick; JSON goes to
+`--out`. The winners are copied by hand into the tunables at the top of `stage_worker/kernels/moe.py` and
+`stage_worker/kernels/hyper_connection.py` (docs/performance.md records the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stage_worker.kernels import hyper_connection as HC  # noqa: E402
+from stage_worker.kernels import hyper_connection_ref as HC_REF  # noqa: E402
+from stage_worker.kernels import moe as MOE  # noqa: E402
+
+
+def graph_time(fn, reps: int) -> float:
+    """Seconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of 5 replays)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def cublas_yardstick(nbytes: int, h: int, t: int, reps: int) -> float:
+    """cuBLAS bf16 GEMV [t, h] x [n, h]^T reading `nbytes` of weights."""
+    n = max(1, nbytes // (2 * h))
+    w = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    return graph_time(lambda: F.linear(x, w), reps)
+
+
+def sweep(name: str, configs, setter, run, nbytes: int, rows: int, reps: int, results: list, ref=None) -> None:
+    best = None
+    for cfg in configs:
+        setter(cfg)
+        try:
+            s = graph_time(run, reps)
+        except Exception as exc:   # a configuration the compiler rejects (registers, shared memory): skip it
+            print(f"  {name} T={rows} {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+            continue
+        results.append({"kernel": name, "rows": rows, "config": list(cfg), "us": s * 1e6, "gbps": nbytes / s / 1e9})
+        print(f"  {name:10s} T={rows:<3d} {str(cfg):24s} {s * 1e6:8.2f} us {nbytes / s / 1e9:8.0f} GB/s", flush=True)
+        if best is None or s < best[1]:
+            best = (cfg, s)
+    line = f"BEST {name} T={rows}: {best[0]} {best[1] * 1e6:.2f} us {nbytes / best[1] / 1e9:.0f} GB/s"
+    if ref is not None:
+        r = graph_time(ref, reps)
+        line += f"; PyTorch path {r * 1e6:.2f} us"
+        results.append({"kernel": name + "_pytorch", "rows": rows, "us": r * 1e6})
+    y = cublas_yardstick(nbytes, 2560, rows, reps)
+    line += f"; cuBLAS GEMV of the same bytes {y * 1e6:.2f} us ({nbytes / y / 1e9:.0f} GB/s)"
+    print(line, flush=True)
+    results.append({"kernel": name, "rows": rows, "best": list(best[0]), "best_us": best[1] * 1e6,
+                    "cublas_us": y * 1e6})
+
+
+def moe_case(t: int, h: int = 2560, i: int = 640, e: int = 512, k: int = 10):
+    g = torch.Generator(device="cuda").manual_seed(t)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=g)
+    shared = MOE.SharedExpert(torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g),
+                              torch.randn(h, i, device="cuda", dtype=torch.bfloat16, generator=g))
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(t)]).int()
+    ids = torch.cat([ids, torch.full((t, 1), -1, dtype=torch.int32, device="cuda")], dim=1)
+    w = torch.rand(t, k + 1, device="cuda", generator=g).bfloat16()
+    distinct = len(set(ids[:, :k].flatten().tolist())) + 1
+    return x, ids, w, w13, w2, shared, distinct
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="moe_up,moe_down,hc_down,hc_up")
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench/results/tune_kernels.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/tune_kernels.py needs a CUDA device")
+    only = set(args.only.split(","))
+    results: list[dict] = []
+    t0 = time.time()
+    for t in (int(r) for r in args.rows.split(",")):
+        x, ids, w, w13, w2, shared, distinct = moe_case(t)
+        i, h = w2.shape[2], w2.shape[1]
+        if "moe_up" in only:
+            act = torch.empty(t, ids.shape[1], i, dtype=torch.float32, device="cuda")
+            state = {}
+
+            def set_up(cfg):
+                state["cfg"] = cfg
+
+            def run_up():
+                bi, bh, warps = state["cfg"]
+                MOE._moe_up_kernel[(t * ids.shape[1], -(-i // bi))](
+                    x, ids, w13, shared.w13, act, x.stride(0), w13.stride(0), w13.stride(1),
+                    H=h, I=i, TOP_K=ids.shape[1], BLOCK_I=bi, BLOCK_H=bh, num_warps=warps)
+
+            cfgs = list(itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8)))
+            sweep("moe_up", cfgs, set_up, run_up, distinct * 2 * i * h * 2, t, args.reps, results)
+        if "moe_down" in only:
+            act = torch.randn(t, ids.shape[1], i, dtype=torch.float32, device="cuda")
+            out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
+            state = {}
+
+            def set_down(cfg):
+                state["cfg"] = cfg
+
+            def run_down():
+                bh, bi, warps = state["cfg"]
+                MOE._moe_down_kernel[(t, -(-h // bh))](
+                    act, ids, w, w2, shared.w2, out, w2.stride(0), w2.stride(1), out.stride(0),
+                    H=h, I=i, TOP_K=ids.shape[1], BLOCK_H=bh, BLOCK_I=bi, num_warps=warps)
+
+            cfgs = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)))
+            sweep("moe_down", cfgs, set_down, run_down, distinct * i * h * 2, t, args.reps, results)
+        del w13, w2
+        torch.cuda.empty_cache()
+        hidden, hc, rank = 2560, 4, 320
+        g = torch.Generator(device="cuda").manual_seed(100 + t)
+        streams = torch.randn(t, hc * hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+        norm_w = torch.randn(hc * hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+        down = torch.randn(rank, hc * hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.01
+        up = torch.randn(hc * hidden, rank, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+        inj = torch.randn(hc, hc * hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.01
+        bucket = HC._bucket(t)
+        ref = (lambda: HC_REF.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6))
+        if "hc_down" in only:
+            keep = HC.DOWN_CFG[bucket]
+            cfgs = list(itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)))
+            sweep("hc_mix(A)", cfgs, lambda c: HC.DOWN_CFG.__setitem__(bucket, c),
+                  lambda: HC.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6),
+                  (rank + hc) * hc * hidden * 2 + hc * hidden * rank * 2, t, args.reps, results, ref)
+            HC.DOWN_CFG[bucket] = min((r for r in results if r.get("kernel") == "hc_mix(A)" and r["rows"] == t
+                                       and "config" in r), key=lambda r: r["us"], default={"config": keep})["config"]
+            HC.DOWN_CFG[bucket] = tuple(HC.DOWN_CFG[bucket])
+        if "hc_up" in only:
+            cfgs = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)))
+            sweep("hc_mix(B)", cfgs, lambda c: HC.UP_CFG.__setitem__(bucket, c),
+                  lambda: HC.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6),
+                  (rank + hc) * hc * hidden * 2 + hc * hidden * rank * 2, t, args.reps, results, ref)
+        print(f"[{time.time() - t0:.0f} s]", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+                                          "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
