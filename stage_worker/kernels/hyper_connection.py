@@ -35,14 +35,15 @@ from stage_worker.kernels.rmsnorm import round_to
 if TYPE_CHECKING:   # the model will import this module behind its kernel flag: no import cycle at run time
     from stage_worker.model.hyper_connection import GatedResidual
 
-# Above this many rows `hc_mix_module` takes the PyTorch path. Measured on the H200 with the two-kernel version
-# (docs/performance.md): the kernels won at batch 1 and 4 and lost at 16; re-measure with `bench/tune_kernels.py`.
+# Above this many rows `hc_mix_module` takes the PyTorch path. `bench/tune_kernels.py` on the H200 (2026-11-29,
+# full-shape GatedResidual, whole mix inside a CUDA graph): kernels 9.7 / 17.6 / >= 87 us at 1 / 4 / 16 rows, the
+# PyTorch path 43.4 / 51.4 us at 1 / 4 rows; each row costs A and B a reduction per weight tile.
 DECODE_ROWS = 4
 
-# Launch tunables per row count bucket (1, <=4, <=16): rows per program / K chunk / warps for A, H tile / R chunk /
-# warps for B. `bench/tune_kernels.py` sweeps them on the device.
-DOWN_CFG = {1: (2, 2048, 4), 4: (4, 1024, 4), 16: (8, 512, 4)}
-UP_CFG = {1: (8, 512, 4), 4: (16, 512, 4), 16: (16, 256, 4)}
+# Launch tunables per row-count bucket (1, <=4, <=16): rows per program / K chunk / warps for A, H tile / R chunk /
+# warps for B. Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
+DOWN_CFG = {1: (1, 4096, 8), 4: (1, 4096, 8), 16: (2, 4096, 4)}
+UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
 
 
 def _bucket(t: int) -> int:

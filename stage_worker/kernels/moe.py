@@ -44,12 +44,17 @@ except ImportError:   # CPU-only installs off Linux: everything falls back to Py
 DECODE_MAX_TK = 256      # T*k above this takes grouped_moe: the per-(token, slot) kernels re-read shared experts
 MAX_EXPERTS = 1024       # route keeps a whole row of logits in one program
 
-# Tunables (H200, H=2048-2560, I=512-640; clipped to the next power of two of tiny test shapes). `bench/tune_kernels.py`
-# sweeps them on the device; the values here are its winners (docs/performance.md).
-UP_BLOCK_I, UP_BLOCK_H = 16, 256      # phase 1: T=1, k=10, I=640 -> 400 programs, 16-byte loads along H
-DOWN_BLOCK_H, DOWN_BLOCK_I = 8, 128   # phase 2: T=1, H=2560 -> 320 programs, each streams k * 8 rows of W2
-NUM_WARPS = 4
-UP_WARPS, DOWN_WARPS = 4, 4
+# Tunables per token-count bucket (1, <=4, more), clipped to the next power of two of tiny test shapes: rows per
+# program / columns per load / warps. Winners of `bench/tune_kernels.py` on the H200 (2026-11-29, H=2560, I=640,
+# k=10 + shared): up 20.1 / 63.2 / 217 us at T=1 / 4 / 16 (3.6-4.2 TB/s of the selected experts' bytes, as fast as
+# a cuBLAS GEMV over the same bytes), down 10.1 / 35.3 / 118 us.
+UP_CFG = {1: (8, 128, 8), 4: (16, 128, 8), 16: (16, 128, 8)}       # BLOCK_I, BLOCK_H, warps
+DOWN_CFG = {1: (8, 128, 8), 4: (16, 256, 4), 16: (8, 128, 8)}      # BLOCK_H, BLOCK_I, warps
+NUM_WARPS = 4                                                      # the router kernel
+
+
+def _bucket(t: int) -> int:
+    return 1 if t == 1 else 4 if t <= 4 else 16
 
 
 @dataclass
@@ -269,13 +274,15 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     ids = ids.to(torch.int32).contiguous()
     weights = weights.contiguous()
     act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
-    bi, bh = min(UP_BLOCK_I, _pow2(I)), min(UP_BLOCK_H, _pow2(H))
+    bi, bh, up_warps = UP_CFG[_bucket(T)]
+    bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, act, x.stride(0), w13.stride(0), w13.stride(1),
-                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=UP_WARPS)
-    bh, bi = min(DOWN_BLOCK_H, _pow2(H)), min(DOWN_BLOCK_I, _pow2(I))
+                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=up_warps)
+    bh, bi, down_warps = DOWN_CFG[_bucket(T)]
+    bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, out, w2.stride(0), w2.stride(1),
                                              out.stride(0), H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
-                                             num_warps=DOWN_WARPS)
+                                             num_warps=down_warps)
     return out
 
 

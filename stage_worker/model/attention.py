@@ -94,14 +94,14 @@ class GatedAttention(nn.Module):
         parts = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
         if any(m.bias is not None for m in parts) or self._fused_proj() is not None:
             return
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():   # normal tensors even under inference mode
             fused = torch.cat([m.weight for m in parts])
-        start, offs = 0, []
-        for m in parts:
-            n = m.weight.shape[0]
-            m.weight = nn.Parameter(fused[start:start + n], requires_grad=m.weight.requires_grad)
-            offs.append(start)
-            start += n
+            start, offs = 0, []
+            for m in parts:
+                n = m.weight.shape[0]
+                m.weight = nn.Parameter(fused[start:start + n], requires_grad=m.weight.requires_grad)
+                offs.append(start)
+                start += n
         from stage_worker.kernels.attention_prep import PrepLayout
 
         idx = self.indexer

@@ -22,6 +22,9 @@ class GatedDeltaNet(nn.Module):
     """
 
     kernels: KernelFlags = NONE
+    # The fused decode kernel also runs on CPU tensors under TRITON_INTERPRET=1, but only where a test opts in: on
+    # the CPU every layer otherwise keeps its PyTorch path whatever the flags (stage_worker/kernels/flags.py).
+    interpret_on_cpu: bool = False
 
     def __init__(self, cfg: HybridMoeConfig, gate_activation: str = "silu") -> None:
         super().__init__()
@@ -39,8 +42,13 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.gate_activation = gate_activation
+        self._fused_in_proj: torch.Tensor | None = None     # a plain attribute: state_dict is unchanged
+        self._fused_ptrs: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
+        if self.kernels.deltanet and batch.num_seqs and batch.is_decode and self._decode_kernel_usable(x):
+            return self._fused_decode(x, batch, state)
         T = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(T, self.nv, self.dv)
@@ -92,6 +100,62 @@ class GatedDeltaNet(nn.Module):
             out[s_:e_] = o[0].to(x.dtype)
         out = self.norm(out, z).reshape(T, -1)
         return self.out_proj(out)
+
+    def _decode_kernel_usable(self, x: torch.Tensor) -> bool:
+        from stage_worker.kernels.deltanet_decode import triton_usable   # Triton is a GPU-side dependency
+
+        return triton_usable(x) and (x.is_cuda or self.interpret_on_cpu)
+
+    def _fused_decode(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
+        """A pure decode step (every sequence one token, each with a state): one projection GEMV, `gdn_decode`
+        (conv step, gates, delta rule and gated norm in one launch, states updated in place), out_proj."""
+        from stage_worker.kernels.deltanet_decode import gdn_decode
+
+        mixed, z, b, a = self._decode_projections(x)
+        out = gdn_decode(mixed, z, b, a, self.conv1d.weight[:, 0], self.A_log, self.dt_bias, self.norm.weight,
+                         self.norm.eps, state.conv, state.recurrent, batch.device_slots(), self.gate_activation)
+        return self.out_proj(out)
+
+    def _decode_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mixed, z, b, a): column slices of one GEMV once the weights are fused. The first call fuses them; a call
+        inside a CUDA-graph capture never does (the copy would be captured), it runs the four GEMVs instead."""
+        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        if not self._is_fused():
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return tuple(F.linear(x, m.weight) for m in linears)
+            self.fuse_projections()
+        return F.linear(x, self._fused_in_proj).split([m.out_features for m in linears], dim=-1)
+
+    def _is_fused(self) -> bool:
+        """The four weights are still views of `_fused_in_proj` (not replaced by .to(), a loader, or a user)."""
+        return self._fused_in_proj is not None and self._fused_ptrs == (
+            self.in_proj_qkv.weight.data_ptr(), self.in_proj_z.weight.data_ptr(), self.in_proj_b.weight.data_ptr(),
+            self.in_proj_a.weight.data_ptr())
+
+    def prepare_kernels(self) -> None:
+        """Called by `StageModel.set_kernels`: fuse the projections up front, before any CUDA-graph capture."""
+        self.fuse_projections()
+
+    def fuse_projections(self) -> torch.Tensor:
+        """Store in_proj_qkv, in_proj_z, in_proj_b and in_proj_a in one [conv_dim + value_dim + 2*nv, hidden]
+        weight and rebind each as a Parameter viewing its rows, so decode reads the four in one GEMV.
+
+        No extra memory once the old weights are released; state_dict names and values are unchanged (the fused
+        tensor is a plain attribute, not a parameter or buffer); idempotent. Returns the fused weight.
+        """
+        if self._is_fused():
+            return self._fused_in_proj
+        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        with torch.inference_mode(False), torch.no_grad():   # a normal tensor even when called under inference
+            fused = torch.cat([m.weight for m in linears], dim=0)
+            row = 0
+            for m in linears:
+                n = m.out_features
+                m.weight = nn.Parameter(fused[row:row + n], requires_grad=m.weight.requires_grad)
+                row += n
+        self._fused_in_proj = fused
+        self._fused_ptrs = tuple(m.weight.data_ptr() for m in linears)
+        return fused
 
     def _conv_step(self, mixed: torch.Tensor, state: DeltaNetState, slots: torch.Tensor) -> torch.Tensor:
         seq = torch.cat([state.conv[slots], mixed[:, :, None].to(state.conv.dtype)], dim=-1)   # [B, C, k]

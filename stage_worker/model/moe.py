@@ -77,15 +77,15 @@ class SparseMoE(nn.Module):
         se = self.shared_expert
         if se is None or se.gate_proj.weight.shape[0] != self.w13.shape[1] // 2 or self._fused_shared() is not None:
             return
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():   # normal tensors even under inference mode
             router = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
             w13 = torch.cat([se.gate_proj.weight, se.up_proj.weight])
-        n, i = self.num_experts, se.gate_proj.weight.shape[0]
-        grad = self.gate.weight.requires_grad
-        self.gate.weight = nn.Parameter(router[:n], requires_grad=grad)
-        self.shared_expert_gate.weight = nn.Parameter(router[n:], requires_grad=grad)
-        se.gate_proj.weight = nn.Parameter(w13[:i], requires_grad=grad)
-        se.up_proj.weight = nn.Parameter(w13[i:], requires_grad=grad)
+            n, i = self.num_experts, se.gate_proj.weight.shape[0]
+            grad = self.gate.weight.requires_grad
+            self.gate.weight = nn.Parameter(router[:n], requires_grad=grad)
+            self.shared_expert_gate.weight = nn.Parameter(router[n:], requires_grad=grad)
+            se.gate_proj.weight = nn.Parameter(w13[:i], requires_grad=grad)
+            se.up_proj.weight = nn.Parameter(w13[i:], requires_grad=grad)
         self._router_and_shared = (router, w13)
 
     def _fused_shared(self):

@@ -1,0 +1,186 @@
+"""Gated DeltaNet decode step in one Triton kernel (reference: `deltanet_decode_ref.py`).
+
+Why: in PyTorch a decode step of one GatedDeltaNet layer is ~40 small kernels (gates, the conv step's gather, cat,
+index_put, multiply, sum and SiLU, splits and copies, the state gather/scatter, the recurrence, ~8 for the gated
+RMSNorm); at decode they are launch-bound, not byte-bound. Here the layer is one GEMV (the four input projections
+fused into one weight by `GatedDeltaNet.fuse_projections`), this kernel, and out_proj.
+
+`_gdn_decode_kernel`, grid (B, nk): one program per (sequence, key head). It runs the conv step for the key head's
+q and k channels once, L2-normalises them, then loops over the nv/nk value heads that read that key head: their v
+channels' conv step, the gates, the delta rule on the fp32 state S [dk, dv] held whole in registers, and the gated
+RMSNorm over dv. The conv tails and S are updated in place at the sequence's slot. A grid over value heads would
+have to let one of the nv/nk programs sharing a key head overwrite its q/k conv tail while the others may not have
+read it yet (programs of one grid are not ordered); per key head, every tail has exactly one reader and writer.
+
+Rounding to the activation dtype happens where the PyTorch path stores a tensor of that dtype (conv products, their
+sum, SiLU, beta, the delta-rule output, the normed row, the weighted row, the gated output), so bf16 results agree
+with `GatedDeltaNet` to within bf16 noise. No host sync and shapes only from tensor sizes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stage_worker.kernels.deltanet_decode_ref import L2_EPS, gdn_decode_ref, split_sizes
+
+try:
+    import triton
+    import triton.language as tl
+
+    from stage_worker.kernels.rmsnorm import round_to
+except ImportError:   # CPU-only installs off Linux: gdn_decode falls back to the reference
+    triton = None
+
+_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)   # decided when the kernels are defined
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
+    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+    @triton.jit
+    def _conv_channels(mixed_row, tail_row, w_ptr, ch, taps, stride_c1, stride_c2, stride_w0, stride_w1,
+                       KW: tl.constexpr, ROUND_PROD: tl.constexpr):
+        """SiLU(causal conv) of channels `ch` for this token, and their next tail (stored by the caller after a
+        barrier). Window = [tail, token] in the cache dtype, cast to the activation dtype, times the weight."""
+        x_dt: tl.constexpr = mixed_row.dtype.element_ty
+        c_dt: tl.constexpr = tail_row.dtype.element_ty
+        new = round_to(tl.load(mixed_row + ch).to(tl.float32), c_dt)                      # [D]
+        tail = tail_row + ch.to(tl.int64)[:, None] * stride_c1
+        old = tl.load(tail + taps[None, :] * stride_c2, mask=taps[None, :] < KW - 1, other=0.0).to(tl.float32)
+        window = tl.where(taps[None, :] == KW - 1, new[:, None], old)                     # [D, KP]
+        w = tl.load(w_ptr + ch.to(tl.int64)[:, None] * stride_w0 + taps[None, :] * stride_w1,
+                    mask=taps[None, :] < KW, other=0.0).to(tl.float32)
+        prod = round_to(window, x_dt) * w
+        if ROUND_PROD:                       # weight and activation share a dtype: products and sum round to it
+            prod = round_to(prod, x_dt)
+        acc = tl.sum(prod, axis=1)
+        if ROUND_PROD:
+            acc = round_to(acc, x_dt)
+        out = acc / (1.0 + tl.exp(-acc))
+        if ROUND_PROD:
+            out = round_to(out, x_dt)
+        # Next tail: taps 1..KW-2 of the old one, then this token (re-read: tiny, and cached).
+        shifted = tl.load(tail + (taps[None, :] + 1) * stride_c2, mask=taps[None, :] + 1 < KW - 1,
+                          other=0.0).to(tl.float32)
+        shifted = tl.where(taps[None, :] == KW - 2, new[:, None], shifted)
+        return out, shifted
+
+    @triton.jit
+    def _store_tail(tail_row, ch, taps, shifted, stride_c1, stride_c2, KW: tl.constexpr):
+        tail = tail_row + ch.to(tl.int64)[:, None] * stride_c1
+        tl.store(tail + taps[None, :] * stride_c2, shifted.to(tail_row.dtype.element_ty),
+                 mask=taps[None, :] < KW - 1)
+
+    @triton.jit
+    def _gdn_decode_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr,
+                           conv_ptr, rec_ptr, slots_ptr, out_ptr,
+                           stride_m, stride_z, stride_b, stride_a, stride_w0, stride_w1,
+                           stride_c0, stride_c1, stride_c2, stride_r0, stride_r1, stride_r2, stride_o,
+                           eps, scale,
+                           NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           KW: tl.constexpr, KP: tl.constexpr, SILU_GATE: tl.constexpr,
+                           ROUND_PROD: tl.constexpr, ROUND_NORM: tl.constexpr, L2EPS: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        x_dt: tl.constexpr = out_ptr.dtype.element_ty
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        mixed_row = mixed_ptr + seq * stride_m
+        tail_row = conv_ptr + slot * stride_c0
+        taps = tl.arange(0, KP)
+        rk = tl.arange(0, DK)
+        rv = tl.arange(0, DV)
+
+        q_ch = hk * DK + rk
+        k_ch = NK * DK + hk * DK + rk
+        q, q_tail = _conv_channels(mixed_row, tail_row, convw_ptr, q_ch, taps, stride_c1, stride_c2,
+                                   stride_w0, stride_w1, KW, ROUND_PROD)
+        k, k_tail = _conv_channels(mixed_row, tail_row, convw_ptr, k_ch, taps, stride_c1, stride_c2,
+                                   stride_w0, stride_w1, KW, ROUND_PROD)
+        tl.debug_barrier()   # every thread has read the old tails before any thread overwrites them
+        _store_tail(tail_row, q_ch, taps, q_tail, stride_c1, stride_c2, KW)
+        _store_tail(tail_row, k_ch, taps, k_tail, stride_c1, stride_c2, KW)
+        q = (q * tl.math.rsqrt(tl.sum(q * q, axis=0) + L2EPS)) * scale
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + L2EPS)
+
+        for j in range(REP):
+            h = hk * REP + j
+            v_ch = 2 * NK * DK + h * DV + rv
+            v, v_tail = _conv_channels(mixed_row, tail_row, convw_ptr, v_ch, taps, stride_c1, stride_c2,
+                                       stride_w0, stride_w1, KW, ROUND_PROD)
+            beta = round_to(1.0 / (1.0 + tl.exp(-tl.load(b_ptr + seq * stride_b + h).to(tl.float32))), x_dt)
+            x = tl.load(a_ptr + seq * stride_a + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+            # softplus (torch's threshold 20) with log1p(e) = log(u) * e / (u - 1), u = 1 + e: exact for tiny e.
+            e = tl.exp(x)
+            u = 1.0 + e
+            softplus = tl.where(x > 20.0, x, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
+            g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+
+            s_ptrs = rec_ptr + slot * stride_r0 + h * stride_r1 + rk[:, None] * stride_r2 + rv[None, :]
+            s = tl.load(s_ptrs) * tl.exp(g)                                   # [DK, DV] fp32
+            predicted = tl.sum(s * k[:, None], axis=0)                         # S^T k
+            delta = (v - predicted) * beta
+            s = s + k[:, None] * delta[None, :]
+            o = tl.sum(s * q[:, None], axis=0)                                 # S^T q
+            tl.debug_barrier()   # as above, for S and the v tails
+            tl.store(s_ptrs, s)
+            _store_tail(tail_row, v_ch, taps, v_tail, stride_c1, stride_c2, KW)
+
+            # Gated RMSNorm over the head's dv outputs.
+            o = round_to(o, x_dt)
+            normed = round_to(o * tl.math.rsqrt(tl.sum(o * o, axis=0) / DV + eps), x_dt)
+            normed = tl.load(normw_ptr + rv).to(tl.float32) * normed
+            if ROUND_NORM:
+                normed = round_to(normed, x_dt)
+            zz = tl.load(z_ptr + seq * stride_z + h * DV + rv).to(tl.float32)
+            if SILU_GATE:
+                gate = zz / (1.0 + tl.exp(-zz))
+            else:
+                gate = 1.0 / (1.0 + tl.exp(-zz))
+            y = round_to(normed * gate, x_dt)
+            tl.store(out_ptr + seq * stride_o + h * DV + rv, y.to(x_dt))
+
+
+def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+               gate_activation: str = "silu") -> torch.Tensor:
+    """One decode token per row -> [B, nv*dv] in mixed.dtype, states updated in place at `slots`; =
+    `gdn_decode_ref` (same arguments). mixed/z/b/a may be strided row views of one projection output."""
+    B, conv_dim = mixed.shape
+    nk, nv, dk, dv, rep = split_sizes(conv_dim, recurrent_state)
+    width = conv_weight.shape[-1]
+    if gate_activation not in ("silu", "sigmoid"):
+        raise ValueError(f"gate_activation must be silu or sigmoid, not {gate_activation!r}")
+    if conv_weight.shape != (conv_dim, width) or conv_state.shape[1:] != (conv_dim, width - 1) or width < 2:
+        raise ValueError(f"conv weight {tuple(conv_weight.shape)} / state {tuple(conv_state.shape)} do not match "
+                         f"conv_dim {conv_dim}")
+    if z.shape != (B, nv * dv) or b.shape != (B, nv) or a.shape != (B, nv) or slots.shape != (B,):
+        raise ValueError(f"shapes: mixed {tuple(mixed.shape)} z {tuple(z.shape)} b {tuple(b.shape)} "
+                         f"a {tuple(a.shape)} slots {tuple(slots.shape)} for nv={nv}, dv={dv}")
+    if recurrent_state.dtype != torch.float32 or recurrent_state.stride(-1) != 1:
+        raise ValueError("the recurrent state must be fp32 with a contiguous last dimension (updated in place)")
+    if not triton_usable(mixed) or dk != _pow2(dk) or dv != _pow2(dv):
+        return gdn_decode_ref(mixed, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, conv_state,
+                              recurrent_state, slots, gate_activation)
+    out = torch.empty(B, nv * dv, dtype=mixed.dtype, device=mixed.device)
+    if B == 0:
+        return out
+    mixed, z, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed, z, b, a))
+    A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous()
+    _gdn_decode_kernel[(B, nk)](
+        mixed, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, slots, out,
+        mixed.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2), out.stride(0),
+        float(eps), dk ** -0.5,
+        NK=nk, REP=rep, DK=dk, DV=dv, KW=width, KP=_pow2(width), SILU_GATE=gate_activation == "silu",
+        ROUND_PROD=conv_weight.dtype == mixed.dtype, ROUND_NORM=norm_weight.dtype == mixed.dtype, L2EPS=L2_EPS,
+        num_warps=8 if dk * dv >= 128 * 128 else 4)
+    return out
