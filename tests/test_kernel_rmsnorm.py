@@ -84,3 +84,25 @@ def test_real_widths_bf16(rows, width, group_size):
     """hc_norm (4 x 2560), a hidden-width norm, a per-head q/k norm."""
     x, w = _inputs(rows, width, torch.bfloat16, seed=rows)
     assert_bf16_close(K.rmsnorm(x, w, EPS, group_size), rmsnorm_ref(x, w, EPS, group_size), max_mismatch=0.01)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 48), (torch.bfloat16, 40),
+                                         pytest.param(torch.bfloat16, 2048, marks=pytest.mark.gpu)])
+def test_add_rmsnorm_matches_reference_and_the_model(dtype, width):
+    """The fused residual add + norm equals the add, then the norm (reference and `ZeroCentredRMSNorm.add_forward`
+    on the PyTorch path)."""
+    from stage_worker.kernels.rmsnorm_ref import add_rmsnorm as add_rmsnorm_ref
+
+    x, w = _inputs(3, width, dtype, seed=4)
+    r, _ = _inputs(3, width, dtype, seed=5)
+    s, y = K.add_rmsnorm(x, r, w, EPS)
+    s_ref, y_ref = add_rmsnorm_ref(x, r, w, EPS)
+    norm = ZeroCentredRMSNorm(width, EPS).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        s_mod, y_mod = norm.add_forward(x, r)       # kernel flags off: the PyTorch path
+    for got, want in ((s, s_ref), (y, y_ref), (s_mod, s_ref), (y_mod, y_ref)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert_bf16_close(got, want)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stage_worker.kernels.decode_attention import _INTERPRET, _fix_interpreter_loop_bounds
+from stage_worker.kernels.decode_attention import _INTERPRET, _dot, _fix_interpreter_loop_bounds
 
 if _INTERPRET:
     _fix_interpreter_loop_bounds()      # the loops below are bounded by loaded context lengths
@@ -49,7 +49,8 @@ RADIX_BITS = 8              # bits resolved per radix-select pass: 4 passes cove
 def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
                   s_qb, s_qh, s_pr, s_tb, s_kb,
                   N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_C
     complete = tl.load(ctx_ptr + b) // RATIO
@@ -58,7 +59,7 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D_IDX
         q = tl.load(q_ptr + b.to(tl.int64) * s_qb + offs_h[:, None] * s_qh + offs_d[None, :],
-                    mask=(offs_h[:, None] < N_IDX) & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=(offs_h[:, None] < N_IDX) & d_ok[None, :], other=0.0)
         table = tables_ptr + b.to(tl.int64) * s_tb
         keys_out = key_ptr + b.to(tl.int64) * s_kb
         for c0 in range(first, complete, PROGRAMS * BLOCK_C):
@@ -68,8 +69,10 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
             page = tl.load(table + start // PAGE, mask=ok, other=0)
             row = page.to(tl.int64) * (PAGE // RATIO) + (start % PAGE) // RATIO
             keys = tl.load(pooled_ptr + row[:, None] * s_pr + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                           other=0.0).to(tl.float32)
-            s = tl.dot(keys, tl.trans(q), input_precision="ieee")               # [BLOCK_C, BLOCK_H]; pad heads: 0
+                           other=0.0)
+            # bf16 operands on the tensor cores with fp32 accumulation: exact products, fp32 sums (an fp32 "ieee"
+            # dot of these tiles ran ~36 us per layer on the H200: FMA emulation and register spills).
+            s = _dot(keys, tl.trans(q), DOT_F32)                                 # [BLOCK_C, BLOCK_H]; pad heads: 0
             score = tl.sum(tl.maximum(s, 0.0), axis=1) / sqrt_d
             score = tl.where(score == 0.0, 0.0, score)                          # -0.0 ties +0.0, as in the sort
             tl.store(keys_out + c, score.to(tl.int32, bitcast=True), mask=ok)   # >= 0: int order == float order
@@ -168,7 +171,8 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
         q_idx.stride(0), q_idx.stride(1), pooled.stride(0), block_tables.stride(0), keys.stride(0),
         N_IDX=n_idx, D_IDX=d_idx, PAGE=block_size, RATIO=ratio,
         BLOCK_H=max(16, triton.next_power_of_2(n_idx)), BLOCK_D=max(16, triton.next_power_of_2(d_idx)),
-        BLOCK_C=block_c, PROGRAMS=programs, num_warps=4)
+        BLOCK_C=block_c, PROGRAMS=programs, DOT_F32=_INTERPRET or q_idx.dtype == torch.float32
+        or pooled.dtype == torch.float32 or q_idx.dtype != pooled.dtype, num_warps=4)
     return keys
 
 

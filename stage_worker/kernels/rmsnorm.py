@@ -69,3 +69,37 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int |
         _rmsnorm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.stride(0), y.stride(0), eps, D=d, G=g,
                                         ZERO_CENTRED=zero_centred, BLOCK=block)
     return y.reshape(x.shape)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, eps,
+                        D: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    dt: tl.constexpr = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+    s = round_to(x + r, dt)
+    tl.store(s_ptr + row * stride_s + offs, s.to(dt), mask=m)
+    rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, round_to((s * rstd) * (1.0 + w), dt).to(dt), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, zero-centred RMSNorm of that sum) in one launch, as `rmsnorm_ref.add_rmsnorm`: the residual add
+    that ends a block and the norm that starts the next are two launches each per layer otherwise (Qwen3-Next,
+    Qwen3.5). One program per row; rows up to 16K features (decode-sized widths)."""
+    d = x.shape[-1]
+    x2, r2 = x.reshape(-1, d), residual.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    s = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    y = torch.empty_like(s)
+    if x2.shape[0]:
+        _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, s, weight.contiguous(), y, x2.stride(0), r2.stride(0),
+                                            s.stride(0), y.stride(0), eps, D=d, BLOCK=triton.next_power_of_2(d),
+                                            num_warps=8 if d >= 2048 else 4)
+    return s.reshape(x.shape), y.reshape(x.shape)

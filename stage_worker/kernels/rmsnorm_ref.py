@@ -21,3 +21,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int |
         h = h.flatten(-2)
     scale = 1.0 + weight.float() if zero_centred else weight.float()
     return (h * scale).to(x.dtype)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add (rounded to x's dtype) and the zero-centred norm of the sum."""
+    s = x + residual
+    return s, rmsnorm(s, weight, eps)

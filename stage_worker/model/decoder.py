@@ -59,13 +59,21 @@ class DecoderLayer(nn.Module):
             h = h + self.mixer(self.input_layernorm(h), batch, cache, rope)
             return h + self.mlp(self.post_attention_layernorm(h))
         h, pending = self.forward_deferred(h, None, batch, cache, rope)
-        return self.mlp_hyper_connection.inject_fast(h, *pending)
+        return self.finish(h, pending)
 
-    def forward_deferred(self, h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None,
-                         batch: StepBatch, cache: ModelCache, rope) -> tuple[torch.Tensor, tuple]:
-        """Hyper-connection layers: `pending` is the previous layer's (block output, injection weights) not yet
-        added to the streams `h`; this layer returns its own MLP output the same way. The injection then happens
-        inside the next mix (one launch fewer per block with the kernels on). Same math as `forward`."""
+    def forward_deferred(self, h: torch.Tensor, pending, batch: StepBatch, cache: ModelCache, rope):
+        """`forward`, with the layer's last residual update left to the next layer: `pending` is the previous
+        layer's MLP output not yet added to `h` (with hyper-connections: (output, injection weights)); this layer
+        returns its own the same way, and `finish` applies it. The update then happens inside the next layer's
+        first kernel (the hyper-connection mix, or the fused add + RMSNorm): one launch fewer per block with the
+        kernels on. Same math as `forward`."""
+        if not self.hyper:
+            if pending is None:
+                x = self.input_layernorm(h)
+            else:
+                h, x = self.input_layernorm.add_forward(h, pending)
+            h, x = self.post_attention_layernorm.add_forward(h, self.mixer(x, batch, cache, rope))
+            return h, self.mlp(x)
         if self.ple is not None:
             if pending is not None:
                 h, pending = self.attn_hyper_connection.inject_fast(h, *pending), None
@@ -77,3 +85,9 @@ class DecoderLayer(nn.Module):
         out = self.mixer(x, batch, cache, rope)
         h, x, w = self.mlp_hyper_connection.inject_mix(h, out, w)
         return h, (self.mlp(x), w)
+
+    def finish(self, h: torch.Tensor, pending) -> torch.Tensor:
+        """Apply the residual update `forward_deferred` left pending."""
+        if not self.hyper:
+            return h + pending
+        return self.mlp_hyper_connection.inject_fast(h, *pending)

@@ -69,16 +69,10 @@ class StageModel(nn.Module):
         if hidden is None:
             raise ValueError("a stage without the embedding needs the previous stage's hidden states")
         rope = self.rotary.cos_sin(batch.positions, hidden.dtype)
-        pending, last = None, None
+        pending = None
         for layer in self.layers.values():
-            if layer.hyper:
-                hidden, pending = layer.forward_deferred(hidden, pending, batch, cache, rope)
-                last = layer
-            else:
-                hidden = layer(hidden, batch, cache, rope)
-        if pending is not None:
-            hidden = last.mlp_hyper_connection.inject_fast(hidden, *pending)
-        return hidden
+            hidden, pending = layer.forward_deferred(hidden, pending, batch, cache, rope)
+        return layer.finish(hidden, pending)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Collapse the streams (or apply the final norm): the state lm_head and the MTP head read."""

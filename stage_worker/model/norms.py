@@ -37,6 +37,16 @@ class ZeroCentredRMSNorm(nn.Module):
             h = h.flatten(-2)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm of the sum): the residual add that ends one block and the norm that starts the next,
+        one launch with the kernel flag on."""
+        if self.kernels.rmsnorm and x.is_cuda and self.group_size is None and x.shape[-1] <= 16384:
+            from stage_worker.kernels.rmsnorm import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        s = x + residual
+        return s, self(s)
+
 
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm of the Gated DeltaNet output, multiplied by act(gate). Weight is applied as-is (not 1 + w)."""
