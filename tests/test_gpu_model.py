@@ -16,8 +16,18 @@ from stage_worker.local_engine import LocalEngine
 pytestmark = pytest.mark.gpu
 
 
+QWEN3_NEXT_SMALL = dict(   # Qwen3-Next's layout at a GPU-test size: plain residual, fused add + RMSNorm path
+    model_type="qwen3_next", vocab_size=32768, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                          "partial_rotary_factor": 0.25},
+    linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+    intermediate_size=2048, decoder_sparse_step=1, max_position_embeddings=65536, full_attention_interval=4,
+)
+
+
 def _model(preset: str):
-    raw = preset_config(preset)
+    raw = dict(QWEN3_NEXT_SMALL) if preset == "qwen3-next-small" else preset_config(preset)
     raw.update(eos_token_id=3, dtype="bfloat16")
     cfg = config_from_dict(raw)
     model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16))
@@ -28,13 +38,16 @@ def _model(preset: str):
     return model, cfg
 
 
-def _teacher_forced(model, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    engine = LocalEngine([model], max_seqs=len(prompts), max_tokens=512)
+def _teacher_forced(model, prompts: list[list[int]], forced: list[list[int]], graphs: bool = False) -> torch.Tensor:
+    # With graphs: room for the batch-4 graph, so the three sequences replay from it (one padding row).
+    engine = LocalEngine([model], max_seqs=4 if graphs else len(prompts), max_tokens=512, cuda_graphs=graphs)
     for i in range(len(prompts)):
         engine.add(i)
     out = [engine.step([(i, p) for i, p in enumerate(prompts)])]
     for t in range(len(forced[0])):
         out.append(engine.step([(i, [f[t]]) for i, f in enumerate(forced)]))
+    if graphs:                                   # the decode steps really replayed captured graphs
+        assert engine.graphs is not None and 4 in engine.graphs.graphs
     return torch.stack(out)                      # [steps + 1, batch, vocab]
 
 
@@ -45,9 +58,12 @@ def _compare(ref: torch.Tensor, fast: torch.Tensor) -> tuple[float, float, float
     return diff.max().item() / spread, diff.mean().item() / spread, agree
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-@pytest.mark.parametrize("kernels", ["all", "-attention", "moe", "hyper_connection", "rmsnorm", "deltanet"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "qwen3-next-small"])
+@pytest.mark.parametrize("kernels", ["all+graphs", "all", "-attention", "moe", "hyper_connection", "rmsnorm",
+                                     "deltanet", "attention"])
 def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
+    graphs = kernels.endswith("+graphs")
+    kernels = kernels.removesuffix("+graphs")
     model, cfg = _model(preset)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 90, 5)]
@@ -56,9 +72,9 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
         model.set_kernels(NONE)
         ref = _teacher_forced(model, prompts, forced)
         model.set_kernels(KernelFlags.parse(kernels))
-        fast = _teacher_forced(model, prompts, forced)
+        fast = _teacher_forced(model, prompts, forced, graphs)
     worst, mean, agree = _compare(ref, fast)
-    print(f"{preset} kernels={kernels}: max |diff| {worst:.3f} and mean |diff| {mean:.4f} of the logits' spread, "
+    print(f"{preset} kernels={kernels} graphs={graphs}: max |diff| {worst:.3f} and mean |diff| {mean:.4f} of the logits' spread, "
           f"top-1 agreement {agree:.3f}")
     # Tolerance, bf16: the paths round at different points (fused kernels keep fp32 partial sums where PyTorch
     # rounds each op to bf16) and 64 steps of fp32 recurrent state carry the difference forward; QSA's discrete
