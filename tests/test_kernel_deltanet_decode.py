@@ -1,6 +1,7 @@
-"""The fused Gated DeltaNet decode kernel: kernel = reference (fp32 and bf16, both gate activations, shuffled slots,
-strided projection rows), reference = the model's PyTorch decode path over several steps, and GatedDeltaNet with the
-kernel flag on = flag off, with `fuse_projections` sharing storage and leaving the state_dict alone.
+"""The fused Gated DeltaNet decode kernels: kernels = reference (fp32 and bf16, both gate activations, shuffled slots,
+strided projection rows, state split into column blocks of BV < dv, nv/nk = 1, 2 and 4), reference = the model's
+PyTorch decode path over several steps, and GatedDeltaNet with the kernel flag on = flag off, with
+`fuse_projections` sharing storage and leaving the state_dict alone.
 
 Without CUDA the kernel runs on CPU tensors under TRITON_INTERPRET=1 (set before triton is imported): tiny shapes.
 With CUDA the same tests run natively and the `gpu` tests add the real shapes, a no-host-sync check and a graph.
@@ -71,18 +72,16 @@ def random_inputs(B: int, dtype: torch.dtype, seed: int, nk: int = NK, nv: int =
                 conv_state=conv_state, recurrent_state=recurrent)
 
 
-@pytest.mark.parametrize("dtype,conv_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                              (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("act", ["silu", "sigmoid"])
-def test_kernel_matches_reference(dtype, conv_dtype, act):
-    inp = random_inputs(3, dtype, seed=1 + (dtype == torch.bfloat16), conv_dtype=conv_dtype)
+def check_against_reference(inp: dict, act: str, nv: int = NV, dv: int = DV) -> None:
+    """Kernels = reference on 3 sequences at slots [5, 0, 3] of 7: output, both states, other slots untouched."""
+    dtype = inp["mixed"].dtype
     slots = torch.tensor([5, 0, 3], device=DEV)                     # not contiguous, not sorted
     ref_conv, ref_rec = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     before_conv, before_rec = ref_conv.clone(), ref_rec.clone()
     want = gdn_decode_ref(**{**inp, "conv_state": ref_conv, "recurrent_state": ref_rec}, slots=slots,
                           gate_activation=act)
     got = K.gdn_decode(**inp, slots=slots, gate_activation=act)
-    assert got.dtype == dtype and got.shape == (3, NV * DV)
+    assert got.dtype == dtype and got.shape == (3, nv * dv)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
@@ -94,6 +93,24 @@ def test_kernel_matches_reference(dtype, conv_dtype, act):
     assert torch.equal(inp["conv_state"][others], before_conv[others])
     assert torch.equal(inp["recurrent_state"][others], before_rec[others])
     assert not torch.equal(inp["recurrent_state"][slots], before_rec[slots])
+
+
+@pytest.mark.parametrize("dtype,conv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+def test_kernel_matches_reference(dtype, conv_dtype, act):
+    check_against_reference(random_inputs(3, dtype, seed=1 + (dtype == torch.bfloat16), conv_dtype=conv_dtype), act)
+
+
+@pytest.mark.parametrize("nk,nv,bv", [(2, 2, 8), (1, 4, 16), (2, 4, 8)])     # nv/nk = 1, 4, 2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_column_blocks_and_head_groups(nk, nv, bv, dtype, monkeypatch):
+    """dv = 32 split into column blocks of BV = 8 or 16 (each block of S updated by its own program), and key
+    heads read by 1, 2 or 4 value heads (the q/k conv tails written once per key head, by the group's first)."""
+    dv = 32
+    monkeypatch.setattr(K, "BV", bv)
+    inp = random_inputs(3, dtype, seed=20 + nv + bv, nk=nk, nv=nv, dv=dv)
+    check_against_reference(inp, "silu", nv=nv, dv=dv)
 
 
 def test_kernel_takes_int32_slots_and_an_empty_batch():
@@ -249,9 +266,11 @@ def test_fuse_projections_shares_storage_and_keeps_the_state_dict():
 # ---- real shapes on the GPU -----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 4, 16])
-def test_real_shapes_bf16(B):
-    """nk=16, nv=32, dk=dv=128 after a hidden-2560 GEMV: kernel against reference, in bf16."""
+@pytest.mark.parametrize("B,bv", [(1, 32), (4, 32), (16, 32), (1, 16), (4, 64), (4, 128)])
+def test_real_shapes_bf16(B, bv, monkeypatch):
+    """nk=16, nv=32, dk=dv=128 after a hidden-2560 GEMV: kernels against reference, in bf16, at the default BV
+    and at others a sweep may pick."""
+    monkeypatch.setattr(K, "BV", bv)
     nk, nv, dk, dv, hidden = 16, 32, 128, 128, 2560
     g = torch.Generator(device="cuda").manual_seed(B)
     rows = 2 * nk * dk + 2 * nv * dv + 2 * nv
@@ -285,6 +304,7 @@ def test_no_host_sync_and_graph_capture():
         out = K.gdn_decode(**inp, slots=slots)
     conv, rec = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     want = gdn_decode_ref(**{**inp, "conv_state": conv, "recurrent_state": rec}, slots=slots)
-    graph.replay()
+    graph.replay()                                                     # both launches, from the same old state
     assert_bf16_close(out, want)
     assert torch.equal(inp["conv_state"], conv)
+    torch.testing.assert_close(inp["recurrent_state"], rec, rtol=1e-2, atol=1e-2)

@@ -20,7 +20,7 @@ class KernelFlags:
     rmsnorm: bool = False             # fused zero-centred / grouped RMSNorm (stage_worker/kernels/rmsnorm.py)
     attention: bool = False           # one q/k/v GEMV, prologue kernel, QSA selection, paged split-K decode
                                       # attention (attention_prep.py, qsa.py, decode_attention.py)
-    deltanet: bool = False            # decode: one in-projection GEMV + one fused conv/recurrence/norm kernel
+    deltanet: bool = False            # decode: one in-projection GEMV + two fused conv/recurrence/norm kernels
                                       # (deltanet_decode.py); prefill: flash-linear-attention's chunked kernel
 
     @classmethod

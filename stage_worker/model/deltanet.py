@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
 
     def _fused_decode(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
         """A pure decode step (every sequence one token, each with a state): one projection GEMV, `gdn_decode`
-        (conv step, gates, delta rule and gated norm in one launch, states updated in place), out_proj."""
+        (conv step, gates, delta rule and gated norm in two launches, states updated in place), out_proj."""
         from stage_worker.kernels.deltanet_decode import gdn_decode
 
         mixed, z, b, a = self._decode_projections(x)
