@@ -73,11 +73,25 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
         ref = _teacher_forced(model, prompts, forced)
         model.set_kernels(KernelFlags.parse(kernels))
         fast = _teacher_forced(model, prompts, forced, graphs)
+        # The yardstick: the same model in float32 on the PyTorch path (exact arithmetic, as far as it matters).
+        model.set_kernels(NONE)
+        model.float()
+        for layer in model.layers.values():
+            if getattr(layer, "ple", None) is not None:
+                layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.float32, 0)
+        truth = _teacher_forced(model, prompts, forced)
     worst, mean, agree = _compare(ref, fast)
-    print(f"{preset} kernels={kernels} graphs={graphs}: max |diff| {worst:.3f} and mean |diff| {mean:.4f} of the logits' spread, "
-          f"top-1 agreement {agree:.3f}")
-    # Tolerance, bf16: the paths round at different points (fused kernels keep fp32 partial sums where PyTorch
-    # rounds each op to bf16) and 64 steps of fp32 recurrent state carry the difference forward; QSA's discrete
-    # block choice can flip on near-ties, which moves a logit by more than rounding does. So: the mean difference
-    # within 3% of the logits' spread, no logit off by more than the spread itself, top-1 the same >= 95% of rows.
-    assert mean < 0.03 and worst < 1.0 and agree >= 0.95
+    _, ref_err, ref_top1 = _compare(truth, ref)
+    _, fast_err, fast_top1 = _compare(truth, fast)
+    print(f"{preset} kernels={kernels} graphs={graphs}: fast vs bf16 PyTorch: max |diff| {worst:.3f}, mean "
+          f"{mean:.4f} of the logits' spread, top-1 {agree:.3f}; distance from fp32: bf16 PyTorch mean "
+          f"{ref_err:.4f} top-1 {ref_top1:.3f}, fast mean {fast_err:.4f} top-1 {fast_top1:.3f}")
+    # Tolerance, bf16. The paths round at different points (fused kernels keep fp32 partial sums where PyTorch
+    # rounds each op to bf16), 64 steps of recurrent state carry the difference forward, and discrete choices (the
+    # router's top-k, QSA's blocks) flip on near-ties. How far that goes depends on the model: random-weight
+    # Qwen3-Next-small amplifies any rounding change (the bf16 PyTorch path is itself 0.12 of the logits' spread
+    # from fp32, top-1 0.71, measured on the CPU), Qwen4-Exp-small much less (0.028, 0.92). So the test compares
+    # against the fp32 model: the fast path must be no farther from it than the bf16 PyTorch path is (mean within
+    # 1.25x + 0.005, top-1 within 0.05), which a real kernel bug breaks by a wide margin.
+    assert fast_err <= 1.25 * ref_err + 0.005, (fast_err, ref_err)
+    assert fast_top1 >= ref_top1 - 0.05, (fast_top1, ref_top1)
