@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,10 +29,13 @@ from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavai
                             TokenEvent)
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
+from gateway.chat_plan import ChatPlan, plan_chat
+from gateway.output_parser import Delta, OutputParser, parse_complete
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, DeltaMessage, ModelCard, ModelList, TopLogprob, Usage)
+                             CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
+                             ModelCard, ModelList, ToolCall, TopLogprob, Usage)
 from gateway.stop import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling import SamplingParams
@@ -254,16 +258,25 @@ class _Server:
         return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
                                  prompt_logprobs=prompt_logprobs, ignore_eos=bool(req.ignore_eos))
 
-    def render_chat(self, req: ChatCompletionRequest) -> str:
-        kwargs = dict(req.chat_template_kwargs or {})
+    def render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> str:
+        kwargs = dict(plan.template_kwargs)
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
         if reserved:
             raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs")
         messages = [_plain_message(i, m) for i, m in enumerate(req.messages)]
         try:
-            return self.tok.apply_chat_template(messages, tools=None, add_generation_prompt=True, **kwargs)
+            return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=True, **kwargs)
         except ValueError as e:
             raise invalid_request(str(e), param="messages") from None
+
+    @cached_property
+    def grammar_compiler(self):
+        """llguidance over this tokenizer, built on first use (None if the package is missing)."""
+        try:
+            from gateway.grammar import GrammarCompiler
+        except ImportError:
+            return None
+        return GrammarCompiler.for_tokenizer(self.tok, eos_ids=sorted(self.eos_ids), vocab_size=self.tok.vocab_size)
 
     # ---- logprobs formatting -------------------------------------------------------------------------------------
 
@@ -376,14 +389,23 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         unsupported = req.unsupported_field()
         if unsupported:
             raise invalid_request(unsupported[1], param=unsupported[0])
-        text = await run_in_threadpool(srv.render_chat, req)
+        needs_grammar = (req.response_format or {}).get("type", "text") != "text" or (
+            req.tool_choice not in (None, "none", "auto") and req.tools)
+        compiler = await run_in_threadpool(lambda: srv.grammar_compiler) if needs_grammar else None
+        plan = await run_in_threadpool(plan_chat, req, compiler)
+        text = await run_in_threadpool(srv.render_chat, req, plan)
+        if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
+            plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
         prompt_ids = await srv.encode(text, "messages")
         max_tokens = srv.budget(len(prompt_ids), req.budget, "messages")
         rid = _new_id("chatcmpl")
-        gen = _Generation(engine, srv.generation_request(req, prompt_ids, max_tokens, rid), tokenizer,
-                          req.stop_strings, metrics.request_started(arrival), want_logprobs=bool(req.logprobs))
-        return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid),
-                            lambda: _chat_full(srv, gen, rid))
+        gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid)
+        if plan.grammar is not None:
+            gen_req.grammar = compiler.new_matcher(plan.grammar)
+        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival),
+                          want_logprobs=bool(req.logprobs))
+        return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid, plan),
+                            lambda: _chat_full(srv, gen, rid, plan))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -434,12 +456,26 @@ async def _serve(request: Request, gen: _Generation, stream: bool, make_stream: 
             await gen.aclose()
 
 
-async def _chat_full(srv: _Server, gen: _Generation, rid: str) -> dict:
+def _parses(plan: ChatPlan) -> bool:
+    return plan.reasoning != "off" or plan.tool_names is not None
+
+
+async def _chat_full(srv: _Server, gen: _Generation, rid: str, plan: ChatPlan) -> dict:
     texts, tokens = [], []
     async for piece in gen.pieces():
         texts.append(piece.text)
         tokens.extend(piece.tokens)
-    choice = ChatChoice(message=ChatResponseMessage(content="".join(texts)), finish_reason=gen.finish_reason,
+    text, finish = "".join(texts), gen.finish_reason
+    message = ChatResponseMessage(content=text)
+    if _parses(plan):
+        parsed = parse_complete(text, plan.reasoning, plan.tool_names)
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.tool_calls]
+        message = ChatResponseMessage(content=parsed.content or (None if calls else ""),
+                                      reasoning_content=parsed.reasoning_content, tool_calls=calls)
+        if calls and finish == "stop":
+            finish = "tool_calls"
+    choice = ChatChoice(message=message, finish_reason=finish,
                         logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
     return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=[choice],
                                   usage=_usage(len(gen.request.prompt_ids), gen.completion_tokens)).model_dump()
@@ -487,7 +523,18 @@ async def _stream_body(gen: _Generation, chunks: AsyncIterator[str]) -> AsyncIte
     yield "data: [DONE]\n\n"
 
 
-def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid: str) -> AsyncIterator[str]:
+def _delta_message(d: Delta) -> DeltaMessage:
+    if d.reasoning is not None:
+        return DeltaMessage(reasoning_content=d.reasoning)
+    if d.content is not None:
+        return DeltaMessage(content=d.content)
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=d.tool_index, id=d.tool_id,
+                                                  type="function" if d.tool_id else None,
+                                                  function=DeltaFunction(name=d.name, arguments=d.arguments))])
+
+
+def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid: str,
+                 plan: ChatPlan) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
 
@@ -497,13 +544,24 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid
                                 choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
         return _sse(c.model_dump_json(exclude=exclude))
 
+    parser = OutputParser(plan.reasoning, plan.tool_names) if _parses(plan) else None
+
     async def chunks() -> AsyncIterator[str]:
         yield chunk(DeltaMessage(role="assistant", content=""))
+        called = False
         async for text, tokens, finish in _coalesce(gen):
-            if text or tokens:
-                yield chunk(DeltaMessage(content=text), tokens)
+            if parser is None:
+                if text or tokens:
+                    yield chunk(DeltaMessage(content=text), tokens)
+            else:
+                deltas = parser.feed(text) + (parser.finish() if finish is not None else [])
+                called = called or any(d.tool_index is not None for d in deltas)
+                for i, d in enumerate(deltas):           # logprobs ride on the piece's first chunk
+                    yield chunk(_delta_message(d), tokens if i == 0 else None)
+                if not deltas and tokens and gen.want_logprobs:
+                    yield chunk(DeltaMessage(content=""), tokens)
             if finish is not None:
-                yield chunk(DeltaMessage(), None, finish)
+                yield chunk(DeltaMessage(), None, "tool_calls" if called and finish == "stop" else finish)
         if req.include_usage:
             usage = _usage(len(gen.request.prompt_ids), gen.completion_tokens)
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],

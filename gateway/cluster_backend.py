@@ -89,7 +89,8 @@ class ClusterBackend:
         rid = request.request_id or uuid.uuid4().hex
         req = Request(req_id=rid, prompt_ids=list(request.prompt_ids), params=request.params,
                       stop_token_ids=set(request.stop_token_ids),     # the API already left EOS out for ignore_eos
-                      max_tokens=request.params.max_tokens, want_prompt_logprobs=request.prompt_logprobs)
+                      max_tokens=request.params.max_tokens, want_prompt_logprobs=request.prompt_logprobs,
+                      grammar=request.grammar)
         if req.params.seed is None:
             from stage_worker.sampler import random_seed
 
@@ -163,6 +164,9 @@ class ClusterBackend:
                 continue
             for i, out in enumerate(events):
                 last = i == len(events) - 1
+                if last and req.finished == "error":
+                    q.put_nowait(EngineFailed(req.grammar_error or "generation failed"))
+                    break
                 top = list(zip(out.top_ids, out.top_logprobs)) if out.top_ids else ([] if out.logprob is not None
                                                                                    else None)
                 q.put_nowait(TokenEvent(token_id=out.token, logprob=out.logprob, top_logprobs=top,

@@ -8,7 +8,7 @@ workers over ZeroMQ) implements `Engine`; so does the single-process backend use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from shared.sampling import SamplingParams
 
@@ -33,6 +33,7 @@ class GenerationRequest:
     stop_token_ids: set[int] = field(default_factory=set)
     prompt_logprobs: bool = False          # echo: logprob of every prompt token given its prefix
     ignore_eos: bool = False
+    grammar: Any = None                    # structured output: gateway.grammar.GrammarState, advanced per token
 
 
 @dataclass

@@ -30,6 +30,7 @@ from gateway.metrics import Metrics
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
 from stage_worker.model.model import StageModel
+from shared.token_mask import apply_mask
 from stage_worker.sampler import apply_penalties, position_generator, random_seed, sample, token_logprobs
 
 __all__ = ["LocalBackend"]
@@ -233,8 +234,15 @@ class LocalBackend:
     def _sample(self, job: _Job, logits: torch.Tensor) -> None:
         req, params = job.request, job.request.params
         generator = None if params.greedy else position_generator(job.seed, len(req.prompt_ids) + len(job.output))
-        tid = sample(apply_penalties(logits, params, job.output, req.prompt_ids), params, generator)
+        adjusted = apply_penalties(logits, params, job.output, req.prompt_ids)
+        if req.grammar is not None:
+            adjusted = apply_mask(adjusted, req.grammar.mask_bytes())
+        tid = sample(adjusted, params, generator)
         job.output.append(tid)
+        if req.grammar is not None and not req.grammar.accept(tid):
+            job.cancelled = True
+            job.deliver(EngineFailed(f"{COMPONENT}: token {tid} was sampled outside the grammar"))
+            return
         event = TokenEvent(token_id=tid)
         if params.logprobs is not None:
             event.logprob, ids, values = token_logprobs(logits, tid, params.logprobs)
@@ -242,7 +250,7 @@ class LocalBackend:
                 event.top_logprobs = list(zip(ids, values))
         if len(job.output) == 1 and req.prompt_logprobs:
             event.prompt_logprobs = job.prompt_lps
-        if tid in req.stop_token_ids:
+        if tid in req.stop_token_ids or (req.grammar is not None and req.grammar.is_finished()):
             event.finish_reason = "stop"
         elif len(job.output) >= job.max_new:
             event.finish_reason = "length"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol import Plan, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
@@ -54,6 +55,8 @@ class Request:
     preemptions: int = 0
     events: list[TokenOut] = field(default_factory=list)   # results not yet consumed by the API layer
     prompt_logprobs: list[float] = field(default_factory=list)
+    grammar: Any = None                # structured output: a gateway.grammar.GrammarState (mask, accept, finished)
+    grammar_error: str | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -186,6 +189,10 @@ class Scheduler:
                          prompt_logprobs=req.want_prompt_logprobs and tokens is not None and not req.output_ids)
         if entry.prompt_logprobs and req.computed + n < len(req.prompt_ids):
             entry.next_token = req.prompt_ids[req.computed + n]
+        if entry.sample and req.grammar is not None:
+            # No plan-ahead: the request's previous token has been accepted by the grammar before this plan, so
+            # the mask matches the state the sampled token will be checked against (002 §8's pitfall).
+            entry.allowed = req.grammar.mask_bytes()
         return entry
 
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
@@ -252,6 +259,10 @@ class Scheduler:
             req.fresh_sample = True
             req.events.append(out)
             touched.append(req)
+            if req.grammar is not None and not req.grammar.accept(out.token):
+                req.grammar_error = f"token {out.token} was sampled outside the grammar"
+                self._release(req, "error")
+                continue
             reason = self._finish_reason(req)
             if reason:
                 self._release(req, reason)
@@ -259,6 +270,8 @@ class Scheduler:
 
     def _finish_reason(self, req: Request) -> str | None:
         if req.output_ids[-1] in req.stop_token_ids:
+            return "stop"
+        if req.grammar is not None and req.grammar.is_finished():
             return "stop"
         if len(req.output_ids) >= req.max_tokens or len(req.all_ids) >= self.max_model_len:
             return "length"

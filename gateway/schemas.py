@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible endpoints (pydantic v2).
 
-Requests ignore unknown fields (clients send many we do not use). Fields we accept but cannot honour yet (tools,
-tool_choice, response_format) are validated here for shape only; `unsupported_field` says which one to refuse, so the
-API answers 400 naming it instead of silently generating something the client did not ask for.
+Requests ignore unknown fields (clients send many we do not use). The agent-facing fields (tools, tool_choice,
+parallel_tool_calls, response_format, chat_template_kwargs) are validated here for shape only and checked in depth by
+`gateway.chat_plan`, which answers 400 naming the field for anything it cannot honour.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions", "Usage",
     "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs",
-    "ChatResponseMessage", "ChatChoice", "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
+    "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall", "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
     "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
 ]
 
@@ -116,16 +116,10 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(param, message) of the first field we accept but cannot honour yet; None if the request is servable."""
+        """(param, message) of the first field we cannot honour; None if the request is servable (the agent fields
+        are checked by gateway.chat_plan)."""
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
-        if self.tools:
-            return "tools", "tool calling is not supported yet"
-        # "auto" without tools is as harmless as "none": there is nothing to call.
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            return "tool_choice", "tool_choice is not supported yet (only \"none\")"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format", "structured output is not supported yet (only {\"type\": \"text\"})"
         return None
 
 
@@ -187,9 +181,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -212,11 +219,27 @@ def _omit_none(v: Any) -> bool:
     return v is None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first carries id, type and name; later ones argument text only."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     """A streamed delta: fields not carried by this chunk are left out of the JSON, as OpenAI does."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -47,6 +47,8 @@ class SeqEntry:
     sample: bool = True              # last chunk of a prefill or a decode: the last stage samples a token
     prompt_logprobs: bool = False    # return logprobs of the fed tokens (echo)
     next_token: int | None = None    # with prompt_logprobs: the prompt token after this chunk
+    allowed: bytes | None = None     # structured output: packed mask of the ids the sampled token may take
+                                     # (shared/token_mask.py), from the gateway's grammar state after the last token
 
 
 @dataclass

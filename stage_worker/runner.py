@@ -18,6 +18,7 @@ from shared.sampling import SamplingParams
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
+from shared.token_mask import apply_mask
 from stage_worker.sampler import apply_penalties, position_generator, sample, token_logprobs
 
 
@@ -236,7 +237,7 @@ class StageRunner:
                 raise RuntimeError(f"no sampling parameters for request {e.req_id}")
             position = e.context_len + e.num_tokens
             raw = rows[-1]
-            adjusted = apply_penalties(raw, state.params, state.history, state.spec.prompt_ids)
+            adjusted = apply_mask(apply_penalties(raw, state.params, state.history, state.spec.prompt_ids), e.allowed)
             token = sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
             state.history.append(token)
             lp, top_ids, top_lps = (None, None, None)

@@ -1,0 +1,391 @@
+"""Structured output: grammars that constrain sampling, compiled and matched with llguidance.
+
+The gateway keeps one `GrammarState` per constrained request. Before each decode step it computes the allowed-token
+bitmask (`fill_mask`), sends it with the step to the last pipeline stage, which sets disallowed logits to -inf before
+sampling, and then advances the state with the token that was actually accepted (`accept`), in step order.
+
+Mask layout (llguidance's, also xgrammar's and vLLM's): int32 words, ceil(vocab / 32) of them; token i is allowed iff
+bit (i % 32) of word (i // 32) is set. The mask covers the *model's* vocabulary (embedding rows, config.json's
+vocab_size), which may be larger than the tokenizer's: ids the tokenizer does not have are never allowed. EOS ids are
+allowed only where the grammar may end.
+
+Why llguidance (rather than xgrammar): it builds its token trie from a `tokenizer.json` directly (no transformers),
+computes masks lazily per step in ~tens of microseconds with no per-grammar precompilation pass (so a fresh JSON schema
+per request costs little at request time), covers more of JSON Schema (and says which keywords it does not implement,
+instead of silently ignoring them), and its Lark grammars can inline JSON schemas (`%json {...}`) and name special
+tokens (`<tool_call>`), which is exactly what the tool-call format needs.
+
+JSON whitespace: by default generated JSON is in `json.dumps` form, ", " between items and ": " after keys, with no
+other whitespace. That is what chat templates render tool calls in and what models imitate; it also stops a weak or
+unlucky model from emitting whitespace forever inside a constrained object. Pass `flexible_whitespace=True` to allow
+any JSON whitespace instead.
+
+strict: `json_schema(schema, strict=True)` refuses a schema that uses a keyword llguidance does not implement (e.g.
+"not", "unevaluatedProperties") with GrammarError. With strict=False the schema is still enforced, but such keywords are
+ignored (logged as warnings), so the output matches a slightly looser schema. The schema is never rewritten: OpenAI's
+strict mode additionally implies additionalProperties=false and all-properties-required, but here the output follows
+the schema as written. A tool's `function.strict` is handled the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from tokenizers import Tokenizer as _Backend
+
+__all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
+
+log = logging.getLogger(__name__)
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_MAX_ERROR_CHARS = 600
+
+
+class GrammarError(ValueError):
+    """The schema, tools or grammar of a request is invalid or unsupported; the API answers 400 naming the field."""
+
+
+def mask_words(vocab_size: int) -> int:
+    """Number of int32 words in one token mask over `vocab_size` ids."""
+    return (vocab_size + 31) // 32
+
+
+def mask_to_bool(words: Any, vocab_size: int) -> np.ndarray:
+    """int32 mask words (shape [..., ceil(vocab/32)]) -> bool array [..., vocab]: True where the token is allowed."""
+    w = np.ascontiguousarray(np.asarray(words), dtype="<i4")
+    if w.shape[-1] * 32 < vocab_size:
+        raise ValueError(f"mask has {w.shape[-1]} words, too few for a vocabulary of {vocab_size}")
+    bits = np.unpackbits(w.view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+def _short(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + "..."
+
+
+def _lark_literal(text: str) -> str:
+    """A Lark string literal for `text` (JSON string escapes are valid Lark escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class GrammarState:
+    """One request's position in its grammar; wraps an `llguidance.LLMatcher`.
+
+    Per decode step: `fill_mask(row)` (or `mask()`), then `accept(token)` with the sampled token, then check
+    `is_finished()`. Not thread-safe; each request owns its state.
+    """
+
+    __slots__ = ("_matcher", "vocab_size", "n_words", "_error")
+
+    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self.n_words = mask_words(vocab_size)
+        self._error: str | None = None
+
+    @property
+    def matcher(self) -> LLMatcher:
+        return self._matcher
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the allowed-token mask for the next step into `out`: a C-contiguous int32 array of n_words words."""
+        if out.dtype != np.int32 or out.size != self.n_words or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(
+                f"mask buffer must be a contiguous int32 array of {self.n_words} words, "
+                f"got {out.dtype} of shape {out.shape}"
+            )
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self.n_words * 4)
+
+    def mask(self) -> np.ndarray:
+        """The allowed-token mask for the next step, as a new int32 array of n_words words."""
+        out = np.empty(self.n_words, dtype=np.int32)
+        self.fill_mask(out)
+        return out
+
+    def mask_bytes(self) -> bytes:
+        """The mask as packed little-endian bits (byte i // 8, bit i % 8 = token i): shared/token_mask.py's wire form,
+        the byte image of the int32 words on a little-endian host. n_words * 4 bytes."""
+        return self.mask().astype("<i4", copy=False).tobytes()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token. False if it was not allowed (the state is then in error for good)."""
+        if self._error is not None:
+            return False
+        token_id = int(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            self._error = f"token id {token_id} is outside the vocabulary (size {self.vocab_size})"
+            return False
+        return bool(self._matcher.consume_token(token_id))
+
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens (for speculative decoding; not needed otherwise)."""
+        return bool(self._matcher.rollback(num_tokens))
+
+    def is_finished(self) -> bool:
+        """True once nothing more may be generated: the grammar is complete and cannot be extended (or EOS was
+        accepted), or the state is in error (check `error`). The request should stop; finish_reason "stop"."""
+        return self._error is not None or bool(self._matcher.is_stopped())
+
+    def is_accepting(self) -> bool:
+        """True if the output so far is a complete match (EOS is allowed now), though it may still be extended."""
+        return self._error is None and bool(self._matcher.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (e.g. a disallowed token was accepted); None while it is healthy."""
+        if self._error is not None:
+            return self._error
+        if self._matcher.is_error():
+            return _short(self._matcher.get_error()) or "grammar matcher error"
+        return None
+
+
+class GrammarCompiler:
+    """Compiles grammar specs for one model and hands out `GrammarState`s. Build once per model.
+
+    `tokenizer`: a tokenizer.json path (or the checkpoint directory holding it), or a `tokenizers.Tokenizer`.
+    `eos_token_ids`: every id that ends generation (gateway Tokenizer.eos_token_ids); allowed only where the grammar
+    may end. `vocab_size`: the model's vocabulary (embedding rows); masks cover this many ids.
+
+    Spec methods (`json_object`, `json_schema`, `tool_calls`) return a grammar spec (llguidance's JSON grammar text),
+    compiled eagerly so an invalid request fails with GrammarError before it is scheduled; compiled grammars are kept
+    in a small LRU keyed by that text, and `new_matcher(spec)` clones the compiled matcher.
+    """
+
+    def __init__(
+        self,
+        tokenizer: str | Path | _Backend,
+        eos_token_ids: Iterable[int],
+        vocab_size: int,
+        *,
+        cache_size: int = 64,
+        flexible_whitespace: bool = False,
+    ) -> None:
+        backend = self._load_backend(tokenizer)
+        tokenizer_vocab = backend.get_vocab_size(with_added_tokens=True)
+        if vocab_size < tokenizer_vocab:
+            raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab}")
+        eos = [int(i) for i in dict.fromkeys(eos_token_ids)]
+        if not eos:
+            raise ValueError("at least one EOS token id is needed")
+        self.vocab_size = int(vocab_size)
+        self.n_words = mask_words(self.vocab_size)
+        self.eos_token_ids = eos
+        self.ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        # Tool-call tags are single added tokens in Qwen-style tokenizers; require exactly those tokens when present.
+        self._tag = {
+            tag: (tag if backend.token_to_id(tag) is not None else _lark_literal(tag))
+            for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+        }
+        self._json_options: dict[str, Any] = (
+            {"whitespace_flexible": True}
+            if flexible_whitespace
+            else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        )
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._cache_size = max(1, int(cache_size))
+        self._lock = threading.Lock()
+        self._executor: LLExecutor | None = None
+
+    @classmethod
+    def for_tokenizer(
+        cls,
+        tok: Any,
+        *,
+        eos_ids: Iterable[int] | None = None,
+        vocab_size: int | None = None,
+        **kwargs: Any,
+    ) -> GrammarCompiler:
+        """From the gateway's `gateway.tokenizer.Tokenizer` (its tokenizers backend, EOS ids and vocabulary by
+        default). Pass the model's vocab_size when its embedding is wider than the tokenizer."""
+        backend = tok if isinstance(tok, _Backend) else getattr(tok, "_backend", None)
+        if not isinstance(backend, _Backend):
+            raise TypeError(f"cannot get a tokenizers.Tokenizer from {type(tok).__name__}")
+        eos = (getattr(tok, "eos_token_ids", None) or []) if eos_ids is None else eos_ids
+        size = vocab_size if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
+        return cls(backend, eos, size, **kwargs)
+
+    @staticmethod
+    def _load_backend(tokenizer: str | Path | _Backend) -> _Backend:
+        if isinstance(tokenizer, _Backend):
+            return tokenizer
+        path = Path(tokenizer)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            return _Backend.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"cannot load tokenizer {path}: {e}") from e
+
+    # ---- specs --------------------------------------------------------------------------------------------------
+
+    def json_object(self) -> str:
+        """Any JSON object (response_format {"type": "json_object"})."""
+        return self._compile(LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=self._json_options))
+
+    def json_schema(self, schema: Mapping[str, Any], strict: bool = False) -> str:
+        """JSON matching `schema` (response_format {"type": "json_schema"}); see the module doc for `strict`."""
+        schema = self._check_schema(schema, "schema")
+        try:
+            spec = LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), overrides={**self._json_options, "lenient": not strict}
+            )
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"invalid JSON schema: {e}") from e
+        return self._compile(spec, what="JSON schema")
+
+    def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool) -> str:
+        """The reply is one (or, if `parallel`, one or more "\\n"-separated) blocks of exactly
+        `<tool_call>\\n{"name": "<name>", "arguments": <JSON>}\\n</tool_call>`, the arguments matching that tool's
+        parameters schema. `choice` "required": any of `tools`; {"type": "function", "function": {"name": X}}: only X.
+        """
+        functions = self._functions(tools)
+        if choice == "required":
+            chosen = list(functions)
+        elif isinstance(choice, Mapping):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise GrammarError('tool_choice must be "required" or {"type": "function", "function": {"name": ...}}')
+            if name not in functions:
+                raise GrammarError(f"tool_choice names function {name!r}, which is not among the tools")
+            chosen = [name]
+        else:
+            raise GrammarError(f"tool_choice {choice!r} needs no grammar: only \"required\" or a named function does")
+
+        rules = []
+        for i, name in enumerate(chosen):
+            params, strict = functions[name]
+            params = {**params, "x-guidance": {**self._json_options, "lenient": not strict}}
+            prefix = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+            rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
+        lark = "\n".join(
+            [
+                'start: call ("\\n" call)*' if parallel else "start: call",
+                f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({" | ".join(f"fn_{i}" for i in range(len(chosen)))}) '
+                f'"\\n" {self._tag[TOOL_CALL_CLOSE]}',
+                *rules,
+            ]
+        )
+        return self._compile(LLMatcher.grammar_from_lark(lark), what="tool parameters schema")
+
+    def _functions(self, tools: Sequence[Mapping[str, Any]]) -> dict[str, tuple[dict, bool]]:
+        """name -> (parameters schema, strict) for OpenAI-style tools, validated for shape."""
+        if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or not tools:
+            raise GrammarError("tools must be a non-empty list")
+        out: dict[str, tuple[dict, bool]] = {}
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, Mapping) else None
+            if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+                raise GrammarError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+            name = fn.get("name")
+            if not isinstance(name, str) or not name:
+                raise GrammarError(f"tools[{i}].function.name must be a non-empty string")
+            params = fn.get("parameters")
+            params = {"type": "object"} if params is None or params == {} else params
+            out[name] = (self._check_schema(params, f"tools[{i}].function.parameters"), bool(fn.get("strict")))
+        return out
+
+    @staticmethod
+    def _check_schema(schema: Any, where: str) -> dict:
+        if schema is True:
+            return {}
+        if schema is False:
+            raise GrammarError(f"{where} is false: no output can match it")
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"{where} must be a JSON object")
+        try:
+            return _closed_objects(json.loads(json.dumps(schema)))
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"{where} is not valid JSON: {e}") from e
+
+    # ---- compile, cache, match ----------------------------------------------------------------------------------
+
+    def _compile(self, spec: str, what: str = "grammar") -> str:
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return spec
+        matcher = LLMatcher(self.ll_tokenizer, spec, log_level=0)  # releases the GIL while compiling
+        if matcher.is_error():
+            raise GrammarError(f"invalid or unsupported {what}: {_short(matcher.get_error())}")
+        for warning in matcher.get_grammar_warnings():
+            log.warning("grammar warning: %s", warning)
+        with self._lock:
+            self._cache[spec] = matcher
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return spec
+
+    def new_matcher(self, spec: str) -> GrammarState:
+        """A fresh state at the start of `spec` (compiled now if it fell out of the cache)."""
+        with self._lock:
+            template = self._cache.get(spec)
+            if template is not None:
+                self._cache.move_to_end(spec)
+                return GrammarState(template.deep_copy(), self.vocab_size)
+        self._compile(spec)
+        with self._lock:
+            template = self._cache[spec]
+            return GrammarState(template.deep_copy(), self.vocab_size)
+
+    def allocate_masks(self, batch: int) -> np.ndarray:
+        """A [batch, n_words] int32 buffer, all tokens allowed (rows of unconstrained requests can stay so)."""
+        return np.full((batch, self.n_words), -1, dtype=np.int32)
+
+    def fill_masks(self, states: Sequence[tuple[GrammarState, int]], out: np.ndarray) -> None:
+        """Fill row `row` of `out` ([batch, n_words] int32) for each (state, row), on llguidance's thread pool."""
+        if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.n_words or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"mask buffer must be a contiguous int32 [batch, {self.n_words}] array")
+        if any(not 0 <= row < out.shape[0] for _, row in states):
+            raise ValueError("mask row out of range")
+        if len(states) == 1:
+            state, row = states[0]
+            state.fill_mask(out[row])
+            return
+        if self._executor is None:
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(
+            [(s.matcher, row) for s, row in states], out.ctypes.data, self.n_words * 4, out.shape[0]
+        )
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def _closed_objects(node: Any) -> Any:
+    """Objects that do not say otherwise get `additionalProperties: false` (recursively), as xgrammar's strict mode
+    and OpenAI's strict structured outputs do. JSON Schema's default (any extra key) lets a model write keys forever
+    and never helps a client: it asked for the properties it listed. An explicit `additionalProperties` is kept."""
+    if isinstance(node, list):
+        return [_closed_objects(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(x) for x in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed_objects(out[key])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out

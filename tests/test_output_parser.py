@@ -1,0 +1,185 @@
+"""OutputParser: streamed deltas, under any chunking, assemble to exactly the non-streamed parse."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from gateway.output_parser import Delta, OutputParser, ParsedOutput, ToolCall, assemble, parse_complete
+
+TOOLS = {"get_weather", "search"}
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+NESTED_ARGS = (
+    r'{"q": {"a": [1, {"b": "}{]["}, [], {}], "s": "say \"hi\" {"}, "t": "</tool_call>", '
+    r'"u": "back\\slash\\", "v": "<tool_call>", "w": null}'
+)
+CALL_W = call("get_weather", '{"city": "Paris"}')
+CALL_S = call("search", '{"query": "weather [paris]", "top_k": 3}')
+W = ToolCall("call_0", "get_weather", '{"city": "Paris"}')
+S0 = ToolCall("call_0", "search", '{"query": "weather [paris]", "top_k": 3}')
+S1 = ToolCall("call_1", "search", '{"query": "weather [paris]", "top_k": 3}')
+
+# (id, text, reasoning mode, tool names, expected result)
+CASES = [
+    ("plain", "Hello, world!\nBye <tool_call", "off", None, ParsedOutput(None, "Hello, world!\nBye <tool_call", [])),
+    ("plain_tools_on", "Hello, world!\n", "off", TOOLS, ParsedOutput(None, "Hello, world!\n", [])),
+    ("empty", "", "auto", TOOLS, ParsedOutput(None, None, [])),
+    ("auto_think", "<think>\nLet me think.\n\n</think>\n\nThe answer is 4.", "auto", None,
+     ParsedOutput("Let me think.", "The answer is 4.", [])),
+    ("auto_think_leading_ws", "\n <think>a < b </thin\n</think>c", "auto", None, ParsedOutput("a < b </thin", "c", [])),
+    ("auto_no_think", "  Just <thin an answer.", "auto", None, ParsedOutput(None, "  Just <thin an answer.", [])),
+    ("inside", "I should add.\n</think>\n\n4", "inside", None, ParsedOutput("I should add.", "4", [])),
+    ("inside_empty_reasoning", "\n</think>\n\n4", "inside", TOOLS, ParsedOutput(None, "4", [])),
+    ("off_think_is_content", "<think>x</think>\ny", "off", None, ParsedOutput(None, "<think>x</think>\ny", [])),
+    ("one_call", CALL_W, "off", TOOLS, ParsedOutput(None, None, [W])),
+    ("two_calls", CALL_W + "\n" + CALL_S + "\n", "off", TOOLS,
+     ParsedOutput(None, None, [W, S1])),
+    ("content_then_call", "Let me check.\n\n" + CALL_S, "off", TOOLS, ParsedOutput(None, "Let me check.", [S0])),
+    ("think_content_call", "<think>\nmaybe " + CALL_W + "\n</think>\n\nChecking. " + CALL_S, "auto", TOOLS,
+     ParsedOutput("maybe " + CALL_W, "Checking.", [S0])),
+    ("content_between_calls", "A\n" + CALL_W + "\nB\n" + CALL_S + "\n\n", "off", TOOLS,
+     ParsedOutput(None, "A\nB", [W, S1])),
+    ("content_after_call_only", CALL_W + "\n\nDone.\n", "off", TOOLS, ParsedOutput(None, "Done.\n", [W])),
+    ("nested", call("search", NESTED_ARGS), "off", TOOLS,
+     ParsedOutput(None, None, [ToolCall("call_0", "search", NESTED_ARGS)])),
+    ("odd_whitespace", '<tool_call>{ "name" :"search" ,\n\t"arguments":{ }  }</tool_call>x', "off", TOOLS,
+     ParsedOutput(None, "x", [ToolCall("call_0", "search", "{ }")])),
+    ("bad_json_header", 'Hi\n<tool_call>\n{"name": get_weather}\n</tool_call>\n' + CALL_S, "off", TOOLS,
+     ParsedOutput(None, 'Hi\n<tool_call>\n{"name": get_weather}\n</tool_call>', [S0])),
+    ("unknown_name", call("delete_all", "{}"), "off", TOOLS, ParsedOutput(None, call("delete_all", "{}"), [])),
+    ("args_not_object", call("search", '"q"'), "off", TOOLS, ParsedOutput(None, call("search", '"q"'), [])),
+    ("args_first", '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>', "off", TOOLS,
+     ParsedOutput(None, '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>', [])),
+    ("unterminated_header", 'Ok.\n<tool_call>\n{"name": "get_wea', "off", TOOLS,
+     ParsedOutput(None, 'Ok.\n<tool_call>\n{"name": "get_wea', [])),
+    ("malformed_unclosed", '<tool_call>\n{"nom": 1} <tool_call> x\n', "off", TOOLS,
+     ParsedOutput(None, '<tool_call>\n{"nom": 1} <tool_call> x\n', [])),
+    # documented: once the header is accepted the call is committed, even if its arguments never close
+    ("unterminated_args", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "off", TOOLS,
+     ParsedOutput(None, None, [ToolCall("call_0", "get_weather", '{"city": "Par')])),
+    ("args_broken_by_end_marker", '<tool_call>\n{"name": "search", "arguments": {"a": 1\n</tool_call>\nmore', "off",
+     TOOLS, ParsedOutput(None, "more", [ToolCall("call_0", "search", '{"a": 1\n')])),
+    ("no_end_marker", '<tool_call>\n{"name": "search", "arguments": {"a": 1}}\nThen text', "off", TOOLS,
+     ParsedOutput(None, "Then text", [ToolCall("call_0", "search", '{"a": 1}')])),
+    ("tools_disabled", "Hi " + CALL_W, "off", None, ParsedOutput(None, "Hi " + CALL_W, [])),
+    ("unterminated_reasoning", "<think>\nstill thinking " + CALL_W + "\n", "auto", TOOLS,
+     ParsedOutput("still thinking " + CALL_W + "\n", None, [])),
+    ("unterminated_inside", "thinking <tool_call> </thi", "inside", TOOLS,
+     ParsedOutput("thinking <tool_call> </thi", None, [])),
+]
+
+
+def chunkings(text: str) -> list[tuple[str, list[str]]]:
+    out = [("whole", [text]), ("chars", list(text))]
+    for seed in range(6):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12)))) if len(text) > 1 else []
+        bounds = [0, *cuts, len(text)]
+        out.append((f"seed{seed}", [text[a:b] for a, b in zip(bounds, bounds[1:])]))
+    return out
+
+
+def stream(text: str, reasoning: str, tools: set[str] | None, pieces: list[str]) -> list[list[Delta]]:
+    parser = OutputParser(reasoning, tools, id_factory=ids())
+    batches = [parser.feed(p) for p in pieces]
+    batches.append(parser.finish())
+    return batches
+
+
+@pytest.mark.parametrize("case_id,text,reasoning,tools,expected", CASES, ids=[c[0] for c in CASES])
+def test_stream_matches_complete(case_id, text, reasoning, tools, expected):
+    complete = parse_complete(text, reasoning, tools, id_factory=ids())
+    assert complete == expected
+    for name, pieces in chunkings(text):
+        assert "".join(pieces) == text
+        deltas = [d for batch in stream(text, reasoning, tools, pieces) for d in batch]
+        assert assemble(deltas) == complete, name
+        seen: set[int] = set()
+        for d in deltas:
+            if d.tool_index is None:
+                assert (d.content or d.reasoning), (name, d)      # no empty text deltas
+            elif d.tool_index not in seen:
+                seen.add(d.tool_index)
+                assert d.tool_id and d.name and d.arguments == "", (name, d)
+            else:
+                assert d.tool_id is None and d.name is None and d.arguments, (name, d)
+
+
+def test_nested_args_are_valid_json():
+    assert json.loads(NESTED_ARGS)["u"] == "back\\slash\\"
+
+
+def test_arguments_stream_before_call_closes():
+    parser = OutputParser("off", TOOLS, id_factory=ids())
+    assert parser.feed("Hello <tool") == [Delta(content="Hello")]
+    assert parser.feed('_call>\n{"name": "get_weather"') == []            # header still buffered
+    assert parser.feed(', "arguments": ') == []
+    assert parser.feed('{"city": "Pa') == [
+        Delta(tool_index=0, tool_id="call_0", name="get_weather", arguments=""),
+        Delta(tool_index=0, arguments='{"city": "Pa'),
+    ]
+    assert parser.feed('ris"}') == [Delta(tool_index=0, arguments='ris"}')]
+    assert parser.feed("}\n</tool_call>") == []
+    assert parser.finish() == []
+
+
+def test_malformed_header_decided_before_first_delta():
+    parser = OutputParser("off", TOOLS, id_factory=ids())
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "argu') == []
+    assert parser.feed('ments":  ') == []
+    out = parser.feed('"Paris"}\n</tool_call>')
+    assert out == [Delta(content='<tool_call>\n{"name": "get_weather", "arguments":  "Paris"}\n</tool_call>')]
+    assert parser.finish() == []
+
+
+def test_reasoning_streams_and_holds_marker_prefix():
+    parser = OutputParser("auto", None)
+    assert parser.feed("<thi") == []
+    assert parser.feed("nk>\nstep one") == [Delta(reasoning="step one")]
+    assert parser.feed("\n</th") == []
+    assert parser.feed("ink>\n\nAnswer") == [Delta(content="Answer")]
+    assert parser.finish() == []
+
+
+def test_random_ids_by_default():
+    out = parse_complete(CALL_W, "off", TOOLS)
+    (tool,) = out.tool_calls
+    assert tool.id.startswith("call_") and len(tool.id) == 5 + 24
+    int(tool.id[5:], 16)
+
+
+def test_feed_after_finish_raises():
+    parser = OutputParser("off", None)
+    parser.finish()
+    with pytest.raises(RuntimeError):
+        parser.feed("x")
+
+
+FRAGMENTS = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "x", "<", "{", "}", "[", "]", '"', "\\", ",",
+    '{"name": "search", "arguments": ', '{"name": "nope", "arguments": ', '{"a": "}"}', "</thi", "<tool_",
+]
+
+
+@pytest.mark.parametrize("reasoning", ["off", "auto", "inside"])
+def test_fuzz_chunking_invariance(reasoning):
+    rng = random.Random(1234)
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 14)))
+        complete = parse_complete(text, reasoning, TOOLS, id_factory=ids())
+        for name, pieces in chunkings(text)[1:4]:
+            deltas = [d for batch in stream(text, reasoning, TOOLS, pieces) for d in batch]
+            assert assemble(deltas) == complete, (text, name)
