@@ -53,10 +53,33 @@ class QSAIndexer(nn.Module):
         pooled = raw_keys.float().mean(dim=1).to(raw_keys.dtype)
         return apply_rotary(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0]
 
+    def block_scores(self, q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """[q_len, blocks] fp32: sum over indexer heads of ReLU(q . pooled key) / sqrt(d)."""
+        return torch.relu(torch.einsum("qhd,bd->qbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.head_dim)
+
+    def distill_loss(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor,
+                     attn_probs: torch.Tensor) -> torch.Tensor:
+        """KL(dense attention's mass per complete block || softmax of the indexer's block scores), averaged over
+        queries that see at least two complete blocks (sparse-attention models train their indexer this way before
+        it selects). attn_probs [heads, q_len, ctx] is detached: the indexer learns from attention, not vice versa."""
+        r = self.ratio
+        nb = pooled.shape[0]
+        complete = (positions + 1) // r
+        mass = attn_probs.detach().float().mean(0)[:, : nb * r].unflatten(-1, (nb, r)).sum(-1)   # [q, nb]
+        valid = torch.arange(nb, device=q.device)[None, :] < complete[:, None]
+        rows = complete >= 2
+        if not bool(rows.any()):
+            return q.new_zeros((), dtype=torch.float32)
+        mass = mass.masked_fill(~valid, 0.0)[rows]
+        target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-9)
+        logp = torch.log_softmax(self.block_scores(q[rows], pooled).masked_fill(~valid[rows], float("-inf")), -1)
+        kl = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-12)) - logp), 0.0)
+        return kl.sum(-1).mean()
+
     def select(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor, ctx: int) -> torch.Tensor:
         """Visibility mask [q_len, ctx]: selected complete blocks plus the tail, causal."""
         r = self.ratio
-        scores = torch.relu(torch.einsum("qhd,bd->qbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.head_dim)
+        scores = self.block_scores(q, pooled)
         complete = (positions + 1) // r                                   # complete blocks visible per query
         block_ids = torch.arange(pooled.shape[0], device=q.device)
         valid = block_ids[None, :] < complete[:, None]
@@ -73,6 +96,10 @@ class GatedAttention(nn.Module):
     """Attention whose q_proj also produces a per-feature output gate; q/k are RMS-normalised per head."""
 
     kernels: KernelFlags = NONE
+    # Training (tools/train_demo.py): `aux` collects ("indexer_kl", loss) per sequence when set to a list;
+    # `qsa_dense` attends to every causal position (the indexer's warm-up phase) instead of the QSA selection.
+    aux: list | None = None
+    qsa_dense: bool = False
 
     def __init__(self, cfg: HybridMoeConfig, use_qsa: bool, rotary: Rotary) -> None:
         super().__init__()
@@ -150,9 +177,16 @@ class GatedAttention(nn.Module):
             rows = batch.context_rows(i, ctx)
             pos = batch.positions[s:e]
             visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]
+            pooled = None
             if self.indexer is not None:
                 pooled = self._update_pooled(cache, rows, batch.context_lens[i], ctx, x.device, x.dtype)
-                visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
+                if not self.qsa_dense:
+                    visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
+            if self.aux is not None and pooled is not None:
+                o, probs = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible, with_probs=True)
+                self.aux.append(("indexer_kl", self.indexer.distill_loss(iq[s:e], pooled, pos, probs)))
+                out[s:e] = o
+                continue
             out[s:e] = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
@@ -207,11 +241,13 @@ class GatedAttention(nn.Module):
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
         return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                with_probs: bool = False):
         rep = self.n_heads // self.kv_heads
         k = k.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)   # [H, ctx, d]
         v = v.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)
         scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * self.scale
         scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).transpose(0, 1)
+        out = torch.matmul(probs, v).transpose(0, 1)
+        return (out, probs) if with_probs else out

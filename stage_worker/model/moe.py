@@ -30,10 +30,22 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
+def balance_loss(logits: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer load balancing, as transformers' Qwen MoE models compute it: E * sum_e f_e * P_e, with f_e
+    the share of the batch's (token, slot) selections that went to expert e and P_e the mean router probability of e.
+    1.0 when routing is uniform; it pushes against a router that collapses onto a few experts."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    counts = torch.zeros(num_experts, device=logits.device).index_add_(
+        0, ids.reshape(-1).long(), torch.ones(ids.numel(), device=logits.device))
+    return num_experts * (counts / ids.numel() * probs.mean(0)).sum()
+
+
 class SparseMoE(nn.Module):
     """Experts are stored fused per layer: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
 
     kernels: KernelFlags = NONE
+    # Training (tools/train_demo.py): when set to a list, each call appends ("moe_balance", loss).
+    aux: list | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool) -> None:
@@ -59,8 +71,11 @@ class SparseMoE(nn.Module):
             out, self.last_expert_ids = moe_forward(x, self.gate.weight, self.w13, self.w2, self.top_k,
                                                     self.renormalise)
             return self._add_shared(x, out)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        logits = self.gate(x)
+        weights, ids = route(logits, self.top_k, self.renormalise)
         self.last_expert_ids = ids
+        if self.aux is not None and x.shape[0]:
+            self.aux.append(("moe_balance", balance_loss(logits, ids, self.num_experts)))
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
