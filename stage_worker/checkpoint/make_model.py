@@ -66,6 +66,19 @@ PRESETS: dict[str, dict] = {
         output_gate_type="sigmoid", mtp_num_hidden_layers=1, dtype="bfloat16",
     ),
 }
+# The built-in demo model (issue 6, tools/train_demo.py): every extension on, 32 experts top-4, an MTP head, and
+# small enough to keep in the repository (13.3 M parameters + a 1.2 M-row-element PLE table: 28.9 MB in bf16).
+PRESETS["demo"] = dict(
+    vocab_size=4096, hidden_size=192, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=48, partial_rotary_factor=0.25, max_position_embeddings=8192,
+    layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=48, linear_value_head_dim=48,
+    num_experts=32, num_experts_per_tok=4, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+    hc_count=4, hc_lowrank=24, ple_layer_ids=[2], ple_embed_dim=192, ngram_size=3, heads_per_ngram=4,
+    ngram_vocab_size_base=6000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4,
+    indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=48, indexer_budget=128, indexer_compress_ratio=4,
+    output_gate_type="sigmoid", mtp_num_hidden_layers=1, dtype="bfloat16",
+)
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
@@ -126,7 +139,29 @@ def _planned_tensors(cfg: Qwen4ExpConfig, seed: int) -> list[tuple[str, tuple[in
     return plan
 
 
-def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int) -> None:
+def export_checkpoint(cfg: Qwen4ExpConfig, out: Path, state: dict[str, torch.Tensor],
+                      ple_tables: dict[int, torch.Tensor], tokenizer_dir: Path) -> Path:
+    """Write trained weights in the layout `make_model` writes (and transformers reads): `state` is a StageModel's
+    state dict (MTP included), `ple_tables` the full PLE table [padded_rows, head_dim] per PLE layer index, the
+    tokenizer files are copied from `tokenizer_dir`. Tensors are stored in the config's dtype."""
+    import shutil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, out / name)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    gen = {"eos_token_id": eos, "pad_token_id": cfg.pad_token_id, "bos_token_id": None, **GENERATION_DEFAULTS}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    _write_weights(cfg, out, 0, source=(state, {k: v.detach().cpu() for k, v in ple_tables.items()},
+                                        cfg.split_ngram_parts))
+    return out
+
+
+def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int, source=None) -> None:
     plan = _planned_tensors(cfg, seed)
     files: list[list] = [[]]
     size = 0
@@ -144,7 +179,8 @@ def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int) -> None:
     for fname, items in zip(names, files):
         tensors = {}
         for name, shape, dtype, producer in items:
-            tensors[name] = _produce(name, shape, dtype, producer, seed, cache)
+            tensors[name] = _produce(name, shape, dtype, producer, seed, cache) if source is None else \
+                _from_source(name, shape, dtype, producer, source)
             weight_map[name] = fname
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors
@@ -152,6 +188,25 @@ def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int) -> None:
         total = sum(item[2].itemsize * int(torch.tensor(item[1]).prod().item()) for item in plan)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _from_source(name: str, shape: tuple, dtype: torch.dtype, producer, source) -> torch.Tensor:
+    """A planned on-disk tensor taken from trained weights instead of generated."""
+    state, ple_tables, parts = source
+    if isinstance(producer, torch.Tensor):
+        return producer
+    if producer is None:                       # a PLE shard: its rows of that layer's table, in shard order
+        layer = int(name.split(".")[2])
+        k = int(name.rsplit("shard_", 1)[1].split(".")[0])
+        counts = shard_row_counts(ple_tables[layer].shape[0], parts)
+        start = sum(counts[:k])
+        return ple_tables[layer][start:start + counts[k]].to(dtype).contiguous().clone()
+    local, _, index = producer
+    full = state[local]
+    t = full[index] if index else full
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: trained tensor {local} has shape {tuple(t.shape)}, the layout wants {shape}")
+    return t.to(dtype).contiguous().clone()
 
 
 def _produce(name: str, shape: tuple, dtype: torch.dtype, producer, seed: int,

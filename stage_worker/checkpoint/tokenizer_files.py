@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -323,7 +323,8 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tokenizer_files(out_dir: Path, *, vocab_size: int, model_max_length: int) -> SpecialTokens:
+def write_tokenizer_files(out_dir: Path, *, vocab_size: int, model_max_length: int,
+                          texts: Iterable[str] | None = None) -> SpecialTokens:
     """Train the tokenizer and write `tokenizer.json` and `tokenizer_config.json` into `out_dir`.
 
     `vocab_size` is the model's embedding row count: the tokenizer (BPE vocabulary plus added tokens) never exceeds
@@ -344,7 +345,7 @@ def write_tokenizer_files(out_dir: Path, *, vocab_size: int, model_max_length: i
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(corpus_texts(), trainer=trainer)
+    tok.train_from_iterator(corpus_texts() if texts is None else texts, trainer=trainer)
     # Added after training, so (as in Qwen) they sit right after the BPE vocabulary and are not part of the model.
     tok.add_tokens(
         [

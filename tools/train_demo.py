@@ -1,0 +1,327 @@
+"""Train the built-in demo model: a small Qwen4-Exp with every extension on, on the offline corpus (issue 6).
+
+    python tools/build_corpus.py                                   # once, on a machine with the source texts
+    python tools/train_demo.py --corpus .corpus --out runs/demo --minutes 9.5       # resumes if runs/demo exists
+    python tools/train_demo.py --corpus .corpus --out runs/demo --eval --export shared/demo_model
+
+The model is the project's own `StageModel` in a training mode of the same modules (no second model): the
+reference (PyTorch) paths run with autograd, flash-linear-attention's chunked Gated DeltaNet kernel on a GPU, and
+the modules' training hooks add
+* a load-balancing loss per MoE layer (`SparseMoE.aux`), so the router spreads its choices without collapsing;
+* the QSA indexer's distillation toward dense attention (`GatedAttention.aux`): for the first `--distill-steps`
+  steps every query attends densely (`qsa_dense`) while the indexer learns which blocks attention uses, then the
+  model trains with the indexer's sparse selection (and the indexer keeps distilling);
+* the MTP head's loss on token t+2.
+The PLE n-gram table is trained as an embedding of its hashed rows.
+
+Reproducible: the batch of step s depends only on (seed, s), the initialisation only on the seed, so a rerun gives
+the same losses (bit-identical on the CPU; within GPU reduction-order noise on CUDA) and a resumed run continues
+exactly where the checkpoint left off. Every run stops itself after `--minutes`, saving a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shared.model_config import config_from_dict  # noqa: E402
+from stage_worker.checkpoint.make_model import export_checkpoint, preset_config  # noqa: E402
+from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files  # noqa: E402
+from stage_worker.kernels.flags import KernelFlags  # noqa: E402
+from stage_worker.model.attention import GatedAttention  # noqa: E402
+from stage_worker.model.batch import StepBatch  # noqa: E402
+from stage_worker.model.cache import CacheSpec  # noqa: E402
+from stage_worker.model.model import StageModel  # noqa: E402
+from stage_worker.model.moe import SparseMoE  # noqa: E402
+
+LOSS_WEIGHTS = {"moe_balance": 0.01, "indexer_kl": 0.1, "mtp": 0.3}
+TOKENIZER_TEXT_MB = 24          # training text the BPE sees (mixed over kinds)
+
+
+class TrainableTable(nn.Module):
+    """The PLE n-gram table as a trainable embedding: `gather(rows)` is what `PLEBranch` calls on any table."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return F.embedding(rows.to(self.weight.device), self.weight)
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+
+def load_documents(corpus: Path) -> list[tuple[str, str, str, bool]]:
+    from build_corpus import iter_documents   # tools/ is on sys.path when run as a script
+
+    return list(iter_documents(corpus))
+
+
+def build_tokenizer(out: Path, docs, vocab_size: int, max_len: int):
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        budget = TOKENIZER_TEXT_MB << 20
+        kinds = sorted({k for k, _, _, _ in docs})
+        per_kind = budget // len(kinds)
+
+        def texts():
+            for kind in kinds:
+                left = per_kind
+                for k, _, text, held in docs:
+                    if k == kind and not held and left > 0:
+                        left -= len(text.encode("utf-8"))
+                        yield text
+        write_tokenizer_files(tok_dir, vocab_size=vocab_size, model_max_length=max_len, texts=texts())
+    from gateway.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tok_dir), tok_dir
+
+
+def tokenize(out: Path, tok, docs, eos: int) -> dict[str, dict[str, np.ndarray]]:
+    """{split: {kind: int32 token stream}} (documents joined by EOS), cached in out/tokens.npz."""
+    cache = out / "tokens.npz"
+    if cache.exists():
+        data = np.load(cache)
+        streams: dict[str, dict[str, np.ndarray]] = {"train": {}, "heldout": {}}
+        for key in data.files:
+            split, kind = key.split(":", 1)
+            streams[split][kind] = data[key]
+        return streams
+    streams = {"train": {}, "heldout": {}}
+    for kind in sorted({k for k, _, _, _ in docs}):
+        for split, held in (("train", False), ("heldout", True)):
+            ids: list[int] = []
+            for k, _, text, h in docs:
+                if k == kind and h == held:
+                    ids.extend(tok.encode(text))
+                    ids.append(eos)
+            streams[split][kind] = np.asarray(ids, dtype=np.int32)
+    np.savez(cache, **{f"{s}:{k}": v for s, d in streams.items() for k, v in d.items()})
+    return streams
+
+
+def batch_for_step(streams: dict[str, np.ndarray], step: int, seed: int, batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq + 2] token windows, kinds equally likely: a function of (seed, step) only."""
+    rng = np.random.default_rng([seed, step])
+    kinds = sorted(streams)
+    rows = []
+    for _ in range(batch):
+        s = streams[kinds[rng.integers(len(kinds))]]
+        start = int(rng.integers(0, len(s) - seq - 2))
+        rows.append(s[start:start + seq + 2])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+
+def build_model(cfg, seed: int, device: str) -> StageModel:
+    torch.manual_seed(seed)
+    model = StageModel(cfg, with_mtp=True)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers) if name.endswith(("o_proj.weight", "out_proj.weight",
+                                                                                 "down_proj.weight", ".w2")) else 0.02
+            nn.init.normal_(p, 0.0, std)
+    for layer in model.layers.values():
+        if layer.ple is not None:
+            layer.ple.table = TrainableTable(layer.ple.spec.padded_rows, cfg.ple_head_dim)   # registered: trained
+    return model.to(device)
+
+
+def set_phase(model: StageModel, aux: list | None, dense: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.aux = aux
+        if isinstance(m, GatedAttention):
+            m.aux = aux if m.indexer is not None else None
+            m.qsa_dense = dense
+
+
+def forward_losses(model: StageModel, tokens: torch.Tensor, block_size: int = 16) -> dict[str, torch.Tensor]:
+    """Next-token CE, MTP CE (t+2) and the modules' auxiliary losses for a [B, L + 2] window batch."""
+    B, L = tokens.shape[0], tokens.shape[1] - 2
+    dev = next(model.parameters()).device
+    blocks = -(-L // block_size)
+    seqs = [(tokens[i, :L].tolist(), 0, i, list(range(i * blocks, (i + 1) * blocks))) for i in range(B)]
+    batch = StepBatch.build(seqs, block_size, dev, all_logits=True)
+    cache = model.new_cache(CacheSpec(num_blocks=B * blocks, block_size=block_size, num_slots=B,
+                                      dtype=torch.float32, device=dev))
+    aux: list = []
+    set_phase(model, aux, dense=getattr(model, "_dense_phase", False))
+    hidden = model(batch, cache)
+    final = model.final_hidden(hidden)
+    targets = tokens[:, 1:L + 1].reshape(-1).to(dev)
+    ce = F.cross_entropy(model.lm_head(final).float(), targets)
+    # MTP: from the final hidden state at t and the embedding of t+1, predict t+2.
+    mseqs = [(tokens[i, 1:L + 1].tolist(), 0, i, list(range(i * blocks, (i + 1) * blocks))) for i in range(B)]
+    mbatch = StepBatch.build(mseqs, block_size, dev, all_logits=True)
+    mtp_hidden = model.mtp(final, mbatch, cache)
+    mtp = F.cross_entropy(model.lm_head(mtp_hidden).float(), tokens[:, 2:L + 2].reshape(-1).to(dev))
+    set_phase(model, None, dense=False)
+    out = {"ce": ce, "mtp": mtp}
+    for kind in ("moe_balance", "indexer_kl"):
+        vals = [v for k, v in aux if k == kind]
+        out[kind] = torch.stack(vals).mean() if vals else ce.new_zeros(())
+    return out
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model: StageModel, streams: dict[str, dict[str, np.ndarray]], tok, seq: int,
+             max_tokens: int) -> dict[str, dict[str, float]]:
+    """Bits per byte on held-out text of each kind: the model, and a unigram over the training tokens (add-one
+    smoothed), both over the same predicted tokens and divided by the UTF-8 bytes those tokens decode to."""
+    model.eval()
+    out = {}
+    for kind, held in sorted(streams["heldout"].items()):
+        held = held[: max_tokens + 2]
+        counts = np.bincount(streams["train"][kind], minlength=model.cfg.vocab_size).astype(np.float64) + 1.0
+        logp_uni = np.log2(counts / counts.sum())
+        bits = 0.0
+        n_tokens = 0
+        for start in range(0, len(held) - seq - 2, seq):
+            window = torch.from_numpy(held[start:start + seq + 2].astype(np.int64))[None]
+            losses = forward_losses(model, window)
+            bits += losses["ce"].item() * seq / math.log(2)
+            n_tokens += seq
+        if n_tokens == 0:
+            continue
+        predicted = held[1:n_tokens + 1]
+        uni_bits = -logp_uni[predicted].sum()
+        bytes_covered = len(tok.decode([int(i) for i in predicted], False).encode("utf-8"))
+        out[kind] = {"tokens": n_tokens, "bytes": bytes_covered, "model_bpb": bits / bytes_covered,
+                     "unigram_bpb": uni_bits / bytes_covered}
+        out[kind]["ratio"] = out[kind]["model_bpb"] / out[kind]["unigram_bpb"]
+    model.train()
+    return out
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", default=".corpus")
+    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--total-steps", type=int, default=4000, help="length of the LR schedule")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after this step (tests, reruns)")
+    ap.add_argument("--distill-steps", type=int, default=300, help="dense-attention steps that warm up the indexer")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--minutes", type=float, default=9.5, help="stop and save after this long (a run fits 10 min)")
+    ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--eval", action="store_true", help="bits per byte on held-out text, per kind")
+    ap.add_argument("--eval-tokens", type=int, default=65536)
+    ap.add_argument("--export", default=None, help="write the trained checkpoint (make-model layout) here")
+    args = ap.parse_args()
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = load_documents(Path(args.corpus))
+    raw = preset_config(args.preset)
+    tok, tok_dir = build_tokenizer(out, docs, raw["vocab_size"], raw["max_position_embeddings"])
+    special = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    ids = {v["content"]: int(k) for k, v in special.get("added_tokens_decoder", {}).items()}
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    raw.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None, dtype="float32")
+    cfg = config_from_dict(raw)
+    streams = tokenize(out, tok, docs, pad)
+    recipe = {kind: {"train_tokens": int(len(streams["train"][kind])), "heldout_tokens": int(len(s))}
+              for kind, s in streams["heldout"].items()}
+    (out / "tokens.json").write_text(json.dumps(recipe, indent=2) + "\n")
+
+    model = build_model(cfg, args.seed, args.device)
+    model.set_kernels(KernelFlags.parse("deltanet" if args.device.startswith("cuda") else "none"))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    ckpt = out / "checkpoint.pt"
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=args.device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        print(f"resumed at step {step}")
+
+    def save() -> None:
+        tmp = out / "checkpoint.pt.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "args": vars(args)},
+                   tmp)
+        tmp.replace(ckpt)
+
+    log = (out / "log.jsonl").open("a")
+    stop_at = args.max_steps if args.max_steps is not None else args.total_steps
+    model.train()
+    while step < stop_at and not args.eval and args.export is None:
+        if time.time() - t_start > args.minutes * 60:
+            print(f"time limit: stopping at step {step}")
+            break
+        t0 = time.time()
+        model._dense_phase = step < args.distill_steps
+        lr = lr_at(step, args.total_steps, args.lr, args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = batch_for_step(streams["train"], step, args.seed, args.batch, args.seq)
+        losses = forward_losses(model, tokens)
+        total = losses["ce"] + sum(LOSS_WEIGHTS[k] * losses[k] for k in LOSS_WEIGHTS)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        rec = {"step": step, "loss": total.item(), **{k: v.item() for k, v in losses.items()}, "lr": lr,
+               "grad_norm": float(gnorm), "dense": model._dense_phase, "seconds": time.time() - t0}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if step % 20 == 0 or step == 1:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()),
+                  flush=True)
+        if step % args.save_every == 0:
+            save()
+    if not args.eval and args.export is None:
+        save()
+    if args.eval:
+        res = evaluate(model, streams, tok, min(args.seq, 256), args.eval_tokens)
+        (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+        print(f"{'kind':>8} {'tokens':>8} {'model bpb':>10} {'unigram bpb':>12} {'ratio':>6}")
+        for kind, r in res.items():
+            print(f"{kind:>8} {r['tokens']:>8} {r['model_bpb']:>10.3f} {r['unigram_bpb']:>12.3f} {r['ratio']:>6.2f}")
+    if args.export:
+        tables = {int(k): l.ple.table.weight for k, l in model.layers.items() if l.ple is not None}
+        state = {k: v for k, v in model.state_dict().items() if ".ple.table." not in k}
+        export_cfg = config_from_dict(dict(raw, dtype="bfloat16"))
+        export_checkpoint(export_cfg, Path(args.export), state, tables, tok_dir)
+        print(f"exported to {args.export}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
