@@ -43,18 +43,50 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, seed: int
             "seconds": stamps[-1] - t0}
 
 
+def scrape(url: str) -> dict[tuple, float]:
+    """The gateway's /metrics as {(sample name, sorted labels): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
+    """Per stage: busy fraction (compute seconds / wall time of the measured runs); per link and step kind: mean
+    time activations spent between stages (moepipe_stage_transfer_seconds)."""
+    def delta(name: str, labels: tuple) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    busy = {dict(lab)["stage"]: delta(name, lab) / wall
+            for name, lab in after if name == "moepipe_stage_step_seconds_sum"}
+    transfer = {}
+    for name, lab in after:
+        if name == "moepipe_stage_transfer_seconds_sum":
+            n = delta("moepipe_stage_transfer_seconds_count", lab)
+            if n > 0:
+                d = dict(lab)
+                transfer[f"{d['link']} {d['step_kind']}"] = {"mean_ms": 1e3 * delta(name, lab) / n, "count": n}
+    return {"stage_busy_fraction": busy, "transfer": transfer}
+
+
 async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600)
     results = []
+    before, t_start = None, 0.0
     for run in range(runs + 1):                        # run 0 is the warm-up
+        if run == 1:
+            before, t_start = scrape(url), time.perf_counter()
         t0 = time.perf_counter()
         outs = await asyncio.gather(*[one_stream(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, 1000 + i)
                                       for i in range(streams)])
         wall = time.perf_counter() - t0
         if run:
             results.append((outs, wall))
+    stats = pipeline_stats(before, scrape(url), time.perf_counter() - t_start) if before is not None else {}
     itl = [x for outs, _ in results for o in outs for x in o["itl"]]
     ttft = [o["ttft"] for outs, _ in results for o in outs]
     per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
@@ -63,7 +95,7 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
             "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
             "itl_median_ms": 1e3 * statistics.median(itl) if itl else float("nan"),
             "itl_p90_ms": 1e3 * itl_sorted[int(0.9 * (len(itl_sorted) - 1))] if itl else float("nan"),
-            "tokens_per_s_mean": statistics.fmean(per_run_tps)}
+            "tokens_per_s_mean": statistics.fmean(per_run_tps), **stats}
 
 
 def main() -> int:
@@ -105,6 +137,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['streams']:>7} {r['ttft_median_s']:>10.3f} {r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} "
               f"{r['tokens_per_s_mean']:>8.1f}")
+    for r in rows:
+        busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
+        moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
+        print(f"  {r['streams']} streams: busy {busy or '-'}; activations between stages: {moves or '-'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -209,15 +209,22 @@ class ClusterBackend:
 
     # ---- statistics --------------------------------------------------------------------------------------------
     def _account_timing(self, msg: StepResult) -> None:
-        for stage, start, end in msg.timing:
+        timing = [(t[0], t[1], t[2]) for t in msg.timing]
+        for stage, start, end in timing:
             for step, other_stage, s2, e2 in self._recent:
                 if other_stage != stage and step != msg.step:
                     self.stage_overlap_seconds += max(0.0, min(end, e2) - max(start, s2))
-        for stage, start, end in msg.timing:
+        for stage, start, end in timing:
             self._recent.append((msg.step, int(stage), start, end))
         if self.metrics is not None:
-            for stage, start, end in msg.timing:
+            for stage, start, end in timing:
                 self.metrics.observe_stage_step(int(stage), end - start)
+            plan = self.scheduler.in_flight.get(msg.microbatch)
+            kind = "decode" if plan is not None and all(e.tokens is None for e in plan.entries) else "prefill"
+            for sender, receiver in zip(msg.timing, msg.timing[1:]):
+                if len(receiver) > 3:          # [stage, start, end, arrival]
+                    self.metrics.observe_transfer(f"{int(sender[0])}->{int(receiver[0])}", kind,
+                                                  receiver[3] - sender[2])
             self._push_gauges()
 
     def attach_metrics(self, metrics) -> None:

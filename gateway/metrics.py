@@ -28,6 +28,7 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
                40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 PLE_SERIES = {
@@ -83,6 +84,10 @@ class Metrics:
                                     buckets=STEP_BUCKETS, registry=r)
         self.stage_busy = Gauge("moepipe_stage_busy_fraction", "Fraction of recent wall time a stage computed",
                                 ["stage"], registry=r)
+        self.stage_transfer = Histogram(
+            "moepipe_stage_transfer_seconds", "A step's activations between stages: from the end of the sender's "
+            "compute to their arrival at the receiver (device-to-host copy, serialisation, ZeroMQ)",
+            ["link", "step_kind"], buckets=TRANSFER_BUCKETS, registry=r)
         self._ple = _PleCollector()
         r.register(self._ple)
         for reason in ("stop", "length"):
@@ -107,6 +112,9 @@ class Metrics:
 
     def observe_stage_step(self, stage: str | int, seconds: float) -> None:
         self.stage_step.labels(stage=str(stage)).observe(seconds)
+
+    def observe_transfer(self, link: str, step_kind: str, seconds: float) -> None:
+        self.stage_transfer.labels(link=link, step_kind=step_kind).observe(max(seconds, 0.0))
 
     def set_stage_busy(self, stage: str | int, fraction: float) -> None:
         self.stage_busy.labels(stage=str(stage)).set(min(max(fraction, 0.0), 1.0))

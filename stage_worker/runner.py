@@ -54,6 +54,7 @@ class StageRunner:
         self.cache = model.new_cache(spec)
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
+        self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
         self.requests: dict[str, _ReqState] = {}
@@ -85,6 +86,7 @@ class StageRunner:
             self._on_plan(msg)
         elif isinstance(msg, Activations):
             self.acts[msg.step] = msg
+            self.arrived[msg.step] = time.time()
         elif isinstance(msg, Sampled):
             for t in msg.tokens:
                 if t.token >= 0:
@@ -96,6 +98,7 @@ class StageRunner:
         for step in plan.dropped:
             self.plans.pop(step, None)
             self.acts.pop(step, None)
+            self.arrived.pop(step, None)
             self.ple.pop(step, None)
         for rid in plan.finished:
             self.requests.pop(rid, None)
@@ -164,6 +167,7 @@ class StageRunner:
         prepared = self.plans.pop(plan.step)
         batch = prepared.batch
         act = self.acts.pop(plan.step, None)
+        arrived = self.arrived.pop(plan.step, None)
         hidden = act.hidden.to(self.device) if act is not None else None
         timing = list(act.timing) if act is not None else []
         if self.ring is not None:
@@ -193,7 +197,8 @@ class StageRunner:
         self.last_step_seconds = time.perf_counter() - start
         self.busy_seconds += self.last_step_seconds
         self.steps += 1
-        timing.append([self.index, t0, time.time()])
+        # [stage, compute start, compute end, activations' arrival] (arrival = start on the first stage)
+        timing.append([self.index, t0, time.time(), arrived if arrived is not None else t0])
         if not self.is_last:
             out.append(Outgoing("next", Activations(step=plan.step, hidden=hidden, token_ids=batch.token_ids,
                                                     timing=timing)))

@@ -150,6 +150,11 @@ def test_concurrent_requests_get_their_solo_tokens_and_stages_overlap(cluster, t
     # Both stages computed at the same time (different micro-batches): the pipeline overlapped.
     assert _metric(cluster.url, "moepipe_stage_overlap_seconds") > before
     assert _metric(cluster.url, "moepipe_stage_busy_fraction") > 0
+    # Activations' time between the stages is measured for prefill chunks and for decode steps.
+    for kind in ("prefill", "decode"):
+        labels = f'{{link="0->1",step_kind="{kind}"}}'
+        n = _metric(cluster.url, "moepipe_stage_transfer_seconds_count" + labels)
+        assert n > 0 and 0 < _metric(cluster.url, "moepipe_stage_transfer_seconds_sum" + labels) / n < 5.0
 
 
 def test_disconnect_frees_blocks_and_slots(cluster, tiny):
