@@ -1,0 +1,354 @@
+"""Trace which experts a checkpoint routes each token to, per corpus kind, and summarise the skew (issue 6, item 3).
+
+    python tools/route_trace.py --corpus .corpus --out runs/routes                      # built-in model, CPU
+    python tools/route_trace.py --model shared/demo_model --device cuda --out runs/routes --tokens-per-kind 300000
+
+Text of each corpus kind (documents joined by the EOS token, as tools/train_demo.py joins them) is cut into windows
+of `--chunk` tokens; each window is PREFILLED as a fresh sequence (context 0), `--batch` windows per step. The
+experts chosen at a position depend only on the tokens up to it, so prefill of a text selects what decode of the
+same text would (tests/test_route_trace.py checks this against token-by-token decode). After each step every
+`SparseMoE`'s `last_expert_ids` ([tokens, k], rows in the step's token order) is read, in layer order.
+
+Output, in `--out DIR`:
+
+* `route_trace.npz` (numpy.savez_compressed):
+  - `ids:{kind}`: uint8 [tokens, moe_layers, k] (uint16 if num_experts > 256): the expert ids token t selected in
+    the l-th MoE layer (layer indices in meta's `moe_layers`), in the router's order (highest probability first);
+  - `tokens:{kind}`: int32 [tokens]: the token ids, in the same order; window w is rows [w * chunk, (w+1) * chunk);
+  - `meta`: a JSON string: format, model path, config summary (layers, moe_layers, num_experts, top_k, dtype),
+    kinds, tokens per kind, chunk, split, EOS id, corpus recipe sha256 (`raw_sha256` of corpus.json), command.
+* `route_usage.json`: `meta` (as above), `usage[kind][layer]` = selections per expert (list of num_experts ints,
+  equal to the bincount of `ids:{kind}[:, l, :]`), and `summary`:
+  - `layers[layer]`, over all kinds together: `least10_share` / `most10_share`, the share of all selections taken by
+    the least / most used 10% of experts (a fractional expert counts pro rata, so 0 <= least10 <= 0.1 <= most10
+    <= 1; uniform routing gives 0.1 and 0.1); `entropy_rel`, the usage entropy over log(num_experts) (1 = uniform,
+    0 = one expert); `jsd_bits[kindA|kindB]`, the Jensen-Shannon divergence in bits (in [0, 1]) between the two
+    kinds' per-expert usage distributions in that layer;
+  - `mean`: the same numbers averaged over layers; `jsd_bits` per pair of kinds averaged over layers;
+  - `per_kind[kind]`: least10 / most10 / entropy_rel of each kind alone, averaged over layers.
+  Expert offload relies on `most10_share` well above 0.1 (a hot set worth keeping resident) with no collapse
+  (`least10_share` not ~0, `entropy_rel` not tiny); `jsd_bits` says how much the hot set moves between kinds.
+
+The summary is also printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+from stage_worker.model.moe import SparseMoE  # noqa: E402
+
+FORMAT = "moepipe-route-trace/1"
+TRACE_FILE = "route_trace.npz"
+USAGE_FILE = "route_usage.json"
+
+
+# ---- text -> token windows ----------------------------------------------------------------------------------
+
+def kind_streams(corpus: str | Path, tok, eos: int, tokens_per_kind: int, split: str = "all") -> dict[str, np.ndarray]:
+    """{kind: int32 token stream} of at most tokens_per_kind tokens, documents in corpus order joined by EOS.
+    split: "all" documents, only "heldout" ones, or only "train" (not held out) ones."""
+    from build_corpus import iter_documents   # tools/ is on sys.path
+
+    if split not in ("all", "heldout", "train"):
+        raise ValueError(f"split must be all, heldout or train, not {split!r}")
+    streams: dict[str, list[int]] = {}
+    for kind, _path, text, held in iter_documents(corpus):
+        ids = streams.setdefault(kind, [])
+        if len(ids) >= tokens_per_kind or (split == "heldout" and not held) or (split == "train" and held):
+            continue
+        ids.extend(tok.encode(text))
+        ids.append(eos)
+    return {k: np.asarray(v[:tokens_per_kind], dtype=np.int32) for k, v in streams.items() if v}
+
+
+def windows(stream: np.ndarray, chunk: int) -> list[list[int]]:
+    return [stream[i:i + chunk].tolist() for i in range(0, len(stream), chunk)]
+
+
+# ---- routing ------------------------------------------------------------------------------------------------
+
+def moe_layers(model) -> list[tuple[int, SparseMoE]]:
+    """(global layer index, SparseMoE) of every MoE layer of the model, in layer order."""
+    out = [(int(i), layer.mlp) for i, layer in model.layers.items() if isinstance(layer.mlp, SparseMoE)]
+    if not out:
+        raise ValueError("the model has no SparseMoE layers to trace")
+    return sorted(out, key=lambda t: t[0])
+
+
+def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
+    """[n_tokens, layers, k] of what each MoE layer selected in the last step."""
+    rows = []
+    for i, m in moes:
+        ids = m.last_expert_ids
+        if ids is None or ids.shape[0] != n_tokens:
+            raise RuntimeError(f"layer {i}: last_expert_ids has {None if ids is None else tuple(ids.shape)} rows, "
+                               f"the step fed {n_tokens} tokens")
+        rows.append(ids.reshape(n_tokens, -1))
+    return torch.stack(rows, dim=1)
+
+
+def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None,
+                  on_step=None) -> np.ndarray:
+    """Prefill every window as a fresh sequence, `batch` windows per step; returns int64 [sum(len), layers, k] in
+    window order."""
+    moes = moe_layers(model)
+    chunk = max((len(w) for w in wins), default=1)
+    out = []
+    with torch.inference_mode():
+        engine = engine or LocalEngine([model], max_seqs=batch, max_tokens=chunk)
+        for s in range(0, len(wins), batch):
+            group = wins[s:s + batch]
+            for i in range(len(group)):
+                engine.add(i)
+            try:
+                engine.step([(i, w) for i, w in enumerate(group)])
+            finally:
+                for i in range(len(group)):
+                    engine.release(i)
+            out.append(read_ids(moes, sum(len(w) for w in group)).cpu())
+            if on_step is not None:
+                on_step(s + len(group), len(wins))
+    k = moes[0][1].top_k
+    return torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
+
+
+# ---- statistics ---------------------------------------------------------------------------------------------
+
+def usage_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[layers, num_experts] selections per expert from ids [tokens, layers, k]."""
+    return np.stack([np.bincount(ids[:, l, :].reshape(-1).astype(np.int64), minlength=num_experts)
+                     for l in range(ids.shape[1])])
+
+
+def lorenz_share(counts: np.ndarray, frac: float) -> float:
+    """Share of all selections taken by the least-used `frac` of experts (the Lorenz curve at frac, linear between
+    experts: a fractional expert counts pro rata)."""
+    c = np.sort(np.asarray(counts, dtype=np.float64))
+    total = c.sum()
+    if total <= 0:
+        return float(frac)
+    cum = np.concatenate([[0.0], np.cumsum(c) / total])
+    x = frac * len(c)
+    j = min(int(math.floor(x)), len(c) - 1)
+    return float(cum[j] + (x - j) * (cum[j + 1] - cum[j]))
+
+
+def entropy_rel(counts: np.ndarray) -> float:
+    p = np.asarray(counts, dtype=np.float64)
+    if p.sum() <= 0 or len(p) < 2:
+        return 1.0
+    p = p / p.sum()
+    nz = p[p > 0]
+    return float(-(nz * np.log(nz)).sum() / math.log(len(p)))
+
+
+def jsd_bits(a: np.ndarray, b: np.ndarray) -> float:
+    """Jensen-Shannon divergence (base 2, in [0, 1]) between two count vectors as distributions."""
+    p = np.asarray(a, dtype=np.float64)
+    q = np.asarray(b, dtype=np.float64)
+    if p.sum() <= 0 or q.sum() <= 0:
+        return 0.0
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(x):
+        nz = x > 0
+        return float((x[nz] * np.log2(x[nz] / m[nz])).sum())
+
+    return min(1.0, max(0.0, 0.5 * kl(p) + 0.5 * kl(q)))
+
+
+def _shares(counts: np.ndarray) -> dict[str, float]:
+    return {"least10_share": lorenz_share(counts, 0.1), "most10_share": 1.0 - lorenz_share(counts, 0.9),
+            "entropy_rel": entropy_rel(counts)}
+
+
+def summarise(usage: dict[str, np.ndarray], layer_ids: list[int]) -> dict:
+    """usage: {kind: [layers, num_experts] counts} -> the summary stored in route_usage.json (see the docstring)."""
+    kinds = sorted(usage)
+    pairs = [f"{a}|{b}" for a, b in itertools.combinations(kinds, 2)]
+    total = sum(usage[k] for k in kinds)
+    layers = {}
+    for l, idx in enumerate(layer_ids):
+        row = _shares(total[l])
+        row["jsd_bits"] = {f"{a}|{b}": jsd_bits(usage[a][l], usage[b][l]) for a, b in itertools.combinations(kinds, 2)}
+        layers[str(idx)] = row
+    rows = list(layers.values())
+    mean = {key: float(np.mean([r[key] for r in rows])) for key in ("least10_share", "most10_share", "entropy_rel")}
+    mean["jsd_bits"] = {p: float(np.mean([r["jsd_bits"][p] for r in rows])) for p in pairs}
+    mean["jsd_bits_all_pairs"] = float(np.mean(list(mean["jsd_bits"].values()))) if pairs else 0.0
+    per_kind = {}
+    for k in kinds:
+        s = [_shares(usage[k][l]) for l in range(len(layer_ids))]
+        per_kind[k] = {key: float(np.mean([r[key] for r in s])) for key in ("least10_share", "most10_share",
+                                                                               "entropy_rel")}
+    return {"definition": "least10/most10: share of selections taken by the least/most used 10% of experts (a "
+                          "fractional expert pro rata; uniform = 0.1); entropy_rel: usage entropy / log(E); "
+                          "jsd_bits: Jensen-Shannon divergence (bits) between two kinds' usage distributions",
+            "layers": layers, "mean": mean, "per_kind": per_kind}
+
+
+def format_summary(summary: dict) -> str:
+    lines = []
+    pairs = list(summary["mean"]["jsd_bits"])
+    lines.append(f"{'layer':>5}  {'least10%':>8}  {'most10%':>8}  {'H/Hmax':>7}  {'JSD mean':>8}")
+    for idx, r in summary["layers"].items():
+        j = np.mean(list(r["jsd_bits"].values())) if r["jsd_bits"] else 0.0
+        lines.append(f"{idx:>5}  {r['least10_share']:8.4f}  {r['most10_share']:8.4f}  {r['entropy_rel']:7.4f}  "
+                     f"{j:8.4f}")
+    m = summary["mean"]
+    lines.append(f"{'mean':>5}  {m['least10_share']:8.4f}  {m['most10_share']:8.4f}  {m['entropy_rel']:7.4f}  "
+                 f"{m['jsd_bits_all_pairs']:8.4f}")
+    lines.append("")
+    lines.append(f"{'kind':>8}  {'least10%':>8}  {'most10%':>8}  {'H/Hmax':>7}   (each kind alone, mean over layers)")
+    for k, r in summary["per_kind"].items():
+        lines.append(f"{k:>8}  {r['least10_share']:8.4f}  {r['most10_share']:8.4f}  {r['entropy_rel']:7.4f}")
+    if pairs:
+        lines.append("")
+        lines.append("JSD (bits) between kinds' expert usage, mean over layers:")
+        w = max(len(p) for p in pairs)
+        for p in pairs:
+            per_layer = " ".join(f"{summary['layers'][i]['jsd_bits'][p]:.4f}" for i in summary["layers"])
+            lines.append(f"  {p:<{w}}  {m['jsd_bits'][p]:.4f}   per layer: {per_layer}")
+    return "\n".join(lines)
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+def _recipe_sha(corpus: Path) -> str | None:
+    try:
+        return json.loads((corpus / "corpus.json").read_text(encoding="utf-8")).get("raw_sha256")
+    except (OSError, ValueError):
+        return None
+
+
+def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_per_kind: int = 300_000,
+        chunk: int = 512, batch: int = 8, device: str = "cpu", split: str = "all", kernels: str | None = None,
+        command: list[str] | None = None, log=print) -> dict:
+    """Trace every kind, write DIR/route_trace.npz and DIR/route_usage.json; returns the route_usage.json dict."""
+    from gateway.tokenizer import Tokenizer
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.kernels.flags import KernelFlags
+
+    model_dir, corpus, out = Path(model_dir), Path(corpus), Path(out)
+    if chunk < 1 or batch < 1 or tokens_per_kind < 1:
+        raise ValueError("--chunk, --batch and --tokens-per-kind must be positive")
+    tok = Tokenizer.from_dir(model_dir)
+    model = load_model(model_dir, LoadOptions(device=device))
+    if torch.device(device).type == "cuda":
+        model.set_kernels(KernelFlags.from_env("all") if kernels is None else KernelFlags.parse(kernels))
+    cfg = model.cfg
+    chunk = min(chunk, cfg.max_position_embeddings)
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else cfg.eos_token_id
+    if eos is None:
+        eos = tok.eos_token_ids[0]
+    moes = moe_layers(model)
+    layer_ids = [i for i, _ in moes]
+    num_experts, top_k = moes[0][1].num_experts, moes[0][1].top_k
+    id_dtype = np.uint8 if num_experts <= 256 else np.uint16
+
+    t0 = time.time()
+    streams = kind_streams(corpus, tok, int(eos), tokens_per_kind, split)
+    if not streams:
+        raise ValueError(f"{corpus}: no documents for split {split!r}")
+    log(f"route_trace: tokenised {', '.join(f'{k} {len(v)}' for k, v in streams.items())} tokens "
+        f"in {time.time() - t0:.1f}s")
+
+    arrays: dict[str, np.ndarray] = {}
+    usage: dict[str, np.ndarray] = {}
+    with torch.inference_mode():
+        engine = LocalEngine([model], max_seqs=batch, max_tokens=chunk)
+        for kind, stream in streams.items():
+            t1 = time.time()
+            ids = trace_windows(model, windows(stream, chunk), batch, engine)
+            assert ids.shape == (len(stream), len(layer_ids), top_k), ids.shape
+            arrays[f"ids:{kind}"] = ids.astype(id_dtype)
+            arrays[f"tokens:{kind}"] = stream
+            usage[kind] = usage_counts(ids, num_experts)
+            dt = time.time() - t1
+            log(f"route_trace: {kind}: {len(stream)} tokens in {dt:.1f}s ({len(stream) / max(dt, 1e-9):.0f} tok/s)")
+
+    meta = {
+        "format": FORMAT,
+        "model": str(model_dir.resolve()),
+        "config": {"model_type": type(cfg).__name__, "num_hidden_layers": cfg.num_hidden_layers,
+                   "moe_layers": layer_ids, "num_experts": num_experts, "top_k": top_k, "dtype": cfg.dtype,
+                   "vocab_size": cfg.vocab_size},
+        "kinds": list(streams),
+        "tokens_per_kind": {k: int(len(v)) for k, v in streams.items()},
+        "chunk": chunk, "batch": batch, "split": split, "eos_token_id": int(eos),
+        "device": device, "kernels": getattr(getattr(model, "kernel_flags", None), "describe", lambda: "none")(),
+        "ids_dtype": np.dtype(id_dtype).name,
+        "corpus": str(corpus.resolve()), "corpus_raw_sha256": _recipe_sha(corpus),
+        "command": command if command is not None else sys.argv,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / TRACE_FILE, meta=np.array(json.dumps(meta)), **arrays)
+    summary = summarise(usage, layer_ids)
+    result = {"meta": meta,
+              "usage": {k: {str(i): [int(c) for c in u[l]] for l, i in enumerate(layer_ids)} for k, u in usage.items()},
+              "summary": summary}
+    (out / USAGE_FILE).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    log(format_summary(summary))
+    size = (out / TRACE_FILE).stat().st_size
+    log(f"route_trace: wrote {out / TRACE_FILE} ({size / 1e6:.2f} MB, "
+        f"{size / max(1, sum(len(v) for v in streams.values())):.2f} B/token) and {out / USAGE_FILE}")
+    return result
+
+
+def load_trace(path: str | Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(meta, {kind: ids}, {kind: tokens}) from a route_trace.npz (or its directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TRACE_FILE
+    with np.load(path) as data:
+        meta = json.loads(str(data["meta"]))
+        ids = {k: data[f"ids:{k}"] for k in meta["kinds"]}
+        toks = {k: data[f"tokens:{k}"] for k in meta["kinds"]}
+    return meta, ids, toks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    ap.add_argument("--corpus", default=".corpus", help="corpus directory from tools/build_corpus.py")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--tokens-per-kind", type=int, default=300_000)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill window: each a fresh sequence (default 512)")
+    ap.add_argument("--batch", type=int, default=8, help="windows per prefill step (default 8)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--split", choices=("all", "heldout", "train"), default="all",
+                    help="which documents: all (default), only held-out ones, or only training ones")
+    ap.add_argument("--kernels", default=None, help="CUDA kernel flags (default: MOEPIPE_KERNELS or all)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; 1 is far faster for a tiny model on a busy machine)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from shared.cli import ensure_builtin_model
+
+        args.model = str(ensure_builtin_model())
+    run(args.model, args.corpus, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk,
+        batch=args.batch, device=args.device, split=args.split, kernels=args.kernels,
+        command=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
