@@ -528,3 +528,22 @@ def test_defaults_come_from_generation_config(stub_app, model_dir):
                                          "temperature": 0.5, "max_tokens": 5})
     assert engine.last.stop_token_ids == set() and engine.last.params.top_k == 0
     assert (engine.last.params.temperature, engine.last.params.max_tokens) == (0.5, 5)
+
+
+def test_structured_output_and_forced_call_through_the_in_process_backend(served):
+    """LocalBackend applies the same grammar masks as the cluster's last stage (tests/test_agents.py)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}},
+              "required": ["ok", "n"]}
+    r = chat(served, max_tokens=40, seed=3,
+             response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}}}
+    r = chat(served, max_tokens=40, seed=4, tools=[tool], tool_choice="required")
+    call, = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+    assert json.loads(call.function.arguments)["color"] in ("red", "blue")
