@@ -44,3 +44,20 @@ def reference_checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"ref_{family}")
         out[family] = (path, save_reference(family, path))
     return out
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (servers under test bind it a moment later)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny preset written once for the session (seed 0): the server tests share it read-mostly."""
+    from stage_worker.checkpoint.make_model import make_model
+
+    return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)

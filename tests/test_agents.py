@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
+from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
 
 S = {"type": "string", "maxLength": 6}
@@ -60,22 +60,14 @@ ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": I, "b": I}, "required": ["a", "b"]}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from stage_worker.checkpoint.make_model import make_model
-
-    return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    opts = ServeOptions(model=tiny, stages=2, port=_free_port(),
+    opts = ServeOptions(model=tiny, stages=2, port=free_port(),
                         extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512})
     with Cluster(opts) as c:
         yield c
@@ -226,7 +218,7 @@ def thinking_server(tiny, tmp_path_factory):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with Cluster(ServeOptions(model=d, stages=1, port=_free_port())) as c:
+    with Cluster(ServeOptions(model=d, stages=1, port=free_port())) as c:
         yield OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120)
 
 

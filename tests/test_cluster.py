@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 from openai import APIError, AsyncOpenAI, OpenAI
 
+from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
 from gateway.tokenizer import Tokenizer
 from shared.sampling import SamplingParams
@@ -30,22 +30,14 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "import numpy as np\n" * 3,
            "for i in range(10):\n    print(i)\n" * 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from stage_worker.checkpoint.make_model import make_model
-
-    return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny):
-    opts = ServeOptions(model=tiny, stages=2, port=_free_port(),
+    opts = ServeOptions(model=tiny, stages=2, port=free_port(),
                         extra={"max_num_batched_tokens": 24, "block_size": 16, "num_blocks": 256})
     with Cluster(opts) as c:
         assert c.cluster.ple_service and c.cluster.ple_endpoint      # the PLE service runs as its own process
@@ -202,7 +194,7 @@ def test_bad_input_gets_openai_errors_and_the_server_stays_up(cluster, tiny):
 def test_preemption_and_in_process_ple_fallback_keep_solo_tokens(tiny):
     """A KV pool too small for all eight requests forces preemption by recompute; the stage gathers PLE rows
     itself (the fallback path). Every request still gets its solo tokens."""
-    opts = ServeOptions(model=tiny, stages=2, port=_free_port(),
+    opts = ServeOptions(model=tiny, stages=2, port=free_port(),
                         extra={"ple_service": False, "block_size": 16, "num_blocks": 10,
                                "max_num_batched_tokens": 64})
     solo = [_solo(tiny, p, 24, temperature=0.0) for p in PROMPTS]
@@ -240,7 +232,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny), "--stages", "2",
                                  "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
