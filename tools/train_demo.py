@@ -256,6 +256,9 @@ def main() -> int:
               for kind, s in streams["heldout"].items()}
     (out / "tokens.json").write_text(json.dumps(recipe, indent=2) + "\n")
 
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True     # fp32 master weights, TF32 matmuls: the model is tiny
+        torch.backends.cudnn.allow_tf32 = True
     model = build_model(cfg, args.seed, args.device)
     model.set_kernels(KernelFlags.parse("deltanet" if args.device.startswith("cuda") else "none"))
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -297,8 +300,10 @@ def main() -> int:
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        dt = time.time() - t0
         rec = {"step": step, "loss": total.item(), **{k: v.item() for k, v in losses.items()}, "lr": lr,
-               "grad_norm": float(gnorm), "dense": model._dense_phase, "seconds": time.time() - t0}
+               "grad_norm": float(gnorm), "dense": model._dense_phase, "seconds": dt,
+               "tokens_per_s": args.batch * args.seq / dt}
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if step % 20 == 0 or step == 1:
