@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a random-weight Qwen4-Exp checkpoint")
-    mk.add_argument("--preset", choices=["tiny", "small", "full-shape"], default="tiny")
+    mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape"], default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_make_model)
