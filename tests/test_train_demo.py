@@ -62,3 +62,15 @@ def test_training_lowers_the_loss_and_exports_a_servable_checkpoint(corpus, tmp_
     gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(out), "--prompt", "def",
                           "--max-tokens", "4", "--seed", "1"], capture_output=True, text=True, cwd=ROOT)
     assert gen.returncode == 0, gen.stderr
+
+
+def test_snapshot_lets_training_continue_elsewhere(corpus, tmp_path):
+    """--snapshot exports bf16 weights and the step at each save; --init-from starts a new output directory there
+    (what survives losing a lent machine): its first step's loss is the uninterrupted run's, within bf16 rounding."""
+    kw = dict(batch=4, lr=1e-2, total=24)
+    full = _train(corpus, tmp_path / "a", "--max-steps", "10", **kw)
+    _train(corpus, tmp_path / "b", "--max-steps", "8", "--save-every", "8", "--snapshot", str(tmp_path / "snap"), **kw)
+    assert json.loads((tmp_path / "snap/train_state.json").read_text()) == {"step": 8}
+    moved = _train(corpus, tmp_path / "c", "--max-steps", "10", "--init-from", str(tmp_path / "snap"), **kw)
+    assert [r["step"] for r in moved] == [9, 10]
+    assert abs(moved[0]["ce"] - full[8]["ce"]) < 0.01 * full[8]["ce"]

@@ -239,10 +239,22 @@ def main() -> int:
     ap.add_argument("--eval", action="store_true", help="bits per byte on held-out text, per kind")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--export", default=None, help="write the trained checkpoint (make-model layout) here")
+    ap.add_argument("--snapshot", default=None,
+                    help="at every save also export the weights (bf16) and the step here: small enough to travel "
+                         "back from a lent machine, so training survives losing it (see --init-from)")
+    ap.add_argument("--init-from", default=None,
+                    help="start from a --snapshot (weights and step; the optimizer state starts fresh) when the "
+                         "output directory has no checkpoint of its own")
     args = ap.parse_args()
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.init_from and not (out / "tokenizer").exists():     # the snapshot's vocabulary, not a retrained one
+        import shutil
+
+        (out / "tokenizer").mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(args.init_from) / name, out / "tokenizer" / name)
     docs = load_documents(Path(args.corpus))
     raw = preset_config(args.preset)
     tok, tok_dir = build_tokenizer(out, docs, raw["vocab_size"], raw["max_position_embeddings"])
@@ -273,12 +285,18 @@ def main() -> int:
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         print(f"resumed at step {step}")
+    elif args.init_from:
+        step = init_from_snapshot(model, Path(args.init_from))
+        print(f"started from snapshot {args.init_from} at step {step} (fresh optimizer state)")
 
     def save() -> None:
         tmp = out / "checkpoint.pt.tmp"
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "args": vars(args)},
                    tmp)
         tmp.replace(ckpt)
+        if args.snapshot:
+            export(model, raw, tok_dir, Path(args.snapshot))
+            (Path(args.snapshot) / "train_state.json").write_text(json.dumps({"step": step}) + "\n")
 
     log = (out / "log.jsonl").open("a")
     stop_at = args.max_steps if args.max_steps is not None else args.total_steps
@@ -320,12 +338,35 @@ def main() -> int:
         for kind, r in res.items():
             print(f"{kind:>8} {r['tokens']:>8} {r['model_bpb']:>10.3f} {r['unigram_bpb']:>12.3f} {r['ratio']:>6.2f}")
     if args.export:
-        tables = {int(k): l.ple.table.weight for k, l in model.layers.items() if l.ple is not None}
-        state = {k: v for k, v in model.state_dict().items() if ".ple.table." not in k}
-        export_cfg = config_from_dict(dict(raw, dtype="bfloat16"))
-        export_checkpoint(export_cfg, Path(args.export), state, tables, tok_dir)
+        export(model, raw, tok_dir, Path(args.export))
         print(f"exported to {args.export}")
     return 0
+
+
+def export(model: StageModel, raw: dict, tok_dir: Path, dest: Path) -> None:
+    """The trained weights in the make-model layout, bf16 (the served dtype)."""
+    tables = {int(k): l.ple.table.weight for k, l in model.layers.items() if l.ple is not None}
+    state = {k: v for k, v in model.state_dict().items() if ".ple.table." not in k}
+    export_checkpoint(config_from_dict(dict(raw, dtype="bfloat16")), dest, state, tables, tok_dir)
+
+
+def init_from_snapshot(model: StageModel, snapshot: Path) -> int:
+    """Load exported weights (and the PLE tables) into the training model; returns the snapshot's step."""
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+
+    device = next(model.parameters()).device
+    loaded = load_model(snapshot, LoadOptions(with_mtp=True, dtype=torch.float32))
+    missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in loaded.state_dict().items()},
+                                                strict=False)
+    if unexpected or any(".ple.table." not in k for k in missing):
+        raise SystemExit(f"snapshot {snapshot} does not fit the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for key, layer in model.layers.items():
+            if layer.ple is not None:
+                table = loaded.layers[key].ple.table.tensor
+                table = table() if callable(table) else table
+                layer.ple.table.weight.copy_(table.float().to(device))
+    return json.loads((snapshot / "train_state.json").read_text())["step"]
 
 
 if __name__ == "__main__":
