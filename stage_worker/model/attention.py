@@ -18,6 +18,7 @@ from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import AttentionCache
+from stage_worker.model.fused_rows import fuse_rows, still_fused
 from stage_worker.model.norms import ZeroCentredRMSNorm
 from stage_worker.model.rope import Rotary, apply_rotary
 
@@ -118,35 +119,30 @@ class GatedAttention(nn.Module):
     def prepare_kernels(self) -> None:
         """Lay q/k/v (and the indexer's) projection weights out as row views of one tensor, without copying twice:
         one GEMV per decode step instead of three or four. State-dict names and values do not change."""
-        parts = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
+        parts = self._projections()
         if any(m.bias is not None for m in parts) or self._fused_proj() is not None:
             return
-        with torch.inference_mode(False), torch.no_grad():   # normal tensors even under inference mode
-            fused = torch.cat([m.weight for m in parts])
-            start, offs = 0, []
-            for m in parts:
-                n = m.weight.shape[0]
-                m.weight = nn.Parameter(fused[start:start + n], requires_grad=m.weight.requires_grad)
-                offs.append(start)
-                start += n
+        offs = [0]
+        for m in parts:
+            offs.append(offs[-1] + m.weight.shape[0])
+        fused = fuse_rows(parts)
         from stage_worker.kernels.attention_prep import PrepLayout
 
         idx = self.indexer
         layout = PrepLayout(self.n_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, offs[0], offs[1],
                             offs[2], idx.n_heads if idx else 0, idx.head_dim if idx else 0,
                             offs[3] if idx else 0, offs[3] + idx.n_heads * idx.head_dim if idx else 0)
-        self._fused = (fused, layout, [m.weight.data_ptr() for m in parts])
+        self._fused = (fused, layout)
+
+    def _projections(self) -> list[nn.Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
 
     def _fused_proj(self):
         """(weight [N, hidden], PrepLayout) if `prepare_kernels` fused the projections and nothing rebound them."""
         fused = getattr(self, "_fused", None)
-        if fused is None:
-            return None
-        parts = [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
-        if [m.weight.data_ptr() for m in parts] != fused[2] or fused[0].device != self.q_proj.weight.device:
-            self._fused = None
-            return None
-        return fused[0], fused[1]
+        if fused is not None and not still_fused(fused[0], self._projections()):
+            self._fused = fused = None
+        return fused
 
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

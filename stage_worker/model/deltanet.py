@@ -11,6 +11,7 @@ from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import DeltaNetState
 from stage_worker.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from stage_worker.model.fused_rows import fuse_rows, still_fused
 from stage_worker.model.norms import GatedRMSNorm
 
 
@@ -44,7 +45,6 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.gate_activation = gate_activation
         self._fused_in_proj: torch.Tensor | None = None     # a plain attribute: state_dict is unchanged
-        self._fused_ptrs: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
         if self.kernels.deltanet and batch.num_seqs and batch.is_decode and self._decode_kernel_usable(x):
@@ -119,18 +119,19 @@ class GatedDeltaNet(nn.Module):
     def _decode_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mixed, z, b, a): column slices of one GEMV once the weights are fused. The first call fuses them; a call
         inside a CUDA-graph capture never does (the copy would be captured), it runs the four GEMVs instead."""
-        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        linears = self._in_projs()
         if not self._is_fused():
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return tuple(F.linear(x, m.weight) for m in linears)
             self.fuse_projections()
         return F.linear(x, self._fused_in_proj).split([m.out_features for m in linears], dim=-1)
 
+    def _in_projs(self) -> tuple[nn.Linear, ...]:
+        return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
     def _is_fused(self) -> bool:
         """The four weights are still views of `_fused_in_proj` (not replaced by .to(), a loader, or a user)."""
-        return self._fused_in_proj is not None and self._fused_ptrs == (
-            self.in_proj_qkv.weight.data_ptr(), self.in_proj_z.weight.data_ptr(), self.in_proj_b.weight.data_ptr(),
-            self.in_proj_a.weight.data_ptr())
+        return still_fused(self._fused_in_proj, self._in_projs())
 
     def prepare_kernels(self) -> None:
         """Called by `StageModel.set_kernels`: fuse the projections up front, before any CUDA-graph capture."""
@@ -143,19 +144,9 @@ class GatedDeltaNet(nn.Module):
         No extra memory once the old weights are released; state_dict names and values are unchanged (the fused
         tensor is a plain attribute, not a parameter or buffer); idempotent. Returns the fused weight.
         """
-        if self._is_fused():
-            return self._fused_in_proj
-        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        with torch.inference_mode(False), torch.no_grad():   # a normal tensor even when called under inference
-            fused = torch.cat([m.weight for m in linears], dim=0)
-            row = 0
-            for m in linears:
-                n = m.out_features
-                m.weight = nn.Parameter(fused[row:row + n], requires_grad=m.weight.requires_grad)
-                row += n
-        self._fused_in_proj = fused
-        self._fused_ptrs = tuple(m.weight.data_ptr() for m in linears)
-        return fused
+        if not self._is_fused():
+            self._fused_in_proj = fuse_rows(self._in_projs())
+        return self._fused_in_proj
 
     def _conv_step(self, mixed: torch.Tensor, state: DeltaNetState, slots: torch.Tensor) -> torch.Tensor:
         seq = torch.cat([state.conv[slots], mixed[:, :, None].to(state.conv.dtype)], dim=-1)   # [B, C, k]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stage_worker.kernels.flags import NONE, KernelFlags
+from stage_worker.model.fused_rows import fuse_rows, still_fused
 
 
 class SwiGLU(nn.Module):
@@ -92,28 +93,19 @@ class SparseMoE(nn.Module):
         se = self.shared_expert
         if se is None or se.gate_proj.weight.shape[0] != self.w13.shape[1] // 2 or self._fused_shared() is not None:
             return
-        with torch.inference_mode(False), torch.no_grad():   # normal tensors even under inference mode
-            router = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
-            w13 = torch.cat([se.gate_proj.weight, se.up_proj.weight])
-            n, i = self.num_experts, se.gate_proj.weight.shape[0]
-            grad = self.gate.weight.requires_grad
-            self.gate.weight = nn.Parameter(router[:n], requires_grad=grad)
-            self.shared_expert_gate.weight = nn.Parameter(router[n:], requires_grad=grad)
-            se.gate_proj.weight = nn.Parameter(w13[:i], requires_grad=grad)
-            se.up_proj.weight = nn.Parameter(w13[i:], requires_grad=grad)
-        self._router_and_shared = (router, w13)
+        self._router_and_shared = (fuse_rows([self.gate, self.shared_expert_gate]),
+                                   fuse_rows([se.gate_proj, se.up_proj]))
 
     def _fused_shared(self):
         """(router [E + 1, H], SharedExpert) if `prepare_kernels` laid the weights out and nothing rebound them
-        since (a load that assigns new tensors would leave the fused copies stale: checked by address)."""
+        since (a load that assigns new tensors would leave the fused copies stale)."""
         fused = getattr(self, "_router_and_shared", None)
         if fused is None:
             return None
         router, w13 = fused
         se = self.shared_expert
-        if (self.gate.weight.data_ptr() != router.data_ptr() or se.gate_proj.weight.data_ptr() != w13.data_ptr()
-                or self.shared_expert_gate.weight.data_ptr() != router[self.num_experts:].data_ptr()
-                or se.up_proj.weight.data_ptr() != w13[w13.shape[0] // 2:].data_ptr()):
+        if not (still_fused(router, [self.gate, self.shared_expert_gate]) and
+                still_fused(w13, [se.gate_proj, se.up_proj])):
             self._router_and_shared = None
             return None
         from stage_worker.kernels.moe import SharedExpert
