@@ -389,10 +389,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         unsupported = req.unsupported_field()
         if unsupported:
             raise invalid_request(unsupported[1], param=unsupported[0])
-        needs_grammar = (req.response_format or {}).get("type", "text") != "text" or (
-            req.tool_choice not in (None, "none", "auto") and req.tools)
-        compiler = await run_in_threadpool(lambda: srv.grammar_compiler) if needs_grammar else None
-        plan = await run_in_threadpool(plan_chat, req, compiler)
+        plan = await run_in_threadpool(plan_chat, req, lambda: srv.grammar_compiler)
         text = await run_in_threadpool(srv.render_chat, req, plan)
         if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
             plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
@@ -401,7 +398,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         rid = _new_id("chatcmpl")
         gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid)
         if plan.grammar is not None:
-            gen_req.grammar = compiler.new_matcher(plan.grammar)
+            gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
         gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival),
                           want_logprobs=bool(req.logprobs))
         return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid, plan),

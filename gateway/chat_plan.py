@@ -18,6 +18,7 @@ free reasoning through first): a constrained request renders with `enable_thinki
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +34,8 @@ class ChatPlan:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning: str = "auto"                             # OutputParser mode: "off" | "auto"
     tool_names: set[str] | None = None                  # parse tool-call blocks for these names (None: never)
-    forced_tool_call: bool = False                      # tool_choice required / named: the reply is calls only
     grammar: Any = None                                 # a compiled grammar spec (gateway.grammar) or None
+    compiler: Any = None                                # the GrammarCompiler that compiled it (new_matcher)
 
 
 def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -102,9 +103,10 @@ def _response_format(req: ChatCompletionRequest) -> tuple[str, dict | None, bool
                           param="response_format")
 
 
-def plan_chat(req: ChatCompletionRequest, compiler) -> ChatPlan:
+def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> ChatPlan:
     """Validate the agent-facing fields and decide rendering, constraint and parsing (see the module docstring).
-    `compiler` is a gateway.grammar.GrammarCompiler, or None when the server has no grammar engine."""
+    `get_compiler()` gives the gateway.grammar.GrammarCompiler (None when the server has no grammar engine); it is
+    called only for a constrained request, so plain requests never build one."""
     tools = _tools(req)
     names = {t["function"]["name"] for t in tools}
     choice = _tool_choice(req, names)
@@ -121,31 +123,36 @@ def plan_chat(req: ChatCompletionRequest, compiler) -> ChatPlan:
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid_request("chat_template_kwargs.enable_thinking must be a boolean.",
                               param="chat_template_kwargs.enable_thinking")
+    compiler = grammar = None
     if constrained:
         if thinking is True:
             raise invalid_request("Thinking cannot be combined with structured output or a forced tool call; set "
                                   "chat_template_kwargs.enable_thinking to false.",
                                   param="chat_template_kwargs.enable_thinking")
         kwargs["enable_thinking"] = False
+        compiler = get_compiler()
         if compiler is None:
             raise invalid_request("This server has no grammar engine: structured output and forced tool calls are "
                                   "unavailable.", param="response_format" if fmt != "text" else "tool_choice")
-    grammar = None
+        grammar = _compile(compiler, fmt, schema, strict, choice, tools, parallel)
+    return ChatPlan(tools=tools if choice != "none" and tools else None, template_kwargs=kwargs,
+                    reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
+                    tool_names=names if choice != "none" and names else None,
+                    grammar=grammar, compiler=compiler)
+
+
+def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: str, tools: list[dict],
+             parallel: bool):
+    """The grammar spec of a constrained request; a schema the engine cannot enforce is a 400 naming it."""
     from gateway.grammar import GrammarError
 
     try:
         if fmt == "json_object":
-            grammar = compiler.json_object()
-        elif fmt == "json_schema":
-            grammar = compiler.json_schema(schema, strict)
-        elif choice == "required" or choice.startswith("fn:"):
-            forced = "required" if choice == "required" else {"type": "function",
-                                                             "function": {"name": choice[3:]}}
-            grammar = compiler.tool_calls(tools, forced, parallel)
+            return compiler.json_object()
+        if fmt == "json_schema":
+            return compiler.json_schema(schema, strict)
+        forced = "required" if choice == "required" else {"type": "function", "function": {"name": choice[3:]}}
+        return compiler.tool_calls(tools, forced, parallel)
     except GrammarError as e:
         param = "response_format.json_schema.schema" if fmt == "json_schema" else "tools"
         raise invalid_request(f"Cannot enforce this schema: {e}", param=param) from None
-    return ChatPlan(tools=tools if choice != "none" and tools else None, template_kwargs=kwargs,
-                    reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
-                    tool_names=names if choice != "none" and names else None,
-                    forced_tool_call=constrained and fmt == "text", grammar=grammar)
