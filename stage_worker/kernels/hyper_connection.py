@@ -233,11 +233,8 @@ def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) ->
 def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`module.mix(streams)` of a `GatedResidual` through the kernels at decode sizes, through the PyTorch reference
     above `DECODE_ROWS` rows (not `module.mix`, which calls this function when its kernel flag is on)."""
-    inject = module.block_inject_weight
-    weights = (module.hc_norm.weight, module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
-               None if inject is None else inject.weight)
     mix = hc_mix if streams.shape[0] <= DECODE_ROWS else hyper_connection_ref.hc_mix
-    return mix(streams, *weights, module.hc, module.hc_norm.eps)
+    return mix(streams, *_module_weights(module), module.hc, module.hc_norm.eps)
 
 
 def _module_weights(module: GatedResidual) -> tuple:

@@ -55,9 +55,6 @@ class DecoderLayer(nn.Module):
         return self.linear_attn(x, batch, cache.deltanet[self.layer])
 
     def forward(self, h: torch.Tensor, batch: StepBatch, cache: ModelCache, rope) -> torch.Tensor:
-        if not self.hyper:
-            h = h + self.mixer(self.input_layernorm(h), batch, cache, rope)
-            return h + self.mlp(self.post_attention_layernorm(h))
         h, pending = self.forward_deferred(h, None, batch, cache, rope)
         return self.finish(h, pending)
 
