@@ -61,3 +61,19 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from stage_worker.checkpoint.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def cuda_us(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Microseconds per call of `fn` on the current CUDA stream (events around `reps` calls after a warm-up):
+    the GPU tests print kernel timings with it."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from conftest import cuda_us  # noqa: E402
 from shared.model_config import Qwen4ExpConfig  # noqa: E402
 from stage_worker.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from stage_worker.kernels.decode_attention_ref import paged_decode_attention_ref  # noqa: E402
@@ -244,18 +245,7 @@ def test_real_shapes_on_gpu(batch):
         got = paged_decode_attention(q, k, v, tables, ctx, scale, bs, sel)
         close(got, want, dt)
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 * 1e3
-
-    dense_us = timed(lambda: paged_decode_attention(q, k, v, tables, ctx, scale, bs))
-    sel_us = timed(lambda: paged_decode_attention(q, k, v, tables, ctx, scale, bs, selected))
-    qsa_us = timed(lambda: qsa_select(q_idx, pooled, tables, ctx, bs, ratio, budget))
+    dense_us = cuda_us(lambda: paged_decode_attention(q, k, v, tables, ctx, scale, bs))
+    sel_us = cuda_us(lambda: paged_decode_attention(q, k, v, tables, ctx, scale, bs, selected))
+    qsa_us = cuda_us(lambda: qsa_select(q_idx, pooled, tables, ctx, bs, ratio, budget))
     print(f"\nB={batch}: dense {dense_us:.1f} us, selected {sel_us:.1f} us, qsa_select {qsa_us:.1f} us")

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import stage_worker.kernels.qsa as qsa_kernels  # noqa: E402
+from conftest import cuda_us  # noqa: E402
 from stage_worker.kernels.qsa import qsa_scores_keys, qsa_select, select_from_keys  # noqa: E402
 from stage_worker.kernels.qsa_ref import expand_selection, qsa_scores_ref, qsa_select_ref  # noqa: E402
 from stage_worker.model.attention import QSAIndexer  # noqa: E402
@@ -312,21 +313,10 @@ def test_wide_table_real_shapes_on_gpu(inputs, dtype):
     assert torch.equal(ref, fast)
     assert ((fast[:, :budget] >= 0).sum(1).tolist() == [300 // 4 * 4, budget, budget, 301 // 4 * 4])
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 * 1e3
-
     short = ctx.clone().fill_(256)
     print(f"\nqsa_select, table 16384 pages: contexts {ctx.tolist()}: "
-          f"{timed(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)):.1f} us; "
-          f"contexts 256: {timed(lambda: qsa_select(q_idx, pooled, tables, short, 16, RATIO, budget)):.1f} us")
+          f"{cuda_us(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)):.1f} us; "
+          f"contexts 256: {cuda_us(lambda: qsa_select(q_idx, pooled, tables, short, 16, RATIO, budget)):.1f} us")
 
 
 @pytest.mark.gpu
