@@ -45,6 +45,14 @@ class PrepLayout:
 
 
 @triton.jit
+def _rotate_half(n, n_p, c, s, offs, RD: tl.constexpr, dt: tl.constexpr):
+    """Rotate-half RoPE of the normed features `n` (partners `n_p`) on the first RD, rounding where
+    `apply_rotary`'s bf16 ops round: each product, then their sum."""
+    rotated = tl.where(offs < RD // 2, -n_p, n_p)
+    return tl.where(offs < RD, round_to(round_to(n * c, dt) + round_to(rotated * s, dt), dt), n)
+
+
+@triton.jit
 def _norm_rope(src, w_ptr, cos_row, sin_row, eps, D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr,
                dt: tl.constexpr):
     """Zero-centred RMSNorm of D features at `src`, then rotate-half RoPE on the first RD of them."""
@@ -60,10 +68,9 @@ def _norm_rope(src, w_ptr, cos_row, sin_row, eps, D: tl.constexpr, RD: tl.conste
         xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
         n_p = round_to((xp * rstd) * (1.0 + wp), dt)
-        rotated = tl.where(offs < half, -n_p, n_p)
         c = tl.load(cos_row + offs, mask=in_rot, other=0.0).to(tl.float32)
         s = tl.load(sin_row + offs, mask=in_rot, other=0.0).to(tl.float32)
-        n = tl.where(in_rot, round_to(round_to(n * c, dt) + round_to(rotated * s, dt), dt), n)
+        n = _rotate_half(n, n_p, c, s, offs, RD, dt)
     return n
 
 
@@ -166,11 +173,8 @@ def _pool_kernel(ik_ptr, pooled_ptr, tables_ptr, lens_ptr, w_ptr, inv_freq_ptr, 
         mean_p = round_to(tl.sum(raw_p.to(tl.float32), axis=0) / RATIO, dt)
         n_p = round_to((mean_p * rstd) * (1.0 + tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)),
                        dt)
-        rotated = tl.where(offs < half, -n_p, n_p)
         f = first.to(tl.float32) * tl.load(inv_freq_ptr + offs % half, mask=in_rot, other=0.0)
-        c = round_to(tl.cos(f), dt)
-        s = round_to(tl.sin(f), dt)
-        n = tl.where(in_rot, round_to(round_to(n * c, dt) + round_to(rotated * s, dt), dt), n)
+        n = _rotate_half(n, n_p, round_to(tl.cos(f), dt), round_to(tl.sin(f), dt), offs, RD, dt)
     row0 = tl.sum(tl.where(i == 0, rows, 0), axis=0)
     tl.store(pooled_ptr + (row0 // RATIO) * D + offs, n.to(dt), mask=m)
 
