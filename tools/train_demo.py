@@ -22,6 +22,7 @@ exactly where the checkpoint left off. Every run stops itself after `--minutes`,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -74,6 +75,7 @@ def build_tokenizer(out: Path, docs, vocab_size: int, max_len: int):
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         tok_dir.mkdir(parents=True, exist_ok=True)
+        docs = docs()
         budget = TOKENIZER_TEXT_MB << 20
         kinds = sorted({k for k, _, _, _ in docs})
         per_kind = budget // len(kinds)
@@ -92,16 +94,18 @@ def build_tokenizer(out: Path, docs, vocab_size: int, max_len: int):
 
 
 def tokenize(out: Path, tok, docs, eos: int) -> dict[str, dict[str, np.ndarray]]:
-    """{split: {kind: int32 token stream}} (documents joined by EOS), cached in out/tokens.npz."""
+    """{split: {kind: int32 token stream}} (documents joined by EOS), cached in out/tokens.npz (uint16,
+    compressed: the cache and the tokenizer are all a GPU machine needs, about 20 MB instead of the corpus)."""
     cache = out / "tokens.npz"
     if cache.exists():
         data = np.load(cache)
         streams: dict[str, dict[str, np.ndarray]] = {"train": {}, "heldout": {}}
         for key in data.files:
             split, kind = key.split(":", 1)
-            streams[split][kind] = data[key]
+            streams[split][kind] = data[key].astype(np.int32)
         return streams
     streams = {"train": {}, "heldout": {}}
+    docs = docs()
     for kind in sorted({k for k, _, _, _ in docs}):
         for split, held in (("train", False), ("heldout", True)):
             ids: list[int] = []
@@ -110,7 +114,8 @@ def tokenize(out: Path, tok, docs, eos: int) -> dict[str, dict[str, np.ndarray]]
                     ids.extend(tok.encode(text))
                     ids.append(eos)
             streams[split][kind] = np.asarray(ids, dtype=np.int32)
-    np.savez(cache, **{f"{s}:{k}": v for s, d in streams.items() for k, v in d.items()})
+    assert tok.vocab_size <= 1 << 16
+    np.savez_compressed(cache, **{f"{s}:{k}": v.astype(np.uint16) for s, d in streams.items() for k, v in d.items()})
     return streams
 
 
@@ -146,6 +151,7 @@ def set_phase(model: StageModel, aux: list | None, dense: bool) -> None:
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.aux = aux
+            m.dense_experts = aux is not None
         if isinstance(m, GatedAttention):
             m.aux = aux if m.indexer is not None else None
             m.qsa_dense = dense
@@ -255,7 +261,7 @@ def main() -> int:
         (out / "tokenizer").mkdir()
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(args.init_from) / name, out / "tokenizer" / name)
-    docs = load_documents(Path(args.corpus))
+    docs = functools.cache(lambda: load_documents(Path(args.corpus)))   # read only when a cache is missing
     raw = preset_config(args.preset)
     tok, tok_dir = build_tokenizer(out, docs, raw["vocab_size"], raw["max_position_embeddings"])
     special = json.loads((tok_dir / "tokenizer_config.json").read_text())
@@ -272,7 +278,9 @@ def main() -> int:
         torch.backends.cuda.matmul.allow_tf32 = True     # fp32 master weights, TF32 matmuls: the model is tiny
         torch.backends.cudnn.allow_tf32 = True
     model = build_model(cfg, args.seed, args.device)
-    model.set_kernels(KernelFlags.parse("deltanet" if args.device.startswith("cuda") else "none"))
+    # PyTorch paths everywhere: flash-linear-attention's chunked backward refuses Hopper with Triton < 3.7.1
+    # (wrong gradients, fla #640), and the model's own chunked delta rule is differentiable.
+    model.set_kernels(KernelFlags.parse("none"))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

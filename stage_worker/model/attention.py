@@ -55,42 +55,47 @@ class QSAIndexer(nn.Module):
         return apply_rotary(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0]
 
     def block_scores(self, q: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """[q_len, blocks] fp32: sum over indexer heads of ReLU(q . pooled key) / sqrt(d)."""
-        return torch.relu(torch.einsum("qhd,bd->qbh", q.float(), pooled.float())).sum(-1) / math.sqrt(self.head_dim)
+        """[..., q_len, blocks] fp32: sum over indexer heads of ReLU(q . pooled key) / sqrt(d) (leading dims: a
+        batch of sequences)."""
+        scores = torch.einsum("...qhd,...bd->...qbh", q.float(), pooled.float())
+        return torch.relu(scores).sum(-1) / math.sqrt(self.head_dim)
 
     def distill_loss(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor,
                      attn_probs: torch.Tensor) -> torch.Tensor:
         """KL(dense attention's mass per complete block || softmax of the indexer's block scores), averaged over
         queries that see at least two complete blocks (sparse-attention models train their indexer this way before
-        it selects). attn_probs [heads, q_len, ctx] is detached: the indexer learns from attention, not vice versa."""
+        it selects). attn_probs [..., heads, q_len, ctx] is detached: the indexer learns from attention, not vice
+        versa. Leading dims are a batch of sequences that share `positions`."""
         r = self.ratio
-        nb = pooled.shape[0]
+        nb = pooled.shape[-2]
         complete = (positions + 1) // r
-        mass = attn_probs.detach().float().mean(0)[:, : nb * r].unflatten(-1, (nb, r)).sum(-1)   # [q, nb]
+        mass = attn_probs.detach().float().mean(-3)[..., : nb * r].unflatten(-1, (nb, r)).sum(-1)   # [..., q, nb]
         valid = torch.arange(nb, device=q.device)[None, :] < complete[:, None]
         rows = complete >= 2
         if not bool(rows.any()):
             return q.new_zeros((), dtype=torch.float32)
-        mass = mass.masked_fill(~valid, 0.0)[rows]
+        mass = mass.masked_fill(~valid, 0.0)[..., rows, :]
         target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-9)
-        logp = torch.log_softmax(self.block_scores(q[rows], pooled).masked_fill(~valid[rows], float("-inf")), -1)
+        scores = self.block_scores(q[..., rows, :, :], pooled)
+        logp = torch.log_softmax(scores.masked_fill(~valid[rows], float("-inf")), -1)
         kl = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-12)) - logp), 0.0)
         return kl.sum(-1).mean()
 
     def select(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor, ctx: int) -> torch.Tensor:
-        """Visibility mask [q_len, ctx]: selected complete blocks plus the tail, causal."""
+        """Visibility mask [..., q_len, ctx]: selected complete blocks plus the tail, causal (leading dims: a batch
+        of sequences sharing `positions`)."""
         r = self.ratio
         scores = self.block_scores(q, pooled)
         complete = (positions + 1) // r                                   # complete blocks visible per query
-        block_ids = torch.arange(pooled.shape[0], device=q.device)
+        block_ids = torch.arange(pooled.shape[-2], device=q.device)
         valid = block_ids[None, :] < complete[:, None]
-        chosen = stable_topk_mask(scores, self.block_topk, valid)         # [q, blocks]
+        chosen = stable_topk_mask(scores, self.block_topk, valid)         # [..., q, blocks]
         key_pos = torch.arange(ctx, device=q.device)
-        in_block = chosen.repeat_interleave(r, dim=1)
-        if in_block.shape[1] < ctx:
-            in_block = F.pad(in_block, (0, ctx - in_block.shape[1]))
+        in_block = chosen.repeat_interleave(r, dim=-1)
+        if in_block.shape[-1] < ctx:
+            in_block = F.pad(in_block, (0, ctx - in_block.shape[-1]))
         tail = (key_pos[None, :] >= (complete * r)[:, None]) & (key_pos[None, :] <= positions[:, None])
-        return in_block[:, :ctx] | tail
+        return in_block[..., :ctx] | tail
 
 
 class GatedAttention(nn.Module):
@@ -165,6 +170,10 @@ class GatedAttention(nn.Module):
             out = self._decode_kernels(q, iq, batch, cache, x.dtype)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
+        if batch.fresh_equal:
+            out = self._prefill_fresh_equal(q, k, v, iq, raw_k if self.indexer is not None else None, batch, cache)
+            out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+            return self.o_proj(out)
         out = torch.empty_like(q)
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
@@ -186,6 +195,41 @@ class GatedAttention(nn.Module):
             out[s:e] = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
+
+    def _prefill_fresh_equal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
+                             raw_k: torch.Tensor | None, batch: StepBatch, cache: AttentionCache) -> torch.Tensor:
+        """`batch.fresh_equal`: every sequence sees exactly its own new tokens, so the loop over sequences becomes a
+        batch dimension (same masks, same rounding through the cache dtypes as the per-sequence path)."""
+        B, L = batch.num_seqs, batch.seq_lens[0]
+        dev = q.device
+        q = q.view(B, L, self.n_heads, self.head_dim)
+        k = k.to(cache.k.dtype).view(B, L, self.kv_heads, self.head_dim)
+        v = v.to(cache.v.dtype).view(B, L, self.kv_heads, self.head_dim)
+        pos = batch.positions[:L]
+        visible = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        pooled = None
+        if self.indexer is not None:
+            r = self.indexer.ratio
+            nb = L // r
+            raw = raw_k.to(cache.index_keys.dtype).view(B, L, -1)[:, : nb * r].reshape(B * nb, r, -1)
+            cos, sin = self.rotary.cos_sin(torch.arange(nb, device=dev) * r, q.dtype)
+            pooled = self.indexer.pool(raw, cos.repeat(B, 1), sin.repeat(B, 1)).to(cache.pooled_keys.dtype)
+            if nb:
+                rows = torch.stack([batch.context_rows(i, nb * r)[::r] // r for i in range(B)])
+                cache.pooled_keys[rows.flatten()] = pooled
+            pooled = pooled.view(B, nb, -1)
+            if not self.qsa_dense:
+                visible = visible & self.indexer.select(iq.view(B, L, *iq.shape[1:]), pooled, pos, L)
+        rep = self.n_heads // self.kv_heads
+        kh = k.repeat_interleave(rep, dim=2).transpose(1, 2).to(q.dtype)            # [B, H, L, d]
+        vh = v.repeat_interleave(rep, dim=2).transpose(1, 2).to(q.dtype)
+        scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if self.aux is not None and pooled is not None:
+            self.aux.append(("indexer_kl", self.indexer.distill_loss(iq.view(B, L, *iq.shape[1:]), pooled, pos,
+                                                                     probs)))
+        return torch.matmul(probs, vh).transpose(1, 2).reshape(B * L, self.n_heads, self.head_dim)
 
     def _update_pooled(self, cache: AttentionCache, rows: torch.Tensor, old_ctx: int, ctx: int,
                        device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -41,6 +41,14 @@ class StepBatch:
         """One new token per sequence, each with context in the caches: the fast decode kernels apply."""
         return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)
 
+    @property
+    def fresh_equal(self) -> bool:
+        """Several new sequences of one length (training windows, same-length prompts): layers may treat the step
+        as a [B, L] batch, one batched call instead of a loop over sequences (what makes training launch-bound)."""
+        n = self.seq_lens[0] if self.seq_lens else 0
+        return len(self.seq_lens) > 1 and n > 1 and all(c == 0 for c in self.context_lens) \
+            and all(s == n for s in self.seq_lens)
+
     def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables [B, max_blocks] int32 (padded with 0) and lengths after this step [B] int32, on the device."""
         if getattr(self, "_tables", None) is None:

@@ -54,6 +54,9 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(T, self.nv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if batch.fresh_equal:
+            out = self._prefill_fresh_equal(x, mixed, g, beta, batch, state)
+            return self.out_proj(self.norm(out, z).reshape(T, -1))
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
         cu = batch.cu_seqlens
         decode = [i for i in range(batch.num_seqs) if batch.seq_lens[i] == 1 and batch.context_lens[i] > 0]
@@ -100,6 +103,26 @@ class GatedDeltaNet(nn.Module):
             out[s_:e_] = o[0].to(x.dtype)
         out = self.norm(out, z).reshape(T, -1)
         return self.out_proj(out)
+
+    def _prefill_fresh_equal(self, x: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
+        B, L = batch.num_seqs, batch.seq_lens[0]
+        slots = batch.device_slots()
+        seq = F.pad(mixed.view(B, L, -1).transpose(1, 2).to(state.conv.dtype), (self.kernel - 1, 0))   # zero tail
+        state.conv[slots] = seq[:, :, -(self.kernel - 1):]
+        conv = F.silu(F.conv1d(seq.to(x.dtype), self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2).contiguous()
+        init = torch.zeros_like(state.recurrent[slots])
+        g, beta = g.view(B, L, -1), beta.view(B, L, -1)
+        fla = self._fla_rule("chunk") if (self.kernels.deltanet and x.is_cuda) else None
+        if fla is not None:
+            q, k, v = self._split_raw(conv)
+            o, s = fla(q, k, v, g=g, beta=beta, scale=self.dk ** -0.5, initial_state=init, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+        else:
+            q, k, v = self._split(conv)
+            o, s = chunked_delta_rule(q, k, v, g, beta, init)
+        state.recurrent[slots] = s.to(state.recurrent.dtype)
+        return o.reshape(B * L, self.nv, self.dv).to(x.dtype)
 
     def _decode_kernel_usable(self, x: torch.Tensor) -> bool:
         from stage_worker.kernels.deltanet_decode import triton_usable   # Triton is a GPU-side dependency

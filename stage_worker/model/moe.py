@@ -47,6 +47,9 @@ class SparseMoE(nn.Module):
     kernels: KernelFlags = NONE
     # Training (tools/train_demo.py): when set to a list, each call appends ("moe_balance", loss).
     aux: list | None = None
+    # Training: every expert runs on every token and unselected ones are weighted 0 (the same sum). At a small
+    # model's sizes two GEMMs beat a loop over experts with a host sync by far; inference never sets it.
+    dense_experts: bool = False
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool) -> None:
@@ -77,6 +80,8 @@ class SparseMoE(nn.Module):
         self.last_expert_ids = ids
         if self.aux is not None and x.shape[0]:
             self.aux.append(("moe_balance", balance_loss(logits, ids, self.num_experts)))
+        if self.dense_experts:
+            return self._add_shared(x, self._all_experts(x, weights, ids))
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
@@ -85,6 +90,14 @@ class SparseMoE(nn.Module):
             y = F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return self._add_shared(x, out)
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        E, two_i, H = self.w13.shape
+        T = x.shape[0]
+        combine = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter_add(1, ids, weights)   # [T, E]
+        g, u = F.linear(x, self.w13.reshape(E * two_i, H)).view(T, E, two_i).chunk(2, dim=-1)
+        h = F.silu(g) * u * combine[..., None].to(x.dtype)                                          # [T, E, I]
+        return F.linear(h.reshape(T, -1), self.w2.permute(1, 0, 2).reshape(H, -1))
 
     def prepare_kernels(self) -> None:
         """Lay the shared expert out for the fused MoE kernels, without copying it: the router and shared-gate

@@ -45,6 +45,12 @@ class PLEBranch(nn.Module):
             r, new_ctx = ngram_rows_torch(self.spec, state.context[slots], batch.token_ids[:, None])
             state.context[slots] = new_ctx
             return r[:, 0]
+        if batch.fresh_equal:
+            slots = batch.device_slots()
+            ctx = torch.full_like(state.context[slots], self.spec.eos_token_id)
+            r, new_ctx = ngram_rows_torch(self.spec, ctx, batch.token_ids.view(batch.num_seqs, -1))
+            state.context[slots] = new_ctx
+            return r.flatten(0, 1)
         out = []
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
@@ -79,6 +85,12 @@ class PLEBranch(nn.Module):
             state.conv[slots] = seq[:, 1:]
             taps = seq[:, :: self.dilation].to(x.dtype)                                       # [B, kernel, W]
             return F.silu((taps * self.conv1d.weight[:, 0, :].T[None]).sum(1))
+        if batch.fresh_equal:
+            slots = batch.device_slots()
+            seq = F.pad(x.view(batch.num_seqs, -1, x.shape[-1]).to(state.conv.dtype), (0, 0, tail_len, 0))
+            state.conv[slots] = seq[:, -tail_len:]                     # seq: [B, tail + L, W], zero tail
+            y = F.conv1d(seq.transpose(1, 2).to(x.dtype), self.conv1d.weight, groups=x.shape[-1], dilation=self.dilation)
+            return F.silu(y.transpose(1, 2)).flatten(0, 1)
         out = torch.empty_like(x)
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
