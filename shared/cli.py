@@ -9,19 +9,48 @@ import sys
 from pathlib import Path
 
 
+BUNDLED_MODEL = Path(__file__).resolve().parent / "demo_model"    # the trained demo checkpoint (issue 6)
+
+
 def builtin_model_dir() -> Path:
-    """Where the built-in tiny model lives: written once on first use, reused after."""
+    """Where the built-in model is served from: a copy of the bundled demo checkpoint under MOEPIPE_HOME, named
+    by its weights' hash. A copy because loading writes the expanded PLE table beside the checkpoint, and the
+    installed package may be read-only (or a git checkout that should stay clean)."""
     base = Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
-    return base / "models" / "tiny"
+    weights = BUNDLED_MODEL / "model.safetensors"
+    if not weights.is_file():
+        return base / "models" / "tiny"
+    import hashlib
+
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+    return base / "models" / f"demo-{digest}"
 
 
 def ensure_builtin_model() -> Path:
     path = builtin_model_dir()
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        from stage_worker.checkpoint.make_model import make_model
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if (BUNDLED_MODEL / "model.safetensors").is_file():
+        import shutil
+        import tempfile
 
-        print(f"moepipe: writing the built-in tiny model to {path} (once)", file=sys.stderr)
-        make_model("tiny", path, seed=0)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".copy-"))
+        for f in BUNDLED_MODEL.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        try:
+            tmp.rename(path)              # atomic: a concurrent first start sees a whole checkpoint or none
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (path / "model.safetensors").is_file():
+                raise
+        return path
+    from stage_worker.checkpoint.make_model import make_model
+
+    print(f"moepipe: no bundled demo model ({BUNDLED_MODEL}); writing the random-weight tiny model to {path} (once)",
+          file=sys.stderr)
+    make_model("tiny", path, seed=0)
     return path
 
 
@@ -68,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.set_defaults(func=_make_model)
 
     g = sub.add_parser("generate", help="generate from a prompt in this process")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -81,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="start the whole cluster and serve the OpenAI API")
-    s.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     s.add_argument("--stages", type=int, default=1, help="pipeline stages, one process each")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--host", default="127.0.0.1")

@@ -1,4 +1,4 @@
-"""tools/route_trace.py on the built-in tiny model (random weights, 16 experts, top-4) and a tiny real corpus: the CLI
+"""tools/route_trace.py on the tiny preset (random weights, 16 experts, top-4) and a tiny real corpus: the CLI
 end to end, prefill routing equal to token-by-token decode routing, usage counts equal to the trace's bincounts, and
 the summary's numbers in range and consistent."""
 
@@ -32,10 +32,11 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def traced(corpus, tmp_path_factory):
-    """The CLI end to end, default (built-in) model."""
+def traced(corpus, tmp_path_factory, tiny_checkpoint):
+    """The CLI end to end on the tiny preset (float32: prefill and decode routing compare exactly)."""
     out = tmp_path_factory.mktemp("routes")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "route_trace.py"), "--corpus", str(corpus),
+                           "--model", str(tiny_checkpoint),
                            "--out", str(out), "--tokens-per-kind", str(TOKENS), "--chunk", str(CHUNK),
                            "--batch", str(BATCH), "--threads", "1"], check=True, capture_output=True, text=True)
     return out, proc.stdout

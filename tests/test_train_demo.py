@@ -74,3 +74,16 @@ def test_snapshot_lets_training_continue_elsewhere(corpus, tmp_path):
     moved = _train(corpus, tmp_path / "c", "--max-steps", "10", "--init-from", str(tmp_path / "snap"), **kw)
     assert [r["step"] for r in moved] == [9, 10]
     assert abs(moved[0]["ce"] - full[8]["ce"]) < 0.01 * full[8]["ce"]
+
+
+def test_prepare_writes_only_what_a_gpu_machine_needs(corpus, tmp_path):
+    out = tmp_path / "prep"
+    _train_cmd = [sys.executable, str(ROOT / "tools/train_demo.py"), "--corpus", str(corpus), "--out", str(out),
+                  "--preset", "tiny", "--device", "cpu", "--prepare"]
+    subprocess.run(_train_cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    assert {p.name for p in out.iterdir()} == {"tokenizer", "tokens.npz", "tokens.json"}
+    counts = json.loads((out / "tokens.json").read_text())
+    assert set(counts) == {"code", "prose", "docs", "german"} and all(c["train_tokens"] > 0 for c in counts.values())
+    # a run from the prepared directory needs no corpus at all
+    _train(tmp_path / "no-corpus", out, "--max-steps", "2")
+    assert (out / "checkpoint.pt").exists()

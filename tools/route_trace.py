@@ -325,7 +325,7 @@ def load_trace(path: str | Path) -> tuple[dict, dict[str, np.ndarray], dict[str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     ap.add_argument("--corpus", default=".corpus", help="corpus directory from tools/build_corpus.py")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--tokens-per-kind", type=int, default=300_000)

@@ -242,6 +242,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=9.5, help="stop and save after this long (a run fits 10 min)")
     ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--prepare", action="store_true",
+                    help="only train the BPE and write the token cache (out/tokenizer, out/tokens.npz, ~10 MB): what "
+                         "a GPU machine needs instead of the corpus")
     ap.add_argument("--eval", action="store_true", help="bits per byte on held-out text, per kind")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--export", default=None, help="write the trained checkpoint (make-model layout) here")
@@ -273,6 +276,9 @@ def main() -> int:
     recipe = {kind: {"train_tokens": int(len(streams["train"][kind])), "heldout_tokens": int(len(s))}
               for kind, s in streams["heldout"].items()}
     (out / "tokens.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    if args.prepare:
+        print(json.dumps(recipe))
+        return 0
 
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True     # fp32 master weights, TF32 matmuls: the model is tiny

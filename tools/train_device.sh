@@ -2,7 +2,7 @@
 # One device call of demo-model training (issue 6), run through tools/gpu_session.sh on the lent H200.
 #   first call:  bash tools/train_device.sh plan 575    # time 30 steps, fix the LR schedule length, train
 #   next calls:  bash tools/train_device.sh resume 575  # resume runs/demo (kept on the machine between calls)
-# runs/demo must hold tokenizer/ and tokens.npz (train_demo.py --max-steps 0 --device cpu makes them here).
+# runs/demo must hold tokenizer/ and tokens.npz: python tools/train_demo.py --prepare makes them (30 s, CPU).
 # TRAIN_SECONDS is the training time the whole schedule gets over all calls.
 set -uo pipefail
 mode=$1; budget=$2
