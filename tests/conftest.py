@@ -55,6 +55,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc=None, timeout: float = 120) -> None:
+    """Poll `url`/health until it answers 200; fail the test on timeout or if `proc` (the launcher) exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read()[-2000:] if proc.stderr else ""
+            pytest.fail(f"the server exited with {proc.returncode}: {err}")
+        time.sleep(0.2)
+    pytest.fail(f"{url} did not become healthy in {timeout:.0f} s")
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny preset written once for the session (seed 0): the server tests share it read-mostly."""

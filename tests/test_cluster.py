@@ -16,7 +16,7 @@ import pytest
 import torch
 from openai import APIError, AsyncOpenAI, OpenAI
 
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from gateway.launcher import Cluster, ServeOptions
 from gateway.tokenizer import Tokenizer
 from shared.sampling import SamplingParams
@@ -237,16 +237,7 @@ def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
                                  "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("cluster did not become healthy")
+        wait_healthy(url)
         children = _children(launcher.pid)
         stage1 = next(p for p in children if "--stage" in Path(f"/proc/{p}/cmdline").read_text()
                       and Path(f"/proc/{p}/cmdline").read_text().split("\0")[-2] == "1")

@@ -10,14 +10,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import free_port
+from conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "shared" / "demo_model"
@@ -39,18 +37,7 @@ def default_server(tmp_path_factory):
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.3)
-        else:
-            pytest.fail("the default cluster did not become healthy")
+        wait_healthy(url, proc, timeout=180)
         yield url, home, bundled_before
     finally:
         proc.send_signal(signal.SIGINT)
