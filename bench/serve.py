@@ -2,7 +2,7 @@
 concurrent streams, measured as the field reports do (002 §3.0): fixed prompts and seed, one warm-up run, three
 measured runs, median ITL and mean tokens/s, TTFT from the client.
 
-    python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in tiny model
+    python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in demo model
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
     python bench/serve.py --stages 2 --no-ple-service          # A/B: the in-process PLE fallback
 Prints a table and writes JSON (--out).
@@ -27,6 +27,14 @@ PROMPTS = [
     "List three uses of a hash map in a compiler.",
     "def quicksort(xs):",
 ]
+
+
+def long_prompt(chars: int, i: int) -> str:
+    """A long fixed prompt, as coding agents send (system prompt, tools, files): this file's own source, repeated,
+    from a per-stream offset."""
+    text = Path(__file__).read_text()
+    text = text * (chars // len(text) + 2)
+    return text[i * 101: i * 101 + chars]
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
@@ -71,7 +79,7 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
     return {"stage_busy_fraction": busy, "transfer": transfer}
 
 
-async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int) -> dict:
+async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int, prompt_chars: int = 0) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600)
@@ -81,7 +89,8 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
         if run == 1:
             before, t_start = scrape(url), time.perf_counter()
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*[one_stream(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, 1000 + i)
+        prompts = [long_prompt(prompt_chars, i) if prompt_chars else PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+        outs = await asyncio.gather(*[one_stream(client, model, prompts[i], max_tokens, 1000 + i)
                                       for i in range(streams)])
         wall = time.perf_counter() - t0
         if run:
@@ -91,7 +100,7 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
     ttft = [o["ttft"] for outs, _ in results for o in outs]
     per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
     itl_sorted = sorted(itl)
-    return {"streams": streams, "runs": runs, "max_tokens": max_tokens,
+    return {"streams": streams, "runs": runs, "max_tokens": max_tokens, "prompt_chars": prompt_chars,
             "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
             "itl_median_ms": 1e3 * statistics.median(itl) if itl else float("nan"),
             "itl_p90_ms": 1e3 * itl_sorted[int(0.9 * (len(itl_sorted) - 1))] if itl else float("nan"),
@@ -101,7 +110,7 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
-    ap.add_argument("--model", default=None, help="checkpoint to serve (default: the built-in tiny model)")
+    ap.add_argument("--model", default=None, help="checkpoint to serve (default: the built-in demo model)")
     ap.add_argument("--model-name", default="moepipe")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--device", default="cpu")
@@ -110,6 +119,8 @@ def main() -> int:
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="long prompts of this many characters (about 3.5 per token) instead of the short fixed ones")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
 
@@ -125,7 +136,7 @@ def main() -> int:
                                        extra=extra)).__enter__()
         url = cluster.url
     try:
-        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs))
+        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, args.prompt_chars))
                 for n in args.streams.split(",")]
     finally:
         if cluster is not None:

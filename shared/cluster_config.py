@@ -37,7 +37,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "moepipe"
-    dtype: str = ""                             # "" = the checkpoint's dtype
+    dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
     block_size: int = 16
     num_blocks: int = 512
@@ -79,6 +79,9 @@ class ClusterConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
+                                     f"empty (the checkpoint's)")
         if self.ple_service and self.ple_ring_slots <= self.num_microbatches:
             # The service reuses ring slot step % slots with no handshake: more slots than steps in flight.
             raise ClusterConfigError(f"cluster config: ple_ring_slots ({self.ple_ring_slots}) must exceed the "
@@ -100,7 +103,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
-        "MOEPIPE_THREADS": "threads_per_stage"}
+        "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -111,7 +114,7 @@ def env_overrides() -> dict[str, Any]:
             val = os.environ[env]
             if key in ("microbatches", "threads_per_stage"):
                 out[key] = int(val)
-            elif key == "kernels":
+            elif key in ("kernels", "dtype"):
                 out[key] = val
             else:
                 out[key] = val.lower() not in ("0", "false", "no", "off")

@@ -48,3 +48,19 @@ def test_environment_switches_reach_the_launcher_and_the_processes(tiny, tmp_pat
     monkeypatch.setenv("MOEPIPE_PLE_SERVICE", "1")
     cfg = build_cluster_config(ServeOptions(model=tiny, stages=2, extra={"ple_service": False}), tmp_path)
     assert not cfg.ple_service                       # the command-line flag wins over the environment
+
+
+def test_dtype_default_switch_and_validation(tiny, tmp_path, monkeypatch):
+    import torch
+
+    from shared.model_config import config_from_dict
+    from stage_worker.checkpoint.loader import default_dtype
+
+    half = config_from_dict({**__import__("json").loads((tiny / "config.json").read_text()), "dtype": "bfloat16"})
+    assert default_dtype(half, "cpu") == torch.float32              # no bf16 matrix units on most CPUs
+    assert default_dtype(half, "cuda:1") == torch.bfloat16          # a GPU keeps the checkpoint's dtype
+    monkeypatch.setenv("MOEPIPE_DTYPE", "bfloat16")
+    assert build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path).dtype == "bfloat16"
+    monkeypatch.setenv("MOEPIPE_DTYPE", "bf16")
+    with pytest.raises(ClusterConfigError, match="dtype 'bf16' must be float32, bfloat16, float16"):
+        build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)

@@ -40,7 +40,7 @@ class LoadOptions:
     start: int = 0
     end: int | None = None
     device: str | torch.device = "cpu"
-    dtype: torch.dtype | None = None          # default: the config's dtype
+    dtype: torch.dtype | None = None          # default: `default_dtype` (the config's; float32 for half on a CPU)
     load_format: str = "safetensors"          # or "dummy": seeded random weights, no file reads
     with_mtp: bool = False
     ple_dir: Path | None = None               # where expanded PLE tables live; default beside the checkpoint
@@ -62,8 +62,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dtype:
+    """The checkpoint's dtype, except that a CPU computes half-precision checkpoints in float32: most CPUs have no
+    bf16/fp16 matrix units, and PyTorch's fallback ran the bf16 demo model 4.5-6x slower than float32 on this
+    project's CI machine (docs/demo-model.md). `dtype` in the cluster config (MOEPIPE_DTYPE) overrides it."""
+    dtype = DTYPES[cfg.dtype]
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions) -> StageModel:
-    dtype = opts.dtype or DTYPES[cfg.dtype]
+    dtype = opts.dtype or default_dtype(cfg, opts.device)
     with torch.device("meta"):
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
     model = model.to(dtype).to_empty(device=opts.device)
@@ -83,7 +93,9 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         fill_random(model, opts.seed)
         for layer, ple in _ple_modules(model):
             spec: NgramHashSpec = ple.spec
-            ple.table = ProceduralTable(spec.padded_rows, cfg.ple_head_dim, next(model.parameters()).dtype, opts.seed + layer)
+            # the table's storage dtype, as the PLE service builds it, whatever the compute dtype
+            ple.table = ProceduralTable(spec.padded_rows, cfg.ple_head_dim, opts.dtype or DTYPES[cfg.dtype],
+                                        opts.seed + layer)
         return model
     if opts.load_format != "safetensors":
         raise ValueError(f"load format {opts.load_format!r}: expected 'safetensors' or 'dummy'")
