@@ -3,10 +3,13 @@
     python tools/build_corpus.py                                   # once, on a machine with the source texts
     python tools/train_demo.py --corpus .corpus --out runs/demo --minutes 9.5       # resumes if runs/demo exists
     python tools/train_demo.py --corpus .corpus --out runs/demo --eval --export shared/demo_model
+    python tools/train_demo.py --corpus .corpus --out runs/demo --prepare    # tokenizer + token cache only (for a
+                                                                             # GPU machine: tools/train_device.sh)
 
 The model is the project's own `StageModel` in a training mode of the same modules (no second model): the
-reference (PyTorch) paths run with autograd, flash-linear-attention's chunked Gated DeltaNet kernel on a GPU, and
-the modules' training hooks add
+reference (PyTorch) paths run with autograd (on a GPU too: the model's own chunked delta rule carries the
+gradients), same-length windows go through each layer as one batch (`StepBatch.fresh_equal`), the MoE runs every
+expert densely (`SparseMoE.dense_experts`), and the modules' training hooks add
 * a load-balancing loss per MoE layer (`SparseMoE.aux`), so the router spreads its choices without collapsing;
 * the QSA indexer's distillation toward dense attention (`GatedAttention.aux`): for the first `--distill-steps`
   steps every query attends densely (`qsa_dense`) while the indexer learns which blocks attention uses, then the
