@@ -103,3 +103,20 @@ def test_dense_experts_equal_the_sparse_loop_with_gradients():
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_large_batched_attention_falls_back_to_the_loop(tiny_checkpoint, monkeypatch):
+    """Above BATCHED_SCORES_LIMIT the attention loops over sequences (peak memory of one sequence's scores), with the
+    same result; DeltaNet and PLE stay batched."""
+    import stage_worker.model.attention as attention
+
+    model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32)).eval()
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, model.cfg.vocab_size, (21,), generator=g).tolist() for _ in range(2)]
+    with torch.no_grad():
+        want, _, aux_batched = _run(model, seqs, together=True, num_slots=2)
+        monkeypatch.setattr(attention, "BATCHED_SCORES_LIMIT", 0)
+        got, _, aux_looped = _run(model, seqs, together=True, num_slots=2)
+    n_idx = sum(1 for m in model.modules() if isinstance(m, GatedAttention) and m.indexer is not None)
+    assert len(aux_batched) == n_idx and len(aux_looped) == 2 * n_idx          # one term per sequence: the loop ran
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -98,6 +98,11 @@ class QSAIndexer(nn.Module):
         return in_block[..., :ctx] | tail
 
 
+# The batched path of same-length new sequences holds every sequence's [heads, L, L] scores at once; above this many
+# elements (256 MB in float32) it loops over sequences instead, so a large batched prefill cannot multiply peak memory.
+BATCHED_SCORES_LIMIT = 1 << 26
+
+
 class GatedAttention(nn.Module):
     """Attention whose q_proj also produces a per-feature output gate; q/k are RMS-normalised per head."""
 
@@ -170,7 +175,7 @@ class GatedAttention(nn.Module):
             out = self._decode_kernels(q, iq, batch, cache, x.dtype)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
-        if batch.fresh_equal:
+        if batch.fresh_equal and batch.num_seqs * batch.seq_lens[0] ** 2 * self.n_heads <= BATCHED_SCORES_LIMIT:
             out = self._prefill_fresh_equal(q, k, v, iq, raw_k if self.indexer is not None else None, batch, cache)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
