@@ -1,0 +1,158 @@
+"""Replay routing traces against expert-residency policies: what share of expert selections a VRAM set of C
+experts per layer would serve, and how many experts each policy moves per token. Groundwork for expert offload
+(DESIGN §4, §7: cold experts in host RAM, rows moved at run time from decayed use counts), on the demo model's traces.
+
+    python bench/expert_cache_sim.py                                  # bench/traces/demo-model, C = 8, 16, 24
+    python bench/expert_cache_sim.py --trace DIR --capacity 4,8 --out bench/results/expert_cache_sim.json
+
+Model. Per MoE layer a resident set S of C experts. A selection is a hit when its expert is in S before the token;
+a miss is served from host memory (a GPU kernel can read pinned host memory directly), so policies differ only in
+how S moves:
+* `static-all`: the C most used experts of the fit half of every kind, never moved;
+* `static-kind`: the same from the fit half of the workload's own kind (an oracle for a known workload);
+* `lru`: S is the C most recently selected experts (moves on every miss);
+* `decay-H/N`: use counts decayed with a half-life of H tokens; every N tokens S becomes the C highest counts.
+Each kind's trace is split in halves: statistics come from the first, replay runs on the second. Workloads: each
+kind alone; `switch`, the kinds' second halves alternating every 512-token window (a server moving between
+conversations of different kinds); `interleave4`, the four kinds token by token (four concurrent streams).
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    kind: str                     # "static", "recency" or "decay"
+    half_life: float = 0.0        # tokens (decay)
+    every: int = 1                # re-placement interval in tokens (recency: 1)
+
+
+def top_c(scores: np.ndarray, c: int) -> np.ndarray:
+    """[L, E] scores -> [L, E] bool, the c best per row (ties: lower expert id, as a stable sort gives)."""
+    order = np.argsort(-scores, axis=-1, kind="stable")[:, :c]
+    out = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(out, order, True, axis=-1)
+    return out
+
+
+def usage(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[T, L, k] -> [L, E] selection counts."""
+    T, L, k = ids.shape
+    flat = ids.transpose(1, 0, 2).reshape(L, -1).astype(np.int64) + np.arange(L)[:, None] * num_experts
+    return np.bincount(flat.ravel(), minlength=L * num_experts).reshape(L, num_experts).astype(np.float64)
+
+
+def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
+           static_counts: np.ndarray | None = None) -> dict:
+    """Hit rate and expert moves per token of one policy over a [T, L, k] trace."""
+    T, L, k = ids.shape
+    rows = np.arange(L)[:, None]
+    if policy.kind == "static":
+        resident = top_c(static_counts, capacity)
+        hits = resident[rows, ids].sum()                       # [T, L, k] gather, broadcast over tokens
+        return {"hit_rate": float(hits / ids.size), "moves_per_token": 0.0}
+    score = np.zeros((L, num_experts))
+    resident = np.zeros((L, num_experts), dtype=bool)          # starts cold: the first tokens miss
+    hits = moves = 0
+    growth = 2.0 ** (1.0 / policy.half_life) if policy.kind == "decay" else 1.0
+    weight = 1.0
+    for t in range(T):
+        sel = ids[t]
+        hits += int(resident[rows, sel].sum())
+        if policy.kind == "recency":
+            score[rows, sel] = t + 1
+        else:
+            # decay all counts by 2^(-1/H) a token == grow the new increment instead; renormalise before overflow
+            score[rows, sel] += weight
+            weight *= growth
+            if weight > 1e100:
+                score /= weight
+                weight = 1.0
+        if (t + 1) % policy.every == 0:
+            new = top_c(score, capacity) & (score > 0)         # never-selected experts are not loaded
+            moves += int((new & ~resident).sum())
+            resident = new
+    return {"hit_rate": hits / ids.size, "moves_per_token": moves / T / L}
+
+
+def workloads(ids: dict[str, np.ndarray], chunk: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(fit halves per kind, replay workloads)."""
+    fit, test = {}, {}
+    for kind, a in ids.items():
+        half = (len(a) // 2 // chunk) * chunk
+        fit[kind], test[kind] = a[:half], a[half:]
+    loads = dict(test)
+    kinds = sorted(test)
+    n_win = min(len(test[k]) for k in kinds) // chunk
+    loads["switch"] = np.concatenate([test[k][w * chunk:(w + 1) * chunk] for w in range(n_win) for k in kinds])
+    n = min(len(test[k]) for k in kinds)
+    loads["interleave4"] = np.stack([test[k][:n] for k in kinds], axis=1).reshape(n * len(kinds), *test[kinds[0]].shape[1:])
+    return fit, loads
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(ROOT / "bench/traces/demo-model"), help="route_trace.npz or its directory")
+    ap.add_argument("--capacity", default="8,16,24", help="resident experts per layer (comma list)")
+    ap.add_argument("--tokens", type=int, default=50_000, help="replay at most this many tokens per workload")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/expert_cache_sim.json"))
+    args = ap.parse_args(argv)
+    import route_trace as rt
+
+    meta, ids, _ = rt.load_trace(args.trace)
+    E, chunk = meta["config"]["num_experts"], meta["chunk"]
+    caps = [int(c) for c in args.capacity.split(",")]
+    if not all(0 < c <= E for c in caps):
+        ap.error(f"--capacity: each value must be in 1..{E} (the trace's experts per layer)")
+    fit, loads = workloads(ids, chunk)
+    fit_all = sum(usage(a, E) for a in fit.values())
+    policies = [Policy("static-all", "static"), Policy("static-kind", "static"), Policy("lru", "recency"),
+                Policy("decay-64/1", "decay", 64, 1), Policy("decay-512/16", "decay", 512, 16),
+                Policy("decay-4096/128", "decay", 4096, 128)]
+    rows = []
+    t0 = time.time()
+    for name, trace in loads.items():
+        trace = trace[: args.tokens]
+        for c in caps:
+            for p in policies:
+                if p.name == "static-kind" and name not in fit:
+                    continue
+                counts = fit_all if p.name == "static-all" else usage(fit[name], E) if p.kind == "static" else None
+                r = replay(trace, E, c, p, counts)
+                rows.append({"workload": name, "capacity": c, "policy": p.name, "tokens": len(trace), **r})
+    print(f"{'workload':>12} {'C':>3} " + " ".join(f"{p.name:>15}" for p in policies) + "   (hit rate; moves/token/layer)")
+    for name in loads:
+        for c in caps:
+            cells = []
+            for p in policies:
+                r = next((x for x in rows if x["workload"] == name and x["capacity"] == c and x["policy"] == p.name),
+                         None)
+                cells.append("-" if r is None else f"{r['hit_rate']:.3f};{r['moves_per_token']:.2f}")
+            print(f"{name:>12} {c:>3} " + " ".join(f"{x:>15}" for x in cells))
+    out = {"meta": {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+                    "trace": meta.get("model"), "num_experts": E, "top_k": meta["config"]["top_k"],
+                    "moe_layers": len(meta["config"]["moe_layers"]), "machine": platform.node(),
+                    "seconds": round(time.time() - t0, 1)}, "results": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
