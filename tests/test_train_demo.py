@@ -87,3 +87,101 @@ def test_prepare_writes_only_what_a_gpu_machine_needs(corpus, tmp_path):
     # a run from the prepared directory needs no corpus at all
     _train(tmp_path / "no-corpus", out, "--max-steps", "2")
     assert (out / "checkpoint.pt").exists()
+
+
+def test_chat_data_from_the_corpus_renders_answers_and_parseable_tool_calls(corpus):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import chat_data
+    from build_corpus import iter_documents
+    from gateway.output_parser import OutputParser
+    from gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(ROOT / "shared" / "demo_model")
+    convs = list(chat_data.conversations(iter_documents(corpus)))
+    assert any(held for held, _, _ in convs) and any(not held for held, _, _ in convs)
+    man = [m for _, m, tools in convs if not tools and m[0]["content"].startswith("What does the `")]
+    assert man and all(m[1]["content"].startswith("`") and ": " in m[1]["content"] for m in man)
+    assert any(m[0]["content"].startswith("What is the Python module `") for _, m, _ in convs)
+    code = [m for _, m, _ in convs if m[0]["content"].startswith("Write a Python function `")]
+    assert all(m[1]["content"].startswith("```python\ndef ") for m in code)     # few in this small corpus
+    calls = [(m, tools) for _, m, tools in convs if tools]
+    assert calls
+    for messages, _ in calls:
+        text = chat_data.render(tok, messages, True)
+        assert '"name": "run_shell"' in text and text.count("<|im_start|>") == 3     # system (tools), user, assistant
+        # what the model learns to write after "<|im_start|>assistant\n" is what the gateway parses as a call
+        reply = text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("\n").removesuffix("<|im_end|>")
+        parsed = OutputParser.parse_complete(reply, tool_names=["run_shell"])
+        want = messages[1]["tool_calls"][0]["function"]
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [(want["name"], want["arguments"])]
+
+
+def test_chat_share_mixes_chat_windows_into_training(corpus, tmp_path):
+    log = _train(corpus, tmp_path / "chat", "--chat-share", "0.5", "--max-steps", "2")
+    assert len(log) == 2
+    counts = json.loads((tmp_path / "chat/tokens.json").read_text())
+    assert counts["chat"]["train_tokens"] > 1000
+    sys.path.insert(0, str(ROOT / "tools"))
+    import numpy as np
+    import train_demo
+
+    data = np.load(tmp_path / "chat/tokens.npz")
+    streams = {k.split(":", 1)[1]: data[k].astype(np.int32) for k in data.files if k.startswith("train:")}
+    with_chat = train_demo.batch_for_step(streams, 0, 0, 64, 32, chat_share=0.5)
+    without = train_demo.batch_for_step({k: v for k, v in streams.items() if k != "chat"}, 0, 0, 64, 32)
+    assert torch_equal(without, train_demo.batch_for_step(streams, 0, 0, 64, 32, chat_share=0.0))  # off = as before
+    assert not torch_equal(with_chat, without)
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def test_python_and_man_page_conversations_from_known_text():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import chat_data
+
+    src = '"""Small helpers.\n\nMore text."""\n\n\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n\n\n' \
+          'def _private():\n    """Skipped."""\n'
+    convs = list(chat_data.python_module("stdlib/tools/helpers.py", src))
+    assert convs == [
+        [{"role": "user", "content": "What is the Python module `tools.helpers` for?"},
+         {"role": "assistant", "content": "Small helpers."}],
+        [{"role": "user", "content": "Write a Python function `add(a, b=1)`: Add two numbers."},
+         {"role": "assistant", "content": '```python\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n```'}]]
+    page = "LS(1)    User Commands    LS(1)\n\nNAME\n       ls - list directory contents\n\nDESCRIPTION\n" \
+           "       List  information about the FILEs.\n\n       Second paragraph.\n"
+    conv = chat_data.man_page("usr/share/man/man8/ls.8.gz", page, german=False)       # section 8: never a tool call
+    assert conv[1]["content"] == "`ls`: list directory contents.\n\nList information about the FILEs."
+    assert "ls" in conv[0]["content"]
+
+
+def test_the_mtp_head_trains_the_embedding_the_export_keeps(tmp_path):
+    """transformers' layout stores one embedding; the MTP head must train with it, or its export is a stranger's."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_demo
+    from shared.model_config import config_from_dict
+    from stage_worker.checkpoint.make_model import preset_config
+
+    raw = preset_config("tiny")
+    raw.update(eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="float32")
+    model = train_demo.build_model(config_from_dict(raw), 0, "cpu")
+    assert model.mtp.embed_tokens.weight is model.embed_tokens.weight
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(3.0)              # as if trained: not the loader's random init
+    tok_dir = tmp_path / "tok"
+    from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tok_dir, vocab_size=raw["vocab_size"], model_max_length=512,
+                          texts=["hello world " * 50])
+    train_demo.export(model, dict(raw, dtype="float32"), tok_dir, tmp_path / "exp")
+    (tmp_path / "exp" / "train_state.json").write_text('{"step": 7}')
+    again = train_demo.build_model(config_from_dict(raw), 1, "cpu")
+    assert train_demo.init_from_snapshot(again, tmp_path / "exp") == 7
+    tokens = torch.randint(0, raw["vocab_size"], (2, 34), generator=torch.Generator().manual_seed(0))
+    model.eval(), again.eval()
+    with torch.no_grad():
+        a, b = train_demo.forward_losses(model, tokens), train_demo.forward_losses(again, tokens)
+    assert abs(a["mtp"].item() - b["mtp"].item()) < 1e-3 and abs(a["ce"].item() - b["ce"].item()) < 1e-3

@@ -117,18 +117,28 @@ def tokenize(out: Path, tok, docs, eos: int) -> dict[str, dict[str, np.ndarray]]
                     ids.extend(tok.encode(text))
                     ids.append(eos)
             streams[split][kind] = np.asarray(ids, dtype=np.int32)
-    assert tok.vocab_size <= 1 << 16
-    np.savez_compressed(cache, **{f"{s}:{k}": v.astype(np.uint16) for s, d in streams.items() for k, v in d.items()})
+    save_tokens(out, streams)
     return streams
 
 
-def batch_for_step(streams: dict[str, np.ndarray], step: int, seed: int, batch: int, seq: int) -> torch.Tensor:
-    """[batch, seq + 2] token windows, kinds equally likely: a function of (seed, step) only."""
+def save_tokens(out: Path, streams: dict[str, dict[str, np.ndarray]]) -> None:
+    assert all(int(v.max(initial=0)) < 1 << 16 for d in streams.values() for v in d.values())
+    np.savez_compressed(out / "tokens.npz",
+                        **{f"{s}:{k}": v.astype(np.uint16) for s, d in streams.items() for k, v in d.items()})
+
+
+def batch_for_step(streams: dict[str, np.ndarray], step: int, seed: int, batch: int, seq: int,
+                   chat_share: float = 0.0) -> torch.Tensor:
+    """[batch, seq + 2] token windows, corpus kinds equally likely (a window is chat text with probability
+    `chat_share`): a function of (seed, step) only."""
     rng = np.random.default_rng([seed, step])
-    kinds = sorted(streams)
+    kinds = sorted(k for k in streams if k != "chat")
     rows = []
     for _ in range(batch):
-        s = streams[kinds[rng.integers(len(kinds))]]
+        if chat_share > 0 and rng.random() < chat_share:
+            s = streams["chat"]
+        else:
+            s = streams[kinds[rng.integers(len(kinds))]]
         start = int(rng.integers(0, len(s) - seq - 2))
         rows.append(s[start:start + seq + 2])
     return torch.from_numpy(np.stack(rows).astype(np.int64))
@@ -147,6 +157,10 @@ def build_model(cfg, seed: int, device: str) -> StageModel:
     for layer in model.layers.values():
         if layer.ple is not None:
             layer.ple.table = TrainableTable(layer.ple.spec.padded_rows, cfg.ple_head_dim)   # registered: trained
+    if model.mtp is not None and model.has_embedding:
+        # On disk the MTP head reads the model's embedding (transformers' layout has no copy of its own); a separate
+        # trainable copy here would train an embedding the export then drops.
+        model.mtp.embed_tokens.weight = model.embed_tokens.weight
     return model.to(device)
 
 
@@ -245,6 +259,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=9.5, help="stop and save after this long (a run fits 10 min)")
     ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--chat-share", type=float, default=0.0,
+                    help="share of training windows taken from chat-formatted conversations made from the corpus "
+                         "(tools/chat_data.py); 0 = none, the shipped model's setting")
     ap.add_argument("--prepare", action="store_true",
                     help="only train the BPE and write the token cache (out/tokenizer, out/tokens.npz, ~10 MB): what "
                          "a GPU machine needs instead of the corpus")
@@ -276,6 +293,13 @@ def main() -> int:
     raw.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None, dtype="float32")
     cfg = config_from_dict(raw)
     streams = tokenize(out, tok, docs, pad)
+    if args.chat_share > 0 and "chat" not in streams["train"]:
+        from chat_data import chat_stream
+
+        chat = chat_stream(docs(), tok, pad)
+        for split in ("train", "heldout"):
+            streams[split]["chat"] = np.asarray(chat[split], dtype=np.int32)
+        save_tokens(out, streams)
     recipe = {kind: {"train_tokens": int(len(streams["train"][kind])), "heldout_tokens": int(len(s))}
               for kind, s in streams["heldout"].items()}
     (out / "tokens.json").write_text(json.dumps(recipe, indent=2) + "\n")
@@ -327,7 +351,7 @@ def main() -> int:
         lr = lr_at(step, args.total_steps, args.lr, args.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        tokens = batch_for_step(streams["train"], step, args.seed, args.batch, args.seq)
+        tokens = batch_for_step(streams["train"], step, args.seed, args.batch, args.seq, args.chat_share)
         losses = forward_losses(model, tokens)
         total = losses["ce"] + sum(LOSS_WEIGHTS[k] * losses[k] for k in LOSS_WEIGHTS)
         opt.zero_grad(set_to_none=True)
@@ -383,7 +407,8 @@ def init_from_snapshot(model: StageModel, snapshot: Path) -> int:
                 table = loaded.layers[key].ple.table.tensor
                 table = table() if callable(table) else table
                 layer.ple.table.weight.copy_(table.float().to(device))
-    return json.loads((snapshot / "train_state.json").read_text())["step"]
+    state = snapshot / "train_state.json"      # absent in an export (shared/demo_model): a fine-tune starts at 0
+    return json.loads(state.read_text())["step"] if state.exists() else 0
 
 
 if __name__ == "__main__":
