@@ -185,3 +185,23 @@ def test_the_mtp_head_trains_the_embedding_the_export_keeps(tmp_path):
     with torch.no_grad():
         a, b = train_demo.forward_losses(model, tokens), train_demo.forward_losses(again, tokens)
     assert abs(a["mtp"].item() - b["mtp"].item()) < 1e-3 and abs(a["ce"].item() - b["ce"].item()) < 1e-3
+
+
+def test_train_only_moves_only_the_named_parameters(corpus, tmp_path):
+    import torch
+
+    log = _train(corpus, tmp_path / "only", "--train-only", "mtp.", "--max-steps", "3")
+    assert len(log) == 3
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_demo
+    from shared.model_config import config_from_dict
+    from stage_worker.checkpoint.make_model import preset_config
+
+    trained = torch.load(tmp_path / "only/checkpoint.pt", weights_only=False)["model"]
+    raw = preset_config("tiny")
+    tok_cfg = json.loads((tmp_path / "only/tokenizer/tokenizer_config.json").read_text())
+    ids = {v["content"]: int(k) for k, v in tok_cfg["added_tokens_decoder"].items()}
+    raw.update(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None, dtype="float32")
+    start = train_demo.build_model(config_from_dict(raw), 0, "cpu").state_dict()
+    moved = {k for k in start if not torch.equal(start[k], trained[k])}
+    assert moved and all(k.startswith("mtp.") for k in moved), sorted(moved)[:5]

@@ -259,6 +259,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--minutes", type=float, default=9.5, help="stop and save after this long (a run fits 10 min)")
     ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--train-only", default=None, metavar="PREFIX",
+                    help="train only parameters whose name starts with PREFIX (e.g. 'mtp.': re-fit the MTP head of "
+                         "an export without touching the model it reads)")
     ap.add_argument("--chat-share", type=float, default=0.0,
                     help="share of training windows taken from chat-formatted conversations made from the corpus "
                          "(tools/chat_data.py); 0 = none, the shipped model's setting")
@@ -314,8 +317,12 @@ def main() -> int:
     # PyTorch paths everywhere: flash-linear-attention's chunked backward refuses Hopper with Triton < 3.7.1
     # (wrong gradients, fla #640), and the model's own chunked delta rule is differentiable.
     model.set_kernels(KernelFlags.parse("none"))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    if args.train_only:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(args.train_only))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     ckpt = out / "checkpoint.pt"
@@ -323,7 +330,8 @@ def main() -> int:
     if ckpt.exists():
         state = torch.load(ckpt, map_location=args.device, weights_only=False)
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        if not (args.eval or args.export):           # evaluating or exporting needs the weights only
+            opt.load_state_dict(state["optimizer"])
         step = state["step"]
         print(f"resumed at step {step}")
     elif args.init_from:
@@ -356,7 +364,7 @@ def main() -> int:
         total = losses["ce"] + sum(LOSS_WEIGHTS[k] * losses[k] for k in LOSS_WEIGHTS)
         opt.zero_grad(set_to_none=True)
         total.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gnorm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         step += 1
         dt = time.time() - t0
