@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--no-ple-service", action="store_true")
+    ap.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                    help="dummy: seeded random weights (config-only checkpoints such as make-model --preset full-shape)")
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -132,6 +134,8 @@ def main() -> int:
 
         model = Path(args.model) if args.model else ensure_builtin_model()
         extra = {"ple_service": False} if args.no_ple_service else {}
+        if args.load_format:
+            extra["load_format"] = args.load_format
         cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
                                        extra=extra)).__enter__()
         url = cluster.url
@@ -143,6 +147,7 @@ def main() -> int:
             cluster.__exit__(None, None, None)
     meta = {"command": " ".join(sys.argv), "machine": platform.node(), "python": platform.python_version(),
             "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
+            "load_format": args.load_format or "safetensors",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"{'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
     for r in rows:

@@ -57,7 +57,7 @@ def ensure_builtin_model() -> Path:
 def _make_model(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.make_model import make_model
 
-    out = make_model(args.preset, Path(args.out), seed=args.seed)
+    out = make_model(args.preset, Path(args.out), seed=args.seed, layers=args.layers)
     print(out)
     return 0
 
@@ -70,19 +70,26 @@ def _generate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from gateway.launcher import ServeOptions, run_serve
+def serve_options(args: argparse.Namespace):
+    """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
+    from gateway.launcher import ServeOptions
 
     model = Path(args.model) if args.model else ensure_builtin_model()
     extra = {}
     if args.no_ple_service:
         extra["ple_service"] = False
-    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
+                "load_format"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
-    opts = ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
+    return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
                         extra=extra, verbose=args.verbose)
-    return run_serve(opts)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.launcher import run_serve
+
+    return run_serve(serve_options(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape"], default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")
     mk.set_defaults(func=_make_model)
 
     g = sub.add_parser("generate", help="generate from a prompt in this process")
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per stage")
     s.add_argument("--block-size", type=int, default=None)
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
     s.add_argument("--no-ple-service", action="store_true",
                    help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
     s.set_defaults(func=_serve)

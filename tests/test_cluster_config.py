@@ -64,3 +64,13 @@ def test_dtype_default_switch_and_validation(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPIPE_DTYPE", "bf16")
     with pytest.raises(ClusterConfigError, match="dtype 'bf16' must be float32, bfloat16, float16"):
         build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
+
+
+def test_serve_load_format_reaches_the_cluster_config(tiny, tmp_path):
+    from shared.cli import build_parser, serve_options
+
+    opts = serve_options(build_parser().parse_args(["serve", "--model", str(tiny), "--stages", "2",
+                                                    "--load-format", "dummy"]))
+    assert build_cluster_config(opts, tmp_path).load_format == "dummy"
+    opts = serve_options(build_parser().parse_args(["serve", "--model", str(tiny)]))
+    assert build_cluster_config(opts, tmp_path).load_format == "safetensors"

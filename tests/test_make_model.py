@@ -117,3 +117,24 @@ def test_dummy_load_format_runs_without_weight_files(tiny, tmp_path):
     engine.add(0)
     logits = engine.step([(0, [5, 6, 7, 8])])
     assert torch.isfinite(logits).all()
+
+
+def test_layers_cuts_a_preset_and_refuses_what_it_cannot_cut(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from stage_worker.checkpoint.make_model import make_model
+
+    out = make_model("full-shape", tmp_path / "fs", layers=6)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 6 and len(cfg["layer_types"]) == 6
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["indexed_attention"] + ["linear_attention"] * 2
+    assert not list(out.glob("*.safetensors"))                          # full-shape stays config-only
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "make-model", "--preset", "tiny", "--layers", "99",
+                        "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--layers 99: the tiny preset has 1..6 layers" in r.stderr
+    assert not (tmp_path / "bad").exists()
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "make-model", "--preset", "tiny", "--layers", "1",
+                        "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert r.returncode == 2 and "PLE layer ids" in r.stderr

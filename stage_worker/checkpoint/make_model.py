@@ -82,10 +82,18 @@ PRESETS["demo"] = dict(
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
-def preset_config(name: str) -> dict:
+def preset_config(name: str, layers: int | None = None) -> dict:
+    """A preset's config; `layers` keeps its first N decoder layers (a full-shape model cut to fit a machine: the
+    two-GPU run serves a preset that needs both cards' memory)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     raw = dict(PRESETS[name])
+    if layers is not None:
+        if not 1 <= layers <= raw["num_hidden_layers"]:
+            raise ValueError(f"--layers {layers}: the {name} preset has 1..{raw['num_hidden_layers']} layers")
+        if any(i > layers for i in raw.get("ple_layer_ids", [])):
+            raise ValueError(f"--layers {layers}: the PLE layer ids {raw['ple_layer_ids']} need more layers")
+        raw["num_hidden_layers"] = layers
     n = raw["num_hidden_layers"]
     pattern = raw["layer_types"]
     raw["layer_types"] = [pattern[i % len(pattern)] for i in range(n)]
@@ -95,11 +103,11 @@ def preset_config(name: str) -> dict:
     return raw
 
 
-def make_model(preset: str, out: Path, seed: int = 0) -> Path:
+def make_model(preset: str, out: Path, seed: int = 0, layers: int | None = None) -> Path:
     t0 = time.time()
     out = Path(out)
+    raw = preset_config(preset, layers)
     out.mkdir(parents=True, exist_ok=True)
-    raw = preset_config(preset)
     special = write_tokenizer_files(out, vocab_size=raw["vocab_size"], model_max_length=raw["max_position_embeddings"])
     raw.update(eos_token_id=special.im_end, pad_token_id=special.endoftext, bos_token_id=None)
     cfg = config_from_dict(raw)
