@@ -101,7 +101,8 @@ def workloads(ids: dict[str, np.ndarray], chunk: int) -> tuple[dict[str, np.ndar
     n_win = min(len(test[k]) for k in kinds) // chunk
     loads["switch"] = np.concatenate([test[k][w * chunk:(w + 1) * chunk] for w in range(n_win) for k in kinds])
     n = min(len(test[k]) for k in kinds)
-    loads["interleave4"] = np.stack([test[k][:n] for k in kinds], axis=1).reshape(n * len(kinds), *test[kinds[0]].shape[1:])
+    interleaved = np.stack([test[k][:n] for k in kinds], axis=1)            # [n, kinds, L, k]
+    loads["interleave4"] = interleaved.reshape(n * len(kinds), *interleaved.shape[2:])
     return fit, loads
 
 
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts = fit_all if p.name == "static-all" else usage(fit[name], E) if p.kind == "static" else None
                 r = replay(trace, E, c, p, counts)
                 rows.append({"workload": name, "capacity": c, "policy": p.name, "tokens": len(trace), **r})
-    print(f"{'workload':>12} {'C':>3} " + " ".join(f"{p.name:>15}" for p in policies) + "   (hit rate; moves/token/layer)")
+    header = " ".join(f"{p.name:>15}" for p in policies)
+    print(f"{'workload':>12} {'C':>3} {header}   (hit rate; moves/token/layer)")
     for name in loads:
         for c in caps:
             cells = []

@@ -141,14 +141,15 @@ def test_python_and_man_page_conversations_from_known_text():
     sys.path.insert(0, str(ROOT / "tools"))
     import chat_data
 
-    src = '"""Small helpers.\n\nMore text."""\n\n\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n\n\n' \
+    add = 'def add(a, b=1):\n    """Add two numbers."""\n    return a + b'
+    src = '"""Small helpers.\n\nMore text."""\n\n\n' + add + '\n\n\n' \
           'def _private():\n    """Skipped."""\n'
     convs = list(chat_data.python_module("stdlib/tools/helpers.py", src))
     assert convs == [
         [{"role": "user", "content": "What is the Python module `tools.helpers` for?"},
          {"role": "assistant", "content": "Small helpers."}],
         [{"role": "user", "content": "Write a Python function `add(a, b=1)`: Add two numbers."},
-         {"role": "assistant", "content": '```python\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n```'}]]
+         {"role": "assistant", "content": f"```python\n{add}\n```"}]]
     page = "LS(1)    User Commands    LS(1)\n\nNAME\n       ls - list directory contents\n\nDESCRIPTION\n" \
            "       List  information about the FILEs.\n\n       Second paragraph.\n"
     conv = chat_data.man_page("usr/share/man/man8/ls.8.gz", page, german=False)       # section 8: never a tool call

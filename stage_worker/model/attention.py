@@ -225,16 +225,11 @@ class GatedAttention(nn.Module):
             pooled = pooled.view(B, nb, -1)
             if not self.qsa_dense:
                 visible = visible & self.indexer.select(iq.view(B, L, *iq.shape[1:]), pooled, pos, L)
-        rep = self.n_heads // self.kv_heads
-        kh = k.repeat_interleave(rep, dim=2).transpose(1, 2).to(q.dtype)            # [B, H, L, d]
-        vh = v.repeat_interleave(rep, dim=2).transpose(1, 2).to(q.dtype)
-        scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~(visible[:, None] if visible.dim() == 3 else visible), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out, probs = self._attend(q, k, v, visible, with_probs=True)
         if self.aux is not None and pooled is not None:
             self.aux.append(("indexer_kl", self.indexer.distill_loss(iq.view(B, L, *iq.shape[1:]), pooled, pos,
                                                                      probs)))
-        return torch.matmul(probs, vh).transpose(1, 2).reshape(B * L, self.n_heads, self.head_dim)
+        return out.reshape(B * L, self.n_heads, self.head_dim)
 
     def _update_pooled(self, cache: AttentionCache, rows: torch.Tensor, old_ctx: int, ctx: int,
                        device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -288,11 +283,13 @@ class GatedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                 with_probs: bool = False):
+        """q [..., q_len, H, d], k/v [..., ctx, kv_heads, d], visible [..., q_len, ctx] -> [..., q_len, H, d] (and
+        the probabilities [..., H, q_len, ctx]); leading dims: a batch of sequences."""
         rep = self.n_heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)   # [H, ctx, d]
-        v = v.repeat_interleave(rep, dim=1).transpose(0, 1).to(q.dtype)
-        scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * self.scale
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+        k = k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)   # [..., H, ctx, d]
+        v = v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)
+        scores = torch.matmul(q.transpose(-3, -2), k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(0, 1)
+        out = torch.matmul(probs, v).transpose(-3, -2)
         return (out, probs) if with_probs else out

@@ -90,15 +90,7 @@ class GatedDeltaNet(nn.Module):
             state.conv[slot] = seq[:, -(self.kernel - 1):]
             conv = F.silu(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
             init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
-            fla = self._fla_rule("chunk") if (self.kernels.deltanet and x.is_cuda) else None
-            if fla is not None:
-                q, k, v = self._split_raw(conv[None])
-                o, s = fla(q, k, v, g=g[None, s_:e_], beta=beta[None, s_:e_], scale=self.dk ** -0.5,
-                           initial_state=init[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
-            else:
-                q, k, v = self._split(conv[None])
-                rule = recurrent_delta_rule if e_ - s_ == 1 else chunked_delta_rule
-                o, s = rule(q, k, v, g[None, s_:e_], beta[None, s_:e_], init[None])
+            o, s = self._delta_rule(conv[None], g[None, s_:e_], beta[None, s_:e_], init[None])
             state.recurrent[slot] = s[0]
             out[s_:e_] = o[0].to(x.dtype)
         out = self.norm(out, z).reshape(T, -1)
@@ -112,17 +104,22 @@ class GatedDeltaNet(nn.Module):
         state.conv[slots] = seq[:, :, -(self.kernel - 1):]
         conv = F.silu(F.conv1d(seq.to(x.dtype), self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2).contiguous()
         init = torch.zeros_like(state.recurrent[slots])
-        g, beta = g.view(B, L, -1), beta.view(B, L, -1)
-        fla = self._fla_rule("chunk") if (self.kernels.deltanet and x.is_cuda) else None
-        if fla is not None:
-            q, k, v = self._split_raw(conv)
-            o, s = fla(q, k, v, g=g, beta=beta, scale=self.dk ** -0.5, initial_state=init, output_final_state=True,
-                       use_qk_l2norm_in_kernel=True)
-        else:
-            q, k, v = self._split(conv)
-            o, s = chunked_delta_rule(q, k, v, g, beta, init)
+        o, s = self._delta_rule(conv, g.view(B, L, -1), beta.view(B, L, -1), init)
         state.recurrent[slots] = s.to(state.recurrent.dtype)
         return o.reshape(B * L, self.nv, self.dv).to(x.dtype)
+
+    def _delta_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """conv [B, T, conv_dim] (after the short conv), g/beta [B, T, nv], init [B, nv, dk, dv] -> (out, state):
+        flash-linear-attention's chunked kernel on a GPU when enabled, else the model's own rule."""
+        fla = self._fla_rule("chunk") if (self.kernels.deltanet and conv.is_cuda) else None
+        if fla is not None:
+            q, k, v = self._split_raw(conv)
+            return fla(q, k, v, g=g, beta=beta, scale=self.dk ** -0.5, initial_state=init, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+        q, k, v = self._split(conv)
+        rule = recurrent_delta_rule if conv.shape[1] == 1 else chunked_delta_rule
+        return rule(q, k, v, g, beta, init)
 
     def _decode_kernel_usable(self, x: torch.Tensor) -> bool:
         from stage_worker.kernels.deltanet_decode import triton_usable   # Triton is a GPU-side dependency

@@ -89,7 +89,8 @@ class PLEBranch(nn.Module):
             slots = batch.device_slots()
             seq = F.pad(x.view(batch.num_seqs, -1, x.shape[-1]).to(state.conv.dtype), (0, 0, tail_len, 0))
             state.conv[slots] = seq[:, -tail_len:]                     # seq: [B, tail + L, W], zero tail
-            y = F.conv1d(seq.transpose(1, 2).to(x.dtype), self.conv1d.weight, groups=x.shape[-1], dilation=self.dilation)
+            y = F.conv1d(seq.transpose(1, 2).to(x.dtype), self.conv1d.weight, groups=x.shape[-1],
+                         dilation=self.dilation)
             return F.silu(y.transpose(1, 2)).flatten(0, 1)
         out = torch.empty_like(x)
         cu = batch.cu_seqlens
