@@ -54,6 +54,7 @@ class ClusterConfig:
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
+    batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     seed: int = 0
 
@@ -103,6 +104,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
+        "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype"}
 
 

@@ -85,6 +85,9 @@ def test_fresh_equal_needs_new_sequences_of_one_length():
     assert not batch([([1, 2, 3], 0, 0, [0]), ([4, 5], 0, 1, [1])]).fresh_equal          # lengths differ
     assert not batch([([1, 2, 3], 0, 0, [0])]).fresh_equal                               # one sequence
     assert not batch([([1, 2, 3], 3, 0, [0]), ([4, 5, 6], 0, 1, [1])]).fresh_equal      # one has context
+    off = batch([([1, 2, 3], 0, 0, [0]), ([4, 5, 6], 0, 1, [1])])
+    off.batched_prefill = False                                                          # the A/B switch
+    assert not off.fresh_equal
 
 
 def test_dense_experts_equal_the_sparse_loop_with_gradients():

@@ -43,8 +43,10 @@ def test_toml_round_trip_and_validation(tiny, tmp_path):
 def test_environment_switches_reach_the_launcher_and_the_processes(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPIPE_PLE_SERVICE", "0")
     monkeypatch.setenv("MOEPIPE_MICROBATCHES", "1")
+    monkeypatch.setenv("MOEPIPE_BATCHED_PREFILL", "0")
     cfg = build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
     assert not cfg.ple_service and not cfg.ple_endpoint and cfg.num_microbatches == 1
+    assert not cfg.batched_prefill
     monkeypatch.setenv("MOEPIPE_PLE_SERVICE", "1")
     cfg = build_cluster_config(ServeOptions(model=tiny, stages=2, extra={"ple_service": False}), tmp_path)
     assert not cfg.ple_service                       # the command-line flag wins over the environment

@@ -25,6 +25,9 @@ class StepBatch:
     ple_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     # Which token rows the last stage turns into logits: default the last token of each sequence.
     logits_indices: torch.Tensor | None = None
+    # Same-length new sequences may run as one [B, L] batch (`fresh_equal`); off: the per-sequence loop (A/B,
+    # cluster key `batched_prefill`).
+    batched_prefill: bool = True
 
     def __post_init__(self) -> None:
         rows = []
@@ -46,8 +49,8 @@ class StepBatch:
         """Several new sequences of one length (training windows, same-length prompts): layers may treat the step
         as a [B, L] batch, one batched call instead of a loop over sequences (what makes training launch-bound)."""
         n = self.seq_lens[0] if self.seq_lens else 0
-        return len(self.seq_lens) > 1 and n > 1 and all(c == 0 for c in self.context_lens) \
-            and all(s == n for s in self.seq_lens)
+        return (self.batched_prefill and len(self.seq_lens) > 1 and n > 1
+                and all(c == 0 for c in self.context_lens) and all(s == n for s in self.seq_lens))
 
     def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables [B, max_blocks] int32 (padded with 0) and lengths after this step [B] int32, on the device."""
