@@ -82,19 +82,19 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
 async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int, prompt_chars: int = 0) -> dict:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600)
     results = []
     before, t_start = None, 0.0
-    for run in range(runs + 1):                        # run 0 is the warm-up
-        if run == 1:
-            before, t_start = scrape(url), time.perf_counter()
-        t0 = time.perf_counter()
-        prompts = [long_prompt(prompt_chars, i) if prompt_chars else PROMPTS[i % len(PROMPTS)] for i in range(streams)]
-        outs = await asyncio.gather(*[one_stream(client, model, prompts[i], max_tokens, 1000 + i)
-                                      for i in range(streams)])
-        wall = time.perf_counter() - t0
-        if run:
-            results.append((outs, wall))
+    prompts = [long_prompt(prompt_chars, i) if prompt_chars else PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600) as client:   # closed inside this loop
+        for run in range(runs + 1):                    # run 0 is the warm-up
+            if run == 1:
+                before, t_start = scrape(url), time.perf_counter()
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*[one_stream(client, model, prompts[i], max_tokens, 1000 + i)
+                                          for i in range(streams)])
+            wall = time.perf_counter() - t0
+            if run:
+                results.append((outs, wall))
     stats = pipeline_stats(before, scrape(url), time.perf_counter() - t_start) if before is not None else {}
     itl = [x for outs, _ in results for o in outs for x in o["itl"]]
     ttft = [o["ttft"] for outs, _ in results for o in outs]
@@ -121,8 +121,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--prompt-chars", type=int, default=0,
-                    help="long prompts of this many characters (about 3.5 per token) instead of the short fixed ones")
+    ap.add_argument("--prompt-chars", default="0",
+                    help="comma list; 0 = the short fixed prompts, N = long prompts of N characters (about 3.5 per "
+                         "token); every stream count is measured with each")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
 
@@ -140,8 +141,8 @@ def main() -> int:
                                        extra=extra)).__enter__()
         url = cluster.url
     try:
-        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, args.prompt_chars))
-                for n in args.streams.split(",")]
+        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars)))
+                for chars in args.prompt_chars.split(",") for n in args.streams.split(",")]
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
@@ -149,14 +150,15 @@ def main() -> int:
             "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
             "load_format": args.load_format or "safetensors",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print(f"{'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
+    print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['streams']:>7} {r['ttft_median_s']:>10.3f} {r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} "
-              f"{r['tokens_per_s_mean']:>8.1f}")
+        print(f"{r['prompt_chars'] or 'short':>6} {r['streams']:>7} {r['ttft_median_s']:>10.3f} "
+              f"{r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} {r['tokens_per_s_mean']:>8.1f}")
     for r in rows:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
-        print(f"  {r['streams']} streams: busy {busy or '-'}; activations between stages: {moves or '-'}")
+        print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: busy {busy or '-'}; "
+              f"activations between stages: {moves or '-'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -2,12 +2,15 @@
 # Build the wheel folder an offline GPU machine needs (the lent H200s: Python 3.12, torch 2.11, triton 3.6,
 # msgpack, numpy, tokenizers, safetensors, httpx, prometheus-client already there; transformers there is 5.17,
 # older than our oracle). One command:  tools/build_wheels.sh [DIR]   (default .whl, git-ignored)
+#   tools/build_wheels.sh .whl-lean --lean   leaves out transformers (13.5 MB): serving, benchmarks and training
+#   need no oracle, and the tracked tree plus the full folder is near the 64 MiB a device call may carry.
 # On the GPU machine:  python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
 #                      export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 dir="${1:-.whl}"
+lean="${2:-}"
 mkdir -p "$dir"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+grep -qx "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
 pkgs=(
   # the server
   fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
@@ -18,6 +21,7 @@ pkgs=(
   flash-linear-attention fla-core einops
 )
 for p in "${pkgs[@]}"; do
+  [ "$lean" = --lean ] && [[ $p == transformers* ]] && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dir" "$p"

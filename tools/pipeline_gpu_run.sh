@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 7 on a lent machine, in one device call (carry .whl):  bash tools/gpu_session.sh 'bash tools/pipeline_gpu_run.sh'
+# It adapts to the GPUs it sees.
+# Two or more GPUs (kind nvidia-h200-x2):
+#   1. greedy tokens and logprobs of the small preset, two stages on one GPU (CUDA_VISIBLE_DEVICES=0) vs one stage
+#      per GPU (tools/greedy_transcript.py compare);
+#   2. full-shape cut to 30 layers (about 159 GB in bf16, more than one 139 GiB card, dummy weights) served with one
+#      stage per GPU: TTFT, ITL median/p90, tokens/s at 1, 2 and 4 streams, short and long prompts, the time
+#      activations spend between stages per prefill chunk and decode step, each stage's busy fraction (bench/serve.py).
+# One GPU (kind nvidia-h200): what one card allows.
+#   1. the same greedy comparison, one stage vs two stage processes on the one GPU;
+#   2. full-shape cut to 20 layers (105.9 GB) served by two stage processes sharing the GPU, same measurements;
+#   3. the A/B: the same model from one stage process.
+# Arguments pick steps (default all): greedy, pipeline, ab; e.g. `... pipeline_gpu_run.sh greedy pipeline`.
+# Everything lands in $OUT (JSON and logs). Each step has its own timeout so a hang costs only that step.
+set -uo pipefail
+steps=" ${*:-greedy pipeline ab} "
+want() { [[ $steps == *" $1 "* ]]; }
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+moepipe make-model --preset small --out /tmp/small > /dev/null
+bench() {  # name, timeout, bench/serve.py arguments...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 bench/serve.py --load-format dummy --device cuda --max-tokens 64 --runs 3 \
+    --out "$out/serve_$name.json" "$@" > "$out/serve_$name.log" 2>&1
+  tail -16 "$out/serve_$name.log"
+}
+if [ "$gpus" -ge 2 ]; then layers=30 name=full-shape30_2gpu; else layers=20 name=full-shape20_1gpu; fi
+if ! want greedy; then :
+elif [ "$gpus" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 \
+    --device cuda --out "$out/greedy_a.json" > "$out/record_a.log" 2>&1 || tail -20 "$out/record_a.log"
+  timeout 170 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 --device cuda \
+    --out "$out/greedy_b.json" > "$out/record_b.log" 2>&1 || tail -20 "$out/record_b.log"
+else
+  timeout 120 python3 tools/greedy_transcript.py record --model /tmp/small --stages 1 --device cuda \
+    --out "$out/greedy_a.json" > "$out/record_a.log" 2>&1 || tail -20 "$out/record_a.log"
+  timeout 120 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 --device cuda \
+    --out "$out/greedy_b.json" > "$out/record_b.log" 2>&1 || tail -20 "$out/record_b.log"
+fi
+want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" | tee "$out/compare.txt"
+want pipeline || want ab && moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
+want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-300}" --model /tmp/fs --stages 2 --streams 1,2,4 \
+  --prompt-chars 0,8000
+if want ab && [ "$gpus" -lt 2 ]; then
+  bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-150}" --model /tmp/fs --stages 1 --streams 1,4
+fi
