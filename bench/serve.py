@@ -76,7 +76,8 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
             if n > 0:
                 d = dict(lab)
                 transfer[f"{d['link']} {d['step_kind']}"] = {"mean_ms": 1e3 * delta(name, lab) / n, "count": n}
-    return {"stage_busy_fraction": busy, "transfer": transfer}
+    return {"stage_busy_fraction": busy, "transfer": transfer,
+            "preemptions": delta("moepipe_preemptions", ())}
 
 
 async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int, prompt_chars: int = 0) -> dict:
@@ -118,6 +119,8 @@ def main() -> int:
     ap.add_argument("--no-ple-service", action="store_true")
     ap.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                     help="dummy: seeded random weights (config-only checkpoints such as make-model --preset full-shape)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a cluster config key for the served cluster (repeatable), e.g. --set num_blocks=4096")
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -137,6 +140,14 @@ def main() -> int:
         extra = {"ple_service": False} if args.no_ple_service else {}
         if args.load_format:
             extra["load_format"] = args.load_format
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                ap.error(f"--set {item!r}: expected KEY=VALUE")
+            try:
+                extra[key] = json.loads(value)
+            except json.JSONDecodeError:
+                extra[key] = value                        # a plain string (a path, a dtype name)
         cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
                                        extra=extra)).__enter__()
         url = cluster.url
@@ -148,7 +159,7 @@ def main() -> int:
             cluster.__exit__(None, None, None)
     meta = {"command": " ".join(sys.argv), "machine": platform.node(), "python": platform.python_version(),
             "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
-            "load_format": args.load_format or "safetensors",
+            "load_format": args.load_format or "safetensors", "set": args.set,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
     for r in rows:
@@ -158,7 +169,7 @@ def main() -> int:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
         print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: busy {busy or '-'}; "
-              f"activations between stages: {moves or '-'}")
+              f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -91,11 +91,13 @@ class PleService:
     def on_plan(self, plan: Plan) -> PleReady | None:
         """Start prefetches, then fill the plan's ring slot; None while it waits for sampled tokens (or failed:
         see `take_errors`)."""
+        if self.prefetcher is not None:
+            # At once: no reason to keep reading a dead prompt. Before the new requests, because a request the
+            # scheduler preempted and re-admitted in this same plan is in both.
+            for req_id in plan.finished:
+                self.prefetcher.cancel(req_id)
         for spec in plan.new_requests:
             self._start_prefetch(spec)
-        if self.prefetcher is not None:
-            for req_id in plan.finished:                 # at once: no reason to keep reading a dead prompt
-                self.prefetcher.cancel(req_id)
         self._waiting.append(plan)
         for ready in self._drain():
             if ready.step == plan.step:
@@ -193,6 +195,11 @@ class PleService:
         if total > self.ring.max_tokens:
             raise _PlanError(f"step {plan.step} feeds {total} tokens, the PLE ring holds {self.ring.max_tokens} "
                              "(max_num_batched_tokens)")
+        # A plan's `finished` applies before its entries (as on the stages): a request preempted and re-admitted
+        # in the same plan starts again from position 0 here.
+        for req_id in plan.finished:
+            self._requests.pop(req_id, None)
+            self._sampled.pop(req_id, None)
         rows: list[list[np.ndarray]] = [[] for _ in self.specs]
         updates: dict[str, _Request] = {}
         for e in plan.entries:          # hash everything first: a bad entry leaves no half-updated state
@@ -240,8 +247,6 @@ class PleService:
                     del pending[pos]
                 if not pending:
                     self._sampled.pop(e.req_id, None)
-        for req_id in plan.finished:
-            self._drop(req_id)
         return PleReady(step=plan.step, ring_slot=slot_index, num_tokens=total)
 
     def _drop(self, req_id: str) -> None:

@@ -83,7 +83,9 @@ class Plan(Message):
     microbatch: int
     entries: list[SeqEntry]
     new_requests: list[SamplingSpec] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)      # drop per-request state (sampler, pending tokens)
+    # Drop per-request state (sampler, pending tokens, n-gram context) BEFORE running the entries: a request the
+    # scheduler preempted while planning this step can be re-admitted in it, from position 0.
+    finished: list[str] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)       # steps a stage failed: forget their pending inputs
 
 

@@ -195,6 +195,30 @@ def test_prefetch_off_never_advises(tiny, tmp_path, monkeypatch):
         svc.close()
 
 
+def test_request_preempted_and_readmitted_in_one_plan_starts_over(tiny, tmp_path):
+    """`finished` applies before a plan's entries: the scheduler can preempt a request while planning a step and
+    re-admit it in that same step, from position 0 (tests/test_scheduler.py makes that plan)."""
+    path, cfg, model = tiny
+    table = model.layers[str(cfg.ple_layer_ids[0] - 1)].ple.table
+    spec = NgramHashSpec.from_model_config(cfg, 0)
+    a, _ = _prompts(cfg)
+    svc = PleService(path, cfg, _cluster(path, tmp_path))
+    try:
+        assert svc.on_plan(Plan(step=0, microbatch=0, new_requests=[_spec("a", a)],
+                                entries=[SeqEntry("a", 0, 0, 5, [0], tokens=a[:5])])).num_tokens == 5
+        again = Plan(step=1, microbatch=0, new_requests=[_spec("a", a)], finished=["a"],
+                     entries=[SeqEntry("a", 0, 0, 3, [0], tokens=a[:3])])
+        assert svc.on_plan(again) == PleReady(step=1, ring_slot=1, num_tokens=3)
+        rest = Plan(step=2, microbatch=0, entries=[SeqEntry("a", 0, 3, len(a) - 3, [0], tokens=a[3:])])
+        assert svc.on_plan(rest) == PleReady(step=2, ring_slot=2, num_tokens=len(a) - 3)
+        assert svc.take_errors() == []
+        want, _ = _expected(table, spec, [(initial_context(spec), a)])
+        got = torch.cat([svc.ring.slot(1)[:3, 0], svc.ring.slot(2)[:len(a) - 3, 0]])
+        assert torch.equal(got, want)
+    finally:
+        svc.close()
+
+
 def test_lost_context_and_oversized_step_become_stage_errors(tiny, tmp_path):
     path, cfg, _ = tiny
     svc = PleService(path, cfg, _cluster(path, tmp_path))

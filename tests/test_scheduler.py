@@ -24,16 +24,22 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
     outputs: dict[str, list[int]] = {r.req_id: [] for r in reqs}
     flying: list = []
     stage0: dict[tuple[str, int], int] = {}          # what stage 0 holds from the last stage's Sampled messages
+    fed: dict[str, int] = {}                         # tokens each request has fed, as the PLE service counts them
     for _ in range(max_steps):
         for mb in sched.idle_microbatches():
             plan = sched.schedule(mb)
             if plan is not None:
+                # Consumers apply a plan's `finished` before its entries (shared.protocol.Plan).
                 for rid in plan.finished:
+                    fed.pop(rid, None)
                     for key in [k for k in stage0 if k[0] == rid]:
                         del stage0[key]
                 for e in plan.entries:
                     # A decode without explicit tokens relies on stage 0 having the sampled token.
                     assert e.tokens is not None or (e.req_id, e.context_len) in stage0, (e.req_id, e.context_len)
+                    # Every entry continues where the request's previous one ended (n-gram context, state slots).
+                    assert e.context_len == fed.get(e.req_id, 0), (e.req_id, e.context_len, fed.get(e.req_id))
+                    fed[e.req_id] = e.context_len + e.num_tokens
             if plan is not None and plan.entries:
                 # Invariants: block tables cover the tokens; no block is owned twice.
                 owned = [b for r in sched.running.values() for b in r.blocks]
@@ -73,6 +79,31 @@ def test_every_request_completes_with_its_tokens_under_preemption(seed):
         assert outputs[r.req_id] == _expected(r), r.req_id
     assert sched.num_preemptions > 0
     assert sched.pool.used_blocks == 0 and sched.pool.used_slots == 0
+
+
+def test_a_request_preempted_while_planning_restarts_in_the_same_plan():
+    """The case the PLE service once got wrong (a long-prompt benchmark on the H200 lost a request's n-gram
+    context): r0's decode needs a block, r1 is preempted for it, and r1's fresh first chunk fits in what is left, so
+    one plan both finishes r1 and feeds it from position 0. Stages and the PLE service drop first, then run."""
+    sched = Scheduler(num_blocks=3, block_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                      num_microbatches=1, max_model_len=4096)
+    r0, r1 = _req(0, 1, 20), _req(1, 2, 20)
+    outputs = _simulate(sched, [r0, r1], seed=0)
+    assert sched.num_preemptions >= 1
+    assert outputs == {r.req_id: _expected(r) for r in (r0, r1)}
+    sched = Scheduler(num_blocks=3, block_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                      num_microbatches=1, max_model_len=4096)
+    for r in (_req(0, 1, 20), _req(1, 2, 20)):
+        sched.add(r)
+    for _ in range(40):
+        plan = sched.schedule(0)
+        if set(plan.finished) & {e.req_id for e in plan.entries}:
+            (entry,) = [e for e in plan.entries if e.req_id in plan.finished]
+            assert entry.context_len == 0 and entry.req_id in {s.req_id for s in plan.new_requests}
+            break
+        sched.on_result(0, [TokenOut(e.req_id, e.context_len + e.num_tokens, 5) for e in plan.entries if e.sample])
+    else:
+        pytest.fail("no plan re-admitted the request it preempted")
 
 
 def test_microbatches_split_requests_and_every_plan_is_disjoint():

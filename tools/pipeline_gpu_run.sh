@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out
 moepipe make-model --preset small --out /tmp/small > /dev/null
 bench() {  # name, timeout, bench/serve.py arguments...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 bench/serve.py --load-format dummy --device cuda --max-tokens 64 --runs 3 \
+  timeout "$limit" python3 bench/serve.py --load-format dummy --device cuda --max-tokens 64 --runs 3 --set num_blocks=2048 \
     --out "$out/serve_$name.json" "$@" > "$out/serve_$name.log" 2>&1
   tail -16 "$out/serve_$name.log"
 }
@@ -42,8 +42,8 @@ else
 fi
 want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" | tee "$out/compare.txt"
 want pipeline || want ab && moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
-want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-300}" --model /tmp/fs --stages 2 --streams 1,2,4 \
+want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-330}" --model /tmp/fs --stages 2 --streams 1,2,4 \
   --prompt-chars 0,8000
 if want ab && [ "$gpus" -lt 2 ]; then
-  bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-150}" --model /tmp/fs --stages 1 --streams 1,4
+  bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-200}" --model /tmp/fs --stages 1 --streams 1,4
 fi
