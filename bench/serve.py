@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--no-ple-service", action="store_true")
     ap.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                    help="dummy: seeded random weights (config-only checkpoints such as make-model --preset full-shape)")
+                    help="dummy: seeded random weights (config-only checkpoints: make-model --preset full-shape)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a cluster config key for the served cluster (repeatable), e.g. --set num_blocks=4096")
     ap.add_argument("--streams", default="1,4")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 7 on a lent machine, in one device call (carry .whl):  bash tools/gpu_session.sh 'bash tools/pipeline_gpu_run.sh'
+# Issue 7 on a lent machine, in one device call (carry .whl or .whl-lean):
+#   bash tools/gpu_session.sh 'bash tools/pipeline_gpu_run.sh'
 # It adapts to the GPUs it sees.
 # Two or more GPUs (kind nvidia-h200-x2):
 #   1. greedy tokens and logprobs of the small preset, two stages on one GPU (CUDA_VISIBLE_DEVICES=0) vs one stage
@@ -23,7 +24,9 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out
 moepipe make-model --preset small --out /tmp/small > /dev/null
 bench() {  # name, timeout, bench/serve.py arguments...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 bench/serve.py --load-format dummy --device cuda --max-tokens 64 --runs 3 --set num_blocks=2048 \
+  # 2048 KV blocks (32k tokens): four 8,000-character prompts must not preempt each other
+  timeout "$limit" python3 bench/serve.py --load-format dummy --device cuda --max-tokens 64 --runs 3 \
+    --set num_blocks=2048 \
     --out "$out/serve_$name.json" "$@" > "$out/serve_$name.log" 2>&1
   tail -16 "$out/serve_$name.log"
 }
@@ -40,10 +43,11 @@ else
   timeout 120 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 --device cuda \
     --out "$out/greedy_b.json" > "$out/record_b.log" 2>&1 || tail -20 "$out/record_b.log"
 fi
-want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" | tee "$out/compare.txt"
+want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" \
+  | tee "$out/compare.txt"
 want pipeline || want ab && moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
 want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-330}" --model /tmp/fs --stages 2 --streams 1,2,4 \
   --prompt-chars 0,8000
 if want ab && [ "$gpus" -lt 2 ]; then
-  bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-200}" --model /tmp/fs --stages 1 --streams 1,4
+  bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-200}" --model /tmp/fs --stages 1 --streams 1,4 --prompt-chars 0,8000
 fi
