@@ -152,9 +152,11 @@ def kernels_per_step(fn, top: int = 30) -> tuple[int, list[dict]]:
     return count, rows[:top]
 
 
-def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool) -> dict:
-    engine = LocalEngine([model], max_seqs=batch, block_size=16, max_tokens=context + warmup + steps + 8,
-                         cuda_graphs=graphs)
+def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool,
+              max_model_len: int = 0) -> dict:
+    # max_model_len sizes the block tables (and the graphs' static ones) as a server sized for that length does
+    engine = LocalEngine([model], max_seqs=batch, block_size=16,
+                         max_tokens=max(max_model_len, context + warmup + steps + 8), cuda_graphs=graphs)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add(i)
@@ -192,6 +194,8 @@ def main() -> int:
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="size block tables for this many tokens, as the server does (default: just the context)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="none:0,all:0,all:1",
                     help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
@@ -229,7 +233,8 @@ def main() -> int:
             model.set_kernels(KernelFlags.parse(kernels))
             for b in (int(x) for x in args.batch.split(",")):
                 try:
-                    r = run_batch(model, cfg, b, args.context, args.steps, args.warmup, graphs == "1")
+                    r = run_batch(model, cfg, b, args.context, args.steps, args.warmup, graphs == "1",
+                                  args.max_model_len)
                 except Exception as exc:  # report a failing configuration and go on with the others
                     print(f"kernels={kernels} graphs={graphs} batch={b}: FAILED {type(exc).__name__}: {exc}")
                     continue
