@@ -24,6 +24,7 @@ from shared.model_config import load_config
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
 from stage_worker.kernels.flags import KernelFlags
+from stage_worker.profiling import StepProfiler
 from stage_worker.runner import StageRunner
 
 log = logging.getLogger("moepipe.stage")
@@ -73,6 +74,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
     runner = StageRunner(model, cluster, index, ring)
+    profiler = StepProfiler.from_env(name, runner.device)
+    run_step = runner.run if profiler is None else (lambda p: profiler(runner.run, p))
     if runner.graphs is not None:
         # Capture before the first heartbeat: /health turns 200 only once decode steps can replay, so the first
         # request does not pay for Triton compiles and capture.
@@ -136,7 +139,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 plan = runner.ready()
                 if plan is None:
                     break
-                outgoing = runner.run(plan)
+                outgoing = run_step(plan)
             except Exception as exc:  # a bad step must not take the worker down
                 step = plan.step if plan is not None else min(runner.plans, default=-1)
                 log.exception("%s: step %d failed", name, step)

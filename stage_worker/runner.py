@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from shared.cluster_config import ClusterConfig
 from shared.protocol import Activations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult, TokenOut
@@ -169,32 +170,38 @@ class StageRunner:
         batch = prepared.batch
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
-        hidden = act.hidden.to(self.device) if act is not None else None
-        timing = list(act.timing) if act is not None else []
-        if self.ring is not None:
-            ready = self.ple.pop(plan.step)
-            self.ple_wait_seconds += time.perf_counter() - self._ple_wait_start.pop(plan.step, time.perf_counter())
-            # Copy out of the ring at once: the service reuses the slot `ple_ring_slots` steps later.
-            rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens]
-            for li, layer in enumerate(self.all_ple_layers):
-                if layer in self.my_ple_layers:
-                    batch.ple_rows[layer] = rows[:, li].to(self.device, copy=True)
+        with record_function("stage.inputs"):
+            hidden = act.hidden.to(self.device) if act is not None else None
+            timing = list(act.timing) if act is not None else []
+            if self.ring is not None:
+                ready = self.ple.pop(plan.step)
+                self.ple_wait_seconds += time.perf_counter() - self._ple_wait_start.pop(plan.step,
+                                                                                        time.perf_counter())
+                # Copy out of the ring at once: the service reuses the slot `ple_ring_slots` steps later.
+                rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens]
+                for li, layer in enumerate(self.all_ple_layers):
+                    if layer in self.my_ple_layers:
+                        batch.ple_rows[layer] = rows[:, li].to(self.device, copy=True)
         t0 = time.time()
         start = time.perf_counter()
         out: list[Outgoing] = []
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
-            result = self.graphs.run(batch, hidden)
+            with record_function("stage.graph_replay"):
+                result = self.graphs.run(batch, hidden)
             if self.is_last:
                 tokens = self._sample(plan, batch, result)
             else:
                 hidden = result
         else:
-            hidden = self.model(batch, self.cache, hidden)
+            with record_function("stage.forward"):
+                hidden = self.model(batch, self.cache, hidden)
+                logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
-                tokens = self._sample(plan, batch, self.model.logits(hidden, batch))
+                tokens = self._sample(plan, batch, logits)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with record_function("stage.sync"):
+                torch.cuda.synchronize(self.device)
         self.last_step_seconds = time.perf_counter() - start
         self.busy_seconds += self.last_step_seconds
         self.steps += 1
@@ -222,6 +229,7 @@ class StageRunner:
             self.graphs.capture()
         return self.graphs.fits(batch)
 
+    @record_function("stage.sample")
     def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor) -> list[TokenOut]:
         logits = logits.float()
         outs: list[TokenOut] = []

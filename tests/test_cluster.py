@@ -305,3 +305,21 @@ def test_malformed_messages_never_take_a_process_down(cluster, tiny):
     ok = OpenAI(base_url=cluster.url + "/v1", api_key="x").completions.create(
         model="moepipe", prompt="x", max_tokens=3, temperature=0)
     assert ok.choices[0].text == _solo(tiny, "x", 3, temperature=0.0)
+
+
+def test_profile_env_writes_each_stages_step_profile(tiny, tmp_path, monkeypatch):
+    """MOEPIPE_PROFILE makes every stage profile a window of served steps (stage_worker/profiling.py) and write the
+    table; the served tokens are those of an unprofiled run."""
+    monkeypatch.setenv("MOEPIPE_PROFILE", str(tmp_path / "prof"))
+    monkeypatch.setenv("MOEPIPE_PROFILE_STEPS", "2:3")
+    with Cluster(ServeOptions(model=tiny, stages=2, port=free_port())) as c:
+        r = OpenAI(base_url=c.url + "/v1", api_key="x").completions.create(
+            model="moepipe", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list((tmp_path / "prof").glob("stage*.txt"))) < 2:
+            time.sleep(0.2)
+    assert r.choices[0].text == _solo(tiny, PROMPTS[0], 8, temperature=0.0)
+    first = (tmp_path / "prof" / "stage0.txt").read_text()
+    last = (tmp_path / "prof" / "stage1.txt").read_text()
+    assert "3 steps after the first 2" in first and "stage.forward" in first and "stage.sample" not in first
+    assert "stage.forward" in last and "stage.sample" in last

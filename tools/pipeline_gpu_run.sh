@@ -12,7 +12,9 @@
 #   1. the same greedy comparison, one stage vs two stage processes on the one GPU;
 #   2. full-shape cut to 20 layers (105.9 GB) served by two stage processes sharing the GPU, same measurements;
 #   3. the A/B: the same model from one stage process.
-# Arguments pick steps (default all): greedy, pipeline, ab; e.g. `... pipeline_gpu_run.sh greedy pipeline`.
+#   profile (not in the default): short served runs with MOEPIPE_PROFILE, one profile table per stage process, for
+#   two stages and for one (stage_worker/profiling.py): where a served step's time goes.
+# Arguments pick steps (default greedy pipeline ab); e.g. `... pipeline_gpu_run.sh profile`.
 # Everything lands in $OUT (JSON and logs). Each step has its own timeout so a hang costs only that step.
 set -uo pipefail
 steps=" ${*:-greedy pipeline ab} "
@@ -48,6 +50,13 @@ want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "
 want pipeline || want ab && moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
 want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-330}" --model /tmp/fs --stages 2 --streams 1,2,4 \
   --prompt-chars 0,8000
+if want profile; then
+  want pipeline || want ab || moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
+  for n in 2 1; do
+    MOEPIPE_PROFILE=$out/prof$n MOEPIPE_PROFILE_STEPS=20:30 bench "${name}_profile_${n}stages" 240 --model /tmp/fs \
+      --stages $n --streams 1 --prompt-chars 0 --runs 2
+  done
+fi
 if want ab && [ "$gpus" -lt 2 ]; then
   bench "${name}_1stage" "${SERVE_TIMEOUT_AB:-200}" --model /tmp/fs --stages 1 --streams 1,4 --prompt-chars 0,8000
 fi
