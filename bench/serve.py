@@ -1,6 +1,8 @@
 """Client-side serving benchmark: time to first token, inter-token latency (median, p90) and tokens/s at 1 and 4
 concurrent streams, measured as the field reports do (002 §3.0): fixed prompts and seed, one warm-up run, three
-measured runs, median ITL and mean tokens/s, TTFT from the client.
+measured runs, median ITL and mean tokens/s, TTFT from the client. ITL is between text-bearing chunks (what a
+client sees, as vLLM's benchmark reports it); TPOT is a request's time per output token after its first chunk,
+from the usage count, and `tokens_per_chunk` says how far the two differ (1.0 for a real model's text).
 
     python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in demo model
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import statistics
 import sys
@@ -38,17 +41,26 @@ def long_prompt(chars: int, i: int) -> str:
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
+    """One streamed request. Times are per text-bearing chunk, as clients see them (vLLM's benchmark does the
+    same); the token count comes from the usage chunk, because a chunk can carry several tokens (text held back
+    until it is valid UTF-8, or ids a stand-in tokenizer has no text for: dummy full-shape weights)."""
     t0 = time.perf_counter()
     stamps = []
+    tokens = 0
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.7,
-                                             seed=seed, stream=True, extra_body={"ignore_eos": True})
+                                             seed=seed, stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
     if not stamps:
-        return {"ttft": float("nan"), "itl": [], "tokens": 0, "seconds": time.perf_counter() - t0}
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
-            "seconds": stamps[-1] - t0}
+        return {"ttft": float("nan"), "itl": [], "tpot": float("nan"), "tokens": tokens, "chunks": 0,
+                "seconds": time.perf_counter() - t0}
+    tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else float("nan")
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tpot": tpot,
+            "tokens": tokens, "chunks": len(stamps), "seconds": stamps[-1] - t0}
 
 
 def scrape(url: str) -> dict[tuple, float]:
@@ -100,12 +112,23 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
     itl = [x for outs, _ in results for o in outs for x in o["itl"]]
     ttft = [o["ttft"] for outs, _ in results for o in outs]
     per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
-    itl_sorted = sorted(itl)
+    tpot = sorted(o["tpot"] for outs, _ in results for o in outs if o["tpot"] == o["tpot"])
+    tokens = sum(o["tokens"] for outs, _ in results for o in outs)
+    chunks = sum(o["chunks"] for outs, _ in results for o in outs)
     return {"streams": streams, "runs": runs, "max_tokens": max_tokens, "prompt_chars": prompt_chars,
             "ttft_median_s": statistics.median(ttft), "ttft_mean_s": statistics.fmean(ttft),
             "itl_median_ms": 1e3 * statistics.median(itl) if itl else float("nan"),
-            "itl_p90_ms": 1e3 * itl_sorted[int(0.9 * (len(itl_sorted) - 1))] if itl else float("nan"),
+            "itl_p90_ms": 1e3 * _p90(itl) if itl else float("nan"),
+            "tpot_median_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
+            "tpot_p90_ms": 1e3 * _p90(tpot) if tpot else float("nan"),
+            "tokens_per_chunk": tokens / chunks if chunks else float("nan"),
             "tokens_per_s_mean": statistics.fmean(per_run_tps), **stats}
+
+
+def _p90(values: list[float]) -> float:
+    """Nearest-rank 90th percentile (for two values, the larger)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def main() -> int:
@@ -161,10 +184,12 @@ def main() -> int:
             "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
             "load_format": args.load_format or "safetensors", "set": args.set,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} {'tok/s':>8}")
+    print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} "
+          f"{'TPOT med ms':>11} {'tok/chunk':>9} {'tok/s':>8}")
     for r in rows:
         print(f"{r['prompt_chars'] or 'short':>6} {r['streams']:>7} {r['ttft_median_s']:>10.3f} "
-              f"{r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} {r['tokens_per_s_mean']:>8.1f}")
+              f"{r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} {r['tpot_median_ms']:>11.1f} "
+              f"{r['tokens_per_chunk']:>9.2f} {r['tokens_per_s_mean']:>8.1f}")
     for r in rows:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))

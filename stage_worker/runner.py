@@ -152,7 +152,8 @@ class StageRunner:
                 if any(k not in self.next_tokens for k in keys):
                     return None
                 ids = [t for e in prepared.plan.entries
-                       for t in (e.tokens if e.tokens is not None else [self.next_tokens.pop((e.req_id, e.context_len))])]
+                       for t in (e.tokens if e.tokens is not None
+                                 else [self.next_tokens.pop((e.req_id, e.context_len))])]
                 prepared.batch.token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             else:
                 prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
