@@ -112,7 +112,7 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
     itl = [x for outs, _ in results for o in outs for x in o["itl"]]
     ttft = [o["ttft"] for outs, _ in results for o in outs]
     per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
-    tpot = sorted(o["tpot"] for outs, _ in results for o in outs if o["tpot"] == o["tpot"])
+    tpot = [o["tpot"] for outs, _ in results for o in outs if not math.isnan(o["tpot"])]
     tokens = sum(o["tokens"] for outs, _ in results for o in outs)
     chunks = sum(o["chunks"] for outs, _ in results for o in outs)
     return {"streams": streams, "runs": runs, "max_tokens": max_tokens, "prompt_chars": prompt_chars,

@@ -198,8 +198,7 @@ class PleService:
         # A plan's `finished` applies before its entries (as on the stages): a request preempted and re-admitted
         # in the same plan starts again from position 0 here.
         for req_id in plan.finished:
-            self._requests.pop(req_id, None)
-            self._sampled.pop(req_id, None)
+            self._forget(req_id)          # its prefetch was cancelled when the plan arrived (on_plan)
         rows: list[list[np.ndarray]] = [[] for _ in self.specs]
         updates: dict[str, _Request] = {}
         for e in plan.entries:          # hash everything first: a bad entry leaves no half-updated state
@@ -249,8 +248,11 @@ class PleService:
                     self._sampled.pop(e.req_id, None)
         return PleReady(step=plan.step, ring_slot=slot_index, num_tokens=total)
 
-    def _drop(self, req_id: str) -> None:
+    def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._sampled.pop(req_id, None)
+
+    def _drop(self, req_id: str) -> None:
+        self._forget(req_id)
         if self.prefetcher is not None:
             self.prefetcher.cancel(req_id)

@@ -23,7 +23,6 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-moepipe make-model --preset small --out /tmp/small > /dev/null
 bench() {  # name, timeout, bench/serve.py arguments...
   local name=$1 limit=$2; shift 2
   # 2048 KV blocks (32k tokens): four 8,000-character prompts must not preempt each other
@@ -32,26 +31,29 @@ bench() {  # name, timeout, bench/serve.py arguments...
     --out "$out/serve_$name.json" "$@" > "$out/serve_$name.log" 2>&1
   tail -16 "$out/serve_$name.log"
 }
+record() {  # name, stages, timeout, [env...]: greedy tokens and logprobs of the small preset
+  local name=$1 stages=$2 limit=$3; shift 3
+  env "$@" timeout "$limit" python3 tools/greedy_transcript.py record --model /tmp/small --stages "$stages" \
+    --device cuda --out "$out/greedy_$name.json" > "$out/record_$name.log" 2>&1 || tail -20 "$out/record_$name.log"
+}
 if [ "$gpus" -ge 2 ]; then layers=30 name=full-shape30_2gpu; else layers=20 name=full-shape20_1gpu; fi
-if ! want greedy; then :
-elif [ "$gpus" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 \
-    --device cuda --out "$out/greedy_a.json" > "$out/record_a.log" 2>&1 || tail -20 "$out/record_a.log"
-  timeout 170 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 --device cuda \
-    --out "$out/greedy_b.json" > "$out/record_b.log" 2>&1 || tail -20 "$out/record_b.log"
-else
-  timeout 120 python3 tools/greedy_transcript.py record --model /tmp/small --stages 1 --device cuda \
-    --out "$out/greedy_a.json" > "$out/record_a.log" 2>&1 || tail -20 "$out/record_a.log"
-  timeout 120 python3 tools/greedy_transcript.py record --model /tmp/small --stages 2 --device cuda \
-    --out "$out/greedy_b.json" > "$out/record_b.log" 2>&1 || tail -20 "$out/record_b.log"
+if want greedy; then
+  moepipe make-model --preset small --out /tmp/small > /dev/null
+  if [ "$gpus" -ge 2 ]; then     # two stages on one GPU vs one stage per GPU
+    record a 2 170 CUDA_VISIBLE_DEVICES=0
+    record b 2 170
+  else                           # one stage vs two stage processes on the GPU
+    record a 1 120
+    record b 2 120
+  fi
+  python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" | tee "$out/compare.txt"
 fi
-want greedy && python3 tools/greedy_transcript.py compare "$out/greedy_a.json" "$out/greedy_b.json" \
-  | tee "$out/compare.txt"
-want pipeline || want ab && moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
+if want pipeline || want ab || want profile; then
+  moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
+fi
 want pipeline && bench "${name}_2stages" "${SERVE_TIMEOUT:-330}" --model /tmp/fs --stages 2 --streams 1,2,4 \
   --prompt-chars 0,8000
 if want profile; then
-  want pipeline || want ab || moepipe make-model --preset full-shape --layers $layers --out /tmp/fs > /dev/null
   for n in 2 1; do
     MOEPIPE_PROFILE=$out/prof$n MOEPIPE_PROFILE_STEPS=20:30 bench "${name}_profile_${n}stages" 240 --model /tmp/fs \
       --stages $n --streams 1 --prompt-chars 0 --runs 2
