@@ -399,7 +399,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid)
         if plan.grammar is not None:
             gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
-        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival),
+        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival, rid),
                           want_logprobs=bool(req.logprobs))
         return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid, plan),
                             lambda: _chat_full(srv, gen, rid, plan))
@@ -421,7 +421,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         echo = prompt_text if req.echo else None
         want = req.logprobs is not None
         gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid, prompt_logprobs=bool(req.echo) and want)
-        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival),
+        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival, rid),
                           want_logprobs=want, offset=len(echo or ""))
         return await _serve(request, gen, bool(req.stream), lambda: _completion_stream(srv, req, gen, rid, echo),
                             lambda: _completion_full(srv, req, gen, rid, echo))

@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from gateway import access_log
+
 __all__ = ["Metrics", "RequestTimer", "CONTENT_TYPE_LATEST"]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -95,9 +97,10 @@ class Metrics:
 
     # ---- request level (API layer) -----------------------------------------------------------------------------
 
-    def request_started(self, arrival: float | None = None) -> RequestTimer:
-        """A timer for one request; `arrival` is a time.monotonic() value (default: now)."""
-        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+    def request_started(self, arrival: float | None = None, request_id: str | None = None) -> RequestTimer:
+        """A timer for one request; `arrival` is a time.monotonic() value (default: now); `request_id` (the
+        response's id) goes to the access log line."""
+        return RequestTimer(self, time.monotonic() if arrival is None else arrival, request_id)
 
     # ---- engine level --------------------------------------------------------------------------------------------
 
@@ -134,20 +137,31 @@ class Metrics:
 
 
 class RequestTimer:
-    """Times one request: TTFT from arrival to the first token event, ITL between events, e2e at the finish."""
+    """Times one request: TTFT from arrival to the first token event, ITL between events, e2e at the finish.
 
-    def __init__(self, metrics: Metrics, arrival: float) -> None:
+    It also fills the HTTP request's access-log record (gateway/access_log.py), when the log is on: the timer is
+    the one place that sees every token and the finish of every generation."""
+
+    def __init__(self, metrics: Metrics, arrival: float, request_id: str | None = None) -> None:
         self._m = metrics
         self.arrival = arrival
+        self.request_id = request_id
         self._last: float | None = None
         self._done = False
+        self._access = access_log.current()
+        if self._access is not None:
+            self._access.generation_created(request_id)
 
     def started(self, prompt_tokens: int) -> None:
         """The first token arrived: the prompt has been computed."""
         self._m.prompt_tokens.inc(prompt_tokens)
+        if self._access is not None:
+            self._access.generation_started(prompt_tokens)
 
     def token(self, count: int = 1) -> None:
         now = time.monotonic()
+        if self._access is not None:
+            self._access.tokens(count)
         if self._last is None:
             self._m.ttft.observe(now - self.arrival)
         else:
@@ -161,5 +175,7 @@ class RequestTimer:
             return
         self._done = True
         self._m.requests.labels(finish_reason=reason).inc()
+        if self._access is not None:
+            self._access.finished(reason)
         if self._last is not None:
             self._m.e2e.observe(time.monotonic() - self.arrival)
