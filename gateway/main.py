@@ -11,6 +11,7 @@ import sys
 
 import uvicorn
 
+from gateway.access_log import AccessLogMiddleware, configure_logger
 from gateway.cluster_backend import ClusterBackend
 from gateway.metrics import Metrics
 from gateway.tokenizer import Tokenizer
@@ -35,9 +36,11 @@ async def serve(config_path: str) -> int:
     tokenizer = Tokenizer.from_dir(cluster.model)
     app = create_app(backend, tokenizer, model_name=cluster.served_model_name,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
+    if cluster.access_log:      # ours replaces uvicorn's: it also has the request id, tokens, TTFT, finish reason
+        app = AccessLogMiddleware(app, configure_logger(True))
     await backend.start()
     server = uvicorn.Server(uvicorn.Config(app, host=cluster.host, port=cluster.port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           access_log=False, timeout_graceful_shutdown=2))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

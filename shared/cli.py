@@ -78,6 +78,8 @@ def serve_options(args: argparse.Namespace):
     extra = {}
     if args.no_ple_service:
         extra["ple_service"] = False
+    if args.no_access_log:
+        extra["access_log"] = False
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
                 "load_format"):
         if getattr(args, key) is not None:
@@ -132,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
     s.add_argument("--no-ple-service", action="store_true",
                    help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
+    s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
+                   help="no access log line per HTTP request (vLLM's name is the alias)")
     s.set_defaults(func=_serve)
     return p
 

@@ -1,0 +1,170 @@
+"""The access log as an operator sees it: `moepipe serve` (real gateway, stage workers, PLE service) writes one line
+per HTTP request to its stderr, with the fields the client's response carries; `--no-access-log` silences it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from conftest import free_port, wait_healthy
+from shared.cli import build_parser, serve_options
+from shared.cluster_config import env_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"moepipe\.access (?P<method>[A-Z]+) (?P<path>\S+) (?P<status>\d{3}) (?P<fields>.*)$")
+
+
+def _start(model: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MOEPIPE_ACCESS_LOG"}
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(model), "--port",
+                                 str(port), *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _lines(log: Path) -> list[dict[str, str]]:
+    out = []
+    for text in log.read_text().splitlines():
+        m = LINE.search(text)
+        if m:
+            fields = dict(kv.split("=", 1) for kv in m["fields"].split())
+            out.append({"method": m["method"], "path": m["path"], "status": m["status"], **fields})
+    return out
+
+
+def _wait_line(log: Path, count: int, timeout: float = 15.0) -> list[dict[str, str]]:
+    """The lines once there are `count` of them (a line is written when its response has ended)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        lines = _lines(log)
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.05)
+    pytest.fail(f"expected {count} access log lines, got: {_lines(log)}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("access") / "serve.err"
+    proc, url = _start(tiny_checkpoint, log, "--stages", "2")
+    try:
+        wait_healthy(url, proc, timeout=180)
+        yield url, log
+    finally:
+        _stop(proc)
+
+
+def test_one_line_per_request_with_the_response_fields(server):
+    url, log = server
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    before = len(_lines(log))
+    raw = client.chat.completions.with_raw_response.create(
+        model="moepipe", messages=[{"role": "user", "content": "Name a prime number."}], max_tokens=6, temperature=0)
+    res = raw.parse()
+    assert raw.headers["x-request-id"] == res.id and res.id.startswith("chatcmpl-")
+    line = _wait_line(log, before + 1)[-1]
+    assert (line["method"], line["path"], line["status"]) == ("POST", "/v1/chat/completions", "200")
+    assert line["request_id"] == res.id
+    assert int(line["prompt_tokens"]) == res.usage.prompt_tokens
+    assert int(line["completion_tokens"]) == res.usage.completion_tokens == 6
+    assert line["finish_reason"] == res.choices[0].finish_reason == "length"
+    assert 0 < float(line["ttft"]) <= float(line["total"]) < 60
+    assert line["client"].startswith("127.0.0.1:")
+    assert len(_lines(log)) == before + 1                    # one line, and /health polls were not logged
+
+
+def test_client_request_id_and_streams(server):
+    url, log = server
+    before = len(_lines(log))
+    body = {"model": "moepipe", "prompt": "def add(a, b):", "max_tokens": 5, "stream": True, "temperature": 0}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "agent-42"}) as r:
+        assert r.headers["x-request-id"] == "agent-42"
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]][-1]
+    line = _wait_line(log, before + 1)[-1]
+    assert (line["path"], line["status"], line["request_id"]) == ("/v1/completions", "200", "agent-42")
+    assert line["finish_reason"] == finish and finish in ("stop", "length")
+    assert 1 <= int(line["completion_tokens"]) <= 5
+
+
+def test_errors_get_a_line_with_their_status(server):
+    url, log = server
+    before = len(_lines(log))
+    assert httpx.post(url + "/v1/chat/completions", content=b"{not json").status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]}).status_code == 404
+    assert httpx.get(url + "/v1/nothing-here").status_code == 404
+    lines = _wait_line(log, before + 3)[before:]
+    assert [(ln["method"], ln["path"], ln["status"]) for ln in lines] == [
+        ("POST", "/v1/chat/completions", "400"), ("POST", "/v1/chat/completions", "404"),
+        ("GET", "/v1/nothing-here", "404")]
+    assert all(ln["request_id"] == ln["prompt_tokens"] == ln["ttft"] == ln["finish_reason"] == "-" for ln in lines)
+
+
+def test_client_gone_mid_stream_is_499_abort(server):
+    url, log = server
+    before = len(_lines(log))
+    body = {"model": "moepipe", "prompt": "The quick brown fox", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                break                                      # leave after the first token: the connection closes
+    line = _wait_line(log, before + 1)[-1]
+    assert (line["status"], line["finish_reason"]) == ("499", "abort")
+    assert line["request_id"].startswith("cmpl-") and 1 <= int(line["completion_tokens"]) < 2000
+
+
+def test_no_access_log_flag_silences_it(tiny_checkpoint, tmp_path):
+    log = tmp_path / "serve.err"
+    proc, url = _start(tiny_checkpoint, log, "--stages", "1", "--no-access-log")
+    try:
+        wait_healthy(url, proc, timeout=180)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and "x-request-id" not in r.headers
+        assert httpx.get(url + "/v1/nothing-here").status_code == 404
+        time.sleep(0.5)
+    finally:
+        _stop(proc)
+    assert "moepipe.access" not in log.read_text() and _lines(log) == []
+
+
+def test_switch_names():
+    """The vLLM-style alias and the environment variable set the same cluster key."""
+    parser = build_parser()
+    for flag in ("--no-access-log", "--disable-uvicorn-access-log"):
+        args = parser.parse_args(["serve", "--model", str(ROOT), flag])
+        assert args.no_access_log is True
+    assert parser.parse_args(["serve"]).no_access_log is False
+    os.environ["MOEPIPE_ACCESS_LOG"] = "off"
+    try:
+        assert env_overrides()["access_log"] is False
+    finally:
+        del os.environ["MOEPIPE_ACCESS_LOG"]
+    assert "access_log" not in env_overrides()
+
+
+def test_serve_options_carry_the_switch(tiny_checkpoint):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--no-access-log"])
+    assert serve_options(args).extra == {"access_log": False}
