@@ -14,16 +14,18 @@ BUNDLED_MODEL = Path(__file__).resolve().parent / "demo_model"    # the trained 
 
 def builtin_model_dir() -> Path:
     """Where the built-in model is served from: a copy of the bundled demo checkpoint under MOEPIPE_HOME, named
-    by its weights' hash. A copy because loading writes the expanded PLE table beside the checkpoint, and the
-    installed package may be read-only (or a git checkout that should stay clean)."""
+    by the hash of every bundled file (a changed config or tokenizer, not only new weights, must not reuse an old
+    copy). A copy because loading writes the expanded PLE table beside the checkpoint, and the installed package
+    may be read-only (or a git checkout that should stay clean)."""
     base = Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
-    weights = BUNDLED_MODEL / "model.safetensors"
-    if not weights.is_file():
+    if not (BUNDLED_MODEL / "model.safetensors").is_file():
         return base / "models" / "tiny"
     import hashlib
 
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
-    return base / "models" / f"demo-{digest}"
+    digest = hashlib.sha256()
+    for f in sorted(p for p in BUNDLED_MODEL.iterdir() if p.is_file()):
+        digest.update(f"{f.name}\0{f.stat().st_size}\0".encode() + f.read_bytes())
+    return base / "models" / f"demo-{digest.hexdigest()[:12]}"
 
 
 def ensure_builtin_model() -> Path:
