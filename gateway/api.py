@@ -2,9 +2,11 @@
 /metrics.
 
 Each request is parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every client mistake becomes an
-OpenAI-shaped 4xx naming the field. The engine's first token is awaited before a streaming response starts, so
-back-pressure and outages still answer 429/503 instead of a broken stream. Whatever way a request ends (finished,
-stop string, client gone, error), the engine's iterator is closed in a `finally`, which cancels the request there.
+OpenAI-shaped 4xx naming the field. Every choice (`n`, and each prompt of a completions prompt list) is its own
+engine request, a `_Generation`; choice index = prompt_i * n + j, as vLLM numbers them. The engine's first token of
+every choice is awaited before a response starts, so back-pressure and outages still answer 429/503 instead of a
+broken stream. Whatever way a request ends (finished, stop string, client gone, error), every choice's engine
+iterator is closed in a `finally`, which cancels it there.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavai
                             TokenEvent)
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
-from gateway.chat_plan import ChatPlan, plan_chat
+from gateway.chat_plan import ChatPlan, plan_chat, template_messages
 from gateway.output_parser import Delta, OutputParser, parse_complete
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                             ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage, ChatTokenLogprob,
+                             ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
-                             ModelCard, ModelList, ToolCall, TopLogprob, Usage)
+                             MAX_CHOICES, ModelCard, ModelList, SEED_MAX, ToolCall, TopLogprob, Usage)
 from gateway.stop import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling import SamplingParams
@@ -48,6 +50,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 NORMALIZE_SLACK = 4          # NFC can shrink text up to 3x (decomposed Hangul); bytes/token bound gets this margin
 MIN_LOGPROB = -9999.0        # vLLM's stand-in for -inf, which JSON cannot carry
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+MAX_LOGIT_BIAS = 100.0
 
 T = TypeVar("T")
 
@@ -80,8 +83,10 @@ class _Generation:
     """
 
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
-                 timer: RequestTimer, *, want_logprobs: bool, offset: int = 0) -> None:
+                 timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None) -> None:
         self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
+        self.index, self.echo = index, echo              # choice index; completions echo text (offsets start after)
+        offset = len(echo or "")
         self._events = engine.generate(request)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopMatcher(stops)
@@ -144,23 +149,81 @@ class _Generation:
 
 
 class _SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body and the generation, whichever way the stream ends (even if
-    the body never started: closing an unstarted async generator would not run its `finally`)."""
+    """A streaming response that always closes its body and every generation, whichever way the stream ends (even
+    if the body never started: closing an unstarted async generator would not run its `finally`)."""
 
-    def __init__(self, body: AsyncIterator[str], gen: _Generation) -> None:
+    def __init__(self, body: AsyncIterator[str], gens: list[_Generation]) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._gen = gen
+        self._gens = gens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._gen.timer.finish(self._gen.finish_reason or "abort")
+            _finish_timers(self._gens)
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
-            await self._gen.aclose()
+            await _close_all(self._gens)
+
+
+def _finish_timers(gens: list[_Generation], reason: str | None = None) -> None:
+    for gen in gens:
+        gen.timer.finish(reason or gen.finish_reason or "abort")
+
+
+async def _close_all(gens: list[_Generation]) -> None:
+    for gen in gens:
+        await gen.aclose()
+
+
+async def _all(works: list[Awaitable[T]]) -> list[T]:
+    """Await every choice's work together; if one fails (or this is cancelled), cancel and await the others before
+    raising, so no engine iterator is still running when the caller closes them."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Chunks of several choices' streams in the order they are produced (each chunk carries its choice index);
+    the first failure ends the merge and cancels the others."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+            queue.put_nowait(done)
+        except Exception as exc:        # handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _sse(payload: str) -> str:
@@ -246,13 +309,37 @@ class _Server:
             return min(room, default) if isinstance(default, int) and default > 0 else room
         return min(requested, room)
 
+    def logit_bias(self, raw: dict[str, Any] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias checked: keys are token ids (as strings) in the vocabulary, values in [-100, 100]."""
+        if not raw:
+            return None
+        vocab, out = self.tok.vocab_size, {}
+        for key, value in raw.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise invalid_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
+            if not 0 <= tid < vocab:
+                raise invalid_request(f"logit_bias token id {tid} is out of vocabulary (0..{vocab - 1}).",
+                                      param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value \
+                    <= MAX_LOGIT_BIAS:
+                raise invalid_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}.",
+                                      param="logit_bias")
+            out[tid] = float(value)
+        return out
+
     def generation_request(self, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                           max_tokens: int, request_id: str, prompt_logprobs: bool = False) -> GenerationRequest:
+                           max_tokens: int, request_id: str, *, choice: int = 0, prompt_logprobs: bool = False,
+                           logit_bias: dict[int, float] | None = None) -> GenerationRequest:
+        """Choice j of a seeded request samples with seed + j (vLLM's rule): choice 0 is the n=1 answer, the others
+        are reproducible and differ from it; each prompt of a list starts again at j = 0."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             top_k=0 if req.top_k == -1 else req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            seed=None if req.seed is None else _choice_seed(req.seed, choice),
+            stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs, logit_bias=logit_bias,
         ).with_defaults(self.gen_cfg)
         stop_ids = set(params.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
@@ -263,7 +350,7 @@ class _Server:
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
         if reserved:
             raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs")
-        messages = [_plain_message(i, m) for i, m in enumerate(req.messages)]
+        messages = template_messages(req.messages)
         try:
             return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=True, **kwargs)
         except ValueError as e:
@@ -327,27 +414,24 @@ def _lp(value: float | None) -> float:
     return MIN_LOGPROB if value is None or value != value else max(float(value), MIN_LOGPROB)
 
 
-def _plain_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template sees it (content parts pass through, as transformers passes them)."""
-    out: dict[str, Any] = {"role": message.role, **(message.model_extra or {})}
-    if message.name is not None:
-        out["name"] = message.name
-    content = message.content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise invalid_request(f"Content part type {part.type!r} is not supported: only text.",
-                                      param=f"messages[{index}].content[{j}]")
-        content = [part.model_dump(exclude_none=True) for part in content]
-    out["content"] = content
-    return out
+def _choice_seed(seed: int, choice: int) -> int:
+    s = seed + choice
+    return s - (1 << 64) if s > SEED_MAX else s        # wrap into what torch.Generator.manual_seed takes
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _usage(prompt: int, completion: int) -> Usage:
+def _engine_id(rid: str, index: int, total: int) -> str:
+    """The engine request id of one choice: the response id itself when there is one choice."""
+    return rid if total == 1 else f"{rid}-{index}"
+
+
+def _usage(gens: list[_Generation], n: int) -> Usage:
+    """Prompt tokens once per prompt (not per choice), completion tokens of every choice (vLLM's sums)."""
+    prompt = sum(len(g.request.prompt_ids) for g in gens if g.index % n == 0)
+    completion = sum(g.completion_tokens for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -395,103 +479,125 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
         prompt_ids = await srv.encode(text, "messages")
         max_tokens = srv.budget(len(prompt_ids), req.budget, "messages")
-        rid = _new_id("chatcmpl")
-        gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid)
-        if plan.grammar is not None:
-            gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
-        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival, rid),
-                          want_logprobs=bool(req.logprobs))
-        return await _serve(request, gen, bool(req.stream), lambda: _chat_stream(srv, req, gen, rid, plan),
-                            lambda: _chat_full(srv, gen, rid, plan))
+        bias = srv.logit_bias(req.logit_bias)
+        rid, n = _new_id("chatcmpl"), req.num_choices
+        gens = []
+        for j in range(n):
+            gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, j, n), choice=j,
+                                             logit_bias=bias)
+            if plan.grammar is not None:
+                gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
+            gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
+                                    metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j))
+        return await _serve(request, gens, bool(req.stream), lambda: _chat_stream(srv, req, gens, rid, plan),
+                            lambda: _chat_full(srv, gens, rid, plan))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         req = await srv.parse(request, CompletionRequest)
-        prompt = req.prompt_value()
-        if isinstance(prompt, str):
-            prompt_ids, prompt_text = await srv.encode(prompt, "prompt"), prompt
-        else:
-            srv.check_ids(prompt, "prompt")
-            prompt_ids, prompt_text = list(prompt), None
-        max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
-        if req.echo and prompt_text is None:
-            prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
-        rid = _new_id("cmpl")
-        echo = prompt_text if req.echo else None
-        want = req.logprobs is not None
-        gen_req = srv.generation_request(req, prompt_ids, max_tokens, rid, prompt_logprobs=bool(req.echo) and want)
-        gen = _Generation(engine, gen_req, tokenizer, req.stop_strings, metrics.request_started(arrival, rid),
-                          want_logprobs=want, offset=len(echo or ""))
-        return await _serve(request, gen, bool(req.stream), lambda: _completion_stream(srv, req, gen, rid, echo),
-                            lambda: _completion_full(srv, req, gen, rid, echo))
+        prompts, n = req.prompts(), req.num_choices
+        if len(prompts) * n > MAX_CHOICES:
+            raise invalid_request(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices.", param="n")
+        bias = srv.logit_bias(req.logit_bias)
+        rid, want = _new_id("cmpl"), req.logprobs is not None
+        gens = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                prompt_ids, prompt_text = await srv.encode(prompt, "prompt"), prompt
+            else:
+                srv.check_ids(prompt, "prompt")
+                prompt_ids, prompt_text = list(prompt), None
+            max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
+            if req.echo and prompt_text is None:
+                prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
+            for j in range(n):
+                index = i * n + j
+                gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
+                                                 choice=j, prompt_logprobs=bool(req.echo) and want, logit_bias=bias)
+                gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
+                                        metrics.request_started(arrival, rid), want_logprobs=want, index=index,
+                                        echo=prompt_text if req.echo else None))
+        return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
+                            lambda: _completion_full(srv, req, gens, rid))
 
     return app
 
 
-async def _serve(request: Request, gen: _Generation, stream: bool, make_stream: Callable[[], AsyncIterator[str]],
-                 make_full: Callable[[], Awaitable[dict]]) -> Response:
-    """Start generation (so 429/503 can still be answered), then stream or collect; always close the engine side."""
+async def _serve(request: Request, gens: list[_Generation], stream: bool,
+                 make_stream: Callable[[], AsyncIterator[str]], make_full: Callable[[], Awaitable[dict]]) -> Response:
+    """Start every choice (so 429/503 can still be answered), then stream or collect; always close the engine side."""
     handed_over = False
     try:
-        await _until_disconnected(request, gen.start())
+        await _until_disconnected(request, _all([g.start() for g in gens]))
         if stream:
             handed_over = True                # from here _SSEResponse owns closing
-            return _SSEResponse(make_stream(), gen)
+            return _SSEResponse(make_stream(), gens)
         return JSONResponse(await _until_disconnected(request, make_full()))
     except _ClientGone:
         return Response(status_code=499)      # nobody is listening; the status only shows in access logs
     except (EngineOverloaded, EngineUnavailable):
-        gen.timer.finish("rejected")
+        _finish_timers(gens, "rejected")
         raise
     except Exception:
-        gen.timer.finish("error")
+        _finish_timers(gens, "error")
         raise
     finally:
         if not handed_over:
-            gen.timer.finish(gen.finish_reason or "abort")
-            await gen.aclose()
+            _finish_timers(gens)
+            await _close_all(gens)
 
 
 def _parses(plan: ChatPlan) -> bool:
     return plan.reasoning != "off" or plan.tool_names is not None
 
 
-async def _chat_full(srv: _Server, gen: _Generation, rid: str, plan: ChatPlan) -> dict:
-    texts, tokens = [], []
+async def _collect(gen: _Generation) -> tuple[str, list[_Token]]:
+    texts, tokens = [gen.echo or ""], []
     async for piece in gen.pieces():
         texts.append(piece.text)
         tokens.extend(piece.tokens)
-    text, finish = "".join(texts), gen.finish_reason
-    message = ChatResponseMessage(content=text)
-    if _parses(plan):
-        parsed = parse_complete(text, plan.reasoning, plan.tool_names)
-        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in parsed.tool_calls]
-        message = ChatResponseMessage(content=parsed.content or (None if calls else ""),
-                                      reasoning_content=parsed.reasoning_content, tool_calls=calls)
-        if calls and finish == "stop":
-            finish = "tool_calls"
-    choice = ChatChoice(message=message, finish_reason=finish,
-                        logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
-    return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=[choice],
-                                  usage=_usage(len(gen.request.prompt_ids), gen.completion_tokens)).model_dump()
+    return "".join(texts), tokens
 
 
-async def _completion_full(srv: _Server, req: CompletionRequest, gen: _Generation, rid: str,
-                           echo: str | None) -> dict:
-    texts, tokens = [echo or ""], []
-    async for piece in gen.pieces():
-        texts.append(piece.text)
-        tokens.extend(piece.tokens)
-    logprobs = None
-    if gen.want_logprobs:
-        logprobs = srv.completion_logprobs(tokens)
-        if echo is not None:
-            logprobs = _join(srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs), logprobs)
-    choice = CompletionChoice(text="".join(texts), logprobs=logprobs, finish_reason=gen.finish_reason)
-    return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=[choice],
-                              usage=_usage(len(gen.request.prompt_ids), gen.completion_tokens)).model_dump()
+async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: ChatPlan) -> dict:
+    async def one(gen: _Generation) -> ChatChoice:
+        text, tokens = await _collect(gen)
+        finish = gen.finish_reason
+        message = ChatResponseMessage(content=text)
+        if _parses(plan):
+            parsed = parse_complete(text, plan.reasoning, plan.tool_names)
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in parsed.tool_calls]
+            message = ChatResponseMessage(content=parsed.content or (None if calls else ""),
+                                          reasoning_content=parsed.reasoning_content)
+            if plan.legacy and calls:           # a legacy request gets its (first) call as function_call
+                message.function_call = calls[0].function
+            else:
+                message.tool_calls = calls or None
+            if calls and finish == "stop":
+                finish = "function_call" if plan.legacy else "tool_calls"
+        return ChatChoice(index=gen.index, message=message, finish_reason=finish,
+                          logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
+
+    choices = await _all([one(g) for g in gens])
+    return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
+                                  usage=_usage(gens, len(gens))).model_dump()
+
+
+async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Generation], rid: str) -> dict:
+    async def one(gen: _Generation) -> CompletionChoice:
+        text, tokens = await _collect(gen)
+        logprobs = None
+        if gen.want_logprobs:
+            logprobs = srv.completion_logprobs(tokens)
+            if gen.echo is not None:
+                logprobs = _join(srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs), logprobs)
+        return CompletionChoice(index=gen.index, text=text, logprobs=logprobs, finish_reason=gen.finish_reason)
+
+    choices = await _all([one(g) for g in gens])
+    return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
+                              usage=_usage(gens, req.num_choices)).model_dump()
 
 
 def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -499,51 +605,57 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
-async def _stream_body(gen: _Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """SSE framing shared by both endpoints: errors become an error event; always ends with [DONE]; always closes."""
     reason = None
     try:
         async for chunk in chunks:
             yield chunk
-        reason = gen.finish_reason
     except Exception as exc:
         reason = "error"
         if isinstance(exc, EngineFailed):
             err = errors.engine_error(exc)
         else:
-            log.exception("stream %s failed", gen.request.request_id)
+            log.exception("stream %s failed", gens[0].request.request_id)
             err = errors.internal_error()
         yield _sse(json.dumps(err.body()))
     finally:
-        gen.timer.finish(reason or "abort")      # before any await: a cancelled task may not get past one
-        await gen.aclose()
+        _finish_timers(gens, reason)             # before any await: a cancelled task may not get past one
+        await _close_all(gens)
     yield "data: [DONE]\n\n"
 
 
-def _delta_message(d: Delta) -> DeltaMessage:
+def _delta_message(d: Delta, legacy: bool) -> DeltaMessage | None:
+    """A parser delta as an OpenAI delta; a legacy request streams its first call as function_call (later calls
+    are dropped: a legacy reply holds one)."""
     if d.reasoning is not None:
         return DeltaMessage(reasoning_content=d.reasoning)
     if d.content is not None:
         return DeltaMessage(content=d.content)
+    if legacy:
+        if d.tool_index != 0:
+            return None
+        return DeltaMessage(function_call=DeltaFunction(name=d.name, arguments=d.arguments))
     return DeltaMessage(tool_calls=[DeltaToolCall(index=d.tool_index, id=d.tool_id,
                                                   type="function" if d.tool_id else None,
                                                   function=DeltaFunction(name=d.name, arguments=d.arguments))])
 
 
-def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid: str,
+def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generation], rid: str,
                  plan: ChatPlan) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
+    called_reason = "function_call" if plan.legacy else "tool_calls"
 
-    def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None) -> str:
-        logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
-        c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
-                                choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
-        return _sse(c.model_dump_json(exclude=exclude))
+    async def one(gen: _Generation) -> AsyncIterator[str]:
+        def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None) -> str:
+            logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
+            c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
+                                    choices=[ChatChunkChoice(index=gen.index, delta=delta, logprobs=logprobs,
+                                                             finish_reason=finish)])
+            return _sse(c.model_dump_json(exclude=exclude))
 
-    parser = OutputParser(plan.reasoning, plan.tool_names) if _parses(plan) else None
-
-    async def chunks() -> AsyncIterator[str]:
+        parser = OutputParser(plan.reasoning, plan.tool_names) if _parses(plan) else None
         yield chunk(DeltaMessage(role="assistant", content=""))
         called = False
         async for text, tokens, finish in _coalesce(gen):
@@ -553,45 +665,53 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gen: _Generation, rid
             else:
                 deltas = parser.feed(text) + (parser.finish() if finish is not None else [])
                 called = called or any(d.tool_index is not None for d in deltas)
-                for i, d in enumerate(deltas):           # logprobs ride on the piece's first chunk
-                    yield chunk(_delta_message(d), tokens if i == 0 else None)
-                if not deltas and tokens and gen.want_logprobs:
+                messages = [m for m in (_delta_message(d, plan.legacy) for d in deltas) if m is not None]
+                for i, m in enumerate(messages):            # logprobs ride on the piece's first chunk
+                    yield chunk(m, tokens if i == 0 else None)
+                if not messages and tokens and gen.want_logprobs:
                     yield chunk(DeltaMessage(content=""), tokens)
             if finish is not None:
-                yield chunk(DeltaMessage(), None, "tool_calls" if called and finish == "stop" else finish)
+                yield chunk(DeltaMessage(), None, called_reason if called and finish == "stop" else finish)
+
+    async def chunks() -> AsyncIterator[str]:
+        async for c in _merged([one(g) for g in gens]):
+            yield c
         if req.include_usage:
-            usage = _usage(len(gen.request.prompt_ids), gen.completion_tokens)
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
-                                           usage=usage).model_dump_json())
+                                           usage=_usage(gens, len(gens))).model_dump_json())
 
-    return _stream_body(gen, chunks())
+    return _stream_body(gens, chunks())
 
 
-def _completion_stream(srv: _Server, req: CompletionRequest, gen: _Generation, rid: str,
-                       echo: str | None) -> AsyncIterator[str]:
+def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generation],
+                       rid: str) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
 
-    def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> str:
-        c = CompletionChunk(id=rid, created=created, model=srv.model_name,
-                            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)])
-        return _sse(c.model_dump_json(exclude=exclude))
+    async def one(gen: _Generation) -> AsyncIterator[str]:
+        def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> str:
+            c = CompletionChunk(id=rid, created=created, model=srv.model_name,
+                                choices=[CompletionChoice(index=gen.index, text=text, logprobs=logprobs,
+                                                          finish_reason=finish)])
+            return _sse(c.model_dump_json(exclude=exclude))
 
-    async def chunks() -> AsyncIterator[str]:
-        if echo is not None:
+        if gen.echo is not None:
             lps = srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs) if gen.want_logprobs else None
-            yield chunk(echo, lps)
+            yield chunk(gen.echo, lps)
         async for text, tokens, finish in _coalesce(gen):
             if text or tokens:
                 yield chunk(text, srv.completion_logprobs(tokens) if gen.want_logprobs else None)
             if finish is not None:
                 yield chunk("", None, finish)
-        if req.include_usage:
-            usage = _usage(len(gen.request.prompt_ids), gen.completion_tokens)
-            yield _sse(CompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
-                                       usage=usage).model_dump_json())
 
-    return _stream_body(gen, chunks())
+    async def chunks() -> AsyncIterator[str]:
+        async for c in _merged([one(g) for g in gens]):
+            yield c
+        if req.include_usage:
+            yield _sse(CompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
+                                       usage=_usage(gens, req.num_choices)).model_dump_json())
+
+    return _stream_body(gens, chunks())
 
 
 async def _coalesce(gen: _Generation) -> AsyncIterator[tuple[str, list[_Token], str | None]]:

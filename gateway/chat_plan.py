@@ -1,18 +1,21 @@
-"""How one chat request is rendered, constrained and parsed: tools, tool_choice, response_format and thinking.
+"""How one chat request is rendered, constrained and parsed: messages, tools, tool_choice, response_format and
+thinking.
 
 Coding agents send `tools` with every turn and side requests with `response_format: json_schema`. This module checks
 those fields (a 400 naming the field for anything we cannot honour, never a silent fallback) and decides:
 
-* what the chat template sees: the tools (not with tool_choice "none") and `chat_template_kwargs` such as
-  `enable_thinking`;
-* which grammar, if any, constrains sampling: `response_format` json_object / json_schema, or a forced tool call
-  (tool_choice "required" or a named function) whose arguments follow the tool's parameter schema;
+* what the chat template sees: the messages (`template_messages`: developer messages as system, refusal parts and
+  legacy function turns as text and tool turns), the tools (not with tool_choice "none") and `chat_template_kwargs`
+  such as `enable_thinking`;
+* which grammar, if any, constrains sampling: `response_format` json_object / json_schema, a forced tool call
+  (tool_choice "required", a named function, allowed_tools "required") whose arguments follow the tool's parameter
+  schema, a call restricted to allowed_tools, or "a call or the schema's JSON" (response_format with callable tools);
 * how the reply is split: reasoning (the `<think>` block) into `reasoning_content`, tool-call blocks into
-  `tool_calls`, the rest into `content`.
+  `tool_calls` (or, for a legacy `functions` request, the first call into `function_call`), the rest into `content`.
 
 Decisions where the API is silent (docs/agents.md): a grammar and thinking do not mix (the grammar would have to let
 free reasoning through first): a constrained request renders with `enable_thinking: false`, and asking for both is a
-400. `response_format` json with tools callable (tool_choice not "none") is a 400 too: one reply cannot be both.
+400.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid_request
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import ChatCompletionRequest, ChatMessage
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's rule for function names
 
@@ -36,50 +39,101 @@ class ChatPlan:
     tool_names: set[str] | None = None                  # parse tool-call blocks for these names (None: never)
     grammar: Any = None                                 # a compiled grammar spec (gateway.grammar) or None
     compiler: Any = None                                # the GrammarCompiler that compiled it (new_matcher)
+    legacy: bool = False                                # a `functions` request: answer with message.function_call
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+@dataclass
+class _Choice:
+    """tool_choice resolved: mode "none" | "auto" | "required" | "named", and the names that may be called (None:
+    every tool)."""
+    mode: str
+    allowed: list[str] | None = None
+
+
+def _tools(raw: list[dict[str, Any]] | None, param: str, legacy: bool = False) -> list[dict[str, Any]]:
+    """OpenAI tools (or, `legacy`, the old `functions` list of bare function objects) as template tools."""
     out, seen = [], set()
-    for i, tool in enumerate(req.tools or []):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise invalid_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.",
-                                  param=f"tools[{i}]")
+    for i, tool in enumerate(raw or []):
+        where = f"{param}[{i}]"
+        fn = tool if legacy else (tool.get("function") if isinstance(tool, dict) else None)
+        if legacy and not isinstance(fn, dict):
+            raise invalid_request(f"{where} must be a function object {{\"name\", \"parameters\", ...}}.",
+                                  param=where)
+        if not legacy and (not isinstance(tool, dict) or tool.get("type", "function") != "function"
+                           or not isinstance(fn, dict)):
+            raise invalid_request(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}.", param=where)
+        where_fn = where if legacy else f"{where}.function"
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise invalid_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'.",
-                                  param=f"tools[{i}].function.name")
+            raise invalid_request(f"{where_fn}.name must be 1-64 letters, digits, '_', '.' or '-'.",
+                                  param=f"{where_fn}.name")
         if name in seen:
-            raise invalid_request(f"Two tools are named {name!r}.", param=f"tools[{i}].function.name")
+            raise invalid_request(f"Two tools are named {name!r}.", param=f"{where_fn}.name")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise invalid_request(f"tools[{i}].function.parameters must be a JSON Schema object.",
-                                  param=f"tools[{i}].function.parameters")
+            raise invalid_request(f"{where_fn}.parameters must be a JSON Schema object.",
+                                  param=f"{where_fn}.parameters")
         seen.add(name)
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(req: ChatCompletionRequest, names: set[str]) -> str:
-    """'none' | 'auto' | 'required' | the forced function's name (prefixed 'fn:')."""
-    choice = req.tool_choice
+def _legacy_choice(req: ChatCompletionRequest) -> str | dict[str, Any] | None:
+    """function_call as a tool_choice: "none" / "auto" as they are, {"name": X} as the named function X."""
+    fc = req.function_call
+    if fc is None or fc in ("none", "auto"):
+        return fc
+    if isinstance(fc, dict) and isinstance(fc.get("name"), str):
+        return {"type": "function", "function": {"name": fc["name"]}}
+    raise invalid_request("function_call must be 'none', 'auto' or {\"name\": ...}.", param="function_call")
+
+
+def _tool_choice(choice: str | dict[str, Any] | None, names: set[str], param: str) -> _Choice:
     if choice is None:
-        return "auto" if names else "none"
+        return _Choice("auto" if names else "none")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise invalid_request("tool_choice must be 'none', 'auto', 'required' or a named function.",
-                                  param="tool_choice")
+            raise invalid_request(f"{param} must be 'none', 'auto', 'required', a named function or allowed_tools.",
+                                  param=param)
         if choice == "required" and not names:
-            raise invalid_request("tool_choice 'required' needs at least one tool in tools.", param="tool_choice")
-        return "none" if not names else choice
-    fn = choice.get("function") if isinstance(choice, dict) else None
+            raise invalid_request(f"{param} 'required' needs at least one tool in tools.", param=param)
+        return _Choice("none" if not names else choice)
+    if not isinstance(choice, dict):
+        raise invalid_request(f"{param} must be a string or an object.", param=param)
+    if choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice.get("allowed_tools"), names, param)
+    fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(name, str):
-        raise invalid_request("tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}.",
-                              param="tool_choice")
+        raise invalid_request(f"{param} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or "
+                              "{\"type\": \"allowed_tools\", ...}.", param=param)
     if name not in names:
-        raise invalid_request(f"tool_choice names {name!r}, which is not in tools.", param="tool_choice")
-    return "fn:" + name
+        raise invalid_request(f"{param} names {name!r}, which is not in tools.", param=param)
+    return _Choice("named", [name])
+
+
+def _allowed_tools(spec: Any, names: set[str], param: str) -> _Choice:
+    """{"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}; a tool given
+    as {"type": "function", "name": ...} (the Responses API's spelling) is accepted too."""
+    where = f"{param}.allowed_tools"
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required"):
+        raise invalid_request(f"{where}.mode must be 'auto' or 'required'.", param=f"{where}.mode")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise invalid_request(f"{where}.tools must be a non-empty list of functions.", param=f"{where}.tools")
+    allowed = []
+    for i, tool in enumerate(listed):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(name, str):
+            raise invalid_request(f"{where}.tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                  "{\"name\": ...}}.", param=f"{where}.tools[{i}]")
+        if name not in names:
+            raise invalid_request(f"{where}.tools[{i}] names {name!r}, which is not in tools.",
+                                  param=f"{where}.tools[{i}]")
+        allowed.append(name)
+    allowed = list(dict.fromkeys(allowed))
+    return _Choice(spec["mode"], None if set(allowed) == names else allowed)
 
 
 def _response_format(req: ChatCompletionRequest) -> tuple[str, dict | None, bool]:
@@ -107,18 +161,28 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
     """Validate the agent-facing fields and decide rendering, constraint and parsing (see the module docstring).
     `get_compiler()` gives the gateway.grammar.GrammarCompiler (None when the server has no grammar engine); it is
     called only for a constrained request, so plain requests never build one."""
-    tools = _tools(req)
-    names = {t["function"]["name"] for t in tools}
-    choice = _tool_choice(req, names)
+    legacy = req.functions is not None
+    if legacy:
+        if req.tools is not None or req.tool_choice is not None:
+            raise invalid_request("functions (legacy) cannot be combined with tools or tool_choice.",
+                                  param="functions")
+        tools = _tools(req.functions, "functions", legacy=True)
+        names = {t["function"]["name"] for t in tools}
+        choice = _tool_choice(_legacy_choice(req), names, "function_call")
+    else:
+        if req.function_call is not None:
+            raise invalid_request("function_call goes with the legacy functions; with tools use tool_choice.",
+                                  param="function_call")
+        tools = _tools(req.tools, "tools")
+        names = {t["function"]["name"] for t in tools}
+        choice = _tool_choice(req.tool_choice, names, "tool_choice")
     fmt, schema, strict = _response_format(req)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.parallel_tool_calls is not None and not isinstance(req.parallel_tool_calls, bool):
         raise invalid_request("parallel_tool_calls must be a boolean.", param="parallel_tool_calls")
-    parallel = req.parallel_tool_calls is not False
-    constrained = fmt != "text" or choice == "required" or choice.startswith("fn:")
-    if fmt != "text" and choice != "none":
-        raise invalid_request("response_format json cannot be combined with callable tools; set tool_choice to "
-                              "'none' or drop response_format.", param="response_format")
+    parallel = req.parallel_tool_calls is not False and not legacy     # a legacy reply holds one function_call
+    constrained = fmt != "text" or choice.mode in ("required", "named") or (
+        choice.mode == "auto" and choice.allowed is not None)
     thinking = kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid_request("chat_template_kwargs.enable_thinking must be a boolean.",
@@ -126,33 +190,108 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
     compiler = grammar = None
     if constrained:
         if thinking is True:
-            raise invalid_request("Thinking cannot be combined with structured output or a forced tool call; set "
-                                  "chat_template_kwargs.enable_thinking to false.",
+            raise invalid_request("Thinking cannot be combined with structured output, a forced tool call or "
+                                  "allowed_tools; set chat_template_kwargs.enable_thinking to false.",
                                   param="chat_template_kwargs.enable_thinking")
         kwargs["enable_thinking"] = False
         compiler = get_compiler()
         if compiler is None:
             raise invalid_request("This server has no grammar engine: structured output and forced tool calls are "
-                                  "unavailable.", param="response_format" if fmt != "text" else "tool_choice")
-        grammar = _compile(compiler, fmt, schema, strict, choice, tools, parallel)
-    return ChatPlan(tools=tools if choice != "none" and tools else None, template_kwargs=kwargs,
+                                  "unavailable.", param="response_format" if fmt != "text"
+                                  else "function_call" if legacy else "tool_choice")
+        grammar = _compile(compiler, fmt, schema, strict, choice, tools, parallel,
+                           "functions" if legacy else "tools")
+    callable_tools = choice.mode != "none" and bool(tools)
+    return ChatPlan(tools=tools if callable_tools else None, template_kwargs=kwargs,
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
-                    tool_names=names if choice != "none" and names else None,
-                    grammar=grammar, compiler=compiler)
+                    tool_names=set(choice.allowed or names) if callable_tools else None,
+                    grammar=grammar, compiler=compiler, legacy=legacy)
 
 
-def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: str, tools: list[dict],
-             parallel: bool):
-    """The grammar spec of a constrained request; a schema the engine cannot enforce is a 400 naming it."""
+def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],
+             parallel: bool, tools_param: str):
+    """The grammar spec of a constrained request; a schema the engine cannot enforce is a 400 naming it.
+
+    Tools callable: "required" / named force calls (response_format does not apply: the reply is a call);
+    "auto" with response_format json allows a call or the JSON answer; "auto" with allowed_tools allows text or a
+    call to an allowed tool. Tools not callable: the JSON grammar alone."""
     from gateway.grammar import GrammarError
 
-    try:
-        if fmt == "json_object":
-            return compiler.json_object()
-        if fmt == "json_schema":
-            return compiler.json_schema(schema, strict)
-        forced = "required" if choice == "required" else {"type": "function", "function": {"name": choice[3:]}}
-        return compiler.tool_calls(tools, forced, parallel)
+    try:                                # the answer schema alone first, so its errors name response_format
+        answer_only = compiler.json_schema(schema, strict) if fmt == "json_schema" else None
     except GrammarError as e:
-        param = "response_format.json_schema.schema" if fmt == "json_schema" else "tools"
-        raise invalid_request(f"Cannot enforce this schema: {e}", param=param) from None
+        raise invalid_request(f"Cannot enforce this schema: {e}", param="response_format.json_schema.schema") from None
+    if choice.mode == "none":
+        return answer_only if fmt == "json_schema" else compiler.json_object()
+    answer = {"type": "object"} if fmt == "json_object" else schema
+    try:
+        if choice.mode == "named":
+            return compiler.tool_calls(tools, {"type": "function", "function": {"name": choice.allowed[0]}},
+                                       parallel)
+        if choice.mode == "required":
+            return compiler.tool_calls(tools, "required", parallel, allowed=choice.allowed)
+        return compiler.tool_calls(tools, "auto", parallel, allowed=choice.allowed,
+                                   answer=answer if fmt != "text" else None, answer_strict=strict)
+    except GrammarError as e:
+        raise invalid_request(f"Cannot enforce this schema: {e}", param=tools_param) from None
+
+
+# ---- messages -------------------------------------------------------------------------------------------------
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (content parts pass through, as transformers passes them).
+
+    OpenAI roles and shapes the Qwen templates do not know are mapped: `developer` is `system` (OpenAI treats it so);
+    the leading run of system/developer messages becomes one system message, their texts joined by a blank line in
+    order (templates take only the first message as the system prompt, and the tools section joins it); an
+    assistant's `refusal` content part (or `refusal` field with no content) is its text; the legacy
+    `{"role": "function", "name", "content"}` result is a tool turn and an assistant's legacy `function_call` a tool
+    call."""
+    out = [_template_message(i, m) for i, m in enumerate(messages)]
+    lead = 0
+    while lead < len(out) and out[lead]["role"] == "system":
+        lead += 1
+    if lead > 1:
+        merged = {**out[0], "content": "\n\n".join(_text(m["content"]) for m in out[:lead])}
+        out = [merged] + out[lead:]
+    return out
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content)
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    extra = dict(message.model_extra or {})
+    out: dict[str, Any] = {"role": role, **extra}
+    if message.name is not None:
+        out["name"] = message.name
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if part.type == "refusal" and role == "assistant" and isinstance(part.refusal, str):
+                parts.append({"type": "text", "text": part.refusal})
+            elif part.type == "text" and part.text is not None:
+                parts.append(part.model_dump(exclude_none=True))
+            else:
+                allowed = "text or (assistant) refusal" if role == "assistant" else "text"
+                raise invalid_request(f"Content part type {part.type!r} is not supported: only {allowed}.",
+                                      param=f"messages[{index}].content[{j}]")
+        content = parts
+    if role == "assistant" and not content and isinstance(extra.get("refusal"), str):
+        content = extra["refusal"]
+    out["content"] = content
+    if role == "function":              # legacy function result: a tool turn
+        out["role"] = "tool"
+        out.setdefault("tool_call_id", f"call_{index}")
+    fc = extra.get("function_call")
+    if role == "assistant" and isinstance(fc, dict) and not extra.get("tool_calls"):
+        out["tool_calls"] = [{"id": f"call_{index}", "type": "function", "function": fc}]
+        del out["function_call"]
+    return out

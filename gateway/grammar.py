@@ -22,7 +22,9 @@ any JSON whitespace instead.
 
 strict: `json_schema(schema, strict=True)` refuses a schema that uses a keyword llguidance does not implement (e.g.
 "not", "unevaluatedProperties") with GrammarError. With strict=False the schema is still enforced, but such keywords are
-ignored (logged as warnings), so the output matches a slightly looser schema. The schema is never rewritten: OpenAI's
+ignored (logged as warnings), so the output matches a slightly looser schema; `oneOf` is the exception: llguidance
+enforces it exactly when it can prove the alternatives disjoint, and would otherwise quietly loosen it to `anyOf`, so
+such a schema is refused (GrammarError naming oneOf) whatever `strict` says. The schema is never rewritten: OpenAI's
 strict mode additionally implies additionalProperties=false and all-properties-required, but here the output follows
 the schema as written. A tool's `function.strict` is handled the same way.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -244,14 +247,38 @@ class GrammarCompiler:
             raise GrammarError(f"invalid JSON schema: {e}") from e
         return self._compile(spec, what="JSON schema")
 
-    def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool) -> str:
-        """The reply is one (or, if `parallel`, one or more "\\n"-separated) blocks of exactly
+    def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool, *,
+                   allowed: Iterable[str] | None = None, answer: Mapping[str, Any] | None = None,
+                   answer_strict: bool = False) -> str:
+        """Calls are one (or, if `parallel`, one or more "\\n"-separated) blocks of exactly
         `<tool_call>\\n{"name": "<name>", "arguments": <JSON>}\\n</tool_call>`, the arguments matching that tool's
-        parameters schema. `choice` "required": any of `tools`; {"type": "function", "function": {"name": X}}: only X.
+        parameters schema. `allowed`: the names that may be called (default: every tool; tool_choice allowed_tools).
+
+        `choice` "required": the reply is calls to `allowed` tools; {"type": "function", "function": {"name": X}}:
+        calls to X only; "auto": calls to `allowed` tools, or else JSON matching `answer` (a schema: response_format
+        with tools, the openai-agents SDK's typed final answer), or else (no `answer`) free text that never contains
+        the call tag, optionally followed by calls. "auto" with every tool allowed and no answer needs no grammar.
         """
         functions = self._functions(tools)
+        allowed_names = list(functions) if allowed is None else list(dict.fromkeys(allowed))
+        unknown = [n for n in allowed_names if n not in functions]
+        if unknown or not allowed_names:
+            raise GrammarError(f"allowed tools {unknown or allowed_names!r} are not among the tools")
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        top = [f"start: {calls}"]
         if choice == "required":
-            chosen = list(functions)
+            chosen = allowed_names
+        elif choice == "auto":
+            if answer is None and allowed is None:
+                raise GrammarError('tool_choice "auto" with every tool allowed and no answer schema needs no grammar')
+            chosen = allowed_names
+            if answer is not None:
+                schema = self._check_schema(answer, "response_format schema")
+                schema = {**schema, "x-guidance": {**self._json_options, "lenient": not answer_strict}}
+                top = [f"start: {calls} | answer", f"answer: %json {json.dumps(schema)}"]
+            else:                           # free text (never the tag: only allowed calls may follow it)
+                tag = re.escape(TOOL_CALL_OPEN)
+                top = [f"start: TEXT | TEXT? {calls}", f"TEXT: /(?s:.+)/ & ~/(?s:.*){tag}(?s:.*)/"]
         elif isinstance(choice, Mapping):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, Mapping) else None
@@ -261,7 +288,8 @@ class GrammarCompiler:
                 raise GrammarError(f"tool_choice names function {name!r}, which is not among the tools")
             chosen = [name]
         else:
-            raise GrammarError(f"tool_choice {choice!r} needs no grammar: only \"required\" or a named function does")
+            raise GrammarError(f"tool_choice {choice!r} needs no grammar: only \"required\", \"auto\" with allowed "
+                               "tools or an answer schema, or a named function does")
 
         rules = []
         for i, name in enumerate(chosen):
@@ -271,7 +299,7 @@ class GrammarCompiler:
             rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
         lark = "\n".join(
             [
-                'start: call ("\\n" call)*' if parallel else "start: call",
+                *top,
                 f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({" | ".join(f"fn_{i}" for i in range(len(chosen)))}) '
                 f'"\\n" {self._tag[TOOL_CALL_CLOSE]}',
                 *rules,
@@ -320,6 +348,9 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"invalid or unsupported {what}: {_short(matcher.get_error())}")
         for warning in matcher.get_grammar_warnings():
+            if "oneOf" in warning:          # lenient llguidance would enforce a looser anyOf in its place
+                raise GrammarError(f"oneOf whose alternatives may overlap cannot be enforced exactly ({warning}); "
+                                   "use anyOf if a value may match several alternatives")
             log.warning("grammar warning: %s", warning)
         with self._lock:
             self._cache[spec] = matcher

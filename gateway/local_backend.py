@@ -31,7 +31,8 @@ from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
-from stage_worker.sampler import apply_penalties, position_generator, random_seed, sample, token_logprobs
+from stage_worker.sampler import (apply_logit_bias, apply_penalties, position_generator, random_seed, sample,
+                                  token_logprobs)
 
 __all__ = ["LocalBackend"]
 
@@ -234,7 +235,7 @@ class LocalBackend:
     def _sample(self, job: _Job, logits: torch.Tensor) -> None:
         req, params = job.request, job.request.params
         generator = None if params.greedy else position_generator(job.seed, len(req.prompt_ids) + len(job.output))
-        adjusted = apply_penalties(logits, params, job.output, req.prompt_ids)
+        adjusted = apply_penalties(apply_logit_bias(logits, params.logit_bias), params, job.output, req.prompt_ids)
         if req.grammar is not None:
             adjusted = apply_mask(adjusted, req.grammar.mask_bytes())
         tid = sample(adjusted, params, generator)

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible endpoints (pydantic v2).
 
 Requests ignore unknown fields (clients send many we do not use). The agent-facing fields (tools, tool_choice,
-parallel_tool_calls, response_format, chat_template_kwargs) are validated here for shape only and checked in depth by
-`gateway.chat_plan`, which answers 400 naming the field for anything it cannot honour.
+parallel_tool_calls, response_format, chat_template_kwargs, the legacy functions / function_call) are validated here
+for shape only and checked in depth by `gateway.chat_plan`, which answers 400 naming the field for anything it cannot
+honour. `logit_bias` is checked against the vocabulary by the API layer (it needs the tokenizer).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ __all__ = [
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16                  # choices per prompt; each is its own engine request
+MAX_CHOICES = 64            # prompts x n in one completions request
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1     # what torch.Generator.manual_seed accepts
 
 
@@ -35,6 +38,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    refusal: str | None = None          # {"type": "refusal", "refusal": ...}: assistant history only
 
 
 class ChatMessage(BaseModel):
@@ -62,7 +66,8 @@ class _Sampling(_Request):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None                 # vLLM extension: extra ids that end generation
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    logit_bias: dict[str, Any] | None = None                # token id (string) -> [-100, 100]; checked by the API
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -78,16 +83,13 @@ class _Sampling(_Request):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return v
-
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -104,6 +106,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None           # legacy: mapped to tools by gateway.chat_plan
+    function_call: str | dict[str, Any] | None = None       # legacy: mapped to tool_choice
 
     @property
     def budget(self) -> int | None:
@@ -130,12 +134,12 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
+    def _prompts(cls, v: Any) -> Any:
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if isinstance(v[0], (str, list)) and len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
+            if isinstance(v[0], (str, list)) and len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request")
         return v
 
     @property
@@ -146,10 +150,10 @@ class CompletionRequest(_Sampling):
     def top_k_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_value(self) -> str | list[int]:
-        """The single prompt, as text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids (a single prompt is a list of one)."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
@@ -181,6 +185,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+def _omit_none(v: Any) -> bool:
+    return v is None
+
+
+def _omit_empty(v: Any) -> bool:
+    return not v
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str
@@ -193,10 +205,14 @@ class ToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """`tool_calls` and `function_call` are left out of the JSON when absent, as OpenAI does (clients test
+    `if (msg.tool_calls)`; an empty list is truthy in JavaScript)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_empty)
+    function_call: FunctionCall | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -213,10 +229,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-def _omit_none(v: Any) -> bool:
-    return v is None
 
 
 class DeltaFunction(BaseModel):
@@ -240,6 +252,7 @@ class DeltaMessage(BaseModel):
     content: str | None = Field(default=None, exclude_if=_omit_none)
     reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
+    function_call: DeltaFunction | None = Field(default=None, exclude_if=_omit_none)    # legacy requests
 
 
 class ChatChunkChoice(BaseModel):

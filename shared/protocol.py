@@ -67,6 +67,7 @@ class SamplingSpec:
     logprobs: int | None
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)     # tokens generated before a preemption (penalties)
+    logit_bias: dict[int, float] | None = None               # token id -> added to the raw logit, before penalties
 
 
 @dataclass

@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None            # None: no logprobs; k >= 0: the sampled token's plus top-k
+    logit_bias: dict[int, float] | None = None   # token id -> value added to its raw logit (OpenAI logit_bias)
 
     def with_defaults(self, generation_config: dict[str, Any]) -> "SamplingParams":
         values = {}

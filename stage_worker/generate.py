@@ -18,7 +18,7 @@ from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling import SamplingParams, read_generation_config
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
-from stage_worker.sampler import apply_penalties, position_generator, random_seed, sample
+from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, random_seed, sample
 
 
 @dataclass
@@ -76,7 +76,8 @@ def _tokens(engine: LocalEngine, prompt_ids: list[int], params: SamplingParams, 
     history: list[int] = []
     for i in range(max_new):
         gen = position_generator(seed, len(prompt_ids) + i)
-        tid = sample(apply_penalties(logits, params, history, prompt_ids), params, gen)
+        tid = sample(apply_penalties(apply_logit_bias(logits, params.logit_bias), params, history, prompt_ids), params,
+                     gen)
         history.append(tid)
         yield tid
         logits = engine.step([(0, [tid])])[0]

@@ -20,7 +20,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
-from stage_worker.sampler import apply_penalties, position_generator, sample, token_logprobs
+from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
 
 @dataclass
@@ -111,7 +111,7 @@ class StageRunner:
                                         min_p=spec.min_p, presence_penalty=spec.presence_penalty,
                                         frequency_penalty=spec.frequency_penalty,
                                         repetition_penalty=spec.repetition_penalty, seed=spec.seed,
-                                        logprobs=spec.logprobs)
+                                        logprobs=spec.logprobs, logit_bias=spec.logit_bias)
                 self.requests[spec.req_id] = _ReqState(spec, params, list(spec.output_ids))
         if plan.entries:
             # Everything but the ids of decode tokens is known now: positions, KV rows, slots, logits rows. The ids
@@ -252,7 +252,9 @@ class StageRunner:
                 raise RuntimeError(f"no sampling parameters for request {e.req_id}")
             position = e.context_len + e.num_tokens
             raw = rows[-1]
-            adjusted = apply_mask(apply_penalties(raw, state.params, state.history, state.spec.prompt_ids), e.allowed)
+            biased = apply_logit_bias(raw, state.params.logit_bias)     # the grammar mask still wins over a bias
+            adjusted = apply_mask(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids),
+                                  e.allowed)
             token = sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
             state.history.append(token)
             lp, top_ids, top_lps = (None, None, None)

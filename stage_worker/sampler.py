@@ -1,4 +1,6 @@
-"""Turn last-position logits into tokens: penalties, temperature, top-k, top-p, min-p, per-request seeded draws."""
+"""Turn last-position logits into tokens: logit bias, penalties, temperature, top-k, top-p, min-p, per-request
+seeded draws. The order every sampling path uses: bias on the raw logits, then penalties, then the grammar mask
+(so a bias never re-allows a token the grammar forbids), then temperature and filtering."""
 
 from __future__ import annotations
 
@@ -7,6 +9,21 @@ from collections import Counter
 import torch
 
 from shared.sampling import SamplingParams
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
+    """OpenAI logit_bias: each value is added to its token's raw logit (-100 all but bans it, +100 all but forces
+    it). Ids past this row (a narrower head) are ignored; the gateway has already refused ids outside the vocabulary."""
+    if not bias:
+        return logits
+    pairs = [(int(i), float(v)) for i, v in bias.items() if 0 <= int(i) < logits.shape[-1]]
+    if not pairs:
+        return logits
+    logits = logits.clone()
+    ids, values = zip(*pairs)
+    logits[torch.tensor(ids, dtype=torch.long, device=logits.device)] += torch.tensor(
+        values, dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],

@@ -254,7 +254,8 @@ def test_thinking_reply_with_a_closed_block(thinking_server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"},
+      "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, "chat_template_kwargs.enable_thinking"),
 ])
 def test_unsupported_combinations_are_400_naming_the_field(client, body, param):
     extra = body.pop("extra_body", None)
