@@ -18,30 +18,12 @@ all round to the activation dtype where the PyTorch ops store them. cos/sin are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from stage_worker.kernels.attention_prep_ref import PrepLayout
 from stage_worker.kernels.rmsnorm import round_to
-
-
-@dataclass(frozen=True)
-class PrepLayout:
-    """Shapes and the column offsets of each part inside a projection row."""
-
-    n_heads: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    q_off: int               # q head h at q_off + h * 2 * head_dim, its gate head right after it
-    k_off: int
-    v_off: int
-    idx_heads: int = 0       # 0: no QSA indexer
-    idx_dim: int = 0
-    iq_off: int = 0
-    ik_off: int = 0
 
 
 @triton.jit

@@ -3,13 +3,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from stage_worker.kernels.rmsnorm_ref import rmsnorm
 from stage_worker.model.rope import apply_rotary
 
 
-def attention_decode_prep_ref(proj: torch.Tensor, layout, cos: torch.Tensor, sin: torch.Tensor,
+@dataclass(frozen=True)
+class PrepLayout:
+    """Shapes and the column offsets of each part inside a projection row."""
+
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    q_off: int               # q head h at q_off + h * 2 * head_dim, its gate head right after it
+    k_off: int
+    v_off: int
+    idx_heads: int = 0       # 0: no QSA indexer
+    idx_dim: int = 0
+    iq_off: int = 0
+    ik_off: int = 0
+
+
+def attention_decode_prep_ref(proj: torch.Tensor, layout: PrepLayout, cos: torch.Tensor, sin: torch.Tensor,
                               slot_mapping: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
                               idx_q_norm_w: torch.Tensor | None = None, index_keys: torch.Tensor | None = None,

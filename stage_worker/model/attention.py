@@ -136,7 +136,7 @@ class GatedAttention(nn.Module):
         for m in parts:
             offs.append(offs[-1] + m.weight.shape[0])
         fused = fuse_rows(parts)
-        from stage_worker.kernels.attention_prep import PrepLayout
+        from stage_worker.kernels.attention_prep_ref import PrepLayout   # no Triton on the CPU path
 
         idx = self.indexer
         layout = PrepLayout(self.n_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, offs[0], offs[1],
