@@ -51,15 +51,14 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
               for i, (s, e) in enumerate(split_layers(cfg.num_hidden_layers, opts.stages))]
     extra = {**env_overrides(), **(opts.extra or {})}        # command-line flags win over the environment
     has_ple = isinstance(cfg, Qwen4ExpConfig) and bool(cfg.ple_layer_ids)
-    use_service = has_ple and extra.pop("ple_service", True)
+    use_service = extra.pop("ple_service", True) and has_ple     # popped either way: a field set below
     cluster = ClusterConfig(model=str(Path(opts.model).resolve()), stages=stages,
                             gateway_endpoint=ipc("gateway"), host=opts.host, port=opts.port,
                             ple_endpoint=ipc("ple") if use_service else "",
                             ple_ring=str(_shm_dir() / f"moepipe-ple-{os.getpid()}-{opts.port}.ring")
                             if use_service else "",
                             ple_service=use_service, **extra)
-    cluster.validate(cfg.num_hidden_layers)
-    return cluster
+    return cluster.for_model(cfg)          # cluster.toml carries the derived KV sizes: every process reads them
 
 
 def _shm_dir() -> Path:

@@ -70,7 +70,7 @@ class LocalBackend:
     """Serves `GenerationRequest`s from one in-process model (all layers, embedding to head)."""
 
     def __init__(self, model: StageModel | list[StageModel], *, max_model_len: int | None = None, max_seqs: int = 4,
-                 max_waiting: int = 64, block_size: int = 16, prefill_chunk: int = 2048,
+                 max_waiting: int = 64, block_size: int | None = None, prefill_chunk: int = 2048,
                  metrics: Metrics | None = None) -> None:
         stages = model if isinstance(model, list) else [model]
         limit = stages[0].cfg.max_position_embeddings

@@ -1,5 +1,5 @@
-"""The PLE service process: one inbox (Plan, Sampled, Shutdown in), PleReady out to the PLE stage, heartbeats and
-errors out to the gateway.
+"""The PLE service process: one inbox (Plan, Sampled, Shutdown in), PleReady out to every stage holding a PLE
+layer, heartbeats and errors out to the gateway.
 
 The loop never dies on one bad message (logged and skipped) and never blocks forever on a peer that is gone, so a
 SIGTERM/SIGINT always ends it promptly, with the shared-memory ring unlinked.
@@ -25,23 +25,18 @@ log = logging.getLogger("ple_service")
 _POLL_MS = 50
 
 
-def ple_stage(cluster: ClusterConfig, cfg) -> int:
-    """Index of the stage that holds the PLE layers; all of them must sit on that one stage."""
+def ple_stages(cluster: ClusterConfig, cfg) -> list[int]:
+    """Indices of the stages holding PLE layers: each gets every step's PleReady and copies its own layers' rows."""
     layers = sorted(i - 1 for i in set(getattr(cfg, "ple_layer_ids", None) or []))
     if not layers:
         raise ClusterConfigError(f"{cluster.model}: the model has no PLE layers; set ple_service = false")
-    owner = {layer: next((k for k, s in enumerate(cluster.stages) if s.start <= layer < s.end), None)
-             for layer in layers}
-    first = owner[layers[0]]
-    if first is None:
-        raise ClusterConfigError(f"cluster config: no stage holds PLE layer {layers[0]} (0-based)")
-    stray = [layer for layer in layers if owner[layer] != first]
-    if stray:
-        raise ClusterConfigError(
-            f"cluster config: PLE layers {layers} (0-based) must all be on one stage; layer {layers[0]} is on stage "
-            f"{first} [{cluster.stages[first].start}, {cluster.stages[first].end}) but "
-            + ", ".join(f"layer {layer} is on stage {owner[layer]}" for layer in stray))
-    return first
+    owners = set()
+    for layer in layers:
+        owner = next((k for k, s in enumerate(cluster.stages) if s.start <= layer < s.end), None)
+        if owner is None:
+            raise ClusterConfigError(f"cluster config: no stage holds PLE layer {layer} (0-based)")
+        owners.add(owner)
+    return sorted(owners)
 
 
 def _send(sock: zmq.Socket, msg: Message, stop: threading.Event, wait: bool = True) -> bool:
@@ -63,8 +58,8 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
     if not cluster.ple_endpoint:
         raise ClusterConfigError("cluster config: ple_endpoint is empty, the PLE service has no inbox to bind")
     cfg = load_config(cluster.model)
-    cluster.validate(cfg.num_hidden_layers)
-    stage_index = ple_stage(cluster, cfg)
+    cluster = cluster.for_model(cfg)
+    consumers = ple_stages(cluster, cfg)
     service = PleService(cluster.model, cfg, cluster)
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
@@ -72,13 +67,15 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
         inbox = ctx.socket(zmq.PULL)
         socks.append(inbox)
         inbox.bind(cluster.ple_endpoint)
-        gateway, stage = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-        socks += [gateway, stage]
-        for s, endpoint in ((gateway, cluster.gateway_endpoint), (stage, cluster.stages[stage_index].endpoint)):
+        gateway = ctx.socket(zmq.PUSH)
+        stages = [ctx.socket(zmq.PUSH) for _ in consumers]
+        socks += [gateway, *stages]
+        for s, endpoint in zip([gateway, *stages],
+                               [cluster.gateway_endpoint] + [cluster.stages[k].endpoint for k in consumers]):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
-        log.info("PLE service: layers %s, ring %s (%d slots x %d tokens), PleReady -> stage %d, prefetch %s",
-                 service.layers, service.ring.path, service.ring.slots, service.ring.max_tokens, stage_index,
+        log.info("PLE service: layers %s, ring %s (%d slots x %d tokens), PleReady -> stages %s, prefetch %s",
+                 service.layers, service.ring.path, service.ring.slots, service.ring.max_tokens, consumers,
                  "on" if service.prefetcher else "off")
         poller = zmq.Poller()
         poller.register(inbox, zmq.POLLIN)
@@ -101,8 +98,7 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
                 continue
             try:
                 if isinstance(msg, Plan):
-                    ready = service.on_plan(msg)
-                    out = [ready] if ready is not None else []
+                    out = service.on_plan(msg)
                 elif isinstance(msg, Sampled):
                     out = service.on_sampled(msg)
                 elif isinstance(msg, Shutdown):
@@ -115,7 +111,8 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
                 log.exception("PLE service: handling %s failed; message skipped", msg.TYPE)
                 continue
             for ready in out:
-                _send(stage, ready, stop)
+                for stage in stages:
+                    _send(stage, ready, stop)
             for err in service.take_errors():
                 _send(gateway, err, stop)
     finally:

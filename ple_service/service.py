@@ -1,8 +1,11 @@
 """The PLE service's logic, free of sockets so it can be tested step by step.
 
 Per step it hashes the fed tokens of every sequence (the same n-gram hash as `stage_worker.model.ple`), gathers their
-rows from every PLE table into ring slot `step % slots` and answers with `PleReady`; the stage then never touches the
-memory-mapped tables inside its forward. Decode entries carry no token: the token sampled at position
+rows from every PLE table into ring slot `step % slots` and answers with `PleReady` (sent to every stage holding a PLE
+layer); the stages then never touch the memory-mapped tables inside their forward. A slot is written again only once
+every stage has copied its rows out: the last stage's `Sampled` for that step (or a later one) proves it, because
+every stage runs its steps in plan order and the last stage runs a step after all the others; a plan whose slot is
+still held waits, as does one whose decode tokens have not arrived. Decode entries carry no token: the token sampled at position
 `entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it. Prompts and
 freshly sampled tokens have their table pages read ahead (`prefetch.py`) unless the `ple_prefetch` switch is off.
 """
@@ -82,15 +85,16 @@ class PleService:
         self._requests: dict[str, _Request] = {}
         self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
         self._waiting: deque[Plan] = deque()
+        self._slot_owner: dict[int, int] = {}      # ring slot -> the step whose rows some stage may still copy
         self._errors: list[StageError] = []
         self.gathers = 0
         self.gather_tokens = 0
         self.gather_seconds = 0.0
 
     # -- messages --------------------------------------------------------------------------------------------------
-    def on_plan(self, plan: Plan) -> PleReady | None:
-        """Start prefetches, then fill the plan's ring slot; None while it waits for sampled tokens (or failed:
-        see `take_errors`)."""
+    def on_plan(self, plan: Plan) -> list[PleReady]:
+        """Start prefetches, then fill the ring slots of the plans that can run now: this one, unless it waits for
+        sampled tokens or its slot (or failed: see `take_errors`), and any its `dropped` steps unblocked."""
         if self.prefetcher is not None:
             # At once: no reason to keep reading a dead prompt. Before the new requests, because a request the
             # scheduler preempted and re-admitted in this same plan is in both.
@@ -98,11 +102,12 @@ class PleService:
                 self.prefetcher.cancel(req_id)
         for spec in plan.new_requests:
             self._start_prefetch(spec)
+        if plan.dropped:                  # failed steps: no stage will copy their rows, nor wait for them
+            dropped = set(plan.dropped)
+            self._release(lambda step: step in dropped)
+            self._waiting = deque(p for p in self._waiting if p.step not in dropped)
         self._waiting.append(plan)
-        for ready in self._drain():
-            if ready.step == plan.step:
-                return ready
-        return None
+        return self._drain()
 
     def on_sampled(self, msg: Sampled) -> list[PleReady]:
         """Record sampled tokens, read their rows' pages ahead, and run every plan they unblock (in order)."""
@@ -119,6 +124,8 @@ class PleService:
             for (_, spec), advisor in zip(self.specs, self.advisors):
                 rows = [ngram_rows_numpy(spec, state.context, np.array([tok]))[0] for state, tok in fresh]
                 advisor.advise_rows(np.concatenate(rows))          # one call per table for the whole message
+        # The last stage ran msg.step, so every stage has run (and copied the rows of) every step up to it.
+        self._release(lambda step: step <= msg.step)
         return self._drain()
 
     def take_errors(self) -> list[StageError]:
@@ -166,7 +173,18 @@ class PleService:
                                       [s for _, s in self.specs])
 
     def _ready_to_run(self, plan: Plan) -> bool:
+        if plan.entries and self.ring.slot_for_step(plan.step) in self._slot_owner:
+            return False                  # its slot still holds rows a stage has not copied
         return all(e.tokens is not None or e.context_len in self._sampled.get(e.req_id, {}) for e in plan.entries)
+
+    def _release(self, done) -> None:
+        """Free the ring slots of the steps `done(step)` says no stage will read again."""
+        for slot in [s for s, step in self._slot_owner.items() if done(step)]:
+            del self._slot_owner[slot]
+
+    def busy_slots(self) -> dict[int, int]:
+        """Ring slot -> step, for the slots that stages may still be copying from."""
+        return dict(self._slot_owner)
 
     def _drain(self) -> list[PleReady]:
         """Run waiting plans that have their tokens, in arrival order; a plan touching a request of an earlier,
@@ -226,6 +244,7 @@ class PleService:
         t0 = time.perf_counter()
         slot_index = self.ring.slot_for_step(plan.step)
         if total:
+            self._slot_owner[slot_index] = plan.step
             slot = self.ring.slot(slot_index)
             for i, layer in enumerate(self.layers):
                 index = torch.from_numpy(np.concatenate(rows[i]))          # [T, heads], StepBatch token order

@@ -83,7 +83,7 @@ def serve_options(args: argparse.Namespace):
     if args.no_access_log:
         extra["access_log"] = False
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
-                "load_format"):
+                "load_format", "kv_cache_memory"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
     return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
@@ -129,8 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per stage")
-    s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within --kv-cache-memory)")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: derived from the model, a multiple of its QSA ratio)")
+    s.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of KV blocks per stage when --num-blocks is not given (default 4)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                    help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")

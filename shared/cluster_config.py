@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.kv_layout import KvLayoutError, auto_num_blocks, block_bytes, compute_dtype, resolve_block_size
+from shared.model_config import HybridMoeConfig
+
 
 class ClusterConfigError(ValueError):
     """A cluster config the processes cannot run with; the message names the key."""
@@ -39,8 +42,9 @@ class ClusterConfig:
     served_model_name: str = "moepipe"
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
-    block_size: int = 16
-    num_blocks: int = 512
+    block_size: int = 0                         # 0 = derived from the model (shared/kv_layout.py)
+    num_blocks: int = 0                         # 0 = auto: max_num_seqs x max_model_len within kv_cache_memory
+    kv_cache_memory: float = 4.0                # GiB of KV blocks per stage when num_blocks is auto
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 0                      # 0 = the model's max_position_embeddings
@@ -78,9 +82,14 @@ class ClusterConfig:
             expect = s.end
         if num_layers is not None and expect != num_layers:
             raise ClusterConfigError(f"cluster config: stages end at layer {expect}, the model has {num_layers}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        for name in ("block_size", "num_blocks"):
+            if getattr(self, name) < 0:
+                raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
+        if not self.kv_cache_memory > 0:
+            raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
@@ -88,6 +97,22 @@ class ClusterConfig:
             # The service reuses ring slot step % slots with no handshake: more slots than steps in flight.
             raise ClusterConfigError(f"cluster config: ple_ring_slots ({self.ple_ring_slots}) must exceed the "
                                      f"micro-batches in flight ({self.num_microbatches})")
+
+    def for_model(self, cfg: HybridMoeConfig) -> ClusterConfig:
+        """Validated against the model, with the KV sizes derived from it filled in. Every process calls this on
+        the same file, and the result depends only on the file (and environment), so the gateway that places
+        blocks and every stage that allocates them agree."""
+        self.validate(cfg.num_hidden_layers)
+        try:
+            block_size = resolve_block_size(cfg, self.block_size)
+            num_blocks = self.num_blocks or auto_num_blocks(
+                [block_bytes(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype))
+                 for s in self.stages],
+                block_size, self.max_model_len or cfg.max_position_embeddings, self.max_num_seqs,
+                self.kv_cache_memory)
+        except KvLayoutError as exc:
+            raise ClusterConfigError(f"cluster config: {exc}") from None
+        return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -106,7 +131,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
-        "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype"}
+        "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
+        "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -119,9 +145,18 @@ def env_overrides() -> dict[str, Any]:
                 out[key] = int(val)
             elif key in ("kernels", "dtype"):
                 out[key] = val
+            elif key == "kv_cache_memory":
+                out[key] = _float_env(env, val)
             else:
                 out[key] = val.lower() not in ("0", "false", "no", "off")
     return out
+
+
+def _float_env(name: str, val: str) -> float:
+    try:
+        return float(val)
+    except ValueError:
+        raise ClusterConfigError(f"{name}={val!r}: expected a number (GiB)") from None
 
 
 def _apply_env(raw: dict[str, Any]) -> None:

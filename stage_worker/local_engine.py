@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.kv_layout import resolve_block_size
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
@@ -23,10 +24,12 @@ class _Seq:
 
 
 class LocalEngine:
-    def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int = 16,
+    def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int | None = None,
                  max_tokens: int = 4096, cuda_graphs: bool = False) -> None:
+        """`block_size` None: derived from the model (`shared.kv_layout`), as the served cluster does."""
         if not stages or not stages[0].has_embedding or not stages[-1].has_head:
             raise ValueError("stages must run from the embedding to the head")
+        block_size = resolve_block_size(stages[0].cfg, block_size)
         self.stages, self.block_size = stages, block_size
         p = next(stages[0].parameters())
         max_blocks = -(-max_tokens // block_size)

@@ -64,7 +64,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     spec = cluster.stages[index]
     name = stage_name(index)
     cfg = load_config(cluster.model)
-    cluster.validate(cfg.num_hidden_layers)
+    cluster = cluster.for_model(cfg)
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
     t0 = time.time()

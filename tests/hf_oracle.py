@@ -51,12 +51,18 @@ FAMILIES = {"qwen4_exp": qwen4_exp_config, "qwen3_next": qwen3_next_config, "qwe
 
 def build_reference(family: str, seed: int = 0):
     """A transformers model with every weight random (norms and PLE conv too, which init leaves at 0 or 1)."""
+    return build_from_config(FAMILIES[family](), seed)
+
+
+def build_from_config(cfg, seed: int = 0):
+    """`build_reference` for any transformers config (tests/test_any_checkpoint.py writes odd-dimension ones)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = FAMILIES[family]()
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    # Eager experts: the default grouped GEMM needs 16-byte strides, which odd expert widths do not have.
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                             experts_implementation="eager").float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1 or "conv1d" in name:

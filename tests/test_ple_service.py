@@ -18,7 +18,7 @@ import pytest
 import torch
 import zmq
 
-from ple_service.main import ple_stage
+from ple_service.main import ple_stages
 from ple_service.prefetch import Advisor, page_ranges
 from ple_service.ring import GatherRing, RingError
 from ple_service.service import PleService
@@ -89,7 +89,7 @@ def test_prefill_then_decode_rows_match_hash_and_stage(tiny, tmp_path, monkeypat
     try:
         plan0 = Plan(step=0, microbatch=0, new_requests=[_spec("a", a), _spec("b", b)],
                      entries=[SeqEntry("a", 0, 0, len(a), [0], tokens=a), SeqEntry("b", 1, 0, len(b), [1], tokens=b)])
-        ready = svc.on_plan(plan0)
+        [ready] = svc.on_plan(plan0)
         assert ready == PleReady(step=0, ring_slot=0, num_tokens=len(a) + len(b))
         got = svc.ring.slot(0)[:ready.num_tokens, 0]
         want, (ca, cb) = _expected(table, spec, [(initial_context(spec), a), (initial_context(spec), b)])
@@ -106,7 +106,7 @@ def test_prefill_then_decode_rows_match_hash_and_stage(tiny, tmp_path, monkeypat
 
         # decode: the plan waits for both sampled tokens
         plan1 = Plan(step=1, microbatch=0, entries=[SeqEntry("a", 0, len(a), 1, [0]), SeqEntry("b", 1, len(b), 1, [1])])
-        assert svc.on_plan(plan1) is None and svc.waiting_steps() == [1]
+        assert svc.on_plan(plan1) == [] and svc.waiting_steps() == [1]
         advised.clear()
         assert svc.on_sampled(Sampled(0, 0, [TokenOut("a", len(a), 77)])) == []
         tok_rows, _ = ngram_rows_numpy(spec, ca, np.array([77]))
@@ -122,7 +122,7 @@ def test_prefill_then_decode_rows_match_hash_and_stage(tiny, tmp_path, monkeypat
         # a token that arrives before its plan; "a" finishes in the same plan
         assert svc.on_sampled(Sampled(1, 0, [TokenOut("b", len(b) + 1, 99)])) == []
         plan2 = Plan(step=2, microbatch=0, entries=[SeqEntry("b", 1, len(b) + 1, 1, [1])], finished=["a"])
-        assert svc.on_plan(plan2) == PleReady(step=2, ring_slot=2, num_tokens=1)
+        assert svc.on_plan(plan2) == [PleReady(step=2, ring_slot=2, num_tokens=1)]
         want, _ = _expected(table, spec, [(cb, [99])])
         assert torch.equal(svc.ring.slot(2)[:1, 0], want)
         assert svc.tracked_requests() == {"b"}
@@ -130,7 +130,7 @@ def test_prefill_then_decode_rows_match_hash_and_stage(tiny, tmp_path, monkeypat
         assert svc.tracked_requests() == {"b"}
 
         assert svc.on_plan(Plan(step=3, microbatch=0, entries=[], finished=["b"])) == \
-            PleReady(step=3, ring_slot=3, num_tokens=0)
+            [PleReady(step=3, ring_slot=3, num_tokens=0)]
         assert svc.tracked_requests() == set()
         st = svc.stats()
         assert st["gathers"] == 4 and st["gather_tokens"] == len(a) + len(b) + 3
@@ -205,12 +205,12 @@ def test_request_preempted_and_readmitted_in_one_plan_starts_over(tiny, tmp_path
     svc = PleService(path, cfg, _cluster(path, tmp_path))
     try:
         assert svc.on_plan(Plan(step=0, microbatch=0, new_requests=[_spec("a", a)],
-                                entries=[SeqEntry("a", 0, 0, 5, [0], tokens=a[:5])])).num_tokens == 5
+                                entries=[SeqEntry("a", 0, 0, 5, [0], tokens=a[:5])]))[0].num_tokens == 5
         again = Plan(step=1, microbatch=0, new_requests=[_spec("a", a)], finished=["a"],
                      entries=[SeqEntry("a", 0, 0, 3, [0], tokens=a[:3])])
-        assert svc.on_plan(again) == PleReady(step=1, ring_slot=1, num_tokens=3)
+        assert svc.on_plan(again) == [PleReady(step=1, ring_slot=1, num_tokens=3)]
         rest = Plan(step=2, microbatch=0, entries=[SeqEntry("a", 0, 3, len(a) - 3, [0], tokens=a[3:])])
-        assert svc.on_plan(rest) == PleReady(step=2, ring_slot=2, num_tokens=len(a) - 3)
+        assert svc.on_plan(rest) == [PleReady(step=2, ring_slot=2, num_tokens=len(a) - 3)]
         assert svc.take_errors() == []
         want, _ = _expected(table, spec, [(initial_context(spec), a)])
         got = torch.cat([svc.ring.slot(1)[:3, 0], svc.ring.slot(2)[:len(a) - 3, 0]])
@@ -223,8 +223,8 @@ def test_lost_context_and_oversized_step_become_stage_errors(tiny, tmp_path):
     path, cfg, _ = tiny
     svc = PleService(path, cfg, _cluster(path, tmp_path))
     try:
-        assert svc.on_plan(Plan(step=0, microbatch=0, entries=[SeqEntry("x", 0, 5, 2, [0], tokens=[1, 2])])) is None
-        assert svc.on_plan(Plan(step=1, microbatch=0, entries=[SeqEntry("y", 0, 0, 40, [0], tokens=[1] * 40)])) is None
+        assert svc.on_plan(Plan(step=0, microbatch=0, entries=[SeqEntry("x", 0, 5, 2, [0], tokens=[1, 2])])) == []
+        assert svc.on_plan(Plan(step=1, microbatch=0, entries=[SeqEntry("y", 0, 0, 40, [0], tokens=[1] * 40)])) == []
         errs = svc.take_errors()
         assert [e.step for e in errs] == [0, 1] and all(isinstance(e, StageError) and e.component == "ple"
                                                         for e in errs)
@@ -252,15 +252,44 @@ def test_ring_roundtrip_and_errors(tmp_path):
         GatherRing.open(tmp_path / "bad")
 
 
-def test_ple_stage_lookup(tiny, tmp_path):
+def test_a_ring_slot_is_rewritten_only_after_the_last_stage_ran_its_step(tiny, tmp_path):
+    """Two slots, steps 0 and 2 share slot 0: step 2 waits (its rows unwritten, step 0's intact) until the last
+    stage's Sampled for step 0 proves every PLE stage copied them; a dropped step frees its slot the same way."""
     path, cfg, _ = tiny
-    assert ple_stage(_cluster(path, tmp_path), cfg) == 0                     # layer 1 of [0, 3)
+    a, b = _prompts(cfg)
+    svc = PleService(path, cfg, _cluster(path, tmp_path, ple_ring_slots=2))
+    try:
+        [r0] = svc.on_plan(Plan(step=0, microbatch=0, new_requests=[_spec("a", a)],
+                                entries=[SeqEntry("a", 0, 0, len(a), [0], tokens=a)]))
+        [r1] = svc.on_plan(Plan(step=1, microbatch=1, new_requests=[_spec("b", b)],
+                                entries=[SeqEntry("b", 1, 0, len(b), [1], tokens=b)]))
+        assert (r0.ring_slot, r1.ring_slot) == (0, 1) and svc.busy_slots() == {0: 0, 1: 1}
+        rows0 = svc.ring.slot(0)[:len(a)].clone()
+        step2 = Plan(step=2, microbatch=0, new_requests=[_spec("c", [7, 8, 9])],
+                     entries=[SeqEntry("c", 2, 0, 3, [2], tokens=[7, 8, 9])])
+        assert svc.on_plan(step2) == [] and svc.waiting_steps() == [2]
+        assert torch.equal(svc.ring.slot(0)[:len(a)], rows0)               # a later stage may still copy these
+        assert svc.on_sampled(Sampled(0, 0, [TokenOut("a", len(a), 11)])) == [PleReady(2, 0, 3)]
+        assert svc.busy_slots() == {0: 2, 1: 1}
+        step3 = Plan(step=3, microbatch=1, entries=[SeqEntry("b", 1, len(b), 1, [1], tokens=[5])])
+        assert svc.on_plan(step3) == []                                    # slot 1: step 1 not run to the end
+        out = svc.on_plan(Plan(step=-1, microbatch=0, entries=[], dropped=[1]))
+        assert out[0] == PleReady(3, 1, 1) and [(r.step, r.num_tokens) for r in out[1:]] == [(-1, 0)]
+        assert svc.take_errors() == []
+    finally:
+        svc.close()
+
+
+def test_ple_stages_lookup(tiny, tmp_path):
+    path, cfg, _ = tiny
+    assert ple_stages(_cluster(path, tmp_path), cfg) == [0]                  # layer 1 of [0, 3)
     two = _cluster(path, tmp_path, stages=[StageSpec(0, 1, "ipc://a"), StageSpec(1, 6, "ipc://b")])
-    assert ple_stage(two, cfg) == 1
+    assert ple_stages(two, cfg) == [1]
     import dataclasses
-    spread = dataclasses.replace(cfg, ple_layer_ids=[2, 4])
-    with pytest.raises(ClusterConfigError, match=r"layer 3 is on stage 1"):
-        ple_stage(_cluster(path, tmp_path), spread)
+    spread = dataclasses.replace(cfg, ple_layer_ids=[2, 4])                  # 0-based 1 and 3: both stages
+    assert ple_stages(_cluster(path, tmp_path), spread) == [0, 1]
+    with pytest.raises(ClusterConfigError, match="no PLE layers"):
+        ple_stages(_cluster(path, tmp_path), dataclasses.replace(cfg, ple_layer_ids=[]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shared.kv_layout import compute_dtype
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import ensure_table, shard_row_counts
@@ -63,13 +64,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dtype:
-    """The checkpoint's dtype, except that a CPU computes half-precision checkpoints in float32: most CPUs have no
-    bf16/fp16 matrix units, and PyTorch's fallback ran the bf16 demo model 4.5-6x slower than float32 on this
-    project's CI machine (docs/demo-model.md). `dtype` in the cluster config (MOEPIPE_DTYPE) overrides it."""
-    dtype = DTYPES[cfg.dtype]
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return dtype
+    """The checkpoint's dtype, except that a CPU computes half-precision checkpoints in float32 (the rule lives in
+    `shared.kv_layout.compute_dtype`: the KV budget is sized in it). `dtype` in the cluster config (MOEPIPE_DTYPE)
+    overrides it."""
+    return DTYPES[compute_dtype(cfg, torch.device(device).type)]
 
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions) -> StageModel:

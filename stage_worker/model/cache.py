@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kv_layout import check_block_size
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 
 
@@ -34,8 +35,7 @@ class AttentionCache:
         self.pooled_keys: torch.Tensor | None = None
         if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa:
             r = cfg.indexer_compress_ratio
-            if spec.block_size % r:
-                raise ValueError(f"block_size {spec.block_size} must be a multiple of indexer_compress_ratio {r}")
+            check_block_size(cfg, spec.block_size)
             self.index_keys = torch.zeros((rows, cfg.indexer_head_dim), dtype=spec.dtype, device=spec.device)
             self.pooled_keys = torch.zeros((rows // r, cfg.indexer_head_dim), dtype=spec.dtype, device=spec.device)
 

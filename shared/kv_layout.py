@@ -1,0 +1,105 @@
+"""KV block geometry derived from the model: the block size, what one block costs on a stage, how many blocks fit.
+
+Why one module: the gateway (which places blocks), every stage (which allocates them), `moepipe generate` and the
+local backend must agree on these numbers, and any checkpoint transformers accepts (a QSA compression ratio of 3, say)
+must be served without the user choosing a block size by hand.
+
+What constrains the block size: QSA pools every `indexer_compress_ratio` keys into one pooled key stored at
+`row // ratio`, so a compression block must never straddle two KV blocks (block_size % ratio == 0). Nothing else
+does: the Triton kernels (`qsa.py`, `attention_prep.py` `_pool_kernel`, `decode_attention.py`) take the block size
+as the constexpr PAGE but use it only in `//` and `%` (never in `tl.arange`), and pad the ratio to a power of two
+with a mask where they range over it, so any multiple of the ratio works on every path.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+
+__all__ = ["DEFAULT_BLOCK_TOKENS", "KvLayoutError", "auto_num_blocks", "block_bytes", "block_multiple",
+           "check_block_size", "compute_dtype", "derived_block_size", "resolve_block_size"]
+
+DEFAULT_BLOCK_TOKENS = 16        # vLLM's default; what the kernels' launch parameters were tuned with
+GIB = 1 << 30
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KvLayoutError(ValueError):
+    """A block size or KV budget the model cannot be served with; the message names the key and what would work."""
+
+
+def block_multiple(cfg: HybridMoeConfig) -> int:
+    """What every block size must be a multiple of: the QSA compression ratio (1 without QSA)."""
+    if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa:
+        return cfg.indexer_compress_ratio
+    return 1
+
+
+def derived_block_size(cfg: HybridMoeConfig) -> int:
+    """lcm(16, ratio): 16 tokens where the model allows it, else the nearest size that is also a whole number of
+    compression blocks (48 for ratio 3, 80 for ratio 5)."""
+    return math.lcm(DEFAULT_BLOCK_TOKENS, block_multiple(cfg))
+
+
+def check_block_size(cfg: HybridMoeConfig, block_size: int, key: str = "block_size") -> None:
+    """Raise KvLayoutError naming `key` if `block_size` cannot hold whole compression blocks."""
+    m = block_multiple(cfg)
+    if block_size >= 1 and block_size % m == 0:
+        return
+    d = derived_block_size(cfg)
+    if m == 1:
+        raise KvLayoutError(f"{key} {block_size} must be >= 1: use {d}, or leave it unset ({d})")
+    raise KvLayoutError(f"{key} {block_size} must be a multiple of indexer_compress_ratio {m} (a QSA compression "
+                        f"block cannot straddle two KV blocks): use {d}, {2 * d}, {4 * d} or any multiple of {m}, "
+                        f"or leave it unset ({d}, derived from the model)")
+
+
+def resolve_block_size(cfg: HybridMoeConfig, requested: int | None, key: str = "block_size") -> int:
+    """The block size to use: `requested` if it works (an error naming `key` if not), the derived one for 0/None."""
+    if not requested:
+        return derived_block_size(cfg)
+    check_block_size(cfg, requested, key)
+    return requested
+
+
+def compute_dtype(cfg: HybridMoeConfig, device: str, override: str = "") -> str:
+    """The dtype a stage computes (and caches) in: `override`, else the checkpoint's, except float32 for half
+    precision on a CPU (most CPUs have no bf16/fp16 matrix units: the demo model ran 4.5-6x slower in bf16)."""
+    if override:
+        return override
+    if device.split(":")[0] == "cpu" and cfg.dtype in ("bfloat16", "float16"):
+        return "float32"
+    return cfg.dtype
+
+
+def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str) -> int:
+    """Bytes one KV block costs on a stage holding layers [start, end): per attention layer K and V rows, and with
+    QSA the indexer's raw keys and one pooled key per compression block (as `stage_worker.model.cache` allocates)."""
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim
+    per_block = block_size * per_token
+    if block_multiple(cfg) > 1:
+        per_block += block_size * cfg.indexer_head_dim + block_size // cfg.indexer_compress_ratio * cfg.indexer_head_dim
+    layers = sum(1 for layer in range(start, end) if cfg.is_attention(layer))
+    return layers * per_block * _ITEMSIZE[dtype]
+
+
+def auto_num_blocks(costs: list[int], block_size: int, max_model_len: int, max_num_seqs: int,
+                    budget_gib: float) -> int:
+    """Blocks for `max_num_seqs` sequences of `max_model_len`, capped so that every stage (`costs`: bytes per block
+    of each stage) stays within `budget_gib`; KvLayoutError if not even one such sequence fits. Each stage also
+    holds one scratch block (CUDA-graph padding), counted here."""
+    per_seq = -(-max_model_len // block_size)
+    want = per_seq * max_num_seqs
+    worst = max(costs, default=0)
+    if worst == 0:
+        return want
+    fit = int(budget_gib * GIB) // worst - 1
+    if fit < per_seq:
+        stage = costs.index(worst)
+        raise KvLayoutError(
+            f"kv_cache_memory {budget_gib:g} GiB holds {max(fit, 0)} KV blocks of {block_size} tokens on stage "
+            f"{stage} ({worst} bytes each); one sequence of max_model_len {max_model_len} needs {per_seq} "
+            f"({(per_seq + 1) * worst / GIB:.2f} GiB): raise kv_cache_memory (MOEPIPE_KV_CACHE_MEMORY, "
+            f"--kv-cache-memory), lower max_model_len, use more stages, or set num_blocks")
+    return min(want, fit)
