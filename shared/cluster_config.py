@@ -94,7 +94,8 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
         if self.ple_service and self.ple_ring_slots <= self.num_microbatches:
-            # The service reuses ring slot step % slots with no handshake: more slots than steps in flight.
+            # Ring slot step % slots is rewritten only after the last stage ran its step: with no more slots than
+            # steps in flight the service would wait on the pipeline instead of gathering ahead.
             raise ClusterConfigError(f"cluster config: ple_ring_slots ({self.ple_ring_slots}) must exceed the "
                                      f"micro-batches in flight ({self.num_microbatches})")
 

@@ -178,7 +178,8 @@ class StageRunner:
                 ready = self.ple.pop(plan.step)
                 self.ple_wait_seconds += time.perf_counter() - self._ple_wait_start.pop(plan.step,
                                                                                         time.perf_counter())
-                # Copy out of the ring at once: the service reuses the slot `ple_ring_slots` steps later.
+                # Copy out of the ring at once: this stage's own layers only. The service rewrites the slot once the
+                # last stage has run this step (its Sampled), which in-order stages reach only after this copy.
                 rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens]
                 for li, layer in enumerate(self.all_ple_layers):
                     if layer in self.my_ple_layers:

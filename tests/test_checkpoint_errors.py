@@ -323,6 +323,20 @@ def test_inconsistent_qwen3_next_config_names_the_field(reference_checkpoints):
         config_from_dict(_edit(config, linear_num_key_heads=3))
 
 
+def test_a_ratio_3_checkpoint_loads_and_a_block_size_it_cannot_use_is_named(ref):
+    """QSA ratio 3 is valid in transformers: the config loads, the engine derives 48-token blocks, and a cache
+    asked for 16-token blocks says which sizes would work."""
+    from shared.kv_layout import KvLayoutError
+    from stage_worker.model.cache import AttentionCache, CacheSpec
+
+    _, _, config = ref
+    cfg = config_from_dict(_edit(config, indexer_compress_ratio=3, indexer_budget=9))
+    assert cfg.indexer_compress_ratio == 3
+    with pytest.raises(KvLayoutError, match=r"block_size 16 must be a multiple of indexer_compress_ratio 3.*use 48"):
+        AttentionCache(cfg, CacheSpec(num_blocks=2, block_size=16, num_slots=1))
+    assert AttentionCache(cfg, CacheSpec(num_blocks=2, block_size=48, num_slots=1)).pooled_keys.shape[0] == 32
+
+
 def test_unknown_keys_are_accepted_with_one_log_record(ref, caplog):
     _, _, config = ref
     raw = _edit(config, foo_training_knob=0.5, bar_schedule="cosine")

@@ -76,3 +76,104 @@ def test_serve_load_format_reaches_the_cluster_config(tiny, tmp_path):
     assert build_cluster_config(opts, tmp_path).load_format == "dummy"
     opts = serve_options(build_parser().parse_args(["serve", "--model", str(tiny)]))
     assert build_cluster_config(opts, tmp_path).load_format == "safetensors"
+
+
+# ---- KV sizes derived from the model (issue 13) ---------------------------------------------------------------------
+
+def _ratio3_model(tiny, tmp_path):
+    """A config-only copy of the tiny model with QSA compression ratio 3 (valid in transformers)."""
+    import json
+
+    raw = json.loads((tiny / "config.json").read_text())
+    raw.update(indexer_compress_ratio=3, indexer_budget=12)
+    out = tmp_path / "ratio3"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def test_block_size_is_derived_and_a_bad_explicit_one_is_named(tiny, tmp_path):
+    model = _ratio3_model(tiny, tmp_path)
+    assert build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path).block_size == 16      # ratio 4
+    cfg = build_cluster_config(ServeOptions(model=model, stages=2), tmp_path)
+    assert cfg.block_size == 48
+    assert build_cluster_config(ServeOptions(model=model, extra={"block_size": 18}), tmp_path).block_size == 18
+    with pytest.raises(ClusterConfigError, match=r"block_size 16 must be a multiple of indexer_compress_ratio 3.*"
+                                                 r"use 48, 96, 192 or any multiple of 3"):
+        build_cluster_config(ServeOptions(model=model, extra={"block_size": 16}), tmp_path)
+    with pytest.raises(ClusterConfigError, match="block_size must be >= 1, or 0"):
+        cluster_from_dict({"model": "m", "gateway_endpoint": "ipc://g", "block_size": -16,
+                           "stages": [{"start": 0, "end": 6, "endpoint": "ipc://a"}]})
+
+
+def test_the_cli_names_a_bad_block_size_and_too_many_stages(tiny, tmp_path, capsys):
+    import signal
+
+    from shared.cli import main
+
+    model = _ratio3_model(tiny, tmp_path)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["serve", "--model", str(model), "--block-size", "16"]) == 2
+        assert "block_size 16 must be a multiple of indexer_compress_ratio 3" in capsys.readouterr().err
+        assert main(["serve", "--model", str(tiny), "--stages", "7"]) == 2
+        assert "--stages 7: must be between 1 and the model's 6 layers" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+def test_block_bytes_is_what_a_stage_allocates_per_block(tiny):
+    from shared.kv_layout import block_bytes
+    from shared.model_config import load_config
+    from stage_worker.model.cache import CacheSpec, ModelCache
+
+    cfg = load_config(tiny)
+    for start, end in split_layers(cfg.num_hidden_layers, 3):
+        sizes = [ModelCache(cfg, CacheSpec(num_blocks=n, block_size=16, num_slots=2), start, end).bytes()
+                 for n in (5, 12)]
+        assert (sizes[1] - sizes[0]) / 7 == block_bytes(cfg, start, end, 16, "float32")
+    assert block_bytes(cfg, 0, cfg.num_hidden_layers, 16, "float32") > 0
+
+
+def test_num_blocks_auto_fits_the_budget_and_an_explicit_one_is_honoured(tiny, tmp_path, monkeypatch):
+    import dataclasses
+
+    from shared.kv_layout import GIB, block_bytes
+    from shared.model_config import load_config
+
+    cfg = load_config(tiny)
+    per_seq = -(-cfg.max_position_embeddings // 16)
+    auto = build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
+    assert auto.num_blocks == auto.max_num_seqs * per_seq                  # 16 full-length sequences fit in 4 GiB
+    worst = max(block_bytes(cfg, s.start, s.end, 16, "float32") for s in auto.stages)
+    monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY", str(2.5 * per_seq * worst / GIB))
+    capped = build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
+    assert per_seq <= capped.num_blocks < 3 * per_seq and (capped.num_blocks + 1) * worst <= 2.5 * per_seq * worst
+    unresolved = dataclasses.replace(capped, num_blocks=0, block_size=0)           # as an operator may write it
+    assert load_cluster_config(_written(unresolved, tmp_path)).for_model(cfg) == capped     # every process agrees
+    monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY", str(0.5 * per_seq * worst / GIB))
+    with pytest.raises(ClusterConfigError, match=rf"kv_cache_memory .* GiB holds \d+ KV blocks of 16 tokens on stage "
+                                                 rf"\d .*max_model_len {cfg.max_position_embeddings} needs {per_seq}"):
+        build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
+    assert build_cluster_config(ServeOptions(model=tiny, extra={"num_blocks": 7}), tmp_path).num_blocks == 7
+    monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY", "lots")
+    with pytest.raises(ClusterConfigError, match="MOEPIPE_KV_CACHE_MEMORY='lots': expected a number"):
+        build_cluster_config(ServeOptions(model=tiny), tmp_path)
+
+
+def _written(cfg, tmp_path):
+    path = tmp_path / "written.toml"
+    path.write_text(dump_toml(cfg))
+    return path
+
+
+def test_the_built_in_model_serves_a_32k_context_by_default(tmp_path):
+    from shared.cli import BUNDLED_MODEL
+    from shared.model_config import load_config
+
+    limit = load_config(BUNDLED_MODEL).max_position_embeddings
+    assert limit >= 32768
+    for stages in (1, 2):
+        cfg = build_cluster_config(ServeOptions(model=BUNDLED_MODEL, stages=stages), tmp_path)
+        assert cfg.num_blocks * cfg.block_size >= cfg.max_num_seqs * limit     # every slot can hold a full context

@@ -67,20 +67,27 @@ def test_prep_kernel_matches_reference(dtype, shape):
     assert got[2] is None if not ni else got[2].shape == (T, ni, di)
 
 
-@pytest.mark.parametrize("use_qsa", [False, True])
-def test_fused_decode_path_matches_pytorch_path(use_qsa):
+ODD = dict(num_attention_heads=6, num_key_value_heads=2, indexer_n_heads=3, indexer_compress_ratio=3,
+           indexer_budget=9)      # GQA group 3, ratio 3: nothing a power of two
+
+
+@pytest.mark.parametrize("use_qsa,odd,bs", [(False, False, 8), (True, False, 8), (True, True, 48), (True, True, 18)],
+                         ids=["dense", "qsa", "ratio3_page48", "ratio3_page18"])
+def test_fused_decode_path_matches_pytorch_path(use_qsa, odd, bs):
     """Prefill three sequences through the PyTorch path, then one decode step twice from identical caches: the
     fused path (one GEMV over views of the same weights, the prologue kernel, QSA and paged attention kernels)
-    equals the PyTorch path, and both leave the same K/V rows behind."""
+    equals the PyTorch path, and both leave the same K/V rows behind; also with a QSA ratio of 3 and pages of 48
+    (the size derived for it) and 18 tokens, which no kernel may assume to be powers of two."""
     torch.manual_seed(3)
-    cfg = dataclasses.replace(tiny_config())
+    cfg = dataclasses.replace(tiny_config(), **(ODD if odd else {}))
+    cfg.validate()
     rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
     attn = GatedAttention(cfg, use_qsa, rotary).eval().to(DEVICE)
     before = {k: v.clone() for k, v in attn.state_dict().items()}
     attn.prepare_kernels()
     assert all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
     assert attn._fused_proj() is not None
-    bs, ctxs = 8, [9, 21, 34]
+    ctxs = [9, 21, 34] if bs == 8 else [9, 50, 101]       # past a page boundary, more blocks than the budget
     g = torch.Generator().manual_seed(5)
     num_blocks = sum(-(-c // bs) for c in ctxs) + 2
     tables = paged_tables(ctxs, bs, num_blocks, g)
