@@ -17,8 +17,11 @@ import urllib.request
 def _post(base: str, path: str, body: dict, timeout: float = 120) -> bytes:
     req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"smoke: POST {path} answered {e.code}: {e.read().decode(errors='replace')[:600]}") from None
 
 
 def wait_healthy(base: str, timeout: float, pid: int | None) -> None:
