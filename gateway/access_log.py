@@ -11,8 +11,8 @@ routes need no logging code of their own. A line looks like
 (one line; `-` for what a request never had, e.g. tokens of a 400). `request_id` is the client's `X-Request-Id`
 header when it sent one, else the response's `id`; the response carries it back in `X-Request-Id` (the `openai`
 client shows that header as `_request_id`). Status 499 means the client went away before the response was complete
-(nginx's convention), also for a stream whose 200 had already been sent. Successful `GET /health` and `/metrics`
-are not logged: probes and scrapers would drown the requests.
+(nginx's convention), also for a stream whose 200 had already been sent. `/health` and `/metrics` are not logged:
+probes, scrapers and the launcher's start-up polling would drown the requests (`/health` says what is down).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ LOGGER_NAME = "moepipe.access"
 CLIENT_GONE = 499
 _QUIET_PATHS = ("/health", "/metrics")
 _MAX_CLIENT_ID = 128               # a client's X-Request-Id is echoed and logged; bound what it can make us write
+# The engine finishes a tool-calling reply with "stop"; the API layer turns it into "tool_calls" in the body. In
+# compact JSON (both response kinds) this byte string can only be structure: quotes inside strings are escaped.
+_TOOL_CALLS = b'"finish_reason":"tool_calls"'
 
 _current: ContextVar[AccessRecord | None] = ContextVar("moepipe_access_record", default=None)
 
@@ -51,6 +54,7 @@ class AccessRecord:
     finish_reasons: list[str] = field(default_factory=list)
     complete: bool = False              # the last body chunk went out
     client_gone: bool = False           # the client disconnected before that
+    tool_calls: bool = False            # the body reported finish_reason tool_calls
 
     @property
     def request_id(self) -> str | None:
@@ -76,9 +80,12 @@ class AccessRecord:
         now = time.monotonic() if now is None else now
         status = CLIENT_GONE if self.client_gone else (self.status or 500)
         ttft = None if self.first_token is None else f"{self.first_token - self.start:.3f}"
+        reasons = list(self.finish_reasons)
+        if self.tool_calls:
+            reasons = ["tool_calls"] if reasons == ["stop"] else reasons + ["tool_calls"]
         fields = {"request_id": self.request_id, "prompt_tokens": self.prompt_tokens,
                   "completion_tokens": self.completion_tokens, "ttft": ttft, "total": f"{now - self.start:.3f}",
-                  "finish_reason": ",".join(self.finish_reasons) or None, "client": self.client}
+                  "finish_reason": ",".join(reasons) or None, "client": self.client}
         return f"{self.method} {self.path} {status} " + " ".join(
             f"{k}={'-' if v is None else v}" for k, v in fields.items())
 
@@ -123,8 +130,9 @@ class AccessLogMiddleware:
                 if rec.request_id is not None:
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                     message = {**message, "headers": [*headers, (b"x-request-id", rec.request_id.encode("latin-1"))]}
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                rec.complete = True
+            elif message["type"] == "http.response.body":
+                rec.tool_calls = rec.tool_calls or _TOOL_CALLS in message.get("body", b"")
+                rec.complete = rec.complete or not message.get("more_body", False)
             await send(message)
 
         token = _current.set(rec)
@@ -132,7 +140,7 @@ class AccessLogMiddleware:
             await self.app(scope, logging_receive, logging_send)
         finally:
             _current.reset(token)
-            if not (rec.path in _QUIET_PATHS and rec.status == 200 and not rec.client_gone):
+            if rec.path not in _QUIET_PATHS:
                 self.log.info("%s", rec.line())
 
 

@@ -108,6 +108,23 @@ def test_client_request_id_and_streams(server):
     assert 1 <= int(line["completion_tokens"]) <= 5
 
 
+def test_tool_calls_finish_reason_is_the_clients(server):
+    url, log = server
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    before = len(_lines(log))
+    tool = {"type": "function", "function": {"name": "run_shell", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+    for stream in (False, True):
+        res = client.chat.completions.create(
+            model="moepipe", messages=[{"role": "user", "content": "List /tmp."}], tools=[tool], stream=stream,
+            tool_choice={"type": "function", "function": {"name": "run_shell"}}, max_tokens=60, temperature=0)
+        finish = res.choices[0].finish_reason if not stream else [c.choices[0].finish_reason for c in res
+                                                                  if c.choices][-1]
+        assert finish == "tool_calls"
+    lines = _wait_line(log, before + 2)[before:]
+    assert [ln["finish_reason"] for ln in lines] == ["tool_calls", "tool_calls"]
+
+
 def test_errors_get_a_line_with_their_status(server):
     url, log = server
     before = len(_lines(log))
