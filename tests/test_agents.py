@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
+from gateway.tokenizer import Tokenizer
 
 S = {"type": "string", "maxLength": 6}
 I = {"type": "integer", "minimum": 0, "maximum": 999}
@@ -262,3 +265,247 @@ def test_unsupported_combinations_are_400_naming_the_field(client, body, param):
     with pytest.raises(BadRequestError) as e:
         _chat(client, extra_body=extra, **body)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+# ---- issue 13: shapes captured from qwen-code, aider and the openai-agents SDK ----------------------------------
+
+BOOL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny) -> Tokenizer:
+    return Tokenizer.from_dir(tiny)
+
+
+def _greedy(client: OpenAI, messages, **kw):
+    return client.chat.completions.create(model="moepipe", messages=messages, temperature=0,
+                                          max_tokens=kw.pop("max_tokens", 4), **kw)
+
+
+def test_developer_messages_render_as_system(client):
+    """developer == system (same prompt tokens, same greedy answer); a leading run of system/developer messages is
+    one system message joined by a blank line. With tools the system text sits inside the tools section, so a
+    developer message taken for a user turn would cost extra tokens."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    as_system = _greedy(client, [{"role": "system", "content": "Be brief."}, user], tools=[WEATHER])
+    as_developer = _greedy(client, [{"role": "developer", "content": "Be brief."}, user], tools=[WEATHER])
+    as_user = _greedy(client, [{"role": "user", "content": "Be brief."}, user], tools=[WEATHER])
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens != as_user.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    merged = _greedy(client, [{"role": "system", "content": "Be brief.\n\nUse metric units."}, user])
+    two = _greedy(client, [{"role": "system", "content": "Be brief."},
+                           {"role": "developer", "content": [{"type": "text", "text": "Use metric units."}]}, user])
+    assert two.usage.prompt_tokens == merged.usage.prompt_tokens
+    assert two.choices[0].message.content == merged.choices[0].message.content
+
+
+def test_refusal_part_and_legacy_history_render(client):
+    """An assistant refusal part renders as its text; a legacy function_call / function-role history renders as
+    the tool-call history it stands for."""
+    q = {"role": "user", "content": "Weather?"}
+    plain = _greedy(client, [q, {"role": "assistant", "content": "I can't."}, q])
+    refusal = _greedy(client, [q, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}, q])
+    field = _greedy(client, [q, {"role": "assistant", "content": None, "refusal": "I can't."}, q])
+    assert refusal.usage.prompt_tokens == field.usage.prompt_tokens == plain.usage.prompt_tokens
+    args = '{"city": "Paris", "unit": "c"}'
+    modern = [q, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21"}]
+    legacy = [q, {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": args}},
+              {"role": "function", "name": "get_weather", "content": "21"}]
+    a = _greedy(client, modern, tools=[WEATHER])
+    b = _greedy(client, legacy, functions=[WEATHER["function"]])
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_no_tool_calls_key_without_calls(server):
+    body = {"model": "moepipe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "tools": [WEATHER], "tool_choice": "none"}
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60).json()
+        assert r["choices"][0]["finish_reason"] == "length"
+        assert "tool_calls" not in r["choices"][0]["message"] and "function_call" not in r["choices"][0]["message"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert deltas and all("tool_calls" not in d and "function_call" not in d for d in deltas)
+
+
+def test_logit_bias_bans_and_forces_tokens(client, tok):
+    """Cluster path (SamplingSpec to the last stage): -100 on the greedy token changes the greedy answer and the
+    token never appears; +100 on a token makes it the answer. Logprobs stay those of the raw logits."""
+    prompt = "def add(a, b):"
+    base = client.completions.create(model="moepipe", prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    first = tok.encode(prompt + base.choices[0].text)[len(tok.encode(prompt))]
+    banned_text = tok.token_bytes(first).decode("utf-8", "backslashreplace")
+    assert base.choices[0].logprobs.tokens[0] == banned_text
+    ban = client.completions.create(model="moepipe", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                    logit_bias={str(first): -100})
+    assert ban.choices[0].text != base.choices[0].text and banned_text not in ban.choices[0].logprobs.tokens
+    forced = client.completions.create(model="moepipe", prompt=prompt, max_tokens=3, temperature=0, logprobs=0,
+                                       logit_bias={"289": 100})
+    assert forced.choices[0].text == tok.decode([289] * 3)
+    assert forced.choices[0].logprobs.token_logprobs[0] < -0.01       # raw: the bias is not in the logprob
+
+
+def test_logit_bias_under_structured_output(client, tok):
+    """The grammar mask wins: +100 on "f" cannot open the reply (only "{" may), but inside the allowed set the bias
+    decides true/false (the bias goes on every token that can start that value, with or without the space)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOOL}}
+    starts = {False: ("f", " f"), True: ("t", "tr", " t", " tr", " true")}
+    for value, texts in starts.items():
+        ids = [tok.encode(t) for t in texts]
+        assert all(len(i) == 1 for i in ids), ids
+        bias = {str(i[0]): 100 for i in ids}
+        r = _greedy(client, [{"role": "user", "content": "ok?"}], max_tokens=20, response_format=fmt,
+                    logit_bias=bias)
+        assert r.choices[0].finish_reason == "stop"
+        assert json.loads(r.choices[0].message.content) == {"ok": value}
+
+
+def _call_or_json(choice, schema) -> str:
+    """Either a valid call (content empty, finish tool_calls) or schema-valid JSON content (finish stop)."""
+    msg = choice.message
+    if msg.tool_calls:
+        assert choice.finish_reason == "tool_calls" and not msg.content
+        for call in msg.tool_calls:
+            params = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), params)
+        return "call"
+    assert choice.finish_reason == "stop" and msg.tool_calls is None
+    jsonschema.validate(json.loads(msg.content), schema)
+    return "json"
+
+
+def test_response_format_with_tools_is_a_call_or_the_json(client, tok):
+    """The openai-agents SDK's typed final answer in a tool loop: tools callable and a json_schema. The bias on the
+    call tag steers which branch the grammar takes, so both are exercised; streamed equals non-streamed."""
+    tag = str(tok.token_to_id("<tool_call>"))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMAS[0], "strict": True}}
+    kw = dict(tools=[WEATHER, ADD], response_format=fmt, max_tokens=80, seed=21)
+    assert _call_or_json(_chat(client, logit_bias={tag: 100}, **kw).choices[0], SCHEMAS[0]) == "call"
+    as_json = _chat(client, logit_bias={tag: -100}, **kw)
+    assert _call_or_json(as_json.choices[0], SCHEMAS[0]) == "json"
+    calls, content, _, finish = _assemble(_chat(client, logit_bias={tag: -100}, stream=True, **kw))
+    assert not calls and finish == "stop" and content == as_json.choices[0].message.content
+    for seed in range(2):                               # unsteered: whichever branch, it is well-formed
+        _call_or_json(_chat(client, **{**kw, "seed": seed}).choices[0], SCHEMAS[0])
+    forced = _chat(client, tool_choice="required", logit_bias={tag: -100}, **kw)   # the grammar overrides the bias
+    assert _call_or_json(forced.choices[0], SCHEMAS[0]) == "call"
+
+
+def test_allowed_tools(client, tok):
+    tag = str(tok.token_to_id("<tool_call>"))
+    only_add = {"type": "function", "function": {"name": "add"}}
+    for mode in ("required", "auto"):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [only_add]}}
+        for seed in range(2 if mode == "required" else 1):
+            r = _chat(client, tools=[WEATHER, ADD], tool_choice=choice, seed=seed, max_tokens=80,
+                      logit_bias={tag: 100} if mode == "auto" else None)
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert {c.function.name for c in r.choices[0].message.tool_calls} == {"add"}
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [only_add]}}
+    r = _chat(client, tools=[WEATHER, ADD], tool_choice=choice, seed=3, max_tokens=12, logit_bias={tag: -100})
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_legacy_functions_are_tools(client):
+    kw = dict(functions=[WEATHER["function"], ADD["function"]], function_call={"name": "get_weather"}, seed=8,
+              max_tokens=80)
+    r = _chat(client, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "function_call" and msg.tool_calls is None and not msg.content
+    assert msg.function_call.name == "get_weather"
+    jsonschema.validate(json.loads(msg.function_call.arguments), WEATHER["function"]["parameters"])
+    name, args, finish = None, "", None
+    for ch in _chat(client, stream=True, **kw):
+        if ch.choices:
+            d = ch.choices[0].delta
+            assert not d.tool_calls
+            if d.function_call:
+                name = name or d.function_call.name
+                args += d.function_call.arguments or ""
+            finish = ch.choices[0].finish_reason or finish
+    assert (name, args, finish) == ("get_weather", msg.function_call.arguments, "function_call")
+    plain = _chat(client, functions=[WEATHER["function"]], function_call="none", max_tokens=4, seed=1)
+    assert plain.choices[0].message.content and plain.choices[0].message.function_call is None
+
+
+def test_disjoint_one_of_is_honoured(client):
+    schema = {"type": "object", "properties": {"v": {"oneOf": [I, {"type": "string", "maxLength": 4}]}},
+              "required": ["v"]}
+    for seed in range(3):
+        r = _chat(client, seed=seed, response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "o", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)   # jsonschema checks oneOf exactly
+
+
+def test_n_choices(client):
+    kw = dict(messages=[{"role": "user", "content": "Say something."}], max_tokens=8, n=3)
+    hot = client.chat.completions.create(model="moepipe", temperature=1.0, seed=42, **kw)
+    assert [c.index for c in hot.choices] == [0, 1, 2]
+    texts = [c.message.content for c in hot.choices]
+    assert len(set(texts)) == 3
+    assert hot.usage.completion_tokens == 3 * 8
+    one = client.chat.completions.create(model="moepipe", temperature=1.0, seed=42,
+                                         **{**kw, "n": 1})
+    assert one.choices[0].message.content == texts[0]                 # choice j draws with seed + j
+    assert one.usage.prompt_tokens == hot.usage.prompt_tokens        # the prompt counts once
+    again = client.chat.completions.create(model="moepipe", temperature=1.0, seed=42, **kw)
+    assert [c.message.content for c in again.choices] == texts
+    cold = client.chat.completions.create(model="moepipe", temperature=0, **kw)
+    assert len({c.message.content for c in cold.choices}) == 1
+    streamed: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for ch in client.chat.completions.create(model="moepipe", temperature=1.0, seed=42, stream=True,
+                                             stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        if ch.usage:
+            assert ch.usage.completion_tokens == 24
+    assert [streamed[i] for i in range(3)] == texts and set(finishes) == {0, 1, 2}
+
+
+def test_completions_prompt_list_with_n(client, tok):
+    prompts = ["def add(a, b):", "The quick brown fox"]
+    alone = [client.completions.create(model="moepipe", prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    singles = [a.choices[0].text for a in alone]
+    r = client.completions.create(model="moepipe", prompt=prompts, n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]                # prompt_i * n + j
+    assert [c.text for c in r.choices] == [singles[0]] * 2 + [singles[1]] * 2
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts) == sum(a.usage.prompt_tokens
+                                                                                   for a in alone)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = client.completions.create(model="moepipe", prompt=[tok.encode(p) for p in prompts], max_tokens=6,
+                                    temperature=0, stream=True)
+    texts: dict[int, str] = {}
+    for ch in ids:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[0], texts[1]] == singles
+
+
+def _gauge(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith(name + " "))
+
+
+def test_n_stream_disconnect_cancels_every_choice(server):
+    """All three choices run (three slots held) until the client leaves; then every one is freed at once, long
+    before 3 x 1500 tokens could have been generated."""
+    body = {"model": "moepipe", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "n": 3,
+            "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = {json.loads(line[6:])["choices"][0]["index"] for line in (next(lines) for _ in range(12))
+                if line.startswith("data: {")}
+        assert seen == {0, 1, 2}
+        assert _gauge(server.url, "moepipe_state_slots_used") == 3
+    deadline = time.time() + 3
+    while time.time() < deadline and (_gauge(server.url, "moepipe_state_slots_used")
+                                      or _gauge(server.url, "moepipe_kv_blocks_used")):
+        time.sleep(0.05)
+    assert _gauge(server.url, "moepipe_state_slots_used") == 0 == _gauge(server.url, "moepipe_kv_blocks_used")

@@ -575,3 +575,22 @@ def test_structured_output_and_forced_call_through_the_in_process_backend(served
     call, = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
     assert json.loads(call.function.arguments)["color"] in ("red", "blue")
+
+
+def test_logit_bias_and_n_through_the_in_process_backend(served, chat_ref):
+    """LocalBackend applies logit_bias like the cluster's last stage: -100 on the greedy first token changes the
+    answer and keeps the token out; n=2 seeded choices are choice 0 = the n=1 answer, choice 1 another draw."""
+    first = chat_ref.token_ids[0]
+    r = chat(served, max_tokens=N, logprobs=True, logit_bias={str(first): -100})
+    banned = list(served.tok.token_bytes(first, skip_special_tokens=False))
+    assert r.choices[0].message.content != chat_ref.text
+    assert banned not in [e.bytes for e in r.choices[0].logprobs.content]
+    forced = chat(served, max_tokens=2, logit_bias={str(first): 100, str(chat_ref.token_ids[1]): -100})
+    assert forced.choices[0].message.content == served.tok.decode([first, first])
+    hot = dict(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPT}], max_tokens=N, temperature=1.0,
+               seed=9)
+    one = served.client.chat.completions.create(**hot)
+    two = served.client.chat.completions.create(n=2, **hot)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == one.choices[0].message.content != two.choices[1].message.content
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens
