@@ -316,6 +316,52 @@ def test_tool_call_errors(compiler):
         compiler.tool_calls(TOOLS, "auto", parallel=False)
 
 
+def _accepts(compiler, spec: str, tok, text: str) -> bool:
+    """The whole text is accepted and the grammar may end there."""
+    state = compiler.new_matcher(spec)
+    return all(state.accept(i) for i in tok.encode(text)) and state.is_accepting()
+
+
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def test_tool_calls_or_json_answer(compiler, tok):
+    """response_format with callable tools: a call, or JSON matching the answer schema; nothing else, no mix."""
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spec = compiler.tool_calls(TOOLS, "auto", parallel=True, answer=answer)
+    assert _accepts(compiler, spec, tok, WEATHER_CALL + "\n" + ADD_CALL)
+    assert _accepts(compiler, spec, tok, '{"ok": true}')
+    for bad in ('{"ok": 1}', "hello", '{"ok": true}' + ADD_CALL, ADD_CALL + '{"ok": true}', '{"ok": true, "x": 1}'):
+        assert not _accepts(compiler, spec, tok, bad), bad
+
+
+def test_allowed_tools_restrict_calls(compiler, tok):
+    required = compiler.tool_calls(TOOLS, "required", parallel=False, allowed=["add"])
+    assert _accepts(compiler, required, tok, ADD_CALL) and not _accepts(compiler, required, tok, WEATHER_CALL)
+    auto = compiler.tool_calls(TOOLS, "auto", parallel=False, allowed=["add"])
+    assert _accepts(compiler, auto, tok, "Sure, adding. " + ADD_CALL) and _accepts(compiler, auto, tok, "no call")
+    assert not _accepts(compiler, auto, tok, WEATHER_CALL)
+    assert not _accepts(compiler, auto, tok, "text <tool_call> spelled out")    # the tag only opens an allowed call
+    with pytest.raises(GrammarError, match="nope"):
+        compiler.tool_calls(TOOLS, "required", parallel=False, allowed=["nope"])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_one_of_exact_or_refused(compiler, tok, strict):
+    """Disjoint alternatives are enforced exactly; overlapping ones (an integer is also a number) would be loosened
+    to anyOf by lenient llguidance, so they are refused in both modes, naming oneOf."""
+    with pytest.raises(GrammarError, match="oneOf"):
+        compiler.json_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}, strict=strict)
+    with pytest.raises(GrammarError, match="oneOf"):
+        bad = [{"type": "function", "function": {"name": "f", "strict": strict, "parameters": {
+            "type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}}}]
+        compiler.tool_calls(bad, "required", parallel=False)
+    spec = compiler.json_schema({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}, strict=strict)
+    assert _accepts(compiler, spec, tok, "12") and _accepts(compiler, spec, tok, '"ab"')
+    assert not _accepts(compiler, spec, tok, "true")
+
+
 # ---- schema errors, strictness, cache -----------------------------------------------------------------------------
 
 
