@@ -155,7 +155,7 @@ def kernels_per_step(fn, top: int = 30) -> tuple[int, list[dict]]:
 def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool,
               max_model_len: int = 0) -> dict:
     # max_model_len sizes the block tables (and the graphs' static ones) as a server sized for that length does
-    engine = LocalEngine([model], max_seqs=batch, block_size=16,
+    engine = LocalEngine([model], max_seqs=batch,
                          max_tokens=max(max_model_len, context + warmup + steps + 8), cuda_graphs=graphs)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):

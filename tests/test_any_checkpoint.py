@@ -146,3 +146,26 @@ def test_served_cluster_matches_transformers(name, stages, ple_service, checkpoi
     for i, top in enumerate(lp.top_logprobs[len(PROMPT):]):
         ref_top = want_lp[len(PROMPT) + i - 1].topk(3).values.tolist()
         assert max(abs(a - b) for a, b in zip(sorted(top.values(), reverse=True), ref_top)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fast_kernels_and_graphs_on_a_gpu_match_transformers(name, checkpoints):
+    """On CUDA every fused kernel (QSA ratio 3 over 48-token pages, GQA group 2, 6 or 12 experts top-3) and the
+    decode graphs give transformers' greedy tokens and log-probabilities."""
+    from stage_worker.kernels.flags import KernelFlags
+
+    path, ref = checkpoints[name]
+    want_ids, want_lp = _greedy(ref, PROMPT, NEW)
+    model = load_model(path, LoadOptions(device="cuda", dtype=torch.float32))
+    model.set_kernels(KernelFlags.parse("all"))
+    engine = LocalEngine([model], max_seqs=2, max_tokens=64, cuda_graphs=True)
+    engine.add(0)
+    logits = engine.step([(0, PROMPT)])
+    got = []
+    for i in range(NEW):
+        row = torch.log_softmax(logits[-1].cpu(), -1)
+        assert (row - want_lp[len(PROMPT) + i - 1]).abs().max() < 1e-3, f"decode step {i}"
+        got.append(int(row.argmax()))
+        logits = engine.step([(0, [got[-1]])])
+    assert got == want_ids
