@@ -248,6 +248,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     `{"role": "function", "name", "content"}` result is a tool turn and an assistant's legacy `function_call` a tool
     call."""
     out = [_template_message(i, m) for i, m in enumerate(messages)]
+    call_id = None                      # a legacy function result answers the latest legacy call
+    for m, original in zip(out, messages):
+        if original.role == "assistant" and m.get("tool_calls"):
+            call_id = m["tool_calls"][0].get("id")
+        elif original.role == "function":
+            m.setdefault("tool_call_id", call_id or "call_0")
     lead = 0
     while lead < len(out) and out[lead]["role"] == "system":
         lead += 1
@@ -289,7 +295,6 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     out["content"] = content
     if role == "function":              # legacy function result: a tool turn
         out["role"] = "tool"
-        out.setdefault("tool_call_id", f"call_{index}")
     fc = extra.get("function_call")
     if role == "assistant" and isinstance(fc, dict) and not extra.get("tool_calls"):
         out["tool_calls"] = [{"id": f"call_{index}", "type": "function", "function": fc}]
