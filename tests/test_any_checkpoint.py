@@ -169,3 +169,27 @@ def test_fast_kernels_and_graphs_on_a_gpu_match_transformers(name, checkpoints):
         got.append(int(row.argmax()))
         logits = engine.step([(0, [got[-1]])])
     assert got == want_ids
+
+
+@pytest.mark.gpu
+def test_served_on_cuda_with_ple_on_two_stages(checkpoints):
+    """`moepipe serve --stages 3 --device cuda`: stages 0 and 2 hold PLE layers and both map (and pin) the one ring
+    the PLE service writes; greedy tokens equal transformers' and their logprobs agree."""
+    import httpx
+
+    path, ref = checkpoints["qwen4_exp_ratio3"]
+    want_ids, want_lp = _greedy(ref, PROMPT, NEW)
+    opts = ServeOptions(model=path, stages=3, device="cuda", port=free_port(),
+                        extra={"max_num_batched_tokens": 32, "dtype": "float32"})
+    with Cluster(opts) as c:
+        assert c.cluster.ple_service
+        body = httpx.post(c.url + "/v1/completions", timeout=120, json={
+            "model": "moepipe", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}).json()
+    lp = body["choices"][0]["logprobs"]
+    tok = Tokenizer.from_dir(path)
+    assert lp["tokens"] == [tok.token_bytes(i, skip_special_tokens=False).decode("utf-8", "backslashreplace")
+                            for i in want_ids]
+    full = PROMPT + want_ids
+    want = [float(want_lp[i - 1, full[i]]) for i in range(len(PROMPT), len(full))]
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"], want)) < 1e-3

@@ -4,6 +4,8 @@
 # older than our oracle). One command:  tools/build_wheels.sh [DIR]   (default .whl, git-ignored)
 #   tools/build_wheels.sh .whl-lean --lean   leaves out transformers (13.5 MB): serving, benchmarks and training
 #   need no oracle, and the tracked tree plus the full folder is near the 64 MiB a device call may carry.
+#   tools/build_wheels.sh .whl-gpu --gpu-tests   keeps transformers but leaves out the openai client (3 MB): the
+#   GPU tests need the oracle, and their one server test talks through httpx, which the image has.
 # On the GPU machine:  python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
 #                      export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
@@ -22,6 +24,7 @@ pkgs=(
 )
 for p in "${pkgs[@]}"; do
   [ "$lean" = --lean ] && [[ $p == transformers* ]] && continue
+  [ "$lean" = --gpu-tests ] && [[ $p =~ ^(openai|distro|jiter|sniffio)$ ]] && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dir" "$p"
