@@ -83,9 +83,11 @@ class _Generation:
     """
 
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
-                 timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None) -> None:
+                 timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None,
+                 first_of_prompt: bool = True) -> None:
         self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
         self.index, self.echo = index, echo              # choice index; completions echo text (offsets start after)
+        self.first_of_prompt = first_of_prompt           # counts the prompt's tokens (once per prompt, as usage)
         offset = len(echo or "")
         self._events = engine.generate(request)
         self._detok = IncrementalDetokenizer(tokenizer)
@@ -100,7 +102,7 @@ class _Generation:
         """Wait for the first token: engine errors that precede generation (429, 503) surface here."""
         self._first = await self._next()
         self.prompt_logprobs = self._first.prompt_logprobs
-        self.timer.started(len(self.request.prompt_ids))
+        self.timer.started(len(self.request.prompt_ids) if self.first_of_prompt else 0)
 
     async def pieces(self) -> AsyncIterator[_Piece]:
         """One piece per token event; the last one carries finish_reason (and any text held back until then)."""
@@ -428,9 +430,9 @@ def _engine_id(rid: str, index: int, total: int) -> str:
     return rid if total == 1 else f"{rid}-{index}"
 
 
-def _usage(gens: list[_Generation], n: int) -> Usage:
+def _usage(gens: list[_Generation]) -> Usage:
     """Prompt tokens once per prompt (not per choice), completion tokens of every choice (vLLM's sums)."""
-    prompt = sum(len(g.request.prompt_ids) for g in gens if g.index % n == 0)
+    prompt = sum(len(g.request.prompt_ids) for g in gens if g.first_of_prompt)
     completion = sum(g.completion_tokens for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -488,7 +490,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             if plan.grammar is not None:
                 gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
             gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
-                                    metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j))
+                                    metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
+                                    first_of_prompt=j == 0))
         return await _serve(request, gens, bool(req.stream), lambda: _chat_stream(srv, req, gens, rid, plan),
                             lambda: _chat_full(srv, gens, rid, plan))
 
@@ -517,9 +520,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                                                  choice=j, prompt_logprobs=bool(req.echo) and want, logit_bias=bias)
                 gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
-                                        echo=prompt_text if req.echo else None))
+                                        echo=prompt_text if req.echo else None, first_of_prompt=j == 0))
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
-                            lambda: _completion_full(srv, req, gens, rid))
+                            lambda: _completion_full(srv, gens, rid))
 
     return app
 
@@ -582,10 +585,10 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
 
     choices = await _all([one(g) for g in gens])
     return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
-                                  usage=_usage(gens, len(gens))).model_dump()
+                                  usage=_usage(gens)).model_dump()
 
 
-async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Generation], rid: str) -> dict:
+async def _completion_full(srv: _Server, gens: list[_Generation], rid: str) -> dict:
     async def one(gen: _Generation) -> CompletionChoice:
         text, tokens = await _collect(gen)
         logprobs = None
@@ -597,7 +600,7 @@ async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Gen
 
     choices = await _all([one(g) for g in gens])
     return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
-                              usage=_usage(gens, req.num_choices)).model_dump()
+                              usage=_usage(gens)).model_dump()
 
 
 def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -678,7 +681,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
             yield c
         if req.include_usage:
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
-                                           usage=_usage(gens, len(gens))).model_dump_json())
+                                           usage=_usage(gens)).model_dump_json())
 
     return _stream_body(gens, chunks())
 
@@ -709,7 +712,7 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
             yield c
         if req.include_usage:
             yield _sse(CompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
-                                       usage=_usage(gens, req.num_choices)).model_dump_json())
+                                       usage=_usage(gens)).model_dump_json())
 
     return _stream_body(gens, chunks())
 

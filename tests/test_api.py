@@ -590,7 +590,9 @@ def test_logit_bias_and_n_through_the_in_process_backend(served, chat_ref):
     hot = dict(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPT}], max_tokens=N, temperature=1.0,
                seed=9)
     one = served.client.chat.completions.create(**hot)
+    counted = metric_value(served, "moepipe_prompt_tokens_total")
     two = served.client.chat.completions.create(n=2, **hot)
+    assert metric_value(served, "moepipe_prompt_tokens_total") - counted == two.usage.prompt_tokens   # once
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].message.content == one.choices[0].message.content != two.choices[1].message.content
     assert two.usage.prompt_tokens == one.usage.prompt_tokens
