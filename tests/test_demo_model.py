@@ -71,3 +71,27 @@ def test_default_model_answers_a_chat_in_words(default_server):
     text = r.choices[0].message.content or ""
     words = re.findall(r"[A-Za-z_][A-Za-z_]{2,}", text)
     assert len(words) >= 6, text
+
+
+LONG_PROMPT_TOKENS = 25_000       # qwen-code's first request is about this long (system prompt, tools, environment)
+
+
+@pytest.mark.slow
+def test_a_25k_token_system_prompt_is_answered(default_server):
+    """A coding agent's first request fits the built-in model's context and is answered (the KV pool is sized for
+    a full context by default). About 60-95 s of CPU here: prefill attention is quadratic in the context."""
+    from gateway.tokenizer import Tokenizer
+
+    url = default_server[0]
+    tok = Tokenizer.from_dir(BUNDLED)
+    docs = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    ids = tok.encode(docs * (LONG_PROMPT_TOKENS * 4 // len(docs) + 1))[:LONG_PROMPT_TOKENS]
+    messages = [{"role": "system", "content": tok.decode(ids)},
+                {"role": "user", "content": "What does the ls command do?"}]
+    expected = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+    assert abs(expected - LONG_PROMPT_TOKENS) < 100
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    r = client.chat.completions.create(model="moepipe", messages=messages, max_tokens=8, seed=1)
+    assert r.usage.prompt_tokens == expected
+    assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 8
+    assert r.choices[0].message.content is not None
