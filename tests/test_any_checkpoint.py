@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai import OpenAI
 
 from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
@@ -126,6 +125,8 @@ SERVED = [("qwen4_exp_ratio3", 3, True), ("qwen4_exp_ratio3", 2, False), ("qwen3
 def test_served_cluster_matches_transformers(name, stages, ple_service, checkpoints):
     """`moepipe serve --stages N` with no KV size given: greedy tokens, their logprobs and top-3, and the echoed
     prompt's logprobs equal transformers'."""
+    from openai import OpenAI           # here, not at the top: the GPU image has no openai client (httpx only)
+
     path, ref = checkpoints[name]
     want_ids, want_lp = _greedy(ref, PROMPT, NEW)
     extra = {"max_num_batched_tokens": 32} if ple_service else {"max_num_batched_tokens": 32, "ple_service": False}
