@@ -5,7 +5,9 @@ request to the server unchanged, streams the answer back unchanged, and appends 
     python tools/record_proxy.py --upstream http://127.0.0.1:8000 --port 8001 --out /tmp/agent.jsonl
     OPENAI_BASE_URL=http://127.0.0.1:8001/v1 some-agent ...
 
-Binds 127.0.0.1 only.
+Binds 127.0.0.1 only. `--force-tool NAME` sets `tool_choice` to that function on the first chat request that offers
+it (the server then constrains the model to a well-formed call): a way to see what an agent does with a tool call
+and sends back when the model would not call one by itself.
 """
 
 from __future__ import annotations
@@ -25,17 +27,37 @@ from starlette.routing import Route
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
 
 
-def make_app(upstream: str, out: Path, max_chars: int) -> Starlette:
+def _force(body: bytes, tool: str) -> bytes | None:
+    """The request with tool_choice forcing `tool`, if it is a chat request offering that tool."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return None
+    names = [t.get("function", {}).get("name") for t in req.get("tools") or [] if isinstance(t, dict)]
+    if tool not in names:
+        return None
+    req["tool_choice"] = {"type": "function", "function": {"name": tool}}
+    return json.dumps(req).encode()
+
+
+def make_app(upstream: str, out: Path, max_chars: int, force_tool: str | None = None) -> Starlette:
     client = httpx.AsyncClient(base_url=upstream, timeout=None)
+    pending_force = [force_tool] if force_tool else []
 
     async def forward(request: Request) -> StreamingResponse:
         body = await request.body()
+        forced = _force(body, pending_force[0]) if pending_force and request.url.path.endswith("/chat/completions") \
+            else None
+        if forced is not None:
+            body = forced
+            pending_force.clear()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         url = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         upstream_req = client.build_request(request.method, url, content=body, headers=headers)
         resp = await client.send(upstream_req, stream=True)
         record = {"t": time.time(), "method": request.method, "path": url, "status": resp.status_code,
-                  "request_headers": {k: v for k, v in headers.items() if k.lower() != "authorization"}}
+                  "request_headers": {k: v for k, v in headers.items() if k.lower() != "authorization"},
+                  "forced_tool": forced is not None}
         try:
             record["request"] = json.loads(body) if body else None
         except ValueError:
@@ -68,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--out", required=True, help="JSON lines file, appended to")
     ap.add_argument("--max-response-chars", type=int, default=20000)
+    ap.add_argument("--force-tool", default=None, metavar="NAME", help="force a call of this tool, once")
     args = ap.parse_args(argv)
-    uvicorn.run(make_app(args.upstream, Path(args.out), args.max_response_chars), host="127.0.0.1", port=args.port,
+    uvicorn.run(make_app(args.upstream, Path(args.out), args.max_response_chars, args.force_tool), host="127.0.0.1", port=args.port,
                 log_level="warning")
     return 0
 

@@ -1,0 +1,71 @@
+"""One tool-call round trip of the openai-agents SDK against a running moepipe server: the agent offers a
+`run_shell` tool (the demo model's fine-tune knows it), the model calls it, the SDK runs it in a scratch directory
+and sends the output back, the model answers. Exits 0 only if all four happened. Run it with the SDK's own
+interpreter (a separate venv: `pip install openai-agents`), not moepipe's:
+
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=unused /tmp/agents-venv/bin/python \\
+        tools/agents_sdk_roundtrip.py [--stream] [--seed 8] [--responses]
+
+The SDK (0.24) defaults to the Responses API (`POST /v1/responses`), which moepipe does not serve: this script calls
+`set_default_openai_api("chat_completions")` unless `--responses` is given (then it shows the 404).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+
+PROMPT = "Run the command for this: list directory contents."      # the shape of the fine-tune's tool prompts
+
+
+async def run(args: argparse.Namespace) -> int:
+    from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api,
+                        set_tracing_disabled)
+
+    if not args.responses:
+        set_default_openai_api("chat_completions")
+    set_tracing_disabled(True)               # traces go to api.openai.com by default: unreachable here
+    workdir = tempfile.mkdtemp(prefix="agents-sdk-")
+    open(os.path.join(workdir, "notes.txt"), "w").write("hello\n")
+    ran: list[str] = []
+
+    @function_tool
+    def run_shell(command: str) -> str:
+        """Run a shell command and return its output."""
+        ran.append(command)
+        r = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=10, cwd=workdir)
+        return (r.stdout + r.stderr)[:2000] or f"(exit {r.returncode}, no output)"
+
+    settings = ModelSettings(extra_body={"seed": args.seed}) if args.seed is not None else ModelSettings()
+    agent = Agent(name="shell", instructions="You are a helpful assistant.", tools=[run_shell],
+                  model=args.model, model_settings=settings)
+    if args.stream:
+        result = Runner.run_streamed(agent, PROMPT, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, PROMPT, max_turns=4)
+    kinds = [type(item).__name__ for item in result.new_items]
+    print(f"items: {kinds}")
+    print(f"tool ran: {ran}")
+    print(f"final: {str(result.final_output)[:300]!r}")
+    ok = kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem" and ran
+    print("round trip complete" if ok else "round trip NOT complete")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "moepipe"))
+    ap.add_argument("--seed", type=int, default=8)
+    ap.add_argument("--stream", action="store_true", help="Runner.run_streamed instead of Runner.run")
+    ap.add_argument("--responses", action="store_true", help="keep the SDK's default API (Responses)")
+    return asyncio.run(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
