@@ -126,6 +126,7 @@ class StageRunner:
         seqs = [(toks, e.context_len, e.slot, e.block_table) for e, toks in zip(plan.entries, tokens)]
         batch = StepBatch.build(seqs, self.cluster.block_size, self.device)
         batch.batched_prefill = self.cluster.batched_prefill
+        batch.sparse_prefill = self.cluster.qsa_sparse_prefill
         if self.is_last:
             idx, start = [], 0
             for e in plan.entries:

@@ -52,18 +52,20 @@ class _Recorder:
             attn = getattr(layer, "self_attn", None)
             if attn is not None and attn.indexer is not None:
                 indexer_layer[id(attn.indexer)] = int(idx)
-        original = QSAIndexer.select
+        original = QSAIndexer.selected_positions
         rec = self
 
-        def select(indexer, q, pooled, positions, ctx):
-            mask = original(indexer, q, pooled, positions, ctx)
+        def selected_positions(indexer, q, pooled, positions):
+            key_pos, valid = original(indexer, q, pooled, positions)
             per_pos = rec.qsa.setdefault(indexer_layer[id(indexer)], {})
-            for row, p in zip(mask, positions.tolist()):
-                assert not row[p + 1:].any(), f"QSA mask of position {p} reaches past it"
-                per_pos[p] = row[: p + 1].clone()
-            return mask
+            for keys, ok, p in zip(key_pos, valid, positions.tolist()):
+                row = torch.zeros(p + 1, dtype=torch.bool)
+                assert int(keys[ok].max()) <= p, f"QSA keys of position {p} reach past it"
+                row[keys[ok]] = True
+                per_pos[p] = row
+            return key_pos, valid
 
-        monkeypatch.setattr(QSAIndexer, "select", select)
+        monkeypatch.setattr(QSAIndexer, "selected_positions", selected_positions)
 
     def _moe_hook(self, layer: int):
         def hook(module, args, output):

@@ -121,10 +121,20 @@ def test_stable_topk_mask_tie_rule():
 
 # ---- (b) a planted far-away block through the paged cache --------------------------------------------------------
 
-def test_planted_far_block_is_selected(qwen4_cfg, monkeypatch):
+def _positions_mask(key_pos: torch.Tensor, valid: torch.Tensor, ctx: int) -> torch.Tensor:
+    """`selected_positions`' lists as a [q, ctx] visibility mask (what `select` returns)."""
+    mask = torch.zeros(key_pos.shape[0], ctx, dtype=torch.bool)
+    for i in range(key_pos.shape[0]):
+        mask[i, key_pos[i][valid[i]]] = True
+    return mask
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse_prefill", "dense_prefill"])
+def test_planted_far_block_is_selected(qwen4_cfg, monkeypatch, sparse):
     """200 tokens, budget 8 / ratio 4. The indexer query of every token is a fixed un-rotated direction; only block 1
     (tokens 4..7) has a pooled key strongly along it, blocks 40..44 weakly. The last query must read block 1 (and the
-    strongest near block), and the attention output must be attention over exactly those rows plus the tail."""
+    strongest near block), and the attention output must be attention over exactly those rows plus the tail, both
+    when prefill gathers the selected keys and when it masks dense scores."""
     cfg = qwen4_cfg
     torch.manual_seed(0)
     rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
@@ -161,17 +171,25 @@ def test_planted_far_block_is_selected(qwen4_cfg, monkeypatch):
     cache = AttentionCache(cfg, spec)
     table = list(range(19, 19 - 13, -1))                 # paged, in reverse order
     captured = {}
-    original = QSAIndexer.select
+    original, original_positions = QSAIndexer.select, QSAIndexer.selected_positions
 
     def select(self, q, pooled, positions, ctx):
         mask = original(self, q, pooled, positions, ctx)
         captured["mask"], captured["positions"] = mask, positions
         return mask
 
+    def selected_positions(self, q, pooled, positions):
+        key_pos, valid = original_positions(self, q, pooled, positions)
+        captured["mask"] = _positions_mask(key_pos, valid, int(positions.max()) + 1)
+        captured["positions"] = positions
+        return key_pos, valid
+
     monkeypatch.setattr(QSAIndexer, "select", select)
+    monkeypatch.setattr(QSAIndexer, "selected_positions", selected_positions)
     with torch.no_grad():
         for tokens, start in ((list(range(n)), 0), ([7], n)):      # prefill 200, then decode position 200
             batch = StepBatch.build([(tokens, start, 0, table)], bs)
+            batch.sparse_prefill = sparse
             out = attn(x[start:start + len(tokens)], batch, cache, rotary.cos_sin(batch.positions, x.dtype))
 
     mask = captured["mask"][-1]
@@ -199,6 +217,66 @@ def test_planted_far_block_is_selected(qwen4_cfg, monkeypatch):
         o = torch.einsum("hqk,khd->qhd", probs, v).reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
         want = attn.o_proj(o)
     assert (out - want).abs().max().item() < 1e-5
+
+
+# ---- (b2) sparse prefill: the selected keys as lists, and attention over them ------------------------------------
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_selected_positions_are_the_select_mask(qwen4_cfg, ties):
+    """`selected_positions` lists exactly the keys `select` marks, ascending, for queries of a chunk and a decode,
+    with ties (integer-valued scores) broken to the lower block as the rule says."""
+    idx = _indexer(qwen4_cfg, 12)
+    g = torch.Generator().manual_seed(3)
+    ctx, r = 97, idx.ratio
+    q = torch.randn(ctx, idx.n_heads, idx.head_dim, generator=g)
+    pooled = torch.randn(ctx // r, idx.head_dim, generator=g)
+    if ties:
+        q, pooled = q.sign(), pooled.sign()
+    positions = torch.arange(ctx)
+    key_pos, valid = idx.selected_positions(q, pooled, positions)
+    assert key_pos.shape[1] == idx.keys
+    for row, ok in zip(key_pos, valid):
+        kept = row[ok]
+        assert bool((kept[1:] > kept[:-1]).all())
+    assert torch.equal(_positions_mask(key_pos, valid, ctx), idx.select(q, pooled, positions, ctx))
+
+
+def test_stable_topk_mask_matches_a_stable_sort():
+    """The sort-free top-k equals ranking by (score desc, index asc) on random rows full of ties."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 4, (64, 40), generator=g).float()
+    valid = torch.rand(64, 40, generator=g) < 0.8
+    for k in (1, 3, 7, 39, 40, 50):
+        order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True, stable=True).indices
+        want = torch.zeros_like(valid).scatter_(-1, order[:, :k], True) & valid
+        assert torch.equal(stable_topk_mask(scores, k, valid), want), k
+
+
+def test_sparse_prefill_equals_dense_masked_prefill(qwen4_cfg):
+    """A 300-token prompt in chunks of 64 over a paged cache, budget 8: gathering each query's selected keys gives
+    the dense masked path's output (float32) and leaves the same caches."""
+    cfg = qwen4_cfg
+    torch.manual_seed(0)
+    rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+    cfg8 = dataclasses.replace(cfg, indexer_budget=8)
+    attn = GatedAttention(cfg8, True, rotary).eval()
+    x = torch.randn(300, cfg.hidden_size)
+    table = list(range(24, 4, -1))
+    outs, caches = {}, {}
+    for sparse in (True, False):
+        cache = AttentionCache(cfg8, CacheSpec(num_blocks=25, block_size=16, num_slots=1))
+        chunks = []
+        with torch.no_grad():
+            for start in range(0, 300, 64):
+                tokens = list(range(start, min(start + 64, 300)))
+                batch = StepBatch.build([(tokens, start, 0, table)], 16)
+                batch.sparse_prefill = sparse
+                chunks.append(attn(x[start:start + len(tokens)], batch, cache,
+                                   rotary.cos_sin(batch.positions, x.dtype)))
+        outs[sparse], caches[sparse] = torch.cat(chunks), cache
+    assert 300 > 2 * attn.indexer.keys                                 # the late chunks do take the sparse path
+    assert (outs[True] - outs[False]).abs().max().item() < 1e-5
+    assert torch.equal(caches[True].pooled_keys, caches[False].pooled_keys)
 
 
 # ---- (c) a budget covering the context is dense attention -------------------------------------------------------

@@ -24,12 +24,22 @@ from stage_worker.model.rope import Rotary, apply_rotary
 
 
 def stable_topk_mask(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the k best valid entries per row; equal scores go to the lower index (documented tie rule)."""
+    """Boolean mask of the k best valid entries per row; equal scores go to the lower index (documented tie rule).
+
+    No sort: the k-th best value is a threshold, everything above it is in, and of the entries equal to it the
+    lowest-indexed ones fill the remaining places (a prefix count). A stable sort per query was a sixth of a
+    25k-token prompt's CPU prefill (docs/performance.md)."""
+    n = scores.shape[-1]
+    if k <= 0 or n == 0:
+        return torch.zeros_like(valid)
+    if k >= n:
+        return valid.clone()
     masked = scores.masked_fill(~valid, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
-    return (rank < k) & valid
+    kth = masked.topk(k, dim=-1).values[..., -1:]
+    above = masked > kth
+    tied = (masked == kth) & valid
+    room = k - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1) <= room))
 
 
 class QSAIndexer(nn.Module):
@@ -39,6 +49,7 @@ class QSAIndexer(nn.Module):
         self.head_dim = cfg.indexer_head_dim
         self.ratio = cfg.indexer_compress_ratio
         self.block_topk = cfg.indexer_budget // cfg.indexer_compress_ratio
+        self.keys = self.block_topk * self.ratio + self.ratio - 1      # the most keys one query reads
         self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_layernorm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -83,24 +94,44 @@ class QSAIndexer(nn.Module):
 
     def select(self, q: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor, ctx: int) -> torch.Tensor:
         """Visibility mask [..., q_len, ctx]: selected complete blocks plus the tail, causal (leading dims: a batch
-        of sequences sharing `positions`)."""
-        r = self.ratio
-        scores = self.block_scores(q, pooled)
-        complete = (positions + 1) // r                                   # complete blocks visible per query
-        block_ids = torch.arange(pooled.shape[-2], device=q.device)
-        valid = block_ids[None, :] < complete[:, None]
-        chosen = stable_topk_mask(scores, self.block_topk, valid)         # [..., q, blocks]
-        key_pos = torch.arange(ctx, device=q.device)
-        in_block = chosen.repeat_interleave(r, dim=-1)
-        if in_block.shape[-1] < ctx:
-            in_block = F.pad(in_block, (0, ctx - in_block.shape[-1]))
-        tail = (key_pos[None, :] >= (complete * r)[:, None]) & (key_pos[None, :] <= positions[:, None])
-        return in_block[..., :ctx] | tail
+        of sequences sharing `positions`). The mask form of `selected_positions`, for the dense paths."""
+        key_pos, valid = self.selected_positions(q, pooled, positions)
+        mask = torch.zeros(*key_pos.shape[:-1], ctx + 1, dtype=torch.bool, device=q.device)
+        return mask.scatter_(-1, torch.where(valid, key_pos, ctx), True)[..., :ctx]
+
+    def selected_positions(self, q: torch.Tensor, pooled: torch.Tensor,
+                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one selection rule: (key positions [..., q_len, K], valid [..., q_len, K]) per query, with
+        K = `keys` = block_topk * ratio + ratio - 1: the tokens of the best `block_topk` complete blocks before the
+        query (ties: the lower block), ascending, then the incomplete tail up to the query. Leading dims: a batch
+        of sequences sharing `positions`. Prefill reads ~K keys per query this way instead of the whole context."""
+        r, k = self.ratio, self.block_topk
+        scores = self.block_scores(q, pooled)                                # [..., q, blocks]
+        complete = (positions + 1) // r                                      # complete blocks visible per query
+        nb = pooled.shape[-2]
+        block_ids = torch.arange(nb, device=q.device)
+        chosen = stable_topk_mask(scores, k, (block_ids[None, :] < complete[:, None]).expand_as(scores))
+        # Compact the chosen block ids to the front of each row, ascending: a prefix count is each one's slot, and
+        # the unchosen all land in the spare column k, which is dropped.
+        slot = torch.where(chosen, chosen.long().cumsum(-1) - 1, k)
+        blocks = torch.full((*scores.shape[:-1], k + 1), nb, dtype=torch.long, device=q.device)
+        blocks = blocks.scatter_(-1, slot, block_ids.expand_as(slot))[..., :k]
+        offs = torch.arange(r, device=q.device)
+        in_blocks = (blocks[..., None] * r + offs).flatten(-2)                # [..., q, k * r]
+        in_valid = (blocks < nb).repeat_interleave(r, dim=-1)
+        tail = ((complete * r)[:, None] + offs[: r - 1]).expand(*blocks.shape[:-1], r - 1)
+        tail_valid = tail <= positions[:, None]
+        return torch.cat([in_blocks, tail], -1), torch.cat([in_valid, tail_valid], -1)
 
 
 # The batched path of same-length new sequences holds every sequence's [heads, L, L] scores at once; above this many
 # elements (256 MB in float32) it loops over sequences instead, so a large batched prefill cannot multiply peak memory.
 BATCHED_SCORES_LIMIT = 1 << 26
+# QSA prefill gathers each query's selected keys once the context is this many times the keys a query may read
+# (below it the dense masked scores are smaller than the gathered rows); queries go through in slices of
+# SPARSE_PREFILL_QUERIES so the gathered K/V stay bounded (full shape: 256 x 2051 x 2 x 256 bf16 = 0.5 GB each).
+SPARSE_PREFILL_FACTOR = 2
+SPARSE_PREFILL_QUERIES = 256
 
 
 class GatedAttention(nn.Module):
@@ -186,12 +217,16 @@ class GatedAttention(nn.Module):
             ctx = batch.context_lens[i] + batch.seq_lens[i]
             rows = batch.context_rows(i, ctx)
             pos = batch.positions[s:e]
-            visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]
             pooled = None
             if self.indexer is not None:
                 pooled = self._update_pooled(cache, rows, batch.context_lens[i], ctx, x.device, x.dtype)
-                if not self.qsa_dense:
-                    visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
+                if (not self.qsa_dense and self.aux is None and batch.sparse_prefill
+                        and ctx > SPARSE_PREFILL_FACTOR * self.indexer.keys):
+                    out[s:e] = self._attend_selected(q[s:e], iq[s:e], pooled, pos, rows, cache)
+                    continue
+            visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]
+            if pooled is not None and not self.qsa_dense:
+                visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
             if self.aux is not None and pooled is not None:
                 o, probs = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible, with_probs=True)
                 self.aux.append(("indexer_kl", self.indexer.distill_loss(iq[s:e], pooled, pos, probs)))
@@ -280,6 +315,27 @@ class GatedAttention(nn.Module):
                             self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
         return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
+
+    def _attend_selected(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
+                         rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """QSA prefill over only the selected keys: each query gathers its <= `indexer.keys` K/V rows and attends
+        over those, where the dense path scores the whole context and masks. The same keys in the same order and
+        the same dtypes and rounding points, so it agrees with the masked dense path to float rounding; a
+        25k-token prompt's QSA layers no longer cost the square of the context (docs/performance.md)."""
+        out = torch.empty_like(q)
+        rep = self.n_heads // self.kv_heads
+        for a in range(0, q.shape[0], SPARSE_PREFILL_QUERIES):
+            b = min(a + SPARSE_PREFILL_QUERIES, q.shape[0])
+            key_pos, valid = self.indexer.selected_positions(iq[a:b], pooled, pos[a:b])
+            src = rows[key_pos.clamp(max=rows.shape[0] - 1)]                   # [q, K] cache rows
+            k = cache.k[src].to(q.dtype)                                     # [q, K, kv_heads, d]
+            v = cache.v[src].to(q.dtype)
+            qg = q[a:b].view(b - a, self.kv_heads, rep, self.head_dim)     # head h reads kv head h // rep
+            scores = torch.einsum("lgrd,lkgd->lgrk", qg, k) * self.scale
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out[a:b] = torch.einsum("lgrk,lkgd->lgrd", probs, v).reshape(b - a, self.n_heads, self.head_dim)
+        return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                 with_probs: bool = False):

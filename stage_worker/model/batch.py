@@ -28,6 +28,9 @@ class StepBatch:
     # Same-length new sequences may run as one [B, L] batch (`fresh_equal`); off: the per-sequence loop (A/B,
     # cluster key `batched_prefill`).
     batched_prefill: bool = True
+    # QSA prefill reads only each query's selected keys once the context is long (GatedAttention._attend_selected);
+    # off: the dense masked scores over the whole context (A/B, cluster key `qsa_sparse_prefill`).
+    sparse_prefill: bool = True
 
     def __post_init__(self) -> None:
         rows = []
