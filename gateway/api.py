@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API over any `Engine`: /v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics.
+"""The OpenAI-compatible HTTP API over any `Engine`: /v1/chat/completions, /v1/responses, /v1/completions,
+/v1/models, /health, /metrics. A Responses request is translated into a chat request (gateway/responses.py) and
+served by the chat path.
 
 Each request is parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every client mistake becomes an
 OpenAI-shaped 4xx naming the field. Every choice (`n`, and each prompt of a completions prompt list) is its own
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors
+from gateway import errors, responses
 from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest,
                             TokenEvent)
 from gateway.errors import APIError, invalid_request
@@ -37,7 +38,8 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
-                             MAX_CHOICES, ModelCard, ModelList, SEED_MAX, ToolCall, TopLogprob, Usage)
+                             MAX_CHOICES, ModelCard, ModelList, ResponsesRequest, SEED_MAX, ToolCall, TopLogprob,
+                             Usage)
 from gateway.stop import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling import SamplingParams
@@ -472,28 +474,27 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         req = await srv.parse(request, ChatCompletionRequest)
-        unsupported = req.unsupported_field()
-        if unsupported:
-            raise invalid_request(unsupported[1], param=unsupported[0])
-        plan = await run_in_threadpool(plan_chat, req, lambda: srv.grammar_compiler)
-        text = await run_in_threadpool(srv.render_chat, req, plan)
-        if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
-            plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
-        prompt_ids = await srv.encode(text, "messages")
-        max_tokens = srv.budget(len(prompt_ids), req.budget, "messages")
-        bias = srv.logit_bias(req.logit_bias)
-        rid, n = _new_id("chatcmpl"), req.num_choices
-        gens = []
-        for j in range(n):
-            gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, j, n), choice=j,
-                                             logit_bias=bias)
-            if plan.grammar is not None:
-                gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
-            gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
-                                    metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
-                                    first_of_prompt=j == 0))
+        rid = _new_id("chatcmpl")
+        plan, gens = await _start_chat(srv, req, arrival, rid, "messages")
         return await _serve(request, gens, bool(req.stream), lambda: _chat_stream(srv, req, gens, rid, plan),
                             lambda: _chat_full(srv, gens, rid, plan))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        """The Responses API, served by the chat path: the request becomes a chat request (gateway/responses.py),
+        the reply's parsed pieces become output items and stream events."""
+        arrival = time.monotonic()
+        req = await srv.parse(request, ResponsesRequest)
+        chat_req = responses.to_chat_request(req)
+        rid = responses.new_id("resp")
+        with responses.renamed_params():
+            plan, gens = await _start_chat(srv, chat_req, arrival, rid, "input")
+        gen = gens[0]
+        builder = responses.ResponseBuilder(rid, srv.model_name, req, gen.request.params)
+        return await _serve(request, gens, bool(req.stream),
+                            lambda: _stream_body(gens, responses.stream(gen, builder, plan),
+                                                 error_event=builder.failed_event, done=None),
+                            lambda: responses.collect(gen, builder, plan))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -525,6 +526,33 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                             lambda: _completion_full(srv, gens, rid))
 
     return app
+
+
+async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, rid: str,
+                      prompt_param: str) -> tuple[ChatPlan, list[_Generation]]:
+    """Plan, render and tokenize a chat request and create one engine request per choice: the one request path of
+    /v1/chat/completions and /v1/responses (`prompt_param` names the prompt field in errors)."""
+    unsupported = req.unsupported_field()
+    if unsupported:
+        raise invalid_request(unsupported[1], param=unsupported[0])
+    plan = await run_in_threadpool(plan_chat, req, lambda: srv.grammar_compiler)
+    text = await run_in_threadpool(srv.render_chat, req, plan)
+    if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
+        plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
+    prompt_ids = await srv.encode(text, prompt_param)
+    max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
+    bias = srv.logit_bias(req.logit_bias)
+    n = req.num_choices
+    gens = []
+    for j in range(n):
+        gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, j, n), choice=j,
+                                         logit_bias=bias)
+        if plan.grammar is not None:
+            gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
+        gens.append(_Generation(srv.engine, gen_req, srv.tok, req.stop_strings,
+                                srv.metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
+                                first_of_prompt=j == 0))
+    return plan, gens
 
 
 async def _serve(request: Request, gens: list[_Generation], stream: bool,
@@ -608,8 +636,11 @@ def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
-async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """SSE framing shared by both endpoints: errors become an error event; always ends with [DONE]; always closes."""
+async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str],
+                       error_event: Callable[[APIError], str] | None = None,
+                       done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
+    """SSE framing shared by the endpoints: an error becomes an error event (the chat shape unless `error_event`
+    says otherwise); ends with `done` ([DONE] for chat and completions, nothing for responses); always closes."""
     reason = None
     try:
         async for chunk in chunks:
@@ -621,11 +652,12 @@ async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str]) -> A
         else:
             log.exception("stream %s failed", gens[0].request.request_id)
             err = errors.internal_error()
-        yield _sse(json.dumps(err.body()))
+        yield error_event(err) if error_event is not None else _sse(json.dumps(err.body()))
     finally:
         _finish_timers(gens, reason)             # before any await: a cancelled task may not get past one
         await _close_all(gens)
-    yield "data: [DONE]\n\n"
+    if done is not None:
+        yield done
 
 
 def _delta_message(d: Delta, legacy: bool) -> DeltaMessage | None:

@@ -17,6 +17,7 @@ __all__ = [
     "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs",
     "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall", "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
     "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
+    "ResponsesRequest",
 ]
 
 MAX_STOP_STRINGS = 4
@@ -154,6 +155,34 @@ class CompletionRequest(_Sampling):
         """Every prompt, as text or token ids (a single prompt is a list of one)."""
         p = self.prompt
         return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+
+
+class ResponsesRequest(_Sampling):
+    """`POST /v1/responses` (the OpenAI Responses API). Shapes only: `gateway.responses` checks the items, tools,
+    tool_choice and text.format in depth and turns the request into a ChatCompletionRequest. The sampling extras
+    of the chat route (top_k, min_p, seed, stop, logit_bias, ...) are accepted as they are there; `max_tokens` and
+    `n` are chat fields with no meaning here and are refused by `gateway.responses` when given."""
+
+    input: str | list[Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncation: Literal["auto", "disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    # Fields that need state or features we do not have: refused by gateway.responses when set.
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
+    moderation: dict[str, Any] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
