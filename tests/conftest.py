@@ -75,6 +75,19 @@ def wait_healthy(url: str, proc=None, timeout: float = 120) -> None:
     pytest.fail(f"{url} did not become healthy in {timeout:.0f} s")
 
 
+def stop_server(proc) -> None:
+    """Stop a `moepipe serve` started by a test the way a user does (Ctrl-C), killing it if it hangs."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny preset written once for the session (seed 0): the server tests share it read-mostly."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, stop_server, wait_healthy
 from shared.cli import build_parser, serve_options
 from shared.cluster_config import env_overrides
 
@@ -33,13 +32,6 @@ def _start(model: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _lines(log: Path) -> list[dict[str, str]]:
@@ -71,7 +63,7 @@ def server(tiny_checkpoint, tmp_path_factory):
         wait_healthy(url, proc, timeout=180)
         yield url, log
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def test_one_line_per_request_with_the_response_fields(server):
@@ -163,7 +155,7 @@ def test_no_access_log_flag_silences_it(tiny_checkpoint, tmp_path):
         assert httpx.get(url + "/v1/nothing-here").status_code == 404
         time.sleep(0.5)
     finally:
-        _stop(proc)
+        stop_server(proc)
     assert "moepipe.access" not in log.read_text() and _lines(log) == []
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, stop_server, wait_healthy
 from gateway.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +33,7 @@ def server(tiny_checkpoint):
         wait_healthy(url, proc, timeout=180)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def _ask(url: str, body: dict) -> dict:

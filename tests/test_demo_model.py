@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "shared" / "demo_model"
@@ -40,12 +39,7 @@ def default_server(tmp_path_factory):
         wait_healthy(url, proc, timeout=180)
         yield url, home, bundled_before
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def test_default_model_is_the_bundled_trained_checkpoint(default_server):
