@@ -372,13 +372,15 @@ class ResponseBuilder:
         return events
 
     def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        """Close the last item (incomplete if the budget ran out), make sure a reply without calls has a message,
-        and end with response.completed or response.incomplete."""
+        """Close the last item (incomplete if the budget ran out), give a completed reply without text or calls an
+        empty message (a cut one keeps what it has: OpenAI's output may then be reasoning only), and end with
+        response.completed or response.incomplete."""
         events: list[dict[str, Any]] = []
         cut = finish_reason == "length"
-        if not any(i.kind in ("message", "function_call") for i in self.items):
-            self._current("message", events)
         self._close(events, "incomplete" if cut else "completed")
+        if not cut and not any(i.kind in ("message", "function_call") for i in self.items):
+            self._open("message", events)
+            self._close(events, "completed")
         self.usage = usage
         self.status = "incomplete" if cut else "completed"
         self.incomplete_reason = "max_output_tokens" if cut else None

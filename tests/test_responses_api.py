@@ -254,6 +254,51 @@ def test_unknown_model_is_404(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+@pytest.fixture(scope="module")
+def thinking(tiny_checkpoint, tmp_path_factory) -> OpenAI:
+    """The tiny checkpoint with a Qwen3-2507-style thinking template (the generation prompt opens the think block,
+    so the reply starts inside it; random weights never close it), as tests/test_agents.py builds it."""
+    import shutil
+
+    from stage_worker.checkpoint.tokenizer_files import CHAT_TEMPLATE
+
+    d = tmp_path_factory.mktemp("thinking") / "tiny"
+    shutil.copytree(tiny_checkpoint, d)
+    opening = "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    template = CHAT_TEMPLATE.replace(opening, "{%- if enable_thinking is not defined or enable_thinking -%}"
+                                     "{{- '<think>\\n' -}}{%- endif -%}" + opening)
+    (d / "chat_template.jinja").write_text(template)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with Cluster(ServeOptions(model=d, stages=1, port=free_port())) as c:
+        yield OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def test_reasoning_item(thinking):
+    """Thinking on: the reply is a reasoning item (cut by max_output_tokens: incomplete, no message), its text the
+    chat route's reasoning_content, every token a reasoning token; streamed, the reasoning_text deltas make the same
+    text. reasoning.effort "none" switches thinking off: the same prompt as enable_thinking false, all content."""
+    kw = dict(model="moepipe", input="Why?", max_output_tokens=12, extra_body={"seed": 4})
+    r = thinking.responses.create(**kw)
+    chat = thinking.chat.completions.create(model="moepipe", messages=[{"role": "user", "content": "Why?"}],
+                                            max_tokens=12, seed=4)
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["reasoning"]
+    item = r.output[0]
+    assert item.id.startswith("rs_") and item.status == "incomplete" and item.summary == []
+    assert item.content[0].text == chat.choices[0].message.reasoning_content
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12
+    events = list(thinking.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
+    assert events[-1].type == "response.incomplete"
+    off = thinking.responses.create(reasoning={"effort": "none"}, **kw)
+    plain = thinking.chat.completions.create(model="moepipe", messages=[{"role": "user", "content": "Why?"}],
+                                             max_tokens=12, seed=4,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [o.type for o in off.output] == ["message"] and off.output_text == plain.choices[0].message.content
+    assert off.usage.input_tokens == plain.usage.prompt_tokens and off.usage.output_tokens_details.reasoning_tokens == 0
+
+
 # ---- translation, without a server ------------------------------------------------------------------------------
 
 def test_items_render_as_chat_history():
@@ -299,3 +344,21 @@ def test_param_renames():
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_param("tool_choice.allowed_tools.tools[0]") == "tool_choice.tools[0]"
     assert responses_param("messages") == "input"
+
+
+def test_builder_empty_and_cut_replies():
+    """A completed reply with no text and no calls still has a (empty) message; a reply cut while thinking is the
+    reasoning item alone, incomplete."""
+    req = ResponsesRequest.model_validate({"input": "x"})
+    usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2,
+             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+             "output_tokens_details": {"reasoning_tokens": 0}}
+    empty = ResponseBuilder("resp_e", "m", req, SamplingParams())
+    empty.finish("stop", usage)
+    out = Response.model_validate(empty.response())
+    assert out.status == "completed" and [o.type for o in out.output] == ["message"] and out.output_text == ""
+    cut = ResponseBuilder("resp_c", "m", req, SamplingParams())
+    cut.feed([Delta(reasoning="hmm")])
+    cut.finish("length", usage)
+    out = Response.model_validate(cut.response())
+    assert out.status == "incomplete" and [(o.type, o.status) for o in out.output] == [("reasoning", "incomplete")]
