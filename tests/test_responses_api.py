@@ -362,3 +362,56 @@ def test_builder_empty_and_cut_replies():
     cut.finish("length", usage)
     out = Response.model_validate(cut.response())
     assert out.status == "incomplete" and [(o.type, o.status) for o in out.output] == [("reasoning", "incomplete")]
+
+
+class _FailingEngine:
+    """Fails with `fail` after `after` tokens (0: before the first one)."""
+
+    max_model_len = 256
+
+    def __init__(self, fail: BaseException, after: int) -> None:
+        self.fail, self.after = fail, after
+
+    async def generate(self, request):
+        from gateway.engine import TokenEvent
+
+        for i in range(request.params.max_tokens):
+            if i == self.after:
+                raise self.fail
+            yield TokenEvent(token_id=100 + i, finish_reason=None)
+
+    def health(self) -> list[str]:
+        return []
+
+
+def _stub_client(tiny_checkpoint, engine):
+    from fastapi.testclient import TestClient
+
+    from gateway.api import create_app
+    from gateway.metrics import Metrics
+    from gateway.tokenizer import Tokenizer
+    from shared.sampling import read_generation_config
+
+    app = create_app(engine, Tokenizer.from_dir(tiny_checkpoint), model_name="moepipe",
+                     generation_config=read_generation_config(tiny_checkpoint), metrics=Metrics())
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_engine_errors(tiny_checkpoint):
+    """Before the first token: plain HTTP errors (429, 503), streamed or not; after it, a stream ends with
+    response.failed carrying the error and the items so far."""
+    from gateway.engine import EngineFailed, EngineOverloaded, EngineUnavailable
+
+    body = {"model": "moepipe", "input": "hi", "max_output_tokens": 8, "stream": True}
+    for fail, status in ((EngineOverloaded("queue full"), 429), (EngineUnavailable("stage-1"), 503)):
+        r = _stub_client(tiny_checkpoint, _FailingEngine(fail, 0)).post("/v1/responses", json=body)
+        assert r.status_code == status and r.json()["error"]["type"] in ("rate_limit_error",
+                                                                         "service_unavailable_error")
+    r = _stub_client(tiny_checkpoint, _FailingEngine(EngineFailed("stage 2 died"), 3)).post("/v1/responses",
+                                                                                          json=body)
+    data = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    last = TypeAdapter(ResponseStreamEvent).validate_python(data[-1])
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert "stage 2 died" in last.response.error.message and last.response.error.code == "server_error"
+    assert [e["sequence_number"] for e in data] == list(range(len(data)))
+    assert last.response.output and last.response.output[-1].status == "incomplete"
