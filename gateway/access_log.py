@@ -31,9 +31,6 @@ LOGGER_NAME = "moepipe.access"
 CLIENT_GONE = 499
 _QUIET_PATHS = ("/health", "/metrics")
 _MAX_CLIENT_ID = 128               # a client's X-Request-Id is echoed and logged; bound what it can make us write
-# The engine finishes a tool-calling reply with "stop"; the API layer turns it into "tool_calls" in the body. In
-# compact JSON (both response kinds) this byte string can only be structure: quotes inside strings are escaped.
-_TOOL_CALLS = b'"finish_reason":"tool_calls"'
 
 _current: ContextVar[AccessRecord | None] = ContextVar("moepipe_access_record", default=None)
 
@@ -54,7 +51,7 @@ class AccessRecord:
     finish_reasons: list[str] = field(default_factory=list)
     complete: bool = False              # the last body chunk went out
     client_gone: bool = False           # the client disconnected before that
-    tool_calls: bool = False            # the body reported finish_reason tool_calls
+    tool_calls: bool = False            # the reply called tools (`note_tool_calls`)
 
     @property
     def request_id(self) -> str | None:
@@ -95,6 +92,14 @@ def current() -> AccessRecord | None:
     return _current.get()
 
 
+def note_tool_calls() -> None:
+    """The reply being built calls tools. The engine finishes such a reply with "stop"; only the API layer, which
+    parses the output (chat, legacy functions or Responses), knows it is a call, so it says so here."""
+    rec = _current.get()
+    if rec is not None:
+        rec.tool_calls = True
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers") or []:
         if key.lower() == name:
@@ -131,7 +136,6 @@ class AccessLogMiddleware:
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                     message = {**message, "headers": [*headers, (b"x-request-id", rec.request_id.encode("latin-1"))]}
             elif message["type"] == "http.response.body":
-                rec.tool_calls = rec.tool_calls or _TOOL_CALLS in message.get("body", b"")
                 rec.complete = rec.complete or not message.get("more_body", False)
             await send(message)
 

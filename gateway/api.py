@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors, responses
+from gateway import access_log, errors, responses
 from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest,
                             TokenEvent)
 from gateway.errors import APIError, invalid_request
@@ -608,6 +608,7 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
                 message.tool_calls = calls or None
             if calls and finish == "stop":
                 finish = "function_call" if plan.legacy else "tool_calls"
+                access_log.note_tool_calls()
         return ChatChoice(index=gen.index, message=message, finish_reason=finish,
                           logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
 
@@ -706,6 +707,8 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                 if not messages and tokens and gen.want_logprobs:
                     yield chunk(DeltaMessage(content=""), tokens)
             if finish is not None:
+                if called and finish == "stop":
+                    access_log.note_tool_calls()
                 yield chunk(DeltaMessage(), None, called_reason if called and finish == "stop" else finish)
 
     async def chunks() -> AsyncIterator[str]:

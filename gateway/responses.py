@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway import access_log
 from gateway.chat_plan import ChatPlan
 from gateway.errors import APIError, invalid_request
 from gateway.output_parser import THINK_END, Delta, OutputParser
@@ -381,6 +382,8 @@ class ResponseBuilder:
         if not cut and not any(i.kind in ("message", "function_call") for i in self.items):
             self._open("message", events)
             self._close(events, "completed")
+        if any(i.kind == "function_call" for i in self.items):
+            access_log.note_tool_calls()
         self.usage = usage
         self.status = "incomplete" if cut else "completed"
         self.incomplete_reason = "max_output_tokens" if cut else None

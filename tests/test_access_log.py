@@ -113,8 +113,18 @@ def test_tool_calls_finish_reason_is_the_clients(server):
         finish = res.choices[0].finish_reason if not stream else [c.choices[0].finish_reason for c in res
                                                                   if c.choices][-1]
         assert finish == "tool_calls"
-    lines = _wait_line(log, before + 2)[before:]
-    assert [ln["finish_reason"] for ln in lines] == ["tool_calls", "tool_calls"]
+    fn = {"type": "function", **tool["function"]}                          # the Responses API's flat tool
+    for stream in (False, True):
+        args = dict(model="moepipe", input="List /tmp.", tools=[fn], max_output_tokens=60, temperature=0,
+                    tool_choice={"type": "function", "name": "run_shell"})
+        if stream:
+            with client.responses.stream(**args) as s:
+                res = s.get_final_response()
+        else:
+            res = client.responses.create(**args)
+        assert [item.type for item in res.output] == ["function_call"]
+    lines = _wait_line(log, before + 4)[before:]
+    assert [ln["finish_reason"] for ln in lines] == ["tool_calls"] * 4
 
 
 def test_errors_get_a_line_with_their_status(server):
