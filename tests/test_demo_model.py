@@ -89,3 +89,17 @@ def test_a_25k_token_system_prompt_is_answered(default_server):
     assert r.usage.prompt_tokens == expected
     assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 8
     assert r.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_sdk_round_trip_with_its_defaults(default_server, stream):
+    """The openai-agents SDK with its default settings apart from the base URL, key and model name (so its default
+    Responses API): the demo model calls the offered `run_shell`, the SDK runs it and sends the output back, the
+    model answers (tools/agents_sdk_roundtrip.py exits 0 only then)."""
+    pytest.importorskip("agents")
+    url, _, _ = default_server
+    env = dict(os.environ, OPENAI_BASE_URL=url + "/v1", OPENAI_API_KEY="unused", OPENAI_AGENTS_DISABLE_TRACING="1")
+    cmd = [sys.executable, "tools/agents_sdk_roundtrip.py", "--seed", "5"] + (["--stream"] if stream else [])
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "items: ['ToolCallItem', 'ToolCallOutputItem'" in out.stdout and "round trip complete" in out.stdout
