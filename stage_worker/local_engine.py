@@ -25,8 +25,10 @@ class _Seq:
 
 class LocalEngine:
     def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int | None = None,
-                 max_tokens: int = 4096, cuda_graphs: bool = False) -> None:
-        """`block_size` None: derived from the model (`shared.kv_layout`), as the served cluster does."""
+                 max_tokens: int = 4096, cuda_graphs: bool = False, sparse_prefill: bool = True) -> None:
+        """`block_size` None: derived from the model (`shared.kv_layout`), as the served cluster does;
+        `sparse_prefill`: the cluster key `qsa_sparse_prefill` (StepBatch.sparse_prefill)."""
+        self.sparse_prefill = sparse_prefill
         if not stages or not stages[0].has_embedding or not stages[-1].has_head:
             raise ValueError("stages must run from the embedding to the head")
         block_size = resolve_block_size(stages[0].cfg, block_size)
@@ -78,6 +80,7 @@ class LocalEngine:
                 seq.blocks.append(self.free_blocks.pop())
             rows.append((tokens, seq.length, seq.slot, seq.blocks))
         batch = StepBatch.build(rows, self.block_size, self.device, all_logits=all_logits)
+        batch.sparse_prefill = self.sparse_prefill
         if self.graphs is not None and not all_logits and batch.is_decode:
             if not self.graphs.graphs:
                 self.graphs.capture()

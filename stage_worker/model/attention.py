@@ -127,10 +127,12 @@ class QSAIndexer(nn.Module):
 # The batched path of same-length new sequences holds every sequence's [heads, L, L] scores at once; above this many
 # elements (256 MB in float32) it loops over sequences instead, so a large batched prefill cannot multiply peak memory.
 BATCHED_SCORES_LIMIT = 1 << 26
-# QSA prefill gathers each query's selected keys once the context is this many times the keys a query may read
-# (below it the dense masked scores are smaller than the gathered rows); queries go through in slices of
-# SPARSE_PREFILL_QUERIES so the gathered K/V stay bounded (full shape: 256 x 2051 x 2 x 256 bf16 = 0.5 GB each).
-SPARSE_PREFILL_FACTOR = 2
+# QSA prefill gathers each query's selected keys once the context is this many times the keys a query may read.
+# Gathering costs far more per key than a dense score (demo model, one CPU thread, 512-token chunks: the gather
+# path is slower at a 1k context and twice as fast at 12k; docs/performance.md), so below that the dense masked
+# scores win. Queries go through in slices of SPARSE_PREFILL_QUERIES so the gathered K/V stay bounded (full shape:
+# 256 x 2051 x 2 x 256 bf16 = 0.5 GB each).
+SPARSE_PREFILL_FACTOR = 16
 SPARSE_PREFILL_QUERIES = 256
 
 
