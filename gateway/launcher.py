@@ -68,11 +68,12 @@ def _shm_dir() -> Path:
 
 def commands(cluster: ClusterConfig, config_path: Path, verbose: bool) -> list[tuple[str, list[str]]]:
     py = sys.executable
-    v = ["-v"] if verbose else []
+    # Every child dies with us (shared/parent_watch.py), however we end.
+    v = (["-v"] if verbose else []) + ["--parent-pid", str(os.getpid())]
     cmds = []
     if cluster.ple_service and cluster.ple_endpoint:
         cmds.append(("ple", [py, "-m", "ple_service", "--config", str(config_path),
-                             "--log-level", "INFO" if verbose else "WARNING"]))
+                             "--log-level", "INFO" if verbose else "WARNING", "--parent-pid", str(os.getpid())]))
     for i in range(cluster.num_stages):
         cmds.append((f"stage{i}", [py, "-m", "stage_worker", "--config", str(config_path), "--stage", str(i), *v]))
     cmds.append(("gateway", [py, "-m", "gateway", "--config", str(config_path), *v]))

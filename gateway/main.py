@@ -17,6 +17,7 @@ from gateway.metrics import Metrics
 from gateway.tokenizer import Tokenizer
 from shared.cluster_config import ClusterConfigError, load_cluster_config
 from shared.model_config import Qwen4ExpConfig, load_config
+from shared.parent_watch import die_with_parent
 from shared.sampling import read_generation_config
 
 log = logging.getLogger("moepipe.gateway")
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gateway", description="run the OpenAI-compatible gateway")
     ap.add_argument("--config", required=True, help="cluster config file (TOML)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) exits")
     args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

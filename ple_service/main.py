@@ -18,6 +18,7 @@ import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 from shared.model_config import load_config
+from shared.parent_watch import die_with_parent
 from shared.protocol import Heartbeat, Message, Plan, ProtocolError, Sampled, Shutdown, decode, encode
 
 log = logging.getLogger("ple_service")
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ple_service", description="moepipe PLE gather service")
     parser.add_argument("--config", required=True, help="cluster config (TOML)")
     parser.add_argument("--log-level", default=os.environ.get("MOEPIPE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) exits")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s ple %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    die_with_parent(args.parent_pid)           # after the handlers: the launcher's death stops us cleanly
     try:
         cluster = load_cluster_config(args.config)
         if not cluster.ple_service:

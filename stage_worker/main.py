@@ -21,6 +21,7 @@ import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, stage_name
 from shared.model_config import load_config
+from shared.parent_watch import die_with_parent
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
 from stage_worker.kernels.flags import KernelFlags
@@ -165,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="cluster config file (TOML)")
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) exits")
     args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
