@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: derived from the model, a multiple of its QSA ratio)")
     s.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="GiB of KV blocks per stage when --num-blocks is not given (default 4)")
+                   help="GiB of KV blocks per stage when --num-blocks is not given (default 4; on a GPU at "
+                        "least one --max-model-len sequence)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                    help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.kv_layout import KvLayoutError, auto_num_blocks, block_bytes, compute_dtype, resolve_block_size
+from shared.kv_layout import (KvLayoutError, auto_num_blocks, block_bytes, compute_dtype, default_kv_budget,
+                              resolve_block_size)
 from shared.model_config import HybridMoeConfig
 
 
@@ -44,7 +45,8 @@ class ClusterConfig:
     load_format: str = "safetensors"
     block_size: int = 0                         # 0 = derived from the model (shared/kv_layout.py)
     num_blocks: int = 0                         # 0 = auto: max_num_seqs x max_model_len within kv_cache_memory
-    kv_cache_memory: float = 4.0                # GiB of KV blocks per stage when num_blocks is auto
+    kv_cache_memory: float = 0.0                # GiB of KV blocks per stage when num_blocks is auto; 0 = 4 GiB,
+                                                # on a GPU at least one max_model_len sequence (default_kv_budget)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 0                      # 0 = the model's max_position_embeddings
@@ -89,8 +91,9 @@ class ClusterConfig:
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
-        if not self.kv_cache_memory > 0:
-            raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not self.kv_cache_memory >= 0:
+            raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB (or 0 for the default), "
+                                     f"got {self.kv_cache_memory}")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
@@ -107,11 +110,12 @@ class ClusterConfig:
         self.validate(cfg.num_hidden_layers)
         try:
             block_size = resolve_block_size(cfg, self.block_size)
-            num_blocks = self.num_blocks or auto_num_blocks(
-                [block_bytes(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype))
-                 for s in self.stages],
-                block_size, self.max_model_len or cfg.max_position_embeddings, self.max_num_seqs,
-                self.kv_cache_memory)
+            costs = [block_bytes(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype))
+                     for s in self.stages]
+            max_len = self.max_model_len or cfg.max_position_embeddings
+            budget = self.kv_cache_memory or default_kv_budget(
+                costs, block_size, max_len, any(s.device.startswith("cuda") for s in self.stages))
+            num_blocks = self.num_blocks or auto_num_blocks(costs, block_size, max_len, self.max_num_seqs, budget)
         except KvLayoutError as exc:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks)

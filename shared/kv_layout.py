@@ -17,10 +17,11 @@ import math
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "KvLayoutError", "auto_num_blocks", "block_bytes", "block_multiple",
+__all__ = ["DEFAULT_BLOCK_TOKENS", "DEFAULT_KV_GIB", "KvLayoutError", "auto_num_blocks", "default_kv_budget", "block_bytes", "block_multiple",
            "check_block_size", "compute_dtype", "derived_block_size", "resolve_block_size"]
 
 DEFAULT_BLOCK_TOKENS = 16        # vLLM's default; what the kernels' launch parameters were tuned with
+DEFAULT_KV_GIB = 4.0             # the automatic pool's budget per stage when kv_cache_memory is not set
 GIB = 1 << 30
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -82,6 +83,18 @@ def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dty
         per_block += block_size * cfg.indexer_head_dim + block_size // cfg.indexer_compress_ratio * cfg.indexer_head_dim
     layers = sum(1 for layer in range(start, end) if cfg.is_attention(layer))
     return layers * per_block * _ITEMSIZE[dtype]
+
+
+def default_kv_budget(costs: list[int], block_size: int, max_model_len: int, on_gpu: bool) -> float:
+    """The budget (GiB per stage) when the user set none: DEFAULT_KV_GIB, and on a GPU at least what one
+    `max_model_len` sequence needs, so a long-context checkpoint (262,144 tokens: ~6-7 GiB a stage for the
+    reports' model and Qwen3-Next-80B) is not refused by default on a card with room for it. A card without that
+    room fails when the stage allocates; measuring free memory (`--gpu-memory-utilization`) is the memory plan's
+    job (issue 16). On the CPU the 4 GiB cap stays: host RAM is shared with everything else."""
+    if not on_gpu:
+        return DEFAULT_KV_GIB
+    per_seq = -(-max_model_len // block_size)
+    return max(DEFAULT_KV_GIB, (per_seq + 1) * max(costs, default=0) / GIB)
 
 
 def auto_num_blocks(costs: list[int], block_size: int, max_model_len: int, max_num_seqs: int,

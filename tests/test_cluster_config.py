@@ -162,6 +162,30 @@ def test_num_blocks_auto_fits_the_budget_and_an_explicit_one_is_honoured(tiny, t
         build_cluster_config(ServeOptions(model=tiny), tmp_path)
 
 
+def test_default_kv_budget_fits_one_full_sequence_on_a_gpu(tiny, tmp_path):
+    """With no kv_cache_memory set, GPU stages get at least one max_model_len sequence (a 262k-token checkpoint is
+    not refused by default); CPU stages keep the 4 GiB cap; an explicit budget is a cap on both."""
+    import dataclasses
+
+    from shared.kv_layout import GIB, block_bytes
+    from shared.model_config import load_config
+
+    cfg = load_config(tiny)
+    cpu = build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
+    worst = max(block_bytes(cfg, s.start, s.end, 16, "float32") for s in cpu.stages)
+    long_len = int(5 * GIB / worst) * 16                                # one sequence: ~5 GiB, over the 4 GiB default
+    base = dataclasses.replace(cpu, num_blocks=0, block_size=0, max_model_len=long_len, max_num_seqs=4,
+                               dtype="float32")
+    with pytest.raises(ClusterConfigError, match=f"max_model_len {long_len} needs"):
+        base.for_model(cfg)
+    gpu = dataclasses.replace(base, stages=[dataclasses.replace(s, device=f"cuda:{i}")
+                                            for i, s in enumerate(base.stages)])
+    per_seq = long_len // 16
+    assert gpu.for_model(cfg).num_blocks == per_seq                     # exactly one full-length sequence
+    with pytest.raises(ClusterConfigError, match="kv_cache_memory 4 GiB holds"):
+        dataclasses.replace(gpu, kv_cache_memory=4.0).for_model(cfg)
+
+
 def _written(cfg, tmp_path):
     path = tmp_path / "written.toml"
     path.write_text(dump_toml(cfg))
