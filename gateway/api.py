@@ -579,6 +579,15 @@ async def _serve(request: Request, gens: list[_Generation], stream: bool,
             await _close_all(gens)
 
 
+def _called_finish(plan: ChatPlan, finish: str) -> str:
+    """The finish reason of a reply that called tools: the engine ends it with "stop", the client sees
+    "tool_calls" ("function_call" for a legacy request), and the access log is told."""
+    if finish != "stop":
+        return finish
+    access_log.note_tool_calls()
+    return "function_call" if plan.legacy else "tool_calls"
+
+
 def _parses(plan: ChatPlan) -> bool:
     return plan.reasoning != "off" or plan.tool_names is not None
 
@@ -606,9 +615,8 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
                 message.function_call = calls[0].function
             else:
                 message.tool_calls = calls or None
-            if calls and finish == "stop":
-                finish = "function_call" if plan.legacy else "tool_calls"
-                access_log.note_tool_calls()
+            if calls:
+                finish = _called_finish(plan, finish)
         return ChatChoice(index=gen.index, message=message, finish_reason=finish,
                           logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
 
@@ -681,7 +689,6 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                  plan: ChatPlan) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
-    called_reason = "function_call" if plan.legacy else "tool_calls"
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
         def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None) -> str:
@@ -707,9 +714,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                 if not messages and tokens and gen.want_logprobs:
                     yield chunk(DeltaMessage(content=""), tokens)
             if finish is not None:
-                if called and finish == "stop":
-                    access_log.note_tool_calls()
-                yield chunk(DeltaMessage(), None, called_reason if called and finish == "stop" else finish)
+                yield chunk(DeltaMessage(), None, _called_finish(plan, finish) if called else finish)
 
     async def chunks() -> AsyncIterator[str]:
         async for c in _merged([one(g) for g in gens]):

@@ -145,7 +145,6 @@ class RequestTimer:
     def __init__(self, metrics: Metrics, arrival: float, request_id: str | None = None) -> None:
         self._m = metrics
         self.arrival = arrival
-        self.request_id = request_id
         self._last: float | None = None
         self._done = False
         self._access = access_log.current()

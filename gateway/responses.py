@@ -497,12 +497,13 @@ async def _events(gen: _Gen, builder: ResponseBuilder, plan: ChatPlan) -> AsyncI
     """The events of each generated piece, the parser splitting reasoning, content and calls as on the chat route.
     Reasoning tokens are the tokens up to the one that completes `</think>` (all of them if it never closes)."""
     parser = OutputParser(plan.reasoning, plan.tool_names)
-    seen, thought = "", None
+    tail, thought = "", None                  # the last len(THINK_END) - 1 characters: a tag may span two pieces
     async for piece in gen.pieces():
         if plan.reasoning != "off" and thought is None:
-            seen += piece.text
-            if THINK_END in seen:
+            window = tail + piece.text
+            if THINK_END in window:
                 thought = gen.completion_tokens
+            tail = window[-(len(THINK_END) - 1):]
         deltas = parser.feed(piece.text)
         if piece.finish_reason is None:
             yield builder.feed(deltas)

@@ -88,6 +88,15 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
+def small_cluster_options(model: Path):
+    """The 2-stage cluster the API test modules share on the tiny checkpoint: small steps and a fixed KV pool, so
+    every test's prompt fits and prefill chunks are exercised."""
+    from gateway.launcher import ServeOptions
+
+    return ServeOptions(model=model, stages=2, port=free_port(),
+                        extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512})
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny preset written once for the session (seed 0): the server tests share it read-mostly."""

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
-from conftest import free_port
+from conftest import free_port, small_cluster_options
 from gateway.launcher import Cluster, ServeOptions
 from gateway.tokenizer import Tokenizer
 
@@ -70,9 +70,7 @@ def tiny(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    opts = ServeOptions(model=tiny, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512})
-    with Cluster(opts) as c:
+    with Cluster(small_cluster_options(tiny)) as c:
         yield c
 
 

@@ -15,7 +15,7 @@ from openai import BadRequestError, OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import free_port
+from conftest import free_port, small_cluster_options
 from gateway.launcher import Cluster, ServeOptions
 from gateway.output_parser import Delta
 from gateway.responses import ResponseBuilder, input_messages, responses_param
@@ -40,9 +40,7 @@ def chat_tool(tool: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512})
-    with Cluster(opts) as c:
+    with Cluster(small_cluster_options(tiny_checkpoint)) as c:
         yield c
 
 
