@@ -5,6 +5,7 @@ loader and `generate` take, with bits-per-byte evaluation against a unigram base
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,118 @@ def test_train_only_moves_only_the_named_parameters(corpus, tmp_path):
     start = train_demo.build_model(config_from_dict(raw), 0, "cpu").state_dict()
     moved = {k for k in start if not torch.equal(start[k], trained[k])}
     assert moved and all(k.startswith("mtp.") for k in moved), sorted(moved)[:5]
+
+
+MAN_LS = """NAME
+       ls - list directory contents
+
+DESCRIPTION
+       List  information  about  the FILEs (the current directory by default).  Sort entries alphabetically if
+       none of -cftuvSUX nor --sort is specified.
+"""
+MODULE = '''def clamp(x, lo, hi):
+    """Return x limited to [lo, hi]."""
+    return max(lo, min(x, hi))
+
+
+def twice(f, x):
+    """Apply f two times."""
+    return f(f(x))
+
+
+def _private(x):
+    """Not offered."""
+    return x
+'''
+
+
+def test_agent_examples_render_as_the_gateway_does_and_train_only_the_reply():
+    """qwen-code and aider examples: the prompt is the gateway's rendering of the agent's request, the reply parses
+    back (a qwen-code call as the call, an aider edit as a file listing), and a group shares a block-aligned
+    prefix."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import agent_data
+    from gateway.output_parser import OutputParser
+    from gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(ROOT / "shared" / "demo_model")
+    src = agent_data.sources([("docs", "usr/share/man/man1/ls.1.gz", MAN_LS, False),
+                              ("code", "stdlib/mathtools.py", MODULE, False)])["train"]
+    assert src["commands"] == [["ls", "list directory contents"]]
+    assert [f[:2] for f in src["functions"]] == [["mathtools", "clamp"], ["mathtools", "twice"]]
+    assert src["texts"][0].startswith("List information about the FILEs")
+    prompts, render = agent_data.load_prompts(), agent_data.Renderer(tok)
+    rng = np.random.default_rng(0)
+    calls = answers = 0
+    for _ in range(3):
+        group = agent_data.qwen_code_group(rng, src, prompts, render, 6, 16)
+        assert len(group.prefix) % 16 == 0 and len(group.prefix) > 15000        # system prompt + tools + env turn
+        for e in group.examples:
+            assert e.ids[:len(group.prefix)] == group.prefix and len(group.prefix) < e.reply_start < len(e.ids)
+            prompt = tok.decode(e.ids[:e.reply_start], False)
+            assert prompt.startswith("<|im_start|>system\nYou are Qwen Code") and prompt.endswith(
+                "<|im_start|>assistant\n")
+            reply = tok.decode(e.ids[e.reply_start:], False)
+            assert reply.endswith("<|im_end|>\n")
+            names = [t["function"]["name"] for t in prompts["qwen_code"]["tools_yolo"]]
+            parsed = OutputParser.parse_complete(reply.removesuffix("<|im_end|>\n"), tool_names=names)
+            if "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[1]:
+                answers += 1
+                assert not parsed.tool_calls and parsed.content
+            else:
+                calls += 1
+                (call,) = parsed.tool_calls
+                args = json.loads(call.arguments)
+                assert call.name in ("list_directory", "read_file", "run_shell_command")
+                assert call.name == "run_shell_command" or list(args.values())[0].startswith("/")  # absolute
+    assert calls and answers
+    for _ in range(12):              # any client's tools: the call names an offered tool, with its parameter
+        e = agent_data.tool_example(rng, src, render)
+        prompt, reply = tok.decode(e.ids[:e.reply_start], False), tok.decode(e.ids[e.reply_start:], False)
+        offered = re.findall(r'"function", "function": \{"name": "(\w+)"', prompt)
+        assert offered
+        parsed = OutputParser.parse_complete(reply.removesuffix("<|im_end|>\n"), tool_names=offered)
+        if "<tool_response>" not in prompt:
+            (call,) = parsed.tool_calls
+            assert call.name in offered and len(offered) <= 3
+            assert f'"properties": {{"{next(iter(json.loads(call.arguments)))}"' in prompt
+    e = agent_data.aider_example(rng, src, prompts, render)
+    reply = tok.decode(e.ids[e.reply_start:], False)
+    assert reply.startswith("Ok, I will:") and "\n```\n" in reply and reply.endswith("```<|im_end|>\n")
+    fname = reply.split("\n\n")[2].split("\n")[0]
+    assert fname.endswith(".py") and f"{fname}\n```\n" in tok.decode(e.ids[:e.reply_start], False)
+
+
+def test_agent_loss_with_a_shared_prefix_equals_the_loss_of_whole_sequences():
+    """The prefix run once and its states copied to every example's slot give the loss that feeding each whole
+    sequence gives (the K/V blocks shared through the block tables, the recurrent and PLE states copied)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_demo
+    from agent_data import Example, Group, shared_prefix
+    from shared.model_config import config_from_dict
+    from stage_worker.checkpoint.make_model import preset_config
+
+    raw = preset_config("tiny")
+    raw.update(eos_token_id=1, pad_token_id=0, bos_token_id=None, dtype="float32")
+    model = train_demo.build_model(config_from_dict(raw), 0, "cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(2, raw["vocab_size"], (70,), generator=g).tolist()
+    examples = [Example(head + torch.randint(2, raw["vocab_size"], (n,), generator=g).tolist(), 70 + r)
+                for n, r in ((9, 3), (30, 1), (17, 10))]
+    group = Group(shared_prefix([e.ids for e in examples], 16), examples)
+    assert len(group.prefix) == 64
+    aider = [Example(torch.randint(2, raw["vocab_size"], (40,), generator=g).tolist(), 25)]
+    with torch.no_grad():
+        shared = train_demo.agent_losses(model, group, [aider])
+        whole = train_demo.agent_losses(model, None, [examples, aider])
+        alone = train_demo.agent_losses(model, None, [examples])
+    assert abs(shared["agent_ce"].item() - whole["agent_ce"].item()) < 1e-4
+    assert abs(shared["agent_ce"].item() - alone["agent_ce"].item()) > 1e-3      # the aider example counts
+    shared = train_demo.agent_losses(model.train(), group, [aider])
+    shared["agent_ce"].backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(t).all() for t in grads)

@@ -61,13 +61,21 @@ def _first_paragraph(text: str | None) -> str:
     return " ".join(para.split())[:MAX_ANSWER_CHARS]
 
 
-def man_page(path: str, text: str, german: bool) -> list[dict] | None:
+def man_name(text: str, german: bool) -> tuple[str, str, str] | None:
+    """(command, NAME description, first DESCRIPTION paragraph) of a rendered man page."""
     name = _first_paragraph(_section(text, ("BEZEICHNUNG", "NAME") if german else ("NAME",)))
     m = re.match(r"([\w.+-]+)(?:,\s*[\w.+-]+)*\s+(?:-|\\-|–)\s+(.+)", name)
     if not m:
         return None
-    cmd, desc = m.group(1), m.group(2).rstrip(".")
     detail = _first_paragraph(_section(text, ("BESCHREIBUNG",) if german else ("DESCRIPTION",)))
+    return m.group(1), m.group(2).rstrip("."), detail
+
+
+def man_page(path: str, text: str, german: bool) -> list[dict] | None:
+    found = man_name(text, german)
+    if not found:
+        return None
+    cmd, desc, detail = found
     if not german and _pick(path, "tool", 3) == 0 and "/man1/" in path:
         return [{"role": "user", "content": f"Run the command for this: {desc}."},
                 {"role": "assistant", "content": "", "tool_calls": [

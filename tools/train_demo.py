@@ -202,6 +202,71 @@ def forward_losses(model: StageModel, tokens: torch.Tensor, block_size: int = 16
     return out
 
 
+def set_agent_phase(model: StageModel, aux: list | None) -> None:
+    """Agent sequences: MoE dense with its balance loss (as in every training step), attention as served (the
+    indexer's sparse selection, read-only-selected keys past 2k tokens, no distillation: dense scores over a
+    25k-token context would not fit)."""
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.aux = aux
+            m.dense_experts = aux is not None
+        if isinstance(m, GatedAttention):
+            m.aux = None
+            m.qsa_dense = False
+
+
+def agent_losses(model: StageModel, group, fresh: list[list], block_size: int = 16) -> dict[str, torch.Tensor]:
+    """Cross-entropy over the replies only (`tools/agent_data.py`), for a group of examples sharing a long prefix
+    and for batches of independent (`fresh`) examples. The group's prefix runs once, without gradients, into slot 0; its
+    recurrent states are copied to each example's slot and its K/V blocks are shared through the block tables, so
+    each example feeds only its tail, with gradients, as a continuing sequence (what chunked prefill serves). The
+    examples of a fresh batch are right-padded to one length (the model is causal: padding after a sequence changes
+    nothing before it) so each batch runs as one [B, L] step instead of a loop over sequences."""
+    dev = next(model.parameters()).device
+    bs = block_size
+    prefix = group.prefix if group is not None else []
+    examples = group.examples if group is not None else []
+    P = len(prefix)
+    shared = list(range(P // bs))
+    parts, targets = [], []
+    nblocks, slot = len(shared), 1
+    pad = model.cfg.pad_token_id or 0
+    for batch_examples, ctx in [(examples, P)] + [(b, 0) for b in fresh]:
+        width = max((len(e.ids) for e in batch_examples), default=0)
+        seqs = []
+        for e in batch_examples:
+            ids = e.ids + [pad] * (width - len(e.ids) if ctx == 0 else 0)
+            own = -(-len(ids) // bs) - ctx // bs
+            table = (shared if ctx else []) + list(range(nblocks, nblocks + own))
+            nblocks += own
+            seqs.append((ids[ctx:], ctx, slot, table))
+            slot += 1
+            targets.extend(e.ids[p + 1] if e.reply_start <= p + 1 < len(e.ids) else -100
+                           for p in range(ctx, len(ids)))
+        parts.append(seqs)
+    cache = model.new_cache(CacheSpec(num_blocks=nblocks, block_size=bs, num_slots=slot, dtype=torch.float32,
+                                      device=dev))
+    if P:
+        with torch.no_grad():
+            set_agent_phase(model, None)
+            model(StepBatch.build([(prefix, 0, 0, shared)], bs, dev), cache)
+            n = len(examples)
+            for state in list(cache.deltanet.values()) + list(cache.ple.values()):
+                for t in vars(state).values():
+                    t[1:n + 1] = t[0]
+    aux: list = []
+    set_agent_phase(model, aux)
+    hidden = []
+    for part in parts:                  # the group's continuing tails, then each fresh batch
+        if part:
+            hidden.append(model.final_hidden(model(StepBatch.build(part, bs, dev, all_logits=True), cache)))
+    set_agent_phase(model, None)
+    logits = model.lm_head(torch.cat(hidden)).float()
+    ce = F.cross_entropy(logits, torch.tensor(targets, device=dev), ignore_index=-100)
+    balance = torch.stack([v for k, v in aux if k == "moe_balance"]).mean() if aux else ce.new_zeros(())
+    return {"agent_ce": ce, "agent_moe_balance": balance}
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -265,6 +330,14 @@ def main() -> int:
     ap.add_argument("--chat-share", type=float, default=0.0,
                     help="share of training windows taken from chat-formatted conversations made from the corpus "
                          "(tools/chat_data.py); 0 = none, the shipped model's setting")
+    ap.add_argument("--agent-batch", type=int, default=0,
+                    help="qwen-code-shaped examples per step (tools/agent_data.py: one 25k-token prompt prefix run "
+                         "without gradients, the examples' replies trained); 0 = none")
+    ap.add_argument("--aider-batch", type=int, default=0, help="aider whole-format examples per step; 0 = none")
+    ap.add_argument("--tool-batch", type=int, default=0,
+                    help="short tool-call prompts per step, tool names drawn from a pool (any client's tools, the "
+                         "openai-agents SDK's shape); 0 = none")
+    ap.add_argument("--agent-weight", type=float, default=1.0, help="weight of the agent examples' reply loss")
     ap.add_argument("--prepare", action="store_true",
                     help="only train the BPE and write the token cache (out/tokenizer, out/tokens.npz, ~10 MB): what "
                          "a GPU machine needs instead of the corpus")
@@ -303,6 +376,9 @@ def main() -> int:
         for split in ("train", "heldout"):
             streams[split]["chat"] = np.asarray(chat[split], dtype=np.int32)
         save_tokens(out, streams)
+    agents = None
+    if args.agent_batch or args.aider_batch or args.tool_batch:
+        agents = AgentData(out, docs, tok)
     recipe = {kind: {"train_tokens": int(len(streams["train"][kind])), "heldout_tokens": int(len(s))}
               for kind, s in streams["heldout"].items()}
     (out / "tokens.json").write_text(json.dumps(recipe, indent=2) + "\n")
@@ -362,6 +438,11 @@ def main() -> int:
         tokens = batch_for_step(streams["train"], step, args.seed, args.batch, args.seq, args.chat_share)
         losses = forward_losses(model, tokens)
         total = losses["ce"] + sum(LOSS_WEIGHTS[k] * losses[k] for k in LOSS_WEIGHTS)
+        if agents is not None:
+            group, fresh = agents.for_step(args.seed, step, args.agent_batch, args.aider_batch, args.tool_batch)
+            losses.update(agent_losses(model, group, fresh))
+            total = total + args.agent_weight * (losses["agent_ce"]
+                                                 + LOSS_WEIGHTS["moe_balance"] * losses["agent_moe_balance"])
         opt.zero_grad(set_to_none=True)
         total.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -382,14 +463,62 @@ def main() -> int:
         save()
     if args.eval:
         res = evaluate(model, streams, tok, min(args.seq, 256), args.eval_tokens)
+        if agents is not None:
+            res.update(agents.evaluate(model))
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
         print(f"{'kind':>8} {'tokens':>8} {'model bpb':>10} {'unigram bpb':>12} {'ratio':>6}")
         for kind, r in res.items():
+            if "reply_ce" in r:
+                print(f"{kind:>8} {r['tokens']:>8} reply CE {r['reply_ce']:.3f} nats/token")
+                continue
             print(f"{kind:>8} {r['tokens']:>8} {r['model_bpb']:>10.3f} {r['unigram_bpb']:>12.3f} {r['ratio']:>6.2f}")
     if args.export:
         export(model, raw, tok_dir, Path(args.export))
         print(f"exported to {args.export}")
     return 0
+
+
+class AgentData:
+    """Agent-shaped examples for a step (`tools/agent_data.py`), a function of (seed, step) only. Its sources (a
+    small JSON file, out/agent_sources.json) are made from the corpus once, so a GPU machine needs no corpus."""
+
+    EVAL_SEED = 10**6
+
+    def __init__(self, out: Path, docs, tok) -> None:
+        import agent_data
+
+        self.mod = agent_data
+        path = out / "agent_sources.json"
+        if not path.exists():
+            path.write_text(json.dumps(agent_data.sources(docs())))
+        self.src = json.loads(path.read_text())
+        self.prompts = agent_data.load_prompts()
+        self.render = agent_data.Renderer(tok)
+
+    def for_step(self, seed: int, step: int, n_group: int, n_aider: int, n_tool: int = 0, split: str = "train"):
+        """(qwen-code group or None, fresh batches: aider's, short tool prompts')."""
+        rng = np.random.default_rng([seed, step, 13])
+        src = self.src[split]
+        group = self.mod.qwen_code_group(rng, src, self.prompts, self.render, n_group, 16) if n_group else None
+        aider = [self.mod.aider_example(rng, src, self.prompts, self.render) for _ in range(n_aider)]
+        tools = [self.mod.tool_example(rng, src, self.render) for _ in range(n_tool)]
+        return group, [b for b in (aider, tools) if b]
+
+    @torch.no_grad()
+    def evaluate(self, model: StageModel, groups: int = 4, n: int = 8) -> dict[str, dict[str, float]]:
+        """Reply cross-entropy on examples no training step draws (another seed), per kind of example."""
+        out = {}
+        for kind in ("qwen_code", "aider", "tools"):
+            total, count = 0.0, 0
+            for g in range(groups):
+                group, fresh = self.for_step(self.EVAL_SEED, g, *(n * (kind == k) for k in ("qwen_code", "aider",
+                                                                                         "tools")))
+                examples = group.examples if group else fresh[0]
+                tokens = sum(len(e.ids) - e.reply_start for e in examples)
+                total += agent_losses(model, group, fresh)["agent_ce"].item() * tokens
+                count += tokens
+            out[kind] = {"tokens": count, "reply_ce": total / count}
+        return out
 
 
 def export(model: StageModel, raw: dict, tok_dir: Path, dest: Path) -> None:

@@ -89,7 +89,9 @@ class GatedDeltaNet(nn.Module):
             seq = torch.cat([conv_tail, mixed[s_:e_].T.to(conv_tail.dtype)], dim=-1)     # [C, k-1+n]
             state.conv[slot] = seq[:, -(self.kernel - 1):]
             conv = F.silu(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
-            init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot]
+            # A copy, not a view: the state is overwritten below, and training (tools/train_demo.py's agent
+            # examples continue a cached prefix) needs the value it read for the backward pass.
+            init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot].clone()
             o, s = self._delta_rule(conv[None], g[None, s_:e_], beta[None, s_:e_], init[None])
             state.recurrent[slot] = s[0]
             out[s_:e_] = o[0].to(x.dtype)
