@@ -62,6 +62,7 @@ class ClusterConfig:
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
+    device_sampling: bool = False               # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     seed: int = 0
@@ -138,6 +139,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
+        "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory"}
 

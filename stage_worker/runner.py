@@ -20,6 +20,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
+from stage_worker.batch_sampler import Row, sample_rows
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
 
@@ -236,6 +237,7 @@ class StageRunner:
     def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor) -> list[TokenOut]:
         logits = logits.float()
         outs: list[TokenOut] = []
+        drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
         row = 0
         for e, toks in zip(plan.entries, _split(batch.token_ids.tolist(), [x.num_tokens for x in plan.entries])):
             n_rows = e.num_tokens if e.prompt_logprobs else (1 if e.sample else 0)
@@ -252,19 +254,29 @@ class StageRunner:
             state = self.requests.get(e.req_id)
             if state is None:
                 raise RuntimeError(f"no sampling parameters for request {e.req_id}")
-            position = e.context_len + e.num_tokens
-            raw = rows[-1]
-            biased = apply_logit_bias(raw, state.params.logit_bias)     # the grammar mask still wins over a bias
-            adjusted = apply_mask(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids),
-                                  e.allowed)
-            token = sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
+            drawn.append((len(outs), e, state, rows[-1]))
+            outs.append(TokenOut(req_id=e.req_id, position=e.context_len + e.num_tokens, token=-1,
+                                 prompt_logprobs=prompt_lps))
+        if drawn and self.cluster.device_sampling:
+            specs = [Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids, e.allowed)
+                     for i, e, st, _ in drawn]
+            tokens = sample_rows(torch.stack([raw for *_, raw in drawn]), specs).tolist()   # one copy to the host
+        else:
+            tokens = [self._sample_row(raw, st, e.allowed, outs[i].position) for i, e, st, raw in drawn]
+        for (i, _, state, raw), token in zip(drawn, tokens):
             state.history.append(token)
-            lp, top_ids, top_lps = (None, None, None)
+            outs[i].token = token
             if state.params.logprobs is not None:
-                lp, top_ids, top_lps = token_logprobs(raw, token, state.params.logprobs)
-            outs.append(TokenOut(req_id=e.req_id, position=position, token=token, logprob=lp, top_ids=top_ids,
-                                 top_logprobs=top_lps, prompt_logprobs=prompt_lps))
+                outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
+                                                                                     state.params.logprobs)
         return outs
+
+    @staticmethod
+    def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int) -> int:
+        """The per-row path (`device_sampling` off): bias, penalties, mask, then a CPU generator's draw."""
+        biased = apply_logit_bias(raw, state.params.logit_bias)     # the grammar mask still wins over a bias
+        adjusted = apply_mask(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids), allowed)
+        return sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
 
     def stats(self) -> dict[str, float]:
         return {"busy_seconds": self.busy_seconds, "steps": float(self.steps),

@@ -1,0 +1,153 @@
+"""A step's rows sampled together on the logits' device (issue 14): logit bias, penalties, grammar masks,
+temperature, top-k, top-p and min-p as whole-batch tensor operations, and seeded draws without a host generator.
+
+`stage_worker/sampler.py` does the same one row at a time, with a CPU `torch.Generator` per token; this module keeps
+its order (bias on the raw logits, penalties, the grammar mask, then temperature and filtering) and its filters'
+definitions, so the two agree on every probability (`tests/test_batch_sampler.py`). The draw differs: an exponential
+race, token = argmax(p / E) with E = -log(U) ~ Exp(1), which samples exactly from p, and U comes from an integer
+hash of (request seed, position, token id) computed on the device. The token therefore still depends only on
+(seed, position), whatever else is in the batch and on whichever device or process runs it; preemption and
+recompute reproduce it. Switch: cluster key `device_sampling` (`MOEPIPE_DEVICE_SAMPLING`); off, the per-row sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.sampling import SamplingParams
+from shared.token_mask import unpack_mask
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class Row:
+    """What one sampled row needs besides its logits."""
+    params: SamplingParams
+    seed: int
+    position: int
+    history: list[int]                    # tokens generated so far (presence / frequency / repetition)
+    prompt_ids: list[int] | None = None   # repetition penalty also counts the prompt (HF semantics)
+    allowed: bytes | None = None          # packed grammar mask (shared/token_mask.py)
+
+
+def _mix32(x):
+    """A 32-bit avalanche hash (two multiply-xorshift rounds). Works on Python ints and on int64 tensors alike:
+    every multiplier is below 2**31, so no product leaves int64."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, position: int) -> int:
+    """The 32-bit key of a row's draw: a function of (seed, position) only."""
+    h = _mix32(seed & _M32)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    return _mix32(h ^ (position & _M32))
+
+
+def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1) shaped as `token_ids` [B, K]: U = hash(key_b, token id), the same on every device and
+    whichever candidates a row keeps."""
+    h = _mix32(keys[:, None] ^ ((token_ids.to(torch.int64) * 0x9E3779B1) & _M32))
+    h = _mix32(h ^ (keys[:, None] >> 7))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _column(rows: list[Row], name: str, default: float, device) -> torch.Tensor:
+    return torch.tensor([getattr(r.params, name) or default for r in rows], dtype=torch.float32, device=device)
+
+
+def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """[B, V] logits after bias, penalties and masks (the per-row path's `apply_logit_bias`, `apply_penalties`,
+    `apply_mask`, batched)."""
+    B, V = logits.shape
+    dev = logits.device
+    out = logits.float().clone()
+    bias = [(b, int(i), float(x)) for b, r in enumerate(rows) for i, x in (r.params.logit_bias or {}).items()
+            if 0 <= int(i) < V]
+    if bias:
+        b_idx, t_idx, vals = zip(*bias)
+        out.index_put_((torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                       torch.tensor(vals, device=dev), accumulate=True)
+    counted = [b for b, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.history]
+    if counted:
+        counts = torch.zeros(B, V, device=dev)
+        b_idx = [b for b in counted for _ in rows[b].history]
+        t_idx = [t for b in counted for t in rows[b].history]
+        counts.index_put_((torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                          torch.ones(len(t_idx), device=dev), accumulate=True)
+        freq = _column(rows, "frequency_penalty", 0.0, dev)[:, None]
+        pres = _column(rows, "presence_penalty", 0.0, dev)[:, None]
+        out = out - freq * counts - pres * (counts > 0)
+    repeated = [b for b, r in enumerate(rows) if r.params.repetition_penalty and r.params.repetition_penalty != 1.0
+                and (r.history or r.prompt_ids)]
+    if repeated:
+        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        b_idx = [b for b in repeated for _ in rows[b].history + list(rows[b].prompt_ids or [])]
+        t_idx = [t for b in repeated for t in rows[b].history + list(rows[b].prompt_ids or [])]
+        seen[torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)] = True
+        rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    masked = [b for b, r in enumerate(rows) if r.allowed is not None]
+    if masked:
+        allowed = np.ones((B, V), dtype=bool)
+        for b in masked:
+            row = unpack_mask(rows[b].allowed, V)
+            if row.any():                 # a mask that allows nothing is ignored, as on the per-row path
+                allowed[b] = row
+        out = out.masked_fill(~torch.from_numpy(allowed).to(dev), float("-inf"))
+    return out
+
+
+def candidates(adjusted: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [B, K], token ids [B, K]) after temperature, top-k, top-p and min-p, as
+    `sampler.filtered_probs` defines them, over each row's best K logits in descending order: K is the largest
+    top-k of the batch (the whole vocabulary if a row has none), so a step with top-k rows never sorts the
+    vocabulary. (Logits tied with a row's k-th value beyond K are dropped where the per-row path keeps them.)"""
+    B, V = adjusted.shape
+    dev = adjusted.device
+    temp = torch.tensor([max(r.params.temperature or 0.0, 1e-5) for r in rows], device=dev)[:, None]
+    ks = [r.params.top_k if r.params.top_k and 0 < r.params.top_k < V else V for r in rows]
+    if max(ks) < V:
+        vals, ids = torch.topk(adjusted / temp, max(ks), dim=-1)
+    else:
+        vals, ids = torch.sort(adjusted / temp, dim=-1, descending=True, stable=True)
+    kth = vals.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
+    probs = torch.softmax(vals.masked_fill(vals < kth, float("-inf")), dim=-1)
+    top_p = torch.tensor([r.params.top_p if r.params.top_p is not None else 1.0 for r in rows], device=dev)[:, None]
+    probs = probs.masked_fill(~((probs.cumsum(1) - probs < top_p) | (top_p >= 1.0)), 0.0)
+    min_p = _column(rows, "min_p", 0.0, dev)[:, None]
+    probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)        # column 0 is each row's most likely token
+    return probs / probs.sum(dim=-1, keepdim=True), ids
+
+
+def filtered_probs(adjusted: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The candidates' probabilities over the whole vocabulary [B, V] (zero elsewhere)."""
+    probs, ids = candidates(adjusted, rows)
+    return torch.zeros_like(adjusted).scatter_(1, ids, probs)
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """One token per row, [B] int64 on the logits' device: greedy rows take the first maximal adjusted logit, the
+    others race exponentials over their filtered probabilities."""
+    adjusted = adjusted_logits(logits, rows)
+    tokens = adjusted.argmax(dim=-1)
+    sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+    if not sampled:
+        return tokens
+    idx = torch.tensor(sampled, device=logits.device)
+    sub = [rows[b] for b in sampled]
+    probs, ids = candidates(adjusted[idx], sub)
+    keys = torch.tensor([row_key(r.seed, r.position) for r in sub], dtype=torch.int64, device=logits.device)
+    race = probs / -torch.log(uniforms(keys, ids))
+    drawn = ids.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)   # all -inf after masks: the argmax stands
+    tokens[idx] = torch.where(ok, drawn, tokens[idx])
+    return tokens
