@@ -17,8 +17,9 @@ import math
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "DEFAULT_KV_GIB", "KvLayoutError", "auto_num_blocks", "default_kv_budget", "block_bytes", "block_multiple",
-           "check_block_size", "compute_dtype", "derived_block_size", "resolve_block_size"]
+__all__ = ["DEFAULT_BLOCK_TOKENS", "DEFAULT_KV_GIB", "KvLayoutError", "auto_num_blocks", "block_bytes",
+           "block_multiple", "check_block_size", "compute_dtype", "default_kv_budget", "derived_block_size",
+           "resolve_block_size"]
 
 DEFAULT_BLOCK_TOKENS = 16        # vLLM's default; what the kernels' launch parameters were tuned with
 DEFAULT_KV_GIB = 4.0             # the automatic pool's budget per stage when kv_cache_memory is not set

@@ -64,6 +64,13 @@ def _column(rows: list[Row], name: str, default: float, device) -> torch.Tensor:
     return torch.tensor([getattr(r.params, name) or default for r in rows], dtype=torch.float32, device=device)
 
 
+def _pairs(rows: list[Row], picked: list[int], tokens, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) tensors of every token `tokens(row)` lists, for the `picked` rows."""
+    b_idx = [b for b in picked for _ in tokens(rows[b])]
+    t_idx = [t for b in picked for t in tokens(rows[b])]
+    return torch.tensor(b_idx, device=device), torch.tensor(t_idx, device=device)
+
+
 def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """[B, V] logits after bias, penalties and masks (the per-row path's `apply_logit_bias`, `apply_penalties`,
     `apply_mask`, batched)."""
@@ -79,10 +86,8 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     counted = [b for b, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.history]
     if counted:
         counts = torch.zeros(B, V, device=dev)
-        b_idx = [b for b in counted for _ in rows[b].history]
-        t_idx = [t for b in counted for t in rows[b].history]
-        counts.index_put_((torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                          torch.ones(len(t_idx), device=dev), accumulate=True)
+        where = _pairs(rows, counted, lambda r: r.history, dev)
+        counts.index_put_(where, torch.ones(len(where[0]), device=dev), accumulate=True)
         freq = _column(rows, "frequency_penalty", 0.0, dev)[:, None]
         pres = _column(rows, "presence_penalty", 0.0, dev)[:, None]
         out = out - freq * counts - pres * (counts > 0)
@@ -90,9 +95,7 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
                 and (r.history or r.prompt_ids)]
     if repeated:
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-        b_idx = [b for b in repeated for _ in rows[b].history + list(rows[b].prompt_ids or [])]
-        t_idx = [t for b in repeated for t in rows[b].history + list(rows[b].prompt_ids or [])]
-        seen[torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)] = True
+        seen[_pairs(rows, repeated, lambda r: r.history + list(r.prompt_ids or []), dev)] = True
         rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
     masked = [b for b, r in enumerate(rows) if r.allowed is not None]

@@ -136,11 +136,14 @@ def _call(name: str, args: dict) -> dict:
                                                                  "function": {"name": name, "arguments": args}}]}
 
 
-def _echoed(name: str, args: dict, call_id: str) -> dict:
-    """The call as the agent sends it back: content null, compact arguments string, our id."""
-    return {"role": "assistant", "content": None, "tool_calls": [{
-        "id": call_id, "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args, separators=(",", ":"))}}]}
+def _called(rng: np.random.Generator, name: str, args: dict, result) -> list[dict]:
+    """The call and its result as the agent sends them back: the call with content null, compact arguments and
+    the id we gave it, then the tool turn (`result`: a string or content parts)."""
+    call_id = "call_" + "".join(f"{int(b):02x}" for b in rng.integers(0, 256, 12))
+    return [{"role": "assistant", "content": None, "tool_calls": [{
+                "id": call_id, "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, separators=(",", ":"))}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
 def _parts(text: str) -> list[dict]:
@@ -226,9 +229,7 @@ def qwen_code_group(rng: np.random.Generator, src: dict, prompts: dict, render: 
         if rng.random() < 0.5:
             examples.append(render.example(dict(base, messages=messages), _call(name, args)))
         else:
-            call_id = "call_" + "".join(f"{int(b):02x}" for b in rng.integers(0, 256, 12))
-            messages = messages + [_echoed(name, args, call_id),
-                                   {"role": "tool", "tool_call_id": call_id, "content": _parts(result)}]
+            messages = messages + _called(rng, name, args, _parts(result))
             examples.append(render.example(dict(base, messages=messages), {"role": "assistant", "content": answer}))
     return Group(shared_prefix([e.ids for e in examples], block_size), examples)
 
@@ -312,8 +313,7 @@ def tool_example(rng: np.random.Generator, src: dict, render: Renderer) -> Examp
     args = {param: value}
     if rng.random() < 0.5:
         return render.example(dict(body, messages=messages), _call(name, args))
-    call_id = "call_" + "".join(f"{int(b):02x}" for b in rng.integers(0, 256, 12))
-    messages = messages + [_echoed(name, args, call_id), {"role": "tool", "tool_call_id": call_id, "content": result}]
+    messages = messages + _called(rng, name, args, result)
     return render.example(dict(body, messages=messages), {"role": "assistant", "content": answer})
 
 

@@ -164,13 +164,17 @@ def build_model(cfg, seed: int, device: str) -> StageModel:
     return model.to(device)
 
 
-def set_phase(model: StageModel, aux: list | None, dense: bool) -> None:
+def set_phase(model: StageModel, aux: list | None, dense: bool, distill: bool = True) -> None:
+    """Training hooks: MoE dense with its balance loss into `aux` (None: as served); attention dense (`dense`) or
+    with the indexer's selection, and the indexer's distillation loss into `aux` unless `distill` is off (agent
+    sequences: dense scores over a 25k-token context would not fit, and attention then runs as served, reading
+    only the selected keys past 2k tokens)."""
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.aux = aux
             m.dense_experts = aux is not None
         if isinstance(m, GatedAttention):
-            m.aux = aux if m.indexer is not None else None
+            m.aux = aux if m.indexer is not None and distill else None
             m.qsa_dense = dense
 
 
@@ -200,19 +204,6 @@ def forward_losses(model: StageModel, tokens: torch.Tensor, block_size: int = 16
         vals = [v for k, v in aux if k == kind]
         out[kind] = torch.stack(vals).mean() if vals else ce.new_zeros(())
     return out
-
-
-def set_agent_phase(model: StageModel, aux: list | None) -> None:
-    """Agent sequences: MoE dense with its balance loss (as in every training step), attention as served (the
-    indexer's sparse selection, read-only-selected keys past 2k tokens, no distillation: dense scores over a
-    25k-token context would not fit)."""
-    for m in model.modules():
-        if isinstance(m, SparseMoE):
-            m.aux = aux
-            m.dense_experts = aux is not None
-        if isinstance(m, GatedAttention):
-            m.aux = None
-            m.qsa_dense = False
 
 
 def agent_losses(model: StageModel, group, fresh: list[list], block_size: int = 16) -> dict[str, torch.Tensor]:
@@ -248,19 +239,19 @@ def agent_losses(model: StageModel, group, fresh: list[list], block_size: int = 
                                       device=dev))
     if P:
         with torch.no_grad():
-            set_agent_phase(model, None)
+            set_phase(model, None, dense=False)
             model(StepBatch.build([(prefix, 0, 0, shared)], bs, dev), cache)
             n = len(examples)
             for state in list(cache.deltanet.values()) + list(cache.ple.values()):
                 for t in vars(state).values():
                     t[1:n + 1] = t[0]
     aux: list = []
-    set_agent_phase(model, aux)
+    set_phase(model, aux, dense=False, distill=False)
     hidden = []
     for part in parts:                  # the group's continuing tails, then each fresh batch
         if part:
             hidden.append(model.final_hidden(model(StepBatch.build(part, bs, dev, all_logits=True), cache)))
-    set_agent_phase(model, None)
+    set_phase(model, None, dense=False)
     logits = model.lm_head(torch.cat(hidden)).float()
     ce = F.cross_entropy(logits, torch.tensor(targets, device=dev), ignore_index=-100)
     balance = torch.stack([v for k, v in aux if k == "moe_balance"]).mean() if aux else ce.new_zeros(())
