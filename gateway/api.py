@@ -28,8 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from gateway import access_log, errors, responses
-from gateway.engine import (Engine, EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest,
-                            TokenEvent)
+from gateway.engine import Engine
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
 from gateway.chat_plan import ChatPlan, plan_chat, template_messages
@@ -42,6 +41,7 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              Usage)
 from gateway.stop import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from shared.sampling import SamplingParams
 
 __all__ = ["create_app", "DEFAULT_MAX_BODY_BYTES"]

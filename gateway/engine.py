@@ -1,48 +1,19 @@
-"""The boundary between the HTTP layer and whatever runs the model.
+"""The boundary between the HTTP layer and the engine core.
 
 The API layer turns an OpenAI request into a `GenerationRequest` (token ids, sampling parameters with
-generation_config.json defaults already applied) and consumes `TokenEvent`s. The cluster backend (scheduler + stage
-workers over ZeroMQ) implements `Engine`; so does the single-process backend used by `moepipe generate`-style tests.
+generation_config.json defaults already applied) and consumes `TokenEvent`s from `Engine.generate`. `AsyncEngine`
+is the one implementation: it hands requests to the engine core's thread (`shared/engine_core.py`) and carries the
+events back onto the event loop. Tests put stub engines behind the same protocol.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+import asyncio
+from typing import AsyncIterator, Protocol
 
-from shared.sampling import SamplingParams
+from shared.engine_core import EngineCore, GenerationRequest, TokenEvent
 
-
-class EngineUnavailable(RuntimeError):
-    """A component is down: new requests fail fast with 503 naming it."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full: 429."""
-
-
-class EngineFailed(RuntimeError):
-    """A request in flight could not finish (a stage died or errored): the stream ends with an error."""
-
-
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams                 # defaults applied; params.max_tokens is the generation budget
-    stop_token_ids: set[int] = field(default_factory=set)
-    prompt_logprobs: bool = False          # echo: logprob of every prompt token given its prefix
-    ignore_eos: bool = False
-    grammar: Any = None                    # structured output: gateway.grammar.GrammarState, advanced per token
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None       # (token id, logprob), best first
-    finish_reason: str | None = None       # "stop" (EOS / stop token) or "length" on the last event
-    prompt_logprobs: list[float | None] | None = None         # only on the first event, when asked
+__all__ = ["AsyncEngine", "Engine"]
 
 
 class Engine(Protocol):
@@ -57,3 +28,38 @@ class Engine(Protocol):
     def health(self) -> list[str]:
         """Names of components that missed their heartbeat deadline (empty: healthy)."""
         ...
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.max_model_len = core.max_model_len
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(item) -> None:                 # on the core's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:                # the loop is closed: nobody listens any more
+                pass
+
+        rid = self.core.add(request, sink)
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.core.cancel(rid)
+
+    def health(self) -> list[str]:
+        return self.core.health()

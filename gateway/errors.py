@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.engine import EngineFailed, EngineOverloaded, EngineUnavailable
+from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable
 
 __all__ = [
     "APIError", "error_body", "invalid_request", "context_length_exceeded", "model_not_found", "from_validation",

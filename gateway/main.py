@@ -1,5 +1,5 @@
-"""The gateway process: `python -m gateway --config cluster.toml`. Serves the OpenAI API on uvicorn and drives the
-stage workers through `ClusterBackend`."""
+"""The gateway process: `python -m gateway --config cluster.toml`. Serves the OpenAI API on uvicorn; the engine
+core, on its own thread, drives the stage workers through the ZeroMQ cluster executor."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import sys
 import uvicorn
 
 from gateway.access_log import AccessLogMiddleware, configure_logger
-from gateway.cluster_backend import ClusterBackend
+from gateway.cluster_executor import ClusterExecutor
+from gateway.engine import AsyncEngine
 from gateway.metrics import Metrics
 from gateway.tokenizer import Tokenizer
 from shared.cluster_config import ClusterConfigError, load_cluster_config
+from shared.engine_core import EngineCore, SchedulerLimits
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import die_with_parent
 from shared.sampling import read_generation_config
@@ -32,15 +34,15 @@ async def serve(config_path: str) -> int:
     max_len = cluster.max_model_len or cfg.max_position_embeddings
     expect_ple = bool(cluster.ple_service and cluster.ple_endpoint and isinstance(cfg, Qwen4ExpConfig)
                       and cfg.ple_layer_ids)
-    backend = ClusterBackend(cluster, max_len, expect_ple=expect_ple)
+    core = EngineCore(ClusterExecutor(cluster, expect_ple=expect_ple), SchedulerLimits.from_cluster(cluster, max_len))
     metrics = Metrics()
-    backend.attach_metrics(metrics)
+    core.attach_metrics(metrics)
     tokenizer = Tokenizer.from_dir(cluster.model)
-    app = create_app(backend, tokenizer, model_name=cluster.served_model_name,
+    app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
     if cluster.access_log:      # ours replaces uvicorn's: it also has the request id, tokens, TTFT, finish reason
         app = AccessLogMiddleware(app, configure_logger(True))
-    await backend.start()
+    core.start()
     server = uvicorn.Server(uvicorn.Config(app, host=cluster.host, port=cluster.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2))
     loop = asyncio.get_running_loop()
@@ -49,7 +51,7 @@ async def serve(config_path: str) -> int:
     try:
         await server.serve()
     finally:
-        await backend.stop()
+        core.stop()
     return 0
 
 

@@ -60,9 +60,10 @@ class ClusterConfig:
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
+    ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
-    device_sampling: bool = False               # a step's rows sampled together on the device (batch_sampler.py)
+    device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     seed: int = 0
@@ -137,6 +138,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
+        "MOEPIPE_PLE_GRAPH": "ple_graph",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",

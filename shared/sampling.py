@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,8 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
     if isinstance(eos, int):
         cfg["eos_token_id"] = [eos]
     return cfg
+
+
+def random_seed() -> int:
+    """A request's seed when it gives none: drawn once, so its draws still depend only on (seed, position)."""
+    return secrets.randbits(62)

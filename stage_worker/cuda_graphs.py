@@ -5,6 +5,12 @@ between them (001 §5.6, 002 §3: full CUDA graphs were one of the three fixes t
 bandwidth roofline). Capture needs a step with no host synchronisation and fixed-shape inputs: every input the step
 reads is a static buffer here, refilled before each replay. Batches smaller than a graph are padded with entries
 that write only to a scratch slot and a scratch KV block reserved for that purpose.
+
+A stage holding PLE layers is graphed too (001 §5.6: 45 -> 80 tok/s): the graph reads each PLE layer's table rows
+from a static device buffer, filled before the replay from the PLE service's ring (the runner's `batch.ple_rows`)
+or, without the service, gathered by the stage itself (`PLEBranch.decode_embeddings`: the one host round trip of
+the row ids happens there, outside the graph). The n-gram hashing and context update stay inside the graph: they
+run on the device.
 """
 
 from __future__ import annotations
@@ -20,19 +26,6 @@ from stage_worker.model.model import StageModel
 DEFAULT_SIZES = (1, 2, 4, 8)
 
 
-def capturable(model: StageModel) -> bool:
-    """A decode step can be captured only if every input it reads is on the device: a PLE branch that gathers
-    from a memory-mapped host table (the in-process fallback) cannot be; rows from the PLE service come through a
-    host ring, so that stage runs eagerly too (for now)."""
-    from stage_worker.checkpoint.random_init import ProceduralTable
-
-    for layer in model.layers.values():
-        ple = getattr(layer, "ple", None)
-        if ple is not None and not isinstance(ple.table, ProceduralTable):
-            return False
-    return True
-
-
 @dataclass
 class _Graph:
     size: int
@@ -43,12 +36,13 @@ class _Graph:
     tables: torch.Tensor
     lens: torch.Tensor
     slots: torch.Tensor
+    ple_rows: dict[int, torch.Tensor]   # layer -> [size, heads, head_dim]: the rows the graph's PLE branches read
     expert_ids: list        # each MoE layer's routing output inside this graph (for routing statistics)
 
 
 class DecodeGraphs:
     def __init__(self, model: StageModel, cache: ModelCache, *, max_blocks_per_seq: int, scratch_slot: int,
-                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES) -> None:
+                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES, ple_graph: bool = True) -> None:
         self.model, self.cache = model, cache
         self.block_size = cache.spec.block_size
         self.max_blocks = max_blocks_per_seq
@@ -57,6 +51,8 @@ class DecodeGraphs:
         self.device = next(model.parameters()).device
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        self.ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
+        self.ple_graph = ple_graph
 
     def capture(self) -> None:
         for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
@@ -72,6 +68,9 @@ class DecodeGraphs:
         batch._tables = (tables, lens)
         batch._slots = slots
         batch.logits_indices = torch.arange(size, device=dev)
+        dtype = next(self.model.parameters()).dtype
+        batch.ple_rows = {i: torch.zeros(size, ple.heads, ple.head_dim, dtype=dtype, device=dev)
+                          for i, ple in self.ple.items()}
         return batch, tables, lens, slots
 
     def _run(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -95,7 +94,7 @@ class DecodeGraphs:
             out = self._run(batch, hidden_in)
         self.pool = graph.pool()
         ids = [m.last_expert_ids for m in self._moes()]
-        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, ids)
+        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, batch.ple_rows, ids)
 
     def _moes(self):
         from stage_worker.model.moe import SparseMoE
@@ -103,8 +102,9 @@ class DecodeGraphs:
         return [m for m in self.model.modules() if isinstance(m, SparseMoE)]
 
     def fits(self, batch: StepBatch) -> bool:
+        """`ple_graph` off (`MOEPIPE_PLE_GRAPH=0`): a stage with PLE layers runs its decode steps eagerly."""
         return bool(self.graphs) and batch.is_decode and batch.num_seqs <= self.sizes[-1] and \
-            all(len(t) <= self.max_blocks for t in batch.block_tables) and not batch.ple_rows
+            all(len(t) <= self.max_blocks for t in batch.block_tables) and (self.ple_graph or not self.ple)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +127,12 @@ class DecodeGraphs:
             g.tables[n:].fill_(self.scratch_block)
             g.lens[n:].fill_(2)
             g.slots[n:].fill_(self.scratch_slot)
+        for i, buf in g.ple_rows.items():
+            rows = batch.ple_rows.get(i)
+            if rows is None:                            # no PLE service: the stage gathers the rows itself
+                rows = self.ple[i].decode_embeddings(batch, self.cache.ple[i])
+            buf[:n].copy_(rows, non_blocking=True)
+            buf[n:].zero_()
         if g.hidden_in is not None:
             g.hidden_in[:n].copy_(hidden, non_blocking=True)
         g.graph.replay()

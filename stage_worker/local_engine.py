@@ -1,7 +1,8 @@
-"""Single-process driver of a whole model: block/slot bookkeeping for `moepipe generate` and the parity tests.
+"""Logits of a whole model, step by step, in one process: the harness of the parity tests and kernel benchmarks.
 
-The served path splits this work between the gateway's scheduler (blocks, slots) and the stage runners; this class is
-the smallest correct version of both, kept for in-process generation and as the oracle the cluster is tested against.
+No scheduler, no sampler: the caller says which tokens each sequence takes next and gets the logits back, to compare
+with transformers or with what the served path sampled. Generation (tests, `moepipe generate`, the server) goes
+through the engine core instead (`shared/engine_core.py`); blocks and slots come from the same block manager.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.block_manager import BlockManager
 from shared.kv_layout import resolve_block_size
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
@@ -41,16 +43,13 @@ class LocalEngine:
                          device=p.device)
         self.device = p.device
         self.caches = [s.new_cache(spec) for s in stages]
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
-        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.blocks = BlockManager(num_blocks, max_seqs)
         self.seqs: dict[int, _Seq] = {}
         self.graphs = None
         flags = getattr(stages[0], "kernel_flags", None)
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
-        from stage_worker.cuda_graphs import capturable
-
         if cuda_graphs and p.device.type == "cuda" and len(stages) == 1 and flags is not None and flags.moe \
-                and flags.attention and capturable(stages[0]):
+                and flags.attention:
             from stage_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(stages[0], self.caches[0], max_blocks_per_seq=max_blocks,
@@ -58,14 +57,12 @@ class LocalEngine:
                                        sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= max_seqs) or (1,))
 
     def add(self, seq_id: int) -> None:
-        if not self.free_slots:
-            raise RuntimeError("no free state slot")
-        self.seqs[seq_id] = _Seq(slot=self.free_slots.pop())
+        self.seqs[seq_id] = _Seq(slot=self.blocks.allocate_slot())
 
     def release(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)
-        self.free_blocks.extend(seq.blocks)
-        self.free_slots.append(seq.slot)
+        self.blocks.release(seq.blocks)
+        self.blocks.release_slot(seq.slot)
 
     @torch.no_grad()
     def step(self, feeds: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
@@ -73,11 +70,9 @@ class LocalEngine:
         rows = []
         for seq_id, tokens in feeds:
             seq = self.seqs[seq_id]
-            need = -(-(seq.length + len(tokens)) // self.block_size)
-            while len(seq.blocks) < need:
-                if not self.free_blocks:
-                    raise RuntimeError("out of KV blocks")
-                seq.blocks.append(self.free_blocks.pop())
+            need = -(-(seq.length + len(tokens)) // self.block_size) - len(seq.blocks)
+            if need > 0:
+                seq.blocks.extend(self.blocks.allocate(need))
             rows.append((tokens, seq.length, seq.slot, seq.blocks))
         batch = StepBatch.build(rows, self.block_size, self.device, all_logits=all_logits)
         batch.sparse_prefill = self.sparse_prefill

@@ -23,10 +23,9 @@ from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluste
 from shared.model_config import load_config
 from shared.parent_watch import die_with_parent
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
-from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
-from stage_worker.kernels.flags import KernelFlags
 from stage_worker.profiling import StepProfiler
 from stage_worker.runner import StageRunner
+from stage_worker.stage_loader import load_stage
 
 log = logging.getLogger("moepipe.stage")
 
@@ -66,11 +65,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     name = stage_name(index)
     cfg = load_config(cluster.model)
     cluster = cluster.for_model(cfg)
-    opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
-                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
     t0 = time.time()
-    model = load_model(cluster.model, opts, cfg)
-    model.set_kernels(KernelFlags.parse(cluster.kernels))
+    model = load_stage(cluster, index, cfg)
     ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None

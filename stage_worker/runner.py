@@ -71,16 +71,16 @@ class StageRunner:
         self._ple_wait_start: dict[int, float] = {}
         self.graphs = None
         kernels = getattr(model, "kernel_flags", None)
-        from stage_worker.cuda_graphs import capturable
-
+        # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
         if cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
-                and kernels.moe and capturable(model) and not self.my_ple_layers:
+                and kernels.moe:
             from stage_worker.cuda_graphs import DecodeGraphs
 
             max_len = cluster.max_model_len or model.cfg.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
                                        scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
-                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs))
+                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs),
+                                       ple_graph=cluster.ple_graph)
 
     # ---- inputs ------------------------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:

@@ -70,10 +70,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
-def random_seed() -> int:
-    return int(torch.randint(0, 2**62, (1,)).item())
-
-
 def position_generator(seed: int, position: int) -> torch.Generator:
     """The draw for a token depends only on (request seed, position): a request preempted and recomputed, or run
     in another process, samples exactly the same tokens."""

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible API end to end: real uvicorn over LocalBackend and the tiny model, driven by the official
-`openai` client and raw httpx; error paths of the engine interface through stub engines."""
+"""The OpenAI-compatible API end to end: real uvicorn over the engine core (in-process executor) and the tiny model,
+driven by the official `openai` client and raw httpx; error paths of the engine interface through stub engines."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from gateway.api import create_app
-from gateway.engine import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
-from gateway.local_backend import LocalBackend
+from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
+from gateway.engine import AsyncEngine
 from gateway.metrics import Metrics
 from gateway.tokenizer import Tokenizer
 from shared.sampling import SamplingParams, read_generation_config
 from stage_worker.checkpoint.loader import load_model
 from stage_worker.checkpoint.make_model import make_model
+from shared.engine_core import EngineCore
 from stage_worker.generate import GenerateResult, generate
+from stage_worker.inprocess_executor import local_engine_core
 from stage_worker.local_engine import LocalEngine
 
 MODEL = "tiny-test"
@@ -39,7 +41,7 @@ N = 8
 @dataclass
 class Served:
     url: str
-    backend: LocalBackend
+    backend: EngineCore
     metrics: Metrics
     tok: Tokenizer
     model_dir: Path
@@ -61,8 +63,9 @@ def model_dir(tmp_path_factory) -> Path:
 def served(model_dir):
     tok = Tokenizer.from_dir(model_dir)
     metrics = Metrics()
-    backend = LocalBackend.from_dir(model_dir, max_model_len=MAX_LEN, metrics=metrics)
-    app = create_app(backend, tok, model_name=MODEL, generation_config=read_generation_config(model_dir),
+    backend = local_engine_core(model_dir, max_model_len=MAX_LEN, max_num_seqs=4)
+    backend.attach_metrics(metrics)
+    app = create_app(AsyncEngine(backend), tok, model_name=MODEL, generation_config=read_generation_config(model_dir),
                      metrics=metrics)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -76,7 +79,7 @@ def served(model_dir):
     yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", backend, metrics, tok, model_dir)
     server.should_exit = True
     thread.join(10)
-    backend.close()
+    backend.stop()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def metric_value(served: Served, name: str, labels: str = "") -> float:
     return 0.0
 
 
-def wait_idle(backend: LocalBackend, timeout: float = 10.0) -> None:
+def wait_idle(backend: EngineCore, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while backend.num_running or backend.num_waiting:
         assert time.monotonic() < deadline, "the backend kept computing a request nobody listens to"
@@ -559,7 +562,7 @@ def test_defaults_come_from_generation_config(stub_app, model_dir):
 
 
 def test_structured_output_and_forced_call_through_the_in_process_backend(served):
-    """LocalBackend applies the same grammar masks as the cluster's last stage (tests/test_agents.py)."""
+    """The in-process executor runs the cluster's own last stage: grammar masks as in tests/test_agents.py."""
     import jsonschema
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -578,8 +581,9 @@ def test_structured_output_and_forced_call_through_the_in_process_backend(served
 
 
 def test_logit_bias_and_n_through_the_in_process_backend(served, chat_ref):
-    """LocalBackend applies logit_bias like the cluster's last stage: -100 on the greedy first token changes the
-    answer and keeps the token out; n=2 seeded choices are choice 0 = the n=1 answer, choice 1 another draw."""
+    """The in-process executor applies logit_bias in the cluster's own last stage: -100 on the greedy first token
+    changes the answer and keeps the token out; n=2 seeded choices are choice 0 = the n=1 answer, choice 1 another
+    draw."""
     first = chat_ref.token_ids[0]
     r = chat(served, max_tokens=N, logprobs=True, logit_bias={str(first): -100})
     banned = list(served.tok.token_bytes(first, skip_special_tokens=False))

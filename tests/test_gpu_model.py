@@ -95,3 +95,20 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
     # 1.25x + 0.005, top-1 within 0.05), which a real kernel bug breaks by a wide margin.
     assert fast_err <= 1.25 * ref_err + 0.005, (fast_err, ref_err)
     assert fast_top1 >= ref_top1 - 0.05, (fast_top1, ref_top1)
+
+
+def test_a_ple_stage_replays_graphs_with_its_host_table(tiny_checkpoint):
+    """The tiny checkpoint's real, memory-mapped PLE table (not the procedural one): decode steps replay graphs
+    that read the rows the stage gathered before the replay, and give the eager step's logits."""
+    from stage_worker.checkpoint.loader import load_model
+
+    model = load_model(tiny_checkpoint, LoadOptions(device="cuda"))
+    model.set_kernels(KernelFlags.parse("all"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9, 5)]
+    forced = [torch.randint(10, model.cfg.vocab_size, (24,), generator=g).tolist() for _ in prompts]
+    with torch.inference_mode():
+        eager = _teacher_forced(model, prompts, forced)
+        graphed = _teacher_forced(model, prompts, forced, graphs=True)
+    assert (graphed - eager).abs().max().item() < 1e-3
+    assert torch.equal(graphed.argmax(-1), eager.argmax(-1))

@@ -371,7 +371,7 @@ class _FailingEngine:
         self.fail, self.after = fail, after
 
     async def generate(self, request):
-        from gateway.engine import TokenEvent
+        from shared.engine_core import TokenEvent
 
         for i in range(request.params.max_tokens):
             if i == self.after:
@@ -398,7 +398,7 @@ def _stub_client(tiny_checkpoint, engine):
 def test_engine_errors(tiny_checkpoint):
     """Before the first token: plain HTTP errors (429, 503), streamed or not; after it, a stream ends with
     response.failed carrying the error and the items so far."""
-    from gateway.engine import EngineFailed, EngineOverloaded, EngineUnavailable
+    from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable
 
     body = {"model": "moepipe", "input": "hi", "max_output_tokens": 8, "stream": True}
     for fail, status in ((EngineOverloaded("queue full"), 429), (EngineUnavailable("stage-1"), 503)):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.scheduler import Request, Scheduler
+from shared.scheduler import Request, Scheduler
 from shared.protocol import TokenOut
 from shared.sampling import SamplingParams
 
@@ -44,7 +44,7 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                 # Invariants: block tables cover the tokens; no block is owned twice.
                 owned = [b for r in sched.running.values() for b in r.blocks]
                 assert len(owned) == len(set(owned))
-                assert len(owned) + len(sched.pool.free_blocks) == sched.pool.num_blocks
+                assert len(owned) + sched.blocks.free_blocks == sched.blocks.num_blocks
                 for e in plan.entries:
                     assert len(e.block_table) * sched.block_size >= e.context_len + e.num_tokens
                 flying.append(plan)
@@ -78,7 +78,7 @@ def test_every_request_completes_with_its_tokens_under_preemption(seed):
     for r in reqs:
         assert outputs[r.req_id] == _expected(r), r.req_id
     assert sched.num_preemptions > 0
-    assert sched.pool.used_blocks == 0 and sched.pool.used_slots == 0
+    assert sched.blocks.used_blocks == 0 and sched.blocks.used_slots == 0
 
 
 def test_a_request_preempted_while_planning_restarts_in_the_same_plan():
@@ -141,9 +141,9 @@ def test_cancel_frees_blocks_and_slot_at_once_when_idle():
     sched.add(_req(0, 20, 5))
     plan = sched.schedule(0)
     sched.on_result(0, [TokenOut("r0", 20, 9)])
-    assert sched.pool.used_blocks == 2 and sched.pool.used_slots == 1
+    assert sched.blocks.used_blocks == 2 and sched.blocks.used_slots == 1
     sched.cancel("r0")
-    assert sched.pool.used_blocks == 0 and sched.pool.used_slots == 0
+    assert sched.blocks.used_blocks == 0 and sched.blocks.used_slots == 0
     assert "r0" in sched.schedule(0).finished
     assert plan.entries[0].tokens == list(range(3, 23))
 

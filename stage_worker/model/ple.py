@@ -63,6 +63,14 @@ class PLEBranch(nn.Module):
             out.append(r[0])
         return torch.cat(out)
 
+    def decode_embeddings(self, batch: StepBatch, state: PLEState) -> torch.Tensor:
+        """The table rows a decode step will read, [B, heads, head_dim] on the step's device, WITHOUT advancing the
+        n-gram context: gathered before a CUDA-graph replay into the buffer the graph reads (a host table needs
+        the row ids on the host, a synchronisation a captured step cannot contain), as the PLE service's rows are."""
+        r, _ = ngram_rows_torch(self.spec, state.context[batch.device_slots()], batch.token_ids[:, None])
+        rows = r[:, 0]
+        return self.table.gather(rows.flatten()).view(*rows.shape, -1).to(batch.token_ids.device, non_blocking=True)
+
     def forward(self, streams: torch.Tensor, batch: StepBatch, state: PLEState, layer: int) -> torch.Tensor:
         rows = self.rows(batch, state)
         emb = batch.ple_rows.get(layer)

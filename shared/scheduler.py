@@ -13,25 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.block_manager import BlockManager
 from shared.protocol import Plan, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
-
-
-class BlockPool:
-    """Free-list allocator of KV blocks and state slots (the gateway owns all cache placement)."""
-
-    def __init__(self, num_blocks: int, num_slots: int) -> None:
-        self.num_blocks, self.num_slots = num_blocks, num_slots
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - len(self.free_slots)
 
 
 @dataclass
@@ -71,7 +55,7 @@ class Request:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  num_microbatches: int, max_model_len: int, max_queue: int = 256) -> None:
-        self.pool = BlockPool(num_blocks, max_num_seqs)
+        self.blocks = BlockManager(num_blocks, max_num_seqs)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_microbatches = num_microbatches
@@ -106,7 +90,7 @@ class Scheduler:
             return
         req.cancelled = True
         if req.microbatch not in self.in_flight:
-            self._release(req, "cancelled")
+            self.release(req, "cancelled")
 
     # ---- planning ----------------------------------------------------------------------------------------------
     def idle_microbatches(self) -> list[int]:
@@ -133,13 +117,13 @@ class Scheduler:
             budget -= entry.num_tokens
             if not req.spec_sent:
                 new_specs.append(self._spec(req))
-        while self.waiting and budget > 0 and self.pool.free_slots and self._admit_here(mb):
+        while self.waiting and budget > 0 and self.blocks.free_slots and self._admit_here(mb):
             req = self.waiting[0]
             need = self._blocks_needed(req, min(budget, len(req.all_ids)))
-            if need > len(self.pool.free_blocks):
+            if not self.blocks.can_allocate(need):
                 break
             self.waiting.popleft()
-            req.slot = self.pool.free_slots.pop()
+            req.slot = self.blocks.allocate_slot()
             req.microbatch = mb
             self.running[req.req_id] = req
             entry = self._entry(req, budget, mb)
@@ -197,13 +181,12 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
         need = self._blocks_needed(req, n)
-        while need > len(self.pool.free_blocks):
+        while not self.blocks.can_allocate(need):
             victim = self._victim(mb, exclude=req)
             if victim is None:
                 return False
             self._preempt(victim)
-        for _ in range(need):
-            req.blocks.append(self.pool.free_blocks.pop())
+        req.blocks.extend(self.blocks.allocate(need))
         return True
 
     def _victim(self, mb: int, exclude: Request) -> Request | None:
@@ -246,7 +229,7 @@ class Scheduler:
                 continue
             req.computed = entry.context_len + entry.num_tokens
             if req.cancelled:
-                self._release(req, "cancelled")
+                self.release(req, "cancelled")
                 continue
             out = by_id.get(entry.req_id)
             if out is None:
@@ -261,11 +244,11 @@ class Scheduler:
             touched.append(req)
             if req.grammar is not None and not req.grammar.accept(out.token):
                 req.grammar_error = f"token {out.token} was sampled outside the grammar"
-                self._release(req, "error")
+                self.release(req, "error")
                 continue
             reason = self._finish_reason(req)
             if reason:
-                self._release(req, reason)
+                self.release(req, reason)
         return touched
 
     def _finish_reason(self, req: Request) -> str | None:
@@ -287,17 +270,23 @@ class Scheduler:
         self.in_flight.clear()
         return failed
 
-    def _release(self, req: Request, reason: str) -> None:
+    def release(self, req: Request, reason: str) -> None:
+        """Finish a request now: its blocks and slot are free, the stages drop its state with the next plan."""
         req.finished = reason
         self._free(req)
         self.running.pop(req.req_id, None)
         self.pending_finished.append(req.req_id)
 
+    def take_finished(self) -> list[str]:
+        """The requests whose state the stages must drop, for a plan that carries no entries (a dropped step)."""
+        out, self.pending_finished = self.pending_finished, []
+        return out
+
     def _free(self, req: Request) -> None:
-        self.pool.free_blocks.extend(reversed(req.blocks))
+        self.blocks.release(req.blocks)
         req.blocks = []
         if req.slot is not None:
-            self.pool.free_slots.append(req.slot)
+            self.blocks.release_slot(req.slot)
             req.slot = None
 
     @property

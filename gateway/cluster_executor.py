@@ -1,0 +1,124 @@
+"""The executor of `moepipe serve`: plans go over ZeroMQ to every stage worker process (and the PLE service), step
+results and stage errors come back on the gateway's inbox, and heartbeats say who is alive.
+
+Data flow: activations pass stage to stage; the last stage sends sampled ids straight to stage 0 and the PLE
+service, and the same ids with logprobs here. Used only from the engine core's thread (ZeroMQ sockets are not
+thread-safe), except `health`, which only reads the heartbeat times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from shared.cluster_config import ClusterConfig, stage_name
+from shared.protocol import Heartbeat, Message, Plan, ProtocolError, StageError, StepResult, decode, encode
+
+log = logging.getLogger("moepipe.gateway")
+
+
+@dataclass
+class ComponentState:
+    last_seen: float = 0.0
+    pid: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class ClusterExecutor:
+    def __init__(self, cluster: ClusterConfig, *, expect_ple: bool) -> None:
+        self.cluster = cluster
+        self.components = [stage_name(i) for i in range(cluster.num_stages)] + (["ple"] if expect_ple else [])
+        self.state = {c: ComponentState() for c in self.components}
+        self.metrics = None
+        self._busy_marks: dict[str, tuple[float, float]] = {}
+        self._ctx: zmq.Context | None = None
+
+    def start(self) -> None:
+        self._ctx = zmq.Context()
+        self.inbox = self._ctx.socket(zmq.PULL)
+        self.inbox.bind(self.cluster.gateway_endpoint)
+        self.outs = []
+        targets = [s.endpoint for s in self.cluster.stages]
+        if "ple" in self.components:
+            targets.append(self.cluster.ple_endpoint)
+        for ep in targets:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDTIMEO, 2000)      # a peer that is gone must not hang the engine core
+            s.connect(ep)
+            self.outs.append(s)
+        self._poller = zmq.Poller()
+        self._poller.register(self.inbox, zmq.POLLIN)
+        self._wake_fd: int | None = None
+
+    def stop(self) -> None:
+        if self._ctx is None:
+            return
+        for s in self.outs:
+            s.close()
+        self.inbox.close(linger=0)
+        self._ctx.term()
+        self._ctx = None
+
+    def send(self, plan: Plan) -> None:
+        frames = encode(plan)
+        for s in self.outs:
+            try:
+                s.send_multipart(frames)
+            except zmq.Again:
+                log.error("gateway: a plan could not be delivered to %s (is it running?)",
+                          s.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def poll(self, timeout: float, wake_fd: int) -> list[Message]:
+        if self._wake_fd != wake_fd:
+            self._poller.register(wake_fd, zmq.POLLIN)
+            self._wake_fd = wake_fd
+        out: list[Message] = []
+        if not self._poller.poll(timeout * 1000):
+            return out
+        while True:
+            try:
+                frames = self.inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("gateway: dropped a malformed message: %s", exc)
+                continue
+            if isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg)
+            elif isinstance(msg, (StepResult, StageError)):
+                out.append(msg)
+
+    def health(self) -> list[str]:
+        now = time.time()
+        return [c for c in self.components if now - self.state[c].last_seen > self.cluster.heartbeat_timeout]
+
+    def lost(self) -> list[str]:
+        return [c for c in self.health() if self.state[c].last_seen > 0]
+
+    # ---- heartbeats and their metrics --------------------------------------------------------------------------
+    def attach_metrics(self, metrics) -> None:
+        self.metrics = metrics
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        st = self.state.setdefault(msg.component, ComponentState())
+        now = time.time()
+        st.last_seen, st.pid, st.stats = now, msg.pid, msg.stats
+        if self.metrics is None:
+            return
+        if msg.component.startswith("stage"):
+            busy = msg.stats.get("busy_seconds", 0.0)
+            prev = self._busy_marks.get(msg.component)
+            if prev is not None and now > prev[0]:
+                self.metrics.set_stage_busy(int(msg.component[5:]), (busy - prev[1]) / (now - prev[0]))
+            self._busy_marks[msg.component] = (now, busy)
+            if "ple_wait_seconds" in msg.stats:
+                self.metrics.set_ple_totals(msg.component, stage_wait_seconds=msg.stats["ple_wait_seconds"])
+        elif msg.component == "ple":
+            self.metrics.set_ple_totals("ple", prefetch_pages=msg.stats.get("prefetch_pages"),
+                                        gather_seconds=msg.stats.get("gather_seconds"))

@@ -1,0 +1,377 @@
+"""The engine core: the one scheduler, block manager and finish rule, driving an executor from its own thread.
+
+Every way of running the model goes through here: `moepipe serve` (the ZeroMQ cluster executor,
+`gateway/cluster_executor.py`), tests, `moepipe generate` and benchmarks (the in-process executor,
+`stage_worker/inprocess_executor.py`, which runs the same `StageRunner`s in one process). The two differ only in
+how a plan reaches the stages and how a step's result comes back.
+
+The core runs on its own thread, as vLLM v1's EngineCore runs in its own process: the HTTP event loop only hands
+requests in (`add`, `cancel`, both thread-safe and short) and receives token events through each request's sink,
+so tokenizing, detokenizing and JSON never delay a step, and a step's planning (grammar masks included) never
+delays an HTTP response.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+from shared.protocol import Message, Plan, StageError, StepResult
+from shared.sampling import SamplingParams, random_seed
+from shared.scheduler import Request, Scheduler
+
+log = logging.getLogger("moepipe.engine")
+
+
+class EngineUnavailable(RuntimeError):
+    """A component is down: new requests fail fast with 503 naming it."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full: 429."""
+
+
+class EngineFailed(RuntimeError):
+    """A request in flight could not finish (a stage died or errored): the stream ends with an error."""
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams                 # defaults applied; params.max_tokens is the generation budget
+    stop_token_ids: set[int] = field(default_factory=set)
+    prompt_logprobs: bool = False          # echo: logprob of every prompt token given its prefix
+    ignore_eos: bool = False
+    grammar: Any = None                    # structured output: gateway.grammar.GrammarState, advanced per token
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None       # (token id, logprob), best first
+    finish_reason: str | None = None       # "stop" (EOS / stop token) or "length" on the last event
+    prompt_logprobs: list[float | None] | None = None         # only on the first event, when asked
+
+
+Sink = Callable[["TokenEvent | Exception"], None]   # called on the core's thread: must not block
+
+
+class Executor(Protocol):
+    """Moves plans to the stages and their results back."""
+
+    def start(self) -> None: ...
+
+    def send(self, plan: Plan) -> None:
+        """Hand a plan to every stage (and the PLE service). May run the step before returning (in-process)."""
+
+    def poll(self, timeout: float, wake_fd: int) -> list[Message]:
+        """Step results and stage errors that arrived; waits up to `timeout` s for the first, or until `wake_fd`
+        is readable (the core has new work)."""
+
+    def health(self) -> list[str]:
+        """Components past their heartbeat deadline (empty: healthy)."""
+
+    def lost(self) -> list[str]:
+        """Components that were up and stopped answering: the requests in flight cannot finish."""
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class SchedulerLimits:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_microbatches: int
+    max_model_len: int
+    max_queue: int = 256
+    watchdog_interval: float = 0.5         # how often lost components are looked for
+
+    @classmethod
+    def from_cluster(cls, cluster, max_model_len: int) -> SchedulerLimits:
+        return cls(num_blocks=cluster.num_blocks, block_size=cluster.block_size, max_num_seqs=cluster.max_num_seqs,
+                   max_num_batched_tokens=cluster.max_num_batched_tokens,
+                   num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
+                   max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval)
+
+
+class EngineCore:
+    COMPONENT = "engine_core"
+
+    def __init__(self, executor: Executor, limits: SchedulerLimits) -> None:
+        self.executor, self.limits = executor, limits
+        self.max_model_len = limits.max_model_len
+        self.scheduler = Scheduler(num_blocks=limits.num_blocks, block_size=limits.block_size,
+                                   max_num_seqs=limits.max_num_seqs,
+                                   max_num_batched_tokens=limits.max_num_batched_tokens,
+                                   num_microbatches=limits.num_microbatches, max_model_len=limits.max_model_len,
+                                   max_queue=limits.max_queue)
+        self._lock = threading.Lock()
+        self._sinks: dict[str, Sink] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="moepipe-engine-core", daemon=True)
+        self.metrics = None
+        self.stage_overlap_seconds = 0.0
+        self._recent: list[tuple[int, int, float, float]] = []     # (step, stage, start, end), the last 64
+        self._started = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.executor.start()
+        self._started = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake()
+        if self._started:
+            self._thread.join(timeout)
+        self.executor.stop()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- the requests' side (any thread) ----------------------------------------------------------------------
+    def add(self, request: GenerationRequest, sink: Sink) -> str:
+        """Queue a request; its token events (then a finish reason, or an exception) go to `sink`."""
+        missing = self.health()
+        if missing:
+            raise EngineUnavailable(f"not serving: no heartbeat from {', '.join(missing)}")
+        if not request.prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        rid = request.request_id or uuid.uuid4().hex
+        params = request.params
+        if params.seed is None:     # drawn here, once: a preempted request recomputes with the same draws
+            params.seed = random_seed()
+        req = Request(req_id=rid, prompt_ids=list(request.prompt_ids), params=params,
+                      stop_token_ids=set(request.stop_token_ids),     # the API already left EOS out for ignore_eos
+                      max_tokens=params.max_tokens, want_prompt_logprobs=request.prompt_logprobs,
+                      grammar=request.grammar)
+        with self._lock:
+            if rid in self._sinks:
+                raise ValueError(f"request id {rid} is already running")
+            try:
+                self.scheduler.add(req)
+            except OverflowError:
+                raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are waiting; try again later") \
+                    from None
+            self._sinks[rid] = sink
+        self._wake()
+        return rid
+
+    def stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        """`add` for a synchronous caller (`moepipe generate`, benchmarks): the events as an iterator; leaving it
+        early cancels the request."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self.add(request, events.put)
+        done = False
+        try:
+            while True:
+                item = events.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.cancel(rid)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (client gone, stop string): its blocks and slot return as soon as no step uses them."""
+        with self._lock:
+            if self._sinks.pop(request_id, None) is None:
+                return
+            self.scheduler.cancel(request_id)
+            self._push_gauges()
+        self._wake()
+
+    def health(self) -> list[str]:
+        down = list(self.executor.health())
+        if self._started and not self._thread.is_alive() and not self._stopping:
+            down.append(self.COMPONENT)
+        return down
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def stats(self) -> dict[str, float]:
+        b = self.scheduler.blocks
+        return {"running": self.num_running, "waiting": self.num_waiting, "kv_blocks_used": b.used_blocks,
+                "kv_blocks_total": b.num_blocks, "slots_used": b.used_slots,
+                "stage_overlap_seconds": self.stage_overlap_seconds}
+
+    # ---- the core's thread -------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):      # the pipe is full (a wake-up is pending anyway) or closed
+            pass
+
+    def _run(self) -> None:
+        next_watch = time.monotonic() + self.limits.watchdog_interval
+        try:
+            while not self._stopping:
+                for plan in self._plans():
+                    self.executor.send(plan)
+                timeout = max(0.0, next_watch - time.monotonic())
+                messages = self.executor.poll(timeout, self._wake_r)
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+                drops = []
+                with self._lock:
+                    for msg in messages:
+                        try:
+                            if isinstance(msg, StepResult):
+                                self._on_result(msg)
+                            elif isinstance(msg, StageError):
+                                drops.extend(self._on_stage_error(msg))
+                        except Exception:   # one message must not stop the core
+                            log.exception("engine core: failed to handle %s", type(msg).__name__)
+                    if time.monotonic() >= next_watch:
+                        next_watch = time.monotonic() + self.limits.watchdog_interval
+                        drops.extend(self._watchdog())
+                for plan in drops:
+                    self.executor.send(plan)
+        except Exception:                   # a bug, not a bad request: health() now names the core
+            log.exception("engine core stopped")
+            with self._lock:
+                for req in self.scheduler.fail_all("error"):
+                    sink = self._sinks.pop(req.req_id, None)
+                    if sink is not None:
+                        sink(EngineFailed("the engine core stopped"))
+
+    def _plans(self) -> list[Plan]:
+        with self._lock:
+            plans = [p for mb in self.scheduler.idle_microbatches() if (p := self.scheduler.schedule(mb))]
+            if plans and self.metrics is not None:
+                self._push_gauges()
+            return plans
+
+    def _on_result(self, msg: StepResult) -> None:
+        self._account_timing(msg)
+        for req in self.scheduler.on_result(msg.microbatch, msg.tokens):
+            events, req.events = req.events, []
+            sink = self._sinks.get(req.req_id)
+            if sink is None:
+                continue
+            for i, out in enumerate(events):
+                last = i == len(events) - 1
+                if last and req.finished == "error":
+                    sink(EngineFailed(req.grammar_error or "generation failed"))
+                    break
+                top = list(zip(out.top_ids, out.top_logprobs)) if out.top_ids else ([] if out.logprob is not None
+                                                                                   else None)
+                event = TokenEvent(token_id=out.token, logprob=out.logprob, top_logprobs=top,
+                                   finish_reason=req.finished if last else None)
+                if req.want_prompt_logprobs and len(req.output_ids) - len(events) + i == 0:
+                    event.prompt_logprobs = [None] + list(req.prompt_logprobs)
+                sink(event)
+            if req.finished is not None:
+                self._sinks.pop(req.req_id, None)
+
+    def _on_stage_error(self, msg: StageError) -> list[Plan]:
+        """Fail the step's requests; every stage forgets the step's inputs and the requests' state."""
+        log.error("engine core: %s failed step %d: %s", msg.component, msg.step, msg.message)
+        drops = []
+        for mb, plan in list(self.scheduler.in_flight.items()):
+            if plan.step != msg.step:
+                continue
+            del self.scheduler.in_flight[mb]
+            for e in plan.entries:
+                req = self.scheduler.running.get(e.req_id)
+                if req is not None:
+                    self.scheduler.release(req, "error")
+                    sink = self._sinks.pop(e.req_id, None)
+                    if sink is not None:
+                        sink(EngineFailed(f"{msg.component} failed: {msg.message}"))
+            drops.append(Plan(step=-1, microbatch=mb, entries=[], dropped=[msg.step],
+                              finished=self.scheduler.take_finished()))
+        return drops
+
+    def _watchdog(self) -> list[Plan]:
+        lost = self.executor.lost()
+        if not lost or not (self.scheduler.num_running or self.scheduler.num_waiting):
+            return []
+        err = EngineFailed(f"{', '.join(lost)} stopped responding")
+        steps = [p.step for p in self.scheduler.in_flight.values()]
+        failed = self.scheduler.fail_all("error")
+        for req in failed:
+            sink = self._sinks.pop(req.req_id, None)
+            if sink is not None:
+                sink(err)
+        # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
+        return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=[r.req_id for r in failed])]
+
+    # ---- metrics -----------------------------------------------------------------------------------------------
+    def attach_metrics(self, metrics) -> None:
+        """Scheduler gauges, stage step times, activation transfer times and stage overlap (gateway/metrics.py)."""
+        from prometheus_client import Gauge
+
+        self.metrics = metrics
+        overlap = Gauge("moepipe_stage_overlap_seconds", "Wall time two or more stages computed at once "
+                        "(different micro-batches): > 0 shows the pipeline overlapping", registry=metrics.registry)
+        overlap.set_function(lambda: self.stage_overlap_seconds)
+        preempt = Gauge("moepipe_preemptions", "Requests preempted (recomputed later) because KV blocks ran out",
+                        registry=metrics.registry)
+        preempt.set_function(lambda: self.scheduler.num_preemptions)
+        attach = getattr(self.executor, "attach_metrics", None)
+        if attach is not None:
+            attach(metrics)
+        self._push_gauges()
+
+    def _push_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        b = self.scheduler.blocks
+        self.metrics.set_scheduler_state(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+                                         kv_blocks_used=b.used_blocks, kv_blocks_total=b.num_blocks,
+                                         state_slots_used=b.used_slots)
+
+    def _account_timing(self, msg: StepResult) -> None:
+        timing = [(int(t[0]), t[1], t[2]) for t in msg.timing]
+        for stage, start, end in timing:
+            for step, other_stage, s2, e2 in self._recent:
+                if other_stage != stage and step != msg.step:
+                    self.stage_overlap_seconds += max(0.0, min(end, e2) - max(start, s2))
+        self._recent = (self._recent + [(msg.step, stage, start, end) for stage, start, end in timing])[-64:]
+        if self.metrics is None:
+            return
+        for stage, start, end in timing:
+            self.metrics.observe_stage_step(stage, end - start)
+        plan = self.scheduler.in_flight.get(msg.microbatch)
+        kind = "decode" if plan is not None and all(e.tokens is None for e in plan.entries) else "prefill"
+        for sender, receiver in zip(msg.timing, msg.timing[1:]):
+            if len(receiver) > 3:          # [stage, start, end, arrival]
+                self.metrics.observe_transfer(f"{int(sender[0])}->{int(receiver[0])}", kind,
+                                              receiver[3] - sender[2])
+        self._push_gauges()
+
+
+def wait_readable(fd: int, timeout: float) -> None:
+    """Block until `fd` is readable or `timeout` s pass (executors with nothing of their own to wait on)."""
+    select.select([fd], [], [], timeout)

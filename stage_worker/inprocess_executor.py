@@ -1,0 +1,132 @@
+"""The executor that runs every stage in this process: the same `StageRunner`s the stage worker processes run, with
+the messages between them handed over as objects instead of ZeroMQ frames.
+
+Tests, `moepipe generate` and the benchmarks use it, so they run the real engine core (scheduler, block manager,
+finish rule) and the real last-stage sampler. Without a PLE service every stage holding a PLE layer gathers its
+rows itself (the fallback path). A step runs inside `send`, on the engine core's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from shared.cluster_config import ClusterConfig, StageSpec, env_overrides, split_layers, stage_name
+from shared.engine_core import EngineCore, SchedulerLimits, wait_readable
+from shared.model_config import HybridMoeConfig, load_config
+from shared.protocol import Message, Plan, StageError
+from stage_worker.model.model import StageModel
+from stage_worker.runner import StageRunner
+from stage_worker.stage_loader import load_stage
+
+log = logging.getLogger("moepipe.inprocess")
+
+
+class InProcessExecutor:
+    def __init__(self, runners: list[StageRunner]) -> None:
+        self.runners = runners
+        self._results: list[Message] = []
+        self.metrics = None
+        self._busy_mark = (time.monotonic(), [0.0] * len(runners))
+
+    @classmethod
+    def load(cls, cluster: ClusterConfig, cfg: HybridMoeConfig | None = None,
+             models: list[StageModel] | None = None) -> InProcessExecutor:
+        """Load (or take) every stage's slice and build its runner; `cluster` must be `for_model`-resolved."""
+        cfg = cfg or load_config(cluster.model)
+        models = models or [load_stage(cluster, i, cfg) for i in range(cluster.num_stages)]
+        return cls([StageRunner(m, cluster, i) for i, m in enumerate(models)])
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def send(self, plan: Plan) -> None:
+        for runner in self.runners:
+            runner.on_message(plan)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Run every step whose inputs are here, in pipeline order, until none is."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for i, runner in enumerate(self.runners):
+                plan = None
+                try:
+                    plan = runner.ready()
+                    if plan is None:
+                        continue
+                    outgoing = runner.run(plan)
+                except Exception as exc:   # as a stage worker does: report the step, drop it, keep serving
+                    step = plan.step if plan is not None else min(runner.plans, default=-1)
+                    log.exception("%s: step %d failed", stage_name(i), step)
+                    runner.plans.pop(step, None)
+                    self._results.append(StageError(component=stage_name(i), step=step,
+                                                    message=f"{type(exc).__name__}: {exc}"))
+                    continue
+                progressed = True
+                for o in outgoing:
+                    if o.to == "next":
+                        self.runners[i + 1].on_message(o.message)
+                    elif o.to == "first":
+                        self.runners[0].on_message(o.message)
+                    elif o.to == "gateway":
+                        self._results.append(o.message)
+
+    def poll(self, timeout: float, wake_fd: int) -> list[Message]:
+        self._report_busy()
+        if not self._results:
+            wait_readable(wake_fd, timeout)
+        out, self._results = self._results, []
+        return out
+
+    def health(self) -> list[str]:
+        return []
+
+    def lost(self) -> list[str]:
+        return []
+
+    def attach_metrics(self, metrics) -> None:
+        self.metrics = metrics
+
+    def _report_busy(self) -> None:
+        now = time.monotonic()
+        then, busy = self._busy_mark
+        if self.metrics is None or now - then < 1.0:
+            return
+        current = [r.busy_seconds for r in self.runners]
+        for i, (b0, b1) in enumerate(zip(busy, current)):
+            self.metrics.set_stage_busy(i, (b1 - b0) / (now - then))
+        self._busy_mark = (now, current)
+
+
+def inprocess_cluster(model_dir: str | Path, cfg: HybridMoeConfig | None = None, *, stages: int = 1,
+                      device: str = "cpu", ranges: list[tuple[int, int]] | None = None, **keys) -> ClusterConfig:
+    """A cluster config for running `stages` stages (or the layer `ranges` given) in this process: no endpoints,
+    no PLE service; `keys` are cluster keys (`max_model_len`, `max_num_seqs`, `device_sampling`, ...) over the
+    environment's switches."""
+    cfg = cfg or load_config(model_dir)
+    specs = [StageSpec(start=s, end=e, endpoint="", device=device)
+             for s, e in ranges or split_layers(cfg.num_hidden_layers, stages)]
+    cluster = ClusterConfig(model=str(model_dir), stages=specs, gateway_endpoint="",
+                            **{**env_overrides(), **keys, "ple_service": False})
+    return cluster.for_model(cfg)
+
+
+def local_engine_core(model_dir: str | Path, *, stages: int = 1, device: str = "cpu",
+                      models: list[StageModel] | None = None, start: bool = True, **keys) -> EngineCore:
+    """The engine core over an in-process executor: what `moepipe serve` runs, in one process."""
+    cfg = models[0].cfg if models else load_config(model_dir)
+    if models:
+        keys["ranges"] = [(m.start, m.end) for m in models]
+        device = str(next(models[0].parameters()).device)
+    cluster = inprocess_cluster(model_dir, cfg, stages=stages, device=device, **keys)
+    core = EngineCore(InProcessExecutor.load(cluster, cfg, models),
+                      SchedulerLimits.from_cluster(cluster, cluster.max_model_len or cfg.max_position_embeddings))
+    if start:
+        core.start()
+    return core

@@ -1,0 +1,19 @@
+"""Load one stage's slice as its cluster config describes it: layers, device, dtype, load format, kernels. The one
+way a stage's model is built, for stage worker processes and the in-process executor alike."""
+
+from __future__ import annotations
+
+from shared.cluster_config import ClusterConfig
+from shared.model_config import HybridMoeConfig
+from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
+from stage_worker.kernels.flags import KernelFlags
+from stage_worker.model.model import StageModel
+
+
+def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> StageModel:
+    spec = cluster.stages[index]
+    opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
+                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
+    model = load_model(cluster.model, opts, cfg)
+    model.set_kernels(KernelFlags.parse(cluster.kernels))
+    return model

@@ -1,0 +1,219 @@
+"""The one engine core (shared/engine_core.py) over its two executors.
+
+- The block manager's reference counts.
+- In-process: greedy tokens and logprobs, and seeded draws, do not depend on the stage count, on chunked prefill or
+  on preemption (a pool too small for the requests at once).
+- The ZeroMQ cluster (real processes) and the in-process executor behind real uvicorn servers give the same greedy
+  tokens and logprobs (1e-4, float32), the same seeded tokens and the same structured output for the same requests,
+  with the cluster preempting and chunking.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import free_port
+from gateway.api import create_app
+from gateway.engine import AsyncEngine
+from gateway.launcher import Cluster, ServeOptions
+from gateway.metrics import Metrics
+from gateway.tokenizer import Tokenizer
+from shared.block_manager import BlockManager, OutOfBlocks
+from shared.engine_core import EngineCore, GenerationRequest
+from shared.sampling import SamplingParams, read_generation_config
+from stage_worker.inprocess_executor import local_engine_core
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 21, 40, 9)]     # token ids; up to 40 tokens: several 16-token blocks
+
+
+def test_block_manager_counts_holders():
+    bm = BlockManager(num_blocks=4, num_slots=2)
+    a = bm.allocate(2)
+    assert a == [0, 1] and bm.free_blocks == 2 and bm.used_blocks == 2
+    bm.share(a)                                   # a second request holds the same prefix
+    bm.release(a)
+    assert bm.free_blocks == 2 and bm.refcount(0) == 1
+    bm.release(a)
+    assert bm.free_blocks == 4 and bm.refcount(0) == 0
+    with pytest.raises(ValueError):
+        bm.release([0])
+    with pytest.raises(ValueError):
+        bm.share([3])
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(5)
+    assert not bm.can_allocate(5) and bm.can_allocate(4)
+    s = bm.allocate_slot(), bm.allocate_slot()
+    with pytest.raises(OutOfBlocks):
+        bm.allocate_slot()
+    bm.release_slot(s[0])
+    with pytest.raises(ValueError):
+        bm.release_slot(s[0])
+    assert bm.used_slots == 1
+
+
+def _run_all(core: EngineCore, requests: list[GenerationRequest]) -> list[list]:
+    """Submit every request at once (so they share steps) and collect each one's events."""
+    results: list[list] = [[] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            results[i].append(ev)
+            if isinstance(ev, Exception) or ev.finish_reason is not None:
+                done.release()
+        return sink
+
+    for i, r in enumerate(requests):
+        core.add(r, sink_for(i))
+    for _ in requests:
+        assert done.acquire(timeout=120), "a request never finished"
+    for evs in results:
+        assert not any(isinstance(e, Exception) for e in evs), evs
+    return results
+
+
+def _requests(gen_cfg: dict) -> list[GenerationRequest]:
+    reqs = []
+    for i, ids in enumerate(PROMPTS):
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2).with_defaults(gen_cfg)
+        seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i).with_defaults(gen_cfg)
+        reqs.append(GenerationRequest(f"g{i}", ids, greedy, prompt_logprobs=i == 1))
+        reqs.append(GenerationRequest(f"s{i}", ids, seeded))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """One stage, every request fits at once, prompts in one chunk."""
+    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=8)
+    try:
+        return _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
+    finally:
+        core.stop()
+
+
+def _assert_same(a: list[list], b: list[list]) -> None:
+    for ea, eb in zip(a, b):
+        assert [e.token_id for e in ea] == [e.token_id for e in eb]
+        la = [e.logprob for e in ea if e.logprob is not None]
+        lb = [e.logprob for e in eb if e.logprob is not None]
+        assert la == pytest.approx(lb, abs=1e-4)
+        assert [e.finish_reason for e in ea] == [e.finish_reason for e in eb]
+        pa, pb = ea[0].prompt_logprobs, eb[0].prompt_logprobs
+        assert (pa is None) == (pb is None)
+        if pa is not None:
+            assert pa[0] is None and pb[0] is None and pa[1:] == pytest.approx(pb[1:], abs=1e-4)
+
+
+def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, reference):
+    # Three stages (three micro-batches), 8-token prefill chunks, and 8 blocks of 16 tokens for eight requests
+    # that need up to 4 blocks each: the scheduler must chunk prompts and preempt requests to finish them all.
+    core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8,
+                             max_num_batched_tokens=8, num_blocks=8, block_size=16)
+    try:
+        out = _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
+        assert core.scheduler.num_preemptions > 0
+        assert core.scheduler.blocks.used_blocks == 0 and core.scheduler.blocks.used_slots == 0
+    finally:
+        core.stop()
+    _assert_same(reference, out)
+    assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1])
+
+
+def test_stream_and_cancel(tiny_checkpoint):
+    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=2)
+    try:
+        params = SamplingParams(max_tokens=50, temperature=0.0)
+        for i, ev in enumerate(core.stream(GenerationRequest("a", PROMPTS[0], params))):
+            if i == 2:
+                break                                # leaving the iterator cancels the request
+        deadline = time.monotonic() + 10
+        while core.num_running or core.scheduler.blocks.used_blocks:
+            assert time.monotonic() < deadline, "a cancelled request kept its blocks"
+            time.sleep(0.01)
+        events = list(core.stream(GenerationRequest("b", PROMPTS[0], SamplingParams(max_tokens=3,
+                                                                                    temperature=0.0))))
+        assert [e.finish_reason for e in events] == [None, None, "length"]
+    finally:
+        core.stop()
+
+
+# ---- cluster against in-process, through real servers -------------------------------------------------------------
+
+BODIES = [{"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 2, "ignore_eos": True} for ids in PROMPTS] \
+    + [{"prompt": ids, "max_tokens": 10, "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
+       for i, ids in enumerate(PROMPTS)] \
+    + [{"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"]}
+
+
+def _exercise(url: str) -> dict:
+    def complete(body):
+        r = httpx.post(url + "/v1/completions", json={"model": "moepipe", **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    with ThreadPoolExecutor(len(BODIES)) as pool:             # at once: they share steps (and preempt)
+        out = {"completions": list(pool.map(complete, BODIES))}
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "moepipe", "max_tokens": 40, "temperature": 0.8, "seed": 3,
+        "messages": [{"role": "user", "content": "a number and a flag"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+    assert r.status_code == 200, r.text
+    out["json"] = r.json()["choices"][0]["message"]["content"]
+    out["metrics"] = httpx.get(url + "/metrics").text
+    return out
+
+
+def _in_process_server(model_dir):
+    core = local_engine_core(model_dir, max_model_len=256, max_num_seqs=16)
+    metrics = Metrics()
+    core.attach_metrics(metrics)
+    app = create_app(AsyncEngine(core), Tokenizer.from_dir(model_dir), model_name="moepipe",
+                     generation_config=read_generation_config(model_dir), metrics=metrics)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, core
+
+
+def test_cluster_and_in_process_executors_agree(tiny_checkpoint):
+    url, server, thread, core = _in_process_server(tiny_checkpoint)
+    try:
+        local = _exercise(url)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        core.stop()
+    # Two stage processes, 16-token chunks, 10 blocks for 9 requests of up to 4 blocks: chunking and preemption.
+    opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
+                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 10})
+    with Cluster(opts) as c:
+        served = _exercise(c.url)
+    preempted = [line for line in served["metrics"].splitlines() if line.startswith("moepipe_preemptions ")]
+    assert preempted and float(preempted[0].split()[1]) > 0
+    for a, b in zip(local["completions"], served["completions"]):
+        assert a["text"] == b["text"]
+        if a["logprobs"] is not None:
+            la = [x for x in a["logprobs"]["token_logprobs"] if x is not None]
+            lb = [x for x in b["logprobs"]["token_logprobs"] if x is not None]
+            assert la == pytest.approx(lb, abs=1e-4)
+            for ta, tb in zip(a["logprobs"]["top_logprobs"], b["logprobs"]["top_logprobs"]):
+                assert (ta is None) == (tb is None)
+                if ta is not None:
+                    assert list(ta) == list(tb) and list(ta.values()) == pytest.approx(list(tb.values()), abs=1e-4)
+    assert local["json"] == served["json"]

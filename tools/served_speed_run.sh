@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 14's measurement in one device call (carry .whl-lean):
+#   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
+# Steps (default: sampler fs): sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on
+# stage 0), q3n (qwen3-next-shape, 32 layers, no PLE). For a model: the in-process decode step (bench/decode.py,
+# kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
+# (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
+# Everything lands in $OUT (JSON and logs); each step has its own timeout so a hang costs only that step.
+set -uo pipefail
+steps=" ${STEPS:-${*:-sampler fs}} "
+want() { [[ $steps == *" $1 "* ]]; }
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# name=env settings for one served run; "base" is the build's defaults
+declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]="MOEPIPE_DEVICE_SAMPLING=1"
+                   [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noasync]="MOEPIPE_ASYNC_SCHEDULING=0")
+ab=${AB:-base nosampling}
+model() {  # tag, preset, layers, decode batches, stream counts
+  local tag=$1 preset=$2 layers=$3 batches=$4 streams=$5
+  moepipe make-model --preset "$preset" --layers "$layers" --out "/tmp/$tag" > /dev/null || return
+  timeout "${DECODE_TIMEOUT:-240}" python3 bench/decode.py --preset "$preset" --layers "$layers" --batch "$batches" \
+    --configs all:1 --no-transformers --steps 32 --out "$out/decode_$tag.json" > "$out/decode_$tag.log" 2>&1
+  tail -8 "$out/decode_$tag.log"
+  for name in $ab; do
+    env ${AB_ENV[$name]} timeout "${SERVE_TIMEOUT:-200}" python3 bench/serve.py --model "/tmp/$tag" \
+      --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" --max-tokens 64 --runs 3 \
+      --out "$out/serve_${tag}_$name.json" > "$out/serve_${tag}_$name.log" 2>&1
+    echo "== served $tag $name (${AB_ENV[$name]:-defaults})"; tail -6 "$out/serve_${tag}_$name.log"
+  done
+}
+if want sampler; then
+  timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
+fi
+want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
+want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
