@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's measurement in one device call (carry .whl-lean):
 #   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
-# Steps (default: sampler fs): sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on
+# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table),
+# sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on
 # stage 0), q3n (qwen3-next-shape, 32 layers, no PLE). For a model: the in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
@@ -14,7 +15,8 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 # name=env settings for one served run; "base" is the build's defaults
 declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]="MOEPIPE_DEVICE_SAMPLING=1"
-                   [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noasync]="MOEPIPE_ASYNC_SCHEDULING=0")
+                   [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noplegraph]="MOEPIPE_PLE_GRAPH=0"
+                   [noasync]="MOEPIPE_ASYNC_SCHEDULING=0")
 ab=${AB:-base nosampling}
 model() {  # tag, preset, layers, decode batches, stream counts
   local tag=$1 preset=$2 layers=$3 batches=$4 streams=$5
@@ -29,8 +31,16 @@ model() {  # tag, preset, layers, decode batches, stream counts
     echo "== served $tag $name (${AB_ENV[$name]:-defaults})"; tail -6 "$out/serve_${tag}_$name.log"
   done
 }
+if want check; then
+  timeout 180 python3 -c "
+import sys; sys.path[:0] = ['tests']
+from stage_worker.checkpoint.make_model import make_model
+from test_gpu_model import test_a_ple_stage_replays_graphs_with_its_host_table as t
+t(make_model('tiny', '/tmp/tiny-check', seed=0)); print('PLE stage graphs with a host table: OK')" 2>&1 | tail -5
+fi
 if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
 fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
+true
