@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="print the batched step's top operators (torch.profiler)")
     args = ap.parse_args()
     params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     g = torch.Generator().manual_seed(0)
@@ -69,6 +70,11 @@ def main() -> int:
         a, c = _time(per_row, args.device, args.runs), _time(batched, args.device, args.runs)
         results.append({"batch": b, "per_row_ms": a, "batched_ms": c})
         print(f"{b:>6} {a:>10.2f} {c:>10.2f} {a / c:>8.1f}x", flush=True)
+        if args.profile:
+            with torch.profiler.profile() as prof:
+                for _ in range(5):
+                    batched()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": args.device, "vocab": args.vocab, "params": vars(params),
                                               "results": results}, indent=2, default=str) + "\n")

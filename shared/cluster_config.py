@@ -37,7 +37,7 @@ class ClusterConfig:
     gateway_endpoint: str                       # the gateway's inbox (results, heartbeats)
     ple_endpoint: str = ""                      # the PLE service's inbox ("" = no PLE service process)
     ple_ring: str = ""                          # shared-memory file of the PLE gather ring
-    ple_ring_slots: int = 8
+    ple_ring_slots: int = 0                     # 0 = the steps in flight + 2 (resolved by for_model)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "moepipe"
@@ -61,6 +61,7 @@ class ClusterConfig:
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
+    async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
@@ -87,10 +88,10 @@ class ClusterConfig:
             expect = s.end
         if num_layers is not None and expect != num_layers:
             raise ClusterConfigError(f"cluster config: stages end at layer {expect}, the model has {num_layers}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "ple_ring_slots"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
-        for name in ("block_size", "num_blocks"):
+        for name in ("block_size", "num_blocks", "ple_ring_slots"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
         if not self.kv_cache_memory >= 0:
@@ -99,11 +100,13 @@ class ClusterConfig:
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
-        if self.ple_service and self.ple_ring_slots <= self.num_microbatches:
+        in_flight = self.steps_in_flight
+        if self.ple_service and 0 < self.ple_ring_slots <= in_flight:
             # Ring slot step % slots is rewritten only after the last stage ran its step: with no more slots than
             # steps in flight the service would wait on the pipeline instead of gathering ahead.
             raise ClusterConfigError(f"cluster config: ple_ring_slots ({self.ple_ring_slots}) must exceed the "
-                                     f"micro-batches in flight ({self.num_microbatches})")
+                                     f"steps in flight ({in_flight}: {self.num_microbatches} micro-batches"
+                                     f"{', two plans each with async_scheduling' if self.async_scheduling else ''})")
 
     def for_model(self, cfg: HybridMoeConfig) -> ClusterConfig:
         """Validated against the model, with the KV sizes derived from it filled in. Every process calls this on
@@ -120,7 +123,13 @@ class ClusterConfig:
             num_blocks = self.num_blocks or auto_num_blocks(costs, block_size, max_len, self.max_num_seqs, budget)
         except KvLayoutError as exc:
             raise ClusterConfigError(f"cluster config: {exc}") from None
-        return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks)
+        return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
+                                   ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2)
+
+    @property
+    def steps_in_flight(self) -> int:
+        """At most this many steps are planned and not yet finished: plans per micro-batch x micro-batches."""
+        return self.num_microbatches * (2 if self.async_scheduling else 1)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -138,7 +147,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
-        "MOEPIPE_PLE_GRAPH": "ple_graph",
+        "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",

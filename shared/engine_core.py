@@ -96,13 +96,15 @@ class SchedulerLimits:
     max_model_len: int
     max_queue: int = 256
     watchdog_interval: float = 0.5         # how often lost components are looked for
+    plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int) -> SchedulerLimits:
         return cls(num_blocks=cluster.num_blocks, block_size=cluster.block_size, max_num_seqs=cluster.max_num_seqs,
                    max_num_batched_tokens=cluster.max_num_batched_tokens,
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
-                   max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval)
+                   max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
+                   plan_ahead=cluster.async_scheduling)
 
 
 class EngineCore:
@@ -115,7 +117,7 @@ class EngineCore:
                                    max_num_seqs=limits.max_num_seqs,
                                    max_num_batched_tokens=limits.max_num_batched_tokens,
                                    num_microbatches=limits.num_microbatches, max_model_len=limits.max_model_len,
-                                   max_queue=limits.max_queue)
+                                   max_queue=limits.max_queue, plan_ahead=limits.plan_ahead)
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._wake_r, self._wake_w = os.pipe()
@@ -266,11 +268,17 @@ class EngineCore:
                         sink(EngineFailed("the engine core stopped"))
 
     def _plans(self) -> list[Plan]:
+        """Every plan that can go out now (with plan-ahead, a micro-batch may take two in one call)."""
+        plans: list[Plan] = []
         with self._lock:
-            plans = [p for mb in self.scheduler.idle_microbatches() if (p := self.scheduler.schedule(mb))]
+            while True:
+                new = [p for mb in self.scheduler.idle_microbatches() if (p := self.scheduler.schedule(mb))]
+                plans += new
+                if not any(p.entries for p in new):
+                    break
             if plans and self.metrics is not None:
                 self._push_gauges()
-            return plans
+        return plans
 
     def _on_result(self, msg: StepResult) -> None:
         self._account_timing(msg)
@@ -297,28 +305,21 @@ class EngineCore:
     def _on_stage_error(self, msg: StageError) -> list[Plan]:
         """Fail the step's requests; every stage forgets the step's inputs and the requests' state."""
         log.error("engine core: %s failed step %d: %s", msg.component, msg.step, msg.message)
-        drops = []
-        for mb, plan in list(self.scheduler.in_flight.items()):
-            if plan.step != msg.step:
-                continue
-            del self.scheduler.in_flight[mb]
-            for e in plan.entries:
-                req = self.scheduler.running.get(e.req_id)
-                if req is not None:
-                    self.scheduler.release(req, "error")
-                    sink = self._sinks.pop(e.req_id, None)
-                    if sink is not None:
-                        sink(EngineFailed(f"{msg.component} failed: {msg.message}"))
-            drops.append(Plan(step=-1, microbatch=mb, entries=[], dropped=[msg.step],
-                              finished=self.scheduler.take_finished()))
-        return drops
+        steps, failed = self.scheduler.drop_from(msg.step)
+        if not steps:
+            return []
+        for req in failed:
+            sink = self._sinks.pop(req.req_id, None)
+            if sink is not None:
+                sink(EngineFailed(f"{msg.component} failed: {msg.message}"))
+        return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:
         lost = self.executor.lost()
         if not lost or not (self.scheduler.num_running or self.scheduler.num_waiting):
             return []
         err = EngineFailed(f"{', '.join(lost)} stopped responding")
-        steps = [p.step for p in self.scheduler.in_flight.values()]
+        steps = self.scheduler.in_flight_steps()
         failed = self.scheduler.fail_all("error")
         for req in failed:
             sink = self._sinks.pop(req.req_id, None)
@@ -363,7 +364,7 @@ class EngineCore:
             return
         for stage, start, end in timing:
             self.metrics.observe_stage_step(stage, end - start)
-        plan = self.scheduler.in_flight.get(msg.microbatch)
+        plan = self.scheduler.oldest_in_flight(msg.microbatch)
         kind = "decode" if plan is not None and all(e.tokens is None for e in plan.entries) else "prefill"
         for sender, receiver in zip(msg.timing, msg.timing[1:]):
             if len(receiver) > 3:          # [stage, start, end, arrival]

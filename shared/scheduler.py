@@ -2,8 +2,16 @@
 preemption by recompute, cancellation.
 
 With N stages there are N micro-batches; each request belongs to one and decodes every N steps, so while stage 1
-works on micro-batch 0, stage 0 already runs micro-batch 1 (001 §5.5). A micro-batch gets its next plan when its
-previous step's result is back. Pure logic: no sockets, no asyncio, so every policy is unit-testable.
+works on micro-batch 0, stage 0 already runs micro-batch 1 (001 §5.5).
+
+Plan-ahead (`plan_ahead`, cluster key `async_scheduling`): a micro-batch gets its next plan while its previous one
+is still computing, so no stage waits for a round trip to the engine core between two steps. A request whose
+in-flight step samples a token decodes that token in the next plan without knowing it: stage 0 takes it from the
+last stage's `Sampled`, as for any decode. Not planned ahead: requests with a grammar (the next mask depends on the
+token), and requests whose in-flight tokens already reach `max_tokens` or `max_model_len`. A request that finishes
+(stop token, cancellation, preemption) while a plan in flight still holds it keeps its blocks and slot until that
+plan's result is back, and its id reaches the stages in `finished` only then; the extra token it computed is
+dropped. Pure logic: no sockets, no asyncio, so every policy is unit-testable.
 """
 
 from __future__ import annotations
@@ -41,20 +49,28 @@ class Request:
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: Any = None                # structured output: a gateway.grammar.GrammarState (mask, accept, finished)
     grammar_error: str | None = None
+    ahead_fed: int = 0                 # tokens fed by plans in flight (computed once their results are back)
+    ahead_samples: int = 0             # tokens plans in flight will sample
+    inflight: int = 0                  # plans in flight that hold this request
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     @property
+    def next_pos(self) -> int:
+        """Where the request's next entry starts: after everything computed and everything plans in flight feed."""
+        return self.computed + self.ahead_fed
+
+    @property
     def prefill_done(self) -> bool:
-        # Once every known token but the newest sampled one is computed, the request decodes.
-        return self.computed >= len(self.all_ids) - (1 if self.output_ids else 0)
+        # Once every known token but the newest sampled one is computed (or on its way), the request decodes.
+        return self.ahead_samples > 0 or self.next_pos >= len(self.all_ids) - (1 if self.output_ids else 0)
 
 
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_microbatches: int, max_model_len: int, max_queue: int = 256) -> None:
+                 num_microbatches: int, max_model_len: int, max_queue: int = 256, plan_ahead: bool = False) -> None:
         self.blocks = BlockManager(num_blocks, max_num_seqs)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,7 +79,9 @@ class Scheduler:
         self.max_queue = max_queue
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
-        self.in_flight: dict[int, Plan] = {}                # microbatch -> plan being computed
+        self.depth = 2 if plan_ahead else 1                  # plans in flight per micro-batch
+        self.in_flight: dict[int, list[Plan]] = {m: [] for m in range(num_microbatches)}   # oldest first
+        self.draining: dict[str, Request] = {}              # finished, but still held by a plan in flight
         # Requests whose per-request state stages must drop. Flushed into the next plan of any micro-batch, so a
         # preempted request's "finished" always reaches the stages before its re-admission's sampling spec.
         self.pending_finished: list[str] = []
@@ -89,16 +107,22 @@ class Scheduler:
         if req is None:
             return
         req.cancelled = True
-        if req.microbatch not in self.in_flight:
-            self.release(req, "cancelled")
+        self.release(req, "cancelled")          # blocks and slot wait for any plan in flight that holds it
 
     # ---- planning ----------------------------------------------------------------------------------------------
     def idle_microbatches(self) -> list[int]:
-        return [m for m in range(self.num_microbatches) if m not in self.in_flight]
+        """Micro-batches that may take another plan now."""
+        return [m for m in range(self.num_microbatches) if len(self.in_flight[m]) < self.depth]
+
+    def in_flight_steps(self) -> list[int]:
+        return [p.step for plans in self.in_flight.values() for p in plans]
+
+    def oldest_in_flight(self, mb: int) -> Plan | None:
+        return self.in_flight[mb][0] if self.in_flight[mb] else None
 
     def schedule(self, mb: int) -> Plan | None:
         """The next step of micro-batch `mb`, or None when it has nothing to run."""
-        assert mb not in self.in_flight
+        assert len(self.in_flight[mb]) < self.depth
         budget = self.max_num_batched_tokens
         self._planned: set[str] = set()          # requests already in this plan: never preemption victims
         entries: list[SeqEntry] = []
@@ -138,7 +162,12 @@ class Scheduler:
         self.pending_finished = []
         plan = Plan(step=next(self._step), microbatch=mb, entries=entries, new_requests=new_specs, finished=finished)
         if entries:
-            self.in_flight[mb] = plan
+            self.in_flight[mb].append(plan)
+            for e in entries:
+                req = self.running[e.req_id]
+                req.ahead_fed += e.num_tokens
+                req.ahead_samples += 1 if e.sample else 0
+                req.inflight += 1
         return plan
 
     def _admit_here(self, mb: int) -> bool:
@@ -149,35 +178,49 @@ class Scheduler:
         return loads[mb] <= min(loads)
 
     def _blocks_needed(self, req: Request, tokens: int) -> int:
-        total = req.computed + tokens
+        total = req.next_pos + tokens
         return max(0, -(-total // self.block_size) - len(req.blocks))
 
     def _entry(self, req: Request, budget: int, mb: int) -> SeqEntry | None:
         ids = req.all_ids
-        if req.prefill_done:
+        pos = req.next_pos
+        if req.ahead_samples:
+            # Plan-ahead: decode the token a step in flight is sampling (stage 0 gets it from the last stage).
+            if not self._can_run_ahead(req):
+                return None
+            n, tokens = 1, None
+        elif req.prefill_done:
             # Stage 0 got the newest sampled token straight from the last stage, unless it predates a preemption.
             n, tokens = 1, (None if req.fresh_sample else [ids[-1]])
         else:
-            remaining = len(ids) - req.computed - (1 if req.output_ids else 0)
+            remaining = len(ids) - pos - (1 if req.output_ids else 0)
             # After a preemption the newest sampled token is part of what must be recomputed.
-            if req.output_ids and req.computed + remaining == len(ids) - 1:
+            if req.output_ids and pos + remaining == len(ids) - 1:
                 remaining += 1
             n = min(budget, remaining)
-            tokens = ids[req.computed: req.computed + n]
+            tokens = ids[pos: pos + n]
         if not self._reserve(req, n, mb):
             return None
         self._planned.add(req.req_id)
-        done_prefill = req.computed + n >= len(ids)
-        entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=req.computed, num_tokens=n,
+        done_prefill = pos + n >= len(ids)
+        entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=pos, num_tokens=n,
                          block_table=list(req.blocks), tokens=tokens, sample=done_prefill or tokens is None,
                          prompt_logprobs=req.want_prompt_logprobs and tokens is not None and not req.output_ids)
-        if entry.prompt_logprobs and req.computed + n < len(req.prompt_ids):
-            entry.next_token = req.prompt_ids[req.computed + n]
+        if entry.prompt_logprobs and pos + n < len(req.prompt_ids):
+            entry.next_token = req.prompt_ids[pos + n]
         if entry.sample and req.grammar is not None:
             # No plan-ahead: the request's previous token has been accepted by the grammar before this plan, so
             # the mask matches the state the sampled token will be checked against (002 §8's pitfall).
             entry.allowed = req.grammar.mask_bytes()
         return entry
+
+    def _can_run_ahead(self, req: Request) -> bool:
+        """The next token of a request whose in-flight step is still sampling may be planned now: no grammar (its
+        mask needs that token), and the tokens in flight do not already reach a length limit."""
+        if req.grammar is not None or req.cancelled:
+            return False
+        produced = len(req.output_ids) + req.ahead_samples
+        return produced < req.max_tokens and len(req.all_ids) + req.ahead_samples < self.max_model_len
 
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
         need = self._blocks_needed(req, n)
@@ -192,8 +235,7 @@ class Scheduler:
     def _victim(self, mb: int, exclude: Request) -> Request | None:
         """The most recently admitted request not in a computing micro-batch (it loses the least work)."""
         cands = [r for r in self.running.values()
-                 if r is not exclude and r.microbatch not in self.in_flight and r.blocks
-                 and r.req_id not in self._planned]
+                 if r is not exclude and r.inflight == 0 and r.blocks and r.req_id not in self._planned]
         return max(cands, key=lambda r: r.arrival) if cands else None
 
     def _preempt(self, req: Request) -> None:
@@ -219,18 +261,19 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------------------------
     def on_result(self, mb: int, tokens: list[TokenOut]) -> list[Request]:
-        """Apply a step's sampled tokens; returns the requests that got a token (or finished)."""
-        plan = self.in_flight.pop(mb)
+        """Apply the oldest in-flight step of `mb` (stages run a micro-batch's steps in plan order); returns the
+        requests that got a token (or finished)."""
+        plan = self.in_flight[mb].pop(0)
         by_id = {t.req_id: t for t in tokens}
         touched = []
         for entry in plan.entries:
-            req = self.running.get(entry.req_id)
+            req = self._landed(entry)
             if req is None:
                 continue
-            req.computed = entry.context_len + entry.num_tokens
-            if req.cancelled:
-                self.release(req, "cancelled")
-                continue
+            if req.finished is not None:
+                if req.inflight == 0:          # the last plan that held it is back: free it now
+                    self.release(req, req.finished)
+                continue                       # a token sampled after the request ended: dropped
             out = by_id.get(entry.req_id)
             if out is None:
                 continue
@@ -251,6 +294,45 @@ class Scheduler:
                 self.release(req, reason)
         return touched
 
+    def _landed(self, entry: SeqEntry) -> Request | None:
+        """The request of a returned entry, with the entry's tokens moved from 'in flight' to 'computed'."""
+        req = self.running.get(entry.req_id) or self.draining.get(entry.req_id)
+        if req is None:
+            return None
+        req.computed = entry.context_len + entry.num_tokens
+        req.ahead_fed -= entry.num_tokens
+        req.ahead_samples -= 1 if entry.sample else 0
+        req.inflight -= 1
+        return req
+
+    def drop_from(self, step: int) -> tuple[list[int], list[Request]]:
+        """A stage failed `step`: forget it and every later plan of its micro-batch (a later plan may decode a
+        token the failed step never sampled). Returns the dropped steps and the requests of the failed step, now
+        finished with "error"; requests only in the later plans are rolled back and planned again."""
+        mb = next((m for m, plans in self.in_flight.items() if any(p.step == step for p in plans)), None)
+        if mb is None:
+            return [], []
+        plans = self.in_flight[mb]
+        cut = next(i for i, p in enumerate(plans) if p.step == step)
+        dropped, self.in_flight[mb] = plans[cut:], plans[:cut]
+        failed: list[Request] = []
+        for plan in reversed(dropped):         # undo the newest first: next_pos walks back entry by entry
+            for e in plan.entries:
+                req = self.running.get(e.req_id) or self.draining.get(e.req_id)
+                if req is None:
+                    continue
+                req.ahead_fed -= e.num_tokens
+                req.ahead_samples -= 1 if e.sample else 0
+                req.inflight -= 1
+                if plan is dropped[0] and req not in failed:
+                    failed.append(req)
+        for req in failed:
+            self.release(req, "error")
+        for req in list(self.draining.values()):
+            if req.inflight == 0:
+                self.release(req, req.finished)
+        return [p.step for p in dropped], failed
+
     def _finish_reason(self, req: Request) -> str | None:
         if req.output_ids[-1] in req.stop_token_ids:
             return "stop"
@@ -264,17 +346,25 @@ class Scheduler:
         failed = list(self.running.values()) + list(self.waiting)
         for req in failed:
             req.finished = reason
+        for req in failed + list(self.draining.values()):
             self._free(req)
+            req.inflight = req.ahead_fed = req.ahead_samples = 0
         self.running.clear()
         self.waiting.clear()
-        self.in_flight.clear()
+        self.draining.clear()
+        self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed
 
     def release(self, req: Request, reason: str) -> None:
-        """Finish a request now: its blocks and slot are free, the stages drop its state with the next plan."""
-        req.finished = reason
-        self._free(req)
+        """Finish a request. Its blocks and slot are freed, and the stages told to drop its state with the next
+        plan, once no plan in flight holds it; until then it waits in `draining`."""
+        req.finished = req.finished or reason
         self.running.pop(req.req_id, None)
+        if req.inflight > 0:
+            self.draining[req.req_id] = req
+            return
+        self.draining.pop(req.req_id, None)
+        self._free(req)
         self.pending_finished.append(req.req_id)
 
     def take_finished(self) -> list[str]:

@@ -49,7 +49,7 @@ def _cluster(model: Path, tmp: Path, **kw) -> ClusterConfig:
     stages = [StageSpec(0, 3, f"ipc://{tmp}/s0.sock"), StageSpec(3, 6, f"ipc://{tmp}/s1.sock")]
     base = dict(model=str(model), stages=stages,
                 gateway_endpoint=f"ipc://{tmp}/gw.sock", ple_endpoint=f"ipc://{tmp}/ple.sock",
-                ple_ring=str(tmp / "ple.ring"), ple_ring_slots=4, max_num_batched_tokens=32)
+                ple_ring=str(tmp / "ple.ring"), ple_ring_slots=6, max_num_batched_tokens=32)
     base.update(kw)
     return ClusterConfig(**base)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's measurement in one device call (carry .whl-lean):
 #   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
-# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table),
+# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table), greedy
+# (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on
 # stage 0), q3n (qwen3-next-shape, 32 layers, no PLE). For a model: the in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
@@ -37,6 +38,15 @@ import sys; sys.path[:0] = ['tests']
 from stage_worker.checkpoint.make_model import make_model
 from test_gpu_model import test_a_ple_stage_replays_graphs_with_its_host_table as t
 t(make_model('tiny', '/tmp/tiny-check', seed=0)); print('PLE stage graphs with a host table: OK')" 2>&1 | tail -5
+fi
+if want greedy; then
+  moepipe make-model --preset small --out /tmp/small > /dev/null
+  for g in 1 0; do
+    MOEPIPE_PLE_GRAPH=$g timeout 150 python3 tools/greedy_transcript.py record --model /tmp/small --stages 1 \
+      --device cuda --out "$out/greedy_plegraph$g.json" > "$out/greedy_plegraph$g.log" 2>&1 \
+      || tail -5 "$out/greedy_plegraph$g.log"
+  done
+  python3 tools/greedy_transcript.py compare "$out/greedy_plegraph1.json" "$out/greedy_plegraph0.json" | tail -4
 fi
 if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
