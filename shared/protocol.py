@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import torch
 
-VERSION = 1
+VERSION = 2
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -42,7 +42,8 @@ class SeqEntry:
     slot: int                        # Gated DeltaNet / PLE state slot
     context_len: int                 # tokens already in the caches
     num_tokens: int                  # tokens fed this step (prefill chunk length, or 1 for decode)
-    block_table: list[int]
+    new_blocks: list[int]            # KV blocks added to the request's table since its previous entry (its whole
+                                     # table when context_len is 0): a plan never resends what stages hold
     tokens: list[int] | None = None  # prefill tokens; None for decode: the token comes from the last stage
     sample: bool = True              # last chunk of a prefill or a decode: the last stage samples a token
     prompt_logprobs: bool = False    # return logprobs of the fed tokens (echo)

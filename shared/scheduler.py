@@ -52,6 +52,7 @@ class Request:
     ahead_fed: int = 0                 # tokens fed by plans in flight (computed once their results are back)
     ahead_samples: int = 0             # tokens plans in flight will sample
     inflight: int = 0                  # plans in flight that hold this request
+    sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
 
     @property
     def all_ids(self) -> list[int]:
@@ -202,10 +203,14 @@ class Scheduler:
         if not self._reserve(req, n, mb):
             return None
         self._planned.add(req.req_id)
+        if pos == 0:
+            req.sent_blocks = 0            # a first entry (admission, or again after a preemption) sends all
         done_prefill = pos + n >= len(ids)
         entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=pos, num_tokens=n,
-                         block_table=list(req.blocks), tokens=tokens, sample=done_prefill or tokens is None,
+                         new_blocks=req.blocks[req.sent_blocks:], tokens=tokens,
+                         sample=done_prefill or tokens is None,
                          prompt_logprobs=req.want_prompt_logprobs and tokens is not None and not req.output_ids)
+        req.sent_blocks = len(req.blocks)
         if entry.prompt_logprobs and pos + n < len(req.prompt_ids):
             entry.next_token = req.prompt_ids[pos + n]
         if entry.sample and req.grammar is not None:

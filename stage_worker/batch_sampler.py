@@ -8,6 +8,11 @@ race, token = argmax(p / E) with E = -log(U) ~ Exp(1), which samples exactly fro
 hash of (request seed, position, token id) computed on the device. The token therefore still depends only on
 (seed, position), whatever else is in the batch and on whichever device or process runs it; preemption and
 recompute reproduce it. Switch: cluster key `device_sampling` (`MOEPIPE_DEVICE_SAMPLING`); off, the per-row sampler.
+
+Penalties read per-slot token counts kept on the device (`TokenCounts`): set once from the prompt and any earlier
+output when a request first samples in its slot, then advanced by each step's sampled tokens on the device, so a
+step never turns a request's history (a 30k-token agent prompt, for the repetition penalty) into a tensor again.
+Logprobs of all rows come out of one `log_softmax` (`row_logprobs`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,36 @@ class Row:
     history: list[int]                    # tokens generated so far (presence / frequency / repetition)
     prompt_ids: list[int] | None = None   # repetition penalty also counts the prompt (HF semantics)
     allowed: bytes | None = None          # packed grammar mask (shared/token_mask.py)
+    slot: int | None = None               # the request's row in `TokenCounts` (None: count from `history`)
+
+
+def uses_penalties(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or (p.repetition_penalty and p.repetition_penalty != 1.0))
+
+
+class TokenCounts:
+    """Per-slot counts of generated tokens and a per-slot 'seen in prompt or output' mask, on the device."""
+
+    def __init__(self, num_slots: int, vocab: int, device) -> None:
+        self.counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
+
+    def reset(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """A request starts sampling in `slot` (first time, or again after a preemption)."""
+        V = self.counts.shape[1]
+        dev = self.counts.device
+        self.counts[slot].zero_()
+        self.seen[slot].zero_()
+        out = torch.tensor([t for t in output_ids if 0 <= t < V], dtype=torch.long, device=dev)
+        self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        prompt = torch.tensor([t for t in prompt_ids if 0 <= t < V], dtype=torch.long, device=dev)
+        self.seen[slot, prompt] = True
+        self.seen[slot, out] = True
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each row's sampled token, counted in its slot (device tensors: no host round trip)."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.seen[slots, tokens] = True
 
 
 def _mix32(x):
@@ -71,9 +106,9 @@ def _pairs(rows: list[Row], picked: list[int], tokens, device) -> tuple[torch.Te
     return torch.tensor(b_idx, device=device), torch.tensor(t_idx, device=device)
 
 
-def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None) -> torch.Tensor:
     """[B, V] logits after bias, penalties and masks (the per-row path's `apply_logit_bias`, `apply_penalties`,
-    `apply_mask`, batched)."""
+    `apply_mask`, batched). With `counts`, penalty rows read their slot's counts instead of their `history`."""
     B, V = logits.shape
     dev = logits.device
     out = logits.float().clone()
@@ -83,6 +118,35 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         b_idx, t_idx, vals = zip(*bias)
         out.index_put_((torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)),
                        torch.tensor(vals, device=dev), accumulate=True)
+    on_device = counts is not None and all(r.slot is not None for r in rows) and counts.counts.shape[1] == V
+    if on_device and any(uses_penalties(r.params) for r in rows):
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+        # Rows without a penalty get zero weights below, whatever their slot holds.
+        freq = _column(rows, "frequency_penalty", 0.0, dev)[:, None]
+        pres = _column(rows, "presence_penalty", 0.0, dev)[:, None]
+        if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+            c = counts.counts[slots].float()
+            out = out - freq * c - pres * (c > 0)
+        rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
+        if any(r.params.repetition_penalty and r.params.repetition_penalty != 1.0 for r in rows):
+            out = torch.where(counts.seen[slots], torch.where(out > 0, out / rp, out * rp), out)
+    else:
+        out = _penalties_from_history(out, rows)
+    masked = [b for b, r in enumerate(rows) if r.allowed is not None]
+    if masked:
+        allowed = np.ones((B, V), dtype=bool)
+        for b in masked:
+            row = unpack_mask(rows[b].allowed, V)
+            if row.any():                 # a mask that allows nothing is ignored, as on the per-row path
+                allowed[b] = row
+        out = out.masked_fill(~torch.from_numpy(allowed).to(dev), float("-inf"))
+    return out
+
+
+def _penalties_from_history(out: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Penalties from each row's token lists (rows without a `TokenCounts` slot)."""
+    B, V = out.shape
+    dev = out.device
     counted = [b for b, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.history]
     if counted:
         counts = torch.zeros(B, V, device=dev)
@@ -98,14 +162,6 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         seen[_pairs(rows, repeated, lambda r: r.history + list(r.prompt_ids or []), dev)] = True
         rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
-    masked = [b for b, r in enumerate(rows) if r.allowed is not None]
-    if masked:
-        allowed = np.ones((B, V), dtype=bool)
-        for b in masked:
-            row = unpack_mask(rows[b].allowed, V)
-            if row.any():                 # a mask that allows nothing is ignored, as on the per-row path
-                allowed[b] = row
-        out = out.masked_fill(~torch.from_numpy(allowed).to(dev), float("-inf"))
     return out
 
 
@@ -137,10 +193,35 @@ def filtered_probs(adjusted: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return torch.zeros_like(adjusted).scatter_(1, ids, probs)
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None) -> torch.Tensor:
     """One token per row, [B] int64 on the logits' device: greedy rows take the first maximal adjusted logit, the
-    others race exponentials over their filtered probabilities."""
-    adjusted = adjusted_logits(logits, rows)
+    others race exponentials over their filtered probabilities. With `counts`, the sampled tokens are counted in
+    the rows' slots before returning."""
+    tokens = _draw(logits, rows, counts)
+    if counts is not None:
+        pen = [b for b, r in enumerate(rows) if r.slot is not None and uses_penalties(r.params)]
+        if pen:
+            idx = torch.tensor(pen, dtype=torch.long, device=logits.device)
+            slots = torch.tensor([rows[b].slot for b in pen], dtype=torch.long, device=logits.device)
+            counts.record(slots, tokens[idx].clamp(0, counts.counts.shape[1] - 1))
+    return tokens
+
+
+def row_logprobs(raw: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Logprob of each row's token and its `top` best, under the raw distribution (as `sampler.token_logprobs`),
+    for all rows at once: ([B], [B, top] values, [B, top] ids), on the device."""
+    lp = torch.log_softmax(raw.float(), dim=-1)
+    picked = lp.gather(1, tokens[:, None].long())[:, 0]
+    if top > 0:
+        vals, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    else:
+        vals, ids = lp[:, :0], torch.zeros(lp.shape[0], 0, dtype=torch.long, device=lp.device)
+    return picked, vals, ids
+
+
+def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None) -> torch.Tensor:
+    adjusted = adjusted_logits(logits, rows, counts)
     tokens = adjusted.argmax(dim=-1)
     sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
     if not sampled:

@@ -80,10 +80,12 @@ class LocalEngine:
             if not self.graphs.graphs:
                 self.graphs.capture()
             if self.graphs.fits(batch):
-                logits = self.graphs.run(batch)
+                # A copy: the graph's output buffer is overwritten by the next replay (`.float()` of float32
+                # logits would return that very buffer).
+                logits = self.graphs.run(batch).to(torch.float32, copy=True)
                 for seq_id, tokens in feeds:
                     self.seqs[seq_id].length += len(tokens)
-                return logits.float()
+                return logits
         hidden = None
         for stage, cache in zip(self.stages, self.caches):
             hidden = stage(batch, cache, hidden)

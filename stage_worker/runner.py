@@ -20,7 +20,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
-from stage_worker.batch_sampler import Row, sample_rows
+from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
 
@@ -42,6 +42,7 @@ class _ReqState:
     spec: SamplingSpec
     params: SamplingParams
     history: list[int] = field(default_factory=list)
+    counted_slot: int | None = None     # the TokenCounts row holding this request's counts, once set up
 
 
 class StageRunner:
@@ -60,6 +61,8 @@ class StageRunner:
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
         self.requests: dict[str, _ReqState] = {}
+        self.tables: dict[str, list[int]] = {}   # each request's KV block table, grown by its entries' new_blocks
+        self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         cfg = model.cfg
         self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
         self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
@@ -104,6 +107,7 @@ class StageRunner:
             self.ple.pop(step, None)
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self.tables.pop(rid, None)
             for key in [k for k in self.next_tokens if k[0] == rid]:
                 del self.next_tokens[key]
         if self.is_last:
@@ -124,7 +128,7 @@ class StageRunner:
             self.plans[plan.step] = prepared
 
     def _build_batch(self, plan: Plan, tokens: list[list[int]]) -> StepBatch:
-        seqs = [(toks, e.context_len, e.slot, e.block_table) for e, toks in zip(plan.entries, tokens)]
+        seqs = [(toks, e.context_len, e.slot, self._table(e)) for e, toks in zip(plan.entries, tokens)]
         batch = StepBatch.build(seqs, self.cluster.block_size, self.device)
         batch.batched_prefill = self.cluster.batched_prefill
         batch.sparse_prefill = self.cluster.qsa_sparse_prefill
@@ -138,6 +142,17 @@ class StageRunner:
                 start += e.num_tokens
             batch.logits_indices = torch.tensor(idx, dtype=torch.long, device=self.device)
         return batch
+
+    def _table(self, e) -> list[int]:
+        """The entry's whole block table: what earlier entries sent, plus its new blocks (plans arrive in order)."""
+        if e.context_len == 0:
+            self.tables[e.req_id] = list(e.new_blocks)
+        elif e.req_id in self.tables:
+            self.tables[e.req_id].extend(e.new_blocks)
+        else:
+            raise RuntimeError(f"request {e.req_id} continues at {e.context_len} but this stage has no block table "
+                               f"for it (was the stage restarted?)")
+        return self.tables[e.req_id]
 
     # ---- readiness ---------------------------------------------------------------------------------------------
     def ready(self) -> Plan | None:
@@ -196,7 +211,7 @@ class StageRunner:
             if self.is_last:
                 tokens = self._sample(plan, batch, result)
             else:
-                hidden = result
+                hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
         else:
             with record_function("stage.forward"):
                 hidden = self.model(batch, self.cache, hidden)
@@ -239,7 +254,10 @@ class StageRunner:
         outs: list[TokenOut] = []
         drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
         row = 0
-        for e, toks in zip(plan.entries, _split(batch.token_ids.tolist(), [x.num_tokens for x in plan.entries])):
+        echo = any(e.prompt_logprobs for e in plan.entries)     # only then are the fed ids needed on the host
+        fed = _split(batch.token_ids.tolist(), [x.num_tokens for x in plan.entries]) if echo \
+            else [None] * len(plan.entries)
+        for e, toks in zip(plan.entries, fed):
             n_rows = e.num_tokens if e.prompt_logprobs else (1 if e.sample else 0)
             rows = logits[row: row + n_rows]
             row += n_rows
@@ -257,19 +275,49 @@ class StageRunner:
             drawn.append((len(outs), e, state, rows[-1]))
             outs.append(TokenOut(req_id=e.req_id, position=e.context_len + e.num_tokens, token=-1,
                                  prompt_logprobs=prompt_lps))
-        if drawn and self.cluster.device_sampling:
-            specs = [Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids, e.allowed)
-                     for i, e, st, _ in drawn]
-            tokens = sample_rows(torch.stack([raw for *_, raw in drawn]), specs).tolist()   # one copy to the host
-        else:
-            tokens = [self._sample_row(raw, st, e.allowed, outs[i].position) for i, e, st, raw in drawn]
-        for (i, _, state, raw), token in zip(drawn, tokens):
+        if not drawn:
+            return outs
+        if self.cluster.device_sampling:
+            self._sample_batched(drawn, outs)
+            return outs
+        for i, e, state, raw in drawn:
+            token = self._sample_row(raw, state, e.allowed, outs[i].position)
             state.history.append(token)
             outs[i].token = token
             if state.params.logprobs is not None:
                 outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
                                                                                      state.params.logprobs)
         return outs
+
+    def _sample_batched(self, drawn: list, outs: list[TokenOut]) -> None:
+        """All of a step's rows on the device: penalties from per-slot token counts, one copy of the tokens (and
+        one of the logprobs, when asked) to the host."""
+        raw = torch.stack([r for *_, r in drawn])
+        if self.counts is None and any(uses_penalties(st.params) for _, _, st, _ in drawn):
+            self.counts = TokenCounts(self.cluster.max_num_seqs + 1, raw.shape[-1], raw.device)
+        specs = []
+        for i, e, st, _ in drawn:
+            if self.counts is not None and uses_penalties(st.params) and st.counted_slot != e.slot:
+                self.counts.reset(e.slot, st.spec.prompt_ids, st.history)   # first sample here, or after preemption
+                st.counted_slot = e.slot
+            specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
+                             e.allowed, slot=e.slot if self.counts is not None else None))
+        sampled = sample_rows(raw, specs, self.counts)
+        want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
+        if want:
+            top = max(drawn[b][2].params.logprobs for b in want)
+            idx = torch.tensor(want, dtype=torch.long, device=raw.device)
+            lp, vals, ids = row_logprobs(raw[idx], sampled[idx], top)
+        tokens = sampled.tolist()                                            # the step's one wait for the device
+        if want:
+            lp, vals, ids = lp.tolist(), vals.tolist(), ids.tolist()
+        for (i, _, state, _), token in zip(drawn, tokens):
+            state.history.append(token)
+            outs[i].token = token
+        for j, b in enumerate(want):
+            i, _, state, _ = drawn[b]
+            k = state.params.logprobs
+            outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = lp[j], ids[j][:k], vals[j][:k]
 
     @staticmethod
     def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int) -> int:

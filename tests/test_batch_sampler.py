@@ -96,3 +96,39 @@ def test_a_row_with_nothing_left_gets_a_defined_token():
     logits = torch.full((2, V), float("-inf"))
     logits[1, 9] = 0.0
     assert bs.sample_rows(logits, rows).tolist() == [0, 9]
+
+
+def test_token_counts_on_the_device_give_the_history_s_penalties_step_after_step():
+    """Penalties read from per-slot counts (set from the prompt and earlier output once, then advanced by each
+    sampled token on the device) equal penalties rebuilt from the token lists at every step."""
+    rows = _rows(24, seed=7)
+    counts = bs.TokenCounts(num_slots=30, vocab=V, device="cpu")
+    slotted = []
+    for b, r in enumerate(rows):
+        slot = 29 - b
+        counts.reset(slot, r.prompt_ids, r.history)
+        slotted.append(bs.Row(r.params, r.seed, r.position, list(r.history), r.prompt_ids, r.allowed, slot=slot))
+    g = torch.Generator().manual_seed(8)
+    for step in range(6):
+        logits = torch.randn(len(rows), V, generator=g) * 2
+        ref = bs.adjusted_logits(logits, rows)
+        assert torch.allclose(bs.adjusted_logits(logits, slotted, counts), ref, atol=1e-5), step
+        tokens = bs.sample_rows(logits, slotted, counts)
+        assert torch.equal(tokens, bs.sample_rows(logits, rows)), step
+        for r, s, t in zip(rows, slotted, tokens.tolist()):
+            r.history.append(t)
+            s.history.append(t)
+            r.position += 1
+            s.position += 1
+
+
+def test_batched_logprobs_equal_the_per_row_ones():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(9)) * 3
+    tokens = torch.tensor([0, 5, 63, 7, 7])
+    lp, vals, ids = bs.row_logprobs(logits, tokens, 3)
+    for b in range(5):
+        ref_lp, ref_ids, ref_vals = sampler.token_logprobs(logits[b], int(tokens[b]), 3)
+        assert abs(float(lp[b]) - ref_lp) < 1e-6
+        assert ids[b].tolist() == ref_ids and torch.allclose(vals[b], torch.tensor(ref_vals), atol=1e-6)
+    lp0, vals0, ids0 = bs.row_logprobs(logits, tokens, 0)
+    assert vals0.shape == (5, 0) and ids0.shape == (5, 0) and torch.allclose(lp0, lp)

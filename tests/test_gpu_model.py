@@ -99,7 +99,8 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
 
 def test_a_ple_stage_replays_graphs_with_its_host_table(tiny_checkpoint):
     """The tiny checkpoint's real, memory-mapped PLE table (not the procedural one): decode steps replay graphs
-    that read the rows the stage gathered before the replay, and give the eager step's logits."""
+    that read the rows the stage gathered before the replay, and give the eager step's logits. (Its first run
+    found the harness returning the graph's output buffer itself for float32 logits: every step read the last.)"""
     from stage_worker.checkpoint.loader import load_model
 
     model = load_model(tiny_checkpoint, LoadOptions(device="cuda"))
@@ -110,9 +111,5 @@ def test_a_ple_stage_replays_graphs_with_its_host_table(tiny_checkpoint):
     with torch.inference_mode():
         eager = _teacher_forced(model, prompts, forced)
         graphed = _teacher_forced(model, prompts, forced, graphs=True)
-    worst, mean, agree = _compare(eager, graphed)
-    print(f"PLE stage, graphs vs eager (float32): max |diff| {worst:.2e}, mean {mean:.2e} of the logits' spread, "
-          f"top-1 {agree:.3f}")
-    # The eager decode and the graph run the same kernels but the MoE kernel's eager variant groups rows by
-    # expert with host counts: float32 sums in another order, carried through 24 recurrent steps.
-    assert mean < 1e-3 and agree >= 0.99, (worst, mean, agree)
+    # The same kernels in the same order, eager or replayed: identical (H200, float32 and bf16, 2026-12-01).
+    assert torch.equal(graphed, eager), _compare(eager, graphed)

@@ -33,6 +33,7 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
     flying: list = []
     stage0: dict[tuple[str, int], int] = {}          # what stage 0 holds from the last stage's Sampled messages
     fed: dict[str, int] = {}                         # tokens each request has fed, as the PLE service counts them
+    tables: dict[str, list[int]] = {}                # each request's block table, as the stages hold it
     for _ in range(max_steps):
         for _ in range(sched.depth):
             for mb in sched.idle_microbatches():
@@ -45,6 +46,7 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                 assert not set(plan.finished) & in_flight, plan.finished
                 for rid in plan.finished:
                     fed.pop(rid, None)
+                    tables.pop(rid, None)
                     for key in [k for k in stage0 if k[0] == rid]:
                         del stage0[key]
                 for e in plan.entries:
@@ -57,7 +59,10 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                     assert len(owned) == len(set(owned))
                     assert len(owned) + sched.blocks.free_blocks == sched.blocks.num_blocks
                     for e in plan.entries:
-                        assert len(e.block_table) * sched.block_size >= e.context_len + e.num_tokens
+                        # Stages grow each request's table by the entry's new blocks (all of them at position 0).
+                        tables[e.req_id] = (tables.get(e.req_id, []) if e.context_len else []) + e.new_blocks
+                        assert len(tables[e.req_id]) * sched.block_size >= e.context_len + e.num_tokens
+                        assert tables[e.req_id] == sched.running[e.req_id].blocks
                     flying.append(plan)
         if not flying:
             break
@@ -215,3 +220,17 @@ def test_full_queue_is_refused():
     sched.add(_req(1, 3, 1))
     with pytest.raises(OverflowError):
         sched.add(_req(2, 3, 1))
+
+
+def test_plans_carry_only_new_block_ids():
+    sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                      num_microbatches=1, max_model_len=4096)
+    sched.add(_req(0, 20, 30))
+    sent = []
+    while (plan := sched.schedule(0)) is not None and plan.entries:
+        (e,) = plan.entries
+        sent.append((e.context_len, list(e.new_blocks)))
+        sched.on_result(0, [TokenOut("r0", e.context_len + e.num_tokens, 5)])
+    assert sent[0] == (0, [0, 1])                   # the prompt's two blocks
+    # then one block each time a position starts a new block (50 tokens in all: blocks at 32 and 48)
+    assert [(pos, len(new)) for pos, new in sent if new] == [(0, 2), (32, 1), (48, 1)]
