@@ -112,11 +112,13 @@ def _assert_same(a: list[list], b: list[list]) -> None:
             assert pa[0] is None and pb[0] is None and pa[1:] == pytest.approx(pb[1:], abs=1e-4)
 
 
-def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, reference):
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, reference, plan_ahead):
     # Three stages (three micro-batches), 8-token prefill chunks, and 8 blocks of 16 tokens for eight requests
     # that need up to 4 blocks each: the scheduler must chunk prompts and preempt requests to finish them all.
+    # With plan-ahead off too (its switch serves the same tokens).
     core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8,
-                             max_num_batched_tokens=8, num_blocks=8, block_size=16)
+                             max_num_batched_tokens=8, num_blocks=8, block_size=16, async_scheduling=plan_ahead)
     try:
         out = _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
         assert core.scheduler.num_preemptions > 0
