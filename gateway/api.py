@@ -277,6 +277,7 @@ class _Server:
     # ---- parsing and prompt preparation ------------------------------------------------------------------------
 
     async def parse(self, request: Request, model: type[T]) -> T:
+        errors.require_json(request)
         raw = await errors.read_body(request, self.max_body_bytes)
         req = errors.validate(model, errors.parse_json_body(raw))
         if req.model is not None and req.model != self.model_name:

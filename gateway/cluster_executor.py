@@ -34,6 +34,7 @@ class ClusterExecutor:
         self.state = {c: ComponentState() for c in self.components}
         self.metrics = None
         self._busy_marks: dict[str, tuple[float, float]] = {}
+        self._restarted: set[str] = set()     # components heard from with a new pid: their steps in flight are lost
         self._ctx: zmq.Context | None = None
 
     def start(self) -> None:
@@ -101,16 +102,26 @@ class ClusterExecutor:
     def lost(self) -> list[str]:
         return [c for c in self.health() if self.state[c].last_seen > 0]
 
+    def restarted(self) -> list[str]:
+        """Components heard from with a new pid since the last call: whatever they held died with the old one."""
+        out, self._restarted = sorted(self._restarted), set()
+        return out
+
     # ---- heartbeats and their metrics --------------------------------------------------------------------------
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         st = self.state.setdefault(msg.component, ComponentState())
+        if st.pid and msg.pid != st.pid:
+            log.warning("gateway: %s restarted (pid %d -> %d)", msg.component, st.pid, msg.pid)
+            self._restarted.add(msg.component)
         now = time.time()
         st.last_seen, st.pid, st.stats = now, msg.pid, msg.stats
         if self.metrics is None:
             return
+        if "restarts" in msg.stats:
+            self.metrics.set_restarts(msg.component, msg.stats["restarts"])
         if msg.component.startswith("stage"):
             busy = msg.stats.get("busy_seconds", 0.0)
             prev = self._busy_marks.get(msg.component)

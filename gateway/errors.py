@@ -22,7 +22,8 @@ from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable
 
 __all__ = [
     "APIError", "error_body", "invalid_request", "context_length_exceeded", "model_not_found", "from_validation",
-    "parse_json_body", "read_body", "engine_error", "internal_error", "install_error_handlers", "validate",
+    "parse_json_body", "read_body", "require_json", "engine_error", "internal_error", "install_error_handlers",
+    "validate",
 ]
 
 log = logging.getLogger("moepipe.gateway")
@@ -111,6 +112,19 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
     return data
+
+
+def require_json(request: Request) -> None:
+    """415 for a body declared as anything but JSON. A browser page can POST text/plain, form or multipart bodies
+    to any origin without asking (no CORS preflight); refusing them keeps a web page from driving a local server
+    (issue 15). A request with no Content-Type at all is read as JSON (raw sockets, some scripts)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"The request body must be JSON (Content-Type: application/json), not {media or '?'}.",
+                       code="unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -1,5 +1,6 @@
 """`moepipe serve`: start the PLE service, the stage workers and the gateway on this machine, wait until /health
-answers 200, print the URL, forward Ctrl-C / SIGTERM and leave no process behind.
+answers 200, print the URL, restart a stage or the PLE service that dies, forward Ctrl-C / SIGTERM and leave no
+process behind.
 
 Each process is the same program an operator runs alone from the cluster config (see deploy/), so the one-command
 path and the systemd path cannot drift apart.
@@ -7,8 +8,10 @@ path and the systemd path cannot drift apart.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +23,10 @@ from pathlib import Path
 
 from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
 from shared.model_config import Qwen4ExpConfig, load_config
+from shared.parent_watch import RESTARTS_ENV
+
+STABLE_SECONDS = 600.0      # a component up this long has its restart count reset
+MAX_BACKOFF = 30.0
 
 
 @dataclass
@@ -80,6 +87,26 @@ def commands(cluster: ClusterConfig, config_path: Path, verbose: bool) -> list[t
     return cmds
 
 
+def ple_stage_indices(cluster: ClusterConfig) -> list[int]:
+    """The stages holding a PLE layer (they map the PLE service's ring)."""
+    layers = [i - 1 for i in getattr(load_config(cluster.model), "ple_layer_ids", None) or []]
+    return [k for k, s in enumerate(cluster.stages) if any(s.start <= layer < s.end for layer in layers)]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start on a port something already listens on (an orphaned server would answer our health probe
+    and we would report serving while it does)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise RuntimeError(f"port {port} on {host} is already in use (another moepipe serve?); "
+                                   f"stop it or pass --port") from None
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 class Cluster:
     """The child processes of one `serve`; a context manager that always cleans up."""
 
@@ -96,16 +123,46 @@ class Cluster:
         self.config_path = self.run_dir / "cluster.toml"
         self.config_path.write_text(dump_toml(self.cluster))
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands = dict(commands(self.cluster, self.config_path, opts.verbose))
+        self.started_at: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
 
     @property
     def url(self) -> str:
         return f"http://{self.cluster.host}:{self.cluster.port}"
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for name, cmd in commands(self.cluster, self.config_path, self.opts.verbose):
-            # A new session per child: Ctrl-C in the terminal reaches only us, and we stop them in order.
-            self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        check_port_free(self.cluster.host, self.cluster.port)
+        for name in self.commands:
+            self._spawn(name)
+
+    def _spawn(self, name: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", RESTARTS_ENV: str(self.restarts.get(name, 0))}
+        # A new session per child: Ctrl-C in the terminal reaches only us, and we stop them in order.
+        self.procs[name] = subprocess.Popen(self.commands[name], env=env, start_new_session=True)
+        self.started_at[name] = time.time()
+
+    def restart(self, name: str) -> list[str]:
+        """Start `name` again; returns what else had to be restarted with it. A new PLE service writes a new ring,
+        which the stages holding PLE layers map only at start: they are restarted too."""
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        also = []
+        if name == "ple":
+            Path(self.cluster.ple_ring).unlink(missing_ok=True)     # stages then wait for the new one
+            also = [f"stage{i}" for i in ple_stage_indices(self.cluster)]
+            for other in also:
+                p = self.procs.get(other)
+                if p is not None and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+        self._spawn(name)
+        for other in also:
+            self._spawn(other)
+        return also
 
     def wait_healthy(self, should_stop=lambda: False) -> None:
         deadline = time.time() + self.opts.startup_timeout
@@ -171,20 +228,55 @@ def run_serve(opts: ServeOptions) -> int:
         cluster.wait_healthy(lambda: stop["flag"])
         print(f"moepipe: serving {cluster.cluster.served_model_name} at {cluster.url}/v1  (Ctrl-C stops)",
               flush=True)
-        reported: set[str] = set()
+        watch = Supervisor(cluster)
         while not stop["flag"]:
             time.sleep(0.2)
             if cluster.procs["gateway"].poll() is not None:
                 print("moepipe: the gateway exited; stopping", file=sys.stderr)
                 return 1
-            for name, p in cluster.procs.items():
-                if p.poll() is not None and name not in reported:
-                    # Keep serving /health (503 naming it) so operators and clients see what failed.
-                    print(f"moepipe: {name} exited with {p.returncode}; /health now reports it", file=sys.stderr)
-                    reported.add(name)
+            watch.check()
         return 0
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)
         return 1
     finally:
         cluster.stop()
+
+
+class Supervisor:
+    """Restarts a stage or the PLE service that died, `restart_limit` times in a row with exponential backoff (1, 2,
+    4 ... 30 s); a component that stayed up STABLE_SECONDS starts its count again. Requests in flight on it end with
+    an error (the engine core's watchdog); `/health` is 503 naming it until it heartbeats again. The gateway is
+    not restarted: it holds the scheduler, and every stage's state refers to its plans."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.limit = cluster.cluster.restart_limit
+        self.due: dict[str, float] = {}            # component -> when to restart it
+        self.given_up: set[str] = set()
+
+    def check(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        c = self.cluster
+        for name, p in list(c.procs.items()):
+            if name == "gateway" or p.poll() is None or name in self.given_up:
+                continue
+            if name not in self.due:
+                if now - c.started_at.get(name, now) >= STABLE_SECONDS:
+                    c.restarts[name] = 0
+                tries = c.restarts.get(name, 0)
+                if tries >= self.limit:
+                    print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
+                          f"({tries} restarts, restart_limit {self.limit}); /health reports it", file=sys.stderr)
+                    self.given_up.add(name)
+                    continue
+                delay = min(MAX_BACKOFF, 2.0 ** tries)
+                print(f"moepipe: {name} exited with {p.returncode}; restarting it in {delay:.0f} s", file=sys.stderr)
+                self.due[name] = now + delay
+            elif now >= self.due[name]:
+                del self.due[name]
+                also = c.restart(name)
+                for other in also:
+                    self.due.pop(other, None)
+                print(f"moepipe: restarted {name}{' with ' + ', '.join(also) if also else ''}", file=sys.stderr)
+

@@ -11,6 +11,7 @@ import sys
 
 import uvicorn
 
+from gateway.access import AccessControl, default_allowed_hosts
 from gateway.access_log import AccessLogMiddleware, configure_logger
 from gateway.cluster_executor import ClusterExecutor
 from gateway.engine import AsyncEngine
@@ -40,6 +41,8 @@ async def serve(config_path: str) -> int:
     tokenizer = Tokenizer.from_dir(cluster.model)
     app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
+    app = AccessControl(app, api_key=cluster.api_key,
+                        allowed_hosts=cluster.allowed_hosts or default_allowed_hosts(cluster.host))
     if cluster.access_log:      # ours replaces uvicorn's: it also has the request id, tokens, TTFT, finish reason
         app = AccessLogMiddleware(app, configure_logger(True))
     core.start()

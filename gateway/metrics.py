@@ -86,6 +86,8 @@ class Metrics:
                                     buckets=STEP_BUCKETS, registry=r)
         self.stage_busy = Gauge("moepipe_stage_busy_fraction", "Fraction of recent wall time a stage computed",
                                 ["stage"], registry=r)
+        self.restarts = Gauge("moepipe_component_restarts", "Times the launcher restarted a component after it died",
+                              ["component"], registry=r)
         self.stage_transfer = Histogram(
             "moepipe_stage_transfer_seconds", "A step's activations between stages: from the end of the sender's "
             "compute to their arrival at the receiver (device-to-host copy, serialisation, ZeroMQ)",
@@ -121,6 +123,9 @@ class Metrics:
 
     def set_stage_busy(self, stage: str | int, fraction: float) -> None:
         self.stage_busy.labels(stage=str(stage)).set(min(max(fraction, 0.0), 1.0))
+
+    def set_restarts(self, component: str, count: float) -> None:
+        self.restarts.labels(component=component).set(count)
 
     def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
                        gather_seconds: float | None = None, stage_wait_seconds: float | None = None) -> None:

@@ -25,10 +25,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16                  # choices per prompt; each is its own engine request
 MAX_CHOICES = 64            # prompts x n in one completions request
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1     # what torch.Generator.manual_seed accepts
+MAX_TEMPERATURE = 100.0     # above ~10 every distribution is flat anyway; keeps logits / T finite
+MIN_TOP_P = 1e-6            # smaller values keep only the most likely token, as this does
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and +-Infinity are refused in every number field (JSON has neither, but Python's json module reads them).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -57,11 +61,13 @@ class _Sampling(_Request):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Bounds (docs/agents.md, "Sampling parameters"): finite; top_p and repetition_penalty no smaller than what
+    # float32 sampling still tells from 0 (1e-30 would underflow to a division by zero on the device).
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)          # -1 and 0 both mean "off" (vLLM uses -1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)

@@ -18,7 +18,7 @@ import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 from shared.model_config import load_config
-from shared.parent_watch import die_with_parent
+from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, Message, Plan, ProtocolError, Sampled, Shutdown, decode, encode
 
 log = logging.getLogger("ple_service")
@@ -84,7 +84,8 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
         while not stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                _send(gateway, Heartbeat(component="ple", pid=os.getpid(), stats=service.stats()), stop, wait=False)
+                _send(gateway, Heartbeat(component="ple", pid=os.getpid(),
+                                         stats={**service.stats(), "restarts": restart_count()}), stop, wait=False)
                 next_beat = now + cluster.heartbeat_interval
             if not poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))):
                 continue

@@ -82,8 +82,10 @@ def serve_options(args: argparse.Namespace):
         extra["ple_service"] = False
     if args.no_access_log:
         extra["access_log"] = False
+    if args.allowed_hosts is not None:
+        extra["allowed_hosts"] = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
-                "load_format", "kv_cache_memory"):
+                "load_format", "kv_cache_memory", "api_key", "restart_limit"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
     return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
@@ -137,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB of KV blocks per stage when --num-blocks is not given (default 4; on a GPU at "
                         "least one --max-model-len sequence)")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--restart-limit", type=int, default=None, metavar="N",
+                   help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY)")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host names to answer, '*' for any (default: loopback names when bound to "
+                        "a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")
     s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                    help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
     s.add_argument("--no-ple-service", action="store_true",

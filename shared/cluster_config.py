@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,10 @@ class ClusterConfig:
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
+    restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
+    api_key: str = ""                           # "" = none; else /v1 routes need "Authorization: Bearer <key>"
+    allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
+                                                # loopback, any otherwise (gateway/access.py); ["*"] = any
     seed: int = 0
 
     @property
@@ -91,12 +95,16 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
-        for name in ("block_size", "num_blocks", "ple_ring_slots"):
+        for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
         if not self.kv_cache_memory >= 0:
             raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB (or 0 for the default), "
                                      f"got {self.kv_cache_memory}")
+        if not isinstance(self.api_key, str):
+            raise ClusterConfigError("cluster config: api_key must be a string")
+        if not isinstance(self.allowed_hosts, list) or not all(isinstance(h, str) and h for h in self.allowed_hosts):
+            raise ClusterConfigError("cluster config: allowed_hosts must be a list of host names (or [\"*\"])")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
@@ -152,7 +160,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
-        "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory"}
+        "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
+        "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -161,10 +170,12 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            if key in ("microbatches", "threads_per_stage"):
+            if key in ("microbatches", "threads_per_stage", "restart_limit"):
                 out[key] = int(val)
-            elif key in ("kernels", "dtype"):
+            elif key in ("kernels", "dtype", "api_key"):
                 out[key] = val
+            elif key == "allowed_hosts":
+                out[key] = [h.strip() for h in val.split(",") if h.strip()]
             elif key == "kv_cache_memory":
                 out[key] = _float_env(env, val)
             else:
@@ -233,6 +244,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     raise TypeError(f"cannot write {v!r} as TOML")

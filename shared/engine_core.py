@@ -83,6 +83,9 @@ class Executor(Protocol):
     def lost(self) -> list[str]:
         """Components that were up and stopped answering: the requests in flight cannot finish."""
 
+    def restarted(self) -> list[str]:
+        """Components that came back as a new process since the last call (state lost, serving again)."""
+
     def stop(self) -> None: ...
 
 
@@ -254,6 +257,9 @@ class EngineCore:
                                 drops.extend(self._on_stage_error(msg))
                         except Exception:   # one message must not stop the core
                             log.exception("engine core: failed to handle %s", type(msg).__name__)
+                    back = self.executor.restarted()
+                    if back:
+                        drops.extend(self._fail_running(back, keep_waiting=True))
                     if time.monotonic() >= next_watch:
                         next_watch = time.monotonic() + self.limits.watchdog_interval
                         drops.extend(self._watchdog())
@@ -290,7 +296,7 @@ class EngineCore:
             for i, out in enumerate(events):
                 last = i == len(events) - 1
                 if last and req.finished == "error":
-                    sink(EngineFailed(req.grammar_error or "generation failed"))
+                    sink(EngineFailed(req.error or "generation failed"))
                     break
                 top = list(zip(out.top_ids, out.top_logprobs)) if out.top_ids else ([] if out.logprob is not None
                                                                                    else None)
@@ -318,9 +324,16 @@ class EngineCore:
         lost = self.executor.lost()
         if not lost or not (self.scheduler.num_running or self.scheduler.num_waiting):
             return []
-        err = EngineFailed(f"{', '.join(lost)} stopped responding")
+        return self._fail_running(lost, keep_waiting=False)
+
+    def _fail_running(self, components: list[str], keep_waiting: bool) -> list[Plan]:
+        """Components died (or came back empty): fail the requests their state was part of; with `keep_waiting`
+        (they are serving again) the queued ones stay queued."""
+        if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting)):
+            return []
+        err = EngineFailed(f"{', '.join(components)} stopped responding")
         steps = self.scheduler.in_flight_steps()
-        failed = self.scheduler.fail_all("error")
+        failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
         for req in failed:
             sink = self._sinks.pop(req.req_id, None)
             if sink is not None:

@@ -26,3 +26,14 @@ def die_with_parent(parent_pid: int | None) -> None:
         return                                   # no prctl: behave as before rather than fail to start
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+RESTARTS_ENV = "MOEPIPE_RESTARTS"
+
+
+def restart_count() -> int:
+    """How often the launcher has restarted this component (it sets MOEPIPE_RESTARTS; heartbeats report it)."""
+    try:
+        return int(os.environ.get(RESTARTS_ENV, "0"))
+    except ValueError:
+        return 0

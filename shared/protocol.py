@@ -109,6 +109,7 @@ class TokenOut:
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     prompt_logprobs: list[float] | None = None   # logprob of each fed token after the first, given its prefix
+    error: str | None = None         # this request failed inside the step (token -1): the others of the step go on
 
 
 @dataclass

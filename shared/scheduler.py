@@ -48,7 +48,7 @@ class Request:
     events: list[TokenOut] = field(default_factory=list)   # results not yet consumed by the API layer
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: Any = None                # structured output: a gateway.grammar.GrammarState (mask, accept, finished)
-    grammar_error: str | None = None
+    error: str | None = None           # why the request failed (grammar violation, a stage's per-request error)
     ahead_fed: int = 0                 # tokens fed by plans in flight (computed once their results are back)
     ahead_samples: int = 0             # tokens plans in flight will sample
     inflight: int = 0                  # plans in flight that hold this request
@@ -282,6 +282,12 @@ class Scheduler:
             out = by_id.get(entry.req_id)
             if out is None:
                 continue
+            if out.error:                      # this request alone failed inside the step (its sampling)
+                req.error = out.error
+                req.events.append(out)
+                touched.append(req)
+                self.release(req, "error")
+                continue
             if out.prompt_logprobs:
                 req.prompt_logprobs.extend(out.prompt_logprobs)
             if out.token < 0:
@@ -291,7 +297,7 @@ class Scheduler:
             req.events.append(out)
             touched.append(req)
             if req.grammar is not None and not req.grammar.accept(out.token):
-                req.grammar_error = f"token {out.token} was sampled outside the grammar"
+                req.error = f"token {out.token} was sampled outside the grammar"
                 self.release(req, "error")
                 continue
             reason = self._finish_reason(req)
@@ -347,15 +353,17 @@ class Scheduler:
             return "length"
         return None
 
-    def fail_all(self, reason: str) -> list[Request]:
-        failed = list(self.running.values()) + list(self.waiting)
+    def fail_all(self, reason: str, keep_waiting: bool = False) -> list[Request]:
+        """End every running request (and, unless `keep_waiting`, every waiting one) with `reason`; frees all."""
+        failed = list(self.running.values()) + ([] if keep_waiting else list(self.waiting))
         for req in failed:
             req.finished = reason
         for req in failed + list(self.draining.values()):
             self._free(req)
             req.inflight = req.ahead_fed = req.ahead_samples = 0
         self.running.clear()
-        self.waiting.clear()
+        if not keep_waiting:
+            self.waiting.clear()
         self.draining.clear()
         self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed

@@ -90,6 +90,9 @@ class InProcessExecutor:
     def lost(self) -> list[str]:
         return []
 
+    def restarted(self) -> list[str]:
+        return []
+
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
 

@@ -21,7 +21,7 @@ import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, stage_name
 from shared.model_config import load_config
-from shared.parent_watch import die_with_parent
+from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker.profiling import StepProfiler
 from stage_worker.runner import StageRunner
@@ -52,7 +52,8 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: Sta
     sock.connect(cluster.gateway_endpoint)
     while not stop.is_set():
         try:
-            sock.send_multipart(encode(Heartbeat(component=name, pid=os.getpid(), stats=runner.stats())),
+            stats = {**runner.stats(), "restarts": restart_count()}
+            sock.send_multipart(encode(Heartbeat(component=name, pid=os.getpid(), stats=stats)),
                                 flags=zmq.NOBLOCK)
         except zmq.Again:
             pass

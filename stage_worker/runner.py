@@ -7,6 +7,7 @@ still computing (002 §3.2 measured that stall at 3 ms a step when preparation w
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,9 @@ from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
+
+
+log = logging.getLogger("moepipe.stage")
 
 
 @dataclass
@@ -278,15 +282,27 @@ class StageRunner:
         if not drawn:
             return outs
         if self.cluster.device_sampling:
-            self._sample_batched(drawn, outs)
-            return outs
+            try:
+                self._sample_batched(drawn, outs)
+                return outs
+            except Exception as exc:   # sample row by row instead: a failure then fails its own request only
+                log.warning("stage %d: batched sampling failed (%s: %s); sampling this step row by row",
+                            self.index, type(exc).__name__, exc)
+                for _, _, state, _ in drawn:
+                    state.counted_slot = None  # its device counts may have taken the abandoned draw: rebuild
         for i, e, state, raw in drawn:
-            token = self._sample_row(raw, state, e.allowed, outs[i].position)
+            try:
+                token = self._sample_row(raw, state, e.allowed, outs[i].position)
+                if state.params.logprobs is not None:
+                    outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
+                                                                                         state.params.logprobs)
+            except Exception as exc:   # one request's parameters must not fail the step's other requests
+                log.warning("stage %d: request %s failed sampling: %s: %s", self.index, e.req_id,
+                            type(exc).__name__, exc)
+                outs[i].error = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
             state.history.append(token)
             outs[i].token = token
-            if state.params.logprobs is not None:
-                outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
-                                                                                     state.params.logprobs)
         return outs
 
     def _sample_batched(self, drawn: list, outs: list[TokenOut]) -> None:

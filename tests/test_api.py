@@ -342,6 +342,9 @@ GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_p": 0}, "top_p"),
+    ({"top_p": 1e-46}, "top_p"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"temperature": 1e9}, "temperature"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -392,6 +395,26 @@ def test_malformed_bodies(served):
     for raw in (b'{"model": "\xff\xfe"}', b'{"model": ', b"[1, 2]", b"", b'"just a string"', b"[" * 100000):
         _assert_error(served.post("/v1/chat/completions", content=raw,
                                   headers={"content-type": "application/json"}), 400)
+
+
+def test_bodies_must_be_declared_as_json(served):
+    """A web page can send text/plain, form or multipart bodies cross-origin without a preflight: refused."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        err = _assert_error(served.post("/v1/completions", content=body, headers={"content-type": kind}), 415)
+        assert err["code"] == "unsupported_media_type"
+    for kind in ("application/json", "application/json; charset=utf-8", "application/vnd.api+json"):
+        assert served.post("/v1/completions", content=body, headers={"content-type": kind}).status_code == 200
+
+
+def test_non_finite_numbers_are_refused(served):
+    """Python's json reads NaN and Infinity; no sampling field takes them."""
+    for field in ("temperature", "top_p", "presence_penalty", "repetition_penalty", "min_p"):
+        for value in (b"NaN", b"Infinity", b"-Infinity"):
+            raw = b'{"model": "%s", "prompt": "x", "max_tokens": 1, "%s": %s}' % (MODEL.encode(), field.encode(),
+                                                                               value)
+            _assert_error(served.post("/v1/completions", content=raw,
+                                      headers={"content-type": "application/json"}), 400, field)
 
 
 def test_lone_surrogates_are_refused(served):

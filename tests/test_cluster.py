@@ -231,10 +231,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
+    """With restarts off (--restart-limit 0; tests/test_self_healing.py has them on): the dead stage is reported."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny), "--stages", "2",
-                                 "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 "--port", str(port), "--restart-limit", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
         wait_healthy(url)

@@ -1,0 +1,68 @@
+"""Access control on a real `moepipe serve` (issue 15): the API key on /v1 routes (401 without it, through the
+official client and raw httpx), /health and /metrics open, a forged Host refused (DNS rebinding), and the
+config's parsing of the keys and their environment variables."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import free_port
+from gateway.access import _hostname, default_allowed_hosts
+from gateway.launcher import Cluster, ServeOptions
+from shared.cluster_config import ClusterConfigError, env_overrides
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(), extra={"api_key": KEY})
+    with Cluster(opts) as c:
+        yield c
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_the_key_is_required_on_v1_routes(server):
+    ok = _client(server.url, KEY).completions.create(model="moepipe", prompt="hi", max_tokens=2, temperature=0)
+    assert ok.choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError) as err:
+        _client(server.url, "wrong").completions.create(model="moepipe", prompt="hi", max_tokens=2)
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    for headers in ({}, {"authorization": "Basic " + KEY}, {"authorization": "Bearer " + KEY + "x"}):
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers={"authorization": "bearer " + KEY}).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_a_forged_host_is_refused(server):
+    port = server.cluster.port
+    auth = {"authorization": "Bearer " + KEY}
+    r = httpx.get(server.url + "/v1/models", headers={**auth, "host": f"evil.example:{port}"})
+    assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request"
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert httpx.get(server.url + "/v1/models", headers={**auth, "host": host}).status_code == 200
+    assert httpx.get(server.url + "/health", headers={"host": "evil.example"}).status_code == 200
+
+
+def test_hosts_and_keys_from_config_and_environment(monkeypatch):
+    assert default_allowed_hosts("127.0.0.1") == ["localhost", "127.0.0.1", "::1"]
+    assert default_allowed_hosts("::1") == default_allowed_hosts("localhost") == default_allowed_hosts("127.0.0.1")
+    assert default_allowed_hosts("0.0.0.0") == ["*"] and default_allowed_hosts("myhost.lan") == ["*"]
+    assert [_hostname(h) for h in ("[::1]:8000", "Example.COM:80", "::1", "localhost")] == \
+        ["::1", "example.com", "::1", "localhost"]
+    monkeypatch.setenv("MOEPIPE_API_KEY", "k")
+    monkeypatch.setenv("MOEPIPE_ALLOWED_HOSTS", "a.lan, b.lan")
+    assert env_overrides()["api_key"] == "k" and env_overrides()["allowed_hosts"] == ["a.lan", "b.lan"]
+    from shared.cluster_config import cluster_from_dict
+
+    base = {"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc://x"}], "gateway_endpoint": "ipc://g"}
+    monkeypatch.delenv("MOEPIPE_ALLOWED_HOSTS")
+    with pytest.raises(ClusterConfigError, match="allowed_hosts"):
+        cluster_from_dict({**base, "allowed_hosts": "a.lan"})

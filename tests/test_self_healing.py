@@ -1,0 +1,124 @@
+"""Self-healing (issue 15) on a real `moepipe serve --stages 2` with the PLE service: each component in turn is
+SIGKILLed while a request streams; the stream ends (tokens or a clean error, never a hang), the launcher restarts
+the component (the PLE service with the stages that map its ring), `/health` is 200 again within the bound, the
+restart is counted in /metrics, and a greedy request gets exactly the tokens it got before any fault. Also: a port
+already in use is refused at start with a message naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import APIError, AsyncOpenAI
+
+from conftest import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAL_BOUND_S = 20.0        # kill -> /health 200 again: 4.8-6.4 s measured on an idle 2-core machine; slack for CI
+
+
+def _component_pids(launcher_pid: int) -> dict[str, int]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            args = (d / "cmdline").read_text().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if "stage_worker" in args:
+            out[f"stage{args[args.index('--stage') + 1]}"] = int(d.name)
+        elif "ple_service" in args:
+            out["ple"] = int(d.name)
+        elif "gateway" in args:
+            out["gateway"] = int(d.name)
+    return out
+
+
+def _greedy(url: str) -> str:
+    r = httpx.post(url + "/v1/completions", timeout=60, json={"model": "moepipe", "prompt": "The quick brown fox",
+                                                             "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+async def _stream_and_kill(url: str, pid: int) -> str:
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=60, max_retries=0)
+    stream = await client.completions.create(model="moepipe", prompt="hello", max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True})
+    n = 0
+    try:
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                os.kill(pid, signal.SIGKILL)
+    except APIError:
+        return "error"
+    return "done"
+
+
+def _restarts(url: str, component: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'moepipe_component_restarts{{component="{component}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--stages", "2", "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, launcher)
+        before = _greedy(url)
+        healed = {}
+        for victim in ("stage1", "ple", "stage0"):
+            pids = _component_pids(launcher.pid)
+            assert victim in pids, pids
+            t0 = time.time()
+            outcome = asyncio.run(_stream_and_kill(url, pids[victim]))
+            assert outcome in ("error", "done")
+            time.sleep(0.5)
+            deadline = t0 + HEAL_BOUND_S
+            while time.time() < deadline:
+                if httpx.get(url + "/health", timeout=2).status_code == 200 and \
+                        _component_pids(launcher.pid).get(victim) not in (None, pids[victim]):
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"{victim} did not come back within {HEAL_BOUND_S} s")
+            healed[victim] = time.time() - t0
+            assert _greedy(url) == before, victim
+            assert _restarts(url, victim) >= 1
+        print("kill -> healthy:", {k: f"{v:.1f} s" for k, v in healed.items()})
+        assert launcher.poll() is None
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_a_port_in_use_is_refused_by_name(tiny_checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                            "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
