@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions", "Usage",
     "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs",
-    "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall", "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
+    "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall",
+    "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
     "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
     "ResponsesRequest",
 ]

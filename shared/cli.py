@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     s.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within --kv-cache-memory)")
+                   help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within "
+                        "--kv-cache-memory)")
     s.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: derived from the model, a multiple of its QSA ratio)")
     s.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",

@@ -58,7 +58,7 @@ class ClusterConfig:
     ple_service: bool = True
     ple_prefetch: bool = True
     microbatches: int = 0                       # 0 = one per stage
-    kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (stage_worker/kernels/flags.py)
+    kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result

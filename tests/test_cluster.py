@@ -235,7 +235,8 @@ def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny), "--stages", "2",
-                                 "--port", str(port), "--restart-limit", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 "--port", str(port), "--restart-limit", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
                                 text=True)
     try:
         wait_healthy(url)
