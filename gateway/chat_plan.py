@@ -273,7 +273,7 @@ def _text(content: Any) -> str:
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
-    extra = dict(message.model_extra or {})
+    extra = message.template_extras()
     out: dict[str, Any] = {"role": role, **extra}
     if message.name is not None:
         out["name"] = message.name

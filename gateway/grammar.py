@@ -245,7 +245,15 @@ class GrammarCompiler:
             )
         except (ValueError, TypeError) as e:
             raise GrammarError(f"invalid JSON schema: {e}") from e
-        return self._compile(spec, what="JSON schema")
+        spec = self._compile(spec, what="JSON schema")
+        probe = self.new_matcher(spec)
+        probe.mask()
+        if probe.is_finished():
+            # e.g. {"$ref": "#"}: a schema defined only by itself compiles to a grammar with nothing to generate,
+            # which would answer 200 with empty, non-JSON content
+            raise GrammarError("the JSON schema admits no output that can be generated (is it defined only by a "
+                               "reference to itself?)")
+        return spec
 
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool, *,
                    allowed: Iterable[str] | None = None, answer: Mapping[str, Any] | None = None,

@@ -47,13 +47,46 @@ class ContentPart(BaseModel):
     refusal: str | None = None          # {"type": "refusal", "refusal": ...}: assistant history only
 
 
+class HistoryFunction(BaseModel):
+    """A call in the history: a name, and arguments as the JSON text OpenAI sends (or an object, as some do)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class HistoryToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: HistoryFunction
+
+
 class ChatMessage(BaseModel):
-    """One message; extra fields (tool_calls, tool_call_id, reasoning_content, ...) pass through to the template."""
+    """One message. The history fields the templates read are checked here, so a malformed one is a 400 naming it
+    (`messages[3].tool_calls[0].function.name`) instead of a template error; other extra fields pass through."""
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    function_call: HistoryFunction | None = None       # legacy (pre-tools) assistant call
+
+    def template_extras(self) -> dict[str, Any]:
+        """The history fields given, as the template reads them (plain dicts), then any other extra field."""
+        out = {k: v for k, v in (self.model_extra or {}).items()}
+        for key in ("tool_call_id", "reasoning_content", "refusal"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.function_call is not None:
+            out["function_call"] = self.function_call.model_dump()
+        return out
 
 
 class _Sampling(_Request):

@@ -339,6 +339,8 @@ GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
         "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
         "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_p": 0}, "top_p"),
@@ -367,6 +369,17 @@ GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}]},
+     "messages[1].tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [5]}]},
+     "messages[1].tool_calls[0]"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
+     "messages[1].tool_calls[0].function.name"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                       "function_call": {"arguments": "{}"}}]},
+     "messages[1].function_call.name"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ])
 def test_chat_bad_requests_name_the_field(served, body, param):

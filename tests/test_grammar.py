@@ -316,6 +316,15 @@ def test_tool_call_errors(compiler):
         compiler.tool_calls(TOOLS, "auto", parallel=False)
 
 
+def test_a_schema_with_nothing_to_generate_is_refused(compiler):
+    """{"$ref": "#"} (and wrappers of it) compile to a grammar that is done before it starts: 200 with empty,
+    non-JSON content unless refused."""
+    for schema in ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]}):
+        with pytest.raises(GrammarError, match="admits no output"):
+            compiler.json_schema(schema)
+    assert compiler.json_schema({"type": "object", "properties": {"next": {"$ref": "#"}}})   # recursion with a base
+
+
 def _accepts(compiler, spec: str, tok, text: str) -> bool:
     """The whole text is accepted and the grammar may end there."""
     state = compiler.new_matcher(spec)
