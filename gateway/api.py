@@ -31,6 +31,7 @@ from gateway import access_log, errors, responses
 from gateway.engine import Engine
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
+from gateway.openapi_doc import install_openapi
 from gateway.chat_plan import ChatPlan, plan_chat, template_messages
 from gateway.output_parser import Delta, OutputParser, parse_complete
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -526,6 +527,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
                             lambda: _completion_full(srv, gens, rid))
 
+    install_openapi(app, {"/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+                          "/v1/completions": (CompletionRequest, CompletionResponse),
+                          "/v1/responses": (ResponsesRequest, None)},
+                    {"/v1/models": ModelList, "/v1/models/{name}": ModelCard})
     return app
 
 

@@ -314,10 +314,12 @@ class EngineCore:
         steps, failed = self.scheduler.drop_from(msg.step)
         if not steps:
             return []
+        if failed:      # the client sees which component failed; the log has what happened, and for which requests
+            log.error("engine core: step %d failed requests %s", msg.step, ", ".join(r.req_id for r in failed))
         for req in failed:
             sink = self._sinks.pop(req.req_id, None)
             if sink is not None:
-                sink(EngineFailed(f"{msg.component} failed: {msg.message}"))
+                sink(EngineFailed(f"{msg.component} failed a step of this request"))
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:

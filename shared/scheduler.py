@@ -283,7 +283,7 @@ class Scheduler:
             if out is None:
                 continue
             if out.error:                      # this request alone failed inside the step (its sampling)
-                req.error = out.error
+                req.error = "sampling failed for this request's parameters"     # the stage logged out.error
                 req.events.append(out)
                 touched.append(req)
                 self.release(req, "error")

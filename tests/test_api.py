@@ -636,3 +636,30 @@ def test_logit_bias_and_n_through_the_in_process_backend(served, chat_ref):
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].message.content == one.choices[0].message.content != two.choices[1].message.content
     assert two.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+def test_openapi_describes_every_body(served):
+    """/openapi.json carries the request and response models the server validates with; every $ref resolves."""
+    doc = httpx.get(f"{served.url}/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
+                        ("/v1/responses", "ResponsesRequest")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+    chat = schemas["ChatCompletionRequest"]
+    assert "messages" in chat["required"]
+    temperature = chat["properties"]["temperature"]["anyOf"][0]
+    assert temperature["maximum"] == 100.0 and temperature["minimum"] == 0.0
+    ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionResponse"}
+
+    def refs(x):
+        if isinstance(x, dict):
+            yield from ([x["$ref"]] if "$ref" in x else [])
+            for v in x.values():
+                yield from refs(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from refs(v)
+
+    assert {r.rsplit("/", 1)[1] for r in refs(doc)} <= set(schemas)
