@@ -7,7 +7,8 @@
 # stage 0), q3n (qwen3-next-shape, 32 layers, no PLE). For a model: the in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
-# Everything lands in $OUT (JSON and logs); each step has its own timeout so a hang costs only that step.
+# Everything lands in $OUT as one archive, results.tgz (the device returns at most 8 files: one run's JSON and logs
+# are more); unpack with `tar xzf results.tgz`. Each step has its own timeout so a hang costs only that step.
 set -uo pipefail
 steps=" ${STEPS:-${*:-sampler fs}} "
 want() { [[ $steps == *" $1 "* ]]; }
@@ -53,4 +54,6 @@ if want sampler; then
 fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
+(cd "$out" && tar czf /tmp/results.tgz --exclude results.tgz . && rm -rf -- ./* && mv /tmp/results.tgz .)
+ls -l "$out"
 true
