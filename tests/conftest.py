@@ -119,3 +119,57 @@ def cuda_us(fn, warmup: int = 3, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3
+
+
+def collect_events(core, requests, timeout: float = 120) -> list[list]:
+    """Hand every request to an engine core at once (so they share steps) and return each one's events (token
+    events, then a finish reason or an exception)."""
+    import threading
+
+    results: list[list] = [[] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            results[i].append(ev)
+            if isinstance(ev, Exception) or ev.finish_reason is not None:
+                done.release()
+        return sink
+
+    for i, r in enumerate(requests):
+        core.add(r, sink_for(i))
+    for _ in requests:
+        assert done.acquire(timeout=timeout), "a request never ended"
+    return results
+
+
+class InProcessServer:
+    """Real uvicorn on a free 127.0.0.1 port over an app: `with InProcessServer(app, core) as url` (stops the core)."""
+
+    def __init__(self, app, core=None) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.core = core
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        if self.core is not None:
+            self.core.stop()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +13,9 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi.testclient import TestClient
 
+from conftest import InProcessServer
 from gateway.api import create_app
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from gateway.engine import AsyncEngine
@@ -67,19 +65,8 @@ def served(model_dir):
     backend.attach_metrics(metrics)
     app = create_app(AsyncEngine(backend), tok, model_name=MODEL, generation_config=read_generation_config(model_dir),
                      metrics=metrics)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", backend, metrics, tok, model_dir)
-    server.should_exit = True
-    thread.join(10)
-    backend.stop()
+    with InProcessServer(app, backend) as url:
+        yield Served(url, backend, metrics, tok, model_dir)
 
 
 @pytest.fixture(scope="module")

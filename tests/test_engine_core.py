@@ -10,16 +10,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
-from conftest import free_port
+from conftest import InProcessServer, collect_events, free_port
 from gateway.api import create_app
 from gateway.engine import AsyncEngine
 from gateway.launcher import Cluster, ServeOptions
@@ -59,21 +56,7 @@ def test_block_manager_counts_holders():
 
 
 def _run_all(core: EngineCore, requests: list[GenerationRequest]) -> list[list]:
-    """Submit every request at once (so they share steps) and collect each one's events."""
-    results: list[list] = [[] for _ in requests]
-    done = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):
-            results[i].append(ev)
-            if isinstance(ev, Exception) or ev.finish_reason is not None:
-                done.release()
-        return sink
-
-    for i, r in enumerate(requests):
-        core.add(r, sink_for(i))
-    for _ in requests:
-        assert done.acquire(timeout=120), "a request never finished"
+    results = collect_events(core, requests)
     for evs in results:
         assert not any(isinstance(e, Exception) for e in evs), evs
     return results
@@ -175,35 +158,22 @@ def _exercise(url: str) -> dict:
     return out
 
 
-def _in_process_server(model_dir):
+def _in_process_server(model_dir) -> InProcessServer:
     core = local_engine_core(model_dir, max_model_len=256, max_num_seqs=16)
     metrics = Metrics()
     core.attach_metrics(metrics)
     app = create_app(AsyncEngine(core), Tokenizer.from_dir(model_dir), model_name="moepipe",
                      generation_config=read_generation_config(model_dir), metrics=metrics)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, core
+    return InProcessServer(app, core)
 
 
 def test_cluster_and_in_process_executors_agree(tiny_checkpoint):
-    url, server, thread, core = _in_process_server(tiny_checkpoint)
-    try:
+    with _in_process_server(tiny_checkpoint) as url:
         local = _exercise(url)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        core.stop()
-    # Two stage processes, 16-token chunks, 10 blocks for 9 requests of up to 4 blocks: chunking and preemption.
+    # Two stage processes, 16-token chunks, 6 blocks for 9 requests of up to 4 blocks: chunking and preemption (two
+    # long requests at once already preempt, however the machine's load spreads their arrivals).
     opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 10})
+                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 6})
     with Cluster(opts) as c:
         served = _exercise(c.url)
     preempted = [line for line in served["metrics"].splitlines() if line.startswith("moepipe_preemptions ")]

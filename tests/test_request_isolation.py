@@ -6,9 +6,10 @@ poisoned one either gets tokens or fails alone with a clean error; the step neve
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
+
+from conftest import collect_events
 
 from shared.engine_core import EngineFailed, GenerationRequest
 from shared.sampling import SamplingParams
@@ -19,24 +20,6 @@ POISON = [dict(top_p=1e-46), dict(repetition_penalty=1e-300), dict(temperature=f
           dict(frequency_penalty=1e30), dict(logit_bias={5: float("inf")})]
 
 
-def _collect(core, requests):
-    results = [[] for _ in requests]
-    done = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):
-            results[i].append(ev)
-            if isinstance(ev, Exception) or ev.finish_reason is not None:
-                done.release()
-        return sink
-
-    for i, r in enumerate(requests):
-        core.add(r, sink_for(i))
-    for _ in requests:
-        assert done.acquire(timeout=120), "a request never ended"
-    return results
-
-
 @pytest.mark.parametrize("device_sampling", [True, False])
 def test_poisoned_requests_fail_alone(tiny_checkpoint, device_sampling):
     rng = random.Random(3 + device_sampling)
@@ -45,14 +28,14 @@ def test_poisoned_requests_fail_alone(tiny_checkpoint, device_sampling):
                for i in range(5)]
     core = local_engine_core(tiny_checkpoint, max_model_len=64, max_num_seqs=12, device_sampling=device_sampling)
     try:
-        solo = [_collect(core, [r])[0] for r in healthy]
+        solo = [collect_events(core, [r])[0] for r in healthy]
         poisoned = [GenerationRequest(f"p{i}", [7, 8 + i], SamplingParams(max_tokens=6, seed=i, **p))
                     for i, p in enumerate(POISON)]
         mixed = healthy + poisoned
         rng.shuffle(mixed)
         for r in healthy:
             r.request_id += "-again"
-        out = dict(zip([r.request_id for r in mixed], _collect(core, mixed)))
+        out = dict(zip([r.request_id for r in mixed], collect_events(core, mixed)))
         for r, ref in zip(healthy, solo):
             assert [e.token_id for e in out[r.request_id]] == [e.token_id for e in ref], r.request_id
         for r in poisoned:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import APIError, AsyncOpenAI
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAL_BOUND_S = 20.0        # kill -> /health 200 again: 4.8-6.4 s measured on an idle 2-core machine; slack for CI
@@ -105,12 +105,7 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
         print("kill -> healthy:", {k: f"{v:.1f} s" for k, v in healed.items()})
         assert launcher.poll() is None
     finally:
-        launcher.send_signal(signal.SIGINT)
-        try:
-            launcher.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
+        stop_server(launcher)
 
 
 def test_a_port_in_use_is_refused_by_name(tiny_checkpoint):
