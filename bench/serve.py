@@ -1,6 +1,7 @@
 """Client-side serving benchmark: time to first token, inter-token latency (median, p90) and tokens/s at 1 and 4
 concurrent streams, measured as the field reports do (002 §3.0): fixed prompts and seed, one warm-up run, three
-measured runs, median ITL and mean tokens/s, TTFT from the client. ITL is between text-bearing chunks (what a
+measured runs, median ITL and mean tokens/s, TTFT from the client; "decode tok/s" is streams / median TPOT, what
+decoding alone sustains (the mean tokens/s also pays every request's TTFT). ITL is between text-bearing chunks (what a
 client sees, as vLLM's benchmark reports it); TPOT is a request's time per output token after its first chunk,
 from the usage count, and `tokens_per_chunk` says how far the two differ (1.0 for a real model's text).
 
@@ -122,7 +123,10 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
             "tpot_median_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
             "tpot_p90_ms": 1e3 * _p90(tpot) if tpot else float("nan"),
             "tokens_per_chunk": tokens / chunks if chunks else float("nan"),
-            "tokens_per_s_mean": statistics.fmean(per_run_tps), **stats}
+            "tokens_per_s_mean": statistics.fmean(per_run_tps),
+            # streams / TPOT: what decoding alone sustains (tokens/s above also pays every request's TTFT)
+            "decode_tokens_per_s": streams / statistics.median(tpot) if tpot else float("nan"),
+            **stats}
 
 
 def _p90(values: list[float]) -> float:
@@ -185,11 +189,11 @@ def main() -> int:
             "load_format": args.load_format or "safetensors", "set": args.set,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} "
-          f"{'TPOT med ms':>11} {'tok/chunk':>9} {'tok/s':>8}")
+          f"{'TPOT med ms':>11} {'tok/chunk':>9} {'tok/s':>8} {'decode tok/s':>12}")
     for r in rows:
         print(f"{r['prompt_chars'] or 'short':>6} {r['streams']:>7} {r['ttft_median_s']:>10.3f} "
               f"{r['itl_median_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} {r['tpot_median_ms']:>11.1f} "
-              f"{r['tokens_per_chunk']:>9.2f} {r['tokens_per_s_mean']:>8.1f}")
+              f"{r['tokens_per_chunk']:>9.2f} {r['tokens_per_s_mean']:>8.1f} {r['decode_tokens_per_s']:>12.1f}")
     for r in rows:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
