@@ -43,6 +43,11 @@ async def serve(config_path: str) -> int:
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
     app = AccessControl(app, api_key=cluster.api_key,
                         allowed_hosts=cluster.allowed_hosts or default_allowed_hosts(cluster.host))
+    if cluster.allowed_origins:  # CORS only when asked; outside the key check, which preflights do not carry
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(app, allow_origins=cluster.allowed_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                             allow_headers=["authorization", "content-type"])
     if cluster.access_log:      # ours replaces uvicorn's: it also has the request id, tokens, TTFT, finish reason
         app = AccessLogMiddleware(app, configure_logger(True))
     core.start()

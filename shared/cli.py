@@ -82,8 +82,9 @@ def serve_options(args: argparse.Namespace):
         extra["ple_service"] = False
     if args.no_access_log:
         extra["access_log"] = False
-    if args.allowed_hosts is not None:
-        extra["allowed_hosts"] = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    for key in ("allowed_hosts", "allowed_origins"):
+        if getattr(args, key) is not None:
+            extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
                 "load_format", "kv_cache_memory", "api_key", "restart_limit"):
         if getattr(args, key) is not None:
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API (CORS; default none; also "
+                        "MOEPIPE_ALLOWED_ORIGINS)")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="comma-separated Host names to answer, '*' for any (default: loopback names when bound to "
                         "a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")

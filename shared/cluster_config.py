@@ -71,6 +71,7 @@ class ClusterConfig:
     api_key: str = ""                           # "" = none; else /v1 routes need "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
                                                 # loopback, any otherwise (gateway/access.py); ["*"] = any
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: browser origins allowed to call; [] = none
     seed: int = 0
 
     @property
@@ -103,8 +104,10 @@ class ClusterConfig:
                                      f"got {self.kv_cache_memory}")
         if not isinstance(self.api_key, str):
             raise ClusterConfigError("cluster config: api_key must be a string")
-        if not isinstance(self.allowed_hosts, list) or not all(isinstance(h, str) and h for h in self.allowed_hosts):
-            raise ClusterConfigError("cluster config: allowed_hosts must be a list of host names (or [\"*\"])")
+        for key in ("allowed_hosts", "allowed_origins"):
+            names = getattr(self, key)
+            if not isinstance(names, list) or not all(isinstance(h, str) and h for h in names):
+                raise ClusterConfigError(f"cluster config: {key} must be a list of names (or [\"*\"])")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
@@ -161,7 +164,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
-        "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit"}
+        "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
+        "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -174,7 +178,7 @@ def env_overrides() -> dict[str, Any]:
                 out[key] = int(val)
             elif key in ("kernels", "dtype", "api_key"):
                 out[key] = val
-            elif key == "allowed_hosts":
+            elif key in ("allowed_hosts", "allowed_origins"):
                 out[key] = [h.strip() for h in val.split(",") if h.strip()]
             elif key == "kv_cache_memory":
                 out[key] = _float_env(env, val)

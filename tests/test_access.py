@@ -14,11 +14,13 @@ from gateway.launcher import Cluster, ServeOptions
 from shared.cluster_config import ClusterConfigError, env_overrides
 
 KEY = "s3cret-key"
+ORIGIN = "http://app.example"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(), extra={"api_key": KEY})
+    opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
+                        extra={"api_key": KEY, "allowed_origins": [ORIGIN]})
     with Cluster(opts) as c:
         yield c
 
@@ -49,6 +51,21 @@ def test_a_forged_host_is_refused(server):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
         assert httpx.get(server.url + "/v1/models", headers={**auth, "host": host}).status_code == 200
     assert httpx.get(server.url + "/health", headers={"host": "evil.example"}).status_code == 200
+
+
+def test_cors_only_for_the_allowed_origins(server):
+    """A preflight from an allowed origin is answered (without the key, which preflights never carry); other
+    origins get no CORS headers, so their pages cannot read the answers."""
+    ask = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": ORIGIN, **ask})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": "http://evil.example", **ask})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/v1/models", headers={"origin": ORIGIN, "authorization": "Bearer " + KEY})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(server.url + "/v1/models",
+                  headers={"origin": "http://evil.example", "authorization": "Bearer " + KEY})
+    assert "access-control-allow-origin" not in r.headers
 
 
 def test_hosts_and_keys_from_config_and_environment(monkeypatch):
