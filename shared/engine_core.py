@@ -221,12 +221,6 @@ class EngineCore:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
-    def stats(self) -> dict[str, float]:
-        b = self.scheduler.blocks
-        return {"running": self.num_running, "waiting": self.num_waiting, "kv_blocks_used": b.used_blocks,
-                "kv_blocks_total": b.num_blocks, "slots_used": b.used_slots,
-                "stage_overlap_seconds": self.stage_overlap_seconds}
-
     # ---- the core's thread -------------------------------------------------------------------------------------
     def _wake(self) -> None:
         try:
