@@ -82,6 +82,9 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
 
     busy = {dict(lab)["stage"]: delta(name, lab) / wall
             for name, lab in after if name == "moepipe_stage_step_seconds_sum"}
+    step_ms = {dict(lab)["stage"]: 1e3 * delta(name, lab) / n for name, lab in after
+               if name == "moepipe_stage_step_seconds_sum"
+               for n in [delta("moepipe_stage_step_seconds_count", lab)] if n > 0}
     transfer = {}
     for name, lab in after:
         if name == "moepipe_stage_transfer_seconds_sum":
@@ -89,7 +92,10 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
             if n > 0:
                 d = dict(lab)
                 transfer[f"{d['link']} {d['step_kind']}"] = {"mean_ms": 1e3 * delta(name, lab) / n, "count": n}
-    return {"stage_busy_fraction": busy, "transfer": transfer,
+    # the stages' time waiting for the PLE service's rows, over the wall time (heartbeat totals: ~1 s granular)
+    ple_wait = delta("moepipe_ple_stage_wait_seconds_total", ()) / wall
+    return {"stage_busy_fraction": busy, "stage_step_ms": step_ms, "ple_wait_fraction": ple_wait,
+            "transfer": transfer,
             "preemptions": delta("moepipe_preemptions", ())}
 
 
@@ -197,7 +203,9 @@ def main() -> int:
     for r in rows:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
-        print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: busy {busy or '-'}; "
+        steps = ", ".join(f"stage {k} {v:.2f} ms" for k, v in sorted(r.get("stage_step_ms", {}).items()))
+        print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: busy {busy or '-'}; step {steps or '-'}; "
+              f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.2f}; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,8 @@ class Metrics:
                               ["component"], registry=r)
         self.stage_transfer = Histogram(
             "moepipe_stage_transfer_seconds", "A step's activations between stages: from the end of the sender's "
-            "compute to their arrival at the receiver (device-to-host copy, serialisation, ZeroMQ)",
+            "compute to their arrival at the receiver (device-to-host copy, serialisation, ZeroMQ); link 'K->core': "
+            "the last stage's step result until the engine core took it up",
             ["link", "step_kind"], buckets=TRANSFER_BUCKETS, registry=r)
         self._ple = _PleCollector()
         r.register(self._ple)

@@ -379,6 +379,8 @@ class EngineCore:
             if len(receiver) > 3:          # [stage, start, end, arrival]
                 self.metrics.observe_transfer(f"{int(sender[0])}->{int(receiver[0])}", kind,
                                               receiver[3] - sender[2])
+        if timing:      # the last stage's end of compute to here: the socket, and any wait for this thread's turn
+            self.metrics.observe_transfer(f"{timing[-1][0]}->core", kind, time.time() - timing[-1][2])
         self._push_gauges()
 
 

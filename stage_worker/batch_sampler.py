@@ -24,6 +24,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from shared.token_mask import unpack_mask
+from stage_worker.host_copy import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -95,40 +96,67 @@ def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def _column(rows: list[Row], name: str, default: float, device) -> torch.Tensor:
-    return torch.tensor([getattr(r.params, name) or default for r in rows], dtype=torch.float32, device=device)
+@dataclass
+class _Params:
+    """Each row's sampling parameters on the device ([B, 1] float32 columns; keys [B] int64), from one queued copy
+    of one host table: a tensor per parameter built from a list made the host wait for the GPU each time."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    repetition: torch.Tensor
+    keys: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[Row], vocab: int, device) -> "_Params":
+        table = [[max(p.temperature or 0.0, 1e-5), _top_k(p, vocab), p.top_p if p.top_p is not None else 1.0,
+                  p.min_p or 0.0, p.frequency_penalty or 0.0, p.presence_penalty or 0.0, p.repetition_penalty or 1.0,
+                  float(row_key(r.seed, r.position))] for r in rows for p in (r.params,)]
+        t = to_device(table, torch.float64, device)         # float64 holds every 32-bit key exactly
+        cols = t[:, :7].float()
+        return cls(*(cols[:, i:i + 1] for i in range(7)), keys=t[:, 7].to(torch.int64))
+
+    def select(self, idx: torch.Tensor) -> "_Params":
+        return _Params(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    return p.top_k if p.top_k and 0 < p.top_k < vocab else vocab
 
 
 def _pairs(rows: list[Row], picked: list[int], tokens, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) tensors of every token `tokens(row)` lists, for the `picked` rows."""
     b_idx = [b for b in picked for _ in tokens(rows[b])]
     t_idx = [t for b in picked for t in tokens(rows[b])]
-    return torch.tensor(b_idx, device=device), torch.tensor(t_idx, device=device)
+    return to_device(b_idx, torch.long, device), to_device(t_idx, torch.long, device)
 
 
-def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None) -> torch.Tensor:
-    """[B, V] logits after bias, penalties and masks (the per-row path's `apply_logit_bias`, `apply_penalties`,
-    `apply_mask`, batched). With `counts`, penalty rows read their slot's counts instead of their `history`."""
+def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None,
+                    params: _Params | None = None) -> torch.Tensor:
+    """[B, V] float32 logits after bias, penalties and masks (the per-row path's `apply_logit_bias`,
+    `apply_penalties`, `apply_mask`, batched). With `counts`, penalty rows read their slot's counts instead of their
+    `history`. Never writes `logits` (the caller's raw logits give the logprobs)."""
     B, V = logits.shape
     dev = logits.device
-    out = logits.float().clone()
+    out = logits.float()
     bias = [(b, int(i), float(x)) for b, r in enumerate(rows) for i, x in (r.params.logit_bias or {}).items()
             if 0 <= int(i) < V]
     if bias:
         b_idx, t_idx, vals = zip(*bias)
-        out.index_put_((torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                       torch.tensor(vals, device=dev), accumulate=True)
+        out = out.index_put((to_device(b_idx, torch.long, dev), to_device(t_idx, torch.long, dev)),
+                            to_device(vals, torch.float32, dev), accumulate=True)
     on_device = counts is not None and all(r.slot is not None for r in rows) and counts.counts.shape[1] == V
     if on_device and any(uses_penalties(r.params) for r in rows):
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+        params = params or _Params.of(rows, V, dev)
+        slots = to_device([r.slot for r in rows], torch.long, dev)
         # Rows without a penalty get zero weights below, whatever their slot holds.
-        freq = _column(rows, "frequency_penalty", 0.0, dev)[:, None]
-        pres = _column(rows, "presence_penalty", 0.0, dev)[:, None]
         if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
             c = counts.counts[slots].float()
-            out = out - freq * c - pres * (c > 0)
-        rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
+            out = out - params.frequency * c - params.presence * (c > 0)
         if any(r.params.repetition_penalty and r.params.repetition_penalty != 1.0 for r in rows):
+            rp = params.repetition
             out = torch.where(counts.seen[slots], torch.where(out > 0, out / rp, out * rp), out)
     else:
         out = _penalties_from_history(out, rows)
@@ -139,7 +167,7 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts |
             row = unpack_mask(rows[b].allowed, V)
             if row.any():                 # a mask that allows nothing is ignored, as on the per-row path
                 allowed[b] = row
-        out = out.masked_fill(~torch.from_numpy(allowed).to(dev), float("-inf"))
+        out = out.masked_fill(~to_device(torch.from_numpy(allowed), torch.bool, dev), float("-inf"))
     return out
 
 
@@ -148,61 +176,79 @@ def _penalties_from_history(out: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     B, V = out.shape
     dev = out.device
     counted = [b for b, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.history]
+    repeated = [b for b, r in enumerate(rows) if r.params.repetition_penalty and r.params.repetition_penalty != 1.0
+                and (r.history or r.prompt_ids)]
+    if not counted and not repeated:
+        return out
+    params = _Params.of(rows, V, dev)
     if counted:
         counts = torch.zeros(B, V, device=dev)
         where = _pairs(rows, counted, lambda r: r.history, dev)
         counts.index_put_(where, torch.ones(len(where[0]), device=dev), accumulate=True)
-        freq = _column(rows, "frequency_penalty", 0.0, dev)[:, None]
-        pres = _column(rows, "presence_penalty", 0.0, dev)[:, None]
-        out = out - freq * counts - pres * (counts > 0)
-    repeated = [b for b, r in enumerate(rows) if r.params.repetition_penalty and r.params.repetition_penalty != 1.0
-                and (r.history or r.prompt_ids)]
+        out = out - params.frequency * counts - params.presence * (counts > 0)
     if repeated:
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
         seen[_pairs(rows, repeated, lambda r: r.history + list(r.prompt_ids or []), dev)] = True
-        rp = _column(rows, "repetition_penalty", 1.0, dev)[:, None]
+        rp = params.repetition
         out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
     return out
 
 
-def candidates(adjusted: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities [B, K], token ids [B, K]) after temperature, top-k, top-p and min-p, as
-    `sampler.filtered_probs` defines them, over each row's best K logits in descending order: K is the largest
-    top-k of the batch (the whole vocabulary if a row has none), so a step with top-k rows never sorts the
-    vocabulary. (Logits tied with a row's k-th value beyond K are dropped where the per-row path keeps them.)"""
+def candidates(adjusted: torch.Tensor, rows: list[Row],
+               params: _Params | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(probabilities [B, K], token ids [B, K] or None for 'column j is token j') after temperature, top-k, top-p
+    and min-p, as `sampler.filtered_probs` defines them. Only top-p needs the distribution in order:
+    - every row has a top-k: its best K logits, in order, K the batch's largest top-k (no vocabulary sort);
+    - some row without a top-k has a top-p: the whole vocabulary sorted;
+    - otherwise the whole vocabulary as it is, each top-k row cut at its k-th value (no sort at all: plain
+      temperature sampling, the OpenAI default, is one softmax).
+    (Logits tied with a row's k-th value beyond K are dropped where the per-row path keeps them.)"""
     B, V = adjusted.shape
-    dev = adjusted.device
-    temp = torch.tensor([max(r.params.temperature or 0.0, 1e-5) for r in rows], device=dev)[:, None]
-    ks = [r.params.top_k if r.params.top_k and 0 < r.params.top_k < V else V for r in rows]
+    params = params or _Params.of(rows, V, adjusted.device)
+    ks = [_top_k(r.params, V) for r in rows]
+    scaled = adjusted / params.temperature
+    top_p = any(r.params.top_p is not None and r.params.top_p < 1.0 for r in rows)
     if max(ks) < V:
-        vals, ids = torch.topk(adjusted / temp, max(ks), dim=-1)
+        vals, ids = torch.topk(scaled, max(ks), dim=-1)
+        kth = vals.gather(1, params.top_k.long() - 1)
+    elif top_p:
+        vals, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        kth = vals.gather(1, params.top_k.long() - 1)
     else:
-        vals, ids = torch.sort(adjusted / temp, dim=-1, descending=True, stable=True)
-    kth = vals.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
-    probs = torch.softmax(vals.masked_fill(vals < kth, float("-inf")), dim=-1)
-    top_p = torch.tensor([r.params.top_p if r.params.top_p is not None else 1.0 for r in rows], device=dev)[:, None]
-    probs = probs.masked_fill(~((probs.cumsum(1) - probs < top_p) | (top_p >= 1.0)), 0.0)
-    min_p = _column(rows, "min_p", 0.0, dev)[:, None]
-    probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)        # column 0 is each row's most likely token
+        vals, ids = scaled, None
+        cut = [k for k in ks if k < V]
+        kth = None
+        if cut:                       # rows without a top-k keep everything: their 'k-th' value is -inf
+            best = torch.topk(scaled, max(cut), dim=-1).values
+            kth = best.gather(1, params.top_k.long().clamp_max(max(cut)) - 1)
+            kth = kth.masked_fill(params.top_k >= V, float("-inf"))
+    if kth is not None:
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    if top_p and ids is not None:     # sorted: drop what lies beyond each row's top-p mass
+        p = params.top_p
+        probs = probs.masked_fill(~((probs.cumsum(1) - probs < p) | (p >= 1.0)), 0.0)
+    if any(r.params.min_p for r in rows):
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), ids
 
 
 def filtered_probs(adjusted: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """The candidates' probabilities over the whole vocabulary [B, V] (zero elsewhere)."""
     probs, ids = candidates(adjusted, rows)
-    return torch.zeros_like(adjusted).scatter_(1, ids, probs)
+    return probs if ids is None else torch.zeros_like(adjusted).scatter_(1, ids, probs)
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None) -> torch.Tensor:
     """One token per row, [B] int64 on the logits' device: greedy rows take the first maximal adjusted logit, the
     others race exponentials over their filtered probabilities. With `counts`, the sampled tokens are counted in
-    the rows' slots before returning."""
+    the rows' slots before returning. Queues device work only: nothing here waits for the GPU."""
     tokens = _draw(logits, rows, counts)
     if counts is not None:
         pen = [b for b, r in enumerate(rows) if r.slot is not None and uses_penalties(r.params)]
         if pen:
-            idx = torch.tensor(pen, dtype=torch.long, device=logits.device)
-            slots = torch.tensor([rows[b].slot for b in pen], dtype=torch.long, device=logits.device)
+            idx = to_device(pen, torch.long, logits.device)
+            slots = to_device([rows[b].slot for b in pen], torch.long, logits.device)
             counts.record(slots, tokens[idx].clamp(0, counts.counts.shape[1] - 1))
     return tokens
 
@@ -221,17 +267,25 @@ def row_logprobs(raw: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[tor
 
 
 def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None) -> torch.Tensor:
-    adjusted = adjusted_logits(logits, rows, counts)
-    tokens = adjusted.argmax(dim=-1)
+    B, V = logits.shape
     sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+    params = _Params.of(rows, V, logits.device) if sampled or any(uses_penalties(r.params) for r in rows) else None
+    adjusted = adjusted_logits(logits, rows, counts, params)
+    tokens = adjusted.argmax(dim=-1)
     if not sampled:
         return tokens
-    idx = torch.tensor(sampled, device=logits.device)
-    sub = [rows[b] for b in sampled]
-    probs, ids = candidates(adjusted[idx], sub)
-    keys = torch.tensor([row_key(r.seed, r.position) for r in sub], dtype=torch.int64, device=logits.device)
-    race = probs / -torch.log(uniforms(keys, ids))
-    drawn = ids.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    if len(sampled) < B:
+        idx = to_device(sampled, torch.long, logits.device)
+        sub, params, adjusted = [rows[b] for b in sampled], params.select(idx), adjusted[idx]
+    else:
+        idx, sub = None, rows
+    probs, ids = candidates(adjusted, sub, params)
+    if ids is None:
+        ids = torch.arange(V, device=logits.device)[None]
+    race = probs / -torch.log(uniforms(params.keys, ids))
+    drawn = ids.expand_as(probs).gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
     ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)   # all -inf after masks: the argmax stands
+    if idx is None:
+        return torch.where(ok, drawn, tokens)
     tokens[idx] = torch.where(ok, drawn, tokens[idx])
     return tokens

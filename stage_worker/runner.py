@@ -21,6 +21,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
+from stage_worker.host_copy import to_device
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
@@ -144,7 +145,7 @@ class StageRunner:
                 elif e.sample:
                     idx.append(start + e.num_tokens - 1)
                 start += e.num_tokens
-            batch.logits_indices = torch.tensor(idx, dtype=torch.long, device=self.device)
+            batch.logits_indices = to_device(idx, torch.long, self.device)
         return batch
 
     def _table(self, e) -> list[int]:
@@ -175,7 +176,7 @@ class StageRunner:
                 ids = [t for e in prepared.plan.entries
                        for t in (e.tokens if e.tokens is not None
                                  else [self.next_tokens.pop((e.req_id, e.context_len))])]
-                prepared.batch.token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                prepared.batch.token_ids = to_device(ids, torch.long, self.device)
             else:
                 prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
             prepared.complete = True
@@ -201,10 +202,12 @@ class StageRunner:
                                                                                         time.perf_counter())
                 # Copy out of the ring at once: this stage's own layers only. The service rewrites the slot once the
                 # last stage has run this step (its Sampled), which in-order stages reach only after this copy.
-                rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens]
+                # (A queued copy: the ring is page-locked, and the slot is rewritten only after this step's Sampled.)
+                rows = self.ring.slot(ready.ring_slot)[: ready.num_tokens].to(self.device, copy=True,
+                                                                               non_blocking=True)
                 for li, layer in enumerate(self.all_ple_layers):
                     if layer in self.my_ple_layers:
-                        batch.ple_rows[layer] = rows[:, li].to(self.device, copy=True)
+                        batch.ple_rows[layer] = rows[:, li]
         t0 = time.time()
         start = time.perf_counter()
         out: list[Outgoing] = []
@@ -283,7 +286,7 @@ class StageRunner:
             return outs
         if self.cluster.device_sampling:
             try:
-                self._sample_batched(drawn, outs)
+                self._sample_batched(drawn, outs, None if echo else logits)
                 return outs
             except Exception as exc:   # sample row by row instead: a failure then fails its own request only
                 log.warning("stage %d: batched sampling failed (%s: %s); sampling this step row by row",
@@ -305,10 +308,11 @@ class StageRunner:
             outs[i].token = token
         return outs
 
-    def _sample_batched(self, drawn: list, outs: list[TokenOut]) -> None:
+    def _sample_batched(self, drawn: list, outs: list[TokenOut], logits: torch.Tensor | None) -> None:
         """All of a step's rows on the device: penalties from per-slot token counts, one copy of the tokens (and
         one of the logprobs, when asked) to the host."""
-        raw = torch.stack([r for *_, r in drawn])
+        # `logits` (no entry echoes its prompt): one row per sampling entry, in order, so no stack to copy them.
+        raw = logits if logits is not None else torch.stack([r for *_, r in drawn])
         if self.counts is None and any(uses_penalties(st.params) for _, _, st, _ in drawn):
             self.counts = TokenCounts(self.cluster.max_num_seqs + 1, raw.shape[-1], raw.device)
         specs = []
@@ -322,7 +326,7 @@ class StageRunner:
         want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
         if want:
             top = max(drawn[b][2].params.logprobs for b in want)
-            idx = torch.tensor(want, dtype=torch.long, device=raw.device)
+            idx = to_device(want, torch.long, raw.device)
             lp, vals, ids = row_logprobs(raw[idx], sampled[idx], top)
         tokens = sampled.tolist()                                            # the step's one wait for the device
         if want:

@@ -132,3 +132,28 @@ def test_batched_logprobs_equal_the_per_row_ones():
         assert ids[b].tolist() == ref_ids and torch.allclose(vals[b], torch.tensor(ref_vals), atol=1e-6)
     lp0, vals0, ids0 = bs.row_logprobs(logits, tokens, 0)
     assert vals0.shape == (5, 0) and ids0.shape == (5, 0) and torch.allclose(lp0, lp)
+
+
+def test_each_candidate_path_gives_the_per_row_distribution_and_the_same_draws():
+    """Only top-p needs a sorted distribution: batches where every row has a top-k (topk), where no row has a top-p
+    (the unsorted vocabulary, top-k rows cut at their k-th value) and where one row forces the sort must all give
+    the per-row probabilities, and a row draws the same token whichever path its batch takes."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(12, V, generator=g) * 2
+    plain = [SamplingParams(temperature=t, top_k=k, min_p=m) for t, k, m in
+             [(0.7, 0, 0.0), (1.1, 5, 0.0), (0.5, 0, 0.05), (0.9, 20, 0.05), (1.0, 0, 0.0), (0.6, 3, 0.0)]]
+    topk = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+            [(0.7, 4, 0.9), (1.1, 9, 1.0), (0.8, 20, 0.5), (1.2, 2, 1.0), (0.9, 30, 0.7), (0.6, 6, 1.0)]]
+    for params in (plain, topk, plain + [SamplingParams(temperature=0.8, top_p=0.6)]):
+        rows = [bs.Row(p, seed=50 + i, position=7, history=[]) for i, p in enumerate(params)]
+        x = logits[: len(rows)]
+        probs = bs.filtered_probs(bs.adjusted_logits(x, rows), rows)
+        for b, r in enumerate(rows):
+            assert torch.allclose(probs[b], sampler.filtered_probs(x[b], r.params), atol=1e-6), (b, r.params)
+        together = bs.sample_rows(x, rows).tolist()
+        alone = [int(bs.sample_rows(x[b:b + 1], rows[b:b + 1])[0]) for b in range(len(rows))]
+        assert together == alone
+    sorted_batch = [bs.Row(p, seed=50 + i, position=7, history=[]) for i, p in enumerate(plain)]
+    sorted_batch.append(bs.Row(SamplingParams(temperature=0.8, top_p=0.6), seed=1, position=7, history=[]))
+    unsorted = bs.sample_rows(logits[: len(plain)], sorted_batch[: len(plain)]).tolist()
+    assert bs.sample_rows(logits[: len(sorted_batch)], sorted_batch).tolist()[: len(plain)] == unsorted

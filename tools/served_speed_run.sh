@@ -3,8 +3,9 @@
 #   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
 # Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table), greedy
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
-# sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on
-# stage 0), q3n (qwen3-next-shape, 32 layers, no PLE). For a model: the in-process decode step (bench/decode.py,
+# sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
+# 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams). For a model: the
+# in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
 # Everything lands in $OUT as one archive, results.tgz (the device returns at most 8 files: one run's JSON and logs
@@ -18,17 +19,23 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 # name=env settings for one served run; "base" is the build's defaults
 declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]="MOEPIPE_DEVICE_SAMPLING=1"
                    [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noplegraph]="MOEPIPE_PLE_GRAPH=0"
-                   [noasync]="MOEPIPE_ASYNC_SCHEDULING=0")
+                   [noasync]="MOEPIPE_ASYNC_SCHEDULING=0" [noservice]="" [profile]="MOEPIPE_PROFILE_STEPS=300:40")
+# settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
+# profile writes torch.profiler tables of 40 served steps (inside the 1-stream runs) to $out/profile_<model>/
+declare -A AB_ARGS=([noservice]="--no-ple-service")
 ab=${AB:-base nosampling}
 model() {  # tag, preset, layers, decode batches, stream counts
   local tag=$1 preset=$2 layers=$3 batches=$4 streams=$5
   moepipe make-model --preset "$preset" --layers "$layers" --out "/tmp/$tag" > /dev/null || return
-  timeout "${DECODE_TIMEOUT:-240}" python3 bench/decode.py --preset "$preset" --layers "$layers" --batch "$batches" \
+  [[ -n ${NO_DECODE:-} ]] || timeout "${DECODE_TIMEOUT:-240}" python3 bench/decode.py --preset "$preset" --layers "$layers" --batch "$batches" \
     --configs all:1 --no-transformers --steps 32 --out "$out/decode_$tag.json" > "$out/decode_$tag.log" 2>&1
   tail -8 "$out/decode_$tag.log"
   for name in $ab; do
-    env ${AB_ENV[$name]} timeout "${SERVE_TIMEOUT:-200}" python3 bench/serve.py --model "/tmp/$tag" \
-      --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" --max-tokens 64 --runs 3 \
+    local prof=""
+    [[ $name == profile ]] && prof="MOEPIPE_PROFILE=$out/profile_$tag"
+    env ${AB_ENV[$name]} $prof timeout "${SERVE_TIMEOUT:-200}" python3 bench/serve.py --model "/tmp/$tag" \
+      ${AB_ARGS[$name]:-} --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" \
+      --max-tokens 64 --runs 3 \
       --out "$out/serve_${tag}_$name.json" > "$out/serve_${tag}_$name.log" 2>&1
     echo "== served $tag $name (${AB_ENV[$name]:-defaults})"; tail -6 "$out/serve_${tag}_$name.log"
   done
@@ -54,6 +61,8 @@ if want sampler; then
 fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
+# two stage processes sharing the one GPU at 4 streams (issue 14: at least the one-stage throughput)
+want two && STAGES=2 NO_DECODE=1 ab=base model fs_2stages full-shape 20 4 4
 (cd "$out" && tar czf /tmp/results.tgz --exclude results.tgz . && rm -rf -- ./* && mv /tmp/results.tgz .)
 ls -l "$out"
 true

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stage_worker.host_copy import to_device
+
 
 @dataclass
 class StepBatch:
@@ -37,10 +39,10 @@ class StepBatch:
         for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
             for p in range(ctx, ctx + n):
                 rows.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-        self.slot_mapping = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        self.slot_mapping = to_device(rows, torch.long, self.token_ids.device)
         if self.logits_indices is None:
             ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0) - 1
-            self.logits_indices = ends.to(self.token_ids.device)
+            self.logits_indices = to_device(ends, torch.long, self.token_ids.device)
 
     @property
     def is_decode(self) -> bool:
@@ -59,18 +61,16 @@ class StepBatch:
         """Block tables [B, max_blocks] int32 (padded with 0) and lengths after this step [B] int32, on the device."""
         if getattr(self, "_tables", None) is None:
             width = max(len(t) for t in self.block_tables)
-            bt = torch.zeros(len(self.block_tables), width, dtype=torch.int32)
-            for i, t in enumerate(self.block_tables):
-                bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            lens = torch.tensor([c + n for c, n in zip(self.context_lens, self.seq_lens)], dtype=torch.int32)
             dev = self.token_ids.device
-            self._tables = (bt.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
+            bt = to_device([t + [0] * (width - len(t)) for t in self.block_tables], torch.int32, dev)
+            lens = to_device([c + n for c, n in zip(self.context_lens, self.seq_lens)], torch.int32, dev)
+            self._tables = (bt, lens)
         return self._tables
 
     def device_slots(self) -> torch.Tensor:
         """Per-sequence state slots [B] int64 on the device (built once per step; static under CUDA graphs)."""
         if getattr(self, "_slots", None) is None:
-            self._slots = torch.tensor(self.slots, dtype=torch.long).to(self.token_ids.device, non_blocking=True)
+            self._slots = to_device(self.slots, torch.long, self.token_ids.device)
         return self._slots
 
     @property
@@ -101,8 +101,8 @@ class StepBatch:
             pos.extend(range(ctx, ctx + len(tokens)))
         n = len(ids)
         return cls(
-            token_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            token_ids=to_device(ids, torch.long, device),
+            positions=to_device(pos, torch.long, device),
             seq_lens=[len(s[0]) for s in seqs], context_lens=[s[1] for s in seqs],
             slots=[s[2] for s in seqs], block_tables=[list(s[3]) for s in seqs], block_size=block_size,
             logits_indices=torch.arange(n, device=device) if all_logits else None,
