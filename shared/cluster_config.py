@@ -68,6 +68,7 @@ class ClusterConfig:
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
+    recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
     api_key: str = ""                           # "" = none; else /v1 routes need "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
                                                 # loopback, any otherwise (gateway/access.py); ["*"] = any
@@ -102,6 +103,9 @@ class ClusterConfig:
         if not self.kv_cache_memory >= 0:
             raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB (or 0 for the default), "
                                      f"got {self.kv_cache_memory}")
+        if not (isinstance(self.recovery_timeout, (int, float)) and 0 <= self.recovery_timeout < float("inf")):
+            raise ClusterConfigError(f"cluster config: recovery_timeout must be a number of seconds >= 0 (0 = fail "
+                                     f"a dead component's requests at once), got {self.recovery_timeout!r}")
         if not isinstance(self.api_key, str):
             raise ClusterConfigError("cluster config: api_key must be a string")
         for key in ("allowed_hosts", "allowed_origins"):
@@ -165,7 +169,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
-        "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins"}
+        "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -180,7 +184,7 @@ def env_overrides() -> dict[str, Any]:
                 out[key] = val
             elif key in ("allowed_hosts", "allowed_origins"):
                 out[key] = [h.strip() for h in val.split(",") if h.strip()]
-            elif key == "kv_cache_memory":
+            elif key in ("kv_cache_memory", "recovery_timeout"):
                 out[key] = _float_env(env, val)
             else:
                 out[key] = val.lower() not in ("0", "false", "no", "off")
@@ -191,7 +195,7 @@ def _float_env(name: str, val: str) -> float:
     try:
         return float(val)
     except ValueError:
-        raise ClusterConfigError(f"{name}={val!r}: expected a number (GiB)") from None
+        raise ClusterConfigError(f"{name}={val!r}: expected a number") from None
 
 
 def _apply_env(raw: dict[str, Any]) -> None:

@@ -100,6 +100,7 @@ class SchedulerLimits:
     max_queue: int = 256
     watchdog_interval: float = 0.5         # how often lost components are looked for
     plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
+    recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int) -> SchedulerLimits:
@@ -107,7 +108,9 @@ class SchedulerLimits:
                    max_num_batched_tokens=cluster.max_num_batched_tokens,
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
                    max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
-                   plan_ahead=cluster.async_scheduling)
+                   plan_ahead=cluster.async_scheduling,
+                   # nothing comes back without the launcher's restarts: then a dead component fails its requests
+                   recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0)
 
 
 class EngineCore:
@@ -131,6 +134,7 @@ class EngineCore:
         self.stage_overlap_seconds = 0.0
         self._recent: list[tuple[int, int, float, float]] = []     # (step, stage, start, end), the last 64
         self._started = False
+        self._lost_since: float | None = None    # a component stopped sending heartbeats: scheduling waits
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -232,8 +236,9 @@ class EngineCore:
         next_watch = time.monotonic() + self.limits.watchdog_interval
         try:
             while not self._stopping:
-                for plan in self._plans():
-                    self.executor.send(plan)
+                if self._lost_since is None:     # nothing goes to a pipeline with a component missing
+                    for plan in self._plans():
+                        self.executor.send(plan)
                 timeout = max(0.0, next_watch - time.monotonic())
                 messages = self.executor.poll(timeout, self._wake_r)
                 try:
@@ -253,7 +258,7 @@ class EngineCore:
                             log.exception("engine core: failed to handle %s", type(msg).__name__)
                     back = self.executor.restarted()
                     if back:
-                        drops.extend(self._fail_running(back, keep_waiting=True))
+                        drops.extend(self._recover(back))
                     if time.monotonic() >= next_watch:
                         next_watch = time.monotonic() + self.limits.watchdog_interval
                         drops.extend(self._watchdog())
@@ -281,6 +286,11 @@ class EngineCore:
         return plans
 
     def _on_result(self, msg: StepResult) -> None:
+        oldest = self.scheduler.oldest_in_flight(msg.microbatch)
+        if oldest is None or oldest.step != msg.step:
+            # A step forgotten when a component died: its plan reached a stage before the failure was seen.
+            log.warning("engine core: ignored the result of step %d (no longer in flight)", msg.step)
+            return
         self._account_timing(msg)
         for req in self.scheduler.on_result(msg.microbatch, msg.tokens):
             events, req.events = req.events, []
@@ -317,14 +327,35 @@ class EngineCore:
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:
+        """A component without heartbeats: its requests wait for it (the launcher restarts it) up to
+        `recovery_timeout`, then every request fails; with `recovery_timeout` 0 they fail at once."""
         lost = self.executor.lost()
-        if not lost or not (self.scheduler.num_running or self.scheduler.num_waiting):
+        if not lost:
+            self._lost_since = None
             return []
-        return self._fail_running(lost, keep_waiting=False)
+        now = time.monotonic()
+        if self._lost_since is None:
+            self._lost_since = now
+            log.warning("engine core: no heartbeat from %s; scheduling waits for it", ", ".join(lost))
+            if self.limits.recovery_timeout > 0:
+                return self._recover(lost)
+        if now - self._lost_since < self.limits.recovery_timeout:
+            return []
+        return self._fail_all(lost)
 
-    def _fail_running(self, components: list[str], keep_waiting: bool) -> list[Plan]:
-        """Components died (or came back empty): fail the requests their state was part of; with `keep_waiting`
-        (they are serving again) the queued ones stay queued."""
+    def _recover(self, components: list[str]) -> list[Plan]:
+        """Components died or came back empty: whatever was in flight is lost, and so are the running requests'
+        caches. They are recomputed (`Scheduler.requeue_running`), so their streams pause instead of failing."""
+        if self.limits.recovery_timeout <= 0:
+            return self._fail_all(components, keep_waiting=True)
+        steps, moved = self.scheduler.requeue_running()
+        if moved:
+            log.warning("engine core: %s lost the state of %d running request(s): recomputing them",
+                        ", ".join(components), len(moved))
+        return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
+
+    def _fail_all(self, components: list[str], keep_waiting: bool = False) -> list[Plan]:
+        """Fail the running requests (and, unless `keep_waiting`, the queued ones): the components are gone."""
         if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting)):
             return []
         err = EngineFailed(f"{', '.join(components)} stopped responding")
@@ -349,6 +380,9 @@ class EngineCore:
         preempt = Gauge("moepipe_preemptions", "Requests preempted (recomputed later) because KV blocks ran out",
                         registry=metrics.registry)
         preempt.set_function(lambda: self.scheduler.num_preemptions)
+        requeued = Gauge("moepipe_requests_requeued", "Running requests recomputed because a component died or "
+                         "restarted under them (their streams paused instead of failing)", registry=metrics.registry)
+        requeued.set_function(lambda: self.scheduler.num_requeued)
         attach = getattr(self.executor, "attach_metrics", None)
         if attach is not None:
             attach(metrics)

@@ -87,6 +87,7 @@ class Scheduler:
         # preempted request's "finished" always reaches the stages before its re-admission's sampling spec.
         self.pending_finished: list[str] = []
         self.num_preemptions = 0
+        self.num_requeued = 0                                 # running requests recomputed after a component died
         self._step = itertools.count()
         self._arrivals = itertools.count()
 
@@ -367,6 +368,25 @@ class Scheduler:
         self.draining.clear()
         self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed
+
+    def requeue_running(self) -> tuple[list[int], list[Request]]:
+        """A component died or came back empty: every plan in flight is lost, and every running request's caches
+        with it. Each running request goes back to the head of the queue, in arrival order, to be recomputed from
+        its prompt and the tokens it already has (as a preemption: the client's stream just pauses, and seeded
+        draws repeat, since they depend only on seed and position); finished requests still held by a plan in
+        flight are freed. Returns the forgotten steps and the requeued requests."""
+        steps = self.in_flight_steps()
+        self.in_flight = {m: [] for m in range(self.num_microbatches)}
+        for req in list(self.draining.values()):
+            req.inflight = req.ahead_fed = req.ahead_samples = 0
+            self.release(req, req.finished)
+        moved = sorted(self.running.values(), key=lambda r: r.arrival)
+        for req in reversed(moved):
+            req.inflight = req.ahead_fed = req.ahead_samples = 0
+            self._preempt(req)
+            self.num_preemptions -= 1              # not for want of blocks
+        self.num_requeued += len(moved)
+        return steps, moved
 
     def release(self, req: Request, reason: str) -> None:
         """Finish a request. Its blocks and slot are freed, and the stages told to drop its state with the next

@@ -22,9 +22,10 @@ def _token(req_id: str, position: int, stops: dict[str, int]) -> int:
 
 
 def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int = 5000,
-              stops: dict[str, int] | None = None) -> dict[str, list[int]]:
+              stops: dict[str, int] | None = None, crash_every: int = 0) -> dict[str, list[int]]:
     """Run plans to completion, a micro-batch's steps in plan order (as stages run them), micro-batches in any
-    order; returns each request's tokens."""
+    order; returns each request's tokens. With `crash_every`, every n-th result (while requests run) is lost with
+    every plan in flight and all the stages' state, and the scheduler told (`requeue_running`)."""
     stops = stops or {}
     rng = random.Random(seed)
     for r in reqs:
@@ -34,6 +35,7 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
     stage0: dict[tuple[str, int], int] = {}          # what stage 0 holds from the last stage's Sampled messages
     fed: dict[str, int] = {}                         # tokens each request has fed, as the PLE service counts them
     tables: dict[str, list[int]] = {}                # each request's block table, as the stages hold it
+    results = 0
     for _ in range(max_steps):
         for _ in range(sched.depth):
             for mb in sched.idle_microbatches():
@@ -66,6 +68,15 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                     flying.append(plan)
         if not flying:
             break
+        results += 1
+        if crash_every and results % crash_every == 0 and sched.running:
+            steps, _ = sched.requeue_running()
+            assert sorted(steps) == sorted(p.step for p in flying)
+            flying.clear()
+            stage0.clear()
+            fed.clear()
+            tables.clear()
+            continue
         heads = [p for i, p in enumerate(flying) if all(q.microbatch != p.microbatch for q in flying[:i])]
         plan = rng.choice(heads)
         flying.remove(plan)
@@ -234,3 +245,17 @@ def test_plans_carry_only_new_block_ids():
     assert sent[0] == (0, [0, 1])                   # the prompt's two blocks
     # then one block each time a position starts a new block (50 tokens in all: blocks at 32 and 48)
     assert [(pos, len(new)) for pos, new in sent if new] == [(0, 2), (32, 1), (48, 1)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_requests_requeued_after_a_component_died_complete_with_their_tokens(seed):
+    """Now and then every plan in flight is lost (a stage died) and every stage forgets everything:
+    `requeue_running` puts the running requests back to be recomputed, and each still gets exactly its tokens."""
+    rng = random.Random(seed)
+    reqs = [_req(i, rng.randint(1, 70), rng.randint(1, 30)) for i in range(10)]
+    sched = Scheduler(num_blocks=12, block_size=16, max_num_seqs=6, max_num_batched_tokens=32,
+                      num_microbatches=rng.choice([1, 2]), max_model_len=4096, plan_ahead=rng.random() < 0.5)
+    outputs = _simulate(sched, reqs, seed, crash_every=7)
+    for r in reqs:
+        assert outputs[r.req_id] == _expected(r), r.req_id
+    assert sched.num_requeued > 0
