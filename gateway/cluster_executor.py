@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from shared.cluster_config import ClusterConfig, stage_name
+from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authentication
 from shared.protocol import Heartbeat, Message, Plan, ProtocolError, StageError, StepResult, decode, encode
 
 log = logging.getLogger("moepipe.gateway")
@@ -39,18 +40,13 @@ class ClusterExecutor:
 
     def start(self) -> None:
         self._ctx = zmq.Context()
-        self.inbox = self._ctx.socket(zmq.PULL)
-        self.inbox.bind(self.cluster.gateway_endpoint)
-        self.outs = []
+        keys = cluster_keys(self.cluster.link_keys)
+        self.inbox = bind_inbox(self._ctx, self.cluster.gateway_endpoint, keys)
         targets = [s.endpoint for s in self.cluster.stages]
         if "ple" in self.components:
             targets.append(self.cluster.ple_endpoint)
-        for ep in targets:
-            s = self._ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDTIMEO, 2000)      # a peer that is gone must not hang the engine core
-            s.connect(ep)
-            self.outs.append(s)
+        # a peer that is gone must not hang the engine core: sends give up after 2 s
+        self.outs = [connect_outbox(self._ctx, ep, keys, sndtimeo=2000) for ep in targets]
         self._poller = zmq.Poller()
         self._poller.register(self.inbox, zmq.POLLIN)
         self._wake_fd: int | None = None
@@ -61,6 +57,7 @@ class ClusterExecutor:
         for s in self.outs:
             s.close()
         self.inbox.close(linger=0)
+        stop_authentication(self._ctx)
         self._ctx.term()
         self._ctx = None
 

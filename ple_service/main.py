@@ -17,6 +17,7 @@ import time
 import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authentication
 from shared.model_config import load_config
 from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, Message, Plan, ProtocolError, Sampled, Shutdown, decode, encode
@@ -65,16 +66,12 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     try:
-        inbox = ctx.socket(zmq.PULL)
+        keys = cluster_keys(cluster.link_keys)
+        inbox = bind_inbox(ctx, cluster.ple_endpoint, keys)
         socks.append(inbox)
-        inbox.bind(cluster.ple_endpoint)
-        gateway = ctx.socket(zmq.PUSH)
-        stages = [ctx.socket(zmq.PUSH) for _ in consumers]
+        gateway = connect_outbox(ctx, cluster.gateway_endpoint, keys)
+        stages = [connect_outbox(ctx, cluster.stages[k].endpoint, keys) for k in consumers]
         socks += [gateway, *stages]
-        for s, endpoint in zip([gateway, *stages],
-                               [cluster.gateway_endpoint] + [cluster.stages[k].endpoint for k in consumers]):
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(endpoint)
         log.info("PLE service: layers %s, ring %s (%d slots x %d tokens), PleReady -> stages %s, prefetch %s",
                  service.layers, service.ring.path, service.ring.slots, service.ring.max_tokens, consumers,
                  "on" if service.prefetcher else "off")
@@ -120,6 +117,7 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
     finally:
         for s in socks:
             s.close(linger=0)
+        stop_authentication(ctx)
         ctx.term()
         service.close(unlink=True)
     log.info("PLE service: stopped")

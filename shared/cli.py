@@ -72,6 +72,20 @@ def _generate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from shared.links import write_keys
+
+    try:
+        secret = write_keys(args.out)
+    except FileExistsError as exc:
+        print(f"moepipe keys: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {secret} (keep it private: whoever has it can join the cluster)")
+    print(f"copy {Path(args.out)} to every host of the cluster and set in cluster.toml:")
+    print(f'link_keys = "{secret.resolve()}"')
+    return 0
+
+
 def serve_options(args: argparse.Namespace):
     """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
     from gateway.launcher import ServeOptions
@@ -158,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
                    help="no access log line per HTTP request (vLLM's name is the alias)")
     s.set_defaults(func=_serve)
+
+    k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "
+                                    "links between hosts (cluster config: link_keys)")
+    k.add_argument("--out", required=True, help="directory for cluster.key and cluster.key_secret")
+    k.set_defaults(func=_keys)
     return p
 
 

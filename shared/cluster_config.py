@@ -73,7 +73,30 @@ class ClusterConfig:
     allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
                                                 # loopback, any otherwise (gateway/access.py); ["*"] = any
     allowed_origins: list[str] = field(default_factory=list)  # CORS: browser origins allowed to call; [] = none
+    # CurveZMQ on every link (shared/links.py): the secret certificate `moepipe keys` wrote, read by every process.
+    # tcp endpoints are refused without it unless insecure_links (a network where anyone may drive the stages).
+    link_keys: str = ""
+    insecure_links: bool = False
     seed: int = 0
+
+    def endpoints(self) -> list[str]:
+        return [e for e in [self.gateway_endpoint, self.ple_endpoint, *(s.endpoint for s in self.stages)] if e]
+
+    def _validate_links(self) -> None:
+        tcp = [e for e in self.endpoints() if e.startswith("tcp://")]
+        if self.link_keys:
+            from shared.links import LinkKeyError, LinkKeys
+
+            try:
+                LinkKeys.load(self.link_keys)
+            except LinkKeyError as exc:
+                raise ClusterConfigError(f"cluster config: {exc}") from None
+        elif tcp and not self.insecure_links:
+            raise ClusterConfigError(
+                f"cluster config: tcp endpoints ({', '.join(tcp)}) would carry plans, activations and tokens "
+                f"unauthenticated and unencrypted: anyone who reaches them can drive the stages. Write a cluster "
+                f"certificate with `moepipe keys --out DIR`, copy DIR to every host and set link_keys = "
+                f"\"DIR/cluster.key_secret\"; or set insecure_links = true on a network you trust")
 
     @property
     def num_stages(self) -> int:
@@ -106,6 +129,7 @@ class ClusterConfig:
         if not (isinstance(self.recovery_timeout, (int, float)) and 0 <= self.recovery_timeout < float("inf")):
             raise ClusterConfigError(f"cluster config: recovery_timeout must be a number of seconds >= 0 (0 = fail "
                                      f"a dead component's requests at once), got {self.recovery_timeout!r}")
+        self._validate_links()
         if not isinstance(self.api_key, str):
             raise ClusterConfigError("cluster config: api_key must be a string")
         for key in ("allowed_hosts", "allowed_origins"):
@@ -169,7 +193,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
-        "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout"}
+        "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
+        "MOEPIPE_LINK_KEYS": "link_keys"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -180,7 +205,7 @@ def env_overrides() -> dict[str, Any]:
             val = os.environ[env]
             if key in ("microbatches", "threads_per_stage", "restart_limit"):
                 out[key] = int(val)
-            elif key in ("kernels", "dtype", "api_key"):
+            elif key in ("kernels", "dtype", "api_key", "link_keys"):
                 out[key] = val
             elif key in ("allowed_hosts", "allowed_origins"):
                 out[key] = [h.strip() for h in val.split(",") if h.strip()]

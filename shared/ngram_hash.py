@@ -272,6 +272,17 @@ def ngram_rows_numpy(spec: NgramHashSpec, context: np.ndarray, tokens: np.ndarra
     return _hash_windows_numpy(spec, windows), new_context
 
 
+def ngram_rows_numpy_batch(spec: NgramHashSpec, contexts: np.ndarray,
+                           tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ngram_rows_numpy` for B sequences feeding one token each (a decode step), in one pass:
+    contexts [B, ngram_size - 1], tokens [B] -> (rows [B, num_heads], new contexts [B, ngram_size - 1])."""
+    n = spec.ngram_size
+    contexts = np.asarray(contexts, dtype=np.int64).reshape(-1, n - 1)
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+    history = np.concatenate([contexts, tokens], axis=1)          # oldest first
+    return _hash_windows_numpy(spec, history[:, ::-1]), history[:, 1:].copy()
+
+
 def _hash_windows_numpy(spec: NgramHashSpec, windows: np.ndarray) -> np.ndarray:
     eos = spec.eos_token_id
     # A position s back is hidden (reads as EOS) if any of positions 1..s back is an EOS.

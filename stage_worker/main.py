@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, stage_name
+from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authentication
 from shared.model_config import load_config
 from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
@@ -46,10 +47,7 @@ def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
 
 def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: StageRunner,
                 stop: threading.Event) -> None:
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 10)
-    sock.connect(cluster.gateway_endpoint)
+    sock = connect_outbox(ctx, cluster.gateway_endpoint, cluster_keys(cluster.link_keys), sndhwm=10)
     while not stop.is_set():
         try:
             stats = {**runner.stats(), "restarts": restart_count()}
@@ -85,15 +83,12 @@ def serve(cluster: ClusterConfig, index: int) -> int:
              " (PLE rows from the PLE service)" if ring is not None else "")
 
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(spec.endpoint)
+    keys = cluster_keys(cluster.link_keys)
+    inbox = bind_inbox(ctx, spec.endpoint, keys)
     peers: dict[str, zmq.Socket] = {}
 
     def connect(key: str, endpoint: str) -> None:
-        s = ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(endpoint)
-        peers[key] = s
+        peers[key] = connect_outbox(ctx, endpoint, keys)
 
     connect("gateway", cluster.gateway_endpoint)
     if not runner.is_last:
@@ -153,6 +148,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     for s in peers.values():
         s.close()
     inbox.close(linger=0)
+    stop_authentication(ctx)
     ctx.term()
     log.info("%s: stopped", name)
     return 0

@@ -16,6 +16,7 @@ from shared.ngram_hash import (
     NgramHashSpec,
     initial_context,
     ngram_rows_numpy,
+    ngram_rows_numpy_batch,
     ngram_rows_torch,
     ngram_rows_torch_flat,
     ple_layer_indices,
@@ -290,3 +291,19 @@ def test_cuda_matches_cpu():
     flat_gpu, fctx_gpu = ngram_rows_torch_flat(spec, ctx.cuda(), batch.reshape(-1).cuda(), cu.cuda())
     assert torch.equal(flat_gpu.cpu(), rows_cpu.reshape(128, -1))
     assert torch.equal(fctx_gpu, ctx_gpu)
+
+
+@pytest.mark.parametrize("ngram_size,heads,base,ple_index", [(3, 3, 5000, 1), (4, 2, 5000, 0)])
+def test_one_token_per_sequence_batch_matches_per_sequence(ngram_size, heads, base, ple_index):
+    """The PLE service hashes a decode step's tokens in one call (`ngram_rows_numpy_batch`)."""
+    spec = _spec(_config(ngram_size, heads, base), ple_index)
+    rng = np.random.default_rng(12)
+    contexts = rng.integers(0, VOCAB, size=(9, ngram_size - 1), dtype=np.int64)
+    contexts[2] = EOS
+    contexts[3, -1] = EOS
+    tokens = _stream(rng, 20, overflow=True)[:9]
+    rows, new_ctx = ngram_rows_numpy_batch(spec, contexts, tokens)
+    for b in range(9):
+        exp_rows, exp_ctx = ngram_rows_numpy(spec, contexts[b], tokens[b:b + 1])
+        np.testing.assert_array_equal(rows[b:b + 1], exp_rows)
+        np.testing.assert_array_equal(new_ctx[b], exp_ctx)
