@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-NAMES = ("moe", "hyper_connection", "rmsnorm", "attention", "deltanet")
+NAMES = ("moe", "moe_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet")
 
 
 @dataclass(frozen=True)
 class KernelFlags:
     moe: bool = False                 # router top-k + fused expert GEMVs, shared expert as one more slot (moe.py)
+    moe_prefill: bool = False         # prefill experts as two grouped GEMM launches (moe_prefill.py); with `moe`
     hyper_connection: bool = False    # GatedResidual in three kernels, injection fused in (hyper_connection.py)
     rmsnorm: bool = False             # fused zero-centred / grouped RMSNorm (stage_worker/kernels/rmsnorm.py)
     attention: bool = False           # one q/k/v GEMV, prologue kernel, QSA selection, paged split-K decode

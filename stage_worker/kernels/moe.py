@@ -213,20 +213,25 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
 
 
 def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+                w2: torch.Tensor, shared: SharedExpert | None = None, kernel: bool = False) -> torch.Tensor:
     """Prefill path: (token, slot) pairs sorted by expert, two GEMMs per present expert, a fixed-order combine.
 
-    One host sync (the per-expert counts), so not for CUDA graphs; deterministic (no index_add_ atomics). With
-    `shared`, the last slot (id -1) is the shared expert: one GEMM pair over every token.
+    With `kernel`, the two grouped GEMM launches of `moe_prefill.py`; otherwise a Python loop over the present
+    experts with one host sync (the per-expert counts). Deterministic either way (no atomics). With `shared`, the
+    last slot (id -1) is the shared expert: one GEMM pair over every token.
     """
     if shared is not None:
         k = ids.shape[1] - 1
         g, u = F.linear(x, shared.w13).float().chunk(2, dim=-1)
         shared_down = F.linear((F.silu(g) * u).to(x.dtype), shared.w2)
-        routed = grouped_moe(x, ids[:, :k], weights[:, :k], w13, w2)
+        routed = grouped_moe(x, ids[:, :k], weights[:, :k], w13, w2, kernel=kernel)
         both = torch.stack([routed, shared_down], dim=1)                      # [T, 2, H]
         ones = torch.ones_like(weights[:, :1])
         return torch.bmm(torch.cat([ones, weights[:, k:]], dim=1).to(x.dtype).unsqueeze(1), both).squeeze(1)
+    if kernel:
+        from stage_worker.kernels.moe_prefill import grouped_moe_triton
+
+        return grouped_moe_triton(x, ids, weights, w13, w2)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -244,11 +249,12 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+              w2: torch.Tensor, shared: SharedExpert | None = None, prefill_kernel: bool = True) -> torch.Tensor:
     """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype; = fused_moe_ref.
 
-    Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe`. With
-    `shared`, slot k (id -1) is the shared expert (see `route`).
+    Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe` (its grouped
+    GEMM kernels with `prefill_kernel` and Triton). With `shared`, slot k (id -1) is the shared expert (see
+    `route`).
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -261,7 +267,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         raise ValueError(f"shared expert w13 {tuple(shared.w13.shape)} / w2 {tuple(shared.w2.shape)} do not match "
                          f"the routed experts' [{2 * I}, {H}] / [{H}, {I}]")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
-        return grouped_moe(x, ids, weights, w13, w2, shared)
+        return grouped_moe(x, ids, weights, w13, w2, shared, kernel=prefill_kernel and triton_usable(x))
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")   # never copy the expert tables
     sw13, sw2 = (w13, w2) if shared is None else (shared.w13, shared.w2)
@@ -287,7 +293,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                renormalise: bool, shared: SharedExpert | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalise: bool, shared: SharedExpert | None = None,
+                prefill_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
@@ -295,5 +302,5 @@ def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None)
-    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared)
+    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)

@@ -70,10 +70,10 @@ class SparseMoE(nn.Module):
             if fused is not None:
                 router, shared = fused
                 out, self.last_expert_ids = moe_forward(x, router, self.w13, self.w2, self.top_k, self.renormalise,
-                                                        shared)
+                                                        shared, prefill_kernel=self.kernels.moe_prefill)
                 return out
             out, self.last_expert_ids = moe_forward(x, self.gate.weight, self.w13, self.w2, self.top_k,
-                                                    self.renormalise)
+                                                    self.renormalise, prefill_kernel=self.kernels.moe_prefill)
             return self._add_shared(x, out)
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, self.renormalise)
