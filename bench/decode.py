@@ -28,20 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
-from stage_worker.checkpoint.make_model import preset_config  # noqa: E402
+from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, preset_config  # noqa: E402
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 from stage_worker.model.moe import SparseMoE  # noqa: E402
-
-QWEN3_NEXT_80B = dict(   # Qwen3-Next-80B-A3B's config.json
-    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
-    num_key_value_heads=2, head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
-                                                          "partial_rotary_factor": 0.25},
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    intermediate_size=5120, decoder_sparse_step=1, max_position_embeddings=262144, eos_token_id=151645,
-    dtype="bfloat16", full_attention_interval=4,
-)
 
 
 def preset(name: str) -> dict:

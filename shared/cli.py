@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a random-weight Qwen4-Exp checkpoint")
-    mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape"], default="tiny")
+    mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape", "qwen3-next-shape"], default="tiny")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")

@@ -138,3 +138,15 @@ def test_layers_cuts_a_preset_and_refuses_what_it_cannot_cut(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shared.cli", "make-model", "--preset", "tiny", "--layers", "1",
                         "--out", str(tmp_path / "bad")], capture_output=True, text=True)
     assert r.returncode == 2 and "PLE layer ids" in r.stderr
+
+
+def test_qwen3_next_shape_is_a_config_only_qwen3_next_checkpoint(tmp_path):
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, make_model
+
+    out = make_model("qwen3-next-shape", tmp_path / "q3n", layers=6)
+    cfg = load_config(out)
+    assert type(cfg).__name__ == "Qwen3NextConfig" and cfg.num_hidden_layers == 6
+    assert cfg.num_experts == QWEN3_NEXT_80B["num_experts"] and cfg.hidden_size == QWEN3_NEXT_80B["hidden_size"]
+    assert cfg.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").exists()

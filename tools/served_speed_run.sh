@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's measurement in one device call (carry .whl-lean):
 #   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
-# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table), greedy
+# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table), prefill
+# (the grouped MoE prefill kernels' GPU test: agreement and timings at the full shape), greedy
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams). For a model: the
@@ -19,7 +20,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 # name=env settings for one served run; "base" is the build's defaults
 declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]="MOEPIPE_DEVICE_SAMPLING=1"
                    [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noplegraph]="MOEPIPE_PLE_GRAPH=0"
-                   [noasync]="MOEPIPE_ASYNC_SCHEDULING=0" [noservice]="" [profile]="MOEPIPE_PROFILE_STEPS=300:40")
+                   [noasync]="MOEPIPE_ASYNC_SCHEDULING=0" [noservice]="" [profile]="MOEPIPE_PROFILE_STEPS=300:40"
+                   [noprefillkernel]="MOEPIPE_KERNELS=-moe_prefill")
 # settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
 # profile writes torch.profiler tables of 40 served steps (inside the 1-stream runs) to $out/profile_<model>/
 declare -A AB_ARGS=([noservice]="--no-ple-service")
@@ -55,6 +57,13 @@ if want greedy; then
       || tail -5 "$out/greedy_plegraph$g.log"
   done
   python3 tools/greedy_transcript.py compare "$out/greedy_plegraph1.json" "$out/greedy_plegraph0.json" | tail -4
+fi
+if want prefill; then   # the grouped MoE prefill kernels at the full shape: agreement with the loop, and timings
+  timeout 240 python3 -c "
+import sys; sys.path[:0] = ['tests']
+import test_kernel_moe_prefill as t
+for n in (64, 512, 4096): t.test_real_shapes_on_gpu(n)
+print('grouped MoE prefill kernels at the full shape: OK')" 2>&1 | tail -6
 fi
 if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8

@@ -2,7 +2,8 @@
 
 Presets: `tiny` (every extension on, a few MB: the built-in default model), `small` (a mid-size model for server
 benchmarks on a GPU), `full-shape` (the field reports' dimensions, 001 §1; config and tokenizer only, for the `dummy`
-load format, since its weights would not fit this machine's disk).
+load format, since its weights would not fit this machine's disk), `qwen3-next-shape` (Qwen3-Next-80B-A3B's
+config, config only too: the public relative's shape in the served benchmarks).
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ PRESETS["demo"] = dict(
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
+QWEN3_NEXT_80B = dict(   # Qwen3-Next-80B-A3B's config.json (the `qwen3-next-shape` preset, config only)
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                          "partial_rotary_factor": 0.25},
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    intermediate_size=5120, decoder_sparse_step=1, max_position_embeddings=262144, eos_token_id=151645,
+    dtype="bfloat16", full_attention_interval=4,
+)
+
+
 def preset_config(name: str, layers: int | None = None) -> dict:
     """A preset's config; `layers` keeps its first N decoder layers (a full-shape model cut to fit a machine: the
     two-GPU run serves a preset that needs both cards' memory)."""
@@ -106,6 +118,8 @@ def preset_config(name: str, layers: int | None = None) -> dict:
 def make_model(preset: str, out: Path, seed: int = 0, layers: int | None = None) -> Path:
     t0 = time.time()
     out = Path(out)
+    if preset == "qwen3-next-shape":
+        return _config_only_qwen3_next(out, layers)
     raw = preset_config(preset, layers)
     out.mkdir(parents=True, exist_ok=True)
     special = write_tokenizer_files(out, vocab_size=raw["vocab_size"], model_max_length=raw["max_position_embeddings"])
@@ -119,6 +133,26 @@ def make_model(preset: str, out: Path, seed: int = 0, layers: int | None = None)
     if preset != "full-shape":
         _write_weights(cfg, out, seed)
     log.info("wrote %s checkpoint to %s in %.1f s", preset, out, time.time() - t0)
+    return out
+
+
+def _config_only_qwen3_next(out: Path, layers: int | None) -> Path:
+    """Qwen3-Next-80B-A3B's config (cut to `layers`) and a stand-in tokenizer: served with `--load-format dummy`,
+    the public relative's shape beside the field reports' (no PLE, no hyper-connections)."""
+    raw = dict(QWEN3_NEXT_80B)
+    if layers is not None:
+        if not 1 <= layers <= raw["num_hidden_layers"]:
+            raise ValueError(f"--layers {layers}: the qwen3-next-shape preset has "
+                             f"1..{raw['num_hidden_layers']} layers")
+        raw["num_hidden_layers"] = layers
+    out.mkdir(parents=True, exist_ok=True)
+    special = write_tokenizer_files(out, vocab_size=raw["vocab_size"], model_max_length=raw["max_position_embeddings"])
+    raw.update(eos_token_id=special.im_end, pad_token_id=special.endoftext, bos_token_id=None)
+    cfg = config_from_dict(raw)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    gen = {"eos_token_id": special.eos_ids, "pad_token_id": special.pad_id, "bos_token_id": None,
+           **GENERATION_DEFAULTS}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
 
 
