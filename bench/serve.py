@@ -3,7 +3,10 @@ concurrent streams, measured as the field reports do (002 §3.0): fixed prompts 
 measured runs, median ITL and mean tokens/s, TTFT from the client; "decode tok/s" is streams / median TPOT, what
 decoding alone sustains (the mean tokens/s also pays every request's TTFT). ITL is between text-bearing chunks (what a
 client sees, as vLLM's benchmark reports it); TPOT is a request's time per output token after its first chunk,
-from the usage count, and `tokens_per_chunk` says how far the two differ (1.0 for a real model's text).
+from the usage count, and `tokens_per_chunk` says how far the two differ (1.0 for a real model's text). When a chunk
+carries several tokens (dummy weights: ~7), the client's TPOT runs low by about (tokens per chunk - 1) / tokens,
+since the first chunk's extra tokens fall outside its span; "server TPOT" (the gateway's mean time between
+consecutive tokens of a request, moepipe_inter_token_latency_seconds, over the measured runs) is exact.
 
     python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in demo model
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
@@ -94,7 +97,12 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
                 transfer[f"{d['link']} {d['step_kind']}"] = {"mean_ms": 1e3 * delta(name, lab) / n, "count": n}
     # the stages' time waiting for the PLE service's rows, over the wall time (heartbeat totals: ~1 s granular)
     ple_wait = delta("moepipe_ple_stage_wait_seconds_total", ()) / wall
-    return {"stage_busy_fraction": busy, "stage_step_ms": step_ms, "ple_wait_fraction": ple_wait,
+    # the gateway's mean time between consecutive tokens of a request: TPOT token by token, however the text is
+    # chunked (dummy weights' tokens often have no text of their own, so a client chunk carries several)
+    n_itl = delta("moepipe_inter_token_latency_seconds_count", ())
+    server_tpot = 1e3 * delta("moepipe_inter_token_latency_seconds_sum", ()) / n_itl if n_itl else float("nan")
+    return {"server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
+            "ple_wait_fraction": ple_wait,
             "transfer": transfer,
             "preemptions": delta("moepipe_preemptions", ())}
 
@@ -204,7 +212,9 @@ def main() -> int:
         busy = ", ".join(f"stage {k} {v:.2f}" for k, v in sorted(r.get("stage_busy_fraction", {}).items()))
         moves = ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in sorted(r.get("transfer", {}).items()))
         steps = ", ".join(f"stage {k} {v:.2f} ms" for k, v in sorted(r.get("stage_step_ms", {}).items()))
-        print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: busy {busy or '-'}; step {steps or '-'}; "
+        print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: server TPOT {r.get('server_tpot_ms', 0):.2f} ms "
+              f"({r['streams'] / r.get('server_tpot_ms', float('nan')) * 1e3:.1f} tok/s); busy {busy or '-'}; "
+              f"step {steps or '-'}; "
               f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.2f}; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
     out = Path(args.out)
