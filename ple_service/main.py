@@ -55,10 +55,15 @@ def _send(sock: zmq.Socket, msg: Message, stop: threading.Event, wait: bool = Tr
 
 
 def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
+    import torch
+
     from ple_service.service import PleService     # heavy imports (torch) after argument errors are out of the way
 
     if not cluster.ple_endpoint:
         raise ClusterConfigError("cluster config: ple_endpoint is empty, the PLE service has no inbox to bind")
+    if cluster.ple_threads > 0:
+        # A decode step gathers a few thousand rows: a pool of threads woken per op costs more than it saves
+        torch.set_num_threads(cluster.ple_threads)
     cfg = load_config(cluster.model)
     cluster = cluster.for_model(cfg)
     consumers = ple_stages(cluster, cfg)

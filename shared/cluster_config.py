@@ -66,6 +66,7 @@ class ClusterConfig:
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
+    ple_threads: int = 1                        # torch intra-op threads of the PLE service's gathers (0 = torch's)
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -120,6 +121,8 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.ple_threads < 0:
+            raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
@@ -194,7 +197,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
-        "MOEPIPE_LINK_KEYS": "link_keys"}
+        "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -203,7 +206,7 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            if key in ("microbatches", "threads_per_stage", "restart_limit"):
+            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads"):
                 out[key] = int(val)
             elif key in ("kernels", "dtype", "api_key", "link_keys"):
                 out[key] = val
