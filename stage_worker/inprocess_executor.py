@@ -3,7 +3,8 @@ the messages between them handed over as objects instead of ZeroMQ frames.
 
 Tests, `moepipe generate` and the benchmarks use it, so they run the real engine core (scheduler, block manager,
 finish rule) and the real last-stage sampler. Without a PLE service every stage holding a PLE layer gathers its
-rows itself (the fallback path). A step runs inside `send`, on the engine core's thread.
+rows itself (the fallback path). Steps run on the engine core's thread: `send` queues the ready ones
+(`StageRunner.launch`), `poll` completes them (`finish`) and whatever their results unblock.
 """
 
 from __future__ import annotations
@@ -45,28 +46,42 @@ class InProcessExecutor:
         pass
 
     def send(self, plan: Plan) -> None:
+        """Hand the plan to every stage and queue what is ready; `poll` completes it. So with plan-ahead a second
+        plan is queued behind the first before its tokens reach the host, as in a stage worker process."""
         for runner in self.runners:
             runner.on_message(plan)
-        self._drain()
+        self._launch_ready()
 
-    def _drain(self) -> None:
-        """Run every step whose inputs are here, in pipeline order, until none is."""
-        progressed = True
-        while progressed:
-            progressed = False
-            for i, runner in enumerate(self.runners):
+    def _launch_ready(self) -> bool:
+        progressed = False
+        for i, runner in enumerate(self.runners):
+            while runner.can_launch():
                 plan = None
                 try:
                     plan = runner.ready()
                     if plan is None:
-                        continue
-                    outgoing = runner.run(plan)
+                        break
+                    runner.launch(plan)
+                    progressed = True
                 except Exception as exc:   # as a stage worker does: report the step, drop it, keep serving
                     step = plan.step if plan is not None else min(runner.plans, default=-1)
-                    log.exception("%s: step %d failed", stage_name(i), step)
                     runner.plans.pop(step, None)
-                    self._results.append(StageError(component=stage_name(i), step=step,
-                                                    message=f"{type(exc).__name__}: {exc}"))
+                    self._failed(i, step, exc)
+        return progressed
+
+    def _drain(self) -> None:
+        """Complete every launched step and whatever its results unblock, in pipeline order, until none is left."""
+        progressed = True
+        while progressed:
+            progressed = self._launch_ready()
+            for i, runner in enumerate(self.runners):
+                if not runner.launched:
+                    continue
+                step = runner.launched[0].plan.step
+                try:
+                    outgoing = runner.finish()
+                except Exception as exc:
+                    self._failed(i, step, exc)
                     continue
                 progressed = True
                 for o in outgoing:
@@ -77,8 +92,13 @@ class InProcessExecutor:
                     elif o.to == "gateway":
                         self._results.append(o.message)
 
+    def _failed(self, i: int, step: int, exc: Exception) -> None:
+        log.exception("%s: step %d failed", stage_name(i), step, exc_info=exc)
+        self._results.append(StageError(component=stage_name(i), step=step, message=f"{type(exc).__name__}: {exc}"))
+
     def poll(self, timeout: float, wake_fd: int) -> list[Message]:
         self._report_busy()
+        self._drain()
         if not self._results:
             wait_readable(wake_fd, timeout)
         out, self._results = self._results, []

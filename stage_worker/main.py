@@ -59,6 +59,11 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: Sta
     sock.close()
 
 
+def _report(peers: dict, name: str, step: int, exc: Exception) -> None:
+    peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
+                                                      message=f"{type(exc).__name__}: {exc}")))
+
+
 def serve(cluster: ClusterConfig, index: int) -> int:
     spec = cluster.stages[index]
     name = stage_name(index)
@@ -71,7 +76,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
     runner = StageRunner(model, cluster, index, ring)
     profiler = StepProfiler.from_env(name, runner.device)
-    run_step = runner.run if profiler is None else (lambda p: profiler(runner.run, p))
+    launch = runner.launch if profiler is None else (lambda p: profiler(runner.launch, p))
     if runner.graphs is not None:
         # Capture before the first heartbeat: /health turns 200 only once decode steps can replay, so the first
         # request does not pay for Triton compiles and capture.
@@ -107,7 +112,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while not stop.is_set():
-        if not poller.poll(100):
+        # With a step in flight, only look for messages: its plan successor may be launched behind it.
+        if not poller.poll(0 if runner.launched else 100) and not runner.launched:
             continue
         while True:
             try:
@@ -126,23 +132,35 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 runner.on_message(msg)
             except Exception:  # a message the runner cannot use must not take the worker down
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
+        # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the
+        # next step while this process sends the previous one's results.
         while True:
-            plan = None
+            while runner.can_launch():
+                plan = None
+                try:
+                    plan = runner.ready()
+                    if plan is None:
+                        break
+                    launch(plan)
+                except Exception as exc:  # a bad step must not take the worker down
+                    step = plan.step if plan is not None else min(runner.plans, default=-1)
+                    log.exception("%s: step %d failed", name, step)
+                    runner.plans.pop(step, None)
+                    _report(peers, name, step, exc)
+            if not runner.launched:
+                break
+            step = runner.launched[0].plan.step
             try:
-                plan = runner.ready()
-                if plan is None:
-                    break
-                outgoing = run_step(plan)
-            except Exception as exc:  # a bad step must not take the worker down
-                step = plan.step if plan is not None else min(runner.plans, default=-1)
+                outgoing = runner.finish()
+            except Exception as exc:
                 log.exception("%s: step %d failed", name, step)
-                runner.plans.pop(step, None)
-                peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
-                                                                  message=f"{type(exc).__name__}: {exc}")))
+                _report(peers, name, step, exc)
                 continue
             for o in outgoing:
                 if o.to in peers:
                     peers[o.to].send_multipart(encode(o.message), copy=False)
+            if runner.ready() is None:
+                break                 # look for new messages (the next plan, activations, PLE rows)
     stop.set()
     hb.join(timeout=2)
     for s in peers.values():

@@ -43,6 +43,33 @@ class _Prepared:
 
 
 @dataclass
+class _HostCopy:
+    """A step's sampled tokens (and asked-for logprobs) on their way to the host: queued copies into pinned memory,
+    done when `event` is. `device` keeps the tokens on the device, where the next step of a single-stage pipeline
+    reads its input ids (launch-ahead)."""
+    device: torch.Tensor                    # [R] int64, one row per sampled entry
+    tokens: torch.Tensor                    # host [R]
+    rows: list[tuple[int, "_ReqState"]]     # (index in the step's TokenOuts, request) of each row
+    logprobs: tuple | None = None           # host (picked [W], values [W, top], ids [W, top]) of the `want` rows
+    want: list[int] = field(default_factory=list)
+    event: object | None = None             # torch.cuda.Event on a GPU; None on the CPU (already there)
+
+
+@dataclass
+class _Launched:
+    """A step whose work is queued on the device; `StageRunner.finish` waits for it and says what goes where."""
+    plan: Plan
+    batch: StepBatch
+    timing: list
+    t0: float
+    start: float
+    arrived: float | None = None            # when the activations arrived (other stages' transfer metric)
+    outs: list[TokenOut] | None = None      # last stage: the step's tokens, complete once `copy` is on the host
+    copy: _HostCopy | None = None
+    hidden: torch.Tensor | None = None      # other stages: the activations for the next one
+
+
+@dataclass
 class _ReqState:
     spec: SamplingSpec
     params: SamplingParams
@@ -68,6 +95,15 @@ class StageRunner:
         self.requests: dict[str, _ReqState] = {}
         self.tables: dict[str, list[int]] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
+        self.launched: list[_Launched] = []       # steps queued on the device, oldest first (at most LAUNCH_DEPTH)
+        # Launch-ahead: with one stage (first and last) and device sampling, a decode step's input ids are read
+        # from the previous step's sampled tokens on the device, so it is queued before that step's tokens reach
+        # the host and the GPU never waits for the host's bookkeeping between steps.
+        self.feed_from_device = self.is_first and self.is_last and cluster.launch_ahead and cluster.device_sampling
+        self.device_next: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (request, position) -> token
+        self.device_fed: set[tuple[str, int]] = set()      # of those, the ones a launched step already read
+        self._last_end = 0.0
+        self.ids_from_device = 0                  # input ids read from a launched step's tokens (launch-ahead)
         cfg = model.cfg
         self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
         self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
@@ -115,6 +151,8 @@ class StageRunner:
             self.tables.pop(rid, None)
             for key in [k for k in self.next_tokens if k[0] == rid]:
                 del self.next_tokens[key]
+            for key in [k for k in self.device_next if k[0] == rid]:
+                del self.device_next[key]
         if self.is_last:
             for spec in plan.new_requests:
                 params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
@@ -171,12 +209,9 @@ class StageRunner:
         if not prepared.complete:
             if self.is_first:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
-                if any(k not in self.next_tokens for k in keys):
+                if any(k not in self.next_tokens and k not in self.device_next for k in keys):
                     return None
-                ids = [t for e in prepared.plan.entries
-                       for t in (e.tokens if e.tokens is not None
-                                 else [self.next_tokens.pop((e.req_id, e.context_len))])]
-                prepared.batch.token_ids = to_device(ids, torch.long, self.device)
+                prepared.batch.token_ids = self._input_ids(prepared.plan)
             else:
                 prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
             prepared.complete = True
@@ -186,9 +221,46 @@ class StageRunner:
             return None
         return prepared.plan
 
+    def _input_ids(self, plan: Plan) -> torch.Tensor:
+        """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens
+        still on the device, gathered there from the step that sampled them."""
+        ids: list[int] = []
+        from_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for e in plan.entries:
+            if e.tokens is not None:
+                ids.extend(e.tokens)
+                continue
+            key = (e.req_id, e.context_len)
+            if key in self.next_tokens:
+                ids.append(self.next_tokens.pop(key))
+                continue
+            tokens, row = self.device_next.pop(key)
+            self.device_fed.add(key)
+            self.ids_from_device += 1
+            _, dst, src = from_device.setdefault(id(tokens), (tokens, [], []))
+            dst.append(len(ids))
+            src.append(row)
+            ids.append(0)
+        out = to_device(ids, torch.long, self.device)
+        for tokens, dst, src in from_device.values():
+            out[to_device(dst, torch.long, self.device)] = tokens[to_device(src, torch.long, self.device)]
+        return out
+
     # ---- the step ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    LAUNCH_DEPTH = 2
+
+    def can_launch(self) -> bool:
+        return len(self.launched) < self.LAUNCH_DEPTH
+
     def run(self, plan: Plan) -> list[Outgoing]:
+        """Launch `plan` and wait for it (callers that do not overlap steps)."""
+        self.launch(plan)
+        return self.finish()
+
+    @torch.inference_mode()
+    def launch(self, plan: Plan) -> None:
+        """Queue the step's work on the device (inputs, forward or graph replay, sampling, copies of the results to
+        the host); `finish` completes it. Nothing here waits for the GPU, except the per-row sampler and echo."""
         prepared = self.plans.pop(plan.step)
         batch = prepared.batch
         act = self.acts.pop(plan.step, None)
@@ -208,44 +280,87 @@ class StageRunner:
                 for li, layer in enumerate(self.all_ple_layers):
                     if layer in self.my_ple_layers:
                         batch.ple_rows[layer] = rows[:, li]
-        t0 = time.time()
-        start = time.perf_counter()
-        out: list[Outgoing] = []
+        launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with record_function("stage.graph_replay"):
                 result = self.graphs.run(batch, hidden)
             if self.is_last:
-                tokens = self._sample(plan, batch, result)
+                launched.outs, launched.copy = self._sample(plan, batch, result)
             else:
-                hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
+                launched.hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
         else:
             with record_function("stage.forward"):
                 hidden = self.model(batch, self.cache, hidden)
                 logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
-                tokens = self._sample(plan, batch, logits)
-        if self.device.type == "cuda":
-            with record_function("stage.sync"):
+                launched.outs, launched.copy = self._sample(plan, batch, logits)
+            else:
+                launched.hidden = hidden
+        if self.feed_from_device and launched.copy is not None:
+            for row, (i, _) in enumerate(launched.copy.rows):
+                out = launched.outs[i]
+                self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
+        self.launched.append(launched)
+
+    @torch.inference_mode()
+    def finish(self) -> list[Outgoing]:
+        """Wait for the oldest launched step; its tokens to the gateway (and to stage 0 and the PLE service), or its
+        activations to the next stage."""
+        launched = self.launched.pop(0)
+        plan, batch = launched.plan, launched.batch
+        with record_function("stage.sync"):
+            if launched.copy is not None:
+                self._settle(launched)
+            elif self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        self.last_step_seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        # busy: from the later of this step's launch and the previous step's end (launched steps overlap)
+        self.last_step_seconds = end - max(launched.start, self._last_end)
+        self._last_end = end
         self.busy_seconds += self.last_step_seconds
         self.steps += 1
         # [stage, compute start, compute end, activations' arrival] (arrival = start on the first stage)
-        timing.append([self.index, t0, time.time(), arrived if arrived is not None else t0])
+        timing = launched.timing + [[self.index, launched.t0, time.time(),
+                                     launched.arrived if launched.arrived is not None else launched.t0]]
         if not self.is_last:
-            out.append(Outgoing("next", Activations(step=plan.step, hidden=hidden, token_ids=batch.token_ids,
-                                                    timing=timing)))
-            return out
+            return [Outgoing("next", Activations(step=plan.step, hidden=launched.hidden, token_ids=batch.token_ids,
+                                                 timing=timing))]
+        tokens = launched.outs
+        out: list[Outgoing] = []
         sampled = Sampled(step=plan.step, microbatch=plan.microbatch, tokens=[t for t in tokens if t.token >= 0])
         if self.is_first:
-            self.on_message(sampled)
+            for t in sampled.tokens:
+                key = (t.req_id, t.position)
+                self.device_next.pop(key, None)
+                if key in self.device_fed:       # a launched step already took it on the device
+                    self.device_fed.discard(key)
+                elif t.req_id in self.requests:  # (a request finished meanwhile needs none)
+                    self.next_tokens[key] = t.token
         else:
             out.append(Outgoing("first", sampled))
         out.append(Outgoing("ple", sampled))
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,
                                                   timing=timing)))
         return out
+
+    def _settle(self, launched: _Launched) -> None:
+        """The step's tokens are on the host: fill its TokenOuts and the requests' histories (once)."""
+        copy = launched.copy
+        if copy.event is not None:
+            copy.event.synchronize()
+        launched.copy = None
+        tokens = copy.tokens.tolist()
+        outs = launched.outs
+        for (i, state), token in zip(copy.rows, tokens):
+            state.history.append(token)
+            outs[i].token = token
+        if copy.logprobs is not None:
+            lp, vals, ids = (t.tolist() for t in copy.logprobs)
+            for j, b in enumerate(copy.want):
+                i, state = copy.rows[b]
+                k = state.params.logprobs
+                outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = lp[j], ids[j][:k], vals[j][:k]
 
     def _graph_ready(self, batch: StepBatch) -> bool:
         """Capture lazily (weights and caches exist by the first decode step), then replay what fits."""
@@ -256,7 +371,9 @@ class StageRunner:
         return self.graphs.fits(batch)
 
     @record_function("stage.sample")
-    def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor) -> list[TokenOut]:
+    def _sample(self, plan: Plan, batch: StepBatch,
+                logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
+        """The step's TokenOuts, and the copy that completes them (None: complete already)."""
         logits = logits.float()
         outs: list[TokenOut] = []
         drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
@@ -283,16 +400,18 @@ class StageRunner:
             outs.append(TokenOut(req_id=e.req_id, position=e.context_len + e.num_tokens, token=-1,
                                  prompt_logprobs=prompt_lps))
         if not drawn:
-            return outs
+            return outs, None
         if self.cluster.device_sampling:
             try:
-                self._sample_batched(drawn, outs, None if echo else logits)
-                return outs
+                return outs, self._sample_batched(drawn, outs, None if echo else logits)
             except Exception as exc:   # sample row by row instead: a failure then fails its own request only
                 log.warning("stage %d: batched sampling failed (%s: %s); sampling this step row by row",
                             self.index, type(exc).__name__, exc)
                 for _, _, state, _ in drawn:
                     state.counted_slot = None  # its device counts may have taken the abandoned draw: rebuild
+        for earlier in self.launched:          # the per-row path reads the histories: complete them first
+            if earlier.copy is not None:
+                self._settle(earlier)
         for i, e, state, raw in drawn:
             try:
                 token = self._sample_row(raw, state, e.allowed, outs[i].position)
@@ -306,11 +425,11 @@ class StageRunner:
                 continue
             state.history.append(token)
             outs[i].token = token
-        return outs
+        return outs, None
 
-    def _sample_batched(self, drawn: list, outs: list[TokenOut], logits: torch.Tensor | None) -> None:
-        """All of a step's rows on the device: penalties from per-slot token counts, one copy of the tokens (and
-        one of the logprobs, when asked) to the host."""
+    def _sample_batched(self, drawn: list, outs: list[TokenOut], logits: torch.Tensor | None) -> _HostCopy:
+        """All of a step's rows on the device: penalties from per-slot token counts; the tokens (and the logprobs,
+        when asked) leave for the host by queued copies, which `finish` waits for."""
         # `logits` (no entry echoes its prompt): one row per sampling entry, in order, so no stack to copy them.
         raw = logits if logits is not None else torch.stack([r for *_, r in drawn])
         if self.counts is None and any(uses_penalties(st.params) for _, _, st, _ in drawn):
@@ -318,26 +437,25 @@ class StageRunner:
         specs = []
         for i, e, st, _ in drawn:
             if self.counts is not None and uses_penalties(st.params) and st.counted_slot != e.slot:
+                for earlier in self.launched:       # the counts start from the whole history: complete it first
+                    if earlier.copy is not None:
+                        self._settle(earlier)
                 self.counts.reset(e.slot, st.spec.prompt_ids, st.history)   # first sample here, or after preemption
                 st.counted_slot = e.slot
             specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
                              e.allowed, slot=e.slot if self.counts is not None else None))
         sampled = sample_rows(raw, specs, self.counts)
+        copy = _HostCopy(device=sampled, tokens=_to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
         want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
         if want:
             top = max(drawn[b][2].params.logprobs for b in want)
             idx = to_device(want, torch.long, raw.device)
-            lp, vals, ids = row_logprobs(raw[idx], sampled[idx], top)
-        tokens = sampled.tolist()                                            # the step's one wait for the device
-        if want:
-            lp, vals, ids = lp.tolist(), vals.tolist(), ids.tolist()
-        for (i, _, state, _), token in zip(drawn, tokens):
-            state.history.append(token)
-            outs[i].token = token
-        for j, b in enumerate(want):
-            i, _, state, _ = drawn[b]
-            k = state.params.logprobs
-            outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = lp[j], ids[j][:k], vals[j][:k]
+            copy.logprobs = tuple(_to_host(t) for t in row_logprobs(raw[idx], sampled[idx], top))
+            copy.want = want
+        if raw.is_cuda:
+            copy.event = torch.cuda.Event()
+            copy.event.record()
+        return copy
 
     @staticmethod
     def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int) -> int:
@@ -348,7 +466,17 @@ class StageRunner:
 
     def stats(self) -> dict[str, float]:
         return {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
+                "ids_from_device": float(self.ids_from_device),
                 "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A queued copy of `t` into pinned host memory (the tensor itself on the CPU)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:

@@ -69,13 +69,18 @@ def _requests(gen_cfg: dict) -> list[GenerationRequest]:
         seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i).with_defaults(gen_cfg)
         reqs.append(GenerationRequest(f"g{i}", ids, greedy, prompt_logprobs=i == 1))
         reqs.append(GenerationRequest(f"s{i}", ids, seeded))
+    # penalties read the device token counts, which launch-ahead advances before the host has the tokens
+    penalised = SamplingParams(max_tokens=10, temperature=0.8, seed=7, presence_penalty=0.7,
+                               repetition_penalty=1.3).with_defaults(gen_cfg)
+    reqs.append(GenerationRequest("p0", PROMPTS[0], penalised))
     return reqs
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    """One stage, every request fits at once, prompts in one chunk."""
-    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=8)
+    """One stage, every request fits at once, prompts in one chunk, one plan at a time, no step launched ahead."""
+    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=8, async_scheduling=False,
+                             launch_ahead=False)
     try:
         return _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
     finally:
@@ -110,6 +115,22 @@ def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, re
         core.stop()
     _assert_same(reference, out)
     assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1])
+
+
+@pytest.mark.parametrize("launch_ahead", [True, False])
+def test_one_stage_launching_ahead_gives_the_same_tokens(tiny_checkpoint, reference, launch_ahead):
+    """One stage with plan-ahead: decode steps are queued before the previous step's tokens reach the host, their
+    ids read from that step's tokens on the device; with chunked prefill and preemption too."""
+    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8,
+                             num_blocks=8, block_size=16, launch_ahead=launch_ahead)
+    try:
+        out = _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
+        fed = core.executor.runners[0].ids_from_device
+        assert core.scheduler.num_preemptions > 0
+    finally:
+        core.stop()
+    _assert_same(reference, out)
+    assert (fed > 0) == launch_ahead
 
 
 def test_stream_and_cancel(tiny_checkpoint):
