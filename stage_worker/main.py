@@ -112,8 +112,10 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while not stop.is_set():
-        # With a step in flight, only look for messages: its plan successor may be launched behind it.
-        if not poller.poll(0 if runner.launched else 100) and not runner.launched:
+        # With a step in flight, look for messages without blocking long: the next plan (or its PLE rows) may
+        # arrive while the GPU works, and is launched behind it before the step is completed.
+        wait = 100 if not runner.launched else (0 if runner.oldest_done() else 1)
+        if not poller.poll(wait) and not runner.launched:
             continue
         while True:
             try:
@@ -149,6 +151,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                     _report(peers, name, step, exc)
             if not runner.launched:
                 break
+            if runner.can_launch() and not runner.oldest_done():
+                break                 # the GPU is still on it: meanwhile, look for the next plan
             step = runner.launched[0].plan.step
             try:
                 outgoing = runner.finish()

@@ -252,6 +252,11 @@ class StageRunner:
     def can_launch(self) -> bool:
         return len(self.launched) < self.LAUNCH_DEPTH
 
+    def oldest_done(self) -> bool:
+        """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
+        copy = self.launched[0].copy if self.launched else None
+        return copy is None or copy.event is None or copy.event.query()
+
     def run(self, plan: Plan) -> list[Outgoing]:
         """Launch `plan` and wait for it (callers that do not overlap steps)."""
         self.launch(plan)
