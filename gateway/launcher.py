@@ -8,7 +8,9 @@ path and the systemd path cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import signal
 import socket
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
+from shared.memory_plan import GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds, plan
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import RESTARTS_ENV
 
@@ -66,6 +69,29 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
                             if use_service else "",
                             ple_service=use_service, **extra)
     return cluster.for_model(cfg)          # cluster.toml carries the derived KV sizes: every process reads them
+
+
+def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
+    """The GPU stages' memory plan (shared/memory_plan.py). Their needs and the devices' free memory come from a
+    child process (`stage_worker.memory_needs`): asking CUDA creates a context this process would keep."""
+    r = subprocess.run([sys.executable, "-m", "stage_worker.memory_needs", "--config", str(config_path)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"memory plan: {r.stderr.strip() or 'stage_worker.memory_needs failed'}")
+    data = json.loads(r.stdout)
+    needs = [StageNeeds(**{**n, "layers": tuple(n["layers"])}) for n in data["stages"]]
+    devices = {k: DeviceMemory(**v) for k, v in data["devices"].items()}
+    limits = PlanLimits(block_size=cluster.block_size, max_model_len=cluster.max_model_len
+                        or load_config(cluster.model).max_position_embeddings, max_num_seqs=cluster.max_num_seqs,
+                        gpu_memory_utilization=cluster.gpu_memory_utilization,
+                        vram_limit=int(cluster.vram_limit * GIB),
+                        kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB))
+    try:
+        result = plan(needs, devices, limits)
+    except MemoryPlanError as exc:
+        raise RuntimeError(f"the model does not fit: {exc}") from None
+    print(result.table(), file=sys.stderr)
+    return result
 
 
 def _shm_dir() -> Path:
@@ -122,6 +148,10 @@ class Cluster:
         self.cluster = build_cluster_config(opts, self.run_dir)
         self.config_path = self.run_dir / "cluster.toml"
         self.config_path.write_text(dump_toml(self.cluster))
+        if any(s.device.startswith("cuda") for s in self.cluster.stages) and not (opts.extra or {}).get("num_blocks"):
+            self.plan = memory_plan(self.cluster, self.config_path)
+            self.cluster = dataclasses.replace(self.cluster, num_blocks=self.plan.num_blocks)
+            self.config_path.write_text(dump_toml(self.cluster))
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands = dict(commands(self.cluster, self.config_path, opts.verbose))
         self.started_at: dict[str, float] = {}

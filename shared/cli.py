@@ -100,7 +100,8 @@ def serve_options(args: argparse.Namespace):
         if getattr(args, key) is not None:
             extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
-                "load_format", "kv_cache_memory", "api_key", "restart_limit"):
+                "load_format", "kv_cache_memory", "api_key", "restart_limit", "gpu_memory_utilization",
+                "vram_limit", "kv_cache_memory_bytes"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
     return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
@@ -155,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB of KV blocks per stage when --num-blocks is not given (default 4; on a GPU at "
                         "least one --max-model-len sequence)")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="GPU stages: the share of each device's memory the server may use (default 0.9)")
+    s.add_argument("--vram-limit", type=float, default=None, metavar="GIB",
+                   help="GPU stages: use at most this many GiB of each device, as a smaller card would have")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="GPU stages: KV bytes per stage (default: what the memory plan leaves)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,

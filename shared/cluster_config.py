@@ -69,6 +69,12 @@ class ClusterConfig:
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
     ple_threads: int = 1                        # torch intra-op threads of the PLE service's gathers (0 = torch's)
+    # The start-up memory plan of GPU stages (shared/memory_plan.py): each device's budget is the smaller of
+    # gpu_memory_utilization x its memory and vram_limit GiB; the KV pool takes what weights, state and reserve leave
+    # (capped at kv_cache_memory_bytes per stage when set), unless num_blocks is given.
+    gpu_memory_utilization: float = 0.9
+    vram_limit: float = 0.0                     # GiB per device; 0 = the device's own size
+    kv_cache_memory_bytes: int = 0
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -123,6 +129,11 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ClusterConfigError(f"cluster config: gpu_memory_utilization must be in (0, 1], got "
+                                     f"{self.gpu_memory_utilization}")
+        if self.vram_limit < 0 or self.kv_cache_memory_bytes < 0:
+            raise ClusterConfigError("cluster config: vram_limit and kv_cache_memory_bytes must be >= 0 (0 = none)")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
@@ -200,7 +211,9 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
-        "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads"}
+        "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads",
+        "MOEPIPE_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "MOEPIPE_VRAM_LIMIT": "vram_limit",
+        "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -209,13 +222,13 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads"):
+            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes"):
                 out[key] = int(val)
             elif key in ("kernels", "dtype", "api_key", "link_keys"):
                 out[key] = val
             elif key in ("allowed_hosts", "allowed_origins"):
                 out[key] = [h.strip() for h in val.split(",") if h.strip()]
-            elif key in ("kv_cache_memory", "recovery_timeout"):
+            elif key in ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit"):
                 out[key] = _float_env(env, val)
             else:
                 out[key] = val.lower() not in ("0", "false", "no", "off")

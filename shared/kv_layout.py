@@ -89,9 +89,10 @@ def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dty
 def default_kv_budget(costs: list[int], block_size: int, max_model_len: int, on_gpu: bool) -> float:
     """The budget (GiB per stage) when the user set none: DEFAULT_KV_GIB, and on a GPU at least what one
     `max_model_len` sequence needs, so a long-context checkpoint (262,144 tokens: ~6-7 GiB a stage for the
-    reports' model and Qwen3-Next-80B) is not refused by default on a card with room for it. A card without that
-    room fails when the stage allocates; measuring free memory (`--gpu-memory-utilization`) is the memory plan's
-    job (issue 16). On the CPU the 4 GiB cap stays: host RAM is shared with everything else."""
+    reports' model and Qwen3-Next-80B) is not refused by default on a card with room for it. `moepipe serve` then
+    replaces this estimate for GPU stages with the memory plan's count (shared/memory_plan.py: free memory,
+    `--gpu-memory-utilization`, `--vram-limit`). On the CPU the 4 GiB cap stays: host RAM is shared with
+    everything else."""
     if not on_gpu:
         return DEFAULT_KV_GIB
     per_seq = -(-max_model_len // block_size)

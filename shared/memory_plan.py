@@ -1,0 +1,143 @@
+"""The start-up memory plan (issue 16, first part): what each GPU stage needs, what its device may give, and the KV
+pool from what is left; or a refusal that prints the numbers and the flag that would make the model fit.
+
+Why at start-up and in one place: a server that fits its weights but not its KV pool, its CUDA-graph pools or its
+largest prefill fails minutes later, at the first long request (the reports' predicted peak was half the real one,
+001 §5.4; 002 §2). Every stage must hold the same number of KV blocks (the gateway places them), so the plan is made
+once, for all stages together, and written into the cluster config every process reads.
+
+Inputs are plain numbers (`StageNeeds`, measured by `stage_worker.memory_needs` on the meta device, and each
+device's total and free bytes), so the plan is a pure function with unit tests. A device's budget is the smaller of
+`gpu_memory_utilization` x total and `vram_limit` (a large card made to behave as a small one); it must not exceed
+what is free now. Stages sharing a device share its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+class MemoryPlanError(ValueError):
+    """The model does not fit as configured; the message has the numbers and what to change."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int
+    free: int
+
+
+@dataclass(frozen=True)
+class StageNeeds:
+    stage: int
+    layers: tuple[int, int]
+    device: str
+    weights: int             # parameters in VRAM (the PLE table stays on the host)
+    state: int               # per-slot recurrent / conv / PLE state for max_num_seqs + 1 slots
+    block: int               # one KV block
+    reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
+
+    @property
+    def fixed(self) -> int:
+        return self.weights + self.state + self.reserve
+
+
+@dataclass
+class PlanLimits:
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    gpu_memory_utilization: float = 0.9
+    vram_limit: int = 0                 # bytes per device; 0 = none
+    kv_cache_memory_bytes: int = 0      # KV bytes per stage; 0 = whatever is left
+
+
+@dataclass
+class MemoryPlan:
+    num_blocks: int
+    budgets: dict[str, int]
+    stages: list[StageNeeds]
+
+    def table(self) -> str:
+        """One line per stage: what its device budget holds."""
+        lines = [f"{'stage':>5} {'layers':>9} {'device':>8} {'weights':>8} {'state':>7} {'reserve':>8} "
+                 f"{'KV':>8} {'budget':>8}  (GiB; {self.num_blocks} KV blocks per stage)"]
+        for s in self.stages:
+            lines.append(f"{s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.device:>8} {s.weights / GIB:>8.2f} "
+                         f"{s.state / GIB:>7.2f} {s.reserve / GIB:>8.2f} {(self.num_blocks + 1) * s.block / GIB:>8.2f}"
+                         f" {self.budgets[s.device] / GIB:>8.2f}")
+        return "\n".join(lines)
+
+
+def device_budget(name: str, mem: DeviceMemory, limits: PlanLimits) -> int:
+    budget = int(mem.total * limits.gpu_memory_utilization)
+    if limits.vram_limit:
+        budget = min(budget, limits.vram_limit)
+    if budget > mem.free:
+        raise MemoryPlanError(
+            f"{name}: the plan may use {budget / GIB:.2f} GiB ({_budget_rule(limits)}), but only "
+            f"{mem.free / GIB:.2f} of {mem.total / GIB:.2f} GiB are free (another process holds the rest): lower "
+            f"--gpu-memory-utilization to {max(mem.free / mem.total - 0.01, 0):.2f} or set --vram-limit "
+            f"{mem.free / GIB:.0f}, or free the device")
+    return budget
+
+
+def _budget_rule(limits: PlanLimits) -> str:
+    rule = f"--gpu-memory-utilization {limits.gpu_memory_utilization:g}"
+    return rule + (f", --vram-limit {limits.vram_limit / GIB:g}" if limits.vram_limit else "")
+
+
+def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: PlanLimits) -> MemoryPlan:
+    """The number of KV blocks every stage holds (one more each: the CUDA-graph scratch block), at most what
+    `max_num_seqs` sequences of `max_model_len` can use; MemoryPlanError when even the weights, or one sequence of
+    `max_model_len`, do not fit."""
+    per_seq = -(-limits.max_model_len // limits.block_size)
+    want = per_seq * limits.max_num_seqs
+    budgets = {name: device_budget(name, devices[name], limits) for name in sorted({s.device for s in stages})}
+    fit = want
+    for name, budget in budgets.items():
+        mine = [s for s in stages if s.device == name]
+        fixed = sum(s.fixed for s in mine)
+        if fixed > budget:
+            raise MemoryPlanError(_too_big(mine, name, budget, fixed, limits))
+        per_block = sum(s.block for s in mine)
+        if per_block == 0:
+            continue
+        blocks = (budget - fixed) // per_block - 1
+        if limits.kv_cache_memory_bytes:
+            blocks = min(blocks, min(limits.kv_cache_memory_bytes // s.block for s in mine if s.block) - 1)
+        if blocks < per_seq:
+            raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits))
+        fit = min(fit, blocks)
+    return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages)
+
+
+def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits: PlanLimits) -> str:
+    parts = ", ".join(f"stage {s.stage} (layers {s.layers[0]}-{s.layers[1]}): weights {s.weights / GIB:.2f} + "
+                      f"state {s.state / GIB:.2f} + reserve {s.reserve / GIB:.2f}" for s in mine)
+    weights = sum(s.weights for s in mine)
+    per_device = max(budget - sum(s.state + s.reserve for s in mine), 1)
+    need = -(-weights // per_device)
+    return (f"{name} holds {budget / GIB:.2f} GiB ({_budget_rule(limits)}); its stages need {fixed / GIB:.2f} GiB "
+            f"before any KV cache ({parts}). Spread the layers over more GPUs (--stages, one GPU each: about "
+            f"{need} devices of this size for these layers), raise --gpu-memory-utilization, or keep cold experts "
+            f"in host RAM (issue 16: not built yet)")
+
+
+def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, per_block: int, per_seq: int,
+                    limits: PlanLimits) -> str:
+    left = budget - fixed
+    if limits.kv_cache_memory_bytes:
+        cap = min(limits.kv_cache_memory_bytes // s.block for s in mine if s.block) - 1
+        room = max(cap, 0)
+    else:
+        room = max(left // per_block - 1, 0)
+    longest = room * limits.block_size
+    return (f"{name}: after weights, state and reserve ({fixed / GIB:.2f} GiB) {max(left, 0) / GIB:.2f} GiB are "
+            f"left for KV, {room} blocks of {limits.block_size} tokens ({per_block} bytes each on this device); one "
+            f"sequence of --max-model-len {limits.max_model_len} needs {per_seq}. Use --max-model-len "
+            f"{longest} or less, raise --gpu-memory-utilization / --vram-limit"
+            + (" / --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "")
+            + ", or spread the layers over more GPUs (--stages)")

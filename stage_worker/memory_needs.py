@@ -1,0 +1,100 @@
+"""What each GPU stage of a cluster config needs in device memory, and what its devices have: the inputs of the
+start-up memory plan (`shared/memory_plan.py`).
+
+`python -m stage_worker.memory_needs --config cluster.toml` prints them as JSON. The launcher runs it as a child
+process because asking CUDA for free memory creates a context (~0.5 GiB a device) that would otherwise stay in the
+launcher for the server's life.
+
+Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
+the stage's compute dtype and summed. The reserve (the largest step's activations, CUDA-graph pools, kernel
+workspace) is an estimate until the stages measure it at start-up: 1 GiB plus 96 bytes per hidden unit and
+batched token (about 2x what a full-shape 512-token prefill chunk was seen to allocate) plus the logits of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+from shared.kv_layout import block_bytes, compute_dtype
+from shared.memory_plan import GIB, StageNeeds
+from shared.model_config import HybridMoeConfig, load_config
+from stage_worker.model.cache import CacheSpec
+from stage_worker.model.model import StageModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes of every tensor reachable through `obj`'s attributes, lists and dicts (each tensor once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return sum(_tensor_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds]:
+    """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share)."""
+    out = []
+    for i, spec in enumerate(cluster.stages):
+        if not spec.device.startswith("cuda"):
+            continue
+        dtype = compute_dtype(cfg, spec.device, cluster.dtype)
+        with torch.device("meta"):
+            model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
+            cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
+                                              num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
+                                              device="meta"))
+        weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                      if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
+        tokens = cluster.max_num_batched_tokens
+        width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
+        logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
+        reserve = GIB + tokens * width * 96 + logits
+        block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
+        out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
+                              state=_tensor_bytes(cache), block=block, reserve=reserve))
+    return out
+
+
+def device_memory(names: list[str]) -> dict[str, tuple[int, int]]:
+    """(total, free) bytes of each named CUDA device."""
+    out = {}
+    for name in names:
+        free, total = torch.cuda.mem_get_info(torch.device(name))
+        out[name] = (total, free)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stage_worker.memory_needs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    try:
+        cluster = load_cluster_config(args.config)
+        cfg = load_config(cluster.model)
+    except (ClusterConfigError, ValueError) as exc:
+        print(f"memory_needs: {exc}", file=sys.stderr)
+        return 2
+    needs = stage_needs(cfg, cluster)
+    devices = device_memory(sorted({n.device for n in needs})) if needs else {}
+    print(json.dumps({"stages": [vars(n) for n in needs],
+                      "devices": {k: {"total": t, "free": f} for k, (t, f) in devices.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The start-up memory plan (issue 16, shared/memory_plan.py) and the needs it is made from
+(stage_worker/memory_needs.py): KV blocks from what the devices leave, refusals that name the numbers and the flag
+that makes the model fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.cluster_config import ClusterConfig, StageSpec
+from shared.memory_plan import GIB, DeviceMemory, MemoryPlanError, PlanLimits, StageNeeds, plan
+from shared.model_config import load_config
+from stage_worker.memory_needs import _tensor_bytes, stage_needs
+from stage_worker.model.cache import CacheSpec
+from stage_worker.model.model import StageModel
+
+
+def _stage(i: int, device: str, weights_gib: float, block: int = 1 << 20) -> StageNeeds:
+    return StageNeeds(stage=i, layers=(8 * i, 8 * i + 8), device=device, weights=int(weights_gib * GIB),
+                      state=GIB // 2, block=block, reserve=GIB)
+
+
+LIMITS = PlanLimits(block_size=16, max_model_len=32768, max_num_seqs=8)
+H200 = DeviceMemory(total=141 * GIB, free=140 * GIB)
+
+
+def test_kv_blocks_come_from_what_the_devices_leave():
+    stages = [_stage(0, "cuda:0", 60), _stage(1, "cuda:1", 70)]
+    p = plan(stages, {"cuda:0": H200, "cuda:1": H200}, LIMITS)
+    budget = int(141 * GIB * 0.9)
+    tightest = (budget - int(71.5 * GIB)) // (1 << 20) - 1      # cuda:1: 70 GiB weights + state + reserve
+    want = 32768 // 16 * 8
+    assert p.num_blocks == min(want, tightest)
+    assert "cuda:1" in p.table() and f"{p.num_blocks} KV blocks" in p.table()
+    roomy = plan([_stage(0, "cuda:0", 10, block=1 << 10)], {"cuda:0": H200}, LIMITS)
+    assert roomy.num_blocks == want                              # never more than max_num_seqs x max_model_len
+
+
+def test_stages_on_one_device_share_its_budget():
+    alone = plan([_stage(0, "cuda:0", 30)], {"cuda:0": H200}, LIMITS)
+    shared = plan([_stage(0, "cuda:0", 30), _stage(1, "cuda:0", 30)],
+                  {"cuda:0": H200}, dataclasses.replace(LIMITS, max_num_seqs=64))
+    assert shared.num_blocks < alone.num_blocks or alone.num_blocks == 32768 // 16 * 8
+    fixed = 2 * int(31.5 * GIB)
+    assert shared.num_blocks == (int(141 * GIB * 0.9) - fixed) // (2 << 20) - 1
+
+
+def test_weights_that_do_not_fit_are_refused_with_the_numbers_and_the_flag():
+    limits = dataclasses.replace(LIMITS, vram_limit=24 * GIB)
+    with pytest.raises(MemoryPlanError) as err:
+        plan([_stage(0, "cuda:0", 60)], {"cuda:0": H200}, limits)
+    msg = str(err.value)
+    assert "24.00 GiB" in msg and "--vram-limit 24" in msg and "61.50 GiB" in msg and "--stages" in msg
+
+
+def test_no_room_for_one_sequence_names_the_max_model_len_that_fits():
+    limits = dataclasses.replace(LIMITS, vram_limit=64 * GIB, max_model_len=262144)
+    stages = [_stage(0, "cuda:0", 60, block=1 << 22)]
+    with pytest.raises(MemoryPlanError, match="--max-model-len") as err:
+        plan(stages, {"cuda:0": H200}, limits)
+    longest = int(str(err.value).split("Use --max-model-len ")[1].split()[0])
+    assert 0 < longest < 262144
+    fits = plan(stages, {"cuda:0": H200}, dataclasses.replace(limits, max_model_len=longest, max_num_seqs=1))
+    assert fits.num_blocks * 16 >= longest
+    with pytest.raises(MemoryPlanError):
+        plan(stages, {"cuda:0": H200}, dataclasses.replace(limits, max_model_len=longest + 16 * 2, max_num_seqs=1))
+
+
+def test_a_budget_beyond_free_memory_is_refused():
+    busy = DeviceMemory(total=141 * GIB, free=40 * GIB)
+    with pytest.raises(MemoryPlanError, match="only 40.00 of 141.00 GiB are free.*--gpu-memory-utilization to 0.27"):
+        plan([_stage(0, "cuda:0", 10)], {"cuda:0": busy}, LIMITS)
+    assert plan([_stage(0, "cuda:0", 10)], {"cuda:0": busy},
+                dataclasses.replace(LIMITS, vram_limit=40 * GIB)).num_blocks > 0
+
+
+def test_kv_cache_memory_bytes_caps_the_pool():
+    limits = dataclasses.replace(LIMITS, kv_cache_memory_bytes=GIB, max_model_len=8192)
+    assert plan([_stage(0, "cuda:0", 10)], {"cuda:0": H200}, limits).num_blocks == 1024 - 1
+
+
+def test_needs_built_on_the_meta_device_equal_a_real_stage(tiny_checkpoint):
+    """Weights and state of each stage as `memory_needs` counts them on the meta device, against the same stage
+    built for real (float32 here: the CPU's compute dtype; a CUDA stage of this checkpoint would count float32 too,
+    its dtype)."""
+    cfg = load_config(tiny_checkpoint)
+    n = cfg.num_hidden_layers
+    cluster = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=5, block_size=16,
+                            stages=[StageSpec(0, 2, "", "cuda:0"), StageSpec(2, n, "", "cuda:1")])
+    needs = stage_needs(cfg, cluster)
+    assert [x.layers for x in needs] == [(0, 2), (2, n)]
+    for x in needs:
+        real = StageModel(cfg, *x.layers).to(torch.float32 if cfg.dtype == "float32" else torch.bfloat16)
+        weights = sum(p.numel() * p.element_size() for name, p in real.named_parameters()
+                      if "ngram_embedding" not in name and ".ple.ple_embedding" not in name)
+        assert x.weights == weights
+        dtype = next(real.parameters()).dtype
+        cache = real.new_cache(CacheSpec(num_blocks=0, block_size=16, num_slots=6, dtype=dtype))
+        assert x.state == _tensor_bytes(cache) > 0
+        assert x.reserve >= GIB
+    assert sum(x.block for x in needs) > 0            # (a stage without attention layers holds no KV)
+
+
+def test_the_launcher_plans_gpu_stages_from_the_needs_process(tiny_checkpoint, tmp_path, monkeypatch):
+    """`moepipe serve --device cuda` asks `stage_worker.memory_needs` (a child process) for the needs and the free
+    memory, plans, and refuses to start with the plan's message when the model does not fit. The child's reply is
+    stood in for here (no CUDA device on this machine)."""
+    import json
+    import subprocess
+
+    from gateway import launcher
+
+    cfg = load_config(tiny_checkpoint)
+    cluster = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=4, block_size=16,
+                            max_model_len=256, stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")])
+    needs = [vars(n) for n in stage_needs(cfg, cluster)]
+    seen = []
+
+    def reply(free_gib: float):
+        def run(cmd, **kw):
+            seen.append(cmd)
+            out = {"stages": needs, "devices": {"cuda:0": {"total": 24 * GIB, "free": int(free_gib * GIB)}}}
+            return subprocess.CompletedProcess(cmd, 0, json.dumps(out), "")
+        return run
+
+    monkeypatch.setattr(launcher.subprocess, "run", reply(23.5))
+    p = launcher.memory_plan(cluster, tmp_path / "cluster.toml")
+    assert p.num_blocks == 256 // 16 * 4                          # everything fits: max_num_seqs x max_model_len
+    assert seen[-1][1:4] == ["-m", "stage_worker.memory_needs", "--config"]
+    monkeypatch.setattr(launcher.subprocess, "run", reply(1.0))
+    with pytest.raises(RuntimeError, match="the model does not fit: cuda:0: .*only 1.00 of 24.00 GiB are free"):
+        launcher.memory_plan(cluster, tmp_path / "cluster.toml")
