@@ -86,6 +86,51 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cold_set(args: argparse.Namespace) -> int:
+    import json
+
+    from shared import cold_set
+    from shared.cluster_config import split_layers
+    from shared.model_config import load_config
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    cfg = load_config(model)
+    try:
+        data = json.loads(Path(args.usage).read_text())
+        usage = data["usage"]
+        tokens = data.get("meta", {}).get("tokens_per_kind", {})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"moepipe cold-set: {args.usage}: not a route_usage.json from tools/route_trace.py ({exc})",
+              file=sys.stderr)
+        return 2
+    if args.gib_per_stage <= 0:
+        print("moepipe cold-set: --gib-per-stage must be > 0", file=sys.stderr)
+        return 2
+    stages = split_layers(cfg.num_hidden_layers, args.stages)
+    per_expert = cold_set.expert_bytes(cfg, args.dtype)
+    budget = int(args.gib_per_stage * (1 << 30))
+    try:
+        scores = cold_set.kind_normalised(usage)
+        bad = [layer for layer in scores if not (0 <= layer < cfg.num_hidden_layers)
+               or len(scores[layer]) != cfg.num_experts]
+        if bad:
+            raise cold_set.ColdSetError(f"the counts of layers {bad} do not match this model "
+                                        f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
+        cold = cold_set.choose(scores, stages, per_expert, budget)
+    except cold_set.ColdSetError as exc:
+        print(f"moepipe cold-set: {exc}", file=sys.stderr)
+        return 2
+    out = cold_set.write(args.out, cfg, str(model), cold, stages, per_expert, budget, sorted(usage))
+    for s, e in stages:
+        n = sum(len(ids) for layer, ids in cold.items() if s <= layer < e)
+        print(f"stage layers {s}-{e}: {n} experts ({n * per_expert / (1 << 20):.1f} MiB) in host RAM")
+    reads = cold_set.host_reads(cold, usage, tokens)
+    print("host expert reads per token on the traced text (before run-time moves): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(reads.items())))
+    print(f"wrote {out}")
+    return 0
+
+
 def serve_options(args: argparse.Namespace):
     """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
     from gateway.launcher import ServeOptions
@@ -179,6 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
                    help="no access log line per HTTP request (vLLM's name is the alias)")
     s.set_defaults(func=_serve)
+
+    c = sub.add_parser("cold-set", help="choose the experts each stage keeps in host RAM from routing counts "
+                                        "(tools/route_trace.py's route_usage.json)")
+    c.add_argument("--usage", required=True, help="route_usage.json: per kind, per layer, selections per expert")
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    c.add_argument("--stages", type=int, default=1, help="pipeline stages the budget applies to, one each")
+    c.add_argument("--gib-per-stage", type=float, required=True, help="host RAM for experts per stage, GiB")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the experts' dtype in memory (default: the checkpoint's)")
+    c.add_argument("--out", required=True, help="the cold-set file to write (JSON)")
+    c.set_defaults(func=_cold_set)
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "
                                     "links between hosts (cluster config: link_keys)")

@@ -1,0 +1,108 @@
+"""Cold sets (issue 16, item 2): which routed experts of each stage stay in host RAM, chosen from routing counts.
+
+The reports' lesson (000 §3): a cold set chosen from one kind of text slows every other kind (chosen from code
+only, English decode fell from 95 to 57-61 tok/s), so the counts of several kinds are each normalised to a sum of
+one and added, and experts are taken from the lowest sum up until each stage's budget is full (each GPU's budget
+separately). The counts come from `tools/route_trace.py` (`route_usage.json`: `usage[kind][layer]`, selections per
+expert; prefill of a text selects what its decode would). The file written here is what the server will take as
+`--cold-experts FILE`; reading host experts at run time is the expert table's job (not built yet).
+
+File format (JSON): {"format": FORMAT, "model": ..., "expert_bytes": ..., "stages": [{"layers": [start, end],
+"budget_bytes": ..., "cold_bytes": ...}], "layers": {"<layer>": [expert ids]}, "kinds": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shared.model_config import HybridMoeConfig
+
+FORMAT = "moepipe-cold-experts/1"
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ColdSetError(ValueError):
+    """Routing counts or a cold-set file that do not match the model."""
+
+
+def expert_bytes(cfg: HybridMoeConfig, dtype: str | None = None) -> int:
+    """One routed expert's gate, up and down projections."""
+    return 3 * cfg.moe_intermediate_size * cfg.hidden_size * _ITEMSIZE[dtype or cfg.dtype]
+
+
+def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[float]]:
+    """Per MoE layer, per expert: the sum over kinds of each kind's selections divided by all of that kind's
+    selections (in every layer), so every kind weighs the same however many tokens it was traced with."""
+    scores: dict[int, list[float]] = {}
+    for kind, layers in usage.items():
+        total = sum(sum(row) for row in layers.values())
+        if total <= 0:
+            raise ColdSetError(f"routing counts of kind {kind!r} are empty")
+        for layer, row in layers.items():
+            acc = scores.setdefault(int(layer), [0.0] * len(row))
+            if len(acc) != len(row):
+                raise ColdSetError(f"layer {layer}: kinds count different numbers of experts")
+            for e, n in enumerate(row):
+                acc[e] += n / total
+    return scores
+
+
+def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_expert: int,
+           budget_bytes: int) -> dict[int, list[int]]:
+    """Per stage (layer range), the least used experts of its layers, lowest score first (ties: lower layer, lower
+    id), as many as fit in `budget_bytes`; layer -> sorted expert ids."""
+    cold: dict[int, list[int]] = {}
+    fit = budget_bytes // per_expert if per_expert > 0 else 0
+    for start, end in stages:
+        ranked = sorted((score, layer, e) for layer in range(start, end) if layer in scores
+                        for e, score in enumerate(scores[layer]))
+        for _, layer, e in ranked[:fit]:
+            cold.setdefault(layer, []).append(e)
+    return {layer: sorted(ids) for layer, ids in sorted(cold.items())}
+
+
+def host_reads(cold: dict[int, list[int]], usage: dict[str, dict[str, list[int]]],
+               tokens: dict[str, int]) -> dict[str, float]:
+    """Per kind: traced selections that would read a host expert, per token."""
+    out = {}
+    for kind, layers in usage.items():
+        hits = sum(layers[str(layer)][e] for layer, ids in cold.items() if str(layer) in layers for e in ids)
+        out[kind] = hits / max(tokens.get(kind, 0), 1)
+    return out
+
+
+def write(path: str | Path, cfg: HybridMoeConfig, model: str, cold: dict[int, list[int]],
+          stages: list[tuple[int, int]], per_expert: int, budget_bytes: int, kinds: list[str]) -> Path:
+    path = Path(path)
+    rows = [{"layers": [s, e], "budget_bytes": budget_bytes,
+             "cold_bytes": per_expert * sum(len(ids) for layer, ids in cold.items() if s <= layer < e)}
+            for s, e in stages]
+    path.write_text(json.dumps({"format": FORMAT, "model": model, "num_experts": cfg.num_experts,
+                                "expert_bytes": per_expert, "stages": rows, "kinds": kinds,
+                                "layers": {str(k): v for k, v in cold.items()}}, indent=1) + "\n")
+    return path
+
+
+def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
+    """A cold-set file, checked against the model: layer -> expert ids; ColdSetError naming what is wrong."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ColdSetError(f"{path}: not a readable cold-set file ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ColdSetError(f"{path}: format is not {FORMAT!r} (write one with `moepipe cold-set`)")
+    out: dict[int, list[int]] = {}
+    for layer, ids in (data.get("layers") or {}).items():
+        if not (str(layer).isdigit() and int(layer) < cfg.num_hidden_layers and cfg.is_sparse_moe(int(layer))):
+            raise ColdSetError(f"{path}: layer {layer} is not a MoE layer of this model "
+                               f"({cfg.num_hidden_layers} layers)")
+        if not (isinstance(ids, list) and all(isinstance(e, int) and 0 <= e < cfg.num_experts for e in ids)
+                and len(set(ids)) == len(ids)):
+            raise ColdSetError(f"{path}: layer {layer}: expert ids must be distinct integers in "
+                               f"[0, {cfg.num_experts})")
+        if len(ids) >= cfg.num_experts:
+            raise ColdSetError(f"{path}: layer {layer} puts all {cfg.num_experts} experts in host RAM")
+        out[int(layer)] = sorted(ids)
+    return out

@@ -1,0 +1,76 @@
+"""Cold sets (issue 16, item 2; shared/cold_set.py, `moepipe cold-set`): kind-normalised counts, per-stage budgets,
+the file and its checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared import cold_set
+from shared.model_config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_usage.json"
+
+
+def _usage(layers: int, experts: int, hot: range, tokens: int) -> dict[str, list[int]]:
+    """Counts where the `hot` experts take every selection."""
+    return {str(layer): [tokens if e in hot else 0 for e in range(experts)] for layer in range(layers)}
+
+
+def test_each_kind_weighs_the_same_whatever_its_token_count():
+    usage = {"code": _usage(2, 8, range(0, 4), 1000), "prose": _usage(2, 8, range(4, 8), 10)}
+    scores = cold_set.kind_normalised(usage)
+    assert scores[0][0] == pytest.approx(scores[0][4])            # one kind's hot expert = the other's
+    assert sum(sum(row) for row in scores.values()) == pytest.approx(2.0)
+
+
+def test_experts_are_taken_from_the_lowest_sum_within_each_stage_budget():
+    scores = {0: [0.5, 0.1, 0.2, 0.9], 1: [0.05, 0.3, 0.8, 0.7], 2: [0.4, 0.01, 0.6, 0.2], 3: [0.3, 0.3, 0.1, 0.9]}
+    cold = cold_set.choose(scores, [(0, 2), (2, 4)], per_expert=100, budget_bytes=250)
+    assert cold == {0: [1], 1: [0], 2: [1], 3: [2]}                # two per stage: 250 bytes hold two experts
+    assert cold_set.choose(scores, [(0, 4)], per_expert=100, budget_bytes=99) == {}
+
+
+def test_a_mixed_cold_set_reads_less_on_the_kind_a_single_kind_set_ignores():
+    """000 §3: chosen from one kind only, the cold set holds what the other kind uses."""
+    usage = {"code": _usage(4, 16, range(0, 6), 500), "prose": _usage(4, 16, range(6, 12), 500)}
+    tokens = {"code": 100, "prose": 100}
+    stages, per, budget = [(0, 4)], 10, 10 * 16          # 4 experts per layer on average
+    mixed = cold_set.choose(cold_set.kind_normalised(usage), stages, per, budget)
+    code_only = cold_set.choose(cold_set.kind_normalised({"code": usage["code"]}), stages, per, budget)
+    assert cold_set.host_reads(mixed, usage, tokens)["prose"] < cold_set.host_reads(code_only, usage, tokens)["prose"]
+
+
+def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
+    out = tmp_path / "cold.json"
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(TRACE), "--stages", "2",
+                        "--gib-per-stage", "0.002", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "host expert reads per token" in r.stdout
+    data = json.loads(out.read_text())
+    from shared.cli import ensure_builtin_model
+
+    cfg = load_config(ensure_builtin_model())
+    cold = cold_set.load(out, cfg)
+    for stage in data["stages"]:
+        s, e = stage["layers"]
+        n = sum(len(ids) for layer, ids in cold.items() if s <= layer < e)
+        assert 0 < n * data["expert_bytes"] == stage["cold_bytes"] <= stage["budget_bytes"]
+    bad = tmp_path / "bad.json"
+    for layers, match in [({"99": [1]}, "not a MoE layer"), ({"0": [1, 1]}, "distinct"),
+                          ({"0": list(range(cfg.num_experts))}, "all")]:
+        bad.write_text(json.dumps({**data, "layers": layers}))
+        with pytest.raises(cold_set.ColdSetError, match=match):
+            cold_set.load(bad, cfg)
+    bad.write_text("{}")
+    with pytest.raises(cold_set.ColdSetError, match="format"):
+        cold_set.load(bad, cfg)
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(bad), "--gib-per-stage", "1",
+                        "--out", str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "route_usage.json" in r.stderr
