@@ -174,10 +174,25 @@ class Cluster:
 
     def restart(self, name: str) -> list[str]:
         """Start `name` again; returns what else had to be restarted with it. A new PLE service writes a new ring,
-        which the stages holding PLE layers map only at start: they are restarted too."""
+        which the stages holding PLE layers map only at start: they are restarted too. A new gateway is a new
+        engine core, whose plans the old stages' state would not match: everything is restarted with it."""
         self.restarts[name] = self.restarts.get(name, 0) + 1
         also = []
-        if name == "ple":
+        if name == "gateway":
+            also = [n for n in self.procs if n != "gateway"]
+            for other in also:
+                p = self.procs[other]
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for other in also:
+                try:
+                    self.procs[other].wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.procs[other].kill()
+                    self.procs[other].wait()
+            if self.cluster.ple_ring:
+                Path(self.cluster.ple_ring).unlink(missing_ok=True)
+        elif name == "ple":
             Path(self.cluster.ple_ring).unlink(missing_ok=True)     # stages then wait for the new one
             also = [f"stage{i}" for i in ple_stage_indices(self.cluster)]
             for other in also:
@@ -261,10 +276,9 @@ def run_serve(opts: ServeOptions) -> int:
         watch = Supervisor(cluster)
         while not stop["flag"]:
             time.sleep(0.2)
-            if cluster.procs["gateway"].poll() is not None:
-                print("moepipe: the gateway exited; stopping", file=sys.stderr)
-                return 1
             watch.check()
+            if "gateway" in watch.given_up:
+                return 1
         return 0
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)
@@ -274,10 +288,11 @@ def run_serve(opts: ServeOptions) -> int:
 
 
 class Supervisor:
-    """Restarts a stage or the PLE service that died, `restart_limit` times in a row with exponential backoff (1, 2,
-    4 ... 30 s); a component that stayed up STABLE_SECONDS starts its count again. Requests in flight on it end with
-    an error (the engine core's watchdog); `/health` is 503 naming it until it heartbeats again. The gateway is
-    not restarted: it holds the scheduler, and every stage's state refers to its plans."""
+    """Restarts a stage, the PLE service or the gateway that died, `restart_limit` times in a row with exponential
+    backoff (1, 2, 4 ... 30 s); a component that stayed up STABLE_SECONDS starts its count again. The engine core
+    recomputes the requests that were running on a dead stage or PLE service (their streams pause); `/health` is
+    503 naming it until it heartbeats again. A dead gateway takes the engine core and every connection with it: the
+    whole cluster is restarted (`Cluster.restart`), and `serve` ends once the gateway's restarts are used up."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -289,15 +304,18 @@ class Supervisor:
         now = time.time() if now is None else now
         c = self.cluster
         for name, p in list(c.procs.items()):
-            if name == "gateway" or p.poll() is None or name in self.given_up:
+            if p.poll() is None or name in self.given_up:
                 continue
+            if name != "gateway" and name not in self.due and c.procs["gateway"].poll() is not None:
+                continue               # the gateway's restart brings everything back
             if name not in self.due:
                 if now - c.started_at.get(name, now) >= STABLE_SECONDS:
                     c.restarts[name] = 0
                 tries = c.restarts.get(name, 0)
                 if tries >= self.limit:
+                    then = "stopping" if name == "gateway" else "/health reports it"
                     print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
-                          f"({tries} restarts, restart_limit {self.limit}); /health reports it", file=sys.stderr)
+                          f"({tries} restarts, restart_limit {self.limit}); {then}", file=sys.stderr)
                     self.given_up.add(name)
                     continue
                 delay = min(MAX_BACKOFF, 2.0 ** tries)

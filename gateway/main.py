@@ -20,7 +20,7 @@ from gateway.tokenizer import Tokenizer
 from shared.cluster_config import ClusterConfigError, load_cluster_config
 from shared.engine_core import EngineCore, SchedulerLimits
 from shared.model_config import Qwen4ExpConfig, load_config
-from shared.parent_watch import die_with_parent
+from shared.parent_watch import die_with_parent, restart_count
 from shared.sampling import read_generation_config
 
 log = logging.getLogger("moepipe.gateway")
@@ -37,6 +37,7 @@ async def serve(config_path: str) -> int:
                       and cfg.ple_layer_ids)
     core = EngineCore(ClusterExecutor(cluster, expect_ple=expect_ple), SchedulerLimits.from_cluster(cluster, max_len))
     metrics = Metrics()
+    metrics.set_restarts("gateway", restart_count())      # the launcher restarted the whole cluster this often
     core.attach_metrics(metrics)
     tokenizer = Tokenizer.from_dir(cluster.model)
     app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
