@@ -174,7 +174,8 @@ def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, gra
     by = step_bytes(model, cfg, batch, context + warmup + steps)
     med = statistics.median(times)
     return {"batch": batch, "context": context, "median_step_s": med, "tokens_per_s": batch / med,
-            "bytes": by, "kernels_per_step": kernels, "top_kernels": top, "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+            "bytes": by, "kernels_per_step": kernels, "top_kernels": top,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
 
 def main() -> int:

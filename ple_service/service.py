@@ -6,8 +6,8 @@ layer); the stages then never touch the memory-mapped tables inside their forwar
 every stage has copied its rows out: the last stage's `Sampled` for that step (or a later one) proves it, because
 every stage runs its steps in plan order and the last stage runs a step after all the others; a plan whose slot is
 still held waits, as does one whose decode tokens have not arrived. Decode entries carry no token: the token sampled
-at position `entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it. Prompts, and
-sampled tokens whose plan has not arrived yet, have their table pages read ahead (`prefetch.py`) unless the
+at position `entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it.
+Prompts, and sampled tokens whose plan has not arrived yet, have their table pages read ahead (`prefetch.py`) unless the
 `ple_prefetch` switch is off. A decode step's tokens are hashed in one vectorised call per table: per-sequence
 calls and read-ahead of rows gathered the next moment made the stages wait for rows 40% of the time at 16 streams
 on the H200 (bench/results/served-speed-4).

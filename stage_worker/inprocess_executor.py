@@ -53,21 +53,10 @@ class InProcessExecutor:
         self._launch_ready()
 
     def _launch_ready(self) -> bool:
-        progressed = False
-        for i, runner in enumerate(self.runners):
-            while runner.can_launch():
-                plan = None
-                try:
-                    plan = runner.ready()
-                    if plan is None:
-                        break
-                    runner.launch(plan)
-                    progressed = True
-                except Exception as exc:   # as a stage worker does: report the step, drop it, keep serving
-                    step = plan.step if plan is not None else min(runner.plans, default=-1)
-                    runner.plans.pop(step, None)
-                    self._failed(i, step, exc)
-        return progressed
+        before = [len(r.launched) + r.steps for r in self.runners]
+        for i, runner in enumerate(self.runners):   # as a stage worker does: a failed step is reported, not fatal
+            runner.launch_ready(lambda step, exc, i=i: self._failed(i, step, exc))
+        return [len(r.launched) + r.steps for r in self.runners] != before
 
     def _drain(self) -> None:
         """Complete every launched step and whatever its results unblock, in pipeline order, until none is left."""

@@ -76,7 +76,9 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
     runner = StageRunner(model, cluster, index, ring)
     profiler = StepProfiler.from_env(name, runner.device)
-    launch = runner.launch if profiler is None else (lambda p: profiler(runner.launch, p))
+    if profiler is not None:
+        launch = runner.launch
+        runner.launch = lambda p: profiler(launch, p)
     if runner.graphs is not None:
         # Capture before the first heartbeat: /health turns 200 only once decode steps can replay, so the first
         # request does not pay for Triton compiles and capture.
@@ -111,6 +113,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     hb.start()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+
+    def failed(step: int, exc: Exception) -> None:    # a bad step must not take the worker down
+        log.error("%s: step %d failed", name, step, exc_info=exc)
+        _report(peers, name, step, exc)
+
     while not stop.is_set():
         # With a step in flight, look for messages without blocking long: the next plan (or its PLE rows) may
         # arrive while the GPU works, and is launched behind it before the step is completed.
@@ -137,18 +144,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the
         # next step while this process sends the previous one's results.
         while True:
-            while runner.can_launch():
-                plan = None
-                try:
-                    plan = runner.ready()
-                    if plan is None:
-                        break
-                    launch(plan)
-                except Exception as exc:  # a bad step must not take the worker down
-                    step = plan.step if plan is not None else min(runner.plans, default=-1)
-                    log.exception("%s: step %d failed", name, step)
-                    runner.plans.pop(step, None)
-                    _report(peers, name, step, exc)
+            runner.launch_ready(failed)
             if not runner.launched:
                 break
             if runner.can_launch() and not runner.oldest_done():
@@ -157,8 +153,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             try:
                 outgoing = runner.finish()
             except Exception as exc:
-                log.exception("%s: step %d failed", name, step)
-                _report(peers, name, step, exc)
+                failed(step, exc)
                 continue
             for o in outgoing:
                 if o.to in peers:

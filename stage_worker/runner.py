@@ -252,6 +252,21 @@ class StageRunner:
     def can_launch(self) -> bool:
         return len(self.launched) < self.LAUNCH_DEPTH
 
+    def launch_ready(self, failed) -> None:
+        """Launch every step whose inputs are here, oldest first, up to the launch depth. A step that raises is
+        dropped and handed to `failed(step, exc)` (the caller reports it): the worker keeps serving."""
+        while self.can_launch():
+            plan = None
+            try:
+                plan = self.ready()
+                if plan is None:
+                    return
+                self.launch(plan)
+            except Exception as exc:
+                step = plan.step if plan is not None else min(self.plans, default=-1)
+                self.plans.pop(step, None)
+                failed(step, exc)
+
     def oldest_done(self) -> bool:
         """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
         copy = self.launched[0].copy if self.launched else None

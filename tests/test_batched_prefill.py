@@ -49,8 +49,9 @@ def _state_tensors(cache) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("L", [29, 3])      # 29: not a multiple of the block size or the QSA ratio; 3: under the ratio
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fresh_equal_batch_matches_the_per_sequence_loop(tiny_checkpoint, device):
+def test_fresh_equal_batch_matches_the_per_sequence_loop(tiny_checkpoint, device, L):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, with_mtp=True, device=device)).eval()
@@ -60,7 +61,6 @@ def test_fresh_equal_batch_matches_the_per_sequence_loop(tiny_checkpoint, device
         model.set_kernels(KernelFlags.parse("all"))
     tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-3, atol=2e-3)   # TF32 in fla's kernels
     g = torch.Generator().manual_seed(3)
-    L = 29                                            # not a multiple of the block size or the QSA ratio
     seqs = [torch.randint(0, model.cfg.vocab_size, (L,), generator=g).tolist() for _ in range(3)]
     with torch.no_grad():
         h_loop, cache_loop, aux_loop = _run(model, seqs, together=False, num_slots=3, device=device)

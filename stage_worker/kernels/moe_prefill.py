@@ -53,16 +53,21 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
 
 
 @triton.jit
+def _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (-1: past the used length), its rows' pair ids and which rows are real."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    pair = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    return e, pair, pair < TK
+
+
+@triton.jit
 def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, act_ptr, stride_x, stride_we, stride_wn, TK,
                H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    e, pair, valid = _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M)
     if e < 0:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < TK
     tok = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
@@ -89,13 +94,9 @@ def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, act_ptr, stride_x, 
 def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, down_ptr, stride_we, stride_wh, TK,
                  H: tl.constexpr, I: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    e, pair, valid = _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M)
     if e < 0:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < TK
     p64 = pair.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H

@@ -253,13 +253,14 @@ class GatedAttention(nn.Module):
         if self.indexer is not None:
             r = self.indexer.ratio
             nb = L // r
-            raw = raw_k.to(cache.index_keys.dtype).view(B, L, -1)[:, : nb * r].reshape(B * nb, r, -1)
+            # (explicit last dimension: prompts shorter than the ratio have no complete block, nb = 0)
+            raw = raw_k.to(cache.index_keys.dtype).view(B, L, -1)[:, : nb * r].reshape(B * nb, r, raw_k.shape[-1])
             cos, sin = self.rotary.cos_sin(torch.arange(nb, device=dev) * r, q.dtype)
             pooled = self.indexer.pool(raw, cos.repeat(B, 1), sin.repeat(B, 1)).to(cache.pooled_keys.dtype)
             if nb:
                 rows = torch.stack([batch.context_rows(i, nb * r)[::r] // r for i in range(B)])
                 cache.pooled_keys[rows.flatten()] = pooled
-            pooled = pooled.view(B, nb, -1)
+            pooled = pooled.view(B, nb, pooled.shape[-1])
             if not self.qsa_dense:
                 visible = visible & self.indexer.select(iq.view(B, L, *iq.shape[1:]), pooled, pos, L)
         out, probs = self._attend(q, k, v, visible, with_probs=True)
