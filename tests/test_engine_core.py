@@ -117,12 +117,12 @@ def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, re
     assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1])
 
 
-@pytest.mark.parametrize("launch_ahead", [True, False])
-def test_one_stage_launching_ahead_gives_the_same_tokens(tiny_checkpoint, reference, launch_ahead):
+def test_one_stage_launching_ahead_gives_the_same_tokens(tiny_checkpoint, reference):
     """One stage with plan-ahead: decode steps are queued before the previous step's tokens reach the host, their
-    ids read from that step's tokens on the device; with chunked prefill and preemption too."""
+    ids read from that step's tokens on the device; with chunked prefill and preemption too. (The reference runs
+    with launch-ahead off.)"""
     core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8,
-                             num_blocks=8, block_size=16, launch_ahead=launch_ahead)
+                             num_blocks=8, block_size=16, launch_ahead=True)
     try:
         out = _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
         fed = core.executor.runners[0].ids_from_device
@@ -130,7 +130,7 @@ def test_one_stage_launching_ahead_gives_the_same_tokens(tiny_checkpoint, refere
     finally:
         core.stop()
     _assert_same(reference, out)
-    assert (fed > 0) == launch_ahead
+    assert fed > 0
 
 
 def test_stream_and_cancel(tiny_checkpoint):
