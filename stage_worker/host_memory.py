@@ -1,0 +1,128 @@
+"""Pinned host memory at its exact size, allocated under a host-wide lock (issue 16, memory plan).
+
+Cold experts (and later QSA K/V) live in host RAM that the GPU reads over PCIe, so it must be page-locked. PyTorch's
+pinned allocator rounds a request up to a power of two (002 §2: a 33 GiB request holds 64 GiB), which on a 128 GiB
+machine decides whether the model runs at all. So a large buffer here is an anonymous mapping of exactly the bytes
+asked (rounded up to a page), registered with `cudaHostRegister` when a GPU is present.
+
+Several stage processes on one host start together: each must see what the others took. The check of
+`MemAvailable` and the allocation happen under one exclusive `flock` on a file every process on the host opens, and
+the pages are faulted in before the lock is released, so the next process's check already sees them gone. A
+request that leaves less than `headroom` free is refused with the numbers, not left to the OOM killer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GIB = 1 << 30
+DEFAULT_LOCK = Path("/dev/shm/moepipe-host-memory.lock") if Path("/dev/shm").is_dir() else \
+    Path("/tmp/moepipe-host-memory.lock")
+
+
+class HostMemoryError(RuntimeError):
+    """Host RAM that cannot be had: too little available, or the host lock held too long by another process."""
+
+
+def available_bytes() -> int:
+    """The kernel's estimate of memory available without swapping (`MemAvailable` in /proc/meminfo)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise HostMemoryError("/proc/meminfo has no MemAvailable line")
+
+
+@dataclass
+class HostBuffer:
+    """`nbytes` of host memory as a uint8 tensor; `pinned` when registered with CUDA."""
+    tensor: torch.Tensor
+    nbytes: int
+    mapped: int                               # bytes mapped: nbytes rounded up to a page
+    pinned: bool = False
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        if n > self.nbytes:
+            raise ValueError(f"a {tuple(shape)} {dtype} view needs {n} bytes, the buffer has {self.nbytes}")
+        return self.tensor[:n].view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._map.close()
+        except BufferError:          # a view is still alive: the mapping goes when the last one does
+            pass
+        self._map = None
+
+
+class host_lock:
+    """An exclusive `flock` on `path` shared by every process of the host; HostMemoryError after `timeout` s."""
+
+    def __init__(self, path: str | Path = DEFAULT_LOCK, timeout: float = 600.0) -> None:
+        self.path, self.timeout = Path(path), timeout
+        self._fd: int | None = None
+
+    def __enter__(self) -> "host_lock":
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._fd)
+                    self._fd = None
+                    raise HostMemoryError(f"waited {self.timeout:.0f} s for the host-memory lock {self.path} (another "
+                                          f"process is allocating; remove the file if no moepipe process runs)") \
+                        from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def allocate(nbytes: int, *, what: str = "host buffer", headroom: int = 2 * GIB, pin: bool = True,
+             lock_path: str | Path = DEFAULT_LOCK, lock_timeout: float = 600.0) -> HostBuffer:
+    """`nbytes` of zeroed host memory, mapped at its exact size (to a page), faulted in and (with `pin` and a GPU)
+    page-locked, all under the host lock after checking that `headroom` bytes stay available."""
+    if nbytes <= 0:
+        raise ValueError(f"{what}: nbytes must be > 0, got {nbytes}")
+    page = mmap.PAGESIZE
+    size = -(-nbytes // page) * page
+    with host_lock(lock_path, lock_timeout):
+        avail = available_bytes()
+        if size + headroom > avail:
+            raise HostMemoryError(
+                f"{what}: {size / GIB:.2f} GiB of host RAM asked, {avail / GIB:.2f} GiB available (MemAvailable, "
+                f"after the other processes of this host) and {headroom / GIB:.2f} GiB must stay free: keep less in "
+                f"host RAM (a smaller cold set, --gib-per-stage), or free memory on this host")
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        raw = np.frombuffer(m, dtype=np.uint8)
+        raw[::page] = 0                       # fault every page in now (MAP_POPULATE does where it exists)
+        tensor = torch.from_numpy(raw)[:nbytes]
+        pinned = False
+        if pin and torch.cuda.is_available():
+            err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0))
+            if err != 0:
+                raise HostMemoryError(f"{what}: cudaHostRegister of {size / GIB:.2f} GiB failed with CUDA error "
+                                      f"{err} (memlock limit? `ulimit -l unlimited` or LimitMEMLOCK=infinity)")
+            pinned = True
+    return HostBuffer(tensor=tensor, nbytes=nbytes, mapped=size, pinned=pinned, _map=m)

@@ -1,0 +1,75 @@
+"""Pinned host memory at its exact size under the host-wide lock (stage_worker/host_memory.py, issue 16)."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+
+import pytest
+import torch
+
+from stage_worker import host_memory as hm
+
+
+def test_a_buffer_is_mapped_at_its_exact_size_and_faulted_in(tmp_path):
+    n = 3 * (1 << 20) + 5                                    # a power-of-two allocator would hold 4 MiB
+    before = hm.available_bytes()
+    big = 256 << 20
+    held = hm.allocate(big, lock_path=tmp_path / "lock", headroom=0, pin=False)
+    try:
+        # the pages are in RAM once allocate returns: the next process's check sees them gone (with slack for
+        # whatever else this machine does meanwhile)
+        assert before - hm.available_bytes() > big // 2
+    finally:
+        held.close()
+    buf = hm.allocate(n, lock_path=tmp_path / "lock", headroom=0, pin=False)
+    try:
+        assert buf.nbytes == n and buf.tensor.numel() == n
+        assert buf.mapped == -(-n // mmap.PAGESIZE) * mmap.PAGESIZE < 4 << 20
+        assert int(buf.tensor.sum()) == 0
+        view = buf.view(torch.float32, (1000, 3))
+        view.fill_(1.5)
+        assert float(buf.view(torch.float32, (3000,)).sum()) == 4500.0
+        with pytest.raises(ValueError, match="needs"):
+            buf.view(torch.float32, (n,))
+    finally:
+        buf.close()
+
+
+def test_more_than_is_available_is_refused_with_the_numbers(tmp_path):
+    avail = hm.available_bytes()
+    with pytest.raises(hm.HostMemoryError, match=r"GiB of host RAM asked, .* GiB available .* must stay free"):
+        hm.allocate(avail + (1 << 30), what="cold experts of stage 0", lock_path=tmp_path / "lock", pin=False)
+    with pytest.raises(hm.HostMemoryError, match="cold experts of stage 0"):
+        hm.allocate(1 << 20, what="cold experts of stage 0", headroom=avail + (1 << 30), lock_path=tmp_path / "lock",
+                    pin=False)
+    with pytest.raises(ValueError):
+        hm.allocate(0, lock_path=tmp_path / "lock")
+
+
+def test_the_host_lock_serialises_allocations(tmp_path):
+    """While someone holds the lock (another stage process; here another open of the file, which flock treats the
+    same), an allocation waits, and gives up with a clear error after its timeout; once free, it allocates."""
+    lock = tmp_path / "lock"
+    release, holding = threading.Event(), threading.Event()
+
+    def hold():
+        with hm.host_lock(lock):
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(hm.HostMemoryError, match="waited 1 s for the host-memory lock"):
+            hm.allocate(1 << 20, lock_path=lock, lock_timeout=1.0, headroom=0, pin=False)
+        assert time.monotonic() - t0 >= 1.0
+    finally:
+        release.set()
+        holder.join()
+    buf = hm.allocate(1 << 20, lock_path=lock, lock_timeout=10, headroom=0, pin=False)
+    assert buf.nbytes == 1 << 20
+    buf.close()
