@@ -59,7 +59,7 @@ def _greedy(url: str) -> str:
 async def _stream(client: AsyncOpenAI, seed: int, kill: int | None = None, killed: list | None = None) -> str:
     """A seeded sampled completion, streamed; with `kill`, that pid is SIGKILLed after the third chunk (the time
     goes into `killed`)."""
-    stream = await client.completions.create(model="moepipe", prompt=f"hello {seed}", max_tokens=80, stream=True,
+    stream = await client.completions.create(model="moepipe", prompt=f"hello {seed}", max_tokens=40, stream=True,
                                              temperature=0.8, seed=seed, extra_body={"ignore_eos": True})
     text, n = [], 0
     async for chunk in stream:
