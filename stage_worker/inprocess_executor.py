@@ -53,10 +53,9 @@ class InProcessExecutor:
         self._launch_ready()
 
     def _launch_ready(self) -> bool:
-        before = [len(r.launched) + r.steps for r in self.runners]
-        for i, runner in enumerate(self.runners):   # as a stage worker does: a failed step is reported, not fatal
-            runner.launch_ready(lambda step, exc, i=i: self._failed(i, step, exc))
-        return [len(r.launched) + r.steps for r in self.runners] != before
+        # as a stage worker does: a failed step is reported, not fatal
+        return sum(runner.launch_ready(lambda step, exc, i=i: self._failed(i, step, exc))
+                   for i, runner in enumerate(self.runners)) > 0
 
     def _drain(self) -> None:
         """Complete every launched step and whatever its results unblock, in pipeline order, until none is left."""

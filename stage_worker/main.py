@@ -45,9 +45,9 @@ def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
     return ring
 
 
-def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: StageRunner,
+def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runner: StageRunner,
                 stop: threading.Event) -> None:
-    sock = connect_outbox(ctx, cluster.gateway_endpoint, cluster_keys(cluster.link_keys), sndhwm=10)
+    sock = connect_outbox(ctx, cluster.gateway_endpoint, keys, sndhwm=10)
     while not stop.is_set():
         try:
             stats = {**runner.stats(), "restarts": restart_count()}
@@ -57,11 +57,6 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, name: str, runner: Sta
             pass
         stop.wait(cluster.heartbeat_interval)
     sock.close()
-
-
-def _report(peers: dict, name: str, step: int, exc: Exception) -> None:
-    peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
-                                                      message=f"{type(exc).__name__}: {exc}")))
 
 
 def serve(cluster: ClusterConfig, index: int) -> int:
@@ -109,14 +104,15 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, name, runner, stop), daemon=True)
+    hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, keys, name, runner, stop), daemon=True)
     hb.start()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
 
     def failed(step: int, exc: Exception) -> None:    # a bad step must not take the worker down
         log.error("%s: step %d failed", name, step, exc_info=exc)
-        _report(peers, name, step, exc)
+        peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
+                                                          message=f"{type(exc).__name__}: {exc}")))
 
     while not stop.is_set():
         # With a step in flight, look for messages without blocking long: the next plan (or its PLE rows) may

@@ -21,7 +21,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
-from stage_worker.host_copy import to_device
+from stage_worker.host_copy import to_device, to_host
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
@@ -252,20 +252,24 @@ class StageRunner:
     def can_launch(self) -> bool:
         return len(self.launched) < self.LAUNCH_DEPTH
 
-    def launch_ready(self, failed) -> None:
-        """Launch every step whose inputs are here, oldest first, up to the launch depth. A step that raises is
-        dropped and handed to `failed(step, exc)` (the caller reports it): the worker keeps serving."""
+    def launch_ready(self, failed) -> int:
+        """Launch every step whose inputs are here, oldest first, up to the launch depth; returns how many were
+        launched. A step that raises is dropped and handed to `failed(step, exc)` (the caller reports it): the
+        worker keeps serving."""
+        launched = 0
         while self.can_launch():
             plan = None
             try:
                 plan = self.ready()
                 if plan is None:
-                    return
+                    break
                 self.launch(plan)
+                launched += 1
             except Exception as exc:
                 step = plan.step if plan is not None else min(self.plans, default=-1)
                 self.plans.pop(step, None)
                 failed(step, exc)
+        return launched
 
     def oldest_done(self) -> bool:
         """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
@@ -382,6 +386,12 @@ class StageRunner:
                 k = state.params.logprobs
                 outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = lp[j], ids[j][:k], vals[j][:k]
 
+    def _settle_launched(self) -> None:
+        """Wait for every launched step's tokens (a path about to read the requests' histories needs them all)."""
+        for earlier in self.launched:
+            if earlier.copy is not None:
+                self._settle(earlier)
+
     def _graph_ready(self, batch: StepBatch) -> bool:
         """Capture lazily (weights and caches exist by the first decode step), then replay what fits."""
         if not batch.is_decode:
@@ -429,9 +439,7 @@ class StageRunner:
                             self.index, type(exc).__name__, exc)
                 for _, _, state, _ in drawn:
                     state.counted_slot = None  # its device counts may have taken the abandoned draw: rebuild
-        for earlier in self.launched:          # the per-row path reads the histories: complete them first
-            if earlier.copy is not None:
-                self._settle(earlier)
+        self._settle_launched()                # the per-row path reads the histories: complete them first
         for i, e, state, raw in drawn:
             try:
                 token = self._sample_row(raw, state, e.allowed, outs[i].position)
@@ -457,20 +465,18 @@ class StageRunner:
         specs = []
         for i, e, st, _ in drawn:
             if self.counts is not None and uses_penalties(st.params) and st.counted_slot != e.slot:
-                for earlier in self.launched:       # the counts start from the whole history: complete it first
-                    if earlier.copy is not None:
-                        self._settle(earlier)
+                self._settle_launched()             # the counts start from the whole history: complete it first
                 self.counts.reset(e.slot, st.spec.prompt_ids, st.history)   # first sample here, or after preemption
                 st.counted_slot = e.slot
             specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
                              e.allowed, slot=e.slot if self.counts is not None else None))
         sampled = sample_rows(raw, specs, self.counts)
-        copy = _HostCopy(device=sampled, tokens=_to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
+        copy = _HostCopy(device=sampled, tokens=to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
         want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
         if want:
             top = max(drawn[b][2].params.logprobs for b in want)
             idx = to_device(want, torch.long, raw.device)
-            copy.logprobs = tuple(_to_host(t) for t in row_logprobs(raw[idx], sampled[idx], top))
+            copy.logprobs = tuple(to_host(t) for t in row_logprobs(raw[idx], sampled[idx], top))
             copy.want = want
         if raw.is_cuda:
             copy.event = torch.cuda.Event()
@@ -488,15 +494,6 @@ class StageRunner:
         return {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
                 "ids_from_device": float(self.ids_from_device),
                 "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds}
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A queued copy of `t` into pinned host memory (the tensor itself on the CPU)."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:
