@@ -180,30 +180,13 @@ class Cluster:
         also = []
         if name == "gateway":
             also = [n for n in self.procs if n != "gateway"]
-            for other in also:
-                p = self.procs[other]
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for other in also:
-                try:
-                    self.procs[other].wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.procs[other].kill()
-                    self.procs[other].wait()
+            self._terminate(also)
             if self.cluster.ple_ring:
                 Path(self.cluster.ple_ring).unlink(missing_ok=True)
         elif name == "ple":
             Path(self.cluster.ple_ring).unlink(missing_ok=True)     # stages then wait for the new one
             also = [f"stage{i}" for i in ple_stage_indices(self.cluster)]
-            for other in also:
-                p = self.procs.get(other)
-                if p is not None and p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
+            self._terminate(also)
         self._spawn(name)
         for other in also:
             self._spawn(other)
@@ -226,19 +209,23 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"cluster not healthy after {self.opts.startup_timeout:.0f} s")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        order = ["gateway"] + [n for n in self.procs if n.startswith("stage")] + ["ple"]
-        for name in order:
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
+    def _terminate(self, names: list[str], timeout: float = 10.0) -> None:
+        """SIGTERM to each of `names` (in that order, without pausing), then up to `timeout` s in all for them to
+        end; whatever is left is SIGKILLed."""
+        procs = [self.procs[n] for n in names if n in self.procs]
+        for p in procs:
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.time() + timeout
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._terminate(["gateway"] + [n for n in self.procs if n.startswith("stage")] + ["ple"], timeout)
         if self.cluster.ple_ring:
             Path(self.cluster.ple_ring).unlink(missing_ok=True)
         if self._tmp is not None:
