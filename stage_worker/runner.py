@@ -95,7 +95,9 @@ class StageRunner:
         self.requests: dict[str, _ReqState] = {}
         self.tables: dict[str, list[int]] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
-        self.launched: list[_Launched] = []       # steps queued on the device, oldest first (at most LAUNCH_DEPTH)
+        self.launched: list[_Launched] = []       # steps queued on the device, oldest first
+        # two steps queued at once with launch-ahead; off, each step is completed before the next is queued
+        self.launch_depth = 2 if cluster.launch_ahead else 1
         # Launch-ahead: with one stage (first and last) and device sampling, a decode step's input ids are read
         # from the previous step's sampled tokens on the device, so it is queued before that step's tokens reach
         # the host and the GPU never waits for the host's bookkeeping between steps.
@@ -247,10 +249,8 @@ class StageRunner:
         return out
 
     # ---- the step ----------------------------------------------------------------------------------------------
-    LAUNCH_DEPTH = 2
-
     def can_launch(self) -> bool:
-        return len(self.launched) < self.LAUNCH_DEPTH
+        return len(self.launched) < self.launch_depth
 
     def launch_ready(self, failed) -> int:
         """Launch every step whose inputs are here, oldest first, up to the launch depth; returns how many were
