@@ -124,7 +124,7 @@ def main() -> int:
             def run_up():
                 bi, bh, warps = state["cfg"]
                 MOE._moe_up_kernel[(t * ids.shape[1], -(-i // bi))](
-                    x, ids, w13, shared.w13, act, x.stride(0), w13.stride(0), w13.stride(1),
+                    x, ids, w13, shared.w13, w13, act, x.stride(0), w13.stride(0), w13.stride(1), w13.shape[0],
                     H=h, I=i, TOP_K=ids.shape[1], BLOCK_I=bi, BLOCK_H=bh, num_warps=warps)
 
             cfgs = list(itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8)))
@@ -140,7 +140,7 @@ def main() -> int:
             def run_down():
                 bh, bi, warps = state["cfg"]
                 MOE._moe_down_kernel[(t, -(-h // bh))](
-                    act, ids, w, w2, shared.w2, out, w2.stride(0), w2.stride(1), out.stride(0),
+                    act, ids, w, w2, shared.w2, w2, out, w2.stride(0), w2.stride(1), out.stride(0), w2.shape[0],
                     H=h, I=i, TOP_K=ids.shape[1], BLOCK_H=bh, BLOCK_I=bi, num_warps=warps)
 
             cfgs = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)))

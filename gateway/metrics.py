@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -61,6 +61,43 @@ class _PleCollector(Collector):
             yield family
 
 
+class _ExpertCollector(Collector):
+    """Per stage, the cumulative expert counters and the memory tiers its heartbeats report (issue 16): set, not
+    incremented, as the PLE totals are."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_stage: dict[str, dict[str, float]] = {}
+
+    def set(self, stage: str, stats: dict[str, float]) -> None:
+        keep = {k: v for k, v in stats.items() if k.startswith("expert_") or k == "kv_pool_bytes"}
+        with self._lock:
+            self._by_stage[stage] = keep
+
+    def collect(self) -> Iterator:
+        with self._lock:
+            stages = {k: dict(v) for k, v in self._by_stage.items()}
+        reads = CounterMetricFamily("moepipe_expert_host_reads", "Routed-expert selections served from host RAM "
+                                    "(over PCIe), per stage and MoE layer", labels=["stage", "layer"])
+        moves = CounterMetricFamily("moepipe_expert_moves", "Run-time swaps of a host expert with a device "
+                                    "expert, per stage and MoE layer", labels=["stage", "layer"])
+        tiers = GaugeMetricFamily("moepipe_expert_bytes", "Routed-expert weight bytes by tier (vram, host) of the "
+                                  "layers that keep experts in host RAM", labels=["stage", "tier"])
+        kv = GaugeMetricFamily("moepipe_kv_cache_bytes", "Bytes of a stage's paged KV pool", labels=["stage"])
+        for stage, st in sorted(stages.items()):
+            for key, value in st.items():
+                name, _, layer = key.partition(":")
+                if name == "expert_host_reads":
+                    reads.add_metric([stage, layer], value)
+                elif name == "expert_moves":
+                    moves.add_metric([stage, layer], value)
+                elif name in ("expert_bytes_vram", "expert_bytes_host"):
+                    tiers.add_metric([stage, name.rsplit("_", 1)[1]], value)
+                elif name == "kv_pool_bytes":
+                    kv.add_metric([stage], value)
+        yield from (reads, moves, tiers, kv)
+
+
 class Metrics:
     """All gateway series, registered in `self.registry`."""
 
@@ -95,6 +132,8 @@ class Metrics:
             ["link", "step_kind"], buckets=TRANSFER_BUCKETS, registry=r)
         self._ple = _PleCollector()
         r.register(self._ple)
+        self._experts = _ExpertCollector()
+        r.register(self._experts)
         for reason in ("stop", "length"):
             self.requests.labels(finish_reason=reason)      # expose zeros before the first request
 
@@ -134,6 +173,10 @@ class Metrics:
         given = {"prefetch_pages": prefetch_pages, "gather_seconds": gather_seconds,
                  "stage_wait_seconds": stage_wait_seconds}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
+
+    def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:
+        """A stage's heartbeat totals: expert host reads and moves per layer, expert bytes by tier, KV pool bytes."""
+        self._experts.set(str(stage), stats)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series, for GET /metrics."""

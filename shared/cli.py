@@ -141,6 +141,10 @@ def serve_options(args: argparse.Namespace):
         extra["ple_service"] = False
     if args.no_access_log:
         extra["access_log"] = False
+    if args.cold_experts is not None:
+        extra["cold_experts"] = str(Path(args.cold_experts).resolve())
+    if args.no_expert_moves:
+        extra["expert_moves"] = False
     for key in ("allowed_hosts", "allowed_origins"):
         if getattr(args, key) is not None:
             extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
@@ -207,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU stages: use at most this many GiB of each device, as a smaller card would have")
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
                    help="GPU stages: KV bytes per stage (default: what the memory plan leaves)")
+    s.add_argument("--cold-experts", default=None, metavar="FILE",
+                   help="keep these routed experts in host RAM (a file from `moepipe cold-set`): a model larger "
+                        "than the GPUs runs, reading the selected host experts over PCIe")
+    s.add_argument("--no-expert-moves", action="store_true",
+                   help="with --cold-experts: never swap host and device experts at run time (also "
+                        "MOEPIPE_EXPERT_MOVES=0)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,

@@ -75,6 +75,14 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.9
     vram_limit: float = 0.0                     # GiB per device; 0 = the device's own size
     kv_cache_memory_bytes: int = 0
+    # Routed experts in host RAM (issue 16): a `moepipe cold-set` file ("" = every expert in VRAM); run-time moves
+    # swap each layer's most used host expert with its least used device expert every expert_move_interval steps
+    # (counts decayed by half every expert_move_half_life steps; a move needs a lead of expert_move_margin).
+    cold_experts: str = ""
+    expert_moves: bool = True
+    expert_move_interval: int = 32
+    expert_move_half_life: float = 256.0
+    expert_move_margin: float = 2.0
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -134,6 +142,9 @@ class ClusterConfig:
                                      f"{self.gpu_memory_utilization}")
         if self.vram_limit < 0 or self.kv_cache_memory_bytes < 0:
             raise ClusterConfigError("cluster config: vram_limit and kv_cache_memory_bytes must be >= 0 (0 = none)")
+        if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or self.expert_move_margin < 0:
+            raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
+                                     "> 0 steps and expert_move_margin >= 0")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
@@ -168,6 +179,13 @@ class ClusterConfig:
         the same file, and the result depends only on the file (and environment), so the gateway that places
         blocks and every stage that allocates them agree."""
         self.validate(cfg.num_hidden_layers)
+        if self.cold_experts:
+            from shared.cold_set import ColdSetError, load
+
+            try:
+                load(self.cold_experts, cfg)
+            except ColdSetError as exc:
+                raise ClusterConfigError(f"cluster config: cold_experts: {exc}") from None
         try:
             block_size = resolve_block_size(cfg, self.block_size)
             costs = [block_bytes(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype))
@@ -213,7 +231,9 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
         "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads",
         "MOEPIPE_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "MOEPIPE_VRAM_LIMIT": "vram_limit",
-        "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes"}
+        "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes", "MOEPIPE_COLD_EXPERTS": "cold_experts",
+        "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
+        "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -222,13 +242,15 @@ def env_overrides() -> dict[str, Any]:
     for env, key in _ENV.items():
         if env in os.environ:
             val = os.environ[env]
-            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes"):
+            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
+                       "expert_move_interval"):
                 out[key] = int(val)
-            elif key in ("kernels", "dtype", "api_key", "link_keys"):
+            elif key in ("kernels", "dtype", "api_key", "link_keys", "cold_experts"):
                 out[key] = val
             elif key in ("allowed_hosts", "allowed_origins"):
                 out[key] = [h.strip() for h in val.split(",") if h.strip()]
-            elif key in ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit"):
+            elif key in ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit",
+                         "expert_move_half_life", "expert_move_margin"):
                 out[key] = _float_env(env, val)
             else:
                 out[key] = val.lower() not in ("0", "false", "no", "off")

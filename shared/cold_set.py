@@ -5,7 +5,7 @@ only, English decode fell from 95 to 57-61 tok/s), so the counts of several kind
 one and added, and experts are taken from the lowest sum up until each stage's budget is full (each GPU's budget
 separately). The counts come from `tools/route_trace.py` (`route_usage.json`: `usage[kind][layer]`, selections per
 expert; prefill of a text selects what its decode would). The file written here is what the server will take as
-`--cold-experts FILE`; reading host experts at run time is the expert table's job (not built yet).
+`--cold-experts FILE` (the expert tables of `stage_worker/expert_offload.py` read it).
 
 File format (JSON): {"format": FORMAT, "model": ..., "expert_bytes": ..., "stages": [{"layers": [start, end],
 "budget_bytes": ..., "cold_bytes": ...}], "layers": {"<layer>": [expert ids]}, "kinds": [...]}.

@@ -38,6 +38,7 @@ class StageNeeds:
     state: int               # per-slot recurrent / conv / PLE state for max_num_seqs + 1 slots
     block: int               # one KV block
     reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
+    host_experts: int = 0    # cold experts' bytes in pinned host RAM (not part of `weights`)
 
     @property
     def fixed(self) -> int:
@@ -63,11 +64,12 @@ class MemoryPlan:
     def table(self) -> str:
         """One line per stage: what its device budget holds."""
         lines = [f"{'stage':>5} {'layers':>9} {'device':>8} {'weights':>8} {'state':>7} {'reserve':>8} "
-                 f"{'KV':>8} {'budget':>8}  (GiB; {self.num_blocks} KV blocks per stage)"]
+                 f"{'KV':>8} {'budget':>8} {'host':>8}  (GiB; {self.num_blocks} KV blocks per stage; host: cold "
+                 f"experts in pinned RAM)"]
         for s in self.stages:
             lines.append(f"{s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.device:>8} {s.weights / GIB:>8.2f} "
                          f"{s.state / GIB:>7.2f} {s.reserve / GIB:>8.2f} {(self.num_blocks + 1) * s.block / GIB:>8.2f}"
-                         f" {self.budgets[s.device] / GIB:>8.2f}")
+                         f" {self.budgets[s.device] / GIB:>8.2f} {s.host_experts / GIB:>8.2f}")
         return "\n".join(lines)
 
 
@@ -120,10 +122,13 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
     weights = sum(s.weights for s in mine)
     per_device = max(budget - sum(s.state + s.reserve for s in mine), 1)
     need = -(-weights // per_device)
+    per_seq = -(-limits.max_model_len // limits.block_size) + 1
+    over = fixed + per_seq * sum(s.block for s in mine) - budget
     return (f"{name} holds {budget / GIB:.2f} GiB ({_budget_rule(limits)}); its stages need {fixed / GIB:.2f} GiB "
             f"before any KV cache ({parts}). Spread the layers over more GPUs (--stages, one GPU each: about "
-            f"{need} devices of this size for these layers), raise --gpu-memory-utilization, or keep cold experts "
-            f"in host RAM (issue 16: not built yet)")
+            f"{need} devices of this size for these layers), raise --gpu-memory-utilization, or keep at least "
+            f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
+            f"by `moepipe cold-set --gib-per-stage N`)")
 
 
 def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, per_block: int, per_seq: int,

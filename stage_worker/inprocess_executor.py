@@ -112,6 +112,8 @@ class InProcessExecutor:
         current = [r.busy_seconds for r in self.runners]
         for i, (b0, b1) in enumerate(zip(busy, current)):
             self.metrics.set_stage_busy(i, (b1 - b0) / (now - then))
+        for i, runner in enumerate(self.runners):
+            self.metrics.set_stage_stats(i, runner.stats())
         self._busy_mark = (now, current)
 
 

@@ -6,9 +6,10 @@ process because asking CUDA for free memory creates a context (~0.5 GiB a device
 launcher for the server's life.
 
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
-the stage's compute dtype and summed. The reserve (the largest step's activations, CUDA-graph pools, kernel
-workspace) is an estimate until the stages measure it at start-up: 1 GiB plus 96 bytes per hidden unit and
-batched token (about 2x what a full-shape 512-token prefill chunk was seen to allocate) plus the logits of a step.
+the stage's compute dtype and summed; the cold experts of a `cold_experts` file are host RAM, not VRAM. The
+reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is an estimate until the stages
+measure it at start-up: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x what a full-shape
+512-token prefill chunk was seen to allocate) plus the logits of a step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import torch
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
+from shared.cold_set import ColdSetError, expert_bytes
+from shared.cold_set import load as load_cold_set
 from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
@@ -49,6 +52,7 @@ def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
 def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds]:
     """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share)."""
     out = []
+    cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts else {}
     for i, spec in enumerate(cluster.stages):
         if not spec.device.startswith("cuda"):
             continue
@@ -60,13 +64,16 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
                                               device="meta"))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
+        host = sum(len(ids) for layer, ids in cold.items() if spec.start <= layer < spec.end) * \
+            expert_bytes(cfg, dtype)
+        weights -= host                            # cold experts live in pinned host RAM, not on the device
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
         reserve = GIB + tokens * width * 96 + logits
         block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
-                              state=_tensor_bytes(cache), block=block, reserve=reserve))
+                              state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host))
     return out
 
 
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_cluster_config(args.config)
         cfg = load_config(cluster.model)
-    except (ClusterConfigError, ValueError) as exc:
+    except (ClusterConfigError, ColdSetError, ValueError) as exc:
         print(f"memory_needs: {exc}", file=sys.stderr)
         return 2
     needs = stage_needs(cfg, cluster)

@@ -21,6 +21,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
+from stage_worker.expert_offload import gates
 from stage_worker.host_copy import to_device, to_host
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
@@ -96,25 +97,35 @@ class StageRunner:
         self.tables: dict[str, list[int]] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
-        # two steps queued at once with launch-ahead; off, each step is completed before the next is queued
-        self.launch_depth = 2 if cluster.launch_ahead else 1
-        # Launch-ahead: with one stage (first and last) and device sampling, a decode step's input ids are read
-        # from the previous step's sampled tokens on the device, so it is queued before that step's tokens reach
-        # the host and the GPU never waits for the host's bookkeeping between steps.
-        self.feed_from_device = self.is_first and self.is_last and cluster.launch_ahead and cluster.device_sampling
-        self.device_next: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (request, position) -> token
-        self.device_fed: set[tuple[str, int]] = set()      # of those, the ones a launched step already read
-        self._last_end = 0.0
-        self.ids_from_device = 0                  # input ids read from a launched step's tokens (launch-ahead)
         cfg = model.cfg
         self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
         self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
         self.ring = ring if self.my_ple_layers else None
+        # Launch-ahead: two steps queued at once; with one stage (first and last) and device sampling, a decode
+        # step's input ids are read from the previous step's sampled tokens on the device, so it is queued before
+        # that step's tokens reach the host and the GPU never waits for the host's bookkeeping between steps.
+        # Not on a stage whose PLE rows come from the service: they need the token on the host first, so the next
+        # step cannot be queued early, and waiting for the launched step by polling only delayed the token (full
+        # shape on the H200: 517 vs 598 tok/s at 4 streams, bench/results/served-speed-9). Off: each step is
+        # completed before the next is queued.
+        ahead = cluster.launch_ahead and self.ring is None
+        self.launch_depth = 2 if ahead else 1
+        self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
+        self.device_next: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (request, position) -> token
+        self.device_fed: set[tuple[str, int]] = set()      # of those, the ones a launched step already read
+        self._last_end = 0.0
+        self.ids_from_device = 0                  # input ids read from a launched step's tokens (launch-ahead)
         self.busy_seconds = 0.0
         self.steps = 0
         self.last_step_seconds = 0.0
         self.ple_wait_seconds = 0.0
         self._ple_wait_start: dict[int, float] = {}
+        # Run-time expert moves (issue 16): every expert_move_interval launched steps, one swap per layer at most.
+        self.experts = model.experts
+        self.expert_moves = model.experts is not None and cluster.expert_moves
+        self._move_gates = gates(model) if self.expert_moves else []
+        self._move_decay = 0.5 ** (cluster.expert_move_interval / cluster.expert_move_half_life)
+        self.launches = 0
         self.graphs = None
         kernels = getattr(model, "kernel_flags", None)
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
@@ -304,6 +315,12 @@ class StageRunner:
                 for li, layer in enumerate(self.all_ple_layers):
                     if layer in self.my_ple_layers:
                         batch.ple_rows[layer] = rows[:, li]
+        self.launches += 1
+        if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
+            with record_function("stage.expert_moves"):
+                self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin)
+        if self.experts is not None and self.launches % 16 == 0:
+            self.experts.snapshot()           # counters for /metrics, read back without waiting
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
@@ -491,9 +508,13 @@ class StageRunner:
         return sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
 
     def stats(self) -> dict[str, float]:
-        return {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
-                "ids_from_device": float(self.ids_from_device),
-                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds}
+        out = {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
+               "ids_from_device": float(self.ids_from_device),
+               "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds,
+               "kv_pool_bytes": float(self.cache.kv_bytes())}
+        if self.experts is not None:
+            out.update(self.experts.stats())
+        return out
 
 
 def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:

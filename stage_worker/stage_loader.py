@@ -3,6 +3,7 @@ way a stage's model is built, for stage worker processes and the in-process exec
 
 from __future__ import annotations
 
+from shared import cold_set
 from shared.cluster_config import ClusterConfig
 from shared.model_config import HybridMoeConfig
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
@@ -12,8 +13,9 @@ from stage_worker.model.model import StageModel
 
 def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> StageModel:
     spec = cluster.stages[index]
+    cold = cold_set.load(cluster.cold_experts, cfg) if cluster.cold_experts else None
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
-                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed)
+                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold)
     model = load_model(cluster.model, opts, cfg)
     model.set_kernels(KernelFlags.parse(cluster.kernels))
     return model

@@ -97,7 +97,7 @@ def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
         if ids is None or ids.shape[0] != n_tokens:
             raise RuntimeError(f"layer {i}: last_expert_ids has {None if ids is None else tuple(ids.shape)} rows, "
                                f"the step fed {n_tokens} tokens")
-        rows.append(ids.reshape(n_tokens, -1))
+        rows.append(m.expert_ids(ids).reshape(n_tokens, -1))    # slots -> experts when a table is set
     return torch.stack(rows, dim=1)
 
 

@@ -5,7 +5,8 @@
 # (the grouped MoE prefill kernels' GPU test: agreement and timings at the full shape), greedy
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
-# 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams). For a model: the
+# 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams), offload and vram24
+# (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
@@ -68,6 +69,30 @@ print('grouped MoE prefill kernels at the full shape: OK')" 2>&1 | tail -6
 fi
 if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
+fi
+if want offload; then   # issue 16: one host read's cost; decode with 0/10/25/50% of expert bytes in host RAM
+  timeout "${OFFLOAD_TIMEOUT:-480}" python3 bench/expert_offload.py --layers "${OFFLOAD_LAYERS:-16}" \
+    --shares "${OFFLOAD_SHARES:-0,0.1,0.25,0.5}" --batch 1,4 --out "$out/expert_offload.json" \
+    > "$out/expert_offload.log" 2>&1
+  tail -16 "$out/expert_offload.log"
+fi
+if want vram24; then   # issue 16: --vram-limit 24 serves full-shape cut to 8 layers (~45 GB of bf16 weights)
+  moepipe make-model --preset full-shape --layers 8 --out /tmp/fs8 > /dev/null
+  timeout 120 moepipe serve --model /tmp/fs8 --device cuda --load-format dummy --vram-limit 24 \
+    --max-model-len 8192 > "$out/vram24_refused.log" 2>&1
+  echo "== without cold experts (rc $?):"; tail -4 "$out/vram24_refused.log"
+  python3 -c "
+from shared import cold_set
+from shared.model_config import load_config
+cfg = load_config('/tmp/fs8')
+n = int(cfg.num_experts * 0.6)
+cold = {l: list(range(cfg.num_experts - n, cfg.num_experts)) for l in range(cfg.num_hidden_layers)}
+cold_set.write('/tmp/cold60.json', cfg, '/tmp/fs8', cold, [(0, 8)], cold_set.expert_bytes(cfg), 1 << 40, ['ids'])"
+  timeout 300 python3 bench/serve.py --model /tmp/fs8 --load-format dummy --device cuda --stages 1 \
+    --streams 1,4 --max-tokens 64 --runs 2 --set vram_limit=24 --set cold_experts='"/tmp/cold60.json"' \
+    --set max_model_len=8192 --out "$out/serve_vram24.json" > "$out/serve_vram24.log" 2>&1
+  echo "== served with --vram-limit 24, 60% of experts in host RAM:"; grep -A8 "GiB;" "$out/serve_vram24.log" \
+    | head -4; tail -5 "$out/serve_vram24.log"
 fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"

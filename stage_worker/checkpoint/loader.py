@@ -23,7 +23,8 @@ from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import ensure_table, shard_row_counts
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+from stage_worker.checkpoint.random_init import ProceduralTable, fill_random, random_param
+from stage_worker.expert_offload import attach_tables, loader_targets, order_gates
 from stage_worker.model.model import StageModel
 from stage_worker.model.rope import Rotary
 
@@ -46,6 +47,7 @@ class LoadOptions:
     with_mtp: bool = False
     ple_dir: Path | None = None               # where expanded PLE tables live; default beside the checkpoint
     seed: int = 0
+    cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -74,7 +76,10 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions) -> StageModel:
     dtype = opts.dtype or default_dtype(cfg, opts.device)
     with torch.device("meta"):
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
-    model = model.to(dtype).to_empty(device=opts.device)
+    model = model.to(dtype)
+    # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
+    model.experts = attach_tables(model, opts.cold_experts, opts.device, dtype) if opts.cold_experts else None
+    model = model.to_empty(device=opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
         if isinstance(m, Rotary):
             m.inv_freq.copy_(Rotary(m.rotary_dim, cfg.rope_theta).inv_freq)
@@ -89,15 +94,18 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     model = build_empty(cfg, opts)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
+        for name, rows in loader_targets(model).items():   # the tables get what the parameters would have
+            rows.copy_(random_param(name, tuple(rows.shape), opts.seed, rows.dtype, rows.table.w13.device))
         for layer, ple in _ple_modules(model):
             spec: NgramHashSpec = ple.spec
             # the table's storage dtype, as the PLE service builds it, whatever the compute dtype
             ple.table = ProceduralTable(spec.padded_rows, cfg.ple_head_dim, opts.dtype or DTYPES[cfg.dtype],
                                         opts.seed + layer)
-        return model
-    if opts.load_format != "safetensors":
+    elif opts.load_format == "safetensors":
+        _load_tensors(model, cfg, model_dir, opts)
+    else:
         raise ValueError(f"load format {opts.load_format!r}: expected 'safetensors' or 'dummy'")
-    _load_tensors(model, cfg, model_dir, opts)
+    order_gates(model)
     return model
 
 
@@ -108,7 +116,7 @@ def _ple_modules(model: StageModel):
 
 
 def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts: LoadOptions) -> None:
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | loader_targets(model)
     pieces = pieces_for(cfg, {n: p.shape for n, p in params.items()})
     with torch.device("meta"):
         full = StageModel(cfg, with_mtp=True)

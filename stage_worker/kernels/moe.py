@@ -19,6 +19,12 @@ preset and for Qwen3-Next-80B); otherwise the caller runs the shared expert in P
 Large T (prefill, T*k > DECODE_MAX_TK) and machines without Triton take `grouped_moe`, a PyTorch path that sorts the
 (token, slot) pairs by expert and runs two GEMMs per present expert; it syncs with the host once (the per-expert
 counts), which is fine for prefill and not graph-capturable.
+
+Experts in host RAM (issue 16): with `HostRows`, slots from `first` on live in a second table (pinned host memory
+the GPU reads over PCIe), so the kernels take two base pointers and pick by slot; the router's rows are in slot
+order (`stage_worker.model.expert_table`), so it selects slots and nothing else changes. With `RouteCounts` the
+router kernel also counts each slot's selections and the selections of host slots (run-time moves and /metrics),
+inside the CUDA graph, with no host read-back.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stage_worker.kernels.moe_ref import route_ref, shared_gate_ref
+from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, route_ref, shared_gate_ref
 
 try:
     from stage_worker.kernels.rmsnorm import round_to
@@ -83,12 +89,13 @@ if triton is not None:
     _KEY_MIN = tl.constexpr(-(2 ** 63))
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, E, stride_t, FIRST_HOST,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
-        dtype, as `torch.sigmoid` on them would) and id -1."""
+        dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
+        number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter)."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -120,6 +127,11 @@ if triton is not None:
         out = t * (TOP_K + SHARED) + kk
         tl.store(weights_ptr + out, p / denom, mask=kk < TOP_K)
         tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+        if COUNT:
+            picked = kk < TOP_K
+            tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
+            host = tl.sum(tl.where(picked & (top_id >= FIRST_HOST), 1, 0), axis=0)
+            tl.atomic_add(reads_ptr, host.to(tl.int64))
         if SHARED:
             sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
@@ -127,15 +139,18 @@ if triton is not None:
             tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, -1)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
-                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
+                       FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
-        (id -1: the shared expert's rows). TOP_K counts every slot, the shared one included."""
+        (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
+        shared one included."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
-        if e >= 0:
+        if e >= FIRST_HOST:
+            base = hw13_ptr + (e - FIRST_HOST) * stride_we
+        elif e >= 0:
             base = w13_ptr + e * stride_we
         else:
             base = sw13_ptr
@@ -159,8 +174,8 @@ if triton is not None:
         tl.store(act_ptr + tj * I + offs_i, act, mask=mask_i)
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, sw2_ptr, out_ptr, stride_we, stride_wh, stride_ot,
-                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, sw2_ptr, hw2_ptr, out_ptr, stride_we, stride_wh,
+                         stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32."""
         t = tl.program_id(0)
@@ -171,7 +186,9 @@ if triton is not None:
             tj = t * TOP_K + j
             e = tl.load(ids_ptr + tj).to(tl.int64)
             wt = tl.load(wts_ptr + tj).to(tl.float32)
-            if e >= 0:
+            if e >= FIRST_HOST:
+                base = hw2_ptr + (e - FIRST_HOST) * stride_we
+            elif e >= 0:
                 base = w2_ptr + e * stride_we
             else:
                 base = sw2_ptr
@@ -186,16 +203,18 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool,
-          shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
+          counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref.
 
     With `shared` the last column is the shared expert's gate logit: the result has k + 1 slots, the last one
-    (sigmoid of that logit, id -1) for the shared expert."""
+    (sigmoid of that logit, id -1) for the shared expert. With `counts`, the selections are added to it."""
     T, E = logits.shape
     E -= int(shared)
     if not triton_usable(logits) or E > MAX_EXPERTS:
         w, ids = route_ref(logits[:, :E], top_k, renormalise)
+        if counts is not None:
+            count_ref(ids, counts)
         if shared:
             w = torch.cat([w, shared_gate_ref(logits[:, E:]).float()], dim=1)
             ids = torch.cat([ids, torch.full_like(ids[:, :1], -1)], dim=1)
@@ -207,35 +226,40 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     ids = torch.empty(T, slots, dtype=torch.int32, device=logits.device)
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, SHARED=int(shared),
-                            RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), num_warps=NUM_WARPS)
+        c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
+        _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, E, logits.stride(0), c.first,
+                            TOP_K=top_k, SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E),
+                            BLOCK_K=_pow2(top_k), COUNT=counts is not None, num_warps=NUM_WARPS)
     return weights, ids
 
 
 def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, shared: SharedExpert | None = None, kernel: bool = False) -> torch.Tensor:
+                w2: torch.Tensor, shared: SharedExpert | None = None, kernel: bool = False,
+                host: HostRows | None = None) -> torch.Tensor:
     """Prefill path: (token, slot) pairs sorted by expert, two GEMMs per present expert, a fixed-order combine.
 
     With `kernel`, the two grouped GEMM launches of `moe_prefill.py`; otherwise a Python loop over the present
-    experts with one host sync (the per-expert counts). Deterministic either way (no atomics). With `shared`, the
-    last slot (id -1) is the shared expert: one GEMM pair over every token.
+    experts with one host sync (the per-expert counts), which copies each present host expert to the device once.
+    Deterministic either way (no atomics). With `shared`, the last slot (id -1) is the shared expert: one GEMM
+    pair over every token.
     """
     if shared is not None:
         k = ids.shape[1] - 1
         g, u = F.linear(x, shared.w13).float().chunk(2, dim=-1)
         shared_down = F.linear((F.silu(g) * u).to(x.dtype), shared.w2)
-        routed = grouped_moe(x, ids[:, :k], weights[:, :k], w13, w2, kernel=kernel)
+        routed = grouped_moe(x, ids[:, :k], weights[:, :k], w13, w2, kernel=kernel, host=host)
         both = torch.stack([routed, shared_down], dim=1)                      # [T, 2, H]
         ones = torch.ones_like(weights[:, :1])
         return torch.bmm(torch.cat([ones, weights[:, k:]], dim=1).to(x.dtype).unsqueeze(1), both).squeeze(1)
     if kernel:
         from stage_worker.kernels.moe_prefill import grouped_moe_triton
 
-        return grouped_moe_triton(x, ids, weights, w13, w2)
+        return grouped_moe_triton(x, ids, weights, w13, w2, host)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()   # host sync: acceptable for prefill only
+    slots = w13.shape[0] + (host.w13.shape[0] if host is not None else 0)
+    counts = torch.bincount(flat, minlength=slots).tolist()   # host sync: acceptable for prefill only
     down = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -243,18 +267,24 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             continue
         pairs = order[start:start + n]
         start += n
-        g, u = F.linear(x[pairs // k], w13[e]).float().chunk(2, dim=-1)
-        down[pairs] = F.linear((F.silu(g) * u).to(x.dtype), w2[e])
+        if host is not None and e >= host.first:
+            up_w, down_w = (t.to(x.device, non_blocking=True) for t in (host.w13[e - host.first],
+                                                                         host.w2[e - host.first]))
+        else:
+            up_w, down_w = w13[e], w2[e]
+        g, u = F.linear(x[pairs // k], up_w).float().chunk(2, dim=-1)
+        down[pairs] = F.linear((F.silu(g) * u).to(x.dtype), down_w)
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), down.view(T, k, -1)).squeeze(1)
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, shared: SharedExpert | None = None, prefill_kernel: bool = True) -> torch.Tensor:
+              w2: torch.Tensor, shared: SharedExpert | None = None, prefill_kernel: bool = True,
+              host: HostRows | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype; = fused_moe_ref.
 
     Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe` (its grouped
     GEMM kernels with `prefill_kernel` and Triton). With `shared`, slot k (id -1) is the shared expert (see
-    `route`).
+    `route`). With `host`, ids >= host.first are rows of the host table (w13 then holds the first host.first).
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -263,11 +293,16 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if w13.shape != (E, 2 * I, H) or w2.shape != (E, H, I) or weights.shape != ids.shape or ids.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} "
                          f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)}")
+    if host is not None and (host.first != E or host.w13.shape[1:] != w13.shape[1:] or
+                             host.w2.shape[1:] != w2.shape[1:] or host.w13.stride() != w13.stride() or
+                             host.w2.stride() != w2.stride()):
+        raise ValueError(f"host rows w13 {tuple(host.w13.shape)} / w2 {tuple(host.w2.shape)} from slot {host.first} "
+                         f"do not continue the device table w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}")
     if shared is not None and (tuple(shared.w13.shape) != (2 * I, H) or tuple(shared.w2.shape) != (H, I)):
         raise ValueError(f"shared expert w13 {tuple(shared.w13.shape)} / w2 {tuple(shared.w2.shape)} do not match "
                          f"the routed experts' [{2 * I}, {H}] / [{H}, {I}]")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
-        return grouped_moe(x, ids, weights, w13, w2, shared, kernel=prefill_kernel and triton_usable(x))
+        return grouped_moe(x, ids, weights, w13, w2, shared, kernel=prefill_kernel and triton_usable(x), host=host)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")   # never copy the expert tables
     sw13, sw2 = (w13, w2) if shared is None else (shared.w13, shared.w2)
@@ -282,25 +317,29 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
-    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, act, x.stride(0), w13.stride(0), w13.stride(1),
-                                               H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, num_warps=up_warps)
+    hw13, hw2, first = (w13, w2, E) if host is None else (host.w13, host.w2, host.first)
+    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, hw13, act, x.stride(0), w13.stride(0),
+                                               w13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                               num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
-    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, out, w2.stride(0), w2.stride(1),
-                                             out.stride(0), H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
+    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, hw2, out, w2.stride(0), w2.stride(1),
+                                             out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              num_warps=down_warps)
     return out
 
 
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                renormalise: bool, shared: SharedExpert | None = None,
-                prefill_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalise: bool, shared: SharedExpert | None = None, prefill_kernel: bool = True,
+                host: HostRows | None = None,
+                counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
-    `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK).
+    `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK). `host`: slots in host RAM;
+    `counts`: where the router counts its selections (see `fused_moe`, `route`).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None)
-    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel)
+    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts)
+    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)

@@ -62,8 +62,8 @@ def _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, act_ptr, stride_x, stride_we, stride_wn, TK,
-               H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, hw13_ptr, act_ptr, stride_x, stride_we, stride_wn, TK,
+               FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     e, pair, valid = _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M)
     if e < 0:
@@ -71,7 +71,10 @@ def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, act_ptr, stride_x, 
     tok = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    w_base = w13_ptr + e * stride_we
+    if e >= FIRST_HOST:
+        w_base = hw13_ptr + (e - FIRST_HOST) * stride_we
+    else:
+        w_base = w13_ptr + e * stride_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -91,8 +94,8 @@ def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, act_ptr, stride_x, 
 
 
 @triton.jit
-def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, down_ptr, stride_we, stride_wh, TK,
-                 H: tl.constexpr, I: tl.constexpr,
+def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, hw2_ptr, down_ptr, stride_we, stride_wh, TK,
+                 FIRST_HOST, H: tl.constexpr, I: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     e, pair, valid = _block(sorted_ptr, block_expert_ptr, TK, BLOCK_M)
     if e < 0:
@@ -100,7 +103,10 @@ def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, down_ptr, stride
     p64 = pair.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H
-    w_base = w2_ptr + e * stride_we
+    if e >= FIRST_HOST:
+        w_base = hw2_ptr + (e - FIRST_HOST) * stride_we
+    else:
+        w_base = w2_ptr + e * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -116,13 +122,17 @@ def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, down_ptr, stride
 
 
 def grouped_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
+                       w2: torch.Tensor, host=None) -> torch.Tensor:
     """x [T, H], routed ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype (= fused_moe_ref
-    without a shared expert). The activation between the two GEMMs is kept in x.dtype, as the PyTorch path does."""
+    without a shared expert). The activation between the two GEMMs is kept in x.dtype, as the PyTorch path does.
+    With `host` (`moe.HostRows`), slots >= host.first are read from the host table: once per BLOCK_M block of
+    their pairs (an expert with at most BLOCK_M pairs in a chunk, the common case at 512 experts, once)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
     I = two_i // 2
+    hw13, hw2, first = (w13, w2, E) if host is None else (host.w13, host.w2, host.first)
+    E += 0 if host is None else host.w13.shape[0]
     if T == 0:
         return torch.empty_like(x)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
@@ -136,10 +146,10 @@ def grouped_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     bn, bk = 64, 64
     blocks = block_expert.numel()
     f32 = bool(triton.knobs.runtime.interpret)   # the interpreter's bf16 tl.dot is wrong (triton 3.6): upcast there
-    _up_kernel[(blocks, triton.cdiv(I, bn))](x, sorted_ids, block_expert, w13, act, x.stride(0), w13.stride(0),
-                                             w13.stride(1), tk, H=H, I=I, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn,
-                                             BLOCK_K=bk, DOT_F32=f32, num_warps=4)
-    _down_kernel[(blocks, triton.cdiv(H, bn))](act, sorted_ids, block_expert, w2, down, w2.stride(0), w2.stride(1),
-                                               tk, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32,
-                                               num_warps=4)
+    _up_kernel[(blocks, triton.cdiv(I, bn))](x, sorted_ids, block_expert, w13, hw13, act, x.stride(0),
+                                             w13.stride(0), w13.stride(1), tk, first, H=H, I=I, TOP_K=k, BLOCK_M=bm,
+                                             BLOCK_N=bn, BLOCK_K=bk, DOT_F32=f32, num_warps=4)
+    _down_kernel[(blocks, triton.cdiv(H, bn))](act, sorted_ids, block_expert, w2, hw2, down, w2.stride(0),
+                                               w2.stride(1), tk, first, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
+                                               BLOCK_K=bk, DOT_F32=f32, num_warps=4)
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), down.view(T, k, H)).squeeze(1)

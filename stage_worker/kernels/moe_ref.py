@@ -6,8 +6,30 @@ Vectorised over tokens (no Python loop), fp32 throughout. `fused_moe_ref` gather
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class HostRows:
+    """Slots [first, E) of a layer's expert table, in their own tensors (w13 [E - first, 2I, H], w2 [E - first, H, I],
+    pinned host memory on a GPU machine): slot s is row s - first. Slots below `first` are the main table's."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    first: int
+
+
+@dataclass
+class RouteCounts:
+    """Where the router adds its selections: `counts` fp32 [E] per slot, `host_reads` int64 [1] the selections of
+    slots >= `first` (host rows)."""
+
+    counts: torch.Tensor
+    host_reads: torch.Tensor
+    first: int
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,3 +74,11 @@ def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
 def shared_gate_ref(logit: torch.Tensor) -> torch.Tensor:
     """The shared expert's weight from its gate logit: sigmoid in the logits' dtype, as SparseMoE computes it."""
     return torch.sigmoid(logit)
+
+
+def count_ref(ids: torch.Tensor, counts) -> None:
+    """What the router kernel counts (`moe.RouteCounts`): +1 per selection of each slot in ids [T, k], and the
+    selections of slots >= counts.first added to counts.host_reads. Device ops only (no host sync)."""
+    flat = ids.reshape(-1).long()
+    counts.counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=counts.counts.dtype, device=flat.device))
+    counts.host_reads.add_((flat >= counts.first).sum().to(counts.host_reads.dtype))

@@ -84,14 +84,18 @@ class ModelCache:
             # The MTP block is one plain full-attention layer; it caches under index num_hidden_layers.
             self.attention[cfg.num_hidden_layers] = AttentionCache(_without_qsa(cfg), spec)
 
-    def bytes(self) -> int:
+    def bytes(self, groups: tuple[str, ...] = ("attention", "deltanet", "ple")) -> int:
         total = 0
-        for group in (self.attention, self.deltanet, self.ple):
-            for obj in group.values():
+        for group in groups:
+            for obj in getattr(self, group).values():
                 for t in vars(obj).values():
                     if isinstance(t, torch.Tensor):
                         total += t.numel() * t.element_size()
         return total
+
+    def kv_bytes(self) -> int:
+        """The paged KV pool (attention layers' blocks, QSA keys included)."""
+        return self.bytes(("attention",))
 
 
 def _without_qsa(cfg: HybridMoeConfig) -> HybridMoeConfig:

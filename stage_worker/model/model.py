@@ -21,6 +21,8 @@ from stage_worker.model.rope import Rotary
 
 
 class StageModel(nn.Module):
+    experts = None    # stage_worker.expert_offload.StageExperts when some routed experts live in host RAM
+
     def __init__(self, cfg: HybridMoeConfig, start: int = 0, end: int | None = None, *,
                  with_embedding: bool | None = None, with_head: bool | None = None, with_mtp: bool = False) -> None:
         super().__init__()

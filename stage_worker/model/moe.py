@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from stage_worker.kernels.flags import NONE, KernelFlags
+from stage_worker.kernels.moe_ref import count_ref
+from stage_worker.model.expert_table import ExpertTable
 from stage_worker.model.fused_rows import fuse_rows, still_fused
 
 
@@ -60,20 +62,36 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.shared_expert = SwiGLU(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
-        self.last_expert_ids: torch.Tensor | None = None   # routing trace hook: what the last call selected
+        # routing trace hook: what the last call selected (slots when a table is set: `expert_ids` maps them)
+        self.last_expert_ids: torch.Tensor | None = None
+        self.table: ExpertTable | None = None
+
+    def use_table(self, table: ExpertTable) -> None:
+        """Serve the routed experts from `table` (some in host RAM); w13/w2 stop being parameters. The router's
+        rows must be put in slot order once loaded (`table.order_gate`)."""
+        del self.w13, self.w2
+        self.table = table
+
+    def expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`last_expert_ids` (slots) as expert ids."""
+        return ids if self.table is None else self.table.experts_of(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.table
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import moe_forward
 
+            w13, w2 = (self.w13, self.w2) if t is None else (t.w13, t.w2)
+            extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts()}
             fused = self._fused_shared()
             if fused is not None:
                 router, shared = fused
-                out, self.last_expert_ids = moe_forward(x, router, self.w13, self.w2, self.top_k, self.renormalise,
-                                                        shared, prefill_kernel=self.kernels.moe_prefill)
+                out, self.last_expert_ids = moe_forward(x, router, w13, w2, self.top_k, self.renormalise,
+                                                        shared, prefill_kernel=self.kernels.moe_prefill, **extra)
                 return out
-            out, self.last_expert_ids = moe_forward(x, self.gate.weight, self.w13, self.w2, self.top_k,
-                                                    self.renormalise, prefill_kernel=self.kernels.moe_prefill)
+            out, self.last_expert_ids = moe_forward(x, self.gate.weight, w13, w2, self.top_k,
+                                                    self.renormalise, prefill_kernel=self.kernels.moe_prefill,
+                                                    **extra)
             return self._add_shared(x, out)
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, self.renormalise)
@@ -81,13 +99,22 @@ class SparseMoE(nn.Module):
         if self.aux is not None and x.shape[0]:
             self.aux.append(("moe_balance", balance_loss(logits, ids, self.num_experts)))
         if self.dense_experts:
+            if t is not None:
+                raise RuntimeError("dense_experts (training) needs the experts as parameters, not a table")
             return self._add_shared(x, self._all_experts(x, weights, ids))
+        by_expert = ids
+        if t is not None:
+            count_ref(ids, t.route_counts())
+            by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
+            slot_of = torch.argsort(t.expert_of_slot).tolist()
         out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
-            gate_up = F.linear(x[tok], self.w13[e])
+        for e in torch.unique(by_expert).tolist():
+            tok, slot = torch.where(by_expert == e)
+            w13, w2 = (self.w13[e], self.w2[e]) if t is None else \
+                (r.to(x.device, non_blocking=True) for r in t.slot_rows(slot_of[e]))
+            gate_up = F.linear(x[tok], w13)
             g, u = gate_up.chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None]
+            y = F.linear(F.silu(g) * u, w2) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return self._add_shared(x, out)
 
@@ -104,7 +131,8 @@ class SparseMoE(nn.Module):
         weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
-        if se is None or se.gate_proj.weight.shape[0] != self.w13.shape[1] // 2 or self._fused_shared() is not None:
+        two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
+        if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
             return
         self._router_and_shared = (fuse_rows([self.gate, self.shared_expert_gate]),
                                    fuse_rows([se.gate_proj, se.up_proj]))

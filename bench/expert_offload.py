@@ -1,0 +1,268 @@
+"""Decode with routed experts in host RAM (issue 16): the cost of one host read, and tok/s with 0/10/25/50% of the
+expert bytes in pinned host memory, run-time moves on and off, at the full shape on one GPU.
+
+    python bench/expert_offload.py --layers 16 --shares 0,0.1,0.25,0.5 --batch 1,4 --out bench/results/x.json
+
+Routing. Random weights route near-uniformly with no memory from token to token, which is not what a trained
+model does, so the router's choice is replaced by a replay of `bench/traces/demo-model` (the trained demo model's
+top-4 of 32 experts over code, prose, docs and German). It maps onto 512 experts and top-10 as follows: full-shape
+layer L reads demo layers a = L mod 8 and b = (L + 1) mod 8; slot j of token t takes demo token t + j // 4 and its
+selection s = j mod 4; expert = 16 * ids[t + j // 4, a, s] + ids[t + j // 4, b, s] mod 16 (a collision within a
+token's ten moves to the next free id). So the skew and the temporal locality are the demo model's (least-used
+10% of its experts take 6.8% of selections, 000's trained model ~1.7%): a hard case for a cold set. The router still
+runs (its cost is paid), its ids are then overwritten with the replay (mapped to slots through the table's current
+slot map, so moves see the replay) and counted; the all-in-VRAM baseline does the same ops on an identity map.
+
+Moves run as the server runs them (`StageExperts.move_round`, every `--move-interval` steps). Each configuration
+is a fresh model (dummy weights generated on the GPU; the cold rows copied to pinned host memory once). Prints a
+table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import preset  # noqa: E402
+from shared.model_config import config_from_dict  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.expert_offload import gates, moe_layers  # noqa: E402
+from stage_worker.kernels import moe as K  # noqa: E402
+from stage_worker.kernels.flags import KernelFlags  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref  # noqa: E402
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+
+TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_trace.npz"
+
+
+def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int,
+                     start: int = 0) -> dict[str, np.ndarray]:
+    """{kind: [tokens, layers, top_k] int64 expert ids} by the mapping in the module docstring, from demo token
+    `start` on."""
+    z = np.load(TRACE)
+    out = {}
+    for key in z.files:
+        if not key.startswith("ids:"):
+            continue
+        demo = z[key].astype(np.int64)[start: start + tokens + 3]     # [T, 8, 4]
+        n_demo, k_demo = demo.shape[1], demo.shape[2]
+        sub = num_experts // 32
+        ids = np.empty((tokens, layers, top_k), dtype=np.int64)
+        for L in range(layers):
+            a, b = L % n_demo, (L + 1) % n_demo
+            for j in range(top_k):
+                src = np.arange(tokens) + j // k_demo
+                s = j % k_demo
+                ids[:, L, j] = sub * demo[src, a, s] + demo[src, b, s] % sub
+            srt = np.sort(ids[:, L], axis=-1)
+            for t in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(-1))[0]:   # a collision moves to the next free id
+                row = ids[t, L]
+                seen = set()
+                for j in range(top_k):
+                    while row[j] in seen:
+                        row[j] = (row[j] + 1) % num_experts
+                    seen.add(int(row[j]))
+        out[key[4:]] = ids
+    return out
+
+
+class Replay:
+    """Overwrites the router's ids with the trace (as slots) inside `moe.route`; installed by monkeypatching."""
+
+    def __init__(self, model, batch: int, top_k: int) -> None:
+        self.moes = list(moe_layers(model).values())
+        self.layer = 0
+        dev = next(model.parameters()).device
+        E = self.moes[0].num_experts
+        self.buf = torch.zeros(len(self.moes), 16, top_k, dtype=torch.int64, device=dev)   # expert ids
+        self.identity = torch.arange(E, dtype=torch.int32, device=dev)
+        self.dummy = RouteCounts(torch.zeros(E, device=dev), torch.zeros(1, dtype=torch.int64, device=dev), E)
+        self.real_route = K.route
+
+    def route(self, logits, top_k, renormalise, shared=False, counts=None):
+        w, ids = self.real_route(logits, top_k, renormalise, shared=shared)
+        T = ids.shape[0]
+        if T > self.buf.shape[1]:                 # prefill: keep the router's choice
+            return w, ids
+        index = self.layer % len(self.moes)     # layers call the router in order, once a forward
+        self.layer += 1
+        t = self.moes[index].table
+        experts = t.expert_of_slot if t is not None else self.identity
+        slot_of = torch.empty_like(experts).scatter_(0, experts.long(), self.identity)
+        slots = slot_of[self.buf[index, :T]].to(ids.dtype)
+        ids[:, :top_k] = slots
+        count_ref(slots, counts if counts is not None else self.dummy)
+        return w, ids
+
+
+def host_read_cost(cfg, reps: int = 50) -> dict:
+    """Fused MoE at T=1, top-k: all selected rows in VRAM vs n of them in pinned host memory; the slope is the
+    cost of one host read (one expert's w13 + w2 over PCIe, inside the kernel)."""
+    E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    hot = E // 2
+    host = HostRows(w13[hot:].cpu().pin_memory(), w2[hot:].cpu().pin_memory(), hot)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.full((1, k), 1.0 / k, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for n in range(0, k + 1):
+        # distinct experts each rep, so no read is served from L2: rotate through the table
+        times = []
+        for r in range(reps + 5):
+            base_dev = (r * k) % (hot - k)
+            base_host = hot + (r * k) % (E - hot - k)
+            ids = torch.tensor([[base_host + j if j < n else base_dev + j for j in range(k)]], dtype=torch.int32,
+                               device="cuda")
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            K.fused_moe(x, ids, w, w13[:hot], w2[:hot], host=host)
+            e.record()
+            torch.cuda.synchronize()
+            if r >= 5:
+                times.append(s.elapsed_time(e) * 1e3)
+        rows.append({"host_rows": n, "median_us": statistics.median(times)})
+    slope = np.polyfit([r["host_rows"] for r in rows], [r["median_us"] for r in rows], 1)[0]
+    expert = 3 * H * I * 2
+    del w13, w2, host
+    torch.cuda.empty_cache()
+    return {"per_read_us": float(slope), "expert_bytes": expert, "gb_per_s": expert / (slope * 1e-6) / 1e9,
+            "rows": rows}
+
+
+def cold_sets(cfg, share: float, trace: dict[str, np.ndarray]) -> dict[int, list[int]]:
+    """The least-used experts of each layer (kind-normalised counts, as `moepipe cold-set` chooses), `share` of
+    each layer's experts."""
+    E = cfg.num_experts
+    n = int(round(E * share))
+    if n == 0:
+        return {}
+    score = np.zeros((cfg.num_hidden_layers, E))
+    for ids in trace.values():
+        for L in range(cfg.num_hidden_layers):
+            c = np.bincount(ids[:, L].ravel(), minlength=E)
+            score[L] += c / c.sum()
+    return {L: sorted(np.argsort(score[L], kind="stable")[:n].tolist()) for L in range(cfg.num_hidden_layers)
+            if cfg.is_sparse_moe(L)}
+
+
+def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bool, interval: int) -> list[dict]:
+    """One model (fresh weights, this cold set), decode at each batch size in turn."""
+    t0 = time.time()
+    model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
+                                       cold_experts=cold or None), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    load_s = time.time() - t0
+    x = model.experts
+    total_experts = sum(m.num_experts for m in moe_layers(model).values()) * 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size * 2
+    out = []
+    kinds = sorted(trace)
+    for batch in batches:
+        replay = Replay(model, batch, cfg.num_experts_per_tok)
+        K.route = replay.route
+        try:
+            engine = LocalEngine([model], max_seqs=batch, max_tokens=warmup + steps + 64, cuda_graphs=True)
+            for i in range(batch):
+                engine.add(i)
+                engine.step([(i, [11 + i] * 8)])
+            reads0 = moves0 = 0
+            times = []
+            for s in range(warmup + steps):
+                for i in range(batch):
+                    ids = trace[kinds[i % len(kinds)]]
+                    row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
+                    replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
+                if moves and x is not None and s % interval == interval - 1:
+                    x.move_round(gates(model), 0.5 ** (interval / 512), 2.0)
+                if s == warmup:
+                    torch.cuda.synchronize()
+                    if x is not None:
+                        reads0, moves0 = int(x.host_reads.sum()), int(x.moves.sum())
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.step([(i, [100 + i]) for i in range(batch)])
+                end.record()
+                torch.cuda.synchronize()
+                if s >= warmup:
+                    times.append(start.elapsed_time(end) / 1e3)
+            reads = (int(x.host_reads.sum()) - reads0) if x is not None else 0
+            moved = (int(x.moves.sum()) - moves0) if x is not None else 0
+        finally:
+            K.route = replay.real_route
+        del engine
+        med = statistics.median(times)
+        host = x.host_bytes() if x is not None else 0
+        out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
+                    "moves_on": moves, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
+                    "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
+                    "load_s": load_s})
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="full-shape")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shares", default="0,0.1,0.25,0.5")
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--steps", type=int, default=384, help="measured decode steps per configuration")
+    ap.add_argument("--warmup", type=int, default=128, help="steps before measuring (moves settle here too)")
+    ap.add_argument("--move-interval", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/expert_offload.py needs a CUDA device")
+    raw = preset(args.preset)
+    raw.update(num_hidden_layers=args.layers, layer_types=raw["layer_types"][: args.layers])
+    raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= args.layers]
+    cfg = config_from_dict(raw)
+    tokens = args.warmup + args.steps + 1000
+    trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens)
+    # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
+    fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
+    cost = host_read_cost(cfg)
+    print(f"one host read (expert of {cost['expert_bytes'] / 1e6:.1f} MB over PCIe inside the fused kernel): "
+          f"{cost['per_read_us']:.0f} us ({cost['gb_per_s']:.1f} GB/s)")
+    results = []
+    batches = [int(b) for b in args.batch.split(",")]
+    print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>5} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
+          f"{'reads/tok':>9} {'moves/tok':>9}")
+    base: dict[int, float] = {}
+    for share in (float(s) for s in args.shares.split(",")):
+        cold = cold_sets(cfg, share, fit)
+        for moves in ((False, True) if cold else (False,)):
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, moves, args.move_interval):
+                if not cold:
+                    base[r["batch"]] = r["tokens_per_s"]
+                r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
+                results.append(r)
+                print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} "
+                      f"{'on' if moves else 'off':>5} {r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
+                      f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
+                      f"{r['moves_per_token']:>9.3f}", flush=True)
+    meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers,
+            "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
+            "steps": args.steps, "warmup": args.warmup, "move_interval": args.move_interval}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "host_read": cost, "results": results}, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

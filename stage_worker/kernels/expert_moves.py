@@ -1,0 +1,100 @@
+"""Run-time expert moves (issue 16; 000 §4.3-4.4): per MoE layer, swap the most used host slot with the least used
+device slot, for every layer of a stage in a few launches on the forward's stream, with no host read-back.
+
+`decide` (PyTorch ops on the device, all layers at once): decay the selection counts the router kernel keeps, pick
+per layer the device slot with the lowest count and the host slot with the highest, and move only when the host
+slot's count beats the device slot's by `margin` (hysteresis: two experts of equal use do not trade places every
+round). `swap_rows` (Triton): each layer's two rows of w13, w2 and the router exchange places; a layer that does
+not move returns at once. The rows live in separate tensors (device tables, one pinned host allocation, each
+layer's router), so every row is addressed as an element offset from one anchor tensor: one launch per kind of
+row reaches all layers, on the device and in host memory alike (UVA). Then the counts, the slot -> expert map and
+the move counters are swapped with gathers and scatters on the device.
+
+Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_ref`); test: tests/test_expert_moves.py
+(CPU under TRITON_INTERPRET=1). Switch: cluster key `expert_moves` (MOEPIPE_EXPERT_MOVES=0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stage_worker.kernels.expert_moves_ref import RowSet
+from stage_worker.kernels.moe import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _swap_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, N, BLOCK: tl.constexpr):
+        """Layer program_id(0): if its decision says move, swap the BLOCK elements program_id(1) of the rows of
+        slots i and j. Slot s < split is row s at dev_off, else row s - split at host_off (element offsets from
+        anchor_ptr)."""
+        layer = tl.program_id(0)
+        go = tl.load(dec_ptr + layer * 3 + 2)
+        if go != 0:
+            i = tl.load(dec_ptr + layer * 3)
+            j = tl.load(dec_ptr + layer * 3 + 1)
+            split = tl.load(split_ptr + layer)
+            dev = tl.load(dev_off_ptr + layer)
+            host = tl.load(host_off_ptr + layer)
+            a = tl.where(i < split, dev + i * N, host + (i - split) * N)
+            b = tl.where(j < split, dev + j * N, host + (j - split) * N)
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < N
+            x = tl.load(anchor_ptr + a + offs, mask=mask)
+            y = tl.load(anchor_ptr + b + offs, mask=mask)
+            tl.store(anchor_ptr + a + offs, y, mask=mask)
+            tl.store(anchor_ptr + b + offs, x, mask=mask)
+
+
+@dataclass
+class SwapPlan:
+    """A RowSet as the swap kernel reads it, built once (the rows never move in memory): element offsets from
+    `anchor` on the device, so a move round copies nothing from the host."""
+    anchor: torch.Tensor
+    dev_off: torch.Tensor           # int64 [L]
+    host_off: torch.Tensor          # int64 [L]
+    split: torch.Tensor             # int64 [L]
+    row_elems: int
+
+    @classmethod
+    def build(cls, rows: RowSet, device: torch.device) -> "SwapPlan":
+        anchor = rows.dev[0]
+        item, base = anchor.element_size(), anchor.data_ptr()
+        for t in rows.dev + rows.host:
+            if t.dtype != anchor.dtype or (t.data_ptr() - base) % item or not t.is_contiguous():
+                raise ValueError("swap rows must be contiguous tensors of one dtype")
+
+        def offsets(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.tensor([(t.data_ptr() - base) // item for t in ts], dtype=torch.int64, device=device)
+
+        return cls(anchor, offsets(rows.dev), offsets(rows.host),
+                   torch.tensor(rows.split, dtype=torch.int64, device=device), anchor[0].numel())
+
+
+def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float) -> torch.Tensor:
+    """counts fp32 [L, E] (decayed in place), hot int64 [L] -> decisions int64 [L, 3]: (device slot, host slot,
+    move?) per layer. Ties: the lowest slot."""
+    counts.mul_(decay)
+    L, E = counts.shape
+    is_hot = torch.arange(E, device=counts.device)[None, :] < hot[:, None]
+    i = torch.where(is_hot, counts, torch.inf).argmin(1)
+    j = torch.where(is_hot, -torch.inf, counts).argmax(1)
+    go = counts.gather(1, j[:, None])[:, 0] > counts.gather(1, i[:, None])[:, 0] + margin
+    return torch.stack([i, j, go.long()], dim=1)
+
+
+def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096) -> None:
+    """Exchange slots dec[l, 0] and dec[l, 1] of every layer l with dec[l, 2] != 0 (see `_swap_kernel`)."""
+    n = plan.row_elems
+    block = min(block, triton.next_power_of_2(n))
+    _swap_kernel[(plan.dev_off.numel(), triton.cdiv(n, block))](plan.anchor, plan.dev_off, plan.host_off,
+                                                                plan.split, dec, n, BLOCK=block)
+
+
+def swap_usable(t: torch.Tensor) -> bool:
+    """The kernel runs for CUDA tables; a CPU cluster swaps with `swap_rows_ref` (tests call the kernel directly
+    under the interpreter)."""
+    return triton is not None and t.is_cuda

@@ -1,0 +1,274 @@
+"""Experts in host RAM (issue 16): the expert table's kernels against their references, run-time moves, and whole
+models that serve the same greedy tokens with 10% or 50% of their experts in host RAM, moves on and off.
+
+Without CUDA the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 (the model-level tests take the
+PyTorch path a CPU cluster runs: the two-table fallback); with CUDA the host rows are pinned and read over PCIe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import random
+import time
+
+import httpx
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from stage_worker.kernels import expert_moves as M  # noqa: E402
+from stage_worker.kernels import moe as K  # noqa: E402
+from stage_worker.kernels import moe_prefill as P  # noqa: E402
+
+if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: define the kernels again under it
+    K = importlib.reload(K)
+    P = importlib.reload(P)
+    M = importlib.reload(M)
+
+from shared import cold_set  # noqa: E402
+from shared.model_config import load_config  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.expert_offload import gates, moe_layers  # noqa: E402
+from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+E, TOP_K, H, I = 16, 4, 32, 16
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Host rows as the server keeps them: pinned host memory when a GPU reads them."""
+    t = t.cpu().clone()
+    return t.pin_memory() if CUDA else t
+
+
+def _split(w13: torch.Tensor, w2: torch.Tensor, hot: int):
+    return w13[:hot].contiguous(), w2[:hot].contiguous(), HostRows(_host(w13[hot:]), _host(w2[hot:]), hot)
+
+
+def _experts(seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    return w13.to(DEV, dtype), w2.to(DEV, dtype), g
+
+
+@pytest.mark.parametrize("t,hot,shared", [(1, 14, False), (5, 8, True), (70, 4, False), (70, 10, True)])
+def test_kernels_read_host_rows_as_if_one_table(t, hot, shared):
+    """Decode (T*k small) and prefill (grouped GEMMs, and the per-expert loop): slots >= hot come from the host
+    table, and the result equals the reference on the whole table."""
+    w13, w2, g = _experts(t + hot)
+    x = torch.randn(t, H, generator=g).to(DEV)
+    logits = torch.randn(t, E, generator=g)
+    logits[:, E - 1] += 10                     # the last slot, a host row, in every token's top-k
+    weights, ids = route_ref(logits.to(DEV), TOP_K, True)
+    sh = None
+    if shared:
+        sh = K.SharedExpert(torch.randn(2 * I, H, generator=g).to(DEV) / H ** 0.5,
+                            torch.randn(H, I, generator=g).to(DEV) / I ** 0.5)
+        weights = torch.cat([weights, torch.full((t, 1), 0.3, device=DEV)], 1)
+        ids = torch.cat([ids, torch.full((t, 1), -1, dtype=torch.int32, device=DEV)], 1)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, sh)
+    dev13, dev2, host = _split(w13, w2, hot)
+    outs = [K.fused_moe(x, ids, weights, dev13, dev2, sh, host=host),
+            K.grouped_moe(x, ids, weights, dev13, dev2, sh, host=host)]
+    if not shared:
+        outs.append(P.grouped_moe_triton(x, ids, weights, dev13, dev2, host))
+    assert any(ids.flatten() >= hot)           # some selections are host reads
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-5)
+
+
+def test_host_rows_must_continue_the_device_table():
+    w13, w2, _ = _experts(1)
+    dev13, dev2, host = _split(w13, w2, 10)
+    ids = torch.zeros(1, TOP_K, dtype=torch.int32, device=DEV)
+    x = torch.zeros(1, H, device=DEV)
+    with pytest.raises(ValueError, match="do not continue"):
+        K.fused_moe(x, ids, torch.ones(1, TOP_K, device=DEV), dev13, dev2, host=HostRows(host.w13, host.w2, 9))
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_router_counts_selections_and_host_reads(t):
+    logits = torch.randn(t, E, generator=torch.Generator().manual_seed(t)).to(DEV)
+    c = RouteCounts(torch.full((E,), 0.5, device=DEV), torch.tensor([7], device=DEV), 11)
+    _, ids = K.route(logits, TOP_K, True, counts=c)
+    want = RouteCounts(torch.full((E,), 0.5, device=DEV), torch.tensor([7], device=DEV), 11)
+    count_ref(ids, want)
+    assert torch.equal(c.counts, want.counts) and torch.equal(c.host_reads, want.host_reads)
+    assert c.counts.sum().item() == pytest.approx(0.5 * E + t * TOP_K)
+    assert c.host_reads.item() == 7 + int((ids >= 11).sum())
+
+
+def test_decide_moves_only_a_clear_winner():
+    # decayed by half, then per layer: least used device slot, most used host slot, move if it leads by > 1
+    counts = torch.tensor([[5.0, 1.0, 9.0, 3.0],      # hot 2: 4.5 > 0.5 + 1: slots 1 and 2 trade places
+                           [5.0, 4.0, 5.0, 3.0],      # 2.5 > 2.0 + 1? no
+                           [0.0, 0.0, 0.0, 0.0]], device=DEV)   # hot 3, all equal: lowest slots, no move
+    dec = M.decide(counts, torch.tensor([2, 2, 3], device=DEV), decay=0.5, margin=1.0)
+    assert dec.tolist() == [[1, 2, 1], [1, 2, 0], [0, 3, 0]]
+    assert counts[0].tolist() == [2.5, 0.5, 4.5, 1.5]        # decayed in place
+
+
+def test_swap_kernel_matches_the_reference():
+    g = torch.Generator().manual_seed(3)
+    hots = [10, 4, 15]
+    dev = [torch.randn(h, 2 * I, H, generator=g).to(DEV) for h in hots]
+    host = [_host(torch.randn(E - h, 2 * I, H, generator=g)) for h in hots]
+    gate = [torch.randn(E, H, generator=g).to(DEV) for _ in hots]
+    dec = torch.tensor([[2, 12, 1], [0, 15, 0], [14, 15, 1]], device=DEV)
+    before = host[0][12 - 10].clone()
+    for rows in (RowSet(dev, host, hots), RowSet(gate, gate, [E] * 3)):
+        cloned = [t.clone() for t in rows.dev]
+        want = RowSet(cloned, cloned if rows.host is rows.dev else [t.clone() for t in rows.host], rows.split)
+        swap_rows_ref(want, dec)
+        M.swap_rows(M.SwapPlan.build(rows, torch.device(DEV)), dec, block=256)
+        for a, b in zip(rows.dev + rows.host, want.dev + want.host):
+            assert torch.equal(a.cpu(), b.cpu())
+    assert torch.equal(dev[0][2].cpu(), before.cpu())        # the host row came to the device, and the other way
+
+
+# ---- whole models ------------------------------------------------------------------------------------------------
+
+def _cold(cfg, share: float, seed: int = 0) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    n = max(1, round(cfg.num_experts * share))
+    return {layer: sorted(rng.sample(range(cfg.num_experts), n)) for layer in range(cfg.num_hidden_layers)
+            if cfg.is_sparse_moe(layer)}
+
+
+def _greedy(model, prompt: list[int], steps: int, move_every: int = 0):
+    eng = LocalEngine([model], max_seqs=2)
+    eng.add(0)
+    logits = [eng.step([(0, prompt)])[-1]]
+    tokens = []
+    for i in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        if move_every and model.experts is not None and i % move_every == 0:
+            model.experts.move_round(gates(model), decay=0.9, margin=0.0)
+        logits.append(eng.step([(0, [tokens[-1]])])[-1])
+    return tokens, torch.log_softmax(torch.stack(logits), -1)
+
+
+def _fingerprints_hold(model, plain) -> None:
+    """Every slot holds its expert's rows and router row, wherever the moves took it."""
+    want = moe_layers(plain)
+    for layer, moe in moe_layers(model).items():
+        t = moe.table
+        if t is None:
+            continue
+        experts = t.expert_of_slot.tolist()
+        assert sorted(experts) == list(range(t.num_experts))
+        for slot, e in enumerate(experts):
+            w13, w2 = t.slot_rows(slot)
+            assert torch.equal(w13.cpu(), want[layer].w13[e].cpu()) and torch.equal(w2.cpu(), want[layer].w2[e].cpu())
+            assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from shared.cli import builtin_model_dir
+
+    d = builtin_model_dir()
+    return d, load_config(d)
+
+
+@pytest.mark.parametrize("share,move_every", [(0.1, 0), (0.5, 0), (0.5, 1)])
+def test_demo_model_serves_the_same_greedy_tokens_with_host_experts(demo, share, move_every):
+    d, cfg = demo
+    prompt = [1, 5, 9, 33, 70, 100, 7, 400]
+    plain = load_model(d, LoadOptions(), cfg)
+    want, want_lp = _greedy(plain, prompt, 12)
+    model = load_model(d, LoadOptions(cold_experts=_cold(cfg, share)), cfg)
+    assert model.experts is not None and model.experts.host_bytes() > 0
+    got, lp = _greedy(model, prompt, 12, move_every)
+    assert got == want
+    # Routing over slot-ordered router rows sums the softmax in another order: differences at rounding level.
+    assert (lp - want_lp).abs().max().item() < 1e-4
+    reads = model.experts.host_reads.sum().item()
+    assert reads > 0 and model.experts.counts.sum().item() > 0
+    if move_every:
+        assert model.experts.moves.sum().item() > 0
+    _fingerprints_hold(model, plain)
+
+
+def test_thousands_of_moves_keep_every_row_its_own_expert(demo):
+    d, cfg = demo
+    plain = load_model(d, LoadOptions(), cfg)
+    model = load_model(d, LoadOptions(cold_experts=_cold(cfg, 0.25, seed=4)), cfg)
+    x = model.experts
+    g = torch.Generator().manual_seed(9)
+    for _ in range(2000):
+        x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
+        x.move_round(gates(model), decay=0.8, margin=0.5)
+    assert x.moves.sum().item() >= 1000
+    _fingerprints_hold(model, plain)
+
+
+def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints):
+    """Fused on-disk experts (transformers' `experts.gate_up_proj` layout) scattered into the table's slots."""
+    path, _ = reference_checkpoints["qwen3_5_moe"]
+    cfg = load_config(path)
+    plain = load_model(path, LoadOptions(), cfg)
+    model = load_model(path, LoadOptions(cold_experts=_cold(cfg, 0.5, seed=2)), cfg)
+    prompt = [3, 17, 101, 250, 9]
+    want, want_lp = _greedy(plain, prompt, 8)
+    got, lp = _greedy(model, prompt, 8, move_every=1)
+    assert got == want and (lp - want_lp).abs().max().item() < 1e-4
+    _fingerprints_hold(model, plain)
+
+
+def test_cold_set_with_every_expert_is_refused(tmp_path, demo):
+    d, cfg = demo
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i))
+    f = cold_set.write(tmp_path / "cold.json", cfg, str(d), {layer: list(range(cfg.num_experts))}, [(0, 8)], 1, 1,
+                       ["x"])
+    with pytest.raises(cold_set.ColdSetError, match="all"):
+        cold_set.load(f, cfg)
+
+
+# ---- served --------------------------------------------------------------------------------------------------------
+
+def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path):
+    """The real 2-stage cluster with half of every layer's experts in host RAM and a move round every 2 steps:
+    the same greedy text and logprobs as without, and /metrics says how many host reads and moves it made."""
+    from conftest import small_cluster_options
+    from gateway.launcher import Cluster
+
+    cfg = load_config(tiny_checkpoint)
+    cold = _cold(cfg, 0.5, seed=1)
+    f = cold_set.write(tmp_path / "cold.json", cfg, str(tiny_checkpoint), cold, [(0, 3), (3, 6)],
+                       cold_set.expert_bytes(cfg), 1 << 30, ["test"])
+    prompts = ["The quick brown fox", "def parse(argv):"]
+    out = {}
+    for on in (False, True):
+        opts = small_cluster_options(tiny_checkpoint)
+        extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2) if on else opts.extra
+        with Cluster(dataclasses.replace(opts, extra=extra)) as c:
+            out[on] = [httpx.post(c.url + "/v1/completions", timeout=120, json={
+                "model": "moepipe", "prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+                "ignore_eos": True}).json() for p in prompts]
+            metrics = httpx.get(c.url + "/metrics", timeout=10).text
+            if on:
+                deadline = time.time() + 10      # the counters reach the gateway with the next heartbeats
+                while "moepipe_expert_host_reads_total{" not in metrics and time.time() < deadline:
+                    time.sleep(0.5)
+                    metrics = httpx.get(c.url + "/metrics", timeout=10).text
+                out["metrics"] = metrics
+    for a, b in zip(out[False], out[True]):
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            b["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    m = out["metrics"]
+    reads = sum(float(line.split()[-1]) for line in m.splitlines()
+                if line.startswith("moepipe_expert_host_reads_total{"))
+    moves = sum(float(line.split()[-1]) for line in m.splitlines() if line.startswith("moepipe_expert_moves_total{"))
+    assert reads > 0 and moves > 0
+    assert 'moepipe_expert_bytes{stage="0",tier="host"}' in m and 'moepipe_kv_cache_bytes{stage="1"}' in m
