@@ -11,7 +11,11 @@ how S moves:
 * `static-all`: the C most used experts of the fit half of every kind, never moved;
 * `static-kind`: the same from the fit half of the workload's own kind (an oracle for a known workload);
 * `lru`: S is the C most recently selected experts (moves on every miss);
-* `decay-H/N`: use counts decayed with a half-life of H tokens; every N tokens S becomes the C highest counts.
+* `decay-H/N`: use counts decayed with a half-life of H tokens; every N tokens S becomes the C highest counts;
+* `swap-N/H`: what the server does (`StageExperts.move_round`, 000 §4.3): S starts as static-all's set; every N
+  tokens the counts (decayed to a half-life of H tokens) pick, per layer, the most used expert outside S and the
+  least used inside it, and they trade places when the outside one leads by more than 2 (one move per layer at
+  most).
 Each kind's trace is split in halves: statistics come from the first, replay runs on the second. Workloads: each
 kind alone; `switch`, the kinds' second halves alternating every 512-token window (a server moving between
 conversations of different kinds); `interleave4`, the four kinds token by token (four concurrent streams).
@@ -40,6 +44,7 @@ class Policy:
     kind: str                     # "static", "recency" or "decay"
     half_life: float = 0.0        # tokens (decay)
     every: int = 1                # re-placement interval in tokens (recency: 1)
+    margin: float = 2.0           # swap: the lead a move needs
 
 
 def top_c(scores: np.ndarray, c: int) -> np.ndarray:
@@ -66,6 +71,8 @@ def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
         resident = top_c(static_counts, capacity)
         hits = resident[rows, ids].sum()                       # [T, L, k] gather, broadcast over tokens
         return {"hit_rate": float(hits / ids.size), "moves_per_token": 0.0}
+    if policy.kind == "swap":
+        return _replay_swap(ids, num_experts, top_c(static_counts, capacity), policy)
     score = np.zeros((L, num_experts))
     resident = np.zeros((L, num_experts), dtype=bool)          # starts cold: the first tokens miss
     hits = moves = 0
@@ -87,6 +94,28 @@ def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
             new = top_c(score, capacity) & (score > 0)         # never-selected experts are not loaded
             moves += int((new & ~resident).sum())
             resident = new
+    return {"hit_rate": hits / ids.size, "moves_per_token": moves / T / L}
+
+
+def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy) -> dict:
+    T, L, k = ids.shape
+    rows = np.arange(L)
+    counts = np.zeros((L, num_experts))
+    resident = resident.copy()
+    hits = moves = 0
+    decay = 0.5 ** (policy.every / policy.half_life)
+    for t in range(T):
+        sel = ids[t]
+        hits += int(resident[rows[:, None], sel].sum())
+        np.add.at(counts, (np.repeat(rows, k), sel.ravel()), 1.0)
+        if (t + 1) % policy.every == 0:
+            counts *= decay
+            inside = np.where(resident, counts, np.inf).argmin(1)
+            outside = np.where(resident, -np.inf, counts).argmax(1)
+            go = counts[rows, outside] > counts[rows, inside] + policy.margin
+            resident[rows[go], inside[go]] = False
+            resident[rows[go], outside[go]] = True
+            moves += int(go.sum())
     return {"hit_rate": hits / ids.size, "moves_per_token": moves / T / L}
 
 
@@ -124,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     fit_all = sum(usage(a, E) for a in fit.values())
     policies = [Policy("static-all", "static"), Policy("static-kind", "static"), Policy("lru", "recency"),
                 Policy("decay-64/1", "decay", 64, 1), Policy("decay-512/16", "decay", 512, 16),
-                Policy("decay-4096/128", "decay", 4096, 128)]
+                Policy("decay-4096/128", "decay", 4096, 128), Policy("swap-8/512", "swap", 512, 8),
+                Policy("swap-32/256", "swap", 256, 32)]
     rows = []
     t0 = time.time()
     for name, trace in loads.items():
@@ -133,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             for p in policies:
                 if p.name == "static-kind" and name not in fit:
                     continue
-                counts = fit_all if p.name == "static-all" else usage(fit[name], E) if p.kind == "static" else None
+                counts = fit_all if p.name == "static-all" or p.kind == "swap" else \
+                    usage(fit[name], E) if p.kind == "static" else None
                 r = replay(trace, E, c, p, counts)
                 rows.append({"workload": name, "capacity": c, "policy": p.name, "tokens": len(trace), **r})
     header = " ".join(f"{p.name:>15}" for p in policies)

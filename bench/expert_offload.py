@@ -158,6 +158,28 @@ def cold_sets(cfg, share: float, trace: dict[str, np.ndarray]) -> dict[int, list
             if cfg.is_sparse_moe(L)}
 
 
+def greedy_check(model, moves: bool, steps: int = 24) -> dict:
+    """Greedy tokens from the real router (no replay) and their logprobs; with moves, a round after every token
+    with no margin, so rows move while the check runs."""
+    engine = LocalEngine([model], max_seqs=1, max_tokens=128, cuda_graphs=True)
+    engine.add(0)
+    logits = engine.step([(0, [11, 220, 4021, 318, 257, 1332])])[-1]
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        lp = torch.log_softmax(logits.float(), -1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        logprobs.append(float(lp[t]))
+        if moves and model.experts is not None:
+            model.experts.move_round(gates(model), 0.5, 0.0)
+        logits = engine.step([(0, [t])])[-1]
+    out = {"tokens": tokens, "logprobs": logprobs}
+    if model.experts is not None:
+        out["moves"] = int(model.experts.moves.sum())
+    del engine
+    return out
+
+
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bool, interval: int) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
@@ -166,6 +188,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
     model.set_kernels(KernelFlags.parse("all"))
     load_s = time.time() - t0
     x = model.experts
+    check = greedy_check(model, moves)
     total_experts = sum(m.num_experts for m in moe_layers(model).values()) * 3 * cfg.hidden_size * \
         cfg.moe_intermediate_size * 2
     out = []
@@ -208,7 +231,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
         out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
                     "moves_on": moves, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
-                    "load_s": load_s})
+                    "load_s": load_s, "greedy": check})
     del model
     torch.cuda.empty_cache()
     return out
@@ -255,6 +278,16 @@ def main() -> int:
                       f"{'on' if moves else 'off':>5} {r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
                       f"{r['moves_per_token']:>9.3f}", flush=True)
+    ref = results[0]["greedy"]
+    for r in results:
+        g = r["greedy"]
+        r["greedy_equal"] = g["tokens"] == ref["tokens"]
+        r["greedy_max_logprob_diff"] = max(abs(a - b) for a, b in zip(g["logprobs"], ref["logprobs"]))
+    print("greedy tokens vs all in VRAM (real router, moves after every token when on): " + "; ".join(
+        f"{100 * r['host_share']:.0f}% moves {'on' if r['moves_on'] else 'off'}: "
+        f"{'same' if r['greedy_equal'] else 'DIFFERENT'} (max |dlogprob| {r['greedy_max_logprob_diff']:.2g}"
+        f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
+        for r in results if r["batch"] == batches[0]))
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
             "steps": args.steps, "warmup": args.warmup, "move_interval": args.move_interval}

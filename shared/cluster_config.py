@@ -77,11 +77,13 @@ class ClusterConfig:
     kv_cache_memory_bytes: int = 0
     # Routed experts in host RAM (issue 16): a `moepipe cold-set` file ("" = every expert in VRAM); run-time moves
     # swap each layer's most used host expert with its least used device expert every expert_move_interval steps
-    # (counts decayed by half every expert_move_half_life steps; a move needs a lead of expert_move_margin).
+    # (decode selections, decayed by half every expert_move_half_life steps; a move needs a lead of
+    # expert_move_margin). Defaults: the reports' simulated minimum (000 §4.3), which bench/expert_cache_sim.py's
+    # `swap` policy replays.
     cold_experts: str = ""
     expert_moves: bool = True
-    expert_move_interval: int = 32
-    expert_move_half_life: float = 256.0
+    expert_move_interval: int = 8
+    expert_move_half_life: float = 512.0
     expert_move_margin: float = 2.0
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)

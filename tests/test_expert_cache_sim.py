@@ -51,9 +51,21 @@ def test_cli_on_the_demo_traces(tmp_path):
     rows = res["results"]
     kinds = {"code", "prose", "docs", "german"}
     assert {r["workload"] for r in rows} == kinds | {"switch", "interleave4"}
-    assert len(rows) == 4 * 6 + 2 * 5                               # static-kind needs a single-kind workload
+    assert len(rows) == 4 * 8 + 2 * 7                               # static-kind needs a single-kind workload
     assert all(0.0 <= r["hit_rate"] <= 1.0 and r["tokens"] == 600 for r in rows)
     # the demo model's routing is skewed and local: 8 of 32 experts chosen at random would serve 0.25
     static_kind = [r["hit_rate"] for r in rows if r["policy"] == "static-kind"]
     assert np.mean(static_kind) > 0.35, static_kind
     assert all(r["hit_rate"] > 0.4 for r in rows if r["policy"] == "decay-64/1" and r["workload"] in kinds)
+
+
+def test_swap_policy_moves_a_new_working_set_in_one_pair_per_round():
+    """The server's policy: starting from a static set, a workload that moved to other experts is followed one
+    swap per layer per round, and a stable workload stops moving."""
+    T, E, C = 400, 8, 2
+    ids = np.array([[[4 + t % 2]] for t in range(T)])                  # k = 1: experts 4 and 5 only
+    start = np.zeros((1, E))
+    start[0, :2] = 10.0                                                 # the static set: experts 0 and 1
+    r = sim.replay(ids, E, C, sim.Policy("swap", "swap", half_life=64, every=8, margin=2), start)
+    assert r["moves_per_token"] * T == 2                                # two moves, then nothing more to gain
+    assert r["hit_rate"] > 0.9

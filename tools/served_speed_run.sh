@@ -71,6 +71,13 @@ if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
 fi
 if want offload; then   # issue 16: one host read's cost; decode with 0/10/25/50% of expert bytes in host RAM
+  timeout 120 python3 -c "
+import sys, torch; sys.path[:0] = ['tests']
+import test_expert_table as t
+for a in [(1, 14, False), (5, 8, True), (70, 4, False), (70, 10, True)]: t.test_kernels_read_host_rows_as_if_one_table(*a)
+for n in (1, 6): t.test_router_counts_selections_and_host_reads(n)
+t.test_decide_moves_only_a_clear_winner(); t.test_swap_kernel_matches_the_reference()
+print('expert table kernels with pinned host rows on the GPU: OK')" 2>&1 | tail -6
   timeout "${OFFLOAD_TIMEOUT:-480}" python3 bench/expert_offload.py --layers "${OFFLOAD_LAYERS:-16}" \
     --shares "${OFFLOAD_SHARES:-0,0.1,0.25,0.5}" --batch 1,4 --out "$out/expert_offload.json" \
     > "$out/expert_offload.log" 2>&1

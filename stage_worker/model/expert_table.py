@@ -20,6 +20,12 @@ import torch
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts
 
 
+# Only decode-sized steps are counted (tokens x top_k at most this, the fused decode path's limit): the reports
+# found counting prefill too changed nothing (000 §4.3: 2.20 -> 2.18 reads a token), and a prompt's chunk would
+# swamp a conversation's decode counts. So /metrics' host reads are decode's.
+COUNT_MAX_TK = 256
+
+
 @dataclass
 class ExpertTable:
     w13: torch.Tensor               # [hot, 2I, H] device
@@ -43,7 +49,10 @@ class ExpertTable:
     def host_rows(self) -> HostRows:
         return HostRows(self.host_w13, self.host_w2, self.hot)
 
-    def route_counts(self) -> RouteCounts:
+    def route_counts(self, tokens: int, top_k: int) -> RouteCounts | None:
+        """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
+        if tokens * top_k > COUNT_MAX_TK:
+            return None
         return RouteCounts(self.counts, self.host_reads, self.hot)
 
     def full_shape(self, kind: str) -> tuple[int, ...]:

@@ -82,7 +82,8 @@ class SparseMoE(nn.Module):
             from stage_worker.kernels.moe import moe_forward
 
             w13, w2 = (self.w13, self.w2) if t is None else (t.w13, t.w2)
-            extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts()}
+            tokens = x.numel() // x.shape[-1]
+            extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k)}
             fused = self._fused_shared()
             if fused is not None:
                 router, shared = fused
@@ -104,7 +105,9 @@ class SparseMoE(nn.Module):
             return self._add_shared(x, self._all_experts(x, weights, ids))
         by_expert = ids
         if t is not None:
-            count_ref(ids, t.route_counts())
+            counts = t.route_counts(ids.shape[0], self.top_k)
+            if counts is not None:
+                count_ref(ids, counts)
             by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
             slot_of = torch.argsort(t.expert_of_slot).tolist()
         out = torch.zeros_like(x)
