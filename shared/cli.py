@@ -86,6 +86,16 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _route_stats(args: argparse.Namespace) -> int:
+    from stage_worker.route_stats import read_texts, route_stats
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    texts = read_texts(args.text)
+    route_stats(model, texts, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk, batch=args.batch,
+                device=args.device)
+    return 0
+
+
 def _cold_set(args: argparse.Namespace) -> int:
     import json
 
@@ -235,9 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no access log line per HTTP request (vLLM's name is the alias)")
     s.set_defaults(func=_serve)
 
+    r = sub.add_parser("route-stats", help="count each MoE layer's expert selections over sample text of several "
+                                           "kinds (the input of cold-set)")
+    r.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    r.add_argument("--text", action="append", required=True, metavar="KIND=PATH",
+                   help="sample text of one kind: a file, or a directory of files (repeat for each kind: code, "
+                        "prose, another language...)")
+    r.add_argument("--tokens-per-kind", type=int, default=200_000)
+    r.add_argument("--chunk", type=int, default=512, help="tokens per prefilled window")
+    r.add_argument("--batch", type=int, default=8, help="windows per step")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--out", required=True, help="route_usage.json to write")
+    r.set_defaults(func=_route_stats)
+
     c = sub.add_parser("cold-set", help="choose the experts each stage keeps in host RAM from routing counts "
                                         "(tools/route_trace.py's route_usage.json)")
-    c.add_argument("--usage", required=True, help="route_usage.json: per kind, per layer, selections per expert")
+    c.add_argument("--usage", required=True, help="route_usage.json (`moepipe route-stats` or tools/route_trace.py): "
+                                                "per kind, per layer, selections per expert")
     c.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     c.add_argument("--stages", type=int, default=1, help="pipeline stages the budget applies to, one each")
     c.add_argument("--gib-per-stage", type=float, required=True, help="host RAM for experts per stage, GiB")

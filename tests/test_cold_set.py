@@ -74,3 +74,32 @@ def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(bad), "--gib-per-stage", "1",
                         "--out", str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "route_usage.json" in r.stderr
+
+
+def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_path):
+    """`moepipe route-stats` on two kinds of text: every MoE layer counts top_k selections per token, and its file
+    is what `moepipe cold-set` takes."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "a.py").write_text("def f(x):\n    return [i * i for i in range(x)]\n" * 20)
+    (tmp_path / "prose.txt").write_text("The river ran quietly past the old mill, and nobody saw the boat. " * 20)
+    usage = tmp_path / "usage.json"
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "route-stats", "--text", f"code={tmp_path / 'code'}",
+                        "--text", f"prose={tmp_path / 'prose.txt'}", "--tokens-per-kind", "300", "--chunk", "128",
+                        "--out", str(usage)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(usage.read_text())
+    top_k = data["meta"]["config"]["top_k"]
+    for kind in ("code", "prose"):
+        tokens = data["meta"]["tokens_per_kind"][kind]
+        assert 0 < tokens <= 300
+        assert all(sum(row) == tokens * top_k for row in data["usage"][kind].values())
+    out = tmp_path / "cold.json"
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(usage), "--gib-per-stage",
+                        "0.002", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    from shared.cli import ensure_builtin_model
+
+    assert cold_set.load(out, load_config(ensure_builtin_model()))
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "route-stats", "--text", "nokind", "--out",
+                        str(usage)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "KIND=PATH" in r.stderr

@@ -225,15 +225,6 @@ def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints
     _fingerprints_hold(model, plain)
 
 
-def test_cold_set_with_every_expert_is_refused(tmp_path, demo):
-    d, cfg = demo
-    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i))
-    f = cold_set.write(tmp_path / "cold.json", cfg, str(d), {layer: list(range(cfg.num_experts))}, [(0, 8)], 1, 1,
-                       ["x"])
-    with pytest.raises(cold_set.ColdSetError, match="all"):
-        cold_set.load(f, cfg)
-
-
 # ---- served --------------------------------------------------------------------------------------------------------
 
 def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path):

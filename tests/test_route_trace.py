@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import route_trace as rt  # noqa: E402
+from stage_worker.route_stats import read_ids  # noqa: E402
 
 CHUNK = 160          # > the tiny model's QSA budget (64 tokens), so decode reads a sparse selection of blocks
 TOKENS = 400         # per kind: windows of 160, 160 and a partial 80
@@ -91,7 +92,7 @@ def test_prefill_routing_equals_decode_routing(traced):
             engine.add(0)
             for t in window:                      # a 1-token prompt, then one token per step
                 engine.step([(0, [t])])
-                rows.append(rt.read_ids(moes, 1)[0].numpy())
+                rows.append(read_ids(moes, 1)[0].numpy())
         decoded = np.stack(rows)
         prefilled = ids[kind][w * CHUNK:w * CHUNK + len(window)].astype(np.int64)
         assert decoded.shape == prefilled.shape

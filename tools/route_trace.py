@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stage_worker.local_engine import LocalEngine  # noqa: E402
-from stage_worker.model.moe import SparseMoE  # noqa: E402
+from stage_worker.route_stats import moe_layers, trace_windows, usage_counts, windows  # noqa: E402
 
 FORMAT = "moepipe-route-trace/1"
 TRACE_FILE = "route_trace.npz"
@@ -75,64 +75,7 @@ def kind_streams(corpus: str | Path, tok, eos: int, tokens_per_kind: int, split:
     return {k: np.asarray(v[:tokens_per_kind], dtype=np.int32) for k, v in streams.items() if v}
 
 
-def windows(stream: np.ndarray, chunk: int) -> list[list[int]]:
-    return [stream[i:i + chunk].tolist() for i in range(0, len(stream), chunk)]
-
-
-# ---- routing ------------------------------------------------------------------------------------------------
-
-def moe_layers(model) -> list[tuple[int, SparseMoE]]:
-    """(global layer index, SparseMoE) of every MoE layer of the model, in layer order."""
-    out = [(int(i), layer.mlp) for i, layer in model.layers.items() if isinstance(layer.mlp, SparseMoE)]
-    if not out:
-        raise ValueError("the model has no SparseMoE layers to trace")
-    return sorted(out, key=lambda t: t[0])
-
-
-def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
-    """[n_tokens, layers, k] of what each MoE layer selected in the last step."""
-    rows = []
-    for i, m in moes:
-        ids = m.last_expert_ids
-        if ids is None or ids.shape[0] != n_tokens:
-            raise RuntimeError(f"layer {i}: last_expert_ids has {None if ids is None else tuple(ids.shape)} rows, "
-                               f"the step fed {n_tokens} tokens")
-        rows.append(m.expert_ids(ids).reshape(n_tokens, -1))    # slots -> experts when a table is set
-    return torch.stack(rows, dim=1)
-
-
-def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None,
-                  on_step=None) -> np.ndarray:
-    """Prefill every window as a fresh sequence, `batch` windows per step; returns int64 [sum(len), layers, k] in
-    window order."""
-    moes = moe_layers(model)
-    chunk = max((len(w) for w in wins), default=1)
-    out = []
-    with torch.inference_mode():
-        engine = engine or LocalEngine([model], max_seqs=batch, max_tokens=chunk)
-        for s in range(0, len(wins), batch):
-            group = wins[s:s + batch]
-            for i in range(len(group)):
-                engine.add(i)
-            try:
-                engine.step([(i, w) for i, w in enumerate(group)])
-            finally:
-                for i in range(len(group)):
-                    engine.release(i)
-            out.append(read_ids(moes, sum(len(w) for w in group)).cpu())
-            if on_step is not None:
-                on_step(s + len(group), len(wins))
-    k = moes[0][1].top_k
-    return torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
-
-
 # ---- statistics ---------------------------------------------------------------------------------------------
-
-def usage_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """[layers, num_experts] selections per expert from ids [tokens, layers, k]."""
-    return np.stack([np.bincount(ids[:, l, :].reshape(-1).astype(np.int64), minlength=num_experts)
-                     for l in range(ids.shape[1])])
-
 
 def lorenz_share(counts: np.ndarray, frac: float) -> float:
     """Share of all selections taken by the least-used `frac` of experts (the Lorenz curve at frac, linear between

@@ -1,0 +1,143 @@
+"""Which experts a checkpoint routes each token to, counted per layer over sample text of several kinds (issue 16,
+item 2): `moepipe route-stats`, whose counts `moepipe cold-set` turns into the experts kept in host RAM.
+
+Each kind's text is cut into windows of `chunk` tokens and each window is PREFILLED as a fresh sequence: the experts
+chosen at a position depend only on the tokens up to it, so prefill selects what decode of the same text would
+(tests/test_route_trace.py checks it against token-by-token decode), at prefill's speed. After each step every
+`SparseMoE`'s `last_expert_ids` is read, in layer order. `tools/route_trace.py` builds the demo model's traces on
+the same functions.
+
+Output (`route_usage.json`): `meta` (model, config summary, kinds, tokens per kind, chunk, command) and
+`usage[kind][layer]`, selections per expert.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stage_worker.local_engine import LocalEngine
+from stage_worker.model.moe import SparseMoE
+
+FORMAT = "moepipe-route-usage/1"
+
+
+def windows(stream: np.ndarray, chunk: int) -> list[list[int]]:
+    return [stream[i:i + chunk].tolist() for i in range(0, len(stream), chunk)]
+
+
+def moe_layers(model) -> list[tuple[int, SparseMoE]]:
+    """(global layer index, SparseMoE) of every MoE layer of the model, in layer order."""
+    out = [(int(i), layer.mlp) for i, layer in model.layers.items() if isinstance(layer.mlp, SparseMoE)]
+    if not out:
+        raise ValueError("the model has no SparseMoE layers to trace")
+    return sorted(out, key=lambda t: t[0])
+
+
+def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
+    """[n_tokens, layers, k] of what each MoE layer selected in the last step."""
+    rows = []
+    for i, m in moes:
+        ids = m.last_expert_ids
+        if ids is None or ids.shape[0] != n_tokens:
+            raise RuntimeError(f"layer {i}: last_expert_ids has {None if ids is None else tuple(ids.shape)} rows, "
+                               f"the step fed {n_tokens} tokens")
+        rows.append(m.expert_ids(ids).reshape(n_tokens, -1))    # slots -> experts when a table is set
+    return torch.stack(rows, dim=1)
+
+
+def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None,
+                  on_step=None) -> np.ndarray:
+    """Prefill every window as a fresh sequence, `batch` windows per step; returns int64 [sum(len), layers, k] in
+    window order."""
+    moes = moe_layers(model)
+    chunk = max((len(w) for w in wins), default=1)
+    out = []
+    with torch.inference_mode():
+        engine = engine or LocalEngine([model], max_seqs=batch, max_tokens=chunk)
+        for s in range(0, len(wins), batch):
+            group = wins[s:s + batch]
+            for i in range(len(group)):
+                engine.add(i)
+            try:
+                engine.step([(i, w) for i, w in enumerate(group)])
+            finally:
+                for i in range(len(group)):
+                    engine.release(i)
+            out.append(read_ids(moes, sum(len(w) for w in group)).cpu())
+            if on_step is not None:
+                on_step(s + len(group), len(wins))
+    k = moes[0][1].top_k
+    return torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
+
+
+def usage_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[layers, num_experts] selections per expert from ids [tokens, layers, k]."""
+    return np.stack([np.bincount(ids[:, l, :].reshape(-1).astype(np.int64), minlength=num_experts)
+                     for l in range(ids.shape[1])])
+
+
+def read_texts(specs: list[str]) -> dict[str, list[Path]]:
+    """`KIND=PATH` items (a file, or a directory whose files are read in name order) -> {kind: files}."""
+    out: dict[str, list[Path]] = {}
+    for spec in specs:
+        kind, sep, path = spec.partition("=")
+        if not sep or not kind or not path:
+            raise ValueError(f"--text {spec!r}: expected KIND=PATH (a file or a directory of files)")
+        p = Path(path)
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        if not files or not all(f.is_file() for f in files):
+            raise ValueError(f"--text {spec!r}: {path} is not a file or a directory with files")
+        out.setdefault(kind, []).extend(files)
+    return out
+
+
+def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | Path, *, tokens_per_kind: int,
+                chunk: int = 512, batch: int = 8, device: str = "cpu", log=print) -> dict:
+    """Count each MoE layer's selections over every kind's text (files joined by EOS, at most `tokens_per_kind`
+    tokens a kind); writes and returns route_usage.json."""
+    from gateway.tokenizer import Tokenizer
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.kernels.flags import KernelFlags
+
+    model_dir = Path(model_dir)
+    if chunk < 1 or batch < 1 or tokens_per_kind < 1:
+        raise ValueError("--chunk, --batch and --tokens-per-kind must be positive")
+    tok = Tokenizer.from_dir(model_dir)
+    model = load_model(model_dir, LoadOptions(device=device))
+    if torch.device(device).type == "cuda":
+        model.set_kernels(KernelFlags.from_env("all"))
+    cfg = model.cfg
+    chunk = min(chunk, cfg.max_position_embeddings)
+    eos = tok.eos_token_ids[0]
+    moes = moe_layers(model)
+    num_experts = moes[0][1].num_experts
+    usage, counted = {}, {}
+    with torch.inference_mode():
+        engine = LocalEngine([model], max_seqs=batch, max_tokens=chunk)
+        for kind, files in texts.items():
+            ids: list[int] = []
+            for f in files:
+                if len(ids) >= tokens_per_kind:
+                    break
+                ids.extend(tok.encode(f.read_text(encoding="utf-8", errors="replace")))
+                ids.append(eos)
+            stream = np.asarray(ids[:tokens_per_kind], dtype=np.int64)
+            sel = trace_windows(model, windows(stream, chunk), batch, engine)
+            usage[kind] = usage_counts(sel, num_experts)
+            counted[kind] = int(len(stream))
+            log(f"route-stats: {kind}: {len(stream)} tokens")
+    layer_ids = [i for i, _ in moes]
+    result = {"meta": {"format": FORMAT, "model": str(model_dir.resolve()),
+                       "config": {"num_hidden_layers": cfg.num_hidden_layers, "moe_layers": layer_ids,
+                                  "num_experts": num_experts, "top_k": moes[0][1].top_k},
+                       "kinds": list(texts), "tokens_per_kind": counted, "chunk": chunk, "command": sys.argv},
+              "usage": {k: {str(i): [int(c) for c in u[l]] for l, i in enumerate(layer_ids)}
+                        for k, u in usage.items()}}
+    Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    log(f"route-stats: wrote {out}")
+    return result
