@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
-from shared.memory_plan import GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds, plan
+from shared.cold_set import AUTO
+from shared.memory_plan import (GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds,
+                                 host_bytes_to_fit, plan)
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import RESTARTS_ENV
 
@@ -71,9 +73,10 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
     return cluster.for_model(cfg)          # cluster.toml carries the derived KV sizes: every process reads them
 
 
-def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
-    """The GPU stages' memory plan (shared/memory_plan.py). Their needs and the devices' free memory come from a
-    child process (`stage_worker.memory_needs`): asking CUDA creates a context this process would keep."""
+def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNeeds], dict[str, DeviceMemory],
+                                                                    PlanLimits]:
+    """The GPU stages' needs and the devices' free memory, from a child process (`stage_worker.memory_needs`):
+    asking CUDA creates a context this process would keep; and the limits the flags set."""
     r = subprocess.run([sys.executable, "-m", "stage_worker.memory_needs", "--config", str(config_path)],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -86,12 +89,45 @@ def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
                         gpu_memory_utilization=cluster.gpu_memory_utilization,
                         vram_limit=int(cluster.vram_limit * GIB),
                         kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB))
+    return needs, devices, limits
+
+
+def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
+    """The GPU stages' memory plan (shared/memory_plan.py), printed; RuntimeError with its refusal."""
     try:
-        result = plan(needs, devices, limits)
+        result = plan(*plan_inputs(cluster, config_path))
     except MemoryPlanError as exc:
         raise RuntimeError(f"the model does not fit: {exc}") from None
     print(result.table(), file=sys.stderr)
     return result
+
+
+def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) -> ClusterConfig:
+    """`--cold-experts auto`: the least offload that lets the memory plan start (`host_bytes_to_fit`), spread over
+    each stage's MoE layers, the least used experts by the checkpoint's `route_usage.json` if it has one (written
+    by `moepipe route-stats`), else the highest ids; the file goes to the run directory."""
+    from shared import cold_set
+
+    cfg = load_config(cluster.model)
+    if not any(s.device.startswith("cuda") for s in cluster.stages):
+        return dataclasses.replace(cluster, cold_experts="")        # host RAM is all there is: nothing to move
+    try:
+        need = host_bytes_to_fit(*plan_inputs(cluster, config_path))
+    except MemoryPlanError as exc:
+        raise RuntimeError(f"the model does not fit: {exc}") from None
+    stages = [(s.start, s.end) for s in cluster.stages]
+    usage_file = Path(cluster.model) / "route_usage.json"
+    scores = cold_set.kind_normalised(json.loads(usage_file.read_text())["usage"]) if usage_file.is_file() else None
+    per_expert = cold_set.expert_bytes(cfg, cluster.dtype or None)
+    cold = cold_set.spread(cfg, stages, [need.get(i, 0) for i in range(len(stages))], per_expert, scores)
+    out = cold_set.write(run_dir / "cold_experts.json", cfg, cluster.model, cold, stages, per_expert,
+                         max(need.values(), default=0), ["route_usage.json" if scores else "highest ids"])
+    n = sum(len(ids) for ids in cold.values())
+    how = f"the least used by {usage_file}" if scores else \
+        "no route_usage.json beside the checkpoint: the highest ids, moves re-place them"
+    print(f"moepipe: --cold-experts auto: {n} experts ({n * per_expert / GIB:.2f} GiB) in host RAM ({how})",
+          file=sys.stderr)
+    return dataclasses.replace(cluster, cold_experts=str(out))
 
 
 def _shm_dir() -> Path:
@@ -148,6 +184,9 @@ class Cluster:
         self.cluster = build_cluster_config(opts, self.run_dir)
         self.config_path = self.run_dir / "cluster.toml"
         self.config_path.write_text(dump_toml(self.cluster))
+        if self.cluster.cold_experts == AUTO:
+            self.cluster = auto_cold_experts(self.cluster, self.config_path, self.run_dir)
+            self.config_path.write_text(dump_toml(self.cluster))
         if any(s.device.startswith("cuda") for s in self.cluster.stages) and not (opts.extra or {}).get("num_blocks"):
             self.plan = memory_plan(self.cluster, self.config_path)
             self.cluster = dataclasses.replace(self.cluster, num_blocks=self.plan.num_blocks)

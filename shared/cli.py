@@ -152,7 +152,8 @@ def serve_options(args: argparse.Namespace):
     if args.no_access_log:
         extra["access_log"] = False
     if args.cold_experts is not None:
-        extra["cold_experts"] = str(Path(args.cold_experts).resolve())
+        extra["cold_experts"] = args.cold_experts if args.cold_experts == "auto" else \
+            str(Path(args.cold_experts).resolve())
     if args.no_expert_moves:
         extra["expert_moves"] = False
     for key in ("allowed_hosts", "allowed_origins"):
@@ -222,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
                    help="GPU stages: KV bytes per stage (default: what the memory plan leaves)")
     s.add_argument("--cold-experts", default=None, metavar="FILE",
-                   help="keep these routed experts in host RAM (a file from `moepipe cold-set`): a model larger "
-                        "than the GPUs runs, reading the selected host experts over PCIe")
+                   help="keep these routed experts in host RAM (a file from `moepipe cold-set`, or 'auto': as "
+                        "few as the memory plan needs, the least used by the checkpoint's route_usage.json if it "
+                        "has one): a model larger than the GPUs runs, reading the selected host experts over PCIe")
     s.add_argument("--no-expert-moves", action="store_true",
                    help="with --cold-experts: never swap host and device experts at run time (also "
                         "MOEPIPE_EXPERT_MOVES=0)")

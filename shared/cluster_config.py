@@ -181,7 +181,7 @@ class ClusterConfig:
         the same file, and the result depends only on the file (and environment), so the gateway that places
         blocks and every stage that allocates them agree."""
         self.validate(cfg.num_hidden_layers)
-        if self.cold_experts:
+        if self.cold_experts and self.cold_experts != "auto":
             from shared.cold_set import ColdSetError, load
 
             try:

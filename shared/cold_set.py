@@ -62,6 +62,25 @@ def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_ex
     return {layer: sorted(ids) for layer, ids in sorted(cold.items())}
 
 
+def spread(cfg: HybridMoeConfig, stages: list[tuple[int, int]], host_bytes: list[int], per_expert: int,
+           scores: dict[int, list[float]] | None = None) -> dict[int, list[int]]:
+    """`--cold-experts auto`: per stage, at least `host_bytes` of experts spread evenly over its MoE layers; with
+    routing `scores` the least used of each layer, else the highest ids (run-time moves re-place them by use)."""
+    cold: dict[int, list[int]] = {}
+    for (start, end), nbytes in zip(stages, host_bytes):
+        layers = [layer for layer in range(start, end) if cfg.is_sparse_moe(layer)]
+        if nbytes <= 0 or not layers:
+            continue
+        n = min(-(-nbytes // (per_expert * len(layers))), cfg.num_experts - 1)
+        for layer in layers:
+            if scores is not None and layer in scores:
+                order = sorted(range(cfg.num_experts), key=lambda e: (scores[layer][e], e))
+            else:
+                order = list(range(cfg.num_experts - 1, -1, -1))
+            cold[layer] = sorted(order[:n])
+    return cold
+
+
 def host_reads(cold: dict[int, list[int]], usage: dict[str, dict[str, list[int]]],
                tokens: dict[str, int]) -> dict[str, float]:
     """Per kind: traced selections that would read a host expert, per token."""
@@ -84,8 +103,14 @@ def write(path: str | Path, cfg: HybridMoeConfig, model: str, cold: dict[int, li
     return path
 
 
+AUTO = "auto"     # `--cold-experts auto`: the launcher writes a file from the memory plan (gateway/launcher.py)
+
+
 def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
     """A cold-set file, checked against the model: layer -> expert ids; ColdSetError naming what is wrong."""
+    if str(path) == AUTO:
+        raise ColdSetError("cold_experts = \"auto\" is resolved by `moepipe serve` from the memory plan (it writes "
+                           "a file and points the cluster config at it); a stage started alone needs the file")
     path = Path(path)
     try:
         data = json.loads(path.read_text())

@@ -39,6 +39,7 @@ class StageNeeds:
     block: int               # one KV block
     reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
     host_experts: int = 0    # cold experts' bytes in pinned host RAM (not part of `weights`)
+    routed_experts: int = 0  # routed experts' bytes still in `weights` (what `--cold-experts auto` may move out)
 
     @property
     def fixed(self) -> int:
@@ -114,6 +115,26 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
             raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits))
         fit = min(fit, blocks)
     return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages)
+
+
+def host_bytes_to_fit(stages: list[StageNeeds], devices: dict[str, DeviceMemory],
+                      limits: PlanLimits) -> dict[int, int]:
+    """`--cold-experts auto`: per stage, the routed-expert bytes to keep in host RAM so that every device holds its
+    stages' weights, state and reserve and one `max_model_len` sequence of KV (the least offload that starts; the
+    KV pool then takes whatever is left). Shared evenly by the stages of a device, each at most its routed experts
+    (the plan refuses what still does not fit)."""
+    per_seq = -(-limits.max_model_len // limits.block_size) + 1
+    out = {s.stage: 0 for s in stages}
+    for name in sorted({s.device for s in stages}):
+        mine = [s for s in stages if s.device == name]
+        budget = device_budget(name, devices[name], limits)
+        over = sum(s.fixed for s in mine) + per_seq * sum(s.block for s in mine) - budget
+        if over <= 0:
+            continue
+        share = -(-over // len(mine))
+        for s in mine:
+            out[s.stage] = min(share, s.routed_experts)
+    return out
 
 
 def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits: PlanLimits) -> str:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
-from shared.cold_set import ColdSetError, expert_bytes
+from shared.cold_set import AUTO, ColdSetError, expert_bytes
 from shared.cold_set import load as load_cold_set
 from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
@@ -52,7 +52,7 @@ def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
 def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds]:
     """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share)."""
     out = []
-    cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts else {}
+    cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
     for i, spec in enumerate(cluster.stages):
         if not spec.device.startswith("cuda"):
             continue
@@ -67,13 +67,16 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         host = sum(len(ids) for layer, ids in cold.items() if spec.start <= layer < spec.end) * \
             expert_bytes(cfg, dtype)
         weights -= host                            # cold experts live in pinned host RAM, not on the device
+        routed = sum(cfg.num_experts for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)) * \
+            expert_bytes(cfg, dtype) - host
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
         reserve = GIB + tokens * width * 96 + logits
         block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
-                              state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host))
+                              state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host,
+                              routed_experts=routed))
     return out
 
 

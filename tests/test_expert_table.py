@@ -225,6 +225,67 @@ def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints
     _fingerprints_hold(model, plain)
 
 
+@pytest.mark.gpu
+def test_registered_host_memory_is_read_by_the_kernels_on_the_gpu():
+    """The server's host rows: an exact-size mapping registered with cudaHostRegister (not torch's pinned pool)."""
+    from stage_worker.host_memory import allocate
+
+    w13, w2, g = _experts(21, torch.bfloat16)
+    hot = 6
+    n13, n2 = w13[hot:].numel() * 2, w2[hot:].numel() * 2
+    buf = allocate(n13 + n2, what="test rows", headroom=0)
+    assert buf.pinned
+    h13 = buf.tensor[:n13].view(torch.bfloat16).view(E - hot, 2 * I, H)
+    h2 = buf.tensor[n13:].view(torch.bfloat16).view(E - hot, H, I)
+    h13.copy_(w13[hot:])
+    h2.copy_(w2[hot:])
+    x = torch.randn(3, H, generator=g).to(DEV, torch.bfloat16)
+    logits = torch.randn(3, E, generator=g)
+    logits[:, E - 1] += 10
+    weights, ids = route_ref(logits.to(DEV), TOP_K, True)
+    out = K.fused_moe(x, ids, weights.to(torch.bfloat16), w13[:hot].contiguous(), w2[:hot].contiguous(),
+                      host=HostRows(h13, h2, hot))
+    ref = fused_moe_ref(x, ids, weights.to(torch.bfloat16), w13, w2)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+    del h13, h2
+    buf.close()
+
+
+@pytest.mark.gpu
+def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tokens(tiny_checkpoint):
+    """The fast path on the GPU (fused kernels, CUDA graphs, moves between replays) with half the experts in
+    registered host memory: the greedy tokens of the all-in-VRAM model, every row still its expert's."""
+    from stage_worker.kernels.flags import KernelFlags
+
+    cfg = load_config(tiny_checkpoint)
+
+    def greedy(cold, moves):
+        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold), cfg)
+        model.set_kernels(KernelFlags.parse("all"))
+        eng = LocalEngine([model], max_seqs=2, cuda_graphs=True)
+        eng.add(0)
+        logits = eng.step([(0, [1, 5, 9, 33, 70, 100])])[-1]
+        tokens, lps = [], []
+        for _ in range(16):
+            lp = torch.log_softmax(logits.float(), -1)
+            tokens.append(int(lp.argmax()))
+            lps.append(float(lp.max()))
+            if moves:
+                model.experts.move_round(gates(model), 0.5, 0.0)
+            logits = eng.step([(0, [tokens[-1]])])[-1]
+        return model, tokens, lps
+
+    plain, want, want_lp = greedy(None, False)
+    for moves in (False, True):
+        model, got, lp = greedy(_cold(cfg, 0.5, seed=3), moves)
+        assert got == want
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) < 2e-2
+        assert model.experts.host_reads.sum().item() > 0
+        if moves:
+            assert model.experts.moves.sum().item() > 0
+        _fingerprints_hold(model, plain)
+
+
 # ---- served --------------------------------------------------------------------------------------------------------
 
 def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path):

@@ -132,3 +132,60 @@ def test_the_launcher_plans_gpu_stages_from_the_needs_process(tiny_checkpoint, t
     monkeypatch.setattr(launcher.subprocess, "run", reply(1.0))
     with pytest.raises(RuntimeError, match="the model does not fit: cuda:0: .*only 1.00 of 24.00 GiB are free"):
         launcher.memory_plan(cluster, tmp_path / "cluster.toml")
+
+
+def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tmp_path, monkeypatch):
+    """`--cold-experts auto` on a model that does not fit its device: the launcher asks for the needs, writes a
+    cold set of at least the missing bytes spread over the stage's MoE layers, and the plan made with it starts
+    (the needs process stood in for, as above, subtracting the file's experts as the real one does)."""
+    import json
+    import subprocess
+
+    from gateway import launcher
+    from shared import cold_set
+    from shared.memory_plan import host_bytes_to_fit
+
+    # the pure part: shared by the stages of one device, capped at their routed experts
+    a = dataclasses.replace(_stage(0, "cuda:0", 20), routed_experts=18 * GIB)
+    b = dataclasses.replace(_stage(1, "cuda:0", 20), routed_experts=2 * GIB)
+    limits = dataclasses.replace(LIMITS, vram_limit=36 * GIB, max_model_len=1024)
+    need = host_bytes_to_fit([a, b], {"cuda:0": H200}, limits)
+    over = 2 * (21.5 * GIB) + (1024 // 16 + 1) * 2 * (1 << 20) - 36 * GIB
+    assert need[0] == -(-int(over) // 2) and need[1] == 2 * GIB
+    assert host_bytes_to_fit([_stage(0, "cuda:0", 10)], {"cuda:0": H200}, LIMITS) == {0: 0}
+
+    from stage_worker.checkpoint.make_model import make_model
+
+    model = make_model("tiny", tmp_path / "m", seed=0)
+    cfg = load_config(model)
+    cluster = ClusterConfig(model=str(model), gateway_endpoint="", max_num_seqs=4, block_size=16, max_model_len=256,
+                            stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")], cold_experts="auto",
+                            gpu_memory_utilization=1.0)
+    base = vars(stage_needs(cfg, dataclasses.replace(cluster, cold_experts=""))[0])
+    per_expert = cold_set.expert_bytes(cfg, "float32")
+    all_in = base["weights"] + base["state"] + base["reserve"] + (256 // 16 + 1) * base["block"]
+    size = all_in - 10 * per_expert                  # ten experts too many for the device
+    device = {"total": size, "free": size}
+
+    def run(cmd, **kw):
+        moved = 0
+        if cluster_now[0].cold_experts not in ("", "auto"):
+            moved = sum(len(v) for v in cold_set.load(cluster_now[0].cold_experts, cfg).values()) * per_expert
+        n = {**base, "weights": base["weights"] - moved, "host_experts": moved,
+             "routed_experts": base["routed_experts"] - moved}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"stages": [n], "devices": {"cuda:0": device}}), "")
+
+    cluster_now = [cluster]
+    monkeypatch.setattr(launcher.subprocess, "run", run)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        launcher.memory_plan(dataclasses.replace(cluster, cold_experts=""), tmp_path / "c.toml")
+    resolved = launcher.auto_cold_experts(cluster, tmp_path / "c.toml", tmp_path)
+    cold = cold_set.load(resolved.cold_experts, cfg)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i)]
+    assert sorted(cold) == moe_layers and {len(v) for v in cold.values()} == {-(-10 // len(moe_layers))}
+    assert all(v == list(range(cfg.num_experts - len(v), cfg.num_experts)) for v in cold.values())   # highest ids
+    cluster_now[0] = resolved
+    p = launcher.memory_plan(resolved, tmp_path / "c.toml")
+    assert p.num_blocks >= 256 // 16
+    cpu = dataclasses.replace(cluster, stages=[StageSpec(0, cfg.num_hidden_layers, "", "cpu")])
+    assert launcher.auto_cold_experts(cpu, tmp_path / "c.toml", tmp_path).cold_experts == ""
