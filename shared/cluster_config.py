@@ -61,6 +61,7 @@ class ClusterConfig:
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
+    graph_skip_padding: bool = True             # a graph's padding rows route to no expert (read no expert rows)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
                                                 # step's tokens reach the host (its ids read on the device)
@@ -222,7 +223,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
-        "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
+        "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
+        "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",

@@ -87,6 +87,11 @@ def device_budget(name: str, mem: DeviceMemory, limits: PlanLimits) -> int:
     return budget
 
 
+def _budget_flag(limits: PlanLimits) -> str:
+    """The flag that bounds the budget: --vram-limit when it is set (it is then below the utilization's share)."""
+    return "--vram-limit" if limits.vram_limit else "--gpu-memory-utilization"
+
+
 def _budget_rule(limits: PlanLimits) -> str:
     rule = f"--gpu-memory-utilization {limits.gpu_memory_utilization:g}"
     return rule + (f", --vram-limit {limits.vram_limit / GIB:g}" if limits.vram_limit else "")
@@ -147,7 +152,7 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
     over = fixed + per_seq * sum(s.block for s in mine) - budget
     return (f"{name} holds {budget / GIB:.2f} GiB ({_budget_rule(limits)}); its stages need {fixed / GIB:.2f} GiB "
             f"before any KV cache ({parts}). Spread the layers over more GPUs (--stages, one GPU each: about "
-            f"{need} devices of this size for these layers), raise --gpu-memory-utilization, or keep at least "
+            f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, or keep at least "
             f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
             f"by `moepipe cold-set --gib-per-stage N`)")
 

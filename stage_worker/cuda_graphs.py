@@ -42,7 +42,8 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: StageModel, cache: ModelCache, *, max_blocks_per_seq: int, scratch_slot: int,
-                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES, ple_graph: bool = True) -> None:
+                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES, ple_graph: bool = True,
+                 skip_padding: bool = True) -> None:
         self.model, self.cache = model, cache
         self.block_size = cache.spec.block_size
         self.max_blocks = max_blocks_per_seq
@@ -53,10 +54,24 @@ class DecodeGraphs:
         self.pool = None
         self.ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
         self.ple_graph = ple_graph
+        # Padding rows route to no expert (`SparseMoE.valid_rows`): a batch of 9 replayed as 16 would otherwise
+        # read the experts of 7 rows nobody wants (expert bytes are most of a decode step's). Off: `graph_skip_padding`.
+        self.valid = torch.zeros(1, dtype=torch.int32, device=self.device) if skip_padding else None
 
     def capture(self) -> None:
-        for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
-            self.graphs[size] = self._capture(size)
+        from stage_worker.model.moe import SparseMoE
+
+        moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        for m in moes:
+            m.valid_rows = self.valid
+        try:
+            for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
+                if self.valid is not None:
+                    self.valid.fill_(size)                # the warm-up runs take every row
+                self.graphs[size] = self._capture(size)
+        finally:
+            for m in moes:
+                m.valid_rows = None                       # eager steps (prefill, steps that do not fit) take all rows
 
     def _static_batch(self, size: int) -> tuple[StepBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device
@@ -135,6 +150,8 @@ class DecodeGraphs:
             buf[n:].zero_()
         if g.hidden_in is not None:
             g.hidden_in[:n].copy_(hidden, non_blocking=True)
+        if self.valid is not None:
+            self.valid.fill_(n)
         g.graph.replay()
         for m, ids in zip(self._moes(), g.expert_ids):
             m.last_expert_ids = ids[:n] if ids is not None else None

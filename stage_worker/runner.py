@@ -137,7 +137,7 @@ class StageRunner:
             self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
                                        scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
                                        sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs),
-                                       ple_graph=cluster.ple_graph)
+                                       ple_graph=cluster.ple_graph, skip_padding=cluster.graph_skip_padding)
 
     # ---- inputs ------------------------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:

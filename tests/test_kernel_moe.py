@@ -256,3 +256,29 @@ def test_shared_slot_real_shapes_on_gpu(t):
     out, _ = K.moe_forward(x, router, w13, w2, k, True, shared)
     assert _rel(out, ref) < 2e-2
     assert _rel(K.grouped_moe(x, ids, w.bfloat16(), w13, w2, shared), ref) < 2e-2
+
+
+def test_graph_padding_rows_route_to_no_expert_and_read_none():
+    """`valid` (a CUDA graph's real rows): padding rows get SKIP ids and weight 0, are not counted, and the expert
+    kernels never read the experts their logits would pick (NaN rows here); the real rows are unchanged."""
+    from stage_worker.kernels.moe_ref import RouteCounts
+
+    t, h, i, real = 5, 48, 24, 3
+    w13, w2 = _experts(h, i, torch.float32, seed=8)
+    poisoned = [2, 9]
+    w13[poisoned] = float("nan")
+    w2[poisoned] = float("nan")
+    g = _gen(9)
+    logits = torch.randn(t, E, generator=g)
+    logits[:real, poisoned] = -1e4                             # real rows never pick them...
+    logits[real:, poisoned] = 1e4                              # ...padding rows would
+    valid = torch.tensor([real], dtype=torch.int32, device=DEV)
+    counts = RouteCounts(torch.zeros(E, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV), E - 4)
+    w, ids = K.route(logits.to(DEV), TOP_K, True, counts=counts, valid=valid)
+    w_ref, ids_ref = route_ref(logits[:real].to(DEV), TOP_K, True)
+    assert torch.equal(ids[:real], ids_ref) and (ids[real:] == K.SKIP).all() and (w[real:] == 0).all()
+    assert counts.counts.sum().item() == real * TOP_K
+    x = torch.randn(t, h, generator=g).to(DEV)
+    out = K.fused_moe(x, ids, w, w13, w2)
+    assert torch.isfinite(out).all()
+    _check(out[:real], fused_moe_ref(x[:real], ids_ref, w_ref, w13, w2))

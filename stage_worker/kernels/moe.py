@@ -85,17 +85,22 @@ def _pow2(n: int) -> int:
 
 # H and I are constexpr in the expert kernels: one compile per model shape, loops with known trip counts, and the
 # Triton 3.6 interpreter under numpy >= 2.4 cannot run `range` to a runtime bound (int() of a 1-element array).
+SKIP = -2                # a routed slot of a padding row: no expert (see `route`'s `valid`)
+
 if triton is not None:
     _KEY_MIN = tl.constexpr(-(2 ** 63))
+    SKIP_ID = tl.constexpr(SKIP)
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, E, stride_t, FIRST_HOST,
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr):
+                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
-        number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter)."""
+        number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter).
+        With VALID, rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight
+        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -125,10 +130,16 @@ if triton is not None:
         else:
             denom = tl.sum(tl.where(valid, tl.exp(logit - row_max), 0.0), axis=0)
         out = t * (TOP_K + SHARED) + kk
-        tl.store(weights_ptr + out, p / denom, mask=kk < TOP_K)
+        w = p / denom
+        picked = kk < TOP_K
+        if VALID:
+            real = t < tl.load(valid_ptr)
+            top_id = tl.where(real, top_id, SKIP_ID)
+            w = tl.where(real, w, 0.0)
+            picked = picked & real
+        tl.store(weights_ptr + out, w, mask=kk < TOP_K)
         tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
         if COUNT:
-            picked = kk < TOP_K
             tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
             host = tl.sum(tl.where(picked & (top_id >= FIRST_HOST), 1, 0), axis=0)
             tl.atomic_add(reads_ptr, host.to(tl.int64))
@@ -148,6 +159,8 @@ if triton is not None:
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
+        if e == SKIP_ID:
+            return
         if e >= FIRST_HOST:
             base = hw13_ptr + (e - FIRST_HOST) * stride_we
         elif e >= 0:
@@ -186,29 +199,33 @@ if triton is not None:
             tj = t * TOP_K + j
             e = tl.load(ids_ptr + tj).to(tl.int64)
             wt = tl.load(wts_ptr + tj).to(tl.float32)
-            if e >= FIRST_HOST:
-                base = hw2_ptr + (e - FIRST_HOST) * stride_we
-            elif e >= 0:
-                base = w2_ptr + e * stride_we
-            else:
-                base = sw2_ptr
-            rows = base + offs_h[:, None].to(tl.int64) * stride_wh
-            for i0 in range(0, I, BLOCK_I):
-                offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = offs_i < I
-                a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
-                w = tl.load(rows + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
-                acc += w.to(tl.float32) * (wt * a)[None, :]
+            if e != SKIP_ID:
+                if e >= FIRST_HOST:
+                    base = hw2_ptr + (e - FIRST_HOST) * stride_we
+                elif e >= 0:
+                    base = w2_ptr + e * stride_we
+                else:
+                    base = sw2_ptr
+                rows = base + offs_h[:, None].to(tl.int64) * stride_wh
+                for i0 in range(0, I, BLOCK_I):
+                    offs_i = i0 + tl.arange(0, BLOCK_I)
+                    mask_i = offs_i < I
+                    a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
+                    w = tl.load(rows + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
+                    acc += w.to(tl.float32) * (wt * a)[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
-          counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          counts: RouteCounts | None = None,
+          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref.
 
     With `shared` the last column is the shared expert's gate logit: the result has k + 1 slots, the last one
-    (sigmoid of that logit, id -1) for the shared expert. With `counts`, the selections are added to it."""
+    (sigmoid of that logit, id -1) for the shared expert. With `counts`, the selections are added to it. With
+    `valid` (int32 [1] on the device: a CUDA graph's real rows), rows from valid[0] on get id SKIP and weight 0 in
+    their routed slots (the kernel path only)."""
     T, E = logits.shape
     E -= int(shared)
     if not triton_usable(logits) or E > MAX_EXPERTS:
@@ -227,9 +244,10 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
-        _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, E, logits.stride(0), c.first,
-                            TOP_K=top_k, SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E),
-                            BLOCK_K=_pow2(top_k), COUNT=counts is not None, num_warps=NUM_WARPS)
+        _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid, E,
+                            logits.stride(0), c.first, TOP_K=top_k, SHARED=int(shared), RENORM=bool(renormalise),
+                            BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
+                            VALID=valid is not None, num_warps=NUM_WARPS)
     return weights, ids
 
 
@@ -331,15 +349,17 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 renormalise: bool, shared: SharedExpert | None = None, prefill_kernel: bool = True,
-                host: HostRows | None = None,
-                counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                host: HostRows | None = None, counts: RouteCounts | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
     `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK). `host`: slots in host RAM;
-    `counts`: where the router counts its selections (see `fused_moe`, `route`).
+    `counts`: where the router counts its selections; `valid`: a CUDA graph's real rows (see `fused_moe`,
+    `route`).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts)
+    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts,
+                         valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None)
     out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)

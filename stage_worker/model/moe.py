@@ -52,6 +52,9 @@ class SparseMoE(nn.Module):
     # Training: every expert runs on every token and unselected ones are weighted 0 (the same sum). At a small
     # model's sizes two GEMMs beat a loop over experts with a host sync by far; inference never sets it.
     dense_experts: bool = False
+    # CUDA-graph capture (stage_worker/cuda_graphs.py): int32 [1] on the device, the replayed batch's real rows;
+    # the router gives padding rows no routed expert, so they read no expert weights. None outside a capture.
+    valid_rows: torch.Tensor | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool) -> None:
@@ -84,6 +87,7 @@ class SparseMoE(nn.Module):
             w13, w2 = (self.w13, self.w2) if t is None else (t.w13, t.w2)
             tokens = x.numel() // x.shape[-1]
             extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k)}
+            extra["valid"] = self.valid_rows
             fused = self._fused_shared()
             if fused is not None:
                 router, shared = fused
