@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
 from shared.cold_set import AUTO
+from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds,
                                  host_bytes_to_fit, plan)
 from shared.model_config import Qwen4ExpConfig, load_config
@@ -49,6 +50,10 @@ class ServeOptions:
 
 def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
     cfg = load_config(opts.model)
+    if (opts.extra or {}).get("load_format", "safetensors") != "dummy":
+        why = quant_refusal(opts.model)
+        if why:
+            raise ValueError(why)
     ipc = lambda name: f"ipc://{run_dir / (name + '.sock')}"          # noqa: E731
     devices = [opts.device] * opts.stages
     if opts.device == "cuda":

@@ -22,6 +22,7 @@ from shared.kv_layout import compute_dtype
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import ensure_table, shard_row_counts
+from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random, random_param
 from stage_worker.expert_offload import attach_tables, loader_targets, order_gates
@@ -116,6 +117,9 @@ def _ple_modules(model: StageModel):
 
 
 def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts: LoadOptions) -> None:
+    why = quant_refusal(model_dir)
+    if why:
+        raise CheckpointError(why)
     params = dict(model.named_parameters()) | loader_targets(model)
     pieces = pieces_for(cfg, {n: p.shape for n, p in params.items()})
     with torch.device("meta"):

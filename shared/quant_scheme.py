@@ -1,0 +1,242 @@
+"""Which quantization each on-disk weight of a quantized checkpoint carries, and whether the files agree (issue 17,
+item 1: the part of loading that reads metadata; the quantized layers and kernels are not built yet).
+
+Two formats people publish for this model family:
+* compressed-tensors (`quantization_config.quant_method == "compressed-tensors"`): `config_groups`, each a scheme
+  (weights: num_bits, type int/float, symmetric, strategy tensor/channel/group/block, group_size / block_structure)
+  and its `targets` (a module name, `re:` + a regex on the name, or a class name such as `Linear`), plus `ignore`.
+  The scheme of a module is resolved as compressed-tensors' `apply_quantization_config` does: every group's targets
+  go into one target -> scheme map in group order (a target named by two groups keeps the LAST group's scheme), and
+  a module takes the scheme of its most specific matching target (exact name, then regex, then class).
+* block FP8 (`quant_method == "fp8"` with `weight_block_size`, transformers' fine-grained FP8): every Linear weight
+  outside `modules_to_not_convert` is float8 with a `weight_scale_inv` per block.
+
+The metadata is checked against the tensors actually on disk (`check`): the reports met a release whose groups all
+targeted `Linear`, so all but the last group reached nothing, and a loader that trusted the config would have read
+INT6 planes as INT4. Each finding names the tensors it hits. Anything else stops with the scheme's name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
+
+
+class QuantSchemeError(ValueError):
+    """A quantization config moepipe cannot load; the message names the scheme (and the tensor, when one)."""
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    bits: int
+    kind: str                           # "int" or "float"
+    symmetric: bool = True
+    strategy: str = "group"             # "tensor", "channel", "group" or "block"
+    group_size: int | None = None       # strategy "group"
+    block: tuple[int, int] | None = None  # strategy "block": (rows, columns) per scale
+    format: str = "pack-quantized"
+
+    def describe(self) -> str:
+        how = {"group": f"group {self.group_size}", "block": f"block {self.block}"}.get(self.strategy, self.strategy)
+        return f"{self.kind}{self.bits} {'sym' if self.symmetric else 'asym'} {how} ({self.format})"
+
+
+@dataclass
+class QuantPlan:
+    method: str                                      # "compressed-tensors" or "fp8"
+    targets: dict[str, tuple[str, WeightQuant]]      # target -> (group name, scheme), in the library's order
+    ignore: list[str] = field(default_factory=list)
+    shadowed: dict[str, list[str]] = field(default_factory=dict)   # target -> groups whose scheme it lost
+
+    def for_module(self, name: str, cls: str = "Linear") -> WeightQuant | None:
+        """The scheme of module `name` (class `cls`), or None (ignored or no target matches)."""
+        group = self.group_of(name, cls)
+        return None if group is None else self.targets[group][1]
+
+    def group_of(self, name: str, cls: str = "Linear") -> str | None:
+        """The target that decides module `name`'s scheme (exact name, then regex, then class), or None."""
+        if any(_match_name(name, t) or t == cls for t in self.ignore):
+            return None
+        ordered = sorted(self.targets, key=lambda t: (t.startswith("re:"), t))
+        for t in ordered:
+            if _match_name(name, t):
+                return t
+        return cls if cls in self.targets else None
+
+
+def _match_name(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _weight_quant(group: str, scheme: dict, fmt: str) -> WeightQuant:
+    w = scheme.get("weights")
+    if not isinstance(w, dict):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: no `weights` scheme (activation-only "
+                               f"quantization is not supported)")
+    kind, bits = w.get("type", "int"), int(w.get("num_bits", 0))
+    strategy = w.get("strategy") or "tensor"
+    if scheme.get("input_activations") not in (None, {}):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: activation quantization "
+                               f"({scheme['input_activations']}) is not supported; moepipe runs weight-only schemes")
+    ok = (kind == "int" and 2 <= bits <= 8 and strategy in ("channel", "group", "tensor")) or \
+        (kind == "float" and bits == 8 and strategy in ("block", "channel", "tensor"))
+    if not ok or (fmt not in FORMATS):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: {kind}{bits} strategy {strategy!r} in "
+                               f"format {fmt!r} is not supported (int 2-8 bit tensor/channel/group in "
+                               f"{', '.join(FORMATS)}, or float8 block/channel/tensor)")
+    group_size = w.get("group_size")
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: strategy group needs a group_size > 0, "
+                               f"got {group_size!r}")
+    block = tuple(w["block_structure"]) if strategy == "block" and w.get("block_structure") else None
+    if strategy == "block" and (block is None or len(block) != 2):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: strategy block needs "
+                               f"block_structure [rows, columns], got {w.get('block_structure')!r}")
+    return WeightQuant(bits=bits, kind=kind, symmetric=bool(w.get("symmetric", True)), strategy=strategy,
+                       group_size=group_size if strategy == "group" else None, block=block, format=fmt)
+
+
+def parse(config: dict) -> QuantPlan | None:
+    """The plan of a config.json dict (its `quantization_config`), None for an unquantized checkpoint."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2):
+            raise QuantSchemeError(f"quantization_config: fp8 without weight_block_size [rows, columns] "
+                                   f"(per-tensor fp8 is not supported): {q}")
+        wq = WeightQuant(bits=8, kind="float", strategy="block", block=tuple(block), format="float-quantized")
+        return QuantPlan("fp8", {"Linear": ("fp8", wq)}, list(q.get("modules_to_not_convert") or []))
+    if method != "compressed-tensors":
+        raise QuantSchemeError(f"quantization_config.quant_method {method!r} is not supported (compressed-tensors "
+                               f"or fp8 with weight_block_size)")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise QuantSchemeError("quantization_config (compressed-tensors) has no config_groups")
+    default_fmt = q.get("format") or "pack-quantized"
+    targets: dict[str, tuple[str, WeightQuant]] = {}
+    shadowed: dict[str, list[str]] = {}
+    for name, scheme in groups.items():
+        wq = _weight_quant(name, scheme, scheme.get("format") or default_fmt)
+        for t in scheme.get("targets") or []:
+            if t in targets and targets[t][1] != wq:
+                shadowed.setdefault(t, []).append(targets[t][0])
+            targets[t] = (name, wq)                       # the library keeps the last group's scheme
+    return QuantPlan("compressed-tensors", targets, list(q.get("ignore") or []), shadowed)
+
+
+def check(plan: QuantPlan, tensors: dict[str, tuple[int, ...]]) -> list[str]:
+    """Findings where the config and the files disagree (empty: they agree). `tensors`: on-disk name -> shape."""
+    found: list[str] = []
+    for t, lost in plan.shadowed.items():
+        found.append(f"config_groups {', '.join(lost)} and {plan.targets[t][0]} all target {t!r}: only "
+                     f"{plan.targets[t][0]}'s scheme ({plan.targets[t][1].describe()}) takes effect for it, the "
+                     f"others' never does (compressed-tensors keeps the last group per target)")
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in tensors.items():
+        for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv",
+                       "weight"):
+            if name.endswith("." + suffix):
+                modules.setdefault(name[: -len(suffix) - 1], {})[suffix] = tuple(shape)
+                break
+    bad: dict[str, list[str]] = {}
+    for module, parts in sorted(modules.items()):
+        wq = plan.for_module(module)
+        quantized = bool({"weight_packed", "weight_scale", "weight_scale_inv"} & set(parts))
+        if wq is None:
+            if quantized:
+                bad.setdefault("quantized on disk, but no config group applies (ignored or unmatched)", []).append(
+                    module)
+            continue
+        if not quantized:
+            # Only a target naming the module (exact or regex) promises it is quantized: a class target reaches
+            # what the writer's model held as that class (transformers keeps experts in a 3-D module, not Linear,
+            # so a `Linear` target leaves them in bf16 where vLLM-layout writers quantize them), and an
+            # embedding is no Linear at all. The loader goes by what is on disk.
+            target = plan.group_of(module)
+            named = target is not None and (target.startswith("re:") or target == module)
+            if "weight" in parts and len(parts["weight"]) == 2 and named:
+                bad.setdefault(f"plain weight on disk, but the config says {wq.describe()}", []).append(module)
+            continue
+        problem = _shape_problem(wq, parts, plan.method)
+        if problem:
+            bad.setdefault(problem, []).append(module)
+    for problem, names in bad.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        found.append(f"{problem}: {shown}")
+    return found
+
+
+def _shape_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]], method: str) -> str | None:
+    if method == "fp8":
+        w, s = parts.get("weight"), parts.get("weight_scale_inv")
+        if w is None or s is None or len(w) != 2:
+            return "fp8: weight or weight_scale_inv missing"
+        want = (-(-w[0] // wq.block[0]), -(-w[1] // wq.block[1]))
+        if tuple(s) != want:
+            return f"fp8 block {wq.block}: weight_scale_inv is {list(s)}, expected {list(want)}"
+        return None
+    packed, scale = parts.get("weight_packed"), parts.get("weight_scale")
+    if packed is None or scale is None:
+        return f"{wq.describe()}: weight_packed or weight_scale missing"
+    rows, cols = packed[0], packed[-1]
+    if wq.strategy == "group":
+        groups = scale[-1]
+        lo, hi = (groups - 1) * wq.group_size + 1, groups * wq.group_size    # inputs the scale columns allow
+        if not any(max(lo, a + 1) <= min(hi, b) for a, b in _packed_inputs(cols, wq.bits)):
+            return (f"{wq.describe()}: {groups} scale columns mean {lo}-{hi} inputs, but {cols} packed int32 "
+                    f"columns hold {' or '.join(f'{a + 1}-{b}' for a, b in _packed_inputs(cols, wq.bits))} "
+                    f"(another bit width or group size?)")
+    elif wq.strategy == "channel" and scale[0] != rows:
+        return f"{wq.describe()}: weight_scale has {scale[0]} rows, the weight {rows}"
+    if not wq.symmetric and "weight_zero_point" not in parts:
+        return f"{wq.describe()}: asymmetric, but no weight_zero_point"
+    return None
+
+
+def _packed_inputs(cols: int, bits: int) -> list[tuple[int, int]]:
+    """The input counts (a, b] that `cols` int32 columns of `bits`-bit values can hold: compressed-tensors 0.20
+    packs densely (32 values in `bits` words), older versions packed 32 // bits values to a word (the same for 2,
+    4 and 8 bits; an INT6 or INT3 release made with an older version has the sparse layout)."""
+    dense = ((cols - 1) * 32 // bits, cols * 32 // bits)
+    per = 32 // bits
+    sparse = ((cols - 1) * per, cols * per)
+    return [dense] if dense == sparse else [dense, sparse]
+
+
+def refusal(model_dir) -> str | None:
+    """Why a checkpoint directory cannot be served (None: it is not quantized). A quantized checkpoint's scheme is
+    read and checked against its files, so the message says what it is and what disagrees, but its weights do not
+    run yet: the quantized layers and their kernels are issue 17's next step."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None                            # the config loader reports that
+    try:
+        plan = parse(config)
+    except QuantSchemeError as exc:
+        return f"{model_dir}: {exc}"
+    if plan is None:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    schemes = sorted({wq.describe() for _, wq in plan.targets.values()})
+    findings = check(plan, shapes)
+    return (f"{model_dir} is a {plan.method} checkpoint ({'; '.join(schemes)}): moepipe reads its scheme but does "
+            f"not run quantized weights yet (issue 17); serve its bf16 original"
+            + ("; its metadata also disagrees with its files: " + " | ".join(findings) if findings else ""))

@@ -1,0 +1,132 @@
+"""Quantized checkpoints' metadata (shared/quant_scheme.py, issue 17): resolved as compressed-tensors resolves it,
+checked against the tensors on disk, on a checkpoint the compressed-tensors library itself wrote."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from shared.quant_scheme import QuantSchemeError, check, parse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _scheme(bits: int, group: int = 8, **kw) -> dict:
+    return {"targets": kw.pop("targets", ["Linear"]), "input_activations": None,
+            "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+                        **kw}}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5-MoE whose Linear layers compressed-tensors quantized to INT4, group 8, and packed."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from hf_oracle import build_reference
+
+    model = build_reference("qwen3_5_moe")
+    cfg = QuantizationConfig.model_validate({"config_groups": {"g0": _scheme(4)}, "format": "pack-quantized",
+                                             "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]})
+    apply_quantization_config(model, cfg, show_progress=False)
+    for _, m in model.named_modules():
+        s = getattr(m, "quantization_scheme", None)
+        if s is not None:
+            w = m.weight.data.view(m.weight.shape[0], -1, s.weights.group_size)
+            scale, _ = calculate_qparams(w.amin(-1), w.amax(-1), s.weights)
+            m.weight_scale.data.copy_(scale.to(m.weight_scale.dtype))
+    comp = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    comp.compress_model(model)
+    out = tmp_path_factory.mktemp("ct")
+    model.save_pretrained(out)
+    comp.update_config(out)
+    return out
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_a_library_written_checkpoint_agrees_with_its_metadata(written):
+    plan = parse(json.loads((written / "config.json").read_text()))
+    assert plan.method == "compressed-tensors"
+    assert check(plan, _shapes(written)) == []
+    q = plan.for_module("model.layers.0.linear_attn.in_proj_qkv")
+    assert (q.bits, q.kind, q.strategy, q.group_size, q.symmetric) == (4, "int", "group", 8, True)
+    assert plan.for_module("model.layers.0.mlp.gate") is None and plan.for_module("lm_head") is None
+    # a regex naming the experts does promise them quantized: transformers' writer left them in float
+    config = json.loads((written / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["targets"].append("re:.*experts\\.\\d+\\..*")
+    found = check(parse(config), _shapes(written))
+    assert len(found) == 1 and "plain weight on disk" in found[0] and "mlp.experts.0.down_proj" in found[0]
+
+
+def test_groups_that_all_target_linear_are_found_and_so_is_the_bit_width_they_get_wrong(written):
+    """The reports' release: every group targets `Linear`, so only the last one's scheme applies (here INT8 over
+    tensors that hold INT4): both findings name what they hit."""
+    config = json.loads((written / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    first = next(iter(groups.values()))
+    groups.clear()
+    groups.update({"experts_int4": first, "dense_int8": {**first, "weights": {**first["weights"], "num_bits": 8}}})
+    plan = parse(config)
+    found = check(plan, _shapes(written))
+    assert any("experts_int4 and dense_int8 all target 'Linear'" in f for f in found), found
+    wrong = [f for f in found if "scale columns" in f]
+    assert wrong and "int8" in wrong[0] and "model.layers.0.linear_attn" in wrong[0]
+
+
+def test_the_most_specific_target_decides_and_ignore_wins():
+    plan = parse({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["re:.*router$"],
+        "config_groups": {"dense": _scheme(6, 32), "experts": _scheme(4, 128, targets=["re:.*experts\\.\\d+\\..*"]),
+                          "one": _scheme(8, 64, targets=["model.layers.3.mlp.experts.7.down_proj"])}}})
+    assert plan.for_module("model.layers.0.self_attn.q_proj").bits == 6
+    assert plan.for_module("model.layers.0.mlp.experts.5.up_proj").bits == 4
+    assert plan.for_module("model.layers.3.mlp.experts.7.down_proj").bits == 8
+    assert plan.for_module("model.layers.0.mlp.router") is None
+
+
+@pytest.mark.parametrize("q,match", [
+    ({"quant_method": "awq", "bits": 4}, "'awq' is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {**_scheme(8), "input_activations": {
+        "num_bits": 8, "type": "float"}}}}, "activation quantization"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": _scheme(4, strategy="block")}},
+     "strategy 'block'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": _scheme(4, group=0)}}, "group_size"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+])
+def test_unsupported_schemes_stop_with_the_scheme_named(q, match):
+    with pytest.raises(QuantSchemeError, match=match):
+        parse({"quantization_config": q})
+
+
+def test_block_fp8_scales_are_checked_against_the_weight_shape():
+    plan = parse({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                          "modules_to_not_convert": ["lm_head"]}})
+    ok = {"model.layers.0.mlp.down_proj.weight": (300, 256), "model.layers.0.mlp.down_proj.weight_scale_inv": (3, 2),
+          "lm_head.weight": (320, 256)}
+    assert check(plan, ok) == []                               # 300 rows: the last block is partial (ceil)
+    bad = dict(ok, **{"model.layers.0.mlp.down_proj.weight_scale_inv": (2, 2)})
+    assert any("expected [3, 2]" in f and "down_proj" in f for f in check(plan, bad))
+    assert parse({"num_hidden_layers": 2}) is None            # not quantized at all
+
+
+def test_serving_a_quantized_checkpoint_stops_with_its_scheme(written):
+    """Until the quantized layers exist: `moepipe serve` and the loader say what the checkpoint is, not a
+    confusing unexpected-tensor error from a stage."""
+    import subprocess
+
+    from stage_worker.checkpoint.loader import CheckpointError, load_model
+
+    with pytest.raises(CheckpointError, match="compressed-tensors checkpoint .int4 sym group 8"):
+        load_model(written)
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(written), "--port", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2 and "does not run quantized weights yet" in r.stderr, r.stderr
