@@ -41,7 +41,7 @@ from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.expert_offload import gates, moe_layers  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
-from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows, RouteCounts  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 
 TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_trace.npz"
@@ -91,8 +91,8 @@ class Replay:
         self.dummy = RouteCounts(torch.zeros(E, device=dev), torch.zeros(1, dtype=torch.int64, device=dev), E)
         self.real_route = K.route
 
-    def route(self, logits, top_k, renormalise, shared=False, counts=None):
-        w, ids = self.real_route(logits, top_k, renormalise, shared=shared)
+    def route(self, logits, top_k, renormalise, shared=False, counts=None, valid=None):
+        w, ids = self.real_route(logits, top_k, renormalise, shared=shared, valid=valid)
         T = ids.shape[0]
         if T > self.buf.shape[1]:                 # prefill: keep the router's choice
             return w, ids
@@ -102,8 +102,14 @@ class Replay:
         experts = t.expert_of_slot if t is not None else self.identity
         slot_of = torch.empty_like(experts).scatter_(0, experts.long(), self.identity)
         slots = slot_of[self.buf[index, :T]].to(ids.dtype)
+        if valid is not None:                     # a graph's padding rows keep the router's SKIP
+            slots = torch.where(ids[:, :top_k] == K.SKIP, ids[:, :top_k], slots)
         ids[:, :top_k] = slots
-        count_ref(slots, counts if counts is not None else self.dummy)
+        c = counts if counts is not None else self.dummy     # count_ref's sums, with padding (SKIP) left out
+        flat = slots.reshape(-1).long()
+        ok = flat >= 0
+        c.counts.index_add_(0, flat.clamp_min(0), ok.to(c.counts.dtype))
+        c.host_reads.add_(((flat >= c.first) & ok).sum())
         return w, ids
 
 

@@ -296,7 +296,11 @@ def run_serve(opts: ServeOptions) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = Cluster(opts)
+    try:
+        cluster = Cluster(opts)          # the memory plan's refusal is a RuntimeError with the numbers
+    except RuntimeError as exc:
+        print(f"moepipe serve: {exc}", file=sys.stderr)
+        return 1
     try:
         cluster.start()
         print(f"moepipe: starting {cluster.cluster.num_stages} stage(s)"
