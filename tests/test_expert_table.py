@@ -212,8 +212,18 @@ def test_thousands_of_moves_keep_every_row_its_own_expert(demo):
     _fingerprints_hold(model, plain)
 
 
+def test_dummy_weights_fill_the_tables_as_they_fill_the_parameters(tiny_checkpoint):
+    """The dummy format generates each [E, ...] expert tensor whole and scatters it into the slots (the path a fused
+    on-disk `experts.gate_up_proj` takes too): the rows are the all-in-VRAM model's."""
+    cfg = load_config(tiny_checkpoint)
+    opts = LoadOptions(load_format="dummy", seed=3)
+    plain = load_model(tiny_checkpoint, opts, cfg)
+    model = load_model(tiny_checkpoint, dataclasses.replace(opts, cold_experts=_cold(cfg, 0.25, seed=5)), cfg)
+    _fingerprints_hold(model, plain)
+
+
 def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints):
-    """Fused on-disk experts (transformers' `experts.gate_up_proj` layout) scattered into the table's slots."""
+    """A checkpoint transformers itself wrote (its per-expert tensors) loaded into tables, moves on."""
     path, _ = reference_checkpoints["qwen3_5_moe"]
     cfg = load_config(path)
     plain = load_model(path, LoadOptions(), cfg)
