@@ -54,7 +54,11 @@ def install_openapi(app: FastAPI, bodies: dict[str, tuple[type[BaseModel], type[
             op = doc["paths"][path]["post"]
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _add(components,
                                                                                                    request)}}}
-            ok: dict[str, Any] = {"text/event-stream": {"schema": {"type": "string"}}}
+            # One server-sent event (OpenAPI 3.0/3.1 put the per-event schema under `schema`): its `data` is a JSON
+            # chunk as a string, or "[DONE]"; schemathesis parses the stream and checks every event against this.
+            ok: dict[str, Any] = {"text/event-stream": {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}}}
             # (no pydantic model of the Responses API's answer: gateway/responses.py builds it as items)
             ok["application/json"] = {"schema": _add(components, response) if response else {"type": "object"}}
             op.setdefault("responses", {})["200"] = {"description": "the answer, or its SSE stream", "content": ok}
