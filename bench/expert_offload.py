@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import preset  # noqa: E402
 from shared.model_config import config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
-from stage_worker.expert_offload import gates, moe_layers  # noqa: E402
+from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts  # noqa: E402
@@ -82,7 +82,7 @@ class Replay:
     """Overwrites the router's ids with the trace (as slots) inside `moe.route`; installed by monkeypatching."""
 
     def __init__(self, model, batch: int, top_k: int) -> None:
-        self.moes = list(moe_layers(model).values())
+        self.moes = list(model.moe_layers().values())
         self.layer = 0
         dev = next(model.parameters()).device
         E = self.moes[0].num_experts
@@ -195,7 +195,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
     load_s = time.time() - t0
     x = model.experts
     check = greedy_check(model, moves)
-    total_experts = sum(m.num_experts for m in moe_layers(model).values()) * 3 * cfg.hidden_size * \
+    total_experts = sum(m.num_experts for m in model.moe_layers().values()) * 3 * cfg.hidden_size * \
         cfg.moe_intermediate_size * 2
     out = []
     kinds = sorted(trace)

@@ -59,9 +59,7 @@ class DecodeGraphs:
         self.valid = torch.zeros(1, dtype=torch.int32, device=self.device) if skip_padding else None
 
     def capture(self) -> None:
-        from stage_worker.model.moe import SparseMoE
-
-        moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        moes = self._moes()
         for m in moes:
             m.valid_rows = self.valid
         try:

@@ -15,7 +15,6 @@ import torch
 from stage_worker.host_memory import HostBuffer, allocate
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref
 from stage_worker.model.expert_table import ExpertTable, ExpertRows
-from stage_worker.model.moe import SparseMoE
 
 
 @dataclass
@@ -86,15 +85,14 @@ class StageExperts:
         from stage_worker.kernels.expert_moves import SwapPlan, decide, swap_rows, swap_usable   # Triton: lazily
 
         dec = decide(self.counts, self.hot, decay, margin)
-        rows = self.row_sets(gates)
         if swap_usable(self.counts):
             ptrs = tuple(g.data_ptr() for g in gates)
             if self._plans is None or self._plans[0] != ptrs:      # built once: rows never move in memory
-                self._plans = (ptrs, [SwapPlan.build(r, self.counts.device) for r in rows])
+                self._plans = (ptrs, [SwapPlan.build(r, self.counts.device) for r in self.row_sets(gates)])
             for plan in self._plans[1]:
                 swap_rows(plan, dec)
         else:
-            for r in rows:
+            for r in self.row_sets(gates):
                 swap_rows_ref(r, dec)
         pair, go = dec[:, :2], dec[:, 2:].bool()
         for t in (self.counts, self.expert_of_slot):
@@ -104,15 +102,10 @@ class StageExperts:
         return dec
 
 
-def moe_layers(model) -> dict[int, SparseMoE]:
-    return {int(i): layer.mlp for i, layer in model.layers.items() if isinstance(getattr(layer, "mlp", None),
-                                                                                   SparseMoE)}
-
-
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
                   dtype: torch.dtype) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has."""
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
@@ -156,14 +149,14 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
 
 def gates(model) -> list[torch.Tensor]:
     """The router weights of the layers with tables, in `StageExperts.tables` order."""
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     return [layers[layer].gate.weight for layer in model.experts.tables]
 
 
 def loader_targets(model) -> dict[str, ExpertRows]:
     """`layers.N.mlp.w13` / `.w2` -> the table standing in for that parameter, for layers that have one."""
     out = {}
-    for layer, moe in moe_layers(model).items():
+    for layer, moe in model.moe_layers().items():
         if moe.table is not None:
             out[f"layers.{layer}.mlp.w13"] = ExpertRows(moe.table, "w13")
             out[f"layers.{layer}.mlp.w2"] = ExpertRows(moe.table, "w2")
@@ -174,6 +167,6 @@ def loader_targets(model) -> dict[str, ExpertRows]:
 def order_gates(model) -> None:
     """After loading: every table's router rows into slot order (the fused router, once built, is a view of them
     too, so this runs before `prepare_kernels`)."""
-    for moe in moe_layers(model).values():
+    for moe in model.moe_layers().values():
         if moe.table is not None:
             moe.table.order_gate(moe.gate.weight)

@@ -32,10 +32,10 @@ def windows(stream: np.ndarray, chunk: int) -> list[list[int]]:
 
 def moe_layers(model) -> list[tuple[int, SparseMoE]]:
     """(global layer index, SparseMoE) of every MoE layer of the model, in layer order."""
-    out = [(int(i), layer.mlp) for i, layer in model.layers.items() if isinstance(layer.mlp, SparseMoE)]
+    out = sorted(model.moe_layers().items())
     if not out:
         raise ValueError("the model has no SparseMoE layers to trace")
-    return sorted(out, key=lambda t: t[0])
+    return out
 
 
 def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:

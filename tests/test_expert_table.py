@@ -34,7 +34,7 @@ if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: 
 from shared import cold_set  # noqa: E402
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
-from stage_worker.expert_offload import gates, moe_layers  # noqa: E402
+from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
@@ -159,8 +159,8 @@ def _greedy(model, prompt: list[int], steps: int, move_every: int = 0):
 
 def _fingerprints_hold(model, plain) -> None:
     """Every slot holds its expert's rows and router row, wherever the moves took it."""
-    want = moe_layers(plain)
-    for layer, moe in moe_layers(model).items():
+    want = plain.moe_layers()
+    for layer, moe in model.moe_layers().items():
         t = moe.table
         if t is None:
             continue

@@ -92,6 +92,18 @@ if triton is not None:
     SKIP_ID = tl.constexpr(SKIP)
 
     @triton.jit
+    def expert_rows(e, w_ptr, shared_ptr, host_ptr, stride_we, FIRST_HOST):
+        """Where slot e's rows start: the host table's from FIRST_HOST on (`HostRows`), the shared expert's for
+        id -1, else the device table's. The MoE decode and prefill kernels all take their expert this way."""
+        if e >= FIRST_HOST:
+            base = host_ptr + (e - FIRST_HOST) * stride_we
+        elif e >= 0:
+            base = w_ptr + e * stride_we
+        else:
+            base = shared_ptr
+        return base
+
+    @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr):
@@ -161,12 +173,7 @@ if triton is not None:
         e = tl.load(ids_ptr + tj).to(tl.int64)
         if e == SKIP_ID:
             return
-        if e >= FIRST_HOST:
-            base = hw13_ptr + (e - FIRST_HOST) * stride_we
-        elif e >= 0:
-            base = w13_ptr + e * stride_we
-        else:
-            base = sw13_ptr
+        base = expert_rows(e, w13_ptr, sw13_ptr, hw13_ptr, stride_we, FIRST_HOST)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask_i = offs_i < I
         gate_rows = base + offs_i[:, None].to(tl.int64) * stride_wr
@@ -200,12 +207,7 @@ if triton is not None:
             e = tl.load(ids_ptr + tj).to(tl.int64)
             wt = tl.load(wts_ptr + tj).to(tl.float32)
             if e != SKIP_ID:
-                if e >= FIRST_HOST:
-                    base = hw2_ptr + (e - FIRST_HOST) * stride_we
-                elif e >= 0:
-                    base = w2_ptr + e * stride_we
-                else:
-                    base = sw2_ptr
+                base = expert_rows(e, w2_ptr, sw2_ptr, hw2_ptr, stride_we, FIRST_HOST)
                 rows = base + offs_h[:, None].to(tl.int64) * stride_wh
                 for i0 in range(0, I, BLOCK_I):
                     offs_i = i0 + tl.arange(0, BLOCK_I)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from stage_worker.kernels.moe import expert_rows
+
 
 def block_m(pairs: int, experts: int) -> int:
     """Rows per block: small when each expert gets few pairs (padding is wasted work), 16 at least (tl.dot)."""
@@ -71,10 +73,7 @@ def _up_kernel(x_ptr, sorted_ptr, block_expert_ptr, w13_ptr, hw13_ptr, act_ptr, 
     tok = (pair // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    if e >= FIRST_HOST:
-        w_base = hw13_ptr + (e - FIRST_HOST) * stride_we
-    else:
-        w_base = w13_ptr + e * stride_we
+    w_base = expert_rows(e, w13_ptr, w13_ptr, hw13_ptr, stride_we, FIRST_HOST)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -103,10 +102,7 @@ def _down_kernel(act_ptr, sorted_ptr, block_expert_ptr, w2_ptr, hw2_ptr, down_pt
     p64 = pair.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < H
-    if e >= FIRST_HOST:
-        w_base = hw2_ptr + (e - FIRST_HOST) * stride_we
-    else:
-        w_base = w2_ptr + e * stride_we
+    w_base = expert_rows(e, w2_ptr, w2_ptr, hw2_ptr, stride_we, FIRST_HOST)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

@@ -15,6 +15,7 @@ from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec, ModelCache
 from stage_worker.model.decoder import DecoderLayer
 from stage_worker.model.hyper_connection import GatedResidual
+from stage_worker.model.moe import SparseMoE
 from stage_worker.model.mtp import MTPHead
 from stage_worker.model.norms import ZeroCentredRMSNorm
 from stage_worker.model.rope import Rotary
@@ -58,6 +59,10 @@ class StageModel(nn.Module):
     def stream_width(self) -> int:
         hc = self.cfg.hc_count if self.cfg.uses_hyper_connections else 1
         return hc * self.cfg.hidden_size
+
+    def moe_layers(self) -> dict[int, SparseMoE]:
+        """Decoder layer index -> its SparseMoE, in layer order, for the layers of this slice that have one."""
+        return {int(i): layer.mlp for i, layer in self.layers.items() if isinstance(layer.mlp, SparseMoE)}
 
     def new_cache(self, spec: CacheSpec) -> ModelCache:
         return ModelCache(self.cfg, spec, self.start, self.end, with_mtp=self.mtp is not None)
