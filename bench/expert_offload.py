@@ -21,6 +21,7 @@ table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -238,7 +239,10 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
                     "moves_on": moves, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "greedy": check})
-    del model
+    if x is not None and x.host is not None:
+        x.host.close()                    # unregister now: the next model's table may map at the same address
+    del model, x, replay
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 

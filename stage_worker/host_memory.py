@@ -17,6 +17,7 @@ import fcntl
 import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +43,15 @@ def available_bytes() -> int:
 
 @dataclass
 class HostBuffer:
-    """`nbytes` of host memory as a uint8 tensor; `pinned` when registered with CUDA."""
+    """`nbytes` of host memory as a uint8 tensor; `pinned` when registered with CUDA.
+
+    The registration ends with the mapping: at close(), or when the last view of the memory dies. A mapping unmapped
+    while still registered would make the next `cudaHostRegister` at the same address fail (error 712)."""
     tensor: torch.Tensor
     nbytes: int
     mapped: int                               # bytes mapped: nbytes rounded up to a page
     pinned: bool = False
-    _map: mmap.mmap | None = field(default=None, repr=False)
+    _release: weakref.finalize | None = field(default=None, repr=False)
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
@@ -56,17 +60,18 @@ class HostBuffer:
         return self.tensor[:n].view(dtype).view(shape)
 
     def close(self) -> None:
-        if self._map is None:
-            return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        """Unregister now; the pages go when the last view does (a view still alive keeps them mapped)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        try:
-            self._map.close()
-        except BufferError:          # a view is still alive: the mapping goes when the last one does
-            pass
-        self._map = None
+
+
+def _unregister(ptr: int, pinned: bool) -> None:
+    """Runs once, before the mapping is unmapped (the finalizer fires as the numpy array over it dies)."""
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class host_lock:
@@ -117,12 +122,17 @@ def allocate(nbytes: int, *, what: str = "host buffer", headroom: int = 2 * GIB,
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         raw = np.frombuffer(m, dtype=np.uint8)
         raw[::page] = 0                       # fault every page in now (MAP_POPULATE does where it exists)
-        tensor = torch.from_numpy(raw)[:nbytes]
+        tensor = torch.from_numpy(raw)[:nbytes]          # every view holds `raw`, and `raw` holds the mapping
         pinned = False
         if pin and torch.cuda.is_available():
             err = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0))
             if err != 0:
+                hint = ("the range is registered already: an earlier buffer here was unmapped without "
+                        "cudaHostUnregister" if err == 712 else
+                        "memlock limit? `ulimit -l unlimited` or LimitMEMLOCK=infinity")
                 raise HostMemoryError(f"{what}: cudaHostRegister of {size / GIB:.2f} GiB failed with CUDA error "
-                                      f"{err} (memlock limit? `ulimit -l unlimited` or LimitMEMLOCK=infinity)")
+                                      f"{err} ({hint})")
             pinned = True
-    return HostBuffer(tensor=tensor, nbytes=nbytes, mapped=size, pinned=pinned, _map=m)
+        release = weakref.finalize(raw, _unregister, tensor.data_ptr(), pinned)
+        del m, raw
+    return HostBuffer(tensor=tensor, nbytes=nbytes, mapped=size, pinned=pinned, _release=release)

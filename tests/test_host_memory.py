@@ -80,3 +80,29 @@ def test_the_host_lock_serialises_allocations(tmp_path):
     buf = hm.allocate(1 << 20, lock_path=lock, lock_timeout=10, headroom=0, pin=False)
     assert buf.nbytes == 1 << 20
     buf.close()
+
+
+def test_the_registration_ends_when_the_last_view_dies(tmp_path, monkeypatch):
+    """A buffer nobody closed (a model dropped, the next one loaded) unregisters before its pages are unmapped, or
+    the next cudaHostRegister at the same address fails with CUDA error 712; close() ends it at once."""
+    import gc
+
+    calls: list[int] = []
+    monkeypatch.setattr(hm, "_unregister", lambda ptr, pinned: calls.append(ptr))
+    big = 64 << 20
+    before = _rss()
+    buf = hm.allocate(big, lock_path=tmp_path / "lock", headroom=0, pin=False)
+    ptr = buf.tensor.data_ptr()
+    view = buf.view(torch.float32, (16,))
+    del buf
+    gc.collect()
+    assert calls == [] and _rss() - before >= big                  # a view alive: still registered and mapped
+    del view
+    gc.collect()
+    assert calls == [ptr] and _rss() - before < big // 2          # unregistered, then unmapped
+    again = hm.allocate(1 << 20, lock_path=tmp_path / "lock", headroom=0, pin=False)
+    second = again.tensor.data_ptr()
+    again.close()
+    assert calls == [ptr, second]
+    again.close()                                                  # once only
+    assert calls == [ptr, second]
