@@ -95,11 +95,13 @@ def test_a_25k_token_system_prompt_is_answered(default_server):
 def test_openai_agents_sdk_round_trip_with_its_defaults(default_server, stream):
     """The openai-agents SDK with its default settings apart from the base URL, key and model name (so its default
     Responses API): the demo model calls the offered `run_shell`, the SDK runs it and sends the output back, the
-    model answers (tools/agents_sdk_roundtrip.py exits 0 only then)."""
+    model answers (tools/agents_sdk_roundtrip.py exits 0 only then). The SDK sets no output cap and ends a run with
+    an error when one is hit, so the seed is one whose final answer is short: seed 5's runs on for 939 tokens (25 s
+    on the 2-core CI machine), seed 1's for thousands; seeds 2-4 and 6-9 all answer within 200."""
     pytest.importorskip("agents")
     url, _, _ = default_server
     env = dict(os.environ, OPENAI_BASE_URL=url + "/v1", OPENAI_API_KEY="unused", OPENAI_AGENTS_DISABLE_TRACING="1")
-    cmd = [sys.executable, "tools/agents_sdk_roundtrip.py", "--seed", "5"] + (["--stream"] if stream else [])
+    cmd = [sys.executable, "tools/agents_sdk_roundtrip.py", "--seed", "4"] + (["--stream"] if stream else [])
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "items: ['ToolCallItem', 'ToolCallOutputItem'" in out.stdout and "round trip complete" in out.stdout

@@ -16,10 +16,12 @@ import httpx
 import pytest
 import zmq
 
-from conftest import free_port, stop_server, wait_healthy
+from conftest import free_port, wait_healthy
 from gateway.launcher import ServeOptions, build_cluster_config, commands
 from shared.cluster_config import ClusterConfigError, cluster_from_dict, dump_toml, load_cluster_config
 from shared.protocol import Shutdown, encode
+from shared.sampling import SamplingParams
+from stage_worker.generate import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,9 +60,12 @@ def test_tcp_endpoints_need_keys_unless_insecure_links(tmp_path):
         load_cluster_config(tmp_path / "two.toml")
 
 
+PROMPTS = ("The quick brown fox", "def add(a, b):")
+
+
 def _greedy(url: str) -> list[str]:
     out = []
-    for prompt in ("The quick brown fox", "def add(a, b):"):
+    for prompt in PROMPTS:
         r = httpx.post(url + "/v1/completions", timeout=60, json={"model": "moepipe", "prompt": prompt,
                                                                  "max_tokens": 10, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -68,18 +73,10 @@ def _greedy(url: str) -> list[str]:
     return out
 
 
-def test_two_stages_over_tcp_with_curve_keys_serve_the_ipc_tokens(tiny_checkpoint, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                              "--stages", "2", "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        wait_healthy(url, serve)
-        over_ipc = _greedy(url)
-    finally:
-        stop_server(serve)
-
+def test_two_stages_over_tcp_with_curve_keys_serve_the_in_process_tokens(tiny_checkpoint, tmp_path):
+    """The cluster over TCP with CURVE keys serves the greedy tokens of in-process generation (which the IPC cluster
+    serves: tests/test_cluster.py), and drops what senders without the cluster's certificate send."""
+    in_process = [generate(tiny_checkpoint, p, SamplingParams(max_tokens=10, temperature=0.0)).text for p in PROMPTS]
     assert _keys(tmp_path / "keys").returncode == 0
     run = tmp_path / "run"
     run.mkdir()
@@ -95,7 +92,7 @@ def test_two_stages_over_tcp_with_curve_keys_serve_the_ipc_tokens(tiny_checkpoin
     url = f"http://127.0.0.1:{cluster.port}"
     try:
         wait_healthy(url)
-        assert _greedy(url) == over_ipc
+        assert _greedy(url) == in_process
         # Senders without the cluster's certificate: no keys at all, and another cluster's keys. Neither gets a
         # message into stage 1 (a Shutdown would stop it).
         assert _keys(tmp_path / "other").returncode == 0
@@ -117,7 +114,7 @@ def test_two_stages_over_tcp_with_curve_keys_serve_the_ipc_tokens(tiny_checkpoin
             s.close(linger=0)
         ctx.term()
         assert all(p.poll() is None for p in procs)
-        assert _greedy(url) == over_ipc
+        assert _greedy(url) == in_process
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

@@ -31,16 +31,23 @@ def _train(corpus: Path, out: Path, *extra: str, batch: int = 2, lr: float = 3e-
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def test_rerun_and_resume_reproduce_the_losses(corpus, tmp_path):
+def test_rerun_resume_and_snapshot_reproduce_the_losses(corpus, tmp_path):
+    """A rerun with the same seed logs the same losses (CPU: bit-identical), a run resumed from its checkpoint
+    continues exactly, and --snapshot (bf16 weights and the step at each save) lets --init-from start a new output
+    directory there (what survives losing a lent machine): its first loss is the uninterrupted run's, within bf16
+    rounding."""
     full = _train(corpus, tmp_path / "a", "--max-steps", "6")
-    # A second run's first 4 steps (a rerun: CPU, bit-identical; the last of them sparse) and, resumed from its
-    # checkpoint, the last 2.
-    first = _train(corpus, tmp_path / "c", "--max-steps", "4")
-    assert [r["loss"] for r in first] == [r["loss"] for r in full][:4]
+    first = _train(corpus, tmp_path / "c", "--max-steps", "4", "--save-every", "4", "--snapshot",
+                   str(tmp_path / "snap"))
+    assert [r["loss"] for r in first] == [r["loss"] for r in full][:4]    # the last of them sparse
+    assert json.loads((tmp_path / "snap/train_state.json").read_text()) == {"step": 4}
     resumed = _train(corpus, tmp_path / "c", "--max-steps", "6")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     assert [r["dense"] for r in full][:4] == [True, True, True, False]     # indexer warm-up, then sparse
     assert all(r["indexer_kl"] >= 0 and r["moe_balance"] >= 0.99 for r in full)
+    moved = _train(corpus, tmp_path / "m", "--max-steps", "6", "--init-from", str(tmp_path / "snap"))
+    assert [r["step"] for r in moved] == [5, 6]
+    assert abs(moved[0]["ce"] - full[4]["ce"]) < 0.01 * full[4]["ce"]
 
 
 def test_training_lowers_the_loss_and_exports_a_servable_checkpoint(corpus, tmp_path):
@@ -64,18 +71,6 @@ def test_training_lowers_the_loss_and_exports_a_servable_checkpoint(corpus, tmp_
     gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(out), "--prompt", "def",
                           "--max-tokens", "4", "--seed", "1"], capture_output=True, text=True, cwd=ROOT)
     assert gen.returncode == 0, gen.stderr
-
-
-def test_snapshot_lets_training_continue_elsewhere(corpus, tmp_path):
-    """--snapshot exports bf16 weights and the step at each save; --init-from starts a new output directory there
-    (what survives losing a lent machine): its first step's loss is the uninterrupted run's, within bf16 rounding."""
-    kw = dict(batch=4, lr=1e-2, total=24)
-    full = _train(corpus, tmp_path / "a", "--max-steps", "6", **kw)
-    _train(corpus, tmp_path / "b", "--max-steps", "4", "--save-every", "4", "--snapshot", str(tmp_path / "snap"), **kw)
-    assert json.loads((tmp_path / "snap/train_state.json").read_text()) == {"step": 4}
-    moved = _train(corpus, tmp_path / "c", "--max-steps", "6", "--init-from", str(tmp_path / "snap"), **kw)
-    assert [r["step"] for r in moved] == [5, 6]
-    assert abs(moved[0]["ce"] - full[4]["ce"]) < 0.01 * full[4]["ce"]
 
 
 def test_prepare_writes_only_what_a_gpu_machine_needs(corpus, tmp_path):
