@@ -31,6 +31,7 @@ from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E40
 from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, preset_config  # noqa: E402
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
+from stage_worker.model.meta_build import on_meta  # noqa: E402
 from stage_worker.model.moe import SparseMoE  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def preset(name: str) -> dict:
 
 def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
     """(bytes of `layers` decoder layers, bytes outside the layers) in bf16, computed on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         from stage_worker.model.model import StageModel
 
         m = StageModel(dataclasses.replace(cfg, num_hidden_layers=1, layer_types=cfg.layer_types[:1]))
@@ -54,7 +55,7 @@ def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
     for kind in ("linear_attention", cfg.attention_layer_type):
         c = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=[kind],
                                 **({"ple_layer_ids": []} if isinstance(cfg, Qwen4ExpConfig) else {}))
-        with torch.device("meta"):
+        with on_meta():
             mm = StageModel(c)
         per_type[kind] = sum(p.numel() for n, p in mm.named_parameters() if n.startswith("layers.")) * 2
     outside = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("layers.")) * 2

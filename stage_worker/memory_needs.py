@@ -27,6 +27,7 @@ from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from stage_worker.model.cache import CacheSpec
+from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +58,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         if not spec.device.startswith("cuda"):
             continue
         dtype = compute_dtype(cfg, spec.device, cluster.dtype)
-        with torch.device("meta"):
+        with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],

@@ -22,6 +22,7 @@ from shared.ple_table import shard_row_counts
 from stage_worker.checkpoint.names import EXPERT, pieces_for
 from stage_worker.checkpoint.random_init import random_param
 from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def _config_only_qwen3_next(out: Path, layers: int | None) -> Path:
 def _planned_tensors(cfg: Qwen4ExpConfig, seed: int) -> list[tuple[str, tuple[int, ...], torch.dtype, object]]:
     """(on-disk name, shape, dtype, producer) for every tensor, in a stable order."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-    with torch.device("meta"):
+    with on_meta():
         model = StageModel(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     plan = []

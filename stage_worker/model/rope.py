@@ -16,7 +16,9 @@ class Rotary(nn.Module):
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        # Computed on the CPU even inside `with torch.device("meta")` (the loader builds models there): arange on
+        # the meta device first imports torch's reference decompositions, ~4 s of every stage process's start-up.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
