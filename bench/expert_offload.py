@@ -13,7 +13,7 @@ token's ten moves to the next free id). So the skew and the temporal locality ar
 runs (its cost is paid), its ids are then overwritten with the replay (mapped to slots through the table's current
 slot map, so moves see the replay) and counted; the all-in-VRAM baseline does the same ops on an identity map.
 
-Moves run as the server runs them (`StageExperts.move_round`, every `--move-interval` steps). Each configuration
+Moves run as the server runs them (`StageExperts.move_round`, one policy per `--policies` entry). Each configuration
 is a fresh model (dummy weights generated on the GPU; the cold rows copied to pinned host memory once). Prints a
 table and writes JSON.
 """
@@ -187,7 +187,8 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
     return out
 
 
-def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bool, interval: int) -> list[dict]:
+def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
+        policy: tuple[int, float, float] | None) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
@@ -195,6 +196,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
     model.set_kernels(KernelFlags.parse("all"))
     load_s = time.time() - t0
     x = model.experts
+    moves = policy is not None
+    interval, half_life, margin = policy or (0, 0.0, 0.0)
     check = greedy_check(model, moves)
     total_experts = sum(m.num_experts for m in model.moe_layers().values()) * 3 * cfg.hidden_size * \
         cfg.moe_intermediate_size * 2
@@ -216,7 +219,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
                     row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
                     replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
                 if moves and x is not None and s % interval == interval - 1:
-                    x.move_round(gates(model), 0.5 ** (interval / 512), 2.0)
+                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin)
                 if s == warmup:
                     torch.cuda.synchronize()
                     if x is not None:
@@ -236,7 +239,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int, moves: bo
         med = statistics.median(times)
         host = x.host_bytes() if x is not None else 0
         out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
-                    "moves_on": moves, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
+                    "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "greedy": check})
     if x is not None and x.host is not None:
@@ -255,7 +258,9 @@ def main() -> int:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--steps", type=int, default=384, help="measured decode steps per configuration")
     ap.add_argument("--warmup", type=int, default=128, help="steps before measuring (moves settle here too)")
-    ap.add_argument("--move-interval", type=int, default=8)
+    ap.add_argument("--policies", default="8:512:2",
+                    help="move policies to run, each interval:half-life:margin (steps, steps, count lead); the "
+                         "server's defaults are 8:512:2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -273,34 +278,42 @@ def main() -> int:
           f"{cost['per_read_us']:.0f} us ({cost['gb_per_s']:.1f} GB/s)")
     results = []
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>5} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
+    policies = [tuple(float(v) if i else int(v) for i, v in enumerate(p.split(":"))) for p in args.policies.split(",")]
+    print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
           f"{'reads/tok':>9} {'moves/tok':>9}")
     base: dict[int, float] = {}
     for share in (float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
-        for moves in ((False, True) if cold else (False,)):
-            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, moves, args.move_interval):
+        for policy in ([None] + policies if cold else [None]):
+            moves = policy is not None
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
                 results.append(r)
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} "
-                      f"{'on' if moves else 'off':>5} {r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
+                      f"{':'.join(f'{v:g}' for v in policy) if moves else 'off':>9} {r['median_step_ms']:>8.2f} "
+                      f"{r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
                       f"{r['moves_per_token']:>9.3f}", flush=True)
     ref = results[0]["greedy"]
     for r in results:
         g = r["greedy"]
         r["greedy_equal"] = g["tokens"] == ref["tokens"]
-        r["greedy_max_logprob_diff"] = max(abs(a - b) for a, b in zip(g["logprobs"], ref["logprobs"]))
+        # up to the first differing token (after it the contexts differ and so do the logprobs)
+        same = next((i for i, (a, b) in enumerate(zip(g["tokens"], ref["tokens"])) if a != b), len(g["tokens"]))
+        r["greedy_first_difference"] = None if r["greedy_equal"] else same
+        r["greedy_max_logprob_diff"] = max((abs(a - b) for a, b in zip(g["logprobs"][:same + 1],
+                                                                       ref["logprobs"][:same + 1])), default=0.0)
     print("greedy tokens vs all in VRAM (real router, moves after every token when on): " + "; ".join(
         f"{100 * r['host_share']:.0f}% moves {'on' if r['moves_on'] else 'off'}: "
-        f"{'same' if r['greedy_equal'] else 'DIFFERENT'} (max |dlogprob| {r['greedy_max_logprob_diff']:.2g}"
+        f"{'same' if r['greedy_equal'] else 'first differs at token ' + str(r['greedy_first_difference'])} "
+        f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
         for r in results if r["batch"] == batches[0]))
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
-            "steps": args.steps, "warmup": args.warmup, "move_interval": args.move_interval}
+            "steps": args.steps, "warmup": args.warmup, "policies": policies}
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "host_read": cost, "results": results}, indent=1))
         print(f"wrote {args.out}")

@@ -10,6 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the kernel tests run Triton's interpreter, which must be on before anything imports triton:
+# triton.language's own helpers (tl.zeros, ...) are compiled or interpreted as the package is first imported, and
+# libraries the tests use (compressed-tensors) import it early. Model code takes Triton only for CUDA tensors.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

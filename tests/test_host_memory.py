@@ -90,19 +90,38 @@ def test_the_registration_ends_when_the_last_view_dies(tmp_path, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(hm, "_unregister", lambda ptr, pinned: calls.append(ptr))
     big = 64 << 20
-    before = _rss()
     buf = hm.allocate(big, lock_path=tmp_path / "lock", headroom=0, pin=False)
     ptr = buf.tensor.data_ptr()
     view = buf.view(torch.float32, (16,))
+    view.fill_(2.0)
     del buf
     gc.collect()
-    assert calls == [] and _rss() - before >= big                  # a view alive: still registered and mapped
+    assert calls == [] and float(view.sum()) == 32.0                # a view alive: still registered and mapped
+    alive = _rss()
     del view
     gc.collect()
-    assert calls == [ptr] and _rss() - before < big // 2          # unregistered, then unmapped
+    assert calls == [ptr] and alive - _rss() >= big * 0.9           # unregistered, then unmapped
     again = hm.allocate(1 << 20, lock_path=tmp_path / "lock", headroom=0, pin=False)
     second = again.tensor.data_ptr()
     again.close()
     assert calls == [ptr, second]
     again.close()                                                  # once only
     assert calls == [ptr, second]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_buffers_dropped_and_made_again_register_each_time(tmp_path):
+    """What bench/expert_offload.py does between models: the mapping a dropped buffer leaves is often where the
+    next one lands, and its registration must be gone by then (CUDA error 712 otherwise)."""
+    import gc
+
+    for _ in range(4):
+        buf = hm.allocate(256 << 20, lock_path=tmp_path / "lock", headroom=0)
+        assert buf.pinned
+        dev = torch.ones(1 << 20, device="cuda")
+        buf.view(torch.float32, (1 << 20,)).copy_(dev, non_blocking=True)      # a DMA from the device: pinned
+        torch.cuda.synchronize()
+        assert float(buf.view(torch.float32, (1 << 20,)).sum()) == float(1 << 20)
+        del buf, dev
+        gc.collect()

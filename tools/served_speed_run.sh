@@ -71,15 +71,28 @@ if want sampler; then
   timeout 120 python3 bench/sampler.py --device cuda --runs 20 --out "$out/sampler-h200.json" 2>&1 | tail -8
 fi
 if want offload; then   # issue 16: one host read's cost; decode with 0/10/25/50% of expert bytes in host RAM
-  timeout 120 python3 -c "
-import sys, torch; sys.path[:0] = ['tests']
-import test_expert_table as t
-for a in [(1, 14, False), (5, 8, True), (70, 4, False), (70, 10, True)]: t.test_kernels_read_host_rows_as_if_one_table(*a)
-for n in (1, 6): t.test_router_counts_selections_and_host_reads(n)
-t.test_decide_moves_only_a_clear_winner(); t.test_swap_kernel_matches_the_reference()
-print('expert table kernels with pinned host rows on the GPU: OK')" 2>&1 | tail -6
+  timeout 180 python3 -c "
+import sys, traceback; sys.path[:0] = ['tests']
+from pathlib import Path
+import test_expert_table as t, test_host_memory as h
+from stage_worker.checkpoint.make_model import make_model
+checks = [(f'host rows {a}', lambda a=a: t.test_kernels_read_host_rows_as_if_one_table(*a))
+          for a in [(1, 14, False), (5, 8, True), (70, 4, False), (70, 10, True)]]
+checks += [(f'router counts {n}', lambda n=n: t.test_router_counts_selections_and_host_reads(n)) for n in (1, 6)]
+checks += [('decide', t.test_decide_moves_only_a_clear_winner), ('swap kernel', t.test_swap_kernel_matches_the_reference),
+           ('registered host memory', t.test_registered_host_memory_is_read_by_the_kernels_on_the_gpu),
+           ('gpu stage greedy with moves', lambda: t.test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tokens(make_model('tiny', Path('/tmp/tiny0'), seed=0))),
+           ('pinned buffers again', lambda: h.test_pinned_buffers_dropped_and_made_again_register_each_time(Path('/tmp')))]
+for name, fn in checks:
+    try:
+        fn(); print('OK  ', name)
+    except Exception as exc:
+        print('FAIL', name, repr(exc)[:300]); traceback.print_exc(limit=3)
+" > "$out/offload_checks.log" 2>&1
+  grep -E "^(OK|FAIL)" "$out/offload_checks.log"
   timeout "${OFFLOAD_TIMEOUT:-480}" python3 bench/expert_offload.py --layers "${OFFLOAD_LAYERS:-16}" \
-    --shares "${OFFLOAD_SHARES:-0,0.1,0.25,0.5}" --batch 1,4 --out "$out/expert_offload.json" \
+    --shares "${OFFLOAD_SHARES:-0,0.1,0.25,0.5}" --policies "${OFFLOAD_POLICIES:-8:512:2}" --batch 1,4 \
+    --out "$out/expert_offload.json" \
     > "$out/expert_offload.log" 2>&1
   tail -16 "$out/expert_offload.log"
 fi
