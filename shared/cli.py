@@ -64,6 +64,26 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint
+
+    src = Path(args.input)
+    if not (src / "config.json").is_file():
+        print(f"moepipe quantize: {src} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        summary = quantize_checkpoint(src, Path(args.output), args.scheme)
+    except QuantizeError as exc:
+        print(f"moepipe quantize: {exc}", file=sys.stderr)
+        return 2
+    for name, w in summary["groups"].items():
+        how = f"group {w['group_size']}" if w.get("group_size") else w.get("block_structure") or w["strategy"]
+        print(f"  {name}: {w['type']}{w['num_bits']} {how}")
+    print(f"{args.output}: {summary['modules']} modules quantized ({args.scheme}), "
+          f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from stage_worker.generate import run_cli
 
@@ -185,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")
     mk.set_defaults(func=_make_model)
+
+    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (compressed-tensors INT4/6/8 or "
+                                        "block FP8), with the compressed-tensors library")
+    q.add_argument("--scheme", required=True, choices=["reports-mixed", "int4-experts", "fp8-block"],
+                   help="reports-mixed: experts INT4 g128, attention/DeltaNet/shared expert INT6 g128, "
+                        "hyper-connections and embeddings INT8 per channel; int4-experts: only the routed experts; "
+                        "fp8-block: float8 with 128x128 block scales (quant_method fp8)")
+    q.add_argument("input", help="checkpoint directory (float weights)")
+    q.add_argument("output", help="directory to write (must not exist or be empty)")
+    q.set_defaults(func=_quantize)
 
     g = sub.add_parser("generate", help="generate from a prompt in this process")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")

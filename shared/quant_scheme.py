@@ -1,5 +1,5 @@
 """Which quantization each on-disk weight of a quantized checkpoint carries, and whether the files agree (issue 17,
-item 1: the part of loading that reads metadata; the quantized layers and kernels are not built yet).
+item 1: the part of loading that reads metadata; stage_worker/model/quant_weight.py reads the tensors).
 
 Two formats people publish for this model family:
 * compressed-tensors (`quantization_config.quant_method == "compressed-tensors"`): `config_groups`, each a scheme
@@ -210,22 +210,28 @@ def _packed_inputs(cols: int, bits: int) -> list[tuple[int, int]]:
     return [dense] if dense == sparse else [dense, sparse]
 
 
-def refusal(model_dir) -> str | None:
-    """Why a checkpoint directory cannot be served (None: it is not quantized). A quantized checkpoint's scheme is
-    read and checked against its files, so the message says what it is and what disagrees, but its weights do not
-    run yet: the quantized layers and their kernels are issue 17's next step."""
+def plan_of(model_dir) -> QuantPlan | None:
+    """The plan of a checkpoint directory's config.json (None: not quantized, or no readable config)."""
     import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None                            # the config loader reports that
+    return parse(config)
+
+
+def refusal(model_dir) -> str | None:
+    """Why a quantized checkpoint directory cannot be served (None: it can, or it is not quantized): a scheme
+    moepipe does not run, or metadata that disagrees with the files (each finding names the tensors it hits)."""
     from pathlib import Path
 
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None                            # the config loader reports that
-    try:
-        plan = parse(config)
+        plan = plan_of(model_dir)
     except QuantSchemeError as exc:
         return f"{model_dir}: {exc}"
     if plan is None:
@@ -235,8 +241,10 @@ def refusal(model_dir) -> str | None:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
-    schemes = sorted({wq.describe() for _, wq in plan.targets.values()})
     findings = check(plan, shapes)
-    return (f"{model_dir} is a {plan.method} checkpoint ({'; '.join(schemes)}): moepipe reads its scheme but does "
-            f"not run quantized weights yet (issue 17); serve its bf16 original"
-            + ("; its metadata also disagrees with its files: " + " | ".join(findings) if findings else ""))
+    if not findings:
+        return None
+    schemes = sorted({wq.describe() for _, wq in plan.targets.values()})
+    return (f"{model_dir} is a {plan.method} checkpoint ({'; '.join(schemes)}) whose metadata disagrees with its "
+            "files: " + " | ".join(findings) + " (fix quantization_config in config.json to say what the tensors "
+            "hold)")

@@ -118,15 +118,24 @@ def test_block_fp8_scales_are_checked_against_the_weight_shape():
     assert parse({"num_hidden_layers": 2}) is None            # not quantized at all
 
 
-def test_serving_a_quantized_checkpoint_stops_with_its_scheme(written):
-    """Until the quantized layers exist: `moepipe serve` and the loader say what the checkpoint is, not a
-    confusing unexpected-tensor error from a stage."""
+def test_metadata_that_disagrees_with_the_files_stops_serve_and_the_loader_by_name(written, tmp_path):
+    """The reports' release (groups all targeting `Linear`, the last one INT8 over INT4 tensors): `moepipe serve` and
+    the loader name the finding and the tensors, rather than read INT4 planes as INT8."""
+    import shutil
     import subprocess
 
     from stage_worker.checkpoint.loader import CheckpointError, load_model
 
-    with pytest.raises(CheckpointError, match="compressed-tensors checkpoint .int4 sym group 8"):
-        load_model(written)
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(written), "--port", "1"],
+    bad = tmp_path / "bad"
+    shutil.copytree(written, bad)
+    config = json.loads((bad / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    first = next(iter(groups.values()))
+    groups.clear()
+    groups.update({"experts_int4": first, "dense_int8": {**first, "weights": {**first["weights"], "num_bits": 8}}})
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="metadata disagrees with its files: .*experts_int4 and dense_int8"):
+        load_model(bad)
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(bad), "--port", "1"],
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 2 and "does not run quantized weights yet" in r.stderr, r.stderr
+    assert r.returncode == 2 and "int8 sym group 8" in r.stderr and "linear_attn.in_proj_qkv" in r.stderr, r.stderr

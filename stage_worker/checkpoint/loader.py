@@ -22,11 +22,14 @@ from shared.kv_layout import compute_dtype
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import ensure_table, shard_row_counts
+from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random, random_param
 from stage_worker.expert_offload import attach_tables, loader_targets, order_gates
+from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
+from stage_worker.model.quant_weight import QUANT_PARTS, dequantize, needed
 from stage_worker.model.rope import Rotary
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,7 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions) -> StageModel:
     dtype = opts.dtype or default_dtype(cfg, opts.device)
-    with torch.device("meta"):
+    with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
     model = model.to(dtype)
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
@@ -122,7 +125,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         raise CheckpointError(why)
     params = dict(model.named_parameters()) | loader_targets(model)
     pieces = pieces_for(cfg, {n: p.shape for n, p in params.items()})
-    with torch.device("meta"):
+    with on_meta():
         full = StageModel(cfg, with_mtp=True)
     known = set(pieces_for(cfg, {n: p.shape for n, p in full.named_parameters()}))
     del full
@@ -130,15 +133,25 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     ple_shards: dict[int, dict[int, tuple[Path, str]]] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
+    quant = _Dequantizer(plan_of(model_dir), pieces)
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for raw_name in f.keys():
                 name = normalise(raw_name)
-                if name in pieces:
+                if quant.takes(name, f, raw_name):
+                    done = quant.add(name, f.get_tensor(raw_name), raw_name, path)
+                    if done is None:
+                        continue
+                    name, tensor = done              # a module's parts all read: its float weight
+                    raw_name = f"{name} (dequantized)"
+                elif name in pieces:
+                    tensor = f.get_tensor(raw_name)
+                else:
+                    tensor = None
+                if tensor is not None:
                     if name in seen:
                         raise CheckpointError(f"tensor {raw_name!r} appears twice: in {seen[name]} and {path}")
                     seen[name] = path
-                    tensor = f.get_tensor(raw_name)
                     for piece in pieces[name]:
                         _place(params[piece.local], piece, tensor, raw_name, path)
                     del tensor
@@ -165,9 +178,59 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                                       f"{cfg.family} model with this config.json takes it")
     if skipped_extra:
         log.info("checkpoint: skipped tensors under %s (not served by this stage)", ", ".join(sorted(skipped_extra)))
+    quant.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
+
+
+class _Dequantizer:
+    """Collects each quantized module's on-disk parts (`weight_packed`, `weight_scale`, ...; for float8 the weight
+    and its scale) and hands back its float weight once all have been read, so a module is dequantized while its
+    parts are in memory and never the whole model at once (issue 17; the weights are held in the compute dtype
+    until the quantized kernels take the packed form)."""
+
+    def __init__(self, plan: QuantPlan | None, pieces: dict) -> None:
+        self.plan, self.pieces = plan, pieces
+        self.parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def _split(self, name: str) -> tuple[str, str] | None:
+        module, _, part = name.rpartition(".")
+        return (module, part) if part in QUANT_PARTS else None
+
+    def takes(self, name: str, f, raw_name: str) -> bool:
+        """Is `name` part of a quantized module that this stage loads?"""
+        if self.plan is None:
+            return False
+        split = self._split(name)
+        if split is None or f"{split[0]}.weight" not in self.pieces:
+            return False
+        if split[1] == "weight":         # a plain weight, unless float8 (then its scale follows)
+            return f.get_slice(raw_name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+        return True
+
+    def add(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path):
+        module, part = self._split(name)
+        wq = self.plan.for_module(module)
+        if wq is None:
+            raise CheckpointError(f"tensor {raw_name!r} in {path} is quantized, but no quantization_config group "
+                                  f"applies to {module} (ignored or unmatched)")
+        have = self.parts[module]
+        have[part] = tensor
+        if not needed(wq, self.plan.method) <= set(have):
+            return None
+        del self.parts[module]
+        try:     # computed in the scale's dtype, as the library does; float32 holds it exactly, `_place` casts
+            weight = dequantize(have, wq, torch.float32)
+        except QuantSchemeError as exc:
+            raise CheckpointError(f"{module} in {path}: {exc}") from exc
+        return f"{module}.weight", weight
+
+    def finish(self, model_dir: Path) -> None:
+        if self.parts:
+            module, have = next(iter(self.parts.items()))
+            raise CheckpointError(f"{model_dir}: quantized module {module} has only {sorted(have)} "
+                                  f"(and {len(self.parts) - 1} more modules are incomplete)")
 
 
 @torch.no_grad()

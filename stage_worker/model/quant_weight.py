@@ -1,0 +1,143 @@
+"""Quantized Linear weights as checkpoints store them, and their dequantization (issue 17).
+
+Two on-disk forms, both read here without the compressed-tensors library (a serving machine needs only this):
+* compressed-tensors `pack-quantized` (INT1-8): `weight_packed` int32 [rows, words], `weight_scale` [rows, groups]
+  (one column per channel, one value per tensor), `weight_shape` [rows, in], and for asymmetric schemes
+  `weight_zero_point` packed along its rows. Values are stored as `q + 2^(bits-1)`. The library has packed densely
+  since 0.20 (value i of a row at bit i*bits of the row's word stream, crossing words); older releases put
+  32 // bits values in each word. The two agree for 1, 2, 4 and 8 bits; for other widths the word count says which
+  (dense, where both fit).
+* float8 (`float-quantized` in compressed-tensors, or transformers' `fp8` with `weight_block_size`): a float8 weight
+  and a float32 scale per block of rows x columns (`weight_scale`, or `weight_scale_inv` for `fp8`), edge blocks
+  cut where the weight's rows or columns are not a multiple of the block.
+
+`dequantize` gives the weight the model's layers hold today; it is also the reference the quantized kernels are
+tested against (dequantize, then matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.quant_scheme import QuantSchemeError, WeightQuant
+
+# a quantized module's on-disk tensors: `<module>.<part>`
+QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv", "weight")
+CHUNK = 1 << 22                       # elements unpacked at a time: a 152k x 4096 lm_head never in int64 at once
+
+
+def dense_words(n: int, bits: int) -> int:
+    return -(-n * bits // 32)
+
+
+def legacy_words(n: int, bits: int) -> int:
+    return -(-n // (32 // bits))
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int8 values [rows, n] of `packed` int32 [rows, words] (either layout; see the module docstring)."""
+    if packed.dtype != torch.int32:
+        raise QuantSchemeError(f"packed weights must be int32, got {packed.dtype}")
+    rows, words = packed.shape
+    if words == dense_words(n, bits):
+        dense = True
+    elif words == legacy_words(n, bits):
+        dense = False
+    else:
+        raise QuantSchemeError(f"{words} int32 words a row cannot hold {n} {bits}-bit values (dense packing needs "
+                               f"{dense_words(n, bits)}, the older layout {legacy_words(n, bits)})")
+    out = torch.empty(rows, n, dtype=torch.int8)
+    if rows == 0 or n == 0:
+        return out
+    idx = torch.arange(n, dtype=torch.int64)
+    if dense:
+        bit = idx * bits
+        word, off = bit // 32, bit % 32
+        nxt = torch.clamp(word + 1, max=words - 1)
+    else:
+        per = 32 // bits
+        word, off = idx // per, (idx % per) * bits
+    mask, offset = (1 << bits) - 1, 1 << (bits - 1)
+    step = max(1, CHUNK // n)
+    for r0 in range(0, rows, step):
+        w = packed[r0:r0 + step].to(torch.int64) & 0xFFFFFFFF
+        v = w[:, word] >> off
+        if dense:
+            v = v | (w[:, nxt] << (32 - off))        # the bits that continue in the next word (masked off if none)
+        out[r0:r0 + step] = ((v & mask) - offset).to(torch.int8)
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """A tensor packed along its first dimension (compressed-tensors' zero points): int8 [rows, columns]."""
+    return unpack(packed.t().contiguous(), bits, rows).t()
+
+
+def dequantize_int(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [rows, in] of one pack-quantized module's tensors (`weight_packed`, `weight_scale`,
+    `weight_shape`, `weight_zero_point` when asymmetric), computed in the scale's dtype as the library does."""
+    rows, n = (int(v) for v in parts["weight_shape"].tolist())
+    q = unpack(parts["weight_packed"], wq.bits, n)
+    if q.shape[0] != rows:
+        raise QuantSchemeError(f"weight_packed has {q.shape[0]} rows, weight_shape says {rows}")
+    scale = parts["weight_scale"]
+    zp = None
+    if not wq.symmetric:
+        if "weight_zero_point" not in parts:
+            raise QuantSchemeError(f"{wq.describe()}: asymmetric, but no weight_zero_point")
+        zp = parts["weight_zero_point"]
+        if zp.dtype == torch.int32 and wq.strategy in ("group", "channel"):
+            zp = unpack_rows(zp, wq.bits, rows)
+    if wq.strategy == "tensor":
+        scale = scale.reshape(1, 1)
+        zp = None if zp is None else zp.reshape(1, 1)
+    elif scale.dim() == 1:
+        scale = scale[:, None]
+        zp = None if zp is None else zp.reshape(scale.shape)
+    groups = scale.shape[1]
+    g = wq.group_size if wq.strategy == "group" else n
+    if wq.strategy == "group" and groups != -(-n // g):
+        raise QuantSchemeError(f"{wq.describe()}: {groups} scale columns for {n} inputs")
+    pad = groups * g - n if wq.strategy == "group" else 0
+    x = torch.nn.functional.pad(q, (0, pad)).to(scale.dtype).view(rows, groups, -1) if groups > 1 or pad else \
+        q.to(scale.dtype).view(rows, 1, n)
+    if zp is not None:
+        x = x - zp.to(scale.dtype)[..., None]
+    x = x * scale[..., None]
+    return x.reshape(rows, -1)[:, :n].to(dtype)
+
+
+def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
+    """A float8 weight times its per-block (or per-channel, per-tensor) scale, in float32, then `dtype`."""
+    rows, cols = weight.shape
+    s = scale.float()
+    if wq.strategy == "block":
+        br, bc = wq.block
+        want = (-(-rows // br), -(-cols // bc))
+        if tuple(s.shape) != want:
+            raise QuantSchemeError(f"float8 block {wq.block}: scale is {list(s.shape)}, expected {list(want)} for a "
+                                   f"{rows} x {cols} weight")
+        s = s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    elif wq.strategy == "channel":
+        s = s.reshape(rows, 1)
+    else:
+        s = s.reshape(1, 1)
+    return (weight.float() * s).to(dtype)
+
+
+def dequantize(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
+    """One module's on-disk tensors (names without the module prefix) -> its float weight."""
+    if wq.kind == "int":
+        return dequantize_int(parts, wq, dtype)
+    scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+    if scale is None or "weight" not in parts:
+        raise QuantSchemeError(f"{wq.describe()}: weight or its scale missing")
+    return dequantize_float(parts["weight"], scale, wq, dtype)
+
+
+def needed(wq: WeightQuant, method: str) -> set[str]:
+    """The on-disk tensors of one module that `dequantize` waits for."""
+    if wq.kind == "float":
+        return {"weight", "weight_scale_inv" if method == "fp8" else "weight_scale"}
+    out = {"weight_packed", "weight_scale", "weight_shape"}
+    return out if wq.symmetric else out | {"weight_zero_point"}

@@ -1,0 +1,197 @@
+"""Quantized checkpoints (issue 17): `moepipe quantize` writes them with compressed-tensors' own quantizer and
+compressor, moepipe loads them (stage_worker/model/quant_weight.py reads the packed tensors without the library),
+and the logits equal transformers' on the weights the library itself decompresses: prefill and greedy decode, in
+float32 on the CPU, for the Qwen4-Exp and Qwen3-Next layouts (Qwen3-Next's grouped in-projections are dequantized
+before their rows are regrouped).
+
+transformers 5.24 cannot load these files itself when the routed experts are quantized (it holds experts as one
+3-D module, which the per-expert `weight_packed` tensors do not map onto), so its side of the comparison is the
+checkpoint the library's decompressor writes back to float.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+pytest.importorskip("compressed_tensors")
+
+from hf_oracle import reference_logits, save_reference  # noqa: E402
+from shared.quant_scheme import WeightQuant, parse  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint  # noqa: E402
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+from stage_worker.model import quant_weight as qw  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [40, 7, 200, 13, 5, 99, 101, 250, 3, 17, 88, 61, 120, 300]
+NEW = 16
+TOL = 1e-4
+CASES = [("qwen4_exp", "reports-mixed"), ("qwen3_next", "reports-mixed"), ("qwen4_exp", "fp8-block"),
+         ("qwen3_next", "int4-experts")]
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for i, family in enumerate(("qwen4_exp", "qwen3_next")):
+        path = tmp_path_factory.mktemp(family)
+        save_reference(family, path, seed=i)
+        out[family] = path
+    return out
+
+
+def _decompress_with_the_library(qdir: Path, out: Path) -> None:
+    """The oracle's weights: every quantized module as the compressed-tensors library decompresses it."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    config = json.loads((qdir / "config.json").read_text())
+    q = config.pop("quantization_config")
+    plan = parse({"quantization_config": q})
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight_packed", ".weight_scale_inv"))}
+    plain = {}
+    for k, v in tensors.items():
+        module = k.rsplit(".", 1)[0]
+        if module not in modules:
+            plain[k] = v
+    for module in modules:
+        parts = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}
+        wq = plan.for_module(module)
+        if q["quant_method"] == "fp8":
+            args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(wq.block))
+            w = dequantize(parts["weight"], parts["weight_scale_inv"], None, args, dtype=torch.float32)
+        else:
+            group = next(g for g in q["config_groups"].values() if g["weights"]["num_bits"] == wq.bits and
+                         g["weights"].get("group_size") == wq.group_size and
+                         g["weights"]["strategy"] == wq.strategy)
+            scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**group["weights"]))
+            w = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+        plain[f"{module}.weight"] = w.float().contiguous()
+    out.mkdir()
+    save_file(plain, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def _reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", experts_implementation="eager",
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family,scheme", CASES)
+def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals,
+                                                                                  tmp_path):
+    qdir = tmp_path / "q"
+    summary = quantize_checkpoint(originals[family], qdir, scheme)
+    assert summary["bytes_out"] < summary["bytes_in"]
+    config = json.loads((qdir / "config.json").read_text())
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        if scheme == "fp8-block":
+            assert f.get_slice("model.layers.0.mlp.experts.0.gate_proj.weight").get_dtype() == "F8_E4M3"
+    assert "model.layers.0.mlp.experts.0.down_proj.weight_scale" in names or scheme == "fp8-block"
+    if scheme == "reports-mixed":
+        bits = {g: v["weights"]["num_bits"] for g, v in config["quantization_config"]["config_groups"].items()}
+        assert {4, 6, 8} <= set(bits.values()), bits
+        assert "model.layers.0.mlp.gate.weight" in names                       # the router stays float
+    _decompress_with_the_library(qdir, tmp_path / "dense")
+    ref = _reference(tmp_path / "dense")
+    ids = list(PROMPT)
+    for _ in range(NEW):
+        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
+    want_lp = torch.log_softmax(reference_logits(ref, ids), -1)
+
+    model = load_model(qdir, LoadOptions(dtype=torch.float32))
+    engine = LocalEngine([model], max_seqs=1, max_tokens=64)
+    engine.add(0)
+    logits = engine.step([(0, PROMPT)], all_logits=True)
+    assert (torch.log_softmax(logits, -1) - want_lp[: len(PROMPT)]).abs().max() < TOL
+    got = []
+    for i in range(NEW):
+        got.append(int(logits[-1].argmax()))
+        logits = engine.step([(0, [got[-1]])])
+        if i < NEW - 1:
+            assert (torch.log_softmax(logits[-1], -1) - want_lp[len(PROMPT) + i]).abs().max() < TOL
+    assert got == ids[len(PROMPT):]
+    # and the quantization is real: the original float model's logits are elsewhere
+    orig = reference_logits(_reference(originals[family]), PROMPT)
+    assert (torch.log_softmax(orig, -1) - want_lp[: len(PROMPT)]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_unpack_reads_the_librarys_dense_packing_and_the_older_layout(bits):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(bits)
+    for n in (1, 5, 31, 32, 33, 130):
+        q = torch.randint(-(1 << bits - 1), 1 << bits - 1, (7, n), generator=g, dtype=torch.int8)
+        assert torch.equal(qw.unpack(pack_to_int32(q, bits), bits, n), q), n
+        # the older layout: 32 // bits values per word, low bits first, stored with the same offset
+        per = 32 // bits
+        if qw.legacy_words(n, bits) == qw.dense_words(n, bits):
+            continue
+        u = torch.nn.functional.pad((q.to(torch.int64) + (1 << bits - 1)), (0, -n % per)).view(7, -1, per)
+        words = (u << (torch.arange(per) * bits)).sum(-1)
+        legacy = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        assert torch.equal(qw.unpack(legacy, bits, n), q), n
+
+
+def test_asymmetric_groups_and_partial_groups_dequantize_as_the_library_would():
+    """Asymmetric zero points (packed along their rows) match the library bit for bit; a last group shorter than
+    the group size (which the library's quantizer refuses but other writers make) takes its scale's column."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor as P
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (4, 6, 8):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=16)
+        w = torch.randn(40, 96, generator=g, dtype=torch.bfloat16)
+        v = w.float().view(40, -1, 16)
+        scale, zp = calculate_qparams(v.amin(-1), v.amax(-1), args)
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        c = P.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zp}, scheme)
+        want = P.decompress(c, scheme)["weight"]
+        wq = WeightQuant(bits=bits, kind="int", symmetric=False, strategy="group", group_size=16)
+        assert torch.equal(qw.dequantize(c, wq, want.dtype), want)
+    # 40 inputs in groups of 16: 16 + 16 + 8
+    q = torch.randint(-8, 8, (3, 40), generator=g, dtype=torch.int8)
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    scale = torch.rand(3, 3, generator=g) + 0.5
+    parts = {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale, "weight_shape": torch.tensor([3, 40])}
+    got = qw.dequantize(parts, WeightQuant(bits=4, kind="int", group_size=16), torch.float32)
+    assert torch.equal(got, q.float() * scale.repeat_interleave(16, 1)[:, :40])
+
+
+def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "shared.cli", "quantize", *args], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+
+    done = tmp_path / "done"
+    r = run("--scheme", "int4-experts", str(originals["qwen3_next"]), str(done))
+    assert r.returncode == 0, r.stderr
+    assert "experts_int4_g16: int4 group 16" in r.stdout and "modules quantized (int4-experts)" in r.stdout
+    r = run("--scheme", "reports-mixed", str(tmp_path / "nowhere"), str(tmp_path / "o"))
+    assert r.returncode == 2 and "no config.json" in r.stderr
+    with pytest.raises(QuantizeError, match="already quantized"):
+        quantize_checkpoint(done, tmp_path / "again", "int4-experts")
+    with pytest.raises(QuantizeError, match="not empty"):
+        quantize_checkpoint(originals["qwen3_next"], done, "int4-experts")
+    with pytest.raises(QuantizeError, match="unknown scheme 'int3'"):
+        quantize_checkpoint(originals["qwen3_next"], tmp_path / "x", "int3")
