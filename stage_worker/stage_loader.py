@@ -15,7 +15,8 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
     spec = cluster.stages[index]
     cold = cold_set.load(cluster.cold_experts, cfg) if cluster.cold_experts else None
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
-                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold)
+                       dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold,
+                       packed_experts=cluster.packed_experts)
     model = load_model(cluster.model, opts, cfg)
     model.set_kernels(KernelFlags.parse(cluster.kernels))
     return model

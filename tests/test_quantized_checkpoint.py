@@ -195,3 +195,31 @@ def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path
         quantize_checkpoint(originals["qwen3_next"], done, "int4-experts")
     with pytest.raises(QuantizeError, match="unknown scheme 'int3'"):
         quantize_checkpoint(originals["qwen3_next"], tmp_path / "x", "int3")
+
+
+@pytest.mark.parametrize("family,scheme", [("qwen4_exp", "reports-mixed"), ("qwen3_next", "int4-experts")])
+def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family, scheme, originals, tmp_path):
+    """The routed experts of an INT4 checkpoint stay in their words and scales (a quarter of the bf16 bytes) and
+    the model's logits equal those of the same checkpoint dequantized at load (packed_experts off); split into
+    two stages too (each stage skips the other's packed tensors)."""
+    qdir = tmp_path / "q"
+    quantize_checkpoint(originals[family], qdir, scheme)
+    packed = load_model(qdir, LoadOptions(dtype=torch.float32))
+    moes = packed.moe_layers()
+    assert moes and all(m.packed_group for m in moes.values())
+    assert all(not hasattr(m, "w13") and m.q13.dtype == torch.int32 for m in moes.values())
+    plain = load_model(qdir, LoadOptions(dtype=torch.float32, packed_experts=False))
+    assert not any(m.packed_group for m in plain.moe_layers().values())
+    n = packed.cfg.num_hidden_layers
+    halves = [load_model(qdir, LoadOptions(dtype=torch.float32, start=s, end=e)) for s, e in ((0, n // 2),
+                                                                                            (n // 2, n))]
+    outs = []
+    for stages in ([packed], [plain], halves):
+        engine = LocalEngine(stages, max_seqs=1, max_tokens=64)
+        engine.add(0)
+        logits = [engine.step([(0, PROMPT)], all_logits=True)]
+        for _ in range(4):
+            logits.append(engine.step([(0, [int(logits[-1][-1].argmax())])]))
+        outs.append(torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]))
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    assert (outs[2] - outs[1]).abs().max() < 1e-5

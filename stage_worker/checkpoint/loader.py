@@ -25,6 +25,7 @@ from shared.ple_table import ensure_table, shard_row_counts
 from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
+from stage_worker.checkpoint.packed_experts import PackedPlacer, packed_layers
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random, random_param
 from stage_worker.expert_offload import attach_tables, loader_targets, order_gates
 from stage_worker.model.meta_build import on_meta
@@ -52,6 +53,7 @@ class LoadOptions:
     ple_dir: Path | None = None               # where expanded PLE tables live; default beside the checkpoint
     seed: int = 0
     cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
+    packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -76,11 +78,19 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
     return DTYPES[compute_dtype(cfg, torch.device(device).type)]
 
 
-def build_empty(cfg: HybridMoeConfig, opts: LoadOptions) -> StageModel:
+def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
+                packed: dict[int, tuple[int, int]] | None = None) -> StageModel:
+    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)
     with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
     model = model.to(dtype)
+    if packed and opts.cold_experts:
+        raise CheckpointError("cold experts (--cold-experts) with INT4 experts kept packed: not built yet; set "
+                              "packed_experts false (MOEPIPE_PACKED_EXPERTS=0) to dequantize them at load")
+    for layer, moe in model.moe_layers().items():
+        if layer in (packed or {}):
+            moe.use_packed(*packed[layer])
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
     model.experts = attach_tables(model, opts.cold_experts, opts.device, dtype) if opts.cold_experts else None
     model = model.to_empty(device=opts.device)
@@ -95,7 +105,11 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     opts = opts or LoadOptions()
     model_dir = Path(model_dir)
     cfg = cfg or load_config(model_dir)
-    model = build_empty(cfg, opts)
+    packed = {}
+    if opts.load_format == "safetensors" and opts.packed_experts:
+        end = cfg.num_hidden_layers if opts.end is None else opts.end
+        packed = packed_layers(plan_of(model_dir), cfg, opts.start, end)
+    model = build_empty(cfg, opts, packed)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
         for name, rows in loader_targets(model).items():   # the tables get what the parameters would have
@@ -134,10 +148,15 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
     quant = _Dequantizer(plan_of(model_dir), pieces)
+    placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items() if moe.packed_group},
+                          CheckpointError)
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for raw_name in f.keys():
                 name = normalise(raw_name)
+                if placer.takes(name):
+                    placer.place(name, f.get_tensor(raw_name), raw_name, path)
+                    continue
                 if quant.takes(name, f, raw_name):
                     done = quant.add(name, f.get_tensor(raw_name), raw_name, path)
                     if done is None:
@@ -169,7 +188,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                         _check_hash_buffer(ple_layers[int(m.group(1))].spec, m.group(2), f.get_tensor(raw_name),
                                            raw_name, path)
                     continue
-                if name in known:
+                if name in known or _quant_part_of(name, known):
                     continue                       # another stage's tensor
                 if name.startswith(("model.visual.", "visual.")) or (name.startswith("mtp.") and model.mtp is None):
                     skipped_extra.add(name.split(".")[0] + "." + name.split(".")[1])
@@ -179,6 +198,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     if skipped_extra:
         log.info("checkpoint: skipped tensors under %s (not served by this stage)", ", ".join(sorted(skipped_extra)))
     quant.finish(model_dir)
+    placer.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
@@ -242,6 +262,12 @@ def _place(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, name: str, p
         tensor = piece.transform(tensor)
     target = param[piece.index] if piece.index else param
     target.copy_(tensor.to(param.dtype))
+
+
+def _quant_part_of(name: str, known: set[str]) -> bool:
+    """`name` is a quantized part (`weight_packed`, `weight_scale`, ...) of a weight the model has."""
+    module, _, part = name.rpartition(".")
+    return part in QUANT_PARTS and f"{module}.weight" in known
 
 
 def _check_complete(params: dict[str, torch.Tensor], pieces: dict[str, list[Piece]], seen: set[str],

@@ -68,6 +68,7 @@ class SparseMoE(nn.Module):
         # routing trace hook: what the last call selected (slots when a table is set: `expert_ids` maps them)
         self.last_expert_ids: torch.Tensor | None = None
         self.table: ExpertTable | None = None
+        self.packed_group = self.packed_group2 = 0   # > 0: INT4 experts, inputs per scale of w13 / w2 (use_packed)
 
     def use_table(self, table: ExpertTable) -> None:
         """Serve the routed experts from `table` (some in host RAM); w13/w2 stop being parameters. The router's
@@ -75,11 +76,32 @@ class SparseMoE(nn.Module):
         del self.w13, self.w2
         self.table = table
 
+    def use_packed(self, group: int, group2: int) -> None:
+        """Hold the routed experts as a checkpoint's INT4 words and scales (issue 17): q13 int32 [E, 2I, H/8],
+        s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py);
+        w13/w2 stop being parameters. Built on the meta device and filled by the loader."""
+        E, two_i, H = self.w13.shape
+        inter = two_i // 2
+        dtype, device = self.w13.dtype, self.w13.device
+        del self.w13, self.w2
+        self.register_buffer("q13", torch.empty(E, two_i, H // 8, dtype=torch.int32, device=device))
+        self.register_buffer("s13", torch.empty(E, two_i, -(-H // group), dtype=dtype, device=device))
+        self.register_buffer("q2", torch.empty(E, H, inter // 8, dtype=torch.int32, device=device))
+        self.register_buffer("s2", torch.empty(E, H, -(-inter // group2), dtype=dtype, device=device))
+        self.packed_group, self.packed_group2 = group, group2
+
+    def packed(self):
+        from stage_worker.kernels.moe_int4_ref import PackedExperts
+
+        return PackedExperts(self.q13, self.s13, self.q2, self.s2, self.packed_group, self.packed_group2)
+
     def expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """`last_expert_ids` (slots) as expert ids."""
         return ids if self.table is None else self.table.experts_of(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_group:
+            return self._forward_packed(x)
         t = self.table
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import moe_forward
@@ -125,6 +147,24 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tok, y.to(out.dtype))
         return self._add_shared(x, out)
 
+    def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """INT4 experts: the router as always, then the INT4 decode kernels on a GPU (`moe_int4.fused_moe_int4`),
+        or each present expert dequantized once (prefill, CPU). The shared expert runs beside them."""
+        from stage_worker.kernels.moe_int4 import fused_moe_int4, grouped_moe_int4
+
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = self.gate(x2)
+        if self.kernels.moe and x.is_cuda:
+            from stage_worker.kernels.moe import route as route_kernel
+
+            weights, ids = route_kernel(logits, self.top_k, self.renormalise)
+            out = fused_moe_int4(x2, ids, weights.to(x.dtype), self.packed())
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalise)
+            out = grouped_moe_int4(x2, ids, weights, self.packed())
+        self.last_expert_ids = ids
+        return self._add_shared(x2, out).view(x.shape)
+
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         E, two_i, H = self.w13.shape
         T = x.shape[0]
@@ -138,6 +178,8 @@ class SparseMoE(nn.Module):
         weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
+        if self.packed_group:
+            return                          # the INT4 kernels take no shared-expert slot
         two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
         if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
             return

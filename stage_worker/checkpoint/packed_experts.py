@@ -1,0 +1,88 @@
+"""Routed experts kept in a checkpoint's INT4 form (issue 17): which layers qualify, and placing their on-disk
+words and scales into the layers' buffers (`SparseMoE.use_packed`) as the loader streams the files.
+
+A layer's experts stay packed when the checkpoint's scheme for them is compressed-tensors INT4, symmetric, by
+groups that are multiples of 8 (whole int32 words per group; gate and up alike, down may differ), and the hidden
+and expert widths are multiples of 8: the reports' release. Anything else is dequantized at load (`quant_weight`).
+The MTP head's experts are always dequantized. Switch: cluster key `packed_experts` (MOEPIPE_PACKED_EXPERTS=0).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from shared.model_config import HybridMoeConfig
+from shared.quant_scheme import QuantPlan
+
+NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale|"
+                  r"weight_shape)$")
+
+
+def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
+                  end: int) -> dict[int, tuple[int, int]]:
+    """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4."""
+    if plan is None or plan.method != "compressed-tensors":
+        return {}
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    if H % 8 or inter % 8:
+        return {}
+    out = {}
+    for layer in range(start, end):
+        if not cfg.is_sparse_moe(layer):
+            continue
+        schemes = [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{p}_proj") for p in ("gate", "up", "down")]
+        if any(w is None for w in schemes) or schemes[0] != schemes[1]:
+            continue
+        if all((w.kind, w.bits, w.symmetric, w.strategy, w.format) == ("int", 4, True, "group", "pack-quantized")
+               and w.group_size % 8 == 0 for w in schemes):
+            out[layer] = (schemes[0].group_size, schemes[2].group_size)
+    return out
+
+
+class PackedPlacer:
+    """Copies each `...experts.E.{gate,up,down}_proj.{weight_packed,weight_scale}` into its layer's buffers and
+    checks `weight_shape`; `finish` names what never came."""
+
+    def __init__(self, moes: dict, error: type[Exception]) -> None:
+        self.moes, self.error = moes, error
+        self.seen: set[tuple[int, int, str, str]] = set()
+
+    def takes(self, name: str) -> bool:
+        m = NAME.match(name)
+        return m is not None and int(m.group(1)) in self.moes
+
+    @torch.no_grad()
+    def place(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
+        layer, e, proj, part = NAME.match(name).groups()
+        layer, e = int(layer), int(e)
+        moe = self.moes[layer]
+        E, two_i, words = moe.q13.shape
+        inter, H = two_i // 2, words * 8
+        if e >= E:
+            raise self.error(f"tensor {raw_name!r} in {path}: expert {e}, but the layer has {E}")
+        want = (inter, H) if proj in ("gate", "up") else (H, inter)
+        if part == "weight_shape":
+            if tuple(int(v) for v in tensor.tolist()) != want:
+                raise self.error(f"tensor {raw_name!r} in {path} says {tensor.tolist()}, expected {list(want)}")
+        else:
+            q, s = (moe.q13, moe.s13) if proj != "down" else (moe.q2, moe.s2)
+            dst = q if part == "weight_packed" else s
+            rows = {"gate": slice(0, inter), "up": slice(inter, two_i), "down": slice(None)}[proj]
+            target = dst[e, rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
+                                 f"{list(target.shape)} (INT4, groups {moe.packed_group} / {moe.packed_group2})")
+            target.copy_(tensor.to(dst.dtype))
+        self.seen.add((layer, e, proj, part))
+
+    def finish(self, model_dir: Path) -> None:
+        missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.q13.shape[0])
+                   for proj in ("gate", "up", "down") for part in ("weight_packed", "weight_scale", "weight_shape")
+                   if (layer, e, proj, part) not in self.seen]
+        if missing:
+            shown = ", ".join(f"model.layers.{lay}.mlp.experts.{e}.{p}_proj.{part}" for lay, e, p, part in missing[:3])
+            raise self.error(f"missing tensor(s) in {model_dir}: {shown}"
+                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))

@@ -1,0 +1,81 @@
+"""PyTorch reference for `moe_int4.py`: the routed experts of a layer in the reports' INT4 form (compressed-tensors
+pack-quantized, symmetric, one scale per `group` inputs), dequantized, then `fused_moe_ref`.
+
+Layout (`PackedExperts`): q13 int32 [E, 2I, H/8] (gate rows then up rows), s13 [E, 2I, ceil(H/g)]; q2 int32
+[E, H, I/8], s2 [E, H, ceil(I/g)]. Input column c of a row is the 4 bits at 4*(c % 8) of word c // 8, stored as
+q + 8 (so 0..15 means -8..7), the library's packing for 4 bits (`stage_worker/model/quant_weight.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stage_worker.kernels.moe_ref import fused_moe_ref
+
+
+@dataclass
+class PackedExperts:
+    q13: torch.Tensor
+    s13: torch.Tensor
+    q2: torch.Tensor
+    s2: torch.Tensor
+    group: int                    # inputs per scale of w13 (the hidden size's groups)
+    group2: int | None = None     # of w2 (the expert width's); None: the same
+
+    @property
+    def down_group(self) -> int:
+        return self.group2 or self.group
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, H, I)."""
+        E, two_i, words = self.q13.shape
+        return E, words * 8, two_i // 2
+
+    def nbytes_per_expert(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (self.q13, self.s13, self.q2, self.s2))
+
+
+def unpack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> int8 [..., 8W] in -8..7."""
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+    return (((q[..., None] >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
+
+
+def dequantize_int4(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., R, W] words and [..., R, G] scales -> [..., R, 8W] in the scales' dtype (computed as the library does:
+    q in the scale dtype times the scale)."""
+    v = unpack_int4(q)
+    n = v.shape[-1]
+    scale = s.repeat_interleave(group, dim=-1)[..., :n]
+    return v.to(s.dtype) * scale
+
+
+def pack_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., R, C] (C a multiple of 8) -> (words, scales): symmetric round to nearest with scale =
+    max|w| / 7.5 per group (tests and benchmarks make their weights so; checkpoints come from the library)."""
+    *lead, R, C = w.shape
+    G = -(-C // group)
+    wf = torch.nn.functional.pad(w.float(), (0, G * group - C)).view(*lead, R, G, group)
+    scale = (wf.abs().amax(-1) / 7.5).clamp_min(1e-8)
+    q = torch.clamp(torch.round(wf / scale[..., None]), -8, 7).view(*lead, R, G * group)[..., :C].to(torch.int32)
+    u = (q + 8).view(*lead, R, C // 8, 8)
+    words = (u << torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)).sum(-1, dtype=torch.int64)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words, scale.to(w.dtype)
+
+
+def fused_moe_int4_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       experts: PackedExperts) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k] (routed slots only) -> [T, H] in x.dtype."""
+    sel = ids.long().clamp_min(0)
+    used = torch.unique(sel)
+    w13 = torch.zeros(experts.q13.shape[0], experts.q13.shape[1], experts.shape[1], dtype=torch.float32,
+                      device=x.device)
+    w2 = torch.zeros(experts.q2.shape[0], experts.q2.shape[1], experts.shape[2], dtype=torch.float32,
+                     device=x.device)
+    w13[used] = dequantize_int4(experts.q13[used], experts.s13[used], experts.group).float()
+    w2[used] = dequantize_int4(experts.q2[used], experts.s2[used], experts.down_group).float()
+    return fused_moe_ref(x, ids, weights, w13, w2)

@@ -1,0 +1,99 @@
+"""The INT4 fused MoE decode kernels (stage_worker/kernels/moe_int4.py) against their dequantize-then-matmul
+reference, and the reference's packing against compressed-tensors' own. Without CUDA the kernels run under
+TRITON_INTERPRET=1 (tests/conftest.py turns it on); with CUDA, also at the full shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from shared.quant_scheme import WeightQuant  # noqa: E402
+from stage_worker.kernels import moe_int4 as K  # noqa: E402
+from stage_worker.kernels.moe import SKIP  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import (PackedExperts, dequantize_int4, fused_moe_int4_ref,  # noqa: E402
+                                               pack_int4)
+from stage_worker.kernels.moe_ref import route_ref  # noqa: E402
+from stage_worker.model import quant_weight as qw  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _experts(E: int, H: int, I: int, group: int, seed: int, dtype=torch.float32) -> PackedExperts:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g, device=DEV) / I ** 0.5).to(dtype)
+    q13, s13 = pack_int4(w13, group)
+    q2, s2 = pack_int4(w2, group)
+    return PackedExperts(q13, s13, q2, s2, group)
+
+
+def test_the_packing_is_compressed_tensors_own():
+    """Words and scales from pack_int4 are what the library writes for INT4 symmetric groups: its decompressor and
+    the loader's reader (quant_weight) give the same weight as dequantize_int4."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor as P
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    q, s = pack_int4(w, 16)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
+    parts = {"weight_packed": q, "weight_scale": s, "weight_shape": torch.tensor([24, 64])}
+    lib = P.decompress(parts, QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+    ours = dequantize_int4(q, s, 16)
+    assert torch.equal(ours, lib)
+    assert torch.equal(qw.dequantize(parts, WeightQuant(bits=4, kind="int", group_size=16), torch.float32), ours)
+    assert (ours - w).abs().max() <= s.max() / 2 + 1e-6         # round to nearest
+
+
+@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (3, 16, None), (2, 16, 5), (1, 8, 12)])
+def test_kernel_matches_the_reference(t, group, hot):
+    """Decode shapes, with some slots in a second (host) table from `hot` on and a skipped slot (CUDA-graph
+    padding)."""
+    E, H, I, k = 16, 64, 32, 4
+    ex = _experts(E, H, I, group, seed=t + group)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(t, H, generator=g).to(DEV)
+    logits = torch.randn(t, E, generator=g)
+    logits[:, E - 1] += 10                                     # the last slot (a host row when split) in every top-k
+    w, ids = route_ref(logits.to(DEV), k, True)
+    ref = fused_moe_int4_ref(x, ids, w, ex)
+    if hot is None:
+        out = K.fused_moe_int4(x, ids, w, ex)
+    else:
+        dev = PackedExperts(ex.q13[:hot].contiguous(), ex.s13[:hot].contiguous(), ex.q2[:hot].contiguous(),
+                            ex.s2[:hot].contiguous(), group)
+        pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
+        host = PackedExperts(pin(ex.q13[hot:]), pin(ex.s13[hot:]), pin(ex.q2[hot:]), pin(ex.s2[hot:]), group)
+        out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    skipped = ids.clone()
+    skipped[-1, :] = SKIP
+    out = K.fused_moe_int4(x, skipped, w, ex)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    if t > 1:
+        torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
+
+
+def test_shapes_the_kernel_cannot_take_are_refused():
+    ex = _experts(4, 64, 32, 8, seed=0)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        K.fused_moe_int4(torch.zeros(1, 60, device=DEV), torch.zeros(1, 2, dtype=torch.int32, device=DEV),
+                         torch.ones(1, 2, device=DEV), ex)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_full_shape_on_the_gpu():
+    """The reports' shape (H 2560, I 640, 512 experts, top-10, group 128) in bf16: agreement with the reference;
+    bench/moe_int4.py times it against the bf16 kernels."""
+    E, H, I, k = 512, 2560, 640, 10
+    ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
+    for t in (1, 4):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
+        w, ids = route_ref(torch.randn(t, E, generator=g).to(DEV), k, True)
+        out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
+        ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
