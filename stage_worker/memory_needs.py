@@ -6,7 +6,8 @@ process because asking CUDA for free memory creates a context (~0.5 GiB a device
 launcher for the server's life.
 
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
-the stage's compute dtype and summed; the cold experts of a `cold_experts` file are host RAM, not VRAM. The
+the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
+them); the cold experts of a `cold_experts` file are host RAM, not VRAM. The
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is an estimate until the stages
 measure it at start-up: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x what a full-shape
 512-token prefill chunk was seen to allocate) plus the logits of a step.
@@ -26,11 +27,14 @@ from shared.cold_set import load as load_cold_set
 from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
+from shared.quant_scheme import plan_of
+from stage_worker.checkpoint.packed_experts import packed_layers
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")      # SparseMoE.use_packed's buffers
 
 
 def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -54,17 +58,21 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
     """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share)."""
     out = []
     cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
+    plan = plan_of(cluster.model) if cluster.packed_experts and cluster.load_format != "dummy" else None
     for i, spec in enumerate(cluster.stages):
         if not spec.device.startswith("cuda"):
             continue
         dtype = compute_dtype(cfg, spec.device, cluster.dtype)
         with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
+            for layer, groups in packed_layers(plan, cfg, spec.start, spec.end).items():
+                model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
                                               device="meta"))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
+        weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(_PACKED))
         host = sum(len(ids) for layer, ids in cold.items() if spec.start <= layer < spec.end) * \
             expert_bytes(cfg, dtype)
         weights -= host                            # cold experts live in pinned host RAM, not on the device

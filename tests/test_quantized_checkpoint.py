@@ -11,6 +11,7 @@ checkpoint the library's decompressor writes back to float.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 pytest.importorskip("compressed_tensors")
 
 from hf_oracle import reference_logits, save_reference  # noqa: E402
+from shared.model_config import load_config  # noqa: E402
 from shared.quant_scheme import WeightQuant, parse  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint  # noqa: E402
@@ -223,3 +225,26 @@ def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family,
         outs.append(torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]))
     assert (outs[0] - outs[1]).abs().max() < 1e-5
     assert (outs[2] - outs[1]).abs().max() < 1e-5
+
+
+def test_the_memory_plan_counts_packed_experts_at_their_size(originals, tmp_path):
+    """A GPU stage of an INT4 checkpoint is planned at what the loader keeps: its packed experts' words and scales
+    (a model that fits only quantized must not be refused for its bf16 size), the rest in the compute dtype."""
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from stage_worker.memory_needs import stage_needs
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(originals["qwen4_exp"], qdir, "int4-experts")
+    cfg = load_config(qdir)
+    n = cfg.num_hidden_layers
+    cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
+                            stages=[StageSpec(0, n, "", "cuda:0")])
+    planned = stage_needs(cfg, cluster)[0].weights
+    model = load_model(qdir, LoadOptions(dtype=torch.float32))
+    held = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "ngram_embedding" not in name
+               and ".ple.ple_embedding" not in name)
+    held += sum(b.numel() * b.element_size() for name, b in model.named_buffers() if ".mlp.q" in name or
+                ".mlp.s" in name)
+    assert planned == held
+    unpacked = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False))[0].weights
+    assert planned < unpacked * 0.7
