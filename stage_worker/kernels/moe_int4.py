@@ -4,7 +4,7 @@ words and their group scales directly and dequantize in registers, so a step rea
 Same two phases as `moe.fused_moe` (grid (T*k, cdiv(I, BLOCK_I)) for act = silu(x.Wg) * (x.Wu) in fp32, then
 (T, cdiv(H, BLOCK_H)) for the weighted sum over the k experts in a fixed order), on `moe_int4_ref.PackedExperts`.
 A block of BLOCK_W words per row is loaded once and unpacked by eight shifts (nibble n of word w is input column
-8w + n), each multiplied by its group's scale and the matching inputs, so no 3-D reshape is needed; groups are
+8w + n), multiplied by the matching inputs and, per word, its group's scale, so no 3-D reshape is needed; groups are
 multiples of 8 columns. Host rows (issue 16) come through the same `expert_rows` helper as the bf16 kernels, for
 the words and the scales alike. The shared expert is not a slot here: it is quantized differently in the reports'
 release (INT6), and runs beside this launch. Reference: `moe_int4_ref.fused_moe_int4_ref`; tests:
@@ -95,10 +95,13 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket; a
-# first guess (16 words = 128 inputs per load, the bf16 kernels' width), to be swept on the H200.
-UP_CFG = {1: (8, 16, 4), 4: (16, 16, 4), 16: (16, 16, 8)}
-DOWN_CFG = {1: (8, 16, 4), 4: (16, 16, 4), 16: (16, 16, 8)}
+# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket:
+# `bench/moe_int4.py --sweep` on the H200 for 1 and 4 tokens (bench/results/moe-int4-1; with them, moe-int4-2:
+# 44.0 / 94.5 / 353 us at 1 / 4 / 16 tokens against bf16's 36.6 / 99.6 / 328); 16 is a guess. The kernel reads at
+# 12-22% of HBM bandwidth: an int-to-float-free unpack (the 2^23 mantissa trick) changed nothing, so the bound is
+# elsewhere (see docs/performance.md).
+UP_CFG = {1: (4, 32, 2), 4: (16, 32, 2), 16: (16, 16, 8)}
+DOWN_CFG = {1: (4, 32, 4), 4: (8, 16, 2), 16: (16, 16, 8)}
 DECODE_MAX_TK = 256
 
 
