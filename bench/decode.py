@@ -63,11 +63,27 @@ def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
     return total, outside
 
 
-def fit_layers(cfg: HybridMoeConfig, share: float) -> int:
+PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")     # SparseMoE.use_packed's buffers
+INT4_RATIO = (0.5 + 2 / 128) / 2      # an INT4 expert's bytes (words + bf16 scales per 128) over its bf16 bytes
+
+
+def _group(width: int) -> int:
+    g = 128
+    while width % g:
+        g //= 2
+    return g
+
+
+def fit_layers(cfg: HybridMoeConfig, share: float, expert_ratio: float = 1.0) -> int:
+    """The most layers (in whole [linear x3, attention] patterns) whose weights fit `share` of the free memory;
+    routed experts at `expert_ratio` of their bf16 bytes."""
     free, _ = torch.cuda.mem_get_info()
     n = cfg.num_hidden_layers
+    routed = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2 * cfg.num_experts
     while n > 4:
         layers, outside = param_bytes(cfg, n)
+        moe = sum(1 for i in range(n) if cfg.is_sparse_moe(i))
+        layers -= int(moe * routed * (1 - expert_ratio))
         if layers + outside < free * share:
             break
         n -= 4          # keep the [linear x3, attention] pattern whole
@@ -95,9 +111,9 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
     """Bytes one decode step must read from HBM, from the experts the last step actually selected."""
     dense = experts = 0
     expert_each = 0
-    for name, p in model.named_parameters():
+    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(PACKED)]:
         nbytes = p.numel() * p.element_size()
-        if name.endswith(".w13") or name.endswith(".w2"):
+        if name.endswith((".w13", ".w2") + PACKED):
             expert_each += nbytes // p.shape[0]
             continue
         if "embed_tokens" in name:
@@ -193,13 +209,16 @@ def main() -> int:
                     help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
+    ap.add_argument("--quant", default="", choices=["", "int4-experts"],
+                    help="int4-experts: the routed experts packed in INT4 (group 128, or the largest power of two "
+                         "dividing the widths), as an INT4 checkpoint loads with packed_experts on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode.py needs a CUDA device")
     raw = preset(args.preset)
     full = config_from_dict(raw)
-    n = args.layers or fit_layers(full, 0.8)
+    n = args.layers or fit_layers(full, 0.8, INT4_RATIO if args.quant else 1.0)
     raw = dict(raw, num_hidden_layers=n, layer_types=full.layer_types[:n],
                max_position_embeddings=full.max_position_embeddings)
     if isinstance(full, Qwen4ExpConfig):
@@ -207,14 +226,20 @@ def main() -> int:
     cfg = config_from_dict(raw)
     bandwidth = hbm_bandwidth()
     t0 = time.time()
-    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16))
+    packed = {}
+    if args.quant:
+        g13, g2 = _group(cfg.hidden_size), _group(cfg.moe_intermediate_size)
+        packed = {layer: (g13, g2) for layer in range(n) if cfg.is_sparse_moe(layer)}
+    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16), packed)
     fill_random(model, seed=0)
     for layer in model.layers.values():
         if getattr(layer, "ple", None) is not None:
             layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.bfloat16, 0)
     torch.cuda.synchronize()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"{args.preset}: {n} layers, {weights / 1e9:.1f} GB of bf16 weights, built in {time.time() - t0:.0f} s; "
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith(PACKED))
+    print(f"{args.preset}{' ' + args.quant if args.quant else ''}: {n} layers, {weights / 1e9:.1f} GB of weights, "
+          f"built in {time.time() - t0:.0f} s; "
           f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     rows = []
     from stage_worker.kernels.flags import KernelFlags
@@ -270,7 +295,8 @@ def main() -> int:
             print(f"transformers Qwen3NextForCausalLM batch {b}: {1e3 * step:.1f} ms/step, {b / step:.1f} tok/s; "
                   f"moepipe's best {best:.1f} tok/s = {best / (b / step):.1f}x")
         del hf
-    out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "layers": n, "weights_bytes": weights,
+    out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "quant": args.quant, "layers": n,
+                    "weights_bytes": weights,
                     "hbm_copy_bandwidth_bytes_per_s": bandwidth, "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "note": "roofline = batch * bandwidth / bytes per step; bandwidth counts read + write of a copy",

@@ -43,6 +43,13 @@ def random_param(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtyp
 def fill_random(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         p.copy_(random_param(name, tuple(p.shape), seed, p.dtype, p.device))
+    for name, b in model.named_buffers():
+        if name.endswith((".mlp.q13", ".mlp.q2")):      # INT4 experts kept packed: any words are valid values
+            gen = _generator(seed, name, b.device)
+            b.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, b.shape, generator=gen, device=b.device,
+                                  dtype=torch.int64).to(torch.int32))
+        elif name.endswith((".mlp.s13", ".mlp.s2")):     # their scales: std-0.02 weights over 16 levels
+            b.fill_(0.02 * 2 / 7.5)
 
 
 class ProceduralTable:
