@@ -8,8 +8,6 @@ PyTorch path a CPU cluster runs: the two-table fallback); with CUDA the host row
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 import random
 import time
 
@@ -17,19 +15,13 @@ import httpx
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
 
 from stage_worker.kernels import expert_moves as M  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_prefill as P  # noqa: E402
 
-if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: define the kernels again under it
-    K = importlib.reload(K)
-    P = importlib.reload(P)
-    M = importlib.reload(M)
 
 from shared import cold_set  # noqa: E402
 from shared.model_config import load_config  # noqa: E402

@@ -5,13 +5,8 @@ QSA), the Triton kernel equals the reference (fp32 and bf16, one or several spli
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are defined: they run on the CPU
 
 pytest.importorskip("triton")
 

@@ -9,30 +9,20 @@ With CUDA the same tests run natively and the `gpu` tests add the real shapes, a
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
 
 from shared.model_config import Qwen3NextConfig  # noqa: E402
 from stage_worker.kernels import deltanet_decode as K  # noqa: E402
-from stage_worker.kernels import rmsnorm as _rmsnorm  # noqa: E402
 from stage_worker.kernels.deltanet_decode_ref import gdn_decode_ref  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
 from stage_worker.model.batch import StepBatch  # noqa: E402
 from stage_worker.model.cache import CacheSpec, DeltaNetState  # noqa: E402
 from stage_worker.model.deltanet import GatedDeltaNet  # noqa: E402
-
-if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: define the kernels again under it
-    importlib.reload(_rmsnorm)
-    K = importlib.reload(K)
 
 DEV = "cuda" if CUDA else "cpu"
 NK, NV, DK, DV, WIDTH, HIDDEN = 2, 4, 16, 16, 4, 32

@@ -6,27 +6,16 @@ few cases. With CUDA the same tests run natively and the `gpu` test adds the rea
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from stage_worker.kernels import hyper_connection as K  # noqa: E402
 from stage_worker.kernels import hyper_connection_ref as ref  # noqa: E402
-from stage_worker.kernels import rmsnorm as rmsnorm_kernel  # noqa: E402
 from stage_worker.kernels.flags import NONE, KernelFlags  # noqa: E402
 from stage_worker.model.hyper_connection import GatedResidual  # noqa: E402
-
-if not CUDA and not isinstance(K._hc_up_mix_kernel, InterpretedFunction):   # imported earlier without the interpreter
-    importlib.reload(rmsnorm_kernel)
-    K = importlib.reload(K)
 
 DEV = "cuda" if CUDA else "cpu"
 EPS = 1e-6

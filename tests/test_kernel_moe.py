@@ -7,23 +7,15 @@ shapes, few cases, since the interpreter runs every program in Python. With CUDA
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
 
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.moe_ref import fused_moe_ref, route_ref  # noqa: E402
 from stage_worker.model.moe import SparseMoE  # noqa: E402
-
-if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: define the kernels again under it
-    K = importlib.reload(K)
 
 DEV = "cuda" if CUDA else "cpu"
 E, TOP_K = 16, 4

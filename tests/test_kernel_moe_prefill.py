@@ -5,24 +5,15 @@ Without CUDA they run under TRITON_INTERPRET=1 on small shapes (tl.dot needs 16 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
 
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_prefill as P  # noqa: E402
 from stage_worker.kernels.moe_ref import fused_moe_ref  # noqa: E402
-
-if not CUDA and not K._INTERPRET:   # imported earlier without the interpreter: define the kernels again under it
-    K = importlib.reload(K)
-    P = importlib.reload(P)
 
 DEV = "cuda" if CUDA else "cpu"
 

@@ -7,13 +7,8 @@ select). Without CUDA the kernels run in Triton's interpreter.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are defined: they run on the CPU
 
 pytest.importorskip("triton")
 

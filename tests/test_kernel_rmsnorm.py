@@ -6,24 +6,15 @@ few cases. With CUDA the same tests run natively and the `gpu` test adds the rea
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()     # without CUDA: Triton's interpreter (tests/conftest.py turns it on)
 pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from stage_worker.kernels import rmsnorm as K  # noqa: E402
 from stage_worker.kernels.rmsnorm_ref import rmsnorm as rmsnorm_ref  # noqa: E402
 from stage_worker.model.norms import ZeroCentredRMSNorm  # noqa: E402
-
-if not CUDA and not isinstance(K._rmsnorm_kernel, InterpretedFunction):   # imported earlier without the interpreter
-    K = importlib.reload(K)
 
 DEV = "cuda" if CUDA else "cpu"
 EPS = 1e-6
