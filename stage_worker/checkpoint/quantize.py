@@ -223,7 +223,8 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str) -> dict:
             {"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     for extra in src.iterdir():
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
-                "config.json", "model.safetensors.index.json"):
+                "config.json", "model.safetensors.index.json") and not extra.name.startswith("ple_table."):
+            # (ple_table.*: the loader's expansion of the PLE shards, made again beside the output)
             shutil.copy(extra, dst / extra.name)
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
