@@ -248,3 +248,24 @@ def test_the_memory_plan_counts_packed_experts_at_their_size(originals, tmp_path
     assert planned == held
     unpacked = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False))[0].weights
     assert planned < unpacked * 0.7
+
+
+def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint, tmp_path):
+    """The real cluster (two stage processes, the PLE service, the gateway) serves a reports-mixed checkpoint,
+    INT4 experts packed in both stages, with the greedy tokens of in-process generation from the same
+    files."""
+    from openai import OpenAI
+
+    from conftest import free_port
+    from gateway.launcher import Cluster, ServeOptions
+    from shared.sampling import SamplingParams
+    from stage_worker.generate import generate
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(tiny_checkpoint, qdir, "reports-mixed")
+    prompt = "def fibonacci(n):"
+    solo = generate(qdir, prompt, SamplingParams(max_tokens=10, temperature=0.0))
+    with Cluster(ServeOptions(model=qdir, stages=2, port=free_port())) as c:
+        client = OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        res = client.completions.create(model="moepipe", prompt=prompt, max_tokens=10, temperature=0.0)
+    assert res.choices[0].text == solo.text and res.usage.completion_tokens == 10
