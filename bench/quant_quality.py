@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.tokenizer import Tokenizer  # noqa: E402
-from shared.cli import BUNDLED_MODEL  # noqa: E402
+from shared.cli import ensure_builtin_model  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.quantize import quantize_checkpoint  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
@@ -51,13 +51,15 @@ def logprobs(model, seq: list[int]) -> torch.Tensor:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(BUNDLED_MODEL))
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model, as "
+                                                   "`moepipe serve` copies it under MOEPIPE_HOME)")
     ap.add_argument("--scheme", default="reports-mixed")
     ap.add_argument("--text", action="append", default=None, help="KIND=PATH (a file or a directory), repeatable")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per kind")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.model = args.model or str(ensure_builtin_model())     # loading writes the PLE expansion beside it
     texts = read_texts(args.text or [f"docs={ROOT / 'docs'}", f"code={ROOT / 'stage_worker'}"])
     texts = {k: [f for f in v if f.suffix in (".md", ".py", ".txt", "")] or v for k, v in texts.items()}
     tok = Tokenizer.from_dir(args.model)
