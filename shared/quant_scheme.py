@@ -56,14 +56,24 @@ class QuantPlan:
         return None if group is None else self.targets[group][1]
 
     def group_of(self, name: str, cls: str = "Linear") -> str | None:
-        """The target that decides module `name`'s scheme (exact name, then regex, then class), or None."""
-        if any(_match_name(name, t) or t == cls for t in self.ignore):
+        """The target that decides module `name`'s scheme (exact name, then regex, then class), or None. A name in
+        the plain causal-LM layout (`model.layers...`, as the loader normalises) also matches targets written for
+        a released multimodal checkpoint's names (`model.language_model.layers...`, `language_model.layers...`)."""
+        names = _released_names(name)
+        if any(_match_name(n, t) or t == cls for t in self.ignore for n in names):
             return None
         ordered = sorted(self.targets, key=lambda t: (t.startswith("re:"), t))
         for t in ordered:
-            if _match_name(name, t):
+            if any(_match_name(n, t) for n in names):
                 return t
         return cls if cls in self.targets else None
+
+
+def _released_names(name: str) -> list[str]:
+    if name.startswith("model.") and not name.startswith("model.language_model."):
+        rest = name[len("model."):]
+        return [name, "model.language_model." + rest, "language_model." + rest]
+    return [name]
 
 
 def _match_name(name: str, target: str) -> bool:

@@ -269,3 +269,40 @@ def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint
         client = OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
         res = client.completions.create(model="moepipe", prompt=prompt, max_tokens=10, temperature=0.0)
     assert res.choices[0].text == solo.text and res.usage.completion_tokens == 10
+
+
+def test_a_released_multimodal_layout_with_exact_name_targets_loads(originals, tmp_path):
+    """Released Qwen3.5 checkpoints name their tensors `model.language_model.layers...`, and a quantizer that
+    targets modules by exact name writes those names into the config; the loader (which maps the prefix away)
+    still finds each module's scheme, packed INT4 experts included."""
+    from safetensors.torch import load_file
+
+    qdir, moved = tmp_path / "q", tmp_path / "moved"
+    quantize_checkpoint(originals["qwen3_next"], qdir, "int4-experts")
+    moved.mkdir()
+    tensors = load_file(qdir / "model.safetensors")
+    save_file({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}, moved / "model.safetensors")
+    config = json.loads((qdir / "config.json").read_text())
+    modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_packed")})
+    groups = config["quantization_config"]["config_groups"]
+    for g in groups.values():          # each group's regexes -> the exact released names they reach
+        g["targets"] = [m.replace("model.", "model.language_model.", 1) for m in modules if _reached(m, g)]
+    assert sum(len(g["targets"]) for g in groups.values()) == len(modules)
+    (moved / "config.json").write_text(json.dumps(config))
+    want = load_model(qdir, LoadOptions(dtype=torch.float32))
+    got = load_model(moved, LoadOptions(dtype=torch.float32))
+    assert all(m.packed_group for m in got.moe_layers().values())
+    outs = []
+    for model in (want, got):
+        engine = LocalEngine([model], max_seqs=1, max_tokens=64)
+        engine.add(0)
+        outs.append(engine.step([(0, PROMPT)], all_logits=True))
+    assert torch.equal(outs[0], outs[1])
+
+
+def _reached(module: str, group: dict) -> bool:
+    """Does `group` (regex targets, as moepipe quantize writes them) reach `module`?"""
+    import re
+
+    return any(re.match(t[3:], module) for t in group["targets"] if t.startswith("re:"))
