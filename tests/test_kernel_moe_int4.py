@@ -47,7 +47,7 @@ def test_the_packing_is_compressed_tensors_own():
     assert (ours - w).abs().max() <= s.max() / 2 + 1e-6         # round to nearest
 
 
-@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (3, 16, None), (2, 16, 5), (1, 8, 12)])
+@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (2, 16, 5), (1, 16, 12)])
 def test_kernel_matches_the_reference(t, group, hot):
     """Decode shapes, with some slots in a second (host) table from `hot` on and a skipped slot (CUDA-graph
     padding)."""

@@ -54,12 +54,11 @@ def test_training_lowers_the_loss_and_exports_a_servable_checkpoint(corpus, tmp_
     log = _train(corpus, tmp_path / "run", "--max-steps", "24", batch=4, lr=1e-2, total=24)
     first, last = log[0]["ce"], sum(r["ce"] for r in log[-4:]) / 4
     assert last < first - 0.5, (first, last)                                # 7.62 (uniform) to ~6.8 here
-    _train(corpus, tmp_path / "run", "--eval", "--eval-tokens", "256")
+    out = tmp_path / "model"
+    _train(corpus, tmp_path / "run", "--eval", "--eval-tokens", "256", "--export", str(out))   # one run, both
     res = json.loads((tmp_path / "run/eval.json").read_text())
     assert set(res) == {"code", "prose", "docs", "german"}
     assert all(r["model_bpb"] > 0 and r["unigram_bpb"] > 0 for r in res.values())
-    out = tmp_path / "model"
-    _train(corpus, tmp_path / "run", "--export", str(out))
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.local_engine import LocalEngine
 
