@@ -4,8 +4,8 @@ selected experts read, and that as a share of the HBM bandwidth.
     python bench/moe_int4.py [--tokens 1,4,16] [--out bench/results/moe_int4.json]
 
 Each measurement is a CUDA graph of `--calls` calls, each with its own routing (top-k of random logits, so
-consecutive calls pick other experts and the L2 cannot serve them), replayed `--runs` times after a warm-up; the
-time per call is the median replay over the calls in it. Bytes: the distinct experts a call selects times the bytes
+consecutive calls pick other experts and the L2 cannot serve them), replayed `--runs` times after a warm-up
+(`tune_kernels.graph_time`); the time per call is the median replay over the calls in it. Bytes: the distinct experts a call selects times the bytes
 of one expert (bf16: 3 x H x I x 2; INT4: the words and the group scales). Routed experts only (no shared slot, so
 both kernels do the same work). Prints a table and writes JSON.
 """
@@ -13,6 +13,7 @@ both kernels do the same work). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -23,38 +24,23 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_int4 as M  # noqa: E402
 from stage_worker.kernels.moe_int4 import fused_moe_int4  # noqa: E402
 from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_int4  # noqa: E402
 from stage_worker.kernels.moe_ref import route_ref  # noqa: E402
+from tune_kernels import graph_time  # noqa: E402
 
 HBM_TBPS = 4.8            # H200 datasheet; docs/performance.md's measured copy bandwidth is the tighter bar
 
 
 def timed(fn, calls: int, runs: int) -> float:
-    """Median seconds per call of fn(i) for i in range(calls), captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(calls):
-            fn(i)                                           # compile and warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return statistics.median(times)
+    """Median seconds per call of fn(i), i cycling through range(calls), captured as one CUDA graph of `calls`
+    calls (each with its own routing)."""
+    i = itertools.count()
+    return graph_time(lambda: fn(next(i) % calls), calls, runs)
 
 
 def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:

@@ -31,8 +31,8 @@ from stage_worker.kernels import hyper_connection_ref as HC_REF  # noqa: E402
 from stage_worker.kernels import moe as MOE  # noqa: E402
 
 
-def graph_time(fn, reps: int) -> float:
-    """Seconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of 5 replays)."""
+def graph_time(fn, reps: int, runs: int = 5) -> float:
+    """Seconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of `runs` replays)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -42,7 +42,7 @@ def graph_time(fn, reps: int) -> float:
     g.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(runs):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         g.replay()

@@ -214,15 +214,11 @@ class _Dequantizer:
         self.plan, self.pieces = plan, pieces
         self.parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
 
-    def _split(self, name: str) -> tuple[str, str] | None:
-        module, _, part = name.rpartition(".")
-        return (module, part) if part in QUANT_PARTS else None
-
     def takes(self, name: str, f, raw_name: str) -> bool:
         """Is `name` part of a quantized module that this stage loads?"""
         if self.plan is None:
             return False
-        split = self._split(name)
+        split = _quant_part(name)
         if split is None or f"{split[0]}.weight" not in self.pieces:
             return False
         if split[1] == "weight":         # a plain weight, unless float8 (then its scale follows)
@@ -230,7 +226,7 @@ class _Dequantizer:
         return True
 
     def add(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path):
-        module, part = self._split(name)
+        module, part = _quant_part(name)
         wq = self.plan.for_module(module)
         if wq is None:
             raise CheckpointError(f"tensor {raw_name!r} in {path} is quantized, but no quantization_config group "
@@ -264,10 +260,16 @@ def _place(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, name: str, p
     target.copy_(tensor.to(param.dtype))
 
 
-def _quant_part_of(name: str, known: set[str]) -> bool:
-    """`name` is a quantized part (`weight_packed`, `weight_scale`, ...) of a weight the model has."""
+def _quant_part(name: str) -> tuple[str, str] | None:
+    """(module, part) when `name` is a quantized module's part (`weight_packed`, `weight_scale`, ...)."""
     module, _, part = name.rpartition(".")
-    return part in QUANT_PARTS and f"{module}.weight" in known
+    return (module, part) if part in QUANT_PARTS else None
+
+
+def _quant_part_of(name: str, known: set[str]) -> bool:
+    """`name` is a quantized part of a weight the model has."""
+    split = _quant_part(name)
+    return split is not None and f"{split[0]}.weight" in known
 
 
 def _check_complete(params: dict[str, torch.Tensor], pieces: dict[str, list[Piece]], seen: set[str],

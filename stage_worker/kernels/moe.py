@@ -331,10 +331,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
-    x = x.contiguous()
-    ids = ids.to(torch.int32).contiguous()
-    weights = weights.contiguous()
-    act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
+    x, ids, weights, act = decode_operands(x, ids, weights, I)
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     hw13, hw2, first = (w13, w2, E) if host is None else (host.w13, host.w2, host.first)
@@ -347,6 +344,14 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
                                              out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              num_warps=down_warps)
     return out
+
+
+def decode_operands(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    inter: int) -> tuple[torch.Tensor, ...]:
+    """What the two-phase decode kernels (bf16 here, INT4 in moe_int4.py) take: contiguous x, int32 ids and
+    weights, and the fp32 activations [T, k, inter] between the phases."""
+    return (x.contiguous(), ids.to(torch.int32).contiguous(), weights.contiguous(),
+            torch.empty(*ids.shape, inter, dtype=torch.float32, device=x.device))
 
 
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,

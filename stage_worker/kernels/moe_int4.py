@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_worker.kernels.moe import SKIP, _bucket, _pow2, expert_rows, triton, triton_usable
+from stage_worker.kernels.moe import SKIP, _bucket, _pow2, decode_operands, expert_rows, triton, triton_usable
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:
@@ -123,10 +123,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
-    x = x.contiguous()
-    ids = ids.to(torch.int32).contiguous()
-    weights = weights.contiguous()
-    act = torch.empty(T, k, I, dtype=torch.float32, device=x.device)
+    x, ids, weights, act = decode_operands(x, ids, weights, I)
     h = host or experts
     first = E if host is None else first_host
     bi, bw, warps = UP_CFG[_bucket(T)]
