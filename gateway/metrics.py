@@ -3,7 +3,7 @@
 Request-level series are updated by the API layer through `RequestTimer`; scheduler, stage and PLE series are pushed
 by whatever engine runs the model (`set_scheduler_state`, `observe_stage_step`, `set_stage_busy`, `set_ple_totals`).
 
-The three `moepipe_ple_*_total` series are COUNTERS whose values are set from the cumulative totals the PLE service
+The `moepipe_ple_*_total` series are COUNTERS whose values are set from the cumulative totals the PLE service
 and the stages report (each reporter keeps its own running sum; the exposed value is the sum over reporters). A
 custom collector exposes them, because prometheus_client's Counter can only be incremented. A reporter that restarts
 from zero looks like an ordinary counter reset to Prometheus.
@@ -38,6 +38,8 @@ PLE_SERIES = {
     "gather_seconds": ("moepipe_ple_gather_seconds", "Seconds spent gathering PLE rows (cumulative, as reported)"),
     "stage_wait_seconds": ("moepipe_ple_stage_wait_seconds",
                            "Seconds stages waited for PLE rows (cumulative, as reported)"),
+    "stage_gathers": ("moepipe_ple_stage_gathers",
+                      "Decode steps whose PLE rows a stage gathered itself (ple_decode_in_stage; cumulative)"),
 }
 
 
@@ -168,10 +170,11 @@ class Metrics:
         self.restarts.labels(component=component).set(count)
 
     def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
-                       gather_seconds: float | None = None, stage_wait_seconds: float | None = None) -> None:
+                       gather_seconds: float | None = None, stage_wait_seconds: float | None = None,
+                       stage_gathers: float | None = None) -> None:
         """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
         given = {"prefetch_pages": prefetch_pages, "gather_seconds": gather_seconds,
-                 "stage_wait_seconds": stage_wait_seconds}
+                 "stage_wait_seconds": stage_wait_seconds, "stage_gathers": stage_gathers}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 
     def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:

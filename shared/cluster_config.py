@@ -61,6 +61,7 @@ class ClusterConfig:
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
+    ple_decode_in_stage: bool = True            # with the service: a PLE stage gathers its decode steps' rows itself
     graph_skip_padding: bool = True             # a graph's padding rows route to no expert (read no expert rows)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
@@ -226,7 +227,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
-        "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
+        "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_PLE_DECODE_IN_STAGE": "ple_decode_in_stage",
+        "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",

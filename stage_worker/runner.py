@@ -23,6 +23,7 @@ from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
 from stage_worker.expert_offload import gates
 from stage_worker.host_copy import to_device, to_host
+from stage_worker.ple_decode_rows import DecodeRowGather
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
@@ -41,6 +42,7 @@ class _Prepared:
     plan: Plan
     batch: StepBatch | None = None
     complete: bool = False            # token ids known
+    host_ids: list[int] | None = None  # the token ids on the host, once known there (a PLE stage's own gather)
 
 
 @dataclass
@@ -101,6 +103,11 @@ class StageRunner:
         self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
         self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
         self.ring = ring if self.my_ple_layers else None
+        # Decode rows gathered here rather than by the service (ple_decode_rows.py: the service's round trip was
+        # the one-stream gap); prefill chunks still come from the service's ring.
+        self.own_decode_rows = DecodeRowGather(model, self.cache, self.my_ple_layers, p.device) \
+            if self.ring is not None and cluster.ple_decode_in_stage else None
+        self._max_launched_step = -1
         # Launch-ahead: two steps queued at once; with one stage (first and last) and device sampling, a decode
         # step's input ids are read from the previous step's sampled tokens on the device, so it is queued before
         # that step's tokens reach the host and the GPU never waits for the host's bookkeeping between steps.
@@ -151,7 +158,8 @@ class StageRunner:
                 if t.token >= 0:
                     self.next_tokens[(t.req_id, t.position)] = t.token
         elif isinstance(msg, PleReady) and msg.num_tokens > 0:
-            self.ple[msg.step] = msg
+            if msg.step in self.plans or msg.step > self._max_launched_step:
+                self.ple[msg.step] = msg       # else: a step that ran on rows this stage gathered itself
 
     def _on_plan(self, plan: Plan) -> None:
         for step in plan.dropped:
@@ -224,19 +232,26 @@ class StageRunner:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
                 if any(k not in self.next_tokens and k not in self.device_next for k in keys):
                     return None
-                prepared.batch.token_ids = self._input_ids(prepared.plan)
+                prepared.batch.token_ids, prepared.host_ids = self._input_ids(prepared.plan)
             else:
-                prepared.batch.token_ids = self.acts[step].token_ids.to(self.device)
+                host = self.acts[step].token_ids
+                prepared.batch.token_ids = host.to(self.device)
+                prepared.host_ids = host.tolist()
             prepared.complete = True
-        if self.ring is not None and step not in self.ple:
+        if self.ring is not None and step not in self.ple and not self._gathers_own_rows(prepared):
             # Everything else is here: from now on the stage is waiting for the PLE service.
             self._ple_wait_start.setdefault(step, time.perf_counter())
             return None
         return prepared.plan
 
-    def _input_ids(self, plan: Plan) -> torch.Tensor:
+    def _gathers_own_rows(self, prepared: _Prepared) -> bool:
+        """A decode step on a PLE stage whose token ids the host has: its rows need no PLE service."""
+        return self.own_decode_rows is not None and prepared.host_ids is not None and prepared.batch.is_decode
+
+    def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None]:
         """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens
-        still on the device, gathered there from the step that sampled them."""
+        still on the device, gathered there from the step that sampled them. Also the ids as a host list, unless
+        some are only on the device."""
         ids: list[int] = []
         from_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for e in plan.entries:
@@ -257,7 +272,7 @@ class StageRunner:
         out = to_device(ids, torch.long, self.device)
         for tokens, dst, src in from_device.values():
             out[to_device(dst, torch.long, self.device)] = tokens[to_device(src, torch.long, self.device)]
-        return out
+        return out, (None if from_device else ids)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def can_launch(self) -> bool:
@@ -303,10 +318,13 @@ class StageRunner:
         with record_function("stage.inputs"):
             hidden = act.hidden.to(self.device) if act is not None else None
             timing = list(act.timing) if act is not None else []
-            if self.ring is not None:
+            if self.ring is not None and self._gathers_own_rows(prepared):
+                self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
+                batch.ple_rows.update(self.own_decode_rows(batch.slots, prepared.host_ids))
+            elif self.ring is not None:
                 ready = self.ple.pop(plan.step)
-                self.ple_wait_seconds += time.perf_counter() - self._ple_wait_start.pop(plan.step,
-                                                                                        time.perf_counter())
+                now = time.perf_counter()
+                self.ple_wait_seconds += now - self._ple_wait_start.pop(plan.step, now)
                 # Copy out of the ring at once: this stage's own layers only. The service rewrites the slot once the
                 # last stage has run this step (its Sampled), which in-order stages reach only after this copy.
                 # (A queued copy: the ring is page-locked, and the slot is rewritten only after this step's Sampled.)
@@ -315,6 +333,7 @@ class StageRunner:
                 for li, layer in enumerate(self.all_ple_layers):
                     if layer in self.my_ple_layers:
                         batch.ple_rows[layer] = rows[:, li]
+        self._max_launched_step = max(self._max_launched_step, plan.step)
         self.launches += 1
         if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
             with record_function("stage.expert_moves"):
@@ -512,6 +531,9 @@ class StageRunner:
                "ids_from_device": float(self.ids_from_device),
                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds,
                "kv_pool_bytes": float(self.cache.kv_bytes())}
+        if self.own_decode_rows is not None:
+            out["ple_stage_gathers"] = float(self.own_decode_rows.steps)
+            out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds
         if self.experts is not None:
             out.update(self.experts.stats())
         return out

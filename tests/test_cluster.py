@@ -93,6 +93,11 @@ def test_completions_match_in_process_generation_with_logprobs(cluster, tiny, re
             assert abs(lp - got_lp) < 1e-4
             got = sorted(got_top.values(), reverse=True)[:3]    # top-3, plus the sampled token when outside them
             assert max(abs(a - b) for a, b in zip(top, got)) < 1e-4
+    # the decode steps' PLE rows were gathered by stage 0 itself (ple_decode_in_stage), as its heartbeat reports
+    deadline = time.time() + 5
+    while _metric(cluster.url, "moepipe_ple_stage_gathers_total") < 11 and time.time() < deadline:
+        time.sleep(0.2)
+    assert _metric(cluster.url, "moepipe_ple_stage_gathers_total") >= 11
 
 
 def test_chat_streaming_usage_and_top_logprobs(cluster, tiny, reference):

@@ -1,0 +1,87 @@
+"""A PLE stage gathers its decode steps' rows itself (`ple_decode_in_stage`, stage_worker/ple_decode_rows.py): the
+PleService still fills the ring for prefill chunks, and for decode steps the stage hashes and gathers in-process, so
+no step waits for the service's round trip. Driven step by step on the CPU: a StageRunner over the tiny checkpoint
+and a real PleService (socket-free) sharing a ring, with the messages handed over by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ple_service.service import PleService
+from shared.cluster_config import ClusterConfig, StageSpec
+from shared.model_config import load_config
+from shared.protocol import Plan, PleReady, SamplingSpec, SeqEntry
+from stage_worker.checkpoint.loader import load_model
+from stage_worker.runner import StageRunner
+
+PROMPTS = {"a": [5, 17, 300, 2, 2, 9, 1000], "b": [44, 45, 46, 47, 48, 1, 2, 3, 90]}
+STEPS = 6
+
+
+def _cluster(model, tmp, **kw) -> ClusterConfig:
+    cfg = load_config(model)
+    stages = [StageSpec(0, cfg.num_hidden_layers, f"ipc://{tmp}/s0.sock")]
+    cluster = ClusterConfig(model=str(model), stages=stages, gateway_endpoint=f"ipc://{tmp}/gw.sock",
+                            ple_endpoint=f"ipc://{tmp}/ple.sock", ple_ring=str(tmp / "ple.ring"),
+                            max_num_batched_tokens=32, block_size=16, num_blocks=16, max_num_seqs=4, **kw)
+    return cluster.for_model(cfg)
+
+
+def _run(model_dir, tmp, own_rows: bool):
+    """Prefill both prompts, then decode STEPS tokens each; returns (tokens, logprobs, PleReady messages the stage
+    was given, the runner's stats). With `own_rows` the service's PleReady of every decode step is withheld."""
+    cluster = _cluster(model_dir, tmp, ple_decode_in_stage=own_rows)
+    cfg = load_config(model_dir)
+    svc = PleService(model_dir, cfg, cluster)
+    runner = StageRunner(load_model(model_dir), cluster, 0, svc.ring)
+    given: list[PleReady] = []
+    tokens: dict[str, list[int]] = {r: [] for r in PROMPTS}
+    logprobs: dict[str, list[float]] = {r: [] for r in PROMPTS}
+    try:
+        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
+        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
+        plans = [Plan(step=0, microbatch=0, new_requests=specs, entries=entries)]
+        for step in range(1, STEPS + 1):
+            plans.append(Plan(step=step, microbatch=0,
+                              entries=[SeqEntry(r, i, len(p) + step - 1, 1, [], sample=True)
+                                       for i, (r, p) in enumerate(PROMPTS.items())]))
+        for plan in plans:
+            runner.on_message(plan)
+            ready = svc.on_plan(plan)
+            while True:
+                for msg in ready:
+                    if own_rows and plan.step > 0:
+                        continue          # the decode steps must run without the service's rows
+                    given.append(msg)
+                    runner.on_message(msg)
+                if runner.ready() is not None:
+                    break
+                assert ready, f"step {plan.step} waits for rows nobody will send"
+                ready = []
+            for out in runner.run(runner.ready()):
+                if out.to == "ple":
+                    ready = svc.on_sampled(out.message)
+                    for msg in ready:     # rows of the next step, if its plan came first (it has not here)
+                        runner.on_message(msg)
+                elif out.to == "gateway":
+                    for t in out.message.tokens:
+                        tokens[t.req_id].append(t.token)
+                        logprobs[t.req_id].append(t.logprob)
+        return tokens, logprobs, given, runner.stats()
+    finally:
+        svc.close()
+
+
+def test_decode_rows_gathered_in_the_stage_equal_the_service_s(tiny_checkpoint, tmp_path):
+    for name in ("own", "svc"):
+        (tmp_path / name).mkdir()
+    own = _run(tiny_checkpoint, tmp_path / "own", own_rows=True)
+    svc = _run(tiny_checkpoint, tmp_path / "svc", own_rows=False)
+    assert own[0] == svc[0] and all(len(t) == STEPS + 1 for t in own[0].values())
+    for r in PROMPTS:
+        assert own[1][r] == pytest.approx(svc[1][r], abs=1e-5)
+    assert [m.step for m in own[2]] == [0]                      # only the prefill's rows came from the service
+    assert [m.step for m in svc[2]] == list(range(STEPS + 1))
+    assert own[3]["ple_stage_gathers"] == STEPS and "ple_stage_gathers" not in svc[3]
+    assert own[3]["ple_wait_seconds"] >= 0.0
