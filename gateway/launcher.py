@@ -110,27 +110,34 @@ def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
 def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) -> ClusterConfig:
     """`--cold-experts auto`: the least offload that lets the memory plan start (`host_bytes_to_fit`), spread over
     each stage's MoE layers, the least used experts by the checkpoint's `route_usage.json` if it has one (written
-    by `moepipe route-stats`), else the highest ids; the file goes to the run directory."""
+    by `moepipe route-stats`), else the highest ids; the file goes to the run directory. Experts are counted at
+    the size the stage holds them (`StageNeeds.expert_bytes`: INT4 experts kept packed at their packed size)."""
     from shared import cold_set
 
     cfg = load_config(cluster.model)
     if not any(s.device.startswith("cuda") for s in cluster.stages):
         return dataclasses.replace(cluster, cold_experts="")        # host RAM is all there is: nothing to move
     try:
-        need = host_bytes_to_fit(*plan_inputs(cluster, config_path))
+        inputs = plan_inputs(cluster, config_path)
+        need = host_bytes_to_fit(*inputs)
     except MemoryPlanError as exc:
         raise RuntimeError(f"the model does not fit: {exc}") from None
     stages = [(s.start, s.end) for s in cluster.stages]
     usage_file = Path(cluster.model) / "route_usage.json"
     scores = cold_set.kind_normalised(json.loads(usage_file.read_text())["usage"]) if usage_file.is_file() else None
-    per_expert = cold_set.expert_bytes(cfg, cluster.dtype or None)
+    # one expert as each stage holds it: an INT4 checkpoint's experts kept packed at their packed size (the needs
+    # say), else the compute dtype's
+    sizes = {n.stage: n.expert_bytes for n in inputs[0] if n.expert_bytes}
+    per_expert = [sizes.get(i) or cold_set.expert_bytes(cfg, cluster.dtype or None) for i in range(len(stages))]
     cold = cold_set.spread(cfg, stages, [need.get(i, 0) for i in range(len(stages))], per_expert, scores)
     out = cold_set.write(run_dir / "cold_experts.json", cfg, cluster.model, cold, stages, per_expert,
                          max(need.values(), default=0), ["route_usage.json" if scores else "highest ids"])
     n = sum(len(ids) for ids in cold.values())
+    host = sum(size * len(ids) for (s, e), size in zip(stages, per_expert) for layer, ids in cold.items()
+               if s <= layer < e)
     how = f"the least used by {usage_file}" if scores else \
         "no route_usage.json beside the checkpoint: the highest ids, moves re-place them"
-    print(f"moepipe: --cold-experts auto: {n} experts ({n * per_expert / GIB:.2f} GiB) in host RAM ({how})",
+    print(f"moepipe: --cold-experts auto: {n} experts ({host / GIB:.2f} GiB) in host RAM ({how})",
           file=sys.stderr)
     return dataclasses.replace(cluster, cold_experts=str(out))
 

@@ -8,7 +8,9 @@ expert; prefill of a text selects what its decode would). The file written here 
 `--cold-experts FILE` (the expert tables of `stage_worker/expert_offload.py` read it).
 
 File format (JSON): {"format": FORMAT, "model": ..., "expert_bytes": ..., "stages": [{"layers": [start, end],
-"budget_bytes": ..., "cold_bytes": ...}], "layers": {"<layer>": [expert ids]}, "kinds": [...]}.
+"budget_bytes": ..., "cold_bytes": ...}], "layers": {"<layer>": [expert ids]}, "kinds": [...]}; a stage row also has
+"expert_bytes" when the stages hold experts of different sizes (`--cold-experts auto`: INT4 experts at their packed
+size, `packed_expert_bytes`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class ColdSetError(ValueError):
 def expert_bytes(cfg: HybridMoeConfig, dtype: str | None = None) -> int:
     """One routed expert's gate, up and down projections."""
     return 3 * cfg.moe_intermediate_size * cfg.hidden_size * _ITEMSIZE[dtype or cfg.dtype]
+
+
+def packed_expert_bytes(cfg: HybridMoeConfig, group: int, group2: int, dtype: str | None = None) -> int:
+    """One routed expert kept in INT4 words and group scales (issue 17, `SparseMoE.use_packed`): int32 words of 8
+    inputs for gate/up [2I, H/8] and down [H, I/8], scales in the compute dtype [2I, ceil(H/group)] and
+    [H, ceil(I/group2)]. What an expert table holds per slot and a host read moves (about a quarter of bf16)."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    words = 4 * (2 * inter * (H // 8) + H * (inter // 8))
+    return words + _ITEMSIZE[dtype or cfg.dtype] * (2 * inter * -(-H // group) + H * -(-inter // group2))
 
 
 def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[float]]:
@@ -62,16 +73,19 @@ def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_ex
     return {layer: sorted(ids) for layer, ids in sorted(cold.items())}
 
 
-def spread(cfg: HybridMoeConfig, stages: list[tuple[int, int]], host_bytes: list[int], per_expert: int,
+def spread(cfg: HybridMoeConfig, stages: list[tuple[int, int]], host_bytes: list[int], per_expert: int | list[int],
            scores: dict[int, list[float]] | None = None) -> dict[int, list[int]]:
     """`--cold-experts auto`: per stage, at least `host_bytes` of experts spread evenly over its MoE layers; with
-    routing `scores` the least used of each layer, else the highest ids (run-time moves re-place them by use)."""
+    routing `scores` the least used of each layer, else the highest ids (run-time moves re-place them by use).
+    `per_expert`: one expert's bytes as the stages hold it (a list: per stage, e.g. INT4 experts at their packed
+    size)."""
+    sizes = per_expert if isinstance(per_expert, list) else [per_expert] * len(stages)
     cold: dict[int, list[int]] = {}
-    for (start, end), nbytes in zip(stages, host_bytes):
+    for (start, end), nbytes, size in zip(stages, host_bytes, sizes):
         layers = [layer for layer in range(start, end) if cfg.is_sparse_moe(layer)]
         if nbytes <= 0 or not layers:
             continue
-        n = min(-(-nbytes // (per_expert * len(layers))), cfg.num_experts - 1)
+        n = min(-(-nbytes // (size * len(layers))), cfg.num_experts - 1)
         for layer in layers:
             if scores is not None and layer in scores:
                 order = sorted(range(cfg.num_experts), key=lambda e: (scores[layer][e], e))
@@ -92,13 +106,17 @@ def host_reads(cold: dict[int, list[int]], usage: dict[str, dict[str, list[int]]
 
 
 def write(path: str | Path, cfg: HybridMoeConfig, model: str, cold: dict[int, list[int]],
-          stages: list[tuple[int, int]], per_expert: int, budget_bytes: int, kinds: list[str]) -> Path:
+          stages: list[tuple[int, int]], per_expert: int | list[int], budget_bytes: int, kinds: list[str]) -> Path:
+    """`per_expert` a list: each stage's expert size (also written in its row; the top-level `expert_bytes` is
+    then the first stage's)."""
     path = Path(path)
+    sizes = per_expert if isinstance(per_expert, list) else [per_expert] * len(stages)
     rows = [{"layers": [s, e], "budget_bytes": budget_bytes,
-             "cold_bytes": per_expert * sum(len(ids) for layer, ids in cold.items() if s <= layer < e)}
-            for s, e in stages]
+             "cold_bytes": size * sum(len(ids) for layer, ids in cold.items() if s <= layer < e)}
+            | ({"expert_bytes": size} if isinstance(per_expert, list) else {})
+            for (s, e), size in zip(stages, sizes)]
     path.write_text(json.dumps({"format": FORMAT, "model": model, "num_experts": cfg.num_experts,
-                                "expert_bytes": per_expert, "stages": rows, "kinds": kinds,
+                                "expert_bytes": sizes[0] if sizes else per_expert, "stages": rows, "kinds": kinds,
                                 "layers": {str(k): v for k, v in cold.items()}}, indent=1) + "\n")
     return path
 

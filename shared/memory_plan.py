@@ -40,6 +40,8 @@ class StageNeeds:
     reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
     host_experts: int = 0    # cold experts' bytes in pinned host RAM (not part of `weights`)
     routed_experts: int = 0  # routed experts' bytes still in `weights` (what `--cold-experts auto` may move out)
+    expert_bytes: int = 0    # one routed expert as the stage holds it (INT4 kept packed: its packed size; layers
+    #                          that differ: the smallest, so `auto` moves out at least what it must); 0: unknown
 
     @property
     def fixed(self) -> int:

@@ -8,13 +8,14 @@ an expert twice (the reports' first offload loaded everything, then copied the c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from stage_worker.host_memory import HostBuffer, allocate
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref
-from stage_worker.model.expert_table import ExpertTable, ExpertRows
+from stage_worker.model.expert_table import PACKED_PARTS, PARTS, ExpertRows, ExpertTable
 
 
 @dataclass
@@ -28,7 +29,7 @@ class StageExperts:
     host_reads: torch.Tensor      # int64 [L]
     moves: torch.Tensor           # int64 [L]
     host: HostBuffer | None
-    _plans: tuple | None = None   # (router data_ptrs, SwapPlans) of the last move round
+    _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
     _last: tuple[list[int], list[int]] | None = None   # host reads and moves per layer, as last read back
 
@@ -37,10 +38,12 @@ class StageExperts:
         return list(self.tables)
 
     def host_bytes(self) -> int:
-        return sum(t.host_w13.nbytes + t.host_w2.nbytes for t in self.tables.values())
+        """Routed-expert bytes in host RAM (packed experts at their packed size)."""
+        return sum(t.host_bytes() for t in self.tables.values())
 
     def device_bytes(self) -> int:
-        return sum(t.w13.nbytes + t.w2.nbytes for t in self.tables.values())
+        """Routed-expert bytes in the device slots of the layers with tables."""
+        return sum(t.device_bytes() for t in self.tables.values())
 
     def snapshot(self) -> None:
         """Queue a copy of the host-read and move counters to the host, and keep the previous copy's values once it
@@ -70,12 +73,22 @@ class StageExperts:
                 out[f"expert_moves:{layer}"] = float(moves)
         return out
 
-    def row_sets(self, gates: list[torch.Tensor]) -> list[RowSet]:
+    def row_sets(self, gates: list[torch.Tensor]) -> list[tuple[RowSet, list[int] | None]]:
+        """What a move swaps, one RowSet per kind of row (a part with one row shape and dtype: w13, w2, or INT4
+        words and scales of each; then the router rows), each with the indices of the layers it covers (None:
+        all, in `tables` order) so a stage whose layers hold different parts still swaps each in one launch."""
         ts = list(self.tables.values())
-        hot = [t.hot for t in ts]
-        return [RowSet([t.w13 for t in ts], [t.host_w13 for t in ts], hot),
-                RowSet([t.w2 for t in ts], [t.host_w2 for t in ts], hot),
-                RowSet(gates, gates, [t.num_experts for t in ts])]
+        kinds: dict[tuple, list[int]] = {}
+        for i, t in enumerate(ts):
+            for part in t.parts:
+                d = t.dev[part]
+                kinds.setdefault((part, tuple(d.shape[1:]), d.dtype), []).append(i)
+        out = []
+        for (part, _, _), idx in kinds.items():
+            out.append((RowSet([ts[i].dev[part] for i in idx], [ts[i].host[part] for i in idx],
+                               [ts[i].hot for i in idx]), None if len(idx) == len(ts) else idx))
+        out.append((RowSet(gates, gates, [t.num_experts for t in ts]), None))
+        return out
 
     @torch.no_grad()
     def move_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
@@ -88,12 +101,14 @@ class StageExperts:
         if swap_usable(self.counts):
             ptrs = tuple(g.data_ptr() for g in gates)
             if self._plans is None or self._plans[0] != ptrs:      # built once: rows never move in memory
-                self._plans = (ptrs, [SwapPlan.build(r, self.counts.device) for r in self.row_sets(gates)])
-            for plan in self._plans[1]:
-                swap_rows(plan, dec)
+                dev = self.counts.device
+                self._plans = (ptrs, [(SwapPlan.build(r, dev), idx if idx is None else torch.tensor(idx, device=dev))
+                                      for r, idx in self.row_sets(gates)])
+            for plan, idx in self._plans[1]:
+                swap_rows(plan, dec if idx is None else dec.index_select(0, idx))
         else:
-            for r in self.row_sets(gates):
-                swap_rows_ref(r, dec)
+            for r, idx in self.row_sets(gates):
+                swap_rows_ref(r, dec if idx is None else dec[idx])
         pair, go = dec[:, :2], dec[:, 2:].bool()
         for t in (self.counts, self.expert_of_slot):
             vals = t.gather(1, pair)
@@ -102,22 +117,41 @@ class StageExperts:
         return dec
 
 
+HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)
+
+
+def _parts(moe) -> dict[str, torch.Tensor]:
+    """The [E, ...] tensors a layer's table replaces (meta tensors at build time): w13/w2, or the packed words and
+    scales of INT4 experts (`SparseMoE.use_packed`)."""
+    names = PACKED_PARTS if moe.packed_group else PARTS
+    return {name: getattr(moe, name) for name in names}
+
+
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  dtype: torch.dtype) -> StageExperts | None:
-    """Tables for this stage's layers that have cold experts; None when none of them has."""
+                  dtype: torch.dtype | None = None) -> StageExperts | None:
+    """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
+    the parts its experts have at build time (compute dtype, or INT4 words and scales), at their own dtypes and
+    sizes; `dtype` is unused (kept for callers)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
     device = torch.device(device)
-    first = next(iter(layers.values()))
-    E, two_i, H = first.w13.shape
-    inter = two_i // 2
-    item = torch.empty((), dtype=dtype).element_size()
-    row13, row2 = two_i * H * item, H * inter * item
-    host_bytes = sum(len(ids) for ids in mine.values()) * (row13 + row2)
-    host = allocate(host_bytes, what=f"cold experts of layers {min(mine)}-{max(mine)}",
-                    pin=device.type == "cuda")
+    E = next(iter(layers.values())).num_experts
+    # the host layout first: one exact-size allocation for every layer's cold rows of every part
+    layout: list[tuple[int, str, int, tuple[int, ...], torch.dtype]] = []     # (layer, part, offset, shape, dtype)
+    offset = 0
+    for layer, ids in mine.items():
+        for name, t in _parts(layers[layer]).items():
+            offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
+            shape = (len(ids), *t.shape[1:])
+            layout.append((layer, name, offset, shape, t.dtype))
+            offset += math.prod(shape) * t.element_size()
+    host = allocate(offset, what=f"cold experts of layers {min(mine)}-{max(mine)}", pin=device.type == "cuda")
+    host_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
+    for layer, name, off, shape, dt in layout:
+        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        host_parts[layer][name] = host.tensor[off:off + n].view(dt).view(shape)
     n = len(mine)
     counts = torch.zeros(n, E, dtype=torch.float32, device=device)
     reads = torch.zeros(n, dtype=torch.int64, device=device)
@@ -125,21 +159,15 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     orders = [tuple([e for e in range(E) if e not in set(ids)] + sorted(ids)) for ids in mine.values()]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32, device=device)
     tables: dict[int, ExpertTable] = {}
-    offset = 0
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
-        order = orders[i]
-        hot, c = E - len(ids), len(ids)
-        host_w13 = host.tensor[offset:offset + c * row13].view(dtype).view(c, two_i, H)
-        offset += c * row13
-        host_w2 = host.tensor[offset:offset + c * row2].view(dtype).view(c, H, inter)
-        offset += c * row2
+        hot = E - len(ids)
+        dev = {name: torch.empty(hot, *t.shape[1:], dtype=t.dtype, device=device)
+               for name, t in _parts(moe).items()}
         table = ExpertTable(
-            w13=torch.empty(hot, two_i, H, dtype=dtype, device=device),
-            w2=torch.empty(hot, H, inter, dtype=dtype, device=device),
-            host_w13=host_w13, host_w2=host_w2,
+            dev=dev, host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
-            initial=order)
+            initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None)
         moe.use_table(table)
         tables[layer] = table
     hot = torch.tensor([E - len(ids) for ids in mine.values()], dtype=torch.int64, device=device)
@@ -154,13 +182,38 @@ def gates(model) -> list[torch.Tensor]:
 
 
 def loader_targets(model) -> dict[str, ExpertRows]:
-    """`layers.N.mlp.w13` / `.w2` -> the table standing in for that parameter, for layers that have one."""
+    """`layers.N.mlp.w13` / `.w2` -> the table standing in for that parameter, for layers that have one (INT4
+    tables are filled by `checkpoint.packed_experts.PackedPlacer`, which writes each expert's part into its slot)."""
     out = {}
     for layer, moe in model.moe_layers().items():
-        if moe.table is not None:
+        if moe.table is not None and not moe.table.packed:
             out[f"layers.{layer}.mlp.w13"] = ExpertRows(moe.table, "w13")
             out[f"layers.{layer}.mlp.w2"] = ExpertRows(moe.table, "w2")
     return out
+
+
+@torch.no_grad()
+def fill_random_tables(model, seed: int) -> None:
+    """The `dummy` load format for tables: each part's whole [E, ...] tensor made as `random_init.fill_random`
+    makes the parameter or buffer it replaces (same name, seed and device), then scattered into the slots, so a
+    table holds the all-in-VRAM model's rows."""
+    from stage_worker.checkpoint.random_init import _generator, random_param
+
+    for layer, moe in model.moe_layers().items():
+        t = moe.table
+        if t is None:
+            continue
+        for kind in t.parts:
+            name, shape, dt = f"layers.{layer}.mlp.{kind}", t.full_shape(kind), t.dev[kind].dtype
+            if kind in ("q13", "q2"):        # INT4 words: any word is a valid value (as fill_random)
+                full = torch.randint(-(1 << 31), (1 << 31) - 1, shape, generator=_generator(seed, name, t.device),
+                                     device=t.device, dtype=torch.int64).to(torch.int32)
+            elif kind in ("s13", "s2"):      # their scales: std-0.02 weights over 16 levels (as fill_random)
+                full = torch.full(shape, 0.02 * 2 / 7.5, dtype=dt, device=t.device)
+            else:
+                full = random_param(name, shape, seed, dt, t.device)
+            ExpertRows(t, kind).copy_(full)
+            del full
 
 
 @torch.no_grad()

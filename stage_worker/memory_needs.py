@@ -7,7 +7,8 @@ launcher for the server's life.
 
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
-them); the cold experts of a `cold_experts` file are host RAM, not VRAM. The
+them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 experts at their packed size there
+too, as their expert table holds them). The
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is an estimate until the stages
 measure it at start-up: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x what a full-shape
 512-token prefill chunk was seen to allocate) plus the logits of a step.
@@ -22,7 +23,7 @@ import sys
 import torch
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
-from shared.cold_set import AUTO, ColdSetError, expert_bytes
+from shared.cold_set import AUTO, ColdSetError, expert_bytes, packed_expert_bytes
 from shared.cold_set import load as load_cold_set
 from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
@@ -65,7 +66,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         dtype = compute_dtype(cfg, spec.device, cluster.dtype)
         with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
-            for layer, groups in packed_layers(plan, cfg, spec.start, spec.end).items():
+            packed = packed_layers(plan, cfg, spec.start, spec.end)
+            for layer, groups in packed.items():
                 model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
@@ -73,11 +75,11 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(_PACKED))
-        host = sum(len(ids) for layer, ids in cold.items() if spec.start <= layer < spec.end) * \
-            expert_bytes(cfg, dtype)
+        sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
+                 expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
+        host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
-        routed = sum(cfg.num_experts for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)) * \
-            expert_bytes(cfg, dtype) - host
+        routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
@@ -85,7 +87,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
                               state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host,
-                              routed_experts=routed))
+                              routed_experts=routed, expert_bytes=min(sizes.values(), default=0)))
     return out
 
 

@@ -169,9 +169,9 @@ def _fingerprints_hold(model, plain) -> None:
 
 @pytest.fixture(scope="module")
 def demo():
-    from shared.cli import builtin_model_dir
+    from shared.cli import ensure_builtin_model
 
-    d = builtin_model_dir()
+    d = ensure_builtin_model()        # the copy under MOEPIPE_HOME, made if no earlier test made it
     return d, load_config(d)
 
 

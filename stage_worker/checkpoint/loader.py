@@ -26,8 +26,8 @@ from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
 from stage_worker.checkpoint.packed_experts import PackedPlacer, packed_layers
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random, random_param
-from stage_worker.expert_offload import attach_tables, loader_targets, order_gates
+from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 from stage_worker.model.quant_weight import QUANT_PARTS, dequantize, needed
@@ -54,6 +54,8 @@ class LoadOptions:
     seed: int = 0
     cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
     packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
+    dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
+    #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -85,13 +87,11 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
     model = model.to(dtype)
-    if packed and opts.cold_experts:
-        raise CheckpointError("cold experts (--cold-experts) with INT4 experts kept packed: not built yet; set "
-                              "packed_experts false (MOEPIPE_PACKED_EXPERTS=0) to dequantize them at load")
     for layer, moe in model.moe_layers().items():
         if layer in (packed or {}):
             moe.use_packed(*packed[layer])
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
+    # (INT4 experts kept packed: their words and scales, at the packed size)
     model.experts = attach_tables(model, opts.cold_experts, opts.device, dtype) if opts.cold_experts else None
     model = model.to_empty(device=opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
@@ -106,14 +106,15 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     model_dir = Path(model_dir)
     cfg = cfg or load_config(model_dir)
     packed = {}
+    end = cfg.num_hidden_layers if opts.end is None else opts.end
     if opts.load_format == "safetensors" and opts.packed_experts:
-        end = cfg.num_hidden_layers if opts.end is None else opts.end
         packed = packed_layers(plan_of(model_dir), cfg, opts.start, end)
+    elif opts.load_format == "dummy" and opts.dummy_int4:
+        packed = {layer: tuple(opts.dummy_int4) for layer in range(opts.start, end) if cfg.is_sparse_moe(layer)}
     model = build_empty(cfg, opts, packed)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
-        for name, rows in loader_targets(model).items():   # the tables get what the parameters would have
-            rows.copy_(random_param(name, tuple(rows.shape), opts.seed, rows.dtype, rows.table.w13.device))
+        fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
         for layer, ple in _ple_modules(model):
             spec: NgramHashSpec = ple.spec
             # the table's storage dtype, as the PLE service builds it, whatever the compute dtype

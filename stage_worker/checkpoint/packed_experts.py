@@ -1,5 +1,6 @@
 """Routed experts kept in a checkpoint's INT4 form (issue 17): which layers qualify, and placing their on-disk
-words and scales into the layers' buffers (`SparseMoE.use_packed`) as the loader streams the files.
+words and scales into the layers' buffers (`SparseMoE.use_packed`) as the loader streams the files, or, for a layer
+with cold experts (issue 16), into each expert's slot of its table (device rows or pinned host rows).
 
 A layer's experts stay packed when the checkpoint's scheme for them is compressed-tensors INT4, symmetric, by
 groups that are multiples of 8 (whole int32 words per group; gate and up alike, down may differ), and the hidden
@@ -59,7 +60,7 @@ class PackedPlacer:
         layer, e, proj, part = NAME.match(name).groups()
         layer, e = int(layer), int(e)
         moe = self.moes[layer]
-        E, two_i, words = moe.q13.shape
+        E, two_i, words = _shape(moe, "q13")
         inter, H = two_i // 2, words * 8
         if e >= E:
             raise self.error(f"tensor {raw_name!r} in {path}: expert {e}, but the layer has {E}")
@@ -68,21 +69,31 @@ class PackedPlacer:
             if tuple(int(v) for v in tensor.tolist()) != want:
                 raise self.error(f"tensor {raw_name!r} in {path} says {tensor.tolist()}, expected {list(want)}")
         else:
-            q, s = (moe.q13, moe.s13) if proj != "down" else (moe.q2, moe.s2)
-            dst = q if part == "weight_packed" else s
+            kind = ("q" if part == "weight_packed" else "s") + ("2" if proj == "down" else "13")
             rows = {"gate": slice(0, inter), "up": slice(inter, two_i), "down": slice(None)}[proj]
-            target = dst[e, rows]
+            target = _expert_row(moe, kind, e)[rows]      # straight into its slot when the layer has a table
             if tuple(tensor.shape) != tuple(target.shape):
                 raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
                                  f"{list(target.shape)} (INT4, groups {moe.packed_group} / {moe.packed_group2})")
-            target.copy_(tensor.to(dst.dtype))
+            target.copy_(tensor.to(target.dtype))
         self.seen.add((layer, e, proj, part))
 
     def finish(self, model_dir: Path) -> None:
-        missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.q13.shape[0])
+        missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.num_experts)
                    for proj in ("gate", "up", "down") for part in ("weight_packed", "weight_scale", "weight_shape")
                    if (layer, e, proj, part) not in self.seen]
         if missing:
             shown = ", ".join(f"model.layers.{lay}.mlp.experts.{e}.{p}_proj.{part}" for lay, e, p, part in missing[:3])
             raise self.error(f"missing tensor(s) in {model_dir}: {shown}"
                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+
+
+def _shape(moe, kind: str) -> tuple[int, ...]:
+    """[E, ...] of a packed part, held by the layer or by its expert table (cold experts, issue 16)."""
+    return tuple(moe.table.full_shape(kind)) if moe.table is not None else tuple(getattr(moe, kind).shape)
+
+
+def _expert_row(moe, kind: str, e: int) -> torch.Tensor:
+    """Expert e's row of a packed part: in the layer's buffer, or in the slot its table gave it (device or pinned
+    host rows), so a cold expert goes straight to host RAM and is never held twice."""
+    return moe.table.loaded_row(kind, e) if moe.table is not None else getattr(moe, kind)[e]

@@ -4,8 +4,9 @@ device slot, for every layer of a stage in a few launches on the forward's strea
 `decide` (PyTorch ops on the device, all layers at once): decay the selection counts the router kernel keeps, pick
 per layer the device slot with the lowest count and the host slot with the highest, and move only when the host
 slot's count beats the device slot's by `margin` (hysteresis: two experts of equal use do not trade places every
-round). `swap_rows` (Triton): each layer's two rows of w13, w2 and the router exchange places; a layer that does
-not move returns at once. The rows live in separate tensors (device tables, one pinned host allocation, each
+round). `swap_rows` (Triton): each layer's two rows of w13, w2 and the router exchange places (INT4 experts kept
+packed, issue 17: the words and the scales of w13 and of w2, four kinds of row, at their packed size); a layer that
+does not move returns at once. The rows live in separate tensors (device tables, one pinned host allocation, each
 layer's router), so every row is addressed as an element offset from one anchor tensor: one launch per kind of
 row reaches all layers, on the device and in host memory alike (UVA). Then the counts, the slot -> expert map and
 the move counters are swapped with gathers and scatters on the device.
@@ -66,6 +67,9 @@ class SwapPlan:
         for t in rows.dev + rows.host:
             if t.dtype != anchor.dtype or (t.data_ptr() - base) % item or not t.is_contiguous():
                 raise ValueError("swap rows must be contiguous tensors of one dtype")
+            if t.shape[1:] != anchor.shape[1:]:
+                raise ValueError(f"swap rows of one kind must have one shape: {tuple(t.shape[1:])} and "
+                                 f"{tuple(anchor.shape[1:])}")
 
         def offsets(ts: list[torch.Tensor]) -> torch.Tensor:
             return torch.tensor([(t.data_ptr() - base) // item for t in ts], dtype=torch.int64, device=device)

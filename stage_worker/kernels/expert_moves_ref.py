@@ -11,7 +11,9 @@ import torch
 @dataclass
 class RowSet:
     """One kind of row for every layer: layer l's slot s < split[l] is `dev[l][s]`, else `host[l][s - split[l]]`
-    (dev and host the same tensor for the router, whose split is past the last slot)."""
+    (dev and host the same tensor for the router, whose split is past the last slot). A kind is one part of the
+    expert tables (w13, w2, or INT4 words / scales: `expert_table.PACKED_PARTS`) or the router rows; every row of a
+    kind has one shape and dtype."""
     dev: list[torch.Tensor]
     host: list[torch.Tensor]
     split: list[int]

@@ -6,6 +6,11 @@ experts, and one kernel serves every split. `expert_of_slot` says which expert e
 traces and run-time moves, which swap two slots' rows, gate rows, counts and map entries:
 `stage_worker/kernels/expert_moves.py`).
 
+A slot's rows are one row of each of the table's parts: `w13` [2I, H] and `w2` [H, I] in the compute dtype, or,
+for an INT4 checkpoint's experts kept packed (issue 17, `SparseMoE.use_packed`), `q13` int32 [2I, H/8], `s13`
+[2I, ceil(H/g)], `q2` int32 [H, I/8], `s2` [H, ceil(I/g2)] (`stage_worker/kernels/moe_int4_ref.py`): the host
+tier then holds a quarter of the bf16 bytes and a host read moves a quarter of them over PCIe.
+
 The host rows are one pinned allocation per stage (`stage_worker.expert_offload`); the GPU reads a selected host
 row over PCIe, nothing is held twice. Routing equal logits goes to the lower slot (not the lower expert id), the
 one observable difference from a model without a table.
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts
 
@@ -25,29 +31,75 @@ from stage_worker.kernels.moe_ref import HostRows, RouteCounts
 # swamp a conversation's decode counts. So /metrics' host reads are decode's.
 COUNT_MAX_TK = 256
 
+PARTS = ("w13", "w2")                          # a table of experts in the compute dtype
+PACKED_PARTS = ("q13", "s13", "q2", "s2")      # INT4 experts: words and group scales of w13, then of w2
+
 
 @dataclass
 class ExpertTable:
-    w13: torch.Tensor               # [hot, 2I, H] device
-    w2: torch.Tensor                # [hot, H, I] device
-    host_w13: torch.Tensor          # [E - hot, 2I, H] host (pinned when a GPU reads it)
-    host_w2: torch.Tensor           # [E - hot, H, I] host
+    dev: dict[str, torch.Tensor]    # part -> [hot, ...] device rows (PARTS, or PACKED_PARTS with `groups`)
+    host: dict[str, torch.Tensor]   # part -> [E - hot, ...] host rows (pinned when a GPU reads them)
     expert_of_slot: torch.Tensor    # int32 [E] on the device: the expert each slot holds now
     counts: torch.Tensor            # fp32 [E] on the device: selections per slot (decayed by the move policy)
     host_reads: torch.Tensor        # int64 [1] on the device: selections of host slots since start
     moves: torch.Tensor             # int64 [1] on the device: slot swaps done
     initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending)
+    groups: tuple[int, int] | None = None   # INT4 experts: inputs per scale of w13 / of w2
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.dev)
+
+    @property
+    def packed(self) -> bool:
+        return self.groups is not None
 
     @property
     def hot(self) -> int:
-        return self.w13.shape[0]
+        return next(iter(self.dev.values())).shape[0]
 
     @property
     def num_experts(self) -> int:
         return len(self.initial)
 
+    # the compute-dtype table's parts by name (what the bf16 kernels and older callers take)
+    @property
+    def w13(self) -> torch.Tensor:
+        return self.dev["w13"]
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.dev["w2"]
+
+    @property
+    def host_w13(self) -> torch.Tensor:
+        return self.host["w13"]
+
+    @property
+    def host_w2(self) -> torch.Tensor:
+        return self.host["w2"]
+
+    @property
+    def device(self) -> torch.device:
+        return self.expert_of_slot.device
+
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for t in self.dev.values())
+
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for t in self.host.values())
+
     def host_rows(self) -> HostRows:
         return HostRows(self.host_w13, self.host_w2, self.hot)
+
+    def packed_experts(self):
+        """(device slots, host slots) as the INT4 kernels take them (`moe_int4.fused_moe_int4(..., host,
+        first_host=hot)`)."""
+        from stage_worker.kernels.moe_int4_ref import PackedExperts
+
+        g13, g2 = self.groups
+        return (PackedExperts(*(self.dev[p] for p in PACKED_PARTS), g13, g2),
+                PackedExperts(*(self.host[p] for p in PACKED_PARTS), g13, g2))
 
     def route_counts(self, tokens: int, top_k: int) -> RouteCounts | None:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
@@ -56,19 +108,19 @@ class ExpertTable:
         return RouteCounts(self.counts, self.host_reads, self.hot)
 
     def full_shape(self, kind: str) -> tuple[int, ...]:
-        t = self.w13 if kind == "w13" else self.w2
-        return (self.num_experts, *t.shape[1:])
+        return (self.num_experts, *self.dev[kind].shape[1:])
 
-    def slot_rows(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 row, w2 row) of a slot, wherever it lives."""
-        if slot < self.hot:
-            return self.w13[slot], self.w2[slot]
-        return self.host_w13[slot - self.hot], self.host_w2[slot - self.hot]
+    def slot_part(self, slot: int, kind: str) -> torch.Tensor:
+        """Part `kind`'s row of a slot, wherever it lives."""
+        return self.dev[kind][slot] if slot < self.hot else self.host[kind][slot - self.hot]
+
+    def slot_rows(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """The slot's row of every part, in `parts` order ((w13, w2) or (q13, s13, q2, s2))."""
+        return tuple(self.slot_part(slot, kind) for kind in self.parts)
 
     def loaded_row(self, kind: str, expert: int) -> torch.Tensor:
-        """Where expert `expert`'s w13 or w2 row is at load time (before any move)."""
-        slot = self.initial.index(expert)
-        return self.slot_rows(slot)[0 if kind == "w13" else 1]
+        """Where expert `expert`'s row of part `kind` is at load time (before any move)."""
+        return self.slot_part(self.initial.index(expert), kind)
 
     @torch.no_grad()
     def order_gate(self, gate_weight: torch.Tensor) -> None:
@@ -81,15 +133,39 @@ class ExpertTable:
         """Slot ids (what the router returns) -> expert ids."""
         return self.expert_of_slot[slots.long()].to(slots.dtype)
 
+    def moe_int4(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """INT4 experts, prefill and CPU path (= `moe_int4.grouped_moe_int4` on the whole table): each present
+        expert's words and scales read once (a host slot's copied to x's device once per call), dequantized to
+        x.dtype, two GEMMs over its tokens. Experts in id order, as without a table, so the sums are the same.
+        One host sync (the present experts). ids [T, k] are slots (negative: none)."""
+        from stage_worker.kernels.moe_int4_ref import dequantize_int4
+
+        g13, g2 = self.groups
+        out = torch.zeros_like(x)
+        flat = ids.long()
+        present = flat >= 0
+        by_expert = torch.where(present, self.expert_of_slot.to(x.device)[flat.clamp_min(0)], -1)
+        slot_of = torch.argsort(self.expert_of_slot).tolist()
+        for e in torch.unique(by_expert[present]).tolist():
+            tok, j = torch.where(by_expert == e)
+            q13, s13, q2, s2 = (r.to(x.device, non_blocking=True) for r in self.slot_rows(slot_of[e]))
+            w13 = dequantize_int4(q13, s13, g13).to(x.dtype)
+            w2 = dequantize_int4(q2, s2, g2).to(x.dtype)
+            g, u = F.linear(x[tok], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, w2) * weights[tok, j, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
 
 class ExpertRows:
-    """A loader's view of a table as the [E, ...] parameter it replaces: `rows[e, ...]` is expert e's row (for the
-    per-expert on-disk tensors), `rows.copy_(full)` scatters a fused [E, ...] tensor into the slots."""
+    """A loader's view of a table's part as the [E, ...] parameter or buffer it replaces: `rows[e, ...]` is expert
+    e's row (for the per-expert on-disk tensors), `rows.copy_(full)` scatters a fused [E, ...] tensor into the
+    slots."""
 
     def __init__(self, table: ExpertTable, kind: str) -> None:
         self.table, self.kind = table, kind
         self.shape = torch.Size(table.full_shape(kind))
-        self.dtype = table.w13.dtype
+        self.dtype = table.dev[kind].dtype
 
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)

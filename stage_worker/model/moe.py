@@ -71,9 +71,11 @@ class SparseMoE(nn.Module):
         self.packed_group = self.packed_group2 = 0   # > 0: INT4 experts, inputs per scale of w13 / w2 (use_packed)
 
     def use_table(self, table: ExpertTable) -> None:
-        """Serve the routed experts from `table` (some in host RAM); w13/w2 stop being parameters. The router's
-        rows must be put in slot order once loaded (`table.order_gate`)."""
-        del self.w13, self.w2
+        """Serve the routed experts from `table` (some in host RAM); w13/w2 (or, INT4 experts kept packed, the
+        q13/s13/q2/s2 buffers) stop being module tensors. The router's rows must be put in slot order once loaded
+        (`table.order_gate`)."""
+        for name in table.parts:
+            delattr(self, name)
         self.table = table
 
     def use_packed(self, group: int, group2: int) -> None:
@@ -91,6 +93,7 @@ class SparseMoE(nn.Module):
         self.packed_group, self.packed_group2 = group, group2
 
     def packed(self):
+        """The INT4 experts as the kernels take them (without a table: `table.packed_experts()` has both tiers)."""
         from stage_worker.kernels.moe_int4_ref import PackedExperts
 
         return PackedExperts(self.q13, self.s13, self.q2, self.s2, self.packed_group, self.packed_group2)
@@ -149,19 +152,36 @@ class SparseMoE(nn.Module):
 
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         """INT4 experts: the router as always, then the INT4 decode kernels on a GPU (`moe_int4.fused_moe_int4`),
-        or each present expert dequantized once (prefill, CPU). The shared expert runs beside them."""
-        from stage_worker.kernels.moe_int4 import fused_moe_int4, grouped_moe_int4
+        or each present expert dequantized once (prefill, CPU). The shared expert runs beside them. With a table
+        (cold experts, issue 16) the router counts its selections as for bf16 tables, decode reads host slots in
+        the same launch, and prefill / CPU dequantize each present slot from whichever tier holds it
+        (`ExpertTable.moe_int4`)."""
+        from stage_worker.kernels.moe_int4 import DECODE_MAX_TK, fused_moe_int4, grouped_moe_int4
 
         x2 = x.reshape(-1, x.shape[-1])
         logits = self.gate(x2)
+        t = self.table
+        counts = None if t is None else t.route_counts(x2.shape[0], self.top_k)
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import route as route_kernel
+            from stage_worker.kernels.moe import triton_usable
 
-            weights, ids = route_kernel(logits, self.top_k, self.renormalise)
-            out = fused_moe_int4(x2, ids, weights.to(x.dtype), self.packed())
+            decode = x2.shape[0] * self.top_k <= DECODE_MAX_TK
+            weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
+                                        valid=self.valid_rows if decode else None)
+            weights = weights.to(x.dtype)
+            if t is None:
+                out = fused_moe_int4(x2, ids, weights, self.packed())
+            elif decode and triton_usable(x2):
+                dev, host = t.packed_experts()
+                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot)
+            else:
+                out = t.moe_int4(x2, ids, weights)
         else:
             weights, ids = route(logits, self.top_k, self.renormalise)
-            out = grouped_moe_int4(x2, ids, weights, self.packed())
+            if counts is not None:
+                count_ref(ids, counts)
+            out = grouped_moe_int4(x2, ids, weights, self.packed()) if t is None else t.moe_int4(x2, ids, weights)
         self.last_expert_ids = ids
         return self._add_shared(x2, out).view(x.shape)
 
