@@ -76,6 +76,42 @@ def test_kernel_matches_the_reference(t, group, hot):
         torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
+    """Launch configs smaller than the rows: several blocks a row with a partial last one (up: 12 words in blocks
+    of 8, scale quads of 4 words at group 32), down blocks spanning two experts' rows (5 words each, group 16 with
+    a partial last group), host rows, one skipped slot, and activations poisoned with NaN before the launch (the
+    kernels must not read a skipped slot's, which the up phase never writes); with and without the prefetch."""
+    E, H, I, k, hot = 12, 96, 40, 3, 8
+    g = torch.Generator(device=DEV).manual_seed(5)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g, device=DEV) / I ** 0.5
+    ex = PackedExperts(*pack_int4(w13, 32), *pack_int4(w2, 16), 32, 16)
+    assert K.quad_words(H // 8, 32) == 4
+    gc = torch.Generator().manual_seed(9)
+    x = torch.randn(2, H, generator=gc).to(DEV)
+    logits = torch.randn(2, E, generator=gc)
+    logits[:, E - 1] += 10
+    w, ids = route_ref(logits.to(DEV), k, True)
+    ids[0, 1] = SKIP
+    ref = fused_moe_int4_ref(x, ids.clamp_min(0), torch.where(ids == SKIP, 0.0, w), ex)
+    real = K.decode_operands
+
+    def poisoned(*a):
+        *ops, act = real(*a)
+        return (*ops, act.fill_(float("nan")))
+
+    monkeypatch.setattr(K, "decode_operands", poisoned)
+    monkeypatch.setattr(K, "UP_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})      # 40 rows: blocks of 16, 16, 8
+    monkeypatch.setattr(K, "DOWN_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})
+    monkeypatch.setattr(K, "PREFETCH", prefetch)
+    dev = PackedExperts(*(a[:hot].contiguous() for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
+    pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
+    host = PackedExperts(*(pin(a[hot:]) for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
+    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     ex = _experts(4, 64, 32, 8, seed=0)
     with pytest.raises(ValueError, match="multiples of 8"):

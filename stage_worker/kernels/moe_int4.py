@@ -1,17 +1,21 @@
 """Fused MoE decode over INT4 experts (issue 17, item 2): the routed experts' gate/up and down GEMVs read the packed
 words and their group scales directly and dequantize in registers, so a step reads a quarter of the bf16 bytes.
 
-Same two phases as `moe.fused_moe` (grid (T*k, cdiv(I, BLOCK_I)) for act = silu(x.Wg) * (x.Wu) in fp32, then
-(T, cdiv(H, BLOCK_H)) for the weighted sum over the k experts in a fixed order), on `moe_int4_ref.PackedExperts`.
-A block of BLOCK_W words per row is loaded once and unpacked by eight shifts (nibble n of word w is input column
-8w + n), multiplied by the matching inputs and, per word, its group's scale, so no 3-D reshape is needed; groups are
-multiples of 8 columns. Host rows (issue 16) come through the same `expert_rows` helper as the bf16 kernels, for
-the words and the scales alike. The shared expert is not a slot here: it is quantized differently in the reports'
-release (INT6), and runs beside this launch. Reference: `moe_int4_ref.fused_moe_int4_ref`; tests:
-tests/test_kernel_moe_int4.py (CPU under TRITON_INTERPRET=1, H200 with real shapes).
+Two launches, as `moe.fused_moe`: the up phase, grid (T*k, cdiv(I, BLOCK_I)), writes act = w * silu(x.Wg) * (x.Wu)
+in fp32, nibble-major; the down phase, grid (T, cdiv(H, BLOCK_H)), sums the k experts in a fixed order (one 2-D fp32
+accumulator, reduced at the end). Decoding costs three instructions a nibble (`_nibble`: shift, one mask-and-or into
+a float in [1, 2), the FMA) and no int-to-float conversion; the -8 offset and the group scale are applied once per
+word and per QW-word quad. Tiles are [rows, BLOCK_W words] with 16-byte loads and several rows a thread (so each x
+value a thread gathers serves them all), the next block's words loaded before the current one is computed. Host rows
+(issue 16) come through `expert_rows` (up) and the same device/host choice per column (down). The shared expert is
+not a slot here: it is quantized differently in the reports' release (INT6), and runs beside this launch. Reference:
+`moe_int4_ref.fused_moe_int4_ref`; tests: tests/test_kernel_moe_int4.py (CPU under TRITON_INTERPRET=1, H200 with
+real shapes); numbers: docs/performance.md, "INT4 experts (issue 17)".
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,10 +28,31 @@ if triton is not None:
     SKIP_ID = tl.constexpr(SKIP)
 
     @triton.jit
-    def _int4_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, stride_qe, stride_qr, stride_se,
-                        stride_sr, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                        GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr):
-        """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t) with W in INT4 words and group scales."""
+    def _nibble(q, one, N: tl.constexpr):
+        """1 + (nibble N of the words q) / 16 in fp32, exactly: the nibble moved to the top four mantissa bits
+        (19..22) by a multiply (a left shift the compiler issues on the FMA pipe), then masked and given the
+        exponent of 1.0 in one logic op (`one` = 0x3F800000 comes as a kernel argument, so it sits in a register
+        and the mask-and-or is one LOP3, not two). No int-to-float conversion: three instructions a nibble with the
+        FMA (nibbles 5..7 shift right)."""
+        if N < 5:
+            v = q * (1 << (19 - 4 * N))
+        else:
+            v = q >> (4 * N - 19)
+        return ((v & 0x00780000) | one).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, stride_qe, stride_qr,
+                        stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
+        """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
+        nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads.
+
+        An iteration takes [BLOCK_I, BLOCK_W] words of the gate rows and of the up rows (16-byte loads; a thread
+        holds several rows, so the x values it gathers serve all of them); with PREFETCH the next block's words
+        are loaded before this one is computed (two blocks in flight). Per word: d = sum_n (1 + q_n/16) x_n (the
+        `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
+        applied once to their sum; the 16 at the end."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -35,74 +60,143 @@ if triton is not None:
             return
         qbase = expert_rows(e, q_ptr, q_ptr, hq_ptr, stride_qe, FIRST_HOST)
         sbase = expert_rows(e, s_ptr, s_ptr, hs_ptr, stride_se, FIRST_HOST)
+        W: tl.constexpr = H // 8                                # words per row
+        NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mask_i = offs_i < I
-        rows_g = offs_i[:, None].to(tl.int64)
-        rows_u = rows_g + I
-        acc_g = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
-        acc_u = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
-        for w0 in range(0, H // 8, BLOCK_W):
-            offs_w = w0 + tl.arange(0, BLOCK_W)
-            mask_w = offs_w < H // 8
-            m = mask_i[:, None] & mask_w[None, :]
-            qg = tl.load(qbase + rows_g * stride_qr + offs_w[None, :], mask=m, other=0)
-            qu = tl.load(qbase + rows_u * stride_qr + offs_w[None, :], mask=m, other=0)
-            part_g = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
-            part_u = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
+        rg = offs_i[:, None].to(tl.int64)
+        ru = rg + I
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_q = tl.arange(0, NQ) * QW
+        if PREFETCH:
+            m = mask_i[:, None] & (offs_w < W)[None, :]
+            qg = tl.load(qbase + rg * stride_qr + offs_w[None, :], mask=m, other=0)
+            qu = tl.load(qbase + ru * stride_qr + offs_w[None, :], mask=m, other=0)
+        else:
+            qg = tl.zeros([BLOCK_I, BLOCK_W], tl.int32)
+            qu = tl.zeros([BLOCK_I, BLOCK_W], tl.int32)
+        acc_g = tl.zeros([BLOCK_I, NQ], tl.float32)
+        acc_u = tl.zeros([BLOCK_I, NQ], tl.float32)
+        for w0 in range(0, W, BLOCK_W):
+            ow = w0 + offs_w
+            mw = ow < W
+            oq = w0 + offs_q
+            mq = mask_i[:, None] & (oq < W)[None, :]
+            grp = ((oq * 8) // GROUP)[None, :]
+            sg = tl.load(sbase + rg * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
+            su = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
+            if PREFETCH:                                        # the next block (masked off past the row's end)
+                on = ow + BLOCK_W
+                mn = mask_i[:, None] & (on < W)[None, :]
+                qg_next = tl.load(qbase + rg * stride_qr + on[None, :], mask=mn, other=0)
+                qu_next = tl.load(qbase + ru * stride_qr + on[None, :], mask=mn, other=0)
+            else:
+                m = mask_i[:, None] & mw[None, :]
+                qg = tl.load(qbase + rg * stride_qr + ow[None, :], mask=m, other=0)
+                qu = tl.load(qbase + ru * stride_qr + ow[None, :], mask=m, other=0)
+            xs = tl.zeros([BLOCK_W], tl.float32)
+            dg = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
+            du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             for n in tl.static_range(8):
-                xv = tl.load(x_ptr + t * H + offs_w * 8 + n, mask=mask_w, other=0.0).to(tl.float32)
-                part_g += (((qg >> (4 * n)) & 0xF) - 8).to(tl.float32) * xv[None, :]
-                part_u += (((qu >> (4 * n)) & 0xF) - 8).to(tl.float32) * xv[None, :]
-            grp = (offs_w * 8) // GROUP                      # a group spans whole words: one scale per word
-            sg = tl.load(sbase + rows_g * stride_sr + grp[None, :], mask=m, other=0.0).to(tl.float32)
-            su = tl.load(sbase + rows_u * stride_sr + grp[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += part_g * sg
-            acc_u += part_u * su
-        g = tl.sum(acc_g, axis=1)
-        act = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
-        tl.store(act_ptr + tj * I + offs_i, act, mask=mask_i)
+                xn = tl.load(x_ptr + t * H + ow * 8 + n, mask=mw, other=0.0).to(tl.float32)
+                xs += xn
+                dg += _nibble(qg, ONE, n) * xn[None, :]
+                du += _nibble(qu, ONE, n) * xn[None, :]
+            off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
+            acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off) * sg
+            acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off) * su
+            if PREFETCH:
+                qg = qg_next
+                qu = qu_next
+        g = tl.sum(acc_g, axis=1) * 16.0
+        u = tl.sum(acc_u, axis=1) * 16.0
+        wt = tl.load(wts_ptr + tj).to(tl.float32)
+        act = g * tl.sigmoid(g) * u * wt
+        tl.store(act_ptr + tj * I + (offs_i % 8) * (I // 8) + offs_i // 8, act, mask=mask_i)
 
     @triton.jit
-    def _int4_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, stride_qe, stride_qh,
-                          stride_se, stride_sh, stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr,
-                          TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
-        """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j], the k experts summed in order, in fp32."""
+    def _col_slots(ids_ptr, t, col, I: tl.constexpr, TOP_K: tl.constexpr):
+        """For columns of a token's k experts' rows seen as one row of k * I/8 words: the slot j, the word within
+        the expert's row, and the expert id (SKIP past the end)."""
+        WPE: tl.constexpr = I // 8
+        j = col // WPE
+        e = tl.load(ids_ptr + t * TOP_K + j, mask=col < TOP_K * WPE, other=SKIP_ID).to(tl.int64)
+        return j, col - j * WPE, e
+
+    @triton.jit
+    def _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST):
+        """Words w of experts e (device or host table) for `rows`; SKIP columns masked (not read)."""
+        qb = tl.where(e >= FIRST_HOST, hq_ptr + (e - FIRST_HOST) * stride_qe, q_ptr + e * stride_qe)
+        m = mask_h[:, None] & (e != SKIP_ID)[None, :]
+        return tl.load(qb[None, :] + rows * stride_qh + w[None, :], mask=m, other=0)
+
+    @triton.jit
+    def _int4_down_kernel(act_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, stride_qe, stride_qh, stride_se,
+                          stride_sh, stride_ot, FIRST_HOST, ONE, H: tl.constexpr, I: tl.constexpr,
+                          TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
+        """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
+
+        A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
+        experts, so a program streams all k experts' rows with no per-expert loop (and with PREFETCH the next
+        block in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words
+        nor their activations (never written) are read."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         rows = offs_h[:, None].to(tl.int64)
-        acc = tl.zeros([BLOCK_H, BLOCK_W], tl.float32)
-        for j in range(TOP_K):
-            tj = t * TOP_K + j
-            e = tl.load(ids_ptr + tj).to(tl.int64)
-            wt = tl.load(wts_ptr + tj).to(tl.float32)
-            if e != SKIP_ID:
-                qbase = expert_rows(e, q_ptr, q_ptr, hq_ptr, stride_qe, FIRST_HOST)
-                sbase = expert_rows(e, s_ptr, s_ptr, hs_ptr, stride_se, FIRST_HOST)
-                for w0 in range(0, I // 8, BLOCK_W):
-                    offs_w = w0 + tl.arange(0, BLOCK_W)
-                    mask_w = offs_w < I // 8
-                    m = mask_h[:, None] & mask_w[None, :]
-                    q = tl.load(qbase + rows * stride_qh + offs_w[None, :], mask=m, other=0)
-                    part = tl.zeros([BLOCK_H, BLOCK_W], tl.float32)
-                    for n in tl.static_range(8):
-                        a = tl.load(act_ptr + tj * I + offs_w * 8 + n, mask=mask_w, other=0.0)
-                        part += (((q >> (4 * n)) & 0xF) - 8).to(tl.float32) * (wt * a)[None, :]
-                    sc = tl.load(sbase + rows * stride_sh + ((offs_w * 8) // GROUP)[None, :], mask=m,
-                                 other=0.0).to(tl.float32)
-                    acc += part * sc
-        out = tl.sum(acc, axis=1)
+        WPE: tl.constexpr = I // 8                               # words per expert row
+        NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_q = tl.arange(0, NQ) * QW
+        if PREFETCH:
+            j, w, e = _col_slots(ids_ptr, t, offs_w, I, TOP_K)
+            q = _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+        acc = tl.zeros([BLOCK_H, NQ], tl.float32)
+        for c0 in range(0, TOP_K * WPE, BLOCK_W):
+            if PREFETCH:                                        # the next block (masked off past the end)
+                j_next, w_next, e_next = _col_slots(ids_ptr, t, c0 + BLOCK_W + offs_w, I, TOP_K)
+                q_next = _down_words(q_ptr, hq_ptr, e_next, w_next, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+            else:
+                j, w, e = _col_slots(ids_ptr, t, c0 + offs_w, I, TOP_K)
+                q = _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+            jq, wq, eq = _col_slots(ids_ptr, t, c0 + offs_q, I, TOP_K)     # the quads' scales
+            sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
+            sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
+                         mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0).to(tl.float32)
+            ab = act_ptr + (t * TOP_K + j) * I + w             # act_p[t, j, 0, w]
+            mc = e != SKIP_ID
+            xs = tl.zeros([BLOCK_W], tl.float32)
+            d = tl.zeros([BLOCK_H, BLOCK_W], tl.float32)
+            for n in tl.static_range(8):
+                a = tl.load(ab + n * WPE, mask=mc, other=0.0)
+                xs += a
+                d += _nibble(q, ONE, n) * a[None, :]
+            off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
+            acc += (tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) + off) * sc
+            if PREFETCH:
+                j = j_next
+                w = w_next
+                e = e_next
+                q = q_next
+        out = tl.sum(acc, axis=1) * 16.0
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket:
-# `bench/moe_int4.py --sweep` on the H200 for 1 and 4 tokens (bench/results/moe-int4-1; with them, moe-int4-2:
-# 44.0 / 94.5 / 353 us at 1 / 4 / 16 tokens against bf16's 36.6 / 99.6 / 328); 16 is a guess. The kernel reads at
-# 12-22% of HBM bandwidth: an int-to-float-free unpack (the 2^23 mantissa trick) changed nothing, so the bound is
-# elsewhere (see docs/performance.md).
-UP_CFG = {1: (4, 32, 2), 4: (16, 32, 2), 16: (16, 16, 8)}
-DOWN_CFG = {1: (4, 32, 4), 4: (8, 16, 2), 16: (16, 16, 8)}
+# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket.
+# Guesses until the H200 sweep (`bench/moe_int4.py --sweep`).
+UP_CFG = {1: (8, 64, 1), 4: (8, 64, 1), 16: (8, 64, 1)}
+DOWN_CFG = {1: (8, 128, 2), 4: (8, 128, 2), 16: (8, 128, 2)}
 DECODE_MAX_TK = 256
+ONE_F32 = 0x3F800000           # the bits of 1.0f (see `_nibble`)
+PREFETCH = True               # load the next block of words before computing this one (both phases)
+
+
+def quad_words(words: int, group: int) -> int:
+    """Words a thread's 16-byte load holds that share one scale: the largest power of two up to 4 that divides
+    the row's words and the group's (the kernels apply the scale once per such quad)."""
+    g = math.gcd(math.gcd(words, group // 8), 4)
+    return g & -g
 
 
 def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
@@ -129,15 +223,15 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     bi, bw, warps = UP_CFG[_bucket(T)]
     bi, bw = min(bi, _pow2(I)), min(bw, _pow2(H // 8))
     _int4_up_kernel[(T * k, triton.cdiv(I, bi))](
-        x, ids, experts.q13, experts.s13, h.q13, h.s13, act, experts.q13.stride(0), experts.q13.stride(1),
-        experts.s13.stride(0), experts.s13.stride(1), first, H=H, I=I, TOP_K=k, GROUP=g, BLOCK_I=bi, BLOCK_W=bw,
-        num_warps=warps)
+        x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, experts.q13.stride(0), experts.q13.stride(1),
+        experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g,
+        QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH, num_warps=warps)
     bh, bw, warps = DOWN_CFG[_bucket(T)]
-    bh, bw = min(bh, _pow2(H)), min(bw, _pow2(I // 8))
+    bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     _int4_down_kernel[(T, triton.cdiv(H, bh))](
-        act, ids, weights, experts.q2, experts.s2, h.q2, h.s2, out, experts.q2.stride(0), experts.q2.stride(1),
-        experts.s2.stride(0), experts.s2.stride(1), out.stride(0), first, H=H, I=I, TOP_K=k, GROUP=g2,
-        BLOCK_H=bh, BLOCK_W=bw, num_warps=warps)
+        act, ids, experts.q2, experts.s2, h.q2, h.s2, out, experts.q2.stride(0), experts.q2.stride(1),
+        experts.s2.stride(0), experts.s2.stride(1), out.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
+        QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH, num_warps=warps)
     return out
 
 
