@@ -2,6 +2,12 @@
 expert bytes in pinned host memory, run-time moves on and off, at the full shape on one GPU.
 
     python bench/expert_offload.py --layers 16 --shares 0,0.1,0.25,0.5 --batch 1,4 --out bench/results/x.json
+    python bench/expert_offload.py --quant int4-experts --shares 0,0.1,0.25 --policies 1:128:0.5 --out ...
+
+`--quant int4-experts`: the routed experts as an INT4 checkpoint's are kept (issue 17: words and group-128 scales,
+dummy values as the loader's dummy format makes them), the tables hold them at their packed size (2.53 MB an
+expert at the full shape against 9.83 in bf16), decode runs `moe_int4.fused_moe_int4` reading host slots, and a
+host read moves the packed bytes; shares are of the packed expert bytes.
 
 Routing. Random weights route near-uniformly with no memory from token to token, which is not what a trained
 model does, so the router's choice is replaced by a replay of `bench/traces/demo-model` (the trained demo model's
@@ -36,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from decode import preset  # noqa: E402
+from decode import _group, preset  # noqa: E402
+from shared.cold_set import expert_bytes, packed_expert_bytes  # noqa: E402
 from shared.model_config import config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
@@ -114,16 +121,47 @@ class Replay:
         return w, ids
 
 
-def host_read_cost(cfg, reps: int = 50) -> dict:
-    """Fused MoE at T=1, top-k: all selected rows in VRAM vs n of them in pinned host memory; the slope is the
-    cost of one host read (one expert's w13 + w2 over PCIe, inside the kernel)."""
+def groups_of(cfg) -> tuple[int, int]:
+    """INT4 groups of w13 / w2: 128, or the largest power of two dividing the width (as `moepipe quantize`)."""
+    return _group(cfg.hidden_size), _group(cfg.moe_intermediate_size)
+
+
+def _read_setup(cfg, quant: str, hot: int):
+    """(call(ids), bytes of one expert): the fused MoE at T=1 over a table whose slots from `hot` on are pinned
+    host rows (bf16 or INT4); everything it holds goes when `call` does."""
     E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    hot = E // 2
-    host = HostRows(w13[hot:].cpu().pin_memory(), w2[hot:].cpu().pin_memory(), hot)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     w = torch.full((1, k), 1.0 / k, device="cuda", dtype=torch.bfloat16)
+    if quant:
+        from stage_worker.kernels.moe_int4 import fused_moe_int4
+        from stage_worker.kernels.moe_int4_ref import PackedExperts
+
+        g13, g2 = groups_of(cfg)
+
+        def words(*shape):
+            return torch.randint(-(1 << 31), (1 << 31) - 1, shape, device="cuda", dtype=torch.int64).to(torch.int32)
+
+        def scales(*shape):
+            return torch.full(shape, 0.005, device="cuda", dtype=torch.bfloat16)
+
+        parts = [words(E, 2 * I, H // 8), scales(E, 2 * I, -(-H // g13)), words(E, H, I // 8),
+                 scales(E, H, -(-I // g2))]
+        dev = PackedExperts(*(p[:hot] for p in parts), g13, g2)
+        host = PackedExperts(*(p[hot:].cpu().pin_memory() for p in parts), g13, g2)
+        return (lambda ids: fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)), \
+            packed_expert_bytes(cfg, g13, g2, "bfloat16")
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    rows = HostRows(w13[hot:].cpu().pin_memory(), w2[hot:].cpu().pin_memory(), hot)
+    return (lambda ids: K.fused_moe(x, ids, w, w13[:hot], w2[:hot], host=rows)), expert_bytes(cfg, "bfloat16")
+
+
+def host_read_cost(cfg, quant: str = "", reps: int = 50) -> dict:
+    """Fused MoE at T=1, top-k: all selected rows in VRAM vs n of them in pinned host memory; the slope is the
+    cost of one host read (one expert's w13 + w2 over PCIe, inside the kernel; INT4: its words and scales)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    hot = E // 2
+    call, expert = _read_setup(cfg, quant, hot)
     rows = []
     for n in range(0, k + 1):
         # distinct experts each rep, so no read is served from L2: rotate through the table
@@ -135,15 +173,14 @@ def host_read_cost(cfg, reps: int = 50) -> dict:
                                device="cuda")
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            K.fused_moe(x, ids, w, w13[:hot], w2[:hot], host=host)
+            call(ids)
             e.record()
             torch.cuda.synchronize()
             if r >= 5:
                 times.append(s.elapsed_time(e) * 1e3)
         rows.append({"host_rows": n, "median_us": statistics.median(times)})
     slope = np.polyfit([r["host_rows"] for r in rows], [r["median_us"] for r in rows], 1)[0]
-    expert = 3 * H * I * 2
-    del w13, w2, host
+    del call
     torch.cuda.empty_cache()
     return {"per_read_us": float(slope), "expert_bytes": expert, "gb_per_s": expert / (slope * 1e-6) / 1e9,
             "rows": rows}
@@ -188,19 +225,24 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
 
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
-        policy: tuple[int, float, float] | None) -> list[dict]:
+        policy: tuple[int, float, float] | None, quant: str = "") -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
-                                       cold_experts=cold or None), cfg)
+                                       cold_experts=cold or None, dummy_int4=groups_of(cfg) if quant else None),
+                       cfg)
+    if quant:
+        assert all(m.packed_group for m in model.moe_layers().values())
     model.set_kernels(KernelFlags.parse("all"))
     load_s = time.time() - t0
     x = model.experts
     moves = policy is not None
     interval, half_life, margin = policy or (0, 0.0, 0.0)
     check = greedy_check(model, moves)
-    total_experts = sum(m.num_experts for m in model.moe_layers().values()) * 3 * cfg.hidden_size * \
-        cfg.moe_intermediate_size * 2
+    per_expert = packed_expert_bytes(cfg, *groups_of(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
+    total_experts = sum(m.num_experts for m in model.moe_layers().values()) * per_expert
+    if x is not None:
+        assert x.host_bytes() + x.device_bytes() == len(x.tables) * cfg.num_experts * per_expert
     out = []
     kinds = sorted(trace)
     for batch in batches:
@@ -241,7 +283,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
                     "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
-                    "load_s": load_s, "greedy": check})
+                    "load_s": load_s, "quant": quant, "greedy": check})
     if x is not None and x.host is not None:
         x.host.close()                    # unregister now: the next model's table may map at the same address
     del model, x, replay
@@ -261,6 +303,9 @@ def main() -> int:
     ap.add_argument("--policies", default="8:512:2",
                     help="move policies to run, each interval:half-life:margin (steps, steps, count lead); the "
                          "server's defaults are 8:512:2")
+    ap.add_argument("--quant", default="", choices=["", "int4-experts"],
+                    help="int4-experts: the routed experts kept as INT4 words and scales (as an INT4 checkpoint "
+                         "loads with packed_experts on), tables and host reads at the packed size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -273,9 +318,9 @@ def main() -> int:
     trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens)
     # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
-    cost = host_read_cost(cfg)
-    print(f"one host read (expert of {cost['expert_bytes'] / 1e6:.1f} MB over PCIe inside the fused kernel): "
-          f"{cost['per_read_us']:.0f} us ({cost['gb_per_s']:.1f} GB/s)")
+    cost = host_read_cost(cfg, args.quant)
+    print(f"one host read ({args.quant or 'bf16'} expert of {cost['expert_bytes'] / 1e6:.2f} MB over PCIe inside the "
+          f"fused kernel): {cost['per_read_us']:.0f} us ({cost['gb_per_s']:.1f} GB/s)")
     results = []
     batches = [int(b) for b in args.batch.split(",")]
     policies = [tuple(float(v) if i else int(v) for i, v in enumerate(p.split(":"))) for p in args.policies.split(",")]
@@ -286,7 +331,7 @@ def main() -> int:
         cold = cold_sets(cfg, share, fit)
         for policy in ([None] + policies if cold else [None]):
             moves = policy is not None
-            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy):
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
@@ -311,7 +356,7 @@ def main() -> int:
         f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
         for r in results if r["batch"] == batches[0]))
-    meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers,
+    meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers, "quant": args.quant,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
             "steps": args.steps, "warmup": args.warmup, "policies": policies}
     if args.out:

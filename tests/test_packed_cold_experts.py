@@ -280,6 +280,47 @@ def test_auto_cold_experts_moves_out_packed_experts_by_their_packed_size(int4, t
         launcher.memory_plan(now[0], tmp_path / "c.toml")
 
 
+# ---- served ------------------------------------------------------------------------------------------------------
+
+def test_served_packed_host_experts_equal_all_in_vram_with_moves_and_metrics(int4, tmp_path):
+    """`moepipe serve` end to end (two stage processes, `cold_experts` file, packed_experts on, a move round every
+    2 steps): the INT4 checkpoint's greedy logprobs as in-process all-in-VRAM generation, and /metrics' host bytes
+    at the packed size with host reads and moves counted."""
+    import time
+
+    import httpx
+
+    from conftest import small_cluster_options
+    from gateway.launcher import Cluster
+
+    q, cfg = int4
+    n = cfg.num_hidden_layers
+    cold = _cold(cfg, 0.5, seed=1)
+    f = cold_set.write(tmp_path / "cold.json", cfg, str(q), cold, [(0, n // 2), (n // 2, n)],
+                       cold_set.packed_expert_bytes(cfg, *GROUPS), 1 << 30, ["test"])
+    prompt = [5, 17, 101, 250, 9, 33]
+    tokens, lp = _greedy(load_model(q, LoadOptions(), cfg), prompt, 16)
+    opts = small_cluster_options(q)
+    with Cluster(dataclasses.replace(opts, extra=dict(opts.extra, cold_experts=str(f), expert_move_interval=2))) as c:
+        out = httpx.post(c.url + "/v1/completions", timeout=120, json={
+            "model": "moepipe", "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}).json()
+        deadline = time.time() + 10          # the counters reach the gateway with the next heartbeats
+        metrics = ""
+        while "moepipe_expert_moves_total{" not in metrics and time.time() < deadline:
+            metrics = httpx.get(c.url + "/metrics", timeout=10).text
+            time.sleep(0.3)
+    served = out["choices"][0]["logprobs"]["token_logprobs"]
+    assert served == pytest.approx([lp[i, t].item() for i, t in enumerate(tokens)], abs=1e-4)
+
+    def total(prefix: str) -> float:
+        return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
+
+    assert total("moepipe_expert_host_reads_total{") > 0 and total("moepipe_expert_moves_total{") > 0
+    host = total('moepipe_expert_bytes{stage="0",tier="host"}') + total('moepipe_expert_bytes{stage="1",tier="host"}')
+    assert host == sum(len(v) for v in cold.values()) * cold_set.packed_expert_bytes(cfg, *GROUPS, "float32")
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -324,13 +365,19 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
         if moves:
             assert x.moves.sum().item() > 0
         _fingerprints_hold(model, plain)
-    t = model.moe_layers()[0].table
+    # the decode kernel on a real table (words and scales of host slots in the registered allocation) against the
+    # same kernel on the all-in-VRAM experts those slots hold, and against the table's prefill path
+    t, every = model.moe_layers()[0].table, plain.moe_layers()[0].packed()
     g = torch.Generator(device="cuda").manual_seed(0)
-    xs = torch.randn(3, cfg.hidden_size, device="cuda", generator=g)
-    ids = torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=g)[:4] for _ in range(3)]).int()
-    ids[:, 0] = cfg.num_experts - 1                                # a host slot in every token
-    w = torch.softmax(torch.randn(3, 4, device="cuda", generator=g), -1)
-    dev, host = t.packed_experts()
-    out = fused_moe_int4(xs, ids, w, dev, host=host, first_host=t.hot)
-    ref = t.moe_int4(xs, ids, w)
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+    for T in (1, 4):
+        xs = torch.randn(T, cfg.hidden_size, device="cuda", generator=g)
+        # per token: one host slot, then three distinct device slots
+        ids = torch.stack([torch.cat([t.hot + torch.randperm(cfg.num_experts - t.hot, device="cuda", generator=g)[:1],
+                                      torch.randperm(t.hot, device="cuda", generator=g)[:3]]) for _ in range(T)]).int()
+        w = torch.softmax(torch.randn(T, 4, device="cuda", generator=g), -1)
+        dev, host = t.packed_experts()
+        out = fused_moe_int4(xs, ids, w, dev, host=host, first_host=t.hot)
+        same = fused_moe_int4(xs, t.experts_of(ids), w, every)
+        torch.testing.assert_close(out, same, rtol=1e-5, atol=1e-6)
+        ref = t.moe_int4(xs, ids, w)
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-2

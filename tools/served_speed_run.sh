@@ -6,7 +6,8 @@
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams), offload and vram24
-# (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers). For a model: the
+# (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), offload_int4 (issues
+# 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
@@ -96,6 +97,18 @@ for name, fn in checks:
     --out "$out/expert_offload.json" \
     > "$out/expert_offload.log" 2>&1
   tail -16 "$out/expert_offload.log"
+fi
+if want offload_int4; then   # issues 16 + 17: INT4 experts kept packed in expert tables (host slots at the packed size)
+  # the GPU test (INT4 decode kernel reading registered host memory in CUDA graphs, moves, the all-in-VRAM greedy
+  # tokens), then decode with 0/10/25% of the packed expert bytes in host RAM, moves off and at the default policy
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -n0 tests/test_packed_cold_experts.py -k gpu_stage \
+    > "$out/offload_int4_checks.log" 2>&1
+  echo "== INT4 expert tables, GPU test (rc $?):"; tail -4 "$out/offload_int4_checks.log"
+  timeout "${OFFLOAD_TIMEOUT:-480}" python3 bench/expert_offload.py --quant int4-experts \
+    --layers "${OFFLOAD_LAYERS:-16}" --shares "${OFFLOAD_INT4_SHARES:-0,0.1,0.25}" \
+    --policies "${OFFLOAD_INT4_POLICIES:-1:128:0.5}" --batch 1,4 --out "$out/expert_offload_int4.json" \
+    > "$out/expert_offload_int4.log" 2>&1
+  tail -14 "$out/expert_offload_int4.log"
 fi
 if want vram24; then   # issue 16: --vram-limit 24 serves full-shape cut to 8 layers (~45 GB of bf16 weights)
   moepipe make-model --preset full-shape --layers 8 --out /tmp/fs8 > /dev/null
