@@ -1,7 +1,7 @@
 """INT4 fused MoE decode against the bf16 kernels at the reports' shape (issue 17): time per MoE call, bytes of the
 selected experts read, and that as a share of the HBM bandwidth.
 
-    python bench/moe_int4.py [--tokens 1,4,16] [--out bench/results/moe_int4.json]
+    python bench/moe_int4.py [--tokens 1,4,16] [--sweep [--jobs 14]] [--out bench/results/moe_int4.json]
 
 Each measurement is a CUDA graph of `--calls` calls, each with its own routing (top-k of random logits, so
 consecutive calls pick other experts and the L2 cannot serve them), replayed `--runs` times after a warm-up
@@ -43,9 +43,53 @@ def timed(fn, calls: int, runs: int) -> float:
     return graph_time(lambda: fn(next(i) % calls), calls, runs)
 
 
+UP_CANDIDATES = [(bi, bw, w) for w in (1, 2, 4, 8) for bi in (4, 8, 16, 32) for bw in (32, 64, 128)
+                 if 8 <= 2 * bi * bw // (32 * w) <= 32]      # 8..32 words a thread over the gate and up tiles
+DOWN_CANDIDATES = [(bh, bw, w) for w in (1, 2, 4, 8) for bh in (4, 8, 16, 32, 64) for bw in (32, 64, 128, 256)
+                   if 8 <= bh * bw // (32 * w) <= 32]
+
+
+def _compile_worker(args) -> int:
+    """Compile (into Triton's on-disk cache) the kernels of each (up, down, prefetch) config on a small table with the
+    full shape's strides, so the sweep's launches find them compiled."""
+    cfgs, H, I, k, g = args
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+    import torch as t
+    from stage_worker.kernels import moe_int4 as m
+    from stage_worker.kernels.moe_int4_ref import PackedExperts as P
+
+    E = 16
+    dev = "cuda" if t.cuda.is_available() else "cpu"          # cpu: a dry run under TRITON_INTERPRET=1
+    ex = P(t.randint(-2 ** 31, 2 ** 31 - 1, (E, 2 * I, H // 8), dtype=t.int32, device=dev),
+           t.rand(E, 2 * I, -(-H // g), device=dev).to(t.bfloat16),
+           t.randint(-2 ** 31, 2 ** 31 - 1, (E, H, I // 8), dtype=t.int32, device=dev),
+           t.rand(E, H, -(-I // g), device=dev).to(t.bfloat16), g)
+    x = t.randn(1, H, device=dev).to(t.bfloat16)
+    ids = t.arange(k, dtype=t.int32, device=dev)[None]
+    w = t.full((1, k), 0.1, device=dev).to(t.bfloat16)
+    for up, down, pf in cfgs:
+        m.UP_CFG[1], m.DOWN_CFG[1], m.PREFETCH = up, down, pf
+        m.fused_moe_int4(x, ids, w, ex)
+    if dev == "cuda":
+        t.cuda.synchronize()
+    return len(cfgs)
+
+
+def precompile(H, I, k, g, jobs: int) -> None:
+    """Every candidate config, with and without the prefetch, compiled by `jobs` processes at once (Triton compiles
+    one kernel at a time per process; the sweep would otherwise spend minutes compiling)."""
+    import multiprocessing as mp
+
+    pairs = itertools.zip_longest(UP_CANDIDATES, DOWN_CANDIDATES, fillvalue=None)
+    cfgs = [(u or M.UP_CFG[1], d or M.DOWN_CFG[1], pf) for u, d in pairs for pf in (True, False)]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        done = sum(pool.map(_compile_worker, [(cfgs[i::jobs], H, I, k, g) for i in range(jobs)]))
+    print(f"  precompiled {done} config pairs in {jobs} processes")
+
+
 def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
     """Per token bucket: the up phase's (BLOCK_I, BLOCK_W, warps) with the down phase fixed, then the down phase's;
-    the winners go into M.UP_CFG / M.DOWN_CFG for the table."""
+    the winners go into M.UP_CFG / M.DOWN_CFG for the table. Then the winners without the prefetch (an A/B)."""
     out = {}
     for t in tokens:
         b = M._bucket(t)
@@ -53,22 +97,51 @@ def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
         routes = [route_ref(torch.randn(t, E, generator=gen, device="cuda"), k, True) for _ in range(calls)]
         routes = [(w.to(torch.bfloat16), ids) for w, ids in routes]
         fn = lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex)      # noqa: E731
-        for table in (M.UP_CFG, M.DOWN_CFG):
+        res = {"up": {}, "down": {}}
+        for table, cands, name in ((M.UP_CFG, UP_CANDIDATES, "up"), (M.DOWN_CFG, DOWN_CANDIDATES, "down")):
             best = None
-            for rows in (4, 8, 16, 32):
-                for words in (8, 16, 32):
-                    for warps in (2, 4, 8):
-                        table[b] = (rows, words, warps)
-                        try:
-                            s = timed(fn, calls, runs)
-                        except Exception as exc:                  # a config the compiler refuses
-                            print(f"  t={t} {(rows, words, warps)}: {type(exc).__name__}")
-                            continue
-                        if best is None or s < best[0]:
-                            best = (s, (rows, words, warps))
+            for cfg in cands:
+                table[b] = cfg
+                try:
+                    s = timed(fn, calls, runs)
+                except Exception as exc:                  # a config the compiler refuses
+                    print(f"  t={t} {cfg}: {type(exc).__name__}")
+                    continue
+                res[name][str(cfg)] = s
+                if best is None or s < best[0]:
+                    best = (s, cfg)
             table[b] = best[1]
-            print(f"  t={t} {'up' if table is M.UP_CFG else 'down'}: best {best[1]} {best[0] * 1e6:.1f} us/call")
-        out[t] = {"up": M.UP_CFG[b], "down": M.DOWN_CFG[b]}
+            top = sorted(res[name].items(), key=lambda kv: kv[1])[:4]
+            print(f"  t={t} {name}: best {best[1]} {best[0] * 1e6:.1f} us/call; next "
+                  + ", ".join(f"{c} {v * 1e6:.1f}" for c, v in top[1:]))
+        M.PREFETCH = False
+        res["no_prefetch"] = timed(fn, calls, runs)
+        M.PREFETCH = True
+        res["prefetch"] = timed(fn, calls, runs)
+        print(f"  t={t} prefetch A/B: {res['prefetch'] * 1e6:.1f} us with, {res['no_prefetch'] * 1e6:.1f} without")
+        out[t] = {"up": M.UP_CFG[b], "down": M.DOWN_CFG[b], "times": res}
+    print(f"UP_CFG = {M.UP_CFG}\nDOWN_CFG = {M.DOWN_CFG}")
+    return out
+
+
+class _Skip:
+    """Stands in for a kernel so that only the other phase runs (phase timing)."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: None
+
+
+def phase_times(fn, calls, runs) -> dict:
+    """Time with only the up launch and with only the down launch (the other replaced by nothing; the down phase
+    then reads stale activations, which does not change its work)."""
+    out = {}
+    for name, attr in (("up_only", "_int4_down_kernel"), ("down_only", "_int4_up_kernel")):
+        real = getattr(M, attr)
+        setattr(M, attr, _Skip())
+        try:
+            out[name] = timed(fn, calls, runs)
+        finally:
+            setattr(M, attr, real)
     return out
 
 
@@ -85,6 +158,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="first try launch configs of the INT4 kernels per token bucket (up, then down) and use the "
                          "fastest (printed: the values for moe_int4.UP_CFG / DOWN_CFG)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="with --sweep: compile the candidate configs in this many processes first")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -99,6 +174,8 @@ def main() -> int:
     int4_expert = ex.nbytes_per_expert()
     rows = []
     swept = {}
+    if args.sweep and args.jobs:
+        precompile(H, I, k, g, args.jobs)
     if args.sweep:
         swept = sweep(ex, H, E, k, [int(v) for v in args.tokens.split(",")], gen, args.calls, args.runs)
     print(f"{'tokens':>6} {'kernel':>6} {'us/call':>8} {'MB read':>8} {'TB/s':>6} {'% HBM':>6}  (E {E}, H {H}, I {I}, "
@@ -117,16 +194,19 @@ def main() -> int:
             s = timed(fn, args.calls, args.runs)
             read = distinct * per
             outs[name] = s
+            phases = phase_times(fn, args.calls, args.runs) if name == "int4" else {}
             rows.append({"tokens": t, "kernel": name, "seconds_per_call": s, "bytes_read": read,
                          "tb_per_s": read / s / 1e12, "share_of_hbm": read / s / 1e12 / HBM_TBPS,
-                         "distinct_experts": distinct, "rel_error_vs_ref": err if name == "int4" else None})
+                         "distinct_experts": distinct, "rel_error_vs_ref": err if name == "int4" else None,
+                         **{f"seconds_{p}": v for p, v in phases.items()}})
             print(f"{t:>6} {name:>6} {s * 1e6:>8.1f} {read / 1e6:>8.1f} {read / s / 1e12:>6.2f} "
-                  f"{100 * read / s / 1e12 / HBM_TBPS:>5.1f}%")
+                  f"{100 * read / s / 1e12 / HBM_TBPS:>5.1f}%"
+                  + "".join(f"  {p} {v * 1e6:.1f} us" for p, v in phases.items()))
         print(f"{'':>6} int4 / bf16 time: {outs['int4'] / outs['bf16']:.2f}; int4 vs reference: rel. error {err:.1e}")
     if args.out:
         meta = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "host": platform.node(),
                 "shape": {"experts": E, "hidden": H, "inter": I, "top_k": k, "group": g}, "swept": swept,
-                "up_cfg": M.UP_CFG, "down_cfg": M.DOWN_CFG}
+                "up_cfg": M.UP_CFG, "down_cfg": M.DOWN_CFG, "prefetch": M.PREFETCH}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.out}")
     return 0

@@ -126,7 +126,7 @@ def test_full_shape_on_the_gpu():
     bench/moe_int4.py times it against the bf16 kernels."""
     E, H, I, k = 512, 2560, 640, 10
     ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
-    for t in (1, 4):
+    for t in (1, 4, 16):                                        # the three launch-config buckets
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
         w, ids = route_ref(torch.randn(t, E, generator=g).to(DEV), k, True)
