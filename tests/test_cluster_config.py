@@ -201,3 +201,20 @@ def test_the_built_in_model_serves_a_32k_context_by_default(tmp_path):
     for stages in (1, 2):
         cfg = build_cluster_config(ServeOptions(model=BUNDLED_MODEL, stages=stages), tmp_path)
         assert cfg.num_blocks * cfg.block_size >= cfg.max_num_seqs * limit     # every slot can hold a full context
+
+
+def test_default_micro_batches_count_each_gpu_once():
+    """Stages sharing one GPU take turns on it, so they get one micro-batch between them; CPU stages, GPUs of
+    another host (tcp endpoints) and other GPUs each count; an explicit `microbatches` wins."""
+    from shared.cluster_config import ClusterConfig, StageSpec
+
+    def count(devices, endpoints=None, **kw):
+        endpoints = endpoints or [f"ipc:///tmp/s{i}" for i in range(len(devices))]
+        stages = [StageSpec(i, i + 1, e, d) for i, (d, e) in enumerate(zip(devices, endpoints))]
+        return ClusterConfig(model="m", stages=stages, gateway_endpoint="ipc:///tmp/g", **kw).num_microbatches
+
+    assert count(["cpu", "cpu", "cpu"]) == 3
+    assert count(["cuda:0", "cuda:0"]) == 1 and count(["cuda", "cuda:0"]) == 1
+    assert count(["cuda:0", "cuda:1", "cuda:0"]) == 2
+    assert count(["cuda:0", "cuda:0"], ["tcp://10.0.0.1:5560", "tcp://10.0.0.2:5560"]) == 2
+    assert count(["cuda:0", "cuda:0"], microbatches=2) == 2

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's measurement in one device call (carry .whl-lean):
 #   bash tools/gpu_session.sh 'bash tools/served_speed_run.sh [steps] '
-# Steps (default: sampler fs): check (the GPU test of a PLE stage replaying graphs with its host table), prefill
+# Steps (default: sampler fs): greedyrows (the small preset's greedy tokens with the PLE stage gathering its
+# own decode rows and with the service's rows, compared), check (the GPU test of a PLE stage replaying graphs with its host table), prefill
 # (the grouped MoE prefill kernels' GPU test: agreement and timings at the full shape), greedy
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
@@ -25,7 +26,7 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [noasync]="MOEPIPE_ASYNC_SCHEDULING=0" [noservice]="" [profile]="MOEPIPE_PROFILE_STEPS=300:40"
                    [noprefillkernel]="MOEPIPE_KERNELS=-moe_prefill" [plethreads0]="MOEPIPE_PLE_THREADS=0"
                    [nolaunchahead]="MOEPIPE_LAUNCH_AHEAD=0" [noskippad]="MOEPIPE_GRAPH_SKIP_PADDING=0"
-                   [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0")
+                   [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1")
 # settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
 # profile writes torch.profiler tables of 40 served steps (inside the 1-stream runs) to $out/profile_<model>/
 declare -A AB_ARGS=([noservice]="--no-ple-service")
@@ -61,6 +62,15 @@ if want greedy; then
       || tail -5 "$out/greedy_plegraph$g.log"
   done
   python3 tools/greedy_transcript.py compare "$out/greedy_plegraph1.json" "$out/greedy_plegraph0.json" | tail -4
+fi
+if want greedyrows; then   # issue 14: decode rows gathered by the PLE stage itself vs the PLE service's ring
+  [ -d /tmp/small ] || moepipe make-model --preset small --out /tmp/small > /dev/null
+  for g in 1 0; do
+    MOEPIPE_PLE_DECODE_IN_STAGE=$g timeout 150 python3 tools/greedy_transcript.py record --model /tmp/small \
+      --stages 1 --device cuda --out "$out/greedy_stagerows$g.json" > "$out/greedy_stagerows$g.log" 2>&1 \
+      || tail -5 "$out/greedy_stagerows$g.log"
+  done
+  python3 tools/greedy_transcript.py compare "$out/greedy_stagerows1.json" "$out/greedy_stagerows0.json" | tail -4
 fi
 if want prefill; then   # the grouped MoE prefill kernels at the full shape: agreement with the loop, and timings
   timeout 240 python3 -c "
@@ -131,7 +141,7 @@ fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
 # two stage processes sharing the one GPU at 4 streams (issue 14: at least the one-stage throughput)
-want two && STAGES=2 NO_DECODE=1 ab=base model fs_2stages full-shape 20 4 4
+want two && STAGES=2 NO_DECODE=1 ab="${TWO_AB:-base}" model fs_2stages full-shape 20 4 4
 (cd "$out" && tar czf /tmp/results.tgz --exclude results.tgz . && rm -rf -- ./* && mv /tmp/results.tgz .)
 ls -l "$out"
 true
