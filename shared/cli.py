@@ -136,8 +136,15 @@ def _cold_set(args: argparse.Namespace) -> int:
     if args.gib_per_stage <= 0:
         print("moepipe cold-set: --gib-per-stage must be > 0", file=sys.stderr)
         return 2
+    from shared.quant_scheme import plan_of
+    from stage_worker.checkpoint.packed_experts import packed_layers
+
     stages = split_layers(cfg.num_hidden_layers, args.stages)
-    per_expert = cold_set.expert_bytes(cfg, args.dtype)
+    # INT4 experts stay packed (issue 17): a stage holds them, and a host read moves them, at their packed size
+    packed = packed_layers(plan_of(model), cfg, 0, cfg.num_hidden_layers)
+    per_expert = [cold_set.packed_expert_bytes(cfg, *packed[layer], args.dtype)
+                  if (layer := next((x for x in range(s, e) if x in packed), None)) is not None
+                  else cold_set.expert_bytes(cfg, args.dtype) for s, e in stages]
     budget = int(args.gib_per_stage * (1 << 30))
     try:
         scores = cold_set.kind_normalised(usage)
@@ -153,7 +160,8 @@ def _cold_set(args: argparse.Namespace) -> int:
     out = cold_set.write(args.out, cfg, str(model), cold, stages, per_expert, budget, sorted(usage))
     for s, e in stages:
         n = sum(len(ids) for layer, ids in cold.items() if s <= layer < e)
-        print(f"stage layers {s}-{e}: {n} experts ({n * per_expert / (1 << 20):.1f} MiB) in host RAM")
+        size = per_expert[stages.index((s, e))]
+        print(f"stage layers {s}-{e}: {n} experts ({n * size / (1 << 20):.1f} MiB) in host RAM")
     reads = cold_set.host_reads(cold, usage, tokens)
     print("host expert reads per token on the traced text (before run-time moves): "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(reads.items())))

@@ -59,13 +59,15 @@ def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[fl
     return scores
 
 
-def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_expert: int,
+def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_expert: int | list[int],
            budget_bytes: int) -> dict[int, list[int]]:
     """Per stage (layer range), the least used experts of its layers, lowest score first (ties: lower layer, lower
-    id), as many as fit in `budget_bytes`; layer -> sorted expert ids."""
+    id), as many as fit in `budget_bytes`; layer -> sorted expert ids. `per_expert`: one expert's bytes as the
+    stages hold it (a list: per stage, e.g. INT4 experts at their packed size)."""
     cold: dict[int, list[int]] = {}
-    fit = budget_bytes // per_expert if per_expert > 0 else 0
-    for start, end in stages:
+    sizes = per_expert if isinstance(per_expert, list) else [per_expert] * len(stages)
+    for (start, end), size in zip(stages, sizes):
+        fit = budget_bytes // size if size > 0 else 0
         ranked = sorted((score, layer, e) for layer in range(start, end) if layer in scores
                         for e, score in enumerate(scores[layer]))
         for _, layer, e in ranked[:fit]:

@@ -381,3 +381,26 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
         torch.testing.assert_close(out, same, rtol=1e-5, atol=1e-6)
         ref = t.moe_int4(xs, ids, w)
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_cold_set_fills_its_budget_with_packed_experts(int4, tmp_path):
+    """`moepipe cold-set` on an INT4 checkpoint sizes each expert as the stage keeps it (packed): the budget holds
+    about four times the experts that bf16 sizing would give it."""
+    from shared import cold_set
+    from shared.cli import main
+
+    q, cfg = int4
+    layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(layer)]
+    usage = tmp_path / "usage.json"
+    usage.write_text(json.dumps({"usage": {"code": {str(layer): list(range(cfg.num_experts, 0, -1))
+                                                    for layer in layers}}, "meta": {"tokens_per_kind": {"code": 9}}}))
+    packed = cold_set.packed_expert_bytes(cfg, *GROUPS)
+    budget = 5 * packed
+    assert budget // cold_set.expert_bytes(cfg) < 5
+    out = tmp_path / "cold.json"
+    assert main(["cold-set", "--model", str(q), "--usage", str(usage), "--gib-per-stage", str(budget / (1 << 30)),
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["expert_bytes"] == packed
+    assert sum(len(ids) for ids in data["layers"].values()) == 5
+    assert cold_set.load(out, cfg)
