@@ -49,6 +49,9 @@ DOWN_CANDIDATES = [(bh, bw, w) for w in (1, 2, 4, 8) for bh in (4, 8, 16, 32, 64
                    if 8 <= bh * bw // (32 * w) <= 32]
 
 
+PREFETCH_DEPTHS = (0, 1, 2)
+
+
 def _compile_worker(args) -> int:
     """Compile (into Triton's on-disk cache) the kernels of each (up, down, prefetch) config on a small table with the
     full shape's strides, so the sweep's launches find them compiled."""
@@ -68,7 +71,7 @@ def _compile_worker(args) -> int:
     ids = t.arange(k, dtype=t.int32, device=dev)[None]
     w = t.full((1, k), 0.1, device=dev).to(t.bfloat16)
     for up, down, pf in cfgs:
-        m.UP_CFG[1], m.DOWN_CFG[1], m.PREFETCH = up, down, pf
+        m.UP_CFG[1], m.DOWN_CFG[1], m.PREFETCH[1] = up, down, pf
         m.fused_moe_int4(x, ids, w, ex)
     if dev == "cuda":
         t.cuda.synchronize()
@@ -76,12 +79,12 @@ def _compile_worker(args) -> int:
 
 
 def precompile(H, I, k, g, jobs: int) -> None:
-    """Every candidate config, with and without the prefetch, compiled by `jobs` processes at once (Triton compiles
-    one kernel at a time per process; the sweep would otherwise spend minutes compiling)."""
+    """Every candidate config at each prefetch depth, compiled by `jobs` processes at once (Triton compiles one kernel
+    at a time per process; the sweep would otherwise spend minutes compiling)."""
     import multiprocessing as mp
 
     pairs = itertools.zip_longest(UP_CANDIDATES, DOWN_CANDIDATES, fillvalue=None)
-    cfgs = [(u or M.UP_CFG[1], d or M.DOWN_CFG[1], pf) for u, d in pairs for pf in (True, False)]
+    cfgs = [(u or M.UP_CFG[1], d or M.DOWN_CFG[1], pf) for u, d in pairs for pf in PREFETCH_DEPTHS]
     with mp.get_context("spawn").Pool(jobs) as pool:
         done = sum(pool.map(_compile_worker, [(cfgs[i::jobs], H, I, k, g) for i in range(jobs)]))
     print(f"  precompiled {done} config pairs in {jobs} processes")
@@ -89,7 +92,7 @@ def precompile(H, I, k, g, jobs: int) -> None:
 
 def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
     """Per token bucket: the up phase's (BLOCK_I, BLOCK_W, warps) with the down phase fixed, then the down phase's;
-    the winners go into M.UP_CFG / M.DOWN_CFG for the table. Then the winners without the prefetch (an A/B)."""
+    the winners go into M.UP_CFG / M.DOWN_CFG for the table. Then the prefetch depths 0, 1, 2 with them."""
     out = {}
     for t in tokens:
         b = M._bucket(t)
@@ -114,13 +117,15 @@ def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
             top = sorted(res[name].items(), key=lambda kv: kv[1])[:4]
             print(f"  t={t} {name}: best {best[1]} {best[0] * 1e6:.1f} us/call; next "
                   + ", ".join(f"{c} {v * 1e6:.1f}" for c, v in top[1:]))
-        M.PREFETCH = False
-        res["no_prefetch"] = timed(fn, calls, runs)
-        M.PREFETCH = True
-        res["prefetch"] = timed(fn, calls, runs)
-        print(f"  t={t} prefetch A/B: {res['prefetch'] * 1e6:.1f} us with, {res['no_prefetch'] * 1e6:.1f} without")
-        out[t] = {"up": M.UP_CFG[b], "down": M.DOWN_CFG[b], "times": res}
-    print(f"UP_CFG = {M.UP_CFG}\nDOWN_CFG = {M.DOWN_CFG}")
+        res["prefetch"] = {}
+        for depth in PREFETCH_DEPTHS:
+            M.PREFETCH[b] = depth
+            res["prefetch"][depth] = timed(fn, calls, runs)
+        M.PREFETCH[b] = min(res["prefetch"], key=res["prefetch"].get)
+        print(f"  t={t} prefetch depth: " + ", ".join(f"{d}: {s * 1e6:.1f} us" for d, s in res["prefetch"].items())
+              + f" -> {M.PREFETCH[b]}")
+        out[t] = {"up": M.UP_CFG[b], "down": M.DOWN_CFG[b], "prefetch": M.PREFETCH[b], "times": res}
+    print(f"UP_CFG = {M.UP_CFG}\nDOWN_CFG = {M.DOWN_CFG}\nPREFETCH = {M.PREFETCH}")
     return out
 
 
@@ -158,6 +163,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="first try launch configs of the INT4 kernels per token bucket (up, then down) and use the "
                          "fastest (printed: the values for moe_int4.UP_CFG / DOWN_CFG)")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="only run the INT4 call a few times at the first --tokens count, no graphs (for ncu)")
     ap.add_argument("--jobs", type=int, default=0,
                     help="with --sweep: compile the candidate configs in this many processes first")
     ap.add_argument("--out", default=None)
@@ -170,6 +177,14 @@ def main() -> int:
     w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
     ex = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g)
     torch.cuda.empty_cache()
+    if args.profile_only:
+        t = int(args.tokens.split(",")[0])
+        x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
+        for _ in range(6):
+            w, ids = route_ref(torch.randn(t, E, generator=gen, device="cuda"), k, True)
+            fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
+        torch.cuda.synchronize()
+        return 0
     bf16_expert = 3 * H * I * 2
     int4_expert = ex.nbytes_per_expert()
     rows = []

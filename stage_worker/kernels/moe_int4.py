@@ -41,6 +41,13 @@ if triton is not None:
         return ((v & 0x00780000) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W: tl.constexpr):
+        """The gate and up rows' words ow (masked off past the row's end)."""
+        m = mask_i[:, None] & (ow < W)[None, :]
+        return (tl.load(qbase + rg * stride_qr + ow[None, :], mask=m, other=0),
+                tl.load(qbase + ru * stride_qr + ow[None, :], mask=m, other=0))
+
+    @triton.jit
     def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, stride_qe, stride_qr,
                         stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -49,8 +56,8 @@ if triton is not None:
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads.
 
         An iteration takes [BLOCK_I, BLOCK_W] words of the gate rows and of the up rows (16-byte loads; a thread
-        holds several rows, so the x values it gathers serve all of them); with PREFETCH the next block's words
-        are loaded before this one is computed (two blocks in flight). Per word: d = sum_n (1 + q_n/16) x_n (the
+        holds several rows, so the x values it gathers serve all of them); the words of the next PREFETCH (0, 1
+        or 2) blocks are already loading while one is computed. Per word: d = sum_n (1 + q_n/16) x_n (the
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
         applied once to their sum; the 16 at the end."""
         tj = tl.program_id(0)
@@ -68,13 +75,10 @@ if triton is not None:
         ru = rg + I
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
-        if PREFETCH:
-            m = mask_i[:, None] & (offs_w < W)[None, :]
-            qg = tl.load(qbase + rg * stride_qr + offs_w[None, :], mask=m, other=0)
-            qu = tl.load(qbase + ru * stride_qr + offs_w[None, :], mask=m, other=0)
-        else:
-            qg = tl.zeros([BLOCK_I, BLOCK_W], tl.int32)
-            qu = tl.zeros([BLOCK_I, BLOCK_W], tl.int32)
+        if PREFETCH >= 1:
+            qg, qu = _up_words(qbase, rg, ru, stride_qr, offs_w, mask_i, W)
+        if PREFETCH >= 2:
+            qg1, qu1 = _up_words(qbase, rg, ru, stride_qr, BLOCK_W + offs_w, mask_i, W)
         acc_g = tl.zeros([BLOCK_I, NQ], tl.float32)
         acc_u = tl.zeros([BLOCK_I, NQ], tl.float32)
         for w0 in range(0, W, BLOCK_W):
@@ -85,15 +89,10 @@ if triton is not None:
             grp = ((oq * 8) // GROUP)[None, :]
             sg = tl.load(sbase + rg * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
             su = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
-            if PREFETCH:                                        # the next block (masked off past the row's end)
-                on = ow + BLOCK_W
-                mn = mask_i[:, None] & (on < W)[None, :]
-                qg_next = tl.load(qbase + rg * stride_qr + on[None, :], mask=mn, other=0)
-                qu_next = tl.load(qbase + ru * stride_qr + on[None, :], mask=mn, other=0)
+            if PREFETCH == 0:
+                qg, qu = _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W)
             else:
-                m = mask_i[:, None] & mw[None, :]
-                qg = tl.load(qbase + rg * stride_qr + ow[None, :], mask=m, other=0)
-                qu = tl.load(qbase + ru * stride_qr + ow[None, :], mask=m, other=0)
+                qg_n, qu_n = _up_words(qbase, rg, ru, stride_qr, ow + PREFETCH * BLOCK_W, mask_i, W)
             xs = tl.zeros([BLOCK_W], tl.float32)
             dg = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
@@ -105,9 +104,14 @@ if triton is not None:
             off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
             acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off) * sg
             acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off) * su
-            if PREFETCH:
-                qg = qg_next
-                qu = qu_next
+            if PREFETCH == 1:
+                qg = qg_n
+                qu = qu_n
+            if PREFETCH == 2:
+                qg = qg1
+                qu = qu1
+                qg1 = qg_n
+                qu1 = qu_n
         g = tl.sum(acc_g, axis=1) * 16.0
         u = tl.sum(acc_u, axis=1) * 16.0
         wt = tl.load(wts_ptr + tj).to(tl.float32)
@@ -124,11 +128,14 @@ if triton is not None:
         return j, col - j * WPE, e
 
     @triton.jit
-    def _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST):
-        """Words w of experts e (device or host table) for `rows`; SKIP columns masked (not read)."""
+    def _down_words(q_ptr, hq_ptr, ids_ptr, t, col, rows, mask_h, stride_qe, stride_qh, FIRST_HOST,
+                    I: tl.constexpr, TOP_K: tl.constexpr):
+        """(j, w, e, words) of columns `col` for `rows` (`_col_slots`; the words from the device or host table,
+        SKIP columns masked: not read)."""
+        j, w, e = _col_slots(ids_ptr, t, col, I, TOP_K)
         qb = tl.where(e >= FIRST_HOST, hq_ptr + (e - FIRST_HOST) * stride_qe, q_ptr + e * stride_qe)
         m = mask_h[:, None] & (e != SKIP_ID)[None, :]
-        return tl.load(qb[None, :] + rows * stride_qh + w[None, :], mask=m, other=0)
+        return j, w, e, tl.load(qb[None, :] + rows * stride_qh + w[None, :], mask=m, other=0)
 
     @triton.jit
     def _int4_down_kernel(act_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, stride_qe, stride_qh, stride_se,
@@ -138,9 +145,9 @@ if triton is not None:
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
-        experts, so a program streams all k experts' rows with no per-expert loop (and with PREFETCH the next
-        block in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words
-        nor their activations (never written) are read."""
+        experts, so a program streams all k experts' rows with no per-expert loop (and the next PREFETCH blocks
+        in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words nor
+        their activations (never written) are read."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -149,17 +156,20 @@ if triton is not None:
         NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
-        if PREFETCH:
-            j, w, e = _col_slots(ids_ptr, t, offs_w, I, TOP_K)
-            q = _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+        if PREFETCH >= 1:
+            j, w, e, q = _down_words(q_ptr, hq_ptr, ids_ptr, t, offs_w, rows, mask_h, stride_qe, stride_qh,
+                                     FIRST_HOST, I, TOP_K)
+        if PREFETCH >= 2:
+            j1, w1, e1, q1 = _down_words(q_ptr, hq_ptr, ids_ptr, t, BLOCK_W + offs_w, rows, mask_h, stride_qe,
+                                         stride_qh, FIRST_HOST, I, TOP_K)
         acc = tl.zeros([BLOCK_H, NQ], tl.float32)
         for c0 in range(0, TOP_K * WPE, BLOCK_W):
-            if PREFETCH:                                        # the next block (masked off past the end)
-                j_next, w_next, e_next = _col_slots(ids_ptr, t, c0 + BLOCK_W + offs_w, I, TOP_K)
-                q_next = _down_words(q_ptr, hq_ptr, e_next, w_next, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+            if PREFETCH == 0:
+                j, w, e, q = _down_words(q_ptr, hq_ptr, ids_ptr, t, c0 + offs_w, rows, mask_h, stride_qe,
+                                         stride_qh, FIRST_HOST, I, TOP_K)
             else:
-                j, w, e = _col_slots(ids_ptr, t, c0 + offs_w, I, TOP_K)
-                q = _down_words(q_ptr, hq_ptr, e, w, rows, mask_h, stride_qe, stride_qh, FIRST_HOST)
+                j_n, w_n, e_n, q_n = _down_words(q_ptr, hq_ptr, ids_ptr, t, c0 + PREFETCH * BLOCK_W + offs_w, rows,
+                                                 mask_h, stride_qe, stride_qh, FIRST_HOST, I, TOP_K)
             jq, wq, eq = _col_slots(ids_ptr, t, c0 + offs_q, I, TOP_K)     # the quads' scales
             sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
             sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
@@ -174,22 +184,33 @@ if triton is not None:
                 d += _nibble(q, ONE, n) * a[None, :]
             off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
             acc += (tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) + off) * sc
-            if PREFETCH:
-                j = j_next
-                w = w_next
-                e = e_next
-                q = q_next
+            if PREFETCH == 1:
+                j = j_n
+                w = w_n
+                e = e_n
+                q = q_n
+            if PREFETCH == 2:
+                j = j1
+                w = w1
+                e = e1
+                q = q1
+                j1 = j_n
+                w1 = w_n
+                e1 = e_n
+                q1 = q_n
         out = tl.sum(acc, axis=1) * 16.0
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket.
-# Guesses until the H200 sweep (`bench/moe_int4.py --sweep`).
-UP_CFG = {1: (8, 64, 1), 4: (8, 64, 1), 16: (8, 64, 1)}
-DOWN_CFG = {1: (8, 128, 2), 4: (8, 128, 2), 16: (8, 128, 2)}
+# (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket, and
+# the prefetch depth: `bench/moe_int4.py --sweep` on the H200 (bench/results/moe-int4-3: 21.5 / 56.3 / 169.5 us at
+# 1 / 4 / 16 tokens against bf16's 37.3 / 100.0 / 328.2). One-warp programs win the up phase by far (more warps per
+# program: up to 2x slower at 16 tokens).
+UP_CFG = {1: (8, 32, 1), 4: (8, 32, 1), 16: (16, 32, 1)}
+DOWN_CFG = {1: (4, 256, 2), 4: (4, 128, 1), 16: (8, 128, 1)}
 DECODE_MAX_TK = 256
 ONE_F32 = 0x3F800000           # the bits of 1.0f (see `_nibble`)
-PREFETCH = True               # load the next block of words before computing this one (both phases)
+PREFETCH = {1: 1, 4: 1, 16: 1}  # blocks of words loading ahead of the one computed (0, 1, 2; both phases)
 
 
 def quad_words(words: int, group: int) -> int:
@@ -225,13 +246,13 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     _int4_up_kernel[(T * k, triton.cdiv(I, bi))](
         x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, experts.q13.stride(0), experts.q13.stride(1),
         experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g,
-        QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH, num_warps=warps)
+        QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[_bucket(T)], num_warps=warps)
     bh, bw, warps = DOWN_CFG[_bucket(T)]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     _int4_down_kernel[(T, triton.cdiv(H, bh))](
         act, ids, experts.q2, experts.s2, h.q2, h.s2, out, experts.q2.stride(0), experts.q2.stride(1),
         experts.s2.stride(0), experts.s2.stride(1), out.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
-        QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH, num_warps=warps)
+        QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[_bucket(T)], num_warps=warps)
     return out
 
 
