@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
 from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, preset_config  # noqa: E402
+from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 from stage_worker.model.meta_build import on_meta  # noqa: E402
@@ -65,13 +66,6 @@ def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
 
 PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")     # SparseMoE.use_packed's buffers
 INT4_RATIO = (0.5 + 2 / 128) / 2      # an INT4 expert's bytes (words + bf16 scales per 128) over its bf16 bytes
-
-
-def _group(width: int) -> int:
-    g = 128
-    while width % g:
-        g //= 2
-    return g
 
 
 def fit_layers(cfg: HybridMoeConfig, share: float, expert_ratio: float = 1.0) -> int:
@@ -228,7 +222,7 @@ def main() -> int:
     t0 = time.time()
     packed = {}
     if args.quant:
-        g13, g2 = _group(cfg.hidden_size), _group(cfg.moe_intermediate_size)
+        g13, g2 = dummy_groups(cfg)
         packed = {layer: (g13, g2) for layer in range(n) if cfg.is_sparse_moe(layer)}
     model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16), packed)
     fill_random(model, seed=0)

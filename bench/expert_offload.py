@@ -42,10 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from decode import _group, preset  # noqa: E402
+from decode import preset  # noqa: E402
 from shared.cold_set import expert_bytes, packed_expert_bytes  # noqa: E402
 from shared.model_config import config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
@@ -121,11 +122,6 @@ class Replay:
         return w, ids
 
 
-def groups_of(cfg) -> tuple[int, int]:
-    """INT4 groups of w13 / w2: 128, or the largest power of two dividing the width (as `moepipe quantize`)."""
-    return _group(cfg.hidden_size), _group(cfg.moe_intermediate_size)
-
-
 def _read_setup(cfg, quant: str, hot: int):
     """(call(ids), bytes of one expert): the fused MoE at T=1 over a table whose slots from `hot` on are pinned
     host rows (bf16 or INT4); everything it holds goes when `call` does."""
@@ -136,7 +132,7 @@ def _read_setup(cfg, quant: str, hot: int):
         from stage_worker.kernels.moe_int4 import fused_moe_int4
         from stage_worker.kernels.moe_int4_ref import PackedExperts
 
-        g13, g2 = groups_of(cfg)
+        g13, g2 = dummy_groups(cfg)
 
         def words(*shape):
             return torch.randint(-(1 << 31), (1 << 31) - 1, shape, device="cuda", dtype=torch.int64).to(torch.int32)
@@ -229,7 +225,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
-                                       cold_experts=cold or None, dummy_int4=groups_of(cfg) if quant else None),
+                                       cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None),
                        cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
@@ -239,7 +235,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     moves = policy is not None
     interval, half_life, margin = policy or (0, 0.0, 0.0)
     check = greedy_check(model, moves)
-    per_expert = packed_expert_bytes(cfg, *groups_of(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
+    per_expert = packed_expert_bytes(cfg, *dummy_groups(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
     total_experts = sum(m.num_experts for m in model.moe_layers().values()) * per_expert
     if x is not None:
         assert x.host_bytes() + x.device_bytes() == len(x.tables) * cfg.num_experts * per_expert

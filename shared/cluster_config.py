@@ -43,6 +43,7 @@ class ClusterConfig:
     served_model_name: str = "moepipe"
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
+    dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4 (benchmarks)
     block_size: int = 0                         # 0 = derived from the model (shared/kv_layout.py)
     num_blocks: int = 0                         # 0 = auto: max_num_seqs x max_model_len within kv_cache_memory
     kv_cache_memory: float = 0.0                # GiB of KV blocks per stage when num_blocks is auto; 0 = 4 GiB,
@@ -77,6 +78,7 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.9
     vram_limit: float = 0.0                     # GiB per device; 0 = the device's own size
     kv_cache_memory_bytes: int = 0
+    measure_reserve: bool = True                # the plan's reserve from one measured prefill chunk per layer kind
     # Routed experts in host RAM (issue 16): a `moepipe cold-set` file ("" = every expert in VRAM); run-time moves
     # swap each layer's most used host expert with its least used device expert every expert_move_interval steps
     # (decode selections, decayed by half every expert_move_half_life steps; a move needs a lead of
@@ -181,6 +183,8 @@ class ClusterConfig:
             names = getattr(self, key)
             if not isinstance(names, list) or not all(isinstance(h, str) and h for h in names):
                 raise ClusterConfigError(f"cluster config: {key} must be a list of names (or [\"*\"])")
+        if self.dummy_quant not in ("", "int4-experts"):
+            raise ClusterConfigError(f"cluster config: dummy_quant {self.dummy_quant!r} must be int4-experts or empty")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
@@ -251,7 +255,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
         "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads",
         "MOEPIPE_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "MOEPIPE_VRAM_LIMIT": "vram_limit",
-        "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes", "MOEPIPE_COLD_EXPERTS": "cold_experts",
+        "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes", "MOEPIPE_MEASURE_RESERVE": "measure_reserve",
+        "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts"}

@@ -9,9 +9,12 @@ Weights and per-slot state are exact: the stage's modules and caches are built o
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
 them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 experts at their packed size there
 too, as their expert table holds them). The
-reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is an estimate until the stages
-measure it at start-up: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x what a full-shape
-512-token prefill chunk was seen to allocate) plus the logits of a step.
+reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
+`max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
+(`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
+`WORKSPACE` for the decode graphs' pool, cuBLAS and Triton workspaces and the allocator's slack. With
+`measure_reserve` off it is the former estimate: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x
+what a full-shape 512-token prefill chunk was seen to allocate) plus the logits.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
-from stage_worker.checkpoint.packed_experts import packed_layers
+from stage_worker.checkpoint.packed_experts import dummy_groups, packed_layers
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WORKSPACE = GIB // 2
 _PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")      # SparseMoE.use_packed's buffers
 
 
@@ -55,8 +59,12 @@ def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
     return 0
 
 
-def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds]:
-    """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share)."""
+def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> list[StageNeeds]:
+    """The needs of every stage on a CUDA device (CPU stages are not planned: host RAM is the OS's to share).
+    `measure(cluster, cfg, stage, dtype)`: a stage's measured prefill activations in bytes (default: on the device,
+    `activation_peak.prefill_peak`, when `measure_reserve` is on and CUDA is there; else the estimate)."""
+    if measure is None and cluster.measure_reserve and torch.cuda.is_available():
+        from stage_worker.activation_peak import prefill_peak as measure
     out = []
     cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
     plan = plan_of(cluster.model) if cluster.packed_experts and cluster.load_format != "dummy" else None
@@ -67,6 +75,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
             packed = packed_layers(plan, cfg, spec.start, spec.end)
+            if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
+                packed = {layer: dummy_groups(cfg) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
             for layer, groups in packed.items():
                 model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
@@ -83,7 +93,10 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig) -> list[StageNeeds
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
-        reserve = GIB + tokens * width * 96 + logits
+        if measure is not None:
+            reserve = measure(cluster, cfg, i, dtype) + logits + WORKSPACE
+        else:
+            reserve = GIB + tokens * width * 96 + logits
         block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
                               state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host,

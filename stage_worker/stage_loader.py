@@ -7,6 +7,7 @@ from shared import cold_set
 from shared.cluster_config import ClusterConfig
 from shared.model_config import HybridMoeConfig
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
+from stage_worker.checkpoint.packed_experts import dummy_groups
 from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.model import StageModel
 
@@ -17,6 +18,8 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold,
                        packed_experts=cluster.packed_experts)
+    if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
+        opts.dummy_int4 = dummy_groups(cfg)        # random INT4 experts kept packed, as a quantized checkpoint's
     model = load_model(cluster.model, opts, cfg)
     model.set_kernels(KernelFlags.parse(cluster.kernels))
     return model

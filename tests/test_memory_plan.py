@@ -189,3 +189,89 @@ def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tmp_path
     assert p.num_blocks >= 256 // 16
     cpu = dataclasses.replace(cluster, stages=[StageSpec(0, cfg.num_hidden_layers, "", "cpu")])
     assert launcher.auto_cold_experts(cpu, tmp_path / "c.toml", tmp_path).cold_experts == ""
+
+
+def test_the_reserve_is_the_measured_prefill_plus_logits_and_workspace(tiny_checkpoint):
+    """With `measure_reserve` (the default) a GPU stage's reserve is one measured prefill chunk per layer kind
+    (`activation_peak.prefill_peak`, stood in for here) plus the step's logits and the workspace; off, the former
+    estimate. One layer of each kind is measured: the first and last layers on their own (embedding, head)."""
+    from stage_worker.activation_peak import layer_kinds
+    from stage_worker.memory_needs import WORKSPACE
+
+    cfg = load_config(tiny_checkpoint)
+    n = cfg.num_hidden_layers
+    cluster = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=4, block_size=16,
+                            max_num_batched_tokens=64, stages=[StageSpec(0, 2, "", "cuda:0"),
+                                                               StageSpec(2, n, "", "cuda:0")])
+    asked = []
+
+    def measure(cl, c, stage, dtype):
+        asked.append(stage)
+        return (stage + 1) * 1000
+
+    needs = stage_needs(cfg, cluster, measure)
+    logits = 64 * cfg.vocab_size * 4
+    assert asked == [0, 1]
+    assert [x.reserve for x in needs] == [1000 + WORKSPACE, 2000 + logits + WORKSPACE]
+    off = stage_needs(cfg, dataclasses.replace(cluster, measure_reserve=False))
+    assert off[0].reserve == GIB + 64 * cfg.hidden_size * cfg.hc_count * 96
+    kinds = layer_kinds(cfg, 0, n)
+    assert kinds[0] == 0 and kinds[-1] == n - 1 and len(set(kinds)) == len(kinds)
+    described = {(cfg.layer_types[i], cfg.ple_index(i) is not None) for i in range(1, n - 1)}
+    assert len(kinds) - 2 <= len(described) <= len(kinds)
+
+
+@pytest.mark.gpu
+def test_the_measured_reserve_covers_a_whole_stage_s_prefill(tiny_checkpoint):
+    """On a GPU: the whole stage's prefill of a `max_num_batched_tokens` chunk allocates no more beyond its weights
+    and caches than the measured reserve's activation part (the plan's promise)."""
+    from stage_worker.activation_peak import prefill_peak
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.model.batch import StepBatch
+
+    cfg = load_config(tiny_checkpoint)
+    tokens = 512
+    cluster = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=4, block_size=16,
+                            max_num_batched_tokens=tokens,
+                            stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")])
+    measured = prefill_peak(cluster, cfg, 0, "bfloat16")
+    model = load_model(tiny_checkpoint, LoadOptions(device="cuda:0", load_format="dummy", dtype=torch.bfloat16), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    blocks = tokens // 16
+    cache = model.new_cache(CacheSpec(num_blocks=blocks + 1, block_size=16, num_slots=2, dtype=torch.bfloat16,
+                                      device="cuda:0"))
+    batch = StepBatch.build([(list(range(5, 5 + tokens)), 0, 0, list(range(blocks)))], 16, "cuda:0")
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model.logits(model(batch, cache), batch)
+        torch.cuda.synchronize()
+    whole = torch.cuda.max_memory_allocated() - base
+    print(f"measured reserve (activations) {measured / 2**20:.1f} MiB, whole stage's prefill {whole / 2**20:.1f} MiB")
+    assert 0 < whole <= measured * 1.05 + (1 << 20)
+
+
+def test_dummy_int4_experts_are_loaded_and_planned_packed(tiny_checkpoint):
+    """`dummy_quant = "int4-experts"` (benchmarks of a quantized model without its files): the stage's routed
+    experts are random INT4 words kept packed, and the plan counts them at their packed size."""
+    from shared.cold_set import packed_expert_bytes
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.stage_loader import load_stage
+
+    cfg = load_config(tiny_checkpoint)
+    stages = [StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")]
+    base = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", stages=stages, load_format="dummy",
+                         measure_reserve=False)
+    plain = stage_needs(cfg, base)[0]
+    packed = stage_needs(cfg, dataclasses.replace(base, dummy_quant="int4-experts"))[0]
+    dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
+    assert packed.expert_bytes == packed_expert_bytes(cfg, *dummy_groups(cfg), dtype) < plain.expert_bytes
+    assert plain.weights - packed.weights == packed.routed_experts // packed.expert_bytes * (
+        plain.expert_bytes - packed.expert_bytes)
+    cpu = dataclasses.replace(base, dummy_quant="int4-experts", stages=[StageSpec(0, cfg.num_hidden_layers, "", "cpu")])
+    model = load_stage(cpu, 0, cfg)
+    assert all(m.packed_group for m in model.moe_layers().values())
+    with pytest.raises(Exception, match="dummy_quant"):
+        dataclasses.replace(base, dummy_quant="int3").validate()

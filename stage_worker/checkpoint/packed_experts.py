@@ -43,6 +43,19 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
     return out
 
 
+def dummy_groups(cfg: HybridMoeConfig) -> tuple[int, int]:
+    """The INT4 groups of gate/up and down that `moepipe quantize --scheme int4-experts` gives a model of these
+    widths (128, or the largest power of two >= 8 dividing the inputs): what the `dummy` format's packed experts use
+    (cluster key `dummy_quant`, benchmarks)."""
+    def group(width: int) -> int:
+        g = 128
+        while g > 8 and width % g:
+            g //= 2
+        return g
+
+    return group(cfg.hidden_size), group(cfg.moe_intermediate_size)
+
+
 class PackedPlacer:
     """Copies each `...experts.E.{gate,up,down}_proj.{weight_packed,weight_scale}` into its layer's buffers and
     checks `weight_shape`; `finish` names what never came."""
