@@ -203,14 +203,15 @@ if triton is not None:
 
 
 # (BLOCK_I, BLOCK_W, warps) for the up phase and (BLOCK_H, BLOCK_W, warps) for the down phase per token bucket, and
-# the prefetch depth: `bench/moe_int4.py --sweep` on the H200 (bench/results/moe-int4-3: 21.5 / 56.3 / 169.5 us at
-# 1 / 4 / 16 tokens against bf16's 37.3 / 100.0 / 328.2). One-warp programs win the up phase by far (more warps per
-# program: up to 2x slower at 16 tokens).
+# the prefetch depth: `bench/moe_int4.py --sweep` on the H200, bench/results/moe-int4-3 and (the same winners again,
+# plus the depth sweep) moe-int4-4: 21.6 / 56.4 / 167.7 us at 1 / 4 / 16 tokens against bf16's 36.9 / 101.4 / 329.4.
+# One-warp programs win the up phase by far (4 or 8 warps a program: up to 2x slower at 16 tokens); depth 2 loses
+# everywhere (25.6 vs 21.6 us at 1 token), depth 0 vs 1 at 16 tokens is within noise (167.7 vs 169.1).
 UP_CFG = {1: (8, 32, 1), 4: (8, 32, 1), 16: (16, 32, 1)}
 DOWN_CFG = {1: (4, 256, 2), 4: (4, 128, 1), 16: (8, 128, 1)}
 DECODE_MAX_TK = 256
 ONE_F32 = 0x3F800000           # the bits of 1.0f (see `_nibble`)
-PREFETCH = {1: 1, 4: 1, 16: 1}  # blocks of words loading ahead of the one computed (0, 1, 2; both phases)
+PREFETCH = {1: 1, 4: 1, 16: 0}  # blocks of words loading ahead of the one computed (0, 1, 2; both phases)
 
 
 def quad_words(words: int, group: int) -> int:
