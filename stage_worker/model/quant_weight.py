@@ -34,18 +34,24 @@ def legacy_words(n: int, bits: int) -> int:
     return -(-n // (32 // bits))
 
 
+def is_dense(words: int, bits: int, n: int) -> bool:
+    """Which layout `words` int32 words a row of `n` `bits`-bit values are in: True for the dense bit stream
+    (compressed-tensors >= 0.20; also where both layouts have the same word count, as for 1, 2, 4 and 8 bits, whose
+    bits are then placed identically), False for the older 32 // bits values a word."""
+    if words == dense_words(n, bits):
+        return True
+    if words == legacy_words(n, bits):
+        return False
+    raise QuantSchemeError(f"{words} int32 words a row cannot hold {n} {bits}-bit values (dense packing needs "
+                           f"{dense_words(n, bits)}, the older layout {legacy_words(n, bits)})")
+
+
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """int8 values [rows, n] of `packed` int32 [rows, words] (either layout; see the module docstring)."""
     if packed.dtype != torch.int32:
         raise QuantSchemeError(f"packed weights must be int32, got {packed.dtype}")
     rows, words = packed.shape
-    if words == dense_words(n, bits):
-        dense = True
-    elif words == legacy_words(n, bits):
-        dense = False
-    else:
-        raise QuantSchemeError(f"{words} int32 words a row cannot hold {n} {bits}-bit values (dense packing needs "
-                               f"{dense_words(n, bits)}, the older layout {legacy_words(n, bits)})")
+    dense = is_dense(words, bits, n)
     out = torch.empty(rows, n, dtype=torch.int8)
     if rows == 0 or n == 0:
         return out

@@ -1,0 +1,229 @@
+"""W4/W6/W8-A16 GEMVs over dense Linear weights kept as compressed-tensors packs them (issue 17, item 2): decode reads
+the int32 words and their scales and dequantizes in registers, so a step reads 6/16 (INT6) or 8/16 (INT8) of the
+bf16 bytes of attention's o_proj, DeltaNet's out_proj, the shared expert beside INT4 experts and lm_head
+(`stage_worker/model/quant_linear.py` decides which modules).
+
+One launch, grid (cdiv(N, BLOCK_N), splits): a program owns BLOCK_N output rows and one slice of the inputs, and
+walks it BLOCK_K columns at a time:
+* the words of the tile: where values never cross a word (4 and 8 bits; also the older layout's words at those
+  widths, which place bits identically) one [BLOCK_N, BLOCK_K / (32 / bits)] load and a broadcast shift
+  (value j of a word at bit j * bits), reshaped to input order; otherwise (6 bits, dense or the older 5 a word) a
+  gather per value of its word (and, for the dense stream's values that straddle two words, the next word, loaded
+  only where needed), shifted and masked as unsigned;
+* the offset 2^(bits-1) is not subtracted per value: sum_k (u_k - o) x_k = sum_k u_k x_k - o sum_k x_k, the second
+  term once a tile;
+* scales: one a row (per channel) applied to the accumulator at the end; one a tile (the group a multiple of
+  BLOCK_K, as group 128 with BLOCK_K <= 128) applied to the tile's partial sum; otherwise (small or odd groups) one
+  gathered per value;
+* one token: FMAs in fp32 and a reduction per tile; 2-16 tokens: `tl.dot` of the tile (the unsigned values are
+  exact in bf16 / fp16) with x^T [BLOCK_K, 16] on the tensor cores, fp32 accumulation.
+With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums, summed after in a
+fixed order (deterministic, no atomics). Prefill (more than DECODE_MAX_T tokens) and machines without Triton take
+`dequant_matmul`: BLOCK of rows dequantized at a time (never the whole weight in float) and a matmul.
+
+Reference: `quant_gemv_ref.quant_gemv_ref`; tests: tests/test_kernel_quant_gemv.py (CPU under TRITON_INTERPRET=1,
+the H200 at the full shape, with timings); launch configs are guesses until that test's sweep has run on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs off Linux: the PyTorch path
+    triton = None
+
+DECODE_MAX_T = 16
+# (BLOCK_N, BLOCK_K, warps[, pipeline stages]) for one token (FMA path) and for 2-16 tokens (tl.dot path). Guesses
+# until the H200 sweep of tests/test_kernel_quant_gemv.py::test_sweep_launch_configs_on_the_gpu (offline sm_90
+# compiles: the 6-bit dot path holds 76 KB of shared memory with Triton's 3 stages).
+CFG = {1: (16, 128, 4), 16: (32, 128, 4)}
+PROGRAMS_PER_SM = 4          # K is split until about this many programs per SM run (small N, e.g. o_proj's 2560)
+MIN_SPLIT_K = 512            # ... but no slice shorter than this many inputs
+
+_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
+    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_values(q_ptr, rows, mask_n, k0, stride_qn, W: tl.constexpr, BITS: tl.constexpr,
+                     DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The stored (unsigned) values u [BLOCK_N, BLOCK_K] int32 of input columns k0 .. k0 + BLOCK_K of `rows`;
+        columns past the row's words read 0 (the caller masks x there)."""
+        MASK: tl.constexpr = (1 << BITS) - 1
+        PER: tl.constexpr = 32 // BITS
+        base = q_ptr + rows[:, None] * stride_qn
+        if 32 % BITS == 0:                      # whole values a word (4, 8 bits): one load, a broadcast shift
+            WB: tl.constexpr = BLOCK_K // PER
+            offs_w = k0 // PER + tl.arange(0, WB)
+            q = tl.load(base + offs_w[None, :], mask=mask_n[:, None] & (offs_w < W)[None, :], other=0)
+            shifts = tl.arange(0, PER) * BITS
+            u = tl.reshape((q[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            if DENSE:                           # bit stream: value k at bit k * BITS, maybe across two words
+                bit = k * BITS
+                word = bit // 32
+                off = bit % 32
+            else:                               # older layout: PER values a word, the top bits unused
+                word = k // PER
+                off = (k % PER) * BITS
+            lo = tl.load(base + word[None, :], mask=mask_n[:, None] & (word < W)[None, :], other=0)
+            u = lo.to(tl.uint32, bitcast=True) >> off[None, :]
+            if DENSE:
+                spill = (off + BITS > 32) & (word + 1 < W)
+                hi = tl.load(base + (word + 1)[None, :], mask=mask_n[:, None] & spill[None, :], other=0)
+                # (32 - off) & 31: no shift by 32 where off is 0 (hi is 0 wherever nothing spills)
+                u = u | (hi.to(tl.uint32, bitcast=True) << ((32 - off) & 31)[None, :])
+            u = (u & MASK).to(tl.int32, bitcast=True)
+        return u
+
+    @triton.jit
+    def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, N, T, stride_xt, stride_qn, stride_sn, stride_os, stride_ot,
+                           K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
+                           DENSE: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        """out[slice, t, rows] = sum over this program's K slice of W[rows, k] x[t, k] (SCALE 0: one scale a row,
+        1: one a tile, 2: one gathered per value; see the module docstring). T is a run-time value (the tl.dot
+        path masks tokens past it in a tile of TP), so 2-16 tokens share one compiled kernel a shape."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rows < N
+        rows64 = rows.to(tl.int64)
+        OFFSET: tl.constexpr = 1 << (BITS - 1)
+        k_begin = tl.program_id(1) * K_SLICE
+        offs_t = tl.arange(0, TP)
+        mask_t = offs_t < T
+        if DOT:
+            acc = tl.zeros([BLOCK_N, TP], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+        for i in range(K_SLICE // BLOCK_K):
+            k0 = k_begin + i * BLOCK_K
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            u = _tile_values(q_ptr, rows64, mask_n, k0, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
+            if SCALE == 1:
+                s = tl.load(s_ptr + rows64 * stride_sn + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float32)
+            if SCALE == 2:
+                s = tl.load(s_ptr + rows64[:, None] * stride_sn + (offs_k // GROUP)[None, :],
+                            mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            if DOT:
+                xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None],
+                             mask=mask_k[:, None] & mask_t[None, :], other=0.0)          # [BLOCK_K, TP]
+                if SCALE == 2:
+                    w = ((u - OFFSET).to(tl.float32) * s).to(xt.dtype)
+                    acc += tl.dot(w, xt, input_precision=PRECISION)
+                else:
+                    # (through fp32: exact, and the interpreter's int -> bf16 cast is wrong)
+                    part = tl.dot(u.to(tl.float32).to(xt.dtype), xt, input_precision=PRECISION)
+                    part -= OFFSET * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+                    if SCALE == 1:
+                        part = part * s[:, None]
+                    acc += part
+            else:
+                xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                if SCALE == 2:
+                    acc += tl.sum((u - OFFSET).to(tl.float32) * s * xk[None, :], axis=1)
+                else:
+                    part = tl.sum(u.to(tl.float32) * xk[None, :], axis=1) - OFFSET * tl.sum(xk, axis=0)
+                    if SCALE == 1:
+                        part = part * s
+                    acc += part
+        if SCALE == 0:
+            s = tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+            if DOT:
+                acc = acc * s[:, None]
+            else:
+                acc = acc * s
+        out = out_ptr + tl.program_id(1) * stride_os
+        if DOT:
+            tl.store(out + offs_t[None, :] * stride_ot + rows64[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask_n[:, None] & mask_t[None, :])
+        else:
+            tl.store(out + rows64, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def launch_config(T: int, N: int, K: int, group: int, device: torch.device,
+                  cfg: tuple[int, ...] | None = None) -> dict:
+    """The kernel's tile sizes, scale mode and K slices for a call (`cfg` overrides CFG's entry)."""
+    bn, bk, warps, *rest = cfg or CFG[1 if T == 1 else 16]
+    if T > 1:
+        bn = max(bn, 16)                                      # tl.dot's smallest M
+    bk = min(bk, max(16, 1 << (K - 1).bit_length()))          # tiny test widths
+    if group >= K:
+        scale = 0
+    elif group % bk == 0:
+        scale = 1
+    elif _pow2_divisor(group) >= 32:                          # e.g. group 96: tiles of 32 still hold one scale
+        bk, scale = _pow2_divisor(group), 1
+    else:
+        scale = 2
+    blocks = triton.cdiv(N, bn)
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    splits = max(1, min(PROGRAMS_PER_SM * sms // blocks, K // MIN_SPLIT_K))
+    k_slice = triton.cdiv(triton.cdiv(K, splits), bk) * bk
+    return dict(BLOCK_N=bn, BLOCK_K=bk, warps=warps, stages=rest[0] if rest else 3, SCALE=scale, K_SLICE=k_slice,
+                splits=triton.cdiv(K, k_slice))
+
+
+def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
+    device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
+    `dequant_matmul`."""
+    T, K = x.shape
+    N = pw.out_features
+    if K != pw.in_features:
+        raise ValueError(f"x has {K} inputs, the packed weight {pw.in_features}")
+    if T > DECODE_MAX_T or not triton_usable(x) or pw.bits > 8:
+        return dequant_matmul(x, pw)
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return out
+    x = x.contiguous()
+    c = launch_config(T, N, K, pw.group, x.device, cfg)
+    dot = T > 1
+    target = out if c["splits"] == 1 else torch.empty(c["splits"], T, N, dtype=torch.float32, device=x.device)
+    _quant_gemv_kernel[(triton.cdiv(N, c["BLOCK_N"]), c["splits"])](
+        x, pw.words, pw.scales, target, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0),
+        target.stride(0) if c["splits"] > 1 else 0, target.stride(-2), K=K, W=pw.words.shape[1], BITS=pw.bits,
+        DENSE=pw.dense, GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], BLOCK_N=c["BLOCK_N"],
+        BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=c["warps"], num_stages=c["stages"])
+    if c["splits"] > 1:
+        torch.sum(target, dim=0, out=out) if x.dtype == torch.float32 else out.copy_(target.sum(0))
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """Prefill and the CPU: the weight dequantized to x.dtype a block of rows at a time (at most CHUNK elements,
+    never the whole weight in float), each block one matmul, the weights exactly the dequantize-at-load path's."""
+    T, K = x.shape
+    N = pw.out_features
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    step = max(1, CHUNK // max(K, 1))
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        out[:, r0:r1] = torch.nn.functional.linear(x, dequantize_packed(pw, x.dtype, r0, r1))
+    return out
