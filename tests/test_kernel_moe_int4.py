@@ -133,3 +133,31 @@ def test_full_shape_on_the_gpu():
         out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
         ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoint):
+    """Beside INT4 experts, a bf16 shared expert decodes as the one slot of a bf16 fused-MoE launch pair
+    (`SparseMoE._packed_shared`): the layer's output with kernels on stays within bf16 rounding of the PyTorch
+    path, at 1 and 4 tokens, whole and with the shared expert's part alone."""
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.kernels.flags import KernelFlags
+    from shared.model_config import load_config
+
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dtype=torch.bfloat16,
+                                                    dummy_int4=dummy_groups(cfg)), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
+    assert moe.packed_group and moe._packed_shared() is not None
+    for t in (1, 4):
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            fast = moe(x)
+            moe.kernels = KernelFlags.parse("none")
+            ref = moe(x)
+            moe.kernels = KernelFlags.parse("all")
+        err = (fast.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err < 2e-2, (t, float(err))

@@ -178,11 +178,21 @@ class SparseMoE(nn.Module):
             else:
                 out = t.moe_int4(x2, ids, weights)
         else:
+            decode = False
             weights, ids = route(logits, self.top_k, self.renormalise)
             if counts is not None:
                 count_ref(ids, counts)
             out = grouped_moe_int4(x2, ids, weights, self.packed()) if t is None else t.moe_int4(x2, ids, weights)
         self.last_expert_ids = ids
+        shared = self._packed_shared() if self.kernels.moe and x.is_cuda and decode else None
+        if shared is not None:
+            # the bf16 shared expert as the one slot of a bf16 fused-MoE launch pair: two Triton GEMVs at HBM speed
+            # instead of cuBLAS's three small-N GEMVs and their elementwise ops (H200, full shape, 48 layers:
+            # 0.94 ms of an 8.4 ms batch-1 step, bench/results/moe-int4-4)
+            from stage_worker.kernels.moe import fused_moe
+
+            gate = torch.sigmoid(self.shared_expert_gate(x2)).to(x.dtype)
+            return (out + fused_moe(x2, torch.zeros_like(gate, dtype=torch.int32), gate, *shared)).view(x.shape)
         return self._add_shared(x2, out).view(x.shape)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -199,7 +209,11 @@ class SparseMoE(nn.Module):
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
         if self.packed_group:
-            return                          # the INT4 kernels take no shared-expert slot
+            # the INT4 kernels take no shared-expert slot; a bf16 shared expert gets the bf16 kernel's w13 layout
+            if se is not None and all(type(m) is nn.Linear for m in (se.gate_proj, se.up_proj, se.down_proj)) \
+                    and self._packed_shared() is None:
+                self._shared_w13 = fuse_rows([se.gate_proj, se.up_proj])
+            return
         two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
         if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
             return
@@ -221,6 +235,15 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.moe import SharedExpert
 
         return router, SharedExpert(w13, se.down_proj.weight)
+
+    def _packed_shared(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Beside INT4 experts: the shared expert as one-expert tables (w13 [1, 2I, H], w2 [1, H, I]) for
+        `kernels.moe.fused_moe`, if `prepare_kernels` laid gate/up out as one tensor and nothing rebound them."""
+        se = self.shared_expert
+        w13 = getattr(self, "_shared_w13", None)
+        if se is None or not still_fused(w13, [se.gate_proj, se.up_proj]):
+            return None
+        return w13[None], se.down_proj.weight[None]
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
