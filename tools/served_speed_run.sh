@@ -7,7 +7,8 @@
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams), offload and vram24
-# (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), offload_int4 (issues
+# (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
+# 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
 # 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
@@ -119,6 +120,17 @@ if want offload_int4; then   # issues 16 + 17: INT4 experts kept packed in exper
     --policies "${OFFLOAD_INT4_POLICIES:-1:128:0.5}" --batch 1,4 --out "$out/expert_offload_int4.json" \
     > "$out/expert_offload_int4.log" 2>&1
   tail -14 "$out/expert_offload_int4.log"
+fi
+if want vram_int4; then   # issues 16 + 17: the whole full shape (48 layers) with INT4 experts under --vram-limit
+  moepipe make-model --preset full-shape --out /tmp/fs48 > /dev/null
+  for lim in ${VRAM_LIMITS:-24 32}; do
+    timeout "${VRAM_TIMEOUT:-240}" python3 bench/serve.py --model /tmp/fs48 --load-format dummy --device cuda \
+      --stages 1 --streams 1,4 --max-tokens 64 --runs 2 --set dummy_quant=int4-experts --set vram_limit=$lim \
+      --set cold_experts=auto --set max_model_len=8192 --out "$out/serve_fs48_int4_vram$lim.json" \
+      > "$out/serve_fs48_int4_vram$lim.log" 2>&1
+    echo "== full shape, 48 layers, INT4 experts, --vram-limit $lim, --cold-experts auto (rc $?):"
+    grep -A3 "GiB;" "$out/serve_fs48_int4_vram$lim.log" | head -4; tail -5 "$out/serve_fs48_int4_vram$lim.log"
+  done
 fi
 if want vram24; then   # issue 16: --vram-limit 24 serves full-shape cut to 8 layers (~45 GB of bf16 weights)
   moepipe make-model --preset full-shape --layers 8 --out /tmp/fs8 > /dev/null
