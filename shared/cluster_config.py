@@ -92,6 +92,10 @@ class ClusterConfig:
     # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
     # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
+    # ... and dense Linear weights in INT4/6/8 called as a plain linear (o_proj, out_proj, lm_head, the shared expert
+    # beside packed experts) stay packed and run the W4/W6/W8A16 GEMVs (stage_worker/model/quant_linear.py); off:
+    # dequantized to the compute dtype at load.
+    packed_dense: bool = True
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -259,7 +263,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
-        "MOEPIPE_PACKED_EXPERTS": "packed_experts"}
+        "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense"}
 
 
 def env_overrides() -> dict[str, Any]:

@@ -17,7 +17,7 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
     cold = cold_set.load(cluster.cold_experts, cfg) if cluster.cold_experts else None
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold,
-                       packed_experts=cluster.packed_experts)
+                       packed_experts=cluster.packed_experts, packed_dense=cluster.packed_dense)
     if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
         opts.dummy_int4 = dummy_groups(cfg)        # random INT4 experts kept packed, as a quantized checkpoint's
     model = load_model(cluster.model, opts, cfg)

@@ -306,3 +306,65 @@ def _reached(module: str, group: dict) -> bool:
     import re
 
     return any(re.match(t[3:], module) for t in group["targets"] if t.startswith("re:"))
+
+
+def _logits_of(stages, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill PROMPT, then `steps` greedy decode steps: every step's logits and the greedy tokens."""
+    engine = LocalEngine(stages, max_seqs=1, max_tokens=64)
+    engine.add(0)
+    logits = [engine.step([(0, PROMPT)], all_logits=True)]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(engine.step([(0, [tokens[-1]])]))
+    return torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]), tokens
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "qwen3_next"])
+def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, originals, tmp_path, monkeypatch):
+    """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (o_proj, out_proj, the shared
+    expert beside INT4 experts, a dense MLP, lm_head; the fused sites dequantized) and gives the logits and greedy
+    tokens of the same checkpoint with packed_dense off: prefill + 16 decode steps on the CPU path (a block of rows
+    dequantized a call), the first steps also through the GEMV kernel under the interpreter, and on two stages."""
+    from stage_worker.kernels import quant_gemv
+    from stage_worker.model.quant_linear import PackedLinear
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(originals[family], qdir, "reports-mixed")
+    packed = load_model(qdir, LoadOptions(dtype=torch.float32))
+    kept = {n: m for n, m in packed.named_modules() if isinstance(m, PackedLinear)}
+    cfg = packed.cfg
+    want = {"lm_head"} | {f"layers.{i}.{'self_attn.o_proj' if cfg.is_attention(i) else 'linear_attn.out_proj'}"
+                          for i in range(cfg.num_hidden_layers)}
+    want |= {f"layers.{i}.mlp.{p}" for i in range(cfg.num_hidden_layers)
+             for p in (("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+                       if cfg.is_sparse_moe(i) else ("gate_proj", "up_proj", "down_proj"))}
+    assert set(kept) == want
+    assert kept["lm_head"].bits == 8 and {m.bits for n, m in kept.items() if n != "lm_head"} == {6}
+    assert all(not hasattr(m, "weight") and m.weight_packed.dtype == torch.int32 for m in kept.values())
+    layer0 = packed.layers["0"]
+    assert isinstance(layer0.linear_attn.in_proj_qkv, torch.nn.Linear)          # a fused site: dequantized
+    plain = load_model(qdir, LoadOptions(dtype=torch.float32, packed_dense=False))
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+
+    def held(model):
+        return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+    assert held(packed) < held(plain)
+    want_logits, want_tokens = _logits_of([plain], NEW)
+    got, tokens = _logits_of([packed], NEW)
+    assert tokens == want_tokens
+    assert (got - want_logits).abs().max() < TOL
+    if family == "qwen4_exp":
+        n = cfg.num_hidden_layers
+        halves = [load_model(qdir, LoadOptions(dtype=torch.float32, start=s, end=e)) for s, e in ((0, n // 2),
+                                                                                                (n // 2, n))]
+        got, tokens = _logits_of(halves, NEW)
+        assert tokens == want_tokens and (got - want_logits).abs().max() < TOL
+    # the kernel itself (Triton's interpreter: ~0.1 s a launch, so the prompt (14 tokens: the tl.dot path) and one
+    # one-token step), with one row block a call
+    monkeypatch.setattr(PackedLinear, "interpret_on_cpu", True)
+    monkeypatch.setattr(quant_gemv, "CFG", {1: (512, 64, 4), 16: (512, 64, 4)})
+    got, tokens = _logits_of([packed], 1)
+    assert tokens == want_tokens[:1]
+    assert (got - want_logits[: got.shape[0]]).abs().max() < TOL

@@ -24,12 +24,14 @@ from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import ensure_table, shard_row_counts
 from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
-from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, normalise, pieces_for
+from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name, normalise, pieces_for
 from stage_worker.checkpoint.packed_experts import PackedPlacer, packed_layers
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
+from stage_worker.model.quant_linear import (PackedLinear, PackedSpec, disk_module, packed_specs, plain_linear_sites,
+                                             use_packed_dense)
 from stage_worker.model.quant_weight import QUANT_PARTS, dequantize, needed
 from stage_worker.model.rope import Rotary
 
@@ -54,6 +56,7 @@ class LoadOptions:
     seed: int = 0
     cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
     packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
+    packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
 
@@ -81,8 +84,9 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
-                packed: dict[int, tuple[int, int]] | None = None) -> StageModel:
-    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed."""
+                packed: dict[int, tuple[int, int]] | None = None, dense=None) -> StageModel:
+    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed;
+    `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)
     with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
@@ -90,6 +94,8 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     for layer, moe in model.moe_layers().items():
         if layer in (packed or {}):
             moe.use_packed(*packed[layer])
+    if dense is not None:
+        use_packed_dense(model, dense(model))    # words and scales, allocated with everything else below
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
     # (INT4 experts kept packed: their words and scales, at the packed size)
     model.experts = attach_tables(model, opts.cold_experts, opts.device, dtype) if opts.cold_experts else None
@@ -111,7 +117,10 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         packed = packed_layers(plan_of(model_dir), cfg, opts.start, end)
     elif opts.load_format == "dummy" and opts.dummy_int4:
         packed = {layer: tuple(opts.dummy_int4) for layer in range(opts.start, end) if cfg.is_sparse_moe(layer)}
-    model = build_empty(cfg, opts, packed)
+    dense = None
+    if opts.load_format == "safetensors" and opts.packed_dense:
+        dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731
+    model = build_empty(cfg, opts, packed, dense)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
@@ -151,12 +160,16 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     quant = _Dequantizer(plan_of(model_dir), pieces)
     placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items() if moe.packed_group},
                           CheckpointError)
+    dense = _DensePlacer(model)
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for raw_name in f.keys():
                 name = normalise(raw_name)
                 if placer.takes(name):
                     placer.place(name, f.get_tensor(raw_name), raw_name, path)
+                    continue
+                if dense.takes(name):
+                    dense.place(name, f.get_tensor(raw_name), raw_name, path)
                     continue
                 if quant.takes(name, f, raw_name):
                     done = quant.add(name, f.get_tensor(raw_name), raw_name, path)
@@ -200,9 +213,77 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         log.info("checkpoint: skipped tensors under %s (not served by this stage)", ", ".join(sorted(skipped_extra)))
     quant.finish(model_dir)
     placer.finish(model_dir)
+    dense.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path) -> dict[str, PackedSpec]:
+    """The plain-linear modules of `model` (built on meta, after `SparseMoE.use_packed`) that the checkpoint stores
+    packed in a scheme PackedLinear runs, each filled by exactly one on-disk module (not a tied lm_head, not a
+    regrouped projection), from the files' headers. `use_packed_dense(model, packed_dense_specs(...))` on a meta
+    model gives what a stage holds (the memory plan can count its `weight_packed` / `weight_scale` buffers)."""
+    sites = {}
+    for name in plain_linear_sites(model):
+        m = model.get_submodule(name)
+        local = f"{name}.weight"
+        if pieces_for(cfg, {local: m.weight.shape}).get(hf_name(local)) == [Piece(local, tuple(m.weight.shape))]:
+            sites[name] = (m.out_features, m.in_features)
+    plan = plan_of(model_dir)
+    if not sites or plan is None:
+        return {}
+    disk = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for raw in f.keys():
+                if raw.endswith((".weight_packed", ".weight_scale", ".weight_zero_point")):
+                    sl = f.get_slice(raw)
+                    disk[normalise(raw)] = (tuple(sl.get_shape()), sl.get_dtype())
+    return packed_specs(plan, sites, disk, _SAFETENSORS_DTYPES)
+
+
+class _DensePlacer:
+    """Copies each packed-dense module's `weight_packed` and `weight_scale` into its PackedLinear's buffers (a
+    per-tensor scale repeated per row) and checks `weight_shape`; `finish` names what never came."""
+
+    PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+    def __init__(self, model: StageModel) -> None:
+        self.modules = {disk_module(n): m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+        self.seen: set[tuple[str, str]] = set()
+
+    def takes(self, name: str) -> bool:
+        module, _, part = name.rpartition(".")
+        return part in self.PARTS and module in self.modules
+
+    @torch.no_grad()
+    def place(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
+        module, _, part = name.rpartition(".")
+        m = self.modules[module]
+        if part == "weight_shape":
+            if [int(v) for v in tensor.tolist()] != [m.out_features, m.in_features]:
+                raise CheckpointError(f"tensor {raw_name!r} in {path} says {tensor.tolist()}, expected "
+                                      f"{[m.out_features, m.in_features]}")
+        else:
+            target = getattr(m, part)
+            if part == "weight_scale" and tensor.numel() in (1, target.shape[0]) and target.shape[1] == 1:
+                tensor = tensor.reshape(-1, 1).expand(target.shape)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
+                                      f"{list(target.shape)} (int{m.bits}, group {m.group})")
+            target.copy_(tensor.to(target.dtype))
+        self.seen.add((module, part))
+
+    def finish(self, model_dir: Path) -> None:
+        missing = [f"{module}.{part}" for module in self.modules for part in self.PARTS
+                   if (module, part) not in self.seen]
+        if missing:
+            raise CheckpointError(f"missing tensor(s) in {model_dir}: {', '.join(missing[:3])}"
+                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
 
 
 class _Dequantizer:

@@ -1,0 +1,158 @@
+"""Dense Linear layers kept in a checkpoint's packed INT4/6/8 form (issue 17, item 2): `PackedLinear` holds the
+compressed-tensors words and scales (`weight_packed` int32 [N, W], `weight_scale` [N, G], as on disk) and runs
+`kernels/quant_gemv.py` for decode (dequantized in registers), or dequantizes a block of rows at a time and
+multiplies (prefill, the CPU).
+
+Which modules: those the model calls as a plain linear (`x -> module(x)`) everywhere (`plain_linear_sites`):
+attention's o_proj, Gated DeltaNet's out_proj, a dense layer's MLP, the MTP head's fc, lm_head (unless tied to the
+embedding), and the shared expert of a layer whose INT4 routed experts stay packed (then it runs beside the INT4
+kernels, never as the bf16 MoE kernel's extra slot). Weights a fused kernel reads as bf16 stay dequantized at load:
+q/k/v and the QSA indexer's projection (one GEMV over row views), the DeltaNet in-projections (one GEMV), the
+hyper-connection mix weights (the mix kernels), the shared expert beside bf16 experts (the MoE kernel's last slot),
+the PLE projections, the router and the embedding (a gather, not a Linear).
+
+A module is kept packed when its scheme is compressed-tensors INT 4, 6 or 8, symmetric, per channel (or per
+tensor, held as per channel), or per group of a multiple of 8 inputs (a last partial group allowed), its words on
+disk are in either packing, and its on-disk weight maps onto it one to one. Switch: cluster key `packed_dense`
+(MOEPIPE_PACKED_DENSE=0 dequantizes at load, as before).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.quant_scheme import QuantPlan, WeightQuant
+from stage_worker.kernels.quant_gemv_ref import PackedWeight
+
+BITS = (4, 6, 8)
+# module names (as StageModel names them) whose only use is a plain linear call
+_PLAIN = re.compile(r"(^|\.)(self_attn\.o_proj|linear_attn\.out_proj|mlp\.(gate|up|down)_proj|fc|lm_head)$")
+_SHARED = re.compile(r"(^|\.)mlp\.shared_expert\.(gate|up|down)_proj$")
+
+
+@dataclass(frozen=True)
+class PackedSpec:
+    """How one module is kept: its scheme's bits and group (inputs per scale column; K for one a row) and the
+    shapes and dtypes of its words and scales as the checkpoint stores them."""
+
+    bits: int
+    group: int
+    words: int
+    groups: int
+    scale_dtype: torch.dtype
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T with W in packed words and scales (no bias: modules with one stay dequantized)."""
+
+    # The kernel also runs on CPU tensors under TRITON_INTERPRET=1 where a test opts in; otherwise the CPU path
+    # dequantizes a block of rows at a time.
+    interpret_on_cpu: bool = False
+
+    def __init__(self, in_features: int, out_features: int, spec: PackedSpec, device=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group = spec.bits, spec.group
+        self.register_buffer("weight_packed", torch.empty(out_features, spec.words, dtype=torch.int32,
+                                                          device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, spec.groups, dtype=spec.scale_dtype,
+                                                         device=device))
+        self.bias = None
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.weight_packed, self.weight_scale, self.bits, self.in_features, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
+
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda or self.interpret_on_cpu:
+            y = quant_gemv(x2, self.packed())
+        else:
+            y = dequant_matmul(x2, self.packed())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [N, K] (what packed_dense off holds)."""
+        from stage_worker.kernels.quant_gemv_ref import dequantize_packed
+
+        return dequantize_packed(self.packed(), dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} "
+                f"{'channel' if self.group >= self.in_features else f'group {self.group}'}")
+
+
+def plain_linear_sites(model: nn.Module) -> list[str]:
+    """Names of the model's Linear modules (bias-free) that are only ever called as a plain linear, so a
+    PackedLinear can stand in for them: see the module docstring. Call after `SparseMoE.use_packed`."""
+    from stage_worker.model.moe import SparseMoE
+
+    packed_moe = {name for name, m in model.named_modules() if isinstance(m, SparseMoE) and m.packed_group}
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m.bias is not None:
+            continue
+        if _PLAIN.search(name) and ".shared_expert." not in name and ".indexer." not in name:
+            out.append(name)
+        elif _SHARED.search(name) and name.rsplit(".shared_expert.", 1)[0] in packed_moe:
+            out.append(name)
+    return out
+
+
+def keeps_packed(wq: WeightQuant | None) -> bool:
+    """A scheme PackedLinear takes (see the module docstring)."""
+    return (wq is not None and wq.kind == "int" and wq.bits in BITS and wq.symmetric and wq.format ==
+            "pack-quantized" and (wq.strategy in ("channel", "tensor") or
+                                  (wq.strategy == "group" and wq.group_size % 8 == 0)))
+
+
+def packed_specs(plan: QuantPlan | None, sites: dict[str, tuple[int, int]], disk: dict[str, tuple[tuple, str]],
+                 dtypes: dict[str, torch.dtype]) -> dict[str, PackedSpec]:
+    """Site (local module name) -> PackedSpec, for the sites whose on-disk module is kept packed.
+
+    `sites`: local module -> (out, in) features, only modules whose `.weight` one on-disk tensor fills whole (the
+    loader checks); `disk`: on-disk tensor name -> (shape, safetensors dtype), read from the files' headers (the
+    word count says which packing, the scale's dtype is kept)."""
+    from stage_worker.model.quant_weight import dense_words, legacy_words
+
+    if plan is None or plan.method != "compressed-tensors":
+        return {}
+    out = {}
+    for local, (N, K) in sites.items():
+        module = disk_module(local)
+        wq = plan.for_module(module)
+        if not keeps_packed(wq):
+            continue
+        packed, scale = disk.get(f"{module}.weight_packed"), disk.get(f"{module}.weight_scale")
+        if packed is None or scale is None or f"{module}.weight_zero_point" in disk:
+            continue
+        (rows, words), sshape = packed[0], scale[0]
+        if rows != N or words not in (dense_words(K, wq.bits), legacy_words(K, wq.bits)):
+            continue                          # the loader's dequantize path names the mismatch
+        group = wq.group_size if wq.strategy == "group" else K
+        groups = -(-K // group)
+        if tuple(sshape) not in ((N, groups),) + (((N,), (1,), ()) if groups == 1 else ()):
+            continue
+        out[local] = PackedSpec(wq.bits, group, words, groups, dtypes.get(scale[1], torch.float32))
+    return out
+
+
+def disk_module(local: str) -> str:
+    """The on-disk module name of local module `local` (`lm_head` and `mtp.*` keep theirs, the rest gain `model.`)."""
+    from stage_worker.checkpoint.names import hf_name
+
+    return hf_name(f"{local}.weight")[: -len(".weight")]
+
+
+def use_packed_dense(model: nn.Module, specs: dict[str, PackedSpec]) -> None:
+    """Replace each named Linear with a PackedLinear of its spec (on the model's device, meta while building)."""
+    for name, spec in specs.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        setattr(parent, attr, PackedLinear(old.in_features, old.out_features, spec, device=old.weight.device))
