@@ -52,10 +52,10 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise QuantSchemeError(f"packed weights must be int32, got {packed.dtype}")
     rows, words = packed.shape
     dense = is_dense(words, bits, n)
-    out = torch.empty(rows, n, dtype=torch.int8)
+    out = torch.empty(rows, n, dtype=torch.int8, device=packed.device)
     if rows == 0 or n == 0:
         return out
-    idx = torch.arange(n, dtype=torch.int64)
+    idx = torch.arange(n, dtype=torch.int64, device=packed.device)
     if dense:
         bit = idx * bits
         word, off = bit // 32, bit % 32
