@@ -12,6 +12,7 @@ unpack for the layouts whose values never cross a word.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,14 +57,31 @@ class PackedWeight:
 
 
 def unpack_values(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """The signed values [rows, k] of `words` (int8 for <= 8 bits). Where whole values sit in each word (4 and 8
-    bits, and any width 32 is a multiple of), one broadcast shift; otherwise `quant_weight.unpack`."""
-    per = 32 // bits
-    if 32 % bits or words.shape[1] != -(-k // per):
+    """The signed values [rows, k] of `words` (int8), in int32 arithmetic on whole columns (the CPU and prefill
+    path's hot loop: 2-3x faster than `quant_weight.unpack`'s int64 gathers). Where whole values sit in each word
+    (4 and 8 bits, or the older layout), one broadcast shift; the dense stream of other widths by its period (6 bits:
+    16 values in 3 words), each value of the period from static shifts of one or two word columns."""
+    if words.dtype != torch.int32 or bits > 8:
         return qw.unpack(words, bits, k)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    u = (words[..., None] >> shifts) & ((1 << bits) - 1)
-    return (u.flatten(-2)[:, :k] - (1 << bits - 1)).to(torch.int8)
+    N, W = words.shape
+    dense = qw.is_dense(W, bits, k)
+    mask = (1 << bits) - 1
+    if not dense or 32 % bits == 0:
+        shifts = torch.arange(0, 32 // bits * bits, bits, dtype=torch.int32, device=words.device)
+        u = ((words[..., None] >> shifts) & mask).flatten(-2)
+    else:
+        g = math.gcd(bits, 32)
+        per, span = 32 // g, bits // g                       # values, words of a period
+        wp = torch.nn.functional.pad(words, (0, -W % span)).view(N, -1, span)
+        cols = []
+        for j in range(per):
+            c, off = divmod(j * bits, 32)
+            v = (wp[..., c] >> off) & ((1 << min(bits, 32 - off)) - 1)    # (the mask drops the sign fill)
+            if off + bits > 32:
+                v = v | ((wp[..., c + 1] & ((1 << off + bits - 32) - 1)) << (32 - off))
+            cols.append(v)
+        u = torch.stack(cols, -1).flatten(-2)
+    return (u[:, :k] - (1 << bits - 1)).to(torch.int8)
 
 
 def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.float32, start: int = 0,
