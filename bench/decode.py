@@ -105,7 +105,9 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
     """Bytes one decode step must read from HBM, from the experts the last step actually selected."""
     dense = experts = 0
     expert_each = 0
-    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(PACKED)]:
+    dense_packed = (".weight_packed", ".weight_scale")         # PackedLinear's (packed dense layers)
+    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                                     if n.endswith(PACKED + dense_packed)]:
         nbytes = p.numel() * p.element_size()
         if name.endswith((".w13", ".w2") + PACKED):
             expert_each += nbytes // p.shape[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -32,14 +33,17 @@ from shared.kv_layout import block_bytes, compute_dtype
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
+from stage_worker.checkpoint.loader import packed_dense_specs
 from stage_worker.checkpoint.packed_experts import dummy_groups, packed_layers
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
+from stage_worker.model.quant_linear import use_packed_dense
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKSPACE = GIB // 2
 _PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")      # SparseMoE.use_packed's buffers
+_PACKED_DENSE = (".weight_packed", ".weight_scale")             # PackedLinear's
 
 
 def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -67,24 +71,27 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         from stage_worker.activation_peak import prefill_peak as measure
     out = []
     cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
-    plan = plan_of(cluster.model) if cluster.packed_experts and cluster.load_format != "dummy" else None
+    plan = plan_of(cluster.model) if cluster.load_format != "dummy" else None
     for i, spec in enumerate(cluster.stages):
         if not spec.device.startswith("cuda"):
             continue
         dtype = compute_dtype(cfg, spec.device, cluster.dtype)
         with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
-            packed = packed_layers(plan, cfg, spec.start, spec.end)
+            packed = packed_layers(plan, cfg, spec.start, spec.end) if cluster.packed_experts else {}
             if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
                 packed = {layer: dummy_groups(cfg) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
             for layer, groups in packed.items():
                 model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
+            if cluster.packed_dense and plan is not None:         # dense layers kept packed (PackedLinear)
+                use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
                                               device="meta"))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
-        weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(_PACKED))
+        weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                       if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE))
         sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())

@@ -227,27 +227,30 @@ def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family,
     assert (outs[2] - outs[1]).abs().max() < 1e-5
 
 
-def test_the_memory_plan_counts_packed_experts_at_their_size(originals, tmp_path):
-    """A GPU stage of an INT4 checkpoint is planned at what the loader keeps: its packed experts' words and scales
-    (a model that fits only quantized must not be refused for its bf16 size), the rest in the compute dtype."""
+def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path):
+    """A GPU stage of a reports-mixed checkpoint is planned at what the loader keeps: its packed INT4 experts' and
+    packed dense layers' words and scales (a model that fits only quantized must not be refused for its bf16
+    size), the rest in the compute dtype."""
     from shared.cluster_config import ClusterConfig, StageSpec
     from stage_worker.memory_needs import stage_needs
 
     qdir = tmp_path / "q"
-    quantize_checkpoint(originals["qwen4_exp"], qdir, "int4-experts")
+    quantize_checkpoint(originals["qwen4_exp"], qdir, "reports-mixed")
     cfg = load_config(qdir)
     n = cfg.num_hidden_layers
     cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
                             stages=[StageSpec(0, n, "", "cuda:0")])
     planned = stage_needs(cfg, cluster)[0].weights
     model = load_model(qdir, LoadOptions(dtype=torch.float32))
+    assert any(name.endswith(".weight_packed") for name, _ in model.named_buffers())
     held = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "ngram_embedding" not in name
                and ".ple.ple_embedding" not in name)
     held += sum(b.numel() * b.element_size() for name, b in model.named_buffers() if ".mlp.q" in name or
-                ".mlp.s" in name)
+                ".mlp.s" in name or name.endswith((".weight_packed", ".weight_scale")))
     assert planned == held
-    unpacked = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False))[0].weights
-    assert planned < unpacked * 0.7
+    dense_only = stage_needs(cfg, dataclasses.replace(cluster, packed_dense=False))[0].weights
+    unpacked = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False, packed_dense=False))[0].weights
+    assert planned < dense_only < unpacked * 0.7
 
 
 def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint, tmp_path):
