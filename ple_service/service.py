@@ -182,9 +182,15 @@ class PleService:
                                       [s for _, s in self.specs])
 
     def _ready_to_run(self, plan: Plan) -> bool:
+        """Its slot is free and every decode token is here, or a decode entry's request is one this service holds
+        no context for: no token will make that plan servable, so it runs now and fails as a lost context. (A
+        restarted service receives the plans queued for it while it was down; stages that gather their own decode
+        rows went on decoding meanwhile, and those plans' tokens went to the dead process. Waiting for them would
+        block every later plan of the same requests, their recomputation included.)"""
         if plan.entries and self.ring.slot_for_step(plan.step) in self._slot_owner:
             return False                  # its slot still holds rows a stage has not copied
-        return all(e.tokens is not None or e.context_len in self._sampled.get(e.req_id, {}) for e in plan.entries)
+        return all(e.tokens is not None or e.context_len in self._sampled.get(e.req_id, {})
+                   or (e.context_len > 0 and e.req_id not in self._requests) for e in plan.entries)
 
     def _release(self, done) -> None:
         """Free the ring slots of the steps `done(step)` says no stage will read again."""
@@ -231,7 +237,12 @@ class PleService:
         one = []                       # (entry index, context, token) of entries feeding one token: hashed together
         for j, e in enumerate(plan.entries):     # hash everything first: a bad entry leaves no half-updated state
             if e.tokens is None:
-                tokens = np.array([self._sampled[e.req_id][e.context_len]], dtype=np.int64)
+                token = self._sampled.get(e.req_id, {}).get(e.context_len)
+                if token is None:
+                    raise _PlanError(f"request {e.req_id}: step {plan.step} decodes at position {e.context_len}, "
+                                     f"and the PLE service has neither its token nor its context (lost n-gram "
+                                     f"context)")
+                tokens = np.array([token], dtype=np.int64)
             else:
                 tokens = np.asarray(e.tokens, dtype=np.int64)
             if tokens.shape[0] != e.num_tokens:

@@ -8,7 +8,6 @@ PyTorch path a CPU cluster runs: the two-table fallback); with CUDA the host row
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 
 import httpx
@@ -30,6 +29,7 @@ from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
+from expert_tables import fingerprints_hold, greedy, random_cold  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 E, TOP_K, H, I = 16, 4, 32, 16
@@ -132,41 +132,6 @@ def test_swap_kernel_matches_the_reference():
 
 # ---- whole models ------------------------------------------------------------------------------------------------
 
-def _cold(cfg, share: float, seed: int = 0) -> dict[int, list[int]]:
-    rng = random.Random(seed)
-    n = max(1, round(cfg.num_experts * share))
-    return {layer: sorted(rng.sample(range(cfg.num_experts), n)) for layer in range(cfg.num_hidden_layers)
-            if cfg.is_sparse_moe(layer)}
-
-
-def _greedy(model, prompt: list[int], steps: int, move_every: int = 0):
-    eng = LocalEngine([model], max_seqs=2)
-    eng.add(0)
-    logits = [eng.step([(0, prompt)])[-1]]
-    tokens = []
-    for i in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        if move_every and model.experts is not None and i % move_every == 0:
-            model.experts.move_round(gates(model), decay=0.9, margin=0.0)
-        logits.append(eng.step([(0, [tokens[-1]])])[-1])
-    return tokens, torch.log_softmax(torch.stack(logits), -1)
-
-
-def _fingerprints_hold(model, plain) -> None:
-    """Every slot holds its expert's rows and router row, wherever the moves took it."""
-    want = plain.moe_layers()
-    for layer, moe in model.moe_layers().items():
-        t = moe.table
-        if t is None:
-            continue
-        experts = t.expert_of_slot.tolist()
-        assert sorted(experts) == list(range(t.num_experts))
-        for slot, e in enumerate(experts):
-            w13, w2 = t.slot_rows(slot)
-            assert torch.equal(w13.cpu(), want[layer].w13[e].cpu()) and torch.equal(w2.cpu(), want[layer].w2[e].cpu())
-            assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
-
-
 @pytest.fixture(scope="module")
 def demo():
     from shared.cli import ensure_builtin_model
@@ -180,10 +145,10 @@ def test_demo_model_serves_the_same_greedy_tokens_with_host_experts(demo, share,
     d, cfg = demo
     prompt = [1, 5, 9, 33, 70, 100, 7, 400]
     plain = load_model(d, LoadOptions(), cfg)
-    want, want_lp = _greedy(plain, prompt, 12)
-    model = load_model(d, LoadOptions(cold_experts=_cold(cfg, share)), cfg)
+    want, want_lp = greedy(plain, prompt, 12)
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, share)), cfg)
     assert model.experts is not None and model.experts.host_bytes() > 0
-    got, lp = _greedy(model, prompt, 12, move_every)
+    got, lp = greedy(model, prompt, 12, move_every)
     assert got == want
     # Routing over slot-ordered router rows sums the softmax in another order: differences at rounding level.
     assert (lp - want_lp).abs().max().item() < 1e-4
@@ -191,20 +156,20 @@ def test_demo_model_serves_the_same_greedy_tokens_with_host_experts(demo, share,
     assert reads > 0 and model.experts.counts.sum().item() > 0
     if move_every:
         assert model.experts.moves.sum().item() > 0
-    _fingerprints_hold(model, plain)
+    fingerprints_hold(model, plain)
 
 
 def test_thousands_of_moves_keep_every_row_its_own_expert(demo):
     d, cfg = demo
     plain = load_model(d, LoadOptions(), cfg)
-    model = load_model(d, LoadOptions(cold_experts=_cold(cfg, 0.25, seed=4)), cfg)
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4)), cfg)
     x = model.experts
     g = torch.Generator().manual_seed(9)
     for _ in range(2000):
         x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
         x.move_round(gates(model), decay=0.8, margin=0.5)
     assert x.moves.sum().item() >= 1000
-    _fingerprints_hold(model, plain)
+    fingerprints_hold(model, plain)
 
 
 def test_dummy_weights_fill_the_tables_as_they_fill_the_parameters(tiny_checkpoint):
@@ -213,8 +178,8 @@ def test_dummy_weights_fill_the_tables_as_they_fill_the_parameters(tiny_checkpoi
     cfg = load_config(tiny_checkpoint)
     opts = LoadOptions(load_format="dummy", seed=3)
     plain = load_model(tiny_checkpoint, opts, cfg)
-    model = load_model(tiny_checkpoint, dataclasses.replace(opts, cold_experts=_cold(cfg, 0.25, seed=5)), cfg)
-    _fingerprints_hold(model, plain)
+    model = load_model(tiny_checkpoint, dataclasses.replace(opts, cold_experts=random_cold(cfg, 0.25, seed=5)), cfg)
+    fingerprints_hold(model, plain)
 
 
 def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints):
@@ -222,12 +187,12 @@ def test_transformers_written_checkpoint_with_host_experts(reference_checkpoints
     path, _ = reference_checkpoints["qwen3_5_moe"]
     cfg = load_config(path)
     plain = load_model(path, LoadOptions(), cfg)
-    model = load_model(path, LoadOptions(cold_experts=_cold(cfg, 0.5, seed=2)), cfg)
+    model = load_model(path, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2)), cfg)
     prompt = [3, 17, 101, 250, 9]
-    want, want_lp = _greedy(plain, prompt, 8)
-    got, lp = _greedy(model, prompt, 8, move_every=1)
+    want, want_lp = greedy(plain, prompt, 8)
+    got, lp = greedy(model, prompt, 8, move_every=1)
     assert got == want and (lp - want_lp).abs().max().item() < 1e-4
-    _fingerprints_hold(model, plain)
+    fingerprints_hold(model, plain)
 
 
 @pytest.mark.gpu
@@ -282,13 +247,13 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
 
     plain, want, want_lp = greedy(None, False)
     for moves in (False, True):
-        model, got, lp = greedy(_cold(cfg, 0.5, seed=3), moves)
+        model, got, lp = greedy(random_cold(cfg, 0.5, seed=3), moves)
         assert got == want
         assert max(abs(a - b) for a, b in zip(lp, want_lp)) < 2e-2
         assert model.experts.host_reads.sum().item() > 0
         if moves:
             assert model.experts.moves.sum().item() > 0
-        _fingerprints_hold(model, plain)
+        fingerprints_hold(model, plain)
 
 
 # ---- served --------------------------------------------------------------------------------------------------------
@@ -301,11 +266,11 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     from gateway.launcher import Cluster
 
     cfg = load_config(tiny_checkpoint)
-    f = cold_set.write(tmp_path / "cold.json", cfg, str(tiny_checkpoint), _cold(cfg, 0.5, seed=1), [(0, 3), (3, 6)],
+    f = cold_set.write(tmp_path / "cold.json", cfg, str(tiny_checkpoint), random_cold(cfg, 0.5, seed=1), [(0, 3), (3, 6)],
                        cold_set.expert_bytes(cfg), 1 << 30, ["test"])
     prompts = [[5, 17, 101, 250, 9, 33], [40, 41, 42, 7]]
     plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
-    want = [_greedy(plain, p, 16) for p in prompts]
+    want = [greedy(plain, p, 16) for p in prompts]
     opts = small_cluster_options(tiny_checkpoint)
     with Cluster(dataclasses.replace(opts, extra=dict(opts.extra, cold_experts=str(f), expert_move_interval=2))) as c:
         outs = [httpx.post(c.url + "/v1/completions", timeout=120, json={

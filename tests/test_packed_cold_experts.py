@@ -31,6 +31,7 @@ from stage_worker.expert_offload import fill_random_tables, gates, order_gates  
 from stage_worker.kernels import expert_moves as M  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
+from expert_tables import fingerprints_hold, greedy, random_cold  # noqa: E402
 from stage_worker.model.expert_table import PACKED_PARTS, PARTS  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 400]
@@ -54,47 +55,7 @@ def all_in_vram(int4):
     q, cfg = int4
     plain = load_model(q, LoadOptions(), cfg)
     assert all(m.packed_group and m.table is None for m in plain.moe_layers().values())
-    return plain, _greedy(plain, PROMPT, 12)
-
-
-def _cold(cfg, share: float, seed: int = 0) -> dict[int, list[int]]:
-    rng = random.Random(seed)
-    n = max(1, round(cfg.num_experts * share))
-    return {layer: sorted(rng.sample(range(cfg.num_experts), n)) for layer in range(cfg.num_hidden_layers)
-            if cfg.is_sparse_moe(layer)}
-
-
-def _greedy(model, prompt: list[int], steps: int, move_every: int = 0):
-    eng = LocalEngine([model], max_seqs=2)
-    eng.add(0)
-    logits = [eng.step([(0, prompt)])[-1]]
-    tokens = []
-    for i in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        if move_every and model.experts is not None and i % move_every == 0:
-            model.experts.move_round(gates(model), decay=0.9, margin=0.0)
-        logits.append(eng.step([(0, [tokens[-1]])])[-1])
-    return tokens, torch.log_softmax(torch.stack(logits), -1)
-
-
-def _fingerprints_hold(model, plain) -> int:
-    """Every slot holds its expert's rows of every part (packed words and scales, or w13/w2) and its router row,
-    wherever the moves took it; returns the number of tables checked."""
-    want = plain.moe_layers()
-    n = 0
-    for layer, moe in model.moe_layers().items():
-        t = moe.table
-        if t is None:
-            continue
-        n += 1
-        experts = t.expert_of_slot.tolist()
-        assert sorted(experts) == list(range(t.num_experts))
-        for slot, e in enumerate(experts):
-            for kind in t.parts:
-                assert torch.equal(t.slot_part(slot, kind).cpu(), getattr(want[layer], kind)[e].cpu()), \
-                    (layer, slot, e, kind)
-            assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
-    return n
+    return plain, greedy(plain, PROMPT, 12)
 
 
 @pytest.mark.parametrize("share,move_every", [(0.1, 0), (0.1, 1), (0.5, 0), (0.5, 1)])
@@ -104,7 +65,7 @@ def test_packed_experts_in_host_ram_serve_the_all_in_vram_greedy_tokens(int4, al
     Greedy tokens equal all-in-VRAM, logprobs within 1e-4, moves on or off; /metrics bytes at the packed size."""
     q, cfg = int4
     plain, (want, want_lp) = all_in_vram
-    cold = _cold(cfg, share)
+    cold = random_cold(cfg, share)
     model = load_model(q, LoadOptions(cold_experts=cold), cfg)
     x = model.experts
     assert x is not None and sorted(x.tables) == sorted(cold)
@@ -120,18 +81,18 @@ def test_packed_experts_in_host_ram_serve_the_all_in_vram_greedy_tokens(int4, al
     assert x.host_bytes() == stats["expert_bytes_host"] == n_cold * per_expert
     assert stats["expert_bytes_vram"] == (len(cold) * cfg.num_experts - n_cold) * per_expert
     assert x.host_bytes() <= x.host.nbytes < x.host_bytes() + 256 * len(PACKED_PARTS) * len(cold)   # one allocation
-    got, lp = _greedy(model, PROMPT, 12, move_every)
+    got, lp = greedy(model, PROMPT, 12, move_every)
     assert got == want
     assert (lp - want_lp).abs().max().item() < 1e-4
     assert x.host_reads.sum().item() > 0 and x.counts.sum().item() > 0
     assert (x.moves.sum().item() > 0) == bool(move_every)
-    assert _fingerprints_hold(model, plain) == len(cold)
+    assert fingerprints_hold(model, plain) == len(cold)
 
 
 def test_many_move_rounds_keep_every_packed_slot_its_own_expert(int4, all_in_vram):
     q, cfg = int4
     plain, _ = all_in_vram
-    model = load_model(q, LoadOptions(cold_experts=_cold(cfg, 0.25, seed=4)), cfg)
+    model = load_model(q, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4)), cfg)
     x = model.experts
     g = torch.Generator().manual_seed(9)
     router = gates(model)
@@ -139,14 +100,14 @@ def test_many_move_rounds_keep_every_packed_slot_its_own_expert(int4, all_in_vra
         x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
         x.move_round(router, decay=0.8, margin=0.5)
     assert x.moves.sum().item() >= 500
-    _fingerprints_hold(model, plain)
+    fingerprints_hold(model, plain)
 
 
 def test_swap_kernel_moves_packed_rows_as_the_reference(int4):
     """The move kernel on a real stage's packed tables (device slots, and host slots at their offsets in the one
     pinned allocation): each kind of row (q13/s13/q2/s2 and the router) swapped as `swap_rows_ref` swaps it."""
     q, cfg = int4
-    model = load_model(q, LoadOptions(cold_experts=_cold(cfg, 0.5, seed=2)), cfg)
+    model = load_model(q, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2)), cfg)
     x = model.experts
     sets = x.row_sets(gates(model))
     assert [(r.dev[0].dtype, idx) for r, idx in sets] == [(torch.int32, None), (torch.float32, None),
@@ -194,7 +155,7 @@ def test_move_kernel_rounds_on_a_stage_of_packed_and_bf16_tables(tiny_checkpoint
     cfg = load_config(tiny_checkpoint)
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i)]
     packed = moe_layers[::2]
-    cold = _cold(cfg, 0.25, seed=6)
+    cold = random_cold(cfg, 0.25, seed=6)
     plain = _dummy_stage(cfg, packed, None)
     runs = {}
     for kernel in (True, False):
@@ -209,7 +170,7 @@ def test_move_kernel_rounds_on_a_stage_of_packed_and_bf16_tables(tiny_checkpoint
             x.counts.add_(torch.rand(x.counts.shape, generator=g) * 8)
             decs.append(x.move_round(gates(model), decay=0.7, margin=0.5))
         assert x.moves.sum().item() >= 12
-        _fingerprints_hold(model, plain)
+        fingerprints_hold(model, plain)
         runs[kernel] = (torch.stack(decs), x.expert_of_slot.clone())
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
 
@@ -227,7 +188,7 @@ def test_the_plan_counts_packed_cold_experts_at_their_packed_size(int4, tmp_path
     from stage_worker.memory_needs import stage_needs
 
     q, cfg = int4
-    cold = _cold(cfg, 0.5, seed=1)
+    cold = random_cold(cfg, 0.5, seed=1)
     n = cfg.num_hidden_layers
     f = cold_set.write(tmp_path / "cold.json", cfg, str(q), cold, [(0, n)], cold_set.expert_bytes(cfg), 1 << 30,
                        ["test"])
@@ -295,11 +256,11 @@ def test_served_packed_host_experts_equal_all_in_vram_with_moves_and_metrics(int
 
     q, cfg = int4
     n = cfg.num_hidden_layers
-    cold = _cold(cfg, 0.5, seed=1)
+    cold = random_cold(cfg, 0.5, seed=1)
     f = cold_set.write(tmp_path / "cold.json", cfg, str(q), cold, [(0, n // 2), (n // 2, n)],
                        cold_set.packed_expert_bytes(cfg, *GROUPS), 1 << 30, ["test"])
     prompt = [5, 17, 101, 250, 9, 33]
-    tokens, lp = _greedy(load_model(q, LoadOptions(), cfg), prompt, 16)
+    tokens, lp = greedy(load_model(q, LoadOptions(), cfg), prompt, 16)
     opts = small_cluster_options(q)
     with Cluster(dataclasses.replace(opts, extra=dict(opts.extra, cold_experts=str(f), expert_move_interval=2))) as c:
         out = httpx.post(c.url + "/v1/completions", timeout=120, json={
@@ -356,7 +317,7 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
     plain, want, want_lp = greedy(None, False)
     assert all(m.packed_group for m in plain.moe_layers().values())
     for moves in (False, True):
-        model, got, lp = greedy(_cold(cfg, 0.5, seed=3), moves)
+        model, got, lp = greedy(random_cold(cfg, 0.5, seed=3), moves)
         x = model.experts
         assert x.host.pinned and all(t.packed for t in x.tables.values())
         assert got == want
@@ -364,7 +325,7 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
         assert x.host_reads.sum().item() > 0
         if moves:
             assert x.moves.sum().item() > 0
-        _fingerprints_hold(model, plain)
+        fingerprints_hold(model, plain)
     # the decode kernel on a real table (words and scales of host slots in the registered allocation) against the
     # same kernel on the all-in-VRAM experts those slots hold, and against the table's prefill path
     t, every = model.moe_layers()[0].table, plain.moe_layers()[0].packed()

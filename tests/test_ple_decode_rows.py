@@ -6,7 +6,6 @@ and a real PleService (socket-free) sharing a ring, with the messages handed ove
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ple_service.service import PleService
 from shared.cluster_config import ClusterConfig, StageSpec

@@ -234,6 +234,30 @@ def test_lost_context_and_oversized_step_become_stage_errors(tiny, tmp_path):
         svc.close()
 
 
+def test_a_restarted_service_fails_stale_decode_plans_and_serves_the_recomputed_requests(tiny, tmp_path):
+    """A new PLE service receives the plans queued for it while it was down. Stages that gather their own decode
+    rows decoded on meanwhile, so those plans decode requests it has never seen, whose tokens went to the dead
+    process: they fail at once as lost contexts (the engine core ignores the errors of steps it has forgotten),
+    instead of waiting for tokens forever in front of the same requests' recomputation."""
+    path, cfg, _ = tiny
+    svc = PleService(path, cfg, _cluster(path, tmp_path))
+    try:
+        stale = [Plan(step=s, microbatch=0, entries=[SeqEntry("a", 0, 7 + s, 1, []), SeqEntry("b", 1, 5 + s, 1, [])])
+                 for s in (40, 41)]
+        for plan in stale:
+            assert svc.on_plan(plan) == []
+        assert [e.step for e in svc.take_errors()] == [40, 41] and svc.waiting_steps() == []
+        recompute = Plan(step=43, microbatch=0, finished=["a", "b"],
+                         entries=[SeqEntry("a", 0, 0, 9, [0], tokens=list(range(3, 12))),
+                                  SeqEntry("b", 1, 0, 7, [1], tokens=list(range(20, 27)))])
+        assert svc.on_plan(Plan(step=42, microbatch=0, entries=[], finished=["a", "b"], dropped=[39])) == \
+            [PleReady(step=42, ring_slot=svc.ring.slot_for_step(42), num_tokens=0)]
+        assert svc.on_plan(recompute) == [PleReady(step=43, ring_slot=svc.ring.slot_for_step(43), num_tokens=16)]
+        assert svc.take_errors() == [] and svc.tracked_requests() == {"a", "b"}
+    finally:
+        svc.close()
+
+
 def test_ring_roundtrip_and_errors(tmp_path):
     ring = GatherRing.create(tmp_path / "r", slots=3, max_tokens=4, layers=2, heads=3, head_dim=5,
                              dtype=torch.bfloat16)

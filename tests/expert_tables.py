@@ -1,0 +1,53 @@
+"""Helpers of the expert-table tests (tests/test_expert_table.py, tests/test_packed_cold_experts.py): a random cold
+set, greedy decoding with run-time moves, and the fingerprint check that every slot still holds its own expert."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from stage_worker.expert_offload import gates
+from stage_worker.local_engine import LocalEngine
+
+
+def random_cold(cfg, share: float, seed: int = 0) -> dict[int, list[int]]:
+    """`share` of every MoE layer's experts, chosen at random, for host RAM."""
+    rng = random.Random(seed)
+    n = max(1, round(cfg.num_experts * share))
+    return {layer: sorted(rng.sample(range(cfg.num_experts), n)) for layer in range(cfg.num_hidden_layers)
+            if cfg.is_sparse_moe(layer)}
+
+
+def greedy(model, prompt: list[int], steps: int, move_every: int = 0):
+    """Greedy tokens and every step's log-probabilities; a move round every `move_every` tokens (0: none)."""
+    eng = LocalEngine([model], max_seqs=2)
+    eng.add(0)
+    logits = [eng.step([(0, prompt)])[-1]]
+    tokens = []
+    for i in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        if move_every and model.experts is not None and i % move_every == 0:
+            model.experts.move_round(gates(model), decay=0.9, margin=0.0)
+        logits.append(eng.step([(0, [tokens[-1]])])[-1])
+    return tokens, torch.log_softmax(torch.stack(logits), -1)
+
+
+def fingerprints_hold(model, plain) -> int:
+    """Every slot holds its expert's rows of every part (packed words and scales, or w13/w2) and its router row,
+    wherever the moves took it; returns the number of tables checked."""
+    want = plain.moe_layers()
+    n = 0
+    for layer, moe in model.moe_layers().items():
+        t = moe.table
+        if t is None:
+            continue
+        n += 1
+        experts = t.expert_of_slot.tolist()
+        assert sorted(experts) == list(range(t.num_experts))
+        for slot, e in enumerate(experts):
+            for kind in t.parts:
+                assert torch.equal(t.slot_part(slot, kind).cpu(), getattr(want[layer], kind)[e].cpu()), \
+                    (layer, slot, e, kind)
+            assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
+    return n
