@@ -76,12 +76,12 @@ def test_kernel_matches_the_reference(t, group, hot):
         torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1])    # the depths the launch configs use (2, swept only, on the GPU)
 def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
     """Launch configs smaller than the rows: several blocks a row with a partial last one (up: 12 words in blocks
     of 8, scale quads of 4 words at group 32), down blocks spanning two experts' rows (5 words each, group 16 with
     a partial last group), host rows, one skipped slot, and activations poisoned with NaN before the launch (the
-    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth."""
+    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth in use."""
     E, H, I, k, hot = 12, 96, 40, 3, 8
     g = torch.Generator(device=DEV).manual_seed(5)
     w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
