@@ -346,8 +346,8 @@ class Supervisor:
         now = time.time() if now is None else now
         c = self.cluster
         for name, p in list(c.procs.items()):
-            if p.poll() is None or name in self.given_up:
-                continue
+            if p.poll() is None or name in self.given_up or c.procs.get(name) is not p:
+                continue               # (or a restart earlier in this pass replaced it: the PLE service's stages)
             if name != "gateway" and name not in self.due and c.procs["gateway"].poll() is not None:
                 continue               # the gateway's restart brings everything back
             if name not in self.due:

@@ -218,3 +218,40 @@ def test_default_micro_batches_count_each_gpu_once():
     assert count(["cuda:0", "cuda:1", "cuda:0"]) == 2
     assert count(["cuda:0", "cuda:0"], ["tcp://10.0.0.1:5560", "tcp://10.0.0.2:5560"]) == 2
     assert count(["cuda:0", "cuda:0"], microbatches=2) == 2
+
+
+def test_the_supervisor_restarts_the_ple_service_s_stages_once():
+    """A dead PLE service is restarted with the stages holding PLE layers (they map its ring at start). The stage
+    process that restart replaced must not then look dead itself in the same pass of `Supervisor.check`: that
+    restarted stage 0 a second time two seconds later, killing the fresh one."""
+    from types import SimpleNamespace
+
+    from gateway.launcher import Supervisor
+
+    class Proc:
+        def __init__(self, code=None):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+        @property
+        def returncode(self):
+            return self.code
+
+    restarted = []
+
+    def restart(name):
+        restarted.append(name)
+        old = cluster.procs["stage0"]
+        old.code = 0                                  # terminated by the restart (SIGTERM, exit 0)
+        cluster.procs["ple"], cluster.procs["stage0"] = Proc(), Proc()
+        return ["stage0"]
+
+    cluster = SimpleNamespace(procs={"gateway": Proc(), "ple": Proc(-9), "stage0": Proc(), "stage1": Proc()},
+                              started_at={}, restarts={}, cluster=SimpleNamespace(restart_limit=5), restart=restart)
+    sup = Supervisor(cluster)
+    sup.check(now=100.0)                              # the PLE service is due in 1 s
+    sup.check(now=102.0)                              # restarted, with stage 0
+    sup.check(now=110.0)
+    assert restarted == ["ple"] and sup.due == {}
