@@ -4,6 +4,10 @@ loader and `generate` take, with bits-per-byte evaluation against a unigram base
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -24,11 +28,23 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _train(corpus: Path, out: Path, *extra: str, batch: int = 2, lr: float = 3e-3, total: int = 12) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "tools/train_demo.py"), "--corpus", str(corpus), "--out", str(out),
-           "--preset", "tiny", "--device", "cpu", "--batch", str(batch), "--seq", "32", "--distill-steps", "3",
-           "--warmup", "2", "--lr", str(lr), "--total-steps", str(total), *extra]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    """One `tools/train_demo.py` run, in this process: a subprocess a run cost ~7 s of start-up (torch, and the
+    torch._dynamo import that AdamW.step makes) against ~1 s of training; the CLI itself is run as a subprocess by
+    test_prepare_writes_only_what_a_gpu_machine_needs and test_training_lowers_the_loss_...'s `generate`."""
+    argv = ["--corpus", str(corpus), "--out", str(out), "--preset", "tiny", "--device", "cpu", "--batch", str(batch),
+            "--seq", "32", "--distill-steps", "3", "--warmup", "2", "--lr", str(lr), "--total-steps", str(total),
+            *extra]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert _tool().main(argv) == 0
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+@functools.cache
+def _tool():
+    spec = importlib.util.spec_from_file_location("train_demo", ROOT / "tools/train_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_rerun_resume_and_snapshot_reproduce_the_losses(corpus, tmp_path):

@@ -299,7 +299,7 @@ def evaluate(model: StageModel, streams: dict[str, dict[str, np.ndarray]], tok, 
 
 # ---- main ---------------------------------------------------------------------------------------------------
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=".corpus")
     ap.add_argument("--out", default="runs/demo")
@@ -341,7 +341,7 @@ def main() -> int:
     ap.add_argument("--init-from", default=None,
                     help="start from a --snapshot (weights and step; the optimizer state starts fresh) when the "
                          "output directory has no checkpoint of its own")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
