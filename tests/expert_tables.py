@@ -51,3 +51,20 @@ def fingerprints_hold(model, plain) -> int:
                     (layer, slot, e, kind)
             assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
     return n
+
+
+def graphed_greedy(model, prompt: list[int], steps: int, moves: bool) -> tuple[list[int], list[float]]:
+    """On a GPU: greedy tokens and their log-probabilities through CUDA-graph replays, with a move round (decay 0.5,
+    margin 0) between replays when `moves`."""
+    eng = LocalEngine([model], max_seqs=2, cuda_graphs=True)
+    eng.add(0)
+    logits = eng.step([(0, prompt)])[-1]
+    tokens, lps = [], []
+    for _ in range(steps):
+        lp = torch.log_softmax(logits.float(), -1)
+        tokens.append(int(lp.argmax()))
+        lps.append(float(lp.max()))
+        if moves:
+            model.experts.move_round(gates(model), 0.5, 0.0)
+        logits = eng.step([(0, [tokens[-1]])])[-1]
+    return tokens, lps

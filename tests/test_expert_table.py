@@ -28,8 +28,7 @@ from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
-from stage_worker.local_engine import LocalEngine  # noqa: E402
-from expert_tables import fingerprints_hold, greedy, random_cold  # noqa: E402
+from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 E, TOP_K, H, I = 16, 4, 32, 16
@@ -232,18 +231,7 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
     def greedy(cold, moves):
         model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold), cfg)
         model.set_kernels(KernelFlags.parse("all"))
-        eng = LocalEngine([model], max_seqs=2, cuda_graphs=True)
-        eng.add(0)
-        logits = eng.step([(0, [1, 5, 9, 33, 70, 100])])[-1]
-        tokens, lps = [], []
-        for _ in range(16):
-            lp = torch.log_softmax(logits.float(), -1)
-            tokens.append(int(lp.argmax()))
-            lps.append(float(lp.max()))
-            if moves:
-                model.experts.move_round(gates(model), 0.5, 0.0)
-            logits = eng.step([(0, [tokens[-1]])])[-1]
-        return model, tokens, lps
+        return (model, *graphed_greedy(model, [1, 5, 9, 33, 70, 100], 16, moves))
 
     plain, want, want_lp = greedy(None, False)
     for moves in (False, True):

@@ -30,8 +30,7 @@ from stage_worker.checkpoint.random_init import fill_random  # noqa: E402
 from stage_worker.expert_offload import fill_random_tables, gates, order_gates  # noqa: E402
 from stage_worker.kernels import expert_moves as M  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
-from stage_worker.local_engine import LocalEngine  # noqa: E402
-from expert_tables import fingerprints_hold, greedy, random_cold  # noqa: E402
+from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold  # noqa: E402
 from stage_worker.model.expert_table import PACKED_PARTS, PARTS  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 400]
@@ -301,18 +300,7 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
         model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=GROUPS,
                                                         cold_experts=cold), cfg)
         model.set_kernels(KernelFlags.parse("all"))
-        eng = LocalEngine([model], max_seqs=2, cuda_graphs=True)
-        eng.add(0)
-        logits = eng.step([(0, prompt)])[-1]
-        tokens, lps = [], []
-        for _ in range(16):
-            lp = torch.log_softmax(logits.float(), -1)
-            tokens.append(int(lp.argmax()))
-            lps.append(float(lp.max()))
-            if moves:
-                model.experts.move_round(gates(model), 0.5, 0.0)
-            logits = eng.step([(0, [tokens[-1]])])[-1]
-        return model, tokens, lps
+        return (model, *graphed_greedy(model, prompt, 16, moves))
 
     plain, want, want_lp = greedy(None, False)
     assert all(m.packed_group for m in plain.moe_layers().values())
