@@ -127,11 +127,10 @@ def _parts(moe) -> dict[str, torch.Tensor]:
     return {name: getattr(moe, name) for name in names}
 
 
-def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  dtype: torch.dtype | None = None) -> StageExperts | None:
+def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, or INT4 words and scales), at their own dtypes and
-    sizes; `dtype` is unused (kept for callers)."""
+    sizes."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
@@ -197,7 +196,7 @@ def fill_random_tables(model, seed: int) -> None:
     """The `dummy` load format for tables: each part's whole [E, ...] tensor made as `random_init.fill_random`
     makes the parameter or buffer it replaces (same name, seed and device), then scattered into the slots, so a
     table holds the all-in-VRAM model's rows."""
-    from stage_worker.checkpoint.random_init import _generator, random_param
+    from stage_worker.checkpoint.random_init import random_packed_part, random_param
 
     for layer, moe in model.moe_layers().items():
         t = moe.table
@@ -205,13 +204,8 @@ def fill_random_tables(model, seed: int) -> None:
             continue
         for kind in t.parts:
             name, shape, dt = f"layers.{layer}.mlp.{kind}", t.full_shape(kind), t.dev[kind].dtype
-            if kind in ("q13", "q2"):        # INT4 words: any word is a valid value (as fill_random)
-                full = torch.randint(-(1 << 31), (1 << 31) - 1, shape, generator=_generator(seed, name, t.device),
-                                     device=t.device, dtype=torch.int64).to(torch.int32)
-            elif kind in ("s13", "s2"):      # their scales: std-0.02 weights over 16 levels (as fill_random)
-                full = torch.full(shape, 0.02 * 2 / 7.5, dtype=dt, device=t.device)
-            else:
-                full = random_param(name, shape, seed, dt, t.device)
+            full = random_param(name, shape, seed, dt, t.device) if kind in PARTS else \
+                random_packed_part(name, shape, seed, dt, t.device)
             ExpertRows(t, kind).copy_(full)
             del full
 

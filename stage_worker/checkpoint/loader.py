@@ -98,7 +98,7 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
         use_packed_dense(model, dense(model))    # words and scales, allocated with everything else below
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
     # (INT4 experts kept packed: their words and scales, at the packed size)
-    model.experts = attach_tables(model, opts.cold_experts, opts.device, dtype) if opts.cold_experts else None
+    model.experts = attach_tables(model, opts.cold_experts, opts.device) if opts.cold_experts else None
     model = model.to_empty(device=opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
         if isinstance(m, Rotary):

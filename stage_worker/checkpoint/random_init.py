@@ -44,12 +44,18 @@ def fill_random(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         p.copy_(random_param(name, tuple(p.shape), seed, p.dtype, p.device))
     for name, b in model.named_buffers():
-        if name.endswith((".mlp.q13", ".mlp.q2")):      # INT4 experts kept packed: any words are valid values
-            gen = _generator(seed, name, b.device)
-            b.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, b.shape, generator=gen, device=b.device,
-                                  dtype=torch.int64).to(torch.int32))
-        elif name.endswith((".mlp.s13", ".mlp.s2")):     # their scales: std-0.02 weights over 16 levels
-            b.fill_(0.02 * 2 / 7.5)
+        if name.endswith((".mlp.q13", ".mlp.q2", ".mlp.s13", ".mlp.s2")):     # INT4 experts kept packed
+            b.copy_(random_packed_part(name, tuple(b.shape), seed, b.dtype, b.device))
+
+
+def random_packed_part(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
+                       device: torch.device | str) -> torch.Tensor:
+    """A packed INT4 expert part (`SparseMoE.use_packed`; an expert table's slots get the same): words (`q13`,
+    `q2`) are random, any word a valid value; scales (`s13`, `s2`) give std-0.02 weights over the 16 levels."""
+    if name.endswith(("q13", "q2")):
+        return torch.randint(-(1 << 31), (1 << 31) - 1, shape, generator=_generator(seed, name, device),
+                             device=device, dtype=torch.int64).to(torch.int32)
+    return torch.full(shape, 0.02 * 2 / 7.5, dtype=dtype, device=device)
 
 
 class ProceduralTable:

@@ -72,14 +72,6 @@ class ExpertTable:
         return self.dev["w2"]
 
     @property
-    def host_w13(self) -> torch.Tensor:
-        return self.host["w13"]
-
-    @property
-    def host_w2(self) -> torch.Tensor:
-        return self.host["w2"]
-
-    @property
     def device(self) -> torch.device:
         return self.expert_of_slot.device
 
@@ -90,7 +82,7 @@ class ExpertTable:
         return sum(t.nbytes for t in self.host.values())
 
     def host_rows(self) -> HostRows:
-        return HostRows(self.host_w13, self.host_w2, self.hot)
+        return HostRows(self.host["w13"], self.host["w2"], self.hot)
 
     def packed_experts(self):
         """(device slots, host slots) as the INT4 kernels take them (`moe_int4.fused_moe_int4(..., host,
