@@ -11,7 +11,16 @@ consecutive tokens of a request, moepipe_inter_token_latency_seconds, over the m
     python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in demo model
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
     python bench/serve.py --stages 2 --no-ple-service          # A/B: the in-process PLE fallback
+    python bench/serve.py --model M --cold --prompt-chars 90000 --text-seed 1   # cold PLE time to first token
 Prints a table and writes JSON (--out).
+
+`--cold` (issue 18) measures time to first token on text the server has never seen with the PLE table's pages
+dropped from the page cache before each request, then the same prompt again (its rows now resident): cold against
+warm, per run, with the table's resident share before the cold request and the stages' wait for PLE rows. TTFT
+there is a one-token completion's latency (prefill and one sampled token), since dummy weights' tokens often carry
+no text. Each run sends new random words (`--text-seed` gives each side of an A/B its own), because pages a running
+server has read stay mapped in it and eviction cannot drop them. The table is the checkpoint's expanded PLE file;
+for dummy weights serve with `--set dummy_ple_file=true` so there is one (`bench/results/` notes the sizes).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import asyncio
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -143,6 +153,64 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
             **stats}
 
 
+def unseen_text(chars: int, seed: int) -> str:
+    """`chars` characters of seeded random lowercase words: token n-grams (so PLE rows) no other seed sends."""
+    rng = random.Random(seed)
+    words, n = [], 0
+    while n < chars:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        n += len(word) + 1
+    return " ".join(words)[:chars]
+
+
+async def one_token(client, model: str, prompt: str) -> tuple[float, int]:
+    """Seconds to a one-token completion of `prompt` (prefill + one sampled token) and its prompt tokens."""
+    t0 = time.perf_counter()
+    out = await client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+    return time.perf_counter() - t0, out.usage.prompt_tokens
+
+
+def _stage_wait(before: dict, after: dict) -> float:
+    name = ("moepipe_ple_stage_wait_seconds_total", ())
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, tables: list[Path]) -> dict:
+    """Cold and warm TTFT on unseen text, `runs` times (see the module docstring)."""
+    from openai import AsyncOpenAI
+
+    from ple_service.page_cache import evict, resident_fraction
+
+    if not tables:
+        raise SystemExit("--cold: the model directory has no expanded PLE table (ple_table.layer*.bin); for dummy "
+                         "weights add --set dummy_ple_file=true")
+    settle = 1.5         # the stages' PLE totals reach /metrics with their ~1 s heartbeat
+    runs_out = []
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=1800) as client:
+        await one_token(client, model, PROMPTS[0])                               # kernels
+        await one_token(client, model, unseen_text(chars, 1_000_003 * text_seed + 999_999))   # long-prefill shapes
+        for run in range(runs):
+            prompt = unseen_text(chars, 1_000_003 * text_seed + run)
+            for path in tables:
+                evict(path)
+            share = resident_fraction(tables)
+            m0 = scrape(url)
+            cold, tokens = await one_token(client, model, prompt)
+            await asyncio.sleep(settle)
+            m1 = scrape(url)
+            warm, _ = await one_token(client, model, prompt)
+            await asyncio.sleep(settle)
+            m2 = scrape(url)
+            runs_out.append({"prompt_tokens": tokens, "cold_s": cold, "warm_s": warm, "resident_before": share,
+                             "cold_ple_wait_s": _stage_wait(m0, m1), "warm_ple_wait_s": _stage_wait(m1, m2)})
+    cold = statistics.median(r["cold_s"] for r in runs_out)
+    warm = statistics.median(r["warm_s"] for r in runs_out)
+    return {"prompt_chars": chars, "runs": runs, "text_seed": text_seed, "cold_ttft_median_s": cold,
+            "warm_ttft_median_s": warm, "cold_over_warm": cold / warm,
+            "table_gib": sum(p.stat().st_size for p in tables) / 2**30, "per_run": runs_out}
+
+
 def _p90(values: list[float]) -> float:
     """Nearest-rank 90th percentile (for two values, the larger)."""
     ordered = sorted(values)
@@ -168,8 +236,13 @@ def main() -> int:
     ap.add_argument("--prompt-chars", default="0",
                     help="comma list; 0 = the short fixed prompts, N = long prompts of N characters (about 3.5 per "
                          "token); every stream count is measured with each")
+    ap.add_argument("--cold", action="store_true",
+                    help="cold PLE time to first token on unseen text of --prompt-chars characters (docstring)")
+    ap.add_argument("--text-seed", type=int, default=0, help="--cold: which unseen text (one per side of an A/B)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
+    if args.cold and int(args.prompt_chars.split(",")[0]) <= 0:
+        ap.error("--cold needs --prompt-chars N (the unseen prompt's length in characters)")
 
     cluster = None
     url = args.url
@@ -193,8 +266,15 @@ def main() -> int:
                                        extra=extra)).__enter__()
         url = cluster.url
     try:
-        rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars)))
-                for chars in args.prompt_chars.split(",") for n in args.streams.split(",")]
+        if args.cold:
+            model_dir = Path(args.model) if args.model else None
+            tables = sorted(model_dir.glob("ple_table.layer*.bin")) if model_dir else []
+            cold = asyncio.run(run_cold(url, args.model_name, int(args.prompt_chars.split(",")[0]), args.runs,
+                                        args.text_seed, tables))
+            rows = []
+        else:
+            rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars)))
+                    for chars in args.prompt_chars.split(",") for n in args.streams.split(",")]
     finally:
         if cluster is not None:
             cluster.__exit__(None, None, None)
@@ -202,6 +282,8 @@ def main() -> int:
             "stages": args.stages, "device": args.device, "ple_service": not args.no_ple_service,
             "load_format": args.load_format or "safetensors", "set": args.set,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.cold:
+        return _report_cold(cold, meta, Path(args.out))
     print(f"{'prompt':>6} {'streams':>7} {'TTFT med s':>10} {'ITL med ms':>10} {'ITL p90 ms':>10} "
           f"{'TPOT med ms':>11} {'tok/chunk':>9} {'tok/s':>8} {'decode tok/s':>12}")
     for r in rows:
@@ -220,6 +302,21 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _report_cold(cold: dict, meta: dict, out: Path) -> int:
+    print(f"PLE table {cold['table_gib']:.1f} GiB; prompt {cold['prompt_chars']} chars; text seed {cold['text_seed']}")
+    print(f"{'run':>3} {'tokens':>7} {'resident':>8} {'cold s':>8} {'warm s':>8} {'cold/warm':>9} "
+          f"{'PLE wait cold s':>15} {'warm s':>7}")
+    for i, r in enumerate(cold["per_run"]):
+        print(f"{i:>3} {r['prompt_tokens']:>7} {r['resident_before']:>8.3f} {r['cold_s']:>8.2f} {r['warm_s']:>8.2f} "
+              f"{r['cold_s'] / r['warm_s']:>9.2f} {r['cold_ple_wait_s']:>15.2f} {r['warm_ple_wait_s']:>7.2f}")
+    print(f"median: cold {cold['cold_ttft_median_s']:.2f} s, warm {cold['warm_ttft_median_s']:.2f} s, "
+          f"cold/warm {cold['cold_over_warm']:.2f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "cold": cold}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -66,7 +66,7 @@ class PleService:
         self.layers = [layer for layer, _ in self.specs]
         self.tables = tables if tables is not None else open_tables(
             model_dir, cfg, load_format=cluster.load_format, seed=cluster.seed,
-            dtype=getattr(torch, cluster.dtype) if cluster.dtype else None)
+            dtype=getattr(torch, cluster.dtype) if cluster.dtype else None, dummy_file=cluster.dummy_ple_file)
         dtypes = {self.tables[layer].dtype for layer in self.layers}
         if len(dtypes) != 1:
             raise PleServiceError(f"PLE tables of layers {self.layers} have different dtypes "

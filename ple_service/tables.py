@@ -17,7 +17,7 @@ from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import NgramHashSpec, ple_layer_indices
 from stage_worker.checkpoint import loader
 from stage_worker.checkpoint.names import PLE_SHARD, normalise
-from stage_worker.checkpoint.random_init import ProceduralTable
+from stage_worker.checkpoint.random_init import dummy_ple_table
 
 
 def ple_specs(cfg: Qwen4ExpConfig) -> dict[int, NgramHashSpec]:
@@ -27,15 +27,18 @@ def ple_specs(cfg: Qwen4ExpConfig) -> dict[int, NgramHashSpec]:
 
 
 def open_tables(model_dir: str | Path, cfg: Qwen4ExpConfig, *, ple_dir: Path | None = None,
-                load_format: str = "safetensors", dtype: torch.dtype | None = None, seed: int = 0) -> dict:
+                load_format: str = "safetensors", dtype: torch.dtype | None = None, seed: int = 0,
+                dummy_file: bool = False) -> dict:
     """0-based layer -> table: a `FlatTable`, or for the `dummy` format a `ProceduralTable` seeded as the loader
-    seeds it, so the service and the in-process fallback gather the same values. Raises the loader's
+    seeds it, so the service and the in-process fallback gather the same values (with `dummy_file`, the same rows
+    from the same file as the loader's `dummy_ple_file`). Raises the loader's
     CheckpointError (a ValueError naming the tensor and file) for missing or misshapen shards."""
     model_dir = Path(model_dir)
     specs = ple_specs(cfg)
     if load_format == "dummy":
         dt = dtype or loader.DTYPES[cfg.dtype]
-        return {layer: ProceduralTable(spec.padded_rows, cfg.ple_head_dim, dt, seed + layer)
+        where = (ple_dir or model_dir) if dummy_file else None
+        return {layer: dummy_ple_table(spec.padded_rows, cfg.ple_head_dim, dt, seed + layer, layer, where)
                 for layer, spec in specs.items()}
     shards = _find_shards(model_dir, set(specs))
     opts = loader.LoadOptions(ple_dir=ple_dir)

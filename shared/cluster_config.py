@@ -44,6 +44,8 @@ class ClusterConfig:
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
     dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4 (benchmarks)
+    dummy_ple_file: bool = False                # "dummy" format: PLE tables written to files beside the model and mapped,
+                                                # so gathers read disk and page cache (cold-start benchmarks)
     block_size: int = 0                         # 0 = derived from the model (shared/kv_layout.py)
     num_blocks: int = 0                         # 0 = auto: max_num_seqs x max_model_len within kv_cache_memory
     kv_cache_memory: float = 0.0                # GiB of KV blocks per stage when num_blocks is auto; 0 = 4 GiB,

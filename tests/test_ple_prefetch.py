@@ -3,18 +3,16 @@ and the prompt prefetcher's batching and cancellation."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from ple_service import prefetch
+from ple_service import page_cache, prefetch
 from ple_service.prefetch import IOV_MAX, Advisor, PromptPrefetcher, page_ranges
 from shared.model_config import load_config
 from shared.ngram_hash import NgramHashSpec, initial_context, ngram_rows_numpy
@@ -23,8 +21,6 @@ from stage_worker.checkpoint.loader import load_model
 from stage_worker.checkpoint.make_model import make_model
 
 PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 
 
 @pytest.fixture(scope="module")
@@ -190,29 +186,11 @@ def test_cancel_drops_pending_batches(tiny):
 # the pages really become resident
 
 
-def _evict(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _resident(path) -> np.ndarray:
-    """Per page of the file: is it in the page cache (mincore on a fresh mapping that never touches the data)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
     try:
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        vec = (ctypes.c_ubyte * (-(-size // PAGE)))()
-        if _libc.mincore(arr.ctypes.data, size, vec) != 0:
-            pytest.skip(f"mincore failed: {os.strerror(ctypes.get_errno())}")
-        out = np.frombuffer(vec, dtype=np.uint8) & 1
-        del arr
-        return out.astype(bool)
-    finally:
-        mm.close()
+        return page_cache.resident(path)
+    except OSError as exc:
+        pytest.skip(str(exc))
 
 
 def _wait_resident(path, pages: set[int], timeout: float = 5.0) -> set[int]:
@@ -231,7 +209,7 @@ def test_prefetch_makes_prompt_pages_resident(tiny, force_fallback):
     path, spec = tiny
     table = open_table(path)
     try:
-        _evict(path)
+        page_cache.evict(path)
         still = int(_resident(path).sum())
         if still:
             pytest.skip(f"posix_fadvise(DONTNEED) left {still} pages of {path} resident: this filesystem does not "

@@ -162,3 +162,51 @@ def test_uneven_shards_follow_torch_chunk(tmp_path):
     expand_table(shards.__getitem__, 4, out, rows=rows, dim=DIM, dtype=torch.bfloat16)
     with open_table(out) as t:
         assert torch.equal(t.tensor, torch.cat(shards))
+
+
+def test_dummy_ple_file_holds_the_procedural_rows(tiny_checkpoint, tmp_path):
+    """`dummy_ple_file`: the dummy format's PLE table written to a file (written once, shared by the stage's loader
+    and the PLE service) holds exactly the procedural rows, so both forms serve the same tokens; the service's
+    copy is a mapped file its prefetcher can advise."""
+    import shutil
+
+    from ple_service.tables import open_tables
+    from shared.model_config import load_config
+    from shared.ple_table import FlatTable
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.random_init import ProceduralTable
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_checkpoint, model_dir)
+    cfg = load_config(model_dir)
+    procedural = load_model(model_dir, LoadOptions(load_format="dummy", seed=5), cfg)
+    from_file = load_model(model_dir, LoadOptions(load_format="dummy", seed=5, dummy_ple_file=True), cfg)
+    key = next(k for k, m in procedural.layers.items() if getattr(m, "ple", None) is not None)
+    proc, flat = procedural.layers[key].ple.table, from_file.layers[key].ple.table
+    assert isinstance(proc, ProceduralTable) and isinstance(flat, FlatTable)
+    files = sorted(model_dir.glob("ple_table.layer*.dummy-*.bin"))
+    assert [f.name for f in files] == [flat.path.name]
+    rows = torch.randint(0, proc.rows, (7, 5))
+    assert torch.equal(proc.gather(rows), flat.gather(rows))
+    assert torch.equal(proc.gather(torch.tensor([proc.rows - 1])), flat.gather(torch.tensor([proc.rows - 1])))
+
+    written = files[0].stat().st_mtime_ns
+    service = open_tables(model_dir, cfg, load_format="dummy", seed=5, dummy_file=True)
+    table = service[int(key)]
+    assert isinstance(table, FlatTable) and table.path == flat.path
+    assert files[0].stat().st_mtime_ns == written          # opened, not written again
+    assert torch.equal(table.gather(rows), proc.gather(rows))
+
+
+def test_dummy_ple_file_past_the_procedural_period(tmp_path, monkeypatch):
+    """Rows past the procedural block's period (where the file is written as copies of the block) and a table
+    written in several shards hold the procedural values too."""
+    from stage_worker.checkpoint import random_init
+    from stage_worker.checkpoint.random_init import ProceduralTable, dummy_ple_table
+
+    rows = ProceduralTable.PERIOD * 2 + 77
+    monkeypatch.setattr(random_init, "_FILE_SHARD_BYTES", 100_000)   # several shards, edges inside a period
+    flat = dummy_ple_table(rows, 3, torch.float32, 2, 0, tmp_path)
+    every = torch.arange(rows)
+    assert torch.equal(flat.gather(every), ProceduralTable(rows, 3, torch.float32, 2).gather(every))
+    flat.close()

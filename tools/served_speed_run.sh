@@ -9,7 +9,8 @@
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams), offload and vram24
 # (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
 # 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
-# 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts). For a model: the
+# 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), cold (issue 18: cold PLE
+# time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
@@ -130,6 +131,30 @@ if want vram_int4; then   # issues 16 + 17: the whole full shape (48 layers) wit
       > "$out/serve_fs48_int4_vram$lim.log" 2>&1
     echo "== full shape, 48 layers, INT4 experts, --vram-limit $lim, --cold-experts auto (rc $?):"
     grep -A3 "GiB;" "$out/serve_fs48_int4_vram$lim.log" | head -4; tail -5 "$out/serve_fs48_int4_vram$lim.log"
+  done
+fi
+if want cold; then   # issue 18: cold PLE time to first token, the PLE table a file on disk, prefetch on and off
+  # full shape cut to $COLD_LAYERS layers; the table scaled to the disk: ngram_vocab_size_base $COLD_BASE rows a head
+  # (2.5M: 40M rows of 160 bf16, 12.8 GB; the reports' 20M is 102 GB), written once before the servers start
+  moepipe make-model --preset full-shape --layers "${COLD_LAYERS:-8}" --out /tmp/fscold > /dev/null
+  python3 - <<PY
+import json, time, torch
+from pathlib import Path
+from ple_service.tables import open_tables
+from shared.model_config import load_config
+p = Path("/tmp/fscold/config.json"); c = json.loads(p.read_text()); c["ngram_vocab_size_base"] = ${COLD_BASE:-2500000}
+p.write_text(json.dumps(c, indent=1)); t0 = time.perf_counter()
+tables = open_tables("/tmp/fscold", load_config("/tmp/fscold"), load_format="dummy", dummy_file=True)
+print("PLE table files:", [f"{t.path.name} {t.path.stat().st_size / 2**30:.1f} GiB" for t in tables.values()],
+      f"written in {time.perf_counter() - t0:.0f} s")
+PY
+  df -h /tmp | tail -1
+  for pf in ${COLD_PREFETCH:-1 0}; do
+    MOEPIPE_PLE_PREFETCH=$pf timeout "${COLD_TIMEOUT:-300}" python3 bench/serve.py --model /tmp/fscold \
+      --load-format dummy --device cuda --stages 1 --set dummy_ple_file=true --cold \
+      --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $((pf + 1)) \
+      --out "$out/cold_prefetch$pf.json" > "$out/cold_prefetch$pf.log" 2>&1
+    echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf"; tail -7 "$out/cold_prefetch$pf.log"
   done
 fi
 if want vram24; then   # issue 16: --vram-limit 24 serves full-shape cut to 8 layers (~45 GB of bf16 weights)

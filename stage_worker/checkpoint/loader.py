@@ -26,7 +26,7 @@ from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name, normalise, pieces_for
 from stage_worker.checkpoint.packed_experts import PackedPlacer, packed_layers
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+from stage_worker.checkpoint.random_init import dummy_ple_table, fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
@@ -59,6 +59,7 @@ class LoadOptions:
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
+    dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -127,8 +128,8 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         for layer, ple in _ple_modules(model):
             spec: NgramHashSpec = ple.spec
             # the table's storage dtype, as the PLE service builds it, whatever the compute dtype
-            ple.table = ProceduralTable(spec.padded_rows, cfg.ple_head_dim, opts.dtype or DTYPES[cfg.dtype],
-                                        opts.seed + layer)
+            ple.table = dummy_ple_table(spec.padded_rows, cfg.ple_head_dim, opts.dtype or DTYPES[cfg.dtype],
+                                        opts.seed + layer, layer, dummy_ple_dir(model_dir, opts))
     elif opts.load_format == "safetensors":
         _load_tensors(model, cfg, model_dir, opts)
     else:
@@ -440,6 +441,13 @@ def _fingerprint(order: list[tuple[Path, str, tuple]]) -> str:
         st = path.stat()
         h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{name}:{shape};".encode())
     return h.hexdigest()
+
+
+def dummy_ple_dir(model_dir: Path, opts: LoadOptions) -> Path | None:
+    """Where the `dummy` format writes its PLE tables (`dummy_ple_file`), None for procedural tables."""
+    if not opts.dummy_ple_file:
+        return None
+    return Path(opts.ple_dir) if opts.ple_dir else Path(model_dir)
 
 
 def ple_table_path(model_dir: Path, layer: int, ple_dir: Path | None = None) -> Path | None:

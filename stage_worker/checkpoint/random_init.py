@@ -7,8 +7,11 @@ Values follow the families' own initialisation (zero-centred norms at 0, gated n
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
+
+from shared.ple_table import FlatTable, ensure_table, shard_row_counts
 
 
 def _generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
@@ -93,3 +96,41 @@ class ProceduralTable:
             torch.index_select(block, 0, flat, out=out.view(-1, self.dim))
             return out.view(*rows.shape, self.dim)
         return block.index_select(0, flat).view(*rows.shape, self.dim)
+
+
+# Rows per write when a procedural table is written out: ~256 MB of bf16 rows of 160 at a time.
+_FILE_SHARD_BYTES = 256 << 20
+
+
+def dummy_ple_table(rows: int, dim: int, dtype: torch.dtype, seed: int, layer: int,
+                    file_dir: Path | None = None) -> ProceduralTable | FlatTable:
+    """The `dummy` format's PLE table of one layer: procedural, or with `file_dir` (cluster key `dummy_ple_file`)
+    the same rows written once to a flat file there and mapped as a checkpoint's expanded table is.
+
+    Why a file: a procedural gather costs nothing, so a benchmark on it can't show what the PLE service exists for
+    (issue 18): rows read from disk on a cold start, prefetch, page-cache behaviour. The file holds exactly the
+    procedural values, so both forms serve the same tokens. The PLE service and the stage name the same file and
+    `ensure_table`'s lock lets one of them write it."""
+    table = ProceduralTable(rows, dim, dtype, seed)
+    if file_dir is None:
+        return table
+    name = str(dtype).removeprefix("torch.")
+    path = Path(file_dir) / f"ple_table.layer{layer}.dummy-seed{seed}-{rows}x{dim}.{name}.bin"
+    shards = max(1, -(-rows * dim * dtype.itemsize // _FILE_SHARD_BYTES))
+    starts = [0]
+    for count in shard_row_counts(rows, shards):
+        starts.append(starts[-1] + count)
+
+    block = table._block(torch.device("cpu"))
+
+    def read(k: int) -> torch.Tensor:      # rows repeat with the block's period: copies of it, not a gather
+        parts, row = [], starts[k]
+        while row < starts[k + 1]:
+            first = row % table.period
+            n = min(table.period - first, starts[k + 1] - row)
+            parts.append(block[first:first + n])
+            row += n
+        return torch.cat(parts)
+
+    return ensure_table(read, shards, path, rows=rows, dim=dim, dtype=dtype,
+                        desc=f"writing the dummy PLE table of layer {layer}")
