@@ -27,7 +27,7 @@ from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overr
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds,
-                                 host_bytes_to_fit, plan)
+                                 host_bytes_to_fit, host_kv_room, plan)
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import RESTARTS_ENV
 
@@ -93,7 +93,8 @@ def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNe
                         or load_config(cluster.model).max_position_embeddings, max_num_seqs=cluster.max_num_seqs,
                         gpu_memory_utilization=cluster.gpu_memory_utilization,
                         vram_limit=int(cluster.vram_limit * GIB),
-                        kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB))
+                        kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB),
+                        host_kv_bytes=host_kv_room(data.get("host_available", 0), needs))
     return needs, devices, limits
 
 

@@ -72,7 +72,7 @@ class _ExpertCollector(Collector):
         self._by_stage: dict[str, dict[str, float]] = {}
 
     def set(self, stage: str, stats: dict[str, float]) -> None:
-        keep = {k: v for k, v in stats.items() if k.startswith("expert_") or k == "kv_pool_bytes"}
+        keep = {k: v for k, v in stats.items() if k.startswith(("expert_", "kv_"))}
         with self._lock:
             self._by_stage[stage] = keep
 
@@ -86,6 +86,9 @@ class _ExpertCollector(Collector):
         tiers = GaugeMetricFamily("moepipe_expert_bytes", "Routed-expert weight bytes by tier (vram, host) of the "
                                   "layers that keep experts in host RAM", labels=["stage", "tier"])
         kv = GaugeMetricFamily("moepipe_kv_cache_bytes", "Bytes of a stage's paged KV pool", labels=["stage"])
+        kv_tiers = GaugeMetricFamily("moepipe_kv_cache_tier_bytes", "Bytes of a stage's paged KV pool by tier: host "
+                                     "(QSA K/V in pinned host RAM, qsa_kv_offload) and vram (the stage's device)",
+                                     labels=["stage", "tier"])
         for stage, st in sorted(stages.items()):
             for key, value in st.items():
                 name, _, layer = key.partition(":")
@@ -97,7 +100,9 @@ class _ExpertCollector(Collector):
                     tiers.add_metric([stage, name.rsplit("_", 1)[1]], value)
                 elif name == "kv_pool_bytes":
                     kv.add_metric([stage], value)
-        yield from (reads, moves, tiers, kv)
+                elif name in ("kv_bytes_vram", "kv_bytes_host"):
+                    kv_tiers.add_metric([stage, name.rsplit("_", 1)[1]], value)
+        yield from (reads, moves, tiers, kv, kv_tiers)
 
 
 class Metrics:

@@ -184,6 +184,8 @@ def serve_options(args: argparse.Namespace):
             str(Path(args.cold_experts).resolve())
     if args.no_expert_moves:
         extra["expert_moves"] = False
+    if args.qsa_kv_offload:
+        extra["qsa_kv_offload"] = True
     for key in ("allowed_hosts", "allowed_origins"):
         if getattr(args, key) is not None:
             extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
@@ -267,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-expert-moves", action="store_true",
                    help="with --cold-experts: never swap host and device experts at run time (also "
                         "MOEPIPE_EXPERT_MOVES=0)")
+    s.add_argument("--qsa-kv-offload", action="store_true",
+                   help="keep the QSA layers' K/V in pinned host RAM (only pooled keys in VRAM: far more tokens of "
+                        "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,

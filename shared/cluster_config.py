@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.kv_layout import (KvLayoutError, auto_num_blocks, block_bytes, compute_dtype, default_kv_budget,
-                              resolve_block_size)
+from shared.kv_layout import (KvLayoutError, auto_num_blocks, compute_dtype, default_kv_budget, resolve_block_size,
+                              stage_block_cost)
 from shared.model_config import HybridMoeConfig
 
 
@@ -98,6 +98,10 @@ class ClusterConfig:
     # beside packed experts) stay packed and run the W4/W6/W8A16 GEMVs (stage_worker/model/quant_linear.py); off:
     # dequantized to the compute dtype at load.
     packed_dense: bool = True
+    # Long context (issue 18): QSA layers keep their K/V rows and raw indexer keys in one exact-size pinned host
+    # allocation per stage, read over PCIe by the decode kernels; only the pooled keys stay in VRAM, so a KV block
+    # costs 1/37 of the VRAM at the full shape (stage_worker/model/cache.py, shared/kv_layout.py).
+    qsa_kv_offload: bool = False
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -216,8 +220,8 @@ class ClusterConfig:
                 raise ClusterConfigError(f"cluster config: cold_experts: {exc}") from None
         try:
             block_size = resolve_block_size(cfg, self.block_size)
-            costs = [block_bytes(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype))
-                     for s in self.stages]
+            costs = [stage_block_cost(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype),
+                                      s.device, self.qsa_kv_offload) for s in self.stages]
             max_len = self.max_model_len or cfg.max_position_embeddings
             budget = self.kv_cache_memory or default_kv_budget(
                 costs, block_size, max_len, any(s.device.startswith("cuda") for s in self.stages))
@@ -265,7 +269,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
-        "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense"}
+        "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
+        "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload"}
 
 
 def env_overrides() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "DEFAULT_KV_GIB", "KvLayoutError", "auto_num_blocks", "block_bytes",
            "block_multiple", "check_block_size", "compute_dtype", "default_kv_budget", "derived_block_size",
-           "resolve_block_size"]
+           "host_block_bytes", "host_row_bytes", "qsa_layer_count", "resolve_block_size", "stage_block_cost"]
 
 DEFAULT_BLOCK_TOKENS = 16        # vLLM's default; what the kernels' launch parameters were tuned with
 DEFAULT_KV_GIB = 4.0             # the automatic pool's budget per stage when kv_cache_memory is not set
@@ -75,15 +75,52 @@ def compute_dtype(cfg: HybridMoeConfig, device: str, override: str = "") -> str:
     return cfg.dtype
 
 
-def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str) -> int:
-    """Bytes one KV block costs on a stage holding layers [start, end): per attention layer K and V rows, and with
-    QSA the indexer's raw keys and one pooled key per compression block (as `stage_worker.model.cache` allocates)."""
+def qsa_layer_count(cfg: HybridMoeConfig, start: int, end: int) -> int:
+    """Attention layers of [start, end) with a QSA indexer (every attention layer of a model with QSA)."""
+    if block_multiple(cfg) == 1:
+        return 0
+    return sum(1 for layer in range(start, end) if cfg.is_attention(layer))
+
+
+def host_row_bytes(cfg: HybridMoeConfig, dtype: str) -> int:
+    """What `qsa_kv_offload` keeps in host RAM per token of one QSA layer: the K and V rows and the raw indexer key
+    (read only when its compression block is pooled; docs/model.md section 11)."""
+    return (2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim) * _ITEMSIZE[dtype]
+
+
+def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str,
+                kv_offload: bool = False) -> int:
+    """Device bytes one KV block costs on a stage holding layers [start, end): per attention layer K and V rows, and
+    with QSA the indexer's raw keys and one pooled key per compression block (as `stage_worker.model.cache`
+    allocates). With `kv_offload` a QSA layer keeps only its pooled keys on the device (`host_block_bytes` has
+    the rest): 1/37 of the bytes at the full shape (64 of 2,368 bytes a token and layer)."""
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim
-    per_block = block_size * per_token
-    if block_multiple(cfg) > 1:
-        per_block += block_size * cfg.indexer_head_dim + block_size // cfg.indexer_compress_ratio * cfg.indexer_head_dim
     layers = sum(1 for layer in range(start, end) if cfg.is_attention(layer))
-    return layers * per_block * _ITEMSIZE[dtype]
+    qsa = qsa_layer_count(cfg, start, end)
+    total = (layers - qsa) * block_size * per_token * _ITEMSIZE[dtype]
+    if qsa:
+        pooled = block_size // cfg.indexer_compress_ratio * cfg.indexer_head_dim * _ITEMSIZE[dtype]
+        body = 0 if kv_offload else block_size * host_row_bytes(cfg, dtype)
+        total += qsa * (pooled + body)
+    return total
+
+
+def host_block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str,
+                     kv_offload: bool) -> int:
+    """Host bytes one KV block costs with `kv_offload` (0 without): the QSA layers' K/V and raw indexer keys."""
+    if not kv_offload:
+        return 0
+    return qsa_layer_count(cfg, start, end) * block_size * host_row_bytes(cfg, dtype)
+
+
+def stage_block_cost(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str, device: str,
+                     kv_offload: bool) -> int:
+    """What one block costs against a stage's KV budget: its device bytes on a GPU (host K/V is planned against
+    host RAM, `shared/memory_plan.py`), every byte on a CPU, where both tiers are the same RAM."""
+    dev = block_bytes(cfg, start, end, block_size, dtype, kv_offload)
+    if device.split(":")[0] == "cuda":
+        return dev
+    return dev + host_block_bytes(cfg, start, end, block_size, dtype, kv_offload)
 
 
 def default_kv_budget(costs: list[int], block_size: int, max_model_len: int, on_gpu: bool) -> float:

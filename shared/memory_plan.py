@@ -42,6 +42,7 @@ class StageNeeds:
     routed_experts: int = 0  # routed experts' bytes still in `weights` (what `--cold-experts auto` may move out)
     expert_bytes: int = 0    # one routed expert as the stage holds it (INT4 kept packed: its packed size; layers
     #                          that differ: the smallest, so `auto` moves out at least what it must); 0: unknown
+    host_block: int = 0      # one KV block's bytes in pinned host RAM (QSA K/V with qsa_kv_offload; not in `block`)
 
     @property
     def fixed(self) -> int:
@@ -56,6 +57,7 @@ class PlanLimits:
     gpu_memory_utilization: float = 0.9
     vram_limit: int = 0                 # bytes per device; 0 = none
     kv_cache_memory_bytes: int = 0      # KV bytes per stage; 0 = whatever is left
+    host_kv_bytes: int = 0              # host RAM the stages' host K/V may take together (qsa_kv_offload); 0 = none
 
 
 @dataclass
@@ -67,12 +69,13 @@ class MemoryPlan:
     def table(self) -> str:
         """One line per stage: what its device budget holds."""
         lines = [f"{'stage':>5} {'layers':>9} {'device':>8} {'weights':>8} {'state':>7} {'reserve':>8} "
-                 f"{'KV':>8} {'budget':>8} {'host':>8}  (GiB; {self.num_blocks} KV blocks per stage; host: cold "
-                 f"experts in pinned RAM)"]
+                 f"{'KV':>8} {'budget':>8} {'host':>8} {'host KV':>8}  (GiB; {self.num_blocks} KV blocks per stage; "
+                 f"host: cold experts in pinned RAM; host KV: QSA K/V in pinned RAM)"]
         for s in self.stages:
             lines.append(f"{s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.device:>8} {s.weights / GIB:>8.2f} "
                          f"{s.state / GIB:>7.2f} {s.reserve / GIB:>8.2f} {(self.num_blocks + 1) * s.block / GIB:>8.2f}"
-                         f" {self.budgets[s.device] / GIB:>8.2f} {s.host_experts / GIB:>8.2f}")
+                         f" {self.budgets[s.device] / GIB:>8.2f} {s.host_experts / GIB:>8.2f}"
+                         f" {(self.num_blocks + 1) * s.host_block / GIB:>8.2f}")
         return "\n".join(lines)
 
 
@@ -121,7 +124,27 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
         if blocks < per_seq:
             raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits))
         fit = min(fit, blocks)
+    host_block = sum(s.host_block for s in stages)
+    if host_block:
+        # Host K/V of every stage comes out of one host's RAM (`moepipe serve` runs the stages on one machine).
+        blocks = limits.host_kv_bytes // host_block - 1
+        if blocks < per_seq:
+            raise MemoryPlanError(
+                f"host RAM: {limits.host_kv_bytes / GIB:.2f} GiB may hold QSA K/V (what is available after cold "
+                f"experts and headroom), {max(blocks, 0)} blocks of {limits.block_size} tokens at {host_block} bytes "
+                f"each for all stages; one sequence of --max-model-len {limits.max_model_len} needs {per_seq}. Use "
+                f"--max-model-len {max(blocks, 0) * limits.block_size} or less, keep fewer experts in host RAM, "
+                f"or run without --qsa-kv-offload")
+        fit = min(fit, blocks)
     return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages)
+
+
+def host_kv_room(available: int, stages: list[StageNeeds], headroom: int = 2 * GIB) -> int:
+    """Host RAM the QSA K/V of `qsa_kv_offload` may take (`PlanLimits.host_kv_bytes`): what the host has available,
+    less the cold experts the stages will pin and the headroom a pinned allocation must leave
+    (`stage_worker.host_memory.allocate`). Pinned pages are never evicted, so what host K/V takes is also gone from
+    the PLE table's page cache (002 §1: 47.5 GiB of host K/V left 2.5 GiB of a 95 GiB table cached)."""
+    return max(available - sum(s.host_experts for s in stages) - headroom, 0)
 
 
 def host_bytes_to_fit(stages: list[StageNeeds], devices: dict[str, DeviceMemory],

@@ -8,7 +8,7 @@ launcher for the server's life.
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
 them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 experts at their packed size there
-too, as their expert table holds them). The
+too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`). The
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
 `max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
 (`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
@@ -29,7 +29,7 @@ import torch
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
 from shared.cold_set import AUTO, ColdSetError, expert_bytes, packed_expert_bytes
 from shared.cold_set import load as load_cold_set
-from shared.kv_layout import block_bytes, compute_dtype
+from shared.kv_layout import block_bytes, compute_dtype, host_block_bytes
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
@@ -104,10 +104,12 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             reserve = measure(cluster, cfg, i, dtype) + logits + WORKSPACE
         else:
             reserve = GIB + tokens * width * 96 + logits
-        block = block_bytes(cfg, spec.start, spec.end, cluster.block_size or 16, dtype)
+        bs, offload = cluster.block_size or 16, cluster.qsa_kv_offload
+        block = block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)      # QSA K/V in host RAM: not here
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
                               state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host,
-                              routed_experts=routed, expert_bytes=min(sizes.values(), default=0)))
+                              routed_experts=routed, expert_bytes=min(sizes.values(), default=0),
+                              host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)))
     return out
 
 
@@ -132,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     needs = stage_needs(cfg, cluster)
     devices = device_memory(sorted({n.device for n in needs})) if needs else {}
+    from stage_worker.host_memory import available_bytes
+
     print(json.dumps({"stages": [vars(n) for n in needs],
-                      "devices": {k: {"total": t, "free": f} for k, (t, f) in devices.items()}}))
+                      "devices": {k: {"total": t, "free": f} for k, (t, f) in devices.items()},
+                      "host_available": available_bytes()}))
     return 0
 
 

@@ -88,7 +88,8 @@ class StageRunner:
         self.device = p.device
         # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries.
         spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
-                         num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device)
+                         num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device,
+                         kv_offload=cluster.qsa_kv_offload)
         self.cache = model.new_cache(spec)
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
@@ -530,7 +531,8 @@ class StageRunner:
         out = {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
                "ids_from_device": float(self.ids_from_device),
                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds,
-               "kv_pool_bytes": float(self.cache.kv_bytes())}
+               "kv_pool_bytes": float(self.cache.kv_bytes()), "kv_bytes_host": float(self.cache.kv_host_bytes()),
+               "kv_bytes_vram": float(self.cache.kv_bytes() - self.cache.kv_host_bytes())}
         if self.own_decode_rows is not None:
             out["ple_stage_gathers"] = float(self.own_decode_rows.steps)
             out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds

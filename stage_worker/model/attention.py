@@ -17,7 +17,7 @@ from torch import nn
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
-from stage_worker.model.cache import AttentionCache
+from stage_worker.model.cache import AttentionCache, read_rows, write_rows
 from stage_worker.model.fused_rows import fuse_rows, still_fused
 from stage_worker.model.norms import ZeroCentredRMSNorm
 from stage_worker.model.rope import Rotary, apply_rotary
@@ -197,12 +197,12 @@ class GatedAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        cache.k[batch.slot_mapping] = k.to(cache.k.dtype)
-        cache.v[batch.slot_mapping] = v.to(cache.v.dtype)
+        write_rows(cache.k, batch.slot_mapping, k)
+        write_rows(cache.v, batch.slot_mapping, v)
         iq = None
         if self.indexer is not None:
             iq, raw_k = self.indexer.project(x, cos, sin)
-            cache.index_keys[batch.slot_mapping] = raw_k.to(cache.index_keys.dtype)
+            write_rows(cache.index_keys, batch.slot_mapping, raw_k)
 
         if self.kernels.attention and x.is_cuda and batch.is_decode:
             out = self._decode_kernels(q, iq, batch, cache, x.dtype)
@@ -230,11 +230,12 @@ class GatedAttention(nn.Module):
             if pooled is not None and not self.qsa_dense:
                 visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
             if self.aux is not None and pooled is not None:
-                o, probs = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible, with_probs=True)
+                o, probs = self._attend(q[s:e], read_rows(cache.k, rows), read_rows(cache.v, rows), visible,
+                                        with_probs=True)
                 self.aux.append(("indexer_kl", self.indexer.distill_loss(iq[s:e], pooled, pos, probs)))
                 out[s:e] = o
                 continue
-            out[s:e] = self._attend(q[s:e], cache.k[rows], cache.v[rows], visible)
+            out[s:e] = self._attend(q[s:e], read_rows(cache.k, rows), read_rows(cache.v, rows), visible)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
 
@@ -276,7 +277,7 @@ class GatedAttention(nn.Module):
         first, last = old_ctx // r, ctx // r
         pooled_rows = rows[::r][: last] // r
         if last > first:
-            raw = cache.index_keys[rows[first * r: last * r]].view(last - first, r, -1)
+            raw = read_rows(cache.index_keys, rows[first * r: last * r]).view(last - first, r, -1)
             starts = torch.arange(first, last, device=device) * r
             cos, sin = self.rotary.cos_sin(starts, dtype)
             cache.pooled_keys[pooled_rows[first:last]] = self.indexer.pool(raw, cos, sin).to(cache.pooled_keys.dtype)
@@ -331,8 +332,8 @@ class GatedAttention(nn.Module):
             b = min(a + SPARSE_PREFILL_QUERIES, q.shape[0])
             key_pos, valid = self.indexer.selected_positions(iq[a:b], pooled, pos[a:b])
             src = rows[key_pos.clamp(max=rows.shape[0] - 1)]                   # [q, K] cache rows
-            k = cache.k[src].to(q.dtype)                                     # [q, K, kv_heads, d]
-            v = cache.v[src].to(q.dtype)
+            k = read_rows(cache.k, src.flatten()).view(*src.shape, *cache.k.shape[1:]).to(q.dtype)  # [q, K, kv, d]
+            v = read_rows(cache.v, src.flatten()).view(*src.shape, *cache.v.shape[1:]).to(q.dtype)
             qg = q[a:b].view(b - a, self.kv_heads, rep, self.head_dim)     # head h reads kv head h // rep
             scores = torch.einsum("lgrd,lkgd->lgrk", qg, k) * self.scale
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -1,16 +1,25 @@
 """Cache storage a stage holds for its layers: paged K/V, per-slot recurrent states, QSA pooled keys.
 
 Allocation policy (which blocks and slots a request owns) belongs to the scheduler; this module only owns tensors.
+
+With `CacheSpec.kv_offload` (cluster key `qsa_kv_offload`, issue 18) the QSA layers' K/V rows and raw indexer keys
+live in one exact-size host allocation per stage (`stage_worker.host_memory`: pinned and registered when the stage
+is on a GPU, whose kernels then read and write those rows over PCIe through their UVA addresses); only the pooled
+keys stay on the device. QSA reads at most `indexer_budget + ratio - 1` rows a step whatever the context, so the
+bodies do not need VRAM (001 §5.1). Layers without an indexer keep their K/V on the device.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from shared.kv_layout import check_block_size
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+
+HOST_ALIGN = 256        # bytes: each host tensor starts on this boundary of the stage's allocation (kernel loads)
 
 
 @dataclass
@@ -20,24 +29,39 @@ class CacheSpec:
     num_slots: int
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    kv_offload: bool = False        # QSA layers' K/V rows and raw indexer keys in host RAM (see the module doc)
 
 
 class AttentionCache:
     """Paged K/V rows [num_blocks * block_size, kv_heads, head_dim]; with QSA also the indexer's raw token keys and
-    the pooled key of every complete compression block (one row per `compress_ratio` K/V rows)."""
+    the pooled key of every complete compression block (one row per `compress_ratio` K/V rows). `host`, when
+    given, holds `k`, `v` and `index_keys` (views of the stage's host allocation, `host_shapes`)."""
 
-    def __init__(self, cfg: HybridMoeConfig, spec: CacheSpec) -> None:
-        rows = spec.num_blocks * spec.block_size
-        shape = (rows, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.index_keys: torch.Tensor | None = None
+    def __init__(self, cfg: HybridMoeConfig, spec: CacheSpec, host: dict[str, torch.Tensor] | None = None) -> None:
+        shapes = self.host_shapes(cfg, spec)
+        if host is not None and {n: tuple(t.shape) for n, t in host.items()} != shapes:
+            raise ValueError(f"host K/V tensors {({n: tuple(t.shape) for n, t in host.items()})} are not the "
+                             f"layer's {shapes}")
+        for name, shape in shapes.items():
+            t = host[name] if host is not None else torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+            setattr(self, name, t)
+        self.index_keys: torch.Tensor | None = getattr(self, "index_keys", None)
         self.pooled_keys: torch.Tensor | None = None
+        if "index_keys" in shapes:
+            rows = spec.num_blocks * spec.block_size
+            self.pooled_keys = torch.zeros((rows // cfg.indexer_compress_ratio, cfg.indexer_head_dim),
+                                           dtype=spec.dtype, device=spec.device)
+
+    @staticmethod
+    def host_shapes(cfg: HybridMoeConfig, spec: CacheSpec) -> dict[str, tuple[int, ...]]:
+        """The per-token tensors (what `kv_offload` moves to host RAM): k, v and, with QSA, index_keys."""
+        rows = spec.num_blocks * spec.block_size
+        shapes = {"k": (rows, cfg.num_key_value_heads, cfg.head_dim), "v": (rows, cfg.num_key_value_heads,
+                                                                            cfg.head_dim)}
         if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa:
-            r = cfg.indexer_compress_ratio
             check_block_size(cfg, spec.block_size)
-            self.index_keys = torch.zeros((rows, cfg.indexer_head_dim), dtype=spec.dtype, device=spec.device)
-            self.pooled_keys = torch.zeros((rows // r, cfg.indexer_head_dim), dtype=spec.dtype, device=spec.device)
+            shapes["index_keys"] = (rows, cfg.indexer_head_dim)
+        return shapes
 
 
 class DeltaNetState:
@@ -73,9 +97,12 @@ class ModelCache:
         self.attention: dict[int, AttentionCache] = {}
         self.deltanet: dict[int, DeltaNetState] = {}
         self.ple: dict[int, PLEState] = {}
+        qsa = [layer for layer in range(start, end) if cfg.is_attention(layer)] \
+            if isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa and spec.kv_offload else []
+        self.host, host_views = _host_pool(cfg, spec, qsa)
         for layer in range(start, end):
             if cfg.is_attention(layer):
-                self.attention[layer] = AttentionCache(cfg, spec)
+                self.attention[layer] = AttentionCache(cfg, spec, host_views.get(layer))
             else:
                 self.deltanet[layer] = DeltaNetState(cfg, spec)
             if isinstance(cfg, Qwen4ExpConfig) and cfg.ple_index(layer) is not None:
@@ -94,8 +121,39 @@ class ModelCache:
         return total
 
     def kv_bytes(self) -> int:
-        """The paged KV pool (attention layers' blocks, QSA keys included)."""
+        """The paged KV pool (attention layers' blocks, QSA keys included), both tiers."""
         return self.bytes(("attention",))
+
+    def kv_host_bytes(self) -> int:
+        """Of `kv_bytes`, what lives in the host allocation (`kv_offload`)."""
+        return self.host.nbytes if self.host is not None else 0
+
+
+def _host_pool(cfg: HybridMoeConfig, spec: CacheSpec, layers: list[int]):
+    """(HostBuffer or None, layer -> its host tensors): one exact-size allocation for every offloaded layer, pinned
+    when the stage computes on a GPU. On the meta device (the memory plan's count) or with no rows: meta/empty
+    tensors, nothing allocated."""
+    if not layers:
+        return None, {}
+    shapes = AttentionCache.host_shapes(cfg, spec)
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    device = torch.device(spec.device)
+    if device.type == "meta" or spec.num_blocks * spec.block_size == 0:
+        return None, {layer: {n: torch.zeros(s, dtype=spec.dtype, device=device) for n, s in shapes.items()}
+                      for layer in layers}
+    layout, offset = [], 0
+    for layer in layers:
+        for name, shape in shapes.items():
+            offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
+            layout.append((layer, name, offset, shape))
+            offset += math.prod(shape) * itemsize
+    from stage_worker.host_memory import allocate       # numpy, mmap: only where a pool is made
+
+    buf = allocate(offset, what=f"QSA K/V of layers {layers[0]}-{layers[-1]}", pin=device.type == "cuda")
+    views: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+    for layer, name, off, shape in layout:
+        views[layer][name] = buf.tensor[off:off + math.prod(shape) * itemsize].view(spec.dtype).view(shape)
+    return buf, views
 
 
 def _without_qsa(cfg: HybridMoeConfig) -> HybridMoeConfig:
@@ -105,3 +163,24 @@ def _without_qsa(cfg: HybridMoeConfig) -> HybridMoeConfig:
         return dataclasses.replace(cfg, indexer_n_heads=None, indexer_kv_heads=None, indexer_head_dim=None,
                                    indexer_budget=None, indexer_compress_ratio=None)
     return cfg
+
+
+def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`src[rows]` on rows' device, whichever tier `src` lives in: host K/V rows are copied by a gather kernel that
+    reads them over PCIe (`kernels/kv_rows.py`), bit for bit; anything else is plain indexing (the CPU path)."""
+    if src.device == rows.device or rows.device.type != "cuda":
+        return src[rows.to(src.device)].to(rows.device)
+    from stage_worker.kernels.kv_rows import gather_rows    # Triton: only where a GPU reads host rows
+
+    return gather_rows(src, rows)
+
+
+def write_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """`dst[rows] = values` (rounded to dst's dtype), whichever tier `dst` lives in (see `read_rows`)."""
+    values = values.to(dst.dtype)
+    if dst.device == values.device or values.device.type != "cuda":
+        dst[rows.to(dst.device)] = values.to(dst.device)
+        return
+    from stage_worker.kernels.kv_rows import scatter_rows
+
+    scatter_rows(dst, rows, values)
