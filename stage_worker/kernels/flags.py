@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-NAMES = ("moe", "moe_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet")
+NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet")
 
 
 @dataclass(frozen=True)
 class KernelFlags:
     moe: bool = False                 # router top-k + fused expert GEMVs, shared expert as one more slot (moe.py)
     moe_prefill: bool = False         # prefill experts as two grouped GEMM launches (moe_prefill.py); with `moe`
+    moe_int4_prefill: bool = False    # the same for INT4 experts kept packed, host slots read once per chunk
+                                      # (moe_int4_prefill.py); with `moe`
     hyper_connection: bool = False    # GatedResidual in three kernels, injection fused in (hyper_connection.py)
     rmsnorm: bool = False             # fused zero-centred / grouped RMSNorm (stage_worker/kernels/rmsnorm.py)
     attention: bool = False           # one q/k/v GEMV, prologue kernel, QSA selection, paged split-K decode

@@ -55,6 +55,8 @@ class SparseMoE(nn.Module):
     # CUDA-graph capture (stage_worker/cuda_graphs.py): int32 [1] on the device, the replayed batch's real rows;
     # the router gives padding rows no routed expert, so they read no expert weights. None outside a capture.
     valid_rows: torch.Tensor | None = None
+    # Tests: run the INT4 prefill kernels on CPU tensors under TRITON_INTERPRET=1 (moe_int4_prefill.py).
+    interpret_on_cpu: bool = False
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool) -> None:
@@ -151,12 +153,11 @@ class SparseMoE(nn.Module):
         return self._add_shared(x, out)
 
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        """INT4 experts: the router as always, then the INT4 decode kernels on a GPU (`moe_int4.fused_moe_int4`),
-        or each present expert dequantized once (prefill, CPU). The shared expert runs beside them. With a table
-        (cold experts, issue 16) the router counts its selections as for bf16 tables, decode reads host slots in
-        the same launch, and prefill / CPU dequantize each present slot from whichever tier holds it
-        (`ExpertTable.moe_int4`)."""
-        from stage_worker.kernels.moe_int4 import DECODE_MAX_TK, fused_moe_int4, grouped_moe_int4
+        """INT4 experts: the router as always, then the INT4 decode kernels on a GPU (`moe_int4.fused_moe_int4`);
+        prefill and the CPU take `_packed_prefill`. The shared expert runs beside them. With a table (cold experts,
+        issue 16) the router counts its selections as for bf16 tables and decode reads host slots in the same
+        launch."""
+        from stage_worker.kernels.moe_int4 import DECODE_MAX_TK, fused_moe_int4
 
         x2 = x.reshape(-1, x.shape[-1])
         logits = self.gate(x2)
@@ -170,7 +171,9 @@ class SparseMoE(nn.Module):
             weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
                                         valid=self.valid_rows if decode else None)
             weights = weights.to(x.dtype)
-            if t is None:
+            if not decode:
+                out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
+            elif t is None:
                 out = fused_moe_int4(x2, ids, weights, self.packed())
             elif decode and triton_usable(x2):
                 dev, host = t.packed_experts()
@@ -182,7 +185,7 @@ class SparseMoE(nn.Module):
             weights, ids = route(logits, self.top_k, self.renormalise)
             if counts is not None:
                 count_ref(ids, counts)
-            out = grouped_moe_int4(x2, ids, weights, self.packed()) if t is None else t.moe_int4(x2, ids, weights)
+            out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
         self.last_expert_ids = ids
         shared = self._packed_shared() if self.kernels.moe and x.is_cuda and decode else None
         if shared is not None:
@@ -194,6 +197,23 @@ class SparseMoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x2)).to(x.dtype)
             return (out + fused_moe(x2, torch.zeros_like(gate, dtype=torch.int32), gate, *shared)).view(x.shape)
         return self._add_shared(x2, out).view(x.shape)
+
+    def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        kernel: bool) -> torch.Tensor:
+        """INT4 experts at prefill (and on the CPU): with `kernel`, the grouped tensor-core GEMMs of
+        `moe_int4_prefill.py` (four launches with host slots, no host sync, each host slot read over PCIe once a
+        chunk); otherwise the per-expert loop (`ExpertTable.moe_int4`, `moe_int4.grouped_moe_int4`)."""
+        from stage_worker.kernels.moe_int4 import grouped_moe_int4
+
+        t = self.table
+        if kernel:
+            from stage_worker.kernels.moe_int4_prefill import grouped_moe_int4_triton
+
+            if t is None:
+                return grouped_moe_int4_triton(x2, ids, weights, self.packed())
+            dev, host = t.packed_experts()
+            return grouped_moe_int4_triton(x2, ids, weights, dev, host, t.hot)
+        return grouped_moe_int4(x2, ids, weights, self.packed()) if t is None else t.moe_int4(x2, ids, weights)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         E, two_i, H = self.w13.shape

@@ -1,0 +1,229 @@
+"""The grouped INT4 MoE prefill kernels (stage_worker/kernels/moe_int4_prefill.py) against their dequantize-then-
+matmul reference and the per-expert loop they replace, with device and host slots mixed; the switch in SparseMoE on a
+packed-INT4 model with cold experts (chunked prefill and greedy decode equal to the loop's). Without CUDA the kernels
+run under TRITON_INTERPRET=1 (tests/conftest.py turns it on) on small shapes; with CUDA, also at the full shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from stage_worker.kernels import moe_int4_prefill as P  # noqa: E402
+from stage_worker.kernels.moe_int4 import grouped_moe_int4  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_int4  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _experts(E: int, H: int, I: int, g: int, g2: int, seed: int, dtype=torch.float32) -> PackedExperts:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device=DEV) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen, device=DEV) / I ** 0.5).to(dtype)
+    return PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g2), g, g2)
+
+
+def _split(ex: PackedExperts, hot: int) -> tuple[PackedExperts, PackedExperts]:
+    """Slots [0, hot) on the device, the rest in (pinned, on a GPU) host memory, as an expert table holds them."""
+    pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
+    parts = (ex.q13, ex.s13, ex.q2, ex.s2)
+    return (PackedExperts(*(a[:hot].contiguous() for a in parts), ex.group, ex.group2),
+            PackedExperts(*(pin(a[hot:]) for a in parts), ex.group, ex.group2))
+
+
+def _routing(T: int, E: int, k: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+    return ids.to(DEV), w.to(DEV, dtype)
+
+
+def _reference(x, ids, w, ex: PackedExperts) -> torch.Tensor:
+    """fused_moe_int4_ref with the pairs of no expert (negative ids) weighted 0."""
+    return fused_moe_int4_ref(x, ids.clamp_min(0), torch.where(ids < 0, 0, w), ex)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("g,g2,block_k,modes", [
+    (64, 16, None, (1, 1)),      # groups divide BLOCK_K: scale tiles; H 96 = 64 + a partial group of 32
+    (32, 16, 16, (0, 0)),        # BLOCK_K divides the groups: one scale a row a step, after the dot
+    (24, 24, 16, (2, 2)),        # neither: a scale per element; I 40 = 24 + a partial group of 16
+])
+def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypatch, g, g2, block_k, modes):
+    """21 tokens (not a multiple of any block), top-3 of 12 experts, slots 7.. in host memory, a few pairs of no
+    expert (negative ids: SKIP and -1); every scale mode, groups that do not divide H or I; with the default
+    configs also without host slots."""
+    E, H, I, k, T, hot = 12, 96, 40, 3, 21, 7
+    if block_k is not None:
+        monkeypatch.setattr(P, "CFG", {key: (32, block_k, 4, 2) for key in P.CFG})
+    bk_up, bk_down = (min(P.CFG[kind][1], max(16, 1 << (n - 1).bit_length()))
+                      for kind, n in ((("dev", "up"), H), (("dev", "down"), I)))
+    assert (P.scale_mode(g, bk_up), P.scale_mode(g2, bk_down)) == modes
+    ex = _experts(E, H, I, g, g2, seed=g + g2)
+    ids, w = _routing(T, E, k, seed=g)
+    ids[3, 1] = -2
+    ids[10, :] = -1
+    ids[20, 0] = -2
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref = _reference(x, ids, w, ex)
+    dev, host = _split(ex, hot)
+    out = P.grouped_moe_int4_triton(x, ids, w, dev, host, hot)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[10], torch.zeros_like(out[10]))
+    if block_k is None:
+        torch.testing.assert_close(P.grouped_moe_int4_triton(x, ids, w, ex), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_and_all_slots_in_host_memory():
+    """bf16 activations and scales (the serving dtype) within bf16 rounding of the reference and of the
+    per-expert loop (2e-2: the interpreter rounds fp32 to bf16 by truncation, twice the GPU's error); a table whose
+    slots are all in host memory (no device slot) and one with no host slot."""
+    E, H, I, k, T = 8, 64, 32, 2, 20
+    ex = _experts(E, H, I, 32, 32, seed=4, dtype=torch.bfloat16)
+    ids, w = _routing(T, E, k, seed=2, dtype=torch.bfloat16)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    ref = _reference(x, ids, w, ex)
+    loop = grouped_moe_int4(x, ids, w, ex)
+    for hot in (0, 3, E):
+        dev, host = _split(ex, hot)
+        out = P.grouped_moe_int4_triton(x, ids, w, dev, host if hot < E else None, hot)
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, ref) < (1e-2 if CUDA else 2e-2) and _rel(out, loop) < (1e-2 if CUDA else 2e-2)
+
+
+def test_empty_and_unrouted_chunks():
+    ex = _experts(4, 64, 32, 64, 32, seed=0)
+    x = torch.randn(5, 64).to(DEV)
+    none = torch.full((5, 2), -1, dtype=torch.int32, device=DEV)
+    assert torch.equal(P.grouped_moe_int4_triton(x, none, torch.ones(5, 2, device=DEV), ex), torch.zeros_like(x))
+    empty = P.grouped_moe_int4_triton(x[:0], none[:0], torch.ones(0, 2, device=DEV), ex)
+    assert empty.shape == (0, 64)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        P.grouped_moe_int4_triton(torch.zeros(1, 60, device=DEV), none[:1], torch.ones(1, 2, device=DEV), ex)
+    dev, host = _split(ex, 2)
+    with pytest.raises(ValueError, match="do not continue"):
+        P.grouped_moe_int4_triton(x, none, torch.ones(5, 2, device=DEV), dev, host, 3)
+
+
+def test_align_range_blocks_one_slot_each_and_every_taken_pair_once():
+    g = torch.Generator().manual_seed(3)
+    T, k, E, lo, hi, bm = 50, 3, 10, 4, 9, 16
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[:20, 0] = 5                                        # slot 5: several blocks
+    ids[7, :] = -2
+    sorted_ids, block_slot = (a.cpu() for a in P.align_range(ids.to(DEV), lo, hi, bm))
+    tk = ids.numel()
+    flat = ids.reshape(-1)
+    taken = ((flat >= lo) & (flat < hi)).nonzero().flatten()
+    real = sorted_ids[sorted_ids < tk]
+    assert sorted(real.tolist()) == taken.tolist()          # every pair of the range once, no other pair
+    for b, s in enumerate(block_slot.tolist()):
+        rows = sorted_ids[b * bm:(b + 1) * bm]
+        rows = rows[rows < tk].long()
+        if s < 0:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows] == lo + s).all())
+    counts = torch.bincount(flat[taken].long() - lo, minlength=hi - lo)
+    assert int((block_slot >= 0).sum()) == int(((counts + bm - 1) // bm).sum())
+
+
+@pytest.mark.parametrize("T", [5, 44, 128, 300])
+def test_each_host_slot_is_one_block_of_the_host_launch(T):
+    """What makes a host expert cross PCIe once per chunk: in the host launch every present host slot is one block
+    (the N tiles split its rows, so no byte of it is read twice), as long as at most 128 tokens picked it."""
+    E, k, hot = 64, 8, 16
+    ids, _ = _routing(T, E, k, seed=T)
+    if T > 128:
+        ids[:, 0] = E - 1                                    # picked by every token: ceil(T / 128) blocks
+    bm = P.host_block_m(T)
+    _, block_slot = P.align_range(ids, hot, E, bm)
+    blocks = torch.bincount(block_slot[block_slot >= 0].long().cpu(), minlength=E - hot)
+    present = torch.bincount(ids.reshape(-1).long().cpu(), minlength=E)[hot:]
+    want = torch.where(present > 0, (present + bm - 1) // bm, 0)
+    assert torch.equal(blocks, want)
+    assert int(blocks.max()) == (1 if T <= 128 else -(-T // 128))
+
+
+# ---- the switch in the model ---------------------------------------------------------------------------------
+
+def test_chunked_prefill_of_packed_cold_experts_equals_the_loop(tiny_checkpoint, monkeypatch):
+    """The tiny preset with dummy INT4 experts kept packed and half of every layer's experts in host memory: chunked
+    prefill (10 + 8 tokens) and a greedy decode step with `moe_int4_prefill` on (the kernels, interpreted on the
+    CPU) give the loop's logits (1e-4, float32) and tokens; the kernels ran for every MoE layer of every step."""
+    from expert_tables import random_cold
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.local_engine import LocalEngine
+    from stage_worker.model.moe import SparseMoE
+
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(load_format="dummy", dtype=torch.float32,
+                                                    dummy_int4=dummy_groups(cfg),
+                                                    cold_experts=random_cold(cfg, 0.5, seed=2)), cfg)
+    tables = [m.table for m in model.moe_layers().values()]
+    assert tables and all(t is not None and t.packed and 0 < t.hot < t.num_experts for t in tables)
+    prompt = [(11 * i + 5) % 2000 + 7 for i in range(18)]
+    calls = []
+    real = P.grouped_moe_int4_triton
+    monkeypatch.setattr(P, "grouped_moe_int4_triton", lambda *a: calls.append(a[4] is not None) or real(*a))
+    monkeypatch.setattr(SparseMoE, "interpret_on_cpu", True)
+
+    def run(flags: str):
+        model.set_kernels(KernelFlags.parse(flags))
+        eng = LocalEngine([model], max_seqs=2)
+        eng.add(0)
+        logits = [eng.step([(0, prompt[:10])]), eng.step([(0, prompt[10:])])]
+        token = int(logits[-1][-1].argmax())
+        logits.append(eng.step([(0, [token])]))
+        return torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits]), [token, int(logits[-1][-1].argmax())]
+
+    want, want_tokens = run("-moe_int4_prefill")
+    assert calls == []
+    got, tokens = run("moe_int4_prefill")
+    assert calls == [True] * (3 * len(tables))              # 3 steps x every MoE layer, host slots passed
+    assert tokens == want_tokens
+    assert (got - want).abs().max().item() < 1e-4
+
+
+# ---- on the GPU --------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("T,share", [(44, 0.78), (512, 0.0), (512, 0.78)])
+def test_full_shape_against_the_reference_and_the_loop(T, share):
+    """The reports' shape (H 2560, I 640, 512 experts top-10, group 128, bf16) at prefill sizes, with `share` of
+    the slots in registered host memory: agreement with the reference and the per-expert loop, timed beside the
+    loop (`ExpertTable.moe_int4`'s work: one dequantize and two GEMMs a present expert)."""
+    from conftest import cuda_us
+
+    E, H, I, k = 512, 2560, 640, 10
+    hot = E - round(E * share)
+    ex = _experts(E, H, I, 128, 128, seed=3, dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), dim=-1).bfloat16()
+    dev, host = _split(ex, hot)
+    host = host if hot < E else None
+    out = P.grouped_moe_int4_triton(x, ids, w, dev, host, hot)
+    ref = fused_moe_int4_ref(x[:64], ids[:64], w[:64], ex)        # the reference gathers [T, k, ...]: 64 rows
+    assert _rel(out[:64], ref) < 1e-2
+    loop = grouped_moe_int4(x, ids, w, ex)
+    assert _rel(out, loop) < 1e-2
+    kernel_us = cuda_us(lambda: P.grouped_moe_int4_triton(x, ids, w, dev, host, hot), warmup=2, reps=10)
+    loop_us = cuda_us(lambda: grouped_moe_int4(x, ids, w, ex), warmup=1, reps=3)
+    present = torch.unique(ids)
+    host_bytes = int((present >= hot).sum()) * ex.nbytes_per_expert()
+    print(f"\nT={T} host share {share:.0%}: grouped INT4 kernels {kernel_us:.0f} us, per-expert loop (all in VRAM) "
+          f"{loop_us:.0f} us; {host_bytes / 1e6:.0f} MB of host experts = {host_bytes / kernel_us / 1e3:.1f} GB/s "
+          f"if the PCIe read were all of the time")
