@@ -134,6 +134,8 @@ BATCHED_SCORES_LIMIT = 1 << 26
 # 256 x 2051 x 2 x 256 bf16 = 0.5 GB each).
 SPARSE_PREFILL_FACTOR = 16
 SPARSE_PREFILL_QUERIES = 256
+# Prefill over host K/V (`_attend_host_sections`) selects in query slices of at most this many block scores.
+HOST_SELECT_SCORES = 1 << 25
 
 
 class GatedAttention(nn.Module):
@@ -222,6 +224,9 @@ class GatedAttention(nn.Module):
             pooled = None
             if self.indexer is not None:
                 pooled = self._update_pooled(cache, rows, batch.context_lens[i], ctx, x.device, x.dtype)
+                if cache.host_kv and not self.qsa_dense and self.aux is None:
+                    out[s:e] = self._attend_host_sections(q[s:e], iq[s:e], pooled, pos, rows, cache)
+                    continue
                 if (not self.qsa_dense and self.aux is None and batch.sparse_prefill
                         and ctx > SPARSE_PREFILL_FACTOR * self.indexer.keys):
                     out[s:e] = self._attend_selected(q[s:e], iq[s:e], pooled, pos, rows, cache)
@@ -319,6 +324,21 @@ class GatedAttention(nn.Module):
                             self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
         return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
+
+    def _attend_host_sections(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
+                              rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """QSA prefill over host K/V (`qsa_kv_offload`), at any context: the context staged section by section, every
+        query of the chunk attending to each section (`section_attention.py`, 001 §5.3), so the rows cross PCIe
+        once per chunk instead of once per query that selected them. The selection is made in query slices as
+        `_attend_selected` makes it; the keys each query reads are the same."""
+        from stage_worker.model.section_attention import attend_sections
+
+        # the block scores of a query slice are [slice, blocks, indexer heads] fp32: slices shrink as the context
+        # grows, so that too stays within a bound (2 GB for 256 queries at 262k tokens of the full shape otherwise)
+        n = max(1, min(SPARSE_PREFILL_QUERIES, HOST_SELECT_SCORES // max(pooled.shape[0] * self.indexer.n_heads, 1)))
+        sel = [self.indexer.selected_positions(iq[a:a + n], pooled, pos[a:a + n]) for a in range(0, q.shape[0], n)]
+        key_pos, valid = torch.cat([k for k, _ in sel]), torch.cat([v for _, v in sel])
+        return attend_sections(q, key_pos, valid, rows, cache.k, cache.v, self.scale)
 
     def _attend_selected(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
                          rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:

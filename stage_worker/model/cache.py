@@ -46,6 +46,7 @@ class AttentionCache:
             t = host[name] if host is not None else torch.zeros(shape, dtype=spec.dtype, device=spec.device)
             setattr(self, name, t)
         self.index_keys: torch.Tensor | None = getattr(self, "index_keys", None)
+        self.host_kv = host is not None         # prefill reads these rows section by section (section_attention.py)
         self.pooled_keys: torch.Tensor | None = None
         if "index_keys" in shapes:
             rows = spec.num_blocks * spec.block_size

@@ -1,0 +1,66 @@
+"""QSA prefill over K/V in host RAM with the loops swapped (001 §5.3): the context is staged section by section,
+every query of the chunk attends to the section at once, and one running (max, norm, acc) per query head is merged
+across sections.
+
+Why: with `qsa_kv_offload` the K/V rows live in host RAM. Gathering each query's selected rows (`GatedAttention.
+_attend_selected`) moves queries x selected rows over PCIe (a 512-token chunk at the full shape: 512 x 2,051 rows
+of 1 KiB each for K and again for V, per layer); staging the context once per chunk moves context-length rows,
+whatever the chunk size. The first version in the reports kept every section's partial softmax and grew with the
+context until the card ran out (001 §5.3); here only one (max, norm, acc) set is held, so peak memory depends on the
+chunk and the section size, never on the context length.
+
+Masks: a query reads exactly its `QSAIndexer.selected_positions` (chosen blocks plus the tail), as the gather path
+does; within a section that is a [queries, section] mask scattered from those lists. Softmax in fp32 (exp, log2
+free: a plain running max), products against V in fp32, one rounding to the activations' dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stage_worker.model.cache import read_rows
+
+# Elements of one section's scores ([queries, heads, section] fp32): 2^25 is 128 MB, 4,096 context rows for a
+# 512-token chunk of 16 heads. Larger sections mean fewer launches per chunk; the peak is a few times this (scores,
+# probabilities) plus the staged rows (4 MB at the full shape).
+SECTION_SCORES = 1 << 25
+MIN_SECTION = 256
+
+
+def section_rows(queries: int, heads: int) -> int:
+    """Context rows staged per section for a chunk of `queries` tokens over `heads` query heads."""
+    return max(MIN_SECTION, SECTION_SCORES // max(queries * heads, 1))
+
+
+def attend_sections(q: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                    section: int | None = None) -> torch.Tensor:
+    """q [Q, H, d]; key_pos/valid [Q, K] (each query's keys, `QSAIndexer.selected_positions`); rows [ctx] the
+    sequence's flat cache rows; caches [R, kv_heads, d] in either tier. Returns [Q, H, d] in q's dtype: attention
+    of each query over exactly its listed keys. `section` overrides `section_rows` (tests)."""
+    Q, H, d = q.shape
+    kvh = k_cache.shape[1]
+    rep = H // kvh
+    ctx = rows.shape[0]
+    section = section or section_rows(Q, H)
+    qg = q.view(Q, kvh, rep, d)
+    kp = torch.where(valid, key_pos, -1)
+    m = torch.full((Q, kvh, rep), float("-inf"), dtype=torch.float32, device=q.device)
+    norm = torch.zeros((Q, kvh, rep), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((Q, kvh, rep, d), dtype=torch.float32, device=q.device)
+    for a in range(0, ctx, section):
+        b = min(a + section, ctx)
+        k = read_rows(k_cache, rows[a:b]).to(q.dtype)                       # the section, staged once
+        v = read_rows(v_cache, rows[a:b]).float()
+        local = torch.where((kp >= a) & (kp < b), kp - a, b - a)            # out of section -> spare column
+        mask = torch.zeros((Q, b - a + 1), dtype=torch.bool, device=q.device).scatter_(1, local, True)[:, : b - a]
+        scores = torch.einsum("lgrd,kgd->lgrk", qg, k).float()              # in place from here: one fp32 copy
+        scores.mul_(scale).masked_fill_(~mask[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        m_use = torch.where(m_new == float("-inf"), 0.0, m_new)             # no visible key yet: nothing to scale
+        alpha = torch.exp(m - m_use)
+        p = scores.sub_(m_use[..., None]).exp_()
+        norm = norm * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("lgrk,kgd->lgrd", p, v)
+        m = m_new
+    return (acc / norm[..., None]).reshape(Q, H, d).to(q.dtype)
