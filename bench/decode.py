@@ -134,7 +134,7 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
             "total": dense + experts + state + kv}
 
 
-def kernels_per_step(fn, top: int = 30) -> tuple[int, list[dict]]:
+def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict]]:
     """CUDA kernels one step launches (graph replays included: CUPTI sees the nodes) and the `top` kernels by GPU
     time, so the next fusion can be picked from measurement."""
     from torch.profiler import ProfilerActivity, profile
@@ -202,7 +202,9 @@ def main() -> int:
                     help="size block tables for this many tokens, as the server does (default: just the context)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="none:0,all:0,all:1",
-                    help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run)")
+                    help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run); "
+                         "separated by ';' when a kernel set lists several names (--configs='all:1;-moe_int4_split,"
+                         "-rmsnorm:1'; with '=' when the value starts with '-')")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
     ap.add_argument("--quant", default="", choices=["", "int4-experts"],
@@ -241,7 +243,7 @@ def main() -> int:
     from stage_worker.kernels.flags import KernelFlags
 
     with torch.inference_mode():
-        for conf in args.configs.split(","):
+        for conf in args.configs.split(";" if ";" in args.configs else ","):
             kernels, graphs = conf.rsplit(":", 1)
             model.set_kernels(KernelFlags.parse(kernels))
             for b in (int(x) for x in args.batch.split(",")):

@@ -76,12 +76,14 @@ def test_kernel_matches_the_reference(t, group, hot):
         torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1])    # the depths the launch configs use (2, swept only, on the GPU)
-def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
+@pytest.mark.parametrize("prefetch,split", [(0, 1), (1, 1), (1, 4)])   # the depths the configs use
+def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch, split):
     """Launch configs smaller than the rows: several blocks a row with a partial last one (up: 12 words in blocks
     of 8, scale quads of 4 words at group 32), down blocks spanning two experts' rows (5 words each, group 16 with
     a partial last group), host rows, one skipped slot, and activations poisoned with NaN before the launch (the
-    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth in use."""
+    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth in use, and
+    with each row's words split over programs (up: chunks of 8 and 4 words; down: 8 and 7, the second spanning
+    two experts), whose partial sums the last program adds: the counters are back at 0 after each launch."""
     E, H, I, k, hot = 12, 96, 40, 3, 8
     g = torch.Generator(device=DEV).manual_seed(5)
     w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
@@ -95,21 +97,63 @@ def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
     w, ids = route_ref(logits.to(DEV), k, True)
     ids[0, 1] = SKIP
     ref = fused_moe_int4_ref(x, ids.clamp_min(0), torch.where(ids == SKIP, 0.0, w), ex)
-    real = K.decode_operands
-
-    def poisoned(*a):
-        *ops, act = real(*a)
-        return (*ops, act.fill_(float("nan")))
-
-    monkeypatch.setattr(K, "decode_operands", poisoned)
+    real = K.activations
+    monkeypatch.setattr(K, "activations", lambda *a: real(*a).fill_(float("nan")))
     monkeypatch.setattr(K, "UP_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})      # 40 rows: blocks of 16, 16, 8
     monkeypatch.setattr(K, "DOWN_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})
     monkeypatch.setattr(K, "PREFETCH", {b: prefetch for b in (1, 4, 16)})
+    monkeypatch.setattr(K, "UP_SPLIT", {b: split for b in (1, 4, 16)})
+    monkeypatch.setattr(K, "DOWN_SPLIT", {b: split for b in (1, 4, 16)})
+    if split > 1:
+        assert K._chunks(H // 8, 8, split) == (2, 8) and K._chunks(k * I // 8, 8, split) == (2, 8)
     dev = PackedExperts(*(a[:hot].contiguous() for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
     pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
     host = PackedExperts(*(pin(a[hot:]) for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
-    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for _ in range(2 if split > 1 else 1):       # a second launch finds the counters the first left
+        out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert not K.split_locks(x.device).any()
+
+
+def test_router_slots_are_read_in_place_and_the_shared_output_added():
+    """ids and weights as the first k columns of the router's k + 1 slots (the shared expert's last: not
+    copied, not read) and `add` (the shared expert's output) summed inside the down launch."""
+    E, H, I, k = 8, 64, 32, 3
+    ex = _experts(E, H, I, 16, seed=4)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, H, generator=g).to(DEV)
+    w, ids = route_ref(torch.randn(2, E, generator=g).to(DEV), k, True)
+    wide_ids = torch.cat([ids, torch.full((2, 1), -1, dtype=ids.dtype, device=DEV)], 1).to(torch.int32)
+    wide_w = torch.cat([w, torch.full((2, 1), 7.0, device=DEV)], 1)
+    add = torch.randn(2, H, generator=g).to(DEV)
+    out = K.fused_moe_int4(x, wide_ids[:, :k], wide_w[:, :k], ex, add=add)
+    torch.testing.assert_close(out, fused_moe_int4_ref(x, ids, w, ex) + add, rtol=1e-4, atol=1e-5)
+
+
+def test_a_layer_s_int4_decode_in_six_launches(tiny_checkpoint):
+    """SparseMoE's INT4 decode with a bf16 shared expert (`_packed_decode`: the router and shared gate as one
+    GEMV, the router's k + 1 slots read in place, the shared expert's output added in the INT4 down launch)
+    gives the PyTorch path's output, on the CPU under the interpreter (float32)."""
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.kernels.flags import KernelFlags
+
+    if CUDA:
+        pytest.skip("the GPU test above covers the kernel path on CUDA")
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(load_format="dummy", dtype=torch.float32,
+                                                    dummy_int4=dummy_groups(cfg)), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
+    assert moe._packed_router() is not None and moe._packed_shared() is not None
+    x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        fast = moe._packed_decode(x, None)
+        ids = moe.last_expert_ids.clone()
+        ref = moe(x)                                    # CPU: the PyTorch path
+    assert torch.equal(ids.long(), moe.last_expert_ids.long())
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused():
@@ -133,6 +177,19 @@ def test_full_shape_on_the_gpu():
         out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
         ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        unsplit = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex, split=False)
+        assert ((unsplit.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        # the split's partial sums are added in a fixed order by whichever program finishes last: CUDA-graph
+        # replays (the counters left at 0 by each launch) give the eager result bit for bit
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
+        for _ in range(3):
+            replayed.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), t
+        assert not K.split_locks(x.device).any()
 
 
 @pytest.mark.gpu
@@ -151,13 +208,16 @@ def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoi
                                                     dummy_int4=dummy_groups(cfg)), cfg)
     model.set_kernels(KernelFlags.parse("all"))
     moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
-    assert moe.packed_group and moe._packed_shared() is not None
+    assert moe.packed_group and moe._packed_shared() is not None and moe._packed_router() is not None
     for t in (1, 4):
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             fast = moe(x)
+            moe.kernels = KernelFlags.parse("-moe_int4_split")
+            unsplit = moe(x)
             moe.kernels = KernelFlags.parse("none")
             ref = moe(x)
             moe.kernels = KernelFlags.parse("all")
-        err = (fast.float() - ref.float()).abs().max() / ref.float().abs().max()
-        assert err < 2e-2, (t, float(err))
+        for got in (fast, unsplit):
+            err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
+            assert err < 2e-2, (t, float(err))

@@ -160,9 +160,14 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.moe_int4 import DECODE_MAX_TK, fused_moe_int4
 
         x2 = x.reshape(-1, x.shape[-1])
-        logits = self.gate(x2)
         t = self.table
         counts = None if t is None else t.route_counts(x2.shape[0], self.top_k)
+        if self.kernels.moe and self.kernels.moe_int4_fused and x.is_cuda and \
+                x2.shape[0] * self.top_k <= DECODE_MAX_TK:
+            fused = self._packed_decode(x2, counts)
+            if fused is not None:
+                return fused.view(x.shape)
+        logits = self.gate(x2)
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import route as route_kernel
             from stage_worker.kernels.moe import triton_usable
@@ -171,13 +176,14 @@ class SparseMoE(nn.Module):
             weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
                                         valid=self.valid_rows if decode else None)
             weights = weights.to(x.dtype)
+            split = self.kernels.moe_int4_split
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
             elif t is None:
-                out = fused_moe_int4(x2, ids, weights, self.packed())
+                out = fused_moe_int4(x2, ids, weights, self.packed(), split=split)
             elif decode and triton_usable(x2):
                 dev, host = t.packed_experts()
-                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot)
+                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, split=split)
             else:
                 out = t.moe_int4(x2, ids, weights)
         else:
@@ -197,6 +203,36 @@ class SparseMoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x2)).to(x.dtype)
             return (out + fused_moe(x2, torch.zeros_like(gate, dtype=torch.int32), gate, *shared)).view(x.shape)
         return self._add_shared(x2, out).view(x.shape)
+
+    def _packed_decode(self, x2: torch.Tensor, counts) -> torch.Tensor | None:
+        """INT4 decode with a bf16 shared expert in six launches: one GEMV for the router and the shared gate
+        (`prepare_kernels` laid them out as one [E + 1, H] tensor), the router kernel (slot k: the shared
+        expert, id -1, weight sigmoid of its gate), the shared expert's bf16 fused-MoE pair, and the INT4 pair
+        reading the router's first k slots in place and adding the shared expert's output in its down launch.
+        The separate path took twelve (the shared gate as a cuBLAS dot and reduction, sigmoid, ids filled,
+        the add, the weights' cast): ~1.4 us of launch gap each in a graph. None when the weights are not laid out
+        so."""
+        from stage_worker.kernels.moe import fused_moe, route, triton_usable
+        from stage_worker.kernels.moe_int4 import fused_moe_int4
+
+        router, shared = self._packed_router(), self._packed_shared()
+        if router is None or shared is None or not triton_usable(x2):
+            return None
+        k, t = self.top_k, self.table
+        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
+                             valid=self.valid_rows)
+        # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
+        # already rounded by the router kernel): no cast launch
+        shared_out = fused_moe(x2, ids[:, k:], weights[:, k:], *shared)
+        split = self.kernels.moe_int4_split
+        if t is None:
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), split=split, add=shared_out)
+        else:
+            dev, host = t.packed_experts()
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, split=split,
+                                 add=shared_out)
+        self.last_expert_ids = ids[:, :k]
+        return out
 
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:
@@ -233,6 +269,13 @@ class SparseMoE(nn.Module):
             if se is not None and all(type(m) is nn.Linear for m in (se.gate_proj, se.up_proj, se.down_proj)) \
                     and self._packed_shared() is None:
                 self._shared_w13 = fuse_rows([se.gate_proj, se.up_proj])
+            if se is not None and type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear \
+                    and self._packed_router() is None:
+                self._packed_gates = fuse_rows([self.gate, self.shared_expert_gate])
+            if self.gate.weight.is_cuda:
+                from stage_worker.kernels.moe_int4 import split_locks
+
+                split_locks(self.gate.weight.device)      # allocated before any CUDA graph is captured
             return
         two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
         if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
@@ -255,6 +298,12 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.moe import SharedExpert
 
         return router, SharedExpert(w13, se.down_proj.weight)
+
+    def _packed_router(self) -> torch.Tensor | None:
+        """Beside INT4 experts: the router and shared-gate rows as one [E + 1, H] tensor, if `prepare_kernels` laid
+        them out and nothing rebound them since (an expert table's `order_gate` does: then None)."""
+        fused = getattr(self, "_packed_gates", None)
+        return fused if still_fused(fused, [self.gate, self.shared_expert_gate]) else None
 
     def _packed_shared(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Beside INT4 experts: the shared expert as one-expert tables (w13 [1, 2I, H], w2 [1, H, I]) for
