@@ -81,21 +81,28 @@ def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypa
         torch.testing.assert_close(P.grouped_moe_int4_triton(x, ids, w, ex), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_and_all_slots_in_host_memory():
-    """bf16 activations and scales (the serving dtype) within bf16 rounding of the reference and of the
-    per-expert loop (2e-2: the interpreter rounds fp32 to bf16 by truncation, twice the GPU's error); a table whose
-    slots are all in host memory (no device slot) and one with no host slot."""
+@pytest.mark.parametrize("dtype,g,g2,mode", [
+    (torch.bfloat16, 64, 32, 0),   # one scale a step: the tile built from the bits of 128.0 (no int-to-float)
+    (torch.float16, 64, 32, 0),    # the same from 1024.0
+    (torch.bfloat16, 32, 16, 1),   # scale tiles
+])
+def test_half_precision_and_all_slots_in_host_memory(dtype, g, g2, mode):
+    """bf16 / fp16 activations and scales (the serving dtypes) within their rounding of the reference and of the
+    per-expert loop (2e-2 on the CPU: the interpreter rounds fp32 to bf16 by truncation, twice the GPU's error);
+    a table whose slots are all in host memory (no device slot), a split one, and one with no host slot."""
     E, H, I, k, T = 8, 64, 32, 2, 20
-    ex = _experts(E, H, I, 32, 32, seed=4, dtype=torch.bfloat16)
-    ids, w = _routing(T, E, k, seed=2, dtype=torch.bfloat16)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    assert P.scale_mode(g, min(P.CFG["dev", "up"][1], H)) == P.scale_mode(g2, min(P.CFG["dev", "down"][1], I)) == mode
+    ex = _experts(E, H, I, g, g2, seed=4, dtype=dtype)
+    ids, w = _routing(T, E, k, seed=2, dtype=dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     ref = _reference(x, ids, w, ex)
     loop = grouped_moe_int4(x, ids, w, ex)
+    tol = 1e-2 if CUDA or dtype == torch.float16 else 2e-2
     for hot in (0, 3, E):
         dev, host = _split(ex, hot)
         out = P.grouped_moe_int4_triton(x, ids, w, dev, host if hot < E else None, hot)
-        assert out.dtype == torch.bfloat16
-        assert _rel(out, ref) < (1e-2 if CUDA else 2e-2) and _rel(out, loop) < (1e-2 if CUDA else 2e-2)
+        assert out.dtype == dtype
+        assert _rel(out, ref) < tol and _rel(out, loop) < tol
 
 
 def test_empty_and_unrouted_chunks():
@@ -201,29 +208,77 @@ def test_chunked_prefill_of_packed_cold_experts_equals_the_loop(tiny_checkpoint,
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T,share", [(44, 0.78), (512, 0.0), (512, 0.78)])
 def test_full_shape_against_the_reference_and_the_loop(T, share):
-    """The reports' shape (H 2560, I 640, 512 experts top-10, group 128, bf16) at prefill sizes, with `share` of
-    the slots in registered host memory: agreement with the reference and the per-expert loop, timed beside the
-    loop (`ExpertTable.moe_int4`'s work: one dequantize and two GEMMs a present expert)."""
-    from conftest import cuda_us
+    """The reports' shape (H 2560, I 640, 512 experts top-10, group 128, bf16) at prefill sizes (44 tokens: the
+    4-stream TTFT prompts; a 512-token chunk), with `share` of the slots in pinned host memory: agreement with the
+    reference and with the per-expert loop (`ExpertTable.moe_int4`, what the switch turns off), timed beside it.
+    bench/moe_int4_prefill.py adds the PCIe bandwidth and the staged design's floor."""
+    import sys
+
+    from conftest import ROOT, cuda_us
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from moe_int4_prefill import table
 
     E, H, I, k = 512, 2560, 640, 10
     hot = E - round(E * share)
     ex = _experts(E, H, I, 128, 128, seed=3, dtype=torch.bfloat16)
+    t = table(ex, hot)
+    dev, host = t.packed_experts()
+    host = host if hot < E else None
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32)
     w = torch.softmax(torch.randn(T, k, device="cuda", generator=g), dim=-1).bfloat16()
-    dev, host = _split(ex, hot)
-    host = host if hot < E else None
     out = P.grouped_moe_int4_triton(x, ids, w, dev, host, hot)
     ref = fused_moe_int4_ref(x[:64], ids[:64], w[:64], ex)        # the reference gathers [T, k, ...]: 64 rows
     assert _rel(out[:64], ref) < 1e-2
-    loop = grouped_moe_int4(x, ids, w, ex)
+    loop = t.moe_int4(x, ids, w)
     assert _rel(out, loop) < 1e-2
     kernel_us = cuda_us(lambda: P.grouped_moe_int4_triton(x, ids, w, dev, host, hot), warmup=2, reps=10)
-    loop_us = cuda_us(lambda: grouped_moe_int4(x, ids, w, ex), warmup=1, reps=3)
-    present = torch.unique(ids)
-    host_bytes = int((present >= hot).sum()) * ex.nbytes_per_expert()
-    print(f"\nT={T} host share {share:.0%}: grouped INT4 kernels {kernel_us:.0f} us, per-expert loop (all in VRAM) "
-          f"{loop_us:.0f} us; {host_bytes / 1e6:.0f} MB of host experts = {host_bytes / kernel_us / 1e3:.1f} GB/s "
-          f"if the PCIe read were all of the time")
+    loop_us = cuda_us(lambda: t.moe_int4(x, ids, w), warmup=1, reps=3)
+    n_host = int((torch.unique(ids) >= hot).sum())
+    mb = n_host * ex.nbytes_per_expert() / 1e6
+    print(f"\nT={T}, {share:.0%} of slots in host memory: grouped INT4 kernels {kernel_us:.0f} us, per-expert loop "
+          f"{loop_us:.0f} us ({loop_us / kernel_us:.1f}x); {n_host} host experts, {mb:.0f} MB"
+          + (f" = {mb / kernel_us * 1e3:.1f} GB/s over the kernels' time" if n_host else ""))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_chunked_prefill_with_cold_packed_experts_equals_the_loop(tiny_checkpoint, monkeypatch):
+    """On the GPU with every kernel on: the tiny preset's dummy INT4 experts, half of each layer's in registered
+    host memory, two 70-token chunks (x top-4 > the decode kernel's 256: the prefill path) and 8 greedy decode
+    steps give the loop's greedy tokens and logits (float32: 1e-4) with `moe_int4_prefill` on and off."""
+    from expert_tables import random_cold
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.local_engine import LocalEngine
+
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=dummy_groups(cfg),
+                                                    cold_experts=random_cold(cfg, 0.5, seed=3)), cfg)
+    assert model.experts is not None and model.experts.host.pinned
+    prompt = [(7 * i + 3) % 2000 + 10 for i in range(140)]
+    calls = []
+    real = P.grouped_moe_int4_triton
+    monkeypatch.setattr(P, "grouped_moe_int4_triton", lambda *a: calls.append(1) or real(*a))
+
+    def run(flags: str):
+        model.set_kernels(KernelFlags.parse(flags))
+        eng = LocalEngine([model], max_seqs=2)
+        eng.add(0)
+        logits = [eng.step([(0, prompt[:70])]), eng.step([(0, prompt[70:])])]
+        tokens = []
+        for _ in range(8):
+            tokens.append(int(logits[-1][-1].argmax()))
+            logits.append(eng.step([(0, [tokens[-1]])]))
+        return torch.cat([lg.reshape(-1, lg.shape[-1]).float() for lg in logits]), tokens
+
+    want, want_tokens = run("all,-moe_int4_prefill")
+    assert calls == []
+    got, tokens = run("all")
+    assert len(calls) == 2 * len(model.experts.tables)
+    assert tokens == want_tokens
+    assert (got - want).abs().max().item() < 1e-4

@@ -42,31 +42,35 @@ from stage_worker.kernels.moe_int4_ref import PackedExperts
 from stage_worker.kernels.moe_prefill import block_m
 
 # (BLOCK_N, BLOCK_K, warps, stages) per launch kind and phase. Not yet swept on the H200 (bench/moe_int4_prefill.py
-# --sweep); the host launch reads 128 contiguous bytes of a row per step (BLOCK_K 256 = 32 words), PCIe moving
-# larger requests more efficiently, and keeps BLOCK_N small for the large BLOCK_M it takes.
+# --sweep, which also tries BLOCK_K 256: 128 contiguous bytes of a row a step, larger PCIe reads, but a 64 KB x tile
+# a stage at BLOCK_M 128); the host launch keeps BLOCK_N small for the large BLOCK_M it takes.
 CFG = {("dev", "up"): (64, 128, 4, 3), ("dev", "down"): (64, 128, 4, 3),
-       ("host", "up"): (32, 256, 4, 2), ("host", "down"): (32, 256, 4, 2)}
+       ("host", "up"): (32, 128, 4, 2), ("host", "down"): (32, 128, 4, 2)}
 HOST_MAX_BLOCK_M = 128
 
 
 @triton.jit
 def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr, GROUP: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-          INTERPRET: tl.constexpr):
+          MAGIC: tl.constexpr, INTERPRET: tl.constexpr):
     """W^T for `rows` and inputs k0..k0+BLOCK_K as a [BLOCK_K, BLOCK_N] tile in DT, and the [BLOCK_N] scales the
     dot's result takes (mode 0; ones otherwise, the scales being in the tile). Words are loaded once, [BLOCK_K / 8,
-    BLOCK_N], and split into their 8 nibbles in registers (input 8w + n is nibble n of word w, stored as q + 8)."""
+    BLOCK_N], and split into their 8 nibbles in registers (input 8w + n is nibble n of word w, stored as q + 8).
+
+    Mode 0 with MAGIC (bf16 / fp16 activations): the tile holds MAGIC's value + nibble, built by OR-ing the nibble
+    into the mantissa of 128.0 (bf16) or 1024.0 (fp16), exactly, with no int-to-float conversion (a quarter-rate
+    instruction); the caller subtracts (that value + 8) x the row sums of x from the dot."""
     WK: tl.constexpr = BLOCK_K // 8
     kw = k0 // 8 + tl.arange(0, WK)
     m = (kw < K // 8)[:, None] & rmask[None, :]
     q = tl.load(q_base + rows[None, :] * stride_qr + kw[:, None], mask=m, other=0)          # [WK, BLOCK_N]
     v = (q[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF                      # [WK, 8, BLOCK_N]
-    v = tl.reshape(v, [BLOCK_K, BLOCK_N]) - 8
+    v = tl.reshape(v, [BLOCK_K, BLOCK_N])
     if MODE == 0:
         s = tl.load(s_base + rows * stride_sr + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
-        if INTERPRET:                 # the interpreter casts int32 to bf16 by its bits (triton 3.6)
-            v = v.to(tl.float32)
-        return v.to(DT), s
+        if MAGIC:
+            return (v | MAGIC).to(tl.int16).to(DT, bitcast=True), s
+        return (v - 8).to(tl.float32).to(DT), s
     if MODE == 1:
         NG: tl.constexpr = BLOCK_K // GROUP
         gi = k0 // GROUP + tl.arange(0, NG)
@@ -77,7 +81,7 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
         ks = k0 + tl.arange(0, BLOCK_K)
         sm = (ks < K)[:, None] & rmask[None, :]
         sc = tl.load(s_base + rows[None, :] * stride_sr + (ks // GROUP)[:, None], mask=sm, other=0.0).to(tl.float32)
-    return (v.to(tl.float32) * sc).to(DT), tl.full([BLOCK_N], 1.0, tl.float32)
+    return ((v - 8).to(tl.float32) * sc).to(DT), tl.full([BLOCK_N], 1.0, tl.float32)
 
 
 @triton.jit
@@ -93,7 +97,8 @@ def _dot(a, w, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
 def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr, stride_a, stride_qe, stride_qr,
                       stride_se, stride_sr, TK, K: tl.constexpr, N: tl.constexpr, ROW_DIV: tl.constexpr,
                       GATED: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                      INTERPRET: tl.constexpr, IEEE: tl.constexpr):
     """One BLOCK_M block of pairs (one expert) x BLOCK_N output columns: out[pair, n] = sum_k a[pair // ROW_DIV, k]
     W_e[n, k], W in INT4 words and group scales. GATED (the up phase): W's rows n are the gate rows and n + N the
     up rows, and out = silu(gate) * up. Rows of the block past its expert's pairs are masked in every load and
@@ -116,13 +121,17 @@ def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + arow[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks < K)[None, :],
                     other=0.0)
+        if MAGIC:
+            off = OFFSET * tl.sum(a.to(tl.float32), axis=1)[:, None]     # the tile's MAGIC + 8, times x
+        else:
+            off = 0.0
         w, s = _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K, MODE, DT,
-                     INTERPRET)
-        acc += _dot(a, w, INTERPRET, IEEE) * s[None, :]
+                     MAGIC, INTERPRET)
+        acc += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
         if GATED:
             w, s = _tile(q_base, s_base, rows + N, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K,
-                         MODE, DT, INTERPRET)
-            acc_u += _dot(a, w, INTERPRET, IEEE) * s[None, :]
+                         MODE, DT, MAGIC, INTERPRET)
+            acc_u += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
     dst = out_ptr + pair[:, None].to(tl.int64) * N + rows[None, :]
@@ -162,6 +171,10 @@ def host_block_m(tokens: int) -> int:
     return min(HOST_MAX_BLOCK_M, max(16, triton.next_power_of_2(tokens)))
 
 
+# int16 bits OR-ed with a nibble to give (value + nibble) exactly, and value + 8 (mode 0's dequantization)
+MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}
+
+
 def scale_mode(group: int, block_k: int) -> int:
     """0: BLOCK_K divides the group (one scale a row a step, after the dot); 1: the group divides BLOCK_K (a
     [groups, BLOCK_N] scale tile); 2: neither (a scale gathered per element)."""
@@ -175,10 +188,13 @@ def _gemm(a: torch.Tensor, sorted_ids: torch.Tensor, block_slot: torch.Tensor, q
     bn = min(bn, max(16, triton.next_power_of_2(N)))
     bk = min(bk, max(16, triton.next_power_of_2(K)))
     interpret = bool(triton.knobs.runtime.interpret)
+    mode = scale_mode(group, bk)
+    magic, offset = MAGIC.get(a.dtype, (0, 0.0)) if mode == 0 else (0, 0.0)
     _int4_gemm_kernel[(block_slot.numel(), triton.cdiv(N, bn))](
         a, sorted_ids, block_slot, q, s, out, a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), tk,
-        K=K, N=N, ROW_DIV=row_div, GATED=gated, GROUP=group, MODE=scale_mode(group, bk), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, INTERPRET=interpret, IEEE=a.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        K=K, N=N, ROW_DIV=row_div, GATED=gated, GROUP=group, MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        MAGIC=magic, OFFSET=offset, INTERPRET=interpret, IEEE=a.dtype == torch.float32, num_warps=warps,
+        num_stages=stages)
 
 
 def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
