@@ -428,7 +428,19 @@ def test_gpu_stage_with_offload_replays_graphs():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (1500, 300, 9)]
     forced = [torch.randint(10, cfg.vocab_size, (32,), generator=g).tolist() for _ in prompts]
-    def run(offload: bool, copy_from=None):
+    def cache_tensors(engine) -> dict[tuple, torch.Tensor]:
+        out = {}
+        for i, c in enumerate(engine.caches):
+            for group in ("attention", "deltanet", "ple"):
+                for layer, obj in getattr(c, group).items():
+                    for name, t in vars(obj).items():
+                        if isinstance(t, torch.Tensor):
+                            out[(i, group, layer, name)] = t
+        return out
+
+    def run(offload: bool, restore: dict | None = None):
+        """Logits of the prefill chunks and the decode steps, and the caches as prefill left them; `restore`: decode
+        from those caches instead (the other run's), so that only the decode kernels are compared."""
         engine = LocalEngine([model], max_seqs=4, max_tokens=2048, cuda_graphs=True, kv_offload=offload)
         for i in range(len(prompts)):
             engine.add(i)
@@ -437,34 +449,26 @@ def test_gpu_stage_with_offload_replays_graphs():
             for a in range(0, 1500, 512):
                 feeds = [(i, p[a:a + 512]) for i, p in enumerate(prompts) if p[a:a + 512]]
                 out.append(engine.step(feeds, all_logits=True))
-            if copy_from is not None:               # decode from the other run's caches: kernels alone compared
-                for mine, theirs in zip(engine.caches, copy_from.caches):
-                    for layer, c in mine.attention.items():
-                        for name in ("k", "v", "index_keys", "pooled_keys"):
-                            if getattr(c, name) is not None:
-                                getattr(c, name).copy_(getattr(theirs.attention[layer], name))
-                    for layer, c in mine.deltanet.items():
-                        c.conv.copy_(theirs.deltanet[layer].conv)
-                        c.recurrent.copy_(theirs.deltanet[layer].recurrent)
-                    for layer, c in mine.ple.items():
-                        c.conv.copy_(theirs.ple[layer].conv)
-                        c.context.copy_(theirs.ple[layer].context)
+            mine = cache_tensors(engine)
+            saved = {key: t.clone() for key, t in mine.items()}
+            if restore is not None:
+                for key, t in mine.items():
+                    t.copy_(restore[key])
             for t in range(32):
                 out.append(engine.step([(i, [f[t]]) for i, f in enumerate(forced)]))
         assert engine.graphs is not None and 4 in engine.graphs.graphs        # decode replayed the graph
         assert (engine.caches[0].host is not None) == offload
-        return engine, torch.cat(out)
+        return torch.cat(out), saved
 
-    vram, want = run(False)
-    _, got = run(True)
+    want, vram_caches = run(False)
+    got, _ = run(True)
     spread = want.float().std().item()
     err = (got - want).abs().max().item()
     print(f"tiny preset, host K/V vs VRAM: max |diff| {err:.2e} of a logit spread {spread:.2e}")
     assert err < 1e-3 * spread          # (a near-tie of QSA blocks may flip on a 1e-7 difference: not bit-exact)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.99
     # The same caches on both sides before decoding: the graphs over host rows give the in-VRAM logits exactly.
-    fresh_vram, want = run(False)
-    _, got = run(True, copy_from=fresh_vram)
+    got, _ = run(True, restore=vram_caches)
     assert torch.equal(got[-32 * 3:], want[-32 * 3:])
 
 

@@ -225,7 +225,9 @@ class GatedAttention(nn.Module):
             if self.indexer is not None:
                 pooled = self._update_pooled(cache, rows, batch.context_lens[i], ctx, x.device, x.dtype)
                 if cache.host_kv and not self.qsa_dense and self.aux is None:
-                    out[s:e] = self._attend_host_sections(q[s:e], iq[s:e], pooled, pos, rows, cache)
+                    # host rows: move the fewer of queries x keys (gather each query's) and the context (sections)
+                    attend = self._attend_selected if (e - s) * self.indexer.keys < ctx else self._attend_host_sections
+                    out[s:e] = attend(q[s:e], iq[s:e], pooled, pos, rows, cache)
                     continue
                 if (not self.qsa_dense and self.aux is None and batch.sparse_prefill
                         and ctx > SPARSE_PREFILL_FACTOR * self.indexer.keys):
@@ -327,10 +329,10 @@ class GatedAttention(nn.Module):
 
     def _attend_host_sections(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
                               rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
-        """QSA prefill over host K/V (`qsa_kv_offload`), at any context: the context staged section by section, every
-        query of the chunk attending to each section (`section_attention.py`, 001 §5.3), so the rows cross PCIe
-        once per chunk instead of once per query that selected them. The selection is made in query slices as
-        `_attend_selected` makes it; the keys each query reads are the same."""
+        """QSA prefill over host K/V (`qsa_kv_offload`) when the chunk's queries would gather more rows than the
+        context holds: the context staged section by section, every query of the chunk attending to each section
+        (`section_attention.py`, 001 §5.3), so the rows cross PCIe once per chunk instead of once per query that
+        selected them. The selection is made in query slices; the keys each query reads are the same."""
         from stage_worker.model.section_attention import attend_sections
 
         # the block scores of a query slice are [slice, blocks, indexer heads] fp32: slices shrink as the context
