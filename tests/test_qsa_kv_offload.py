@@ -473,11 +473,12 @@ def test_gpu_stage_with_offload_replays_graphs():
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_over_host_kv_peak_memory_is_flat_in_context():
+def test_gpu_prefill_over_host_kv_peak_memory_stays_near_flat():
     """A 512-token chunk of one full-shape QSA layer (budget 2048) over host K/V at contexts of 16k and 128k tokens
-    (caches filled with random rows): the device memory the chunk's forward adds is the same within 5% (the
-    selection slices and the context sections are bounded; only the staged section and one (max, norm, acc) set
-    are held), and printed with the time per chunk."""
+    (caches filled with random rows): the device memory the chunk's forward adds grows by less than 256 bytes per
+    context token (the selection reads the context's pooled keys: 64 B a token, and their fp32 copy; the staged
+    K/V sections and the one (max, norm, acc) set do not grow: staging the whole context would add 2 KiB a token),
+    printed with the time per chunk."""
     import time
 
     from stage_worker.kernels.flags import KernelFlags
@@ -516,7 +517,7 @@ def test_gpu_prefill_over_host_kv_peak_memory_is_flat_in_context():
         peaks[ctx] = torch.cuda.max_memory_allocated() - base
         print(f"host K/V prefill, 512-token chunk at context {ctx}: +{peaks[ctx] / 2**20:.0f} MiB peak, "
               f"{seconds * 1e3:.1f} ms")
-    assert peaks[longest] <= 1.05 * peaks[16 * 1024], peaks
+    assert peaks[longest] - peaks[16 * 1024] <= (longest - 16 * 1024) * 256, peaks
 
 
 def test_served_stages_with_offload_give_the_same_tokens(tiny_checkpoint):
