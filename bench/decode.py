@@ -33,6 +33,7 @@ from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 from stage_worker.model.meta_build import on_meta  # noqa: E402
+from stage_worker.model.quant_linear import dummy_specs  # noqa: E402
 from stage_worker.model.moe import SparseMoE  # noqa: E402
 
 
@@ -65,6 +66,7 @@ def param_bytes(cfg: HybridMoeConfig, layers: int) -> tuple[int, int]:
 
 
 PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")     # SparseMoE.use_packed's buffers
+DENSE = (".weight_packed", ".weight_scale")                  # PackedLinear's (packed dense layers)
 INT4_RATIO = (0.5 + 2 / 128) / 2      # an INT4 expert's bytes (words + bf16 scales per 128) over its bf16 bytes
 
 
@@ -105,9 +107,8 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
     """Bytes one decode step must read from HBM, from the experts the last step actually selected."""
     dense = experts = 0
     expert_each = 0
-    dense_packed = (".weight_packed", ".weight_scale")         # PackedLinear's (packed dense layers)
     for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
-                                                     if n.endswith(PACKED + dense_packed)]:
+                                                     if n.endswith(PACKED + DENSE)]:
         nbytes = p.numel() * p.element_size()
         if name.endswith((".w13", ".w2") + PACKED):
             expert_each += nbytes // p.shape[0]
@@ -207,9 +208,11 @@ def main() -> int:
                          "-rmsnorm:1'; with '=' when the value starts with '-')")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
-    ap.add_argument("--quant", default="", choices=["", "int4-experts"],
+    ap.add_argument("--quant", default="", choices=["", "int4-experts", "reports-mixed"],
                     help="int4-experts: the routed experts packed in INT4 (group 128, or the largest power of two "
-                         "dividing the widths), as an INT4 checkpoint loads with packed_experts on")
+                         "dividing the widths), as an INT4 checkpoint loads with packed_experts on; reports-mixed: "
+                         "also the plain-linear dense layers packed as the reports' release has them (INT6 group "
+                         "128, lm_head INT8 per channel; quant_linear.dummy_specs), as packed_dense keeps them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -228,14 +231,15 @@ def main() -> int:
     if args.quant:
         g13, g2 = dummy_groups(cfg)
         packed = {layer: (g13, g2) for layer in range(n) if cfg.is_sparse_moe(layer)}
-    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16), packed)
+    dense = (lambda m: dummy_specs(m, torch.bfloat16)) if args.quant == "reports-mixed" else None   # noqa: E731
+    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16), packed, dense)
     fill_random(model, seed=0)
     for layer in model.layers.values():
         if getattr(layer, "ple", None) is not None:
             layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.bfloat16, 0)
     torch.cuda.synchronize()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + \
-        sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith(PACKED))
+        sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith(PACKED + DENSE))
     print(f"{args.preset}{' ' + args.quant if args.quant else ''}: {n} layers, {weights / 1e9:.1f} GB of weights, "
           f"built in {time.time() - t0:.0f} s; "
           f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")

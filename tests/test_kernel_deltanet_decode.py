@@ -253,6 +253,53 @@ def test_fuse_projections_shares_storage_and_keeps_the_state_dict():
     assert layer.fuse_projections().dtype == torch.float64 and layer._is_fused()
 
 
+def _packed(m: torch.nn.Linear, bits: int, group: int):
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+    from stage_worker.model.quant_linear import PackedLinear, PackedSpec
+
+    pw = quantize_rtn(m.weight.detach().float().cpu(), bits, group)
+    out = PackedLinear(m.in_features, m.out_features, PackedSpec(bits, group, pw.words.shape[1], pw.groups,
+                                                                 pw.scales.dtype))
+    out.weight_packed.copy_(pw.words)
+    out.weight_scale.copy_(pw.scales)
+    return out.to(DEV)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_packed_in_projections_are_read_as_one_packed_weight(kernel, monkeypatch):
+    """In-projections kept packed (a reports-mixed checkpoint's INT6 group 128, issue 17) are fused into one
+    PackedWeight over their words and scales (views: no copy, state_dict unchanged) and decode reads them in one
+    GEMV: the four modules' own outputs, on the CPU path and through the GEMV kernel (under the interpreter
+    without CUDA); projections of different schemes stay four calls."""
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight
+    from stage_worker.model.quant_linear import PackedLinear
+
+    monkeypatch.setattr(PackedLinear, "interpret_on_cpu", kernel)
+    layer = tiny_layer(torch.float32)
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    for n in names:
+        setattr(layer, n, _packed(getattr(layer, n), 6, 16))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = [getattr(layer, n)(x) for n in names]
+    fused = layer.fuse_projections()
+    assert isinstance(fused, PackedWeight) and layer._is_fused() and layer.fuse_projections() is fused
+    assert fused.words.shape[0] == sum(m.out_features for m in layer._in_projs())
+    assert all(m.weight_packed.untyped_storage().data_ptr() == fused.words.untyped_storage().data_ptr()
+               for m in layer._in_projs())
+    after = layer.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    for got, ref in zip(layer._decode_projections(x), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+    mixed = tiny_layer(torch.float32)
+    for n, bits in zip(names, (6, 6, 8, 6)):
+        setattr(mixed, n, _packed(getattr(mixed, n), bits, 16))
+    assert mixed.fuse_projections() is None and not mixed._is_fused()
+    for got, n in zip(mixed._decode_projections(x), names):
+        torch.testing.assert_close(got, getattr(mixed, n)(x))
+
+
 # ---- real shapes on the GPU -----------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -326,10 +326,13 @@ def _logits_of(stages, steps: int) -> tuple[torch.Tensor, list[int]]:
 @pytest.mark.parametrize("family", ["qwen4_exp", "qwen3_next"])
 def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, originals, tmp_path, monkeypatch):
     """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (o_proj, out_proj, the shared
-    expert beside INT4 experts, a dense MLP, lm_head; the fused sites dequantized) and gives the logits and greedy
+    expert beside INT4 experts, a dense MLP, lm_head, and Qwen4-Exp's DeltaNet in-projections, which decode reads
+    as one packed weight; Qwen3-Next's grouped in-projections and the other fused sites dequantized) and gives the
+    logits and greedy
     tokens of the same checkpoint with packed_dense off: prefill + 16 decode steps on the CPU path (a block of rows
     dequantized a call), the first steps also through the GEMV kernel under the interpreter, and on two stages."""
     from stage_worker.kernels import quant_gemv
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight
     from stage_worker.model.quant_linear import PackedLinear
 
     qdir = tmp_path / "q"
@@ -342,11 +345,17 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     want |= {f"layers.{i}.mlp.{p}" for i in range(cfg.num_hidden_layers)
              for p in (("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
                        if cfg.is_sparse_moe(i) else ("gate_proj", "up_proj", "down_proj"))}
+    if family == "qwen4_exp":        # one on-disk module each (Qwen3-Next's grouped qkvz / ba are regrouped)
+        want |= {f"layers.{i}.linear_attn.in_proj_{p}" for i in range(cfg.num_hidden_layers)
+                 if not cfg.is_attention(i) for p in ("qkv", "z", "b", "a")}
     assert set(kept) == want
     assert kept["lm_head"].bits == 8 and {m.bits for n, m in kept.items() if n != "lm_head"} == {6}
     assert all(not hasattr(m, "weight") and m.weight_packed.dtype == torch.int32 for m in kept.values())
     layer0 = packed.layers["0"]
-    assert isinstance(layer0.linear_attn.in_proj_qkv, torch.nn.Linear)          # a fused site: dequantized
+    if family == "qwen4_exp":
+        assert isinstance(layer0.linear_attn.fuse_projections(), PackedWeight)    # decode: one packed GEMV
+    else:
+        assert isinstance(layer0.linear_attn.in_proj_qkv, torch.nn.Linear)      # regrouped: dequantized
     plain = load_model(qdir, LoadOptions(dtype=torch.float32, packed_dense=False))
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
 
@@ -371,3 +380,33 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     got, tokens = _logits_of([packed], 1)
     assert tokens == want_tokens[:1]
     assert (got - want_logits[: got.shape[0]]).abs().max() < TOL
+
+
+def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoint):
+    """`bench/decode.py --quant reports-mixed` without files: `quant_linear.dummy_specs` keeps every plain-linear
+    site packed as the reports' release has it (lm_head INT8 per channel, the rest INT6 in groups), fill_random
+    gives them std-0.02 weights as it gives float ones, and the DeltaNet in-projections fuse into one packed
+    weight."""
+    from stage_worker.checkpoint.loader import build_empty
+    from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight
+    from stage_worker.model.quant_linear import PackedLinear, dummy_specs, plain_linear_sites
+
+    cfg = load_config(tiny_checkpoint)
+    opts = LoadOptions(dtype=torch.float32)
+    sites = set(plain_linear_sites(build_empty(cfg, opts)))
+    model = build_empty(cfg, opts, dense=lambda m: dummy_specs(m, torch.float32))
+    fill_random(model, seed=0)
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert set(kept) == sites and any(".in_proj_qkv" in n for n in kept)
+    assert {m.bits for n, m in kept.items() if n != "lm_head"} == {6} and kept["lm_head"].bits == 8
+    for m in kept.values():
+        assert 0.015 < float(m.dequantized(torch.float32).std()) < 0.025
+    la = next(m for m in model.modules() if hasattr(m, "fuse_projections"))
+    assert isinstance(la.fuse_projections(), PackedWeight)
+    for layer in model.layers.values():
+        if getattr(layer, "ple", None) is not None:          # as bench/decode.py does
+            layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.float32, 0)
+    engine = LocalEngine([model], max_seqs=1, max_tokens=64)
+    engine.add(0)
+    assert torch.isfinite(engine.step([(0, PROMPT)])).all()

@@ -11,7 +11,9 @@ from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import DeltaNetState
 from stage_worker.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.model.fused_rows import fuse_rows, still_fused
+from stage_worker.model.quant_linear import PackedLinear, fuse_packed, packed_matmul, still_fused_packed
 from stage_worker.model.norms import GatedRMSNorm
 
 
@@ -44,7 +46,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.gate_activation = gate_activation
-        self._fused_in_proj: torch.Tensor | None = None     # a plain attribute: state_dict is unchanged
+        self._fused_in_proj: torch.Tensor | PackedWeight | None = None   # a plain attribute: state_dict unchanged
 
     def forward(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
         if self.kernels.deltanet and batch.num_seqs and batch.is_decode and self._decode_kernel_usable(x):
@@ -139,35 +141,49 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out)
 
     def _decode_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mixed, z, b, a): column slices of one GEMV once the weights are fused. The first call fuses them; a call
-        inside a CUDA-graph capture never does (the copy would be captured), it runs the four GEMVs instead."""
+        """(mixed, z, b, a): column slices of one GEMV once the weights are fused (a bf16 weight, or packed words
+        and scales read by the W4/6/8A16 GEMV when the four stay packed: `quant_linear.fuse_packed`). The first
+        call fuses them; a call inside a CUDA-graph capture never does (the copy would be captured), it runs the
+        four GEMVs instead, as do packed projections of different schemes."""
         linears = self._in_projs()
         if not self._is_fused():
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return tuple(F.linear(x, m.weight) for m in linears)
-            self.fuse_projections()
-        return F.linear(x, self._fused_in_proj).split([m.out_features for m in linears], dim=-1)
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.fuse_projections()
+            if not self._is_fused():
+                return tuple(m(x) for m in linears)
+        fused = self._fused_in_proj
+        y = packed_matmul(x, fused) if isinstance(fused, PackedWeight) else F.linear(x, fused)
+        return y.split([m.out_features for m in linears], dim=-1)
 
-    def _in_projs(self) -> tuple[nn.Linear, ...]:
+    def _in_projs(self) -> tuple[nn.Module, ...]:
         return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _is_fused(self) -> bool:
         """The four weights are still views of `_fused_in_proj` (not replaced by .to(), a loader, or a user)."""
-        return still_fused(self._fused_in_proj, self._in_projs())
+        fused, linears = self._fused_in_proj, self._in_projs()
+        if isinstance(fused, PackedWeight):
+            return still_fused_packed(fused, linears)
+        return all(type(m) is nn.Linear for m in linears) and still_fused(fused, linears)
 
     def prepare_kernels(self) -> None:
         """Called by `StageModel.set_kernels`: fuse the projections up front, before any CUDA-graph capture."""
         self.fuse_projections()
 
-    def fuse_projections(self) -> torch.Tensor:
+    def fuse_projections(self) -> torch.Tensor | PackedWeight | None:
         """Store in_proj_qkv, in_proj_z, in_proj_b and in_proj_a in one [conv_dim + value_dim + 2*nv, hidden]
         weight and rebind each as a Parameter viewing its rows, so decode reads the four in one GEMV.
 
         No extra memory once the old weights are released; state_dict names and values are unchanged (the fused
-        tensor is a plain attribute, not a parameter or buffer); idempotent. Returns the fused weight.
+        tensor is a plain attribute, not a parameter or buffer); idempotent. Returns the fused weight. Projections
+        kept packed (PackedLinear, issue 17) are fused the same way, into one PackedWeight over their words and
+        scales, when all four share a scheme (a reports-mixed checkpoint's INT6 group 128); else None.
         """
         if not self._is_fused():
-            self._fused_in_proj = fuse_rows(self._in_projs())
+            linears = self._in_projs()
+            if all(isinstance(m, PackedLinear) for m in linears):
+                self._fused_in_proj = fuse_packed(linears)
+            elif all(type(m) is nn.Linear for m in linears):
+                self._fused_in_proj = fuse_rows(linears)
         return self._fused_in_proj
 
     def _conv_step(self, mixed: torch.Tensor, state: DeltaNetState, slots: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,13 @@ compressed-tensors words and scales (`weight_packed` int32 [N, W], `weight_scale
 multiplies (prefill, the CPU).
 
 Which modules: those the model calls as a plain linear (`x -> module(x)`) everywhere (`plain_linear_sites`):
-attention's o_proj, Gated DeltaNet's out_proj, a dense layer's MLP, the MTP head's fc, lm_head (unless tied to the
+attention's o_proj, Gated DeltaNet's out_proj and its four in-projections (decode reads them as one packed weight,
+`fuse_packed`, when they share a scheme), a dense layer's MLP, the MTP head's fc, lm_head (unless tied to the
 embedding), and the shared expert of a layer whose INT4 routed experts stay packed (then it runs beside the INT4
 kernels, never as the bf16 MoE kernel's extra slot). Weights a fused kernel reads as bf16 stay dequantized at load:
-q/k/v and the QSA indexer's projection (one GEMV over row views), the DeltaNet in-projections (one GEMV), the
-hyper-connection mix weights (the mix kernels), the shared expert beside bf16 experts (the MoE kernel's last slot),
-the PLE projections, the router and the embedding (a gather, not a Linear).
+q/k/v and the QSA indexer's projection (one GEMV over row views), the hyper-connection mix weights (the mix
+kernels), the shared expert beside bf16 experts (the MoE kernel's last slot), the PLE projections, the router and
+the embedding (a gather, not a Linear).
 
 A module is kept packed when its scheme is compressed-tensors INT 4, 6 or 8, symmetric, per channel (or per
 tensor, held as per channel), or per group of a multiple of 8 inputs (a last partial group allowed), its words on
@@ -20,6 +21,7 @@ disk are in either packing, and its on-disk weight maps onto it one to one. Swit
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,8 @@ from stage_worker.kernels.quant_gemv_ref import PackedWeight
 
 BITS = (4, 6, 8)
 # module names (as StageModel names them) whose only use is a plain linear call
-_PLAIN = re.compile(r"(^|\.)(self_attn\.o_proj|linear_attn\.out_proj|mlp\.(gate|up|down)_proj|fc|lm_head)$")
+_PLAIN = re.compile(r"(^|\.)(self_attn\.o_proj|linear_attn\.(out_proj|in_proj_(qkv|z|b|a))|mlp\.(gate|up|down)_proj"
+                    r"|fc|lm_head)$")
 _SHARED = re.compile(r"(^|\.)mlp\.shared_expert\.(gate|up|down)_proj$")
 
 
@@ -67,14 +70,7 @@ class PackedLinear(nn.Module):
         return PackedWeight(self.weight_packed, self.weight_scale, self.bits, self.in_features, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
-
-        x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda or self.interpret_on_cpu:
-            y = quant_gemv(x2, self.packed())
-        else:
-            y = dequant_matmul(x2, self.packed())
-        return y.view(*x.shape[:-1], self.out_features)
+        return packed_matmul(x, self.packed())
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K] (what packed_dense off holds)."""
@@ -147,6 +143,66 @@ def disk_module(local: str) -> str:
     from stage_worker.checkpoint.names import hf_name
 
     return hf_name(f"{local}.weight")[: -len(".weight")]
+
+
+def fuse_packed(mods: Sequence[PackedLinear]) -> PackedWeight | None:
+    """One PackedWeight over the modules' rows, in order (their words and scales concatenated once, each module's
+    buffers rebound as views of them: no extra memory once the old ones are freed, state_dict unchanged), so one
+    GEMV reads them all; None when they differ in bits, group, packing or scale dtype (then each runs alone)."""
+    first = mods[0]
+    same = all((m.bits, m.group, m.in_features, m.weight_packed.shape[1], m.weight_scale.shape[1],
+                m.weight_scale.dtype, m.weight_packed.device) ==
+               (first.bits, first.group, first.in_features, first.weight_packed.shape[1],
+                first.weight_scale.shape[1], first.weight_scale.dtype, first.weight_packed.device) for m in mods)
+    if not same:
+        return None
+    with torch.inference_mode(False), torch.no_grad():    # normal tensors even when called under inference mode
+        words = torch.cat([m.weight_packed for m in mods])
+        scales = torch.cat([m.weight_scale for m in mods])
+        row = 0
+        for m in mods:
+            n = m.out_features
+            m.weight_packed, m.weight_scale = words[row:row + n], scales[row:row + n]
+            row += n
+    return PackedWeight(words, scales, first.bits, first.in_features, first.group)
+
+
+def still_fused_packed(fused: PackedWeight | None, mods: Sequence[nn.Module]) -> bool:
+    """Every module is a PackedLinear whose words and scales are still the views `fuse_packed` made."""
+    if fused is None:
+        return False
+    row = 0
+    for m in mods:
+        if not isinstance(m, PackedLinear) or m.weight_packed.data_ptr() != fused.words[row:].data_ptr() or \
+                m.weight_scale.data_ptr() != fused.scales[row:].data_ptr():
+            return False
+        row += m.out_features
+    return row == fused.out_features
+
+
+def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x [..., K] @ W^T for a packed weight, as PackedLinear.forward runs it (the GEMV kernel on a GPU or under the
+    interpreter where tests opt in, else a block of rows dequantized at a time)."""
+    from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
+
+    x2 = x.reshape(-1, pw.in_features)
+    y = quant_gemv(x2, pw) if x.is_cuda or PackedLinear.interpret_on_cpu else dequant_matmul(x2, pw)
+    return y.view(*x.shape[:-1], pw.out_features)
+
+
+def dummy_specs(model: nn.Module, dtype: torch.dtype) -> dict[str, PackedSpec]:
+    """The reports' release for the `plain_linear_sites` of a model without files (benchmarks): lm_head INT8 per
+    channel, the rest INT6 in groups of 128 inputs (or the largest power of two >= 8 dividing them, else per
+    channel, as `moepipe quantize` chooses), the dense bit stream, scales in `dtype`."""
+    from stage_worker.model.quant_weight import dense_words
+
+    out = {}
+    for name in plain_linear_sites(model):
+        K = model.get_submodule(name).in_features
+        bits, group = (8, K) if name.endswith("lm_head") else (6, next((g for g in (128, 64, 32, 16, 8)
+                                                                           if K % g == 0), K))
+        out[name] = PackedSpec(bits, group, dense_words(K, bits), -(-K // group), dtype)
+    return out
 
 
 def use_packed_dense(model: nn.Module, specs: dict[str, PackedSpec]) -> None:
