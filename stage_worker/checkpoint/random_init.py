@@ -44,11 +44,20 @@ def random_param(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtyp
 
 @torch.no_grad()
 def fill_random(model: torch.nn.Module, seed: int) -> None:
+    from stage_worker.model.quant_linear import PackedLinear
+
     for name, p in model.named_parameters():
         p.copy_(random_param(name, tuple(p.shape), seed, p.dtype, p.device))
     for name, b in model.named_buffers():
         if name.endswith((".mlp.q13", ".mlp.q2", ".mlp.s13", ".mlp.s2")):     # INT4 experts kept packed
             b.copy_(random_packed_part(name, tuple(b.shape), seed, b.dtype, b.device))
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear):        # dense layers kept packed (benchmarks: bench/decode.py --quant)
+            words = m.weight_packed
+            words.copy_(torch.randint(-(1 << 31), (1 << 31) - 1, tuple(words.shape), dtype=torch.int64,
+                                      device=words.device,
+                                      generator=_generator(seed, f"{name}.weight_packed", words.device)))
+            m.weight_scale.fill_(0.02 * 12 ** 0.5 / (1 << m.bits))   # uniform values over 2^bits levels: std 0.02
 
 
 def random_packed_part(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
