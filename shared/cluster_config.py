@@ -65,6 +65,7 @@ class ClusterConfig:
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
     ple_decode_in_stage: bool = True            # with the service: a PLE stage gathers its decode steps' rows itself
+    ple_decode_in_stage_max_seqs: int = 2       # ... for steps of at most this many sequences (larger: the service's)
     graph_skip_padding: bool = True             # a graph's padding rows route to no expert (read no expert rows)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
@@ -177,6 +178,10 @@ class ClusterConfig:
                                      "> 0 steps and expert_move_margin >= 0")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
+        if self.ple_decode_in_stage_max_seqs < 1:
+            raise ClusterConfigError("cluster config: ple_decode_in_stage_max_seqs must be >= 1 (a PLE stage gathers "
+                                     "its own rows for decode steps of up to this many sequences; to never, set "
+                                     "ple_decode_in_stage = false)")
         for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
@@ -253,6 +258,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_PLE_DECODE_IN_STAGE": "ple_decode_in_stage",
+        "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead",
@@ -280,7 +286,7 @@ def env_overrides() -> dict[str, Any]:
         if env in os.environ:
             val = os.environ[env]
             if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
-                       "expert_move_interval"):
+                       "expert_move_interval", "ple_decode_in_stage_max_seqs"):
                 out[key] = int(val)
             elif key in ("kernels", "dtype", "api_key", "link_keys", "cold_experts"):
                 out[key] = val

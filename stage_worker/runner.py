@@ -246,8 +246,10 @@ class StageRunner:
         return prepared.plan
 
     def _gathers_own_rows(self, prepared: _Prepared) -> bool:
-        """A decode step on a PLE stage whose token ids the host has: its rows need no PLE service."""
-        return self.own_decode_rows is not None and prepared.host_ids is not None and prepared.batch.is_decode
+        """A decode step of a few sequences on a PLE stage whose token ids the host has: it gathers its rows itself
+        (`stage_worker/ple_decode_rows.py`; larger steps wait for the service's, measured faster there)."""
+        return (self.own_decode_rows is not None and prepared.host_ids is not None and prepared.batch.is_decode
+                and len(prepared.host_ids) <= self.cluster.ple_decode_in_stage_max_seqs)
 
     def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None]:
         """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens

@@ -27,10 +27,12 @@ def _cluster(model, tmp, **kw) -> ClusterConfig:
     return cluster.for_model(cfg)
 
 
-def _run(model_dir, tmp, own_rows: bool):
+def _run(model_dir, tmp, own_rows: bool, max_seqs: int = 2):
     """Prefill both prompts, then decode STEPS tokens each; returns (tokens, logprobs, PleReady messages the stage
-    was given, the runner's stats). With `own_rows` the service's PleReady of every decode step is withheld."""
-    cluster = _cluster(model_dir, tmp, ple_decode_in_stage=own_rows)
+    was given, the runner's stats). With `own_rows` and steps of at most `max_seqs` sequences the service's
+    PleReady of every decode step is withheld."""
+    cluster = _cluster(model_dir, tmp, ple_decode_in_stage=own_rows, ple_decode_in_stage_max_seqs=max_seqs)
+    withhold = own_rows and len(PROMPTS) <= max_seqs
     cfg = load_config(model_dir)
     svc = PleService(model_dir, cfg, cluster)
     runner = StageRunner(load_model(model_dir), cluster, 0, svc.ring)
@@ -50,7 +52,7 @@ def _run(model_dir, tmp, own_rows: bool):
             ready = svc.on_plan(plan)
             while True:
                 for msg in ready:
-                    if own_rows and plan.step > 0:
+                    if withhold and plan.step > 0:
                         continue          # the decode steps must run without the service's rows
                     given.append(msg)
                     runner.on_message(msg)
@@ -84,3 +86,15 @@ def test_decode_rows_gathered_in_the_stage_equal_the_service_s(tiny_checkpoint, 
     assert [m.step for m in svc[2]] == list(range(STEPS + 1))
     assert own[3]["ple_stage_gathers"] == STEPS and "ple_stage_gathers" not in svc[3]
     assert own[3]["ple_wait_seconds"] >= 0.0
+
+
+def test_larger_decode_steps_take_the_service_s_rows(tiny_checkpoint, tmp_path):
+    """`ple_decode_in_stage_max_seqs`: a decode step of more sequences waits for the service's rows (measured faster
+    there at 4 and 16 streams, docs/performance.md call 11); same tokens."""
+    for name in ("small", "svc"):
+        (tmp_path / name).mkdir()
+    capped = _run(tiny_checkpoint, tmp_path / "small", own_rows=True, max_seqs=1)
+    svc = _run(tiny_checkpoint, tmp_path / "svc", own_rows=False)
+    assert capped[0] == svc[0]
+    assert [m.step for m in capped[2]] == list(range(STEPS + 1))     # every step's rows came from the service
+    assert capped[3]["ple_stage_gathers"] == 0
