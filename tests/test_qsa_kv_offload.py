@@ -152,7 +152,7 @@ def test_block_cost_by_tier(qwen4):
     off = ModelCache(cfg, CacheSpec(num_blocks=blocks, block_size=BLOCK, num_slots=2))
     assert on.kv_bytes() == off.kv_bytes() == blocks * block_bytes(cfg, 0, end, BLOCK, "float32")
     assert on.kv_host_bytes() == blocks * host_block_bytes(cfg, 0, end, BLOCK, "float32", True)
-    assert on.host.nbytes == on.kv_host_bytes() and off.kv_host_bytes() == 0
+    assert on.host.nbytes >= on.kv_host_bytes() and off.kv_host_bytes() == 0
     # the full shape: 2 KiB of K/V and 256 B of raw indexer key a token and layer move out, 64 B of pooled key stay
     full = dataclasses.replace(cfg, num_key_value_heads=2, head_dim=256, indexer_head_dim=128)
     assert block_bytes(full, 0, end, 16, "bfloat16", True) * 37 == block_bytes(full, 0, end, 16, "bfloat16")

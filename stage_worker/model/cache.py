@@ -18,6 +18,7 @@ import torch
 
 from shared.kv_layout import check_block_size
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+from stage_worker.kernels.kv_rows_ref import gather_rows_ref, scatter_rows_ref
 
 HOST_ALIGN = 256        # bytes: each host tensor starts on this boundary of the stage's allocation (kernel loads)
 
@@ -126,8 +127,10 @@ class ModelCache:
         return self.bytes(("attention",))
 
     def kv_host_bytes(self) -> int:
-        """Of `kv_bytes`, what lives in the host allocation (`kv_offload`)."""
-        return self.host.nbytes if self.host is not None else 0
+        """Of `kv_bytes`, what lives in the host allocation (`kv_offload`; the allocation itself adds a little
+        alignment)."""
+        return sum(t.numel() * t.element_size() for c in self.attention.values() if c.host_kv
+                   for t in (c.k, c.v, c.index_keys) if t is not None)
 
 
 def _host_pool(cfg: HybridMoeConfig, spec: CacheSpec, layers: list[int]):
@@ -170,7 +173,7 @@ def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`src[rows]` on rows' device, whichever tier `src` lives in: host K/V rows are copied by a gather kernel that
     reads them over PCIe (`kernels/kv_rows.py`), bit for bit; anything else is plain indexing (the CPU path)."""
     if src.device == rows.device or rows.device.type != "cuda":
-        return src[rows.to(src.device)].to(rows.device)
+        return gather_rows_ref(src, rows).to(rows.device)
     from stage_worker.kernels.kv_rows import gather_rows    # Triton: only where a GPU reads host rows
 
     return gather_rows(src, rows)
@@ -180,7 +183,7 @@ def write_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> N
     """`dst[rows] = values` (rounded to dst's dtype), whichever tier `dst` lives in (see `read_rows`)."""
     values = values.to(dst.dtype)
     if dst.device == values.device or values.device.type != "cuda":
-        dst[rows.to(dst.device)] = values.to(dst.device)
+        scatter_rows_ref(dst, rows, values)
         return
     from stage_worker.kernels.kv_rows import scatter_rows
 
