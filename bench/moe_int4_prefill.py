@@ -100,8 +100,9 @@ def case(ex: PackedExperts, tokens: int, share: float, reps: int) -> dict:
     return row
 
 
-def sweep(ex: PackedExperts, tokens: int, reps: int) -> list[dict]:
-    """Host-launch candidates on a table with 78% host slots, then device-launch candidates all in VRAM."""
+def sweep(ex: PackedExperts, tokens: int, reps: int, out: list, save) -> None:
+    """Host-launch candidates on a table with 78% host slots, then device-launch candidates all in VRAM; each
+    result appended to `out`, then `save()`."""
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
     ids = torch.rand(tokens, E, device="cuda", generator=g).topk(K, dim=-1).indices.to(torch.int32)
@@ -109,11 +110,10 @@ def sweep(ex: PackedExperts, tokens: int, reps: int) -> list[dict]:
     t = table(ex, E - round(E * 0.78))
     dev, host = t.packed_experts()
     base = dict(P.CFG)
-    out = []
-    for kind, cands, args in (("host", [(32, 128, 4, 2), (32, 256, 4, 2), (64, 128, 4, 2), (32, 128, 8, 3),
-                                        (64, 256, 8, 2), (16, 256, 4, 2)], (dev, host, t.hot)),
-                              ("dev", [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                                       (64, 128, 4, 4), (32, 128, 4, 3)], (ex, None, None))):
+    for kind, cands, args in (("host", [(32, 128, 4, 2), (32, 256, 4, 2), (64, 128, 8, 2), (16, 256, 4, 2)],
+                               (dev, host, t.hot)),
+                              ("dev", [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4)],
+                               (ex, None, None))):
         for cfg in cands:
             P.CFG.update({(kind, "up"): cfg, (kind, "down"): cfg})
             try:
@@ -122,9 +122,9 @@ def sweep(ex: PackedExperts, tokens: int, reps: int) -> list[dict]:
                 r = {"kind": kind, "cfg": cfg, "error": repr(exc)[:200]}
             print(r, flush=True)
             out.append(r)
+            save()
         P.CFG.clear()
         P.CFG.update(base)
-    return out
 
 
 def main() -> None:
@@ -136,24 +136,26 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     ex = experts()
-    rows = []
+    result = {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
+              "cfg": {str(k): v for k, v in P.CFG.items()}, "rows": [], "sweep": []}
+
+    def save() -> None:            # after every measurement: a run cut short by its timeout keeps what it has
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
     print(f"{'tokens':>6} {'host':>5} {'present':>7} {'host MB':>8} {'kernel ms':>9} {'loop ms':>8} {'x':>6} "
           f"{'GB/s':>6} {'staged floor ms':>15}")
     for tokens in (int(v) for v in args.tokens.split(",")):
         for share in (float(v) for v in args.shares.split(",")):
             r = case(ex, tokens, share, args.reps)
-            rows.append(r)
+            result["rows"].append(r)
+            save()
             gbps = f"{r['host_gbps_over_kernel']:.1f}" if r["host_gbps_over_kernel"] else "-"
             floor = f"{r['staged_floor_ms']:.2f}" if "staged_floor_ms" in r else "-"
             print(f"{tokens:>6} {share:>5.0%} {r['present']:>7} {r['host_mb']:>8.0f} {r['kernel_ms']:>9.2f} "
                   f"{r['loop_ms']:>8.2f} {r['loop_ms'] / r['kernel_ms']:>6.1f} {gbps:>6} {floor:>15}", flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
-              "cfg": {str(k): v for k, v in P.CFG.items()}, "rows": rows}
     if args.sweep:
-        result["sweep"] = sweep(ex, 512, args.reps)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-
+        sweep(ex, 512, args.reps, result["sweep"], save)
 
 if __name__ == "__main__":
     main()

@@ -233,7 +233,7 @@ def test_full_shape_against_the_reference_and_the_loop(T, share):
     ref = fused_moe_int4_ref(x[:64], ids[:64], w[:64], ex)        # the reference gathers [T, k, ...]: 64 rows
     assert _rel(out[:64], ref) < 1e-2
     loop = t.moe_int4(x, ids, w)
-    assert _rel(out, loop) < 1e-2
+    assert _rel(out, loop) < 2e-2                                  # two bf16 paths, each ~0.5% off fp32
     kernel_us = cuda_us(lambda: P.grouped_moe_int4_triton(x, ids, w, dev, host, hot), warmup=2, reps=10)
     loop_us = cuda_us(lambda: t.moe_int4(x, ids, w), warmup=1, reps=3)
     n_host = int((torch.unique(ids) >= hot).sum())

@@ -221,9 +221,10 @@ def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         return out.view(0, H)
     x = x.contiguous()
     act = torch.empty(tk, I, dtype=x.dtype, device=x.device)
-    launches = [(experts, 0, E, block_m(tk, E), "dev")]
-    if host is not None and host.q13.shape[0]:
-        launches.append((host, E, E + host.q13.shape[0], host_block_m(T), "host"))
+    total = E + (0 if host is None else host.q13.shape[0])
+    launches = [(experts, 0, E, block_m(tk * E // max(total, 1), E), "dev")]    # the device slots' share of pairs
+    if total > E:
+        launches.append((host, E, total, host_block_m(T), "host"))
     for table, lo, hi, bm, kind in launches:
         if hi == lo:
             continue
