@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from stage_worker.kernels import quant_gemv as Q  # noqa: E402
 from stage_worker.kernels.quant_gemv_ref import (PackedWeight, dequantize_packed, pack_values,  # noqa: E402
                                                  quant_gemv_ref, quantize_rtn, unpack_values)
+from stage_worker.kernels.split_reduce import split_locks  # noqa: E402
 from stage_worker.model import quant_weight as qw  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -81,8 +82,8 @@ def test_half_precision_activations():
 
 
 def test_row_blocks_and_k_slices(monkeypatch):
-    """Several row blocks and K split into slices (fp32 partial sums added after): the default tiles, with the
-    minimum slice lowered so a small K splits."""
+    """Several row blocks and K split into slices (fp32 partial sums added by the last program): the default
+    tiles, with the minimum slice lowered so a small K splits."""
     monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
     N, K = 24, 256
     g = torch.Generator().manual_seed(3)
@@ -92,7 +93,12 @@ def test_row_blocks_and_k_slices(monkeypatch):
         x = torch.randn(t, K, generator=g).to(DEV)
         c = Q.launch_config(t, N, K, 64, x.device, (8, 64, 4))
         assert c["splits"] == 4 and c["SCALE"] == 1
-        torch.testing.assert_close(Q.quant_gemv(x, pw, cfg=(8, 64, 4)), quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+        out = Q.quant_gemv(x, pw, cfg=(8, 64, 4))
+        torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+        # the slices are added in one launch by the last program of a row block, in a fixed order: the counters
+        # are back at 0 and a second launch gives the same bits
+        assert not split_locks(x.device).any()
+        assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 64, 4)), out)
 
 
 def test_prefill_path_dequantizes_blocks_of_rows(monkeypatch):
@@ -186,6 +192,15 @@ def test_full_shape_on_the_gpu():
             ref = quant_gemv_ref(x, pws[0])
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, (name, t, err)
+            graph = torch.cuda.CUDAGraph()            # K slices summed in one launch: replays give the same bits
+            with torch.cuda.graph(graph):
+                replayed = Q.quant_gemv(x, pws[0])
+            for _ in range(2):
+                replayed.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(replayed, out), (name, t)
+            assert not split_locks(x.device).any()
             us = _graph_us([lambda p=p: Q.quant_gemv(x, p) for p in pws])
             us_bf16 = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf])
             rows.append((name, t, us, pws[0].nbytes() / us / 1e6, us_bf16, N * K * 2 / us_bf16 / 1e6, err))

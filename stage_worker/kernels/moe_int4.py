@@ -21,9 +21,12 @@ import torch
 
 from stage_worker.kernels.moe import SKIP, _bucket, _pow2, expert_rows, triton, triton_usable
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
+from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
 if triton is not None:
     import triton.language as tl
+
+    from stage_worker.kernels.split_reduce import last_of
 
     SKIP_ID = tl.constexpr(SKIP)
 
@@ -46,19 +49,6 @@ if triton is not None:
         m = mask_i[:, None] & (ow < w_end)[None, :]
         return (tl.load(qbase + rg * stride_qr + ow[None, :], mask=m, other=0),
                 tl.load(qbase + ru * stride_qr + ow[None, :], mask=m, other=0))
-
-    @triton.jit
-    def _last_of(lock_ptr, SPLIT: tl.constexpr):
-        """True in the last of a split's SPLIT programs to finish; that one then reads the others' partial sums
-        (stored before they counted themselves in: the barrier orders every thread's stores before the one
-        thread's acq_rel atomic) and puts the counter back to 0 for the next launch (CUDA-graph replays
-        included)."""
-        tl.debug_barrier()
-        n = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-        last = n == SPLIT - 1
-        if last:
-            tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
-        return last
 
     @triton.jit
     def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, part_ptr, lock_ptr,
@@ -145,7 +135,7 @@ if triton is not None:
             pg = part_ptr + tj * 2 * I + offs_i                 # part[s, tj, 0, i]; the up sums at + I
             tl.store(pg + tl.program_id(2) * TK * 2 * I, g, mask=mask_i)
             tl.store(pg + tl.program_id(2) * TK * 2 * I + I, u, mask=mask_i)
-            if _last_of(lock_ptr + tj * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            if last_of(lock_ptr + tj * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 g = tl.zeros([BLOCK_I], tl.float32)
                 u = tl.zeros([BLOCK_I], tl.float32)
                 for p in tl.static_range(SPLIT):
@@ -244,7 +234,7 @@ if triton is not None:
         if SPLIT > 1:
             pp = part_ptr + t * H + offs_h                      # part[s, t, h]
             tl.store(pp + tl.program_id(2) * tl.num_programs(0) * H, out, mask=mask_h)
-            if _last_of(lock_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            if last_of(lock_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 out = tl.zeros([BLOCK_H], tl.float32)
                 for p in tl.static_range(SPLIT):
                     out += tl.load(pp + p * tl.num_programs(0) * H, mask=mask_h, other=0.0, cache_modifier=".cg")
@@ -279,22 +269,6 @@ PREFETCH = {1: 1, 4: 1, 16: 0}  # blocks of words loading ahead of the one compu
 # only until the in-model A/B (bench/decode.py, -moe_int4_split) says whether to keep it.
 UP_SPLIT = {1: 4, 4: 1, 16: 1}
 DOWN_SPLIT = {1: 4, 4: 1, 16: 1}
-LOCKS = 1 << 15                # split counters (one per up (token, slot, row block) or down (token, row block))
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def split_locks(device: torch.device | str) -> torch.Tensor:
-    """The zeroed int32 counters the split launches count their programs in, one buffer per device. Every launch
-    leaves them at 0, so launches in sequence (and CUDA-graph replays) share it; allocate it before capturing a
-    graph (`SparseMoE.prepare_kernels` does)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _locks:
-        _locks[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _locks[device]
-
-
 def activations(T: int, k: int, inter: int, device: torch.device) -> torch.Tensor:
     """The fp32 activations between the phases, [T, k, I] (nibble-major within a slot)."""
     return torch.empty(T, k, inter, dtype=torch.float32, device=device)

@@ -17,8 +17,9 @@ walks it BLOCK_K columns at a time:
   gathered per value;
 * one token: FMAs in fp32 and a reduction per tile; 2-16 tokens: `tl.dot` of the tile (the unsigned values are
   exact in bf16 / fp16) with x^T [BLOCK_K, 16] on the tensor cores, fp32 accumulation.
-With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums, summed after in a
-fixed order (deterministic, no atomics). Prefill (more than DECODE_MAX_T tokens) and machines without Triton take
+With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last
+program of a row block adds them in a fixed order (`split_reduce.py`: one launch, deterministic; a separate sum
+and cast were two more launches a call). Prefill (more than DECODE_MAX_T tokens) and machines without Triton take
 `dequant_matmul`: BLOCK of rows dequantized at a time (never the whole weight in float) and a matmul.
 
 Reference: `quant_gemv_ref.quant_gemv_ref`; tests: tests/test_kernel_quant_gemv.py (CPU under TRITON_INTERPRET=1,
@@ -32,6 +33,7 @@ import functools
 import torch
 
 from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed
+from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
 try:
     import triton
@@ -56,6 +58,7 @@ def triton_usable(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from stage_worker.kernels.split_reduce import last_of
 
     @triton.jit
     def _tile_values(q_ptr, rows, mask_n, k0, stride_qn, W: tl.constexpr, BITS: tl.constexpr,
@@ -91,14 +94,16 @@ if triton is not None:
         return u
 
     @triton.jit
-    def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, N, T, stride_xt, stride_qn, stride_sn, stride_os, stride_ot,
-                           K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
+    def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, N, T, stride_xt, stride_qn, stride_sn,
+                           stride_ot, K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
                            DENSE: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
-                           PRECISION: tl.constexpr):
-        """out[slice, t, rows] = sum over this program's K slice of W[rows, k] x[t, k] (SCALE 0: one scale a row,
-        1: one a tile, 2: one gathered per value; see the module docstring). T is a run-time value (the tl.dot
-        path masks tokens past it in a tile of TP), so 2-16 tokens share one compiled kernel a shape."""
+                           SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
+                           DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """out[t, rows] = sum_k W[rows, k] x[t, k] (SCALE 0: one scale a row, 1: one a tile, 2: one gathered per
+        value; see the module docstring). T is a run-time value (the tl.dot path masks tokens past it in a tile of
+        TP), so 2-16 tokens share one compiled kernel a shape. With SPLITS K slices a program sums its slice into
+        part[slice, t, rows] (fp32) and the last of a row block's programs adds the slices in order and writes out
+        (`split_reduce.last_of`): one launch, deterministic."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -148,12 +153,23 @@ if triton is not None:
                 acc = acc * s[:, None]
             else:
                 acc = acc * s
-        out = out_ptr + tl.program_id(1) * stride_os
         if DOT:
-            tl.store(out + offs_t[None, :] * stride_ot + rows64[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=mask_n[:, None] & mask_t[None, :])
+            at = offs_t[None, :] * stride_ot + rows64[:, None]
+            mask = mask_n[:, None] & mask_t[None, :]
+            pt = offs_t[None, :] * N + rows64[:, None]
         else:
-            tl.store(out + rows64, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+            at = rows64
+            mask = mask_n
+            pt = rows64
+        if SPLITS > 1:
+            tl.store(part_ptr + tl.program_id(1) * T * N + pt, acc, mask=mask)
+            if last_of(lock_ptr + tl.program_id(0), SPLITS):
+                acc = tl.load(part_ptr + pt, mask=mask, other=0.0, cache_modifier=".cg")
+                for p in tl.static_range(1, SPLITS):
+                    acc += tl.load(part_ptr + p * T * N + pt, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -204,15 +220,16 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     x = x.contiguous()
     c = launch_config(T, N, K, pw.group, x.device, cfg)
     dot = T > 1
-    target = out if c["splits"] == 1 else torch.empty(c["splits"], T, N, dtype=torch.float32, device=x.device)
-    _quant_gemv_kernel[(triton.cdiv(N, c["BLOCK_N"]), c["splits"])](
-        x, pw.words, pw.scales, target, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0),
-        target.stride(0) if c["splits"] > 1 else 0, target.stride(-2), K=K, W=pw.words.shape[1], BITS=pw.bits,
-        DENSE=pw.dense, GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], BLOCK_N=c["BLOCK_N"],
-        BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=c["warps"], num_stages=c["stages"])
-    if c["splits"] > 1:
-        torch.sum(target, dim=0, out=out) if x.dtype == torch.float32 else out.copy_(target.sum(0))
+    blocks, splits = triton.cdiv(N, c["BLOCK_N"]), c["splits"]
+    if blocks > LOCKS:
+        raise ValueError(f"{blocks} row blocks: more than the split counters ({LOCKS})")    # splits are 1 there
+    part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _quant_gemv_kernel[(blocks, splits)](
+        x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words, N, T, x.stride(0),
+        pw.words.stride(0), pw.scales.stride(0), out.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits,
+        DENSE=pw.dense, GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits,
+        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["warps"], num_stages=c["stages"])
     return out
 
 

@@ -273,7 +273,7 @@ class SparseMoE(nn.Module):
                     and self._packed_router() is None:
                 self._packed_gates = fuse_rows([self.gate, self.shared_expert_gate])
             if self.gate.weight.is_cuda:
-                from stage_worker.kernels.moe_int4 import split_locks
+                from stage_worker.kernels.split_reduce import split_locks
 
                 split_locks(self.gate.weight.device)      # allocated before any CUDA graph is captured
             return

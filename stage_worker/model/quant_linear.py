@@ -72,6 +72,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_matmul(x, self.packed())
 
+    def prepare_kernels(self) -> None:
+        """Called by `StageModel.set_kernels`: the GEMV's split counters exist before any CUDA graph is captured."""
+        if self.weight_packed.is_cuda:
+            from stage_worker.kernels.split_reduce import split_locks
+
+            split_locks(self.weight_packed.device)
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K] (what packed_dense off holds)."""
         from stage_worker.kernels.quant_gemv_ref import dequantize_packed
