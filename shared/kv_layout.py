@@ -108,9 +108,8 @@ def block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dty
 def host_block_bytes(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str,
                      kv_offload: bool) -> int:
     """Host bytes one KV block costs with `kv_offload` (0 without): the QSA layers' K/V and raw indexer keys."""
-    if not kv_offload:
-        return 0
-    return qsa_layer_count(cfg, start, end) * block_size * host_row_bytes(cfg, dtype)
+    layers = qsa_layer_count(cfg, start, end) if kv_offload else 0
+    return layers * block_size * host_row_bytes(cfg, dtype) if layers else 0
 
 
 def stage_block_cost(cfg: HybridMoeConfig, start: int, end: int, block_size: int, dtype: str, device: str,

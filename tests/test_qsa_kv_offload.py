@@ -158,6 +158,26 @@ def test_block_cost_by_tier(qwen4):
     assert block_bytes(full, 0, end, 16, "bfloat16", True) * 37 == block_bytes(full, 0, end, 16, "bfloat16")
 
 
+def test_layers_without_an_indexer_keep_their_kv(qwen4):
+    """The switch moves only QSA layers' K/V: a model without indexers (as Qwen3-Next, Qwen3.5-MoE, the MTP block)
+    allocates nothing on the host and costs what it cost."""
+    from stage_worker.model.cache import _without_qsa
+
+    _, cfg = qwen4
+    plain = _without_qsa(cfg)
+    cache = ModelCache(plain, CacheSpec(num_blocks=4, block_size=BLOCK, num_slots=2, kv_offload=True))
+    assert cache.host is None and cache.kv_host_bytes() == 0
+    assert not any(a.host_kv for a in cache.attention.values())
+    end = cfg.num_hidden_layers
+    assert block_bytes(plain, 0, end, BLOCK, "float32", True) == block_bytes(plain, 0, end, BLOCK, "float32") > 0
+    assert host_block_bytes(plain, 0, end, BLOCK, "float32", True) == 0
+    for device in ("cpu", "cuda:0"):                     # the KV sizes resolve as without the switch
+        c = ClusterConfig(model="m", stages=[StageSpec(0, end, "ipc:///tmp/s0", device)], gateway_endpoint="g",
+                          max_model_len=256, qsa_kv_offload=True)
+        assert c.for_model(plain).num_blocks == dataclasses.replace(c, qsa_kv_offload=False).for_model(
+            plain).num_blocks > 0
+
+
 def test_meta_cache_allocates_nothing(qwen4):
     """The memory plan builds caches on the meta device: with the switch nothing is allocated on the host."""
     _, cfg = qwen4
