@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 
     os.environ.setdefault("TRITON_INTERPRET", "1")       # before anything imports triton
 
+from shared.kv_layout import GIB, block_bytes  # noqa: E402
 from shared.model_config import Qwen4ExpConfig  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
 from stage_worker.model.attention import GatedAttention  # noqa: E402
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
     row = cfg.num_key_value_heads * cfg.head_dim * 2                    # bytes of one token's K (or V) row, bf16
     rows = []
+    dev_on = block_bytes(cfg, 0, 1, BLOCK, "bfloat16", True) // BLOCK
+    dev_off = block_bytes(cfg, 0, 1, BLOCK, "bfloat16") // BLOCK
+    print(f"VRAM per token and QSA layer: {dev_off} B in VRAM, {dev_on} B with host K/V ({dev_off / dev_on:.0f}x the "
+          f"tokens per GiB: {GIB // dev_off:,} against {GIB // dev_on:,} token-layers)")
     print(f"{'context':>8} {'batch':>5} {'tier':>5} {'decode us':>10} {'PCIe us':>8} {'prefill ms':>10} "
           f"{'+peak MiB':>9}")
     with torch.inference_mode():
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-                    torch=torch.__version__, config=dataclasses.asdict(cfg), host_read_gbs=HOST_READ_GBS)
+                    torch=torch.__version__, config=dataclasses.asdict(cfg), host_read_gbs=HOST_READ_GBS,
+                    vram_bytes_per_token_layer={"vram": dev_off, "host_kv": dev_on})
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     return 0
