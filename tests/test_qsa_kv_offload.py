@@ -315,7 +315,8 @@ def _full_head_cfg(budget: int = 2048):
 def test_gpu_decode_attention_over_host_kv_is_bit_identical():
     """Fresh random caches (70k, 5k and 300 tokens, shuffled paged tables), far-away blocks planted so the indexer
     must pick them: selection, the pool update reading raw keys from host RAM, and split-K attention reading the
-    selected K/V rows from host RAM give exactly the in-VRAM results; the prologue writes the same rows to either."""
+    selected K/V rows from host RAM give exactly the in-VRAM results, with one split and with several. (The
+    prologue's writes over PCIe: `test_gpu_layer_over_host_kv_equals_in_vram`.)"""
     from stage_worker.kernels.attention_prep import qsa_pool_update
     from stage_worker.kernels.decode_attention import paged_decode_attention
     from stage_worker.kernels.qsa import qsa_select
