@@ -156,6 +156,36 @@ def test_a_layer_s_int4_decode_in_six_launches(tiny_checkpoint):
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_a_layer_s_int4_decode_with_a_packed_shared_expert(tiny_checkpoint):
+    """The same six launches with the shared expert kept packed (a reports-mixed checkpoint's INT6: gate and up
+    one packed GEMV, the down GEMV computing the activation and the gate weight as it loads) give the PyTorch
+    path's output (packed layers dequantized a block of rows at a time), on the CPU under the interpreter."""
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.loader import LoadOptions, build_empty
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.checkpoint.random_init import fill_random
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.model.quant_linear import PackedLinear, dummy_specs
+
+    if CUDA:
+        pytest.skip("the GPU tests cover the kernel path on CUDA")
+    cfg = load_config(tiny_checkpoint)
+    groups = dummy_groups(cfg)
+    model = build_empty(cfg, LoadOptions(dtype=torch.float32),
+                        {i: groups for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i)},
+                        lambda m: dummy_specs(m, torch.float32))
+    fill_random(model, seed=1)
+    model.set_kernels(KernelFlags.parse("all"))
+    moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
+    assert isinstance(moe.shared_expert.down_proj, PackedLinear) and moe._packed_shared() is None
+    assert moe._packed_shared_int() is not None and moe._packed_router() is not None
+    x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        fast = moe._packed_decode(x, None)
+        ref = moe(x)                                    # CPU: the PyTorch path
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     ex = _experts(4, 64, 32, 8, seed=0)
     with pytest.raises(ValueError, match="multiples of 8"):
@@ -194,30 +224,42 @@ def test_full_shape_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoint):
+@pytest.mark.parametrize("shared", ["bf16", "int6"])
+def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoint, shared):
     """Beside INT4 experts, a bf16 shared expert decodes as the one slot of a bf16 fused-MoE launch pair
-    (`SparseMoE._packed_shared`): the layer's output with kernels on stays within bf16 rounding of the PyTorch
-    path, at 1 and 4 tokens, whole and with the shared expert's part alone."""
-    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    (`SparseMoE._packed_shared`), a packed one (int6, as a reports-mixed checkpoint has it) as two W6A16 GEMVs:
+    the layer's output in six launches (`_packed_decode`), split or not, and in twelve (moe_int4_fused off)
+    stays within bf16 rounding of the PyTorch path, at 1 and 4 tokens."""
+    from stage_worker.checkpoint.loader import LoadOptions, build_empty, load_model
     from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.checkpoint.random_init import fill_random
     from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.model.quant_linear import dummy_specs
     from shared.model_config import load_config
 
     cfg = load_config(tiny_checkpoint)
-    model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dtype=torch.bfloat16,
-                                                    dummy_int4=dummy_groups(cfg)), cfg)
+    opts = LoadOptions(device="cuda", load_format="dummy", dtype=torch.bfloat16, dummy_int4=dummy_groups(cfg))
+    if shared == "bf16":
+        model = load_model(tiny_checkpoint, opts, cfg)
+    else:
+        model = build_empty(cfg, opts, {i: dummy_groups(cfg) for i in range(cfg.num_hidden_layers)
+                                        if cfg.is_sparse_moe(i)}, lambda m: dummy_specs(m, torch.bfloat16))
+        fill_random(model, seed=0)
     model.set_kernels(KernelFlags.parse("all"))
     moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
-    assert moe.packed_group and moe._packed_shared() is not None and moe._packed_router() is not None
+    assert moe.packed_group and moe._packed_router() is not None
+    assert (moe._packed_shared() if shared == "bf16" else moe._packed_shared_int()) is not None
     for t in (1, 4):
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             fast = moe(x)
             moe.kernels = KernelFlags.parse("-moe_int4_split")
             unsplit = moe(x)
+            moe.kernels = KernelFlags.parse("-moe_int4_fused")
+            twelve = moe(x)
             moe.kernels = KernelFlags.parse("none")
             ref = moe(x)
             moe.kernels = KernelFlags.parse("all")
-        for got in (fast, unsplit):
+        for got in (fast, unsplit, twelve):
             err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
             assert err < 2e-2, (t, float(err))

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from stage_worker.kernels import quant_gemv as Q  # noqa: E402
 from stage_worker.kernels.quant_gemv_ref import (PackedWeight, dequantize_packed, pack_values,  # noqa: E402
-                                                 quant_gemv_ref, quantize_rtn, unpack_values)
+                                                 quant_gemv_ref, quantize_rtn, swiglu_input, unpack_values)
 from stage_worker.kernels.split_reduce import split_locks  # noqa: E402
 from stage_worker.model import quant_weight as qw  # noqa: E402
 
@@ -99,6 +99,25 @@ def test_row_blocks_and_k_slices(monkeypatch):
         # are back at 0 and a second launch gives the same bits
         assert not split_locks(x.device).any()
         assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 64, 4)), out)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_the_swiglu_input_is_computed_as_it_loads(t):
+    """`swiglu=w`: x holds a shared expert's gate and up outputs [T, 2K] and the kernel's input is
+    silu(gate) * up * w[t] (`swiglu_input`), with w a strided column as the router writes it; the FMA path
+    (1 token, bf16) and the tl.dot path (3 tokens; fp16: the interpreter's tl.dot gets bf16 wrong, on the GPU the
+    full-shape test runs bf16)."""
+    N, K = 48, 64
+    g = torch.Generator().manual_seed(t)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 32)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 32)
+    gate_up = torch.randn(t, 2 * K, generator=g).to(DEV, torch.bfloat16 if t == 1 or CUDA else torch.float16)
+    w = torch.rand(t, 3, generator=g).to(DEV)[:, 2]
+    got = Q.quant_gemv(gate_up, pw, cfg=SMALL if t == 1 else (16, 64, 4), swiglu=w)
+    want = quant_gemv_ref(swiglu_input(gate_up, w), pw)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="swiglu"):
+        Q.quant_gemv(gate_up[:, :K], pw, swiglu=w)
 
 
 def test_prefill_path_dequantizes_blocks_of_rows(monkeypatch):
@@ -210,6 +229,20 @@ def test_full_shape_on_the_gpu():
           f"{'rel err':>8}")
     for name, t, us, tbs, ub, tbb, err in rows:
         print(f"{name:36} {t:3d} {us:10.1f} {tbs:6.2f} {ub:8.1f} {tbb:6.2f} {us / ub:11.2f} {err:8.1e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_swiglu_input_at_the_shared_expert_s_shape_on_the_gpu():
+    """A reports-mixed shared expert's down projection (INT6 group 128, [2560, 640]) with its activation and gate
+    computed as the kernel loads (`swiglu=`), bf16, 1 / 4 / 16 tokens, against the reference."""
+    (pw,) = _copies(2560, 640, 6, 128, True)[:1]
+    for t in (1, 4, 16):
+        gate_up = torch.randn(t, 2 * 640, device="cuda").to(torch.bfloat16)
+        w = torch.rand(t, 11, device="cuda")[:, 10]
+        got = Q.quant_gemv(gate_up, pw, swiglu=w).float()
+        want = quant_gemv_ref(swiglu_input(gate_up, w), pw).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2, t
 
 
 SWEEP = [(8, 64, 1), (8, 128, 1), (16, 128, 1), (8, 128, 2), (16, 64, 2), (16, 128, 2), (16, 128, 4), (16, 256, 4),

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed
+from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed, swiglu_input
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
 try:
@@ -94,11 +94,24 @@ if triton is not None:
         return u
 
     @triton.jit
-    def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, N, T, stride_xt, stride_qn, stride_sn,
-                           stride_ot, K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
+    def _x_tile(x_ptr, w_ptr, offs, mask, stride_wt, t, K: tl.constexpr, SWIGLU: tl.constexpr):
+        """x at `offs` (t * stride_xt + k); with SWIGLU, x is [T, 2K] gate then up, and the input is
+        silu(gate) * up * w[t], each product rounded to x's dtype as `quant_gemv_ref.swiglu_input` does."""
+        if SWIGLU:
+            dt: tl.constexpr = x_ptr.dtype.element_ty
+            g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + t * stride_wt + 0 * offs, mask=mask, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            return ((a * u).to(dt).to(tl.float32) * w).to(dt)
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, w_ptr, N, T, stride_xt, stride_qn,
+                           stride_sn, stride_ot, stride_wt, K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
                            DENSE: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
-                           DOT: tl.constexpr, PRECISION: tl.constexpr):
+                           DOT: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
         """out[t, rows] = sum_k W[rows, k] x[t, k] (SCALE 0: one scale a row, 1: one a tile, 2: one gathered per
         value; see the module docstring). T is a run-time value (the tl.dot path masks tokens past it in a tile of
         TP), so 2-16 tokens share one compiled kernel a shape. With SPLITS K slices a program sums its slice into
@@ -126,8 +139,8 @@ if triton is not None:
                 s = tl.load(s_ptr + rows64[:, None] * stride_sn + (offs_k // GROUP)[None, :],
                             mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             if DOT:
-                xt = tl.load(x_ptr + offs_t[None, :] * stride_xt + offs_k[:, None],
-                             mask=mask_k[:, None] & mask_t[None, :], other=0.0)          # [BLOCK_K, TP]
+                xt = _x_tile(x_ptr, w_ptr, offs_t[None, :] * stride_xt + offs_k[:, None],
+                             mask_k[:, None] & mask_t[None, :], stride_wt, offs_t[None, :], K, SWIGLU)  # [BLOCK_K, TP]
                 if SCALE == 2:
                     w = ((u - OFFSET).to(tl.float32) * s).to(xt.dtype)
                     acc += tl.dot(w, xt, input_precision=PRECISION)
@@ -139,7 +152,7 @@ if triton is not None:
                         part = part * s[:, None]
                     acc += part
             else:
-                xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                xk = _x_tile(x_ptr, w_ptr, offs_k, mask_k, stride_wt, 0, K, SWIGLU).to(tl.float32)
                 if SCALE == 2:
                     acc += tl.sum((u - OFFSET).to(tl.float32) * s * xk[None, :], axis=1)
                 else:
@@ -204,11 +217,19 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device,
                 splits=triton.cdiv(K, k_slice))
 
 
-def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
+               swiglu: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
     device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
-    `dequant_matmul`."""
-    T, K = x.shape
+    `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is
+    `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as the kernel loads it (a shared expert's down projection
+    with its activation and gate: no launch for them)."""
+    if swiglu is not None:
+        if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
+            raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
+        if x.shape[0] > DECODE_MAX_T or not triton_usable(x) or pw.bits > 8:
+            return dequant_matmul(swiglu_input(x, swiglu), pw)
+    T, K = x.shape[0], x.shape[1] // (2 if swiglu is not None else 1)
     N = pw.out_features
     if K != pw.in_features:
         raise ValueError(f"x has {K} inputs, the packed weight {pw.in_features}")
@@ -225,11 +246,12 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         raise ValueError(f"{blocks} row blocks: more than the split counters ({LOCKS})")    # splits are 1 there
     part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     _quant_gemv_kernel[(blocks, splits)](
-        x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words, N, T, x.stride(0),
-        pw.words.stride(0), pw.scales.stride(0), out.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits,
-        DENSE=pw.dense, GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits,
-        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["warps"], num_stages=c["stages"])
+        x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
+        x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0), out.stride(0),
+        0 if swiglu is None else swiglu.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits, DENSE=pw.dense,
+        GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
+        BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SWIGLU=swiglu is not None, num_warps=c["warps"], num_stages=c["stages"])
     return out
 
 

@@ -105,6 +105,15 @@ def quant_gemv_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     return (x.float() @ dequantize_packed(pw, torch.float32).t()).to(x.dtype)
 
 
+def swiglu_input(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2K] -> silu(gate) * up * weights[t] [T, K] in gate_up's dtype, each product rounded to it (the
+    input `quant_gemv(..., swiglu=weights)` computes as it loads; a shared expert's activation with its gate)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    dt = gate_up.dtype
+    return ((torch.nn.functional.silu(g.float()).to(dt).float() * u.float()).to(dt).float()
+            * weights.float()[:, None]).to(dt)
+
+
 def pack_values(q: torch.Tensor, bits: int, dense: bool = True) -> torch.Tensor:
     """int values [N, K] in -2^(bits-1) .. 2^(bits-1) - 1 -> int32 words [N, W], in the library's dense bit stream
     or the older 32 // bits values a word (tests and benchmarks; checkpoints come from the library)."""

@@ -10,6 +10,7 @@ from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.kernels.moe_ref import count_ref
 from stage_worker.model.expert_table import ExpertTable
 from stage_worker.model.fused_rows import fuse_rows, still_fused
+from stage_worker.model.quant_linear import PackedLinear, fuse_packed, still_fused_packed
 
 
 class SwiGLU(nn.Module):
@@ -205,25 +206,32 @@ class SparseMoE(nn.Module):
         return self._add_shared(x2, out).view(x.shape)
 
     def _packed_decode(self, x2: torch.Tensor, counts) -> torch.Tensor | None:
-        """INT4 decode with a bf16 shared expert in six launches: one GEMV for the router and the shared gate
-        (`prepare_kernels` laid them out as one [E + 1, H] tensor), the router kernel (slot k: the shared
-        expert, id -1, weight sigmoid of its gate), the shared expert's bf16 fused-MoE pair, and the INT4 pair
-        reading the router's first k slots in place and adding the shared expert's output in its down launch.
-        The separate path took twelve (the shared gate as a cuBLAS dot and reduction, sigmoid, ids filled,
-        the add, the weights' cast): ~1.4 us of launch gap each in a graph. None when the weights are not laid out
-        so."""
+        """INT4 decode in six launches: one GEMV for the router and the shared gate (`prepare_kernels` laid them
+        out as one [E + 1, H] tensor), the router kernel (slot k: the shared expert, id -1, weight sigmoid of its
+        gate), the shared expert's two launches, and the INT4 pair reading the router's first k slots in place and
+        adding the shared expert's output in its down launch. A bf16 shared expert runs as the bf16 fused-MoE
+        pair; one kept packed (a reports-mixed checkpoint's INT6) as two W6A16 GEMVs, gate and up as one packed
+        weight, the down GEMV computing silu(gate) * up * its gate weight as it loads (`quant_gemv(swiglu=)`).
+        The separate path took twelve to fifteen launches (the shared gate as a cuBLAS dot and reduction,
+        sigmoid, ids filled, SiLU and products, the add, the weights' cast): ~1.4 us of launch gap each in a
+        graph. None when the weights are not laid out so."""
         from stage_worker.kernels.moe import fused_moe, route, triton_usable
         from stage_worker.kernels.moe_int4 import fused_moe_int4
 
-        router, shared = self._packed_router(), self._packed_shared()
-        if router is None or shared is None or not triton_usable(x2):
+        router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
+        if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
         k, t = self.top_k, self.table
         weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
                              valid=self.valid_rows)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
-        shared_out = fused_moe(x2, ids[:, k:], weights[:, k:], *shared)
+        if shared is not None:
+            shared_out = fused_moe(x2, ids[:, k:], weights[:, k:], *shared)
+        else:
+            from stage_worker.kernels.quant_gemv import quant_gemv
+
+            shared_out = quant_gemv(quant_gemv(x2, packed[0]), packed[1], swiglu=weights[:, k])
         split = self.kernels.moe_int4_split
         if t is None:
             out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), split=split, add=shared_out)
@@ -269,6 +277,10 @@ class SparseMoE(nn.Module):
             if se is not None and all(type(m) is nn.Linear for m in (se.gate_proj, se.up_proj, se.down_proj)) \
                     and self._packed_shared() is None:
                 self._shared_w13 = fuse_rows([se.gate_proj, se.up_proj])
+            if se is not None and all(isinstance(m, PackedLinear) for m in (se.gate_proj, se.up_proj,
+                                                                             se.down_proj)) \
+                    and self._packed_shared_int() is None:
+                self._shared_gate_up = fuse_packed([se.gate_proj, se.up_proj])
             if se is not None and type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear \
                     and self._packed_router() is None:
                 self._packed_gates = fuse_rows([self.gate, self.shared_expert_gate])
@@ -298,6 +310,16 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.moe import SharedExpert
 
         return router, SharedExpert(w13, se.down_proj.weight)
+
+    def _packed_shared_int(self) -> tuple | None:
+        """Beside INT4 experts: a shared expert kept packed (PackedLinear) as (gate and up as one PackedWeight
+        [2I, H], down's PackedWeight), if `prepare_kernels` fused gate and up and nothing rebound them."""
+        se = self.shared_expert
+        fused = getattr(self, "_shared_gate_up", None)
+        if se is None or not still_fused_packed(fused, [se.gate_proj, se.up_proj]) or \
+                not isinstance(se.down_proj, PackedLinear):
+            return None
+        return fused, se.down_proj.packed()
 
     def _packed_router(self) -> torch.Tensor | None:
         """Beside INT4 experts: the router and shared-gate rows as one [E + 1, H] tensor, if `prepare_kernels` laid
