@@ -110,9 +110,9 @@ def sweep(ex: PackedExperts, tokens: int, reps: int, out: list, save) -> None:
     t = table(ex, E - round(E * 0.78))
     dev, host = t.packed_experts()
     base = dict(P.CFG)
-    for kind, cands, args in (("host", [(32, 128, 4, 2), (32, 256, 4, 2), (64, 128, 8, 2), (16, 256, 4, 2)],
+    for kind, cands, args in (("host", [(32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 8, 2), (32, 256, 8, 2)],
                                (dev, host, t.hot)),
-                              ("dev", [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4)],
+                              ("dev", [(64, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3), (32, 128, 8, 3)],
                                (ex, None, None))):
         for cfg in cands:
             P.CFG.update({(kind, "up"): cfg, (kind, "down"): cfg})

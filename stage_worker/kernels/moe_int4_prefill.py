@@ -41,18 +41,21 @@ import triton.language as tl
 from stage_worker.kernels.moe_int4_ref import PackedExperts
 from stage_worker.kernels.moe_prefill import block_m
 
-# (BLOCK_N, BLOCK_K, warps, stages) per launch kind and phase. Not yet swept on the H200 (bench/moe_int4_prefill.py
-# --sweep, which also tries BLOCK_K 256: 128 contiguous bytes of a row a step, larger PCIe reads, but a 64 KB x tile
-# a stage at BLOCK_M 128); the host launch keeps BLOCK_N small for the large BLOCK_M it takes.
-CFG = {("dev", "up"): (64, 128, 4, 3), ("dev", "down"): (64, 128, 4, 3),
-       ("host", "up"): (32, 128, 4, 2), ("host", "down"): (32, 128, 4, 2)}
+# (BLOCK_N, BLOCK_K, warps, stages) per launch kind and phase: not timed yet (bench/moe_int4_prefill.py --sweep on
+# the H200), chosen by compiling for sm_90 without a GPU and reading ptxas's registers: the device launch (BLOCK_M
+# 16-64, HBM- and ALU-bound) at 8 warps and BLOCK_K 64 spills nothing (104-202 registers; 4 warps or BLOCK_K 128
+# spill from BLOCK_M 64 on); the host launch (BLOCK_M up to 128, PCIe-bound, so some spilling costs little) reads
+# 64 contiguous bytes of a row a step (BLOCK_K 128) with BLOCK_N 32 (BLOCK_K 256 spills 2-3 KB at BLOCK_M 128).
+# tests/test_kernel_moe_int4_prefill.py compiles both for sm_90 on the CPU.
+CFG = {("dev", "up"): (64, 64, 8, 3), ("dev", "down"): (64, 64, 8, 3),
+       ("host", "up"): (32, 128, 8, 3), ("host", "down"): (32, 128, 8, 3)}
 HOST_MAX_BLOCK_M = 128
 
 
 @triton.jit
 def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr, GROUP: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-          MAGIC: tl.constexpr, INTERPRET: tl.constexpr):
+          MAGIC: tl.constexpr):
     """W^T for `rows` and inputs k0..k0+BLOCK_K as a [BLOCK_K, BLOCK_N] tile in DT, and the [BLOCK_N] scales the
     dot's result takes (mode 0; ones otherwise, the scales being in the tile). Words are loaded once, [BLOCK_K / 8,
     BLOCK_N], and split into their 8 nibbles in registers (input 8w + n is nibble n of word w, stored as q + 8).
@@ -61,6 +64,7 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
     into the mantissa of 128.0 (bf16) or 1024.0 (fp16), exactly, with no int-to-float conversion (a quarter-rate
     instruction); the caller subtracts (that value + 8) x the row sums of x from the dot."""
     WK: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP        # groups a step (mode 1)
     kw = k0 // 8 + tl.arange(0, WK)
     m = (kw < K // 8)[:, None] & rmask[None, :]
     q = tl.load(q_base + rows[None, :] * stride_qr + kw[:, None], mask=m, other=0)          # [WK, BLOCK_N]
@@ -69,28 +73,34 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
     if MODE == 0:
         s = tl.load(s_base + rows * stride_sr + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
         if MAGIC:
-            return (v | MAGIC).to(tl.int16).to(DT, bitcast=True), s
-        return (v - 8).to(tl.float32).to(DT), s
-    if MODE == 1:
-        NG: tl.constexpr = BLOCK_K // GROUP
-        gi = k0 // GROUP + tl.arange(0, NG)
-        sm = (gi < (K + GROUP - 1) // GROUP)[:, None] & rmask[None, :]
-        st = tl.load(s_base + rows[None, :] * stride_sr + gi[:, None], mask=sm, other=0.0).to(tl.float32)
-        sc = tl.reshape(tl.broadcast_to(st[:, None, :], [NG, GROUP, BLOCK_N]), [BLOCK_K, BLOCK_N])
+            w = (v | MAGIC).to(tl.int16).to(DT, bitcast=True)
+        else:
+            w = (v - 8).to(tl.float32).to(DT)
     else:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        sm = (ks < K)[:, None] & rmask[None, :]
-        sc = tl.load(s_base + rows[None, :] * stride_sr + (ks // GROUP)[:, None], mask=sm, other=0.0).to(tl.float32)
-    return ((v - 8).to(tl.float32) * sc).to(DT), tl.full([BLOCK_N], 1.0, tl.float32)
+        if MODE == 1:
+            gi = k0 // GROUP + tl.arange(0, NG)
+            sm = (gi < (K + GROUP - 1) // GROUP)[:, None] & rmask[None, :]
+            st = tl.load(s_base + rows[None, :] * stride_sr + gi[:, None], mask=sm, other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.broadcast_to(st[:, None, :], [NG, GROUP, BLOCK_N]), [BLOCK_K, BLOCK_N])
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            sm = (ks < K)[:, None] & rmask[None, :]
+            sc = tl.load(s_base + rows[None, :] * stride_sr + (ks // GROUP)[:, None], mask=sm,
+                         other=0.0).to(tl.float32)
+        w = ((v - 8).to(tl.float32) * sc).to(DT)
+        s = tl.full([BLOCK_N], 1.0, tl.float32)
+    return w, s
 
 
 @triton.jit
 def _dot(a, w, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
     if INTERPRET:                     # the interpreter's bf16 tl.dot is wrong (triton 3.6): upcast there
-        return tl.dot(a.to(tl.float32), w.to(tl.float32))
-    if IEEE:                          # float32 models: no TF32 rounding
-        return tl.dot(a, w, input_precision="ieee")
-    return tl.dot(a, w)
+        d = tl.dot(a.to(tl.float32), w.to(tl.float32))
+    elif IEEE:                        # float32 models: no TF32 rounding
+        d = tl.dot(a, w, input_precision="ieee")
+    else:
+        d = tl.dot(a, w)
+    return d
 
 
 @triton.jit
@@ -126,11 +136,11 @@ def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr
         else:
             off = 0.0
         w, s = _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K, MODE, DT,
-                     MAGIC, INTERPRET)
+                     MAGIC)
         acc += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
         if GATED:
             w, s = _tile(q_base, s_base, rows + N, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K,
-                         MODE, DT, MAGIC, INTERPRET)
+                         MODE, DT, MAGIC)
             acc_u += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
