@@ -302,6 +302,26 @@ def test_full_shape_against_the_reference_and_the_loop(T, share):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_no_host_sync():
+    """A chunk with host slots runs without the host waiting for the device (torch's sync debug mode raises on any
+    read-back): the sort, the block layout and the launches are all queued."""
+    E, H, I, k, T = 64, 256, 128, 8, 300
+    ex = _experts(E, H, I, 128, 128, seed=1, dtype=torch.bfloat16)
+    dev, host = _split(ex, 40)
+    ids, w = _routing(T, E, k, seed=1, dtype=torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    want = P.grouped_moe_int4_triton(x, ids, w, dev, host, 40)         # compiled before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = P.grouped_moe_int4_triton(x, ids, w, dev, host, 40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_gpu_chunked_prefill_with_cold_packed_experts_equals_the_loop(tiny_checkpoint, monkeypatch):
     """On the GPU with every kernel on: the tiny preset's dummy INT4 experts, half of each layer's in registered
     host memory, two 70-token chunks (x top-4 > the decode kernel's 256: the prefill path) and 8 greedy decode

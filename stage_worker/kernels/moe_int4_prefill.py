@@ -159,7 +159,8 @@ def align_range(ids: torch.Tensor, lo: int, hi: int, bm: int) -> tuple[torch.Ten
     tk, n, dev = flat.numel(), hi - lo, ids.device
     key = torch.where((flat >= lo) & (flat < hi), flat - lo, n)            # n: pairs this launch does not take
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=n + 1)[:n]
+    # not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:n]
     padded = (counts + bm - 1) // bm * bm
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
