@@ -89,8 +89,8 @@ def test_fused_moe_takes_the_kernel_for_prefill_and_the_loop_without_it(monkeypa
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [64, 512, 4096])
 def test_real_shapes_on_gpu(t):
-    """The full-shape MoE (H 2560, I 640, 512 experts, top-10) at prefill sizes: the kernels agree with the
-    per-expert loop they replace, and are timed beside it."""
+    """The full-shape MoE (H 2560, I 640, 512 experts, top-10) at prefill sizes: the kernels run without a host
+    sync, agree with the per-expert loop they replace, and are timed beside it."""
     from conftest import cuda_us
 
     h, i, e, k = 2560, 640, 512, 10
@@ -100,7 +100,12 @@ def test_real_shapes_on_gpu(t):
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32)
     weights = torch.softmax(torch.randn(t, k, device="cuda", generator=g), dim=-1).bfloat16()
-    out = P.grouped_moe_triton(x, ids, weights, w13, w2)
+    P.grouped_moe_triton(x, ids, weights, w13, w2)                 # compiled before the sync check
+    torch.cuda.set_sync_debug_mode("error")                         # a host sync in the call raises
+    try:
+        out = P.grouped_moe_triton(x, ids, weights, w13, w2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     loop = K.grouped_moe(x, ids, weights, w13, w2)
     assert _rel(out, loop) < 2e-2
     kernel_us = cuda_us(lambda: P.grouped_moe_triton(x, ids, weights, w13, w2))

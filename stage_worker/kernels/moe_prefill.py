@@ -39,7 +39,8 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
     tk = flat.numel()
     dev = ids.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + bm - 1) // bm * bm
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
