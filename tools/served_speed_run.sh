@@ -9,7 +9,9 @@
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams), offload and vram24
 # (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
 # 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
-# 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), cold (issue 18: cold PLE
+# 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), int4prefill (issue 17:
+# the INT4 prefill kernels' GPU tests and bench/moe_int4_prefill.py; VRAM_AB="base noint4prefill" makes vram_int4 an
+# A/B of TTFT with the per-expert loop), cold (issue 18: cold PLE
 # time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
@@ -28,7 +30,8 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [noasync]="MOEPIPE_ASYNC_SCHEDULING=0" [noservice]="" [profile]="MOEPIPE_PROFILE_STEPS=300:40"
                    [noprefillkernel]="MOEPIPE_KERNELS=-moe_prefill" [plethreads0]="MOEPIPE_PLE_THREADS=0"
                    [nolaunchahead]="MOEPIPE_LAUNCH_AHEAD=0" [noskippad]="MOEPIPE_GRAPH_SKIP_PADDING=0"
-                   [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1")
+                   [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1"
+                   [noint4prefill]="MOEPIPE_KERNELS=-moe_int4_prefill")
 # settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
 # profile writes torch.profiler tables of 40 served steps (inside the 1-stream runs) to $out/profile_<model>/
 declare -A AB_ARGS=([noservice]="--no-ple-service")
@@ -124,14 +127,16 @@ if want offload_int4; then   # issues 16 + 17: INT4 experts kept packed in exper
 fi
 if want vram_int4; then   # issues 16 + 17: the whole full shape (48 layers) with INT4 experts under --vram-limit
   moepipe make-model --preset full-shape --out /tmp/fs48 > /dev/null
-  for lim in ${VRAM_LIMITS:-24 32}; do
-    timeout "${VRAM_TIMEOUT:-240}" python3 bench/serve.py --model /tmp/fs48 --load-format dummy --device cuda \
-      --stages 1 --streams 1,4 --max-tokens 64 --runs 2 --set dummy_quant=int4-experts --set vram_limit=$lim \
-      --set cold_experts=auto --set max_model_len=8192 --out "$out/serve_fs48_int4_vram$lim.json" \
-      > "$out/serve_fs48_int4_vram$lim.log" 2>&1
-    echo "== full shape, 48 layers, INT4 experts, --vram-limit $lim, --cold-experts auto (rc $?):"
-    grep -A3 "GiB;" "$out/serve_fs48_int4_vram$lim.log" | head -4; tail -5 "$out/serve_fs48_int4_vram$lim.log"
-  done
+  # VRAM_AB: A/B settings of $AB_ENV per limit (noint4prefill: INT4 prefill by the per-expert loop, for TTFT)
+  for lim in ${VRAM_LIMITS:-24 32}; do for name in ${VRAM_AB:-base}; do
+    tag="vram$lim"; [[ $name == base ]] || tag="vram${lim}_$name"
+    env ${AB_ENV[$name]} timeout "${VRAM_TIMEOUT:-240}" python3 bench/serve.py --model /tmp/fs48 --load-format dummy \
+      --device cuda --stages 1 --streams 1,4 --max-tokens 64 --runs 2 --set dummy_quant=int4-experts \
+      --set vram_limit=$lim --set cold_experts=auto --set max_model_len=8192 --out "$out/serve_fs48_int4_$tag.json" \
+      > "$out/serve_fs48_int4_$tag.log" 2>&1
+    echo "== full shape, 48 layers, INT4 experts, --vram-limit $lim, --cold-experts auto, $name (rc $?):"
+    grep -A3 "GiB;" "$out/serve_fs48_int4_$tag.log" | head -4; tail -5 "$out/serve_fs48_int4_$tag.log"
+  done; done
 fi
 if want cold; then   # issue 18: cold PLE time to first token, the PLE table a file on disk, prefetch on and off
   # full shape cut to $COLD_LAYERS layers; the table scaled to the disk: ngram_vocab_size_base $COLD_BASE rows a head
@@ -174,6 +179,16 @@ cold_set.write('/tmp/cold60.json', cfg, '/tmp/fs8', cold, [(0, 8)], cold_set.exp
     --set max_model_len=8192 --out "$out/serve_vram24.json" > "$out/serve_vram24.log" 2>&1
   echo "== served with --vram-limit 24, 60% of experts in host RAM:"; grep -A8 "GiB;" "$out/serve_vram24.log" \
     | head -4; tail -5 "$out/serve_vram24.log"
+fi
+if want int4prefill; then   # issue 17: INT4 expert prefill on the tensor cores (kernels/moe_int4_prefill.py)
+  # the GPU tests (full shape against the reference and the loop, no host sync, a GPU stage with cold packed
+  # experts against the loop), then the full-shape timings with 0% / 78% host slots and the launch-config sweep
+  timeout "${INT4P_TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -n0 -s -m gpu \
+    tests/test_kernel_moe_int4_prefill.py > "$out/int4_prefill_tests.log" 2>&1
+  echo "== INT4 prefill GPU tests (rc $?):"; grep -E "^T=|passed|failed|Error" "$out/int4_prefill_tests.log" | tail -14
+  timeout "${INT4P_BENCH_TIMEOUT:-75}" python3 bench/moe_int4_prefill.py ${INT4P_ARGS:---tokens 44,512 --sweep} \
+    --out "$out/moe_int4_prefill.json" > "$out/moe_int4_prefill.log" 2>&1
+  echo "== bench/moe_int4_prefill.py (rc $?):"; tail -16 "$out/moe_int4_prefill.log"
 fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
