@@ -126,7 +126,8 @@ class ExpertTable:
         return self.expert_of_slot[slots.long()].to(slots.dtype)
 
     def moe_int4(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """INT4 experts, prefill and CPU path (= `moe_int4.grouped_moe_int4` on the whole table): each present
+        """INT4 experts, the CPU path and the GPU's prefill with kernel flag `moe_int4_prefill` off (on: the grouped
+        GEMMs of `kernels/moe_int4_prefill.py`; = `moe_int4.grouped_moe_int4` on the whole table): each present
         expert's words and scales read once (a host slot's copied to x's device once per call), dequantized to
         x.dtype, two GEMMs over its tokens. Experts in id order, as without a table, so the sums are the same.
         One host sync (the present experts). ids [T, k] are slots (negative: none)."""
