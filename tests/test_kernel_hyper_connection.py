@@ -146,6 +146,43 @@ def test_module_entry_point(inject):
                     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
+def _int8(weights: list) -> list:
+    """down and up as a reports-mixed checkpoint keeps them: INT8 per channel (PackedWeight), scales in the
+    weights' dtype."""
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+
+    out = list(weights)
+    for i in (1, 2):
+        pw = quantize_rtn(weights[i].float().cpu(), 8, None, scale_dtype=weights[i].dtype)
+        out[i] = type(pw)(pw.words.to(DEV), pw.scales.to(DEV), 8, pw.in_features, pw.group)
+    return out
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 3)])
+def test_int8_mix_weights_are_read_in_place(dtype, rows):
+    """INT8 per-channel down / up (their words viewed as bytes, the stored value less 128, one scale a row applied
+    to the row's sum) give the reference on the same packed weights (dequantized there), with the injection in
+    the first kernel; a packed scheme the kernels do not read is refused by name."""
+    hidden, hc, rank = 32, 4, 8
+    streams = _streams(rows, hc * hidden, dtype, seed=50 + rows)
+    out = _streams(rows, hidden, dtype, seed=51)
+    inj = (2 * torch.rand(rows, hc, generator=torch.Generator().manual_seed(52))).to(DEV, dtype)
+    weights = _int8(_weights(hidden, hc, rank, True, dtype, seed=53))
+    new, mixed, w = K.hc_inject_mix(streams, out, inj, *weights, hc, EPS)
+    want_mixed, want_w = ref.hc_mix(ref.hc_inject(streams, out, inj), *weights, hc, EPS)
+    for got, want in ((mixed, want_mixed), (w, want_w)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        else:       # the reference rounds each dequantized weight to bf16, the kernel scales the row's sum
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+
+    six = quantize_rtn(torch.ones(rank, hc * hidden), 6, 16)
+    assert not K.kernel_form(six)
+    with pytest.raises(ValueError, match="INT8 per-channel"):
+        K.hc_mix(streams, weights[0], six, weights[2], weights[3], hc, EPS)
+
+
 @pytest.fixture
 def fp32_matmul_reduction():
     """cuBLAS may otherwise reduce bf16 split-K partial sums in bf16: a rounding point the model path does not
@@ -155,6 +192,20 @@ def fp32_matmul_reduction():
     matmul.allow_bf16_reduced_precision_reduction = False
     yield
     matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_real_shapes_int8(rows):
+    """Qwen4-Exp at decode with the reports' INT8 per-channel down / up: the kernels against the reference on the
+    same packed weights."""
+    hidden, hc, rank = 2560, 4, 320
+    streams = _streams(rows, hc * hidden, torch.bfloat16, seed=rows)
+    weights = _int8(_weights(hidden, hc, rank, True, torch.bfloat16, seed=rows))
+    mixed, weights_out = K.hc_mix(streams, *weights, hc, EPS)
+    want_mixed, want_weights = ref.hc_mix(streams, *weights, hc, EPS)
+    torch.testing.assert_close(mixed.float(), want_mixed.float(), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(weights_out.float(), want_weights.float(), rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -327,8 +327,8 @@ def _logits_of(stages, steps: int) -> tuple[torch.Tensor, list[int]]:
 def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, originals, tmp_path, monkeypatch):
     """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (o_proj, out_proj, the shared
     expert beside INT4 experts, a dense MLP, lm_head, and Qwen4-Exp's DeltaNet in-projections, which decode reads
-    as one packed weight; Qwen3-Next's grouped in-projections and the other fused sites dequantized) and gives the
-    logits and greedy
+    as one packed weight, and its INT8 hyper-connection down / up; Qwen3-Next's grouped in-projections and q/k/v
+    dequantized) and gives the logits and greedy
     tokens of the same checkpoint with packed_dense off: prefill + 16 decode steps on the CPU path (a block of rows
     dequantized a call), the first steps also through the GEMV kernel under the interpreter, and on two stages."""
     from stage_worker.kernels import quant_gemv
@@ -348,8 +348,12 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     if family == "qwen4_exp":        # one on-disk module each (Qwen3-Next's grouped qkvz / ba are regrouped)
         want |= {f"layers.{i}.linear_attn.in_proj_{p}" for i in range(cfg.num_hidden_layers)
                  if not cfg.is_attention(i) for p in ("qkv", "z", "b", "a")}
+        hc = {f"layers.{i}.{m}_hyper_connection.input_mix_weight_{p}" for i in range(cfg.num_hidden_layers)
+              for m in ("attn", "mlp") for p in ("down", "up")}
+        want |= hc | {f"hyper_connection_mixer.input_mix_weight_{p}" for p in ("down", "up")}
     assert set(kept) == want
-    assert kept["lm_head"].bits == 8 and {m.bits for n, m in kept.items() if n != "lm_head"} == {6}
+    eight = {n for n in kept if n == "lm_head" or n.endswith(("_down", "_up"))}
+    assert {kept[n].bits for n in eight} == {8} and {m.bits for n, m in kept.items() if n not in eight} == {6}
     assert all(not hasattr(m, "weight") and m.weight_packed.dtype == torch.int32 for m in kept.values())
     layer0 = packed.layers["0"]
     if family == "qwen4_exp":
@@ -384,7 +388,8 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
 
 def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoint):
     """`bench/decode.py --quant reports-mixed` without files: `quant_linear.dummy_specs` keeps every plain-linear
-    site packed as the reports' release has it (lm_head INT8 per channel, the rest INT6 in groups), fill_random
+    site packed as the reports' release has it (lm_head and the hyper-connection mix weights INT8 per channel, the
+    rest INT6 in groups), fill_random
     gives them std-0.02 weights as it gives float ones, and the DeltaNet in-projections fuse into one packed
     weight."""
     from stage_worker.checkpoint.loader import build_empty
@@ -399,7 +404,9 @@ def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoin
     fill_random(model, seed=0)
     kept = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert set(kept) == sites and any(".in_proj_qkv" in n for n in kept)
-    assert {m.bits for n, m in kept.items() if n != "lm_head"} == {6} and kept["lm_head"].bits == 8
+    eight = {n for n in kept if n == "lm_head" or n.endswith(("input_mix_weight_down", "input_mix_weight_up"))}
+    assert "lm_head" in eight and len(eight) > 1
+    assert {kept[n].bits for n in eight} == {8} and {m.bits for n, m in kept.items() if n not in eight} == {6}
     for m in kept.values():
         assert 0.015 < float(m.dequantized(torch.float32).std()) < 0.025
     la = next(m for m in model.modules() if hasattr(m, "fuse_projections"))

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels import hyper_connection_ref
+from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.kernels.rmsnorm import round_to
 
 if TYPE_CHECKING:   # the model will import this module behind its kernel flag: no import cycle at run time
@@ -70,9 +71,31 @@ def _hc_prep_kernel(x_ptr, o_ptr, g_ptr, y_ptr, nw_ptr, n_ptr, stride_x, stride_
 
 
 @triton.jit
-def _hc_down_kernel(n_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, T,
+def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_T, BLOCK_R]: the normed rows times weight rows `outs` (stored values less OFFSET: 128 for INT8
+    bytes, whose per-row scale the caller applies; 0 for float weights)."""
+    ts = tl.arange(0, BLOCK_T)
+    w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mk = ks < K
+        # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
+        w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mk[None, :], other=OFFSET).to(tl.float32) - OFFSET
+        for t in tl.static_range(BLOCK_T):
+            x = tl.load(n_ptr + (row0 + t).to(tl.int64) * K + ks, mask=mk & (row0 + t < T), other=0.0)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.where((ts == t)[:, None], part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+    """`down` (and `block_inject`) rows over the normed streams; with Q8 the down weight is INT8 bytes (stored
+    value + 128) with one scale a row (ds), applied to the row's sum."""
     K: tl.constexpr = HC * H
     pid_r = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_T
@@ -81,25 +104,18 @@ def _hc_down_kernel(n_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, T,
     n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     is_down = pid_r < n_down
     if is_down:
-        w_ptr = down_ptr
         outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < R
+        if Q8:
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 128.0, BLOCK_T, BLOCK_R, BLOCK_K)
+            acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
     else:
-        w_ptr = inj_ptr
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
-    w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
+        acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
     dt: tl.constexpr = a_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mk = ks < K
-        # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
-        w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        for t in tl.static_range(BLOCK_T):
-            x = tl.load(n_ptr + (row0 + t).to(tl.int64) * K + ks, mask=mk & (row0 + t < T), other=0.0)
-            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-            acc += tl.where((ts == t)[:, None], part[None, :], 0.0)
     v = round_to(round_to(acc, dt) / HC, dt)
     mask = mt[:, None] & mo[None, :]
     if is_down:
@@ -111,9 +127,12 @@ def _hc_down_kernel(n_ptr, down_ptr, inj_ptr, a_ptr, g_ptr, T,
 
 
 @triton.jit
-def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, y_ptr, T, stride_y,
+def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr):
+    """The `up` GEMV per stream, sigmoid, and the mean of gate * normed; with Q8 the up weight is INT8 bytes
+    (stored value + 128) with one scale a row (us), applied to each row's sum."""
+    OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
     hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = hs < H
     row0 = tl.program_id(1) * BLOCK_T
@@ -128,11 +147,13 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, y_ptr, T, stride_y,
             js = j0 + tl.arange(0, BLOCK_J)
             mj = js < R
             w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
-                        mask=mh[:, None] & mj[None, :], other=0.0).to(tl.float32)
+                        mask=mh[:, None] & mj[None, :], other=OFFSET).to(tl.float32) - OFFSET
             for t in tl.static_range(BLOCK_T):
                 a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
                 part = tl.sum(w * a[None, :], axis=1)
                 u += tl.where((ts == t)[:, None], part[None, :], 0.0)
+        if Q8:
+            u = u * tl.load(us_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)[None, :]
         gate = round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
         nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
                      other=0.0).to(tl.float32)
@@ -175,7 +196,25 @@ def hc_inject_mix(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tenso
     return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps)
 
 
+def int8_rows(w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, row scales) as the mix kernels take them: a float weight as it is (no scales); a packed INT8
+    per-channel weight (a reports-mixed checkpoint's down / up, `PackedLinear`) as its words viewed as bytes
+    [N, K] uint8 (value k of a row is byte k, stored + 128) and its scales [N]."""
+    if not isinstance(w, PackedWeight):
+        return w.contiguous(), None
+    if not kernel_form(w):
+        raise ValueError(f"the mix kernels take INT8 per-channel weights, not {w.bits} bits in groups of {w.group}")
+    return w.words.contiguous().view(torch.uint8), w.scales[:, 0].contiguous()
+
+
+def kernel_form(w) -> bool:
+    """A weight the mix kernels read: float, or packed INT8 with one scale a row in whole words."""
+    return not isinstance(w, PackedWeight) or (w.bits == 8 and w.groups == 1 and w.words.shape[1] * 4 ==
+                                               w.in_features)
+
+
 def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
+    (down_w, down_s), (up_w, up_s) = int8_rows(down_w), int8_rows(up_w)
     t, width = streams.shape
     hidden, rank = width // hc, down_w.shape[0]
     if hidden * hc != width or tuple(down_w.shape) != (rank, width) or tuple(up_w.shape) != (width, rank):
@@ -185,7 +224,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         raise ValueError(f"block_inject weight {tuple(inject_w.shape)} is not {(hc, width)}")
     x = _rows_contiguous(streams)
     dev, dt = x.device, x.dtype
-    hc_norm_w, down_w, up_w = hc_norm_w.contiguous(), down_w.contiguous(), up_w.contiguous()
+    hc_norm_w = hc_norm_w.contiguous()
     new_streams = x
     normed = torch.empty((t, width), dtype=dt, device=dev)
     a = torch.empty((t, rank), dtype=dt, device=dev)
@@ -205,14 +244,15 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     br, bk, warps = DOWN_CFG[_bucket(t)]
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
     _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
-        normed, down_w, inject_w.contiguous() if inject_w is not None else down_w, a,
-        inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
-        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), num_warps=warps)
+        normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
+        a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
+        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps)
     bh, bj, warps = UP_CFG[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
-        normed, a, up_w, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), num_warps=warps)
+        normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
+        num_warps=warps)
     return new_streams, mixed, inject
 
 
@@ -232,21 +272,28 @@ def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) ->
 
 def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`module.mix(streams)` of a `GatedResidual` through the kernels at decode sizes, through the PyTorch reference
-    above `DECODE_ROWS` rows (not `module.mix`, which calls this function when its kernel flag is on)."""
-    mix = hc_mix if streams.shape[0] <= DECODE_ROWS else hyper_connection_ref.hc_mix
-    return mix(streams, *_module_weights(module), module.hc, module.hc_norm.eps)
+    above `DECODE_ROWS` rows or for packed weights the kernels do not read (not `module.mix`, which calls this
+    function when its kernel flag is on)."""
+    w = _module_weights(module)
+    mix = hc_mix if streams.shape[0] <= DECODE_ROWS and kernel_form(w[1]) and kernel_form(w[2]) else \
+        hyper_connection_ref.hc_mix
+    return mix(streams, *w, module.hc, module.hc_norm.eps)
 
 
 def _module_weights(module: GatedResidual) -> tuple:
+    """(norm weight, down, up, inject): down and up a PackedWeight where the module keeps them packed."""
     inject = module.block_inject_weight
-    return (module.hc_norm.weight, module.input_mix_weight_down.weight, module.input_mix_weight_up.weight,
-            None if inject is None else inject.weight)
+    down, up = module.input_mix_weight_down, module.input_mix_weight_up
+    return (module.hc_norm.weight, down.packed() if hasattr(down, "packed") else down.weight,
+            up.packed() if hasattr(up, "packed") else up.weight, None if inject is None else inject.weight)
 
 
 def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torch.Tensor,
                          weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`GatedResidual.inject` then `module.mix`, fused at decode sizes (reference above `DECODE_ROWS` rows)."""
-    if streams.shape[0] <= DECODE_ROWS:
-        return hc_inject_mix(streams, out, weights, *_module_weights(module), module.hc, module.hc_norm.eps)
+    """`GatedResidual.inject` then `module.mix`, fused at decode sizes (reference above `DECODE_ROWS` rows, or for
+    packed weights the kernels do not read)."""
+    w = _module_weights(module)
+    if streams.shape[0] <= DECODE_ROWS and kernel_form(w[1]) and kernel_form(w[2]):
+        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps)
     streams = hyper_connection_ref.hc_inject(streams, out, weights)
-    return (streams, *hyper_connection_ref.hc_mix(streams, *_module_weights(module), module.hc, module.hc_norm.eps))
+    return (streams, *hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps))

@@ -14,15 +14,26 @@ from stage_worker.kernels.rmsnorm_ref import rmsnorm
 
 def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
            inject_w: torch.Tensor | None, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer)."""
+    """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer); down_w
+    and up_w float, or `PackedWeight`s."""
     hidden = streams.shape[-1] // hc
     normed = rmsnorm(streams, hc_norm_w, eps, group_size=hidden)
-    w = F.silu(F.linear(normed, down_w) / hc)
-    w = torch.sigmoid(F.linear(w, up_w)).unflatten(-1, (hc, hidden))
+    w = F.silu(_linear(normed, down_w) / hc)
+    w = torch.sigmoid(_linear(w, up_w)).unflatten(-1, (hc, hidden))
     mixed = (w * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject_w is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(F.linear(normed, inject_w) / hc)
+
+
+def _linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w^T for a float weight, or a packed one (`PackedWeight`: a reports-mixed checkpoint's INT8 down / up) as
+    `PackedLinear` runs it."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    from stage_worker.model.quant_linear import packed_matmul
+
+    return packed_matmul(x, w)
 
 
 def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:

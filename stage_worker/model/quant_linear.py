@@ -5,12 +5,13 @@ multiplies (prefill, the CPU).
 
 Which modules: those the model calls as a plain linear (`x -> module(x)`) everywhere (`plain_linear_sites`):
 attention's o_proj, Gated DeltaNet's out_proj and its four in-projections (decode reads them as one packed weight,
-`fuse_packed`, when they share a scheme), a dense layer's MLP, the MTP head's fc, lm_head (unless tied to the
-embedding), and the shared expert of a layer whose INT4 routed experts stay packed (then it runs beside the INT4
-kernels, never as the bf16 MoE kernel's extra slot). Weights a fused kernel reads as bf16 stay dequantized at load:
-q/k/v and the QSA indexer's projection (one GEMV over row views), the hyper-connection mix weights (the mix
-kernels), the shared expert beside bf16 experts (the MoE kernel's last slot), the PLE projections, the router and
-the embedding (a gather, not a Linear).
+`fuse_packed`, when they share a scheme), the hyper-connection mix's down and up weights (the mix kernels read INT8
+per-channel bytes in place; another scheme takes the PyTorch path), a dense layer's MLP, the MTP head's fc, lm_head
+(unless tied to the embedding), and the shared expert of a layer whose INT4 routed experts stay packed (then it
+runs beside the INT4 kernels, never as the bf16 MoE kernel's extra slot). Weights a fused kernel reads as bf16 stay
+dequantized at load: q/k/v and the QSA indexer's projection (one GEMV over row views), the shared expert beside
+bf16 experts (the MoE kernel's last slot), the block-inject weight, the PLE projections, the router and the
+embedding (a gather, not a Linear).
 
 A module is kept packed when its scheme is compressed-tensors INT 4, 6 or 8, symmetric, per channel (or per
 tensor, held as per channel), or per group of a multiple of 8 inputs (a last partial group allowed), its words on
@@ -33,7 +34,7 @@ from stage_worker.kernels.quant_gemv_ref import PackedWeight
 BITS = (4, 6, 8)
 # module names (as StageModel names them) whose only use is a plain linear call
 _PLAIN = re.compile(r"(^|\.)(self_attn\.o_proj|linear_attn\.(out_proj|in_proj_(qkv|z|b|a))|mlp\.(gate|up|down)_proj"
-                    r"|fc|lm_head)$")
+                    r"|input_mix_weight_(down|up)|fc|lm_head)$")
 _SHARED = re.compile(r"(^|\.)mlp\.shared_expert\.(gate|up|down)_proj$")
 
 
@@ -198,16 +199,19 @@ def packed_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 
 def dummy_specs(model: nn.Module, dtype: torch.dtype) -> dict[str, PackedSpec]:
-    """The reports' release for the `plain_linear_sites` of a model without files (benchmarks): lm_head INT8 per
-    channel, the rest INT6 in groups of 128 inputs (or the largest power of two >= 8 dividing them, else per
-    channel, as `moepipe quantize` chooses), the dense bit stream, scales in `dtype`."""
+    """The reports' release for the `plain_linear_sites` of a model without files (benchmarks): lm_head and the
+    hyper-connection mix weights INT8 per channel, the rest INT6 in groups of 128 inputs (or the largest power of
+    two >= 8 dividing them, else per channel, as `moepipe quantize` chooses), the dense bit stream, scales in
+    `dtype`."""
     from stage_worker.model.quant_weight import dense_words
 
     out = {}
     for name in plain_linear_sites(model):
         K = model.get_submodule(name).in_features
-        bits, group = (8, K) if name.endswith("lm_head") else (6, next((g for g in (128, 64, 32, 16, 8)
-                                                                           if K % g == 0), K))
+        if name.endswith(("lm_head", "_down", "_up")):
+            bits, group = 8, K
+        else:
+            bits, group = 6, next((g for g in (128, 64, 32, 16, 8) if K % g == 0), K)
         out[name] = PackedSpec(bits, group, dense_words(K, bits), -(-K // group), dtype)
     return out
 
