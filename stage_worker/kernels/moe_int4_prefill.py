@@ -195,6 +195,7 @@ def scale_mode(group: int, block_k: int) -> int:
 def _gemm(a: torch.Tensor, sorted_ids: torch.Tensor, block_slot: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
           out: torch.Tensor, tk: int, K: int, N: int, row_div: int, gated: bool, group: int, bm: int,
           cfg: tuple[int, int, int, int]) -> None:
+    """One launch over one table: out[pair] = (a[pair // row_div] W_e^T) for the blocks of `block_slot`."""
     bn, bk, warps, stages = cfg
     bn = min(bn, max(16, triton.next_power_of_2(N)))
     bk = min(bk, max(16, triton.next_power_of_2(K)))
