@@ -25,9 +25,9 @@ if not __import__("torch").cuda.is_available():
 SLOWEST_FILES = ["test_train_demo.py", "test_demo_model.py", "test_cluster.py", "test_schemathesis.py",
                  "test_self_healing.py", "test_any_checkpoint.py", "test_make_model.py", "test_packed_cold_experts.py",
                  "test_route_trace.py", "test_device_sampling_cluster.py", "test_greedy_transcript.py",
-                 "test_quantized_checkpoint.py", "test_agents.py", "test_kernel_moe_int4.py", "test_kernel_moe_int4_prefill.py",
-                 "test_expert_table.py",
-                 "test_links.py", "test_access_log.py", "test_cold_set.py", "test_engine_core.py"]
+                 "test_quantized_checkpoint.py", "test_agents.py", "test_kernel_moe_int4.py",
+                 "test_kernel_moe_int4_prefill.py", "test_expert_table.py", "test_links.py", "test_access_log.py",
+                 "test_cold_set.py", "test_engine_core.py"]
 
 
 def pytest_collection_modifyitems(config, items):
