@@ -182,9 +182,10 @@ cold_set.write('/tmp/cold60.json', cfg, '/tmp/fs8', cold, [(0, 8)], cold_set.exp
 fi
 if want int4prefill; then   # issue 17: INT4 expert prefill on the tensor cores (kernels/moe_int4_prefill.py)
   # the GPU tests (full shape against the reference and the loop, no host sync, a GPU stage with cold packed
-  # experts against the loop), then the full-shape timings with 0% / 78% host slots and the launch-config sweep
+  # experts against the loop; the bf16 prefill kernels' full-shape test, now also without a host sync), then the
+  # full-shape timings with 0% / 78% host slots and the launch-config sweep
   timeout "${INT4P_TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -n0 -s -m gpu \
-    tests/test_kernel_moe_int4_prefill.py > "$out/int4_prefill_tests.log" 2>&1
+    tests/test_kernel_moe_int4_prefill.py tests/test_kernel_moe_prefill.py > "$out/int4_prefill_tests.log" 2>&1
   echo "== INT4 prefill GPU tests (rc $?):"; grep -E "^T=|passed|failed|Error" "$out/int4_prefill_tests.log" | tail -14
   timeout "${INT4P_BENCH_TIMEOUT:-75}" python3 bench/moe_int4_prefill.py ${INT4P_ARGS:---tokens 44,512 --sweep} \
     --out "$out/moe_int4_prefill.json" > "$out/moe_int4_prefill.log" 2>&1
