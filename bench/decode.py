@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="none:0,all:0,all:1",
                     help="kernel set:cuda graphs pairs to measure, e.g. 'none:0,all:1,-moe:1' (A/B in one run); "
-                         "separated by ';' when a kernel set lists several names (--configs='all:1;-moe_int4_split,"
+                         "separated by ';' when a kernel set lists several names (--configs='all:1;-moe_int4_fused,"
                          "-rmsnorm:1'; with '=' when the value starts with '-')")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")

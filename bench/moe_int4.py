@@ -129,33 +129,6 @@ def sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
     return out
 
 
-SPLITS = (1, 2, 4, 8)
-
-
-def split_sweep(ex, H, E, k, tokens, gen, calls, runs) -> dict:
-    """Per token bucket, with the launch configs as they are: UP_SPLIT over SPLITS (DOWN_SPLIT as set), then
-    DOWN_SPLIT; the fastest of each is kept (printed: the values for moe_int4.UP_SPLIT / DOWN_SPLIT)."""
-    out = {}
-    for t in tokens:
-        b = M._bucket(t)
-        x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
-        routes = [route_ref(torch.randn(t, E, generator=gen, device="cuda"), k, True) for _ in range(calls)]
-        routes = [(w.to(torch.bfloat16), ids) for w, ids in routes]
-        fn = lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex)      # noqa: E731
-        res = {}
-        for table, name in ((M.UP_SPLIT, "up"), (M.DOWN_SPLIT, "down")):
-            res[name] = {}
-            for sp in SPLITS:
-                table[b] = sp
-                res[name][sp] = timed(fn, calls, runs)
-            table[b] = min(res[name], key=res[name].get)
-            print(f"  t={t} {name} split: " + ", ".join(f"{sp}: {v * 1e6:.1f} us" for sp, v in res[name].items())
-                  + f" -> {table[b]}")
-        out[t] = {"up_split": M.UP_SPLIT[b], "down_split": M.DOWN_SPLIT[b], "times": res}
-    print(f"UP_SPLIT = {M.UP_SPLIT}\nDOWN_SPLIT = {M.DOWN_SPLIT}")
-    return out
-
-
 class _Skip:
     """Stands in for a kernel so that only the other phase runs (phase timing)."""
 
@@ -190,8 +163,6 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="first try launch configs of the INT4 kernels per token bucket (up, then down) and use the "
                          "fastest (printed: the values for moe_int4.UP_CFG / DOWN_CFG)")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="time UP_SPLIT / DOWN_SPLIT in 1, 2, 4, 8 per token bucket and keep the fastest")
     ap.add_argument("--profile-only", action="store_true",
                     help="only run the INT4 call a few times at the first --tokens count, no graphs (for ncu)")
     ap.add_argument("--jobs", type=int, default=0,
@@ -222,9 +193,6 @@ def main() -> int:
         precompile(H, I, k, g, args.jobs)
     if args.sweep:
         swept = sweep(ex, H, E, k, [int(v) for v in args.tokens.split(",")], gen, args.calls, args.runs)
-    if args.split_sweep:
-        swept["split"] = split_sweep(ex, H, E, k, [int(v) for v in args.tokens.split(",")], gen, args.calls,
-                                     args.runs)
     print(f"{'tokens':>6} {'kernel':>6} {'us/call':>8} {'MB read':>8} {'TB/s':>6} {'% HBM':>6}  (E {E}, H {H}, I {I}, "
           f"top-{k}, group {g}; expert {bf16_expert / 1e6:.2f} MB bf16, {int4_expert / 1e6:.2f} MB int4)")
     for t in (int(v) for v in args.tokens.split(",")):
@@ -253,8 +221,7 @@ def main() -> int:
     if args.out:
         meta = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "host": platform.node(),
                 "shape": {"experts": E, "hidden": H, "inter": I, "top_k": k, "group": g}, "swept": swept,
-                "up_cfg": M.UP_CFG, "down_cfg": M.DOWN_CFG, "prefetch": M.PREFETCH,
-                "up_split": M.UP_SPLIT, "down_split": M.DOWN_SPLIT}
+                "up_cfg": M.UP_CFG, "down_cfg": M.DOWN_CFG, "prefetch": M.PREFETCH}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.out}")
     return 0

@@ -76,14 +76,12 @@ def test_kernel_matches_the_reference(t, group, hot):
         torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefetch,split", [(0, 1), (1, 1), (1, 4)])   # the depths the configs use
-def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch, split):
+@pytest.mark.parametrize("prefetch", [0, 1])    # the depths the launch configs use (2, swept only, on the GPU)
+def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
     """Launch configs smaller than the rows: several blocks a row with a partial last one (up: 12 words in blocks
     of 8, scale quads of 4 words at group 32), down blocks spanning two experts' rows (5 words each, group 16 with
     a partial last group), host rows, one skipped slot, and activations poisoned with NaN before the launch (the
-    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth in use, and
-    with each row's words split over programs (up: chunks of 8 and 4 words; down: 8 and 7, the second spanning
-    two experts), whose partial sums the last program adds: the counters are back at 0 after each launch."""
+    kernels must not read a skipped slot's, which the up phase never writes); at each prefetch depth in use."""
     E, H, I, k, hot = 12, 96, 40, 3, 8
     g = torch.Generator(device=DEV).manual_seed(5)
     w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
@@ -102,17 +100,11 @@ def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch, split):
     monkeypatch.setattr(K, "UP_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})      # 40 rows: blocks of 16, 16, 8
     monkeypatch.setattr(K, "DOWN_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})
     monkeypatch.setattr(K, "PREFETCH", {b: prefetch for b in (1, 4, 16)})
-    monkeypatch.setattr(K, "UP_SPLIT", {b: split for b in (1, 4, 16)})
-    monkeypatch.setattr(K, "DOWN_SPLIT", {b: split for b in (1, 4, 16)})
-    if split > 1:
-        assert K._chunks(H // 8, 8, split) == (2, 8) and K._chunks(k * I // 8, 8, split) == (2, 8)
     dev = PackedExperts(*(a[:hot].contiguous() for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
     pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
     host = PackedExperts(*(pin(a[hot:]) for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
-    for _ in range(2 if split > 1 else 1):       # a second launch finds the counters the first left
-        out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    assert not K.split_locks(x.device).any()
+    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_router_slots_are_read_in_place_and_the_shared_output_added():
@@ -207,10 +199,7 @@ def test_full_shape_on_the_gpu():
         out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
         ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-        unsplit = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex, split=False)
-        assert ((unsplit.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-        # the split's partial sums are added in a fixed order by whichever program finishes last: CUDA-graph
-        # replays (the counters left at 0 by each launch) give the eager result bit for bit
+        # fixed-order sums (no atomics): CUDA-graph replays give the eager result bit for bit
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
@@ -219,7 +208,6 @@ def test_full_shape_on_the_gpu():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, out), t
-        assert not K.split_locks(x.device).any()
 
 
 @pytest.mark.gpu
@@ -228,7 +216,7 @@ def test_full_shape_on_the_gpu():
 def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoint, shared):
     """Beside INT4 experts, a bf16 shared expert decodes as the one slot of a bf16 fused-MoE launch pair
     (`SparseMoE._packed_shared`), a packed one (int6, as a reports-mixed checkpoint has it) as two W6A16 GEMVs:
-    the layer's output in six launches (`_packed_decode`), split or not, and in twelve (moe_int4_fused off)
+    the layer's output in six launches (`_packed_decode`) and in twelve (moe_int4_fused off)
     stays within bf16 rounding of the PyTorch path, at 1 and 4 tokens."""
     from stage_worker.checkpoint.loader import LoadOptions, build_empty, load_model
     from stage_worker.checkpoint.packed_experts import dummy_groups
@@ -253,13 +241,11 @@ def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoi
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
             fast = moe(x)
-            moe.kernels = KernelFlags.parse("-moe_int4_split")
-            unsplit = moe(x)
             moe.kernels = KernelFlags.parse("-moe_int4_fused")
             twelve = moe(x)
             moe.kernels = KernelFlags.parse("none")
             ref = moe(x)
             moe.kernels = KernelFlags.parse("all")
-        for got in (fast, unsplit, twelve):
+        for got in (fast, twelve):
             err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
             assert err < 2e-2, (t, float(err))

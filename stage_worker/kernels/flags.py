@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_split", "moe_int4_fused")
+         "moe_int4_fused")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,6 @@ class KernelFlags:
                                       # attention (attention_prep.py, qsa.py, decode_attention.py)
     deltanet: bool = False            # decode: one in-projection GEMV + two fused conv/recurrence/norm kernels
                                       # (deltanet_decode.py); prefill: flash-linear-attention's chunked kernel
-    moe_int4_split: bool = False      # INT4 expert GEMVs at 1-4 tokens: each row's words split over several programs
-                                      # (moe_int4.py UP_SPLIT / DOWN_SPLIT); with `moe`
     moe_int4_fused: bool = False      # INT4 experts + bf16 shared expert decode in six launches (SparseMoE
                                       # ._packed_decode: router and shared gate one GEMV, shared output added in
                                       # the INT4 down launch) instead of twelve; with `moe`

@@ -21,12 +21,9 @@ import torch
 
 from stage_worker.kernels.moe import SKIP, _bucket, _pow2, expert_rows, triton, triton_usable
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
-from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
 if triton is not None:
     import triton.language as tl
-
-    from stage_worker.kernels.split_reduce import last_of
 
     SKIP_ID = tl.constexpr(SKIP)
 
@@ -44,19 +41,17 @@ if triton is not None:
         return ((v & 0x00780000) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _up_words(qbase, rg, ru, stride_qr, ow, mask_i, w_end):
-        """The gate and up rows' words ow (masked off from w_end on: the row's or the split's end)."""
-        m = mask_i[:, None] & (ow < w_end)[None, :]
+    def _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W: tl.constexpr):
+        """The gate and up rows' words ow (masked off past the row's end)."""
+        m = mask_i[:, None] & (ow < W)[None, :]
         return (tl.load(qbase + rg * stride_qr + ow[None, :], mask=m, other=0),
                 tl.load(qbase + ru * stride_qr + ow[None, :], mask=m, other=0))
 
     @triton.jit
-    def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, part_ptr, lock_ptr,
-                        stride_it, stride_wt, stride_qe, stride_qr, stride_se, stride_sr, FIRST_HOST, ONE,
-                        H: tl.constexpr,
+    def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, stride_it, stride_wt,
+                        stride_qe, stride_qr, stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr,
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
-                        SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads.
 
@@ -64,11 +59,7 @@ if triton is not None:
         holds several rows, so the x values it gathers serve all of them); the words of the next PREFETCH (0, 1
         or 2) blocks are already loading while one is computed. Per word: d = sum_n (1 + q_n/16) x_n (the
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
-        applied once to their sum; the 16 at the end.
-
-        With SPLIT > 1 (few tokens: more programs in flight, issue 17), program s of axis 2 takes words
-        [s * CHUNK, (s + 1) * CHUNK) and stores its gate and up sums in part[s, tj, 2, I] (fp32); the last of the
-        SPLIT to finish adds them in the order s = 0, 1, ... (deterministic) and writes act."""
+        applied once to their sum; the 16 at the end."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + t * stride_it + tj % TOP_K).to(tl.int64)
@@ -82,28 +73,26 @@ if triton is not None:
         mask_i = offs_i < I
         rg = offs_i[:, None].to(tl.int64)
         ru = rg + I
-        w_start = tl.program_id(2) * CHUNK                      # 0 without a split (CHUNK >= W)
-        w_end = tl.minimum(w_start + CHUNK, W)
-        offs_w = w_start + tl.arange(0, BLOCK_W)
-        offs_q = w_start + tl.arange(0, NQ) * QW
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_q = tl.arange(0, NQ) * QW
         if PREFETCH >= 1:
-            qg, qu = _up_words(qbase, rg, ru, stride_qr, offs_w, mask_i, w_end)
+            qg, qu = _up_words(qbase, rg, ru, stride_qr, offs_w, mask_i, W)
         if PREFETCH >= 2:
-            qg1, qu1 = _up_words(qbase, rg, ru, stride_qr, BLOCK_W + offs_w, mask_i, w_end)
+            qg1, qu1 = _up_words(qbase, rg, ru, stride_qr, BLOCK_W + offs_w, mask_i, W)
         acc_g = tl.zeros([BLOCK_I, NQ], tl.float32)
         acc_u = tl.zeros([BLOCK_I, NQ], tl.float32)
-        for w0 in range(0, CHUNK, BLOCK_W):
+        for w0 in range(0, W, BLOCK_W):
             ow = w0 + offs_w
-            mw = ow < w_end
+            mw = ow < W
             oq = w0 + offs_q
-            mq = mask_i[:, None] & (oq < w_end)[None, :]
+            mq = mask_i[:, None] & (oq < W)[None, :]
             grp = ((oq * 8) // GROUP)[None, :]
             sg = tl.load(sbase + rg * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
             su = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
             if PREFETCH == 0:
-                qg, qu = _up_words(qbase, rg, ru, stride_qr, ow, mask_i, w_end)
+                qg, qu = _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W)
             else:
-                qg_n, qu_n = _up_words(qbase, rg, ru, stride_qr, ow + PREFETCH * BLOCK_W, mask_i, w_end)
+                qg_n, qu_n = _up_words(qbase, rg, ru, stride_qr, ow + PREFETCH * BLOCK_W, mask_i, W)
             xs = tl.zeros([BLOCK_W], tl.float32)
             dg = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
@@ -127,82 +116,64 @@ if triton is not None:
         u = tl.sum(acc_u, axis=1) * 16.0
         # rounded to x's dtype first: fp32 router weights give what a cast before the launch gives
         wt = tl.load(wts_ptr + t * stride_wt + tj % TOP_K).to(x_ptr.dtype.element_ty).to(tl.float32)
-        dst = act_ptr + tj * I + (offs_i % 8) * (I // 8) + offs_i // 8
-        if SPLIT == 1:
-            tl.store(dst, g * tl.sigmoid(g) * u * wt, mask=mask_i)
-        else:
-            TK = tl.num_programs(0)
-            pg = part_ptr + tj * 2 * I + offs_i                 # part[s, tj, 0, i]; the up sums at + I
-            tl.store(pg + tl.program_id(2) * TK * 2 * I, g, mask=mask_i)
-            tl.store(pg + tl.program_id(2) * TK * 2 * I + I, u, mask=mask_i)
-            if last_of(lock_ptr + tj * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                g = tl.zeros([BLOCK_I], tl.float32)
-                u = tl.zeros([BLOCK_I], tl.float32)
-                for p in tl.static_range(SPLIT):
-                    g += tl.load(pg + p * TK * 2 * I, mask=mask_i, other=0.0, cache_modifier=".cg")
-                    u += tl.load(pg + p * TK * 2 * I + I, mask=mask_i, other=0.0, cache_modifier=".cg")
-                tl.store(dst, g * tl.sigmoid(g) * u * wt, mask=mask_i)
+        act = g * tl.sigmoid(g) * u * wt
+        tl.store(act_ptr + tj * I + (offs_i % 8) * (I // 8) + offs_i // 8, act, mask=mask_i)
 
     @triton.jit
-    def _col_slots(ids_ptr, stride_it, t, col, c_end, I: tl.constexpr, TOP_K: tl.constexpr):
+    def _col_slots(ids_ptr, stride_it, t, col, I: tl.constexpr, TOP_K: tl.constexpr):
         """For columns of a token's k experts' rows seen as one row of k * I/8 words: the slot j, the word within
-        the expert's row, and the expert id (SKIP from c_end on: the row's or the split's end)."""
+        the expert's row, and the expert id (SKIP past the end)."""
         WPE: tl.constexpr = I // 8
         j = col // WPE
-        e = tl.load(ids_ptr + t * stride_it + j, mask=col < c_end, other=SKIP_ID).to(tl.int64)
+        e = tl.load(ids_ptr + t * stride_it + j, mask=col < TOP_K * WPE, other=SKIP_ID).to(tl.int64)
         return j, col - j * WPE, e
 
     @triton.jit
     def _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t, col, rows, mask_h, stride_qe, stride_qh, FIRST_HOST,
-                    c_end, I: tl.constexpr, TOP_K: tl.constexpr):
+                    I: tl.constexpr, TOP_K: tl.constexpr):
         """(j, w, e, words) of columns `col` for `rows` (`_col_slots`; the words from the device or host table,
         SKIP columns masked: not read)."""
-        j, w, e = _col_slots(ids_ptr, stride_it, t, col, c_end, I, TOP_K)
+        j, w, e = _col_slots(ids_ptr, stride_it, t, col, I, TOP_K)
         qb = tl.where(e >= FIRST_HOST, hq_ptr + (e - FIRST_HOST) * stride_qe, q_ptr + e * stride_qe)
         m = mask_h[:, None] & (e != SKIP_ID)[None, :]
         return j, w, e, tl.load(qb[None, :] + rows * stride_qh + w[None, :], mask=m, other=0)
 
     @triton.jit
-    def _int4_down_kernel(act_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, add_ptr, part_ptr, lock_ptr,
-                          stride_it, stride_qe, stride_qh, stride_se, stride_sh, stride_ot, stride_at, FIRST_HOST,
-                          ONE, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
-                          QW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
-                          SPLIT: tl.constexpr, CHUNK: tl.constexpr, ADD: tl.constexpr):
+    def _int4_down_kernel(act_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, add_ptr, stride_it, stride_qe,
+                          stride_qh, stride_se, stride_sh, stride_ot, stride_at, FIRST_HOST, ONE, H: tl.constexpr,
+                          I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
         experts, so a program streams all k experts' rows with no per-expert loop (and the next PREFETCH blocks
         in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words nor
-        their activations (never written) are read. With SPLIT > 1, program s of axis 2 takes columns
-        [s * CHUNK, (s + 1) * CHUNK) and the last of the SPLIT to finish adds their fp32 sums (part[s, t, H]) in
-        the order s = 0, 1, ... and writes out. With ADD, add[t] (the shared expert's output) is added before the
-        store."""
+        their activations (never written) are read. With ADD, add[t] (the shared expert's output) is added before
+        the store."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         rows = offs_h[:, None].to(tl.int64)
         WPE: tl.constexpr = I // 8                               # words per expert row
         NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
-        c_start = tl.program_id(2) * CHUNK                      # 0 without a split (CHUNK >= k * I/8)
-        c_end = tl.minimum(c_start + CHUNK, TOP_K * WPE)
-        offs_w = c_start + tl.arange(0, BLOCK_W)
-        offs_q = c_start + tl.arange(0, NQ) * QW
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_q = tl.arange(0, NQ) * QW
         if PREFETCH >= 1:
             j, w, e, q = _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t, offs_w, rows, mask_h, stride_qe,
-                                     stride_qh, FIRST_HOST, c_end, I, TOP_K)
+                                     stride_qh, FIRST_HOST, I, TOP_K)
         if PREFETCH >= 2:
             j1, w1, e1, q1 = _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t, BLOCK_W + offs_w, rows, mask_h,
-                                         stride_qe, stride_qh, FIRST_HOST, c_end, I, TOP_K)
+                                         stride_qe, stride_qh, FIRST_HOST, I, TOP_K)
         acc = tl.zeros([BLOCK_H, NQ], tl.float32)
-        for c0 in range(0, CHUNK, BLOCK_W):
+        for c0 in range(0, TOP_K * WPE, BLOCK_W):
             if PREFETCH == 0:
                 j, w, e, q = _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t, c0 + offs_w, rows, mask_h,
-                                         stride_qe, stride_qh, FIRST_HOST, c_end, I, TOP_K)
+                                         stride_qe, stride_qh, FIRST_HOST, I, TOP_K)
             else:
                 j_n, w_n, e_n, q_n = _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t,
                                                  c0 + PREFETCH * BLOCK_W + offs_w, rows, mask_h, stride_qe,
-                                                 stride_qh, FIRST_HOST, c_end, I, TOP_K)
-            jq, wq, eq = _col_slots(ids_ptr, stride_it, t, c0 + offs_q, c_end, I, TOP_K)     # the quads' scales
+                                                 stride_qh, FIRST_HOST, I, TOP_K)
+            jq, wq, eq = _col_slots(ids_ptr, stride_it, t, c0 + offs_q, I, TOP_K)     # the quads' scales
             sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
             sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
                          mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0).to(tl.float32)
@@ -230,17 +201,7 @@ if triton is not None:
                 w1 = w_n
                 e1 = e_n
                 q1 = q_n
-        out = tl.sum(acc, axis=1) * 16.0
-        if SPLIT > 1:
-            pp = part_ptr + t * H + offs_h                      # part[s, t, h]
-            tl.store(pp + tl.program_id(2) * tl.num_programs(0) * H, out, mask=mask_h)
-            if last_of(lock_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                out = tl.zeros([BLOCK_H], tl.float32)
-                for p in tl.static_range(SPLIT):
-                    out += tl.load(pp + p * tl.num_programs(0) * H, mask=mask_h, other=0.0, cache_modifier=".cg")
-                _store_out(out, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD)
-        else:
-            _store_out(out, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD)
+        _store_out(tl.sum(acc, axis=1) * 16.0, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD)
 
     @triton.jit
     def _store_out(out, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD: tl.constexpr):
@@ -261,23 +222,11 @@ DOWN_CFG = {1: (4, 256, 2), 4: (4, 128, 1), 16: (8, 128, 1)}
 DECODE_MAX_TK = 256
 ONE_F32 = 0x3F800000           # the bits of 1.0f (see `_nibble`)
 PREFETCH = {1: 1, 4: 1, 16: 0}  # blocks of words loading ahead of the one computed (0, 1, 2; both phases)
-# Programs a row's words are split over (`split` on): at 1 token the unsplit launches keep only 6-9 warps an SM
-# (ncu, bench/results/moe-int4-4), so each row's words are cut into SPLIT chunks whose fp32 sums the last program
-# to finish adds in a fixed order. The H200 sweep (bench/moe_int4.py --split-sweep, bench/results/moe-int4-5) found
-# no gain: 22.7-23.4 us at 1 token for every split 1-8 of either phase, and losses at 4 (up: 61.5 / 64.6 / 70.1 /
-# 67.7 us at 1 / 2 / 4 / 8) and 16 tokens: programs in flight are not what bounds these launches. On at 1 token
-# only until the in-model A/B (bench/decode.py, -moe_int4_split) says whether to keep it.
-UP_SPLIT = {1: 4, 4: 1, 16: 1}
-DOWN_SPLIT = {1: 4, 4: 1, 16: 1}
+
+
 def activations(T: int, k: int, inter: int, device: torch.device) -> torch.Tensor:
     """The fp32 activations between the phases, [T, k, I] (nibble-major within a slot)."""
     return torch.empty(T, k, inter, dtype=torch.float32, device=device)
-
-
-def _chunks(words: int, block: int, split: int) -> tuple[int, int]:
-    """(programs, words each: a multiple of `block`) covering `words` in at most `split` chunks, none empty."""
-    chunk = -(-(-(-words // split)) // block) * block
-    return -(-words // chunk), chunk
 
 
 def quad_words(words: int, group: int) -> int:
@@ -289,12 +238,11 @@ def quad_words(words: int, group: int) -> int:
 
 def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
                    host: PackedExperts | None = None, first_host: int | None = None,
-                   split: bool = True, add: torch.Tensor | None = None) -> torch.Tensor:
+                   add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots; SKIP skipped) -> [T, H] in x.dtype; = fused_moe_int4_ref (+ add).
     ids and weights may be column slices of wider tensors (the router's k + 1 slots: read in place); fp32 weights
     are rounded to x.dtype in the kernel (no cast launch). `host`: the
-    slots from `first_host` on, packed the same way in (pinned) host memory. `split`: cut each row's words over
-    UP_SPLIT / DOWN_SPLIT programs (kernel flag `moe_int4_split`). `add` [T, H]: added to the result inside the
+    slots from `first_host` on, packed the same way in (pinned) host memory. `add` [T, H]: added to the result inside the
     down launch (the shared expert's output: no separate add)."""
     T, H = x.shape
     E, H_, I = experts.shape
@@ -322,27 +270,19 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     b = _bucket(T)
     bi, bw, warps = UP_CFG[b]
     bi, bw = min(bi, _pow2(I)), min(bw, _pow2(H // 8))
-    n_i = triton.cdiv(I, bi)
-    su, cu = _chunks(H // 8, bw, UP_SPLIT[b] if split and T * k * n_i <= LOCKS else 1)
-    bh, bw2, warps2 = DOWN_CFG[b]
-    bh, bw2 = min(bh, _pow2(H)), min(bw2, _pow2(k * I // 8))
-    n_h = triton.cdiv(H, bh)
-    sd, cd = _chunks(k * I // 8, bw2, DOWN_SPLIT[b] if split and T * n_h <= LOCKS else 1)
-    locks = split_locks(x.device) if max(su, sd) > 1 else act
-    part = torch.empty(max(su * T * k * 2 * I, sd * T * H) if max(su, sd) > 1 else 1, dtype=torch.float32,
-                       device=x.device)
-    _int4_up_kernel[(T * k, n_i, su)](
-        x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, part, locks, ids.stride(0), weights.stride(0),
+    _int4_up_kernel[(T * k, triton.cdiv(I, bi))](
+        x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, ids.stride(0), weights.stride(0),
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
-        H=H, I=I, TOP_K=k,
-        GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b], SPLIT=su, CHUNK=cu,
+        H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
         num_warps=warps)
-    _int4_down_kernel[(T, n_h, sd)](
-        act, ids, experts.q2, experts.s2, h.q2, h.s2, out, out if add is None else add, part, locks, ids.stride(0),
+    bh, bw, warps = DOWN_CFG[b]
+    bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
+    _int4_down_kernel[(T, triton.cdiv(H, bh))](
+        act, ids, experts.q2, experts.s2, h.q2, h.s2, out, out if add is None else add, ids.stride(0),
         experts.q2.stride(0), experts.q2.stride(1), experts.s2.stride(0), experts.s2.stride(1), out.stride(0),
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
-        QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw2, PREFETCH=PREFETCH[b], SPLIT=sd, CHUNK=cd,
-        ADD=add is not None, num_warps=warps2)
+        QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
+        num_warps=warps)
     return out
 
 

@@ -177,14 +177,13 @@ class SparseMoE(nn.Module):
             weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
                                         valid=self.valid_rows if decode else None)
             weights = weights.to(x.dtype)
-            split = self.kernels.moe_int4_split
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
             elif t is None:
-                out = fused_moe_int4(x2, ids, weights, self.packed(), split=split)
+                out = fused_moe_int4(x2, ids, weights, self.packed())
             elif decode and triton_usable(x2):
                 dev, host = t.packed_experts()
-                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, split=split)
+                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot)
             else:
                 out = t.moe_int4(x2, ids, weights)
         else:
@@ -232,13 +231,11 @@ class SparseMoE(nn.Module):
             from stage_worker.kernels.quant_gemv import quant_gemv
 
             shared_out = quant_gemv(quant_gemv(x2, packed[0]), packed[1], swiglu=weights[:, k])
-        split = self.kernels.moe_int4_split
         if t is None:
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), split=split, add=shared_out)
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out)
         else:
             dev, host = t.packed_experts()
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, split=split,
-                                 add=shared_out)
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, add=shared_out)
         self.last_expert_ids = ids[:, :k]
         return out
 
@@ -284,10 +281,6 @@ class SparseMoE(nn.Module):
             if se is not None and type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear \
                     and self._packed_router() is None:
                 self._packed_gates = fuse_rows([self.gate, self.shared_expert_gate])
-            if self.gate.weight.is_cuda:
-                from stage_worker.kernels.split_reduce import split_locks
-
-                split_locks(self.gate.weight.device)      # allocated before any CUDA graph is captured
             return
         two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
         if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
