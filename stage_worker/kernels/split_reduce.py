@@ -1,12 +1,14 @@
 """Split-K in one launch: the programs that share an output tile each store an fp32 partial sum, and the last of
 them to finish adds the partials in a fixed order and writes the tile (deterministic: the order never depends on
-which program finished last). Used by the INT4 MoE decode kernels (`moe_int4.py`) and the packed dense GEMVs
-(`quant_gemv.py`), where a separate reduction launch (and a cast) cost more than the sum itself at decode sizes.
+which program finished last). Used by the packed dense GEMVs (`quant_gemv.py`), where a separate reduction launch
+(and a cast) cost more than the sum itself at decode sizes. (Splitting the INT4 MoE kernels' rows this way was
+tried and measured: no gain, bench/results/moe-int4-5.)
 
 The counters live in one zeroed int32 buffer per device (`split_locks`); every launch leaves them at 0, so
 launches in sequence on a stream and CUDA-graph replays share it (two streams must not run split launches at the
-same time). Allocate it before capturing a graph. The cross-program protocol only shows its races on a GPU: the
-GPU tests replay such launches from a graph and compare them bit for bit with the eager result.
+same time). Allocate it before capturing a graph (`PackedLinear.prepare_kernels`). The cross-program protocol only
+shows its races on a GPU: tests/test_kernel_quant_gemv.py replays such launches from a graph and compares them bit
+for bit with the eager result (passed on the H200, bench/results/quant-decode-1).
 """
 
 from __future__ import annotations
