@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused")
+         "moe_int4_fused", "quant_gemv_fma")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class KernelFlags:
     moe_int4_fused: bool = False      # INT4 experts + bf16 shared expert decode in six launches (SparseMoE
                                       # ._packed_decode: router and shared gate one GEMV, shared output added in
                                       # the INT4 down launch) instead of twelve; with `moe`
+    quant_gemv_fma: bool = False      # packed dense GEMVs (quant_gemv.py) at 2-16 tokens: FMAs per token over each
+                                      # unpacked tile; off: tl.dot (10-45x slower on the H200)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

@@ -15,8 +15,9 @@ walks it BLOCK_K columns at a time:
 * scales: one a row (per channel) applied to the accumulator at the end; one a tile (the group a multiple of
   BLOCK_K, as group 128 with BLOCK_K <= 128) applied to the tile's partial sum; otherwise (small or odd groups) one
   gathered per value;
-* one token: FMAs in fp32 and a reduction per tile; 2-16 tokens: `tl.dot` of the tile (the unsigned values are
-  exact in bf16 / fp16) with x^T [BLOCK_K, 16] on the tensor cores, fp32 accumulation.
+* FMAs in fp32 and a reduction per tile and token (2-16 tokens share the tile's unpack); with the kernel flag
+  `quant_gemv_fma` off, 2-16 tokens take `tl.dot` of the tile (the unsigned values are exact in bf16 / fp16) with
+  x^T [BLOCK_K, 16] on the tensor cores instead: 10-45x slower on the H200 (bench/results/quant-decode-1).
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last
 program of a row block adds them in a fixed order (`split_reduce.py`: one launch, deterministic; a separate sum
 and cast were two more launches a call). Prefill (more than DECODE_MAX_T tokens) and machines without Triton take
@@ -113,8 +114,8 @@ if triton is not None:
                            SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
                            DOT: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
         """out[t, rows] = sum_k W[rows, k] x[t, k] (SCALE 0: one scale a row, 1: one a tile, 2: one gathered per
-        value; see the module docstring). T is a run-time value (the tl.dot path masks tokens past it in a tile of
-        TP), so 2-16 tokens share one compiled kernel a shape. With SPLITS K slices a program sums its slice into
+        value; see the module docstring). 2-16 tokens: FMAs per token over each unpacked tile (TP the next power
+        of two, tokens past T masked), or with DOT tl.dot over a tile of TP = 16 (T a run-time value). With SPLITS K slices a program sums its slice into
         part[slice, t, rows] (fp32) and the last of a row block's programs adds the slices in order and writes out
         (`split_reduce.last_of`): one launch, deterministic."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +125,7 @@ if triton is not None:
         k_begin = tl.program_id(1) * K_SLICE
         offs_t = tl.arange(0, TP)
         mask_t = offs_t < T
-        if DOT:
+        if DOT or TP > 1:
             acc = tl.zeros([BLOCK_N, TP], tl.float32)
         else:
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -151,6 +152,23 @@ if triton is not None:
                     if SCALE == 1:
                         part = part * s[:, None]
                     acc += part
+            elif TP > 1:
+                # FMAs for each of 2-16 tokens over one unpacked tile (kernel flag quant_gemv_fma): the unpack,
+                # the costly part, is shared; tl.dot's staging at these shapes cost 10x (H200,
+                # bench/results/quant-decode-1)
+                if SCALE == 2:
+                    wf = (u - OFFSET).to(tl.float32) * s
+                else:
+                    wf = u.to(tl.float32)
+                for tt in tl.static_range(TP):
+                    xk = _x_tile(x_ptr, w_ptr, tt * stride_xt + offs_k, mask_k & (tt < T), stride_wt, tt, K,
+                                 SWIGLU).to(tl.float32)
+                    part = tl.sum(wf * xk[None, :], axis=1)
+                    if SCALE != 2:
+                        part -= OFFSET * tl.sum(xk, axis=0)
+                    if SCALE == 1:
+                        part = part * s
+                    acc += tl.where((offs_t == tt)[None, :], part[:, None], 0.0)
             else:
                 xk = _x_tile(x_ptr, w_ptr, offs_k, mask_k, stride_wt, 0, K, SWIGLU).to(tl.float32)
                 if SCALE == 2:
@@ -162,11 +180,11 @@ if triton is not None:
                     acc += part
         if SCALE == 0:
             s = tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
-            if DOT:
+            if DOT or TP > 1:
                 acc = acc * s[:, None]
             else:
                 acc = acc * s
-        if DOT:
+        if DOT or TP > 1:
             at = offs_t[None, :] * stride_ot + rows64[:, None]
             mask = mask_n[:, None] & mask_t[None, :]
             pt = offs_t[None, :] * N + rows64[:, None]
@@ -195,10 +213,12 @@ def _pow2_divisor(n: int) -> int:
 
 
 def launch_config(T: int, N: int, K: int, group: int, device: torch.device,
-                  cfg: tuple[int, ...] | None = None) -> dict:
-    """The kernel's tile sizes, scale mode and K slices for a call (`cfg` overrides CFG's entry)."""
-    bn, bk, warps, *rest = cfg or CFG[1 if T == 1 else 16]
-    if T > 1:
+                  cfg: tuple[int, ...] | None = None, fma: bool = True) -> dict:
+    """The kernel's tile sizes, scale mode and K slices for a call (`cfg` overrides CFG's entry; `fma`: 2-16
+    tokens take the FMA path, with one token's tiles, else tl.dot's)."""
+    dot = T > 1 and not fma
+    bn, bk, warps, *rest = cfg or CFG[16 if dot else 1]
+    if dot:
         bn = max(bn, 16)                                      # tl.dot's smallest M
     bk = min(bk, max(16, 1 << (K - 1).bit_length()))          # tiny test widths
     if group >= K:
@@ -218,12 +238,14 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device,
 
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
-               swiglu: torch.Tensor | None = None) -> torch.Tensor:
+               swiglu: torch.Tensor | None = None, fma: bool = True) -> torch.Tensor:
     """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
     device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
     `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is
     `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as the kernel loads it (a shared expert's down projection
-    with its activation and gate: no launch for them)."""
+    with its activation and gate: no launch for them). `fma` (kernel flag `quant_gemv_fma`): 2-16 tokens run FMAs
+    per token over each unpacked tile; off, `tl.dot` (10-45x slower on the H200 at 4-16 tokens,
+    bench/results/quant-decode-1)."""
     if swiglu is not None:
         if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
             raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
@@ -239,8 +261,8 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     if T == 0 or N == 0:
         return out
     x = x.contiguous()
-    c = launch_config(T, N, K, pw.group, x.device, cfg)
-    dot = T > 1
+    c = launch_config(T, N, K, pw.group, x.device, cfg, fma)
+    dot = T > 1 and not fma
     blocks, splits = triton.cdiv(N, c["BLOCK_N"]), c["splits"]
     if blocks > LOCKS:
         raise ValueError(f"{blocks} row blocks: more than the split counters ({LOCKS})")    # splits are 1 there
@@ -250,7 +272,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0), out.stride(0),
         0 if swiglu is None else swiglu.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits, DENSE=pw.dense,
         GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
-        BLOCK_K=c["BLOCK_K"], TP=16, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_K=c["BLOCK_K"], TP=16 if dot else triton.next_power_of_2(T), DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SWIGLU=swiglu is not None, num_warps=c["warps"], num_stages=c["stages"])
     return out
 

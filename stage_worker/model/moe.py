@@ -230,7 +230,8 @@ class SparseMoE(nn.Module):
         else:
             from stage_worker.kernels.quant_gemv import quant_gemv
 
-            shared_out = quant_gemv(quant_gemv(x2, packed[0]), packed[1], swiglu=weights[:, k])
+            fma = self.kernels.quant_gemv_fma
+            shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma), packed[1], swiglu=weights[:, k], fma=fma)
         if t is None:
             out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out)
         else:
