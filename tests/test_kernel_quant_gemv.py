@@ -82,24 +82,27 @@ def test_half_precision_activations():
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
 
 
-def test_row_blocks_and_k_slices(monkeypatch):
-    """Several row blocks and K split into slices (fp32 partial sums added by the last program): the default
-    tiles, with the minimum slice lowered so a small K splits."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_row_blocks_and_k_slices(monkeypatch, prefetch):
+    """Several row blocks and K split into slices of two tiles each (fp32 partial sums added by the last
+    program), with the next tile's words loading while one is computed (PREFETCH; not past a slice's end) or
+    not, with the minimum slice lowered so a small K splits."""
     monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
+    monkeypatch.setattr(Q, "PREFETCH", prefetch)
     N, K = 24, 256
     g = torch.Generator().manual_seed(3)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 64)
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 64)
     for t in (1, 3):
         x = torch.randn(t, K, generator=g).to(DEV)
-        c = Q.launch_config(t, N, K, 64, x.device, (8, 64, 4))
-        assert c["splits"] == 4 and c["SCALE"] == 1
-        out = Q.quant_gemv(x, pw, cfg=(8, 64, 4))
+        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4))
+        assert c["splits"] == 4 and c["SCALE"] == 1 and c["K_SLICE"] == 2 * c["BLOCK_K"]
+        out = Q.quant_gemv(x, pw, cfg=(8, 32, 4))
         torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
         # the slices are added in one launch by the last program of a row block, in a fixed order: the counters
         # are back at 0 and a second launch gives the same bits
         assert not split_locks(x.device).any()
-        assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 64, 4)), out)
+        assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4)), out)
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -47,6 +47,10 @@ DECODE_MAX_T = 16
 # until the H200 sweep of tests/test_kernel_quant_gemv.py::test_sweep_launch_configs_on_the_gpu (offline sm_90
 # compiles: the 6-bit dot path holds 76 KB of shared memory with Triton's 3 stages).
 CFG = {1: (16, 128, 4), 16: (32, 128, 4)}
+# Words of the next tile loading while one is computed (FMA paths). The one-token path read 0.2 TB/s (INT6) on the
+# H200 with one tile in flight a program (bench/results/quant-decode-1); the INT4 MoE kernel gained 24% from the same
+# at one token (bench/results/moe-int4-4). Not yet timed here.
+PREFETCH = True
 PROGRAMS_PER_SM = 4          # K is split until about this many programs per SM run (small N, e.g. o_proj's 2560)
 MIN_SPLIT_K = 512            # ... but no slice shorter than this many inputs
 
@@ -62,33 +66,53 @@ if triton is not None:
     from stage_worker.kernels.split_reduce import last_of
 
     @triton.jit
-    def _tile_values(q_ptr, rows, mask_n, k0, stride_qn, W: tl.constexpr, BITS: tl.constexpr,
-                     DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The stored (unsigned) values u [BLOCK_N, BLOCK_K] int32 of input columns k0 .. k0 + BLOCK_K of `rows`;
-        columns past the row's words read 0 (the caller masks x there)."""
-        MASK: tl.constexpr = (1 << BITS) - 1
+    def _tile_words(q_ptr, rows, mask_n, k0, stride_qn, W: tl.constexpr, BITS: tl.constexpr,
+                    DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The words input columns k0 .. k0 + BLOCK_K of `rows` are in, loaded (`_tile_unpack` makes the values,
+        so a tile's loads can be issued before the previous tile is computed): for 4 and 8 bits the [BLOCK_N,
+        BLOCK_K / (32 / bits)] words (twice: there is no second word); otherwise each value's word and, in the
+        dense stream, the next word where the value spills into it (0 elsewhere). Past the row's words: 0."""
         PER: tl.constexpr = 32 // BITS
         base = q_ptr + rows[:, None] * stride_qn
-        if 32 % BITS == 0:                      # whole values a word (4, 8 bits): one load, a broadcast shift
+        if 32 % BITS == 0:                      # whole values a word (4, 8 bits): one load
             WB: tl.constexpr = BLOCK_K // PER
             offs_w = k0 // PER + tl.arange(0, WB)
             q = tl.load(base + offs_w[None, :], mask=mask_n[:, None] & (offs_w < W)[None, :], other=0)
-            shifts = tl.arange(0, PER) * BITS
-            u = tl.reshape((q[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+            return q, q
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            if DENSE:                           # bit stream: value k at bit k * BITS, maybe across two words
-                bit = k * BITS
-                word = bit // 32
-                off = bit % 32
-            else:                               # older layout: PER values a word, the top bits unused
-                word = k // PER
-                off = (k % PER) * BITS
+            word, off = _value_bits(k0, BITS, DENSE, BLOCK_K)
             lo = tl.load(base + word[None, :], mask=mask_n[:, None] & (word < W)[None, :], other=0)
-            u = lo.to(tl.uint32, bitcast=True) >> off[None, :]
             if DENSE:
                 spill = (off + BITS > 32) & (word + 1 < W)
                 hi = tl.load(base + (word + 1)[None, :], mask=mask_n[:, None] & spill[None, :], other=0)
+            else:
+                hi = lo
+            return lo, hi
+
+    @triton.jit
+    def _value_bits(k0, BITS: tl.constexpr, DENSE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(word, bit offset) of input columns k0 .. k0 + BLOCK_K (values that may not fill a word: 6 bits)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        if DENSE:                               # bit stream: value k at bit k * BITS, maybe across two words
+            bit = k * BITS
+            return bit // 32, bit % 32
+        else:                                   # older layout: 32 // BITS values a word, the top bits unused
+            PER: tl.constexpr = 32 // BITS
+            return k // PER, (k % PER) * BITS
+
+    @triton.jit
+    def _tile_unpack(lo, hi, k0, BITS: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """The stored (unsigned) values u [BLOCK_N, BLOCK_K] int32 from `_tile_words`' words."""
+        MASK: tl.constexpr = (1 << BITS) - 1
+        PER: tl.constexpr = 32 // BITS
+        if 32 % BITS == 0:                      # a broadcast shift
+            shifts = tl.arange(0, PER) * BITS
+            u = tl.reshape((lo[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+        else:
+            word, off = _value_bits(k0, BITS, DENSE, BLOCK_K)
+            u = lo.to(tl.uint32, bitcast=True) >> off[None, :]
+            if DENSE:
                 # (32 - off) & 31: no shift by 32 where off is 0 (hi is 0 wherever nothing spills)
                 u = u | (hi.to(tl.uint32, bitcast=True) << ((32 - off) & 31)[None, :])
             u = (u & MASK).to(tl.int32, bitcast=True)
@@ -112,12 +136,14 @@ if triton is not None:
                            stride_sn, stride_ot, stride_wt, K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
                            DENSE: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
-                           DOT: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
+                           DOT: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr,
+                           PREFETCH: tl.constexpr):
         """out[t, rows] = sum_k W[rows, k] x[t, k] (SCALE 0: one scale a row, 1: one a tile, 2: one gathered per
         value; see the module docstring). 2-16 tokens: FMAs per token over each unpacked tile (TP the next power
         of two, tokens past T masked), or with DOT tl.dot over a tile of TP = 16 (T a run-time value). With SPLITS K slices a program sums its slice into
         part[slice, t, rows] (fp32) and the last of a row block's programs adds the slices in order and writes out
-        (`split_reduce.last_of`): one launch, deterministic."""
+        (`split_reduce.last_of`): one launch, deterministic. With PREFETCH the next tile's words are loading while
+        one is computed."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -129,11 +155,22 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, TP], tl.float32)
         else:
             acc = tl.zeros([BLOCK_N], tl.float32)
-        for i in range(K_SLICE // BLOCK_K):
+        ITERS: tl.constexpr = K_SLICE // BLOCK_K
+        if PREFETCH:
+            lo, hi = _tile_words(q_ptr, rows64, mask_n, k_begin, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
+        for i in range(ITERS):
             k0 = k_begin + i * BLOCK_K
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            u = _tile_values(q_ptr, rows64, mask_n, k0, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
+            if PREFETCH:
+                lo_n, hi_n = _tile_words(q_ptr, rows64, mask_n & (i + 1 < ITERS), k0 + BLOCK_K, stride_qn, W, BITS,
+                                         DENSE, BLOCK_N, BLOCK_K)
+                u = _tile_unpack(lo, hi, k0, BITS, DENSE, BLOCK_N, BLOCK_K)
+                lo = lo_n
+                hi = hi_n
+            else:
+                lo, hi = _tile_words(q_ptr, rows64, mask_n, k0, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
+                u = _tile_unpack(lo, hi, k0, BITS, DENSE, BLOCK_N, BLOCK_K)
             if SCALE == 1:
                 s = tl.load(s_ptr + rows64 * stride_sn + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float32)
             if SCALE == 2:
@@ -272,7 +309,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0), out.stride(0),
         0 if swiglu is None else swiglu.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits, DENSE=pw.dense,
         GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
-        BLOCK_K=c["BLOCK_K"], TP=16 if dot else triton.next_power_of_2(T), DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_K=c["BLOCK_K"], TP=16 if dot else triton.next_power_of_2(T), DOT=dot, PREFETCH=PREFETCH and not dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SWIGLU=swiglu is not None, num_warps=c["warps"], num_stages=c["stages"])
     return out
 
