@@ -97,8 +97,10 @@ class ClusterConfig:
     packed_experts: bool = True
     # ... and dense Linear weights in INT4/6/8 called as a plain linear (o_proj, out_proj, lm_head, the shared expert
     # beside packed experts) stay packed and run the W4/W6/W8A16 GEMVs (stage_worker/model/quant_linear.py); off:
-    # dequantized to the compute dtype at load.
-    packed_dense: bool = True
+    # dequantized to the compute dtype at load. Off by default while those GEMVs are slower than cuBLAS on the bf16
+    # weight (H200, reports-mixed full shape: 13.2 against 8.4 ms a batch-1 step, 55.3 against 12.3 at batch 4); on
+    # saves 3.7 GB of the full shape's weights (docs/performance.md).
+    packed_dense: bool = False
     # Long context (issue 18): QSA layers keep their K/V rows and raw indexer keys in one exact-size pinned host
     # allocation per stage, read over PCIe by the decode kernels; only the pooled keys stay in VRAM, so a KV block
     # costs 1/37 of the VRAM at the full shape (stage_worker/model/cache.py, shared/kv_layout.py).

@@ -239,7 +239,7 @@ def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path
     cfg = load_config(qdir)
     n = cfg.num_hidden_layers
     cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
-                            stages=[StageSpec(0, n, "", "cuda:0")])
+                            stages=[StageSpec(0, n, "", "cuda:0")], packed_dense=True)
     planned = stage_needs(cfg, cluster)[0].weights
     model = load_model(qdir, LoadOptions(dtype=torch.float32))
     assert any(name.endswith(".weight_packed") for name, _ in model.named_buffers())
