@@ -89,6 +89,14 @@ class _ExpertCollector(Collector):
         kv_tiers = GaugeMetricFamily("moepipe_kv_cache_tier_bytes", "Bytes of a stage's paged KV pool by tier: host "
                                      "(QSA K/V in pinned host RAM, qsa_kv_offload) and vram (the stage's device)",
                                      labels=["stage", "tier"])
+        rc_hits = CounterMetricFamily("moepipe_kv_row_cache_hits", "Selected QSA K/V rows a decode step read from "
+                                      "the VRAM row cache instead of host RAM (kv_row_cache), per stage",
+                                      labels=["stage"])
+        rc_lookups = CounterMetricFamily("moepipe_kv_row_cache_lookups", "Selected QSA K/V rows decode steps looked "
+                                         "up in the VRAM row cache (hits / lookups = hit rate), per stage",
+                                         labels=["stage"])
+        rc_bytes = GaugeMetricFamily("moepipe_kv_row_cache_bytes", "VRAM of a stage's K/V row cache",
+                                     labels=["stage"])
         for stage, st in sorted(stages.items()):
             for key, value in st.items():
                 name, _, layer = key.partition(":")
@@ -102,7 +110,10 @@ class _ExpertCollector(Collector):
                     kv.add_metric([stage], value)
                 elif name in ("kv_bytes_vram", "kv_bytes_host"):
                     kv_tiers.add_metric([stage, name.rsplit("_", 1)[1]], value)
-        yield from (reads, moves, tiers, kv, kv_tiers)
+                elif name in ("kv_row_cache_hits", "kv_row_cache_lookups", "kv_row_cache_bytes"):
+                    {"hits": rc_hits, "lookups": rc_lookups, "bytes": rc_bytes}[name.rsplit("_", 1)[1]].add_metric(
+                        [stage], value)
+        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes)
 
 
 class Metrics:
@@ -183,7 +194,8 @@ class Metrics:
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 
     def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:
-        """A stage's heartbeat totals: expert host reads and moves per layer, expert bytes by tier, KV pool bytes."""
+        """A stage's heartbeat totals: expert host reads and moves per layer, expert bytes by tier, KV pool bytes,
+        the K/V row cache's hits, lookups and bytes."""
         self._experts.set(str(stage), stats)
 
     def render(self) -> bytes:

@@ -186,6 +186,9 @@ def serve_options(args: argparse.Namespace):
         extra["expert_moves"] = False
     if args.qsa_kv_offload:
         extra["qsa_kv_offload"] = True
+    if args.kv_row_cache_mib is not None:
+        extra["kv_row_cache"] = args.kv_row_cache_mib > 0
+        extra["kv_row_cache_mib"] = args.kv_row_cache_mib
     for key in ("allowed_hosts", "allowed_origins"):
         if getattr(args, key) is not None:
             extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
@@ -272,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--qsa-kv-offload", action="store_true",
                    help="keep the QSA layers' K/V in pinned host RAM (only pooled keys in VRAM: far more tokens of "
                         "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")
+    s.add_argument("--kv-row-cache-mib", type=int, default=None, metavar="MIB",
+                   help="with --qsa-kv-offload: cache the K/V rows decode reads from host RAM in MIB of VRAM per "
+                        "stage (0: off; also MOEPIPE_KV_ROW_CACHE=1, MOEPIPE_KV_ROW_CACHE_MIB)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,

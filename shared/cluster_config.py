@@ -105,6 +105,11 @@ class ClusterConfig:
     # allocation per stage, read over PCIe by the decode kernels; only the pooled keys stay in VRAM, so a KV block
     # costs 1/37 of the VRAM at the full shape (stage_worker/model/cache.py, shared/kv_layout.py).
     qsa_kv_offload: bool = False
+    # ... and a region of VRAM caching the K/V rows decode steps read from there, keyed by physical row: hits read
+    # VRAM, misses host memory in the same kernel, same output bits (stage_worker/kernels/kv_row_cache.py, 002 §5).
+    # `kv_row_cache_mib` is the region of one stage, shared by its QSA layers; counted by the memory plan.
+    kv_row_cache: bool = False
+    kv_row_cache_mib: int = 256
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
@@ -178,6 +183,8 @@ class ClusterConfig:
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or self.expert_move_margin < 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
+        if self.kv_row_cache_mib < 0:
+            raise ClusterConfigError("cluster config: kv_row_cache_mib must be >= 0 (0 = no row cache)")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         if self.ple_decode_in_stage_max_seqs < 1:
@@ -239,6 +246,11 @@ class ClusterConfig:
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2)
 
     @property
+    def row_cache_bytes(self) -> int:
+        """VRAM a stage gives its K/V row cache (`CacheSpec.row_cache_bytes`): only over host K/V."""
+        return self.kv_row_cache_mib << 20 if self.kv_row_cache and self.qsa_kv_offload else 0
+
+    @property
     def steps_in_flight(self) -> int:
         """At most this many steps are planned and not yet finished: plans per micro-batch x micro-batches."""
         return self.num_microbatches * (2 if self.async_scheduling else 1)
@@ -278,7 +290,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
-        "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload"}
+        "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
+        "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}
 
 
 def env_overrides() -> dict[str, Any]:
@@ -288,7 +301,7 @@ def env_overrides() -> dict[str, Any]:
         if env in os.environ:
             val = os.environ[env]
             if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
-                       "expert_move_interval", "ple_decode_in_stage_max_seqs"):
+                       "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib"):
                 out[key] = int(val)
             elif key in ("kernels", "dtype", "api_key", "link_keys", "cold_experts"):
                 out[key] = val

@@ -43,10 +43,11 @@ class StageNeeds:
     expert_bytes: int = 0    # one routed expert as the stage holds it (INT4 kept packed: its packed size; layers
     #                          that differ: the smallest, so `auto` moves out at least what it must); 0: unknown
     host_block: int = 0      # one KV block's bytes in pinned host RAM (QSA K/V with qsa_kv_offload; not in `block`)
+    row_cache: int = 0       # VRAM of the K/V row cache over host K/V (kv_row_cache; not in `state`)
 
     @property
     def fixed(self) -> int:
-        return self.weights + self.state + self.reserve
+        return self.weights + self.state + self.reserve + self.row_cache
 
 
 @dataclass
@@ -69,13 +70,14 @@ class MemoryPlan:
     def table(self) -> str:
         """One line per stage: what its device budget holds."""
         lines = [f"{'stage':>5} {'layers':>9} {'device':>8} {'weights':>8} {'state':>7} {'reserve':>8} "
-                 f"{'KV':>8} {'budget':>8} {'host':>8} {'host KV':>8}  (GiB; {self.num_blocks} KV blocks per stage; "
-                 f"host: cold experts in pinned RAM; host KV: QSA K/V in pinned RAM)"]
+                 f"{'KV':>8} {'budget':>8} {'host':>8} {'host KV':>8} {'rows':>6}  (GiB; {self.num_blocks} KV blocks "
+                 f"per stage; host: cold experts in pinned RAM; host KV: QSA K/V in pinned RAM; rows: VRAM row cache "
+                 f"of host K/V)"]
         for s in self.stages:
             lines.append(f"{s.stage:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.device:>8} {s.weights / GIB:>8.2f} "
                          f"{s.state / GIB:>7.2f} {s.reserve / GIB:>8.2f} {(self.num_blocks + 1) * s.block / GIB:>8.2f}"
                          f" {self.budgets[s.device] / GIB:>8.2f} {s.host_experts / GIB:>8.2f}"
-                         f" {(self.num_blocks + 1) * s.host_block / GIB:>8.2f}")
+                         f" {(self.num_blocks + 1) * s.host_block / GIB:>8.2f} {s.row_cache / GIB:>6.2f}")
         return "\n".join(lines)
 
 
@@ -169,7 +171,8 @@ def host_bytes_to_fit(stages: list[StageNeeds], devices: dict[str, DeviceMemory]
 
 def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits: PlanLimits) -> str:
     parts = ", ".join(f"stage {s.stage} (layers {s.layers[0]}-{s.layers[1]}): weights {s.weights / GIB:.2f} + "
-                      f"state {s.state / GIB:.2f} + reserve {s.reserve / GIB:.2f}" for s in mine)
+                      f"state {s.state / GIB:.2f} + reserve {s.reserve / GIB:.2f}"
+                      + (f" + K/V row cache {s.row_cache / GIB:.2f}" if s.row_cache else "") for s in mine)
     weights = sum(s.weights for s in mine)
     per_device = max(budget - sum(s.state + s.reserve for s in mine), 1)
     need = -(-weights // per_device)

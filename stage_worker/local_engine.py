@@ -28,10 +28,11 @@ class _Seq:
 class LocalEngine:
     def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int | None = None,
                  max_tokens: int = 4096, cuda_graphs: bool = False, sparse_prefill: bool = True,
-                 kv_offload: bool = False) -> None:
+                 kv_offload: bool = False, row_cache_mib: int = 0) -> None:
         """`block_size` None: derived from the model (`shared.kv_layout`), as the served cluster does;
         `sparse_prefill`: the cluster key `qsa_sparse_prefill` (StepBatch.sparse_prefill); `kv_offload`: the
-        cluster key `qsa_kv_offload` (QSA K/V in host RAM, `CacheSpec.kv_offload`)."""
+        cluster key `qsa_kv_offload` (QSA K/V in host RAM, `CacheSpec.kv_offload`); `row_cache_mib`: with it on a
+        GPU, the VRAM row cache of those rows (cluster keys `kv_row_cache`, `kv_row_cache_mib`; 0 = none)."""
         self.sparse_prefill = sparse_prefill
         if not stages or not stages[0].has_embedding or not stages[-1].has_head:
             raise ValueError("stages must run from the embedding to the head")
@@ -42,7 +43,7 @@ class LocalEngine:
         num_blocks = max_seqs * max_blocks
         # One more slot and block than requests can own: scratch space for CUDA-graph padding entries.
         spec = CacheSpec(num_blocks=num_blocks + 1, block_size=block_size, num_slots=max_seqs + 1, dtype=p.dtype,
-                         device=p.device, kv_offload=kv_offload)
+                         device=p.device, kv_offload=kv_offload, row_cache_bytes=row_cache_mib << 20)
         self.device = p.device
         self.caches = [s.new_cache(spec) for s in stages]
         self.blocks = BlockManager(num_blocks, max_seqs)

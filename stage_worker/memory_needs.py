@@ -8,7 +8,8 @@ launcher for the server's life.
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
 them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 experts at their packed size there
-too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`). The
+too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`); the
+VRAM row cache over it (`kv_row_cache`) is counted apart (`StageNeeds.row_cache`). The
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
 `max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
 (`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
@@ -87,7 +88,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                 use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
-                                              device="meta"))
+                                              device="meta", kv_offload=cluster.qsa_kv_offload,
+                                              row_cache_bytes=cluster.row_cache_bytes))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
@@ -106,9 +108,11 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             reserve = GIB + tokens * width * 96 + logits
         bs, offload = cluster.block_size or 16, cluster.qsa_kv_offload
         block = block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)      # QSA K/V in host RAM: not here
+        row_cache = cache.row_cache_bytes()        # the VRAM row cache over host K/V (kv_row_cache)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
-                              state=_tensor_bytes(cache), block=block, reserve=reserve, host_experts=host,
-                              routed_experts=routed, expert_bytes=min(sizes.values(), default=0),
+                              state=_tensor_bytes(cache) - row_cache, row_cache=row_cache, block=block,
+                              reserve=reserve, host_experts=host, routed_experts=routed,
+                              expert_bytes=min(sizes.values(), default=0),
                               host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)))
     return out
 

@@ -22,6 +22,7 @@ from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
 from stage_worker.expert_offload import gates
+from stage_worker.readback import CounterReadback
 from stage_worker.host_copy import to_device, to_host
 from stage_worker.ple_decode_rows import DecodeRowGather
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
@@ -89,7 +90,7 @@ class StageRunner:
         # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries.
         spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
                          num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device,
-                         kv_offload=cluster.qsa_kv_offload)
+                         kv_offload=cluster.qsa_kv_offload, row_cache_bytes=cluster.row_cache_bytes)
         self.cache = model.new_cache(spec)
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
@@ -130,6 +131,8 @@ class StageRunner:
         self._ple_wait_start: dict[int, float] = {}
         # Run-time expert moves (issue 16): every expert_move_interval launched steps, one swap per layer at most.
         self.experts = model.experts
+        counts = self.cache.row_cache_counts
+        self.row_cache_reads = CounterReadback(counts) if counts is not None else None   # (hits, lookups)
         self.expert_moves = model.experts is not None and cluster.expert_moves
         self._move_gates = gates(model) if self.expert_moves else []
         self._move_decay = 0.5 ** (cluster.expert_move_interval / cluster.expert_move_half_life)
@@ -343,6 +346,8 @@ class StageRunner:
                 self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin)
         if self.experts is not None and self.launches % 16 == 0:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
+        if self.row_cache_reads is not None and self.launches % 16 == 0:
+            self.row_cache_reads.snapshot()
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
@@ -540,6 +545,10 @@ class StageRunner:
             out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds
         if self.experts is not None:
             out.update(self.experts.stats())
+        if self.row_cache_reads is not None:
+            out["kv_row_cache_bytes"] = float(self.cache.row_cache_bytes())
+            if self.row_cache_reads.last is not None:
+                out["kv_row_cache_hits"], out["kv_row_cache_lookups"] = map(float, self.row_cache_reads.last)
         return out
 
 

@@ -57,11 +57,13 @@ def _dot(a, b, F32: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, lse_ptr, out_ptr,
+                  rk_ptr, rv_ptr, tag_ptr, hitmark_ptr, claim_ptr, epoch_ptr, n_slots,
                   scale_log2, n_sel,
                   s_qb, s_qh, s_kr, s_kh, s_vr, s_vh, s_tb, s_sb, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
+                  s_rr, s_rh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr):
+                  HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, CACHED: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,6 +87,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if CACHED:
+        epoch = tl.load(epoch_ptr)
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         in_range = j < end
@@ -98,7 +102,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
         page = tl.load(tables_ptr + b.to(tl.int64) * s_tb + pos // PAGE, mask=ok, other=0)
         row = page.to(tl.int64) * PAGE + pos % PAGE
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + row[:, None] * s_kr + kvh * s_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_at = k_ptr + row[:, None] * s_kr + kvh * s_kh + offs_d[None, :]
+        v_at = v_ptr + row[:, None] * s_vr + kvh * s_vh + offs_d[None, :]
+        if CACHED:      # the row cache (kv_row_cache.py): a hit loads VRAM, a miss host memory, through one pointer
+            slot = tl.where(ok, row % n_slots, 0)
+            mark = tl.load(hitmark_ptr + slot, mask=ok, other=-1)
+            hit = ok & (mark == epoch) & (tl.load(tag_ptr + slot, mask=ok, other=-1) == row)
+            r_at = slot[:, None] * s_rr + kvh * s_rh + offs_d[None, :]
+            k_at = tl.where(hit[:, None], rk_ptr + r_at, k_at)
+            v_at = tl.where(hit[:, None], rv_ptr + r_at, v_at)
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), DOT_F32) * scale_log2                             # [BLOCK_G, BLOCK_N]
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -106,9 +119,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + row[:, None] * s_vr + kvh * s_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
+        if CACHED:      # a miss fills its slot if its claim won and no column hit the slot this step
+            claim = tl.load(claim_ptr + slot, mask=ok, other=-1)
+            fill = ok & ~hit & (mark != epoch) & (claim == ((epoch << 32) | row))
+            tl.store(rk_ptr + r_at, k, mask=fill[:, None] & d_ok[None, :])
+            tl.store(rv_ptr + r_at, v, mask=fill[:, None] & d_ok[None, :])
+            tl.store(tag_ptr + slot, row, mask=fill)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -159,12 +178,15 @@ def choose_num_splits(programs: int, length: int, device: torch.device, min_per_
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            selected: torch.Tensor | None = None, *, max_context_len: int | None = None,
-                           num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int | None = None,
+                           row_cache=None) -> torch.Tensor:
     """q [B, Hq, D]; caches [rows, kv_heads, D]; block_tables [B, max_blocks] int32; context_lens [B] int32 (the
     new token's K/V already written); selected [B, S] int32 positions, -1 = padding. Returns [B, Hq, D] like q.
 
     `max_context_len` (a host-side bound the scheduler knows) only sizes the split; without it the table width is
-    used. `num_splits` / `block_n` override the heuristics (tests)."""
+    used. `num_splits` / `block_n` override the heuristics (tests). `row_cache` (`kv_row_cache.RowCache`, with
+    `selected`): hits read its region, misses host memory and fill it; `invalidate` and `plan` of this step must
+    have run (`kv_row_cache.py`). Same output bits either way."""
     B, Hq, D = q.shape
     kv_heads = k_cache.shape[1]
     assert Hq % kv_heads == 0 and k_cache.shape[2] == D and v_cache.shape == k_cache.shape
@@ -186,18 +208,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part = lse = out                              # neither read nor written: the kernel stores `out` itself
     sel = selected if selected is not None else context_lens
+    rc = row_cache
+    assert rc is None or (selected is not None and rc.k.dtype == k_cache.dtype and rc.k.shape[1:] == k_cache.shape[1:]
+                          and rc.k.is_contiguous() and rc.v.is_contiguous())
     block_d = max(16, triton.next_power_of_2(D))
     _split_kernel[(B, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sel, part, lse, out,
+        *((rc.k, rc.v, rc.tag, rc.hitmark, rc.claim, rc.epoch, rc.n_slots) if rc is not None else
+          (k_cache, v_cache, context_lens, context_lens, context_lens, context_lens, 1)),
         scale * math.log2(math.e), length if selected is not None else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), sel.stride(0),
         *(part.stride()[:3] if splits > 1 else (0, 0, 0)), *(lse.stride()[:2] if splits > 1 else (0, 0)),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *((rc.k.stride(0), rc.k.stride(1)) if rc is not None else (0, 0)),
         GROUP=group, HEAD_DIM=D, PAGE=block_size, NUM_SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_SEL=selected is not None, DIRECT=splits == 1,
-        DOT_F32=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
+        DOT_F32=q.dtype == torch.float32 or _INTERPRET, CACHED=rc is not None, num_warps=4)
     if splits > 1:
         _reduce_kernel[(B, Hq)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

@@ -138,6 +138,15 @@ SPARSE_PREFILL_QUERIES = 256
 HOST_SELECT_SCORES = 1 << 25
 
 
+def _invalidate_written(cache: AttentionCache, batch: StepBatch) -> None:
+    """The step's K/V rows were just written to host memory: drop their copies from the VRAM row cache (if any),
+    which also starts the cache's next epoch (`kernels/kv_row_cache.py`)."""
+    if cache.row_cache is not None:
+        from stage_worker.kernels.kv_row_cache import invalidate
+
+        invalidate(cache.row_cache, batch.slot_mapping)
+
+
 class GatedAttention(nn.Module):
     """Attention whose q_proj also produces a per-feature output gate; q/k are RMS-normalised per head."""
 
@@ -201,6 +210,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
         write_rows(cache.k, batch.slot_mapping, k)
         write_rows(cache.v, batch.slot_mapping, v)
+        _invalidate_written(cache, batch)
         iq = None
         if self.indexer is not None:
             iq, raw_k = self.indexer.project(x, cos, sin)
@@ -303,6 +313,7 @@ class GatedAttention(nn.Module):
             F.linear(x, weight), layout, cos, sin, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
             cache.k, cache.v, self.q_norm.eps, idx.q_layernorm.weight if idx else None,
             cache.index_keys if idx else None)
+        _invalidate_written(cache, batch)
         out = self._decode_kernels(q, iq, batch, cache, x.dtype)
         return self.o_proj(out.reshape(x.shape[0], -1) * gate)
 
@@ -325,7 +336,12 @@ class GatedAttention(nn.Module):
             qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self.indexer.k_layernorm.weight,
                             self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
-        return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected)
+            if cache.row_cache is not None:
+                from stage_worker.kernels.kv_row_cache import plan
+
+                plan(cache.row_cache, selected, tables, lens, bs)
+        return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected,
+                                      row_cache=cache.row_cache if selected is not None else None)
 
     def _attend_host_sections(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
                               rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:

@@ -31,12 +31,16 @@ class CacheSpec:
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     kv_offload: bool = False        # QSA layers' K/V rows and raw indexer keys in host RAM (see the module doc)
+    row_cache_bytes: int = 0        # with kv_offload on a GPU: VRAM caching the rows decode reads, shared by the
+    #                                 stage's QSA layers (`kernels/kv_row_cache.py`; cluster key kv_row_cache_mib)
 
 
 class AttentionCache:
     """Paged K/V rows [num_blocks * block_size, kv_heads, head_dim]; with QSA also the indexer's raw token keys and
     the pooled key of every complete compression block (one row per `compress_ratio` K/V rows). `host`, when
     given, holds `k`, `v` and `index_keys` (views of the stage's host allocation, `host_shapes`)."""
+
+    row_cache = None        # kv_row_cache.RowCache: the VRAM row cache over the host rows (ModelCache sets it)
 
     def __init__(self, cfg: HybridMoeConfig, spec: CacheSpec, host: dict[str, torch.Tensor] | None = None) -> None:
         shapes = self.host_shapes(cfg, spec)
@@ -109,6 +113,7 @@ class ModelCache:
                 self.deltanet[layer] = DeltaNetState(cfg, spec)
             if isinstance(cfg, Qwen4ExpConfig) and cfg.ple_index(layer) is not None:
                 self.ple[layer] = PLEState(cfg, spec)
+        self.row_cache_counts = _add_row_caches(cfg, spec, [self.attention[layer] for layer in qsa])
         if with_mtp:
             # The MTP block is one plain full-attention layer; it caches under index num_hidden_layers.
             self.attention[cfg.num_hidden_layers] = AttentionCache(_without_qsa(cfg), spec)
@@ -125,6 +130,11 @@ class ModelCache:
     def kv_bytes(self) -> int:
         """The paged KV pool (attention layers' blocks, QSA keys included), both tiers."""
         return self.bytes(("attention",))
+
+    def row_cache_bytes(self) -> int:
+        """VRAM of the K/V row caches (regions and their tags); not part of `kv_bytes`."""
+        return sum(t.numel() * t.element_size() for c in self.attention.values() if c.row_cache is not None
+                   for t in vars(c.row_cache).values() if t is not self.row_cache_counts)
 
     def kv_host_bytes(self) -> int:
         """Of `kv_bytes`, what lives in the host allocation (`kv_offload`; the allocation itself adds a little
@@ -158,6 +168,25 @@ def _host_pool(cfg: HybridMoeConfig, spec: CacheSpec, layers: list[int]):
     for layer, name, off, shape in layout:
         views[layer][name] = buf.tensor[off:off + math.prod(shape) * itemsize].view(spec.dtype).view(shape)
     return buf, views
+
+
+def _add_row_caches(cfg: HybridMoeConfig, spec: CacheSpec, caches: list[AttentionCache]) -> torch.Tensor | None:
+    """Give each host-K/V layer its share of `spec.row_cache_bytes` as a VRAM row cache; returns the (hits,
+    lookups) counters they share, or None. Only where the decode kernels run (a GPU; the meta device for the memory
+    plan's count): the CPU's PyTorch path reads its rows from RAM anyway."""
+    device = torch.device(spec.device)
+    if not caches or spec.row_cache_bytes <= 0 or device.type == "cpu":
+        return None
+    from stage_worker.kernels.kv_row_cache import RowCache, slots_for
+
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    n = slots_for(spec.row_cache_bytes, len(caches), cfg.num_key_value_heads, cfg.head_dim, itemsize)
+    if n == 0:
+        return None
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    for c in caches:
+        c.row_cache = RowCache.new(n, cfg.num_key_value_heads, cfg.head_dim, spec.dtype, device, counts)
+    return counts
 
 
 def _without_qsa(cfg: HybridMoeConfig) -> HybridMoeConfig:
