@@ -10,8 +10,11 @@ the attention reads `budget + ratio - 1` rows of K and of V a sequence over PCIe
 cannot overlap the indexer that chooses them (002 §3.1): the table prints that transfer's time at the measured
 host-read bandwidth beside the step. Prefill: one 512-token chunk at the end of the context through
 `GatedAttention` (in VRAM: gathering each query's rows; host: the context staged in sections), time and the peak
-memory it adds. Caches are random (a selection over random scores: no row locality, the worst case for a later row
-cache). Without CUDA it runs eagerly on the CPU under Triton's interpreter (a smoke test; use tiny --contexts).
+memory it adds. Caches are random (a selection over random scores: no row locality, the worst case for a row
+cache). Tier "rows" (`--row-cache-mib`, `bench/row_cache_steps.py`): host K/V with the VRAM row cache over steps
+that advance (the context grows, the indexer's query drifts, the real indexer selects): decode us with the cache,
+in parentheses the same steps without it, the hit rate and the overlap of consecutive selections.
+Without CUDA it runs eagerly on the CPU under Triton's interpreter (a smoke test; use tiny --contexts).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from stage_worker.model.attention import GatedAttention  # noqa: E402
 from stage_worker.model.batch import StepBatch  # noqa: E402
 from stage_worker.model.cache import CacheSpec, ModelCache  # noqa: E402
 from stage_worker.model.rope import Rotary  # noqa: E402
+from bench.row_cache_steps import row_cache_tier  # noqa: E402
 
 BLOCK = 16
 HOST_READ_GBS = 50.0      # a GPU kernel reading pinned host memory on the H200 (DESIGN §6)
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--row-cache-mib", type=int, default=32,
+                    help="the row cache tier's region (one layer's; 0: no tier)")
+    ap.add_argument("--query-drift", type=float, default=0.99, help="the row cache tier's query walk (rho)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                     del cache
                     if device == "cuda":
                         torch.cuda.empty_cache()
+                if args.row_cache_mib:          # the row cache tier: steps that advance, over host K/V
+                    cache, tables = random_caches(cfg, [ctx] * B, device, True, seed=ctx + B)
+                    r = row_cache_tier(cfg, attn, cache, tables, BLOCK, device, args.reps, args.row_cache_mib, timed,
+                                       args.query_drift)
+                    if r is not None:
+                        rows.append(dict(context=ctx, batch=B, tier="rows", **r))
+                        print(f"{ctx:>8} {B:>5} {'rows':>5} {r['row_cache_s'] * 1e6:>10.1f} "
+                              f"({r['host_drift_s'] * 1e6:.1f} uncached)  hit rate {r['hit_rate']:.3f}, overlap "
+                              f"{r['overlap']:.2f}, {r['slots']} slots")
+                    del cache
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                     torch=torch.__version__, config=dataclasses.asdict(cfg), host_read_gbs=HOST_READ_GBS,
