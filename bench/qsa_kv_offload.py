@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-cache-mib", type=int, default=32,
                     help="the row cache tier's region (one layer's; 0: no tier)")
     ap.add_argument("--query-drift", type=float, default=0.99, help="the row cache tier's query walk (rho)")
+    ap.add_argument("--tiers", default="vram,host,rows", help="which of the tiers vram, host, rows to run")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for ctx in [int(c) for c in args.contexts.split(",")]:
             for B in [int(b) for b in args.batch.split(",")]:
-                for offload in (False, True):
+                for offload in [o for o in (False, True) if ("host" if o else "vram") in args.tiers.split(",")]:
                     cache, tables = random_caches(cfg, [ctx] * B, device, offload, seed=ctx + B)
                     dec = decode_step(cfg, attn, cache, tables, device, args.reps)
                     pcie = B * keys * 2 * row / (HOST_READ_GBS * 1e9) if offload else 0.0
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     del cache
                     if device == "cuda":
                         torch.cuda.empty_cache()
-                if args.row_cache_mib:          # the row cache tier: steps that advance, over host K/V
+                if args.row_cache_mib and "rows" in args.tiers.split(","):   # steps that advance, over host K/V
                     cache, tables = random_caches(cfg, [ctx] * B, device, True, seed=ctx + B)
                     r = row_cache_tier(cfg, attn, cache, tables, BLOCK, device, args.reps, args.row_cache_mib, timed,
                                        args.query_drift)

@@ -1,8 +1,8 @@
-"""The row cache's protocol in plain PyTorch, one column after another: the oracle of `kv_row_cache.py` and of the
+"""The row cache's protocol in plain PyTorch, one step's phases one after another: the oracle of `kv_row_cache.py` and of the
 split-K kernel's `CACHED` path.
 
 The protocol's outcome does not depend on the order the GPU's programs run in (that is what the epoch, the hitmark
-and the claim are for), so a sequential model gives the exact state a step must leave: tags, hitmarks, claims,
+and the claim are for), so phases run one after another give the exact state a step must leave: tags, hitmarks, claims,
 epoch, counters, and the region rows of every tagged slot (equal to the host row the tag names). Attention through
 the cache is attention over the host rows, whatever the region holds: `paged_decode_attention_ref` over host K/V.
 """
@@ -31,13 +31,12 @@ def selected_rows(selected: torch.Tensor, block_tables: torch.Tensor, context_le
 
 
 def plan_ref(cache: RowCache, rows: torch.Tensor) -> torch.Tensor:
-    """Mark hits, claim misses' slots, count; returns the hit flag of every column."""
+    """Mark hits, claim misses' slots (the largest epoch << 32 | row per slot), count; returns the columns' hits."""
     epoch = int(cache.epoch)
     slots = rows % cache.n_slots
     hit = cache.tag[slots] == rows
     cache.hitmark[slots[hit]] = epoch
-    for slot, row in zip(slots[~hit].tolist(), rows[~hit].tolist()):
-        cache.claim[slot] = max(int(cache.claim[slot]), epoch << ROW_BITS | row)
+    cache.claim.scatter_reduce_(0, slots[~hit], (epoch << ROW_BITS) | rows[~hit], "amax")
     cache.counts[0] += int(hit.sum())
     cache.counts[1] += rows.numel()
     return hit
@@ -45,14 +44,16 @@ def plan_ref(cache: RowCache, rows: torch.Tensor) -> torch.Tensor:
 
 def fill_ref(cache: RowCache, rows: torch.Tensor, hit: torch.Tensor, host_k: torch.Tensor,
              host_v: torch.Tensor) -> None:
-    """What the attention's misses write: the winning claim's row and tag, where no column hit the slot."""
+    """What the attention's misses write: the winning claim's row and tag, where no column hit the slot (columns
+    that win one slot all name the same row, so the order of writes does not matter)."""
     epoch = int(cache.epoch)
-    for row in rows[~hit].tolist():
-        slot = row % cache.n_slots
-        if int(cache.hitmark[slot]) != epoch and int(cache.claim[slot]) == epoch << ROW_BITS | row:
-            cache.k[slot] = host_k[row].to(cache.k.device)
-            cache.v[slot] = host_v[row].to(cache.v.device)
-            cache.tag[slot] = row
+    rows = rows[~hit]
+    slots = rows % cache.n_slots
+    win = (cache.hitmark[slots] != epoch) & (cache.claim[slots] == (epoch << ROW_BITS) | rows)
+    slots, rows = slots[win], rows[win]
+    cache.k[slots] = host_k[rows].to(cache.k.device)
+    cache.v[slots] = host_v[rows].to(cache.v.device)
+    cache.tag[slots] = rows
 
 
 def step_ref(cache: RowCache, written: torch.Tensor, selected: torch.Tensor, block_tables: torch.Tensor,
