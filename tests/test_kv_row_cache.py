@@ -197,6 +197,51 @@ def test_gpu_random_steps_zero_mismatches():
     assert bad == 0 and rate > 0.1
 
 
+def test_layer_decode_through_the_cache_with_rows_rewritten():
+    """`GatedAttention`'s own wiring on the CPU (interpreter): prefill and decode write rows through `forward`, which
+    invalidates them; `_decode_kernels` plans and reads through the cache. Two caches fed identically, one with a
+    23-slot region: every decode output is equal bit for bit, also after sequence 0's blocks are prefilled again
+    with other tokens (a new request reusing them: rows the region held, rewritten)."""
+    from stage_worker.model.attention import GatedAttention
+    from stage_worker.model.batch import StepBatch
+    from stage_worker.model.cache import AttentionCache, CacheSpec
+    from stage_worker.model.rope import Rotary
+
+    cfg = _qsa_cfg()
+    torch.manual_seed(0)
+    rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+    attn = GatedAttention(cfg, True, rotary).eval()
+    bs, ctxs = 8, [29, 41]
+    tables = [[5, 0, 7, 2, 9], [1, 8, 3, 6, 4, 10]]
+    spec = CacheSpec(num_blocks=11, block_size=bs, num_slots=2)
+    caches = [AttentionCache(cfg, spec), AttentionCache(cfg, spec)]
+    caches[0].row_cache = rc.RowCache.new(23, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+
+    def feed(seqs):
+        batch = StepBatch.build(seqs, bs)
+        x = torch.randn(sum(len(t) for t, *_ in seqs), cfg.hidden_size, generator=g)
+        for c in caches:
+            attn(x, batch, c, rotary.cos_sin(batch.positions, x.dtype))
+        return batch
+
+    with torch.no_grad():
+        feed([(list(range(c)), 0, i, tables[i]) for i, c in enumerate(ctxs)])
+        lens = list(ctxs)
+        for step in range(4):
+            if step == 2:                                   # sequence 0's blocks reused by another prompt
+                feed([(list(range(lens[0] - 1)), 0, 0, tables[0])])
+                lens[0] -= 1
+            batch = feed([([5], n, i, tables[i]) for i, n in enumerate(lens)])
+            q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, generator=g)
+            iq = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+            outs = [attn._decode_kernels(q, iq, batch, c, q.dtype) for c in caches]
+            assert torch.equal(outs[0], outs[1]), step
+            lens = [n + 1 for n in lens]
+    hits, lookups = caches[0].row_cache.counts.tolist()
+    assert 0 < hits < lookups
+
+
 # ---- the switch, the memory plan, the stage's counters -------------------------------------------------------------
 
 def _qsa_cfg():
