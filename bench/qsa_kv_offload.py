@@ -8,7 +8,9 @@ newest block's raw indexer keys), QSA selection over the pooled keys (VRAM eithe
 the selected rows, captured in a CUDA graph and timed with CUDA events around replays (DESIGN §6). With host K/V
 the attention reads `budget + ratio - 1` rows of K and of V a sequence over PCIe (4.2 MB at the full shape), which
 cannot overlap the indexer that chooses them (002 §3.1): the table prints that transfer's time at the measured
-host-read bandwidth beside the step. Prefill: one 512-token chunk at the end of the context through
+host-read bandwidth beside the step. "select us": the QSA selection alone (scores and top-k, in a CUDA graph) with
+the block table padded to 262,144 tokens as under the decode graphs, and in parentheses the first version's (one
+select program a sequence). Prefill: one 512-token chunk at the end of the context through
 `GatedAttention` (in VRAM: gathering each query's rows; host: the context staged in sections), time and the peak
 memory it adds. Caches are random (a selection over random scores: no row locality, the worst case for a row
 cache). Tier "rows" (`--row-cache-mib`, `bench/row_cache_steps.py`): host K/V with the VRAM row cache over steps
@@ -133,6 +135,32 @@ def decode_step(cfg, attn: GatedAttention, cache, tables: list[list[int]], devic
     return timed(graph.replay, reps, device)
 
 
+def selection(cfg, attn: GatedAttention, cache, tables: list[list[int]], device: str, reps: int,
+              one_program: bool) -> float:
+    """Seconds per `qsa_select` of the batch alone (in a CUDA graph on a GPU), the block table padded to 262,144
+    tokens as the decode graphs pad it; `one_program`: the first version (one select program a sequence)."""
+    from stage_worker.kernels.qsa import qsa_select
+
+    width = 262144 // BLOCK
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    lens = torch.tensor([len(t) * BLOCK for t in tables], dtype=torch.int32, device=device)
+    q_idx = torch.randn(len(tables), cfg.indexer_n_heads, cfg.indexer_head_dim, device=device).to(torch.bfloat16)
+    idx = attn.indexer
+
+    def run():
+        qsa_select(q_idx, cache.pooled_keys, table, lens, BLOCK, idx.ratio, idx.block_topk * idx.ratio,
+                   one_program=one_program)
+
+    if device != "cuda":
+        return timed(run, reps, device)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return timed(graph.replay, reps, device)
+
+
 def prefill_chunk(cfg, attn: GatedAttention, cache, table: list[int], ctx: int, device: str) -> tuple[float, int]:
     """Seconds and added peak bytes of one 512-token chunk ending at `ctx` (the cache already holds the rows)."""
     chunk = min(512, ctx)
@@ -179,20 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"VRAM per token and QSA layer: {dev_off} B in VRAM, {dev_on} B with host K/V ({dev_off / dev_on:.0f}x the "
           f"tokens per GiB: {GIB // dev_off:,} against {GIB // dev_on:,} token-layers)")
     print(f"{'context':>8} {'batch':>5} {'tier':>5} {'decode us':>10} {'PCIe us':>8} {'prefill ms':>10} "
-          f"{'+peak MiB':>9}")
+          f"{'+peak MiB':>9} {'select us (v1)':>15}")
     with torch.inference_mode():
         for ctx in [int(c) for c in args.contexts.split(",")]:
             for B in [int(b) for b in args.batch.split(",")]:
                 for offload in [o for o in (False, True) if ("host" if o else "vram") in args.tiers.split(",")]:
                     cache, tables = random_caches(cfg, [ctx] * B, device, offload, seed=ctx + B)
                     dec = decode_step(cfg, attn, cache, tables, device, args.reps)
+                    sel, sel_v1 = (selection(cfg, attn, cache, tables, device, args.reps, one) for one in (False, True))
                     pcie = B * keys * 2 * row / (HOST_READ_GBS * 1e9) if offload else 0.0
                     pre, peak = (0.0, 0) if args.no_prefill or B > 1 else \
                         prefill_chunk(cfg, attn, cache, tables[0], ctx, device)
                     rows.append(dict(context=ctx, batch=B, tier="host" if offload else "vram", decode_s=dec,
-                                     pcie_s=pcie, prefill_chunk_s=pre, prefill_peak_bytes=peak))
+                                     pcie_s=pcie, prefill_chunk_s=pre, prefill_peak_bytes=peak, select_s=sel,
+                                     select_v1_s=sel_v1))
                     print(f"{ctx:>8} {B:>5} {rows[-1]['tier']:>5} {dec * 1e6:>10.1f} {pcie * 1e6:>8.1f} "
-                          f"{pre * 1e3:>10.1f} {peak / 2**20:>9.0f}")
+                          f"{pre * 1e3:>10.1f} {peak / 2**20:>9.0f} {sel * 1e6:>7.1f} ({sel_v1 * 1e6:.1f})")
                     del cache
                     if device == "cuda":
                         torch.cuda.empty_cache()

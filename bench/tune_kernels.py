@@ -2,13 +2,14 @@
 
     python bench/tune_kernels.py                         # MoE up/down and hyper-connection down/up, T = 1, 4, 16
     python bench/tune_kernels.py --only moe_up --rows 1
+    python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
 cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
 configuration's microseconds and effective bandwidth (weight bytes the call must read / time), the best one, the
 PyTorch path of the same computation, and a cuBLAS GEMV over the same number of bytes as a yardstick; JSON goes to
 `--out`. The winners are copied by hand into the tunables at the top of `stage_worker/kernels/moe.py` and
-`stage_worker/kernels/hyper_connection.py` (docs/performance.md records the run).
+`stage_worker/kernels/hyper_connection.py`, `stage_worker/kernels/qsa.py` (docs/performance.md records the run).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def cublas_yardstick(nbytes: int, h: int, t: int, reps: int) -> float:
     return graph_time(lambda: F.linear(x, w), reps)
 
 
-def sweep(name: str, configs, setter, run, nbytes: int, rows: int, reps: int, results: list, ref=None) -> None:
+def sweep(name: str, configs, setter, run, nbytes: int, rows: int, reps: int, results: list, ref=None,
+          ref_name: str = "PyTorch path") -> None:
     best = None
     for cfg in configs:
         setter(cfg)
@@ -76,7 +78,7 @@ def sweep(name: str, configs, setter, run, nbytes: int, rows: int, reps: int, re
     line = f"BEST {name} T={rows}: {best[0]} {best[1] * 1e6:.2f} us {nbytes / best[1] / 1e9:.0f} GB/s"
     if ref is not None:
         r = graph_time(ref, reps)
-        line += f"; PyTorch path {r * 1e6:.2f} us"
+        line += f"; {ref_name} {r * 1e6:.2f} us"
         results.append({"kernel": name + "_pytorch", "rows": rows, "us": r * 1e6})
     y = cublas_yardstick(nbytes, 2560, rows, reps)
     line += f"; cuBLAS GEMV of the same bytes {y * 1e6:.2f} us ({nbytes / y / 1e9:.0f} GB/s)"
@@ -99,6 +101,41 @@ def moe_case(t: int, h: int = 2560, i: int = 640, e: int = 512, k: int = 10):
     return x, ids, w, w13, w2, shared, distinct
 
 
+def tune_qsa(batches: list[int], reps: int, results: list) -> None:
+    """`qsa_select` at the full indexer shape (32 heads of 128, budget 2048, ratio 4) in a table padded to 262,144
+    tokens: (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS) at contexts 262,144 and 4,096. Bytes: the
+    pooled keys the scores read."""
+    from stage_worker.kernels import qsa as QSA
+    from stage_worker.kernels.qsa_ref import qsa_select_ref
+
+    bs, width, budget = 16, 16384, 2048
+    for b in batches:
+        g = torch.Generator(device="cuda").manual_seed(b)
+        tables = torch.stack([torch.randperm(b * width, device="cuda", generator=g)[:width] for _ in range(b)])
+        tables = tables.to(torch.int32)
+        pooled = torch.randn(b * width * bs // 4, 128, device="cuda", generator=g).bfloat16()
+        q_idx = torch.randn(b, 32, 128, device="cuda", generator=g).bfloat16()
+        for ctx_len in (262144, 4096):
+            ctx = torch.full((b,), ctx_len, dtype=torch.int32, device="cuda")
+            want = qsa_select_ref(q_idx, pooled, tables, ctx, bs, 4, budget)
+
+            def set_cfg(cfg):
+                QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS = cfg
+                try:
+                    same = torch.equal(QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget), want)
+                except Exception:          # the sweep reports it when it times this configuration
+                    return
+                if not same:
+                    print(f"  MISMATCH against qsa_select_ref: {cfg}", flush=True)
+
+            cfgs = list(itertools.product((64, 128), (2, 3, 4), (512, 1024, 2048), (8, 11)))
+            sweep(f"qsa@{ctx_len // 1024}k", cfgs, set_cfg,
+                  lambda: QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget),
+                  b * ctx_len // 4 * 128 * 2, b, reps, results,
+                  ref=lambda: QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget, one_program=True),
+                  ref_name="first version (one select program)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="moe_up,moe_down,hc_down,hc_up")
@@ -111,7 +148,9 @@ def main() -> int:
     only = set(args.only.split(","))
     results: list[dict] = []
     t0 = time.time()
-    for t in (int(r) for r in args.rows.split(",")):
+    if "qsa" in only:
+        tune_qsa([int(r) for r in args.rows.split(",")], args.reps, results)
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:

@@ -149,9 +149,9 @@ def test_table_much_wider_than_the_context(budget, programs, monkeypatch):
     """64 table pages (128 compression blocks) for contexts of 1..70 tokens, as under CUDA graphs where the tables are
     padded to the model length: the same selection as the reference, which scores the whole width. Two score
     programs per sequence make each walk several tiles (block_c 4); budget 64 takes every complete block."""
-    if programs is not None:
-        monkeypatch.setattr(qsa_kernels, "MAX_SCORE_PROGRAMS", programs)
     ctxs = [5, 70, 33, 8, 64, 17, 1]
+    if programs is not None:                                             # the interpreter counts one SM
+        monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", programs * len(ctxs))
     bs = 8
     q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=21 + budget)
     table = table_tensor(tables, 64)
@@ -177,8 +177,9 @@ def test_more_complete_blocks_than_the_budget_with_ties(monkeypatch):
     """budget 64 (k = 16) with 30, 24 and 17 complete blocks: the radix select runs, on scores with many exact ties
     (inputs in {-1, 0, 1}) plus planted duplicate pooled rows; equal scores go to the lower block, as
     `stable_topk_mask`. Sequence 3 has every score 0 (the first 16 blocks win) and sequence 4 exactly k blocks."""
-    monkeypatch.setattr(qsa_kernels, "MAX_SCORE_PROGRAMS", 3)
     ctxs = [122, 97, 70, 90, 64]
+    monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", 3 * len(ctxs))     # 3 a sequence (one SM here)
+    monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)                           # 2-4 select tiles a sequence
     bs, budget = 8, 64
     q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=31)
     q_idx = small_int_inputs(q_idx, cache, seed=31)
@@ -205,45 +206,132 @@ def keys_oracle(keys: torch.Tensor, ctx: torch.Tensor, ratio: int, budget: int) 
     return expand_selection(order[:, : min(budget // ratio, n)].sort(dim=1).values, ctx, ratio, budget)
 
 
+def planted_keys(kind: str, completes: list[int], n: int, k: int, seed: int = 7) -> torch.Tensor:
+    """int32 keys [len(completes), n] shaped to reach one branch of the radix select; entries past each row's
+    complete blocks hold the largest key (they must never be read)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(completes)
+    if kind == "full_range":
+        keys = torch.randint(0, 2**31 - 1, (rows, n), generator=g)
+    elif kind == "shared_high_bits":                                     # equal but for the low byte: every pass
+        keys = 0x3F8ABC00 + torch.randint(0, 256, (rows, n), generator=g)
+    elif kind == "few_values":                                           # heavy ties
+        keys = torch.randint(0, 3, (rows, n), generator=g) * 1000
+    elif kind == "whole_bucket":                                         # exactly k keys with top byte 100
+        keys = torch.randint(0, 50 << 24, (rows, n), generator=g)
+        for i, c in enumerate(completes):
+            top = torch.randperm(max(c, 1), generator=g)[:k]
+            keys[i, top] = (100 << 24) + torch.randint(0, 1 << 24, (len(top),), generator=g)
+    elif kind == "tie_across_tiles":            # the k-th key in a tie group over tiles 0 and 1 of 512, larger after
+        keys = torch.randint(0, 3, (rows, n), generator=g)
+        for i, c in enumerate(completes):
+            if c > 1000:
+                keys[i, :c] = 1
+                keys[i, 505:525] = 5                                     # 7 in the first tile, 5 more taken
+                keys[i, 600:604] = 9
+    else:                                                                # the float bits of real scores
+        keys = torch.rand(rows, n, generator=g).abs().view(torch.int32).long()
+    for i, c in enumerate(completes):
+        keys[i, c:] = 2**31 - 1
+    return keys.to(torch.int32)
+
+
 @pytest.mark.parametrize("kind", ["full_range", "shared_high_bits", "few_values", "tie_across_tiles", "whole_bucket",
                                   "float_bits"])
 def test_radix_select_on_planted_keys(kind):
-    """The select kernel alone on int32 keys shaped to reach each branch of the radix select: keys over the whole
-    range, keys equal but for the low byte (all four passes), heavy ties, the K-th key in a tie group that spans two
-    tiles (the tie count carries over), a first-pass bucket holding exactly k keys (early stop), and the float bits
-    of real scores. Rows have none, fewer than k, exactly k, k + 1, and more than one tile (2048) of complete blocks;
-    entries past them hold the largest key and must be ignored."""
-    budget, n = 64, 4608                                                 # k = 16
-    k = budget // RATIO
-    g = torch.Generator().manual_seed(7)
-    completes = [0, 5, k, k + 1, 300, 2047, 2049, 4500]
-    if kind == "full_range":
-        keys = torch.randint(0, 2**31 - 1, (len(completes), n), generator=g)
-    elif kind == "shared_high_bits":
-        keys = 0x3F8ABC00 + torch.randint(0, 256, (len(completes), n), generator=g)
-    elif kind == "few_values":
-        keys = torch.randint(0, 3, (len(completes), n), generator=g) * 1000
-    elif kind == "whole_bucket":
-        keys = torch.randint(0, 50 << 24, (len(completes), n), generator=g)
-        for i, c in enumerate(completes):                                # exactly k keys with top byte 100
-            top = torch.randperm(max(c, 1), generator=g)[:k]
-            keys[i, top] = (100 << 24) + torch.randint(0, 1 << 24, (len(top),), generator=g)
-    elif kind == "tie_across_tiles":                                    # k-th key: a tie group over two tiles,
-        keys = torch.randint(0, 3, (len(completes), n), generator=g)     # with larger keys after it
-        for i, c in enumerate(completes):
-            if c > 2200:
-                keys[i, :c] = 1
-                keys[i, 2040:2060] = 5                                   # 8 in the first tile, 4 more taken
-                keys[i, 2100:2104] = 9
-    else:
-        keys = torch.rand(len(completes), n, generator=g).abs().view(torch.int32).long()
+    """The select alone (radix passes and emit, SELECT_TILE 512) on int32 keys shaped to reach each branch: keys
+    over the whole range, keys equal but for the low byte (all four passes), heavy ties, the K-th key in a tie group
+    that spans two tiles (the emit's count of earlier tiles' equal keys), a first-pass bucket holding exactly k keys,
+    and the float bits of real scores. Rows have none, fewer than k, exactly k, k + 1, and up to three tiles of
+    complete blocks."""
+    budget, n = 64, 1152                                                 # k = 16
+    completes = [0, 5, 16, 17, 300, 511, 513, 1100]
+    keys = planted_keys(kind, completes, n, budget // RATIO)
     ctx = torch.tensor([c * RATIO + i % RATIO for i, c in enumerate(completes)], dtype=torch.int32)
-    for i, c in enumerate(completes):
-        keys[i, c:] = 2**31 - 1                                          # past the complete blocks: never read
-    keys = keys.to(torch.int32)
     want = keys_oracle(keys, ctx, RATIO, budget)
     got = select_from_keys(keys.to(DEVICE), ctx.to(DEVICE), RATIO, budget).cpu()
     assert torch.equal(got, want), [i for i in range(len(completes)) if not torch.equal(got[i], want[i])]
+
+
+@pytest.mark.parametrize("bits,kind", [(8, "few_values"), (11, "shared_high_bits"), (8, "one_program")])
+def test_select_over_many_small_tiles(bits, kind, monkeypatch):
+    """Tiles of 8 keys, so a short row spans many programs of the radix passes and of the emit: a batch of mixed
+    lengths (contexts of 0-3 tokens, complete < k, == k, k + 1, 4 and 7 tiles), ties everywhere (few_values: the
+    k-th key's tie group crosses several tile boundaries, and earlier tiles' equal keys fill the take), 8- and 11-bit
+    digits (4 and 3 passes); `one_program` the first version's single-program select on the same rows."""
+    monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)
+    monkeypatch.setattr(qsa_kernels, "RADIX_BITS", bits)
+    budget, n = 16, 60                                                   # k = 4
+    completes = [0, 0, 0, 0, 3, 4, 5, 29, 53]
+    keys = planted_keys("few_values" if kind == "one_program" else kind, completes, n, budget // RATIO, seed=bits)
+    keys[8, :53] = 1000                                                  # the k-th key's ties in tiles 0, 1, 3, 5:
+    keys[8, [6, 7, 9, 30, 45]] = 2000                                    # the first three taken, after one larger
+    keys[8, 50] = 3000
+    ctx = torch.tensor([0, 1, 2, 3] + [c * RATIO + i % RATIO for i, c in enumerate(completes[4:])], dtype=torch.int32)
+    want = keys_oracle(keys, ctx, RATIO, budget)
+    got = select_from_keys(keys.to(DEVICE), ctx.to(DEVICE), RATIO, budget, one_program=kind == "one_program").cpu()
+    assert torch.equal(got, want), [i for i in range(len(completes)) if not torch.equal(got[i], want[i])]
+    assert got[8, :budget:RATIO].tolist() == [6 * RATIO, 7 * RATIO, 9 * RATIO, 50 * RATIO]
+    assert got[:4, :budget].eq(-1).all() and got[3, budget:].tolist() == [0, 1, 2]
+
+
+def test_score_kernel_adds_the_first_radix_pass(monkeypatch):
+    """The score kernel's fused pass 0: with three score programs per sequence (each walking several tiles of 4
+    blocks) and select tiles of 16, hist[:, 0] is the histogram of the top byte of each row's complete keys, the
+    other passes untouched; and `qsa_select` (pass 0 from the score kernel) equals the select with pass 0 run on the keys."""
+    ctxs = [70, 3, 41, 122]
+    monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", 3 * len(ctxs))
+    monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 16)
+    q_idx, cache, tables, table, ctx = paged_pooled(ctxs, 8, torch.float32, seed=3)
+    dev = [t.to(DEVICE) for t in (q_idx, cache.pooled_keys, table, ctx)]
+    hist = qsa_kernels.new_histograms(len(ctxs), DEVICE)
+    keys = qsa_scores_keys(*dev, 8, RATIO, block_c=4, hist=hist).cpu()
+    hist = hist.cpu()
+    for i, c in enumerate(ctxs):
+        want = torch.bincount((keys[i, : c // RATIO] >> 24).long(), minlength=256).to(torch.int32)
+        assert torch.equal(hist[i, 0], want), i
+    assert (hist[:, 1:] == 0).all()
+    ref = qsa_select_ref(q_idx, cache.pooled_keys, table, ctx, 8, RATIO, 16)
+    assert torch.equal(qsa_select(*dev, 8, RATIO, 16, block_c=4).cpu(), ref)
+    assert torch.equal(select_from_keys(keys.to(DEVICE), dev[3], RATIO, 16).cpu(), ref)
+    assert torch.equal(qsa_select(*dev, 8, RATIO, 16, block_c=4, one_program=True).cpu(), ref)
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs none of the GPU compiler: compile the score (with the fused histogram), radix pass and
+    emit kernels for sm_90 at the full shape (8- and 11-bit digits), so a compile error shows before a device call."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import qsa as Q
+
+def build(fn, sig, const):
+    sig = dict(sig, **dict.fromkeys(const, "constexpr"))
+    triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+for bits, tile in ((8, 512), (11, 1024)):
+    build(Q._score_kernel, dict(q_ptr="*bf16", pooled_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32", key_ptr="*i32",
+          hist_ptr="*i32", sqrt_d="fp32", s_qb="i32", s_qh="i32", s_pr="i32", s_tb="i32", s_kb="i32", s_hb="i32"),
+          dict(N_IDX=32, D_IDX=128, PAGE=16, RATIO=4, BLOCK_H=32, BLOCK_D=128, BLOCK_C=64, PROGRAMS=396,
+               DOT_F32=False, HIST=True, BITS=bits))
+    ptrs = dict(key_ptr="*i32", ctx_ptr="*i32", hist_ptr="*i32", ge_ptr="*i32")
+    for p in range(Q.radix_passes(bits)):
+        build(Q._radix_pass_kernel, dict(ptrs, s_kb="i32", s_hb="i32", s_gb="i32"),
+              dict(K=512, RATIO=4, PASS=p, BITS=bits, TILE=tile))
+    build(Q._emit_kernel, dict(ptrs, out_ptr="*i32", s_kb="i32", s_hb="i32", s_gb="i32", s_ob="i32"),
+          dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=bits, TILE=tile, TILES_P=65536 // tile))
+print("ok")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 @pytest.mark.gpu
@@ -333,3 +421,56 @@ def test_cuda_graph_replay_follows_the_context_lengths():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)), lens
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of 5 replays): decode replays
+    graphs, so the Python launch cost of a path of several kernels is not what a step pays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                        # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_262k_context_on_gpu(batch):
+    """Issue 18: contexts of 262,144 tokens (65,536 compression blocks, the whole table 16384 pages wide), budget 2048
+    (k = 512), small-integer inputs (exact scores, heavy ties at the k-th key) and randn bf16: the multi-program
+    select equals the reference and the first version (one select program a sequence) bit for bit. Prints both
+    paths' time in a CUDA graph at contexts 4k, 64k and 262k in the same wide table (the table width is fixed under
+    CUDA graphs, so short contexts must stay cheap)."""
+    budget = 2048
+    ctxs = [262144, 262143, 262142, 262141][:batch]
+    for inputs, dtype in (("small_ints", torch.float32), ("randn", torch.bfloat16)):
+        q_idx, pooled, tables, ctx = wide_gpu_case(ctxs, inputs, dtype, seed=batch)
+        ref = qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+        new = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+        old = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, one_program=True)
+        assert torch.equal(new, old), inputs                             # same keys: exactly the same choice
+        assert torch.equal(ref, new), inputs
+        assert ((new[:, :budget] >= 0).sum(1) == budget).all()
+    line = []
+    for c in (4096, 65536, 262144):
+        ctx.fill_(c)
+        us = [graph_us(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, one_program=one))
+              for one in (True, False)]
+        line.append(f"{c}: {us[0]:.1f} -> {us[1]:.1f}")
+    roofline = batch * 262144 // RATIO * pooled.shape[1] * pooled.element_size() / 4.24e12 * 1e6
+    print(f"\nqsa_select B={batch}, table 16384 pages, us old (one select program) -> new, by context: "
+          f"{'; '.join(line)} (262k pooled keys at 4.24 TB/s: {roofline:.1f} us)")

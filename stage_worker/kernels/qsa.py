@@ -1,34 +1,46 @@
-"""QSA block selection for decode on the GPU: a score kernel and a select kernel, both bounded by the context.
+"""QSA block selection for decode on the GPU: a score kernel, radix-select passes and an emit kernel, each a grid
+over the whole device and bounded by the context.
 
 Why: the selection decides which `budget + ratio - 1` K/V rows a decode step reads, a bounded number whatever the
 context length (001 §1); it has to run on the device, batched, with no host sync, so that the attention launch can
 follow it directly (and be captured in a CUDA graph). Under CUDA graphs the block tables are padded to the maximum
 model length (262144 tokens / ratio 4 = 65,536 compression blocks), so work sized by the table width (a grid over
-every block, then `torch.topk` over the width) costs ~85 us per layer even at a 256-token context. Here every loop
-is bounded by `context_len // ratio` (the complete blocks), loaded on the device; the table width only sizes the
-scratch buffer.
+every block, then `torch.topk` over the width) costs ~85 us per layer even at a 256-token context. Here every program
+first loads its sequence's `context_len // ratio` (the complete blocks) and returns at once past them; the table width
+only sizes the grids and the scratch. And the work is spread over the SMs: the first version (16 score programs and
+ONE select program per sequence) took ~290 us at 262k on the H200 (bench/results/h200-12) for 16 MB of pooled keys,
+4 us of HBM time, with almost every SM idle and ~160 histogram iterations in series.
 
-Structure (two launches, shapes from tensor sizes only):
-1. `_score_kernel`, persistent grid (B, S) with S = min(MAX_SCORE_PROGRAMS, cdiv(table blocks, BLOCK_C)): program
-   `p` walks the tiles `c0 = p * BLOCK_C, (p + S) * BLOCK_C, ...` below the sequence's complete blocks, so programs
-   past the context return at once. Per tile: BLOCK_C pooled keys gathered through the block table, scored against
-   all indexer heads with one fp32 `tl.dot` (heads padded to 16), `sum_h relu(.) / sqrt(d)`. It writes one int32 key
-   per complete block: the score's float bits (the score is >= +0, so integer order == float order; -0.0 is written
-   as +0.0). Entries past the complete blocks are never written nor read.
-2. `_select_kernel`, grid (B,): the top k = budget // ratio keys among the `complete` ones, expanded to positions.
-   If complete <= k every complete block is chosen (no ranking). Otherwise a radix select finds the k-th largest key
-   T in four passes over the keys (8 bits each, top down, `tl.histogram` of the digit among the keys that match the
-   bits fixed so far; it stops early once a whole bucket is taken). A last pass emits, in ascending block order, the
-   blocks with key > T and, of those with key == T, the lowest-indexed ones still needed: ties go to the lower block
-   index, as `stable_topk_mask`. Each chosen block's slot is a running prefix count (`tl.cumsum`), so no sort is
-   needed. It then writes -1 over the unused block slots and the tail positions (same layout as `qsa_ref`).
-
-Cost: the score kernel reads the complete blocks' pooled keys once, spread over B * S programs; the select kernel
-reads B * complete int32 keys (L2-resident) up to five times, in one program per sequence.
+Keys: the score's float bits as int32 (the score is >= +0, so integer order == float order; -0.0 is written as +0.0).
+The choice: the k = budget // ratio largest keys, equal keys to the lower block (as `stable_topk_mask`); all
+`complete` blocks if complete <= k. Launches (shapes from tensor sizes only; `qsa_select`):
+0. a memset of the radix histograms [B, passes, 2^bits] (they are summed with atomics).
+1. `_score_kernel`, persistent grid (B, S), S from the SM count and the batch (`score_programs`): program `p` walks
+   the tiles `p, p + S, ...` of SCORE_BLOCK complete blocks: pooled keys gathered through the block table, one fp32
+   `tl.dot` against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
+   complete block, and adds the histogram of its keys' top radix digit into the sequence's pass-0 histogram (the
+   first radix pass, fused: it saves a launch and a read of the keys).
+2. `_radix_pass_kernel` for passes 1..3, grid (B, tiles of SELECT_TILE keys), one tile a program: each program
+   recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th largest key found
+   so far, and adds the histogram of the next digit among its keys that share them. The last pass also stores, per
+   tile and per value d of the last digit, how many of its keys are >= the prefix with digit d (`ge`): the counts of
+   keys above and equal to the k-th key that the emit needs, before that key is known.
+3. `_emit_kernel`, grid (B, tiles): the k-th largest key T and how many keys equal to it to take come from the four
+   histograms; a tile's first slot is the number of blocks chosen in the tiles before it (read from `ge`), then a
+   `tl.cumsum` over the tile gives each chosen block its slot, in ascending block order (no sort): key > T, or key ==
+   T among the first `take_eq` by block index. Tile 0 writes -1 over the unused block slots and the tail positions
+   (the layout of `qsa_ref`).
+Each launch reads the keys (L2-resident, 4 bytes a block) at most once; a grid-wide barrier inside one persistent
+kernel would save the launches but can deadlock when not every program is resident, so the passes are launches.
+`one_program=True` keeps the first version (16 score programs, `_select_kernel`: the same radix select in one
+program per sequence) for timing against it on the GPU; to be deleted once measured slower at every context.
+Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS) are module globals that
+`bench/tune_kernels.py --only qsa` sweeps.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,21 +52,26 @@ from stage_worker.kernels.decode_attention import _INTERPRET, _dot, _fix_interpr
 if _INTERPRET:
     _fix_interpreter_loop_bounds()      # the loops below are bounded by loaded context lengths
 
-MAX_SCORE_PROGRAMS = 16     # score programs per sequence (persistent grid): enough to spread a long context over SMs
-SELECT_BLOCK = 2048         # keys per tile of the select kernel
-RADIX_BITS = 8              # bits resolved per radix-select pass: 4 passes cover a 32-bit key
+SCORE_BLOCK = 64            # pooled keys per tile of the score kernel
+SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch: 140 registers a thread (ptxas, sm_90),
+                            # so 3 programs of 4 warps are resident per SM
+SELECT_TILE = 512           # keys per program of the radix passes and the emit (65,536 blocks: 128 programs)
+RADIX_BITS = 8              # bits resolved per radix pass: 4 passes cover a 32-bit key
+ONE_PROGRAM_SCORE_PROGRAMS = 16     # the first version's score grid per sequence (`one_program=True`)
 
 
 @triton.jit
-def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
-                  s_qb, s_qh, s_pr, s_tb, s_kb,
+def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqrt_d,
+                  s_qb, s_qh, s_pr, s_tb, s_kb, s_hb,
                   N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr):
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_C
     complete = tl.load(ctx_ptr + b) // RATIO
     if first < complete:                                                        # else: past the context, no work
+        NB: tl.constexpr = 1 << BITS
+        TOP: tl.constexpr = BITS * ((32 + BITS - 1) // BITS - 1)                # shift of the first radix digit
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D_IDX
@@ -62,6 +79,7 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
                     mask=(offs_h[:, None] < N_IDX) & d_ok[None, :], other=0.0)
         table = tables_ptr + b.to(tl.int64) * s_tb
         keys_out = key_ptr + b.to(tl.int64) * s_kb
+        hist = tl.zeros([NB], tl.int32)
         for c0 in range(first, complete, PROGRAMS * BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             ok = c < complete
@@ -75,9 +93,107 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, sqrt_d,
             s = _dot(keys, tl.trans(q), DOT_F32)                                 # [BLOCK_C, BLOCK_H]; pad heads: 0
             score = tl.sum(tl.maximum(s, 0.0), axis=1) / sqrt_d
             score = tl.where(score == 0.0, 0.0, score)                          # -0.0 ties +0.0, as in the sort
-            tl.store(keys_out + c, score.to(tl.int32, bitcast=True), mask=ok)   # >= 0: int order == float order
+            key = score.to(tl.int32, bitcast=True)                              # >= 0: int order == float order
+            tl.store(keys_out + c, key, mask=ok)
+            if HIST:
+                hist += tl.histogram(key >> TOP, NB, mask=ok)
+        if HIST:                                                                # radix pass 0 of the select
+            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, NB), hist, mask=hist > 0)
 
 
+@triton.jit
+def _radix_prefix(hist_ptr, K, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """(prefix, need) after `PASSES` radix passes: the top PASSES digits of the K-th largest key (lower digits 0),
+    and how many of the keys that share them are still to take (the rest of the K are above the prefix). Every
+    program recomputes it from the histograms (identical integers everywhere): no launch just to publish it."""
+    NB: tl.constexpr = 1 << BITS
+    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.zeros((), tl.int32)
+    need = tl.zeros((), tl.int32) + K
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + p * NB + bins)
+        at_least = tl.cumsum(h, axis=0, reverse=True)                           # keys with digit >= bin
+        digit = tl.max(tl.where(at_least >= need, bins, -1), axis=0)            # bucket holding the K-th largest
+        need -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+        prefix |= digit << (BITS * (NPASS - 1 - p))
+    return prefix, need
+
+
+@triton.jit
+def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, s_kb, s_hb, s_gb,
+                       K: tl.constexpr, RATIO: tl.constexpr, PASS: tl.constexpr, BITS: tl.constexpr,
+                       TILE: tl.constexpr):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    complete = tl.load(ctx_ptr + b) // RATIO
+    if (complete > K) & (tile * TILE < complete):                              # else nothing to rank here
+        NB: tl.constexpr = 1 << BITS
+        NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+        SHIFT: tl.constexpr = BITS * (NPASS - 1 - PASS)
+        hist = hist_ptr + b.to(tl.int64) * s_hb
+        bins = tl.arange(0, NB)
+        c = tile * TILE + tl.arange(0, TILE)
+        inside = c < complete
+        key = tl.load(key_ptr + b.to(tl.int64) * s_kb + c, mask=inside, other=0)
+        ok = inside
+        prefix = tl.zeros((), tl.int32)
+        if PASS > 0:
+            prefix, _ = _radix_prefix(hist, K, PASS, BITS)
+            ok = ok & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+        h = tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=ok)
+        tl.atomic_add(hist + PASS * NB + bins, h, mask=h > 0)
+        if PASS == NPASS - 1:
+            # ge[d] = keys of this tile >= prefix | d, ge[NB] = keys above every such value: with the last digit d
+            # of the K-th key, ge[d + 1] are the tile's keys above it and ge[d] - ge[d + 1] those equal to it.
+            above = tl.sum((inside & ((key >> BITS) > (prefix >> BITS))).to(tl.int32), axis=0)
+            ge = ge_ptr + b.to(tl.int64) * s_gb + tile * (NB + 1)
+            tl.store(ge + bins, above + tl.cumsum(h, axis=0, reverse=True))
+            tl.store(ge + NB, above)
+
+
+@triton.jit
+def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
+                 K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
+                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    complete = ctx // RATIO
+    out = out_ptr + b.to(tl.int64) * s_ob
+    t = tl.arange(0, RATIO_P)
+    if tile == 0:                      # -1 over the unused block slots, then the tail (incomplete block) positions
+        for j0 in range(tl.minimum(complete, K) * RATIO, BUDGET, TILE):
+            j = j0 + tl.arange(0, TILE)
+            tl.store(out + j, tl.full([TILE], -1, tl.int32), mask=j < BUDGET)
+        tail = complete * RATIO + t
+        tl.store(out + BUDGET + t, tl.where(tail < ctx, tail, -1).to(tl.int32), mask=t < RATIO - 1)
+    if tile * TILE < complete:
+        c = tile * TILE + tl.arange(0, TILE)
+        ok = c < complete
+        if complete <= K:                                                       # every complete block, in order
+            sel = ok
+            slot = c
+        else:
+            NB: tl.constexpr = 1 << BITS
+            NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+            thr, take_eq = _radix_prefix(hist_ptr + b.to(tl.int64) * s_hb, K, NPASS, BITS)
+            tiles = tl.arange(0, TILES_P)
+            ge = ge_ptr + b.to(tl.int64) * s_gb + tiles * (NB + 1) + (thr & (NB - 1))
+            before = tiles < tile
+            n_ge = tl.sum(tl.load(ge, mask=before, other=0), axis=0)            # keys >= thr in earlier tiles
+            n_gt = tl.sum(tl.load(ge + 1, mask=before, other=0), axis=0)        # keys > thr in earlier tiles
+            key = tl.load(key_ptr + b.to(tl.int64) * s_kb + c, mask=ok, other=-1)
+            eq = ok & (key == thr)
+            eq_rank = n_ge - n_gt + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            sel = ok & ((key > thr) | (eq & (eq_rank < take_eq)))
+            slot = n_gt + tl.minimum(n_ge - n_gt, take_eq) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out + slot[:, None] * RATIO + t[None, :], (c[:, None] * RATIO + t[None, :]).to(tl.int32),
+                 mask=(sel & (slot < K))[:, None] & (t[None, :] < RATIO))      # never past the row
+
+
+# The first version's select, one program a sequence (`one_program=True`): radix passes over all of its keys in
+# tiles of BLOCK, stopping early once a whole bucket is taken, then the emit. Kept only to time against on the GPU.
 @triton.jit
 def _select_kernel(key_ptr, ctx_ptr, out_ptr, s_kb, s_ob,
                    K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
@@ -147,55 +263,104 @@ def _select_kernel(key_ptr, ctx_ptr, out_ptr, s_kb, s_ob,
     tl.store(out + BUDGET + t, tl.where(tail < ctx, tail, -1).to(tl.int32), mask=t < RATIO - 1)
 
 
-def score_programs(n_blocks: int, block_c: int) -> int:
-    """Programs per sequence of the score kernel: no more than there are tiles in the table, at most
-    MAX_SCORE_PROGRAMS (a host-side shape computation: the context is only known on the device)."""
-    return max(1, min(MAX_SCORE_PROGRAMS, triton.cdiv(n_blocks, block_c)))
+def radix_passes(bits: int) -> int:
+    """Radix passes over a 32-bit key, `bits` a pass (the top digit may be narrower)."""
+    return -(-32 // bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one after another)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def score_programs(n_blocks: int, block_c: int, batch: int, device: torch.device) -> int:
+    """Score programs per sequence: SCORE_PROGRAMS_PER_SM per SM shared by the batch, no more than the table has
+    tiles (a host-side shape: the context is only known on the device, programs past it return at once)."""
+    return max(1, min(triton.cdiv(n_blocks, block_c), triton.cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device), batch)))
 
 
 def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, block_size: int, ratio: int,
-                    block_c: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    context_lens: torch.Tensor, block_size: int, ratio: int, block_c: int | None = None,
+                    out: torch.Tensor | None = None, hist: torch.Tensor | None = None,
+                    programs: int | None = None) -> torch.Tensor:
     """[B, max_blocks * block_size // ratio] int32 ranking keys (float bits of the score, see the module docstring);
-    only the first `context_len // ratio` entries of a row are written (`out`, if given, shows which: tests)."""
+    only the first `context_len // ratio` entries of a row are written (`out`, if given, shows which: tests). With
+    `hist` ([B, >= 1, 2^RADIX_BITS] int32, zeroed) the histogram of the keys' top radix digit is added to hist[:, 0]."""
     B, n_idx, d_idx = q_idx.shape
     assert q_idx.stride(-1) == 1 and pooled.stride(-1) == 1 and pooled.shape[1] == d_idx
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32 and block_size % ratio == 0
     n_blocks = block_tables.shape[1] * block_size // ratio
     keys = torch.empty((B, n_blocks), dtype=torch.int32, device=q_idx.device) if out is None else out
     assert keys.shape == (B, n_blocks) and keys.dtype == torch.int32 and keys.stride(-1) == 1
-    block_c = block_c or 64
-    programs = score_programs(n_blocks, block_c)
+    if hist is not None:
+        assert hist.dtype == torch.int32 and hist.shape[0] == B and hist.shape[-1] == 1 << RADIX_BITS
+    block_c = block_c or SCORE_BLOCK
+    programs = programs or score_programs(n_blocks, block_c, B, q_idx.device)
     _score_kernel[(B, programs)](
-        q_idx, pooled, block_tables, context_lens, keys, math.sqrt(d_idx),
+        q_idx, pooled, block_tables, context_lens, keys, keys if hist is None else hist, math.sqrt(d_idx),
         q_idx.stride(0), q_idx.stride(1), pooled.stride(0), block_tables.stride(0), keys.stride(0),
+        0 if hist is None else hist.stride(0),
         N_IDX=n_idx, D_IDX=d_idx, PAGE=block_size, RATIO=ratio,
         BLOCK_H=max(16, triton.next_power_of_2(n_idx)), BLOCK_D=max(16, triton.next_power_of_2(d_idx)),
         BLOCK_C=block_c, PROGRAMS=programs, DOT_F32=_INTERPRET or q_idx.dtype == torch.float32
-        or pooled.dtype == torch.float32 or q_idx.dtype != pooled.dtype, num_warps=4)
+        or pooled.dtype == torch.float32 or q_idx.dtype != pooled.dtype, HIST=hist is not None, BITS=RADIX_BITS,
+        num_warps=4)
     return keys
 
 
-def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
+def new_histograms(batch: int, device: torch.device) -> torch.Tensor:
+    """Zeroed radix histograms [B, passes, 2^RADIX_BITS] int32 for `qsa_scores_keys` and `select_from_keys`."""
+    return torch.zeros((batch, radix_passes(RADIX_BITS), 1 << RADIX_BITS), dtype=torch.int32, device=device)
+
+
+def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int,
+                     hist: torch.Tensor | None = None, one_program: bool = False) -> torch.Tensor:
     """keys [B, >= max complete] int32, >= 0 (only the first `context_len // ratio` of a row are read) -> selected
     [B, budget + ratio - 1] int32: the blocks of the budget // ratio largest keys (equal keys: lower block first),
-    in ascending order, expanded to positions, then the tail. Separate from the scores so tests can plant keys."""
+    in ascending order, expanded to positions, then the tail. `hist`: from `new_histograms`, pass 0 already added
+    (by the score kernel); None runs pass 0 here. Separate from the scores so tests can plant keys."""
     assert keys.dtype == torch.int32 and keys.stride(-1) == 1 and budget % ratio == 0
-    B = keys.shape[0]
+    B, n_blocks = keys.shape
+    k = budget // ratio
     out = torch.empty((B, budget + ratio - 1), dtype=torch.int32, device=keys.device)
-    _select_kernel[(B,)](
-        keys, context_lens, out, keys.stride(0), out.stride(0),
-        K=budget // ratio, BUDGET=budget, RATIO=ratio, RATIO_P=triton.next_power_of_2(ratio),
-        BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, num_warps=8)
+    if one_program:
+        _select_kernel[(B,)](
+            keys, context_lens, out, keys.stride(0), out.stride(0),
+            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=triton.next_power_of_2(ratio),
+            BLOCK=2048, BITS=8, num_warps=8)
+        return out
+    bits, tile = RADIX_BITS, SELECT_TILE
+    tiles = triton.cdiv(n_blocks, tile)
+    first = 0 if hist is None else 1
+    hist = new_histograms(B, keys.device) if hist is None else hist
+    assert hist.shape == (B, radix_passes(bits), 1 << bits) and hist.dtype == torch.int32
+    ge = torch.empty((B, tiles, (1 << bits) + 1), dtype=torch.int32, device=keys.device)
+    for p in range(first, radix_passes(bits)):
+        _radix_pass_kernel[(B, tiles)](
+            keys, context_lens, hist, ge, keys.stride(0), hist.stride(0), ge.stride(0),
+            K=k, RATIO=ratio, PASS=p, BITS=bits, TILE=tile, num_warps=4)
+    _emit_kernel[(B, tiles)](
+        keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
+        K=k, BUDGET=budget, RATIO=ratio, RATIO_P=triton.next_power_of_2(ratio), BITS=bits, TILE=tile,
+        TILES_P=triton.next_power_of_2(tiles), num_warps=4)
     return out
 
 
 def qsa_select(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               block_size: int, ratio: int, budget: int, *, block_c: int | None = None) -> torch.Tensor:
+               block_size: int, ratio: int, budget: int, *, block_c: int | None = None,
+               one_program: bool = False) -> torch.Tensor:
     """q_idx [B, n_idx, d_idx] of each sequence's new token; pooled [rows // ratio, d_idx] (already holding the block
     the new token completed); block_tables [B, max_blocks] int32; context_lens [B] int32 with the new token.
     Returns selected [B, budget + ratio - 1] int32: chosen blocks' tokens (ascending block order), then the tail;
-    -1 pad. Equals `qsa_select_ref`."""
+    -1 pad. Equals `qsa_select_ref`. `one_program`: the first version, for timing (module docstring)."""
     assert budget % ratio == 0
-    keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c)
-    return select_from_keys(keys, context_lens, ratio, budget)
+    if one_program:
+        n_blocks = block_tables.shape[1] * block_size // ratio
+        programs = min(ONE_PROGRAM_SCORE_PROGRAMS, triton.cdiv(n_blocks, block_c or SCORE_BLOCK))
+        keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c,
+                               programs=programs)
+        return select_from_keys(keys, context_lens, ratio, budget, one_program=True)
+    hist = new_histograms(q_idx.shape[0], q_idx.device)
+    keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c, hist=hist)
+    return select_from_keys(keys, context_lens, ratio, budget, hist=hist)
