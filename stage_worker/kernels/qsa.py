@@ -7,9 +7,10 @@ follow it directly (and be captured in a CUDA graph). Under CUDA graphs the bloc
 model length (262144 tokens / ratio 4 = 65,536 compression blocks), so work sized by the table width (a grid over
 every block, then `torch.topk` over the width) costs ~85 us per layer even at a 256-token context. Here every program
 first loads its sequence's `context_len // ratio` (the complete blocks) and returns at once past them; the table width
-only sizes the grids and the scratch. And the work is spread over the SMs: the first version (16 score programs and
-ONE select program per sequence) took ~290 us at 262k on the H200 (bench/results/h200-12) for 16 MB of pooled keys,
-4 us of HBM time, with almost every SM idle and ~160 histogram iterations in series.
+only sizes the grids and the scratch. And the work is spread over the SMs: with the first version (16 score
+programs and ONE select program per sequence) one layer's decode step on the H200 grew from 26 us at 4k to 316 us at
+262k (bench/results/h200-12), for 16 MB of pooled keys (4 us of HBM time): almost every SM idle, ~160 histogram
+iterations in series.
 
 Keys: the score's float bits as int32 (the score is >= +0, so integer order == float order; -0.0 is written as +0.0).
 The choice: the k = budget // ratio largest keys, equal keys to the lower block (as `stable_topk_mask`); all
