@@ -152,6 +152,8 @@ def test_cached_attention_equals_uncached_and_fills_the_region():
     B, H, KV, D, BS = 2, 4, 2, 16, 4
     rows = 64
     host_k, host_v = torch.randn(rows, KV, D), torch.randn(rows, KV, D)
+    if DEVICE == "cuda":                                                  # host rows the GPU reads over PCIe
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
     tables = torch.randperm(rows // BS).to(torch.int32).view(2, -1)
     lens = torch.tensor([30, 21], dtype=torch.int32)
     sel = torch.tensor([[0, 3, 7, 8, 20, 29, -1], [1, 2, 5, 13, 17, 18, 20]], dtype=torch.int32)
@@ -210,17 +212,17 @@ def test_layer_decode_through_the_cache_with_rows_rewritten():
     cfg = _qsa_cfg()
     torch.manual_seed(0)
     rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-    attn = GatedAttention(cfg, True, rotary).eval()
+    attn = GatedAttention(cfg, True, rotary).eval().to(DEVICE)
     bs, ctxs = 8, [29, 41]
     tables = [[5, 0, 7, 2, 9], [1, 8, 3, 6, 4, 10]]
-    spec = CacheSpec(num_blocks=11, block_size=bs, num_slots=2)
+    spec = CacheSpec(num_blocks=11, block_size=bs, num_slots=2, device=DEVICE)
     caches = [AttentionCache(cfg, spec), AttentionCache(cfg, spec)]
-    caches[0].row_cache = rc.RowCache.new(23, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    caches[0].row_cache = rc.RowCache.new(23, cfg.num_key_value_heads, cfg.head_dim, torch.float32, DEVICE)
     g = torch.Generator().manual_seed(1)
 
     def feed(seqs):
-        batch = StepBatch.build(seqs, bs)
-        x = torch.randn(sum(len(t) for t, *_ in seqs), cfg.hidden_size, generator=g)
+        batch = StepBatch.build(seqs, bs, DEVICE)
+        x = torch.randn(sum(len(t) for t, *_ in seqs), cfg.hidden_size, generator=g).to(DEVICE)
         for c in caches:
             attn(x, batch, c, rotary.cos_sin(batch.positions, x.dtype))
         return batch
@@ -233,8 +235,8 @@ def test_layer_decode_through_the_cache_with_rows_rewritten():
                 feed([(list(range(lens[0] - 1)), 0, 0, tables[0])])
                 lens[0] -= 1
             batch = feed([([5], n, i, tables[i]) for i, n in enumerate(lens)])
-            q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, generator=g)
-            iq = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g)
+            q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, generator=g).to(DEVICE)
+            iq = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g).to(DEVICE)
             outs = [attn._decode_kernels(q, iq, batch, c, q.dtype) for c in caches]
             assert torch.equal(outs[0], outs[1]), step
             lens = [n + 1 for n in lens]
