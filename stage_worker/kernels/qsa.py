@@ -21,11 +21,11 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
    complete block, and adds the histogram of its keys' top radix digit into the sequence's pass-0 histogram (the
    first radix pass, fused: it saves a launch and a read of the keys).
-2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program: each program
-   recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th largest key found
-   so far, and adds the histogram of the next digit among its keys that share them. The last pass also stores, per
-   tile and per value d of the last digit, how many of its keys are >= the prefix with digit d (`ge`): the counts of
-   keys above and equal to the k-th key that the emit needs, before that key is known.
+2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program:
+   each program recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th
+   largest key found so far, and adds the histogram of the next digit among its keys that share them. The last pass
+   also stores, per tile and per value d of the last digit, how many of its keys are >= the prefix with digit d
+   (`ge`): the counts of keys above and equal to the k-th key that the emit needs, before that key is known.
 3. `_emit_kernel`, grid (B, tiles): the k-th largest key T and how many keys equal to it to take come from the
    histograms; a tile's first slot is the number of blocks chosen in the tiles before it (read from `ge`), then a
    `tl.cumsum` over the tile gives each chosen block its slot, in ascending block order (no sort): key > T, or key ==
