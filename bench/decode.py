@@ -2,12 +2,16 @@
 
     python bench/decode.py --preset full-shape          # Qwen4-Exp at the reports' dimensions, dummy weights
     python bench/decode.py --preset qwen3-next-shape    # Qwen3-Next-80B-A3B's dimensions, also vs transformers
+    python bench/decode.py --context 4096,65536,262144 --batch 1,4 --qsa-kv-offload --row-cache-mib 256
+                                                        # long context (issue 18): K/V tier and row-cache hits
 
 Dummy weights are generated on the GPU; the layer count is the largest that fits the card in bf16 (or --layers).
 For each batch size it prints and writes as JSON: the bytes one decode step must read (dense weights, the union of
 experts the batch selected, recurrent states, the K/V rows attention reads), HBM bandwidth measured in the same run,
 the roofline tokens/s, the measured median step time and tokens/s, the percentage of the roofline, CUDA kernels per
-step, and peak GPU memory against the weights' size.
+step, and peak GPU memory against the weights' size. Contexts above 8192 tokens are filled with random rows instead of
+a prefill (`--fill`, `LocalEngine.fill_context`): decode's cost does not depend on the values, and a 262k-token
+prefill would take minutes; the QSA pooled keys are all drawn, so the selection ranks real scores.
 """
 
 from __future__ import annotations
@@ -157,17 +161,24 @@ def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict]]:
 
 
 def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool,
-              max_model_len: int = 0) -> dict:
+              max_model_len: int = 0, fill: str = "prefill", kv_offload: bool = False, row_cache_mib: int = 0
+              ) -> dict:
     # max_model_len sizes the block tables (and the graphs' static ones) as a server sized for that length does
     engine = LocalEngine([model], max_seqs=batch,
-                         max_tokens=max(max_model_len, context + warmup + steps + 8), cuda_graphs=graphs)
+                         max_tokens=max(max_model_len, context + warmup + steps + 8), cuda_graphs=graphs,
+                         kv_offload=kv_offload, row_cache_mib=row_cache_mib)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add(i)
-    prompts = [torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist() for _ in range(batch)]
-    for i, p in enumerate(prompts):
-        engine.step([(i, p)])
-    toks = [[p[-1]] for p in prompts]
+    if fill == "random":          # long contexts: rows filled, no prefill run (LocalEngine.fill_context)
+        for i in range(batch):
+            engine.fill_context(i, context, g)
+        toks = [[int(t)] for t in torch.randint(10, cfg.vocab_size - 10, (batch,), generator=g)]
+    else:
+        prompts = [torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist() for _ in range(batch)]
+        for i, p in enumerate(prompts):
+            engine.step([(i, p)])
+        toks = [[p[-1]] for p in prompts]
 
     def step():
         return engine.step([(i, toks[i]) for i in range(batch)])
@@ -184,11 +195,15 @@ def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, gra
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
+    counts = engine.caches[0].row_cache_counts
+    hits = counts.tolist() if counts is not None else None
     kernels, top = kernels_per_step(step)
     by = step_bytes(model, cfg, batch, context + warmup + steps)
     med = statistics.median(times)
-    return {"batch": batch, "context": context, "median_step_s": med, "tokens_per_s": batch / med,
+    return {"batch": batch, "context": context, "fill": fill, "median_step_s": med, "tokens_per_s": batch / med,
             "bytes": by, "kernels_per_step": kernels, "top_kernels": top,
+            "kv_tier": "host" if engine.caches[0].kv_host_bytes() else "vram",
+            "row_cache_hit_rate": hits[0] / hits[1] if hits and hits[1] else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
 
@@ -197,7 +212,13 @@ def main() -> int:
     ap.add_argument("--preset", default="full-shape")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: as many as fit)")
     ap.add_argument("--batch", default="1,4,16")
-    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--context", default="256", help="comma list of context lengths, e.g. 4096,65536,262144")
+    ap.add_argument("--fill", choices=["prefill", "random"], default=None,
+                    help="how sequences get their context: a real prefill, or rows filled with random values "
+                         "(LocalEngine.fill_context; default: random above 8192 tokens)")
+    ap.add_argument("--qsa-kv-offload", action="store_true", help="QSA K/V in pinned host RAM (qsa_kv_offload)")
+    ap.add_argument("--row-cache-mib", type=int, default=0,
+                    help="with --qsa-kv-offload: the VRAM row cache, MiB per stage (kv_row_cache_mib)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="size block tables for this many tokens, as the server does (default: just the context)")
@@ -250,22 +271,25 @@ def main() -> int:
         for conf in args.configs.split(";" if ";" in args.configs else ","):
             kernels, graphs = conf.rsplit(":", 1)
             model.set_kernels(KernelFlags.parse(kernels))
-            for b in (int(x) for x in args.batch.split(",")):
+            for context, b in ((int(c), int(x)) for c in args.context.split(",") for x in args.batch.split(",")):
+                fill = args.fill or ("random" if context > 8192 else "prefill")
                 try:
-                    r = run_batch(model, cfg, b, args.context, args.steps, args.warmup, graphs == "1",
-                                  args.max_model_len)
+                    r = run_batch(model, cfg, b, context, args.steps, args.warmup, graphs == "1",
+                                  args.max_model_len, fill, args.qsa_kv_offload, args.row_cache_mib)
                 except Exception as exc:  # report a failing configuration and go on with the others
-                    print(f"kernels={kernels} graphs={graphs} batch={b}: FAILED {type(exc).__name__}: {exc}")
+                    print(f"kernels={kernels} graphs={graphs} context={context} batch={b}: FAILED "
+                          f"{type(exc).__name__}: {exc}")
                     continue
                 r["kernels"], r["cuda_graphs"] = KernelFlags.parse(kernels).describe(), graphs == "1"
                 r["roofline_tokens_per_s"] = b * bandwidth / r["bytes"]["total"]
                 r["percent_of_roofline"] = 100 * r["tokens_per_s"] / r["roofline_tokens_per_s"]
                 rows.append(r)
                 torch.cuda.empty_cache()
-    print(f"{'kernels':>28} {'graphs':>6} {'batch':>5} {'GB/step':>8} {'experts':>8} {'step ms':>8} {'tok/s':>8} "
-          f"{'roofline':>9} {'%':>6} {'kernels':>8} {'peak GB':>8}")
+    print(f"{'kernels':>28} {'graphs':>6} {'context':>7} {'K/V':>4} {'hits':>5} {'batch':>5} {'GB/step':>8} "
+          f"{'experts':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'%':>6} {'kernels':>8} {'peak GB':>8}")
     for r in rows:
-        print(f"{r['kernels']:>28} {str(r['cuda_graphs']):>6} "
+        hit = f"{r['row_cache_hit_rate']:.2f}" if r["row_cache_hit_rate"] is not None else "-"
+        print(f"{r['kernels']:>28} {str(r['cuda_graphs']):>6} {r['context']:>7} {r['kv_tier']:>4} {hit:>5} "
               f"{r['batch']:>5} {r['bytes']['total'] / 1e9:>8.2f} {r['bytes']['experts_selected']:>8} "
               f"{1e3 * r['median_step_s']:>8.1f} {r['tokens_per_s']:>8.1f} {r['roofline_tokens_per_s']:>9.1f} "
               f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
@@ -284,8 +308,8 @@ def main() -> int:
         hf = hf_model_from_ours(model)
         g = torch.Generator().manual_seed(0)
         for b in (int(x) for x in args.batch.split(",")):
-            prompts = [torch.randint(10, cfg.vocab_size - 10, (args.context,), generator=g).tolist()
-                       for _ in range(b)]
+            first = int(args.context.split(",")[0])
+            prompts = [torch.randint(10, cfg.vocab_size - 10, (first,), generator=g).tolist() for _ in range(b)]
             try:
                 step = time_decode(hf, prompts, steps=min(args.steps, 8), warmup=2)
             except Exception as exc:

@@ -68,6 +68,33 @@ class LocalEngine:
         self.blocks.release_slot(seq.slot)
 
     @torch.no_grad()
+    def fill_context(self, seq_id: int, length: int, generator: torch.Generator) -> None:
+        """Give a sequence `length` tokens of context without running them: its blocks are allocated and every
+        attention layer's rows filled with random values (K/V and raw indexer keys copied from one random block, so
+        a long context fills at copy speed on either tier; every pooled key drawn, so QSA's selection ranks real
+        scores). Recurrent and PLE states stay as they are. For decode benchmarks at long context
+        (`bench/decode.py --fill random`), where running a 262k-token prefill first would take minutes."""
+        seq = self.seqs[seq_id]
+        if seq.length:
+            raise ValueError(f"sequence {seq_id} already has {seq.length} tokens")
+        seq.blocks.extend(self.blocks.allocate(-(-length // self.block_size)))
+        blocks = torch.tensor(seq.blocks, dtype=torch.long)
+        for cache in self.caches:
+            for att in cache.attention.values():
+                for t in (att.k, att.v, att.index_keys):
+                    if t is None:
+                        continue
+                    paged = t.view(-1, self.block_size, *t.shape[1:])
+                    pattern = torch.randn(paged.shape[1:], generator=generator).to(t.dtype) * 0.5
+                    paged[blocks.to(t.device)] = pattern.to(t.device)
+                if att.pooled_keys is not None:
+                    per_block = self.block_size // (att.k.shape[0] // att.pooled_keys.shape[0])
+                    rows = (blocks[:, None] * per_block + torch.arange(per_block)).reshape(-1)
+                    values = torch.randn((rows.numel(), att.pooled_keys.shape[1]), generator=generator)
+                    att.pooled_keys[rows.to(att.pooled_keys.device)] = values.to(att.pooled_keys)
+        seq.length = length
+
+    @torch.no_grad()
     def step(self, feeds: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
         """feeds: (seq_id, tokens) each. Returns logits of each feed's last token (or of every token)."""
         rows = []

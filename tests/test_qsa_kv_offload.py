@@ -575,3 +575,33 @@ def test_served_stages_with_offload_give_the_same_tokens(tiny_checkpoint):
     samples = {(s.name, s.labels.get("tier")): s.value for fam in collector.collect() for s in fam.samples}
     assert samples[("moepipe_kv_cache_tier_bytes", "host")] == stats[True][0]["kv_bytes_host"]
     assert samples[("moepipe_kv_cache_tier_bytes", "vram")] == stats[True][0]["kv_bytes_vram"]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["vram", "host"])
+def test_fill_context_gives_a_sequence_a_decodable_long_context(qwen4, offload):
+    """`LocalEngine.fill_context` (bench/decode.py --fill random): a sequence gets its blocks and random rows on
+    either tier without a prefill, decodes from there, and touches no other sequence's blocks; both tiers hold the
+    same values, so they decode the same logits (to 1e-5: the CPU's host-K/V path sums in another order)."""
+    path, cfg = qwen4
+    model = load_model(path, LoadOptions(dtype=torch.float32))
+    logits = {}
+    for tier in (False, offload):
+        engine = LocalEngine([model], max_seqs=2, block_size=BLOCK, max_tokens=256, kv_offload=tier)
+        engine.add(0)
+        engine.add(1)
+        engine.fill_context(1, 150, torch.Generator().manual_seed(3))
+        cache = engine.caches[0]
+        att = cache.attention[min(cache.attention)]
+        assert engine.seqs[1].length == 150 and len(engine.seqs[1].blocks) == -(-150 // BLOCK)
+        mine = torch.tensor(engine.seqs[1].blocks)
+        paged_k = att.k.view(-1, BLOCK, *att.k.shape[1:])
+        assert bool((paged_k[mine] != 0).any(dim=(1, 2, 3)).all())          # every block of it was written
+        others = torch.ones(paged_k.shape[0], dtype=torch.bool)
+        others[mine] = False
+        assert not paged_k[others].any()                                    # nothing else was
+        with pytest.raises(ValueError, match="already has"):
+            engine.fill_context(1, 10, torch.Generator())
+        out = engine.step([(1, [7])])
+        assert torch.isfinite(out).all() and engine.seqs[1].length == 151
+        logits[tier] = out
+    torch.testing.assert_close(logits[offload], logits[False], rtol=0, atol=1e-5)
