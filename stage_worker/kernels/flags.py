@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma")
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class KernelFlags:
                                       # the INT4 down launch) instead of twelve; with `moe`
     quant_gemv_fma: bool = False      # packed dense GEMVs (quant_gemv.py) at 2-16 tokens: FMAs per token over each
                                       # unpacked tile; off: tl.dot (10-45x slower on the H200)
+    qsa_tiles: bool = False           # QSA decode selection over tiles of keys in many programs (qsa.py, six
+                                      # launches); off: one select program a sequence (slow at long context); with
+                                      # `attention`
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

@@ -335,7 +335,8 @@ class GatedAttention(nn.Module):
             # (selection reads complete blocks only); once complete it is exact. Writing every step avoids a sync.
             qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self.indexer.k_layernorm.weight,
                             self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
-            selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r)
+            selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r,
+                                  one_program=not self.kernels.qsa_tiles)
             if cache.row_cache is not None:
                 from stage_worker.kernels.kv_row_cache import plan
 
