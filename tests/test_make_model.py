@@ -76,9 +76,6 @@ def test_generate_end_to_end_in_a_subprocess(tiny):
                    "--temperature", "0")
     assert res.returncode == 0, res.stderr
     assert "12 tokens, finish_reason=length" in res.stderr or "finish_reason=stop" in res.stderr
-    again = _moepipe("generate", "--model", str(tiny), "--prompt", "def add(a, b):", "--max-tokens", "12",
-                     "--temperature", "0")
-    assert again.stdout == res.stdout            # greedy is deterministic
     chat = _moepipe("generate", "--model", str(tiny), "--chat", "--prompt", "Hi", "--max-tokens", "8", "--seed", "5")
     assert chat.returncode == 0, chat.stderr
 
@@ -93,8 +90,9 @@ def test_generate_names_the_problem_on_bad_input(tiny, tmp_path):
 
 
 def test_full_shape_writes_config_and_tokenizer_only(tmp_path):
-    res = _moepipe("make-model", "--preset", "full-shape", "--out", str(tmp_path / "full"))
-    assert res.returncode == 0, res.stderr
+    from stage_worker.checkpoint.make_model import make_model     # in process: the CLI is run by the tests above
+
+    make_model("full-shape", tmp_path / "full")
     names = {p.name for p in (tmp_path / "full").iterdir()}
     assert "config.json" in names and "tokenizer.json" in names and not any(n.endswith(".safetensors") for n in names)
     from shared.model_config import load_config
