@@ -11,11 +11,12 @@ cannot overlap the indexer that chooses them (002 §3.1): the table prints that 
 host-read bandwidth beside the step. "select us": the QSA selection alone (scores and top-k, in a CUDA graph) with
 the block table padded to 262,144 tokens as under the decode graphs, and in parentheses the first version's (one
 select program a sequence). Prefill: one 512-token chunk at the end of the context through
-`GatedAttention` (in VRAM: gathering each query's rows; host: the context staged in sections), time and the peak
-memory it adds. Caches are random (a selection over random scores: no row locality, the worst case for a row
-cache). Tier "rows" (`--row-cache-mib`, `bench/row_cache_steps.py`): host K/V with the VRAM row cache over steps
-that advance (the context grows, the indexer's query drifts, the real indexer selects): decode us with the cache,
-in parentheses the same steps without it, the hit rate and the overlap of consecutive selections.
+`GatedAttention` (in VRAM: gathering each query's rows; host: the context staged in sections, by the fused kernel
+`section_attention` unless `--kernels all,-section_attention`), time and the peak memory it adds. Caches are
+random (a selection over random scores: no row locality, the worst case for a row cache). Tier "rows"
+(`--row-cache-mib`, `bench/row_cache_steps.py`): host K/V with the VRAM row cache over steps that advance (the
+context grows, the indexer's query drifts, the real indexer selects): decode us with the cache, in parentheses the
+same steps without it, the hit rate and the overlap of consecutive selections.
 Without CUDA it runs eagerly on the CPU under Triton's interpreter (a smoke test; use tiny --contexts).
 """
 
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the row cache tier's region (one layer's; 0: no tier)")
     ap.add_argument("--query-drift", type=float, default=0.99, help="the row cache tier's query walk (rho)")
     ap.add_argument("--tiers", default="vram,host,rows", help="which of the tiers vram, host, rows to run")
+    ap.add_argument("--kernels", default="all",
+                    help="kernel flags; 'all,-section_attention': host prefill by the PyTorch section loop")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
     attn = GatedAttention(cfg, True, rotary).to(device=device, dtype=torch.bfloat16).eval()
     attn.rotary.inv_freq = attn.rotary.inv_freq.float()
-    attn.kernels = KernelFlags.parse("all")
+    attn.kernels = KernelFlags.parse(args.kernels)
     keys = cfg.indexer_budget + cfg.indexer_compress_ratio - 1
     row = cfg.num_key_value_heads * cfg.head_dim * 2                    # bytes of one token's K (or V) row, bf16
     rows = []
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     del cache
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                    kernels=attn.kernels.describe(),
                     torch=torch.__version__, config=dataclasses.asdict(cfg), host_read_gbs=HOST_READ_GBS,
                     vram_bytes_per_token_layer={"vram": dev_off, "host_kv": dev_on})
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

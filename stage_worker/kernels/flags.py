@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles")
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class KernelFlags:
     qsa_tiles: bool = False           # QSA decode selection over tiles of keys in many programs (qsa.py, six
                                       # launches); off: one select program a sequence (slow at long context); with
                                       # `attention`
+    section_attention: bool = False   # QSA prefill over host K/V (`qsa_kv_offload`): one fused launch a staged
+                                      # context section, the next one gathered on a side stream meanwhile
+                                      # (section_attention.py); off: the PyTorch section loop
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

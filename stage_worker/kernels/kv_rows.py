@@ -56,10 +56,12 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, width: int
                                              BLOCK_W=block_w, num_warps=4)
 
 
-def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """src [R, ...] (host rows the GPU can address, or device rows), rows [N] on the GPU -> [N, ...] on rows'
-    device: `src[rows]`, copied bit for bit. Equals `kv_rows_ref.gather_rows_ref`."""
-    out = torch.empty((rows.shape[0], *src.shape[1:]), dtype=src.dtype, device=rows.device)
+    device: `src[rows]`, copied bit for bit. Equals `kv_rows_ref.gather_rows_ref`. `out`: a contiguous [N, ...]
+    buffer to fill instead (prefill's reused section buffers, `kernels/section_attention.py`)."""
+    if out is None:
+        out = torch.empty((rows.shape[0], *src.shape[1:]), dtype=src.dtype, device=rows.device)
     _launch(src, out, rows, _check(src, rows, out), True)
     return out
 

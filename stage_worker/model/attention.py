@@ -155,6 +155,8 @@ class GatedAttention(nn.Module):
     # `qsa_dense` attends to every causal position (the indexer's warm-up phase) instead of the QSA selection.
     aux: list | None = None
     qsa_dense: bool = False
+    # Tests: run the fused section kernel (`kernels.section_attention`) on CPU tensors under TRITON_INTERPRET=1.
+    interpret_on_cpu: bool = False
 
     def __init__(self, cfg: HybridMoeConfig, use_qsa: bool, rotary: Rotary) -> None:
         super().__init__()
@@ -355,6 +357,15 @@ class GatedAttention(nn.Module):
         # the block scores of a query slice are [slice, blocks, indexer heads] fp32: slices shrink as the context
         # grows, so that too stays within a bound (2 GB for 256 queries at 262k tokens of the full shape otherwise)
         n = max(1, min(SPARSE_PREFILL_QUERIES, HOST_SELECT_SCORES // max(pooled.shape[0] * self.indexer.n_heads, 1)))
+        if self.kernels.section_attention and (q.is_cuda or self.interpret_on_cpu):
+            # the fused kernel (one launch a section) reads the selection as a bit per compression block
+            from stage_worker.kernels.section_attention import attend_sections_fused
+            from stage_worker.model.section_attention import block_bits
+
+            r, ctx = self.indexer.ratio, rows.shape[0]
+            bits = torch.cat([block_bits(*self.indexer.selected_positions(iq[a:a + n], pooled, pos[a:a + n]), r,
+                                         -(-ctx // r)) for a in range(0, q.shape[0], n)])
+            return attend_sections_fused(q, bits, pos, rows, cache.k, cache.v, self.scale, r)
         sel = [self.indexer.selected_positions(iq[a:a + n], pooled, pos[a:a + n]) for a in range(0, q.shape[0], n)]
         key_pos, valid = torch.cat([k for k, _ in sel]), torch.cat([v for _, v in sel])
         return attend_sections(q, key_pos, valid, rows, cache.k, cache.v, self.scale)

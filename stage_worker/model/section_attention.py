@@ -64,3 +64,22 @@ def attend_sections(q: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor,
         acc = acc * alpha[..., None] + torch.einsum("lgrk,kgd->lgrd", p, v)
         m = m_new
     return (acc / norm[..., None]).reshape(Q, H, d).to(q.dtype)
+
+
+def block_bits(key_pos: torch.Tensor, valid: torch.Tensor, ratio: int, n_blocks: int) -> torch.Tensor:
+    """[Q, ceil(n_blocks / 32)] int32: bit b % 32 of word b // 32 is set iff one of the query's listed keys lies in
+    compression block b. The selection in the form the fused kernel reads (`kernels/section_attention.py`).
+
+    Why a bit per block and not the key lists: `QSAIndexer.selected_positions` lists whole complete blocks (all
+    before the query) plus the query's own incomplete block up to the query, so "block bit set and key <= query"
+    names exactly the listed keys, and a tile of keys tests it with one word per query (the lists would need a
+    search per key). Q/8 bytes per compression block: 4 MiB for a 512-token chunk at 262k tokens, less than the
+    lists themselves (8 MiB). The caller passes query slices, so the [Q, blocks] scratch stays small."""
+    q = key_pos.shape[0]
+    words = (n_blocks + 31) // 32
+    blocks = torch.where(valid, key_pos // ratio, words * 32)               # unlisted -> the spare column
+    hit = torch.zeros((q, words * 32 + 1), dtype=torch.bool, device=key_pos.device)
+    hit = hit.scatter_(1, blocks, True)[:, : words * 32].reshape(q, words, 4, 8)
+    shifts = torch.arange(8, device=key_pos.device, dtype=torch.uint8)
+    packed = (hit.view(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)   # [Q, words, 4] bytes, low byte first
+    return packed.view(torch.int32).reshape(q, words)                      # (little-endian, as every GPU host)
