@@ -3,13 +3,15 @@
     python bench/tune_kernels.py                         # MoE up/down and hyper-connection down/up, T = 1, 4, 16
     python bench/tune_kernels.py --only moe_up --rows 1
     python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
+    python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
 cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
 configuration's microseconds and effective bandwidth (weight bytes the call must read / time), the best one, the
 PyTorch path of the same computation, and a cuBLAS GEMV over the same number of bytes as a yardstick; JSON goes to
 `--out`. The winners are copied by hand into the tunables at the top of `stage_worker/kernels/moe.py` and
-`stage_worker/kernels/hyper_connection.py`, `stage_worker/kernels/qsa.py` (docs/performance.md records the run).
+`stage_worker/kernels/hyper_connection.py`, `stage_worker/kernels/qsa.py`, `stage_worker/kernels/quant_gemv.py`
+(CFG, by token count) (docs/performance.md records the run).
 """
 
 from __future__ import annotations
@@ -136,6 +138,35 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
                   ref_name="first version (one select program)")
 
 
+def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
+    """`quant_gemv` (FMA path) over (BLOCK_N, BLOCK_K inputs, warps) at the full shape's kept-packed sizes: o_proj
+    INT6 group 128, the shared expert's gate+up INT6, out_proj INT4 group 128, lm_head INT8 per channel. Each call
+    cycles through copies of the weight that together exceed L2, so the bytes come from HBM; the winners go to
+    `quant_gemv.CFG[T]`."""
+    from stage_worker.kernels import quant_gemv as Q
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight, quantize_rtn
+
+    shapes = [("o_proj int6", 2560, 6144, 6, 128), ("shared gate+up int6", 1280, 2560, 6, 128),
+              ("out_proj int4", 2560, 4096, 4, 128), ("lm_head int8", 248320, 2560, 8, None)]
+    for name, n, k, bits, group in shapes:
+        pw = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5, bits, group, scale_dtype=torch.bfloat16)
+        copies = [pw] + [PackedWeight(pw.words.clone(), pw.scales.clone(), bits, k, pw.group)
+                         for _ in range(max(0, min(15, (256 << 20) // pw.nbytes() - 1)))]
+        for t in rows:
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            state = {}
+
+            def run():
+                for p in copies:
+                    Q.quant_gemv(x, p, cfg=state["cfg"])
+
+            cfgs = list(itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (2, 4, 8)))
+            sweep(f"qgemv {name}", cfgs, lambda c: state.__setitem__("cfg", c), run,
+                  pw.nbytes() * len(copies), t, reps, results)
+        del copies, pw
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="moe_up,moe_down,hc_down,hc_up")
@@ -150,7 +181,9 @@ def main() -> int:
     t0 = time.time()
     if "qsa" in only:
         tune_qsa([int(r) for r in args.rows.split(",")], args.reps, results)
-    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa"} else ():
+    if "quant_gemv" in only:
+        tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results)
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:

@@ -52,19 +52,55 @@ LAYOUTS = [(4, True), (6, True), (6, False), (8, True)]
 
 @pytest.mark.parametrize("bits,dense", LAYOUTS)
 def test_kernel_matches_the_reference(bits, dense):
-    """T = 1 / 3 / 16 on the FMA path (one unpack a tile for every token, tokens past T masked at 3) and 4 / 16 on
-    the tl.dot path (kernel flag quant_gemv_fma off), per-channel scales, groups of 32 (one scale a tile) and of 24
-    (one gathered per value, 100 inputs: a last group of 4), 40 rows (a partial row block)."""
+    """T = 1 / 2 / 3 / 4 / 8 / 16 with the tokens as the FMA tiles' inner dimension (padded to a power of two and
+    masked at 3) and 4 / 16 on the tl.dot variant (kernel flag quant_gemv_fma off), per-channel scales, groups of 32
+    and of 24 (a scale a period where the group is a multiple of the period, else one a value; 100 inputs: a last
+    group of 4 and a partial tile), 40 rows (a partial row block)."""
     N, K = 40, 100
     g = torch.Generator().manual_seed(bits)
     for group in (None, 32, 24):
         pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense)
         pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
         assert pw.dense == (dense or bits in (4, 8))
-        for t, fma in ((1, True), (3, True), (16, True), (4, False), (16, False)):
+        for t, fma in ((1, True), (2, True), (3, True), (4, True), (8, True), (16, True), (4, False), (16, False)):
             x = torch.randn(t, K, generator=g).to(DEV)
             out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma)
             torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{group} {t} {fma}")
+
+
+def test_periods_and_scale_modes():
+    """A period is the smallest run of whole words with whole values (INT6 stream: 16 in 3 words); a group scale is
+    loaded once a period when the group is a multiple of it, else once a value; tiles are whole periods, a power
+    of two of them, and K slices whole tiles."""
+    assert Q.period(6, True) == (16, 3) and Q.period(6, False) == (5, 1)
+    assert Q.period(4, True) == Q.period(4, False) == (8, 1) and Q.period(8, True) == (4, 1)
+    dev = torch.device("cpu")
+    for bits, dense, group, scale in ((6, True, 128, 1), (6, True, 24, 2), (6, True, 8, 2), (6, False, 128, 2),
+                                      (6, False, 40, 1), (4, True, 24, 1), (8, True, 8, 1), (8, True, 2560, 0)):
+        c = Q.launch_config(1, 2560, 2560, group, dev, (32, 512, 4), bits=bits, dense=dense)
+        p, wp = Q.period(bits, dense)
+        assert c["SCALE"] == scale, (bits, dense, group)
+        assert c["BLOCK_K"] == c["NPER"] * p and c["NPER"] & (c["NPER"] - 1) == 0 and c["BLOCK_K"] <= 512
+        assert c["K_SLICE"] % c["BLOCK_K"] == 0 and c["splits"] * c["K_SLICE"] >= 2560
+    d = Q.launch_config(4, 2560, 2560, 128, dev, fma=False)
+    assert d["DOT"] and d["NPER"] >= 16 and d["BLOCK_N"] >= 16 and d["TP"] == 16
+    assert [Q.launch_config(t, 2560, 2560, 128, dev)["TP"] for t in (1, 2, 3, 4, 8, 16)] == [1, 2, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("bits,dense,group", [(6, True, 16), (6, False, 40), (4, True, 8), (8, True, 4)])
+def test_row_blocks_not_dividing_n_and_odd_widths(bits, dense, group):
+    """Row blocks of 16 over 37 rows (the last holds 5), K = 84 (not a multiple of the tile or, for the stream, of
+    the INT6 period: the last word part padding), a scale a period, 1 / 2 / 4 / 8 tokens: the padding bits decode to
+    values whose x is masked to 0."""
+    N, K = 37, 84
+    g = torch.Generator().manual_seed(group)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
+    assert Q.launch_config(1, N, K, group, torch.device(DEV), (16, 32, 4), bits=bits, dense=dense)["SCALE"] == 1
+    for t in (1, 2, 4, 8):
+        x = torch.randn(t, K, generator=g).to(DEV)
+        out = Q.quant_gemv(x, pw, cfg=(16, 32, 4))
+        torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{t}")
 
 
 def test_half_precision_activations():
@@ -74,9 +110,9 @@ def test_half_precision_activations():
     g = torch.Generator().manual_seed(11)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 32, scale_dtype=torch.float16)
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 32)
-    for t in (1, 4):
+    for t, fma in ((1, True), (4, True), (4, False)):
         x = torch.randn(t, K, generator=g).to(DEV, torch.float16)
-        out = Q.quant_gemv(x, pw, cfg=SMALL)
+        out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma)
         ref = quant_gemv_ref(x, pw)
         assert out.dtype == torch.float16
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
@@ -84,19 +120,20 @@ def test_half_precision_activations():
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_row_blocks_and_k_slices(monkeypatch, prefetch):
-    """Several row blocks and K split into slices of two tiles each (fp32 partial sums added by the last
-    program), with the next tile's words loading while one is computed (PREFETCH; not past a slice's end) or
-    not, with the minimum slice lowered so a small K splits."""
+    """Several row blocks and K split into slices of two tiles each (four with 8 tokens: two token groups, so
+    twice the output tiles; fp32 partial sums added by the last program of each), with the next tile's words
+    loading while one is computed (PREFETCH; not past a slice's end) or not, with the minimum slice lowered so a
+    small K splits."""
     monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
     monkeypatch.setattr(Q, "PREFETCH", prefetch)
     N, K = 24, 256
     g = torch.Generator().manual_seed(3)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 64)
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 64)
-    for t in (1, 3):
+    for t in (1, 8) if prefetch else (1, 3):              # 8: two token groups, each its own counters
         x = torch.randn(t, K, generator=g).to(DEV)
-        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4))
-        assert c["splits"] == 4 and c["SCALE"] == 1 and c["K_SLICE"] == 2 * c["BLOCK_K"]
+        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4), bits=6)
+        assert c["SCALE"] == 1 and c["splits"] * c["K_SLICE"] == K and c["splits"] == (4 if t < 8 else 2)
         out = Q.quant_gemv(x, pw, cfg=(8, 32, 4))
         torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
         # the slices are added in one launch by the last program of a row block, in a fixed order: the counters
@@ -105,11 +142,11 @@ def test_row_blocks_and_k_slices(monkeypatch, prefetch):
         assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4)), out)
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_the_swiglu_input_is_computed_as_it_loads(t):
+@pytest.mark.parametrize("t,fma", [(1, True), (3, True), (4, False)])
+def test_the_swiglu_input_is_computed_as_it_loads(t, fma):
     """`swiglu=w`: x holds a shared expert's gate and up outputs [T, 2K] and the kernel's input is
     silu(gate) * up * w[t] (`swiglu_input`), with w a strided column as the router writes it; 16-bit, 1 and 3
-    tokens (FMA path)."""
+    tokens (FMA path) and 4 (the tl.dot variant)."""
     N, K = 48, 64
     g = torch.Generator().manual_seed(t)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 32)
@@ -117,7 +154,7 @@ def test_the_swiglu_input_is_computed_as_it_loads(t):
     # fp16 under the interpreter: its float -> bf16 casts truncate (every output 1-2% small here), the GPU rounds
     gate_up = torch.randn(t, 2 * K, generator=g).to(DEV, torch.bfloat16 if CUDA else torch.float16)
     w = torch.rand(t, 3, generator=g).to(DEV)[:, 2]
-    got = Q.quant_gemv(gate_up, pw, cfg=SMALL, swiglu=w)
+    got = Q.quant_gemv(gate_up, pw, cfg=SMALL, swiglu=w, fma=fma)
     want = quant_gemv_ref(swiglu_input(gate_up, w), pw).float()
     assert ((got.float() - want).norm() / want.norm()).item() < 5e-3       # 16-bit outputs: an ulp apart at most
     assert ((got.float() - want).abs() <= want.abs() / 128 + 1e-2).all()
@@ -151,6 +188,77 @@ def test_shapes_the_kernel_cannot_take_are_refused():
 
     with pytest.raises(QuantSchemeError, match="cannot hold"):
         PackedWeight(pw.words[:, :5], pw.scales, 8, 32, 32).check()
+
+
+def test_the_kernel_compiles_for_the_h200():
+    """Triton compiles the kernel for sm_90 without a GPU (a subprocess: the interpreter is off there), so what only
+    the GPU compiler rejects shows before a device call: the full shape's variants at the default configs (INT6
+    stream group 128 at 1 / 4 / 16 tokens and the tl.dot variant, INT8 and INT4, the older INT6 layout with a scale
+    a value, the swiglu input, K slices), no register spills, and in the FMA variants no layout conversion in the loop
+    (the words, values, scales, x and accumulator share one layout, the periods
+    across a warp's threads; a 2-D tile broadcast into the 3-D accumulator compiled to a shared-memory conversion
+    per value)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = r"""
+import json, os, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import quant_gemv as Q
+
+def build(N, K, bits, group, dense, T, fma=True, swiglu=False, splits=None):
+    c = Q.launch_config(T, N, K, group, torch.device("cpu"), fma=fma, bits=bits, dense=dense)
+    W = -(-K * bits // 32) if dense else -(-K // (32 // bits))
+    sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+               w_ptr="*fp32" if swiglu else "*bf16", N="i32", T="i32", stride_xt="i32", stride_qn="i32",
+               stride_sn="i32", stride_ot="i32", stride_wt="i32", one="i32")
+    const = dict(K=K, W=W, BITS=bits, P=c["P"], WP=c["WP"], GROUP=group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"],
+                 SPLITS=splits or c["splits"], BLOCK_N=c["BLOCK_N"], NPER=c["NPER"],
+                 TP=c["TP"], DOT=c["DOT"], PRECISION="tf32",
+                 SWIGLU=swiglu, PREFETCH=Q.PREFETCH)
+    if splits:
+        const["K_SLICE"] = -(-K // splits // (c["BLOCK_K"])) * c["BLOCK_K"]
+    sig.update(dict.fromkeys(const, "constexpr"))
+    k = triton.compile(ASTSource(Q._quant_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=c["warps"], num_stages=c["stages"]))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                              text=True).stderr
+    spill = int(info.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+    regs = int(info.split(" registers")[0].rsplit(" ", 1)[-1])
+    return dict(T=T, bits=bits, dense=dense, fma=fma, shared=k.metadata.shared, spill=spill, regs=regs,
+                converts=loop_converts(k.asm["ttgir"]))
+
+def loop_converts(ttgir):
+    body = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
+    return body.count("convert_layout")
+
+
+out = [build(2560, 6144, 6, 128, True, t) for t in (1, 4, 16)]
+out += [build(2560, 6144, 6, 128, True, 16, fma=False), build(248320, 2560, 8, 2560, True, 1),
+        build(2560, 4096, 4, 128, True, 1), build(2560, 4096, 6, 128, False, 1),
+        build(2560, 640, 6, 128, True, 1, swiglu=True), build(2560, 6144, 6, 128, True, 4, splits=4)]
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
+        pytest.skip("this Triton has no bundled ptxas")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    print("\n" + "\n".join(map(str, got)))
+    assert all(c["spill"] == 0 for c in got)
+    assert all(c["converts"] == 0 for c in got if c["fma"]), got
 
 
 # The full shape (make_model's `full-shape` preset): name, (N, K), bits, group (None: per channel), dense.
@@ -200,40 +308,54 @@ def _copies(N: int, K: int, bits: int, group, dense: bool) -> list[PackedWeight]
     return [pw] + [PackedWeight(pw.words.clone(), pw.scales.clone(), bits, K, pw.group) for _ in range(n - 1)]
 
 
+# The first kernel's times (per-value gathers for INT6, tl.dot at 4 and 16 tokens; H200, bench/results/quant-decode-1)
+OLD_US = {"o_proj int6": (56.8, 357.1, 359.4), "out_proj int6": (39.5, 276.0, 277.6),
+          "out_proj int6 old layout": (18.9, 148.3, 147.7), "out_proj int4": (23.9, 22.6, 22.4),
+          "out_proj int8": (24.8, 22.7, 22.6), "qkv+indexer int6 (fused site)": (152.7, 1057.1, 1039.6),
+          "deltanet in-proj int6 (fused site)": (119.2, 638.5, 627.2), "lm_head int8": (902.4, 898.0, 881.9)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_full_shape_on_the_gpu():
     """Agreement with the reference at the full shape's sizes in bf16 (relative error of the output), and the time
     of each against cuBLAS reading the same weight in bf16 (both from HBM: the calls cycle through copies that
-    together exceed L2). Prints a table: us, TB/s of the packed bytes, and the time as a share of bf16's."""
+    together exceed L2), with the tl.dot variant (fma=False) at 4 and 16 tokens and the first kernel's time. Prints
+    a table: us, TB/s of the packed bytes, the time as a share of bf16's."""
     rows = []
     for name, (N, K), bits, group, dense in FULL:
         pws = _copies(N, K, bits, group, dense)
         bf = [dequantize_packed(p, torch.bfloat16) for p in pws[: max(1, min(len(pws), L2_SPAN // (N * K * 2)))]]
-        for t in (1, 4, 16):
+        for i, t in enumerate((1, 4, 16)):
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            out = Q.quant_gemv(x, pws[0])
             ref = quant_gemv_ref(x, pws[0])
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err < 1e-2, (name, t, err)
-            graph = torch.cuda.CUDAGraph()            # K slices summed in one launch: replays give the same bits
-            with torch.cuda.graph(graph):
-                replayed = Q.quant_gemv(x, pws[0])
-            for _ in range(2):
-                replayed.zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(replayed, out), (name, t)
-            assert not split_locks(x.device).any()
+            errs = []
+            for fma in (True, False) if t > 1 else (True,):
+                out = Q.quant_gemv(x, pws[0], fma=fma)
+                errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+                assert errs[-1] < 1e-2, (name, t, fma, errs[-1])
+                graph = torch.cuda.CUDAGraph()        # K slices summed in one launch: replays give the same bits
+                with torch.cuda.graph(graph):
+                    replayed = Q.quant_gemv(x, pws[0], fma=fma)
+                for _ in range(2):
+                    replayed.zero_()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    assert torch.equal(replayed, out), (name, t, fma)
+                assert not split_locks(x.device).any()
             us = _graph_us([lambda p=p: Q.quant_gemv(x, p) for p in pws])
+            us_dot = _graph_us([lambda p=p: Q.quant_gemv(x, p, fma=False) for p in pws]) if t > 1 else float("nan")
             us_bf16 = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf])
-            rows.append((name, t, us, pws[0].nbytes() / us / 1e6, us_bf16, N * K * 2 / us_bf16 / 1e6, err))
+            old = OLD_US.get(name, (float("nan"),) * 3)[i]
+            rows.append((name, t, us, pws[0].nbytes() / us / 1e6, us_dot, old, us_bf16, N * K * 2 / us_bf16 / 1e6,
+                         max(errs)))
         del pws, bf
         torch.cuda.empty_cache()
-    print(f"\n{'weight':36} {'T':>3} {'packed us':>10} {'TB/s':>6} {'bf16 us':>8} {'TB/s':>6} {'packed/bf16':>11} "
-          f"{'rel err':>8}")
-    for name, t, us, tbs, ub, tbb, err in rows:
-        print(f"{name:36} {t:3d} {us:10.1f} {tbs:6.2f} {ub:8.1f} {tbb:6.2f} {us / ub:11.2f} {err:8.1e}")
+    print(f"\n{'weight':36} {'T':>3} {'packed us':>10} {'TB/s':>6} {'dot us':>7} {'first us':>9} {'bf16 us':>8} "
+          f"{'TB/s':>6} {'packed/bf16':>11} {'rel err':>8}")
+    for name, t, us, tbs, ud, old, ub, tbb, err in rows:
+        print(f"{name:36} {t:3d} {us:10.1f} {tbs:6.2f} {ud:7.1f} {old:9.1f} {ub:8.1f} {tbb:6.2f} {us / ub:11.2f} "
+              f"{err:8.1e}")
 
 
 @pytest.mark.gpu
@@ -250,27 +372,24 @@ def test_the_swiglu_input_at_the_shared_expert_s_shape_on_the_gpu():
         assert ((got - want).norm() / want.norm()).item() < 1e-2, t
 
 
-SWEEP = [(8, 64, 1), (8, 128, 1), (16, 128, 1), (8, 128, 2), (16, 64, 2), (16, 128, 2), (16, 128, 4), (16, 256, 4),
-         (32, 128, 4), (32, 256, 8), (64, 128, 4), (16, 128, 2, 1), (16, 128, 4, 2), (32, 128, 4, 2)]
+# (BLOCK_N, BLOCK_K inputs, warps): a thread holds BLOCK_N * BLOCK_K / period / (32 warps) (row, period) cells
+SWEEP = [(16, 128, 2), (16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 512, 4), (32, 512, 4), (64, 512, 8),
+         (32, 1024, 8)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_sweep_launch_configs_on_the_gpu():
-    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on the kept-packed shapes at 1 and 16 tokens: prints every time and
-    the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
+    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on four kept-packed shapes at 1, 4 and 16 tokens: prints every time
+    and the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
     print()
-    for name, (N, K), bits, group, dense in FULL[:6]:
+    for name, (N, K), bits, group, dense in [FULL[i] for i in (0, 3, 5, 6)]:
         pws = _copies(N, K, bits, group, dense)
-        for t in (1, 16):
+        for t in (1, 4, 16):
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            times = {}
-            for cfg in SWEEP:
-                if cfg[0] < 16 and t > 1:
-                    continue                                  # tl.dot needs 16 rows
-                times[cfg] = _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c) for p in pws])
+            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c) for p in pws]) for cfg in SWEEP}
             best = min(times, key=times.get)
             print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
-                  f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()))
+                  f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)
         del pws
         torch.cuda.empty_cache()

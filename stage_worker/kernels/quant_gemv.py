@@ -1,35 +1,44 @@
 """W4/W6/W8-A16 GEMVs over dense Linear weights kept as compressed-tensors packs them (issue 17, item 2): decode reads
-the int32 words and their scales and dequantizes in registers, so a step reads 6/16 (INT6) or 8/16 (INT8) of the
-bf16 bytes of attention's o_proj, DeltaNet's out_proj, the shared expert beside INT4 experts and lm_head
-(`stage_worker/model/quant_linear.py` decides which modules).
+the int32 words and their scales and dequantizes in registers, so a step reads 4/16 (INT4), 6/16 (INT6) or 8/16
+(INT8) of the bf16 bytes of attention's o_proj, DeltaNet's out_proj, the shared expert beside INT4 experts and
+lm_head (`stage_worker/model/quant_linear.py` decides which modules).
 
-One launch, grid (cdiv(N, BLOCK_N), splits): a program owns BLOCK_N output rows and one slice of the inputs, and
-walks it BLOCK_K columns at a time:
-* the words of the tile: where values never cross a word (4 and 8 bits; also the older layout's words at those
-  widths, which place bits identically) one [BLOCK_N, BLOCK_K / (32 / bits)] load and a broadcast shift
-  (value j of a word at bit j * bits), reshaped to input order; otherwise (6 bits, dense or the older 5 a word) a
-  gather per value of its word (and, for the dense stream's values that straddle two words, the next word, loaded
-  only where needed), shifted and masked as unsigned;
-* the offset 2^(bits-1) is not subtracted per value: sum_k (u_k - o) x_k = sum_k u_k x_k - o sum_k x_k, the second
-  term once a tile;
-* scales: one a row (per channel) applied to the accumulator at the end; one a tile (the group a multiple of
-  BLOCK_K, as group 128 with BLOCK_K <= 128) applied to the tile's partial sum; otherwise (small or odd groups) one
-  gathered per value;
-* FMAs in fp32 and a reduction per tile and token (2-16 tokens share the tile's unpack); with the kernel flag
-  `quant_gemv_fma` off, 2-16 tokens take `tl.dot` of the tile (the unsigned values are exact in bf16 / fp16) with
-  x^T [BLOCK_K, 16] on the tensor cores instead: 10-45x slower on the H200 (bench/results/quant-decode-1).
-With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last
-program of a row block adds them in a fixed order (`split_reduce.py`: one launch, deterministic; a separate sum
-and cast were two more launches a call). Prefill (more than DECODE_MAX_T tokens) and machines without Triton take
-`dequant_matmul`: BLOCK of rows dequantized at a time (never the whole weight in float) and a matmul.
+One launch, grid (token groups, cdiv(N, BLOCK_N), splits): a program owns up to TOKENS_PER_PROGRAM tokens, BLOCK_N
+output rows and one slice of the inputs, and walks it a tile of NPER periods at a time. A period is the smallest run
+of whole words holding whole values (`period`): the INT6 dense stream repeats every 3 words (16 values), INT4 and
+INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). Why this shape (the first kernel read
+0.03-0.7 TB/s on the H200, bench/results/quant-decode-1, docs/performance.md "Packed dense layers"):
+* whole words, never a load per value: a tile is WP loads of [NPER, BLOCK_N] words (the first kernel loaded, for
+  INT6, each value's word and maybe the next: 8 bytes of gathers a 0.75-byte value), the next tile's issued before
+  one is computed (PREFETCH);
+* value j of a period comes from its word by constant shifts (`_value`: shift, one mask-and-or into the mantissa of
+  1.0 = 1 + u / 2^bits, exact; no int-to-float conversion), 2 of INT6's 16 values also taking bits of the next
+  word; x is taken at stride P to match (value j of every period of the tile);
+* the offset 2^(bits-1) and the 2^bits factor are not applied per value: sum (u - o) x = 2^bits sum (f - 1.5) x,
+  so the kernel sums f x and x and corrects once a row (per-channel scales) or once a period (group scales, the
+  group a multiple of the period: one scale load a period); other groups (INT6 groups of 8 or 24, the older layout
+  in groups) take a scale a value;
+* nothing is reduced across threads inside the loop: the accumulator [NPER, BLOCK_N, T] keeps one fp32 cell a
+  (period, row, token) and is summed over the periods once at the end; the tokens (up to TOKENS_PER_PROGRAM, more
+  taking more programs over the same rows, adjacent in the grid so their words come from L2) are its small inner
+  dimension, so one unpack serves all of them (the first kernel reduced each tile per token, and took tl.dot at 2-16
+  tokens, 10-45x slower than its own one-token path);
+* with the kernel flag `quant_gemv_fma` off, 2-16 tokens take one tl.dot a value position of the period ([BLOCK_N,
+  NPER] weights by [NPER, 16] x) instead: the A/B for 8-16 tokens, where FMAs (16 a value) may bound the time.
+With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
+of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
+Prefill (more than DECODE_MAX_T tokens) and machines without Triton take `dequant_matmul`: BLOCK of rows dequantized
+at a time (never the whole weight in float) and a matmul.
 
 Reference: `quant_gemv_ref.quant_gemv_ref`; tests: tests/test_kernel_quant_gemv.py (CPU under TRITON_INTERPRET=1,
-the H200 at the full shape, with timings); launch configs are guesses until that test's sweep has run on the H200.
+an sm_90 compile, the H200 at the full shape against cuBLAS); launch configs (CFG) are guesses until that test's
+sweep or `bench/tune_kernels.py --only quant_gemv` has run on the H200.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -43,16 +52,25 @@ except ImportError:   # CPU-only installs off Linux: the PyTorch path
     triton = None
 
 DECODE_MAX_T = 16
-# (BLOCK_N, BLOCK_K, warps[, pipeline stages]) for one token (FMA path) and for 2-16 tokens (tl.dot path). Guesses
-# until the H200 sweep of tests/test_kernel_quant_gemv.py::test_sweep_launch_configs_on_the_gpu (offline sm_90
-# compiles: the 6-bit dot path holds 76 KB of shared memory with Triton's 3 stages).
-CFG = {1: (16, 128, 4), 16: (32, 128, 4)}
-# Words of the next tile loading while one is computed (FMA paths). The one-token path read 0.2 TB/s (INT6) on the
-# H200 with one tile in flight a program (bench/results/quant-decode-1); the INT4 MoE kernel gained 24% from the same
-# at one token (bench/results/moe-int4-4). Not yet timed here.
+# (BLOCK_N rows, BLOCK_K inputs, warps[, pipeline stages]) by token count: a call takes the entry of the smallest key
+# >= T. BLOCK_K is rounded down to a power-of-two number of periods (16 inputs for the INT6 stream, 8 for INT4, 4
+# for INT8, 5 for the older INT6 layout). Guesses sized so a thread keeps ~8 (row, period) cells, 24-48 words in
+# flight with the prefetch, until the H200 sweep (tests/test_kernel_quant_gemv.py::test_sweep_launch_configs_on_the_gpu,
+# bench/tune_kernels.py --only quant_gemv) has run.
+CFG = {1: (32, 512, 4), 4: (32, 256, 4), 16: (16, 256, 4)}
+# Words of the next tile loading while one is computed. The INT4 MoE kernel gained 24% at one token from the same
+# (bench/results/moe-int4-4).
 PREFETCH = True
+# Tokens a program's FMA tiles hold; more tokens take more programs over the same rows, side by side in the grid's
+# fastest dimension so the repeated words come from L2. At 16 a program the sm_90 compile put the accumulator in
+# another layout than the words (18 shared-memory conversions a tile); at 4, none.
+TOKENS_PER_PROGRAM = 4
+# (row, period) cells a thread holds a tile at most (BLOCK_K is cut to fit): at 32 (INT8 with 512 inputs a tile) the
+# sm_90 compile used 253 registers a thread, at 8 128 (INT6).
+MAX_CELLS_PER_THREAD = 8
 PROGRAMS_PER_SM = 4          # K is split until about this many programs per SM run (small N, e.g. o_proj's 2560)
 MIN_SPLIT_K = 512            # ... but no slice shorter than this many inputs
+ONE = 0x3F800000             # the bits of 1.0f, a kernel argument so the mask-and-or is one LOP3 (moe_int4._nibble)
 
 _INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)
 
@@ -62,182 +80,195 @@ def triton_usable(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
 
 
+def period(bits: int, dense: bool) -> tuple[int, int]:
+    """(values, words) of the smallest run of whole words holding whole values: the dense stream repeats every
+    lcm(bits, 32) bits (INT6: 16 values in 3 words); 4 and 8 bits, and the older layout (32 // bits values a word,
+    the top bits unused: INT6 5 a word), every word."""
+    if not dense or 32 % bits == 0:
+        return 32 // bits, 1
+    g = math.gcd(bits, 32)
+    return 32 // g, bits // g
+
+
 if triton is not None:
     from stage_worker.kernels.split_reduce import last_of
 
     @triton.jit
-    def _tile_words(q_ptr, rows, mask_n, k0, stride_qn, W: tl.constexpr, BITS: tl.constexpr,
-                    DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The words input columns k0 .. k0 + BLOCK_K of `rows` are in, loaded (`_tile_unpack` makes the values,
-        so a tile's loads can be issued before the previous tile is computed): for 4 and 8 bits the [BLOCK_N,
-        BLOCK_K / (32 / bits)] words (twice: there is no second word); otherwise each value's word and, in the
-        dense stream, the next word where the value spills into it (0 elsewhere). Past the row's words: 0."""
-        PER: tl.constexpr = 32 // BITS
-        base = q_ptr + rows[:, None] * stride_qn
-        if 32 % BITS == 0:                      # whole values a word (4, 8 bits): one load
-            WB: tl.constexpr = BLOCK_K // PER
-            offs_w = k0 // PER + tl.arange(0, WB)
-            q = tl.load(base + offs_w[None, :], mask=mask_n[:, None] & (offs_w < W)[None, :], other=0)
-            return q, q
+    def _words(q_ptr, rows, mask_n, p0, stride_qn, W: tl.constexpr, WP: tl.constexpr, NPER: tl.constexpr):
+        """The words of periods p0 .. p0 + NPER of `rows` ([1, BLOCK_N, 1]), one [NPER, BLOCK_N, 1] tensor per word
+        of a period (WP of them; the unused ones repeat the first), 0 past the row's W words. Three-dimensional
+        from the load on, so the values meet the [NPER, BLOCK_N, T] accumulator in their own layout (a 2-D tile
+        broadcast into it cost a shared-memory layout conversion per value: the sm_90 compile showed 16 a tile),
+        the periods first: where no dimension is contiguous (INT6's stride of 3 words) Triton spreads a warp's
+        threads along the first, and along the periods a warp's loads cover 384 contiguous bytes of a row (along
+        the rows, 32 separate sectors). Loads only: `_value` decodes them, so the next tile's loads are issued
+        before a tile is computed."""
+        word = (p0 + tl.arange(0, NPER))[:, None, None] * WP
+        base = q_ptr + rows * stride_qn + word
+        w0 = tl.load(base, mask=mask_n & (word < W), other=0)
+        w1 = w0
+        w2 = w0
+        if WP > 1:
+            w1 = tl.load(base + 1, mask=mask_n & (word + 1 < W), other=0)
+        if WP > 2:
+            w2 = tl.load(base + 2, mask=mask_n & (word + 2 < W), other=0)
+        return w0, w1, w2
+
+    @triton.jit
+    def _value(w0, w1, w2, one, J: tl.constexpr, BITS: tl.constexpr):
+        """Value J of each period as the float 1 + u / 2^BITS, exactly: its bits (at J * BITS of the period) moved
+        by a constant shift to the top of the mantissa and given the exponent of 1.0 by one mask-and-or; no
+        int-to-float conversion (a quarter-rate instruction). A value that crosses into the next word (INT6: 2 of
+        16) takes its high bits from there."""
+        MP: tl.constexpr = 23 - BITS
+        MASK: tl.constexpr = ((1 << BITS) - 1) << MP
+        C: tl.constexpr = J * BITS // 32
+        OFF: tl.constexpr = J * BITS % 32
+        if C == 0:
+            w = w0
+            nxt = w1
+        elif C == 1:
+            w = w1
+            nxt = w2
         else:
-            word, off = _value_bits(k0, BITS, DENSE, BLOCK_K)
-            lo = tl.load(base + word[None, :], mask=mask_n[:, None] & (word < W)[None, :], other=0)
-            if DENSE:
-                spill = (off + BITS > 32) & (word + 1 < W)
-                hi = tl.load(base + (word + 1)[None, :], mask=mask_n[:, None] & spill[None, :], other=0)
+            w = w2
+            nxt = w2
+        if OFF + BITS <= 32:
+            # arithmetic shifts are fine: the sign fill lands above bit 22, which MASK drops
+            if OFF <= MP:
+                v = w << (MP - OFF)
             else:
-                hi = lo
-            return lo, hi
-
-    @triton.jit
-    def _value_bits(k0, BITS: tl.constexpr, DENSE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """(word, bit offset) of input columns k0 .. k0 + BLOCK_K (values that may not fill a word: 6 bits)."""
-        k = k0 + tl.arange(0, BLOCK_K)
-        if DENSE:                               # bit stream: value k at bit k * BITS, maybe across two words
-            bit = k * BITS
-            return bit // 32, bit % 32
-        else:                                   # older layout: 32 // BITS values a word, the top bits unused
-            PER: tl.constexpr = 32 // BITS
-            return k // PER, (k % PER) * BITS
-
-    @triton.jit
-    def _tile_unpack(lo, hi, k0, BITS: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """The stored (unsigned) values u [BLOCK_N, BLOCK_K] int32 from `_tile_words`' words."""
-        MASK: tl.constexpr = (1 << BITS) - 1
-        PER: tl.constexpr = 32 // BITS
-        if 32 % BITS == 0:                      # a broadcast shift
-            shifts = tl.arange(0, PER) * BITS
-            u = tl.reshape((lo[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+                v = w >> (OFF - MP)
         else:
-            word, off = _value_bits(k0, BITS, DENSE, BLOCK_K)
-            u = lo.to(tl.uint32, bitcast=True) >> off[None, :]
-            if DENSE:
-                # (32 - off) & 31: no shift by 32 where off is 0 (hi is 0 wherever nothing spills)
-                u = u | (hi.to(tl.uint32, bitcast=True) << ((32 - off) & 31)[None, :])
-            u = (u & MASK).to(tl.int32, bitcast=True)
-        return u
+            L: tl.constexpr = 32 - OFF                       # bits in this word; the rest start the next one
+            v = ((w >> (OFF - MP)) & (((1 << L) - 1) << MP)) | (nxt << (MP + L))
+        return ((v & MASK) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _x_tile(x_ptr, w_ptr, offs, mask, stride_wt, t, K: tl.constexpr, SWIGLU: tl.constexpr):
-        """x at `offs` (t * stride_xt + k); with SWIGLU, x is [T, 2K] gate then up, and the input is
+    def _x(x_ptr, w_ptr, t, k, mask, stride_xt, stride_wt, K: tl.constexpr, SWIGLU: tl.constexpr):
+        """x[t, k] in fp32 (0 where masked); with SWIGLU, x is [T, 2K] gate then up, and the input is
         silu(gate) * up * w[t], each product rounded to x's dtype as `quant_gemv_ref.swiglu_input` does."""
+        offs = t * stride_xt + k
         if SWIGLU:
             dt: tl.constexpr = x_ptr.dtype.element_ty
             g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + t * stride_wt + 0 * offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + t * stride_wt + 0 * k, mask=mask, other=0.0).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            return ((a * u).to(dt).to(tl.float32) * w).to(dt)
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+            return ((a * u).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, w_ptr, N, T, stride_xt, stride_qn,
-                           stride_sn, stride_ot, stride_wt, K: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
-                           DENSE: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr,
-                           SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
-                           DOT: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr,
-                           PREFETCH: tl.constexpr):
-        """out[t, rows] = sum_k W[rows, k] x[t, k] (SCALE 0: one scale a row, 1: one a tile, 2: one gathered per
-        value; see the module docstring). 2-16 tokens: FMAs per token over each unpacked tile (TP the next power
-        of two, tokens past T masked), or with DOT tl.dot over a tile of TP = 16 (T a run-time value). With SPLITS K slices a program sums its slice into
-        part[slice, t, rows] (fp32) and the last of a row block's programs adds the slices in order and writes out
-        (`split_reduce.last_of`): one launch, deterministic. With PREFETCH the next tile's words are loading while
-        one is computed."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                           stride_sn, stride_ot, stride_wt, one, K: tl.constexpr, W: tl.constexpr,
+                           BITS: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr,
+                           SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
+                           PRECISION: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr):
+        """out[t, rows] = sum_k W[rows, k] x[t, k] over tiles of NPER periods (P values in WP words each) of
+        BLOCK_N rows: see the module docstring. SCALE 0: one scale a row, at the end; 1: one a period (the group
+        a multiple of P); 2: one a value. FMA path: acc [TP, BLOCK_N, NPER] (TP tokens, the next power of two
+        >= T, the small inner dimension), reduced over the periods once at the end. DOT: acc [BLOCK_N, 16], one
+        tl.dot a value position j of the period (K order within a tile does not matter to a sum, so x is taken at
+        stride P to match). With SPLITS K slices each program stores fp32 partials and the last of a row block
+        adds them in order (`split_reduce.last_of`)."""
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
+        r3 = rows64[None, :, None]
+        m3 = mask_n[None, :, None]
         OFFSET: tl.constexpr = 1 << (BITS - 1)
-        k_begin = tl.program_id(1) * K_SLICE
-        offs_t = tl.arange(0, TP)
-        mask_t = offs_t < T
-        if DOT or TP > 1:
-            acc = tl.zeros([BLOCK_N, TP], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], tl.float32)
+        BLOCK_K: tl.constexpr = NPER * P
         ITERS: tl.constexpr = K_SLICE // BLOCK_K
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        k_begin = tl.program_id(2) * K_SLICE
+        offs_t = tl.program_id(0) * TP + tl.arange(0, TP)
+        offs_p = tl.arange(0, NPER)
+        if DOT:
+            acc = tl.zeros([BLOCK_N, TP], tl.float32)
+            xs = tl.zeros([TP], tl.float32)
+        else:
+            acc = tl.zeros([NPER, BLOCK_N, TP], tl.float32)
+            xs = tl.zeros([NPER, 1, TP], tl.float32)
         if PREFETCH:
-            lo, hi = _tile_words(q_ptr, rows64, mask_n, k_begin, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
+            w0, w1, w2 = _words(q_ptr, r3, m3, k_begin // P, stride_qn, W, WP, NPER)
         for i in range(ITERS):
             k0 = k_begin + i * BLOCK_K
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
             if PREFETCH:
-                lo_n, hi_n = _tile_words(q_ptr, rows64, mask_n & (i + 1 < ITERS), k0 + BLOCK_K, stride_qn, W, BITS,
-                                         DENSE, BLOCK_N, BLOCK_K)
-                u = _tile_unpack(lo, hi, k0, BITS, DENSE, BLOCK_N, BLOCK_K)
-                lo = lo_n
-                hi = hi_n
+                n0, n1, n2 = _words(q_ptr, r3, m3 & (i + 1 < ITERS), (k0 + BLOCK_K) // P, stride_qn, W, WP, NPER)
             else:
-                lo, hi = _tile_words(q_ptr, rows64, mask_n, k0, stride_qn, W, BITS, DENSE, BLOCK_N, BLOCK_K)
-                u = _tile_unpack(lo, hi, k0, BITS, DENSE, BLOCK_N, BLOCK_K)
-            if SCALE == 1:
-                s = tl.load(s_ptr + rows64 * stride_sn + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float32)
-            if SCALE == 2:
-                s = tl.load(s_ptr + rows64[:, None] * stride_sn + (offs_k // GROUP)[None, :],
-                            mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+                w0, w1, w2 = _words(q_ptr, r3, m3, k0 // P, stride_qn, W, WP, NPER)
+            kp = k0 + offs_p * P                                              # each period's first input
             if DOT:
-                xt = _x_tile(x_ptr, w_ptr, offs_t[None, :] * stride_xt + offs_k[:, None],
-                             mask_k[:, None] & mask_t[None, :], stride_wt, offs_t[None, :], K, SWIGLU)  # [BLOCK_K, TP]
-                if SCALE == 2:
-                    w = ((u - OFFSET).to(tl.float32) * s).to(xt.dtype)
-                    acc += tl.dot(w, xt, input_precision=PRECISION)
-                else:
-                    # (through fp32: exact, and the interpreter's int -> bf16 cast is wrong)
-                    part = tl.dot(u.to(tl.float32).to(xt.dtype), xt, input_precision=PRECISION)
-                    part -= OFFSET * tl.sum(xt.to(tl.float32), axis=0)[None, :]
-                    if SCALE == 1:
-                        part = part * s[:, None]
-                    acc += part
-            elif TP > 1:
-                # FMAs for each of 2-16 tokens over one unpacked tile (kernel flag quant_gemv_fma): the unpack,
-                # the costly part, is shared; tl.dot's staging at these shapes cost 10x (H200,
-                # bench/results/quant-decode-1)
-                if SCALE == 2:
-                    wf = (u - OFFSET).to(tl.float32) * s
-                else:
-                    wf = u.to(tl.float32)
-                for tt in tl.static_range(TP):
-                    xk = _x_tile(x_ptr, w_ptr, tt * stride_xt + offs_k, mask_k & (tt < T), stride_wt, tt, K,
-                                 SWIGLU).to(tl.float32)
-                    part = tl.sum(wf * xk[None, :], axis=1)
-                    if SCALE != 2:
-                        part -= OFFSET * tl.sum(xk, axis=0)
-                    if SCALE == 1:
-                        part = part * s
-                    acc += tl.where((offs_t == tt)[None, :], part[:, None], 0.0)
+                if SCALE == 1:
+                    s = tl.load(s_ptr + rows64[:, None] * stride_sn + (kp // GROUP)[None, :],
+                                mask=mask_n[:, None] & (kp < K)[None, :], other=0.0).to(tl.float32)
+                for j in tl.static_range(P):
+                    k = kp + j
+                    xj = _x(x_ptr, w_ptr, offs_t[None, :], k[:, None], (k < K)[:, None] & (offs_t < T)[None, :],
+                            stride_xt, stride_wt, K, SWIGLU)                  # [NPER, TP]
+                    f = tl.trans(tl.reshape(_value(w0, w1, w2, one, j, BITS), [NPER, BLOCK_N]))
+                    u = f * (1 << BITS) - (1 << BITS)                         # exact: 0 .. 2^BITS - 1
+                    if SCALE == 0:
+                        xs += tl.sum(xj, axis=0)
+                        wj = u
+                    else:
+                        if SCALE == 2:
+                            s = tl.load(s_ptr + rows64[:, None] * stride_sn + (k // GROUP)[None, :],
+                                        mask=mask_n[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                        wj = (u - OFFSET) * s
+                    acc += tl.dot(wj.to(DT), xj.to(DT), input_precision=PRECISION)
             else:
-                xk = _x_tile(x_ptr, w_ptr, offs_k, mask_k, stride_wt, 0, K, SWIGLU).to(tl.float32)
-                if SCALE == 2:
-                    acc += tl.sum((u - OFFSET).to(tl.float32) * s * xk[None, :], axis=1)
-                else:
-                    part = tl.sum(u.to(tl.float32) * xk[None, :], axis=1) - OFFSET * tl.sum(xk, axis=0)
-                    if SCALE == 1:
-                        part = part * s
-                    acc += part
+                kp3 = kp[:, None, None]
+                if SCALE == 1:
+                    s = tl.load(s_ptr + r3 * stride_sn + kp3 // GROUP, mask=m3 & (kp3 < K), other=0.0)
+                    s = s.to(tl.float32)
+                    d = tl.zeros([NPER, BLOCK_N, TP], tl.float32)
+                    xt = tl.zeros([NPER, 1, TP], tl.float32)
+                for j in tl.static_range(P):
+                    k = kp3 + j
+                    xj = _x(x_ptr, w_ptr, offs_t[None, None, :], k, (offs_t < T)[None, None, :] & (k < K),
+                            stride_xt, stride_wt, K, SWIGLU)                  # [NPER, 1, TP]
+                    f = _value(w0, w1, w2, one, j, BITS)                      # 1 + u / 2^BITS, [NPER, BLOCK_N, 1]
+                    if SCALE == 0:
+                        acc += f * xj
+                        xs += xj
+                    elif SCALE == 1:
+                        d += f * xj
+                        xt += xj
+                    else:
+                        sv = tl.load(s_ptr + r3 * stride_sn + k // GROUP, mask=m3 & (k < K), other=0.0)
+                        acc += (f - 1.5) * sv.to(tl.float32) * xj
+                if SCALE == 1:
+                    # sum (u - 2^(B-1)) x = 2^B sum (f - 1.5) x: the offset once a period, the 2^B at the end
+                    acc += s * (d - 1.5 * xt)
+            if PREFETCH:
+                w0 = n0
+                w1 = n1
+                w2 = n2
+        if DOT:
+            res = acc
+            if SCALE == 0:
+                res = res - OFFSET * xs[None, :]
+        else:
+            res = tl.sum(acc, axis=0)                                         # [BLOCK_N, TP]
+            if SCALE == 0:
+                res = res - 1.5 * tl.sum(xs, axis=0)
+            res = res * (1 << BITS)
         if SCALE == 0:
-            s = tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
-            if DOT or TP > 1:
-                acc = acc * s[:, None]
-            else:
-                acc = acc * s
-        if DOT or TP > 1:
-            at = offs_t[None, :] * stride_ot + rows64[:, None]
-            mask = mask_n[:, None] & mask_t[None, :]
-            pt = offs_t[None, :] * N + rows64[:, None]
-        else:
-            at = rows64
-            mask = mask_n
-            pt = rows64
+            res = res * tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        at = offs_t[None, :] * stride_ot + rows64[:, None]
+        mask = mask_n[:, None] & (offs_t < T)[None, :]
         if SPLITS > 1:
-            tl.store(part_ptr + tl.program_id(1) * T * N + pt, acc, mask=mask)
-            if last_of(lock_ptr + tl.program_id(0), SPLITS):
-                acc = tl.load(part_ptr + pt, mask=mask, other=0.0, cache_modifier=".cg")
+            pt = offs_t[None, :] * N + rows64[:, None]
+            tl.store(part_ptr + tl.program_id(2) * T * N + pt, res, mask=mask)
+            if last_of(lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS):
+                res = tl.load(part_ptr + pt, mask=mask, other=0.0, cache_modifier=".cg")
                 for p in tl.static_range(1, SPLITS):
-                    acc += tl.load(part_ptr + p * T * N + pt, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                    res += tl.load(part_ptr + p * T * N + pt, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + at, res.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + at, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -245,33 +276,30 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _pow2_divisor(n: int) -> int:
-    return n & -n
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
-def launch_config(T: int, N: int, K: int, group: int, device: torch.device,
-                  cfg: tuple[int, ...] | None = None, fma: bool = True) -> dict:
-    """The kernel's tile sizes, scale mode and K slices for a call (`cfg` overrides CFG's entry; `fma`: 2-16
-    tokens take the FMA path, with one token's tiles, else tl.dot's)."""
+def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg: tuple[int, ...] | None = None,
+                  fma: bool = True, bits: int = 6, dense: bool = True) -> dict:
+    """Tile sizes, scale mode and K slices for a call (`cfg` overrides the CFG entry; `fma` False: 2-16 tokens take
+    the tl.dot variant, with at least 16 rows and 16 periods a tile)."""
     dot = T > 1 and not fma
-    bn, bk, warps, *rest = cfg or CFG[16 if dot else 1]
+    bn, bk, warps, *rest = cfg or CFG[min(k for k in CFG if k >= T)]
+    p, wp = period(bits, dense)
+    nper = min(_floor_pow2(bk // p), triton.next_power_of_2(-(-K // p)),   # tiny test widths: one tile
+               _floor_pow2(MAX_CELLS_PER_THREAD * 32 * warps // bn))
     if dot:
-        bn = max(bn, 16)                                      # tl.dot's smallest M
-    bk = min(bk, max(16, 1 << (K - 1).bit_length()))          # tiny test widths
-    if group >= K:
-        scale = 0
-    elif group % bk == 0:
-        scale = 1
-    elif _pow2_divisor(group) >= 32:                          # e.g. group 96: tiles of 32 still hold one scale
-        bk, scale = _pow2_divisor(group), 1
-    else:
-        scale = 2
-    blocks = triton.cdiv(N, bn)
+        bn, nper = max(bn, 16), max(nper, 16)
+    scale = 0 if group >= K else 1 if group % p == 0 else 2
+    tp = 16 if dot else min(triton.next_power_of_2(T), TOKENS_PER_PROGRAM)
+    tiles = triton.cdiv(N, bn) * triton.cdiv(T, tp)
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    splits = max(1, min(PROGRAMS_PER_SM * sms // blocks, K // MIN_SPLIT_K))
+    bk = nper * p
+    splits = max(1, min(PROGRAMS_PER_SM * sms // tiles, K // MIN_SPLIT_K))
     k_slice = triton.cdiv(triton.cdiv(K, splits), bk) * bk
-    return dict(BLOCK_N=bn, BLOCK_K=bk, warps=warps, stages=rest[0] if rest else 3, SCALE=scale, K_SLICE=k_slice,
-                splits=triton.cdiv(K, k_slice))
+    return dict(BLOCK_N=bn, NPER=nper, BLOCK_K=bk, P=p, WP=wp, warps=warps, stages=rest[0] if rest else 1,
+                SCALE=scale, K_SLICE=k_slice, splits=triton.cdiv(K, k_slice), DOT=dot, TP=tp)
 
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
@@ -280,9 +308,9 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
     `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is
     `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as the kernel loads it (a shared expert's down projection
-    with its activation and gate: no launch for them). `fma` (kernel flag `quant_gemv_fma`): 2-16 tokens run FMAs
-    per token over each unpacked tile; off, `tl.dot` (10-45x slower on the H200 at 4-16 tokens,
-    bench/results/quant-decode-1)."""
+    with its activation and gate: no launch for them). `fma` (kernel flag `quant_gemv_fma`): 2-16 tokens as the
+    small inner dimension of the FMA tiles; off, one tl.dot per value position of a period (the A/B until the H200
+    says which wins at 8-16 tokens)."""
     if swiglu is not None:
         if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
             raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
@@ -298,19 +326,20 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     if T == 0 or N == 0:
         return out
     x = x.contiguous()
-    c = launch_config(T, N, K, pw.group, x.device, cfg, fma)
-    dot = T > 1 and not fma
-    blocks, splits = triton.cdiv(N, c["BLOCK_N"]), c["splits"]
-    if blocks > LOCKS:
-        raise ValueError(f"{blocks} row blocks: more than the split counters ({LOCKS})")    # splits are 1 there
+    c = launch_config(T, N, K, pw.group, x.device, cfg, fma, pw.bits, pw.dense)
+    blocks, splits, tp = triton.cdiv(N, c["BLOCK_N"]), c["splits"], c["TP"]
+    groups = triton.cdiv(T, tp)
+    if groups * blocks > LOCKS and splits > 1:
+        raise ValueError(f"{groups * blocks} output tiles: more than the split counters ({LOCKS})")
     part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device) if splits > 1 else out
-    _quant_gemv_kernel[(blocks, splits)](
+    _quant_gemv_kernel[(groups, blocks, splits)](
         x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
         x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0), out.stride(0),
-        0 if swiglu is None else swiglu.stride(0), K=K, W=pw.words.shape[1], BITS=pw.bits, DENSE=pw.dense,
-        GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
-        BLOCK_K=c["BLOCK_K"], TP=16 if dot else triton.next_power_of_2(T), DOT=dot, PREFETCH=PREFETCH and not dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SWIGLU=swiglu is not None, num_warps=c["warps"], num_stages=c["stages"])
+        0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits, P=c["P"],
+        WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
+        NPER=c["NPER"], TP=tp, DOT=c["DOT"],
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SWIGLU=swiglu is not None, PREFETCH=PREFETCH,
+        num_warps=c["warps"], num_stages=c["stages"])
     return out
 
 
