@@ -30,7 +30,8 @@ class KernelFlags:
                                       # ._packed_decode: router and shared gate one GEMV, shared output added in
                                       # the INT4 down launch) instead of twelve; with `moe`
     quant_gemv_fma: bool = False      # packed dense GEMVs (quant_gemv.py) at 2-16 tokens: FMAs per token over each
-                                      # unpacked tile; off: tl.dot (10-45x slower on the H200)
+                                      # decoded period; off: the same kernel with one tl.dot a value position (the
+                                      # 8-16-token A/B)
     qsa_tiles: bool = False           # QSA decode selection over tiles of keys in many programs (qsa.py, six
                                       # launches); off: one select program a sequence (slow at long context); with
                                       # `attention`
