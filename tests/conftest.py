@@ -18,18 +18,16 @@ if not __import__("torch").cuda.is_available():
 
 
 # The slowest test files on the 2-core CI machine, longest first (seconds of --durations, 2026-12-02: 190 for
-# test_train_demo, 53 once its runs were in process; then 91, 82, 81, 76, 56, 54, ...; the interpreter-run kernel
-# files added later: quant_gemv 86, moe_int4_prefill ~45, qsa_kv_offload ~40, qsa ~30 in one process). With --dist
-# loadfile a file runs whole on one worker; handing the longest out first keeps the two workers' ends close. xdist's own order (by
+# test_train_demo, 53 once its runs were in process; then 91, 82, 81, 76, 56, 54, ...). With --dist loadfile a file
+# runs whole on one worker; handing the longest out first keeps the two workers' ends close. xdist's own order (by
 # number of tests; `--no-loadscope-reorder` in pyproject.toml turns it off) handed the then 190-s training file out
 # late, when the other worker had run out of work.
 SLOWEST_FILES = ["test_train_demo.py", "test_demo_model.py", "test_cluster.py", "test_schemathesis.py",
                  "test_self_healing.py", "test_any_checkpoint.py", "test_make_model.py", "test_packed_cold_experts.py",
                  "test_route_trace.py", "test_device_sampling_cluster.py", "test_greedy_transcript.py",
-                 "test_quantized_checkpoint.py", "test_kernel_quant_gemv.py", "test_agents.py",
-                 "test_kernel_moe_int4.py", "test_kernel_moe_int4_prefill.py", "test_qsa_kv_offload.py",
-                 "test_expert_table.py", "test_links.py", "test_access_log.py", "test_cold_set.py",
-                 "test_kernel_qsa.py", "test_engine_core.py"]
+                 "test_quantized_checkpoint.py", "test_agents.py", "test_kernel_moe_int4.py",
+                 "test_kernel_moe_int4_prefill.py", "test_expert_table.py", "test_links.py", "test_access_log.py",
+                 "test_cold_set.py", "test_engine_core.py"]
 
 
 def pytest_collection_modifyitems(config, items):
