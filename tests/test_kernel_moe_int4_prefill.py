@@ -163,14 +163,10 @@ def test_the_launch_configs_compile_for_the_h200():
     only the GPU compiler rejects shows here: the device launch at BLOCK_M 64 with no register spills, the host
     launch at BLOCK_M 128 (bf16, one scale a step, tiles built from 128.0's bits), and the fp16 / fp32 / per-element
     scale variants; shared memory within the H200's 227 KB a block."""
-    import json
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from sm90_compile import run_compile_script
 
     script = r"""
-import json, os, subprocess, sys, tempfile
+import json
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -189,13 +185,7 @@ def build(dt, K, N, gated, group, bm, cfg):
     sig.update(dict.fromkeys(const, "constexpr"))
     k = triton.compile(ASTSource(P._int4_gemm_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(k.asm["ptx"])
-        f.flush()
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                              text=True).stderr
-    spill = int(info.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+    spill = ptxas_info(k.asm["ptx"])["spill"]
     return dict(shared=k.metadata.shared, spill=spill)
 
 H, I = 2560, 640
@@ -205,13 +195,7 @@ print(json.dumps(dict(
     others=[build(dt, 96, 40, True, g, 16, (32, 64, 4, 2)) for dt, g in
             ((torch.float16, 128), (torch.float32, 32), (torch.bfloat16, 24))])))
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
-        pytest.skip("this Triton has no bundled ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compile_script(script, timeout=300)
     assert got["dev"]["spill"] == 0
     assert all(c["shared"] <= 227 * 1024 for c in [got["dev"], got["host"], *got["others"]])
 

@@ -198,15 +198,10 @@ def test_the_kernel_compiles_for_the_h200():
     (the words, values, scales, x and accumulator share one layout, the periods
     across a warp's threads; a 2-D tile broadcast into the 3-D accumulator compiled to a shared-memory conversion
     per value)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from sm90_compile import run_compile_script
 
     script = r"""
-import json, os, subprocess, tempfile
+import json
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -227,14 +222,8 @@ def build(N, K, bits, group, dense, T, fma=True, swiglu=False, splits=None):
     sig.update(dict.fromkeys(const, "constexpr"))
     k = triton.compile(ASTSource(Q._quant_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=c["warps"], num_stages=c["stages"]))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(k.asm["ptx"])
-        f.flush()
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                              text=True).stderr
-    spill = int(info.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
-    regs = int(info.split(" registers")[0].rsplit(" ", 1)[-1])
+    info = ptxas_info(k.asm["ptx"])
+    spill, regs = info["spill"], info["regs"]
     return dict(T=T, bits=bits, dense=dense, fma=fma, shared=k.metadata.shared, spill=spill, regs=regs,
                 converts=loop_converts(k.asm["ttgir"]))
 
@@ -249,13 +238,7 @@ out += [build(2560, 6144, 6, 128, True, 16, fma=False), build(248320, 2560, 8, 2
         build(2560, 640, 6, 128, True, 1, swiglu=True), build(2560, 6144, 6, 128, True, 4, splits=4)]
 print(json.dumps(out))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
-        pytest.skip("this Triton has no bundled ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compile_script(script, timeout=600)
     print("\n" + "\n".join(map(str, got)))
     assert all(c["spill"] == 0 for c in got)
     assert all(c["converts"] == 0 for c in got if c["fma"]), got
