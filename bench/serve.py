@@ -180,7 +180,7 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
     """Cold and warm TTFT on unseen text, `runs` times (see the module docstring)."""
     from openai import AsyncOpenAI
 
-    from ple_service.page_cache import evict, resident_fraction
+    from ple_service.page_cache import evict, mapped_rss, resident_fraction
 
     if not tables:
         raise SystemExit("--cold: the model directory has no expanded PLE table (ple_table.layer*.bin); for dummy "
@@ -196,6 +196,10 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
             for path in tables:
                 evict(path)
             share = resident_fraction(tables)
+            mapped: dict[int, int] = {}         # pages a process holds mapped: what eviction could not drop
+            for path in tables:
+                for pid, rss in mapped_rss(path).items():
+                    mapped[pid] = mapped.get(pid, 0) + rss
             m0 = scrape(url)
             cold, tokens = await one_token(client, model, prompt)
             await asyncio.sleep(settle)
@@ -204,6 +208,7 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
             await asyncio.sleep(settle)
             m2 = scrape(url)
             runs_out.append({"prompt_tokens": tokens, "cold_s": cold, "warm_s": warm, "resident_before": share,
+                             "mapped_before_bytes": mapped,
                              "cold_ple_wait_s": _stage_wait(m0, m1), "warm_ple_wait_s": _stage_wait(m1, m2)})
     cold = statistics.median(r["cold_s"] for r in runs_out)
     warm = statistics.median(r["warm_s"] for r in runs_out)
@@ -314,6 +319,8 @@ def _report_cold(cold: dict, meta: dict, out: Path) -> int:
     for i, r in enumerate(cold["per_run"]):
         print(f"{i:>3} {r['prompt_tokens']:>7} {r['resident_before']:>8.3f} {r['cold_s']:>8.2f} {r['warm_s']:>8.2f} "
               f"{r['cold_s'] / r['warm_s']:>9.2f} {r['cold_ple_wait_s']:>15.2f} {r['warm_ple_wait_s']:>7.2f}")
+        held = ", ".join(f"pid {pid} {b / 2**30:.2f} GiB" for pid, b in sorted(r.get("mapped_before_bytes", {}).items()))
+        print(f"    mapped in processes before the cold request (eviction cannot drop these): {held or 'none'}")
     print(f"median: cold {cold['cold_ttft_median_s']:.2f} s, warm {cold['warm_ttft_median_s']:.2f} s, "
           f"cold/warm {cold['cold_over_warm']:.2f}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -56,3 +56,27 @@ def resident_fraction(paths: list[Path]) -> float:
     pages = [resident(p) for p in paths]
     total = sum(p.size for p in pages)
     return float(sum(int(p.sum()) for p in pages)) / total if total else 0.0
+
+
+def mapped_rss(path: str | Path) -> dict[int, int]:
+    """Bytes of `path` each process has faulted into its page tables (`Rss` of its mappings in /proc/PID/smaps):
+    the pages `evict` cannot drop. Processes whose smaps can't be read are left out."""
+    target = os.path.realpath(path)
+    out: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/smaps") as f:
+                inside, total = False, 0
+                for line in f:
+                    head = line.split(maxsplit=6)
+                    if head and "-" in head[0] and len(head) >= 5:      # a mapping's header line
+                        inside = len(head) >= 6 and head[5].strip() == target
+                    elif inside and head[0] == "Rss:":
+                        total += int(head[1]) * 1024
+        except OSError:
+            continue
+        if total:
+            out[int(entry.name)] = total
+    return out
