@@ -18,8 +18,10 @@ Prints a table and writes JSON (--out).
 dropped from the page cache before each request, then the same prompt again (its rows now resident): cold against
 warm, per run, with the table's resident share before the cold request and the stages' wait for PLE rows. TTFT
 there is a one-token completion's latency (prefill and one sampled token), since dummy weights' tokens often carry
-no text. Each run sends new random words (`--text-seed` gives each side of an A/B its own), because pages a running
-server has read stay mapped in it and eviction cannot drop them. The table is the checkpoint's expanded PLE file;
+no text. Eviction pages out the server processes' mappings of the table first (`process_madvise(MADV_PAGEOUT)`, root
+or CAP_SYS_NICE: a process that read rows of a freshly written table maps whole large folios, the whole table after
+a few thousand tokens), and each run still sends new random words (`--text-seed` gives each side of an A/B its own),
+so nothing of the prompt can be cached anywhere. The table is the checkpoint's expanded PLE file;
 for dummy weights serve with `--set dummy_ple_file=true` so there is one (`bench/results/` notes the sizes).
 """
 
@@ -171,6 +173,16 @@ async def one_token(client, model: str, prompt: str) -> tuple[float, int]:
     return time.perf_counter() - t0, out.usage.prompt_tokens
 
 
+def _process_name(pid: int) -> str:
+    """A process's command line, shortened, for the cold report's list of who holds the table mapped."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        return " ".join(args[:4])[:100]
+    except OSError:
+        return "?"
+
+
 def _stage_wait(before: dict, after: dict) -> float:
     name = ("moepipe_ple_stage_wait_seconds_total", ())
     return after.get(name, 0.0) - before.get(name, 0.0)
@@ -193,13 +205,15 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
         await one_token(client, model, unseen_text(min(chars, 8000), 1_000_003 * text_seed + 999_999))
         for run in range(runs):
             prompt = unseen_text(chars, 1_000_003 * text_seed + run)
-            for path in tables:
-                evict(path)
+            refused = []
+            for path in tables:                 # the server's mappings paged out too (ple_service/page_cache.py)
+                refused += evict(path, pids=list(mapped_rss(path)))
             share = resident_fraction(tables)
-            mapped: dict[int, int] = {}         # pages a process holds mapped: what eviction could not drop
+            mapped: dict[int, int] = {}         # pages a process still holds mapped: what eviction could not drop
             for path in tables:
                 for pid, rss in mapped_rss(path).items():
                     mapped[pid] = mapped.get(pid, 0) + rss
+            mapped = {f"{pid} {_process_name(pid)}": rss for pid, rss in mapped.items()}
             m0 = scrape(url)
             cold, tokens = await one_token(client, model, prompt)
             await asyncio.sleep(settle)
@@ -208,7 +222,7 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
             await asyncio.sleep(settle)
             m2 = scrape(url)
             runs_out.append({"prompt_tokens": tokens, "cold_s": cold, "warm_s": warm, "resident_before": share,
-                             "mapped_before_bytes": mapped,
+                             "mapped_before_bytes": mapped, "page_out_refused": refused,
                              "cold_ple_wait_s": _stage_wait(m0, m1), "warm_ple_wait_s": _stage_wait(m1, m2)})
     cold = statistics.median(r["cold_s"] for r in runs_out)
     warm = statistics.median(r["warm_s"] for r in runs_out)
@@ -320,7 +334,8 @@ def _report_cold(cold: dict, meta: dict, out: Path) -> int:
         print(f"{i:>3} {r['prompt_tokens']:>7} {r['resident_before']:>8.3f} {r['cold_s']:>8.2f} {r['warm_s']:>8.2f} "
               f"{r['cold_s'] / r['warm_s']:>9.2f} {r['cold_ple_wait_s']:>15.2f} {r['warm_ple_wait_s']:>7.2f}")
         held = ", ".join(f"pid {pid} {b / 2**30:.2f} GiB" for pid, b in sorted(r.get("mapped_before_bytes", {}).items()))
-        print(f"    mapped in processes before the cold request (eviction cannot drop these): {held or 'none'}")
+        print(f"    still mapped in processes before the cold request: {held or 'none'}"
+              + "".join(f"; {why}" for why in r.get("page_out_refused", [])))
     print(f"median: cold {cold['cold_ttft_median_s']:.2f} s, warm {cold['warm_ttft_median_s']:.2f} s, "
           f"cold/warm {cold['cold_over_warm']:.2f}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -282,3 +282,31 @@ def test_refused_process_madvise_falls_back_and_logs_once(caplog):
     assert made.count(prefetch._SYS_PROCESS_MADVISE) == 1          # refused once, never retried
     msgs = [r for r in caplog.records if "madvise" in r.getMessage()]
     assert len(msgs) == 1 and msgs[0].levelno == logging.WARNING and "EPERM" in msgs[0].getMessage()
+
+
+def test_evict_pages_out_another_process_s_mapping(tmp_path):
+    """A process holding the file mapped keeps the pages it touched past posix_fadvise; `evict(pids=...)` pages its
+    mapping out first (what `bench/serve.py --cold` does to the PLE service), and `mapped_rss` sees both states."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "table.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 1 << 22, dtype=np.uint8).tobytes())
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+        "_ = bytes(m[: 1 << 21]); print('mapped', flush=True); sys.stdin.read()"), str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"mapped"
+        held = page_cache.mapped_rss(path)
+        assert set(held) == {child.pid} and held[child.pid] >= 1 << 21
+        assert page_cache.evict(path) == []
+        if _resident(path).sum() == 0:
+            pytest.skip("the kernel dropped mapped pages on posix_fadvise: nothing to page out here")
+        problems = page_cache.evict(path, pids=[child.pid])
+        if problems:
+            pytest.skip(f"MADV_PAGEOUT refused here: {problems}")
+        assert _resident(path).sum() == 0 and page_cache.mapped_rss(path) == {}
+    finally:
+        child.kill()
+        child.wait()
