@@ -15,7 +15,8 @@
 # time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
-# (bench/serve.py, one stage, 1/4/16 streams) once per A/B setting in $AB (default: "base" and every switch off).
+# (bench/serve.py, one stage, 1/4/16 streams, $SERVE_MAX_TOKENS (256) tokens out, $SERVE_RUNS (3) runs: long enough that
+# the streams' prompt prefill is a small share of the decode) once per A/B setting in $AB (default: "base" and every switch off).
 # Everything lands in $OUT as one archive, results.tgz (the device returns at most 8 files: one run's JSON and logs
 # are more); unpack with `tar xzf results.tgz`. Each step has its own timeout so a hang costs only that step.
 set -uo pipefail
@@ -47,7 +48,7 @@ model() {  # tag, preset, layers, decode batches, stream counts
     [[ $name == profile ]] && prof="MOEPIPE_PROFILE=$out/profile_$tag"
     env ${AB_ENV[$name]} $prof timeout "${SERVE_TIMEOUT:-200}" python3 bench/serve.py --model "/tmp/$tag" \
       ${AB_ARGS[$name]:-} --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" \
-      --max-tokens 64 --runs 3 \
+      --max-tokens "${SERVE_MAX_TOKENS:-256}" --runs "${SERVE_RUNS:-3}" \
       --out "$out/serve_${tag}_$name.json" > "$out/serve_${tag}_$name.log" 2>&1
     echo "== served $tag $name (${AB_ENV[$name]:-defaults})"; tail -6 "$out/serve_${tag}_$name.log"
   done
