@@ -53,7 +53,8 @@ LAYOUTS = [(4, True), (6, True), (6, False), (8, True)]
 @pytest.mark.parametrize("bits,dense", LAYOUTS)
 def test_kernel_matches_the_reference(bits, dense):
     """T = 1 / 2 / 3 / 4 / 8 / 16 with the tokens as the FMA tiles' inner dimension (padded to a power of two and
-    masked at 3) and 4 / 16 on the tl.dot variant (kernel flag quant_gemv_fma off), per-channel scales, groups of 32
+    masked at 3; 8 and 16 with the wide kernel off, `wide=False`: two and four token groups) and 4 / 16 on the tl.dot
+    variant (kernel flag quant_gemv_fma off), per-channel scales, groups of 32
     and of 24 (a scale a period where the group is a multiple of the period, else one a value; 100 inputs: a last
     group of 4 and a partial tile), 40 rows (a partial row block)."""
     N, K = 40, 100
@@ -64,8 +65,25 @@ def test_kernel_matches_the_reference(bits, dense):
         assert pw.dense == (dense or bits in (4, 8))
         for t, fma in ((1, True), (2, True), (3, True), (4, True), (8, True), (16, True), (4, False), (16, False)):
             x = torch.randn(t, K, generator=g).to(DEV)
-            out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma)
+            out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma, wide=False)
             torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{group} {t} {fma}")
+
+
+@pytest.mark.parametrize("bits,dense", LAYOUTS)
+def test_wide_kernel_matches_the_reference(bits, dense):
+    """The wide kernel (WIDE_MIN_T-16 tokens, one program over all of them, each tile decoded once and fed to
+    tl.dot): T = 5 / 8 / 13 / 16 (the tokens past T masked in the 16-wide dot), per-channel scales, groups of 32 and
+    of 24 (a scale a period or a value), 100 inputs (a partial last tile; for the older INT6 layout, 3 padding
+    positions a period), 40 rows of a 64-row block; `fma` does not matter to it."""
+    N, K = 40, 100
+    g = torch.Generator().manual_seed(bits + dense)
+    for group in (None, 32, 24):
+        pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense)
+        pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
+        for t in (5, 8, 13, 16):
+            x = torch.randn(t, K, generator=g).to(DEV)
+            out = Q.quant_gemv(x, pw, cfg=(64, 64, 4), fma=t % 2 == 0)
+            torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{group} {t}")
 
 
 def test_periods_and_scale_modes():
@@ -85,6 +103,12 @@ def test_periods_and_scale_modes():
     d = Q.launch_config(4, 2560, 2560, 128, dev, fma=False)
     assert d["DOT"] and d["NPER"] >= 16 and d["BLOCK_N"] >= 16 and d["TP"] == 16
     assert [Q.launch_config(t, 2560, 2560, 128, dev)["TP"] for t in (1, 2, 3, 4, 8, 16)] == [1, 2, 4, 4, 4, 4]
+    for bits, dense, pp in ((6, True, 16), (6, False, 8), (4, True, 8), (8, True, 4)):
+        w = Q.launch_config(16, 2560, 2560, 128, dev, bits=bits, dense=dense, wide=True)
+        assert w["WIDE"] and not w["DOT"] and w["TP"] == 16 and w["PP"] == pp and w["BLOCK_N"] >= 16
+        assert w["NPER"] * pp >= 16 and w["K_SLICE"] % w["BLOCK_K"] == 0
+    tiny = Q.launch_config(16, 40, 20, 20, dev, (8, 8, 4), bits=6, dense=False, wide=True)
+    assert tiny["BLOCK_N"] == 16 and tiny["NPER"] * tiny["PP"] == 16
 
 
 @pytest.mark.parametrize("bits,dense,group", [(6, True, 16), (6, False, 40), (4, True, 8), (8, True, 4)])
@@ -110,7 +134,7 @@ def test_half_precision_activations():
     g = torch.Generator().manual_seed(11)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 32, scale_dtype=torch.float16)
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 32)
-    for t, fma in ((1, True), (4, True), (4, False)):
+    for t, fma in ((1, True), (4, True), (4, False), (16, True)):                # 16: the wide kernel
         x = torch.randn(t, K, generator=g).to(DEV, torch.float16)
         out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma)
         ref = quant_gemv_ref(x, pw)
@@ -121,7 +145,8 @@ def test_half_precision_activations():
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_row_blocks_and_k_slices(monkeypatch, prefetch):
     """Several row blocks and K split into slices of two tiles each (four with 8 tokens: two token groups, so
-    twice the output tiles; fp32 partial sums added by the last program of each), with the next tile's words
+    twice the output tiles; 13 on the wide kernel, one program a row block and slice; fp32 partial sums added by
+    the last program of each), with the next tile's words
     loading while one is computed (PREFETCH; not past a slice's end) or not, with the minimum slice lowered so a
     small K splits."""
     monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
@@ -130,23 +155,24 @@ def test_row_blocks_and_k_slices(monkeypatch, prefetch):
     g = torch.Generator().manual_seed(3)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 64)
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 64)
-    for t in (1, 8) if prefetch else (1, 3):              # 8: two token groups, each its own counters
-        x = torch.randn(t, K, generator=g).to(DEV)
-        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4), bits=6)
-        assert c["SCALE"] == 1 and c["splits"] * c["K_SLICE"] == K and c["splits"] == (4 if t < 8 else 2)
-        out = Q.quant_gemv(x, pw, cfg=(8, 32, 4))
+    for t, wide in ((1, False), (8, False), (13, True)) if prefetch else ((1, False), (3, False), (13, True)):
+        x = torch.randn(t, K, generator=g).to(DEV)       # 8: two token groups, each its own counters; 13: wide
+        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4), bits=6, wide=wide)
+        assert c["SCALE"] == 1 and c["splits"] * c["K_SLICE"] == K and c["splits"] == (2 if t == 8 else 4)
+        assert c["BLOCK_N"] == (16 if wide else 8)        # wide: 16 rows a block at least (the second holds 8)
+        out = Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=wide)
         torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
         # the slices are added in one launch by the last program of a row block, in a fixed order: the counters
         # are back at 0 and a second launch gives the same bits
         assert not split_locks(x.device).any()
-        assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4)), out)
+        assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=wide), out)
 
 
-@pytest.mark.parametrize("t,fma", [(1, True), (3, True), (4, False)])
+@pytest.mark.parametrize("t,fma", [(1, True), (3, True), (4, False), (13, True)])
 def test_the_swiglu_input_is_computed_as_it_loads(t, fma):
     """`swiglu=w`: x holds a shared expert's gate and up outputs [T, 2K] and the kernel's input is
     silu(gate) * up * w[t] (`swiglu_input`), with w a strided column as the router writes it; 16-bit, 1 and 3
-    tokens (FMA path) and 4 (the tl.dot variant)."""
+    tokens (FMA path), 4 (the tl.dot variant) and 13 (the wide kernel)."""
     N, K = 48, 64
     g = torch.Generator().manual_seed(t)
     pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 32)
@@ -194,7 +220,8 @@ def test_the_kernel_compiles_for_the_h200():
     """Triton compiles the kernel for sm_90 without a GPU (a subprocess: the interpreter is off there), so what only
     the GPU compiler rejects shows before a device call: the full shape's variants at the default configs (INT6
     stream group 128 at 1 / 4 / 16 tokens and the tl.dot variant, INT8 and INT4, the older INT6 layout with a scale
-    a value, the swiglu input, K slices), no register spills, and in the FMA variants no layout conversion in the loop
+    a value, the swiglu input, K slices; the wide kernel at 16 tokens for each packing, one dot a tile), no register
+    spills, and in the FMA and wide variants no layout conversion in the loop
     (the words, values, scales, x and accumulator share one layout, the periods
     across a warp's threads; a 2-D tile broadcast into the 3-D accumulator compiled to a shared-memory conversion
     per value)."""
@@ -207,25 +234,27 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from stage_worker.kernels import quant_gemv as Q
 
-def build(N, K, bits, group, dense, T, fma=True, swiglu=False, splits=None):
-    c = Q.launch_config(T, N, K, group, torch.device("cpu"), fma=fma, bits=bits, dense=dense)
+def build(N, K, bits, group, dense, T, fma=True, swiglu=False, splits=None, wide=False):
+    c = Q.launch_config(T, N, K, group, torch.device("cpu"), fma=fma, bits=bits, dense=dense, wide=wide)
     W = -(-K * bits // 32) if dense else -(-K // (32 // bits))
     sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
                w_ptr="*fp32" if swiglu else "*bf16", N="i32", T="i32", stride_xt="i32", stride_qn="i32",
                stride_sn="i32", stride_ot="i32", stride_wt="i32", one="i32")
     const = dict(K=K, W=W, BITS=bits, P=c["P"], WP=c["WP"], GROUP=group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"],
                  SPLITS=splits or c["splits"], BLOCK_N=c["BLOCK_N"], NPER=c["NPER"],
-                 TP=c["TP"], DOT=c["DOT"], PRECISION="tf32",
-                 SWIGLU=swiglu, PREFETCH=Q.PREFETCH)
+                 TP=c["TP"], PRECISION="tf32", SWIGLU=swiglu, PREFETCH=Q.PREFETCH)
+    const.update(dict(PP=c["PP"]) if wide else dict(DOT=c["DOT"]))
     if splits:
         const["K_SLICE"] = -(-K // splits // (c["BLOCK_K"])) * c["BLOCK_K"]
     sig.update(dict.fromkeys(const, "constexpr"))
-    k = triton.compile(ASTSource(Q._quant_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+    fn = Q._quant_gemm_kernel if wide else Q._quant_gemv_kernel
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=c["warps"], num_stages=c["stages"]))
     info = ptxas_info(k.asm["ptx"])
     spill, regs = info["spill"], info["regs"]
-    return dict(T=T, bits=bits, dense=dense, fma=fma, shared=k.metadata.shared, spill=spill, regs=regs,
-                converts=loop_converts(k.asm["ttgir"]))
+    return dict(T=T, bits=bits, dense=dense, fma=fma, wide=wide, shared=k.metadata.shared, spill=spill, regs=regs,
+                converts=loop_converts(k.asm["ttgir"]), mma=k.asm["ttgir"].count("warp_group_dot ") + k.asm[
+                    "ttgir"].count("tt.dot "))
 
 def loop_converts(ttgir):
     body = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
@@ -236,12 +265,16 @@ out = [build(2560, 6144, 6, 128, True, t) for t in (1, 4, 16)]
 out += [build(2560, 6144, 6, 128, True, 16, fma=False), build(248320, 2560, 8, 2560, True, 1),
         build(2560, 4096, 4, 128, True, 1), build(2560, 4096, 6, 128, False, 1),
         build(2560, 640, 6, 128, True, 1, swiglu=True), build(2560, 6144, 6, 128, True, 4, splits=4)]
+out += [build(2560, 6144, 6, 128, True, 16, wide=True, splits=4), build(2560, 4096, 4, 128, True, 16, wide=True),
+        build(248320, 2560, 8, 2560, True, 16, wide=True), build(2560, 4096, 6, 128, False, 16, wide=True),
+        build(2560, 640, 6, 128, True, 16, wide=True, swiglu=True), build(2560, 4096, 6, 24, True, 16, wide=True)]
 print(json.dumps(out))
 """
     got = run_compile_script(script, timeout=600)
     print("\n" + "\n".join(map(str, got)))
     assert all(c["spill"] == 0 for c in got)
     assert all(c["converts"] == 0 for c in got if c["fma"]), got
+    assert all(c["mma"] == 1 for c in got if c["wide"]), got          # the wide kernel: one tensor-core dot a tile
 
 
 # The full shape (make_model's `full-shape` preset): name, (N, K), bits, group (None: per channel), dense.
@@ -300,54 +333,63 @@ OLD_US = {"o_proj int6": (56.8, 357.1, 359.4), "out_proj int6": (39.5, 276.0, 27
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_full_shape_on_the_gpu():
+def test_full_shape_on_the_gpu(monkeypatch):
     """Agreement with the reference at the full shape's sizes in bf16 (relative error of the output), and the time
     of each against cuBLAS reading the same weight in bf16 (both from HBM: the calls cycle through copies that
-    together exceed L2), with the tl.dot variant (fma=False) at 4 and 16 tokens and the first kernel's time. Prints
-    a table: us, TB/s of the packed bytes, the time as a share of bf16's."""
+    together exceed L2): the FMA kernel ("packed", `wide=False`), its tl.dot variant (fma=False, "dot") at 4 / 8 / 16
+    tokens, the wide kernel ("wide": one program over all the tokens, each tile decoded once, one tl.dot a tile; at
+    4 tokens forced with WIDE_MIN_T = 1) and the first kernel's time. Graph replays give eager's bits on every path
+    (K slices summed in one launch). Prints a table: us, TB/s of the packed bytes, packed's and wide's time as a
+    share of bf16's."""
     rows = []
     for name, (N, K), bits, group, dense in FULL:
         pws = _copies(N, K, bits, group, dense)
         bf = [dequantize_packed(p, torch.bfloat16) for p in pws[: max(1, min(len(pws), L2_SPAN // (N * K * 2)))]]
-        for i, t in enumerate((1, 4, 16)):
+        for t in (1, 4, 8, 16):
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
             ref = quant_gemv_ref(x, pws[0])
+            variants = [(True, False)] + ([(False, False), (True, True)] if t > 1 else [])     # (fma, wide)
             errs = []
-            for fma in (True, False) if t > 1 else (True,):
-                out = Q.quant_gemv(x, pws[0], fma=fma)
-                errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
-                assert errs[-1] < 1e-2, (name, t, fma, errs[-1])
-                graph = torch.cuda.CUDAGraph()        # K slices summed in one launch: replays give the same bits
-                with torch.cuda.graph(graph):
-                    replayed = Q.quant_gemv(x, pws[0], fma=fma)
-                for _ in range(2):
-                    replayed.zero_()
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    assert torch.equal(replayed, out), (name, t, fma)
-                assert not split_locks(x.device).any()
-            us = _graph_us([lambda p=p: Q.quant_gemv(x, p) for p in pws])
-            us_dot = _graph_us([lambda p=p: Q.quant_gemv(x, p, fma=False) for p in pws]) if t > 1 else float("nan")
+            with monkeypatch.context() as m:
+                m.setattr(Q, "WIDE_MIN_T", 1)
+                for fma, wide in variants:
+                    out = Q.quant_gemv(x, pws[0], fma=fma, wide=wide)
+                    errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+                    assert errs[-1] < 1e-2, (name, t, fma, wide, errs[-1])
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        replayed = Q.quant_gemv(x, pws[0], fma=fma, wide=wide)
+                    for _ in range(2):
+                        replayed.zero_()
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        assert torch.equal(replayed, out), (name, t, fma, wide)
+                    assert not split_locks(x.device).any()
+                us_wide = _graph_us([lambda p=p: Q.quant_gemv(x, p) for p in pws]) if t > 1 else float("nan")
+            us = _graph_us([lambda p=p: Q.quant_gemv(x, p, wide=False) for p in pws])
+            us_dot = _graph_us([lambda p=p: Q.quant_gemv(x, p, fma=False, wide=False) for p in pws]) if t > 1 \
+                else float("nan")
             us_bf16 = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf])
-            old = OLD_US.get(name, (float("nan"),) * 3)[i]
-            rows.append((name, t, us, pws[0].nbytes() / us / 1e6, us_dot, old, us_bf16, N * K * 2 / us_bf16 / 1e6,
-                         max(errs)))
+            old = dict(zip((1, 4, 16), OLD_US.get(name, (float("nan"),) * 3))).get(t, float("nan"))
+            rows.append((name, t, us, pws[0].nbytes() / us / 1e6, us_dot, us_wide, pws[0].nbytes() / us_wide / 1e6,
+                         old, us_bf16, N * K * 2 / us_bf16 / 1e6, max(errs)))
         del pws, bf
         torch.cuda.empty_cache()
-    print(f"\n{'weight':36} {'T':>3} {'packed us':>10} {'TB/s':>6} {'dot us':>7} {'first us':>9} {'bf16 us':>8} "
-          f"{'TB/s':>6} {'packed/bf16':>11} {'rel err':>8}")
-    for name, t, us, tbs, ud, old, ub, tbb, err in rows:
-        print(f"{name:36} {t:3d} {us:10.1f} {tbs:6.2f} {ud:7.1f} {old:9.1f} {ub:8.1f} {tbb:6.2f} {us / ub:11.2f} "
-              f"{err:8.1e}")
+    print(f"\n{'weight':36} {'T':>3} {'packed us':>10} {'TB/s':>6} {'dot us':>7} {'wide us':>8} {'TB/s':>6} "
+          f"{'first us':>9} {'bf16 us':>8} {'TB/s':>6} {'packed/bf16':>11} {'wide/bf16':>9} {'rel err':>8}")
+    for name, t, us, tbs, ud, uw, tbw, old, ub, tbb, err in rows:
+        print(f"{name:36} {t:3d} {us:10.1f} {tbs:6.2f} {ud:7.1f} {uw:8.1f} {tbw:6.2f} {old:9.1f} {ub:8.1f} "
+              f"{tbb:6.2f} {us / ub:11.2f} {uw / ub:9.2f} {err:8.1e}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_swiglu_input_at_the_shared_expert_s_shape_on_the_gpu():
     """A reports-mixed shared expert's down projection (INT6 group 128, [2560, 640]) with its activation and gate
-    computed as the kernel loads (`swiglu=`), bf16, 1 / 4 / 16 tokens, against the reference."""
+    computed as the kernel loads (`swiglu=`), bf16, 1 / 4 / 8 / 16 tokens (8 and 16: the wide kernel), against the
+    reference."""
     (pw,) = _copies(2560, 640, 6, 128, True)[:1]
-    for t in (1, 4, 16):
+    for t in (1, 4, 8, 16):
         gate_up = torch.randn(t, 2 * 640, device="cuda").to(torch.bfloat16)
         w = torch.rand(t, 11, device="cuda")[:, 10]
         got = Q.quant_gemv(gate_up, pw, swiglu=w).float()
@@ -363,14 +405,37 @@ SWEEP = [(16, 128, 2), (16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 512, 4), (
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_sweep_launch_configs_on_the_gpu():
-    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on four kept-packed shapes at 1, 4 and 16 tokens: prints every time
-    and the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
+    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on four kept-packed shapes at 1, 4 and 16 tokens (the FMA kernel):
+    prints every time and the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
     print()
     for name, (N, K), bits, group, dense in [FULL[i] for i in (0, 3, 5, 6)]:
         pws = _copies(N, K, bits, group, dense)
         for t in (1, 4, 16):
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c) for p in pws]) for cfg in SWEEP}
+            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c, wide=False) for p in pws])
+                     for cfg in SWEEP}
+            best = min(times, key=times.get)
+            print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
+                  f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)
+        del pws
+        torch.cuda.empty_cache()
+
+
+# the wide kernel's (BLOCK_N, BLOCK_K inputs, warps): a thread decodes BLOCK_N * BLOCK_K / (32 warps) values a tile
+SWEEP_WIDE = [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (64, 128, 8), (128, 64, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_sweep_wide_configs_on_the_gpu():
+    """Each config of SWEEP_WIDE for the wide kernel on five kept-packed shapes at 8 and 16 tokens: prints every
+    time and the best per row, the input for quant_gemv.CFG_WIDE (no assertion on speed)."""
+    print()
+    for name, (N, K), bits, group, dense in [FULL[i] for i in (0, 3, 5, 6, 8)]:
+        pws = _copies(N, K, bits, group, dense)
+        for t in (8, 16):
+            x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
+            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c) for p in pws]) for cfg in SWEEP_WIDE}
             best = min(times, key=times.get)
             print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
                   f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)

@@ -68,6 +68,13 @@ TOKENS_PER_PROGRAM = 4
 # (row, period) cells a thread holds a tile at most (BLOCK_K is cut to fit): at 32 (INT8 with 512 inputs a tile) the
 # sm_90 compile used 253 registers a thread, at 8 128 (INT6).
 MAX_CELLS_PER_THREAD = 8
+# The wide kernel (`_quant_gemm_kernel`) from this many tokens: at 1-4 one program of the FMA kernel holds all the
+# tokens and decodes each word once (it beat cuBLAS bf16 at 1, 1.0-1.8x slower at 4: h200-13); from 5 the FMA
+# kernel takes 2-4 programs over the same words, each decoding them again (16 tokens: 3-8x slower than bf16).
+WIDE_MIN_T = TOKENS_PER_PROGRAM + 1
+# (BLOCK_N rows, BLOCK_K inputs, warps[, stages]) of the wide kernel: a guess until the H200 sweep (64 x 128: 64
+# values a thread decoded a tile at 4 warps, the [64, 16] tl.dot one tensor-core tile a warp).
+CFG_WIDE = (64, 128, 4)
 PROGRAMS_PER_SM = 4          # K is split until about this many programs per SM run (small N, e.g. o_proj's 2560)
 MIN_SPLIT_K = 512            # ... but no slice shorter than this many inputs
 ONE = 0x3F800000             # the bits of 1.0f, a kernel argument so the mask-and-or is one LOP3 (moe_int4._nibble)
@@ -103,15 +110,21 @@ if triton is not None:
         threads along the first, and along the periods a warp's loads cover 384 contiguous bytes of a row (along
         the rows, 32 separate sectors). Loads only: `_value` decodes them, so the next tile's loads are issued
         before a tile is computed."""
-        word = (p0 + tl.arange(0, NPER))[:, None, None] * WP
-        base = q_ptr + rows * stride_qn + word
-        w0 = tl.load(base, mask=mask_n & (word < W), other=0)
+        return _period_words(q_ptr + rows * stride_qn, mask_n, (p0 + tl.arange(0, NPER))[:, None, None], W, WP)
+
+    @triton.jit
+    def _period_words(row_ptr, mask, periods, W: tl.constexpr, WP: tl.constexpr):
+        """The WP words of each period of `periods` from the rows at `row_ptr` (any broadcastable shapes; the
+        unused words repeat the first), 0 past a row's W words."""
+        word = periods * WP
+        at = row_ptr + word
+        w0 = tl.load(at, mask=mask & (word < W), other=0)
         w1 = w0
         w2 = w0
         if WP > 1:
-            w1 = tl.load(base + 1, mask=mask_n & (word + 1 < W), other=0)
+            w1 = tl.load(at + 1, mask=mask & (word + 1 < W), other=0)
         if WP > 2:
-            w2 = tl.load(base + 2, mask=mask_n & (word + 2 < W), other=0)
+            w2 = tl.load(at + 2, mask=mask & (word + 2 < W), other=0)
         return w0, w1, w2
 
     @triton.jit
@@ -257,6 +270,13 @@ if triton is not None:
             res = res * (1 << BITS)
         if SCALE == 0:
             res = res * tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        _store(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
+
+    @triton.jit
+    def _store(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS: tl.constexpr):
+        """res [BLOCK_N, TP] fp32 to out (x.dtype); with SPLITS K slices, each program's partial sums to part and
+        the last program of the output tile (token group, row block) adds them in a fixed order
+        (`split_reduce.last_of`: one launch, deterministic)."""
         at = offs_t[None, :] * stride_ot + rows64[:, None]
         mask = mask_n[:, None] & (offs_t < T)[None, :]
         if SPLITS > 1:
@@ -271,6 +291,102 @@ if triton is not None:
             tl.store(out_ptr + at, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J: tl.constexpr, STEP: tl.constexpr,
+                     PP: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     SCALE: tl.constexpr):
+        """The dequantized weights (u - 2^(BITS-1)) * s of values J, J + STEP, ... of each period ([BLOCK_N, NPER]
+        words), joined so that the tile reads [BLOCK_N, NPER, PP // STEP] in input order: each join adds a last
+        dimension for the lowest bit left of j, so the whole tree, flattened, is value j of period p at p * PP + j.
+        Positions j >= P (the older INT6 layout's period of 5, padded to 8) are 0. The scale is one FMA on the
+        decoded float f = 1 + u / 2^BITS: f * 2^B s - (2^B + 2^(B-1)) s, exact before the one rounding (s with
+        <= 22 significant bits), as the reference's q * s; a scale a value (SCALE 2) is loaded for its input."""
+        if STEP == PP:
+            if J < P:
+                f = _value(w0, w1, w2, one, J, BITS)
+                if SCALE == 2:
+                    sj = tl.load(sv_ptr + (kp + J) // GROUP, mask=mask_s, other=0.0).to(tl.float32)
+                    v = (f * (1 << BITS) - ((1 << BITS) + (1 << (BITS - 1)))) * sj
+                else:
+                    v = tl.fma(f, s1, -s2)
+            else:
+                v = tl.zeros(w0.shape, tl.float32)
+        else:
+            v = tl.join(_wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J, 2 * STEP, PP, P, BITS, GROUP,
+                                     SCALE),
+                        _wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J + STEP, 2 * STEP, PP, P, BITS,
+                                     GROUP, SCALE))
+        return v
+
+    @triton.jit
+    def _quant_gemm_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, w_ptr, N, T, stride_xt, stride_qn,
+                           stride_sn, stride_ot, stride_wt, one, K: tl.constexpr, W: tl.constexpr,
+                           BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, WP: tl.constexpr,
+                           GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, PRECISION: tl.constexpr,
+                           SWIGLU: tl.constexpr, PREFETCH: tl.constexpr):
+        """The wide path (5-16 tokens): out[t, rows] for all of a step's tokens in one program a (row block, K
+        slice). Each tile of NPER periods of BLOCK_N rows is decoded once, in registers, to x's dtype with its
+        scales applied ([BLOCK_N, NPER * PP], `_wide_values`), and multiplied by the [NPER * PP, TP] inputs (TP =
+        16, the tokens past T masked to 0) in one tl.dot, fp32 accumulate: the decode is paid once for 16 tokens,
+        the 16 multiply-adds a value go to the tensor cores. Input position p * PP + j of a tile is input
+        k0 + p * P + j (natural order where P is a power of two; the older INT6 layout's 3 padding positions a
+        period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own shape), the next tile's issued
+        before one is decoded (PREFETCH); split K as the FMA kernel (`_store`)."""
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = rows < N
+        rows64 = rows.to(tl.int64)
+        r2 = rows64[None, :]
+        m2 = mask_n[None, :]
+        OFFSET: tl.constexpr = 1 << (BITS - 1)
+        BLOCK_K: tl.constexpr = NPER * P
+        ITERS: tl.constexpr = K_SLICE // BLOCK_K
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        k_begin = tl.program_id(2) * K_SLICE
+        offs_t = tl.arange(0, TP)
+        offs_p = tl.arange(0, NPER)
+        kk = tl.arange(0, NPER * PP)
+        k_in = (kk // PP) * P + kk % PP                                       # a tile position's input, from k0
+        pad = kk % PP < P
+        base = q_ptr + r2 * stride_qn
+        acc = tl.zeros([BLOCK_N, TP], tl.float32)
+        if SCALE == 0:
+            s = tl.load(s_ptr + r2 * stride_sn, mask=m2, other=0.0).to(tl.float32)          # [1, BLOCK_N]
+            s1 = s * (1 << BITS)
+            s2 = s * ((1 << BITS) + OFFSET)
+        if PREFETCH:
+            w0, w1, w2 = _period_words(base, m2, k_begin // P + offs_p[:, None], W, WP)
+        for i in range(ITERS):
+            k0 = k_begin + i * BLOCK_K
+            if PREFETCH:
+                nxt = (k0 + BLOCK_K) // P + offs_p[:, None]
+                n0, n1, n2 = _period_words(base, m2 & (i + 1 < ITERS), nxt, W, WP)
+            else:
+                w0, w1, w2 = _period_words(base, m2, k0 // P + offs_p[:, None], W, WP)
+            kp = (k0 + offs_p * P)[:, None]                                  # each period's first input
+            mask_s = m2 & (kp < K)
+            if SCALE == 1:
+                s = tl.load(s_ptr + r2 * stride_sn + kp // GROUP, mask=mask_s, other=0.0).to(tl.float32)
+                s1 = s * (1 << BITS)
+                s2 = s * ((1 << BITS) + OFFSET)
+            elif SCALE == 2:
+                s1 = 0.0
+                s2 = 0.0
+            v = _wide_values(w0, w1, w2, one, s1, s2, s_ptr + r2 * stride_sn, kp, mask_s, 0, 1, PP, P, BITS, GROUP,
+                             SCALE)                                          # [NPER, BLOCK_N, 2, ..., 2]
+            v = tl.permute(tl.reshape(v, [NPER, BLOCK_N, PP]), (1, 0, 2))
+            wt = tl.reshape(v, [BLOCK_N, NPER * PP])
+            k = k0 + k_in
+            xk = _x(x_ptr, w_ptr, offs_t[None, :], k[:, None], (pad & (k < K))[:, None] & (offs_t < T)[None, :],
+                    stride_xt, stride_wt, K, SWIGLU)                          # [NPER * PP, TP]
+            acc = tl.dot(wt.to(DT), xk.to(DT), acc, input_precision=PRECISION)
+            if PREFETCH:
+                w0 = n0
+                w1 = n1
+                w2 = n2
+        _store(acc, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -281,36 +397,44 @@ def _floor_pow2(n: int) -> int:
 
 
 def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg: tuple[int, ...] | None = None,
-                  fma: bool = True, bits: int = 6, dense: bool = True) -> dict:
+                  fma: bool = True, bits: int = 6, dense: bool = True, wide: bool = False) -> dict:
     """Tile sizes, scale mode and K slices for a call (`cfg` overrides the CFG entry; `fma` False: 2-16 tokens take
-    the tl.dot variant, with at least 16 rows and 16 periods a tile)."""
-    dot = T > 1 and not fma
-    bn, bk, warps, *rest = cfg or CFG[min(k for k in CFG if k >= T)]
+    the tl.dot variant, with at least 16 rows and 16 periods a tile; `wide`: the wide kernel (`CFG_WIDE`), all the
+    tokens in one program (TP 16), at least 16 rows and 16 tile positions (NPER * PP, PP the period padded to a
+    power of two))."""
+    dot = T > 1 and not fma and not wide
+    bn, bk, warps, *rest = cfg or (CFG_WIDE if wide else CFG[min(k for k in CFG if k >= T)])
     p, wp = period(bits, dense)
-    nper = min(_floor_pow2(bk // p), triton.next_power_of_2(-(-K // p)),   # tiny test widths: one tile
-               _floor_pow2(MAX_CELLS_PER_THREAD * 32 * warps // bn))
+    pp = triton.next_power_of_2(p)
+    if wide:
+        nper = max(min(_floor_pow2(bk // p), triton.next_power_of_2(-(-K // p))), 16 // pp)
+        bn = max(bn, 16)
+    else:
+        nper = min(_floor_pow2(bk // p), triton.next_power_of_2(-(-K // p)),   # tiny test widths: one tile
+                   _floor_pow2(MAX_CELLS_PER_THREAD * 32 * warps // bn))
     if dot:
         bn, nper = max(bn, 16), max(nper, 16)
     scale = 0 if group >= K else 1 if group % p == 0 else 2
-    tp = 16 if dot else min(triton.next_power_of_2(T), TOKENS_PER_PROGRAM)
+    tp = 16 if dot or wide else min(triton.next_power_of_2(T), TOKENS_PER_PROGRAM)
     tiles = triton.cdiv(N, bn) * triton.cdiv(T, tp)
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     bk = nper * p
     splits = max(1, min(PROGRAMS_PER_SM * sms // tiles, K // MIN_SPLIT_K))
     k_slice = triton.cdiv(triton.cdiv(K, splits), bk) * bk
-    return dict(BLOCK_N=bn, NPER=nper, BLOCK_K=bk, P=p, WP=wp, warps=warps, stages=rest[0] if rest else 1,
-                SCALE=scale, K_SLICE=k_slice, splits=triton.cdiv(K, k_slice), DOT=dot, TP=tp)
+    return dict(BLOCK_N=bn, NPER=nper, BLOCK_K=bk, P=p, PP=pp, WP=wp, warps=warps, stages=rest[0] if rest else 1,
+                SCALE=scale, K_SLICE=k_slice, splits=triton.cdiv(K, k_slice), DOT=dot, TP=tp, WIDE=wide)
 
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
-               swiglu: torch.Tensor | None = None, fma: bool = True) -> torch.Tensor:
+               swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = True) -> torch.Tensor:
     """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
     device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
     `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is
     `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as the kernel loads it (a shared expert's down projection
     with its activation and gate: no launch for them). `fma` (kernel flag `quant_gemv_fma`): 2-16 tokens as the
     small inner dimension of the FMA tiles; off, one tl.dot per value position of a period (the A/B until the H200
-    says which wins at 8-16 tokens)."""
+    says which wins at 8-16 tokens). `wide` (kernel flag `quant_gemv_wide`): WIDE_MIN_T-16 tokens take the wide
+    kernel (each tile decoded once for all the tokens, one tl.dot a tile) whatever `fma` says; off, the above."""
     if swiglu is not None:
         if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
             raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
@@ -326,19 +450,30 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     if T == 0 or N == 0:
         return out
     x = x.contiguous()
-    c = launch_config(T, N, K, pw.group, x.device, cfg, fma, pw.bits, pw.dense)
+    wide = wide and T >= WIDE_MIN_T
+    c = launch_config(T, N, K, pw.group, x.device, cfg, fma, pw.bits, pw.dense, wide)
     blocks, splits, tp = triton.cdiv(N, c["BLOCK_N"]), c["splits"], c["TP"]
     groups = triton.cdiv(T, tp)
     if groups * blocks > LOCKS and splits > 1:
         raise ValueError(f"{groups * blocks} output tiles: more than the split counters ({LOCKS})")
     part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if wide:
+        _quant_gemm_kernel[(groups, blocks, splits)](
+            x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
+            x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0),
+            out.stride(0), 0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits,
+            P=c["P"], PP=c["PP"], WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits,
+            BLOCK_N=c["BLOCK_N"], NPER=c["NPER"], TP=tp, PRECISION=precision, SWIGLU=swiglu is not None,
+            PREFETCH=PREFETCH, num_warps=c["warps"], num_stages=c["stages"])
+        return out
     _quant_gemv_kernel[(groups, blocks, splits)](
         x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
         x if swiglu is None else swiglu, N, T, x.stride(0), pw.words.stride(0), pw.scales.stride(0), out.stride(0),
         0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits, P=c["P"],
         WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
         NPER=c["NPER"], TP=tp, DOT=c["DOT"],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SWIGLU=swiglu is not None, PREFETCH=PREFETCH,
+        PRECISION=precision, SWIGLU=swiglu is not None, PREFETCH=PREFETCH,
         num_warps=c["warps"], num_stages=c["stages"])
     return out
 
