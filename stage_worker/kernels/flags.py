@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention")
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class KernelFlags:
     section_attention: bool = False   # QSA prefill over host K/V (`qsa_kv_offload`): one fused launch a staged
                                       # context section, the next one gathered on a side stream meanwhile
                                       # (section_attention.py); off: the PyTorch section loop
+    quant_gemv_wide: bool = False     # packed dense GEMVs at 5-16 tokens: one program over all the tokens, each
+                                      # tile decoded once and fed to one tl.dot (quant_gemv(wide=)); off: the
+                                      # FMA kernel's token groups / the tl.dot variant, as quant_gemv_fma says
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
