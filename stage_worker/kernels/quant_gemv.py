@@ -25,6 +25,11 @@ INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). W
   tokens, 10-45x slower than its own one-token path);
 * with the kernel flag `quant_gemv_fma` off, 2-16 tokens take one tl.dot a value position of the period ([BLOCK_N,
   NPER] weights by [NPER, 16] x) instead: the A/B for 8-16 tokens, where FMAs (16 a value) may bound the time.
+* from WIDE_MIN_T (5) tokens the wide kernel (`_quant_gemm_kernel`, `quant_gemv(wide=)`, flag `quant_gemv_wide`)
+  takes the call: the FMA kernel would decode every word in 2-4 programs (at 16 tokens 3-8x slower than cuBLAS bf16,
+  h200-13), so one program holds all the tokens, decodes each tile once (the same periods and constant shifts, the
+  scale applied with one FMA a value) into x's dtype, joins the value positions into input order and multiplies
+  [BLOCK_N, K-tile] by [K-tile, 16 tokens] in one tl.dot (the tensor cores take the 16 multiply-adds a value).
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
 of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
 Prefill (more than DECODE_MAX_T tokens) and machines without Triton take `dequant_matmul`: BLOCK of rows dequantized
