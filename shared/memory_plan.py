@@ -44,6 +44,8 @@ class StageNeeds:
     #                          that differ: the smallest, so `auto` moves out at least what it must); 0: unknown
     host_block: int = 0      # one KV block's bytes in pinned host RAM (QSA K/V with qsa_kv_offload; not in `block`)
     row_cache: int = 0       # VRAM of the K/V row cache over host K/V (kv_row_cache; not in `state`)
+    reserve_context: int = 0  # of `reserve`: what the worst prefill chunk up to max_model_len adds over a short one
+    offload_helps: bool = False  # QSA layers with K/V in VRAM: --qsa-kv-offload would make that part flat
 
     @property
     def fixed(self) -> int:
@@ -66,6 +68,14 @@ class MemoryPlan:
     num_blocks: int
     budgets: dict[str, int]
     stages: list[StageNeeds]
+    per_seq: int = 0            # blocks one max_model_len sequence takes
+    max_num_seqs: int = 0
+    limited_by: str = ""        # what keeps the pool below max_num_seqs full sequences, and the flag that helps
+
+    @property
+    def full_sequences(self) -> int:
+        """Sequences of max_model_len the pool holds at once, without preemption."""
+        return self.num_blocks // self.per_seq if self.per_seq else 0
 
     def table(self) -> str:
         """One line per stage: what its device budget holds."""
@@ -78,6 +88,14 @@ class MemoryPlan:
                          f"{s.state / GIB:>7.2f} {s.reserve / GIB:>8.2f} {(self.num_blocks + 1) * s.block / GIB:>8.2f}"
                          f" {self.budgets[s.device] / GIB:>8.2f} {s.host_experts / GIB:>8.2f}"
                          f" {(self.num_blocks + 1) * s.host_block / GIB:>8.2f} {s.row_cache / GIB:>6.2f}")
+            if s.reserve_context:
+                lines.append(f"      (reserve: {s.reserve_context / GIB:.2f} GiB of it is the prefill chunk at the "
+                             f"longest context)")
+        if self.per_seq:
+            lines.append(f"the KV pool holds {self.full_sequences} sequences of max_model_len at once "
+                         f"(--max-num-seqs {self.max_num_seqs})"
+                         + (f"; fewer because {self.limited_by}: more at once are preempted" if self.limited_by
+                            else ""))
         return "\n".join(lines)
 
 
@@ -111,7 +129,7 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
     per_seq = -(-limits.max_model_len // limits.block_size)
     want = per_seq * limits.max_num_seqs
     budgets = {name: device_budget(name, devices[name], limits) for name in sorted({s.device for s in stages})}
-    fit = want
+    fit, limited_by = want, ""
     for name, budget in budgets.items():
         mine = [s for s in stages if s.device == name]
         fixed = sum(s.fixed for s in mine)
@@ -125,7 +143,11 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
             blocks = min(blocks, min(limits.kv_cache_memory_bytes // s.block for s in mine if s.block) - 1)
         if blocks < per_seq:
             raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits))
-        fit = min(fit, blocks)
+        if blocks < fit:
+            fit, limited_by = blocks, (f"{name}'s budget ({_budget_rule(limits)}"
+                                       + (", --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "") + ")"
+                                       + ("; --qsa-kv-offload keeps QSA K/V in host RAM" if any(
+                                           s.offload_helps for s in mine) else ""))
     host_block = sum(s.host_block for s in stages)
     if host_block:
         # Host K/V of every stage comes out of one host's RAM (`moepipe serve` runs the stages on one machine).
@@ -137,8 +159,11 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
                 f"each for all stages; one sequence of --max-model-len {limits.max_model_len} needs {per_seq}. Use "
                 f"--max-model-len {max(blocks, 0) * limits.block_size} or less, keep fewer experts in host RAM, "
                 f"or run without --qsa-kv-offload")
-        fit = min(fit, blocks)
-    return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages)
+        if blocks < fit:
+            fit, limited_by = blocks, (f"host RAM for QSA K/V ({limits.host_kv_bytes / GIB:.2f} GiB available after "
+                                       f"cold experts and headroom; {per_seq * host_block / GIB:.2f} GiB a sequence)")
+    return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages, per_seq=per_seq,
+                      max_num_seqs=limits.max_num_seqs, limited_by=limited_by)
 
 
 def host_kv_room(available: int, stages: list[StageNeeds], headroom: int = 2 * GIB) -> int:
@@ -179,10 +204,29 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
     per_seq = -(-limits.max_model_len // limits.block_size) + 1
     over = fixed + per_seq * sum(s.block for s in mine) - budget
     return (f"{name} holds {budget / GIB:.2f} GiB ({_budget_rule(limits)}); its stages need {fixed / GIB:.2f} GiB "
-            f"before any KV cache ({parts}). Spread the layers over more GPUs (--stages, one GPU each: about "
+            f"before any KV cache ({parts}). " + _context_hint(mine, max(fixed - budget, 0), limits)
+            + f"Spread the layers over more GPUs (--stages, one GPU each: about "
             f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, or keep at least "
             f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
             f"by `moepipe cold-set --gib-per-stage N`)")
+
+
+def _context_hint(mine: list[StageNeeds], short: int, limits: PlanLimits) -> str:
+    """When the reserve's long-context part matters: how much it is and the flags that shrink it (host K/V makes
+    the QSA prefill peak flat; a shorter --max-model-len shrinks the scores, about in proportion). `short`: the
+    bytes the device lacks."""
+    grow = sum(s.reserve_context for s in mine)
+    if grow < GIB // 4:
+        return ""
+    fixes = ["--qsa-kv-offload (QSA K/V in host RAM: the prefill peak stays flat)"] if any(
+        s.offload_helps for s in mine) else []
+    if short < grow:
+        shorter = max(int(limits.max_model_len * (grow - short) / grow) // 1024 * 1024, 1024)
+        fixes.append(f"--max-model-len {shorter} or less (about: the term grows with the context)")
+    else:
+        fixes.append("a smaller --max-model-len")
+    return (f"Of the reserve, {grow / GIB:.2f} GiB is the prefill chunk at --max-model-len {limits.max_model_len} "
+            f"(its attention scratch grows with the context): use {' or '.join(fixes)}. Otherwise: ")
 
 
 def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, per_block: int, per_seq: int,
@@ -194,9 +238,12 @@ def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, 
     else:
         room = max(left // per_block - 1, 0)
     longest = room * limits.block_size
+    need = (per_seq + 1) * per_block - max(left, 0)
     return (f"{name}: after weights, state and reserve ({fixed / GIB:.2f} GiB) {max(left, 0) / GIB:.2f} GiB are "
             f"left for KV, {room} blocks of {limits.block_size} tokens ({per_block} bytes each on this device); one "
-            f"sequence of --max-model-len {limits.max_model_len} needs {per_seq}. Use --max-model-len "
+            f"sequence of --max-model-len {limits.max_model_len} needs {per_seq}. "
+            + _context_hint(mine, need, limits)
+            + f"Use --max-model-len "
             f"{longest} or less, raise --gpu-memory-utilization / --vram-limit"
             + (" / --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "")
             + ", or spread the layers over more GPUs (--stages)")

@@ -13,9 +13,12 @@ VRAM row cache over it (`kv_row_cache`) is counted apart (`StageNeeds.row_cache`
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
 `max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
 (`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
-`WORKSPACE` for the decode graphs' pool, cuBLAS and Triton workspaces and the allocator's slack. With
-`measure_reserve` off it is the former estimate: 1 GiB plus 96 bytes per hidden unit and batched token (about 2x
-what a full-shape 512-token prefill chunk was seen to allocate) plus the logits.
+`WORKSPACE` for the decode graphs' pool, cuBLAS and Triton workspaces and the allocator's slack. Attention
+layers are measured again at the contexts up to `max_model_len` where their chunk may peak (the QSA selection's
+and the dense path's scores grow with the context; host K/V keeps them flat): `StageNeeds.reserve_context` is what
+that adds, named by a refusal. With `measure_reserve` off it is the former estimate: 1 GiB plus 96 bytes per
+hidden unit and batched token (about 2x what a full-shape 512-token prefill chunk was seen to allocate) plus the
+logits, plus the context's growth by the formula (`activation_peak.attention_chunk_bytes`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from shared.kv_layout import block_bytes, compute_dtype, host_block_bytes
 from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
+from stage_worker.activation_peak import context_growth, has_indexer
 from stage_worker.checkpoint.loader import packed_dense_specs
 from stage_worker.checkpoint.packed_experts import dummy_groups, packed_layers
+from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
@@ -71,6 +76,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
     if measure is None and cluster.measure_reserve and torch.cuda.is_available():
         from stage_worker.activation_peak import prefill_peak as measure
     out = []
+    max_len = cluster.max_model_len or cfg.max_position_embeddings
+    qsa = any(has_indexer(cfg, layer) for layer in range(cfg.num_hidden_layers))
     cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
     plan = plan_of(cluster.model) if cluster.load_format != "dummy" else None
     for i, spec in enumerate(cluster.stages):
@@ -103,17 +110,24 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
         if measure is not None:
-            reserve = measure(cluster, cfg, i, dtype) + logits + WORKSPACE
+            measured = measure(cluster, cfg, i, dtype)
+            peak, context = measured if isinstance(measured, tuple) else (measured, 0)
+            reserve = peak + logits + WORKSPACE
         else:
-            reserve = GIB + tokens * width * 96 + logits
+            # the estimate covers a short chunk; long context adds the formula's growth to the worst chunk
+            context = context_growth(cfg, spec.start, spec.end, tokens, max_len, _DTYPES[dtype].itemsize,
+                                     cluster.qsa_kv_offload, cluster.qsa_sparse_prefill,
+                                     KernelFlags.parse(cluster.kernels).section_attention)
+            reserve = GIB + tokens * width * 96 + logits + context
         bs, offload = cluster.block_size or 16, cluster.qsa_kv_offload
         block = block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)      # QSA K/V in host RAM: not here
         row_cache = cache.row_cache_bytes()        # the VRAM row cache over host K/V (kv_row_cache)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
                               state=_tensor_bytes(cache) - row_cache, row_cache=row_cache, block=block,
-                              reserve=reserve, host_experts=host, routed_experts=routed,
+                              reserve=reserve, reserve_context=context, host_experts=host, routed_experts=routed,
                               expert_bytes=min(sizes.values(), default=0),
-                              host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)))
+                              host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload),
+                              offload_helps=qsa and not offload))
     return out
 
 
