@@ -119,23 +119,55 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
             "preemptions": delta("moepipe_preemptions", ())}
 
 
-async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int, prompt_chars: int = 0) -> dict:
+async def watch_pools(url: str, seen: dict, stop: asyncio.Event, every: float = 1.0) -> None:
+    """Poll /metrics while runs go: the most requests running at once and KV blocks in use, the pool's size and
+    its bytes by tier (long-context residency: were all streams resident at once, or preempted)."""
+    while not stop.is_set():
+        try:
+            m = await asyncio.to_thread(scrape, url)
+        except Exception:                                   # a slow scrape must not end the benchmark
+            m = {}
+        for key, name in (("max_running", "moepipe_requests_running"), ("max_kv_blocks_used", "moepipe_kv_blocks_used")):
+            seen[key] = max(seen.get(key, 0), m.get((name, ()), 0))
+        seen["kv_blocks_total"] = m.get(("moepipe_kv_blocks_total", ()), seen.get("kv_blocks_total", 0))
+        tiers = {f"stage {dict(lab)['stage']} {dict(lab)['tier']}": v for (n, lab), v in m.items()
+                 if n == "moepipe_kv_cache_tier_bytes"}
+        seen["kv_tier_bytes"] = tiers or seen.get("kv_tier_bytes", {})
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: int, prompt_chars: int = 0,
+                    warmup_chars: int = -1) -> dict:
     from openai import AsyncOpenAI
 
     results = []
     before, t_start = None, 0.0
     prompts = [long_prompt(prompt_chars, i) if prompt_chars else PROMPTS[i % len(PROMPTS)] for i in range(streams)]
-    async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=600) as client:   # closed inside this loop
+    # --warmup-chars: a shorter warm-up (kernels compile per chunk shape, not per context), so that a long-context
+    # level does not pay its whole prefill twice
+    warm = prompts if warmup_chars < 0 else [long_prompt(warmup_chars, i) if warmup_chars else
+                                             PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+    pools: dict = {}
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=3600) as client:   # closed inside this loop
         for run in range(runs + 1):                    # run 0 is the warm-up
             if run == 1:
                 before, t_start = scrape(url), time.perf_counter()
+                stop = asyncio.Event()
+                watcher = asyncio.create_task(watch_pools(url, pools, stop))
             t0 = time.perf_counter()
-            outs = await asyncio.gather(*[one_stream(client, model, prompts[i], max_tokens, 1000 + i)
-                                          for i in range(streams)])
+            outs = await asyncio.gather(*[one_stream(client, model, (prompts if run else warm)[i], max_tokens,
+                                                     1000 + i) for i in range(streams)])
             wall = time.perf_counter() - t0
             if run:
                 results.append((outs, wall))
+        if runs:
+            stop.set()
+            await watcher
     stats = pipeline_stats(before, scrape(url), time.perf_counter() - t_start) if before is not None else {}
+    stats["pools"] = pools
     itl = [x for outs, _ in results for o in outs for x in o["itl"]]
     ttft = [o["ttft"] for outs, _ in results for o in outs]
     per_run_tps = [sum(o["tokens"] for o in outs) / wall for outs, wall in results]
@@ -256,6 +288,8 @@ def main() -> int:
     ap.add_argument("--prompt-chars", default="0",
                     help="comma list; 0 = the short fixed prompts, N = long prompts of N characters (about 3.5 per "
                          "token); every stream count is measured with each")
+    ap.add_argument("--warmup-chars", type=int, default=-1,
+                    help="the warm-up run's prompt length (default: the measured prompts; 0: the short prompts)")
     ap.add_argument("--cold", action="store_true",
                     help="cold PLE time to first token on unseen text of --prompt-chars characters (docstring)")
     ap.add_argument("--text-seed", type=int, default=0, help="--cold: which unseen text (one per side of an A/B)")
@@ -293,7 +327,8 @@ def main() -> int:
                                         args.text_seed, tables))
             rows = []
         else:
-            rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars)))
+            rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars),
+                                          args.warmup_chars))
                     for chars in args.prompt_chars.split(",") for n in args.streams.split(",")]
     finally:
         if cluster is not None:
@@ -319,6 +354,11 @@ def main() -> int:
               f"step {steps or '-'}; "
               f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.2f}; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
+        p = r.get("pools", {})
+        if p:
+            tiers = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(p.get("kv_tier_bytes", {}).items()))
+            print(f"    at once: {p.get('max_running', 0):.0f} requests running, {p.get('max_kv_blocks_used', 0):.0f} "
+                  f"of {p.get('kv_blocks_total', 0):.0f} KV blocks used; KV pool {tiers or '-'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -12,7 +12,8 @@
 # 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), int4prefill (issue 17:
 # the INT4 prefill kernels' GPU tests and bench/moe_int4_prefill.py; VRAM_AB="base noint4prefill" makes vram_int4 an
 # A/B of TTFT with the per-expert loop), cold (issue 18: cold PLE
-# time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0). For a model: the
+# time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0), long4 (issue 18:
+# four ~250k-token requests resident at once with --qsa-kv-offload, full shape cut to 8 layers). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams, $SERVE_MAX_TOKENS (256) tokens out, $SERVE_RUNS (3) runs: long enough that
@@ -162,6 +163,20 @@ PY
       --out "$out/cold_prefetch$pf.json" > "$out/cold_prefetch$pf.log" 2>&1
     echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf"; tail -7 "$out/cold_prefetch$pf.log"
   done
+fi
+if want long4; then   # issue 18: four ~250k-token requests resident at once with host K/V, no preemption
+  # full shape cut to $LONG4_LAYERS (8: 2 QSA layers) layers; --max-num-seqs 4 --max-model-len 262144
+  # --qsa-kv-offload; 4 streams of 850,000 characters (248.5k tokens with this tokenizer) and 2,048 tokens out (the
+  # first stream still decodes while the other three prefill: ~1,460 steps), a short warm-up; the plan's table
+  # (pool for 4 full sequences, host K/V, the reserve's long-context part) and, per run, the most requests running
+  # and KV blocks used at once, TTFT, TPOT and preemptions
+  moepipe make-model --preset full-shape --layers "${LONG4_LAYERS:-8}" --out /tmp/fslong > /dev/null
+  timeout "${LONG4_TIMEOUT:-500}" python3 bench/serve.py --model /tmp/fslong --load-format dummy --device cuda \
+    --stages 1 --streams 4 --prompt-chars "${LONG4_CHARS:-850000}" --max-tokens "${LONG4_TOKENS:-2048}" --runs 1 \
+    --warmup-chars 20000 --set max_num_seqs=4 --set max_model_len=262144 --set qsa_kv_offload=true \
+    ${LONG4_SET:-} --out "$out/long4.json" > "$out/long4.log" 2>&1
+  echo "== long4: 4 x ~250k tokens, host K/V (rc $?):"; grep -A3 "GiB;" "$out/long4.log" | head -4
+  grep -E "reserve:|KV pool holds" "$out/long4.log" | head -4; tail -6 "$out/long4.log"
 fi
 if want vram24; then   # issue 16: --vram-limit 24 serves full-shape cut to 8 layers (~45 GB of bf16 weights)
   moepipe make-model --preset full-shape --layers 8 --out /tmp/fs8 > /dev/null
