@@ -92,6 +92,9 @@ class ClusterConfig:
     expert_move_interval: int = 1
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
+    # a move's row copies run on a side stream while other layers compute (each layer's between its own MoE in one
+    # step and in the next: `StageExperts.start_async`); off: the in-stream swap between steps (`move_round`)
+    expert_moves_async: bool = True
     # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
     # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
@@ -289,6 +292,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
+        "MOEPIPE_EXPERT_MOVES_ASYNC": "expert_moves_async",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}

@@ -32,3 +32,14 @@ def swap_rows_ref(rows: RowSet, dec: torch.Tensor) -> None:
             tmp = a.clone()
             a.copy_(b)
             b.copy_(tmp)
+
+
+@torch.no_grad()
+def settle_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, moves: torch.Tensor, dec: torch.Tensor) -> None:
+    """After the rows: swap the decided slots' counts and slot-map entries, count the moves (counts [L, E],
+    expert_of_slot [L, E], moves [L], dec [L, 3]; in place, on the device, nothing read back)."""
+    pair, go = dec[:, :2], dec[:, 2:].bool()
+    for t in (counts, expert_of_slot):
+        vals = t.gather(1, pair)
+        t.scatter_(1, pair, torch.where(go, vals.flip(1), vals))
+    moves.add_(dec[:, 2])
