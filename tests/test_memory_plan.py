@@ -207,12 +207,13 @@ def test_the_reserve_is_the_measured_prefill_plus_logits_and_workspace(tiny_chec
 
     def measure(cl, c, stage, dtype):
         asked.append(stage)
-        return (stage + 1) * 1000
+        return (stage + 1) * 1000 if stage == 0 else (2000, 700)      # (peak, its long-context part) or a peak
 
     needs = stage_needs(cfg, cluster, measure)
     logits = 64 * cfg.vocab_size * 4
     assert asked == [0, 1]
     assert [x.reserve for x in needs] == [1000 + WORKSPACE, 2000 + logits + WORKSPACE]
+    assert [x.reserve_context for x in needs] == [0, 700]
     off = stage_needs(cfg, dataclasses.replace(cluster, measure_reserve=False))
     assert off[0].reserve == GIB + 64 * cfg.hidden_size * cfg.hc_count * 96
     kinds = layer_kinds(cfg, 0, n)
@@ -235,7 +236,7 @@ def test_the_measured_reserve_covers_a_whole_stage_s_prefill(tiny_checkpoint):
     cluster = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=4, block_size=16,
                             max_num_batched_tokens=tokens,
                             stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")])
-    measured = prefill_peak(cluster, cfg, 0, "bfloat16")
+    measured, _ = prefill_peak(cluster, cfg, 0, "bfloat16")      # (peak, its long-context part)
     model = load_model(tiny_checkpoint, LoadOptions(device="cuda:0", load_format="dummy", dtype=torch.bfloat16), cfg)
     model.set_kernels(KernelFlags.parse("all"))
     blocks = tokens // 16
