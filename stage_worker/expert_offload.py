@@ -9,6 +9,7 @@ an expert twice (the reports' first offload loaded everything, then copied the c
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -197,17 +198,35 @@ class StageExperts:
         tail layers' round before this step, in-stream (their round before the first step, which no earlier step
         forked), so the sequence of rounds is `move_round`'s."""
         a = self._async
-        want = (bool(tail), bool(head))
-        if a.flags != want:
-            for k, v in enumerate(want):
-                if a.flags is None or a.flags[k] != v:
-                    a.armed[k].fill_(int(v))
-            a.flags = want
+        self._set_flags((bool(tail), bool(head)))
         if not a.started:
             a.started = True
             if head:
                 for p in a.tail:
                     self._round(p, 1)
+
+    def _set_flags(self, want: tuple[bool, bool]) -> None:
+        a = self._async
+        if a.flags != want:
+            for k, v in enumerate(want):
+                if a.flags is None or a.flags[k] != v:
+                    a.armed[k].fill_(int(v))
+            a.flags = want
+
+    @contextmanager
+    def hold_moves(self):
+        """No rounds while inside (a CUDA graph's warm-up runs and capture: warm-ups would otherwise run rounds the
+        in-stream path never runs); the flags are restored after. A no-op without asynchronous moves."""
+        a = self._async
+        if a is None or a.flags is None or a.flags == (False, False):
+            yield
+            return
+        saved = a.flags
+        self._set_flags((False, False))
+        try:
+            yield
+        finally:
+            self._set_flags(saved)
 
     def _round(self, p: int, flag: int) -> None:
         """Layer position p's round, on the current stream, if armed[flag] (tail: 0, head: 1)."""

@@ -292,3 +292,17 @@ def test_gpu_async_moves_leave_the_step_s_critical_path():
         torch.cuda.empty_cache()
     print("median step ms", times)
     assert times["async"] - times["off"] <= 0.6 * (times["swap"] - times["off"]) + 0.02
+
+
+def test_graph_warm_ups_hold_the_rounds(demo):
+    """`hold_moves` (DecodeGraphs.capture): no round runs inside, the flags come back after, and the one-off first
+    round is not used up."""
+    d, cfg = demo
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=5)), cfg)
+    x = model.experts
+    assert x.start_async(model, gates(model), 0.9, 0.5)
+    x._set_flags((True, True))
+    with x.hold_moves():
+        assert x._async.armed.tolist() == [0, 0]
+    assert x._async.armed.tolist() == [1, 1] and not x._async.started
+    x.stop_async()
