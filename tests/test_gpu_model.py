@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model_config import config_from_dict
-from stage_worker.checkpoint.loader import LoadOptions, build_empty
-from stage_worker.checkpoint.make_model import preset_config
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+from stage_worker.checkpoint.loader import LoadOptions
+from stage_worker.checkpoint.random_init import ProceduralTable
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.local_engine import LocalEngine
+
+from gpu_models import random_gpu_model
 
 pytestmark = pytest.mark.gpu
 
@@ -27,15 +27,9 @@ QWEN3_NEXT_SMALL = dict(   # Qwen3-Next's layout at a GPU-test size: plain resid
 
 
 def _model(preset: str):
-    raw = dict(QWEN3_NEXT_SMALL) if preset == "qwen3-next-small" else preset_config(preset)
-    raw.update(eos_token_id=3, dtype="bfloat16")
-    cfg = config_from_dict(raw)
-    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16))
-    fill_random(model, seed=0)
-    for layer in model.layers.values():
-        if getattr(layer, "ple", None) is not None:
-            layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.bfloat16, 0)
-    return model, cfg
+    if preset == "qwen3-next-small":
+        return random_gpu_model(dtype=torch.bfloat16, raw=QWEN3_NEXT_SMALL)
+    return random_gpu_model(preset, torch.bfloat16)
 
 
 def _teacher_forced(model, prompts: list[list[int]], forced: list[list[int]], graphs: bool = False) -> torch.Tensor:

@@ -347,21 +347,11 @@ def test_gpu_tiny_model_same_logits_with_the_row_cache():
     (1,500, 300, 9 tokens; the budget of 64 binds) prefilled, then 64 greedy decode steps replayed from the batch-4
     graph. With a 1 MiB row cache (collisions) every logit and token equals the run without it, bit for bit, and
     the cache hit."""
-    from shared.model_config import config_from_dict
-    from stage_worker.checkpoint.loader import LoadOptions, build_empty
-    from stage_worker.checkpoint.make_model import preset_config
-    from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+    from gpu_models import random_gpu_model
     from stage_worker.kernels.flags import KernelFlags
     from stage_worker.local_engine import LocalEngine
 
-    raw = preset_config("tiny")
-    raw.update(eos_token_id=3, dtype="float32")
-    cfg = config_from_dict(raw)
-    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.float32))
-    fill_random(model, seed=0)
-    for layer in model.layers.values():
-        if getattr(layer, "ple", None) is not None:
-            layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.float32, 0)
+    model, cfg = random_gpu_model("tiny", torch.float32)
     model.set_kernels(KernelFlags.parse("all"))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (1500, 300, 9)]

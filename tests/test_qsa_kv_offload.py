@@ -457,20 +457,10 @@ def test_gpu_stage_with_offload_replays_graphs():
     section), then 32 teacher-forced decode steps replayed from the batch-4 graph: every logit is the in-VRAM run's
     within float32 rounding, and the decode kernels alone (the second half of the test: both runs prefilled in
     VRAM order) give the same logits bit for bit."""
-    from shared.model_config import config_from_dict
-    from stage_worker.checkpoint.loader import build_empty
-    from stage_worker.checkpoint.make_model import preset_config
-    from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+    from gpu_models import random_gpu_model
     from stage_worker.kernels.flags import KernelFlags
 
-    raw = preset_config("tiny")
-    raw.update(eos_token_id=3, dtype="float32")
-    cfg = config_from_dict(raw)
-    model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.float32))
-    fill_random(model, seed=0)
-    for layer in model.layers.values():
-        if getattr(layer, "ple", None) is not None:
-            layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.float32, 0)
+    model, cfg = random_gpu_model("tiny", torch.float32)
     model.set_kernels(KernelFlags.parse("all"))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (1500, 300, 9)]
