@@ -103,8 +103,51 @@ def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
     dev = PackedExperts(*(a[:hot].contiguous() for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
     pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
     host = PackedExperts(*(pin(a[hot:]) for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
-    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot, splitk=False)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_split_k_rounds_chunks_and_host_rows(monkeypatch):
+    """The split-K kernels (`splitk`) with tiles smaller than the rows: up rows of 12 words in chunks of 4 with 2
+    slices a round (a partial last round; group 32 = one scale a chunk), down rows of 5 words an expert in chunks
+    of 4 (a chunk past each expert's row end; group 16: a scale a word; 6 chunks, 4 slices), row blocks past I and H, host rows, a
+    skipped slot and NaN-poisoned activations, at 2 tokens: the reference's result."""
+    E, H, I, k, hot = 12, 96, 40, 3, 8
+    g = torch.Generator(device=DEV).manual_seed(6)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g, device=DEV) / I ** 0.5
+    ex = PackedExperts(*pack_int4(w13, 32), *pack_int4(w2, 16), 32, 16)
+    t = 2
+    gc = torch.Generator().manual_seed(10)
+    x = torch.randn(t, H, generator=gc).to(DEV)
+    logits = torch.randn(t, E, generator=gc)
+    logits[:, E - 1] += 10
+    w, ids = route_ref(logits.to(DEV), k, True)
+    ids[0, 1] = SKIP
+    ref = fused_moe_int4_ref(x, ids.clamp_min(0), torch.where(ids == SKIP, 0.0, w), ex)
+    real = K.activations
+    monkeypatch.setattr(K, "activations", lambda *a: real(*a).fill_(float("nan")))
+    monkeypatch.setattr(K, "UP_SPLIT_CFG", {b: (2, 4, 4) for b in (1, 4)})        # 8-row blocks: 5 a slot
+    monkeypatch.setattr(K, "DOWN_SPLIT_CFG", {b: (2, 4, 4) for b in (1, 4)})      # 8-row blocks: 12 a token
+    monkeypatch.setattr(K, "split_warps", lambda programs, chunks, LR, BW, sms: (1, 2 if chunks == 3 else 4))
+    dev = PackedExperts(*(a[:hot].contiguous() for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
+    pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
+    host = PackedExperts(*(pin(a[hot:]) for a in (ex.q13, ex.s13, ex.q2, ex.s2)), 32, 16)
+    add = torch.randn(t, H, generator=gc).to(DEV)
+    out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot, add=add)
+    torch.testing.assert_close(out, ref + add, rtol=1e-4, atol=1e-5)
+
+
+def test_split_geometry_comes_from_the_sm_count():
+    """At the full shape (H 2560 = 20 chunks of 16 words, k 10 x I/8 80 = 50): 1 token on 132 SMs gives the up
+    phase 2 warps (4 slices, 5 whole rounds) and the down phase 4 (8 slices, 7 rounds); 4 tokens one warp; fewer
+    SMs fewer warps; a slice count that would leave more than a quarter of the chunk slots idle is halved."""
+    assert K.split_warps(10 * 80, 20, 4, 16, 132) == (2, 4)
+    assert K.split_warps(320, 50, 4, 16, 132) == (4, 8)
+    assert K.split_warps(160, 50, 4, 16, 132) == (4, 8)         # 8 warps: 16 slices, 64 slots for 50 (28% idle)
+    assert K.split_warps(40 * 80, 20, 4, 16, 132) == (1, 2)
+    assert K.split_warps(10 * 80, 20, 4, 16, 66) == (1, 2)
+    assert K.split_warps(10, 3, 2, 4, 132) == (1, 16)          # tiny rows: one warp whatever the waste
 
 
 def test_router_slots_are_read_in_place_and_the_shared_output_added():
