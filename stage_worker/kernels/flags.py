@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide")
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
+         "moe_int4_splitk")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class KernelFlags:
     quant_gemv_wide: bool = False     # packed dense GEMVs at 5-16 tokens: one program over all the tokens, each
                                       # tile decoded once and fed to one tl.dot (quant_gemv(wide=)); off: the
                                       # FMA kernel's token groups / the tl.dot variant, as quant_gemv_fma says
+    moe_int4_splitk: bool = False     # INT4 MoE decode at 1-4 tokens: each row's words split across a program's
+                                      # warps, the grid from the SM count (moe_int4.py `splitk`; GPU-unverified);
+                                      # off: the row-block kernels (bench/results/moe-int4-4's 21.6 us at 1 token)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

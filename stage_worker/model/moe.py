@@ -180,10 +180,12 @@ class SparseMoE(nn.Module):
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
             elif t is None:
-                out = fused_moe_int4(x2, ids, weights, self.packed())
+                out = fused_moe_int4(x2, ids, weights, self.packed(),
+                                     splitk=self.kernels.moe_int4_splitk)
             elif decode and triton_usable(x2):
                 dev, host = t.packed_experts()
-                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot)
+                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot,
+                                     splitk=self.kernels.moe_int4_splitk)
             else:
                 out = t.moe_int4(x2, ids, weights)
         else:
@@ -233,10 +235,12 @@ class SparseMoE(nn.Module):
             fma = self.kernels.quant_gemv_fma
             shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma), packed[1], swiglu=weights[:, k], fma=fma)
         if t is None:
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out)
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out,
+                                 splitk=self.kernels.moe_int4_splitk)
         else:
             dev, host = t.packed_experts()
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, add=shared_out)
+            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, add=shared_out,
+                                 splitk=self.kernels.moe_int4_splitk)
         self.last_expert_ids = ids[:, :k]
         return out
 
