@@ -110,8 +110,8 @@ def test_blocks_span_experts_and_row_ends(monkeypatch, prefetch):
 def test_split_k_rounds_chunks_and_host_rows(monkeypatch):
     """The split-K kernels (`splitk`) with tiles smaller than the rows: up rows of 12 words in chunks of 4 with 2
     slices a round (a partial last round; group 32 = one scale a chunk), down rows of 5 words an expert in chunks
-    of 4 (a chunk past each expert's row end; group 16: a scale a word; 6 chunks, 4 slices), row blocks past I and H, host rows, a
-    skipped slot and NaN-poisoned activations, at 2 tokens: the reference's result."""
+    of 4 (a chunk past each expert's row end; group 16: a scale a word; 6 chunks, 4 slices), row blocks past I and
+    H, host rows, a skipped slot and NaN-poisoned activations, at 2 tokens: the reference's result."""
     E, H, I, k, hot = 12, 96, 40, 3, 8
     g = torch.Generator(device=DEV).manual_seed(6)
     w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
@@ -148,6 +148,57 @@ def test_split_geometry_comes_from_the_sm_count():
     assert K.split_warps(40 * 80, 20, 4, 16, 132) == (1, 2)
     assert K.split_warps(10 * 80, 20, 4, 16, 66) == (1, 2)
     assert K.split_warps(10, 3, 2, 4, 132) == (1, 16)          # tiny rows: one warp whatever the waste
+
+
+def test_the_split_kernels_compile_for_the_h200():
+    """The split-K pair compiles for sm_90 without a GPU (a subprocess, the interpreter off) at the full shape and
+    1-token geometry: no register spills, at most 128 registers (16 warps an SM), 16-byte word loads, warps along
+    the K slices, and no layout conversion of a whole [LR, KS, R, BW] tile in the loop (only of the small x /
+    activation vectors, as the row-block kernels have)."""
+    from sm90_compile import run_compile_script
+
+    script = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import moe_int4 as M
+
+H, I, k, g = 2560, 640, 10, 128
+out = []
+for name, fn, b, chunks, programs in (("up", M._int4_up_split_kernel, M.UP_SPLIT_CFG[1], 20, 800),
+                                      ("down", M._int4_down_split_kernel, M.DOWN_SPLIT_CFG[1], 50, 320)):
+    R, LR, BW = b
+    warps, ks = M.split_warps(programs, chunks, LR, BW, 132)
+    if name == "up":
+        sig = dict(x_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32", q_ptr="*i32", s_ptr="*bf16", hq_ptr="*i32",
+                   hs_ptr="*bf16", act_ptr="*fp32", stride_it="i32", stride_wt="i32", stride_qe="i32",
+                   stride_qr="i32", stride_se="i32", stride_sr="i32", FIRST_HOST="i32", ONE="i32")
+        const = dict(H=H, I=I, TOP_K=k, GROUP=g, R=R, KS=ks, LR=LR, BW=BW, PREFETCH=1)
+    else:
+        sig = dict(act_ptr="*fp32", ids_ptr="*i32", q_ptr="*i32", s_ptr="*bf16", hq_ptr="*i32", hs_ptr="*bf16",
+                   out_ptr="*bf16", add_ptr="*bf16", stride_it="i32", stride_qe="i32", stride_qh="i32",
+                   stride_se="i32", stride_sh="i32", stride_ot="i32", stride_at="i32", FIRST_HOST="i32", ONE="i32")
+        const = dict(H=H, I=I, TOP_K=k, GROUP=g, R=R, KS=ks, LR=LR, BW=BW, PREFETCH=1, ADD=True)
+    # pointers and strides divisible by 16, as a launch specializes them
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*" or n.startswith("stride")}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    c = triton.compile(ASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    ttgir = c.asm["ttgir"]
+    body = ttgir.split("scf.for", 1)[1].split("scf.yield", 1)[0]
+    tile = f"tensor<{LR}x{ks}x{R}x{BW}x"
+    big = [ln for ln in body.splitlines() if "convert_layout" in ln and ln.split(":", 1)[1].count(tile)]
+    info = ptxas_info(c.asm["ptx"])
+    v4 = len(re.findall(r"ld\.global[^\n]*v4", c.asm["ptx"]))
+    out.append(dict(name=name, warps=warps, ks=ks, big_converts=len(big), v4=v4,
+                    warps_along_ks=f"warpsPerCTA = [1, {warps}, 1, 1]" in ttgir, **info))
+print(json.dumps(out))
+"""
+    for r in run_compile_script(script, timeout=300):
+        print(r)
+        assert r["spill"] == 0 and r["regs"] <= 128, r
+        assert r["big_converts"] == 0 and r["v4"] > 0 and r["warps_along_ks"], r
 
 
 def test_router_slots_are_read_in_place_and_the_shared_output_added():
@@ -292,3 +343,68 @@ def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoi
         for got in (fast, twelve):
             err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
             assert err < 2e-2, (t, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_split_k_against_the_row_block_kernels_on_the_gpu(monkeypatch):
+    """The full shape (H 2560, I 640, 512 experts, top-10, group 128, bf16) at 1 / 4 / 16 tokens, the split-K pair
+    (forced at 16 tokens too) against the row-block pair (splitk=False, bench/results/moe-int4-4: 21.6 / 56.4 /
+    167.7 us): agreement with the reference, CUDA-graph replays bit-identical to eager, and a table of microseconds
+    a call (a graph of 24 calls with their own routing, median of 20 replays; 2.53 MB an INT4 expert)."""
+    import statistics
+
+    E, H, I, k = 512, 2560, 640, 10
+    ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
+    monkeypatch.setattr(K, "SPLITK_MAX_T", 16)
+    monkeypatch.setitem(K.UP_SPLIT_CFG, 16, (4, 4, 16))
+    monkeypatch.setitem(K.DOWN_SPLIT_CFG, 16, (4, 4, 16))
+    per_expert = ex.nbytes_per_expert()
+
+    def graph_us(fn, calls=24, runs=20):
+        fn(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        graph.replay()
+        times = []
+        for _ in range(runs):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / calls)
+        return statistics.median(times)
+
+    print(f"\nmoe_int4 split-K vs row blocks, full shape, {torch.cuda.get_device_name()}, "
+          f"{K.sm_count(torch.device('cuda'))} SMs")
+    print(f"{'tokens':>6} {'rows us':>8} {'split us':>8} {'split/rows':>10} {'split TB/s':>10} {'% of 4.8':>8}")
+    for t in (1, 4, 16):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
+        routes = [route_ref(torch.randn(t, E, generator=g).to(DEV), k, True) for _ in range(24)]
+        routes = [(w.to(torch.bfloat16), ids.to(torch.int32)) for w, ids in routes]
+        w, ids = routes[0]
+        out = K.fused_moe_int4(x, ids, w, ex)
+        ref = fused_moe_int4_ref(x, ids, w, ex)
+        rows = K.fused_moe_int4(x, ids, w, ex, splitk=False)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2, t
+        assert ((out.float() - rows.float()).norm() / rows.float().norm()).item() < 1e-2, t
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = K.fused_moe_int4(x, ids, w, ex)
+        for _ in range(3):
+            replayed.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), t
+        assert torch.equal(K.fused_moe_int4(x, ids, w, ex), out), t
+        us = {name: graph_us(lambda i: K.fused_moe_int4(x, routes[i][1], routes[i][0], ex, splitk=sk))
+              for name, sk in (("rows", False), ("split", True))}
+        read = statistics.mean(len(torch.unique(r[1])) for r in routes) * per_expert
+        tbs = read / us["split"] / 1e6
+        print(f"{t:>6} {us['rows']:>8.1f} {us['split']:>8.1f} {us['split'] / us['rows']:>10.2f} {tbs:>10.2f} "
+              f"{100 * tbs / 4.8:>7.1f}%")
