@@ -152,8 +152,11 @@ class GatedDeltaNet(nn.Module):
             if not self._is_fused():
                 return tuple(m(x) for m in linears)
         fused = self._fused_in_proj
-        y = packed_matmul(x, fused, self.in_proj_qkv.kernels.quant_gemv_fma) if isinstance(fused, PackedWeight) \
-            else F.linear(x, fused)
+        if isinstance(fused, PackedWeight):
+            flags = self.in_proj_qkv.kernels
+            y = packed_matmul(x, fused, flags.quant_gemv_fma, flags.quant_gemv_wide)
+        else:
+            y = F.linear(x, fused)
         return y.split([m.out_features for m in linears], dim=-1)
 
     def _in_projs(self) -> tuple[nn.Module, ...]:

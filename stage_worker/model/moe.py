@@ -232,8 +232,9 @@ class SparseMoE(nn.Module):
         else:
             from stage_worker.kernels.quant_gemv import quant_gemv
 
-            fma = self.kernels.quant_gemv_fma
-            shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma), packed[1], swiglu=weights[:, k], fma=fma)
+            fma, wide = self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
+            shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma, wide=wide), packed[1], swiglu=weights[:, k],
+                                    fma=fma, wide=wide)
         if t is None:
             out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out,
                                  splitk=self.kernels.moe_int4_splitk)

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
     # The kernel also runs on CPU tensors under TRITON_INTERPRET=1 where a test opts in; otherwise the CPU path
     # dequantizes a block of rows at a time.
     interpret_on_cpu: bool = False
-    kernels: KernelFlags = NONE       # set by StageModel.set_kernels (quant_gemv_fma)
+    kernels: KernelFlags = NONE       # set by StageModel.set_kernels (quant_gemv_fma, quant_gemv_wide)
 
     def __init__(self, in_features: int, out_features: int, spec: PackedSpec, device=None) -> None:
         super().__init__()
@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         return PackedWeight(self.weight_packed, self.weight_scale, self.bits, self.in_features, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.packed(), self.kernels.quant_gemv_fma)
+        return packed_matmul(x, self.packed(), self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide)
 
     def prepare_kernels(self) -> None:
         """Called by `StageModel.set_kernels`: the GEMV's split counters exist before any CUDA graph is captured."""
@@ -190,13 +190,13 @@ def still_fused_packed(fused: PackedWeight | None, mods: Sequence[nn.Module]) ->
     return row == fused.out_features
 
 
-def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: bool = True) -> torch.Tensor:
     """x [..., K] @ W^T for a packed weight, as PackedLinear.forward runs it (the GEMV kernel on a GPU or under the
-    interpreter where tests opt in, else a block of rows dequantized at a time; `fma`: quant_gemv's)."""
+    interpreter where tests opt in, else a block of rows dequantized at a time; `fma`, `wide`: quant_gemv's)."""
     from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
 
     x2 = x.reshape(-1, pw.in_features)
-    y = quant_gemv(x2, pw, fma=fma) if x.is_cuda or PackedLinear.interpret_on_cpu else dequant_matmul(x2, pw)
+    y = quant_gemv(x2, pw, fma=fma, wide=wide) if x.is_cuda or PackedLinear.interpret_on_cpu else dequant_matmul(x2, pw)
     return y.view(*x.shape[:-1], pw.out_features)
 
 
