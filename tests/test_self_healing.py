@@ -56,10 +56,11 @@ def _greedy(url: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-async def _stream(client: AsyncOpenAI, seed: int, kill: int | None = None, killed: list | None = None) -> str:
+async def _stream(client: AsyncOpenAI, seed: int, kill: int | None = None, killed: list | None = None,
+                  max_tokens: int = 40) -> str:
     """A seeded sampled completion, streamed; with `kill`, that pid is SIGKILLed after the third chunk (the time
     goes into `killed`)."""
-    stream = await client.completions.create(model="moepipe", prompt=f"hello {seed}", max_tokens=40, stream=True,
+    stream = await client.completions.create(model="moepipe", prompt=f"hello {seed}", max_tokens=max_tokens, stream=True,
                                              temperature=0.8, seed=seed, extra_body={"ignore_eos": True})
     text, n = [], 0
     async for chunk in stream:
@@ -90,12 +91,13 @@ async def _healed(url: str, victim: str, killed: list) -> float:
             await asyncio.sleep(0.1)
 
 
-async def _load(url: str, kill: tuple[str, int] | None = None) -> tuple[list[str], float | None]:
+async def _load(url: str, kill: tuple[str, int] | None = None, max_tokens: int = 40) -> tuple[list[str], float | None]:
     """Three concurrent seeded streams; with `kill` (victim, its pid), the first stream kills the victim, and the
     seconds until it is healthy again come back too."""
     killed: list[float] = []
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=60, max_retries=0) as client:
-        streams = [_stream(client, seed, kill[1] if kill and seed == 7 else None, killed) for seed in (7, 8, 9)]
+        streams = [_stream(client, seed, kill[1] if kill and seed == 7 else None, killed, max_tokens)
+                   for seed in (7, 8, 9)]
         if kill is None:
             return list(await asyncio.gather(*streams)), None
         *texts, healed = await asyncio.gather(*streams, _healed(url, kill[0], killed))
@@ -119,6 +121,11 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
         wait_healthy(url, launcher)
         before = _greedy(url)
         undisturbed, _ = asyncio.run(_load(url))
+        # The PLE stage gathers its own decode rows (ple_decode_in_stage: 2 micro-batches here, 2 + 1 streams), so a
+        # dead PLE service stalls nothing until the launcher restarts it with stage 0 a second later: the streams
+        # must outlast that to be recomputed.
+        long_tokens = 120
+        undisturbed_long, _ = asyncio.run(_load(url, max_tokens=long_tokens))
         healed, requeued_before = {}, 0.0
         # every component in turn (the PLE service brings stage 0, its PLE stage, down and up with it)
         for victim in ("stage1", "stage0", "ple"):
@@ -126,8 +133,9 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
             assert victim in pids, pids
             # The streams pause while the launcher restarts what died, then go on where they were: the engine core
             # recomputes the running requests, and their seeded draws come out the same.
-            texts, healed[victim] = asyncio.run(_load(url, kill=(victim, pids[victim])))
-            assert texts == undisturbed, victim
+            n = long_tokens if victim == "ple" else 40
+            texts, healed[victim] = asyncio.run(_load(url, kill=(victim, pids[victim]), max_tokens=n))
+            assert texts == (undisturbed_long if victim == "ple" else undisturbed), victim
             assert healed[victim] <= HEAL_BOUND_S, f"{victim} did not come back within {HEAL_BOUND_S} s"
             assert _greedy(url) == before, victim
             assert _metric(url, f'moepipe_component_restarts{{component="{victim}"}}') >= 1
