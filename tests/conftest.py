@@ -141,6 +141,33 @@ def cuda_us(fn, warmup: int = 3, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
+def graph_us(fn, calls: int = 20, runs: int = 5, warmup: int = 1) -> float:
+    """Microseconds per call of `fn(i)`, i = 0..calls-1, captured into one CUDA graph and replayed `runs` times
+    (median): launch overheads as a decode graph sees them. `fn(0..warmup-1)` run eagerly first (compiles)."""
+    import statistics
+
+    import torch
+
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def collect_events(core, requests, timeout: float = 120) -> list[list]:
     """Hand every request to an engine core at once (so they share steps) and return each one's events (token
     events, then a finish reason or an exception)."""

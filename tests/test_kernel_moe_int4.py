@@ -354,6 +354,8 @@ def test_split_k_against_the_row_block_kernels_on_the_gpu(monkeypatch):
     a call (a graph of 24 calls with their own routing, median of 20 replays; 2.53 MB an INT4 expert)."""
     import statistics
 
+    from conftest import graph_us as conftest_graph_us
+
     E, H, I, k = 512, 2560, 640, 10
     ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
     monkeypatch.setattr(K, "SPLITK_MAX_T", 16)
@@ -361,23 +363,8 @@ def test_split_k_against_the_row_block_kernels_on_the_gpu(monkeypatch):
     monkeypatch.setitem(K.DOWN_SPLIT_CFG, 16, (4, 4, 16))
     per_expert = ex.nbytes_per_expert()
 
-    def graph_us(fn, calls=24, runs=20):
-        fn(0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-        graph.replay()
-        times = []
-        for _ in range(runs):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / calls)
-        return statistics.median(times)
+    def graph_us(fn):
+        return conftest_graph_us(fn, calls=24, runs=20)
 
     print(f"\nmoe_int4 split-K vs row blocks, full shape, {torch.cuda.get_device_name()}, "
           f"{K.sm_count(torch.device('cuda'))} SMs")

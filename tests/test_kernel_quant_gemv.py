@@ -294,27 +294,9 @@ L2_SPAN = 256 << 20        # copies of a weight the timed calls cycle through, s
 
 def _graph_us(fns) -> float:
     """Microseconds per call of `fns` (cycled) replayed from one CUDA graph (median of 5 replays)."""
-    import statistics
+    from conftest import graph_us
 
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    reps = max(20, len(fns))
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(times)
+    return graph_us(lambda i: fns[i % len(fns)](), calls=max(20, len(fns)), runs=5, warmup=len(fns))
 
 
 def _copies(N: int, K: int, bits: int, group, dense: bool) -> list[PackedWeight]:
