@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
-         "moe_int4_splitk")
+         "moe_int4_splitk", "section_union")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class KernelFlags:
     moe_int4_splitk: bool = False     # INT4 MoE decode at 1-4 tokens: each row's words split across a program's
                                       # warps, the grid from the SM count (moe_int4.py `splitk`; GPU-unverified);
                                       # off: the row-block kernels (bench/results/moe-int4-4's 21.6 us at 1 token)
+    section_union: bool = False       # with `section_attention`: stage only the union of the chunk's selected
+                                      # compression blocks, compacted (section_attention.union_plan), so PCIe bytes
+                                      # and the kernel's work scale with the union; off: the whole context staged
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

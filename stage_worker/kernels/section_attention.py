@@ -46,10 +46,10 @@ def _tiles(d: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _section_kernel(q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, n_rows, n_keys, start, n_words,
-                    qk_scale, H: tl.constexpr, REP: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                    RATIO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    F32: tl.constexpr):
+def _section_kernel(q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, blocks_ptr, prefix_ptr, n_rows,
+                    n_keys, start, n_words, qk_scale, H: tl.constexpr, REP: tl.constexpr, KVH: tl.constexpr,
+                    D: tl.constexpr, RATIO: tl.constexpr, UNION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32: tl.constexpr):
     g = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < n_rows
@@ -64,11 +64,21 @@ def _section_kernel(q_ptr, k_ptr, v_ptr, bits_ptr, pos_ptr, m_ptr, l_ptr, acc_pt
     acc = tl.load(acc_ptr + qh[:, None] * D + d[None, :], mask=qd, other=0.0)
     bits_row = bits_ptr + query.to(tl.int64) * n_words
     # keys after the tile's last query are invisible to all its rows: stop there (a chunk's own rows, early queries)
-    hi = tl.minimum(n_keys, tl.max(pos, 0) - start + 1)
+    last = tl.max(pos, 0)
+    if UNION:       # arena rows: the union's blocks compacted; its rows through the last query's block are a prefix
+        hi = tl.minimum(n_keys, tl.load(prefix_ptr + tl.maximum(last, 0) // RATIO) * RATIO - start)
+        hi = tl.where(last < 0, 0, hi)
+    else:
+        hi = tl.minimum(n_keys, last - start + 1)
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        j = start + n                                               # context positions of the tile's keys
-        blk = j // RATIO
+        if UNION:   # arena row c holds position blocks[c // RATIO] * RATIO + c % RATIO of the context
+            c = start + n
+            blk = tl.load(blocks_ptr + c // RATIO, mask=n < n_keys, other=0)
+            j = blk * RATIO + c % RATIO
+        else:
+            j = start + n                                           # context positions of the tile's keys
+            blk = j // RATIO
         word = tl.load(bits_row[:, None] + (blk >> 5)[None, :], mask=row_ok[:, None] & (n < n_keys)[None, :],
                        other=0)
         vis = (((word >> (blk & 31)[None, :]) & 1) != 0) & (j[None, :] <= pos[:, None])
@@ -158,28 +168,37 @@ def staged_sections(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Te
 def attend_sections_fused(q: torch.Tensor, bits: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, ratio: int,
                           section: int | None = None, overlap: bool = True,
-                          tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                          tiles: tuple[int, int, int] | None = None, union: bool = False) -> torch.Tensor:
     """q [Q, H, d]; bits [Q, words] (`section_attention.block_bits` of each query's selection); pos [Q] the
     queries' positions; rows [ctx] the sequence's flat cache rows; caches [R, kv_heads, d] in either tier.
     Returns [Q, H, d] in q's dtype: `section_attention.attend_sections` of the same selection within rounding.
-    `section` overrides `SECTION_ROWS`, `tiles` `_tiles` (tests)."""
+    `union` (kernel flag `section_union`): stage only the union of the queries' selected blocks, compacted
+    (`section_attention.union_plan`: one host read of its size), not the whole context; the same keys, the same
+    softmax. `section` overrides `SECTION_ROWS`, `tiles` `_tiles` (tests)."""
     Q, H, d = q.shape
     kvh = k_cache.shape[1]
-    ctx = rows.shape[0]
     dev = q.device
+    bits = bits.to(torch.int32).contiguous()
+    blocks = prefix = bits                                          # unread unless `union`
+    if union:
+        from stage_worker.model.section_attention import compact_rows, union_plan
+
+        plan = union_plan(bits, ratio, rows.shape[0])
+        rows, blocks, prefix = compact_rows(rows, plan, ratio), plan.blocks, plan.prefix
+    ctx = rows.shape[0]
     section = max(1, min(section or SECTION_ROWS, ctx))
     block_m, block_n, warps = tiles or _tiles(d)
     m = torch.full((Q, H), float("-inf"), dtype=torch.float32, device=dev)
     norm = torch.zeros((Q, H), dtype=torch.float32, device=dev)
     acc = torch.zeros((Q, H, d), dtype=torch.float32, device=dev)
     q = q.contiguous()
-    bits = bits.to(torch.int32).contiguous()
     pos = pos.to(device=dev, dtype=torch.int32).contiguous()
     n_rows = Q * (H // kvh)
     grid = (triton.cdiv(n_rows, block_m), kvh)
     for a, k, v in staged_sections(k_cache, v_cache, rows, section, dev, overlap):
-        _section_kernel[grid](q, k, v, bits, pos, m, norm, acc, n_rows, k.shape[0], a, bits.shape[1],
-                              scale * 1.4426950408889634, H=H, REP=H // kvh, KVH=kvh, D=d, RATIO=ratio,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        _section_kernel[grid](q, k, v, bits, pos, m, norm, acc, blocks, prefix, n_rows, k.shape[0], a,
+                              bits.shape[1], scale * 1.4426950408889634, H=H, REP=H // kvh, KVH=kvh, D=d,
+                              RATIO=ratio, UNION=union, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_D=max(16, triton.next_power_of_2(d)),
                               F32=q.dtype == torch.float32 or _INTERPRET, num_warps=warps)
     return (acc / norm[..., None]).to(q.dtype)

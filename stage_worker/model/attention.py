@@ -365,7 +365,9 @@ class GatedAttention(nn.Module):
             r, ctx = self.indexer.ratio, rows.shape[0]
             bits = torch.cat([block_bits(*self.indexer.selected_positions(iq[a:a + n], pooled, pos[a:a + n]), r,
                                          -(-ctx // r)) for a in range(0, q.shape[0], n)])
-            return attend_sections_fused(q, bits, pos, rows, cache.k, cache.v, self.scale, r)
+            # `section_union`: stage only the union of the chunk's selected blocks, not the whole context
+            return attend_sections_fused(q, bits, pos, rows, cache.k, cache.v, self.scale, r,
+                                         union=self.kernels.section_union)
         sel = [self.indexer.selected_positions(iq[a:a + n], pooled, pos[a:a + n]) for a in range(0, q.shape[0], n)]
         key_pos, valid = torch.cat([k for k, _ in sel]), torch.cat([v for _, v in sel])
         return attend_sections(q, key_pos, valid, rows, cache.k, cache.v, self.scale)

@@ -16,6 +16,8 @@ free: a plain running max), products against V in fp32, one rounding to the acti
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from stage_worker.model.cache import read_rows
@@ -34,10 +36,17 @@ def section_rows(queries: int, heads: int) -> int:
 
 def attend_sections(q: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                    section: int | None = None) -> torch.Tensor:
+                    section: int | None = None, union_ratio: int = 0) -> torch.Tensor:
     """q [Q, H, d]; key_pos/valid [Q, K] (each query's keys, `QSAIndexer.selected_positions`); rows [ctx] the
     sequence's flat cache rows; caches [R, kv_heads, d] in either tier. Returns [Q, H, d] in q's dtype: attention
-    of each query over exactly its listed keys. `section` overrides `section_rows` (tests)."""
+    of each query over exactly its listed keys. `section` overrides `section_rows` (tests). `union_ratio` (the
+    compression ratio): stage only the union of the chunk's listed blocks, compacted, the key lists remapped to it
+    (`union_plan`; the reference of the fused kernel's `union`)."""
+    if union_ratio:
+        plan = union_plan(block_bits(key_pos, valid, union_ratio, -(-rows.shape[0] // union_ratio)),
+                          union_ratio, rows.shape[0])
+        rows = compact_rows(rows, plan, union_ratio)
+        key_pos = compact_positions(torch.where(valid, key_pos, 0), plan, union_ratio)    # unlisted: masked below
     Q, H, d = q.shape
     kvh = k_cache.shape[1]
     rep = H // kvh
@@ -83,3 +92,59 @@ def block_bits(key_pos: torch.Tensor, valid: torch.Tensor, ratio: int, n_blocks:
     shifts = torch.arange(8, device=key_pos.device, dtype=torch.uint8)
     packed = (hit.view(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)   # [Q, words, 4] bytes, low byte first
     return packed.view(torch.int32).reshape(q, words)                      # (little-endian, as every GPU host)
+
+
+class UnionPlan(NamedTuple):
+    """The union of a chunk's selected compression blocks, compacted: `blocks` [U] int32 the original block ids
+    ascending (compacted block i holds context positions blocks[i] * ratio + 0..ratio-1 at arena rows i * ratio +
+    0..ratio-1); `prefix` [n_blocks] int32 the inclusive count of union blocks up to each original block (so block
+    b, if in the union, is compacted block prefix[b] - 1); `keys` = U * ratio, the rows staged."""
+    blocks: torch.Tensor
+    prefix: torch.Tensor
+    keys: int
+
+
+def union_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[Q, words] int32 -> [words]: the OR over the queries, in log2(Q) halving steps on the device (PyTorch has no
+    bitwise-or reduction)."""
+    x = bits
+    while x.shape[0] > 1:
+        h = x.shape[0] // 2
+        x = torch.cat([x[:h] | x[h: 2 * h], x[2 * h:]])
+    return x[0] if x.shape[0] else torch.zeros(bits.shape[1], dtype=bits.dtype, device=bits.device)
+
+
+def union_plan(bits: torch.Tensor, ratio: int, ctx: int) -> UnionPlan:
+    """The union of the queries' selected blocks (`block_bits` rows) over a `ctx`-token context as a `UnionPlan`.
+
+    What the union holds: every block some query lists, which is each query's `block_topk` chosen complete blocks
+    and its own incomplete block (the tail `selected_positions` always adds, up to the query; a chunk's tails are
+    its own ~Q / ratio blocks). All on the device (an OR, an unpack, a prefix sum, a scatter) but one host read:
+    the union's size, which sizes the arena and the number of section launches. Prefill is eager, so the read
+    only waits for the selection already queued (a few us of launch slack, tests/test_kernel_section_attention.py
+    measures the plan on the CPU); a captured variant would launch ctx / section sections that read the size from
+    the device and exit early instead."""
+    n_blocks = -(-ctx // ratio)
+    dev = bits.device
+    words = union_bits(bits.to(torch.int32))
+    b = torch.arange(n_blocks, device=dev)
+    used = ((words[b >> 5] >> (b & 31)) & 1).bool()
+    prefix = used.cumsum(0, dtype=torch.int32)
+    u = int(prefix[-1]) if n_blocks else 0                                   # the one host read
+    slot = torch.where(used, prefix.long() - 1, u)                          # not in the union -> the spare slot
+    blocks = torch.zeros(u + 1, dtype=torch.int32, device=dev).scatter_(0, slot, b.int())[:u]
+    return UnionPlan(blocks, prefix, u * ratio)
+
+
+def compact_rows(rows: torch.Tensor, plan: UnionPlan, ratio: int) -> torch.Tensor:
+    """[plan.keys] the flat cache rows of the compacted arena, in order. The last block of a context that is not a
+    multiple of the ratio runs past the context: those arena rows repeat the last row, and no query sees them (their
+    original positions are >= ctx > every query's position)."""
+    ctx = rows.shape[0]
+    pos = (plan.blocks.long()[:, None] * ratio + torch.arange(ratio, device=rows.device)).flatten()
+    return rows[pos.clamp_(max=ctx - 1)]
+
+
+def compact_positions(key_pos: torch.Tensor, plan: UnionPlan, ratio: int) -> torch.Tensor:
+    """Context positions (in union blocks) -> their arena rows: (prefix[block] - 1) * ratio + position % ratio."""
+    return (plan.prefix[key_pos // ratio].long() - 1) * ratio + key_pos % ratio
