@@ -45,6 +45,7 @@ class Policy:
     half_life: float = 0.0        # tokens (decay)
     every: int = 1                # re-placement interval in tokens (recency: 1)
     margin: float = 2.0           # swap: the lead a move needs
+    per_round: int = 1            # swap: moves a layer at most, each round
 
 
 def top_c(scores: np.ndarray, c: int) -> np.ndarray:
@@ -63,8 +64,9 @@ def usage(ids: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
-           static_counts: np.ndarray | None = None) -> dict:
-    """Hit rate and expert moves per token of one policy over a [T, L, k] trace."""
+           static_counts: np.ndarray | None = None, skip: int = 0) -> dict:
+    """Hit rate and expert moves per token of one policy over a [T, L, k] trace (swap: the first `skip` tokens
+    only warm the counts up, as a benchmark's warm-up steps do)."""
     T, L, k = ids.shape
     rows = np.arange(L)[:, None]
     if policy.kind == "static":
@@ -72,7 +74,7 @@ def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
         hits = resident[rows, ids].sum()                       # [T, L, k] gather, broadcast over tokens
         return {"hit_rate": float(hits / ids.size), "moves_per_token": 0.0}
     if policy.kind == "swap":
-        return _replay_swap(ids, num_experts, top_c(static_counts, capacity), policy)
+        return _replay_swap(ids, num_experts, top_c(static_counts, capacity), policy, skip)
     score = np.zeros((L, num_experts))
     resident = np.zeros((L, num_experts), dtype=bool)          # starts cold: the first tokens miss
     hits = moves = 0
@@ -97,7 +99,7 @@ def replay(ids: np.ndarray, num_experts: int, capacity: int, policy: Policy,
     return {"hit_rate": hits / ids.size, "moves_per_token": moves / T / L}
 
 
-def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy) -> dict:
+def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0) -> dict:
     T, L, k = ids.shape
     rows = np.arange(L)
     counts = np.zeros((L, num_experts))
@@ -106,17 +108,20 @@ def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy
     decay = 0.5 ** (policy.every / policy.half_life)
     for t in range(T):
         sel = ids[t]
-        hits += int(resident[rows[:, None], sel].sum())
+        if t >= skip:
+            hits += int(resident[rows[:, None], sel].sum())
         np.add.at(counts, (np.repeat(rows, k), sel.ravel()), 1.0)
         if (t + 1) % policy.every == 0:
             counts *= decay
-            inside = np.where(resident, counts, np.inf).argmin(1)
-            outside = np.where(resident, -np.inf, counts).argmax(1)
-            go = counts[rows, outside] > counts[rows, inside] + policy.margin
-            resident[rows[go], inside[go]] = False
-            resident[rows[go], outside[go]] = True
-            moves += int(go.sum())
-    return {"hit_rate": hits / ids.size, "moves_per_token": moves / T / L}
+            for _ in range(policy.per_round):
+                inside = np.where(resident, counts, np.inf).argmin(1)
+                outside = np.where(resident, -np.inf, counts).argmax(1)
+                go = counts[rows, outside] > counts[rows, inside] + policy.margin
+                resident[rows[go], inside[go]] = False
+                resident[rows[go], outside[go]] = True
+                moves += int(go.sum()) if t >= skip else 0
+    n = T - min(skip, T)
+    return {"hit_rate": hits / max(1, n * L * k), "moves_per_token": moves / max(1, n) / L}
 
 
 def workloads(ids: dict[str, np.ndarray], chunk: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -69,3 +69,19 @@ def test_swap_policy_moves_a_new_working_set_in_one_pair_per_round():
     r = sim.replay(ids, E, C, sim.Policy("swap", "swap", half_life=64, every=8, margin=2), start)
     assert r["moves_per_token"] * T == 2                                # two moves, then nothing more to gain
     assert r["hit_rate"] > 0.9
+
+
+def test_swap_moves_per_round_and_warm_up_tokens_are_not_counted():
+    """Two new experts appear at once: one move a round brings them in over two rounds, two moves a round in one;
+    `skip` leaves the warm-up tokens out of both the hits and the moves."""
+    E, T = 8, 40
+    ids = np.array([[[0, 1]]] * 10 + [[[4, 5]]] * (T - 10))                      # [T, 1, 2]: experts 0-1, then 4-5
+    start = np.zeros((1, E))
+    start[0, :4] = [4, 3, 2, 1]                                                   # resident: 0-3 (capacity 4)
+    one = sim.replay(ids, E, 4, sim.Policy("s1", "swap", 4.0, 1, 0.5, 1), start)
+    two = sim.replay(ids, E, 4, sim.Policy("s2", "swap", 4.0, 1, 0.5, 2), start)
+    # token 10 misses both in either; with one move a round, token 11 still misses the second
+    assert one["hit_rate"] == (2 * T - 3) / (2 * T) and two["hit_rate"] == (2 * T - 2) / (2 * T)
+    assert one["moves_per_token"] == two["moves_per_token"] == 2 / T
+    late = sim.replay(ids, E, 4, sim.Policy("s2", "swap", 4.0, 1, 0.5, 2), start, skip=12)
+    assert late == {"hit_rate": 1.0, "moves_per_token": 0.0}
