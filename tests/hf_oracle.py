@@ -49,8 +49,20 @@ def qwen3_5_moe_config():
 FAMILIES = {"qwen4_exp": qwen4_exp_config, "qwen3_next": qwen3_next_config, "qwen3_5_moe": qwen3_5_moe_config}
 
 
+def _require_transformers() -> None:
+    """The oracle is transformers >= 5.24 (pyproject.toml): older ones (the H200's image has 5.17) refuse Qwen4-Exp's
+    layer types, so a test that needs the oracle is skipped there rather than failed."""
+    import pytest
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip(f"transformers {transformers.__version__} < 5.24: no reference implementation to compare with")
+
+
 def build_reference(family: str, seed: int = 0):
     """A transformers model with every weight random (norms and PLE conv too, which init leaves at 0 or 1)."""
+    _require_transformers()
     return build_from_config(FAMILIES[family](), seed)
 
 
