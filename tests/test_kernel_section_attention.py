@@ -243,11 +243,17 @@ def test_batch_of_prompts_through_the_model_with_union_staging(tmp_path):
 # ---- GPU: the full shape over host K/V -------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_full_shape_agreement_time_and_flat_memory():
+@pytest.mark.parametrize("pool", [0, 2048])
+def test_gpu_full_shape_agreement_time_and_flat_memory(pool):
     """A 512-token chunk at the end of 16k, 131k and 262k-token contexts over pinned host K/V (24 query / 2 K/V
-    heads of 256, bf16), each query 512 random complete blocks and its tail: the kernel equals the PyTorch loop
-    within bf16 rounding; printed: both times, the kernel without the side stream's overlap, and the peak memory
-    the call adds, which may grow only by the bits (Q/8 bytes a compression block)."""
+    heads of 256, bf16), each query 512 complete blocks and its tail: random over the context (`pool` 0: the
+    worst case for union staging, whose union is most of the context at 262k) or drawn from 2,048 blocks the
+    chunk's queries share (`pool` 2048: neighbouring queries select overlapping blocks). The kernel equals the
+    PyTorch loop within bf16 rounding, staging the whole context and staging the union (`section_union`); printed:
+    the times (whole, whole without the side stream's overlap, union, loop), the union's rows and the K/V bytes
+    each stages, and the peak memory the call adds, which may grow only by the bits (Q/8 bytes a compression
+    block) staging the whole context, and by the union's indices and the plan's scratch (32 bytes a context row at
+    most) staging the union."""
     from conftest import cuda_us
 
     Q, H, KVH, D, bs = 512, 24, 2, 256, 16
@@ -256,13 +262,18 @@ def test_gpu_full_shape_agreement_time_and_flat_memory():
     k_host = torch.randn(longest, KVH, D, dtype=torch.bfloat16).pin_memory()
     v_host = torch.randn(longest, KVH, D, dtype=torch.bfloat16).pin_memory()
     table = torch.randperm(longest // bs, device="cuda")
-    peaks = {}
+    peaks, union_peaks = {}, {}
+    row_bytes = KVH * D * 2 * 2                                               # K and V, bf16
     for ctx in (16384, 131072, longest):
         rows = (table[: ctx // bs, None] * bs + torch.arange(bs, device="cuda")).flatten()
         pos = torch.arange(ctx - Q, ctx, device="cuda")
         complete = (pos + 1) // RATIO
         nb = ctx // RATIO
         score = torch.rand(Q, nb, device="cuda", generator=g)
+        if pool:                                  # only the shared pool's blocks can win (all complete)
+            shared = torch.randperm(int(complete[0]), device="cuda", generator=g)[:pool]
+            keep = torch.zeros(nb, dtype=torch.bool, device="cuda").index_fill_(0, shared, True)
+            score = score.masked_fill(~keep[None, :], -0.5)
         score = score.masked_fill(torch.arange(nb, device="cuda")[None, :] >= complete[:, None], -1.0)
         blocks = score.topk(512, dim=-1).indices.sort(-1).values              # distinct, all complete
         offs = torch.arange(RATIO, device="cuda")
@@ -275,19 +286,32 @@ def test_gpu_full_shape_agreement_time_and_flat_memory():
         bits = block_bits(key_pos, valid, RATIO, -(-ctx // RATIO))
         want = attend_sections(q, key_pos, valid, rows, k_host, v_host, scale)
         got = attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO)
+        got_u = attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO, union=True)
         err = (got.float() - want.float()).abs().max().item()
-        assert err <= 0.02 * want.float().abs().max().item(), err
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO)
-        torch.cuda.synchronize()
-        peaks[ctx] = torch.cuda.max_memory_allocated() - base
+        err_u = (got_u.float() - want.float()).abs().max().item()
+        assert max(err, err_u) <= 0.02 * want.float().abs().max().item(), (err, err_u)
+        plan = union_plan(bits, RATIO, ctx)
+        for union, out in ((False, peaks), (True, union_peaks)):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO, union=union)
+            torch.cuda.synchronize()
+            out[ctx] = torch.cuda.max_memory_allocated() - base
         fused = cuda_us(lambda: attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO), 1, 3)
         serial = cuda_us(lambda: attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO,
                                                        overlap=False), 1, 3)
+        union = cuda_us(lambda: attend_sections_fused(q, bits, pos, rows, k_host, v_host, scale, RATIO,
+                                                      union=True), 1, 3)
+        plan_us = cuda_us(lambda: union_plan(bits, RATIO, ctx), 1, 3)
         loop = cuda_us(lambda: attend_sections(q, key_pos, valid, rows, k_host, v_host, scale), 1, 3)
-        pcie = ctx * KVH * D * 2 * 2 / 50e9 * 1e6
-        print(f"ctx {ctx}: fused {fused / 1e3:.1f} ms (no overlap {serial / 1e3:.1f}), loop {loop / 1e3:.1f} ms, "
-              f"K/V over PCIe at 50 GB/s {pcie / 1e3:.1f} ms; max |diff| {err:.2e}; peak +{peaks[ctx] / 2**20:.0f} MiB")
+        pcie = ctx * row_bytes / 50e9 * 1e6
+        print(f"pool {pool or 'none'} ctx {ctx}: whole {fused / 1e3:.1f} ms (no overlap {serial / 1e3:.1f}), "
+              f"union {union / 1e3:.1f} ms (plan {plan_us / 1e3:.2f}), loop {loop / 1e3:.1f} ms; union "
+              f"{plan.keys} of {ctx} rows ({plan.keys / ctx:.1%}): staged {plan.keys * row_bytes / 2**20:.0f} of "
+              f"{ctx * row_bytes / 2**20:.0f} MiB, K/V of the whole context over PCIe at 50 GB/s {pcie / 1e3:.1f} ms"
+              f"; max |diff| {err:.2e} / union {err_u:.2e}; peak +{peaks[ctx] / 2**20:.0f} MiB / union "
+              f"+{union_peaks[ctx] / 2**20:.0f} MiB")
     assert peaks[longest] - peaks[16384] <= (longest - 16384) // RATIO * Q // 8 + (1 << 20), peaks
+    assert union_peaks[longest] - union_peaks[16384] <= (longest - 16384) * (Q // 8 // RATIO + 32) + (1 << 20), \
+        union_peaks
