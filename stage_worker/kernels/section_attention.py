@@ -17,6 +17,9 @@ Staging: the context's rows are gathered into reused device buffers of `SECTION_
 over UVA for host rows); on a GPU the next section's gather runs on a side stream, double-buffered, while this
 section's launch runs. Memory: two buffers of K and V (32 MiB at the full shape) and the state (12 MiB for 512
 queries x 24 heads of 256): nothing grows with the context but the bits (Q/8 bytes a compression block).
+Union staging (`union`, kernel flag `section_union`): only the union of the queries' selected blocks is staged,
+compacted (`model/section_attention.union_plan`); the kernel reads arena row c as context position
+blocks[c // RATIO] * RATIO + c % RATIO, so the bits stay as they are and PCIe bytes scale with the union.
 Tests: tests/test_kernel_section_attention.py (CPU under TRITON_INTERPRET=1 against the loop; GPU at full shape).
 """
 
