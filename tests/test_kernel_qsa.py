@@ -2,7 +2,9 @@
 visible to the last query, on the same paged cache (shuffled block tables), ties included (lower block wins), and
 agree with each other in layout (chosen blocks in ascending order, then the tail), also when the block table is far
 wider than the context (as under CUDA graphs) and when more blocks are complete than the budget holds (the radix
-select). Without CUDA the kernels run in Triton's interpreter.
+select), with short rows selected whole by one program (`SHORT_BLOCKS`) and long rows by the tiled passes, in one
+batch and when the same buffers see other context lengths (as CUDA graph replays). Without CUDA the kernels run in
+Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -148,10 +150,12 @@ def small_int_inputs(q_idx: torch.Tensor, cache: AttentionCache, seed: int) -> t
 def test_table_much_wider_than_the_context(budget, programs, monkeypatch):
     """64 table pages (128 compression blocks) for contexts of 1..70 tokens, as under CUDA graphs where the tables are
     padded to the model length: the same selection as the reference, which scores the whole width. Two score
-    programs per sequence make each walk several tiles (block_c 4); budget 64 takes every complete block."""
+    programs per sequence make each walk several tiles (block_c 4), every row through the tiled passes; budget 64
+    takes every complete block, each row selected whole by one program (all are short)."""
     ctxs = [5, 70, 33, 8, 64, 17, 1]
     if programs is not None:                                             # the interpreter counts one SM
         monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", programs * len(ctxs))
+        monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", 0)
     bs = 8
     q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=21 + budget)
     table = table_tensor(tables, 64)
@@ -176,10 +180,14 @@ def test_table_much_wider_than_the_context(budget, programs, monkeypatch):
 def test_more_complete_blocks_than_the_budget_with_ties(monkeypatch):
     """budget 64 (k = 16) with 30, 24 and 17 complete blocks: the radix select runs, on scores with many exact ties
     (inputs in {-1, 0, 1}) plus planted duplicate pooled rows; equal scores go to the lower block, as
-    `stable_topk_mask`. Sequence 3 has every score 0 (the first 16 blocks win) and sequence 4 exactly k blocks."""
+    `stable_topk_mask`. Sequence 3 has every score 0 (the first 16 blocks win) and sequence 4 exactly k blocks.
+    One batch of short and long rows: up to 22 complete blocks (17, 22, 16) one program selects whole, in steps of 8
+    keys, 30 and 24 take the tiled passes."""
     ctxs = [122, 97, 70, 90, 64]
     monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", 3 * len(ctxs))     # 3 a sequence (one SM here)
     monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)                           # 2-4 select tiles a sequence
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", 22)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 8)
     bs, budget = 8, 64
     q_idx, cache, tables, _, ctx = paged_pooled(ctxs, bs, torch.float32, seed=31)
     q_idx = small_int_inputs(q_idx, cache, seed=31)
@@ -236,14 +244,19 @@ def planted_keys(kind: str, completes: list[int], n: int, k: int, seed: int = 7)
     return keys.to(torch.int32)
 
 
-@pytest.mark.parametrize("kind", ["full_range", "shared_high_bits", "few_values", "tie_across_tiles", "whole_bucket",
-                                  "float_bits"])
-def test_radix_select_on_planted_keys(kind):
+@pytest.mark.parametrize("kind,short", [(kind, 0) for kind in ("full_range", "shared_high_bits", "few_values",
+                                                                 "tie_across_tiles", "whole_bucket", "float_bits")]
+                         + [(kind, 511) for kind in ("shared_high_bits", "few_values", "whole_bucket")])
+def test_radix_select_on_planted_keys(kind, short, monkeypatch):
     """The select alone (radix passes and emit, SELECT_TILE 512) on int32 keys shaped to reach each branch: keys
     over the whole range, keys equal but for the low byte (all four passes), heavy ties, the K-th key in a tie group
     that spans two tiles (the emit's count of earlier tiles' equal keys), a first-pass bucket holding exactly k keys,
     and the float bits of real scores. Rows have none, fewer than k, exactly k, k + 1, and up to three tiles of
-    complete blocks."""
+    complete blocks. short 511 (every pass, ties, a whole bucket): rows of up to 511 blocks are selected whole by
+    one program (steps of 128 keys), the longer ones (513, 1100) by the tiled passes, in the same call (pass 0 runs
+    in the first pass launch there, as the short program counts its own)."""
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", short)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 128)
     budget, n = 64, 1152                                                 # k = 16
     completes = [0, 5, 16, 17, 300, 511, 513, 1100]
     keys = planted_keys(kind, completes, n, budget // RATIO)
@@ -253,17 +266,23 @@ def test_radix_select_on_planted_keys(kind):
     assert torch.equal(got, want), [i for i in range(len(completes)) if not torch.equal(got[i], want[i])]
 
 
-@pytest.mark.parametrize("bits,kind", [(8, "few_values"), (11, "shared_high_bits"), (8, "one_program")])
+@pytest.mark.parametrize("bits,kind", [(8, "few_values"), (11, "shared_high_bits"), (8, "one_program"),
+                                       (8, "hybrid")])
 def test_select_over_many_small_tiles(bits, kind, monkeypatch):
     """Tiles of 8 keys, so a short row spans many programs of the radix passes and of the emit: a batch of mixed
     lengths (contexts of 0-3 tokens, complete < k, == k, k + 1, 4 and 7 tiles), ties everywhere (few_values: the
     k-th key's tie group crosses several tile boundaries, and earlier tiles' equal keys fill the take), 8- and 11-bit
-    digits (4 and 3 passes); `one_program` the first version's single-program select on the same rows."""
+    digits (4 and 3 passes); `one_program` the first version's single-program select on the same rows; `hybrid`:
+    rows of up to 29 blocks (29: the threshold itself) selected whole by one program in steps of 8 keys, the row of
+    53 by the tiled passes."""
     monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)
     monkeypatch.setattr(qsa_kernels, "RADIX_BITS", bits)
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", 29 if kind == "hybrid" else 0)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 8)
     budget, n = 16, 60                                                   # k = 4
     completes = [0, 0, 0, 0, 3, 4, 5, 29, 53]
-    keys = planted_keys("few_values" if kind == "one_program" else kind, completes, n, budget // RATIO, seed=bits)
+    keys = planted_keys("few_values" if kind in ("one_program", "hybrid") else kind, completes, n, budget // RATIO,
+                        seed=bits)
     keys[8, :53] = 1000                                                  # the k-th key's ties in tiles 0, 1, 3, 5:
     keys[8, [6, 7, 9, 30, 45]] = 2000                                    # the first three taken, after one larger
     keys[8, 50] = 3000
@@ -275,13 +294,18 @@ def test_select_over_many_small_tiles(bits, kind, monkeypatch):
     assert got[:4, :budget].eq(-1).all() and got[3, budget:].tolist() == [0, 1, 2]
 
 
-def test_score_kernel_adds_the_first_radix_pass(monkeypatch):
+@pytest.mark.parametrize("short", [0, 17], ids=["tiled", "hybrid"])
+def test_score_kernel_adds_the_first_radix_pass(short, monkeypatch):
     """The score kernel's fused pass 0: with three score programs per sequence (each walking several tiles of 4
     blocks) and select tiles of 16, hist[:, 0] is the histogram of the top byte of each row's complete keys, the
-    other passes untouched; and `qsa_select` (pass 0 from the score kernel) equals the select with pass 0 run on the keys."""
+    other passes untouched; and `qsa_select` (pass 0 from the score kernel) equals the select with pass 0 run on the keys.
+    hybrid: the rows of 17, 0 and 10 blocks are selected whole by one program (pass 0 read from the score kernel's
+    histogram, or counted when `select_from_keys` runs pass 0), the row of 30 by the tiled passes."""
     ctxs = [70, 3, 41, 122]
     monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", 3 * len(ctxs))
     monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 16)
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", short)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 8)
     q_idx, cache, tables, table, ctx = paged_pooled(ctxs, 8, torch.float32, seed=3)
     dev = [t.to(DEVICE) for t in (q_idx, cache.pooled_keys, table, ctx)]
     hist = qsa_kernels.new_histograms(len(ctxs), DEVICE)
@@ -297,41 +321,108 @@ def test_score_kernel_adds_the_first_radix_pass(monkeypatch):
     assert torch.equal(qsa_select(*dev, 8, RATIO, 16, block_c=4, one_program=True).cpu(), ref)
 
 
-def test_kernels_compile_for_sm90():
-    """The interpreter runs none of the GPU compiler: compile the score (with the fused histogram), radix pass and
-    emit kernels for sm_90 at the full shape (8- and 11-bit digits), so a compile error shows before a device call."""
-    import subprocess
-    import sys
+class ReplayedBuffers:
+    """Stands in for `torch` inside qsa.py as a CUDA graph's private pool does on replay: the tensors the first call
+    allocates (histograms, keys, `ge`, the output) are handed out again, in the same order, to every later call,
+    holding what the last call left there; `zeros` zeroes again (the memset node). The first call's `empty` tensors
+    start as garbage, so an entry no launch writes shows."""
 
-    from conftest import ROOT
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+        self.next = None                                                 # None: recording the first call
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _buffer(self, make, zero: bool) -> torch.Tensor:
+        if self.next is None:
+            self.buffers.append(make())
+            return self.buffers[-1]
+        t = self.buffers[self.next]
+        self.next += 1
+        return t.zero_() if zero else t
+
+    def empty(self, *args, **kw) -> torch.Tensor:
+        return self._buffer(lambda: torch.empty(*args, **kw).fill_(0x5A5A5A5A), zero=False)
+
+    def zeros(self, *args, **kw) -> torch.Tensor:
+        return self._buffer(lambda: torch.zeros(*args, **kw), zero=True)
+
+    def replay(self) -> None:
+        self.next = 0
+
+
+def test_replays_with_other_context_lengths(monkeypatch):
+    """Graph-like reuse: one `qsa_select` on the same tensors and scratch, the context lengths rewritten in place
+    between calls, each row switching between short (selected whole by one program, up to 12 blocks) and long (the
+    tiled passes) and back, small-integer inputs (exact ties at the k-th key): every call equals the reference for
+    its lengths, whatever the last call left in the output, the keys past the context and the `ge` counts."""
+    monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", 2 * 3)
+    monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", 12)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 8)
+    replayed = ReplayedBuffers()
+    monkeypatch.setattr(qsa_kernels, "torch", replayed)
+    bs, budget = 8, 16                                                   # k = 4
+    q_idx, cache, tables, _, ctx = paged_pooled([120, 96, 64], bs, torch.float32, seed=41)
+    q_idx = small_int_inputs(q_idx, cache, seed=41)
+    table = table_tensor(tables, 16)
+    dev = [t.to(DEVICE) for t in (q_idx, cache.pooled_keys, table)]
+    ctx_dev = ctx.to(DEVICE)
+    out = None
+    for lens in ([120, 96, 64], [48, 3, 53], [5, 96, 0], [53, 49, 48], [120, 17, 64]):   # 48: 12 blocks, 53: 13
+        ctx_dev.copy_(torch.tensor(lens, dtype=torch.int32))
+        got = qsa_select(*dev, ctx_dev, bs, RATIO, budget, block_c=4)
+        assert out is None or got.data_ptr() == out.data_ptr()           # the same output tensor every call
+        out = got
+        replayed.replay()
+        want = qsa_select_ref(q_idx, cache.pooled_keys, table, torch.tensor(lens, dtype=torch.int32), bs, RATIO,
+                              budget)
+        assert torch.equal(got.cpu(), want), lens
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs none of the GPU compiler: compile the score (with the fused histogram), radix pass (the
+    first one launched with the short rows' one-program select, HIST0 for pass 1 and not for pass 0) and emit kernels
+    for sm_90 at the full shape (8- and 11-bit digits), so a compile error shows before a device call; the pass
+    launch with the short select (steps of SHORT_TILE keys) must not spill, and at <= 128 registers a thread keeps
+    4+ of its programs resident per SM for the long rows' tiles (B = 4 at 262k: 512 programs)."""
+    from sm90_compile import run_compile_script
 
     script = r"""
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from stage_worker.kernels import qsa as Q
 
-def build(fn, sig, const):
+def build(fn, sig, const, warps=4):
     sig = dict(sig, **dict.fromkeys(const, "constexpr"))
-    triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
+info = {}
 for bits, tile in ((8, 512), (11, 1024)):
     build(Q._score_kernel, dict(q_ptr="*bf16", pooled_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32", key_ptr="*i32",
           hist_ptr="*i32", sqrt_d="fp32", s_qb="i32", s_qh="i32", s_pr="i32", s_tb="i32", s_kb="i32", s_hb="i32"),
           dict(N_IDX=32, D_IDX=128, PAGE=16, RATIO=4, BLOCK_H=32, BLOCK_D=128, BLOCK_C=64, PROGRAMS=396,
                DOT_F32=False, HIST=True, BITS=bits))
-    ptrs = dict(key_ptr="*i32", ctx_ptr="*i32", hist_ptr="*i32", ge_ptr="*i32")
+    ptrs = dict(key_ptr="*i32", ctx_ptr="*i32", hist_ptr="*i32", ge_ptr="*i32", out_ptr="*i32")
+    strides = dict(s_kb="i32", s_hb="i32", s_gb="i32", s_ob="i32")
     for p in range(Q.radix_passes(bits)):
-        build(Q._radix_pass_kernel, dict(ptrs, s_kb="i32", s_hb="i32", s_gb="i32"),
-              dict(K=512, RATIO=4, PASS=p, BITS=bits, TILE=tile))
-    build(Q._emit_kernel, dict(ptrs, out_ptr="*i32", s_kb="i32", s_hb="i32", s_gb="i32", s_ob="i32"),
-          dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=bits, TILE=tile, TILES_P=65536 // tile))
-print("ok")
+        for select_short in ((True, False) if p < 2 else (False,)):
+            k = build(Q._radix_pass_kernel, dict(ptrs, **strides),
+                      dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, PASS=p, BITS=bits, TILE=tile, SHORT=2048,
+                           SHORT_TILE=Q.SHORT_TILE, SELECT_SHORT=select_short))
+            if select_short and p == 1 and bits == 8:
+                info = ptxas_info(k.asm["ptx"])
+    build(Q._emit_kernel, dict(ptrs, **strides),
+          dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=bits, TILE=tile, TILES_P=65536 // tile, SHORT=2048))
+build(Q._select_kernel, dict(key_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", s_kb="i32", s_ob="i32"),
+      dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BLOCK=2048, BITS=8), warps=8)
+print(json.dumps(info))
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    info = run_compile_script(script, timeout=300)
+    assert info["spill"] == 0 and info["regs"] <= 128, info
 
 
 @pytest.mark.gpu

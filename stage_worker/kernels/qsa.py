@@ -21,7 +21,8 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
    complete block, and adds the histogram of its keys' top radix digit into the sequence's pass-0 histogram (the
    first radix pass, fused: it saves a launch and a read of the keys).
-2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program:
+2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program
+   (rows of at most SHORT_BLOCKS complete blocks: the hybrid below):
    each program recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th
    largest key found so far, and adds the histogram of the next digit among its keys that share them. The last pass
    also stores, per tile and per value d of the last digit, how many of its keys are >= the prefix with digit d
@@ -33,10 +34,26 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    (the layout of `qsa_ref`).
 Each launch reads the keys (L2-resident, 4 bytes a block) at most once; a grid-wide barrier inside one persistent
 kernel would save the launches but can deadlock when not every program is resident, so the passes are launches.
-`one_program=True` keeps the first version (16 score programs, `_select_kernel`: the same radix select in one
-program per sequence) for timing against it on the GPU; to be deleted once measured slower at every context.
-Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS) are module globals that
-`bench/tune_kernels.py --only qsa` sweeps.
+
+Short rows (device-side hybrid): a launch costs ~2-4 us in a CUDA graph whatever it does, and at 4k context the six
+launches took 22.3 us on the H200 against 14.3 us for the first version's two (bench/results/h200-13). A row with at
+most SHORT_BLOCKS complete blocks (2048: 8k tokens) is selected whole by program 0 of its row in the FIRST pass
+launch (`_select_row`: the remaining radix passes over all its keys in steps of SHORT_TILE, pass 0's histogram read
+from the score kernel, then the emit with a running count, -1 padding and tail); the later pass launches and the
+emit return at once for it (they read the context length: one captured graph serves every mix of short and long
+rows, no host branch). Long rows take the tiled passes as above. Why this and not fewer launches for everyone:
+the launch count is fixed by the long rows (a pass needs the previous pass's histogram over every tile, and the
+emit needs the final one: each is a grid-wide dependency); 11-bit digits would drop one pass launch but make the
+fused pass-0 histogram 2048 bins wide inside the score kernel, the register-bound one that decides 262k; the
+hybrid leaves the long path untouched and only turns the short rows' later launches into early returns (and is
+sweepable: SHORT_BLOCKS = 0 is the plain tiled path, `qsa_select(short_blocks=0)`). What it cannot save: the memset
+and the launches after the first pass launch still run for a short row (an early return costs about a launch's
+latency), so it should land between the first version and the tiled path at 4k, not at 14 us (GPU-unverified:
+`test_262k_context_on_gpu` prints the three).
+`one_program=True` keeps the first version (16 score programs, `_select_kernel`: `_select_row` for every row, one
+program per sequence): the `-qsa_tiles` path and the baseline the GPU test times against.
+Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS, SHORT_TILE) are module
+globals (`bench/tune_kernels.py --only qsa` sweeps the first four).
 """
 
 from __future__ import annotations
@@ -58,6 +75,10 @@ SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch: 140 re
                             # so 3 programs of 4 warps are resident per SM
 SELECT_TILE = 512           # keys per program of the radix passes and the emit (65,536 blocks: 128 programs)
 RADIX_BITS = 8              # bits resolved per radix pass: 4 passes cover a 32-bit key
+SHORT_BLOCKS = 2048         # rows of at most this many complete blocks (8k tokens at ratio 4) are selected whole by
+                            # one program of the first pass launch; 0: every row takes the tiled passes
+SHORT_TILE = 1024           # keys a step of that program's loops: 96 registers a thread in the pass launch that
+                            # holds it (sm_90; 2048: 147, and fewer of the long rows' pass programs resident)
 ONE_PROGRAM_SCORE_PROGRAMS = 16     # the first version's score grid per sequence (`one_program=True`)
 
 
@@ -122,13 +143,19 @@ def _radix_prefix(hist_ptr, K, PASSES: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, s_kb, s_hb, s_gb,
-                       K: tl.constexpr, RATIO: tl.constexpr, PASS: tl.constexpr, BITS: tl.constexpr,
-                       TILE: tl.constexpr):
+def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
+                       K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
+                       PASS: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, SHORT: tl.constexpr,
+                       SHORT_TILE: tl.constexpr, SELECT_SHORT: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
-    complete = tl.load(ctx_ptr + b) // RATIO
-    if (complete > K) & (tile * TILE < complete):                              # else nothing to rank here
+    ctx = tl.load(ctx_ptr + b)
+    complete = ctx // RATIO
+    if SELECT_SHORT:                   # the first pass launched: program 0 of a short row selects the whole row
+        if (complete <= SHORT) & (tile == 0):
+            _select_row(key_ptr + b.to(tl.int64) * s_kb, out_ptr + b.to(tl.int64) * s_ob, ctx,
+                        hist_ptr + b.to(tl.int64) * s_hb, K, BUDGET, RATIO, RATIO_P, SHORT_TILE, BITS, PASS > 0)
+    if (complete > K) & (complete > SHORT) & (tile * TILE < complete):         # else nothing to rank here
         NB: tl.constexpr = 1 << BITS
         NPASS: tl.constexpr = (32 + BITS - 1) // BITS
         SHIFT: tl.constexpr = BITS * (NPASS - 1 - PASS)
@@ -156,11 +183,20 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, s_kb, s_hb, s_gb,
 @triton.jit
 def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
                  K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
-                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr):
+                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr, SHORT: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     complete = ctx // RATIO
+    if complete > SHORT:                                                        # else the pass launch wrote it
+        _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, tile, ctx, complete,
+                   K, BUDGET, RATIO, RATIO_P, BITS, TILE, TILES_P)
+
+
+@triton.jit
+def _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, tile, ctx, complete,
+               K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
+               BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr):
     out = out_ptr + b.to(tl.int64) * s_ob
     t = tl.arange(0, RATIO_P)
     if tile == 0:                      # -1 over the unused block slots, then the tail (incomplete block) positions
@@ -193,17 +229,23 @@ def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, 
                  mask=(sel & (slot < K))[:, None] & (t[None, :] < RATIO))      # never past the row
 
 
-# The first version's select, one program a sequence (`one_program=True`): radix passes over all of its keys in
-# tiles of BLOCK, stopping early once a whole bucket is taken, then the emit. Kept only to time against on the GPU.
+# One program selects a whole row: radix passes over all of its keys in tiles of BLOCK, stopping early once a whole
+# bucket is taken, then the emit. The first version's select (`one_program=True`, `_select_kernel`) and the short
+# rows of the tiled path (`_radix_pass_kernel` with SELECT_SHORT; HIST0: pass 0's histogram is read from `hist0`,
+# where the score kernel added it, instead of counted again).
 @triton.jit
 def _select_kernel(key_ptr, ctx_ptr, out_ptr, s_kb, s_ob,
                    K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
                    BLOCK: tl.constexpr, BITS: tl.constexpr):
     b = tl.program_id(0)
-    ctx = tl.load(ctx_ptr + b)
+    _select_row(key_ptr + b.to(tl.int64) * s_kb, out_ptr + b.to(tl.int64) * s_ob, tl.load(ctx_ptr + b), key_ptr,
+                K, BUDGET, RATIO, RATIO_P, BLOCK, BITS, False)
+
+
+@triton.jit
+def _select_row(keys_in, out, ctx, hist0, K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr,
+                RATIO_P: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, HIST0: tl.constexpr):
     complete = ctx // RATIO
-    keys_in = key_ptr + b.to(tl.int64) * s_kb
-    out = out_ptr + b.to(tl.int64) * s_ob
     NB: tl.constexpr = 1 << BITS
     bins = tl.arange(0, NB)
 
@@ -217,14 +259,17 @@ def _select_kernel(key_ptr, ctx_ptr, out_ptr, s_kb, s_ob,
     for p in tl.static_range(NPASS):
         shift = BITS * (NPASS - 1 - p)                                          # top digit first (bit 31 is 0)
         bound = tl.where(done, 0, complete)                                     # no pass once the rank is known
-        hist = tl.zeros([NB], tl.int32)
-        for c0 in range(0, bound, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            ok = c < bound
-            key = tl.load(keys_in + c, mask=ok, other=0)
-            if p > 0:
-                ok = ok & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
-            hist += tl.histogram((key >> shift) & (NB - 1), NB, mask=ok)
+        if HIST0 and p == 0:
+            hist = tl.load(hist0 + bins)
+        else:
+            hist = tl.zeros([NB], tl.int32)
+            for c0 in range(0, bound, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                ok = c < bound
+                key = tl.load(keys_in + c, mask=ok, other=0)
+                if p > 0:
+                    ok = ok & ((key >> (shift + BITS)) == (prefix >> (shift + BITS)))
+                hist += tl.histogram((key >> shift) & (NB - 1), NB, mask=ok)
         at_least = tl.cumsum(hist, axis=0, reverse=True)                        # keys with digit >= bin
         digit = tl.max(tl.where(at_least >= need, bins, -1), axis=0)            # bucket holding the K-th largest
         above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
@@ -316,22 +361,28 @@ def new_histograms(batch: int, device: torch.device) -> torch.Tensor:
 
 
 def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int,
-                     hist: torch.Tensor | None = None, one_program: bool = False) -> torch.Tensor:
+                     hist: torch.Tensor | None = None, one_program: bool = False,
+                     short_blocks: int | None = None) -> torch.Tensor:
     """keys [B, >= max complete] int32, >= 0 (only the first `context_len // ratio` of a row are read) -> selected
     [B, budget + ratio - 1] int32: the blocks of the budget // ratio largest keys (equal keys: lower block first),
     in ascending order, expanded to positions, then the tail. `hist`: from `new_histograms`, pass 0 already added
-    (by the score kernel); None runs pass 0 here. Separate from the scores so tests can plant keys."""
+    (by the score kernel); None runs pass 0 here. `short_blocks` (default SHORT_BLOCKS; 0: off): rows with at most
+    that many complete blocks are selected whole by one program of the first pass launch. Separate from the scores
+    so tests can plant keys."""
     assert keys.dtype == torch.int32 and keys.stride(-1) == 1 and budget % ratio == 0
     B, n_blocks = keys.shape
     k = budget // ratio
     out = torch.empty((B, budget + ratio - 1), dtype=torch.int32, device=keys.device)
+    ratio_p = triton.next_power_of_2(ratio)
     if one_program:
         _select_kernel[(B,)](
             keys, context_lens, out, keys.stride(0), out.stride(0),
-            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=triton.next_power_of_2(ratio),
-            BLOCK=2048, BITS=8, num_warps=8)
+            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BLOCK=2048, BITS=8, num_warps=8)
         return out
     bits, tile = RADIX_BITS, SELECT_TILE
+    short = SHORT_BLOCKS if short_blocks is None else short_blocks
+    short = min(short, n_blocks) if short > 0 else -1           # -1: no row is short (every complete count >= 0)
+    short_tile = min(SHORT_TILE, triton.next_power_of_2(max(short, 1)))
     tiles = triton.cdiv(n_blocks, tile)
     first = 0 if hist is None else 1
     hist = new_histograms(B, keys.device) if hist is None else hist
@@ -339,22 +390,24 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
     ge = torch.empty((B, tiles, (1 << bits) + 1), dtype=torch.int32, device=keys.device)
     for p in range(first, radix_passes(bits)):
         _radix_pass_kernel[(B, tiles)](
-            keys, context_lens, hist, ge, keys.stride(0), hist.stride(0), ge.stride(0),
-            K=k, RATIO=ratio, PASS=p, BITS=bits, TILE=tile, num_warps=4)
+            keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
+            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, PASS=p, BITS=bits, TILE=tile, SHORT=short,
+            SHORT_TILE=short_tile, SELECT_SHORT=p == first and short >= 0, num_warps=4)
     _emit_kernel[(B, tiles)](
         keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
-        K=k, BUDGET=budget, RATIO=ratio, RATIO_P=triton.next_power_of_2(ratio), BITS=bits, TILE=tile,
-        TILES_P=triton.next_power_of_2(tiles), num_warps=4)
+        K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BITS=bits, TILE=tile,
+        TILES_P=triton.next_power_of_2(tiles), SHORT=short, num_warps=4)
     return out
 
 
 def qsa_select(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                block_size: int, ratio: int, budget: int, *, block_c: int | None = None,
-               one_program: bool = False) -> torch.Tensor:
+               one_program: bool = False, short_blocks: int | None = None) -> torch.Tensor:
     """q_idx [B, n_idx, d_idx] of each sequence's new token; pooled [rows // ratio, d_idx] (already holding the block
     the new token completed); block_tables [B, max_blocks] int32; context_lens [B] int32 with the new token.
     Returns selected [B, budget + ratio - 1] int32: chosen blocks' tokens (ascending block order), then the tail;
-    -1 pad. Equals `qsa_select_ref`. `one_program`: the first version, for timing (module docstring)."""
+    -1 pad. Equals `qsa_select_ref`. `one_program`: the first version, for timing (module docstring);
+    `short_blocks`: see `select_from_keys` (0: the tiled passes for every row, for timing)."""
     assert budget % ratio == 0
     if one_program:
         n_blocks = block_tables.shape[1] * block_size // ratio
@@ -364,4 +417,4 @@ def qsa_select(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Te
         return select_from_keys(keys, context_lens, ratio, budget, one_program=True)
     hist = new_histograms(q_idx.shape[0], q_idx.device)
     keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c, hist=hist)
-    return select_from_keys(keys, context_lens, ratio, budget, hist=hist)
+    return select_from_keys(keys, context_lens, ratio, budget, hist=hist, short_blocks=short_blocks)
