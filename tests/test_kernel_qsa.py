@@ -478,13 +478,15 @@ def test_wide_table_real_shapes_on_gpu(inputs, dtype):
     """Ratio 4, budget 2048 (k = 512), B = 4: contexts 300 and 301 (75 complete blocks <= k: every block, no ranking)
     and 20000 / 20003 (5000 > k: the radix select), in a table 16384 pages wide. Identical output to the reference
     (with random inputs that assumes no two scores within rounding of each other straddle the k-th; small integers
-    make it exact). Prints the time of `qsa_select`, which should follow the context, not the table width."""
+    make it exact). Prints the time of `qsa_select`, which should follow the context, not the table width. A mixed
+    batch for the hybrid (300 / 301: short rows, one program each; 20000 / 20003: the tiled passes), also all tiled."""
     budget = 2048
     q_idx, pooled, tables, ctx = wide_gpu_case([300, 20000, 20003, 301], inputs, dtype, seed=1)
     ref = qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)
     fast = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
     assert fast.shape == (4, budget + RATIO - 1) and fast.dtype == torch.int32
     assert torch.equal(ref, fast)
+    assert torch.equal(ref, qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, short_blocks=0))
     assert ((fast[:, :budget] >= 0).sum(1).tolist() == [300 // 4 * 4, budget, budget, 301 // 4 * 4])
 
     short = ctx.clone().fill_(256)
@@ -496,7 +498,8 @@ def test_wide_table_real_shapes_on_gpu(inputs, dtype):
 @pytest.mark.gpu
 def test_cuda_graph_replay_follows_the_context_lengths():
     """Captured once, replayed with other context lengths written into the same device tensor: the kernels read the
-    lengths on the device, so every replay equals the reference for the new lengths."""
+    lengths on the device, so every replay equals the reference for the new lengths, each row switching between the
+    hybrid's short path (<= 2048 complete blocks: 8192 tokens is the threshold itself) and the tiled passes."""
     budget = 2048
     q_idx, pooled, tables, ctx = wide_gpu_case([20003, 8191, 5000, 256], "randn", torch.bfloat16, seed=2)
     side = torch.cuda.Stream()
@@ -507,7 +510,8 @@ def test_cuda_graph_replay_follows_the_context_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget)
-    for lens in ([20000, 300, 5000, 4], [1, 8191, 2052, 256], [256, 256, 256, 256]):     # within each table
+    for lens in ([20000, 300, 5000, 4], [1, 8191, 2052, 256], [8196, 8192, 5000, 256], [8192, 4, 1, 255],
+                 [256, 256, 256, 256], [20003, 8191, 5000, 256]):                         # within each table
         ctx.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
@@ -543,9 +547,12 @@ def graph_us(fn, reps: int = 20) -> float:
 def test_262k_context_on_gpu(batch):
     """Issue 18: contexts of 262,144 tokens (65,536 compression blocks, the whole table 16384 pages wide), budget 2048
     (k = 512), small-integer inputs (exact scores, heavy ties at the k-th key) and randn bf16: the multi-program
-    select equals the reference and the first version (one select program a sequence) bit for bit. Prints both
-    paths' time in a CUDA graph at contexts 4k, 64k and 262k in the same wide table (the table width is fixed under
-    CUDA graphs, so short contexts must stay cheap)."""
+    select equals the reference and the first version (one select program a sequence) bit for bit, and so do the
+    tiled path and the hybrid at 8192 (short: 2048 blocks, the threshold) and 8196 tokens (long). Prints, by
+    context in the same wide table (its width is fixed under CUDA graphs, so short contexts must stay cheap), the
+    time in a CUDA graph of: the first version, the tiled path (`short_blocks=0`), the hybrid (the default:
+    SHORT_BLOCKS), and every row forced short (`short_blocks` = the table: where the one-program select stops
+    paying, i.e. where SHORT_BLOCKS belongs)."""
     budget = 2048
     ctxs = [262144, 262143, 262142, 262141][:batch]
     for inputs, dtype in (("small_ints", torch.float32), ("randn", torch.bfloat16)):
@@ -556,12 +563,23 @@ def test_262k_context_on_gpu(batch):
         assert torch.equal(new, old), inputs                             # same keys: exactly the same choice
         assert torch.equal(ref, new), inputs
         assert ((new[:, :budget] >= 0).sum(1) == budget).all()
+        for c in (8192, 8196):
+            ctx.fill_(c)
+            ref = qsa_select_ref(q_idx, pooled, tables, ctx, 16, RATIO, budget)
+            for short in (None, 0, 65536):
+                got = qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, short_blocks=short)
+                assert torch.equal(ref, got), (inputs, c, short)
+        ctx.fill_(ctxs[0])
+    n_blocks = tables.shape[1] * 16 // RATIO
+    variants = dict(one_program=dict(one_program=True), tiled=dict(short_blocks=0), hybrid={},
+                    all_short=dict(short_blocks=n_blocks))
     line = []
-    for c in (4096, 65536, 262144):
+    for c in (1024, 4096, 8192, 8196, 16384, 65536, 262144):
         ctx.fill_(c)
-        us = [graph_us(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, one_program=one))
-              for one in (True, False)]
-        line.append(f"{c}: {us[0]:.1f} -> {us[1]:.1f}")
+        us = [graph_us(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget, **kw))
+              for kw in variants.values()]
+        line.append(f"{c}: " + " / ".join(f"{u:.1f}" for u in us))
     roofline = batch * 262144 // RATIO * pooled.shape[1] * pooled.element_size() / 4.24e12 * 1e6
-    print(f"\nqsa_select B={batch}, table 16384 pages, us old (one select program) -> new, by context: "
-          f"{'; '.join(line)} (262k pooled keys at 4.24 TB/s: {roofline:.1f} us)")
+    print(f"\nqsa_select B={batch}, table 16384 pages, us {' / '.join(variants)} (SHORT_BLOCKS "
+          f"{qsa_kernels.SHORT_BLOCKS}), by context: {'; '.join(line)} (262k pooled keys at 4.24 TB/s: "
+          f"{roofline:.1f} us)")
