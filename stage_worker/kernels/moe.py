@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, route_ref, shared_gate_ref
+from stage_worker.kernels.moe_ref import Fp8Experts, HostRows, RouteCounts, count_ref, route_ref, shared_gate_ref
 
 try:
     from stage_worker.kernels.rmsnorm import round_to
@@ -164,10 +164,13 @@ if triton is not None:
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
                        FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
+                       NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1, FP8: tl.constexpr = False):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
         (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
-        shared one included."""
+        shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
+        block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's);
+        no shared or host slots then."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -185,8 +188,16 @@ if triton is not None:
             mask_h = offs_h < H
             xv = tl.load(x_ptr + t * stride_xt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             m = mask_i[:, None] & mask_h[None, :]
-            wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+            if FP8:
+                sb = scale_ptr + e * (2 * NB_R * NB_C)
+                sidx = (offs_i // BR)[:, None] * NB_C + (offs_h // BC)[None, :]
+                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+                wg = wg.to(tl.float32) * tl.load(sb + sidx, mask=m, other=0.0)
+                wu = wu.to(tl.float32) * tl.load(sb + NB_R * NB_C + sidx, mask=m, other=0.0)
+            else:
+                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
             acc_g += wg * xv[None, :]
             acc_u += wu * xv[None, :]
         g = tl.sum(acc_g, axis=1)
@@ -196,8 +207,11 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, sw2_ptr, hw2_ptr, out_ptr, stride_we, stride_wh,
                          stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
-        """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32."""
+                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
+                         NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
+                         FP8: tl.constexpr = False):
+        """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
+        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C]."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -213,7 +227,13 @@ if triton is not None:
                     offs_i = i0 + tl.arange(0, BLOCK_I)
                     mask_i = offs_i < I
                     a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
-                    w = tl.load(rows + offs_i[None, :], mask=mask_h[:, None] & mask_i[None, :], other=0.0)
+                    m = mask_h[:, None] & mask_i[None, :]
+                    if FP8:
+                        sidx = (offs_h // BR)[:, None] * NB_C + (offs_i // BC)[None, :]
+                        w = tl.load(rows + offs_i[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+                        w = w.to(tl.float32) * tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=m, other=0.0)
+                    else:
+                        w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
                     acc += w.to(tl.float32) * (wt * a)[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
@@ -370,3 +390,65 @@ def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w
                          valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None)
     out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)
+
+
+def grouped_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts) -> torch.Tensor:
+    """Prefill and CPU path of float8 experts (issue 17): each present expert dequantized once (float32 products,
+    then x.dtype) and two GEMMs over its tokens, in expert order, as `moe_int4.grouped_moe_int4` and SparseMoE's CPU
+    loop sum (one host sync: the present experts). Slots with id < 0 are skipped."""
+    out = torch.zeros_like(x)
+    flat = ids.long()
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        tok, slot = torch.where(flat == e)
+        w13, w2 = experts.w13(e).to(x.dtype), experts.w2(e).to(x.dtype)
+        g, u = F.linear(x[tok], w13).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, w2) * weights[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k] (routed slots only; SKIP for padding rows), float8 experts -> [T, H] in x.dtype
+    (+ `add`, e.g. the shared expert's output); = fused_moe_fp8_ref.
+
+    Decode (T*k <= DECODE_MAX_TK, Triton usable): the two bf16 decode kernels in FP8 mode (float8 bytes converted
+    and scaled per block in registers, fp32 sums in a fixed order: deterministic), no host sync. Otherwise
+    `grouped_moe_fp8` (the tensor-core prefill kernel for float8 experts is not written yet). The router weights are
+    rounded to x.dtype first, as the CPU path uses them."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = experts.q13.shape
+    I = two_i // 2
+    br, bc = experts.block
+    if experts.q13.shape != (E, 2 * I, H) or experts.q2.shape != (E, H, I) or weights.shape != ids.shape or \
+            tuple(experts.s13.shape) != (E, 2, -(-I // br), -(-H // bc)) or \
+            tuple(experts.s2.shape) != (E, -(-H // br), -(-I // bc)) or experts.q13.dtype != torch.uint8:
+        raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} q13 "
+                         f"{tuple(experts.q13.shape)} {experts.q13.dtype} s13 {tuple(experts.s13.shape)} q2 "
+                         f"{tuple(experts.q2.shape)} s2 {tuple(experts.s2.shape)} blocks {experts.block}")
+    weights = weights.to(x.dtype)
+    if T * k > DECODE_MAX_TK or not triton_usable(x):
+        out = grouped_moe_fp8(x, ids, weights, experts)
+        return out if add is None else out + add
+    q13, q2 = experts.q13, experts.q2
+    s13, s2 = experts.s13.float().contiguous(), experts.s2.float().contiguous()
+    if q13.stride(-1) != 1 or q2.stride(-1) != 1:
+        raise ValueError("q13 and q2 need a contiguous last dimension")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out
+    x, ids, weights, act = decode_operands(x, ids, weights, I)
+    bi, bh, up_warps = UP_CFG[_bucket(T)]
+    bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
+    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, q13, act, x.stride(0), q13.stride(0),
+                                               q13.stride(1), E, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                               scale_ptr=s13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
+                                               FP8=True, num_warps=up_warps)
+    bh, bi, down_warps = DOWN_CFG[_bucket(T)]
+    bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
+    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, q2, out, q2.stride(0), q2.stride(1),
+                                             out.stride(0), E, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
+                                             scale_ptr=s2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
+                                             FP8=True, num_warps=down_warps)
+    return out if add is None else out + add

@@ -82,3 +82,53 @@ def count_ref(ids: torch.Tensor, counts) -> None:
     flat = ids.reshape(-1).long()
     counts.counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=counts.counts.dtype, device=flat.device))
     counts.host_reads.add_((flat >= counts.first).sum().to(counts.host_reads.dtype))
+
+
+@dataclass
+class Fp8Experts:
+    """Routed experts kept in a block-FP8 checkpoint's form (issue 17, `SparseMoE.use_fp8`): q13 uint8 [E, 2I, H]
+    and q2 uint8 [E, H, I], the float8_e4m3fn bytes of w13 (gate rows then up rows) and w2; s13 float32
+    [E, 2, ceil(I/br), ceil(H/bc)] (gate's blocks, then up's: each projection is blocked on its own, so an I that
+    is not a multiple of br does not mix the two), s2 float32 [E, ceil(H/br), ceil(I/bc)]; block = (br, bc)."""
+
+    q13: torch.Tensor
+    s13: torch.Tensor
+    q2: torch.Tensor
+    s2: torch.Tensor
+    block: tuple[int, int]
+
+    def w13(self, e: int) -> torch.Tensor:
+        """Expert e's gate and up rows [2I, H], dequantized in float32."""
+        inter = self.q13.shape[1] // 2
+        q = self.q13[e]
+        return torch.cat([dequantize_fp8_block(q[:inter], self.s13[e, 0], self.block),
+                          dequantize_fp8_block(q[inter:], self.s13[e, 1], self.block)])
+
+    def w2(self, e: int) -> torch.Tensor:
+        """Expert e's down rows [H, I], dequantized in float32."""
+        return dequantize_fp8_block(self.q2[e], self.s2[e], self.block)
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float8_e4m3fn bytes q (uint8 or float8) [rows, cols] times its block scales [ceil(rows/br), ceil(cols/bc)],
+    in float32: what `quant_weight.dequantize_float` gives at load (the same products)."""
+    rows, cols = q.shape
+    br, bc = block
+    w = (q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q).float()
+    s = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return w * s
+
+
+def fused_moe_fp8_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts) -> torch.Tensor:
+    """The FP8 decode kernel's oracle: the selected experts dequantized (float32), then `fused_moe_ref`. Slots with
+    id < 0 (padding) contribute nothing."""
+    sel = ids.long()
+    present = torch.unique(sel[sel >= 0]).tolist()
+    E = experts.q13.shape[0]
+    inter, H = experts.q13.shape[1] // 2, experts.q13.shape[2]
+    w13 = torch.zeros(E, 2 * inter, H, dtype=torch.float32, device=x.device)
+    w2 = torch.zeros(E, H, inter, dtype=torch.float32, device=x.device)
+    for e in present:
+        w13[e], w2[e] = experts.w13(e), experts.w2(e)
+    w = torch.where(sel >= 0, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
+    return fused_moe_ref(x, sel.clamp_min(0), w, w13, w2)

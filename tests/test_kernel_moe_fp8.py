@@ -1,0 +1,139 @@
+"""Float8 experts (issue 17, `packed_fp8_experts`): the bf16 fused MoE decode kernels in FP8 mode (float8_e4m3fn
+bytes and 128x128-style block scales read and applied in registers) against their reference (dequantize, then
+matmul: `moe_ref.fused_moe_fp8_ref`), and the per-expert CPU/prefill loop `grouped_moe_fp8`.
+
+Without CUDA the kernels run under Triton's interpreter (tests/conftest.py) at tiny shapes with small blocks whose
+edges cut (I and H not multiples of the block, gate's and up's blocks apart). The `gpu` test takes Qwen3-Next-80B's
+expert shape (H 2048, I 512, 512 experts, top 10, 128 x 128 blocks) at 1/4/16 tokens and prints the time against
+the bf16 kernels over the same experts dequantized.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from stage_worker.kernels import moe as K  # noqa: E402
+from stage_worker.kernels.moe_ref import Fp8Experts, fused_moe_fp8_ref, fused_moe_ref  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [rows, cols] -> (float8_e4m3fn bytes as uint8, float32 scales per block), amax / 448 per block."""
+    rows, cols = w.shape
+    br, bc = block
+    nr, nc = -(-rows // br), -(-cols // bc)
+    p = torch.nn.functional.pad(w.float(), (0, nc * bc - cols, 0, nr * br - rows))
+    scale = (p.view(nr, br, nc, bc).abs().amax((1, 3)) / 448.0).clamp_min(1e-12)
+    full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (w.float() / full).to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def make_experts(E: int, h: int, i: int, block: tuple[int, int], seed: int) -> Fp8Experts:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * i, h, generator=g) / h ** 0.5
+    w2 = torch.randn(E, h, i, generator=g) / i ** 0.5
+    nr, nc = -(-i // block[0]), -(-h // block[1])
+    q13 = torch.empty(E, 2 * i, h, dtype=torch.uint8)
+    s13 = torch.empty(E, 2, nr, nc)
+    q2 = torch.empty(E, h, i, dtype=torch.uint8)
+    s2 = torch.empty(E, -(-h // block[0]), -(-i // block[1]))
+    for e in range(E):
+        q13[e, :i], s13[e, 0] = quantize_block(w13[e, :i], block)
+        q13[e, i:], s13[e, 1] = quantize_block(w13[e, i:], block)
+        q2[e], s2[e] = quantize_block(w2[e], block)
+    return Fp8Experts(*(t.to(DEV) for t in (q13, s13, q2, s2)), block)
+
+
+def _route(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    return ids.to(DEV), w.to(DEV)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_dequantize_matches_the_loaders_dequantization():
+    from shared.quant_scheme import WeightQuant
+    from stage_worker.model.quant_weight import dequantize_float
+
+    ex = make_experts(2, 40, 24, (16, 16), 0)
+    wq = WeightQuant(bits=8, kind="float", strategy="block", block=(16, 16), format="float-quantized")
+    gate = dequantize_float(ex.q13[1, :24].view(torch.float8_e4m3fn), ex.s13[1, 0], wq, torch.float32)
+    up = dequantize_float(ex.q13[1, 24:].view(torch.float8_e4m3fn), ex.s13[1, 1], wq, torch.float32)
+    assert torch.equal(ex.w13(1), torch.cat([gate, up]))
+    assert torch.equal(ex.w2(1), dequantize_float(ex.q2[1].view(torch.float8_e4m3fn), ex.s2[1], wq, torch.float32))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_fp8_decode_kernel_matches_the_reference_and_is_deterministic(T):
+    E, k, h, i = 6, 2, 40, 24                     # edge blocks cut in both dimensions; I not a multiple of 16
+    ex = make_experts(E, h, i, (16, 16), 1)
+    ids, w = _route(T, E, k, 2 + T)
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(3)).to(DEV)
+    out = K.fused_moe_fp8(x, ids, w, ex)
+    ref = fused_moe_fp8_ref(x, ids, w, ex)
+    assert _rel(out, ref) < 1e-5
+    assert torch.equal(out, K.fused_moe_fp8(x, ids, w, ex))            # same bits again
+    add = torch.randn(T, h, generator=torch.Generator().manual_seed(4)).to(DEV)
+    assert torch.equal(K.fused_moe_fp8(x, ids, w, ex, add=add), out + add)
+
+
+def test_fp8_decode_kernel_skips_padding_slots_and_the_loop_agrees():
+    E, k, h, i = 5, 2, 32, 16
+    ex = make_experts(E, h, i, (16, 16), 5)
+    ids, w = _route(2, E, k, 6)
+    ids[1] = K.SKIP                               # a CUDA graph's padding row: no expert read, zeros out
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(7)).to(DEV)
+    out = K.fused_moe_fp8(x, ids, w, ex)
+    assert torch.count_nonzero(out[1]) == 0
+    ref = fused_moe_fp8_ref(x, ids, w, ex)
+    assert _rel(out, ref) < 1e-5
+    loop = K.grouped_moe_fp8(x, ids, w, ex)
+    assert _rel(loop, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fp8_kernel_at_qwen3_next_80b_shape_against_the_reference_and_the_bf16_kernel():
+    """Qwen3-Next-80B-A3B's experts (H 2048, I 512, 512 experts, top 10, 128 x 128 blocks), 1/4/16 tokens: the FP8
+    kernel against the reference, bit-stable over repeats, and its time against the bf16 kernels on the same
+    experts dequantized (prints us and the bytes' TB/s)."""
+    E, k, h, i = 512, 10, 2048, 512
+    ex = make_experts(E, h, i, (128, 128), 0)
+    w13 = torch.stack([ex.w13(e) for e in range(E)]).to(torch.bfloat16)
+    w2 = torch.stack([ex.w2(e) for e in range(E)]).to(torch.bfloat16)
+    for T in (1, 4, 16):
+        ids, w = _route(T, E, k, T)
+        x = torch.randn(T, h, generator=torch.Generator().manual_seed(T)).to(DEV, torch.bfloat16)
+        out = K.fused_moe_fp8(x, ids, w, ex)
+        ref = fused_moe_fp8_ref(x, ids, w, ex)
+        assert _rel(out, ref) < 1e-2, T                  # bf16 output rounding
+        assert torch.equal(out, K.fused_moe_fp8(x, ids, w, ex))
+        bf = K.fused_moe(x, ids, w.to(torch.bfloat16), w13, w2)
+        assert _rel(bf, fused_moe_ref(x, ids, w, w13, w2)) < 1e-2
+        times = {}
+        for name, fn in (("fp8", lambda: K.fused_moe_fp8(x, ids, w, ex)),
+                         ("bf16", lambda: K.fused_moe(x, ids, w.to(torch.bfloat16), w13, w2))):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name] = start.elapsed_time(end) / 50 * 1e3
+        sel = len(torch.unique(ids))
+        fp8_bytes = sel * 3 * h * i
+        print(f"T={T:2d} experts={sel:3d} fp8 {times['fp8']:.1f} us ({fp8_bytes / times['fp8'] / 1e6:.2f} TB/s) "
+              f"bf16 {times['bf16']:.1f} us ({2 * fp8_bytes / times['bf16'] / 1e6:.2f} TB/s)")
