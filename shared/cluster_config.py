@@ -104,6 +104,10 @@ class ClusterConfig:
     # weight (H200, reports-mixed full shape: 13.2 against 8.4 ms a batch-1 step, 55.3 against 12.3 at batch 4); on
     # saves 3.7 GB of the full shape's weights (docs/performance.md).
     packed_dense: bool = False
+    # Block-FP8 checkpoints (transformers' `fp8`, issue 17): routed experts stay float8 with their 128x128 block
+    # scales (half the bf16 bytes) and run the FP8 decode kernel (stage_worker/kernels/moe.py, FP8 mode); off:
+    # dequantized to the compute dtype at load. Off until the H200 verifies the kernel (bench/results/fp8-experts-1).
+    packed_fp8_experts: bool = False
     # Long context (issue 18): QSA layers keep their K/V rows and raw indexer keys in one exact-size pinned host
     # allocation per stage, read over PCIe by the decode kernels; only the pooled keys stay in VRAM, so a KV block
     # costs 1/37 of the VRAM at the full shape (stage_worker/model/cache.py, shared/kv_layout.py).
@@ -294,6 +298,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVES_ASYNC": "expert_moves_async",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
+        "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}
 

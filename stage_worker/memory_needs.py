@@ -39,7 +39,7 @@ from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
 from stage_worker.activation_peak import context_growth, has_indexer
 from stage_worker.checkpoint.loader import packed_dense_specs
-from stage_worker.checkpoint.packed_experts import dummy_groups, packed_layers
+from stage_worker.checkpoint.packed_experts import dummy_groups, fp8_layers, packed_layers
 from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
@@ -91,6 +91,9 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                 packed = {layer: dummy_groups(cfg) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
             for layer, groups in packed.items():
                 model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
+            fp8 = fp8_layers(plan, cfg, spec.start, spec.end) if cluster.packed_fp8_experts else {}
+            for layer, fp8_block in fp8.items():
+                model.moe_layers()[layer].use_fp8(fp8_block)       # float8 experts: bytes and block scales
             if cluster.packed_dense and plan is not None:         # dense layers kept packed (PackedLinear)
                 use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
@@ -102,6 +105,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE))
         sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
+                 _fp8_expert_bytes(model.moe_layers()[layer]) if layer in fp8 else
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
@@ -129,6 +133,11 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                               host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload),
                               offload_helps=qsa and not offload))
     return out
+
+
+def _fp8_expert_bytes(moe) -> int:
+    """One routed expert kept float8 (`SparseMoE.use_fp8`, built on meta): its bytes and block scales."""
+    return sum(t[0].numel() * t.element_size() for t in (moe.q13, moe.s13, moe.q2, moe.s2))
 
 
 def device_memory(names: list[str]) -> dict[str, tuple[int, int]]:

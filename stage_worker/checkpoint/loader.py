@@ -25,7 +25,7 @@ from shared.ple_table import ensure_table, shard_row_counts
 from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name, normalise, pieces_for
-from stage_worker.checkpoint.packed_experts import PackedPlacer, packed_layers
+from stage_worker.checkpoint.packed_experts import PackedPlacer, fp8_layers, packed_layers
 from stage_worker.checkpoint.random_init import dummy_ple_table, fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.model.meta_build import on_meta
@@ -57,6 +57,7 @@ class LoadOptions:
     cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
     packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
+    packed_fp8_experts: bool = False          # block-FP8 checkpoints' routed experts stay float8 (packed_experts.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
     dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
@@ -85,9 +86,11 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
-                packed: dict[int, tuple[int, int]] | None = None, dense=None) -> StageModel:
+                packed: dict[int, tuple[int, int]] | None = None, dense=None,
+                fp8: dict[int, tuple[int, int]] | None = None) -> StageModel:
     """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed;
-    `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec."""
+    `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec; `fp8`: MoE layer -> scale
+    block of experts kept float8."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)
     with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
@@ -95,6 +98,8 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     for layer, moe in model.moe_layers().items():
         if layer in (packed or {}):
             moe.use_packed(*packed[layer])
+        elif layer in (fp8 or {}):
+            moe.use_fp8(fp8[layer])
     if dense is not None:
         use_packed_dense(model, dense(model))    # words and scales, allocated with everything else below
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
@@ -118,10 +123,16 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         packed = packed_layers(plan_of(model_dir), cfg, opts.start, end)
     elif opts.load_format == "dummy" and opts.dummy_int4:
         packed = {layer: tuple(opts.dummy_int4) for layer in range(opts.start, end) if cfg.is_sparse_moe(layer)}
+    fp8 = {}
+    if opts.load_format == "safetensors" and opts.packed_fp8_experts:
+        fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end)
+        if fp8 and opts.cold_experts:
+            raise CheckpointError("packed_fp8_experts with cold_experts is not supported yet (the expert tables "
+                                  "hold bf16 or INT4 slots): turn one of them off")
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
         dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731
-    model = build_empty(cfg, opts, packed, dense)
+    model = build_empty(cfg, opts, packed, dense, fp8)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
@@ -159,7 +170,8 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
     quant = _Dequantizer(plan_of(model_dir), pieces)
-    placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items() if moe.packed_group},
+    placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items()
+                           if moe.packed_group or moe.fp8_block},
                           CheckpointError)
     dense = _DensePlacer(model)
     for path in checkpoint_files(model_dir):

@@ -6,6 +6,11 @@ A layer's experts stay packed when the checkpoint's scheme for them is compresse
 groups that are multiples of 8 (whole int32 words per group; gate and up alike, down may differ), and the hidden
 and expert widths are multiples of 8: the reports' release. Anything else is dequantized at load (`quant_weight`).
 The MTP head's experts are always dequantized. Switch: cluster key `packed_experts` (MOEPIPE_PACKED_EXPERTS=0).
+
+The third form: a block-FP8 checkpoint's (transformers' `fp8`) routed experts kept as their float8 bytes (uint8
+storage) and float32 block scales (`SparseMoE.use_fp8`), half the bf16 bytes; the placer copies each expert's
+`weight` and `weight_scale_inv` into its rows. Switch: cluster key `packed_fp8_experts`
+(MOEPIPE_PACKED_FP8_EXPERTS=1, off by default until the H200 verifies the FP8 kernel).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from shared.quant_scheme import QuantPlan
 
 NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale|"
                   r"weight_shape)$")
+FP8_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
+FP8_PARTS = ("weight", "weight_scale_inv")
 
 
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
@@ -40,6 +47,23 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
         if all((w.kind, w.bits, w.symmetric, w.strategy, w.format) == ("int", 4, True, "group", "pack-quantized")
                and w.group_size % 8 == 0 for w in schemes):
             out[layer] = (schemes[0].group_size, schemes[2].group_size)
+    return out
+
+
+def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int) -> dict[int, tuple[int, int]]:
+    """Decoder layer -> (rows, columns) of a scale block, for this stage's MoE layers whose experts stay float8
+    (`packed_fp8_experts`): a transformers `fp8` checkpoint whose gate, up and down of the experts are all
+    quantized (none in `modules_to_not_convert`)."""
+    if plan is None or plan.method != "fp8":
+        return {}
+    out = {}
+    for layer in range(start, end):
+        if not cfg.is_sparse_moe(layer):
+            continue
+        schemes = [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{p}_proj") for p in ("gate", "up", "down")]
+        if all(w is not None and (w.kind, w.bits, w.strategy) == ("float", 8, "block") and w.block == schemes[0].block
+               for w in schemes):
+            out[layer] = tuple(schemes[0].block)
     return out
 
 
@@ -65,11 +89,14 @@ class PackedPlacer:
         self.seen: set[tuple[int, int, str, str]] = set()
 
     def takes(self, name: str) -> bool:
-        m = NAME.match(name)
-        return m is not None and int(m.group(1)) in self.moes
+        m = NAME.match(name) or FP8_NAME.match(name)
+        return m is not None and int(m.group(1)) in self.moes and \
+            bool(self.moes[int(m.group(1))].fp8_block) == (m.re is FP8_NAME)
 
     @torch.no_grad()
     def place(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
+        if FP8_NAME.match(name):
+            return self._place_fp8(name, tensor, raw_name, path)
         layer, e, proj, part = NAME.match(name).groups()
         layer, e = int(layer), int(e)
         moe = self.moes[layer]
@@ -91,9 +118,33 @@ class PackedPlacer:
             target.copy_(tensor.to(target.dtype))
         self.seen.add((layer, e, proj, part))
 
+    def _place_fp8(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
+        """A float8 expert's weight (its bytes, into the uint8 rows) or its block scales (float32)."""
+        layer, e, proj, part = FP8_NAME.match(name).groups()
+        layer, e = int(layer), int(e)
+        moe = self.moes[layer]
+        E, two_i, H = tuple(moe.q13.shape)
+        inter = two_i // 2
+        if e >= E:
+            raise self.error(f"tensor {raw_name!r} in {path}: expert {e}, but the layer has {E}")
+        if part == "weight":
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise self.error(f"tensor {raw_name!r} in {path} is {tensor.dtype}; float8 experts kept in float8 "
+                                 f"(packed_fp8_experts) take float8_e4m3fn")
+            target = moe.q13[e, :inter] if proj == "gate" else moe.q13[e, inter:] if proj == "up" else moe.q2[e]
+            tensor = tensor.view(torch.uint8)
+        else:
+            target = moe.s13[e, 0] if proj == "gate" else moe.s13[e, 1] if proj == "up" else moe.s2[e]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
+                             f"{list(target.shape)} (float8 experts, blocks {moe.fp8_block})")
+        target.copy_(tensor.to(target.dtype))
+        self.seen.add((layer, e, proj, part))
+
     def finish(self, model_dir: Path) -> None:
         missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.num_experts)
-                   for proj in ("gate", "up", "down") for part in ("weight_packed", "weight_scale", "weight_shape")
+                   for proj in ("gate", "up", "down")
+                   for part in (FP8_PARTS if moe.fp8_block else ("weight_packed", "weight_scale", "weight_shape"))
                    if (layer, e, proj, part) not in self.seen]
         if missing:
             shown = ", ".join(f"model.layers.{lay}.mlp.experts.{e}.{p}_proj.{part}" for lay, e, p, part in missing[:3])

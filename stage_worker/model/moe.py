@@ -72,6 +72,7 @@ class SparseMoE(nn.Module):
         self.last_expert_ids: torch.Tensor | None = None
         self.table: ExpertTable | None = None
         self.packed_group = self.packed_group2 = 0   # > 0: INT4 experts, inputs per scale of w13 / w2 (use_packed)
+        self.fp8_block: tuple[int, int] | None = None  # float8 experts: (rows, columns) per scale (use_fp8)
 
     def use_table(self, table: ExpertTable) -> None:
         """Serve the routed experts from `table` (some in host RAM); w13/w2 (or, INT4 experts kept packed, the
@@ -95,8 +96,31 @@ class SparseMoE(nn.Module):
         self.register_buffer("s2", torch.empty(E, H, -(-inter // group2), dtype=dtype, device=device))
         self.packed_group, self.packed_group2 = group, group2
 
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the routed experts as a block-FP8 checkpoint's float8 bytes and scales (issue 17,
+        `packed_fp8_experts`): q13 uint8 [E, 2I, H], s13 float32 [E, 2, ceil(I/br), ceil(H/bc)] (gate's blocks,
+        up's), q2 uint8 [E, H, I], s2 float32 [E, ceil(H/br), ceil(I/bc)] (`kernels.moe_ref.Fp8Experts`); the
+        same buffers the INT4 form uses, in a third form. uint8 storage, so no model-wide `.to(dtype)` can cast
+        them. Built on the meta device and filled by the loader."""
+        E, two_i, H = self.w13.shape
+        inter = two_i // 2
+        br, bc = block
+        device = self.w13.device
+        del self.w13, self.w2
+        self.register_buffer("q13", torch.empty(E, two_i, H, dtype=torch.uint8, device=device))
+        self.register_buffer("s13", torch.empty(E, 2, -(-inter // br), -(-H // bc), dtype=torch.float32,
+                                                device=device))
+        self.register_buffer("q2", torch.empty(E, H, inter, dtype=torch.uint8, device=device))
+        self.register_buffer("s2", torch.empty(E, -(-H // br), -(-inter // bc), dtype=torch.float32, device=device))
+        self.fp8_block = (br, bc)
+
     def packed(self):
-        """The INT4 experts as the kernels take them (without a table: `table.packed_experts()` has both tiers)."""
+        """The INT4 experts as the kernels take them (without a table: `table.packed_experts()` has both tiers);
+        float8 experts: `Fp8Experts`."""
+        if self.fp8_block:
+            from stage_worker.kernels.moe_ref import Fp8Experts
+
+            return Fp8Experts(self.q13, self.s13, self.q2, self.s2, self.fp8_block)
         from stage_worker.kernels.moe_int4_ref import PackedExperts
 
         return PackedExperts(self.q13, self.s13, self.q2, self.s2, self.packed_group, self.packed_group2)
@@ -106,7 +130,7 @@ class SparseMoE(nn.Module):
         return ids if self.table is None else self.table.experts_of(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_group:
+        if self.packed_group or self.fp8_block:
             return self._forward_packed(x)
         t = self.table
         if self.kernels.moe and x.is_cuda:
@@ -180,8 +204,7 @@ class SparseMoE(nn.Module):
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
             elif t is None:
-                out = fused_moe_int4(x2, ids, weights, self.packed(),
-                                     splitk=self.kernels.moe_int4_splitk)
+                out = self._routed_decode(x2, ids, weights)
             elif decode and triton_usable(x2):
                 dev, host = t.packed_experts()
                 out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot,
@@ -236,8 +259,7 @@ class SparseMoE(nn.Module):
             shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma, wide=wide), packed[1], swiglu=weights[:, k],
                                     fma=fma, wide=wide)
         if t is None:
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], self.packed(), add=shared_out,
-                                 splitk=self.kernels.moe_int4_splitk)
+            out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out)
         else:
             dev, host = t.packed_experts()
             out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, add=shared_out,
@@ -245,13 +267,30 @@ class SparseMoE(nn.Module):
         self.last_expert_ids = ids[:, :k]
         return out
 
+    def _routed_decode(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' decode launches without a table: the INT4 pair, or the bf16 pair in FP8 mode
+        (`kernels.moe.fused_moe_fp8`) for float8 experts; `add` summed into the output."""
+        if self.fp8_block:
+            from stage_worker.kernels.moe import fused_moe_fp8
+
+            return fused_moe_fp8(x2, ids, weights, self.packed(), add=add)
+        from stage_worker.kernels.moe_int4 import fused_moe_int4
+
+        return fused_moe_int4(x2, ids, weights, self.packed(), add=add, splitk=self.kernels.moe_int4_splitk)
+
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:
         """INT4 experts at prefill (and on the CPU): with `kernel`, the grouped tensor-core GEMMs of
         `moe_int4_prefill.py` (four launches with host slots, no host sync, each host slot read over PCIe once a
-        chunk); otherwise the per-expert loop (`ExpertTable.moe_int4`, `moe_int4.grouped_moe_int4`)."""
+        chunk); otherwise the per-expert loop (`ExpertTable.moe_int4`, `moe_int4.grouped_moe_int4`). Float8
+        experts: the per-expert loop `moe.grouped_moe_fp8` (no table; their tensor-core kernel is not written)."""
         from stage_worker.kernels.moe_int4 import grouped_moe_int4
 
+        if self.fp8_block:
+            from stage_worker.kernels.moe import grouped_moe_fp8
+
+            return grouped_moe_fp8(x2, ids, weights, self.packed())
         t = self.table
         if kernel:
             from stage_worker.kernels.moe_int4_prefill import grouped_moe_int4_triton
@@ -275,8 +314,8 @@ class SparseMoE(nn.Module):
         weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
-        if self.packed_group:
-            # the INT4 kernels take no shared-expert slot; a bf16 shared expert gets the bf16 kernel's w13 layout
+        if self.packed_group or self.fp8_block:
+            # the INT4 (and FP8) kernels take no shared-expert slot; a bf16 shared expert gets the bf16 kernel's w13 layout
             if se is not None and all(type(m) is nn.Linear for m in (se.gate_proj, se.up_proj, se.down_proj)) \
                     and self._packed_shared() is None:
                 self._shared_w13 = fuse_rows([se.gate_proj, se.up_proj])
