@@ -104,3 +104,25 @@ def test_the_memory_plan_counts_fp8_experts_at_their_size(fp8_dirs):
     assert planned.expert_bytes == sum(t[0].numel() * t.element_size() for t in (moe.q13, moe.s13, moe.q2, moe.s2))
     off = stage_needs(cfg, dataclasses.replace(cluster, packed_fp8_experts=False))[0]
     assert planned.weights < off.weights
+
+
+def test_a_layer_s_fp8_decode_launches_give_the_cpu_path(fp8_dirs):
+    """The layer's decode launches with float8 experts (router + shared gate GEMV, the router kernel, the shared
+    expert's bf16 pair, the FP8 pair adding it) give the PyTorch path's output (each present expert dequantized
+    once), on the CPU under the interpreter; same bits when run again."""
+    from stage_worker.kernels.flags import KernelFlags
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests cover the kernel path on CUDA")
+    pytest.importorskip("triton")
+    model = load_model(fp8_dirs["qwen3_next"], LoadOptions(dtype=torch.float32, packed_fp8_experts=True))
+    model.set_kernels(KernelFlags.parse("all"))
+    moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
+    assert moe.fp8_block and moe._packed_router() is not None and moe._packed_shared() is not None
+    x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        fast = moe._packed_decode(x, None)
+        again = moe._packed_decode(x, None)
+        ref = moe(x)                                    # CPU: the PyTorch path
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast, again)
