@@ -71,10 +71,13 @@ def test_fp8_experts_with_cold_experts_are_refused_clearly(fp8_dirs):
 
 
 def test_the_switch_is_off_by_default_and_set_from_the_environment(monkeypatch):
+    import inspect
+
     from shared.cluster_config import ClusterConfig, env_overrides
-    from stage_worker.stage_loader import load_stage  # noqa: F401  (the key reaches LoadOptions there)
+    from stage_worker.stage_loader import load_stage
 
     assert ClusterConfig.__dataclass_fields__["packed_fp8_experts"].default is False
+    assert "packed_fp8_experts=cluster.packed_fp8_experts" in inspect.getsource(load_stage)
     monkeypatch.setenv("MOEPIPE_PACKED_FP8_EXPERTS", "1")
     assert env_overrides()["packed_fp8_experts"] is True
 
