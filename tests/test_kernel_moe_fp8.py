@@ -73,10 +73,12 @@ def test_dequantize_matches_the_loaders_dequantization():
     assert torch.equal(ex.w2(1), dequantize_float(ex.q2[1].view(torch.float8_e4m3fn), ex.s2[1], wq, torch.float32))
 
 
-@pytest.mark.parametrize("T", [1, 3])
-def test_fp8_decode_kernel_matches_the_reference_and_is_deterministic(T):
-    E, k, h, i = 6, 2, 40, 24                     # edge blocks cut in both dimensions; I not a multiple of 16
-    ex = make_experts(E, h, i, (16, 16), 1)
+@pytest.mark.parametrize("T,block", [(1, (16, 16)), (3, (16, 16)), (2, (16, 64))])
+def test_fp8_decode_kernel_matches_the_reference_and_is_deterministic(T, block):
+    """Blocks (16, 16): edge blocks cut in both dimensions, I not a multiple of 16, a gathered scale per weight
+    (the tiles span column blocks); (16, 64): one column block a tile, one scale a row (ROW_SCALE)."""
+    E, k, h, i = 6, 2, 40, 24
+    ex = make_experts(E, h, i, block, 1)
     ids, w = _route(T, E, k, 2 + T)
     x = torch.randn(T, h, generator=torch.Generator().manual_seed(3)).to(DEV)
     out = K.fused_moe_fp8(x, ids, w, ex)
@@ -162,14 +164,14 @@ for bucket in (1, 4, 16):
                        act_ptr="*fp32", stride_xt="i32", stride_we="i32", stride_wr="i32", FIRST_HOST="i32",
                        scale_ptr="*fp32")
             const = dict(H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, NB_R=I // br, NB_C=H // bc, BR=br, BC=bc,
-                         FP8=True)
+                         FP8=True, ROW_SCALE=bc % bh == 0)
         else:
             fn, (bh, bi, warps) = M._moe_down_kernel, M.DOWN_CFG[bucket]
             sig = dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*bf16", w2_ptr="*u8", sw2_ptr="*u8",
                        hw2_ptr="*u8", out_ptr="*bf16", stride_we="i32", stride_wh="i32", stride_ot="i32",
                        FIRST_HOST="i32", scale_ptr="*fp32")
             const = dict(H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi, NB_R=H // br, NB_C=I // bc, BR=br, BC=bc,
-                         FP8=True)
+                         FP8=True, ROW_SCALE=bc % bi == 0)
         names = list(fn.arg_names)
         sig = {n: sig.get(n, "constexpr") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -177,7 +179,8 @@ for bucket in (1, 4, 16):
         c = triton.compile(ASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps))
         ptx = c.asm["ptx"]
-        out.append(dict(name=name, bucket=bucket, fp8_cvt="e4m3" in ptx, **ptxas_info(ptx)))
+        out.append(dict(name=name, bucket=bucket, row_scale=const["ROW_SCALE"], fp8_cvt="e4m3" in ptx,
+                        **ptxas_info(ptx)))
 print(json.dumps(out))
 """
     for r in run_compile_script(script, timeout=300):

@@ -165,12 +165,14 @@ if triton is not None:
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
                        FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
-                       NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1, FP8: tl.constexpr = False):
+                       NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1, FP8: tl.constexpr = False,
+                       ROW_SCALE: tl.constexpr = False):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
         (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
         shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
         block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's);
-        no shared or host slots then."""
+        no shared or host slots then. ROW_SCALE (BC a multiple of BLOCK_H: a tile's columns lie in one column block):
+        one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -190,11 +192,18 @@ if triton is not None:
             m = mask_i[:, None] & mask_h[None, :]
             if FP8:
                 sb = scale_ptr + e * (2 * NB_R * NB_C)
-                sidx = (offs_i // BR)[:, None] * NB_C + (offs_h // BC)[None, :]
                 wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
                 wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
-                wg = wg.to(tl.float32) * tl.load(sb + sidx, mask=m, other=0.0)
-                wu = wu.to(tl.float32) * tl.load(sb + NB_R * NB_C + sidx, mask=m, other=0.0)
+                if ROW_SCALE:
+                    sidx = (offs_i // BR) * NB_C + h0 // BC
+                    sg = tl.load(sb + sidx, mask=mask_i, other=0.0)[:, None]
+                    su = tl.load(sb + NB_R * NB_C + sidx, mask=mask_i, other=0.0)[:, None]
+                else:
+                    sidx = (offs_i // BR)[:, None] * NB_C + (offs_h // BC)[None, :]
+                    sg = tl.load(sb + sidx, mask=m, other=0.0)
+                    su = tl.load(sb + NB_R * NB_C + sidx, mask=m, other=0.0)
+                wg = wg.to(tl.float32) * sg
+                wu = wu.to(tl.float32) * su
             else:
                 wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
                 wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
@@ -209,9 +218,9 @@ if triton is not None:
                          stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
                          NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
-                         FP8: tl.constexpr = False):
+                         FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
-        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C]."""
+        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (ROW_SCALE: BC a multiple of BLOCK_I)."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -229,9 +238,14 @@ if triton is not None:
                     a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
                     m = mask_h[:, None] & mask_i[None, :]
                     if FP8:
-                        sidx = (offs_h // BR)[:, None] * NB_C + (offs_i // BC)[None, :]
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
-                        w = w.to(tl.float32) * tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=m, other=0.0)
+                        if ROW_SCALE:
+                            sidx = (offs_h // BR) * NB_C + i0 // BC
+                            sc = tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=mask_h, other=0.0)[:, None]
+                        else:
+                            sidx = (offs_h // BR)[:, None] * NB_C + (offs_i // BC)[None, :]
+                            sc = tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=m, other=0.0)
+                        w = w.to(tl.float32) * sc
                     else:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
                     acc += w.to(tl.float32) * (wt * a)[None, :]
@@ -444,11 +458,11 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, q13, act, x.stride(0), q13.stride(0),
                                                q13.stride(1), E, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
                                                scale_ptr=s13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
-                                               FP8=True, num_warps=up_warps)
+                                               FP8=True, ROW_SCALE=bc % bh == 0, num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, q2, out, q2.stride(0), q2.stride(1),
                                              out.stride(0), E, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              scale_ptr=s2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
-                                             FP8=True, num_warps=down_warps)
+                                             FP8=True, ROW_SCALE=bc % bi == 0, num_warps=down_warps)
     return out if add is None else out + add
