@@ -186,3 +186,19 @@ print(json.dumps(out))
     for r in run_compile_script(script, timeout=300):
         print(r)
         assert r["spill"] == 0 and r["fp8_cvt"], r
+
+
+def test_bf16_activations_with_fp32_router_weights_and_the_shared_output_added():
+    """As the layer calls it on a GPU: bf16 x, the router's fp32 weights (rounded to bf16 in the down launch, as the
+    CPU path uses them) and the shared expert's bf16 output added before the one rounding."""
+    E, k, h, i = 6, 3, 32, 16
+    ex = make_experts(E, h, i, (16, 16), 8)
+    ids, w = _route(2, E, k, 9)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, h, generator=g).to(DEV, torch.bfloat16)
+    add = torch.randn(2, h, generator=g).to(DEV, torch.bfloat16)
+    out = K.fused_moe_fp8(x, ids, w, ex, add=add)
+    assert out.dtype == torch.bfloat16
+    ref = fused_moe_fp8_ref(x.float(), ids, w.to(torch.bfloat16), ex) + add.float()
+    assert _rel(out, ref) < 1e-2
+    assert torch.equal(out, K.fused_moe_fp8(x, ids, w, ex, add=add))

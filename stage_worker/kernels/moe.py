@@ -218,9 +218,12 @@ if triton is not None:
                          stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
                          NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
-                         FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
+                         FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, add_ptr=None,
+                         ADD: tl.constexpr = False):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
-        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (ROW_SCALE: BC a multiple of BLOCK_I)."""
+        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (ROW_SCALE: BC a multiple of BLOCK_I), and the router
+        weights rounded to the output's dtype first (as the CPU path uses them). ADD: + add_ptr's row (the shared
+        expert's output, rows of stride_ot) before the one rounding to the output dtype."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -229,6 +232,8 @@ if triton is not None:
             tj = t * TOP_K + j
             e = tl.load(ids_ptr + tj).to(tl.int64)
             wt = tl.load(wts_ptr + tj).to(tl.float32)
+            if FP8:
+                wt = round_to(wt, out_ptr.dtype.element_ty)
             if e != SKIP_ID:
                 base = expert_rows(e, w2_ptr, sw2_ptr, hw2_ptr, stride_we, FIRST_HOST)
                 rows = base + offs_h[:, None].to(tl.int64) * stride_wh
@@ -250,6 +255,8 @@ if triton is not None:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
                     acc += w.to(tl.float32) * (wt * a)[None, :]
         out = tl.sum(acc, axis=1)
+        if ADD:
+            out += tl.load(add_ptr + t * stride_ot + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -429,7 +436,8 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     Decode (T*k <= DECODE_MAX_TK, Triton usable): the two bf16 decode kernels in FP8 mode (float8 bytes converted
     and scaled per block in registers, fp32 sums in a fixed order: deterministic), no host sync. Otherwise
     `grouped_moe_fp8` (the tensor-core prefill kernel for float8 experts is not written yet). The router weights are
-    rounded to x.dtype first, as the CPU path uses them."""
+    rounded to x.dtype first, as the CPU path uses them (in the down launch; `add` too is added there, before the
+    output's one rounding)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = experts.q13.shape
@@ -441,9 +449,8 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} q13 "
                          f"{tuple(experts.q13.shape)} {experts.q13.dtype} s13 {tuple(experts.s13.shape)} q2 "
                          f"{tuple(experts.q2.shape)} s2 {tuple(experts.s2.shape)} blocks {experts.block}")
-    weights = weights.to(x.dtype)
     if T * k > DECODE_MAX_TK or not triton_usable(x):
-        out = grouped_moe_fp8(x, ids, weights, experts)
+        out = grouped_moe_fp8(x, ids, weights.to(x.dtype), experts)
         return out if add is None else out + add
     q13, q2 = experts.q13, experts.q2
     s13, s2 = experts.s13.float().contiguous(), experts.s2.float().contiguous()
@@ -452,6 +459,8 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
+    if add is not None and (add.shape != (T, H) or add.stride() != out.stride()):
+        raise ValueError(f"add {tuple(add.shape)} / {add.stride()} must be [T, H] like the output")
     x, ids, weights, act = decode_operands(x, ids, weights, I)
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
@@ -464,5 +473,6 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, q2, out, q2.stride(0), q2.stride(1),
                                              out.stride(0), E, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              scale_ptr=s2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
-                                             FP8=True, ROW_SCALE=bc % bi == 0, num_warps=down_warps)
-    return out if add is None else out + add
+                                             FP8=True, ROW_SCALE=bc % bi == 0, add_ptr=add, ADD=add is not None,
+                                             num_warps=down_warps)
+    return out
