@@ -70,16 +70,22 @@ def test_fp8_experts_with_cold_experts_are_refused_clearly(fp8_dirs):
         load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=True, cold_experts={1: [0]}))
 
 
-def test_the_switch_is_off_by_default_and_set_from_the_environment(monkeypatch):
-    import inspect
-
-    from shared.cluster_config import ClusterConfig, env_overrides
+def test_the_switch_is_off_by_default_set_from_the_environment_and_reaches_a_stage(fp8_dirs, monkeypatch):
+    from shared.cluster_config import ClusterConfig, StageSpec, env_overrides
+    from shared.model_config import load_config
     from stage_worker.stage_loader import load_stage
 
     assert ClusterConfig.__dataclass_fields__["packed_fp8_experts"].default is False
-    assert "packed_fp8_experts=cluster.packed_fp8_experts" in inspect.getsource(load_stage)
     monkeypatch.setenv("MOEPIPE_PACKED_FP8_EXPERTS", "1")
     assert env_overrides()["packed_fp8_experts"] is True
+    qdir = fp8_dirs["qwen4_exp"]
+    cfg = load_config(qdir)
+    n = cfg.num_hidden_layers
+    for on in (False, True):
+        cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=1, dtype="float32",
+                                stages=[StageSpec(0, n, "", "cpu")], packed_fp8_experts=on)
+        moes = load_stage(cluster, 0, cfg).moe_layers()
+        assert moes and all(bool(m.fp8_block) == on for m in moes.values())
 
 
 def test_the_memory_plan_counts_fp8_experts_at_their_size(fp8_dirs):
