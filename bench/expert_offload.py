@@ -317,7 +317,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=128, help="steps before measuring (moves settle here too)")
     ap.add_argument("--policies", default="8:512:2",
                     help="move policies to run, each interval:half-life:margin (steps, steps, count lead); the "
-                         "server's defaults are 8:512:2")
+                         "server's default is 1:128:0.5")
     ap.add_argument("--moves-async", default="0,1",
                     help="each policy with the in-stream swap (0) and/or the side-stream rounds (1, "
                          "expert_moves_async)")

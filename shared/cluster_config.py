@@ -93,8 +93,10 @@ class ClusterConfig:
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
     # a move's row copies run on a side stream while other layers compute (each layer's between its own MoE in one
-    # step and in the next: `StageExperts.start_async`); off: the in-stream swap between steps (`move_round`)
-    expert_moves_async: bool = True
+    # step and in the next: `StageExperts.start_async`); off: the in-stream swap between steps (`move_round`).
+    # Off by default until the H200 has run its GPU tests (side-stream work captured into the decode graphs):
+    # bench/results/moves-async-1/next.txt
+    expert_moves_async: bool = False
     # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
     # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
