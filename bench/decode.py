@@ -273,6 +273,7 @@ def main() -> int:
             model.set_kernels(KernelFlags.parse(kernels))
             for context, b in ((int(c), int(x)) for c in args.context.split(",") for x in args.batch.split(",")):
                 fill = args.fill or ("random" if context > 8192 else "prefill")
+                t_run = time.perf_counter()
                 try:
                     r = run_batch(model, cfg, b, context, args.steps, args.warmup, graphs == "1",
                                   args.max_model_len, fill, args.qsa_kv_offload, args.row_cache_mib)
@@ -284,6 +285,11 @@ def main() -> int:
                 r["roofline_tokens_per_s"] = b * bandwidth / r["bytes"]["total"]
                 r["percent_of_roofline"] = 100 * r["tokens_per_s"] / r["roofline_tokens_per_s"]
                 rows.append(r)
+                # one line as each run ends (the table comes after all of them): a run cut off by a timeout still
+                # leaves the earlier ones (h200-13 F: 4k and 262k at batch 1 and 4 printed nothing in 120 s)
+                print(f"done: context {context} batch {b}: {1e3 * r['median_step_s']:.2f} ms a step, "
+                      f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_run:.0f} s with its set-up and "
+                      f"{fill} fill)", flush=True)
                 torch.cuda.empty_cache()
     print(f"{'kernels':>28} {'graphs':>6} {'context':>7} {'K/V':>4} {'hits':>5} {'batch':>5} {'GB/step':>8} "
           f"{'experts':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'%':>6} {'kernels':>8} {'peak GB':>8}")
