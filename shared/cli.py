@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")
     s.add_argument("--kv-row-cache-mib", type=int, default=None, metavar="MIB",
                    help="with --qsa-kv-offload: cache the K/V rows decode reads from host RAM in MIB of VRAM per "
-                        "stage (0: off; also MOEPIPE_KV_ROW_CACHE=1, MOEPIPE_KV_ROW_CACHE_MIB)")
+                        "stage (default 256; 0: off; also MOEPIPE_KV_ROW_CACHE=0/1, MOEPIPE_KV_ROW_CACHE_MIB)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,

@@ -116,8 +116,10 @@ class ClusterConfig:
     qsa_kv_offload: bool = False
     # ... and a region of VRAM caching the K/V rows decode steps read from there, keyed by physical row: hits read
     # VRAM, misses host memory in the same kernel, same output bits (stage_worker/kernels/kv_row_cache.py, 002 §5).
-    # `kv_row_cache_mib` is the region of one stage, shared by its QSA layers; counted by the memory plan.
-    kv_row_cache: bool = False
+    # `kv_row_cache_mib` is the region of one stage, shared by its QSA layers; counted by the memory plan. On by
+    # default (it only acts with qsa_kv_offload on a GPU): on the H200 it took one full-shape layer's decode at 262k
+    # from 148 to 94 us (batch 1, hits 0.88) with output bits unchanged (bench/results/h200-13).
+    kv_row_cache: bool = True
     kv_row_cache_mib: int = 256
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)

@@ -253,7 +253,7 @@ def _qsa_cfg():
 
 
 def test_switch_in_config_env_and_cli(monkeypatch, tmp_path):
-    """`kv_row_cache` off by default; MOEPIPE_KV_ROW_CACHE / _MIB and --kv-row-cache-mib set it; it takes VRAM only
+    """`kv_row_cache` on by default; MOEPIPE_KV_ROW_CACHE / _MIB and --kv-row-cache-mib set it; it takes VRAM only
     over host K/V."""
     from shared.cli import build_parser, serve_options
     from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, env_overrides
@@ -266,6 +266,9 @@ def test_switch_in_config_env_and_cli(monkeypatch, tmp_path):
     assert env_overrides()["kv_row_cache"] is True and env_overrides()["kv_row_cache_mib"] == 64
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--kv-row-cache-mib", "32"])
     assert serve_options(args).extra["kv_row_cache"] is True and serve_options(args).extra["kv_row_cache_mib"] == 32
+    assert ClusterConfig(model="m", gateway_endpoint="", stages=[StageSpec(0, 1, "", "cpu")]).kv_row_cache
+    monkeypatch.setenv("MOEPIPE_KV_ROW_CACHE", "0")
+    assert env_overrides()["kv_row_cache"] is False                 # the off switch
     c = ClusterConfig(model="m", gateway_endpoint="", stages=[StageSpec(0, 1, "", "cpu")], kv_row_cache=True,
                       kv_row_cache_mib=8)
     assert c.row_cache_bytes == 0                                   # no host K/V: nothing to cache
