@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from graph_timing import graph_us  # noqa: E402
 from stage_worker.kernels import hyper_connection as HC  # noqa: E402
 from stage_worker.kernels import hyper_connection_ref as HC_REF  # noqa: E402
 from stage_worker.kernels import moe as MOE  # noqa: E402
@@ -36,23 +37,7 @@ from stage_worker.kernels import moe as MOE  # noqa: E402
 
 def graph_time(fn, reps: int, runs: int = 5) -> float:
     """Seconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of `runs` replays)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / reps)
-    return statistics.median(times)
+    return graph_us(lambda i: fn(), reps, runs) / 1e6
 
 
 def cublas_yardstick(nbytes: int, h: int, t: int, reps: int) -> float:

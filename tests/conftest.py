@@ -142,30 +142,12 @@ def cuda_us(fn, warmup: int = 3, reps: int = 20) -> float:
 
 
 def graph_us(fn, calls: int = 20, runs: int = 5, warmup: int = 1) -> float:
-    """Microseconds per call of `fn(i)`, i = 0..calls-1, captured into one CUDA graph and replayed `runs` times
-    (median): launch overheads as a decode graph sees them. `fn(0..warmup-1)` run eagerly first (compiles)."""
-    import statistics
+    """Microseconds per call of `fn(i)` replayed from one CUDA graph: `bench/graph_timing.graph_us`, the benchmarks'
+    timer, so the GPU tests' tables and the benchmarks' agree."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from graph_timing import graph_us as timed
 
-    import torch
-
-    for i in range(warmup):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return timed(fn, calls, runs, warmup)
 
 
 def collect_events(core, requests, timeout: float = 120) -> list[list]:

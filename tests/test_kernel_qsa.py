@@ -521,25 +521,9 @@ def test_cuda_graph_replay_follows_the_context_lengths():
 def graph_us(fn, reps: int = 20) -> float:
     """Microseconds per call of `fn` replayed from a CUDA graph of `reps` calls (median of 5 replays): decode replays
     graphs, so the Python launch cost of a path of several kernels is not what a step pays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                                        # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[2]
+    from conftest import graph_us as timed
+
+    return timed(lambda i: fn(), reps, 5)
 
 
 @pytest.mark.gpu
