@@ -29,6 +29,15 @@ FP8_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|dow
 FP8_PARTS = ("weight", "weight_scale_inv")
 
 
+def _expert_schemes(plan: QuantPlan, cfg: HybridMoeConfig, start: int, end: int):
+    """(layer, [scheme of gate, up, down] of expert 0) for this stage's MoE layers: what decides whether a layer's
+    experts can stay in their checkpoint's form."""
+    for layer in range(start, end):
+        if cfg.is_sparse_moe(layer):
+            yield layer, [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{part}_proj")
+                          for part in ("gate", "up", "down")]
+
+
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
                   end: int) -> dict[int, tuple[int, int]]:
     """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4."""
@@ -38,10 +47,7 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
     if H % 8 or inter % 8:
         return {}
     out = {}
-    for layer in range(start, end):
-        if not cfg.is_sparse_moe(layer):
-            continue
-        schemes = [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{p}_proj") for p in ("gate", "up", "down")]
+    for layer, schemes in _expert_schemes(plan, cfg, start, end):
         if any(w is None for w in schemes) or schemes[0] != schemes[1]:
             continue
         if all((w.kind, w.bits, w.symmetric, w.strategy, w.format) == ("int", 4, True, "group", "pack-quantized")
@@ -57,10 +63,7 @@ def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: in
     if plan is None or plan.method != "fp8":
         return {}
     out = {}
-    for layer in range(start, end):
-        if not cfg.is_sparse_moe(layer):
-            continue
-        schemes = [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{p}_proj") for p in ("gate", "up", "down")]
+    for layer, schemes in _expert_schemes(plan, cfg, start, end):
         if all(w is not None and (w.kind, w.bits, w.strategy) == ("float", 8, "block") and w.block == schemes[0].block
                for w in schemes):
             out[layer] = tuple(schemes[0].block)
