@@ -307,25 +307,54 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}
 
 
+_INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
+             "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib")
+_FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
+               "expert_move_margin")
+_STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
+_LIST_KEYS = ("allowed_hosts", "allowed_origins")
+
+
 def env_overrides() -> dict[str, Any]:
-    """Feature switches set in the environment (A/B without editing the config file)."""
+    """Feature switches set in the environment (A/B without editing the config file). A value that is not of the
+    key's type is a ClusterConfigError naming the variable; an empty number or switch (VAR=) counts as not set."""
     out: dict[str, Any] = {}
     for env, key in _ENV.items():
-        if env in os.environ:
-            val = os.environ[env]
-            if key in ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
-                       "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib"):
-                out[key] = int(val)
-            elif key in ("kernels", "dtype", "api_key", "link_keys", "cold_experts"):
-                out[key] = val
-            elif key in ("allowed_hosts", "allowed_origins"):
-                out[key] = [h.strip() for h in val.split(",") if h.strip()]
-            elif key in ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit",
-                         "expert_move_half_life", "expert_move_margin"):
-                out[key] = _float_env(env, val)
-            else:
-                out[key] = val.lower() not in ("0", "false", "no", "off")
+        val = os.environ.get(env)
+        if val is None or (not val.strip() and key not in _STRING_KEYS + _LIST_KEYS):
+            continue
+        if key in _INT_KEYS:
+            out[key] = _int_env(env, val)
+        elif key in _FLOAT_KEYS:
+            out[key] = _float_env(env, val)
+        elif key in _STRING_KEYS:
+            out[key] = val
+        elif key in _LIST_KEYS:
+            out[key] = [h.strip() for h in val.split(",") if h.strip()]
+        else:
+            out[key] = _bool_env(env, val)
     return out
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool_env(name: str, val: str) -> bool:
+    """A switch is on or off; a typo (MOEPIPE_CUDA_GRAPHS=ture) is an error, not silently "on"."""
+    low = val.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ClusterConfigError(f"{name}={val!r}: expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def _int_env(name: str, val: str) -> int:
+    try:
+        return int(val)
+    except ValueError:
+        raise ClusterConfigError(f"{name}={val!r}: expected a whole number") from None
 
 
 def _float_env(name: str, val: str) -> float:

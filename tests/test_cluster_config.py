@@ -255,3 +255,35 @@ def test_the_supervisor_restarts_the_ple_service_s_stages_once():
     sup.check(now=102.0)                              # restarted, with stage 0
     sup.check(now=110.0)
     assert restarted == ["ple"] and sup.due == {}
+
+
+def test_env_overrides_parse_each_key_by_its_type_and_name_bad_values(monkeypatch):
+    """Every MOEPIPE_* switch is parsed as its config field's type; a typo is an error naming the variable (before,
+    MOEPIPE_CUDA_GRAPHS=ture silently meant "on" and MOEPIPE_MICROBATCHES=two raised a bare ValueError)."""
+    import typing
+
+    from shared import cluster_config as cc
+
+    hints = typing.get_type_hints(cc.ClusterConfig)
+    samples = {int: ("3", 3, "two"), float: ("0.5", 0.5, "half"), bool: ("off", False, "ture"), str: ("x", "x", None)}
+    for env, key in cc._ENV.items():
+        monkeypatch.delenv(env, raising=False)
+    for env, key in cc._ENV.items():
+        kind = hints[key]
+        if typing.get_origin(kind) is list:
+            monkeypatch.setenv(env, " a , b,")
+            assert cc.env_overrides()[key] == ["a", "b"], env
+        else:
+            good, parsed, bad = samples[kind]
+            monkeypatch.setenv(env, good)
+            got = cc.env_overrides()[key]
+            assert got == parsed and type(got) is kind, (env, got)
+            if bad is not None:
+                monkeypatch.setenv(env, bad)
+                with pytest.raises(ClusterConfigError, match=f"{env}='{bad}': expected"):
+                    cc.env_overrides()
+                monkeypatch.setenv(env, "")          # VAR= means not set, not "on" and not an error
+                assert key not in cc.env_overrides()
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("MOEPIPE_CUDA_GRAPHS", " YES ")
+    assert cc.env_overrides() == {"cuda_graphs": True}
