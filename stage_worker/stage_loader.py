@@ -18,7 +18,7 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold,
                        packed_experts=cluster.packed_experts, dummy_ple_file=cluster.dummy_ple_file,
-                       packed_fp8_experts=cluster.packed_fp8_experts,
+                       packed_fp8_experts=cluster.keeps_fp8_experts(),
                        # a CPU stage dequantizes dense layers at load: unpacking at every call costs more there
                        # than the bytes save (demo model, reports-mixed: 74-94 against 48-56 ms a decode step)
                        packed_dense=cluster.packed_dense and spec.device.startswith("cuda"))

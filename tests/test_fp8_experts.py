@@ -70,14 +70,16 @@ def test_fp8_experts_with_cold_experts_are_refused_clearly(fp8_dirs):
         load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=True, cold_experts={1: [0]}))
 
 
-def test_the_switch_is_off_by_default_set_from_the_environment_and_reaches_a_stage(fp8_dirs, monkeypatch):
+def test_the_switch_is_on_by_default_set_from_the_environment_and_reaches_a_stage(fp8_dirs, monkeypatch):
+    import dataclasses
+
     from shared.cluster_config import ClusterConfig, StageSpec, env_overrides
     from shared.model_config import load_config
     from stage_worker.stage_loader import load_stage
 
-    assert ClusterConfig.__dataclass_fields__["packed_fp8_experts"].default is False
-    monkeypatch.setenv("MOEPIPE_PACKED_FP8_EXPERTS", "1")
-    assert env_overrides()["packed_fp8_experts"] is True
+    assert ClusterConfig.__dataclass_fields__["packed_fp8_experts"].default is True
+    monkeypatch.setenv("MOEPIPE_PACKED_FP8_EXPERTS", "0")
+    assert env_overrides()["packed_fp8_experts"] is False
     qdir = fp8_dirs["qwen4_exp"]
     cfg = load_config(qdir)
     n = cfg.num_hidden_layers
@@ -86,6 +88,10 @@ def test_the_switch_is_off_by_default_set_from_the_environment_and_reaches_a_sta
                                 stages=[StageSpec(0, n, "", "cpu")], packed_fp8_experts=on)
         moes = load_stage(cluster, 0, cfg).moe_layers()
         assert moes and all(bool(m.fp8_block) == on for m in moes.values())
+        # cold experts live in expert tables of bf16 or INT4 slots: with them the experts are dequantized at load
+        # instead of the server refusing a default setting
+        assert cluster.keeps_fp8_experts() == on
+        assert not dataclasses.replace(cluster, cold_experts="auto").keeps_fp8_experts()
 
 
 def test_the_memory_plan_counts_fp8_experts_at_their_size(fp8_dirs):

@@ -82,7 +82,7 @@ def test_wide_kernel_matches_the_reference(bits, dense):
         pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
         for t in ts:
             x = torch.randn(t, K, generator=g).to(DEV)
-            out = Q.quant_gemv(x, pw, cfg=(64, 64, 4), fma=t % 2 == 0)
+            out = Q.quant_gemv(x, pw, cfg=(64, 64, 4), fma=t % 2 == 0, wide=True)
             torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{group} {t}")
 
 
@@ -136,7 +136,7 @@ def test_half_precision_activations():
     pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 32)
     for t, fma in ((1, True), (4, True), (4, False), (16, True)):                # 16: the wide kernel
         x = torch.randn(t, K, generator=g).to(DEV, torch.float16)
-        out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma)
+        out = Q.quant_gemv(x, pw, cfg=SMALL, fma=fma, wide=True)
         ref = quant_gemv_ref(x, pw)
         assert out.dtype == torch.float16
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-3
@@ -180,7 +180,7 @@ def test_the_swiglu_input_is_computed_as_it_loads(t, fma):
     # fp16 under the interpreter: its float -> bf16 casts truncate (every output 1-2% small here), the GPU rounds
     gate_up = torch.randn(t, 2 * K, generator=g).to(DEV, torch.bfloat16 if CUDA else torch.float16)
     w = torch.rand(t, 3, generator=g).to(DEV)[:, 2]
-    got = Q.quant_gemv(gate_up, pw, cfg=SMALL, swiglu=w, fma=fma)
+    got = Q.quant_gemv(gate_up, pw, cfg=SMALL, swiglu=w, fma=fma, wide=True)
     want = quant_gemv_ref(swiglu_input(gate_up, w), pw).float()
     assert ((got.float() - want).norm() / want.norm()).item() < 5e-3       # 16-bit outputs: an ulp apart at most
     assert ((got.float() - want).abs() <= want.abs() / 128 + 1e-2).all()
@@ -347,7 +347,7 @@ def test_full_shape_on_the_gpu(monkeypatch):
                         torch.cuda.synchronize()
                         assert torch.equal(replayed, out), (name, t, fma, wide)
                     assert not split_locks(x.device).any()
-                us_wide = _graph_us([lambda p=p: Q.quant_gemv(x, p) for p in pws]) if t > 1 else float("nan")
+                us_wide = _graph_us([lambda p=p: Q.quant_gemv(x, p, wide=True) for p in pws]) if t > 1 else float("nan")
             us = _graph_us([lambda p=p: Q.quant_gemv(x, p, wide=False) for p in pws])
             us_dot = _graph_us([lambda p=p: Q.quant_gemv(x, p, fma=False, wide=False) for p in pws]) if t > 1 \
                 else float("nan")
@@ -374,7 +374,7 @@ def test_the_swiglu_input_at_the_shared_expert_s_shape_on_the_gpu():
     for t in (1, 4, 8, 16):
         gate_up = torch.randn(t, 2 * 640, device="cuda").to(torch.bfloat16)
         w = torch.rand(t, 11, device="cuda")[:, 10]
-        got = Q.quant_gemv(gate_up, pw, swiglu=w).float()
+        got = Q.quant_gemv(gate_up, pw, swiglu=w, wide=True).float()
         want = quant_gemv_ref(swiglu_input(gate_up, w), pw).float()
         assert ((got - want).norm() / want.norm()).item() < 1e-2, t
 
@@ -417,7 +417,8 @@ def test_sweep_wide_configs_on_the_gpu():
         pws = _copies(N, K, bits, group, dense)
         for t in (8, 16):
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c) for p in pws]) for cfg in SWEEP_WIDE}
+            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c, wide=True) for p in pws])
+                     for cfg in SWEEP_WIDE}
             best = min(times, key=times.get)
             print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
                   f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)

@@ -431,7 +431,7 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
 
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
-               swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = True) -> torch.Tensor:
+               swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = False) -> torch.Tensor:
     """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
     device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
     `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is

@@ -190,7 +190,7 @@ def still_fused_packed(fused: PackedWeight | None, mods: Sequence[nn.Module]) ->
     return row == fused.out_features
 
 
-def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: bool = True) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T for a packed weight, as PackedLinear.forward runs it (the GEMV kernel on a GPU or under the
     interpreter where tests opt in, else a block of rows dequantized at a time; `fma`, `wide`: quant_gemv's)."""
     from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
