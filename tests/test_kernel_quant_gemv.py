@@ -86,6 +86,25 @@ def test_wide_kernel_matches_the_reference(bits, dense):
             torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4, msg=f"{group} {t}")
 
 
+@pytest.mark.parametrize("K,group,dense", [(128, 32, False), (120, 24, True)])
+def test_wide_kernel_reads_no_scale_past_the_last_input(K, group, dense):
+    """A scale a value (group not a multiple of the period) with a last period running past K: the values past K
+    must not load a scale. The scales sit at the end of a buffer whose tail is NaN, so a read past the last row's
+    last scale column turns the output NaN (on the H200 it was an illegal address, h200-14)."""
+    N, bits = 40, 6
+    g = torch.Generator().manual_seed(K)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense)
+    assert Q.launch_config(5, N, K, group, torch.device(DEV), bits=bits, dense=dense, wide=True)["SCALE"] == 2
+    buf = torch.full((pw.scales.numel() + 64,), float("nan"), dtype=pw.scales.dtype)
+    buf[: pw.scales.numel()] = pw.scales.flatten()
+    buf = buf.to(DEV)
+    pw = PackedWeight(pw.words.to(DEV), buf[: pw.scales.numel()].view(N, -1), bits, K, group)
+    x = torch.randn(5, K, generator=g).to(DEV)
+    out = Q.quant_gemv(x, pw, cfg=(64, 64, 4), wide=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+
+
 def test_periods_and_scale_modes():
     """A period is the smallest run of whole words with whole values (INT6 stream: 16 in 3 words); a group scale is
     loaded once a period when the group is a multiple of it, else once a value; tiles are whole periods, a power

@@ -299,7 +299,7 @@ if triton is not None:
     @triton.jit
     def _wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J: tl.constexpr, STEP: tl.constexpr,
                      PP: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                     SCALE: tl.constexpr):
+                     SCALE: tl.constexpr, K: tl.constexpr):
         """The dequantized weights (u - 2^(BITS-1)) * s of values J, J + STEP, ... of each period ([BLOCK_N, NPER]
         words), joined so that the tile reads [BLOCK_N, NPER, PP // STEP] in input order: each join adds a last
         dimension for the lowest bit left of j, so the whole tree, flattened, is value j of period p at p * PP + j.
@@ -310,7 +310,9 @@ if triton is not None:
             if J < P:
                 f = _value(w0, w1, w2, one, J, BITS)
                 if SCALE == 2:
-                    sj = tl.load(sv_ptr + (kp + J) // GROUP, mask=mask_s, other=0.0).to(tl.float32)
+                    # masked per value: the last period's values past K would read the scale column after the
+                    # row's last (past the tensor's end on the last row: h200-14's illegal address)
+                    sj = tl.load(sv_ptr + (kp + J) // GROUP, mask=mask_s & (kp + J < K), other=0.0).to(tl.float32)
                     v = (f * (1 << BITS) - ((1 << BITS) + (1 << (BITS - 1)))) * sj
                 else:
                     v = tl.fma(f, s1, -s2)
@@ -318,9 +320,9 @@ if triton is not None:
                 v = tl.zeros(w0.shape, tl.float32)
         else:
             v = tl.join(_wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J, 2 * STEP, PP, P, BITS, GROUP,
-                                     SCALE),
+                                     SCALE, K),
                         _wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J + STEP, 2 * STEP, PP, P, BITS,
-                                     GROUP, SCALE))
+                                     GROUP, SCALE, K))
         return v
 
     @triton.jit
@@ -378,7 +380,7 @@ if triton is not None:
                 s1 = 0.0
                 s2 = 0.0
             v = _wide_values(w0, w1, w2, one, s1, s2, s_ptr + r2 * stride_sn, kp, mask_s, 0, 1, PP, P, BITS, GROUP,
-                             SCALE)                                          # [NPER, BLOCK_N, 2, ..., 2]
+                             SCALE, K)                                          # [NPER, BLOCK_N, 2, ..., 2]
             v = tl.permute(tl.reshape(v, [NPER, BLOCK_N, PP]), (1, 0, 2))
             wt = tl.reshape(v, [BLOCK_N, NPER * PP])
             k = k0 + k_in
