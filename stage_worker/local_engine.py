@@ -13,7 +13,7 @@ import torch
 
 from shared.block_manager import BlockManager
 from shared.kv_layout import resolve_block_size
-from stage_worker.model.batch import StepBatch
+from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 
@@ -21,7 +21,7 @@ from stage_worker.model.model import StageModel
 @dataclass
 class _Seq:
     slot: int
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockTable = field(default_factory=BlockTable)
     length: int = 0
 
 
@@ -64,7 +64,7 @@ class LocalEngine:
 
     def release(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)
-        self.blocks.release(seq.blocks)
+        self.blocks.release(list(seq.blocks))
         self.blocks.release_slot(seq.slot)
 
     @torch.no_grad()
@@ -78,7 +78,7 @@ class LocalEngine:
         if seq.length:
             raise ValueError(f"sequence {seq_id} already has {seq.length} tokens")
         seq.blocks.extend(self.blocks.allocate(-(-length // self.block_size)))
-        blocks = torch.tensor(seq.blocks, dtype=torch.long)
+        blocks = torch.from_numpy(seq.blocks.view().astype("int64"))
         for cache in self.caches:
             for att in cache.attention.values():
                 for t in (att.k, att.v, att.index_keys):

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 from shared.cluster_config import ClusterConfig
 from shared.protocol import Activations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult, TokenOut
 from shared.sampling import SamplingParams
-from stage_worker.model.batch import StepBatch
+from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
@@ -98,7 +98,7 @@ class StageRunner:
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
         self.requests: dict[str, _ReqState] = {}
-        self.tables: dict[str, list[int]] = {}   # each request's KV block table, grown by its entries' new_blocks
+        self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
         cfg = model.cfg
@@ -214,10 +214,10 @@ class StageRunner:
             batch.logits_indices = to_device(idx, torch.long, self.device)
         return batch
 
-    def _table(self, e) -> list[int]:
+    def _table(self, e) -> BlockTable:
         """The entry's whole block table: what earlier entries sent, plus its new blocks (plans arrive in order)."""
         if e.context_len == 0:
-            self.tables[e.req_id] = list(e.new_blocks)
+            self.tables[e.req_id] = BlockTable(e.new_blocks)
         elif e.req_id in self.tables:
             self.tables[e.req_id].extend(e.new_blocks)
         else:

@@ -10,7 +10,7 @@ The MTP head's experts are always dequantized. Switch: cluster key `packed_exper
 The third form: a block-FP8 checkpoint's (transformers' `fp8`) routed experts kept as their float8 bytes (uint8
 storage) and float32 block scales (`SparseMoE.use_fp8`), half the bf16 bytes; the placer copies each expert's
 `weight` and `weight_scale_inv` into its rows. Switch: cluster key `packed_fp8_experts`
-(MOEPIPE_PACKED_FP8_EXPERTS=1, off by default until the H200 verifies the FP8 kernel).
+(MOEPIPE_PACKED_FP8_EXPERTS=0 turns it off; on by default since the H200 ran the FP8 kernel, h200-14).
 """
 
 from __future__ import annotations

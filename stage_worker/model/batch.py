@@ -6,11 +6,61 @@ object and the caches; they never see requests, schedulers or sockets.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from stage_worker.host_copy import to_device
+
+
+class BlockTable:
+    """One sequence's KV block ids, grown in place and read as an int32 array without a copy. A 262k-token sequence
+    has 16,384 blocks; rebuilding each decode step's tables from Python lists cost ~0.4 ms a sequence of host time
+    with the GPU idle (H200, full shape: 5.45 against 3.62 ms a step at 262k against 4k context, batch 1). A view
+    taken before a later `extend` keeps the ids it saw (appends land past its end; growing copies to a new buffer),
+    so a step built ahead of the next plan's blocks is unaffected."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        self._buf = np.empty(16, dtype=np.int32)
+        self._n = 0
+        self.extend(ids)
+
+    def extend(self, ids: Iterable[int]) -> None:
+        new = np.asarray(ids if isinstance(ids, (np.ndarray, Sequence)) else list(ids), dtype=np.int32).reshape(-1)
+        end = self._n + new.size
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size), dtype=np.int32)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n:end] = new
+        self._n = end
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._n]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return iter(self.view().tolist())
+
+    def __getitem__(self, i):
+        return self.view()[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.view().tolist()})"
+
+
+def _ids(table: BlockTable | Sequence[int]) -> np.ndarray:
+    """A block table as an int32 array: a BlockTable's view (no copy), anything else converted."""
+    return table.view() if isinstance(table, BlockTable) else np.asarray(table, dtype=np.int32).reshape(-1)
 
 
 @dataclass
@@ -20,7 +70,7 @@ class StepBatch:
     seq_lens: list[int]              # tokens each sequence feeds this step
     context_lens: list[int]          # tokens each sequence already has in the caches before this step
     slots: list[int]                 # per-sequence state slot (Gated DeltaNet, PLE conv and n-gram context)
-    block_tables: list[list[int]]    # per-sequence KV block ids, covering context_len + seq_len tokens
+    block_tables: list[np.ndarray]   # per-sequence KV block ids (int32), covering context_len + seq_len tokens
     block_size: int
     slot_mapping: torch.Tensor = field(init=False)   # [T] flat KV row of each token
     # Rows already gathered by the PLE service, keyed by global layer index: [T, heads, head_dim].
@@ -35,11 +85,13 @@ class StepBatch:
     sparse_prefill: bool = True
 
     def __post_init__(self) -> None:
-        rows = []
+        self.block_tables = [_ids(t) for t in self.block_tables]
+        parts = []
         for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
-            for p in range(ctx, ctx + n):
-                rows.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-        self.slot_mapping = to_device(rows, torch.long, self.token_ids.device)
+            pos = np.arange(ctx, ctx + n, dtype=np.int64)
+            parts.append(table[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size)
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self.slot_mapping = to_device(torch.from_numpy(rows), torch.long, self.token_ids.device)
         if self.logits_indices is None:
             ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0) - 1
             self.logits_indices = to_device(ends, torch.long, self.token_ids.device)
@@ -62,7 +114,10 @@ class StepBatch:
         if getattr(self, "_tables", None) is None:
             width = max(len(t) for t in self.block_tables)
             dev = self.token_ids.device
-            bt = to_device([t + [0] * (width - len(t)) for t in self.block_tables], torch.int32, dev)
+            padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
+            for row, t in zip(padded, self.block_tables):
+                row[: len(t)] = t
+            bt = to_device(torch.from_numpy(padded), torch.int32, dev)
             lens = to_device([c + n for c, n in zip(self.context_lens, self.seq_lens)], torch.int32, dev)
             self._tables = (bt, lens)
         return self._tables
@@ -88,13 +143,14 @@ class StepBatch:
         """Flat KV rows of the first `length` tokens of sequence i."""
         bs = self.block_size
         pos = torch.arange(length)
-        table = torch.tensor(self.block_tables[i], dtype=torch.long)
+        table = torch.from_numpy(self.block_tables[i].astype(np.int64))
         return (table[pos // bs] * bs + pos % bs).to(self.token_ids.device)
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int, list[int]]], block_size: int,
               device: torch.device | str = "cpu", all_logits: bool = False) -> "StepBatch":
-        """seqs: (tokens fed this step, context_len, slot, block_table) per sequence."""
+        """seqs: (tokens fed this step, context_len, slot, block_table) per sequence; a `BlockTable` is read without
+        a copy, a list is converted."""
         ids, pos = [], []
         for tokens, ctx, _, _ in seqs:
             ids.extend(tokens)
@@ -104,6 +160,6 @@ class StepBatch:
             token_ids=to_device(ids, torch.long, device),
             positions=to_device(pos, torch.long, device),
             seq_lens=[len(s[0]) for s in seqs], context_lens=[s[1] for s in seqs],
-            slots=[s[2] for s in seqs], block_tables=[list(s[3]) for s in seqs], block_size=block_size,
+            slots=[s[2] for s in seqs], block_tables=[_ids(s[3]) for s in seqs], block_size=block_size,
             logits_indices=torch.arange(n, device=device) if all_logits else None,
         )
