@@ -215,8 +215,9 @@ def _process_name(pid: int) -> str:
         return "?"
 
 
-def _stage_wait(before: dict, after: dict) -> float:
-    name = ("moepipe_ple_stage_wait_seconds_total", ())
+def _ple_delta(before: dict, after: dict, series: str = "stage_wait_seconds") -> float:
+    """How much one `moepipe_ple_<series>_total` counter grew between two scrapes."""
+    name = (f"moepipe_ple_{series}_total", ())
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
@@ -255,7 +256,11 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
             m2 = scrape(url)
             runs_out.append({"prompt_tokens": tokens, "cold_s": cold, "warm_s": warm, "resident_before": share,
                              "mapped_before_bytes": mapped, "page_out_refused": refused,
-                             "cold_ple_wait_s": _stage_wait(m0, m1), "warm_ple_wait_s": _stage_wait(m1, m2)})
+                             "cold_ple_wait_s": _ple_delta(m0, m1), "warm_ple_wait_s": _ple_delta(m1, m2),
+                             # the prefetch threads' work for the cold request: pages advised and the seconds
+                             # spent advising them (summed over threads; ple_prefetch_threads)
+                             "cold_prefetch_pages": _ple_delta(m0, m1, "prefetch_pages"),
+                             "cold_prefetch_s": _ple_delta(m0, m1, "prefetch_seconds")})
     cold = statistics.median(r["cold_s"] for r in runs_out)
     warm = statistics.median(r["warm_s"] for r in runs_out)
     return {"prompt_chars": chars, "runs": runs, "text_seed": text_seed, "cold_ttft_median_s": cold,
@@ -369,10 +374,11 @@ def main() -> int:
 def _report_cold(cold: dict, meta: dict, out: Path) -> int:
     print(f"PLE table {cold['table_gib']:.1f} GiB; prompt {cold['prompt_chars']} chars; text seed {cold['text_seed']}")
     print(f"{'run':>3} {'tokens':>7} {'resident':>8} {'cold s':>8} {'warm s':>8} {'cold/warm':>9} "
-          f"{'PLE wait cold s':>15} {'warm s':>7}")
+          f"{'PLE wait cold s':>15} {'warm s':>7} {'prefetched pages':>16} {'advising s':>10}")
     for i, r in enumerate(cold["per_run"]):
         print(f"{i:>3} {r['prompt_tokens']:>7} {r['resident_before']:>8.3f} {r['cold_s']:>8.2f} {r['warm_s']:>8.2f} "
-              f"{r['cold_s'] / r['warm_s']:>9.2f} {r['cold_ple_wait_s']:>15.2f} {r['warm_ple_wait_s']:>7.2f}")
+              f"{r['cold_s'] / r['warm_s']:>9.2f} {r['cold_ple_wait_s']:>15.2f} {r['warm_ple_wait_s']:>7.2f} "
+              f"{r.get('cold_prefetch_pages', 0):>16.0f} {r.get('cold_prefetch_s', 0):>10.2f}")
         held = ", ".join(f"pid {pid} {b / 2**30:.2f} GiB" for pid, b in sorted(r.get("mapped_before_bytes", {}).items()))
         print(f"    still mapped in processes before the cold request: {held or 'none'}"
               + "".join(f"; {why}" for why in r.get("page_out_refused", [])))

@@ -132,4 +132,5 @@ class ClusterExecutor:
             self.metrics.set_stage_stats(int(msg.component[5:]), msg.stats)
         elif msg.component == "ple":
             self.metrics.set_ple_totals("ple", prefetch_pages=msg.stats.get("prefetch_pages"),
+                                        prefetch_seconds=msg.stats.get("prefetch_seconds"),
                                         gather_seconds=msg.stats.get("gather_seconds"))

@@ -35,6 +35,9 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 PLE_SERIES = {
     "prefetch_pages": ("moepipe_ple_prefetch_pages", "PLE table pages prefetched (cumulative, as reported)"),
+    "prefetch_seconds": ("moepipe_ple_prefetch_seconds",
+                         "Seconds the PLE service's prefetch threads spent advising pages, summed over threads "
+                         "(cumulative, as reported)"),
     "gather_seconds": ("moepipe_ple_gather_seconds", "Seconds spent gathering PLE rows (cumulative, as reported)"),
     "stage_wait_seconds": ("moepipe_ple_stage_wait_seconds",
                            "Seconds stages waited for PLE rows (cumulative, as reported)"),
@@ -186,10 +189,11 @@ class Metrics:
         self.restarts.labels(component=component).set(count)
 
     def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
-                       gather_seconds: float | None = None, stage_wait_seconds: float | None = None,
-                       stage_gathers: float | None = None) -> None:
+                       prefetch_seconds: float | None = None, gather_seconds: float | None = None,
+                       stage_wait_seconds: float | None = None, stage_gathers: float | None = None) -> None:
         """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
-        given = {"prefetch_pages": prefetch_pages, "gather_seconds": gather_seconds,
+        given = {"prefetch_pages": prefetch_pages, "prefetch_seconds": prefetch_seconds,
+                 "gather_seconds": gather_seconds,
                  "stage_wait_seconds": stage_wait_seconds, "stage_gathers": stage_gathers}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 

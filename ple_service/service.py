@@ -84,7 +84,7 @@ class PleService:
             flat = [self.tables[layer] for layer in self.layers]
             if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
                 self.advisors = [Advisor.for_table(t, force_fallback=force_madvise_fallback) for t in flat]
-                self.prefetcher = PromptPrefetcher(self.advisors)
+                self.prefetcher = PromptPrefetcher(self.advisors, threads=cluster.ple_prefetch_threads)
         self._requests: dict[str, _Request] = {}
         self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
         self._waiting: deque[Plan] = deque()

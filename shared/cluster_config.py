@@ -60,6 +60,9 @@ class ClusterConfig:
     # prompt prefetch with process_madvise; micro-batches across stages.
     ple_service: bool = True
     ple_prefetch: bool = True
+    # threads advising a prompt's table pages (ple_service/prefetch.py): one walked a 32k-token prompt's ~500k
+    # random pages too slowly for a cold prefill (H200 h200-14: 1.9 s of row waits, cold TTFT 1.8x warm)
+    ple_prefetch_threads: int = 4
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
@@ -198,6 +201,9 @@ class ClusterConfig:
                                      "> 0 steps and expert_move_margin >= 0")
         if self.kv_row_cache_mib < 0:
             raise ClusterConfigError("cluster config: kv_row_cache_mib must be >= 0 (0 = no row cache)")
+        if self.ple_prefetch_threads < 1:
+            raise ClusterConfigError("cluster config: ple_prefetch_threads must be >= 1 (turn prefetch off with "
+                                     "ple_prefetch = false)")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         if self.ple_decode_in_stage_max_seqs < 1:
@@ -288,6 +294,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
+        "MOEPIPE_PLE_PREFETCH_THREADS": "ple_prefetch_threads",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_PLE_DECODE_IN_STAGE": "ple_decode_in_stage",
         "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
@@ -315,7 +322,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
-             "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib")
+             "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")

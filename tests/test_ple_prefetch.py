@@ -182,6 +182,53 @@ def test_cancel_drops_pending_batches(tiny):
     table.close()
 
 
+def test_several_threads_advise_every_batch_at_once_and_cancel_still_bites(tiny):
+    """`threads` workers (cluster key ple_prefetch_threads): batches are taken in queue order and advised
+    concurrently (three held inside advise at once), every page of the prompt is advised exactly once, and a
+    cancel drops what no worker has taken yet."""
+    path, spec = tiny
+    table = open_table(path)
+    row_bytes = table.dim * table.tensor.element_size()
+    gate = threading.Event()
+    lock = threading.Lock()
+    inside, most, seen = [0], [0], []
+
+    class Gated(_Recording):
+        def advise(self, ranges):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            gate.wait(5)
+            try:
+                return super().advise(ranges)
+            finally:
+                with lock:
+                    inside[0] -= 1
+
+    rec = Gated.for_table(table)
+    rows, _ = ngram_rows_numpy(spec, initial_context(spec), _prompt(spec, 40))
+    pf = PromptPrefetcher([rec], batch_tokens=4, threads=3)
+    try:
+        assert pf.submit("a", [rows]) == 10
+        assert pf.submit("b", [rows[:8]]) == 2
+        deadline = time.monotonic() + 5
+        while inside[0] < 3 and time.monotonic() < deadline:      # three of a's batches in flight at once
+            time.sleep(0.001)
+        assert inside[0] == 3 and pf.pending() == 9
+        assert pf.cancel("a") == 7
+        gate.set()
+        assert pf.wait_idle()
+        seen = [_range_pages(r) for r in rec.seen]
+    finally:
+        gate.set()
+        pf.stop()
+    assert most[0] == 3 and len(seen) == 5                        # a's three in flight, then b's two
+    assert set().union(*seen) == _pages(rows[:12], row_bytes) | _pages(rows[:8], row_bytes)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        PromptPrefetcher([rec], threads=0)
+    table.close()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the pages really become resident
 

@@ -162,12 +162,19 @@ print("PLE table files:", [f"{t.path.name} {t.path.stat().st_size / 2**30:.1f} G
       f"written in {time.perf_counter() - t0:.0f} s")
 PY
   df -h /tmp | tail -1
-  for pf in ${COLD_PREFETCH:-1 0}; do
-    MOEPIPE_PLE_PREFETCH=$pf timeout "${COLD_TIMEOUT:-300}" python3 bench/serve.py --model /tmp/fscold \
+  # COLD_PREFETCH items: 1 (prefetch on, default threads), 1:T (on with T prefetch threads), 0 (off); each side
+  # reads its own unseen text (text seed = its place in the list)
+  seed=0
+  for item in ${COLD_PREFETCH:-1 0}; do
+    seed=$((seed + 1)); pf=${item%%:*}; tag=$pf; th=""
+    if [[ $item == *:* ]]; then th=${item#*:}; tag="${pf}t$th"; fi
+    env MOEPIPE_PLE_PREFETCH=$pf ${th:+MOEPIPE_PLE_PREFETCH_THREADS=$th} timeout "${COLD_TIMEOUT:-300}" \
+      python3 bench/serve.py --model /tmp/fscold \
       --load-format dummy --device cuda --stages 1 --set dummy_ple_file=true --cold \
-      --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $((pf + 1)) \
-      --out "$out/cold_prefetch$pf.json" > "$out/cold_prefetch$pf.log" 2>&1
-    echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf"; tail -7 "$out/cold_prefetch$pf.log"
+      --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $seed \
+      --out "$out/cold_prefetch$tag.json" > "$out/cold_prefetch$tag.log" 2>&1
+    echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf${th:+ MOEPIPE_PLE_PREFETCH_THREADS=$th}"
+    tail -7 "$out/cold_prefetch$tag.log"
   done
 fi
 if want long4; then   # issue 18: four ~250k-token requests resident at once with host K/V, no preemption
