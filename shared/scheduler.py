@@ -55,8 +55,19 @@ class Request:
     sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_ids(self) -> int:
+        """Prompt and output tokens. Never built as one list: a 250k-token prompt's concatenation costs ~1 ms, and
+        each step asked for it several times per request."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """(prompt_ids + output_ids)[start:end], without concatenating the whole of both."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def next_pos(self) -> int:
@@ -66,7 +77,7 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         # Once every known token but the newest sampled one is computed (or on its way), the request decodes.
-        return self.ahead_samples > 0 or self.next_pos >= len(self.all_ids) - (1 if self.output_ids else 0)
+        return self.ahead_samples > 0 or self.next_pos >= self.num_ids - (1 if self.output_ids else 0)
 
 
 class Scheduler:
@@ -145,7 +156,7 @@ class Scheduler:
                 new_specs.append(self._spec(req))
         while self.waiting and budget > 0 and self.blocks.free_slots and self._admit_here(mb):
             req = self.waiting[0]
-            need = self._blocks_needed(req, min(budget, len(req.all_ids)))
+            need = self._blocks_needed(req, min(budget, req.num_ids))
             if not self.blocks.can_allocate(need):
                 break
             self.waiting.popleft()
@@ -184,7 +195,7 @@ class Scheduler:
         return max(0, -(-total // self.block_size) - len(req.blocks))
 
     def _entry(self, req: Request, budget: int, mb: int) -> SeqEntry | None:
-        ids = req.all_ids
+        num_ids = req.num_ids
         pos = req.next_pos
         if req.ahead_samples:
             # Plan-ahead: decode the token a step in flight is sampling (stage 0 gets it from the last stage).
@@ -193,20 +204,20 @@ class Scheduler:
             n, tokens = 1, None
         elif req.prefill_done:
             # Stage 0 got the newest sampled token straight from the last stage, unless it predates a preemption.
-            n, tokens = 1, (None if req.fresh_sample else [ids[-1]])
+            n, tokens = 1, (None if req.fresh_sample else req.ids(num_ids - 1, num_ids))
         else:
-            remaining = len(ids) - pos - (1 if req.output_ids else 0)
+            remaining = num_ids - pos - (1 if req.output_ids else 0)
             # After a preemption the newest sampled token is part of what must be recomputed.
-            if req.output_ids and pos + remaining == len(ids) - 1:
+            if req.output_ids and pos + remaining == num_ids - 1:
                 remaining += 1
             n = min(budget, remaining)
-            tokens = ids[pos: pos + n]
+            tokens = req.ids(pos, pos + n)
         if not self._reserve(req, n, mb):
             return None
         self._planned.add(req.req_id)
         if pos == 0:
             req.sent_blocks = 0            # a first entry (admission, or again after a preemption) sends all
-        done_prefill = pos + n >= len(ids)
+        done_prefill = pos + n >= num_ids
         entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=pos, num_tokens=n,
                          new_blocks=req.blocks[req.sent_blocks:], tokens=tokens,
                          sample=done_prefill or tokens is None,
@@ -226,7 +237,7 @@ class Scheduler:
         if req.grammar is not None or req.cancelled:
             return False
         produced = len(req.output_ids) + req.ahead_samples
-        return produced < req.max_tokens and len(req.all_ids) + req.ahead_samples < self.max_model_len
+        return produced < req.max_tokens and req.num_ids + req.ahead_samples < self.max_model_len
 
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
         need = self._blocks_needed(req, n)
@@ -350,7 +361,7 @@ class Scheduler:
             return "stop"
         if req.grammar is not None and req.grammar.is_finished():
             return "stop"
-        if len(req.output_ids) >= req.max_tokens or len(req.all_ids) >= self.max_model_len:
+        if len(req.output_ids) >= req.max_tokens or req.num_ids >= self.max_model_len:
             return "length"
         return None
 
