@@ -113,8 +113,12 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
     # chunked (dummy weights' tokens often have no text of their own, so a client chunk carries several)
     n_itl = delta("moepipe_inter_token_latency_seconds_count", ())
     server_tpot = 1e3 * delta("moepipe_inter_token_latency_seconds_sum", ()) / n_itl if n_itl else float("nan")
+    # rows a PLE stage gathered itself for decode steps (ple_decode_in_stage): host time a step on the stage's
+    # critical path (the PLE service's prefill gathers are in the same total: short prompts make them small)
+    n_gathers = delta("moepipe_ple_stage_gathers_total", ())
+    gather_ms = 1e3 * delta("moepipe_ple_gather_seconds_total", ()) / n_gathers if n_gathers else float("nan")
     return {"server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
-            "ple_wait_fraction": ple_wait,
+            "ple_wait_fraction": ple_wait, "ple_stage_gather_ms": gather_ms,
             "transfer": transfer,
             "preemptions": delta("moepipe_preemptions", ())}
 
@@ -358,6 +362,7 @@ def main() -> int:
               f"({r['streams'] / r.get('server_tpot_ms', float('nan')) * 1e3:.1f} tok/s); busy {busy or '-'}; "
               f"step {steps or '-'}; "
               f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.2f}; "
+              f"stage's own PLE gather {r.get('ple_stage_gather_ms', float('nan')):.3f} ms a step; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
         p = r.get("pools", {})
         if p:
