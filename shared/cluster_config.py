@@ -115,6 +115,12 @@ class ClusterConfig:
     # reference, 96 against 150 us for the bf16 kernel at 1 token, 117 against 171 at 4, 190 against 222 at 16.
     # Not with cold_experts (the expert tables hold bf16 or INT4 slots): then dequantized (`keeps_fp8_experts`).
     packed_fp8_experts: bool = True
+    # ... and their dense Linear weights called as a plain linear (o_proj, out_proj, the DeltaNet in-projections, a
+    # dense MLP, the MTP fc, lm_head when quantized) stay float8 with their block scales and run the FP8 GEMV
+    # (stage_worker/model/fp8_linear.py, kernels/fp8_gemv.py): half the bytes a decode step reads for them; off:
+    # dequantized to the compute dtype at load. GPU stages only (a CPU stage dequantizes at load). Off by default
+    # until the H200 has run the GEMV's GPU tests (bench/results/fp8-dense-1/next.txt).
+    packed_fp8_dense: bool = False
     # Long context (issue 18): QSA layers keep their K/V rows and raw indexer keys in one exact-size pinned host
     # allocation per stage, read over PCIe by the decode kernels; only the pooled keys stay in VRAM, so a KV block
     # costs 1/37 of the VRAM at the full shape (stage_worker/model/cache.py, shared/kv_layout.py).
@@ -316,7 +322,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVES_ASYNC": "expert_moves_async",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
-        "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts",
+        "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}
 

@@ -38,18 +38,20 @@ from shared.memory_plan import GIB, StageNeeds
 from shared.model_config import HybridMoeConfig, load_config
 from shared.quant_scheme import plan_of
 from stage_worker.activation_peak import context_growth, has_indexer
-from stage_worker.checkpoint.loader import packed_dense_specs
+from stage_worker.checkpoint.loader import fp8_dense_specs, packed_dense_specs
 from stage_worker.checkpoint.packed_experts import dummy_groups, fp8_layers, packed_layers
 from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
+from stage_worker.model.fp8_linear import use_fp8_dense
 from stage_worker.model.quant_linear import use_packed_dense
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKSPACE = GIB // 2
 _PACKED = (".mlp.q13", ".mlp.s13", ".mlp.q2", ".mlp.s2")      # SparseMoE.use_packed's buffers
 _PACKED_DENSE = (".weight_packed", ".weight_scale")             # PackedLinear's
+_FP8_DENSE = (".weight_fp8", ".weight_scale_inv")                # Fp8Linear's
 
 
 def _tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -96,6 +98,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                 model.moe_layers()[layer].use_fp8(fp8_block)       # float8 experts: bytes and block scales
             if cluster.packed_dense and plan is not None:         # dense layers kept packed (PackedLinear)
                 use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
+            if cluster.packed_fp8_dense and plan is not None:     # dense layers kept float8 (Fp8Linear)
+                use_fp8_dense(model, fp8_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
                                               num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
                                               device="meta", kv_offload=cluster.qsa_kv_offload,
@@ -103,7 +107,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                       if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE))
+                       if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE) or n.endswith(_FP8_DENSE))
         sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
                  _fp8_expert_bytes(model.moe_layers()[layer]) if layer in fp8 else
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}

@@ -28,6 +28,7 @@ from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name,
 from stage_worker.checkpoint.packed_experts import PackedPlacer, fp8_layers, packed_layers
 from stage_worker.checkpoint.random_init import dummy_ple_table, fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
+from stage_worker.model.fp8_linear import Fp8DensePlacer, fp8_sites, fp8_specs, use_fp8_dense
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 from stage_worker.model.quant_linear import (PackedLinear, PackedSpec, disk_module, packed_specs, plain_linear_sites,
@@ -58,6 +59,7 @@ class LoadOptions:
     packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
     packed_fp8_experts: bool = False          # block-FP8 checkpoints' routed experts stay float8 (packed_experts.py)
+    packed_fp8_dense: bool = False            # ... and their plain-linear dense weights (model/fp8_linear.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
     dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
@@ -87,10 +89,10 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
                 packed: dict[int, tuple[int, int]] | None = None, dense=None,
-                fp8: dict[int, tuple[int, int]] | None = None) -> StageModel:
+                fp8: dict[int, tuple[int, int]] | None = None, fp8_dense=None) -> StageModel:
     """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed;
     `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec; `fp8`: MoE layer -> scale
-    block of experts kept float8."""
+    block of experts kept float8; `fp8_dense(model)`: the Linear modules kept float8 (Fp8Linear) -> their block."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)
     with on_meta():
         model = StageModel(cfg, opts.start, opts.end, with_mtp=opts.with_mtp)
@@ -102,6 +104,8 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
             moe.use_fp8(fp8[layer])
     if dense is not None:
         use_packed_dense(model, dense(model))    # words and scales, allocated with everything else below
+    if fp8_dense is not None:
+        use_fp8_dense(model, fp8_dense(model))   # float8 bytes and block scales, likewise
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
     # (INT4 experts kept packed: their words and scales, at the packed size)
     model.experts = attach_tables(model, opts.cold_experts, opts.device) if opts.cold_experts else None
@@ -132,7 +136,10 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
         dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731
-    model = build_empty(cfg, opts, packed, dense, fp8)
+    fp8_dense = None
+    if opts.load_format == "safetensors" and opts.packed_fp8_dense:
+        fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir)      # noqa: E731
+    model = build_empty(cfg, opts, packed, dense, fp8, fp8_dense)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
@@ -174,6 +181,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                            if moe.packed_group or moe.fp8_block},
                           CheckpointError)
     dense = _DensePlacer(model)
+    fp8_dense = Fp8DensePlacer(model, CheckpointError)
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for raw_name in f.keys():
@@ -183,6 +191,9 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                     continue
                 if dense.takes(name):
                     dense.place(name, f.get_tensor(raw_name), raw_name, path)
+                    continue
+                if fp8_dense.takes(name):
+                    fp8_dense.place(name, f.get_tensor(raw_name), raw_name, path)
                     continue
                 if quant.takes(name, f, raw_name):
                     done = quant.add(name, f.get_tensor(raw_name), raw_name, path)
@@ -227,6 +238,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     quant.finish(model_dir)
     placer.finish(model_dir)
     dense.finish(model_dir)
+    fp8_dense.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
@@ -240,23 +252,48 @@ def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path)
     packed in a scheme PackedLinear runs, each filled by exactly one on-disk module (not a tied lm_head, not a
     regrouped projection), from the files' headers. `use_packed_dense(model, packed_dense_specs(...))` on a meta
     model gives what a stage holds (the memory plan can count its `weight_packed` / `weight_scale` buffers)."""
+    sites = _whole_sites(model, cfg, plain_linear_sites(model))
+    plan = plan_of(model_dir)
+    if not sites or plan is None:
+        return {}
+    disk = _disk_headers(model_dir, (".weight_packed", ".weight_scale", ".weight_zero_point"))
+    return packed_specs(plan, sites, disk, _SAFETENSORS_DTYPES)
+
+
+def fp8_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path) -> dict[str, tuple[int, int]]:
+    """The plain-linear modules of `model` (built on meta) that a block-FP8 checkpoint stores as float8 with a
+    `weight_scale_inv` (not in `modules_to_not_convert`), each filled by one on-disk module, -> their scale block,
+    from the files' headers (`fp8_linear.fp8_specs`). `use_fp8_dense(model, fp8_dense_specs(...))` on a meta model
+    gives what a stage holds with `packed_fp8_dense` on (the memory plan counts its buffers)."""
+    sites = _whole_sites(model, cfg, fp8_sites(model))
+    plan = plan_of(model_dir)
+    if not sites or plan is None or plan.method != "fp8":
+        return {}
+    return fp8_specs(plan, sites, _disk_headers(model_dir, (".weight", ".weight_scale_inv")))
+
+
+def _whole_sites(model: StageModel, cfg: HybridMoeConfig, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Of the named Linear modules, those whose `.weight` exactly one on-disk tensor fills (not a tied lm_head,
+    not a regrouped projection) -> (out, in) features."""
     sites = {}
-    for name in plain_linear_sites(model):
+    for name in names:
         m = model.get_submodule(name)
         local = f"{name}.weight"
         if pieces_for(cfg, {local: m.weight.shape}).get(hf_name(local)) == [Piece(local, tuple(m.weight.shape))]:
             sites[name] = (m.out_features, m.in_features)
-    plan = plan_of(model_dir)
-    if not sites or plan is None:
-        return {}
+    return sites
+
+
+def _disk_headers(model_dir: Path, suffixes: tuple[str, ...]) -> dict[str, tuple[tuple, str]]:
+    """Normalised on-disk name -> (shape, safetensors dtype) of the tensors ending in `suffixes`, from the headers."""
     disk = {}
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for raw in f.keys():
-                if raw.endswith((".weight_packed", ".weight_scale", ".weight_zero_point")):
+                if raw.endswith(suffixes):
                     sl = f.get_slice(raw)
                     disk[normalise(raw)] = (tuple(sl.get_shape()), sl.get_dtype())
-    return packed_specs(plan, sites, disk, _SAFETENSORS_DTYPES)
+    return disk
 
 
 class _DensePlacer:
