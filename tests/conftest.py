@@ -66,6 +66,23 @@ def reference_checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def fp8_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Block-FP8 checkpoints (`moepipe quantize --scheme fp8-block`) of transformers' tiny Qwen4-Exp and Qwen3-Next,
+    made once for the FP8 expert and dense tests."""
+    pytest.importorskip("compressed_tensors")
+    from hf_oracle import save_reference
+    from stage_worker.checkpoint.quantize import quantize_checkpoint
+
+    out = {}
+    for i, family in enumerate(("qwen4_exp", "qwen3_next")):
+        src = tmp_path_factory.mktemp(family)
+        save_reference(family, src, seed=i)
+        out[family] = tmp_path_factory.mktemp(family + "_fp8") / "q"
+        quantize_checkpoint(src, out[family], "fp8-block")
+    return out
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (servers under test bind it a moment later)."""
     import socket

@@ -21,7 +21,7 @@ from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, 
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.model.fp8_linear import Fp8Linear, fp8_specs  # noqa: E402
-from test_fp8_experts import _logits, fp8_dirs  # noqa: E402,F401,F811  (test_fp8_experts' fixture, shared)
+from test_fp8_experts import _logits  # noqa: E402  (the fixture `fp8_dirs` is conftest's)
 
 
 def _fp8_modules(model: nn.Module) -> dict[str, Fp8Linear]:

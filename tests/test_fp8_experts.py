@@ -7,31 +7,16 @@ decode kernel's own tests are tests/test_kernel_moe_fp8.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("compressed_tensors")
 
-from hf_oracle import save_reference  # noqa: E402
 from stage_worker.checkpoint.loader import CheckpointError, LoadOptions, load_model  # noqa: E402
-from stage_worker.checkpoint.quantize import quantize_checkpoint  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 
 PROMPT = [40, 7, 200, 13, 5, 99, 101, 250, 3, 17, 88, 61, 120, 300]
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def fp8_dirs(tmp_path_factory) -> dict[str, Path]:
-    out = {}
-    for i, family in enumerate(("qwen4_exp", "qwen3_next")):
-        src = tmp_path_factory.mktemp(family)
-        save_reference(family, src, seed=i)
-        out[family] = tmp_path_factory.mktemp(family + "_fp8") / "q"
-        quantize_checkpoint(src, out[family], "fp8-block")
-    return out
 
 
 def _logits(stages) -> torch.Tensor:
