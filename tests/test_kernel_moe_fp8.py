@@ -103,6 +103,90 @@ def test_fp8_decode_kernel_skips_padding_slots_and_the_loop_agrees():
     assert _rel(loop, ref) < 1e-5
 
 
+def split_slots(ex: Fp8Experts, first: int) -> tuple[Fp8Experts, Fp8Experts]:
+    """An expert table's two tiers of `ex`: slots [0, first) as the device table, [first, E) as the host table
+    (their own contiguous tensors; pinned host memory when CUDA is there, as `expert_offload` allocates it)."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t[first:].contiguous()
+        return t.cpu().pin_memory() if CUDA else t
+
+    parts = (ex.q13, ex.s13, ex.q2, ex.s2)
+    return (Fp8Experts(*(t[:first].contiguous() for t in parts), ex.block),
+            Fp8Experts(*(host(t) for t in parts), ex.block))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("block", [(16, 16), (16, 64)])
+def test_fp8_kernel_with_host_slots_gives_the_all_device_bits(T, block):
+    """Slots from `first_host` on read from a second table (bytes and block scales alike): the same kernel math,
+    so the same bits as every slot on the device, for every split including none (E) and all (0) in host memory;
+    the per-expert loop with host slots likewise equals its all-device self."""
+    E, k, h, i = 6, 2, 40, 24
+    ex = make_experts(E, h, i, block, 11)
+    ids, w = _route(T, E, k, 12 + T)
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(13)).to(DEV)
+    want = K.fused_moe_fp8(x, ids, w, ex)
+    loop = K.grouped_moe_fp8(x, ids, w, ex)
+    for first in (0, 2, 5, E):
+        dev, host = split_slots(ex, first)
+        assert torch.equal(K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=first), want), first
+        assert torch.equal(K.grouped_moe_fp8(x, ids, w, dev, host, first), loop), first
+
+
+def test_the_fp8_loop_takes_a_table_s_slots_in_expert_order():
+    """With an expert table's slot map the loop sums the experts in id order (as the model without a table does):
+    slots permuted, the same bits as the experts in their own order."""
+    E, k, h, i = 6, 2, 32, 16
+    ex = make_experts(E, h, i, (16, 16), 14)
+    ids, w = _route(4, E, k, 15)
+    x = torch.randn(4, h, generator=torch.Generator().manual_seed(16)).to(DEV)
+    expert_of_slot = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32)
+    slot_of = torch.argsort(expert_of_slot)
+    perm = Fp8Experts(*(t[expert_of_slot.long().to(DEV)] for t in (ex.q13, ex.s13, ex.q2, ex.s2)), ex.block)
+    dev, host = split_slots(perm, 4)
+    slots = slot_of.to(DEV)[ids.long()].to(torch.int32)
+    got = K.grouped_moe_fp8(x, slots, w, dev, host, 4, expert_of_slot.to(DEV))
+    assert torch.equal(got, K.grouped_moe_fp8(x, ids, w, ex))
+
+
+def test_fp8_host_slots_that_do_not_continue_the_device_table_are_refused():
+    ex = make_experts(4, 32, 16, (16, 16), 17)
+    dev, host = split_slots(ex, 2)
+    ids, w = _route(1, 4, 2, 18)
+    x = torch.randn(1, 32).to(DEV)
+    with pytest.raises(ValueError, match="do not continue"):
+        K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=3)
+    bad = Fp8Experts(host.q13, host.s13[..., :1].contiguous(), host.q2, host.s2, host.block)
+    with pytest.raises(ValueError, match="do not continue"):
+        K.fused_moe_fp8(x, ids, w, dev, host=bad, first_host=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fp8_kernel_with_host_slots_in_a_cuda_graph_gives_the_all_device_bits():
+    """Qwen3-Next-80B's expert shape (H 2048, I 512, 512 experts, top 10, 128 x 128 blocks), a quarter and a half of
+    the slots in pinned host memory read over UVA, 1/4/16 tokens, captured in a CUDA graph and replayed: the same
+    bits as the all-device call, with host slots selected in every step."""
+    E, k, h, i = 512, 10, 2048, 512
+    ex = make_experts(E, h, i, (128, 128), 1)
+    for first in (384, 256):
+        dev, host = split_slots(ex, first)
+        for T in (1, 4, 16):
+            ids, w = _route(T, E, k, 20 + T)
+            ids[:, 0] = first + torch.arange(T, device=DEV) % (E - first)      # a host slot in every token
+            x = torch.randn(T, h, generator=torch.Generator().manual_seed(T)).to(DEV, torch.bfloat16)
+            want = K.fused_moe_fp8(x, ids, w, ex)
+            K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=first)      # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=first)
+            for _ in range(3):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, want), (first, T)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_fp8_kernel_at_qwen3_next_80b_shape_against_the_reference_and_the_bf16_kernel():
@@ -162,14 +246,14 @@ for bucket in (1, 4, 16):
             fn, (bi, bh, warps) = M._moe_up_kernel, M.UP_CFG[bucket]
             sig = dict(x_ptr="*bf16", ids_ptr="*i32", w13_ptr="*u8", sw13_ptr="*u8", hw13_ptr="*u8",
                        act_ptr="*fp32", stride_xt="i32", stride_we="i32", stride_wr="i32", FIRST_HOST="i32",
-                       scale_ptr="*fp32")
+                       scale_ptr="*fp32", hscale_ptr="*fp32")
             const = dict(H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh, NB_R=I // br, NB_C=H // bc, BR=br, BC=bc,
                          FP8=True, ROW_SCALE=bc % bh == 0)
         else:
             fn, (bh, bi, warps) = M._moe_down_kernel, M.DOWN_CFG[bucket]
             sig = dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*bf16", w2_ptr="*u8", sw2_ptr="*u8",
                        hw2_ptr="*u8", out_ptr="*bf16", stride_we="i32", stride_wh="i32", stride_ot="i32",
-                       FIRST_HOST="i32", scale_ptr="*fp32")
+                       FIRST_HOST="i32", scale_ptr="*fp32", hscale_ptr="*fp32")
             const = dict(H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi, NB_R=H // br, NB_C=I // bc, BR=br, BC=bc,
                          FP8=True, ROW_SCALE=bc % bi == 0)
         names = list(fn.arg_names)

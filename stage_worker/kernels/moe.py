@@ -24,7 +24,8 @@ Experts in host RAM (issue 16): with `HostRows`, slots from `first` on live in a
 the GPU reads over PCIe), so the kernels take two base pointers and pick by slot; the router's rows are in slot
 order (`stage_worker.model.expert_table`), so it selects slots and nothing else changes. With `RouteCounts` the
 router kernel also counts each slot's selections and the selections of host slots (run-time moves and /metrics),
-inside the CUDA graph, with no host read-back.
+inside the CUDA graph, with no host read-back. Float8 experts (`fused_moe_fp8`) take host slots the same way: a host
+slot's float8 rows and its block scales both come from the host table (`expert_rows` picks the scales' base too).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stage_worker.kernels.moe_ref import Fp8Experts, HostRows, RouteCounts, count_ref, route_ref, shared_gate_ref
+from stage_worker.kernels.moe_ref import (Fp8Experts, HostRows, RouteCounts, count_ref, dequantize_fp8_block,
+                                          dequantize_fp8_w13, route_ref, shared_gate_ref)
 
 try:
     from stage_worker.kernels.rmsnorm import round_to
@@ -164,14 +166,14 @@ if triton is not None:
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
                        FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
-                       NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1, FP8: tl.constexpr = False,
-                       ROW_SCALE: tl.constexpr = False):
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, hscale_ptr=None,
+                       NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
+                       FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
         (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
         shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
-        block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's);
-        no shared or host slots then. ROW_SCALE (BC a multiple of BLOCK_H: a tile's columns lie in one column block):
+        block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's; a
+        host slot's scales at hscale_ptr, by the rows' FIRST_HOST rule); no shared slot then. ROW_SCALE (BC a multiple of BLOCK_H: a tile's columns lie in one column block):
         one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight."""
         tj = tl.program_id(0)
         t = tj // TOP_K
@@ -191,7 +193,7 @@ if triton is not None:
             xv = tl.load(x_ptr + t * stride_xt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             m = mask_i[:, None] & mask_h[None, :]
             if FP8:
-                sb = scale_ptr + e * (2 * NB_R * NB_C)
+                sb = expert_rows(e, scale_ptr, scale_ptr, hscale_ptr, 2 * NB_R * NB_C, FIRST_HOST)
                 wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
                 wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
                 if ROW_SCALE:
@@ -216,12 +218,12 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(act_ptr, ids_ptr, wts_ptr, w2_ptr, sw2_ptr, hw2_ptr, out_ptr, stride_we, stride_wh,
                          stride_ot, FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, NB_R: tl.constexpr = 1,
-                         NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
+                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, hscale_ptr=None,
+                         NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
                          FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, add_ptr=None,
                          ADD: tl.constexpr = False):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
-        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (ROW_SCALE: BC a multiple of BLOCK_I), and the router
+        in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (a host slot's at hscale_ptr; ROW_SCALE: BC a multiple of BLOCK_I), and the router
         weights rounded to the output's dtype first (as the CPU path uses them). ADD: + add_ptr's row (the shared
         expert's output, rows of stride_ot) before the one rounding to the output dtype."""
         t = tl.program_id(0)
@@ -237,6 +239,8 @@ if triton is not None:
             if e != SKIP_ID:
                 base = expert_rows(e, w2_ptr, sw2_ptr, hw2_ptr, stride_we, FIRST_HOST)
                 rows = base + offs_h[:, None].to(tl.int64) * stride_wh
+                if FP8:
+                    sb = expert_rows(e, scale_ptr, scale_ptr, hscale_ptr, NB_R * NB_C, FIRST_HOST)
                 for i0 in range(0, I, BLOCK_I):
                     offs_i = i0 + tl.arange(0, BLOCK_I)
                     mask_i = offs_i < I
@@ -246,10 +250,10 @@ if triton is not None:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
                         if ROW_SCALE:
                             sidx = (offs_h // BR) * NB_C + i0 // BC
-                            sc = tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=mask_h, other=0.0)[:, None]
+                            sc = tl.load(sb + sidx, mask=mask_h, other=0.0)[:, None]
                         else:
                             sidx = (offs_h // BR)[:, None] * NB_C + (offs_i // BC)[None, :]
-                            sc = tl.load(scale_ptr + e * (NB_R * NB_C) + sidx, mask=m, other=0.0)
+                            sc = tl.load(sb + sidx, mask=m, other=0.0)
                         w = w.to(tl.float32) * sc
                     else:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
@@ -413,23 +417,37 @@ def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)
 
 
-def grouped_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts) -> torch.Tensor:
+def grouped_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts,
+                    host: Fp8Experts | None = None, first_host: int | None = None,
+                    expert_of_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill and CPU path of float8 experts (issue 17): each present expert dequantized once (float32 products,
     then x.dtype) and two GEMMs over its tokens, in expert order, as `moe_int4.grouped_moe_int4` and SparseMoE's CPU
-    loop sum (one host sync: the present experts). Slots with id < 0 are skipped."""
+    loop sum (one host sync: the present experts). Slots with id < 0 are skipped.
+
+    An expert table (cold experts, issue 16): slots from `first_host` on are `host`'s rows (pinned host memory),
+    each present one's bytes and scales copied to x's device once a call; with `expert_of_slot` the present slots
+    are taken in the order of the experts they hold, so the sums are those of the model without a table."""
     out = torch.zeros_like(x)
     flat = ids.long()
-    for e in torch.unique(flat[flat >= 0]).tolist():
-        tok, slot = torch.where(flat == e)
-        w13, w2 = experts.w13(e).to(x.dtype), experts.w2(e).to(x.dtype)
+    slots = torch.unique(flat[flat >= 0])
+    if expert_of_slot is not None:
+        slots = slots[torch.argsort(expert_of_slot.to(slots.device).long()[slots])]
+    first = experts.q13.shape[0] if host is None else first_host
+    for s in slots.tolist():
+        tok, j = torch.where(flat == s)
+        src, row = (experts, s) if s < first else (host, s - first)
+        q13, s13, q2, s2 = (t[row].to(x.device, non_blocking=True) for t in (src.q13, src.s13, src.q2, src.s2))
+        w13 = dequantize_fp8_w13(q13, s13, experts.block).to(x.dtype)
+        w2 = dequantize_fp8_block(q2, s2, experts.block).to(x.dtype)
         g, u = F.linear(x[tok], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, w2) * weights[tok, slot, None].to(x.dtype)
+        y = F.linear(F.silu(g) * u, w2) * weights[tok, j, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
 
 
 def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
+                  add: torch.Tensor | None = None, host: Fp8Experts | None = None,
+                  first_host: int | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots only; SKIP for padding rows), float8 experts -> [T, H] in x.dtype
     (+ `add`, e.g. the shared expert's output); = fused_moe_fp8_ref.
 
@@ -437,7 +455,9 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     and scaled per block in registers, fp32 sums in a fixed order: deterministic), no host sync. Otherwise
     `grouped_moe_fp8` (the tensor-core prefill kernel for float8 experts is not written yet). The router weights are
     rounded to x.dtype first, as the CPU path uses them (in the down launch; `add` too is added there, before the
-    output's one rounding)."""
+    output's one rounding). `host`: an expert table's slots from `first_host` (= the device slots' count) on, the
+    same parts in (pinned) host memory: the kernels read a host slot's bytes and scales over UVA in the same
+    launches (`expert_rows`), the loop copies them once a call."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = experts.q13.shape
@@ -449,13 +469,22 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} weights {tuple(weights.shape)} q13 "
                          f"{tuple(experts.q13.shape)} {experts.q13.dtype} s13 {tuple(experts.s13.shape)} q2 "
                          f"{tuple(experts.q2.shape)} s2 {tuple(experts.s2.shape)} blocks {experts.block}")
+    if host is not None and (first_host != E or host.block != experts.block or any(
+            a.shape[1:] != b.shape[1:] or a.dtype != b.dtype or not a.is_contiguous() or not b.is_contiguous()
+            for a, b in zip((host.q13, host.s13, host.q2, host.s2),
+                            (experts.q13, experts.s13, experts.q2, experts.s2)))):
+        raise ValueError(f"host slots q13 {tuple(host.q13.shape)} s13 {tuple(host.s13.shape)} from slot {first_host} "
+                         f"do not continue the device slots q13 {tuple(experts.q13.shape)} s13 "
+                         f"{tuple(experts.s13.shape)} as contiguous rows of one layout")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
-        out = grouped_moe_fp8(x, ids, weights.to(x.dtype), experts)
+        out = grouped_moe_fp8(x, ids, weights.to(x.dtype), experts, host, first_host)
         return out if add is None else out + add
     q13, q2 = experts.q13, experts.q2
     s13, s2 = experts.s13.float().contiguous(), experts.s2.float().contiguous()
     if q13.stride(-1) != 1 or q2.stride(-1) != 1:
         raise ValueError("q13 and q2 need a contiguous last dimension")
+    h = experts if host is None else host      # the host table's pointers (unused without host slots)
+    hs13, hs2, first = (s13, s2, E) if host is None else (host.s13, host.s2, first_host)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
@@ -464,15 +493,15 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     x, ids, weights, act = decode_operands(x, ids, weights, I)
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
-    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, q13, act, x.stride(0), q13.stride(0),
-                                               q13.stride(1), E, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
-                                               scale_ptr=s13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
+    _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, h.q13, act, x.stride(0), q13.stride(0),
+                                               q13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                               scale_ptr=s13, hscale_ptr=hs13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
                                                FP8=True, ROW_SCALE=bc % bh == 0, num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
-    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, q2, out, q2.stride(0), q2.stride(1),
-                                             out.stride(0), E, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
-                                             scale_ptr=s2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
+    _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, h.q2, out, q2.stride(0), q2.stride(1),
+                                             out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
+                                             scale_ptr=s2, hscale_ptr=hs2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
                                              FP8=True, ROW_SCALE=bc % bi == 0, add_ptr=add, ADD=add is not None,
                                              num_warps=down_warps)
     return out

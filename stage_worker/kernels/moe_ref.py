@@ -99,14 +99,19 @@ class Fp8Experts:
 
     def w13(self, e: int) -> torch.Tensor:
         """Expert e's gate and up rows [2I, H], dequantized in float32."""
-        inter = self.q13.shape[1] // 2
-        q = self.q13[e]
-        return torch.cat([dequantize_fp8_block(q[:inter], self.s13[e, 0], self.block),
-                          dequantize_fp8_block(q[inter:], self.s13[e, 1], self.block)])
+        return dequantize_fp8_w13(self.q13[e], self.s13[e], self.block)
 
     def w2(self, e: int) -> torch.Tensor:
         """Expert e's down rows [H, I], dequantized in float32."""
         return dequantize_fp8_block(self.q2[e], self.s2[e], self.block)
+
+
+def dequantize_fp8_w13(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """One expert's gate and up rows [2I, H] in float32 from its bytes [2I, H] and scales [2, ...] (gate's blocks,
+    up's): what an expert table's slot holds, wherever it lives (`moe.grouped_moe_fp8`)."""
+    inter = q.shape[0] // 2
+    return torch.cat([dequantize_fp8_block(q[:inter], scale[0], block),
+                      dequantize_fp8_block(q[inter:], scale[1], block)])
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
