@@ -113,7 +113,8 @@ class ClusterConfig:
     # scales (half the bf16 bytes) and run the FP8 decode kernel (stage_worker/kernels/moe.py, FP8 mode); off:
     # dequantized to the compute dtype at load. H200 (h200-14, tests/test_kernel_moe_fp8.py): same outputs as the
     # reference, 96 against 150 us for the bf16 kernel at 1 token, 117 against 171 at 4, 190 against 222 at 16.
-    # Not with cold_experts (the expert tables hold bf16 or INT4 slots): then dequantized (`keeps_fp8_experts`).
+    # With cold_experts the expert tables hold float8 slots (bytes and block scales, in VRAM and host RAM alike;
+    # the kernels with host slots not yet run on a GPU: bench/results/fp8-table-1/next.txt).
     packed_fp8_experts: bool = True
     # ... and their dense Linear weights called as a plain linear (o_proj, out_proj, the DeltaNet in-projections, a
     # dense MLP, the MTP fc, lm_head when quantized) stay float8 with their block scales and run the FP8 GEMV
@@ -271,9 +272,9 @@ class ClusterConfig:
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2)
 
     def keeps_fp8_experts(self) -> bool:
-        """Whether a block-FP8 checkpoint's experts stay float8: the switch, unless cold experts need the expert
-        tables (bf16 or INT4 slots only); the stage loader and the memory plan both ask here."""
-        return self.packed_fp8_experts and not self.cold_experts
+        """Whether a block-FP8 checkpoint's experts stay float8: the switch (with cold experts too: the expert
+        tables hold float8 slots); the stage loader and the memory plan both ask here."""
+        return self.packed_fp8_experts
 
     @property
     def row_cache_bytes(self) -> int:

@@ -10,7 +10,7 @@ expert; prefill of a text selects what its decode would). The file written here 
 File format (JSON): {"format": FORMAT, "model": ..., "expert_bytes": ..., "stages": [{"layers": [start, end],
 "budget_bytes": ..., "cold_bytes": ...}], "layers": {"<layer>": [expert ids]}, "kinds": [...]}; a stage row also has
 "expert_bytes" when the stages hold experts of different sizes (`--cold-experts auto`: INT4 experts at their packed
-size, `packed_expert_bytes`).
+size, `packed_expert_bytes`; float8 experts at theirs, `fp8_expert_bytes`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ def packed_expert_bytes(cfg: HybridMoeConfig, group: int, group2: int, dtype: st
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
     words = 4 * (2 * inter * (H // 8) + H * (inter // 8))
     return words + _ITEMSIZE[dtype or cfg.dtype] * (2 * inter * -(-H // group) + H * -(-inter // group2))
+
+
+def fp8_expert_bytes(cfg: HybridMoeConfig, block: tuple[int, int]) -> int:
+    """One routed expert kept float8 (a block-FP8 checkpoint, `SparseMoE.use_fp8`): a byte per weight of gate/up
+    [2I, H] and down [H, I], and a float32 scale per block of each projection (gate's and up's blocked apart). What
+    an expert table's float8 slot holds and a host read moves (about half of bf16); the compute dtype does not
+    matter."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    br, bc = block
+    scales = 2 * -(-inter // br) * -(-H // bc) + -(-H // br) * -(-inter // bc)
+    return 3 * inter * H + 4 * scales
 
 
 def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[float]]:

@@ -16,7 +16,7 @@ import torch
 
 from stage_worker.host_memory import HostBuffer, allocate
 from stage_worker.kernels.expert_moves_ref import RowSet, settle_ref, swap_rows_ref
-from stage_worker.model.expert_table import PACKED_PARTS, PARTS, ExpertRows, ExpertTable
+from stage_worker.model.expert_table import FP8_PARTS, PACKED_PARTS, PARTS, ExpertRows, ExpertTable
 
 
 @dataclass
@@ -77,7 +77,7 @@ class StageExperts:
 
     def row_sets(self, gates: list[torch.Tensor]) -> list[tuple[RowSet, list[int] | None]]:
         """What a move swaps, one RowSet per kind of row (a part with one row shape and dtype: w13, w2, or INT4
-        words and scales of each; then the router rows), each with the indices of the layers it covers (None:
+        words and scales of each, or float8 bytes and block scales of each; then the router rows), each with the indices of the layers it covers (None:
         all, in `tables` order) so a stage whose layers hold different parts still swaps each in one launch."""
         ts = list(self.tables.values())
         kinds: dict[tuple, list[int]] = {}
@@ -323,16 +323,17 @@ HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary o
 
 
 def _parts(moe) -> dict[str, torch.Tensor]:
-    """The [E, ...] tensors a layer's table replaces (meta tensors at build time): w13/w2, or the packed words and
-    scales of INT4 experts (`SparseMoE.use_packed`)."""
-    names = PACKED_PARTS if moe.packed_group else PARTS
+    """The [E, ...] tensors a layer's table replaces (meta tensors at build time): w13/w2, the packed words and
+    scales of INT4 experts (`SparseMoE.use_packed`), or the float8 bytes (uint8) and float32 block scales of FP8
+    experts (`SparseMoE.use_fp8`)."""
+    names = PACKED_PARTS if moe.packed_group else FP8_PARTS if moe.fp8_block else PARTS
     return {name: getattr(moe, name) for name in names}
 
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
-    the parts its experts have at build time (compute dtype, or INT4 words and scales), at their own dtypes and
-    sizes."""
+    the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
+    scales), at their own dtypes and sizes."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
@@ -368,7 +369,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str)
         table = ExpertTable(
             dev=dev, host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
-            initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None)
+            initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
+            fp8_block=moe.fp8_block)
         moe.use_table(table)
         tables[layer] = table
     hot = torch.tensor([E - len(ids) for ids in mine.values()], dtype=torch.int64, device=device)
@@ -384,10 +386,11 @@ def gates(model) -> list[torch.Tensor]:
 
 def loader_targets(model) -> dict[str, ExpertRows]:
     """`layers.N.mlp.w13` / `.w2` -> the table standing in for that parameter, for layers that have one (INT4
-    tables are filled by `checkpoint.packed_experts.PackedPlacer`, which writes each expert's part into its slot)."""
+    and float8 tables are filled by `checkpoint.packed_experts.PackedPlacer`, which writes each expert's part into its
+    slot)."""
     out = {}
     for layer, moe in model.moe_layers().items():
-        if moe.table is not None and not moe.table.packed:
+        if moe.table is not None and moe.table.parts == PARTS:
             out[f"layers.{layer}.mlp.w13"] = ExpertRows(moe.table, "w13")
             out[f"layers.{layer}.mlp.w2"] = ExpertRows(moe.table, "w2")
     return out

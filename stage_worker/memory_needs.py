@@ -7,8 +7,8 @@ launcher for the server's life.
 
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
-them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 experts at their packed size there
-too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`); the
+them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 and float8 experts at their own size
+there too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`); the
 VRAM row cache over it (`kv_row_cache`) is counted apart (`StageNeeds.row_cache`). The
 reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
 `max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config
-from shared.cold_set import AUTO, ColdSetError, expert_bytes, packed_expert_bytes
+from shared.cold_set import AUTO, ColdSetError, expert_bytes, fp8_expert_bytes, packed_expert_bytes
 from shared.cold_set import load as load_cold_set
 from shared.kv_layout import block_bytes, compute_dtype, host_block_bytes
 from shared.memory_plan import GIB, StageNeeds
@@ -109,7 +109,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE) or n.endswith(_FP8_DENSE))
         sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
-                 _fp8_expert_bytes(model.moe_layers()[layer]) if layer in fp8 else
+                 fp8_expert_bytes(cfg, fp8[layer]) if layer in fp8 else
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
@@ -137,11 +137,6 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                               host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload),
                               offload_helps=qsa and not offload))
     return out
-
-
-def _fp8_expert_bytes(moe) -> int:
-    """One routed expert kept float8 (`SparseMoE.use_fp8`, built on meta): its bytes and block scales."""
-    return sum(t[0].numel() * t.element_size() for t in (moe.q13, moe.s13, moe.q2, moe.s2))
 
 
 def device_memory(names: list[str]) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("compressed_tensors")
 
-from stage_worker.checkpoint.loader import CheckpointError, LoadOptions, load_model  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 
 PROMPT = [40, 7, 200, 13, 5, 99, 101, 250, 3, 17, 88, 61, 120, 300]
@@ -49,10 +49,15 @@ def test_fp8_experts_stay_float8_and_give_the_dequantized_models_logits(family, 
     assert (_logits(halves) - ref).abs().max() < 1e-5
 
 
-def test_fp8_experts_with_cold_experts_are_refused_clearly(fp8_dirs):
+def test_fp8_experts_with_cold_experts_load_into_float8_tables(fp8_dirs):
+    """The pair once refused: now each listed layer's expert table holds float8 slots (the full tests are
+    tests/test_fp8_cold_experts.py); a layer not listed keeps its float8 buffers."""
     qdir = fp8_dirs["qwen3_next"]
-    with pytest.raises(CheckpointError, match="packed_fp8_experts with cold_experts is not supported yet"):
-        load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=True, cold_experts={1: [0]}))
+    model = load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=True, cold_experts={0: [0, 5]}))
+    moes = model.moe_layers()
+    t = moes[0].table
+    assert t is not None and t.fp8 and t.hot == moes[0].num_experts - 2 and t.host["q13"].dtype == torch.uint8
+    assert all(m.table is None and m.q13.dtype == torch.uint8 for layer, m in moes.items() if layer != 0)
 
 
 def test_the_switch_is_on_by_default_set_from_the_environment_and_reaches_a_stage(fp8_dirs, monkeypatch):
@@ -73,10 +78,9 @@ def test_the_switch_is_on_by_default_set_from_the_environment_and_reaches_a_stag
                                 stages=[StageSpec(0, n, "", "cpu")], packed_fp8_experts=on)
         moes = load_stage(cluster, 0, cfg).moe_layers()
         assert moes and all(bool(m.fp8_block) == on for m in moes.values())
-        # cold experts live in expert tables of bf16 or INT4 slots: with them the experts are dequantized at load
-        # instead of the server refusing a default setting
+        # cold experts' expert tables hold float8 slots: the switch alone decides
         assert cluster.keeps_fp8_experts() == on
-        assert not dataclasses.replace(cluster, cold_experts="auto").keeps_fp8_experts()
+        assert dataclasses.replace(cluster, cold_experts="auto").keeps_fp8_experts() == on
 
 
 def test_the_memory_plan_counts_fp8_experts_at_their_size(fp8_dirs):

@@ -107,7 +107,7 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     if fp8_dense is not None:
         use_fp8_dense(model, fp8_dense(model))   # float8 bytes and block scales, likewise
     # cold experts: tables in host RAM and hot rows on the device, allocated at their sizes before anything else
-    # (INT4 experts kept packed: their words and scales, at the packed size)
+    # (INT4 experts kept packed: their words and scales, at the packed size; float8 experts: bytes and block scales)
     model.experts = attach_tables(model, opts.cold_experts, opts.device) if opts.cold_experts else None
     model = model.to_empty(device=opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
@@ -130,9 +130,6 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     fp8 = {}
     if opts.load_format == "safetensors" and opts.packed_fp8_experts:
         fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end)
-        if fp8 and opts.cold_experts:
-            raise CheckpointError("packed_fp8_experts with cold_experts is not supported yet (the expert tables "
-                                  "hold bf16 or INT4 slots): turn one of them off")
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
         dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731

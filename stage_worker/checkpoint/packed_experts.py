@@ -9,7 +9,8 @@ The MTP head's experts are always dequantized. Switch: cluster key `packed_exper
 
 The third form: a block-FP8 checkpoint's (transformers' `fp8`) routed experts kept as their float8 bytes (uint8
 storage) and float32 block scales (`SparseMoE.use_fp8`), half the bf16 bytes; the placer copies each expert's
-`weight` and `weight_scale_inv` into its rows. Switch: cluster key `packed_fp8_experts`
+`weight` and `weight_scale_inv` into its rows, or into its slot of the layer's expert table with cold experts (the
+float8 bytes and scales themselves, never a bf16 copy). Switch: cluster key `packed_fp8_experts`
 (MOEPIPE_PACKED_FP8_EXPERTS=0 turns it off; on by default since the H200 ran the FP8 kernel, h200-14).
 """
 
@@ -122,11 +123,12 @@ class PackedPlacer:
         self.seen.add((layer, e, proj, part))
 
     def _place_fp8(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
-        """A float8 expert's weight (its bytes, into the uint8 rows) or its block scales (float32)."""
+        """A float8 expert's weight (its bytes, into the uint8 rows) or its block scales (float32), in the layer's
+        buffers or straight into the expert's slot of its table (cold experts)."""
         layer, e, proj, part = FP8_NAME.match(name).groups()
         layer, e = int(layer), int(e)
         moe = self.moes[layer]
-        E, two_i, H = tuple(moe.q13.shape)
+        E, two_i, H = _shape(moe, "q13")
         inter = two_i // 2
         if e >= E:
             raise self.error(f"tensor {raw_name!r} in {path}: expert {e}, but the layer has {E}")
@@ -134,10 +136,12 @@ class PackedPlacer:
             if tensor.dtype != torch.float8_e4m3fn:
                 raise self.error(f"tensor {raw_name!r} in {path} is {tensor.dtype}; float8 experts kept in float8 "
                                  f"(packed_fp8_experts) take float8_e4m3fn")
-            target = moe.q13[e, :inter] if proj == "gate" else moe.q13[e, inter:] if proj == "up" else moe.q2[e]
+            q13 = _expert_row(moe, "q13", e)
+            target = q13[:inter] if proj == "gate" else q13[inter:] if proj == "up" else _expert_row(moe, "q2", e)
             tensor = tensor.view(torch.uint8)
         else:
-            target = moe.s13[e, 0] if proj == "gate" else moe.s13[e, 1] if proj == "up" else moe.s2[e]
+            s13 = _expert_row(moe, "s13", e)
+            target = s13[0] if proj == "gate" else s13[1] if proj == "up" else _expert_row(moe, "s2", e)
         if tuple(tensor.shape) != tuple(target.shape):
             raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
                              f"{list(target.shape)} (float8 experts, blocks {moe.fp8_block})")

@@ -9,7 +9,10 @@ traces and run-time moves, which swap two slots' rows, gate rows, counts and map
 A slot's rows are one row of each of the table's parts: `w13` [2I, H] and `w2` [H, I] in the compute dtype, or,
 for an INT4 checkpoint's experts kept packed (issue 17, `SparseMoE.use_packed`), `q13` int32 [2I, H/8], `s13`
 [2I, ceil(H/g)], `q2` int32 [H, I/8], `s2` [H, ceil(I/g2)] (`stage_worker/kernels/moe_int4_ref.py`): the host
-tier then holds a quarter of the bf16 bytes and a host read moves a quarter of them over PCIe.
+tier then holds a quarter of the bf16 bytes and a host read moves a quarter of them over PCIe. A block-FP8
+checkpoint's experts kept float8 (`SparseMoE.use_fp8`, `fp8_block`) are the third kind: the same four part names,
+`q13` uint8 [2I, H] and `q2` uint8 [H, I] (the float8_e4m3fn bytes), `s13` float32 [2, ceil(I/br), ceil(H/bc)] and
+`s2` float32 [ceil(H/br), ceil(I/bc)] (`kernels.moe_ref.Fp8Experts`): half the bf16 bytes in either tier.
 
 The host rows are one pinned allocation per stage (`stage_worker.expert_offload`); the GPU reads a selected host
 row over PCIe, nothing is held twice. Routing equal logits goes to the lower slot (not the lower expert id), the
@@ -33,11 +36,13 @@ COUNT_MAX_TK = 256
 
 PARTS = ("w13", "w2")                          # a table of experts in the compute dtype
 PACKED_PARTS = ("q13", "s13", "q2", "s2")      # INT4 experts: words and group scales of w13, then of w2
+FP8_PARTS = PACKED_PARTS                       # float8 experts: bytes and block scales (SparseMoE's buffer names)
 
 
 @dataclass
 class ExpertTable:
-    dev: dict[str, torch.Tensor]    # part -> [hot, ...] device rows (PARTS, or PACKED_PARTS with `groups`)
+    dev: dict[str, torch.Tensor]    # part -> [hot, ...] device rows (PARTS; PACKED_PARTS with `groups` or
+    #                                 FP8_PARTS with `fp8_block`)
     host: dict[str, torch.Tensor]   # part -> [E - hot, ...] host rows (pinned when a GPU reads them)
     expert_of_slot: torch.Tensor    # int32 [E] on the device: the expert each slot holds now
     counts: torch.Tensor            # fp32 [E] on the device: selections per slot (decayed by the move policy)
@@ -45,6 +50,7 @@ class ExpertTable:
     moves: torch.Tensor             # int64 [1] on the device: slot swaps done
     initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending)
     groups: tuple[int, int] | None = None   # INT4 experts: inputs per scale of w13 / of w2
+    fp8_block: tuple[int, int] | None = None   # float8 experts: (rows, columns) of a scale block
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -52,7 +58,13 @@ class ExpertTable:
 
     @property
     def packed(self) -> bool:
+        """INT4 slots (words and group scales)."""
         return self.groups is not None
+
+    @property
+    def fp8(self) -> bool:
+        """Float8 slots (bytes and block scales)."""
+        return self.fp8_block is not None
 
     @property
     def hot(self) -> int:
@@ -93,6 +105,22 @@ class ExpertTable:
         return (PackedExperts(*(self.dev[p] for p in PACKED_PARTS), g13, g2),
                 PackedExperts(*(self.host[p] for p in PACKED_PARTS), g13, g2))
 
+    def fp8_experts(self):
+        """(device slots, host slots) as the FP8 kernels take them (`moe.fused_moe_fp8(..., host, first_host=hot)`)."""
+        from stage_worker.kernels.moe_ref import Fp8Experts
+
+        return (Fp8Experts(*(self.dev[p] for p in FP8_PARTS), self.fp8_block),
+                Fp8Experts(*(self.host[p] for p in FP8_PARTS), self.fp8_block))
+
+    def moe_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Float8 experts, the CPU path and a GPU's prefill (`moe.grouped_moe_fp8` over both tiers): each present
+        slot's bytes and scales read once (a host slot's copied to x's device once a call), dequantized to x.dtype,
+        two GEMMs over its tokens, experts in id order as without a table. ids [T, k] are slots (negative: none)."""
+        from stage_worker.kernels.moe import grouped_moe_fp8
+
+        dev, host = self.fp8_experts()
+        return grouped_moe_fp8(x, ids, weights, dev, host, self.hot, self.expert_of_slot)
+
     def route_counts(self, tokens: int, top_k: int) -> RouteCounts | None:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
         if tokens * top_k > COUNT_MAX_TK:
@@ -107,7 +135,7 @@ class ExpertTable:
         return self.dev[kind][slot] if slot < self.hot else self.host[kind][slot - self.hot]
 
     def slot_rows(self, slot: int) -> tuple[torch.Tensor, ...]:
-        """The slot's row of every part, in `parts` order ((w13, w2) or (q13, s13, q2, s2))."""
+        """The slot's row of every part, in `parts` order ((w13, w2) or (q13, s13, q2, s2), INT4 or float8)."""
         return tuple(self.slot_part(slot, kind) for kind in self.parts)
 
     def loaded_row(self, kind: str, expert: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ class SparseMoE(nn.Module):
         self.fp8_block: tuple[int, int] | None = None  # float8 experts: (rows, columns) per scale (use_fp8)
 
     def use_table(self, table: ExpertTable) -> None:
-        """Serve the routed experts from `table` (some in host RAM); w13/w2 (or, INT4 experts kept packed, the
+        """Serve the routed experts from `table` (some in host RAM); w13/w2 (or, INT4 or float8 experts, the
         q13/s13/q2/s2 buffers) stop being module tensors. The router's rows must be put in slot order once loaded
         (`table.order_gate`)."""
         for name in table.parts:
@@ -116,7 +116,7 @@ class SparseMoE(nn.Module):
 
     def packed(self):
         """The INT4 experts as the kernels take them (without a table: `table.packed_experts()` has both tiers);
-        float8 experts: `Fp8Experts`."""
+        float8 experts: `Fp8Experts` (with a table: `table.fp8_experts()`)."""
         if self.fp8_block:
             from stage_worker.kernels.moe_ref import Fp8Experts
 
@@ -181,8 +181,8 @@ class SparseMoE(nn.Module):
         """INT4 experts: the router as always, then the INT4 decode kernels on a GPU (`moe_int4.fused_moe_int4`);
         prefill and the CPU take `_packed_prefill`. The shared expert runs beside them. With a table (cold experts,
         issue 16) the router counts its selections as for bf16 tables and decode reads host slots in the same
-        launch."""
-        from stage_worker.kernels.moe_int4 import DECODE_MAX_TK, fused_moe_int4
+        launch. Float8 experts likewise, with the FP8 mode of the bf16 pair (`moe.fused_moe_fp8`)."""
+        from stage_worker.kernels.moe_int4 import DECODE_MAX_TK
 
         x2 = x.reshape(-1, x.shape[-1])
         t = self.table
@@ -203,14 +203,10 @@ class SparseMoE(nn.Module):
             weights = weights.to(x.dtype)
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
-            elif t is None:
+            elif t is None or triton_usable(x2):
                 out = self._routed_decode(x2, ids, weights)
-            elif decode and triton_usable(x2):
-                dev, host = t.packed_experts()
-                out = fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot,
-                                     splitk=self.kernels.moe_int4_splitk)
             else:
-                out = t.moe_int4(x2, ids, weights)
+                out = self._packed_prefill(x2, ids, weights, False)      # the table's per-expert loop
         else:
             decode = False
             weights, ids = route(logits, self.top_k, self.renormalise)
@@ -240,12 +236,11 @@ class SparseMoE(nn.Module):
         sigmoid, ids filled, SiLU and products, the add, the weights' cast): ~1.4 us of launch gap each in a
         graph. None when the weights are not laid out so."""
         from stage_worker.kernels.moe import fused_moe, route, triton_usable
-        from stage_worker.kernels.moe_int4 import fused_moe_int4
 
         router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
         if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
-        k, t = self.top_k, self.table
+        k = self.top_k
         weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
                              valid=self.valid_rows)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
@@ -258,40 +253,45 @@ class SparseMoE(nn.Module):
             fma, wide = self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
             shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma, wide=wide), packed[1], swiglu=weights[:, k],
                                     fma=fma, wide=wide)
-        if t is None:
-            out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out)
-        else:
-            dev, host = t.packed_experts()
-            out = fused_moe_int4(x2, ids[:, :k], weights[:, :k], dev, host=host, first_host=t.hot, add=shared_out,
-                                 splitk=self.kernels.moe_int4_splitk)
+        out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out)
         self.last_expert_ids = ids[:, :k]
         return out
 
     def _routed_decode(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' decode launches without a table: the INT4 pair, or the bf16 pair in FP8 mode
-        (`kernels.moe.fused_moe_fp8`) for float8 experts; `add` summed into the output."""
+        """The routed experts' decode launches: the INT4 pair, or the bf16 pair in FP8 mode
+        (`kernels.moe.fused_moe_fp8`) for float8 experts; with a table (cold experts) the same launches read host
+        slots (`host`, `first_host`); `add` summed into the output."""
+        t = self.table
         if self.fp8_block:
             from stage_worker.kernels.moe import fused_moe_fp8
 
-            return fused_moe_fp8(x2, ids, weights, self.packed(), add=add)
+            if t is None:
+                return fused_moe_fp8(x2, ids, weights, self.packed(), add=add)
+            dev, host = t.fp8_experts()
+            return fused_moe_fp8(x2, ids, weights, dev, add=add, host=host, first_host=t.hot)
         from stage_worker.kernels.moe_int4 import fused_moe_int4
 
-        return fused_moe_int4(x2, ids, weights, self.packed(), add=add, splitk=self.kernels.moe_int4_splitk)
+        splitk = self.kernels.moe_int4_splitk
+        if t is None:
+            return fused_moe_int4(x2, ids, weights, self.packed(), add=add, splitk=splitk)
+        dev, host = t.packed_experts()
+        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add, splitk=splitk)
 
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:
         """INT4 experts at prefill (and on the CPU): with `kernel`, the grouped tensor-core GEMMs of
         `moe_int4_prefill.py` (four launches with host slots, no host sync, each host slot read over PCIe once a
         chunk); otherwise the per-expert loop (`ExpertTable.moe_int4`, `moe_int4.grouped_moe_int4`). Float8
-        experts: the per-expert loop `moe.grouped_moe_fp8` (no table; their tensor-core kernel is not written)."""
+        experts: the per-expert loop `moe.grouped_moe_fp8` (`ExpertTable.moe_fp8` with a table; their tensor-core
+        kernel is not written)."""
         from stage_worker.kernels.moe_int4 import grouped_moe_int4
 
+        t = self.table
         if self.fp8_block:
             from stage_worker.kernels.moe import grouped_moe_fp8
 
-            return grouped_moe_fp8(x2, ids, weights, self.packed())
-        t = self.table
+            return grouped_moe_fp8(x2, ids, weights, self.packed()) if t is None else t.moe_fp8(x2, ids, weights)
         if kernel:
             from stage_worker.kernels.moe_int4_prefill import grouped_moe_int4_triton
 
