@@ -209,3 +209,36 @@ def test_the_memory_plan_counts_fp8_host_slots_at_their_size(family, tmp_path):
     assert need.weights == base.weights - need.host_experts
     assert need.routed_experts == base.routed_experts - need.host_experts == model.experts.device_bytes()
     assert 2 * per_slot < cold_set.expert_bytes(cfg, "float32")       # a byte a weight + scales against float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_tables_with_graphs_and_moves_serve_the_all_in_vram_tokens(fp8_dirs):
+    """The fast path on a GPU: the FP8 decode pair reading half of every layer's float8 experts (bytes and block
+    scales) from the registered host allocation, inside CUDA graphs, moves between replays, a prompt long enough for
+    the table's prefill loop (100 tokens x top-3 > the decode kernels' 256): the greedy tokens of the all-in-VRAM
+    float8 model, every slot still its expert's."""
+    from expert_tables import graphed_greedy
+    from stage_worker.kernels.flags import KernelFlags
+
+    qdir = fp8_dirs["qwen3_next"]
+    cfg = load_config(qdir)
+    prompt = [(7 * i + 3) % 300 + 10 for i in range(100)]
+
+    def run(cold, moves: bool):
+        model = load_model(qdir, LoadOptions(device="cuda", packed_fp8_experts=True, cold_experts=cold))
+        model.set_kernels(KernelFlags.parse("all"))
+        return (model, *graphed_greedy(model, prompt, 16, moves))
+
+    plain, want, want_lp = run(None, False)
+    assert all(m.fp8_block and m.table is None for m in plain.moe_layers().values())
+    for moves in (False, True):
+        model, got, lp = run(random_cold(cfg, 0.5, seed=3), moves)
+        x = model.experts
+        assert x.host.pinned and all(t.fp8 for t in x.tables.values())
+        assert got == want, moves
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) < 1e-3
+        assert x.host_reads.sum().item() > 0
+        if moves:
+            assert x.moves.sum().item() > 0
+        fingerprints_hold(model, plain)
