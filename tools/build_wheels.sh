@@ -21,6 +21,9 @@ pkgs=(
   openai distro jiter sniffio httpx2 httpcore2 truststore idna "transformers>=5.24"
   # GPU kernels: flash-linear-attention's Gated DeltaNet kernels
   flash-linear-attention fla-core einops
+  # quantized checkpoints: the GPU tests write theirs with `moepipe quantize` (the image has torch, transformers and
+  # psutil, which compressed-tensors also needs)
+  compressed-tensors loguru
 )
 for p in "${pkgs[@]}"; do
   [ "$lean" = --lean ] && [[ $p == transformers* ]] && continue
