@@ -137,14 +137,25 @@ def _cold_set(args: argparse.Namespace) -> int:
         print("moepipe cold-set: --gib-per-stage must be > 0", file=sys.stderr)
         return 2
     from shared.quant_scheme import plan_of
-    from stage_worker.checkpoint.packed_experts import packed_layers
+    from stage_worker.checkpoint.packed_experts import fp8_layers, packed_layers
 
     stages = split_layers(cfg.num_hidden_layers, args.stages)
-    # INT4 experts stay packed (issue 17): a stage holds them, and a host read moves them, at their packed size
-    packed = packed_layers(plan_of(model), cfg, 0, cfg.num_hidden_layers)
-    per_expert = [cold_set.packed_expert_bytes(cfg, *packed[layer], args.dtype)
-                  if (layer := next((x for x in range(s, e) if x in packed), None)) is not None
-                  else cold_set.expert_bytes(cfg, args.dtype) for s, e in stages]
+    # INT4 experts stay packed and block-FP8 experts float8 (issue 17): a stage holds them, and a host read moves
+    # them, at that size (the server's defaults, packed_experts and packed_fp8_experts)
+    plan = plan_of(model)
+    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers)
+    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers)
+
+    def stage_expert_bytes(s: int, e: int) -> int:
+        layer = next((x for x in range(s, e) if x in packed), None)
+        if layer is not None:
+            return cold_set.packed_expert_bytes(cfg, *packed[layer], args.dtype)
+        layer = next((x for x in range(s, e) if x in fp8), None)
+        if layer is not None:
+            return cold_set.fp8_expert_bytes(cfg, fp8[layer])
+        return cold_set.expert_bytes(cfg, args.dtype)
+
+    per_expert = [stage_expert_bytes(s, e) for s, e in stages]
     budget = int(args.gib_per_stage * (1 << 30))
     try:
         scores = cold_set.kind_normalised(usage)

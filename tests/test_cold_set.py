@@ -103,3 +103,20 @@ def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_pat
     r = subprocess.run([sys.executable, "-m", "shared.cli", "route-stats", "--text", "nokind", "--out",
                         str(usage)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "KIND=PATH" in r.stderr
+
+
+def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_them(fp8_dirs, tmp_path):
+    """Block-FP8 experts stay float8 on a stage (packed_fp8_experts, also with cold experts): `moepipe cold-set`
+    counts each at its float8 bytes and block scales, not at the compute dtype's size."""
+    model = fp8_dirs["qwen3_next"]
+    cfg = load_config(model)
+    usage = tmp_path / "route_usage.json"
+    usage.write_text(json.dumps({"usage": {"code": _usage(cfg.num_hidden_layers, cfg.num_experts, range(2), 50)},
+                                 "meta": {"tokens_per_kind": {"code": 50}}}))
+    out = tmp_path / "cold.json"
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--model", str(model), "--usage", str(usage),
+                        "--gib-per-stage", "0.0001", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    size = json.loads(out.read_text())["expert_bytes"]
+    assert size == cold_set.fp8_expert_bytes(cfg, (128, 128)) < cold_set.expert_bytes(cfg)
