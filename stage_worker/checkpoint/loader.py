@@ -28,11 +28,11 @@ from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name,
 from stage_worker.checkpoint.packed_experts import PackedPlacer, fp8_layers, packed_layers
 from stage_worker.checkpoint.random_init import dummy_ple_table, fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
-from stage_worker.model.fp8_linear import Fp8DensePlacer, fp8_sites, fp8_specs, use_fp8_dense
+from stage_worker.checkpoint.dense_placers import Fp8DensePlacer, PackedDensePlacer
+from stage_worker.model.fp8_linear import fp8_sites, fp8_specs, use_fp8_dense
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
-from stage_worker.model.quant_linear import (PackedLinear, PackedSpec, disk_module, packed_specs, plain_linear_sites,
-                                             use_packed_dense)
+from stage_worker.model.quant_linear import PackedSpec, packed_specs, plain_linear_sites, use_packed_dense
 from stage_worker.model.quant_weight import QUANT_PARTS, dequantize, needed
 from stage_worker.model.rope import Rotary
 
@@ -177,7 +177,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items()
                            if moe.packed_group or moe.fp8_block},
                           CheckpointError)
-    dense = _DensePlacer(model)
+    dense = PackedDensePlacer(model, CheckpointError)
     fp8_dense = Fp8DensePlacer(model, CheckpointError)
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -291,46 +291,6 @@ def _disk_headers(model_dir: Path, suffixes: tuple[str, ...]) -> dict[str, tuple
                     sl = f.get_slice(raw)
                     disk[normalise(raw)] = (tuple(sl.get_shape()), sl.get_dtype())
     return disk
-
-
-class _DensePlacer:
-    """Copies each packed-dense module's `weight_packed` and `weight_scale` into its PackedLinear's buffers (a
-    per-tensor scale repeated per row) and checks `weight_shape`; `finish` names what never came."""
-
-    PARTS = ("weight_packed", "weight_scale", "weight_shape")
-
-    def __init__(self, model: StageModel) -> None:
-        self.modules = {disk_module(n): m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
-        self.seen: set[tuple[str, str]] = set()
-
-    def takes(self, name: str) -> bool:
-        module, _, part = name.rpartition(".")
-        return part in self.PARTS and module in self.modules
-
-    @torch.no_grad()
-    def place(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
-        module, _, part = name.rpartition(".")
-        m = self.modules[module]
-        if part == "weight_shape":
-            if [int(v) for v in tensor.tolist()] != [m.out_features, m.in_features]:
-                raise CheckpointError(f"tensor {raw_name!r} in {path} says {tensor.tolist()}, expected "
-                                      f"{[m.out_features, m.in_features]}")
-        else:
-            target = getattr(m, part)
-            if part == "weight_scale" and tensor.numel() in (1, target.shape[0]) and target.shape[1] == 1:
-                tensor = tensor.reshape(-1, 1).expand(target.shape)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
-                                      f"{list(target.shape)} (int{m.bits}, group {m.group})")
-            target.copy_(tensor.to(target.dtype))
-        self.seen.add((module, part))
-
-    def finish(self, model_dir: Path) -> None:
-        missing = [f"{module}.{part}" for module in self.modules for part in self.PARTS
-                   if (module, part) not in self.seen]
-        if missing:
-            raise CheckpointError(f"missing tensor(s) in {model_dir}: {', '.join(missing[:3])}"
-                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
 
 
 class _Dequantizer:

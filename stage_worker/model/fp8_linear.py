@@ -16,7 +16,6 @@ Switch: cluster key `packed_fp8_dense` (MOEPIPE_PACKED_FP8_DENSE), GPU stages on
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -108,44 +107,3 @@ def use_fp8_dense(model: nn.Module, specs: dict[str, tuple[int, int]]) -> None:
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         setattr(parent, attr, Fp8Linear(old.in_features, old.out_features, block, device=old.weight.device))
-
-
-class Fp8DensePlacer:
-    """Copies each float8 dense module's `weight` (its bytes) and `weight_scale_inv` into its Fp8Linear's buffers as
-    the loader streams the files; `finish` names what never came. `error`: the loader's exception type."""
-
-    PARTS = ("weight", "weight_scale_inv")
-
-    def __init__(self, model: nn.Module, error: type[Exception]) -> None:
-        from stage_worker.model.quant_linear import disk_module
-
-        self.modules = {disk_module(n): m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-        self.error = error
-        self.seen: set[tuple[str, str]] = set()
-
-    def takes(self, name: str) -> bool:
-        module, _, part = name.rpartition(".")
-        return part in self.PARTS and module in self.modules
-
-    @torch.no_grad()
-    def place(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path) -> None:
-        module, _, part = name.rpartition(".")
-        m = self.modules[module]
-        target = m.weight_fp8 if part == "weight" else m.weight_scale_inv
-        if part == "weight":
-            if tensor.dtype != torch.float8_e4m3fn:
-                raise self.error(f"tensor {raw_name!r} in {path} is {tensor.dtype}; dense layers kept in float8 "
-                                 f"(packed_fp8_dense) take float8_e4m3fn")
-            tensor = tensor.view(torch.uint8)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
-                             f"{list(target.shape)} (float8, blocks {m.block})")
-        target.copy_(tensor.to(target.dtype))
-        self.seen.add((module, part))
-
-    def finish(self, model_dir: Path) -> None:
-        missing = [f"{module}.{part}" for module in self.modules for part in self.PARTS
-                   if (module, part) not in self.seen]
-        if missing:
-            raise self.error(f"missing tensor(s) in {model_dir}: {', '.join(missing[:3])}"
-                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
