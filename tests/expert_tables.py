@@ -33,6 +33,18 @@ def greedy(model, prompt: list[int], steps: int, move_every: int = 0):
     return tokens, torch.log_softmax(torch.stack(logits), -1)
 
 
+def random_move_rounds(model, rounds: int, seed: int = 9) -> int:
+    """`rounds` move rounds over random selection counts (the reference swap a CPU cluster runs); returns the swaps
+    done, for tests that then check every slot still holds its own expert."""
+    x = model.experts
+    g = torch.Generator().manual_seed(seed)
+    router = gates(model)
+    for _ in range(rounds):
+        x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
+        x.move_round(router, decay=0.8, margin=0.5)
+    return int(x.moves.sum().item())
+
+
 def fingerprints_hold(model, plain) -> int:
     """Every slot holds its expert's rows of every part (packed words and scales, or w13/w2) and its router row,
     wherever the moves took it; returns the number of tables checked."""

@@ -25,10 +25,9 @@ from stage_worker.kernels import moe_prefill as P  # noqa: E402
 from shared import cold_set  # noqa: E402
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
-from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
-from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold  # noqa: E402
+from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold, random_move_rounds  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 E, TOP_K, H, I = 16, 4, 32, 16
@@ -162,12 +161,7 @@ def test_thousands_of_moves_keep_every_row_its_own_expert(demo):
     d, cfg = demo
     plain = load_model(d, LoadOptions(), cfg)
     model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4)), cfg)
-    x = model.experts
-    g = torch.Generator().manual_seed(9)
-    for _ in range(2000):
-        x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
-        x.move_round(gates(model), decay=0.8, margin=0.5)
-    assert x.moves.sum().item() >= 1000
+    assert random_move_rounds(model, 2000) >= 1000
     fingerprints_hold(model, plain)
 
 

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("compressed_tensors")
 
-from expert_tables import fingerprints_hold, greedy, random_cold  # noqa: E402
+from expert_tables import fingerprints_hold, greedy, random_cold, random_move_rounds  # noqa: E402
 from shared import cold_set  # noqa: E402
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
@@ -96,13 +96,7 @@ def test_many_forced_moves_keep_every_fp8_slot_its_own_expert(family):
     every slot's bytes, scales and router row are its expert's, and the tokens are all-in-VRAM's."""
     qdir, cfg, plain, (want, _), _ = family
     model = _load(qdir, random_cold(cfg, 0.25, seed=4))
-    x = model.experts
-    g = torch.Generator().manual_seed(9)
-    router = gates(model)
-    for _ in range(1000):
-        x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
-        x.move_round(router, decay=0.8, margin=0.5)
-    assert x.moves.sum().item() >= 500
+    assert random_move_rounds(model, 1000) >= 500
     fingerprints_hold(model, plain)
     assert greedy(model, PROMPT, STEPS, move_every=2)[0] == want
 

@@ -30,7 +30,7 @@ from stage_worker.checkpoint.random_init import fill_random  # noqa: E402
 from stage_worker.expert_offload import fill_random_tables, gates, order_gates  # noqa: E402
 from stage_worker.kernels import expert_moves as M  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
-from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold  # noqa: E402
+from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold, random_move_rounds  # noqa: E402
 from stage_worker.model.expert_table import PACKED_PARTS, PARTS  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 400]
@@ -92,13 +92,7 @@ def test_many_move_rounds_keep_every_packed_slot_its_own_expert(int4, all_in_vra
     q, cfg = int4
     plain, _ = all_in_vram
     model = load_model(q, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4)), cfg)
-    x = model.experts
-    g = torch.Generator().manual_seed(9)
-    router = gates(model)
-    for _ in range(1000):
-        x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
-        x.move_round(router, decay=0.8, margin=0.5)
-    assert x.moves.sum().item() >= 500
+    assert random_move_rounds(model, 1000) >= 500
     fingerprints_hold(model, plain)
 
 
