@@ -13,7 +13,7 @@ of (one float32 per 16,384 weights). Then, by token count:
 * 5-16 tokens (DOT): the scaled tile rounded to x's dtype (the weight the dequantize-at-load path holds) and one
   tl.dot with the [BLOCK_K, 16] inputs (tokens past T masked to 0), fp32 accumulate.
 Small N (o_proj, out_proj: few row blocks for the SMs) splits K into slices; each writes fp32 partial sums and the
-last program of an output tile adds them in a fixed order (`split_reduce.py`, through `quant_gemv._store`: one
+last program of an output tile adds them in a fixed order (`split_reduce.store_tile`: one
 launch, deterministic). More than DECODE_MAX_T tokens (prefill) and machines without Triton take `dequant_matmul`:
 a block of rows dequantized at a time (never the whole weight in float) and a matmul.
 
@@ -46,7 +46,7 @@ CFG = {1: (32, 128, 4), 4: (16, 128, 4), 16: (64, 128, 4)}
 
 
 if triton is not None:
-    from stage_worker.kernels.quant_gemv import _store
+    from stage_worker.kernels.split_reduce import store_tile
 
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, N, T, stride_xt, stride_qn, stride_sn,
@@ -94,7 +94,7 @@ if triton is not None:
             res = acc
         else:
             res = tl.trans(tl.sum(acc, axis=2))                                              # [BLOCK_N, TP]
-        _store(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
+        store_tile(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
 
 
 def _pow2_factor(n: int) -> int:

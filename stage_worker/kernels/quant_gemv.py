@@ -103,7 +103,7 @@ def period(bits: int, dense: bool) -> tuple[int, int]:
 
 
 if triton is not None:
-    from stage_worker.kernels.split_reduce import last_of
+    from stage_worker.kernels.split_reduce import store_tile
 
     @triton.jit
     def _words(q_ptr, rows, mask_n, p0, stride_qn, W: tl.constexpr, WP: tl.constexpr, NPER: tl.constexpr):
@@ -275,26 +275,7 @@ if triton is not None:
             res = res * (1 << BITS)
         if SCALE == 0:
             res = res * tl.load(s_ptr + rows64 * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        _store(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
-
-    @triton.jit
-    def _store(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS: tl.constexpr):
-        """res [BLOCK_N, TP] fp32 to out (x.dtype); with SPLITS K slices, each program's partial sums to part and
-        the last program of the output tile (token group, row block) adds them in a fixed order
-        (`split_reduce.last_of`: one launch, deterministic)."""
-        at = offs_t[None, :] * stride_ot + rows64[:, None]
-        mask = mask_n[:, None] & (offs_t < T)[None, :]
-        if SPLITS > 1:
-            pt = offs_t[None, :] * N + rows64[:, None]
-            tl.store(part_ptr + tl.program_id(2) * T * N + pt, res, mask=mask)
-            if last_of(lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS):
-                res = tl.load(part_ptr + pt, mask=mask, other=0.0, cache_modifier=".cg")
-                for p in tl.static_range(1, SPLITS):
-                    res += tl.load(part_ptr + p * T * N + pt, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + at, res.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptr + at, res.to(out_ptr.dtype.element_ty), mask=mask)
-
+        store_tile(res, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
 
     @triton.jit
     def _wide_values(w0, w1, w2, one, s1, s2, sv_ptr, kp, mask_s, J: tl.constexpr, STEP: tl.constexpr,
@@ -339,7 +320,7 @@ if triton is not None:
         the 16 multiply-adds a value go to the tensor cores. Input position p * PP + j of a tile is input
         k0 + p * P + j (natural order where P is a power of two; the older INT6 layout's 3 padding positions a
         period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own shape), the next tile's issued
-        before one is decoded (PREFETCH); split K as the FMA kernel (`_store`)."""
+        before one is decoded (PREFETCH); split K as the FMA kernel (`split_reduce.store_tile`)."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -391,7 +372,7 @@ if triton is not None:
                 w0 = n0
                 w1 = n1
                 w2 = n2
-        _store(acc, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
+        store_tile(acc, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
 
 
 @functools.cache
