@@ -117,10 +117,11 @@ def _route_stats(args: argparse.Namespace) -> int:
 
 
 def _cold_set(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from shared import cold_set
-    from shared.cluster_config import split_layers
+    from shared.cluster_config import ClusterConfig, ClusterConfigError, env_overrides, split_layers
     from shared.model_config import load_config
 
     model = Path(args.model) if args.model else ensure_builtin_model()
@@ -140,11 +141,19 @@ def _cold_set(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.packed_experts import fp8_layers, packed_layers
 
     stages = split_layers(cfg.num_hidden_layers, args.stages)
-    # INT4 experts stay packed and block-FP8 experts float8 (issue 17): a stage holds them, and a host read moves
-    # them, at that size (the server's defaults, packed_experts and packed_fp8_experts)
+    # INT4 experts stay packed (issue 17) and block-FP8 experts float8 where the server keeps them so with cold
+    # experts (`ClusterConfig.keeps_fp8_experts`: the defaults and MOEPIPE_* switches): a stage holds them, and a
+    # host read moves them, at that size
     plan = plan_of(model)
     packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers)
-    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers)
+    try:
+        switches = {f.name: f.default for f in dataclasses.fields(ClusterConfig)
+                    if f.name in ("packed_fp8_experts", "fp8_expert_tables")} | env_overrides()
+    except ClusterConfigError as exc:
+        print(f"moepipe cold-set: {exc}", file=sys.stderr)
+        return 2
+    keep_fp8 = switches["packed_fp8_experts"] and switches["fp8_expert_tables"]
+    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers) if keep_fp8 else {}
 
     def stage_expert_bytes(s: int, e: int) -> int:
         layer = next((x for x in range(s, e) if x in packed), None)

@@ -113,9 +113,11 @@ class ClusterConfig:
     # scales (half the bf16 bytes) and run the FP8 decode kernel (stage_worker/kernels/moe.py, FP8 mode); off:
     # dequantized to the compute dtype at load. H200 (h200-14, tests/test_kernel_moe_fp8.py): same outputs as the
     # reference, 96 against 150 us for the bf16 kernel at 1 token, 117 against 171 at 4, 190 against 222 at 16.
-    # With cold_experts the expert tables hold float8 slots (bytes and block scales, in VRAM and host RAM alike;
-    # the kernels with host slots not yet run on a GPU: bench/results/fp8-table-1/next.txt).
     packed_fp8_experts: bool = True
+    # With cold_experts too: expert tables of float8 slots (bytes and block scales, in VRAM and host RAM alike).
+    # Off until the H200 runs the FP8 kernels with host slots (bench/results/fp8-table-1/next.txt): then cold
+    # experts of a block-FP8 checkpoint are dequantized at load (twice the host RAM, the verified bf16 tables).
+    fp8_expert_tables: bool = False
     # ... and their dense Linear weights called as a plain linear (o_proj, out_proj, the DeltaNet in-projections, a
     # dense MLP, the MTP fc, lm_head when quantized) stay float8 with their block scales and run the FP8 GEMV
     # (stage_worker/model/fp8_linear.py, kernels/fp8_gemv.py): half the bytes a decode step reads for them; off:
@@ -272,9 +274,10 @@ class ClusterConfig:
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2)
 
     def keeps_fp8_experts(self) -> bool:
-        """Whether a block-FP8 checkpoint's experts stay float8: the switch (with cold experts too: the expert
-        tables hold float8 slots); the stage loader and the memory plan both ask here."""
-        return self.packed_fp8_experts
+        """Whether a block-FP8 checkpoint's experts stay float8: the switch, and with cold experts also
+        `fp8_expert_tables` (the expert tables' float8 slots); the stage loader, the memory plan and `moepipe
+        cold-set` all ask here."""
+        return self.packed_fp8_experts and (self.fp8_expert_tables or not self.cold_experts)
 
     @property
     def row_cache_bytes(self) -> int:
@@ -323,7 +326,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVES_ASYNC": "expert_moves_async",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
-        "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
+        "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}
 

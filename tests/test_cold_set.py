@@ -106,17 +106,23 @@ def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_pat
 
 
 def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_them(fp8_dirs, tmp_path):
-    """Block-FP8 experts stay float8 on a stage (packed_fp8_experts, also with cold experts): `moepipe cold-set`
-    counts each at its float8 bytes and block scales, not at the compute dtype's size."""
+    """`moepipe cold-set` counts block-FP8 experts at the size a stage with cold experts holds them: dequantized to
+    the compute dtype by default, float8 bytes and block scales with the float8 tables on (fp8_expert_tables)."""
+    import os
+
     model = fp8_dirs["qwen3_next"]
     cfg = load_config(model)
     usage = tmp_path / "route_usage.json"
     usage.write_text(json.dumps({"usage": {"code": _usage(cfg.num_hidden_layers, cfg.num_experts, range(2), 50)},
                                  "meta": {"tokens_per_kind": {"code": 50}}}))
-    out = tmp_path / "cold.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--model", str(model), "--usage", str(usage),
-                        "--gib-per-stage", "0.0001", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    size = json.loads(out.read_text())["expert_bytes"]
-    assert size == cold_set.fp8_expert_bytes(cfg, (128, 128)) < cold_set.expert_bytes(cfg)
+    sizes = {}
+    for tables in ("0", "1"):
+        out = tmp_path / f"cold{tables}.json"
+        env = {**os.environ, "MOEPIPE_FP8_EXPERT_TABLES": tables}
+        r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--model", str(model), "--usage",
+                            str(usage), "--gib-per-stage", "0.0001", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        sizes[tables] = json.loads(out.read_text())["expert_bytes"]
+    assert sizes == {"0": cold_set.expert_bytes(cfg), "1": cold_set.fp8_expert_bytes(cfg, (128, 128))}
+    assert sizes["1"] < sizes["0"]

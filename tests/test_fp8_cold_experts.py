@@ -192,7 +192,7 @@ def test_the_memory_plan_counts_fp8_host_slots_at_their_size(family, tmp_path):
     def cluster(cold_experts: str = "") -> ClusterConfig:
         return ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
                              stages=[StageSpec(0, n, "", "cuda:0")], packed_fp8_experts=True,
-                             measure_reserve=False, cold_experts=cold_experts)
+                             fp8_expert_tables=True, measure_reserve=False, cold_experts=cold_experts)
 
     assert cluster(str(f)).keeps_fp8_experts() and cluster("auto").keeps_fp8_experts()
     need, base = stage_needs(cfg, cluster(str(f)))[0], stage_needs(cfg, cluster())[0]
