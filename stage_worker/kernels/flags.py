@@ -11,12 +11,11 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
-         "moe_int4_splitk", "section_union")
-# Built and kept for A/B, but not part of "all": the H200 said no (bench/results/h200-14). moe_int4_splitk measured
-# slower than the row-block kernels at 1/4/16 tokens (27.9 vs 26.3, 67.1 vs 61.1, 262.9 vs 167.9 us); quant_gemv_wide
-# hit an illegal memory access in its GPU timing test. Named explicitly ("all,quant_gemv_wide") they still turn on.
-NOT_IN_ALL = ("moe_int4_splitk", "quant_gemv_wide")
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union")
+# Built, but not part of "all" until the H200 passes it again (bench/results/h200-14): quant_gemv_wide hit an illegal
+# memory access in its GPU timing test (cause found and fixed since). Named explicitly ("all,quant_gemv_wide") it
+# still turns on.
+NOT_IN_ALL = ("quant_gemv_wide",)
 
 
 @dataclass(frozen=True)
@@ -47,9 +46,6 @@ class KernelFlags:
                                       # tile decoded once and fed to one tl.dot (quant_gemv(wide=); not in
                                       # "all": an illegal address on the H200, h200-14); off: the
                                       # FMA kernel's token groups / the tl.dot variant, as quant_gemv_fma says
-    moe_int4_splitk: bool = False     # INT4 MoE decode at 1-4 tokens: each row's words split across a program's
-                                      # warps, the grid from the SM count (moe_int4.py `splitk`; not in "all");
-                                      # off: the row-block kernels (bench/results/moe-int4-4's 21.6 us at 1 token)
     section_union: bool = False       # with `section_attention`: stage only the union of the chunk's selected
                                       # compression blocks, compacted (section_attention.union_plan), so PCIe bytes
                                       # and the kernel's work scale with the union; off: the whole context staged

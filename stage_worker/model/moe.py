@@ -272,11 +272,10 @@ class SparseMoE(nn.Module):
             return fused_moe_fp8(x2, ids, weights, dev, add=add, host=host, first_host=t.hot)
         from stage_worker.kernels.moe_int4 import fused_moe_int4
 
-        splitk = self.kernels.moe_int4_splitk
         if t is None:
-            return fused_moe_int4(x2, ids, weights, self.packed(), add=add, splitk=splitk)
+            return fused_moe_int4(x2, ids, weights, self.packed(), add=add)
         dev, host = t.packed_experts()
-        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add, splitk=splitk)
+        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add)
 
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:
