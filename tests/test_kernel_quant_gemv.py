@@ -403,23 +403,28 @@ SWEEP = [(16, 128, 2), (16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 512, 4), (
          (32, 1024, 8)]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_sweep_launch_configs_on_the_gpu():
-    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on four kept-packed shapes at 1, 4 and 16 tokens (the FMA kernel):
-    prints every time and the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
+def _sweep(rows: list[int], tokens: tuple[int, ...], configs: list[tuple[int, int, int]], wide: bool) -> None:
+    """Time each config on FULL[rows] at each token count; print every time and the best per row."""
     print()
-    for name, (N, K), bits, group, dense in [FULL[i] for i in (0, 3, 5, 6)]:
+    for name, (N, K), bits, group, dense in [FULL[i] for i in rows]:
         pws = _copies(N, K, bits, group, dense)
-        for t in (1, 4, 16):
+        for t in tokens:
             x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c, wide=False) for p in pws])
-                     for cfg in SWEEP}
+            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c, wide=wide) for p in pws])
+                     for cfg in configs}
             best = min(times, key=times.get)
             print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
                   f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)
         del pws
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_sweep_launch_configs_on_the_gpu():
+    """Each (BLOCK_N, BLOCK_K, warps) of SWEEP on four kept-packed shapes at 1, 4 and 16 tokens (the FMA kernel):
+    prints every time and the best per row, the input for quant_gemv.CFG (no assertion on speed)."""
+    _sweep([0, 3, 5, 6], (1, 4, 16), SWEEP, wide=False)
 
 
 # the wide kernel's (BLOCK_N, BLOCK_K inputs, warps): a thread decodes BLOCK_N * BLOCK_K / (32 warps) values a tile
@@ -431,15 +436,4 @@ SWEEP_WIDE = [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 128, 
 def test_sweep_wide_configs_on_the_gpu():
     """Each config of SWEEP_WIDE for the wide kernel on five kept-packed shapes at 8 and 16 tokens: prints every
     time and the best per row, the input for quant_gemv.CFG_WIDE (no assertion on speed)."""
-    print()
-    for name, (N, K), bits, group, dense in [FULL[i] for i in (0, 3, 5, 6, 8)]:
-        pws = _copies(N, K, bits, group, dense)
-        for t in (8, 16):
-            x = torch.randn(t, K, device="cuda").to(torch.bfloat16)
-            times = {cfg: _graph_us([lambda p=p, c=cfg: Q.quant_gemv(x, p, cfg=c, wide=True) for p in pws])
-                     for cfg in SWEEP_WIDE}
-            best = min(times, key=times.get)
-            print(f"{name:28} T={t:2d} best {best} {times[best]:.1f} us ({pws[0].nbytes() / times[best] / 1e6:.2f}"
-                  f" TB/s) | " + " ".join(f"{c}:{u:.1f}" for c, u in times.items()), flush=True)
-        del pws
-        torch.cuda.empty_cache()
+    _sweep([0, 3, 5, 6, 8], (8, 16), SWEEP_WIDE, wide=True)
