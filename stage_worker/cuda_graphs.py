@@ -23,6 +23,7 @@ import torch
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import ModelCache
 from stage_worker.model.model import StageModel
+from stage_worker.model.moe import SparseMoE
 
 DEFAULT_SIZES = (1, 2, 4, 8)
 
@@ -55,12 +56,15 @@ class DecodeGraphs:
         self.pool = None
         self.ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
         self.ple_graph = ple_graph
+        # Listed once: walking the module tree (551 modules at 20 full-shape layers) took ~1.1 ms of host time per
+        # replay on a slow CPU, with the GPU waiting for the next step's launch.
+        self.moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
         # Padding rows route to no expert (`SparseMoE.valid_rows`): a batch of 9 replayed as 16 would otherwise
         # read the experts of 7 rows nobody wants (expert bytes are most of a decode step's). Off: `graph_skip_padding`.
         self.valid = torch.zeros(1, dtype=torch.int32, device=self.device) if skip_padding else None
 
     def capture(self) -> None:
-        moes = self._moes()
+        moes = self.moes
         for m in moes:
             m.valid_rows = self.valid
         experts = getattr(self.model, "experts", None)     # asynchronous expert moves: none in the warm-up runs
@@ -111,13 +115,8 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._run(batch, hidden_in)
         self.pool = graph.pool()
-        ids = [m.last_expert_ids for m in self._moes()]
+        ids = [m.last_expert_ids for m in self.moes]
         return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, batch.ple_rows, ids)
-
-    def _moes(self):
-        from stage_worker.model.moe import SparseMoE
-
-        return [m for m in self.model.modules() if isinstance(m, SparseMoE)]
 
     def fits(self, batch: StepBatch) -> bool:
         """`ple_graph` off (`MOEPIPE_PLE_GRAPH=0`): a stage with PLE layers runs its decode steps eagerly."""
@@ -156,6 +155,6 @@ class DecodeGraphs:
         if self.valid is not None:
             self.valid.fill_(n)
         g.graph.replay()
-        for m, ids in zip(self._moes(), g.expert_ids):
-            m.last_expert_ids = ids[:n] if ids is not None else None
+        for m, ids in zip(self.moes, g.expert_ids):
+            m.last_expert_ids = ids if ids is None or n == g.size else ids[:n]
         return g.out[:n]
