@@ -114,9 +114,9 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
     n_itl = delta("moepipe_inter_token_latency_seconds_count", ())
     server_tpot = 1e3 * delta("moepipe_inter_token_latency_seconds_sum", ()) / n_itl if n_itl else float("nan")
     # rows a PLE stage gathered itself for decode steps (ple_decode_in_stage): host time a step on the stage's
-    # critical path (the PLE service's prefill gathers are in the same total: short prompts make them small)
+    # critical path (its own series: h200-15 divided the PLE service's prefill gathers by these steps, 20-71 ms)
     n_gathers = delta("moepipe_ple_stage_gathers_total", ())
-    gather_ms = 1e3 * delta("moepipe_ple_gather_seconds_total", ()) / n_gathers if n_gathers else float("nan")
+    gather_ms = 1e3 * delta("moepipe_ple_stage_gather_seconds_total", ()) / n_gathers if n_gathers else float("nan")
     return {"server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
             "ple_wait_fraction": ple_wait, "ple_stage_gather_ms": gather_ms,
             "transfer": transfer,

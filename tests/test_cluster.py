@@ -98,6 +98,8 @@ def test_completions_match_in_process_generation_with_logprobs(cluster, tiny, re
     while _metric(cluster.url, "moepipe_ple_stage_gathers_total") < 11 and time.time() < deadline:
         time.sleep(0.2)
     assert _metric(cluster.url, "moepipe_ple_stage_gathers_total") >= 11
+    # ... and the time they took, in their own series (not the PLE service's prefill gathers)
+    assert _metric(cluster.url, "moepipe_ple_stage_gather_seconds_total") > 0
 
 
 def test_chat_streaming_usage_and_top_logprobs(cluster, tiny, reference):
