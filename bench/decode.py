@@ -139,9 +139,9 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
             "total": dense + experts + state + kv}
 
 
-def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict]]:
-    """CUDA kernels one step launches (graph replays included: CUPTI sees the nodes) and the `top` kernels by GPU
-    time, so the next fusion can be picked from measurement."""
+def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict], float]:
+    """CUDA kernels one step launches (graph replays included: CUPTI sees the nodes), the `top` kernels by GPU
+    time, so the next fusion can be picked from measurement, and all kernels' GPU time summed (us)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -157,7 +157,7 @@ def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict]]:
                                                    else e.cuda_time_total)
     rows = sorted(({"name": k, "count": len(v), "total_us": sum(v)} for k, v in by_name.items()),
                   key=lambda r: -r["total_us"])
-    return count, rows[:top]
+    return count, rows[:top], sum(r["total_us"] for r in rows)
 
 
 def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool,
@@ -187,21 +187,26 @@ def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, gra
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, host = [], []
+    replays = engine.replays
     for _ in range(steps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
+        t0 = time.perf_counter()
         step()
+        host.append(time.perf_counter() - t0)       # the host's share: the GPU waits for it where it is longer
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
+    graphed = engine.replays - replays
     counts = engine.caches[0].row_cache_counts
     hits = counts.tolist() if counts is not None else None
-    kernels, top = kernels_per_step(step)
+    kernels, top, busy_us = kernels_per_step(step)
     by = step_bytes(model, cfg, batch, context + warmup + steps)
     med = statistics.median(times)
     return {"batch": batch, "context": context, "fill": fill, "median_step_s": med, "tokens_per_s": batch / med,
-            "bytes": by, "kernels_per_step": kernels, "top_kernels": top,
+            "bytes": by, "kernels_per_step": kernels, "top_kernels": top, "kernel_busy_s": busy_us / 1e6,
+            "host_step_s": statistics.median(host), "graphed_steps": graphed, "timed_steps": steps,
             "kv_tier": "host" if engine.caches[0].kv_host_bytes() else "vram",
             "row_cache_hit_rate": hits[0] / hits[1] if hits and hits[1] else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated()}
@@ -289,7 +294,8 @@ def main() -> int:
                 # leaves the earlier ones (h200-13 F: 4k and 262k at batch 1 and 4 printed nothing in 120 s)
                 print(f"done: context {context} batch {b}: {1e3 * r['median_step_s']:.2f} ms a step, "
                       f"{r['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t_run:.0f} s with its set-up and "
-                      f"{fill} fill)", flush=True)
+                      f"{fill} fill); kernels {1e3 * r['kernel_busy_s']:.2f} ms, host {1e3 * r['host_step_s']:.2f} "
+                      f"ms a step, {r['graphed_steps']} of {r['timed_steps']} steps replayed a graph", flush=True)
                 torch.cuda.empty_cache()
     print(f"{'kernels':>28} {'graphs':>6} {'context':>7} {'K/V':>4} {'hits':>5} {'batch':>5} {'GB/step':>8} "
           f"{'experts':>8} {'step ms':>8} {'tok/s':>8} {'roofline':>9} {'%':>6} {'kernels':>8} {'peak GB':>8}")
@@ -301,7 +307,7 @@ def main() -> int:
               f"{r['percent_of_roofline']:>6.1f} {r['kernels_per_step']:>8} {r['peak_memory_bytes'] / 1e9:>8.1f}")
     if args.profile:
         for r in rows:
-            busy = sum(k["total_us"] for k in r["top_kernels"])
+            busy = 1e6 * r["kernel_busy_s"]
             print(f"\n{r['kernels']} graphs={r['cuda_graphs']} batch {r['batch']}: top kernels by GPU time "
                   f"({busy / 1e3:.2f} ms of {1e3 * r['median_step_s']:.2f} ms step)")
             for k in r["top_kernels"]:

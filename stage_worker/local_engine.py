@@ -49,6 +49,7 @@ class LocalEngine:
         self.blocks = BlockManager(num_blocks, max_seqs)
         self.seqs: dict[int, _Seq] = {}
         self.graphs = None
+        self.replays = 0                  # decode steps run from a CUDA graph (benchmarks report it)
         flags = getattr(stages[0], "kernel_flags", None)
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
         if cuda_graphs and p.device.type == "cuda" and len(stages) == 1 and flags is not None and flags.moe \
@@ -113,6 +114,7 @@ class LocalEngine:
                 # A copy: the graph's output buffer is overwritten by the next replay (`.float()` of float32
                 # logits would return that very buffer).
                 logits = self.graphs.run(batch).to(torch.float32, copy=True)
+                self.replays += 1
                 for seq_id, tokens in feeds:
                     self.seqs[seq_id].length += len(tokens)
                 return logits
