@@ -19,10 +19,8 @@ token's ten moves to the next free id). So the skew and the temporal locality ar
 runs (its cost is paid), its ids are then overwritten with the replay (mapped to slots through the table's current
 slot map, so moves see the replay) and counted; the all-in-VRAM baseline does the same ops on an identity map.
 
-Moves run as the server runs them, one policy per `--policies` entry, each in both ways `--moves-async` lists: 0 the
-in-stream swap between steps (`StageExperts.move_round`), 1 each layer's round on a side stream in its quiet window
-(`StageExperts.start_async`, armed before each step as the runner arms it; the moves column ends in "a"). Each
-configuration is a fresh model (dummy weights generated on the GPU; the cold rows copied to pinned host memory once). Prints a
+Moves run as the server runs them (`StageExperts.move_round`, one policy per `--policies` entry). Each configuration
+is a fresh model (dummy weights generated on the GPU; the cold rows copied to pinned host memory once). Prints a
 table and writes JSON.
 """
 
@@ -200,11 +198,9 @@ def cold_sets(cfg, share: float, trace: dict[str, np.ndarray]) -> dict[int, list
             if cfg.is_sparse_moe(L)}
 
 
-def greedy_check(model, moves: bool, steps: int = 24, asynchronous: bool = False) -> dict:
+def greedy_check(model, moves: bool, steps: int = 24) -> dict:
     """Greedy tokens from the real router (no replay) and their logprobs; with moves, a round after every token
-    with no margin, so rows move while the check runs (`asynchronous`: the side-stream rounds, same sequence)."""
-    if asynchronous and moves and model.experts is not None:
-        model.experts.set_policy(0.5, 0.0)
+    with no margin, so rows move while the check runs."""
     engine = LocalEngine([model], max_seqs=1, max_tokens=128, cuda_graphs=True)
     engine.add(0)
     logits = engine.step([(0, [11, 220, 4021, 318, 257, 1332])])[-1]
@@ -214,22 +210,18 @@ def greedy_check(model, moves: bool, steps: int = 24, asynchronous: bool = False
         t = int(lp.argmax())
         tokens.append(t)
         logprobs.append(float(lp[t]))
-        if moves and model.experts is not None and asynchronous:
-            model.experts.arm(tail=True, head=True)
-        elif moves and model.experts is not None:
+        if moves and model.experts is not None:
             model.experts.move_round(gates(model), 0.5, 0.0)
         logits = engine.step([(0, [t])])[-1]
     out = {"tokens": tokens, "logprobs": logprobs}
     if model.experts is not None:
         out["moves"] = int(model.experts.moves.sum())
-        if asynchronous and moves:
-            model.experts.arm(tail=False, head=False)
     del engine
     return out
 
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
-        policy: tuple[int, float, float] | None, quant: str = "", asynchronous: bool = False) -> list[dict]:
+        policy: tuple[int, float, float] | None, quant: str = "") -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
@@ -242,10 +234,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     x = model.experts
     moves = policy is not None
     interval, half_life, margin = policy or (0, 0.0, 0.0)
-    asynchronous = asynchronous and moves and x is not None
-    if asynchronous:
-        assert x.start_async(model, gates(model), 0.5 ** (interval / half_life), margin)
-    check = greedy_check(model, moves, asynchronous=asynchronous)
+    check = greedy_check(model, moves)
     per_expert = packed_expert_bytes(cfg, *dummy_groups(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
     total_experts = sum(m.num_experts for m in model.moe_layers().values()) * per_expert
     if x is not None:
@@ -255,8 +244,6 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     for batch in batches:
         replay = Replay(model, batch, cfg.num_experts_per_tok)
         K.route = replay.route
-        if asynchronous:
-            x.set_policy(0.5 ** (interval / half_life), margin)     # before the engine captures its graphs
         try:
             engine = LocalEngine([model], max_seqs=batch, max_tokens=warmup + steps + 64, cuda_graphs=True)
             for i in range(batch):
@@ -269,9 +256,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     ids = trace[kinds[i % len(kinds)]]
                     row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
                     replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
-                if asynchronous:          # launch n = s + 1, as the runner arms it
-                    x.arm(tail=(s + 2) % interval == 0, head=(s + 1) % interval == 0)
-                elif moves and x is not None and s % interval == interval - 1:
+                if moves and x is not None and s % interval == interval - 1:
                     x.move_round(gates(model), 0.5 ** (interval / half_life), margin)
                 if s == warmup:
                     torch.cuda.synchronize()
@@ -288,17 +273,13 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             moved = (int(x.moves.sum()) - moves0) if x is not None else 0
         finally:
             K.route = replay.real_route
-            if asynchronous:
-                x.arm(tail=False, head=False)
         del engine
         med = statistics.median(times)
         host = x.host_bytes() if x is not None else 0
         out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
-                    "moves_on": moves, "policy": policy, "moves_async": asynchronous, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
+                    "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "quant": quant, "greedy": check})
-    if asynchronous:
-        x.stop_async()
     if x is not None and x.host is not None:
         x.host.close()                    # unregister now: the next model's table may map at the same address
     del model, x, replay
@@ -318,9 +299,6 @@ def main() -> int:
     ap.add_argument("--policies", default="8:512:2",
                     help="move policies to run, each interval:half-life:margin (steps, steps, count lead); the "
                          "server's default is 1:128:0.5")
-    ap.add_argument("--moves-async", default="0,1",
-                    help="each policy with the in-stream swap (0) and/or the side-stream rounds (1, "
-                         "expert_moves_async)")
     ap.add_argument("--quant", default="", choices=["", "int4-experts"],
                     help="int4-experts: the routed experts kept as INT4 words and scales (as an INT4 checkpoint "
                          "loads with packed_experts on), tables and host reads at the packed size")
@@ -347,18 +325,15 @@ def main() -> int:
     base: dict[int, float] = {}
     for share in (float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
-        modes = [int(v) for v in args.moves_async.split(",")]
-        for policy, asynchronous in ([(None, False)] + [(p, bool(a)) for p in policies for a in modes] if cold
-                                     else [(None, False)]):
+        for policy in ([None] + policies if cold else [None]):
             moves = policy is not None
-            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, asynchronous):
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
                 results.append(r)
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} "
-                      f"{':'.join(f'{v:g}' for v in policy) + ('a' if asynchronous else '') if moves else 'off':>9} "
-                      f"{r['median_step_ms']:>8.2f} "
+                      f"{':'.join(f'{v:g}' for v in policy) if moves else 'off':>9} {r['median_step_ms']:>8.2f} "
                       f"{r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
                       f"{r['moves_per_token']:>9.3f}", flush=True)
@@ -372,14 +347,14 @@ def main() -> int:
         r["greedy_max_logprob_diff"] = max((abs(a - b) for a, b in zip(g["logprobs"][:same + 1],
                                                                        ref["logprobs"][:same + 1])), default=0.0)
     print("greedy tokens vs all in VRAM (real router, moves after every token when on): " + "; ".join(
-        f"{100 * r['host_share']:.0f}% moves {('async' if r['moves_async'] else 'on') if r['moves_on'] else 'off'}: "
+        f"{100 * r['host_share']:.0f}% moves {'on' if r['moves_on'] else 'off'}: "
         f"{'same' if r['greedy_equal'] else 'first differs at token ' + str(r['greedy_first_difference'])} "
         f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
         for r in results if r["batch"] == batches[0]))
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers, "quant": args.quant,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
-            "steps": args.steps, "warmup": args.warmup, "policies": policies, "moves_async": args.moves_async}
+            "steps": args.steps, "warmup": args.warmup, "policies": policies}
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "host_read": cost, "results": results}, indent=1))
         print(f"wrote {args.out}")

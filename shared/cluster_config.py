@@ -95,11 +95,6 @@ class ClusterConfig:
     expert_move_interval: int = 1
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
-    # a move's row copies run on a side stream while other layers compute (each layer's between its own MoE in one
-    # step and in the next: `StageExperts.start_async`); off: the in-stream swap between steps (`move_round`).
-    # Off by default until the H200 has run its GPU tests (side-stream work captured into the decode graphs):
-    # bench/results/moves-async-1/next.txt
-    expert_moves_async: bool = False
     # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
     # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
@@ -324,7 +319,6 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
-        "MOEPIPE_EXPERT_MOVES_ASYNC": "expert_moves_async",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",

@@ -15,7 +15,6 @@ run on the device.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +66,12 @@ class DecodeGraphs:
         moes = self.moes
         for m in moes:
             m.valid_rows = self.valid
-        experts = getattr(self.model, "experts", None)     # asynchronous expert moves: none in the warm-up runs
-        held = experts.hold_moves() if experts is not None else contextlib.nullcontext()
-        held.__enter__()
         try:
             for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
                 if self.valid is not None:
                     self.valid.fill_(size)                # the warm-up runs take every row
                 self.graphs[size] = self._capture(size)
         finally:
-            held.__exit__(None, None, None)
             for m in moes:
                 m.valid_rows = None                       # eager steps (prefill, steps that do not fit) take all rows
 

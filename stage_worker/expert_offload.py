@@ -9,8 +9,7 @@ an expert twice (the reports' first offload loaded everything, then copied the c
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +32,6 @@ class StageExperts:
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
     _last: tuple[list[int], list[int]] | None = None   # host reads and moves per layer, as last read back
-    _async: "_Async | None" = None   # asynchronous moves, when started (`start_async`)
 
     @property
     def layers(self) -> list[int]:
@@ -96,9 +94,7 @@ class StageExperts:
     def move_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
         """Decay the counts and swap, per layer, the most used host slot with the least used device slot if it
         beats it by `margin` (rows, router rows, counts, slot map); `gates` are the layers' router weights [E, H]
-        (slot order). Queued on the current stream; nothing waits. Returns the decisions [L, 3]. The in-stream
-        path (`expert_moves_async` off); `start_async` runs the same round one layer at a time off the critical
-        path."""
+        (slot order). Queued on the current stream; nothing waits. Returns the decisions [L, 3]."""
         from stage_worker.kernels.expert_moves import decide, swap_rows, swap_usable   # Triton: lazily
 
         dec = decide(self.counts, self.hot, decay, margin)
@@ -121,202 +117,6 @@ class StageExperts:
             self._plans = (ptrs, [(SwapPlan.build(r, dev), idx if idx is None else torch.tensor(idx, device=dev))
                                   for r, idx in self.row_sets(gates)])
         return self._plans[1]
-
-    # -- asynchronous moves (`expert_moves_async`) -------------------------------------------------------------
-    #
-    # The same round as `move_round`, one layer at a time, in that layer's quiet window: after its MoE ran in one
-    # step and before its router runs in the next, nothing reads its rows, router rows, counts or slot map (only
-    # its own router kernel writes its counts), so its move can run on a side stream while other layers compute.
-    # Position p of L tables (forward order) takes the longer of two windows, both inside one forward (so a CUDA
-    # graph holds each fork and its join): "tail" (p < (L-1)/2): forked after its own MoE, joined after the last
-    # table layer's MoE, overlapping layers p+1..L-1; "head": forked before the first table layer's router of the
-    # next step, joined before its own router, overlapping layers 0..p-1. Forks and joins are forward hooks on the
-    # layers' SparseMoE modules. Each layer's round sees exactly the counts `move_round` between the two steps
-    # would see (nothing else writes them in the window), so decisions, rows and tokens are the in-stream path's,
-    # bit for bit. Whether a step has a round sits on the device (`armed`: tail, head), so graphs replay it;
-    # `arm` sets it before each launch. On the CPU the side stream is modelled as deferred work: a layer's round
-    # runs at its join, and a layer whose round is in flight must not run (it raises).
-
-    def start_async(self, model, gates: list[torch.Tensor], decay: float, margin: float,
-                    kernels: bool | None = None) -> bool:
-        """Hook the asynchronous moves onto the model's table layers; False (nothing hooked) where the kernels
-        cannot run on these tables (a CUDA stage without Triton: use `move_round`). `kernels`: the Triton launches
-        (default: on CUDA tables; tests run them on the CPU under the interpreter), else the PyTorch reference."""
-        from stage_worker.kernels.expert_moves import swap_usable
-
-        cuda = self.counts.device.type == "cuda"
-        if cuda and not swap_usable(self.counts):
-            return False
-        kernels = cuda if kernels is None else kernels
-        self.stop_async()
-        layers = model.moe_layers()
-        n = len(self.tables)
-        dev = self.counts.device
-        a = _Async(gates=list(gates), decay=decay, margin=margin,
-                   armed=torch.zeros(2, dtype=torch.int32, device=dev),
-                   dec=torch.zeros(n, 3, dtype=torch.int64, device=dev),
-                   tail=[p for p in range(n) if n - 1 - p > p], hot=[t.hot for t in self.tables.values()],
-                   kernels=kernels)
-        if cuda:
-            a.side = torch.cuda.Stream(dev)
-            a.done = [torch.cuda.Event() for _ in range(n)]
-        if kernels:
-            a.plans = [[(plan.layer(k), k) for plan, idx in self._swap_plans(gates)
-                        for k in ([p] if idx is None else [i for i, q in enumerate(idx.tolist()) if q == p])]
-                       for p in range(n)]
-        for p, layer in enumerate(self.tables):
-            a.handles.append(layers[layer].register_forward_pre_hook(lambda m, args, p=p: self._before(p)))
-            a.handles.append(layers[layer].register_forward_hook(lambda m, args, out, p=p: self._after(p)))
-        self._async = a
-        return True
-
-    def stop_async(self) -> None:
-        """Remove the hooks (after joining anything in flight); `move_round` works again."""
-        a = self._async
-        if a is None:
-            return
-        for p in list(a.inflight):
-            self._join(p)
-        for h in a.handles:
-            h.remove()
-        self._async = None
-
-    @property
-    def async_moves(self) -> bool:
-        return self._async is not None
-
-    def set_policy(self, decay: float, margin: float) -> None:
-        """Change the asynchronous round's decay and margin (taken when a layer's round is launched: CUDA graphs
-        captured before keep the old values)."""
-        self._async.decay, self._async.margin = decay, margin
-
-    @torch.no_grad()
-    def arm(self, tail: bool, head: bool) -> None:
-        """Before each launch: whether the rounds of this step run (tail layers: the round after this step;
-        head layers: the round before it; with interval K and launch n, tail = (n + 1) % K == 0, head =
-        n % K == 0). Writes the device flags only when they change. The first call with `head` also runs the
-        tail layers' round before this step, in-stream (their round before the first step, which no earlier step
-        forked), so the sequence of rounds is `move_round`'s."""
-        a = self._async
-        self._set_flags((bool(tail), bool(head)))
-        if not a.started:
-            a.started = True
-            if head:
-                for p in a.tail:
-                    self._round(p, 1)
-
-    def _set_flags(self, want: tuple[bool, bool]) -> None:
-        a = self._async
-        if a.flags != want:
-            for k, v in enumerate(want):
-                if a.flags is None or a.flags[k] != v:
-                    a.armed[k].fill_(int(v))
-            a.flags = want
-
-    @contextmanager
-    def hold_moves(self):
-        """No rounds while inside (a CUDA graph's warm-up runs and capture: warm-ups would otherwise run rounds the
-        in-stream path never runs); the flags are restored after. A no-op without asynchronous moves."""
-        a = self._async
-        if a is None or a.flags is None or a.flags == (False, False):
-            yield
-            return
-        saved = a.flags
-        self._set_flags((False, False))
-        try:
-            yield
-        finally:
-            self._set_flags(saved)
-
-    def _round(self, p: int, flag: int) -> None:
-        """Layer position p's round, on the current stream, if armed[flag] (tail: 0, head: 1)."""
-        a = self._async
-        armed = a.armed[flag:flag + 1]
-        if a.kernels:
-            from stage_worker.kernels.expert_moves import decide_layer, swap_rows
-
-            decide_layer(self.counts[p], self.expert_of_slot[p], self.moves[p:p + 1], a.dec[p], armed, a.hot[p],
-                         a.decay, a.margin)
-            for plan, _ in a.plans[p]:
-                swap_rows(plan, a.dec[p:p + 1])
-            return
-        from stage_worker.kernels.expert_moves import decide
-
-        if not int(armed[0]):
-            return
-        dec = decide(self.counts[p:p + 1], self.hot[p:p + 1], a.decay, a.margin)
-        a.dec[p:p + 1].copy_(dec)
-        for r, idx in self.row_sets(a.gates):
-            if idx is None or p in idx:
-                k = p if idx is None else idx.index(p)
-                swap_rows_ref(RowSet([r.dev[k]], [r.host[k]], [r.split[k]]), dec)
-        settle_ref(self.counts[p:p + 1], self.expert_of_slot[p:p + 1], self.moves[p:p + 1], dec)
-
-    def _fork(self, p: int) -> None:
-        a = self._async
-        flag = 0 if p in a.tail else 1
-        if a.side is None:
-            a.inflight[p] = flag                    # the CPU's side stream: deferred to the join
-            return
-        main = torch.cuda.current_stream(self.counts.device)
-        a.side.wait_stream(main)
-        with torch.cuda.stream(a.side):
-            self._round(p, flag)
-        a.done[p].record(a.side)
-        a.inflight[p] = flag
-
-    def _join(self, p: int) -> None:
-        a = self._async
-        flag = a.inflight.pop(p)
-        if a.side is None:
-            self._round(p, flag)
-        else:
-            torch.cuda.current_stream(self.counts.device).wait_event(a.done[p])
-
-    def _before(self, p: int) -> None:
-        """Pre-forward hook of table position p: at the first, join anything left over (a forward that stopped
-        early) and fork the head layers' rounds; join p's own round if it is a head layer."""
-        a = self._async
-        if p == 0:
-            for q in list(a.inflight):
-                self._join(q)
-            for q in range(len(a.hot)):
-                if q not in a.tail:
-                    self._fork(q)
-        if p in a.inflight and p not in a.tail:
-            self._join(p)
-        if p in a.inflight:
-            raise RuntimeError(f"expert moves: table layer {p} runs while its move is in flight")
-
-    def _after(self, p: int) -> None:
-        """Forward hook of table position p: fork its round if it is a tail layer; after the last, join them."""
-        a = self._async
-        if p in a.tail:
-            self._fork(p)
-        if p == len(a.hot) - 1:
-            for q in a.tail:
-                if q in a.inflight:
-                    self._join(q)
-
-
-@dataclass
-class _Async:
-    """State of the asynchronous moves (`StageExperts.start_async`)."""
-    gates: list
-    decay: float
-    margin: float
-    armed: torch.Tensor                 # int32 [2] on the device: this step's (tail, head) rounds run
-    dec: torch.Tensor                   # int64 [L, 3]: each layer's last decision
-    tail: list[int]                     # table positions with the tail window
-    hot: list[int]                      # device slots per position
-    kernels: bool = True                # Triton launches (else the PyTorch reference, which reads `armed` back)
-    side: torch.cuda.Stream | None = None
-    done: list | None = None            # an event per position: its round's work on the side stream
-    plans: list | None = None           # per position: [(its one-layer SwapPlan, its index)] per kind of row
-    inflight: dict = field(default_factory=dict)   # position -> flag of its forked, not yet joined round
-    handles: list = field(default_factory=list)
-    flags: tuple | None = None
-    started: bool = False
 
 
 HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)

@@ -136,9 +136,6 @@ class StageRunner:
         self.expert_moves = model.experts is not None and cluster.expert_moves
         self._move_gates = gates(model) if self.expert_moves else []
         self._move_decay = 0.5 ** (cluster.expert_move_interval / cluster.expert_move_half_life)
-        # expert_moves_async: each layer's round on a side stream in its quiet window (StageExperts.start_async)
-        self._moves_async = self.expert_moves and cluster.expert_moves_async and model.experts.start_async(
-            model, self._move_gates, self._move_decay, cluster.expert_move_margin)
         self.launches = 0
         self.graphs = None
         kernels = getattr(model, "kernel_flags", None)
@@ -344,10 +341,7 @@ class StageRunner:
                         batch.ple_rows[layer] = rows[:, li]
         self._max_launched_step = max(self._max_launched_step, plan.step)
         self.launches += 1
-        if self._moves_async:
-            k = self.cluster.expert_move_interval
-            self.experts.arm(tail=(self.launches + 1) % k == 0, head=self.launches % k == 0)
-        elif self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
+        if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
             with record_function("stage.expert_moves"):
                 self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin)
         if self.experts is not None and self.launches % 16 == 0:

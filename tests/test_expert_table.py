@@ -254,10 +254,7 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
     want = [greedy(plain, p, 16) for p in prompts]
     opts = small_cluster_options(tiny_checkpoint)
-    # the side-stream rounds (expert_moves_async, off by default until the GPU has run them) through the real runner;
-    # tests/test_packed_cold_experts.py serves the in-stream swap
-    extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2, expert_moves_async=True)
-    with Cluster(dataclasses.replace(opts, extra=extra)) as c:
+    with Cluster(dataclasses.replace(opts, extra=dict(opts.extra, cold_experts=str(f), expert_move_interval=2))) as c:
         outs = [httpx.post(c.url + "/v1/completions", timeout=120, json={
             "model": "moepipe", "prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1,
             "ignore_eos": True}).json() for p in prompts]

@@ -11,11 +11,6 @@ layer's router), so every row is addressed as an element offset from one anchor 
 row reaches all layers, on the device and in host memory alike (UVA). Then the counts, the slot -> expert map and
 the move counters are swapped with gathers and scatters on the device.
 
-Asynchronous moves (`expert_moves_async`, `StageExperts.start_async`): the same round one layer at a time, on a side
-stream while other layers compute. `decide_layer` is one launch (decay, pick, and the counts / slot-map / move-counter
-swap), then `swap_rows` with the layer's `SwapPlan.layer` per kind of row; a flag on the device (`armed`) says
-whether this step has a round, so the launches can sit in a CUDA graph.
-
 Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_ref`); test: tests/test_expert_moves.py
 (CPU under TRITON_INTERPRET=1). Switch: cluster key `expert_moves` (MOEPIPE_EXPERT_MOVES=0).
 """
@@ -54,41 +49,6 @@ if triton is not None:
             tl.store(anchor_ptr + a + offs, y, mask=mask)
             tl.store(anchor_ptr + b + offs, x, mask=mask)
 
-    @triton.jit
-    def _decide_layer_kernel(counts_ptr, map_ptr, moves_ptr, dec_ptr, armed_ptr, hot, E, decay, margin,
-                             BLOCK_E: tl.constexpr):
-        """One layer's round, as `decide` + the bookkeeping of `move_round` on its row: if armed, decay the counts,
-        pick the least used device slot i and the most used host slot j (ties: the lowest slot), go if
-        counts[j] > counts[i] + margin; write (i, j, go) to dec, and on go swap counts[i] / counts[j] and the slot
-        map's entries and add 1 to the move counter. Not armed: go = 0, nothing else changes."""
-        offs = tl.arange(0, BLOCK_E)
-        valid = offs < E
-        armed = tl.load(armed_ptr)
-        if armed != 0:
-            c = tl.load(counts_ptr + offs, mask=valid, other=0.0) * decay
-            dc = tl.where(valid & (offs < hot), c, float("inf"))
-            hc = tl.where(valid & (offs >= hot), c, float("-inf"))
-            i = tl.min(tl.where(dc == tl.min(dc, axis=0), offs, BLOCK_E), axis=0)
-            j = tl.min(tl.where(hc == tl.max(hc, axis=0), offs, BLOCK_E), axis=0)
-            ci = tl.sum(tl.where(offs == i, c, 0.0), axis=0)
-            cj = tl.sum(tl.where(offs == j, c, 0.0), axis=0)
-            go = cj > ci + margin
-            tl.store(dec_ptr, i.to(tl.int64))
-            tl.store(dec_ptr + 1, j.to(tl.int64))
-            tl.store(dec_ptr + 2, go.to(tl.int64))
-            ii = tl.where(go, i, -1)                      # the slots that trade places (-1: none)
-            jj = tl.where(go, j, -1)
-            c = tl.where(offs == ii, cj, tl.where(offs == jj, ci, c))
-            tl.store(counts_ptr + offs, c, mask=valid)
-            m = tl.load(map_ptr + offs, mask=valid, other=0)
-            mi = tl.sum(tl.where(offs == i, m, 0), axis=0)
-            mj = tl.sum(tl.where(offs == j, m, 0), axis=0)
-            m = tl.where(offs == ii, mj, tl.where(offs == jj, mi, m))
-            tl.store(map_ptr + offs, m, mask=valid)
-            tl.store(moves_ptr, tl.load(moves_ptr) + go.to(tl.int64))
-        else:
-            tl.store(dec_ptr + 2, tl.full([], 0, tl.int64))
-
 
 @dataclass
 class SwapPlan:
@@ -117,11 +77,6 @@ class SwapPlan:
         return cls(anchor, offsets(rows.dev), offsets(rows.host),
                    torch.tensor(rows.split, dtype=torch.int64, device=device), anchor[0].numel())
 
-    def layer(self, k: int) -> "SwapPlan":
-        """The plan of its k-th layer alone (views: `swap_rows` with that layer's decision row dec[l:l+1])."""
-        return SwapPlan(self.anchor, self.dev_off[k:k + 1], self.host_off[k:k + 1], self.split[k:k + 1],
-                        self.row_elems)
-
 
 def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float) -> torch.Tensor:
     """counts fp32 [L, E] (decayed in place), hot int64 [L] -> decisions int64 [L, 3]: (device slot, host slot,
@@ -133,15 +88,6 @@ def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float)
     j = torch.where(is_hot, -torch.inf, counts).argmax(1)
     go = counts.gather(1, j[:, None])[:, 0] > counts.gather(1, i[:, None])[:, 0] + margin
     return torch.stack([i, j, go.long()], dim=1)
-
-
-def decide_layer(counts: torch.Tensor, expert_of_slot: torch.Tensor, moves: torch.Tensor, dec: torch.Tensor,
-                 armed: torch.Tensor, hot: int, decay: float, margin: float) -> None:
-    """One layer's decision and bookkeeping in one launch (`_decide_layer_kernel`): counts fp32 [E] and
-    expert_of_slot int32 [E] (changed in place), moves int64 [1], dec int64 [3] (written), armed int32 [1]."""
-    E = counts.numel()
-    _decide_layer_kernel[(1,)](counts, expert_of_slot, moves, dec, armed, hot, E, float(decay), float(margin),
-                               BLOCK_E=triton.next_power_of_2(E), num_warps=4)
 
 
 def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096) -> None:
