@@ -11,7 +11,7 @@ layer's router), so every row is addressed as an element offset from one anchor 
 row reaches all layers, on the device and in host memory alike (UVA). Then the counts, the slot -> expert map and
 the move counters are swapped with gathers and scatters on the device.
 
-Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_ref`); test: tests/test_expert_moves.py
+Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_ref`); test: tests/test_expert_table.py
 (CPU under TRITON_INTERPRET=1). Switch: cluster key `expert_moves` (MOEPIPE_EXPERT_MOVES=0).
 """
 
