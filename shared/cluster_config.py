@@ -73,6 +73,8 @@ class ClusterConfig:
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
                                                 # step's tokens reach the host (its ids read on the device)
+    stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
+                                                # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
@@ -305,7 +307,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
-        "MOEPIPE_LAUNCH_AHEAD": "launch_ahead",
+        "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
