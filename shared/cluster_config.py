@@ -97,6 +97,12 @@ class ClusterConfig:
     expert_move_interval: int = 1
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
+    # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
+    # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the
+    # kernels and moves take the same tensors (two views of the range). Where the driver refuses, one warning and the
+    # two tables. Off until the H200 runs tests/test_expert_vmm_table.py -m gpu (a first run passed: the tiny model,
+    # not yet timed against the two tables).
+    expert_vmm_table: bool = False
     # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
     # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
@@ -321,6 +327,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
+        "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",

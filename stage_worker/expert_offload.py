@@ -4,18 +4,28 @@ allocation for all of the stage's host rows, device tables for the rest, counter
 Called by the loader on the meta-device model, before anything is allocated on the device: the routed experts'
 [E, ...] parameters are replaced by tables (`SparseMoE.use_table`), so neither the device nor the host ever holds
 an expert twice (the reports' first offload loaded everything, then copied the cold rows out: 000 §5).
+
+With `expert_vmm_table` (`attach_tables(..., vmm=True)`, 000 §4.2) each layer's part is instead one CUDA-VMM range
+(`vmm_range.tiered_rows`): VRAM rows then host-NUMA rows at one address range, the table's device and host tensors
+two views of it, so the kernels, loaders and moves take the same tensors as before. The device part ends on the
+driver's granularity (2 MiB), so a few host slots may sit in VRAM. Where the driver refuses, one warning and the
+two-table layout above for the whole stage.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from stage_worker.host_memory import HostBuffer, allocate
+from stage_worker.host_memory import HostBuffer, allocate, check_free, host_lock
+from stage_worker.vmm_range import TieredRange, VmmUnavailable, tiered_rows
 from stage_worker.kernels.expert_moves_ref import RowSet, settle_ref, swap_rows_ref
 from stage_worker.model.expert_table import FP8_PARTS, PACKED_PARTS, PARTS, ExpertRows, ExpertTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,7 +38,10 @@ class StageExperts:
     hot: torch.Tensor             # int64 [L] device slots per layer
     host_reads: torch.Tensor      # int64 [L]
     moves: torch.Tensor           # int64 [L]
-    host: HostBuffer | None
+    host: HostBuffer | None       # the pinned allocation of the host rows (None with VMM ranges)
+    # with `expert_vmm_table`: every layer's part as one VRAM + host range ([E, ...] tensor, its range), the
+    # tables' dev/host tensors views of it; held here so the ranges live as long as the stage's experts
+    ranges: list[tuple[torch.Tensor, TieredRange]] = field(default_factory=list)
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
     _last: tuple[list[int], list[int]] | None = None   # host reads and moves per layer, as last read back
@@ -38,11 +51,16 @@ class StageExperts:
         return list(self.tables)
 
     def host_bytes(self) -> int:
-        """Routed-expert bytes in host RAM (packed experts at their packed size)."""
+        """Routed-expert bytes in host RAM (packed experts at their packed size; VMM ranges: their host parts)."""
+        if self.ranges:
+            return sum(rng.host_bytes for _, rng in self.ranges)
         return sum(t.host_bytes() for t in self.tables.values())
 
     def device_bytes(self) -> int:
-        """Routed-expert bytes in the device slots of the layers with tables."""
+        """Routed-expert bytes in the device slots of the layers with tables (VMM ranges: their device parts, up to
+        the granularity, so also the host slots that share the last granule)."""
+        if self.ranges:
+            return sum(rng.device_bytes for _, rng in self.ranges)
         return sum(t.device_bytes() for t in self.tables.values())
 
     def snapshot(self) -> None:
@@ -120,6 +138,10 @@ class StageExperts:
 
 
 HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)
+# The CUDA VMM allocation granularity of current GPUs (H100/H200: 2 MiB; `vmm_range` asks the driver): a range's
+# device part is the hot rows' bytes rounded up to it, its host part the rest's. Used for the estimates made before
+# the driver is asked: the free-RAM check and the memory plan (`vmm_round_up`).
+VMM_GRANULE = 2 << 20
 
 
 def _parts(moe) -> dict[str, torch.Tensor]:
@@ -130,30 +152,87 @@ def _parts(moe) -> dict[str, torch.Tensor]:
     return {name: getattr(moe, name) for name in names}
 
 
-def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str) -> StageExperts | None:
+def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GRANULE) -> int:
+    """VRAM the VMM ranges of `expert_vmm_table` take beyond the hot rows' bytes, for the memory plan (which counts
+    the hot rows as weights): per layer with cold experts and part, its hot rows' bytes rounded up to the
+    granularity (less than a granule each). `cold` None (`--cold-experts auto`, not chosen yet): a granule for every
+    MoE layer's every part, the worst case. `model` may be on the meta device."""
+    out = 0
+    for layer, moe in model.moe_layers().items():
+        if cold is None:
+            out += granule * len(_parts(moe))
+            continue
+        if not cold.get(layer):
+            continue
+        hot = moe.num_experts - len(cold[layer])
+        for t in _parts(moe).values():
+            nbytes = hot * math.prod(t.shape[1:]) * t.element_size()
+            out += -(-nbytes // granule) * granule - nbytes
+    return out
+
+
+def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.device,
+                  what: str) -> list[tuple[int, str, torch.Tensor, TieredRange]] | None:
+    """Every layer's part as one VRAM + host range, under the host lock after checking MemAvailable for their host
+    parts (the cold rows' bytes plus a granule each, an upper bound; a host-NUMA allocation is pinned, so taken
+    before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables)."""
+    specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids))
+             for layer, ids in mine.items() for name, t in _parts(layers[layer]).items()]
+    host_need = sum((E - hot) * math.prod(shape) * torch.empty((), dtype=dt).element_size() + VMM_GRANULE
+                    for _, _, shape, dt, hot in specs)
+    built: list[tuple[int, str, torch.Tensor, TieredRange]] = []
+    try:
+        with host_lock():
+            check_free(host_need, what=what)
+            for layer, name, shape, dt, hot in specs:
+                rows, rng = tiered_rows(E, shape, dt, hot, device)
+                built.append((layer, name, rows, rng))
+    except VmmUnavailable as exc:
+        built.clear()                 # the ranges built so far are freed with their last tensor
+        log.warning("expert tables: one VRAM+host range refused (%s): two tables instead", exc)
+        return None
+    return built
+
+
+def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
+                  vmm: bool = False) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
-    scales), at their own dtypes and sizes."""
+    scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
+    (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
+    tables."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
-    # the host layout first: one exact-size allocation for every layer's cold rows of every part
-    layout: list[tuple[int, str, int, tuple[int, ...], torch.dtype]] = []     # (layer, part, offset, shape, dtype)
-    offset = 0
-    for layer, ids in mine.items():
-        for name, t in _parts(layers[layer]).items():
-            offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
-            shape = (len(ids), *t.shape[1:])
-            layout.append((layer, name, offset, shape, t.dtype))
-            offset += math.prod(shape) * t.element_size()
-    host = allocate(offset, what=f"cold experts of layers {min(mine)}-{max(mine)}", pin=device.type == "cuda")
+    what = f"cold experts of layers {min(mine)}-{max(mine)}"
+    dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
     host_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
-    for layer, name, off, shape, dt in layout:
-        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        host_parts[layer][name] = host.tensor[off:off + n].view(dt).view(shape)
+    tiered = _tiered_parts(mine, layers, E, device, what) if vmm else None
+    host = None
+    if tiered is not None:
+        for layer, name, rows, _ in tiered:
+            hot = E - len(mine[layer])
+            dev_parts[layer][name], host_parts[layer][name] = rows[:hot], rows[hot:]
+    else:
+        # the host layout first: one exact-size allocation for every layer's cold rows of every part
+        layout: list[tuple[int, str, int, tuple[int, ...], torch.dtype]] = []     # (layer, part, offset, shape, dtype)
+        offset = 0
+        for layer, ids in mine.items():
+            for name, t in _parts(layers[layer]).items():
+                offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
+                shape = (len(ids), *t.shape[1:])
+                layout.append((layer, name, offset, shape, t.dtype))
+                offset += math.prod(shape) * t.element_size()
+        host = allocate(offset, what=what, pin=device.type == "cuda")
+        for layer, name, off, shape, dt in layout:
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            host_parts[layer][name] = host.tensor[off:off + n].view(dt).view(shape)
+        for layer, ids in mine.items():
+            dev_parts[layer] = {name: torch.empty(E - len(ids), *t.shape[1:], dtype=t.dtype, device=device)
+                                for name, t in _parts(layers[layer]).items()}
     n = len(mine)
     counts = torch.zeros(n, E, dtype=torch.float32, device=device)
     reads = torch.zeros(n, dtype=torch.int64, device=device)
@@ -163,11 +242,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str)
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
-        hot = E - len(ids)
-        dev = {name: torch.empty(hot, *t.shape[1:], dtype=t.dtype, device=device)
-               for name, t in _parts(moe).items()}
         table = ExpertTable(
-            dev=dev, host=host_parts[layer],
+            dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
             fp8_block=moe.fp8_block)
@@ -175,7 +251,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str)
         tables[layer] = table
     hot = torch.tensor([E - len(ids) for ids in mine.values()], dtype=torch.int64, device=device)
     return StageExperts(tables=tables, counts=counts, expert_of_slot=expert_of_slot, hot=hot, host_reads=reads,
-                        moves=moves, host=host)
+                        moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()])
 
 
 def gates(model) -> list[torch.Tensor]:

@@ -104,6 +104,18 @@ class host_lock:
             self._fd = None
 
 
+def check_free(nbytes: int, what: str = "host buffer", headroom: int = 2 * GIB) -> None:
+    """HostMemoryError unless `nbytes` more of host RAM leave `headroom` bytes of MemAvailable. Call it under
+    `host_lock` and take the memory (faulted in) before the lock is released, so the next process sees it gone:
+    `allocate` does, and so do the expert tables' VRAM + host ranges (`expert_offload`, `expert_vmm_table`)."""
+    avail = available_bytes()
+    if nbytes + headroom > avail:
+        raise HostMemoryError(
+            f"{what}: {nbytes / GIB:.2f} GiB of host RAM asked, {avail / GIB:.2f} GiB available (MemAvailable, "
+            f"after the other processes of this host) and {headroom / GIB:.2f} GiB must stay free: keep less in "
+            f"host RAM (a smaller cold set, --gib-per-stage), or free memory on this host")
+
+
 def allocate(nbytes: int, *, what: str = "host buffer", headroom: int = 2 * GIB, pin: bool = True,
              lock_path: str | Path = DEFAULT_LOCK, lock_timeout: float = 600.0) -> HostBuffer:
     """`nbytes` of zeroed host memory, mapped at its exact size (to a page), faulted in and (with `pin` and a GPU)
@@ -113,12 +125,7 @@ def allocate(nbytes: int, *, what: str = "host buffer", headroom: int = 2 * GIB,
     page = mmap.PAGESIZE
     size = -(-nbytes // page) * page
     with host_lock(lock_path, lock_timeout):
-        avail = available_bytes()
-        if size + headroom > avail:
-            raise HostMemoryError(
-                f"{what}: {size / GIB:.2f} GiB of host RAM asked, {avail / GIB:.2f} GiB available (MemAvailable, "
-                f"after the other processes of this host) and {headroom / GIB:.2f} GiB must stay free: keep less in "
-                f"host RAM (a smaller cold set, --gib-per-stage), or free memory on this host")
+        check_free(size, what, headroom)
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         raw = np.frombuffer(m, dtype=np.uint8)
         raw[::page] = 0                       # fault every page in now (MAP_POPULATE does where it exists)

@@ -8,11 +8,12 @@ launcher for the server's life.
 Weights and per-slot state are exact: the stage's modules and caches are built on the meta device (no memory) in
 the stage's compute dtype and summed (an INT4 checkpoint's routed experts at their packed size, as the loader keeps
 them); the cold experts of a `cold_experts` file are host RAM, not VRAM (INT4 and float8 experts at their own size
-there too, as their expert table holds them), and so is the QSA K/V of `qsa_kv_offload` (`StageNeeds.host_block`); the
-VRAM row cache over it (`kv_row_cache`) is counted apart (`StageNeeds.row_cache`). The
-reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is measured: one prefill chunk of
-`max_num_batched_tokens` tokens through one layer of each kind the stage holds, on its device
-(`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
+there too, as their expert table holds them; with `expert_vmm_table` the device part of each table part's VRAM +
+host range is rounded up to the 2 MiB granularity, counted with the weights), and so is the QSA K/V of
+`qsa_kv_offload` (`StageNeeds.host_block`); the VRAM row cache over it (`kv_row_cache`) is counted apart
+(`StageNeeds.row_cache`). The reserve (the largest step's activations, CUDA-graph pools, kernel workspace) is
+measured: one prefill chunk of `max_num_batched_tokens` tokens through one layer of each kind the stage holds, on
+its device (`activation_peak.py`), plus the logits of a step in fp32 (an echo request takes every row's) and
 `WORKSPACE` for the decode graphs' pool, cuBLAS and Triton workspaces and the allocator's slack. Attention
 layers are measured again at the contexts up to `max_model_len` where their chunk may peak (the QSA selection's
 and the dense path's scores grow with the context; host K/V keeps them flat): `StageNeeds.reserve_context` is what
@@ -40,6 +41,7 @@ from shared.quant_scheme import plan_of
 from stage_worker.activation_peak import context_growth, has_indexer
 from stage_worker.checkpoint.loader import fp8_dense_specs, packed_dense_specs
 from stage_worker.checkpoint.packed_experts import dummy_groups, fp8_layers, packed_layers
+from stage_worker.expert_offload import vmm_round_up
 from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
@@ -113,6 +115,10 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
+        if cluster.expert_vmm_table:
+            # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
+            # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
+            weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold)
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)

@@ -17,6 +17,7 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
     cold = cold_set.load(cluster.cold_experts, cfg) if cluster.cold_experts else None
     opts = LoadOptions(start=spec.start, end=spec.end, device=spec.device, load_format=cluster.load_format,
                        dtype=DTYPES[cluster.dtype] if cluster.dtype else None, seed=cluster.seed, cold_experts=cold,
+                       expert_vmm_table=cluster.expert_vmm_table,
                        packed_experts=cluster.packed_experts, dummy_ple_file=cluster.dummy_ple_file,
                        packed_fp8_experts=cluster.keeps_fp8_experts(),
                        # a CPU stage dequantizes dense layers at load: unpacking at every call costs more there

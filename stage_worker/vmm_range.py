@@ -10,8 +10,9 @@ The device part ends on the allocation granularity (2 MiB on current GPUs), so u
 rows sits in VRAM; `TieredRange.device_rows` says how many rows do.
 
 Where the driver refuses (no CUDA, an old driver, a host-NUMA allocation not supported), `tiered_rows` raises
-`VmmUnavailable` with the driver's reason and the caller keeps the two-table layout. GPU-verified only by
-tests/test_vmm_range.py on a device (bench/results/vmm-1/next.txt); not yet used by the expert tables.
+`VmmUnavailable` with the driver's reason and the caller keeps the two-table layout. GPU-verified by
+tests/test_vmm_range.py on a device (bench/results/vmm-1/next.txt); the expert tables use it with `expert_vmm_table`
+(`stage_worker/expert_offload.py`, tests/test_expert_vmm_table.py).
 """
 
 from __future__ import annotations
