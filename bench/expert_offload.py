@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import preset  # noqa: E402
 from shared.cold_set import expert_bytes, packed_expert_bytes  # noqa: E402
 from shared.model_config import config_from_dict  # noqa: E402
+from shared.cluster_config import env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
@@ -224,9 +225,11 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "") -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
+    # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
+    vmm = bool(env_overrides().get("expert_vmm_table", False))
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
-                                       cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None),
-                       cfg)
+                                       cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
+                                       expert_vmm_table=vmm), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     model.set_kernels(KernelFlags.parse("all"))
@@ -352,7 +355,8 @@ def main() -> int:
         f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
         for r in results if r["batch"] == batches[0]))
-    meta = {"command": " ".join(sys.argv), "preset": args.preset, "layers": args.layers, "quant": args.quant,
+    meta = {"command": " ".join(sys.argv), "expert_vmm_table": bool(env_overrides().get("expert_vmm_table", False)),
+            "preset": args.preset, "layers": args.layers, "quant": args.quant,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
             "steps": args.steps, "warmup": args.warmup, "policies": policies}
     if args.out:
