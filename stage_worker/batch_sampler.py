@@ -8,6 +8,8 @@ race, token = argmax(p / E) with E = -log(U) ~ Exp(1), which samples exactly fro
 hash of (request seed, position, token id) computed on the device. The token therefore still depends only on
 (seed, position), whatever else is in the batch and on whichever device or process runs it; preemption and
 recompute reproduce it. Switch: cluster key `device_sampling` (`MOEPIPE_DEVICE_SAMPLING`); off, the per-row sampler.
+The hash, race, argmax and validity check are `kernels/sample_race_ref.py`; with kernel flag `sample_race` on CUDA
+they are one Triton launch (`kernels/sample_race.py`), and plain temperature rows skip the softmax (Gumbel-max).
 
 Penalties read per-slot token counts kept on the device (`TokenCounts`): set once from the prompt and any earlier
 output when a request first samples in its slot, then advanced by each step's sampled tokens on the device, so a
@@ -17,6 +19,7 @@ Logprobs of all rows come out of one `log_softmax` (`row_logprobs`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,8 +28,13 @@ import torch
 from shared.sampling import SamplingParams
 from shared.token_mask import unpack_mask
 from stage_worker.host_copy import to_device
+from stage_worker.kernels import sample_race_ref
 
-_M32 = 0xFFFFFFFF
+# The draw's hash lives with the race's reference (`kernels/sample_race_ref.py`); the names stay here for callers.
+_M32, _mix32, uniforms = sample_race_ref.M32, sample_race_ref.mix32, sample_race_ref.uniforms
+
+# Tests: run the `sample_race` kernel on CPU tensors under TRITON_INTERPRET=1 (on the CPU the reference runs).
+INTERPRET_ON_CPU = False
 
 
 @dataclass
@@ -70,17 +78,6 @@ class TokenCounts:
         self.seen[slots, tokens] = True
 
 
-def _mix32(x):
-    """A 32-bit avalanche hash (two multiply-xorshift rounds). Works on Python ints and on int64 tensors alike:
-    every multiplier is below 2**31, so no product leaves int64."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
-    return x ^ (x >> 16)
-
-
 def row_key(seed: int, position: int) -> int:
     """The 32-bit key of a row's draw: a function of (seed, position) only."""
     h = _mix32(seed & _M32)
@@ -88,38 +85,40 @@ def row_key(seed: int, position: int) -> int:
     return _mix32(h ^ (position & _M32))
 
 
-def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """float32 in (0, 1) shaped as `token_ids` [B, K]: U = hash(key_b, token id), the same on every device and
-    whichever candidates a row keeps."""
-    h = _mix32(keys[:, None] ^ ((token_ids.to(torch.int64) * 0x9E3779B1) & _M32))
-    h = _mix32(h ^ (keys[:, None] >> 7))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-@dataclass
 class _Params:
-    """Each row's sampling parameters on the device ([B, 1] float32 columns; keys [B] int64), from one queued copy
-    of one host table: a tensor per parameter built from a list made the host wait for the GPU each time."""
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    frequency: torch.Tensor
-    presence: torch.Tensor
-    repetition: torch.Tensor
-    keys: torch.Tensor
+    """Each row's sampling parameters on the device, from one queued copy of one host table (`table` [B, 8] float64:
+    a tensor per parameter built from a list made the host wait for the GPU each time). The [B, 1] float32 columns
+    and the keys ([B] int64) are converted on first use: plain temperature sampling with the `sample_race` kernel
+    reads the table itself and converts nothing."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table          # temperature, top_k, top_p, min_p, frequency, presence, repetition, key
 
     @classmethod
     def of(cls, rows: list[Row], vocab: int, device) -> "_Params":
         table = [[max(p.temperature or 0.0, 1e-5), _top_k(p, vocab), p.top_p if p.top_p is not None else 1.0,
                   p.min_p or 0.0, p.frequency_penalty or 0.0, p.presence_penalty or 0.0, p.repetition_penalty or 1.0,
                   float(row_key(r.seed, r.position))] for r in rows for p in (r.params,)]
-        t = to_device(table, torch.float64, device)         # float64 holds every 32-bit key exactly
-        cols = t[:, :7].float()
-        return cls(*(cols[:, i:i + 1] for i in range(7)), keys=t[:, 7].to(torch.int64))
+        return cls(to_device(table, torch.float64, device))       # float64 holds every 32-bit key exactly
+
+    @functools.cached_property
+    def _cols(self) -> torch.Tensor:
+        return self.table[:, :7].float()
+
+    temperature = property(lambda self: self._cols[:, 0:1])
+    top_k = property(lambda self: self._cols[:, 1:2])
+    top_p = property(lambda self: self._cols[:, 2:3])
+    min_p = property(lambda self: self._cols[:, 3:4])
+    frequency = property(lambda self: self._cols[:, 4:5])
+    presence = property(lambda self: self._cols[:, 5:6])
+    repetition = property(lambda self: self._cols[:, 6:7])
+
+    @functools.cached_property
+    def keys(self) -> torch.Tensor:
+        return self.table[:, 7].to(torch.int64)
 
     def select(self, idx: torch.Tensor) -> "_Params":
-        return _Params(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        return _Params(self.table[idx])
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:
@@ -239,11 +238,14 @@ def filtered_probs(adjusted: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return probs if ids is None else torch.zeros_like(adjusted).scatter_(1, ids, probs)
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None, *,
+                race_kernel: bool = False) -> torch.Tensor:
     """One token per row, [B] int64 on the logits' device: greedy rows take the first maximal adjusted logit, the
     others race exponentials over their filtered probabilities. With `counts`, the sampled tokens are counted in
-    the rows' slots before returning. Queues device work only: nothing here waits for the GPU."""
-    tokens = _draw(logits, rows, counts)
+    the rows' slots before returning. `race_kernel` (kernel flag `sample_race`): the race in one Triton launch on
+    CUDA (two for whole-vocabulary rows; `kernels/sample_race.py`), the same tokens (plain temperature rows: but
+    where two scores agree to float rounding). Queues device work only: nothing here waits for the GPU."""
+    tokens = _draw(logits, rows, counts, race_kernel)
     if counts is not None:
         pen = [b for b, r in enumerate(rows) if r.slot is not None and uses_penalties(r.params)]
         if pen:
@@ -266,7 +268,23 @@ def row_logprobs(raw: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[tor
     return picked, vals, ids
 
 
-def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None) -> torch.Tensor:
+def _plain(p: SamplingParams, vocab: int) -> bool:
+    """Plain temperature sampling (the OpenAI default): no top-k, top-p or min-p, so the candidates are the whole
+    vocabulary at softmax(logits / temperature)."""
+    return _top_k(p, vocab) == vocab and not (p.top_p is not None and p.top_p < 1.0) and not p.min_p
+
+
+def _race_impl(x: torch.Tensor, race_kernel: bool):
+    """The `sample_race` kernel on CUDA tensors when the flag is on (on CPU tensors too under the interpreter where
+    a test sets INTERPRET_ON_CPU), else the PyTorch reference. Imported here: the CPU path never imports Triton."""
+    if race_kernel and (x.is_cuda or (INTERPRET_ON_CPU and x.device.type == "cpu")):
+        from stage_worker.kernels.sample_race import sample_race
+        return sample_race
+    return sample_race_ref.sample_race
+
+
+def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None,
+          race_kernel: bool = False) -> torch.Tensor:
     B, V = logits.shape
     sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
     params = _Params.of(rows, V, logits.device) if sampled or any(uses_penalties(r.params) for r in rows) else None
@@ -274,18 +292,16 @@ def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None) -> 
     tokens = adjusted.argmax(dim=-1)
     if not sampled:
         return tokens
-    if len(sampled) < B:
-        idx = to_device(sampled, torch.long, logits.device)
-        sub, params, adjusted = [rows[b] for b in sampled], params.select(idx), adjusted[idx]
-    else:
-        idx, sub = None, rows
+    race = _race_impl(logits, race_kernel)
+    idx = to_device(sampled, torch.long, logits.device) if len(sampled) < B else None
+    sub = [rows[b] for b in sampled] if idx is not None else rows
+    # The race writes each sampled row's token over its greedy one, unless the row has nothing to sample (all -inf
+    # after masks): then the argmax stands.
+    if all(_plain(r.params, V) for r in sub):
+        # The whole batch's adjusted logits and table columns (key, temperature), read at the sampled rows: no
+        # per-row copies, and with the kernel no softmax (Gumbel-max).
+        return race(tokens, adjusted, params.table[:, 7], temperature=params.table[:, 0], rows=idx, gather=True)
+    if idx is not None:
+        params, adjusted = params.select(idx), adjusted[idx]
     probs, ids = candidates(adjusted, sub, params)
-    if ids is None:
-        ids = torch.arange(V, device=logits.device)[None]
-    race = probs / -torch.log(uniforms(params.keys, ids))
-    drawn = ids.expand_as(probs).gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
-    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)   # all -inf after masks: the argmax stands
-    if idx is None:
-        return torch.where(ok, drawn, tokens)
-    tokens[idx] = torch.where(ok, drawn, tokens[idx])
-    return tokens
+    return race(tokens, probs, params.keys, ids, rows=idx)

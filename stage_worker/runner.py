@@ -514,7 +514,8 @@ class StageRunner:
                 st.counted_slot = e.slot
             specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
                              e.allowed, slot=e.slot if self.counts is not None else None))
-        sampled = sample_rows(raw, specs, self.counts)
+        sampled = sample_rows(raw, specs, self.counts,
+                              race_kernel=getattr(getattr(self.model, "kernel_flags", None), "sample_race", False))
         copy = _HostCopy(device=sampled, tokens=to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
         want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
         if want:

@@ -4,6 +4,7 @@ filtered distribution, and a defined token when a row has nothing left to sample
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared.sampling import SamplingParams
@@ -157,3 +158,45 @@ def test_each_candidate_path_gives_the_per_row_distribution_and_the_same_draws()
     sorted_batch.append(bs.Row(SamplingParams(temperature=0.8, top_p=0.6), seed=1, position=7, history=[]))
     unsorted = bs.sample_rows(logits[: len(plain)], sorted_batch[: len(plain)]).tolist()
     assert bs.sample_rows(logits[: len(sorted_batch)], sorted_batch).tolist()[: len(plain)] == unsorted
+
+
+def test_the_race_kernel_draws_the_same_tokens(monkeypatch):
+    """Kernel flag `sample_race` on (the Triton kernel, here on CPU tensors under the interpreter) or off: the same
+    tokens over mixed rows (greedy, temperature, top-k, top-p, min-p, penalties, bias, masks), over plain temperature
+    rows (the kernel's logit mode) with and without greedy rows among them, and with per-slot counts."""
+    pytest.importorskip("triton")
+    from stage_worker.kernels import sample_race
+
+    calls = []
+    kernel = sample_race.sample_race
+    monkeypatch.setattr(sample_race, "sample_race", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    monkeypatch.setattr(bs, "INTERPRET_ON_CPU", True)
+    g = torch.Generator().manual_seed(13)
+    mixed = _rows(32, seed=12)
+    plain = [bs.Row(SamplingParams(temperature=t), seed=300 + i, position=5 + i, history=[])
+             for i, t in enumerate([0.3, 0.7, 1.0, 1.4, 0.9, 0.6])]
+    greedy = [bs.Row(SamplingParams(temperature=0.0), seed=1, position=1, history=[])]
+    for rows in (mixed, plain, plain[:3] + greedy + plain[3:], greedy + plain[:1]):
+        logits = torch.randn(len(rows), V, generator=g) * 3
+        logits[len(rows) // 2, :-1] = float("-inf")       # one token left
+        if rows is plain:
+            logits[1] = float("-inf")                      # nothing left: the argmax (0) stands
+        n = len(calls)
+        got = bs.sample_rows(logits, rows, race_kernel=True)
+        assert torch.equal(got, bs.sample_rows(logits, rows)), [r.params for r in rows]
+        assert len(calls) == n + 1 and ("temperature" in calls[-1]) == (rows is not mixed)
+        if rows is plain:
+            assert int(got[1]) == 0
+    slotted = [bs.Row(r.params, r.seed, r.position, list(r.history), r.prompt_ids, r.allowed, slot=b)
+               for b, r in enumerate(mixed)]
+    counts = {on: bs.TokenCounts(num_slots=len(mixed), vocab=V, device="cpu") for on in (False, True)}
+    for c in counts.values():
+        for b, r in enumerate(mixed):
+            c.reset(b, r.prompt_ids, r.history)
+    for step in range(3):
+        logits = torch.randn(len(mixed), V, generator=g) * 2
+        on = bs.sample_rows(logits, slotted, counts[True], race_kernel=True)
+        assert torch.equal(on, bs.sample_rows(logits, slotted, counts[False])), step
+        assert torch.equal(counts[True].counts, counts[False].counts)
+        for r in slotted:
+            r.position += 1

@@ -11,11 +11,13 @@ import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union")
-# Built, but not part of "all" until the H200 passes it again (bench/results/h200-14): quant_gemv_wide hit an illegal
-# memory access in its GPU timing test (cause found and fixed since). Named explicitly ("all,quant_gemv_wide") it
-# still turns on.
-NOT_IN_ALL = ("quant_gemv_wide",)
+         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
+         "sample_race")
+# Built, but not part of "all" until the H200 passes it (again): quant_gemv_wide hit an illegal memory access in its
+# GPU timing test (bench/results/h200-14; cause found and fixed since); sample_race is new and joins "all" once the
+# H200 passes its GPU test (tests/test_kernel_sample_race.py). Named explicitly ("all,sample_race") each still turns
+# on.
+NOT_IN_ALL = ("quant_gemv_wide", "sample_race")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class KernelFlags:
     section_union: bool = False       # with `section_attention`: stage only the union of the chunk's selected
                                       # compression blocks, compacted (section_attention.union_plan), so PCIe bytes
                                       # and the kernel's work scale with the union; off: the whole context staged
+    sample_race: bool = False         # device sampling's draw (batch_sampler, `device_sampling`): hash, race, argmax
+                                      # and validity check in one launch (two for a whole vocabulary at few rows),
+                                      # plain temperature rows Gumbel-max over the logits with no softmax
+                                      # (sample_race.py); off: ~45 PyTorch launches. Not in "all" until the H200
+                                      # passes its GPU test
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
