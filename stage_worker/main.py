@@ -115,11 +115,14 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                                                           message=f"{type(exc).__name__}: {exc}")))
 
     # With a step in flight, look for messages without blocking long: the next plan (or its PLE rows) may arrive
-    # while the GPU works, and is launched behind it before the step is completed. Spinning (`stage_spin_wait`):
-    # never block while the GPU works, so the step's end is seen within microseconds. A 1 ms poll saw it up to 1 ms
-    # late, ~0.5 ms a step on average: at one stream, where the next step needs this one's token on the host (the
-    # PLE stage's own rows), that was most of the served TPOT's gap to the in-process step (issue 14; h200-15:
-    # stage step 4.08 ms, server TPOT 4.86, stage idle 24% of the time). Costs one busy core per GPU stage.
+    # while the GPU works, and is prepared (or launched behind it) before the step is completed.
+    # `stage_spin_wait` (GPU stages): never block while the GPU works. A 1 ms poll saw a step's end up to 1 ms late
+    # (~0.5 ms a step), so a stage that runs one step at a time (a PLE stage: the next step needs this one's token
+    # on the host) blocked in `finish` instead, and the next plan, which had arrived meanwhile, was only decoded and
+    # prepared after the step: host work between steps with the GPU idle (issue 14; h200-15, one stream: stage step
+    # 4.08 ms, server TPOT 4.86, stage idle 24% of the time). Spinning, the plan is prepared while the step runs,
+    # the step's end is seen within microseconds, and the next step is queued before this one's tokens are encoded
+    # for the gateway. Costs one busy core per GPU stage.
     spin = cluster.stage_spin_wait and runner.device.type == "cuda"
     while not stop.is_set():
         wait = 100 if not runner.launched else (0 if spin or runner.oldest_done() else 1)
@@ -148,7 +151,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             runner.launch_ready(failed)
             if not runner.launched:
                 break
-            if runner.can_launch() and not runner.oldest_done():
+            if (spin or runner.can_launch()) and not runner.oldest_done():
                 break                 # the GPU is still on it: meanwhile, look for the next plan
             step = runner.launched[0].plan.step
             try:
@@ -156,9 +159,17 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             except Exception as exc:
                 failed(step, exc)
                 continue
+            # What other components wait for goes first (activations, tokens for stage 0 and the PLE service);
+            # spinning, the next ready step is queued before the tokens are encoded for the gateway.
+            later = [o for o in outgoing if o.to == "gateway"] if spin else []
             for o in outgoing:
-                if o.to in peers:
+                if o.to in peers and not any(o is x for x in later):
                     peers[o.to].send_multipart(encode(o.message), copy=False)
+            if later:
+                runner.launch_ready(failed)
+                for o in later:
+                    if o.to in peers:
+                        peers[o.to].send_multipart(encode(o.message), copy=False)
             if runner.ready() is None:
                 break                 # look for new messages (the next plan, activations, PLE rows)
     stop.set()
