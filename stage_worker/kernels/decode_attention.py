@@ -14,35 +14,18 @@ tensor values, so nothing waits on the GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _fix_interpreter_loop_bounds() -> None:
-    """Under TRITON_INTERPRET=1, triton 3.6 turns a tensor loop bound into an int with `int(array of shape (1,))`,
-    which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails (triton-lang/triton#9171). Apply the
-    upstream one-line fix, so the interpreter runs the same `for` loop the GPU compiles (and pipelines)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_scalar_index_fix", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    patched._scalar_index_fix = True
-    interpreter._patch_lang_tensor = patched
+from stage_worker.kernels.common import INTERPRET as _INTERPRET
+from stage_worker.kernels.common import fix_interpreter_loop_bounds, sm_count
 
 
-_INTERPRET = bool(triton.knobs.runtime.interpret)   # decided when the kernels are defined, as they are
 if _INTERPRET:
-    _fix_interpreter_loop_bounds()
+    fix_interpreter_loop_bounds()
 
 
 @triton.jit
@@ -161,17 +144,9 @@ def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_pb, s_ph, s_ps, s_lb, s_lh, s_o
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill (a host-side property query, no sync); 8 for the CPU interpreter."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def choose_num_splits(programs: int, length: int, device: torch.device, min_per_split: int = 64) -> int:
     """Enough splits for about two programs per SM, but no split shorter than `min_per_split` positions."""
-    want = triton.cdiv(2 * _sm_count(device), max(programs, 1))
+    want = triton.cdiv(2 * sm_count(device, cpu=8), max(programs, 1))
     return max(1, min(want, triton.cdiv(length, min_per_split), 64))
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from stage_worker.kernels.common import pow2 as _pow2
+from stage_worker.kernels.common import triton_usable
 from stage_worker.kernels.deltanet_decode_ref import L2_EPS, gdn_decode_ref, split_sizes
 
 try:
@@ -46,16 +48,6 @@ BV = 32                 # value columns of S per recurrence program (a power of 
 RECURRENCE_WARPS = 4    # a [dk, BV] = [128, 32] fp32 block: 32 state registers per thread at 4 warps
 NORM_WARPS = 4
 
-_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)   # decided when the kernels are defined
-
-
-def triton_usable(x: torch.Tensor) -> bool:
-    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
-    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:

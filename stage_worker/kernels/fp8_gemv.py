@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from stage_worker.kernels.fp8_gemv_ref import CHUNK, Fp8Weight, dequantize_rows
-from stage_worker.kernels.quant_gemv import MIN_SPLIT_K, PROGRAMS_PER_SM, _sm_count, triton_usable
+from stage_worker.kernels.common import sm_count, triton_usable
+from stage_worker.kernels.quant_gemv import MIN_SPLIT_K, PROGRAMS_PER_SM
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
 try:
@@ -117,7 +118,7 @@ def launch_config(T: int, N: int, K: int, block: tuple[int, int], device: torch.
         bn = max(bn, 16)
     tp = 16 if dot else min(triton.next_power_of_2(T), TOKENS_PER_PROGRAM)
     tiles = triton.cdiv(N, bn) * triton.cdiv(T, tp)
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    sms = sm_count(device, cpu=4)
     splits = max(1, min(PROGRAMS_PER_SM * sms // tiles, K // MIN_SPLIT_K))
     k_slice = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     return dict(BLOCK_N=bn, BLOCK_K=bk, warps=warps, TP=tp, DOT=dot, ROW_SCALE=block[1] % bk == 0,

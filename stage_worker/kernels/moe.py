@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stage_worker.kernels.common import pow2 as _pow2
+from stage_worker.kernels.common import triton_usable
 from stage_worker.kernels.moe_ref import (Fp8Experts, HostRows, RouteCounts, count_ref, dequantize_fp8_block,
                                           dequantize_fp8_w13, route_ref, shared_gate_ref)
 
@@ -73,16 +75,6 @@ class SharedExpert:
     w13: torch.Tensor
     w2: torch.Tensor
 
-_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)   # decided when the kernels are defined
-
-
-def triton_usable(x: torch.Tensor) -> bool:
-    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
-    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # H and I are constexpr in the expert kernels: one compile per model shape, loops with known trip counts, and the

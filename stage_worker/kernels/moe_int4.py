@@ -19,7 +19,9 @@ import math
 
 import torch
 
-from stage_worker.kernels.moe import SKIP, _bucket, _pow2, expert_rows, triton, triton_usable
+from stage_worker.kernels.common import pow2 as _pow2
+from stage_worker.kernels.common import triton_usable
+from stage_worker.kernels.moe import SKIP, _bucket, expert_rows, triton
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:

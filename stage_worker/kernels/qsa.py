@@ -58,17 +58,18 @@ globals (`bench/tune_kernels.py --only qsa` sweeps the first four).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from stage_worker.kernels.decode_attention import _INTERPRET, _dot, _fix_interpreter_loop_bounds
+from stage_worker.kernels.common import INTERPRET as _INTERPRET
+from stage_worker.kernels.common import fix_interpreter_loop_bounds, sm_count
+from stage_worker.kernels.decode_attention import _dot
 
 if _INTERPRET:
-    _fix_interpreter_loop_bounds()      # the loops below are bounded by loaded context lengths
+    fix_interpreter_loop_bounds()      # the loops below are bounded by loaded context lengths
 
 SCORE_BLOCK = 64            # pooled keys per tile of the score kernel
 SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch: 140 registers a thread (ptxas, sm_90),
@@ -314,16 +315,10 @@ def radix_passes(bits: int) -> int:
     return -(-32 // bits)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one after another)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def score_programs(n_blocks: int, block_c: int, batch: int, device: torch.device) -> int:
     """Score programs per sequence: SCORE_PROGRAMS_PER_SM per SM shared by the batch, no more than the table has
     tiles (a host-side shape: the context is only known on the device, programs past it return at once)."""
-    return max(1, min(triton.cdiv(n_blocks, block_c), triton.cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device), batch)))
+    return max(1, min(triton.cdiv(n_blocks, block_c), triton.cdiv(SCORE_PROGRAMS_PER_SM * sm_count(device, cpu=1), batch)))
 
 
 def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor,

@@ -42,11 +42,11 @@ sweep or `bench/tune_kernels.py --only quant_gemv` has run on the H200.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from stage_worker.kernels.common import sm_count, triton_usable
 from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed, swiglu_input
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
@@ -84,12 +84,6 @@ PROGRAMS_PER_SM = 4          # K is split until about this many programs per SM 
 MIN_SPLIT_K = 512            # ... but no slice shorter than this many inputs
 ONE = 0x3F800000             # the bits of 1.0f, a kernel argument so the mask-and-or is one LOP3 (moe_int4._nibble)
 
-_INTERPRET = bool(triton is not None and triton.knobs.runtime.interpret)
-
-
-def triton_usable(x: torch.Tensor) -> bool:
-    """Triton runs CUDA tensors, or CPU tensors when the interpreter was on at import time (tests)."""
-    return triton is not None and (x.is_cuda or (_INTERPRET and x.device.type == "cpu"))
 
 
 def period(bits: int, dense: bool) -> tuple[int, int]:
@@ -375,11 +369,6 @@ if triton is not None:
         store_tile(acc, out_ptr, part_ptr, lock_ptr, rows64, mask_n, offs_t, N, T, stride_ot, SPLITS)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -405,7 +394,7 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
     scale = 0 if group >= K else 1 if group % p == 0 else 2
     tp = 16 if dot or wide else min(triton.next_power_of_2(T), TOKENS_PER_PROGRAM)
     tiles = triton.cdiv(N, bn) * triton.cdiv(T, tp)
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    sms = sm_count(device, cpu=4)
     bk = nper * p
     splits = max(1, min(PROGRAMS_PER_SM * sms // tiles, K // MIN_SPLIT_K))
     k_slice = triton.cdiv(triton.cdiv(K, splits), bk) * bk

@@ -25,17 +25,15 @@ split writes (best score, its column, its sum or largest x, a bad flag) and `_re
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from stage_worker.kernels.decode_attention import _fix_interpreter_loop_bounds
+from stage_worker.kernels.common import INTERPRET as _INTERPRET
+from stage_worker.kernels.common import fix_interpreter_loop_bounds, sm_count
 
-_INTERPRET = bool(triton.knobs.runtime.interpret)
 if _INTERPRET:
-    _fix_interpreter_loop_bounds()     # the split loop's bounds are run-time values
+    fix_interpreter_loop_bounds()     # the split loop's bounds are run-time values
 
 _NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a column past any row: the "not here" of the first-max search
 
@@ -177,20 +175,12 @@ def _reduce_kernel(part_ptr, ids_ptr, rows_ptr, out_ptr, S, K, s_i, HAS_IDS: tl.
     tl.store(out_ptr + row, tok, mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill (a host-side property query, no sync); 1 for the CPU interpreter."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 MIN_SPLIT = 4096     # candidates a split takes at least: shorter rows (top-k candidates) are one launch
 
 
 def choose_splits(rows: int, k: int, device: torch.device) -> int:
     """About two programs per SM, no split under MIN_SPLIT candidates."""
-    return max(1, min(triton.cdiv(2 * _sm_count(device), max(rows, 1)), triton.cdiv(k, MIN_SPLIT), 256))
+    return max(1, min(triton.cdiv(2 * sm_count(device, cpu=1), max(rows, 1)), triton.cdiv(k, MIN_SPLIT), 256))
 
 
 def sample_race(out: torch.Tensor, vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None, *,

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from stage_worker.kernels.decode_attention import _INTERPRET, _dot
+from stage_worker.kernels.common import INTERPRET as _INTERPRET
+from stage_worker.kernels.decode_attention import _dot
 
 # Rows staged per section: 8 MiB of K and of V at the full shape (2 KV heads of 256, bf16), so 32 launches at 262k
 # tokens; the PyTorch loop sized sections by its score tensor instead (2,730 rows for 512 queries x 24 heads).

@@ -126,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         return rule(q, k, v, g, beta, init)
 
     def _decode_kernel_usable(self, x: torch.Tensor) -> bool:
-        from stage_worker.kernels.deltanet_decode import triton_usable   # Triton is a GPU-side dependency
+        from stage_worker.kernels.common import triton_usable
 
         return triton_usable(x) and (x.is_cuda or self.interpret_on_cpu)
 

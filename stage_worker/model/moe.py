@@ -195,7 +195,7 @@ class SparseMoE(nn.Module):
         logits = self.gate(x2)
         if self.kernels.moe and x.is_cuda:
             from stage_worker.kernels.moe import route as route_kernel
-            from stage_worker.kernels.moe import triton_usable
+            from stage_worker.kernels.common import triton_usable
 
             decode = x2.shape[0] * self.top_k <= DECODE_MAX_TK
             weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
