@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import free_port, stop_server, wait_healthy
-from shared.cli import build_parser, serve_options
+from gateway.cli import build_parser, serve_options
 from shared.cluster_config import env_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

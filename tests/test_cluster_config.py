@@ -69,7 +69,7 @@ def test_dtype_default_switch_and_validation(tiny, tmp_path, monkeypatch):
 
 
 def test_serve_load_format_reaches_the_cluster_config(tiny, tmp_path):
-    from shared.cli import build_parser, serve_options
+    from gateway.cli import build_parser, serve_options
 
     opts = serve_options(build_parser().parse_args(["serve", "--model", str(tiny), "--stages", "2",
                                                     "--load-format", "dummy"]))
@@ -109,7 +109,7 @@ def test_block_size_is_derived_and_a_bad_explicit_one_is_named(tiny, tmp_path):
 def test_the_cli_names_a_bad_block_size_and_too_many_stages(tiny, tmp_path, capsys):
     import signal
 
-    from shared.cli import main
+    from gateway.cli import main
 
     model = _ratio3_model(tiny, tmp_path)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)

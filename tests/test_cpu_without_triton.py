@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import sys
 sys.modules["triton"] = None                       # any `import triton` now raises ImportError
-from shared.cli import main
+from stage_worker.cli import main
 from stage_worker.checkpoint.make_model import make_model
 from stage_worker.checkpoint.loader import load_model
 from stage_worker.kernels.flags import KernelFlags

@@ -255,7 +255,7 @@ def _qsa_cfg():
 def test_switch_in_config_env_and_cli(monkeypatch, tmp_path):
     """`kv_row_cache` on by default; MOEPIPE_KV_ROW_CACHE / _MIB and --kv-row-cache-mib set it; it takes VRAM only
     over host K/V."""
-    from shared.cli import build_parser, serve_options
+    from gateway.cli import build_parser, serve_options
     from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, env_overrides
 
     for name in ("MOEPIPE_KV_ROW_CACHE", "MOEPIPE_KV_ROW_CACHE_MIB"):

@@ -330,7 +330,7 @@ def test_cold_set_fills_its_budget_with_packed_experts(int4, tmp_path):
     """`moepipe cold-set` on an INT4 checkpoint sizes each expert as the stage keeps it (packed): the budget holds
     about four times the experts that bf16 sizing would give it."""
     from shared import cold_set
-    from shared.cli import main
+    from stage_worker.cli import main
 
     q, cfg = int4
     layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(layer)]

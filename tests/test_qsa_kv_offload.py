@@ -214,7 +214,7 @@ def test_meta_cache_allocates_nothing(qwen4):
 def test_switch_in_config_env_and_cli(qwen4, monkeypatch):
     """`qsa_kv_offload`: off by default, MOEPIPE_QSA_KV_OFFLOAD and --qsa-kv-offload turn it on; with it a GPU
     cluster fits more blocks in the same KV budget (the device tier's cost), a CPU one the same."""
-    from shared.cli import build_parser, serve_options
+    from gateway.cli import build_parser, serve_options
 
     path, cfg = qwen4
     monkeypatch.delenv("MOEPIPE_QSA_KV_OFFLOAD", raising=False)

@@ -1,0 +1,135 @@
+"""The gateway side of the `moepipe` command: serve (the launcher) and keys. `moepipe <subcommand>` (shared/cli.py)
+runs `python -m gateway.cli <subcommand> ...`; each subcommand imports its implementation lazily, so `--help` stays
+fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.cli import command_parser, ensure_builtin_model, run_command
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from shared.links import write_keys
+
+    try:
+        secret = write_keys(args.out)
+    except FileExistsError as exc:
+        print(f"moepipe keys: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {secret} (keep it private: whoever has it can join the cluster)")
+    print(f"copy {Path(args.out)} to every host of the cluster and set in cluster.toml:")
+    print(f'link_keys = "{secret.resolve()}"')
+    return 0
+
+
+def serve_options(args: argparse.Namespace):
+    """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
+    from gateway.launcher import ServeOptions
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    extra = {}
+    if args.no_ple_service:
+        extra["ple_service"] = False
+    if args.no_access_log:
+        extra["access_log"] = False
+    if args.cold_experts is not None:
+        extra["cold_experts"] = args.cold_experts if args.cold_experts == "auto" else \
+            str(Path(args.cold_experts).resolve())
+    if args.no_expert_moves:
+        extra["expert_moves"] = False
+    if args.qsa_kv_offload:
+        extra["qsa_kv_offload"] = True
+    if args.kv_row_cache_mib is not None:
+        extra["kv_row_cache"] = args.kv_row_cache_mib > 0
+        extra["kv_row_cache_mib"] = args.kv_row_cache_mib
+    for key in ("allowed_hosts", "allowed_origins"):
+        if getattr(args, key) is not None:
+            extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
+    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
+                "load_format", "kv_cache_memory", "api_key", "restart_limit", "gpu_memory_utilization",
+                "vram_limit", "kv_cache_memory_bytes"):
+        if getattr(args, key) is not None:
+            extra[key] = getattr(args, key)
+    return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
+                        extra=extra, verbose=args.verbose)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.launcher import run_serve
+
+    return run_serve(serve_options(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, sub = command_parser()
+
+    s = sub.add_parser("serve", help="start the whole cluster and serve the OpenAI API")
+    s.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    s.add_argument("--stages", type=int, default=1, help="pipeline stages, one process each")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within "
+                        "--kv-cache-memory)")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: derived from the model, a multiple of its QSA ratio)")
+    s.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of KV blocks per stage when --num-blocks is not given (default 4; on a GPU at "
+                        "least one --max-model-len sequence)")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="GPU stages: the share of each device's memory the server may use (default 0.9)")
+    s.add_argument("--vram-limit", type=float, default=None, metavar="GIB",
+                   help="GPU stages: use at most this many GiB of each device, as a smaller card would have")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="GPU stages: KV bytes per stage (default: what the memory plan leaves)")
+    s.add_argument("--cold-experts", default=None, metavar="FILE",
+                   help="keep these routed experts in host RAM (a file from `moepipe cold-set`, or 'auto': as "
+                        "few as the memory plan needs, the least used by the checkpoint's route_usage.json if it "
+                        "has one): a model larger than the GPUs runs, reading the selected host experts over PCIe")
+    s.add_argument("--no-expert-moves", action="store_true",
+                   help="with --cold-experts: never swap host and device experts at run time (also "
+                        "MOEPIPE_EXPERT_MOVES=0)")
+    s.add_argument("--qsa-kv-offload", action="store_true",
+                   help="keep the QSA layers' K/V in pinned host RAM (only pooled keys in VRAM: far more tokens of "
+                        "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")
+    s.add_argument("--kv-row-cache-mib", type=int, default=None, metavar="MIB",
+                   help="with --qsa-kv-offload: cache the K/V rows decode reads from host RAM in MIB of VRAM per "
+                        "stage (default 256; 0: off; also MOEPIPE_KV_ROW_CACHE=0/1, MOEPIPE_KV_ROW_CACHE_MIB)")
+    s.add_argument("--restart-limit", type=int, default=None, metavar="N",
+                   help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API (CORS; default none; also "
+                        "MOEPIPE_ALLOWED_ORIGINS)")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host names to answer, '*' for any (default: loopback names when bound to "
+                        "a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")
+    s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
+                   help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
+    s.add_argument("--no-ple-service", action="store_true",
+                   help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
+    s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
+                   help="no access log line per HTTP request (vLLM's name is the alias)")
+    s.set_defaults(func=_serve)
+
+    k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "
+                                    "links between hosts (cluster config: link_keys)")
+    k.add_argument("--out", required=True, help="directory for cluster.key and cluster.key_secret")
+    k.set_defaults(func=_keys)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

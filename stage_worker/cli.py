@@ -1,0 +1,202 @@
+"""The stage-worker side of the `moepipe` command: make-model, quantize, generate, route-stats and cold-set, whose
+work is in stage_worker. `moepipe <subcommand>` (shared/cli.py) runs `python -m stage_worker.cli <subcommand> ...`;
+each subcommand imports its implementation lazily, so `--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.cli import command_parser, ensure_builtin_model, run_command
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from stage_worker.checkpoint.make_model import make_model
+
+    out = make_model(args.preset, Path(args.out), seed=args.seed, layers=args.layers)
+    print(out)
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint
+
+    src = Path(args.input)
+    if not (src / "config.json").is_file():
+        print(f"moepipe quantize: {src} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        summary = quantize_checkpoint(src, Path(args.output), args.scheme)
+    except QuantizeError as exc:
+        print(f"moepipe quantize: {exc}", file=sys.stderr)
+        return 2
+    for name, w in summary["groups"].items():
+        how = f"group {w['group_size']}" if w.get("group_size") else w.get("block_structure") or w["strategy"]
+        print(f"  {name}: {w['type']}{w['num_bits']} {how}")
+    print(f"{args.output}: {summary['modules']} modules quantized ({args.scheme}), "
+          f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from stage_worker.generate import run_cli
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        print("moepipe: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    if args.model is None:
+        args.model = str(ensure_builtin_model())
+    return run_cli(args)
+
+
+def _route_stats(args: argparse.Namespace) -> int:
+    from stage_worker.route_stats import read_texts, route_stats
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    texts = read_texts(args.text)
+    route_stats(model, texts, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk, batch=args.batch,
+                device=args.device)
+    return 0
+
+
+def _cold_set(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from shared import cold_set
+    from shared.cluster_config import ClusterConfig, ClusterConfigError, env_overrides, split_layers
+    from shared.model_config import load_config
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    cfg = load_config(model)
+    try:
+        data = json.loads(Path(args.usage).read_text())
+        usage = data["usage"]
+        tokens = data.get("meta", {}).get("tokens_per_kind", {})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"moepipe cold-set: {args.usage}: not a route_usage.json from tools/route_trace.py ({exc})",
+              file=sys.stderr)
+        return 2
+    if args.gib_per_stage <= 0:
+        print("moepipe cold-set: --gib-per-stage must be > 0", file=sys.stderr)
+        return 2
+    from shared.quant_scheme import plan_of
+    from stage_worker.checkpoint.packed_experts import fp8_layers, packed_layers
+
+    stages = split_layers(cfg.num_hidden_layers, args.stages)
+    # INT4 experts stay packed (issue 17) and block-FP8 experts float8 where the server keeps them so with cold
+    # experts (`ClusterConfig.keeps_fp8_experts`: the defaults and MOEPIPE_* switches): a stage holds them, and a
+    # host read moves them, at that size
+    plan = plan_of(model)
+    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers)
+    try:
+        switches = {f.name: f.default for f in dataclasses.fields(ClusterConfig)
+                    if f.name in ("packed_fp8_experts", "fp8_expert_tables")} | env_overrides()
+    except ClusterConfigError as exc:
+        print(f"moepipe cold-set: {exc}", file=sys.stderr)
+        return 2
+    keep_fp8 = switches["packed_fp8_experts"] and switches["fp8_expert_tables"]
+    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers) if keep_fp8 else {}
+
+    def stage_expert_bytes(s: int, e: int) -> int:
+        layer = next((x for x in range(s, e) if x in packed), None)
+        if layer is not None:
+            return cold_set.packed_expert_bytes(cfg, *packed[layer], args.dtype)
+        layer = next((x for x in range(s, e) if x in fp8), None)
+        if layer is not None:
+            return cold_set.fp8_expert_bytes(cfg, fp8[layer])
+        return cold_set.expert_bytes(cfg, args.dtype)
+
+    per_expert = [stage_expert_bytes(s, e) for s, e in stages]
+    budget = int(args.gib_per_stage * (1 << 30))
+    try:
+        scores = cold_set.kind_normalised(usage)
+        bad = [layer for layer in scores if not (0 <= layer < cfg.num_hidden_layers)
+               or len(scores[layer]) != cfg.num_experts]
+        if bad:
+            raise cold_set.ColdSetError(f"the counts of layers {bad} do not match this model "
+                                        f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
+        cold = cold_set.choose(scores, stages, per_expert, budget)
+    except cold_set.ColdSetError as exc:
+        print(f"moepipe cold-set: {exc}", file=sys.stderr)
+        return 2
+    out = cold_set.write(args.out, cfg, str(model), cold, stages, per_expert, budget, sorted(usage))
+    for s, e in stages:
+        n = sum(len(ids) for layer, ids in cold.items() if s <= layer < e)
+        size = per_expert[stages.index((s, e))]
+        print(f"stage layers {s}-{e}: {n} experts ({n * size / (1 << 20):.1f} MiB) in host RAM")
+    reads = cold_set.host_reads(cold, usage, tokens)
+    print("host expert reads per token on the traced text (before run-time moves): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(reads.items())))
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, sub = command_parser()
+
+    mk = sub.add_parser("make-model", help="write a random-weight Qwen4-Exp checkpoint")
+    mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape", "qwen3-next-shape"], default="tiny")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")
+    mk.set_defaults(func=_make_model)
+
+    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (compressed-tensors INT4/6/8 or "
+                                        "block FP8), with the compressed-tensors library")
+    q.add_argument("--scheme", required=True, choices=["reports-mixed", "int4-experts", "fp8-block"],
+                   help="reports-mixed: experts INT4 g128, attention/DeltaNet/shared expert INT6 g128, "
+                        "hyper-connections and embeddings INT8 per channel; int4-experts: only the routed experts; "
+                        "fp8-block: float8 with 128x128 block scales (quant_method fp8)")
+    q.add_argument("input", help="checkpoint directory (float weights)")
+    q.add_argument("output", help="directory to write (must not exist or be empty)")
+    q.set_defaults(func=_quantize)
+
+    g = sub.add_parser("generate", help="generate from a prompt in this process")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_generate)
+
+    r = sub.add_parser("route-stats", help="count each MoE layer's expert selections over sample text of several "
+                                           "kinds (the input of cold-set)")
+    r.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    r.add_argument("--text", action="append", required=True, metavar="KIND=PATH",
+                   help="sample text of one kind: a file, or a directory of files (repeat for each kind: code, "
+                        "prose, another language...)")
+    r.add_argument("--tokens-per-kind", type=int, default=200_000)
+    r.add_argument("--chunk", type=int, default=512, help="tokens per prefilled window")
+    r.add_argument("--batch", type=int, default=8, help="windows per step")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--out", required=True, help="route_usage.json to write")
+    r.set_defaults(func=_route_stats)
+
+    c = sub.add_parser("cold-set", help="choose the experts each stage keeps in host RAM from routing counts "
+                                        "(tools/route_trace.py's route_usage.json)")
+    c.add_argument("--usage", required=True, help="route_usage.json (`moepipe route-stats` or tools/route_trace.py): "
+                                                "per kind, per layer, selections per expert")
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    c.add_argument("--stages", type=int, default=1, help="pipeline stages the budget applies to, one each")
+    c.add_argument("--gib-per-stage", type=float, required=True, help="host RAM for experts per stage, GiB")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the experts' dtype in memory (default: the checkpoint's)")
+    c.add_argument("--out", required=True, help="the cold-set file to write (JSON)")
+    c.set_defaults(func=_cold_set)
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
