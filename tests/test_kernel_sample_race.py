@@ -160,6 +160,50 @@ def test_rows_write_into_the_batch_and_gather_reads_it():
     assert out[:3].tolist() == R.race(probs, keys, ids)[0].tolist() and out[3:].tolist() == [NONE, NONE]
 
 
+def test_the_kernels_compile_for_the_h200():
+    """Triton compiles both kernels for sm_90 without a GPU (a subprocess: the interpreter is off there), in every
+    mode the sampler launches: probabilities with candidate ids (top-k rows, one launch), logits with a temperature
+    read through `rows` from the whole batch (plain temperature rows, split), probabilities without ids split, keys
+    as float64 (the parameter table's column); no register spills. h200-15's first GPU run failed to compile on
+    what the interpreter accepts (a global integer used inside the kernel)."""
+    from sm90_compile import run_compile_script
+
+    script = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import sample_race as S
+
+def race(ids, rows, gather, logits, split, keys="*i64", block=1024):
+    sig = dict(vals_ptr="*fp32", ids_ptr="*i64", keys_ptr=keys, temp_ptr="*fp32", rows_ptr="*i64", out_ptr="*i64",
+               part_ptr="*fp32" if split else "*i64", K="i32", chunk="i32", s_v="i32", s_i="i32", s_k="i32",
+               s_t="i32")
+    const = dict(HAS_IDS=ids, HAS_ROWS=rows, GATHER=gather, LOGITS=logits, SPLIT=split, BLOCK=block)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    k = triton.compile(ASTSource(S._race_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8 if block > 512 else 4))
+    return dict(kernel="race", ids=ids, rows=rows, logits=logits, split=split, keys=keys,
+                **ptxas_info(k.asm["ptx"]))
+
+def reduce(ids, rows, gather, logits):
+    sig = dict(part_ptr="*fp32", ids_ptr="*i64", rows_ptr="*i64", out_ptr="*i64", S="i32", K="i32", s_i="i32")
+    const = dict(HAS_IDS=ids, HAS_ROWS=rows, GATHER=gather, LOGITS=logits, BLOCK_S=64)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    k = triton.compile(ASTSource(S._reduce_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=1))
+    return dict(kernel="reduce", ids=ids, rows=rows, logits=logits, **ptxas_info(k.asm["ptx"]))
+
+out = [race(True, False, False, False, False, block=64), race(False, True, True, True, True),
+       race(False, True, False, False, True), race(True, True, False, False, False, keys="*fp64", block=64),
+       reduce(False, True, True, True), reduce(False, True, False, False), reduce(True, False, False, False)]
+print(json.dumps(out))
+"""
+    got = run_compile_script(script, timeout=300)
+    print("\n" + "\n".join(map(str, got)))
+    assert len(got) == 7 and all(c["spill"] == 0 for c in got), got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [151936, 248320])
 def test_timing_against_the_reference(vocab):
