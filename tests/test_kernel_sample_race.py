@@ -73,6 +73,21 @@ def test_uniform_rows_pick_the_largest_hash():
     assert want == ids.gather(1, u.argmax(dim=-1, keepdim=True))[:, 0].tolist()
 
 
+def test_the_largest_hash_value_is_below_one_and_wins_in_both():
+    """Key 1 and token 5949405 give the largest hash value. With 24 bits it became U = 1.0, E = -0.0 in PyTorch and
+    +0.0 in the kernel: that candidate scored -inf in one and +inf in the other (the H200 run of
+    test_timing_against_the_reference drew different tokens). U now stays below one, E above zero, and it wins."""
+    keys = torch.tensor([1, 1], device=DEV)
+    ids = torch.tensor([[3, 5949405, 17, 1000], [5949405, 8, 9, 10]], device=DEV)
+    u = R.uniforms(keys, ids)
+    assert float(u.max()) == 1.0 - 2.0 ** -24 and bool((-torch.log(u) > 0).all())
+    for logits in (False, True):
+        vals = torch.zeros(2, 4, device=DEV) if logits else torch.full((2, 4), 0.25, device=DEV)
+        kw = dict(temperature=torch.ones(2, device=DEV)) if logits else {}
+        got, want = _both(vals, keys, ids, **kw)
+        assert got == want == [5949405, 5949405]
+
+
 @pytest.mark.parametrize("splits", [None, 2])
 def test_rows_with_nothing_to_sample_keep_the_caller_s_token(splits):
     g = torch.Generator().manual_seed(4)

@@ -53,7 +53,7 @@ def _uniform(key, tok):
     """`sample_race_ref.uniforms` of uint32 `key` (a scalar) and uint32 token ids."""
     h = _mix32(key ^ (tok * 0x9E3779B1))
     h = _mix32(h ^ (key >> 7))
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit

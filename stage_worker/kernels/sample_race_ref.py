@@ -32,10 +32,12 @@ def mix32(x):
 
 def uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """float32 in (0, 1) shaped as `token_ids` [B, K] (or [1, K], broadcast over the B keys): U = hash(key_b, token
-    id), the same on every device and whichever candidates a row keeps."""
+    id), the same on every device and whichever candidates a row keeps. 23 hash bits: (k + 0.5) / 2**23 is exact in
+    float32 up to 1 - 2**-24, so U is never 1.0 (24 bits rounded the top value to 1.0, E = -log(U) to -0.0 on one
+    side and +0.0 on the other, and that candidate's score to -inf in PyTorch and +inf in the kernel)."""
     h = mix32(keys[:, None] ^ ((token_ids.to(torch.int64) * 0x9E3779B1) & M32))
     h = mix32(h ^ (keys[:, None] >> 7))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def race(vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None,
