@@ -241,7 +241,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     per_expert = packed_expert_bytes(cfg, *dummy_groups(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
     total_experts = sum(m.num_experts for m in model.moe_layers().values()) * per_expert
     if x is not None:
-        assert x.host_bytes() + x.device_bytes() == len(x.tables) * cfg.num_experts * per_expert
+        assert x.host_bytes() + x.device_bytes() >= len(x.tables) * cfg.num_experts * per_expert   # VMM: granules
     out = []
     kinds = sorted(trace)
     for batch in batches:

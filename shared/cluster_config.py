@@ -118,9 +118,9 @@ class ClusterConfig:
     # reference, 96 against 150 us for the bf16 kernel at 1 token, 117 against 171 at 4, 190 against 222 at 16.
     packed_fp8_experts: bool = True
     # With cold_experts too: expert tables of float8 slots (bytes and block scales, in VRAM and host RAM alike).
-    # Off until the H200 runs the FP8 kernels with host slots (bench/results/fp8-table-1/next.txt): then cold
-    # experts of a block-FP8 checkpoint are dequantized at load (twice the host RAM, the verified bf16 tables).
-    fp8_expert_tables: bool = False
+    # On since h200-16 ran the graphed stage with float8 host slots and moves; off: cold experts of a block-FP8
+    # checkpoint are dequantized at load into compute-dtype tables (twice the host RAM).
+    fp8_expert_tables: bool = True
     # ... and their dense Linear weights called as a plain linear (o_proj, out_proj, the DeltaNet in-projections, a
     # dense MLP, the MTP fc, lm_head when quantized) stay float8 with their block scales and run the FP8 GEMV
     # (stage_worker/model/fp8_linear.py, kernels/fp8_gemv.py): half the bytes a decode step reads for them; off:

@@ -80,9 +80,9 @@ def test_the_switch_is_on_by_default_set_from_the_environment_and_reaches_a_stag
         assert moes and all(bool(m.fp8_block) == on for m in moes.values())
         # cold experts' expert tables hold float8 slots: the switch alone decides
         assert cluster.keeps_fp8_experts() == on
-        # with cold experts only once the float8 tables are switched on (off until the H200 runs them)
-        assert not dataclasses.replace(cluster, cold_experts="auto").keeps_fp8_experts()
-        assert dataclasses.replace(cluster, cold_experts="auto", fp8_expert_tables=True).keeps_fp8_experts() == on
+        # with cold experts while the float8 tables are on (the default since h200-16)
+        assert dataclasses.replace(cluster, cold_experts="auto").keeps_fp8_experts() == on
+        assert not dataclasses.replace(cluster, cold_experts="auto", fp8_expert_tables=False).keeps_fp8_experts()
 
 
 def test_the_memory_plan_counts_fp8_experts_at_their_size(fp8_dirs):

@@ -5,7 +5,9 @@
 #   tools/build_wheels.sh .whl-lean --lean   leaves out transformers (13.5 MB): serving, benchmarks and training
 #   need no oracle, and the tracked tree plus the full folder is near the 64 MiB a device call may carry.
 #   tools/build_wheels.sh .whl-gpu --gpu-tests   keeps transformers but leaves out the openai client (3 MB): the
-#   GPU tests need the oracle, and their one server test talks through httpx, which the image has.
+#   GPU tests need the oracle, and their one server test talks through httpx, which the image has. With it the
+#   tracked tree (~48 MB, 14 of them bench/traces/demo-model/route_trace.npz) is over the 64 MiB: a call carrying
+#   .whl-gpu first moves that trace out of the working tree (no GPU test reads it) and puts it back after.
 # On the GPU machine:  python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
 #                      export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
@@ -19,6 +21,8 @@ pkgs=(
   opentelemetry-api pyzmq
   # test clients and the reference implementation
   openai distro jiter sniffio httpx2 httpcore2 truststore idna "transformers>=5.24"
+  # what transformers 5.2x checks at import and the image has too old (h200-16: huggingface-hub 1.33 refused)
+  "huggingface-hub>=2.4,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" click typer
   # GPU kernels: flash-linear-attention's Gated DeltaNet kernels
   flash-linear-attention fla-core einops
   # quantized checkpoints: the GPU tests write theirs with `moepipe quantize` (the image has torch, transformers and
@@ -26,7 +30,7 @@ pkgs=(
   compressed-tensors loguru
 )
 for p in "${pkgs[@]}"; do
-  [ "$lean" = --lean ] && [[ $p == transformers* ]] && continue
+  [ "$lean" = --lean ] && [[ $p =~ ^(transformers|huggingface-hub|tokenizers|safetensors|click|typer) ]] && continue
   [ "$lean" = --gpu-tests ] && [[ $p =~ ^(openai|distro|jiter|sniffio)$ ]] && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

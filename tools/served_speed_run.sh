@@ -33,7 +33,7 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [noprefillkernel]="MOEPIPE_KERNELS=-moe_prefill" [plethreads0]="MOEPIPE_PLE_THREADS=0"
                    [nolaunchahead]="MOEPIPE_LAUNCH_AHEAD=0" [noskippad]="MOEPIPE_GRAPH_SKIP_PADDING=0"
                    [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1"
-                   [noint4prefill]="MOEPIPE_KERNELS=-moe_int4_prefill" [race]="MOEPIPE_KERNELS=all,sample_race"
+                   [noint4prefill]="MOEPIPE_KERNELS=-moe_int4_prefill" [norace]="MOEPIPE_KERNELS=-sample_race"
                    [nospin]="MOEPIPE_STAGE_SPIN_WAIT=0")
 # settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
 # profile writes torch.profiler tables of 40 served steps (inside the 1-stream runs) to $out/profile_<model>/

@@ -13,11 +13,6 @@ from dataclasses import dataclass, fields
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
          "sample_race")
-# Built, but not part of "all" until the H200 passes it (again): quant_gemv_wide hit an illegal memory access in its
-# GPU timing test (bench/results/h200-14; cause found and fixed since); sample_race is new and joins "all" once the
-# H200 passes its GPU test (tests/test_kernel_sample_race.py). Named explicitly ("all,sample_race") each still turns
-# on.
-NOT_IN_ALL = ("quant_gemv_wide", "sample_race")
 
 
 @dataclass(frozen=True)
@@ -44,18 +39,18 @@ class KernelFlags:
     section_attention: bool = False   # QSA prefill over host K/V (`qsa_kv_offload`): one fused launch a staged
                                       # context section, the next one gathered on a side stream meanwhile
                                       # (section_attention.py); off: the PyTorch section loop
-    quant_gemv_wide: bool = False     # packed dense GEMVs at 5-16 tokens: one program over all the tokens, each
-                                      # tile decoded once and fed to one tl.dot (quant_gemv(wide=); not in
-                                      # "all": an illegal address on the H200, h200-14); off: the
-                                      # FMA kernel's token groups / the tl.dot variant, as quant_gemv_fma says
+    quant_gemv_wide: bool = False     # packed dense GEMVs at 4-16 tokens: one program over all the tokens, each
+                                      # tile decoded once and fed to one tl.dot (quant_gemv(wide=); h200-16: 1.2-6x
+                                      # faster than the FMA kernel at 4-16); off: the FMA kernel's token groups /
+                                      # the tl.dot variant, as quant_gemv_fma says
     section_union: bool = False       # with `section_attention`: stage only the union of the chunk's selected
                                       # compression blocks, compacted (section_attention.union_plan), so PCIe bytes
                                       # and the kernel's work scale with the union; off: the whole context staged
     sample_race: bool = False         # device sampling's draw (batch_sampler, `device_sampling`): hash, race, argmax
                                       # and validity check in one launch (two for a whole vocabulary at few rows),
                                       # plain temperature rows Gumbel-max over the logits with no softmax
-                                      # (sample_race.py); off: ~45 PyTorch launches. Not in "all" until the H200
-                                      # passes its GPU test
+                                      # (sample_race.py; h200-16: served TPOT at 1 stream 3.63 against 4.11 ms);
+                                      # off: ~45 PyTorch launches
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
@@ -64,7 +59,7 @@ class KernelFlags:
         if spec in ("", "none", "0", "off"):
             return cls()
         base = spec.startswith("all") or spec.startswith("-")
-        on = {name: base and name not in NOT_IN_ALL for name in NAMES}
+        on = dict.fromkeys(NAMES, base)
         for part in spec.split(","):
             part = part.strip()
             if part in ("", "all"):

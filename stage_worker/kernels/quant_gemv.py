@@ -25,7 +25,7 @@ INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). W
   tokens, 10-45x slower than its own one-token path);
 * with the kernel flag `quant_gemv_fma` off, 2-16 tokens take one tl.dot a value position of the period ([BLOCK_N,
   NPER] weights by [NPER, 16] x) instead: the A/B for 8-16 tokens, where FMAs (16 a value) may bound the time.
-* from WIDE_MIN_T (5) tokens the wide kernel (`_quant_gemm_kernel`, `quant_gemv(wide=)`, flag `quant_gemv_wide`)
+* from WIDE_MIN_T (4) tokens the wide kernel (`_quant_gemm_kernel`, `quant_gemv(wide=)`, flag `quant_gemv_wide`)
   takes the call: the FMA kernel would decode every word in 2-4 programs (at 16 tokens 3-8x slower than cuBLAS bf16,
   h200-13), so one program holds all the tokens, decodes each tile once (the same periods and constant shifts, the
   scale applied with one FMA a value) into x's dtype, joins the value positions into input order and multiplies
@@ -73,10 +73,11 @@ TOKENS_PER_PROGRAM = 4
 # (row, period) cells a thread holds a tile at most (BLOCK_K is cut to fit): at 32 (INT8 with 512 inputs a tile) the
 # sm_90 compile used 253 registers a thread, at 8 128 (INT6).
 MAX_CELLS_PER_THREAD = 8
-# The wide kernel (`_quant_gemm_kernel`) from this many tokens: at 1-4 one program of the FMA kernel holds all the
-# tokens and decodes each word once (it beat cuBLAS bf16 at 1, 1.0-1.8x slower at 4: h200-13); from 5 the FMA
-# kernel takes 2-4 programs over the same words, each decoding them again (16 tokens: 3-8x slower than bf16).
-WIDE_MIN_T = TOKENS_PER_PROGRAM + 1
+# The wide kernel (`_quant_gemm_kernel`) from this many tokens: at 1 token the FMA kernel beat cuBLAS bf16 (h200-13);
+# at 4 the wide kernel beat it at every measured site (h200-16: lm_head INT8 240 against 508 us, out_proj INT4 9.6
+# against 19.3; bench/results/h200-16/call4/qg.log), and from 5 the FMA kernel takes 2-4 programs over the same
+# words, each decoding them again. 2-3 tokens are unmeasured and stay with the FMA kernel.
+WIDE_MIN_T = 4
 # (BLOCK_N rows, BLOCK_K inputs, warps[, stages]) of the wide kernel: a guess until the H200 sweep (64 x 128: 64
 # values a thread decoded a tile at 4 warps, the [64, 16] tl.dot one tensor-core tile a warp).
 CFG_WIDE = (64, 128, 4)
