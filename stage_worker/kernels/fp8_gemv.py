@@ -8,10 +8,12 @@ converted in registers (bitcast to float8e4nv, then float32: the FP8 experts' ap
 times the scale of their block. BLOCK_K divides the block's columns where it can (ROW_SCALE: one scale a row a tile,
 a [BLOCK_N] load; else one gathered a weight), so the scale costs one multiply a weight and no extra bytes to speak
 of (one float32 per 16,384 weights). Then, by token count:
-* 1-4 tokens (FMA): fp32 products into an accumulator [TP, BLOCK_N, BLOCK_K], reduced once at the end (nothing
-  reduced across threads inside the loop, as `quant_gemv`'s FMA path);
-* 5-16 tokens (DOT): the scaled tile rounded to x's dtype (the weight the dequantize-at-load path holds) and one
-  tl.dot with the [BLOCK_K, 16] inputs (tokens past T masked to 0), fp32 accumulate.
+* DOT (every token count from DOT_MIN_T, 1 since h200-16): the scaled tile rounded to x's dtype (the weight the
+  dequantize-at-load path holds) and one tl.dot with the [BLOCK_K, 16] inputs (tokens past T masked to 0), fp32
+  accumulate;
+* FMA (`dot=False`, the A/B): fp32 products into an accumulator [TP, BLOCK_N, BLOCK_K], reduced once at the end
+  (nothing reduced across threads inside the loop, as `quant_gemv`'s FMA path); slower than DOT at 1 and 4 tokens
+  on the H200.
 Small N (o_proj, out_proj: few row blocks for the SMs) splits K into slices; each writes fp32 partial sums and the
 last program of an output tile adds them in a fixed order (`split_reduce.store_tile`: one
 launch, deterministic). More than DECODE_MAX_T tokens (prefill) and machines without Triton take `dequant_matmul`:
@@ -38,7 +40,10 @@ except ImportError:   # CPU-only installs off Linux: the PyTorch path
     triton = None
 
 DECODE_MAX_T = 16
-DOT_MIN_T = 5                 # from this many tokens one tl.dot a tile (the FMA accumulator would hold 8-16 tokens)
+# One tl.dot a tile from this many tokens: h200-16 timed it against the FMA path and bf16 cuBLAS at 1 and 4 tokens
+# (bench/results/h200-16/call2/fp8.log): at 1 it beat both at every shape (80B lm_head 114.5 against 178.5 / 150.4
+# us), at 4 it beat the FMA path (216.7 against 287.0) but not bf16. The FMA path stays for `dot=False` (tests).
+DOT_MIN_T = 1
 TOKENS_PER_PROGRAM = 4        # the FMA path's tokens a program (its accumulator's first dimension)
 # (BLOCK_N rows, BLOCK_K inputs, warps) by token count: a call takes the entry of the smallest key >= T. BLOCK_K is
 # cut to a power of two dividing the block's columns (128). Guesses sized so a thread keeps 32-64 fp32 cells of the
