@@ -125,6 +125,7 @@ if want offload_int4; then   # issues 16 + 17: INT4 experts kept packed in exper
   timeout "${OFFLOAD_TIMEOUT:-480}" python3 bench/expert_offload.py --quant int4-experts \
     --layers "${OFFLOAD_LAYERS:-16}" --shares "${OFFLOAD_INT4_SHARES:-0,0.1,0.25}" \
     --policies "${OFFLOAD_INT4_POLICIES:-1:128:0.5}" --batch 1,4 --out "$out/expert_offload_int4.json" \
+    --warmup "${OFFLOAD_WARMUP:-128}" --steps "${OFFLOAD_STEPS:-384}" \
     > "$out/expert_offload_int4.log" 2>&1
   tail -14 "$out/expert_offload_int4.log"
 fi
