@@ -22,6 +22,10 @@ class ClusterConfigError(ValueError):
     """A cluster config the processes cannot run with; the message names the key."""
 
 
+# `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
+# release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
+DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
+
 @dataclass
 class StageSpec:
     start: int                    # first decoder layer (inclusive)
@@ -43,7 +47,9 @@ class ClusterConfig:
     served_model_name: str = "moepipe"
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
-    dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4 (benchmarks)
+    dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4;
+                                                # "reports-mixed" = those and, with packed_dense on a GPU, the
+                                                # plain-linear layers packed as the reports' release (benchmarks)
     dummy_ple_file: bool = False                # "dummy" format: PLE tables written to files beside the model and mapped,
                                                 # so gathers read disk and page cache (cold-start benchmarks)
     block_size: int = 0                         # 0 = derived from the model (shared/kv_layout.py)
@@ -238,8 +244,9 @@ class ClusterConfig:
             names = getattr(self, key)
             if not isinstance(names, list) or not all(isinstance(h, str) and h for h in names):
                 raise ClusterConfigError(f"cluster config: {key} must be a list of names (or [\"*\"])")
-        if self.dummy_quant not in ("", "int4-experts"):
-            raise ClusterConfigError(f"cluster config: dummy_quant {self.dummy_quant!r} must be int4-experts or empty")
+        if self.dummy_quant not in DUMMY_QUANTS:
+            raise ClusterConfigError(f"cluster config: dummy_quant {self.dummy_quant!r} must be one of "
+                                     f"{', '.join(q for q in DUMMY_QUANTS if q)} or empty")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")

@@ -47,7 +47,7 @@ from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
 from stage_worker.model.fp8_linear import use_fp8_dense
-from stage_worker.model.quant_linear import use_packed_dense
+from stage_worker.model.quant_linear import dummy_specs, use_packed_dense
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKSPACE = GIB // 2
@@ -91,7 +91,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         with on_meta():
             model = StageModel(cfg, spec.start, spec.end).to(_DTYPES[dtype])
             packed = packed_layers(plan, cfg, spec.start, spec.end) if cluster.packed_experts else {}
-            if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
+            if cluster.load_format == "dummy" and cluster.dummy_quant in ("int4-experts", "reports-mixed"):
                 packed = {layer: dummy_groups(cfg) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
             for layer, groups in packed.items():
                 model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
@@ -100,6 +100,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                 model.moe_layers()[layer].use_fp8(fp8_block)       # float8 experts: bytes and block scales
             if cluster.packed_dense and plan is not None:         # dense layers kept packed (PackedLinear)
                 use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
+            elif cluster.packed_dense and cluster.load_format == "dummy" and cluster.dummy_quant == "reports-mixed":
+                use_packed_dense(model, dummy_specs(model, _DTYPES[dtype]))
             if cluster.packed_fp8_dense and plan is not None:     # dense layers kept float8 (Fp8Linear)
                 use_fp8_dense(model, fp8_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,

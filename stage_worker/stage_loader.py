@@ -25,8 +25,9 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
                        packed_dense=cluster.packed_dense and spec.device.startswith("cuda"),
                        # likewise block-FP8 dense layers (their GEMV on the CPU would be a dequantize per call)
                        packed_fp8_dense=cluster.packed_fp8_dense and spec.device.startswith("cuda"))
-    if cluster.load_format == "dummy" and cluster.dummy_quant == "int4-experts":
+    if cluster.load_format == "dummy" and cluster.dummy_quant in ("int4-experts", "reports-mixed"):
         opts.dummy_int4 = dummy_groups(cfg)        # random INT4 experts kept packed, as a quantized checkpoint's
+        opts.dummy_dense = cluster.dummy_quant == "reports-mixed" and opts.packed_dense   # (GPU stages)
     model = load_model(cluster.model, opts, cfg)
     model.set_kernels(KernelFlags.parse(cluster.kernels))
     return model

@@ -32,7 +32,8 @@ from stage_worker.checkpoint.dense_placers import Fp8DensePlacer, PackedDensePla
 from stage_worker.model.fp8_linear import fp8_sites, fp8_specs, use_fp8_dense
 from stage_worker.model.meta_build import on_meta
 from stage_worker.model.model import StageModel
-from stage_worker.model.quant_linear import PackedSpec, packed_specs, plain_linear_sites, use_packed_dense
+from stage_worker.model.quant_linear import (PackedSpec, dummy_specs, packed_specs, plain_linear_sites,
+                                              use_packed_dense)
 from stage_worker.model.quant_weight import QUANT_PARTS, dequantize, needed
 from stage_worker.model.rope import Rotary
 
@@ -63,6 +64,8 @@ class LoadOptions:
     packed_fp8_dense: bool = False            # ... and their plain-linear dense weights (model/fp8_linear.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
+    dummy_dense: bool = False                 # "dummy" format: plain-linear layers packed as the reports' release
+    #                                            (quant_linear.dummy_specs), random words (benchmarks)
     dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
 
 
@@ -135,6 +138,8 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
         dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731
+    elif opts.load_format == "dummy" and opts.dummy_dense:
+        dense = lambda m: dummy_specs(m, opts.dtype or default_dtype(cfg, opts.device))   # noqa: E731
     fp8_dense = None
     if opts.load_format == "safetensors" and opts.packed_fp8_dense:
         fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir)      # noqa: E731
