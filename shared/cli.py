@@ -94,7 +94,10 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, set up logging and run the chosen subcommand's `func`, with the command's exit codes: its own, 2 for a
     bad value or a missing file (named), 130 on Ctrl-C."""
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the subcommand's own parser: its usage line lists its flags, not the module's subcommands
+        group = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        group.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
