@@ -17,6 +17,7 @@ Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,9 @@ class SwapPlan:
 
     @classmethod
     def build(cls, rows: RowSet, device: torch.device) -> "SwapPlan":
-        anchor = rows.dev[0]
+        # a layer whose experts are all cold has an empty device part (its rows never move: `decide`); the offsets
+        # are taken from the first non-empty part
+        anchor = next((t for t in rows.dev + rows.host if t.numel()), rows.dev[0])
         item, base = anchor.element_size(), anchor.data_ptr()
         for t in rows.dev + rows.host:
             if t.dtype != anchor.dtype or (t.data_ptr() - base) % item or not t.is_contiguous():
@@ -72,10 +75,11 @@ class SwapPlan:
                                  f"{tuple(anchor.shape[1:])}")
 
         def offsets(ts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.tensor([(t.data_ptr() - base) // item for t in ts], dtype=torch.int64, device=device)
+            return torch.tensor([(t.data_ptr() - base) // item if t.numel() else 0 for t in ts], dtype=torch.int64,
+                                device=device)
 
         return cls(anchor, offsets(rows.dev), offsets(rows.host),
-                   torch.tensor(rows.split, dtype=torch.int64, device=device), anchor[0].numel())
+                   torch.tensor(rows.split, dtype=torch.int64, device=device), math.prod(anchor.shape[1:]))
 
 
 def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float) -> torch.Tensor:
@@ -87,6 +91,7 @@ def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float)
     i = torch.where(is_hot, counts, torch.inf).argmin(1)
     j = torch.where(is_hot, -torch.inf, counts).argmax(1)
     go = counts.gather(1, j[:, None])[:, 0] > counts.gather(1, i[:, None])[:, 0] + margin
+    go &= (hot > 0) & (hot < E)          # a layer with no device slot (all cold) or no host slot has nothing to swap
     return torch.stack([i, j, go.long()], dim=1)
 
 
