@@ -109,6 +109,9 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
                 transfer[f"{d['link']} {d['step_kind']}"] = {"mean_ms": 1e3 * delta(name, lab) / n, "count": n}
     # the stages' time waiting for the PLE service's rows, over the wall time (heartbeat totals: ~1 s granular)
     ple_wait = delta("moepipe_ple_stage_wait_seconds_total", ()) / wall
+    # of which decode-only steps (the stage -> service -> stage round trip after each sampled token, paid by decode
+    # steps of more than ple_decode_in_stage_max_seqs sequences); the rest is prefill chunks' rows
+    ple_decode_wait = delta("moepipe_ple_stage_decode_wait_seconds_total", ()) / wall
     # the gateway's mean time between consecutive tokens of a request: TPOT token by token, however the text is
     # chunked (dummy weights' tokens often have no text of their own, so a client chunk carries several)
     n_itl = delta("moepipe_inter_token_latency_seconds_count", ())
@@ -118,7 +121,8 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
     n_gathers = delta("moepipe_ple_stage_gathers_total", ())
     gather_ms = 1e3 * delta("moepipe_ple_stage_gather_seconds_total", ()) / n_gathers if n_gathers else float("nan")
     return {"server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
-            "ple_wait_fraction": ple_wait, "ple_stage_gather_ms": gather_ms,
+            "ple_wait_fraction": ple_wait, "ple_decode_wait_fraction": ple_decode_wait,
+            "ple_stage_gather_ms": gather_ms,
             "transfer": transfer,
             "preemptions": delta("moepipe_preemptions", ())}
 
@@ -361,7 +365,8 @@ def main() -> int:
         print(f"  {r['prompt_chars'] or 'short'} x {r['streams']}: server TPOT {r.get('server_tpot_ms', 0):.2f} ms "
               f"({r['streams'] / r.get('server_tpot_ms', float('nan')) * 1e3:.1f} tok/s); busy {busy or '-'}; "
               f"step {steps or '-'}; "
-              f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.2f}; "
+              f"waiting for PLE rows {r.get('ple_wait_fraction', 0):.3f} "
+              f"(decode steps {r.get('ple_decode_wait_fraction', float('nan')):.3f}); "
               f"stage's own PLE gather {r.get('ple_stage_gather_ms', float('nan')):.3f} ms a step; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
         p = r.get("pools", {})

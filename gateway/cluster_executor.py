@@ -127,6 +127,7 @@ class ClusterExecutor:
             self._busy_marks[msg.component] = (now, busy)
             if "ple_wait_seconds" in msg.stats:
                 self.metrics.set_ple_totals(msg.component, stage_wait_seconds=msg.stats["ple_wait_seconds"],
+                                            stage_decode_wait_seconds=msg.stats.get("ple_decode_wait_seconds"),
                                             stage_gather_seconds=msg.stats.get("ple_stage_gather_seconds"),
                                             stage_gathers=msg.stats.get("ple_stage_gathers"))
             self.metrics.set_stage_stats(int(msg.component[5:]), msg.stats)

@@ -41,6 +41,9 @@ PLE_SERIES = {
     "gather_seconds": ("moepipe_ple_gather_seconds", "Seconds spent gathering PLE rows (cumulative, as reported)"),
     "stage_wait_seconds": ("moepipe_ple_stage_wait_seconds",
                            "Seconds stages waited for PLE rows (cumulative, as reported)"),
+    "stage_decode_wait_seconds": ("moepipe_ple_stage_decode_wait_seconds",
+                                  "Seconds stages waited for the PLE service's rows of decode-only steps (the round "
+                                  "trip after each sampled token; part of stage_wait_seconds; cumulative)"),
     "stage_gathers": ("moepipe_ple_stage_gathers",
                       "Decode steps whose PLE rows a stage gathered itself (ple_decode_in_stage; cumulative)"),
     "stage_gather_seconds": ("moepipe_ple_stage_gather_seconds",
@@ -193,11 +196,12 @@ class Metrics:
 
     def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
                        prefetch_seconds: float | None = None, gather_seconds: float | None = None,
-                       stage_wait_seconds: float | None = None, stage_gathers: float | None = None,
-                       stage_gather_seconds: float | None = None) -> None:
+                       stage_wait_seconds: float | None = None, stage_decode_wait_seconds: float | None = None,
+                       stage_gathers: float | None = None, stage_gather_seconds: float | None = None) -> None:
         """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
         given = {"prefetch_pages": prefetch_pages, "prefetch_seconds": prefetch_seconds,
                  "gather_seconds": gather_seconds, "stage_wait_seconds": stage_wait_seconds,
+                 "stage_decode_wait_seconds": stage_decode_wait_seconds,
                  "stage_gathers": stage_gathers, "stage_gather_seconds": stage_gather_seconds}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 

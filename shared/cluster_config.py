@@ -74,7 +74,8 @@ class ClusterConfig:
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
     ple_graph: bool = True                      # stages holding PLE layers replay graphs too (rows in static buffers)
     ple_decode_in_stage: bool = True            # with the service: a PLE stage gathers its decode steps' rows itself
-    ple_decode_in_stage_max_seqs: int = 2       # ... for steps of at most this many sequences (larger: the service's)
+    ple_decode_in_stage_max_seqs: int = 0       # ... for steps of at most this many sequences (larger: the service's;
+                                                # 0 = every decode step)
     graph_skip_padding: bool = True             # a graph's padding rows route to no expert (read no expert rows)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
@@ -224,10 +225,10 @@ class ClusterConfig:
                                      "ple_prefetch = false)")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
-        if self.ple_decode_in_stage_max_seqs < 1:
-            raise ClusterConfigError("cluster config: ple_decode_in_stage_max_seqs must be >= 1 (a PLE stage gathers "
-                                     "its own rows for decode steps of up to this many sequences; to never, set "
-                                     "ple_decode_in_stage = false)")
+        if self.ple_decode_in_stage_max_seqs < 0:
+            raise ClusterConfigError("cluster config: ple_decode_in_stage_max_seqs must be >= 1, or 0 for every decode "
+                                     "step (a PLE stage gathers its own rows for decode steps of up to this many "
+                                     "sequences; to never, set ple_decode_in_stage = false)")
         for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")

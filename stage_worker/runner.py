@@ -128,6 +128,7 @@ class StageRunner:
         self.steps = 0
         self.last_step_seconds = 0.0
         self.ple_wait_seconds = 0.0
+        self.ple_decode_wait_seconds = 0.0        # of which decode-only steps (the round trip after each token)
         self._ple_wait_start: dict[int, float] = {}
         # Run-time expert moves (issue 16): every expert_move_interval launched steps, one swap per layer at most.
         self.experts = model.experts
@@ -249,10 +250,12 @@ class StageRunner:
         return prepared.plan
 
     def _gathers_own_rows(self, prepared: _Prepared) -> bool:
-        """A decode step of a few sequences on a PLE stage whose token ids the host has: it gathers its rows itself
-        (`stage_worker/ple_decode_rows.py`; larger steps wait for the service's, measured faster there)."""
+        """A decode step on a PLE stage whose token ids the host has: it gathers its rows itself
+        (`stage_worker/ple_decode_rows.py`), unless `ple_decode_in_stage_max_seqs` caps the sequences (larger steps
+        then wait for the service's rows: a round trip after every sampled token)."""
+        cap = self.cluster.ple_decode_in_stage_max_seqs          # 0: every decode step
         return (self.own_decode_rows is not None and prepared.host_ids is not None and prepared.batch.is_decode
-                and len(prepared.host_ids) <= self.cluster.ple_decode_in_stage_max_seqs)
+                and (cap == 0 or len(prepared.host_ids) <= cap))
 
     def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None]:
         """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens
@@ -330,7 +333,10 @@ class StageRunner:
             elif self.ring is not None:
                 ready = self.ple.pop(plan.step)
                 now = time.perf_counter()
-                self.ple_wait_seconds += now - self._ple_wait_start.pop(plan.step, now)
+                waited = now - self._ple_wait_start.pop(plan.step, now)
+                self.ple_wait_seconds += waited
+                if batch.is_decode:
+                    self.ple_decode_wait_seconds += waited
                 # Copy out of the ring at once: this stage's own layers only. The service rewrites the slot once the
                 # last stage has run this step (its Sampled), which in-order stages reach only after this copy.
                 # (A queued copy: the ring is page-locked, and the slot is rewritten only after this step's Sampled.)
@@ -539,6 +545,7 @@ class StageRunner:
         out = {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
                "ids_from_device": float(self.ids_from_device),
                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds,
+               "ple_decode_wait_seconds": self.ple_decode_wait_seconds,
                "kv_pool_bytes": float(self.cache.kv_bytes()), "kv_bytes_host": float(self.cache.kv_host_bytes()),
                "kv_bytes_vram": float(self.cache.kv_bytes() - self.cache.kv_host_bytes())}
         if self.own_decode_rows is not None:
