@@ -83,6 +83,39 @@ def fp8_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def moepipe(*args: str, env: dict[str, str] | None = None):
+    """`moepipe <subcommand> ...` run in this process by the command module that `moepipe` itself runs for that
+    subcommand (shared.cli.COMMANDS: stage_worker.cli or gateway.cli), with `env` set while it runs: a
+    subprocess.CompletedProcess with its exit code and what it printed. A subprocess would pay a fresh Python and
+    torch import (seconds) a call; the dispatcher's own process boundary is tested end to end by
+    tests/test_cli_layering.py and the tests that start `python -m shared.cli serve|generate`."""
+    import contextlib
+    import importlib
+    import io
+    import subprocess
+
+    from shared.cli import COMMANDS
+
+    command = next(a for a in args if not a.startswith("-"))
+    main = importlib.import_module(COMMANDS[command][0]).main
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:            # argparse: a bad flag or value (2), --help (0)
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["moepipe", *args], code, out.getvalue(), err.getvalue())
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (servers under test bind it a moment later)."""
     import socket

@@ -4,12 +4,11 @@ the file and its checks."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import moepipe
 from shared import cold_set
 from shared.model_config import load_config
 
@@ -48,9 +47,7 @@ def test_a_mixed_cold_set_reads_less_on_the_kind_a_single_kind_set_ignores():
 
 def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
     out = tmp_path / "cold.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(TRACE), "--stages", "2",
-                        "--gib-per-stage", "0.002", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = moepipe("cold-set", "--usage", str(TRACE), "--stages", "2", "--gib-per-stage", "0.002", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "host expert reads per token" in r.stdout
     data = json.loads(out.read_text())
@@ -71,8 +68,7 @@ def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
     bad.write_text("{}")
     with pytest.raises(cold_set.ColdSetError, match="format"):
         cold_set.load(bad, cfg)
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(bad), "--gib-per-stage", "1",
-                        "--out", str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = moepipe("cold-set", "--usage", str(bad), "--gib-per-stage", "1", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and "route_usage.json" in r.stderr
 
 
@@ -83,9 +79,8 @@ def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_pat
     (tmp_path / "code" / "a.py").write_text("def f(x):\n    return [i * i for i in range(x)]\n" * 20)
     (tmp_path / "prose.txt").write_text("The river ran quietly past the old mill, and nobody saw the boat. " * 20)
     usage = tmp_path / "usage.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "route-stats", "--text", f"code={tmp_path / 'code'}",
-                        "--text", f"prose={tmp_path / 'prose.txt'}", "--tokens-per-kind", "300", "--chunk", "128",
-                        "--out", str(usage)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = moepipe("route-stats", "--text", f"code={tmp_path / 'code'}", "--text", f"prose={tmp_path / 'prose.txt'}",
+                "--tokens-per-kind", "300", "--chunk", "128", "--out", str(usage))
     assert r.returncode == 0, r.stderr
     data = json.loads(usage.read_text())
     top_k = data["meta"]["config"]["top_k"]
@@ -94,22 +89,18 @@ def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_pat
         assert 0 < tokens <= 300
         assert all(sum(row) == tokens * top_k for row in data["usage"][kind].values())
     out = tmp_path / "cold.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--usage", str(usage), "--gib-per-stage",
-                        "0.002", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = moepipe("cold-set", "--usage", str(usage), "--gib-per-stage", "0.002", "--out", str(out))
     assert r.returncode == 0, r.stderr
     from shared.cli import ensure_builtin_model
 
     assert cold_set.load(out, load_config(ensure_builtin_model()))
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "route-stats", "--text", "nokind", "--out",
-                        str(usage)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = moepipe("route-stats", "--text", "nokind", "--out", str(usage))
     assert r.returncode == 2 and "KIND=PATH" in r.stderr
 
 
 def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_them(fp8_dirs, tmp_path):
     """`moepipe cold-set` counts block-FP8 experts at the size a stage with cold experts holds them: dequantized to
     the compute dtype by default, float8 bytes and block scales with the float8 tables on (fp8_expert_tables)."""
-    import os
-
     model = fp8_dirs["qwen3_next"]
     cfg = load_config(model)
     usage = tmp_path / "route_usage.json"
@@ -118,10 +109,8 @@ def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_the
     sizes = {}
     for tables in ("0", "1"):
         out = tmp_path / f"cold{tables}.json"
-        env = {**os.environ, "MOEPIPE_FP8_EXPERT_TABLES": tables}
-        r = subprocess.run([sys.executable, "-m", "shared.cli", "cold-set", "--model", str(model), "--usage",
-                            str(usage), "--gib-per-stage", "0.0001", "--out", str(out)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120, env=env)
+        r = moepipe("cold-set", "--model", str(model), "--usage", str(usage), "--gib-per-stage", "0.0001", "--out",
+                    str(out), env={"MOEPIPE_FP8_EXPERT_TABLES": tables})
         assert r.returncode == 0, r.stderr
         sizes[tables] = json.loads(out.read_text())["expert_bytes"]
     assert sizes == {"0": cold_set.expert_bytes(cfg), "1": cold_set.fp8_expert_bytes(cfg, (128, 128))}
