@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,21 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import moepipe
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _moepipe(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
-    res = _moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "3")
+    res = moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "3")
     assert res.returncode == 0, res.stderr
     return out
 
@@ -72,20 +67,23 @@ def test_seed_changes_weights_and_same_seed_repeats(tmp_path):
 
 
 def test_generate_end_to_end_in_a_subprocess(tiny):
-    res = _moepipe("generate", "--model", str(tiny), "--prompt", "def add(a, b):", "--max-tokens", "12",
-                   "--temperature", "0")
+    """The `moepipe` command as a user runs it (the dispatcher execs the service's command module); the other
+    command tests run that module in-process."""
+    res = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(tiny), "--prompt",
+                          "def add(a, b):", "--max-tokens", "12", "--temperature", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "12 tokens, finish_reason=length" in res.stderr or "finish_reason=stop" in res.stderr
-    chat = _moepipe("generate", "--model", str(tiny), "--chat", "--prompt", "Hi", "--max-tokens", "8", "--seed", "5")
+    chat = moepipe("generate", "--model", str(tiny), "--chat", "--prompt", "Hi", "--max-tokens", "8", "--seed", "5")
     assert chat.returncode == 0, chat.stderr
 
 
 def test_generate_names_the_problem_on_bad_input(tiny, tmp_path):
-    res = _moepipe("generate", "--model", str(tmp_path), "--prompt", "x")
+    res = moepipe("generate", "--model", str(tmp_path), "--prompt", "x")
     assert res.returncode == 2 and "tokenizer.json" in res.stderr or "config.json" in res.stderr
-    res = _moepipe("generate", "--model", str(tiny), "--prompt", "x", "--max-tokens", "0")
+    res = moepipe("generate", "--model", str(tiny), "--prompt", "x", "--max-tokens", "0")
     assert res.returncode == 2 and "--max-tokens" in res.stderr
-    res = _moepipe("make-model", "--preset", "huge", "--out", str(tmp_path / "x"))
+    res = moepipe("make-model", "--preset", "huge", "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and "huge" in res.stderr
 
 
@@ -118,10 +116,6 @@ def test_dummy_load_format_runs_without_weight_files(tiny, tmp_path):
 
 
 def test_layers_cuts_a_preset_and_refuses_what_it_cannot_cut(tmp_path):
-    import json
-    import subprocess
-    import sys
-
     from stage_worker.checkpoint.make_model import make_model
 
     out = make_model("full-shape", tmp_path / "fs", layers=6)
@@ -129,12 +123,10 @@ def test_layers_cuts_a_preset_and_refuses_what_it_cannot_cut(tmp_path):
     assert cfg["num_hidden_layers"] == 6 and len(cfg["layer_types"]) == 6
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["indexed_attention"] + ["linear_attention"] * 2
     assert not list(out.glob("*.safetensors"))                          # full-shape stays config-only
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "make-model", "--preset", "tiny", "--layers", "99",
-                        "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    r = moepipe("make-model", "--preset", "tiny", "--layers", "99", "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and "--layers 99: the tiny preset has 1..6 layers" in r.stderr
     assert not (tmp_path / "bad").exists()
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "make-model", "--preset", "tiny", "--layers", "1",
-                        "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    r = moepipe("make-model", "--preset", "tiny", "--layers", "1", "--out", str(tmp_path / "bad"))
     assert r.returncode == 2 and "PLE layer ids" in r.stderr
 
 
