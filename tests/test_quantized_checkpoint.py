@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from safetensors.torch import save_file
 
 pytest.importorskip("compressed_tensors")
 
+from conftest import moepipe  # noqa: E402
 from hf_oracle import reference_logits, save_reference  # noqa: E402
 from shared.model_config import load_config  # noqa: E402
 from shared.quant_scheme import WeightQuant, parse  # noqa: E402
@@ -32,7 +31,6 @@ from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint 
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 from stage_worker.model import quant_weight as qw  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [40, 7, 200, 13, 5, 99, 101, 250, 3, 17, 88, 61, 120, 300]
 NEW = 16
 TOL = 1e-4
@@ -182,8 +180,7 @@ def test_asymmetric_groups_and_partial_groups_dequantize_as_the_library_would():
 
 def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "shared.cli", "quantize", *args], capture_output=True,
-                              text=True, cwd=ROOT, timeout=120)
+        return moepipe("quantize", *args)
 
     done = tmp_path / "done"
     r = run("--scheme", "int4-experts", str(originals["qwen3_next"]), str(done))
