@@ -25,6 +25,7 @@ class ClusterConfigError(ValueError):
 # `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
+PLE_PREFETCH_METHODS = ("madvise", "pread")      # ple_prefetch_method (ple_service/prefetch.py METHODS)
 
 @dataclass
 class StageSpec:
@@ -69,6 +70,11 @@ class ClusterConfig:
     # threads advising a prompt's table pages (ple_service/prefetch.py): one walked a 32k-token prompt's ~500k
     # random pages too slowly for a cold prefill (H200 h200-14: 1.9 s of row waits, cold TTFT 1.8x warm)
     ple_prefetch_threads: int = 4
+    # how the prefetch reads those pages (ple_service/prefetch.py): "madvise" (MADV_WILLNEED, process_madvise) or
+    # "pread" (ple_prefetch_depth threads read the pages into the page cache, that many reads in flight). h200-15:
+    # 4 threads in process_madvise advised no faster than 1 (~110-125k pages/s); madvise until the H200 measures pread
+    ple_prefetch_method: str = "madvise"
+    ple_prefetch_depth: int = 64
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
@@ -82,6 +88,11 @@ class ClusterConfig:
                                                 # step's tokens reach the host (its ids read on the device)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
+    # Same-host GPU stages hand a decode step's activations to the next stage through a ring of device slots
+    # shared by CUDA IPC, at launch, instead of device -> host -> ZeroMQ -> host -> device after the step
+    # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). Off until the
+    # H200 runs tests/test_ipc_activations.py -m gpu.
+    cuda_ipc_activations: bool = False
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
@@ -223,6 +234,13 @@ class ClusterConfig:
         if self.ple_prefetch_threads < 1:
             raise ClusterConfigError("cluster config: ple_prefetch_threads must be >= 1 (turn prefetch off with "
                                      "ple_prefetch = false)")
+        if self.ple_prefetch_method not in PLE_PREFETCH_METHODS:
+            raise ClusterConfigError(f"cluster config: ple_prefetch_method (MOEPIPE_PLE_PREFETCH_METHOD) "
+                                     f"{self.ple_prefetch_method!r} must be one of {', '.join(PLE_PREFETCH_METHODS)} "
+                                     "(turn prefetch off with ple_prefetch = false)")
+        if self.ple_prefetch_depth < 1:
+            raise ClusterConfigError("cluster config: ple_prefetch_depth must be >= 1 (the pread prefetch's reads in "
+                                     "flight)")
         if self.ple_threads < 0:
             raise ClusterConfigError("cluster config: ple_threads must be >= 1, or 0 (torch's default)")
         if self.ple_decode_in_stage_max_seqs < 0:
@@ -316,12 +334,14 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefetch",
         "MOEPIPE_PLE_PREFETCH_THREADS": "ple_prefetch_threads",
+        "MOEPIPE_PLE_PREFETCH_METHOD": "ple_prefetch_method", "MOEPIPE_PLE_PREFETCH_DEPTH": "ple_prefetch_depth",
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_PLE_DECODE_IN_STAGE": "ple_decode_in_stage",
         "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
+        "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
@@ -343,10 +363,12 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
-             "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads")
+             "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
+             "ple_prefetch_depth")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
+_CHOICE_KEYS = ("ple_prefetch_method",)     # a word (stripped, lower case; VAR= is not set), checked by validate
 _LIST_KEYS = ("allowed_hosts", "allowed_origins")
 
 
@@ -364,6 +386,8 @@ def env_overrides() -> dict[str, Any]:
             out[key] = _float_env(env, val)
         elif key in _STRING_KEYS:
             out[key] = val
+        elif key in _CHOICE_KEYS:
+            out[key] = val.strip().lower()
         elif key in _LIST_KEYS:
             out[key] = [h.strip() for h in val.split(",") if h.strip()]
         else:

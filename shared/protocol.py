@@ -5,8 +5,9 @@ tensor field is replaced in the header by a descriptor (dtype, shape, frame numb
 following frame, sent without copying. Nothing else in moepipe pickles or hand-rolls bytes.
 
 Every process has one inbox (a PULL socket it binds); senders connect PUSH sockets to it. Types, by receiver:
-  stage k     Plan (from the gateway, broadcast to all stages), Activations (from stage k-1),
-              Sampled (stage 0, from the last stage), PleReady (the PLE stage, from the PLE service), Shutdown
+  stage k     Plan (from the gateway, broadcast to all stages), Activations or IpcActivations (from stage k-1),
+              Sampled (stage 0, from the last stage), PleReady (the PLE stage, from the PLE service), Shutdown;
+              with `cuda_ipc_activations`: IpcOffer (from stage k-1), IpcRequest and IpcAccept (from stage k+1)
   gateway     StepResult (from the last stage), Heartbeat (from every component), StageError
   PLE service Plan, Sampled, Shutdown
 """
@@ -157,6 +158,65 @@ class PleReady(Message):
 
 
 @dataclass
+class IpcOffer(Message):
+    """Stage k -> k+1 (`cuda_ipc_activations`, stage_worker/ipc_activations.py): stage k's ring of device slots for
+    its activations, as CUDA IPC handles: one memory handle for the whole ring and one interprocess "ready" event
+    per slot. Sent at start and again for every IpcRequest from a new process; answered by IpcAccept."""
+
+    TYPE: ClassVar[str] = "ipc_offer"
+    session: int                     # random per offer: IpcAccept and every IpcActivations name it
+    pid: int
+    host: str                        # host name and boot id: IPC handles mean nothing on another host
+    device_uuid: str                 # the sender's GPU (the receiver maps it to its own device numbering)
+    memory: dict                     # the ring's storage as `UntypedStorage._share_cuda_` describes it
+    ready_events: list[bytes]        # per slot: an interprocess event the sender records once the slot is written
+    slot_bytes: int                  # the ring is slots x slot_bytes; a slot holds the hidden state at offset 0
+    ids_offset: int                  # ... and the step's token ids (int64) from this offset
+    slot_tokens: int                 # tokens a slot holds (steps with more go the host way, as Activations)
+
+
+@dataclass
+class IpcRequest(Message):
+    """Stage k+1 -> k at start: offer your slots (again): a restarted receiver holds none of the old session."""
+
+    TYPE: ClassVar[str] = "ipc_request"
+    pid: int
+
+
+@dataclass
+class IpcAccept(Message):
+    """Stage k+1 -> k: the answer to an IpcOffer. `ok`: the receiver mapped the ring and created one interprocess
+    "consumed" event per slot, and the file where it notes each slot's last consumed use; else `reason` says why
+    not, and the activations keep going as Activations."""
+
+    TYPE: ClassVar[str] = "ipc_accept"
+    session: int
+    pid: int
+    ok: bool
+    reason: str = ""
+    consumed_events: list[bytes] = field(default_factory=list)
+    release_file: str = ""
+
+
+@dataclass
+class IpcActivations(Message):
+    """In place of Activations when the step's hidden state is in ring slot `slot` of stage k's session `session`
+    (written, and the slot's ready event recorded, before this was sent): the receiver's stream waits for the
+    event, copies the slot out and records the slot's consumed event."""
+
+    TYPE: ClassVar[str] = "ipc_act"
+    step: int
+    session: int
+    slot: int
+    use: int                                                  # the session's handoff number (slot reuse order)
+    shape: list[int]                                          # of the hidden state
+    dtype: str
+    num_ids: int                                              # token ids in the slot
+    token_ids: list[int] | None = None                        # the same ids as a list, when the sender had them
+    timing: list[list[float]] = field(default_factory=list)   # as Activations' (the sender's end: its launch)
+
+
+@dataclass
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "hb"
     component: str                                            # "stage0", "stage1", ..., "ple"
@@ -180,7 +240,8 @@ class Shutdown(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {c.TYPE: c for c in (Plan, Activations, Sampled, StepResult, PleReady,
-                                                           Heartbeat, StageError, Shutdown)}
+                                                           Heartbeat, StageError, Shutdown, IpcOffer, IpcRequest,
+                                                           IpcAccept, IpcActivations)}
 _NESTED = {"entries": SeqEntry, "new_requests": SamplingSpec, "tokens": TokenOut}
 
 

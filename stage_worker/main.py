@@ -24,6 +24,7 @@ from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authenti
 from shared.model_config import load_config
 from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
+from stage_worker import ipc_activations
 from stage_worker.profiling import StepProfiler
 from stage_worker.runner import StageRunner
 from stage_worker.stage_loader import load_stage
@@ -100,6 +101,15 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             connect("first", cluster.stages[0].endpoint)
         if cluster.ple_endpoint and cluster.ple_service:
             connect("ple", cluster.ple_endpoint)
+    # Activations by CUDA IPC (`cuda_ipc_activations`): the setup goes both ways, so a receiver links back too.
+    handoff = ipc_activations.setup(cluster, index, runner)
+    if handoff is not None:
+        if handoff.receiver is not None:
+            connect("prev", cluster.stages[index - 1].endpoint)
+        runner.handoff = handoff
+        runner.send_now = lambda o: peers[o.to].send_multipart(encode(o.message), copy=False)
+        for o in handoff.start():
+            peers[o.to].send_multipart(encode(o.message))
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -142,7 +152,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 stop.set()
                 break
             try:
-                runner.on_message(msg)
+                if handoff is not None and isinstance(msg, ipc_activations.SETUP_MESSAGES):
+                    for o in handoff.on_setup(msg):
+                        peers[o.to].send_multipart(encode(o.message))
+                else:
+                    runner.on_message(msg)
             except Exception:  # a message the runner cannot use must not take the worker down
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
         # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the

@@ -15,7 +15,8 @@ import torch
 from torch.profiler import record_function
 
 from shared.cluster_config import ClusterConfig
-from shared.protocol import Activations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult, TokenOut
+from shared.protocol import (Activations, IpcActivations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult,
+                             TokenOut)
 from shared.sampling import SamplingParams
 from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
@@ -71,6 +72,7 @@ class _Launched:
     outs: list[TokenOut] | None = None      # last stage: the step's tokens, complete once `copy` is on the host
     copy: _HostCopy | None = None
     hidden: torch.Tensor | None = None      # other stages: the activations for the next one
+    sent: object | None = None              # ... handed over at launch by CUDA IPC: the event after the slot's write
 
 
 @dataclass
@@ -101,6 +103,10 @@ class StageRunner:
         self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
+        # `cuda_ipc_activations` (stage_worker/ipc_activations.py): the stage worker sets both; `send_now` sends an
+        # Outgoing at once, from `launch`.
+        self.handoff = None
+        self.send_now = None
         cfg = model.cfg
         self.all_ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
         self.my_ple_layers = [layer for layer in self.all_ple_layers if model.start <= layer < model.end]
@@ -155,7 +161,7 @@ class StageRunner:
     def on_message(self, msg: Message) -> None:
         if isinstance(msg, Plan):
             self._on_plan(msg)
-        elif isinstance(msg, Activations):
+        elif isinstance(msg, (Activations, IpcActivations)):
             self.acts[msg.step] = msg
             self.arrived[msg.step] = time.time()
         elif isinstance(msg, Sampled):
@@ -169,7 +175,9 @@ class StageRunner:
     def _on_plan(self, plan: Plan) -> None:
         for step in plan.dropped:
             self.plans.pop(step, None)
-            self.acts.pop(step, None)
+            act = self.acts.pop(step, None)
+            if isinstance(act, IpcActivations) and self.handoff is not None:
+                self.handoff.drop(act)               # its ring slot is free again
             self.arrived.pop(step, None)
             self.ple.pop(step, None)
         for rid in plan.finished:
@@ -238,6 +246,8 @@ class StageRunner:
                 if any(k not in self.next_tokens and k not in self.device_next for k in keys):
                     return None
                 prepared.batch.token_ids, prepared.host_ids = self._input_ids(prepared.plan)
+            elif isinstance(self.acts[step], IpcActivations):
+                prepared.host_ids = self.acts[step].token_ids     # the device ids come out of the slot at launch
             else:
                 host = self.acts[step].token_ids
                 prepared.batch.token_ids = host.to(self.device)
@@ -308,6 +318,8 @@ class StageRunner:
 
     def oldest_done(self) -> bool:
         """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
+        if self.launched and self.launched[0].sent is not None:
+            return self.launched[0].sent.query()
         copy = self.launched[0].copy if self.launched else None
         return copy is None or copy.event is None or copy.event.query()
 
@@ -325,7 +337,10 @@ class StageRunner:
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
         with record_function("stage.inputs"):
-            hidden = act.hidden.to(self.device) if act is not None else None
+            if isinstance(act, IpcActivations):
+                hidden, batch.token_ids = self.handoff.take(act)
+            else:
+                hidden = act.hidden.to(self.device) if act is not None else None
             timing = list(act.timing) if act is not None else []
             if self.ring is not None and self._gathers_own_rows(prepared):
                 self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
@@ -375,7 +390,21 @@ class StageRunner:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
                 self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
+        if self.handoff is not None and not self.is_last:
+            self._hand_off(launched, prepared.host_ids)
         self.launched.append(launched)
+
+    def _hand_off(self, launched: _Launched, host_ids: list[int] | None) -> None:
+        """`cuda_ipc_activations`: the activations into a ring slot the next stage maps, queued behind the step, and
+        their header sent now; `finish` then sends nothing. A step that does not fit keeps the host path. The
+        timing entry ends at this launch (the GPU time shows in the next stage's interval)."""
+        timing = launched.timing + [[self.index, launched.t0, time.time(),
+                                     launched.arrived if launched.arrived is not None else launched.t0]]
+        got = self.handoff.put(launched.hidden, launched.batch.token_ids, host_ids, launched.plan.step, timing)
+        if got is not None:
+            header, launched.sent = got
+            launched.hidden = None
+            self.send_now(Outgoing("next", header))
 
     @torch.inference_mode()
     def finish(self) -> list[Outgoing]:
@@ -386,6 +415,8 @@ class StageRunner:
         with record_function("stage.sync"):
             if launched.copy is not None:
                 self._settle(launched)
+            elif launched.sent is not None:
+                launched.sent.synchronize()
             elif self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         end = time.perf_counter()
@@ -398,6 +429,8 @@ class StageRunner:
         timing = launched.timing + [[self.index, launched.t0, time.time(),
                                      launched.arrived if launched.arrived is not None else launched.t0]]
         if not self.is_last:
+            if launched.sent is not None:
+                return []                       # its header went at launch (`_hand_off`)
             return [Outgoing("next", Activations(step=plan.step, hidden=launched.hidden, token_ids=batch.token_ids,
                                                  timing=timing))]
         tokens = launched.outs
@@ -553,6 +586,8 @@ class StageRunner:
             out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds
         if self.experts is not None:
             out.update(self.experts.stats())
+        if self.handoff is not None:
+            out.update(self.handoff.stats())
         if self.row_cache_reads is not None:
             out["kv_row_cache_bytes"] = float(self.cache.row_cache_bytes())
             if self.row_cache_reads.last is not None:
