@@ -7,8 +7,9 @@ every stage has copied its rows out: the last stage's `Sampled` for that step (o
 every stage runs its steps in plan order and the last stage runs a step after all the others; a plan whose slot is
 still held waits, as does one whose decode tokens have not arrived. Decode entries carry no token: the token sampled
 at position `entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it.
-Prompts, and sampled tokens whose plan has not arrived yet, have their table pages read ahead (`prefetch.py`) unless the
-`ple_prefetch` switch is off. A decode step's tokens are hashed in one vectorised call per table: per-sequence
+Prompts, and sampled tokens whose plan has not arrived yet, have their table pages read ahead (`prefetch.py`, by
+`MADV_WILLNEED` or by a pool of `pread` threads: `ple_prefetch_method`) unless the `ple_prefetch` switch is off; the
+service loop never waits for those reads. A decode step's tokens are hashed in one vectorised call per table: per-sequence
 calls and read-ahead of rows gathered the next moment made the stages wait for rows 40% of the time at 16 streams
 on the H200 (bench/results/served-speed-4).
 """
@@ -29,7 +30,7 @@ from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import initial_context, ngram_rows_numpy, ngram_rows_numpy_batch
 from shared.ple_table import FlatTable
 from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
-from ple_service.prefetch import Advisor, PromptPrefetcher
+from ple_service.prefetch import Advisor, PreadReader, PromptPrefetcher, ReadPool, make_advisors
 from ple_service.ring import GatherRing
 from ple_service.tables import open_tables, ple_specs
 
@@ -78,12 +79,15 @@ class PleService:
         self.ring = GatherRing.create(path, slots=cluster.ple_ring_slots, max_tokens=cluster.max_num_batched_tokens,
                                       layers=len(self.layers), heads=cfg.ple_heads, head_dim=cfg.ple_head_dim,
                                       dtype=dtypes.pop())
-        self.advisors: list[Advisor] = []
+        self.advisors: list[Advisor | PreadReader] = []
+        self.read_pool: ReadPool | None = None          # the pread method's reading threads
         self.prefetcher: PromptPrefetcher | None = None
         if cluster.ple_prefetch:
             flat = [self.tables[layer] for layer in self.layers]
             if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
-                self.advisors = [Advisor.for_table(t, force_fallback=force_madvise_fallback) for t in flat]
+                self.advisors, self.read_pool = make_advisors(
+                    flat, cluster.ple_prefetch_method, depth=cluster.ple_prefetch_depth,
+                    force_fallback=force_madvise_fallback)
                 self.prefetcher = PromptPrefetcher(self.advisors, threads=cluster.ple_prefetch_threads)
         self._requests: dict[str, _Request] = {}
         self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
@@ -133,8 +137,8 @@ class PleService:
         if later and self.advisors:
             contexts = np.stack([state.context for state, _ in later])
             tokens = np.array([tok for _, tok in later], dtype=np.int64)
-            for (_, spec), advisor in zip(self.specs, self.advisors):
-                advisor.advise_rows(ngram_rows_numpy_batch(spec, contexts, tokens)[0].reshape(-1))
+            for (_, spec), advisor in zip(self.specs, self.advisors):       # queued, never waited for
+                advisor.advise_rows(ngram_rows_numpy_batch(spec, contexts, tokens)[0].reshape(-1), wait=False)
         return ready
 
     def take_errors(self) -> list[StageError]:
@@ -154,17 +158,22 @@ class PleService:
         out = {"gathers": float(self.gathers), "gather_tokens": float(self.gather_tokens),
                "gather_seconds": self.gather_seconds, "waiting_plans": float(len(self._waiting)),
                "requests": float(len(self._requests)), "prefetch_enabled": float(self.prefetcher is not None)}
-        totals = {"calls": 0.0, "pages": 0.0, "ranges": 0.0, "seconds": 0.0, "errors": 0.0, "fallback": 0.0}
+        totals = {"calls": 0.0, "pages": 0.0, "ranges": 0.0, "seconds": 0.0, "io_seconds": 0.0, "errors": 0.0,
+                  "fallback": 0.0, "cancelled_pages": 0.0}
         for a in self.advisors:
             for k, v in a.stats().items():
                 totals[k] = max(totals[k], v) if k == "fallback" else totals[k] + v
         out.update({f"prefetch_{k}": v for k, v in totals.items()})
         out["prefetch_queue"] = float(self.prefetcher.pending()) if self.prefetcher else 0.0
+        out["prefetch_pread"] = float(self.read_pool is not None)     # 1: ple_prefetch_method = "pread"
+        out["prefetch_read_queue"] = float(self.read_pool.pending()) if self.read_pool else 0.0
         return out
 
     def close(self, unlink: bool = True) -> None:
         if self.prefetcher is not None:
             self.prefetcher.stop()
+        if self.read_pool is not None:      # before the readers close their files under the pool's threads
+            self.read_pool.close()
         for a in self.advisors:
             a.close()
         self.ring.close()
