@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from conftest import free_port, wait_healthy
+from conftest import free_port, moepipe, wait_healthy
 from gateway.launcher import ServeOptions, build_cluster_config, commands
 from shared.cluster_config import ClusterConfigError, cluster_from_dict, dump_toml, load_cluster_config
 from shared.protocol import Shutdown, encode
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _keys(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", "keys", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return moepipe("keys", "--out", str(out))
 
 
 def test_keys_are_written_private_and_never_replaced(tmp_path):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import moepipe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +32,7 @@ def corpus(tmp_path_factory) -> Path:
 def _train(corpus: Path, out: Path, *extra: str, batch: int = 2, lr: float = 3e-3, total: int = 12) -> list[dict]:
     """One `tools/train_demo.py` run, in this process: a subprocess a run cost ~7 s of start-up (torch, and the
     torch._dynamo import that AdamW.step makes) against ~1 s of training; the CLI itself is run as a subprocess by
-    test_prepare_writes_only_what_a_gpu_machine_needs and test_training_lowers_the_loss_...'s `generate`."""
+    test_prepare_writes_only_what_a_gpu_machine_needs."""
     argv = ["--corpus", str(corpus), "--out", str(out), "--preset", "tiny", "--device", "cpu", "--batch", str(batch),
             "--seq", "32", "--distill-steps", "3", "--warmup", "2", "--lr", str(lr), "--total-steps", str(total),
             *extra]
@@ -83,8 +85,7 @@ def test_training_lowers_the_loss_and_exports_a_servable_checkpoint(corpus, tmp_
     engine.add(0)
     logits = engine.step([(0, [5, 6, 7])])
     assert logits.shape[-1] == model.cfg.vocab_size and bool(logits.isfinite().all())
-    gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(out), "--prompt", "def",
-                          "--max-tokens", "4", "--seed", "1"], capture_output=True, text=True, cwd=ROOT)
+    gen = moepipe("generate", "--model", str(out), "--prompt", "def", "--max-tokens", "4", "--seed", "1")
     assert gen.returncode == 0, gen.stderr
 
 
