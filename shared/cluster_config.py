@@ -89,6 +89,9 @@ class ClusterConfig:
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
     # Same-host GPU stages hand a decode step's activations to the next stage through a ring of device slots
+    startup_warmup: bool = True                 # a GPU stage runs its prefill path and the sampler once before its
+                                                # first heartbeat (stage_worker/warmup.py): the first request does
+                                                # not pay their compiles (h200-16: TTFT 11-16 s, then 0.07 s)
     # shared by CUDA IPC, at launch, instead of device -> host -> ZeroMQ -> host -> device after the step
     # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). Off until the
     # H200 runs tests/test_ipc_activations.py -m gpu.
@@ -342,6 +345,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
+        "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",

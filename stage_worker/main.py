@@ -28,6 +28,7 @@ from stage_worker import ipc_activations
 from stage_worker.profiling import StepProfiler
 from stage_worker.runner import StageRunner
 from stage_worker.stage_loader import load_stage
+from stage_worker.warmup import warm_up
 
 log = logging.getLogger("moepipe.stage")
 
@@ -82,6 +83,15 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         runner.graphs.capture()
         log.info("%s: captured decode graphs for batch sizes %s in %.1f s", name, runner.graphs.sizes,
                  time.time() - t1)
+    if cluster.startup_warmup and runner.device.type == "cuda":
+        # ... and the prefill path and the sampler compiled: the first request's TTFT is then a request's
+        try:
+            seconds = warm_up(model, runner.cache, block_size=cluster.block_size,
+                              scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
+                              race_kernel=getattr(getattr(model, "kernel_flags", None), "sample_race", False))
+            log.info("%s: ran the prefill path and the sampler once in %.1f s", name, seconds)
+        except Exception:   # an optimisation: a stage that cannot warm up still serves (the first request compiles)
+            log.warning("%s: the start-up warm-up failed; serving without it", name, exc_info=True)
     log.info("%s: layers [%d, %d) loaded in %.1f s%s", name, spec.start, spec.end, time.time() - t0,
              " (PLE rows from the PLE service)" if ring is not None else "")
 

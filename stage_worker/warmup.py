@@ -1,0 +1,55 @@
+"""A GPU stage's prefill path and sampler, run once at start before its first heartbeat (`startup_warmup`).
+
+Why: /health turned 200 once the decode graphs were captured, but the first request still paid for compiling the
+prefill path's Triton kernels (and the autotuning of the library kernels it calls) and the device sampler's: its
+time to first token was 11-16 s on the H200 against 0.07 s for the next one (h200-16 call 1, the access log's
+first request of each served run). Here one prefill of a scratch sequence runs eagerly through this stage's layers
+(and, on the last stage, the logits and the sampler's plain-temperature, top-k/top-p, penalty and greedy paths), on
+the scratch slot and KV block that CUDA-graph padding already uses, so no request's state is touched. Two lengths:
+Triton specialises integer arguments on divisibility by 16, so a multiple of 16 and a length that is not compile
+different kernels.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shared.sampling import SamplingParams
+from stage_worker.batch_sampler import Row, TokenCounts, sample_rows
+from stage_worker.model.batch import StepBatch
+
+
+@torch.inference_mode()
+def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: int, race_kernel: bool) -> float:
+    """Run the prefill path (and on a stage with the head, the sampler) once per warm-up length on the scratch
+    slot and block; returns the seconds it took. The lengths fit the one scratch block."""
+    t0 = time.perf_counter()
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
+    for n in sorted({block_size, max(1, block_size - 3)}):
+        batch = StepBatch.build([(list(range(10, 10 + n)), 0, scratch_slot, [scratch_block])], block_size, dev)
+        batch.ple_rows = {i: torch.zeros(n, p.heads, p.head_dim, dtype=dtype, device=dev) for i, p in ple.items()}
+        hidden = None
+        if not model.has_embedding:
+            hidden = torch.zeros(n, model.stream_width, dtype=dtype, device=dev)
+        out = model(batch, cache, hidden)
+        if model.has_head:
+            _warm_sampler(model.logits(out, batch).float(), scratch_slot, race_kernel)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
+def _warm_sampler(logits: torch.Tensor, slot: int, race_kernel: bool) -> None:
+    """The batched sampler's paths a first request may take: plain temperature (the race), top-k / top-p (the
+    candidates and the probability race), penalties from device counts, greedy."""
+    row = logits[-1:].expand(4, -1).contiguous()
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1, seed=1),
+              SamplingParams(temperature=0.0)]
+    counts = TokenCounts(slot + 1, logits.shape[-1], logits.device)
+    rows = [Row(p, 1, 0, [], [], slot=slot) for p in params]
+    sample_rows(row, rows, counts, race_kernel=race_kernel)
