@@ -23,7 +23,6 @@ from gateway.metrics import Metrics
 from gateway.tokenizer import Tokenizer
 from shared.sampling import SamplingParams, read_generation_config
 from stage_worker.checkpoint.loader import load_model
-from stage_worker.checkpoint.make_model import make_model
 from shared.engine_core import EngineCore
 from stage_worker.generate import GenerateResult, generate
 from stage_worker.inprocess_executor import local_engine_core
@@ -53,8 +52,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_model("tiny", tmp_path_factory.mktemp("tiny"))
+def model_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint              # read only: the session's tiny preset (seed 0)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ from shared.cluster_config import (ClusterConfigError, cluster_from_dict, dump_t
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from stage_worker.checkpoint.make_model import make_model
-
-    return make_model("tiny", tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint              # read only: the session's tiny preset (seed 0)
 
 
 def test_layers_split_contiguously_with_the_remainder_first():

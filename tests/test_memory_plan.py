@@ -134,7 +134,7 @@ def test_the_launcher_plans_gpu_stages_from_the_needs_process(tiny_checkpoint, t
         launcher.memory_plan(cluster, tmp_path / "cluster.toml")
 
 
-def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tmp_path, monkeypatch):
+def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tiny_checkpoint, tmp_path, monkeypatch):
     """`--cold-experts auto` on a model that does not fit its device: the launcher asks for the needs, writes a
     cold set of at least the missing bytes spread over the stage's MoE layers, and the plan made with it starts
     (the needs process stood in for, as above, subtracting the file's experts as the real one does)."""
@@ -154,9 +154,7 @@ def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tmp_path
     assert need[0] == -(-int(over) // 2) and need[1] == 2 * GIB
     assert host_bytes_to_fit([_stage(0, "cuda:0", 10)], {"cuda:0": H200}, LIMITS) == {0: 0}
 
-    from stage_worker.checkpoint.make_model import make_model
-
-    model = make_model("tiny", tmp_path / "m", seed=0)
+    model = tiny_checkpoint              # read only: the session's tiny preset (seed 0)
     cfg = load_config(model)
     cluster = ClusterConfig(model=str(model), gateway_endpoint="", max_num_seqs=4, block_size=16, max_model_len=256,
                             stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")], cold_experts="auto",
