@@ -4,6 +4,8 @@ the summary's numbers in range and consistent."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -34,13 +36,15 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def traced(corpus, tmp_path_factory, tiny_checkpoint):
-    """The CLI end to end on the tiny preset (float32: prefill and decode routing compare exactly)."""
+    """The CLI end to end on the tiny preset (float32: prefill and decode routing compare exactly): its main, in
+    this process (a subprocess paid a fresh torch import)."""
     out = tmp_path_factory.mktemp("routes")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "route_trace.py"), "--corpus", str(corpus),
-                           "--model", str(tiny_checkpoint),
-                           "--out", str(out), "--tokens-per-kind", str(TOKENS), "--chunk", str(CHUNK),
-                           "--batch", str(BATCH), "--threads", "1"], check=True, capture_output=True, text=True)
-    return out, proc.stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert rt.main(["--corpus", str(corpus), "--model", str(tiny_checkpoint), "--out", str(out),
+                        "--tokens-per-kind", str(TOKENS), "--chunk", str(CHUNK), "--batch", str(BATCH),
+                        "--threads", "1"]) == 0
+    return out, printed.getvalue()
 
 
 def test_cli_writes_trace_and_usage(traced, corpus):
