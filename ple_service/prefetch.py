@@ -2,21 +2,28 @@
 
 Field reports measured a 100 s time-to-first-token when a long prompt's PLE rows were faulted in one by one from a
 cold page cache. As soon as a prompt arrives its rows are known (same n-gram hash), so their pages are read ahead,
-long before prefill reaches them. Two methods (cluster key `ple_prefetch_method`):
+long before prefill reaches them. Three methods (cluster key `ple_prefetch_method`):
 
 - `madvise` (`Advisor`): the pages are handed to the kernel with `MADV_WILLNEED`. `process_madvise` takes up to
   IOV_MAX ranges per system call; where it is refused (EPERM in containers, ENOSYS/EINVAL on old kernels) one
   `madvise` per range does the same work with more calls, and the log says so once. The kernel submits the reads
   and returns; the pages land later.
+- `fadvise` (`FadviseAdvisor`): the same advice, `posix_fadvise(POSIX_FADV_WILLNEED)` per coalesced range on the
+  table file's own descriptor. MADV_WILLNEED on a file mapping ends in the same kernel readahead, but each range
+  first finds its VMA and drops and retakes the process's mmap lock: on pages already resident, where only the
+  calls cost, process_madvise took 3.4-7 us a range on the 2-core development VM against 0.5-1.0 us for
+  posix_fadvise from Python (bench/ple_prefetch_io.py). h200-15's one thread spent 4.9 s in process_madvise for
+  ~530k cold pages (~9 us a range) and four threads 4.2 s each: if the calls rather than the drive set that pace,
+  this method is the cure.
 - `pread` (`PreadReader` over a `ReadPool`): the same page ranges, coalesced, are read with `os.preadv` from the
   table file into per-thread scratch buffers by `ple_prefetch_depth` threads, so that many reads are in flight
-  whatever the kernel's readahead path does with a list of small ranges (h200-15: four threads inside
-  process_madvise advised no faster than one, ~110-125k random pages a second). Buffered, not O_DIRECT: the pages
-  land in the page cache that the table's mapping then hits. The file descriptor is the pool's own and carries
-  POSIX_FADV_RANDOM, so a read brings in exactly its pages and no readahead window.
+  whatever the kernel's readahead path does with a list of small ranges. Buffered, not O_DIRECT: the pages land
+  in the page cache that the table's mapping then hits. The file descriptor is the pool's own and carries
+  POSIX_FADV_RANDOM, so a read brings in exactly its pages and no readahead window. Costs the GIL a round trip
+  per read: on 2 cores a 64-thread pool delayed the main thread's work by up to ~4 ms (p99).
 
-Either way the prompt prefetcher's workers hash a prompt's batches and wait for each batch's advice or reads;
-`cancel` drops a request's queued batches and stops the reads of its batches in flight.
+Whichever the method, the prompt prefetcher's workers hash a prompt's batches and wait for each batch's advice
+or reads; `cancel` drops a request's queued batches and stops the calls or reads of its batches in flight.
 """
 
 from __future__ import annotations
@@ -37,10 +44,10 @@ from shared.ngram_hash import NgramHashSpec, ngram_rows_numpy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Advisor", "PreadReader", "ReadPool", "PromptPrefetcher", "page_ranges", "coalesce_ranges", "IOV_MAX",
+__all__ = ["Advisor", "FadviseAdvisor", "PreadReader", "ReadPool", "PromptPrefetcher", "page_ranges", "coalesce_ranges", "IOV_MAX",
            "MADV_WILLNEED", "METHODS", "make_advisors"]
 
-METHODS = ("madvise", "pread")      # ple_prefetch_method
+METHODS = ("madvise", "fadvise", "pread")      # ple_prefetch_method
 
 MADV_WILLNEED = 3
 IOV_MAX = 1024                      # the kernel's UIO_MAXIOV: most iovecs one process_madvise call accepts
@@ -305,6 +312,79 @@ class Advisor:
                 "per page range", self._refused)
 
 
+class FadviseAdvisor:
+    """The `fadvise` prefetch method for one table file: `posix_fadvise(POSIX_FADV_WILLNEED)` per coalesced page
+    range on the file's own descriptor, from the calling thread (the kernel submits the reads and returns, as for
+    MADV_WILLNEED, without the mapping's VMA walk and mmap lock). The interface of `Advisor`."""
+
+    method = "fadvise"
+    fallback = False
+    refusal = None
+
+    def __init__(self, path: str | os.PathLike, length: int, *, row_bytes: int = 0,
+                 page_size: int = mmap.PAGESIZE) -> None:
+        self.path, self.row_bytes, self.page_size = str(path), row_bytes, page_size
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self.length = min(length, os.fstat(self.fd).st_size)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._lock = threading.Lock()
+        self.calls = self.pages = self.ranges = self.errors = self.cancelled_pages = 0
+        self.seconds = 0.0
+        self.io_seconds = 0.0
+
+    @classmethod
+    def for_table(cls, table) -> FadviseAdvisor:
+        t = table.tensor
+        return cls(table.path, t.numel() * t.element_size(), row_bytes=table.dim * t.element_size())
+
+    def advise_rows(self, rows: np.ndarray, *, wait: bool = True) -> int:
+        return self.advise(page_ranges(rows, self.row_bytes, self.page_size))
+
+    def advise(self, ranges: Sequence[tuple[int, int]], *, wait: bool = True) -> int:
+        """Advise these byte ranges; returns pages advised. Never waits for the reads."""
+        t0 = time.perf_counter()
+        merged = coalesce_ranges(ranges, self.page_size, self.length)
+        cancel = _current_cancel()
+        fadvise, willneed, fd, page = os.posix_fadvise, os.POSIX_FADV_WILLNEED, self.fd, self.page_size
+        calls = pages = errors = skipped = 0
+        t1 = time.perf_counter()
+        for k, (start, length) in enumerate(merged):
+            if cancel is not None and cancel.is_set():
+                skipped = sum(-(-n // page) for _, n in merged[k:])
+                break
+            try:
+                fadvise(fd, start, length, willneed)
+            except OSError:
+                errors += 1
+            calls += 1
+            pages += -(-length // page)
+        t2 = time.perf_counter()
+        with self._lock:
+            self.calls += calls
+            self.pages += pages
+            self.ranges += len(merged)
+            self.errors += errors
+            self.cancelled_pages += skipped
+            self.io_seconds += t2 - t1
+            self.seconds += t2 - t0
+        return pages
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
+                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
+                    "fallback": 0.0, "cancelled_pages": float(self.cancelled_pages)}
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class _Job:
     """One `PreadReader.advise` call's reads: split into tasks for the pool, done when every task is."""
 
@@ -336,7 +416,7 @@ class ReadPool:
     order; a sampled token's few pages (`urgent`) go to the front. Shared by every table's `PreadReader`.
     """
 
-    def __init__(self, depth: int = 64, *, max_read: int = 256 << 10, task_ranges: int = 16) -> None:
+    def __init__(self, depth: int = 32, *, max_read: int = 256 << 10, task_ranges: int = 16) -> None:
         if depth < 1:
             raise ValueError(f"pread prefetch depth must be >= 1, got {depth}")
         if max_read < mmap.PAGESIZE or max_read % mmap.PAGESIZE:
@@ -500,12 +580,14 @@ class PreadReader:
             os.close(fd)
 
 
-def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 64,
+def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32,
                   force_fallback: bool = False) -> tuple[list, ReadPool | None]:
-    """One advisor per `FlatTable` for prefetch method `method` ("madvise" or "pread"), and the read pool the pread
-    readers share (None for madvise; the caller closes it after the readers)."""
+    """One advisor per `FlatTable` for prefetch method `method` (`METHODS`), and the read pool the pread readers
+    share (None for the others; the caller closes it after the readers)."""
     if method == "madvise":
         return [Advisor.for_table(t, force_fallback=force_fallback) for t in tables], None
+    if method == "fadvise":
+        return [FadviseAdvisor.for_table(t) for t in tables], None
     if method == "pread":
         pool = ReadPool(depth)
         try:

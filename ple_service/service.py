@@ -8,8 +8,8 @@ every stage runs its steps in plan order and the last stage runs a step after al
 still held waits, as does one whose decode tokens have not arrived. Decode entries carry no token: the token sampled
 at position `entry.context_len` arrives separately (`Sampled`, from the last stage), so such a plan waits for it.
 Prompts, and sampled tokens whose plan has not arrived yet, have their table pages read ahead (`prefetch.py`, by
-`MADV_WILLNEED` or by a pool of `pread` threads: `ple_prefetch_method`) unless the `ple_prefetch` switch is off; the
-service loop never waits for those reads. A decode step's tokens are hashed in one vectorised call per table: per-sequence
+`MADV_WILLNEED`, `POSIX_FADV_WILLNEED` or a pool of `pread` threads: `ple_prefetch_method`) unless the `ple_prefetch`
+switch is off; the service loop never waits for those reads. A decode step's tokens are hashed in one vectorised call per table: per-sequence
 calls and read-ahead of rows gathered the next moment made the stages wait for rows 40% of the time at 16 streams
 on the H200 (bench/results/served-speed-4).
 """
@@ -30,7 +30,7 @@ from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import initial_context, ngram_rows_numpy, ngram_rows_numpy_batch
 from shared.ple_table import FlatTable
 from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
-from ple_service.prefetch import Advisor, PreadReader, PromptPrefetcher, ReadPool, make_advisors
+from ple_service.prefetch import Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool, make_advisors
 from ple_service.ring import GatherRing
 from ple_service.tables import open_tables, ple_specs
 
@@ -79,7 +79,7 @@ class PleService:
         self.ring = GatherRing.create(path, slots=cluster.ple_ring_slots, max_tokens=cluster.max_num_batched_tokens,
                                       layers=len(self.layers), heads=cfg.ple_heads, head_dim=cfg.ple_head_dim,
                                       dtype=dtypes.pop())
-        self.advisors: list[Advisor | PreadReader] = []
+        self.advisors: list[Advisor | FadviseAdvisor | PreadReader] = []
         self.read_pool: ReadPool | None = None          # the pread method's reading threads
         self.prefetcher: PromptPrefetcher | None = None
         if cluster.ple_prefetch:
@@ -166,6 +166,7 @@ class PleService:
         out.update({f"prefetch_{k}": v for k, v in totals.items()})
         out["prefetch_queue"] = float(self.prefetcher.pending()) if self.prefetcher else 0.0
         out["prefetch_pread"] = float(self.read_pool is not None)     # 1: ple_prefetch_method = "pread"
+        out["prefetch_fadvise"] = float(any(isinstance(a, FadviseAdvisor) for a in self.advisors))
         out["prefetch_read_queue"] = float(self.read_pool.pending()) if self.read_pool else 0.0
         return out
 

@@ -25,7 +25,7 @@ class ClusterConfigError(ValueError):
 # `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
-PLE_PREFETCH_METHODS = ("madvise", "pread")      # ple_prefetch_method (ple_service/prefetch.py METHODS)
+PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py METHODS)
 
 @dataclass
 class StageSpec:
@@ -70,11 +70,12 @@ class ClusterConfig:
     # threads advising a prompt's table pages (ple_service/prefetch.py): one walked a 32k-token prompt's ~500k
     # random pages too slowly for a cold prefill (H200 h200-14: 1.9 s of row waits, cold TTFT 1.8x warm)
     ple_prefetch_threads: int = 4
-    # how the prefetch reads those pages (ple_service/prefetch.py): "madvise" (MADV_WILLNEED, process_madvise) or
-    # "pread" (ple_prefetch_depth threads read the pages into the page cache, that many reads in flight). h200-15:
-    # 4 threads in process_madvise advised no faster than 1 (~110-125k pages/s); madvise until the H200 measures pread
+    # how the prefetch reads those pages (ple_service/prefetch.py): "madvise" (MADV_WILLNEED, process_madvise),
+    # "fadvise" (POSIX_FADV_WILLNEED per range on the file: no VMA walk, no mmap lock) or "pread"
+    # (ple_prefetch_depth threads read the pages into the page cache, that many reads in flight). h200-15: 4 threads
+    # in process_madvise advised no faster than 1 (~110-125k pages/s); madvise until the H200 measures the others
     ple_prefetch_method: str = "madvise"
-    ple_prefetch_depth: int = 64
+    ple_prefetch_depth: int = 32
     microbatches: int = 0                       # 0 = one per stage
     kernels: str = "all"                        # fast CUDA kernels: all, none, or a list (kernels/flags.py)
     cuda_graphs: bool = True                    # replay decode steps from CUDA graphs (GPU stages only)
@@ -88,10 +89,10 @@ class ClusterConfig:
                                                 # step's tokens reach the host (its ids read on the device)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
-    # Same-host GPU stages hand a decode step's activations to the next stage through a ring of device slots
     startup_warmup: bool = True                 # a GPU stage runs its prefill path and the sampler once before its
                                                 # first heartbeat (stage_worker/warmup.py): the first request does
                                                 # not pay their compiles (h200-16: TTFT 11-16 s, then 0.07 s)
+    # Same-host GPU stages hand a decode step's activations to the next stage through a ring of device slots
     # shared by CUDA IPC, at launch, instead of device -> host -> ZeroMQ -> host -> device after the step
     # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). Off until the
     # H200 runs tests/test_ipc_activations.py -m gpu.
@@ -344,8 +345,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
-        "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
+        "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",

@@ -1,6 +1,6 @@
-"""ple_service.prefetch's pread method (`ple_prefetch_method = "pread"`): coalesced page ranges read by a pool of
-threads into the page cache, exactly the requested pages resident afterwards, cancellation of reads in flight, the
-service on it, and the method's switches in the cluster config."""
+"""ple_service.prefetch's pread and fadvise methods (`ple_prefetch_method`): coalesced page ranges read by a pool of
+threads into the page cache (or advised with POSIX_FADV_WILLNEED), exactly the requested pages resident afterwards,
+cancellation of the work in flight, the service on each, and the method's switches in the cluster config."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from ple_service import page_cache, prefetch
-from ple_service.prefetch import Advisor, PreadReader, PromptPrefetcher, ReadPool, coalesce_ranges, page_ranges
+from ple_service.prefetch import (
+    Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool, coalesce_ranges, page_ranges,
+)
 from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, cluster_from_dict, env_overrides
 
 PAGE = mmap.PAGESIZE
@@ -137,6 +139,48 @@ def test_pread_through_the_prefetcher_reads_a_prompt_s_pages(table_file):
         pf.stop()
         pool.close()
         reader.close()
+
+
+def _wait_resident(path: Path, want: set[int], timeout: float = 5.0) -> set[int]:
+    """The resident pages once every page of `want` is (advice returns before the reads land), or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = set(np.flatnonzero(page_cache.resident(path)).tolist())
+        if want <= got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.005)
+
+
+def test_fadvise_makes_exactly_the_requested_pages_resident(table_file):
+    size = table_file.stat().st_size
+    adv = FadviseAdvisor(table_file, size, row_bytes=320)
+    try:
+        ranges = [(0, 1), (5 * PAGE + 7, 10), (6 * PAGE, 2 * PAGE), (20 * PAGE, 9 * PAGE), (299 * PAGE, 4 * PAGE),
+                  (-PAGE, PAGE // 2), (400 * PAGE, PAGE)]
+        want = {0, 5, 6, 7, *range(20, 29), 299, 300}
+        assert adv.advise(ranges) == len(want)
+        assert _wait_resident(table_file, want) == want
+        st = adv.stats()
+        assert st["calls"] == 4 and st["ranges"] == 4 and st["pages"] == len(want) and st["errors"] == 0
+        # through the prefetcher: a prompt's rows, and the cancel flag checked between calls
+        rows = np.random.default_rng(3).integers(0, size // 320, (30, 4))
+        pf = PromptPrefetcher([adv], batch_tokens=10, threads=2)
+        try:
+            assert pf.submit("r", [rows]) == 3 and pf.wait_idle()
+        finally:
+            pf.stop()
+        rows_pages = _pages_of(page_ranges(rows, 320, PAGE))
+        assert _wait_resident(table_file, want | rows_pages) == want | rows_pages
+        flag = threading.Event()
+        flag.set()
+        prefetch._scope.cancel = flag
+        try:
+            assert adv.advise([(100 * PAGE, PAGE), (102 * PAGE, PAGE)]) == 0
+        finally:
+            prefetch._scope.cancel = None
+        assert adv.stats()["cancelled_pages"] == 2
+    finally:
+        adv.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -284,18 +328,22 @@ def _cluster(model: Path, tmp: Path, **kw) -> ClusterConfig:
     return ClusterConfig(**base)
 
 
-def test_service_prefetches_with_pread(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("method", ["pread", "fadvise"])
+def test_service_prefetches_with_pread_or_fadvise(tiny_checkpoint, tmp_path, method):
     from ple_service.service import PleService
     from shared.model_config import load_config
     from shared.ngram_hash import initial_context, ngram_rows_numpy
     from shared.protocol import Plan, Sampled, SamplingSpec, SeqEntry, TokenOut
 
     cfg = load_config(tiny_checkpoint)
-    svc = PleService(tiny_checkpoint, cfg, _cluster(tiny_checkpoint, tmp_path, ple_prefetch_method="pread",
+    svc = PleService(tiny_checkpoint, cfg, _cluster(tiny_checkpoint, tmp_path, ple_prefetch_method=method,
                                                     ple_prefetch_depth=4))
     try:
-        assert svc.read_pool is not None and svc.read_pool.depth == 4
-        assert all(isinstance(a, PreadReader) for a in svc.advisors)
+        if method == "pread":
+            assert svc.read_pool is not None and svc.read_pool.depth == 4
+        else:
+            assert svc.read_pool is None
+        assert all(isinstance(a, PreadReader if method == "pread" else FadviseAdvisor) for a in svc.advisors)
         reader = svc.advisors[0]
         table = svc.tables[svc.layers[0]]
         page_cache.evict(table.path)           # where another process holds pages mapped some stay: no matter
@@ -315,13 +363,14 @@ def test_service_prefetches_with_pread(tiny_checkpoint, tmp_path):
         while reader.stats()["pages"] < len(want) + len(tok_pages) and time.monotonic() < deadline:
             time.sleep(0.005)
         st = svc.stats()
-        assert st["prefetch_pread"] == 1 and st["prefetch_pages"] == len(want) + len(tok_pages)
+        assert st["prefetch_pread"] == (method == "pread") and st["prefetch_fadvise"] == (method == "fadvise")
+        assert st["prefetch_pages"] == len(want) + len(tok_pages)
         assert st["prefetch_calls"] > 0 and st["prefetch_errors"] == 0 and st["prefetch_io_seconds"] > 0
-        res = page_cache.resident(table.path)
-        assert want | tok_pages <= set(np.flatnonzero(res).tolist())
+        assert want | tok_pages <= _wait_resident(table.path, want | tok_pages)
     finally:
         svc.close()
-    assert reader.fd == -1 and not any(t.is_alive() for t in svc.read_pool._threads)
+    assert reader.fd == -1
+    assert svc.read_pool is None or not any(t.is_alive() for t in svc.read_pool._threads)
 
 
 def test_prefetch_method_and_depth_switches(monkeypatch, tmp_path):
@@ -329,9 +378,10 @@ def test_prefetch_method_and_depth_switches(monkeypatch, tmp_path):
     monkeypatch.delenv("MOEPIPE_PLE_PREFETCH_METHOD", raising=False)
     monkeypatch.delenv("MOEPIPE_PLE_PREFETCH_DEPTH", raising=False)
     cfg = cluster_from_dict(raw)
-    assert cfg.ple_prefetch_method == "madvise" and cfg.ple_prefetch_depth == 64          # defaults
+    assert cfg.ple_prefetch_method == "madvise" and cfg.ple_prefetch_depth == 32          # defaults
     cfg = cluster_from_dict({**raw, "ple_prefetch_method": "pread", "ple_prefetch_depth": 8})
     assert (cfg.ple_prefetch_method, cfg.ple_prefetch_depth) == ("pread", 8)
+    assert cluster_from_dict({**raw, "ple_prefetch_method": "fadvise"}).ple_prefetch_method == "fadvise"
     monkeypatch.setenv("MOEPIPE_PLE_PREFETCH_METHOD", " PRead ")
     monkeypatch.setenv("MOEPIPE_PLE_PREFETCH_DEPTH", "32")
     assert env_overrides()["ple_prefetch_method"] == "pread"
@@ -341,10 +391,10 @@ def test_prefetch_method_and_depth_switches(monkeypatch, tmp_path):
     assert "ple_prefetch_method" not in env_overrides()
     monkeypatch.setenv("MOEPIPE_PLE_PREFETCH_METHOD", "io_uring")
     with pytest.raises(ClusterConfigError, match=r"ple_prefetch_method \(MOEPIPE_PLE_PREFETCH_METHOD\) 'io_uring' "
-                                                 r"must be one of madvise, pread"):
+                                                 r"must be one of madvise, fadvise, pread"):
         cluster_from_dict(raw)
     monkeypatch.delenv("MOEPIPE_PLE_PREFETCH_METHOD")
-    with pytest.raises(ClusterConfigError, match="ple_prefetch_method .*'fast' must be one of madvise, pread"):
+    with pytest.raises(ClusterConfigError, match="ple_prefetch_method .*'fast' must be one of madvise, fadvise, pread"):
         cluster_from_dict({**raw, "ple_prefetch_method": "fast"})
     monkeypatch.setenv("MOEPIPE_PLE_PREFETCH_DEPTH", "deep")
     with pytest.raises(ClusterConfigError, match="MOEPIPE_PLE_PREFETCH_DEPTH='deep': expected a whole number"):
@@ -354,5 +404,5 @@ def test_prefetch_method_and_depth_switches(monkeypatch, tmp_path):
         cluster_from_dict(raw)
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ReadPool(depth=0)
-    with pytest.raises(ValueError, match="expected one of madvise, pread"):
+    with pytest.raises(ValueError, match="expected one of madvise, fadvise, pread"):
         prefetch.make_advisors([], "mmap")
