@@ -13,7 +13,9 @@
 # 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), int4prefill (issue 17:
 # the INT4 prefill kernels' GPU tests and bench/moe_int4_prefill.py; VRAM_AB="base noint4prefill" makes vram_int4 an
 # A/B of TTFT with the per-expert loop), cold (issue 18: cold PLE
-# time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0), long4 (issue 18:
+# time to first token on unseen 32k-token prompts, the table a 12.8 GB file, MOEPIPE_PLE_PREFETCH 1 and 0; COLD_PREFETCH
+# "1:4:fadvise 1:4:pread:64" A/Bs the prefetch methods, COLD_IO=1 first times them on the table file with
+# bench/ple_prefetch_io.py), long4 (issue 18:
 # four ~250k-token requests resident at once with --qsa-kv-offload, full shape cut to 8 layers). For a model: the
 # in-process decode step (bench/decode.py,
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
@@ -162,18 +164,27 @@ print("PLE table files:", [f"{t.path.name} {t.path.stat().st_size / 2**30:.1f} G
       f"written in {time.perf_counter() - t0:.0f} s")
 PY
   df -h /tmp | tail -1
-  # COLD_PREFETCH items: 1 (prefetch on, default threads), 1:T (on with T prefetch threads), 0 (off); each side
-  # reads its own unseen text (text seed = its place in the list)
+  if [[ -n ${COLD_IO:-} ]]; then   # the prefetch methods' raw page rate on this table file and drive, no server
+    table=$(ls /tmp/fscold/ple_table.*.bin | head -1)
+    timeout "${COLD_IO_TIMEOUT:-150}" python3 bench/ple_prefetch_io.py --file "$table" --methods \
+      "${COLD_IO_METHODS:-process_madvise:1 process_madvise:4 fadvise:1 fadvise:4 pread:32 pread:64}" \
+      --out "$out/ple_prefetch_io.json" > "$out/ple_prefetch_io.log" 2>&1
+    echo "== bench/ple_prefetch_io.py on $table (rc $?):"; tail -12 "$out/ple_prefetch_io.log"
+  fi
+  # COLD_PREFETCH items PF[:T[:METHOD[:DEPTH]]]: 1 (prefetch on, defaults), 0 (off), 1:T (T prefetch threads),
+  # 1:T:METHOD (ple_prefetch_method madvise, fadvise or pread; T may be empty: 1::fadvise), 1:T:pread:D (D reads in
+  # flight, ple_prefetch_depth); each side reads its own unseen text (text seed = its place in the list)
   seed=0
   for item in ${COLD_PREFETCH:-1 0}; do
-    seed=$((seed + 1)); pf=${item%%:*}; tag=$pf; th=""
-    if [[ $item == *:* ]]; then th=${item#*:}; tag="${pf}t$th"; fi
-    env MOEPIPE_PLE_PREFETCH=$pf ${th:+MOEPIPE_PLE_PREFETCH_THREADS=$th} timeout "${COLD_TIMEOUT:-300}" \
+    seed=$((seed + 1)); IFS=: read -r pf th meth depth <<< "$item"; tag=$pf
+    [[ -n $th ]] && tag="${tag}t$th"; [[ -n $meth ]] && tag="${tag}_$meth"; [[ -n $depth ]] && tag="${tag}_d$depth"
+    env MOEPIPE_PLE_PREFETCH=$pf ${th:+MOEPIPE_PLE_PREFETCH_THREADS=$th} ${meth:+MOEPIPE_PLE_PREFETCH_METHOD=$meth} \
+      ${depth:+MOEPIPE_PLE_PREFETCH_DEPTH=$depth} timeout "${COLD_TIMEOUT:-300}" \
       python3 bench/serve.py --model /tmp/fscold \
       --load-format dummy --device cuda --stages 1 --set dummy_ple_file=true --cold \
       --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $seed \
       --out "$out/cold_prefetch$tag.json" > "$out/cold_prefetch$tag.log" 2>&1
-    echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf${th:+ MOEPIPE_PLE_PREFETCH_THREADS=$th}"
+    echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf${th:+ MOEPIPE_PLE_PREFETCH_THREADS=$th}${meth:+ MOEPIPE_PLE_PREFETCH_METHOD=$meth}${depth:+ MOEPIPE_PLE_PREFETCH_DEPTH=$depth}"
     tail -7 "$out/cold_prefetch$tag.log"
   done
 fi
