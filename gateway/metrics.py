@@ -81,7 +81,7 @@ class _ExpertCollector(Collector):
         self._by_stage: dict[str, dict[str, float]] = {}
 
     def set(self, stage: str, stats: dict[str, float]) -> None:
-        keep = {k: v for k, v in stats.items() if k.startswith(("expert_", "kv_"))}
+        keep = {k: v for k, v in stats.items() if k.startswith(("expert_", "kv_", "ipc_"))}
         with self._lock:
             self._by_stage[stage] = keep
 
@@ -106,9 +106,16 @@ class _ExpertCollector(Collector):
                                          labels=["stage"])
         rc_bytes = GaugeMetricFamily("moepipe_kv_row_cache_bytes", "VRAM of a stage's K/V row cache",
                                      labels=["stage"])
+        ipc = CounterMetricFamily("moepipe_ipc_activation_steps", "Steps whose activations a stage handed to the "
+                                  "next by CUDA IPC (handoff), sent the host way because they were larger than a "
+                                  "slot (too_large) or the ring was full (ring_full), and received from the ring "
+                                  "(taken), per stage (cuda_ipc_activations)", labels=["stage", "outcome"])
         for stage, st in sorted(stages.items()):
             for key, value in st.items():
                 name, _, layer = key.partition(":")
+                if name.startswith("ipc_"):
+                    ipc.add_metric([stage, name.removeprefix("ipc_").removesuffix("s")], value)
+                    continue
                 if name == "expert_host_reads":
                     reads.add_metric([stage, layer], value)
                 elif name == "expert_moves":
@@ -122,7 +129,7 @@ class _ExpertCollector(Collector):
                 elif name in ("kv_row_cache_hits", "kv_row_cache_lookups", "kv_row_cache_bytes"):
                     {"hits": rc_hits, "lookups": rc_lookups, "bytes": rc_bytes}[name.rsplit("_", 1)[1]].add_metric(
                         [stage], value)
-        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes)
+        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc)
 
 
 class Metrics:

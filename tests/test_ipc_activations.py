@@ -405,6 +405,15 @@ def test_stage_runners_serve_the_same_tokens_through_the_handoff(tiny_checkpoint
     assert stats[0]["ipc_too_large"] > 0                                    # 16-token chunks went the host way
     assert stats[1]["ipc_taken"] == stats[0]["ipc_handoffs"]
     assert stats[2]["ipc_taken"] == stats[1]["ipc_handoffs"]
+    # the counts reach /metrics from the heartbeats' stats
+    from gateway.metrics import Metrics
+
+    metrics = Metrics()
+    for i, st in enumerate(stats):
+        metrics.set_stage_stats(i, st)
+    text = metrics.render().decode()
+    assert f'moepipe_ipc_activation_steps_total{{outcome="handoff",stage="0"}} {stats[0]["ipc_handoffs"]}' in text
+    assert f'moepipe_ipc_activation_steps_total{{outcome="taken",stage="2"}} {stats[2]["ipc_taken"]}' in text
 
 
 # ---- two processes: shared host memory on the CPU, CUDA IPC on a GPU ------------------------------------------------
