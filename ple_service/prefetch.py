@@ -312,36 +312,65 @@ class Advisor:
                 "per page range", self._refused)
 
 
-class FadviseAdvisor:
-    """The `fadvise` prefetch method for one table file: `posix_fadvise(POSIX_FADV_WILLNEED)` per coalesced page
-    range on the file's own descriptor, from the calling thread (the kernel submits the reads and returns, as for
-    MADV_WILLNEED, without the mapping's VMA walk and mmap lock). The interface of `Advisor`."""
+class _FileMethod:
+    """What the file-descriptor prefetch methods share (`FadviseAdvisor`, `PreadReader`): the table file opened on
+    its own descriptor, the counters and `stats` in `Advisor`'s form, `advise_rows`, `close`."""
 
-    method = "fadvise"
     fallback = False
     refusal = None
 
-    def __init__(self, path: str | os.PathLike, length: int, *, row_bytes: int = 0,
-                 page_size: int = mmap.PAGESIZE) -> None:
+    def __init__(self, path: str | os.PathLike, length: int, *, row_bytes: int, page_size: int,
+                 random_access: bool = False) -> None:
         self.path, self.row_bytes, self.page_size = str(path), row_bytes, page_size
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self.length = min(length, os.fstat(self.fd).st_size)
+            self.file_size = os.fstat(self.fd).st_size
+            self.length = min(length, self.file_size)
+            if random_access and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         except OSError:
             os.close(self.fd)
             raise
         self._lock = threading.Lock()
         self.calls = self.pages = self.ranges = self.errors = self.cancelled_pages = 0
-        self.seconds = 0.0
-        self.io_seconds = 0.0
+        self.seconds = 0.0          # time the callers spent inside advise()
+        self.io_seconds = 0.0       # time inside the system calls (pread: summed over the pool's threads)
+
+    def advise_rows(self, rows: np.ndarray, *, wait: bool = True) -> int:
+        """Every page of `rows` (table row ids, any shape); returns the pages (queued, with wait=False)."""
+        return self.advise(page_ranges(rows, self.row_bytes, self.page_size), wait=wait)
+
+    def advise(self, ranges: Sequence[tuple[int, int]], *, wait: bool = True) -> int:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
+                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
+                    "fallback": 0.0, "cancelled_pages": float(self.cancelled_pages)}
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class FadviseAdvisor(_FileMethod):
+    """The `fadvise` prefetch method for one table file: `posix_fadvise(POSIX_FADV_WILLNEED)` per coalesced page
+    range on the file's own descriptor, from the calling thread (the kernel submits the reads and returns, as for
+    MADV_WILLNEED, without the mapping's VMA walk and mmap lock). The interface of `Advisor`."""
+
+    method = "fadvise"
+
+    def __init__(self, path: str | os.PathLike, length: int, *, row_bytes: int = 0,
+                 page_size: int = mmap.PAGESIZE) -> None:
+        super().__init__(path, length, row_bytes=row_bytes, page_size=page_size)
 
     @classmethod
     def for_table(cls, table) -> FadviseAdvisor:
         t = table.tensor
         return cls(table.path, t.numel() * t.element_size(), row_bytes=table.dim * t.element_size())
-
-    def advise_rows(self, rows: np.ndarray, *, wait: bool = True) -> int:
-        return self.advise(page_ranges(rows, self.row_bytes, self.page_size))
 
     def advise(self, ranges: Sequence[tuple[int, int]], *, wait: bool = True) -> int:
         """Advise these byte ranges; returns pages advised. Never waits for the reads."""
@@ -372,17 +401,6 @@ class FadviseAdvisor:
             self.seconds += t2 - t0
         return pages
 
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
-                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
-                    "fallback": 0.0, "cancelled_pages": float(self.cancelled_pages)}
-
-    def close(self) -> None:
-        with self._lock:
-            fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
 
 
 class _Job:
@@ -503,7 +521,7 @@ class ReadPool:
             job.task_done(pages, skipped)
 
 
-class PreadReader:
+class PreadReader(_FileMethod):
     """The `pread` prefetch method for one table file: the same interface as `Advisor` (advise, advise_rows, stats,
     close), but the pages are read by a `ReadPool` into the page cache, and `advise` waits for them (unless
     `wait=False`: a sampled token's pages, read without holding up the service loop).
@@ -514,35 +532,17 @@ class PreadReader:
     """
 
     method = "pread"
-    fallback = False
-    refusal = None
 
     def __init__(self, path: str | os.PathLike, length: int, pool: ReadPool, *, row_bytes: int = 0,
                  page_size: int = mmap.PAGESIZE) -> None:
-        self.path, self.pool, self.row_bytes, self.page_size = str(path), pool, row_bytes, page_size
-        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            self.file_size = os.fstat(self.fd).st_size
-            self.length = min(length, self.file_size)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self._lock = threading.Lock()
-        self.calls = self.pages = self.ranges = self.errors = self.cancelled_pages = 0
-        self.seconds = 0.0          # time the callers spent inside advise() (waiting for their reads)
-        self.io_seconds = 0.0       # time the pool's threads spent reading, summed over threads
+        super().__init__(path, length, row_bytes=row_bytes, page_size=page_size, random_access=True)
+        self.pool = pool
 
     @classmethod
     def for_table(cls, table, pool: ReadPool) -> PreadReader:
         """A reader of a `shared.ple_table.FlatTable`'s file (the table starts at offset 0)."""
         t = table.tensor
         return cls(table.path, t.numel() * t.element_size(), pool, row_bytes=table.dim * t.element_size())
-
-    def advise_rows(self, rows: np.ndarray, *, wait: bool = True) -> int:
-        """Read every page of `rows` (table row ids, any shape); returns the pages read (queued, with wait=False)."""
-        return self.advise(page_ranges(rows, self.row_bytes, self.page_size), wait=wait)
 
     def advise(self, ranges: Sequence[tuple[int, int]], *, wait: bool = True) -> int:
         """Read these byte ranges into the page cache. Waits for the reads unless `wait` is False; returns the pages
@@ -567,17 +567,6 @@ class PreadReader:
             self.io_seconds += seconds
             self.cancelled_pages += cancelled_pages
 
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
-                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
-                    "fallback": 0.0, "cancelled_pages": float(self.cancelled_pages)}
-
-    def close(self) -> None:
-        with self._lock:
-            fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
 
 
 def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32,
