@@ -167,17 +167,20 @@ def test_row_blocks_and_k_slices(monkeypatch, prefetch):
     twice the output tiles; 13 on the wide kernel, one program a row block and slice; fp32 partial sums added by
     the last program of each), with the next tile's words
     loading while one is computed (PREFETCH; not past a slice's end) or not, with the minimum slice lowered so a
-    small K splits."""
+    small K splits. INT8: the same tiles, slices and grid as INT6 in groups of 64, with a quarter of the values a
+    tile to unroll (the interpreter's time is its unrolled operations: 2.7x faster); INT6's three-word periods are
+    the tests above."""
     monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
     monkeypatch.setattr(Q, "PREFETCH", prefetch)
-    N, K = 24, 256
+    N, K, bits = 24, 256, 8
     g = torch.Generator().manual_seed(3)
-    pw = quantize_rtn(torch.randn(N, K, generator=g), 6, 64)
-    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 6, K, 64)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, 64)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, 64)
     for t, wide in ((1, False), (8, False), (13, True)) if prefetch else ((1, False), (3, False), (13, True)):
         x = torch.randn(t, K, generator=g).to(DEV)       # 8: two token groups, each its own counters; 13: wide
-        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4), bits=6, wide=wide)
+        c = Q.launch_config(t, N, K, 64, x.device, (8, 32, 4), bits=bits, wide=wide)
         assert c["SCALE"] == 1 and c["splits"] * c["K_SLICE"] == K and c["splits"] == (2 if t == 8 else 4)
+        assert c["K_SLICE"] == (4 if t == 8 else 2) * c["BLOCK_K"]            # two tiles a slice (four at 8)
         assert c["BLOCK_N"] == (16 if wide else 8)        # wide: 16 rows a block at least (the second holds 8)
         out = Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=wide)
         torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
