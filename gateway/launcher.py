@@ -27,7 +27,7 @@ from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overr
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds,
-                                 host_bytes_to_fit, host_kv_room, plan)
+                                 fit_max_model_len, host_bytes_to_fit, host_kv_room)
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import RESTARTS_ENV
 
@@ -99,12 +99,26 @@ def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNe
 
 
 def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
-    """The GPU stages' memory plan (shared/memory_plan.py), printed; RuntimeError with its refusal."""
+    """The GPU stages' memory plan (shared/memory_plan.py), printed; RuntimeError with its refusal. With
+    --max-model-len unset and the model's length too long for the KV room, the plan at the longest length that
+    fits (`fit_max_model_len`, each candidate's needs measured again from a config file of that length), its line
+    printed: the caller writes `result.max_model_len` into the cluster config every process reads."""
+    def at(length: int):
+        trial = dataclasses.replace(cluster, max_model_len=length)
+        config_path.write_text(dump_toml(trial))
+        return plan_inputs(trial, config_path)
+
+    original = config_path.read_text() if config_path.is_file() else None
     try:
-        result = plan(*plan_inputs(cluster, config_path))
+        result = fit_max_model_len(*plan_inputs(cluster, config_path), at, user_set=bool(cluster.max_model_len))
     except MemoryPlanError as exc:
         raise RuntimeError(f"the model does not fit: {exc}") from None
+    finally:
+        if original is not None:
+            config_path.write_text(original)        # the trial lengths' files: the caller writes the chosen one
     print(result.table(), file=sys.stderr)
+    if result.fitted:
+        print(result.fitted, file=sys.stderr)
     return result
 
 
@@ -202,7 +216,9 @@ class Cluster:
             self.config_path.write_text(dump_toml(self.cluster))
         if any(s.device.startswith("cuda") for s in self.cluster.stages) and not (opts.extra or {}).get("num_blocks"):
             self.plan = memory_plan(self.cluster, self.config_path)
-            self.cluster = dataclasses.replace(self.cluster, num_blocks=self.plan.num_blocks)
+            # a fitted length (--max-model-len unset) reaches the gateway, engine core and stages as a set one would
+            fitted = {"max_model_len": self.plan.max_model_len} if self.plan.fitted else {}
+            self.cluster = dataclasses.replace(self.cluster, num_blocks=self.plan.num_blocks, **fitted)
             self.config_path.write_text(dump_toml(self.cluster))
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands = dict(commands(self.cluster, self.config_path, opts.verbose))

@@ -14,13 +14,24 @@ what is free now. Stages sharing a device share its budget.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 GIB = 1 << 30
+# The shortest max_model_len the plan fits an unset --max-model-len down to (`fit_max_model_len`): llama.cpp's
+# `--fit` floor (`--fit-ctx`, 4096) and its default context; below it a chat with a system prompt and a tool list
+# no longer fits, so a server that short is refused instead of started.
+MIN_FITTED_LEN = 4096
 
 
 class MemoryPlanError(ValueError):
-    """The model does not fit as configured; the message has the numbers and what to change."""
+    """The model does not fit as configured; the message has the numbers and what to change. `where`: the device
+    (or "host RAM") that refused, where the plan knows it."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,8 @@ class MemoryPlan:
     per_seq: int = 0            # blocks one max_model_len sequence takes
     max_num_seqs: int = 0
     limited_by: str = ""        # what keeps the pool below max_num_seqs full sequences, and the flag that helps
+    max_model_len: int = 0      # the length the plan is for
+    fitted: str = ""            # `fit_max_model_len` chose max_model_len (--max-model-len unset): the line saying so
 
     @property
     def full_sequences(self) -> int:
@@ -108,7 +121,7 @@ def device_budget(name: str, mem: DeviceMemory, limits: PlanLimits) -> int:
             f"{name}: the plan may use {budget / GIB:.2f} GiB ({_budget_rule(limits)}), but only "
             f"{mem.free / GIB:.2f} of {mem.total / GIB:.2f} GiB are free (another process holds the rest): lower "
             f"--gpu-memory-utilization to {max(mem.free / mem.total - 0.01, 0):.2f} or set --vram-limit "
-            f"{mem.free / GIB:.0f}, or free the device")
+            f"{mem.free / GIB:.0f}, or free the device", name)
     return budget
 
 
@@ -134,7 +147,7 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
         mine = [s for s in stages if s.device == name]
         fixed = sum(s.fixed for s in mine)
         if fixed > budget:
-            raise MemoryPlanError(_too_big(mine, name, budget, fixed, limits))
+            raise MemoryPlanError(_too_big(mine, name, budget, fixed, limits), name)
         per_block = sum(s.block for s in mine)
         if per_block == 0:
             continue
@@ -142,7 +155,7 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
         if limits.kv_cache_memory_bytes:
             blocks = min(blocks, min(limits.kv_cache_memory_bytes // s.block for s in mine if s.block) - 1)
         if blocks < per_seq:
-            raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits))
+            raise MemoryPlanError(_no_room_for_kv(mine, name, budget, fixed, per_block, per_seq, limits), name)
         if blocks < fit:
             fit, limited_by = blocks, (f"{name}'s budget ({_budget_rule(limits)}"
                                        + (", --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "") + ")"
@@ -158,12 +171,133 @@ def plan(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: Pla
                 f"experts and headroom), {max(blocks, 0)} blocks of {limits.block_size} tokens at {host_block} bytes "
                 f"each for all stages; one sequence of --max-model-len {limits.max_model_len} needs {per_seq}. Use "
                 f"--max-model-len {max(blocks, 0) * limits.block_size} or less, keep fewer experts in host RAM, "
-                f"or run without --qsa-kv-offload")
+                f"or run without --qsa-kv-offload", "host RAM")
         if blocks < fit:
             fit, limited_by = blocks, (f"host RAM for QSA K/V ({limits.host_kv_bytes / GIB:.2f} GiB available after "
                                        f"cold experts and headroom; {per_seq * host_block / GIB:.2f} GiB a sequence)")
     return MemoryPlan(num_blocks=fit, budgets=budgets, stages=stages, per_seq=per_seq,
-                      max_num_seqs=limits.max_num_seqs, limited_by=limited_by)
+                      max_num_seqs=limits.max_num_seqs, limited_by=limited_by, max_model_len=limits.max_model_len)
+
+
+PlanInputs = tuple[list[StageNeeds], dict[str, DeviceMemory], PlanLimits]
+
+
+def fit_step(block_size: int) -> int:
+    """A fitted max_model_len is a multiple of this: 1024 where the block size divides it, else the multiple of the
+    block size nearest below 1024 (whole blocks either way)."""
+    return 1024 if 1024 % block_size == 0 else block_size * max(1024 // block_size, 1)
+
+
+def fit_max_model_len(stages: list[StageNeeds], devices: dict[str, DeviceMemory], limits: PlanLimits,
+                      needs_at: Callable[[int], PlanInputs], user_set: bool, minimum: int = MIN_FITTED_LEN,
+                      tries: int = 3) -> MemoryPlan:
+    """The plan at `limits.max_model_len`; when that is refused and the user did not set --max-model-len (it is
+    the model's own length), the plan at the longest shorter length that fits instead, its `fitted` line saying so
+    (llama.cpp's `--fit`, vLLM's `--max-model-len auto`): a multiple of `fit_step`, at least `minimum`.
+
+    What a length needs is measured again for each candidate (`needs_at(length)`: the plan's inputs at that length,
+    from the needs process; the prefill chunk's reserve grows with the context, `StageNeeds.reserve_context`), at
+    most `tries` times: a candidate is the longest length the lengths measured so far predict to fit (their
+    reserves interpolated, below the shortest scaled with its context part), the last try `minimum` while none has
+    fit; the answer is the longest that fit for real. Refused with the first refusal when the user set the length
+    or when nothing from `minimum` up fits (weights alone too big, a device already busy: no length helps)."""
+    try:
+        return plan(stages, devices, limits)
+    except MemoryPlanError as exc:
+        if user_set:
+            raise
+        refusal = exc
+    full, step = limits.max_model_len, fit_step(limits.block_size)
+    lowest = -(-minimum // step) * step
+    measured = {full: stages}
+    best, failed = None, full
+    for n in range(tries):
+        cand = _predicted_fit(measured, devices, limits, lowest, failed, step)
+        if best is None and n == tries - 1 and lowest < failed and cand is not None:
+            cand = lowest                   # no prediction has held: does the shortest allowed fit?
+        if cand is None or (best is not None and cand <= best.max_model_len):
+            break
+        got, devices, limits = needs_at(cand)
+        limits = dataclasses.replace(limits, max_model_len=cand)
+        measured[cand] = got
+        try:
+            best = plan(got, devices, limits)
+        except MemoryPlanError:
+            failed = cand
+        if best is not None and failed - best.max_model_len <= step:
+            break
+    if best is None:
+        raise refusal
+    offload = any(s.offload_helps for s in best.stages)
+    where = refusal.where or "the devices"
+    best.fitted = (f"moepipe: --max-model-len not set: one sequence of the model's {full} tokens (its KV and the "
+                   f"prefill chunk's scratch at that context) does not fit in what {where} leaves after "
+                   f"{'cold experts' if where == 'host RAM' else 'the weights'}; serving with --max-model-len {best.max_model_len}, the longest found "
+                   f"to fit (pass --max-model-len to choose; more GPUs with --stages, a higher "
+                   f"{_budget_flag(limits)}" + (" or --qsa-kv-offload" if offload else "") + " give more)")
+    return best
+
+
+def _predicted_fit(measured: dict[int, list[StageNeeds]], devices: dict[str, DeviceMemory], limits: PlanLimits,
+                   lowest: int, below: int, step: int) -> int | None:
+    """The longest multiple of `step` from `lowest` up and under `below` that the plan accepts with the needs
+    `_needs_between` predicts; None when not even `lowest` is predicted to fit."""
+    def fits(k: int) -> bool:
+        length = k * step
+        try:
+            plan(_needs_between(measured, length), devices, dataclasses.replace(limits, max_model_len=length))
+        except MemoryPlanError:
+            return False
+        return True
+
+    lo, hi = lowest // step, (below - 1) // step
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def _needs_between(measured: dict[int, list[StageNeeds]], length: int) -> list[StageNeeds]:
+    """Each stage's needs at `length` from those measured at other lengths: the reserve (and its context part)
+    interpolated between the nearest measured lengths around it, rounded up; below the shortest, on the line
+    through the two shortest, or with one, its context part scaled with the length (the chunk's attention scratch
+    is about proportional to the context); above the longest, the longest's. Nothing else depends on the length."""
+    points = sorted(measured)
+    under = [p for p in points if p <= length]
+    over = [p for p in points if p >= length]
+    if not over:
+        return measured[under[-1]]
+    if not under:
+        top = over[0]
+        if len(over) == 1:
+            out = []
+            for s in measured[top]:
+                ctx = -(-s.reserve_context * length // top)
+                out.append(dataclasses.replace(s, reserve=s.reserve - s.reserve_context + ctx, reserve_context=ctx))
+            return out
+        lo, hi = top, over[1]           # a line through the two shortest (a refused prediction corrects the next)
+        out = []
+        for a, b in zip(measured[lo], measured[hi], strict=True):
+            def back(x: int, y: int) -> int:
+                return max(x - max(y - x, 0) * (lo - length) // (hi - lo), 0)
+            out.append(dataclasses.replace(a, reserve=back(a.reserve, b.reserve),
+                                           reserve_context=back(a.reserve_context, b.reserve_context)))
+        return out
+    lo, hi = under[-1], over[0]
+    if lo == hi:
+        return measured[lo]
+    out = []
+    for a, b in zip(measured[lo], measured[hi], strict=True):
+        def between(x: int, y: int) -> int:
+            return x + -(-(y - x) * (length - lo) // (hi - lo))
+        out.append(dataclasses.replace(b, reserve=between(a.reserve, b.reserve),
+                                       reserve_context=between(a.reserve_context, b.reserve_context)))
+    return out
 
 
 def host_kv_room(available: int, stages: list[StageNeeds], headroom: int = 2 * GIB) -> int:

@@ -274,3 +274,223 @@ def test_dummy_int4_experts_are_loaded_and_planned_packed(tiny_checkpoint):
     assert all(m.packed_group for m in model.moe_layers().values())
     with pytest.raises(Exception, match="dummy_quant"):
         dataclasses.replace(base, dummy_quant="int3").validate()
+
+
+# ---- --max-model-len unset: the longest length that fits (fit_max_model_len) -----------------------------------------
+
+FULL = 262144
+KV_BLOCK = 1 << 18                      # one 16-token block on the device (the H200 report's 262144 bytes)
+
+
+def _needs_fn(budget_gib: float, context_per_token: int = 96 << 10, offset: int = 0, square: float = 0.0):
+    """A stage of 100 GiB of weights whose prefill reserve grows with max_model_len (`reserve_context`: `offset` +
+    `context_per_token` a token + `square` x tokens^2), as the needs process measures it at each length; and the
+    lengths it was asked at."""
+    asked = []
+    device = {"cuda:0": DeviceMemory(total=int(budget_gib / 0.9 * GIB) + GIB, free=140 * GIB)}
+    limits = PlanLimits(block_size=16, max_model_len=FULL, max_num_seqs=8,
+                        vram_limit=int(budget_gib * GIB))
+
+    def needs(length: int, record: bool = True):
+        if record:
+            asked.append(length)
+        ctx = offset + context_per_token * length + int(square * length * length)
+        stage = StageNeeds(stage=0, layers=(0, 32), device="cuda:0", weights=100 * GIB, state=GIB, block=KV_BLOCK,
+                           reserve=GIB + ctx, reserve_context=ctx)
+        return [stage], device, dataclasses.replace(limits, max_model_len=length)
+
+    return needs, asked
+
+
+def _fits(needs, length: int) -> bool:
+    try:
+        plan(*needs(length, record=False))
+    except MemoryPlanError:
+        return False
+    return True
+
+
+def _longest(needs, step: int = 1024, lowest: int = 4096) -> int:
+    """The brute-force answer: the longest multiple of `step` from `lowest` up that fits for real."""
+    fitting = [k for k in range(lowest, FULL, step) if _fits(needs, k)]
+    return max(fitting) if fitting else 0
+
+
+def test_an_unset_max_model_len_is_fitted_to_the_longest_length_that_fits():
+    from shared.memory_plan import fit_max_model_len
+
+    needs, asked = _needs_fn(127)                # 1 GiB left for KV at the model's length: 4096 of 16384 blocks
+    with pytest.raises(MemoryPlanError, match="one sequence of --max-model-len 262144 needs 16384"):
+        plan(*needs(FULL, record=False))
+    p = fit_max_model_len(*needs(FULL, record=False), needs, user_set=False)
+    best = _longest(needs)
+    assert 4096 < best < FULL and p.max_model_len == best and p.max_model_len % 1024 == 0
+    assert not _fits(needs, best + 1024)
+    assert asked[-1] == best or best in asked                    # the answer's needs were measured at its length
+    assert len(asked) <= 3
+    assert p.num_blocks >= p.per_seq == best // 16 and p.full_sequences >= 1
+    assert f"--max-model-len not set: one sequence of the model's {FULL} tokens" in p.fitted
+    assert f"serving with --max-model-len {best}" in p.fitted and "cuda:0" in p.fitted
+    assert "pass --max-model-len to choose" in p.fitted and "--vram-limit" in p.fitted and "\n" not in p.fitted
+    roomy, _ = _needs_fn(130, context_per_token=0)
+    assert fit_max_model_len(*roomy(FULL, record=False), roomy, user_set=False).fitted == ""   # the model's fits
+
+
+def test_the_prefill_reserve_is_measured_again_at_the_chosen_length():
+    """The context part of the reserve has an offset (a proportional extrapolation from the model's length
+    under-counts it at shorter ones): the first prediction does not fit for real, and the answer is one measured
+    to fit; a reserve growing faster than the context (interpolation over-counts) still ends at a length that fits."""
+    from shared.memory_plan import fit_max_model_len
+
+    needs, asked = _needs_fn(127, offset=6 * GIB, context_per_token=64 << 10)
+    p = fit_max_model_len(*needs(FULL, record=False), needs, user_set=False)
+    assert len(asked) >= 2 and not _fits(needs, asked[0])       # the extrapolation alone would not have started
+    assert p.max_model_len in asked and _fits(needs, p.max_model_len)
+    assert p.max_model_len == _longest(needs)
+    assert p.stages[0].reserve == needs(p.max_model_len, record=False)[0][0].reserve   # the measured needs planned
+
+    convex, asked = _needs_fn(127, context_per_token=16 << 10, square=0.4)
+    assert not _fits(convex, FULL)
+    p = fit_max_model_len(*convex(FULL, record=False), convex, user_set=False)
+    assert len(asked) <= 3 and p.max_model_len in asked and _fits(convex, p.max_model_len)
+    assert p.max_model_len >= _longest(convex) - 2 * 1024
+
+
+def test_an_explicit_max_model_len_is_honoured_or_refused():
+    from shared.memory_plan import fit_max_model_len
+
+    needs, asked = _needs_fn(127)
+    with pytest.raises(MemoryPlanError, match="one sequence of --max-model-len 262144 needs 16384") as err:
+        fit_max_model_len(*needs(FULL, record=False), needs, user_set=True)
+    assert "Use --max-model-len" in str(err.value) and asked == []
+
+
+def test_the_fitted_length_respects_the_minimum_and_nothing_shorter_is_served():
+    from shared.memory_plan import fit_max_model_len
+
+    # room for 4096 tokens and not 5120: 4096 is served
+    fixed = 100 * GIB + GIB + GIB + (96 << 10) * 4096
+    exact = (fixed + (4096 // 16 + 1) * KV_BLOCK) / GIB
+    needs, _ = _needs_fn(exact)
+    assert _fits(needs, 4096) and not _fits(needs, 5120)
+    assert fit_max_model_len(*needs(FULL, record=False), needs, user_set=False).max_model_len == 4096
+    # room for 3072: below the minimum, refused with the model length's numbers
+    needs, _ = _needs_fn(exact - 0.05)
+    assert _fits(needs, 3072) and not _fits(needs, 4096)
+    with pytest.raises(MemoryPlanError, match="prefill chunk at --max-model-len 262144"):
+        fit_max_model_len(*needs(FULL, record=False), needs, user_set=False)
+    # a lower minimum of the caller's serves it
+    assert fit_max_model_len(*needs(FULL, record=False), needs, user_set=False, minimum=2048).max_model_len == 3072
+
+
+def test_nothing_fits_when_the_weights_alone_are_too_big_or_the_device_is_busy():
+    from shared.memory_plan import fit_max_model_len
+
+    needs, asked = _needs_fn(100)
+    with pytest.raises(MemoryPlanError, match="before any KV cache"):
+        fit_max_model_len(*needs(FULL, record=False), needs, user_set=False)
+    assert asked == []                                 # no length would help: none is measured
+    needs, asked = _needs_fn(125)
+    stages, _, limits = needs(FULL, record=False)
+    busy = {"cuda:0": DeviceMemory(total=141 * GIB, free=40 * GIB)}
+    with pytest.raises(MemoryPlanError, match="only 40.00 of 141.00 GiB are free"):
+        fit_max_model_len(stages, busy, limits, needs, user_set=False)
+    assert asked == []
+
+
+def test_a_prefill_reserve_larger_than_the_device_is_fitted_too():
+    """At the model's length the prefill chunk's scratch alone leaves no room for the weights (the plan's first
+    refusal, not the KV's): a shorter length fits, and the line names the device."""
+    from shared.memory_plan import fit_max_model_len
+
+    needs, _ = _needs_fn(127, context_per_token=128 << 10)
+    with pytest.raises(MemoryPlanError, match="before any KV cache"):
+        plan(*needs(FULL, record=False))
+    p = fit_max_model_len(*needs(FULL, record=False), needs, user_set=False)
+    assert p.max_model_len == _longest(needs) > 4096 and "in what cuda:0 leaves" in p.fitted
+
+
+def test_the_fitted_length_is_whole_blocks_of_a_block_size_that_does_not_divide_1024():
+    from shared.memory_plan import fit_max_model_len, fit_step
+
+    assert fit_step(16) == 1024 and fit_step(48) == 1008 and fit_step(2048) == 2048
+    needs, _ = _needs_fn(127)
+
+    def by48(length: int, record: bool = True):
+        stages, devices, limits = needs(length, record)
+        return stages, devices, dataclasses.replace(limits, block_size=48)
+
+    p = fit_max_model_len(*by48(FULL, record=False), by48, user_set=False)
+    assert p.max_model_len % 1008 == 0 and p.max_model_len % 48 == 0
+    assert not _fits(by48, p.max_model_len + 1008)
+
+
+def test_serve_writes_the_fitted_length_where_every_process_reads_it(tiny_checkpoint, tmp_path, monkeypatch):
+    """`moepipe serve --device cuda` without --max-model-len on a device whose KV room is too small for the
+    model's 8192 tokens: the plan is made again at the chosen length (the needs process reads it from the config
+    file it is given), the line is printed, and cluster.toml, which the gateway, its engine core and the stages
+    read, carries the chosen length as a --max-model-len flag would. With --max-model-len 8192 the same device
+    refuses. The needs process and the GPU count are stood in for."""
+    import json
+    import subprocess
+
+    import torch
+
+    from gateway import launcher
+    from shared.cluster_config import load_cluster_config
+
+    cfg = load_config(tiny_checkpoint)
+    assert cfg.max_position_embeddings == 8192
+    ctx = lambda length: 2000 * length                                              # noqa: E731
+    sizes = {}
+    real_run = subprocess.run
+
+    def measure(cluster, c, stage, dtype):
+        length = cluster.max_model_len or c.max_position_embeddings
+        return (1 << 20) + ctx(length), ctx(length)
+
+    def run(cmd, **kw):
+        if cmd[1:3] != ["-m", "stage_worker.memory_needs"]:
+            return real_run(cmd, **kw)
+        cluster = load_cluster_config(cmd[-1])
+        needs = [vars(n) for n in stage_needs(cfg, cluster, measure)]
+        sizes.setdefault("asked", []).append(cluster.max_model_len)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"stages": needs, "devices": sizes["devices"]}), "")
+
+    monkeypatch.setattr(launcher.subprocess, "run", run)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    probe = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", gpu_memory_utilization=1.0,
+                          stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")]).for_model(cfg)
+    (need,) = stage_needs(cfg, dataclasses.replace(probe, max_model_len=6144), measure)
+    size = need.fixed + (6144 // probe.block_size + 1) * need.block             # room for 6144 tokens, not 7168
+    sizes["devices"] = {"cuda:0": {"total": size, "free": size}}
+
+    opts = launcher.ServeOptions(model=tiny_checkpoint, device="cuda", run_dir=tmp_path / "run",
+                                 extra={"gpu_memory_utilization": 1.0, "load_format": "dummy"})
+    cluster = launcher.Cluster(opts)
+    assert sizes["asked"][0] == 0 and 6144 in sizes["asked"]                  # measured again at the chosen length
+    assert cluster.cluster.max_model_len == 6144 and cluster.plan.max_model_len == 6144
+    written = load_cluster_config(cluster.config_path).for_model(cfg)
+    assert written.max_model_len == 6144 and written.num_blocks == cluster.plan.num_blocks
+    assert all(cmd[cmd.index("--config") + 1] == str(cluster.config_path) for cmd in cluster.commands.values())
+    cluster.stop()
+
+    sizes["asked"] = []
+    opts = dataclasses.replace(opts, run_dir=tmp_path / "explicit",
+                               extra={**opts.extra, "max_model_len": 8192})
+    with pytest.raises(RuntimeError, match="the model does not fit: cuda:0: .*--max-model-len 8192 needs 512"):
+        launcher.Cluster(opts)
+    assert sizes["asked"] == [8192]
+
+
+def test_the_cpu_path_plans_nothing_and_keeps_the_model_length(tiny_checkpoint, tmp_path, monkeypatch):
+    from gateway import launcher
+
+    def run(cmd, **kw):
+        raise AssertionError(f"no needs process for CPU stages: {cmd}")
+
+    monkeypatch.setattr(launcher.subprocess, "run", run)
+    cluster = launcher.Cluster(launcher.ServeOptions(model=tiny_checkpoint, run_dir=tmp_path))
+    assert cluster.cluster.max_model_len == 0 and not hasattr(cluster, "plan")
+    assert "max_model_len = 0" in cluster.config_path.read_text()
+    cluster.stop()
