@@ -119,6 +119,10 @@ class ClusterConfig:
     expert_move_interval: int = 1
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
+    # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
+    # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
+    # bit. Off until the H200 A/B times it (docs/performance.md, issue 16).
+    expert_move_fused: bool = False
     # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
     # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the
     # kernels and moves take the same tensors (two views of the range). Where the driver refuses, one warning and the
@@ -360,6 +364,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
+        "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",

@@ -109,12 +109,20 @@ class StageExperts:
         return out
 
     @torch.no_grad()
-    def move_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
+    def move_round(self, gates: list[torch.Tensor], decay: float, margin: float, fused: bool = False) -> torch.Tensor:
         """Decay the counts and swap, per layer, the most used host slot with the least used device slot if it
         beats it by `margin` (rows, router rows, counts, slot map); `gates` are the layers' router weights [E, H]
-        (slot order). Queued on the current stream; nothing waits. Returns the decisions [L, 3]."""
-        from stage_worker.kernels.expert_moves import decide, swap_rows, swap_usable   # Triton: lazily
+        (slot order). Queued on the current stream; nothing waits. Returns the decisions [L, 3]. `fused`
+        (`expert_move_fused`, where the swap kernel runs): the decision and the counts / slot-map / move-counter
+        bookkeeping in one launch (`decide_settle`; the swap kernels read only the decisions and the rows, so the
+        bookkeeping may come first), then one swap launch per kind of row; the same results bit for bit."""
+        from stage_worker.kernels.expert_moves import decide, decide_settle, swap_rows, swap_usable   # Triton: lazily
 
+        if fused and swap_usable(self.counts):
+            dec = decide_settle(self.counts, self.hot, self.expert_of_slot, self.moves, decay, margin)
+            for plan, idx in self._swap_plans(gates):
+                swap_rows(plan, dec, layers=idx)
+            return dec
         dec = decide(self.counts, self.hot, decay, margin)
         if swap_usable(self.counts):
             for plan, idx in self._swap_plans(gates):

@@ -364,7 +364,8 @@ class StageRunner:
         self.launches += 1
         if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
             with record_function("stage.expert_moves"):
-                self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin)
+                self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin,
+                                        fused=self.cluster.expert_move_fused)
         if self.experts is not None and self.launches % 16 == 0:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:

@@ -11,8 +11,16 @@ layer's router), so every row is addressed as an element offset from one anchor 
 row reaches all layers, on the device and in host memory alike (UVA). Then the counts, the slot -> expert map and
 the move counters are swapped with gathers and scatters on the device.
 
-Reference: `expert_moves_ref.swap_rows_ref` (and the whole round, `move_round_ref`); test: tests/test_expert_table.py
-(CPU under TRITON_INTERPRET=1). Switch: cluster key `expert_moves` (MOEPIPE_EXPERT_MOVES=0).
+With `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED=1) `decide_settle` does `decide` and that bookkeeping in one
+launch (one program per layer: decay, pick, counts / slot-map / move-counter swap, `dec` written for the swap
+launches), and a kind of row that covers only some layers reads its layers' decisions through an index instead of an
+`index_select`: a round is one launch plus one per kind of row instead of ~30 eager launches, each a few us of host
+time between steps. The bookkeeping may run before the rows move because the swap kernels read only `dec` and the
+rows. Bit for bit the same counts, slot map, move counters, decisions and rows (tests/test_expert_moves_fused.py).
+
+Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
+tests/test_expert_table.py, tests/test_expert_moves_fused.py (CPU under TRITON_INTERPRET=1). Switches: cluster keys
+`expert_moves` (MOEPIPE_EXPERT_MOVES=0) and `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED).
 """
 
 from __future__ import annotations
@@ -29,15 +37,21 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _swap_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, N, BLOCK: tl.constexpr):
+    def _swap_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, layers_ptr, N, BLOCK: tl.constexpr,
+                     HAS_LAYERS: tl.constexpr):
         """Layer program_id(0): if its decision says move, swap the BLOCK elements program_id(1) of the rows of
         slots i and j. Slot s < split is row s at dev_off, else row s - split at host_off (element offsets from
-        anchor_ptr)."""
+        anchor_ptr). HAS_LAYERS: the plan's layer k reads decision row layers[k] (a kind of row that covers only
+        some layers), else row k."""
         layer = tl.program_id(0)
-        go = tl.load(dec_ptr + layer * 3 + 2)
+        if HAS_LAYERS:
+            row = tl.load(layers_ptr + layer)
+        else:
+            row = layer
+        go = tl.load(dec_ptr + row * 3 + 2)
         if go != 0:
-            i = tl.load(dec_ptr + layer * 3)
-            j = tl.load(dec_ptr + layer * 3 + 1)
+            i = tl.load(dec_ptr + row * 3)
+            j = tl.load(dec_ptr + row * 3 + 1)
             split = tl.load(split_ptr + layer)
             dev = tl.load(dev_off_ptr + layer)
             host = tl.load(host_off_ptr + layer)
@@ -49,6 +63,43 @@ if triton is not None:
             y = tl.load(anchor_ptr + b + offs, mask=mask)
             tl.store(anchor_ptr + a + offs, y, mask=mask)
             tl.store(anchor_ptr + b + offs, x, mask=mask)
+
+    @triton.jit
+    def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
+                              BLOCK_E: tl.constexpr):
+        """Layer program_id(0)'s round bookkeeping, as `decide` then `settle_ref` on its row: decay its counts (one
+        fp32 multiply, as `counts.mul_(decay)`), pick the device slot i < hot with the lowest count and the host slot
+        j >= hot with the highest (ties: the lowest slot, as torch's argmin / argmax; no device slot: i = 0, no host
+        slot: j = 0), go = counts[j] > counts[i] + margin and 0 < hot < E; write (i, j, go) to dec, and on go swap
+        the counts and slot-map entries of i and j and add 1 to the layer's move counter."""
+        layer = tl.program_id(0)
+        base = layer.to(tl.int64) * E
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        c = tl.load(counts_ptr + base + offs, mask=valid, other=0.0) * decay
+        hot = tl.load(hot_ptr + layer)
+        is_hot = offs < hot
+        dc = tl.where(valid & is_hot, c, float("inf"))
+        hc = tl.where(valid & (offs >= hot), c, float("-inf"))
+        ci = tl.min(dc, axis=0)                            # an element of c, or inf (no device slot)
+        cj = tl.max(hc, axis=0)                            # an element of c, or -inf (no host slot)
+        i = tl.min(tl.where(valid & (dc == ci), offs, BLOCK_E), axis=0)
+        j = tl.min(tl.where(valid & (hc == cj), offs, BLOCK_E), axis=0)
+        go = (cj > ci + margin) & (hot > 0) & (hot < E)
+        tl.store(dec_ptr + layer * 3, i.to(tl.int64))
+        tl.store(dec_ptr + layer * 3 + 1, j.to(tl.int64))
+        tl.store(dec_ptr + layer * 3 + 2, go.to(tl.int64))
+        # the slots that trade places (-1: none); with go, ci and cj are counts[i] and counts[j]
+        ii = tl.where(go, i, -1)
+        jj = tl.where(go, j, -1)
+        c = tl.where(offs == ii, cj, tl.where(offs == jj, ci, c))
+        tl.store(counts_ptr + base + offs, c, mask=valid)          # every lane decayed, the pair swapped
+        pair = valid & ((offs == ii) | (offs == jj))
+        m = tl.load(slot_map_ptr + base + offs, mask=pair, other=0)
+        mi = tl.sum(tl.where(offs == ii, m, 0), axis=0)
+        mj = tl.sum(tl.where(offs == jj, m, 0), axis=0)
+        tl.store(slot_map_ptr + base + offs, tl.where(offs == ii, mj, mi), mask=pair)
+        tl.store(moves_ptr + layer, tl.load(moves_ptr + layer) + go.to(tl.int64))
 
 
 @dataclass
@@ -95,12 +146,32 @@ def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float)
     return torch.stack([i, j, go.long()], dim=1)
 
 
-def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096) -> None:
-    """Exchange slots dec[l, 0] and dec[l, 1] of every layer l with dec[l, 2] != 0 (see `_swap_kernel`)."""
+def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None) -> None:
+    """Exchange slots dec[l, 0] and dec[l, 1] of every layer l with dec[l, 2] != 0 (see `_swap_kernel`). `layers`
+    (int64 [plan's layers], on the device): the plan's k-th layer takes decision row layers[k] of a stage-wide `dec`
+    (the same as passing `dec.index_select(0, layers)`, without that launch)."""
     n = plan.row_elems
     block = min(block, triton.next_power_of_2(n))
-    _swap_kernel[(plan.dev_off.numel(), triton.cdiv(n, block))](plan.anchor, plan.dev_off, plan.host_off,
-                                                                plan.split, dec, n, BLOCK=block)
+    _swap_kernel[(plan.dev_off.numel(), triton.cdiv(n, block))](
+        plan.anchor, plan.dev_off, plan.host_off, plan.split, dec, dec if layers is None else layers, n,
+        BLOCK=block, HAS_LAYERS=layers is not None)
+
+
+def decide_settle(counts: torch.Tensor, hot: torch.Tensor, expert_of_slot: torch.Tensor, moves: torch.Tensor,
+                  decay: float, margin: float) -> torch.Tensor:
+    """`decide` and `expert_moves_ref.settle_ref` in one launch (`_decide_settle_kernel`, one program per layer):
+    counts fp32 [L, E] (decayed, and the moving slots' counts swapped, in place), hot int64 [L], expert_of_slot
+    int32 [L, E] (the moving slots' entries swapped), moves int64 [L] (+1 where a layer moves) -> decisions int64
+    [L, 3] for `swap_rows`, equal to `decide`'s. All contiguous, on one device."""
+    L, E = counts.shape
+    for t in (counts, hot, expert_of_slot, moves):
+        if not t.is_contiguous():
+            raise ValueError("decide_settle takes contiguous tensors")
+    dec = torch.empty(L, 3, dtype=torch.int64, device=counts.device)
+    block = triton.next_power_of_2(E)
+    _decide_settle_kernel[(L,)](counts, expert_of_slot, hot, moves, dec, E, float(decay), float(margin),
+                                BLOCK_E=block, num_warps=4 if block <= 1024 else 8)
+    return dec
 
 
 def swap_usable(t: torch.Tensor) -> bool:
