@@ -212,7 +212,8 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
         tokens.append(t)
         logprobs.append(float(lp[t]))
         if moves and model.experts is not None:
-            model.experts.move_round(gates(model), 0.5, 0.0)
+            model.experts.move_round(gates(model), 0.5, 0.0,
+                                     fused=bool(env_overrides().get("expert_move_fused", False)))
         logits = engine.step([(0, [t])])[-1]
     out = {"tokens": tokens, "logprobs": logprobs}
     if model.experts is not None:
@@ -221,12 +222,21 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
     return out
 
 
+def _round_cols(r: dict) -> str:
+    """A move round's median host launch time and GPU span (outside the timed step), or '-' without moves."""
+    if r["round_host_ms"] is None:
+        return "-"
+    return f"{r['round_host_ms']:.3f}/{r['round_gpu_ms']:.3f}"
+
+
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "") -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = bool(env_overrides().get("expert_vmm_table", False))
+    # MOEPIPE_EXPERT_MOVE_FUSED=1: the move round in one decide-and-settle launch plus the swaps, as a served stage
+    fused = bool(env_overrides().get("expert_move_fused", False))
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm), cfg)
@@ -254,13 +264,22 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                 engine.step([(i, [11 + i] * 8)])
             reads0 = moves0 = 0
             times = []
+            round_host: list[float] = []          # host seconds to launch a move round (outside the timed step)
+            round_events: list[tuple] = []        # its GPU span (events around it), read after the run
             for s in range(warmup + steps):
                 for i in range(batch):
                     ids = trace[kinds[i % len(kinds)]]
                     row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
                     replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
                 if moves and x is not None and s % interval == interval - 1:
-                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin)
+                    r0, r1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t_host = time.perf_counter()
+                    r0.record()
+                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused)
+                    r1.record()
+                    if s >= warmup:
+                        round_host.append(time.perf_counter() - t_host)
+                        round_events.append((r0, r1))
                 if s == warmup:
                     torch.cuda.synchronize()
                     if x is not None:
@@ -278,11 +297,14 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             K.route = replay.real_route
         del engine
         med = statistics.median(times)
+        round_gpu = [a.elapsed_time(b) / 1e3 for a, b in round_events]
         host = x.host_bytes() if x is not None else 0
         out.append({"batch": batch, "host_share": host / total_experts, "host_gib": host / (1 << 30),
                     "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
-                    "load_s": load_s, "quant": quant, "greedy": check})
+                    "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
+                    "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
+                    "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:
         x.host.close()                    # unregister now: the next model's table may map at the same address
     del model, x, replay
@@ -324,7 +346,7 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     policies = [tuple(float(v) if i else int(v) for i, v in enumerate(p.split(":"))) for p in args.policies.split(",")]
     print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
-          f"{'reads/tok':>9} {'moves/tok':>9}")
+          f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17}")
     base: dict[int, float] = {}
     for share in (float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
@@ -339,7 +361,7 @@ def main() -> int:
                       f"{':'.join(f'{v:g}' for v in policy) if moves else 'off':>9} {r['median_step_ms']:>8.2f} "
                       f"{r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
-                      f"{r['moves_per_token']:>9.3f}", flush=True)
+                      f"{r['moves_per_token']:>9.3f} {_round_cols(r):>17}", flush=True)
     ref = results[0]["greedy"]
     for r in results:
         g = r["greedy"]
