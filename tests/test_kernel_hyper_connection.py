@@ -183,6 +183,104 @@ def test_int8_mix_weights_are_read_in_place(dtype, rows):
         K.hc_mix(streams, weights[0], six, weights[2], weights[3], hc, EPS)
 
 
+def _folded_oracle(streams: torch.Tensor, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float) -> tuple:
+    """`ref.hc_mix` with the two-launch mix's rounding points (`fold_norm`, module docstring): the down and
+    block_inject GEMVs read the normed streams unrounded (fp32: r_s is only known after the loop), and INT8 weights
+    are dequantized in fp32 (the kernels scale each row's fp32 sum; the reference rounds each weight to the scales'
+    dtype). Everything else as the reference: bf16 rounding after each op. The yardstick for misplaced rounding
+    points; `ref.hc_mix` stays the oracle the tolerance is taken against."""
+    import torch.nn.functional as F
+
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight, dequantize_packed
+    from stage_worker.kernels.rmsnorm_ref import rmsnorm
+
+    def linear(x, w):
+        if isinstance(w, PackedWeight):
+            w = dequantize_packed(PackedWeight(w.words, w.scales.float(), w.bits, w.in_features, w.group))
+        return F.linear(x.float(), w.float()).to(streams.dtype)
+
+    hidden = streams.shape[-1] // hc
+    normed32 = rmsnorm(streams.float(), hc_norm_w, eps, group_size=hidden)
+    normed = normed32.to(streams.dtype).unflatten(-1, (hc, hidden))
+    w = F.silu(linear(normed32, down_w) / hc)
+    w = torch.sigmoid(linear(w, up_w)).unflatten(-1, (hc, hidden))
+    mixed = (w * normed).mean(dim=-2)
+    return mixed, None if inject_w is None else 2 * torch.sigmoid(linear(normed32, inject_w) / hc)
+
+
+# (rows, previous block's injection, block_inject rows, INT8 down / up, dtype, (hidden, hc, rank), shipped tiles):
+# every pair of rows x injection x block_inject x weights once; hc 3 / hidden 24 pads the stream and H tiles (every
+# mask). Without shipped tiles: programs of 4 down rows and 16-wide H tiles (the shipped configs: 1 row, 4-8 wide),
+# the same code, masks and first-program stores over fewer programs for the interpreter.
+FOLD_CASES = [(1, True, True, False, torch.bfloat16, (16, 4, 4), False),
+              (1, False, False, True, torch.bfloat16, (16, 4, 4), False),
+              (3, True, False, True, torch.bfloat16, (24, 3, 8), True),
+              (3, False, True, False, torch.bfloat16, (24, 3, 8), False),
+              (4, True, True, True, torch.bfloat16, (16, 4, 4), False),
+              (4, False, False, False, torch.bfloat16, (16, 4, 4), False),
+              (3, True, True, False, torch.float32, (24, 3, 8), False),
+              (4, True, True, True, torch.float32, (16, 4, 4), False)]
+
+
+@pytest.mark.parametrize("rows,injection,block,int8,dtype,shape,shipped", FOLD_CASES,
+                         ids=[f"T{c[0]}-{'inj' if c[1] else 'noinj'}-{'block' if c[2] else 'final'}-"
+                              f"{'int8' if c[3] else 'float'}-{str(c[4])[6:]}{'-shipped' if c[6] else ''}"
+                              for c in FOLD_CASES])
+def test_folded_norm_mix_matches_reference(monkeypatch, rows, injection, block, int8, dtype, shape, shipped):
+    """The two-launch mix (`fold_norm=True`: the RMSNorm folded into the down GEMV, normed formed again in the up
+    kernel) against the reference: the file's tolerances (fp32: 1e-5; bf16: the bf16 tolerance, with its one moved
+    rounding point; the injected streams bit-equal) and, bf16, bit-equal almost everywhere to `_folded_oracle`."""
+    hidden, hc, rank = shape
+    if not shipped:
+        monkeypatch.setattr(K, "FOLD_DOWN_CFG", {b: (4, 16, 4) for b in (1, 4, 16)})
+        monkeypatch.setattr(K, "UP_CFG", {b: (16, 512, 4) for b in (1, 4, 16)})
+    streams = _streams(rows, hc * hidden, dtype, seed=60 + rows)
+    weights = _weights(hidden, hc, rank, block, dtype, seed=61 + rows)
+    weights = _int8(weights) if int8 else weights
+    if injection:
+        out = _streams(rows, hidden, dtype, seed=62 + rows)
+        inj = (2 * torch.rand(rows, hc, generator=torch.Generator().manual_seed(63))).to(DEV, dtype)
+        new, mixed, w = K.hc_inject_mix(streams, out, inj, *weights, hc, EPS, fold_norm=True)
+        want_new = ref.hc_inject(streams, out, inj)
+        assert torch.equal(new, want_new)
+        assert torch.equal(streams, _streams(rows, hc * hidden, dtype, seed=60 + rows))   # input left alone
+    else:
+        mixed, w = K.hc_mix(streams, *weights, hc, EPS, fold_norm=True)
+        want_new = streams
+    assert mixed.dtype == dtype and mixed.shape == (rows, hidden) and (w is None) == (not block)
+    want = ref.hc_mix(want_new, *weights, hc, EPS)
+    oracle = _folded_oracle(want_new, *weights, hc, EPS)
+    for got, ref_want, fold_want in ((mixed, want[0], oracle[0]), (w, want[1], oracle[1]))[: 1 + block]:
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref_want, rtol=1e-4 if int8 else 1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), ref_want.float(), rtol=2e-2, atol=1e-2)
+            assert_bf16_close(got, fold_want)
+
+
+def test_fold_norm_switch_reaches_the_module_entry_points(monkeypatch):
+    """`FOLD_NORM` (MOEPIPE_HC_FOLD_NORM, off unless set) picks the path `hc_mix_module` / `hc_inject_mix_module`
+    (what `GatedResidual` calls with its kernel flag on) take: the two-launch mix's bits when on, the three
+    launches' when off (in bf16 they differ: the moved rounding point)."""
+    if "MOEPIPE_HC_FOLD_NORM" not in __import__("os").environ:
+        assert not K.FOLD_NORM
+    monkeypatch.setattr(K, "FOLD_DOWN_CFG", {b: (4, 16, 4) for b in (1, 4, 16)})
+    monkeypatch.setattr(K, "UP_CFG", {b: (16, 512, 4) for b in (1, 4, 16)})
+    module = _module(16, 4, 4, True).to(torch.bfloat16)
+    streams, out = _streams(2, 64, torch.bfloat16, seed=80), _streams(2, 16, torch.bfloat16, seed=81)
+    inj = (2 * torch.rand(2, 4, generator=torch.Generator().manual_seed(82))).to(DEV, torch.bfloat16)
+    w = _module_weights(module)
+    got = {}
+    with torch.no_grad():
+        for fold in (False, True):
+            monkeypatch.setattr(K, "FOLD_NORM", fold)
+            got[fold] = K.hc_mix_module(module, streams) + K.hc_inject_mix_module(module, streams, out, inj)
+            want = K.hc_mix(streams, *w, 4, EPS, fold_norm=fold) + K.hc_inject_mix(streams, out, inj, *w, 4, EPS,
+                                                                                  fold_norm=fold)
+            assert all(torch.equal(a, b) for a, b in zip(got[fold], want))
+    assert not torch.equal(got[True][0], got[False][0])
+
+
 @pytest.fixture
 def fp32_matmul_reduction():
     """cuBLAS may otherwise reduce bf16 split-K partial sums in bf16: a rounding point the model path does not
@@ -224,3 +322,61 @@ def test_real_shapes_bf16(rows, inject, fp32_matmul_reduction):
         out = _streams(rows, hidden, torch.bfloat16, seed=rows + 1)
         assert_bf16_close(K.hc_inject(streams, out, weights_out), ref.hc_inject(streams, out, weights_out),
                           max_mismatch=0.0)
+
+
+# F's tiles the timing test tries beside FOLD_DOWN_CFG: (rows a program, H tile, warps)
+FOLD_VARIANTS = [(1, 512, 4), (1, 512, 8), (1, 1024, 4), (2, 1024, 8)]
+
+
+@pytest.mark.gpu
+def test_folded_norm_timing(monkeypatch):
+    """The two-launch mix (`fold_norm`) against the three-launch one (h200-17: 2.5 + 4.3 + 5.3 us a mix, 97 mixes a
+    step) at the full shape: 4 streams of 2560, rank 320, block_inject rows and the previous block's injection (the
+    call most layers make), INT8 per-channel and bf16 down / up, 1 and 4 rows. Both agree with the reference first;
+    then each is timed inside one CUDA graph (`conftest.graph_us`), cycling through copies of the weights that
+    together exceed L2, so every mix reads its weights from HBM as in a step. Prints us a mix for three launches, two
+    (FOLD_DOWN_CFG) and two with FOLD_VARIANTS' tiles, and the saving over a step's 97 mixes: the numbers that decide
+    `FOLD_NORM`'s default (and F's tiles)."""
+    from conftest import graph_us
+
+    hidden, hc, rank = 2560, 4, 320
+    lines = []
+    for int8 in (True, False):
+        base = _weights(hidden, hc, rank, True, torch.bfloat16, seed=70)
+        base = _int8(base) if int8 else base
+        nbytes = sum(p.words.nbytes + p.scales.nbytes if hasattr(p, "words") else p.nbytes for p in base[1:3])
+        copies = []
+        for _ in range(max(1, min(16, (256 << 20) // nbytes))):
+            copies.append([base[0]] + [type(p)(p.words.clone(), p.scales.clone(), 8, p.in_features, p.group)
+                                       if hasattr(p, "words") else p.clone() for p in base[1:3]] + [base[3]])
+        for rows in (1, 4):
+            streams = _streams(rows, hc * hidden, torch.bfloat16, seed=71 + rows)
+            out = _streams(rows, hidden, torch.bfloat16, seed=72 + rows)
+            inj = (2 * torch.rand(rows, hc, generator=torch.Generator().manual_seed(73))).to(DEV, torch.bfloat16)
+            want_new = ref.hc_inject(streams, out, inj)
+            want, oracle = ref.hc_mix(want_new, *base, hc, EPS), _folded_oracle(want_new, *base, hc, EPS)
+            for fold in (False, True):
+                new, mixed, w = K.hc_inject_mix(streams, out, inj, *base, hc, EPS, fold_norm=fold)
+                assert torch.equal(new, want_new)
+                for got, ref_want, fold_want in ((mixed, want[0], oracle[0]), (w, want[1], oracle[1])):
+                    torch.testing.assert_close(got.float(), ref_want.float(), rtol=2e-2, atol=1e-2)
+                    if fold:
+                        assert_bf16_close(got, fold_want, max_mismatch=0.05)
+
+            def timed(fold: bool) -> float:
+                def call(i):
+                    K.hc_inject_mix(streams, out, inj, *copies[i % len(copies)], hc, EPS, fold_norm=fold)
+                return graph_us(call, calls=max(20, len(copies)), runs=5, warmup=len(copies))
+
+            three, two = timed(False), timed(True)
+            tries = []
+            for cfg in FOLD_VARIANTS:
+                with monkeypatch.context() as m:
+                    m.setitem(K.FOLD_DOWN_CFG, K._bucket(rows), cfg)
+                    tries.append(f"{cfg}: {timed(True):.1f}")
+            lines.append(f"{'int8' if int8 else 'bf16'} T={rows}: three launches {three:.1f} us, two (folded, "
+                         f"{K.FOLD_DOWN_CFG[K._bucket(rows)]}) {two:.1f} us, x97 mixes {97 * (three - two):+.0f} us a "
+                         f"step saved | folded tiles " + ", ".join(tries))
+        copies.clear()
+        torch.cuda.empty_cache()
+    print("\nGatedResidual mix, full shape, one CUDA graph, weights from HBM:\n" + "\n".join(lines))
