@@ -192,14 +192,19 @@ class SparseMoE(nn.Module):
             fused = self._packed_decode(x2, counts)
             if fused is not None:
                 return fused.view(x.shape)
-        logits = self.gate(x2)
         if self.kernels.moe and x.is_cuda:
+            from stage_worker.kernels import router_gemv
             from stage_worker.kernels.moe import route as route_kernel
             from stage_worker.kernels.common import triton_usable
 
             decode = x2.shape[0] * self.top_k <= DECODE_MAX_TK
-            weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
-                                        valid=self.valid_rows if decode else None)
+            valid = self.valid_rows if decode else None
+            if router_gemv.ROUTER_FUSED and type(self.gate) is nn.Linear and self.gate.bias is None:
+                # the router GEMV and the router in one launch (MOEPIPE_ROUTER_FUSED, off until the H200 times it)
+                weights, ids, _ = router_gemv.router_route(x2, self.gate.weight, self.top_k, self.renormalise,
+                                                           counts=counts, valid=valid)
+            else:
+                weights, ids = route_kernel(self.gate(x2), self.top_k, self.renormalise, counts=counts, valid=valid)
             weights = weights.to(x.dtype)
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
@@ -209,7 +214,7 @@ class SparseMoE(nn.Module):
                 out = self._packed_prefill(x2, ids, weights, False)      # the table's per-expert loop
         else:
             decode = False
-            weights, ids = route(logits, self.top_k, self.renormalise)
+            weights, ids = route(self.gate(x2), self.top_k, self.renormalise)
             if counts is not None:
                 count_ref(ids, counts)
             out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
@@ -241,8 +246,16 @@ class SparseMoE(nn.Module):
         if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
         k = self.top_k
-        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
-                             valid=self.valid_rows)
+        from stage_worker.kernels import router_gemv
+
+        if router_gemv.ROUTER_FUSED:
+            # the router GEMV and the router in one launch (MOEPIPE_ROUTER_FUSED, off until the H200 times it;
+            # the two launches below where it cannot: more than 16 tokens)
+            weights, ids, _ = router_gemv.router_route(x2, router, k, self.renormalise, shared=True, counts=counts,
+                                                       valid=self.valid_rows)
+        else:
+            weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
+                                 valid=self.valid_rows)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
         if shared is not None:
