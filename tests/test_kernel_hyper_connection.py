@@ -380,3 +380,38 @@ def test_folded_norm_timing(monkeypatch):
         copies.clear()
         torch.cuda.empty_cache()
     print("\nGatedResidual mix, full shape, one CUDA graph, weights from HBM:\n" + "\n".join(lines))
+
+
+def test_the_mix_kernels_compile_for_the_h200():
+    """The interpreter runs none of the GPU compiler: compile the folded down kernel (INT8 weights, injection on) and
+    the up kernel with FOLD, not yet run on a GPU, for sm_90 at the full shape (hc 4, H 2560, r 320) at one token,
+    so a compile error or a spill shows before a device call."""
+    from sm90_compile import run_compile_script
+
+    script = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import hyper_connection as M
+
+def build(fn, sig, const, warps):
+    sig = dict(sig, **dict.fromkeys(const, "constexpr"))
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+info = {}
+br, bh, warps = M.FOLD_DOWN_CFG[1]
+k = build(M._hc_fold_down_kernel, dict(x_ptr="*bf16", o_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16", r_ptr="*fp32",
+          nw_ptr="*bf16", down_ptr="*u8", ds_ptr="*bf16", inj_ptr="*bf16", a_ptr="*bf16", gi_ptr="*bf16", T="i32",
+          stride_x="i32", stride_o="i32", stride_y="i32", eps="fp32"),
+          dict(H=2560, R=320, HC=4, HC_P=4, INJECT=True, BLOCK_T=1, BLOCK_R=br, BLOCK_H=bh, Q8=True), warps)
+info["fold_down"] = ptxas_info(k.asm["ptx"])
+bh, bj, warps = M.UP_CFG[1]
+k = build(M._hc_up_mix_kernel, dict(n_ptr="*bf16", a_ptr="*bf16", up_ptr="*u8", us_ptr="*bf16", y_ptr="*bf16",
+          r_ptr="*fp32", nw_ptr="*bf16", T="i32", stride_n="i32", stride_y="i32"),
+          dict(H=2560, R=320, HC=4, BLOCK_T=1, BLOCK_H=bh, BLOCK_J=bj, Q8=True, FOLD=True), warps)
+info["up_fold"] = ptxas_info(k.asm["ptx"])
+print(json.dumps(info))
+"""
+    info = run_compile_script(script, timeout=300)
+    assert all(v["spill"] == 0 for v in info.values()), info

@@ -124,6 +124,21 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
 
 
 @triton.jit
+def _store_down(acc, is_down, a_ptr, g_ptr, row0, ts, outs, mt, mo, R: tl.constexpr, HC: tl.constexpr):
+    """The down kernels' epilogue, rounded where `GatedResidual.mix` rounds: a down row's sum / hc through SiLU into
+    a [T, R], or an injection row's through 2 * sigmoid into g [T, HC]."""
+    dt: tl.constexpr = a_ptr.dtype.element_ty
+    v = round_to(round_to(acc, dt) / HC, dt)
+    mask = mt[:, None] & mo[None, :]
+    if is_down:
+        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
+        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
+    else:
+        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
+        tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
+
+
+@triton.jit
 def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
@@ -148,15 +163,7 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
         acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    v = round_to(round_to(acc, dt) / HC, dt)
-    mask = mt[:, None] & mo[None, :]
-    if is_down:
-        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
-        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
-    else:
-        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
-        tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
+    _store_down(acc, is_down, a_ptr, g_ptr, row0, ts, outs, mt, mo, R, HC)
 
 
 @triton.jit
@@ -232,15 +239,7 @@ def _hc_fold_down_kernel(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, down_ptr, ds
         mo = outs < HC
         acc = _fold_rows_dot(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, inj_ptr, outs, mo, first, row0, T,
                              stride_x, stride_o, stride_y, eps, H, HC, HC_P, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_H)
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    v = round_to(round_to(acc, dt) / HC, dt)
-    mask = mt[:, None] & mo[None, :]
-    if is_down:
-        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
-        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
-    else:
-        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
-        tl.store(gi_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
+    _store_down(acc, is_down, a_ptr, gi_ptr, row0, ts, outs, mt, mo, R, HC)
 
 
 @triton.jit
