@@ -30,17 +30,87 @@ SLOWEST_FILES = ["test_train_demo.py", "test_demo_model.py", "test_cluster.py", 
                  "test_cold_set.py", "test_engine_core.py"]
 
 
+# Test files that share session resources (`shared`): each group runs on one xdist worker, its files one after the
+# other (`pytest_xdist_make_scheduler`), and what they share is stopped when the group's last test has run. "api": the
+# tiny checkpoint's 2-stage cluster (small_cluster_options) and its thinking-template 1-stage cluster, ~11 s of CPU
+# each to start; "corpus": the small training corpus (tools/build_corpus.py, ~8 s).
+SHARED_GROUPS = {"test_agents.py": "api", "test_responses_api.py": "api", "test_device_sampling_cluster.py": "api",
+                 "test_train_demo.py": "corpus", "test_route_trace.py": "corpus"}
+
+
+def _group(path) -> str:
+    name = Path(str(path)).name
+    return SHARED_GROUPS.get(name, name)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))   # stable: files stay whole
+    for name, group in SHARED_GROUPS.items():        # a group's files side by side, at its best-ranked file's place
+        rank[group] = min(rank.get(group, len(SLOWEST_FILES)), rank.get(name, len(SLOWEST_FILES)))
+    items.sort(key=lambda item: rank.get(_group(item.fspath), len(rank)))   # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the files of a SHARED_GROUPS group as one unit of work (one worker runs them all)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_GROUPS.get(Path(scope).name, scope)
+
+    return GroupedFiles(config, log)
+
+
+class _Shared:
+    """Resources the files of one SHARED_GROUPS group share: made by the first test that asks, stopped after the
+    group's last test (or when a test of another group or file follows: without xdist the groups still run whole,
+    in pytest_collection_modifyitems' order)."""
+
+    def __init__(self) -> None:
+        import contextlib
+
+        self.values: dict[str, object] = {}
+        self.stack = contextlib.ExitStack()
+
+    def get(self, key: str, make):
+        if key not in self.values:
+            self.values[key] = self.stack.enter_context(make())
+        return self.values[key]
+
+    def close(self) -> None:
+        self.values.clear()
+        self.stack.close()
+
+
+_SHARED = _Shared()
+
+
+def shared(key: str, make):
+    """The group's resource `key`, `make()` (a context manager) entered by the first caller."""
+    return _SHARED.get(key, make)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _SHARED.values and (nextitem is None or _group(nextitem.fspath) != _group(item.fspath)):
+        _SHARED.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """An interrupted or stopped run (-x, Ctrl-C) never reaches its group's last test: stop what it shared."""
+    _SHARED.close()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -173,6 +243,55 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from stage_worker.checkpoint.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def small_cluster(tiny_checkpoint: Path):
+    """The group's running small_cluster_options cluster on the tiny checkpoint (`shared`, group "api")."""
+    from gateway.launcher import Cluster
+
+    return shared("small_cluster", lambda: Cluster(small_cluster_options(tiny_checkpoint)))
+
+
+def thinking_cluster(tiny_checkpoint: Path, tmp: Path):
+    """The group's 1-stage cluster on a copy of the tiny checkpoint with a Qwen3-2507-style thinking template (the
+    generation prompt opens the think block, so the reply starts inside it; random weights never close it):
+    `shared`, group "api"; `tmp` holds the copy."""
+    def make():
+        import json
+        import shutil
+
+        from gateway.launcher import Cluster, ServeOptions
+        from stage_worker.checkpoint.tokenizer_files import CHAT_TEMPLATE
+
+        d = tmp / "tiny"
+        shutil.copytree(tiny_checkpoint, d)
+        opening = "{%- if enable_thinking is defined and enable_thinking is false -%}"
+        assert opening in CHAT_TEMPLATE
+        template = CHAT_TEMPLATE.replace(opening, "{%- if enable_thinking is not defined or enable_thinking -%}"
+                                         "{{- '<think>\\n' -}}{%- endif -%}" + opening)
+        (d / "chat_template.jinja").write_text(template)
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        return Cluster(ServeOptions(model=d, stages=1, port=free_port()))
+
+    return shared("thinking_cluster", make)
+
+
+def small_corpus(tmp: Path) -> Path:
+    """The group's tools/build_corpus.py corpus, 0.2 MB a kind, every 5th document held out (`shared`, group
+    "corpus"), written under `tmp`."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def make():
+        out = tmp / "corpus"
+        subprocess.run([sys.executable, str(ROOT / "tools/build_corpus.py"), "--out", str(out),
+                        "--max-mb-per-kind", "0.2", "--held-out-every", "5"], check=True, capture_output=True)
+        yield out
+
+    return shared("small_corpus", make)
 
 
 def cuda_us(fn, warmup: int = 3, reps: int = 20) -> float:

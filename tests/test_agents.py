@@ -15,8 +15,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
-from conftest import free_port, small_cluster_options
-from gateway.launcher import Cluster, ServeOptions
+from conftest import small_cluster, thinking_cluster
 from gateway.tokenizer import Tokenizer
 
 S = {"type": "string", "maxLength": 6}
@@ -70,8 +69,7 @@ def tiny(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    with Cluster(small_cluster_options(tiny)) as c:
-        yield c
+    return small_cluster(tiny)          # shared with the other files of the "api" group (conftest.SHARED_GROUPS)
 
 
 @pytest.fixture(scope="module")
@@ -204,23 +202,10 @@ def test_thinking_off_puts_everything_in_content(client):
 @pytest.fixture(scope="module")
 def thinking_server(tiny, tmp_path_factory):
     """The tiny checkpoint with a thinking template of the Qwen3-2507 kind: with thinking on, the generation prompt
-    opens the think block, so the reply starts inside it and only `</think>` can end it."""
-    import shutil
-
-    from stage_worker.checkpoint.tokenizer_files import CHAT_TEMPLATE
-
-    d = tmp_path_factory.mktemp("thinking") / "tiny"
-    shutil.copytree(tiny, d)
-    opening = "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    assert opening in CHAT_TEMPLATE
-    template = CHAT_TEMPLATE.replace(opening, "{%- if enable_thinking is not defined or enable_thinking -%}"
-                                     "{{- '<think>\\n' -}}{%- endif -%}" + opening)
-    (d / "chat_template.jinja").write_text(template)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with Cluster(ServeOptions(model=d, stages=1, port=free_port())) as c:
-        yield OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120)
+    opens the think block, so the reply starts inside it and only `</think>` can end it (conftest.thinking_cluster,
+    shared with the other files of the "api" group)."""
+    c = thinking_cluster(tiny, tmp_path_factory.mktemp("thinking"))
+    return OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120)
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import small_cluster_options
+from conftest import small_cluster, small_cluster_options
 from gateway.launcher import Cluster
 
 PROMPTS = ["The quick brown fox", "def parse(argv):", "Once upon a time"]
@@ -41,12 +41,16 @@ def _run(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def both(tiny_checkpoint):
-    results = {}
-    for on in (False, True):
-        opts = small_cluster_options(tiny_checkpoint)
-        opts = dataclasses.replace(opts, extra=dict(opts.extra, device_sampling=on))
-        with Cluster(opts) as c:
-            results[on] = _run(c.url)
+    """_run on the small cluster with device_sampling off, and on: the default, so the "api" group's shared
+    small_cluster (conftest.SHARED_GROUPS)."""
+    opts = small_cluster_options(tiny_checkpoint)
+    opts = dataclasses.replace(opts, extra=dict(opts.extra, device_sampling=False))
+    with Cluster(opts) as c:
+        assert not c.cluster.device_sampling
+        results = {False: _run(c.url)}
+    on = small_cluster(tiny_checkpoint)
+    assert on.cluster.device_sampling
+    results[True] = _run(on.url)
     return results
 
 

@@ -15,8 +15,7 @@ from openai import BadRequestError, OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import free_port, small_cluster_options
-from gateway.launcher import Cluster, ServeOptions
+from conftest import small_cluster, thinking_cluster
 from gateway.output_parser import Delta
 from gateway.responses import ResponseBuilder, input_messages, responses_param
 from gateway.schemas import ResponsesRequest
@@ -40,8 +39,7 @@ def chat_tool(tool: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with Cluster(small_cluster_options(tiny_checkpoint)) as c:
-        yield c
+    return small_cluster(tiny_checkpoint)       # shared with the "api" group's files (conftest.SHARED_GROUPS)
 
 
 @pytest.fixture(scope="module")
@@ -255,22 +253,10 @@ def test_unknown_model_is_404(server):
 @pytest.fixture(scope="module")
 def thinking(tiny_checkpoint, tmp_path_factory) -> OpenAI:
     """The tiny checkpoint with a Qwen3-2507-style thinking template (the generation prompt opens the think block,
-    so the reply starts inside it; random weights never close it), as tests/test_agents.py builds it."""
-    import shutil
-
-    from stage_worker.checkpoint.tokenizer_files import CHAT_TEMPLATE
-
-    d = tmp_path_factory.mktemp("thinking") / "tiny"
-    shutil.copytree(tiny_checkpoint, d)
-    opening = "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    template = CHAT_TEMPLATE.replace(opening, "{%- if enable_thinking is not defined or enable_thinking -%}"
-                                     "{{- '<think>\\n' -}}{%- endif -%}" + opening)
-    (d / "chat_template.jinja").write_text(template)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with Cluster(ServeOptions(model=d, stages=1, port=free_port())) as c:
-        yield OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120, max_retries=0)
+    so the reply starts inside it; random weights never close it): conftest.thinking_cluster, the one
+    tests/test_agents.py uses (shared within the "api" group)."""
+    c = thinking_cluster(tiny_checkpoint, tmp_path_factory.mktemp("thinking"))
+    return OpenAI(base_url=c.url + "/v1", api_key="x", timeout=120, max_retries=0)
 
 
 def test_reasoning_item(thinking):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import route_trace as rt  # noqa: E402
+from conftest import small_corpus  # noqa: E402
 from stage_worker.route_stats import read_ids  # noqa: E402
 
 CHUNK = 160          # > the tiny model's QSA budget (64 tokens), so decode reads a sparse selection of blocks
@@ -28,10 +28,8 @@ BATCH = 4
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("corpus")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "build_corpus.py"), "--out", str(out),
-                    "--max-mb-per-kind", "0.05", "--held-out-every", "5"], check=True, capture_output=True)
-    return out
+    """A tiny real corpus: conftest.small_corpus (0.2 MB a kind), the one test_train_demo.py trains on."""
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

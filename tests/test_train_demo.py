@@ -16,17 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import moepipe
+from conftest import moepipe, small_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus")
-    subprocess.run([sys.executable, str(ROOT / "tools/build_corpus.py"), "--out", str(out),
-                    "--max-mb-per-kind", "0.2", "--held-out-every", "5"], check=True, capture_output=True)
-    return out
+    """tools/build_corpus.py at 0.2 MB a kind (conftest.small_corpus, shared with test_route_trace.py)."""
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _train(corpus: Path, out: Path, *extra: str, batch: int = 2, lr: float = 3e-3, total: int = 12) -> list[dict]:
