@@ -135,3 +135,13 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalise:
                                   BLOCK_K=pow2(top_k), COUNT=counts is not None, VALID=valid is not None,
                                   num_warps=warps)
     return weights, ids, logits
+
+
+def gate_and_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
+                   counts: RouteCounts | None = None,
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route(F.linear(x, weight), ...)`: `router_route`'s one launch when ROUTER_FUSED is on (read at the
+    call, so a test may switch it), the two launches otherwise. The model's decode call sites call this."""
+    if ROUTER_FUSED:
+        return router_route(x, weight, top_k, renormalise, shared=shared, counts=counts, valid=valid)[:2]
+    return route(F.linear(x, weight), top_k, renormalise, shared=shared, counts=counts, valid=valid)
