@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import preset  # noqa: E402
 from shared.cold_set import expert_bytes, packed_expert_bytes  # noqa: E402
 from shared.model_config import config_from_dict  # noqa: E402
-from shared.cluster_config import env_overrides  # noqa: E402
+from shared.cluster_config import ClusterConfig, env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
@@ -213,13 +213,19 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
         logprobs.append(float(lp[t]))
         if moves and model.experts is not None:
             model.experts.move_round(gates(model), 0.5, 0.0,
-                                     fused=bool(env_overrides().get("expert_move_fused", False)))
+                                     fused=_move_fused())
         logits = engine.step([(0, [t])])[-1]
     out = {"tokens": tokens, "logprobs": logprobs}
     if model.experts is not None:
         out["moves"] = int(model.experts.moves.sum())
     del engine
     return out
+
+
+def _move_fused() -> bool:
+    """The server's `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED=0: the eager round of ~32 launches): a move round's
+    decision and bookkeeping in one launch plus the swaps."""
+    return bool(env_overrides().get("expert_move_fused", ClusterConfig.expert_move_fused))
 
 
 def _round_cols(r: dict) -> str:
@@ -235,8 +241,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = bool(env_overrides().get("expert_vmm_table", False))
-    # MOEPIPE_EXPERT_MOVE_FUSED=1: the move round in one decide-and-settle launch plus the swaps, as a served stage
-    fused = bool(env_overrides().get("expert_move_fused", False))
+    fused = _move_fused()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm), cfg)

@@ -121,8 +121,9 @@ class ClusterConfig:
     expert_move_margin: float = 0.5
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
-    # bit. Off until the H200 A/B times it (docs/performance.md, issue 16).
-    expert_move_fused: bool = False
+    # bit. On since h200-18 (full shape, INT4 experts, 10% in host RAM, a round every step): a round's GPU span 0.28
+    # against 0.87 ms and its host launch 0.30 against 0.89 ms; the step after it 3.22 against 3.34 ms at batch 1.
+    expert_move_fused: bool = True
     # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
     # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the
     # kernels and moves take the same tensors (two views of the range). Where the driver refuses, one warning and the
@@ -134,10 +135,10 @@ class ClusterConfig:
     packed_experts: bool = True
     # ... and dense Linear weights in INT4/6/8 called as a plain linear (o_proj, out_proj, lm_head, the shared expert
     # beside packed experts) stay packed and run the W4/W6/W8A16 GEMVs (stage_worker/model/quant_linear.py); off:
-    # dequantized to the compute dtype at load. Off by default while those GEMVs are slower than cuBLAS on the bf16
-    # weight (H200, reports-mixed full shape: 13.2 against 8.4 ms a batch-1 step, 55.3 against 12.3 at batch 4); on
-    # saves 3.7 GB of the full shape's weights (docs/performance.md).
-    packed_dense: bool = False
+    # dequantized to the compute dtype at load. On since h200-18: the 48-layer full shape in the reports' precision
+    # steps in 6.62 against 7.51 ms at batch 1 (kernels 5.24 against 6.03) and 11.20 against 11.08 at batch 4 (kernels
+    # 8.68 against 9.29; back to back 9.14 against 9.77), and holds 3.7 GB less (docs/performance.md).
+    packed_dense: bool = True
     # Block-FP8 checkpoints (transformers' `fp8`, issue 17): routed experts stay float8 with their 128x128 block
     # scales (half the bf16 bytes) and run the FP8 decode kernel (stage_worker/kernels/moe.py, FP8 mode); off:
     # dequantized to the compute dtype at load. H200 (h200-14, tests/test_kernel_moe_fp8.py): same outputs as the

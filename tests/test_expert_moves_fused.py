@@ -143,6 +143,6 @@ def test_fused_move_round_equals_the_round(monkeypatch):
 def test_fused_switch_is_a_cluster_key(monkeypatch):
     from shared import cluster_config as cc
 
-    assert cc.ClusterConfig.__dataclass_fields__["expert_move_fused"].default is False
-    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_FUSED", "1")
-    assert cc.env_overrides()["expert_move_fused"] is True
+    assert cc.ClusterConfig.__dataclass_fields__["expert_move_fused"].default is True
+    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_FUSED", "0")
+    assert cc.env_overrides()["expert_move_fused"] is False
