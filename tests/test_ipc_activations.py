@@ -589,15 +589,24 @@ def _greedy(model, stages: int, extra: dict, capfd) -> tuple[dict, str]:
     from gateway.launcher import Cluster, ServeOptions
 
     rows = []
-    with Cluster(ServeOptions(model=model, stages=stages, device="cuda", port=free_port(), verbose=True,
-                              extra=extra)) as cluster:
-        assert all(s.device.startswith("cuda") for s in cluster.cluster.stages)   # one GPU: all on cuda:0
-        client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=600)
-        for prompt in _tool().PROMPTS:
-            r = client.completions.create(model="moepipe", prompt=prompt, max_tokens=24, temperature=0, logprobs=1,
-                                          extra_body={"ignore_eos": True})
-            lp = r.choices[0].logprobs
-            rows.append({"prompt": prompt, "tokens": lp.tokens, "logprobs": lp.token_logprobs})
+    t0 = time.monotonic()
+    try:
+        with Cluster(ServeOptions(model=model, stages=stages, device="cuda", port=free_port(), verbose=True,
+                                  extra=extra)) as cluster:
+            assert all(s.device.startswith("cuda") for s in cluster.cluster.stages)   # one GPU: all on cuda:0
+            ready = time.monotonic() - t0
+            # a stuck step fails here within two minutes, with the cluster's log, instead of using up the call
+            client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=120, max_retries=0)
+            for prompt in _tool().PROMPTS:
+                r = client.completions.create(model="moepipe", prompt=prompt, max_tokens=24, temperature=0,
+                                              logprobs=1, extra_body={"ignore_eos": True})
+                lp = r.choices[0].logprobs
+                rows.append({"prompt": prompt, "tokens": lp.tokens, "logprobs": lp.token_logprobs})
+    except Exception:
+        print(capfd.readouterr().err[-6000:], file=sys.stderr)
+        raise
+    print(f"{stages} stages {extra}: ready in {ready:.1f} s, {len(rows)} requests done at "
+          f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
     return {"results": rows}, capfd.readouterr().err
 
 
