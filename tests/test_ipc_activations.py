@@ -603,11 +603,15 @@ def _greedy(model, stages: int, extra: dict, capfd) -> tuple[dict, str]:
                 lp = r.choices[0].logprobs
                 rows.append({"prompt": prompt, "tokens": lp.tokens, "logprobs": lp.token_logprobs})
     except Exception:
-        print(capfd.readouterr().err[-6000:], file=sys.stderr)
+        err = capfd.readouterr().err
+        with capfd.disabled():
+            print(err[-6000:], file=sys.stderr)
         raise
-    print(f"{stages} stages {extra}: ready in {ready:.1f} s, {len(rows)} requests done at "
-          f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
-    return {"results": rows}, capfd.readouterr().err
+    err = capfd.readouterr().err
+    with capfd.disabled():
+        print(f"{stages} stages {extra}: ready in {ready:.1f} s, {len(rows)} requests done at "
+              f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return {"results": rows}, err
 
 
 @pytest.mark.gpu
