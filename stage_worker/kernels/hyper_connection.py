@@ -19,34 +19,10 @@ All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (t
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
 Sized for decode (T <= DECODE_ROWS): each row block re-reads the weights, so prefill-size batches take PyTorch.
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
-
-Folded norm, two launches (`FOLD_NORM`, off by default until timed on the H200; env MOEPIPE_HC_FOLD_NORM=1 turns it
-on at import, `hc_mix(fold_norm=)` per call; not a `flags.NAMES` item, since "all", the default, turns every item on).
-At batch 1 the three launches are latency-bound, not byte-bound (h200-17: 2.5 + 4.3 + 5.3 us a mix for 2 x 3.3 MB of
-INT8, ~1.6 us each at HBM speed), so one launch fewer is the prize:
-F `_hc_fold_down_kernel` replaces P and A. The RMSNorm is linear in x once its factor r_s = rsqrt(mean(x_s^2) + eps)
-  is known, and r_s is one scalar a stream: a down row's dot is sum_s r_s * p_s with p_s = sum_h W[row, s, h] *
-  (1 + w_norm[s, h]) * x_s[h]. Each program already streams every value of x for its dot, so in the same loop it
-  accumulates p_s and q_s = sum_h x_s[h]^2 (and does the injection, x = streams + out * g, as it loads); r_s is
-  applied once at the end. No load depends on a reduction, unlike the earlier two-kernel version above: the loop is
-  A's, a weight tile [rows, hc, H tile] with x, out and w_norm read from L2 beside it. The price: each program also
-  reads w_norm (20 KB at the full shape, once for all its rows) and reduces q_s beside p_s each tile; programs of 2
-  rows halve the first. Programs (0, row block) store the new streams (injection) and r_s [T, hc] in fp32.
-B `_hc_up_mix_kernel(FOLD=True)` forms normed_s[h] = bf16((x_s[h] * r_s) * (1 + w_norm)) itself from the streams
-  and r_s instead of reading a stored normed buffer (the value P stores: same ops, same order).
-The one rounding point that moves: the PyTorch path rounds normed to bf16 before the down / block_inject GEMVs, F
-dots the unrounded fp32 product. Rounding there needs r_s before the dot, i.e. a sum-of-squares pass over x ahead of
-the first weight load in every program: the dependent chain above (or every weight tile held in registers while it
-runs, which Triton's per-tile loop cannot express at 10240 values a row). So F's down / inject outputs differ from
-the reference's by the bf16 noise of the normed values (~1e-3 relative, closer to an fp32 norm, not further; one bf16
-ulp in ~5-15% of the mixed values under the interpreter, within the file's bf16 tolerance) and everything after them
-rounds where the PyTorch path does: bit-equal to the reference with that one point moved (`_folded_oracle` in
-tests/test_kernel_hyper_connection.py). Float and INT8 weights, block_inject rows, T <= DECODE_ROWS as above.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,15 +45,6 @@ DECODE_ROWS = 4
 # warps for B. Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
 DOWN_CFG = {1: (1, 4096, 8), 4: (1, 4096, 8), 16: (2, 4096, 4)}
 UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
-
-
-# The two-launch mix (F then B with FOLD; module docstring): off by default until the GPU test
-# `test_folded_norm_timing` has timed it against the three launches at the full shape. Read once, at import.
-FOLD_NORM = os.environ.get("MOEPIPE_HC_FOLD_NORM", "0").strip().lower() in ("1", "true", "on", "yes")
-
-# F's tunables per row-count bucket: rows per program / H tile (a chunk is hc x H tile values: 4 x 1024 = A's 4096
-# at the full shape) / warps. Untuned (A's winners carried over); `test_folded_norm_timing` prints a few variants.
-FOLD_DOWN_CFG = {1: (1, 1024, 8), 4: (1, 1024, 8), 16: (2, 1024, 4)}
 
 
 def _bucket(t: int) -> int:
@@ -124,21 +91,6 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
 
 
 @triton.jit
-def _store_down(acc, is_down, a_ptr, g_ptr, row0, ts, outs, mt, mo, R: tl.constexpr, HC: tl.constexpr):
-    """The down kernels' epilogue, rounded where `GatedResidual.mix` rounds: a down row's sum / hc through SiLU into
-    a [T, R], or an injection row's through 2 * sigmoid into g [T, HC]."""
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    v = round_to(round_to(acc, dt) / HC, dt)
-    mask = mt[:, None] & mo[None, :]
-    if is_down:
-        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
-        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
-    else:
-        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
-        tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
-
-
-@triton.jit
 def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
@@ -163,94 +115,23 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
         acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
-    _store_down(acc, is_down, a_ptr, g_ptr, row0, ts, outs, mt, mo, R, HC)
-
-
-@triton.jit
-def _fold_rows_dot(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, w_ptr, outs, mo, first, row0, T, stride_x, stride_o,
-                   stride_y, eps, H: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, INJECT: tl.constexpr,
-                   OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """[BLOCK_T, BLOCK_R]: weight rows `outs` (stored values less OFFSET) times the RMS-normed streams, the norm
-    folded in: per stream the dot with (1 + w_norm) * x and the sum of squares of x in one loop, rsqrt applied to
-    each stream's partial dot at the end. With INJECT, x = streams + out * g as it loads. `first`: this program
-    stores the new streams (INJECT) and the per-stream rsqrt factors [T, HC] fp32."""
-    K: tl.constexpr = HC * H
-    dt: tl.constexpr = x_ptr.dtype.element_ty
-    ts = tl.arange(0, BLOCK_T)
-    ss = tl.arange(0, HC_P)
-    ms = ss < HC
-    w_rows = w_ptr + outs.to(tl.int64)[:, None, None] * K
-    acc = tl.zeros([BLOCK_T, BLOCK_R, HC_P], dtype=tl.float32)      # per stream: sum W * (1 + w_norm) * x
-    sq = tl.zeros([BLOCK_T, HC_P], dtype=tl.float32)                # per stream: sum x^2
-    for h0 in tl.static_range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        mh = hs < H
-        ks = ss[:, None] * H + hs[None, :]                           # [HC_P, BLOCK_H]
-        mk = ms[:, None] & mh[None, :]
-        w = tl.load(w_rows + ks[None, :, :], mask=mo[:, None, None] & mk[None, :, :],
-                    other=OFFSET).to(tl.float32) - OFFSET
-        scale = 1.0 + tl.load(nw_ptr + ks, mask=mk, other=0.0).to(tl.float32)
-        for t in tl.static_range(BLOCK_T):
-            row = (row0 + t).to(tl.int64)
-            mkt = mk & (row0 + t < T)
-            x = tl.load(x_ptr + row * stride_x + ks, mask=mkt, other=0.0).to(tl.float32)
-            if INJECT:
-                o = tl.load(o_ptr + row * stride_o + hs, mask=mh & (row0 + t < T), other=0.0).to(tl.float32)
-                g = tl.load(g_ptr + row * HC + ss, mask=ms & (row0 + t < T), other=0.0).to(tl.float32)
-                x = round_to(x + round_to(o[None, :] * g[:, None], dt), dt)
-                tl.store(y_ptr + row * stride_y + ks, x.to(dt), mask=mkt & first)
-            sq += tl.where((ts == t)[:, None], tl.sum(x * x, axis=1)[None, :], 0.0)
-            part = tl.sum(w * (x * scale)[None, :, :], axis=2)       # [BLOCK_R, HC_P]
-            acc += tl.where((ts == t)[:, None, None], part[None, :, :], 0.0)
-    rstd = tl.math.rsqrt(sq / H + eps)                               # [BLOCK_T, HC_P]; padded streams: 0 * rsqrt(eps)
-    tl.store(r_ptr + (row0 + ts)[:, None] * HC + ss[None, :], rstd, mask=(row0 + ts < T)[:, None] & ms[None, :] & first)
-    return tl.sum(acc * rstd[:, None, :], axis=2)
-
-
-@triton.jit
-def _hc_fold_down_kernel(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, gi_ptr, T,
-                         stride_x, stride_o, stride_y, eps, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                         HC_P: tl.constexpr, INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, Q8: tl.constexpr):
-    """P and A in one launch (module docstring, F): `down` (and `block_inject`) rows over the streams with the norm
-    folded into the dot and the injection done as x loads; SiLU (or 2*sigmoid) on store as A. Program (0, row
-    block) also stores the block's new streams and rsqrt factors for B."""
-    pid_r = tl.program_id(0)
-    first = pid_r == 0
-    row0 = tl.program_id(1) * BLOCK_T
-    ts = tl.arange(0, BLOCK_T)
-    mt = row0 + ts < T
-    n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
-    is_down = pid_r < n_down
+    dt: tl.constexpr = a_ptr.dtype.element_ty
+    v = round_to(round_to(acc, dt) / HC, dt)
+    mask = mt[:, None] & mo[None, :]
     if is_down:
-        outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < R
-        if Q8:
-            acc = _fold_rows_dot(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, down_ptr, outs, mo, first, row0, T,
-                                 stride_x, stride_o, stride_y, eps, H, HC, HC_P, INJECT, 128.0, BLOCK_T, BLOCK_R,
-                                 BLOCK_H)
-            acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
-        else:
-            acc = _fold_rows_dot(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, down_ptr, outs, mo, first, row0, T,
-                                 stride_x, stride_o, stride_y, eps, H, HC, HC_P, INJECT, 0.0, BLOCK_T, BLOCK_R,
-                                 BLOCK_H)
+        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
+        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
     else:
-        outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < HC
-        acc = _fold_rows_dot(x_ptr, o_ptr, g_ptr, y_ptr, r_ptr, nw_ptr, inj_ptr, outs, mo, first, row0, T,
-                             stride_x, stride_o, stride_y, eps, H, HC, HC_P, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_H)
-    _store_down(acc, is_down, a_ptr, gi_ptr, row0, ts, outs, mt, mo, R, HC)
+        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
+        tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
 
 
 @triton.jit
-def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, r_ptr, nw_ptr, T, stride_n, stride_y,
+def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr,
-                      FOLD: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr):
     """The `up` GEMV per stream, sigmoid, and the mean of gate * normed; with Q8 the up weight is INT8 bytes
-    (stored value + 128) with one scale a row (us), applied to each row's sum. n_ptr: the normed streams, or with
-    FOLD the (new) streams themselves (rows stride_n apart), normed here from F's rsqrt factors (r_ptr [T, HC] fp32)
-    and w_norm; without FOLD the kernel compiles as before (r_ptr, nw_ptr, stride_n unused)."""
+    (stored value + 128) with one scale a row (us), applied to each row's sum."""
     OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
     hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = hs < H
@@ -274,15 +155,8 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, r_ptr, nw_ptr, T, str
         if Q8:
             u = u * tl.load(us_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)[None, :]
         gate = round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
-        if FOLD:    # the norm's value, as P stores it: (x * rstd) * (1 + w), rounded
-            nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_n + (s * H + hs)[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            rstd = tl.load(r_ptr + (row0 + ts) * HC + s, mask=mt, other=0.0)
-            scale = 1.0 + tl.load(nw_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)
-            nx = round_to((nx * rstd[:, None]) * scale[None, :], dt)
-        else:
-            nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
+        nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
         mix += round_to(gate * nx, dt)
     y = round_to(mix / HC, dt).to(dt)
     tl.store(y_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_y + hs[None, :], y, mask=mask)
@@ -307,21 +181,19 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-           inject_w: torch.Tensor | None, hc: int, eps: float,
-           fold_norm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           inject_w: torch.Tensor | None, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer);
-    `hyper_connection_ref.hc_mix` in three kernels (two with `fold_norm`; None: `FOLD_NORM`). Weights in the
-    streams' dtype."""
-    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps, fold_norm)
+    `hyper_connection_ref.hc_mix` in three kernels. Weights in the streams' dtype."""
+    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps)
     return mixed, inject
 
 
 def hc_inject_mix(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, hc_norm_w: torch.Tensor,
                   down_w: torch.Tensor, up_w: torch.Tensor, inject_w: torch.Tensor | None, hc: int,
-                  eps: float, fold_norm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`hc_inject` of the previous block's output, then `hc_mix` of the result, with the injection inside the mix's
-    first kernel: -> (new streams, block input, injection weights). `fold_norm`: as `hc_mix`."""
-    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps, fold_norm)
+    first kernel: -> (new streams, block input, injection weights)."""
+    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps)
 
 
 def int8_rows(w) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -341,7 +213,7 @@ def kernel_form(w) -> bool:
                                                w.in_features)
 
 
-def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float, fold: bool | None = None):
+def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
     (down_w, down_s), (up_w, up_s) = int8_rows(down_w), int8_rows(up_w)
     t, width = streams.shape
     hidden, rank = width // hc, down_w.shape[0]
@@ -354,6 +226,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     dev, dt = x.device, x.dtype
     hc_norm_w = hc_norm_w.contiguous()
     new_streams = x
+    normed = torch.empty((t, width), dtype=dt, device=dev)
     a = torch.empty((t, rank), dtype=dt, device=dev)
     mixed = torch.empty((t, hidden), dtype=dt, device=dev)
     inject = torch.empty((t, hc), dtype=dt, device=dev) if inject_w is not None else None
@@ -362,53 +235,24 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         o, g = _rows_contiguous(out), weights.contiguous()
     if t == 0:
         return new_streams, mixed, inject
-    bt = min(triton.next_power_of_2(t), 16)
-    if FOLD_NORM if fold is None else fold:
-        return _mix_folded(x, o if out is not None else None, g if out is not None else None, new_streams, a,
-                           mixed, inject, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, hc, eps, bt)
-    normed = torch.empty((t, width), dtype=dt, device=dev)
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
         H=hidden, HC=hc, INJECT=out is not None, BLOCK=triton.next_power_of_2(hidden),
         num_warps=8 if hidden >= 2048 else 4)
+    bt = min(triton.next_power_of_2(t), 16)
     br, bk, warps = DOWN_CFG[_bucket(t)]
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
     _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
         normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
         a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
         BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps)
-    _up_mix(normed, width, a, up_w, up_s, mixed, None, None, hc, bt, fold=False)
-    return new_streams, mixed, inject
-
-
-def _up_mix(n, stride_n, a, up_w, up_s, mixed, rstd, hc_norm_w, hc: int, bt: int, fold: bool) -> None:
-    """B over the normed streams `n`, or with `fold` over the streams normed in place from `rstd` and hc_norm_w."""
-    t, hidden, rank = mixed.shape[0], mixed.shape[1], a.shape[1]
     bh, bj, warps = UP_CFG[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
-        n, a, up_w, up_s if up_s is not None else a, mixed, rstd if fold else a, hc_norm_w if fold else a, t,
-        stride_n, mixed.stride(0), H=hidden, R=rank, HC=hc, BLOCK_T=bt, BLOCK_H=bh,
-        BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None, FOLD=fold, num_warps=warps)
-
-
-def _mix_folded(x, o, g, new_streams, a, mixed, inject, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, hc: int,
-                eps: float, bt: int):
-    """F then B(FOLD): the mix in two launches (module docstring). o, g: the injection, or None."""
-    t, width = x.shape
-    hidden, rank = width // hc, down_w.shape[0]
-    rstd = torch.empty((t, hc), dtype=torch.float32, device=x.device)
-    br, bh, warps = FOLD_DOWN_CFG[_bucket(t)]
-    n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
-    _hc_fold_down_kernel[(n_tiles, triton.cdiv(t, bt))](
-        x, o if o is not None else x, g if g is not None else x, new_streams, rstd, hc_norm_w, down_w,
-        down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a, a,
-        inject if inject is not None else a, t, x.stride(0), o.stride(0) if o is not None else 0,
-        new_streams.stride(0), eps, H=hidden, R=rank, HC=hc, HC_P=triton.next_power_of_2(hc), INJECT=o is not None,
-        BLOCK_T=bt, BLOCK_R=br, BLOCK_H=min(triton.next_power_of_2(hidden), bh), Q8=down_s is not None,
+        normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
         num_warps=warps)
-    _up_mix(new_streams, new_streams.stride(0), a, up_w, up_s, mixed, rstd, hc_norm_w, hc, bt, fold=True)
     return new_streams, mixed, inject
 
 
