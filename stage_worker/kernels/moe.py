@@ -4,8 +4,7 @@ Decode is memory-bandwidth bound, so a step must read each selected expert's row
 `.item()`/`.tolist()` so the step can be captured in a CUDA graph:
 
 * `route`: one program per token row; softmax in fp32, top-k by repeated max over an order-preserving int64 key
-  (logit bits << 32 | E-1-id) so equal logits go to the lower expert id, as in 002 §3.3. The body is
-  `route_rows`, which `router_gemv.py` (the router GEMV and this in one launch) runs too.
+  (logit bits << 32 | E-1-id) so equal logits go to the lower expert id, as in 002 §3.3.
 * `fused_moe` phase 1, grid (T*k, cdiv(I, BLOCK_I)): act[t, j] = silu(x_t . Wg_e) * (x_t . Wu_e) in fp32.
 * `fused_moe` phase 2, grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j w[t, j] * (act[t, j] . W2_e), summed in fp32 in a
   fixed order (no atomics), so the result is deterministic.
@@ -99,85 +98,62 @@ if triton is not None:
         return base
 
     @triton.jit
-    def route_rows(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, t, rows_in, E, stride_t,
-                   FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
-                   CG: tl.constexpr):
-        """The router over token rows t (int64 [R], each a readable row of logits; rows_in: which of them to
-        store and count, the others repeat a real row), each row on its own: fp32 softmax statistics and top-k by
-        repeated max over (logit bits, E-1-id) keys; with SHARED, column E is the shared expert's gate logit: slot
-        TOP_K gets sigmoid of it (rounded to the logits' dtype, as `torch.sigmoid` on them would) and id -1. With
-        COUNT, +1 to each selected slot's count and the number of selected slots >= FIRST_HOST to the host-read
-        counter (adds of 1: the order does not matter). With VALID,
-        rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight 0, nothing
-        counted; the expert kernels skip those slots, so padding reads no expert rows. CG: the logits are loaded
-        past the SM's L1 (other programs of the same launch stored them: `router_gemv.py`). The one
-        implementation of routing: `_route_kernel` (a program a row) and `router_gemv` (the last program of the
-        router GEMV, all rows) call it."""
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr):
+        """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
+        SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
+        dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
+        number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter).
+        With VALID, rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight
+        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows."""
+        t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        at = logits_ptr + t[:, None] * stride_t + offs[None, :]
-        if CG:
-            logit = tl.load(at, mask=valid[None, :], other=float("-inf"), cache_modifier=".cg")
-        else:
-            logit = tl.load(at, mask=valid[None, :], other=float("-inf"))
-        logit = logit.to(tl.float32)
+        logit = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
         logit = tl.where(logit == 0.0, 0.0, logit)              # -0.0 == +0.0 must give equal keys
         bits = logit.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
-        key = (ordered.to(tl.int64) << 32) | (E - 1 - offs).to(tl.int64)[None, :]
-        key = tl.where(valid[None, :], key, _KEY_MIN)
+        key = (ordered.to(tl.int64) << 32) | (E - 1 - offs).to(tl.int64)
+        key = tl.where(valid, key, _KEY_MIN)
 
-        kk = tl.arange(0, BLOCK_K)[None, :]
-        top_logit = tl.full([t.shape[0], BLOCK_K], float("-inf"), tl.float32)
-        top_id = tl.zeros([t.shape[0], BLOCK_K], tl.int32)
+        kk = tl.arange(0, BLOCK_K)
+        top_logit = tl.full([BLOCK_K], float("-inf"), tl.float32)
+        top_id = tl.zeros([BLOCK_K], tl.int32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(key, axis=1)[:, None]
+            best = tl.max(key, axis=0)
             idx = E - 1 - best.to(tl.int32)                   # truncation keeps the low word: E-1-id
             hi = (best >> 32).to(tl.int32)
             val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
             top_logit = tl.where(kk == j, val, top_logit)
             top_id = tl.where(kk == j, idx, top_id)
-            key = tl.where(offs[None, :] == idx, _KEY_MIN, key)
+            key = tl.where(offs == idx, _KEY_MIN, key)
 
-        row_max = tl.max(logit, axis=1)[:, None]
+        row_max = tl.max(logit, axis=0)
         p = tl.exp(top_logit - row_max)                         # lanes >= TOP_K: exp(-inf) = 0
         if RENORM:
-            denom = tl.sum(p, axis=1)                           # the full softmax denominator cancels
+            denom = tl.sum(p, axis=0)                           # the full softmax denominator cancels
         else:
-            denom = tl.sum(tl.where(valid[None, :], tl.exp(logit - row_max), 0.0), axis=1)
-        out = t[:, None] * (TOP_K + SHARED) + kk
-        w = p / denom[:, None]
-        picked = (kk < TOP_K) & rows_in[:, None]
+            denom = tl.sum(tl.where(valid, tl.exp(logit - row_max), 0.0), axis=0)
+        out = t * (TOP_K + SHARED) + kk
+        w = p / denom
+        picked = kk < TOP_K
         if VALID:
-            real = (t < tl.load(valid_ptr))[:, None]
+            real = t < tl.load(valid_ptr)
             top_id = tl.where(real, top_id, SKIP_ID)
             w = tl.where(real, w, 0.0)
             picked = picked & real
-        tl.store(weights_ptr + out, w, mask=(kk < TOP_K) & rows_in[:, None])
-        tl.store(ids_ptr + out, top_id, mask=(kk < TOP_K) & rows_in[:, None])
+        tl.store(weights_ptr + out, w, mask=kk < TOP_K)
+        tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
         if COUNT:
-            tl.atomic_add(counts_ptr + top_id, tl.full(top_id.shape, 1.0, tl.float32), mask=picked)
-            host = tl.sum(tl.sum(tl.where(picked & (top_id >= FIRST_HOST), 1, 0), axis=1), axis=0)
+            tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
+            host = tl.sum(tl.where(picked & (top_id >= FIRST_HOST), 1, 0), axis=0)
             tl.atomic_add(reads_ptr, host.to(tl.int64))
         if SHARED:
-            if CG:
-                sl = tl.load(logits_ptr + t * stride_t + E, cache_modifier=".cg")
-            else:
-                sl = tl.load(logits_ptr + t * stride_t + E)
-            sl = sl.to(tl.float32)
+            sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
-            tl.store(weights_ptr + t * (TOP_K + SHARED) + TOP_K, sg, mask=rows_in)
-            tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, tl.full(t.shape, -1, tl.int32), mask=rows_in)
-
-    @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
-                      TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr):
-        """One token row a program: `route_rows` over the row [1]."""
-        t = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
-        route_rows(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, t, t >= 0, E, stride_t,
-                   FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT, VALID, False)
+            tl.store(weights_ptr + t * (TOP_K + SHARED) + TOP_K, sg)
+            tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, -1)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,

@@ -192,19 +192,14 @@ class SparseMoE(nn.Module):
             fused = self._packed_decode(x2, counts)
             if fused is not None:
                 return fused.view(x.shape)
+        logits = self.gate(x2)
         if self.kernels.moe and x.is_cuda:
-            from stage_worker.kernels import router_gemv
             from stage_worker.kernels.moe import route as route_kernel
             from stage_worker.kernels.common import triton_usable
 
             decode = x2.shape[0] * self.top_k <= DECODE_MAX_TK
-            valid = self.valid_rows if decode else None
-            if type(self.gate) is nn.Linear and self.gate.bias is None:
-                # F.linear and the router, or both in one launch (MOEPIPE_ROUTER_FUSED, off until the H200 times it)
-                weights, ids = router_gemv.gate_and_route(x2, self.gate.weight, self.top_k, self.renormalise,
-                                                          counts=counts, valid=valid)
-            else:
-                weights, ids = route_kernel(self.gate(x2), self.top_k, self.renormalise, counts=counts, valid=valid)
+            weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
+                                        valid=self.valid_rows if decode else None)
             weights = weights.to(x.dtype)
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
@@ -214,7 +209,7 @@ class SparseMoE(nn.Module):
                 out = self._packed_prefill(x2, ids, weights, False)      # the table's per-expert loop
         else:
             decode = False
-            weights, ids = route(self.gate(x2), self.top_k, self.renormalise)
+            weights, ids = route(logits, self.top_k, self.renormalise)
             if counts is not None:
                 count_ref(ids, counts)
             out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
@@ -240,17 +235,14 @@ class SparseMoE(nn.Module):
         The separate path took twelve to fifteen launches (the shared gate as a cuBLAS dot and reduction,
         sigmoid, ids filled, SiLU and products, the add, the weights' cast): ~1.4 us of launch gap each in a
         graph. None when the weights are not laid out so."""
-        from stage_worker.kernels.moe import fused_moe, triton_usable
+        from stage_worker.kernels.moe import fused_moe, route, triton_usable
 
         router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
         if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
         k = self.top_k
-        from stage_worker.kernels.router_gemv import gate_and_route
-
-        # the router GEMV and the router: one launch with MOEPIPE_ROUTER_FUSED (off until the H200 times it)
-        weights, ids = gate_and_route(x2, router, k, self.renormalise, shared=True, counts=counts,
-                                      valid=self.valid_rows)
+        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
+                             valid=self.valid_rows)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
         if shared is not None:
