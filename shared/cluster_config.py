@@ -94,9 +94,9 @@ class ClusterConfig:
                                                 # not pay their compiles (h200-16: TTFT 11-16 s, then 0.07 s)
     # Same-host GPU stages hand a decode step's activations to the next stage through a ring of device slots
     # shared by CUDA IPC, at launch, instead of device -> host -> ZeroMQ -> host -> device after the step
-    # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). Off until the
-    # H200 runs tests/test_ipc_activations.py -m gpu.
-    cuda_ipc_activations: bool = False
+    # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). On since its GPU
+    # tests passed on the H200 (h200-17/18); two stages on one GPU, 4 streams: 583.8 against 476.6 tok/s (h200-17).
+    cuda_ipc_activations: bool = True
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)

@@ -537,9 +537,15 @@ def slots_for(cluster: ClusterConfig, launch_depth: int) -> int:
     return max(cluster.steps_in_flight, launch_depth * cluster.num_microbatches) + 1
 
 
+def _level(why: str) -> int:
+    """A CPU stage's refusal is expected (info); any other means a same-host GPU link runs slower than it could."""
+    return logging.INFO if why.endswith(("is a CPU stage", "are CPU stages")) else logging.WARNING
+
+
 def setup(cluster: ClusterConfig, index: int, runner) -> Handoff | None:
     """The stage's links that may go over CUDA IPC (config), or None. Each link the config rules out while the
-    switch is on gets one log line naming why; a ring the driver refuses to share likewise."""
+    switch is on gets one log line naming why (info for a CPU stage, which never has CUDA IPC: the switch is on by
+    default; a warning otherwise); a ring the driver refuses to share likewise."""
     if not cluster.cuda_ipc_activations:
         return None
     name = stage_name(index)
@@ -554,11 +560,11 @@ def setup(cluster: ClusterConfig, index: int, runner) -> Handoff | None:
             except Exception as exc:      # noqa: BLE001 (no IPC on this platform or driver)
                 why = f"the ring cannot be shared ({type(exc).__name__}: {exc})"
         if why is not None:
-            log.warning("%s: activations to %s keep the host path: %s", name, stage_name(index + 1), why)
+            log.log(_level(why), "%s: activations to %s keep the host path: %s", name, stage_name(index + 1), why)
     if index > 0:
         why = refusal(cluster, index - 1)
         if why is None:
             receiver = Receiver(runner.device, name)
         else:
-            log.warning("%s: activations from %s keep the host path: %s", name, stage_name(index - 1), why)
+            log.log(_level(why), "%s: activations from %s keep the host path: %s", name, stage_name(index - 1), why)
     return Handoff(sender, receiver) if sender is not None or receiver is not None else None

@@ -39,12 +39,12 @@ def _raw(**keys) -> dict:
                        {"start": 3, "end": 6, "endpoint": "ipc:///tmp/s1", "device": "cuda:0"}], **keys}
 
 
-def test_the_switch_is_off_by_default_and_read_from_the_file_and_the_environment(monkeypatch):
+def test_the_switch_is_on_by_default_and_read_from_the_file_and_the_environment(monkeypatch):
     monkeypatch.delenv("MOEPIPE_CUDA_IPC_ACTIVATIONS", raising=False)
-    assert cluster_from_dict(_raw()).cuda_ipc_activations is False
-    assert cluster_from_dict(_raw(cuda_ipc_activations=True)).cuda_ipc_activations is True
-    monkeypatch.setenv("MOEPIPE_CUDA_IPC_ACTIVATIONS", "1")
     assert cluster_from_dict(_raw()).cuda_ipc_activations is True
+    assert cluster_from_dict(_raw(cuda_ipc_activations=False)).cuda_ipc_activations is False
+    monkeypatch.setenv("MOEPIPE_CUDA_IPC_ACTIVATIONS", "1")
+    assert cluster_from_dict(_raw(cuda_ipc_activations=False)).cuda_ipc_activations is True
     monkeypatch.setenv("MOEPIPE_CUDA_IPC_ACTIVATIONS", "off")
     assert cluster_from_dict(_raw(cuda_ipc_activations=True)).cuda_ipc_activations is False
     monkeypatch.setenv("MOEPIPE_CUDA_IPC_ACTIVATIONS", "ture")
@@ -82,11 +82,18 @@ class _Runner:                     # what `setup` reads of a StageRunner (it nev
 def test_setup_keeps_the_host_path_with_one_line_naming_why(caplog):
     ipcs = ["ipc:///r/s0", "ipc:///r/s1", "ipc:///r/s2"]
     assert ipc.setup(_cluster(["cuda:0"] * 3, ipcs, on=False), 1, _Runner()) is None
-    with caplog.at_level(logging.WARNING, logger="moepipe.stage"):
+    with caplog.at_level(logging.INFO, logger="moepipe.stage"):
         assert ipc.setup(_cluster(["cpu"] * 3, ipcs), 1, _Runner()) is None
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["stage1: activations to stage2 keep the host path: stage1 and stage2 are CPU stages",
-                     "stage1: activations from stage0 keep the host path: stage0 and stage1 are CPU stages"]
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    # a CPU stage never has CUDA IPC: said at info, since the switch is on by default
+    assert lines == [(logging.INFO, "stage1: activations to stage2 keep the host path: stage1 and stage2 are CPU stages"),
+                     (logging.INFO, "stage1: activations from stage0 keep the host path: stage0 and stage1 are CPU stages")]
+    caplog.clear()
+    apart = ["tcp://10.0.0.1:5000", "tcp://10.0.0.2:5000", "tcp://10.0.0.3:5000"]
+    with caplog.at_level(logging.INFO, logger="moepipe.stage"):
+        assert ipc.setup(_cluster(["cuda:0"] * 3, apart), 1, _Runner()) is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 2      # GPU links that could be faster
+    assert all("different hosts" in r.getMessage() for r in caplog.records)
 
 
 def test_the_ring_has_a_slot_for_every_step_in_flight_and_one_more():

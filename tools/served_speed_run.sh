@@ -7,7 +7,7 @@
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
 # 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams, once per setting in $TWO_AB:
-# TWO_AB="base ipc" compares the activations through the host with the CUDA IPC handoff), offload and vram24
+# TWO_AB="base noipc" compares the CUDA IPC handoff (on by default) with the activations through the host), offload and vram24
 # (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
 # 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
 # 16 + 17: the GPU test of INT4 expert tables, bench/expert_offload.py --quant int4-experts), int4prefill (issue 17:
@@ -38,7 +38,7 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1"
                    [noint4prefill]="MOEPIPE_KERNELS=-moe_int4_prefill" [norace]="MOEPIPE_KERNELS=-sample_race"
                    [nospin]="MOEPIPE_STAGE_SPIN_WAIT=0" [svcrows2]="MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS=2"
-                   [ipc]="MOEPIPE_CUDA_IPC_ACTIVATIONS=1")
+                   [noipc]="MOEPIPE_CUDA_IPC_ACTIVATIONS=0")
 # svcrows2: decode steps of more than 2 sequences take the PLE service's rows (the default before issue 14's
 # h200-16 finding: a round trip after every token at 4 and 16 streams)
 # settings that are bench/serve.py flags rather than switches: noservice (stages gather their PLE rows themselves);
