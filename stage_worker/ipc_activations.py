@@ -537,6 +537,23 @@ def slots_for(cluster: ClusterConfig, launch_depth: int) -> int:
     return max(cluster.steps_in_flight, launch_depth * cluster.num_microbatches) + 1
 
 
+def no_peer_access(cluster: ClusterConfig, sender: int) -> str | None:
+    """Why a link between two different GPUs of this host keeps the host path: a ring on another GPU is mapped as
+    peer memory, which needs peer access between the two (consumer cards without NVLink often lack it); None when
+    the two stages share a GPU or have peer access."""
+    a, b = (cluster.stages[i].device for i in (sender, sender + 1))
+    if a == b or not torch.cuda.is_available():
+        return None
+    da, db = torch.device(a), torch.device(b)
+    if da.index is None or db.index is None or da.index == db.index:
+        return None
+    if da.index >= torch.cuda.device_count() or db.index >= torch.cuda.device_count():
+        return None                       # the stage's own device check says what is wrong
+    if torch.cuda.can_device_access_peer(da.index, db.index) and torch.cuda.can_device_access_peer(db.index, da.index):
+        return None
+    return f"no peer access between {a} and {b}"
+
+
 def _level(why: str) -> int:
     """A CPU stage's refusal is expected (info); any other means a same-host GPU link runs slower than it could."""
     return logging.INFO if why.endswith(("is a CPU stage", "are CPU stages")) else logging.WARNING
@@ -551,7 +568,7 @@ def setup(cluster: ClusterConfig, index: int, runner) -> Handoff | None:
     name = stage_name(index)
     sender = receiver = None
     if index + 1 < cluster.num_stages:
-        why = refusal(cluster, index)
+        why = refusal(cluster, index) or no_peer_access(cluster, index)
         if why is None:
             try:
                 dtype = next(runner.model.parameters()).dtype
@@ -562,7 +579,7 @@ def setup(cluster: ClusterConfig, index: int, runner) -> Handoff | None:
         if why is not None:
             log.log(_level(why), "%s: activations to %s keep the host path: %s", name, stage_name(index + 1), why)
     if index > 0:
-        why = refusal(cluster, index - 1)
+        why = refusal(cluster, index - 1) or no_peer_access(cluster, index - 1)
         if why is None:
             receiver = Receiver(runner.device, name)
         else:

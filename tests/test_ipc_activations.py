@@ -96,6 +96,27 @@ def test_setup_keeps_the_host_path_with_one_line_naming_why(caplog):
     assert all("different hosts" in r.getMessage() for r in caplog.records)
 
 
+def test_two_gpus_without_peer_access_keep_the_host_path(monkeypatch, caplog):
+    """A ring on another GPU is mapped as peer memory: two GPUs of one host without peer access (consumer cards
+    without NVLink often) keep the host path with a warning, checked before any ring is made."""
+    ipcs = ["ipc:///r/s0", "ipc:///r/s1"]
+    peer = {"ok": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer["ok"])
+    two = _cluster(["cuda:0", "cuda:1"], ipcs)
+    assert ipc.no_peer_access(two, 0) == "no peer access between cuda:0 and cuda:1"
+    assert ipc.no_peer_access(_cluster(["cuda:0", "cuda:0"], ipcs), 0) is None       # one GPU: no peer mapping
+    with caplog.at_level(logging.INFO, logger="moepipe.stage"):
+        assert ipc.setup(two, 0, _Runner()) is None
+        assert ipc.setup(two, 1, _Runner()) is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "stage0: activations to stage1 keep the host path: no peer access between cuda:0 and cuda:1"),
+        (logging.WARNING, "stage1: activations from stage0 keep the host path: no peer access between cuda:0 and cuda:1")]
+    peer["ok"] = True
+    assert ipc.no_peer_access(two, 0) is None
+
+
 def test_the_ring_has_a_slot_for_every_step_in_flight_and_one_more():
     c = _cluster(["cuda:0", "cuda:0"], ["ipc:///r/s0", "ipc:///r/s1"])
     assert c.num_microbatches == 1 and c.steps_in_flight == 2
