@@ -94,6 +94,8 @@ class Replay:
     def __init__(self, model, batch: int, top_k: int) -> None:
         self.moes = list(model.moe_layers().values())
         self.layer = 0
+        self.batch = batch
+        self.decode_calls = 0                     # calls with at most `batch` rows: decode (eager or captured)
         dev = next(model.parameters()).device
         E = self.moes[0].num_experts
         self.buf = torch.zeros(len(self.moes), 16, top_k, dtype=torch.int64, device=dev)   # expert ids
@@ -108,6 +110,7 @@ class Replay:
             return w, ids
         index = self.layer % len(self.moes)     # layers call the router in order, once a forward
         self.layer += 1
+        self.decode_calls += T <= self.batch
         t = self.moes[index].table
         experts = t.expert_of_slot if t is not None else self.identity
         slot_of = torch.empty_like(experts).scatter_(0, experts.long(), self.identity)
@@ -300,6 +303,14 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             moved = (int(x.moves.sum()) - moves0) if x is not None else 0
         finally:
             K.route = replay.real_route
+        # The decode layers must have taken the replay's routing (called eagerly or captured into the graphs, so
+        # at least once a layer): a model that reaches the router another way (h200-18 call 3: a module that had
+        # imported `route` by name) decodes with the dummy router's near-uniform choices, and the rows mean nothing
+        # (14.7 host reads a token with no moves against the replay's 5.6).
+        if replay.decode_calls < len(replay.moes):
+            raise SystemExit(f"expert_offload: the routing replay ran in {replay.decode_calls} decode calls for "
+                             f"{len(replay.moes)} MoE layers: the model's decode does not route through "
+                             "stage_worker.kernels.moe.route (K.route)")
         del engine
         med = statistics.median(times)
         round_gpu = [a.elapsed_time(b) / 1e3 for a, b in round_events]
