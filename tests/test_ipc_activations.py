@@ -610,7 +610,7 @@ def _tool():
     return greedy_transcript
 
 
-def _greedy(model, stages: int, extra: dict, capfd) -> tuple[dict, str]:
+def _greedy(model, stages: int, extra: dict, capfd, one_gpu: bool = True) -> tuple[dict, str]:
     from openai import OpenAI
 
     from conftest import free_port
@@ -621,7 +621,11 @@ def _greedy(model, stages: int, extra: dict, capfd) -> tuple[dict, str]:
     try:
         with Cluster(ServeOptions(model=model, stages=stages, device="cuda", port=free_port(), verbose=True,
                                   extra=extra)) as cluster:
-            assert all(s.device.startswith("cuda") for s in cluster.cluster.stages)   # one GPU: all on cuda:0
+            devices = [s.device for s in cluster.cluster.stages]
+            if one_gpu:                          # the launcher spreads stages over the visible GPUs: one here
+                assert set(devices) == {"cuda:0"}, devices
+            else:
+                assert devices == [f"cuda:{i}" for i in range(stages)], devices
             ready = time.monotonic() - t0
             # a stuck step fails here within two minutes, with the cluster's log, instead of using up the call
             client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=120, max_retries=0)
@@ -643,6 +647,7 @@ def _greedy(model, stages: int, extra: dict, capfd) -> tuple[dict, str]:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() != 1, reason="needs exactly one GPU")
 @pytest.mark.parametrize("preset,stages", [("small", 2), ("tiny", 3)])   # tiny x 3: the PLE layer on stage 1
 def test_stages_on_one_gpu_serve_the_same_greedy_tokens_with_the_handoff(preset, stages, tmp_path, capfd):
     from stage_worker.checkpoint.make_model import make_model
@@ -656,3 +661,23 @@ def test_stages_on_one_gpu_serve_the_same_greedy_tokens_with_the_handoff(preset,
     ok, lines = _tool().compare(off, on, 1e-4 if preset == "tiny" else 1e-3)
     assert ok, "\n".join(lines)
     assert np.isfinite([x for r in on["results"] for x in r["logprobs"] if x is not None]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_stages_on_two_gpus_serve_the_same_greedy_tokens_with_the_handoff(tmp_path, capfd):
+    """Two stages on two GPUs of one host: the ring lives on stage 0's GPU and stage 1 maps it as peer memory
+    (with peer access both ways; without it the host path, said in one warning), the same greedy tokens."""
+    from stage_worker.checkpoint.make_model import make_model
+
+    model = make_model("small", tmp_path / "small", seed=0)
+    off, _ = _greedy(model, 2, {"cuda_ipc_activations": False}, capfd, one_gpu=False)
+    on, log = _greedy(model, 2, {"cuda_ipc_activations": True}, capfd, one_gpu=False)
+    if torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0):
+        assert "stage0: activations to the next stage over CUDA IPC" in log, log[-3000:]
+        assert "stage1: activations from the previous stage over CUDA IPC" in log
+        assert "keep the host path" not in log
+    else:
+        assert "keep the host path: no peer access between cuda:0 and cuda:1" in log, log[-3000:]
+    ok, lines = _tool().compare(off, on, 1e-3)
+    assert ok, "\n".join(lines)
