@@ -461,9 +461,3 @@ def dummy_ple_dir(model_dir: Path, opts: LoadOptions) -> Path | None:
     if not opts.dummy_ple_file:
         return None
     return Path(opts.ple_dir) if opts.ple_dir else Path(model_dir)
-
-
-def ple_table_path(model_dir: Path, layer: int, ple_dir: Path | None = None) -> Path | None:
-    """The current expansion of a layer's PLE table, if one exists (the PLE service reopens it)."""
-    found = sorted((Path(ple_dir) if ple_dir else Path(model_dir)).glob(f"ple_table.layer{layer}.*.bin"))
-    return found[-1] if found else None

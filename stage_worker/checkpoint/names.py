@@ -21,7 +21,6 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 PLE_SHARD = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 PLE_BUFFER = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.(layer_multipliers|ngram_heads_vocab_sizes|"
                         r"ngram_heads_offsets)$")
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT = re.compile(r"^(.*\.mlp)\.(w13|w2)$")
 
 
@@ -116,7 +115,3 @@ def _add_grouped(cfg: Qwen3NextConfig, local: str, shape: tuple, add) -> None:
             return (b if part == "b" else a).reshape(-1, H)
     add(src, Piece(local, src_shape, (), take))
 
-
-def layer_of(name: str) -> int | None:
-    m = LAYER.match(name)
-    return int(m.group(1)) if m else None
