@@ -35,6 +35,58 @@ def sm_count(device: torch.device, cpu: int) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# The kernel flag `pdl` (KernelFlags.pdl) as the decode kernels read it: set by StageModel.set_kernels (`set_pdl`),
+# one setting for the process (every stage of a process takes the same flags), read through `pdl_usable`. The one
+# place: each PDL-taking wrapper asks `pdl_usable(x)` and hands the answer to its kernels as the constexpr PDL and
+# the launch option launch_pdl.
+_PDL = False
+
+
+def set_pdl(on: bool) -> None:
+    """Turn programmatic dependent launch on or off for the kernels that take it (StageModel.set_kernels)."""
+    global _PDL
+    _PDL = bool(on)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _pdl_device(x: torch.Tensor) -> bool:
+    """Whether a launch on x's device can be a programmatic dependent one: a CUDA tensor of compute capability >= 9
+    (Hopper on), compiled (never under the interpreter)."""
+    if triton is None or INTERPRET or not x.is_cuda:
+        return False
+    return _cuda_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+def pdl_usable(x: torch.Tensor) -> bool:
+    """Launch the kernels over x with PDL (their constexpr PDL and `launch_pdl=`): the flag is on and the device
+    takes it. False on the CPU, under the interpreter and before sm_90: there the kernels compile as without it."""
+    return _PDL and _pdl_device(x)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """With PDL (the kernel launched as a programmatic dependent, `launch_pdl=True`): wait until the previous
+        kernel of the stream has finished and its writes are visible, then let the next kernel launch. Every
+        program of a PDL kernel calls it exactly once, before its first store and its first load of anything an
+        earlier kernel may write (activations, routing, caches, counters, an output's previous contents); before it
+        only weights nothing writes during decode. The next kernel launches once every program of this one has
+        passed its wait (so the previous kernel is done): its programs start while this one streams its weights,
+        issue their own weight loads and wait in turn (a chain: each kernel's wait implies all earlier kernels are
+        done). Launching dependents right after the wait, not after the main loop, is a choice made without a
+        measurement: it gives the next kernel the most time to start. Without PDL nothing: the kernel compiles as
+        before."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())

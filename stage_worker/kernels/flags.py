@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race")
+         "sample_race", "pdl")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ class KernelFlags:
                                       # plain temperature rows Gumbel-max over the logits with no softmax
                                       # (sample_race.py; h200-16: served TPOT at 1 stream 3.63 against 4.11 ms);
                                       # off: ~45 PyTorch launches
+    pdl: bool = False                 # Hopper's programmatic dependent launch for the decode kernels that take it
+                                      # (quant_gemv, hyper_connection's mix, ...; docs/architecture.md lists them):
+                                      # each launches while the previous kernel of the stream finishes, loads its
+                                      # first weight tile, then waits (griddepcontrol.wait) before anything an
+                                      # earlier kernel writes; kernels.common.pdl_usable: CUDA, compute
+                                      # capability >= 9, no interpreter. Not yet measured on the H200; off: plain
+                                      # launches, the kernels compiled exactly as before
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

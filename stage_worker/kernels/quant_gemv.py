@@ -30,6 +30,8 @@ INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). W
   h200-13), so one program holds all the tokens, decodes each tile once (the same periods and constant shifts, the
   scale applied with one FMA a value) into x's dtype, joins the value positions into input order and multiplies
   [BLOCK_N, K-tile] by [K-tile, 16 tokens] in one tl.dot (the tensor cores take the 16 multiply-adds a value).
+With the kernel flag `pdl` (`common.pdl_usable`) both kernels are launched as programmatic dependents: the first
+tile's words load before `common.pdl_wait`, everything a previous kernel writes after it.
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
 of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
 Prefill (more than DECODE_MAX_T tokens) and machines without Triton take `dequant_matmul`: BLOCK of rows dequantized
@@ -46,7 +48,7 @@ import math
 
 import torch
 
-from stage_worker.kernels.common import sm_count, triton_usable
+from stage_worker.kernels.common import pdl_usable, sm_count, triton_usable
 from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed, swiglu_input
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
@@ -98,6 +100,7 @@ def period(bits: int, dense: bool) -> tuple[int, int]:
 
 
 if triton is not None:
+    from stage_worker.kernels.common import pdl_wait
     from stage_worker.kernels.split_reduce import store_tile
 
     @triton.jit
@@ -177,14 +180,16 @@ if triton is not None:
                            BITS: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr,
                            SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
                            BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
-                           PRECISION: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr):
+                           PRECISION: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """out[t, rows] = sum_k W[rows, k] x[t, k] over tiles of NPER periods (P values in WP words each) of
         BLOCK_N rows: see the module docstring. SCALE 0: one scale a row, at the end; 1: one a period (the group
         a multiple of P); 2: one a value. FMA path: acc [TP, BLOCK_N, NPER] (TP tokens, the next power of two
         >= T, the small inner dimension), reduced over the periods once at the end. DOT: acc [BLOCK_N, 16], one
         tl.dot a value position j of the period (K order within a tile does not matter to a sum, so x is taken at
         stride P to match). With SPLITS K slices each program stores fp32 partials and the last of a row block
-        adds them in order (`split_reduce.last_of`)."""
+        adds them in order (`split_reduce.last_of`). PDL: the first tile's words (PREFETCH) load before
+        `common.pdl_wait`, everything else after it."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -205,6 +210,7 @@ if triton is not None:
             xs = tl.zeros([NPER, 1, TP], tl.float32)
         if PREFETCH:
             w0, w1, w2 = _words(q_ptr, r3, m3, k_begin // P, stride_qn, W, WP, NPER)
+        pdl_wait(PDL)
         for i in range(ITERS):
             k0 = k_begin + i * BLOCK_K
             if PREFETCH:
@@ -307,7 +313,7 @@ if triton is not None:
                            BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, WP: tl.constexpr,
                            GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
                            BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, PRECISION: tl.constexpr,
-                           SWIGLU: tl.constexpr, PREFETCH: tl.constexpr):
+                           SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
         """The wide path (5-16 tokens): out[t, rows] for all of a step's tokens in one program a (row block, K
         slice). Each tile of NPER periods of BLOCK_N rows is decoded once, in registers, to x's dtype with its
         scales applied ([BLOCK_N, NPER * PP], `_wide_values`), and multiplied by the [NPER * PP, TP] inputs (TP =
@@ -315,7 +321,8 @@ if triton is not None:
         the 16 multiply-adds a value go to the tensor cores. Input position p * PP + j of a tile is input
         k0 + p * P + j (natural order where P is a power of two; the older INT6 layout's 3 padding positions a
         period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own shape), the next tile's issued
-        before one is decoded (PREFETCH); split K as the FMA kernel (`split_reduce.store_tile`)."""
+        before one is decoded (PREFETCH); split K as the FMA kernel (`split_reduce.store_tile`). PDL: the row
+        scales (SCALE 0) and the first tile's words load before `common.pdl_wait`, everything else after it."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -339,6 +346,7 @@ if triton is not None:
             s2 = s * ((1 << BITS) + OFFSET)
         if PREFETCH:
             w0, w1, w2 = _period_words(base, m2, k_begin // P + offs_p[:, None], W, WP)
+        pdl_wait(PDL)
         for i in range(ITERS):
             k0 = k_begin + i * BLOCK_K
             if PREFETCH:
@@ -428,6 +436,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     if T == 0 or N == 0:
         return out
     x = x.contiguous()
+    pdl = pdl_usable(x)
     wide = wide and T >= WIDE_MIN_T
     c = launch_config(T, N, K, pw.group, x.device, cfg, fma, pw.bits, pw.dense, wide)
     blocks, splits, tp = triton.cdiv(N, c["BLOCK_N"]), c["splits"], c["TP"]
@@ -443,7 +452,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
             out.stride(0), 0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits,
             P=c["P"], PP=c["PP"], WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits,
             BLOCK_N=c["BLOCK_N"], NPER=c["NPER"], TP=tp, PRECISION=precision, SWIGLU=swiglu is not None,
-            PREFETCH=PREFETCH, num_warps=c["warps"], num_stages=c["stages"])
+            PREFETCH=PREFETCH, PDL=pdl, num_warps=c["warps"], num_stages=c["stages"], launch_pdl=pdl)
         return out
     _quant_gemv_kernel[(groups, blocks, splits)](
         x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
@@ -451,8 +460,8 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits, P=c["P"],
         WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
         NPER=c["NPER"], TP=tp, DOT=c["DOT"],
-        PRECISION=precision, SWIGLU=swiglu is not None, PREFETCH=PREFETCH,
-        num_warps=c["warps"], num_stages=c["stages"])
+        PRECISION=precision, SWIGLU=swiglu is not None, PREFETCH=PREFETCH, PDL=pdl,
+        num_warps=c["warps"], num_stages=c["stages"], launch_pdl=pdl)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shared.model_config import HybridMoeConfig
+from stage_worker.kernels.common import set_pdl
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec, ModelCache
 from stage_worker.model.decoder import DecoderLayer
@@ -49,6 +50,7 @@ class StageModel(nn.Module):
     def set_kernels(self, flags) -> None:
         """Switch fast kernels on or off for every layer (see stage_worker/kernels/flags.py)."""
         self.kernel_flags = flags
+        set_pdl(getattr(flags, "pdl", False))     # the decode kernels' launch mode: one setting, kernels/common.py
         for m in self.modules():
             if hasattr(type(m), "kernels"):
                 m.kernels = flags

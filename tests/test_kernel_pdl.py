@@ -1,0 +1,229 @@
+"""Programmatic dependent launch (kernel flag `pdl`, stage_worker/kernels/common.py `pdl_usable`): the switch, that it
+reaches the kernels' launches (and never on the CPU or under the interpreter), an offline sm_90 compile of each
+kernel that takes it (griddepcontrol.wait / launch_dependents in the PTX with PDL, neither without; only weight
+loads before the wait, no store), and on a GPU each kernel inside a CUDA graph with PDL on and off, bit for bit,
+with the graph replay times printed (on against off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage_worker.kernels import common
+from stage_worker.kernels.flags import NAMES, KernelFlags
+
+CUDA = torch.cuda.is_available()
+triton = pytest.importorskip("triton")
+
+
+# ---------------------------------------------------------------------------------------------------- the switch
+
+def test_flag_parse_all_and_off(monkeypatch):
+    assert "pdl" in NAMES
+    assert KernelFlags.parse("all").pdl
+    assert not KernelFlags.parse("-pdl").pdl
+    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n != "pdl" for n in NAMES})
+    assert not KernelFlags.parse("none").pdl and KernelFlags.parse("pdl").describe() == "pdl"
+    monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
+    assert not KernelFlags.from_env().pdl
+    monkeypatch.setenv("MOEPIPE_KERNELS", "all")
+    assert KernelFlags.from_env().pdl
+
+
+def test_set_kernels_sets_the_one_setting(monkeypatch):
+    """StageModel.set_kernels hands the flag to kernels/common.py; pdl_usable is False on the CPU whatever it says."""
+    from stage_worker.model.model import StageModel
+
+    monkeypatch.setattr(common, "_PDL", False)
+    m = torch.nn.Linear(2, 2)
+    StageModel.set_kernels(m, KernelFlags.parse("all"))
+    assert common._PDL
+    assert not common.pdl_usable(torch.zeros(1))                 # CPU (and the interpreter): never
+    StageModel.set_kernels(m, KernelFlags.parse("-pdl"))
+    assert not common._PDL
+
+
+class _Spy:
+    """Stands in for a @triton.jit kernel: records each launch's PDL constexpr and launch_pdl option."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((kw.get("PDL", False), kw.get("launch_pdl", False)))
+        return launch
+
+
+def _spy(monkeypatch, module, names) -> list:
+    calls: list = []
+    for n in names:
+        monkeypatch.setattr(module, n, _Spy(calls))
+    return calls
+
+
+def _launches(monkeypatch, flags: str, fake_hopper: bool, module, names, call) -> list:
+    from stage_worker.model.model import StageModel
+
+    monkeypatch.setattr(common, "_PDL", False)
+    monkeypatch.setattr(common, "_pdl_device", lambda x: fake_hopper)   # a CUDA device of compute capability 9
+    StageModel.set_kernels(torch.nn.Linear(2, 2), KernelFlags.parse(flags))
+    calls = _spy(monkeypatch, module, names)
+    call()
+    return calls
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+def test_flag_reaches_quant_gemv_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import quant_gemv as Q
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+
+    pw = quantize_rtn(torch.randn(32, 64), 4, 32, dense=True, scale_dtype=torch.float32)
+    x = torch.randn(4, 64)
+
+    def call():
+        Q.quant_gemv(x[:1], pw)
+        Q.quant_gemv(x, pw, wide=True)
+    calls = _launches(monkeypatch, flags, hopper, Q, ["_quant_gemv_kernel", "_quant_gemm_kernel"], call)
+    assert calls == [(want, want)] * 2
+
+
+# ---------------------------------------------------------------------------------- offline sm_90 compiles
+
+# Prepended to each family's script (run in a clean interpreter by sm90_compile.run_compile_script): compile a
+# kernel for sm_90 and read its PTX: the griddepcontrol instructions, and the global loads and stores (and
+# atomics) before the first wait.
+PTX_PROBE = r"""
+import json
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def ptx_of(fn, sig, const, num_warps=4, num_stages=1):
+    sig = dict(sig)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    return k.asm["ptx"]
+
+def gdc(name, fn, sig, const, **kw):
+    out = {}
+    for pdl in (False, True):
+        ptx = ptx_of(fn, sig, dict(const, PDL=pdl), **kw)
+        body = ptx.split(".entry", 1)[1]
+        head = body.split("griddepcontrol.wait", 1)[0] if "griddepcontrol.wait" in body else ""
+        out[pdl] = dict(wait=body.count("griddepcontrol.wait"), launch=body.count("griddepcontrol.launch_dependents"),
+                        loads_before=head.count("ld.global"),
+                        stores_before=head.count("st.global") + head.count("atom.") + head.count("red."))
+    return dict(name=name, off=out[False], on=out[True])
+"""
+
+
+def _compile(script: str) -> list[dict]:
+    from sm90_compile import run_compile_script
+
+    got = run_compile_script(PTX_PROBE + script, timeout=300)
+    print("\n" + "\n".join(map(str, got)))
+    return got
+
+
+def _check(got: list[dict], prologue: set[str] = frozenset()) -> None:
+    """PDL off: no griddepcontrol at all (the kernel as before). On: a wait and a launch_dependents, no store
+    before the wait; the kernels named in `prologue` load weights before it."""
+    for g in got:
+        assert g["off"]["wait"] == 0 and g["off"]["launch"] == 0, g
+        assert g["on"]["wait"] >= 1 and g["on"]["launch"] >= 1, g
+        assert g["on"]["stores_before"] == 0, g
+        if g["name"] in prologue:
+            assert g["on"]["loads_before"] > 0, g
+
+
+def test_quant_gemv_compiles_with_pdl_for_the_h200():
+    """Both quant_gemv kernels (FMA at 1 token, the wide one at 16, K slices so the split counters are in): with
+    PDL the first tile's words load before the wait."""
+    got = _compile(r"""
+from stage_worker.kernels import quant_gemv as Q
+
+def build(T, wide, N=256, K=1024, bits=4, group=128):
+    c = Q.launch_config(T, N, K, group, torch.device("cpu"), bits=bits, dense=True, wide=wide)
+    sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+               w_ptr="*bf16", N="i32", T="i32", stride_xt="i32", stride_qn="i32", stride_sn="i32", stride_ot="i32",
+               stride_wt="i32", one="i32")
+    const = dict(K=K, W=K * bits // 32, BITS=bits, P=c["P"], WP=c["WP"], GROUP=group, SCALE=c["SCALE"],
+                 K_SLICE=K // 2, SPLITS=2, BLOCK_N=c["BLOCK_N"], NPER=c["NPER"], TP=c["TP"], PRECISION="tf32",
+                 SWIGLU=False, PREFETCH=True)
+    const.update(dict(PP=c["PP"]) if wide else dict(DOT=c["DOT"]))
+    fn = Q._quant_gemm_kernel if wide else Q._quant_gemv_kernel
+    return gdc("quant_gemm" if wide else "quant_gemv", fn, sig, const, num_warps=c["warps"])
+
+print(json.dumps([build(1, False), build(16, True)]))
+""")
+    _check(got, prologue={"quant_gemv", "quant_gemm"})
+
+
+# ------------------------------------------------------------------------------------------------------ the GPU
+
+def _graph_pair(fn, reps: int = 20):
+    """fn() captured `reps` times into one CUDA graph with PDL off, then on (common._PDL; the device takes it):
+    (outputs off, outputs on, us a call off, us a call on), the outputs of the graph's last call."""
+    from conftest import graph_us
+
+    res, times = [], []
+    for on in (False, True):
+        common.set_pdl(on)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()                                  # warm up (compile) off the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    out = fn()
+            g.replay()
+            torch.cuda.synchronize()
+            res.append([o.clone() for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None])
+            times.append(graph_us(lambda i: fn(), calls=reps, runs=5, warmup=2))
+        finally:
+            common.set_pdl(False)
+    return res[0], res[1], times[0], times[1]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+needs_hopper = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9),
+                                  reason="PDL needs a CUDA device of compute capability >= 9")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("T,wide", [(1, False), (4, True), (16, True), (2, False)])
+def test_quant_gemv_pdl_in_a_graph_bit_for_bit(T, wide):
+    """A chain of quant_gemvs (out_proj INT4 4096 -> 2560 then o_proj-like INT6 2560 -> 6144 -> 2560, each reading
+    the previous one's output, K slices so the split counters are shared) in one graph with PDL off and on."""
+    from stage_worker.kernels import quant_gemv as Q
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+    from stage_worker.kernels.split_reduce import split_locks
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    split_locks(dev)
+    a = quantize_rtn(torch.randn(2560, 4096, device=dev) / 64, 4, 128, dense=True, scale_dtype=torch.bfloat16)
+    b = quantize_rtn(torch.randn(6144, 2560, device=dev) / 50, 6, 128, dense=True, scale_dtype=torch.bfloat16)
+    c = quantize_rtn(torch.randn(2560, 6144, device=dev) / 78, 8, 6144, dense=True, scale_dtype=torch.bfloat16)
+    x = torch.randn(T, 4096, device=dev, dtype=torch.bfloat16)
+
+    def fn():
+        return Q.quant_gemv(Q.quant_gemv(Q.quant_gemv(x, a, wide=wide), b, wide=wide), c, wide=wide)
+
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nquant_gemv chain T={T} wide={wide}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
+    _same(off, on)
+
