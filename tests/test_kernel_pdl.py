@@ -227,3 +227,76 @@ def test_quant_gemv_pdl_in_a_graph_bit_for_bit(T, wide):
     print(f"\nquant_gemv chain T={T} wide={wide}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
     _same(off, on)
 
+
+# ----------------------------------------------------------------------------------------- hyper_connection
+
+HC_NAMES = ["_hc_prep_kernel", "_hc_down_kernel", "_hc_up_mix_kernel", "_hc_inject_kernel"]
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+def test_flag_reaches_hyper_connection_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import hyper_connection as HC
+
+    hc, H, R = 4, 32, 8
+    streams, out, w = torch.randn(1, hc * H), torch.randn(1, H), torch.rand(1, hc)
+    args = (torch.randn(hc * H), torch.randn(R, hc * H), torch.randn(hc * H, R), torch.randn(hc, hc * H), hc, 1e-6)
+
+    def call():
+        HC.hc_inject_mix(streams, out, w, *args)
+        HC.hc_inject(streams, out, w)
+    calls = _launches(monkeypatch, flags, hopper, HC, HC_NAMES, call)
+    assert calls == [(want, want)] * 4
+
+
+def test_hyper_connection_compiles_with_pdl_for_the_h200():
+    """The mix's three kernels (INT8 down and up, the injection on) and the inject kernel: P, A and B load weights
+    before the wait."""
+    got = _compile(r"""
+from stage_worker.kernels import hyper_connection as K
+
+H, HC, R = 512, 4, 64
+out = [gdc("hc_prep", K._hc_prep_kernel,
+           dict(x_ptr="*bf16", o_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16", nw_ptr="*bf16", n_ptr="*bf16",
+                stride_x="i32", stride_o="i32", stride_y="i32", eps="fp32"),
+           dict(H=H, HC=HC, INJECT=True, BLOCK=H)),
+       gdc("hc_down", K._hc_down_kernel,
+           dict(n_ptr="*bf16", down_ptr="*u8", ds_ptr="*bf16", inj_ptr="*bf16", a_ptr="*bf16", g_ptr="*bf16", T="i32"),
+           dict(H=H, R=R, HC=HC, BLOCK_T=1, BLOCK_R=1, BLOCK_K=1024, Q8=True), num_warps=8),
+       gdc("hc_up_mix", K._hc_up_mix_kernel,
+           dict(n_ptr="*bf16", a_ptr="*bf16", up_ptr="*u8", us_ptr="*bf16", y_ptr="*bf16", T="i32", stride_y="i32"),
+           dict(H=H, R=R, HC=HC, BLOCK_T=1, BLOCK_H=4, BLOCK_J=64, Q8=True), num_warps=8),
+       gdc("hc_inject", K._hc_inject_kernel,
+           dict(x_ptr="*bf16", o_ptr="*bf16", g_ptr="*bf16", y_ptr="*bf16", stride_x="i32", stride_o="i32",
+                stride_y="i32"),
+           dict(H=H, HC=HC, BLOCK=1024))]
+print(json.dumps(out))
+""")
+    _check(got, prologue={"hc_prep", "hc_down", "hc_up_mix"})
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("T", [1, 4])
+def test_hyper_connection_pdl_in_a_graph_bit_for_bit(T):
+    """Two mixes in a row at the full shape (hc 4, H 2560, rank 320; bf16 weights), the second injecting a block
+    output into the first one's streams, and an inject: PDL off and on in one graph each."""
+    from stage_worker.kernels import hyper_connection as HC
+
+    torch.manual_seed(0)
+    hc, H, R, dt = 4, 2560, 320, torch.bfloat16
+    dev = "cuda"
+    w = dict(hc_norm_w=torch.randn(hc * H, device=dev, dtype=dt) * 0.1,
+             down_w=torch.randn(R, hc * H, device=dev, dtype=dt) / 100,
+             up_w=torch.randn(hc * H, R, device=dev, dtype=dt) / 18,
+             inject_w=torch.randn(hc, hc * H, device=dev, dtype=dt) / 100)
+    streams = torch.randn(T, hc * H, device=dev, dtype=dt)
+
+    def fn():
+        mixed, inj = HC.hc_mix(streams, **w, hc=hc, eps=1e-6)
+        s2, mixed2, inj2 = HC.hc_inject_mix(streams, mixed, inj, **w, hc=hc, eps=1e-6)
+        return mixed, inj, s2, mixed2, inj2, HC.hc_inject(s2, mixed2, inj2)
+
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nhyper_connection mix + inject-mix + inject T={T}: {us_off:.1f} us off, {us_on:.1f} us on (7 launches)")
+    _same(off, on)
+

@@ -19,6 +19,9 @@ All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (t
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
 Sized for decode (T <= DECODE_ROWS): each row block re-reads the weights, so prefill-size batches take PyTorch.
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
+With the kernel flag `pdl` (`common.pdl_usable`) the four kernels are launched as programmatic dependents: P loads
+its norm weight before `common.pdl_wait`, A and B their first weight tile (B: the first stream's), the inject
+kernel nothing; everything the previous kernel writes (streams, normed rows, a, the block output) after it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels import hyper_connection_ref
+from stage_worker.kernels.common import pdl_usable, pdl_wait
 from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.kernels.rmsnorm import round_to
 
@@ -53,12 +57,16 @@ def _bucket(t: int) -> int:
 
 @triton.jit
 def _hc_prep_kernel(x_ptr, o_ptr, g_ptr, y_ptr, nw_ptr, n_ptr, stride_x, stride_o, stride_y, eps,
-                    H: tl.constexpr, HC: tl.constexpr, INJECT: tl.constexpr, BLOCK: tl.constexpr):
+                    H: tl.constexpr, HC: tl.constexpr, INJECT: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     m = offs < H
     dt: tl.constexpr = n_ptr.dtype.element_ty
+    if PDL:
+        scale = 1.0 + tl.load(nw_ptr + s * H + offs, mask=m, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
     x = tl.load(x_ptr + t * stride_x + s * H + offs, mask=m, other=0.0).to(tl.float32)
     if INJECT:
         o = tl.load(o_ptr + t * stride_o + offs, mask=m, other=0.0).to(tl.float32)
@@ -66,15 +74,17 @@ def _hc_prep_kernel(x_ptr, o_ptr, g_ptr, y_ptr, nw_ptr, n_ptr, stride_x, stride_
         x = round_to(x + round_to(o * g, dt), dt)
         tl.store(y_ptr + t * stride_y + s * H + offs, x.to(dt), mask=m)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    scale = 1.0 + tl.load(nw_ptr + s * H + offs, mask=m, other=0.0).to(tl.float32)
+    if not PDL:
+        scale = 1.0 + tl.load(nw_ptr + s * H + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(n_ptr + t * (HC * H) + s * H + offs, round_to((x * rstd) * scale, dt).to(dt), mask=m)
 
 
 @triton.jit
 def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """[BLOCK_T, BLOCK_R]: the normed rows times weight rows `outs` (stored values less OFFSET: 128 for INT8
-    bytes, whose per-row scale the caller applies; 0 for float weights)."""
+    bytes, whose per-row scale the caller applies; 0 for float weights). PDL: the wait after the first weight
+    tile's load, before the first normed row's."""
     ts = tl.arange(0, BLOCK_T)
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
@@ -83,6 +93,9 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
         mk = ks < K
         # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
         w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mk[None, :], other=OFFSET).to(tl.float32) - OFFSET
+        if PDL:
+            if k0 == 0:
+                pdl_wait(PDL)
         for t in tl.static_range(BLOCK_T):
             x = tl.load(n_ptr + (row0 + t).to(tl.int64) * K + ks, mask=mk & (row0 + t < T), other=0.0)
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
@@ -93,7 +106,7 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
 @triton.jit
 def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False):
     """`down` (and `block_inject`) rows over the normed streams; with Q8 the down weight is INT8 bytes (stored
     value + 128) with one scale a row (ds), applied to the row's sum."""
     K: tl.constexpr = HC * H
@@ -107,14 +120,14 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
         outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < R
         if Q8:
-            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 128.0, BLOCK_T, BLOCK_R, BLOCK_K)
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
             acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
         else:
-            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
     else:
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
-        acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K)
+        acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
     dt: tl.constexpr = a_ptr.dtype.element_ty
     v = round_to(round_to(acc, dt) / HC, dt)
     mask = mt[:, None] & mo[None, :]
@@ -129,7 +142,8 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
 @triton.jit
 def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """The `up` GEMV per stream, sigmoid, and the mean of gate * normed; with Q8 the up weight is INT8 bytes
     (stored value + 128) with one scale a row (us), applied to each row's sum."""
     OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
@@ -148,6 +162,9 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
             mj = js < R
             w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
                         mask=mh[:, None] & mj[None, :], other=OFFSET).to(tl.float32) - OFFSET
+            if PDL:
+                if s == 0 and j0 == 0:
+                    pdl_wait(PDL)                         # after the first weight tile, before the first `a`
             for t in tl.static_range(BLOCK_T):
                 a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
                 part = tl.sum(w * a[None, :], axis=1)
@@ -164,7 +181,8 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
 
 @triton.jit
 def _hc_inject_kernel(x_ptr, o_ptr, g_ptr, y_ptr, stride_x, stride_o, stride_y,
-                      H: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr):
+                      H: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                                          # no weights: everything it reads an earlier kernel wrote
     row = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HC * H
@@ -235,24 +253,26 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         o, g = _rows_contiguous(out), weights.contiguous()
     if t == 0:
         return new_streams, mixed, inject
+    pdl = pdl_usable(x)
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
         H=hidden, HC=hc, INJECT=out is not None, BLOCK=triton.next_power_of_2(hidden),
-        num_warps=8 if hidden >= 2048 else 4)
+        num_warps=8 if hidden >= 2048 else 4, PDL=pdl, launch_pdl=pdl)
     bt = min(triton.next_power_of_2(t), 16)
     br, bk, warps = DOWN_CFG[_bucket(t)]
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
     _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
         normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
         a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
-        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps)
+        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl)
     bh, bj, warps = UP_CFG[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
         normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
-        num_warps=warps)
+        num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return new_streams, mixed, inject
 
 
@@ -265,8 +285,9 @@ def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) ->
     y = torch.empty((t, width), dtype=streams.dtype, device=streams.device)
     if t:
         block = min(triton.next_power_of_2(width), 1024)
+        pdl = pdl_usable(x)
         _hc_inject_kernel[(triton.cdiv(width, block), t)](x, o, g, y, x.stride(0), o.stride(0), y.stride(0),
-                                                          H=width // hc, HC=hc, BLOCK=block)
+                                                          H=width // hc, HC=hc, BLOCK=block, PDL=pdl, launch_pdl=pdl)
     return y
 
 
