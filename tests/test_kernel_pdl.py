@@ -300,3 +300,86 @@ def test_hyper_connection_pdl_in_a_graph_bit_for_bit(T):
     print(f"\nhyper_connection mix + inject-mix + inject T={T}: {us_off:.1f} us off, {us_on:.1f} us on (7 launches)")
     _same(off, on)
 
+
+# -------------------------------------------------------------------------------- INT4 experts and the router
+
+def _int4_experts(E: int, H: int, I: int, group: int, dev: str, seed: int = 0):
+    from stage_worker.kernels.moe_int4_ref import PackedExperts, pack_int4
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=dev) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g, device=dev) / I ** 0.5
+    return PackedExperts(*pack_int4(w13.to(torch.bfloat16), group), *pack_int4(w2.to(torch.bfloat16), group), group)
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+def test_flag_reaches_moe_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import moe as M
+    from stage_worker.kernels import moe_int4 as M4
+
+    ex = _int4_experts(4, 64, 32, 32, "cpu")
+    x, ids, w = torch.randn(1, 64), torch.tensor([[0, 2]], dtype=torch.int32), torch.rand(1, 2)
+    calls = _launches(monkeypatch, flags, hopper, M4, ["_int4_up_kernel", "_int4_down_kernel"],
+                      lambda: M4.fused_moe_int4(x, ids, w, ex))
+    calls += _launches(monkeypatch, flags, hopper, M, ["_route_kernel"], lambda: M.route(torch.randn(1, 8), 2, True))
+    assert calls == [(want, want)] * 3
+
+
+def test_moe_compiles_with_pdl_for_the_h200():
+    """The INT4 up and down kernels and the router: each waits first thing (no load before the wait)."""
+    got = _compile(r"""
+from stage_worker.kernels import moe as M
+from stage_worker.kernels import moe_int4 as K
+
+H, I, G, TOPK = 512, 128, 32, 8
+up = gdc("int4_up", K._int4_up_kernel,
+         dict(x_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32", q_ptr="*i32", s_ptr="*bf16", hq_ptr="*i32",
+              hs_ptr="*bf16", act_ptr="*fp32", stride_it="i32", stride_wt="i32", stride_qe="i64", stride_qr="i32",
+              stride_se="i64", stride_sr="i32", FIRST_HOST="i32", ONE="i32"),
+         dict(H=H, I=I, TOP_K=TOPK, GROUP=G, QW=K.quad_words(H // 8, G), BLOCK_I=8, BLOCK_W=32, PREFETCH=1),
+         num_warps=1)
+down = gdc("int4_down", K._int4_down_kernel,
+           dict(act_ptr="*fp32", ids_ptr="*i32", q_ptr="*i32", s_ptr="*bf16", hq_ptr="*i32", hs_ptr="*bf16",
+                out_ptr="*bf16", add_ptr="*bf16", stride_it="i32", stride_qe="i64", stride_qh="i32",
+                stride_se="i64", stride_sh="i32", stride_ot="i32", stride_at="i32", FIRST_HOST="i32", ONE="i32"),
+           dict(H=H, I=I, TOP_K=TOPK, GROUP=G, QW=K.quad_words(I // 8, G), BLOCK_H=4, BLOCK_W=128, PREFETCH=1,
+                ADD=True), num_warps=2)
+route = gdc("route", M._route_kernel,
+            dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", counts_ptr="*fp32", reads_ptr="*i64",
+                 valid_ptr="*i32", E="i32", stride_t="i32", FIRST_HOST="i32"),
+            dict(TOP_K=TOPK, SHARED=1, RENORM=True, BLOCK_E=256, BLOCK_K=8, COUNT=True, VALID=True),
+            num_warps=M.NUM_WARPS)
+print(json.dumps([up, down, route]))
+""")
+    _check(got)
+    assert all(g["on"]["loads_before"] == 0 for g in got), got
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("T", [1, 4])
+def test_moe_pdl_in_a_graph_bit_for_bit(T):
+    """Route (shared slot, counts, valid rows) then the INT4 experts (the shared expert's output added) at the full
+    shape's expert sizes (H 2560, I 1024 is a stand-in; 64 experts, top 8), twice in a row, PDL off and on."""
+    from stage_worker.kernels import moe as M
+    from stage_worker.kernels import moe_int4 as M4
+    from stage_worker.kernels.moe_ref import RouteCounts
+
+    torch.manual_seed(0)
+    dev, H, I, E, k = "cuda", 2560, 1024, 64, 8
+    ex = _int4_experts(E, H, I, 128, dev)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(T, E + 1, device=dev, dtype=torch.bfloat16)
+    add = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    valid = torch.tensor([T], dtype=torch.int32, device=dev)
+
+    def fn():
+        counts = RouteCounts(torch.zeros(E, device=dev), torch.zeros(1, dtype=torch.int64, device=dev), E)
+        w, ids = M.route(logits, k, True, shared=True, counts=counts, valid=valid)
+        y = M4.fused_moe_int4(x, ids[:, :k], w[:, :k], ex, add=add)
+        y2 = M4.fused_moe_int4(y, ids[:, :k], w[:, :k], ex, add=add)
+        return w, ids, y, y2, counts.counts, counts.host_reads
+
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nroute + 2 x INT4 experts T={T}: {us_off:.1f} us off, {us_on:.1f} us on (5 launches + 2 zero fills)")
+    _same(off, on)

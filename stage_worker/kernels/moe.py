@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from stage_worker.kernels.common import pow2 as _pow2
-from stage_worker.kernels.common import triton_usable
+from stage_worker.kernels.common import pdl_usable, triton_usable
 from stage_worker.kernels.moe_ref import (Fp8Experts, HostRows, RouteCounts, count_ref, dequantize_fp8_block,
                                           dequantize_fp8_w13, route_ref, shared_gate_ref)
 
@@ -82,6 +82,8 @@ class SharedExpert:
 SKIP = -2                # a routed slot of a padding row: no expert (see `route`'s `valid`)
 
 if triton is not None:
+    from stage_worker.kernels.common import pdl_wait
+
     _KEY_MIN = tl.constexpr(-(2 ** 63))
     SKIP_ID = tl.constexpr(SKIP)
 
@@ -100,13 +102,16 @@ if triton is not None:
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr):
+                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr, PDL: tl.constexpr = False):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
         number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter).
         With VALID, rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight
-        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows."""
+        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows. PDL (kernel
+        flag `pdl`): launched as a programmatic dependent, it waits first thing (`common.pdl_wait`: it reads only
+        what earlier kernels wrote)."""
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -283,10 +288,11 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
+        pdl = pdl_usable(logits)
         _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid, E,
                             logits.stride(0), c.first, TOP_K=top_k, SHARED=int(shared), RENORM=bool(renormalise),
                             BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
-                            VALID=valid is not None, num_warps=NUM_WARPS)
+                            VALID=valid is not None, num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl)
     return weights, ids
 
 

@@ -11,6 +11,10 @@ value a thread gathers serves them all), the next block's words loaded before th
 not a slot here: it is quantized differently in the reports' release (INT6), and runs beside this launch. Reference:
 `moe_int4_ref.fused_moe_int4_ref`; tests: tests/test_kernel_moe_int4.py (CPU under TRITON_INTERPRET=1, H200 with
 real shapes); numbers: docs/performance.md, "INT4 experts (issue 17)".
+With the kernel flag `pdl` (`common.pdl_usable`) both launch as programmatic dependents and wait
+(`common.pdl_wait`) first thing: every load depends on the routing ids, and the expert tables themselves are
+rewritten between steps by the expert-move swap kernels, so nothing may be read before the wait (what PDL saves
+here is the launch and ramp-up, not a weight prologue).
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import math
 import torch
 
 from stage_worker.kernels.common import pow2 as _pow2
-from stage_worker.kernels.common import triton_usable
+from stage_worker.kernels.common import pdl_usable, triton_usable
 from stage_worker.kernels.moe import SKIP, _bucket, expert_rows, triton
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:
     import triton.language as tl
+
+    from stage_worker.kernels.common import pdl_wait
 
     SKIP_ID = tl.constexpr(SKIP)
 
@@ -53,7 +59,8 @@ if triton is not None:
     def _int4_up_kernel(x_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, act_ptr, stride_it, stride_wt,
                         stride_qe, stride_qr, stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr,
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads.
 
@@ -62,6 +69,7 @@ if triton is not None:
         or 2) blocks are already loading while one is computed. Per word: d = sum_n (1 + q_n/16) x_n (the
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
         applied once to their sum; the 16 at the end."""
+        pdl_wait(PDL)                 # first: the ids, x and the expert tables (swapped between steps) all wait
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + t * stride_it + tj % TOP_K).to(tl.int64)
@@ -144,7 +152,8 @@ if triton is not None:
     def _int4_down_kernel(act_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, out_ptr, add_ptr, stride_it, stride_qe,
                           stride_qh, stride_se, stride_sh, stride_ot, stride_at, FIRST_HOST, ONE, H: tl.constexpr,
                           I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
@@ -152,6 +161,7 @@ if triton is not None:
         in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words nor
         their activations (never written) are read. With ADD, add[t] (the shared expert's output) is added before
         the store."""
+        pdl_wait(PDL)                 # first: the ids, act and the expert tables all wait
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -269,6 +279,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         raise ValueError(f"add {tuple(add.shape)} must be [T, H] with contiguous rows")
     h = host or experts
     first = E if host is None else first_host
+    pdl = pdl_usable(x)
     b = _bucket(T)
     bi, bw, warps = UP_CFG[b]
     bi, bw = min(bi, _pow2(I)), min(bw, _pow2(H // 8))
@@ -276,7 +287,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, ids.stride(0), weights.stride(0),
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
         H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
-        num_warps=warps)
+        num_warps=warps, PDL=pdl, launch_pdl=pdl)
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     _int4_down_kernel[(T, triton.cdiv(H, bh))](
@@ -284,7 +295,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         experts.q2.stride(0), experts.q2.stride(1), experts.s2.stride(0), experts.s2.stride(1), out.stride(0),
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
         QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
-        num_warps=warps)
+        num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return out
 
 
