@@ -169,6 +169,7 @@ def _graph_pair(fn, reps: int = 20):
     from conftest import graph_us
 
     res, times = [], []
+    before = common._PDL
     for on in (False, True):
         common.set_pdl(on)
         try:
@@ -188,7 +189,7 @@ def _graph_pair(fn, reps: int = 20):
             res.append([o.clone() for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None])
             times.append(graph_us(lambda i: fn(), calls=reps, runs=5, warmup=2))
         finally:
-            common.set_pdl(False)
+            common.set_pdl(before)
     return res[0], res[1], times[0], times[1]
 
 
