@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stage_worker.kernels.flags import NAMES, NONE, KernelFlags
+from stage_worker.kernels.flags import NAMES, NONE, NOT_IN_ALL, KernelFlags
 
 
 def test_parse_all_none_lists_and_negations():
-    """"all" is every kernel (each has passed on the H200); "-name" turns one off."""
-    assert KernelFlags.parse("all") == KernelFlags(**dict.fromkeys(NAMES, True))
+    """"all" is every kernel that has passed on the H200 (NOT_IN_ALL are named to be on); "-name" turns one off."""
+    assert KernelFlags.parse("all") == KernelFlags(**{n: n not in NOT_IN_ALL for n in NAMES})
+    assert KernelFlags.parse("all," + ",".join(NOT_IN_ALL)) == KernelFlags(**dict.fromkeys(NAMES, True))
     assert KernelFlags.parse("none") == NONE == KernelFlags.parse("")
     assert KernelFlags.parse("moe,rmsnorm").describe() == "moe,rmsnorm"
     off = KernelFlags.parse("-hyper_connection")
     assert not off.hyper_connection
-    assert all(getattr(off, n) for n in NAMES if n != "hyper_connection")
+    assert all(getattr(off, n) for n in NAMES if n != "hyper_connection" and n not in NOT_IN_ALL)
     with pytest.raises(ValueError, match="unknown kernel 'flash'"):
         KernelFlags.parse("flash")
 

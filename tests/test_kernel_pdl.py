@@ -20,13 +20,16 @@ triton = pytest.importorskip("triton")
 
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
-    assert KernelFlags.parse("all").pdl
+    assert not KernelFlags.parse("all").pdl and KernelFlags.parse("all,pdl").pdl     # named only, until timed
+    assert KernelFlags.parse("all,pdl") == KernelFlags(**dict.fromkeys(NAMES, True))
     assert not KernelFlags.parse("-pdl").pdl
     assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n != "pdl" for n in NAMES})
     assert not KernelFlags.parse("none").pdl and KernelFlags.parse("pdl").describe() == "pdl"
     monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
     assert not KernelFlags.from_env().pdl
     monkeypatch.setenv("MOEPIPE_KERNELS", "all")
+    assert not KernelFlags.from_env().pdl
+    monkeypatch.setenv("MOEPIPE_KERNELS", "all,pdl")
     assert KernelFlags.from_env().pdl
 
 
@@ -36,7 +39,7 @@ def test_set_kernels_sets_the_one_setting(monkeypatch):
 
     monkeypatch.setattr(common, "_PDL", False)
     m = torch.nn.Linear(2, 2)
-    StageModel.set_kernels(m, KernelFlags.parse("all"))
+    StageModel.set_kernels(m, KernelFlags.parse("all,pdl"))
     assert common._PDL
     assert not common.pdl_usable(torch.zeros(1))                 # CPU (and the interpreter): never
     StageModel.set_kernels(m, KernelFlags.parse("-pdl"))
@@ -73,7 +76,7 @@ def _launches(monkeypatch, flags: str, fake_hopper: bool, module, names, call) -
     return calls
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_quant_gemv_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import quant_gemv as Q
     from stage_worker.kernels.quant_gemv_ref import quantize_rtn
@@ -234,7 +237,7 @@ def test_quant_gemv_pdl_in_a_graph_bit_for_bit(T, wide):
 HC_NAMES = ["_hc_prep_kernel", "_hc_down_kernel", "_hc_up_mix_kernel", "_hc_inject_kernel"]
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_hyper_connection_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import hyper_connection as HC
 
@@ -313,7 +316,7 @@ def _int4_experts(E: int, H: int, I: int, group: int, dev: str, seed: int = 0):
     return PackedExperts(*pack_int4(w13.to(torch.bfloat16), group), *pack_int4(w2.to(torch.bfloat16), group), group)
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_moe_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import moe as M
     from stage_worker.kernels import moe_int4 as M4

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
          "sample_race", "pdl")
+# Named only: "all" leaves these off until the H200 has run their GPU tests and timed them ("all,pdl" turns one on).
+NOT_IN_ALL = ("pdl",)
 
 
 @dataclass(frozen=True)
@@ -56,17 +58,19 @@ class KernelFlags:
                                       # each launches while the previous kernel of the stream finishes, loads its
                                       # first weight tile, then waits (griddepcontrol.wait) before anything an
                                       # earlier kernel writes; kernels.common.pdl_usable: CUDA, compute
-                                      # capability >= 9, no interpreter. Not yet measured on the H200; off: plain
+                                      # capability >= 9, no interpreter. Not in "all" (NOT_IN_ALL) until the H200
+                                      # has run tests/test_kernel_pdl.py -m gpu and timed it; off: plain
                                       # launches, the kernels compiled exactly as before
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
-        """"all", "none", or a comma list of names, each optionally prefixed with '-' to turn it off."""
+        """"all" (every kernel but NOT_IN_ALL), "none", or a comma list of names, each optionally prefixed with '-'
+        to turn it off ("all,pdl": all and pdl)."""
         spec = spec.strip()
         if spec in ("", "none", "0", "off"):
             return cls()
         base = spec.startswith("all") or spec.startswith("-")
-        on = dict.fromkeys(NAMES, base)
+        on = {name: base and name not in NOT_IN_ALL for name in NAMES}
         for part in spec.split(","):
             part = part.strip()
             if part in ("", "all"):
