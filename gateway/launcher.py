@@ -26,8 +26,8 @@ from pathlib import Path
 from shared.cluster_config import ClusterConfig, StageSpec, dump_toml, env_overrides, split_layers
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
-from shared.memory_plan import (GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits, StageNeeds,
-                                 fit_max_model_len, host_bytes_to_fit, host_kv_room)
+from shared.memory_plan import (AUTO_OFFLOAD_LEN, GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits,
+                                 StageNeeds, fit_max_model_len, host_bytes_to_fit, host_kv_room)
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import RESTARTS_ENV
 
@@ -123,7 +123,8 @@ def memory_plan(cluster: ClusterConfig, config_path: Path) -> MemoryPlan:
 
 
 def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) -> ClusterConfig:
-    """`--cold-experts auto`: the least offload that lets the memory plan start (`host_bytes_to_fit`), spread over
+    """`--cold-experts auto`: the least offload that lets the memory plan start (`host_bytes_to_fit`) at
+    --max-model-len, or with it unset at AUTO_OFFLOAD_LEN tokens (then `memory_plan` fits the context), spread over
     each stage's MoE layers, the least used experts by the checkpoint's `route_usage.json` if it has one (written
     by `moepipe route-stats`), else the highest ids; the file goes to the run directory. Experts are counted at
     the size the stage holds them (`StageNeeds.expert_bytes`: INT4 experts kept packed at their packed size)."""
@@ -132,8 +133,13 @@ def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) 
     cfg = load_config(cluster.model)
     if not any(s.device.startswith("cuda") for s in cluster.stages):
         return dataclasses.replace(cluster, cold_experts="")        # host RAM is all there is: nothing to move
+    probe = cluster
+    if not cluster.max_model_len:
+        # unset: experts out for AUTO_OFFLOAD_LEN tokens, and memory_plan then fits the context to what is left
+        probe = dataclasses.replace(cluster, max_model_len=min(cfg.max_position_embeddings, AUTO_OFFLOAD_LEN))
+        config_path.write_text(dump_toml(probe))         # the needs process reads the length from the file
     try:
-        inputs = plan_inputs(cluster, config_path)
+        inputs = plan_inputs(probe, config_path)
         need = host_bytes_to_fit(*inputs)
     except MemoryPlanError as exc:
         raise RuntimeError(f"the model does not fit: {exc}") from None
@@ -152,7 +158,9 @@ def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) 
                if s <= layer < e)
     how = f"the least used by {usage_file}" if scores else \
         "no route_usage.json beside the checkpoint: the highest ids, moves re-place them"
-    print(f"moepipe: --cold-experts auto: {n} experts ({host / GIB:.2f} GiB) in host RAM ({how})",
+    print(f"moepipe: --cold-experts auto: {n} experts ({host / GIB:.2f} GiB) in host RAM ({how})"
+          + ("" if cluster.max_model_len else f", enough for a {probe.max_model_len}-token context with --max-model-len"
+             " unset (the context is fitted to the memory left; a longer --max-model-len moves more experts out)"),
           file=sys.stderr)
     return dataclasses.replace(cluster, cold_experts=str(out))
 

@@ -23,6 +23,11 @@ GIB = 1 << 30
 # `--fit` floor (`--fit-ctx`, 4096) and its default context; below it a chat with a system prompt and a tool list
 # no longer fits, so a server that short is refused instead of started.
 MIN_FITTED_LEN = 4096
+# `--cold-experts auto` with --max-model-len unset moves experts out for a context this long (or the model's own, if
+# shorter), then the plan fits the context to what is left: not expert bytes moved to host RAM, and paid for with
+# every token's host reads, for a 262,144-token context nobody asked for. 32k holds a coding agent's first request
+# (system prompt, tool list, files: ~25k tokens); --max-model-len asks for more, with more experts in host RAM.
+AUTO_OFFLOAD_LEN = 32768
 
 
 class MemoryPlanError(ValueError):

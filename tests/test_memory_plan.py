@@ -5,11 +5,13 @@ that makes the model fit."""
 from __future__ import annotations
 
 import dataclasses
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
-from shared.cluster_config import ClusterConfig, StageSpec
+from shared.cluster_config import ClusterConfig, StageSpec, dump_toml
 from shared.memory_plan import GIB, DeviceMemory, MemoryPlanError, PlanLimits, StageNeeds, plan
 from shared.model_config import load_config
 from stage_worker.memory_needs import _tensor_bytes, stage_needs
@@ -187,6 +189,32 @@ def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tiny_che
     assert p.num_blocks >= 256 // 16
     cpu = dataclasses.replace(cluster, stages=[StageSpec(0, cfg.num_hidden_layers, "", "cpu")])
     assert launcher.auto_cold_experts(cpu, tmp_path / "c.toml", tmp_path).cold_experts == ""
+
+
+def test_auto_cold_experts_with_no_max_model_len_offloads_for_the_auto_length(tiny_checkpoint, tmp_path, monkeypatch):
+    """--max-model-len unset: `--cold-experts auto` sizes the offload for AUTO_OFFLOAD_LEN tokens (or the model's
+    own length, if shorter), not the model's whole context, and leaves the length unset for memory_plan to fit; set,
+    it sizes the offload for that length."""
+    from gateway import launcher
+    from shared.memory_plan import AUTO_OFFLOAD_LEN
+
+    cfg = load_config(tiny_checkpoint)
+    seen = []
+
+    def inputs(cluster, path):
+        seen.append((cluster.max_model_len, tomllib.loads(Path(path).read_text())["max_model_len"]))
+        raise MemoryPlanError("stop here")           # the offload's size is not what this test is about
+
+    monkeypatch.setattr(launcher, "plan_inputs", inputs)
+    base = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", cold_experts="auto",
+                         stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")])
+    want = min(cfg.max_position_embeddings, AUTO_OFFLOAD_LEN)
+    for set_len, probe in ((0, want), (200, 200)):
+        cluster = dataclasses.replace(base, max_model_len=set_len)
+        (tmp_path / "c.toml").write_text(dump_toml(cluster))       # as the launcher writes it before the call
+        with pytest.raises(RuntimeError, match="stop here"):
+            launcher.auto_cold_experts(cluster, tmp_path / "c.toml", tmp_path)
+        assert seen.pop() == (probe, probe)          # the needs process reads the same length from the file
 
 
 def test_the_reserve_is_the_measured_prefill_plus_logits_and_workspace(tiny_checkpoint):
