@@ -114,11 +114,23 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     # (INT4 experts kept packed: their words and scales, at the packed size; float8 experts: bytes and block scales)
     model.experts = attach_tables(model, opts.cold_experts, opts.device, vmm=opts.expert_vmm_table) \
         if opts.cold_experts else None
-    model = model.to_empty(device=opts.device)
+    model = _to_empty(model, opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
         if isinstance(m, Rotary):
             m.inv_freq.copy_(Rotary(m.rotary_dim, cfg.rope_theta).inv_freq)
     return model.eval().requires_grad_(False)
+
+
+def _to_empty(model: StageModel, device: str | torch.device) -> StageModel:
+    """`Module.to_empty(device=...)` without `torch.empty_like`: on a meta tensor that runs torch's Python reference,
+    whose first call imports sympy (~0.6 s of CPU in every stage process's start-up). A contiguous tensor gets the
+    same storage from `torch.empty`; any other keeps `empty_like`'s layout rules."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    return model._apply(empty)
 
 
 def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
