@@ -387,3 +387,61 @@ def test_moe_pdl_in_a_graph_bit_for_bit(T):
     off, on, us_off, us_on = _graph_pair(fn)
     print(f"\nroute + 2 x INT4 experts T={T}: {us_off:.1f} us off, {us_on:.1f} us on (5 launches + 2 zero fills)")
     _same(off, on)
+
+
+# ------------------------------------------------------------------------------------------------- rmsnorm
+
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+def test_flag_reaches_rmsnorm_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import rmsnorm as K
+
+    x, w = torch.randn(2, 32), torch.randn(32)
+
+    def call():
+        K.rmsnorm(x, w, 1e-6, group_size=16)
+        K.add_rmsnorm(x, x, w, 1e-6)
+    calls = _launches(monkeypatch, flags, hopper, K, ["_rmsnorm_kernel", "_add_rmsnorm_kernel"], call)
+    assert calls == [(want, want)] * 2
+
+
+def test_rmsnorm_compiles_with_pdl_for_the_h200():
+    """The (grouped) RMSNorm waits first thing; the fused add + RMSNorm loads the norm weight before its wait."""
+    got = _compile(r"""
+from stage_worker.kernels import rmsnorm as K
+
+norm = gdc("rmsnorm", K._rmsnorm_kernel,
+           dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", stride_x="i32", stride_y="i32", eps="fp32"),
+           dict(D=2048, G=512, ZERO_CENTRED=True, BLOCK=512))
+add = gdc("add_rmsnorm", K._add_rmsnorm_kernel,
+          dict(x_ptr="*bf16", r_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", stride_x="i32",
+               stride_r="i32", stride_s="i32", stride_y="i32", eps="fp32"),
+          dict(D=2048, BLOCK=2048), num_warps=8)
+print(json.dumps([norm, add]))
+""")
+    _check(got, prologue={"add_rmsnorm"})
+    assert got[0]["on"]["loads_before"] == 0, got
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("T", [1, 4])
+def test_rmsnorm_pdl_in_a_graph_bit_for_bit(T):
+    """RMSNorm, the fused add + RMSNorm over its output and a grouped RMSNorm (4 streams of 2560) in a row."""
+    from stage_worker.kernels import rmsnorm as K
+
+    torch.manual_seed(0)
+    dev, H, dt = "cuda", 2560, torch.bfloat16
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    w = torch.randn(H, device=dev, dtype=dt) * 0.1
+    wg = torch.randn(4 * H, device=dev, dtype=dt) * 0.1
+    streams = torch.randn(T, 4 * H, device=dev, dtype=dt)
+
+    def fn():
+        y = K.rmsnorm(x, w, 1e-6)
+        s, y2 = K.add_rmsnorm(y, x, w, 1e-6)
+        return y, s, y2, K.rmsnorm(streams, wg, 1e-6, group_size=H)
+
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nrmsnorm + add_rmsnorm + grouped rmsnorm T={T}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
+    _same(off, on)
+

@@ -5,6 +5,9 @@ call site; at decode they are launch-bound, not byte-bound (docs/performance.md:
 One program per row; groups (one per hyper-connection stream, `hc_norm` and PLE's norms) are a loop inside it.
 Widths are compile-time constants: a checkpoint has a handful of them, so few compiles and known loop bounds (and
 Triton 3.6's interpreter cannot take a run-time loop bound under numpy 2.4).
+With the kernel flag `pdl` (`common.pdl_usable`) both kernels launch as programmatic dependents: `rmsnorm` waits
+(`common.pdl_wait`) first thing (its weight loads sit in the groups' loop, between loads of x), `add_rmsnorm` loads
+the norm weight before the wait and x, the residual and every store after it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from stage_worker.kernels.common import pdl_usable, pdl_wait
 
 
 @triton.jit
@@ -31,7 +36,8 @@ def round_to(x, dt: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, eps, D: tl.constexpr, G: tl.constexpr,
-                    ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+                    ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: x is an earlier kernel's output (PDL: launched as a dependent)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
@@ -66,24 +72,29 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int |
     y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(triton.next_power_of_2(g), 1024)
+        pdl = pdl_usable(x2)
         _rmsnorm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.stride(0), y.stride(0), eps, D=d, G=g,
-                                        ZERO_CENTRED=zero_centred, BLOCK=block)
+                                        ZERO_CENTRED=zero_centred, BLOCK=block, PDL=pdl, launch_pdl=pdl)
     return y.reshape(x.shape)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, eps,
-                        D: tl.constexpr, BLOCK: tl.constexpr):
+                        D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     dt: tl.constexpr = y_ptr.dtype.element_ty
+    if PDL:                       # the norm weight (nothing writes it during decode) before the wait, the rest after
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
     s = round_to(x + r, dt)
     tl.store(s_ptr + row * stride_s + offs, s.to(dt), mask=m)
     rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if not PDL:
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, round_to((s * rstd) * (1.0 + w), dt).to(dt), mask=m)
 
 
@@ -99,7 +110,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     s = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     y = torch.empty_like(s)
     if x2.shape[0]:
+        pdl = pdl_usable(x2)
         _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, s, weight.contiguous(), y, x2.stride(0), r2.stride(0),
                                             s.stride(0), y.stride(0), eps, D=d, BLOCK=triton.next_power_of_2(d),
-                                            num_warps=8 if d >= 2048 else 4)
+                                            num_warps=8 if d >= 2048 else 4, PDL=pdl, launch_pdl=pdl)
     return s.reshape(x.shape), y.reshape(x.shape)
