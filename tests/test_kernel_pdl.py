@@ -445,3 +445,83 @@ def test_rmsnorm_pdl_in_a_graph_bit_for_bit(T):
     print(f"\nrmsnorm + add_rmsnorm + grouped rmsnorm T={T}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
     _same(off, on)
 
+
+# ----------------------------------------------------------------------------------------- deltanet_decode
+
+def _gdn_inputs(B: int, nk: int, nv: int, dk: int, dv: int, width: int, dev: str, dt=torch.bfloat16, seed: int = 0):
+    """gdn_decode's keyword arguments for B sequences at slots [0, 2, 4, ...] of 2B + 1, the states as given."""
+    g = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * nk * dk + nv * dv
+    r = lambda *s: torch.randn(*s, generator=g)                  # noqa: E731
+    return dict(mixed=r(B, conv_dim).to(dev, dt), z=r(B, nv * dv).to(dev, dt), b=r(B, nv).to(dev, dt),
+                a=r(B, nv).to(dev, dt), conv_weight=(r(conv_dim, width) * 0.3).to(dev, dt),
+                A_log=r(nv).to(dev, torch.float32), dt_bias=r(nv).to(dev, dt),
+                norm_weight=(1 + 0.2 * r(dv)).to(dev, dt), eps=1e-6,
+                conv_state=r(2 * B + 1, conv_dim, width - 1).to(dev, dt),
+                recurrent_state=(r(2 * B + 1, nv, dk, dv) * 0.1).to(dev),
+                slots=torch.arange(0, 2 * B, 2, device=dev))
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+def test_flag_reaches_deltanet_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import deltanet_decode as K
+
+    inp = _gdn_inputs(1, 1, 2, 8, 8, 4, "cpu", torch.float32)
+    calls = _launches(monkeypatch, flags, hopper, K, ["_gdn_recurrence_kernel", "_gdn_norm_kernel"],
+                      lambda: K.gdn_decode(**inp))
+    assert calls == [(want, want)] * 2
+
+
+def test_deltanet_compiles_with_pdl_for_the_h200():
+    """The recurrence and the gated norm (real head sizes): each waits first thing."""
+    got = _compile(r"""
+from stage_worker.kernels import deltanet_decode as K
+from stage_worker.kernels.deltanet_decode_ref import L2_EPS
+
+NK, NV, DK, DV, KW = 16, 32, 128, 128, 4
+rec = gdc("gdn_recurrence", K._gdn_recurrence_kernel,
+          dict(mixed_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", convw_ptr="*bf16", alog_ptr="*fp32", dtb_ptr="*bf16",
+               conv_ptr="*bf16", rec_ptr="*fp32", slots_ptr="*i64", o_ptr="*bf16", stride_m="i32", stride_b="i32",
+               stride_a="i32", stride_w0="i32", stride_w1="i32", stride_c0="i32", stride_c1="i32", stride_c2="i32",
+               stride_r0="i32", stride_r1="i32", stride_r2="i32", stride_ob="i32", scale="fp32"),
+          dict(NK=NK, REP=NV // NK, DK=DK, DV=DV, BV=32, KW=KW, KP=4, ROUND_PROD=True, L2EPS=L2_EPS),
+          num_warps=K.RECURRENCE_WARPS)
+norm = gdc("gdn_norm", K._gdn_norm_kernel,
+           dict(mixed_ptr="*bf16", z_ptr="*bf16", normw_ptr="*bf16", conv_ptr="*bf16", slots_ptr="*i64",
+                o_ptr="*bf16", out_ptr="*bf16", stride_m="i32", stride_z="i32", stride_c0="i32", stride_c1="i32",
+                stride_c2="i32", stride_ob="i32", stride_o="i32", eps="fp32"),
+           dict(NK=NK, REP=NV // NK, DK=DK, DV=DV, KW=KW, KP=4, SILU_GATE=True, ROUND_NORM=True),
+           num_warps=K.NORM_WARPS)
+print(json.dumps([rec, norm]))
+""")
+    _check(got)
+    assert all(g["on"]["loads_before"] == 0 for g in got), got
+
+
+def _gdn_fn(inp: dict):
+    """Two DeltaNet decode steps from the same saved states (reset by copies first, so every call computes the
+    same): the outputs and the states after them."""
+    from stage_worker.kernels import deltanet_decode as K
+
+    conv0, rec0 = inp["conv_state"].clone(), inp["recurrent_state"].clone()
+
+    def fn():
+        inp["conv_state"].copy_(conv0)
+        inp["recurrent_state"].copy_(rec0)
+        y = K.gdn_decode(**inp)
+        y2 = K.gdn_decode(**dict(inp, mixed=inp["mixed"] * 0.5))
+        return y, y2, inp["conv_state"], inp["recurrent_state"]
+    return fn
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("B", [1, 4])
+def test_deltanet_pdl_in_a_graph_bit_for_bit(B):
+    """Two decode steps of a Gated DeltaNet layer at the real head sizes (16 key heads, 32 value heads, 128 x 128
+    states, conv width 4), each step's recurrence and gated norm reading the state the previous one wrote."""
+    inp = _gdn_inputs(B, 16, 32, 128, 128, 4, "cuda")
+    off, on, us_off, us_on = _graph_pair(_gdn_fn(inp))
+    print(f"\ndeltanet 2 steps B={B}: {us_off:.1f} us off, {us_on:.1f} us on (4 launches + 3 plain)")
+    _same(off, on)
+

@@ -26,6 +26,10 @@ Rounding to the activation dtype happens where the PyTorch path stores a tensor 
 sum, SiLU, beta, the delta-rule output, the normed row, the weighted row, the gated output), so bf16 results agree
 with `GatedDeltaNet` to within bf16 noise. No host sync and shapes only from tensor sizes: CUDA-graph capturable.
 `BV`, `RECURRENCE_WARPS` and `NORM_WARPS` are read at each call, so a sweep can set them.
+With the kernel flag `pdl` (`common.pdl_usable`) both kernels launch as programmatic dependents and wait
+(`common.pdl_wait`) first thing: every load but the small conv weight / A_log / dt_bias / norm weight ones reads
+the projection output or the states, and those weight loads sit among them; what PDL saves here is the launch and
+ramp-up. The in-projection GEMV before them is `quant_gemv` (which takes `pdl` itself) or cuBLAS.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from __future__ import annotations
 import torch
 
 from stage_worker.kernels.common import pow2 as _pow2
-from stage_worker.kernels.common import triton_usable
+from stage_worker.kernels.common import pdl_usable, triton_usable
 from stage_worker.kernels.deltanet_decode_ref import L2_EPS, gdn_decode_ref, split_sizes
 
 try:
     import triton
     import triton.language as tl
 
+    from stage_worker.kernels.common import pdl_wait
     from stage_worker.kernels.rmsnorm import round_to
 except ImportError:   # CPU-only installs off Linux: gdn_decode falls back to the reference
     triton = None
@@ -99,7 +104,8 @@ if triton is not None:
                                scale,
                                NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                BV: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, ROUND_PROD: tl.constexpr,
-                               L2EPS: tl.constexpr):
+                               L2EPS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)                 # first: the slots, the projection output and the states all wait
         seq = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         col = tl.program_id(2) * BV + tl.arange(0, BV)                  # this program's value columns
@@ -143,7 +149,9 @@ if triton is not None:
                          stride_m, stride_z, stride_c0, stride_c1, stride_c2, stride_ob, stride_o,
                          eps,
                          NK: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         KW: tl.constexpr, KP: tl.constexpr, SILU_GATE: tl.constexpr, ROUND_NORM: tl.constexpr):
+                         KW: tl.constexpr, KP: tl.constexpr, SILU_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_wait(PDL)                 # first: the recurrence's scratch, the conv tails and z all wait
         seq = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         hk = h // REP
@@ -217,6 +225,7 @@ def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     A_log, dt_bias, norm_weight = A_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous()
     o = torch.empty(B, nv, dv, dtype=mixed.dtype, device=mixed.device)    # delta-rule output, as the model rounds it
     bv = min(BV, dv)                                                      # both powers of two: bv divides dv
+    pdl = pdl_usable(mixed)
     _gdn_recurrence_kernel[(B, nv, dv // bv)](
         mixed, b, a, conv_weight, A_log, dt_bias, conv_state, recurrent_state, slots, o,
         mixed.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
@@ -224,11 +233,12 @@ def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
         recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2), o.stride(0),
         dk ** -0.5,
         NK=nk, REP=rep, DK=dk, DV=dv, BV=bv, KW=width, KP=_pow2(width),
-        ROUND_PROD=conv_weight.dtype == mixed.dtype, L2EPS=L2_EPS, num_warps=RECURRENCE_WARPS)
+        ROUND_PROD=conv_weight.dtype == mixed.dtype, L2EPS=L2_EPS, num_warps=RECURRENCE_WARPS, PDL=pdl,
+        launch_pdl=pdl)
     _gdn_norm_kernel[(B, nv)](
         mixed, z, norm_weight, conv_state, slots, o, out,
         mixed.stride(0), z.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         o.stride(0), out.stride(0), float(eps),
         NK=nk, REP=rep, DK=dk, DV=dv, KW=width, KP=_pow2(width), SILU_GATE=gate_activation == "silu",
-        ROUND_NORM=norm_weight.dtype == mixed.dtype, num_warps=NORM_WARPS)
+        ROUND_NORM=norm_weight.dtype == mixed.dtype, num_warps=NORM_WARPS, PDL=pdl, launch_pdl=pdl)
     return out
