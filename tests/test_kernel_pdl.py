@@ -525,3 +525,146 @@ def test_deltanet_pdl_in_a_graph_bit_for_bit(B):
     print(f"\ndeltanet 2 steps B={B}: {us_off:.1f} us off, {us_on:.1f} us on (4 launches + 3 plain)")
     _same(off, on)
 
+
+# ------------------------------------------------- attention: prep, QSA pool update and selection, decode attention
+
+ATTN_PREP_NAMES = ["_attn_prep_kernel", "_pool_kernel"]
+QSA_NAMES = ["_score_kernel", "_radix_pass_kernel", "_emit_kernel", "_select_kernel"]
+DECODE_ATTN_NAMES = ["_split_kernel", "_reduce_kernel"]
+
+
+def _attention_inputs(B: int, ctxs: list[int], nh: int, kvh: int, hd: int, rd: int, ni: int, di: int, page: int,
+                      dev: str, dt=torch.bfloat16, seed: int = 0) -> dict:
+    """One decode token for each of B sequences (context lengths `ctxs`, the token included) over a shuffled paged
+    cache: the projection rows, cos/sin, the new tokens' slots, norm weights, the K/V / index-key / pooled caches."""
+    from stage_worker.kernels.attention_prep_ref import PrepLayout
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)                  # noqa: E731
+    pages = max(-(-c // page) for c in ctxs)
+    n_pages = B * pages + 1
+    tables = torch.randperm(n_pages, generator=g)[:B * pages].view(B, pages).int()
+    lens = torch.tensor(ctxs, dtype=torch.int32)
+    pos = lens.long() - 1
+    slots = tables[torch.arange(B), pos // page].long() * page + pos % page
+    k_off = 2 * nh * hd
+    v_off = k_off + kvh * hd
+    iq_off = v_off + kvh * hd
+    layout = PrepLayout(nh, kvh, hd, rd, 0, k_off, v_off, ni, di, iq_off, iq_off + ni * di)
+    rows = n_pages * page
+    to = lambda t, d=dt: t.to(dev, d)                            # noqa: E731
+    return dict(layout=layout, proj=to(r(B, iq_off + ni * di + di)), cos=to(torch.cos(r(B, rd))),
+                sin=to(torch.sin(r(B, rd))), slots=to(slots, torch.int64), q_norm_w=to(r(hd) * 0.1),
+                k_norm_w=to(r(hd) * 0.1), idx_q_norm_w=to(r(di) * 0.1), idx_k_norm_w=to(r(di) * 0.1),
+                k_cache=to(r(rows, kvh, hd)), v_cache=to(r(rows, kvh, hd)), index_keys=to(r(rows, di)),
+                pooled=to(r(rows // 4, di)), inv_freq=to(1.0 / (1e4 ** (torch.arange(0, rd, 2).float() / rd)),
+                                                         torch.float32),
+                tables=to(tables, torch.int32), lens=to(lens, torch.int32), page=page, hd=hd)
+
+
+def _attention_fn(a: dict, budget: int, splits: int | None = None):
+    """A gated-attention decode step's kernels in order: prep (norms, RoPE, the cache writes), the pooled-key update,
+    QSA selection (score, radix passes, emit), the decode attention over the selection, and a dense one (split-K
+    and its reduce). Every write is the same each call (the caches get the same rows)."""
+    from stage_worker.kernels import attention_prep as P
+    from stage_worker.kernels import decode_attention as D
+    from stage_worker.kernels import qsa as Q
+
+    def fn():
+        q, gate, iq = P.attention_decode_prep(a["proj"], a["layout"], a["cos"], a["sin"], a["slots"], a["q_norm_w"],
+                                              a["k_norm_w"], a["k_cache"], a["v_cache"], 1e-6, a["idx_q_norm_w"],
+                                              a["index_keys"])
+        P.qsa_pool_update(a["index_keys"], a["pooled"], a["tables"], a["lens"], a["idx_k_norm_w"], a["inv_freq"],
+                          1e-6, a["page"], 4, a["layout"].rotary_dim)
+        sel = Q.qsa_select(iq, a["pooled"], a["tables"], a["lens"], a["page"], 4, budget)
+        o = D.paged_decode_attention(q, a["k_cache"], a["v_cache"], a["tables"], a["lens"], a["hd"] ** -0.5,
+                                     a["page"], sel, num_splits=splits)
+        o2 = D.paged_decode_attention(q, a["k_cache"], a["v_cache"], a["tables"], a["lens"], a["hd"] ** -0.5,
+                                      a["page"], num_splits=splits)
+        return q, gate, iq, sel, o, o2, a["k_cache"], a["pooled"]
+    return fn
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+def test_flag_reaches_attention_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import attention_prep as P
+    from stage_worker.kernels import decode_attention as D
+    from stage_worker.kernels import qsa as Q
+
+    a = _attention_inputs(1, [40], 2, 1, 16, 8, 2, 16, 8, "cpu", torch.float32)
+    rest: list = []                                  # every kernel of the step spied: none runs
+    for module, names in ((Q, QSA_NAMES), (D, DECODE_ATTN_NAMES)):
+        for n in names:
+            monkeypatch.setattr(module, n, _Spy(rest))
+    calls = _launches(monkeypatch, flags, hopper, P, ATTN_PREP_NAMES, _attention_fn(a, 16, splits=2))
+    Q.select_from_keys(torch.zeros(1, 8, dtype=torch.int32), a["lens"], 4, 16, one_program=True)
+    # prep + pool; score + 3 radix passes + emit, 2 x (split + reduce), the one-program select
+    assert calls == [(want, want)] * 2 and rest == [(want, want)] * (5 + 4 + 1)
+
+
+def test_attention_compiles_with_pdl_for_the_h200():
+    """attention prep and the pooled-key update, the QSA score / radix pass / emit / one-program select, and the
+    split-K decode attention (selection and the row cache's fill on) with its reduce: each waits first thing."""
+    got = _compile(r"""
+from stage_worker.kernels import attention_prep as P
+from stage_worker.kernels import decode_attention as D
+from stage_worker.kernels import qsa as Q
+
+out = [gdc("attn_prep", P._attn_prep_kernel,
+           dict(p_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", slot_ptr="*i64", qn_ptr="*bf16", kn_ptr="*bf16",
+                iqn_ptr="*bf16", q_out="*bf16", g_out="*bf16", k_cache="*bf16", v_cache="*bf16", iq_out="*bf16",
+                ik_cache="*bf16", stride_p="i32", stride_c="i32", eps="fp32"),
+           dict(NH=16, KVH=2, HD=256, RD=64, NI=32, DI=128, Q_OFF=0, K_OFF=8192, V_OFF=8704, IQ_OFF=9216,
+                IK_OFF=13312, BLOCK=256), num_warps=2),
+       gdc("qsa_pool", P._pool_kernel,
+           dict(ik_ptr="*bf16", pooled_ptr="*bf16", tables_ptr="*i32", lens_ptr="*i32", w_ptr="*bf16",
+                inv_freq_ptr="*fp32", eps="fp32", s_tb="i32", n_table="i32"),
+           dict(D=128, RATIO=4, PAGE=16, RD=64, BLOCK_R=4, BLOCK=128), num_warps=2),
+       gdc("qsa_score", Q._score_kernel,
+           dict(q_ptr="*bf16", pooled_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32", key_ptr="*i32",
+                hist_ptr="*i32", sqrt_d="fp32", s_qb="i32", s_qh="i32", s_pr="i32", s_tb="i32", s_kb="i32",
+                s_hb="i32"),
+           dict(N_IDX=32, D_IDX=128, PAGE=16, RATIO=4, BLOCK_H=32, BLOCK_D=128, BLOCK_C=64, PROGRAMS=396,
+                DOT_F32=False, HIST=True, BITS=8))]
+ptrs = dict(key_ptr="*i32", ctx_ptr="*i32", hist_ptr="*i32", ge_ptr="*i32", out_ptr="*i32", s_kb="i32", s_hb="i32",
+            s_gb="i32", s_ob="i32")
+out += [gdc("qsa_pass", Q._radix_pass_kernel, ptrs,
+            dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, PASS=1, BITS=8, TILE=512, SHORT=2048,
+                 SHORT_TILE=Q.SHORT_TILE, SELECT_SHORT=True)),
+        gdc("qsa_emit", Q._emit_kernel, ptrs,
+            dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=8, TILE=512, TILES_P=128, SHORT=2048)),
+        gdc("qsa_select", Q._select_kernel,
+            dict(key_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", s_kb="i32", s_ob="i32"),
+            dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BLOCK=2048, BITS=8), num_warps=8)]
+sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32", sel_ptr="*i32",
+           part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", rk_ptr="*bf16", rv_ptr="*bf16", tag_ptr="*i64",
+           hitmark_ptr="*i64", claim_ptr="*i64", epoch_ptr="*i64", n_slots="i32", scale_log2="fp32", n_sel="i32")
+sig.update(dict.fromkeys("s_qb s_qh s_kr s_kh s_vr s_vh s_tb s_sb s_pb s_ph s_ps s_lb s_lh s_ob s_oh s_rr s_rh".split(),
+                         "i32"))
+out += [gdc("decode_attn_split", D._split_kernel, sig,
+            dict(GROUP=8, HEAD_DIM=256, PAGE=16, NUM_SPLITS=4, BLOCK_G=16, BLOCK_D=256, BLOCK_N=32, HAS_SEL=True,
+                 DIRECT=False, DOT_F32=False, CACHED=True)),
+        gdc("decode_attn_reduce", D._reduce_kernel,
+            dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", s_pb="i32", s_ph="i32", s_ps="i32", s_lb="i32",
+                 s_lh="i32", s_ob="i32", s_oh="i32"),
+            dict(HEAD_DIM=256, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=256))]
+print(json.dumps(out))
+""")
+    _check(got)
+    assert all(g["on"]["loads_before"] == 0 for g in got), got
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("B", [1, 4])
+def test_attention_pdl_in_a_graph_bit_for_bit(B):
+    """A full-shape gated-attention layer's decode kernels (16 q heads, 2 KV heads of 256, partial RoPE 64, a QSA
+    indexer of 32 x 128, budget 2048), one sequence short (selected whole in the first pass launch) and the others
+    past SHORT_BLOCKS (the tiled passes): prep, pool update, selection, the selected and a dense split-K attention."""
+    ctxs = [3000, 20000, 40000, 65536][:B]
+    a = _attention_inputs(B, ctxs, 16, 2, 256, 64, 32, 128, 16, "cuda")
+    off, on, us_off, us_on = _graph_pair(_attention_fn(a, 2048))
+    print(f"\nattention prep + pool + QSA select + 2 decode attentions B={B}: {us_off:.1f} us off, "
+          f"{us_on:.1f} us on")
+    _same(off, on)
+

@@ -14,6 +14,9 @@ of a token handles
     the last (with an indexer)  indexer raw key -> index_keys[slot]
 Rounding follows `GatedAttention.forward`: the norm's output, each product of the RoPE and their sum, the sigmoid,
 all round to the activation dtype where the PyTorch ops store them. cos/sin are the step's (already rounded) tables.
+With the kernel flag `pdl` (`common.pdl_usable`) this kernel and `qsa_pool_update`'s launch as programmatic
+dependents and wait (`common.pdl_wait`) first thing: the norm weights are the only loads no earlier kernel writes,
+and they sit among the row's loads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels.attention_prep_ref import PrepLayout
+from stage_worker.kernels.common import pdl_usable, pdl_wait
 from stage_worker.kernels.rmsnorm import round_to
 
 
@@ -63,7 +67,8 @@ def _attn_prep_kernel(p_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, iqn_ptr
                       NH: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
                       NI: tl.constexpr, DI: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                      IQ_OFF: tl.constexpr, IK_OFF: tl.constexpr, BLOCK: tl.constexpr):
+                      IQ_OFF: tl.constexpr, IK_OFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the projection row, cos/sin, the slots; every role stores after it
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = p_ptr + t * stride_p
@@ -118,20 +123,22 @@ def attention_decode_prep(proj: torch.Tensor, layout: PrepLayout, cos: torch.Ten
     if T == 0:
         return q, gate, iq
     block = triton.next_power_of_2(max(L.head_dim, L.idx_dim))
+    pdl = pdl_usable(proj)
     _attn_prep_kernel[(T, roles)](
         proj, cos, sin, slot_mapping, q_norm_w, k_norm_w, idx_q_norm_w if idx_q_norm_w is not None else q_norm_w,
         q, gate, k_cache, v_cache, iq if iq is not None else q, index_keys if index_keys is not None else k_cache,
         proj.stride(0), cos.stride(0), eps,
         NH=L.n_heads, KVH=L.kv_heads, HD=L.head_dim, RD=min(L.rotary_dim, cos.shape[-1]), NI=L.idx_heads,
         DI=L.idx_dim, Q_OFF=L.q_off, K_OFF=L.k_off, V_OFF=L.v_off, IQ_OFF=L.iq_off, IK_OFF=L.ik_off, BLOCK=block,
-        num_warps=2)
+        num_warps=2, PDL=pdl, launch_pdl=pdl)
     return q, gate, iq
 
 
 @triton.jit
 def _pool_kernel(ik_ptr, pooled_ptr, tables_ptr, lens_ptr, w_ptr, inv_freq_ptr, eps, s_tb, n_table,
                  D: tl.constexpr, RATIO: tl.constexpr, PAGE: tl.constexpr, RD: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the lengths, the tables and the index-key cache all wait
     b = tl.program_id(0).to(tl.int64)
     first = (tl.load(lens_ptr + b).to(tl.int64) - 1) // RATIO * RATIO
     i = tl.arange(0, BLOCK_R)
@@ -170,7 +177,8 @@ def qsa_pool_update(index_keys: torch.Tensor, pooled_keys: torch.Tensor, tables:
     B, D = lens.shape[0], index_keys.shape[1]
     if B == 0:
         return
+    pdl = pdl_usable(index_keys)
     _pool_kernel[(B,)](index_keys, pooled_keys, tables, lens, k_norm_w, inv_freq.float().contiguous(), eps,
                        tables.stride(0), tables.shape[1], D=D, RATIO=ratio, PAGE=block_size,
                        RD=min(rotary_dim, D), BLOCK_R=triton.next_power_of_2(ratio),
-                       BLOCK=triton.next_power_of_2(D), num_warps=2)
+                       BLOCK=triton.next_power_of_2(D), num_warps=2, PDL=pdl, launch_pdl=pdl)

@@ -10,6 +10,10 @@ rows through the block table and keeps an online softmax in fp32 (exp2, log2 uni
 normalised, and its log-sum-exp; `_reduce_kernel` merges the splits per (sequence, head). With one split the first
 kernel writes the output itself. The number of splits comes from tensor shapes only (max context or S), never from
 tensor values, so nothing waits on the GPU.
+With the kernel flag `pdl` (`common.pdl_usable`) both kernels launch as programmatic dependents and wait
+(`common.pdl_wait`) first thing: q, the context lengths, the tables, the caches (the new token's rows were just
+written), the row cache's state and the partials are all written by earlier kernels; the reduce, launched while the
+split kernel runs, waits for it there.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels.common import INTERPRET as _INTERPRET
-from stage_worker.kernels.common import fix_interpreter_loop_bounds, sm_count
+from stage_worker.kernels.common import fix_interpreter_loop_bounds, pdl_usable, pdl_wait, sm_count
 
 
 if _INTERPRET:
@@ -46,7 +50,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
                   s_rr, s_rh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, CACHED: tl.constexpr):
+                  HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, CACHED: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: every load here reads what an earlier kernel wrote
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,7 +134,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
 @triton.jit
 def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the split kernel's partials and log-sum-exps
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -187,6 +194,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert rc is None or (selected is not None and rc.k.dtype == k_cache.dtype and rc.k.shape[1:] == k_cache.shape[1:]
                           and rc.k.is_contiguous() and rc.v.is_contiguous())
     block_d = max(16, triton.next_power_of_2(D))
+    pdl = pdl_usable(q)
     _split_kernel[(B, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sel, part, lse, out,
         *((rc.k, rc.v, rc.tag, rc.hitmark, rc.claim, rc.epoch, rc.n_slots) if rc is not None else
@@ -199,10 +207,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=D, PAGE=block_size, NUM_SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_SEL=selected is not None, DIRECT=splits == 1,
-        DOT_F32=q.dtype == torch.float32 or _INTERPRET, CACHED=rc is not None, num_warps=4)
+        DOT_F32=q.dtype == torch.float32 or _INTERPRET, CACHED=rc is not None, num_warps=4, PDL=pdl,
+        launch_pdl=pdl)
     if splits > 1:
         _reduce_kernel[(B, Hq)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+            HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+            PDL=pdl, launch_pdl=pdl)
     return out

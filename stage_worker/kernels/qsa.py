@@ -54,6 +54,11 @@ latency), so it should land between the first version and the tiled path at 4k, 
 program per sequence): the `-qsa_tiles` path and the baseline the GPU test times against.
 Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS, SHORT_TILE) are module
 globals (`bench/tune_kernels.py --only qsa` sweeps the first four).
+With the kernel flag `pdl` (`common.pdl_usable`) the four kernels launch as programmatic dependents and each waits
+(`common.pdl_wait`) first thing, before its context length, every program (those that return at once included):
+each reads the previous launch's keys / histograms / counts, so the launch chain keeps its order (a kernel's wait
+returns once the kernel before it has finished, which had itself waited for the one before). The histograms'
+memset before the score kernel is a plain launch.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels.common import INTERPRET as _INTERPRET
-from stage_worker.kernels.common import fix_interpreter_loop_bounds, sm_count
+from stage_worker.kernels.common import fix_interpreter_loop_bounds, pdl_usable, pdl_wait, sm_count
 from stage_worker.kernels.decode_attention import _dot
 
 if _INTERPRET:
@@ -88,7 +93,8 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqr
                   s_qb, s_qh, s_pr, s_tb, s_kb, s_hb,
                   N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
-                  DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr):
+                  DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the context, q, the pooled keys, the histograms all wait
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_C
     complete = tl.load(ctx_ptr + b) // RATIO
@@ -147,7 +153,8 @@ def _radix_prefix(hist_ptr, K, PASSES: tl.constexpr, BITS: tl.constexpr):
 def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
                        K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
                        PASS: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr, SHORT: tl.constexpr,
-                       SHORT_TILE: tl.constexpr, SELECT_SHORT: tl.constexpr):
+                       SHORT_TILE: tl.constexpr, SELECT_SHORT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the keys and the earlier passes' histograms
     b = tl.program_id(0)
     tile = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -184,7 +191,9 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, 
 @triton.jit
 def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
                  K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
-                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr, SHORT: tl.constexpr):
+                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr, SHORT: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the last pass's histograms and counts
     b = tl.program_id(0)
     tile = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -237,7 +246,8 @@ def _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, ti
 @triton.jit
 def _select_kernel(key_ptr, ctx_ptr, out_ptr, s_kb, s_ob,
                    K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
-                   BLOCK: tl.constexpr, BITS: tl.constexpr):
+                   BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)                 # first: the score kernel's keys
     b = tl.program_id(0)
     _select_row(key_ptr + b.to(tl.int64) * s_kb, out_ptr + b.to(tl.int64) * s_ob, tl.load(ctx_ptr + b), key_ptr,
                 K, BUDGET, RATIO, RATIO_P, BLOCK, BITS, False)
@@ -338,6 +348,7 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
         assert hist.dtype == torch.int32 and hist.shape[0] == B and hist.shape[-1] == 1 << RADIX_BITS
     block_c = block_c or SCORE_BLOCK
     programs = programs or score_programs(n_blocks, block_c, B, q_idx.device)
+    pdl = pdl_usable(q_idx)
     _score_kernel[(B, programs)](
         q_idx, pooled, block_tables, context_lens, keys, keys if hist is None else hist, math.sqrt(d_idx),
         q_idx.stride(0), q_idx.stride(1), pooled.stride(0), block_tables.stride(0), keys.stride(0),
@@ -346,7 +357,7 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
         BLOCK_H=max(16, triton.next_power_of_2(n_idx)), BLOCK_D=max(16, triton.next_power_of_2(d_idx)),
         BLOCK_C=block_c, PROGRAMS=programs, DOT_F32=_INTERPRET or q_idx.dtype == torch.float32
         or pooled.dtype == torch.float32 or q_idx.dtype != pooled.dtype, HIST=hist is not None, BITS=RADIX_BITS,
-        num_warps=4)
+        num_warps=4, PDL=pdl, launch_pdl=pdl)
     return keys
 
 
@@ -369,10 +380,12 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
     k = budget // ratio
     out = torch.empty((B, budget + ratio - 1), dtype=torch.int32, device=keys.device)
     ratio_p = triton.next_power_of_2(ratio)
+    pdl = pdl_usable(keys)
     if one_program:
         _select_kernel[(B,)](
             keys, context_lens, out, keys.stride(0), out.stride(0),
-            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BLOCK=2048, BITS=8, num_warps=8)
+            K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BLOCK=2048, BITS=8, num_warps=8, PDL=pdl,
+            launch_pdl=pdl)
         return out
     bits, tile = RADIX_BITS, SELECT_TILE
     short = SHORT_BLOCKS if short_blocks is None else short_blocks
@@ -387,11 +400,11 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
         _radix_pass_kernel[(B, tiles)](
             keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
             K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, PASS=p, BITS=bits, TILE=tile, SHORT=short,
-            SHORT_TILE=short_tile, SELECT_SHORT=p == first and short >= 0, num_warps=4)
+            SHORT_TILE=short_tile, SELECT_SHORT=p == first and short >= 0, num_warps=4, PDL=pdl, launch_pdl=pdl)
     _emit_kernel[(B, tiles)](
         keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
         K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BITS=bits, TILE=tile,
-        TILES_P=triton.next_power_of_2(tiles), SHORT=short, num_warps=4)
+        TILES_P=triton.next_power_of_2(tiles), SHORT=short, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 
