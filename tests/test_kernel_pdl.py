@@ -668,3 +668,67 @@ def test_attention_pdl_in_a_graph_bit_for_bit(B):
           f"{us_on:.1f} us on")
     _same(off, on)
 
+
+# ------------------------------------------------------------------------------------------------ fp8_gemv
+
+def _fp8_weight(N: int, K: int, dev: str, seed: int = 0):
+    from stage_worker.kernels.fp8_gemv_ref import Fp8Weight
+    from test_kernel_moe_fp8 import quantize_block
+
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) / K ** 0.5
+    return Fp8Weight(*quantize_block(w.to(dev), (128, 128)), (128, 128))
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+def test_flag_reaches_fp8_gemv_launches(monkeypatch, flags, hopper, want):
+    from stage_worker.kernels import fp8_gemv as F
+
+    fw, x = _fp8_weight(32, 256, "cpu"), torch.randn(4, 256)
+
+    def call():
+        F.fp8_gemv(x[:1], fw)
+        F.fp8_gemv(x, fw, dot=False)
+    calls = _launches(monkeypatch, flags, hopper, F, ["_fp8_gemv_kernel"], call)
+    assert calls == [(want, want)] * 2
+
+
+def test_fp8_gemv_compiles_with_pdl_for_the_h200():
+    """The block-FP8 GEMV (tl.dot at 1 token, FMA at 4; K slices so the split counters are in): waits first."""
+    got = _compile(r"""
+from stage_worker.kernels import fp8_gemv as F
+
+def build(T, dot, N=256, K=2048):
+    c = F.launch_config(T, N, K, (128, 128), torch.device("cpu"), dot=dot)
+    sig = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+               N="i32", T="i32", stride_xt="i32", stride_qn="i32", stride_sn="i32", stride_ot="i32")
+    const = dict(K=K, BR=128, BC=128, K_SLICE=K // 2, SPLITS=2, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                 TP=c["TP"], DOT=c["DOT"], ROW_SCALE=c["ROW_SCALE"], PRECISION="tf32")
+    return gdc(f"fp8_gemv_{'dot' if dot else 'fma'}", F._fp8_gemv_kernel, sig, const, num_warps=c["warps"])
+
+print(json.dumps([build(1, True), build(4, False)]))
+""")
+    _check(got)
+    assert all(g["on"]["loads_before"] == 0 for g in got), got
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_fp8_gemv_pdl_in_a_graph_bit_for_bit(T):
+    """A chain of block-FP8 GEMVs (4096 -> 2560 -> 6144 -> 2560, each reading the previous one's output; small N
+    takes K slices, so the split counters are shared) in one graph with PDL off and on."""
+    from stage_worker.kernels import fp8_gemv as F
+    from stage_worker.kernels.split_reduce import split_locks
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    split_locks(dev)
+    a, b, c = _fp8_weight(2560, 4096, dev, 1), _fp8_weight(6144, 2560, dev, 2), _fp8_weight(2560, 6144, dev, 3)
+    x = torch.randn(T, 4096, device=dev, dtype=torch.bfloat16)
+
+    def fn():
+        return F.fp8_gemv(F.fp8_gemv(F.fp8_gemv(x, a), b), c)
+
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nfp8_gemv chain T={T}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
+    _same(off, on)

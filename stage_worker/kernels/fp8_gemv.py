@@ -22,6 +22,9 @@ a block of rows dequantized at a time (never the whole weight in float) and a ma
 Reference: `fp8_gemv_ref.fp8_gemv_ref`; tests: tests/test_kernel_fp8_gemv.py (CPU under TRITON_INTERPRET=1; on a GPU
 graph replays bit for bit and the full shapes timed against cuBLAS on the bf16 weight). CFG is a guess until that
 test has run on the H200 (bench/results/fp8-dense-1/next.txt).
+With the kernel flag `pdl` (`common.pdl_usable`) the kernel launches as a programmatic dependent and waits
+(`common.pdl_wait`) before its first load (no weight prologue yet: the loop loads a tile's bytes, its scale and the
+inputs together; PDL saves the launch and ramp-up), the split counters and partials after it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from stage_worker.kernels.fp8_gemv_ref import CHUNK, Fp8Weight, dequantize_rows
-from stage_worker.kernels.common import sm_count, triton_usable
+from stage_worker.kernels.common import pdl_usable, sm_count, triton_usable
 from stage_worker.kernels.quant_gemv import MIN_SPLIT_K, PROGRAMS_PER_SM
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
@@ -52,17 +55,20 @@ CFG = {1: (32, 128, 4), 4: (16, 128, 4), 16: (64, 128, 4)}
 
 
 if triton is not None:
+    from stage_worker.kernels.common import pdl_wait
     from stage_worker.kernels.split_reduce import store_tile
 
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, N, T, stride_xt, stride_qn, stride_sn,
                          stride_ot, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, K_SLICE: tl.constexpr,
                          SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TP: tl.constexpr,
-                         DOT: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+                         DOT: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """out[t, rows] = sum_k (q[rows, k] s[rows // BR, k // BC]) x[t, k]: see the module docstring. ROW_SCALE:
         BLOCK_K divides BC, so a tile's inputs lie in one column block (one scale a row). A tile past K (the last
         slice's padding) loads nothing, its scale included (a scale past the row's last column would be the next
-        row's, or past the tensor's end)."""
+        row's, or past the tensor's end). PDL: waits first thing (`common.pdl_wait`)."""
+        pdl_wait(PDL)                 # first: x, and the split counters / partials, wait (and so the weights)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -156,11 +162,12 @@ def fp8_gemv(x: torch.Tensor, fw: Fp8Weight, cfg: tuple[int, ...] | None = None,
     if groups * blocks > LOCKS and splits > 1:
         raise ValueError(f"{groups * blocks} output tiles: more than the split counters ({LOCKS})")
     part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    pdl = pdl_usable(x)
     _fp8_gemv_kernel[(groups, blocks, splits)](
         x, q, s, out, part, split_locks(x.device) if splits > 1 else q, N, T, x.stride(0), q.stride(0), s.stride(0),
         out.stride(0), K=K, BR=fw.block[0], BC=fw.block[1], K_SLICE=c["K_SLICE"], SPLITS=splits,
         BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], TP=tp, DOT=c["DOT"], ROW_SCALE=c["ROW_SCALE"],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["warps"])
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["warps"], PDL=pdl, launch_pdl=pdl)
     return out
 
 

@@ -110,7 +110,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     s = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     y = torch.empty_like(s)
     if x2.shape[0]:
-        pdl = pdl_usable(x2)
+        pdl = pdl_usable(x2) and weight.is_contiguous()     # a copied weight is an earlier kernel's output
         _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, s, weight.contiguous(), y, x2.stride(0), r2.stride(0),
                                             s.stride(0), y.stride(0), eps, D=d, BLOCK=triton.next_power_of_2(d),
                                             num_warps=8 if d >= 2048 else 4, PDL=pdl, launch_pdl=pdl)
