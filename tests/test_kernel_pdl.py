@@ -252,6 +252,23 @@ def test_flag_reaches_hyper_connection_launches(monkeypatch, flags, hopper, want
     assert calls == [(want, want)] * 4
 
 
+def test_a_weight_copied_for_the_mix_turns_pdl_off_for_its_kernels(monkeypatch):
+    """The mix kernels load weights before their wait: a weight that needs `.contiguous()` is a copy kernel's output
+    still being written, so that mix launches plainly; the inject kernel (it waits first thing) keeps PDL."""
+    from stage_worker.kernels import hyper_connection as HC
+
+    hc, H, R = 4, 32, 8
+    streams, out, w = torch.randn(1, hc * H), torch.randn(1, H), torch.rand(1, hc)
+    down_t = torch.randn(hc * H, R).t()                      # [R, hc*H], not contiguous
+    args = (torch.randn(hc * H), down_t, torch.randn(hc * H, R), torch.randn(hc, hc * H), hc, 1e-6)
+
+    def call():
+        HC.hc_inject_mix(streams, out, w, *args)
+        HC.hc_inject(streams, out, w)
+    calls = _launches(monkeypatch, "all,pdl", True, HC, HC_NAMES, call)
+    assert calls == [(False, False)] * 3 + [(True, True)]
+
+
 def test_hyper_connection_compiles_with_pdl_for_the_h200():
     """The mix's three kernels (INT8 down and up, the injection on) and the inject kernel: P, A and B load weights
     before the wait."""

@@ -231,7 +231,18 @@ def kernel_form(w) -> bool:
                                                w.in_features)
 
 
+def _in_place(w) -> bool:
+    """The weight reaches the kernels without a copy: with PDL the mix kernels load weights before their wait, and a
+    copy made here would be an earlier kernel's output still being written."""
+    if w is None:
+        return True
+    if isinstance(w, PackedWeight):
+        return w.words.is_contiguous() and w.scales[:, 0].is_contiguous()
+    return w.is_contiguous()
+
+
 def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
+    in_place = all(_in_place(w) for w in (hc_norm_w, down_w, up_w, inject_w))
     (down_w, down_s), (up_w, up_s) = int8_rows(down_w), int8_rows(up_w)
     t, width = streams.shape
     hidden, rank = width // hc, down_w.shape[0]
@@ -253,7 +264,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         o, g = _rows_contiguous(out), weights.contiguous()
     if t == 0:
         return new_streams, mixed, inject
-    pdl = pdl_usable(x)
+    pdl = pdl_usable(x) and in_place
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
