@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port
+from conftest import OpenAI, free_port
 from gateway.access import _hostname, default_allowed_hosts
 from gateway.launcher import Cluster, ServeOptions
 from shared.cluster_config import ClusterConfigError, env_overrides
@@ -26,7 +26,7 @@ def server(tiny_checkpoint):
 
 
 def _client(url: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def test_the_key_is_required_on_v1_routes(server):
@@ -36,35 +36,37 @@ def test_the_key_is_required_on_v1_routes(server):
         _client(server.url, "wrong").completions.create(model="moepipe", prompt="hi", max_tokens=2)
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     for headers in ({}, {"authorization": "Basic " + KEY}, {"authorization": "Bearer " + KEY + "x"}):
-        r = httpx.get(server.url + "/v1/models", headers=headers)
+        r = httpx.get(server.url + "/v1/models", headers=headers, verify=False)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models", headers={"authorization": "bearer " + KEY}).status_code == 200
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"authorization": "bearer " + KEY},
+                     verify=False).status_code == 200
+    assert httpx.get(server.url + "/health", verify=False).status_code == 200
+    assert httpx.get(server.url + "/metrics", verify=False).status_code == 200
 
 
 def test_a_forged_host_is_refused(server):
     port = server.cluster.port
     auth = {"authorization": "Bearer " + KEY}
-    r = httpx.get(server.url + "/v1/models", headers={**auth, "host": f"evil.example:{port}"})
+    r = httpx.get(server.url + "/v1/models", headers={**auth, "host": f"evil.example:{port}"}, verify=False)
     assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request"
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
-        assert httpx.get(server.url + "/v1/models", headers={**auth, "host": host}).status_code == 200
-    assert httpx.get(server.url + "/health", headers={"host": "evil.example"}).status_code == 200
+        assert httpx.get(server.url + "/v1/models", headers={**auth, "host": host}, verify=False).status_code == 200
+    assert httpx.get(server.url + "/health", headers={"host": "evil.example"}, verify=False).status_code == 200
 
 
 def test_cors_only_for_the_allowed_origins(server):
     """A preflight from an allowed origin is answered (without the key, which preflights never carry); other
     origins get no CORS headers, so their pages cannot read the answers."""
     ask = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
-    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": ORIGIN, **ask})
+    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": ORIGIN, **ask}, verify=False)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
-    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": "http://evil.example", **ask})
+    r = httpx.options(server.url + "/v1/chat/completions", headers={"origin": "http://evil.example", **ask},
+                      verify=False)
     assert "access-control-allow-origin" not in r.headers
-    r = httpx.get(server.url + "/v1/models", headers={"origin": ORIGIN, "authorization": "Bearer " + KEY})
+    r = httpx.get(server.url + "/v1/models", headers={"origin": ORIGIN, "authorization": "Bearer " + KEY}, verify=False)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     r = httpx.get(server.url + "/v1/models",
-                  headers={"origin": "http://evil.example", "authorization": "Bearer " + KEY})
+                  headers={"origin": "http://evil.example", "authorization": "Bearer " + KEY}, verify=False)
     assert "access-control-allow-origin" not in r.headers
 
 

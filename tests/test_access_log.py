@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
 
-from conftest import free_port, stop_server, wait_healthy
+from conftest import OpenAI, free_port, stop_server, wait_healthy
 from gateway.cli import build_parser, serve_options
 from shared.cluster_config import env_overrides
 
@@ -89,7 +88,8 @@ def test_client_request_id_and_streams(server):
     url, log = server
     before = len(_lines(log))
     body = {"model": "moepipe", "prompt": "def add(a, b):", "max_tokens": 5, "stream": True, "temperature": 0}
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "agent-42"}) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "agent-42"},
+                      verify=False) as r:
         assert r.headers["x-request-id"] == "agent-42"
         events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -130,10 +130,10 @@ def test_tool_calls_finish_reason_is_the_clients(server):
 def test_errors_get_a_line_with_their_status(server):
     url, log = server
     before = len(_lines(log))
-    assert httpx.post(url + "/v1/chat/completions", content=b"{not json").status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", content=b"{not json", verify=False).status_code == 400
     assert httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": [
-        {"role": "user", "content": "hi"}]}).status_code == 404
-    assert httpx.get(url + "/v1/nothing-here").status_code == 404
+        {"role": "user", "content": "hi"}]}, verify=False).status_code == 404
+    assert httpx.get(url + "/v1/nothing-here", verify=False).status_code == 404
     lines = _wait_line(log, before + 3)[before:]
     assert [(ln["method"], ln["path"], ln["status"]) for ln in lines] == [
         ("POST", "/v1/chat/completions", "400"), ("POST", "/v1/chat/completions", "404"),
@@ -146,7 +146,7 @@ def test_client_gone_mid_stream_is_499_abort(server):
     before = len(_lines(log))
     body = {"model": "moepipe", "prompt": "The quick brown fox", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, verify=False) as r:
         for ln in r.iter_lines():
             if ln.startswith("data: {"):
                 break                                      # leave after the first token: the connection closes
@@ -160,9 +160,9 @@ def test_no_access_log_flag_silences_it(tiny_checkpoint, tmp_path):
     proc, url = _start(tiny_checkpoint, log, "--stages", "1", "--no-access-log")
     try:
         wait_healthy(url, proc, timeout=180)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60, verify=False)
         assert r.status_code == 200 and "x-request-id" not in r.headers
-        assert httpx.get(url + "/v1/nothing-here").status_code == 404
+        assert httpx.get(url + "/v1/nothing-here", verify=False).status_code == 404
         time.sleep(0.5)
     finally:
         stop_server(proc)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from conftest import InProcessServer
+from conftest import InProcessServer, OpenAI
 from gateway.api import create_app
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from gateway.engine import AsyncEngine
@@ -45,10 +45,10 @@ class Served:
 
     @property
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def post(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+        return httpx.post(f"{self.url}{path}", timeout=120, **kwargs, verify=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def chat_prompt_ids(served: Served) -> list[int]:
 
 
 def metric_value(served: Served, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{served.url}/metrics").text
+    text = httpx.get(f"{served.url}/metrics", verify=False).text
     for line in text.splitlines():
         if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
             return float(line.rsplit(" ", 1)[1])
@@ -120,7 +120,7 @@ def wait_idle(backend: EngineCore, timeout: float = 10.0) -> None:
 
 def test_models_and_health(served):
     assert [m.id for m in served.client.models.list().data] == [MODEL]
-    r = httpx.get(f"{served.url}/health")
+    r = httpx.get(f"{served.url}/health", verify=False)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
 
@@ -428,7 +428,7 @@ def test_unknown_model_and_route(served):
                   "model_not_found")
     with pytest.raises(openai.NotFoundError):
         served.client.completions.create(model="gpt-9", prompt="hi", max_tokens=1)
-    _assert_error(httpx.get(f"{served.url}/v1/nothing-here"), 404)
+    _assert_error(httpx.get(f"{served.url}/v1/nothing-here", verify=False), 404)
 
 
 def test_ten_megabyte_prompt_is_a_clean_400(served):
@@ -472,13 +472,13 @@ def test_client_disconnect_cancels_the_request(served):
     aborted = metric_value(served, "moepipe_requests_total", '{finish_reason="abort"}')
     # Greedy and ignore_eos: the request cannot end on its own before the client leaves.
     body = {**GOOD_CHAT, "max_tokens": 400, "stream": True, "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60, verify=False) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     wait_idle(served.backend)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{served.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+        httpx.post(f"{served.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0, verify=False)
     wait_idle(served.backend)
     deadline = time.monotonic() + 5
     while metric_value(served, "moepipe_requests_total", '{finish_reason="abort"}') < aborted + 2:
@@ -490,7 +490,7 @@ def test_metrics_count_requests(served):
     before = metric_value(served, "moepipe_requests_total", '{finish_reason="length"}')
     gen_before = metric_value(served, "moepipe_generation_tokens_total")
     chat(served, max_tokens=2)
-    text = httpx.get(f"{served.url}/metrics").text
+    text = httpx.get(f"{served.url}/metrics", verify=False).text
     for name in ("moepipe_time_to_first_token_seconds", "moepipe_inter_token_latency_seconds",
                  "moepipe_e2e_request_latency_seconds", "moepipe_prompt_tokens_total",
                  "moepipe_generation_tokens_total", "moepipe_requests_total", "moepipe_requests_running",
@@ -628,7 +628,7 @@ def test_logit_bias_and_n_through_the_in_process_backend(served, chat_ref):
 
 def test_openapi_describes_every_body(served):
     """/openapi.json carries the request and response models the server validates with; every $ref resolves."""
-    doc = httpx.get(f"{served.url}/openapi.json").json()
+    doc = httpx.get(f"{served.url}/openapi.json", verify=False).json()
     schemas = doc["components"]["schemas"]
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
                         ("/v1/responses", "ResponsesRequest")):

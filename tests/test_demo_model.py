@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
-from conftest import free_port, stop_server, wait_healthy
+from conftest import OpenAI, free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "shared" / "demo_model"

@@ -611,9 +611,8 @@ def _tool():
 
 
 def _greedy(model, stages: int, extra: dict, capfd, one_gpu: bool = True) -> tuple[dict, str]:
-    from openai import OpenAI
 
-    from conftest import free_port
+    from conftest import OpenAI, free_port
     from gateway.launcher import Cluster, ServeOptions
 
     rows = []

@@ -254,9 +254,8 @@ def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint
     """The real cluster (two stage processes, the PLE service, the gateway) serves a reports-mixed checkpoint,
     INT4 experts packed in both stages, with the greedy tokens of in-process generation from the same
     files."""
-    from openai import OpenAI
 
-    from conftest import free_port
+    from conftest import OpenAI, free_port
     from gateway.launcher import Cluster, ServeOptions
     from shared.sampling import SamplingParams
     from stage_worker.generate import generate

@@ -11,11 +11,11 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import small_cluster, thinking_cluster
+from conftest import OpenAI, small_cluster, thinking_cluster
 from gateway.output_parser import Delta
 from gateway.responses import ResponseBuilder, input_messages, responses_param
 from gateway.schemas import ResponsesRequest
@@ -48,7 +48,7 @@ def client(server) -> OpenAI:
 
 
 def raw(server, **body) -> httpx.Response:
-    return httpx.post(server.url + "/v1/responses", json={"model": "moepipe", **body}, timeout=120)
+    return httpx.post(server.url + "/v1/responses", json={"model": "moepipe", **body}, timeout=120, verify=False)
 
 
 def greedy_chat(client: OpenAI, messages: list, **kw):
@@ -185,7 +185,7 @@ def test_raw_stream_is_typed_sse(server):
     adapter = TypeAdapter(ResponseStreamEvent)
     body = {"model": "moepipe", "input": "Weather?", "tools": [WEATHER], "tool_choice": "required", "stream": True,
             "max_output_tokens": 120, "seed": 2}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120, verify=False) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert len(lines) % 2 == 0 and "[DONE]" not in "".join(lines)

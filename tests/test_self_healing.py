@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import httpx
-from openai import AsyncOpenAI
 
-from conftest import free_port, stop_server, wait_healthy
+from conftest import AsyncOpenAI, free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 # kill -> /health 200 again: issue 15 asks for 10 s; 4.1-5.5 s measured on an idle 2-core machine, but the PLE
@@ -51,7 +50,7 @@ def _component_pids(launcher_pid: int) -> dict[str, int]:
 
 def _greedy(url: str) -> str:
     r = httpx.post(url + "/v1/completions", timeout=60, json={"model": "moepipe", "prompt": "The quick brown fox",
-                                                             "max_tokens": 12, "temperature": 0})
+                                                             "max_tokens": 12, "temperature": 0}, verify=False)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -77,7 +76,7 @@ async def _healed(url: str, victim: str, killed: list) -> float:
     count, which only the new process reports, has gone up), watched while the streams run."""
     series = f'moepipe_component_restarts{{component="{victim}"}}'
     before = _metric(url, series)
-    async with httpx.AsyncClient(timeout=2) as http:
+    async with httpx.AsyncClient(timeout=2, verify=False) as http:
         while True:
             if killed:
                 try:
@@ -105,7 +104,7 @@ async def _load(url: str, kill: tuple[str, int] | None = None, max_tokens: int =
 
 
 def _metric(url: str, series: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
         if line.startswith(series + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -150,7 +149,7 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
         time.sleep(1.0)
         while time.time() - t0 < GATEWAY_BOUND_S:
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=2, verify=False).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
