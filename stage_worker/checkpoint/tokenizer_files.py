@@ -14,6 +14,7 @@ RAYON_NUM_THREADS, which tests/test_tokenizer.py checks on every run.
 
 from __future__ import annotations
 
+import functools
 import json
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -323,6 +324,42 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _train(bpe_vocab: int, texts: Iterable[str]) -> tuple[str, tuple[tuple[str, int], ...], int]:
+    """The trained tokenizer: tokenizer.json's text, the added tokens' ids, and the size with them."""
+    tok = _empty_qwen_style_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Added after training, so (as in Qwen) they sit right after the BPE vocabulary and are not part of the model.
+    tok.add_tokens(
+        [
+            AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            for content, special in ADDED_TOKENS
+        ]
+    )
+    ids = tuple((content, tok.token_to_id(content)) for content, _ in ADDED_TOKENS)
+
+    # Spell out the settings the Python bindings cannot set, so the JSON reads like Qwen's; decoding is unaffected.
+    tokenizer_json = json.loads(tok.to_str())
+    tokenizer_json["decoder"] = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer_json["model"].update(continuing_subword_prefix="", end_of_word_suffix="")
+    text = json.dumps(tokenizer_json, indent=2, ensure_ascii=False) + "\n"
+    return text, ids, tok.get_vocab_size(with_added_tokens=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_on_corpus(bpe_vocab: int) -> tuple[str, tuple[tuple[str, int], ...], int]:
+    """`_train` on the standard-library corpus, once per process and BPE size: the training is deterministic (the
+    module docstring), and a process writing several checkpoints (the test suite, scripts that make a family of
+    presets) would otherwise train the same tokenizer again for each, 3-4 s of CPU a time."""
+    return _train(bpe_vocab, corpus_texts())
+
+
 def write_tokenizer_files(out_dir: Path, *, vocab_size: int, model_max_length: int,
                           texts: Iterable[str] | None = None) -> SpecialTokens:
     """Train the tokenizer and write `tokenizer.json` and `tokenizer_config.json` into `out_dir`.
@@ -337,33 +374,14 @@ def write_tokenizer_files(out_dir: Path, *, vocab_size: int, model_max_length: i
     if model_max_length <= 0:
         raise ValueError(f"model_max_length must be positive, got {model_max_length}")
 
-    tok = _empty_qwen_style_tokenizer()
-    trainer = trainers.BpeTrainer(
-        vocab_size=min(vocab_size - len(ADDED_TOKENS), MAX_BPE_VOCAB),
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus_texts() if texts is None else texts, trainer=trainer)
-    # Added after training, so (as in Qwen) they sit right after the BPE vocabulary and are not part of the model.
-    tok.add_tokens(
-        [
-            AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
-            for content, special in ADDED_TOKENS
-        ]
-    )
-    ids = {content: tok.token_to_id(content) for content, _ in ADDED_TOKENS}
-    assert tok.get_vocab_size(with_added_tokens=True) <= vocab_size
-
-    # Spell out the settings the Python bindings cannot set, so the JSON reads like Qwen's; decoding is unaffected.
-    tokenizer_json = json.loads(tok.to_str())
-    tokenizer_json["decoder"] = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tokenizer_json["model"].update(continuing_subword_prefix="", end_of_word_suffix="")
+    bpe_vocab = min(vocab_size - len(ADDED_TOKENS), MAX_BPE_VOCAB)
+    tokenizer_text, ids_items, size = _trained_on_corpus(bpe_vocab) if texts is None else _train(bpe_vocab, texts)
+    ids = dict(ids_items)
+    assert size <= vocab_size
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "tokenizer.json", tokenizer_json)
+    (out_dir / "tokenizer.json").write_text(tokenizer_text, encoding="utf-8")
 
     config = {
         "add_bos_token": False,
