@@ -336,26 +336,3 @@ def test_profile_env_writes_each_stages_step_profile(tiny, tmp_path, monkeypatch
     last = (tmp_path / "prof" / "stage1.txt").read_text()
     assert "3 steps after the first 2" in first and "stage.forward" in first and "stage.sample" not in first
     assert "stage.forward" in last and "stage.sample" in last
-
-
-def test_children_die_with_a_killed_launcher(tiny):
-    """A launcher killed outright (SIGKILL: no cleanup runs) takes every child with it (shared/parent_watch.py)."""
-    port = free_port()
-    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny), "--stages", "2",
-                                 "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", launcher)
-        children = _children(launcher.pid)
-        assert len(children) == 4                          # PLE service, two stages, gateway
-        launcher.kill()
-        launcher.wait(timeout=10)
-        deadline = time.time() + 15
-        while time.time() < deadline and [p for p in children if _alive(p)]:
-            time.sleep(0.2)
-        assert not [p for p in children if _alive(p)]
-    finally:
-        for p in _children(launcher.pid) if launcher.poll() is None else []:
-            os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()

@@ -3,8 +3,8 @@
 streams pause, then end with exactly the texts of an undisturbed run (the engine core recomputed the running
 requests); the launcher
 restarts what died, `/health` is 200 again within the bound, the restart is counted in /metrics, and a greedy
-request gets exactly the tokens it got before any fault. Also: a port already in use is refused at start with a
-message naming it."""
+request gets exactly the tokens it got before any fault. Then the launcher is SIGKILLed and takes every child with
+it. Also: a port already in use is refused at start with a message naming it."""
 
 from __future__ import annotations
 
@@ -46,6 +46,14 @@ def _component_pids(launcher_pid: int) -> dict[str, int]:
         elif "gateway" in args:
             out["gateway"] = int(d.name)
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _greedy(url: str) -> str:
@@ -111,6 +119,7 @@ def _metric(url: str, series: str) -> float:
 
 
 def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
+    children: dict[str, int] = {}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
@@ -161,8 +170,21 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
         assert _greedy(url) == before and asyncio.run(_load(url))[0] == undisturbed
         print("kill -> healthy:", {k: f"{v:.1f} s" for k, v in healed.items()})
         assert launcher.poll() is None
+        # Last, the launcher killed outright (SIGKILL: no cleanup runs) takes every child with it, those it restarted
+        # too (shared/parent_watch.py)
+        children = _component_pids(launcher.pid)
+        assert set(children) == {"ple", "stage0", "stage1", "gateway"}, children
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.time() + 15
+        while time.time() < deadline and [p for p in children.values() if _alive(p)]:
+            time.sleep(0.2)
+        assert not [name for name, p in children.items() if _alive(p)]
     finally:
         stop_server(launcher)
+        for p in children.values():
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_a_port_in_use_is_refused_by_name(tiny_checkpoint):
