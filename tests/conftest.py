@@ -35,7 +35,7 @@ SLOWEST_FILES = ["test_train_demo.py", "test_demo_model.py", "test_cluster.py", 
 # tiny checkpoint's 2-stage cluster (small_cluster_options) and its thinking-template 1-stage cluster, ~11 s of CPU
 # each to start; "corpus": the small training corpus (tools/build_corpus.py, ~8 s).
 SHARED_GROUPS = {"test_agents.py": "api", "test_responses_api.py": "api", "test_device_sampling_cluster.py": "api",
-                 "test_train_demo.py": "corpus", "test_route_trace.py": "corpus"}
+                 "test_agent_clients.py": "api", "test_train_demo.py": "corpus", "test_route_trace.py": "corpus"}
 
 
 def _group(path) -> str:

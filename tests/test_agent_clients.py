@@ -1,4 +1,5 @@
-"""What real agents send, replayed against the real server (`moepipe serve --stages 2`, tiny model): the request
+"""What real agents send, replayed against the real server (the "api" group's 2-stage cluster on the tiny model,
+conftest.small_cluster: gateway, two stage workers and the PLE service, each its own process): the request
 bodies in `data/agent_requests.json` were recorded with `tools/record_proxy.py` from qwen-code 0.15.10, the
 openai-agents SDK 0.24.0 (chat completions mode) and aider 0.86.2 (docs/agents.md, "Running real agents"); only
 qwen-code's 15k-token system prompt is cut, its tool list is cut to two tools, and `max_tokens` is set, so the test
@@ -7,33 +8,20 @@ stays fast. Every body must be answered in the shape its client parses, and a to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import free_port, stop_server, wait_healthy
+from conftest import small_cluster
 from gateway.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 BODIES = json.loads((Path(__file__).parent / "data" / "agent_requests.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                             "--stages", "2", "--port", str(port), "--no-access-log"], cwd=ROOT, env=dict(os.environ),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout=180)
-        yield url
-    finally:
-        stop_server(proc)
+def server(tiny_checkpoint) -> str:
+    return small_cluster(tiny_checkpoint).url     # shared with the other files of the "api" group (conftest)
 
 
 def _ask(url: str, body: dict) -> dict:
