@@ -4,6 +4,7 @@ service) on 127.0.0.1, driven by the official `openai` client and httpx, compare
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -197,24 +198,38 @@ def test_bad_input_gets_openai_errors_and_the_server_stays_up(cluster, tiny):
     assert ok.choices[0].finish_reason == "length"
 
 
-def test_preemption_and_in_process_ple_fallback_keep_solo_tokens(tiny):
-    """A KV pool too small for all eight requests forces preemption by recompute; the stage gathers PLE rows
-    itself (the fallback path). Every request still gets its solo tokens."""
+@pytest.fixture(scope="module")
+def small_pool(tiny, tmp_path_factory):
+    """A 2-stage cluster whose KV pool is too small for all eight PROMPTS at once, without the PLE service (the
+    stages gather PLE rows themselves: the fallback path), started with MOEPIPE_PROFILE set (every stage profiles 3
+    served steps after the first 2): (the cluster, the profiles' directory)."""
+    prof = tmp_path_factory.mktemp("prof")
     opts = ServeOptions(model=tiny, stages=2, port=free_port(),
                         extra={"ple_service": False, "block_size": 16, "num_blocks": 10,
                                "max_num_batched_tokens": 64})
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:         # the children read it at start
+            env.setenv("MOEPIPE_PROFILE", str(prof))
+            env.setenv("MOEPIPE_PROFILE_STEPS", "2:3")
+            c = stack.enter_context(Cluster(opts))
+        yield c, prof
+
+
+def test_preemption_and_in_process_ple_fallback_keep_solo_tokens(small_pool, tiny):
+    """A KV pool too small for all eight requests forces preemption by recompute; the stage gathers PLE rows
+    itself (the fallback path). Every request still gets its solo tokens."""
+    c, _ = small_pool
     solo = [_solo(tiny, p, 24, temperature=0.0) for p in PROMPTS]
-    with Cluster(opts) as c:
-        assert not c.cluster.ple_service and "ple" not in c.procs
+    assert not c.cluster.ple_service and "ple" not in c.procs
 
-        async def run():
-            client = AsyncOpenAI(base_url=c.url + "/v1", api_key="x", timeout=120)
-            return await asyncio.gather(*[client.completions.create(model="moepipe", prompt=p, max_tokens=24,
-                                                                    temperature=0) for p in PROMPTS])
+    async def run():
+        client = AsyncOpenAI(base_url=c.url + "/v1", api_key="x", timeout=120)
+        return await asyncio.gather(*[client.completions.create(model="moepipe", prompt=p, max_tokens=24,
+                                                                temperature=0) for p in PROMPTS])
 
-        results = asyncio.run(run())
-        assert [r.choices[0].text for r in results] == solo
-        assert _metric(c.url, "moepipe_preemptions") > 0
+    results = asyncio.run(run())
+    assert [r.choices[0].text for r in results] == solo
+    assert _metric(c.url, "moepipe_preemptions") > 0
 
 
 def _children(pid: int) -> list[int]:
@@ -320,19 +335,18 @@ def test_malformed_messages_never_take_a_process_down(cluster, tiny):
     assert ok.choices[0].text == _solo(tiny, "x", 3, temperature=0.0)
 
 
-def test_profile_env_writes_each_stages_step_profile(tiny, tmp_path, monkeypatch):
+def test_profile_env_writes_each_stages_step_profile(small_pool, tiny):
     """MOEPIPE_PROFILE makes every stage profile a window of served steps (stage_worker/profiling.py) and write the
-    table; the served tokens are those of an unprofiled run."""
-    monkeypatch.setenv("MOEPIPE_PROFILE", str(tmp_path / "prof"))
-    monkeypatch.setenv("MOEPIPE_PROFILE_STEPS", "2:3")
-    with Cluster(ServeOptions(model=tiny, stages=2, port=free_port())) as c:
-        r = OpenAI(base_url=c.url + "/v1", api_key="x").completions.create(
-            model="moepipe", prompt=PROMPTS[0], max_tokens=8, temperature=0)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(list((tmp_path / "prof").glob("stage*.txt"))) < 2:
-            time.sleep(0.2)
+    table; the served tokens are those of an unprofiled run (here and in the preemption test above, whichever
+    requests the window fell on)."""
+    c, prof = small_pool
+    r = OpenAI(base_url=c.url + "/v1", api_key="x").completions.create(
+        model="moepipe", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(prof.glob("stage*.txt"))) < 2:
+        time.sleep(0.2)
     assert r.choices[0].text == _solo(tiny, PROMPTS[0], 8, temperature=0.0)
-    first = (tmp_path / "prof" / "stage0.txt").read_text()
-    last = (tmp_path / "prof" / "stage1.txt").read_text()
+    first = (prof / "stage0.txt").read_text()
+    last = (prof / "stage1.txt").read_text()
     assert "3 steps after the first 2" in first and "stage.forward" in first and "stage.sample" not in first
     assert "stage.forward" in last and "stage.sample" in last
