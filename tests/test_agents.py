@@ -375,15 +375,24 @@ def test_response_format_with_tools_is_a_call_or_the_json(client, tok):
     tag = str(tok.token_to_id("<tool_call>"))
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMAS[0], "strict": True}}
     kw = dict(tools=[WEATHER, ADD], response_format=fmt, max_tokens=80, seed=21)
-    assert _call_or_json(_chat(client, logit_bias={tag: 100}, **kw).choices[0], SCHEMAS[0]) == "call"
-    as_json = _chat(client, logit_bias={tag: -100}, **kw)
-    assert _call_or_json(as_json.choices[0], SCHEMAS[0]) == "json"
-    calls, content, _, finish = _assemble(_chat(client, logit_bias={tag: -100}, stream=True, **kw))
-    assert not calls and finish == "stop" and content == as_json.choices[0].message.content
-    for seed in range(2):                               # unsteered: whichever branch, it is well-formed
-        _call_or_json(_chat(client, **{**kw, "seed": seed}).choices[0], SCHEMAS[0])
-    forced = _chat(client, tool_choice="required", logit_bias={tag: -100}, **kw)   # the grammar overrides the bias
-    assert _call_or_json(forced.choices[0], SCHEMAS[0]) == "call"
+    asks = {"call": dict(logit_bias={tag: 100}), "json": dict(logit_bias={tag: -100}),
+            "streamed": dict(logit_bias={tag: -100}, stream=True),
+            "seed0": dict(seed=0), "seed1": dict(seed=1),                       # unsteered
+            "forced": dict(tool_choice="required", logit_bias={tag: -100})}     # the grammar overrides the bias
+
+    def ask(extra):
+        r = _chat(client, **{**kw, **extra})
+        return _assemble(r) if extra.get("stream") else r.choices[0]
+
+    with ThreadPoolExecutor(len(asks)) as pool:          # at once: they share steps
+        got = dict(zip(asks, pool.map(ask, asks.values())))
+    assert _call_or_json(got["call"], SCHEMAS[0]) == "call"
+    assert _call_or_json(got["json"], SCHEMAS[0]) == "json"
+    calls, content, _, finish = got["streamed"]
+    assert not calls and finish == "stop" and content == got["json"].message.content
+    for seed in ("seed0", "seed1"):                      # whichever branch, it is well-formed
+        _call_or_json(got[seed], SCHEMAS[0])
+    assert _call_or_json(got["forced"], SCHEMAS[0]) == "call"
 
 
 def test_allowed_tools(client, tok):
