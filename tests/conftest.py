@@ -17,17 +17,18 @@ if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# The slowest test files on the 2-core CI machine, longest first (seconds of --durations, 2026-12-02: 190 for
-# test_train_demo, 53 once its runs were in process; then 91, 82, 81, 76, 56, 54, ...). With --dist loadfile a file
-# runs whole on one worker; handing the longest out first keeps the two workers' ends close. xdist's own order (by
-# number of tests; `--no-loadscope-reorder` in pyproject.toml turns it off) handed the then 190-s training file out
-# late, when the other worker had run out of work.
-SLOWEST_FILES = ["test_train_demo.py", "test_demo_model.py", "test_cluster.py", "test_schemathesis.py",
-                 "test_self_healing.py", "test_any_checkpoint.py", "test_make_model.py", "test_packed_cold_experts.py",
-                 "test_route_trace.py", "test_device_sampling_cluster.py", "test_greedy_transcript.py",
-                 "test_quantized_checkpoint.py", "test_agents.py", "test_kernel_moe_int4.py",
-                 "test_kernel_moe_int4_prefill.py", "test_expert_table.py", "test_links.py", "test_access_log.py",
-                 "test_cold_set.py", "test_engine_core.py"]
+# The slowest units of work on the 2-core CI machine (a file, or a SHARED_GROUPS group listed by one of its files),
+# longest first (seconds of --durations, 2026-12-03: 108 for the "api" group, then 59, 53, 49 for "corpus", 45, 42,
+# 40, 36, 35, 30, ...). With --dist loadfile a unit runs whole on one worker; handing the longest out first keeps the
+# two workers' ends close. xdist's own order (by number of tests; `--no-loadscope-reorder` in pyproject.toml turns it
+# off) handed the then 190-s training file out late, when the other worker had run out of work.
+SLOWEST_FILES = ["test_agents.py", "test_self_healing.py", "test_cluster.py", "test_train_demo.py",
+                 "test_demo_model.py", "test_quantized_checkpoint.py", "test_schemathesis.py",
+                 "test_kernel_deltanet_decode.py", "test_any_checkpoint.py", "test_kernel_quant_gemv.py",
+                 "test_kernel_qsa.py", "test_kernel_moe_int4.py", "test_kernel_moe_int4_prefill.py",
+                 "test_kernel_section_attention.py", "test_greedy_transcript.py", "test_expert_table.py",
+                 "test_packed_cold_experts.py", "test_engine_core.py", "test_access_log.py",
+                 "test_kernel_hyper_connection.py", "test_ple_decode_wait.py"]
 
 
 # Test files that share session resources (`shared`): each group runs on one xdist worker, its files one after the
