@@ -21,9 +21,10 @@ triton = pytest.importorskip("triton")
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
     assert not KernelFlags.parse("all").pdl and KernelFlags.parse("all,pdl").pdl     # named only, until timed
-    assert KernelFlags.parse("all,pdl") == KernelFlags(**dict.fromkeys(NAMES, True))
+    # every item but l2_prefetch, the other named-only one (tests/test_kernel_l2_prefetch.py)
+    assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n != "l2_prefetch" for n in NAMES})
     assert not KernelFlags.parse("-pdl").pdl
-    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n != "pdl" for n in NAMES})
+    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n not in ("pdl", "l2_prefetch") for n in NAMES})
     assert not KernelFlags.parse("none").pdl and KernelFlags.parse("pdl").describe() == "pdl"
     monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
     assert not KernelFlags.from_env().pdl

@@ -67,6 +67,24 @@ def pdl_usable(x: torch.Tensor) -> bool:
     return _PDL and _pdl_device(x)
 
 
+# The kernel flag `l2_prefetch` (KernelFlags.l2_prefetch), set by StageModel.set_kernels (`set_l2_prefetch`) and read
+# the same way (`l2_prefetch_usable`): only with PDL, whose prologue before the wait is where the prefetch goes.
+_L2PF = False
+
+
+def set_l2_prefetch(on: bool) -> None:
+    """Turn the L2 prefetch of a PDL kernel's whole weight range on or off (StageModel.set_kernels)."""
+    global _L2PF
+    _L2PF = bool(on)
+
+
+def l2_prefetch_usable(x: torch.Tensor) -> bool:
+    """Compile the PDL kernels over x with the constexpr L2PF (`l2_prefetch_rows` before their `pdl_wait`): the flag
+    is on and PDL is usable (`pdl_usable`; sm_90's cp.async.bulk.prefetch). False wherever PDL is: the kernels then
+    compile as without it."""
+    return _L2PF and pdl_usable(x)
+
+
 if triton is not None:
     import triton.language as tl
 
@@ -85,6 +103,44 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def l2_prefetch_bytes(lo, hi):
+        """Elementwise: ask the L2 to fetch global memory [lo, hi) (int64 addresses) from HBM, one
+        `cp.async.bulk.prefetch.L2.global` an element (sm_90, PTX ISA 8.0: a 16-byte-aligned address, a size a
+        multiple of 16). Only the 16-byte-aligned inside of the range, [lo rounded up, hi rounded down), so nothing
+        outside [lo, hi) is touched however the tensor is aligned (at most 15 bytes an end left to the ordinary
+        loads); nothing where that is empty. A hint: it writes nothing, returns nothing and is never waited on,
+        so it is legal before `pdl_wait`, and the L2 being the device's point of coherence, whatever it brings in
+        is never stale."""
+        a = (lo + 15) & -16
+        size = tl.maximum((hi & -16) - a, 0).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [a, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def l2_prefetch_rows(ptr, row0, n_rows, row_stride, col0, n_cols, ROWS: tl.constexpr):
+        """L2 prefetch (`l2_prefetch_bytes`) of rows row0 .. row0 + n_rows (n_rows <= ROWS, the caller's bound on
+        the tensor: nothing past it) times elements col0 .. col0 + n_cols of the row-major tensor at `ptr` (its
+        element size from ptr's type, row_stride elements a row). Rows that are whole and adjacent (col0 0, n_cols
+        row_stride) are one contiguous range: one instruction, the first thread's; otherwise one a row, each from
+        its own thread (a tensor of one element a thread, num_warps * 32, so no thread repeats another's)."""
+        NT: tl.constexpr = tl.extra.cuda.num_threads()
+        EB: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+        base = ptr.to(tl.int64)
+        for r in tl.static_range(0, ROWS, NT):
+            lane = r + tl.arange(0, NT)
+            zero = tl.zeros([NT], tl.int64)                  # the scalars as int64 tensors, whatever their types
+            row = zero + row0 + lane
+            stride = zero + row_stride
+            cols = zero + n_cols
+            lo = base + (row * stride + col0) * EB
+            hi = lo + cols * EB
+            whole = ((zero + col0) == 0) & (cols == stride)
+            hi = tl.where(whole, base + (zero + row0 + n_rows) * stride * EB, hi)
+            take = (lane < n_rows) & ((lane == 0) | (whole == 0))
+            l2_prefetch_bytes(lo, tl.where(take, hi, lo))
 
 
 def pow2(n: int) -> int:

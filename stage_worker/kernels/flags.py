@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl")
+         "sample_race", "pdl", "l2_prefetch")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them ("all,pdl" turns one on).
-NOT_IN_ALL = ("pdl",)
+NOT_IN_ALL = ("pdl", "l2_prefetch")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,15 @@ class KernelFlags:
                                       # capability >= 9, no interpreter. Not in "all" (NOT_IN_ALL) until the H200
                                       # has run tests/test_kernel_pdl.py -m gpu and timed it; off: plain
                                       # launches, the kernels compiled exactly as before
+    l2_prefetch: bool = False         # with `pdl`: before its wait each program of the PDL kernels that stream
+                                      # a known weight range (quant_gemv's two kernels, the mix's down and up
+                                      # GEMVs) asks the L2 for its whole range (its rows x its K slice, scales
+                                      # too; cp.async.bulk.prefetch.L2, common.l2_prefetch_rows), so the weights
+                                      # come from HBM while the previous kernel still runs and the loads after
+                                      # the wait hit the 50 MB L2; kernels.common.l2_prefetch_usable: the flag
+                                      # and pdl_usable. Not in "all" until tests/test_kernel_l2_prefetch.py -m gpu
+                                      # has run and it is timed; off (or without pdl): the kernels compiled
+                                      # exactly as before (a constexpr L2PF)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

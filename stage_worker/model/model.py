@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shared.model_config import HybridMoeConfig
-from stage_worker.kernels.common import set_pdl
+from stage_worker.kernels.common import set_l2_prefetch, set_pdl
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec, ModelCache
 from stage_worker.model.decoder import DecoderLayer
@@ -51,6 +51,7 @@ class StageModel(nn.Module):
         """Switch fast kernels on or off for every layer (see stage_worker/kernels/flags.py)."""
         self.kernel_flags = flags
         set_pdl(getattr(flags, "pdl", False))     # the decode kernels' launch mode: one setting, kernels/common.py
+        set_l2_prefetch(getattr(flags, "l2_prefetch", False))     # their L2 prefetch before the wait (with pdl)
         for m in self.modules():
             if hasattr(type(m), "kernels"):
                 m.kernels = flags
