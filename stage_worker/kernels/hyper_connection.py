@@ -21,7 +21,10 @@ Sized for decode (T <= DECODE_ROWS): each row block re-reads the weights, so pre
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
 With the kernel flag `pdl` (`common.pdl_usable`) the four kernels are launched as programmatic dependents: P loads
 its norm weight before `common.pdl_wait`, A and B their first weight tile (B: the first stream's), the inject
-kernel nothing; everything the previous kernel writes (streams, normed rows, a, the block output) after it.
+kernel nothing; everything the previous kernel writes (streams, normed rows, a, the block output) after it. With
+`l2_prefetch` too (`common.l2_prefetch_usable`, the constexpr L2PF) A and B first ask the L2 for all the weight rows
+the program streams (`common.l2_prefetch_rows`: A its down or inject rows, B its H tile of each stream's up rows), so
+they come from HBM while the previous kernel runs; the norm weight (P) is too small to matter.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import triton
 import triton.language as tl
 
 from stage_worker.kernels import hyper_connection_ref
-from stage_worker.kernels.common import pdl_usable, pdl_wait
+from stage_worker.kernels.common import l2_prefetch_rows, l2_prefetch_usable, pdl_usable, pdl_wait
 from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.kernels.rmsnorm import round_to
 
@@ -106,9 +109,11 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
 @triton.jit
 def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
+                    L2PF: tl.constexpr = False):
     """`down` (and `block_inject`) rows over the normed streams; with Q8 the down weight is INT8 bytes (stored
-    value + 128) with one scale a row (ds), applied to the row's sum."""
+    value + 128) with one scale a row (ds), applied to the row's sum. L2PF (with PDL): the program's weight rows
+    (whole rows, contiguous: one prefetch) into L2 before anything else."""
     K: tl.constexpr = HC * H
     pid_r = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_T
@@ -116,6 +121,12 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
     mt = row0 + ts < T
     n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     is_down = pid_r < n_down
+    if L2PF:
+        if is_down:
+            l2_prefetch_rows(down_ptr, pid_r * BLOCK_R, tl.minimum(R - pid_r * BLOCK_R, BLOCK_R), K, 0, K, BLOCK_R)
+        else:
+            r0 = (pid_r - n_down) * BLOCK_R
+            l2_prefetch_rows(inj_ptr, r0, tl.minimum(HC - r0, BLOCK_R), K, 0, K, BLOCK_R)
     if is_down:
         outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < R
@@ -143,9 +154,10 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
 def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, L2PF: tl.constexpr = False):
     """The `up` GEMV per stream, sigmoid, and the mean of gate * normed; with Q8 the up weight is INT8 bytes
-    (stored value + 128) with one scale a row (us), applied to each row's sum."""
+    (stored value + 128) with one scale a row (us), applied to each row's sum. L2PF (with PDL): first the program's
+    weight rows into L2, each stream's H tile (whole rows, contiguous) one prefetch."""
     OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
     hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = hs < H
@@ -154,6 +166,10 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
     mt = row0 + ts < T
     mask = mt[:, None] & mh[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
+    if L2PF:
+        h0 = tl.program_id(0) * BLOCK_H
+        for s in tl.static_range(HC):
+            l2_prefetch_rows(up_ptr, s * H + h0, tl.minimum(H - h0, BLOCK_H), R, 0, R, BLOCK_H)
     mix = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
         u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
@@ -265,6 +281,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     if t == 0:
         return new_streams, mixed, inject
     pdl = pdl_usable(x) and in_place
+    l2pf = pdl and l2_prefetch_usable(x)
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
@@ -277,13 +294,13 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
         a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
         BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps,
-        PDL=pdl, launch_pdl=pdl)
+        PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     bh, bj, warps = UP_CFG[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
         normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
-        num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     return new_streams, mixed, inject
 
 

@@ -31,7 +31,10 @@ INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). W
   scale applied with one FMA a value) into x's dtype, joins the value positions into input order and multiplies
   [BLOCK_N, K-tile] by [K-tile, 16 tokens] in one tl.dot (the tensor cores take the 16 multiply-adds a value).
 With the kernel flag `pdl` (`common.pdl_usable`) both kernels are launched as programmatic dependents: the first
-tile's words load before `common.pdl_wait`, everything a previous kernel writes after it.
+tile's words load before `common.pdl_wait`, everything a previous kernel writes after it. With `l2_prefetch` too
+(`common.l2_prefetch_usable`, the constexpr L2PF) each program first asks the L2 for its whole range of words (its
+rows x its K slice) and group scales (`_l2_prefetch_slice`), so they stream in from HBM while the previous kernel
+runs and the loop's loads after the wait hit the L2.
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
 of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
 Prefill (more than DECODE_MAX_T tokens) and machines without Triton take `dequant_matmul`: BLOCK of rows dequantized
@@ -48,7 +51,7 @@ import math
 
 import torch
 
-from stage_worker.kernels.common import pdl_usable, sm_count, triton_usable
+from stage_worker.kernels.common import l2_prefetch_usable, pdl_usable, sm_count, triton_usable
 from stage_worker.kernels.quant_gemv_ref import CHUNK, PackedWeight, dequantize_packed, swiglu_input
 from stage_worker.kernels.split_reduce import LOCKS, split_locks
 
@@ -100,7 +103,7 @@ def period(bits: int, dense: bool) -> tuple[int, int]:
 
 
 if triton is not None:
-    from stage_worker.kernels.common import pdl_wait
+    from stage_worker.kernels.common import l2_prefetch_rows, pdl_wait
     from stage_worker.kernels.split_reduce import store_tile
 
     @triton.jit
@@ -175,13 +178,33 @@ if triton is not None:
         return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _l2_prefetch_slice(q_ptr, s_ptr, N, k_begin, stride_qn, stride_sn, K: tl.constexpr, W: tl.constexpr,
+                           P: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr, SCALE: tl.constexpr,
+                           K_SLICE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Kernel flag `l2_prefetch` (constexpr L2PF, before `pdl_wait`): the L2 prefetch of everything a program
+        of either kernel streams: its rows' words of its K slice (words k_begin / P * WP on, at most the row's W:
+        the rows one contiguous range when there is one K slice and the rows are packed, `common.l2_prefetch_rows`)
+        and, with group scales (SCALE 1, 2), their scales of the slice (the row scales of SCALE 0 are a few bytes a
+        row: not worth an instruction). Rows stop at N and columns at the row's end: nothing past the tensors.
+        Only the first token group's program asks (the FMA kernel's other groups read the same words)."""
+        row0 = tl.program_id(1) * BLOCK_N
+        n_rows = tl.where(tl.program_id(0) == 0, tl.minimum(N - row0, BLOCK_N), 0)
+        w_lo = k_begin // P * WP
+        l2_prefetch_rows(q_ptr, row0, n_rows, stride_qn, w_lo, tl.minimum(W - w_lo, K_SLICE // P * WP), BLOCK_N)
+        if SCALE != 0:
+            G: tl.constexpr = (K + GROUP - 1) // GROUP
+            g_lo = k_begin // GROUP
+            g_hi = tl.minimum((k_begin + K_SLICE + GROUP - 1) // GROUP, G)
+            l2_prefetch_rows(s_ptr, row0, n_rows, stride_sn, g_lo, g_hi - g_lo, BLOCK_N)
+
+    @triton.jit
     def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, w_ptr, N, T, stride_xt, stride_qn,
                            stride_sn, stride_ot, stride_wt, one, K: tl.constexpr, W: tl.constexpr,
                            BITS: tl.constexpr, P: tl.constexpr, WP: tl.constexpr, GROUP: tl.constexpr,
                            SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
                            BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr,
                            PRECISION: tl.constexpr, SWIGLU: tl.constexpr, PREFETCH: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, L2PF: tl.constexpr = False):
         """out[t, rows] = sum_k W[rows, k] x[t, k] over tiles of NPER periods (P values in WP words each) of
         BLOCK_N rows: see the module docstring. SCALE 0: one scale a row, at the end; 1: one a period (the group
         a multiple of P); 2: one a value. FMA path: acc [TP, BLOCK_N, NPER] (TP tokens, the next power of two
@@ -189,7 +212,8 @@ if triton is not None:
         tl.dot a value position j of the period (K order within a tile does not matter to a sum, so x is taken at
         stride P to match). With SPLITS K slices each program stores fp32 partials and the last of a row block
         adds them in order (`split_reduce.last_of`). PDL: the first tile's words (PREFETCH) load before
-        `common.pdl_wait`, everything else after it."""
+        `common.pdl_wait`, everything else after it; L2PF (with PDL) first the program's whole words and group
+        scales into L2 (`_l2_prefetch_slice`)."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -208,6 +232,9 @@ if triton is not None:
         else:
             acc = tl.zeros([NPER, BLOCK_N, TP], tl.float32)
             xs = tl.zeros([NPER, 1, TP], tl.float32)
+        if L2PF:
+            _l2_prefetch_slice(q_ptr, s_ptr, N, k_begin, stride_qn, stride_sn, K, W, P, WP, GROUP, SCALE, K_SLICE,
+                               BLOCK_N)
         if PREFETCH:
             w0, w1, w2 = _words(q_ptr, r3, m3, k_begin // P, stride_qn, W, WP, NPER)
         pdl_wait(PDL)
@@ -313,7 +340,8 @@ if triton is not None:
                            BITS: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, WP: tl.constexpr,
                            GROUP: tl.constexpr, SCALE: tl.constexpr, K_SLICE: tl.constexpr, SPLITS: tl.constexpr,
                            BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, PRECISION: tl.constexpr,
-                           SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+                           SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+                           L2PF: tl.constexpr = False):
         """The wide path (5-16 tokens): out[t, rows] for all of a step's tokens in one program a (row block, K
         slice). Each tile of NPER periods of BLOCK_N rows is decoded once, in registers, to x's dtype with its
         scales applied ([BLOCK_N, NPER * PP], `_wide_values`), and multiplied by the [NPER * PP, TP] inputs (TP =
@@ -322,7 +350,8 @@ if triton is not None:
         k0 + p * P + j (natural order where P is a power of two; the older INT6 layout's 3 padding positions a
         period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own shape), the next tile's issued
         before one is decoded (PREFETCH); split K as the FMA kernel (`split_reduce.store_tile`). PDL: the row
-        scales (SCALE 0) and the first tile's words load before `common.pdl_wait`, everything else after it."""
+        scales (SCALE 0) and the first tile's words load before `common.pdl_wait`, everything else after it; L2PF
+        (with PDL) first the program's whole words and group scales into L2 (`_l2_prefetch_slice`)."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -340,6 +369,9 @@ if triton is not None:
         pad = kk % PP < P
         base = q_ptr + r2 * stride_qn
         acc = tl.zeros([BLOCK_N, TP], tl.float32)
+        if L2PF:
+            _l2_prefetch_slice(q_ptr, s_ptr, N, k_begin, stride_qn, stride_sn, K, W, P, WP, GROUP, SCALE, K_SLICE,
+                               BLOCK_N)
         if SCALE == 0:
             s = tl.load(s_ptr + r2 * stride_sn, mask=m2, other=0.0).to(tl.float32)          # [1, BLOCK_N]
             s1 = s * (1 << BITS)
@@ -437,6 +469,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         return out
     x = x.contiguous()
     pdl = pdl_usable(x)
+    l2pf = pdl and l2_prefetch_usable(x)
     wide = wide and T >= WIDE_MIN_T
     c = launch_config(T, N, K, pw.group, x.device, cfg, fma, pw.bits, pw.dense, wide)
     blocks, splits, tp = triton.cdiv(N, c["BLOCK_N"]), c["splits"], c["TP"]
@@ -452,7 +485,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
             out.stride(0), 0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits,
             P=c["P"], PP=c["PP"], WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits,
             BLOCK_N=c["BLOCK_N"], NPER=c["NPER"], TP=tp, PRECISION=precision, SWIGLU=swiglu is not None,
-            PREFETCH=PREFETCH, PDL=pdl, num_warps=c["warps"], num_stages=c["stages"], launch_pdl=pdl)
+            PREFETCH=PREFETCH, PDL=pdl, L2PF=l2pf, num_warps=c["warps"], num_stages=c["stages"], launch_pdl=pdl)
         return out
     _quant_gemv_kernel[(groups, blocks, splits)](
         x, pw.words, pw.scales, out, part, split_locks(x.device) if splits > 1 else pw.words,
@@ -460,7 +493,7 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
         0 if swiglu is None else swiglu.stride(0), ONE, K=K, W=pw.words.shape[1], BITS=pw.bits, P=c["P"],
         WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], K_SLICE=c["K_SLICE"], SPLITS=splits, BLOCK_N=c["BLOCK_N"],
         NPER=c["NPER"], TP=tp, DOT=c["DOT"],
-        PRECISION=precision, SWIGLU=swiglu is not None, PREFETCH=PREFETCH, PDL=pdl,
+        PRECISION=precision, SWIGLU=swiglu is not None, PREFETCH=PREFETCH, PDL=pdl, L2PF=l2pf,
         num_warps=c["warps"], num_stages=c["stages"], launch_pdl=pdl)
     return out
 
