@@ -48,7 +48,7 @@ def test_set_kernels_sets_the_one_setting(monkeypatch):
     assert not common.l2_prefetch_usable(torch.zeros(1))           # CPU (and the interpreter): never
     monkeypatch.setattr(common, "_pdl_device", lambda x: True)     # a Hopper stand-in
     assert common.l2_prefetch_usable(torch.zeros(1))
-    StageModel.set_kernels(m, KernelFlags.parse("all,l2_prefetch"))
+    StageModel.set_kernels(m, KernelFlags.parse("all,-pdl,l2_prefetch"))
     assert common._L2PF and not common.l2_prefetch_usable(torch.zeros(1))   # needs pdl
     StageModel.set_kernels(m, KernelFlags.parse("all,pdl"))
     assert not common._L2PF and not common.l2_prefetch_usable(torch.zeros(1))
@@ -82,7 +82,7 @@ def _launches(monkeypatch, flags: str, fake_hopper: bool, module, names, call) -
 
 # (flags, a Hopper stand-in, PDL wanted, L2PF wanted)
 CASES = [("all,pdl,l2_prefetch", True, True, True), ("all,pdl", True, True, False),
-         ("all,l2_prefetch", True, False, False), ("all", True, False, False),
+         ("all,-pdl,l2_prefetch", True, False, False), ("all", True, True, False),
          ("all,pdl,l2_prefetch", False, False, False)]
 
 

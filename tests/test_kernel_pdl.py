@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
-    assert not KernelFlags.parse("all").pdl and KernelFlags.parse("all,pdl").pdl     # named only, until timed
+    assert KernelFlags.parse("all").pdl and KernelFlags.parse("pdl").pdl             # in "all" since h200-19
     # every item but l2_prefetch, the other named-only one (tests/test_kernel_l2_prefetch.py)
     assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n != "l2_prefetch" for n in NAMES})
     assert not KernelFlags.parse("-pdl").pdl
@@ -29,6 +29,8 @@ def test_flag_parse_all_and_off(monkeypatch):
     monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
     assert not KernelFlags.from_env().pdl
     monkeypatch.setenv("MOEPIPE_KERNELS", "all")
+    assert KernelFlags.from_env().pdl
+    monkeypatch.setenv("MOEPIPE_KERNELS", "all,-pdl")
     assert not KernelFlags.from_env().pdl
     monkeypatch.setenv("MOEPIPE_KERNELS", "all,pdl")
     assert KernelFlags.from_env().pdl
@@ -77,7 +79,7 @@ def _launches(monkeypatch, flags: str, fake_hopper: bool, module, names, call) -
     return calls
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_quant_gemv_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import quant_gemv as Q
     from stage_worker.kernels.quant_gemv_ref import quantize_rtn
@@ -238,7 +240,7 @@ def test_quant_gemv_pdl_in_a_graph_bit_for_bit(T, wide):
 HC_NAMES = ["_hc_prep_kernel", "_hc_down_kernel", "_hc_up_mix_kernel", "_hc_inject_kernel"]
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_hyper_connection_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import hyper_connection as HC
 
@@ -334,7 +336,7 @@ def _int4_experts(E: int, H: int, I: int, group: int, dev: str, seed: int = 0):
     return PackedExperts(*pack_int4(w13.to(torch.bfloat16), group), *pack_int4(w2.to(torch.bfloat16), group), group)
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_moe_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import moe as M
     from stage_worker.kernels import moe_int4 as M4
@@ -409,7 +411,7 @@ def test_moe_pdl_in_a_graph_bit_for_bit(T):
 
 # ------------------------------------------------------------------------------------------------- rmsnorm
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_rmsnorm_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import rmsnorm as K
 
@@ -480,7 +482,7 @@ def _gdn_inputs(B: int, nk: int, nv: int, dk: int, dv: int, width: int, dev: str
                 slots=torch.arange(0, 2 * B, 2, device=dev))
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_deltanet_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import deltanet_decode as K
 
@@ -603,7 +605,7 @@ def _attention_fn(a: dict, budget: int, splits: int | None = None):
     return fn
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_attention_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import attention_prep as P
     from stage_worker.kernels import decode_attention as D
@@ -697,7 +699,7 @@ def _fp8_weight(N: int, K: int, dev: str, seed: int = 0):
     return Fp8Weight(*quantize_block(w.to(dev), (128, 128)), (128, 128))
 
 
-@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, False), ("-pdl", True, False), ("all,pdl", False, False)])
+@pytest.mark.parametrize("flags,hopper,want", [("all,pdl", True, True), ("all", True, True), ("-pdl", True, False), ("all,pdl", False, False)])
 def test_flag_reaches_fp8_gemv_launches(monkeypatch, flags, hopper, want):
     from stage_worker.kernels import fp8_gemv as F
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
          "sample_race", "pdl", "l2_prefetch")
-# Named only: "all" leaves these off until the H200 has run their GPU tests and timed them ("all,pdl" turns one on).
-NOT_IN_ALL = ("pdl", "l2_prefetch")
+# Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
+# turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
+NOT_IN_ALL = ("l2_prefetch",)
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,10 @@ class KernelFlags:
                                       # each launches while the previous kernel of the stream finishes, loads its
                                       # first weight tile, then waits (griddepcontrol.wait) before anything an
                                       # earlier kernel writes; kernels.common.pdl_usable: CUDA, compute
-                                      # capability >= 9, no interpreter. Not in "all" (NOT_IN_ALL) until the H200
-                                      # has run tests/test_kernel_pdl.py -m gpu and timed it; off: plain
-                                      # launches, the kernels compiled exactly as before
+                                      # capability >= 9, no interpreter (h200-19: tests/test_kernel_pdl.py -m gpu
+                                      # bit for bit; 48-layer reports-mixed step back to back 5.32 against 5.58-5.61
+                                      # ms at batch 1, 8.70 against 9.07-9.10 at 4); off: plain launches, the
+                                      # kernels compiled exactly as before
     l2_prefetch: bool = False         # with `pdl`: before its wait each program of the PDL kernels that stream
                                       # a known weight range (quant_gemv's two kernels, the mix's down and up
                                       # GEMVs) asks the L2 for its whole range (its rows x its K slice, scales
