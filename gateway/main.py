@@ -26,6 +26,13 @@ from shared.sampling import read_generation_config
 log = logging.getLogger("moepipe.gateway")
 
 
+def apply_switch_interval(ms: float) -> None:
+    """The core's thread and the HTTP event loop share the GIL: a stage result waits for the loop to yield it, at
+    most one switch interval (Python's default 5 ms is about a whole decode step). 0 keeps Python's default."""
+    if ms > 0:
+        sys.setswitchinterval(ms / 1e3)
+
+
 async def serve(config_path: str) -> int:
     from gateway.api import create_app
 
@@ -51,6 +58,7 @@ async def serve(config_path: str) -> int:
                              allow_headers=["authorization", "content-type"])
     if cluster.access_log:      # ours replaces uvicorn's: it also has the request id, tokens, TTFT, finish reason
         app = AccessLogMiddleware(app, configure_logger(True))
+    apply_switch_interval(cluster.gil_switch_interval_ms)
     core.start()
     server = uvicorn.Server(uvicorn.Config(app, host=cluster.host, port=cluster.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2))

@@ -98,6 +98,11 @@ class ClusterConfig:
     # tests passed on the H200 (h200-17/18); two stages on one GPU, 4 streams: 583.8 against 476.6 tok/s (h200-17).
     cuda_ipc_activations: bool = True
     batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
+    # The gateway's interpreter switch interval (sys.setswitchinterval), in ms: the engine core's thread waits for
+    # the GIL after each stage result while the HTTP event loop streams tokens, up to Python's default 5 ms a wait.
+    # 0 keeps Python's default: off until the H200 has timed it (on the CPU, demo model, 4 and 16 streams, 0.5 ms
+    # left the 0->core time at ~2 ms either way: there the stage's own CPU use dominates).
+    gil_switch_interval_ms: float = 0.0
     qsa_sparse_prefill: bool = True             # long-context QSA prefill gathers only the selected keys
     device_sampling: bool = True                # a step's rows sampled together on the device (batch_sampler.py)
     threads_per_stage: int = 1                  # torch intra-op threads of each stage worker (CPU stages)
@@ -238,6 +243,9 @@ class ClusterConfig:
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or self.expert_move_margin < 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
+        if not 0 <= self.gil_switch_interval_ms <= 1000:
+            raise ClusterConfigError(f"cluster config: gil_switch_interval_ms must be in [0, 1000] ms (0 = Python's "
+                                     f"default 5 ms), got {self.gil_switch_interval_ms}")
         if self.kv_row_cache_mib < 0:
             raise ClusterConfigError("cluster config: kv_row_cache_mib must be >= 0 (0 = no row cache)")
         if self.ple_prefetch_threads < 1:
@@ -352,7 +360,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
-        "MOEPIPE_BATCHED_PREFILL": "batched_prefill",
+        "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
@@ -377,7 +385,7 @@ _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads"
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
              "ple_prefetch_depth")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
-               "expert_move_margin")
+               "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
 _CHOICE_KEYS = ("ple_prefetch_method",)     # a word (stripped, lower case; VAR= is not set), checked by validate
 _LIST_KEYS = ("allowed_hosts", "allowed_origins")

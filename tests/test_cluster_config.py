@@ -285,3 +285,24 @@ def test_env_overrides_parse_each_key_by_its_type_and_name_bad_values(monkeypatc
         monkeypatch.delenv(env)
     monkeypatch.setenv("MOEPIPE_CUDA_GRAPHS", " YES ")
     assert cc.env_overrides() == {"cuda_graphs": True}
+
+
+def test_gil_switch_interval_is_validated_and_applied(monkeypatch):
+    """gil_switch_interval_ms (MOEPIPE_GIL_SWITCH_INTERVAL_MS): a bad value is named; the gateway sets the
+    interpreter's switch interval from it, and 0 leaves Python's default alone."""
+    import sys
+
+    from gateway.main import apply_switch_interval
+
+    raw = {"model": "m", "gateway_endpoint": "ipc://g", "stages": [{"start": 0, "end": 3, "endpoint": "ipc://a"}]}
+    assert cluster_from_dict(raw).gil_switch_interval_ms == 0.0
+    with pytest.raises(ClusterConfigError, match="gil_switch_interval_ms must be in"):
+        cluster_from_dict({**raw, "gil_switch_interval_ms": -1.0}).validate()
+    before = sys.getswitchinterval()
+    try:
+        apply_switch_interval(0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        apply_switch_interval(0)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
