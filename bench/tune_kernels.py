@@ -4,6 +4,7 @@
     python bench/tune_kernels.py --only moe_up --rows 1
     python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
     python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
+    python bench/tune_kernels.py --only hc_q8 --rows 1,4      # the mix with INT8 down / up (reports-mixed), HBM-cold
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
 cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
@@ -152,6 +153,48 @@ def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
         torch.cuda.empty_cache()
 
 
+def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> None:
+    """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
+    channel (PackedWeight, read in place), PDL on (the default on Hopper), and each captured call on the next of
+    `copies` weight sets (16 x 6.6 MB > the 50 MB L2), so the bytes come from HBM as in the model, where 97 mixes'
+    weights never fit the L2 (the hc_down / hc_up sweeps above reuse one bf16 weight: L2-hot). Sweeps DOWN_CFG with
+    UP_CFG as it is, then UP_CFG with the best DOWN_CFG; the winners go to hyper_connection.DOWN_CFG / UP_CFG."""
+    from stage_worker.kernels import common
+    from stage_worker.kernels.quant_gemv_ref import quantize_rtn
+
+    hidden, hc, rank = 2560, 4, 320
+    width = hc * hidden
+    common.set_pdl(True)
+    for t in rows:
+        g = torch.Generator(device="cuda").manual_seed(200 + t)
+        streams = torch.randn(t, width, device="cuda", dtype=torch.bfloat16, generator=g)
+        norm_w = torch.randn(width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+        inj = torch.randn(hc, width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.01
+        sets = []
+        for c in range(copies):
+            down = quantize_rtn(torch.randn(rank, width, device="cuda", generator=g) * 0.01, 8, None,
+                                scale_dtype=torch.bfloat16)
+            up = quantize_rtn(torch.randn(width, rank, device="cuda", generator=g) * 0.05, 8, None,
+                              scale_dtype=torch.bfloat16)
+            sets.append((down, up))
+        nbytes = sum(w.words.numel() * 4 + w.scales.numel() * 2 for w in sets[0]) + inj.numel() * 2
+        turn = {"i": 0}
+
+        def run():
+            down, up = sets[turn["i"] % copies]
+            turn["i"] += 1                      # each captured call reads the next weight set
+            return HC.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6)
+
+        bucket = HC._bucket(t)
+        cfgs = list(itertools.product((1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8)))
+        sweep("hc_q8(A)", cfgs, lambda c: HC.DOWN_CFG.__setitem__(bucket, c), run, nbytes, t, reps, results)
+        HC.DOWN_CFG[bucket] = tuple(min((r for r in results if r.get("kernel") == "hc_q8(A)" and r["rows"] == t
+                                         and "config" in r), key=lambda r: r["us"])["config"])
+        cfgs = list(itertools.product((4, 8, 16, 32, 64), (128, 256, 512), (4, 8)))
+        sweep("hc_q8(B)", cfgs, lambda c: HC.UP_CFG.__setitem__(bucket, c), run, nbytes, t, reps, results)
+        print(f"hc_q8 T={t}: DOWN_CFG {HC.DOWN_CFG[bucket]} (the sweep's best), UP_CFG best above", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="moe_up,moe_down,hc_down,hc_up")
@@ -168,7 +211,9 @@ def main() -> int:
         tune_qsa([int(r) for r in args.rows.split(",")], args.reps, results)
     if "quant_gemv" in only:
         tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results)
-    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv"} else ():
+    if "hc_q8" in only:
+        tune_hc_q8([int(r) for r in args.rows.split(",")], args.reps, results)
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:
