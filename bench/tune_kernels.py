@@ -8,7 +8,7 @@
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
 cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
-configuration's microseconds and effective bandwidth (weight bytes the call must read / time), the best one, the
+configuration's microseconds (PDL on unless `--no-pdl`, as the model launches them on Hopper) and effective bandwidth (weight bytes the call must read / time), the best one, the
 PyTorch path of the same computation, and a cuBLAS GEMV over the same number of bytes as a yardstick; JSON goes to
 `--out`. The winners are copied by hand into the tunables at the top of `stage_worker/kernels/moe.py` and
 `stage_worker/kernels/hyper_connection.py`, `stage_worker/kernels/qsa.py`, `stage_worker/kernels/quant_gemv.py`
@@ -155,16 +155,14 @@ def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
 
 def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> None:
     """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
-    channel (PackedWeight, read in place), PDL on (the default on Hopper), and each captured call on the next of
+    channel (PackedWeight, read in place), PDL as `--no-pdl` says, and each captured call on the next of
     `copies` weight sets (16 x 6.6 MB > the 50 MB L2), so the bytes come from HBM as in the model, where 97 mixes'
     weights never fit the L2 (the hc_down / hc_up sweeps above reuse one bf16 weight: L2-hot). Sweeps DOWN_CFG with
     UP_CFG as it is, then UP_CFG with the best DOWN_CFG; the winners go to hyper_connection.DOWN_CFG / UP_CFG."""
-    from stage_worker.kernels import common
     from stage_worker.kernels.quant_gemv_ref import quantize_rtn
 
     hidden, hc, rank = 2560, 4, 320
     width = hc * hidden
-    common.set_pdl(True)
     for t in rows:
         g = torch.Generator(device="cuda").manual_seed(200 + t)
         streams = torch.randn(t, width, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -201,9 +199,15 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/tune_kernels.json")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the kernels without programmatic dependent launch (on by default, as the model "
+                         "runs them on Hopper: kernels item `pdl`)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/tune_kernels.py needs a CUDA device")
+    from stage_worker.kernels import common
+
+    common.set_pdl(not args.no_pdl)
     only = set(args.only.split(","))
     results: list[dict] = []
     t0 = time.time()
