@@ -1,5 +1,7 @@
-"""The access log as an operator sees it: `moepipe serve` (real gateway, stage workers, PLE service) writes one line
-per HTTP request to its stderr, with the fields the client's response carries; `--no-access-log` silences it."""
+"""The access log as an operator sees it: `moepipe serve` (real gateway and stage worker) writes one line per HTTP
+request to its stderr, with the fields the client's response carries; `--no-access-log` silences it. One stage and
+no PLE service process (`--no-ple-service`): the log is the gateway's, and each process is a torch import (the
+2-stage cluster with its PLE service took ~9 s of the file's ~22 s to start)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _wait_line(log: Path, count: int, timeout: float = 15.0) -> list[dict[str, s
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("access") / "serve.err"
-    proc, url = _start(tiny_checkpoint, log, "--stages", "2")
+    proc, url = _start(tiny_checkpoint, log, "--stages", "1", "--no-ple-service")
     try:
         wait_healthy(url, proc, timeout=180)
         yield url, log
@@ -157,7 +159,7 @@ def test_client_gone_mid_stream_is_499_abort(server):
 
 def test_no_access_log_flag_silences_it(tiny_checkpoint, tmp_path):
     log = tmp_path / "serve.err"
-    proc, url = _start(tiny_checkpoint, log, "--stages", "1", "--no-access-log")
+    proc, url = _start(tiny_checkpoint, log, "--stages", "1", "--no-ple-service", "--no-access-log")
     try:
         wait_healthy(url, proc, timeout=180)
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60, verify=False)
