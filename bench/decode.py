@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shared.cluster_config import env_overrides  # noqa: E402
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
 from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, preset_config  # noqa: E402
@@ -268,7 +269,9 @@ def main() -> int:
     if args.quant:
         g13, g2 = dummy_groups(cfg)
         packed = {layer: (g13, g2) for layer in range(n) if cfg.is_sparse_moe(layer)}
-    dense = (lambda m: dummy_specs(m, torch.bfloat16)) if args.quant == "reports-mixed" else None   # noqa: E731
+    # MOEPIPE_PACKED_QKV=0: q/k/v dequantized (bf16), as the cluster key packed_qkv off loads them
+    qkv = env_overrides().get("packed_qkv", True)
+    dense = (lambda m: dummy_specs(m, torch.bfloat16, qkv)) if args.quant == "reports-mixed" else None   # noqa: E731
     model = build_empty(cfg, LoadOptions(device="cuda", dtype=torch.bfloat16), packed, dense)
     fill_random(model, seed=0)
     for layer in model.layers.values():

@@ -144,6 +144,11 @@ class ClusterConfig:
     # steps in 6.62 against 7.51 ms at batch 1 (kernels 5.24 against 6.03) and 11.20 against 11.08 at batch 4 (kernels
     # 8.68 against 9.29; back to back 9.14 against 9.77), and holds 3.7 GB less (docs/performance.md).
     packed_dense: bool = True
+    # with packed_dense: attention's q/k/v stay packed too (decode: one packed GEMV + the QSA indexer's bf16 rows,
+    # Attention.prepare_kernels); off, they are dequantized to bf16 at load (one bf16 GEMV with the indexer's rows,
+    # as before). Full shape, INT6: 43 MB a layer less (516 MB for 12 attention layers). On since it was built
+    # (2026-12-03), before an H200 A/B of the decode step: AB key noqkv.
+    packed_qkv: bool = True
     # Block-FP8 checkpoints (transformers' `fp8`, issue 17): routed experts stay float8 with their 128x128 block
     # scales (half the bf16 bytes) and run the FP8 decode kernel (stage_worker/kernels/moe.py, FP8 mode); off:
     # dequantized to the compute dtype at load. H200 (h200-14, tests/test_kernel_moe_fp8.py): same outputs as the
@@ -376,6 +381,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
+        "MOEPIPE_PACKED_QKV": "packed_qkv",
         "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
         "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib"}

@@ -99,9 +99,9 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             for layer, fp8_block in fp8.items():
                 model.moe_layers()[layer].use_fp8(fp8_block)       # float8 experts: bytes and block scales
             if cluster.packed_dense and plan is not None:         # dense layers kept packed (PackedLinear)
-                use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model)))
+                use_packed_dense(model, packed_dense_specs(model, cfg, Path(cluster.model), cluster.packed_qkv))
             elif cluster.packed_dense and cluster.load_format == "dummy" and cluster.dummy_quant == "reports-mixed":
-                use_packed_dense(model, dummy_specs(model, _DTYPES[dtype]))
+                use_packed_dense(model, dummy_specs(model, _DTYPES[dtype], cluster.packed_qkv))
             if cluster.packed_fp8_dense and plan is not None:     # dense layers kept float8 (Fp8Linear)
                 use_fp8_dense(model, fp8_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,

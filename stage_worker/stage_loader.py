@@ -23,6 +23,7 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
                        # a CPU stage dequantizes dense layers at load: unpacking at every call costs more there
                        # than the bytes save (demo model, reports-mixed: 74-94 against 48-56 ms a decode step)
                        packed_dense=cluster.packed_dense and spec.device.startswith("cuda"),
+                       packed_qkv=cluster.packed_qkv,
                        # likewise block-FP8 dense layers (their GEMV on the CPU would be a dequantize per call)
                        packed_fp8_dense=cluster.packed_fp8_dense and spec.device.startswith("cuda"))
     if cluster.load_format == "dummy" and cluster.dummy_quant in ("int4-experts", "reports-mixed"):

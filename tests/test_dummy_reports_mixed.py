@@ -50,10 +50,37 @@ def test_dummy_dense_layers_are_packed_as_the_release_and_compute(tiny_checkpoin
     model = load_model(tiny_checkpoint, LoadOptions(load_format="dummy", dtype=torch.float32,
                                                     dummy_int4=dummy_groups(cfg), dummy_dense=True), cfg)
     packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    assert packed and set(packed) == set(want) == set(plain_linear_sites(plain))
+    assert packed and set(packed) == set(want) == set(plain_linear_sites(plain, qkv=True))
     assert all((m.bits, m.group) == (want[n].bits, want[n].group) for n, m in packed.items())
     assert {m.bits for m in packed.values()} == {6, 8}
     cache = model.new_cache(CacheSpec(num_blocks=4, block_size=16, num_slots=1))
     batch = StepBatch.build([([5, 6, 7, 8], 0, 0, [0])], 16)
     logits = model.logits(model(batch, cache), batch)
     assert logits.shape[-1] == cfg.vocab_size and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_qkv_decode_kernels_equal_the_unfused_path_on_gpu(tiny_checkpoint):
+    """`packed_qkv` on a GPU (float32): attention decode through the kernels reads q/k/v as one packed weight
+    plus the indexer's rows (`Attention._project`) and gives the logits of the PyTorch path, which calls each
+    PackedLinear alone; the same tokens fed to both (prefill, then 8 decode steps)."""
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight
+    from stage_worker.local_engine import LocalEngine
+
+    cfg = load_config(tiny_checkpoint)
+    feeds = [[5, 6, 7, 8, 9, 10]] + [[11 + i] for i in range(8)]
+
+    def run(kernels: str) -> torch.Tensor:
+        model = load_model(tiny_checkpoint, LoadOptions(load_format="dummy", dtype=torch.float32, device="cuda",
+                                                        dummy_int4=dummy_groups(cfg), dummy_dense=True), cfg)
+        model.set_kernels(KernelFlags.parse(kernels))
+        att = next(m for m in model.modules() if hasattr(m, "_project"))
+        assert isinstance(att.q_proj, PackedLinear) and isinstance(att._fused_proj()[0], PackedWeight)
+        engine = LocalEngine([model], max_seqs=1, max_tokens=64, cuda_graphs=False)
+        engine.add(0)
+        return torch.cat([engine.step([(0, f)]).reshape(-1, cfg.vocab_size) for f in feeds])
+
+    got, want = run("all"), run("none")
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()

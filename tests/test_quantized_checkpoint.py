@@ -321,9 +321,9 @@ def _logits_of(stages, steps: int) -> tuple[torch.Tensor, list[int]]:
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "qwen3_next"])
 def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, originals, tmp_path, monkeypatch):
-    """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (o_proj, out_proj, the shared
-    expert beside INT4 experts, a dense MLP, lm_head, and Qwen4-Exp's DeltaNet in-projections, which decode reads
-    as one packed weight, and its INT8 hyper-connection down / up; Qwen3-Next's grouped in-projections and q/k/v
+    """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (q/k/v, o_proj, out_proj, the
+    shared expert beside INT4 experts, a dense MLP, lm_head, and Qwen4-Exp's DeltaNet in-projections, which decode
+    reads as one packed weight, and its INT8 hyper-connection down / up; Qwen3-Next's grouped in-projections
     dequantized) and gives the logits and greedy
     tokens of the same checkpoint with packed_dense off: prefill + 16 decode steps on the CPU path (a block of rows
     dequantized a call), the first steps also through the GEMV kernel under the interpreter, and on two stages."""
@@ -338,6 +338,8 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     cfg = packed.cfg
     want = {"lm_head"} | {f"layers.{i}.{'self_attn.o_proj' if cfg.is_attention(i) else 'linear_attn.out_proj'}"
                           for i in range(cfg.num_hidden_layers)}
+    want |= {f"layers.{i}.self_attn.{p}_proj" for i in range(cfg.num_hidden_layers) if cfg.is_attention(i)
+             for p in "qkv"}                                   # decode: one packed GEMV + the indexer's bf16 rows
     want |= {f"layers.{i}.mlp.{p}" for i in range(cfg.num_hidden_layers)
              for p in (("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
                        if cfg.is_sparse_moe(i) else ("gate_proj", "up_proj", "down_proj"))}
@@ -395,7 +397,7 @@ def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoin
 
     cfg = load_config(tiny_checkpoint)
     opts = LoadOptions(dtype=torch.float32)
-    sites = set(plain_linear_sites(build_empty(cfg, opts)))
+    sites = set(plain_linear_sites(build_empty(cfg, opts), qkv=True))
     model = build_empty(cfg, opts, dense=lambda m: dummy_specs(m, torch.float32))
     fill_random(model, seed=0)
     kept = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
@@ -407,6 +409,26 @@ def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoin
         assert 0.015 < float(m.dequantized(torch.float32).std()) < 0.025
     la = next(m for m in model.modules() if hasattr(m, "fuse_projections"))
     assert isinstance(la.fuse_projections(), PackedWeight)
+    # attention: q/k/v one packed weight, the QSA indexer's bf16 rows a second GEMV, columns in the prep's order
+    att = next(m for m in model.modules() if hasattr(m, "_project"))
+    assert all(isinstance(m, PackedLinear) for m in (att.q_proj, att.k_proj, att.v_proj))
+    assert not isinstance(att.indexer.index_qk_proj, PackedLinear)
+    att.prepare_kernels()
+    weight, layout = att._fused_proj()
+    assert isinstance(weight, PackedWeight) and weight.out_features == sum(
+        m.out_features for m in (att.q_proj, att.k_proj, att.v_proj))
+    x = torch.randn(3, cfg.hidden_size)
+    parts = torch.cat([m(x) for m in att._projections()], dim=-1)
+    assert torch.allclose(att._project(x, weight), parts, atol=1e-5, rtol=0)
+    assert layout.k_off == att.q_proj.out_features and layout.iq_off == weight.out_features
+    # packed_qkv off (MOEPIPE_PACKED_QKV=0): q/k/v dequantized at load, one bf16 GEMV with the indexer's rows
+    plain_qkv = build_empty(cfg, opts, dense=lambda m: dummy_specs(m, torch.float32, qkv=False))
+    att = next(m for m in plain_qkv.modules() if hasattr(m, "_project"))
+    assert not any(isinstance(m, PackedLinear) for m in (att.q_proj, att.k_proj, att.v_proj))
+    assert any(isinstance(m, PackedLinear) for m in plain_qkv.modules())          # the rest stays packed
+    fill_random(plain_qkv, seed=0)
+    att.prepare_kernels()
+    assert isinstance(att._fused_proj()[0], torch.Tensor)
     for layer in model.layers.values():
         if getattr(layer, "ple", None) is not None:          # as bench/decode.py does
             layer.ple.table = ProceduralTable(layer.ple.spec.padded_rows, cfg.ple_head_dim, torch.float32, 0)

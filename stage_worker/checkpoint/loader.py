@@ -60,6 +60,7 @@ class LoadOptions:
     expert_vmm_table: bool = False            # ... each table part one VRAM + host range (expert_offload.py)
     packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
+    packed_qkv: bool = True                   # ... attention's q/k/v among them (else dequantized at load)
     packed_fp8_experts: bool = False          # block-FP8 checkpoints' routed experts stay float8 (packed_experts.py)
     packed_fp8_dense: bool = False            # ... and their plain-linear dense weights (model/fp8_linear.py)
     dummy_int4: tuple[int, int] | None = None  # "dummy" format: routed experts as INT4 kept packed, these groups
@@ -149,9 +150,9 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end)
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
-        dense = lambda m: packed_dense_specs(m, cfg, model_dir)       # noqa: E731
+        dense = lambda m: packed_dense_specs(m, cfg, model_dir, opts.packed_qkv)       # noqa: E731
     elif opts.load_format == "dummy" and opts.dummy_dense:
-        dense = lambda m: dummy_specs(m, opts.dtype or default_dtype(cfg, opts.device))   # noqa: E731
+        dense = lambda m: dummy_specs(m, opts.dtype or default_dtype(cfg, opts.device), opts.packed_qkv)  # noqa: E731
     fp8_dense = None
     if opts.load_format == "safetensors" and opts.packed_fp8_dense:
         fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir)      # noqa: E731
@@ -263,12 +264,13 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path) -> dict[str, PackedSpec]:
+def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,
+                       qkv: bool = True) -> dict[str, PackedSpec]:
     """The plain-linear modules of `model` (built on meta, after `SparseMoE.use_packed`) that the checkpoint stores
     packed in a scheme PackedLinear runs, each filled by exactly one on-disk module (not a tied lm_head, not a
     regrouped projection), from the files' headers. `use_packed_dense(model, packed_dense_specs(...))` on a meta
     model gives what a stage holds (the memory plan can count its `weight_packed` / `weight_scale` buffers)."""
-    sites = _whole_sites(model, cfg, plain_linear_sites(model))
+    sites = _whole_sites(model, cfg, plain_linear_sites(model, qkv=qkv))
     plan = plan_of(model_dir)
     if not sites or plan is None:
         return {}

@@ -18,8 +18,10 @@ from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import AttentionCache, read_rows, write_rows
+from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.model.fused_rows import fuse_rows, still_fused
 from stage_worker.model.norms import ZeroCentredRMSNorm
+from stage_worker.model.quant_linear import PackedLinear, fuse_packed, packed_matmul, still_fused_packed
 from stage_worker.model.rope import Rotary, apply_rotary
 
 
@@ -174,14 +176,25 @@ class GatedAttention(nn.Module):
 
     def prepare_kernels(self) -> None:
         """Lay q/k/v (and the indexer's) projection weights out as row views of one tensor, without copying twice:
-        one GEMV per decode step instead of three or four. State-dict names and values do not change."""
+        one GEMV per decode step instead of three or four. q/k/v kept packed (PackedLinear, issue 17: a reports-mixed
+        checkpoint's INT6) are fused the same way into one PackedWeight when they share a scheme, and the indexer's
+        bf16 rows (never packed) are a second GEMV whose columns follow theirs. State-dict names and values do not
+        change."""
         parts = self._projections()
         if any(m.bias is not None for m in parts) or self._fused_proj() is not None:
             return
+        qkv, rest = parts[:3], parts[3:]
+        if all(type(m) is nn.Linear for m in parts):
+            fused = fuse_rows(parts)
+        elif all(isinstance(m, PackedLinear) for m in qkv) and all(type(m) is nn.Linear for m in rest):
+            fused = fuse_packed(qkv)
+            if fused is None:                   # q/k/v in different schemes: each runs alone, unfused decode
+                return
+        else:
+            return
         offs = [0]
         for m in parts:
-            offs.append(offs[-1] + m.weight.shape[0])
-        fused = fuse_rows(parts)
+            offs.append(offs[-1] + m.out_features)
         from stage_worker.kernels.attention_prep_ref import PrepLayout   # no Triton on the CPU path
 
         idx = self.indexer
@@ -190,15 +203,32 @@ class GatedAttention(nn.Module):
                             offs[3] if idx else 0, offs[3] + idx.n_heads * idx.head_dim if idx else 0)
         self._fused = (fused, layout)
 
-    def _projections(self) -> list[nn.Linear]:
+    def _projections(self) -> list[nn.Module]:
         return [self.q_proj, self.k_proj, self.v_proj] + ([self.indexer.index_qk_proj] if self.indexer else [])
 
     def _fused_proj(self):
-        """(weight [N, hidden], PrepLayout) if `prepare_kernels` fused the projections and nothing rebound them."""
+        """(weight [N, hidden] or q/k/v's PackedWeight, PrepLayout) if `prepare_kernels` fused the projections and
+        nothing rebound them."""
         fused = getattr(self, "_fused", None)
-        if fused is not None and not still_fused(fused[0], self._projections()):
-            self._fused = fused = None
+        if fused is not None:
+            parts = self._projections()
+            if isinstance(fused[0], PackedWeight):
+                ok = still_fused_packed(fused[0], parts[:3]) and all(type(m) is nn.Linear for m in parts[3:])
+            else:
+                ok = all(type(m) is nn.Linear for m in parts) and still_fused(fused[0], parts)
+            if not ok:
+                self._fused = fused = None
         return fused
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+        """[T, N] of all the fused projections, in `_projections` order (the PrepLayout's columns)."""
+        if not isinstance(weight, PackedWeight):
+            return F.linear(x, weight)
+        flags = self.q_proj.kernels
+        y = packed_matmul(x, weight, flags.quant_gemv_fma, flags.quant_gemv_wide)
+        if self.indexer is None:
+            return y
+        return torch.cat([y, F.linear(x, self.indexer.index_qk_proj.weight)], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -312,7 +342,7 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         idx = self.indexer
         q, gate, iq = attention_decode_prep(
-            F.linear(x, weight), layout, cos, sin, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+            self._project(x, weight), layout, cos, sin, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight,
             cache.k, cache.v, self.q_norm.eps, idx.q_layernorm.weight if idx else None,
             cache.index_keys if idx else None)
         _invalidate_written(cache, batch)

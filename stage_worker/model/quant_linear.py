@@ -8,8 +8,9 @@ attention's o_proj, Gated DeltaNet's out_proj and its four in-projections (decod
 `fuse_packed`, when they share a scheme), the hyper-connection mix's down and up weights (the mix kernels read INT8
 per-channel bytes in place; another scheme takes the PyTorch path), a dense layer's MLP, the MTP head's fc, lm_head
 (unless tied to the embedding), and the shared expert of a layer whose INT4 routed experts stay packed (then it
-runs beside the INT4 kernels, never as the bf16 MoE kernel's extra slot). Weights a fused kernel reads as bf16 stay
-dequantized at load: q/k/v and the QSA indexer's projection (one GEMV over row views), the shared expert beside
+runs beside the INT4 kernels, never as the bf16 MoE kernel's extra slot), and attention's q/k/v (decode reads them as
+one packed weight when they share a scheme, the QSA indexer's bf16 rows beside them: `Attention.prepare_kernels`).
+Weights a fused kernel reads as bf16 stay dequantized at load: the QSA indexer's projection, the shared expert beside
 bf16 experts (the MoE kernel's last slot), the block-inject weight, the PLE projections, the router and the
 embedding (a gather, not a Linear).
 
@@ -37,6 +38,7 @@ BITS = (4, 6, 8)
 _PLAIN = re.compile(r"(^|\.)(self_attn\.o_proj|linear_attn\.(out_proj|in_proj_(qkv|z|b|a))|mlp\.(gate|up|down)_proj"
                     r"|input_mix_weight_(down|up)|fc|lm_head)$")
 _SHARED = re.compile(r"(^|\.)mlp\.shared_expert\.(gate|up|down)_proj$")
+_QKV = re.compile(r"(^|\.)self_attn\.(q|k|v)_proj$")
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,11 @@ class PackedLinear(nn.Module):
                 f"{'channel' if self.group >= self.in_features else f'group {self.group}'}")
 
 
-def plain_linear_sites(model: nn.Module) -> list[str]:
+def plain_linear_sites(model: nn.Module, qkv: bool = False) -> list[str]:
     """Names of the model's Linear modules (bias-free) that are only ever called as a plain linear, so a
-    PackedLinear can stand in for them: see the module docstring. Call after `SparseMoE.use_packed`."""
+    PackedLinear can stand in for them: see the module docstring. Call after `SparseMoE.use_packed`. `qkv`: also
+    attention's q/k/v projections, which its decode kernels read as one packed weight beside the indexer's bf16
+    rows (`Attention.prepare_kernels`); block-FP8 dense layers (fp8_linear) leave them out."""
     from stage_worker.model.moe import SparseMoE
 
     packed_moe = {name for name, m in model.named_modules() if isinstance(m, SparseMoE) and m.packed_group}
@@ -103,7 +107,8 @@ def plain_linear_sites(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or m.bias is not None:
             continue
-        if _PLAIN.search(name) and ".shared_expert." not in name and ".indexer." not in name:
+        if (_PLAIN.search(name) or (qkv and _QKV.search(name))) and ".shared_expert." not in name and \
+                ".indexer." not in name:
             out.append(name)
         elif _SHARED.search(name) and name.rsplit(".shared_expert.", 1)[0] in packed_moe:
             out.append(name)
@@ -200,7 +205,7 @@ def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: boo
     return y.view(*x.shape[:-1], pw.out_features)
 
 
-def dummy_specs(model: nn.Module, dtype: torch.dtype) -> dict[str, PackedSpec]:
+def dummy_specs(model: nn.Module, dtype: torch.dtype, qkv: bool = True) -> dict[str, PackedSpec]:
     """The reports' release for the `plain_linear_sites` of a model without files (benchmarks): lm_head and the
     hyper-connection mix weights INT8 per channel, the rest INT6 in groups of 128 inputs (or the largest power of
     two >= 8 dividing them, else per channel, as `moepipe quantize` chooses), the dense bit stream, scales in
@@ -208,7 +213,7 @@ def dummy_specs(model: nn.Module, dtype: torch.dtype) -> dict[str, PackedSpec]:
     from stage_worker.model.quant_weight import dense_words
 
     out = {}
-    for name in plain_linear_sites(model):
+    for name in plain_linear_sites(model, qkv=qkv):
         K = model.get_submodule(name).in_features
         if name.endswith(("lm_head", "_down", "_up")):
             bits, group = 8, K
