@@ -19,8 +19,10 @@ ORIGIN = "http://app.example"
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
+    # no PLE service process (the stage gathers its PLE rows): access control is the gateway's, each process a
+    # torch import
     opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
-                        extra={"api_key": KEY, "allowed_origins": [ORIGIN]})
+                        extra={"api_key": KEY, "allowed_origins": [ORIGIN], "ple_service": False})
     with Cluster(opts) as c:
         yield c
 
