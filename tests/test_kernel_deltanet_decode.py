@@ -92,8 +92,10 @@ def test_kernel_matches_reference(dtype, conv_dtype, act):
     check_against_reference(random_inputs(3, dtype, seed=1 + (dtype == torch.bfloat16), conv_dtype=conv_dtype), act)
 
 
-@pytest.mark.parametrize("nk,nv,bv", [(2, 2, 8), (1, 4, 16), (2, 4, 8)])     # nv/nk = 1, 4, 2
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# nv/nk = 1, 4, 2 in fp32; bf16 (its rounding: test_kernel_matches_reference's cases) at one of them, the
+# interpreter's bf16 being 2-3x its fp32 time
+@pytest.mark.parametrize("dtype,nk,nv,bv", [(torch.float32, 2, 2, 8), (torch.float32, 1, 4, 16),
+                                            (torch.float32, 2, 4, 8), (torch.bfloat16, 1, 4, 16)])
 def test_kernel_column_blocks_and_head_groups(nk, nv, bv, dtype, monkeypatch):
     """dv = 32 split into column blocks of BV = 8 or 16 (each block of S updated by its own program), and key
     heads read by 1, 2 or 4 value heads (the q/k conv tails written once per key head, by the group's first)."""
@@ -199,7 +201,7 @@ def test_layer_with_flag_on_equals_flag_off(dtype, fast_path_calls):
     s_on = prefilled(on, dtype, lens, slots)
     assert not fast_path_calls                                      # prefill keeps its own path
     g = torch.Generator().manual_seed(12)
-    for step in range(4):                                           # states carried from step to step
+    for step in range(2):             # states carried from step to step: the second reads what the first wrote
         x = torch.randn(3, HIDDEN, generator=g).to(DEV, dtype)
         batch = decode_batch([n + step for n in lens], slots)
         with torch.no_grad():
@@ -213,7 +215,7 @@ def test_layer_with_flag_on_equals_flag_off(dtype, fast_path_calls):
             assert_bf16_close(got, want, mismatch)
             torch.testing.assert_close(s_on.recurrent, s_off.recurrent, rtol=2e-2, atol=2e-2)
             assert_bf16_close(s_on.conv, s_off.conv, mismatch)
-    assert len(fast_path_calls) == 4 and on._is_fused()
+    assert len(fast_path_calls) == 2 and on._is_fused()
 
     # A fresh one-token prompt (no state yet) and a mixed batch keep the PyTorch path, bit for bit.
     for batch in (StepBatch.build([([1], 0, 0, [0]), ([1], 9, 4, [0])], 64, DEV),
@@ -223,7 +225,7 @@ def test_layer_with_flag_on_equals_flag_off(dtype, fast_path_calls):
         s_on.conv.copy_(s_off.conv)
         with torch.no_grad():
             assert torch.equal(on(x, batch, s_on), off(x, batch, s_off))
-    assert len(fast_path_calls) == 4
+    assert len(fast_path_calls) == 2
 
 
 def test_fuse_projections_shares_storage_and_keeps_the_state_dict():
