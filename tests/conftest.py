@@ -250,11 +250,14 @@ def stop_server(proc) -> None:
 
 def small_cluster_options(model: Path):
     """The 2-stage cluster the API test modules share on the tiny checkpoint: small steps and a fixed KV pool, so
-    every test's prompt fits and prefill chunks are exercised."""
+    every test's prompt fits and prefill chunks are exercised. No PLE service process (the stages gather their PLE
+    rows): each process is a torch import (~4 s of CPU), and the service has its own tests (test_cluster's
+    `cluster`, test_self_healing, test_ple_decode_wait, test_any_checkpoint's served clusters)."""
     from gateway.launcher import ServeOptions
 
     return ServeOptions(model=model, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512})
+                        extra={"max_num_batched_tokens": 64, "block_size": 16, "num_blocks": 512,
+                               "ple_service": False})
 
 
 @pytest.fixture(scope="session")
@@ -293,7 +296,7 @@ def thinking_cluster(tiny_checkpoint: Path, tmp: Path):
         cfg = json.loads((d / "tokenizer_config.json").read_text())
         cfg.pop("chat_template", None)
         (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-        return Cluster(ServeOptions(model=d, stages=1, port=free_port()))
+        return Cluster(ServeOptions(model=d, stages=1, port=free_port(), extra={"ple_service": False}))
 
     return shared("thinking_cluster", make)
 
