@@ -1,5 +1,5 @@
 """What real agents send, replayed against the real server (the "api" group's 2-stage cluster on the tiny model,
-conftest.small_cluster: gateway, two stage workers and the PLE service, each its own process): the request
+conftest.small_cluster: gateway and two stage workers, each its own process): the request
 bodies in `data/agent_requests.json` were recorded with `tools/record_proxy.py` from qwen-code 0.15.10, the
 openai-agents SDK 0.24.0 (chat completions mode) and aider 0.86.2 (docs/agents.md, "Running real agents"); only
 qwen-code's 15k-token system prompt is cut, its tool list is cut to two tools, and `max_tokens` is set, so the test
