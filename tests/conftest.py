@@ -18,19 +18,18 @@ if not __import__("torch").cuda.is_available():
 
 
 # The slowest units of work on the 2-core CI machine (a file, or a SHARED_GROUPS group listed by one of its files),
-# longest first (seconds of --durations, 2026-12-03 at 7c90d6a less what the clusters without a PLE service process
-# and the shorter deltanet / access-log files saved: ~96 for the "api" group, then 58, 57, 52, 51 for "corpus", 49,
-# 44, 32, 31, 28, ...). With --dist loadfile a unit runs whole on one worker; handing the longest out first keeps the
-# two workers' ends close. xdist's own order (by number of tests; `--no-loadscope-reorder` in pyproject.toml turns it
-# off) handed the then 190-s training file out late, when the other worker had run out of work.
-SLOWEST_FILES = ["test_agents.py", "test_self_healing.py", "test_cluster.py", "test_quantized_checkpoint.py",
-                 "test_train_demo.py", "test_demo_model.py", "test_schemathesis.py",
-                 "test_kernel_section_attention.py", "test_kernel_quant_gemv.py", "test_kernel_deltanet_decode.py",
-                 "test_any_checkpoint.py", "test_kernel_hyper_connection.py", "test_packed_cold_experts.py",
-                 "test_engine_core.py", "test_kernel_qsa.py", "test_kernel_moe_int4.py", "test_expert_table.py",
-                 "test_kernel_moe_int4_prefill.py", "test_ple_decode_wait.py", "test_greedy_transcript.py",
-                 "test_kv_row_cache.py", "test_api.py", "test_long_context_plan.py", "test_links.py",
-                 "test_access_log.py"]
+# longest first (seconds of --durations, a full run at e89cccd on 2026-12-03: 123 for the "api" group, then 73, 58,
+# 50 for "corpus", 49, 47, 46, 31, 31, 29, ...). With --dist loadfile a unit runs whole on one worker; handing the
+# longest out first keeps the two workers' ends close. xdist's own order (by number of tests;
+# `--no-loadscope-reorder` in pyproject.toml turns it off) handed the then 190-s training file out late, when the
+# other worker had run out of work.
+SLOWEST_FILES = ["test_agents.py", "test_self_healing.py", "test_cluster.py", "test_train_demo.py",
+                 "test_demo_model.py", "test_schemathesis.py", "test_quantized_checkpoint.py", "test_kernel_qsa.py",
+                 "test_kernel_quant_gemv.py", "test_kernel_moe_int4.py", "test_any_checkpoint.py",
+                 "test_kernel_moe_int4_prefill.py", "test_kernel_deltanet_decode.py",
+                 "test_kernel_hyper_connection.py", "test_engine_core.py", "test_kernel_section_attention.py",
+                 "test_expert_table.py", "test_packed_cold_experts.py", "test_ple_decode_wait.py", "test_links.py",
+                 "test_greedy_transcript.py", "test_api.py", "test_kernel_moe_fp8.py", "test_access_log.py"]
 
 
 # Test files that share session resources (`shared`): each group runs on one xdist worker, its files one after the
