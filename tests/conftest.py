@@ -343,6 +343,42 @@ def graph_us(fn, calls: int = 20, runs: int = 5, warmup: int = 1) -> float:
     return timed(fn, calls, runs, warmup)
 
 
+def graph_ab(fn, settings, reps: int = 20):
+    """fn() captured `reps` times into one CUDA graph under each of `settings` (callables that set a process-wide
+    switch; the caller restores it): ([outputs of the graph's last call, per setting], [us a call, per setting]).
+    Each setting runs fn once eagerly and once on a side stream (compiles, allocator warm-up) before its capture."""
+    import torch
+
+    outs, times = [], []
+    for setting in settings:
+        setting()
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                out = fn()
+        g.replay()
+        torch.cuda.synchronize()
+        outs.append([o.clone() for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None])
+        times.append(graph_us(lambda i: fn(), calls=reps, runs=5, warmup=2))
+    return outs, times
+
+
+def assert_same_tensors(a, b) -> None:
+    """Two lists of tensors equal element for element, bit for bit."""
+    import torch
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def collect_events(core, requests, timeout: float = 120) -> list[list]:
     """Hand every request to an engine core at once (so they share steps) and return each one's events (token
     events, then a finish reason or an exception)."""

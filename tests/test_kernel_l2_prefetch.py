@@ -251,39 +251,25 @@ print(json.dumps(out))
 def _graph_pair(fn, reps: int = 20):
     """fn() captured `reps` times into one CUDA graph with PDL alone, then PDL + l2_prefetch (common._PDL, _L2PF;
     the device takes them): (outputs pdl, outputs both, us a call pdl, us a call both), the graph's last call's."""
-    from conftest import graph_us
+    from conftest import graph_ab
 
-    res, times = [], []
     before = common._PDL, common._L2PF
-    for l2 in (False, True):
-        common.set_pdl(True)
-        common.set_l2_prefetch(l2)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()                                  # warm up (compile) off the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    out = fn()
-            g.replay()
-            torch.cuda.synchronize()
-            res.append([o.clone() for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None])
-            times.append(graph_us(lambda i: fn(), calls=reps, runs=5, warmup=2))
-        finally:
-            common.set_pdl(before[0])
-            common.set_l2_prefetch(before[1])
-    return res[0], res[1], times[0], times[1]
+
+    def with_l2(on: bool):
+        return lambda: (common.set_pdl(True), common.set_l2_prefetch(on))
+
+    try:
+        (pdl, both), (us_pdl, us_both) = graph_ab(fn, [with_l2(False), with_l2(True)], reps)
+    finally:
+        common.set_pdl(before[0])
+        common.set_l2_prefetch(before[1])
+    return pdl, both, us_pdl, us_both
 
 
 def _same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
+    from conftest import assert_same_tensors
+
+    assert_same_tensors(a, b)
 
 
 needs_hopper = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9),

@@ -172,37 +172,20 @@ print(json.dumps([build(1, False), build(16, True)]))
 def _graph_pair(fn, reps: int = 20):
     """fn() captured `reps` times into one CUDA graph with PDL off, then on (common._PDL; the device takes it):
     (outputs off, outputs on, us a call off, us a call on), the outputs of the graph's last call."""
-    from conftest import graph_us
+    from conftest import graph_ab
 
-    res, times = [], []
     before = common._PDL
-    for on in (False, True):
-        common.set_pdl(on)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()                                  # warm up (compile) off the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    out = fn()
-            g.replay()
-            torch.cuda.synchronize()
-            res.append([o.clone() for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None])
-            times.append(graph_us(lambda i: fn(), calls=reps, runs=5, warmup=2))
-        finally:
-            common.set_pdl(before)
-    return res[0], res[1], times[0], times[1]
+    try:
+        (off, on), (us_off, us_on) = graph_ab(fn, [lambda: common.set_pdl(False), lambda: common.set_pdl(True)], reps)
+    finally:
+        common.set_pdl(before)
+    return off, on, us_off, us_on
 
 
 def _same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
+    from conftest import assert_same_tensors
+
+    assert_same_tensors(a, b)
 
 
 needs_hopper = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] >= 9),
