@@ -157,8 +157,8 @@ def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> N
     """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
     channel (PackedWeight, read in place), PDL as `--no-pdl` says, and each captured call on the next of
     `copies` weight sets (16 x 6.6 MB > the 50 MB L2), so the bytes come from HBM as in the model, where 97 mixes'
-    weights never fit the L2 (the hc_down / hc_up sweeps above reuse one bf16 weight: L2-hot). Sweeps DOWN_CFG with
-    UP_CFG as it is, then UP_CFG with the best DOWN_CFG; the winners go to hyper_connection.DOWN_CFG / UP_CFG."""
+    weights never fit the L2 (the hc_down / hc_up sweeps above reuse one bf16 weight: L2-hot). Sweeps DOWN_CFG_Q8 with
+    UP_CFG_Q8 as it is, then UP_CFG_Q8 with the best DOWN_CFG_Q8; the winners go to hyper_connection.DOWN_CFG_Q8 / UP_CFG_Q8."""
     from stage_worker.kernels.quant_gemv_ref import quantize_rtn
 
     hidden, hc, rank = 2560, 4, 320
@@ -185,12 +185,12 @@ def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> N
 
         bucket = HC._bucket(t)
         cfgs = list(itertools.product((1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8)))
-        sweep("hc_q8(A)", cfgs, lambda c: HC.DOWN_CFG.__setitem__(bucket, c), run, nbytes, t, reps, results)
-        HC.DOWN_CFG[bucket] = tuple(min((r for r in results if r.get("kernel") == "hc_q8(A)" and r["rows"] == t
+        sweep("hc_q8(A)", cfgs, lambda c: HC.DOWN_CFG_Q8.__setitem__(bucket, c), run, nbytes, t, reps, results)
+        HC.DOWN_CFG_Q8[bucket] = tuple(min((r for r in results if r.get("kernel") == "hc_q8(A)" and r["rows"] == t
                                          and "config" in r), key=lambda r: r["us"])["config"])
         cfgs = list(itertools.product((4, 8, 16, 32, 64), (128, 256, 512), (4, 8)))
-        sweep("hc_q8(B)", cfgs, lambda c: HC.UP_CFG.__setitem__(bucket, c), run, nbytes, t, reps, results)
-        print(f"hc_q8 T={t}: DOWN_CFG {HC.DOWN_CFG[bucket]} (the sweep's best), UP_CFG best above", flush=True)
+        sweep("hc_q8(B)", cfgs, lambda c: HC.UP_CFG_Q8.__setitem__(bucket, c), run, nbytes, t, reps, results)
+        print(f"hc_q8 T={t}: DOWN_CFG_Q8 {HC.DOWN_CFG_Q8[bucket]} (the sweep's best), UP_CFG_Q8 best above", flush=True)
 
 
 def main() -> int:

@@ -295,14 +295,14 @@ def test_gil_switch_interval_is_validated_and_applied(monkeypatch):
     from gateway.main import apply_switch_interval
 
     raw = {"model": "m", "gateway_endpoint": "ipc://g", "stages": [{"start": 0, "end": 3, "endpoint": "ipc://a"}]}
-    assert cluster_from_dict(raw).gil_switch_interval_ms == 0.0
+    assert cluster_from_dict(raw).gil_switch_interval_ms == 0.5
     with pytest.raises(ClusterConfigError, match="gil_switch_interval_ms must be in"):
         cluster_from_dict({**raw, "gil_switch_interval_ms": -1.0}).validate()
     before = sys.getswitchinterval()
     try:
-        apply_switch_interval(0.5)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        apply_switch_interval(0.25)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
         apply_switch_interval(0)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
     finally:
         sys.setswitchinterval(before)

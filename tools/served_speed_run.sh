@@ -38,7 +38,7 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [nostagerows]="MOEPIPE_PLE_DECODE_IN_STAGE=0" [mb1]="MOEPIPE_MICROBATCHES=1"
                    [noint4prefill]="MOEPIPE_KERNELS=-moe_int4_prefill" [norace]="MOEPIPE_KERNELS=-sample_race"
                    [nospin]="MOEPIPE_STAGE_SPIN_WAIT=0" [svcrows2]="MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS=2"
-                   [noipc]="MOEPIPE_CUDA_IPC_ACTIVATIONS=0" [gil05]="MOEPIPE_GIL_SWITCH_INTERVAL_MS=0.5"
+                   [noipc]="MOEPIPE_CUDA_IPC_ACTIVATIONS=0" [gil5]="MOEPIPE_GIL_SWITCH_INTERVAL_MS=0"
                    [nopdl]="MOEPIPE_KERNELS=all,-pdl" [noqkv]="MOEPIPE_PACKED_QKV=0")
 # svcrows2: decode steps of more than 2 sequences take the PLE service's rows (the default before issue 14's
 # h200-16 finding: a round trip after every token at 4 and 16 streams)

@@ -52,6 +52,12 @@ DECODE_ROWS = 4
 # warps for B. Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
 DOWN_CFG = {1: (1, 4096, 8), 4: (1, 4096, 8), 16: (2, 4096, 4)}
 UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
+# The same for INT8 per-channel down / up weights read in place (reports-mixed): `bench/tune_kernels.py --only hc_q8
+# --rows 1,4` on the H200 (h200-20, the whole mix in a CUDA graph with PDL, each call on the next of 16 weight sets
+# so the bytes come from HBM as in the model): at 1 row 9.19 us against 9.99 with the bf16 tables' entries, at 4
+# rows 16.41 against 17.36 (bench/results/h200-20/call5/). 16 rows: unswept, the bf16 entry.
+DOWN_CFG_Q8 = {1: (2, 4096, 4), 4: (2, 8192, 8), 16: (2, 4096, 4)}
+UP_CFG_Q8 = {1: (8, 512, 4), 4: (8, 512, 4), 16: (16, 256, 4)}
 
 
 def _bucket(t: int) -> int:
@@ -288,14 +294,14 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         H=hidden, HC=hc, INJECT=out is not None, BLOCK=triton.next_power_of_2(hidden),
         num_warps=8 if hidden >= 2048 else 4, PDL=pdl, launch_pdl=pdl)
     bt = min(triton.next_power_of_2(t), 16)
-    br, bk, warps = DOWN_CFG[_bucket(t)]
+    br, bk, warps = (DOWN_CFG_Q8 if down_s is not None else DOWN_CFG)[_bucket(t)]
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
     _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
         normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
         a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
         BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps,
         PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
-    bh, bj, warps = UP_CFG[_bucket(t)]
+    bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
         normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
