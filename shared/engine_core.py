@@ -55,11 +55,23 @@ class GenerationRequest:
 
 @dataclass
 class TokenEvent:
+    """One sampled token. The `*_ts` fields are the engine core's `time.monotonic()` stamps, the request phases of
+    /metrics (`RequestTimer` in gateway/metrics.py observes them; None from engines that keep no times)."""
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None       # (token id, logprob), best first
     finish_reason: str | None = None       # "stop" (EOS / stop token) or "length" on the last event
     prompt_logprobs: list[float | None] | None = None         # only on the first event, when asked
+    token_ts: float | None = None          # the step result carrying this token reached the core (the last: finished)
+    queued_ts: float | None = None         # first event only: the request entered the core's waiting queue
+    scheduled_ts: float | None = None      # first event only: its first plan; preemptions and requeues keep it
+
+
+@dataclass
+class _Phases:
+    """A request's core timestamps until its first token: then they ride on that token's event."""
+    queued: float
+    scheduled: float | None = None
 
 
 Sink = Callable[["TokenEvent | Exception"], None]   # called on the core's thread: must not block
@@ -126,6 +138,7 @@ class EngineCore:
                                    max_queue=limits.max_queue, plan_ahead=limits.plan_ahead)
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
+        self._phases: dict[str, _Phases] = {}   # requests without a token yet: when queued, first scheduled
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stopping = False
@@ -179,6 +192,7 @@ class EngineCore:
                 raise EngineOverloaded(f"{self.scheduler.num_waiting} requests are waiting; try again later") \
                     from None
             self._sinks[rid] = sink
+            self._phases[rid] = _Phases(time.monotonic())
         self._wake()
         return rid
 
@@ -205,7 +219,7 @@ class EngineCore:
     def cancel(self, request_id: str) -> None:
         """Drop a request (client gone, stop string): its blocks and slot return as soon as no step uses them."""
         with self._lock:
-            if self._sinks.pop(request_id, None) is None:
+            if self._drop(request_id) is None:
                 return
             self.scheduler.cancel(request_id)
             self._push_gauges()
@@ -268,7 +282,7 @@ class EngineCore:
             log.exception("engine core stopped")
             with self._lock:
                 for req in self.scheduler.fail_all("error"):
-                    sink = self._sinks.pop(req.req_id, None)
+                    sink = self._drop(req.req_id)
                     if sink is not None:
                         sink(EngineFailed("the engine core stopped"))
 
@@ -279,6 +293,11 @@ class EngineCore:
             while True:
                 new = [p for mb in self.scheduler.idle_microbatches() if (p := self.scheduler.schedule(mb))]
                 plans += new
+                for p in new:           # a request's sampling spec goes out with its (re-)admission's plan
+                    for spec in p.new_requests:
+                        ph = self._phases.get(spec.req_id)
+                        if ph is not None and ph.scheduled is None:   # the first only: preemptions keep it
+                            ph.scheduled = time.monotonic()
                 if not any(p.entries for p in new):
                     break
             if plans and self.metrics is not None:
@@ -291,6 +310,7 @@ class EngineCore:
             # A step forgotten when a component died: its plan reached a stage before the failure was seen.
             log.warning("engine core: ignored the result of step %d (no longer in flight)", msg.step)
             return
+        now = time.monotonic()
         self._account_timing(msg)
         for req in self.scheduler.on_result(msg.microbatch, msg.tokens):
             events, req.events = req.events, []
@@ -305,12 +325,16 @@ class EngineCore:
                 top = list(zip(out.top_ids, out.top_logprobs)) if out.top_ids else ([] if out.logprob is not None
                                                                                    else None)
                 event = TokenEvent(token_id=out.token, logprob=out.logprob, top_logprobs=top,
-                                   finish_reason=req.finished if last else None)
-                if req.want_prompt_logprobs and len(req.output_ids) - len(events) + i == 0:
-                    event.prompt_logprobs = [None] + list(req.prompt_logprobs)
+                                   finish_reason=req.finished if last else None, token_ts=now)
+                if len(req.output_ids) - len(events) + i == 0:      # the request's first token
+                    if req.want_prompt_logprobs:
+                        event.prompt_logprobs = [None] + list(req.prompt_logprobs)
+                    ph = self._phases.pop(req.req_id, None)
+                    if ph is not None:
+                        event.queued_ts, event.scheduled_ts = ph.queued, ph.scheduled
                 sink(event)
             if req.finished is not None:
-                self._sinks.pop(req.req_id, None)
+                self._drop(req.req_id)
 
     def _on_stage_error(self, msg: StageError) -> list[Plan]:
         """Fail the step's requests; every stage forgets the step's inputs and the requests' state."""
@@ -321,7 +345,7 @@ class EngineCore:
         if failed:      # the client sees which component failed; the log has what happened, and for which requests
             log.error("engine core: step %d failed requests %s", msg.step, ", ".join(r.req_id for r in failed))
         for req in failed:
-            sink = self._sinks.pop(req.req_id, None)
+            sink = self._drop(req.req_id)
             if sink is not None:
                 sink(EngineFailed(f"{msg.component} failed a step of this request"))
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
@@ -362,11 +386,16 @@ class EngineCore:
         steps = self.scheduler.in_flight_steps()
         failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
         for req in failed:
-            sink = self._sinks.pop(req.req_id, None)
+            sink = self._drop(req.req_id)
             if sink is not None:
                 sink(err)
         # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=[r.req_id for r in failed])]
+
+    def _drop(self, rid: str) -> Sink | None:
+        """Forget a request that ended (its sink, and its phase stamps if it had no token yet); returns its sink."""
+        self._phases.pop(rid, None)
+        return self._sinks.pop(rid, None)
 
     # ---- metrics -----------------------------------------------------------------------------------------------
     def attach_metrics(self, metrics) -> None:

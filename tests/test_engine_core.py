@@ -2,7 +2,8 @@
 
 - The block manager's reference counts.
 - In-process: greedy tokens and logprobs, and seeded draws, do not depend on the stage count, on chunked prefill or
-  on preemption (a pool too small for the requests at once).
+  on preemption (a pool too small for the requests at once); the core's phase stamps on the token events (queued,
+  first scheduled, each token's result) are ordered, and a preempted request keeps its first scheduling's.
 - The ZeroMQ cluster (real processes) and the in-process executor behind real uvicorn servers give the same greedy
   tokens and logprobs (1e-4, float32), the same seeded tokens and the same structured output for the same requests,
   with the cluster preempting and chunking.
@@ -87,6 +88,32 @@ def reference(tiny_checkpoint):
         core.stop()
 
 
+def _spy_preemptions(core: EngineCore) -> dict[str, float]:
+    """Request id -> when the scheduler first preempted it (or requeued it), recorded as it happens."""
+    first: dict[str, float] = {}
+    preempt = core.scheduler._preempt
+
+    def spy(req):
+        first.setdefault(req.req_id, time.monotonic())
+        preempt(req)
+
+    core.scheduler._preempt = spy
+    return first
+
+
+def _assert_phase_stamps(results: list[list], preempted: dict[str, float], ids: list[str]) -> None:
+    """Queued <= first scheduled <= first token's result <= every later one (the first event alone carries the
+    request's stamps); a preempted request's scheduling stamp predates its preemption: re-admission kept it."""
+    for rid, events in zip(ids, results):
+        first = events[0]
+        assert first.queued_ts <= first.scheduled_ts <= first.token_ts, rid
+        stamps = [e.token_ts for e in events]
+        assert stamps == sorted(stamps) and None not in stamps, rid
+        assert all(e.queued_ts is None and e.scheduled_ts is None for e in events[1:]), rid
+        if rid in preempted:
+            assert first.scheduled_ts < preempted[rid], rid
+
+
 def _assert_same(a: list[list], b: list[list]) -> None:
     for ea, eb in zip(a, b):
         assert [e.token_id for e in ea] == [e.token_id for e in eb]
@@ -108,12 +135,17 @@ def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, re
     core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8,
                              max_num_batched_tokens=8, num_blocks=8, block_size=16, async_scheduling=plan_ahead)
     try:
-        out = _run_all(core, _requests(read_generation_config(tiny_checkpoint)))
+        preempted = _spy_preemptions(core)
+        requests = _requests(read_generation_config(tiny_checkpoint))
+        out = _run_all(core, requests)
         assert core.scheduler.num_preemptions > 0
         assert core.scheduler.blocks.used_blocks == 0 and core.scheduler.blocks.used_slots == 0
+        assert not core._phases                     # every request's stamps went out with its first token
     finally:
         core.stop()
     _assert_same(reference, out)
+    assert preempted
+    _assert_phase_stamps(out, preempted, [r.request_id for r in requests])
     assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1])
 
 
