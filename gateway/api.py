@@ -132,7 +132,7 @@ class _Generation:
 
     def _consume(self, event: TokenEvent) -> _Piece:
         self.completion_tokens += 1
-        self.timer.token()
+        self.timer.token(event=event)
         piece = _Piece("")
         is_stop_token = event.finish_reason == "stop" and event.token_id in self.request.stop_token_ids
         if not is_stop_token:

@@ -1,7 +1,10 @@
 """Prometheus metrics of the gateway, in a registry of their own (so a test process can build several apps).
 
-Request-level series are updated by the API layer through `RequestTimer`; scheduler, stage and PLE series are pushed
-by whatever engine runs the model (`set_scheduler_state`, `observe_stage_step`, `set_stage_busy`, `set_ple_totals`).
+Request-level series are updated by the API layer through `RequestTimer`, which also turns the engine core's
+timestamps on the token events (shared/engine_core.py `TokenEvent.*_ts`) into the request phases vLLM reports
+(queue, prefill, decode, inference, time per output token) and the gateway's own share of the TTFT; scheduler,
+stage and PLE series are pushed by whatever engine runs the model (`set_scheduler_state`, `observe_stage_step`,
+`set_stage_busy`, `set_ple_totals`).
 
 The `moepipe_ple_*_total` series are COUNTERS whose values are set from the cumulative totals the PLE service
 and the stages report (each reporter keeps its own running sum; the exposed value is the sum over reporters). A
@@ -32,6 +35,12 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                480.0, 960.0, 1920.0, 7680.0)
 TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# request phases: a 3.6-ms decode step to a minute of queue or prefill; decode and inference go on to long requests
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+LONG_PHASE_BUCKETS = PHASE_BUCKETS + (120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 
 PLE_SERIES = {
     "prefetch_pages": ("moepipe_ple_prefetch_pages", "PLE table pages prefetched (cumulative, as reported)"),
@@ -143,6 +152,34 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("moepipe_e2e_request_latency_seconds", "Request arrival to its last token",
                              buckets=E2E_BUCKETS, registry=r)
+        # The request phases (vLLM's vllm:request_*_time_seconds), from the engine core's time.monotonic() stamps.
+        # Queue, prefill and gateway are observed with the TTFT (every request that got a token), decode, inference
+        # and time per output token with the e2e latency (at its end, whatever the finish reason).
+        self.queue_time = Histogram(
+            "moepipe_request_queue_time_seconds", "Time a request waited in the engine core's queue: from its "
+            "arrival at the core to its FIRST scheduling (a preempted or requeued request's later waits are not "
+            "counted here but in prefill or decode time)", buckets=PHASE_BUCKETS, registry=r)
+        self.prefill_time = Histogram(
+            "moepipe_request_prefill_time_seconds", "From a request's first scheduling to the step result carrying "
+            "its first token reaching the engine core (prefill chunks, the first sample, and any preemption "
+            "meanwhile)", buckets=PHASE_BUCKETS, registry=r)
+        self.decode_time = Histogram(
+            "moepipe_request_decode_time_seconds", "From the step result carrying a request's first token to the "
+            "one carrying its last reaching the engine core (the last: the one the client got, for requests the "
+            "gateway ended: stop string, client gone)", buckets=LONG_PHASE_BUCKETS, registry=r)
+        self.inference_time = Histogram(
+            "moepipe_request_inference_time_seconds", "From a request's first scheduling to its last token "
+            "reaching the engine core (prefill + decode)", buckets=LONG_PHASE_BUCKETS, registry=r)
+        self.request_tpot = Histogram(
+            "moepipe_request_time_per_output_token_seconds", "A request's mean time per output token after the "
+            "first: decode time / (tokens - 1), one observation per request of two or more tokens (the per-token "
+            "series is moepipe_inter_token_latency_seconds)", buckets=TPOT_BUCKETS, registry=r)
+        self.gateway_time = Histogram(
+            "moepipe_request_gateway_time_seconds", "The gateway's share of the time to first token: TTFT - (queue + "
+            "prefill), i.e. HTTP receipt to the engine core's queue (body parsing, chat template, tokenizing, "
+            "hand-off) plus the first token's way from the core to the API layer taking it up (thread hop, event "
+            "loop, response start); its detokenizing and sending are not in the TTFT", buckets=PHASE_BUCKETS,
+            registry=r)
         self.prompt_tokens = Counter("moepipe_prompt_tokens", "Prompt tokens of requests that started generating",
                                      registry=r)
         self.generation_tokens = Counter("moepipe_generation_tokens", "Tokens generated", registry=r)
@@ -225,7 +262,10 @@ class Metrics:
 
 
 class RequestTimer:
-    """Times one request: TTFT from arrival to the first token event, ITL between events, e2e at the finish.
+    """Times one request: TTFT from arrival to the first token event, ITL between events, e2e at the finish; and,
+    from the engine core's stamps on the events, the phases: queue, prefill and the gateway's share (TTFT - queue -
+    prefill) with the first token, decode, inference and time per output token at the finish. Engines that stamp
+    nothing (test stubs) get the gateway's series only.
 
     It also fills the HTTP request's access-log record (gateway/access_log.py), when the log is on: the timer is
     the one place that sees every token and the finish of every generation."""
@@ -235,6 +275,11 @@ class RequestTimer:
         self.arrival = arrival
         self._last: float | None = None
         self._done = False
+        # the engine core's stamps (time.monotonic(), the same clock: the core is a thread of this process)
+        self._scheduled_ts: float | None = None
+        self._first_ts: float | None = None
+        self._last_ts: float | None = None
+        self._timed_tokens = 0
         self._access = access_log.current()
         if self._access is not None:
             self._access.generation_created(request_id)
@@ -245,14 +290,26 @@ class RequestTimer:
         if self._access is not None:
             self._access.generation_started(prompt_tokens)
 
-    def token(self, count: int = 1) -> None:
+    def token(self, count: int = 1, event=None) -> None:
+        """`count` tokens taken up by the API layer; `event` (shared/engine_core.TokenEvent) carries the engine
+        core's timestamps, for the phase histograms."""
         now = time.monotonic()
         if self._access is not None:
             self._access.tokens(count)
         if self._last is None:
-            self._m.ttft.observe(now - self.arrival)
+            ttft = now - self.arrival
+            self._m.ttft.observe(ttft)
+            if event is not None and None not in (event.token_ts, event.queued_ts, event.scheduled_ts):
+                self._first_ts, self._scheduled_ts = event.token_ts, event.scheduled_ts
+                queue, prefill = event.scheduled_ts - event.queued_ts, event.token_ts - event.scheduled_ts
+                self._m.queue_time.observe(queue)
+                self._m.prefill_time.observe(prefill)
+                self._m.gateway_time.observe(ttft - queue - prefill)
         else:
             self._m.itl.observe(now - self._last)
+        if self._first_ts is not None and event is not None and event.token_ts is not None:
+            self._last_ts = event.token_ts
+            self._timed_tokens += count
         self._last = now
         self._m.generation_tokens.inc(count)
 
@@ -266,3 +323,9 @@ class RequestTimer:
             self._access.finished(reason)
         if self._last is not None:
             self._m.e2e.observe(time.monotonic() - self.arrival)
+        if self._first_ts is not None and self._last_ts is not None:
+            decode = self._last_ts - self._first_ts
+            self._m.decode_time.observe(decode)
+            self._m.inference_time.observe(self._last_ts - self._scheduled_ts)
+            if self._timed_tokens > 1:
+                self._m.request_tpot.observe(decode / (self._timed_tokens - 1))

@@ -507,6 +507,47 @@ def test_metrics_count_requests(served):
     assert metric_value(served, "moepipe_kv_blocks_total") > 0
 
 
+PHASES = ["request_queue_time", "request_prefill_time", "request_gateway_time", "time_to_first_token",
+          "request_decode_time", "request_inference_time", "e2e_request_latency", "request_time_per_output_token"]
+
+
+def phase_totals(served: Served) -> dict[str, tuple[float, float]]:
+    """Each PHASES histogram's (count, sum) on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{served.url}/metrics", verify=False).text
+    v = {smp.name: smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    return {n: (v[f"moepipe_{n}_seconds_count"], v[f"moepipe_{n}_seconds_sum"]) for n in PHASES}
+
+
+def test_request_phase_metrics(served, chat_ref):
+    """Streamed, non-streamed, n=2 and a request the gateway ends (stop string): each generation is observed once in
+    every phase series, and per request queue + prefill + gateway = TTFT <= e2e, prefill + decode = inference."""
+    text = chat_ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    before = phase_totals(served)
+    usages = [chat(served, max_tokens=N).usage, chat(served, max_tokens=N, stop=[stop]).usage]
+    chunks = stream_chat(served, max_tokens=N, stream_options={"include_usage": True})
+    usages.append(chunks[-1].usage)
+    r = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=3, n=2, temperature=0.8,
+                                         seed=5)
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    gens, multi = 5, sum(u.completion_tokens > 1 for u in usages) + 2
+    after = phase_totals(served)
+    count = {n: after[n][0] - before[n][0] for n in PHASES}
+    total = {n: after[n][1] - before[n][1] for n in PHASES}
+    assert count == {**{n: gens for n in PHASES}, "request_time_per_output_token": multi}
+    assert total["request_queue_time"] + total["request_prefill_time"] + total["request_gateway_time"] == \
+        pytest.approx(total["time_to_first_token"], abs=1e-6)
+    assert 0 < total["request_queue_time"] + total["request_prefill_time"] < total["time_to_first_token"] \
+        <= total["e2e_request_latency"]
+    assert total["request_prefill_time"] + total["request_decode_time"] == \
+        pytest.approx(total["request_inference_time"], abs=1e-6)
+    assert 0 < total["request_decode_time"] < total["request_inference_time"] < total["e2e_request_latency"]
+    metrics = httpx.get(f"{served.url}/metrics", verify=False).text
+    assert "to its FIRST scheduling" in metrics            # the queue time's help says what preemption does
+
+
 # ---- engine failures through stub engines --------------------------------------------------------------------
 
 class StubEngine:

@@ -6,7 +6,8 @@
   first scheduled, each token's result) are ordered, and a preempted request keeps its first scheduling's.
 - The ZeroMQ cluster (real processes) and the in-process executor behind real uvicorn servers give the same greedy
   tokens and logprobs (1e-4, float32), the same seeded tokens and the same structured output for the same requests,
-  with the cluster preempting and chunking.
+  with the cluster preempting and chunking; both servers' /metrics hold every request's phases, which add up to its
+  TTFT and inference time.
 """
 
 from __future__ import annotations
@@ -211,6 +212,28 @@ def _exercise(url: str) -> dict:
     return out
 
 
+def _assert_phases_add_up(metrics_text: str, requests: int, multi_token: int) -> None:
+    """Each request observed once in every phase series (time per output token: those of two tokens or more), and
+    per request queue + prefill + gateway = TTFT <= e2e, prefill + decode = inference, so also for the sums."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    v = {smp.name: smp.value for fam in text_string_to_metric_families(metrics_text) for smp in fam.samples
+         if smp.name.endswith(("_sum", "_count"))}
+    names = ["request_queue_time", "request_prefill_time", "request_gateway_time", "time_to_first_token",
+             "request_decode_time", "request_inference_time", "e2e_request_latency"]
+    s = {n: v[f"moepipe_{n}_seconds_sum"] for n in names}
+    for n in names:
+        assert v[f"moepipe_{n}_seconds_count"] == requests, n
+    assert v["moepipe_request_time_per_output_token_seconds_count"] == multi_token
+    assert s["request_queue_time"] + s["request_prefill_time"] + s["request_gateway_time"] == \
+        pytest.approx(s["time_to_first_token"], abs=1e-6)
+    assert s["request_prefill_time"] + s["request_decode_time"] == pytest.approx(s["request_inference_time"],
+                                                                                 abs=1e-6)
+    assert 0 < s["request_queue_time"] + s["request_prefill_time"] < s["time_to_first_token"] \
+        <= s["e2e_request_latency"]
+    assert s["request_inference_time"] < s["e2e_request_latency"]
+
+
 def _in_process_server(model_dir) -> InProcessServer:
     core = local_engine_core(model_dir, max_model_len=256, max_num_seqs=16)
     metrics = Metrics()
@@ -232,6 +255,8 @@ def test_cluster_and_in_process_executors_agree(tiny_checkpoint):
         served = _exercise(c.url)
     preempted = [line for line in served["metrics"].splitlines() if line.startswith("moepipe_preemptions ")]
     assert preempted and float(preempted[0].split()[1]) > 0
+    for out in (local, served):         # the echo request's one token has no time per output token
+        _assert_phases_add_up(out["metrics"], len(BODIES) + 1, len(BODIES))
     for a, b in zip(local["completions"], served["completions"]):
         assert a["text"] == b["text"]
         if a["logprobs"] is not None:
