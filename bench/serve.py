@@ -6,7 +6,10 @@ client sees, as vLLM's benchmark reports it); TPOT is a request's time per outpu
 from the usage count, and `tokens_per_chunk` says how far the two differ (1.0 for a real model's text). When a chunk
 carries several tokens (dummy weights: ~7), the client's TPOT runs low by about (tokens per chunk - 1) / tokens,
 since the first chunk's extra tokens fall outside its span; "server TPOT" (the gateway's mean time between
-consecutive tokens of a request, moepipe_inter_token_latency_seconds, over the measured runs) is exact.
+consecutive tokens of a request, moepipe_inter_token_latency_seconds, over the measured runs) is exact. "TTFT
+split" divides the server's mean TTFT of the measured requests (from HTTP receipt) into the engine core's queue
+and prefill (moepipe_request_queue_time_seconds, _prefill_time_seconds) and the gateway's share (tokenizing,
+hand-off, the first token's way back: moepipe_request_gateway_time_seconds).
 
     python bench/serve.py                      # starts `moepipe serve --stages 2` on the built-in demo model
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
@@ -120,7 +123,22 @@ def pipeline_stats(before: dict, after: dict, wall: float) -> dict:
     # critical path (its own series: h200-15 divided the PLE service's prefill gathers by these steps, 20-71 ms)
     n_gathers = delta("moepipe_ple_stage_gathers_total", ())
     gather_ms = 1e3 * delta("moepipe_ple_stage_gather_seconds_total", ()) / n_gathers if n_gathers else float("nan")
-    return {"server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
+
+    def mean(histogram: str) -> float:
+        """Mean of one histogram's observations in the measured runs (NaN: none, or a server without it)."""
+        n = delta(histogram + "_count", ())
+        return delta(histogram + "_sum", ()) / n if n else float("nan")
+
+    # the server's TTFT (from HTTP receipt) split: the engine core's queue (arrival at the core to first scheduling)
+    # and prefill (to the first token's result at the core), and the gateway's share (the rest: tokenizing,
+    # hand-off, the first token's way back to the API layer)
+    phases = {"server_ttft_s": mean("moepipe_time_to_first_token_seconds"),
+              "server_queue_s": mean("moepipe_request_queue_time_seconds"),
+              "server_prefill_s": mean("moepipe_request_prefill_time_seconds"),
+              "server_gateway_s": mean("moepipe_request_gateway_time_seconds"),
+              "server_decode_s": mean("moepipe_request_decode_time_seconds"),
+              "server_request_tpot_ms": 1e3 * mean("moepipe_request_time_per_output_token_seconds")}
+    return {**phases, "server_tpot_ms": server_tpot, "stage_busy_fraction": busy, "stage_step_ms": step_ms,
             "ple_wait_fraction": ple_wait, "ple_decode_wait_fraction": ple_decode_wait,
             "ple_stage_gather_ms": gather_ms,
             "transfer": transfer,
@@ -369,6 +387,9 @@ def main() -> int:
               f"(decode steps {r.get('ple_decode_wait_fraction', float('nan')):.3f}); "
               f"stage's own PLE gather {r.get('ple_stage_gather_ms', float('nan')):.3f} ms a step; "
               f"activations between stages: {moves or '-'}; preemptions {r.get('preemptions', 0):.0f}")
+        if not math.isnan(r.get("server_queue_s", float("nan"))):
+            print(f"    TTFT split: queue {r['server_queue_s']:.3f} s, prefill {r['server_prefill_s']:.3f} s, "
+                  f"gateway {r['server_gateway_s']:.3f} s (server TTFT {r['server_ttft_s']:.3f} s)")
         p = r.get("pools", {})
         if p:
             tiers = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(p.get("kv_tier_bytes", {}).items()))
