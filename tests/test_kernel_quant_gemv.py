@@ -235,6 +235,53 @@ def test_prefill_path_dequantizes_blocks_of_rows(monkeypatch):
     torch.testing.assert_close(Q.quant_gemv(x, pw), whole, rtol=1e-5, atol=1e-5)
 
 
+# (inputs a scale, (scales' dtype, output dtype) pairs) for the dequantize kernel: the product rounded to the scales'
+# dtype, then to the output's (fp32 -> bf16 or fp16: a second rounding; bf16 -> fp32 exact). Each pair once, each
+# scale layout with bf16 and fp32 scales (per-call interpreter time, not coverage, keeps it from the full product).
+BF, F32, F16 = torch.bfloat16, torch.float32, torch.float16
+DEQUANT_CASES = [(None, [(BF, BF), (F32, F32), (F32, BF)]), (32, [(BF, F32), (F16, F16), (F32, BF)]),
+                 (24, [(F32, F16), (BF, BF)])]
+
+
+@pytest.mark.parametrize("bits,dense", LAYOUTS)
+def test_dequant_kernel_is_the_reference_bit_for_bit(bits, dense):
+    """`quant_dequant.dequantize_into` (one launch a block of rows) equals `dequantize_packed` bit for bit: every
+    value of the width (random ints, not a rounding of floats), random scales with full mantissas (so the fp32
+    product is rounded, and ties to even happen), per-channel scales and groups of 32 and of 24 over 100 inputs (a
+    last group of 4; 24 not a multiple of INT6's stream period), the (scales, output) dtype pairs of DEQUANT_CASES,
+    rows [5, 38) of 40 into a strided output (its pad columns must stay NaN). One program a call (64 x 128 tiles;
+    ~0.05-0.1 s under the interpreter), then once on 16 x 64 tiles: 3 row blocks x 2 K tiles, a partial one each."""
+    from stage_worker.kernels.quant_dequant import dequantize_into
+
+    N, K = 40, 100
+    q = _values(N, K, bits, 7 * bits + dense)
+    words = pack_values(q, bits, dense)
+    g = torch.Generator().manual_seed(bits)
+    cases = [(group or K, sd, od, (64, 128, 4)) for group, pairs in DEQUANT_CASES for sd, od in pairs]
+    cases.append((24, BF, BF, (16, 64, 4)))
+    for group, sd, od, cfg in cases:
+        scales = (torch.rand(N, -(-K // group), generator=g) * 0.02 + 1e-3).to(sd)
+        pw = PackedWeight(words.to(DEV), scales.to(DEV), bits, K, group)
+        pw.check()
+        buf = torch.full((33, K + 3), float("nan"), dtype=od, device=DEV)
+        out = dequantize_into(pw, buf[:, :K], 5, cfg)
+        want = dequantize_packed(pw, od, 5, 38)
+        assert torch.equal(out, want), (group, sd, od, cfg, (out != want).sum().item())
+        assert buf[:, K:].isnan().all()
+
+
+def test_dequant_kernel_refuses_what_it_cannot_take():
+    from stage_worker.kernels.quant_dequant import dequantize_into
+
+    pw = quantize_rtn(torch.randn(8, 32), 8, None)
+    with pytest.raises(ValueError, match="dequantize_into"):
+        dequantize_into(pw, torch.empty(4, 30), 0)                   # not K columns
+    with pytest.raises(ValueError, match="dequantize_into"):
+        dequantize_into(pw, torch.empty(4, 32), 6)                   # past the last row
+    with pytest.raises(ValueError, match="dequantize_into"):
+        dequantize_into(pw, torch.empty(32, 4).t(), 0)               # strided columns
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     pw = quantize_rtn(torch.randn(8, 32), 8, None)
     with pytest.raises(ValueError, match="inputs"):
@@ -304,6 +351,43 @@ print(json.dumps(out))
     assert all(c["spill"] == 0 for c in got)
     assert all(c["converts"] == 0 for c in got if c["fma"]), got
     assert all(c["mma"] == 1 for c in got if c["wide"]), got          # the wide kernel: one tensor-core dot a tile
+
+
+def test_the_dequant_kernel_compiles_for_the_h200():
+    """`quant_dequant._dequant_kernel` compiles for sm_90 (no GPU: a subprocess without the interpreter) at its
+    default config, with the divisibility a launch on torch's tensors gets (16-aligned pointers and strides), for
+    the sites prefill dequantizes most: the INT6 stream in groups of 128, bf16 (a scale a period, PP = P): no
+    register spills, 16-byte vector stores along K. (One build: a cold compile is 1-2 s on the CI machine; the
+    other layouts' code is the interpreter tests'.)"""
+    from sm90_compile import run_compile_script
+
+    script = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stage_worker.kernels import quant_dequant as D
+
+def build(N, K, bits, group, dense, sdt):
+    c = D.launch_config(N, K, bits, dense, group)
+    W = -(-K * bits // 32) if dense else -(-K // (32 // bits))
+    sig = dict(q_ptr="*i32", s_ptr="*" + sdt, out_ptr="*bf16", rows="i32", stride_qn="i32", stride_sn="i32",
+               stride_on="i32", one="i32")
+    const = dict(K=K, W=W, BITS=bits, P=c["P"], PP=c["PP"], WP=c["WP"], GROUP=group, SCALE=c["SCALE"],
+                 BLOCK_N=c["BLOCK_N"], NPER=c["NPER"])
+    sig.update(dict.fromkeys(const, "constexpr"))
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5, 6)}
+    k = triton.compile(ASTSource(D._dequant_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=c["warps"]))
+    info = ptxas_info(k.asm["ptx"])
+    return dict(bits=bits, dense=dense, scale=c["SCALE"], sdt=sdt, spill=info["spill"], regs=info["regs"],
+                stores=sorted(set(re.findall(r"st\.global[.\w]*", k.asm["ptx"]))))
+
+print(json.dumps([build(2560, 6144, 6, 128, True, "bf16")]))
+"""
+    got = run_compile_script(script, timeout=300)
+    print("\n" + "\n".join(map(str, got)))
+    assert got[0]["spill"] == 0 and got[0]["scale"] == 1 and got[0]["stores"] == ["st.global.v4.b32"], got
 
 
 # The full shape (make_model's `full-shape` preset): name, (N, K), bits, group (None: per channel), dense.
