@@ -282,6 +282,84 @@ def test_dequant_kernel_refuses_what_it_cannot_take():
         dequantize_into(pw, torch.empty(32, 4).t(), 0)               # strided columns
 
 
+@pytest.mark.parametrize("t,bits,dense,group", [(17, 6, True, 32), (29, 6, False, None), (40, 4, True, 24)])
+def test_wide_kernel_past_16_tokens(t, bits, dense, group):
+    """17-40 tokens with the wide flag on take the wide kernel (two or three programs a row block, one a group of
+    16 tokens), within the wide kernel's tolerance of the reference; the older INT6 layout per channel and INT4 in
+    groups of 24 (a scale a period) beside the INT6 stream."""
+    N, K = 40, 100
+    g = torch.Generator().manual_seed(t)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
+    x = torch.randn(t, K, generator=g).to(DEV)
+    out = Q.quant_gemv(x, pw, cfg=(64, 64, 4), wide=True)
+    torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+
+
+def test_wide_kernel_token_groups_with_k_slices(monkeypatch):
+    """20 tokens (two token groups) with K split in two slices: each (token group, row block) output tile has its
+    own counter and partial sums, all back at 0 after the launch; a relaunch gives the same bits."""
+    monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
+    N, K = 16, 128
+    g = torch.Generator().manual_seed(20)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), 8, 64)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 8, K, 64)
+    x = torch.randn(20, K, generator=g).to(DEV)
+    c = Q.launch_config(20, N, K, 64, x.device, (8, 32, 4), bits=8, wide=True)
+    assert c["splits"] == 2 and c["K_SLICE"] == 2 * c["BLOCK_K"] and c["BLOCK_N"] == 16
+    out = Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=True)
+    torch.testing.assert_close(out, quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+    assert not split_locks(x.device).any()
+    assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=True), out)
+
+
+def test_token_counts_route_to_the_wide_kernel_or_dequant_matmul(monkeypatch):
+    """With `wide`, DECODE_MAX_T < T <= WIDE_MAX_T is the wide kernel's, past it `dequant_matmul`; without, past
+    DECODE_MAX_T. The swiglu input alike: the wide kernel computes it as it loads (the shared expert's down
+    projection at 20 tokens), past the limit `swiglu_input` then `dequant_matmul`."""
+    calls = []
+    real = Q.dequant_matmul
+    monkeypatch.setattr(Q, "dequant_matmul", lambda x, pw: calls.append(x.shape[0]) or real(x, pw))
+    monkeypatch.setattr(Q, "WIDE_MAX_T", 24)
+    N, K = 16, 32
+    g = torch.Generator().manual_seed(5)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), 8, None)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), 8, K, pw.group)
+    for t, wide, via in ((20, True, False), (25, True, True), (17, False, True)):
+        calls.clear()
+        x = torch.randn(t, K, generator=g).to(DEV)
+        torch.testing.assert_close(Q.quant_gemv(x, pw, wide=wide), quant_gemv_ref(x, pw), rtol=1e-5, atol=1e-4)
+        assert calls == ([t] if via else []), (t, wide)
+    for t, via in ((20, False), (25, True)):
+        calls.clear()
+        gate_up = torch.randn(t, 2 * K, generator=g).to(DEV, torch.float16)
+        w = torch.rand(t, generator=g).to(DEV)
+        got = Q.quant_gemv(gate_up, pw, swiglu=w, wide=True)
+        want = quant_gemv_ref(swiglu_input(gate_up, w), pw).float()
+        assert ((got.float() - want).norm() / want.norm()).item() < 5e-3, t
+        assert calls == ([t] if via else []), t
+
+
+def test_wide_launch_configs_take_every_token_count(monkeypatch):
+    """No ValueError and no more split counters than LOCKS for any T up to WIDE_MAX_T (wide) or DECODE_MAX_T at a
+    model's shapes (lm_head 248,320 x 2560, o_proj 2560 x 4096 / 6144, the shared expert's down 2560 x 640, the mix
+    weights 320 x 10240 and 10240 x 320) with the H200's 132 SMs: past 16 tokens the wide kernel's token groups
+    multiply the output tiles, and split K only comes with few of them."""
+    from stage_worker.kernels.split_reduce import LOCKS
+
+    monkeypatch.setattr(Q, "sm_count", lambda device, cpu: 132)
+    dev = torch.device("cpu")
+    for N, K, bits, group in ((248320, 2560, 8, 2560), (2560, 4096, 6, 128), (2560, 6144, 6, 128),
+                              (2560, 640, 6, 128), (320, 10240, 8, 10240), (10240, 320, 8, 320)):
+        for t in range(1, Q.WIDE_MAX_T + 1):
+            for wide in (True, False) if t <= Q.DECODE_MAX_T else (True,):
+                c = Q.launch_config(t, N, K, group, dev, bits=bits, wide=wide)
+                tiles = -(-t // c["TP"]) * -(-N // c["BLOCK_N"])
+                assert c["splits"] == 1 or tiles <= LOCKS, (N, K, t, wide)
+                assert c["splits"] * c["K_SLICE"] >= K and c["K_SLICE"] % c["BLOCK_K"] == 0
+        assert Q.launch_config(512, N, K, group, dev, bits=bits)["TP"] == Q.TOKENS_PER_PROGRAM   # no KeyError
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     pw = quantize_rtn(torch.randn(8, 32), 8, None)
     with pytest.raises(ValueError, match="inputs"):

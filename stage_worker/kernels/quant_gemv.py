@@ -30,6 +30,8 @@ INT8 every word (8, 4), the older INT6 layout every word (5, top bits unused). W
   h200-13), so one program holds all the tokens, decodes each tile once (the same periods and constant shifts, the
   scale applied with one FMA a value) into x's dtype, joins the value positions into input order and multiplies
   [BLOCK_N, K-tile] by [K-tile, 16 tokens] in one tl.dot (the tensor cores take the 16 multiply-adds a value).
+  Past 16 tokens (up to WIDE_MAX_T: prefill of a few short prompts, decode batches over 16) it takes a program a
+  group of 16 tokens, each decoding the words again (from L2: the groups of a row block are adjacent in the grid).
 With the kernel flag `pdl` (`common.pdl_usable`) both kernels are launched as programmatic dependents: the first
 tile's words load before `common.pdl_wait`, everything a previous kernel writes after it. With `l2_prefetch` too
 (`common.l2_prefetch_usable`, the constexpr L2PF) each program first asks the L2 for its whole range of words (its
@@ -37,8 +39,8 @@ rows x its K slice) and group scales (`_l2_prefetch_slice`), so they stream in f
 runs and the loop's loads after the wait hit the L2.
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
 of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
-Prefill (more than DECODE_MAX_T tokens) and machines without Triton take `dequant_matmul`: BLOCK of rows dequantized
-at a time (never the whole weight in float) and a matmul.
+More tokens (DECODE_MAX_T, or WIDE_MAX_T with the wide kernel) and machines without Triton take `dequant_matmul`: a
+block of rows dequantized at a time (never the whole weight in float) and one matmul a block.
 
 Reference: `quant_gemv_ref.quant_gemv_ref`; tests: tests/test_kernel_quant_gemv.py (CPU under TRITON_INTERPRET=1,
 an sm_90 compile, the H200 at the full shape against cuBLAS); launch configs (CFG) are guesses until that test's
@@ -62,6 +64,14 @@ except ImportError:   # CPU-only installs off Linux: the PyTorch path
     triton = None
 
 DECODE_MAX_T = 16
+# With the wide kernel (flag `quant_gemv_wide`) T up to this takes it, past DECODE_MAX_T a program a group of 16 tokens
+# (its grid's first dimension). The trade-off: the wide kernel decodes each weight tile once per 16 tokens (the words
+# from L2 after the first group, the decode's ALU work again), while `dequant_matmul` writes the weight once in x's
+# dtype (a read of the packed bytes and a write of 2 bytes an element, then cuBLAS reads it back: ~3x the bf16 bytes
+# of one cuBLAS call) and its time barely grows with T. So past some T dequantize-once + cuBLAS wins: 64 is a guess
+# (at 4 tokens the wide kernel took 240 us on the INT8 lm_head against cuBLAS bf16's 508, h200-16) until the H200
+# sweep of tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu says where the two cross.
+WIDE_MAX_T = 64
 # (BLOCK_N rows, BLOCK_K inputs, warps[, pipeline stages]) by token count: a call takes the entry of the smallest key
 # >= T. BLOCK_K is rounded down to a power-of-two number of periods (16 inputs for the INT6 stream, 8 for INT4, 4
 # for INT8, 5 for the older INT6 layout). Guesses sized so a thread keeps ~8 (row, period) cells, 24-48 words in
@@ -342,16 +352,17 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, NPER: tl.constexpr, TP: tl.constexpr, PRECISION: tl.constexpr,
                            SWIGLU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
                            L2PF: tl.constexpr = False):
-        """The wide path (5-16 tokens): out[t, rows] for all of a step's tokens in one program a (row block, K
-        slice). Each tile of NPER periods of BLOCK_N rows is decoded once, in registers, to x's dtype with its
-        scales applied ([BLOCK_N, NPER * PP], `_wide_values`), and multiplied by the [NPER * PP, TP] inputs (TP =
-        16, the tokens past T masked to 0) in one tl.dot, fp32 accumulate: the decode is paid once for 16 tokens,
-        the 16 multiply-adds a value go to the tensor cores. Input position p * PP + j of a tile is input
-        k0 + p * P + j (natural order where P is a power of two; the older INT6 layout's 3 padding positions a
-        period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own shape), the next tile's issued
-        before one is decoded (PREFETCH); split K as the FMA kernel (`split_reduce.store_tile`). PDL: the row
-        scales (SCALE 0) and the first tile's words load before `common.pdl_wait`, everything else after it; L2PF
-        (with PDL) first the program's whole words and group scales into L2 (`_l2_prefetch_slice`)."""
+        """The wide path (WIDE_MIN_T to WIDE_MAX_T tokens): out[t, rows] for one group of TP = 16 tokens (group g =
+        program_id(0): tokens 16 g .. 16 g + 15, those past T masked to 0) in one program a (token group, row block, K
+        slice). Each tile of NPER periods of BLOCK_N rows is decoded once, in registers, to x's dtype with its scales
+        applied ([BLOCK_N, NPER * PP], `_wide_values`), and multiplied by the [NPER * PP, TP] inputs in one tl.dot, fp32
+        accumulate: the decode is paid once for 16 tokens, the 16 multiply-adds a value go to the tensor cores. Input
+        position p * PP + j of a tile is input k0 + p * P + j (natural order where P is a power of two; the older INT6
+        layout's 3 padding positions a period take x = 0). Words load [BLOCK_N, NPER] (rows first: the tile's own
+        shape), the next tile's issued before one is decoded (PREFETCH); split K as the FMA kernel
+        (`split_reduce.store_tile`). PDL: the row scales (SCALE 0) and the first tile's words load before
+        `common.pdl_wait`, everything else after it; L2PF (with PDL) first the program's whole words and group scales
+        into L2 (`_l2_prefetch_slice`)."""
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         rows64 = rows.to(tl.int64)
@@ -362,7 +373,7 @@ if triton is not None:
         ITERS: tl.constexpr = K_SLICE // BLOCK_K
         DT: tl.constexpr = x_ptr.dtype.element_ty
         k_begin = tl.program_id(2) * K_SLICE
-        offs_t = tl.arange(0, TP)
+        offs_t = tl.program_id(0) * TP + tl.arange(0, TP)                    # this program's token group
         offs_p = tl.arange(0, NPER)
         kk = tl.arange(0, NPER * PP)
         k_in = (kk // PP) * P + kk % PP                                       # a tile position's input, from k0
@@ -421,7 +432,7 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
     tokens in one program (TP 16), at least 16 rows and 16 tile positions (NPER * PP, PP the period padded to a
     power of two))."""
     dot = T > 1 and not fma and not wide
-    bn, bk, warps, *rest = cfg or (CFG_WIDE if wide else CFG[min(k for k in CFG if k >= T)])
+    bn, bk, warps, *rest = cfg or (CFG_WIDE if wide else CFG[min((k for k in CFG if k >= T), default=max(CFG))])
     p, wp = period(bits, dense)
     pp = triton.next_power_of_2(p)
     if wide:
@@ -445,24 +456,27 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
                swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = False) -> torch.Tensor:
-    """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. T <= DECODE_MAX_T on a
-    device Triton runs (CUDA, or the interpreter on CPU tensors) takes the kernel, anything else
-    `dequant_matmul`. `swiglu` [T] (any stride): x is [T, 2K] (gate, up) and the input is
-    `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as the kernel loads it (a shared expert's down projection
-    with its activation and gate: no launch for them). `fma` (kernel flag `quant_gemv_fma`): 2-16 tokens as the
-    small inner dimension of the FMA tiles; off, one tl.dot per value position of a period (the A/B until the H200
-    says which wins at 8-16 tokens). `wide` (kernel flag `quant_gemv_wide`): WIDE_MIN_T-16 tokens take the wide
-    kernel (each tile decoded once for all the tokens, one tl.dot a tile) whatever `fma` says; off, the above."""
+    """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. On a device Triton runs
+    (CUDA, or the interpreter on CPU tensors) T <= DECODE_MAX_T takes a GEMV kernel, and with `wide` so does T up to
+    WIDE_MAX_T (the wide kernel, a program a group of 16 tokens); anything else `dequant_matmul`. `swiglu` [T]
+    (any stride): x is [T, 2K] (gate, up) and the input is `quant_gemv_ref.swiglu_input(x, swiglu)`, computed as
+    the kernel loads it (a shared expert's down projection with its activation and gate: no launch for them; past
+    the kernels' token counts `swiglu_input`, then `dequant_matmul`). `fma` (kernel flag `quant_gemv_fma`): 2-16
+    tokens as the small inner dimension of the FMA tiles; off, one tl.dot per value position of a period (the A/B
+    until the H200 says which wins at 8-16 tokens). `wide` (kernel flag `quant_gemv_wide`): WIDE_MIN_T to
+    WIDE_MAX_T tokens take the wide kernel (each tile decoded once for up to 16 tokens, one tl.dot a tile) whatever
+    `fma` says; off, the above."""
+    limit = WIDE_MAX_T if wide else DECODE_MAX_T
     if swiglu is not None:
         if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
             raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
-        if x.shape[0] > DECODE_MAX_T or not triton_usable(x) or pw.bits > 8:
+        if x.shape[0] > limit or not triton_usable(x) or pw.bits > 8:
             return dequant_matmul(swiglu_input(x, swiglu), pw)
     T, K = x.shape[0], x.shape[1] // (2 if swiglu is not None else 1)
     N = pw.out_features
     if K != pw.in_features:
         raise ValueError(f"x has {K} inputs, the packed weight {pw.in_features}")
-    if T > DECODE_MAX_T or not triton_usable(x) or pw.bits > 8:
+    if T > limit or not triton_usable(x) or pw.bits > 8:
         return dequant_matmul(x, pw)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
