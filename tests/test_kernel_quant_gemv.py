@@ -360,6 +360,23 @@ def test_wide_launch_configs_take_every_token_count(monkeypatch):
         assert Q.launch_config(512, N, K, group, dev, bits=bits)["TP"] == Q.TOKENS_PER_PROGRAM   # no KeyError
 
 
+@pytest.mark.parametrize("bits,dense,group", [(6, True, 32), (8, True, None)])
+def test_dequant_matmul_with_the_kernel_is_the_pytorch_path(monkeypatch, bits, dense, group):
+    """`dequant_matmul` with the Triton dequantize (the GPU's path, here under the interpreter) gives the PyTorch
+    path's bits: the same weights, the same matmuls; 37 rows in one block and in blocks of 16 (the last of 5, the
+    kernel's buffer reused), fp32 and fp16 activations (the weights dequantized to x's dtype)."""
+    N, K = 37, 64
+    g = torch.Generator().manual_seed(bits)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, group, dense=dense, scale_dtype=torch.bfloat16)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, pw.group)
+    for chunk, dt in ((N * K, torch.float32), (16 * K, torch.float32), (16 * K, torch.float16)):
+        monkeypatch.setattr(Q, "CHUNK", chunk)
+        x = torch.randn(20, K, generator=g).to(DEV, dt)
+        got = Q.dequant_matmul(x, pw, kernel=True)
+        want = Q.dequant_matmul(x, pw, kernel=False)
+        assert got.dtype == dt and torch.equal(got, want), (chunk, dt)
+
+
 def test_shapes_the_kernel_cannot_take_are_refused():
     pw = quantize_rtn(torch.randn(8, 32), 8, None)
     with pytest.raises(ValueError, match="inputs"):
@@ -609,3 +626,93 @@ def test_sweep_wide_configs_on_the_gpu():
     """Each config of SWEEP_WIDE for the wide kernel on five kept-packed shapes at 8 and 16 tokens: prints every
     time and the best per row, the input for quant_gemv.CFG_WIDE (no assertion on speed)."""
     _sweep([0, 3, 5, 6, 8], (8, 16), SWEEP_WIDE, wide=True)
+
+
+def _eager_ms(fns, runs: int = 5) -> float:
+    """Milliseconds per call of `fns` (cycled, one call of each a run) to a synchronize, eagerly (prefill runs
+    outside CUDA graphs: the host's launches count), the median of `runs` after one warm-up run."""
+    import statistics
+    import time
+
+    times = []
+    for run in range(runs + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+        if run:
+            times.append((time.perf_counter() - t0) / len(fns))
+    return 1e3 * statistics.median(times)
+
+
+# Prefill's dense sites at their full size: the most common (o_proj, INT6 stream in groups of 128) and the largest
+# (a 248,320 x 2560 lm_head, INT8 per channel; prefill runs it only past 16 sequences, but it bounds the blocks).
+PREFILL = [FULL[0], FULL[5]]
+PREFILL_T = (17, 32, 46, 64, 96, 128, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_prefill_dequant_on_the_gpu(monkeypatch):
+    """The prefill path on the H200 at PREFILL's weights (bf16 scales and activations): the Triton dequantize equals
+    `dequantize_packed` bit for bit (o_proj whole, also from fp32 scales to bf16 and fp32; the lm_head's first and
+    last GPU_CHUNK blocks); `dequant_matmul` (kernel), its PyTorch path and the wide kernel (WIDE_MAX_T raised to
+    128) agree with cuBLAS on the dequantized weight. Times, eager ms a call cycling through copies that exceed L2:
+    the PyTorch path (the old prefill), `dequant_matmul` with the kernel, the wide kernel (T <= 128) and cuBLAS on
+    the bf16 weight (the floor) at T = 17 .. 512; the block size (GPU_CHUNK, 8M-64M elements) at 46 and 512 tokens;
+    the dequantize alone (TB/s of packed bytes read + bf16 written). Prints the tables that set WIDE_MAX_T,
+    GPU_CHUNK and quant_dequant.CFG (no assertion on speed)."""
+    from stage_worker.kernels import quant_dequant as D
+
+    bf, chunk0 = torch.bfloat16, Q.GPU_CHUNK
+    monkeypatch.setattr(Q, "WIDE_MAX_T", 128)
+    rows, sweep = [], []
+    for name, (N, K), bits, group, dense in PREFILL:
+        pws = _copies(N, K, bits, group, dense)
+        pw = pws[0]
+        block = min(N, Q.GPU_CHUNK // K)
+        for r0 in sorted({0, N - block}):
+            got = D.dequantize_into(pw, torch.empty(block, K, dtype=bf, device="cuda"), r0)
+            assert torch.equal(got, dequantize_packed(pw, bf, r0, r0 + block)), (name, r0)
+        if N * K <= Q.GPU_CHUNK:
+            w32 = quantize_rtn(dequantize_packed(pw), bits, group, dense=dense, scale_dtype=torch.float32)
+            for dt in (bf, torch.float32):
+                got = D.dequantize_into(w32, torch.empty(N, K, dtype=dt, device="cuda"))
+                assert torch.equal(got, dequantize_packed(w32, dt)), (name, dt)
+            del w32
+        buf = torch.empty(block, K, dtype=bf, device="cuda")
+        us = 1e3 * _eager_ms([lambda p=p: D.dequantize_into(p, buf) for p in pws], runs=10)
+        tbs = (pw.nbytes() * block / N + block * K * 2) / us / 1e6
+        print(f"\n{name}: dequantize {block} x {K} rows: {us:.1f} us, {tbs:.2f} TB/s (packed read + bf16 written)")
+        wbf = [dequantize_packed(p, bf) for p in pws[: max(1, min(len(pws), L2_SPAN // (N * K * 2)))]]
+        for t in PREFILL_T:
+            x = torch.randn(t, K, device="cuda").to(bf)
+            ref = torch.nn.functional.linear(x, wbf[0]).float()
+            outs = {"kernel": Q.dequant_matmul(x, pw), "torch": Q.dequant_matmul(x, pw, kernel=False)}
+            if t <= Q.WIDE_MAX_T:
+                outs["wide"] = Q.quant_gemv(x, pw, wide=True)
+            errs = {k: ((v.float() - ref).norm() / ref.norm()).item() for k, v in outs.items()}
+            assert all(e < 1e-2 for e in errs.values()), (name, t, errs)
+            ms = {"torch": _eager_ms([lambda p=p: Q.dequant_matmul(x, p, kernel=False) for p in pws]),
+                  "kernel": _eager_ms([lambda p=p: Q.dequant_matmul(x, p) for p in pws]),
+                  "wide": _eager_ms([lambda p=p: Q.quant_gemv(x, p, wide=True) for p in pws])
+                  if t <= Q.WIDE_MAX_T else float("nan"),
+                  "bf16": _eager_ms([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])}
+            rows.append((name, t, ms, max(errs.values())))
+            if t in (46, 512):
+                for chunk in (1 << 23, 1 << 24, 1 << 25, 1 << 26):
+                    monkeypatch.setattr(Q, "GPU_CHUNK", chunk)
+                    sweep.append((name, t, chunk, _eager_ms([lambda p=p: Q.dequant_matmul(x, p) for p in pws])))
+                monkeypatch.setattr(Q, "GPU_CHUNK", chunk0)
+        pws = pw = wbf = buf = None
+        torch.cuda.empty_cache()
+    print(f"\n{'weight':14} {'T':>4} {'torch ms':>9} {'kernel ms':>10} {'wide ms':>8} {'bf16 ms':>8} "
+          f"{'torch/kernel':>12} {'kernel/bf16':>11} {'wide/kernel':>11} {'rel err':>8}")
+    for name, t, ms, err in rows:
+        print(f"{name:14} {t:4d} {ms['torch']:9.3f} {ms['kernel']:10.3f} {ms['wide']:8.3f} {ms['bf16']:8.3f} "
+              f"{ms['torch'] / ms['kernel']:12.1f} {ms['kernel'] / ms['bf16']:11.2f} {ms['wide'] / ms['kernel']:11.2f} "
+              f"{err:8.1e}")
+    print(f"\n{'weight':14} {'T':>4} {'GPU_CHUNK':>10} {'kernel ms':>10}")
+    for name, t, chunk, ms in sweep:
+        print(f"{name:14} {t:4d} {chunk:10d} {ms:10.3f}")

@@ -40,7 +40,8 @@ runs and the loop's loads after the wait hit the L2.
 With several K slices (small N: few row blocks for the SMs) each slice writes fp32 partial sums and the last program
 of an output tile (token group, row block) adds them in a fixed order (`split_reduce.py`: one launch, deterministic).
 More tokens (DECODE_MAX_T, or WIDE_MAX_T with the wide kernel) and machines without Triton take `dequant_matmul`: a
-block of rows dequantized at a time (never the whole weight in float) and one matmul a block.
+block of rows dequantized at a time (never the whole weight in float) and one matmul a block; on CUDA the block is
+dequantized by one Triton launch (`quant_dequant.py`, bit for bit the PyTorch `dequantize_packed` the CPU runs).
 
 Reference: `quant_gemv_ref.quant_gemv_ref`; tests: tests/test_kernel_quant_gemv.py (CPU under TRITON_INTERPRET=1,
 an sm_90 compile, the H200 at the full shape against cuBLAS); launch configs (CFG) are guesses until that test's
@@ -72,6 +73,13 @@ DECODE_MAX_T = 16
 # (at 4 tokens the wide kernel took 240 us on the INT8 lm_head against cuBLAS bf16's 508, h200-16) until the H200
 # sweep of tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu says where the two cross.
 WIDE_MAX_T = 64
+# Weight elements `dequant_matmul` dequantizes a block on CUDA (the Triton kernel; CPU: quant_gemv_ref.CHUNK, 4M).
+# 32M = 64 MiB of bf16: one block for o_proj (15.7M), out_proj and the DeltaNet in-projections, 2 for the fused
+# q/k/v, 19 for a 248k x 2560 lm_head (38 launches, not 152 blocks of the old 4M), each block's cuBLAS call wide
+# enough (13k rows) to run at full rate; memory stays bounded (one reused buffer of at most 64 MiB, never the
+# whole 1.3 GB lm_head in bf16). Smaller blocks (16 MiB) would stay in the 50 MiB L2 between the dequantize and the
+# matmul; the H200 test times 8M-64M to choose.
+GPU_CHUNK = 1 << 25
 # (BLOCK_N rows, BLOCK_K inputs, warps[, pipeline stages]) by token count: a call takes the entry of the smallest key
 # >= T. BLOCK_K is rounded down to a power-of-two number of periods (16 inputs for the INT6 stream, 8 for INT4, 4
 # for INT8, 5 for the older INT6 layout). Guesses sized so a thread keeps ~8 (row, period) cells, 24-48 words in
@@ -512,14 +520,25 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     return out
 
 
-def dequant_matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """Prefill and the CPU: the weight dequantized to x.dtype a block of rows at a time (at most CHUNK elements,
-    never the whole weight in float), each block one matmul, the weights exactly the dequantize-at-load path's."""
+def dequant_matmul(x: torch.Tensor, pw: PackedWeight, kernel: bool | None = None) -> torch.Tensor:
+    """Prefill, large batches and the CPU: the weight dequantized to x.dtype a block of rows at a time (never the
+    whole weight in float), each block one matmul, the weights exactly the dequantize-at-load path's. `kernel`: the
+    block dequantized by one Triton launch (`quant_dequant.dequantize_into`, into one buffer reused by every block)
+    instead of PyTorch's chain of whole-tensor ops; default on CUDA (blocks of GPU_CHUNK elements), tests turn it
+    on under the interpreter (blocks of CHUNK, as the CPU's)."""
+    from stage_worker.kernels import quant_dequant
+
     T, K = x.shape
     N = pw.out_features
+    kernel = (x.is_cuda if kernel is None else kernel) and triton_usable(x) and quant_dequant.usable(pw)
+    step = max(1, (GPU_CHUNK if x.is_cuda and kernel else CHUNK) // max(K, 1))
+    buf = torch.empty(min(step, N), K, dtype=x.dtype, device=x.device) if kernel else None
+    if N <= step:                                       # one block: no copy into a wider output
+        w = quant_dequant.dequantize_into(pw, buf) if kernel else dequantize_packed(pw, x.dtype)
+        return torch.nn.functional.linear(x, w)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    step = max(1, CHUNK // max(K, 1))
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        out[:, r0:r1] = torch.nn.functional.linear(x, dequantize_packed(pw, x.dtype, r0, r1))
+        w = quant_dequant.dequantize_into(pw, buf[: r1 - r0], r0) if kernel else dequantize_packed(pw, x.dtype, r0, r1)
+        out[:, r0:r1] = torch.nn.functional.linear(x, w)
     return out
