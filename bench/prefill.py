@@ -4,6 +4,15 @@ scheduling, and the A/B of the QSA sparse prefill (`qsa_sparse_prefill`). Fixed 
 
     python bench/prefill.py                                        # the built-in demo model on the CPU
     python bench/prefill.py --model /tmp/fs --load-format dummy --device cuda --tokens 8192,32768 --chunk 2048
+    python bench/prefill.py --model /tmp/fs48 --load-format dummy --device cuda --tokens 46,512 \
+        --set dummy_quant=reports-mixed --profile /tmp/prefill_prof     # a quantized model's prefill, its kernels
+
+The model is loaded as a served stage loads it (`gateway.launcher.build_cluster_config` from the options and
+`--set` keys, then `stage_worker.stage_loader.load_stage`: one stage over all the layers), so any cluster key takes
+effect, e.g. `dummy_quant=reports-mixed` (packed INT4/6/8 dense layers and experts on a GPU), `kernels=-moe_prefill`,
+`packed_dense=false`. `--profile DIR`: after the measured runs, one more run of each row under torch.profiler
+(`bench/decode.py`'s `kernels_per_step`): the kernel count, and the kernels by GPU time written to
+DIR/prefill_<tokens>_<sparse|dense>.txt, the top 25 printed (CUDA only).
 
 Prints a table and writes JSON (--out).
 """
@@ -19,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/decode.py's profiler helper
 
 
 def _sync(device: str) -> None:
@@ -28,8 +38,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool) -> dict:
-    """Median seconds to prefill `tokens` tokens in `chunk`-token steps (and the last chunk's seconds)."""
+def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool, profile: str = "") -> dict:
+    """Median seconds to prefill `tokens` tokens in `chunk`-token steps (and the last chunk's seconds); with
+    `profile` (a directory) one more run's kernels (`profile_run`)."""
     import torch
 
     from stage_worker.local_engine import LocalEngine
@@ -51,12 +62,37 @@ def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool
         if run:
             totals.append(total)
             lasts.append(last)
-    del engine
+    out = {"tokens": tokens, "chunk": chunk, "sparse_prefill": sparse, "seconds": statistics.median(totals),
+           "last_chunk_seconds": statistics.median(lasts), "runs": totals,
+           "tokens_per_second": tokens / statistics.median(totals)}
+    if profile:
+        def one_run() -> None:
+            engine.add(0)
+            for s in range(0, tokens, chunk):
+                engine.step([(0, prompt[s:s + chunk])])
+            engine.release(0)
+
+        out["profile"] = profile_run(one_run, Path(profile) / f"prefill_{tokens}_{'sparse' if sparse else 'dense'}.txt")
+    engine = None                                     # (the closure's cell too) before the cache is emptied
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"tokens": tokens, "chunk": chunk, "sparse_prefill": sparse, "seconds": statistics.median(totals),
-            "last_chunk_seconds": statistics.median(lasts), "runs": totals,
-            "tokens_per_second": tokens / statistics.median(totals)}
+    return out
+
+
+def profile_run(fn, path: Path, top: int = 25) -> dict:
+    """One run of `fn` under torch.profiler (`decode.kernels_per_step`, CUDA kernels only): the kernels by GPU time
+    written to `path` as a table, the first `top` printed; returns the kernel count, their GPU time and the top."""
+    from decode import kernels_per_step
+
+    count, rows, busy_us = kernels_per_step(fn, top=10 ** 6)
+    lines = [f"{count} kernels, {busy_us / 1e3:.2f} ms of GPU time; by GPU time:",
+             f"{'total us':>11} {'%':>6} {'count':>7}  name"]
+    lines += [f"{r['total_us']:>11.1f} {100 * r['total_us'] / max(busy_us, 1e-9):>6.1f} {r['count']:>7}  {r['name']}"
+              for r in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[: top + 2]) + f"\n(all {len(rows)} kernel names in {path})", flush=True)
+    return {"kernels": count, "kernel_seconds": busy_us / 1e6, "top": rows[:top], "table": str(path)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,31 +104,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="tokens per step (a server's max_num_batched_tokens)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a cluster config key for the stage (repeatable), e.g. --set dummy_quant=reports-mixed")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="one more run per row under torch.profiler: kernels by GPU time to DIR, top 25 printed")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.profile and not args.device.startswith("cuda"):
+        ap.error("--profile lists CUDA kernels: it needs --device cuda")
+    extra: dict = {"load_format": args.load_format, "ple_service": False}     # the PLE tables in-process
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value                        # a plain string (dummy_quant's names, a kernel list)
+
+    import tempfile
 
     import torch
 
+    from gateway.launcher import ServeOptions, build_cluster_config
     from shared.cli import ensure_builtin_model
-    from stage_worker.checkpoint.loader import LoadOptions, load_model
-    from stage_worker.kernels.flags import KernelFlags
+    from shared.model_config import load_config
+    from stage_worker.stage_loader import load_stage
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else ensure_builtin_model()
-    model = load_model(path, LoadOptions(device=args.device, load_format=args.load_format))
-    model.set_kernels(KernelFlags.from_env())
+    with tempfile.TemporaryDirectory() as run_dir:            # the endpoints' names only: nothing is served
+        try:
+            cluster = build_cluster_config(ServeOptions(model=path, device=args.device, extra=extra), Path(run_dir))
+        except (TypeError, ValueError) as exc:                # an unknown key, a value the config refuses
+            ap.error(f"--set: {exc}")
+    model = load_stage(cluster, 0, load_config(path))
     print(f"{'tokens':>8} {'chunk':>6} {'sparse':>6} {'seconds':>9} {'tok/s':>9} {'last chunk s':>13}", flush=True)
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
         for sparse in (True, False):
-            r = measure(model, args.device, n, args.chunk, args.runs, sparse)
+            r = measure(model, args.device, n, args.chunk, args.runs, sparse, args.profile)
             rows.append(r)
             print(f"{r['tokens']:>8} {r['chunk']:>6} {str(r['sparse_prefill']):>6} {r['seconds']:>9.2f} "
                   f"{r['tokens_per_second']:>9.0f} {r['last_chunk_seconds']:>13.3f}", flush=True)
     if args.out:
-        meta = {"model": str(path), "device": args.device, "load_format": args.load_format,
-                "host": platform.node(), "torch": torch.__version__,
+        meta = {"model": str(path), "device": args.device, "load_format": args.load_format, "set": args.set,
+                "kernels": cluster.kernels, "host": platform.node(), "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
