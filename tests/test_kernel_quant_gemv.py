@@ -647,7 +647,8 @@ def _eager_ms(fns, runs: int = 5) -> float:
 
 
 # Prefill's dense sites at their full size: the most common (o_proj, INT6 stream in groups of 128) and the largest
-# (a 248,320 x 2560 lm_head, INT8 per channel; prefill runs it only past 16 sequences, but it bounds the blocks).
+# (a 248,320 x 2560 lm_head, INT8 per channel: it reads one row a sequence, `logits_indices`, so it reaches
+# dequant_matmul only past WIDE_MAX_T sequences a step, but it bounds the blocks and their memory).
 PREFILL = [FULL[0], FULL[5]]
 PREFILL_T = (17, 32, 46, 64, 96, 128, 512)
 
