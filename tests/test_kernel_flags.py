@@ -47,3 +47,10 @@ def test_set_kernels_reaches_every_layer_and_cpu_output_is_unchanged(reference_c
     model.set_kernels(flags)
     assert all(m.kernels == flags for m in model.modules() if isinstance(m, (SparseMoE, ZeroCentredRMSNorm)))
     assert torch.equal(run(), ref)
+    from stage_worker.kernels import common, quant_gemv
+
+    # the process-wide settings follow the model's flags: pdl and the packed weights' prefill dequantize
+    model.set_kernels(KernelFlags.parse("all,-quant_dequant,-pdl"))
+    assert not quant_gemv._DEQUANT_KERNEL and not common._PDL
+    model.set_kernels(flags)
+    assert quant_gemv._DEQUANT_KERNEL and common._PDL

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
 NOT_IN_ALL = ("l2_prefetch",)
@@ -63,6 +63,13 @@ class KernelFlags:
                                       # bit for bit; 48-layer reports-mixed step back to back 5.32 against 5.58-5.61
                                       # ms at batch 1, 8.70 against 9.07-9.10 at 4); off: plain launches, the
                                       # kernels compiled exactly as before
+    quant_dequant: bool = False       # packed dense weights at more tokens than the GEMV kernels take (prefill,
+                                      # batches past quant_gemv.WIDE_MAX_T): each block of rows dequantized by one
+                                      # Triton launch (quant_dequant.py) before its cuBLAS call; off: PyTorch's
+                                      # chain of whole-tensor ops a block (45 launches a 4M-element INT6 block;
+                                      # h200-20: four short prompts of the 48-layer reports-mixed model at once
+                                      # 1.3-2.4 s to the first token). Process-wide, as pdl
+                                      # (quant_gemv.set_dequant_kernel from StageModel.set_kernels)
     l2_prefetch: bool = False         # with `pdl`: before its wait each program of the PDL kernels that stream
                                       # a known weight range (quant_gemv's two kernels, the mix's down and up
                                       # GEMVs) asks the L2 for its whole range (its rows x its K slice, scales

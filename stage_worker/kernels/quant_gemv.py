@@ -73,6 +73,16 @@ DECODE_MAX_T = 16
 # (at 4 tokens the wide kernel took 240 us on the INT8 lm_head against cuBLAS bf16's 508, h200-16) until the H200
 # sweep of tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu says where the two cross.
 WIDE_MAX_T = 64
+# The kernel flag `quant_dequant` (KernelFlags.quant_dequant) as `dequant_matmul` reads it: set by
+# StageModel.set_kernels (`set_dequant_kernel`), process-wide like `pdl`; on until a model says otherwise.
+_DEQUANT_KERNEL = True
+
+
+def set_dequant_kernel(on: bool) -> None:
+    """`dequant_matmul` on CUDA: blocks dequantized by the Triton kernel (on) or PyTorch's ops (off)."""
+    global _DEQUANT_KERNEL
+    _DEQUANT_KERNEL = bool(on)
+
 # Weight elements `dequant_matmul` dequantizes a block on CUDA (the Triton kernel; CPU: quant_gemv_ref.CHUNK, 4M).
 # 32M = 64 MiB of bf16: one block for o_proj (15.7M), out_proj and the DeltaNet in-projections, 2 for the fused
 # q/k/v, 19 for a 248k x 2560 lm_head (38 launches, not 152 blocks of the old 4M), each block's cuBLAS call wide
@@ -524,13 +534,14 @@ def dequant_matmul(x: torch.Tensor, pw: PackedWeight, kernel: bool | None = None
     """Prefill, large batches and the CPU: the weight dequantized to x.dtype a block of rows at a time (never the
     whole weight in float), each block one matmul, the weights exactly the dequantize-at-load path's. `kernel`: the
     block dequantized by one Triton launch (`quant_dequant.dequantize_into`, into one buffer reused by every block)
-    instead of PyTorch's chain of whole-tensor ops; default on CUDA (blocks of GPU_CHUNK elements), tests turn it
-    on under the interpreter (blocks of CHUNK, as the CPU's)."""
+    instead of PyTorch's chain of whole-tensor ops; default on CUDA with the kernel flag `quant_dequant` (blocks of
+    GPU_CHUNK elements), tests turn it on under the interpreter (blocks of CHUNK, as the CPU's)."""
     from stage_worker.kernels import quant_dequant
 
     T, K = x.shape
     N = pw.out_features
-    kernel = (x.is_cuda if kernel is None else kernel) and triton_usable(x) and quant_dequant.usable(pw)
+    kernel = (x.is_cuda and _DEQUANT_KERNEL if kernel is None else kernel) and triton_usable(x) and \
+        quant_dequant.usable(pw)
     step = max(1, (GPU_CHUNK if x.is_cuda and kernel else CHUNK) // max(K, 1))
     buf = torch.empty(min(step, N), K, dtype=x.dtype, device=x.device) if kernel else None
     if N <= step:                                       # one block: no copy into a wider output
