@@ -68,11 +68,12 @@ DECODE_MAX_T = 16
 # With the wide kernel (flag `quant_gemv_wide`) T up to this takes it, past DECODE_MAX_T a program a group of 16 tokens
 # (its grid's first dimension). The trade-off: the wide kernel decodes each weight tile once per 16 tokens (the words
 # from L2 after the first group, the decode's ALU work again), while `dequant_matmul` writes the weight once in x's
-# dtype (a read of the packed bytes and a write of 2 bytes an element, then cuBLAS reads it back: ~3x the bf16 bytes
-# of one cuBLAS call) and its time barely grows with T. So past some T dequantize-once + cuBLAS wins: 64 is a guess
-# (at 4 tokens the wide kernel took 240 us on the INT8 lm_head against cuBLAS bf16's 508, h200-16) until the H200
-# sweep of tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu says where the two cross.
-WIDE_MAX_T = 64
+# dtype and cuBLAS reads it back, a cost that barely grows with T. The H200 (h200-20,
+# tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu, eager ms a call, bench/results/h200-20/call8/):
+# wide against dequantize + cuBLAS at 17 / 46 / 128 tokens 0.097 / 0.107 / 0.105 against 0.149 / 0.113 / 0.123 ms
+# on o_proj INT6, 0.66 / 0.89 / 1.98 against 2.93 / 3.04 / 2.97 ms on a 248k x 2560 INT8 lm_head (the ratio rising
+# with T: 0.23 at 17, 0.67 at 128). So up to 128 tokens.
+WIDE_MAX_T = 128
 # The kernel flag `quant_dequant` (KernelFlags.quant_dequant) as `dequant_matmul` reads it: set by
 # StageModel.set_kernels (`set_dequant_kernel`), process-wide like `pdl`; on until a model says otherwise.
 _DEQUANT_KERNEL = True
@@ -84,12 +85,12 @@ def set_dequant_kernel(on: bool) -> None:
     _DEQUANT_KERNEL = bool(on)
 
 # Weight elements `dequant_matmul` dequantizes a block on CUDA (the Triton kernel; CPU: quant_gemv_ref.CHUNK, 4M).
-# 32M = 64 MiB of bf16: one block for o_proj (15.7M), out_proj and the DeltaNet in-projections, 2 for the fused
-# q/k/v, 19 for a 248k x 2560 lm_head (38 launches, not 152 blocks of the old 4M), each block's cuBLAS call wide
-# enough (13k rows) to run at full rate; memory stays bounded (one reused buffer of at most 64 MiB, never the
-# whole 1.3 GB lm_head in bf16). Smaller blocks (16 MiB) would stay in the 50 MiB L2 between the dequantize and the
-# matmul; the H200 test times 8M-64M to choose.
-GPU_CHUNK = 1 << 25
+# 64M = 128 MiB of bf16 in one reused buffer (never the whole 1.3 GB lm_head in bf16): one block for o_proj (15.7M),
+# out_proj, the DeltaNet in-projections and the fused q/k/v, 10 for a 248k x 2560 lm_head. Each block costs ~0.15 ms
+# whatever its size in eager prefill (the launches from the host), so fewer is faster: the H200 (h200-20, the same
+# test) at 46 tokens on that lm_head 11.7 / 5.35 / 2.67 / 1.46 ms with 8M / 16M / 32M / 64M blocks, at 512 tokens
+# 9.45 / 9.53 / 8.71 / 4.18; o_proj 0.23 / 0.12 / 0.11 / 0.12 ms (one block from 16M on).
+GPU_CHUNK = 1 << 26
 # (BLOCK_N rows, BLOCK_K inputs, warps[, pipeline stages]) by token count: a call takes the entry of the smallest key
 # >= T. BLOCK_K is rounded down to a power-of-two number of periods (16 inputs for the INT6 stream, 8 for INT4, 4
 # for INT8, 5 for the older INT6 layout). Guesses sized so a thread keeps ~8 (row, period) cells, 24-48 words in
