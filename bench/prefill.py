@@ -4,6 +4,8 @@ scheduling, and the A/B of the QSA sparse prefill (`qsa_sparse_prefill`). Fixed 
 
     python bench/prefill.py                                        # the built-in demo model on the CPU
     python bench/prefill.py --model /tmp/fs --load-format dummy --device cuda --tokens 8192,32768 --chunk 2048
+    python bench/prefill.py --model /tmp/fs48 --load-format dummy --device cuda --tokens 11 --seqs 4 \
+        --set dummy_quant=reports-mixed --profile /tmp/prof     # a burst of four short chats: TTFT's prefill step
     python bench/prefill.py --model /tmp/fs48 --load-format dummy --device cuda --tokens 46,512 \
         --set dummy_quant=reports-mixed --profile /tmp/prefill_prof     # a quantized model's prefill, its kernels
 
@@ -38,41 +40,49 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool, profile: str = "") -> dict:
+def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool, profile: str = "",
+            seqs: int = 1) -> dict:
     """Median seconds to prefill `tokens` tokens in `chunk`-token steps (and the last chunk's seconds); with
-    `profile` (a directory) one more run's kernels (`profile_run`)."""
+    `profile` (a directory) one more run's kernels (`profile_run`). `seqs` > 1: that many prompts side by side in
+    the same steps, of tokens, tokens - 1, ... tokens (distinct lengths, as a burst of chats arrives: equal lengths
+    would take the batched path, `StepBatch.fresh_equal`), each step `chunk` tokens of every unfinished prompt."""
     import torch
 
     from stage_worker.local_engine import LocalEngine
 
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(10, model.cfg.vocab_size - 10, (tokens,), generator=g).tolist()
-    engine = LocalEngine([model], max_seqs=1, max_tokens=tokens + 1, sparse_prefill=sparse)
-    totals, lasts = [], []
-    for run in range(runs + 1):                                   # run 0 is the warm-up
-        engine.add(0)
-        start = time.perf_counter()
+    lengths = [max(1, tokens - i) for i in range(seqs)]
+    prompts = [torch.randint(10, model.cfg.vocab_size - 10, (n,), generator=g).tolist() for n in lengths]
+    engine = LocalEngine([model], max_seqs=seqs, max_tokens=tokens + 1, sparse_prefill=sparse)
+
+    def one_run() -> float:
+        """The run's seconds; returns the last step's."""
+        for i in range(seqs):
+            engine.add(i)
+        last = 0.0
         for s in range(0, tokens, chunk):
             t = time.perf_counter()
-            engine.step([(0, prompt[s:s + chunk])])
+            engine.step([(i, p[s:s + chunk]) for i, p in enumerate(prompts) if s < len(p)])
             _sync(device)
             last = time.perf_counter() - t
+        for i in range(seqs):
+            engine.release(i)
+        return last
+
+    totals, lasts = [], []
+    for run in range(runs + 1):                                   # run 0 is the warm-up
+        start = time.perf_counter()
+        last = one_run()
         total = time.perf_counter() - start
-        engine.release(0)
         if run:
             totals.append(total)
             lasts.append(last)
-    out = {"tokens": tokens, "chunk": chunk, "sparse_prefill": sparse, "seconds": statistics.median(totals),
-           "last_chunk_seconds": statistics.median(lasts), "runs": totals,
-           "tokens_per_second": tokens / statistics.median(totals)}
+    out = {"tokens": tokens, "seqs": seqs, "lengths": lengths, "chunk": chunk, "sparse_prefill": sparse,
+           "seconds": statistics.median(totals), "last_chunk_seconds": statistics.median(lasts), "runs": totals,
+           "tokens_per_second": sum(lengths) / statistics.median(totals)}
     if profile:
-        def one_run() -> None:
-            engine.add(0)
-            for s in range(0, tokens, chunk):
-                engine.step([(0, prompt[s:s + chunk])])
-            engine.release(0)
-
-        out["profile"] = profile_run(one_run, Path(profile) / f"prefill_{tokens}_{'sparse' if sparse else 'dense'}.txt")
+        name = f"prefill_{tokens}{f'x{seqs}' if seqs > 1 else ''}_{'sparse' if sparse else 'dense'}.txt"
+        out["profile"] = profile_run(one_run, Path(profile) / name)
     engine = None                                     # (the closure's cell too) before the cache is emptied
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -103,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="4096,16384", help="comma list of prompt lengths")
     ap.add_argument("--chunk", type=int, default=512, help="tokens per step (a server's max_num_batched_tokens)")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=1,
+                    help="prompts side by side in the same steps (lengths tokens, tokens - 1, ...: a burst of chats)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a cluster config key for the stage (repeatable), e.g. --set dummy_quant=reports-mixed")
@@ -140,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         except (TypeError, ValueError) as exc:                # an unknown key, a value the config refuses
             ap.error(f"--set: {exc}")
     model = load_stage(cluster, 0, load_config(path))
-    print(f"{'tokens':>8} {'chunk':>6} {'sparse':>6} {'seconds':>9} {'tok/s':>9} {'last chunk s':>13}", flush=True)
+    print(f"{'tokens':>8} {'seqs':>5} {'chunk':>6} {'sparse':>6} {'seconds':>9} {'tok/s':>9} {'last chunk s':>13}",
+          flush=True)
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
         for sparse in (True, False):
-            r = measure(model, args.device, n, args.chunk, args.runs, sparse, args.profile)
+            r = measure(model, args.device, n, args.chunk, args.runs, sparse, args.profile, args.seqs)
             rows.append(r)
-            print(f"{r['tokens']:>8} {r['chunk']:>6} {str(r['sparse_prefill']):>6} {r['seconds']:>9.2f} "
+            print(f"{r['tokens']:>8} {r['seqs']:>5} {r['chunk']:>6} {str(r['sparse_prefill']):>6} {r['seconds']:>9.2f} "
                   f"{r['tokens_per_second']:>9.0f} {r['last_chunk_seconds']:>13.3f}", flush=True)
     if args.out:
         meta = {"model": str(path), "device": args.device, "load_format": args.load_format, "set": args.set,
