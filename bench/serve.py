@@ -347,8 +347,13 @@ def main() -> int:
                 extra[key] = json.loads(value)
             except json.JSONDecodeError:
                 extra[key] = value                        # a plain string (a path, a dtype name)
-        cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
-                                       extra=extra)).__enter__()
+        from shared.cluster_config import ClusterConfigError
+
+        try:
+            cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
+                                           extra=extra)).__enter__()
+        except ClusterConfigError as exc:             # an unknown --set key, a value the config refuses
+            ap.error(f"--set: {exc}")
         url = cluster.url
     try:
         if args.cold:

@@ -48,6 +48,8 @@ def test_environment_switches_reach_the_launcher_and_the_processes(tiny, tmp_pat
     monkeypatch.setenv("MOEPIPE_PLE_SERVICE", "1")
     cfg = build_cluster_config(ServeOptions(model=tiny, stages=2, extra={"ple_service": False}), tmp_path)
     assert not cfg.ple_service                       # the command-line flag wins over the environment
+    with pytest.raises(ClusterConfigError, match="unknown cluster config key.*'num_blockz'.*known: .*num_blocks"):
+        build_cluster_config(ServeOptions(model=tiny, stages=2, extra={"num_blockz": 64}), tmp_path)
 
 
 def test_dtype_default_switch_and_validation(tiny, tmp_path, monkeypatch):
