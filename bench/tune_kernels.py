@@ -5,6 +5,7 @@
     python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
     python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
     python bench/tune_kernels.py --only hc_q8 --rows 1,4      # the mix with INT8 down / up (reports-mixed), HBM-cold
+    python bench/tune_kernels.py --only quant_dequant --reps 5  # prefill's dequantize of packed dense weights
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
 cost from Python is not what matters), median of 5 replays. It prints, per kernel and row count, every
@@ -153,6 +154,44 @@ def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
         torch.cuda.empty_cache()
 
 
+def tune_quant_dequant(reps: int, results: list) -> None:
+    """`quant_dequant.dequantize_into` (prefill's dequantize before cuBLAS, kernels item `quant_dequant`) over
+    (BLOCK_N rows, BLOCK_K inputs, warps) at the full shape's kept-packed sizes: o_proj INT6 group 128, out_proj
+    INT4 group 128, a GPU_CHUNK block of the INT8 lm_head. Each call dequantizes the next of several weight copies
+    that together exceed L2; bytes are the packed words and scales read plus the bf16 written. Every config is
+    checked bit for bit against the shipped one first. The winner goes to `quant_dequant.CFG` (h200-20: the
+    shipped (32, 256, 4) ran at ~0.55 TB/s)."""
+    from stage_worker.kernels import quant_dequant as D
+    from stage_worker.kernels import quant_gemv as Q
+    from stage_worker.kernels.quant_gemv_ref import PackedWeight, quantize_rtn
+
+    shapes = [("o_proj int6", 2560, 6144, 6, 128), ("out_proj int4", 2560, 4096, 4, 128),
+              ("lm_head block int8", Q.GPU_CHUNK // 2560, 2560, 8, None)]
+    for name, n, k, bits, group in shapes:
+        pw = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5, bits, group, scale_dtype=torch.bfloat16)
+        copies = [pw] + [PackedWeight(pw.words.clone(), pw.scales.clone(), bits, k, pw.group)
+                         for _ in range(max(0, min(7, (256 << 20) // (pw.nbytes() + n * k * 2) - 1)))]
+        out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+        want = D.dequantize_into(pw, torch.empty_like(out)).clone()
+        state = {"cfg": None, "i": 0}
+
+        def set_cfg(cfg, pw=pw, want=want, out=out):
+            state["cfg"] = cfg
+            try:
+                same = torch.equal(D.dequantize_into(pw, out, cfg=cfg), want)
+            except Exception:          # the sweep reports it when it times this configuration
+                return
+            if not same:
+                print(f"  MISMATCH against the shipped config: {cfg}", flush=True)
+
+        def run(copies=copies, out=out):
+            D.dequantize_into(copies[state["i"] % len(copies)], out, cfg=state["cfg"])
+            state["i"] += 1
+
+        cfgs = list(itertools.product((16, 32, 64, 128), (128, 256, 512, 1024), (4, 8)))
+        sweep(f"dequant {name}", cfgs, set_cfg, run, pw.nbytes() + n * k * 2, 1, reps, results)
+
+
 def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> None:
     """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
     channel (PackedWeight, read in place), PDL as `--no-pdl` says, and each captured call on the next of
@@ -217,7 +256,9 @@ def main() -> int:
         tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results)
     if "hc_q8" in only:
         tune_hc_q8([int(r) for r in args.rows.split(",")], args.reps, results)
-    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8"} else ():
+    if "quant_dequant" in only:
+        tune_quant_dequant(args.reps, results)
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8", "quant_dequant"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:
