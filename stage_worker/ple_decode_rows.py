@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from shared.ngram_hash import ngram_rows_numpy_batch
 from stage_worker.host_copy import to_device
+from stage_worker.profiling import phase
 
 
 class DecodeRowGather:
@@ -45,16 +45,16 @@ class DecodeRowGather:
         # Named phases for MOEPIPE_PROFILE's tables: h200-20 timed the whole at 0.28-0.46 ms a step against ~40 us
         # of hashing and gathering on a slow CPU alone, so the rest (the contexts' read-back, the pinned copy) is
         # what a served profile should show.
-        with record_function("ple.contexts"):
+        with phase("ple.contexts"):
             contexts = self.contexts.cpu().numpy()[slots]
         tokens = np.asarray(token_ids, dtype=np.int64)
         out = {}
         for layer, branch in self.branches.items():
-            with record_function("ple.hash"):
+            with phase("ple.hash"):
                 rows, _ = ngram_rows_numpy_batch(branch.spec, contexts, tokens)
-            with record_function("ple.gather"):
+            with phase("ple.gather"):
                 emb = branch.table.gather(torch.from_numpy(rows))
-            with record_function("ple.to_device"):
+            with phase("ple.to_device"):
                 out[layer] = to_device(emb, emb.dtype, self.device)
         self.steps += 1
         self.seconds += time.perf_counter() - t0

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 from shared.cluster_config import ClusterConfig
 from shared.protocol import (Activations, IpcActivations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult,
@@ -26,6 +25,7 @@ from stage_worker.expert_offload import gates
 from stage_worker.readback import CounterReadback
 from stage_worker.host_copy import to_device, to_host
 from stage_worker.ple_decode_rows import DecodeRowGather
+from stage_worker.profiling import phase
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
@@ -336,7 +336,7 @@ class StageRunner:
         batch = prepared.batch
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
-        with record_function("stage.inputs"):
+        with phase("stage.inputs"):
             if isinstance(act, IpcActivations):
                 hidden, batch.token_ids = self.handoff.take(act)
             else:
@@ -363,7 +363,7 @@ class StageRunner:
         self._max_launched_step = max(self._max_launched_step, plan.step)
         self.launches += 1
         if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
-            with record_function("stage.expert_moves"):
+            with phase("stage.expert_moves"):
                 self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin,
                                         fused=self.cluster.expert_move_fused)
         if self.experts is not None and self.launches % 16 == 0:
@@ -373,14 +373,14 @@ class StageRunner:
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
-            with record_function("stage.graph_replay"):
+            with phase("stage.graph_replay"):
                 result = self.graphs.run(batch, hidden)
             if self.is_last:
                 launched.outs, launched.copy = self._sample(plan, batch, result)
             else:
                 launched.hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
         else:
-            with record_function("stage.forward"):
+            with phase("stage.forward"):
                 hidden = self.model(batch, self.cache, hidden)
                 logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
@@ -413,7 +413,7 @@ class StageRunner:
         activations to the next stage."""
         launched = self.launched.pop(0)
         plan, batch = launched.plan, launched.batch
-        with record_function("stage.sync"):
+        with phase("stage.sync"):
             if launched.copy is not None:
                 self._settle(launched)
             elif launched.sent is not None:
@@ -484,10 +484,14 @@ class StageRunner:
             self.graphs.capture()
         return self.graphs.fits(batch)
 
-    @record_function("stage.sample")
     def _sample(self, plan: Plan, batch: StepBatch,
                 logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
         """The step's TokenOuts, and the copy that completes them (None: complete already)."""
+        with phase("stage.sample"):
+            return self._sample_step(plan, batch, logits)
+
+    def _sample_step(self, plan: Plan, batch: StepBatch,
+                     logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
         logits = logits.float()
         outs: list[TokenOut] = []
         drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
