@@ -124,15 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.profile and not args.device.startswith("cuda"):
         ap.error("--profile lists CUDA kernels: it needs --device cuda")
-    extra: dict = {"load_format": args.load_format, "ple_service": False}     # the PLE tables in-process
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value                        # a plain string (dummy_quant's names, a kernel list)
+    from cluster_sets import parse_sets
+
+    extra: dict = {"load_format": args.load_format, "ple_service": False,     # the PLE tables in-process
+                   **parse_sets(args.set, ap.error)}
 
     import tempfile
 

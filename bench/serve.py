@@ -339,14 +339,9 @@ def main() -> int:
         extra = {"ple_service": False} if args.no_ple_service else {}
         if args.load_format:
             extra["load_format"] = args.load_format
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                ap.error(f"--set {item!r}: expected KEY=VALUE")
-            try:
-                extra[key] = json.loads(value)
-            except json.JSONDecodeError:
-                extra[key] = value                        # a plain string (a path, a dtype name)
+        from cluster_sets import parse_sets
+
+        extra.update(parse_sets(args.set, ap.error))
         from shared.cluster_config import ClusterConfigError
 
         try:
