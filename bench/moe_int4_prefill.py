@@ -2,6 +2,7 @@
 per-expert loop they replace (`ExpertTable.moe_int4`), with a share of the experts in registered host memory.
 
     python bench/moe_int4_prefill.py [--tokens 44,512,2048] [--shares 0,0.78] [--sweep] [--out FILE.json]
+    python bench/moe_int4_prefill.py --tokens 16,26,46,100,200 --shares 0,0.1   # where the decode kernels stop winning
 
 One layer's routed experts (H 2560, I 640, 512 experts top-10, group 128, bf16), random routing (top-k of random
 logits: about the spread of random-weight routing, so the present-expert counts are what a dummy-weight server's
@@ -26,11 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from stage_worker.kernels import moe_int4 as D  # noqa: E402
 from stage_worker.kernels import moe_int4_prefill as P  # noqa: E402
 from stage_worker.kernels.moe_int4_ref import PackedExperts  # noqa: E402
 from stage_worker.model.expert_table import PACKED_PARTS, ExpertTable  # noqa: E402
 
 E, H, I, K, GROUP = 512, 2560, 640, 10, 128
+DECODE_CMP_MAX_TK = 2048    # (token, slot) pairs up to which the decode kernels are timed beside the grouped ones
 
 
 def ms(fn, reps: int, warmup: int = 1) -> float:
@@ -85,11 +88,22 @@ def case(ex: PackedExperts, tokens: int, share: float, reps: int) -> dict:
     w = torch.softmax(torch.randn(tokens, K, device="cuda", generator=g), dim=-1).bfloat16()
     kernel = ms(lambda: P.grouped_moe_int4_triton(x, ids, w, dev, host, hot), reps)
     loop = ms(lambda: t.moe_int4(x, ids, w), max(2, reps // 3))
+    decode = None
+    if tokens * K <= DECODE_CMP_MAX_TK:
+        # The decode kernels (a program per (token, slot): each pair re-reads its expert's rows) at this many
+        # tokens, their limit DECODE_MAX_TK lifted: where they beat the grouped kernels, a short prompt's prefill
+        # should take them (SparseMoE sends T * k <= moe_int4.DECODE_MAX_TK there).
+        old = D.DECODE_MAX_TK
+        D.DECODE_MAX_TK = max(old, tokens * K)
+        try:
+            decode = ms(lambda: D.fused_moe_int4(x, ids, w, dev, host, hot if host is not None else None), reps)
+        finally:
+            D.DECODE_MAX_TK = old
     present = torch.unique(ids)
     n_host = int((present >= hot).sum())
     host_mb = n_host * ex.nbytes_per_expert() / 1e6
     row = {"tokens": tokens, "host_share": share, "present": int(present.numel()), "host_present": n_host,
-           "kernel_ms": kernel, "loop_ms": loop, "host_mb": host_mb,
+           "kernel_ms": kernel, "loop_ms": loop, "decode_kernels_ms": decode, "host_mb": host_mb,
            "host_gbps_over_kernel": host_mb / kernel if n_host else None}
     if n_host:   # the staged floor: one contiguous copy of the same bytes, then the kernels on device rows only
         src = torch.empty(int(host_mb * 1e6), dtype=torch.uint8).pin_memory()
@@ -144,7 +158,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     print(f"{'tokens':>6} {'host':>5} {'present':>7} {'host MB':>8} {'kernel ms':>9} {'loop ms':>8} {'x':>6} "
-          f"{'GB/s':>6} {'staged floor ms':>15}")
+          f"{'GB/s':>6} {'staged floor ms':>15} {'decode kernels ms':>17}")
     for tokens in (int(v) for v in args.tokens.split(",")):
         for share in (float(v) for v in args.shares.split(",")):
             r = case(ex, tokens, share, args.reps)
@@ -152,8 +166,10 @@ def main() -> None:
             save()
             gbps = f"{r['host_gbps_over_kernel']:.1f}" if r["host_gbps_over_kernel"] else "-"
             floor = f"{r['staged_floor_ms']:.2f}" if "staged_floor_ms" in r else "-"
+            dec = f"{r['decode_kernels_ms']:.3f}" if r["decode_kernels_ms"] is not None else "-"
             print(f"{tokens:>6} {share:>5.0%} {r['present']:>7} {r['host_mb']:>8.0f} {r['kernel_ms']:>9.2f} "
-                  f"{r['loop_ms']:>8.2f} {r['loop_ms'] / r['kernel_ms']:>6.1f} {gbps:>6} {floor:>15}", flush=True)
+                  f"{r['loop_ms']:>8.2f} {r['loop_ms'] / r['kernel_ms']:>6.1f} {gbps:>6} {floor:>15} {dec:>17}",
+                  flush=True)
     if args.sweep:
         sweep(ex, 512, args.reps, result["sweep"], save)
 
