@@ -239,3 +239,29 @@ def test_sweep_launch_configs_on_the_gpu():
             print(f"\n{name} T={t}: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in times))
         del fws
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 24)])
+def test_prefill_dequantize_kernel_is_the_reference_bit_for_bit(block, monkeypatch):
+    """`quant_dequant.dequantize_fp8_into` (prefill's dequantize on a GPU, one launch a block of rows) equals
+    `dequantize_rows` bit for bit in bf16, fp16 and fp32 (scale blocks cut at both edges, a row offset of whole
+    blocks, a tile grid of several programs), and `dequant_matmul` with it equals its PyTorch path exactly, in one
+    block and in several (CHUNK cut so 40 rows take 3 blocks of 16)."""
+    from stage_worker.kernels import quant_dequant as D
+
+    fw = _weight(40, 100, block, 11)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        got = D.dequantize_fp8_into(fw, torch.empty(40, 100, dtype=dt, device=DEV), cfg=(16, 64, 4))
+        assert torch.equal(got, dequantize_rows(fw, dt)), dt
+    br = block[0]
+    if 40 > br:
+        part = D.dequantize_fp8_into(fw, torch.empty(40 - br, 100, dtype=torch.bfloat16, device=DEV), br,
+                                     cfg=(16, 64, 4))
+        assert torch.equal(part, dequantize_rows(fw, torch.bfloat16, br, 40))
+    with pytest.raises(ValueError, match="from row 3"):
+        D.dequantize_fp8_into(fw, torch.empty(8, 100, device=DEV), 3)
+    x = torch.randn(20, 100, generator=torch.Generator().manual_seed(12)).to(DEV)
+    want = F.dequant_matmul(x, fw, kernel=False)
+    assert torch.equal(F.dequant_matmul(x, fw, kernel=True), want)
+    monkeypatch.setattr(F, "CHUNK", 16 * 100)
+    assert torch.equal(F.dequant_matmul(x, fw, kernel=True), F.dequant_matmul(x, fw, kernel=False))

@@ -16,7 +16,8 @@ of (one float32 per 16,384 weights). Then, by token count:
   on the H200.
 Small N (o_proj, out_proj: few row blocks for the SMs) splits K into slices; each writes fp32 partial sums and the
 last program of an output tile adds them in a fixed order (`split_reduce.store_tile`: one
-launch, deterministic). More than DECODE_MAX_T tokens (prefill) and machines without Triton take `dequant_matmul`:
+launch, deterministic). More than DECODE_MAX_T tokens (prefill) and machines without Triton take `dequant_matmul`
+(on CUDA each block dequantized by one Triton launch, `quant_dequant.dequantize_fp8_into`):
 a block of rows dequantized at a time (never the whole weight in float) and a matmul.
 
 Reference: `fp8_gemv_ref.fp8_gemv_ref`; tests: tests/test_kernel_fp8_gemv.py (CPU under TRITON_INTERPRET=1; on a GPU
@@ -171,16 +172,30 @@ def fp8_gemv(x: torch.Tensor, fw: Fp8Weight, cfg: tuple[int, ...] | None = None,
     return out
 
 
-def dequant_matmul(x: torch.Tensor, fw: Fp8Weight) -> torch.Tensor:
-    """Prefill and the CPU: the weight dequantized to x.dtype a block of rows at a time (at most about CHUNK
-    elements, whole scale blocks; never the whole weight in float), each block one matmul: the weights exactly
-    those the dequantize-at-load path holds."""
+def dequant_matmul(x: torch.Tensor, fw: Fp8Weight, kernel: bool | None = None) -> torch.Tensor:
+    """Prefill and the CPU: the weight dequantized to x.dtype a block of rows at a time (whole scale blocks; never
+    the whole weight in float), each block one matmul: the weights exactly those the dequantize-at-load path holds.
+    `kernel`: each block dequantized by one Triton launch (`quant_dequant.dequantize_fp8_into`, into one reused
+    buffer, blocks of quant_gemv.GPU_CHUNK elements) instead of PyTorch's float32 ops (blocks of CHUNK); default on
+    CUDA with the kernel flag `quant_dequant`, tests turn it on under the interpreter."""
+    from stage_worker.kernels import quant_dequant, quant_gemv
+
     T, K = x.shape
     N = fw.out_features
     br = fw.block[0]
+    if kernel is None:
+        kernel = x.is_cuda and quant_gemv._DEQUANT_KERNEL
+    kernel = kernel and triton_usable(x)
+    elements = quant_gemv.GPU_CHUNK if kernel and x.is_cuda else CHUNK
+    step = max(1, elements // max(K, 1) // br) * br
+    buf = torch.empty(min(step, N), K, dtype=x.dtype, device=x.device) if kernel else None
+    if N <= step:                                       # one block: no copy into a wider output
+        w = quant_dequant.dequantize_fp8_into(fw, buf) if kernel else dequantize_rows(fw, x.dtype)
+        return torch.nn.functional.linear(x, w)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    step = max(1, CHUNK // max(K, 1) // br) * br
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        out[:, r0:r1] = torch.nn.functional.linear(x, dequantize_rows(fw, x.dtype, r0, r1))
+        w = quant_dequant.dequantize_fp8_into(fw, buf[: r1 - r0], r0) if kernel else \
+            dequantize_rows(fw, x.dtype, r0, r1)
+        out[:, r0:r1] = torch.nn.functional.linear(x, w)
     return out

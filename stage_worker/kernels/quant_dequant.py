@@ -18,12 +18,12 @@ the reference's product in that dtype; with fp32 scales the multiply is the refe
 the bits (`_rounded`, to nearest even as the GPU's cast), because the Triton interpreter's casts to bf16 truncate
 (Triton 3.6, even with fp_downcast_rounding="rtne").
 
-Block FP8 (`fp8_gemv.dequant_matmul`) is left on PyTorch: its dequantization is 5 ops a block (the cast to
-float32, the scale blocks expanded twice, the multiply, the cast to x's dtype; same counter), 7 launches a block
-with the matmul and the copy against INT6's 47, fewer than INT4's and INT8's; what it still costs is the float32
-temporaries' traffic (~30 bytes an element against 3), worth a kernel once an FP8 prefill is measured to need it.
+Block FP8 (`fp8_gemv.dequant_matmul`, `dequantize_fp8_into`): float8_e4m3fn bytes times their float32 block scale,
+one program a tile, then rounded to the output dtype: bit for bit `fp8_gemv_ref.dequantize_rows` (the bytes convert
+to float32 exactly, one float32 multiply, one rounding). PyTorch's path was 5 ops a block with float32 temporaries
+(~30 bytes an element against 3 here), 7 launches a block with the matmul and the copy.
 
-Reference: `quant_gemv_ref.dequantize_packed`; tests: tests/test_kernel_quant_gemv.py (CPU under
+Reference: `quant_gemv_ref.dequantize_packed` (`fp8_gemv_ref.dequantize_rows` for FP8); tests: tests/test_kernel_quant_gemv.py (CPU under
 TRITON_INTERPRET=1, bit for bit; an sm_90 compile; the H200 at o_proj and lm_head size).
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from stage_worker.kernels.fp8_gemv_ref import Fp8Weight
 from stage_worker.kernels.quant_gemv_ref import PackedWeight
 
 try:
@@ -43,6 +44,8 @@ except ImportError:   # CPU-only installs off Linux: dequant_matmul keeps the Py
 # (tests/test_kernel_quant_gemv.py::test_prefill_dequant_on_the_gpu) has timed it: 8192 values a program, 64 a
 # thread at 4 warps (the wide GEMV kernel's tile), 256 inputs a row = 512 contiguous bytes of bf16 stored a row.
 CFG = (32, 256, 4)
+# (BLOCK_N rows, BLOCK_K inputs, warps) of the FP8 kernel: a guess (a byte a value, 32 KB of bytes a program).
+FP8_CFG = (32, 256, 4)
 BITS = (4, 6, 8)
 
 
@@ -144,4 +147,44 @@ def dequantize_into(pw: PackedWeight, out: torch.Tensor, start: int = 0,
         words, scales, out, rows, words.stride(0), scales.stride(0), out.stride(0), ONE, K=K, W=pw.words.shape[1],
         BITS=pw.bits, P=c["P"], PP=c["PP"], WP=c["WP"], GROUP=pw.group, SCALE=c["SCALE"], BLOCK_N=c["BLOCK_N"],
         NPER=c["NPER"], num_warps=c["warps"])
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_dequant_kernel(q_ptr, s_ptr, out_ptr, rows, K, stride_qn, stride_sn, stride_on, BR: tl.constexpr,
+                            BC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[r, k] = round_out(float(q[r, k]) * s[r // BR, k // BC]) for a BLOCK_N x BLOCK_K tile; `rows` counts
+        from the block's first row, which starts a scale block (the caller's rows are a multiple of BR)."""
+        r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        r64 = r.to(tl.int64)
+        m = (r < rows)[:, None] & (k < K)[None, :]
+        q = tl.load(q_ptr + r64[:, None] * stride_qn + k[None, :], mask=m, other=0)
+        f = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = tl.load(s_ptr + (r64 // BR)[:, None] * stride_sn + (k // BC)[None, :], mask=m, other=0.0)
+        OUT: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(out_ptr + r64[:, None] * stride_on + k[None, :], _rounded(f * s, OUT).to(OUT), mask=m)
+
+
+def dequantize_fp8_into(fw: Fp8Weight, out: torch.Tensor, start: int = 0,
+                        cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Rows [start, start + out.shape[0]) of a block-FP8 weight into out ([rows, K], its dtype, contiguous rows) in
+    one launch; returns out, = `fp8_gemv_ref.dequantize_rows(fw, out.dtype, start, start + rows)` bit for bit.
+    `start` a multiple of the block's rows, as `dequantize_rows` asks."""
+    rows, K = out.shape
+    br, bc = fw.block
+    if K != fw.in_features or start < 0 or start % br or start + rows > fw.out_features or \
+            (K > 1 and out.stride(1) != 1):
+        raise ValueError(f"dequantize_fp8_into: out {list(out.shape)} (strides {out.stride()}) from row {start} "
+                         f"of a [{fw.out_features}, {fw.in_features}] weight in blocks {fw.block}")
+    if triton is None:
+        raise ValueError("dequantize_fp8_into: Triton is not installed")
+    if rows == 0 or K == 0:
+        return out
+    bn, bk, warps = cfg or FP8_CFG
+    q, scale = fw.q[start:start + rows], fw.scale[start // br:]
+    _fp8_dequant_kernel[(triton.cdiv(rows, bn), triton.cdiv(K, bk))](
+        q, scale, out, rows, K, q.stride(0), scale.stride(0), out.stride(0), BR=br, BC=bc, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps)
     return out
