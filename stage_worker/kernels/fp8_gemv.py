@@ -180,22 +180,13 @@ def dequant_matmul(x: torch.Tensor, fw: Fp8Weight, kernel: bool | None = None) -
     CUDA with the kernel flag `quant_dequant`, tests turn it on under the interpreter."""
     from stage_worker.kernels import quant_dequant, quant_gemv
 
-    T, K = x.shape
-    N = fw.out_features
+    K, N = x.shape[1], fw.out_features
     br = fw.block[0]
     if kernel is None:
         kernel = x.is_cuda and quant_gemv._DEQUANT_KERNEL
     kernel = kernel and triton_usable(x)
     elements = quant_gemv.GPU_CHUNK if kernel and x.is_cuda else CHUNK
     step = max(1, elements // max(K, 1) // br) * br
-    buf = torch.empty(min(step, N), K, dtype=x.dtype, device=x.device) if kernel else None
-    if N <= step:                                       # one block: no copy into a wider output
-        w = quant_dequant.dequantize_fp8_into(fw, buf) if kernel else dequantize_rows(fw, x.dtype)
-        return torch.nn.functional.linear(x, w)
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        w = quant_dequant.dequantize_fp8_into(fw, buf[: r1 - r0], r0) if kernel else \
-            dequantize_rows(fw, x.dtype, r0, r1)
-        out[:, r0:r1] = torch.nn.functional.linear(x, w)
-    return out
+    return quant_dequant.blockwise_linear(
+        x, N, step, lambda r0, r1, buf: quant_dequant.dequantize_fp8_into(fw, buf, r0) if kernel
+        else dequantize_rows(fw, x.dtype, r0, r1), reuse=kernel)

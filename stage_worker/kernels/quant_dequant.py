@@ -29,6 +29,8 @@ TRITON_INTERPRET=1, bit for bit; an sm_90 compile; the H200 at o_proj and lm_hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stage_worker.kernels.fp8_gemv_ref import Fp8Weight
@@ -47,6 +49,23 @@ CFG = (32, 256, 4)
 # (BLOCK_N rows, BLOCK_K inputs, warps) of the FP8 kernel: a guess (a byte a value, 32 KB of bytes a program).
 FP8_CFG = (32, 256, 4)
 BITS = (4, 6, 8)
+
+
+def blockwise_linear(x: torch.Tensor, n: int, step: int,
+                     block: Callable[[int, int, torch.Tensor | None], torch.Tensor], reuse: bool) -> torch.Tensor:
+    """x [T, K] @ W^T for a weight W [n, K] made `step` rows at a time by `block(r0, r1, buf)` (the rows [r0, r1) in
+    x's dtype; `buf` a view of one [step, K] buffer every block reuses when `reuse`, else None), one matmul a block:
+    prefill's path for packed and block-FP8 weights (`quant_gemv.dequant_matmul`, `fp8_gemv.dequant_matmul`), never
+    the whole weight in float. One block: the matmul's output as it is, no copy into a wider one."""
+    T, K = x.shape
+    buf = torch.empty(min(step, n), K, dtype=x.dtype, device=x.device) if reuse else None
+    if n <= step:
+        return torch.nn.functional.linear(x, block(0, n, buf))
+    out = torch.empty(T, n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        out[:, r0:r1] = torch.nn.functional.linear(x, block(r0, r1, None if buf is None else buf[: r1 - r0]))
+    return out
 
 
 def usable(pw: PackedWeight) -> bool:

@@ -539,18 +539,10 @@ def dequant_matmul(x: torch.Tensor, pw: PackedWeight, kernel: bool | None = None
     GPU_CHUNK elements), tests turn it on under the interpreter (blocks of CHUNK, as the CPU's)."""
     from stage_worker.kernels import quant_dequant
 
-    T, K = x.shape
-    N = pw.out_features
+    K, N = x.shape[1], pw.out_features
     kernel = (x.is_cuda and _DEQUANT_KERNEL if kernel is None else kernel) and triton_usable(x) and \
         quant_dequant.usable(pw)
     step = max(1, (GPU_CHUNK if x.is_cuda and kernel else CHUNK) // max(K, 1))
-    buf = torch.empty(min(step, N), K, dtype=x.dtype, device=x.device) if kernel else None
-    if N <= step:                                       # one block: no copy into a wider output
-        w = quant_dequant.dequantize_into(pw, buf) if kernel else dequantize_packed(pw, x.dtype)
-        return torch.nn.functional.linear(x, w)
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        w = quant_dequant.dequantize_into(pw, buf[: r1 - r0], r0) if kernel else dequantize_packed(pw, x.dtype, r0, r1)
-        out[:, r0:r1] = torch.nn.functional.linear(x, w)
-    return out
+    return quant_dequant.blockwise_linear(
+        x, N, step, lambda r0, r1, buf: quant_dequant.dequantize_into(pw, buf, r0) if kernel
+        else dequantize_packed(pw, x.dtype, r0, r1), reuse=kernel)
