@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cluster_config import (ClusterConfig, ClusterConfigError, StageSpec, dump_toml, env_overrides,
-                                  split_layers)
+                                  split_layers, unknown_keys)
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (AUTO_OFFLOAD_LEN, GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits,
@@ -70,11 +70,11 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
     extra = {**env_overrides(), **(opts.extra or {})}        # command-line flags win over the environment
     has_ple = isinstance(cfg, Qwen4ExpConfig) and bool(cfg.ple_layer_ids)
     use_service = extra.pop("ple_service", True) and has_ple     # popped either way: a field set below
-    known = {f.name for f in dataclasses.fields(ClusterConfig)}
-    unknown = sorted(set(extra) - known)
+    unknown = unknown_keys(extra)
     if unknown:                                   # a benchmark's --set or a typo: name it, not a TypeError
+        known = sorted(f.name for f in dataclasses.fields(ClusterConfig))
         raise ClusterConfigError(f"unknown cluster config key(s) {', '.join(map(repr, unknown))}; known: "
-                                 f"{', '.join(sorted(known))}")
+                                 f"{', '.join(known)}")
     cluster = ClusterConfig(model=str(Path(opts.model).resolve()), stages=stages,
                             gateway_endpoint=ipc("gateway"), host=opts.host, port=opts.port,
                             ple_endpoint=ipc("ple") if use_service else "",

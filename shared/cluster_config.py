@@ -463,11 +463,15 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     return cluster_from_dict(raw, source=str(path))
 
 
+def unknown_keys(raw: dict[str, Any]) -> list[str]:
+    """The keys of `raw` that are no ClusterConfig field, sorted (a cluster.toml's, or the launcher's flags)."""
+    return sorted(set(raw) - {f.name for f in dataclasses.fields(ClusterConfig)})
+
+
 def cluster_from_dict(raw: dict[str, Any], source: str = "cluster config") -> ClusterConfig:
     raw = dict(raw)
     _apply_env(raw)
-    names = {f.name for f in dataclasses.fields(ClusterConfig)}
-    unknown = sorted(set(raw) - names)
+    unknown = unknown_keys(raw)
     if unknown:
         raise ClusterConfigError(f"{source}: unknown keys {unknown}")
     for key in ("model", "stages", "gateway_endpoint"):
