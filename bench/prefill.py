@@ -44,8 +44,8 @@ def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool
             seqs: int = 1) -> dict:
     """Median seconds to prefill `tokens` tokens in `chunk`-token steps (and the last chunk's seconds); with
     `profile` (a directory) one more run's kernels (`profile_run`). `seqs` > 1: that many prompts side by side in
-    the same steps, of tokens, tokens - 1, ... tokens (distinct lengths, as a burst of chats arrives: equal lengths
-    would take the batched path, `StepBatch.fresh_equal`), each step `chunk` tokens of every unfinished prompt."""
+    the same steps, of tokens, tokens - 1, ... tokens (distinct lengths, as a burst of chats arrives; padded to one
+    batch by `StepBatch.ragged`), each step `chunk` tokens of every unfinished prompt."""
     import torch
 
     from stage_worker.local_engine import LocalEngine

@@ -97,7 +97,7 @@ class ClusterConfig:
     # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). On since its GPU
     # tests passed on the H200 (h200-17/18); two stages on one GPU, 4 streams: 583.8 against 476.6 tok/s (h200-17).
     cuda_ipc_activations: bool = True
-    batched_prefill: bool = True                # same-length new prompts run as one batch (StepBatch.fresh_equal)
+    batched_prefill: bool = True                # a prefill step's sequences run as one padded batch (StepBatch.ragged)
     # The gateway's interpreter switch interval (sys.setswitchinterval), in ms: the engine core's thread waits for
     # the GIL after each stage result while the HTTP event loop streams tokens, up to Python's default 5 ms a wait.
     # 0.5 since the H200 timed it (h200-20, full shape 20 layers, one stage): 4 streams 607.8 -> 653.5 tok/s,

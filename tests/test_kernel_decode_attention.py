@@ -116,8 +116,8 @@ def test_reference_and_kernel_match_gated_attention(monkeypatch, block_size, ctx
     seen: dict[str, list] = {"attend": [], "select": []}
     attend, select = GatedAttention._attend, QSAIndexer.select
 
-    def spy_attend(self, q, k, v, visible):
-        out = attend(self, q, k, v, visible)
+    def spy_attend(self, q, k, v, visible, **kw):     # (the prefill's batched path asks for probabilities too)
+        out = attend(self, q, k, v, visible, **kw)
         seen["attend"].append((q, out))
         return out
 

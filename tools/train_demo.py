@@ -8,7 +8,7 @@
 
 The model is the project's own `StageModel` in a training mode of the same modules (no second model): the
 reference (PyTorch) paths run with autograd (on a GPU too: the model's own chunked delta rule carries the
-gradients), same-length windows go through each layer as one batch (`StepBatch.fresh_equal`), the MoE runs every
+gradients), same-length windows go through each layer as one batch (`StepBatch.ragged`), the MoE runs every
 expert densely (`SparseMoE.dense_experts`), and the modules' training hooks add
 * a load-balancing loss per MoE layer (`SparseMoE.aux`), so the router spreads its choices without collapsing;
 * the QSA indexer's distillation toward dense attention (`GatedAttention.aux`): for the first `--distill-steps`

@@ -252,8 +252,8 @@ class GatedAttention(nn.Module):
             out = self._decode_kernels(q, iq, batch, cache, x.dtype)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
-        if batch.fresh_equal and batch.num_seqs * batch.seq_lens[0] ** 2 * self.n_heads <= BATCHED_SCORES_LIMIT:
-            out = self._prefill_fresh_equal(q, k, v, iq, raw_k if self.indexer is not None else None, batch, cache)
+        if self._batched_fresh(batch):
+            out = self._prefill_fresh(q, k, v, iq, raw_k if self.indexer is not None else None, batch, cache)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
         out = torch.empty_like(q)
@@ -288,36 +288,52 @@ class GatedAttention(nn.Module):
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
 
-    def _prefill_fresh_equal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
-                             raw_k: torch.Tensor | None, batch: StepBatch, cache: AttentionCache) -> torch.Tensor:
-        """`batch.fresh_equal`: every sequence sees exactly its own new tokens, so the loop over sequences becomes a
-        batch dimension (same masks, same rounding through the cache dtypes as the per-sequence path)."""
-        B, L = batch.num_seqs, batch.seq_lens[0]
+    def _batched_fresh(self, batch: StepBatch) -> bool:
+        """Several new sequences (no context; any lengths) in one padded batch (`_prefill_fresh`), while their scores
+        (B x heads x Lmax^2) stay within BATCHED_SCORES_LIMIT; training's distillation loss only at equal lengths
+        (its mean would count padded queries)."""
+        if not (batch.batched_prefill and batch.num_seqs > 1 and all(c == 0 for c in batch.context_lens)):
+            return False
+        L = max(batch.seq_lens)
+        if self.aux is not None and any(n != L for n in batch.seq_lens):
+            return False
+        return batch.num_seqs * L * L * self.n_heads <= BATCHED_SCORES_LIMIT
+
+    def _prefill_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
+                       raw_k: torch.Tensor | None, batch: StepBatch, cache: AttentionCache) -> torch.Tensor:
+        """Every sequence sees exactly its own new tokens, so the loop over sequences becomes a batch dimension,
+        padded to the longest (`ragged.py`; same masks, same rounding through the cache dtypes as the per-sequence
+        path). Padded keys need no mask: they sit after every real query of their sequence, and a QSA block holding
+        any is incomplete for those queries, so never selected."""
+        rg = batch.ragged()
+        B, L = rg.num_seqs, rg.max_len
         dev = q.device
-        q = q.view(B, L, self.n_heads, self.head_dim)
-        k = k.to(cache.k.dtype).view(B, L, self.kv_heads, self.head_dim)
-        v = v.to(cache.v.dtype).view(B, L, self.kv_heads, self.head_dim)
-        pos = batch.positions[:L]
+        q = rg.pad(q)
+        k = rg.pad(k.to(cache.k.dtype))
+        v = rg.pad(v.to(cache.v.dtype))
+        pos = torch.arange(L, device=dev)
         visible = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
         pooled = None
         if self.indexer is not None:
             r = self.indexer.ratio
             nb = L // r
             # (explicit last dimension: prompts shorter than the ratio have no complete block, nb = 0)
-            raw = raw_k.to(cache.index_keys.dtype).view(B, L, -1)[:, : nb * r].reshape(B * nb, r, raw_k.shape[-1])
+            raw = rg.pad(raw_k.to(cache.index_keys.dtype))[:, : nb * r].reshape(B * nb, r, raw_k.shape[-1])
             cos, sin = self.rotary.cos_sin(torch.arange(nb, device=dev) * r, q.dtype)
             pooled = self.indexer.pool(raw, cos.repeat(B, 1), sin.repeat(B, 1)).to(cache.pooled_keys.dtype)
-            if nb:
-                rows = torch.stack([batch.context_rows(i, nb * r)[::r] // r for i in range(B)])
-                cache.pooled_keys[rows.flatten()] = pooled
+            # each sequence's complete blocks go to the cache; a longer one's extra blocks hold padding
+            own = [(i, n // r) for i, n in enumerate(batch.seq_lens) if n >= r]
+            if own:
+                rows = torch.cat([batch.context_rows(i, m * r)[::r] // r for i, m in own])
+                picks = torch.cat([torch.arange(m) + i * nb for i, m in own]).to(dev)
+                cache.pooled_keys[rows] = pooled[picks]
             pooled = pooled.view(B, nb, pooled.shape[-1])
             if not self.qsa_dense:
-                visible = visible & self.indexer.select(iq.view(B, L, *iq.shape[1:]), pooled, pos, L)
+                visible = visible & self.indexer.select(rg.pad(iq), pooled, pos, L)
         out, probs = self._attend(q, k, v, visible, with_probs=True)
         if self.aux is not None and pooled is not None:
-            self.aux.append(("indexer_kl", self.indexer.distill_loss(iq.view(B, L, *iq.shape[1:]), pooled, pos,
-                                                                     probs)))
-        return out.reshape(B * L, self.n_heads, self.head_dim)
+            self.aux.append(("indexer_kl", self.indexer.distill_loss(rg.pad(iq), pooled, pos, probs)))
+        return rg.unpad(out)
 
     def _update_pooled(self, cache: AttentionCache, rows: torch.Tensor, old_ctx: int, ctx: int,
                        device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from stage_worker.host_copy import to_device
+from stage_worker.model.ragged import Ragged
 
 
 class BlockTable:
@@ -77,8 +78,8 @@ class StepBatch:
     ple_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     # Which token rows the last stage turns into logits: default the last token of each sequence.
     logits_indices: torch.Tensor | None = None
-    # Same-length new sequences may run as one [B, L] batch (`fresh_equal`); off: the per-sequence loop (A/B,
-    # cluster key `batched_prefill`).
+    # A prefill step's sequences run as one padded [B, Lmax] batch in each layer (`ragged`); off: the per-sequence
+    # loop (A/B, cluster key `batched_prefill`).
     batched_prefill: bool = True
     # QSA prefill reads only each query's selected keys once the context is long (GatedAttention._attend_selected);
     # off: the dense masked scores over the whole context (A/B, cluster key `qsa_sparse_prefill`).
@@ -101,13 +102,11 @@ class StepBatch:
         """One new token per sequence, each with context in the caches: the fast decode kernels apply."""
         return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)
 
-    @property
-    def fresh_equal(self) -> bool:
-        """Several new sequences of one length (training windows, same-length prompts): layers may treat the step
-        as a [B, L] batch, one batched call instead of a loop over sequences (what makes training launch-bound)."""
-        n = self.seq_lens[0] if self.seq_lens else 0
-        return (self.batched_prefill and len(self.seq_lens) > 1 and n > 1
-                and all(c == 0 for c in self.context_lens) and all(s == n for s in self.seq_lens))
+    def ragged(self) -> Ragged:
+        """The step's padding indices (`stage_worker/model/ragged.py`), built once per step and shared by layers."""
+        if getattr(self, "_ragged", None) is None:
+            self._ragged = Ragged.build(self.seq_lens, self.token_ids.device)
+        return self._ragged
 
     def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables [B, max_blocks] int32 (padded with 0) and lengths after this step [B] int32, on the device."""

@@ -9,6 +9,7 @@ from torch import nn
 from shared.model_config import HybridMoeConfig
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
+from stage_worker.model.ragged import fresh_masked, ragged_causal_conv
 from stage_worker.model.cache import DeltaNetState
 from stage_worker.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from stage_worker.kernels.quant_gemv_ref import PackedWeight
@@ -56,8 +57,8 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(T, self.nv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if batch.fresh_equal:
-            out = self._prefill_fresh_equal(x, mixed, g, beta, batch, state)
+        if batch.batched_prefill:
+            out = self._prefill_batched(x, mixed, g, beta, batch, state)
             return self.out_proj(self.norm(out, z).reshape(T, -1))
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
         cu = batch.cu_seqlens
@@ -100,17 +101,38 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(T, -1)
         return self.out_proj(out)
 
-    def _prefill_fresh_equal(self, x: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                             batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
-        B, L = batch.num_seqs, batch.seq_lens[0]
+    def _prefill_batched(self, x: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
+        """Every sequence of a step that is not a pure decode, whatever their lengths and contexts, in one call each
+        for the short conv (padded: `ragged.py`) and the delta rule: flash-linear-attention's varlen kernel
+        (`cu_seqlens`, a state per sequence) on a GPU; on the CPU the model's rule over the padded batch (g and
+        beta zero past a sequence's end leave its state exactly as it was), or per sequence when padding would more
+        than double the work. Returns [T, nv, dv] in x's dtype."""
+        rg = batch.ragged()
         slots = batch.device_slots()
-        seq = F.pad(mixed.view(B, L, -1).transpose(1, 2).to(state.conv.dtype), (self.kernel - 1, 0))   # zero tail
-        state.conv[slots] = seq[:, :, -(self.kernel - 1):]
-        conv = F.silu(F.conv1d(seq.to(x.dtype), self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2).contiguous()
-        init = torch.zeros_like(state.recurrent[slots])
-        o, s = self._delta_rule(conv, g.view(B, L, -1), beta.view(B, L, -1), init)
+        tails = fresh_masked(state.conv[slots], batch.context_lens).transpose(1, 2)          # [B, k-1, C]
+        conv, new_tails = ragged_causal_conv(mixed, tails, self.conv1d.weight, 1, rg)
+        state.conv[slots] = new_tails.transpose(1, 2)
+        conv = F.silu(conv)
+        # A copy (advanced indexing), not a view: the state is overwritten below, and training (tools/train_demo.py's
+        # agent examples continue a cached prefix) needs the value it read for the backward pass.
+        init = fresh_masked(state.recurrent[slots], batch.context_lens)
+        fla = self._fla_rule("chunk") if (self.kernels.deltanet and conv.is_cuda) else None
+        if fla is not None:
+            q, k, v = self._split_raw(conv[None])
+            o, s = fla(q, k, v, g=g[None], beta=beta[None], scale=self.dk ** -0.5, initial_state=init,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=rg.cu_seqlens)
+            o = o[0]
+        elif rg.num_seqs * rg.max_len <= 2 * x.shape[0]:
+            o, s = self._delta_rule(rg.pad(conv), rg.pad(g), rg.pad(beta), init)
+            o = rg.unpad(o)
+        else:
+            cu = batch.cu_seqlens
+            parts = [self._delta_rule(conv[None, cu[i]:cu[i + 1]], g[None, cu[i]:cu[i + 1]],
+                                      beta[None, cu[i]:cu[i + 1]], init[i:i + 1]) for i in range(batch.num_seqs)]
+            o, s = torch.cat([p[0][0] for p in parts]), torch.cat([p[1] for p in parts])
         state.recurrent[slots] = s.to(state.recurrent.dtype)
-        return o.reshape(B * L, self.nv, self.dv).to(x.dtype)
+        return o.to(x.dtype)
 
     def _delta_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

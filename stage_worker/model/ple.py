@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import Qwen4ExpConfig
-from shared.ngram_hash import NgramHashSpec, ngram_rows_torch
+from shared.ngram_hash import NgramHashSpec, ngram_rows_torch, ngram_rows_torch_flat
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import PLEState
 from stage_worker.model.norms import ZeroCentredRMSNorm
+from stage_worker.model.ragged import fresh_masked, ragged_causal_conv
 
 
 class PLEBranch(nn.Module):
@@ -45,12 +46,12 @@ class PLEBranch(nn.Module):
             r, new_ctx = ngram_rows_torch(self.spec, state.context[slots], batch.token_ids[:, None])
             state.context[slots] = new_ctx
             return r[:, 0]
-        if batch.fresh_equal:
+        if batch.batched_prefill:
             slots = batch.device_slots()
-            ctx = torch.full_like(state.context[slots], self.spec.eos_token_id)
-            r, new_ctx = ngram_rows_torch(self.spec, ctx, batch.token_ids.view(batch.num_seqs, -1))
+            ctx = fresh_masked(state.context[slots], batch.context_lens, self.spec.eos_token_id)
+            rows, new_ctx = ngram_rows_torch_flat(self.spec, ctx, batch.token_ids, batch.ragged().cu_seqlens)
             state.context[slots] = new_ctx
-            return r.flatten(0, 1)
+            return rows
         out = []
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):
@@ -93,13 +94,12 @@ class PLEBranch(nn.Module):
             state.conv[slots] = seq[:, 1:]
             taps = seq[:, :: self.dilation].to(x.dtype)                                       # [B, kernel, W]
             return F.silu((taps * self.conv1d.weight[:, 0, :].T[None]).sum(1))
-        if batch.fresh_equal:
+        if batch.batched_prefill:
             slots = batch.device_slots()
-            seq = F.pad(x.view(batch.num_seqs, -1, x.shape[-1]).to(state.conv.dtype), (0, 0, tail_len, 0))
-            state.conv[slots] = seq[:, -tail_len:]                     # seq: [B, tail + L, W], zero tail
-            y = F.conv1d(seq.transpose(1, 2).to(x.dtype), self.conv1d.weight, groups=x.shape[-1],
-                         dilation=self.dilation)
-            return F.silu(y.transpose(1, 2)).flatten(0, 1)
+            tails = fresh_masked(state.conv[slots], batch.context_lens)                 # [B, tail, W]
+            y, new_tails = ragged_causal_conv(x, tails, self.conv1d.weight, self.dilation, batch.ragged())
+            state.conv[slots] = new_tails
+            return F.silu(y)
         out = torch.empty_like(x)
         cu = batch.cu_seqlens
         for i in range(batch.num_seqs):

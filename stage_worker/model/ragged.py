@@ -1,0 +1,104 @@
+"""A step's sequences of different lengths in batched calls: the causal short convolutions with a per-sequence tail
+state that DeltaNet and PLE run (gathered windows, no padding), and a padded [B, Lmax] view for what needs one
+(attention over new prompts, the CPU delta rule).
+
+Why: a prefill step of several prompts looped over its sequences in each layer, ~15 kernel launches a sequence a
+DeltaNet layer. Prefill of short prompts is launch-bound on the host (h200-21: four prompts of 8-11 tokens, 20
+layers, 5,418 kernels and 24 ms of GPU time in a 0.17 s step; one prompt 2,413 kernels, 0.08 s), so a burst of
+chats paid for its sequence count in time to first token. The index tensors are built once per step on the host
+(`StepBatch.ragged`) and copied over with the step's other metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from stage_worker.host_copy import to_device
+
+
+@dataclass
+class Ragged:
+    """Index tensors between the flat [T, ...] layout and the padded [B, Lmax, ...] one."""
+
+    lens: torch.Tensor          # [B] int64, tokens each sequence feeds
+    pad_index: torch.Tensor     # [B, Lmax] int64: flat token row, or T (a zero row appended) past a sequence's end
+    unpad_index: torch.Tensor   # [T] int64: b * Lmax + j of each flat token
+    cu_seqlens: torch.Tensor    # [B + 1] int64 on the device (flash-linear-attention's varlen argument)
+    max_len: int
+    host_lens: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _windows: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, seq_lens: list[int], device: torch.device) -> "Ragged":
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        B, L = len(lens), int(lens.max()) if len(lens) else 0
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        j = np.arange(L, dtype=np.int64)[None, :]
+        pad = np.where(j < lens[:, None], cu[:-1, None] + j, cu[-1])
+        unpad = np.concatenate([b * L + np.arange(n, dtype=np.int64) for b, n in enumerate(lens)]) if B else \
+            np.zeros(0, dtype=np.int64)
+        return cls(to_device(torch.from_numpy(lens), torch.long, device),
+                   to_device(torch.from_numpy(pad), torch.long, device),
+                   to_device(torch.from_numpy(unpad), torch.long, device),
+                   to_device(torch.from_numpy(cu), torch.long, device), L, lens)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.pad_index.shape[0]
+
+    def pad(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """[T, ...] -> [B, Lmax, ...], `fill` past each sequence's end."""
+        extra = x.new_full((1, *x.shape[1:]), fill)
+        return torch.cat([x, extra])[self.pad_index]
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, Lmax, ...] -> [T, ...]."""
+        return y.flatten(0, 1)[self.unpad_index]
+
+    def windows(self, tail: int, kernel: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of `cat([tails.flatten(0, 1), x])` (B * tail rows of tails, then the T tokens): for each token its
+        conv window's `kernel` taps [T, kernel], and each sequence's next tail [B, tail], where sequence b's
+        extended sequence is its tail then its tokens. Built once per (tail, kernel, dilation) a step."""
+        key = (tail, kernel, dilation)
+        cached = self._windows.get(key)
+        if cached is None:
+            lens = self.host_lens
+            B, cu = len(lens), np.concatenate([[0], np.cumsum(lens)])
+            seq = np.repeat(np.arange(B), lens)
+            local = np.arange(int(cu[-1])) - cu[seq]
+
+            def rows(b: np.ndarray, q: np.ndarray) -> np.ndarray:   # extended position q of sequence b -> src row
+                return np.where(q < tail, b * tail + q, B * tail + cu[b] + q - tail)
+
+            taps = rows(seq[:, None], local[:, None] + np.arange(kernel)[None, :] * dilation)
+            tails = rows(np.arange(B)[:, None], lens[:, None] + np.arange(tail)[None, :])
+            dev = self.pad_index.device
+            cached = self._windows[key] = (to_device(torch.from_numpy(taps.astype(np.int64)), torch.long, dev),
+                                           to_device(torch.from_numpy(tails.astype(np.int64)), torch.long, dev))
+        return cached
+
+
+def ragged_causal_conv(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, dilation: int,
+                       ragged: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d of each sequence's tokens after its tail (the tokens before, zeros for a new one).
+
+    x [T, C] flat tokens; tails [B, tail, C] with tail = dilation * (kernel - 1), in the state's dtype; weight
+    [C, 1, kernel]. Returns (y [T, C] in x's dtype, before any activation; new tails [B, tail, C]). Each token's
+    window is gathered from its own sequence's tail and tokens: no padding, T x kernel rows whatever the lengths."""
+    B, tail, C = tails.shape
+    taps, new_tails = ragged.windows(tail, weight.shape[-1], dilation)
+    src = torch.cat([tails.reshape(B * tail, C), x.to(tails.dtype)])
+    y = (src[taps].to(x.dtype) * weight[:, 0, :].T[None]).sum(1)
+    return y, src[new_tails].view(B, tail, C)
+
+
+def fresh_masked(state_rows: torch.Tensor, context_lens: list[int], fill: float = 0) -> torch.Tensor:
+    """`state_rows` [B, ...] with the rows of new sequences (no context) set to `fill` (their initial state):
+    their slots may hold a finished request's values (or NaN garbage, which a multiply by zero would keep)."""
+    if all(c > 0 for c in context_lens):
+        return state_rows
+    keep = torch.tensor([c > 0 for c in context_lens], device=state_rows.device)
+    return torch.where(keep.view(-1, *([1] * (state_rows.dim() - 1))), state_rows, torch.full_like(state_rows, fill))
