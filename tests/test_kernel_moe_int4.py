@@ -47,7 +47,8 @@ def test_the_packing_is_compressed_tensors_own():
     assert (ours - w).abs().max() <= s.max() / 2 + 1e-6         # round to nearest
 
 
-@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (2, 16, 5), (1, 16, 12)])
+@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (2, 16, 5), (1, 16, 12),
+                                         (20, 16, 5)])   # past the largest config bucket (16): a short prompt
 def test_kernel_matches_the_reference(t, group, hot):
     """Decode shapes, with some slots in a second (host) table from `hot` on and a skipped slot (CUDA-graph
     padding). At 2 tokens the skipped last token is in the split launch itself (the first token still reads the
@@ -196,7 +197,7 @@ def test_full_shape_on_the_gpu():
     bench/moe_int4.py times it against the bf16 kernels."""
     E, H, I, k = 512, 2560, 640, 10
     ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
-    for t in (1, 4, 16):                                        # the three launch-config buckets
+    for t in (1, 4, 16, 100):          # the three launch-config buckets, and a short prompt (DECODE_MAX_TK)
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
         w, ids = route_ref(torch.randn(t, E, generator=g).to(DEV), k, True)

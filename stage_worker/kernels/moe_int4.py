@@ -231,7 +231,12 @@ if triton is not None:
 # everywhere (25.6 vs 21.6 us at 1 token), depth 0 vs 1 at 16 tokens is within noise (167.7 vs 169.1).
 UP_CFG = {1: (8, 32, 1), 4: (8, 32, 1), 16: (16, 32, 1)}
 DOWN_CFG = {1: (4, 256, 2), 4: (4, 128, 1), 16: (8, 128, 1)}
-DECODE_MAX_TK = 256
+# Token x slot pairs up to which prefill also takes these kernels (a short prompt's chunk; above: the grouped tensor-core
+# kernels of moe_int4_prefill.py). h200-21 (bench/moe_int4_prefill.py, full shape, one layer, random routing): these
+# 0.28 / 0.42 / 0.54 / 0.99 / 1.87 ms at 16 / 26 / 46 / 100 / 200 tokens against the grouped path's 2.09 / 2.51 /
+# 3.40 / 4.13 / 4.47 ms (its sort and launches, host included); with 10% of the experts in host RAM 3.92 against
+# 6.65 ms at 100 tokens but 10.85 against 7.45 at 200 (each pair re-reads its host rows over PCIe). Was 256.
+DECODE_MAX_TK = 1000
 ONE_F32 = 0x3F800000           # the bits of 1.0f (see `_nibble`)
 PREFETCH = {1: 1, 4: 1, 16: 0}  # blocks of words loading ahead of the one computed (0, 1, 2; both phases)
 
