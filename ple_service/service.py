@@ -68,6 +68,10 @@ class PleService:
         self.tables = tables if tables is not None else open_tables(
             model_dir, cfg, load_format=cluster.load_format, seed=cluster.seed,
             dtype=getattr(torch, cluster.dtype) if cluster.dtype else None, dummy_file=cluster.dummy_ple_file)
+        for layer in self.layers:
+            # one row each now, not in the first prompt's time to first token: a dummy table builds its rows on the
+            # first gather (h200-21: ~0.4 s of a first request's 1.06 s), a mapped one reads one page
+            self.tables[layer].gather(torch.zeros(1, dtype=torch.long))
         dtypes = {self.tables[layer].dtype for layer in self.layers}
         if len(dtypes) != 1:
             raise PleServiceError(f"PLE tables of layers {self.layers} have different dtypes "
