@@ -104,10 +104,11 @@ class GatedDeltaNet(nn.Module):
     def _prefill_batched(self, x: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
         """Every sequence of a step that is not a pure decode, whatever their lengths and contexts, in one call each
-        for the short conv (padded: `ragged.py`) and the delta rule: flash-linear-attention's varlen kernel
-        (`cu_seqlens`, a state per sequence) on a GPU; on the CPU the model's rule over the padded batch (g and
-        beta zero past a sequence's end leave its state exactly as it was), or per sequence when padding would more
-        than double the work. Returns [T, nv, dv] in x's dtype."""
+        for the short conv (`ragged.py`: each token's window gathered from its own sequence) and the delta rule:
+        sequences of one length (one prompt, training windows) as a [B, L] batch; different lengths on a GPU through
+        flash-linear-attention's varlen kernel (`cu_seqlens`, a state per sequence), on the CPU padded (g and beta
+        zero past a sequence's end leave its state exactly as it was) or, when padding would more than double the
+        work, per sequence. Returns [T, nv, dv] in x's dtype."""
         rg = batch.ragged()
         slots = batch.device_slots()
         tails = fresh_masked(state.conv[slots], batch.context_lens).transpose(1, 2)          # [B, k-1, C]
@@ -118,14 +119,16 @@ class GatedDeltaNet(nn.Module):
         # agent examples continue a cached prefix) needs the value it read for the backward pass.
         init = fresh_masked(state.recurrent[slots], batch.context_lens)
         fla = self._fla_rule("chunk") if (self.kernels.deltanet and conv.is_cuda) else None
-        if fla is not None:
-            q, k, v = self._split_raw(conv[None])
-            o, s = fla(q, k, v, g=g[None], beta=beta[None], scale=self.dk ** -0.5, initial_state=init,
-                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=rg.cu_seqlens)
-            o = o[0]
-        elif rg.num_seqs * rg.max_len <= 2 * x.shape[0]:
+        padded = rg.num_seqs * rg.max_len
+        if padded == x.shape[0] or (fla is None and padded <= 2 * x.shape[0]):
             o, s = self._delta_rule(rg.pad(conv), rg.pad(g), rg.pad(beta), init)
             o = rg.unpad(o)
+        elif fla is not None:
+            q, k, v = self._split_raw(conv[None])
+            o, s = fla(q, k, v, g=g[None], beta=beta[None], scale=self.dk ** -0.5, initial_state=init,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=rg.cu_seqlens,
+                       cu_seqlens_cpu=rg.host_cu)
+            o = o[0]
         else:
             cu = batch.cu_seqlens
             parts = [self._delta_rule(conv[None, cu[i]:cu[i + 1]], g[None, cu[i]:cu[i + 1]],

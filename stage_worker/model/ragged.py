@@ -23,12 +23,12 @@ from stage_worker.host_copy import to_device
 class Ragged:
     """Index tensors between the flat [T, ...] layout and the padded [B, Lmax, ...] one."""
 
-    lens: torch.Tensor          # [B] int64, tokens each sequence feeds
     pad_index: torch.Tensor     # [B, Lmax] int64: flat token row, or T (a zero row appended) past a sequence's end
     unpad_index: torch.Tensor   # [T] int64: b * Lmax + j of each flat token
     cu_seqlens: torch.Tensor    # [B + 1] int64 on the device (flash-linear-attention's varlen argument)
+    host_cu: torch.Tensor       # the same on the host (its `cu_seqlens_cpu`: chunk indices without a device sync)
     max_len: int
-    host_lens: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_lens: np.ndarray       # [B] int64, tokens each sequence feeds
     _windows: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -40,10 +40,9 @@ class Ragged:
         pad = np.where(j < lens[:, None], cu[:-1, None] + j, cu[-1])
         unpad = np.concatenate([b * L + np.arange(n, dtype=np.int64) for b, n in enumerate(lens)]) if B else \
             np.zeros(0, dtype=np.int64)
-        return cls(to_device(torch.from_numpy(lens), torch.long, device),
-                   to_device(torch.from_numpy(pad), torch.long, device),
+        return cls(to_device(torch.from_numpy(pad), torch.long, device),
                    to_device(torch.from_numpy(unpad), torch.long, device),
-                   to_device(torch.from_numpy(cu), torch.long, device), L, lens)
+                   to_device(torch.from_numpy(cu), torch.long, device), torch.from_numpy(cu), L, lens)
 
     @property
     def num_seqs(self) -> int:
