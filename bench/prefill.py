@@ -41,7 +41,7 @@ def _sync(device: str) -> None:
 
 
 def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool, profile: str = "",
-            seqs: int = 1) -> dict:
+            seqs: int = 1, batched: bool = True) -> dict:
     """Median seconds to prefill `tokens` tokens in `chunk`-token steps (and the last chunk's seconds); with
     `profile` (a directory) one more run's kernels (`profile_run`). `seqs` > 1: that many prompts side by side in
     the same steps, of tokens, tokens - 1, ... tokens (distinct lengths, as a burst of chats arrives; padded to one
@@ -53,7 +53,8 @@ def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool
     g = torch.Generator().manual_seed(0)
     lengths = [max(1, tokens - i) for i in range(seqs)]
     prompts = [torch.randint(10, model.cfg.vocab_size - 10, (n,), generator=g).tolist() for n in lengths]
-    engine = LocalEngine([model], max_seqs=seqs, max_tokens=tokens + 1, sparse_prefill=sparse)
+    engine = LocalEngine([model], max_seqs=seqs, max_tokens=tokens + 1, sparse_prefill=sparse,
+                         batched_prefill=batched)
 
     def one_run() -> float:
         """The run's seconds; returns the last step's."""
@@ -78,6 +79,7 @@ def measure(model, device: str, tokens: int, chunk: int, runs: int, sparse: bool
             totals.append(total)
             lasts.append(last)
     out = {"tokens": tokens, "seqs": seqs, "lengths": lengths, "chunk": chunk, "sparse_prefill": sparse,
+           "batched_prefill": batched,
            "seconds": statistics.median(totals), "last_chunk_seconds": statistics.median(lasts), "runs": totals,
            "tokens_per_second": sum(lengths) / statistics.median(totals)}
     if profile:
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
         for sparse in (True, False):
-            r = measure(model, args.device, n, args.chunk, args.runs, sparse, args.profile, args.seqs)
+            r = measure(model, args.device, n, args.chunk, args.runs, sparse, args.profile, args.seqs,
+                        cluster.batched_prefill)
             rows.append(r)
             print(f"{r['tokens']:>8} {r['seqs']:>5} {r['chunk']:>6} {str(r['sparse_prefill']):>6} {r['seconds']:>9.2f} "
                   f"{r['tokens_per_second']:>9.0f} {r['last_chunk_seconds']:>13.3f}", flush=True)

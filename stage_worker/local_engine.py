@@ -28,12 +28,14 @@ class _Seq:
 class LocalEngine:
     def __init__(self, stages: list[StageModel], *, max_seqs: int = 8, block_size: int | None = None,
                  max_tokens: int = 4096, cuda_graphs: bool = False, sparse_prefill: bool = True,
-                 kv_offload: bool = False, row_cache_mib: int = 0) -> None:
+                 kv_offload: bool = False, row_cache_mib: int = 0, batched_prefill: bool = True) -> None:
         """`block_size` None: derived from the model (`shared.kv_layout`), as the served cluster does;
         `sparse_prefill`: the cluster key `qsa_sparse_prefill` (StepBatch.sparse_prefill); `kv_offload`: the
         cluster key `qsa_kv_offload` (QSA K/V in host RAM, `CacheSpec.kv_offload`); `row_cache_mib`: with it on a
-        GPU, the VRAM row cache of those rows (cluster keys `kv_row_cache`, `kv_row_cache_mib`; 0 = none)."""
+        GPU, the VRAM row cache of those rows (cluster keys `kv_row_cache`, `kv_row_cache_mib`; 0 = none);
+        `batched_prefill`: the cluster key (StepBatch.batched_prefill: off, prefill loops over sequences)."""
         self.sparse_prefill = sparse_prefill
+        self.batched_prefill = batched_prefill
         if not stages or not stages[0].has_embedding or not stages[-1].has_head:
             raise ValueError("stages must run from the embedding to the head")
         block_size = resolve_block_size(stages[0].cfg, block_size)
@@ -107,6 +109,7 @@ class LocalEngine:
             rows.append((tokens, seq.length, seq.slot, seq.blocks))
         batch = StepBatch.build(rows, self.block_size, self.device, all_logits=all_logits)
         batch.sparse_prefill = self.sparse_prefill
+        batch.batched_prefill = self.batched_prefill
         if self.graphs is not None and not all_logits and batch.is_decode:
             if not self.graphs.graphs:
                 self.graphs.capture()
