@@ -87,6 +87,8 @@ class ClusterConfig:
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
                                                 # step's tokens reach the host (its ids read on the device)
+    ple_launch_ahead: bool = False              # ... on a stage holding PLE layers too: its graph waits on the device
+                                                # for the rows the host gathers once the token is in (host_wait.py)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
     startup_warmup: bool = True                 # a GPU stage runs its prefill path and the sampler once before its
@@ -362,7 +364,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
-        "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
+        "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_PLE_LAUNCH_AHEAD": "ple_launch_ahead",
+        "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",

@@ -10,7 +10,8 @@ A stage holding PLE layers is graphed too (001 §5.6: 45 -> 80 tok/s): the graph
 from a static device buffer, filled before the replay from the PLE service's ring (the runner's `batch.ple_rows`)
 or, without the service, gathered by the stage itself (`PLEBranch.decode_embeddings`: the one host round trip of
 the row ids happens there, outside the graph). The n-gram hashing and context update stay inside the graph: they
-run on the device.
+run on the device. With a `PleMailbox` (`ple_launch_ahead`) the graph starts with `host_wait.wait_and_copy`
+instead: it is replayed before its rows exist and copies them from pinned memory once the host has written them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model: StageModel, cache: ModelCache, *, max_blocks_per_seq: int, scratch_slot: int,
                  scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES, ple_graph: bool = True,
-                 skip_padding: bool = True) -> None:
+                 skip_padding: bool = True, mailbox=None) -> None:
         self.model, self.cache = model, cache
         self.block_size = cache.spec.block_size
         self.max_blocks = max_blocks_per_seq
@@ -55,6 +56,7 @@ class DecodeGraphs:
         self.pool = None
         self.ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
         self.ple_graph = ple_graph
+        self.mailbox = mailbox                 # a PleMailbox: rows come in the graph (ple_decode_rows.py)
         # Listed once: walking the module tree (551 modules at 20 full-shape layers) took ~1.1 ms of host time per
         # replay on a slow CPU, with the GPU waiting for the next step's launch.
         self.moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -86,11 +88,22 @@ class DecodeGraphs:
         batch._slots = slots
         batch.logits_indices = torch.arange(size, device=dev)
         dtype = next(self.model.parameters()).dtype
-        batch.ple_rows = {i: torch.zeros(size, ple.heads, ple.head_dim, dtype=dtype, device=dev)
-                          for i, ple in self.ple.items()}
+        if self.mailbox is not None:               # one buffer the prologue fills, a view a layer
+            rows = torch.zeros(size, *self.mailbox.rows.shape[1:], dtype=dtype, device=dev)
+            batch.ple_rows = {i: rows[:, li] for li, i in enumerate(sorted(self.ple))}
+            batch._mailbox_rows = rows
+        else:
+            batch.ple_rows = {i: torch.zeros(size, ple.heads, ple.head_dim, dtype=dtype, device=dev)
+                              for i, ple in self.ple.items()}
         return batch, tables, lens, slots
 
     def _run(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        box = self.mailbox
+        if box is not None:
+            from stage_worker.kernels.host_wait import wait_and_copy
+
+            dst = batch._mailbox_rows
+            wait_and_copy(box.flag, box.expected, box.rows[: dst.shape[0]], dst, box.timed_out)
         out = self.model(batch, self.cache, hidden)
         return self.model.logits(out, batch) if self.model.has_head else out
 
@@ -119,8 +132,9 @@ class DecodeGraphs:
             all(len(t) <= self.max_blocks for t in batch.block_tables) and (self.ple_graph or not self.ple)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay for `batch` (which `fits`); returns logits [B, vocab] (last stage) or hidden [B, width]."""
+    def run(self, batch: StepBatch, hidden: torch.Tensor | None = None, wait_seq: int | None = None) -> torch.Tensor:
+        """Replay for `batch` (which `fits`); returns logits [B, vocab] (last stage) or hidden [B, width]. With a
+        mailbox, `wait_seq` is the number the graph waits for before it copies the rows."""
         n = batch.num_seqs
         g = self.graphs[next(s for s in self.sizes if s >= n)]
         sb = g.batch
@@ -139,7 +153,9 @@ class DecodeGraphs:
             g.tables[n:].fill_(self.scratch_block)
             g.lens[n:].fill_(2)
             g.slots[n:].fill_(self.scratch_slot)
-        for i, buf in g.ple_rows.items():
+        if self.mailbox is not None:
+            self.mailbox.expected.fill_(wait_seq)
+        for i, buf in (g.ple_rows.items() if self.mailbox is None else ()):
             rows = batch.ple_rows.get(i)
             if rows is None:                            # no PLE service: the stage gathers the rows itself
                 rows = self.ple[i].decode_embeddings(batch, self.cache.ple[i])

@@ -19,6 +19,7 @@ those steps waited ~1.2 ms each for the round trip at 4 streams, 15% of the run)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,3 +60,50 @@ class DecodeRowGather:
         self.steps += 1
         self.seconds += time.perf_counter() - t0
         return out
+
+    def publish(self, box: "PleMailbox", slots: list[int], token_ids: list[int], seq: int) -> None:
+        """`ple_launch_ahead`: the rows of a step already launched (its graph waiting in `host_wait`), hashed against
+        the contexts the step before left (`box.contexts`, copied out behind that step: reading the live ones
+        would wait behind the waiting graph), written into the pinned rows, then the flag set to the step's
+        number. The flag is set even if the gather fails, so the device never waits for rows that will not come
+        (that step's tokens are then wrong; the error propagates to the caller)."""
+        t0 = time.perf_counter()
+        try:
+            contexts = box.contexts.numpy()[slots]
+            tokens = np.asarray(token_ids, dtype=np.int64)
+            for li, branch in enumerate(self.branches.values()):
+                rows, _ = ngram_rows_numpy_batch(branch.spec, contexts, tokens)
+                box.rows[: len(slots), li].copy_(branch.table.gather(torch.from_numpy(rows)))
+        finally:
+            box.flag[0] = seq
+            self.steps += 1
+            self.seconds += time.perf_counter() - t0
+
+
+@dataclass
+class PleMailbox:
+    """Where a launched-ahead decode step's PLE rows wait for its graph (`ple_launch_ahead`,
+    `stage_worker/kernels/host_wait.py`): pinned rows the graph's first kernel copies once `flag` reaches the number
+    in `expected`, and a pinned copy of the n-gram contexts that the host hashes against."""
+
+    rows: torch.Tensor        # pinned [max_seqs, layers, heads, head_dim]: this stage's PLE layers, in order
+    flag: torch.Tensor        # pinned [1] int64: the last step whose rows are in `rows`
+    expected: torch.Tensor    # device [1] int64: the step the next replay waits for (set before each replay)
+    timed_out: torch.Tensor   # device [1] int32: set by a graph that gave up waiting
+    contexts: torch.Tensor    # pinned copy of the contexts, taken behind every launched step
+    seq: int = 0
+
+    @classmethod
+    def create(cls, gather: DecodeRowGather, max_seqs: int, dtype: torch.dtype,
+               device: torch.device) -> "PleMailbox":
+        first = next(iter(gather.branches.values()))
+
+        def host(t: torch.Tensor) -> torch.Tensor:       # what the device reads or writes behind the host's back
+            return t.pin_memory() if device.type == "cuda" else t
+
+        rows = host(torch.zeros(max_seqs, len(gather.branches), first.heads, first.head_dim, dtype=dtype))
+        box = cls(rows, host(torch.zeros(1, dtype=torch.int64)),
+                  torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                  host(torch.empty(gather.contexts.shape, dtype=gather.contexts.dtype)))
+        box.contexts.copy_(gather.contexts)       # at start nothing is queued: a plain copy
+        return box

@@ -24,7 +24,7 @@ from shared.token_mask import apply_mask
 from stage_worker.expert_offload import gates
 from stage_worker.readback import CounterReadback
 from stage_worker.host_copy import to_device, to_host
-from stage_worker.ple_decode_rows import DecodeRowGather
+from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
 from stage_worker.profiling import phase
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
@@ -45,6 +45,8 @@ class _Prepared:
     batch: StepBatch | None = None
     complete: bool = False            # token ids known
     host_ids: list[int] | None = None  # the token ids on the host, once known there (a PLE stage's own gather)
+    # ... else (launch-ahead) per entry its token on the host, or the (request, position) of one still on the device
+    entry_tokens: list | None = None
 
 
 @dataclass
@@ -73,6 +75,17 @@ class _Launched:
     copy: _HostCopy | None = None
     hidden: torch.Tensor | None = None      # other stages: the activations for the next one
     sent: object | None = None              # ... handed over at launch by CUDA IPC: the event after the slot's write
+
+
+@dataclass
+class _PendingRows:
+    """A launched step whose graph waits for its PLE rows (`ple_launch_ahead`): its number in the mailbox, its
+    sequences' slots, each entry's token (an int, or the (request, position) whose sampled token it is), and the
+    event after the contexts' copy its rows are hashed against (the step before it)."""
+    seq: int
+    slots: list[int]
+    tokens: list
+    contexts: object | None
 
 
 @dataclass
@@ -116,16 +129,6 @@ class StageRunner:
         self.own_decode_rows = DecodeRowGather(model, self.cache, self.my_ple_layers, p.device) \
             if self.ring is not None and cluster.ple_decode_in_stage else None
         self._max_launched_step = -1
-        # Launch-ahead: two steps queued at once; with one stage (first and last) and device sampling, a decode
-        # step's input ids are read from the previous step's sampled tokens on the device, so it is queued before
-        # that step's tokens reach the host and the GPU never waits for the host's bookkeeping between steps.
-        # Not on a stage whose PLE rows come from the service: they need the token on the host first, so the next
-        # step cannot be queued early, and waiting for the launched step by polling only delayed the token (full
-        # shape on the H200: 517 vs 598 tok/s at 4 streams, bench/results/served-speed-9). Off: each step is
-        # completed before the next is queued.
-        ahead = cluster.launch_ahead and self.ring is None
-        self.launch_depth = 2 if ahead else 1
-        self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
         self.device_next: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (request, position) -> token
         self.device_fed: set[tuple[str, int]] = set()      # of those, the ones a launched step already read
         self._last_end = 0.0
@@ -147,15 +150,41 @@ class StageRunner:
         self.graphs = None
         kernels = getattr(model, "kernel_flags", None)
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
-        if cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
-                and kernels.moe:
+        graphed = cluster.cuda_graphs and p.device.type == "cuda" and kernels is not None and kernels.attention \
+            and kernels.moe
+        # `ple_launch_ahead`: one stage holding PLE layers that gathers its decode rows itself queues a decode step
+        # before the token it needs reaches the host; the graph waits on the device for the rows
+        # (`stage_worker/kernels/host_wait.py`, `PleMailbox`), which `_publish_rows` writes once the token is in.
+        self.ple_mailbox: PleMailbox | None = None
+        if cluster.ple_launch_ahead and graphed and self.own_decode_rows is not None and self.is_first and \
+                self.is_last and cluster.launch_ahead and cluster.device_sampling and cluster.ple_graph:
+            self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device)
+            log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows "
+                     "(ple_launch_ahead)", index)
+        self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
+        self.ple_wait_timeouts = CounterReadback(self.ple_mailbox.timed_out) if self.ple_mailbox else None
+        self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
+        self._host_tokens: dict[tuple[str, int], int] = {}      # (request, position) -> sampled token, for those
+        self._contexts_copied: torch.cuda.Event | None = None   # the contexts' copy behind the last launched step
+        # Launch-ahead: two steps queued at once; with one stage (first and last) and device sampling, a decode
+        # step's input ids are read from the previous step's sampled tokens on the device, so it is queued before
+        # that step's tokens reach the host and the GPU never waits for the host's bookkeeping between steps.
+        # Not on a stage whose PLE rows come from the service (unless the mailbox above takes them): they need the
+        # token on the host first, so the next step cannot be queued early, and waiting for the launched step by
+        # polling only delayed the token (full shape on the H200: 517 vs 598 tok/s at 4 streams,
+        # bench/results/served-speed-9). Off: each step is completed before the next is queued.
+        ahead = cluster.launch_ahead and (self.ring is None or self.ple_mailbox is not None)
+        self.launch_depth = 2 if ahead else 1
+        self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
+        if graphed:
             from stage_worker.cuda_graphs import DecodeGraphs
 
             max_len = cluster.max_model_len or model.cfg.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
                                        scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
                                        sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs),
-                                       ple_graph=cluster.ple_graph, skip_padding=cluster.graph_skip_padding)
+                                       ple_graph=cluster.ple_graph, skip_padding=cluster.graph_skip_padding,
+                                       mailbox=self.ple_mailbox)
 
     # ---- inputs ------------------------------------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -245,7 +274,7 @@ class StageRunner:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
                 if any(k not in self.next_tokens and k not in self.device_next for k in keys):
                     return None
-                prepared.batch.token_ids, prepared.host_ids = self._input_ids(prepared.plan)
+                prepared.batch.token_ids, prepared.host_ids, prepared.entry_tokens = self._input_ids(prepared.plan)
             elif isinstance(self.acts[step], IpcActivations):
                 prepared.host_ids = self.acts[step].token_ids     # the device ids come out of the slot at launch
             else:
@@ -253,34 +282,49 @@ class StageRunner:
                 prepared.batch.token_ids = host.to(self.device)
                 prepared.host_ids = host.tolist()
             prepared.complete = True
-        if self.ring is not None and step not in self.ple and not self._gathers_own_rows(prepared):
+        if self.ring is not None and step not in self.ple and not self._gathers_own_rows(prepared) \
+                and not self._rows_in_graph(prepared):
             # Everything else is here: from now on the stage is waiting for the PLE service.
             self._ple_wait_start.setdefault(step, time.perf_counter())
             return None
         return prepared.plan
+
+    def _rows_in_graph(self, prepared: _Prepared) -> bool:
+        """`ple_launch_ahead`: a decode step that replays a graph; its rows reach the graph through the mailbox."""
+        if self.ple_mailbox is None or not prepared.batch.is_decode:
+            return False
+        if not self.graphs.graphs:
+            self.graphs.capture()             # (a stage worker captures at start; here for one driven by hand)
+        return self.graphs.fits(prepared.batch)
 
     def _gathers_own_rows(self, prepared: _Prepared) -> bool:
         """A decode step on a PLE stage whose token ids the host has: it gathers its rows itself
         (`stage_worker/ple_decode_rows.py`), unless `ple_decode_in_stage_max_seqs` caps the sequences (larger steps
         then wait for the service's rows: a round trip after every sampled token)."""
         cap = self.cluster.ple_decode_in_stage_max_seqs          # 0: every decode step
-        return (self.own_decode_rows is not None and prepared.host_ids is not None and prepared.batch.is_decode
-                and (cap == 0 or len(prepared.host_ids) <= cap))
+        # (with the mailbox, an eager step's gather would read the contexts behind a waiting graph: the service's)
+        return (self.own_decode_rows is not None and self.ple_mailbox is None and prepared.host_ids is not None
+                and prepared.batch.is_decode and (cap == 0 or len(prepared.host_ids) <= cap))
 
-    def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None]:
+    def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None, list]:
         """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens
         still on the device, gathered there from the step that sampled them. Also the ids as a host list, unless
-        some are only on the device."""
+        some are only on the device, and each entry's last token: on the host, or the (request, position) key of
+        one on the device."""
         ids: list[int] = []
+        last: list = []
         from_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for e in plan.entries:
             if e.tokens is not None:
                 ids.extend(e.tokens)
+                last.append(e.tokens[-1] if e.tokens else 0)
                 continue
             key = (e.req_id, e.context_len)
             if key in self.next_tokens:
                 ids.append(self.next_tokens.pop(key))
+                last.append(ids[-1])
                 continue
+            last.append(key)
             tokens, row = self.device_next.pop(key)
             self.device_fed.add(key)
             self.ids_from_device += 1
@@ -291,7 +335,7 @@ class StageRunner:
         out = to_device(ids, torch.long, self.device)
         for tokens, dst, src in from_device.values():
             out[to_device(dst, torch.long, self.device)] = tokens[to_device(src, torch.long, self.device)]
-        return out, (None if from_device else ids)
+        return out, (None if from_device else ids), last
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def can_launch(self) -> bool:
@@ -342,7 +386,11 @@ class StageRunner:
             else:
                 hidden = act.hidden.to(self.device) if act is not None else None
             timing = list(act.timing) if act is not None else []
-            if self.ring is not None and self._gathers_own_rows(prepared):
+            wait_seq = None
+            if self.ring is not None and self._rows_in_graph(prepared):
+                self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
+                wait_seq = self._expect_rows(plan, prepared)
+            elif self.ring is not None and self._gathers_own_rows(prepared):
                 self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
                 batch.ple_rows.update(self.own_decode_rows(batch.slots, prepared.host_ids))
             elif self.ring is not None:
@@ -370,11 +418,14 @@ class StageRunner:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:
             self.row_cache_reads.snapshot()
+        if self.ple_wait_timeouts is not None and self.launches % 16 == 0:
+            self.ple_wait_timeouts.snapshot()
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with phase("stage.graph_replay"):
-                result = self.graphs.run(batch, hidden)
+                result = self.graphs.run(batch, hidden, wait_seq)
+            self._copy_contexts()
             if self.is_last:
                 launched.outs, launched.copy = self._sample(plan, batch, result)
             else:
@@ -382,11 +433,13 @@ class StageRunner:
         else:
             with phase("stage.forward"):
                 hidden = self.model(batch, self.cache, hidden)
+                self._copy_contexts()
                 logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
                 launched.outs, launched.copy = self._sample(plan, batch, logits)
             else:
                 launched.hidden = hidden
+        self._publish_rows()
         if self.feed_from_device and launched.copy is not None:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
@@ -394,6 +447,55 @@ class StageRunner:
         if self.handoff is not None and not self.is_last:
             self._hand_off(launched, prepared.host_ids)
         self.launched.append(launched)
+
+    # ---- PLE rows for a launched-ahead graph (`ple_launch_ahead`) ----------------------------------------------
+    def _expect_rows(self, plan: Plan, prepared: _Prepared) -> int:
+        """Number this step in the mailbox and note what its rows need: each entry's token (known now, or the
+        sampled token a launched step will bring) and the contexts as the step before leaves them."""
+        box = self.ple_mailbox
+        box.seq += 1
+        # a decode step: one token an entry
+        if prepared.host_ids is not None:
+            tokens = list(prepared.host_ids)
+        elif prepared.entry_tokens is not None:
+            tokens = list(prepared.entry_tokens)
+        else:                                  # every token came with the plan
+            tokens = [e.tokens[-1] for e in plan.entries]
+        self._pending_rows.append(_PendingRows(box.seq, list(prepared.batch.slots), tokens, self._contexts_copied))
+        self._publish_rows()                  # known already (the step before is done): the graph need not wait
+        if self._pending_rows and self._pending_rows[-1].seq == box.seq:
+            self.ple_rows_after_launch += 1
+        return box.seq
+
+    def _copy_contexts(self) -> None:
+        """Behind every launched step of a mailbox stage: the n-gram contexts it leaves, into pinned memory, for
+        the next step's hash (the live ones sit behind graphs that may be waiting for exactly those rows)."""
+        if self.ple_mailbox is None:
+            return
+        self.ple_mailbox.contexts.copy_(self.own_decode_rows.contexts, non_blocking=True)
+        self._contexts_copied = torch.cuda.Event()
+        self._contexts_copied.record()
+
+    def _publish_rows(self) -> None:
+        """Write the rows of every waiting step, oldest first, whose tokens are on the host and whose contexts'
+        copy is done (each one's copy sits behind the step before, which its own rows do not wait for)."""
+        while self._pending_rows:
+            pending = self._pending_rows[0]
+            tokens = []
+            for t in pending.tokens:
+                if isinstance(t, tuple):
+                    t = self._host_tokens.get(t, 0 if t[0] not in self.requests else None)  # finished: any row
+                    if t is None:
+                        return
+                tokens.append(t)
+            if pending.contexts is not None and not pending.contexts.query():
+                return
+            self._pending_rows.pop(0)
+            for t in pending.tokens:
+                if isinstance(t, tuple):
+                    self._host_tokens.pop(t, None)
+            with phase("ple.publish"):
+                self.own_decode_rows.publish(self.ple_mailbox, pending.slots, tokens, pending.seq)
 
     def _hand_off(self, launched: _Launched, host_ids: list[int] | None) -> None:
         """`cuda_ipc_activations`: the activations into a ring slot the next stage maps, queued behind the step, and
@@ -437,6 +539,12 @@ class StageRunner:
         tokens = launched.outs
         out: list[Outgoing] = []
         sampled = Sampled(step=plan.step, microbatch=plan.microbatch, tokens=[t for t in tokens if t.token >= 0])
+        if self._pending_rows:
+            needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
+            for t in tokens:
+                if (t.req_id, t.position) in needed:   # (a failed row: 0, so a step behind it is not held up)
+                    self._host_tokens[(t.req_id, t.position)] = max(t.token, 0)
+            self._publish_rows()
         if self.is_first:
             for t in sampled.tokens:
                 key = (t.req_id, t.position)
@@ -589,6 +697,10 @@ class StageRunner:
         if self.own_decode_rows is not None:
             out["ple_stage_gathers"] = float(self.own_decode_rows.steps)
             out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds
+        if self.ple_mailbox is not None:
+            out["ple_rows_after_launch"] = float(self.ple_rows_after_launch)
+            if self.ple_wait_timeouts.last is not None:
+                out["ple_wait_timed_out"] = float(self.ple_wait_timeouts.last[0])
         if self.experts is not None:
             out.update(self.experts.stats())
         if self.handoff is not None:

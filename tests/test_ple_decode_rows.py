@@ -6,12 +6,14 @@ and a real PleService (socket-free) sharing a ring, with the messages handed ove
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ple_service.service import PleService
 from shared.cluster_config import ClusterConfig, StageSpec
 from shared.model_config import load_config
 from shared.protocol import Plan, PleReady, SamplingSpec, SeqEntry
 from stage_worker.checkpoint.loader import load_model
+from stage_worker.ple_decode_rows import PleMailbox
 from stage_worker.runner import StageRunner
 
 PROMPTS = {"a": [5, 17, 300, 2, 2, 9, 1000], "b": [44, 45, 46, 47, 48, 1, 2, 3, 90]}
@@ -98,3 +100,31 @@ def test_larger_decode_steps_take_the_service_s_rows(tiny_checkpoint, tmp_path):
     assert capped[0] == svc[0]
     assert [m.step for m in capped[2]] == list(range(STEPS + 1))     # every step's rows came from the service
     assert capped[3]["ple_stage_gathers"] == 0
+
+
+def test_rows_published_for_a_waiting_graph_equal_the_stage_s_own(tiny_checkpoint, tmp_path):
+    """`ple_launch_ahead` (GPU only: a graph waits on the device for them) hashes against the copy of the contexts
+    the step before left and writes the rows into the mailbox, then the flag: after a prefill, the same rows as
+    the stage's own gather (which reads the live contexts), for any tokens."""
+    cluster = _cluster(tiny_checkpoint, tmp_path)
+    cfg = load_config(tiny_checkpoint)
+    svc = PleService(tiny_checkpoint, cfg, cluster)
+    try:
+        runner = StageRunner(load_model(tiny_checkpoint), cluster, 0, svc.ring)
+        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
+        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
+        plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
+        runner.on_message(plan)
+        for msg in svc.on_plan(plan):
+            runner.on_message(msg)
+        runner.run(runner.ready())
+        gather = runner.own_decode_rows
+        box = PleMailbox.create(gather, cluster.max_num_seqs, torch.float32, torch.device("cpu"))
+        for seq, (slots, toks) in enumerate((([0, 1], [7, 300]), ([1], [2]), ([1, 0], [9, 9])), start=1):
+            want = gather(slots, toks)
+            gather.publish(box, slots, toks, seq)
+            assert int(box.flag[0]) == seq
+            for li, layer in enumerate(gather.branches):
+                assert torch.equal(box.rows[: len(slots), li], want[layer].float())
+    finally:
+        svc.close()

@@ -1,0 +1,91 @@
+"""The wait-then-copy kernel a PLE stage's decode graph starts with (`ple_launch_ahead`) against its reference: rows
+copied exactly once the flag has reached the step's number, the timeout marked (and the copy still made) when it
+never does. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py), where nothing else can write the flag
+meanwhile; the GPU test writes it from the host while the kernel spins."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from stage_worker.kernels import host_wait as K  # noqa: E402
+from stage_worker.kernels.host_wait_ref import wait_and_copy_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if CUDA else t
+
+
+@pytest.mark.parametrize("n", [1, 2560 * 3 + 7])       # one element; several programs with a ragged last block
+def test_copies_once_the_flag_reaches_the_step(n):
+    g = torch.Generator().manual_seed(n)
+    src = _host(torch.randn(n, generator=g).bfloat16())
+    flag = _host(torch.tensor([7], dtype=torch.int64))
+    expected = torch.tensor([7], dtype=torch.int64, device=DEV)
+    for fn in (K.wait_and_copy, wait_and_copy_ref):
+        dst = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
+        timed_out = torch.zeros(1, dtype=torch.int32, device=DEV)
+        fn(flag, expected, src, dst, timed_out)
+        assert torch.equal(dst.cpu(), src.cpu()) and int(timed_out) == 0
+
+
+def test_a_flag_that_never_comes_times_out_and_still_copies():
+    src = _host(torch.arange(300, dtype=torch.float32))
+    flag = _host(torch.tensor([3], dtype=torch.int64))
+    expected = torch.tensor([4], dtype=torch.int64, device=DEV)
+    for fn, kw in ((K.wait_and_copy, {"max_spins": 50}), (wait_and_copy_ref, {})):
+        dst = torch.zeros(300, device=DEV)
+        timed_out = torch.zeros(1, dtype=torch.int32, device=DEV)
+        fn(flag, expected, src, dst, timed_out, **kw)
+        assert int(timed_out) == 1 and torch.equal(dst.cpu(), src.cpu())
+
+
+def test_mismatched_buffers_are_refused():
+    flag = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one dtype and size"):
+        K.wait_and_copy(flag, flag.clone(), torch.zeros(4), torch.zeros(5), torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_kernel_waits_for_the_host_inside_a_graph():
+    """Captured in a CUDA graph, replayed before the host has written: the rows the host writes 50 ms later (then
+    the flag) are what lands, and the stream was not done before the flag moved."""
+    n = 16 * 160 * 4
+    src = torch.zeros(n, dtype=torch.bfloat16).pin_memory()
+    flag = torch.zeros(1, dtype=torch.int64).pin_memory()
+    expected = torch.ones(1, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    timed_out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    K.wait_and_copy(flag.fill_(1), expected, src, dst, timed_out)       # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.wait_and_copy(flag, expected, src, dst, timed_out)
+    for step in range(2, 5):
+        expected.fill_(step)
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        want = torch.randn(n).bfloat16()
+
+        def host() -> None:
+            time.sleep(0.05)
+            src.copy_(want)
+            flag[0] = step
+
+        writer = threading.Thread(target=host)
+        writer.start()
+        time.sleep(0.02)
+        assert not done.query()                  # still waiting for the host
+        writer.join()
+        done.synchronize()
+        assert torch.equal(dst.cpu(), want) and int(timed_out) == 0
