@@ -129,7 +129,8 @@ class ClusterExecutor:
                 self.metrics.set_ple_totals(msg.component, stage_wait_seconds=msg.stats["ple_wait_seconds"],
                                             stage_decode_wait_seconds=msg.stats.get("ple_decode_wait_seconds"),
                                             stage_gather_seconds=msg.stats.get("ple_stage_gather_seconds"),
-                                            stage_gathers=msg.stats.get("ple_stage_gathers"))
+                                            stage_gathers=msg.stats.get("ple_stage_gathers"),
+                                            rows_after_launch=msg.stats.get("ple_rows_after_launch"))
             self.metrics.set_stage_stats(int(msg.component[5:]), msg.stats)
         elif msg.component == "ple":
             self.metrics.set_ple_totals("ple", prefetch_pages=msg.stats.get("prefetch_pages"),

@@ -55,6 +55,9 @@ PLE_SERIES = {
                                   "trip after each sampled token; part of stage_wait_seconds; cumulative)"),
     "stage_gathers": ("moepipe_ple_stage_gathers",
                       "Decode steps whose PLE rows a stage gathered itself (ple_decode_in_stage; cumulative)"),
+    "rows_after_launch": ("moepipe_ple_rows_after_launch",
+                          "Decode steps queued before their PLE rows existed, their graph waiting on the device for "
+                          "the rows the host then published (ple_launch_ahead; cumulative)"),
     "stage_gather_seconds": ("moepipe_ple_stage_gather_seconds",
                              "Seconds stages spent gathering their own decode steps' PLE rows (ple_decode_in_stage; "
                              "cumulative)"),
@@ -241,12 +244,14 @@ class Metrics:
     def set_ple_totals(self, source: str = "ple", *, prefetch_pages: float | None = None,
                        prefetch_seconds: float | None = None, gather_seconds: float | None = None,
                        stage_wait_seconds: float | None = None, stage_decode_wait_seconds: float | None = None,
-                       stage_gathers: float | None = None, stage_gather_seconds: float | None = None) -> None:
+                       stage_gathers: float | None = None, stage_gather_seconds: float | None = None,
+                       rows_after_launch: float | None = None) -> None:
         """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
         given = {"prefetch_pages": prefetch_pages, "prefetch_seconds": prefetch_seconds,
                  "gather_seconds": gather_seconds, "stage_wait_seconds": stage_wait_seconds,
                  "stage_decode_wait_seconds": stage_decode_wait_seconds,
-                 "stage_gathers": stage_gathers, "stage_gather_seconds": stage_gather_seconds}
+                 "stage_gathers": stage_gathers, "stage_gather_seconds": stage_gather_seconds,
+                 "rows_after_launch": rows_after_launch}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 
     def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:
