@@ -54,6 +54,9 @@ NORMALIZE_SLACK = 4          # NFC can shrink text up to 3x (decomposed Hangul);
 MIN_LOGPROB = -9999.0        # vLLM's stand-in for -inf, which JSON cannot carry
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 MAX_LOGIT_BIAS = 100.0
+# The fill-in-the-middle tokens of the Qwen coder models' tokenizers (Qwen2.5-Coder onward; the Qwen3 vocabulary
+# keeps them): a completion with a `suffix` is prefix + suffix + middle in them, as llama.cpp's /infill builds it.
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 T = TypeVar("T")
 
@@ -296,6 +299,16 @@ class _Server:
             raise errors.context_length_exceeded(limit, None, param)
         return await run_in_threadpool(self.tok.encode, text)
 
+    def fim_ids(self) -> tuple[int, int, int]:
+        """The ids of `FIM_TOKENS` (prefix, suffix, middle), or a 400 naming what the tokenizer lacks."""
+        ids = [self.tok.token_to_id(t) for t in FIM_TOKENS]
+        if any(i is None for i in ids):
+            raise invalid_request("suffix (fill-in-the-middle) needs a tokenizer with the tokens "
+                                  f"{', '.join(FIM_TOKENS)}; this model's has "
+                                  f"{'none of them' if all(i is None for i in ids) else 'only some'}.",
+                                  param="suffix")
+        return ids[0], ids[1], ids[2]
+
     def check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tok.vocab_size
         bad = next((i for i in ids if i < 0 or i >= vocab), None)
@@ -505,6 +518,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         prompts, n = req.prompts(), req.num_choices
         if len(prompts) * n > MAX_CHOICES:
             raise invalid_request(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices.", param="n")
+        if req.best_of is not None and req.best_of > n:
+            raise invalid_request(f"best_of={req.best_of} > n={n} is not supported: moepipe returns every choice it "
+                                  "generates (ask for n choices instead).", param="best_of")
+        fim = srv.fim_ids() if req.suffix else None
+        suffix_ids = await srv.encode(req.suffix, "suffix") if req.suffix else []
         bias = srv.logit_bias(req.logit_bias)
         rid, want = _new_id("cmpl"), req.logprobs is not None
         gens = []
@@ -514,6 +532,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             else:
                 srv.check_ids(prompt, "prompt")
                 prompt_ids, prompt_text = list(prompt), None
+            if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained
+                if req.echo and prompt_text is None:
+                    prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
+                prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
             max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
             if req.echo and prompt_text is None:
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)

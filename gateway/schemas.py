@@ -172,6 +172,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
+    # Fill-in-the-middle (editor autocompletion sends the text after the cursor here): the prompt becomes the
+    # tokenizer's FIM form, `FIM_TOKENS`; a model without those tokens refuses it rather than ignore it.
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)      # only = n (or 1) is servable: every choice is returned
 
     @field_validator("prompt")
     @classmethod

@@ -225,6 +225,30 @@ def test_chat_logprobs_match_in_process(served, chat_ref):
     assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
 
 
+def test_a_suffix_makes_the_fill_in_the_middle_prompt(served, monkeypatch):
+    """`suffix` (editor autocompletion): the prompt is prefix + suffix + middle in the tokenizer's FIM tokens, the
+    same completion as that token-id prompt sent by hand; `best_of` = n is served; a tokenizer without the tokens
+    refuses a suffix by name instead of ignoring it."""
+    import gateway.api as api
+
+    prefix, suffix = "def area(r):\n    return ", "\n\nprint(area(2))\n"
+    pre, suf, mid = (served.tok.token_to_id(t) for t in api.FIM_TOKENS)
+    by_hand = [pre, *served.tok.encode(prefix), suf, *served.tok.encode(suffix), mid]
+    want = served.client.completions.create(model=MODEL, prompt=by_hand, max_tokens=N, temperature=0.0)
+    got = served.client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, max_tokens=N,
+                                           temperature=0.0, best_of=1)
+    plain = served.client.completions.create(model=MODEL, prompt=prefix, max_tokens=N, temperature=0.0)
+    assert got.choices[0].text == want.choices[0].text
+    assert got.usage.prompt_tokens == len(by_hand) and plain.usage.prompt_tokens == len(served.tok.encode(prefix))
+    two = served.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "suffix": suffix, "n": 2,
+                                               "best_of": 2, "max_tokens": 2, "temperature": 0.0})
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
+    monkeypatch.setattr(api, "FIM_TOKENS", ("<|fim_prefix|>", "<|no_such_suffix|>", "<|no_such_middle|>"))
+    err = _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "suffix": suffix,
+                                                             "max_tokens": 1}), 400, "suffix")
+    assert "<|no_such_suffix|>" in err["message"]
+
+
 def test_completion_echo_with_logprobs(served, model_dir):
     n = 4
     ref = generate(model_dir, TEXT_PROMPT, SamplingParams(max_tokens=n, temperature=0.0))
@@ -384,6 +408,8 @@ def test_chat_bad_requests_name_the_field(served, body, param):
     ({"prompt": 5}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
     ({"n": 17}, "n"),
+    ({"best_of": 2}, "best_of"),               # more than n: only n choices would come back
+    ({"best_of": 0}, "best_of"),
 ])
 def test_completion_bad_requests_name_the_field(served, body, param):
     _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body}),
