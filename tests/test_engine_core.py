@@ -185,9 +185,17 @@ def test_stream_and_cancel(tiny_checkpoint):
 
 
 # ---- cluster against in-process, through real servers -------------------------------------------------------------
+def _budget(ids: list[int]) -> int:
+    return 40 if len(ids) >= 40 else 10
 
-BODIES = [{"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 2, "ignore_eos": True} for ids in PROMPTS] \
-    + [{"prompt": ids, "max_tokens": 10, "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
+
+
+# The 40-token prompt runs 40 steps: 80 tokens, the whole of the cluster's 5 blocks, so any request running beside it
+# is preempted, however a loaded machine spreads the arrivals (with 10 steps each and 6 blocks, a CI run and 2 of 6
+# runs here saw no preemption once prefill steps of several prompts got faster).
+BODIES = [{"prompt": ids, "max_tokens": _budget(ids), "temperature": 0, "logprobs": 2, "ignore_eos": True}
+          for ids in PROMPTS] \
+    + [{"prompt": ids, "max_tokens": _budget(ids), "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
        for i, ids in enumerate(PROMPTS)] \
     + [{"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -246,11 +254,11 @@ def _in_process_server(model_dir) -> InProcessServer:
 def test_cluster_and_in_process_executors_agree(tiny_checkpoint):
     with _in_process_server(tiny_checkpoint) as url:
         local = _exercise(url)
-    # Two stage processes, 16-token chunks, 6 blocks for 9 requests of up to 4 blocks: chunking and preemption (two
-    # long requests at once already preempt, however the machine's load spreads their arrivals). No PLE service
-    # process (the stages gather their PLE rows; the service's own tests are test_cluster's): ~4 s of CPU less.
+    # Two stage processes, 16-token chunks, 5 blocks for 9 requests of up to 5 blocks: chunking and preemption (see
+    # BODIES). No PLE service process (the stages gather their PLE rows; the service's own tests are test_cluster's):
+    # ~4 s of CPU less.
     opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 6, "ple_service": False})
+                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 5, "ple_service": False})
     with Cluster(opts) as c:
         served = _exercise(c.url)
     preempted = [line for line in served["metrics"].splitlines() if line.startswith("moepipe_preemptions ")]
