@@ -239,8 +239,11 @@ def _round_cols(r: dict) -> str:
 
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
-        policy: tuple[int, float, float] | None, quant: str = "") -> list[dict]:
-    """One model (fresh weights, this cold set), decode at each batch size in turn."""
+        policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None) -> list[dict]:
+    """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
+    more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
+    one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
+    moves' launches took the difference)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = bool(env_overrides().get("expert_vmm_table", False))
@@ -301,6 +304,19 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     times.append(start.elapsed_time(end) / 1e3)
             reads = (int(x.host_reads.sum()) - reads0) if x is not None else 0
             moved = (int(x.moves.sum()) - moves0) if x is not None else 0
+            if profile is not None:
+                from prefill import profile_run
+
+                def more(replay=replay, x=x, model=model, engine=engine) -> None:   # the replay, further along
+                    for s in range(warmup + steps, warmup + steps + 16):
+                        for i in range(batch):
+                            ids = trace[kinds[i % len(kinds)]]
+                            replay.buf[:, i].copy_(torch.from_numpy(ids[(s + 997 * (i // len(kinds))) % len(ids)]))
+                        if moves and x is not None and s % interval == interval - 1:
+                            x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused)
+                        engine.step([(i, [100 + i]) for i in range(batch)])
+
+                profile_run(more, Path(f"{profile}_b{batch}.txt"), top=12)
         finally:
             K.route = replay.real_route
         # The decode layers must have taken the replay's routing (called eagerly or captured into the graphs, so
@@ -344,6 +360,8 @@ def main() -> int:
                     help="int4-experts: the routed experts kept as INT4 words and scales (as an INT4 checkpoint "
                          "loads with packed_experts on), tables and host reads at the packed size")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="16 more steps of every row under torch.profiler: kernels by GPU time to DIR, top 12 printed")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/expert_offload.py needs a CUDA device")
@@ -364,11 +382,13 @@ def main() -> int:
     print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
           f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17}")
     base: dict[int, float] = {}
-    for share in (float(s) for s in args.shares.split(",")):
+    for row, share in enumerate(float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
         for policy in ([None] + policies if cold else [None]):
             moves = policy is not None
-            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant):
+            name = f"row{row}_share{share:g}_{'moves' + ':'.join(f'{v:g}' for v in policy) if moves else 'nomoves'}"
+            prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None

@@ -29,6 +29,9 @@ want() { [[ $steps == *" $1 "* ]]; }
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# the host's NUMA layout and the GPU's affinity: pinned host memory on the far node makes every host read slower
+# (issue 16's run-to-run spread of the 10% row, h200-21)
+{ lscpu | grep -i numa; nvidia-smi topo -m; } > "$out/topology.txt" 2>&1
 # name=env settings for one served run; "base" is the build's defaults
 declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]="MOEPIPE_DEVICE_SAMPLING=1"
                    [nographs]="MOEPIPE_CUDA_GRAPHS=0" [noplegraph]="MOEPIPE_PLE_GRAPH=0"
@@ -136,7 +139,7 @@ if want offload_int4; then   # issues 16 + 17: INT4 experts kept packed in exper
     --layers "${OFFLOAD_LAYERS:-16}" --shares "${OFFLOAD_INT4_SHARES:-0,0.1,0.25}" \
     --policies "${OFFLOAD_INT4_POLICIES:-1:128:0.5}" --batch 1,4 --out "$out/expert_offload_int4.json" \
     --warmup "${OFFLOAD_WARMUP:-128}" --steps "${OFFLOAD_STEPS:-384}" \
-    > "$out/expert_offload_int4.log" 2>&1
+    ${OFFLOAD_PROFILE:+--profile "$out/offload_prof"} > "$out/expert_offload_int4.log" 2>&1
   tail -14 "$out/expert_offload_int4.log"
 fi
 if want vram_int4; then   # issues 16 + 17: the whole full shape (48 layers) with INT4 experts under --vram-limit
