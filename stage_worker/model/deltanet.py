@@ -57,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(T, self.nv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if batch.batched_prefill:
+        if batch.batched_prefill and not batch.is_decode:    # (a decode step keeps the graph-safe path below)
             out = self._prefill_batched(x, mixed, g, beta, batch, state)
             return self.out_proj(self.norm(out, z).reshape(T, -1))
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
