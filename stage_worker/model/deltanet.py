@@ -111,13 +111,13 @@ class GatedDeltaNet(nn.Module):
         work, per sequence. Returns [T, nv, dv] in x's dtype."""
         rg = batch.ragged()
         slots = batch.device_slots()
-        tails = fresh_masked(state.conv[slots], batch.context_lens).transpose(1, 2)          # [B, k-1, C]
+        tails = fresh_masked(state.conv[slots], rg).transpose(1, 2)          # [B, k-1, C]
         conv, new_tails = ragged_causal_conv(mixed, tails, self.conv1d.weight, 1, rg)
         state.conv[slots] = new_tails.transpose(1, 2)
         conv = F.silu(conv)
         # A copy (advanced indexing), not a view: the state is overwritten below, and training (tools/train_demo.py's
         # agent examples continue a cached prefix) needs the value it read for the backward pass.
-        init = fresh_masked(state.recurrent[slots], batch.context_lens)
+        init = fresh_masked(state.recurrent[slots], rg)
         fla = self._fla_rule("chunk") if (self.kernels.deltanet and conv.is_cuda) else None
         padded = rg.num_seqs * rg.max_len
         if padded == x.shape[0] or (fla is None and padded <= 2 * x.shape[0]):

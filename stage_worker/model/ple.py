@@ -48,7 +48,7 @@ class PLEBranch(nn.Module):
             return r[:, 0]
         if batch.batched_prefill:
             slots = batch.device_slots()
-            ctx = fresh_masked(state.context[slots], batch.context_lens, self.spec.eos_token_id)
+            ctx = fresh_masked(state.context[slots], batch.ragged(), self.spec.eos_token_id)
             rows, new_ctx = ngram_rows_torch_flat(self.spec, ctx, batch.token_ids, batch.ragged().cu_seqlens)
             state.context[slots] = new_ctx
             return rows
@@ -96,7 +96,7 @@ class PLEBranch(nn.Module):
             return F.silu((taps * self.conv1d.weight[:, 0, :].T[None]).sum(1))
         if batch.batched_prefill:
             slots = batch.device_slots()
-            tails = fresh_masked(state.conv[slots], batch.context_lens)                 # [B, tail, W]
+            tails = fresh_masked(state.conv[slots], batch.ragged())                 # [B, tail, W]
             y, new_tails = ragged_causal_conv(x, tails, self.conv1d.weight, self.dilation, batch.ragged())
             state.conv[slots] = new_tails
             return F.silu(y)

@@ -29,10 +29,14 @@ class Ragged:
     host_cu: torch.Tensor       # the same on the host (its `cu_seqlens_cpu`: chunk indices without a device sync)
     max_len: int
     host_lens: np.ndarray       # [B] int64, tokens each sequence feeds
+    # [B] bool on the device: the sequences with context (their state is read); None when all have or none has
+    continues: torch.Tensor | None = None
+    all_new: bool = False
     _windows: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, seq_lens: list[int], device: torch.device) -> "Ragged":
+    def build(cls, seq_lens: list[int], device: torch.device, context_lens: list[int] | None = None) -> "Ragged":
+        """`context_lens` (default: every sequence continues) says which sequences start from a fresh state."""
         lens = np.asarray(seq_lens, dtype=np.int64)
         B, L = len(lens), int(lens.max()) if len(lens) else 0
         cu = np.concatenate([[0], np.cumsum(lens)])
@@ -40,21 +44,34 @@ class Ragged:
         pad = np.where(j < lens[:, None], cu[:-1, None] + j, cu[-1])
         unpad = np.concatenate([b * L + np.arange(n, dtype=np.int64) for b, n in enumerate(lens)]) if B else \
             np.zeros(0, dtype=np.int64)
+        fresh = [c == 0 for c in context_lens] if context_lens is not None else [False] * B
+        continues = None if all(fresh) or not any(fresh) else \
+            to_device([not f for f in fresh], torch.bool, device)
         return cls(to_device(torch.from_numpy(pad), torch.long, device),
                    to_device(torch.from_numpy(unpad), torch.long, device),
-                   to_device(torch.from_numpy(cu), torch.long, device), torch.from_numpy(cu), L, lens)
+                   to_device(torch.from_numpy(cu), torch.long, device), torch.from_numpy(cu), L, lens,
+                   continues, bool(fresh) and all(fresh))
 
     @property
     def num_seqs(self) -> int:
         return self.pad_index.shape[0]
 
+    @property
+    def uniform(self) -> bool:
+        """Every sequence of one length: padding is a reshape (one prompt, training windows)."""
+        return self.num_seqs * self.max_len == len(self.unpad_index)
+
     def pad(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """[T, ...] -> [B, Lmax, ...], `fill` past each sequence's end."""
+        if self.uniform:
+            return x.view(self.num_seqs, self.max_len, *x.shape[1:])
         extra = x.new_full((1, *x.shape[1:]), fill)
         return torch.cat([x, extra])[self.pad_index]
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[B, Lmax, ...] -> [T, ...]."""
+        if self.uniform:
+            return y.reshape(-1, *y.shape[2:])
         return y.flatten(0, 1)[self.unpad_index]
 
     def windows(self, tail: int, kernel: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +111,12 @@ def ragged_causal_conv(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tenso
     return y, src[new_tails].view(B, tail, C)
 
 
-def fresh_masked(state_rows: torch.Tensor, context_lens: list[int], fill: float = 0) -> torch.Tensor:
+def fresh_masked(state_rows: torch.Tensor, ragged: Ragged, fill: float = 0) -> torch.Tensor:
     """`state_rows` [B, ...] with the rows of new sequences (no context) set to `fill` (their initial state):
     their slots may hold a finished request's values (or NaN garbage, which a multiply by zero would keep)."""
-    if all(c > 0 for c in context_lens):
+    if ragged.all_new:
+        return torch.full_like(state_rows, fill)
+    if ragged.continues is None:
         return state_rows
-    keep = torch.tensor([c > 0 for c in context_lens], device=state_rows.device)
-    return torch.where(keep.view(-1, *([1] * (state_rows.dim() - 1))), state_rows, torch.full_like(state_rows, fill))
+    keep = ragged.continues.view(-1, *([1] * (state_rows.dim() - 1)))
+    return torch.where(keep, state_rows, torch.full_like(state_rows, fill))
