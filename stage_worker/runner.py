@@ -162,6 +162,7 @@ class StageRunner:
             log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows "
                      "(ple_launch_ahead)", index)
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
+        self._timeout_logged = False
         self.ple_wait_timeouts = CounterReadback(self.ple_mailbox.timed_out) if self.ple_mailbox else None
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
         self._host_tokens: dict[tuple[str, int], int] = {}      # (request, position) -> sampled token, for those
@@ -420,6 +421,13 @@ class StageRunner:
             self.row_cache_reads.snapshot()
         if self.ple_wait_timeouts is not None and self.launches % 16 == 0:
             self.ple_wait_timeouts.snapshot()
+            if self.ple_wait_timeouts.last and self.ple_wait_timeouts.last[0] and not self._timeout_logged:
+                from stage_worker.kernels.host_wait import MAX_SPINS
+
+                self._timeout_logged = True
+                log.error("stage %d: a decode graph gave up waiting for its PLE rows (ple_launch_ahead): the host "
+                          "did not publish them within %d polls; that step's tokens are wrong. Turn "
+                          "MOEPIPE_PLE_LAUNCH_AHEAD=0 and report it", self.index, MAX_SPINS)
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
