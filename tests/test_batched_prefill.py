@@ -5,6 +5,8 @@ path against the sparse loop, values and gradients."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -109,11 +111,11 @@ def test_ragged_steps_batched_match_the_per_sequence_loop(tiny_checkpoint, devic
 
 
 def test_ragged_conv_equals_each_sequence_alone():
-    """The padded conv against a conv over each sequence's own tail + tokens; tails from random state, and a
-    sequence of one token; with dilation (PLE's) and without (DeltaNet's)."""
+    """The conv of a step against a conv over each sequence's own tail + tokens; tails from random state; lengths
+    that differ (gathered windows, a sequence of one token among them) and one length (the plain conv); with
+    dilation (PLE's) and without (DeltaNet's)."""
     g = torch.Generator().manual_seed(0)
-    lens = [5, 1, 12, 3]
-    for kernel, dilation in ((4, 1), (3, 2)):
+    for lens, (kernel, dilation) in itertools.product(([5, 1, 12, 3], [7, 7], [9]), ((4, 1), (3, 2))):
         tail = dilation * (kernel - 1)
         x = torch.randn(sum(lens), 6, generator=g)
         tails = torch.randn(len(lens), tail, 6, generator=g)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from stage_worker.host_copy import to_device
 
@@ -102,9 +103,14 @@ def ragged_causal_conv(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tenso
     """Depthwise causal conv1d of each sequence's tokens after its tail (the tokens before, zeros for a new one).
 
     x [T, C] flat tokens; tails [B, tail, C] with tail = dilation * (kernel - 1), in the state's dtype; weight
-    [C, 1, kernel]. Returns (y [T, C] in x's dtype, before any activation; new tails [B, tail, C]). Each token's
-    window is gathered from its own sequence's tail and tokens: no padding, T x kernel rows whatever the lengths."""
+    [C, 1, kernel]. Returns (y [T, C] in x's dtype, before any activation; new tails [B, tail, C]). Sequences of
+    different lengths: each token's window is gathered from its own sequence's tail and tokens (no padding, T x
+    kernel rows whatever the lengths)."""
     B, tail, C = tails.shape
+    if ragged.uniform:       # one length (one prompt's chunk): the plain conv over [B, C, tail + L], 1/kernel the bytes
+        seq = torch.cat([tails, ragged.pad(x).to(tails.dtype)], dim=1)
+        y = F.conv1d(seq.transpose(1, 2).to(x.dtype), weight, groups=C, dilation=dilation)
+        return ragged.unpad(y.transpose(1, 2)), seq[:, seq.shape[1] - tail:]
     taps, new_tails = ragged.windows(tail, weight.shape[-1], dilation)
     src = torch.cat([tails.reshape(B * tail, C), x.to(tails.dtype)])
     y = (src[taps].to(x.dtype) * weight[:, 0, :].T[None]).sum(1)
