@@ -252,14 +252,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
+def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny, tmp_path):
     """With restarts off (--restart-limit 0; tests/test_self_healing.py has them on): the dead stage is reported."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # the cluster's output to a file (a pipe nobody reads can fill and stall it), shown if the test fails: one
+    # loaded run (2026-12-04) found the gateway gone after the stage's kill, with nothing to say why
+    out = open(tmp_path / "cluster.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny), "--stages", "2",
-                                 "--port", str(port), "--restart-limit", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE,
-                                text=True)
+                                 "--port", str(port), "--restart-limit", "0"], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(url)
         children = _children(launcher.pid)
@@ -299,12 +301,17 @@ def test_killed_stage_is_reported_and_sigterm_leaves_no_process(tiny):
         launcher.wait(timeout=20)
         time.sleep(0.5)
         assert not [p for p in children if _alive(p)]
+    except BaseException:
+        out.flush()
+        print((tmp_path / "cluster.log").read_text()[-6000:], file=sys.stderr)
+        raise
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
         for p in _children(launcher.pid):
             os.kill(p, signal.SIGKILL)
+        out.close()
 
 
 def test_malformed_messages_never_take_a_process_down(cluster, tiny):
