@@ -47,9 +47,13 @@ class PLEBranch(nn.Module):
             state.context[slots] = new_ctx
             return r[:, 0]
         if batch.batched_prefill:
-            slots = batch.device_slots()
-            ctx = fresh_masked(state.context[slots], batch.ragged(), self.spec.eos_token_id)
-            rows, new_ctx = ngram_rows_torch_flat(self.spec, ctx, batch.token_ids, batch.ragged().cu_seqlens)
+            slots, rg = batch.device_slots(), batch.ragged()
+            ctx = fresh_masked(state.context[slots], rg, self.spec.eos_token_id)
+            if rg.uniform:                     # one length: the [B, L] form, fewer launches than the flat one
+                rows, new_ctx = ngram_rows_torch(self.spec, ctx, rg.pad(batch.token_ids))
+                rows = rg.unpad(rows)
+            else:
+                rows, new_ctx = ngram_rows_torch_flat(self.spec, ctx, batch.token_ids, rg.cu_seqlens)
             state.context[slots] = new_ctx
             return rows
         out = []
