@@ -120,7 +120,7 @@ def test_ragged_conv_equals_each_sequence_alone():
         x = torch.randn(sum(lens), 6, generator=g)
         tails = torch.randn(len(lens), tail, 6, generator=g)
         w = torch.randn(6, 1, kernel, generator=g)
-        rg = Ragged.build(lens, torch.device("cpu"))
+        rg = Ragged(lens, torch.device("cpu"))
         y, new = ragged_causal_conv(x, tails, w, dilation, rg)
         start = 0
         for b, n in enumerate(lens):

@@ -105,7 +105,7 @@ class StepBatch:
     def ragged(self) -> Ragged:
         """The step's padding indices (`stage_worker/model/ragged.py`), built once per step and shared by layers."""
         if getattr(self, "_ragged", None) is None:
-            self._ragged = Ragged.build(self.seq_lens, self.token_ids.device, self.context_lens)
+            self._ragged = Ragged(self.seq_lens, self.token_ids.device, self.context_lens)
         return self._ragged
 
     def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:

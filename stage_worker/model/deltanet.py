@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
     def _prefill_batched(self, x: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
         """Every sequence of a step that is not a pure decode, whatever their lengths and contexts, in one call each
-        for the short conv (`ragged.py`: each token's window gathered from its own sequence) and the delta rule:
+        for the short conv (`ragged.ragged_causal_conv`) and the delta rule:
         sequences of one length (one prompt, training windows) as a [B, L] batch; different lengths on a GPU through
         flash-linear-attention's varlen kernel (`cu_seqlens`, a state per sequence), on the CPU padded (g and beta
         zero past a sequence's end leave its state exactly as it was) or, when padding would more than double the
@@ -119,8 +119,7 @@ class GatedDeltaNet(nn.Module):
         # agent examples continue a cached prefix) needs the value it read for the backward pass.
         init = fresh_masked(state.recurrent[slots], rg)
         fla = self._fla_rule("chunk") if (self.kernels.deltanet and conv.is_cuda) else None
-        padded = rg.num_seqs * rg.max_len
-        if padded == x.shape[0] or (fla is None and padded <= 2 * x.shape[0]):
+        if rg.uniform or (fla is None and rg.num_seqs * rg.max_len <= 2 * x.shape[0]):
             o, s = self._delta_rule(rg.pad(conv), rg.pad(g), rg.pad(beta), init)
             o = rg.unpad(o)
         elif fla is not None:

@@ -99,9 +99,9 @@ class PLEBranch(nn.Module):
             taps = seq[:, :: self.dilation].to(x.dtype)                                       # [B, kernel, W]
             return F.silu((taps * self.conv1d.weight[:, 0, :].T[None]).sum(1))
         if batch.batched_prefill:
-            slots = batch.device_slots()
-            tails = fresh_masked(state.conv[slots], batch.ragged())                 # [B, tail, W]
-            y, new_tails = ragged_causal_conv(x, tails, self.conv1d.weight, self.dilation, batch.ragged())
+            slots, rg = batch.device_slots(), batch.ragged()
+            tails = fresh_masked(state.conv[slots], rg)                              # [B, tail, W]
+            y, new_tails = ragged_causal_conv(x, tails, self.conv1d.weight, self.dilation, rg)
             state.conv[slots] = new_tails
             return F.silu(y)
         out = torch.empty_like(x)

@@ -1,17 +1,17 @@
 """A step's sequences of different lengths in batched calls: the causal short convolutions with a per-sequence tail
-state that DeltaNet and PLE run (gathered windows, no padding), and a padded [B, Lmax] view for what needs one
+state that DeltaNet and PLE run (no padding across lengths), and a padded [B, Lmax] view for what needs one
 (attention over new prompts, the CPU delta rule).
 
 Why: a prefill step of several prompts looped over its sequences in each layer, ~15 kernel launches a sequence a
 DeltaNet layer. Prefill of short prompts is launch-bound on the host (h200-21: four prompts of 8-11 tokens, 20
 layers, 5,418 kernels and 24 ms of GPU time in a 0.17 s step; one prompt 2,413 kernels, 0.08 s), so a burst of
-chats paid for its sequence count in time to first token. The index tensors are built once per step on the host
-(`StepBatch.ragged`) and copied over with the step's other metadata.
+chats paid for its sequence count in time to first token. The index tensors are built on the host once per step
+(`StepBatch.ragged`), each only if a layer uses it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
 
 import numpy as np
 import torch
@@ -20,47 +20,45 @@ import torch.nn.functional as F
 from stage_worker.host_copy import to_device
 
 
-@dataclass
 class Ragged:
-    """Index tensors between the flat [T, ...] layout and the padded [B, Lmax, ...] one."""
+    """A step's sequence lengths, and the index tensors between the flat [T, ...] layout and the padded
+    [B, Lmax, ...] one, each built on the device only when a layer first asks for it (a one-length step needs
+    none: padding is a reshape)."""
 
-    pad_index: torch.Tensor     # [B, Lmax] int64: flat token row, or T (a zero row appended) past a sequence's end
-    unpad_index: torch.Tensor   # [T] int64: b * Lmax + j of each flat token
-    cu_seqlens: torch.Tensor    # [B + 1] int64 on the device (flash-linear-attention's varlen argument)
-    host_cu: torch.Tensor       # the same on the host (its `cu_seqlens_cpu`: chunk indices without a device sync)
-    max_len: int
-    host_lens: np.ndarray       # [B] int64, tokens each sequence feeds
-    # [B] bool on the device: the sequences with context (their state is read); None when all have or none has
-    continues: torch.Tensor | None = None
-    all_new: bool = False
-    _windows: dict = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def build(cls, seq_lens: list[int], device: torch.device, context_lens: list[int] | None = None) -> "Ragged":
+    def __init__(self, seq_lens: list[int], device: torch.device, context_lens: list[int] | None = None) -> None:
         """`context_lens` (default: every sequence continues) says which sequences start from a fresh state."""
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        B, L = len(lens), int(lens.max()) if len(lens) else 0
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        j = np.arange(L, dtype=np.int64)[None, :]
-        pad = np.where(j < lens[:, None], cu[:-1, None] + j, cu[-1])
-        unpad = np.concatenate([b * L + np.arange(n, dtype=np.int64) for b, n in enumerate(lens)]) if B else \
-            np.zeros(0, dtype=np.int64)
-        fresh = [c == 0 for c in context_lens] if context_lens is not None else [False] * B
-        continues = None if all(fresh) or not any(fresh) else \
+        self.device = device
+        self.host_lens = np.asarray(seq_lens, dtype=np.int64)                   # [B] tokens each sequence feeds
+        self.host_cu = torch.from_numpy(np.concatenate([[0], np.cumsum(self.host_lens)]))   # [B + 1], on the host
+        self.num_seqs = len(self.host_lens)
+        self.max_len = int(self.host_lens.max()) if self.num_seqs else 0
+        self.uniform = self.num_seqs * self.max_len == int(self.host_cu[-1])    # padding is a reshape
+        fresh = [c == 0 for c in context_lens] if context_lens is not None else [False] * self.num_seqs
+        self.all_new = bool(fresh) and all(fresh)
+        # [B] bool on the device: the sequences with context (their state is read); None when all have or none has
+        self.continues = None if all(fresh) or not any(fresh) else \
             to_device([not f for f in fresh], torch.bool, device)
-        return cls(to_device(torch.from_numpy(pad), torch.long, device),
-                   to_device(torch.from_numpy(unpad), torch.long, device),
-                   to_device(torch.from_numpy(cu), torch.long, device), torch.from_numpy(cu), L, lens,
-                   continues, bool(fresh) and all(fresh))
+        self._windows: dict = {}
 
-    @property
-    def num_seqs(self) -> int:
-        return self.pad_index.shape[0]
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[B + 1] int64 on the device (flash-linear-attention's varlen argument; `host_cu` its `cu_seqlens_cpu`)."""
+        return to_device(self.host_cu, torch.long, self.device)
 
-    @property
-    def uniform(self) -> bool:
-        """Every sequence of one length: padding is a reshape (one prompt, training windows)."""
-        return self.num_seqs * self.max_len == len(self.unpad_index)
+    @functools.cached_property
+    def pad_index(self) -> torch.Tensor:
+        """[B, Lmax] int64: flat token row, or T (a zero row appended) past a sequence's end."""
+        cu, lens = self.host_cu.numpy(), self.host_lens
+        j = np.arange(self.max_len, dtype=np.int64)[None, :]
+        return to_device(torch.from_numpy(np.where(j < lens[:, None], cu[:-1, None] + j, cu[-1])), torch.long,
+                         self.device)
+
+    @functools.cached_property
+    def unpad_index(self) -> torch.Tensor:
+        """[T] int64: b * Lmax + j of each flat token."""
+        rows = [b * self.max_len + np.arange(n, dtype=np.int64) for b, n in enumerate(self.host_lens)]
+        return to_device(torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)),
+                         torch.long, self.device)
 
     def pad(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """[T, ...] -> [B, Lmax, ...], `fill` past each sequence's end."""
@@ -82,8 +80,7 @@ class Ragged:
         key = (tail, kernel, dilation)
         cached = self._windows.get(key)
         if cached is None:
-            lens = self.host_lens
-            B, cu = len(lens), np.concatenate([[0], np.cumsum(lens)])
+            lens, B, cu = self.host_lens, self.num_seqs, self.host_cu.numpy()
             seq = np.repeat(np.arange(B), lens)
             local = np.arange(int(cu[-1])) - cu[seq]
 
@@ -92,7 +89,7 @@ class Ragged:
 
             taps = rows(seq[:, None], local[:, None] + np.arange(kernel)[None, :] * dilation)
             tails = rows(np.arange(B)[:, None], lens[:, None] + np.arange(tail)[None, :])
-            dev = self.pad_index.device
+            dev = self.device
             cached = self._windows[key] = (to_device(torch.from_numpy(taps.astype(np.int64)), torch.long, dev),
                                            to_device(torch.from_numpy(tails.astype(np.int64)), torch.long, dev))
         return cached
