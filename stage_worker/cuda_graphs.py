@@ -153,14 +153,15 @@ class DecodeGraphs:
             g.tables[n:].fill_(self.scratch_block)
             g.lens[n:].fill_(2)
             g.slots[n:].fill_(self.scratch_slot)
-        if self.mailbox is not None:
+        if self.mailbox is not None:                    # the graph copies the rows once the host has them
             self.mailbox.expected.fill_(wait_seq)
-        for i, buf in (g.ple_rows.items() if self.mailbox is None else ()):
-            rows = batch.ple_rows.get(i)
-            if rows is None:                            # no PLE service: the stage gathers the rows itself
-                rows = self.ple[i].decode_embeddings(batch, self.cache.ple[i])
-            buf[:n].copy_(rows, non_blocking=True)
-            buf[n:].zero_()
+        else:
+            for i, buf in g.ple_rows.items():
+                rows = batch.ple_rows.get(i)
+                if rows is None:                        # no PLE service: the stage gathers the rows itself
+                    rows = self.ple[i].decode_embeddings(batch, self.cache.ple[i])
+                buf[:n].copy_(rows, non_blocking=True)
+                buf[n:].zero_()
         if g.hidden_in is not None:
             g.hidden_in[:n].copy_(hidden, non_blocking=True)
         if self.valid is not None:

@@ -47,19 +47,25 @@ class DecodeRowGather:
         # of hashing and gathering on a slow CPU alone, so the rest (the contexts' read-back, the pinned copy) is
         # what a served profile should show.
         with phase("ple.contexts"):
-            contexts = self.contexts.cpu().numpy()[slots]
-        tokens = np.asarray(token_ids, dtype=np.int64)
+            contexts = self.contexts.cpu().numpy()
         out = {}
-        for layer, branch in self.branches.items():
-            with phase("ple.hash"):
-                rows, _ = ngram_rows_numpy_batch(branch.spec, contexts, tokens)
-            with phase("ple.gather"):
-                emb = branch.table.gather(torch.from_numpy(rows))
+        for layer, emb in self._host_rows(contexts, slots, token_ids):
             with phase("ple.to_device"):
                 out[layer] = to_device(emb, emb.dtype, self.device)
         self.steps += 1
         self.seconds += time.perf_counter() - t0
         return out
+
+    def _host_rows(self, contexts: np.ndarray, slots: list[int], token_ids: list[int]):
+        """(layer, rows [B, heads, head_dim] on the host) of each PLE layer, hashed against `contexts` (every
+        slot's, as a host array)."""
+        contexts = contexts[slots]
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for layer, branch in self.branches.items():
+            with phase("ple.hash"):
+                rows, _ = ngram_rows_numpy_batch(branch.spec, contexts, tokens)
+            with phase("ple.gather"):
+                yield layer, branch.table.gather(torch.from_numpy(rows))
 
     def publish(self, box: "PleMailbox", slots: list[int], token_ids: list[int], seq: int) -> None:
         """`ple_launch_ahead`: the rows of a step already launched (its graph waiting in `host_wait`), hashed against
@@ -69,11 +75,8 @@ class DecodeRowGather:
         (that step's tokens are then wrong; the error propagates to the caller)."""
         t0 = time.perf_counter()
         try:
-            contexts = box.contexts.numpy()[slots]
-            tokens = np.asarray(token_ids, dtype=np.int64)
-            for li, branch in enumerate(self.branches.values()):
-                rows, _ = ngram_rows_numpy_batch(branch.spec, contexts, tokens)
-                box.rows[: len(slots), li].copy_(branch.table.gather(torch.from_numpy(rows)))
+            for li, (_, emb) in enumerate(self._host_rows(box.contexts.numpy(), slots, token_ids)):
+                box.rows[: len(slots), li].copy_(emb)
         finally:
             box.flag[0] = seq
             self.steps += 1
