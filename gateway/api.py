@@ -532,13 +532,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             else:
                 srv.check_ids(prompt, "prompt")
                 prompt_ids, prompt_text = list(prompt), None
-            if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained
-                if req.echo and prompt_text is None:
-                    prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
-                prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
-            max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
             if req.echo and prompt_text is None:
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
+            if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained (echo: the prompt)
+                prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
+            max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
             for j in range(n):
                 index = i * n + j
                 gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
