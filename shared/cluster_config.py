@@ -87,7 +87,7 @@ class ClusterConfig:
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     launch_ahead: bool = True                   # one stage: a decode step is queued on the GPU before the previous
                                                 # step's tokens reach the host (its ids read on the device)
-    ple_launch_ahead: bool = False              # ... on a stage holding PLE layers too: its graph waits on the device
+    ple_launch_ahead: bool = True               # ... on a stage holding PLE layers too: its graph waits on the device
                                                 # for the rows the host gathers once the token is in (host_wait.py)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)

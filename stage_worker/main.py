@@ -88,7 +88,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         try:
             seconds = warm_up(model, runner.cache, block_size=cluster.block_size,
                               scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
-                              race_kernel=getattr(getattr(model, "kernel_flags", None), "sample_race", False))
+                              race_kernel=getattr(getattr(model, "kernel_flags", None), "sample_race", False),
+                              batched_prefill=cluster.batched_prefill)
             if runner.own_decode_rows is not None:
                 # the stage's own decode-row gather once (the scratch slot's context): h200-21 measured the first
                 # request at 1.06 s against 0.08 s for the next, 0.44 s of it this gather's first call (a dummy

@@ -7,7 +7,11 @@ first request of each served run). Here one prefill of a scratch sequence runs e
 (and, on the last stage, the logits and the sampler's plain-temperature, top-k/top-p, penalty and greedy paths), on
 the scratch slot and KV block that CUDA-graph padding already uses, so no request's state is touched. Two lengths:
 Triton specialises integer arguments on divisibility by 16, so a multiple of 16 and a length that is not compile
-different kernels.
+different kernels. Then, with `batched_prefill`, two prompts in one step at different lengths and at one length:
+the ragged path's own kernels (flash-linear-attention's varlen chunk kernels, the gathered conv windows), which a
+first burst of concurrent prompts otherwise compiles while its requests wait (h200-22 call 1: 37.5 s time to
+first token for the first four-prompt burst of a fresh machine, 0.15 s after). Both prompts of such a step share
+the scratch slot and block: their state and K/V writes collide there, which no request reads.
 """
 
 from __future__ import annotations
@@ -22,21 +26,30 @@ from stage_worker.model.batch import StepBatch
 
 
 @torch.inference_mode()
-def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: int, race_kernel: bool) -> float:
+def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: int, race_kernel: bool,
+            batched_prefill: bool = True) -> float:
     """Run the prefill path (and on a stage with the head, the sampler) once per warm-up length on the scratch
-    slot and block; returns the seconds it took. The lengths fit the one scratch block."""
+    slot and block, then (`batched_prefill`) two-prompt steps; returns the seconds it took. Every length fits the
+    one scratch block."""
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     ple = {int(i): layer.ple for i, layer in model.layers.items() if getattr(layer, "ple", None) is not None}
-    for n in sorted({block_size, max(1, block_size - 3)}):
-        batch = StepBatch.build([(list(range(10, 10 + n)), 0, scratch_slot, [scratch_block])], block_size, dev)
+    lengths = sorted({block_size, max(1, block_size - 3)})
+    steps = [[n] for n in lengths]
+    if batched_prefill:
+        steps += [[lengths[-1], max(1, block_size - 5)], [lengths[0], lengths[0]]]
+    for lens in steps:
+        n = sum(lens)
+        seqs = [(list(range(10, 10 + k)), 0, scratch_slot, [scratch_block]) for k in lens]
+        batch = StepBatch.build(seqs, block_size, dev)
+        batch.batched_prefill = batched_prefill
         batch.ple_rows = {i: torch.zeros(n, p.heads, p.head_dim, dtype=dtype, device=dev) for i, p in ple.items()}
         hidden = None
         if not model.has_embedding:
             hidden = torch.zeros(n, model.stream_width, dtype=dtype, device=dev)
         out = model(batch, cache, hidden)
-        if model.has_head:
+        if model.has_head and len(lens) == 1:
             _warm_sampler(model.logits(out, batch).float(), scratch_slot, race_kernel)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
