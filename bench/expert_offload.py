@@ -19,7 +19,8 @@ token's ten moves to the next free id). So the skew and the temporal locality ar
 runs (its cost is paid), its ids are then overwritten with the replay (mapped to slots through the table's current
 slot map, so moves see the replay) and counted; the all-in-VRAM baseline does the same ops on an identity map.
 
-Moves run as the server runs them (`StageExperts.move_round`, one policy per `--policies` entry). Each configuration
+Moves run as the server runs them (`StageExperts.move_round`, one policy per `--policies` entry; `expert_move_fused`
+and `expert_move_graph` from the environment), and a step's time includes the round before it. Each configuration
 is a fresh model (dummy weights generated on the GPU; the cold rows copied to pinned host memory once). Prints a
 table and writes JSON.
 """
@@ -215,8 +216,7 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
         tokens.append(t)
         logprobs.append(float(lp[t]))
         if moves and model.experts is not None:
-            model.experts.move_round(gates(model), 0.5, 0.0,
-                                     fused=_move_fused())
+            model.experts.move_round(gates(model), 0.5, 0.0, fused=_move_fused(), graph=_move_graph())
         logits = engine.step([(0, [t])])[-1]
     out = {"tokens": tokens, "logprobs": logprobs}
     if model.experts is not None:
@@ -231,8 +231,13 @@ def _move_fused() -> bool:
     return bool(env_overrides().get("expert_move_fused", ClusterConfig.expert_move_fused))
 
 
+def _move_graph() -> bool:
+    """The server's `expert_move_graph` (MOEPIPE_EXPERT_MOVE_GRAPH=0: the fused round's launches one by one)."""
+    return bool(env_overrides().get("expert_move_graph", ClusterConfig.expert_move_graph))
+
+
 def _round_cols(r: dict) -> str:
-    """A move round's median host launch time and GPU span (outside the timed step), or '-' without moves."""
+    """A move round's median host launch time and GPU span (both inside the timed step), or '-' without moves."""
     if r["round_host_ms"] is None:
         return "-"
     return f"{r['round_host_ms']:.3f}/{r['round_gpu_ms']:.3f}"
@@ -247,7 +252,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = bool(env_overrides().get("expert_vmm_table", False))
-    fused = _move_fused()
+    fused, graphed = _move_fused(), _move_graph()
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm), cfg)
@@ -275,28 +280,32 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                 engine.step([(i, [11 + i] * 8)])
             reads0 = moves0 = 0
             times = []
-            round_host: list[float] = []          # host seconds to launch a move round (outside the timed step)
+            round_host: list[float] = []          # host seconds to launch a move round (inside the timed step)
             round_events: list[tuple] = []        # its GPU span (events around it), read after the run
             for s in range(warmup + steps):
                 for i in range(batch):
                     ids = trace[kinds[i % len(kinds)]]
                     row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
                     replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
-                if moves and x is not None and s % interval == interval - 1:
-                    r0, r1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t_host = time.perf_counter()
-                    r0.record()
-                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused)
-                    r1.record()
-                    if s >= warmup:
-                        round_host.append(time.perf_counter() - t_host)
-                        round_events.append((r0, r1))
                 if s == warmup:
                     torch.cuda.synchronize()
                     if x is not None:
                         reads0, moves0 = int(x.host_reads.sum()), int(x.moves.sum())
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                # The timed span holds the move round before the step (the server runs one between steps and pays
+                # its GPU time and launch gaps). Until h200-22 it started after the round: a round whose GPU work
+                # outlasted its launches then hid the step's own launch gap (batch 4 with moves measured faster than
+                # without), and at batch 1 the round's 0.42 ms was not counted.
                 start.record()
+                if moves and x is not None and s % interval == interval - 1:
+                    r0, r1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t_host = time.perf_counter()
+                    r0.record()
+                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused, graph=graphed)
+                    r1.record()
+                    if s >= warmup:
+                        round_host.append(time.perf_counter() - t_host)
+                        round_events.append((r0, r1))
                 engine.step([(i, [100 + i]) for i in range(batch)])
                 end.record()
                 torch.cuda.synchronize()
@@ -313,7 +322,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                             ids = trace[kinds[i % len(kinds)]]
                             replay.buf[:, i].copy_(torch.from_numpy(ids[(s + 997 * (i // len(kinds))) % len(ids)]))
                         if moves and x is not None and s % interval == interval - 1:
-                            x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused)
+                            x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused,
+                                         graph=graphed)
                         engine.step([(i, [100 + i]) for i in range(batch)])
 
                 profile_run(more, Path(f"{profile}_b{batch}.txt"), top=12)
@@ -335,6 +345,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
+                    "expert_move_graph": graphed, "step_includes_round": True,
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:

@@ -131,6 +131,9 @@ class ClusterConfig:
     # bit. On since h200-18 (full shape, INT4 experts, 10% in host RAM, a round every step): a round's GPU span 0.28
     # against 0.87 ms and its host launch 0.30 against 0.89 ms; the step after it 3.22 against 3.34 ms at batch 1.
     expert_move_fused: bool = True
+    # ... and replayed from a CUDA graph (one launch a round instead of ~6 Triton launches, 0.41 ms of host time at
+    # h200-22 with the GPU idle between them; StageExperts._capture)
+    expert_move_graph: bool = True
     # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
     # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the
     # kernels and moves take the same tensors (two views of the range). Where the driver refuses, one warning and the
@@ -381,7 +384,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
-        "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused",
+        "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused", "MOEPIPE_EXPERT_MOVE_GRAPH": "expert_move_graph",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_QKV": "packed_qkv",

@@ -414,7 +414,8 @@ class StageRunner:
         if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
             with phase("stage.expert_moves"):
                 self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin,
-                                        fused=self.cluster.expert_move_fused)
+                                        fused=self.cluster.expert_move_fused,
+                                        graph=self.cluster.expert_move_graph and self.graphs is not None)
         if self.experts is not None and self.launches % 16 == 0:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:

@@ -146,3 +146,37 @@ def test_fused_switch_is_a_cluster_key(monkeypatch):
     assert cc.ClusterConfig.__dataclass_fields__["expert_move_fused"].default is True
     monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_FUSED", "0")
     assert cc.env_overrides()["expert_move_fused"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_graphed_move_round_equals_the_fused_round():
+    """`move_round(fused=True, graph=True)` (`expert_move_graph`): the first round with given arguments runs eagerly
+    and captures, later ones replay; against the eager fused round on a copy of the stage, twelve rounds, the
+    policy changed once in the middle (a new capture). Decisions, counts, slot map, move counters and every row
+    equal bit for bit."""
+    policy = [(DECAY, 0.5)] * 6 + [(0.8, 0.0)] * 6
+    runs = {}
+    for graph in (False, True):
+        g = torch.Generator().manual_seed(7)
+        x, gates = _stage(g)
+        decs, states = [], []
+        for decay, margin in policy:
+            decs.append(x.move_round(gates, decay, margin, fused=True, graph=graph).clone())
+            states.append(_state(x, gates))
+            x.counts.add_((torch.rand(x.counts.shape, generator=g) * 3).to(DEV))
+        runs[graph] = (torch.stack(decs), states, x)
+    (dec0, states0, _), (dec1, states1, x1) = runs[False], runs[True]
+    assert _same(dec1, dec0) and dec0[:, :, 2].sum().item() >= 6
+    for r, (a, b) in enumerate(zip(states0, states1)):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert _same(v, u), (r, i)
+    assert x1._graph is not None and x1._graph[0][1:] == (0.8, 0.0)
+
+
+def test_graph_switch_is_a_cluster_key(monkeypatch):
+    from shared import cluster_config as cc
+
+    assert cc.ClusterConfig.__dataclass_fields__["expert_move_graph"].default is True
+    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_GRAPH", "0")
+    assert cc.env_overrides()["expert_move_graph"] is False
