@@ -131,10 +131,11 @@ def test_inject_kernel_matches_reference(dtype):
 
 @pytest.mark.parametrize("inject", [True, False], ids=["block", "final_mixer"])
 def test_module_entry_point(inject):
-    """`hc_mix_module` gives `GatedResidual.mix`, through the kernels at decode sizes and the reference above them;
+    """`hc_mix_module` gives `GatedResidual.mix`, through the kernels at decode sizes (and up to `EAGER_ROWS` outside
+    a graph capture) and the reference above them;
     with the module's flag on, `mix` itself (on CUDA) goes through it and must not come back."""
     module = _module(32, 4, 8, inject)
-    for rows in (2, K.DECODE_ROWS + 1):
+    for rows in (2, K.DECODE_ROWS + 1, K.EAGER_ROWS + 1):
         streams = _streams(rows, 128, torch.float32, seed=rows)
         with torch.no_grad():
             module.kernels = NONE
@@ -195,7 +196,7 @@ def fp32_matmul_reduction():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 64])
 def test_real_shapes_int8(rows):
     """Qwen4-Exp at decode with the reports' INT8 per-channel down / up: the kernels against the reference on the
     same packed weights."""
@@ -210,7 +211,7 @@ def test_real_shapes_int8(rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("inject", [True, False], ids=["block", "final_mixer"])
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_real_shapes_bf16(rows, inject, fp32_matmul_reduction):
     """Qwen4-Exp at decode: 4 streams of 2560, rank 320, bf16 weights and streams."""
     hidden, hc, rank = 2560, 4, 320

@@ -17,7 +17,8 @@ re-normalised the whole row before its first weight load, a chain of dependent l
 
 All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (the injection, normed, each Linear
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
-Sized for decode (T <= DECODE_ROWS): each row block re-reads the weights, so prefill-size batches take PyTorch.
+Sized for decode (T <= DECODE_ROWS; EAGER_ROWS outside graph capture): each row block re-reads the weights, so
+prefill-size batches take PyTorch.
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
 With the kernel flag `pdl` (`common.pdl_usable`) the four kernels are launched as programmatic dependents: P loads
 its norm weight before `common.pdl_wait`, A and B their first weight tile (B: the first stream's), the inject
@@ -47,6 +48,10 @@ if TYPE_CHECKING:   # the model will import this module behind its kernel flag: 
 # full-shape GatedResidual, whole mix inside a CUDA graph): kernels 9.7 / 17.6 / >= 87 us at 1 / 4 / 16 rows, the
 # PyTorch path 43.4 / 51.4 us at 1 / 4 rows; each row costs A and B a reduction per weight tile.
 DECODE_ROWS = 4
+# ... except outside a CUDA-graph capture (prefill chunks, steps that do not fit a graph): there each of the
+# PyTorch path's ~15 launches a mix costs host time that the kernels' weight re-reads do not (h200-22 call 5,
+# full shape 20 layers, four prompts of 11 tokens in one ragged step: 0.093 s with 4, 0.088 with 16, 0.078 with 64).
+EAGER_ROWS = 64
 
 # Launch tunables per row-count bucket (1, <=4, <=16): rows per program / K chunk / warps for A, H tile / R chunk /
 # warps for B. Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
@@ -325,12 +330,21 @@ def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) ->
     return y
 
 
+def _kernel_rows(streams: torch.Tensor) -> bool:
+    """Whether a mix of these rows takes the kernels: up to `DECODE_ROWS`, or `EAGER_ROWS` when no graph is being
+    captured (a captured PyTorch path costs no launches)."""
+    t = streams.shape[0]
+    if t <= DECODE_ROWS:
+        return True
+    return t <= EAGER_ROWS and not (streams.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`module.mix(streams)` of a `GatedResidual` through the kernels at decode sizes, through the PyTorch reference
-    above `DECODE_ROWS` rows or for packed weights the kernels do not read (not `module.mix`, which calls this
+    """`module.mix(streams)` of a `GatedResidual` through the kernels at decode sizes (`_kernel_rows`), through the
+    PyTorch reference above them or for packed weights the kernels do not read (not `module.mix`, which calls this
     function when its kernel flag is on)."""
     w = _module_weights(module)
-    mix = hc_mix if streams.shape[0] <= DECODE_ROWS and kernel_form(w[1]) and kernel_form(w[2]) else \
+    mix = hc_mix if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]) else \
         hyper_connection_ref.hc_mix
     return mix(streams, *w, module.hc, module.hc_norm.eps)
 
@@ -345,10 +359,10 @@ def _module_weights(module: GatedResidual) -> tuple:
 
 def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torch.Tensor,
                          weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`GatedResidual.inject` then `module.mix`, fused at decode sizes (reference above `DECODE_ROWS` rows, or for
+    """`GatedResidual.inject` then `module.mix`, fused at decode sizes (`_kernel_rows`; the reference above, or for
     packed weights the kernels do not read)."""
     w = _module_weights(module)
-    if streams.shape[0] <= DECODE_ROWS and kernel_form(w[1]) and kernel_form(w[2]):
+    if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
         return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps)
     streams = hyper_connection_ref.hc_inject(streams, out, weights)
     return (streams, *hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps))
