@@ -17,12 +17,12 @@ from stage_worker.model.cache import CacheSpec
 BS, SLOTS, BLOCKS = 16, 2, 6          # scratch: slot SLOTS, block BLOCKS (the cache has one more of each)
 
 
-def _run(models, warm: bool, calls: list) -> torch.Tensor:
+def _run(models, warm: bool, calls: list, device: str = "cpu") -> torch.Tensor:
     caches = [m.new_cache(CacheSpec(num_blocks=BLOCKS + 1, block_size=BS, num_slots=SLOTS + 1)) for m in models]
     prompt = list(range(20, 43))
 
     def step(tokens, ctx):
-        batch = StepBatch.build([(tokens, ctx, 0, [0, 1])], BS)
+        batch = StepBatch.build([(tokens, ctx, 0, [0, 1])], BS, device)
         hidden = None
         for m, c in zip(models, caches):
             hidden = m(batch, c, hidden)
@@ -52,3 +52,21 @@ def test_a_warm_up_leaves_every_request_state_alone(tiny_checkpoint, split, monk
     assert len(calls) == len(models) and all(s > 0 for s in calls)
     assert sampled == [4, 4]                      # the last stage sampled after each of its two prefill lengths
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_warm_up_runs_the_gpu_paths_and_leaves_state_alone(tiny_checkpoint):
+    """On the GPU with every kernel on: the warm-up's one-prompt and two-prompt (ragged: flash-linear-attention's
+    varlen kernels, two prompts on the one scratch slot) steps run without error, and a request decodes as it
+    would without them."""
+    from stage_worker.kernels.flags import KernelFlags
+
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(load_format="dummy", dtype=torch.bfloat16, device="cuda"), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    calls: list[float] = []
+    want = _run([model], False, calls, "cuda")
+    got = _run([model], True, calls, "cuda")
+    assert len(calls) == 1 and calls[0] > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)   # (a touched state: far more)
