@@ -3,6 +3,7 @@ expert bytes in pinned host memory, run-time moves on and off, at the full shape
 
     python bench/expert_offload.py --layers 16 --shares 0,0.1,0.25,0.5 --batch 1,4 --out bench/results/x.json
     python bench/expert_offload.py --quant int4-experts --shares 0,0.1,0.25 --policies 1:128:0.5 --out ...
+    python bench/expert_offload.py --simulate --shares 0,0.1 --policies 1:128:0.5,16:1024:2 --warmup 2048   # no GPU
 
 `--quant int4-experts`: the routed experts as an INT4 checkpoint's are kept (issue 17: words and group-128 scales,
 dummy values as the loader's dummy format makes them), the tables hold them at their packed size (2.53 MB an
@@ -356,6 +357,42 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     return out
 
 
+def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shares: list[float],
+             batches: list[int], policies: list[tuple], steps: int, warmup: int, read_us: float, move_us: float,
+             round_us: float, base_ms: dict[int, float]) -> list[dict]:
+    """`--simulate`: no GPU. The same cold sets, trace rows and streams as `run`, replayed by
+    `expert_cache_sim._replay_swap` (the server's swap policy; it reproduces the benchmark's reads and moves a token
+    exactly), and a step's time estimated with the serial model that fits the measured rows (h200-22 call 6): the
+    all-in-VRAM step plus each host read (read_us) plus each move (move_us: two PCIe copies of an expert) plus each
+    round's fixed GPU time (round_us)."""
+    from expert_cache_sim import Policy, _replay_swap
+
+    kinds = sorted(trace)
+    out = []
+    for share in shares:
+        cold = cold_sets(cfg, share, fit)
+        resident = np.ones((cfg.num_hidden_layers, cfg.num_experts), dtype=bool)
+        for layer, ids in cold.items():
+            resident[layer, ids] = False
+        for batch in batches:
+            rows = np.arange(warmup + steps)
+            ids = np.concatenate([trace[kinds[i % len(kinds)]][(rows + 997 * (i // len(kinds))) %
+                                                               len(trace[kinds[i % len(kinds)]])]
+                                  for i in range(batch)], axis=2)                  # [steps, layers, batch * top_k]
+            for policy in [None] + (policies if cold else []):
+                every, half_life, margin = policy or (1, 1e30, 1e30)
+                r = _replay_swap(ids, cfg.num_experts, resident,
+                                 Policy("swap", "swap", half_life=half_life, every=every, margin=margin), warmup)
+                reads = (1 - r["hit_rate"]) * ids.shape[1] * ids.shape[2] / batch        # a token
+                moves = r["moves_per_token"] * ids.shape[1]                                # a step
+                extra_ms = (reads * batch * read_us + moves * move_us + (round_us / every if policy else 0)) / 1e3
+                base = base_ms.get(batch)
+                out.append({"share": share, "batch": batch, "policy": policy, "host_reads_per_token": reads,
+                            "moves_per_step": moves, "extra_ms": extra_ms,
+                            "est_vs_all_in_vram": base / (base + extra_ms) if base else None})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="full-shape")
@@ -373,7 +410,16 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="16 more steps of every row under torch.profiler: kernels by GPU time to DIR, top 12 printed")
+    ap.add_argument("--simulate", action="store_true",
+                    help="no GPU: replay the policies on the trace and estimate each row from the costs below")
+    ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
+    ap.add_argument("--move-us", type=float, default=100.0, help="--simulate: one move's two PCIe copies")
+    ap.add_argument("--round-us", type=float, default=100.0, help="--simulate: a round's fixed GPU time")
+    ap.add_argument("--base-ms", default="1:3.59,4:4.76",
+                    help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
+    if args.simulate:
+        return _simulate_main(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench/expert_offload.py needs a CUDA device")
     raw = preset(args.preset)
@@ -389,7 +435,7 @@ def main() -> int:
           f"fused kernel): {cost['per_read_us']:.0f} us ({cost['gb_per_s']:.1f} GB/s)")
     results = []
     batches = [int(b) for b in args.batch.split(",")]
-    policies = [tuple(float(v) if i else int(v) for i, v in enumerate(p.split(":"))) for p in args.policies.split(",")]
+    policies = _policies(args.policies)
     print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
           f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17}")
     base: dict[int, float] = {}
@@ -431,6 +477,38 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "host_read": cost, "results": results}, indent=1))
         print(f"wrote {args.out}")
+    return 0
+
+
+
+def _policies(text: str) -> list[tuple[int, float, float]]:
+    return [tuple(float(v) if i else int(v) for i, v in enumerate(p.split(":"))) for p in text.split(",") if p]
+
+
+def _simulate_main(args) -> int:
+    """`--simulate`'s table (and JSON with --out)."""
+    raw = preset(args.preset)
+    raw.update(num_hidden_layers=args.layers, layer_types=raw["layer_types"][: args.layers])
+    raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= args.layers]
+    cfg = config_from_dict(raw)
+    trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok,
+                             args.warmup + args.steps + 1000)
+    fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
+    base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}
+    rows = simulate(cfg, trace, fit, [float(x) for x in args.shares.split(",")],
+                    [int(b) for b in args.batch.split(",")], _policies(args.policies), args.steps, args.warmup,
+                    args.read_us, args.move_us, args.round_us, base)
+    print(f"simulated (read {args.read_us:g} us, move {args.move_us:g} us, round {args.round_us:g} us; "
+          f"{args.warmup} warm-up + {args.steps} steps)")
+    print(f"{'host %':>7} {'batch':>5} {'moves':>11} {'reads/tok':>9} {'moves/step':>10} {'extra ms':>8} {'est %':>6}")
+    for r in rows:
+        pol = ":".join(f"{v:g}" for v in r["policy"]) if r["policy"] else "off"
+        est = f"{100 * r['est_vs_all_in_vram']:.1f}" if r["est_vs_all_in_vram"] else "-"
+        print(f"{100 * r['share']:>6.1f}% {r['batch']:>5} {pol:>11} {r['host_reads_per_token']:>9.2f} "
+              f"{r['moves_per_step']:>10.3f} {r['extra_ms']:>8.3f} {est:>6}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "simulated": True},
+                                              "results": rows}, indent=1))
     return 0
 
 
