@@ -4,6 +4,7 @@ expert bytes in pinned host memory, run-time moves on and off, at the full shape
     python bench/expert_offload.py --layers 16 --shares 0,0.1,0.25,0.5 --batch 1,4 --out bench/results/x.json
     python bench/expert_offload.py --quant int4-experts --shares 0,0.1,0.25 --policies 1:128:0.5 --out ...
     python bench/expert_offload.py --simulate --shares 0,0.1 --policies 1:128:0.5,16:1024:2 --warmup 2048   # no GPU
+    python bench/expert_offload.py ... --freeze-moves     # moves in the warm-up only: the reads' cost alone
 
 `--quant int4-experts`: the routed experts as an INT4 checkpoint's are kept (issue 17: words and group-128 scales,
 dummy values as the loader's dummy format makes them), the tables hold them at their packed size (2.53 MB an
@@ -245,7 +246,8 @@ def _round_cols(r: dict) -> str:
 
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
-        policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None) -> list[dict]:
+        policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
+        freeze: bool = False) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
@@ -298,7 +300,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                 # outlasted its launches then hid the step's own launch gap (batch 4 with moves measured faster than
                 # without), and at batch 1 the round's 0.42 ms was not counted.
                 start.record()
-                if moves and x is not None and s % interval == interval - 1:
+                if moves and x is not None and s % interval == interval - 1 and not (freeze and s >= warmup):
                     r0, r1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t_host = time.perf_counter()
                     r0.record()
@@ -322,7 +324,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                         for i in range(batch):
                             ids = trace[kinds[i % len(kinds)]]
                             replay.buf[:, i].copy_(torch.from_numpy(ids[(s + 997 * (i // len(kinds))) % len(ids)]))
-                        if moves and x is not None and s % interval == interval - 1:
+                        if moves and x is not None and s % interval == interval - 1 and not freeze:
                             x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused,
                                          graph=graphed)
                         engine.step([(i, [100 + i]) for i in range(batch)])
@@ -346,7 +348,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "moves_on": moves, "policy": policy, "median_step_ms": med * 1e3, "tokens_per_s": batch / med,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
-                    "expert_move_graph": graphed, "step_includes_round": True,
+                    "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:
@@ -410,6 +412,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="16 more steps of every row under torch.profiler: kernels by GPU time to DIR, top 12 printed")
+    ap.add_argument("--freeze-moves", action="store_true",
+                    help="moves only during the warm-up: the timed steps read the placement the moves reached, "
+                         "with no rounds (what moves off the forward's stream could give at best)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -445,14 +450,15 @@ def main() -> int:
             moves = policy is not None
             name = f"row{row}_share{share:g}_{'moves' + ':'.join(f'{v:g}' for v in policy) if moves else 'nomoves'}"
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
-            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof):
+            for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
+                         freeze=args.freeze_moves and moves):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
                 results.append(r)
-                print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} "
-                      f"{':'.join(f'{v:g}' for v in policy) if moves else 'off':>9} {r['median_step_ms']:>8.2f} "
-                      f"{r['tokens_per_s']:>8.1f} "
+                pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") if moves else "off"
+                print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} {pol:>9} "
+                      f"{r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
                       f"{r['moves_per_token']:>9.3f} {_round_cols(r):>17}", flush=True)
     ref = results[0]["greedy"]
