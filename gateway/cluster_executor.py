@@ -130,7 +130,8 @@ class ClusterExecutor:
                                             stage_decode_wait_seconds=msg.stats.get("ple_decode_wait_seconds"),
                                             stage_gather_seconds=msg.stats.get("ple_stage_gather_seconds"),
                                             stage_gathers=msg.stats.get("ple_stage_gathers"),
-                                            rows_after_launch=msg.stats.get("ple_rows_after_launch"))
+                                            rows_after_launch=msg.stats.get("ple_rows_after_launch"),
+                                            wait_timeouts=msg.stats.get("ple_wait_timeouts"))
             self.metrics.set_stage_stats(int(msg.component[5:]), msg.stats)
         elif msg.component == "ple":
             self.metrics.set_ple_totals("ple", prefetch_pages=msg.stats.get("prefetch_pages"),

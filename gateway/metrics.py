@@ -58,6 +58,9 @@ PLE_SERIES = {
     "rows_after_launch": ("moepipe_ple_rows_after_launch",
                           "Decode steps queued before their PLE rows existed, their graph waiting on the device for "
                           "the rows the host then published (ple_launch_ahead; cumulative)"),
+    "wait_timeouts": ("moepipe_ple_wait_timeouts",
+                      "Decode steps whose graph gave up waiting on the device for their PLE rows (ple_launch_ahead); "
+                      "each failed its requests with an error (cumulative)"),
     "stage_gather_seconds": ("moepipe_ple_stage_gather_seconds",
                              "Seconds stages spent gathering their own decode steps' PLE rows (ple_decode_in_stage; "
                              "cumulative)"),
@@ -245,13 +248,13 @@ class Metrics:
                        prefetch_seconds: float | None = None, gather_seconds: float | None = None,
                        stage_wait_seconds: float | None = None, stage_decode_wait_seconds: float | None = None,
                        stage_gathers: float | None = None, stage_gather_seconds: float | None = None,
-                       rows_after_launch: float | None = None) -> None:
+                       rows_after_launch: float | None = None, wait_timeouts: float | None = None) -> None:
         """Record one reporter's cumulative PLE totals (not increments); the series expose the sum over reporters."""
         given = {"prefetch_pages": prefetch_pages, "prefetch_seconds": prefetch_seconds,
                  "gather_seconds": gather_seconds, "stage_wait_seconds": stage_wait_seconds,
                  "stage_decode_wait_seconds": stage_decode_wait_seconds,
                  "stage_gathers": stage_gathers, "stage_gather_seconds": stage_gather_seconds,
-                 "rows_after_launch": rows_after_launch}
+                 "rows_after_launch": rows_after_launch, "wait_timeouts": wait_timeouts}
         self._ple.set(source, {k: float(v) for k, v in given.items() if v is not None})
 
     def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:

@@ -294,8 +294,8 @@ class Scheduler:
             out = by_id.get(entry.req_id)
             if out is None:
                 continue
-            if out.error:                      # this request alone failed inside the step (its sampling)
-                req.error = "sampling failed for this request's parameters"     # the stage logged out.error
+            if out.error:                      # this request alone failed inside the step (the stage logged why)
+                req.error = out.error
                 req.events.append(out)
                 touched.append(req)
                 self.release(req, "error")

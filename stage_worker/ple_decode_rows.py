@@ -92,7 +92,7 @@ class PleMailbox:
     rows: torch.Tensor        # pinned [max_seqs, layers, heads, head_dim]: this stage's PLE layers, in order
     flag: torch.Tensor        # pinned [1] int64: the last step whose rows are in `rows`
     expected: torch.Tensor    # device [1] int64: the step the next replay waits for (set before each replay)
-    timed_out: torch.Tensor   # device [1] int32: set by a graph that gave up waiting
+    timed_out: torch.Tensor   # device [1] int64: the number of the last step whose graph gave up waiting
     contexts: torch.Tensor    # pinned copy of the contexts, taken behind every launched step
     seq: int = 0
 
@@ -106,7 +106,7 @@ class PleMailbox:
 
         rows = host(torch.zeros(max_seqs, len(gather.branches), first.heads, first.head_dim, dtype=dtype))
         box = cls(rows, host(torch.zeros(1, dtype=torch.int64)),
-                  torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                  torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                   host(torch.empty(gather.contexts.shape, dtype=gather.contexts.dtype)))
         box.contexts.copy_(gather.contexts)       # at start nothing is queued: a plain copy
         return box

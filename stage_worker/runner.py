@@ -75,6 +75,8 @@ class _Launched:
     copy: _HostCopy | None = None
     hidden: torch.Tensor | None = None      # other stages: the activations for the next one
     sent: object | None = None              # ... handed over at launch by CUDA IPC: the event after the slot's write
+    ple_wait: tuple[int, torch.Tensor] | None = None   # `ple_launch_ahead`: (its number in the mailbox, a host copy
+    #                                         of the mailbox's `timed_out` queued behind its graph)
 
 
 @dataclass
@@ -162,8 +164,7 @@ class StageRunner:
             log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows "
                      "(ple_launch_ahead)", index)
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
-        self._timeout_logged = False
-        self.ple_wait_timeouts = CounterReadback(self.ple_mailbox.timed_out) if self.ple_mailbox else None
+        self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
         self._host_tokens: dict[tuple[str, int], int] = {}      # (request, position) -> sampled token, for those
         self._contexts_copied: torch.cuda.Event | None = None   # the contexts' copy behind the last launched step
@@ -420,20 +421,13 @@ class StageRunner:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:
             self.row_cache_reads.snapshot()
-        if self.ple_wait_timeouts is not None and self.launches % 16 == 0:
-            self.ple_wait_timeouts.snapshot()
-            if self.ple_wait_timeouts.last and self.ple_wait_timeouts.last[0] and not self._timeout_logged:
-                from stage_worker.kernels.host_wait import MAX_SPINS
-
-                self._timeout_logged = True
-                log.error("stage %d: a decode graph gave up waiting for its PLE rows (ple_launch_ahead): the host "
-                          "did not publish them within %d polls; that step's tokens are wrong. Turn "
-                          "MOEPIPE_PLE_LAUNCH_AHEAD=0 and report it", self.index, MAX_SPINS)
         launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with phase("stage.graph_replay"):
                 result = self.graphs.run(batch, hidden, wait_seq)
+            if wait_seq is not None:          # read back with the step's tokens (their event comes later)
+                launched.ple_wait = (wait_seq, to_host(self.ple_mailbox.timed_out))
             self._copy_contexts()
             if self.is_last:
                 launched.outs, launched.copy = self._sample(plan, batch, result)
@@ -506,6 +500,24 @@ class StageRunner:
             with phase("ple.publish"):
                 self.own_decode_rows.publish(self.ple_mailbox, pending.slots, tokens, pending.seq)
 
+    def _fail_if_rows_missed(self, launched: _Launched) -> None:
+        """A step whose graph gave up waiting for its PLE rows ran on whatever the mailbox held: its tokens are
+        wrong, so each of its requests fails with an error instead (the others go on; the host is expected to
+        publish the later steps' rows as usual)."""
+        seq, timed_out = launched.ple_wait
+        if int(timed_out[0]) != seq:
+            return
+        from stage_worker.kernels.host_wait import MAX_SPINS
+
+        self.ple_wait_timeouts += 1
+        log.error("stage %d: step %d's decode graph gave up waiting for its PLE rows after %d polls "
+                  "(ple_launch_ahead): its %d requests fail (%d such steps so far; MOEPIPE_PLE_LAUNCH_AHEAD=0 turns "
+                  "the launch-ahead off)", self.index, launched.plan.step, MAX_SPINS, len(launched.outs),
+                  self.ple_wait_timeouts)
+        for out in launched.outs:
+            out.token = -1
+            out.error = "the server did not prepare this step's inputs in time; retry the request"
+
     def _hand_off(self, launched: _Launched, host_ids: list[int] | None) -> None:
         """`cuda_ipc_activations`: the activations into a ring slot the next stage maps, queued behind the step, and
         their header sent now; `finish` then sends nothing. A step that does not fit keeps the host path. The
@@ -546,6 +558,8 @@ class StageRunner:
             return [Outgoing("next", Activations(step=plan.step, hidden=launched.hidden, token_ids=batch.token_ids,
                                                  timing=timing))]
         tokens = launched.outs
+        if launched.ple_wait is not None:
+            self._fail_if_rows_missed(launched)
         out: list[Outgoing] = []
         sampled = Sampled(step=plan.step, microbatch=plan.microbatch, tokens=[t for t in tokens if t.token >= 0])
         if self._pending_rows:
@@ -654,7 +668,7 @@ class StageRunner:
             except Exception as exc:   # one request's parameters must not fail the step's other requests
                 log.warning("stage %d: request %s failed sampling: %s: %s", self.index, e.req_id,
                             type(exc).__name__, exc)
-                outs[i].error = f"sampling failed: {type(exc).__name__}: {exc}"
+                outs[i].error = "sampling failed for this request's parameters"   # (the detail: logged above)
                 continue
             state.history.append(token)
             outs[i].token = token
@@ -708,8 +722,7 @@ class StageRunner:
             out["ple_stage_gather_seconds"] = self.own_decode_rows.seconds
         if self.ple_mailbox is not None:
             out["ple_rows_after_launch"] = float(self.ple_rows_after_launch)
-            if self.ple_wait_timeouts.last is not None:
-                out["ple_wait_timed_out"] = float(self.ple_wait_timeouts.last[0])
+            out["ple_wait_timeouts"] = float(self.ple_wait_timeouts)
         if self.experts is not None:
             out.update(self.experts.stats())
         if self.handoff is not None:

@@ -525,7 +525,8 @@ def test_metrics_count_requests(served):
                  "moepipe_ple_prefetch_pages_total", "moepipe_ple_prefetch_seconds_total",
                  "moepipe_ple_gather_seconds_total",
                  "moepipe_ple_stage_wait_seconds_total", "moepipe_ple_stage_gathers_total",
-                 "moepipe_ple_stage_gather_seconds_total", "moepipe_ple_rows_after_launch_total"):
+                 "moepipe_ple_stage_gather_seconds_total", "moepipe_ple_rows_after_launch_total",
+                 "moepipe_ple_wait_timeouts_total"):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert metric_value(served, "moepipe_requests_total", '{finish_reason="length"}') == before + 1
     assert metric_value(served, "moepipe_generation_tokens_total") == gen_before + 2

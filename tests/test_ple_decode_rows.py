@@ -128,3 +128,26 @@ def test_rows_published_for_a_waiting_graph_equal_the_stage_s_own(tiny_checkpoin
                 assert torch.equal(box.rows[: len(slots), li], want[layer].float())
     finally:
         svc.close()
+
+
+def test_a_step_whose_graph_gave_up_on_its_rows_fails_its_requests():
+    """`ple_launch_ahead`: the mailbox's `timed_out` (read back with the step's tokens) names the step whose graph
+    gave up waiting; that step's requests fail with an error instead of continuing on wrong rows, and the count
+    goes to the stats. A copy naming an earlier step leaves this one alone."""
+    from types import SimpleNamespace
+
+    from shared.protocol import TokenOut
+
+    def launched(seq: int, seen: int):
+        outs = [TokenOut("a", 9, 11), TokenOut("b", 12, 13)]
+        return SimpleNamespace(plan=SimpleNamespace(step=40 + seq), outs=outs,
+                               ple_wait=(seq, torch.tensor([seen], dtype=torch.int64)))
+
+    runner = SimpleNamespace(index=0, ple_wait_timeouts=0)
+    fine = launched(5, 4)                            # step 4 timed out earlier: step 5's own copy says 4
+    StageRunner._fail_if_rows_missed(runner, fine)
+    assert [o.token for o in fine.outs] == [11, 13] and runner.ple_wait_timeouts == 0
+    missed = launched(6, 6)
+    StageRunner._fail_if_rows_missed(runner, missed)
+    assert [o.token for o in missed.outs] == [-1, -1] and all("in time" in o.error for o in missed.outs)
+    assert runner.ple_wait_timeouts == 1

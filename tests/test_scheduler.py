@@ -271,3 +271,19 @@ def test_request_ids_slice_prompt_and_output_without_joining_them():
     for start in range(6):
         for end in range(start, 7):
             assert req.ids(start, end) == joined[start:end], (start, end)
+
+
+def test_a_request_failed_inside_a_step_ends_with_the_stage_message_and_the_others_go_on():
+    """`TokenOut.error` (a request's sampling failed, or its step's PLE rows never reached the GPU): that request
+    is released with the stage's message as its error; the step's other request keeps its token."""
+    sched = Scheduler(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                      num_microbatches=1, max_model_len=4096)
+    sched.add(_req(0, 3, 5))
+    sched.add(_req(1, 3, 5))
+    sched.schedule(0)
+    msg = "the server did not prepare this step's inputs in time; retry the request"
+    touched = sched.on_result(0, [TokenOut("r0", 3, -1, error=msg), TokenOut("r1", 3, 9)])
+    failed, ok = (next(r for r in touched if r.req_id == rid) for rid in ("r0", "r1"))
+    assert failed.error == msg and failed.output_ids == [] and failed.finished == "error"
+    assert ok.error is None and ok.output_ids == [9] and ok.finished is None
+    assert "r0" in sched.schedule(0).finished

@@ -34,7 +34,7 @@ def _wait_copy_kernel(flag, expected, src, dst, timed_out, n, max_spins, BLOCK: 
         seen = tl.load(flag, volatile=True)
         spins += 1
     if seen < want:
-        tl.store(timed_out, 1)
+        tl.store(timed_out, want)          # the step that gave up: the host fails that step's requests
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     tl.store(dst + offs, tl.load(src + offs, mask=m, volatile=True), mask=m)
@@ -42,13 +42,15 @@ def _wait_copy_kernel(flag, expected, src, dst, timed_out, n, max_spins, BLOCK: 
 
 def wait_and_copy(flag: torch.Tensor, expected: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                   timed_out: torch.Tensor, max_spins: int = MAX_SPINS) -> None:
-    """flag [1] int64 (pinned host), expected [1] int64 and timed_out [1] int32 (device), src and dst of one dtype
-    and element count (src pinned host, dst device; both contiguous). One launch, no host synchronisation."""
+    """flag [1] int64 (pinned host), expected [1] int64 and timed_out [1] int64 (device), src and dst of one dtype
+    and element count (src pinned host, dst device; both contiguous). One launch, no host synchronisation. A wait
+    that gives up (the flag still short of `expected` after `max_spins` polls) writes `expected` into `timed_out`
+    and copies anyway: `timed_out` holds the number of the last step that did."""
     if src.dtype != dst.dtype or src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} must be "
                          "contiguous, of one dtype and size")
-    if flag.dtype != torch.int64 or expected.dtype != torch.int64 or timed_out.dtype != torch.int32:
-        raise ValueError("flag and expected are int64, timed_out int32")
+    if flag.dtype != torch.int64 or expected.dtype != torch.int64 or timed_out.dtype != torch.int64:
+        raise ValueError("flag, expected and timed_out are int64")
     n = dst.numel()
     _wait_copy_kernel[(max(1, triton.cdiv(n, BLOCK)),)](flag, expected, src, dst, timed_out, n, max_spins,
                                                          BLOCK=BLOCK, num_warps=4)

@@ -9,5 +9,5 @@ import torch
 def wait_and_copy_ref(flag: torch.Tensor, expected: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                       timed_out: torch.Tensor) -> None:
     if int(flag[0]) < int(expected[0]):
-        timed_out.fill_(1)
+        timed_out.fill_(int(expected[0]))
     dst.copy_(src.view_as(dst))
