@@ -589,7 +589,9 @@ def _two_processes(kind: str, tmp: str, steps: int) -> None:
                 p.kill()
     assert bad == []
     assert taken == handoffs and handoffs + too_large + ring_full == steps
-    assert handoffs >= steps // 4 and too_large > 0
+    # how many steps find a free slot depends on how far the consumer process lags, which the machine's load
+    # decides (CI, beside the rest of the suite, came under a quarter at times); the ring must still carry many
+    assert handoffs >= steps // 10 and too_large > 0
     assert [p.exitcode for p in procs] == [0, 0]
 
 
