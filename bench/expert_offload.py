@@ -106,8 +106,8 @@ class Replay:
         self.dummy = RouteCounts(torch.zeros(E, device=dev), torch.zeros(1, dtype=torch.int64, device=dev), E)
         self.real_route = K.route
 
-    def route(self, logits, top_k, renormalise, shared=False, counts=None, valid=None):
-        w, ids = self.real_route(logits, top_k, renormalise, shared=shared, valid=valid)
+    def route(self, logits, top_k, renormalise, shared=False, counts=None, valid=None, slot_map=None):
+        w, ids = self.real_route(logits, top_k, renormalise, shared=shared, valid=valid, slot_map=slot_map)
         T = ids.shape[0]
         if T > self.buf.shape[1]:                 # prefill: keep the router's choice
             return w, ids

@@ -45,9 +45,30 @@ def random_move_rounds(model, rounds: int, seed: int = 9) -> int:
     return int(x.moves.sum().item())
 
 
+def permute_slots(model, seed: int) -> int:
+    """Every table's rows moved to other slots (across the device / host split too) and a slot map that routes
+    each router index to its expert's new slot; gate rows untouched. Returns the tables changed."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    for moe in model.moe_layers().values():
+        t = moe.table
+        if t is None:
+            continue
+        perm = torch.randperm(t.num_experts, generator=g)
+        rows = {k: torch.stack([t.slot_part(s, k).clone() for s in range(t.num_experts)]) for k in t.parts}
+        for i in range(t.num_experts):
+            for k in t.parts:
+                t.slot_part(int(perm[i]), k).copy_(rows[k][i])
+        t.expert_of_slot[perm.to(t.device)] = t.expert_of_slot.clone()
+        t.slot_map = perm.to(t.device, torch.int32)
+        n += 1
+    return n
+
+
 def fingerprints_hold(model, plain) -> int:
-    """Every slot holds its expert's rows of every part (packed words and scales, or w13/w2) and its router row,
-    wherever the moves took it; returns the number of tables checked."""
+    """Every slot holds its expert's rows of every part (packed words and scales, or w13/w2), and the router row
+    that leads to the slot (router index == slot, or through the table's slot map) is its expert's, wherever the
+    moves took it; returns the number of tables checked."""
     want = plain.moe_layers()
     n = 0
     for layer, moe in model.moe_layers().items():
@@ -57,11 +78,13 @@ def fingerprints_hold(model, plain) -> int:
         n += 1
         experts = t.expert_of_slot.tolist()
         assert sorted(experts) == list(range(t.num_experts))
+        router = range(t.num_experts) if t.slot_map is None else t.slot_map.tolist()   # router index -> slot
+        row_of = {slot: i for i, slot in enumerate(router)}
         for slot, e in enumerate(experts):
             for kind in t.parts:
                 assert torch.equal(t.slot_part(slot, kind).cpu(), getattr(want[layer], kind)[e].cpu()), \
                     (layer, slot, e, kind)
-            assert torch.equal(moe.gate.weight[slot].cpu(), want[layer].gate.weight[e].cpu())
+            assert torch.equal(moe.gate.weight[row_of[slot]].cpu(), want[layer].gate.weight[e].cpu())
     return n
 
 

@@ -27,7 +27,8 @@ from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows, RouteCounts, count_ref, fused_moe_ref, route_ref  # noqa: E402
-from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold, random_move_rounds  # noqa: E402
+from expert_tables import (fingerprints_hold, graphed_greedy, greedy, permute_slots, random_cold,  # noqa: E402
+                           random_move_rounds)
 
 DEV = "cuda" if CUDA else "cpu"
 E, TOP_K, H, I = 16, 4, 32, 16
@@ -98,6 +99,54 @@ def test_router_counts_selections_and_host_reads(t):
     assert torch.equal(c.counts, want.counts) and torch.equal(c.host_reads, want.host_reads)
     assert c.counts.sum().item() == pytest.approx(0.5 * E + t * TOP_K)
     assert c.host_reads.item() == 7 + int((ids >= 11).sum())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_router_through_a_slot_map_returns_and_counts_slots(shared):
+    """`route(slot_map=)`: a table's router index -> slot map applied to every selection before it is returned and
+    counted (slots past E too: a table may hold more slots than router rows); weights as without it; the kernel
+    and the PyTorch path (a CPU without Triton) agree."""
+    g = torch.Generator().manual_seed(5)
+    t = 6
+    logits = torch.randn(t, E + int(shared), generator=g).to(DEV)
+    slot_map = torch.randperm(E + 2, generator=g)[:E].to(DEV, torch.int32)
+    w_ref, ids_ref = route_ref(logits[:, :E], TOP_K, True)
+    want = slot_map.cpu()[ids_ref.cpu().long()]
+    for kernel in (True, False):
+        c = RouteCounts(torch.zeros(E + 2, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV), 11)
+        if kernel:
+            w, ids = K.route(logits, TOP_K, True, shared=shared, counts=c, slot_map=slot_map)
+        else:
+            real = K.triton_usable
+            K.triton_usable = lambda _t: False
+            try:
+                w, ids = K.route(logits, TOP_K, True, shared=shared, counts=c, slot_map=slot_map)
+            finally:
+                K.triton_usable = real
+        assert torch.equal(ids[:, :TOP_K].cpu().long(), want), kernel
+        torch.testing.assert_close(w[:, :TOP_K], w_ref)
+        if shared:
+            assert (ids[:, TOP_K] == -1).all()
+        counted = torch.zeros(E + 2).index_add_(0, want.reshape(-1), torch.ones(want.numel()))
+        assert torch.equal(c.counts.cpu(), counted) and c.host_reads.item() == int((want >= 11).sum())
+    with pytest.raises(ValueError, match="slot_map"):
+        K.route(logits, TOP_K, True, shared=shared, slot_map=slot_map[:-1])
+
+
+def test_a_slot_map_routes_each_router_row_to_its_experts_new_slot(demo):
+    """The demo model with half its experts in host RAM, every table's rows shuffled to other slots and the slot
+    map following them: the same greedy tokens and log-probabilities as the model without a table (the PyTorch
+    path's sums run in expert order whatever the slots), and every slot still holds its own expert."""
+    d, cfg = demo
+    prompt = [1, 5, 9, 33, 70, 100, 7, 400]
+    plain = load_model(d, LoadOptions(), cfg)
+    want, want_lp = greedy(plain, prompt, 10)
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2)), cfg)
+    assert permute_slots(model, 3) > 0
+    got, lp = greedy(model, prompt, 10)
+    assert got == want and (lp - want_lp).abs().max().item() < 1e-4
+    assert model.experts.host_reads.sum().item() > 0
+    fingerprints_hold(model, plain)
 
 
 def test_decide_moves_only_a_clear_winner():
@@ -236,6 +285,13 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
         if moves:
             assert model.experts.moves.sum().item() > 0
         fingerprints_hold(model, plain)
+    # rows shuffled across the split behind a slot map (the router kernel maps each selection, in the graphs too)
+    model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=random_cold(cfg, 0.5, seed=3)), cfg)
+    model.set_kernels(KernelFlags.parse("all"))
+    assert permute_slots(model, 11) > 0
+    got, lp = graphed_greedy(model, [1, 5, 9, 33, 70, 100], 16, False)
+    assert got == want and max(abs(a - b) for a, b in zip(lp, want_lp)) < 2e-2
+    fingerprints_hold(model, plain)
 
 
 # ---- served --------------------------------------------------------------------------------------------------------

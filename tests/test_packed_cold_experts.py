@@ -30,7 +30,8 @@ from stage_worker.checkpoint.random_init import fill_random  # noqa: E402
 from stage_worker.expert_offload import fill_random_tables, gates, order_gates  # noqa: E402
 from stage_worker.kernels import expert_moves as M  # noqa: E402
 from stage_worker.kernels.expert_moves_ref import RowSet, swap_rows_ref  # noqa: E402
-from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold, random_move_rounds  # noqa: E402
+from expert_tables import (fingerprints_hold, graphed_greedy, greedy, permute_slots, random_cold,  # noqa: E402
+                           random_move_rounds)
 from stage_worker.model.expert_table import PACKED_PARTS, PARTS  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 400]
@@ -86,6 +87,18 @@ def test_packed_experts_in_host_ram_serve_the_all_in_vram_greedy_tokens(int4, al
     assert x.host_reads.sum().item() > 0 and x.counts.sum().item() > 0
     assert (x.moves.sum().item() > 0) == bool(move_every)
     assert fingerprints_hold(model, plain) == len(cold)
+
+
+def test_packed_slots_behind_a_slot_map_serve_the_all_in_vram_greedy_tokens(int4, all_in_vram):
+    """INT4 tables with their words and scales shuffled to other slots (across the device / host split) and the
+    slot map following them (`ExpertTable.slot_map`, applied by the router): the all-in-VRAM greedy tokens."""
+    q, cfg = int4
+    plain, (want, want_lp) = all_in_vram
+    model = load_model(q, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=6)), cfg)
+    assert permute_slots(model, 7) == len(model.experts.tables)
+    got, lp = greedy(model, PROMPT, 12)
+    assert got == want and (lp - want_lp).abs().max().item() < 1e-4
+    fingerprints_hold(model, plain)
 
 
 def test_many_move_rounds_keep_every_packed_slot_its_own_expert(int4, all_in_vram):

@@ -100,15 +100,18 @@ if triton is not None:
         return base
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, E, stride_t, FIRST_HOST,
-                      TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr, PDL: tl.constexpr = False):
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, stride_t,
+                      FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
+                      SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
         number of selected slots >= FIRST_HOST to the host-read counter (adds of 1: the order does not matter).
         With VALID, rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight
-        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows. PDL (kernel
+        0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows. With SLOT_MAP,
+        each selected router index i becomes the slot map_ptr[i] before it is stored and counted (an expert
+        table's slot map: router index -> the slot holding that expert now). PDL (kernel
         flag `pdl`): launched as a programmatic dependent, it waits first thing (`common.pdl_wait`: it reads only
         what earlier kernels wrote)."""
         pdl_wait(PDL)
@@ -143,6 +146,8 @@ if triton is not None:
         out = t * (TOP_K + SHARED) + kk
         w = p / denom
         picked = kk < TOP_K
+        if SLOT_MAP:
+            top_id = tl.load(map_ptr + top_id, mask=picked, other=0)
         if VALID:
             real = t < tl.load(valid_ptr)
             top_id = tl.where(real, top_id, SKIP_ID)
@@ -262,18 +267,23 @@ if triton is not None:
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
-          counts: RouteCounts | None = None,
-          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          counts: RouteCounts | None = None, valid: torch.Tensor | None = None,
+          slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), best first, ties to the lower id; = route_ref.
 
     With `shared` the last column is the shared expert's gate logit: the result has k + 1 slots, the last one
     (sigmoid of that logit, id -1) for the shared expert. With `counts`, the selections are added to it. With
     `valid` (int32 [1] on the device: a CUDA graph's real rows), rows from valid[0] on get id SKIP and weight 0 in
-    their routed slots (the kernel path only)."""
+    their routed slots (the kernel path only). With `slot_map` (int32 [E] on the device: an expert table's router
+    index -> slot), the ids returned and counted are slots: slot_map[router index]."""
     T, E = logits.shape
     E -= int(shared)
+    if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
+        raise ValueError(f"slot_map {tuple(slot_map.shape)} {slot_map.dtype} for {E} router rows: int32 [E]")
     if not triton_usable(logits) or E > MAX_EXPERTS:
         w, ids = route_ref(logits[:, :E], top_k, renormalise)
+        if slot_map is not None:
+            ids = slot_map[ids.long()]
         if counts is not None:
             count_ref(ids, counts)
         if shared:
@@ -289,10 +299,11 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
         pdl = pdl_usable(logits)
-        _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid, E,
-                            logits.stride(0), c.first, TOP_K=top_k, SHARED=int(shared), RENORM=bool(renormalise),
-                            BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
-                            VALID=valid is not None, num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl)
+        _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid,
+                            ids if slot_map is None else slot_map, E, logits.stride(0), c.first, TOP_K=top_k,
+                            SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k),
+                            COUNT=counts is not None, VALID=valid is not None, SLOT_MAP=slot_map is not None,
+                            num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl)
     return weights, ids
 
 
@@ -400,17 +411,18 @@ def decode_operands(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 renormalise: bool, shared: SharedExpert | None = None, prefill_kernel: bool = True,
                 host: HostRows | None = None, counts: RouteCounts | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                valid: torch.Tensor | None = None,
+                slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
     `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK). `host`: slots in host RAM;
-    `counts`: where the router counts its selections; `valid`: a CUDA graph's real rows (see `fused_moe`,
-    `route`).
+    `counts`: where the router counts its selections; `valid`: a CUDA graph's real rows; `slot_map`: router index
+    -> slot (see `fused_moe`, `route`).
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts,
-                         valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None)
+                         valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None, slot_map=slot_map)
     out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)
 

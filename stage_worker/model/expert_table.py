@@ -4,7 +4,9 @@ Why slots (issue 16; 000 §4.2): the router's gate rows are kept in slot order, 
 fused kernels read a slot's rows from whichever table holds it; there is no remapping step between routing and the
 experts, and one kernel serves every split. `expert_of_slot` says which expert each slot holds (for loading, route
 traces and run-time moves, which swap two slots' rows, gate rows, counts and map entries:
-`stage_worker/kernels/expert_moves.py`).
+`stage_worker/kernels/expert_moves.py`). A table may instead carry a `slot_map` (router index -> slot), which the
+router kernel applies to each selection before the experts and the counters see it: rows can then change slots
+without their gate rows (the groundwork of moves off the forward's stream; docs/architecture.md, known limits).
 
 A slot's rows are one row of each of the table's parts: `w13` [2I, H] and `w2` [H, I] in the compute dtype, or,
 for an INT4 checkpoint's experts kept packed (issue 17, `SparseMoE.use_packed`), `q13` int32 [2I, H/8], `s13`
@@ -51,6 +53,9 @@ class ExpertTable:
     initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending)
     groups: tuple[int, int] | None = None   # INT4 experts: inputs per scale of w13 / of w2
     fp8_block: tuple[int, int] | None = None   # float8 experts: (rows, columns) of a scale block
+    # int32 [E] on the device: router index -> the slot that holds its expert, applied by the router (`route`'s
+    # slot_map). None: the identity, router index == slot, which moves that swap rows and gate rows keep true.
+    slot_map: torch.Tensor | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -148,6 +153,10 @@ class ExpertTable:
         E = self.num_experts
         perm = torch.tensor(self.initial, device=gate_weight.device)
         gate_weight[:E].copy_(gate_weight[:E][perm].clone())
+
+    def slots_of(self, router_ids: torch.Tensor) -> torch.Tensor:
+        """Router indices (a PyTorch route's ids) -> slots, through `slot_map`."""
+        return router_ids if self.slot_map is None else self.slot_map[router_ids.long()].to(router_ids.dtype)
 
     def experts_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Slot ids (what the router returns) -> expert ids."""

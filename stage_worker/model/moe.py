@@ -138,7 +138,8 @@ class SparseMoE(nn.Module):
 
             w13, w2 = (self.w13, self.w2) if t is None else (t.w13, t.w2)
             tokens = x.numel() // x.shape[-1]
-            extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k)}
+            extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k),
+                                          "slot_map": t.slot_map}
             extra["valid"] = self.valid_rows
             fused = self._fused_shared()
             if fused is not None:
@@ -161,6 +162,8 @@ class SparseMoE(nn.Module):
             return self._add_shared(x, self._all_experts(x, weights, ids))
         by_expert = ids
         if t is not None:
+            ids = t.slots_of(ids)
+            self.last_expert_ids = ids           # slots, as on the kernel paths
             counts = t.route_counts(ids.shape[0], self.top_k)
             if counts is not None:
                 count_ref(ids, counts)
@@ -199,7 +202,8 @@ class SparseMoE(nn.Module):
 
             decode = x2.shape[0] * self.top_k <= DECODE_MAX_TK
             weights, ids = route_kernel(logits, self.top_k, self.renormalise, counts=counts,
-                                        valid=self.valid_rows if decode else None)
+                                        valid=self.valid_rows if decode else None,
+                                        slot_map=None if t is None else t.slot_map)
             weights = weights.to(x.dtype)
             if not decode:
                 out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill)
@@ -210,6 +214,8 @@ class SparseMoE(nn.Module):
         else:
             decode = False
             weights, ids = route(logits, self.top_k, self.renormalise)
+            if t is not None:
+                ids = t.slots_of(ids)
             if counts is not None:
                 count_ref(ids, counts)
             out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
@@ -242,7 +248,7 @@ class SparseMoE(nn.Module):
             return None
         k = self.top_k
         weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
-                             valid=self.valid_rows)
+                             valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
         if shared is not None:
