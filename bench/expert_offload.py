@@ -115,8 +115,14 @@ class Replay:
         self.layer += 1
         self.decode_calls += T <= self.batch
         t = self.moes[index].table
-        experts = t.expert_of_slot if t is not None else self.identity
-        slot_of = torch.empty_like(experts).scatter_(0, experts.long(), self.identity)
+        if t is None:
+            slot_of = self.identity
+        else:                                     # expert -> its slot now (spares, -1, land past the end)
+            experts = t.expert_of_slot.long()
+            E = self.identity.numel()
+            slot_of = torch.zeros(E + 1, dtype=torch.int32, device=experts.device).scatter_(
+                0, torch.where(experts >= 0, experts, E), torch.arange(experts.numel(), dtype=torch.int32,
+                                                                       device=experts.device))[:E]
         slots = slot_of[self.buf[index, :T]].to(ids.dtype)
         if valid is not None:                     # a graph's padding rows keep the router's SKIP
             slots = torch.where(ids[:, :top_k] == K.SKIP, ids[:, :top_k], slots)
@@ -238,6 +244,12 @@ def _move_graph() -> bool:
     return bool(env_overrides().get("expert_move_graph", ClusterConfig.expert_move_graph))
 
 
+def _move_async() -> bool:
+    """The server's `expert_move_async` (MOEPIPE_EXPERT_MOVE_ASYNC=1: spare slots, copies on a side stream; a
+    round's columns then time only its forward-stream part, the commit and the decision)."""
+    return bool(env_overrides().get("expert_move_async", ClusterConfig.expert_move_async))
+
+
 def _round_cols(r: dict) -> str:
     """A move round's median host launch time and GPU span (both inside the timed step), or '-' without moves."""
     if r["round_host_ms"] is None:
@@ -256,9 +268,10 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = bool(env_overrides().get("expert_vmm_table", False))
     fused, graphed = _move_fused(), _move_graph()
+    spares = policy is not None and _move_async()      # MOEPIPE_EXPERT_MOVE_ASYNC=1: moves off the forward's stream
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
-                                       expert_vmm_table=vmm), cfg)
+                                       expert_vmm_table=vmm, expert_move_async=spares), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     model.set_kernels(KernelFlags.parse("all"))
@@ -349,6 +362,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "host_reads_per_token": reads / (steps * batch), "moves_per_token": moved / (steps * batch),
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
+                    "expert_move_async": spares,
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:

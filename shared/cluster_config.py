@@ -134,6 +134,11 @@ class ClusterConfig:
     # ... and replayed from a CUDA graph (one launch a round instead of ~6 Triton launches, 0.41 ms of host time at
     # h200-22 with the GPU idle between them; StageExperts._capture)
     expert_move_graph: bool = True
+    # ... or off the forward's stream: a spare slot per tier, the router through a slot map, the chosen rows copied
+    # into the spares on a side stream while steps run and committed at the next round (StageExperts._spare_round;
+    # the fused and graph switches do not apply). Off until measured on the H200 (docs/architecture.md, known
+    # limits: moves in place cost more than the reads they save at batch 1, h200-22).
+    expert_move_async: bool = False
     # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
     # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the
     # kernels and moves take the same tensors (two views of the range). Where the driver refuses, one warning and the
@@ -385,6 +390,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused", "MOEPIPE_EXPERT_MOVE_GRAPH": "expert_move_graph",
+        "MOEPIPE_EXPERT_MOVE_ASYNC": "expert_move_async",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_QKV": "packed_qkv",

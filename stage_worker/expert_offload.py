@@ -42,6 +42,13 @@ class StageExperts:
     # with `expert_vmm_table`: every layer's part as one VRAM + host range ([E, ...] tensor, its range), the
     # tables' dev/host tensors views of it; held here so the ranges live as long as the stage's experts
     ranges: list[tuple[torch.Tensor, TieredRange]] = field(default_factory=list)
+    # with `expert_move_async` (spare slots): each layer has S = E + 2 slots, a device spare among its `hot` device
+    # slots and a host spare after its host slots; the router reaches its E live slots through `slot_map`
+    slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
+    router_of_slot: torch.Tensor | None = None  # int32 [L, S] slot -> router index (-1: a spare)
+    spares: torch.Tensor | None = None          # int64 [L, 2] (device spare, host spare)
+    _pending: tuple | None = None  # (decisions [L, 5], event after their copies or None) awaiting their commit
+    _side: object | None = None    # the side stream the copies run on (CUDA)
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _graph: tuple | None = None   # (key, CUDAGraph, its decisions tensor) of the captured round (`expert_move_graph`)
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
@@ -92,10 +99,11 @@ class StageExperts:
                 out[f"expert_moves:{layer}"] = float(moves)
         return out
 
-    def row_sets(self, gates: list[torch.Tensor]) -> list[tuple[RowSet, list[int] | None]]:
+    def row_sets(self, gates: list[torch.Tensor], with_gates: bool = True) -> list[tuple[RowSet, list[int] | None]]:
         """What a move swaps, one RowSet per kind of row (a part with one row shape and dtype: w13, w2, or INT4
-        words and scales of each, or float8 bytes and block scales of each; then the router rows), each with the indices of the layers it covers (None:
-        all, in `tables` order) so a stage whose layers hold different parts still swaps each in one launch."""
+        words and scales of each, or float8 bytes and block scales of each; then, `with_gates`, the router rows),
+        each with the indices of the layers it covers (None: all, in `tables` order) so a stage whose layers hold
+        different parts still swaps each in one launch."""
         ts = list(self.tables.values())
         kinds: dict[tuple, list[int]] = {}
         for i, t in enumerate(ts):
@@ -106,7 +114,8 @@ class StageExperts:
         for (part, _, _), idx in kinds.items():
             out.append((RowSet([ts[i].dev[part] for i in idx], [ts[i].host[part] for i in idx],
                                [ts[i].hot for i in idx]), None if len(idx) == len(ts) else idx))
-        out.append((RowSet(gates, gates, [t.num_experts for t in ts]), None))
+        if with_gates:
+            out.append((RowSet(gates, gates, [t.num_experts for t in ts]), None))
         return out
 
     @torch.no_grad()
@@ -123,6 +132,8 @@ class StageExperts:
         next round)."""
         from stage_worker.kernels.expert_moves import decide, swap_rows, swap_usable   # Triton: lazily
 
+        if self.spares is not None:
+            return self._spare_round(gates, decay, margin)
         if fused and swap_usable(self.counts):
             if not graph:
                 return self._fused_round(gates, decay, margin)
@@ -142,6 +153,51 @@ class StageExperts:
                 swap_rows_ref(r, dec if idx is None else dec[idx])
         settle_ref(self.counts, self.expert_of_slot, self.moves, dec)
         return dec
+
+    def _spare_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
+        """`expert_move_async`: commit the previous round's moves (its copies are done: the forward's stream waits
+        for their event, the host does not), then decide this round's and copy the chosen rows into the spares,
+        on a side stream on a GPU so the steps run meanwhile (the copies read live rows and write only spares; the
+        next round commits them). Returns the decisions [L, 5]. Gate rows never move: the slot map does."""
+        from stage_worker.kernels.expert_moves import commit_spares, copy_rows, decide_spares, swap_usable
+        from stage_worker.kernels.expert_moves_ref import copy_rows_ref
+
+        if self._pending is not None:
+            dec, done = self._pending
+            if done is not None:
+                torch.cuda.current_stream().wait_event(done)
+            commit_spares(dec, self.counts, self.expert_of_slot, self.router_of_slot, self.slot_map, self.spares,
+                          self.moves)
+            self._pending = None
+        dec = decide_spares(self.counts, self.hot, self.spares, decay, margin)
+        if not swap_usable(self.counts):            # a CPU cluster: the copies now, committed next round as well
+            for rows, idx in self.row_sets(gates, with_gates=False):
+                copy_rows_ref(rows, dec if idx is None else dec[idx])
+            self._pending = (dec, None)
+            return dec
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.counts.device)
+        decided = torch.cuda.Event()
+        decided.record()
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(decided)
+            for plan, idx in self._copy_plans(gates):
+                copy_rows(plan, dec, layers=idx)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        dec.record_stream(self._side)
+        self._pending = (dec, done)
+        return dec
+
+    def _copy_plans(self, gates: list[torch.Tensor]) -> list:
+        """The parts' SwapPlans for `copy_rows` (the router rows stay), built once."""
+        from stage_worker.kernels.expert_moves import SwapPlan
+
+        if self._plans is None or self._plans[0] != "copy":
+            dev = self.counts.device
+            self._plans = ("copy", [(SwapPlan.build(r, dev), idx if idx is None else torch.tensor(idx, device=dev))
+                                    for r, idx in self.row_sets(gates, with_gates=False)])
+        return self._plans[1]
 
     def _fused_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
         """`move_round`'s fused launches: `decide_settle`, then one swap launch per kind of row."""
@@ -208,21 +264,23 @@ def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GR
     return out
 
 
-def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.device,
-                  what: str) -> list[tuple[int, str, torch.Tensor, TieredRange]] | None:
+def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.device, what: str,
+                  spare: int = 0) -> list[tuple[int, str, torch.Tensor, TieredRange]] | None:
     """Every layer's part as one VRAM + host range, under the host lock after checking MemAvailable for their host
     parts (the cold rows' bytes plus a granule each, an upper bound; a host-NUMA allocation is pinned, so taken
-    before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables)."""
-    specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids))
+    before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables).
+    `spare` (0 or 1): a spare slot at the end of each tier."""
+    S = E + 2 * spare
+    specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids) + spare)
              for layer, ids in mine.items() for name, t in _parts(layers[layer]).items()]
-    host_need = sum((E - hot) * math.prod(shape) * torch.empty((), dtype=dt).element_size() + VMM_GRANULE
+    host_need = sum((S - hot) * math.prod(shape) * torch.empty((), dtype=dt).element_size() + VMM_GRANULE
                     for _, _, shape, dt, hot in specs)
     built: list[tuple[int, str, torch.Tensor, TieredRange]] = []
     try:
         with host_lock():
             check_free(host_need, what=what)
             for layer, name, shape, dt, hot in specs:
-                rows, rng = tiered_rows(E, shape, dt, hot, device)
+                rows, rng = tiered_rows(S, shape, dt, hot, device)
                 built.append((layer, name, rows, rng))
     except VmmUnavailable as exc:
         built.clear()                 # the ranges built so far are freed with their last tensor
@@ -232,26 +290,29 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
 
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  vmm: bool = False) -> StageExperts | None:
+                  vmm: bool = False, spares: bool = False) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
-    tables."""
+    tables. `spares` (`expert_move_async`): one more slot at the end of each tier, and the router reaching the
+    live slots through a slot map (`StageExperts.slot_map`)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
+    spare = int(spares)
+    S = E + 2 * spare
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
     host_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
-    tiered = _tiered_parts(mine, layers, E, device, what) if vmm else None
+    tiered = _tiered_parts(mine, layers, E, device, what, spare) if vmm else None
     host = None
     if tiered is not None:
         for layer, name, rows, _ in tiered:
-            hot = E - len(mine[layer])
+            hot = E - len(mine[layer]) + spare
             dev_parts[layer][name], host_parts[layer][name] = rows[:hot], rows[hot:]
     else:
         # the host layout first: one exact-size allocation for every layer's cold rows of every part
@@ -260,7 +321,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         for layer, ids in mine.items():
             for name, t in _parts(layers[layer]).items():
                 offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
-                shape = (len(ids), *t.shape[1:])
+                shape = (len(ids) + spare, *t.shape[1:])
                 layout.append((layer, name, offset, shape, t.dtype))
                 offset += math.prod(shape) * t.element_size()
         host = allocate(offset, what=what, pin=device.type == "cuda")
@@ -268,14 +329,27 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
             host_parts[layer][name] = host.tensor[off:off + n].view(dt).view(shape)
         for layer, ids in mine.items():
-            dev_parts[layer] = {name: torch.empty(E - len(ids), *t.shape[1:], dtype=t.dtype, device=device)
+            dev_parts[layer] = {name: torch.empty(E - len(ids) + spare, *t.shape[1:], dtype=t.dtype, device=device)
                                 for name, t in _parts(layers[layer]).items()}
     n = len(mine)
-    counts = torch.zeros(n, E, dtype=torch.float32, device=device)
+    counts = torch.zeros(n, S, dtype=torch.float32, device=device)
     reads = torch.zeros(n, dtype=torch.int64, device=device)
     moves = torch.zeros(n, dtype=torch.int64, device=device)
-    orders = [tuple([e for e in range(E) if e not in set(ids)] + sorted(ids)) for ids in mine.values()]
+    # slot -> expert at load: the hot experts, then the cold ones, each ascending (with spares: -1 after each tier)
+    orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * spare + sorted(ids) + [-1] * spare)
+              for ids in mine.values()]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32, device=device)
+    slot_map = router_of_slot = spare_slots = None
+    if spares:
+        live = [[slot for slot, e in enumerate(order) if e >= 0] for order in orders]     # router index -> slot
+        slot_map = torch.tensor(live, dtype=torch.int32, device=device)
+        router_of = [[-1] * S for _ in orders]
+        for row, slots in zip(router_of, live):
+            for i, slot in enumerate(slots):
+                row[slot] = i
+        router_of_slot = torch.tensor(router_of, dtype=torch.int32, device=device)
+        spare_slots = torch.tensor([[E - len(ids), S - 1] for ids in mine.values()], dtype=torch.int64,
+                                   device=device)
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
@@ -283,12 +357,13 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
-            fp8_block=moe.fp8_block)
+            fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i])
         moe.use_table(table)
         tables[layer] = table
-    hot = torch.tensor([E - len(ids) for ids in mine.values()], dtype=torch.int64, device=device)
+    hot = torch.tensor([E - len(ids) + spare for ids in mine.values()], dtype=torch.int64, device=device)
     return StageExperts(tables=tables, counts=counts, expert_of_slot=expert_of_slot, hot=hot, host_reads=reads,
-                        moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()])
+                        moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()],
+                        slot_map=slot_map, router_of_slot=router_of_slot, spares=spare_slots)
 
 
 def gates(model) -> list[torch.Tensor]:

@@ -117,11 +117,16 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
+        routed = sum(cfg.num_experts * size for size in sizes.values()) - host
+        if cluster.expert_move_async and cluster.expert_moves and cluster.cold_experts:
+            # a spare slot in each tier of every table (`--cold-experts auto`, not chosen yet: every MoE layer)
+            spare = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
+            weights += spare
+            host += spare
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
             weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold)
-        routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0

@@ -77,10 +77,14 @@ def fingerprints_hold(model, plain) -> int:
             continue
         n += 1
         experts = t.expert_of_slot.tolist()
-        assert sorted(experts) == list(range(t.num_experts))
+        assert sorted(e for e in experts if e >= 0) == list(range(t.num_experts))      # -1: a spare slot
+        assert experts.count(-1) == t.num_slots - t.num_experts
         router = range(t.num_experts) if t.slot_map is None else t.slot_map.tolist()   # router index -> slot
         row_of = {slot: i for i, slot in enumerate(router)}
         for slot, e in enumerate(experts):
+            if e < 0:
+                assert slot not in row_of                   # no router row leads to a spare
+                continue
             for kind in t.parts:
                 assert torch.equal(t.slot_part(slot, kind).cpu(), getattr(want[layer], kind)[e].cpu()), \
                     (layer, slot, e, kind)

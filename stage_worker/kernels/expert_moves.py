@@ -18,6 +18,11 @@ launches), and a kind of row that covers only some layers reads its layers' deci
 time between steps. The bookkeeping may run before the rows move because the swap kernels read only `dec` and the
 rows. Bit for bit the same counts, slot map, move counters, decisions and rows (tests/test_expert_moves_fused.py).
 
+With `expert_move_async` (spare slots, `StageExperts._spare_round`) nothing is swapped in place: `decide_spares`
+picks over the live slots, `copy_rows` (`_copy_kernel`, one launch per kind of row, on a side stream) copies the
+host slot's row into the device spare and the device slot's into the host spare, and `commit_spares` (next round,
+PyTorch ops) points the two experts' router rows at the spares through the slot map; reference `copy_rows_ref`.
+
 Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
 tests/test_expert_table.py, tests/test_expert_moves_fused.py (CPU under TRITON_INTERPRET=1). Switches: cluster keys
 `expert_moves` (MOEPIPE_EXPERT_MOVES=0) and `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED).
@@ -63,6 +68,32 @@ if triton is not None:
             y = tl.load(anchor_ptr + b + offs, mask=mask)
             tl.store(anchor_ptr + a + offs, y, mask=mask)
             tl.store(anchor_ptr + b + offs, x, mask=mask)
+
+    @triton.jit
+    def _copy_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, layers_ptr, N, BLOCK: tl.constexpr,
+                     HAS_LAYERS: tl.constexpr):
+        """`expert_move_async`'s copies: layer program_id(0), if its decision (d, h, go, device spare, host spare)
+        says move, copies BLOCK elements program_id(1) of slot h's row into the device spare's (program_id(2) 0)
+        or of slot d's row into the host spare's (1). Reads live rows, writes only spares: steps may run beside
+        it. Addressing as `_swap_kernel`."""
+        layer = tl.program_id(0)
+        if HAS_LAYERS:
+            row = tl.load(layers_ptr + layer)
+        else:
+            row = layer
+        go = tl.load(dec_ptr + row * 5 + 2)
+        if go != 0:
+            which = tl.program_id(2)
+            src = tl.load(dec_ptr + row * 5 + 1 - which)          # h (to the device spare), then d
+            dst = tl.load(dec_ptr + row * 5 + 3 + which)          # the device spare, then the host spare
+            split = tl.load(split_ptr + layer)
+            dev = tl.load(dev_off_ptr + layer)
+            host = tl.load(host_off_ptr + layer)
+            a = tl.where(src < split, dev + src * N, host + (src - split) * N)
+            b = tl.where(dst < split, dev + dst * N, host + (dst - split) * N)
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < N
+            tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
 
     @triton.jit
     def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
@@ -144,6 +175,61 @@ def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float)
     go = counts.gather(1, j[:, None])[:, 0] > counts.gather(1, i[:, None])[:, 0] + margin
     go &= (hot > 0) & (hot < E)          # a layer with no device slot (all cold) or no host slot has nothing to swap
     return torch.stack([i, j, go.long()], dim=1)
+
+
+def decide_spares(counts: torch.Tensor, hot: torch.Tensor, spares: torch.Tensor, decay: float,
+                  margin: float) -> torch.Tensor:
+    """`expert_move_async`'s decision: counts fp32 [L, S] (decayed in place; S slots, two of them each layer's
+    spares), hot int64 [L] (device slots, the device spare among them), spares int64 [L, 2] (device spare, host
+    spare) -> int64 [L, 5]: (device slot d, host slot h, move?, device spare, host spare). As `decide` over the live
+    slots: the least used device slot and the most used host slot, a move when h leads by more than `margin`.
+    PyTorch ops on the device; nothing read back."""
+    counts.mul_(decay)
+    L, S = counts.shape
+    slots = torch.arange(S, device=counts.device)[None, :]
+    live = (slots != spares[:, :1]) & (slots != spares[:, 1:])
+    is_hot = slots < hot[:, None]
+    d = torch.where(is_hot & live, counts, torch.inf).argmin(1)
+    h = torch.where(~is_hot & live, counts, -torch.inf).argmax(1)
+    go = counts.gather(1, h[:, None])[:, 0] > counts.gather(1, d[:, None])[:, 0] + margin
+    go &= (hot > 1) & (hot < S - 1)      # a live device slot and a live host slot, besides the spares
+    return torch.stack([d, h, go.long(), spares[:, 0], spares[:, 1]], dim=1)
+
+
+@torch.no_grad()
+def commit_spares(dec: torch.Tensor, counts: torch.Tensor, expert_of_slot: torch.Tensor,
+                  router_of_slot: torch.Tensor, slot_map: torch.Tensor, spares: torch.Tensor,
+                  moves: torch.Tensor) -> None:
+    """After `copy_rows` of `dec` ([L, 5], `decide_spares`) has run: per layer that moves, its host slot h's expert
+    now lives in the device spare and its device slot d's in the host spare. The slot map sends their router rows
+    there, counts and slot -> expert / router entries follow, and h and d become the spares (-1 entries, count 0).
+    counts [L, S], expert_of_slot / router_of_slot int32 [L, S], slot_map int32 [L, E], spares int64 [L, 2],
+    moves int64 [L]; in place, on the device, nothing read back (layers that stay write their values back)."""
+    d, h, go, dev_spare, host_spare = dec.unbind(1)
+    g = go.bool()
+    src = torch.stack([h, d], 1)                          # what moves ...
+    dst = torch.stack([dev_spare, host_spare], 1)         # ... where to
+    keep = torch.stack([g, g], 1)
+    for t, empty in ((counts, 0), (expert_of_slot, -1), (router_of_slot, -1)):
+        moving = t.gather(1, src)
+        t.scatter_(1, dst, torch.where(keep, moving, t.gather(1, dst)))
+        t.scatter_(1, src, torch.where(keep, torch.full_like(moving, empty), moving))
+    rows = router_of_slot.gather(1, dst).long()          # the moved experts' router rows (valid where g)
+    rows = torch.where(keep, rows, 0)
+    slot_map.scatter_(1, rows, torch.where(keep, dst.to(slot_map.dtype), slot_map.gather(1, rows)))
+    spares.copy_(torch.where(keep, torch.stack([d, h], 1), spares))
+    moves.add_(go)
+
+
+def copy_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None) -> None:
+    """`expert_move_async`: for every layer l with dec[l, 2] != 0 ([L, 5], `decide_spares`), slot dec[l, 1]'s row
+    into slot dec[l, 3] (the device spare) and slot dec[l, 0]'s into slot dec[l, 4] (the host spare), in one launch
+    (`_copy_kernel`); `layers` as `swap_rows`."""
+    n = plan.row_elems
+    block = min(block, triton.next_power_of_2(n))
+    _copy_kernel[(plan.dev_off.numel(), triton.cdiv(n, block), 2)](
+        plan.anchor, plan.dev_off, plan.host_off, plan.split, dec, dec if layers is None else layers, n,
+        BLOCK=block, HAS_LAYERS=layers is not None)
 
 
 def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None) -> None:

@@ -43,3 +43,13 @@ def settle_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, moves: torch.
         vals = t.gather(1, pair)
         t.scatter_(1, pair, torch.where(go, vals.flip(1), vals))
     moves.add_(dec[:, 2])
+
+
+@torch.no_grad()
+def copy_rows_ref(rows: RowSet, dec: torch.Tensor) -> None:
+    """`expert_moves.copy_rows` (`expert_move_async`): dec [L, 5] (d, h, go, device spare, host spare); where go,
+    h's row into the device spare's, d's into the host spare's."""
+    for layer, (d, h, go, dev_spare, host_spare) in enumerate(dec.tolist()):
+        if go:
+            _row(rows, layer, dev_spare).copy_(_row(rows, layer, h))
+            _row(rows, layer, host_spare).copy_(_row(rows, layer, d))

@@ -50,7 +50,8 @@ class ExpertTable:
     counts: torch.Tensor            # fp32 [E] on the device: selections per slot (decayed by the move policy)
     host_reads: torch.Tensor        # int64 [1] on the device: selections of host slots since start
     moves: torch.Tensor             # int64 [1] on the device: slot swaps done
-    initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending)
+    initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending;
+    #                                 -1: a spare slot, with `expert_move_async`)
     groups: tuple[int, int] | None = None   # INT4 experts: inputs per scale of w13 / of w2
     fp8_block: tuple[int, int] | None = None   # float8 experts: (rows, columns) of a scale block
     # int32 [E] on the device: router index -> the slot that holds its expert, applied by the router (`route`'s
@@ -77,7 +78,20 @@ class ExpertTable:
 
     @property
     def num_experts(self) -> int:
+        """The layer's experts (router rows); `num_slots` counts the spares too."""
+        return sum(e >= 0 for e in self.initial)
+
+    @property
+    def num_slots(self) -> int:
         return len(self.initial)
+
+    def slot_of_expert(self) -> list[int]:
+        """Expert id -> the slot holding it now (one read-back: the CPU and prefill loops)."""
+        out = [0] * self.num_experts
+        for slot, e in enumerate(self.expert_of_slot.tolist()):
+            if e >= 0:
+                out[e] = slot
+        return out
 
     # the compute-dtype table's parts by name (what the bf16 kernels and older callers take)
     @property
@@ -149,9 +163,10 @@ class ExpertTable:
 
     @torch.no_grad()
     def order_gate(self, gate_weight: torch.Tensor) -> None:
-        """Router rows [E(+1), H] from expert order into slot order (rows past E, the shared gate, stay)."""
+        """Router rows [E(+1), H] from expert order into slot order (rows past E, the shared gate, stay); with spare
+        slots, into the order of the live slots (what `slot_map` starts from)."""
         E = self.num_experts
-        perm = torch.tensor(self.initial, device=gate_weight.device)
+        perm = torch.tensor([e for e in self.initial if e >= 0], device=gate_weight.device)
         gate_weight[:E].copy_(gate_weight[:E][perm].clone())
 
     def slots_of(self, router_ids: torch.Tensor) -> torch.Tensor:
@@ -175,7 +190,7 @@ class ExpertTable:
         flat = ids.long()
         present = flat >= 0
         by_expert = torch.where(present, self.expert_of_slot.to(x.device)[flat.clamp_min(0)], -1)
-        slot_of = torch.argsort(self.expert_of_slot).tolist()
+        slot_of = self.slot_of_expert()
         for e in torch.unique(by_expert[present]).tolist():
             tok, j = torch.where(by_expert == e)
             q13, s13, q2, s2 = (r.to(x.device, non_blocking=True) for r in self.slot_rows(slot_of[e]))

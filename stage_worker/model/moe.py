@@ -168,7 +168,7 @@ class SparseMoE(nn.Module):
             if counts is not None:
                 count_ref(ids, counts)
             by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
-            slot_of = torch.argsort(t.expert_of_slot).tolist()
+            slot_of = t.slot_of_expert()
         out = torch.zeros_like(x)
         for e in torch.unique(by_expert).tolist():
             tok, slot = torch.where(by_expert == e)
