@@ -47,7 +47,8 @@ class StageExperts:
     slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
     router_of_slot: torch.Tensor | None = None  # int32 [L, S] slot -> router index (-1: a spare)
     spares: torch.Tensor | None = None          # int64 [L, 2] (device spare, host spare)
-    _pending: tuple | None = None  # (decisions [L, 5], event after their copies or None) awaiting their commit
+    _dec: torch.Tensor | None = None   # int64 [L, 5] the decisions whose copies are made, committed next round
+    _done: object | None = None    # the event after those copies (CUDA)
     _side: object | None = None    # the side stream the copies run on (CUDA)
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _graph: tuple | None = None   # (key, CUDAGraph, its decisions tensor) of the captured round (`expert_move_graph`)
@@ -133,7 +134,7 @@ class StageExperts:
         from stage_worker.kernels.expert_moves import decide, swap_rows, swap_usable   # Triton: lazily
 
         if self.spares is not None:
-            return self._spare_round(gates, decay, margin)
+            return self._spare_round(gates, decay, margin, graph)
         if fused and swap_usable(self.counts):
             if not graph:
                 return self._fused_round(gates, decay, margin)
@@ -154,40 +155,65 @@ class StageExperts:
         settle_ref(self.counts, self.expert_of_slot, self.moves, dec)
         return dec
 
-    def _spare_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
+    def _spare_round(self, gates: list[torch.Tensor], decay: float, margin: float,
+                     graph: bool = False) -> torch.Tensor:
         """`expert_move_async`: commit the previous round's moves (its copies are done: the forward's stream waits
-        for their event, the host does not), then decide this round's and copy the chosen rows into the spares,
-        on a side stream on a GPU so the steps run meanwhile (the copies read live rows and write only spares; the
-        next round commits them). Returns the decisions [L, 5]. Gate rows never move: the slot map does."""
-        from stage_worker.kernels.expert_moves import commit_spares, copy_rows, decide_spares, swap_usable
+        for their event, the host does not), decide this round's, and copy the chosen rows into the spares on a
+        side stream so the steps run meanwhile (the copies read live rows and write only spares; the next round
+        commits them). A CPU cluster copies at once (`copy_rows_ref`), committed next round all the same. With
+        `graph` the two parts replay CUDA graphs captured after the first eager round with these arguments (one
+        launch each instead of ~30 PyTorch ops and one copy launch per kind of row). Returns the decisions [L, 5]
+        (a buffer the next round rewrites). Gate rows never move: the slot map does."""
+        from stage_worker.kernels.expert_moves import copy_rows, swap_usable
         from stage_worker.kernels.expert_moves_ref import copy_rows_ref
 
-        if self._pending is not None:
-            dec, done = self._pending
-            if done is not None:
-                torch.cuda.current_stream().wait_event(done)
-            commit_spares(dec, self.counts, self.expert_of_slot, self.router_of_slot, self.slot_map, self.spares,
-                          self.moves)
-            self._pending = None
-        dec = decide_spares(self.counts, self.hot, self.spares, decay, margin)
-        if not swap_usable(self.counts):            # a CPU cluster: the copies now, committed next round as well
+        if self._dec is None:          # nothing pending: go = 0 everywhere, so the first commit changes nothing
+            self._dec = torch.zeros(self.spares.shape[0], 5, dtype=torch.int64, device=self.counts.device)
+            self._dec[:, 3:] = self.spares
+        if not swap_usable(self.counts):
+            self._commit_and_decide(decay, margin)
             for rows, idx in self.row_sets(gates, with_gates=False):
-                copy_rows_ref(rows, dec if idx is None else dec[idx])
-            self._pending = (dec, None)
-            return dec
+                copy_rows_ref(rows, self._dec if idx is None else self._dec[idx])
+            return self._dec
         if self._side is None:
             self._side = torch.cuda.Stream(self.counts.device)
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        key = ("spares", tuple(g.data_ptr() for g in gates), float(decay), float(margin))
+        captured = graph and self._graph is not None and self._graph[0] == key
+        if captured:
+            self._graph[1].replay()
+        else:
+            self._commit_and_decide(decay, margin)
         decided = torch.cuda.Event()
         decided.record()
         with torch.cuda.stream(self._side):
             self._side.wait_event(decided)
-            for plan, idx in self._copy_plans(gates):
-                copy_rows(plan, dec, layers=idx)
-            done = torch.cuda.Event()
-            done.record(self._side)
-        dec.record_stream(self._side)
-        self._pending = (dec, done)
-        return dec
+            if captured:
+                self._graph[2].replay()
+            else:
+                for plan, idx in self._copy_plans(gates):
+                    copy_rows(plan, self._dec, layers=idx)
+            self._done = torch.cuda.Event()
+            self._done.record(self._side)
+        if graph and not captured:     # record both parts; capture runs nothing
+            main, side = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(main, capture_error_mode="thread_local"):
+                self._commit_and_decide(decay, margin)
+            with torch.cuda.graph(side, capture_error_mode="thread_local"):
+                for plan, idx in self._copy_plans(gates):
+                    copy_rows(plan, self._dec, layers=idx)
+            self._graph = (key, main, side)
+        return self._dec
+
+    def _commit_and_decide(self, decay: float, margin: float) -> None:
+        """The round's part on the forward's stream: `commit_spares` of the pending decisions, then this round's
+        (`decide_spares`) into the same buffer."""
+        from stage_worker.kernels.expert_moves import commit_spares, decide_spares
+
+        commit_spares(self._dec, self.counts, self.expert_of_slot, self.router_of_slot, self.slot_map, self.spares,
+                      self.moves)
+        self._dec.copy_(decide_spares(self.counts, self.hot, self.spares, decay, margin))
 
     def _copy_plans(self, gates: list[torch.Tensor]) -> list:
         """The parts' SwapPlans for `copy_rows` (the router rows stay), built once."""

@@ -92,9 +92,10 @@ def fingerprints_hold(model, plain) -> int:
     return n
 
 
-def graphed_greedy(model, prompt: list[int], steps: int, moves: bool) -> tuple[list[int], list[float]]:
+def graphed_greedy(model, prompt: list[int], steps: int, moves: bool,
+                   move_graph: bool = False) -> tuple[list[int], list[float]]:
     """On a GPU: greedy tokens and their log-probabilities through CUDA-graph replays, with a move round (decay 0.5,
-    margin 0) between replays when `moves`."""
+    margin 0) between replays when `moves` (replayed from its own graphs with `move_graph`)."""
     eng = LocalEngine([model], max_seqs=2, cuda_graphs=True)
     eng.add(0)
     logits = eng.step([(0, prompt)])[-1]
@@ -104,6 +105,6 @@ def graphed_greedy(model, prompt: list[int], steps: int, moves: bool) -> tuple[l
         tokens.append(int(lp.argmax()))
         lps.append(float(lp.max()))
         if moves:
-            model.experts.move_round(gates(model), 0.5, 0.0)
+            model.experts.move_round(gates(model), 0.5, 0.0, graph=move_graph)
         logits = eng.step([(0, [tokens[-1]])])[-1]
     return tokens, lps

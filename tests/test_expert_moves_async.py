@@ -181,15 +181,17 @@ def test_gpu_graphs_with_moves_off_the_forward_serve_the_same_greedy_tokens(tiny
 
     cfg = load_config(tiny_checkpoint)
 
-    def run(cold, spares):
+    def run(cold, spares, move_graph=False):
         model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold, expert_move_async=spares),
                            cfg)
         model.set_kernels(KernelFlags.parse("all"))
-        return (model, *graphed_greedy(model, [1, 5, 9, 33, 70, 100], 24, cold is not None))
+        return (model, *graphed_greedy(model, [1, 5, 9, 33, 70, 100], 24, cold is not None, move_graph))
 
     plain, want, want_lp = run(None, False)
-    model, got, lp = run(random_cold(cfg, 0.5, seed=3), True)
-    assert got == want and max(abs(a - b) for a, b in zip(lp, want_lp)) < 2e-2
-    torch.cuda.synchronize()
-    assert model.experts.moves.sum().item() > 0
-    fingerprints_hold(model, plain)
+    for move_graph in (False, True):           # the round's two parts eager, then replayed from their graphs
+        model, got, lp = run(random_cold(cfg, 0.5, seed=3), True, move_graph)
+        assert got == want and max(abs(a - b) for a, b in zip(lp, want_lp)) < 2e-2, move_graph
+        torch.cuda.synchronize()
+        assert model.experts.moves.sum().item() > 0
+        assert (model.experts._graph is not None) == move_graph
+        fingerprints_hold(model, plain)
