@@ -42,26 +42,36 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _slot_offset(slot, layer, split_ptr, dev_off_ptr, host_off_ptr, N):
+        """Element offset (from the plan's anchor) of the layer's slot: row `slot` at dev_off below the split, else
+        row slot - split at host_off."""
+        split = tl.load(split_ptr + layer)
+        return tl.where(slot < split, tl.load(dev_off_ptr + layer) + slot * N,
+                        tl.load(host_off_ptr + layer) + (slot - split) * N)
+
+    @triton.jit
+    def _decision_row(layers_ptr, HAS_LAYERS: tl.constexpr):
+        """This program's layer (program_id(0)) and the decision row it reads: layers[layer] with HAS_LAYERS (a kind
+        of row that covers only some layers), else the layer's own."""
+        layer = tl.program_id(0)
+        if HAS_LAYERS:
+            row = tl.load(layers_ptr + layer)
+        else:
+            row = layer
+        return layer, row
+
+    @triton.jit
     def _swap_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, layers_ptr, N, BLOCK: tl.constexpr,
                      HAS_LAYERS: tl.constexpr):
         """Layer program_id(0): if its decision says move, swap the BLOCK elements program_id(1) of the rows of
         slots i and j. Slot s < split is row s at dev_off, else row s - split at host_off (element offsets from
         anchor_ptr). HAS_LAYERS: the plan's layer k reads decision row layers[k] (a kind of row that covers only
         some layers), else row k."""
-        layer = tl.program_id(0)
-        if HAS_LAYERS:
-            row = tl.load(layers_ptr + layer)
-        else:
-            row = layer
+        layer, row = _decision_row(layers_ptr, HAS_LAYERS)
         go = tl.load(dec_ptr + row * 3 + 2)
         if go != 0:
-            i = tl.load(dec_ptr + row * 3)
-            j = tl.load(dec_ptr + row * 3 + 1)
-            split = tl.load(split_ptr + layer)
-            dev = tl.load(dev_off_ptr + layer)
-            host = tl.load(host_off_ptr + layer)
-            a = tl.where(i < split, dev + i * N, host + (i - split) * N)
-            b = tl.where(j < split, dev + j * N, host + (j - split) * N)
+            a = _slot_offset(tl.load(dec_ptr + row * 3), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+            b = _slot_offset(tl.load(dec_ptr + row * 3 + 1), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
             offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < N
             x = tl.load(anchor_ptr + a + offs, mask=mask)
@@ -76,21 +86,12 @@ if triton is not None:
         says move, copies BLOCK elements program_id(1) of slot h's row into the device spare's (program_id(2) 0)
         or of slot d's row into the host spare's (1). Reads live rows, writes only spares: steps may run beside
         it. Addressing as `_swap_kernel`."""
-        layer = tl.program_id(0)
-        if HAS_LAYERS:
-            row = tl.load(layers_ptr + layer)
-        else:
-            row = layer
+        layer, row = _decision_row(layers_ptr, HAS_LAYERS)
         go = tl.load(dec_ptr + row * 5 + 2)
         if go != 0:
-            which = tl.program_id(2)
-            src = tl.load(dec_ptr + row * 5 + 1 - which)          # h (to the device spare), then d
-            dst = tl.load(dec_ptr + row * 5 + 3 + which)          # the device spare, then the host spare
-            split = tl.load(split_ptr + layer)
-            dev = tl.load(dev_off_ptr + layer)
-            host = tl.load(host_off_ptr + layer)
-            a = tl.where(src < split, dev + src * N, host + (src - split) * N)
-            b = tl.where(dst < split, dev + dst * N, host + (dst - split) * N)
+            which = tl.program_id(2)                # h into the device spare, then d into the host spare
+            a = _slot_offset(tl.load(dec_ptr + row * 5 + 1 - which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+            b = _slot_offset(tl.load(dec_ptr + row * 5 + 3 + which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
             offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < N
             tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
