@@ -271,11 +271,12 @@ def _parts(moe) -> dict[str, torch.Tensor]:
     return {name: getattr(moe, name) for name in names}
 
 
-def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GRANULE) -> int:
+def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GRANULE, spare: int = 0) -> int:
     """VRAM the VMM ranges of `expert_vmm_table` take beyond the hot rows' bytes, for the memory plan (which counts
     the hot rows as weights): per layer with cold experts and part, its hot rows' bytes rounded up to the
     granularity (less than a granule each). `cold` None (`--cold-experts auto`, not chosen yet): a granule for every
-    MoE layer's every part, the worst case. `model` may be on the meta device."""
+    MoE layer's every part, the worst case. `spare` (1 with `expert_move_async`): the device spare row counts with
+    the hot rows. `model` may be on the meta device."""
     out = 0
     for layer, moe in model.moe_layers().items():
         if cold is None:
@@ -283,7 +284,7 @@ def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GR
             continue
         if not cold.get(layer):
             continue
-        hot = moe.num_experts - len(cold[layer])
+        hot = moe.num_experts - len(cold[layer]) + spare
         for t in _parts(moe).values():
             nbytes = hot * math.prod(t.shape[1:]) * t.element_size()
             out += -(-nbytes // granule) * granule - nbytes

@@ -126,7 +126,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
-            weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold)
+            weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold,
+                                    spare=int(cluster.expert_move_async and cluster.expert_moves))
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0
