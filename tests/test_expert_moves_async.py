@@ -174,16 +174,18 @@ def test_the_switch_is_a_cluster_key_and_reaches_the_loader(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_gpu_graphs_with_moves_off_the_forward_serve_the_same_greedy_tokens(tiny_checkpoint):
+@pytest.mark.parametrize("vmm", [False, True], ids=["two_tables", "vmm_range"])
+def test_gpu_graphs_with_moves_off_the_forward_serve_the_same_greedy_tokens(tiny_checkpoint, vmm):
     """On the GPU: fused kernels, CUDA graphs, a round after every replay whose copies run on the side stream
-    while the next step runs: the all-in-VRAM greedy tokens, every row its expert's."""
+    while the next step runs: the all-in-VRAM greedy tokens, every row its expert's; the tables as two tensors
+    or as one VRAM + host range per part (`expert_vmm_table`, the spares at the end of each tier)."""
     from stage_worker.kernels.flags import KernelFlags
 
     cfg = load_config(tiny_checkpoint)
 
     def run(cold, spares, move_graph=False):
-        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold, expert_move_async=spares),
-                           cfg)
+        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold, expert_move_async=spares,
+                                                        expert_vmm_table=vmm and cold is not None), cfg)
         model.set_kernels(KernelFlags.parse("all"))
         return (model, *graphed_greedy(model, [1, 5, 9, 33, 70, 100], 24, cold is not None, move_graph))
 
