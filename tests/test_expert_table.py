@@ -296,10 +296,12 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
 
 # ---- served --------------------------------------------------------------------------------------------------------
 
-def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("spares", [False, True], ids=["in_place", "async"])
+def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path, spares):
     """The real 2-stage cluster with half of every layer's experts in host RAM and a move round every 2 steps
     serves the greedy tokens and logprobs of the all-in-VRAM model (in process here), and /metrics says how many
-    host reads and moves it made."""
+    host reads and moves it made; moves in place, or into spare slots committed a round later
+    (`expert_move_async`)."""
     from conftest import small_cluster_options
     from gateway.launcher import Cluster
 
@@ -310,7 +312,8 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
     want = [greedy(plain, p, 16) for p in prompts]
     opts = small_cluster_options(tiny_checkpoint)
-    with Cluster(dataclasses.replace(opts, extra=dict(opts.extra, cold_experts=str(f), expert_move_interval=2))) as c:
+    extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2, expert_move_async=spares)
+    with Cluster(dataclasses.replace(opts, extra=extra)) as c:
         outs = [httpx.post(c.url + "/v1/completions", timeout=120, json={
             "model": "moepipe", "prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1,
             "ignore_eos": True}, verify=False).json() for p in prompts]
@@ -328,3 +331,8 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
                 if line.startswith("moepipe_expert_moves_total{"))
     assert reads > 0 and moves > 0
     assert 'moepipe_expert_bytes{stage="0",tier="host"}' in metrics and 'moepipe_kv_cache_bytes{stage="1"}' in metrics
+    host = sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("moepipe_expert_bytes{") and 'tier="host"' in line)
+    cold = random_cold(cfg, 0.5, seed=1)
+    slots = sum(len(ids) for ids in cold.values()) + (len(cold) if spares else 0)     # a spare a table
+    assert host == slots * cold_set.expert_bytes(cfg, "float32")
