@@ -18,7 +18,9 @@ BS, SLOTS, BLOCKS = 16, 2, 6          # scratch: slot SLOTS, block BLOCKS (the c
 
 
 def _run(models, warm: bool, calls: list, device: str = "cpu") -> torch.Tensor:
-    caches = [m.new_cache(CacheSpec(num_blocks=BLOCKS + 1, block_size=BS, num_slots=SLOTS + 1)) for m in models]
+    dtype = next(models[0].parameters()).dtype
+    caches = [m.new_cache(CacheSpec(num_blocks=BLOCKS + 1, block_size=BS, num_slots=SLOTS + 1, dtype=dtype,
+                                    device=device)) for m in models]
     prompt = list(range(20, 43))
 
     def step(tokens, ctx):
