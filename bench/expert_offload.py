@@ -470,7 +470,8 @@ def main() -> int:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
                 results.append(r)
-                pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") if moves else "off"
+                pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") + \
+                    ("a" if r["expert_move_async"] else "") if moves else "off"      # frozen / async suffixes
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} {pol:>9} "
                       f"{r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
