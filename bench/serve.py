@@ -15,6 +15,7 @@ hand-off, the first token's way back: moepipe_request_gateway_time_seconds).
     python bench/serve.py --url http://127.0.0.1:8000 --model-name moepipe
     python bench/serve.py --stages 2 --no-ple-service          # A/B: the in-process PLE fallback
     python bench/serve.py --model M --cold --prompt-chars 90000 --text-seed 1   # cold PLE time to first token
+    python bench/serve.py --model M --cold --prompt-chars 90000 --cold-text code  # ... on real code, not random words
 Prints a table and writes JSON (--out).
 
 `--cold` (issue 18) measures time to first token on text the server has never seen with the PLE table's pages
@@ -213,8 +214,13 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int, runs: i
             **stats}
 
 
-def unseen_text(chars: int, seed: int) -> str:
-    """`chars` characters of seeded random lowercase words: token n-grams (so PLE rows) no other seed sends."""
+def unseen_text(chars: int, seed: int, kind: str = "words") -> str:
+    """`chars` characters no other seed sends. `words`: seeded random lowercase words, whose token n-grams (so PLE
+    rows) almost never repeat, the worst case for a cold table. `code`: real source text, the Python standard
+    library's own modules (on every machine that runs this), a block of whole files per seed, blocks disjoint:
+    real n-gram repetition, as an agent's prompt has it."""
+    if kind == "code":
+        return _stdlib_block(chars, seed)
     rng = random.Random(seed)
     words, n = [], 0
     while n < chars:
@@ -222,6 +228,30 @@ def unseen_text(chars: int, seed: int) -> str:
         words.append(word)
         n += len(word) + 1
     return " ".join(words)[:chars]
+
+
+def _stdlib_block(chars: int, seed: int) -> str:
+    """The standard library's .py files in a fixed shuffled order, cut into consecutive blocks of at least `chars`
+    characters; block `seed` mod the number of blocks."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    random.Random(0).shuffle(files)
+    blocks, cur, n = [], [], 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        cur.append(f"# {path.relative_to(root)}\n{text}")
+        n += len(cur[-1])
+        if n >= chars:
+            blocks.append("\n".join(cur)[:chars])
+            cur, n = [], 0
+    if not blocks:
+        raise SystemExit(f"the standard library has fewer than {chars} characters of source for one block")
+    return blocks[seed % len(blocks)]
 
 
 async def one_token(client, model: str, prompt: str) -> tuple[float, int]:
@@ -247,7 +277,8 @@ def _ple_delta(before: dict, after: dict, series: str = "stage_wait_seconds") ->
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, tables: list[Path]) -> dict:
+async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, tables: list[Path],
+                   text: str = "words") -> dict:
     """Cold and warm TTFT on unseen text, `runs` times (see the module docstring)."""
     from openai import AsyncOpenAI
 
@@ -261,9 +292,10 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=1800) as client:
         await one_token(client, model, PROMPTS[0])                               # kernels
         # prefill kernels (chunks of one shape; attention compiles once whatever the context): a shorter text
-        await one_token(client, model, unseen_text(min(chars, 8000), 1_000_003 * text_seed + 999_999))
+        await one_token(client, model, unseen_text(min(chars, 8000), 1_000_003 * text_seed + 999_999))   # words
         for run in range(runs):
-            prompt = unseen_text(chars, 1_000_003 * text_seed + run)
+            prompt = unseen_text(chars, 1_000_003 * text_seed + run if text == "words" else
+                                 1 + text_seed * runs + run, text)
             refused = []
             for path in tables:                 # the server's mappings paged out too (ple_service/page_cache.py)
                 refused += evict(path, pids=list(mapped_rss(path)))
@@ -289,7 +321,7 @@ async def run_cold(url: str, model: str, chars: int, runs: int, text_seed: int, 
                              "cold_prefetch_s": _ple_delta(m0, m1, "prefetch_seconds")})
     cold = statistics.median(r["cold_s"] for r in runs_out)
     warm = statistics.median(r["warm_s"] for r in runs_out)
-    return {"prompt_chars": chars, "runs": runs, "text_seed": text_seed, "cold_ttft_median_s": cold,
+    return {"prompt_chars": chars, "runs": runs, "text_seed": text_seed, "text": text, "cold_ttft_median_s": cold,
             "warm_ttft_median_s": warm, "cold_over_warm": cold / warm,
             "table_gib": sum(p.stat().st_size for p in tables) / 2**30, "per_run": runs_out}
 
@@ -324,6 +356,9 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true",
                     help="cold PLE time to first token on unseen text of --prompt-chars characters (docstring)")
     ap.add_argument("--text-seed", type=int, default=0, help="--cold: which unseen text (one per side of an A/B)")
+    ap.add_argument("--cold-text", default="words", choices=["words", "code"],
+                    help="--cold: random words (n-grams that never repeat: the worst case) or real code (the Python "
+                         "standard library's sources, a disjoint block per run and seed)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
     if args.cold and int(args.prompt_chars.split(",")[0]) <= 0:
@@ -355,7 +390,7 @@ def main() -> int:
             model_dir = Path(args.model) if args.model else None
             tables = sorted(model_dir.glob("ple_table.layer*.bin")) if model_dir else []
             cold = asyncio.run(run_cold(url, args.model_name, int(args.prompt_chars.split(",")[0]), args.runs,
-                                        args.text_seed, tables))
+                                        args.text_seed, tables, args.cold_text))
             rows = []
         else:
             rows = [asyncio.run(run_level(url, args.model_name, int(n), args.max_tokens, args.runs, int(chars),
@@ -403,7 +438,8 @@ def main() -> int:
 
 
 def _report_cold(cold: dict, meta: dict, out: Path) -> int:
-    print(f"PLE table {cold['table_gib']:.1f} GiB; prompt {cold['prompt_chars']} chars; text seed {cold['text_seed']}")
+    print(f"PLE table {cold['table_gib']:.1f} GiB; prompt {cold['prompt_chars']} chars of {cold['text']}; "
+          f"text seed {cold['text_seed']}")
     print(f"{'run':>3} {'tokens':>7} {'resident':>8} {'cold s':>8} {'warm s':>8} {'cold/warm':>9} "
           f"{'PLE wait cold s':>15} {'warm s':>7} {'prefetched pages':>16} {'advising s':>10}")
     for i, r in enumerate(cold["per_run"]):

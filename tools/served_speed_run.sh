@@ -180,7 +180,8 @@ PY
   fi
   # COLD_PREFETCH items PF[:T[:METHOD[:DEPTH]]]: 1 (prefetch on, defaults), 0 (off), 1:T (T prefetch threads),
   # 1:T:METHOD (ple_prefetch_method madvise, fadvise or pread; T may be empty: 1::fadvise), 1:T:pread:D (D reads in
-  # flight, ple_prefetch_depth); each side reads its own unseen text (text seed = its place in the list)
+  # flight, ple_prefetch_depth); each side reads its own unseen text (text seed = its place in the list); COLD_TEXT
+  # code: real code (the standard library's sources; ~115000 characters are ~32k tokens) instead of random words
   seed=0
   for item in ${COLD_PREFETCH:-1 0}; do
     seed=$((seed + 1)); IFS=: read -r pf th meth depth <<< "$item"; tag=$pf
@@ -189,7 +190,7 @@ PY
       ${depth:+MOEPIPE_PLE_PREFETCH_DEPTH=$depth} timeout "${COLD_TIMEOUT:-300}" \
       python3 bench/serve.py --model /tmp/fscold \
       --load-format dummy --device cuda --stages 1 --set dummy_ple_file=true --cold \
-      --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $seed \
+      --prompt-chars "${COLD_CHARS:-54500}" --runs "${COLD_RUNS:-2}" --text-seed $seed --cold-text "${COLD_TEXT:-words}" \
       --out "$out/cold_prefetch$tag.json" > "$out/cold_prefetch$tag.log" 2>&1
     echo "== cold PLE TTFT, MOEPIPE_PLE_PREFETCH=$pf${th:+ MOEPIPE_PLE_PREFETCH_THREADS=$th}${meth:+ MOEPIPE_PLE_PREFETCH_METHOD=$meth}${depth:+ MOEPIPE_PLE_PREFETCH_DEPTH=$depth}"
     tail -7 "$out/cold_prefetch$tag.log"
