@@ -181,7 +181,7 @@ PY
   # COLD_PREFETCH items PF[:T[:METHOD[:DEPTH]]]: 1 (prefetch on, defaults), 0 (off), 1:T (T prefetch threads),
   # 1:T:METHOD (ple_prefetch_method madvise, fadvise or pread; T may be empty: 1::fadvise), 1:T:pread:D (D reads in
   # flight, ple_prefetch_depth); each side reads its own unseen text (text seed = its place in the list); COLD_TEXT
-  # code: real code (the standard library's sources; ~115000 characters are ~32k tokens) instead of random words
+  # code: real code (the standard library's sources; ~142000 characters are ~32k tokens) instead of random words
   seed=0
   for item in ${COLD_PREFETCH:-1 0}; do
     seed=$((seed + 1)); IFS=: read -r pf th meth depth <<< "$item"; tag=$pf
