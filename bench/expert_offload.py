@@ -434,6 +434,9 @@ def main() -> int:
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
     ap.add_argument("--move-us", type=float, default=100.0, help="--simulate: one move's two PCIe copies")
     ap.add_argument("--round-us", type=float, default=100.0, help="--simulate: a round's fixed GPU time")
+    ap.add_argument("--async-moves", action="store_true",
+                    help="--simulate: moves off the forward's stream (expert_move_async): a move costs the step "
+                         "nothing, a round its commit (--round-us applies, set it to the commit's time)")
     ap.add_argument("--base-ms", default="1:3.59,4:4.76",
                     help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
@@ -518,8 +521,9 @@ def _simulate_main(args) -> int:
     base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}
     rows = simulate(cfg, trace, fit, [float(x) for x in args.shares.split(",")],
                     [int(b) for b in args.batch.split(",")], _policies(args.policies), args.steps, args.warmup,
-                    args.read_us, args.move_us, args.round_us, base)
-    print(f"simulated (read {args.read_us:g} us, move {args.move_us:g} us, round {args.round_us:g} us; "
+                    args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base)
+    print(f"simulated (read {args.read_us:g} us, move {0 if args.async_moves else args.move_us:g} us, round "
+          f"{args.round_us:g} us{', moves off the forward' if args.async_moves else ''}; "
           f"{args.warmup} warm-up + {args.steps} steps)")
     print(f"{'host %':>7} {'batch':>5} {'moves':>11} {'reads/tok':>9} {'moves/step':>10} {'extra ms':>8} {'est %':>6}")
     for r in rows:
@@ -528,7 +532,8 @@ def _simulate_main(args) -> int:
         print(f"{100 * r['share']:>6.1f}% {r['batch']:>5} {pol:>11} {r['host_reads_per_token']:>9.2f} "
               f"{r['moves_per_step']:>10.3f} {r['extra_ms']:>8.3f} {est:>6}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "simulated": True},
+        Path(args.out).write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "simulated": True,
+                                                       "async_moves": args.async_moves},
                                               "results": rows}, indent=1))
     return 0
 
