@@ -303,16 +303,19 @@ def test_gpu_stage_with_packed_host_experts_graphs_and_moves_serves_the_same_gre
     cfg = load_config(tiny_checkpoint)
     prompt = [(7 * i + 3) % 2000 + 10 for i in range(70)]
 
-    def greedy(cold, moves):
+    def greedy(cold, moves, spares=False):
         model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=GROUPS,
-                                                        cold_experts=cold), cfg)
+                                                        cold_experts=cold, expert_move_async=spares), cfg)
         model.set_kernels(KernelFlags.parse("all"))
-        return (model, *graphed_greedy(model, prompt, 16, moves))
+        return (model, *graphed_greedy(model, prompt, 16, moves, move_graph=spares))
 
     plain, want, want_lp = greedy(None, False)
     assert all(m.packed_group for m in plain.moe_layers().values())
-    for moves in (False, True):
-        model, got, lp = greedy(random_cold(cfg, 0.5, seed=3), moves)
+    # moves off the forward's stream (spare slots, the router's slot map in the INT4 decode path's router launch
+    # and in the prefill path, the round's two parts from their graphs), then in place (the table the kernel check
+    # below reads: no spares)
+    for moves, spares in ((False, False), (True, True), (True, False)):
+        model, got, lp = greedy(random_cold(cfg, 0.5, seed=3), moves, spares)
         x = model.experts
         assert x.host.pinned and all(t.packed for t in x.tables.values())
         assert got == want
