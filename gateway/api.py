@@ -355,7 +355,10 @@ class _Server:
         are reproducible and differ from it; each prompt of a list starts again at j = 0."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=0 if req.top_k == -1 else req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
+            # -1 and a k of at least the vocabulary filter nothing: both are 0, "off" (a k past any int64 would
+            # not even travel in a plan)
+            top_k=0 if req.top_k is not None and (req.top_k == -1 or req.top_k >= self.tok.vocab_size) else req.top_k,
+            min_p=req.min_p, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             seed=None if req.seed is None else _choice_seed(req.seed, choice),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs, logit_bias=logit_bias,

@@ -252,7 +252,7 @@ class EngineCore:
             while not self._stopping:
                 if self._lost_since is None:     # nothing goes to a pipeline with a component missing
                     for plan in self._plans():
-                        self.executor.send(plan)
+                        self._send(plan)
                 timeout = max(0.0, next_watch - time.monotonic())
                 messages = self.executor.poll(timeout, self._wake_r)
                 try:
@@ -277,7 +277,7 @@ class EngineCore:
                         next_watch = time.monotonic() + self.limits.watchdog_interval
                         drops.extend(self._watchdog())
                 for plan in drops:
-                    self.executor.send(plan)
+                    self._send(plan)
         except Exception:                   # a bug, not a bad request: health() now names the core
             log.exception("engine core stopped")
             with self._lock:
@@ -285,6 +285,21 @@ class EngineCore:
                     sink = self._drop(req.req_id)
                     if sink is not None:
                         sink(EngineFailed("the engine core stopped"))
+
+    def _send(self, plan: Plan) -> None:
+        """Hand a plan to the executor. One that cannot go out (a value the protocol cannot encode: the fuzzer found
+        a top_k of 10^30 that once stopped the core) fails the requests of its step, as a stage's failure would,
+        and the core goes on; a plan that only drops steps failing to go out is a bug (the loop's handler)."""
+        try:
+            self.executor.send(plan)
+        except Exception as exc:
+            if plan.step < 0:
+                raise
+            with self._lock:
+                drops = self._on_stage_error(StageError(component=self.COMPONENT, step=plan.step,
+                                                        message=f"could not send the step's plan: {exc!r}"))
+            for p in drops:
+                self.executor.send(p)
 
     def _plans(self) -> list[Plan]:
         """Every plan that can go out now (with plan-ahead, a micro-batch may take two in one call)."""

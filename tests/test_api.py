@@ -651,6 +651,11 @@ def test_defaults_come_from_generation_config(stub_app, model_dir):
                                          "temperature": 0.5, "max_tokens": 5})
     assert engine.last.stop_token_ids == set() and engine.last.params.top_k == 0
     assert (engine.last.params.temperature, engine.last.params.max_tokens) == (0.5, 5)
+    # a k of at least the vocabulary filters nothing: "off" too (schemathesis sent 10^30, which no plan can carry)
+    vocab = Tokenizer.from_dir(model_dir).vocab_size
+    for k, want in ((10 ** 30, 0), (vocab, 0), (vocab - 1, vocab - 1), (5, 5)):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "top_k": k, "max_tokens": 1})
+        assert r.status_code == 200 and engine.last.params.top_k == want, (k, r.text)
 
 
 def test_structured_output_and_forced_call_through_the_in_process_backend(served):

@@ -184,6 +184,30 @@ def test_stream_and_cancel(tiny_checkpoint):
         core.stop()
 
 
+def test_a_plan_that_cannot_go_out_fails_its_step_and_the_core_goes_on(tiny_checkpoint):
+    """A plan the executor cannot send (as a value msgpack cannot encode once made the cluster's encode raise and
+    the core stop: every later request got 503) fails the requests of its step with an error; the core keeps
+    serving the next request and reports itself healthy."""
+    core = local_engine_core(tiny_checkpoint, max_model_len=128, max_num_seqs=2)
+    real = core.executor.send
+
+    def send(plan):
+        if any(e.req_id == "bad" for e in plan.entries):
+            raise OverflowError("Integer value out of range")
+        real(plan)
+
+    core.executor.send = send
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        (bad,) = collect_events(core, [GenerationRequest("bad", PROMPTS[0], params)])
+        assert isinstance(bad[-1], Exception) and "engine_core" in str(bad[-1])
+        (ok,) = _run_all(core, [GenerationRequest("ok", PROMPTS[1], params)])
+        assert [e.finish_reason for e in ok][-1] == "length" and len(ok) == 4
+        assert "engine_core" not in core.health() and core.num_running == 0
+    finally:
+        core.stop()
+
+
 # ---- cluster against in-process, through real servers -------------------------------------------------------------
 def _budget(ids: list[int]) -> int:
     return 40 if len(ids) >= 40 else 10
