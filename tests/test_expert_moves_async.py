@@ -47,8 +47,8 @@ def test_copy_kernel_matches_the_reference():
         if layers is None:      # layer 0: host slot 7 (host row 3) into the device spare 3, device slot 1 into
             assert torch.equal(want.dev[0][3], rows.host[0][3].to(DEV))     # the host spare 9 (host row 5)
             assert torch.equal(want.host[0][5], rows.dev[0][1].cpu()) and torch.equal(want.dev[1], rows.dev[1])
-        plan = M.SwapPlan.build(rows, torch.device(DEV))
-        M.copy_rows(plan, dec.to(DEV), block=8, layers=None if layers is None else layers.to(DEV))
+        plan = M.SwapPlan.build(rows, torch.device(DEV))      # rows of 15 elements: 4 blocks of 4, 2 programs loop
+        M.copy_rows(plan, dec.to(DEV), block=4, layers=None if layers is None else layers.to(DEV), programs=2)
         for a, b in zip(rows.dev + rows.host, want.dev + want.host):
             assert torch.equal(a.cpu(), b.cpu())
 

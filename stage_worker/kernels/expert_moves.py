@@ -35,8 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from stage_worker.kernels.common import INTERPRET, fix_interpreter_loop_bounds
 from stage_worker.kernels.expert_moves_ref import RowSet
 from stage_worker.kernels.moe import triton
+
+if INTERPRET:
+    fix_interpreter_loop_bounds()      # the copy kernel's loop starts at a program id
 
 if triton is not None:
     import triton.language as tl
@@ -83,18 +87,19 @@ if triton is not None:
     def _copy_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, layers_ptr, N, BLOCK: tl.constexpr,
                      HAS_LAYERS: tl.constexpr):
         """`expert_move_async`'s copies: layer program_id(0), if its decision (d, h, go, device spare, host spare)
-        says move, copies BLOCK elements program_id(1) of slot h's row into the device spare's (program_id(2) 0)
-        or of slot d's row into the host spare's (1). Reads live rows, writes only spares: steps may run beside
-        it. Addressing as `_swap_kernel`."""
+        says move, copies slot h's row into the device spare's (program_id(2) 0) or slot d's row into the host
+        spare's (1), program_id(1) taking every num_programs(1)-th BLOCK of it. Reads live rows, writes only
+        spares: steps may run beside it. Addressing as `_swap_kernel`."""
         layer, row = _decision_row(layers_ptr, HAS_LAYERS)
         go = tl.load(dec_ptr + row * 5 + 2)
         if go != 0:
             which = tl.program_id(2)                # h into the device spare, then d into the host spare
             a = _slot_offset(tl.load(dec_ptr + row * 5 + 1 - which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
             b = _slot_offset(tl.load(dec_ptr + row * 5 + 3 + which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
-            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < N
-            tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
+            for start in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < N
+                tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
 
     @triton.jit
     def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
@@ -222,13 +227,20 @@ def commit_spares(dec: torch.Tensor, counts: torch.Tensor, expert_of_slot: torch
     moves.add_(go)
 
 
-def copy_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None) -> None:
+# Programs a copied row gets (`copy_rows`): the copies run beside the forward's kernels, and a handful of programs
+# keep a PCIe direction busy without taking the SMs the steps need (the swap kernel, on the forward's own stream,
+# takes a program per block instead).
+COPY_PROGRAMS = 4
+
+
+def copy_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None,
+              programs: int = COPY_PROGRAMS) -> None:
     """`expert_move_async`: for every layer l with dec[l, 2] != 0 ([L, 5], `decide_spares`), slot dec[l, 1]'s row
     into slot dec[l, 3] (the device spare) and slot dec[l, 0]'s into slot dec[l, 4] (the host spare), in one launch
-    (`_copy_kernel`); `layers` as `swap_rows`."""
+    (`_copy_kernel`, `programs` a row and direction); `layers` as `swap_rows`."""
     n = plan.row_elems
     block = min(block, triton.next_power_of_2(n))
-    _copy_kernel[(plan.dev_off.numel(), triton.cdiv(n, block), 2)](
+    _copy_kernel[(plan.dev_off.numel(), max(1, min(programs, triton.cdiv(n, block))), 2)](
         plan.anchor, plan.dev_off, plan.host_off, plan.split, dec, dec if layers is None else layers, n,
         BLOCK=block, HAS_LAYERS=layers is not None)
 
