@@ -85,3 +85,45 @@ def test_swap_moves_per_round_and_warm_up_tokens_are_not_counted():
     assert one["moves_per_token"] == two["moves_per_token"] == 2 / T
     late = sim.replay(ids, E, 4, sim.Policy("s2", "swap", 4.0, 1, 0.5, 2), start, skip=12)
     assert late == {"hit_rate": 1.0, "moves_per_token": 0.0}
+
+
+def test_the_swap_replay_is_the_servers_move_round():
+    """The simulation's `swap` policy (what `bench/expert_offload.py --simulate` and the policy defaults rest on)
+    gives the host reads and moves the server's own round gives on the same selections: `expert_moves.decide` and
+    `settle_ref` over slot-ordered counts, the router's selections counted at the slots their experts hold, a round
+    after every `every` tokens (as `StageRunner.launch` and the benchmark run it). Ties included: integer counts."""
+    import torch
+
+    from stage_worker.kernels.expert_moves import decide
+    from stage_worker.kernels.expert_moves_ref import settle_ref
+
+    rng = np.random.default_rng(3)
+    L, E, k, T = 3, 16, 2, 600
+    weights = rng.dirichlet(np.full(E, 0.3), size=L)                  # skewed, per layer
+    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=weights[layer]) for layer in range(L)])
+                    for _ in range(T)])                               # [T, L, k] experts
+    cold = [sorted(rng.choice(E, 4, replace=False).tolist()) for _ in range(L)]
+    resident = np.ones((L, E), dtype=bool)
+    for layer, c in enumerate(cold):
+        resident[layer, c] = False
+    for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0)):
+        want = sim._replay_swap(ids, E, resident, sim.Policy("s", "swap", half_life=half_life, every=every,
+                                                             margin=margin))
+        hot = torch.full((L,), E - 4, dtype=torch.int64)
+        order = [[e for e in range(E) if e not in c] + c for c in cold]        # slot -> expert, as attach_tables
+        expert_of_slot = torch.tensor(order, dtype=torch.int32)
+        counts = torch.zeros(L, E)
+        moves = torch.zeros(L, dtype=torch.int64)
+        reads = 0
+        for t in range(T):
+            slot_of = torch.empty(L, E, dtype=torch.int64).scatter_(1, expert_of_slot.long(),
+                                                                    torch.arange(E).expand(L, E).contiguous())
+            slots = slot_of.gather(1, torch.from_numpy(ids[t]))                # [L, k]
+            reads += int((slots >= hot[:, None]).sum())
+            counts.scatter_add_(1, slots, torch.ones(L, k))
+            if (t + 1) % every == 0:
+                dec = decide(counts, hot, 0.5 ** (every / half_life), margin)
+                settle_ref(counts, expert_of_slot, moves, dec)
+        assert reads == round((1 - want["hit_rate"]) * T * L * k), (every, half_life, margin)
+        assert int(moves.sum()) == round(want["moves_per_token"] * T * L), (every, half_life, margin)
+        assert int(moves.sum()) > 0
