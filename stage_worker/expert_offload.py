@@ -45,7 +45,6 @@ class StageExperts:
     # with `expert_move_async` (spare slots): each layer has S = E + 2 slots, a device spare among its `hot` device
     # slots and a host spare after its host slots; the router reaches its E live slots through `slot_map`
     slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
-    router_of_slot: torch.Tensor | None = None  # int32 [L, S] slot -> router index (-1: a spare)
     spares: torch.Tensor | None = None          # int64 [L, 2] (device spare, host spare)
     _dec: torch.Tensor | None = None   # int64 [L, 5] the decisions whose copies are made, committed next round
     _done: object | None = None    # the event after those copies (CUDA)
@@ -211,8 +210,7 @@ class StageExperts:
         (`decide_spares`) into the same buffer."""
         from stage_worker.kernels.expert_moves import commit_spares, decide_spares
 
-        commit_spares(self._dec, self.counts, self.expert_of_slot, self.router_of_slot, self.slot_map, self.spares,
-                      self.moves)
+        commit_spares(self._dec, self.counts, self.expert_of_slot, self.slot_map, self.spares, self.moves)
         self._dec.copy_(decide_spares(self.counts, self.hot, self.spares, decay, margin))
 
     def _copy_plans(self, gates: list[torch.Tensor]) -> list:
@@ -366,15 +364,10 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * spare + sorted(ids) + [-1] * spare)
               for ids in mine.values()]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32, device=device)
-    slot_map = router_of_slot = spare_slots = None
+    slot_map = spare_slots = None
     if spares:
         live = [[slot for slot, e in enumerate(order) if e >= 0] for order in orders]     # router index -> slot
         slot_map = torch.tensor(live, dtype=torch.int32, device=device)
-        router_of = [[-1] * S for _ in orders]
-        for row, slots in zip(router_of, live):
-            for i, slot in enumerate(slots):
-                row[slot] = i
-        router_of_slot = torch.tensor(router_of, dtype=torch.int32, device=device)
         spare_slots = torch.tensor([[E - len(ids), S - 1] for ids in mine.values()], dtype=torch.int64,
                                    device=device)
     tables: dict[int, ExpertTable] = {}
@@ -390,7 +383,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     hot = torch.tensor([E - len(ids) + spare for ids in mine.values()], dtype=torch.int64, device=device)
     return StageExperts(tables=tables, counts=counts, expert_of_slot=expert_of_slot, hot=hot, host_reads=reads,
                         moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()],
-                        slot_map=slot_map, router_of_slot=router_of_slot, spares=spare_slots)
+                        slot_map=slot_map, spares=spare_slots)
 
 
 def gates(model) -> list[torch.Tensor]:

@@ -55,25 +55,24 @@ def test_copy_kernel_matches_the_reference():
 
 def test_commit_routes_the_moved_experts_to_the_spares():
     """`decide_spares` then `commit_spares` on a stage of three layers (one with nothing to move): the slot map
-    stays a bijection from router rows onto the live slots, the moved experts' router rows lead to the old spares,
-    the slots they left are the new spares (expert -1, count 0, no router row), counts followed, moves counted."""
-    E, S = 8, 10
+    stays a bijection from router rows onto the live slots and every router row still leads to its own expert, the
+    moved experts' router rows lead to the old spares, the slots they left are the new spares (expert -1, count 0,
+    no router row), counts followed, moves counted."""
+    S = 10                                                         # 8 experts and two spares a layer
     hot = torch.tensor([4, 6, 1], dtype=torch.int64)               # device slots, each layer's spare among them
     spares = torch.tensor([[3, 9], [5, 9], [0, 9]], dtype=torch.int64)
     orders = [[0, 1, 2, -1, 3, 4, 5, 6, 7, -1], [0, 1, 2, 3, 4, -1, 5, 6, 7, -1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, -1]]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32)
     live = [[s for s, e in enumerate(o) if e >= 0] for o in orders]
     slot_map = torch.tensor(live, dtype=torch.int32)
-    router_of_slot = torch.full((3, S), -1, dtype=torch.int32)
-    for layer, slots in enumerate(live):
-        router_of_slot[layer, slots] = torch.arange(E, dtype=torch.int32)
+    expert_of_row = [[o[s] for s in slots] for o, slots in zip(orders, live)]     # fixed: gate rows never move
     counts = torch.tensor([[5, 1, 3, 0, 2, 9, 0, 0, 0, 0], [5, 5, 5, 5, 5, 0, 6, 0, 0, 0],
                            [0, 0, 0, 0, 0, 0, 0, 0, 9, 0]], dtype=torch.float32)
     moves = torch.zeros(3, dtype=torch.int64)
     dec = M.decide_spares(counts, hot, spares, 1.0, 0.5)
     assert dec.tolist() == [[1, 5, 1, 3, 9], [0, 6, 1, 5, 9], [0, 8, 0, 0, 9]]   # layer 2: no live device slot
     before = slot_map.clone()
-    M.commit_spares(dec, counts, expert_of_slot, router_of_slot, slot_map, spares, moves)
+    M.commit_spares(dec, counts, expert_of_slot, slot_map, spares, moves)
     assert moves.tolist() == [1, 1, 0] and spares.tolist() == [[1, 5], [0, 6], [0, 9]]
     # layer 0: expert 4 (host slot 5, router row 4) now in slot 3; expert 1 (device slot 1, row 1) in slot 9
     assert slot_map[0, 4].item() == 3 and slot_map[0, 1].item() == 9
@@ -84,7 +83,7 @@ def test_commit_routes_the_moved_experts_to_the_spares():
     for layer in range(3):
         slots = slot_map[layer].tolist()
         assert sorted(slots) == sorted(set(range(S)) - set(spares[layer].tolist()))
-        assert all(router_of_slot[layer, s].item() == i for i, s in enumerate(slots))
+        assert [expert_of_slot[layer, s].item() for s in slots] == expert_of_row[layer]   # each row: its expert
         assert all(expert_of_slot[layer, s].item() == -1 for s in spares[layer].tolist())
 
 

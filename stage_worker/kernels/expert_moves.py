@@ -203,26 +203,27 @@ def decide_spares(counts: torch.Tensor, hot: torch.Tensor, spares: torch.Tensor,
 
 
 @torch.no_grad()
-def commit_spares(dec: torch.Tensor, counts: torch.Tensor, expert_of_slot: torch.Tensor,
-                  router_of_slot: torch.Tensor, slot_map: torch.Tensor, spares: torch.Tensor,
-                  moves: torch.Tensor) -> None:
+def commit_spares(dec: torch.Tensor, counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: torch.Tensor,
+                  spares: torch.Tensor, moves: torch.Tensor) -> None:
     """After `copy_rows` of `dec` ([L, 5], `decide_spares`) has run: per layer that moves, its host slot h's expert
     now lives in the device spare and its device slot d's in the host spare. The slot map sends their router rows
-    there, counts and slot -> expert / router entries follow, and h and d become the spares (-1 entries, count 0).
-    counts [L, S], expert_of_slot / router_of_slot int32 [L, S], slot_map int32 [L, E], spares int64 [L, 2],
-    moves int64 [L]; in place, on the device, nothing read back (layers that stay write their values back)."""
+    there (found as the map's entries equal to h and d), counts and slot -> expert entries follow, and h and d
+    become the spares (-1 entries, count 0). counts [L, S], expert_of_slot int32 [L, S], slot_map int32 [L, E],
+    spares int64 [L, 2], moves int64 [L]; in place, on the device, nothing read back (layers that stay write their
+    values back)."""
     d, h, go, dev_spare, host_spare = dec.unbind(1)
     g = go.bool()
     src = torch.stack([h, d], 1)                          # what moves ...
     dst = torch.stack([dev_spare, host_spare], 1)         # ... where to
     keep = torch.stack([g, g], 1)
-    for t, empty in ((counts, 0), (expert_of_slot, -1), (router_of_slot, -1)):
+    # the router rows that lead to h and d (live slots: exactly one each; where a layer stays, row 0 writes itself)
+    rows = (slot_map[:, :, None] == src[:, None, :].to(slot_map.dtype)).int().argmax(1)
+    rows = torch.where(keep, rows, 0)
+    slot_map.scatter_(1, rows, torch.where(keep, dst.to(slot_map.dtype), slot_map.gather(1, rows)))
+    for t, empty in ((counts, 0), (expert_of_slot, -1)):
         moving = t.gather(1, src)
         t.scatter_(1, dst, torch.where(keep, moving, t.gather(1, dst)))
         t.scatter_(1, src, torch.where(keep, torch.full_like(moving, empty), moving))
-    rows = router_of_slot.gather(1, dst).long()          # the moved experts' router rows (valid where g)
-    rows = torch.where(keep, rows, 0)
-    slot_map.scatter_(1, rows, torch.where(keep, dst.to(slot_map.dtype), slot_map.gather(1, rows)))
     spares.copy_(torch.where(keep, torch.stack([d, h], 1), spares))
     moves.add_(go)
 
