@@ -224,7 +224,8 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
         tokens.append(t)
         logprobs.append(float(lp[t]))
         if moves and model.experts is not None:
-            model.experts.move_round(gates(model), 0.5, 0.0, fused=_move_fused(), graph=_move_graph())
+            model.experts.move_round(gates(model), 0.5, 0.0, fused=_switch("expert_move_fused"),
+                                     graph=_switch("expert_move_graph"))
         logits = engine.step([(0, [t])])[-1]
     out = {"tokens": tokens, "logprobs": logprobs}
     if model.experts is not None:
@@ -233,21 +234,13 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
     return out
 
 
-def _move_fused() -> bool:
-    """The server's `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED=0: the eager round of ~32 launches): a move round's
-    decision and bookkeeping in one launch plus the swaps."""
-    return bool(env_overrides().get("expert_move_fused", ClusterConfig.expert_move_fused))
-
-
-def _move_graph() -> bool:
-    """The server's `expert_move_graph` (MOEPIPE_EXPERT_MOVE_GRAPH=0: the fused round's launches one by one)."""
-    return bool(env_overrides().get("expert_move_graph", ClusterConfig.expert_move_graph))
-
-
-def _move_async() -> bool:
-    """The server's `expert_move_async` (MOEPIPE_EXPERT_MOVE_ASYNC=1: spare slots, copies on a side stream; a
-    round's columns then time only its forward-stream part, the commit and the decision)."""
-    return bool(env_overrides().get("expert_move_async", ClusterConfig.expert_move_async))
+def _switch(key: str) -> bool:
+    """A server switch as the environment sets it for this run (MOEPIPE_...; else the config's default), so the
+    benchmark's rounds are the server's: `expert_move_fused` (0: the eager round of ~32 launches),
+    `expert_move_graph` (0: the fused round's launches one by one), `expert_move_async` (1: spare slots, copies on a
+    side stream; a round's columns then time only its forward-stream part, the commit and the decision),
+    `expert_vmm_table` (1: each table part one VRAM + host range)."""
+    return bool(env_overrides().get(key, getattr(ClusterConfig, key)))
 
 
 def _round_cols(r: dict) -> str:
@@ -266,9 +259,9 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     moves' launches took the difference)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
-    vmm = bool(env_overrides().get("expert_vmm_table", False))
-    fused, graphed = _move_fused(), _move_graph()
-    spares = policy is not None and _move_async()      # MOEPIPE_EXPERT_MOVE_ASYNC=1: moves off the forward's stream
+    vmm = _switch("expert_vmm_table")
+    fused, graphed = _switch("expert_move_fused"), _switch("expert_move_graph")
+    spares = policy is not None and _switch("expert_move_async")     # moves off the forward's stream
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm, expert_move_async=spares), cfg)
@@ -494,7 +487,7 @@ def main() -> int:
         f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
         for r in results if r["batch"] == batches[0]))
-    meta = {"command": " ".join(sys.argv), "expert_vmm_table": bool(env_overrides().get("expert_vmm_table", False)),
+    meta = {"command": " ".join(sys.argv), "expert_vmm_table": _switch("expert_vmm_table"),
             "preset": args.preset, "layers": args.layers, "quant": args.quant,
             "device": torch.cuda.get_device_name(), "host": platform.node(), "trace": str(TRACE.relative_to(ROOT)),
             "steps": args.steps, "warmup": args.warmup, "policies": policies}

@@ -163,7 +163,7 @@ class StageExperts:
         `graph` the two parts replay CUDA graphs captured after the first eager round with these arguments (one
         launch each instead of ~30 PyTorch ops and one copy launch per kind of row). Returns the decisions [L, 5]
         (a buffer the next round rewrites). Gate rows never move: the slot map does."""
-        from stage_worker.kernels.expert_moves import copy_rows, swap_usable
+        from stage_worker.kernels.expert_moves import swap_usable
         from stage_worker.kernels.expert_moves_ref import copy_rows_ref
 
         if self._dec is None:          # nothing pending: go = 0 everywhere, so the first commit changes nothing
@@ -191,8 +191,7 @@ class StageExperts:
             if captured:
                 self._graph[2].replay()
             else:
-                for plan, idx in self._copy_plans(gates):
-                    copy_rows(plan, self._dec, layers=idx)
+                self._copies(gates)
             self._done = torch.cuda.Event()
             self._done.record(self._side)
         if graph and not captured:     # record both parts; capture runs nothing
@@ -200,8 +199,7 @@ class StageExperts:
             with torch.cuda.graph(main, capture_error_mode="thread_local"):
                 self._commit_and_decide(decay, margin)
             with torch.cuda.graph(side, capture_error_mode="thread_local"):
-                for plan, idx in self._copy_plans(gates):
-                    copy_rows(plan, self._dec, layers=idx)
+                self._copies(gates)
             self._graph = (key, main, side)
         return self._dec
 
@@ -213,15 +211,17 @@ class StageExperts:
         commit_spares(self._dec, self.counts, self.expert_of_slot, self.slot_map, self.spares, self.moves)
         self._dec.copy_(decide_spares(self.counts, self.hot, self.spares, decay, margin))
 
-    def _copy_plans(self, gates: list[torch.Tensor]) -> list:
-        """The parts' SwapPlans for `copy_rows` (the router rows stay), built once."""
-        from stage_worker.kernels.expert_moves import SwapPlan
+    def _copies(self, gates: list[torch.Tensor]) -> None:
+        """The round's side-stream part: `copy_rows` of the pending decisions for every kind of row (the router rows
+        stay), over SwapPlans built once."""
+        from stage_worker.kernels.expert_moves import SwapPlan, copy_rows
 
         if self._plans is None or self._plans[0] != "copy":
             dev = self.counts.device
             self._plans = ("copy", [(SwapPlan.build(r, dev), idx if idx is None else torch.tensor(idx, device=dev))
                                     for r, idx in self.row_sets(gates, with_gates=False)])
-        return self._plans[1]
+        for plan, idx in self._plans[1]:
+            copy_rows(plan, self._dec, layers=idx)
 
     def _fused_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
         """`move_round`'s fused launches: `decide_settle`, then one swap launch per kind of row."""

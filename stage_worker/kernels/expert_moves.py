@@ -24,8 +24,9 @@ host slot's row into the device spare and the device slot's into the host spare,
 PyTorch ops) points the two experts' router rows at the spares through the slot map; reference `copy_rows_ref`.
 
 Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
-tests/test_expert_table.py, tests/test_expert_moves_fused.py (CPU under TRITON_INTERPRET=1). Switches: cluster keys
-`expert_moves` (MOEPIPE_EXPERT_MOVES=0) and `expert_move_fused` (MOEPIPE_EXPERT_MOVE_FUSED).
+tests/test_expert_table.py, tests/test_expert_moves_fused.py, tests/test_expert_moves_async.py (CPU under
+TRITON_INTERPRET=1). Switches: cluster keys `expert_moves` (MOEPIPE_EXPERT_MOVES=0), `expert_move_fused`,
+`expert_move_graph` and `expert_move_async` (MOEPIPE_EXPERT_MOVE_FUSED / _GRAPH / _ASYNC).
 """
 
 from __future__ import annotations
