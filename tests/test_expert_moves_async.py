@@ -163,14 +163,6 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
     assert model.experts.device_bytes() == off.routed_experts + spare
 
 
-def test_the_switch_is_a_cluster_key_and_reaches_the_loader(monkeypatch):
-    from shared import cluster_config as cc
-
-    assert cc.ClusterConfig.__dataclass_fields__["expert_move_async"].default is False
-    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_ASYNC", "1")
-    assert cc.env_overrides()["expert_move_async"] is True
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("vmm", [False, True], ids=["two_tables", "vmm_range"])

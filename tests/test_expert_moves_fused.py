@@ -140,12 +140,15 @@ def test_fused_move_round_equals_the_round(monkeypatch):
     assert x1._plans is not None and all(idx is None or idx.dtype == torch.int64 for _, idx in x1._plans[1])
 
 
-def test_fused_switch_is_a_cluster_key(monkeypatch):
+@pytest.mark.parametrize("key,default", [("expert_move_fused", True), ("expert_move_graph", True),
+                                         ("expert_move_async", False)])
+def test_the_move_switches_are_cluster_keys(monkeypatch, key, default):
+    """Each way of running a move round has its off switch: a cluster key with its default, and MOEPIPE_<KEY>."""
     from shared import cluster_config as cc
 
-    assert cc.ClusterConfig.__dataclass_fields__["expert_move_fused"].default is True
-    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_FUSED", "0")
-    assert cc.env_overrides()["expert_move_fused"] is False
+    assert cc.ClusterConfig.__dataclass_fields__[key].default is default
+    monkeypatch.setenv(f"MOEPIPE_{key.upper()}", "0" if default else "1")
+    assert cc.env_overrides()[key] is (not default)
 
 
 @pytest.mark.gpu
@@ -172,11 +175,3 @@ def test_graphed_move_round_equals_the_fused_round():
         for i, (u, v) in enumerate(zip(a, b)):
             assert _same(v, u), (r, i)
     assert x1._graph is not None and x1._graph[0][1:] == (0.8, 0.0)
-
-
-def test_graph_switch_is_a_cluster_key(monkeypatch):
-    from shared import cluster_config as cc
-
-    assert cc.ClusterConfig.__dataclass_fields__["expert_move_graph"].default is True
-    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_GRAPH", "0")
-    assert cc.env_overrides()["expert_move_graph"] is False
