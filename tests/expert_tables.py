@@ -55,7 +55,8 @@ def permute_slots(model, seed: int) -> int:
         if t is None:
             continue
         perm = torch.randperm(t.num_experts, generator=g)
-        rows = {k: torch.stack([t.slot_part(s, k).clone() for s in range(t.num_experts)]) for k in t.parts}
+        # host rows may be pinned CPU tensors (the two-table layout) beside device rows: gathered on the CPU
+        rows = {k: torch.stack([t.slot_part(s, k).cpu() for s in range(t.num_experts)]) for k in t.parts}
         for i in range(t.num_experts):
             for k in t.parts:
                 t.slot_part(int(perm[i]), k).copy_(rows[k][i])
