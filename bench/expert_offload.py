@@ -54,7 +54,7 @@ from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
-from stage_worker.kernels.moe_ref import HostRows, RouteCounts  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows, RouteCounts, claim_ref  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 
 TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_trace.npz"
@@ -132,6 +132,8 @@ class Replay:
         ok = flat >= 0
         c.counts.index_add_(0, flat.clamp_min(0), ok.to(c.counts.dtype))
         c.host_reads.add_(((flat >= c.first) & ok).sum())
+        if c.claim is not None:                   # moves on read (`expert_move_async`): the router's claim
+            claim_ref(torch.where(ok, flat, -1), c)
         return w, ids
 
 
@@ -368,13 +370,14 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
 
 def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shares: list[float],
              batches: list[int], policies: list[tuple], steps: int, warmup: int, read_us: float, move_us: float,
-             round_us: float, base_ms: dict[int, float]) -> list[dict]:
+             round_us: float, base_ms: dict[int, float], on_read: bool = False) -> list[dict]:
     """`--simulate`: no GPU. The same cold sets, trace rows and streams as `run`, replayed by
     `expert_cache_sim._replay_swap` (the server's swap policy; it reproduces the benchmark's reads and moves a token
     exactly), and a step's time estimated with the serial model that fits the measured rows (h200-22 call 6): the
     all-in-VRAM step plus each host read (read_us) plus each move (move_us: two PCIe copies of an expert) plus each
-    round's fixed GPU time (round_us)."""
-    from expert_cache_sim import Policy, _replay_swap
+    round's fixed GPU time (round_us). `on_read` (`--async-moves`): the moves on read of `expert_move_async`
+    (`expert_cache_sim._replay_claim`) instead of swaps."""
+    from expert_cache_sim import Policy, _replay_claim, _replay_swap
 
     kinds = sorted(trace)
     out = []
@@ -390,8 +393,9 @@ def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shar
                                   for i in range(batch)], axis=2)                  # [steps, layers, batch * top_k]
             for policy in [None] + (policies if cold else []):
                 every, half_life, margin = policy or (1, 1e30, 1e30)
-                r = _replay_swap(ids, cfg.num_experts, resident,
-                                 Policy("swap", "swap", half_life=half_life, every=every, margin=margin), warmup)
+                replay = _replay_claim if on_read and policy else _replay_swap
+                r = replay(ids, cfg.num_experts, resident,
+                           Policy("swap", "swap", half_life=half_life, every=every, margin=margin), warmup)
                 reads = (1 - r["hit_rate"]) * ids.shape[1] * ids.shape[2] / batch        # a token
                 moves = r["moves_per_token"] * ids.shape[1]                                # a step
                 extra_ms = (reads * batch * read_us + moves * move_us + (round_us / every if policy else 0)) / 1e3
@@ -428,8 +432,9 @@ def main() -> int:
     ap.add_argument("--move-us", type=float, default=100.0, help="--simulate: one move's two PCIe copies")
     ap.add_argument("--round-us", type=float, default=100.0, help="--simulate: a round's fixed GPU time")
     ap.add_argument("--async-moves", action="store_true",
-                    help="--simulate: moves off the forward's stream (expert_move_async): a move costs the step "
-                         "nothing, a round its commit (--round-us applies, set it to the commit's time)")
+                    help="--simulate: moves on read (expert_move_async): claims replayed as the server makes "
+                         "them, a move costs the step nothing (its write-back runs on a side stream), a round its "
+                         "one launch (--round-us applies, set it to the round's time)")
     ap.add_argument("--base-ms", default="1:3.59,4:4.76",
                     help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
@@ -514,7 +519,7 @@ def _simulate_main(args) -> int:
     base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}
     rows = simulate(cfg, trace, fit, [float(x) for x in args.shares.split(",")],
                     [int(b) for b in args.batch.split(",")], _policies(args.policies), args.steps, args.warmup,
-                    args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base)
+                    args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base, args.async_moves)
     print(f"simulated (read {args.read_us:g} us, move {0 if args.async_moves else args.move_us:g} us, round "
           f"{args.round_us:g} us{', moves off the forward' if args.async_moves else ''}; "
           f"{args.warmup} warm-up + {args.steps} steps)")

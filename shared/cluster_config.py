@@ -134,10 +134,11 @@ class ClusterConfig:
     # ... and replayed from a CUDA graph (one launch a round instead of ~6 Triton launches, 0.41 ms of host time at
     # h200-22 with the GPU idle between them; StageExperts._capture)
     expert_move_graph: bool = True
-    # ... or off the forward's stream: a spare slot per tier, the router through a slot map, the chosen rows copied
-    # into the spares on a side stream while steps run and committed at the next round (StageExperts._spare_round;
-    # the fused and graph switches do not apply). Off until measured on the H200 (docs/architecture.md, known
-    # limits: moves in place cost more than the reads they save at batch 1, h200-22).
+    # ... or on read: a spare device slot a table, the router through a slot map; the router claims a host slot past
+    # the layer's threshold, the decode kernels store its rows into the spare as they read them, and the round
+    # commits it and writes the evicted row back on a side stream (StageExperts._claim_round; the fused switch does
+    # not apply). Off until measured on the H200 (docs/architecture.md, known limits; the first design, copies after
+    # the decision, lost to moves in place at h200-23).
     expert_move_async: bool = False
     # ... each layer's expert table part as one CUDA-VMM address range, VRAM rows then host-NUMA rows
     # (stage_worker/vmm_range.py, 000 §4.2), instead of device rows plus a slice of one pinned host allocation; the

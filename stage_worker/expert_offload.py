@@ -42,13 +42,14 @@ class StageExperts:
     # with `expert_vmm_table`: every layer's part as one VRAM + host range ([E, ...] tensor, its range), the
     # tables' dev/host tensors views of it; held here so the ranges live as long as the stage's experts
     ranges: list[tuple[torch.Tensor, TieredRange]] = field(default_factory=list)
-    # with `expert_move_async` (spare slots): each layer has S = E + 2 slots, a device spare among its `hot` device
-    # slots and a host spare after its host slots; the router reaches its E live slots through `slot_map`
+    # with `expert_move_async` (moves on read): each layer has S = E + 1 slots, a spare among its `hot` device
+    # slots; the router reaches its E live slots through `slot_map` (`expert_moves.claim_round`)
     slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
-    spares: torch.Tensor | None = None          # int64 [L, 2] (device spare, host spare)
-    _dec: torch.Tensor | None = None   # int64 [L, 5] the decisions whose copies are made, committed next round
-    _done: object | None = None    # the event after those copies (CUDA)
-    _side: object | None = None    # the side stream the copies run on (CUDA)
+    state: torch.Tensor | None = None           # int64 [L, 3] (spare, victim, host slot), -1 where none
+    claim: torch.Tensor | None = None           # int32 [L] the host slot a step claimed, -1 none
+    threshold: torch.Tensor | None = None       # fp32 [L] the count a host slot must pass to be claimed
+    _done: object | None = None    # the event after the last round's write-backs (CUDA)
+    _side: object | None = None    # the side stream the write-backs run on (CUDA)
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _graph: tuple | None = None   # (key, CUDAGraph, its decisions tensor) of the captured round (`expert_move_graph`)
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
@@ -132,8 +133,8 @@ class StageExperts:
         next round)."""
         from stage_worker.kernels.expert_moves import decide, swap_rows, swap_usable   # Triton: lazily
 
-        if self.spares is not None:
-            return self._spare_round(gates, decay, margin, graph)
+        if self.state is not None:
+            return self._claim_round(gates, decay, margin, graph)
         if fused and swap_usable(self.counts):
             if not graph:
                 return self._fused_round(gates, decay, margin)
@@ -154,36 +155,37 @@ class StageExperts:
         settle_ref(self.counts, self.expert_of_slot, self.moves, dec)
         return dec
 
-    def _spare_round(self, gates: list[torch.Tensor], decay: float, margin: float,
+    def _claim_round(self, gates: list[torch.Tensor], decay: float, margin: float,
                      graph: bool = False) -> torch.Tensor:
-        """`expert_move_async`: commit the previous round's moves (its copies are done: the forward's stream waits
-        for their event, the host does not), decide this round's, and copy the chosen rows into the spares on a
-        side stream so the steps run meanwhile (the copies read live rows and write only spares; the next round
-        commits them). A CPU cluster copies at once (`copy_rows_ref`), committed next round all the same. With
-        `graph` the two parts replay CUDA graphs captured after the first eager round with these arguments (one
-        launch each instead of ~30 PyTorch ops and one copy launch per kind of row). Returns the decisions [L, 5]
-        (a buffer the next round rewrites). Gate rows never move: the slot map does."""
+        """`expert_move_async` (moves on read): commit what the steps since the last round claimed (their decode
+        kernels stored the claimed host rows into the spares as they read them), make last round's written-back
+        victims' slots the spares, set the next claims' thresholds (`claim_round`, one launch; the forward's stream
+        first waits for last round's write-backs, the host does not), then write this round's victims back into
+        the host slots their claimed experts left, on a side stream so the steps run meanwhile. A CPU cluster
+        runs the references at once. With `graph` both parts replay CUDA graphs captured after the first eager
+        round with these arguments. Returns `state` [L, 3] (spare, victim, host slot). Gate rows never move."""
         from stage_worker.kernels.expert_moves import swap_usable
-        from stage_worker.kernels.expert_moves_ref import copy_rows_ref
+        from stage_worker.kernels.expert_moves_ref import claim_round_ref, write_back_ref
 
-        if self._dec is None:          # nothing pending: go = 0 everywhere, so the first commit changes nothing
-            self._dec = torch.zeros(self.spares.shape[0], 5, dtype=torch.int64, device=self.counts.device)
-            self._dec[:, 3:] = self.spares
+        args = (self.counts, self.expert_of_slot, self.slot_map, self.hot, self.moves, self.state, self.claim,
+                self.threshold, decay, margin)
         if not swap_usable(self.counts):
-            self._commit_and_decide(decay, margin)
+            claim_round_ref(*args)
             for rows, idx in self.row_sets(gates, with_gates=False):
-                copy_rows_ref(rows, self._dec if idx is None else self._dec[idx])
-            return self._dec
+                write_back_ref(rows, self.state if idx is None else self.state[idx])
+            return self.state
+        from stage_worker.kernels.expert_moves import claim_round
+
         if self._side is None:
             self._side = torch.cuda.Stream(self.counts.device)
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
-        key = ("spares", tuple(g.data_ptr() for g in gates), float(decay), float(margin))
+        key = ("claims", tuple(g.data_ptr() for g in gates), float(decay), float(margin))
         captured = graph and self._graph is not None and self._graph[0] == key
         if captured:
             self._graph[1].replay()
         else:
-            self._commit_and_decide(decay, margin)
+            claim_round(*args)
         decided = torch.cuda.Event()
         decided.record()
         with torch.cuda.stream(self._side):
@@ -191,37 +193,30 @@ class StageExperts:
             if captured:
                 self._graph[2].replay()
             else:
-                self._copies(gates)
+                self._write_backs(gates)
             self._done = torch.cuda.Event()
             self._done.record(self._side)
         if graph and not captured:     # record both parts; capture runs nothing
             main, side = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(main, capture_error_mode="thread_local"):
-                self._commit_and_decide(decay, margin)
+                claim_round(*args)
             with torch.cuda.graph(side, capture_error_mode="thread_local"):
-                self._copies(gates)
+                self._write_backs(gates)
             self._graph = (key, main, side)
-        return self._dec
+        return self.state
 
-    def _commit_and_decide(self, decay: float, margin: float) -> None:
-        """The round's part on the forward's stream: `commit_spares` of the pending decisions, then this round's
-        (`decide_spares`) into the same buffer."""
-        from stage_worker.kernels.expert_moves import commit_spares, decide_spares
+    def _write_backs(self, gates: list[torch.Tensor]) -> None:
+        """The round's side-stream part: `write_back` of the pending victims for every kind of row (the router
+        rows stay), over SwapPlans built once."""
+        from stage_worker.kernels.expert_moves import SwapPlan, write_back
 
-        commit_spares(self._dec, self.counts, self.expert_of_slot, self.slot_map, self.spares, self.moves)
-        self._dec.copy_(decide_spares(self.counts, self.hot, self.spares, decay, margin))
-
-    def _copies(self, gates: list[torch.Tensor]) -> None:
-        """The round's side-stream part: `copy_rows` of the pending decisions for every kind of row (the router rows
-        stay), over SwapPlans built once."""
-        from stage_worker.kernels.expert_moves import SwapPlan, copy_rows
-
-        if self._plans is None or self._plans[0] != "copy":
+        if self._plans is None or self._plans[0] != "write_back":
             dev = self.counts.device
-            self._plans = ("copy", [(SwapPlan.build(r, dev), idx if idx is None else torch.tensor(idx, device=dev))
-                                    for r, idx in self.row_sets(gates, with_gates=False)])
+            self._plans = ("write_back", [(SwapPlan.build(r, dev),
+                                           idx if idx is None else torch.tensor(idx, device=dev))
+                                          for r, idx in self.row_sets(gates, with_gates=False)])
         for plan, idx in self._plans[1]:
-            copy_rows(plan, self._dec, layers=idx)
+            write_back(plan, self.state, layers=idx)
 
     def _fused_round(self, gates: list[torch.Tensor], decay: float, margin: float) -> torch.Tensor:
         """`move_round`'s fused launches: `decide_settle`, then one swap launch per kind of row."""
@@ -294,8 +289,8 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
     """Every layer's part as one VRAM + host range, under the host lock after checking MemAvailable for their host
     parts (the cold rows' bytes plus a granule each, an upper bound; a host-NUMA allocation is pinned, so taken
     before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables).
-    `spare` (0 or 1): a spare slot at the end of each tier."""
-    S = E + 2 * spare
+    `spare` (0 or 1): a spare slot at the end of the device tier."""
+    S = E + spare
     specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids) + spare)
              for layer, ids in mine.items() for name, t in _parts(layers[layer]).items()]
     host_need = sum((S - hot) * math.prod(shape) * torch.empty((), dtype=dt).element_size() + VMM_GRANULE
@@ -320,8 +315,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
-    tables. `spares` (`expert_move_async`): one more slot at the end of each tier, and the router reaching the
-    live slots through a slot map (`StageExperts.slot_map`)."""
+    tables. `spares` (`expert_move_async`): one more slot at the end of the device tier, the router reaching the
+    live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on read."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
@@ -329,7 +324,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
     spare = int(spares)
-    S = E + 2 * spare
+    S = E + spare
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
     host_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
@@ -346,7 +341,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         for layer, ids in mine.items():
             for name, t in _parts(layers[layer]).items():
                 offset = -(-offset // HOST_ALIGN) * HOST_ALIGN
-                shape = (len(ids) + spare, *t.shape[1:])
+                shape = (len(ids), *t.shape[1:])
                 layout.append((layer, name, offset, shape, t.dtype))
                 offset += math.prod(shape) * t.element_size()
         host = allocate(offset, what=what, pin=device.type == "cuda")
@@ -360,16 +355,20 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     counts = torch.zeros(n, S, dtype=torch.float32, device=device)
     reads = torch.zeros(n, dtype=torch.int64, device=device)
     moves = torch.zeros(n, dtype=torch.int64, device=device)
-    # slot -> expert at load: the hot experts, then the cold ones, each ascending (with spares: -1 after each tier)
-    orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * spare + sorted(ids) + [-1] * spare)
-              for ids in mine.values()]
+    # slot -> expert at load: the hot experts, then the cold ones, each ascending (with spares: -1 after the hot)
+    orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * spare + sorted(ids)) for ids in mine.values()]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32, device=device)
-    slot_map = spare_slots = None
+    slot_map = state = claim = threshold = None
     if spares:
-        live = [[slot for slot, e in enumerate(order) if e >= 0] for order in orders]     # router index -> slot
-        slot_map = torch.tensor(live, dtype=torch.int32, device=device)
-        spare_slots = torch.tensor([[E - len(ids), S - 1] for ids in mine.values()], dtype=torch.int64,
-                                   device=device)
+        # router index (== expert id: the router rows stay in expert order) -> slot
+        slot_map = torch.tensor([sorted(range(S), key=lambda s: (o[s] < 0, o[s]))[:E] for o in orders],
+                                dtype=torch.int32, device=device)
+        state = torch.tensor([[E - len(ids), -1, -1] for ids in mine.values()], dtype=torch.int64, device=device)
+        claim = torch.full((n,), -1, dtype=torch.int32, device=device)
+        threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
+        if any(layers[layer].fp8_block for layer in mine):
+            log.warning("expert_move_async: float8 experts are not moved (their decode kernels do not store a "
+                        "claimed row)")
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
@@ -377,13 +376,16 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
-            fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i])
+            fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
+            claim=None if claim is None or moe.fp8_block else claim[i:i + 1],
+            threshold=None if threshold is None else threshold[i:i + 1],
+            spare=None if state is None else state[i, :1])
         moe.use_table(table)
         tables[layer] = table
     hot = torch.tensor([E - len(ids) + spare for ids in mine.values()], dtype=torch.int64, device=device)
     return StageExperts(tables=tables, counts=counts, expert_of_slot=expert_of_slot, hot=hot, host_reads=reads,
                         moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()],
-                        slot_map=slot_map, spares=spare_slots)
+                        slot_map=slot_map, state=state, claim=claim, threshold=threshold)
 
 
 def gates(model) -> list[torch.Tensor]:

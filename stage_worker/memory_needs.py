@@ -119,10 +119,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights -= host                            # cold experts live in pinned host RAM, not on the device
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         if cluster.expert_move_async and cluster.expert_moves and cluster.cold_experts:
-            # a spare slot in each tier of every table (`--cold-experts auto`, not chosen yet: every MoE layer)
-            spare = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
-            weights += spare
-            host += spare
+            # a spare device slot in every table (`--cold-experts auto`, not chosen yet: every MoE layer)
+            weights += sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)

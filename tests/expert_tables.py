@@ -41,6 +41,13 @@ def random_move_rounds(model, rounds: int, seed: int = 9) -> int:
     router = gates(model)
     for _ in range(rounds):
         x.counts.add_(torch.rand(x.counts.shape, generator=g) * 4)
+        if x.claim is not None:          # moves on read: claim as the router would, store as the kernels would
+            for t in x.tables.values():
+                host = [s for s in range(t.hot, t.num_slots) if int(t.expert_of_slot[s]) >= 0]
+                if t.claim is not None and float(t.threshold) < float("inf") and \
+                        torch.rand((), generator=g) < 0.5:
+                    t.claim.fill_(host[int(torch.randint(len(host), (), generator=g))])
+                    t.copy_claimed()
         x.move_round(router, decay=0.8, margin=0.5)
     return int(x.moves.sum().item())
 

@@ -127,3 +127,47 @@ def test_the_swap_replay_is_the_servers_move_round():
         assert reads == round((1 - want["hit_rate"]) * T * L * k), (every, half_life, margin)
         assert int(moves.sum()) == round(want["moves_per_token"] * T * L), (every, half_life, margin)
         assert int(moves.sum()) > 0
+
+
+def test_the_claim_replay_is_the_servers_moves_on_read():
+    """`_replay_claim` (what `bench/expert_offload.py --simulate --async-moves` rests on) gives the host reads and
+    moves of the server's moves on read on the same selections: the router's claim (`count_ref` with a claim, as
+    the reference path and the benchmark's replay make it) and `claim_round_ref` over a stage laid out as
+    `attach_tables` lays it out (live device experts, the spare, the host experts; slot map by expert id)."""
+    import torch
+
+    from stage_worker.kernels.expert_moves_ref import claim_round_ref
+    from stage_worker.kernels.moe_ref import RouteCounts, count_ref
+
+    rng = np.random.default_rng(4)
+    L, E, k, T = 3, 16, 2, 600
+    weights = rng.dirichlet(np.full(E, 0.3), size=L)
+    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=weights[layer]) for layer in range(L)])
+                    for _ in range(T)])                               # [T, L, k] experts
+    cold = [sorted(rng.choice(E, 4, replace=False).tolist()) for _ in range(L)]
+    resident = np.ones((L, E), dtype=bool)
+    for layer, c in enumerate(cold):
+        resident[layer, c] = False
+    for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0)):
+        want = sim._replay_claim(ids, E, resident, sim.Policy("c", "swap", half_life=half_life, every=every,
+                                                              margin=margin))
+        S = E + 1
+        orders = [[e for e in range(E) if e not in c] + [-1] + c for c in cold]
+        eos = torch.tensor(orders, dtype=torch.int32)
+        smap = torch.tensor([[o.index(e) for e in range(E)] for o in orders], dtype=torch.int32)
+        counts, moves = torch.zeros(L, S), torch.zeros(L, dtype=torch.int64)
+        hot = torch.full((L,), E - 4 + 1, dtype=torch.int64)
+        state = torch.tensor([[E - 4, -1, -1]] * L, dtype=torch.int64)
+        claim, thr = torch.full((L,), -1, dtype=torch.int32), torch.full((L,), float("inf"))
+        reads = torch.zeros(L, dtype=torch.int64)
+        for t in range(T):
+            for layer in range(L):
+                slots = smap[layer][torch.from_numpy(ids[t, layer])]
+                count_ref(slots[None], RouteCounts(counts[layer], reads[layer:layer + 1], int(hot[layer]),
+                                                   claim[layer:layer + 1], thr[layer:layer + 1]))
+            if (t + 1) % every == 0:
+                claim_round_ref(counts, eos, smap, hot, moves, state, claim, thr, 0.5 ** (every / half_life),
+                                margin)
+        assert int(reads.sum()) == round((1 - want["hit_rate"]) * T * L * k), (every, half_life, margin)
+        assert int(moves.sum()) == round(want["moves_per_token"] * T * L), (every, half_life, margin)
+        assert int(moves.sum()) > 0

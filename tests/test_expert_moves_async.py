@@ -1,11 +1,12 @@
-"""Expert moves off the forward's stream (`expert_move_async`): a spare slot per tier, the router through a slot
-map, a round's chosen rows copied into the spares (on a side stream on a GPU) and committed at the next round by
-rewriting the slot map. The copy kernel against its reference, the commit's bookkeeping, and whole models that
-serve the all-in-VRAM greedy tokens with a round after every token, every row still its own expert after
-thousands of rounds.
+"""Expert moves on read (`expert_move_async`): a spare device slot per layer, the router through a slot map; the
+router kernel claims a host slot past the layer's threshold, the decode kernels that read it store its rows into the
+spare (tests/test_kernel_moe_claim.py), and the round commits the claim and writes the least-used device slot back
+into the host slot the claimed expert left (on a side stream on a GPU), that slot the next spare. The round and
+write-back kernels against their references, the router's claim, and whole models that serve the all-in-VRAM greedy
+tokens with a round after every token, every row still its own expert after thousands of rounds.
 
-Without CUDA the copy kernel runs on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py); the model-level
-tests take the PyTorch path a CPU cluster runs (copies by `copy_rows_ref`, committed the next round as on a GPU).
+Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py); the model-level tests take
+the PyTorch path a CPU cluster runs (`claim_ref`, `ExpertTable.copy_claimed`, `claim_round_ref`, `write_back_ref`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ pytest.importorskip("triton")
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.kernels import expert_moves as M  # noqa: E402
-from stage_worker.kernels.expert_moves_ref import RowSet, copy_rows_ref  # noqa: E402
+from stage_worker.kernels.expert_moves_ref import RowSet, claim_round_ref, write_back_ref  # noqa: E402
+from stage_worker.kernels.moe import route  # noqa: E402
+from stage_worker.kernels.moe_ref import RouteCounts, count_ref  # noqa: E402
 from expert_tables import fingerprints_hold, graphed_greedy, greedy, random_cold, random_move_rounds  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -33,58 +36,97 @@ def _rows(g: torch.Generator, hots: list[int], S: int, shape=(3, 5), dtype=torch
     return RowSet(dev, host, list(hots))
 
 
-def test_copy_kernel_matches_the_reference():
-    """`copy_rows`: where a layer moves, its host slot's row into the device spare and its device slot's into the
-    host spare; nothing else written (layers that stay, live rows); the indexed form (`layers`) reads a stage-wide
-    decision row per layer."""
+def test_write_back_kernel_matches_the_reference():
+    """`write_back`: where a layer has a pending victim, its device row into the host slot; nothing else written;
+    the indexed form (`layers`) reads a stage-wide state row per layer."""
     g = torch.Generator().manual_seed(1)
     S, hots = 10, [4, 6, 3]
-    dec = torch.tensor([[1, 7, 1, 3, 9], [2, 8, 0, 5, 9], [0, 4, 1, 2, 5]], dtype=torch.int64)
+    state = torch.tensor([[-1, 1, 7], [5, -1, -1], [-1, 0, 4]], dtype=torch.int64)
     for layers in (None, torch.tensor([2, 0], dtype=torch.int64)):
         rows = _rows(g, hots if layers is None else [hots[2], hots[0]], S)
         want = RowSet([t.clone() for t in rows.dev], [t.clone() for t in rows.host], rows.split)
-        copy_rows_ref(want, dec if layers is None else dec[layers])
-        if layers is None:      # layer 0: host slot 7 (host row 3) into the device spare 3, device slot 1 into
-            assert torch.equal(want.dev[0][3], rows.host[0][3].to(DEV))     # the host spare 9 (host row 5)
-            assert torch.equal(want.host[0][5], rows.dev[0][1].cpu()) and torch.equal(want.dev[1], rows.dev[1])
+        write_back_ref(want, state if layers is None else state[layers])
+        if layers is None:      # layer 0: device slot 1 into host slot 7 (host row 3); layer 1 nothing
+            assert torch.equal(want.host[0][3], rows.dev[0][1].cpu()) and torch.equal(want.host[1], rows.host[1])
         plan = M.SwapPlan.build(rows, torch.device(DEV))      # rows of 15 elements: 4 blocks of 4, 2 programs loop
-        M.copy_rows(plan, dec.to(DEV), block=4, layers=None if layers is None else layers.to(DEV), programs=2)
+        M.write_back(plan, state.to(DEV), block=4, layers=None if layers is None else layers.to(DEV), programs=2)
         for a, b in zip(rows.dev + rows.host, want.dev + want.host):
             assert torch.equal(a.cpu(), b.cpu())
 
 
-def test_commit_routes_the_moved_experts_to_the_spares():
-    """`decide_spares` then `commit_spares` on a stage of three layers (one with nothing to move): the slot map
-    stays a bijection from router rows onto the live slots and every router row still leads to its own expert, the
-    moved experts' router rows lead to the old spares, the slots they left are the new spares (expert -1, count 0,
-    no router row), counts followed, moves counted."""
-    S = 10                                                         # 8 experts and two spares a layer
-    hot = torch.tensor([4, 6, 1], dtype=torch.int64)               # device slots, each layer's spare among them
-    spares = torch.tensor([[3, 9], [5, 9], [0, 9]], dtype=torch.int64)
-    orders = [[0, 1, 2, -1, 3, 4, 5, 6, 7, -1], [0, 1, 2, 3, 4, -1, 5, 6, 7, -1], [-1, 0, 1, 2, 3, 4, 5, 6, 7, -1]]
-    expert_of_slot = torch.tensor(orders, dtype=torch.int32)
-    live = [[s for s, e in enumerate(o) if e >= 0] for o in orders]
-    slot_map = torch.tensor(live, dtype=torch.int32)
-    expert_of_row = [[o[s] for s in slots] for o, slots in zip(orders, live)]     # fixed: gate rows never move
-    counts = torch.tensor([[5, 1, 3, 0, 2, 9, 0, 0, 0, 0], [5, 5, 5, 5, 5, 0, 6, 0, 0, 0],
-                           [0, 0, 0, 0, 0, 0, 0, 0, 9, 0]], dtype=torch.float32)
-    moves = torch.zeros(3, dtype=torch.int64)
-    dec = M.decide_spares(counts, hot, spares, 1.0, 0.5)
-    assert dec.tolist() == [[1, 5, 1, 3, 9], [0, 6, 1, 5, 9], [0, 8, 0, 0, 9]]   # layer 2: no live device slot
-    before = slot_map.clone()
-    M.commit_spares(dec, counts, expert_of_slot, slot_map, spares, moves)
-    assert moves.tolist() == [1, 1, 0] and spares.tolist() == [[1, 5], [0, 6], [0, 9]]
-    # layer 0: expert 4 (host slot 5, router row 4) now in slot 3; expert 1 (device slot 1, row 1) in slot 9
-    assert slot_map[0, 4].item() == 3 and slot_map[0, 1].item() == 9
-    assert expert_of_slot[0].tolist() == [0, -1, 2, 4, 3, -1, 5, 6, 7, 1]
-    assert counts[0].tolist() == [5, 0, 3, 9, 2, 0, 0, 0, 0, 1]
-    assert torch.equal(slot_map[2], before[2]) and torch.equal(expert_of_slot[2], torch.tensor(orders[2],
-                                                                                               dtype=torch.int32))
-    for layer in range(3):
-        slots = slot_map[layer].tolist()
-        assert sorted(slots) == sorted(set(range(S)) - set(spares[layer].tolist()))
-        assert [expert_of_slot[layer, s].item() for s in slots] == expert_of_row[layer]   # each row: its expert
-        assert all(expert_of_slot[layer, s].item() == -1 for s in spares[layer].tolist())
+def _stage(E: int, hots_live: list[int]):
+    """A stage's claim state at load: per layer the live device experts, the spare, then the host experts."""
+    L = len(hots_live)
+    orders = [list(range(h)) + [-1] + list(range(h, E)) for h in hots_live]
+    eos = torch.tensor(orders, dtype=torch.int32)
+    smap = torch.tensor([[s for s, e in enumerate(o) if e >= 0] for o in orders], dtype=torch.int32)
+    return dict(counts=torch.zeros(L, E + 1), expert_of_slot=eos, slot_map=smap,
+                hot=torch.tensor([h + 1 for h in hots_live], dtype=torch.int64),
+                moves=torch.zeros(L, dtype=torch.int64),
+                state=torch.tensor([[h, -1, -1] for h in hots_live], dtype=torch.int64),
+                claim=torch.full((L,), -1, dtype=torch.int32), threshold=torch.full((L,), float("inf")))
+
+
+def test_claim_round_kernel_matches_the_reference_over_many_rounds():
+    """`claim_round` against `claim_round_ref` over 60 rounds of random counts and claims (a layer whose only
+    device slot is the spare never claims; ties in the victim's count): the same counts, slot maps, experts,
+    states, thresholds and moves bit for bit, and the slot map always a bijection onto the live slots with every
+    expert present once."""
+    g = torch.Generator().manual_seed(3)
+    E, live = 9, [4, 0, 6]
+    ref = _stage(E, live)
+    ker = {k: v.clone().to(DEV) for k, v in ref.items()}
+    order = ["counts", "expert_of_slot", "slot_map", "hot", "moves", "state", "claim", "threshold"]
+    moved = 0
+    for r in range(60):
+        inc = torch.randint(0, 3, ref["counts"].shape, generator=g).float()       # integer counts: ties happen
+        ref["counts"] += inc
+        ker["counts"] += inc.to(DEV)
+        for layer in range(len(live)):
+            if ref["threshold"][layer] < float("inf") and torch.rand((), generator=g) < 0.6:
+                host = [s for s in range(int(ref["hot"][layer]), E + 1) if ref["expert_of_slot"][layer, s] >= 0]
+                c = host[int(torch.randint(len(host), (), generator=g))]
+                ref["claim"][layer] = c
+                ker["claim"][layer] = c
+        claim_round_ref(*(ref[k] for k in order), 0.75, 0.5)
+        M.claim_round(*(ker[k] for k in order), 0.75, 0.5)
+        for k in order:
+            assert torch.equal(ker[k].cpu(), ref[k]), (r, k)
+        for layer in range(len(live)):
+            eos, smap = ref["expert_of_slot"][layer].tolist(), ref["slot_map"][layer].tolist()
+            assert sorted(e for e in eos if e >= 0) == list(range(E))
+            assert [eos[s] for s in smap] == list(range(E))                # router row i leads to expert i
+        moved = int(ref["moves"].sum())
+    assert moved >= 10 and int(ref["moves"][1]) == 0
+    assert float(ref["threshold"][1]) == float("inf")
+
+
+def test_the_router_claims_a_host_slot_past_the_threshold():
+    """The router kernel's claim: the best-ranked selected host slot whose count passes the threshold, once (a
+    claim already made stays), none at an infinite threshold; the reference path claims the same at one token."""
+    g = torch.Generator().manual_seed(5)
+    E, first = 16, 10
+    logits = torch.randn(1, E, generator=g)
+    order = logits[0].argsort(descending=True).tolist()
+    host_ranked = [s for s in order[:4] if s >= first]
+    for thr, held in ((0.5, -1), (float("inf"), -1), (0.5, 3)):
+        got = []
+        for on_device in (True, False):
+            counts = RouteCounts(torch.zeros(E), torch.zeros(1, dtype=torch.int64), first,
+                                 torch.tensor([held], dtype=torch.int32), torch.tensor([thr]))
+            if on_device:
+                dc = RouteCounts(counts.counts.to(DEV), counts.host_reads.to(DEV), first, counts.claim.to(DEV),
+                                 counts.threshold.to(DEV))
+                route(logits.to(DEV), 4, True, counts=dc)
+                got.append(int(dc.claim))
+            else:
+                from stage_worker.kernels.moe_ref import route_ref
+
+                _, ids = route_ref(logits, 4, True)
+                count_ref(ids, counts)
+                got.append(int(counts.claim))
+        want = held if held >= 0 else (host_ranked[0] if thr < float("inf") and host_ranked else -1)
+        assert got == [want, want], (thr, held, got, host_ranked)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +144,7 @@ def test_demo_model_with_moves_off_the_forward_serves_the_same_greedy_tokens(dem
     want, want_lp = greedy(plain, PROMPT, 12)
     model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, share), expert_move_async=True), cfg)
     x = model.experts
-    assert x.spares is not None and all(t.num_slots == cfg.num_experts + 2 for t in x.tables.values())
+    assert x.state is not None and all(t.num_slots == cfg.num_experts + 1 for t in x.tables.values())
     got, lp = greedy(model, PROMPT, 12, move_every=1)
     assert got == want and (lp - want_lp).abs().max().item() < 1e-4
     assert x.moves.sum().item() > 0 and x.host_reads.sum().item() > 0
@@ -137,8 +179,8 @@ def test_int4_experts_with_moves_off_the_forward(tiny_checkpoint, tmp_path):
 
 
 def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
-    """With `expert_move_async` the plan's VRAM weights and host column each hold one more expert a table (its
-    spares), which is what the loader's tables hold."""
+    """With `expert_move_async` the plan's VRAM weights hold one more expert a table (its spare) and host RAM the
+    same as without, which is what the loader's tables hold."""
     import dataclasses
 
     from shared import cold_set
@@ -158,7 +200,7 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
     model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True),
                        cfg)
     spare = len(model.experts.tables) * cold_set.expert_bytes(cfg, "float32")
-    assert on.host_experts == off.host_experts + spare == model.experts.host_bytes()
+    assert on.host_experts == off.host_experts == model.experts.host_bytes()
     assert on.weights == off.weights + spare and on.routed_experts == off.routed_experts
     assert model.experts.device_bytes() == off.routed_experts + spare
 
@@ -167,9 +209,10 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("vmm", [False, True], ids=["two_tables", "vmm_range"])
 def test_gpu_graphs_with_moves_off_the_forward_serve_the_same_greedy_tokens(tiny_checkpoint, vmm):
-    """On the GPU: fused kernels, CUDA graphs, a round after every replay whose copies run on the side stream
-    while the next step runs: the all-in-VRAM greedy tokens, every row its expert's; the tables as two tensors
-    or as one VRAM + host range per part (`expert_vmm_table`, the spares at the end of each tier)."""
+    """On the GPU: fused kernels that claim and store inside CUDA graphs, a round after every replay whose
+    write-backs run on the side stream while the next step runs: the all-in-VRAM greedy tokens, every row its
+    expert's; the tables as two tensors or as one VRAM + host range per part (`expert_vmm_table`, the spare at the
+    end of the device tier)."""
     from stage_worker.kernels.flags import KernelFlags
 
     cfg = load_config(tiny_checkpoint)

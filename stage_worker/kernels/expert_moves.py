@@ -18,10 +18,14 @@ launches), and a kind of row that covers only some layers reads its layers' deci
 time between steps. The bookkeeping may run before the rows move because the swap kernels read only `dec` and the
 rows. Bit for bit the same counts, slot map, move counters, decisions and rows (tests/test_expert_moves_fused.py).
 
-With `expert_move_async` (spare slots, `StageExperts._spare_round`) nothing is swapped in place: `decide_spares`
-picks over the live slots, `copy_rows` (`_copy_kernel`, one launch per kind of row, on a side stream) copies the
-host slot's row into the device spare and the device slot's into the host spare, and `commit_spares` (next round,
-PyTorch ops) points the two experts' router rows at the spares through the slot map; reference `copy_rows_ref`.
+With `expert_move_async` (moves on read; a spare device slot per layer, the router through a slot map) no row is
+copied on the forward's stream for its own sake: the router kernel claims a host slot it selects whose count passes
+the layer's threshold (`moe.route`, `RouteCounts.claim`), and the decode kernels that read that slot over PCIe in
+that step anyway store the rows they load into the spare device slot (VRAM writes only). `claim_round`
+(`_claim_round_kernel`, one program a layer) then commits the claim through the slot map, picks the least-used
+device slot as the victim and records it as pending; `write_back` (`_write_back_kernel`, one launch per kind of
+row, on a side stream) copies the victim's row into the host slot the claimed expert left, and the next round makes
+the victim's slot the new spare. Reference: `claim_round_ref`, `write_back_ref`.
 
 Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
 tests/test_expert_table.py, tests/test_expert_moves_fused.py, tests/test_expert_moves_async.py (CPU under
@@ -85,22 +89,79 @@ if triton is not None:
             tl.store(anchor_ptr + b + offs, x, mask=mask)
 
     @triton.jit
-    def _copy_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, dec_ptr, layers_ptr, N, BLOCK: tl.constexpr,
-                     HAS_LAYERS: tl.constexpr):
-        """`expert_move_async`'s copies: layer program_id(0), if its decision (d, h, go, device spare, host spare)
-        says move, copies slot h's row into the device spare's (program_id(2) 0) or slot d's row into the host
-        spare's (1), program_id(1) taking every num_programs(1)-th BLOCK of it. Reads live rows, writes only
-        spares: steps may run beside it. Addressing as `_swap_kernel`."""
+    def _write_back_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, state_ptr, layers_ptr, N,
+                           BLOCK: tl.constexpr, HAS_LAYERS: tl.constexpr):
+        """`expert_move_async`'s write-back: layer program_id(0), if it has a pending victim (state row (spare,
+        victim, host slot), victim >= 0), copies the victim's row into the host slot, program_id(1) taking every
+        num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps run beside it.
+        Addressing as `_swap_kernel`."""
         layer, row = _decision_row(layers_ptr, HAS_LAYERS)
-        go = tl.load(dec_ptr + row * 5 + 2)
-        if go != 0:
-            which = tl.program_id(2)                # h into the device spare, then d into the host spare
-            a = _slot_offset(tl.load(dec_ptr + row * 5 + 1 - which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
-            b = _slot_offset(tl.load(dec_ptr + row * 5 + 3 + which), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+        victim = tl.load(state_ptr + row * 3 + 1)
+        if victim >= 0:
+            a = _slot_offset(victim, layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+            b = _slot_offset(tl.load(state_ptr + row * 3 + 2), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
             for start in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < N
                 tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def _claim_round_kernel(counts_ptr, eos_ptr, slot_map_ptr, hot_ptr, moves_ptr, state_ptr, claim_ptr, thr_ptr,
+                            S, E, decay, margin, BLOCK_S: tl.constexpr):
+        """Layer program_id(0)'s round with moves on read, as `expert_moves_ref.claim_round_ref` on its row:
+        (1) a pending victim (its row now in host slot h) is routed there and its device slot becomes the spare;
+        (2) the counts decay; (3) a claimed host slot c (its rows stored into the spare during the step) is routed
+        to the spare, c's count and expert go with it, the move counted, and the least-used other live device slot
+        (ties: the lowest expert) becomes the pending victim, to be written back into c; (4) the threshold for the next step's claim: the
+        least live device count + margin while a spare is free and another live device slot exists, else +inf."""
+        layer = tl.program_id(0)
+        base = layer.to(tl.int64) * S
+        offs = tl.arange(0, BLOCK_S)
+        valid = offs < S
+        c = tl.load(counts_ptr + base + offs, mask=valid, other=0.0)
+        eos = tl.load(eos_ptr + base + offs, mask=valid, other=-1)
+        hot = tl.load(hot_ptr + layer)
+        spare = tl.load(state_ptr + layer * 3)
+        victim = tl.load(state_ptr + layer * 3 + 1)
+        dest = tl.load(state_ptr + layer * 3 + 2)
+        # (1) the victim's write-back is done (the forward's stream waited for it)
+        fin = victim >= 0
+        x = tl.sum(tl.where(offs == victim, eos, 0), axis=0)
+        cv = tl.sum(tl.where(offs == victim, c, 0.0), axis=0)
+        tl.store(slot_map_ptr + layer * E + x, dest.to(tl.int32), mask=fin)
+        eos = tl.where(fin & (offs == dest), x, tl.where(fin & (offs == victim), -1, eos))
+        c = tl.where(fin & (offs == dest), cv, tl.where(fin & (offs == victim), 0.0, c))
+        spare = tl.where(fin, victim, spare)
+        # (2)
+        c = c * decay
+        # (3)
+        cl = tl.load(claim_ptr + layer).to(tl.int64)
+        got = (cl >= 0) & (spare >= 0)
+        x = tl.sum(tl.where(offs == cl, eos, 0), axis=0)
+        cc = tl.sum(tl.where(offs == cl, c, 0.0), axis=0)
+        tl.store(slot_map_ptr + layer * E + x, spare.to(tl.int32), mask=got)
+        eos = tl.where(got & (offs == spare), x, tl.where(got & (offs == cl), -1, eos))
+        c = tl.where(got & (offs == spare), cc, tl.where(got & (offs == cl), 0.0, c))
+        live_dev = valid & (offs < hot) & (eos >= 0)
+        dc = tl.where(live_dev & (offs != spare), c, float("inf"))
+        cmin = tl.min(dc, axis=0)
+        # ties: the lowest expert id (what `expert_cache_sim._replay_claim` picks, so the two agree exactly)
+        low_e = tl.min(tl.where(live_dev & (offs != spare) & (dc == cmin), eos, 2 ** 30), axis=0)
+        low = tl.min(tl.where(live_dev & (eos == low_e), offs, BLOCK_S), axis=0).to(tl.int64)
+        victim = tl.where(got, low, -1)
+        dest = tl.where(got, cl, -1)
+        tl.store(moves_ptr + layer, tl.load(moves_ptr + layer) + got.to(tl.int64))
+        tl.store(claim_ptr + layer, -1)
+        spare = tl.where(got, -1, spare)
+        # (4)
+        others = tl.sum(tl.where(live_dev & (offs != spare), 1, 0), axis=0)
+        thr = tl.where((spare >= 0) & (others > 0) & (hot < S), cmin + margin, float("inf"))
+        tl.store(thr_ptr + layer, thr)
+        tl.store(counts_ptr + base + offs, c, mask=valid)
+        tl.store(eos_ptr + base + offs, eos, mask=valid)
+        tl.store(state_ptr + layer * 3, spare)
+        tl.store(state_ptr + layer * 3 + 1, victim)
+        tl.store(state_ptr + layer * 3 + 2, dest)
 
     @triton.jit
     def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
@@ -184,66 +245,37 @@ def decide(counts: torch.Tensor, hot: torch.Tensor, decay: float, margin: float)
     return torch.stack([i, j, go.long()], dim=1)
 
 
-def decide_spares(counts: torch.Tensor, hot: torch.Tensor, spares: torch.Tensor, decay: float,
-                  margin: float) -> torch.Tensor:
-    """`expert_move_async`'s decision: counts fp32 [L, S] (decayed in place; S slots, two of them each layer's
-    spares), hot int64 [L] (device slots, the device spare among them), spares int64 [L, 2] (device spare, host
-    spare) -> int64 [L, 5]: (device slot d, host slot h, move?, device spare, host spare). As `decide` over the live
-    slots: the least used device slot and the most used host slot, a move when h leads by more than `margin`.
-    PyTorch ops on the device; nothing read back."""
-    counts.mul_(decay)
+def claim_round(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: torch.Tensor, hot: torch.Tensor,
+                moves: torch.Tensor, state: torch.Tensor, claim: torch.Tensor, threshold: torch.Tensor, decay: float,
+                margin: float) -> None:
+    """`expert_move_async`'s round for every layer in one launch (`_claim_round_kernel`): counts fp32 [L, S],
+    expert_of_slot int32 [L, S], slot_map int32 [L, E], hot int64 [L] (device slots, the spare among them), moves
+    int64 [L], state int64 [L, 3] (spare, victim, host slot: -1 where none), claim int32 [L], threshold fp32 [L];
+    all in place, contiguous, on one device; nothing read back."""
     L, S = counts.shape
-    slots = torch.arange(S, device=counts.device)[None, :]
-    live = (slots != spares[:, :1]) & (slots != spares[:, 1:])
-    is_hot = slots < hot[:, None]
-    d = torch.where(is_hot & live, counts, torch.inf).argmin(1)
-    h = torch.where(~is_hot & live, counts, -torch.inf).argmax(1)
-    go = counts.gather(1, h[:, None])[:, 0] > counts.gather(1, d[:, None])[:, 0] + margin
-    go &= (hot > 1) & (hot < S - 1)      # a live device slot and a live host slot, besides the spares
-    return torch.stack([d, h, go.long(), spares[:, 0], spares[:, 1]], dim=1)
+    for t in (counts, expert_of_slot, slot_map, hot, moves, state, claim, threshold):
+        if not t.is_contiguous():
+            raise ValueError("claim_round takes contiguous tensors")
+    block = triton.next_power_of_2(S)
+    _claim_round_kernel[(L,)](counts, expert_of_slot, slot_map, hot, moves, state, claim, threshold, S,
+                              slot_map.shape[1], float(decay), float(margin), BLOCK_S=block,
+                              num_warps=4 if block <= 1024 else 8)
 
 
-@torch.no_grad()
-def commit_spares(dec: torch.Tensor, counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: torch.Tensor,
-                  spares: torch.Tensor, moves: torch.Tensor) -> None:
-    """After `copy_rows` of `dec` ([L, 5], `decide_spares`) has run: per layer that moves, its host slot h's expert
-    now lives in the device spare and its device slot d's in the host spare. The slot map sends their router rows
-    there (found as the map's entries equal to h and d), counts and slot -> expert entries follow, and h and d
-    become the spares (-1 entries, count 0). counts [L, S], expert_of_slot int32 [L, S], slot_map int32 [L, E],
-    spares int64 [L, 2], moves int64 [L]; in place, on the device, nothing read back (layers that stay write their
-    values back)."""
-    d, h, go, dev_spare, host_spare = dec.unbind(1)
-    g = go.bool()
-    src = torch.stack([h, d], 1)                          # what moves ...
-    dst = torch.stack([dev_spare, host_spare], 1)         # ... where to
-    keep = torch.stack([g, g], 1)
-    # the router rows that lead to h and d (live slots: exactly one each; where a layer stays, row 0 writes itself)
-    rows = (slot_map[:, :, None] == src[:, None, :].to(slot_map.dtype)).int().argmax(1)
-    rows = torch.where(keep, rows, 0)
-    slot_map.scatter_(1, rows, torch.where(keep, dst.to(slot_map.dtype), slot_map.gather(1, rows)))
-    for t, empty in ((counts, 0), (expert_of_slot, -1)):
-        moving = t.gather(1, src)
-        t.scatter_(1, dst, torch.where(keep, moving, t.gather(1, dst)))
-        t.scatter_(1, src, torch.where(keep, torch.full_like(moving, empty), moving))
-    spares.copy_(torch.where(keep, torch.stack([d, h], 1), spares))
-    moves.add_(go)
+# Programs a written-back row gets (`write_back`): the copy runs beside the forward's kernels, and a handful of
+# programs keep the PCIe direction busy without taking the SMs the steps need (the swap kernel, on the forward's own
+# stream, takes a program per block instead).
+WRITE_BACK_PROGRAMS = 4
 
 
-# Programs a copied row gets (`copy_rows`): the copies run beside the forward's kernels, and a handful of programs
-# keep a PCIe direction busy without taking the SMs the steps need (the swap kernel, on the forward's own stream,
-# takes a program per block instead).
-COPY_PROGRAMS = 4
-
-
-def copy_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None,
-              programs: int = COPY_PROGRAMS) -> None:
-    """`expert_move_async`: for every layer l with dec[l, 2] != 0 ([L, 5], `decide_spares`), slot dec[l, 1]'s row
-    into slot dec[l, 3] (the device spare) and slot dec[l, 0]'s into slot dec[l, 4] (the host spare), in one launch
-    (`_copy_kernel`, `programs` a row and direction); `layers` as `swap_rows`."""
+def write_back(plan: SwapPlan, state: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None,
+               programs: int = WRITE_BACK_PROGRAMS) -> None:
+    """`expert_move_async`: for every layer l with a pending victim (state [L, 3], `claim_round`), the victim
+    slot's row into the host slot state[l, 2], in one launch (`_write_back_kernel`); `layers` as `swap_rows`."""
     n = plan.row_elems
     block = min(block, triton.next_power_of_2(n))
-    _copy_kernel[(plan.dev_off.numel(), max(1, min(programs, triton.cdiv(n, block))), 2)](
-        plan.anchor, plan.dev_off, plan.host_off, plan.split, dec, dec if layers is None else layers, n,
+    _write_back_kernel[(plan.dev_off.numel(), max(1, min(programs, triton.cdiv(n, block))))](
+        plan.anchor, plan.dev_off, plan.host_off, plan.split, state, state if layers is None else layers, n,
         BLOCK=block, HAS_LAYERS=layers is not None)
 
 

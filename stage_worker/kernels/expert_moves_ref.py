@@ -46,10 +46,42 @@ def settle_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, moves: torch.
 
 
 @torch.no_grad()
-def copy_rows_ref(rows: RowSet, dec: torch.Tensor) -> None:
-    """`expert_moves.copy_rows` (`expert_move_async`): dec [L, 5] (d, h, go, device spare, host spare); where go,
-    h's row into the device spare's, d's into the host spare's."""
-    for layer, (d, h, go, dev_spare, host_spare) in enumerate(dec.tolist()):
-        if go:
-            _row(rows, layer, dev_spare).copy_(_row(rows, layer, h))
-            _row(rows, layer, host_spare).copy_(_row(rows, layer, d))
+def claim_round_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: torch.Tensor, hot: torch.Tensor,
+                    moves: torch.Tensor, state: torch.Tensor, claim: torch.Tensor, threshold: torch.Tensor,
+                    decay: float, margin: float) -> None:
+    """`expert_moves.claim_round` (`expert_move_async`'s round), layer by layer on the host: the oracle of
+    `_claim_round_kernel` and a CPU cluster's round. Arguments as there; a victim's ties: the lowest expert id."""
+    S = counts.shape[1]
+    for layer in range(counts.shape[0]):
+        c, eos, smap = counts[layer], expert_of_slot[layer], slot_map[layer]
+        spare, victim, dest = state[layer].tolist()
+        if victim >= 0:                        # its write-back is done: route it to its host slot
+            x = int(eos[victim])
+            smap[x], eos[dest], c[dest] = dest, x, c[victim]
+            eos[victim], c[victim] = -1, 0.0
+            spare, victim, dest = victim, -1, -1
+        c.mul_(decay)
+        n_hot = int(hot[layer])
+        cl = int(claim[layer])
+        if cl >= 0 and spare >= 0:             # the step stored slot cl's rows into the spare
+            x = int(eos[cl])
+            smap[x], eos[spare], c[spare] = spare, x, c[cl]
+            eos[cl], c[cl] = -1, 0.0
+            moves[layer] += 1
+            live = [s for s in range(n_hot) if eos[s] >= 0 and s != spare]
+            victim = min(live, key=lambda s: (float(c[s]), int(eos[s])))
+            dest, spare = cl, -1
+        claim[layer] = -1
+        live = [s for s in range(n_hot) if eos[s] >= 0 and s != spare]
+        threshold[layer] = (min(float(c[s]) for s in live) + margin) if spare >= 0 and live and n_hot < S \
+            else float("inf")
+        state[layer] = torch.tensor([spare, victim, dest], dtype=state.dtype)
+
+
+@torch.no_grad()
+def write_back_ref(rows: RowSet, state: torch.Tensor) -> None:
+    """`expert_moves.write_back`: state [L, 3] (spare, victim, host slot); where a victim is pending, its row into
+    the host slot."""
+    for layer, (_, victim, dest) in enumerate(state.tolist()):
+        if victim >= 0:
+            _row(rows, layer, dest).copy_(_row(rows, layer, victim))

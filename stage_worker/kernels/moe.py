@@ -26,6 +26,8 @@ order (`stage_worker.model.expert_table`), so it selects slots and nothing else 
 router kernel also counts each slot's selections and the selections of host slots (run-time moves and /metrics),
 inside the CUDA graph, with no host read-back. Float8 experts (`fused_moe_fp8`) take host slots the same way: a host
 slot's float8 rows and its block scales both come from the host table (`expert_rows` picks the scales' base too).
+Store on claim (`fused_moe`'s `claim`, the kernels' CLAIM): the rows the decode kernels read of one claimed slot
+are also stored into a free device slot, so a host expert moves to the device with no PCIe copy of its own.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ if triton is not None:
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, stride_t,
                       FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
-                      SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False):
+                      SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False, claim_ptr=None, thr_ptr=None,
+                      CLAIM: tl.constexpr = False):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
@@ -111,7 +114,9 @@ if triton is not None:
         With VALID, rows from valid_ptr[0] on (a CUDA graph's padding) select no routed expert: ids SKIP, weight
         0, nothing counted; the expert kernels skip those slots, so padding reads no expert rows. With SLOT_MAP,
         each selected router index i becomes the slot map_ptr[i] before it is stored and counted (an expert
-        table's slot map: router index -> the slot holding that expert now). PDL (kernel
+        table's slot map: router index -> the slot holding that expert now). CLAIM (with COUNT, `expert_move_async`):
+        this token's best-ranked selected host slot whose count, after its own add, exceeds thr_ptr[0] is written
+        to claim_ptr[0] if that still holds -1 (one compare-and-swap: the first token wins). PDL (kernel
         flag `pdl`): launched as a programmatic dependent, it waits first thing (`common.pdl_wait`: it reads only
         what earlier kernels wrote)."""
         pdl_wait(PDL)
@@ -156,9 +161,15 @@ if triton is not None:
         tl.store(weights_ptr + out, w, mask=kk < TOP_K)
         tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
         if COUNT:
-            tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
-            host = tl.sum(tl.where(picked & (top_id >= FIRST_HOST), 1, 0), axis=0)
+            before = tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
+            on_host = picked & (top_id >= FIRST_HOST)
+            host = tl.sum(tl.where(on_host, 1, 0), axis=0)
             tl.atomic_add(reads_ptr, host.to(tl.int64))
+            if CLAIM:
+                over = on_host & (before + 1.0 > tl.load(thr_ptr))
+                first = tl.min(tl.where(over, kk, BLOCK_K), axis=0)
+                if first < BLOCK_K:
+                    tl.atomic_cas(claim_ptr, -1, tl.sum(tl.where(kk == first, top_id, 0), axis=0))
         if SHARED:
             sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
@@ -170,13 +181,17 @@ if triton is not None:
                        FIRST_HOST, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, hscale_ptr=None,
                        NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
-                       FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
+                       FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, claim_ptr=None,
+                       spare_ptr=None, CLAIM: tl.constexpr = False):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
         (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
         shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
         block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's; a
         host slot's scales at hscale_ptr, by the rows' FIRST_HOST rule); no shared slot then. ROW_SCALE (BC a multiple of BLOCK_H: a tile's columns lie in one column block):
-        one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight."""
+        one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight. CLAIM (not with FP8):
+        if e is the claimed slot claim_ptr[0] (>= 0), the rows loaded are also stored, as loaded, at the same
+        places of device slot spare_ptr[0]: the grid's programs together copy the whole w13 row block."""
+        tl.static_assert(not (CLAIM and FP8), "claims copy bf16/fp16/fp32 rows only")
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -187,6 +202,11 @@ if triton is not None:
         mask_i = offs_i < I
         gate_rows = base + offs_i[:, None].to(tl.int64) * stride_wr
         up_rows = gate_rows + I * stride_wr
+        if CLAIM:
+            c = tl.load(claim_ptr)
+            spare = tl.load(spare_ptr)
+            hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim (also the shared expert's id), no spare
+            spare_gate = w13_ptr + spare * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
         acc_g = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)    # 2-D: FMAs in the loop, one reduction at the end
         acc_u = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -209,8 +229,14 @@ if triton is not None:
                 wg = wg.to(tl.float32) * sg
                 wu = wu.to(tl.float32) * su
             else:
-                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0)
+                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0)
+                if CLAIM:
+                    if hit:
+                        tl.store(spare_gate + offs_h[None, :], wg, mask=m)
+                        tl.store(spare_gate + I * stride_wr + offs_h[None, :], wu, mask=m)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
             acc_g += wg * xv[None, :]
             acc_u += wu * xv[None, :]
         g = tl.sum(acc_g, axis=1)
@@ -223,14 +249,22 @@ if triton is not None:
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, hscale_ptr=None,
                          NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
                          FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, add_ptr=None,
-                         ADD: tl.constexpr = False):
+                         ADD: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
         in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (a host slot's at hscale_ptr; ROW_SCALE: BC a multiple of BLOCK_I), and the router
         weights rounded to the output's dtype first (as the CPU path uses them). ADD: + add_ptr's row (the shared
-        expert's output, rows of stride_ot) before the one rounding to the output dtype."""
+        expert's output, rows of stride_ot) before the one rounding to the output dtype. CLAIM (not with FP8): as
+        in `_moe_up_kernel`, the claimed slot's rows h-block (all I columns) also stored into device slot
+        spare_ptr[0]: the programs of a token together copy the whole w2."""
+        tl.static_assert(not (CLAIM and FP8), "claims copy bf16/fp16/fp32 rows only")
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
+        if CLAIM:
+            c = tl.load(claim_ptr)
+            spare = tl.load(spare_ptr)
+            claimed = (c >= 0) & (spare >= 0)           # -1: no claim (also the shared expert's id), no spare
+            spare_rows = w2_ptr + spare * stride_we + offs_h[:, None].to(tl.int64) * stride_wh
         acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)       # 2-D: FMAs in the loops, one reduction at the end
         for j in range(TOP_K):
             tj = t * TOP_K + j
@@ -241,6 +275,8 @@ if triton is not None:
             if e != SKIP_ID:
                 base = expert_rows(e, w2_ptr, sw2_ptr, hw2_ptr, stride_we, FIRST_HOST)
                 rows = base + offs_h[:, None].to(tl.int64) * stride_wh
+                if CLAIM:
+                    hit = (e == c) & claimed
                 if FP8:
                     sb = expert_rows(e, scale_ptr, scale_ptr, hscale_ptr, NB_R * NB_C, FIRST_HOST)
                 for i0 in range(0, I, BLOCK_I):
@@ -259,6 +295,8 @@ if triton is not None:
                         w = w.to(tl.float32) * sc
                     else:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
+                        if CLAIM:       # a predicate, not a branch: one in this loop stops its unrolling
+                            tl.store(spare_rows + offs_i[None, :], w, mask=m & hit)
                     acc += w.to(tl.float32) * (wt * a)[None, :]
         out = tl.sum(acc, axis=1)
         if ADD:
@@ -275,7 +313,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     (sigmoid of that logit, id -1) for the shared expert. With `counts`, the selections are added to it. With
     `valid` (int32 [1] on the device: a CUDA graph's real rows), rows from valid[0] on get id SKIP and weight 0 in
     their routed slots (the kernel path only). With `slot_map` (int32 [E] on the device: an expert table's router
-    index -> slot), the ids returned and counted are slots: slot_map[router index]."""
+    index -> slot), the ids returned and counted are slots: slot_map[router index]. A `counts` with a claim
+    (`RouteCounts.claim`) also claims a host slot for a move on read (`expert_move_async`)."""
     T, E = logits.shape
     E -= int(shared)
     if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
@@ -303,7 +342,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
                             ids if slot_map is None else slot_map, E, logits.stride(0), c.first, TOP_K=top_k,
                             SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k),
                             COUNT=counts is not None, VALID=valid is not None, SLOT_MAP=slot_map is not None,
-                            num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl)
+                            num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl, claim_ptr=c.claim, thr_ptr=c.threshold,
+                            CLAIM=c.claim is not None)
     return weights, ids
 
 
@@ -353,12 +393,17 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, shared: SharedExpert | None = None, prefill_kernel: bool = True,
-              host: HostRows | None = None) -> torch.Tensor:
+              host: HostRows | None = None,
+              claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in x.dtype; = fused_moe_ref.
 
     Decode (T*k <= DECODE_MAX_TK, Triton usable): two launches, no host sync. Otherwise `grouped_moe` (its grouped
     GEMM kernels with `prefill_kernel` and Triton). With `shared`, slot k (id -1) is the shared expert (see
     `route`). With `host`, ids >= host.first are rows of the host table (w13 then holds the first host.first).
+    With `claim` = (claimed slot int32 [1], spare int64 [1]), both on the device: if some id is the claimed slot
+    (>= 0; -1: none), its w13 and w2 rows end up copied, bit for bit, into device slot spare (a free one) as well:
+    the kernels store the rows they read anyway (a move with no PCIe copy of its own), the other paths copy them
+    (`copy_claimed`). The output does not change. bf16/fp16/fp32 tables only.
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -375,7 +420,14 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if shared is not None and (tuple(shared.w13.shape) != (2 * I, H) or tuple(shared.w2.shape) != (H, I)):
         raise ValueError(f"shared expert w13 {tuple(shared.w13.shape)} / w2 {tuple(shared.w2.shape)} do not match "
                          f"the routed experts' [{2 * I}, {H}] / [{H}, {I}]")
+    if claim is not None and (not w13.is_floating_point() or w13.element_size() == 1 or
+                              any(c.numel() != 1 or c.device != w13.device for c in claim)):
+        raise ValueError(f"a claim needs one slot and one spare on the table's device and a bf16/fp16/fp32 table "
+                         f"(float8 experts take none), not {w13.dtype}")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
+        if claim is not None:
+            copy_claimed(claim, ids, E, [(w13, None if host is None else host.w13),
+                                         (w2, None if host is None else host.w2)])
         return grouped_moe(x, ids, weights, w13, w2, shared, kernel=prefill_kernel and triton_usable(x), host=host)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")   # never copy the expert tables
@@ -389,15 +441,30 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     hw13, hw2, first = (w13, w2, E) if host is None else (host.w13, host.w2, host.first)
+    claim_ptr, spare_ptr = (None, None) if claim is None else claim
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, hw13, act, x.stride(0), w13.stride(0),
                                                w13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
+                                               claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
                                                num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, hw2, out, w2.stride(0), w2.stride(1),
                                              out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
+                                             claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
                                              num_warps=down_warps)
     return out
+
+
+def copy_claimed(claim: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, first: int,
+                 tables: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """A claim (see `fused_moe`) where the decode kernels do not run, so every path leaves the same tables: if
+    claim[0] >= 0 is among ids, its row of each (device table, host table from slot `first`) pair is copied into
+    the device table's row spare[0] (-1: no spare, nothing). Reads the claim on the host: these paths sync anyway."""
+    slot, spare = (int(c.reshape(-1)[0]) for c in claim)
+    if slot < 0 or spare < 0 or not bool((ids == slot).any()):
+        return
+    for dev, hst in tables:
+        dev[spare].copy_(dev[slot] if slot < first else hst[slot - first])
 
 
 def decode_operands(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -411,19 +478,19 @@ def decode_operands(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 renormalise: bool, shared: SharedExpert | None = None, prefill_kernel: bool = True,
                 host: HostRows | None = None, counts: RouteCounts | None = None,
-                valid: torch.Tensor | None = None,
-                slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                valid: torch.Tensor | None = None, slot_map: torch.Tensor | None = None,
+                claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
     `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK). `host`: slots in host RAM;
     `counts`: where the router counts its selections; `valid`: a CUDA graph's real rows; `slot_map`: router index
-    -> slot (see `fused_moe`, `route`).
+    -> slot; `claim`: (claim, spare) of moves on read (see `fused_moe`, `route`).
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts,
                          valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None, slot_map=slot_map)
-    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host)
+    out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host, claim=claim)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)
 
 

@@ -15,6 +15,8 @@ With the kernel flag `pdl` (`common.pdl_usable`) both launch as programmatic dep
 (`common.pdl_wait`) first thing: every load depends on the routing ids, and the expert tables themselves are
 rewritten between steps by the expert-move swap kernels, so nothing may be read before the wait (what PDL saves
 here is the launch and ramp-up, not a weight prologue).
+With CLAIM (`fused_moe_int4`'s `claim`, issue 16) the kernels also store the words and scales they read of one
+claimed slot into a free device slot: the expert moves to the device with no copy of its own (as `moe.fused_moe`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.common import pdl_usable, triton_usable
-from stage_worker.kernels.moe import SKIP, _bucket, expert_rows, triton
+from stage_worker.kernels.moe import SKIP, _bucket, copy_claimed, expert_rows, triton
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:
@@ -60,9 +62,11 @@ if triton is not None:
                         stride_qe, stride_qr, stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr,
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
-        nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads.
+        nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads. CLAIM: if e is the
+        claimed slot claim_ptr[0] (>= 0), the words and scales of the block being computed are also stored, as
+        loaded, into device slot spare_ptr[0] (`moe.fused_moe`'s claim): the grid together copies q13 and s13.
 
         An iteration takes [BLOCK_I, BLOCK_W] words of the gate rows and of the up rows (16-byte loads; a thread
         holds several rows, so the x values it gathers serve all of them); the words of the next PREFETCH (0, 1
@@ -85,6 +89,12 @@ if triton is not None:
         ru = rg + I
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
+        if CLAIM:
+            c = tl.load(claim_ptr)
+            spare = tl.load(spare_ptr)
+            hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim, no spare
+            qspare = q_ptr + spare * stride_qe
+            sspare = s_ptr + spare * stride_se
         if PREFETCH >= 1:
             qg, qu = _up_words(qbase, rg, ru, stride_qr, offs_w, mask_i, W)
         if PREFETCH >= 2:
@@ -97,12 +107,21 @@ if triton is not None:
             oq = w0 + offs_q
             mq = mask_i[:, None] & (oq < W)[None, :]
             grp = ((oq * 8) // GROUP)[None, :]
-            sg = tl.load(sbase + rg * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
-            su = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0).to(tl.float32)
+            sg_raw = tl.load(sbase + rg * stride_sr + grp, mask=mq, other=0.0)
+            sg = sg_raw.to(tl.float32)
+            su_raw = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0)
+            su = su_raw.to(tl.float32)
             if PREFETCH == 0:
                 qg, qu = _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W)
             else:
                 qg_n, qu_n = _up_words(qbase, rg, ru, stride_qr, ow + PREFETCH * BLOCK_W, mask_i, W)
+            if CLAIM:
+                if hit:                 # qg, qu: this block's words (`_up_words`' mask); quads sharing a group
+                    m = mask_i[:, None] & mw[None, :]                   # store its scale twice, the same bits
+                    tl.store(qspare + rg * stride_qr + ow[None, :], qg, mask=m)
+                    tl.store(qspare + ru * stride_qr + ow[None, :], qu, mask=m)
+                    tl.store(sspare + rg * stride_sr + grp, sg_raw, mask=mq)
+                    tl.store(sspare + ru * stride_sr + grp, su_raw, mask=mq)
             xs = tl.zeros([BLOCK_W], tl.float32)
             dg = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
@@ -153,14 +172,15 @@ if triton is not None:
                           stride_qh, stride_se, stride_sh, stride_ot, stride_at, FIRST_HOST, ONE, H: tl.constexpr,
                           I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
         experts, so a program streams all k experts' rows with no per-expert loop (and the next PREFETCH blocks
         in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words nor
         their activations (never written) are read. With ADD, add[t] (the shared expert's output) is added before
-        the store."""
+        the store. CLAIM: as in `_int4_up_kernel`, the words and scales of the columns whose slot is the claimed
+        one also stored into device slot spare_ptr[0] (masked stores, no branch: a block spans experts)."""
         pdl_wait(PDL)                 # first: the ids, act and the expert tables all wait
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -170,6 +190,12 @@ if triton is not None:
         NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
+        if CLAIM:
+            c = tl.load(claim_ptr)
+            spare = tl.load(spare_ptr)
+            c = tl.where((c >= 0) & (spare >= 0), c, SKIP_ID - 1)     # no claim or no spare: an id no column has
+            qspare = q_ptr + spare * stride_qe
+            sspare = s_ptr + spare * stride_se
         if PREFETCH >= 1:
             j, w, e, q = _down_words(q_ptr, hq_ptr, ids_ptr, stride_it, t, offs_w, rows, mask_h, stride_qe,
                                      stride_qh, FIRST_HOST, I, TOP_K)
@@ -188,7 +214,12 @@ if triton is not None:
             jq, wq, eq = _col_slots(ids_ptr, stride_it, t, c0 + offs_q, I, TOP_K)     # the quads' scales
             sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
             sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
-                         mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0).to(tl.float32)
+                         mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0)
+            if CLAIM:                   # this block's words q, as `_down_words` masks them, of the claimed slot
+                tl.store(qspare + rows * stride_qh + w[None, :], q, mask=mask_h[:, None] & (e == c)[None, :])
+                tl.store(sspare + rows * stride_sh + ((wq * 8) // GROUP)[None, :], sc,
+                         mask=mask_h[:, None] & (eq == c)[None, :])
+            sc = sc.to(tl.float32)
             ab = act_ptr + (t * TOP_K + j) * I + w             # act_p[t, j, 0, w]
             mc = e != SKIP_ID
             xs = tl.zeros([BLOCK_W], tl.float32)
@@ -255,12 +286,15 @@ def quad_words(words: int, group: int) -> int:
 
 def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
                    host: PackedExperts | None = None, first_host: int | None = None,
-                   add: torch.Tensor | None = None) -> torch.Tensor:
+                   add: torch.Tensor | None = None,
+                   claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots; SKIP skipped) -> [T, H] in x.dtype; = fused_moe_int4_ref (+ add).
     ids and weights may be column slices of wider tensors (the router's k + 1 slots: read in place); fp32 weights
     are rounded to x.dtype in the kernel (no cast launch). `host`: the
     slots from `first_host` on, packed the same way in (pinned) host memory. `add` [T, H]: added to the result inside the
-    down launch (the shared expert's output: no separate add)."""
+    down launch (the shared expert's output: no separate add). `claim` = (slot int32 [1], spare int64 [1]) on the
+    device, as `moe.fused_moe`'s: a selected claimed slot's q13, s13, q2 and s2 also end up in device slot spare
+    (stored by the kernels as they read them; copied first where the kernels do not run)."""
     T, H = x.shape
     E, H_, I = experts.shape
     k = ids.shape[1]
@@ -268,7 +302,13 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     if H_ != H or H % 8 or I % 8 or g % 8 or g2 % 8 or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} experts (E, H, I) {(E, H_, I)} "
                          f"group {g} (H, I and the group must be multiples of 8)")
+    if claim is not None and any(c.numel() != 1 or c.device != experts.q13.device for c in claim):
+        raise ValueError("a claim is one slot and one spare on the table's device")
     if not triton_usable(x) or T * k > DECODE_MAX_TK:
+        if claim is not None:
+            copy_claimed(claim, ids, E if host is None else first_host,
+                         [(getattr(experts, n), None if host is None else getattr(host, n))
+                          for n in ("q13", "s13", "q2", "s2")])
         if host is not None:
             raise ValueError("host rows of INT4 experts need the kernel path")
         out = grouped_moe_int4(x, ids, weights, experts)
@@ -285,6 +325,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     h = host or experts
     first = E if host is None else first_host
     pdl = pdl_usable(x)
+    claim_ptr, spare_ptr = (None, None) if claim is None else claim
     b = _bucket(T)
     bi, bw, warps = UP_CFG[b]
     bi, bw = min(bi, _pow2(I)), min(bw, _pow2(H // 8))
@@ -292,7 +333,8 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, ids.stride(0), weights.stride(0),
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
         H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
-        num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=warps, PDL=pdl,
+        launch_pdl=pdl)
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     _int4_down_kernel[(T, triton.cdiv(H, bh))](
@@ -300,7 +342,8 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         experts.q2.stride(0), experts.q2.stride(1), experts.s2.stride(0), experts.s2.stride(1), out.stride(0),
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
         QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
-        num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=warps, PDL=pdl,
+        launch_pdl=pdl)
     return out
 
 

@@ -25,11 +25,16 @@ class HostRows:
 @dataclass
 class RouteCounts:
     """Where the router adds its selections: `counts` fp32 [E] per slot, `host_reads` int64 [1] the selections of
-    slots >= `first` (host rows)."""
+    slots >= `first` (host rows). With `claim` (int32 [1]) and `threshold` (fp32 [1]), `expert_move_async`'s moves
+    on read: a selected host slot whose count passes the threshold is written to `claim` (if it holds -1), and the
+    decode kernels that read that slot store its rows into the table's free device slot as they go
+    (`expert_moves.py`)."""
 
     counts: torch.Tensor
     host_reads: torch.Tensor
     first: int
+    claim: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +87,22 @@ def count_ref(ids: torch.Tensor, counts) -> None:
     flat = ids.reshape(-1).long()
     counts.counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=counts.counts.dtype, device=flat.device))
     counts.host_reads.add_((flat >= counts.first).sum().to(counts.host_reads.dtype))
+    if counts.claim is not None:
+        claim_ref(flat, counts)
+
+
+def claim_ref(flat: torch.Tensor, counts) -> None:
+    """The router kernel's claim after counting: the first selected host slot (token by token, best first) whose
+    count passes `counts.threshold` goes into `counts.claim` if no slot is claimed yet. Device ops, no host sync (a
+    graph may capture it). (The kernel's tokens race and test each count as their own add left it, so at batch > 1
+    it may claim another qualifying slot: the layout differs, the outputs do not.)"""
+    n = flat.numel()
+    if n == 0:
+        return
+    ok = (flat >= counts.first) & (counts.counts[flat.clamp_min(0)] > counts.threshold)
+    pos = torch.where(ok, torch.arange(n, device=flat.device), n).min()
+    pick = flat[pos.clamp(max=n - 1)].to(counts.claim.dtype)
+    counts.claim.copy_(torch.where((counts.claim < 0) & (pos < n), pick, counts.claim))
 
 
 @dataclass

@@ -57,6 +57,11 @@ class ExpertTable:
     # int32 [E] on the device: router index -> the slot that holds its expert, applied by the router (`route`'s
     # slot_map). None: the identity, router index == slot, which moves that swap rows and gate rows keep true.
     slot_map: torch.Tensor | None = None
+    # `expert_move_async` (moves on read): int32 [1] the host slot a step claimed (-1: none), fp32 [1] the count a
+    # selected host slot must pass to be claimed, int64 [1] the free device slot its rows are stored into (-1: none)
+    claim: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
+    spare: torch.Tensor | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -144,7 +149,23 @@ class ExpertTable:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
         if tokens * top_k > COUNT_MAX_TK:
             return None
-        return RouteCounts(self.counts, self.host_reads, self.hot)
+        return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold)
+
+    def claimed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(claim, spare) for the decode kernels that store a claimed host slot's rows as they read them."""
+        return None if self.claim is None else (self.claim, self.spare)
+
+    @torch.no_grad()
+    def copy_claimed(self) -> None:
+        """The store of moves on read where no decode kernel runs (the CPU paths): the claimed host slot's rows into
+        the spare device slot, if a slot is claimed (one read-back)."""
+        if self.claim is None:
+            return
+        slot = int(self.claim)
+        if slot >= 0:
+            spare = int(self.spare)
+            for kind in self.parts:
+                self.dev[kind][spare].copy_(self.slot_part(slot, kind))
 
     def full_shape(self, kind: str) -> tuple[int, ...]:
         return (self.num_experts, *self.dev[kind].shape[1:])
@@ -163,8 +184,10 @@ class ExpertTable:
 
     @torch.no_grad()
     def order_gate(self, gate_weight: torch.Tensor) -> None:
-        """Router rows [E(+1), H] from expert order into slot order (rows past E, the shared gate, stay); with spare
-        slots, into the order of the live slots (what `slot_map` starts from)."""
+        """Router rows [E(+1), H] from expert order into slot order (rows past E, the shared gate, stay); with a slot
+        map (spare slots) they stay in expert order: router index == expert id, `slot_map[e]` its slot."""
+        if self.slot_map is not None:
+            return
         E = self.num_experts
         perm = torch.tensor([e for e in self.initial if e >= 0], device=gate_weight.device)
         gate_weight[:E].copy_(gate_weight[:E][perm].clone())

@@ -139,7 +139,7 @@ class SparseMoE(nn.Module):
             w13, w2 = (self.w13, self.w2) if t is None else (t.w13, t.w2)
             tokens = x.numel() // x.shape[-1]
             extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k),
-                                          "slot_map": t.slot_map}
+                                          "slot_map": t.slot_map, "claim": t.claimed()}
             extra["valid"] = self.valid_rows
             fused = self._fused_shared()
             if fused is not None:
@@ -167,6 +167,7 @@ class SparseMoE(nn.Module):
             counts = t.route_counts(ids.shape[0], self.top_k)
             if counts is not None:
                 count_ref(ids, counts)
+                t.copy_claimed()
             by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
             slot_of = t.slot_of_expert()
         out = torch.zeros_like(x)
@@ -210,6 +211,7 @@ class SparseMoE(nn.Module):
             elif t is None or triton_usable(x2):
                 out = self._routed_decode(x2, ids, weights)
             else:
+                t.copy_claimed()                                         # the router's reference path claimed
                 out = self._packed_prefill(x2, ids, weights, False)      # the table's per-expert loop
         else:
             decode = False
@@ -218,6 +220,7 @@ class SparseMoE(nn.Module):
                 ids = t.slots_of(ids)
             if counts is not None:
                 count_ref(ids, counts)
+                t.copy_claimed()
             out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
         self.last_expert_ids = ids
         shared = self._packed_shared() if self.kernels.moe and x.is_cuda and decode else None
@@ -281,7 +284,7 @@ class SparseMoE(nn.Module):
         if t is None:
             return fused_moe_int4(x2, ids, weights, self.packed(), add=add)
         dev, host = t.packed_experts()
-        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add)
+        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add, claim=t.claimed())
 
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""Store on claim (issue 16): the fused decode kernels, bf16 (`moe.fused_moe`) and INT4 (`moe_int4.fused_moe_int4`),
+also store the rows they read of a claimed slot into a free device slot, so a host expert moves with no copy of its
+own. Checked: the output keeps its bits; the spare slot ends up an exact copy of every part of the claimed host slot
+when a token selects it and keeps its bytes when none does, there is no claim (-1, also the shared expert's id) or no
+spare (-1); nothing else changes (the device tables sit between guard rows), at row ends that are not multiples of
+the blocks too; the PyTorch paths copy the same. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py turns it on): tiny shapes, few cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from stage_worker.kernels import moe as K  # noqa: E402
+from stage_worker.kernels import moe_int4 as K4  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import PackedExperts, pack_int4  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+E, HOT, SPARE = 8, 4, 2          # slots [0, HOT) on the device (SPARE free: no token selects it), the rest host rows
+IDS = {1: [[6, 0, 5]], 3: [[6, 0, 5], [3, 6, 1], [5, 1, 6]]}    # host slot 6 selected; 4 and 7 never
+CLAIMS = {"selected": 6, "unselected": 7, "none": -1, "no spare": 6}
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes as integers: garbage rows hold NaN patterns, which torch.equal on floats calls unequal."""
+    return t.view(INTS[t.element_size()])
+
+
+def _garbage(t: torch.Tensor, seed: int) -> None:
+    """Random bits (NaN and infinity patterns included), so a copy of anything else shows."""
+    b = _bits(t)
+    top = 1 << (8 * t.element_size() - 1)
+    b.copy_(torch.randint(-top, top, b.shape, generator=torch.Generator().manual_seed(seed)).to(b.dtype))
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().pin_memory() if CUDA else t.clone()
+
+
+def _guarded(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A copy of the device slots t between two garbage guard rows (a write to row -1 or HOT lands in them); the
+    spare slot's rows garbage too."""
+    buf = torch.empty(t.shape[0] + 2, *t.shape[1:], dtype=t.dtype, device=t.device)
+    _garbage(buf, seed)
+    buf[1:-1] = t
+    _garbage(buf[1 + SPARE], seed + 1)
+    return buf[1:-1]
+
+
+def _claim(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([CLAIMS[kind]], dtype=torch.int32, device=DEV),
+            torch.tensor([-1 if kind == "no spare" else SPARE], dtype=torch.int64, device=DEV))
+
+
+def _check_tables(parts: dict, before: dict, slot: int, copied: bool) -> None:
+    """parts: name -> (device table, host table) after the call; before: name -> the device table's buffer (guard
+    rows included, `_guarded`) before it."""
+    for name, (dev, host) in parts.items():
+        base = dev._base
+        want = host[slot - HOT] if copied else before[name][1 + SPARE]
+        assert torch.equal(_bits(dev[SPARE]), _bits(want)), name
+        others = [r for r in range(base.shape[0]) if r != 1 + SPARE]
+        assert torch.equal(_bits(base[others]), _bits(before[name][others])), name
+
+
+def _bf16_case(t: int, dtype: torch.dtype, H: int, I: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(DEV, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
+    dev13, dev2 = _guarded(w13[:HOT], seed + 1), _guarded(w2[:HOT], seed + 3)
+    host = HostRows(_host(w13[HOT:]), _host(w2[HOT:]), HOT)
+    x = torch.randn(t, H, generator=g).to(DEV, dtype)
+    ids = torch.tensor(IDS[t], dtype=torch.int32, device=DEV)
+    w = torch.rand(t, ids.shape[1], generator=g).to(DEV, dtype)
+    return x, ids, w, dev13, dev2, host
+
+
+@pytest.mark.parametrize("t,kind,shared,small,dtype", [
+    (1, "selected", False, False, torch.bfloat16),
+    (3, "selected", True, False, torch.bfloat16),
+    (3, "selected", False, True, torch.float16),     # several blocks a row, the last one partial
+    (1, "none", True, False, torch.bfloat16),        # -1 is the shared expert's id: still no claim
+    (3, "unselected", False, False, torch.float32),
+    (1, "no spare", True, False, torch.bfloat16)])
+def test_bf16_kernels_store_the_claimed_slot(monkeypatch, t, kind, shared, small, dtype):
+    H, I = 40, 20                 # row ends masked in both launches (blocks of 64/16 columns and 8/16/32 rows)
+    if small:
+        monkeypatch.setattr(K, "UP_CFG", {b: (8, 16, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})
+    x, ids, w, dev13, dev2, host = _bf16_case(t, dtype, H, I, seed=t + 10 * small)
+    sh = None
+    if shared:
+        g = torch.Generator().manual_seed(3)
+        sh = K.SharedExpert((torch.randn(2 * I, H, generator=g) / H ** 0.5).to(DEV, dtype),
+                            (torch.randn(H, I, generator=g) / I ** 0.5).to(DEV, dtype))
+        ids = torch.cat([ids, torch.full((t, 1), -1, dtype=ids.dtype, device=DEV)], 1)
+        w = torch.cat([w, torch.full((t, 1), 0.5, dtype=dtype, device=DEV)], 1)
+    before = {"w13": dev13._base.clone(), "w2": dev2._base.clone()}
+    want = K.fused_moe(x, ids, w, dev13, dev2, sh, host=host)
+    out = K.fused_moe(x, ids, w, dev13, dev2, sh, host=host, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({"w13": (dev13, host.w13), "w2": (dev2, host.w2)}, before, CLAIMS[kind], kind == "selected")
+
+
+@pytest.mark.parametrize("kind", ["selected", "unselected", "no spare"])
+def test_bf16_pytorch_path_copies_the_claimed_slot(monkeypatch, kind):
+    """Past DECODE_MAX_TK (and without Triton) `grouped_moe` runs: the claim is copied there with torch ops."""
+    monkeypatch.setattr(K, "DECODE_MAX_TK", 0)
+    x, ids, w, dev13, dev2, host = _bf16_case(3, torch.bfloat16, 40, 20, seed=5)
+    before = {"w13": dev13._base.clone(), "w2": dev2._base.clone()}
+    want = K.fused_moe(x, ids, w, dev13, dev2, host=host, prefill_kernel=False)
+    out = K.fused_moe(x, ids, w, dev13, dev2, host=host, prefill_kernel=False, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({"w13": (dev13, host.w13), "w2": (dev2, host.w2)}, before, CLAIMS[kind], kind == "selected")
+
+
+def test_a_claim_on_float8_tables_is_refused():
+    """The FP8 mode of the same kernels stores no claim (its scales are a separate table): refused, not ignored."""
+    x = torch.randn(1, 32, device=DEV)
+    ids = torch.tensor([[0]], dtype=torch.int32, device=DEV)
+    w13, w2 = torch.zeros(2, 16, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 32, 8, dtype=torch.uint8,
+                                                                                  device=DEV)
+    with pytest.raises(ValueError, match="claim"):
+        K.fused_moe(x, ids, torch.ones(1, 1, device=DEV), w13, w2, claim=_claim("none"))
+
+
+def _int4_case(t: int, scale_dtype: torch.dtype, seed: int):
+    """H 96 (12 words a row), I 40 (5 words: down blocks span experts), groups 32 / 16 (a partial last group)."""
+    H, I = 96, 40
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(DEV, scale_dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(DEV, scale_dtype)
+    ex = PackedExperts(*pack_int4(w13, 32), *pack_int4(w2, 16), 32, 16)
+    names = ("q13", "s13", "q2", "s2")
+    dev = PackedExperts(*(_guarded(getattr(ex, n)[:HOT], seed + 2 * i) for i, n in enumerate(names)), 32, 16)
+    host = PackedExperts(*(_host(getattr(ex, n)[HOT:]) for n in names), 32, 16)
+    x = torch.randn(t, H, generator=g).to(DEV)
+    ids = torch.tensor(IDS[t], dtype=torch.int32, device=DEV)
+    w = torch.rand(t, ids.shape[1], generator=g).to(DEV)
+    return x, ids, w, dev, host, names
+
+
+@pytest.mark.parametrize("t,kind,small,prefetch,scale_dtype", [
+    (1, "selected", False, None, torch.float32),
+    (3, "selected", True, 0, torch.bfloat16),       # several blocks a row, partial ends, each prefetch depth in use
+    (3, "selected", True, 1, torch.float32),
+    (1, "none", False, None, torch.bfloat16),
+    (1, "unselected", True, 0, torch.float32),
+    (1, "no spare", False, None, torch.float32)])
+def test_int4_kernels_store_the_claimed_slot(monkeypatch, t, kind, small, prefetch, scale_dtype):
+    if small:
+        monkeypatch.setattr(K4, "UP_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})      # 40 rows: 32, 8; 12 words: 8, 4
+        monkeypatch.setattr(K4, "DOWN_CFG", {b: (64, 8, 1) for b in (1, 4, 16)})    # 96 rows: 64, 32
+        monkeypatch.setattr(K4, "PREFETCH", {b: prefetch for b in (1, 4, 16)})
+    x, ids, w, dev, host, names = _int4_case(t, scale_dtype, seed=20 + t + 10 * small)
+    before = {n: getattr(dev, n)._base.clone() for n in names}
+    want = K4.fused_moe_int4(x, ids, w, dev, host=host, first_host=HOT)
+    out = K4.fused_moe_int4(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in names}, before, CLAIMS[kind],
+                  kind == "selected")
+
+
+def test_int4_pytorch_path_copies_the_claim_then_refuses_host_rows(monkeypatch):
+    """`grouped_moe_int4` takes no host rows (refused as before), but the claim is copied first; without host rows a
+    claimed device slot is copied and the output keeps its bits."""
+    monkeypatch.setattr(K4, "DECODE_MAX_TK", 0)
+    x, ids, w, dev, host, names = _int4_case(3, torch.float32, seed=40)
+    before = {n: getattr(dev, n)._base.clone() for n in names}
+    with pytest.raises(ValueError, match="host rows"):
+        K4.fused_moe_int4(x, ids, w, dev, host=host, first_host=HOT, claim=_claim("selected"))
+    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in names}, before, 6, True)
+    dev_ids = ids.clamp_max(HOT - 1)                 # device slots only: 3, 0 and 1 (not SPARE)
+    want = K4.fused_moe_int4(x, dev_ids, w, dev)
+    out = K4.fused_moe_int4(x, dev_ids, w, dev, claim=(torch.tensor([1], dtype=torch.int32, device=DEV),
+                                                       torch.tensor([SPARE], device=DEV)))
+    assert torch.equal(_bits(out), _bits(want))
+    for n in names:
+        assert torch.equal(_bits(getattr(dev, n)[SPARE]), _bits(getattr(dev, n)[1])), n
