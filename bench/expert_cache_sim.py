@@ -124,18 +124,20 @@ def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy
     return {"hit_rate": hits / max(1, n * L * k), "moves_per_token": moves / max(1, n) / L}
 
 
-def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0) -> dict:
-    """The server's moves on read (`expert_move_async`, `expert_moves.claim_round`): a step claims, per layer with a
-    free spare and a finite threshold, the first selected host expert whose count (after the step's adds) passes
-    the threshold (it is read from host this step and stored as it is read); every `every` tokens the round makes
-    last round's victim a host expert (its write-back done) and its slot the spare, decays the counts, commits the
-    claim (resident from then on), picks the least-used other resident expert as the next victim, and sets the
-    threshold (least resident count + margin while the spare is free, else none)."""
+def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0,
+                  spares: int = 2) -> dict:
+    """The server's moves on read (`expert_move_async`, `expert_moves.claim_round`, `spares` spare device slots a
+    layer): a step claims, per layer with a free spare and a finite threshold, the first selected host expert whose
+    count (after the step's adds) passes the threshold (it is read from host this step and stored as it is read);
+    every `every` tokens the round makes last round's victim a host expert (its write-back done) and its slot a free
+    spare, decays the counts, commits the claim (resident from then on), picks the least-used other resident expert
+    as the next victim (ties: the lowest id), and sets the threshold (least resident count + margin while a spare
+    is free, else none)."""
     T, L, k = ids.shape
     rows = np.arange(L)
     counts = np.zeros((L, num_experts))
     resident = resident.copy()
-    spare = np.ones(L, dtype=bool)
+    free = np.full(L, spares)
     victim = np.full(L, -1)
     claim = np.full(L, -1)
     thr = np.full(L, np.inf)
@@ -154,19 +156,19 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
         if (t + 1) % policy.every == 0:
             fin = victim >= 0
             resident[rows[fin], victim[fin]] = False
-            spare |= fin
+            free += fin
             victim[:] = -1
             counts *= decay
-            go = (claim >= 0) & spare
+            go = (claim >= 0) & (free > 0)
             resident[rows[go], claim[go]] = True
             moves += int(go.sum()) if t >= skip else 0
             others = np.where(resident, counts, np.inf)
             others[rows[go], claim[go]] = np.inf
             victim[go] = others[go].argmin(1)
-            spare &= ~go
+            free -= go
             claim[:] = -1
             low = np.where(resident, counts, np.inf).min(1)
-            thr = np.where(spare & (resident.sum(1) > 0) & ~resident.all(1), low + policy.margin, np.inf)
+            thr = np.where((free > 0) & (resident.sum(1) > 0) & ~resident.all(1), low + policy.margin, np.inf)
     n = T - min(skip, T)
     return {"hit_rate": hits / max(1, n * L * k), "moves_per_token": moves / max(1, n) / L}
 

@@ -134,8 +134,8 @@ class ClusterConfig:
     # ... and replayed from a CUDA graph (one launch a round instead of ~6 Triton launches, 0.41 ms of host time at
     # h200-22 with the GPU idle between them; StageExperts._capture)
     expert_move_graph: bool = True
-    # ... or on read: a spare device slot a table, the router through a slot map; the router claims a host slot past
-    # the layer's threshold, the decode kernels store its rows into the spare as they read them, and the round
+    # ... or on read: two spare device slots a table, the router through a slot map; the router claims a host slot
+    # past the layer's threshold, the decode kernels store its rows into a spare as they read them, and the round
     # commits it and writes the evicted row back on a side stream (StageExperts._claim_round; the fused switch does
     # not apply). Off until measured on the H200 (docs/architecture.md, known limits; the first design, copies after
     # the decision, lost to moves in place at h200-23).

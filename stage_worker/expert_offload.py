@@ -42,10 +42,10 @@ class StageExperts:
     # with `expert_vmm_table`: every layer's part as one VRAM + host range ([E, ...] tensor, its range), the
     # tables' dev/host tensors views of it; held here so the ranges live as long as the stage's experts
     ranges: list[tuple[torch.Tensor, TieredRange]] = field(default_factory=list)
-    # with `expert_move_async` (moves on read): each layer has S = E + 1 slots, a spare among its `hot` device
+    # with `expert_move_async` (moves on read): each layer has S = E + SPARES slots, the spares among its `hot` device
     # slots; the router reaches its E live slots through `slot_map` (`expert_moves.claim_round`)
     slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
-    state: torch.Tensor | None = None           # int64 [L, 3] (spare, victim, host slot), -1 where none
+    state: torch.Tensor | None = None           # int64 [L, 4] (spare, reserve, victim, its host slot), -1: none
     claim: torch.Tensor | None = None           # int32 [L] the host slot a step claimed, -1 none
     threshold: torch.Tensor | None = None       # fp32 [L] the count a host slot must pass to be claimed
     _done: object | None = None    # the event after the last round's write-backs (CUDA)
@@ -163,7 +163,8 @@ class StageExperts:
         first waits for last round's write-backs, the host does not), then write this round's victims back into
         the host slots their claimed experts left, on a side stream so the steps run meanwhile. A CPU cluster
         runs the references at once. With `graph` both parts replay CUDA graphs captured after the first eager
-        round with these arguments. Returns `state` [L, 3] (spare, victim, host slot). Gate rows never move."""
+        round with these arguments. Returns `state` [L, 4] (spare, reserve, victim, its host slot). Gate rows
+        never move."""
         from stage_worker.kernels.expert_moves import swap_usable
         from stage_worker.kernels.expert_moves_ref import claim_round_ref, write_back_ref
 
@@ -249,6 +250,10 @@ class StageExperts:
         return self._plans[1]
 
 
+# Spare device slots a table gets with `expert_move_async`: with one, a layer that moved could not claim again until
+# its victim's write-back was committed a round later (simulated on the benchmark's trace: 2.12 host reads a token
+# at batch 1 against 1.74 with two; three change nothing).
+SPARES = 2
 HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)
 # The CUDA VMM allocation granularity of current GPUs (H100/H200: 2 MiB; `vmm_range` asks the driver): a range's
 # device part is the hot rows' bytes rounded up to it, its host part the rest's. Used for the estimates made before
@@ -268,7 +273,7 @@ def vmm_round_up(model, cold: dict[int, list[int]] | None, granule: int = VMM_GR
     """VRAM the VMM ranges of `expert_vmm_table` take beyond the hot rows' bytes, for the memory plan (which counts
     the hot rows as weights): per layer with cold experts and part, its hot rows' bytes rounded up to the
     granularity (less than a granule each). `cold` None (`--cold-experts auto`, not chosen yet): a granule for every
-    MoE layer's every part, the worst case. `spare` (1 with `expert_move_async`): the device spare row counts with
+    MoE layer's every part, the worst case. `spare` (SPARES with `expert_move_async`): the device spare rows count with
     the hot rows. `model` may be on the meta device."""
     out = 0
     for layer, moe in model.moe_layers().items():
@@ -289,7 +294,7 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
     """Every layer's part as one VRAM + host range, under the host lock after checking MemAvailable for their host
     parts (the cold rows' bytes plus a granule each, an upper bound; a host-NUMA allocation is pinned, so taken
     before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables).
-    `spare` (0 or 1): a spare slot at the end of the device tier."""
+    `spare` (0 or SPARES): spare slots at the end of the device tier."""
     S = E + spare
     specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids) + spare)
              for layer, ids in mine.items() for name, t in _parts(layers[layer]).items()]
@@ -315,7 +320,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
-    tables. `spares` (`expert_move_async`): one more slot at the end of the device tier, the router reaching the
+    tables. `spares` (`expert_move_async`): SPARES more slots at the end of the device tier, the router reaching the
     live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on read."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
@@ -323,7 +328,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         return None
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
-    spare = int(spares)
+    spare = SPARES if spares else 0
     S = E + spare
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
@@ -363,7 +368,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         # router index (== expert id: the router rows stay in expert order) -> slot
         slot_map = torch.tensor([sorted(range(S), key=lambda s: (o[s] < 0, o[s]))[:E] for o in orders],
                                 dtype=torch.int32, device=device)
-        state = torch.tensor([[E - len(ids), -1, -1] for ids in mine.values()], dtype=torch.int64, device=device)
+        state = torch.tensor([[E - len(ids), E - len(ids) + 1, -1, -1] for ids in mine.values()], dtype=torch.int64,
+                             device=device)
         claim = torch.full((n,), -1, dtype=torch.int32, device=device)
         threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
         if any(layers[layer].fp8_block for layer in mine):

@@ -41,7 +41,7 @@ from shared.quant_scheme import plan_of
 from stage_worker.activation_peak import context_growth, has_indexer
 from stage_worker.checkpoint.loader import fp8_dense_specs, packed_dense_specs
 from stage_worker.checkpoint.packed_experts import dummy_groups, fp8_layers, packed_layers
-from stage_worker.expert_offload import vmm_round_up
+from stage_worker.expert_offload import SPARES, vmm_round_up
 from stage_worker.kernels.flags import KernelFlags
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.meta_build import on_meta
@@ -119,13 +119,14 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights -= host                            # cold experts live in pinned host RAM, not on the device
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         if cluster.expert_move_async and cluster.expert_moves and cluster.cold_experts:
-            # a spare device slot in every table (`--cold-experts auto`, not chosen yet: every MoE layer)
-            weights += sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
+            # the spare device slots of every table (`--cold-experts auto`, not chosen yet: every MoE layer)
+            weights += SPARES * sum(size for layer, size in sizes.items()
+                                    if cold.get(layer) or cluster.cold_experts == AUTO)
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
             weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold,
-                                    spare=int(cluster.expert_move_async and cluster.expert_moves))
+                                    spare=SPARES if cluster.expert_move_async and cluster.expert_moves else 0)
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0

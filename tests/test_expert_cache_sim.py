@@ -151,13 +151,13 @@ def test_the_claim_replay_is_the_servers_moves_on_read():
     for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0)):
         want = sim._replay_claim(ids, E, resident, sim.Policy("c", "swap", half_life=half_life, every=every,
                                                               margin=margin))
-        S = E + 1
-        orders = [[e for e in range(E) if e not in c] + [-1] + c for c in cold]
+        S = E + 2
+        orders = [[e for e in range(E) if e not in c] + [-1, -1] + c for c in cold]
         eos = torch.tensor(orders, dtype=torch.int32)
         smap = torch.tensor([[o.index(e) for e in range(E)] for o in orders], dtype=torch.int32)
         counts, moves = torch.zeros(L, S), torch.zeros(L, dtype=torch.int64)
-        hot = torch.full((L,), E - 4 + 1, dtype=torch.int64)
-        state = torch.tensor([[E - 4, -1, -1]] * L, dtype=torch.int64)
+        hot = torch.full((L,), E - 4 + 2, dtype=torch.int64)
+        state = torch.tensor([[E - 4, E - 3, -1, -1]] * L, dtype=torch.int64)
         claim, thr = torch.full((L,), -1, dtype=torch.int32), torch.full((L,), float("inf"))
         reads = torch.zeros(L, dtype=torch.int64)
         for t in range(T):

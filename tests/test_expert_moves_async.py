@@ -41,7 +41,7 @@ def test_write_back_kernel_matches_the_reference():
     the indexed form (`layers`) reads a stage-wide state row per layer."""
     g = torch.Generator().manual_seed(1)
     S, hots = 10, [4, 6, 3]
-    state = torch.tensor([[-1, 1, 7], [5, -1, -1], [-1, 0, 4]], dtype=torch.int64)
+    state = torch.tensor([[-1, -1, 1, 7], [5, 4, -1, -1], [2, -1, 0, 4]], dtype=torch.int64)
     for layers in (None, torch.tensor([2, 0], dtype=torch.int64)):
         rows = _rows(g, hots if layers is None else [hots[2], hots[0]], S)
         want = RowSet([t.clone() for t in rows.dev], [t.clone() for t in rows.host], rows.split)
@@ -55,15 +55,15 @@ def test_write_back_kernel_matches_the_reference():
 
 
 def _stage(E: int, hots_live: list[int]):
-    """A stage's claim state at load: per layer the live device experts, the spare, then the host experts."""
+    """A stage's claim state at load: per layer the live device experts, the two spares, then the host experts."""
     L = len(hots_live)
-    orders = [list(range(h)) + [-1] + list(range(h, E)) for h in hots_live]
+    orders = [list(range(h)) + [-1, -1] + list(range(h, E)) for h in hots_live]
     eos = torch.tensor(orders, dtype=torch.int32)
     smap = torch.tensor([[s for s, e in enumerate(o) if e >= 0] for o in orders], dtype=torch.int32)
-    return dict(counts=torch.zeros(L, E + 1), expert_of_slot=eos, slot_map=smap,
-                hot=torch.tensor([h + 1 for h in hots_live], dtype=torch.int64),
+    return dict(counts=torch.zeros(L, E + 2), expert_of_slot=eos, slot_map=smap,
+                hot=torch.tensor([h + 2 for h in hots_live], dtype=torch.int64),
                 moves=torch.zeros(L, dtype=torch.int64),
-                state=torch.tensor([[h, -1, -1] for h in hots_live], dtype=torch.int64),
+                state=torch.tensor([[h, h + 1, -1, -1] for h in hots_live], dtype=torch.int64),
                 claim=torch.full((L,), -1, dtype=torch.int32), threshold=torch.full((L,), float("inf")))
 
 
@@ -84,7 +84,7 @@ def test_claim_round_kernel_matches_the_reference_over_many_rounds():
         ker["counts"] += inc.to(DEV)
         for layer in range(len(live)):
             if ref["threshold"][layer] < float("inf") and torch.rand((), generator=g) < 0.6:
-                host = [s for s in range(int(ref["hot"][layer]), E + 1) if ref["expert_of_slot"][layer, s] >= 0]
+                host = [s for s in range(int(ref["hot"][layer]), E + 2) if ref["expert_of_slot"][layer, s] >= 0]
                 c = host[int(torch.randint(len(host), (), generator=g))]
                 ref["claim"][layer] = c
                 ker["claim"][layer] = c
@@ -144,7 +144,7 @@ def test_demo_model_with_moves_off_the_forward_serves_the_same_greedy_tokens(dem
     want, want_lp = greedy(plain, PROMPT, 12)
     model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, share), expert_move_async=True), cfg)
     x = model.experts
-    assert x.state is not None and all(t.num_slots == cfg.num_experts + 1 for t in x.tables.values())
+    assert x.state is not None and all(t.num_slots == cfg.num_experts + 2 for t in x.tables.values())
     got, lp = greedy(model, PROMPT, 12, move_every=1)
     assert got == want and (lp - want_lp).abs().max().item() < 1e-4
     assert x.moves.sum().item() > 0 and x.host_reads.sum().item() > 0
@@ -179,8 +179,8 @@ def test_int4_experts_with_moves_off_the_forward(tiny_checkpoint, tmp_path):
 
 
 def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
-    """With `expert_move_async` the plan's VRAM weights hold one more expert a table (its spare) and host RAM the
-    same as without, which is what the loader's tables hold."""
+    """With `expert_move_async` the plan's VRAM weights hold two more experts a table (its spares) and host RAM
+    the same as without, which is what the loader's tables hold."""
     import dataclasses
 
     from shared import cold_set
@@ -199,7 +199,7 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
     on = stage_needs(cfg, dataclasses.replace(base, expert_move_async=True))[0]
     model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True),
                        cfg)
-    spare = len(model.experts.tables) * cold_set.expert_bytes(cfg, "float32")
+    spare = 2 * len(model.experts.tables) * cold_set.expert_bytes(cfg, "float32")
     assert on.host_experts == off.host_experts == model.experts.host_bytes()
     assert on.weights == off.weights + spare and on.routed_experts == off.routed_experts
     assert model.experts.device_bytes() == off.routed_experts + spare

@@ -3,7 +3,8 @@ also store the rows they read of a claimed slot into a free device slot, so a ho
 own. Checked: the output keeps its bits; the spare slot ends up an exact copy of every part of the claimed host slot
 when a token selects it and keeps its bytes when none does, there is no claim (-1, also the shared expert's id) or no
 spare (-1); nothing else changes (the device tables sit between guard rows), at row ends that are not multiples of
-the blocks too; the PyTorch paths copy the same. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py turns it on): tiny shapes, few cases."""
+the blocks too; the PyTorch paths copy the same. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py turns it
+on): tiny shapes, few cases."""
 
 from __future__ import annotations
 

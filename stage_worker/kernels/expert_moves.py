@@ -92,14 +92,14 @@ if triton is not None:
     def _write_back_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, state_ptr, layers_ptr, N,
                            BLOCK: tl.constexpr, HAS_LAYERS: tl.constexpr):
         """`expert_move_async`'s write-back: layer program_id(0), if it has a pending victim (state row (spare,
-        victim, host slot), victim >= 0), copies the victim's row into the host slot, program_id(1) taking every
-        num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps run beside it.
+        reserve, victim, host slot), victim >= 0), copies the victim's row into the host slot, program_id(1)
+        taking every num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps run beside it.
         Addressing as `_swap_kernel`."""
         layer, row = _decision_row(layers_ptr, HAS_LAYERS)
-        victim = tl.load(state_ptr + row * 3 + 1)
+        victim = tl.load(state_ptr + row * 4 + 2)
         if victim >= 0:
             a = _slot_offset(victim, layer, split_ptr, dev_off_ptr, host_off_ptr, N)
-            b = _slot_offset(tl.load(state_ptr + row * 3 + 2), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+            b = _slot_offset(tl.load(state_ptr + row * 4 + 3), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
             for start in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < N
@@ -108,12 +108,13 @@ if triton is not None:
     @triton.jit
     def _claim_round_kernel(counts_ptr, eos_ptr, slot_map_ptr, hot_ptr, moves_ptr, state_ptr, claim_ptr, thr_ptr,
                             S, E, decay, margin, BLOCK_S: tl.constexpr):
-        """Layer program_id(0)'s round with moves on read, as `expert_moves_ref.claim_round_ref` on its row:
-        (1) a pending victim (its row now in host slot h) is routed there and its device slot becomes the spare;
-        (2) the counts decay; (3) a claimed host slot c (its rows stored into the spare during the step) is routed
-        to the spare, c's count and expert go with it, the move counted, and the least-used other live device slot
-        (ties: the lowest expert) becomes the pending victim, to be written back into c; (4) the threshold for the next step's claim: the
-        least live device count + margin while a spare is free and another live device slot exists, else +inf."""
+        """Layer program_id(0)'s round with moves on read, as `expert_moves_ref.claim_round_ref` on its row (state:
+        spare, reserve spare, victim, its host slot): (1) a pending victim (its row now in host slot h) is routed
+        there and its device slot becomes a free spare (the spare, or the reserve if the spare is free); (2) the
+        counts decay; (3) a claimed host slot c (its rows stored into the spare during the step) is routed to the
+        spare, c's count and expert go with it, the move counted, the least-used other live device slot (ties: the
+        lowest expert) becomes the pending victim, to be written back into c, and the reserve becomes the spare;
+        (4) the next step's threshold: the least live device count + margin while a spare is free, else +inf."""
         layer = tl.program_id(0)
         base = layer.to(tl.int64) * S
         offs = tl.arange(0, BLOCK_S)
@@ -121,9 +122,10 @@ if triton is not None:
         c = tl.load(counts_ptr + base + offs, mask=valid, other=0.0)
         eos = tl.load(eos_ptr + base + offs, mask=valid, other=-1)
         hot = tl.load(hot_ptr + layer)
-        spare = tl.load(state_ptr + layer * 3)
-        victim = tl.load(state_ptr + layer * 3 + 1)
-        dest = tl.load(state_ptr + layer * 3 + 2)
+        spare = tl.load(state_ptr + layer * 4)
+        reserve = tl.load(state_ptr + layer * 4 + 1)
+        victim = tl.load(state_ptr + layer * 4 + 2)
+        dest = tl.load(state_ptr + layer * 4 + 3)
         # (1) the victim's write-back is done (the forward's stream waited for it)
         fin = victim >= 0
         x = tl.sum(tl.where(offs == victim, eos, 0), axis=0)
@@ -131,7 +133,8 @@ if triton is not None:
         tl.store(slot_map_ptr + layer * E + x, dest.to(tl.int32), mask=fin)
         eos = tl.where(fin & (offs == dest), x, tl.where(fin & (offs == victim), -1, eos))
         c = tl.where(fin & (offs == dest), cv, tl.where(fin & (offs == victim), 0.0, c))
-        spare = tl.where(fin, victim, spare)
+        reserve = tl.where(fin & (spare >= 0), victim, reserve)
+        spare = tl.where(fin & (spare < 0), victim, spare)
         # (2)
         c = c * decay
         # (3)
@@ -152,16 +155,18 @@ if triton is not None:
         dest = tl.where(got, cl, -1)
         tl.store(moves_ptr + layer, tl.load(moves_ptr + layer) + got.to(tl.int64))
         tl.store(claim_ptr + layer, -1)
-        spare = tl.where(got, -1, spare)
+        spare = tl.where(got, reserve, spare)
+        reserve = tl.where(got, -1, reserve)
         # (4)
-        others = tl.sum(tl.where(live_dev & (offs != spare), 1, 0), axis=0)
-        thr = tl.where((spare >= 0) & (others > 0) & (hot < S), cmin + margin, float("inf"))
+        tmin = tl.min(tl.where(live_dev, c, float("inf")), axis=0)
+        thr = tl.where((spare >= 0) & (hot < S), tmin + margin, float("inf"))
         tl.store(thr_ptr + layer, thr)
         tl.store(counts_ptr + base + offs, c, mask=valid)
         tl.store(eos_ptr + base + offs, eos, mask=valid)
-        tl.store(state_ptr + layer * 3, spare)
-        tl.store(state_ptr + layer * 3 + 1, victim)
-        tl.store(state_ptr + layer * 3 + 2, dest)
+        tl.store(state_ptr + layer * 4, spare)
+        tl.store(state_ptr + layer * 4 + 1, reserve)
+        tl.store(state_ptr + layer * 4 + 2, victim)
+        tl.store(state_ptr + layer * 4 + 3, dest)
 
     @triton.jit
     def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
@@ -250,7 +255,8 @@ def claim_round(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: to
                 margin: float) -> None:
     """`expert_move_async`'s round for every layer in one launch (`_claim_round_kernel`): counts fp32 [L, S],
     expert_of_slot int32 [L, S], slot_map int32 [L, E], hot int64 [L] (device slots, the spare among them), moves
-    int64 [L], state int64 [L, 3] (spare, victim, host slot: -1 where none), claim int32 [L], threshold fp32 [L];
+    int64 [L], state int64 [L, 4] (spare, reserve spare, victim, its host slot: -1 where none), claim int32 [L],
+    threshold fp32 [L];
     all in place, contiguous, on one device; nothing read back."""
     L, S = counts.shape
     for t in (counts, expert_of_slot, slot_map, hot, moves, state, claim, threshold):
@@ -270,8 +276,8 @@ WRITE_BACK_PROGRAMS = 4
 
 def write_back(plan: SwapPlan, state: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None,
                programs: int = WRITE_BACK_PROGRAMS) -> None:
-    """`expert_move_async`: for every layer l with a pending victim (state [L, 3], `claim_round`), the victim
-    slot's row into the host slot state[l, 2], in one launch (`_write_back_kernel`); `layers` as `swap_rows`."""
+    """`expert_move_async`: for every layer l with a pending victim (state [L, 4], `claim_round`), the victim
+    slot's row into the host slot state[l, 3], in one launch (`_write_back_kernel`); `layers` as `swap_rows`."""
     n = plan.row_elems
     block = min(block, triton.next_power_of_2(n))
     _write_back_kernel[(plan.dev_off.numel(), max(1, min(programs, triton.cdiv(n, block))))](

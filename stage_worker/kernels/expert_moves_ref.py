@@ -54,12 +54,16 @@ def claim_round_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map
     S = counts.shape[1]
     for layer in range(counts.shape[0]):
         c, eos, smap = counts[layer], expert_of_slot[layer], slot_map[layer]
-        spare, victim, dest = state[layer].tolist()
+        spare, reserve, victim, dest = state[layer].tolist()
         if victim >= 0:                        # its write-back is done: route it to its host slot
             x = int(eos[victim])
             smap[x], eos[dest], c[dest] = dest, x, c[victim]
             eos[victim], c[victim] = -1, 0.0
-            spare, victim, dest = victim, -1, -1
+            if spare < 0:
+                spare = victim
+            else:
+                reserve = victim
+            victim, dest = -1, -1
         c.mul_(decay)
         n_hot = int(hot[layer])
         cl = int(claim[layer])
@@ -70,18 +74,17 @@ def claim_round_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map
             moves[layer] += 1
             live = [s for s in range(n_hot) if eos[s] >= 0 and s != spare]
             victim = min(live, key=lambda s: (float(c[s]), int(eos[s])))
-            dest, spare = cl, -1
+            dest, spare, reserve = cl, reserve, -1
         claim[layer] = -1
-        live = [s for s in range(n_hot) if eos[s] >= 0 and s != spare]
-        threshold[layer] = (min(float(c[s]) for s in live) + margin) if spare >= 0 and live and n_hot < S \
-            else float("inf")
-        state[layer] = torch.tensor([spare, victim, dest], dtype=state.dtype)
+        live = [float(c[s]) for s in range(n_hot) if eos[s] >= 0]
+        threshold[layer] = min(live) + margin if spare >= 0 and live and n_hot < S else float("inf")
+        state[layer] = torch.tensor([spare, reserve, victim, dest], dtype=state.dtype)
 
 
 @torch.no_grad()
 def write_back_ref(rows: RowSet, state: torch.Tensor) -> None:
-    """`expert_moves.write_back`: state [L, 3] (spare, victim, host slot); where a victim is pending, its row into
-    the host slot."""
-    for layer, (_, victim, dest) in enumerate(state.tolist()):
+    """`expert_moves.write_back`: state [L, 4] (spare, reserve, victim, host slot); where a victim is pending, its
+    row into the host slot."""
+    for layer, (_, _, victim, dest) in enumerate(state.tolist()):
         if victim >= 0:
             _row(rows, layer, dest).copy_(_row(rows, layer, victim))
