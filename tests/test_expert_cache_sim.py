@@ -87,6 +87,20 @@ def test_swap_moves_per_round_and_warm_up_tokens_are_not_counted():
     assert late == {"hit_rate": 1.0, "moves_per_token": 0.0}
 
 
+def _skewed_trace(seed: int, L: int, E: int, k: int, T: int):
+    """Selections [T, L, k] from skewed per-layer expert popularity, four random cold experts a layer, and the
+    resident mask they leave."""
+    rng = np.random.default_rng(seed)
+    weights = rng.dirichlet(np.full(E, 0.3), size=L)
+    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=weights[layer]) for layer in range(L)])
+                    for _ in range(T)])
+    cold = [sorted(rng.choice(E, 4, replace=False).tolist()) for _ in range(L)]
+    resident = np.ones((L, E), dtype=bool)
+    for layer, c in enumerate(cold):
+        resident[layer, c] = False
+    return ids, cold, resident
+
+
 def test_the_swap_replay_is_the_servers_move_round():
     """The simulation's `swap` policy (what `bench/expert_offload.py --simulate` and the policy defaults rest on)
     gives the host reads and moves the server's own round gives on the same selections: `expert_moves.decide` and
@@ -97,15 +111,8 @@ def test_the_swap_replay_is_the_servers_move_round():
     from stage_worker.kernels.expert_moves import decide
     from stage_worker.kernels.expert_moves_ref import settle_ref
 
-    rng = np.random.default_rng(3)
     L, E, k, T = 3, 16, 2, 600
-    weights = rng.dirichlet(np.full(E, 0.3), size=L)                  # skewed, per layer
-    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=weights[layer]) for layer in range(L)])
-                    for _ in range(T)])                               # [T, L, k] experts
-    cold = [sorted(rng.choice(E, 4, replace=False).tolist()) for _ in range(L)]
-    resident = np.ones((L, E), dtype=bool)
-    for layer, c in enumerate(cold):
-        resident[layer, c] = False
+    ids, cold, resident = _skewed_trace(3, L, E, k, T)
     for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0)):
         want = sim._replay_swap(ids, E, resident, sim.Policy("s", "swap", half_life=half_life, every=every,
                                                              margin=margin))
@@ -139,15 +146,8 @@ def test_the_claim_replay_is_the_servers_moves_on_read():
     from stage_worker.kernels.expert_moves_ref import claim_round_ref
     from stage_worker.kernels.moe_ref import RouteCounts, count_ref
 
-    rng = np.random.default_rng(4)
     L, E, k, T = 3, 16, 2, 600
-    weights = rng.dirichlet(np.full(E, 0.3), size=L)
-    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=weights[layer]) for layer in range(L)])
-                    for _ in range(T)])                               # [T, L, k] experts
-    cold = [sorted(rng.choice(E, 4, replace=False).tolist()) for _ in range(L)]
-    resident = np.ones((L, E), dtype=bool)
-    for layer, c in enumerate(cold):
-        resident[layer, c] = False
+    ids, cold, resident = _skewed_trace(4, L, E, k, T)
     for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0)):
         want = sim._replay_claim(ids, E, resident, sim.Policy("c", "swap", half_life=half_life, every=every,
                                                               margin=margin))
