@@ -231,3 +231,30 @@ def test_gpu_graphs_with_moves_off_the_forward_serve_the_same_greedy_tokens(tiny
         assert model.experts.moves.sum().item() > 0
         assert (model.experts._graph is not None) == move_graph
         fingerprints_hold(model, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_hundreds_of_graphed_rounds_move_on_read_and_change_no_token(tiny_checkpoint):
+    """300 graphed decode steps with a graphed round after each, half the experts in host RAM: the claims the
+    router kernel makes inside the decode graph and the rows the decode kernels store are the whole mechanism here
+    (no reference path runs), and the tokens stay the all-in-VRAM ones (moves on read change no bits: the router
+    ranks router indices, the kernels read the same bytes wherever they are), every row its expert's at the end."""
+    from stage_worker.kernels.flags import KernelFlags
+
+    cfg = load_config(tiny_checkpoint)
+    prompt = [3, 17, 99, 250, 4, 61]
+
+    def run(cold):
+        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", cold_experts=cold,
+                                                        expert_move_async=cold is not None), cfg)
+        model.set_kernels(KernelFlags.parse("all"))
+        return (model, *graphed_greedy(model, prompt, 300, cold is not None, move_graph=True))
+
+    plain, want, want_lp = run(None)
+    model, got, lp = run(random_cold(cfg, 0.5, seed=7))
+    torch.cuda.synchronize()
+    moves = int(model.experts.moves.sum())
+    assert got == want and max(abs(a - b) for a, b in zip(lp, want_lp)) < 1e-5, moves
+    assert moves > 50
+    fingerprints_hold(model, plain)
