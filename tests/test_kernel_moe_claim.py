@@ -1,10 +1,11 @@
-"""Store on claim (issue 16): the fused decode kernels, bf16 (`moe.fused_moe`) and INT4 (`moe_int4.fused_moe_int4`),
-also store the rows they read of a claimed slot into a free device slot, so a host expert moves with no copy of its
-own. Checked: the output keeps its bits; the spare slot ends up an exact copy of every part of the claimed host slot
-when a token selects it and keeps its bytes when none does, there is no claim (-1, also the shared expert's id) or no
-spare (-1); nothing else changes (the device tables sit between guard rows), at row ends that are not multiples of
-the blocks too; the PyTorch paths copy the same. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py turns it
-on): tiny shapes, few cases."""
+"""Store on claim (issue 16): the fused decode kernels, bf16 (`moe.fused_moe`), float8 (`moe.fused_moe_fp8`: bytes and
+block scales) and INT4 (`moe_int4.fused_moe_int4`), also store the rows they read of a claimed slot into a free
+device slot, so a host expert moves with no copy of its own. Checked: the output keeps its bits; the spare slot ends
+up an exact copy of every part of the claimed host slot when a token selects it and keeps its bytes when none does,
+there is no claim (-1, also the shared expert's id) or no spare (-1); nothing else changes (the device tables sit
+between guard rows), at row ends that are not multiples of the blocks too (float8: scales gathered a weight and one
+a row, ROW_SCALE); the PyTorch paths copy the same. Without CUDA under TRITON_INTERPRET=1 (tests/conftest.py turns
+it on): tiny shapes, few cases."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytest.importorskip("triton")
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_int4 as K4  # noqa: E402
 from stage_worker.kernels.moe_int4_ref import PackedExperts, pack_int4  # noqa: E402
-from stage_worker.kernels.moe_ref import HostRows  # noqa: E402
+from stage_worker.kernels.moe_ref import Fp8Experts, HostRows  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 E, HOT, SPARE = 8, 4, 2          # slots [0, HOT) on the device (SPARE free: no token selects it), the rest host rows
@@ -119,14 +120,84 @@ def test_bf16_pytorch_path_copies_the_claimed_slot(monkeypatch, kind):
     _check_tables({"w13": (dev13, host.w13), "w2": (dev2, host.w2)}, before, CLAIMS[kind], kind == "selected")
 
 
-def test_a_claim_on_float8_tables_is_refused():
-    """The FP8 mode of the same kernels stores no claim (its scales are a separate table): refused, not ignored."""
+def test_a_claim_on_one_byte_tables_is_refused_by_fused_moe():
+    """`fused_moe` has no scales to store: float8 tables claim through `fused_moe_fp8` (below); refused, not
+    ignored."""
     x = torch.randn(1, 32, device=DEV)
     ids = torch.tensor([[0]], dtype=torch.int32, device=DEV)
     w13, w2 = torch.zeros(2, 16, 32, dtype=torch.uint8, device=DEV), torch.zeros(2, 32, 8, dtype=torch.uint8,
                                                                                   device=DEV)
-    with pytest.raises(ValueError, match="claim"):
+    with pytest.raises(ValueError, match="fused_moe_fp8"):
         K.fused_moe(x, ids, torch.ones(1, 1, device=DEV), w13, w2, claim=_claim("none"))
+
+
+FP8_NAMES = ("q13", "s13", "q2", "s2")
+
+
+def _fp8_case(t: int, block: tuple[int, int], seed: int, dtype: torch.dtype = torch.float32):
+    """H 40, I 24: neither a multiple of the blocks (edge blocks cut, gate's and up's blocks apart). Float8 bytes of
+    small normal values and positive scales (no NaN bytes: a NaN output would hide a changed bit less well)."""
+    H, I = 40, 24
+    br, bc = block
+    g = torch.Generator().manual_seed(seed)
+    q13 = (torch.randn(E, 2 * I, H, generator=g) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+    q2 = (torch.randn(E, H, I, generator=g) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+    s13 = torch.rand(E, 2, -(-I // br), -(-H // bc), generator=g) / H + 1e-3
+    s2 = torch.rand(E, -(-H // br), -(-I // bc), generator=g) / I + 1e-3
+    parts = [p.to(DEV) for p in (q13, s13, q2, s2)]
+    dev = Fp8Experts(*(_guarded(p[:HOT], seed + 2 * i) for i, p in enumerate(parts)), block)
+    host = Fp8Experts(*(_host(p[HOT:]) for p in parts), block)
+    x = torch.randn(t, H, generator=g).to(DEV, dtype)
+    ids = torch.tensor(IDS[t], dtype=torch.int32, device=DEV)
+    w = torch.rand(t, ids.shape[1], generator=g).to(DEV)
+    return x, ids, w, dev, host
+
+
+@pytest.mark.parametrize("t,kind,block,small", [
+    (1, "selected", (16, 16), False),    # a gathered scale per weight in both launches
+    (3, "selected", (16, 64), False),    # ROW_SCALE in both (one column block a tile)
+    (3, "selected", (16, 16), True),     # ROW_SCALE over several column blocks and steps, rows cut
+    (1, "selected", (8, 24), True),      # up gathered with blocks across tiles, down ROW_SCALE with BC > BLOCK_I
+    (1, "none", (16, 16), True),
+    (3, "unselected", (16, 64), False),
+    (1, "no spare", (16, 16), False)])
+def test_fp8_kernels_store_the_claimed_slot_bytes_and_scales(monkeypatch, t, kind, block, small):
+    if small:
+        monkeypatch.setattr(K, "UP_CFG", {b: (8, 16, 1) for b in (1, 4, 16)})     # 24 rows: 3 blocks; 40: 16, 16, 8
+        monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})   # 40 rows: 16, 16, 8; 24: 3 x 8
+    x, ids, w, dev, host = _fp8_case(t, block, seed=50 + t + 10 * small + block[1],
+                                     dtype=torch.bfloat16 if t == 3 else torch.float32)
+    before = {n: getattr(dev, n)._base.clone() for n in FP8_NAMES}
+    want = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT)
+    out = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in FP8_NAMES}, before, CLAIMS[kind],
+                  kind == "selected")
+
+
+@pytest.mark.parametrize("kind", ["selected", "unselected", "no spare"])
+def test_fp8_pytorch_path_copies_the_claimed_slot(monkeypatch, kind):
+    """Past DECODE_MAX_TK (and without Triton) `grouped_moe_fp8` runs: the claim is copied there with torch ops."""
+    monkeypatch.setattr(K, "DECODE_MAX_TK", 0)
+    x, ids, w, dev, host = _fp8_case(3, (16, 16), seed=60)
+    before = {n: getattr(dev, n)._base.clone() for n in FP8_NAMES}
+    want = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT)
+    out = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in FP8_NAMES}, before, CLAIMS[kind],
+                  kind == "selected")
+
+
+def test_fp8_claims_the_kernels_could_not_store_in_place_are_refused():
+    """The kernels store the scales into the float32 contiguous table they read; other scales (converted for the
+    launch) would lose the store: refused, as is a claim off the table's device or of more than one slot."""
+    x, ids, w, dev, host = _fp8_case(1, (16, 16), seed=70)
+    bf = Fp8Experts(dev.q13, dev.s13.to(torch.bfloat16), dev.q2, dev.s2, dev.block)
+    with pytest.raises(ValueError, match="in place"):
+        K.fused_moe_fp8(x, ids, w, bf, claim=_claim("selected"))
+    two = (torch.tensor([6, 6], dtype=torch.int32, device=DEV), _claim("selected")[1])
+    with pytest.raises(ValueError, match="claim"):
+        K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=two)
 
 
 def _int4_case(t: int, scale_dtype: torch.dtype, seed: int):

@@ -26,8 +26,9 @@ order (`stage_worker.model.expert_table`), so it selects slots and nothing else 
 router kernel also counts each slot's selections and the selections of host slots (run-time moves and /metrics),
 inside the CUDA graph, with no host read-back. Float8 experts (`fused_moe_fp8`) take host slots the same way: a host
 slot's float8 rows and its block scales both come from the host table (`expert_rows` picks the scales' base too).
-Store on claim (`fused_moe`'s `claim`, the kernels' CLAIM): the rows the decode kernels read of one claimed slot
-are also stored into a free device slot, so a host expert moves to the device with no PCIe copy of its own.
+Store on claim (`fused_moe`'s and `fused_moe_fp8`'s `claim`, the kernels' CLAIM): the rows the decode kernels read
+of one claimed slot (float8: its bytes and block scales) are also stored into a free device slot, so a host expert
+moves to the device with no PCIe copy of its own.
 """
 
 from __future__ import annotations
@@ -188,10 +189,11 @@ if triton is not None:
         shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
         block's scale in registers (scale_ptr: float32 [E, 2, NB_R, NB_C], blocks BR x BC, gate's then up's; a
         host slot's scales at hscale_ptr, by the rows' FIRST_HOST rule); no shared slot then. ROW_SCALE (BC a multiple of BLOCK_H: a tile's columns lie in one column block):
-        one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight. CLAIM (not with FP8):
-        if e is the claimed slot claim_ptr[0] (>= 0), the rows loaded are also stored, as loaded, at the same
-        places of device slot spare_ptr[0]: the grid's programs together copy the whole w13 row block."""
-        tl.static_assert(not (CLAIM and FP8), "claims copy bf16/fp16/fp32 rows only")
+        one scale a row, a [BLOCK_I] load a step, instead of a gathered scale per weight. CLAIM: if e is the
+        claimed slot claim_ptr[0] (>= 0), the rows loaded are also stored, as loaded, at the same places of device
+        slot spare_ptr[0]: the grid's programs together copy the whole w13 row block. FP8: the raw bytes, and the
+        scales loaded into scale_ptr's row spare (every block of gate and up is loaded by some program, with
+        ROW_SCALE too: the h loop meets every column block)."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -207,6 +209,8 @@ if triton is not None:
             spare = tl.load(spare_ptr)
             hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim (also the shared expert's id), no spare
             spare_gate = w13_ptr + spare * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
+            if FP8:
+                spare_sb = scale_ptr + spare * (2 * NB_R * NB_C)
         acc_g = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)    # 2-D: FMAs in the loop, one reduction at the end
         acc_u = tl.zeros([BLOCK_I, BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -216,18 +220,27 @@ if triton is not None:
             m = mask_i[:, None] & mask_h[None, :]
             if FP8:
                 sb = expert_rows(e, scale_ptr, scale_ptr, hscale_ptr, 2 * NB_R * NB_C, FIRST_HOST)
-                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
-                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+                wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0)
+                wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0)
                 if ROW_SCALE:
                     sidx = (offs_i // BR) * NB_C + h0 // BC
-                    sg = tl.load(sb + sidx, mask=mask_i, other=0.0)[:, None]
-                    su = tl.load(sb + NB_R * NB_C + sidx, mask=mask_i, other=0.0)[:, None]
+                    sm = mask_i
                 else:
                     sidx = (offs_i // BR)[:, None] * NB_C + (offs_h // BC)[None, :]
-                    sg = tl.load(sb + sidx, mask=m, other=0.0)
-                    su = tl.load(sb + NB_R * NB_C + sidx, mask=m, other=0.0)
-                wg = wg.to(tl.float32) * sg
-                wu = wu.to(tl.float32) * su
+                    sm = m
+                sg = tl.load(sb + sidx, mask=sm, other=0.0)
+                su = tl.load(sb + NB_R * NB_C + sidx, mask=sm, other=0.0)
+                if CLAIM:
+                    if hit:         # the bytes before their bitcast, the scales as loaded
+                        tl.store(spare_gate + offs_h[None, :], wg, mask=m)
+                        tl.store(spare_gate + I * stride_wr + offs_h[None, :], wu, mask=m)
+                        tl.store(spare_sb + sidx, sg, mask=sm)
+                        tl.store(spare_sb + NB_R * NB_C + sidx, su, mask=sm)
+                if ROW_SCALE:
+                    sg = sg[:, None]
+                    su = su[:, None]
+                wg = wg.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sg
+                wu = wu.to(tl.float8e4nv, bitcast=True).to(tl.float32) * su
             else:
                 wg = tl.load(gate_rows + offs_h[None, :], mask=m, other=0.0)
                 wu = tl.load(up_rows + offs_h[None, :], mask=m, other=0.0)
@@ -253,10 +266,10 @@ if triton is not None:
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
         in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (a host slot's at hscale_ptr; ROW_SCALE: BC a multiple of BLOCK_I), and the router
         weights rounded to the output's dtype first (as the CPU path uses them). ADD: + add_ptr's row (the shared
-        expert's output, rows of stride_ot) before the one rounding to the output dtype. CLAIM (not with FP8): as
-        in `_moe_up_kernel`, the claimed slot's rows h-block (all I columns) also stored into device slot
-        spare_ptr[0]: the programs of a token together copy the whole w2."""
-        tl.static_assert(not (CLAIM and FP8), "claims copy bf16/fp16/fp32 rows only")
+        expert's output, rows of stride_ot) before the one rounding to the output dtype. CLAIM: as in
+        `_moe_up_kernel`, the claimed slot's rows h-block (all I columns) also stored into device slot
+        spare_ptr[0] (FP8: the raw bytes and the scales loaded, into scale_ptr's row spare): the programs of a
+        token together copy the whole w2 and all its scale blocks."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -265,6 +278,8 @@ if triton is not None:
             spare = tl.load(spare_ptr)
             claimed = (c >= 0) & (spare >= 0)           # -1: no claim (also the shared expert's id), no spare
             spare_rows = w2_ptr + spare * stride_we + offs_h[:, None].to(tl.int64) * stride_wh
+            if FP8:
+                spare_sb = scale_ptr + spare * (NB_R * NB_C)
         acc = tl.zeros([BLOCK_H, BLOCK_I], tl.float32)       # 2-D: FMAs in the loops, one reduction at the end
         for j in range(TOP_K):
             tj = t * TOP_K + j
@@ -285,14 +300,20 @@ if triton is not None:
                     a = tl.load(act_ptr + tj * I + offs_i, mask=mask_i, other=0.0)
                     m = mask_h[:, None] & mask_i[None, :]
                     if FP8:
-                        w = tl.load(rows + offs_i[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True)
+                        w = tl.load(rows + offs_i[None, :], mask=m, other=0)
                         if ROW_SCALE:
                             sidx = (offs_h // BR) * NB_C + i0 // BC
-                            sc = tl.load(sb + sidx, mask=mask_h, other=0.0)[:, None]
+                            sm = mask_h
                         else:
                             sidx = (offs_h // BR)[:, None] * NB_C + (offs_i // BC)[None, :]
-                            sc = tl.load(sb + sidx, mask=m, other=0.0)
-                        w = w.to(tl.float32) * sc
+                            sm = m
+                        sc = tl.load(sb + sidx, mask=sm, other=0.0)
+                        if CLAIM:       # predicates as below: the bytes before their bitcast, the scales
+                            tl.store(spare_rows + offs_i[None, :], w, mask=m & hit)
+                            tl.store(spare_sb + sidx, sc, mask=sm & hit)
+                        if ROW_SCALE:
+                            sc = sc[:, None]
+                        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
                     else:
                         w = tl.load(rows + offs_i[None, :], mask=m, other=0.0)
                         if CLAIM:       # a predicate, not a branch: one in this loop stops its unrolling
@@ -403,7 +424,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     With `claim` = (claimed slot int32 [1], spare int64 [1]), both on the device: if some id is the claimed slot
     (>= 0; -1: none), its w13 and w2 rows end up copied, bit for bit, into device slot spare (a free one) as well:
     the kernels store the rows they read anyway (a move with no PCIe copy of its own), the other paths copy them
-    (`copy_claimed`). The output does not change. bf16/fp16/fp32 tables only.
+    (`copy_claimed`). The output does not change. bf16/fp16/fp32 tables only (float8 ones: `fused_moe_fp8`).
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -423,7 +444,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if claim is not None and (not w13.is_floating_point() or w13.element_size() == 1 or
                               any(c.numel() != 1 or c.device != w13.device for c in claim)):
         raise ValueError(f"a claim needs one slot and one spare on the table's device and a bf16/fp16/fp32 table "
-                         f"(float8 experts take none), not {w13.dtype}")
+                         f"(float8 experts claim through fused_moe_fp8), not {w13.dtype}")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
         if claim is not None:
             copy_claimed(claim, ids, E, [(w13, None if host is None else host.w13),
@@ -524,7 +545,8 @@ def grouped_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
 
 def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Fp8Experts,
                   add: torch.Tensor | None = None, host: Fp8Experts | None = None,
-                  first_host: int | None = None) -> torch.Tensor:
+                  first_host: int | None = None,
+                  claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots only; SKIP for padding rows), float8 experts -> [T, H] in x.dtype
     (+ `add`, e.g. the shared expert's output); = fused_moe_fp8_ref.
 
@@ -534,7 +556,10 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     rounded to x.dtype first, as the CPU path uses them (in the down launch; `add` too is added there, before the
     output's one rounding). `host`: an expert table's slots from `first_host` (= the device slots' count) on, the
     same parts in (pinned) host memory: the kernels read a host slot's bytes and scales over UVA in the same
-    launches (`expert_rows`), the loop copies them once a call."""
+    launches (`expert_rows`), the loop copies them once a call. `claim`: as in `fused_moe` (moves on read), the
+    claimed slot's q13, s13, q2 and s2 rows all end up in device slot spare: the kernels store the bytes and the
+    block scales they load (the device scales must then be float32 and contiguous: stored in place), the loop
+    copies them (`copy_claimed`)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = experts.q13.shape
@@ -553,13 +578,20 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         raise ValueError(f"host slots q13 {tuple(host.q13.shape)} s13 {tuple(host.s13.shape)} from slot {first_host} "
                          f"do not continue the device slots q13 {tuple(experts.q13.shape)} s13 "
                          f"{tuple(experts.s13.shape)} as contiguous rows of one layout")
+    if claim is not None and any(c.numel() != 1 or c.device != experts.q13.device for c in claim):
+        raise ValueError("a claim is one slot and one spare on the table's device")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
+        if claim is not None:
+            copy_claimed(claim, ids, E, [(getattr(experts, n), None if host is None else getattr(host, n))
+                                         for n in ("q13", "s13", "q2", "s2")])
         out = grouped_moe_fp8(x, ids, weights.to(x.dtype), experts, host, first_host)
         return out if add is None else out + add
     q13, q2 = experts.q13, experts.q2
     s13, s2 = experts.s13.float().contiguous(), experts.s2.float().contiguous()
     if q13.stride(-1) != 1 or q2.stride(-1) != 1:
         raise ValueError("q13 and q2 need a contiguous last dimension")
+    if claim is not None and (s13 is not experts.s13 or s2 is not experts.s2):
+        raise ValueError(f"a claim stores the scales in place: float32 contiguous s13/s2, not {experts.s13.dtype}")
     h = experts if host is None else host      # the host table's pointers (unused without host slots)
     hs13, hs2, first = (s13, s2, E) if host is None else (host.s13, host.s2, first_host)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -568,17 +600,20 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
     if add is not None and (add.shape != (T, H) or add.stride() != out.stride()):
         raise ValueError(f"add {tuple(add.shape)} / {add.stride()} must be [T, H] like the output")
     x, ids, weights, act = decode_operands(x, ids, weights, I)
+    claim_ptr, spare_ptr = (None, None) if claim is None else claim
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, h.q13, act, x.stride(0), q13.stride(0),
                                                q13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
                                                scale_ptr=s13, hscale_ptr=hs13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
-                                               FP8=True, ROW_SCALE=bc % bh == 0, num_warps=up_warps)
+                                               FP8=True, ROW_SCALE=bc % bh == 0, claim_ptr=claim_ptr,
+                                               spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, h.q2, out, q2.stride(0), q2.stride(1),
                                              out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              scale_ptr=s2, hscale_ptr=hs2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
                                              FP8=True, ROW_SCALE=bc % bi == 0, add_ptr=add, ADD=add is not None,
+                                             claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
                                              num_warps=down_warps)
     return out
