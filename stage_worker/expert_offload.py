@@ -372,9 +372,6 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
                              device=device)
         claim = torch.full((n,), -1, dtype=torch.int32, device=device)
         threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
-        if any(layers[layer].fp8_block for layer in mine):
-            log.warning("expert_move_async: float8 experts are not moved (their decode kernels do not store a "
-                        "claimed row)")
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
@@ -383,7 +380,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
             fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
-            claim=None if claim is None or moe.fp8_block else claim[i:i + 1],
+            claim=None if claim is None else claim[i:i + 1],
             threshold=None if threshold is None else threshold[i:i + 1],
             spare=None if state is None else state[i, :1])
         moe.use_table(table)

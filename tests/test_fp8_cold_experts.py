@@ -33,8 +33,9 @@ STEPS = 8
 BLOCK = (128, 128)
 
 
-def _load(qdir, cold=None, fp8: bool = True):
-    return load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=fp8, cold_experts=cold))
+def _load(qdir, cold=None, fp8: bool = True, on_read: bool = False):
+    return load_model(qdir, LoadOptions(dtype=torch.float32, packed_fp8_experts=fp8, cold_experts=cold,
+                                        expert_move_async=on_read))
 
 
 def _run(model, move_every: int = 0) -> tuple[list[int], torch.Tensor]:
@@ -99,6 +100,23 @@ def test_many_forced_moves_keep_every_fp8_slot_its_own_expert(family):
     assert random_move_rounds(model, 1000) >= 500
     fingerprints_hold(model, plain)
     assert greedy(model, PROMPT, STEPS, move_every=2)[0] == want
+
+
+def test_fp8_moves_on_read_keep_the_tokens_and_every_slot_its_expert(family):
+    """Moves on read (`expert_move_async`) over float8 tables: the step that reads a claimed host slot copies its
+    bytes and block scales into a spare (the CPU path's `copy_claimed`), the round commits it and writes the victim
+    back; greedy tokens and logits as all in VRAM with a round every step, then 300 random rounds, rows and router
+    rows their experts'."""
+    qdir, cfg, plain, (want, want_logits), _ = family
+    model = _load(qdir, random_cold(cfg, 0.5, seed=5), on_read=True)
+    x = model.experts
+    assert x.state is not None and all(t.fp8 and t.claim is not None for t in x.tables.values())
+    got, logits = _run(model, move_every=1)
+    assert got == want and (logits - want_logits).abs().max().item() < 1e-5
+    assert x.moves.sum().item() > 0
+    fingerprints_hold(model, plain)
+    assert random_move_rounds(model, 300) > 0
+    fingerprints_hold(model, plain)
 
 
 def test_swap_kernel_moves_fp8_rows_as_the_reference(fp8_dirs, monkeypatch):
@@ -209,7 +227,8 @@ def test_the_memory_plan_counts_fp8_host_slots_at_their_size(family, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_tables_with_graphs_and_moves_serve_the_all_in_vram_tokens(fp8_dirs):
     """The fast path on a GPU: the FP8 decode pair reading half of every layer's float8 experts (bytes and block
-    scales) from the registered host allocation, inside CUDA graphs, moves between replays, a prompt long enough for
+    scales) from the registered host allocation, inside CUDA graphs, moves between replays (in place, and on read
+    with graphed rounds), a prompt long enough for
     the table's prefill loop (100 tokens x top-3 > the decode kernels' 256): the greedy tokens of the all-in-VRAM
     float8 model, every slot still its expert's."""
     from expert_tables import graphed_greedy
@@ -219,15 +238,16 @@ def test_gpu_fp8_tables_with_graphs_and_moves_serve_the_all_in_vram_tokens(fp8_d
     cfg = load_config(qdir)
     prompt = [(7 * i + 3) % 300 + 10 for i in range(100)]
 
-    def run(cold, moves: bool):
-        model = load_model(qdir, LoadOptions(device="cuda", packed_fp8_experts=True, cold_experts=cold))
+    def run(cold, moves: bool, on_read: bool = False):
+        model = load_model(qdir, LoadOptions(device="cuda", packed_fp8_experts=True, cold_experts=cold,
+                                             expert_move_async=on_read))
         model.set_kernels(KernelFlags.parse("all"))
-        return (model, *graphed_greedy(model, prompt, 16, moves))
+        return (model, *graphed_greedy(model, prompt, 16, moves, move_graph=on_read))
 
     plain, want, want_lp = run(None, False)
     assert all(m.fp8_block and m.table is None for m in plain.moe_layers().values())
-    for moves in (False, True):
-        model, got, lp = run(random_cold(cfg, 0.5, seed=3), moves)
+    for moves, on_read in ((False, False), (True, False), (True, True)):      # in place, then on read
+        model, got, lp = run(random_cold(cfg, 0.5, seed=3), moves, on_read)
         x = model.experts
         assert x.host.pinned and all(t.fp8 for t in x.tables.values())
         assert got == want, moves

@@ -278,7 +278,7 @@ class SparseMoE(nn.Module):
             if t is None:
                 return fused_moe_fp8(x2, ids, weights, self.packed(), add=add)
             dev, host = t.fp8_experts()
-            return fused_moe_fp8(x2, ids, weights, dev, add=add, host=host, first_host=t.hot)
+            return fused_moe_fp8(x2, ids, weights, dev, add=add, host=host, first_host=t.hot, claim=t.claimed())
         from stage_worker.kernels.moe_int4 import fused_moe_int4
 
         if t is None:
