@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shared.cluster_config import env_overrides  # noqa: E402
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
+from shared.ple_files import ProceduralTable  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, build_empty  # noqa: E402
 from stage_worker.checkpoint.make_model import QWEN3_NEXT_80B, preset_config  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random  # noqa: E402
+from stage_worker.checkpoint.random_init import fill_random  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 from stage_worker.model.meta_build import on_meta  # noqa: E402
 from stage_worker.model.quant_linear import dummy_specs  # noqa: E402

@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.tokenizer import Tokenizer  # noqa: E402
 from shared.cli import ensure_builtin_model  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.quantize import quantize_checkpoint  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402

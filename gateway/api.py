@@ -41,9 +41,9 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              MAX_CHOICES, ModelCard, ModelList, ResponsesRequest, SEED_MAX, ToolCall, TopLogprob,
                              Usage)
 from gateway.stop import StopMatcher
-from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from shared.sampling import SamplingParams
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["create_app", "DEFAULT_MAX_BODY_BYTES"]
 

@@ -209,7 +209,7 @@ class GrammarCompiler:
         vocab_size: int | None = None,
         **kwargs: Any,
     ) -> GrammarCompiler:
-        """From the gateway's `gateway.tokenizer.Tokenizer` (its tokenizers backend, EOS ids and vocabulary by
+        """From `shared.tokenizer.Tokenizer` (its tokenizers backend, EOS ids and vocabulary by
         default). Pass the model's vocab_size when its embedding is wider than the tokenizer."""
         backend = tok if isinstance(tok, _Backend) else getattr(tok, "_backend", None)
         if not isinstance(backend, _Backend):

@@ -16,12 +16,12 @@ from gateway.access_log import AccessLogMiddleware, configure_logger
 from gateway.cluster_executor import ClusterExecutor
 from gateway.engine import AsyncEngine
 from gateway.metrics import Metrics
-from gateway.tokenizer import Tokenizer
 from shared.cluster_config import ClusterConfigError, load_cluster_config
 from shared.engine_core import EngineCore, SchedulerLimits
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import die_with_parent, restart_count
 from shared.sampling import read_generation_config
+from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("moepipe.gateway")
 

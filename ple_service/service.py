@@ -28,10 +28,10 @@ import torch
 from shared.cluster_config import ClusterConfig
 from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import initial_context, ngram_rows_numpy, ngram_rows_numpy_batch
+from shared.ple_ring import GatherRing
 from shared.ple_table import FlatTable
 from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
 from ple_service.prefetch import Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool, make_advisors
-from ple_service.ring import GatherRing
 from ple_service.tables import open_tables, ple_specs
 
 log = logging.getLogger(__name__)

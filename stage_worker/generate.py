@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.engine_core import GenerationRequest
 from shared.model_config import load_config
 from shared.sampling import SamplingParams, read_generation_config
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from stage_worker.inprocess_executor import local_engine_core
 
 

@@ -34,7 +34,7 @@ log = logging.getLogger("moepipe.stage")
 
 
 def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
-    from ple_service.ring import GatherRing
+    from shared.ple_ring import GatherRing
 
     deadline = time.time() + timeout
     while not Path(cluster.ple_ring).exists():

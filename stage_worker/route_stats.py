@@ -100,7 +100,7 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
                 chunk: int = 512, batch: int = 8, device: str = "cpu", log=print) -> dict:
     """Count each MoE layer's selections over every kind's text (files joined by EOS, at most `tokens_per_kind`
     tokens a kind); writes and returns route_usage.json."""
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.kernels.flags import KernelFlags
 

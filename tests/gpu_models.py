@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from shared.model_config import config_from_dict
+from shared.ple_files import ProceduralTable
 from stage_worker.checkpoint.loader import LoadOptions, build_empty
 from stage_worker.checkpoint.make_model import preset_config
-from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+from stage_worker.checkpoint.random_init import fill_random
 
 
 def random_gpu_model(preset: str = "tiny", dtype: torch.dtype = torch.float32, raw: dict | None = None,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import small_cluster
-from gateway.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer
 
 BODIES = json.loads((Path(__file__).parent / "data" / "agent_requests.json").read_text())
 

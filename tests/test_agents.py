@@ -17,7 +17,7 @@ import pytest
 from openai import BadRequestError
 
 from conftest import AsyncOpenAI, OpenAI, small_cluster, thinking_cluster
-from gateway.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer
 
 S = {"type": "string", "maxLength": 6}
 I = {"type": "integer", "minimum": 0, "maximum": 999}

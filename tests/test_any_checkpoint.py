@@ -13,11 +13,11 @@ import torch
 
 from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
-from gateway.tokenizer import Tokenizer
 from hf_oracle import ROPE, build_from_config, reference_logits
 from shared.cluster_config import split_layers
 from shared.kv_layout import derived_block_size
 from shared.model_config import load_config
+from shared.tokenizer import Tokenizer
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.local_engine import LocalEngine
 

@@ -20,7 +20,7 @@ from gateway.api import create_app
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from gateway.engine import AsyncEngine
 from gateway.metrics import Metrics
-from gateway.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer
 from shared.sampling import SamplingParams, read_generation_config
 from stage_worker.checkpoint.loader import load_model
 from shared.engine_core import EngineCore

@@ -19,8 +19,8 @@ from openai import APIError
 
 from conftest import AsyncOpenAI, OpenAI, free_port, wait_healthy
 from gateway.launcher import Cluster, ServeOptions
-from gateway.tokenizer import Tokenizer
 from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
 from stage_worker.checkpoint.loader import LoadOptions, load_model
 from stage_worker.generate import generate
 from stage_worker.local_engine import LocalEngine

@@ -73,7 +73,7 @@ LONG_PROMPT_TOKENS = 25_000       # qwen-code's first request is about this long
 def test_a_25k_token_system_prompt_is_answered(default_server):
     """A coding agent's first request fits the built-in model's context and is answered (the KV pool is sized for
     a full context by default). About 30 s on the 2-core CI machine (sparse QSA prefill; 76 s with the dense one)."""
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     url = default_server[0]
     tok = Tokenizer.from_dir(BUNDLED)

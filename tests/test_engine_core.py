@@ -23,10 +23,10 @@ from gateway.api import create_app
 from gateway.engine import AsyncEngine
 from gateway.launcher import Cluster, ServeOptions
 from gateway.metrics import Metrics
-from gateway.tokenizer import Tokenizer
 from shared.block_manager import BlockManager, OutOfBlocks
 from shared.engine_core import EngineCore, GenerationRequest
 from shared.sampling import SamplingParams, read_generation_config
+from shared.tokenizer import Tokenizer
 from stage_worker.inprocess_executor import local_engine_core
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 21, 40, 9)]     # token ids; up to 40 tokens: several 16-token blocks

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.ple_files import ProceduralTable
 from stage_worker.checkpoint.loader import LoadOptions
-from stage_worker.checkpoint.random_init import ProceduralTable
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.local_engine import LocalEngine
 

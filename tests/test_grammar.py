@@ -18,7 +18,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from gateway.grammar import GrammarCompiler, GrammarError, GrammarState, mask_to_bool, mask_words  # noqa: E402
-from gateway.tokenizer import Tokenizer  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
 
 # The tiny model's embedding has exactly as many rows as its tokenizer has ids; pretend it has more (as real
 # checkpoints often do, padded to a multiple of 64/128) so the tests see ids the tokenizer lacks.

@@ -20,11 +20,11 @@ import zmq
 
 from ple_service.main import ple_stages
 from ple_service.prefetch import Advisor, page_ranges
-from ple_service.ring import GatherRing, RingError
 from ple_service.service import PleService
 from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, dump_toml
 from shared.model_config import load_config
 from shared.ngram_hash import NgramHashSpec, initial_context, ngram_rows_numpy
+from shared.ple_ring import GatherRing, RingError
 from shared.protocol import (
     Heartbeat, Plan, PleReady, Sampled, SamplingSpec, SeqEntry, StageError, TokenOut, decode, encode,
 )

@@ -172,9 +172,9 @@ def test_dummy_ple_file_holds_the_procedural_rows(tiny_checkpoint, tmp_path):
 
     from ple_service.tables import open_tables
     from shared.model_config import load_config
+    from shared.ple_files import ProceduralTable
     from shared.ple_table import FlatTable
     from stage_worker.checkpoint.loader import LoadOptions, load_model
-    from stage_worker.checkpoint.random_init import ProceduralTable
 
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_checkpoint, model_dir)
@@ -201,11 +201,11 @@ def test_dummy_ple_file_holds_the_procedural_rows(tiny_checkpoint, tmp_path):
 def test_dummy_ple_file_past_the_procedural_period(tmp_path, monkeypatch):
     """Rows past the procedural block's period (where the file is written as copies of the block) and a table
     written in several shards hold the procedural values too."""
-    from stage_worker.checkpoint import random_init
-    from stage_worker.checkpoint.random_init import ProceduralTable, dummy_ple_table
+    from shared import ple_files
+    from shared.ple_files import ProceduralTable, dummy_ple_table
 
     rows = ProceduralTable.PERIOD * 2 + 77
-    monkeypatch.setattr(random_init, "_FILE_SHARD_BYTES", 100_000)   # several shards, edges inside a period
+    monkeypatch.setattr(ple_files, "_FILE_SHARD_BYTES", 100_000)   # several shards, edges inside a period
     flat = dummy_ple_table(rows, 3, torch.float32, 2, 0, tmp_path)
     every = torch.arange(rows)
     assert torch.equal(flat.gather(every), ProceduralTable(rows, 3, torch.float32, 2).gather(every))

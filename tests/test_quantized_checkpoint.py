@@ -391,7 +391,8 @@ def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoin
     gives them std-0.02 weights as it gives float ones, and the DeltaNet in-projections fuse into one packed
     weight."""
     from stage_worker.checkpoint.loader import build_empty
-    from stage_worker.checkpoint.random_init import ProceduralTable, fill_random
+    from shared.ple_files import ProceduralTable
+    from stage_worker.checkpoint.random_init import fill_random
     from stage_worker.kernels.quant_gemv_ref import PackedWeight
     from stage_worker.model.quant_linear import PackedLinear, dummy_specs, plain_linear_sites
 

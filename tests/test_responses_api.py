@@ -373,7 +373,7 @@ def _stub_client(tiny_checkpoint, engine):
 
     from gateway.api import create_app
     from gateway.metrics import Metrics
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
     from shared.sampling import read_generation_config
 
     app = create_app(engine, Tokenizer.from_dir(tiny_checkpoint), model_name="moepipe",

@@ -64,7 +64,7 @@ def test_cli_writes_trace_and_usage(traced, corpus):
         assert (np.diff(np.sort(ids[kind], axis=-1), axis=-1) > 0).all()
     # tokens are the kind's documents in corpus order, joined by EOS
     from build_corpus import iter_documents
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(meta["model"])
     first = next(text for kind, _, text, _ in iter_documents(corpus) if kind == "prose")

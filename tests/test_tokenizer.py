@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from stage_worker.checkpoint.tokenizer_files import (
     ADDED_TOKENS,
     CHAT_TEMPLATE,

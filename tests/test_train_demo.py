@@ -105,7 +105,7 @@ def test_chat_data_from_the_corpus_renders_answers_and_parseable_tool_calls(corp
     import chat_data
     from build_corpus import iter_documents
     from gateway.output_parser import OutputParser
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ROOT / "shared" / "demo_model")
     convs = list(chat_data.conversations(iter_documents(corpus)))
@@ -251,7 +251,7 @@ def test_agent_examples_render_as_the_gateway_does_and_train_only_the_reply():
     sys.path.insert(0, str(ROOT / "tools"))
     import agent_data
     from gateway.output_parser import OutputParser
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ROOT / "shared" / "demo_model")
     src = agent_data.sources([("docs", "usr/share/man/man1/ls.1.gz", MAN_LS, False),

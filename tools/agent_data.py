@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from build_corpus import iter_documents
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(args.model)
     src = sources(iter_documents(Path(args.corpus)))

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from build_corpus import iter_documents
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(args.model)
     counts = {"train": 0, "heldout": 0, "tool_calls": 0}

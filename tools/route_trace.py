@@ -183,7 +183,7 @@ def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_pe
         chunk: int = 512, batch: int = 8, device: str = "cpu", split: str = "all", kernels: str | None = None,
         command: list[str] | None = None, log=print) -> dict:
     """Trace every kind, write DIR/route_trace.npz and DIR/route_usage.json; returns the route_usage.json dict."""
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.kernels.flags import KernelFlags
 

@@ -91,7 +91,7 @@ def build_tokenizer(out: Path, docs, vocab_size: int, max_len: int):
                         left -= len(text.encode("utf-8"))
                         yield text
         write_tokenizer_files(tok_dir, vocab_size=vocab_size, model_max_length=max_len, texts=texts())
-    from gateway.tokenizer import Tokenizer
+    from shared.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tok_dir), tok_dir
 

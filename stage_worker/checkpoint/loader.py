@@ -7,8 +7,6 @@ start-up took 27 minutes until a closure stopped holding a second copy).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 from collections import defaultdict
@@ -18,15 +16,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise
 from shared.kv_layout import compute_dtype
-from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, load_config
+from shared.model_config import HybridMoeConfig, load_config
 from shared.ngram_hash import NgramHashSpec
-from shared.ple_table import ensure_table, shard_row_counts
+from shared.ple_files import Shards, dummy_layer_table, open_ple_table, ple_shard
 from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
-from stage_worker.checkpoint.names import PLE_BUFFER, PLE_SHARD, Piece, hf_name, normalise, pieces_for
+from stage_worker.checkpoint.names import PLE_BUFFER, Piece, hf_name, pieces_for
 from stage_worker.checkpoint.packed_experts import PackedPlacer, fp8_layers, packed_layers
-from stage_worker.checkpoint.random_init import dummy_ple_table, fill_random
+from stage_worker.checkpoint.random_init import fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.checkpoint.dense_placers import Fp8DensePlacer, PackedDensePlacer
 from stage_worker.model.fp8_linear import fp8_sites, fp8_specs, use_fp8_dense
@@ -40,10 +39,6 @@ from stage_worker.model.rope import Rotary
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config; the message names the tensor and its file."""
 
 
 @dataclass
@@ -69,21 +64,6 @@ class LoadOptions:
     dummy_dense: bool = False                 # "dummy" format: plain-linear layers packed as the reports' release
     #                                            (quant_linear.dummy_specs), random words (benchmarks)
     dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists {missing[0].name}, which is not in {model_dir}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files (and no model.safetensors.index.json)")
-    return files
 
 
 def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dtype:
@@ -163,10 +143,7 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
         for layer, ple in _ple_modules(model):
-            spec: NgramHashSpec = ple.spec
-            # the table's storage dtype, as the PLE service builds it, whatever the compute dtype
-            ple.table = dummy_ple_table(spec.padded_rows, cfg.ple_head_dim, opts.dtype or DTYPES[cfg.dtype],
-                                        opts.seed + layer, layer, dummy_ple_dir(model_dir, opts))
+            ple.table = dummy_layer_table(cfg, layer, ple.spec, opts.dtype, opts.seed, dummy_ple_dir(model_dir, opts))
     elif opts.load_format == "safetensors":
         _load_tensors(model, cfg, model_dir, opts)
     else:
@@ -192,7 +169,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     known = set(pieces_for(cfg, {n: p.shape for n, p in full.named_parameters()}))
     del full
     seen: dict[str, Path] = {}
-    ple_shards: dict[int, dict[int, tuple[Path, str]]] = defaultdict(dict)
+    ple_shards: dict[int, Shards] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
     quant = _Dequantizer(plan_of(model_dir), pieces)
@@ -232,12 +209,10 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                         _place(params[piece.local], piece, tensor, raw_name, path)
                     del tensor
                     continue
-                m = PLE_SHARD.match(name)
-                if m:
-                    layer = int(m.group(1))
-                    if layer in ple_layers:
-                        ple_shards[layer][int(m.group(2) or -1)] = (path, raw_name, tuple(f.get_slice(raw_name)
-                                                                                             .get_shape()))
+                shard = ple_shard(name)
+                if shard:
+                    if shard[0] in ple_layers:
+                        ple_shards[shard[0]][shard[1]] = (path, raw_name, tuple(f.get_slice(raw_name).get_shape()))
                     continue
                 m = PLE_BUFFER.match(name)
                 if m:
@@ -260,7 +235,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     fp8_dense.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
-        ple.table = _open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts)
+        ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts.ple_dir)
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -415,61 +390,6 @@ def _check_hash_buffer(spec: NgramHashSpec, kind: str, tensor: torch.Tensor, nam
     if [int(x) for x in tensor.tolist()] != [int(x) for x in expected]:
         raise CheckpointError(f"tensor {name!r} in {path} disagrees with the n-gram hash derived from config.json "
                               f"(seed, vocab_size, ngram_vocab_size_base): {tensor.tolist()} != {list(expected)}")
-
-
-def _open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec,
-                    shards: dict[int, tuple[Path, str, tuple]], model_dir: Path, opts: LoadOptions):
-    prefix = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding"
-    if not shards:
-        raise CheckpointError(f"missing tensor(s) in {model_dir}: {prefix}.shard_0.weight "
-                              f"... (the PLE table of layer {layer})")
-    if -1 in shards:
-        order = [shards[-1]]
-    else:
-        order = [shards.get(k) for k in range(cfg.split_ngram_parts)]
-        if None in order:
-            k = order.index(None)
-            raise CheckpointError(f"missing tensor {prefix}.shard_{k}.weight in {model_dir} "
-                                  f"(split_ngram_parts={cfg.split_ngram_parts})")
-        extra = sorted(k for k in shards if k >= cfg.split_ngram_parts)
-        if extra:
-            raise CheckpointError(f"unexpected tensor {prefix}.shard_{extra[0]}.weight in {shards[extra[0]][0]}: "
-                                  f"config.json says split_ngram_parts={cfg.split_ngram_parts}")
-
-    expected_rows = shard_row_counts(spec.padded_rows, len(order))
-    for k, (path, name, shape) in enumerate(order):
-        want = (expected_rows[k], cfg.ple_head_dim)
-        if shape != want:
-            raise CheckpointError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(want)}")
-
-    def read(k: int) -> torch.Tensor:
-        path, name, _ = order[k]
-        with safe_open(path, framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
-
-    with safe_open(order[0][0], framework="pt", device="cpu") as f:
-        dtype = f.get_slice(order[0][1]).get_dtype()
-    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
-    out_dir = Path(opts.ple_dir) if opts.ple_dir else model_dir
-    # The expansion's name carries a fingerprint of its source shards, so a checkpoint rewritten in place is
-    # expanded again rather than served from a stale table.
-    out = out_dir / f"ple_table.layer{layer}.{_fingerprint(order)}.bin"
-    for stale in out_dir.glob(f"ple_table.layer{layer}.*.bin*"):
-        if not stale.name.startswith(out.name):
-            stale.unlink(missing_ok=True)
-    try:
-        return ensure_table(read, len(order), out, rows=spec.padded_rows, dim=cfg.ple_head_dim, dtype=dtype,
-                            desc=f"expanding PLE table of layer {layer}")
-    except ValueError as exc:
-        raise CheckpointError(f"PLE table of layer {layer} in {model_dir}: {exc}") from exc
-
-
-def _fingerprint(order: list[tuple[Path, str, tuple]]) -> str:
-    h = hashlib.blake2b(digest_size=6)
-    for path, name, shape in order:
-        st = path.stat()
-        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{name}:{shape};".encode())
-    return h.hexdigest()
 
 
 def dummy_ple_dir(model_dir: Path, opts: LoadOptions) -> Path | None:

@@ -3,7 +3,9 @@
 The map is derived from the model itself (its parameter names and shapes), so the loader, the random-checkpoint
 writer and the missing-tensor check can never disagree. On-disk names are `transformers`' (`model.layers.N....`;
 released multimodal checkpoints add `model.language_model.`): experts per expert (`mlp.experts.E.gate_proj.weight`),
-Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`, the PLE table in `split_ngram_parts` shards.
+Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba`. Mapping those prefixes away (`normalise`,
+`shared/checkpoint_files.py`) and the PLE table's `split_ngram_parts` shards (`shared/ple_files.py`) live in `shared`,
+because the PLE service reads them too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from shared.model_config import HybridMoeConfig, Qwen3NextConfig
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
-PLE_SHARD = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 PLE_BUFFER = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.(layer_multipliers|ngram_heads_vocab_sizes|"
                         r"ngram_heads_offsets)$")
 EXPERT = re.compile(r"^(.*\.mlp)\.(w13|w2)$")
@@ -32,15 +33,6 @@ class Piece:
     shape: tuple[int, ...]                    # shape of the on-disk tensor
     index: tuple = ()                          # where in the local parameter it lands
     transform: Transform | None = None         # on-disk tensor -> the values at `index`
-
-
-def normalise(name: str) -> str:
-    """Map released-checkpoint prefixes onto the plain causal-LM layout."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    if name.startswith("language_model."):
-        return "model." + name[len("language_model."):]
-    return name
 
 
 def hf_name(local: str) -> str:

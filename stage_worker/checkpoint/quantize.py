@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stage_worker.checkpoint.loader import checkpoint_files
+from shared.checkpoint_files import checkpoint_files
 
 EXPERTS = (r"mlp\.experts\.\d+\.(gate|up)_proj", r"mlp\.experts\.\d+\.down_proj")
 DENSE = (r"self_attn\.(q|k|v|o)_proj", r"self_attn\.indexer\.index_qk_proj", r"linear_attn\.in_proj_\w+",

@@ -1,4 +1,5 @@
-"""The gateway's tokenizer: a checkpoint's `tokenizer.json` and chat template, without transformers.
+"""A checkpoint's tokenizer: its `tokenizer.json` and chat template, without transformers. In `shared` because the
+gateway and the stage worker's commands (`generate`, `route-stats`) both tokenize, and services import only `shared`.
 
 The gateway needs four things from a Hugging Face checkpoint directory: encode prompts, render chat templates the way
 `transformers` does (same Jinja environment, so a checkpoint's template gives the same prompt here as there), know the

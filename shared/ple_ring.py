@@ -7,6 +7,9 @@ mapping as pinned memory, so the host-to-device copy of a slot is a plain DMA.
 
 File layout: a 4096-byte header (magic, then a JSON description), then the slots back to back. The service writes the
 file under a temporary name and renames it into place, so a reader never sees a half-written header.
+
+It lives in `shared` because the file's layout is the contract between two services: the PLE service creates the
+ring (`create`), a PLE stage maps it (`open`, `pin`), and neither service imports the other.
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""A checkpoint directory's safetensors files, its on-disk tensor names, and the error that names them.
+
+In `shared` because two services read the same checkpoint: a stage's loader (`stage_worker/checkpoint/loader.py`)
+streams its tensors, and the PLE service scans its headers for the PLE tables (`shared/ple_files.py`). Both must list
+the same files, read the same names and raise the same `CheckpointError` (callers catch it, or a ValueError).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["CheckpointError", "checkpoint_files", "normalise"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensor and its file."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files, sorted: those the index lists (one missing is an error, not a silently smaller model),
+    else every `*.safetensors` in the directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists {missing[0].name}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (and no model.safetensors.index.json)")
+    return files
+
+
+def normalise(name: str) -> str:
+    """Map released-checkpoint prefixes onto the plain causal-LM layout."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model."):
+        return "model." + name[len("language_model."):]
+    return name
