@@ -47,7 +47,7 @@ def random_move_rounds(model, rounds: int, seed: int = 9) -> int:
                 if t.claim is not None and float(t.threshold) < float("inf") and \
                         torch.rand((), generator=g) < 0.5:
                     t.claim.fill_(host[int(torch.randint(len(host), (), generator=g))])
-                    t.copy_claimed()
+                    t.copy_claimed(t.claim.view(1, 1))          # as a step that selected it
         x.move_round(router, decay=0.8, margin=0.5)
     return int(x.moves.sum().item())
 

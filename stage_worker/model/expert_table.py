@@ -156,16 +156,13 @@ class ExpertTable:
         return None if self.claim is None else (self.claim, self.spare)
 
     @torch.no_grad()
-    def copy_claimed(self) -> None:
-        """The store of moves on read where no decode kernel runs (the CPU paths): the claimed host slot's rows into
-        the spare device slot, if a slot is claimed (one read-back)."""
-        if self.claim is None:
-            return
-        slot = int(self.claim)
-        if slot >= 0:
-            spare = int(self.spare)
-            for kind in self.parts:
-                self.dev[kind][spare].copy_(self.slot_part(slot, kind))
+    def copy_claimed(self, ids: torch.Tensor) -> None:
+        """The store of moves on read where no decode kernel runs (the CPU paths): the claimed host slot's rows, if
+        ids [T, k] (slots) select it, into the spare device slot (`kernels.moe.copy_claimed`, one read-back)."""
+        if self.claim is not None:
+            from stage_worker.kernels.moe import copy_claimed
+
+            copy_claimed((self.claim, self.spare), ids, self.hot, [(self.dev[k], self.host[k]) for k in self.parts])
 
     def full_shape(self, kind: str) -> tuple[int, ...]:
         return (self.num_experts, *self.dev[kind].shape[1:])

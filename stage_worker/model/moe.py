@@ -167,7 +167,7 @@ class SparseMoE(nn.Module):
             counts = t.route_counts(ids.shape[0], self.top_k)
             if counts is not None:
                 count_ref(ids, counts)
-                t.copy_claimed()
+                t.copy_claimed(ids)
             by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
             slot_of = t.slot_of_expert()
         out = torch.zeros_like(x)
@@ -211,7 +211,7 @@ class SparseMoE(nn.Module):
             elif t is None or triton_usable(x2):
                 out = self._routed_decode(x2, ids, weights)
             else:
-                t.copy_claimed()                                         # the router's reference path claimed
+                t.copy_claimed(ids)                                         # the router's reference path claimed
                 out = self._packed_prefill(x2, ids, weights, False)      # the table's per-expert loop
         else:
             decode = False
@@ -220,7 +220,7 @@ class SparseMoE(nn.Module):
                 ids = t.slots_of(ids)
             if counts is not None:
                 count_ref(ids, counts)
-                t.copy_claimed()
+                t.copy_claimed(ids)
             out = self._packed_prefill(x2, ids, weights, self.kernels.moe_int4_prefill and self.interpret_on_cpu)
         self.last_expert_ids = ids
         shared = self._packed_shared() if self.kernels.moe and x.is_cuda and decode else None
