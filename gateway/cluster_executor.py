@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -19,6 +20,10 @@ from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authenti
 from shared.protocol import Heartbeat, Message, Plan, ProtocolError, StageError, StepResult, decode, encode
 
 log = logging.getLogger("moepipe.gateway")
+
+# moepipe_stage_busy_fraction covers the last this many seconds of heartbeats: one heartbeat interval (0.5 s) was
+# mostly noise for a Prometheus scrape every 15 s, and read 0 right after a burst of work had ended
+BUSY_WINDOW_S = 10.0
 
 
 @dataclass
@@ -34,7 +39,7 @@ class ClusterExecutor:
         self.components = [stage_name(i) for i in range(cluster.num_stages)] + (["ple"] if expect_ple else [])
         self.state = {c: ComponentState() for c in self.components}
         self.metrics = None
-        self._busy_marks: dict[str, tuple[float, float]] = {}
+        self._busy_marks: dict[str, deque[tuple[float, float]]] = {}   # (time, busy seconds) per heartbeat
         self._restarted: set[str] = set()     # components heard from with a new pid: their steps in flight are lost
         self._ctx: zmq.Context | None = None
 
@@ -121,10 +126,14 @@ class ClusterExecutor:
             self.metrics.set_restarts(msg.component, msg.stats["restarts"])
         if msg.component.startswith("stage"):
             busy = msg.stats.get("busy_seconds", 0.0)
-            prev = self._busy_marks.get(msg.component)
-            if prev is not None and now > prev[0]:
-                self.metrics.set_stage_busy(int(msg.component[5:]), (busy - prev[1]) / (now - prev[0]))
-            self._busy_marks[msg.component] = (now, busy)
+            marks = self._busy_marks.setdefault(msg.component, deque())
+            if marks and busy < marks[-1][1]:
+                marks.clear()                 # the stage restarted: its busy seconds count from zero again
+            while len(marks) > 1 and marks[1][0] <= now - BUSY_WINDOW_S:
+                marks.popleft()
+            if marks and now > marks[0][0]:
+                self.metrics.set_stage_busy(int(msg.component[5:]), (busy - marks[0][1]) / (now - marks[0][0]))
+            marks.append((now, busy))
             if "ple_wait_seconds" in msg.stats:
                 self.metrics.set_ple_totals(msg.component, stage_wait_seconds=msg.stats["ple_wait_seconds"],
                                             stage_decode_wait_seconds=msg.stats.get("ple_decode_wait_seconds"),

@@ -389,12 +389,13 @@ class StageRunner:
                 hidden = act.hidden.to(self.device) if act is not None else None
             timing = list(act.timing) if act is not None else []
             wait_seq = None
-            if self.ring is not None and self._rows_in_graph(prepared):
+            in_graph = self.ring is not None and self._rows_in_graph(prepared)
+            if in_graph or (self.ring is not None and self._gathers_own_rows(prepared)):
                 self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
-                wait_seq = self._expect_rows(plan, prepared)
-            elif self.ring is not None and self._gathers_own_rows(prepared):
-                self.ple.pop(plan.step, None)  # the service's rows for this step, if they came first: not needed
-                batch.ple_rows.update(self.own_decode_rows(batch.slots, prepared.host_ids))
+                if in_graph:
+                    wait_seq = self._expect_rows(plan, prepared)
+                else:
+                    batch.ple_rows.update(self.own_decode_rows(batch.slots, prepared.host_ids))
             elif self.ring is not None:
                 ready = self.ple.pop(plan.step)
                 now = time.perf_counter()

@@ -149,6 +149,11 @@ def test_concurrent_requests_get_their_solo_tokens_and_stages_overlap(cluster, t
     assert [r.choices[0].text for r in results] == solo
     # Both stages computed at the same time (different micro-batches): the pipeline overlapped.
     assert _metric(cluster.url, "moepipe_stage_overlap_seconds") > before
+    # the stages' busy time reaches the gateway with their next heartbeat (every 0.5 s) and stays in the fraction's
+    # 10 s window
+    deadline = time.monotonic() + 3.0
+    while _metric(cluster.url, "moepipe_stage_busy_fraction") == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _metric(cluster.url, "moepipe_stage_busy_fraction") > 0
     # Activations' time between the stages is measured for prefill chunks and for decode steps.
     for kind in ("prefill", "decode"):
