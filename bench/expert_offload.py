@@ -239,8 +239,8 @@ def greedy_check(model, moves: bool, steps: int = 24) -> dict:
 def _switch(key: str) -> bool:
     """A server switch as the environment sets it for this run (MOEPIPE_...; else the config's default), so the
     benchmark's rounds are the server's: `expert_move_fused` (0: the eager round of ~32 launches),
-    `expert_move_graph` (0: the fused round's launches one by one), `expert_move_async` (1: spare slots, copies on a
-    side stream; a round's columns then time only its forward-stream part, the commit and the decision),
+    `expert_move_graph` (0: the fused round's launches one by one), `expert_move_async` (1: moves on read, unless
+    --move-modes says; a round's columns then time only its forward-stream part, the one-launch round),
     `expert_vmm_table` (1: each table part one VRAM + host range)."""
     return bool(env_overrides().get(key, getattr(ClusterConfig, key)))
 
@@ -254,16 +254,16 @@ def _round_cols(r: dict) -> str:
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
-        freeze: bool = False) -> list[dict]:
+        freeze: bool = False, on_read: bool = False) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
-    moves' launches took the difference)."""
+    moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
     fused, graphed = _switch("expert_move_fused"), _switch("expert_move_graph")
-    spares = policy is not None and _switch("expert_move_async")     # moves off the forward's stream
+    spares = policy is not None and on_read
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm, expert_move_async=spares), cfg)
@@ -426,6 +426,9 @@ def main() -> int:
     ap.add_argument("--freeze-moves", action="store_true",
                     help="moves only during the warm-up: the timed steps read the placement the moves reached, "
                          "with no rounds (what moves off the forward's stream could give at best)")
+    ap.add_argument("--move-modes", default="", metavar="inplace,onread",
+                    help="each policy's rows with moves in place and / or on read (expert_move_async), one process "
+                         "(default: the server's switch, MOEPIPE_EXPERT_MOVE_ASYNC)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -440,6 +443,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.simulate:
         return _simulate_main(args)
+    wanted = [m for m in args.move_modes.split(",") if m]
+    if set(wanted) - {"inplace", "onread"}:
+        raise SystemExit(f"--move-modes takes inplace and / or onread, not {args.move_modes!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench/expert_offload.py needs a CUDA device")
     raw = preset(args.preset)
@@ -456,17 +462,21 @@ def main() -> int:
     results = []
     batches = [int(b) for b in args.batch.split(",")]
     policies = _policies(args.policies)
+    # in place (False) and / or on read (True): both in one process share its all-in-VRAM rows and its GPU state
+    modes = [m == "onread" for m in wanted] or [_switch("expert_move_async")]
     print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
           f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17}")
     base: dict[int, float] = {}
     for row, share in enumerate(float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
-        for policy in ([None] + policies if cold else [None]):
+        for policy, on_read in ([(None, False)] + [(p, m) for p in policies for m in modes] if cold else
+                                [(None, False)]):
             moves = policy is not None
             name = f"row{row}_share{share:g}_{'moves' + ':'.join(f'{v:g}' for v in policy) if moves else 'nomoves'}"
+            name += "_onread" if on_read else ""
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
-                         freeze=args.freeze_moves and moves):
+                         freeze=args.freeze_moves and moves, on_read=on_read):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                 r["vs_all_in_vram"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
@@ -486,8 +496,11 @@ def main() -> int:
         r["greedy_first_difference"] = None if r["greedy_equal"] else same
         r["greedy_max_logprob_diff"] = max((abs(a - b) for a, b in zip(g["logprobs"][:same + 1],
                                                                        ref["logprobs"][:same + 1])), default=0.0)
+    def mode(r: dict) -> str:
+        return ("on read" if r["expert_move_async"] else "on") if r["moves_on"] else "off"
+
     print("greedy tokens vs all in VRAM (real router, moves after every token when on): " + "; ".join(
-        f"{100 * r['host_share']:.0f}% moves {'on' if r['moves_on'] else 'off'}: "
+        f"{100 * r['host_share']:.0f}% moves {mode(r)}: "
         f"{'same' if r['greedy_equal'] else 'first differs at token ' + str(r['greedy_first_difference'])} "
         f"(max |dlogprob| up to there {r['greedy_max_logprob_diff']:.2g}"
         f"{', ' + str(r['greedy'].get('moves')) + ' moves' if r['moves_on'] else ''})"
