@@ -153,6 +153,17 @@ def _fp8_case(t: int, block: tuple[int, int], seed: int, dtype: torch.dtype = to
     return x, ids, w, dev, host
 
 
+def _claim_keeps_output_and_copies(moe, x, ids, w, dev, host, names, kind: str) -> None:
+    """`moe` (`fused_moe_fp8` or `fused_moe_int4`, tables of parts `names`): the output with the claim equals it
+    without, bit for bit; the tables as `_check_tables` wants them."""
+    before = {n: getattr(dev, n)._base.clone() for n in names}
+    want = moe(x, ids, w, dev, host=host, first_host=HOT)
+    out = moe(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
+    assert torch.equal(_bits(out), _bits(want))
+    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in names}, before, CLAIMS[kind],
+                  kind == "selected")
+
+
 @pytest.mark.parametrize("t,kind,block,small", [
     (1, "selected", (16, 16), False),    # a gathered scale per weight in both launches
     (3, "selected", (16, 64), False),    # ROW_SCALE in both (one column block a tile)
@@ -167,12 +178,7 @@ def test_fp8_kernels_store_the_claimed_slot_bytes_and_scales(monkeypatch, t, kin
         monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})   # 40 rows: 16, 16, 8; 24: 3 x 8
     x, ids, w, dev, host = _fp8_case(t, block, seed=50 + t + 10 * small + block[1],
                                      dtype=torch.bfloat16 if t == 3 else torch.float32)
-    before = {n: getattr(dev, n)._base.clone() for n in FP8_NAMES}
-    want = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT)
-    out = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
-    assert torch.equal(_bits(out), _bits(want))
-    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in FP8_NAMES}, before, CLAIMS[kind],
-                  kind == "selected")
+    _claim_keeps_output_and_copies(K.fused_moe_fp8, x, ids, w, dev, host, FP8_NAMES, kind)
 
 
 @pytest.mark.parametrize("kind", ["selected", "unselected", "no spare"])
@@ -180,12 +186,7 @@ def test_fp8_pytorch_path_copies_the_claimed_slot(monkeypatch, kind):
     """Past DECODE_MAX_TK (and without Triton) `grouped_moe_fp8` runs: the claim is copied there with torch ops."""
     monkeypatch.setattr(K, "DECODE_MAX_TK", 0)
     x, ids, w, dev, host = _fp8_case(3, (16, 16), seed=60)
-    before = {n: getattr(dev, n)._base.clone() for n in FP8_NAMES}
-    want = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT)
-    out = K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
-    assert torch.equal(_bits(out), _bits(want))
-    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in FP8_NAMES}, before, CLAIMS[kind],
-                  kind == "selected")
+    _claim_keeps_output_and_copies(K.fused_moe_fp8, x, ids, w, dev, host, FP8_NAMES, kind)
 
 
 def test_fp8_claims_the_kernels_could_not_store_in_place_are_refused():
@@ -229,12 +230,7 @@ def test_int4_kernels_store_the_claimed_slot(monkeypatch, t, kind, small, prefet
         monkeypatch.setattr(K4, "DOWN_CFG", {b: (64, 8, 1) for b in (1, 4, 16)})    # 96 rows: 64, 32
         monkeypatch.setattr(K4, "PREFETCH", {b: prefetch for b in (1, 4, 16)})
     x, ids, w, dev, host, names = _int4_case(t, scale_dtype, seed=20 + t + 10 * small)
-    before = {n: getattr(dev, n)._base.clone() for n in names}
-    want = K4.fused_moe_int4(x, ids, w, dev, host=host, first_host=HOT)
-    out = K4.fused_moe_int4(x, ids, w, dev, host=host, first_host=HOT, claim=_claim(kind))
-    assert torch.equal(_bits(out), _bits(want))
-    _check_tables({n: (getattr(dev, n), getattr(host, n)) for n in names}, before, CLAIMS[kind],
-                  kind == "selected")
+    _claim_keeps_output_and_copies(K4.fused_moe_int4, x, ids, w, dev, host, names, kind)
 
 
 def test_int4_pytorch_path_copies_the_claim_then_refuses_host_rows(monkeypatch):
