@@ -441,10 +441,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if shared is not None and (tuple(shared.w13.shape) != (2 * I, H) or tuple(shared.w2.shape) != (H, I)):
         raise ValueError(f"shared expert w13 {tuple(shared.w13.shape)} / w2 {tuple(shared.w2.shape)} do not match "
                          f"the routed experts' [{2 * I}, {H}] / [{H}, {I}]")
-    if claim is not None and (not w13.is_floating_point() or w13.element_size() == 1 or
-                              any(c.numel() != 1 or c.device != w13.device for c in claim)):
-        raise ValueError(f"a claim needs one slot and one spare on the table's device and a bf16/fp16/fp32 table "
-                         f"(float8 experts claim through fused_moe_fp8), not {w13.dtype}")
+    check_claim(claim, w13.device)
+    if claim is not None and (not w13.is_floating_point() or w13.element_size() == 1):
+        raise ValueError(f"a claim needs a bf16/fp16/fp32 table (float8 experts claim through fused_moe_fp8), "
+                         f"not {w13.dtype}")
     if T * k > DECODE_MAX_TK or not triton_usable(x):
         if claim is not None:
             copy_claimed(claim, ids, E, [(w13, None if host is None else host.w13),
@@ -474,6 +474,18 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
                                              claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
                                              num_warps=down_warps)
     return out
+
+
+def check_claim(claim: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> None:
+    """The decode launches' `claim`: one claimed slot and one spare, both on the table's device."""
+    if claim is not None and any(c.numel() != 1 or c.device != device for c in claim):
+        raise ValueError("a claim is one slot and one spare on the table's device")
+
+
+def part_pairs(experts, host) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(device part, host part or None) of packed experts (INT4 `PackedExperts`, float8 `Fp8Experts`: q13, s13, q2,
+    s2), as `copy_claimed` takes them."""
+    return [(getattr(experts, n), None if host is None else getattr(host, n)) for n in ("q13", "s13", "q2", "s2")]
 
 
 def copy_claimed(claim: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, first: int,
@@ -578,12 +590,10 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         raise ValueError(f"host slots q13 {tuple(host.q13.shape)} s13 {tuple(host.s13.shape)} from slot {first_host} "
                          f"do not continue the device slots q13 {tuple(experts.q13.shape)} s13 "
                          f"{tuple(experts.s13.shape)} as contiguous rows of one layout")
-    if claim is not None and any(c.numel() != 1 or c.device != experts.q13.device for c in claim):
-        raise ValueError("a claim is one slot and one spare on the table's device")
+    check_claim(claim, experts.q13.device)
     if T * k > DECODE_MAX_TK or not triton_usable(x):
         if claim is not None:
-            copy_claimed(claim, ids, E, [(getattr(experts, n), None if host is None else getattr(host, n))
-                                         for n in ("q13", "s13", "q2", "s2")])
+            copy_claimed(claim, ids, E, part_pairs(experts, host))
         out = grouped_moe_fp8(x, ids, weights.to(x.dtype), experts, host, first_host)
         return out if add is None else out + add
     q13, q2 = experts.q13, experts.q2

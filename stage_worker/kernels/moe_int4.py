@@ -27,7 +27,7 @@ import torch
 
 from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.common import pdl_usable, triton_usable
-from stage_worker.kernels.moe import SKIP, _bucket, copy_claimed, expert_rows, triton
+from stage_worker.kernels.moe import SKIP, _bucket, check_claim, copy_claimed, expert_rows, part_pairs, triton
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:
@@ -302,13 +302,10 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     if H_ != H or H % 8 or I % 8 or g % 8 or g2 % 8 or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} experts (E, H, I) {(E, H_, I)} "
                          f"group {g} (H, I and the group must be multiples of 8)")
-    if claim is not None and any(c.numel() != 1 or c.device != experts.q13.device for c in claim):
-        raise ValueError("a claim is one slot and one spare on the table's device")
+    check_claim(claim, experts.q13.device)
     if not triton_usable(x) or T * k > DECODE_MAX_TK:
         if claim is not None:
-            copy_claimed(claim, ids, E if host is None else first_host,
-                         [(getattr(experts, n), None if host is None else getattr(host, n))
-                          for n in ("q13", "s13", "q2", "s2")])
+            copy_claimed(claim, ids, E if host is None else first_host, part_pairs(experts, host))
         if host is not None:
             raise ValueError("host rows of INT4 experts need the kernel path")
         out = grouped_moe_int4(x, ids, weights, experts)
