@@ -250,9 +250,10 @@ class StageExperts:
         return self._plans[1]
 
 
-# Spare device slots a table gets with `expert_move_async`: with one, a layer that moved could not claim again until
-# its victim's write-back was committed a round later (simulated on the benchmark's trace: 2.12 host reads a token
-# at batch 1 against 1.74 with two; three change nothing).
+# Spare device slots a table gets with `expert_move_async`: the claim state's spare and reserve (`claim_round`), so
+# two by layout. With one, a layer that moved could not claim again until its victim's write-back was committed a
+# round later (simulated on the benchmark's trace: 2.12 host reads a token at batch 1 against 1.74 with two; more,
+# with one claim a step, changed nothing).
 SPARES = 2
 HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)
 # The CUDA VMM allocation granularity of current GPUs (H100/H200: 2 MiB; `vmm_range` asks the driver): a range's
@@ -368,8 +369,9 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         # router index (== expert id: the router rows stay in expert order) -> slot
         slot_map = torch.tensor([sorted(range(S), key=lambda s: (o[s] < 0, o[s]))[:E] for o in orders],
                                 dtype=torch.int32, device=device)
-        state = torch.tensor([[E - len(ids), E - len(ids) + 1, -1, -1] for ids in mine.values()], dtype=torch.int64,
-                             device=device)
+        # (spare, reserve, victim, its host slot): the two slots after the live device ones
+        state = torch.tensor([[E - len(ids) + s for s in range(SPARES)] + [-1, -1] for ids in mine.values()],
+                             dtype=torch.int64, device=device)
         claim = torch.full((n,), -1, dtype=torch.int32, device=device)
         threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
     tables: dict[int, ExpertTable] = {}

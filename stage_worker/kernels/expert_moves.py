@@ -18,14 +18,15 @@ launches), and a kind of row that covers only some layers reads its layers' deci
 time between steps. The bookkeeping may run before the rows move because the swap kernels read only `dec` and the
 rows. Bit for bit the same counts, slot map, move counters, decisions and rows (tests/test_expert_moves_fused.py).
 
-With `expert_move_async` (moves on read; a spare device slot per layer, the router through a slot map) no row is
+With `expert_move_async` (moves on read; two spare device slots per layer, the router through a slot map) no row is
 copied on the forward's stream for its own sake: the router kernel claims a host slot it selects whose count passes
 the layer's threshold (`moe.route`, `RouteCounts.claim`), and the decode kernels that read that slot over PCIe in
-that step anyway store the rows they load into the spare device slot (VRAM writes only). `claim_round`
+that step anyway store the rows they load into the free spare (VRAM writes only). `claim_round`
 (`_claim_round_kernel`, one program a layer) then commits the claim through the slot map, picks the least-used
 device slot as the victim and records it as pending; `write_back` (`_write_back_kernel`, one launch per kind of
-row, on a side stream) copies the victim's row into the host slot the claimed expert left, and the next round makes
-the victim's slot the new spare. Reference: `claim_round_ref`, `write_back_ref`.
+row, on a side stream) copies the victim's row into the host slot the claimed expert left while the other spare
+takes the next claim, and the next round makes the victim's slot a spare again. Reference: `claim_round_ref`,
+`write_back_ref`.
 
 Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
 tests/test_expert_table.py, tests/test_expert_moves_fused.py, tests/test_expert_moves_async.py (CPU under
@@ -45,7 +46,7 @@ from stage_worker.kernels.expert_moves_ref import RowSet
 from stage_worker.kernels.moe import triton
 
 if INTERPRET:
-    fix_interpreter_loop_bounds()      # the copy kernel's loop starts at a program id
+    fix_interpreter_loop_bounds()      # the write-back kernel's loop starts at a program id
 
 if triton is not None:
     import triton.language as tl
@@ -93,8 +94,8 @@ if triton is not None:
                            BLOCK: tl.constexpr, HAS_LAYERS: tl.constexpr):
         """`expert_move_async`'s write-back: layer program_id(0), if it has a pending victim (state row (spare,
         reserve, victim, host slot), victim >= 0), copies the victim's row into the host slot, program_id(1)
-        taking every num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps run beside it.
-        Addressing as `_swap_kernel`."""
+        taking every num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps
+        run beside it. Addressing as `_swap_kernel`."""
         layer, row = _decision_row(layers_ptr, HAS_LAYERS)
         victim = tl.load(state_ptr + row * 4 + 2)
         if victim >= 0:

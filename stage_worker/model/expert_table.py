@@ -6,7 +6,7 @@ experts, and one kernel serves every split. `expert_of_slot` says which expert e
 traces and run-time moves, which swap two slots' rows, gate rows, counts and map entries:
 `stage_worker/kernels/expert_moves.py`). A table may instead carry a `slot_map` (router index -> slot), which the
 router kernel applies to each selection before the experts and the counters see it: rows can then change slots
-without their gate rows (the groundwork of moves off the forward's stream; docs/architecture.md, known limits).
+without their gate rows (moves on read, `expert_move_async`: docs/architecture.md section 6).
 
 A slot's rows are one row of each of the table's parts: `w13` [2I, H] and `w2` [H, I] in the compute dtype, or,
 for an INT4 checkpoint's experts kept packed (issue 17, `SparseMoE.use_packed`), `q13` int32 [2I, H/8], `s13`
@@ -158,7 +158,7 @@ class ExpertTable:
     @torch.no_grad()
     def copy_claimed(self, ids: torch.Tensor) -> None:
         """The store of moves on read where no decode kernel runs (the CPU paths): the claimed host slot's rows, if
-        ids [T, k] (slots) select it, into the spare device slot (`kernels.moe.copy_claimed`, one read-back)."""
+        ids [T, k] (slots) select it, into the free spare device slot (`kernels.moe.copy_claimed`, one read-back)."""
         if self.claim is not None:
             from stage_worker.kernels.moe import copy_claimed
 
@@ -186,7 +186,7 @@ class ExpertTable:
         if self.slot_map is not None:
             return
         E = self.num_experts
-        perm = torch.tensor([e for e in self.initial if e >= 0], device=gate_weight.device)
+        perm = torch.tensor(self.initial, device=gate_weight.device)     # no spare slots without a slot map
         gate_weight[:E].copy_(gate_weight[:E][perm].clone())
 
     def slots_of(self, router_ids: torch.Tensor) -> torch.Tensor:
