@@ -222,6 +222,8 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                     continue
                 if name in known or _quant_part_of(name, known):
                     continue                       # another stage's tensor
+                if cfg.shared_expert_intermediate_size == 0 and _NO_SHARED_EXPERT.match(name):
+                    continue                       # transformers' zero-width shared expert (and its gate): adds 0
                 if name.startswith(("model.visual.", "visual.")) or (name.startswith("mtp.") and model.mtp is None):
                     skipped_extra.add(name.split(".")[0] + "." + name.split(".")[1])
                     continue
@@ -239,6 +241,9 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# With shared_expert_intermediate_size 0 transformers still builds (and save_pretrained writes) a shared expert of
+# zero width, [0, H] / [H, 0] weights, and its [1, H] gate: the gated output is sigmoid(g) * 0. Ours has none.
+_NO_SHARED_EXPERT = re.compile(r"^(model\.|mtp\.)(.*\.)?layers\.\d+\.mlp\.shared_expert(_gate)?\.")
 
 
 def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,

@@ -1,0 +1,77 @@
+"""Valid transformers checkpoints of shapes no preset has (issue 13's "any config transformers accepts"): each is
+built by transformers, written by `save_pretrained`, loaded by moepipe whole and split into three stages, and must
+give transformers' prefill log-probabilities (float32, 1e-4) and greedy tokens over a few decode steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_oracle import ROPE, _require_transformers, build_from_config, reference_logits
+from shared.cluster_config import split_layers
+from shared.model_config import load_config
+from stage_worker.checkpoint.loader import LoadOptions, load_model
+from stage_worker.local_engine import LocalEngine
+
+LIN, FULL = "linear_attention", "full_attention"
+SMALL = dict(vocab_size=150, hidden_size=24, num_attention_heads=6, num_key_value_heads=3, head_dim=12,
+             linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=3, linear_num_value_heads=6,
+             moe_intermediate_size=10, shared_expert_intermediate_size=14, num_experts=6, num_experts_per_tok=3,
+             rope_parameters=ROPE, eos_token_id=5, rms_norm_eps=1e-6, max_position_embeddings=256)
+PROMPT = [40, 7, 100, 13, 5, 99, 101, 3, 17, 88, 61, 120, 45, 46, 47, 9, 2, 77]
+NEW = 3
+TOL = 1e-4
+
+
+def qwen3_next(**kw):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(**{**SMALL, "num_hidden_layers": 3, "intermediate_size": 20,
+                              "layer_types": [LIN, FULL, LIN], **kw})
+
+
+def qwen3_5_moe(**kw):
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**{**SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, FULL], **kw})
+
+
+def assert_matches(model, path: Path, stages=(1, 3)) -> None:
+    """moepipe's log-probabilities over the prompt and greedy continuation equal `model`'s, per stage count."""
+    ids = list(PROMPT)
+    for _ in range(NEW):
+        ids.append(int(reference_logits(model, ids)[-1].argmax()))
+    want = torch.log_softmax(reference_logits(model, ids), -1)
+    cfg = load_config(path)
+    for n in stages:
+        parts = [load_model(path, LoadOptions(start=s, end=e, dtype=torch.float32))
+                 for s, e in split_layers(cfg.num_hidden_layers, n)]
+        engine = LocalEngine(parts, max_seqs=1, max_tokens=64)
+        engine.add(0)
+        logits = engine.step([(0, PROMPT)], all_logits=True)
+        got = [torch.log_softmax(logits, -1)]
+        for tok in ids[len(PROMPT):-1]:
+            logits = engine.step([(0, [tok])], all_logits=True)
+            got.append(torch.log_softmax(logits, -1))
+        got = torch.cat(got)
+        assert got.shape == want[:-1].shape
+        err = (got - want[:-1]).abs().max().item()
+        assert err < TOL, f"{n} stage(s): max log-prob difference {err}"
+        assert got[len(PROMPT) - 1:].argmax(-1).tolist() == ids[len(PROMPT):], f"{n} stage(s): greedy tokens differ"
+
+
+def written(cfg, tmp_path: Path, seed: int = 0):
+    _require_transformers()
+    model = build_from_config(cfg, seed)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("make", [qwen3_next, qwen3_5_moe], ids=["qwen3_next", "qwen3_5_moe"])
+def test_zero_width_shared_expert(make, tmp_path):
+    """shared_expert_intermediate_size 0: transformers still writes a zero-width shared expert ([0, H] and [H, 0]
+    weights) and its gate; the loader refused them as unexpected tensors."""
+    model = written(make(shared_expert_intermediate_size=0), tmp_path)
+    assert_matches(model, tmp_path)
