@@ -400,15 +400,23 @@ class GrammarCompiler:
         )
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_COMPOSED = ("$ref", "allOf", "anyOf", "oneOf", "additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def _closed_objects(node: Any) -> Any:
+def _closed_objects(node: Any, close: bool = True) -> Any:
     """Objects that do not say otherwise get `additionalProperties: false` (recursively), as xgrammar's strict mode
     and OpenAI's strict structured outputs do. JSON Schema's default (any extra key) lets a model write keys forever
-    and never helps a client: it asked for the properties it listed. An explicit `additionalProperties` is kept."""
+    and never helps a client: it asked for the properties it listed. An explicit `additionalProperties` is kept.
+
+    `allOf` is an intersection: each member sees the whole object, so closing a member to its own properties would
+    forbid the other members' keys (`allOf: [{a}, {b}]` would admit no object at all). Members are left open at
+    their top level and the intersection is closed once, on the node holding it, over the union of the members'
+    properties (which is exactly what zod's `unevaluatedProperties: false` on an intersection says, so that
+    keyword, which llguidance does not implement, is dropped there). Members that are references or compositions
+    themselves, or say how extra keys go, leave the intersection open: their keys are not known here."""
     if isinstance(node, list):
         return [_closed_objects(x) for x in node]
     if not isinstance(node, dict):
@@ -423,8 +431,25 @@ def _closed_objects(node: Any) -> Any:
     for key in _SUBSCHEMA_ONE:
         if isinstance(out.get(key), dict):
             out[key] = _closed_objects(out[key])
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
-        or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+    members = out.get("allOf")
+    if isinstance(members, list):
+        out["allOf"] = [_closed_objects(x, close=False) for x in members]
+        if not close:
+            return out
+        objects = [m for m in members if isinstance(m, dict) and _is_object(m)]
+        known = all(isinstance(m, dict) and not any(k in m for k in _COMPOSED) for m in members)
+        if (objects or _is_object(out)) and known and "additionalProperties" not in out and "patternProperties" not in out \
+                and out.get("unevaluatedProperties", False) is False:
+            names = {k: {} for m in objects for k in (m.get("properties") or {})}
+            out["properties"] = {**names, **(out.get("properties") or {})}
+            out["additionalProperties"] = False
+            out.pop("unevaluatedProperties", None)
+        return out
+    if close and _is_object(out) and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _is_object(node: dict) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node

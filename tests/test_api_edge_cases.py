@@ -1,0 +1,62 @@
+"""Request shapes real OpenAI clients send that the other API tests do not: each test is a bug found by probing the
+served cluster (conftest.small_cluster: gateway and two stage workers, each its own process, on the tiny model)
+with the official `openai` client and raw httpx, and fails without its fix."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from conftest import OpenAI, small_cluster
+
+MODEL = "moepipe"
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    return small_cluster(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120, verify=False)
+
+
+# ---- structured output ----------------------------------------------------------------------------------------
+
+# zod-to-json-schema's form of `A.and(B)` (TypeScript clients: the Vercel AI SDK's generateObject, Mastra): the
+# members are open and the intersection is closed by unevaluatedProperties. Every member sees the whole object, so
+# closing each member to its own keys (as plain objects are closed) admitted no object at all: a 400 "unsatisfiable".
+INTERSECTION = {"allOf": [{"type": "object", "properties": {"a": DIGIT}, "required": ["a"]},
+                          {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}, "required": ["b"]}],
+                "unevaluatedProperties": False}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_json_schema_intersection_is_served_and_followed(client, strict):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": INTERSECTION,
+                                                                "strict": strict}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    value = json.loads(choice.message.content)
+    jsonschema.Draft202012Validator(INTERSECTION).validate(value)
+    assert set(value) == {"a", "b"}
+
+
+def test_tool_parameters_intersection_is_a_valid_call(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": INTERSECTION}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                       temperature=0, tools=[tool], tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "f"
+    jsonschema.Draft202012Validator(INTERSECTION).validate(json.loads(calls[0].function.arguments))
