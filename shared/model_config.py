@@ -326,10 +326,18 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
                                                      text.get("partial_rotary_factor", cls.partial_rotary_factor)))
     if "num_nextn_predict_layers" in text and "mtp_num_hidden_layers" not in text:
         values["mtp_num_hidden_layers"] = text["num_nextn_predict_layers"]
-    if text.get("dtype") or text.get("torch_dtype"):
-        values["dtype"] = str(text.get("dtype") or text.get("torch_dtype"))
+    dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
+    if dtype:
+        values["dtype"] = str(dtype)
     else:
         values.pop("dtype", None)
+    if text is not raw and "tie_word_embeddings" in raw:
+        # A multimodal wrapper (Qwen3_5MoeForConditionalGeneration) ties lm_head by its own flag, not its
+        # text_config's: save_pretrained leaves lm_head.weight out exactly when the top level says true.
+        values["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    if cls is Qwen35MoeConfig:
+        # transformers' Qwen3.5-MoE router always renormalises its top-k weights; the key is not its config's.
+        values.pop("norm_topk_prob", None)
     eos = values.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
     values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)

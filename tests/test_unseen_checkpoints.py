@@ -75,3 +75,48 @@ def test_zero_width_shared_expert(make, tmp_path):
     weights) and its gate; the loader refused them as unexpected tensors."""
     model = written(make(shared_expert_intermediate_size=0), tmp_path)
     assert_matches(model, tmp_path)
+
+
+def multimodal(text_kw: dict | None = None, **top):
+    """A Qwen3.5-MoE release's shape: the conditional-generation wrapper (vision tower, `model.language_model.*`)."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    text = {**SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, FULL], **(text_kw or {})}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=24, patch_size=4,
+                  num_position_embeddings=16)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
+
+
+def written_multimodal(cfg, tmp_path: Path):
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    _require_transformers()
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForConditionalGeneration._from_config(cfg, attn_implementation="eager",
+                                                            experts_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or "conv1d" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("where", ["top", "text"])
+def test_multimodal_wrapper_ties_by_its_top_level_flag(where, tmp_path):
+    """The wrapper's own tie_word_embeddings decides: tied at the top level, save_pretrained writes no lm_head
+    (moepipe said "missing lm_head.weight"); tied only in text_config, it writes one and does not tie (moepipe
+    refused it as unexpected). The wrapper's top-level dtype is the checkpoint's when text_config has none."""
+    cfg = multimodal(tie_word_embeddings=True) if where == "top" else multimodal({"tie_word_embeddings": True})
+    model = written_multimodal(cfg, tmp_path)
+    ours = load_config(tmp_path)
+    assert ours.tie_word_embeddings == (where == "top")
+    assert ours.dtype == "float32"
+    assert_matches(model, tmp_path)
+
+
+def test_qwen3_5_router_always_renormalises(tmp_path):
+    """transformers' Qwen3.5-MoE router renormalises its top-k weights whatever `norm_topk_prob` says (the key is
+    not its config's, yet a config.json may carry it); moepipe followed the key."""
+    model = written(qwen3_5_moe(norm_topk_prob=False), tmp_path)
+    assert_matches(model, tmp_path, stages=(1,))
