@@ -223,7 +223,8 @@ def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Cho
         raise invalid_request(f"Cannot enforce this schema: {e}", param="response_format.json_schema.schema") from None
     if choice.mode == "none":
         return answer_only if fmt == "json_schema" else compiler.json_object()
-    answer = {"type": "object"} if fmt == "json_object" else schema
+    # json_object is any object, as without tools (an open object: a bare {"type": "object"} would be closed to {})
+    answer = {"type": "object", "additionalProperties": True} if fmt == "json_object" else schema
     try:
         if choice.mode == "named":
             return compiler.tool_calls(tools, {"type": "function", "function": {"name": choice.allowed[0]}},

@@ -60,3 +60,22 @@ def test_tool_parameters_intersection_is_a_valid_call(client):
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "f"
     jsonschema.Draft202012Validator(INTERSECTION).validate(json.loads(calls[0].function.arguments))
+
+
+def test_json_object_with_tools_is_any_object(server, tiny_checkpoint):
+    """response_format json_object beside callable tools (tool_choice auto: a call or the JSON answer) allows any
+    object, as json_object alone does; it allowed only `{}` (the answer schema was closed to no properties). A
+    bias towards '"' makes the masked sampler open a key wherever one is allowed."""
+    from shared.tokenizer import Tokenizer
+
+    quote = Tokenizer.from_dir(tiny_checkpoint).encode('"')
+    assert len(quote) == 1
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                          "properties": {"a": DIGIT}}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_object"}, "logit_bias": {str(quote[0]): 100}}
+    for extra in ({}, {"tools": [tool]}):
+        r = post(server, "/v1/chat/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert "tool_calls" not in message and message["content"].startswith('{"'), (extra, message)
