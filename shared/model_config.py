@@ -55,6 +55,8 @@ class HybridMoeConfig:
     attention_bias: bool = False
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
+    # RoPE scaling, from rope_parameters: {} for plain RoPE, else rope_type and its parameters (factor, ...)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -74,8 +76,15 @@ class HybridMoeConfig:
 
     # ---- derived -------------------------------------------------------------------------------------------------
     @property
-    def rotary_dim(self) -> int:
+    def rope_dim(self) -> int:
+        """transformers' `dim`: int(head_dim * partial_rotary_factor), the exponent's divisor."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features rotated: rope_dim rounded up to even (an odd rope_dim still gives ceil(rope_dim / 2)
+        frequencies, each rotating a pair)."""
+        return self.rope_dim + self.rope_dim % 2
 
     @property
     def uses_hyper_connections(self) -> bool:
@@ -112,7 +121,8 @@ class HybridMoeConfig:
         need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", "must be in [1, num_experts]")
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
         need(0.0 < self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in (0, 1]")
-        need(self.rotary_dim % 2 == 0, "partial_rotary_factor", "head_dim * factor must be even")
+        need(self.rotary_dim <= self.head_dim, "partial_rotary_factor",
+             f"head_dim * factor rounded up to even ({self.rotary_dim}) must fit head_dim={self.head_dim}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"must have num_hidden_layers={self.num_hidden_layers} entries")
         allowed = {LINEAR, self.attention_layer_type}
@@ -130,7 +140,8 @@ class HybridMoeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config.json text config that `transformers` reads back into the same model."""
         out = dataclasses.asdict(self)
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": out.pop("rope_theta"),
+        out["rope_parameters"] = {"rope_type": "default", **out.pop("rope_scaling"),
+                                  "rope_theta": out.pop("rope_theta"),
                                   "partial_rotary_factor": out.pop("partial_rotary_factor")}
         out["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
         out["model_type"] = MODEL_TYPES[self.family]
@@ -253,6 +264,10 @@ class Qwen4ExpConfig(HybridMoeConfig):
                 fail("indexer_budget", "must be divisible by indexer_compress_ratio")
             if self.rotary_dim > self.indexer_head_dim:
                 fail("indexer_head_dim", f"must hold the RoPE dimensions ({self.rotary_dim})")
+            if self.rope_scaling.get("rope_type") == "yarn":
+                # YaRN scales cos and sin; the GPU decode kernel that pools indexer keys rotates by inv_freq alone.
+                raise ConfigError("config field 'rope_parameters.rope_type': 'yarn' is not supported together with "
+                                  "the QSA indexer (indexer_* fields)")
         if self.ple_layer_ids:
             dim = self.ple_embed_dim
             if self.ple_heads <= 0 or dim is None or dim <= 0 or dim % self.ple_heads:
@@ -318,9 +333,8 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
 
     # RoPE: transformers 5 nests it in rope_parameters; older configs keep rope_theta / partial_rotary_factor flat.
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"config field 'rope_parameters.rope_type': {rope_type!r} is not supported yet")
+    values["rope_scaling"] = _rope_scaling(rope, text, values.get("max_position_embeddings",
+                                                                 cls.max_position_embeddings))
     values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", cls.rope_theta)))
     values["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                      text.get("partial_rotary_factor", cls.partial_rotary_factor)))
@@ -359,6 +373,40 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
     _check_types(cfg)
     cfg.validate()
     return cfg
+
+
+# RoPE types computed as transformers' ROPE_INIT_FUNCTIONS do (stage_worker/model/rope.py) -> required parameters.
+# `dynamic` equals plain RoPE up to max_position_embeddings (transformers rescales only past it). longrope switches
+# its frequencies by the longest sequence in a batch, which a server batching many sequences cannot reproduce.
+_ROPE_SCALINGS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                      "original_max_position_embeddings"),
+                  "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ()}
+_ROPE_KEYS = {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "attention_factor",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def _rope_scaling(rope: dict[str, Any], text: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """The normalised scaling part of `rope_parameters` ({} for plain RoPE), as transformers' standardize_rope_params
+    fills it in; an unsupported type or a missing parameter is a ConfigError naming it."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", "mrope"):
+        return {}
+    if kind not in _ROPE_SCALINGS:
+        raise ConfigError(f"config field 'rope_parameters.rope_type': {kind!r} is not supported "
+                          f"(moepipe computes default, mrope, {', '.join(sorted(_ROPE_SCALINGS))})")
+    out = {"rope_type": kind, **{k: v for k, v in rope.items() if k in _ROPE_KEYS}}
+    if kind in ("yarn", "llama3"):
+        if "original_max_position_embeddings" in text:     # transformers gives the flat key priority (Phi3)
+            out["original_max_position_embeddings"] = text["original_max_position_embeddings"]
+        out.setdefault("original_max_position_embeddings", max_positions)
+    if kind == "yarn" and out.get("factor") is None:
+        out["factor"] = max_positions / out["original_max_position_embeddings"]
+    for key in _ROPE_SCALINGS[kind]:
+        val = out.get(key)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or val <= 0:
+            raise ConfigError(f"config field 'rope_parameters.{key}': rope_type {kind!r} needs a positive number "
+                              f"(got {val!r})")
+    return out
 
 
 def _check_types(cfg: HybridMoeConfig) -> None:

@@ -120,3 +120,61 @@ def test_qwen3_5_router_always_renormalises(tmp_path):
     not its config's, yet a config.json may carry it); moepipe followed the key."""
     model = written(qwen3_5_moe(norm_topk_prob=False), tmp_path)
     assert_matches(model, tmp_path, stages=(1,))
+
+
+def _rope(**kw) -> dict:
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, **kw}
+
+
+ROPES = {
+    # head_dim 12 at transformers' default factor 0.25: 3 rotated features (odd), 2 frequencies over a width of 4
+    "odd_rotary_dim": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "linear": dict(rope_parameters=_rope(rope_type="linear", factor=3.0)),
+    "yarn": dict(rope_parameters=_rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    "yarn_from_max_positions": dict(rope_parameters=_rope(rope_type="yarn", factor=8.0, beta_fast=16, beta_slow=2,
+                                                          truncate=False, mscale=1.0, mscale_all_dim=0.5)),
+    "yarn_attention_factor": dict(rope_parameters=_rope(rope_type="yarn", factor=4.0, attention_factor=1.5,
+                                                        original_max_position_embeddings=32)),
+    "llama3": dict(rope_parameters=_rope(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8)),
+    "dynamic": dict(rope_parameters=_rope(rope_type="dynamic", factor=2.0)),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_variants_transformers_computes(rope, tmp_path):
+    """RoPE scalings transformers computes for these families (linear, yarn with its cos/sin factor, llama3; dynamic
+    equals plain RoPE within max_position_embeddings) were refused as 'not supported yet'; an odd
+    int(head_dim * factor) (head_dim 12 at the default 0.25) was refused as 'must be even'."""
+    model = written(qwen3_next(**ROPES[rope]), tmp_path)
+    assert_matches(model, tmp_path, stages=(3,))
+
+
+def test_qwen3_5_yarn_with_mrope_sections(tmp_path):
+    """Qwen3.5's interleaved multimodal RoPE with YaRN: for text it is YaRN on the plain positions."""
+    rope = _rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mrope_section=[1, 1, 1],
+                 mrope_interleaved=True)
+    model = written(qwen3_5_moe(rope_parameters=rope), tmp_path)
+    assert_matches(model, tmp_path, stages=(1,))
+
+
+def test_qwen3_5_five_heads_of_ten(tmp_path):
+    """5 query and K/V heads of width 10 (not hidden / heads) at factor 0.5: int(10 * 0.5) = 5 rotated features,
+    which transformers rotates as 3 pairs."""
+    model = written(qwen3_5_moe(num_attention_heads=5, num_key_value_heads=5, head_dim=10), tmp_path)
+    assert load_config(tmp_path).rotary_dim == 6
+    assert_matches(model, tmp_path, stages=(1,))
+
+
+@pytest.mark.parametrize("rope,field", [
+    (_rope(rope_type="longrope", factor=4.0, short_factor=[1.0] * 3, long_factor=[2.0] * 3), "rope_type"),
+    (_rope(rope_type="linear"), "factor"),
+    (_rope(rope_type="llama3", factor=8.0, high_freq_factor=4.0), "low_freq_factor"),
+])
+def test_unsupported_rope_is_refused_naming_the_field(rope, field):
+    from shared.model_config import ConfigError, config_from_dict
+
+    raw = {"model_type": "qwen3_next", **SMALL, "num_hidden_layers": 3, "intermediate_size": 20,
+           "layer_types": [LIN, FULL, LIN], "rope_parameters": rope}
+    with pytest.raises(ConfigError, match=rf"rope_parameters\.{field}"):
+        config_from_dict(raw)

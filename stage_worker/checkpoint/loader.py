@@ -100,7 +100,7 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     model = _to_empty(model, opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty
         if isinstance(m, Rotary):
-            m.inv_freq.copy_(Rotary(m.rotary_dim, cfg.rope_theta).inv_freq)
+            m.inv_freq.copy_(m.compute_inv_freq())
     return model.eval().requires_grad_(False)
 
 

@@ -34,7 +34,7 @@ class StageModel(nn.Module):
         self.cfg, self.start, self.end = cfg, start, end
         self.has_embedding = start == 0 if with_embedding is None else with_embedding
         self.has_head = end == cfg.num_hidden_layers if with_head is None else with_head
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_dim)
         if self.has_embedding:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.rotary) for i in range(start, end)})
