@@ -371,7 +371,9 @@ def main() -> int:
         from shared.cli import ensure_builtin_model
 
         model = Path(args.model) if args.model else ensure_builtin_model()
-        extra = {"ple_service": False} if args.no_ple_service else {}
+        # Without the prefix cache unless --set enable_prefix_caching=true: the warm-up and the measured runs send
+        # the same prompts, whose prefill it would skip (bench/prefix_cache.py measures it).
+        extra = {"enable_prefix_caching": False, **({"ple_service": False} if args.no_ple_service else {})}
         if args.load_format:
             extra["load_format"] = args.load_format
         from cluster_sets import parse_sets

@@ -50,7 +50,7 @@ def serve_options(args: argparse.Namespace):
             extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
                 "load_format", "kv_cache_memory", "api_key", "restart_limit", "gpu_memory_utilization",
-                "vram_limit", "kv_cache_memory_bytes"):
+                "vram_limit", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_cache_states"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
     return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-expert-moves", action="store_true",
                    help="with --cold-experts: never swap host and device experts at run time (also "
                         "MOEPIPE_EXPERT_MOVES=0)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="restore the state saved after an earlier prompt's first tokens instead of computing them "
+                        "again (on by default; also MOEPIPE_PREFIX_CACHING=0/1)")
+    s.add_argument("--prefix-cache-states", type=int, default=None, metavar="N",
+                   help="saved prefix states per stage, each one sequence's recurrent state (default 8; also "
+                        "MOEPIPE_PREFIX_CACHE_STATES)")
     s.add_argument("--qsa-kv-offload", action="store_true",
                    help="keep the QSA layers' K/V in pinned host RAM (only pooled keys in VRAM: far more tokens of "
                         "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")

@@ -27,7 +27,7 @@ import torch
 
 from shared.cluster_config import ClusterConfig
 from shared.model_config import Qwen4ExpConfig
-from shared.ngram_hash import initial_context, ngram_rows_numpy, ngram_rows_numpy_batch
+from shared.ngram_hash import context_after, initial_context, ngram_rows_numpy, ngram_rows_numpy_batch
 from shared.ple_ring import GatherRing
 from shared.ple_table import FlatTable
 from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
@@ -264,6 +264,11 @@ class PleService:
             state = updates.get(e.req_id) or self._requests.get(e.req_id)
             if e.context_len == 0:
                 context = initial_context(self.specs[0][1])
+            elif e.restore is not None:          # prefix cache: the request starts after a cached prefix
+                try:
+                    context = context_after(self.specs[0][1], e.history or [], e.context_len)
+                except ValueError as exc:
+                    raise _PlanError(f"request {e.req_id}: {exc}") from None
             elif state is not None and state.length == e.context_len:
                 context = state.context
             else:

@@ -100,6 +100,12 @@ class ClusterConfig:
     # tests passed on the H200 (h200-17/18); two stages on one GPU, 4 streams: 583.8 against 476.6 tok/s (h200-17).
     cuda_ipc_activations: bool = True
     batched_prefill: bool = True                # a prefill step's sequences run as one padded batch (StepBatch.ragged)
+    # Prefix caching (shared/prefix_cache.py): a prompt that starts with an earlier prompt's tokens restores the
+    # state saved there and computes only the rest (vLLM's --enable-prefix-caching). Each saved state takes a
+    # state slot on every stage (prefix_cache_states of them, counted by the memory plan) and holds its KV blocks
+    # until evicted, least recently used first, before any running request is preempted for blocks.
+    enable_prefix_caching: bool = True
+    prefix_cache_states: int = 8
     # The gateway's interpreter switch interval (sys.setswitchinterval), in ms: the engine core's thread waits for
     # the GIL after each stage result while the HTTP event loop streams tokens, up to Python's default 5 ms a wait.
     # 0.5 since the H200 timed it (h200-20, full shape 20 layers, one stage): 4 streams 607.8 -> 653.5 tok/s,
@@ -251,6 +257,9 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.prefix_cache_states < 0:
+            raise ClusterConfigError(f"cluster config: prefix_cache_states must be >= 0 (0 = no prefix cache), got "
+                                     f"{self.prefix_cache_states}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ClusterConfigError(f"cluster config: gpu_memory_utilization must be in (0, 1], got "
                                      f"{self.gpu_memory_utilization}")
@@ -347,6 +356,16 @@ class ClusterConfig:
         return self.kv_row_cache_mib << 20 if self.kv_row_cache and self.qsa_kv_offload else 0
 
     @property
+    def state_slots(self) -> int:
+        """State slots a stage allocates: one a running request, the scratch slot of CUDA-graph padding, and the
+        prefix cache's snapshot slots (numbered in that order; `Scheduler` hands out the same numbers)."""
+        return self.max_num_seqs + 1 + self.prefix_states
+
+    @property
+    def prefix_states(self) -> int:
+        return self.prefix_cache_states if self.enable_prefix_caching else 0
+
+    @property
     def steps_in_flight(self) -> int:
         """At most this many steps are planned and not yet finished: plans per micro-batch x micro-batches."""
         return self.num_microbatches * (2 if self.async_scheduling else 1)
@@ -377,7 +396,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
-        "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
+        "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_PREFIX_CACHING": "enable_prefix_caching",
+        "MOEPIPE_PREFIX_CACHE_STATES": "prefix_cache_states", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
@@ -402,7 +422,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
-             "ple_prefetch_depth")
+             "ple_prefetch_depth", "prefix_cache_states")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")

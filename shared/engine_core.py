@@ -65,6 +65,7 @@ class TokenEvent:
     token_ts: float | None = None          # the step result carrying this token reached the core (the last: finished)
     queued_ts: float | None = None         # first event only: the request entered the core's waiting queue
     scheduled_ts: float | None = None      # first event only: its first plan; preemptions and requeues keep it
+    cached_tokens: int | None = None       # first event only: prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -113,6 +114,7 @@ class SchedulerLimits:
     watchdog_interval: float = 0.5         # how often lost components are looked for
     plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
     recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
+    prefix_cache_states: int = 0           # snapshot slots of the prefix cache (0: off; shared/prefix_cache.py)
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int) -> SchedulerLimits:
@@ -120,7 +122,7 @@ class SchedulerLimits:
                    max_num_batched_tokens=cluster.max_num_batched_tokens,
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
                    max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
-                   plan_ahead=cluster.async_scheduling,
+                   plan_ahead=cluster.async_scheduling, prefix_cache_states=cluster.prefix_states,
                    # nothing comes back without the launcher's restarts: then a dead component fails its requests
                    recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0)
 
@@ -135,7 +137,8 @@ class EngineCore:
                                    max_num_seqs=limits.max_num_seqs,
                                    max_num_batched_tokens=limits.max_num_batched_tokens,
                                    num_microbatches=limits.num_microbatches, max_model_len=limits.max_model_len,
-                                   max_queue=limits.max_queue, plan_ahead=limits.plan_ahead)
+                                   max_queue=limits.max_queue, plan_ahead=limits.plan_ahead,
+                                   prefix_cache_states=limits.prefix_cache_states)
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._phases: dict[str, _Phases] = {}   # requests without a token yet: when queued, first scheduled
@@ -344,6 +347,7 @@ class EngineCore:
                 if len(req.output_ids) - len(events) + i == 0:      # the request's first token
                     if req.want_prompt_logprobs:
                         event.prompt_logprobs = [None] + list(req.prompt_logprobs)
+                    event.cached_tokens = req.cached_tokens
                     ph = self._phases.pop(req.req_id, None)
                     if ph is not None:
                         event.queued_ts, event.scheduled_ts = ph.queued, ph.scheduled
@@ -427,6 +431,14 @@ class EngineCore:
         requeued = Gauge("moepipe_requests_requeued", "Running requests recomputed because a component died or "
                          "restarted under them (their streams paused instead of failing)", registry=metrics.registry)
         requeued.set_function(lambda: self.scheduler.num_requeued)
+        prefix = self.scheduler.prefix
+        if prefix is not None:
+            metrics.registry.register(_PrefixCacheCollector(prefix))
+            # Blocks only the prefix cache holds are as good as free (vLLM counts its cached blocks so too). Counted
+            # when scraped, not on every step's push (they take a walk over the cached blocks); the pushed value
+            # is then not reported.
+            blocks = self.scheduler.blocks
+            metrics.kv_used.set_function(lambda: blocks.used_blocks - prefix.idle_blocks)
         attach = getattr(self.executor, "attach_metrics", None)
         if attach is not None:
             attach(metrics)
@@ -460,6 +472,27 @@ class EngineCore:
         if timing:      # the last stage's end of compute to here: the socket, and any wait for this thread's turn
             self.metrics.observe_transfer(f"{timing[-1][0]}->core", kind, time.time() - timing[-1][2])
         self._push_gauges()
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters for /metrics, named as vLLM's (prefix_cache_queries / _hits count tokens)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.cache
+        yield CounterMetricFamily("moepipe_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=c.queries)
+        yield CounterMetricFamily("moepipe_prefix_cache_hits", "Of those, tokens restored from it instead of "
+                                  "computed", value=c.hits)
+        yield GaugeMetricFamily("moepipe_prefix_cache_entries", "Saved prefix states (of prefix_cache_states)",
+                                value=len(c.entries))
+        yield GaugeMetricFamily("moepipe_prefix_cache_blocks", "KV blocks the prefix cache holds; those no "
+                                "running request shares are not counted in moepipe_kv_blocks_used (evicted before any "
+                                "request is preempted)", value=c.cached_blocks)
 
 
 def wait_readable(fd: int, timeout: float) -> None:

@@ -51,7 +51,7 @@ class StageNeeds:
     layers: tuple[int, int]
     device: str
     weights: int             # parameters in VRAM (the PLE table stays on the host)
-    state: int               # per-slot recurrent / conv / PLE state for max_num_seqs + 1 slots
+    state: int               # per-slot recurrent / conv / PLE state: max_num_seqs + 1 slots and the prefix cache's
     block: int               # one KV block
     reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
     host_experts: int = 0    # cold experts' bytes in pinned host RAM (not part of `weights`)

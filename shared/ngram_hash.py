@@ -31,6 +31,7 @@ import torch
 __all__ = [
     "NgramHashSpec",
     "initial_context",
+    "context_after",
     "ngram_rows_numpy",
     "ngram_rows_torch",
     "ngram_rows_torch_flat",
@@ -246,6 +247,15 @@ def ple_layer_indices(ple_layer_ids: list[int]) -> dict[int, int]:
 def initial_context(spec: NgramHashSpec) -> np.ndarray:
     """The context of a sequence that has seen no token yet: all EOS, so the first token's n-grams are EOS-padded."""
     return np.full(spec.context_len, spec.eos_token_id, dtype=np.int64)
+
+
+def context_after(spec: NgramHashSpec, history: list[int], position: int) -> np.ndarray:
+    """The context after the first `position` ids of a stream, from its last ids `history` (the prefix cache's
+    restoring entries carry them: `SeqEntry.history`): what feeding the stream from `initial_context` leaves."""
+    if len(history) < min(position, spec.context_len):
+        raise ValueError(f"{len(history)} ids of history cannot give the n-gram context after {position} ids "
+                         f"({spec.context_len} needed)")
+    return np.concatenate([initial_context(spec), np.asarray(history, dtype=np.int64)])[-spec.context_len:]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

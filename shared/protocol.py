@@ -44,6 +44,9 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+HISTORY = 32        # tokens a restoring entry carries from before its position (`SeqEntry.history`)
+
+
 class ProtocolError(ValueError):
     """A message that cannot be decoded: wrong version, unknown type, malformed frames."""
 
@@ -64,6 +67,11 @@ class SeqEntry:
     next_token: int | None = None    # with prompt_logprobs: the prompt token after this chunk
     allowed: bytes | None = None     # structured output: packed mask of the ids the sampled token may take
                                      # (shared/token_mask.py), from the gateway's grammar state after the last token
+    restore: int | None = None       # prefix cache (shared/prefix_cache.py): the request's first entry, at
+                                     # context_len > 0: copy snapshot slot `restore` into `slot` before the step;
+                                     # `new_blocks` is then the whole table (the prefix's shared blocks first)
+    history: list[int] | None = None  # with restore: the (up to HISTORY) tokens before context_len, whose n-gram
+                                     # context the PLE service rebuilds
 
 
 @dataclass
@@ -103,6 +111,9 @@ class Plan(Message):
     # scheduler preempted while planning this step can be re-admitted in it, from position 0.
     finished: list[str] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)       # steps a stage failed: forget their pending inputs
+    # prefix cache: (slot, snapshot slot) pairs; AFTER running the entries each stage copies its per-sequence state
+    # (DeltaNet, PLE) of `slot` into the snapshot slot
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.block_manager import BlockManager
-from shared.protocol import Plan, SamplingSpec, SeqEntry, TokenOut
+from shared.prefix_cache import CachedPrefix, PrefixCache
+from shared.protocol import HISTORY, Plan, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
 
 
@@ -53,6 +54,9 @@ class Request:
     ahead_samples: int = 0             # tokens plans in flight will sample
     inflight: int = 0                  # plans in flight that hold this request
     sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
+    restore: CachedPrefix | None = None    # prefix cache: admitted on this entry, its first step not yet back
+    snapshot_at: int | None = None     # prefix cache: save the state after this many tokens (a chunk ends there)
+    cached_tokens: int = 0             # prompt tokens the prefix cache spared (usage's cached_tokens)
 
     @property
     def num_ids(self) -> int:
@@ -82,8 +86,14 @@ class Request:
 
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_microbatches: int, max_model_len: int, max_queue: int = 256, plan_ahead: bool = False) -> None:
+                 num_microbatches: int, max_model_len: int, max_queue: int = 256, plan_ahead: bool = False,
+                 prefix_cache_states: int = 0) -> None:
         self.blocks = BlockManager(num_blocks, max_num_seqs)
+        # Snapshot slots follow the running requests' slots and the stages' scratch slot (shared/prefix_cache.py).
+        self.prefix = PrefixCache(self.blocks, block_size, list(range(max_num_seqs + 1,
+                                                                      max_num_seqs + 1 + prefix_cache_states))) \
+            if prefix_cache_states > 0 else None
+        self._snapshots: dict[int, list[tuple[Request, int, int]]] = {}   # step -> (request, length, state)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_microbatches = num_microbatches
@@ -156,8 +166,13 @@ class Scheduler:
                 new_specs.append(self._spec(req))
         while self.waiting and budget > 0 and self.blocks.free_slots and self._admit_here(mb):
             req = self.waiting[0]
-            need = self._blocks_needed(req, min(budget, req.num_ids))
+            if not self._take_prefix(req, budget):
+                break
+            need = self._blocks_needed(req, min(budget, req.num_ids - req.computed))
+            while not self.blocks.can_allocate(need) and self.prefix is not None and self.prefix.evict_one():
+                pass
             if not self.blocks.can_allocate(need):
+                self._drop_prefix(req)
                 break
             self.waiting.popleft()
             req.slot = self.blocks.allocate_slot()
@@ -174,6 +189,10 @@ class Scheduler:
             return None
         self.pending_finished = []
         plan = Plan(step=next(self._step), microbatch=mb, entries=entries, new_requests=new_specs, finished=finished)
+        snapshots = self._take_snapshots(entries)
+        if snapshots:
+            plan.snapshots = [(self.running[e.req_id].slot, state) for e, (_, _, state) in snapshots]
+            self._snapshots[plan.step] = [s for _, s in snapshots]
         if entries:
             self.in_flight[mb].append(plan)
             for e in entries:
@@ -182,6 +201,60 @@ class Scheduler:
                 req.ahead_samples += 1 if e.sample else 0
                 req.inflight += 1
         return plan
+
+    # ---- prefix cache (shared/prefix_cache.py) ------------------------------------------------------------------
+    def _take_prefix(self, req: Request, budget: int) -> bool:
+        """Admit `req` on the longest cached prefix of its prompt (blocks shared, prefill from there) and choose
+        where it saves its own state. False: it should wait for a plan with room for its first chunk (a restoring
+        chunk carries two tokens or more)."""
+        if self.prefix is None:
+            return True
+        if budget < 2:
+            return False
+        hit = None if req.want_prompt_logprobs else self.prefix.match(req.prompt_ids)
+        if hit is not None:
+            self.blocks.share(hit.blocks)
+            hit.users += 1
+            req.blocks, req.computed, req.restore, req.sent_blocks = list(hit.blocks), hit.length, hit, 0
+            req.cached_tokens = max(req.cached_tokens, hit.length)
+        req.snapshot_at = self.prefix.snapshot_position(len(req.prompt_ids), req.computed)
+        return True
+
+    def _drop_prefix(self, req: Request) -> None:
+        """Undo `_take_prefix` for a request that stays in the queue."""
+        if req.restore is not None:
+            self.blocks.release(req.blocks)
+            req.restore.users -= 1
+            req.blocks, req.computed, req.restore = [], 0, None
+        req.snapshot_at = None
+
+    def _take_snapshots(self, entries: list[SeqEntry]) -> list[tuple[SeqEntry, tuple[Request, int, int]]]:
+        """The entries of a plan whose chunk ends at their request's snapshot position, each with a reserved
+        snapshot slot (none left: no snapshot)."""
+        out = []
+        for e in entries:
+            req = self.running[e.req_id]
+            if req.snapshot_at is None or e.context_len + e.num_tokens != req.snapshot_at:
+                continue
+            req.snapshot_at = None
+            state = self.prefix.reserve_state()
+            if state is not None:
+                out.append((e, (req, e.context_len + e.num_tokens, state)))
+        return out
+
+    def _keep_snapshots(self, step: int, tokens: list[TokenOut]) -> None:
+        """A step whose snapshots are done on every stage: into the cache (before its requests may be freed)."""
+        failed = {t.req_id for t in tokens if t.error}
+        for req, length, state in self._snapshots.pop(step, []):
+            if req.req_id in failed:
+                self.prefix.unreserve(state)
+            else:
+                self.prefix.add(req.ids(0, length), req.blocks[: length // self.block_size], state)
+
+    def _forget_snapshots(self, steps: list[int]) -> None:
+        for step in steps:
+            for _, _, state in self._snapshots.pop(step, []):
+                self.prefix.unreserve(state)
 
     def _admit_here(self, mb: int) -> bool:
         """Spread requests over micro-batches: admit into `mb` only if it is among the least loaded."""
@@ -211,6 +284,12 @@ class Scheduler:
             if req.output_ids and pos + remaining == num_ids - 1:
                 remaining += 1
             n = min(budget, remaining)
+            restoring = req.restore is not None and pos == req.restore.length
+            if restoring and n < 2:
+                return None                         # a restoring step is never decode-shaped (see PrefixCache.match)
+            if req.snapshot_at is not None and pos < req.snapshot_at < pos + n \
+                    and (not restoring or req.snapshot_at - pos >= 2):
+                n = req.snapshot_at - pos           # the chunk ends where the prefix cache saves the state
             tokens = req.ids(pos, pos + n)
         if not self._reserve(req, n, mb):
             return None
@@ -222,6 +301,9 @@ class Scheduler:
                          new_blocks=req.blocks[req.sent_blocks:], tokens=tokens,
                          sample=done_prefill or tokens is None,
                          prompt_logprobs=req.want_prompt_logprobs and tokens is not None and not req.output_ids)
+        if req.restore is not None and pos == req.restore.length:
+            entry.restore = req.restore.state
+            entry.history = req.ids(max(0, pos - HISTORY), pos)
         req.sent_blocks = len(req.blocks)
         if entry.prompt_logprobs and pos + n < len(req.prompt_ids):
             entry.next_token = req.prompt_ids[pos + n]
@@ -242,6 +324,8 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
         need = self._blocks_needed(req, n)
         while not self.blocks.can_allocate(need):
+            if self.prefix is not None and self.prefix.evict_one():
+                continue                        # cached prefixes go before any running request
             victim = self._victim(mb, exclude=req)
             if victim is None:
                 return False
@@ -281,6 +365,8 @@ class Scheduler:
         """Apply the oldest in-flight step of `mb` (stages run a micro-batch's steps in plan order); returns the
         requests that got a token (or finished)."""
         plan = self.in_flight[mb].pop(0)
+        if plan.step in self._snapshots:
+            self._keep_snapshots(plan.step, tokens)
         by_id = {t.req_id: t for t in tokens}
         touched = []
         for entry in plan.entries:
@@ -323,6 +409,9 @@ class Scheduler:
         if req is None:
             return None
         req.computed = entry.context_len + entry.num_tokens
+        if entry.restore is not None and req.restore is not None:
+            req.restore.users -= 1             # restored on every stage: the entry may be evicted again
+            req.restore = None
         req.ahead_fed -= entry.num_tokens
         req.ahead_samples -= 1 if entry.sample else 0
         req.inflight -= 1
@@ -338,6 +427,8 @@ class Scheduler:
         plans = self.in_flight[mb]
         cut = next(i for i, p in enumerate(plans) if p.step == step)
         dropped, self.in_flight[mb] = plans[cut:], plans[:cut]
+        if self.prefix is not None:
+            self._forget_snapshots([p.step for p in dropped])
         failed: list[Request] = []
         for plan in reversed(dropped):         # undo the newest first: next_pos walks back entry by entry
             for e in plan.entries:
@@ -377,8 +468,15 @@ class Scheduler:
         if not keep_waiting:
             self.waiting.clear()
         self.draining.clear()
+        self._reset_prefix_cache()
         self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed
+
+    def _reset_prefix_cache(self) -> None:
+        """Every plan in flight is lost and a stage may hold empty caches: no snapshot can be trusted."""
+        if self.prefix is not None:
+            self._forget_snapshots(list(self._snapshots))
+            self.prefix.clear()
 
     def requeue_running(self) -> tuple[list[int], list[Request]]:
         """A component died or came back empty: every plan in flight is lost, and every running request's caches
@@ -397,6 +495,7 @@ class Scheduler:
             self._preempt(req)
             self.num_preemptions -= 1              # not for want of blocks
         self.num_requeued += len(moved)
+        self._reset_prefix_cache()
         return steps, moved
 
     def release(self, req: Request, reason: str) -> None:
@@ -417,6 +516,10 @@ class Scheduler:
         return out
 
     def _free(self, req: Request) -> None:
+        if req.restore is not None:
+            req.restore.users -= 1
+            req.restore = None
+        req.snapshot_at = None
         self.blocks.release(req.blocks)
         req.blocks = []
         if req.slot is not None:

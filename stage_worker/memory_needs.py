@@ -105,7 +105,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             if cluster.packed_fp8_dense and plan is not None:     # dense layers kept float8 (Fp8Linear)
                 use_fp8_dense(model, fp8_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
-                                              num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
+                                              num_slots=cluster.state_slots, dtype=_DTYPES[dtype],
                                               device="meta", kv_offload=cluster.qsa_kv_offload,
                                               row_cache_bytes=cluster.row_cache_bytes))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()

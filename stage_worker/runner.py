@@ -104,9 +104,10 @@ class StageRunner:
         self.is_first, self.is_last = index == 0, index == cluster.num_stages - 1
         p = next(model.parameters())
         self.device = p.device
-        # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries.
+        # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries; then
+        # the prefix cache's snapshot slots.
         spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
-                         num_slots=cluster.max_num_seqs + 1, dtype=p.dtype, device=p.device,
+                         num_slots=cluster.state_slots, dtype=p.dtype, device=p.device,
                          kv_offload=cluster.qsa_kv_offload, row_cache_bytes=cluster.row_cache_bytes)
         self.cache = model.new_cache(spec)
         self.plans: dict[int, _Prepared] = {}
@@ -253,7 +254,7 @@ class StageRunner:
 
     def _table(self, e) -> BlockTable:
         """The entry's whole block table: what earlier entries sent, plus its new blocks (plans arrive in order)."""
-        if e.context_len == 0:
+        if e.context_len == 0 or e.restore is not None:
             self.tables[e.req_id] = BlockTable(e.new_blocks)
         elif e.req_id in self.tables:
             self.tables[e.req_id].extend(e.new_blocks)
@@ -380,6 +381,9 @@ class StageRunner:
         the host); `finish` completes it. Nothing here waits for the GPU, except the per-row sampler and echo."""
         prepared = self.plans.pop(plan.step)
         batch = prepared.batch
+        for e in plan.entries:
+            if e.restore is not None:         # prefix cache: the request starts from a saved state
+                self.cache.copy_state(e.restore, e.slot)
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
         with phase("stage.inputs"):
@@ -443,6 +447,8 @@ class StageRunner:
                 launched.outs, launched.copy = self._sample(plan, batch, logits)
             else:
                 launched.hidden = hidden
+        for slot, snapshot in plan.snapshots:  # prefix cache: behind the step, so its state is final
+            self.cache.copy_state(slot, snapshot)
         self._publish_rows()
         if self.feed_from_device and launched.copy is not None:
             for row, (i, _) in enumerate(launched.copy.rows):

@@ -99,7 +99,7 @@ def test_needs_built_on_the_meta_device_equal_a_real_stage(tiny_checkpoint):
                       if "ngram_embedding" not in name and ".ple.ple_embedding" not in name)
         assert x.weights == weights
         dtype = next(real.parameters()).dtype
-        cache = real.new_cache(CacheSpec(num_blocks=0, block_size=16, num_slots=6, dtype=dtype))
+        cache = real.new_cache(CacheSpec(num_blocks=0, block_size=16, num_slots=cluster.state_slots, dtype=dtype))
         assert x.state == _tensor_bytes(cache) > 0
         assert x.reserve >= GIB
     assert sum(x.block for x in needs) > 0            # (a stage without attention layers holds no KV)

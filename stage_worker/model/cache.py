@@ -118,6 +118,16 @@ class ModelCache:
             # The MTP block is one plain full-attention layer; it caches under index num_hidden_layers.
             self.attention[cfg.num_hidden_layers] = AttentionCache(_without_qsa(cfg), spec)
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy slot `src`'s per-sequence state (DeltaNet conv tail and recurrent state, PLE conv tail and n-gram
+        context) into slot `dst`: the prefix cache's snapshots and restores (shared/prefix_cache.py). Queued on the
+        current stream like the steps around it."""
+        for group in (self.deltanet, self.ple):
+            for state in group.values():
+                for t in vars(state).values():
+                    if isinstance(t, torch.Tensor):
+                        t[dst].copy_(t[src])
+
     def bytes(self, groups: tuple[str, ...] = ("attention", "deltanet", "ple")) -> int:
         total = 0
         for group in groups:
