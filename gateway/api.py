@@ -38,8 +38,8 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
-                             MAX_CHOICES, ModelCard, ModelList, ResponsesRequest, SEED_MAX, ToolCall, TopLogprob,
-                             Usage)
+                             MAX_CHOICES, ModelCard, ModelList, PromptTokensDetails, ResponsesRequest, SEED_MAX,
+                             ToolCall, TopLogprob, Usage)
 from gateway.stop import StopMatcher
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from shared.sampling import SamplingParams
@@ -103,11 +103,13 @@ class _Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.prompt_logprobs: list[float | None] | None = None
+        self.cached_tokens = 0                           # prompt tokens the prefix cache served (usage)
 
     async def start(self) -> None:
         """Wait for the first token: engine errors that precede generation (429, 503) surface here."""
         self._first = await self._next()
         self.prompt_logprobs = self._first.prompt_logprobs
+        self.cached_tokens = self._first.cached_tokens or 0
         self.timer.started(len(self.request.prompt_ids) if self.first_of_prompt else 0)
 
     async def pieces(self) -> AsyncIterator[_Piece]:
@@ -454,7 +456,9 @@ def _usage(gens: list[_Generation]) -> Usage:
     """Prompt tokens once per prompt (not per choice), completion tokens of every choice (vLLM's sums)."""
     prompt = sum(len(g.request.prompt_ids) for g in gens if g.first_of_prompt)
     completion = sum(g.completion_tokens for g in gens)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(g.cached_tokens for g in gens if g.first_of_prompt)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,

@@ -479,6 +479,7 @@ class _Piece(Protocol):
 class _Gen(Protocol):
     """What this module needs of the API layer's `_Generation` (it cannot import it: the API imports us)."""
     completion_tokens: int
+    cached_tokens: int
 
     @property
     def request(self) -> Any: ...
@@ -488,7 +489,8 @@ class _Gen(Protocol):
 
 def _usage(gen: _Gen, reasoning_tokens: int) -> dict[str, Any]:
     prompt, completion = len(gen.request.prompt_ids), gen.completion_tokens
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": gen.cached_tokens,
+                                                            "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt + completion}
 

@@ -231,10 +231,15 @@ class ResponsesRequest(_Sampling):
 
 # ---- responses -------------------------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0          # prompt tokens restored from the prefix cache instead of computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

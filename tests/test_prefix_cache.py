@@ -163,14 +163,18 @@ def test_served_conversation_restores_prefixes_through_the_ple_service(tiny_chec
     opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
                         extra={"max_num_batched_tokens": 24, "block_size": 16, "max_model_len": 256})
     with Cluster(opts) as c:
-        served = []
+        served, cached = [], []
         for ids in prompts:
             r = httpx.post(c.url + "/v1/completions", timeout=120, json={
                 "model": "moepipe", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 2})
             assert r.status_code == 200, r.text
             served.append(r.json()["choices"][0]["logprobs"]["token_logprobs"])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         metrics = httpx.get(c.url + "/metrics").text
     for events, logprobs in zip(reference, served, strict=True):
         assert logprobs == pytest.approx([e.logprob for e in events], abs=1e-4)
     hits = [line for line in metrics.splitlines() if line.startswith("moepipe_prefix_cache_hits_total ")]
-    assert hits and float(hits[0].split()[1]) >= 16 * 3 + 32
+    assert hits and float(hits[0].split()[1]) == sum(cached) >= 16 * 3 + 32
+    # each later turn of the conversation restores all but the last block or so of the turn before
+    assert cached[0] == cached[4] == 0 and all(cached[i] >= len(prompts[i - 1]) - 8 - 16 for i in (1, 2, 3))
+    assert cached[5] == 32                                       # the system prompt's first two blocks
