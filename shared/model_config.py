@@ -309,6 +309,10 @@ def _default_layer_types(cls: type[HybridMoeConfig], n: int, interval: int) -> l
 
 def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
     """Build the family's config from a parsed config.json (top level or its `text_config`)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json: expected a JSON object, got {type(raw).__name__}")
+    if "text_config" in raw and not isinstance(raw["text_config"], (dict, type(None))):
+        raise ConfigError(f"config field 'text_config': expected an object, got {raw['text_config']!r}")
     outer_type = raw.get("model_type")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     model_type = text.get("model_type") or outer_type
@@ -332,7 +336,10 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
             log.info("config.json: ignoring top-level keys outside text_config: %s", ", ".join(ignored_outer))
 
     # RoPE: transformers 5 nests it in rope_parameters; older configs keep rope_theta / partial_rotary_factor flat.
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"config field 'rope_parameters': expected an object, got {rope!r}")
+    rope = dict(rope)
     values["rope_scaling"] = _rope_scaling(rope, text, values.get("max_position_embeddings",
                                                                  cls.max_position_embeddings))
     values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", cls.rope_theta)))
@@ -353,10 +360,13 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
         # transformers' Qwen3.5-MoE router always renormalises its top-k weights; the key is not its config's.
         values.pop("norm_topk_prob", None)
     eos = values.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
-    values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    values["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
     n_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
     if not values.get("layer_types"):
-        values["layer_types"] = _default_layer_types(cls, n_layers, int(text.get("full_attention_interval", 4)))
+        interval = text.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"config field 'full_attention_interval': must be a positive integer (got {interval!r})")
+        values["layer_types"] = _default_layer_types(cls, n_layers, interval)
     elif cls is Qwen4ExpConfig:
         # Released Qwen4-Exp configs call their indexed layers "full_attention".
         values["layer_types"] = [INDEXED if t == FULL else t for t in values["layer_types"]]
@@ -425,6 +435,8 @@ def _check_types(cfg: HybridMoeConfig) -> None:
             raise ConfigError(f"config field {f.name!r}: expected true/false, got {val!r}")
         if typ.startswith("list") and not isinstance(val, list):
             raise ConfigError(f"config field {f.name!r}: expected a list, got {val!r}")
+        if typ.startswith("list[int]") and any(isinstance(v, bool) or not isinstance(v, int) for v in val):
+            raise ConfigError(f"config field {f.name!r}: expected a list of integers, got {val!r}")
 
 
 def load_config(model_dir: str | Path) -> HybridMoeConfig:

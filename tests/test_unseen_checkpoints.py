@@ -178,3 +178,38 @@ def test_unsupported_rope_is_refused_naming_the_field(rope, field):
            "layer_types": [LIN, FULL, LIN], "rope_parameters": rope}
     with pytest.raises(ConfigError, match=rf"rope_parameters\.{field}"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("text_config", "qwen3_next", "text_config"),             # was an AttributeError from the quantization reader
+    ("rope_parameters", "default", "rope_parameters"),        # was "dictionary update sequence element #0 ..."
+    ("eos_token_id", "5", "eos_token_id"),                    # was read as the list ['5']
+    ("eos_token_id", [5, "6"], "eos_token_id"),
+])
+def test_malformed_config_values_name_the_field(key, value, field):
+    from shared.model_config import ConfigError, config_from_dict
+
+    raw = {"model_type": "qwen3_next", **SMALL, "num_hidden_layers": 3, "intermediate_size": 20,
+           "layer_types": [LIN, FULL, LIN], key: value}
+    with pytest.raises(ConfigError, match=rf"config field '{field}'"):
+        config_from_dict(raw)
+
+
+def test_zero_full_attention_interval_names_the_field():
+    from shared.model_config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="config field 'full_attention_interval'"):    # was ZeroDivisionError
+        config_from_dict({"model_type": "qwen3_5_moe_text", **SMALL, "num_hidden_layers": 3,
+                          "full_attention_interval": 0})
+
+
+def test_unreadable_weight_file_is_a_checkpoint_error_naming_it(tmp_path):
+    """A truncated or foreign file among the weights: a CheckpointError naming the file (was safetensors' bare
+    'Error while deserializing header' with no file name)."""
+    from shared.checkpoint_files import CheckpointError
+
+    written(qwen3_5_moe(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_model(tmp_path, LoadOptions(dtype=torch.float32))

@@ -179,7 +179,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     dense = PackedDensePlacer(model, CheckpointError)
     fp8_dense = Fp8DensePlacer(model, CheckpointError)
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for raw_name in f.keys():
                 name = normalise(raw_name)
                 if placer.takes(name):
@@ -240,6 +240,14 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts.ple_dir)
 
 
+def _open_safetensors(path: Path):
+    """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:       # safetensors' SafetensorError, or an OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # With shared_expert_intermediate_size 0 transformers still builds (and save_pretrained writes) a shared expert of
 # zero width, [0, H] / [H, 0] weights, and its [1, H] gate: the gated output is sigmoid(g) * 0. Ours has none.
@@ -288,7 +296,7 @@ def _disk_headers(model_dir: Path, suffixes: tuple[str, ...]) -> dict[str, tuple
     """Normalised on-disk name -> (shape, safetensors dtype) of the tensors ending in `suffixes`, from the headers."""
     disk = {}
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for raw in f.keys():
                 if raw.endswith(suffixes):
                     sl = f.get_slice(raw)
