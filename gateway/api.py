@@ -379,6 +379,9 @@ class _Server:
             return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=True, **kwargs)
         except ValueError as e:
             raise invalid_request(str(e), param="messages") from None
+        except RecursionError:          # tools or extra fields nested hundreds deep: converting them recursed too far
+            raise invalid_request("The messages, tools or chat_template_kwargs are nested too deeply to render.") \
+                from None
 
     @cached_property
     def grammar_compiler(self):

@@ -79,3 +79,22 @@ def test_json_object_with_tools_is_any_object(server, tiny_checkpoint):
         assert r.status_code == 200, r.text
         message = r.json()["choices"][0]["message"]
         assert "tool_calls" not in message and message["content"].startswith('{"'), (extra, message)
+
+
+# ---- client mistakes ------------------------------------------------------------------------------------------
+
+def test_deeply_nested_tools_are_a_400(server):
+    """A tool schema (or an extra field) nested hundreds of levels deep parses as JSON, but rendering the prompt
+    recursed past Python's limit: that was a 500 internal_error; it is the client's mistake, a 400."""
+    depth = 300
+    schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
+    raw = ('{"model": "moepipe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": '
+           '[{"type": "function", "function": {"name": "f", "parameters": %s}}]}' % schema)
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=120, verify=False)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert "nested too deeply" in err["message"]
+    ok = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
