@@ -71,13 +71,32 @@ class PrefixCache:
             self.hits += best.length
         return best
 
-    def snapshot_position(self, prompt_len: int, start: int) -> int | None:
-        """Where a request whose prompt has `prompt_len` tokens and whose prefill starts at `start` should save its
-        state: the last block boundary `margin` tokens or more before the end, if it is past `start`."""
+    def shared_length(self, ids: list[int]) -> int:
+        """The longest block boundary up to which `ids` agrees with some entry, whether or not that entry's whole
+        prefix matches: where two prompts part (two conversations with one system prompt)."""
+        best, b = 0, self.block_size
+        for e in self.entries:
+            lo, hi = best, min(e.length, len(ids)) // b * b       # ids[:lo] agrees (or lo is already beaten)
+            if hi <= lo or ids[lo:lo + b] != e.tokens[lo:lo + b] or ids[:lo] != e.tokens[:lo]:
+                continue
+            lo += b
+            while lo < hi:                                       # the largest agreeing boundary in (lo, hi]
+                mid = (lo + hi + b) // (2 * b) * b
+                if ids[lo:mid] == e.tokens[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid - b
+            best = lo
+        return best
+
+    def snapshot_positions(self, ids: list[int], start: int) -> list[int]:
+        """Where a request whose prompt is `ids` and whose prefill starts at `start` saves its state: the last block
+        boundary `margin` tokens or more before the prompt's end (the next turn of its conversation), and where it
+        parts from the cached prefixes it shares a first part with (the next conversation that shares that part)."""
         if self.num_states == 0:
-            return None
-        pos = (prompt_len - self.margin) // self.block_size * self.block_size
-        return pos if pos > start else None
+            return []
+        last = (len(ids) - self.margin) // self.block_size * self.block_size
+        return sorted({p for p in (self.shared_length(ids), last) if start < p <= last})
 
     # ---- entries -----------------------------------------------------------------------------------------------
     def reserve_state(self) -> int | None:

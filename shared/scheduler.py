@@ -55,7 +55,8 @@ class Request:
     inflight: int = 0                  # plans in flight that hold this request
     sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
     restore: CachedPrefix | None = None    # prefix cache: admitted on this entry, its first step not yet back
-    snapshot_at: int | None = None     # prefix cache: save the state after this many tokens (a chunk ends there)
+    snapshots: list[int] = field(default_factory=list)   # prefix cache: save the state after these many tokens
+    #                                  (a prefill chunk ends at each)
     cached_tokens: int = 0             # prompt tokens the prefix cache spared (usage's cached_tokens)
 
     @property
@@ -217,7 +218,7 @@ class Scheduler:
             hit.users += 1
             req.blocks, req.computed, req.restore, req.sent_blocks = list(hit.blocks), hit.length, hit, 0
             req.cached_tokens = max(req.cached_tokens, hit.length)
-        req.snapshot_at = self.prefix.snapshot_position(len(req.prompt_ids), req.computed)
+        req.snapshots = self.prefix.snapshot_positions(req.prompt_ids, req.computed)
         return True
 
     def _drop_prefix(self, req: Request) -> None:
@@ -226,7 +227,7 @@ class Scheduler:
             self.blocks.release(req.blocks)
             req.restore.users -= 1
             req.blocks, req.computed, req.restore = [], 0, None
-        req.snapshot_at = None
+        req.snapshots = []
 
     def _take_snapshots(self, entries: list[SeqEntry]) -> list[tuple[SeqEntry, tuple[Request, int, int]]]:
         """The entries of a plan whose chunk ends at their request's snapshot position, each with a reserved
@@ -234,9 +235,12 @@ class Scheduler:
         out = []
         for e in entries:
             req = self.running[e.req_id]
-            if req.snapshot_at is None or e.context_len + e.num_tokens != req.snapshot_at:
+            end = e.context_len + e.num_tokens
+            while req.snapshots and req.snapshots[0] < end:
+                req.snapshots.pop(0)                # passed (a restoring chunk could not end there): not saved
+            if not req.snapshots or req.snapshots[0] != end:
                 continue
-            req.snapshot_at = None
+            req.snapshots.pop(0)
             state = self.prefix.reserve_state()
             if state is not None:
                 out.append((e, (req, e.context_len + e.num_tokens, state)))
@@ -287,9 +291,9 @@ class Scheduler:
             restoring = req.restore is not None and pos == req.restore.length
             if restoring and n < 2:
                 return None                         # a restoring step is never decode-shaped (see PrefixCache.match)
-            if req.snapshot_at is not None and pos < req.snapshot_at < pos + n \
-                    and (not restoring or req.snapshot_at - pos >= 2):
-                n = req.snapshot_at - pos           # the chunk ends where the prefix cache saves the state
+            cut = req.snapshots[0] if req.snapshots else None
+            if cut is not None and pos < cut < pos + n and (not restoring or cut - pos >= 2):
+                n = cut - pos                       # the chunk ends where the prefix cache saves the state
             tokens = req.ids(pos, pos + n)
         if not self._reserve(req, n, mb):
             return None
@@ -519,7 +523,7 @@ class Scheduler:
         if req.restore is not None:
             req.restore.users -= 1
             req.restore = None
-        req.snapshot_at = None
+        req.snapshots = []
         self.blocks.release(req.blocks)
         req.blocks = []
         if req.slot is not None:

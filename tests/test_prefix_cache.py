@@ -33,12 +33,19 @@ def test_match_takes_the_longest_cached_prefix_that_leaves_two_tokens():
     assert cache.queries == 10 + 9 + 6 + 6 and cache.hits == 12
 
 
-def test_snapshot_position_is_the_last_block_boundary_before_the_margin():
-    _, cache = _cache(block_size=4, margin=2)
-    assert cache.snapshot_position(10, 0) == 8
-    assert cache.snapshot_position(9, 0) == 4
-    assert cache.snapshot_position(5, 0) is None                   # boundary 0: nothing to save
-    assert cache.snapshot_position(10, 8) is None                  # restored at 8 already
+def test_snapshots_go_before_the_margin_and_where_the_prompt_parts_from_cached_ones():
+    bm, cache = _cache(block_size=4, margin=2)
+    assert cache.snapshot_positions(list(range(10)), 0) == [8]
+    assert cache.snapshot_positions(list(range(9)), 0) == [4]
+    assert cache.snapshot_positions(list(range(5)), 0) == []       # boundary 0: nothing to save
+    assert cache.snapshot_positions(list(range(10)), 8) == []      # restored at 8 already
+    cache.add(list(range(12)), bm.allocate(3), cache.reserve_state())
+    for parts_at in range(0, 12):                                  # a prompt that agrees for parts_at tokens
+        ids = list(range(parts_at)) + [99] * 20
+        assert cache.shared_length(ids) == parts_at // 4 * 4
+        assert cache.snapshot_positions(ids, 0) == sorted({p for p in (parts_at // 4 * 4, (len(ids) - 2) // 4 * 4)
+                                                           if p})
+    assert cache.shared_length(list(range(30))) == 12              # all of the entry (and a hit)
 
 
 def test_eviction_is_least_recently_used_and_spares_entries_about_to_be_restored():
@@ -75,14 +82,16 @@ def test_the_same_prefix_twice_keeps_one_entry_and_clear_releases_everything():
 
 def _turns(seed: int) -> list[list[int]]:
     """An agent's conversation: each prompt is the one before, plus a reply and a new message (some long enough to
-    span several blocks and prefill chunks); then an unrelated prompt and one sharing only a first part."""
+    span several blocks and prefill chunks); then an unrelated prompt, one sharing only a first part, and three that
+    share their first 40 tokens: the second saves its state where it parts from the first, the third restores it."""
     rng = random.Random(seed)
     words = lambda n: [rng.randrange(10, 2000) for _ in range(n)]     # noqa: E731
     system = words(37)
     turns = [system + words(12)]
     for n in (23, 41, 5):
         turns.append(turns[-1] + words(9) + words(n))
-    return turns + [words(30), system + words(20)]
+    other = words(40)               # a second system prompt: three conversations, each parting after it
+    return turns + [words(30), system + words(20), other + words(60), other + words(60), other + words(30)]
 
 
 def _serve(tiny_checkpoint, prompts: list[list[int]], greedy: bool, **keys):
@@ -120,8 +129,8 @@ def test_cached_prefixes_serve_the_tokens_computing_everything_serves(tiny_check
         off, _ = _serve(tiny_checkpoint, prompts, greedy, enable_prefix_caching=False, **keys)
         on, hits = _serve(tiny_checkpoint, prompts, greedy, **keys)
         _same(off, on)
-        # every later turn restores the turn before's snapshot, the last prompt the system prompt's
-        assert hits >= 16 * 3 + 32
+        # every later turn restores the turn before's snapshot, later prompts the system prompts'
+        assert hits >= 16 * 3 + 32 + 32
 
 
 def test_evictions_and_preemptions_keep_the_tokens(tiny_checkpoint):
@@ -174,7 +183,8 @@ def test_served_conversation_restores_prefixes_through_the_ple_service(tiny_chec
     for events, logprobs in zip(reference, served, strict=True):
         assert logprobs == pytest.approx([e.logprob for e in events], abs=1e-4)
     hits = [line for line in metrics.splitlines() if line.startswith("moepipe_prefix_cache_hits_total ")]
-    assert hits and float(hits[0].split()[1]) == sum(cached) >= 16 * 3 + 32
+    assert hits and float(hits[0].split()[1]) == sum(cached) >= 16 * 3 + 32 + 32
     # each later turn of the conversation restores all but the last block or so of the turn before
     assert cached[0] == cached[4] == 0 and all(cached[i] >= len(prompts[i - 1]) - 8 - 16 for i in (1, 2, 3))
     assert cached[5] == 32                                       # the system prompt's first two blocks
+    assert cached[6] == cached[7] == 0 and cached[8] == 32       # where the second and first conversations parted
