@@ -399,7 +399,8 @@ class Scheduler:
             req.events.append(out)
             touched.append(req)
             if req.grammar is not None and not req.grammar.accept(out.token):
-                req.error = f"token {out.token} was sampled outside the grammar"
+                why = getattr(req.grammar, "error", None)       # the matcher's own reason (a parser limit, ...)
+                req.error = f"token {out.token} was sampled outside the grammar" + (f": {why}" if why else "")
                 self.release(req, "error")
                 continue
             reason = self._finish_reason(req)

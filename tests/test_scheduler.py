@@ -30,6 +30,11 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
     rng = random.Random(seed)
     for r in reqs:
         sched.add(r)
+    # Every stage's per-sequence state (DeltaNet, n-gram context) as the tokens it has taken in, by slot (running
+    # requests' and the prefix cache's snapshot slots): stages apply plans in plan order, so applying each plan's
+    # state effects when it is made is what they do. Each entry must find its request's tokens so far.
+    truth = {r.req_id: r.prompt_ids + _expected(r, stops) for r in reqs}
+    state: dict[int, list[int]] = {}
     outputs: dict[str, list[int]] = {r.req_id: [] for r in reqs}
     flying: list = []
     stage0: dict[tuple[str, int], int] = {}          # what stage 0 holds from the last stage's Sampled messages
@@ -52,17 +57,34 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                     for key in [k for k in stage0 if k[0] == rid]:
                         del stage0[key]
                 for e in plan.entries:
+                    if e.restore is not None:        # prefix cache: a first entry after a cached prefix
+                        assert e.req_id not in fed and e.history == truth[e.req_id][:e.context_len][-32:]
+                        fed[e.req_id] = e.context_len
                     # Every entry continues where the request's previous one ended (n-gram context, state slots).
                     assert e.context_len == fed.get(e.req_id, 0), (e.req_id, e.context_len, fed.get(e.req_id))
                     fed[e.req_id] = e.context_len + e.num_tokens
+                    if e.restore is not None:
+                        state[e.slot] = list(state[e.restore])
+                    elif e.context_len == 0:
+                        state[e.slot] = []
+                    assert state[e.slot] == truth[e.req_id][:e.context_len], e.req_id
+                    state[e.slot] += e.tokens if e.tokens is not None else [_token(e.req_id, e.context_len, stops)]
+                for slot, snapshot in plan.snapshots:
+                    state[snapshot] = list(state[slot])
                 if plan.entries:
-                    # Invariants: block tables cover the tokens; no block is owned twice.
-                    owned = [b for r in [*sched.running.values(), *sched.draining.values()] for b in r.blocks]
-                    assert len(owned) == len(set(owned))
-                    assert len(owned) + sched.blocks.free_blocks == sched.blocks.num_blocks
+                    # Invariants: block tables cover the tokens; each block is held as often as requests and
+                    # cached prefixes list it (once, without the prefix cache), and every other one is free.
+                    holders = [b for r in [*sched.running.values(), *sched.draining.values()] for b in r.blocks]
+                    if sched.prefix is not None:
+                        holders += [b for c in sched.prefix.entries for b in c.blocks]
+                    else:
+                        assert len(holders) == len(set(holders))
+                    assert all(sched.blocks.refcount(b) == holders.count(b) for b in set(holders))
+                    assert len(set(holders)) + sched.blocks.free_blocks == sched.blocks.num_blocks
                     for e in plan.entries:
                         # Stages grow each request's table by the entry's new blocks (all of them at position 0).
-                        tables[e.req_id] = (tables.get(e.req_id, []) if e.context_len else []) + e.new_blocks
+                        tables[e.req_id] = (tables.get(e.req_id, []) if e.context_len and e.restore is None
+                                            else []) + e.new_blocks
                         assert len(tables[e.req_id]) * sched.block_size >= e.context_len + e.num_tokens
                         assert tables[e.req_id] == sched.running[e.req_id].blocks
                     flying.append(plan)
@@ -76,6 +98,7 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
             stage0.clear()
             fed.clear()
             tables.clear()
+            state.clear()
             continue
         heads = [p for i, p in enumerate(flying) if all(q.microbatch != p.microbatch for q in flying[:i])]
         plan = rng.choice(heads)
@@ -92,7 +115,10 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
             outputs[r.req_id].extend(o.token for o in r.events)
             r.events.clear()
     assert not sched.running and not sched.waiting and not sched.draining, "requests left unfinished"
-    assert sched.blocks.used_blocks == 0 and sched.blocks.used_slots == 0
+    cached = sched.prefix.cached_blocks if sched.prefix is not None else 0     # held by the prefix cache alone
+    assert sched.blocks.used_blocks == cached and sched.blocks.used_slots == 0
+    if sched.prefix is not None:
+        assert sched.prefix.idle_blocks == cached and not any(c.users for c in sched.prefix.entries)
     return outputs
 
 
@@ -261,6 +287,34 @@ def test_requests_requeued_after_a_component_died_complete_with_their_tokens(see
     assert sched.num_requeued > 0
 
 
+def _prefix_cache_run(seed: int) -> int:
+    """Prompts sharing prefixes (every `_req` prompt starts 3, 4, 5, ...), few blocks and snapshot slots, plan-ahead
+    or not, stops, and now and then a crash: each restoring entry finds a state holding exactly its prompt's first
+    tokens, evictions and preemptions keep every request's tokens, and the cache ends holding only its own blocks.
+    Returns the tokens restored."""
+    rng = random.Random(seed)
+    reqs = [_req(i, rng.randint(1, 90), rng.randint(1, 20)) for i in range(14)]
+    stops = {r.req_id: len(r.prompt_ids) + rng.randint(0, 12) for r in reqs if rng.random() < 0.3}
+    sched = Scheduler(num_blocks=rng.choice([14, 18, 60]), block_size=8, max_num_seqs=rng.choice([3, 6]),
+                      max_num_batched_tokens=rng.choice([16, 40]), num_microbatches=rng.choice([1, 2]),
+                      max_model_len=4096, plan_ahead=rng.random() < 0.5, prefix_cache_states=rng.choice([1, 3]))
+    outputs = _simulate(sched, reqs, seed, stops=stops, crash_every=rng.choice([0, 0, 11]))
+    for r in reqs:
+        assert outputs[r.req_id] == _expected(r, stops), r.req_id
+    assert sched.prefix.queries > sched.prefix.hits
+    return sched.prefix.hits
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_prefix_cache_restores_states_that_hold_each_request_s_tokens(seed):
+    _prefix_cache_run(seed)
+
+
+def test_prefix_cache_hits_in_most_runs():
+    """(Those runs restore prefixes: in some, preemptions under 14 blocks leave nothing cached long enough.)"""
+    assert sum(1 for seed in range(16) if _prefix_cache_run(seed) > 0) >= 12
+
+
 def test_request_ids_slice_prompt_and_output_without_joining_them():
     """`Request.ids(start, end)` is (prompt + output)[start:end] across the boundary, and `num_ids` its length: the
     scheduler never builds the joined list (a 250k-token prompt made each use ~1 ms, several a step)."""
@@ -287,3 +341,28 @@ def test_a_request_failed_inside_a_step_ends_with_the_stage_message_and_the_othe
     assert failed.error == msg and failed.output_ids == [] and failed.finished == "error"
     assert ok.error is None and ok.output_ids == [9] and ok.finished is None
     assert "r0" in sched.schedule(0).finished
+
+
+def test_a_token_the_grammar_refuses_fails_the_request_with_the_matcher_s_reason():
+    """A matcher that gives up (llguidance's parser limits on a huge schema) says why; the message names it."""
+    class Refusing:
+        error = None
+
+        def mask_bytes(self) -> bytes:
+            return b"\xff"
+
+        def accept(self, token: int) -> bool:
+            self.error = "max_items_in_row exceeded"
+            return False
+
+        def is_finished(self) -> bool:
+            return False
+
+    sched = Scheduler(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                      num_microbatches=1, max_model_len=4096)
+    req = _req(0, 3, 5)
+    req.grammar = Refusing()
+    sched.add(req)
+    sched.schedule(0)
+    sched.on_result(0, [TokenOut("r0", 3, 9)])
+    assert req.finished == "error" and req.error == "token 9 was sampled outside the grammar: max_items_in_row exceeded"
