@@ -635,10 +635,10 @@ class PromptPrefetcher:
             self._cv.notify_all()
         return k
 
-    def submit_prompt(self, req_id: str, prompt: np.ndarray, specs: Sequence[NgramHashSpec]) -> int:
-        """Queue a prompt by its token ids; specs[i] hashes advisors[i]'s table. Each batch is hashed on the
-        prefetch thread (a 100k-token prompt takes ~80 ms to hash, which the service loop should not spend): the
-        hash of a batch needs only the ngram_size - 1 raw ids before it, so batches are independent."""
+    def submit_prompt(self, req_id: str, prompt: np.ndarray, specs: Sequence[NgramHashSpec], start: int = 0) -> int:
+        """Queue a prompt by its token ids, from `start` on; specs[i] hashes advisors[i]'s table. Each batch is
+        hashed on the prefetch thread (a 100k-token prompt takes ~80 ms to hash, which the service loop should not
+        spend): the hash of a batch needs only the ngram_size - 1 raw ids before it, so batches are independent."""
         if len(specs) != len(self.advisors):
             raise ValueError(f"{len(specs)} hash specs for {len(self.advisors)} tables")
         prompt = np.array(prompt, dtype=np.int64).reshape(-1)
@@ -649,7 +649,7 @@ class PromptPrefetcher:
             if self._stop:
                 return 0
             n = 0
-            for s in range(0, prompt.size, self.batch_tokens):
+            for s in range(start, prompt.size, self.batch_tokens):
                 before = prompt[max(0, s - k):s]
                 context = np.concatenate([np.full(k - before.size, specs[0].eos_token_id, dtype=np.int64), before])
                 chunk = prompt[s:s + self.batch_tokens]

@@ -111,8 +111,9 @@ class PleService:
             # scheduler preempted and re-admitted in this same plan is in both.
             for req_id in plan.finished:
                 self.prefetcher.cancel(req_id)
+        restored = {e.req_id: e.context_len for e in plan.entries if e.restore is not None}
         for spec in plan.new_requests:
-            self._start_prefetch(spec)
+            self._start_prefetch(spec, restored.get(spec.req_id, 0))
         if plan.dropped:                  # failed steps: no stage will copy their rows, nor wait for them
             dropped = set(plan.dropped)
             self._release(lambda step: step in dropped)
@@ -189,11 +190,13 @@ class PleService:
                 t.close()
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _start_prefetch(self, spec: SamplingSpec) -> None:
-        if self.prefetcher is None or not spec.prompt_ids:
+    def _start_prefetch(self, spec: SamplingSpec, start: int = 0) -> None:
+        """Prefetch the rows of the prompt's tokens from `start` on (a request restored from the prefix cache
+        computes nothing before its entry's position)."""
+        if self.prefetcher is None or len(spec.prompt_ids) <= start:
             return
         self.prefetcher.submit_prompt(spec.req_id, np.asarray(spec.prompt_ids, dtype=np.int64),
-                                      [s for _, s in self.specs])
+                                      [s for _, s in self.specs], start)
 
     def _ready_to_run(self, plan: Plan) -> bool:
         """Its slot is free and every decode token is here, or a decode entry's request is one this service holds

@@ -129,6 +129,16 @@ def test_prompt_prefetch_advises_exactly_the_hashed_rows_pages(tiny):
     finally:
         pf.stop()
     assert by_ids.seen == rec.seen
+
+    # from a position on (a request restored from the prefix cache): only the later tokens' pages
+    later = _Recording.for_table(table)
+    pf = PromptPrefetcher([later], batch_tokens=4)
+    try:
+        assert pf.submit_prompt("r1", prompt, [spec], start=6) == 1
+        assert pf.wait_idle()
+    finally:
+        pf.stop()
+    assert set().union(*(_range_pages(r) for r in later.seen)) == _pages(rows[6:], row_bytes)
     table.close()
 
 
