@@ -101,6 +101,11 @@ class HybridMoeConfig:
         return True
 
     @property
+    def has_sparse_moe(self) -> bool:
+        """Whether any layer routes to experts (a Qwen3-Next config with num_experts 0 is all dense MLPs)."""
+        return any(self.is_sparse_moe(i) for i in range(self.num_hidden_layers))
+
+    @property
     def primary_eos(self) -> int | None:
         return self.eos_token_id[0] if self.eos_token_id else None
 
@@ -112,13 +117,17 @@ class HybridMoeConfig:
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                     "linear_num_value_heads", "moe_intermediate_size", "num_experts", "linear_conv_kernel_dim"):
+                     "linear_num_value_heads", "linear_conv_kernel_dim"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive integer")
+        if self.has_sparse_moe:
+            for name in ("moe_intermediate_size", "num_experts"):
+                need(getattr(self, name) > 0, name, "must be a positive integer")
+            need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                 "must be in [1, num_experts]")
         need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
              "must divide num_attention_heads")
         need(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
              "must divide linear_num_value_heads")
-        need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", "must be in [1, num_experts]")
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
         need(0.0 < self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in (0, 1]")
         need(self.rotary_dim <= self.head_dim, "partial_rotary_factor",
@@ -167,9 +176,12 @@ class Qwen3NextConfig(HybridMoeConfig):
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     def validate(self) -> None:
+        # Before is_sparse_moe divides by it; as in transformers, only a layer it is asked about divides (num_experts
+        # 0 and mlp_only_layers decide first).
+        if self.decoder_sparse_step == 0 and self.num_experts > 0 and not set(range(self.num_hidden_layers)) <= set(
+                self.mlp_only_layers):
+            raise ConfigError("config field 'decoder_sparse_step': must not be 0 while a layer may be sparse (got 0)")
         super().validate()
-        if self.decoder_sparse_step < 1:
-            raise ConfigError(f"config field 'decoder_sparse_step': must be >= 1 (got {self.decoder_sparse_step})")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ConfigError(f"config field 'mlp_only_layers': layer indices out of range: {bad}")

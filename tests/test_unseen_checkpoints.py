@@ -213,3 +213,56 @@ def test_unreadable_weight_file_is_a_checkpoint_error_naming_it(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
         load_model(tmp_path, LoadOptions(dtype=torch.float32))
+
+
+def served_matches(model, path: Path, stages: int) -> None:
+    """`moepipe serve --stages N` on `path` (a byte-level tokenizer added): the echoed prompt's and greedy tokens'
+    logprobs equal transformers'."""
+    from conftest import OpenAI, free_port
+    from gateway.launcher import Cluster, ServeOptions
+    from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(path, vocab_size=model.config.vocab_size, model_max_length=256)
+    ids = list(PROMPT)
+    for _ in range(NEW):
+        ids.append(int(reference_logits(model, ids)[-1].argmax()))
+    lp = torch.log_softmax(reference_logits(model, ids), -1)
+    want = [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+    with Cluster(ServeOptions(model=path, stages=stages, port=free_port(), extra={"max_num_batched_tokens": 32})) as c:
+        res = OpenAI(base_url=c.url + "/v1", api_key="x").completions.create(
+            model="moepipe", prompt=PROMPT, max_tokens=NEW, temperature=0, echo=True, logprobs=1,
+            extra_body={"ignore_eos": True})
+    got = res.choices[0].logprobs.token_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    assert max(abs(a - b) for a, b in zip(got[1:], want)) < TOL
+
+
+def test_qwen3_next_without_experts_is_all_dense(tmp_path):
+    """num_experts 0: transformers makes every layer a dense MLP (intermediate_size wide); moepipe refused the
+    config ('num_experts must be a positive integer'). In-process at 1 and 3 stages, and served by 2."""
+    model = written(qwen3_next(num_experts=0, vocab_size=330), tmp_path)
+    assert not any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    cfg = load_config(tmp_path)
+    assert not cfg.has_sparse_moe
+    assert_matches(model, tmp_path)
+    served_matches(model, tmp_path, stages=2)
+
+
+def test_dense_qwen3_next_keys_transformers_never_reads():
+    """With num_experts 0 transformers never asks decoder_sparse_step (0 does not divide) nor the expert sizes; with
+    experts, a zero step or a zero expert count for a sparse layer is still refused naming the field."""
+    from shared.model_config import ConfigError, config_from_dict
+
+    raw = {"model_type": "qwen3_next", **SMALL, "num_hidden_layers": 3, "intermediate_size": 20,
+           "layer_types": [LIN, FULL, LIN]}
+    cfg = config_from_dict({**raw, "num_experts": 0, "decoder_sparse_step": 0, "moe_intermediate_size": 0,
+                            "num_experts_per_tok": 0})
+    assert [cfg.is_sparse_moe(i) for i in range(3)] == [False] * 3
+    assert config_from_dict({**raw, "decoder_sparse_step": 0, "mlp_only_layers": [0, 1, 2]}).has_sparse_moe is False
+    with pytest.raises(ConfigError, match="config field 'decoder_sparse_step'"):
+        config_from_dict({**raw, "decoder_sparse_step": 0})
+    with pytest.raises(ConfigError, match="config field 'num_experts_per_tok'"):
+        config_from_dict({**raw, "num_experts_per_tok": 7})
+    for family in ("qwen3_5_moe_text", "qwen4_exp_text"):     # no dense layers there: every layer routes
+        with pytest.raises(ConfigError, match="config field 'num_experts': must be a positive integer"):
+            config_from_dict({**raw, "model_type": family, "num_experts": 0})
