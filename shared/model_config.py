@@ -137,7 +137,8 @@ class HybridMoeConfig:
         allowed = {LINEAR, self.attention_layer_type}
         bad = sorted(set(self.layer_types) - allowed)
         need(not bad, "layer_types", f"{self.family} supports only {sorted(allowed)}, not {bad}")
-        need(self.hidden_act == "silu", "hidden_act", "only silu is supported")
+        # "swish" is transformers' ACT2FN alias of the same function (experts, MLPs and the DeltaNet conv use it)
+        need(self.hidden_act in ("silu", "swish"), "hidden_act", "only silu (or its alias swish) is supported")
         need(self.mtp_num_hidden_layers in (0, 1), "mtp_num_hidden_layers", "0 or 1 MTP layers are supported")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
 

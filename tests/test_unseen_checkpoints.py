@@ -266,3 +266,30 @@ def test_dense_qwen3_next_keys_transformers_never_reads():
     for family in ("qwen3_5_moe_text", "qwen4_exp_text"):     # no dense layers there: every layer routes
         with pytest.raises(ConfigError, match="config field 'num_experts': must be a positive integer"):
             config_from_dict({**raw, "model_type": family, "num_experts": 0})
+
+
+def test_swish_is_silu(tmp_path):
+    """hidden_act "swish" is transformers' ACT2FN alias of silu (experts, MLPs, the DeltaNet conv); moepipe refused
+    it as 'only silu is supported'."""
+    model = written(qwen3_next(hidden_act="swish", mlp_only_layers=[1]), tmp_path)
+    assert_matches(model, tmp_path, stages=(1,))
+
+
+def test_qwen4_exp_swish_hidden_act(tmp_path):
+    """Qwen4-Exp with hidden_act "swish" and a sigmoid output gate matches transformers; with no output_gate_type
+    the gate takes hidden_act, which transformers' Qwen4-Exp config refuses unless sigmoid or silu: so does moepipe,
+    naming the field."""
+    from transformers import Qwen4ExpTextConfig
+
+    from shared.model_config import ConfigError, config_from_dict
+
+    cfg = Qwen4ExpTextConfig(**{**SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, "indexed_attention"],
+                                "hidden_act": "swish", "output_gate_type": "sigmoid", "hc_count": 2, "hc_lowrank": 4,
+                                "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 12,
+                                "indexer_budget": 8, "indexer_compress_ratio": 4})
+    model = written(cfg, tmp_path)
+    assert_matches(model, tmp_path, stages=(1,))
+    raw = {"model_type": "qwen4_exp_text", **SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, FULL],
+           "hidden_act": "swish"}
+    with pytest.raises(ConfigError, match="config field 'output_gate_type'"):
+        config_from_dict(raw)
