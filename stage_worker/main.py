@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 import zmq
 
+from shared.checkpoint_files import CheckpointError
 from shared.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, stage_name
+from shared.cold_set import ColdSetError
 from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authentication
-from shared.model_config import load_config
+from shared.model_config import ConfigError, load_config
+from shared.quant_scheme import QuantSchemeError
 from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker import ipc_activations
@@ -31,6 +34,10 @@ from stage_worker.stage_loader import load_stage
 from stage_worker.warmup import warm_up
 
 log = logging.getLogger("moepipe.stage")
+
+# What loading a checkpoint refuses with a message naming the problem (config field, file, tensor, cold set, quant
+# scheme): the worker prints that message as one line and exits 2. Anything else keeps its traceback.
+LOAD_REFUSALS = (CheckpointError, ConfigError, ClusterConfigError, ColdSetError, QuantSchemeError)
 
 
 def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
@@ -64,10 +71,14 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runne
 def serve(cluster: ClusterConfig, index: int) -> int:
     spec = cluster.stages[index]
     name = stage_name(index)
-    cfg = load_config(cluster.model)
-    cluster = cluster.for_model(cfg)
     t0 = time.time()
-    model = load_stage(cluster, index, cfg)
+    try:
+        cfg = load_config(cluster.model)
+        cluster = cluster.for_model(cfg)
+        model = load_stage(cluster, index, cfg)
+    except LOAD_REFUSALS as exc:      # a checkpoint moepipe refuses: one line naming the problem, not a traceback
+        print(f"stage_worker: {name}: {exc}", file=sys.stderr)
+        return 2
     ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
     ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None

@@ -293,3 +293,34 @@ def test_qwen4_exp_swish_hidden_act(tmp_path):
            "hidden_act": "swish"}
     with pytest.raises(ConfigError, match="config field 'output_gate_type'"):
         config_from_dict(raw)
+
+
+def test_stage_worker_refusing_a_checkpoint_prints_one_line(tmp_path, monkeypatch, capsys):
+    """A stage that cannot load the checkpoint (a CheckpointError or ConfigError naming the problem) prints that
+    message as one line and exits 2; it printed a whole traceback (twice, with the chained safetensors error).
+    Anything unexpected still raises, traceback and all."""
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from stage_worker import main as worker
+
+    written(qwen3_5_moe(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    cluster = ClusterConfig(model=str(tmp_path), gateway_endpoint="ipc:///nonexistent",
+                            stages=[StageSpec(0, 3, "ipc:///nonexistent-stage0", "cpu")])
+    assert worker.serve(cluster, 0) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"stage_worker: stage0: {weights}: not a readable safetensors file "
+                                        "(Error while deserializing header: invalid header length)"]
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text().replace('"hidden_act": "silu"', '"hidden_act": "gelu"'))
+    assert worker.serve(cluster, 0) == 2
+    assert "config field 'hidden_act'" in capsys.readouterr().err
+
+    def broken(*_):
+        raise RuntimeError("not a refusal")
+
+    config.write_text(config.read_text().replace('"hidden_act": "gelu"', '"hidden_act": "silu"'))
+    monkeypatch.setattr(worker, "load_stage", broken)
+    with pytest.raises(RuntimeError, match="not a refusal"):
+        worker.serve(cluster, 0)
