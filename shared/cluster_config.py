@@ -106,6 +106,10 @@ class ClusterConfig:
     # until evicted, least recently used first, before any running request is preempted for blocks.
     enable_prefix_caching: bool = True
     prefix_cache_states: int = 8
+    # A prompt's prefill is cut into one more chunk at a snapshot target only if that saves this many tokens over
+    # saving the chunk start before it (a block boundary); -1 = auto: 0 when every stage is a CPU (a step costs its
+    # tokens only), 1024 otherwise (a GPU prefill step's launches cost 0.1-0.2 s at 48 layers whatever its tokens)
+    prefix_cache_split_tokens: int = -1
     # The gateway's interpreter switch interval (sys.setswitchinterval), in ms: the engine core's thread waits for
     # the GIL after each stage result while the HTTP event loop streams tokens, up to Python's default 5 ms a wait.
     # 0.5 since the H200 timed it (h200-20, full shape 20 layers, one stage): 4 streams 607.8 -> 653.5 tok/s,
@@ -366,6 +370,12 @@ class ClusterConfig:
         return self.prefix_cache_states if self.enable_prefix_caching else 0
 
     @property
+    def prefix_split_tokens(self) -> int:
+        if self.prefix_cache_split_tokens >= 0:
+            return self.prefix_cache_split_tokens
+        return 0 if all(s.device.split(":")[0] == "cpu" for s in self.stages) else 1024
+
+    @property
     def steps_in_flight(self) -> int:
         """At most this many steps are planned and not yet finished: plans per micro-batch x micro-batches."""
         return self.num_microbatches * (2 if self.async_scheduling else 1)
@@ -397,7 +407,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_PREFIX_CACHING": "enable_prefix_caching",
-        "MOEPIPE_PREFIX_CACHE_STATES": "prefix_cache_states", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
+        "MOEPIPE_PREFIX_CACHE_STATES": "prefix_cache_states",
+        "MOEPIPE_PREFIX_CACHE_SPLIT_TOKENS": "prefix_cache_split_tokens", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
@@ -422,7 +433,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
-             "ple_prefetch_depth", "prefix_cache_states")
+             "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")

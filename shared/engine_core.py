@@ -115,6 +115,7 @@ class SchedulerLimits:
     plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
     recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
     prefix_cache_states: int = 0           # snapshot slots of the prefix cache (0: off; shared/prefix_cache.py)
+    prefix_split_tokens: int = 0           # ... tokens a snapshot must save to cut a prefill chunk for it
 
     @classmethod
     def from_cluster(cls, cluster, max_model_len: int) -> SchedulerLimits:
@@ -123,6 +124,7 @@ class SchedulerLimits:
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
                    max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
                    plan_ahead=cluster.async_scheduling, prefix_cache_states=cluster.prefix_states,
+                   prefix_split_tokens=cluster.prefix_split_tokens,
                    # nothing comes back without the launcher's restarts: then a dead component fails its requests
                    recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0)
 
@@ -138,7 +140,8 @@ class EngineCore:
                                    max_num_batched_tokens=limits.max_num_batched_tokens,
                                    num_microbatches=limits.num_microbatches, max_model_len=limits.max_model_len,
                                    max_queue=limits.max_queue, plan_ahead=limits.plan_ahead,
-                                   prefix_cache_states=limits.prefix_cache_states)
+                                   prefix_cache_states=limits.prefix_cache_states,
+                                   prefix_split_tokens=limits.prefix_split_tokens)
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._phases: dict[str, _Phases] = {}   # requests without a token yet: when queued, first scheduled

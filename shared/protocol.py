@@ -111,8 +111,8 @@ class Plan(Message):
     # scheduler preempted while planning this step can be re-admitted in it, from position 0.
     finished: list[str] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)       # steps a stage failed: forget their pending inputs
-    # prefix cache: (slot, snapshot slot) pairs; AFTER running the entries each stage copies its per-sequence state
-    # (DeltaNet, PLE) of `slot` into the snapshot slot
+    # prefix cache: (slot, snapshot slot) pairs; before running the entries (after any restore) each stage copies
+    # its per-sequence state (DeltaNet, PLE) of `slot` into the snapshot slot: the state the entry starts from
     snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 

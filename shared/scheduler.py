@@ -55,8 +55,7 @@ class Request:
     inflight: int = 0                  # plans in flight that hold this request
     sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
     restore: CachedPrefix | None = None    # prefix cache: admitted on this entry, its first step not yet back
-    snapshots: list[int] = field(default_factory=list)   # prefix cache: save the state after these many tokens
-    #                                  (a prefill chunk ends at each)
+    snapshots: list[int] = field(default_factory=list)   # prefix cache: positions whose state to save (targets)
     cached_tokens: int = 0             # prompt tokens the prefix cache spared (usage's cached_tokens)
 
     @property
@@ -88,13 +87,18 @@ class Request:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  num_microbatches: int, max_model_len: int, max_queue: int = 256, plan_ahead: bool = False,
-                 prefix_cache_states: int = 0) -> None:
+                 prefix_cache_states: int = 0, prefix_split_tokens: int = 0) -> None:
         self.blocks = BlockManager(num_blocks, max_num_seqs)
         # Snapshot slots follow the running requests' slots and the stages' scratch slot (shared/prefix_cache.py).
         self.prefix = PrefixCache(self.blocks, block_size, list(range(max_num_seqs + 1,
                                                                       max_num_seqs + 1 + prefix_cache_states))) \
             if prefix_cache_states > 0 else None
         self._snapshots: dict[int, list[tuple[Request, int, int]]] = {}   # step -> (request, length, state)
+        self._snapping: list[tuple[Request, int]] = []       # this plan's (request, position) to save
+        # A snapshot target is worth an extra prefill step (a chunk cut there) only if it saves this many tokens
+        # over the chunk start before it (a block boundary saved instead): 0 on CPU stages, where a step costs only
+        # its tokens; ~1024 where a step has a fixed cost (a GPU's launches: 0.1-0.2 s a prefill step at 48 layers).
+        self.prefix_split_tokens = prefix_split_tokens
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_microbatches = num_microbatches
@@ -149,6 +153,7 @@ class Scheduler:
         assert len(self.in_flight[mb]) < self.depth
         budget = self.max_num_batched_tokens
         self._planned: set[str] = set()          # requests already in this plan: never preemption victims
+        self._snapping = []
         entries: list[SeqEntry] = []
         new_specs: list[SamplingSpec] = []
         members = sorted((r for r in self.running.values() if r.microbatch == mb), key=lambda r: r.arrival)
@@ -190,10 +195,7 @@ class Scheduler:
             return None
         self.pending_finished = []
         plan = Plan(step=next(self._step), microbatch=mb, entries=entries, new_requests=new_specs, finished=finished)
-        snapshots = self._take_snapshots(entries)
-        if snapshots:
-            plan.snapshots = [(self.running[e.req_id].slot, state) for e, (_, _, state) in snapshots]
-            self._snapshots[plan.step] = [s for _, s in snapshots]
+        self._take_snapshots(plan)
         if entries:
             self.in_flight[mb].append(plan)
             for e in entries:
@@ -229,22 +231,37 @@ class Scheduler:
             req.blocks, req.computed, req.restore = [], 0, None
         req.snapshots = []
 
-    def _take_snapshots(self, entries: list[SeqEntry]) -> list[tuple[SeqEntry, tuple[Request, int, int]]]:
-        """The entries of a plan whose chunk ends at their request's snapshot position, each with a reserved
-        snapshot slot (none left: no snapshot)."""
-        out = []
-        for e in entries:
-            req = self.running[e.req_id]
-            end = e.context_len + e.num_tokens
-            while req.snapshots and req.snapshots[0] < end:
-                req.snapshots.pop(0)                # passed (a restoring chunk could not end there): not saved
-            if not req.snapshots or req.snapshots[0] != end:
-                continue
-            req.snapshots.pop(0)
+    def _prefix_chunk(self, req: Request, pos: int, n: int, remaining: int, restoring: bool) -> tuple[int, bool]:
+        """A prefill chunk's length with the prefix cache on, and whether to save the state at its start. Chunks
+        other than the prefill's last end on block boundaries, so each chunk starts on one. A chunk that reaches the
+        request's next snapshot target is cut there when that saves `prefix_split_tokens` or more over its own start
+        (the next chunk starts at the target and saves it); else the state at its start is saved instead, if that
+        is a block boundary past what was restored."""
+        b = self.block_size
+        if n < remaining and (pos + n) // b * b - pos >= (2 if restoring else 1):
+            n = (pos + n) // b * b - pos
+        targets = req.snapshots
+        while targets and targets[0] < pos:
+            targets.pop(0)                          # passed (a chunk that could not be cut there)
+        if not targets or targets[0] >= pos + n:
+            return n, False
+        x = targets[0]
+        if x - pos >= max(self.prefix_split_tokens, 2 if restoring else 1):
+            return x - pos, False                   # cut: the next chunk starts at x and saves it
+        while targets and targets[0] < pos + n:
+            targets.pop(0)
+        return n, pos % b == 0 and pos > 0 and not restoring
+
+    def _take_snapshots(self, plan: Plan) -> None:
+        """Snapshot slots for the plan's entries whose start is to be saved (none left: not saved); the stages
+        copy the states before they run the entries."""
+        for req, pos in self._snapping:
             state = self.prefix.reserve_state()
-            if state is not None:
-                out.append((e, (req, e.context_len + e.num_tokens, state)))
-        return out
+            if state is None:
+                continue
+            plan.snapshots.append((req.slot, state))
+            self._snapshots.setdefault(plan.step, []).append((req, pos, state))
+        self._snapping = []
 
     def _keep_snapshots(self, step: int, tokens: list[TokenOut]) -> None:
         """A step whose snapshots are done on every stage: into the cache (before its requests may be freed)."""
@@ -274,6 +291,7 @@ class Scheduler:
     def _entry(self, req: Request, budget: int, mb: int) -> SeqEntry | None:
         num_ids = req.num_ids
         pos = req.next_pos
+        snap = False
         if req.ahead_samples:
             # Plan-ahead: decode the token a step in flight is sampling (stage 0 gets it from the last stage).
             if not self._can_run_ahead(req):
@@ -291,12 +309,13 @@ class Scheduler:
             restoring = req.restore is not None and pos == req.restore.length
             if restoring and n < 2:
                 return None                         # a restoring step is never decode-shaped (see PrefixCache.match)
-            cut = req.snapshots[0] if req.snapshots else None
-            if cut is not None and pos < cut < pos + n and (not restoring or cut - pos >= 2):
-                n = cut - pos                       # the chunk ends where the prefix cache saves the state
+            if self.prefix is not None:
+                n, snap = self._prefix_chunk(req, pos, n, remaining, restoring)
             tokens = req.ids(pos, pos + n)
         if not self._reserve(req, n, mb):
             return None
+        if snap:
+            self._snapping.append((req, pos))
         self._planned.add(req.req_id)
         if pos == 0:
             req.sent_blocks = 0            # a first entry (admission, or again after a preemption) sends all

@@ -384,6 +384,8 @@ class StageRunner:
         for e in plan.entries:
             if e.restore is not None:         # prefix cache: the request starts from a saved state
                 self.cache.copy_state(e.restore, e.slot)
+        for slot, snapshot in plan.snapshots:  # ... and saves the state its entry starts from
+            self.cache.copy_state(slot, snapshot)
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
         with phase("stage.inputs"):
@@ -447,8 +449,6 @@ class StageRunner:
                 launched.outs, launched.copy = self._sample(plan, batch, logits)
             else:
                 launched.hidden = hidden
-        for slot, snapshot in plan.snapshots:  # prefix cache: behind the step, so its state is final
-            self.cache.copy_state(slot, snapshot)
         self._publish_rows()
         if self.feed_from_device and launched.copy is not None:
             for row, (i, _) in enumerate(launched.copy.rows):

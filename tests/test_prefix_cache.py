@@ -121,10 +121,14 @@ def _same(a: list[list], b: list[list]) -> None:
         assert [e.logprob for e in ea] == pytest.approx([e.logprob for e in eb], abs=1e-4)
 
 
-@pytest.mark.parametrize("stages,chunk,plan_ahead", [(1, 512, True), (3, 8, True), (2, 16, False)])
-def test_cached_prefixes_serve_the_tokens_computing_everything_serves(tiny_checkpoint, stages, chunk, plan_ahead):
+@pytest.mark.parametrize("stages,chunk,plan_ahead,split", [(1, 512, True, -1), (3, 8, True, -1), (2, 16, False, 1024),
+                                                          (1, 24, True, 1024)])
+def test_cached_prefixes_serve_the_tokens_computing_everything_serves(tiny_checkpoint, stages, chunk, plan_ahead,
+                                                                      split):
+    """(split 1024: chunks are never cut for a snapshot, as on a GPU; the states saved are chunk starts.)"""
     prompts = _turns(stages)
-    keys = dict(stages=stages, max_num_batched_tokens=chunk, async_scheduling=plan_ahead, max_num_seqs=4)
+    keys = dict(stages=stages, max_num_batched_tokens=chunk, async_scheduling=plan_ahead, max_num_seqs=4,
+                prefix_cache_split_tokens=split)
     for greedy in (True, False):
         off, _ = _serve(tiny_checkpoint, prompts, greedy, enable_prefix_caching=False, **keys)
         on, hits = _serve(tiny_checkpoint, prompts, greedy, **keys)

@@ -68,9 +68,10 @@ def _simulate(sched: Scheduler, reqs: list[Request], seed: int, max_steps: int =
                     elif e.context_len == 0:
                         state[e.slot] = []
                     assert state[e.slot] == truth[e.req_id][:e.context_len], e.req_id
+                    for slot, snapshot in plan.snapshots:        # the state the entry starts from
+                        if slot == e.slot:
+                            state[snapshot] = list(state[slot])
                     state[e.slot] += e.tokens if e.tokens is not None else [_token(e.req_id, e.context_len, stops)]
-                for slot, snapshot in plan.snapshots:
-                    state[snapshot] = list(state[slot])
                 if plan.entries:
                     # Invariants: block tables cover the tokens; each block is held as often as requests and
                     # cached prefixes list it (once, without the prefix cache), and every other one is free.
@@ -289,7 +290,7 @@ def test_requests_requeued_after_a_component_died_complete_with_their_tokens(see
 
 def _prefix_cache_run(seed: int) -> int:
     """Prompts sharing prefixes (every `_req` prompt starts 3, 4, 5, ...), few blocks and snapshot slots, plan-ahead
-    or not, stops, and now and then a crash: each restoring entry finds a state holding exactly its prompt's first
+    or not, chunks cut at every snapshot target or only where that saves 24 tokens, stops, and now and then a crash: each restoring entry finds a state holding exactly its prompt's first
     tokens, evictions and preemptions keep every request's tokens, and the cache ends holding only its own blocks.
     Returns the tokens restored."""
     rng = random.Random(seed)
@@ -297,7 +298,8 @@ def _prefix_cache_run(seed: int) -> int:
     stops = {r.req_id: len(r.prompt_ids) + rng.randint(0, 12) for r in reqs if rng.random() < 0.3}
     sched = Scheduler(num_blocks=rng.choice([14, 18, 60]), block_size=8, max_num_seqs=rng.choice([3, 6]),
                       max_num_batched_tokens=rng.choice([16, 40]), num_microbatches=rng.choice([1, 2]),
-                      max_model_len=4096, plan_ahead=rng.random() < 0.5, prefix_cache_states=rng.choice([1, 3]))
+                      max_model_len=4096, plan_ahead=rng.random() < 0.5, prefix_cache_states=rng.choice([1, 3]),
+                      prefix_split_tokens=rng.choice([0, 24]))
     outputs = _simulate(sched, reqs, seed, stops=stops, crash_every=rng.choice([0, 0, 11]))
     for r in reqs:
         assert outputs[r.req_id] == _expected(r, stops), r.req_id
