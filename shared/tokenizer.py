@@ -116,6 +116,22 @@ def _pick_template(config: dict, directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _model_config_eos(directory: Path) -> list[int]:
+    """config.json's eos_token_id (the top level's, else its text_config's): what transformers' generation stops on
+    when a checkpoint ships no generation_config.json (GenerationConfig.from_model_config)."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    eos = config.get("eos_token_id")
+    eos = text.get("eos_token_id") if eos is None else eos
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [i for i in eos if isinstance(i, int) and not isinstance(i, bool)]
+
+
 class Tokenizer:
     """Encode, decode and chat-format for one checkpoint; build it with `Tokenizer.from_dir`."""
 
@@ -162,6 +178,8 @@ class Tokenizer:
         if generation_file.is_file():
             configured = _read_json(generation_file).get("eos_token_id")
             eos_ids += configured if isinstance(configured, list) else [] if configured is None else [configured]
+        else:
+            eos_ids += _model_config_eos(directory)
         eos_text = special_tokens["eos_token"]
         if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
             eos_ids.append(eos_id)
@@ -178,7 +196,8 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Every id that ends generation: generation_config.json's list, then the tokenizer's own eos_token."""
+        """Every id that ends generation: generation_config.json's list (with no such file, config.json's, as
+        transformers takes it), then the tokenizer's own eos_token."""
         return list(self._eos_token_ids)
 
     @property

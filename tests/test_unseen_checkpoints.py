@@ -324,3 +324,21 @@ def test_stage_worker_refusing_a_checkpoint_prints_one_line(tmp_path, monkeypatc
     monkeypatch.setattr(worker, "load_stage", broken)
     with pytest.raises(RuntimeError, match="not a refusal"):
         worker.serve(cluster, 0)
+
+
+@pytest.mark.parametrize("eos", [[5, 7], 9])
+def test_no_generation_config_stops_on_config_eos(eos, tmp_path):
+    """A checkpoint without generation_config.json: transformers' generation stops on config.json's eos_token_id
+    (GenerationConfig.from_model_config); moepipe stopped only on the tokenizer's eos_token."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from shared.tokenizer import Tokenizer
+    from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+
+    written(qwen3_next(vocab_size=330, eos_token_id=eos), tmp_path)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    write_tokenizer_files(tmp_path, vocab_size=330, model_max_length=256)
+    want = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp_path)).eos_token_id
+    tok = Tokenizer.from_dir(tmp_path)
+    assert set([want] if isinstance(want, int) else want) < set(tok.eos_token_ids)
+    assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
