@@ -77,6 +77,7 @@ class PlanLimits:
     vram_limit: int = 0                 # bytes per device; 0 = none
     kv_cache_memory_bytes: int = 0      # KV bytes per stage; 0 = whatever is left
     host_kv_bytes: int = 0              # host RAM the stages' host K/V may take together (qsa_kv_offload); 0 = none
+    prefix_cache_states: int = 0        # of the state slots, the prefix cache's (after max_num_seqs + 1)
 
 
 @dataclass
@@ -347,7 +348,17 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
             + f"Spread the layers over more GPUs (--stages, one GPU each: about "
             f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, or keep at least "
             f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
-            f"by `moepipe cold-set --gib-per-stage N`)")
+            f"by `moepipe cold-set --gib-per-stage N`)" + _prefix_hint(mine, limits))
+
+
+def _prefix_hint(mine: list[StageNeeds], limits: PlanLimits) -> str:
+    """What the prefix cache's saved states take of `state`, and the flag that frees it."""
+    slots = limits.max_num_seqs + 1 + limits.prefix_cache_states
+    freed = max(s.state for s in mine) * limits.prefix_cache_states // slots if limits.prefix_cache_states else 0
+    if freed < GIB // 64:
+        return ""
+    return (f"; --prefix-cache-states {limits.prefix_cache_states // 2} (or 0) frees up to {freed / GIB:.2f} GiB a "
+            f"stage of saved prefix states")
 
 
 def _context_hint(mine: list[StageNeeds], short: int, limits: PlanLimits) -> str:
@@ -385,4 +396,4 @@ def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, 
             + f"Use --max-model-len "
             f"{longest} or less, raise --gpu-memory-utilization / --vram-limit"
             + (" / --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "")
-            + ", or spread the layers over more GPUs (--stages)")
+            + ", or spread the layers over more GPUs (--stages)" + _prefix_hint(mine, limits))
