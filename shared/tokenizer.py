@@ -19,6 +19,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders
 
@@ -116,6 +117,44 @@ def _pick_template(config: dict, directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# transformers' SPECIAL_TOKENS_ATTRIBUTES order, in which it adds named special tokens its backend lacks
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _add_missing_tokens(backend: _Backend, config: dict) -> None:
+    """Tokens tokenizer_config.json declares that tokenizer.json lacks, added as transformers adds them (at the next
+    free ids, whatever id the config wrote): added_tokens_decoder in id order, then the named special tokens, then
+    additional_special_tokens. Without this their text was encoded byte by byte."""
+    def add(value: Any, special: bool, spec: Mapping | None = None) -> None:
+        content = _token_text(value)
+        if not content or backend.token_to_id(content) is not None:
+            return
+        spec = spec or {}
+        token = AddedToken(content, single_word=bool(spec.get("single_word", False)),
+                           lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
+                           normalized=bool(spec.get("normalized", not special)), special=special)
+        (backend.add_special_tokens if special else backend.add_tokens)([token])
+
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, Mapping):
+        def order(item):
+            return int(item[0]) if str(item[0]).isdigit() else float("inf")
+        for _, spec in sorted(decoder.items(), key=order):
+            if isinstance(spec, Mapping):
+                add(spec, bool(spec.get("special", True)), spec)
+    for name in _NAMED_SPECIAL:
+        add(config.get(name), True, config.get(name) if isinstance(config.get(name), Mapping) else None)
+    # transformers 5 reads extra_special_tokens (a list, or a dict naming them), additional_special_tokens only
+    # beside a dict or without it
+    extra = config.get("extra_special_tokens")
+    values = list(extra.values()) if isinstance(extra, Mapping) else extra if isinstance(extra, list) else []
+    if extra is None or isinstance(extra, Mapping):
+        more = config.get("additional_special_tokens")
+        values += more if isinstance(more, list) else []
+    for value in values:
+        add(value, True, value if isinstance(value, Mapping) else None)
+
+
 def _model_config_eos(directory: Path) -> list[int]:
     """config.json's eos_token_id (the top level's, else its text_config's): what transformers' generation stops on
     when a checkpoint ships no generation_config.json (GenerationConfig.from_model_config)."""
@@ -169,6 +208,7 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception for malformed files
             raise ValueError(f"cannot load {directory / TOKENIZER_FILE}: {e}") from e
         config = _read_json(directory / CONFIG_FILE)
+        _add_missing_tokens(backend, config)
 
         special_tokens = {
             name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")

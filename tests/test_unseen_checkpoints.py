@@ -342,3 +342,35 @@ def test_no_generation_config_stops_on_config_eos(eos, tmp_path):
     tok = Tokenizer.from_dir(tmp_path)
     assert set([want] if isinstance(want, int) else want) < set(tok.eos_token_ids)
     assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
+
+
+@pytest.mark.parametrize("extra", ["additional_special_tokens", "extra_special_tokens", "named"])
+def test_tokens_only_tokenizer_config_declares(extra, tmp_path):
+    """Tokens tokenizer_config.json declares but tokenizer.json lacks (added_tokens_decoder entries, a named special
+    token, additional / extra special tokens): transformers adds them at the next free ids; moepipe encoded their
+    text byte by byte."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shared.tokenizer import Tokenizer
+    from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, vocab_size=330, model_max_length=256)
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    entry = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)
+    config["added_tokens_decoder"]["341"] = {**entry, "content": "<|plain|>", "special": False}
+    config["added_tokens_decoder"]["340"] = {**entry, "content": "<|tool|>", "special": True}
+    config["eos_token"] = "<|stop|>"
+    listed = config.pop("additional_special_tokens") + ["<|extra|>"]
+    config[extra if extra != "named" else "extra_special_tokens"] = (
+        listed if extra != "named" else {"image_token": "<|extra|>"})
+    path.write_text(json.dumps(config))
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_dir(tmp_path)
+    text = "a<|tool|>b<|plain|>c<|stop|><|extra|><|im_end|>"
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False)
+    assert ours.vocab_size == len(hf) == 334
+    ids = ours.encode(text)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert hf.eos_token_id in ours.eos_token_ids
