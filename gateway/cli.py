@@ -29,8 +29,28 @@ def serve_options(args: argparse.Namespace):
     """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
     from gateway.launcher import ServeOptions
 
-    model = Path(args.model) if args.model else ensure_builtin_model()
+    if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
+        raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+    if args.stages is not None and args.pipeline_parallel_size is not None and \
+            args.stages != args.pipeline_parallel_size:
+        raise ValueError(f"--stages {args.stages} and --pipeline-parallel-size {args.pipeline_parallel_size} differ "
+                         f"(they are one setting: the pipeline's stage processes)")
+    if args.tensor_parallel_size not in (None, 1):
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: moepipe splits a model into pipeline "
+                         f"stages, one GPU each; use --pipeline-parallel-size (--stages) {args.tensor_parallel_size}")
+    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
+        if value:       # vLLM needs them; here the chat template's format decides (docs/agents.md)
+            print(f"moepipe: {flag} {value} is not needed: tool calls and reasoning are parsed in the format of "
+                  f"the model's chat template (docs/agents.md)", file=sys.stderr)
+    model_dir = args.model_tag or args.model
+    model = Path(model_dir) if model_dir else ensure_builtin_model()
     extra = {}
+    if args.served_model_name:
+        extra["served_model_name"] = args.served_model_name[0]
+    if args.dtype and args.dtype != "auto":
+        extra["dtype"] = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    if args.enforce_eager:
+        extra["cuda_graphs"] = False
     if args.no_ple_service:
         extra["ple_service"] = False
     if args.no_access_log:
@@ -53,7 +73,8 @@ def serve_options(args: argparse.Namespace):
                 "vram_limit", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_cache_states"):
         if getattr(args, key) is not None:
             extra[key] = getattr(args, key)
-    return ServeOptions(model=model, stages=args.stages, device=args.device, host=args.host, port=args.port,
+    stages = next((n for n in (args.stages, args.pipeline_parallel_size) if n is not None), 1)
+    return ServeOptions(model=model, stages=stages, device=args.device, host=args.host, port=args.port,
                         extra=extra, verbose=args.verbose)
 
 
@@ -67,8 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     p, sub = command_parser()
 
     s = sub.add_parser("serve", help="start the whole cluster and serve the OpenAI API")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, as `vllm serve MODEL` takes it (or --model)")
     s.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
-    s.add_argument("--stages", type=int, default=1, help="pipeline stages, one process each")
+    s.add_argument("--stages", type=int, default=None, help="pipeline stages, one process each (default 1)")
+    s.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N",
+                   help="vLLM's name for --stages")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="1",
+                   help="accepted as 1 only: moepipe splits a model by layers (--pipeline-parallel-size)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name the API answers to and lists (default: moepipe)")
+    s.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
+                   help="compute dtype (default auto: the checkpoint's; float32 on a CPU for bf16/fp16 checkpoints)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -124,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
                    help="no access log line per HTTP request (vLLM's name is the alias)")
+    vllm = s.add_argument_group("accepted for vLLM command lines; nothing to set here")
+    vllm.add_argument("--trust-remote-code", action="store_true", help="(the model code is moepipe's own)")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true", help="(tool calls are always parsed)")
+    vllm.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                      help="(the chat template's format is parsed)")
+    vllm.add_argument("--reasoning-parser", default=None, metavar="NAME", help="(likewise <think> blocks)")
+    vllm.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+                      help="(no per-request or periodic stats logging to turn off)")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "

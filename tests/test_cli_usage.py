@@ -14,8 +14,33 @@ def test_an_unknown_flag_gets_the_subcommand_s_usage(module, command, args, flag
 
     main = importlib.import_module(module).main
     with pytest.raises(SystemExit) as exc:
-        main([command, *args, flag, "x"])
+        main([command, *args, f"{flag}=x"])       # (`serve` takes a positional MODEL, as vLLM's does)
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert f"usage: moepipe {command} " in err and f"unrecognized arguments: {flag} x" in err
+    assert f"usage: moepipe {command} " in err and f"unrecognized arguments: {flag}=x" in err
     assert "{" not in err.splitlines()[0]          # no "{serve,keys}" subcommand list
+
+
+def test_a_vllm_command_line_serves_as_it_would_there(tmp_path, capsys):
+    """`vllm serve MODEL --served-model-name ... -pp 2 --dtype half --enforce-eager --enable-auto-tool-choice
+    --tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code`: the same settings here, the parsers
+    said to be unneeded; contradictions and tensor parallelism are refused naming the flags."""
+    from gateway.cli import build_parser, serve_options
+
+    def options(*argv):
+        return serve_options(build_parser().parse_args(["serve", *argv]))
+
+    opts = options(str(tmp_path), "--served-model-name", "qwen", "alias", "-pp", "2", "--dtype", "half",
+                   "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--reasoning-parser", "qwen3", "--trust-remote-code", "--disable-log-requests", "-tp", "1")
+    assert opts.model == tmp_path and opts.stages == 2
+    assert opts.extra == {"served_model_name": "qwen", "dtype": "float16", "cuda_graphs": False}
+    err = capsys.readouterr().err
+    assert "--tool-call-parser hermes is not needed" in err and "--reasoning-parser qwen3 is not needed" in err
+    assert options("--model", str(tmp_path), "--stages", "3").stages == 3
+    assert options(str(tmp_path), "--dtype", "auto").extra == {}
+    for argv, words in ((["--stages", "2", "-pp", "3"], "--stages 2 and --pipeline-parallel-size 3 differ"),
+                        (["-tp", "2"], "--tensor-parallel-size 2"),
+                        (["--model", "/elsewhere"], "two models given")):
+        with pytest.raises(ValueError, match=words):
+            options(str(tmp_path), *argv)
