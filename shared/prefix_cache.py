@@ -122,9 +122,12 @@ class PrefixCache:
         self.blocks.share(blocks)
         self.entries.append(CachedPrefix(tokens, list(blocks), state, next(self._clock)))
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry nobody is about to restore from; False if there is none."""
-        free = [e for e in self.entries if e.users == 0]
+    def evict_one(self, for_blocks: bool = False) -> bool:
+        """Drop the least recently used entry nobody is about to restore from; False if there is none. With
+        `for_blocks`, only an entry that frees a block (one no request and no other entry holds): dropping one whose
+        blocks running requests share (a common system prompt) frees nothing and loses the prefix."""
+        free = [e for e in self.entries if e.users == 0 and
+                (not for_blocks or any(self.blocks.refcount(b) == 1 for b in e.blocks))]
         if not free:
             return False
         victim = min(free, key=lambda e: e.last_used)

@@ -175,7 +175,8 @@ class Scheduler:
             if not self._take_prefix(req, budget):
                 break
             need = self._blocks_needed(req, min(budget, req.num_ids - req.computed))
-            while not self.blocks.can_allocate(need) and self.prefix is not None and self.prefix.evict_one():
+            while not self.blocks.can_allocate(need) and self.prefix is not None \
+                    and self.prefix.evict_one(for_blocks=True):
                 pass
             if not self.blocks.can_allocate(need):
                 self._drop_prefix(req)
@@ -347,7 +348,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, mb: int) -> bool:
         need = self._blocks_needed(req, n)
         while not self.blocks.can_allocate(need):
-            if self.prefix is not None and self.prefix.evict_one():
+            if self.prefix is not None and self.prefix.evict_one(for_blocks=True):
                 continue                        # cached prefixes go before any running request
             victim = self._victim(mb, exclude=req)
             if victim is None:

@@ -64,6 +64,19 @@ def test_eviction_is_least_recently_used_and_spares_entries_about_to_be_restored
     assert cache.evict_one() and bm.used_blocks == 0 and cache.cached_blocks == 0
 
 
+def test_evicting_for_blocks_spares_entries_whose_blocks_requests_share():
+    bm, cache = _cache(blocks=8, states=3)
+    shared = bm.allocate(1)                                        # a running request's system prompt
+    cache.add(list(range(4)), shared, cache.reserve_state())
+    own = bm.allocate(1)
+    cache.add(list(range(100, 104)), own, cache.reserve_state())
+    bm.release(own)                                                # that request finished: only the cache holds it
+    cache.match(list(range(100, 106)))                             # ... and it is the most recently used
+    assert cache.evict_one(for_blocks=True) and [e.tokens[0] for e in cache.entries] == [0]
+    assert bm.used_blocks == 1 and not cache.evict_one(for_blocks=True)   # frees nothing: kept
+    assert cache.evict_one() and not cache.entries                 # (a snapshot slot wanted: any entry goes)
+
+
 def test_the_same_prefix_twice_keeps_one_entry_and_clear_releases_everything():
     bm, cache = _cache(states=3)
     blocks = bm.allocate(2)
