@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from shared.block_manager import BlockManager
 from shared.engine_core import GenerationRequest
@@ -205,3 +206,48 @@ def test_served_conversation_restores_prefixes_through_the_ple_service(tiny_chec
     assert cached[0] == cached[4] == 0 and all(cached[i] >= len(prompts[i - 1]) - 8 - 16 for i in (1, 2, 3))
     assert cached[5] == 32                                       # the system prompt's first two blocks
     assert cached[6] == cached[7] == 0 and cached[8] == 32       # where the second and first conversations parted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stages", [1, 2])
+def test_on_a_gpu_cached_prefixes_serve_the_tokens_computing_everything_serves(tiny_checkpoint, stages):
+    """The kernels, CUDA graphs and launch-ahead: the state copies queue between replays on the stage's stream, and
+    chunks are cut at a snapshot target only where that saves 1,024 tokens (the GPU default): chunk starts."""
+    prompts = _turns(stages)
+    keys = dict(stages=stages, max_num_batched_tokens=24, max_num_seqs=4, device="cuda")
+    off, _ = _serve(tiny_checkpoint, prompts, True, enable_prefix_caching=False, **keys)
+    on, hits = _serve(tiny_checkpoint, prompts, True, **keys)
+    assert hits >= 16 * 3 + 32 + 32
+    for ea, eb in zip(off, on, strict=True):
+        assert [e.token_id for e in ea] == [e.token_id for e in eb]
+        assert [e.logprob for e in ea] == pytest.approx([e.logprob for e in eb], abs=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_served_ple_stage_launched_ahead_restores_prefixes(tiny_checkpoint):
+    """One GPU stage with the PLE service: decode graphs wait on the device for the mailbox's rows
+    (ple_launch_ahead), whose n-gram contexts a restored request's state slot must hold."""
+    import httpx
+
+    from conftest import free_port
+    from gateway.launcher import Cluster, ServeOptions
+
+    prompts, runs = _turns(9), []
+    for on in (False, True):
+        opts = ServeOptions(model=tiny_checkpoint, stages=1, device="cuda", port=free_port(),
+                            extra={"max_num_batched_tokens": 24, "block_size": 16, "max_model_len": 256,
+                                   "enable_prefix_caching": on})
+        with Cluster(opts) as c:
+            out = []
+            for ids in prompts:
+                r = httpx.post(c.url + "/v1/completions", timeout=300, json={
+                    "model": "moepipe", "prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 1})
+                assert r.status_code == 200, r.text
+                out.append((r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"],
+                            r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        runs.append(out)
+    assert sum(c for _, _, c in runs[1]) >= 16 * 3 + 32 + 32 and not any(c for _, _, c in runs[0])
+    for (ta, la, _), (tb, lb, _) in zip(*runs):
+        assert ta == tb and la == pytest.approx(lb, abs=2e-3)
