@@ -28,6 +28,7 @@ __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # newer checkpoints ship the template beside the config instead of inside it
+TEMPLATE_DIR = "additional_chat_templates"  # named templates beside it (file name = template name)
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # Names a message's reasoning arrives under; templates read the first (transformers aliases them the same way).
@@ -106,14 +107,26 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _pick_template(config: dict, directory: Path) -> str | None:
+def _pick_template(config: dict, directory: Path) -> str | dict[str, str] | None:
+    """The chat template as transformers loads it: chat_template.jinja and additional_chat_templates/*.jinja (by
+    file name) replace tokenizer_config.json's; a list there names its templates. One default is a string, several
+    a dict by name."""
+    found = {}
     jinja_file = directory / TEMPLATE_FILE
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
+        found["default"] = jinja_file.read_text(encoding="utf-8")
+    extra = directory / TEMPLATE_DIR
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            found[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    template = found or config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+    if isinstance(template, dict):
+        template = {k: v for k, v in template.items() if isinstance(k, str) and isinstance(v, str)}
+        if list(template) == ["default"]:
+            return template["default"]
+        return template or None
     return template if isinstance(template, str) else None
 
 
@@ -178,7 +191,7 @@ class Tokenizer:
         self,
         backend: _Backend,
         *,
-        chat_template: str | None,
+        chat_template: str | Mapping[str, str] | None,
         special_tokens: Mapping[str, str | None],
         eos_token_ids: Iterable[int],
         model_max_length: int | None = None,
@@ -286,9 +299,24 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        if self._template_source is None:
+        return self._named_template(None)
+
+    @cached_property
+    def _tool_template(self) -> jinja2.Template:
+        return self._named_template("tool_use")
+
+    def _named_template(self, preferred: str | None) -> jinja2.Template:
+        """transformers' get_chat_template: of named templates, `tool_use` when tools are given and it exists,
+        else `default`."""
+        source = self._template_source
+        if isinstance(source, Mapping):
+            name = preferred if preferred in source else "default"
+            if name not in source:
+                raise ValueError(f"this checkpoint has chat templates {sorted(source)} and none named 'default'")
+            source = source[name]
+        if source is None:
             raise ValueError("this checkpoint's tokenizer has no chat template")
-        return _compile_template(self._template_source)
+        return _compile_template(source)
 
     def apply_chat_template(
         self,
@@ -311,7 +339,8 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**context)
+            named = isinstance(self._template_source, Mapping) and tools is not None
+            return (self._tool_template if named else self._template).render(**context)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template rejected the conversation: {e}") from e
 

@@ -374,3 +374,36 @@ def test_tokens_only_tokenizer_config_declares(extra, tmp_path):
     ids = ours.encode(text)
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
     assert hf.eos_token_id in ours.eos_token_ids
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "additional_chat_templates"])
+def test_named_chat_templates_pick_tool_use_for_tools(where, tmp_path):
+    """Named chat templates (a list in tokenizer_config.json, or chat_template.jinja beside
+    additional_chat_templates/*.jinja): transformers renders `tool_use` when tools are given, else `default`;
+    moepipe always rendered `default` (and read no additional_chat_templates)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shared.tokenizer import Tokenizer
+    from stage_worker.checkpoint.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, vocab_size=330, model_max_length=256)
+    path = tmp_path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    default = config.pop("chat_template")
+    tool_use = "TOOLS {{ tools | length }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if where == "tokenizer_config":
+        config["chat_template"] = [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]
+    else:
+        (tmp_path / "chat_template.jinja").write_text(default)
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    path.write_text(json.dumps(config))
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw in ({}, {"tools": tools}):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kw) == want
+    assert ours.apply_chat_template(messages, tools=tools) == "TOOLS 1:hi"
