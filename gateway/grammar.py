@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer
 from tokenizers import Tokenizer as _Backend
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
@@ -198,7 +198,6 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self._cache_size = max(1, int(cache_size))
         self._lock = threading.Lock()
-        self._executor: LLExecutor | None = None
 
     @classmethod
     def for_tokenizer(
@@ -378,26 +377,6 @@ class GrammarCompiler:
         with self._lock:
             template = self._cache[spec]
             return GrammarState(template.deep_copy(), self.vocab_size)
-
-    def allocate_masks(self, batch: int) -> np.ndarray:
-        """A [batch, n_words] int32 buffer, all tokens allowed (rows of unconstrained requests can stay so)."""
-        return np.full((batch, self.n_words), -1, dtype=np.int32)
-
-    def fill_masks(self, states: Sequence[tuple[GrammarState, int]], out: np.ndarray) -> None:
-        """Fill row `row` of `out` ([batch, n_words] int32) for each (state, row), on llguidance's thread pool."""
-        if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.n_words or not out.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"mask buffer must be a contiguous int32 [batch, {self.n_words}] array")
-        if any(not 0 <= row < out.shape[0] for _, row in states):
-            raise ValueError("mask row out of range")
-        if len(states) == 1:
-            state, row = states[0]
-            state.fill_mask(out[row])
-            return
-        if self._executor is None:
-            self._executor = LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(
-            [(s.matcher, row) for s, row in states], out.ctypes.data, self.n_words * 4, out.shape[0]
-        )
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
