@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restore the state saved after an earlier prompt's first tokens instead of computing them "
                         "again (on by default; also MOEPIPE_PREFIX_CACHING=0/1)")
     s.add_argument("--prefix-cache-states", type=int, default=None, metavar="N",
-                   help="saved prefix states per stage, each one sequence's recurrent state (default 8; also "
-                        "MOEPIPE_PREFIX_CACHE_STATES)")
+                   help="saved prefix states per stage, each one sequence's recurrent state in host RAM (default "
+                        "16; also MOEPIPE_PREFIX_CACHE_STATES)")
     s.add_argument("--qsa-kv-offload", action="store_true",
                    help="keep the QSA layers' K/V in pinned host RAM (only pooled keys in VRAM: far more tokens of "
                         "context per GiB; decode reads the selected rows over PCIe; also MOEPIPE_QSA_KV_OFFLOAD=1)")

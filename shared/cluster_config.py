@@ -101,11 +101,12 @@ class ClusterConfig:
     cuda_ipc_activations: bool = True
     batched_prefill: bool = True                # a prefill step's sequences run as one padded batch (StepBatch.ragged)
     # Prefix caching (shared/prefix_cache.py): a prompt that starts with an earlier prompt's tokens restores the
-    # state saved there and computes only the rest (vLLM's --enable-prefix-caching). Each saved state takes a
-    # state slot on every stage (prefix_cache_states of them, counted by the memory plan) and holds its KV blocks
-    # until evicted, least recently used first, before any running request is preempted for blocks.
+    # state saved there and computes only the rest (vLLM's --enable-prefix-caching). Each saved state is one
+    # sequence's recurrent state on every stage, kept in host RAM (prefix_cache_states of them, numbered after the
+    # running requests' slots and the scratch slot), and holds its KV blocks until evicted, least recently used
+    # first, before any running request is preempted for blocks.
     enable_prefix_caching: bool = True
-    prefix_cache_states: int = 8
+    prefix_cache_states: int = 16
     # A prompt's prefill is cut into one more chunk at a snapshot target only if that saves this many tokens over
     # saving the chunk start before it (a block boundary); -1 = auto: 0 when every stage is a CPU (a step costs its
     # tokens only), 1024 otherwise (a GPU prefill step's launches cost 0.1-0.2 s at 48 layers whatever its tokens)
@@ -358,12 +359,6 @@ class ClusterConfig:
     def row_cache_bytes(self) -> int:
         """VRAM a stage gives its K/V row cache (`CacheSpec.row_cache_bytes`): only over host K/V."""
         return self.kv_row_cache_mib << 20 if self.kv_row_cache and self.qsa_kv_offload else 0
-
-    @property
-    def state_slots(self) -> int:
-        """State slots a stage allocates: one a running request, the scratch slot of CUDA-graph padding, and the
-        prefix cache's snapshot slots (numbered in that order; `Scheduler` hands out the same numbers)."""
-        return self.max_num_seqs + 1 + self.prefix_states
 
     @property
     def prefix_states(self) -> int:

@@ -51,7 +51,7 @@ class StageNeeds:
     layers: tuple[int, int]
     device: str
     weights: int             # parameters in VRAM (the PLE table stays on the host)
-    state: int               # per-slot recurrent / conv / PLE state: max_num_seqs + 1 slots and the prefix cache's
+    state: int               # per-slot recurrent / conv / PLE state for max_num_seqs + 1 slots
     block: int               # one KV block
     reserve: int             # activations of the largest step, CUDA-graph pools, kernel workspace
     host_experts: int = 0    # cold experts' bytes in pinned host RAM (not part of `weights`)
@@ -59,6 +59,7 @@ class StageNeeds:
     expert_bytes: int = 0    # one routed expert as the stage holds it (INT4 kept packed: its packed size; layers
     #                          that differ: the smallest, so `auto` moves out at least what it must); 0: unknown
     host_block: int = 0      # one KV block's bytes in pinned host RAM (QSA K/V with qsa_kv_offload; not in `block`)
+    host_state: int = 0      # the prefix cache's saved states in pinned host RAM (prefix_cache_states; not in `state`)
     row_cache: int = 0       # VRAM of the K/V row cache over host K/V (kv_row_cache; not in `state`)
     reserve_context: int = 0  # of `reserve`: what the worst prefill chunk up to max_model_len adds over a short one
     offload_helps: bool = False  # QSA layers with K/V in VRAM: --qsa-kv-offload would make that part flat
@@ -77,7 +78,6 @@ class PlanLimits:
     vram_limit: int = 0                 # bytes per device; 0 = none
     kv_cache_memory_bytes: int = 0      # KV bytes per stage; 0 = whatever is left
     host_kv_bytes: int = 0              # host RAM the stages' host K/V may take together (qsa_kv_offload); 0 = none
-    prefix_cache_states: int = 0        # of the state slots, the prefix cache's (after max_num_seqs + 1)
 
 
 @dataclass
@@ -308,10 +308,10 @@ def _needs_between(measured: dict[int, list[StageNeeds]], length: int) -> list[S
 
 def host_kv_room(available: int, stages: list[StageNeeds], headroom: int = 2 * GIB) -> int:
     """Host RAM the QSA K/V of `qsa_kv_offload` may take (`PlanLimits.host_kv_bytes`): what the host has available,
-    less the cold experts the stages will pin and the headroom a pinned allocation must leave
+    less the cold experts and saved prefix states the stages will pin and the headroom a pinned allocation must leave
     (`stage_worker.host_memory.allocate`). Pinned pages are never evicted, so what host K/V takes is also gone from
     the PLE table's page cache (002 §1: 47.5 GiB of host K/V left 2.5 GiB of a 95 GiB table cached)."""
-    return max(available - sum(s.host_experts for s in stages) - headroom, 0)
+    return max(available - sum(s.host_experts + s.host_state for s in stages) - headroom, 0)
 
 
 def host_bytes_to_fit(stages: list[StageNeeds], devices: dict[str, DeviceMemory],
@@ -348,17 +348,7 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
             + f"Spread the layers over more GPUs (--stages, one GPU each: about "
             f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, or keep at least "
             f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
-            f"by `moepipe cold-set --gib-per-stage N`)" + _prefix_hint(mine, limits))
-
-
-def _prefix_hint(mine: list[StageNeeds], limits: PlanLimits) -> str:
-    """What the prefix cache's saved states take of `state`, and the flag that frees it."""
-    slots = limits.max_num_seqs + 1 + limits.prefix_cache_states
-    freed = max(s.state for s in mine) * limits.prefix_cache_states // slots if limits.prefix_cache_states else 0
-    if freed < GIB // 64:
-        return ""
-    return (f"; --prefix-cache-states {limits.prefix_cache_states // 2} (or 0) frees up to {freed / GIB:.2f} GiB a "
-            f"stage of saved prefix states")
+            f"by `moepipe cold-set --gib-per-stage N`)")
 
 
 def _context_hint(mine: list[StageNeeds], short: int, limits: PlanLimits) -> str:
@@ -396,4 +386,4 @@ def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, 
             + f"Use --max-model-len "
             f"{longest} or less, raise --gpu-memory-utilization / --vram-limit"
             + (" / --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "")
-            + ", or spread the layers over more GPUs (--stages)" + _prefix_hint(mine, limits))
+            + ", or spread the layers over more GPUs (--stages)")

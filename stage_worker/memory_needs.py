@@ -105,7 +105,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             if cluster.packed_fp8_dense and plan is not None:     # dense layers kept float8 (Fp8Linear)
                 use_fp8_dense(model, fp8_dense_specs(model, cfg, Path(cluster.model)))
             cache = model.new_cache(CacheSpec(num_blocks=0, block_size=cluster.block_size or 16,
-                                              num_slots=cluster.state_slots, dtype=_DTYPES[dtype],
+                                              num_slots=cluster.max_num_seqs + 1, dtype=_DTYPES[dtype],
                                               device="meta", kv_offload=cluster.qsa_kv_offload,
                                               row_cache_bytes=cluster.row_cache_bytes))
         weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -143,8 +143,10 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         bs, offload = cluster.block_size or 16, cluster.qsa_kv_offload
         block = block_bytes(cfg, spec.start, spec.end, bs, dtype, offload)      # QSA K/V in host RAM: not here
         row_cache = cache.row_cache_bytes()        # the VRAM row cache over host K/V (kv_row_cache)
+        state = _tensor_bytes(cache) - row_cache   # (no KV blocks here: the per-slot states, for max_num_seqs + 1)
         out.append(StageNeeds(stage=i, layers=(spec.start, spec.end), device=spec.device, weights=weights,
-                              state=_tensor_bytes(cache) - row_cache, row_cache=row_cache, block=block,
+                              state=state, row_cache=row_cache, block=block,
+                              host_state=state // (cluster.max_num_seqs + 1) * cluster.prefix_states,
                               reserve=reserve, reserve_context=context, host_experts=host, routed_experts=routed,
                               expert_bytes=min(sizes.values(), default=0),
                               host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload),

@@ -105,9 +105,10 @@ class StageRunner:
         p = next(model.parameters())
         self.device = p.device
         # One slot and one block beyond what the gateway hands out: scratch for CUDA-graph padding entries; then
-        # the prefix cache's snapshot slots.
+        # the prefix cache's snapshot slots (in host RAM).
         spec = CacheSpec(num_blocks=cluster.num_blocks + 1, block_size=cluster.block_size,
-                         num_slots=cluster.state_slots, dtype=p.dtype, device=p.device,
+                         num_slots=cluster.max_num_seqs + 1, snapshot_slots=cluster.prefix_states,
+                         dtype=p.dtype, device=p.device,
                          kv_offload=cluster.qsa_kv_offload, row_cache_bytes=cluster.row_cache_bytes)
         self.cache = model.new_cache(spec)
         self.plans: dict[int, _Prepared] = {}

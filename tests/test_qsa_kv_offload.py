@@ -313,10 +313,12 @@ def test_needs_and_launcher_plan_count_host_kv(qwen4, tmp_path, monkeypatch):
 
     monkeypatch.setattr(launcher.subprocess, "run", reply(64 * GIB))
     assert launcher.memory_plan(cluster, tmp_path / "cluster.toml").num_blocks == 256 // 16 * 4
-    room = 2 * GIB + 40 * need.host_block                       # 40 blocks past the headroom: 39 and the scratch
+    # 40 blocks past the headroom and the prefix cache's saved states in host RAM: 39 and the scratch
+    assert need.host_state == need.state // 5 * 16 > 0
+    room = 2 * GIB + need.host_state + 40 * need.host_block
     monkeypatch.setattr(launcher.subprocess, "run", reply(room))
     assert launcher.memory_plan(cluster, tmp_path / "cluster.toml").num_blocks == 39
-    monkeypatch.setattr(launcher.subprocess, "run", reply(2 * GIB + 10 * need.host_block))
+    monkeypatch.setattr(launcher.subprocess, "run", reply(2 * GIB + need.host_state + 10 * need.host_block))
     with pytest.raises(RuntimeError, match="host RAM: .* one sequence of --max-model-len 256 needs 16"):
         launcher.memory_plan(cluster, tmp_path / "cluster.toml")
 

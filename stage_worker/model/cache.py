@@ -33,6 +33,8 @@ class CacheSpec:
     kv_offload: bool = False        # QSA layers' K/V rows and raw indexer keys in host RAM (see the module doc)
     row_cache_bytes: int = 0        # with kv_offload on a GPU: VRAM caching the rows decode reads, shared by the
     #                                 stage's QSA layers (`kernels/kv_row_cache.py`; cluster key kv_row_cache_mib)
+    snapshot_slots: int = 0         # the prefix cache's saved states, numbered after `num_slots`, in host RAM
+    #                                 (pinned on a GPU: copied over PCIe; shared/prefix_cache.py)
 
 
 class AttentionCache:
@@ -114,19 +116,21 @@ class ModelCache:
             if isinstance(cfg, Qwen4ExpConfig) and cfg.ple_index(layer) is not None:
                 self.ple[layer] = PLEState(cfg, spec)
         self.row_cache_counts = _add_row_caches(cfg, spec, [self.attention[layer] for layer in qsa])
+        self.snapshots = _snapshot_store(spec, [t for group in (self.deltanet, self.ple) for state in group.values()
+                                               for t in vars(state).values() if isinstance(t, torch.Tensor)])
         if with_mtp:
             # The MTP block is one plain full-attention layer; it caches under index num_hidden_layers.
             self.attention[cfg.num_hidden_layers] = AttentionCache(_without_qsa(cfg), spec)
 
     def copy_state(self, src: int, dst: int) -> None:
         """Copy slot `src`'s per-sequence state (DeltaNet conv tail and recurrent state, PLE conv tail and n-gram
-        context) into slot `dst`: the prefix cache's snapshots and restores (shared/prefix_cache.py). Queued on the
-        current stream like the steps around it."""
-        for group in (self.deltanet, self.ple):
-            for state in group.values():
-                for t in vars(state).values():
-                    if isinstance(t, torch.Tensor):
-                        t[dst].copy_(t[src])
+        context) into slot `dst`: the prefix cache's snapshots and restores (shared/prefix_cache.py). Slots from
+        `spec.num_slots` on are the snapshots in host RAM. Queued on the current stream like the steps around it
+        (from and to pinned memory: asynchronous, in stream order)."""
+        n = self.spec.num_slots
+        for t, host in self.snapshots:
+            into = t[dst] if dst < n else host[dst - n]
+            into.copy_(t[src] if src < n else host[src - n], non_blocking=True)
 
     def bytes(self, groups: tuple[str, ...] = ("attention", "deltanet", "ple")) -> int:
         total = 0
@@ -178,6 +182,30 @@ def _host_pool(cfg: HybridMoeConfig, spec: CacheSpec, layers: list[int]):
     for layer, name, off, shape in layout:
         views[layer][name] = buf.tensor[off:off + math.prod(shape) * itemsize].view(spec.dtype).view(shape)
     return buf, views
+
+
+def _snapshot_store(spec: CacheSpec, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(per-slot state tensor, its `spec.snapshot_slots` rows in host RAM) for each tensor: on a GPU one exact-size
+    pinned allocation for all of them (`stage_worker.host_memory`: a 48-layer Qwen4-Exp's state is ~75 MB a
+    sequence, VRAM the experts and KV need more). None without snapshots or on the meta device."""
+    device = torch.device(spec.device)
+    if spec.snapshot_slots <= 0 or device.type == "meta" or not tensors:
+        return [(t, None) for t in tensors]
+    shapes = [(spec.snapshot_slots, *t.shape[1:]) for t in tensors]
+    if device.type != "cuda":                           # a CPU stage: its own memory is host RAM
+        return [(t, torch.zeros(shape, dtype=t.dtype)) for t, shape in zip(tensors, shapes)]
+    sizes = [math.prod(shape) * t.element_size() for shape, t in zip(shapes, tensors)]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(-(-(offsets[-1] + size) // HOST_ALIGN) * HOST_ALIGN)
+    from stage_worker.host_memory import allocate       # numpy, mmap: only where snapshots are kept
+
+    buf = allocate(offsets[-1], what=f"{spec.snapshot_slots} prefix-cache states (--prefix-cache-states)",
+                   pin=device.type == "cuda")
+    out = []
+    for t, shape, off, size in zip(tensors, shapes, offsets, sizes):
+        out.append((t, buf.tensor[off:off + size].view(t.dtype).view(shape)))
+    return out
 
 
 def _add_row_caches(cfg: HybridMoeConfig, spec: CacheSpec, caches: list[AttentionCache]) -> torch.Tensor | None:
