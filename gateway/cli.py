@@ -51,6 +51,11 @@ def serve_options(args: argparse.Namespace):
         extra["dtype"] = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     if args.enforce_eager:
         extra["cuda_graphs"] = False
+    if args.chat_template:
+        from shared.tokenizer import read_chat_template
+
+        read_chat_template(args.chat_template)          # a bad file stops here, named
+        extra["chat_template"] = str(Path(args.chat_template).resolve())
     if args.no_ple_service:
         extra["ple_service"] = False
     if args.no_access_log:
@@ -100,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name the API answers to and lists (default: moepipe)")
     s.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
                    help="compute dtype (default auto: the checkpoint's; float32 on a CPU for bf16/fp16 checkpoints)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template used instead of the checkpoint's")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

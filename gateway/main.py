@@ -46,7 +46,7 @@ async def serve(config_path: str) -> int:
     metrics = Metrics()
     metrics.set_restarts("gateway", restart_count())      # the launcher restarted the whole cluster this often
     core.attach_metrics(metrics)
-    tokenizer = Tokenizer.from_dir(cluster.model)
+    tokenizer = Tokenizer.from_dir(cluster.model, cluster.chat_template or None)
     app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
     app = AccessControl(app, api_key=cluster.api_key,

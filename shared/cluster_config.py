@@ -46,6 +46,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "moepipe"
+    chat_template: str = ""                     # a Jinja file instead of the checkpoint's templates ("" = theirs)
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
     dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4;

@@ -88,6 +88,19 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def read_chat_template(path: str | Path) -> str:
+    """A chat template file's text, checked to compile (a ValueError naming the file and the error)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"chat template {path} is not a file")
+    source = path.read_text(encoding="utf-8")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template {path}: {e}") from e
+    return source
+
+
 def _compile_template(source: str) -> jinja2.Template:
     """Compile in an environment that matches transformers', so Hub templates render identically."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -208,8 +221,9 @@ class Tokenizer:
         self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`)."""
+    def from_dir(cls, path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
+        """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`).
+        `chat_template`: a Jinja file used instead of the checkpoint's templates (vLLM's --chat-template)."""
         directory = Path(path)
         if not directory.is_dir():
             raise ValueError(f"tokenizer directory {directory} does not exist")
@@ -239,7 +253,8 @@ class Tokenizer:
         max_len = config.get("model_max_length")
         return cls(
             backend,
-            chat_template=_pick_template(config, directory),
+            chat_template=_pick_template(config, directory) if chat_template is None else
+            read_chat_template(chat_template),
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids],
             model_max_length=int(max_len) if isinstance(max_len, (int, float)) else None,

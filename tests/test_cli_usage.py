@@ -24,7 +24,8 @@ def test_an_unknown_flag_gets_the_subcommand_s_usage(module, command, args, flag
 def test_a_vllm_command_line_serves_as_it_would_there(tmp_path, capsys):
     """`vllm serve MODEL --served-model-name ... -pp 2 --dtype half --enforce-eager --enable-auto-tool-choice
     --tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code`: the same settings here, the parsers
-    said to be unneeded; contradictions and tensor parallelism are refused naming the flags."""
+    said to be unneeded; contradictions, tensor parallelism and a chat template that does not compile are refused
+    naming the flags or file."""
     from gateway.cli import build_parser, serve_options
 
     def options(*argv):
@@ -38,9 +39,40 @@ def test_a_vllm_command_line_serves_as_it_would_there(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--tool-call-parser hermes is not needed" in err and "--reasoning-parser qwen3 is not needed" in err
     assert options("--model", str(tmp_path), "--stages", "3").stages == 3
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert options(str(tmp_path), "--chat-template", str(template)).extra == {"chat_template": str(template)}
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="chat template .*t.jinja: "):
+        options(str(tmp_path), "--chat-template", str(template))
+    with pytest.raises(ValueError, match="is not a file"):
+        options(str(tmp_path), "--chat-template", str(tmp_path / "missing.jinja"))
     assert options(str(tmp_path), "--dtype", "auto").extra == {}
     for argv, words in ((["--stages", "2", "-pp", "3"], "--stages 2 and --pipeline-parallel-size 3 differ"),
                         (["-tp", "2"], "--tensor-parallel-size 2"),
                         (["--model", "/elsewhere"], "two models given")):
         with pytest.raises(ValueError, match=words):
             options(str(tmp_path), *argv)
+
+
+def test_a_served_chat_renders_with_the_chat_template_given(tiny_checkpoint, tmp_path):
+    """`--chat-template FILE` (cluster key chat_template) reaches the gateway: the prompt is that template's."""
+    import httpx
+
+    from conftest import free_port
+    from gateway.launcher import Cluster, ServeOptions
+    from shared.tokenizer import Tokenizer
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    text = "user: hello there\nassistant:"
+    want = len(Tokenizer.from_dir(tiny_checkpoint, template).encode(text))
+    assert want != len(Tokenizer.from_dir(tiny_checkpoint).encode(
+        Tokenizer.from_dir(tiny_checkpoint).apply_chat_template([{"role": "user", "content": "hello there"}])))
+    opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
+                        extra={"chat_template": str(template), "ple_service": False})
+    with Cluster(opts) as c:
+        r = httpx.post(c.url + "/v1/chat/completions", timeout=60, json={
+            "model": "moepipe", "max_tokens": 1, "messages": [{"role": "user", "content": "hello there"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == want
