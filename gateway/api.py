@@ -268,8 +268,9 @@ class _Server:
     """The state behind the routes: engine, tokenizer, defaults."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, generation_config: dict[str, Any],
-                 metrics: Metrics, max_body_bytes: int) -> None:
+                 metrics: Metrics, max_body_bytes: int, vocab_size: int | None = None) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.model_vocab = vocab_size          # the embedding's rows (None: trust the tokenizer's ids)
         self.gen_cfg, self.metrics, self.max_body_bytes = dict(generation_config), metrics, max_body_bytes
         self.created = int(time.time())
         configured = generation_config.get("eos_token_id") or []
@@ -366,6 +367,10 @@ class _Server:
             stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs, logit_bias=logit_bias,
         ).with_defaults(self.gen_cfg)
         stop_ids = set(params.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        if self.model_vocab is not None and prompt_ids and max(prompt_ids) >= self.model_vocab:
+            # a tokenizer larger than the checkpoint's embedding: refused here, not in a step it would fail for all
+            raise invalid_request(f"Token id {max(prompt_ids)} is out of the model's vocabulary (its embedding has "
+                                  f"{self.model_vocab} rows; the tokenizer {self.tok.vocab_size}).")
         return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
                                  prompt_logprobs=prompt_logprobs, ignore_eos=bool(req.ignore_eos))
 
@@ -465,11 +470,12 @@ def _usage(gens: list[_Generation]) -> Usage:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving `engine` under `model_name`; omitted sampling fields take generation_config's values."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`; omitted sampling fields take generation_config's values.
+    `vocab_size`: the model's embedding rows, when the tokenizer may know more ids than it."""
     app = FastAPI(title="moepipe", docs_url=None, redoc_url=None)
     errors.install_error_handlers(app)
-    srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes)
+    srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes, vocab_size)
     app.state.server = srv
 
     @app.get("/v1/models")

@@ -98,3 +98,31 @@ def test_deeply_nested_tools_are_a_400(server):
     assert "nested too deeply" in err["message"]
     ok = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_prompt_id_past_the_model_s_embedding_is_a_400_and_other_requests_are_served(tiny_checkpoint):
+    """A tokenizer that knows more ids than the checkpoint's embedding has rows (`create_app(vocab_size=...)`, the
+    served model's config): such an id is refused with the numbers, before a step it would fail for every request
+    in it; the server goes on."""
+    from conftest import InProcessServer
+    from gateway.api import create_app
+    from gateway.engine import AsyncEngine
+    from gateway.metrics import Metrics
+    from shared.sampling import read_generation_config
+    from shared.tokenizer import Tokenizer
+    from stage_worker.inprocess_executor import local_engine_core
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    rows = tok.vocab_size - 40
+    core = local_engine_core(tiny_checkpoint, max_model_len=256, max_num_seqs=4)
+    app = create_app(AsyncEngine(core), tok, model_name=MODEL, generation_config=read_generation_config(tiny_checkpoint),
+                     metrics=Metrics(), vocab_size=rows)
+    with InProcessServer(app, core) as url:
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": [5, rows + 3],
+                                                                  "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert f"Token id {rows + 3} is out of the model's vocabulary (its embedding has {rows} rows" in \
+            r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": [5, rows - 1],
+                                                                  "max_tokens": 2})
+        assert r.status_code == 200, r.text
