@@ -38,8 +38,9 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
-                             MAX_CHOICES, ModelCard, ModelList, PromptTokensDetails, ResponsesRequest, SEED_MAX,
-                             ToolCall, TopLogprob, Usage)
+                             DetokenizeRequest, DetokenizeResponse, MAX_CHOICES, ModelCard, ModelList,
+                             PromptTokensDetails, ResponsesRequest, SEED_MAX, TokenizeRequest, TokenizeResponse,
+                             ToolCall, TopLogprob, Usage, VersionResponse)
 from gateway.stop import StopMatcher
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from shared.sampling import SamplingParams
@@ -271,6 +272,7 @@ class _Server:
                  metrics: Metrics, max_body_bytes: int, vocab_size: int | None = None) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.model_vocab = vocab_size          # the embedding's rows (None: trust the tokenizer's ids)
+        self.version = _package_version()
         self.gen_cfg, self.metrics, self.max_body_bytes = dict(generation_config), metrics, max_body_bytes
         self.created = int(time.time())
         configured = generation_config.get("eos_token_id") or []
@@ -291,7 +293,7 @@ class _Server:
             raise errors.model_not_found(req.model)
         return req
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """Tokenize, refusing text that cannot fit the context before spending time on it."""
         try:
             size = len(text.encode("utf-8"))
@@ -300,7 +302,7 @@ class _Server:
         limit = self.engine.max_model_len
         if size > NORMALIZE_SLACK * self.max_token_bytes * limit:
             raise errors.context_length_exceeded(limit, None, param)
-        return await run_in_threadpool(self.tok.encode, text)
+        return await run_in_threadpool(self.tok.encode, text, add_special_tokens)
 
     def fim_ids(self) -> tuple[int, int, int]:
         """The ids of `FIM_TOKENS` (prefix, suffix, middle), or a 400 naming what the tokenizer lacks."""
@@ -374,14 +376,15 @@ class _Server:
         return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
                                  prompt_logprobs=prompt_logprobs, ignore_eos=bool(req.ignore_eos))
 
-    def render_chat(self, req: ChatCompletionRequest, plan: ChatPlan) -> str:
+    def render_chat(self, req: ChatCompletionRequest, plan: ChatPlan, add_generation_prompt: bool = True) -> str:
         kwargs = dict(plan.template_kwargs)
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
         if reserved:
             raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs")
         messages = template_messages(req.messages)
         try:
-            return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=True, **kwargs)
+            return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=add_generation_prompt,
+                                                **kwargs)
         except ValueError as e:
             raise invalid_request(str(e), param="messages") from None
         except RecursionError:          # tools or extra fields nested hundreds deep: converting them recursed too far
@@ -451,6 +454,15 @@ def _choice_seed(seed: int, choice: int) -> int:
     return s - (1 << 64) if s > SEED_MAX else s        # wrap into what torch.Generator.manual_seed takes
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moepipe")
+    except PackageNotFoundError:        # run from a source tree that was never installed
+        return "unknown"
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -500,6 +512,35 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": srv.version}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: the ids of a prompt, or of chat messages as the chat route renders them (tools and template
+        kwargs included), with the context limit."""
+        req = await srv.parse(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise invalid_request("Give either prompt or messages.", param="prompt")
+        if req.messages is not None:
+            chat = errors.validate(ChatCompletionRequest, {
+                "messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": req.tools,
+                "chat_template_kwargs": req.chat_template_kwargs})
+            plan = await run_in_threadpool(plan_chat, chat, lambda: srv.grammar_compiler)
+            text = await run_in_threadpool(srv.render_chat, chat, plan, req.add_generation_prompt)
+            ids = await srv.encode(text, "messages")
+        else:
+            ids = await srv.encode(req.prompt, "prompt", req.add_special_tokens)
+        strs = [srv.tok.decode([i], skip_special_tokens=False) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = await srv.parse(request, DetokenizeRequest)
+        srv.check_ids(req.tokens, "tokens")
+        return {"prompt": srv.tok.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -565,8 +606,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
 
     install_openapi(app, {"/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
                           "/v1/completions": (CompletionRequest, CompletionResponse),
-                          "/v1/responses": (ResponsesRequest, None)},
-                    {"/v1/models": ModelList, "/v1/models/{name}": ModelCard})
+                          "/v1/responses": (ResponsesRequest, None),
+                          "/tokenize": (TokenizeRequest, TokenizeResponse),
+                          "/detokenize": (DetokenizeRequest, DetokenizeResponse)},
+                    {"/v1/models": ModelList, "/v1/models/{name}": ModelCard, "/version": VersionResponse})
     return app
 
 

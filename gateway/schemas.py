@@ -168,6 +168,38 @@ class ChatCompletionRequest(_Sampling):
         return None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

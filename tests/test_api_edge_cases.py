@@ -126,3 +126,29 @@ def test_a_prompt_id_past_the_model_s_embedding_is_a_400_and_other_requests_are_
         r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": [5, rows - 1],
                                                                   "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(server, tiny_checkpoint):
+    """vLLM's /tokenize (a prompt, or messages rendered as the chat route renders them: the count is the chat's
+    prompt_tokens), /detokenize and /version."""
+    from shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    r = post(server, "/tokenize", {"prompt": "Hello pipelines", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello pipelines") and body["count"] == len(body["tokens"])
+    assert "".join(body["token_strs"]) == "Hello pipelines" and body["max_model_len"] > 0
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a number?"}]
+    counted = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert counted == chat.json()["usage"]["prompt_tokens"]
+    assert post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["count"] < counted
+    r = post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello pipelines"}
+    for path, payload, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                                 ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        r = post(server, path, payload)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    from importlib.metadata import version
+    assert httpx.get(server.url + "/version").json() == {"version": version("moepipe")}
