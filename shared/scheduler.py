@@ -182,6 +182,8 @@ class Scheduler:
                 self._drop_prefix(req)
                 break
             self.waiting.popleft()
+            if req.restore is not None:
+                req.cached_tokens = max(req.cached_tokens, req.restore.length)
             req.slot = self.blocks.allocate_slot()
             req.microbatch = mb
             self.running[req.req_id] = req
@@ -220,13 +222,16 @@ class Scheduler:
             self.blocks.share(hit.blocks)
             hit.users += 1
             req.blocks, req.computed, req.restore, req.sent_blocks = list(hit.blocks), hit.length, hit, 0
-            req.cached_tokens = max(req.cached_tokens, hit.length)
         req.snapshots = self.prefix.snapshot_positions(req.prompt_ids, req.computed)
         return True
 
     def _drop_prefix(self, req: Request) -> None:
-        """Undo `_take_prefix` for a request that stays in the queue."""
+        """Undo `_take_prefix` for a request that stays in the queue: its lookup counts when it is admitted (each
+        plan it waits through looked it up again)."""
+        if self.prefix is not None and not req.want_prompt_logprobs:
+            self.prefix.queries -= len(req.prompt_ids)
         if req.restore is not None:
+            self.prefix.hits -= req.restore.length
             self.blocks.release(req.blocks)
             req.restore.users -= 1
             req.blocks, req.computed, req.restore = [], 0, None
