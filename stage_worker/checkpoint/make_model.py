@@ -1,8 +1,8 @@
 """`moepipe make-model`: write a complete random-weight Qwen4-Exp checkpoint in `transformers`' on-disk layout.
 
 Presets: `tiny` (every extension on, a few MB: the default preset and the tests' model), `small` (a mid-size model
-for server benchmarks on a GPU), `full-shape` (the field reports' dimensions, 001 §1; config and tokenizer only, for the `dummy`
-load format, since its weights would not fit this machine's disk), `qwen3-next-shape` (Qwen3-Next-80B-A3B's
+for server benchmarks on a GPU), `full-shape` (the field reports' dimensions, 001 §1; config and tokenizer only, for
+the `dummy` load format, since its weights would not fit this machine's disk), `qwen3-next-shape` (Qwen3-Next-80B-A3B's
 config, config only too: the public relative's shape in the served benchmarks).
 """
 
