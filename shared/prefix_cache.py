@@ -136,6 +136,13 @@ class PrefixCache:
         self._free_states.append(victim.state)
         return True
 
+    def discard(self, entry: CachedPrefix) -> None:
+        """Drop `entry` now (a step that restored it failed), unless a request is still about to restore it."""
+        if entry.users == 0 and any(e is entry for e in self.entries):
+            self.entries = [e for e in self.entries if e is not entry]
+            self.blocks.release(entry.blocks)
+            self._free_states.append(entry.state)
+
     def clear(self) -> None:
         """A stage restarted with empty caches (or every request was failed): no snapshot can be trusted."""
         for e in self.entries:

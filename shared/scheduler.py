@@ -460,6 +460,11 @@ class Scheduler:
         if self.prefix is not None:
             self._forget_snapshots([p.step for p in dropped])
         failed: list[Request] = []
+        # Prefix cache: entries the failed step restored from may be what failed it (a stage restarted since it
+        # saved them refuses them): not restored again.
+        suspect = [r.restore for e in dropped[0].entries if e.restore is not None
+                   for r in [self.running.get(e.req_id) or self.draining.get(e.req_id)]
+                   if r is not None and r.restore is not None]
         for plan in reversed(dropped):         # undo the newest first: next_pos walks back entry by entry
             for e in plan.entries:
                 req = self.running.get(e.req_id) or self.draining.get(e.req_id)
@@ -475,6 +480,8 @@ class Scheduler:
         for req in list(self.draining.values()):
             if req.inflight == 0:
                 self.release(req, req.finished)
+        for entry in suspect:
+            self.prefix.discard(entry)
         return [p.step for p in dropped], failed
 
     def _finish_reason(self, req: Request) -> str | None:

@@ -111,6 +111,9 @@ class StageRunner:
                          dtype=p.dtype, device=p.device,
                          kv_offload=cluster.qsa_kv_offload, row_cache_bytes=cluster.row_cache_bytes)
         self.cache = model.new_cache(spec)
+        # Prefix cache: snapshot slots this process has saved into. A restore from any other slot names a snapshot
+        # this stage never took (it was restarted since): refused, never computed from an empty state.
+        self.saved_states: set[int] = set()
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
         self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
@@ -383,10 +386,15 @@ class StageRunner:
         prepared = self.plans.pop(plan.step)
         batch = prepared.batch
         for e in plan.entries:
+            if e.restore is not None and e.restore not in self.saved_states:
+                raise RuntimeError(f"request {e.req_id} restores prefix-cache state {e.restore}, which this stage "
+                                   f"never saved (was the stage restarted?)")
+        for e in plan.entries:
             if e.restore is not None:         # prefix cache: the request starts from a saved state
                 self.cache.copy_state(e.restore, e.slot)
         for slot, snapshot in plan.snapshots:  # ... and saves the state its entry starts from
             self.cache.copy_state(slot, snapshot)
+            self.saved_states.add(snapshot)
         act = self.acts.pop(plan.step, None)
         arrived = self.arrived.pop(plan.step, None)
         with phase("stage.inputs"):

@@ -3,6 +3,10 @@ and its first result (shared/prefix_cache.py, shared/scheduler.py)."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from shared.protocol import TokenOut
 from shared.sampling import SamplingParams
 from shared.scheduler import Request, Scheduler
@@ -63,3 +67,179 @@ def test_an_admission_undone_for_want_of_blocks_neither_counts_nor_reports_its_h
     _run(sched)
     assert b.finished == r.finished == "length" and r.cached_tokens == 0     # the entry went before r's turn
     assert sched.prefix.hits == 0 and sched.prefix.queries == queries + 11 + 22    # each prompt looked up once
+
+
+# ---- a simulated pipeline with cancellations, failed steps, per-request errors and restarts -----------------------
+
+def _token(rid: str, pos: int) -> int:
+    return pos * 7 % 50 + 1 + len(rid) % 3
+
+
+def _fuzz(seed: int) -> int:
+    """Requests sharing prefixes through a simulated pipeline whose stages run plans in plan order, with every plan's
+    state effects (restores, snapshots, tokens fed) applied when the stages run it: a failed step runs nowhere. Now
+    and then a request is cancelled, a step fails (`drop_from`), a request fails inside a step, or every stage
+    restarts (`requeue_running`). Each entry must find its request's state holding exactly its tokens so far, and a
+    request that ends normally must have exactly its tokens. Returns the tokens restored."""
+    rng = random.Random(seed)
+    base = [rng.randrange(60, 90) for _ in range(40)]
+    reqs = []
+    for i in range(16):
+        cut = rng.choice([0, 4, 8, 9, 12, 16, 20, 24, 30])
+        prompt = base[:cut] + [rng.randrange(60, 90) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.25 and reqs:
+            prompt = list(rng.choice(reqs).prompt_ids)          # the same prompt again (n > 1, a retry)
+        reqs.append(_req(f"r{i}", prompt, max_tokens=rng.randint(1, 12)))
+        reqs[-1].want_prompt_logprobs = rng.random() < 0.1
+    sched = _sched(num_blocks=rng.choice([12, 16, 40]), max_num_seqs=rng.choice([2, 4]),
+                   max_num_batched_tokens=rng.choice([6, 16, 40]), num_microbatches=rng.choice([1, 2]),
+                   plan_ahead=rng.random() < 0.6, prefix_cache_states=rng.choice([1, 2, 4]),
+                   prefix_split_tokens=rng.choice([0, 0, 12]))
+    sched.prefix.margin = rng.choice([2, 8])
+    pending = list(reqs)
+    truth = {r.req_id: r.prompt_ids + [_token(r.req_id, len(r.prompt_ids) + k) for k in range(r.max_tokens)]
+             for r in reqs}
+    state: dict[int, list] = {}                 # slot -> tokens its state holds (None: garbage)
+    flying: list = []                           # plans in flight, oldest first
+    applied: set[int] = set()
+    outputs = {r.req_id: [] for r in reqs}
+    errored: set[str] = set()
+
+    def apply_upto(step: int) -> None:
+        for p in sorted((p for p in flying if p.step <= step and p.step not in applied), key=lambda p: p.step):
+            applied.add(p.step)
+            for e in p.entries:
+                if e.restore is not None:
+                    state[e.slot] = None if state.get(e.restore) is None else list(state[e.restore])
+                    assert e.history == truth[e.req_id][:e.context_len][-32:]
+                elif e.context_len == 0:
+                    state[e.slot] = []
+            for e in p.entries:
+                for slot, snap in p.snapshots:
+                    if slot == e.slot:
+                        state[snap] = None if state.get(slot) is None else list(state[slot])
+            for e in p.entries:
+                if state.get(e.slot) is None and e.req_id in errored:
+                    continue                    # a later plan of a request that failed inside a step
+                assert state.get(e.slot) == truth[e.req_id][:e.context_len], (seed, e.req_id, e.context_len)
+                state[e.slot] = state[e.slot] + (e.tokens if e.tokens is not None
+                                                 else [_token(e.req_id, e.context_len)])
+
+    for _ in range(3000):
+        while pending and rng.random() < 0.5:
+            sched.add(pending.pop(0))
+        for _ in range(sched.depth):
+            for mb in sched.idle_microbatches():
+                plan = sched.schedule(mb)
+                if plan is not None and plan.entries:
+                    flying.append(plan)
+        live = [r for r in reqs if r.req_id in sched.running or r in sched.waiting]
+        if live and rng.random() < 0.03:
+            sched.cancel(rng.choice(live).req_id)
+        if not flying:
+            if not pending and not sched.waiting and not sched.running:
+                break
+            continue
+        roll = rng.random()
+        if roll < 0.02:
+            sched.requeue_running()
+            flying.clear()
+            applied.clear()
+            state.clear()
+            continue
+        heads = [p for i, p in enumerate(flying) if all(q.microbatch != p.microbatch for q in flying[:i])]
+        plan = rng.choice(heads)
+        if roll < 0.06 and plan.step not in applied:
+            steps, failed = sched.drop_from(plan.step)
+            for r in failed:
+                outputs[r.req_id].append("failed")
+            flying[:] = [p for p in flying if p.step not in steps]
+            continue
+        apply_upto(plan.step)
+        flying.remove(plan)
+        outs = [TokenOut(e.req_id, e.context_len + e.num_tokens, _token(e.req_id, e.context_len + e.num_tokens))
+                for e in plan.entries if e.sample]
+        if outs and roll < 0.09:
+            bad = rng.choice(outs)
+            bad.token, bad.error = -1, "failed inside the step"
+            slot = next(e.slot for e in plan.entries if e.req_id == bad.req_id)
+            state[slot] = None                  # whatever the failed step left
+            errored.add(bad.req_id)
+        for r in sched.on_result(plan.microbatch, outs):
+            outputs[r.req_id].extend(o.token for o in r.events if not o.error)
+            r.events.clear()
+    else:
+        raise AssertionError("requests left unfinished")
+    for r in reqs:
+        got = [t for t in outputs[r.req_id] if t != "failed"]
+        n = len(r.prompt_ids)
+        assert got == truth[r.req_id][n:n + len(got)], (seed, r.req_id)
+        if r.finished in ("stop", "length"):
+            assert len(got) == r.max_tokens, (seed, r.req_id)
+    assert sched.blocks.used_slots == 0 and sched.blocks.used_blocks == sched.prefix.cached_blocks
+    assert not any(e.users for e in sched.prefix.entries)
+    assert len(sched.prefix.entries) + len(sched.prefix._free_states) == sched.prefix.num_states
+    return sched.prefix.hits
+
+
+# ---- a stage restarted under cached prefixes ----------------------------------------------------------------------
+
+def test_a_stage_restarted_while_idle_never_serves_from_snapshots_it_lost(tiny_checkpoint):
+    """With `recovery_timeout` 0 a component that comes back fails the running requests (none here) and the engine
+    core leaves the scheduler alone, prefix cache included; the restarted stage (a fresh runner: empty snapshot
+    slots and KV) then gets a request that hits a prefix saved before. It must not compute from the empty state:
+    the request fails, the entry is dropped, and the same request again gets the tokens computed without the cache."""
+    import time
+
+    from shared.engine_core import EngineFailed, GenerationRequest
+    from shared.sampling import read_generation_config
+    from stage_worker.inprocess_executor import local_engine_core
+    from stage_worker.runner import StageRunner
+    from conftest import collect_events
+
+    gen = read_generation_config(tiny_checkpoint)
+    rng = random.Random(3)
+    first = [rng.randrange(10, 2000) for _ in range(50)]
+    second = first + [rng.randrange(10, 2000) for _ in range(10)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1).with_defaults(gen)
+    keys = dict(stages=2, max_model_len=256, block_size=16, max_num_seqs=4, recovery_timeout=0)
+
+    def serve(core, rid, ids):
+        return collect_events(core, [GenerationRequest(rid, ids, params)])[0]
+
+    core = local_engine_core(tiny_checkpoint, enable_prefix_caching=False, **keys)
+    try:
+        want = serve(core, "ref", second)
+    finally:
+        core.stop()
+    core = local_engine_core(tiny_checkpoint, **keys)
+    try:
+        serve(core, "a", first)
+        assert [e.length for e in core.scheduler.prefix.entries] == [32]
+        executor = core.executor
+        with core._lock:                         # stage 1 comes back as a new process
+            old = executor.runners[1]
+            executor.runners[1] = StageRunner(old.model, old.cluster, 1)
+            back = [["stage1"]]
+            executor.restarted = lambda: back.pop() if back else []
+        deadline = time.monotonic() + 10
+        while back and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out = [serve(core, "b", second), serve(core, "c", second)]
+    finally:
+        core.stop()
+    for events in out:
+        if isinstance(events[-1], EngineFailed):
+            continue                             # refused: not computed from a state the stage lost
+        assert [e.token_id for e in events] == [e.token_id for e in want]
+        assert [e.logprob for e in events] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    assert not isinstance(out[1][-1], Exception)     # the entry went with the failure
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_cancellations_failed_steps_and_restarts_keep_every_request_s_tokens(seed):
+    _fuzz(seed)
+
+
+def test_the_fuzzed_runs_restore_prefixes():
+    assert sum(1 for seed in range(24, 40) if _fuzz(seed) > 0) >= 12
