@@ -212,12 +212,12 @@ class Scheduler:
     def _take_prefix(self, req: Request, budget: int) -> bool:
         """Admit `req` on the longest cached prefix of its prompt (blocks shared, prefill from there) and choose
         where it saves its own state. False: it should wait for a plan with room for its first chunk (a restoring
-        chunk carries two tokens or more)."""
+        chunk carries two tokens or more). With a step budget of one token no prompt is looked up."""
         if self.prefix is None:
             return True
-        if budget < 2:
+        if budget < 2 and self._lookups:
             return False
-        hit = None if req.want_prompt_logprobs else self.prefix.match(req.prompt_ids)
+        hit = None if req.want_prompt_logprobs or not self._lookups else self.prefix.match(req.prompt_ids)
         if hit is not None:
             self.blocks.share(hit.blocks)
             hit.users += 1
@@ -228,7 +228,7 @@ class Scheduler:
     def _drop_prefix(self, req: Request) -> None:
         """Undo `_take_prefix` for a request that stays in the queue: its lookup counts when it is admitted (each
         plan it waits through looked it up again)."""
-        if self.prefix is not None and not req.want_prompt_logprobs:
+        if self.prefix is not None and not req.want_prompt_logprobs and self._lookups:
             self.prefix.queries -= len(req.prompt_ids)
         if req.restore is not None:
             self.prefix.hits -= req.restore.length
@@ -562,6 +562,12 @@ class Scheduler:
         if req.slot is not None:
             self.blocks.release_slot(req.slot)
             req.slot = None
+
+    @property
+    def _lookups(self) -> bool:
+        """Whether admissions look prompts up: a restoring chunk carries two tokens, so not with a step budget of
+        one (that would never admit anything)."""
+        return self.max_num_batched_tokens >= 2
 
     @property
     def num_running(self) -> int:
