@@ -403,6 +403,7 @@ class EngineCore:
     def _fail_all(self, components: list[str], keep_waiting: bool = False) -> list[Plan]:
         """Fail the running requests (and, unless `keep_waiting`, the queued ones): the components are gone."""
         if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting)):
+            self.scheduler.forget_cached_states()   # nothing to fail, but a component back empty lost its snapshots
             return []
         err = EngineFailed(f"{', '.join(components)} stopped responding")
         steps = self.scheduler.in_flight_steps()

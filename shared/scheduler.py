@@ -509,6 +509,10 @@ class Scheduler:
         self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed
 
+    def forget_cached_states(self) -> None:
+        """A component died or came back empty while nothing ran: the prefix cache's snapshots are gone with it."""
+        self._reset_prefix_cache()
+
     def _reset_prefix_cache(self) -> None:
         """Every plan in flight is lost and a stage may hold empty caches: no snapshot can be trusted."""
         if self.prefix is not None:

@@ -184,11 +184,14 @@ def _fuzz(seed: int) -> int:
 
 # ---- a stage restarted under cached prefixes ----------------------------------------------------------------------
 
-def test_a_stage_restarted_while_idle_never_serves_from_snapshots_it_lost(tiny_checkpoint):
-    """With `recovery_timeout` 0 a component that comes back fails the running requests (none here) and the engine
-    core leaves the scheduler alone, prefix cache included; the restarted stage (a fresh runner: empty snapshot
-    slots and KV) then gets a request that hits a prefix saved before. It must not compute from the empty state:
-    the request fails, the entry is dropped, and the same request again gets the tokens computed without the cache."""
+@pytest.mark.parametrize("core_clears", [True, False])
+def test_a_stage_restarted_while_idle_never_serves_from_snapshots_it_lost(tiny_checkpoint, core_clears):
+    """With `recovery_timeout` 0 a component that comes back while nothing runs has nothing to fail, but its
+    snapshots are gone: the engine core clears the prefix cache (`Scheduler.forget_cached_states`), so the restarted
+    stage (a fresh runner: empty snapshot slots and KV) computes the next requests from their first token. Should a
+    plan still restore from a slot the stage never saved (`core_clears` off: a plan queued to the new process before
+    the core saw the restart), the stage refuses that step, the request fails naming it, the entry is dropped, and
+    the same request again gets the tokens computed without the cache."""
     import time
 
     from shared.engine_core import EngineFailed, GenerationRequest
@@ -216,6 +219,8 @@ def test_a_stage_restarted_while_idle_never_serves_from_snapshots_it_lost(tiny_c
     try:
         serve(core, "a", first)
         assert [e.length for e in core.scheduler.prefix.entries] == [32]
+        if not core_clears:
+            core.scheduler.forget_cached_states = lambda: None
         executor = core.executor
         with core._lock:                         # stage 1 comes back as a new process
             old = executor.runners[1]
@@ -228,12 +233,13 @@ def test_a_stage_restarted_while_idle_never_serves_from_snapshots_it_lost(tiny_c
         out = [serve(core, "b", second), serve(core, "c", second)]
     finally:
         core.stop()
-    for events in out:
-        if isinstance(events[-1], EngineFailed):
-            continue                             # refused: not computed from a state the stage lost
+    if not core_clears:
+        assert isinstance(out[0][-1], EngineFailed) and "stage1 failed a step" in str(out[0][-1])
+        out = out[1:]                            # the entry went with the failure
+    for events in out:                           # nothing computed from a state the stage lost
+        assert not isinstance(events[-1], Exception), events
         assert [e.token_id for e in events] == [e.token_id for e in want]
         assert [e.logprob for e in events] == pytest.approx([e.logprob for e in want], abs=1e-4)
-    assert not isinstance(out[1][-1], Exception)     # the entry went with the failure
 
 
 @pytest.mark.parametrize("seed", range(24))
