@@ -170,8 +170,12 @@ class Scheduler:
             budget -= entry.num_tokens
             if not req.spec_sent:
                 new_specs.append(self._spec(req))
-        while self.waiting and budget > 0 and self.blocks.free_slots and self._admit_here(mb):
-            req = self.waiting[0]
+        waiting = 0                                 # index of the next waiting request to look at
+        while waiting < len(self.waiting) and budget > 0 and self.blocks.free_slots and self._admit_here(mb):
+            req = self.waiting[waiting]
+            if self._held(req):
+                waiting += 1                        # its prefix is being computed and saved: restore it then
+                continue
             if not self._take_prefix(req, budget):
                 break
             need = self._blocks_needed(req, min(budget, req.num_ids - req.computed))
@@ -181,7 +185,7 @@ class Scheduler:
             if not self.blocks.can_allocate(need):
                 self._drop_prefix(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[waiting]
             if req.restore is not None:
                 req.cached_tokens = max(req.cached_tokens, req.restore.length)
             req.slot = self.blocks.allocate_slot()
@@ -224,6 +228,21 @@ class Scheduler:
             req.blocks, req.computed, req.restore, req.sent_blocks = list(hit.blocks), hit.length, hit, 0
         req.snapshots = self.prefix.snapshot_positions(req.prompt_ids, req.computed)
         return True
+
+    def _held(self, req: Request) -> bool:
+        """Whether `req` waits for a running request that will save a state its prompt starts with (n > 1 choices,
+        one prompt sent twice at once, one system prompt among parallel agents whose parting point is known):
+        restoring that state once it is saved beats computing the same prefix side by side, in steps and in time
+        (the two would share each step's token budget). Asked again every plan: a producer that is preempted,
+        finishes or gives its snapshot up releases it."""
+        if self.prefix is None or req.want_prompt_logprobs or not self._lookups:
+            return False
+        ids = req.prompt_ids
+        pending = [(r, pos) for saves in self._snapshots.values() for r, pos, _ in saves]
+        for other in self.running.values():
+            pending.extend((other, pos) for pos in other.snapshots)
+        return any(pos + 2 <= len(ids) and ids[pos - 1] == other.ids(pos - 1, pos)[0]
+                   and other.ids(0, pos) == ids[:pos] for other, pos in pending if pos > 0)
 
     def _drop_prefix(self, req: Request) -> None:
         """Undo `_take_prefix` for a request that stays in the queue: its lookup counts when it is admitted (each

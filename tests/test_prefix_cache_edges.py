@@ -323,3 +323,20 @@ def test_a_one_token_step_budget_still_admits_requests():
         sched.add(r)
         _run(sched)
         assert r.finished == "length" and r.output_ids == [7, 7]
+
+
+def test_one_prompt_sent_four_times_at_once_is_computed_once(tiny_checkpoint):
+    """n = 4 (or four clients with one prompt): the first request computes and saves the prefix, the other three
+    wait for it (`Scheduler._held`) and restore it, instead of four prefills side by side each reserving a snapshot
+    slot; the tokens are those computed without the cache."""
+    rng = random.Random(11)
+    ids = [rng.randrange(10, 2000) for _ in range(100)]
+    waves = [[(ids, False, 0.8, 5)] * 4]
+    keys = dict(stages=2, max_num_batched_tokens=24, async_scheduling=True, max_num_seqs=6, prefix_cache_states=3)
+    off, _ = _serve_waves(tiny_checkpoint, waves, enable_prefix_caching=False, **keys)
+    on, prefix = _serve_waves(tiny_checkpoint, waves, **keys)
+    for a, b in zip(off, on, strict=True):
+        assert [e.token_id for e in a] == [e.token_id for e in b]
+        assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-4)
+    assert sorted(b[0].cached_tokens or 0 for b in on) == [0, 80, 80, 80] and prefix.hits == 240
+    assert len(prefix.entries) == 1
