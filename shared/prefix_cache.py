@@ -31,6 +31,22 @@ from dataclasses import dataclass
 from shared.block_manager import BlockManager
 
 
+def agreeing_blocks(a: list[int], b: list[int], block: int, at_least: int = 0) -> int:
+    """The largest multiple of `block` up to which `a` and `b` agree, if it is more than `at_least` (else
+    `at_least`): a block-wise check first, then a binary search over list slices (C compares, no Python loop)."""
+    lo, hi = at_least, min(len(a), len(b)) // block * block
+    if hi <= lo or a[lo:lo + block] != b[lo:lo + block] or a[:lo] != b[:lo]:
+        return at_least
+    lo += block
+    while lo < hi:                                               # the largest agreeing boundary in (lo, hi]
+        mid = (lo + hi + block) // (2 * block) * block
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - block
+    return lo
+
+
 @dataclass
 class CachedPrefix:
     tokens: list[int]            # the prefix (a whole number of blocks)
@@ -74,19 +90,9 @@ class PrefixCache:
     def shared_length(self, ids: list[int]) -> int:
         """The longest block boundary up to which `ids` agrees with some entry, whether or not that entry's whole
         prefix matches: where two prompts part (two conversations with one system prompt)."""
-        best, b = 0, self.block_size
+        best = 0
         for e in self.entries:
-            lo, hi = best, min(e.length, len(ids)) // b * b       # ids[:lo] agrees (or lo is already beaten)
-            if hi <= lo or ids[lo:lo + b] != e.tokens[lo:lo + b] or ids[:lo] != e.tokens[:lo]:
-                continue
-            lo += b
-            while lo < hi:                                       # the largest agreeing boundary in (lo, hi]
-                mid = (lo + hi + b) // (2 * b) * b
-                if ids[lo:mid] == e.tokens[lo:mid]:
-                    lo = mid
-                else:
-                    hi = mid - b
-            best = lo
+            best = max(best, agreeing_blocks(ids, e.tokens, self.block_size, best))
         return best
 
     def snapshot_positions(self, ids: list[int], start: int) -> list[int]:

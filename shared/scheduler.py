@@ -22,9 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.block_manager import BlockManager
-from shared.prefix_cache import CachedPrefix, PrefixCache
+from shared.prefix_cache import CachedPrefix, PrefixCache, agreeing_blocks
 from shared.protocol import HISTORY, Plan, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
+
+
+# A waiting prompt sharing this many tokens or more with one in prefill waits for its state there (`_held`): less is
+# not worth the wait (a prefill chunk computes a few hundred tokens in one step anyway).
+SHARED_HOLD_TOKENS = 256
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Request:
     sent_blocks: int = 0               # blocks of `blocks` the stages already have (plans carry only new ones)
     restore: CachedPrefix | None = None    # prefix cache: admitted on this entry, its first step not yet back
     snapshots: list[int] = field(default_factory=list)   # prefix cache: positions whose state to save (targets)
+    compared: set[str] = field(default_factory=set)      # waiting requests whose prompts this one's was compared to
     cached_tokens: int = 0             # prompt tokens the prefix cache spared (usage's cached_tokens)
 
     @property
@@ -154,6 +160,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._planned: set[str] = set()          # requests already in this plan: never preemption victims
         self._snapping = []
+        if self.prefix is not None and self.waiting and self._lookups:
+            self._share_targets()
         entries: list[SeqEntry] = []
         new_specs: list[SamplingSpec] = []
         members = sorted((r for r in self.running.values() if r.microbatch == mb), key=lambda r: r.arrival)
@@ -238,11 +246,31 @@ class Scheduler:
         if self.prefix is None or req.want_prompt_logprobs or not self._lookups:
             return False
         ids = req.prompt_ids
-        pending = [(r, pos) for saves in self._snapshots.values() for r, pos, _ in saves]
+        pending = [(r, pos) for saves in self._snapshots.values() for r, pos, _ in saves] + self._snapping
         for other in self.running.values():
             pending.extend((other, pos) for pos in other.snapshots)
         return any(pos + 2 <= len(ids) and ids[pos - 1] == other.ids(pos - 1, pos)[0]
                    and other.ids(0, pos) == ids[:pos] for other, pos in pending if pos > 0)
+
+    def _share_targets(self) -> None:
+        """A running request in prefill whose prompt shares a long first part with a waiting one (one system
+        prompt, another conversation) gets a snapshot target where the two part, while it has not passed it: the
+        waiting one then waits for that state (`_held`). Each pair is compared once (a block's compare first)."""
+        b = self.block_size
+        for other in self.running.values():
+            start, end = other.next_pos, len(other.prompt_ids)
+            if start >= end - 2:
+                continue
+            for req in self.waiting:
+                if req.req_id in other.compared or req.want_prompt_logprobs:
+                    continue
+                other.compared.add(req.req_id)
+                ids = req.prompt_ids
+                if other.prompt_ids[:b] != ids[:b]:
+                    continue
+                shared = agreeing_blocks(ids, other.prompt_ids, b)
+                if shared >= max(start, SHARED_HOLD_TOKENS) and shared + 2 <= min(len(ids), end):
+                    other.snapshots = sorted(set(other.snapshots) | {shared})
 
     def _drop_prefix(self, req: Request) -> None:
         """Undo `_take_prefix` for a request that stays in the queue: its lookup counts when it is admitted (each

@@ -279,7 +279,7 @@ def _serve_waves(tiny_checkpoint, waves, **keys):
     from conftest import collect_events
 
     gen = read_generation_config(tiny_checkpoint)
-    core = local_engine_core(tiny_checkpoint, max_model_len=128, block_size=16, **keys)
+    core = local_engine_core(tiny_checkpoint, **{"max_model_len": 128, "block_size": 16, **keys})
     try:
         out = []
         for w, wave in enumerate(waves):
@@ -340,3 +340,19 @@ def test_one_prompt_sent_four_times_at_once_is_computed_once(tiny_checkpoint):
         assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-4)
     assert sorted(b[0].cached_tokens or 0 for b in on) == [0, 80, 80, 80] and prefix.hits == 240
     assert len(prefix.entries) == 1
+
+
+def test_parallel_conversations_with_one_system_prompt_compute_it_once(tiny_checkpoint):
+    """Three conversations sent at once that share a 300-token system prompt and part after it: the first saves its
+    state where the others part from it (a target `_held` adds), and they restore it."""
+    rng = random.Random(12)
+    system = [rng.randrange(10, 2000) for _ in range(300)]
+    waves = [[(system + [rng.randrange(10, 2000) for _ in range(40)], False, 0.0, 4) for _ in range(3)]]
+    keys = dict(stages=1, max_num_batched_tokens=64, async_scheduling=True, max_num_seqs=6, prefix_cache_states=4,
+                max_model_len=512)
+    off, _ = _serve_waves(tiny_checkpoint, waves, enable_prefix_caching=False, **keys)
+    on, prefix = _serve_waves(tiny_checkpoint, waves, **keys)
+    for a, b in zip(off, on, strict=True):
+        assert [e.token_id for e in a] == [e.token_id for e in b]
+        assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-4)
+    assert sorted(b[0].cached_tokens or 0 for b in on) == [0, 288, 288]
