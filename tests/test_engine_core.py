@@ -132,9 +132,11 @@ def _assert_same(a: list[list], b: list[list]) -> None:
 def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, reference, plan_ahead):
     # Three stages (three micro-batches), 8-token prefill chunks, and 8 blocks of 16 tokens for eight requests
     # that need up to 4 blocks each: the scheduler must chunk prompts and preempt requests to finish them all.
-    # With plan-ahead off too (its switch serves the same tokens).
+    # With plan-ahead off too (its switch serves the same tokens). Without the prefix cache, which would spare blocks
+    # on the prompts' common prefixes (tests/test_prefix_cache.py preempts with it).
     core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8,
-                             max_num_batched_tokens=8, num_blocks=8, block_size=16, async_scheduling=plan_ahead)
+                             max_num_batched_tokens=8, num_blocks=8, block_size=16, async_scheduling=plan_ahead,
+                             enable_prefix_caching=False)
     try:
         preempted = _spy_preemptions(core)
         requests = _requests(read_generation_config(tiny_checkpoint))
@@ -284,7 +286,8 @@ def test_cluster_and_in_process_executors_agree(tiny_checkpoint):
     # BODIES). No PLE service process (the stages gather their PLE rows; the service's own tests are test_cluster's):
     # ~4 s of CPU less.
     opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
-                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 5, "ple_service": False})
+                        extra={"max_num_batched_tokens": 16, "block_size": 16, "num_blocks": 5, "ple_service": False,
+                               "enable_prefix_caching": False})
     with Cluster(opts) as c:
         served = _exercise(c.url)
     preempted = [line for line in served["metrics"].splitlines() if line.startswith("moepipe_preemptions ")]

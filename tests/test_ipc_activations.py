@@ -388,9 +388,10 @@ def _serve(tiny_checkpoint, handoff: bool, tmp_path=None):
     from shared.sampling import SamplingParams
     from stage_worker.inprocess_executor import local_engine_core
 
-    # 16-token prefill chunks (larger than the 8-token slots: host path), preemption, three stages (micro-batches)
+    # 16-token prefill chunks (larger than the 8-token slots: host path), preemption, three stages (micro-batches);
+    # without the prefix cache, whose restores of the prompts' common prefixes spare the blocks preemption needs
     core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16,
-                             num_blocks=8, block_size=16, start=False)
+                             num_blocks=8, block_size=16, start=False, enable_prefix_caching=False)
     runners = core.executor.runners
     ends = []
     if handoff:
