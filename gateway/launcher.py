@@ -279,15 +279,17 @@ class Cluster:
         while time.time() < deadline:
             if should_stop():
                 raise RuntimeError("stopped during start-up")
-            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-            if dead:
-                raise RuntimeError(f"{', '.join(f'{n} exited with {c}' for n, c in dead.items())} during start-up")
+            # Health first: once every component has heartbeated the cluster is up, and a process that dies from
+            # then on is the supervisor's (a client can be served, and kill a stage, before this loop looks again).
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            if dead:
+                raise RuntimeError(f"{', '.join(f'{n} exited with {c}' for n, c in dead.items())} during start-up")
             time.sleep(0.2)
         raise RuntimeError(f"cluster not healthy after {self.opts.startup_timeout:.0f} s")
 
