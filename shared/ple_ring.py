@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.ple_table import unmap
+
 __all__ = ["GatherRing", "RingError", "HEADER_BYTES"]
 
 MAGIC = b"MOEPIPE-PLE-RING"
@@ -145,11 +147,7 @@ class GatherRing:
         self.tensor = torch.empty(0, dtype=self.dtype)
         self._base = np.empty(0, dtype=np.uint8)
         mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+        unmap(mm)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)

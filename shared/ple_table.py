@@ -106,6 +106,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def unmap(mm: mmap.mmap | None) -> None:
+    """Close a mapping unless views of it are still referenced (BufferError): then it stays until they are
+    collected, since unmapping under them would crash."""
+    if mm is None:
+        return
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
 def expand_table(
     read_shard: Callable[[int], torch.Tensor],
     num_shards: int,
@@ -229,11 +240,7 @@ class FlatTable:
         they are garbage collected (unmapping under them would crash)."""
         self.tensor = torch.empty(0, self.dim, dtype=self.dtype)
         mm, self._mmap = self._mmap, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+        unmap(mm)
 
     def __enter__(self) -> FlatTable:
         return self
