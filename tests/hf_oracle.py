@@ -75,6 +75,11 @@ def build_from_config(cfg, seed: int = 0):
     # Eager experts: the default grouped GEMM needs 16-byte strides, which odd expert widths do not have.
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
                                              experts_implementation="eager").float().eval()
+    return randomize_flat_weights(model)
+
+
+def randomize_flat_weights(model):
+    """Norms, biases and conv kernels, which init leaves at 0 or 1, get random values too."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1 or "conv1d" in name:

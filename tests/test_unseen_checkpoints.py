@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_oracle import ROPE, _require_transformers, build_from_config, reference_logits
+from hf_oracle import ROPE, _require_transformers, build_from_config, randomize_flat_weights, reference_logits
 from shared.cluster_config import split_layers
 from shared.model_config import load_config
 from stage_worker.checkpoint.loader import LoadOptions, load_model
@@ -94,10 +94,7 @@ def written_multimodal(cfg, tmp_path: Path):
     torch.manual_seed(0)
     model = Qwen3_5MoeForConditionalGeneration._from_config(cfg, attn_implementation="eager",
                                                             experts_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 or "conv1d" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    randomize_flat_weights(model)
     model.save_pretrained(tmp_path)
     return model
 
