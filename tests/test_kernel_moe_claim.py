@@ -64,7 +64,7 @@ def _check_tables(parts: dict, before: dict, slot: int, copied: bool) -> None:
     for name, (dev, host) in parts.items():
         base = dev._base
         want = host[slot - HOT] if copied else before[name][1 + SPARE]
-        assert torch.equal(_bits(dev[SPARE]), _bits(want)), name
+        assert torch.equal(_bits(dev[SPARE]), _bits(want.to(dev.device))), name
         others = [r for r in range(base.shape[0]) if r != 1 + SPARE]
         assert torch.equal(_bits(base[others]), _bits(before[name][others])), name
 

@@ -101,7 +101,7 @@ def claim_ref(flat: torch.Tensor, counts) -> None:
         return
     ok = (flat >= counts.first) & (counts.counts[flat.clamp_min(0)] > counts.threshold)
     pos = torch.where(ok, torch.arange(n, device=flat.device), n).min()
-    pick = flat[pos.clamp(max=n - 1)].to(counts.claim.dtype)
+    pick = flat.index_select(0, pos.clamp(max=n - 1).reshape(1)).squeeze(0).to(counts.claim.dtype)  # no .item()
     counts.claim.copy_(torch.where((counts.claim < 0) & (pos < n), pick, counts.claim))
 
 
