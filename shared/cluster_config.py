@@ -90,6 +90,8 @@ class ClusterConfig:
                                                 # step's tokens reach the host (its ids read on the device)
     ple_launch_ahead: bool = True               # ... on a stage holding PLE layers too: its graph waits on the device
                                                 # for the rows the host gathers once the token is in (host_wait.py)
+    ple_launch_ahead_across_stages: bool = False  # ... also when stage 0 is not the last stage: the graph also waits
+                                                # for the ids the last stage's Sampled brings (off until measured)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
     startup_warmup: bool = True                 # a GPU stage runs its prefill path and the sampler once before its
@@ -399,6 +401,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_PLE_LAUNCH_AHEAD": "ple_launch_ahead",
+        "MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES": "ple_launch_ahead_across_stages",
         "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",

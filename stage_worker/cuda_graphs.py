@@ -11,7 +11,8 @@ from a static device buffer, filled before the replay from the PLE service's rin
 or, without the service, gathered by the stage itself (`PLEBranch.decode_embeddings`: the one host round trip of
 the row ids happens there, outside the graph). The n-gram hashing and context update stay inside the graph: they
 run on the device. With a `PleMailbox` (`ple_launch_ahead`) the graph starts with `host_wait.wait_and_copy`
-instead: it is replayed before its rows exist and copies them from pinned memory once the host has written them.
+instead: it is replayed before its rows exist and copies them from pinned memory once the host has written them
+(with `ple_launch_ahead_across_stages`, on a first stage that does not sample, the input ids as well).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class DecodeGraphs:
 
             dst = batch._mailbox_rows
             wait_and_copy(box.flag, box.expected, box.rows[: dst.shape[0]], dst, box.timed_out)
+            if box.ids is not None:                 # the ids came with the rows (the flag is reached: no wait)
+                wait_and_copy(box.flag, box.expected, box.ids[: dst.shape[0]], batch.token_ids, box.timed_out)
         out = self.model(batch, self.cache, hidden)
         return self.model.logits(out, batch) if self.model.has_head else out
 
@@ -138,7 +141,9 @@ class DecodeGraphs:
         n = batch.num_seqs
         g = self.graphs[next(s for s in self.sizes if s >= n)]
         sb = g.batch
-        sb.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
+        ids_in_graph = self.mailbox is not None and self.mailbox.ids is not None
+        if not ids_in_graph:
+            sb.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
         sb.positions[:n].copy_(batch.positions, non_blocking=True)
         sb.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         tables, lens = batch.device_tables()
@@ -147,7 +152,8 @@ class DecodeGraphs:
         g.slots[:n].copy_(batch.device_slots(), non_blocking=True)
         if n < g.size:                                  # padding entries: scratch slot, scratch block
             pad_row = self.scratch_block * self.block_size + 1
-            sb.token_ids[n:].zero_()
+            if not ids_in_graph:
+                sb.token_ids[n:].zero_()
             sb.positions[n:].fill_(1)
             sb.slot_mapping[n:].fill_(pad_row)
             g.tables[n:].fill_(self.scratch_block)
@@ -167,6 +173,8 @@ class DecodeGraphs:
         if self.valid is not None:
             self.valid.fill_(n)
         g.graph.replay()
+        if ids_in_graph:                                # the ids the graph read, for the next stage (a copy queued
+            batch.token_ids = sb.token_ids[:n].clone()  # behind the replay: the next replay rewrites the buffer)
         for m, ids in zip(self.moes, g.expert_ids):
             m.last_expert_ids = ids if ids is None or n == g.size else ids[:n]
         return g.out[:n]

@@ -77,6 +77,9 @@ class DecodeRowGather:
         try:
             for li, (_, emb) in enumerate(self._host_rows(box.contexts.numpy(), slots, token_ids)):
                 box.rows[: len(slots), li].copy_(emb)
+            if box.ids is not None:           # the graph's input ids too (padding rows: 0)
+                box.ids.zero_()
+                box.ids[: len(token_ids)] = torch.as_tensor(token_ids, dtype=torch.int64)
         finally:
             box.flag[0] = seq
             self.steps += 1
@@ -87,18 +90,22 @@ class DecodeRowGather:
 class PleMailbox:
     """Where a launched-ahead decode step's PLE rows wait for its graph (`ple_launch_ahead`,
     `stage_worker/kernels/host_wait.py`): pinned rows the graph's first kernel copies once `flag` reaches the number
-    in `expected`, and a pinned copy of the n-gram contexts that the host hashes against."""
+    in `expected`, and a pinned copy of the n-gram contexts that the host hashes against. `ids`
+    (`ple_launch_ahead_across_stages`): on a first stage that does not sample, the step's input ids come this way
+    too (the last stage's Sampled brings them to the host); one stage reads them from its own sampled tokens on the
+    device instead."""
 
     rows: torch.Tensor        # pinned [max_seqs, layers, heads, head_dim]: this stage's PLE layers, in order
     flag: torch.Tensor        # pinned [1] int64: the last step whose rows are in `rows`
     expected: torch.Tensor    # device [1] int64: the step the next replay waits for (set before each replay)
     timed_out: torch.Tensor   # device [1] int64: the number of the last step whose graph gave up waiting
     contexts: torch.Tensor    # pinned copy of the contexts, taken behind every launched step
+    ids: torch.Tensor | None = None   # pinned [max_seqs] int64: the step's input ids (None: not this way)
     seq: int = 0
 
     @classmethod
     def create(cls, gather: DecodeRowGather, max_seqs: int, dtype: torch.dtype,
-               device: torch.device) -> "PleMailbox":
+               device: torch.device, with_ids: bool = False) -> "PleMailbox":
         first = next(iter(gather.branches.values()))
 
         def host(t: torch.Tensor) -> torch.Tensor:       # what the device reads or writes behind the host's back
@@ -109,4 +116,6 @@ class PleMailbox:
                   torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                   host(torch.empty(gather.contexts.shape, dtype=gather.contexts.dtype)))
         box.contexts.copy_(gather.contexts)       # at start nothing is queued: a plain copy
+        if with_ids:                              # (graph sizes never exceed max_seqs: rows[:size] as ids[:size])
+            box.ids = host(torch.zeros(max_seqs, dtype=torch.int64))
         return box

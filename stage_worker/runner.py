@@ -162,12 +162,18 @@ class StageRunner:
         # `ple_launch_ahead`: one stage holding PLE layers that gathers its decode rows itself queues a decode step
         # before the token it needs reaches the host; the graph waits on the device for the rows
         # (`stage_worker/kernels/host_wait.py`, `PleMailbox`), which `_publish_rows` writes once the token is in.
+        # `ple_launch_ahead_across_stages`: the same on a first stage that does not sample, whose graphs then also
+        # wait for their input ids (the last stage's Sampled brings the tokens to this host; the core's plan-ahead
+        # brings the plan before them). It needs the spin wait: a stage blocked in `finish` on a graph that waits
+        # for a message would never read that message.
         self.ple_mailbox: PleMailbox | None = None
+        across = not self.is_last and cluster.ple_launch_ahead_across_stages and cluster.stage_spin_wait
         if cluster.ple_launch_ahead and graphed and self.own_decode_rows is not None and self.is_first and \
-                self.is_last and cluster.launch_ahead and cluster.device_sampling and cluster.ple_graph:
-            self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device)
-            log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows "
-                     "(ple_launch_ahead)", index)
+                (self.is_last and cluster.device_sampling or across) and cluster.launch_ahead and cluster.ple_graph:
+            self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device,
+                                                 with_ids=not self.is_last)
+            log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows%s "
+                     "(ple_launch_ahead)", index, "" if self.is_last else " and input ids (across stages)")
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
         self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
@@ -204,6 +210,14 @@ class StageRunner:
             for t in msg.tokens:
                 if t.token >= 0:
                     self.next_tokens[(t.req_id, t.position)] = t.token
+            if self._pending_rows:            # a launched graph waits for some of these (across stages)
+                needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
+                for t in msg.tokens:
+                    key = (t.req_id, t.position)
+                    if key in needed:
+                        self._host_tokens[key] = max(t.token, 0)
+                        self.next_tokens.pop(key, None)
+                self._publish_rows()
         elif isinstance(msg, PleReady) and msg.num_tokens > 0:
             if msg.step in self.plans or msg.step > self._max_launched_step:
                 self.ple[msg.step] = msg       # else: a step that ran on rows this stage gathered itself
@@ -280,8 +294,14 @@ class StageRunner:
             if self.is_first:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
                 if any(k not in self.next_tokens and k not in self.device_next for k in keys):
-                    return None
-                prepared.batch.token_ids, prepared.host_ids, prepared.entry_tokens = self._input_ids(prepared.plan)
+                    if not self._ids_in_mailbox(prepared):
+                        return None
+                    prepared.entry_tokens = [e.tokens[-1] if e.tokens is not None else
+                                             self.next_tokens.pop((e.req_id, e.context_len), (e.req_id, e.context_len))
+                                             for e in prepared.plan.entries]
+                else:
+                    prepared.batch.token_ids, prepared.host_ids, prepared.entry_tokens = \
+                        self._input_ids(prepared.plan)
             elif isinstance(self.acts[step], IpcActivations):
                 prepared.host_ids = self.acts[step].token_ids     # the device ids come out of the slot at launch
             else:
@@ -303,6 +323,11 @@ class StageRunner:
         if not self.graphs.graphs:
             self.graphs.capture()             # (a stage worker captures at start; here for one driven by hand)
         return self.graphs.fits(prepared.batch)
+
+    def _ids_in_mailbox(self, prepared: _Prepared) -> bool:
+        """`ple_launch_ahead_across_stages`: a decode step of a first stage that does not sample may be launched
+        before its tokens arrive (its graph copies them from the mailbox with its rows)."""
+        return self.ple_mailbox is not None and self.ple_mailbox.ids is not None and self._rows_in_graph(prepared)
 
     def _gathers_own_rows(self, prepared: _Prepared) -> bool:
         """A decode step on a PLE stage whose token ids the host has: it gathers its rows itself
@@ -352,6 +377,13 @@ class StageRunner:
         """Launch every step whose inputs are here, oldest first, up to the launch depth; returns how many were
         launched. A step that raises is dropped and handed to `failed(step, exc)` (the caller reports it): the
         worker keeps serving."""
+        if self._pending_rows:                # whatever became publishable since (a contexts copy that completed)
+            waiting = self._pending_rows[0].seq
+            try:
+                self._publish_rows()
+            except Exception as exc:          # the step whose rows failed: its requests fail, the worker goes on
+                failed(next((x.plan.step for x in self.launched
+                             if x.ple_wait is not None and x.ple_wait[0] == waiting), -1), exc)
         launched = 0
         while self.can_launch():
             plan = None
@@ -498,12 +530,13 @@ class StageRunner:
     def _publish_rows(self) -> None:
         """Write the rows of every waiting step, oldest first, whose tokens are on the host and whose contexts'
         copy is done (each one's copy sits behind the step before, which its own rows do not wait for)."""
+        alive = self.requests if self.is_last else self.tables    # (only the last stage keeps `requests`)
         while self._pending_rows:
             pending = self._pending_rows[0]
             tokens = []
             for t in pending.tokens:
                 if isinstance(t, tuple):
-                    t = self._host_tokens.get(t, 0 if t[0] not in self.requests else None)  # finished: any row
+                    t = self._host_tokens.get(t, 0 if t[0] not in alive else None)  # finished: any row
                     if t is None:
                         return
                 tokens.append(t)
@@ -569,6 +602,10 @@ class StageRunner:
         timing = launched.timing + [[self.index, launched.t0, time.time(),
                                      launched.arrived if launched.arrived is not None else launched.t0]]
         if not self.is_last:
+            if launched.ple_wait is not None and int(launched.ple_wait[1][0]) == launched.ple_wait[0]:
+                raise RuntimeError(f"step {plan.step}'s decode graph gave up waiting for its input ids and PLE rows "
+                                   "(ple_launch_ahead_across_stages); MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES=0 turns "
+                                   "it off")
             if launched.sent is not None:
                 return []                       # its header went at launch (`_hand_off`)
             return [Outgoing("next", Activations(step=plan.step, hidden=launched.hidden, token_ids=batch.token_ids,

@@ -151,3 +151,64 @@ def test_a_step_whose_graph_gave_up_on_its_rows_fails_its_requests():
     StageRunner._fail_if_rows_missed(runner, missed)
     assert [o.token for o in missed.outs] == [-1, -1] and all("in time" in o.error for o in missed.outs)
     assert runner.ple_wait_timeouts == 1
+
+
+def test_a_first_stage_that_does_not_sample_publishes_ids_and_rows_once_sampled_arrives(tiny_checkpoint, tmp_path):
+    """`ple_launch_ahead_across_stages` (the graph's side is GPU only): stage 0 of two takes a decode plan before
+    the last stage's Sampled brought its tokens (the step is launched, its graph waiting on the device), and once
+    Sampled arrives writes the ids (padding rows 0) and the rows the stage's own gather gives for those tokens,
+    then the flag. A request finished meanwhile, whose token never comes, does not hold the step up."""
+    from shared.protocol import Sampled, TokenOut
+    from stage_worker.stage_loader import load_stage
+
+    cfg = load_config(tiny_checkpoint)
+    one = _cluster(tiny_checkpoint, tmp_path)
+    stages = [StageSpec(0, 2, f"ipc://{tmp_path}/s0.sock"), StageSpec(2, cfg.num_hidden_layers,
+                                                                        f"ipc://{tmp_path}/s1.sock")]
+    cluster = ClusterConfig(**{**one.__dict__, "stages": stages})
+    svc = PleService(tiny_checkpoint, cfg, cluster)
+    try:
+        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
+        assert not runner.is_last and runner.own_decode_rows is not None
+        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
+        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
+        prefill = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
+        runner.on_message(prefill)
+        for msg in svc.on_plan(prefill):
+            runner.on_message(msg)
+        runner.run(runner.ready())
+        # what a CUDA stage has: the mailbox with ids, and decode steps that replay a graph
+        gather = runner.own_decode_rows
+        runner.ple_mailbox = PleMailbox.create(gather, cluster.max_num_seqs, torch.float32, torch.device("cpu"),
+                                               with_ids=True)
+        runner._rows_in_graph = lambda prepared: prepared.batch.is_decode
+        box = runner.ple_mailbox
+
+        def decode(step: int, reqs: list[str]) -> tuple[Plan, int]:
+            plan = Plan(step=step, microbatch=0, entries=[SeqEntry(r, i, len(PROMPTS[r]) + step - 1, 1, [])
+                                                          for i, r in enumerate(PROMPTS) if r in reqs])
+            runner.on_message(plan)
+            assert runner.ready() is plan                 # launched before its tokens exist
+            prepared = runner.plans.pop(step)
+            assert prepared.host_ids is None
+            seq = runner._expect_rows(plan, prepared)
+            assert int(box.flag[0]) < seq                 # the graph would wait
+            return plan, seq
+
+        plan, seq = decode(1, ["a", "b"])
+        toks = {"a": 300, "b": 7}
+        want = gather([0, 1], [toks["a"], toks["b"]])
+        runner.on_message(Sampled(step=0, microbatch=0,
+                                  tokens=[TokenOut(r, len(PROMPTS[r]), t) for r, t in toks.items()]))
+        assert int(box.flag[0]) == seq
+        assert box.ids.tolist() == [300, 7, 0, 0]
+        for li, layer in enumerate(gather.branches):
+            assert torch.equal(box.rows[:2, li], want[layer].float())
+        assert not runner.next_tokens                    # the mailbox took them
+
+        _, seq = decode(2, ["a", "b"])
+        runner.on_message(Plan(step=3, microbatch=0, entries=[], finished=["b"]))   # b ends; no token comes
+        runner.on_message(Sampled(step=1, microbatch=0, tokens=[TokenOut("a", len(PROMPTS["a"]) + 1, 42)]))
+        assert int(box.flag[0]) == seq and box.ids.tolist() == [42, 0, 0, 0]
+    finally:
+        svc.close()
