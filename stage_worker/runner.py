@@ -26,6 +26,7 @@ from stage_worker.readback import CounterReadback
 from stage_worker.host_copy import to_device, to_host
 from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
 from stage_worker.profiling import phase
+from stage_worker.stream_wait import StreamWait
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
 from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
 
@@ -88,6 +89,13 @@ class _PendingRows:
     slots: list[int]
     tokens: list
     contexts: object | None
+    since: float = field(default_factory=time.perf_counter)
+
+
+# A launched step's tokens reach the host within milliseconds; one whose tokens have not come after this long (a
+# request that failed in the last stage and was never finished, a lost message) is published with 0 in their place
+# and its step fails, so no stream waits forever (`stream_wait.py` has no timeout on the device).
+PUBLISH_DEADLINE_S = 10.0
 
 
 @dataclass
@@ -174,6 +182,11 @@ class StageRunner:
                                                  with_ids=not self.is_last)
             log.info("stage %d: decode steps launched ahead, their graphs waiting on the device for the PLE rows%s "
                      "(ple_launch_ahead)", index, "" if self.is_last else " and input ids (across stages)")
+        # across stages the wait ends only after the last stage's step: a stream wait, not a polling kernel that
+        # would hold a GPU time-sliced with that stage's process (stream_wait.py)
+        self._stream_wait = StreamWait.open(self.ple_mailbox.flag, p.device) \
+            if self.ple_mailbox is not None and not self.is_last else None
+        self._forced_rows: set[int] = set()     # mailbox steps published past PUBLISH_DEADLINE_S (they fail)
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
         self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
@@ -473,6 +486,8 @@ class StageRunner:
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with phase("stage.graph_replay"):
+                if wait_seq is not None and self._stream_wait is not None:
+                    self._stream_wait.wait(wait_seq)
                 result = self.graphs.run(batch, hidden, wait_seq)
             if wait_seq is not None:          # read back with the step's tokens (their event comes later)
                 launched.ple_wait = (wait_seq, to_host(self.ple_mailbox.timed_out))
@@ -533,12 +548,16 @@ class StageRunner:
         alive = self.requests if self.is_last else self.tables    # (only the last stage keeps `requests`)
         while self._pending_rows:
             pending = self._pending_rows[0]
+            late = time.perf_counter() - pending.since > PUBLISH_DEADLINE_S
             tokens = []
             for t in pending.tokens:
                 if isinstance(t, tuple):
                     t = self._host_tokens.get(t, 0 if t[0] not in alive else None)  # finished: any row
                     if t is None:
-                        return
+                        if not late:
+                            return
+                        t = 0
+                        self._forced_rows.add(pending.seq)
                 tokens.append(t)
             if pending.contexts is not None and not pending.contexts.query():
                 return
@@ -602,10 +621,12 @@ class StageRunner:
         timing = launched.timing + [[self.index, launched.t0, time.time(),
                                      launched.arrived if launched.arrived is not None else launched.t0]]
         if not self.is_last:
-            if launched.ple_wait is not None and int(launched.ple_wait[1][0]) == launched.ple_wait[0]:
-                raise RuntimeError(f"step {plan.step}'s decode graph gave up waiting for its input ids and PLE rows "
-                                   "(ple_launch_ahead_across_stages); MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES=0 turns "
-                                   "it off")
+            if launched.ple_wait is not None and (int(launched.ple_wait[1][0]) == launched.ple_wait[0]
+                                                  or launched.ple_wait[0] in self._forced_rows):
+                self._forced_rows.discard(launched.ple_wait[0])
+                raise RuntimeError(f"step {plan.step}'s decode graph did not get its input ids and PLE rows in time "
+                                   "(ple_launch_ahead_across_stages; MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES=0 turns "
+                                   "it off)")
             if launched.sent is not None:
                 return []                       # its header went at launch (`_hand_off`)
             return [Outgoing("next", Activations(step=plan.step, hidden=launched.hidden, token_ids=batch.token_ids,

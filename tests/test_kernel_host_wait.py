@@ -89,3 +89,52 @@ def test_the_kernel_waits_for_the_host_inside_a_graph():
         writer.join()
         done.synchronize()
         assert torch.equal(dst.cpu(), want) and int(timed_out) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_stream_wait_holds_the_graph_until_the_host_writes():
+    """`stream_wait.StreamWait` (`ple_launch_ahead_across_stages`): the stream waits in the front end for the
+    host's word, then the graph's polling kernel finds it set and copies what the host wrote before it."""
+    from stage_worker.stream_wait import StreamWait
+
+    n = 4096
+    src = torch.zeros(n, dtype=torch.int64).pin_memory()
+    flag = torch.zeros(1, dtype=torch.int64).pin_memory()
+    expected = torch.ones(1, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(n, dtype=torch.int64, device="cuda")
+    timed_out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    waiter = StreamWait.open(flag, torch.device("cuda"))
+    assert waiter is not None, "the driver refused stream waits (see the log)"
+    K.wait_and_copy(flag.fill_(1), expected, src, dst, timed_out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.wait_and_copy(flag, expected, src, dst, timed_out)
+    for step in range(2, 5):
+        expected.fill_(step)
+        waiter.wait(step)
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        want = torch.randint(0, 1 << 40, (n,), dtype=torch.int64)
+
+        def host() -> None:
+            time.sleep(0.05)
+            src.copy_(want)
+            flag[0] = step
+
+        writer = threading.Thread(target=host)
+        writer.start()
+        time.sleep(0.02)
+        assert not done.query()
+        writer.join()
+        done.synchronize()
+        assert torch.equal(dst.cpu(), want) and int(timed_out) == 0
+
+
+def test_stream_waits_are_refused_off_the_gpu():
+    """No CUDA stream for a CPU stage: the runner keeps the polling kernel's path (None, no exception)."""
+    from stage_worker.stream_wait import StreamWait
+
+    assert StreamWait.open(torch.zeros(1, dtype=torch.int64), torch.device("cpu")) is None
