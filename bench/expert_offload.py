@@ -54,7 +54,7 @@ from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
-from stage_worker.kernels.moe_ref import HostRows, RouteCounts, claim_ref  # noqa: E402
+from stage_worker.kernels.moe_ref import HostRows  # noqa: E402
 from stage_worker.local_engine import LocalEngine  # noqa: E402
 
 TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_trace.npz"
@@ -92,7 +92,11 @@ def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int,
 
 
 class Replay:
-    """Overwrites the router's ids with the trace (as slots) inside `moe.route`; installed by monkeypatching."""
+    """Makes the router choose the trace's experts inside `moe.route`; installed by monkeypatching. The real route
+    kernel then maps, counts and claims exactly as served: the replay only writes the router's logits (the trace's
+    k experts at k, k-1, ..., 1, every other column far below; the shared expert's logit kept). Until 2026-12-05
+    the replay overwrote the kernel's ids and counted (and claimed, moves on read) with ~20 PyTorch ops a layer
+    inside the graph, which the served path does not run: h200-24's on-read row paid ~0.5 ms a step for them."""
 
     def __init__(self, model, batch: int, top_k: int) -> None:
         self.moes = list(model.moe_layers().values())
@@ -100,41 +104,32 @@ class Replay:
         self.batch = batch
         self.decode_calls = 0                     # calls with at most `batch` rows: decode (eager or captured)
         dev = next(model.parameters()).device
-        E = self.moes[0].num_experts
         self.buf = torch.zeros(len(self.moes), 16, top_k, dtype=torch.int64, device=dev)   # expert ids
-        self.identity = torch.arange(E, dtype=torch.int32, device=dev)
-        self.dummy = RouteCounts(torch.zeros(E, device=dev), torch.zeros(1, dtype=torch.int64, device=dev), E)
+        self.rank = torch.arange(top_k, 0, -1, dtype=torch.float32, device=dev).expand(16, top_k).contiguous()
         self.real_route = K.route
 
     def route(self, logits, top_k, renormalise, shared=False, counts=None, valid=None, slot_map=None):
-        w, ids = self.real_route(logits, top_k, renormalise, shared=shared, valid=valid, slot_map=slot_map)
-        T = ids.shape[0]
-        if T > self.buf.shape[1]:                 # prefill: keep the router's choice
-            return w, ids
+        T = logits.shape[0]
+        if T > self.buf.shape[1]:                 # prefill: the router's own choice, not counted
+            return self.real_route(logits, top_k, renormalise, shared=shared, valid=valid, slot_map=slot_map)
         index = self.layer % len(self.moes)     # layers call the router in order, once a forward
         self.layer += 1
         self.decode_calls += T <= self.batch
         t = self.moes[index].table
-        if t is None:
-            slot_of = self.identity
-        else:                                     # expert -> its slot now (spares, -1, land past the end)
-            experts = t.expert_of_slot.long()
-            E = self.identity.numel()
-            slot_of = torch.zeros(E + 1, dtype=torch.int32, device=experts.device).scatter_(
-                0, torch.where(experts >= 0, experts, E), torch.arange(experts.numel(), dtype=torch.int32,
-                                                                       device=experts.device))[:E]
-        slots = slot_of[self.buf[index, :T]].to(ids.dtype)
-        if valid is not None:                     # a graph's padding rows keep the router's SKIP
-            slots = torch.where(ids[:, :top_k] == K.SKIP, ids[:, :top_k], slots)
-        ids[:, :top_k] = slots
-        c = counts if counts is not None else self.dummy     # count_ref's sums, with padding (SKIP) left out
-        flat = slots.reshape(-1).long()
-        ok = flat >= 0
-        c.counts.index_add_(0, flat.clamp_min(0), ok.to(c.counts.dtype))
-        c.host_reads.add_(((flat >= c.first) & ok).sum())
-        if c.claim is not None:                   # moves on read (`expert_move_async`): the router's claim
-            claim_ref(torch.where(ok, flat, -1), c)
-        return w, ids
+        experts = self.buf[index, :T]
+        if t is not None and slot_map is None:    # moves in place: router row == slot, and experts move
+            E = logits.shape[1] - int(shared)
+            held = t.expert_of_slot.long()        # slot -> expert (-1: a spare) => expert -> its slot now
+            slot_of = torch.zeros(E + 1, dtype=torch.int64, device=held.device).scatter_(
+                0, torch.where(held >= 0, held, E), torch.arange(held.numel(), device=held.device))[:E]
+            experts = slot_of[experts]
+        # (with a slot map the router rows stay in expert order: the column is the expert)
+        forced = torch.full_like(logits, -1e4)
+        if shared:
+            forced[:, -1] = logits[:, -1]
+        forced.scatter_(1, experts, self.rank[:T].to(logits.dtype))
+        return self.real_route(forced, top_k, renormalise, shared=shared, counts=counts, valid=valid,
+                               slot_map=slot_map)
 
 
 def _read_setup(cfg, quant: str, hot: int):
