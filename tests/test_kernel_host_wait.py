@@ -54,28 +54,31 @@ def test_mismatched_buffers_are_refused():
         K.wait_and_copy(flag, flag.clone(), torch.zeros(4), torch.zeros(5), torch.zeros(1, dtype=torch.int32))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_the_kernel_waits_for_the_host_inside_a_graph():
-    """Captured in a CUDA graph, replayed before the host has written: the rows the host writes 50 ms later (then
-    the flag) are what lands, and the stream was not done before the flag moved."""
+def _replays_wait_for_the_host(dtype: torch.dtype, make, waiter=None) -> None:
+    """A graph of `wait_and_copy`, replayed (after `waiter.wait`, if given) before the host has written: the rows
+    the host writes 50 ms later (then the flag) are what lands, and the stream was not done before the flag moved."""
     n = 16 * 160 * 4
-    src = torch.zeros(n, dtype=torch.bfloat16).pin_memory()
+    src = torch.zeros(n, dtype=dtype).pin_memory()
     flag = torch.zeros(1, dtype=torch.int64).pin_memory()
     expected = torch.ones(1, dtype=torch.int64, device="cuda")
-    dst = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(n, dtype=dtype, device="cuda")
     timed_out = torch.zeros(1, dtype=torch.int64, device="cuda")
     K.wait_and_copy(flag.fill_(1), expected, src, dst, timed_out)       # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         K.wait_and_copy(flag, expected, src, dst, timed_out)
+    if waiter is not None:
+        waiter = waiter(flag)
+        assert waiter is not None, "the driver refused stream waits (see the log)"
     for step in range(2, 5):
         expected.fill_(step)
+        if waiter is not None:
+            waiter.wait(step)
         graph.replay()
         done = torch.cuda.Event()
         done.record()
-        want = torch.randn(n).bfloat16()
+        want = make(n)
 
         def host() -> None:
             time.sleep(0.05)
@@ -93,44 +96,20 @@ def test_the_kernel_waits_for_the_host_inside_a_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_kernel_waits_for_the_host_inside_a_graph():
+    _replays_wait_for_the_host(torch.bfloat16, lambda n: torch.randn(n).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_a_stream_wait_holds_the_graph_until_the_host_writes():
     """`stream_wait.StreamWait` (`ple_launch_ahead_across_stages`): the stream waits in the front end for the
-    host's word, then the graph's polling kernel finds it set and copies what the host wrote before it."""
+    host's word, then the graph's polling kernel finds it set and copies what the host wrote before it (int64:
+    the input ids travel this way too)."""
     from stage_worker.stream_wait import StreamWait
 
-    n = 4096
-    src = torch.zeros(n, dtype=torch.int64).pin_memory()
-    flag = torch.zeros(1, dtype=torch.int64).pin_memory()
-    expected = torch.ones(1, dtype=torch.int64, device="cuda")
-    dst = torch.zeros(n, dtype=torch.int64, device="cuda")
-    timed_out = torch.zeros(1, dtype=torch.int64, device="cuda")
-    waiter = StreamWait.open(flag, torch.device("cuda"))
-    assert waiter is not None, "the driver refused stream waits (see the log)"
-    K.wait_and_copy(flag.fill_(1), expected, src, dst, timed_out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.wait_and_copy(flag, expected, src, dst, timed_out)
-    for step in range(2, 5):
-        expected.fill_(step)
-        waiter.wait(step)
-        graph.replay()
-        done = torch.cuda.Event()
-        done.record()
-        want = torch.randint(0, 1 << 40, (n,), dtype=torch.int64)
-
-        def host() -> None:
-            time.sleep(0.05)
-            src.copy_(want)
-            flag[0] = step
-
-        writer = threading.Thread(target=host)
-        writer.start()
-        time.sleep(0.02)
-        assert not done.query()
-        writer.join()
-        done.synchronize()
-        assert torch.equal(dst.cpu(), want) and int(timed_out) == 0
+    _replays_wait_for_the_host(torch.int64, lambda n: torch.randint(0, 1 << 40, (n,), dtype=torch.int64),
+                               waiter=lambda flag: StreamWait.open(flag, torch.device("cuda")))
 
 
 def test_stream_waits_are_refused_off_the_gpu():

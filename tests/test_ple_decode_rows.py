@@ -102,6 +102,17 @@ def test_larger_decode_steps_take_the_service_s_rows(tiny_checkpoint, tmp_path):
     assert capped[3]["ple_stage_gathers"] == 0
 
 
+def _prefill(runner: StageRunner, svc: PleService) -> None:
+    """Step 0: both prompts prefilled, the service's rows handed over."""
+    specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
+    entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
+    plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
+    runner.on_message(plan)
+    for msg in svc.on_plan(plan):
+        runner.on_message(msg)
+    runner.run(runner.ready())
+
+
 def test_rows_published_for_a_waiting_graph_equal_the_stage_s_own(tiny_checkpoint, tmp_path):
     """`ple_launch_ahead` (GPU only: a graph waits on the device for them) hashes against the copy of the contexts
     the step before left and writes the rows into the mailbox, then the flag: after a prefill, the same rows as
@@ -111,13 +122,7 @@ def test_rows_published_for_a_waiting_graph_equal_the_stage_s_own(tiny_checkpoin
     svc = PleService(tiny_checkpoint, cfg, cluster)
     try:
         runner = StageRunner(load_model(tiny_checkpoint), cluster, 0, svc.ring)
-        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
-        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
-        plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
-        runner.on_message(plan)
-        for msg in svc.on_plan(plan):
-            runner.on_message(msg)
-        runner.run(runner.ready())
+        _prefill(runner, svc)
         gather = runner.own_decode_rows
         box = PleMailbox.create(gather, cluster.max_num_seqs, torch.float32, torch.device("cpu"))
         for seq, (slots, toks) in enumerate((([0, 1], [7, 300]), ([1], [2]), ([1, 0], [9, 9])), start=1):
@@ -170,13 +175,7 @@ def test_a_first_stage_that_does_not_sample_publishes_ids_and_rows_once_sampled_
     try:
         runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
         assert not runner.is_last and runner.own_decode_rows is not None
-        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
-        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
-        prefill = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
-        runner.on_message(prefill)
-        for msg in svc.on_plan(prefill):
-            runner.on_message(msg)
-        runner.run(runner.ready())
+        _prefill(runner, svc)
         # what a CUDA stage has: the mailbox with ids, and decode steps that replay a graph
         gather = runner.own_decode_rows
         runner.ple_mailbox = PleMailbox.create(gather, cluster.max_num_seqs, torch.float32, torch.device("cpu"),
