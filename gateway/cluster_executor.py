@@ -41,6 +41,7 @@ class ClusterExecutor:
         self.metrics = None
         self._busy_marks: dict[str, deque[tuple[float, float]]] = {}   # (time, busy seconds) per heartbeat
         self._restarted: set[str] = set()     # components heard from with a new pid: their steps in flight are lost
+        self._unreachable: set[str] = set()   # components a plan could not reach: sends to them do not wait
         self._ctx: zmq.Context | None = None
 
     def start(self) -> None:
@@ -50,8 +51,10 @@ class ClusterExecutor:
         targets = [s.endpoint for s in self.cluster.stages]
         if "ple" in self.components:
             targets.append(self.cluster.ple_endpoint)
-        # a peer that is gone must not hang the engine core: sends give up after 2 s
-        self.outs = [connect_outbox(self._ctx, ep, keys, sndtimeo=2000) for ep in targets]
+        # A peer that is gone must not hang the engine core: sends give up after 2 s. Nor may the plans sent while
+        # it was gone reach its restarted successor (immediate: they die with the connection): hundreds of stale
+        # steps, each failed and logged by it and by the engine core, in the second the launcher waits to restart it
+        self.outs = [connect_outbox(self._ctx, ep, keys, sndtimeo=2000, immediate=True) for ep in targets]
         self._poller = zmq.Poller()
         self._poller.register(self.inbox, zmq.POLLIN)
         self._wake_fd: int | None = None
@@ -67,13 +70,17 @@ class ClusterExecutor:
         self._ctx = None
 
     def send(self, plan: Plan) -> None:
+        """To every component; one that a plan could not reach in 2 s is skipped at once until it heartbeats again
+        (the engine core then recomputes what it lost), so a dead peer costs the core one wait, not one a plan."""
         frames = encode(plan)
-        for s in self.outs:
+        for name, s in zip(self.components, self.outs):
             try:
-                s.send_multipart(frames)
+                s.send_multipart(frames, flags=zmq.NOBLOCK if name in self._unreachable else 0)
             except zmq.Again:
-                log.error("gateway: a plan could not be delivered to %s (is it running?)",
-                          s.getsockopt_string(zmq.LAST_ENDPOINT))
+                if name not in self._unreachable:
+                    log.error("gateway: a plan could not be delivered to %s (is it running?); its plans are "
+                              "dropped until it heartbeats again", name)
+                    self._unreachable.add(name)
 
     def poll(self, timeout: float, wake_fd: int) -> list[Message]:
         if self._wake_fd != wake_fd:
@@ -118,6 +125,7 @@ class ClusterExecutor:
         if st.pid and msg.pid != st.pid:
             log.warning("gateway: %s restarted (pid %d -> %d)", msg.component, st.pid, msg.pid)
             self._restarted.add(msg.component)
+        self._unreachable.discard(msg.component)   # it has bound its inbox: sends wait for the connection again
         now = time.time()
         st.last_seen, st.pid, st.stats = now, msg.pid, msg.stats
         if self.metrics is None:

@@ -101,9 +101,14 @@ def bind_inbox(ctx: zmq.Context, endpoint: str, keys: LinkKeys | None) -> zmq.So
 
 
 def connect_outbox(ctx: zmq.Context, endpoint: str, keys: LinkKeys | None, *, sndhwm: int | None = None,
-                   sndtimeo: int | None = None) -> zmq.Socket:
+                   sndtimeo: int | None = None, immediate: bool = False) -> zmq.Socket:
+    """A PUSH socket to `endpoint`'s inbox. With `immediate`, messages queue only on a live connection: what was
+    queued for a peer that died is dropped with it, not delivered to the process that binds the endpoint next, and
+    a send finds no peer (blocks up to `sndtimeo`, or raises zmq.Again) until one is connected."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     if sndhwm is not None:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
     if sndtimeo is not None:
