@@ -31,6 +31,7 @@ class ComponentState:
     last_seen: float = 0.0
     pid: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)   # pids it had before: a stopping one may still heartbeat
 
 
 class ClusterExecutor:
@@ -122,9 +123,12 @@ class ClusterExecutor:
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         st = self.state.setdefault(msg.component, ComponentState())
+        if msg.pid in st.retired:
+            return              # the process its successor replaced, heartbeating while it stops: not a restart
         if st.pid and msg.pid != st.pid:
             log.warning("gateway: %s restarted (pid %d -> %d)", msg.component, st.pid, msg.pid)
             self._restarted.add(msg.component)
+            st.retired.add(st.pid)
         self._unreachable.discard(msg.component)   # it has bound its inbox: sends wait for the connection again
         now = time.time()
         st.last_seen, st.pid, st.stats = now, msg.pid, msg.stats

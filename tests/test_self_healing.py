@@ -197,3 +197,21 @@ def test_a_port_in_use_is_refused_by_name(tiny_checkpoint):
                             "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
+
+
+def test_a_replaced_process_still_heartbeating_is_not_a_restart(tmp_path):
+    """The launcher replaces stage 0 when the PLE service dies; the old process may heartbeat once more while it
+    stops. That is not a third process: one restart is reported, the successor's pid stays, and its heartbeats
+    after that are no restart either (each reported restart makes the engine core recompute every request)."""
+    from gateway.cluster_executor import ClusterExecutor
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from shared.protocol import Heartbeat
+
+    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
+                            gateway_endpoint=f"ipc://{tmp_path}/gw.sock")
+    ex = ClusterExecutor(cluster, expect_ple=False)
+    for pid in (100, 100, 200, 100, 200, 100):
+        ex._on_heartbeat(Heartbeat(component="stage0", pid=pid))
+    assert ex.restarted() == ["stage0"] and ex.state["stage0"].pid == 200
+    ex._on_heartbeat(Heartbeat(component="stage0", pid=300))          # a real restart after that still counts
+    assert ex.restarted() == ["stage0"] and ex.state["stage0"].pid == 300
