@@ -76,6 +76,7 @@ class _Launched:
     copy: _HostCopy | None = None
     hidden: torch.Tensor | None = None      # other stages: the activations for the next one
     sent: object | None = None              # ... handed over at launch by CUDA IPC: the event after the slot's write
+    copied: object | None = None            # ... else, across stages: the event after their copies to the host
     ple_wait: tuple[int, torch.Tensor] | None = None   # `ple_launch_ahead`: (its number in the mailbox, a host copy
     #                                         of the mailbox's `timed_out` queued behind its graph)
 
@@ -173,9 +174,12 @@ class StageRunner:
         # `ple_launch_ahead_across_stages`: the same on a first stage that does not sample, whose graphs then also
         # wait for their input ids (the last stage's Sampled brings the tokens to this host; the core's plan-ahead
         # brings the plan before them). It needs the spin wait: a stage blocked in `finish` on a graph that waits
-        # for a message would never read that message.
+        # for a message would never read that message. And device sampling: the last stage's per-row sampler waits
+        # on the host for the step's logits, in the launch of a step whose activations wait (CUDA IPC) for this
+        # graph, before the `finish` of the step before sends the Sampled this graph waits for.
         self.ple_mailbox: PleMailbox | None = None
-        across = not self.is_last and cluster.ple_launch_ahead_across_stages and cluster.stage_spin_wait
+        across = not self.is_last and cluster.ple_launch_ahead_across_stages and cluster.stage_spin_wait \
+            and cluster.device_sampling
         if cluster.ple_launch_ahead and graphed and self.own_decode_rows is not None and self.is_first and \
                 (self.is_last and cluster.device_sampling or across) and cluster.launch_ahead and cluster.ple_graph:
             self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device,
@@ -187,6 +191,9 @@ class StageRunner:
         self._stream_wait = StreamWait.open(self.ple_mailbox.flag, p.device) \
             if self.ple_mailbox is not None and not self.is_last else None
         self._forced_rows: set[int] = set()     # mailbox steps published past PUBLISH_DEADLINE_S (they fail)
+        # ... and behind a step of any stage but the last, a step may wait on the device for stage 0's such graph
+        # (through the CUDA IPC hand-off's events): a step handed on by the host path is finished on its own event
+        self._host_path_events = not self.is_last and cluster.ple_launch_ahead_across_stages
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
         self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
@@ -298,6 +305,13 @@ class StageRunner:
     def ready(self) -> Plan | None:
         """The oldest prepared step whose inputs are all here (steps run in plan order)."""
         if not self.plans:
+            return None
+        if self._pending_rows and self.ple_mailbox.ids is not None:
+            # Across stages a launched graph waits on the device for ids only this thread publishes: nothing is
+            # launched behind it until then, since a launch may wait for the device on the host (an eager step's
+            # host reads, as float8 experts' prefill; the first expert-move round's capture), which would never
+            # return. (One micro-batch loses nothing: plan t+2 goes out once step t's result is in, after the
+            # Sampled that published step t+1.)
             return None
         step = min(self.plans)
         prepared = self.plans[step]
@@ -416,6 +430,8 @@ class StageRunner:
         """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
         if self.launched and self.launched[0].sent is not None:
             return self.launched[0].sent.query()
+        if self.launched and self.launched[0].copied is not None:
+            return self.launched[0].copied.query()
         copy = self.launched[0].copy if self.launched else None
         return copy is None or copy.event is None or copy.event.query()
 
@@ -512,6 +528,8 @@ class StageRunner:
                 self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
         if self.handoff is not None and not self.is_last:
             self._hand_off(launched, prepared.host_ids)
+        if self._host_path_events and launched.sent is None:
+            self._copy_out(launched)
         self.launched.append(launched)
 
     # ---- PLE rows for a launched-ahead graph (`ple_launch_ahead`) ----------------------------------------------
@@ -524,7 +542,10 @@ class StageRunner:
         if prepared.host_ids is not None:
             tokens = list(prepared.host_ids)
         elif prepared.entry_tokens is not None:
-            tokens = list(prepared.entry_tokens)
+            # (across stages: a token whose Sampled came after `ready` took the step is in `next_tokens`, where
+            # `on_message` left it, the step not yet waiting: taken here, or the step would wait out
+            # PUBLISH_DEADLINE_S and fail)
+            tokens = [self.next_tokens.pop(t, t) if isinstance(t, tuple) else t for t in prepared.entry_tokens]
         else:                                  # every token came with the plan
             tokens = [e.tokens[-1] for e in plan.entries]
         self._pending_rows.append(_PendingRows(box.seq, list(prepared.batch.slots), tokens, self._contexts_copied))
@@ -565,8 +586,13 @@ class StageRunner:
             for t in pending.tokens:
                 if isinstance(t, tuple):
                     self._host_tokens.pop(t, None)
-            with phase("ple.publish"):
-                self.own_decode_rows.publish(self.ple_mailbox, pending.slots, tokens, pending.seq)
+            try:
+                with phase("ple.publish"):
+                    self.own_decode_rows.publish(self.ple_mailbox, pending.slots, tokens, pending.seq)
+            except Exception:
+                if not self.is_last:          # (raised from `on_message`, which only logs it: `finish` fails it)
+                    self._forced_rows.add(pending.seq)
+                raise
 
     def _fail_if_rows_missed(self, launched: _Launched) -> None:
         """A step whose graph gave up waiting for its PLE rows ran on whatever the mailbox held: its tokens are
@@ -598,6 +624,18 @@ class StageRunner:
             launched.hidden = None
             self.send_now(Outgoing("next", header))
 
+    def _copy_out(self, launched: _Launched) -> None:
+        """`ple_launch_ahead_across_stages`, a step handed on by the host path (no CUDA IPC, or a prefill chunk too
+        large for a slot): its activations and ids into pinned memory now, and the event after them. A later step
+        queued behind it may wait on the device for stage 0's host (its graph waits for ids it publishes once the
+        last stage's Sampled is in, which needs this step's activations), so `finish` waits for this event alone:
+        a device synchronisation, or the `.cpu()` of encoding the message, would wait for that step too."""
+        launched.hidden = to_host(launched.hidden)
+        launched.batch.token_ids = to_host(launched.batch.token_ids)
+        if self.device.type == "cuda":
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+
     @torch.inference_mode()
     def finish(self) -> list[Outgoing]:
         """Wait for the oldest launched step; its tokens to the gateway (and to stage 0 and the PLE service), or its
@@ -609,6 +647,8 @@ class StageRunner:
                 self._settle(launched)
             elif launched.sent is not None:
                 launched.sent.synchronize()
+            elif launched.copied is not None:
+                launched.copied.synchronize()
             elif self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         end = time.perf_counter()
@@ -635,7 +675,11 @@ class StageRunner:
         if launched.ple_wait is not None:
             self._fail_if_rows_missed(launched)
         out: list[Outgoing] = []
-        sampled = Sampled(step=plan.step, microbatch=plan.microbatch, tokens=[t for t in tokens if t.token >= 0])
+        # A row that failed (its request ends) goes out as token 0: a step planned ahead feeds that token, and stage
+        # 0 and the PLE service would wait for it forever (the step's output for the ended request is dropped).
+        sampled = Sampled(step=plan.step, microbatch=plan.microbatch,
+                          tokens=[t if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
+                                  if t.token >= 0 or t.error])
         if self._pending_rows:
             needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
             for t in tokens:

@@ -211,3 +211,144 @@ def test_a_first_stage_that_does_not_sample_publishes_ids_and_rows_once_sampled_
         assert int(box.flag[0]) == seq and box.ids.tolist() == [42, 0, 0, 0]
     finally:
         svc.close()
+
+
+def _across(tiny_checkpoint, tmp_path):
+    """Stage 0 of two over the tiny checkpoint, prefilled, with what a CUDA stage across stages has: the mailbox with
+    ids, and decode steps that replay a graph. Returns (runner, service)."""
+    from stage_worker.stage_loader import load_stage
+
+    cfg = load_config(tiny_checkpoint)
+    one = _cluster(tiny_checkpoint, tmp_path)
+    stages = [StageSpec(0, 2, f"ipc://{tmp_path}/s0.sock"), StageSpec(2, cfg.num_hidden_layers,
+                                                                        f"ipc://{tmp_path}/s1.sock")]
+    cluster = ClusterConfig(**{**one.__dict__, "stages": stages, "ple_launch_ahead_across_stages": True})
+    svc = PleService(tiny_checkpoint, cfg, cluster)
+    runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
+    _prefill(runner, svc)
+    runner.ple_mailbox = PleMailbox.create(runner.own_decode_rows, cluster.max_num_seqs, torch.float32,
+                                           torch.device("cpu"), with_ids=True)
+    runner._rows_in_graph = lambda prepared: prepared.batch.is_decode
+    return runner, svc
+
+
+def _decode_plan(step: int) -> Plan:
+    return Plan(step=step, microbatch=0, entries=[SeqEntry(r, i, len(PROMPTS[r]) + step - 1, 1, [])
+                                                  for i, r in enumerate(PROMPTS)])
+
+
+def test_a_token_that_comes_between_ready_and_launch_is_published(tiny_checkpoint, tmp_path):
+    """`ple_launch_ahead_across_stages`: `ready` takes a step before its tokens came (the worker loop asks it with
+    the launch depth full), then Sampled brings them, then the step is launched: its rows and ids are published at
+    once (the tokens were left in `next_tokens`, which the mailbox must take, not wait PUBLISH_DEADLINE_S for)."""
+    from shared.protocol import Sampled, TokenOut
+
+    runner, svc = _across(tiny_checkpoint, tmp_path)
+    try:
+        plan = _decode_plan(1)
+        runner.on_message(plan)
+        assert runner.ready() is plan
+        runner.on_message(Sampled(step=0, microbatch=0,
+                                  tokens=[TokenOut(r, len(PROMPTS[r]), t) for r, t in (("a", 300), ("b", 7))]))
+        seq = runner._expect_rows(plan, runner.plans.pop(1))
+        box = runner.ple_mailbox
+        assert int(box.flag[0]) == seq and box.ids.tolist() == [300, 7, 0, 0]
+        assert not runner._pending_rows and not runner.next_tokens
+    finally:
+        svc.close()
+
+
+def test_nothing_is_launched_behind_a_step_that_waits_for_its_ids(tiny_checkpoint, tmp_path):
+    """`ple_launch_ahead_across_stages`: while a launched graph waits for ids this stage's host has yet to publish,
+    no later step is ready (its launch may wait for the device on the host: that wait would never end); once the
+    Sampled that publishes them is in, it is."""
+    from shared.protocol import Sampled, TokenOut
+
+    runner, svc = _across(tiny_checkpoint, tmp_path)
+    try:
+        first = _decode_plan(1)
+        runner.on_message(first)
+        assert runner.ready() is first
+        runner._expect_rows(first, runner.plans.pop(1))
+        runner.on_message(_decode_plan(2))
+        assert runner._pending_rows and runner.ready() is None
+        runner.on_message(Sampled(step=0, microbatch=0,
+                                  tokens=[TokenOut(r, len(PROMPTS[r]), 5) for r in PROMPTS]))
+        assert not runner._pending_rows and runner.ready() is not None
+    finally:
+        svc.close()
+
+
+def test_a_row_that_failed_sampling_reaches_stage_0_and_the_service_as_token_0(tiny_checkpoint, tmp_path,
+                                                                                 monkeypatch):
+    """A request whose row failed inside a step ends, but a step planned ahead already feeds its token: the Sampled
+    for stage 0 and the PLE service carries that row as token 0 (without it both waited for it forever, and across
+    stages the waiting step failed after PUBLISH_DEADLINE_S with every request in it); the gateway still sees the
+    error."""
+    cluster = _cluster(tiny_checkpoint, tmp_path, device_sampling=False)
+    svc = PleService(tiny_checkpoint, load_config(tiny_checkpoint), cluster)
+    real = StageRunner._sample_row
+
+    def sample_row(raw, state, allowed, position):
+        if state.spec.req_id == "b":
+            raise ValueError("bad parameters")
+        return real(raw, state, allowed, position)
+
+    monkeypatch.setattr(StageRunner, "_sample_row", staticmethod(sample_row))
+    try:
+        runner = StageRunner(load_model(tiny_checkpoint), cluster, 0, svc.ring)
+        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
+        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
+        plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
+        runner.on_message(plan)
+        for msg in svc.on_plan(plan):
+            runner.on_message(msg)
+        out = {o.to: o.message for o in runner.run(runner.ready())}
+        result = {t.req_id: t for t in out["gateway"].tokens}
+        assert result["b"].token == -1 and result["b"].error and result["a"].token >= 0
+        sampled = {t.req_id: t.token for t in out["ple"].tokens}
+        assert sampled == {"a": result["a"].token, "b": 0}
+        assert runner.next_tokens[("b", len(PROMPTS["b"]))] == 0     # the step planned ahead is ready
+    finally:
+        svc.close()
+
+
+def test_a_step_on_the_host_path_is_finished_on_its_own_event(tiny_checkpoint, tmp_path):
+    """`ple_launch_ahead_across_stages`, a step handed on by the host path (no CUDA IPC, or a prefill chunk too large
+    for a slot): its activations are copied to the host at launch and `finish` waits for the event after that copy
+    alone. (On a GPU a device synchronisation, or encoding from the device, would also wait for the graph queued
+    behind it, which waits for a message only this thread reads: the worker hung on every prompt.)"""
+    from shared.protocol import Activations
+
+    class Event:
+        def __init__(self) -> None:
+            self.done, self.waited = False, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    runner, svc = _across(tiny_checkpoint, tmp_path)
+    try:
+        plan = Plan(step=1, microbatch=0, new_requests=[SamplingSpec("c", 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1,
+                                                                     prompt_ids=[3, 4, 5])],
+                    entries=[SeqEntry("c", 2, 0, 3, [2], tokens=[3, 4, 5], sample=True)])
+        runner.on_message(plan)
+        for msg in svc.on_plan(plan):
+            runner.on_message(msg)
+        runner._copy_contexts = lambda: None              # (a CUDA event)
+        copied = []
+        runner._copy_out = lambda launched: copied.append(launched)
+        runner.launch(runner.ready())
+        launched = runner.launched[0]
+        assert copied == [launched]
+        launched.copied = event = Event()                 # what a CUDA stage records after the copies
+        assert not runner.oldest_done()
+        event.done = True
+        assert runner.oldest_done()
+        (out,) = runner.finish()
+        assert event.waited and isinstance(out.message, Activations) and out.message.token_ids.tolist() == [3, 4, 5]
+    finally:
+        svc.close()
