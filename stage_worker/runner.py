@@ -48,6 +48,9 @@ class _Prepared:
     host_ids: list[int] | None = None  # the token ids on the host, once known there (a PLE stage's own gather)
     # ... else (launch-ahead) per entry its token on the host, or the (request, position) of one still on the device
     entry_tokens: list | None = None
+    # stage 0: the sampled tokens this step took, (request, position) -> ("host", id) or ("device", (tokens, row)),
+    # given back if the step is dropped (the scheduler plans its rolled-back requests again from those tokens)
+    taken: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Launched:
     copied: object | None = None            # ... else, across stages: the event after their copies to the host
     ple_wait: tuple[int, torch.Tensor] | None = None   # `ple_launch_ahead`: (its number in the mailbox, a host copy
     #                                         of the mailbox's `timed_out` queued behind its graph)
+    taken: dict = field(default_factory=dict)          # stage 0: `_Prepared.taken`
 
 
 @dataclass
@@ -243,8 +247,13 @@ class StageRunner:
                 self.ple[msg.step] = msg       # else: a step that ran on rows this stage gathered itself
 
     def _on_plan(self, plan: Plan) -> None:
+        for launched in self.launched:
+            if launched.plan.step in plan.dropped:
+                self._give_back(launched.taken)
         for step in plan.dropped:
-            self.plans.pop(step, None)
+            dropped = self.plans.pop(step, None)
+            if dropped is not None:
+                self._give_back(dropped.taken)
             act = self.acts.pop(step, None)
             if isinstance(act, IpcActivations) and self.handoff is not None:
                 self.handoff.drop(act)               # its ring slot is free again
@@ -324,11 +333,11 @@ class StageRunner:
                     if not self._ids_in_mailbox(prepared):
                         return None
                     prepared.entry_tokens = [e.tokens[-1] if e.tokens is not None else
-                                             self.next_tokens.pop((e.req_id, e.context_len), (e.req_id, e.context_len))
+                                             self._take_host((e.req_id, e.context_len), prepared.taken)
                                              for e in prepared.plan.entries]
                 else:
                     prepared.batch.token_ids, prepared.host_ids, prepared.entry_tokens = \
-                        self._input_ids(prepared.plan)
+                        self._input_ids(prepared.plan, prepared.taken)
             elif isinstance(self.acts[step], IpcActivations):
                 prepared.host_ids = self.acts[step].token_ids     # the device ids come out of the slot at launch
             else:
@@ -365,11 +374,31 @@ class StageRunner:
         return (self.own_decode_rows is not None and self.ple_mailbox is None and prepared.host_ids is not None
                 and prepared.batch.is_decode and (cap == 0 or len(prepared.host_ids) <= cap))
 
-    def _input_ids(self, plan: Plan) -> tuple[torch.Tensor, list[int] | None, list]:
+    def _take_host(self, key: tuple[str, int], taken: dict):
+        """The sampled token for `key` out of `next_tokens` (noted in `taken`), or the key if it has not come."""
+        if key not in self.next_tokens:
+            return key
+        token = self.next_tokens.pop(key)
+        taken[key] = ("host", token)
+        return token
+
+    def _give_back(self, taken: dict) -> None:
+        """A dropped step's sampled tokens back where it took them from, for the step that replans its requests
+        (without them that step waited forever for tokens already consumed; a finished request's are removed with
+        it, as `_on_plan` handles `finished` after `dropped`)."""
+        for key, (where, value) in taken.items():
+            if where == "host":
+                self.next_tokens[key] = value
+            else:
+                self.device_next[key] = value
+                self.device_fed.discard(key)
+        taken.clear()
+
+    def _input_ids(self, plan: Plan, taken: dict) -> tuple[torch.Tensor, list[int] | None, list]:
         """Stage 0's input ids: prompt tokens and sampled tokens the host has, and (launch-ahead) sampled tokens
         still on the device, gathered there from the step that sampled them. Also the ids as a host list, unless
         some are only on the device, and each entry's last token: on the host, or the (request, position) key of
-        one on the device."""
+        one on the device. The sampled tokens taken go into `taken`."""
         ids: list[int] = []
         last: list = []
         from_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
@@ -380,11 +409,12 @@ class StageRunner:
                 continue
             key = (e.req_id, e.context_len)
             if key in self.next_tokens:
-                ids.append(self.next_tokens.pop(key))
+                ids.append(self._take_host(key, taken))
                 last.append(ids[-1])
                 continue
             last.append(key)
             tokens, row = self.device_next.pop(key)
+            taken[key] = ("device", (tokens, row))
             self.device_fed.add(key)
             self.ids_from_device += 1
             _, dst, src = from_device.setdefault(id(tokens), (tokens, [], []))
@@ -498,7 +528,7 @@ class StageRunner:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:
             self.row_cache_reads.snapshot()
-        launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived)
+        launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived, taken=prepared.taken)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with phase("stage.graph_replay"):
@@ -545,7 +575,8 @@ class StageRunner:
             # (across stages: a token whose Sampled came after `ready` took the step is in `next_tokens`, where
             # `on_message` left it, the step not yet waiting: taken here, or the step would wait out
             # PUBLISH_DEADLINE_S and fail)
-            tokens = [self.next_tokens.pop(t, t) if isinstance(t, tuple) else t for t in prepared.entry_tokens]
+            tokens = [self._take_host(t, prepared.taken) if isinstance(t, tuple) else t
+                      for t in prepared.entry_tokens]
         else:                                  # every token came with the plan
             tokens = [e.tokens[-1] for e in plan.entries]
         self._pending_rows.append(_PendingRows(box.seq, list(prepared.batch.slots), tokens, self._contexts_copied))
