@@ -129,6 +129,7 @@ class StageRunner:
         self.saved_states: set[int] = set()
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
+        self._dropped_steps: set[int] = set()   # dropped before their activations came (one entry a failure)
         self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
@@ -228,6 +229,11 @@ class StageRunner:
         if isinstance(msg, Plan):
             self._on_plan(msg)
         elif isinstance(msg, (Activations, IpcActivations)):
+            if msg.step in self._dropped_steps:    # handed on before the drop reached this stage: never runs here
+                self._dropped_steps.discard(msg.step)
+                if isinstance(msg, IpcActivations) and self.handoff is not None:
+                    self.handoff.drop(msg)         # its ring slot is free again (held for good otherwise)
+                return
             self.acts[msg.step] = msg
             self.arrived[msg.step] = time.time()
         elif isinstance(msg, Sampled):
@@ -251,6 +257,8 @@ class StageRunner:
             if launched.plan.step in plan.dropped:
                 self._give_back(launched.taken)
         for step in plan.dropped:
+            if not self.is_first and step not in self.acts and step > self._max_launched_step:
+                self._dropped_steps.add(step)    # its activations may still be on their way
             dropped = self.plans.pop(step, None)
             if dropped is not None:
                 self._give_back(dropped.taken)

@@ -353,37 +353,3 @@ def test_a_step_on_the_host_path_is_finished_on_its_own_event(tiny_checkpoint, t
     finally:
         svc.close()
 
-
-@pytest.mark.parametrize("launched", [False, True])
-def test_a_dropped_step_gives_its_sampled_tokens_back(tiny_checkpoint, tmp_path, launched):
-    """Stage 0 of two took the sampled tokens for a step (prepared by `ready`, launched or not), then the step was
-    dropped (a later stage failed the step before it); the scheduler plans the rolled-back requests again at the
-    same positions, and that plan finds the tokens (it waited forever for tokens the dropped step had consumed).
-    A request finished by the same message takes its token with it."""
-    from shared.protocol import Sampled, TokenOut
-    from stage_worker.stage_loader import load_stage
-
-    cfg = load_config(tiny_checkpoint)
-    one = _cluster(tiny_checkpoint, tmp_path)
-    stages = [StageSpec(0, 2, f"ipc://{tmp_path}/s0.sock"), StageSpec(2, cfg.num_hidden_layers,
-                                                                        f"ipc://{tmp_path}/s1.sock")]
-    cluster = ClusterConfig(**{**one.__dict__, "stages": stages})
-    svc = PleService(tiny_checkpoint, cfg, cluster)
-    try:
-        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
-        _prefill(runner, svc)
-        runner.launched.clear()
-        runner.on_message(_decode_plan(1))
-        runner.on_message(Sampled(step=0, microbatch=0,
-                                  tokens=[TokenOut(r, len(p), 40 + i) for i, (r, p) in enumerate(PROMPTS.items())]))
-        assert runner.ready() is not None and not runner.next_tokens      # step 1 took both tokens
-        if launched:
-            runner.launch(runner.ready())
-        runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[1], finished=["b"]))
-        assert runner.next_tokens == {("a", len(PROMPTS["a"])): 40}
-        replan = Plan(step=2, microbatch=0, entries=[SeqEntry("a", 0, len(PROMPTS["a"]), 1, [])])
-        runner.on_message(replan)
-        assert runner.ready() is replan
-        assert runner.plans[2].host_ids == [40]
-    finally:
-        svc.close()

@@ -1,0 +1,66 @@
+"""Steps the engine core drops (a stage failed a step before them: `Scheduler.drop_from`) leave nothing behind in
+the stages: stage 0 gives back the sampled tokens a dropped step took, and a later stage frees the activations of a
+dropped step that reach it after the drop. Driven by hand on the CPU over the tiny checkpoint split in two stages
+(the helpers of tests/test_ple_decode_rows.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ple_service.service import PleService
+from shared.cluster_config import ClusterConfig, StageSpec
+from shared.model_config import load_config
+from shared.protocol import Activations, Plan, Sampled, SeqEntry, TokenOut
+from stage_worker.runner import StageRunner
+from stage_worker.stage_loader import load_stage
+from test_ple_decode_rows import PROMPTS, _cluster, _decode_plan, _prefill
+
+
+def _two_stages(model, tmp) -> ClusterConfig:
+    cfg = load_config(model)
+    stages = [StageSpec(0, 2, f"ipc://{tmp}/s0.sock"), StageSpec(2, cfg.num_hidden_layers, f"ipc://{tmp}/s1.sock")]
+    return ClusterConfig(**{**_cluster(model, tmp).__dict__, "stages": stages})
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_dropped_step_gives_its_sampled_tokens_back(tiny_checkpoint, tmp_path, launched):
+    """Stage 0 of two took the sampled tokens for a step (prepared by `ready`, launched or not), then the step was
+    dropped (a later stage failed the step before it); the scheduler plans the rolled-back requests again at the
+    same positions, and that plan finds the tokens (it waited forever for tokens the dropped step had consumed).
+    A request finished by the same message takes its token with it."""
+    cfg = load_config(tiny_checkpoint)
+    cluster = _two_stages(tiny_checkpoint, tmp_path)
+    svc = PleService(tiny_checkpoint, cfg, cluster)
+    try:
+        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
+        _prefill(runner, svc)
+        runner.launched.clear()
+        runner.on_message(_decode_plan(1))
+        runner.on_message(Sampled(step=0, microbatch=0,
+                                  tokens=[TokenOut(r, len(p), 40 + i) for i, (r, p) in enumerate(PROMPTS.items())]))
+        assert runner.ready() is not None and not runner.next_tokens      # step 1 took both tokens
+        if launched:
+            runner.launch(runner.ready())
+        runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[1], finished=["b"]))
+        assert runner.next_tokens == {("a", len(PROMPTS["a"])): 40}
+        replan = Plan(step=2, microbatch=0, entries=[SeqEntry("a", 0, len(PROMPTS["a"]), 1, [])])
+        runner.on_message(replan)
+        assert runner.ready() is replan
+        assert runner.plans[2].host_ids == [40]
+    finally:
+        svc.close()
+
+
+def test_activations_of_a_step_dropped_before_they_came_are_not_kept(tiny_checkpoint, tmp_path):
+    """Stage 1: the drop of step 3 comes before stage 0's activations for it (handed on at launch, before the
+    failure): they are discarded (over CUDA IPC their ring slot would stay held for good), and the next step's
+    are kept as usual."""
+    cluster = _two_stages(tiny_checkpoint, tmp_path)
+    runner = StageRunner(load_stage(cluster, 1, load_config(tiny_checkpoint)), cluster, 1, None)
+    runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[3]))
+    hidden = torch.zeros(2, runner.model.stream_width)
+    for step in (3, 4):
+        runner.on_message(Activations(step=step, hidden=hidden, token_ids=torch.zeros(2, dtype=torch.long),
+                                      timing=[]))
+    assert list(runner.acts) == [4] and not runner._dropped_steps
