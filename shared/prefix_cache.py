@@ -71,10 +71,11 @@ class PrefixCache:
         self.hits = 0                # of those, tokens served from the cache (prefix_cache_hits)
 
     # ---- lookups -----------------------------------------------------------------------------------------------
-    def match(self, ids: list[int]) -> CachedPrefix | None:
+    def match(self, ids: list[int], count: bool = True) -> CachedPrefix | None:
         """The longest entry that `ids` starts with and that leaves at least two tokens to compute (a restoring
-        step is never decode-shaped, and the last token is fed to sample from). Counts the query."""
-        self.queries += len(ids)
+        step is never decode-shaped, and the last token is fed to sample from). Counts the query (unless not
+        `count`: a preempted request admitted again, whose prompt was counted at its first admission)."""
+        self.queries += len(ids) if count else 0
         best = None
         for e in self.entries:
             n = e.length
@@ -84,7 +85,7 @@ class PrefixCache:
                 best = e
         if best is not None:
             best.last_used = next(self._clock)
-            self.hits += best.length
+            self.hits += best.length if count else 0
         return best
 
     def shared_length(self, ids: list[int]) -> int:

@@ -229,7 +229,8 @@ class Scheduler:
             return True
         if budget < 2 and self._lookups:
             return False
-        hit = None if req.want_prompt_logprobs or not self._lookups else self.prefix.match(req.prompt_ids)
+        hit = None if req.want_prompt_logprobs or not self._lookups else \
+            self.prefix.match(req.prompt_ids, count=req.preemptions == 0)
         if hit is not None:
             self.blocks.share(hit.blocks)
             hit.users += 1
@@ -275,10 +276,11 @@ class Scheduler:
     def _drop_prefix(self, req: Request) -> None:
         """Undo `_take_prefix` for a request that stays in the queue: its lookup counts when it is admitted (each
         plan it waits through looked it up again)."""
-        if self.prefix is not None and not req.want_prompt_logprobs and self._lookups:
+        counted = req.preemptions == 0           # (`_take_prefix` counts a first admission only)
+        if self.prefix is not None and not req.want_prompt_logprobs and self._lookups and counted:
             self.prefix.queries -= len(req.prompt_ids)
         if req.restore is not None:
-            self.prefix.hits -= req.restore.length
+            self.prefix.hits -= req.restore.length if counted else 0
             self.blocks.release(req.blocks)
             req.restore.users -= 1
             req.blocks, req.computed, req.restore = [], 0, None

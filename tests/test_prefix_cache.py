@@ -170,6 +170,8 @@ def test_evictions_and_preemptions_keep_the_tokens(tiny_checkpoint):
             assert core.scheduler.num_preemptions > 0
             if core.scheduler.prefix is not None:
                 assert core.scheduler.prefix.hits > 0
+                # every prompt counted once, however often its request was preempted and admitted again
+                assert core.scheduler.prefix.queries == 2 * sum(2 * len(ids) for ids in prompts)
             results.append(out)
         finally:
             core.stop()
