@@ -223,18 +223,21 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
         """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`).
-        `chat_template`: a Jinja file used instead of the checkpoint's templates (vLLM's --chat-template)."""
+        `chat_template`: a Jinja file used instead of the checkpoint's templates (vLLM's --chat-template).
+        Without `tokenizer_config.json` (transformers loads `tokenizer.json` alone too): no named special tokens
+        beyond what tokenizer.json marks special, the end-of-sequence ids from generation_config.json or
+        config.json, a chat template only from its own file."""
         directory = Path(path)
         if not directory.is_dir():
             raise ValueError(f"tokenizer directory {directory} does not exist")
-        for name in (TOKENIZER_FILE, CONFIG_FILE):
-            if not (directory / name).is_file():
-                raise ValueError(f"{directory} has no {name}: not a Hugging Face tokenizer directory")
+        if not (directory / TOKENIZER_FILE).is_file():
+            raise ValueError(f"{directory} has no {TOKENIZER_FILE}: not a Hugging Face tokenizer directory (moepipe "
+                             f"reads the fast tokenizer's file only)")
         try:
             backend = _Backend.from_file(str(directory / TOKENIZER_FILE))
         except Exception as e:  # the Rust side raises a bare Exception for malformed files
             raise ValueError(f"cannot load {directory / TOKENIZER_FILE}: {e}") from e
-        config = _read_json(directory / CONFIG_FILE)
+        config = _read_json(directory / CONFIG_FILE) if (directory / CONFIG_FILE).is_file() else {}
         _add_missing_tokens(backend, config)
 
         special_tokens = {

@@ -305,15 +305,31 @@ def test_transformers_encodes_and_decodes_the_same(tok, hf):
 # ---- loading --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("missing", ["tokenizer.json", "tokenizer_config.json"])
-def test_missing_files_are_named(written, tmp_path, missing):
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if name != missing:
-            shutil.copy(written[0] / name, tmp_path / name)
-    with pytest.raises(ValueError, match=missing.replace(".", r"\.")):
+def test_missing_files_are_named(written, tmp_path):
+    shutil.copy(written[0] / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         Tokenizer.from_dir(tmp_path / "nope")
+
+
+def test_tokenizer_json_alone_loads_as_transformers_loads_it(written, tmp_path):
+    """No tokenizer_config.json (transformers loads tokenizer.json alone too): the same ids and text as
+    transformers, the special ids tokenizer.json marks, the end-of-sequence ids of generation_config.json, and no
+    chat template (a chat request then gets the no-template error)."""
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(written[0] / name, tmp_path / name)
+    tok = Tokenizer.from_dir(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("hello world", "東京 <|im_end|> x", "  spaces\n\ttabs"):
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), text
+    assert tok.eos_token_ids == written[1].eos_ids and tok.special_ids
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_chat_template_jinja_file_wins_and_tojson(written, tmp_path):
