@@ -102,15 +102,15 @@ def test_larger_decode_steps_take_the_service_s_rows(tiny_checkpoint, tmp_path):
     assert capped[3]["ple_stage_gathers"] == 0
 
 
-def _prefill(runner: StageRunner, svc: PleService) -> None:
-    """Step 0: both prompts prefilled, the service's rows handed over."""
+def _prefill(runner: StageRunner, svc: PleService) -> list:
+    """Step 0: both prompts prefilled, the service's rows handed over; returns the step's outgoing messages."""
     specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
     entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
     plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
     runner.on_message(plan)
     for msg in svc.on_plan(plan):
         runner.on_message(msg)
-    runner.run(runner.ready())
+    return runner.run(runner.ready())
 
 
 def test_rows_published_for_a_waiting_graph_equal_the_stage_s_own(tiny_checkpoint, tmp_path):
@@ -297,13 +297,7 @@ def test_a_row_that_failed_sampling_reaches_stage_0_and_the_service_as_token_0(t
     monkeypatch.setattr(StageRunner, "_sample_row", staticmethod(sample_row))
     try:
         runner = StageRunner(load_model(tiny_checkpoint), cluster, 0, svc.ring)
-        specs = [SamplingSpec(r, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, 1, prompt_ids=p) for r, p in PROMPTS.items()]
-        entries = [SeqEntry(r, i, 0, len(p), [i], tokens=p, sample=True) for i, (r, p) in enumerate(PROMPTS.items())]
-        plan = Plan(step=0, microbatch=0, new_requests=specs, entries=entries)
-        runner.on_message(plan)
-        for msg in svc.on_plan(plan):
-            runner.on_message(msg)
-        out = {o.to: o.message for o in runner.run(runner.ready())}
+        out = {o.to: o.message for o in _prefill(runner, svc)}
         result = {t.req_id: t for t in out["gateway"].tokens}
         assert result["b"].token == -1 and result["b"].error and result["a"].token >= 0
         sampled = {t.req_id: t.token for t in out["ple"].tokens}
