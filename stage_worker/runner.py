@@ -97,10 +97,11 @@ class _PendingRows:
     since: float = field(default_factory=time.perf_counter)
 
 
-# A launched step's tokens reach the host within milliseconds; one whose tokens have not come after this long (a
-# request that failed in the last stage and was never finished, a lost message) is published with 0 in their place
-# and its step fails, so no stream waits forever (`stream_wait.py` has no timeout on the device).
-PUBLISH_DEADLINE_S = 10.0
+# Across stages a launched step's tokens come once the steps before it have run on every stage (seconds at most: a
+# long prefill chunk); one whose tokens have not come after this long (a lost message) is published with 0 in their
+# place and its step fails, so no stream waits forever (`stream_wait.py` has no timeout on the device). Not for one
+# stage: its tokens come from its own steps, and its polling kernel times out on its own.
+PUBLISH_DEADLINE_S = 60.0
 
 
 @dataclass
@@ -608,7 +609,7 @@ class StageRunner:
         alive = self.requests if self.is_last else self.tables    # (only the last stage keeps `requests`)
         while self._pending_rows:
             pending = self._pending_rows[0]
-            late = time.perf_counter() - pending.since > PUBLISH_DEADLINE_S
+            late = self.ple_mailbox.ids is not None and time.perf_counter() - pending.since > PUBLISH_DEADLINE_S
             tokens = []
             for t in pending.tokens:
                 if isinstance(t, tuple):

@@ -11,7 +11,7 @@ word already set.
 Driver API by ctypes (libcuda, no extra package); the V2 stream memory operations are on by default since CUDA 11.7.
 Where the driver refuses (no CUDA, a refused probe), `StreamWait.open` returns None with the reason logged, and the
 kernel polls as before. No timeout on the device: the runner publishes every waiting step's word within
-`PUBLISH_DEADLINE_S` (`StageRunner._publish_rows`), failing the step whose tokens never came.
+`PUBLISH_DEADLINE_S` (60 s, `StageRunner._publish_rows`), failing the step whose tokens never came.
 """
 
 from __future__ import annotations

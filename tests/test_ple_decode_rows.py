@@ -258,6 +258,34 @@ def test_a_token_that_comes_between_ready_and_launch_is_published(tiny_checkpoin
         svc.close()
 
 
+@pytest.mark.parametrize("across", [True, False])
+def test_tokens_that_never_come_are_published_as_0_past_the_deadline_across_stages_only(tiny_checkpoint, tmp_path,
+                                                                                        monkeypatch, across):
+    """Across stages the stream waits with no device timeout: a step whose tokens have not come by
+    PUBLISH_DEADLINE_S is published with 0 (the stream goes on) and marked to fail. One stage (no ids in the
+    mailbox) never: its tokens come from its own steps, however long those take, and its kernel times out alone."""
+    import stage_worker.runner as runner_module
+
+    runner, svc = _across(tiny_checkpoint, tmp_path)
+    try:
+        if not across:
+            runner.ple_mailbox.ids = None
+        plan = _decode_plan(1)
+        runner.on_message(plan)
+        prepared = runner.plans.pop(1)
+        prepared.entry_tokens = [(r, len(PROMPTS[r])) for r in PROMPTS]     # what `ready` leaves without tokens
+        seq = runner._expect_rows(plan, prepared)
+        monkeypatch.setattr(runner_module, "PUBLISH_DEADLINE_S", 0.0)
+        runner._publish_rows()
+        box = runner.ple_mailbox
+        if across:
+            assert int(box.flag[0]) == seq and box.ids.tolist() == [0, 0, 0, 0] and seq in runner._forced_rows
+        else:
+            assert int(box.flag[0]) < seq and runner._pending_rows and not runner._forced_rows
+    finally:
+        svc.close()
+
+
 def test_nothing_is_launched_behind_a_step_that_waits_for_its_ids(tiny_checkpoint, tmp_path):
     """`ple_launch_ahead_across_stages`: while a launched graph waits for ids this stage's host has yet to publish,
     no later step is ready (its launch may wait for the device on the host: that wait would never end); once the
