@@ -33,6 +33,20 @@ TTFT and latency percentiles, the prefix cache's hit rate and the leak checks.
     python bench/soak.py --set num_blocks=600 --set prefix_cache_states=4   # KV pressure: preemption, eviction
     python bench/soak.py --url http://127.0.0.1:8000 --max-model-len N   # a server already running, idle at start
 
+Chaos (`--chaos N`): the same load on a real `moepipe serve` (the launcher's supervisor restarts what dies) while
+N random SIGKILLs hit the stages and the PLE service (and a probe client sends a short greedy request every
+0.3-1.5 s, so some arrive during each outage), each 2-15 s after the cluster was healthy again; some are two
+kills in quick succession, some hit a component the launcher has just restarted (still loading). Then: every request
+ends (an answer, 503 `component_unavailable` for a request arriving during an outage, never a hang or a stream
+without its finish reason), /health is 200 again within `--heal-bound` s of each kill (plus the launcher's backoff),
+the component logs hold few ERROR lines per kill, no process is left after the launcher's Ctrl-C, and the checks
+above. Compare its greedy replies with an undisturbed run of the same seed:
+
+    python bench/soak.py --duration 150 --out bench/results/chaos-1/undisturbed.json
+    python bench/soak.py --chaos 10 --duration 240 --compare bench/results/chaos-1/undisturbed.json \
+        --out bench/results/chaos-1/chaos.json
+    python bench/soak.py --chaos 10 --set num_blocks=600 --set prefix_cache_states=4 ...   # KV pressure too
+
 Exit status 1 when a check failed (a 5xx, a hang, a leak, a wrong answer, /health not 200).
 """
 
@@ -85,6 +99,8 @@ class Stats:
         self.greedy: dict[str, str] = {}            # prompt key -> first greedy reply
         self.greedy_checked = 0
         self.greedy_mismatches: list[dict] = []
+        self.error_kinds: Counter = Counter()       # unexpected status or stream error code -> count
+        self.outage_503 = 0                         # chaos: 503 component_unavailable answers (expected)
         self.health: Counter = Counter()
         self.metrics_samples: list[dict] = []
         self.cached_tokens = 0
@@ -110,6 +126,144 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+# ---- chaos ----------------------------------------------------------------------------------------------------------
+VICTIMS = ("stage0", "stage1", "ple")
+
+
+def component_pids(launcher_pid: int) -> dict[str, int]:
+    """The launcher's children by component name (as tests/test_self_healing.py finds them)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            cmd = (d / "cmdline").read_text().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if "stage_worker" in cmd:
+            out[f"stage{cmd[cmd.index('--stage') + 1]}"] = int(d.name)
+        elif "ple_service" in cmd:
+            out["ple"] = int(d.name)
+        elif "gateway" in cmd:
+            out["gateway"] = int(d.name)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Chaos:
+    """SIGKILLs random stages / the PLE service of a `moepipe serve` (its launcher `launcher_pid`, its components'
+    stderr in `log`) while the soak's clients run: each episode waits 2-15 s, kills one component (sometimes a
+    second one 0.1-2 s later, sometimes the victim's successor again while it loads), then times the way back to
+    /health 200 with every killed component's restart reported (its restart count, which only a new process sends
+    in its heartbeat, has gone up)."""
+
+    def __init__(self, soak: "Soak", launcher_pid: int, log: Path, rng: random.Random) -> None:
+        self.soak, self.launcher_pid, self.log, self.rng = soak, launcher_pid, log, rng
+        self.episodes: list[dict] = []
+        self.pids_seen: set[int] = set()
+
+    def pids(self) -> dict[str, int]:
+        out = component_pids(self.launcher_pid)
+        self.pids_seen.update(out.values())
+        return out
+
+    async def restarts(self) -> dict[str, float]:
+        r = await self.soak.http.get("/metrics", timeout=10)
+        out = dict.fromkeys(VICTIMS, 0.0)
+        for line in r.text.splitlines():
+            if line.startswith("moepipe_component_restarts{"):
+                name = line.split('component="', 1)[1].split('"', 1)[0]
+                out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def kill(self, name: str, episode: dict) -> bool:
+        pid = self.pids().get(name)
+        if pid is None:
+            return False
+        os.kill(pid, 9)
+        episode["kills"].append({"component": name, "pid": pid, "t": round(time.time() - episode["t0"], 3)})
+        print(f"  chaos: SIGKILL {name} (pid {pid})", flush=True)
+        return True
+
+    async def run(self, n: int, deadline: float) -> None:
+        for i in range(n):
+            await asyncio.sleep(self.rng.uniform(2, 15))
+            if time.time() > deadline - 5:
+                print(f"  chaos: {n - i} kill(s) left undone: the load ended", flush=True)
+                return
+            await self.episode(i)
+
+    async def episode(self, i: int) -> None:
+        rng = self.rng
+        before = await self.restarts()
+        kind = rng.choices(["one", "two", "again"], [0.5, 0.3, 0.2])[0]
+        ep = {"i": i, "kind": kind, "t0": time.time(), "kills": [], "log_offset": self.log.stat().st_size}
+        first = rng.choice(VICTIMS)
+        self.kill(first, ep)
+        if kind == "two":                     # a second component in quick succession
+            await asyncio.sleep(rng.uniform(0.1, 2.0))
+            self.kill(rng.choice([v for v in VICTIMS if v != first]), ep)
+        elif kind == "again":                 # the victim's successor, once the launcher has started it
+            old = ep["kills"][0]["pid"]
+            t = time.time()
+            while time.time() - t < 40:
+                new = self.pids().get(first)
+                if new is not None and new != old:
+                    await asyncio.sleep(rng.uniform(0.0, 3.0))      # loading, or just heartbeating
+                    self.kill(first, ep)
+                    break
+                await asyncio.sleep(0.05)
+        last_kill = ep["t0"] + ep["kills"][-1]["t"]
+        want = Counter(k["component"] for k in ep["kills"])
+        healed = None
+        while time.time() - last_kill < 120:
+            try:
+                up = (await self.soak.http.get("/health", timeout=5)).status_code == 200
+                if up:
+                    now = await self.restarts()
+                    # (a PLE restart brings stage 0 with it, counted only as the PLE service's restart)
+                    if all(now[c] >= before[c] + k for c, k in want.items()):
+                        healed = time.time() - last_kill
+                        break
+            except Exception as exc:        # the gateway is never killed: /health must answer
+                self.soak.stats.error("chaos", f"/health or /metrics failed: {exc!r}")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)            # the ERROR lines of the recovery, then the count
+        with self.log.open("rb") as f:
+            f.seek(ep.pop("log_offset"))
+            lines = f.read().decode(errors="replace").splitlines()
+        errors = [ln for ln in lines if " ERROR " in ln or ln.startswith("Traceback")]
+        backoff = [float(ln.rsplit("restarting it in ", 1)[1].split()[0]) for ln in lines
+                   if "restarting it in " in ln]
+        ep.update(healed_s=None if healed is None else round(healed, 2), backoff_s=max(backoff, default=0.0),
+                  error_lines=len(errors), error_samples=sorted(set(e[24:200] for e in errors))[:8],
+                  log_lines=len(lines))
+        ep["t0"] = round(ep["t0"], 3)
+        self.episodes.append(ep)
+        print(f"  chaos {i}: {kind} {[k['component'] for k in ep['kills']]} healed in {ep['healed_s']} s "
+              f"(backoff {ep['backoff_s']:.0f} s), {len(errors)} ERROR lines", flush=True)
+        if healed is None:
+            self.soak.stats.error("chaos", "not healthy again within 120 s", episode=ep)
+
+    def summary(self, bound: float, flood: int) -> dict:
+        heal = [e["healed_s"] for e in self.episodes if e["healed_s"] is not None]
+        return {"episodes": self.episodes, "kills": sum(len(e["kills"]) for e in self.episodes),
+                "kills_by_component": dict(Counter(k["component"] for e in self.episodes for k in e["kills"])),
+                "heal_s": {"n": len(heal), "p50": pct(heal, 50), "max": max(heal, default=None)},
+                "heal_over_bound": [e["i"] for e in self.episodes
+                                    if e["healed_s"] is None or e["healed_s"] - e["backoff_s"] > bound],
+                "error_lines": sum(e["error_lines"] for e in self.episodes),
+                "flooded": [e["i"] for e in self.episodes if e["error_lines"] > flood]}
+
+
 class Soak:
     def __init__(self, url: str, model: str, args, stats: Stats) -> None:
         import httpx
@@ -132,6 +286,7 @@ class Soak:
                                + _stdlib_block(rng.randint(2000, 6000), 50 + k) for k in range(args.fanout_systems)]
         self.fanout_users = [unseen_text(rng.randint(30, 600), 70_000 + k) for k in range(8)]
         self.deadline = 0.0
+        self.chaos: Chaos | None = None
 
     # ---- one request --------------------------------------------------------------------------------------------
     async def post(self, scenario: str, path: str, body: dict, *, expect: int = 200, timeout: float | None = None,
@@ -151,6 +306,7 @@ class Soak:
                 if status == 200:
                     self.stats.latency[scenario].append(time.perf_counter() - t0)
                     self._usage(data.get("usage") if isinstance(data, dict) else None)
+                    self._finished(scenario, body, data)
             else:
                 events, first = [], None
                 async with self.http.stream("POST", path, json=body,
@@ -169,6 +325,7 @@ class Soak:
                             ev = json.loads(line[6:])
                             if "error" in ev:
                                 self.stats.error(scenario, "error event in stream", event=ev)
+                                self.stats.error_kinds[f"stream:{(ev['error'] or {}).get('code')}"] += 1
                             events.append(ev)
                             if first is None and ev.get("choices"):
                                 first = time.perf_counter() - t0
@@ -180,6 +337,7 @@ class Soak:
                             self.stats.latency[scenario].append(time.perf_counter() - t0)
                             if events and events[-1] != "[DONE]":
                                 self.stats.error(scenario, "stream ended without [DONE]", n=len(events))
+                            self._finished(scenario, body, events)
                             for ev in events:
                                 if isinstance(ev, dict):
                                     self._usage(ev.get("usage"))
@@ -190,9 +348,29 @@ class Soak:
         self.stats.status[(scenario, str(status))] += 1
         if status == "timeout" and timeout is not None:
             return status, data                    # the client's own cancellation
+        if status != expect and self.args.chaos and status == 503 and "component_unavailable" in str(data):
+            self.stats.outage_503 += 1             # documented: a request arriving while a component is down
+            await asyncio.sleep(0.5)               # (a client retrying at once would spin through the outage)
+            return status, data
         if status != expect:
+            self.stats.error_kinds[str(status) if not str(data).startswith("{") else
+                                   f"{status}:{_error_code(data)}"] += 1
             self.stats.error(scenario, f"status {status} (expected {expect})", body=str(data)[:400])
         return status, data
+
+    def _finished(self, scenario: str, body: dict, data) -> None:
+        """Every choice of a complete answer has a finish reason (a stream cut short without one, or ended by an
+        error event, is reported elsewhere)."""
+        want = set(range(body.get("n") or 1))
+        if isinstance(data, dict):
+            got = {c["index"] for c in data.get("choices", []) if c.get("finish_reason")}
+        else:
+            if not data or data[-1] != "[DONE]" or any(isinstance(ev, dict) and "error" in ev for ev in data):
+                return
+            got = {c.get("index", 0) for ev in data if isinstance(ev, dict) for c in ev.get("choices", [])
+                   if c.get("finish_reason")}
+        if got != want:
+            self.stats.error(scenario, "choices without a finish reason", missing=sorted(want - got))
 
     def _usage(self, usage: dict | None) -> None:
         if usage:
@@ -399,7 +577,7 @@ class Soak:
             try:
                 h = await self.http.get("/health", timeout=10)
                 self.stats.health[str(h.status_code)] += 1
-                if h.status_code != 200:
+                if h.status_code != 200 and not self.args.chaos:     # (chaos: the outages are timed by Chaos)
                     self.stats.error("watch", f"/health {h.status_code}", body=h.text[:300])
                 m = await self.metrics()
                 sample = {k: m.get(k) for k in ("moepipe_requests_running", "moepipe_requests_waiting",
@@ -419,6 +597,21 @@ class Soak:
             except asyncio.TimeoutError:
                 pass
 
+    async def probe(self) -> None:
+        """Chaos: a short greedy request every 0.3-1.5 s, so some arrive during every outage (503) and right after
+        a restart."""
+        rng = random.Random(self.args.seed + 3)
+        while time.time() < self.deadline:
+            body = {"model": self.model, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0,
+                    "stream": rng.random() < 0.5}
+            status, data = await self.post("probe", "/v1/completions", body)
+            if status == 200:
+                text = (data["choices"][0]["text"] if isinstance(data, dict) else
+                        "".join(c.get("text") or "" for ev in data if isinstance(ev, dict)
+                                for c in ev.get("choices", [])))
+                self.stats.check_greedy("probe", text, "probe")
+            await asyncio.sleep(rng.uniform(0.3, 1.5))
+
     async def fixed(self) -> str | None:
         status, data = await self.post("fixed", "/v1/chat/completions", {"model": self.model, **FIXED})
         return _chat_text(data) if status == 200 else None
@@ -431,11 +624,16 @@ class Soak:
         watcher = asyncio.create_task(self.watch(stop))
         t0 = time.time()
         clients = [asyncio.create_task(self.client(i)) for i in range(self.args.clients)]
+        chaos = (asyncio.create_task(self.chaos.run(self.args.chaos, self.deadline)) if self.chaos else None)
+        if chaos is not None:
+            clients.append(asyncio.create_task(self.probe()))
         done, pending = await asyncio.wait(clients, timeout=self.args.duration + self.args.request_timeout + 60)
         for task in pending:
             self.stats.error("client", "client still running long after the deadline (a hung request?)")
             task.cancel()
         load_s = time.time() - t0
+        if chaos is not None:
+            await chaos                         # (its last episode waits for the cluster to be healthy again)
         stop.set()
         await watcher
         # Drain: everything the clients left (abandoned streams, timeouts) must end and give back what it held.
@@ -463,7 +661,8 @@ class Soak:
             "no_leak_after_fixed": all(v == 0 for v in leak_after_fixed.values()),
             "fixed_same": fixed_before is not None and fixed_before == fixed_after,
             "health_200_at_end": h.status_code == 200,
-            "no_5xx": not any(s.startswith("5") for (_, s) in self.stats.status),
+            # (chaos: a 503 component_unavailable for a request arriving during an outage is documented)
+            "no_5xx": sum(n for (_, s), n in self.stats.status.items() if s.startswith("5")) == self.stats.outage_503,
             "no_hung_clients": not pending,
             "no_greedy_mismatch": not self.stats.greedy_mismatches,
             "no_unexpected_errors": not self.stats.errors,
@@ -473,7 +672,23 @@ class Soak:
                                                              "hit_rate": hits / queries if queries else None},
                 "preemptions": m.get("moepipe_preemptions"), "restarts": {k: v for k, v in m.items()
                                                                          if "restart" in k},
-                "checks": checks}
+                "checks": checks, "chaos": self.chaos_summary(checks)}
+
+    def chaos_summary(self, checks: dict) -> dict | None:
+        if self.chaos is None:
+            return None
+        out = self.chaos.summary(self.args.heal_bound, self.args.flood_lines)
+        checks["chaos_all_episodes_done"] = len(out["episodes"]) >= self.args.chaos
+        checks["heal_within_bound"] = not out["heal_over_bound"]
+        checks["no_error_flood"] = not out["flooded"]
+        return out
+
+
+def _error_code(data) -> str | None:
+    try:
+        return json.loads(data)["error"]["code"] if isinstance(data, str) else data["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _chat_text(data) -> str:
@@ -525,7 +740,16 @@ def report(stats: Stats, result: dict, args) -> dict:
     print(f"health: {dict(stats.health)}; preemptions {result['preemptions']}")
     print(f"after drain: {result['leak']}; after the fixed request: {result['leak_after_fixed']}")
     print(f"fixed greedy request: before {result['fixed_before']!r:.60} after {result['fixed_after']!r:.60}")
-    print(f"errors: {len(stats.errors)}")
+    print(f"errors: {len(stats.errors)} by kind {dict(stats.error_kinds)}; 503 during outages {stats.outage_503}")
+    if result.get("chaos"):
+        c = result["chaos"]
+        print(f"\nchaos: {c['kills']} kills {c['kills_by_component']}; heal p50 {c['heal_s']['p50']} s, "
+              f"max {c['heal_s']['max']} s; ERROR lines {c['error_lines']}")
+        print(f"{'#':>3} {'kind':<6} {'killed':<26} {'healed s':>9} {'backoff s':>10} {'ERROR lines':>12}")
+        for e in c["episodes"]:
+            print(f"{e['i']:>3} {e['kind']:<6} {','.join(k['component'] for k in e['kills']):<26} "
+                  f"{e['healed_s'] if e['healed_s'] is not None else '-':>9} {e['backoff_s']:>10.0f} "
+                  f"{e['error_lines']:>12}")
     for e in stats.errors[:20]:
         print(f"  {e['scenario']}: {e['what']} {str({k: v for k, v in e.items() if k not in ('t', 'scenario', 'what')})[:200]}")
     for k, v in result["checks"].items():
@@ -534,8 +758,76 @@ def report(stats: Stats, result: dict, args) -> dict:
             "prefix_caching_env": os.environ.get("MOEPIPE_PREFIX_CACHING"), "by_status": by_status,
             "latency_s": lat, "ttft_s": ttft, "errors": stats.errors, "greedy_checked": stats.greedy_checked,
             "greedy_mismatches": stats.greedy_mismatches, "greedy_replies": stats.greedy, "health": dict(stats.health),
+            "error_kinds": dict(stats.error_kinds), "outage_503": stats.outage_503,
             "usage_cached_tokens": stats.cached_tokens, "usage_prompt_tokens": stats.prompt_tokens,
             "metrics_samples": stats.metrics_samples, **result}
+
+
+def serve_with_chaos(args, go) -> dict:
+    """`moepipe serve` (its supervisor restarts what the chaos kills) with the components' stderr in a file next to
+    --out; after the load, Ctrl-C, and no component process may be left."""
+    import subprocess
+
+    from shared.cli import ensure_builtin_model
+
+    model = Path(args.model) if args.model else ensure_builtin_model()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log = args.out.with_suffix(".stderr.log")
+    url = f"http://127.0.0.1:{args.port}"
+    with log.open("wb") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "serve", "--model", str(model), "--stages", str(args.stages),
+             "--device", args.device, "--port", str(args.port), "--max-model-len", str(args.max_model_len),
+             "--restart-limit", str(args.restart_limit), "--no-access-log",
+             # --set KEY=VALUE as serve's --key value (num_blocks, prefix_cache_states, max_num_seqs ...)
+             *[a for item in args.set for a in (f"--{item.partition('=')[0].replace('_', '-')}",
+                                                item.partition("=")[2])]],
+            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=err)
+        seen: set[int] = set()
+        try:
+            import urllib.request
+
+            t0 = time.time()
+            while True:
+                if launcher.poll() is not None or time.time() - t0 > 300:
+                    raise RuntimeError(f"moepipe serve did not start; see {log}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            seen.update(component_pids(launcher.pid).values())
+            result = asyncio.run(go(url, launcher.pid, log))
+        finally:
+            seen.update(component_pids(launcher.pid).values())
+            launcher.send_signal(2)
+            try:
+                launcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
+    time.sleep(1.0)
+    for ep in (result.get("chaos") or {}).get("episodes", []):
+        seen.update(k["pid"] for k in ep["kills"])
+    left = sorted(p for p in seen if alive(p))
+    strays = [d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _has_arg(d, f"{launcher.pid}")]
+    result["leftover_processes"] = {"launcher_exit": launcher.returncode, "alive": left, "strays": strays,
+                                    "components_seen": len(seen)}
+    result["checks"]["no_leftover_processes"] = not left and not strays
+    print(f"after shutdown: launcher exited {launcher.returncode}; {len(seen)} component pids seen, alive "
+          f"{left}, strays {strays}")
+    return result
+
+
+def _has_arg(proc: Path, parent_pid: str) -> bool:
+    """A process started with `--parent-pid parent_pid` (a component of that launcher)."""
+    try:
+        cmd = (proc / "cmdline").read_text().split("\0")
+    except OSError:
+        return False
+    return "--parent-pid" in cmd and cmd[cmd.index("--parent-pid") + 1:][:1] == [parent_pid] and alive(int(proc.name))
 
 
 def main() -> int:
@@ -562,19 +854,32 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a cluster config key")
     ap.add_argument("--compare", type=Path, default=None,
                     help="another run's JSON (same seed): its greedy replies must equal this run's")
+    ap.add_argument("--chaos", type=int, default=0, metavar="N",
+                    help="N random SIGKILLs of the stages / PLE service under `moepipe serve` during the load")
+    ap.add_argument("--chaos-seed", type=int, default=7, help="chaos: its own seed (victims, moments)")
+    ap.add_argument("--restart-limit", type=int, default=10, help="chaos: the launcher's restarts in a row")
+    ap.add_argument("--heal-bound", type=float, default=20.0,
+                    help="chaos: s from a kill to /health 200 with the restart reported, beyond the backoff")
+    ap.add_argument("--flood-lines", type=int, default=50, help="chaos: ERROR lines per kill that are a flood")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = ap.parse_args()
 
     stats = Stats()
 
-    async def go(url: str) -> dict:
+    async def go(url: str, launcher: int | None = None, log: Path | None = None) -> dict:
         soak = Soak(url, args.model_name, args, stats)
+        if launcher is not None:
+            soak.chaos = Chaos(soak, launcher, log, random.Random(args.seed * 1000 + args.chaos_seed))
         try:
             return await soak.run()
         finally:
             await soak.http.aclose()
 
-    if args.url:
+    if args.chaos and args.url:
+        ap.error("--chaos starts its own `moepipe serve` (no --url)")
+    if args.chaos:
+        result = serve_with_chaos(args, go)
+    elif args.url:
         result = asyncio.run(go(args.url))
     else:
         from cluster_sets import parse_sets
