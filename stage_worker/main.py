@@ -29,7 +29,7 @@ from shared.parent_watch import die_with_parent, restart_count
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker import ipc_activations
 from stage_worker.profiling import StepProfiler
-from stage_worker.runner import StageRunner
+from stage_worker.runner import StageRunner, StaleState
 from stage_worker.stage_loader import load_stage
 from stage_worker.warmup import warm_up
 
@@ -147,7 +147,10 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     poller.register(inbox, zmq.POLLIN)
 
     def failed(step: int, exc: Exception) -> None:    # a bad step must not take the worker down
-        log.error("%s: step %d failed", name, step, exc_info=exc)
+        if isinstance(exc, StaleState):
+            log.warning("%s: step %d refused: %s", name, step, exc)
+        else:
+            log.error("%s: step %d failed", name, step, exc_info=exc)
         peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
                                                           message=f"{type(exc).__name__}: {exc}")))
 
@@ -184,6 +187,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                         peers[o.to].send_multipart(encode(o.message))
                 else:
                     runner.on_message(msg)
+            except StaleState as exc:      # a plan made before this process (re)started: expected, one line
+                log.warning("%s: ignored a %s message: %s", name, type(msg).__name__, exc)
             except Exception:  # a message the runner cannot use must not take the worker down
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
         # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the

@@ -34,6 +34,12 @@ from stage_worker.sampler import apply_logit_bias, apply_penalties, position_gen
 log = logging.getLogger("moepipe.stage")
 
 
+class StaleState(RuntimeError):
+    """A plan refers to per-request state this process never held: it was restarted since the plan was made. Expected
+    for the few plans sent in the moment before the engine core sees the new process (it then recomputes every
+    running request and ignores what those plans return), so the worker logs one line for it, not a traceback."""
+
+
 @dataclass
 class Outgoing:
     to: str                      # "next", "first", "gateway", "ple"
@@ -315,8 +321,8 @@ class StageRunner:
         elif e.req_id in self.tables:
             self.tables[e.req_id].extend(e.new_blocks)
         else:
-            raise RuntimeError(f"request {e.req_id} continues at {e.context_len} but this stage has no block table "
-                               f"for it (was the stage restarted?)")
+            raise StaleState(f"request {e.req_id} continues at {e.context_len} but this stage has no block table "
+                             f"for it (was the stage restarted?)")
         return self.tables[e.req_id]
 
     # ---- readiness ---------------------------------------------------------------------------------------------
@@ -487,8 +493,8 @@ class StageRunner:
         batch = prepared.batch
         for e in plan.entries:
             if e.restore is not None and e.restore not in self.saved_states:
-                raise RuntimeError(f"request {e.req_id} restores prefix-cache state {e.restore}, which this stage "
-                                   f"never saved (was the stage restarted?)")
+                raise StaleState(f"request {e.req_id} restores prefix-cache state {e.restore}, which this stage "
+                                 f"never saved (was the stage restarted?)")
         for e in plan.entries:
             if e.restore is not None:         # prefix cache: the request starts from a saved state
                 self.cache.copy_state(e.restore, e.slot)

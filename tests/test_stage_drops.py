@@ -64,3 +64,16 @@ def test_activations_of_a_step_dropped_before_they_came_are_not_kept(tiny_checkp
         runner.on_message(Activations(step=step, hidden=hidden, token_ids=torch.zeros(2, dtype=torch.long),
                                       timing=[]))
     assert list(runner.acts) == [4] and not runner._dropped_steps
+
+
+def test_a_plan_for_state_a_restarted_stage_never_held_is_refused_as_stale(tiny_checkpoint, tmp_path):
+    """A plan made before this process started (a decode of a request it never saw, a restore from a snapshot it
+    never took) raises `StaleState`, which the worker logs in one line: expected in the moment before the engine
+    core sees the new process, and then ignored."""
+    from stage_worker.runner import StaleState
+
+    cluster = _two_stages(tiny_checkpoint, tmp_path)
+    runner = StageRunner(load_stage(cluster, 1, load_config(tiny_checkpoint)), cluster, 1, None)
+    with pytest.raises(StaleState, match="was the stage restarted"):
+        runner.on_message(Plan(step=7, microbatch=0, entries=[SeqEntry("a", 0, 12, 1, [])]))
+    assert not runner.plans
