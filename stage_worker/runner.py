@@ -245,8 +245,8 @@ class StageRunner:
             self.arrived[msg.step] = time.time()
         elif isinstance(msg, Sampled):
             for t in msg.tokens:
-                if t.token >= 0:
-                    self.next_tokens[(t.req_id, t.position)] = t.token
+                if t.token >= 0 and t.req_id in self.tables:    # (a request finished meanwhile needs none: a
+                    self.next_tokens[(t.req_id, t.position)] = t.token   # failed step's later one, say)
             if self._pending_rows:            # a launched graph waits for some of these (across stages)
                 needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
                 for t in msg.tokens:

@@ -77,3 +77,20 @@ def test_a_plan_for_state_a_restarted_stage_never_held_is_refused_as_stale(tiny_
     with pytest.raises(StaleState, match="was the stage restarted"):
         runner.on_message(Plan(step=7, microbatch=0, entries=[SeqEntry("a", 0, 12, 1, [])]))
     assert not runner.plans
+
+
+def test_tokens_for_a_request_that_already_finished_are_not_kept(tiny_checkpoint, tmp_path):
+    """Stage 0 of two: a Sampled that arrives after its request was finished (a step dropped for a failure that
+    the last stage ran anyway) leaves nothing in `next_tokens` (it would stay there for good: request ids do not
+    come back)."""
+    cfg = load_config(tiny_checkpoint)
+    cluster = _two_stages(tiny_checkpoint, tmp_path)
+    svc = PleService(tiny_checkpoint, cfg, cluster)
+    try:
+        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
+        _prefill(runner, svc)
+        runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[1], finished=["b"]))
+        runner.on_message(Sampled(step=1, microbatch=0, tokens=[TokenOut(r, len(p), 9) for r, p in PROMPTS.items()]))
+        assert runner.next_tokens == {("a", len(PROMPTS["a"])): 9}
+    finally:
+        svc.close()
