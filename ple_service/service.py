@@ -44,7 +44,14 @@ class PleServiceError(ValueError):
 
 
 class _PlanError(ValueError):
-    """A plan the service cannot serve (lost context, oversized step); reported to the gateway as a StageError."""
+    """A plan the service cannot serve (lost context, oversized step); reported to the gateway as a StageError.
+    `stale`: it names a request this process never saw, i.e. it was made before this service (re)started (the
+    engine core recomputes the running requests on seeing the new process and ignores the step): logged as a
+    warning, not an error."""
+
+    def __init__(self, message: str, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
 
 
 @dataclass
@@ -233,7 +240,7 @@ class PleService:
             try:
                 done.append(self._run(plan))
             except _PlanError as exc:
-                log.error("PLE step %d failed: %s", plan.step, exc)
+                (log.warning if exc.stale else log.error)("PLE step %d failed: %s", plan.step, exc)
                 self._errors.append(StageError(component="ple", step=plan.step, message=str(exc)))
                 for req_id in {e.req_id for e in plan.entries} | set(plan.finished):
                     self._drop(req_id)
@@ -258,7 +265,7 @@ class PleService:
                 if token is None:
                     raise _PlanError(f"request {e.req_id}: step {plan.step} decodes at position {e.context_len}, "
                                      f"and the PLE service has neither its token nor its context (lost n-gram "
-                                     f"context)")
+                                     f"context)", stale=e.req_id not in self._requests and e.req_id not in updates)
                 tokens = np.array([token], dtype=np.int64)
             else:
                 tokens = np.asarray(e.tokens, dtype=np.int64)
@@ -277,7 +284,7 @@ class PleService:
             else:
                 have = "no tokens" if state is None else f"{state.length} tokens"
                 raise _PlanError(f"request {e.req_id}: step {plan.step} feeds from position {e.context_len}, the PLE "
-                                 f"service has {have} of it (lost n-gram context)")
+                                 f"service has {have} of it (lost n-gram context)", stale=state is None)
             if e.num_tokens == 1:
                 one.append((j, context, tokens[0]))
                 continue
