@@ -247,14 +247,7 @@ class StageRunner:
             for t in msg.tokens:
                 if t.token >= 0 and t.req_id in self.tables:    # (a request finished meanwhile needs none: a
                     self.next_tokens[(t.req_id, t.position)] = t.token   # failed step's later one, say)
-            if self._pending_rows:            # a launched graph waits for some of these (across stages)
-                needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
-                for t in msg.tokens:
-                    key = (t.req_id, t.position)
-                    if key in needed:
-                        self._host_tokens[key] = max(t.token, 0)
-                        self.next_tokens.pop(key, None)
-                self._publish_rows()
+            self._rows_from(msg.tokens)        # a launched graph may wait for some of these (across stages)
         elif isinstance(msg, PleReady) and msg.num_tokens > 0:
             if msg.step in self.plans or msg.step > self._max_launched_step:
                 self.ple[msg.step] = msg       # else: a step that ran on rows this stage gathered itself
@@ -609,6 +602,20 @@ class StageRunner:
         self._contexts_copied = torch.cuda.Event()
         self._contexts_copied.record()
 
+    def _rows_from(self, tokens: list[TokenOut]) -> None:
+        """Sampled tokens on the host (this stage's own, or the last stage's `Sampled`): those a launched step
+        waits for go to `_host_tokens` (out of `next_tokens`: that step took them; a failed row as 0, so a step
+        behind it is not held up), then every step whose rows are now known is published."""
+        if not self._pending_rows:
+            return
+        needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
+        for t in tokens:
+            key = (t.req_id, t.position)
+            if key in needed:
+                self._host_tokens[key] = max(t.token, 0)
+                self.next_tokens.pop(key, None)
+        self._publish_rows()
+
     def _publish_rows(self) -> None:
         """Write the rows of every waiting step, oldest first, whose tokens are on the host and whose contexts'
         copy is done (each one's copy sits behind the step before, which its own rows do not wait for)."""
@@ -726,12 +733,7 @@ class StageRunner:
         sampled = Sampled(step=plan.step, microbatch=plan.microbatch,
                           tokens=[t if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
                                   if t.token >= 0 or t.error])
-        if self._pending_rows:
-            needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
-            for t in tokens:
-                if (t.req_id, t.position) in needed:   # (a failed row: 0, so a step behind it is not held up)
-                    self._host_tokens[(t.req_id, t.position)] = max(t.token, 0)
-            self._publish_rows()
+        self._rows_from(tokens)
         if self.is_first:
             for t in sampled.tokens:
                 key = (t.req_id, t.position)
