@@ -131,7 +131,7 @@ VICTIMS = ("stage0", "stage1", "ple")
 
 
 def component_pids(launcher_pid: int) -> dict[str, int]:
-    """The launcher's children by component name (as tests/test_self_healing.py finds them)."""
+    """The launcher's children by component name (tests/test_self_healing.py uses this too)."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():

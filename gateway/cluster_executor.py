@@ -102,6 +102,8 @@ class ClusterExecutor:
                 continue
             if isinstance(msg, Heartbeat):
                 self._on_heartbeat(msg)
+            elif isinstance(msg, StageError) and self._from_new_process(msg):
+                continue        # a plan made before that process started: the core recomputes, as on its heartbeat
             elif isinstance(msg, (StepResult, StageError)):
                 out.append(msg)
 
@@ -121,14 +123,32 @@ class ClusterExecutor:
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
 
-    def _on_heartbeat(self, msg: Heartbeat) -> None:
-        st = self.state.setdefault(msg.component, ComponentState())
-        if msg.pid in st.retired:
-            return              # the process its successor replaced, heartbeating while it stops: not a restart
-        if st.pid and msg.pid != st.pid:
-            log.warning("gateway: %s restarted (pid %d -> %d)", msg.component, st.pid, msg.pid)
-            self._restarted.add(msg.component)
+    def _saw_pid(self, component: str, pid: int) -> bool:
+        """`component` is process `pid`: a pid it had before is a replaced process still talking while it stops
+        (False: ignore it); a new one is a restart, whose steps in flight the engine core recomputes."""
+        st = self.state.setdefault(component, ComponentState())
+        if pid in st.retired:
+            return False
+        if st.pid and pid != st.pid:
+            log.warning("gateway: %s restarted (pid %d -> %d)", component, st.pid, pid)
+            self._restarted.add(component)
             st.retired.add(st.pid)
+            st.pid = pid
+        return True
+
+    def _from_new_process(self, msg: StageError) -> bool:
+        """A step error from a process of a known component that the gateway has not heard from yet: the restarted
+        component failing a plan sent before it started (it lacks those requests' state), which can arrive before
+        its first heartbeat. Counted as the restart, not as a failure of the step's requests."""
+        st = self.state.get(msg.component)
+        if not msg.pid or st is None or not st.pid or msg.pid == st.pid or msg.pid in st.retired:
+            return False
+        return self._saw_pid(msg.component, msg.pid)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        if not self._saw_pid(msg.component, msg.pid):
+            return              # the process its successor replaced, heartbeating while it stops: not a restart
+        st = self.state[msg.component]
         self._unreachable.discard(msg.component)   # it has bound its inbox: sends wait for the connection again
         now = time.time()
         st.last_seen, st.pid, st.stats = now, msg.pid, msg.stats

@@ -17,6 +17,7 @@ on the H200 (bench/results/served-speed-4).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -241,7 +242,7 @@ class PleService:
                 done.append(self._run(plan))
             except _PlanError as exc:
                 (log.warning if exc.stale else log.error)("PLE step %d failed: %s", plan.step, exc)
-                self._errors.append(StageError(component="ple", step=plan.step, message=str(exc)))
+                self._errors.append(StageError(component="ple", step=plan.step, message=str(exc), pid=os.getpid()))
                 for req_id in {e.req_id for e in plan.entries} | set(plan.finished):
                     self._drop(req_id)
         self._waiting = still

@@ -243,6 +243,8 @@ class StageError(Message):
     component: str
     step: int
     message: str
+    pid: int = 0                     # the sending process (0: in-process): an error from a process the gateway has
+    #                                  not heard from yet is that component's restart (its plans predate it)
 
 
 @dataclass

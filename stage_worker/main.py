@@ -151,7 +151,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             log.warning("%s: step %d refused: %s", name, step, exc)
         else:
             log.error("%s: step %d failed", name, step, exc_info=exc)
-        peers["gateway"].send_multipart(encode(StageError(component=name, step=step,
+        peers["gateway"].send_multipart(encode(StageError(component=name, step=step, pid=os.getpid(),
                                                           message=f"{type(exc).__name__}: {exc}")))
 
     # With a step in flight, look for messages without blocking long: the next plan (or its PLE rows) may arrive
