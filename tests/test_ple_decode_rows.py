@@ -164,22 +164,14 @@ def test_a_first_stage_that_does_not_sample_publishes_ids_and_rows_once_sampled_
     Sampled arrives writes the ids (padding rows 0) and the rows the stage's own gather gives for those tokens,
     then the flag. A request finished meanwhile, whose token never comes, does not hold the step up."""
     from shared.protocol import Sampled, TokenOut
-    from stage_worker.stage_loader import load_stage
 
-    cfg = load_config(tiny_checkpoint)
-    one = _cluster(tiny_checkpoint, tmp_path)
-    stages = [StageSpec(0, 2, f"ipc://{tmp_path}/s0.sock"), StageSpec(2, cfg.num_hidden_layers,
-                                                                        f"ipc://{tmp_path}/s1.sock")]
-    cluster = ClusterConfig(**{**one.__dict__, "stages": stages})
-    svc = PleService(tiny_checkpoint, cfg, cluster)
+    runner, svc = _first_of_two(tiny_checkpoint, tmp_path)
     try:
-        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
         assert not runner.is_last and runner.own_decode_rows is not None
-        _prefill(runner, svc)
         # what a CUDA stage has: the mailbox with ids, and decode steps that replay a graph
         gather = runner.own_decode_rows
-        runner.ple_mailbox = PleMailbox.create(gather, cluster.max_num_seqs, torch.float32, torch.device("cpu"),
-                                               with_ids=True)
+        runner.ple_mailbox = PleMailbox.create(gather, runner.cluster.max_num_seqs, torch.float32,
+                                               torch.device("cpu"), with_ids=True)
         runner._rows_in_graph = lambda prepared: prepared.batch.is_decode
         box = runner.ple_mailbox
 
@@ -213,19 +205,29 @@ def test_a_first_stage_that_does_not_sample_publishes_ids_and_rows_once_sampled_
         svc.close()
 
 
+def _two_stages(model, tmp, **kw) -> ClusterConfig:
+    """`_cluster` split in two stages: the PLE layer on stage 0."""
+    stages = [StageSpec(0, 2, f"ipc://{tmp}/s0.sock"),
+              StageSpec(2, load_config(model).num_hidden_layers, f"ipc://{tmp}/s1.sock")]
+    return ClusterConfig(**{**_cluster(model, tmp).__dict__, "stages": stages, **kw})
+
+
+def _first_of_two(model, tmp, **kw) -> tuple[StageRunner, PleService]:
+    """Stage 0 of `_two_stages` with its PLE service, both prompts prefilled. The caller closes the service."""
+    from stage_worker.stage_loader import load_stage
+
+    cluster = _two_stages(model, tmp, **kw)
+    svc = PleService(model, load_config(model), cluster)
+    runner = StageRunner(load_stage(cluster, 0, load_config(model)), cluster, 0, svc.ring)
+    _prefill(runner, svc)
+    return runner, svc
+
+
 def _across(tiny_checkpoint, tmp_path):
     """Stage 0 of two over the tiny checkpoint, prefilled, with what a CUDA stage across stages has: the mailbox with
     ids, and decode steps that replay a graph. Returns (runner, service)."""
-    from stage_worker.stage_loader import load_stage
-
-    cfg = load_config(tiny_checkpoint)
-    one = _cluster(tiny_checkpoint, tmp_path)
-    stages = [StageSpec(0, 2, f"ipc://{tmp_path}/s0.sock"), StageSpec(2, cfg.num_hidden_layers,
-                                                                        f"ipc://{tmp_path}/s1.sock")]
-    cluster = ClusterConfig(**{**one.__dict__, "stages": stages, "ple_launch_ahead_across_stages": True})
-    svc = PleService(tiny_checkpoint, cfg, cluster)
-    runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
-    _prefill(runner, svc)
+    runner, svc = _first_of_two(tiny_checkpoint, tmp_path, ple_launch_ahead_across_stages=True)
+    cluster = runner.cluster
     runner.ple_mailbox = PleMailbox.create(runner.own_decode_rows, cluster.max_num_seqs, torch.float32,
                                            torch.device("cpu"), with_ids=True)
     runner._rows_in_graph = lambda prepared: prepared.batch.is_decode

@@ -8,19 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple_service.service import PleService
-from shared.cluster_config import ClusterConfig, StageSpec
 from shared.model_config import load_config
 from shared.protocol import Activations, Plan, Sampled, SeqEntry, TokenOut
 from stage_worker.runner import StageRunner
 from stage_worker.stage_loader import load_stage
-from test_ple_decode_rows import PROMPTS, _cluster, _decode_plan, _prefill
-
-
-def _two_stages(model, tmp) -> ClusterConfig:
-    cfg = load_config(model)
-    stages = [StageSpec(0, 2, f"ipc://{tmp}/s0.sock"), StageSpec(2, cfg.num_hidden_layers, f"ipc://{tmp}/s1.sock")]
-    return ClusterConfig(**{**_cluster(model, tmp).__dict__, "stages": stages})
+from test_ple_decode_rows import PROMPTS, _decode_plan, _first_of_two, _two_stages
 
 
 @pytest.mark.parametrize("launched", [False, True])
@@ -29,12 +21,8 @@ def test_a_dropped_step_gives_its_sampled_tokens_back(tiny_checkpoint, tmp_path,
     dropped (a later stage failed the step before it); the scheduler plans the rolled-back requests again at the
     same positions, and that plan finds the tokens (it waited forever for tokens the dropped step had consumed).
     A request finished by the same message takes its token with it."""
-    cfg = load_config(tiny_checkpoint)
-    cluster = _two_stages(tiny_checkpoint, tmp_path)
-    svc = PleService(tiny_checkpoint, cfg, cluster)
+    runner, svc = _first_of_two(tiny_checkpoint, tmp_path)
     try:
-        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
-        _prefill(runner, svc)
         runner.launched.clear()
         runner.on_message(_decode_plan(1))
         runner.on_message(Sampled(step=0, microbatch=0,
@@ -83,12 +71,8 @@ def test_tokens_for_a_request_that_already_finished_are_not_kept(tiny_checkpoint
     """Stage 0 of two: a Sampled that arrives after its request was finished (a step dropped for a failure that
     the last stage ran anyway) leaves nothing in `next_tokens` (it would stay there for good: request ids do not
     come back)."""
-    cfg = load_config(tiny_checkpoint)
-    cluster = _two_stages(tiny_checkpoint, tmp_path)
-    svc = PleService(tiny_checkpoint, cfg, cluster)
+    runner, svc = _first_of_two(tiny_checkpoint, tmp_path)
     try:
-        runner = StageRunner(load_stage(cluster, 0, cfg), cluster, 0, svc.ring)
-        _prefill(runner, svc)
         runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[1], finished=["b"]))
         runner.on_message(Sampled(step=1, microbatch=0, tokens=[TokenOut(r, len(p), 9) for r, p in PROMPTS.items()]))
         assert runner.next_tokens == {("a", len(PROMPTS["a"])): 9}
