@@ -194,7 +194,8 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
                        1 << 30, ["test"])
     base = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", max_num_seqs=4, block_size=16,
                          max_model_len=256, dtype="float32", stages=[StageSpec(0, n, "", "cuda:0")],
-                         cold_experts=str(f), gpu_memory_utilization=1.0, measure_reserve=False)
+                         cold_experts=str(f), gpu_memory_utilization=1.0, measure_reserve=False,
+                         expert_move_async=False)
     off = stage_needs(cfg, base)[0]
     on = stage_needs(cfg, dataclasses.replace(base, expert_move_async=True))[0]
     model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True),

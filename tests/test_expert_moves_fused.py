@@ -141,7 +141,7 @@ def test_fused_move_round_equals_the_round(monkeypatch):
 
 
 @pytest.mark.parametrize("key,default", [("expert_move_fused", True), ("expert_move_graph", True),
-                                         ("expert_move_async", False)])
+                                         ("expert_move_async", True)])
 def test_the_move_switches_are_cluster_keys(monkeypatch, key, default):
     """Each way of running a move round has its off switch: a cluster key with its default, and MOEPIPE_<KEY>."""
     from shared import cluster_config as cc
