@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cluster_config import (ClusterConfig, ClusterConfigError, StageSpec, dump_toml, env_overrides,
-                                  split_layers, unknown_keys)
+from shared.cluster_config import (GPU_MAX_NUM_BATCHED_TOKENS, ClusterConfig, ClusterConfigError, StageSpec,
+                                  dump_toml, env_overrides, split_layers, unknown_keys)
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (AUTO_OFFLOAD_LEN, GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits,
@@ -68,6 +68,8 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
     stages = [StageSpec(start=s, end=e, endpoint=ipc(f"stage{i}"), device=devices[i])
               for i, (s, e) in enumerate(split_layers(cfg.num_hidden_layers, opts.stages))]
     extra = {**env_overrides(), **(opts.extra or {})}        # command-line flags win over the environment
+    if opts.device == "cuda":
+        extra.setdefault("max_num_batched_tokens", GPU_MAX_NUM_BATCHED_TOKENS)
     has_ple = isinstance(cfg, Qwen4ExpConfig) and bool(cfg.ple_layer_ids)
     use_service = extra.pop("ple_service", True) and has_ple     # popped either way: a field set below
     unknown = unknown_keys(extra)

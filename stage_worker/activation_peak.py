@@ -41,7 +41,8 @@ from shared.cluster_config import ClusterConfig
 from shared.model_config import HybridMoeConfig
 from stage_worker.checkpoint.loader import DTYPES, LoadOptions, load_model
 from stage_worker.kernels.flags import KernelFlags
-from stage_worker.model.attention import HOST_SELECT_SCORES, SPARSE_PREFILL_FACTOR, SPARSE_PREFILL_QUERIES
+from stage_worker.model.attention import (DENSE_PREFILL_QUERIES, HOST_SELECT_SCORES, SPARSE_PREFILL_FACTOR,
+                                          SPARSE_PREFILL_QUERIES)
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.section_attention import section_rows
@@ -105,8 +106,10 @@ def attention_chunk_bytes(cfg: HybridMoeConfig, layer: int, q: int, ctx: int, it
     H, kvh, d, it = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, itemsize
     up = 4 if it < 4 else 0                     # .float() of a half-precision tensor is a copy
     rows = 32 * ctx                             # context_rows' int64 temporaries
+    qd = min(q, DENSE_PREFILL_QUERIES)          # the dense path's query slice (`GatedAttention.forward`)
+    own = 2 * q * H * d * it                    # the whole chunk's output and its gated copy, beside the slices
     if not has_indexer(cfg, layer):
-        return rows + 2 * q * ctx + _dense(H, kvh, d, q, ctx, it, up)     # the causal mask and its negation
+        return rows + own + 2 * qd * ctx + _dense(H, kvh, d, qd, ctx, it, up)   # the causal mask and its negation
     ni, di, r = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     keys = query_keys(cfg)
     nb = ctx // r
@@ -127,7 +130,7 @@ def attention_chunk_bytes(cfg: HybridMoeConfig, layer: int, q: int, ctx: int, it
                 + sec * kvh * d * (it + 4))
     if sparse_prefill and ctx > SPARSE_PREFILL_FACTOR * keys:
         return rows + pooled + _gather(H, kvh, d, q, keys, it, up, select)
-    return rows + pooled + 3 * q * ctx + select(q) + _dense(H, kvh, d, q, ctx, it, up)
+    return rows + own + pooled + 3 * qd * ctx + select(qd) + _dense(H, kvh, d, qd, ctx, it, up)
 
 
 def _dense(H: int, kvh: int, d: int, q: int, ctx: int, it: int, up: int) -> int:

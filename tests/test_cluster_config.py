@@ -308,3 +308,21 @@ def test_gil_switch_interval_is_validated_and_applied(monkeypatch):
         assert sys.getswitchinterval() == pytest.approx(0.00025)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_gpu_serve_prefills_in_larger_chunks_unless_told(tiny, tmp_path, monkeypatch):
+    """`--device cuda` without --max-num-batched-tokens takes GPU_MAX_NUM_BATCHED_TOKENS (a 512-token GPU chunk is
+    launch- and weight-read-bound); the CPU keeps 512; the flag and MOEPIPE_MAX_NUM_BATCHED_TOKENS still decide."""
+    import torch
+
+    from shared.cluster_config import GPU_MAX_NUM_BATCHED_TOKENS
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert GPU_MAX_NUM_BATCHED_TOKENS > 512
+    gpu = build_cluster_config(ServeOptions(model=tiny, device="cuda"), tmp_path)
+    assert gpu.max_num_batched_tokens == GPU_MAX_NUM_BATCHED_TOKENS
+    assert build_cluster_config(ServeOptions(model=tiny), tmp_path).max_num_batched_tokens == 512
+    told = ServeOptions(model=tiny, device="cuda", extra={"max_num_batched_tokens": 256})
+    assert build_cluster_config(told, tmp_path).max_num_batched_tokens == 256
+    monkeypatch.setenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS", "1024")
+    assert build_cluster_config(ServeOptions(model=tiny, device="cuda"), tmp_path).max_num_batched_tokens == 1024

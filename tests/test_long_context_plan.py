@@ -82,6 +82,51 @@ def test_the_predicted_attention_scratch_matches_measured_peaks_at_two_contexts(
     assert m1 > m0 and p1 - p0 >= 0.9 * (m1 - m0)
 
 
+@pytest.mark.parametrize("qsa", [True, False])
+def test_a_large_chunk_attends_in_query_slices_with_one_slice_s_scratch(cfg, qsa, monkeypatch):
+    """The dense path takes a chunk's queries `DENSE_PREFILL_QUERIES` at a time (a GPU's default chunk is 2048
+    tokens): the same output as one slice, a 2048-token chunk's scratch far under four times a 512-token one's (the
+    scores are a slice's), and the plan's formula still above the measurement and at most 2x it."""
+    from stage_worker.model import attention
+
+    layer = cfg.layer_types.index("indexed_attention")
+    if not qsa:
+        cfg = dataclasses.replace(cfg, layer_types=["full_attention" if t == "indexed_attention" else t
+                                                    for t in cfg.layer_types])
+    ctx = 3072
+    small = _attention_peak(cfg, layer, qsa, False, 512, ctx, sparse=False)
+    large = _attention_peak(cfg, layer, qsa, False, 2048, ctx, sparse=False)
+    predicted = attention_chunk_bytes(cfg, layer, 2048, ctx, 4, False, sparse_prefill=False)
+    print(f"qsa {qsa}: 512-token chunk {small / 2**20:.1f} MiB, 2048 {large / 2**20:.1f} MiB, predicted "
+          f"{predicted / 2**20:.1f} MiB")
+    assert large < 2 * small
+    assert large <= predicted <= 2 * large
+    sliced = _attention_out(cfg, layer, qsa, 700, ctx)
+    monkeypatch.setattr(attention, "DENSE_PREFILL_QUERIES", 1 << 20)
+    whole = _attention_out(cfg, layer, qsa, 700, ctx)
+    assert torch.allclose(sliced, whole, rtol=0, atol=1e-6), (sliced - whole).abs().max()
+
+
+def _attention_out(cfg, layer: int, qsa: bool, q: int, ctx: int) -> torch.Tensor:
+    """`GatedAttention.forward`'s output for a q-token chunk ending at ctx over a seeded random cache."""
+    torch.manual_seed(0)
+    rot = Rotary(cfg.rotary_dim, cfg.rope_theta)
+    att = GatedAttention(cfg, qsa, rot)
+    bs = 16
+    nb = -(-ctx // bs)
+    cache = ModelCache(cfg, CacheSpec(num_blocks=nb + 1, block_size=bs, num_slots=2), layer, layer + 1)
+    ac = cache.attention[layer]
+    for t in (ac.k, ac.v) + ((ac.index_keys,) if qsa else ()):
+        t.copy_(torch.randn_like(t.float()).to(t.dtype))
+    if not qsa:
+        ac.index_keys = ac.pooled_keys = None
+    batch = StepBatch.build([(list(range(q)), ctx - q, 0, list(range(nb)))], bs)
+    batch.sparse_prefill = False
+    x = torch.randn(q, cfg.hidden_size)
+    with torch.inference_mode():
+        return att(x, batch, ac, rot.cos_sin(batch.positions, x.dtype))
+
+
 def test_chunk_shapes_cover_the_dense_switch_the_longest_context_and_the_host_gather(cfg):
     qsa = cfg.layer_types.index("indexed_attention")
     linear = cfg.layer_types.index("linear_attention")

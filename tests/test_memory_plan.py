@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.cluster_config import ClusterConfig, StageSpec, dump_toml
+from shared.cluster_config import GPU_MAX_NUM_BATCHED_TOKENS, ClusterConfig, StageSpec, dump_toml
 from shared.memory_plan import GIB, DeviceMemory, MemoryPlanError, PlanLimits, StageNeeds, plan
 from shared.model_config import load_config
 from stage_worker.memory_needs import _tensor_bytes, stage_needs
@@ -488,7 +488,8 @@ def test_serve_writes_the_fitted_length_where_every_process_reads_it(tiny_checkp
     monkeypatch.setattr(launcher.subprocess, "run", run)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     probe = ClusterConfig(model=str(tiny_checkpoint), gateway_endpoint="", gpu_memory_utilization=1.0,
-                          stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")]).for_model(cfg)
+                          stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")],
+                          max_num_batched_tokens=GPU_MAX_NUM_BATCHED_TOKENS).for_model(cfg)   # serve's, on a GPU
     (need,) = stage_needs(cfg, dataclasses.replace(probe, max_model_len=6144), measure)
     size = need.fixed + (6144 // probe.block_size + 1) * need.block             # room for 6144 tokens, not 7168
     sizes["devices"] = {"cuda:0": {"total": size, "free": size}}

@@ -138,6 +138,11 @@ SPARSE_PREFILL_FACTOR = 16
 SPARSE_PREFILL_QUERIES = 256
 # Prefill over host K/V (`_attend_host_sections`) selects in query slices of at most this many block scores.
 HOST_SELECT_SCORES = 1 << 25
+# The dense masked path attends in query slices of at most this many: its [heads, queries, context] scores then
+# stay those of a 512-token chunk however large the chunk (a GPU's default chunk is 2048 tokens, shared/cluster_config
+# GPU_MAX_NUM_BATCHED_TOKENS: unsliced its scratch at the full shape's dense/sparse switch would be ~19 GiB, sliced
+# ~5.6 as at 512), while the chunk's other layers still see every token at once (what the larger chunk is for).
+DENSE_PREFILL_QUERIES = 512
 
 
 def _invalidate_written(cache: AttentionCache, batch: StepBatch) -> None:
@@ -275,18 +280,28 @@ class GatedAttention(nn.Module):
                         and ctx > SPARSE_PREFILL_FACTOR * self.indexer.keys):
                     out[s:e] = self._attend_selected(q[s:e], iq[s:e], pooled, pos, rows, cache)
                     continue
-            visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]
-            if pooled is not None and not self.qsa_dense:
-                visible = visible & self.indexer.select(iq[s:e], pooled, pos, ctx)
-            if self.aux is not None and pooled is not None:
-                o, probs = self._attend(q[s:e], read_rows(cache.k, rows), read_rows(cache.v, rows), visible,
-                                        with_probs=True)
+            keys, values = read_rows(cache.k, rows), read_rows(cache.v, rows)
+            if self.aux is not None and pooled is not None:      # training: the whole chunk's probabilities
+                visible = self._visible(iq[s:e], pooled, pos, ctx)
+                o, probs = self._attend(q[s:e], keys, values, visible, with_probs=True)
                 self.aux.append(("indexer_kl", self.indexer.distill_loss(iq[s:e], pooled, pos, probs)))
                 out[s:e] = o
                 continue
-            out[s:e] = self._attend(q[s:e], read_rows(cache.k, rows), read_rows(cache.v, rows), visible)
+            for a in range(s, e, DENSE_PREFILL_QUERIES):         # each query's row alone: slices change nothing
+                b = min(a + DENSE_PREFILL_QUERIES, e)
+                visible = self._visible(None if iq is None else iq[a:b], pooled, batch.positions[a:b], ctx)
+                out[a:b] = self._attend(q[a:b], keys, values, visible)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
+
+    def _visible(self, iq: torch.Tensor | None, pooled: torch.Tensor | None, pos: torch.Tensor,
+                 ctx: int) -> torch.Tensor:
+        """[queries, ctx] which context rows the queries at `pos` attend to: the causal mask, and with QSA the
+        indexer's selection."""
+        visible = torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None]
+        if pooled is not None and not self.qsa_dense:
+            visible = visible & self.indexer.select(iq, pooled, pos, ctx)
+        return visible
 
     def _batched_fresh(self, batch: StepBatch) -> bool:
         """Several new sequences (no context; any lengths) in one padded batch (`_prefill_fresh`), while their scores
