@@ -37,6 +37,8 @@ def test_a_step_from_block_tables_equals_one_from_lists():
     assert a.device_tables()[0].tolist() == [[9, 2, 5, 0, 0], [4, 0, 0, 0, 0], [0, 8, 6, 1, 3]]
     assert torch.equal(a.context_rows(2, 18), b.context_rows(2, 18))
     assert a.context_rows(0, 6).tolist() == [36, 37, 38, 39, 8, 9]
+    # built once a step: every attention layer of the stage asks for the same rows
+    assert a.context_rows(0, 6) is a.context_rows(0, 6) and a.context_rows(0, 5).tolist() == [36, 37, 38, 39, 8]
 
 
 def test_a_step_reads_a_block_table_without_copying_it():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig
+from stage_worker.host_copy import to_device
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import AttentionCache, read_rows, write_rows
@@ -340,7 +341,7 @@ class GatedAttention(nn.Module):
             own = [(i, n // r) for i, n in enumerate(batch.seq_lens) if n >= r]
             if own:
                 rows = torch.cat([batch.context_rows(i, m * r)[::r] // r for i, m in own])
-                picks = torch.cat([torch.arange(m) + i * nb for i, m in own]).to(dev)
+                picks = to_device(torch.cat([torch.arange(m) + i * nb for i, m in own]), torch.long, dev)
                 cache.pooled_keys[rows] = pooled[picks]
             pooled = pooled.view(B, nb, pooled.shape[-1])
             if not self.qsa_dense:

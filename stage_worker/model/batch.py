@@ -139,11 +139,19 @@ class StepBatch:
         return out
 
     def context_rows(self, i: int, length: int) -> torch.Tensor:
-        """Flat KV rows of the first `length` tokens of sequence i."""
-        bs = self.block_size
-        pos = torch.arange(length)
-        table = torch.from_numpy(self.block_tables[i].astype(np.int64))
-        return (table[pos // bs] * bs + pos % bs).to(self.token_ids.device)
+        """Flat KV rows of the first `length` tokens of sequence i, computed on the step's device from the block
+        table (one queued copy of it) and kept for the step: every attention layer of a stage asks for the same
+        rows. Before, each layer built them on the host and copied them with a synchronous `.to(device)`, so a GPU
+        prefill chunk waited for the GPU five times (the QSA layers) and built 262k-entry index arrays on the host."""
+        cache = self.__dict__.setdefault("_context_rows", {})
+        if (i, length) not in cache:
+            bs = self.block_size
+            dev = self.token_ids.device
+            table = to_device(torch.from_numpy(self.block_tables[i][: -(-length // bs)].astype(np.int64)),
+                              torch.long, dev)
+            pos = torch.arange(length, device=dev)
+            cache[(i, length)] = table[pos // bs] * bs + pos % bs
+        return cache[(i, length)]
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int, list[int]]], block_size: int,

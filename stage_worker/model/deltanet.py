@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model_config import HybridMoeConfig
+from stage_worker.host_copy import to_device
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.ragged import fresh_masked, ragged_causal_conv
@@ -68,8 +69,8 @@ class GatedDeltaNet(nn.Module):
             if len(decode) == batch.num_seqs:      # a pure decode step: no index tensors built here
                 tok, slots = slice(None), batch.device_slots()
             else:
-                tok = torch.tensor([cu[i] for i in decode], device=x.device)
-                slots = torch.tensor([batch.slots[i] for i in decode], device=x.device)
+                tok = to_device([cu[i] for i in decode], torch.long, x.device)    # queued: no wait for the GPU
+                slots = to_device([batch.slots[i] for i in decode], torch.long, x.device)
             mixed_t = self._conv_step(mixed[tok], state, slots)
             rule = self._fla_rule("recurrent") if (self.kernels.deltanet and x.is_cuda) else None
             if rule is not None:
