@@ -102,7 +102,8 @@ def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNe
                         gpu_memory_utilization=cluster.gpu_memory_utilization,
                         vram_limit=int(cluster.vram_limit * GIB),
                         kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB),
-                        host_kv_bytes=host_kv_room(data.get("host_available", 0), needs))
+                        host_kv_bytes=host_kv_room(data.get("host_available", 0), needs),
+                        max_num_batched_tokens=cluster.max_num_batched_tokens)
     return needs, devices, limits
 
 

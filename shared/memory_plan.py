@@ -78,6 +78,7 @@ class PlanLimits:
     vram_limit: int = 0                 # bytes per device; 0 = none
     kv_cache_memory_bytes: int = 0      # KV bytes per stage; 0 = whatever is left
     host_kv_bytes: int = 0              # host RAM the stages' host K/V may take together (qsa_kv_offload); 0 = none
+    max_num_batched_tokens: int = 0     # the prefill chunk the reserve was measured at (0: not said)
 
 
 @dataclass
@@ -346,9 +347,19 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
     return (f"{name} holds {budget / GIB:.2f} GiB ({_budget_rule(limits)}); its stages need {fixed / GIB:.2f} GiB "
             f"before any KV cache ({parts}). " + _context_hint(mine, max(fixed - budget, 0), limits)
             + f"Spread the layers over more GPUs (--stages, one GPU each: about "
-            f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, or keep at least "
+            f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, "
+            + _chunk_hint(limits) + f"or keep at least "
             f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
             f"by `moepipe cold-set --gib-per-stage N`)")
+
+
+def _chunk_hint(limits: PlanLimits) -> str:
+    """A GPU serve prefills in 2048-token chunks by default (cluster_config.GPU_MAX_NUM_BATCHED_TOKENS): a smaller
+    chunk shrinks the reserve's activations, at the cost of slower prefill."""
+    if limits.max_num_batched_tokens <= 512:
+        return ""
+    return (f"use --max-num-batched-tokens 512 (a smaller prefill chunk than {limits.max_num_batched_tokens}: a "
+            "smaller reserve, slower prompts), ")
 
 
 def _context_hint(mine: list[StageNeeds], short: int, limits: PlanLimits) -> str:
@@ -386,4 +397,4 @@ def _no_room_for_kv(mine: list[StageNeeds], name: str, budget: int, fixed: int, 
             + f"Use --max-model-len "
             f"{longest} or less, raise --gpu-memory-utilization / --vram-limit"
             + (" / --kv-cache-memory-bytes" if limits.kv_cache_memory_bytes else "")
-            + ", or spread the layers over more GPUs (--stages)")
+            + ", " + _chunk_hint(limits) + "or spread the layers over more GPUs (--stages)")

@@ -55,6 +55,13 @@ def test_weights_that_do_not_fit_are_refused_with_the_numbers_and_the_flag():
         plan([_stage(0, "cuda:0", 60)], {"cuda:0": H200}, limits)
     msg = str(err.value)
     assert "24.00 GiB" in msg and "--vram-limit 24" in msg and "61.50 GiB" in msg and "--stages" in msg
+    assert "--max-num-batched-tokens" not in msg
+    # a GPU serve's 2048-token prefill chunk: the refusals also name the smaller chunk's smaller reserve
+    for stage, gpu in ((_stage(0, "cuda:0", 60), limits),
+                       (_stage(0, "cuda:0", 60, block=1 << 22), dataclasses.replace(LIMITS, vram_limit=64 * GIB,
+                                                                                    max_model_len=262144))):
+        with pytest.raises(MemoryPlanError, match="--max-num-batched-tokens 512"):
+            plan([stage], {"cuda:0": H200}, dataclasses.replace(gpu, max_num_batched_tokens=2048))
 
 
 def test_no_room_for_one_sequence_names_the_max_model_len_that_fits():
