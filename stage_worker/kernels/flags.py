@@ -12,10 +12,10 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
-NOT_IN_ALL = ("l2_prefetch",)
+NOT_IN_ALL = ("l2_prefetch", "sdpa_prefill")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,13 @@ class KernelFlags:
                                       # and pdl_usable. Not in "all" until tests/test_kernel_l2_prefetch.py -m gpu
                                       # has run and it is timed; off (or without pdl): the kernels compiled
                                       # exactly as before (a constexpr L2PF)
+    sdpa_prefill: bool = False        # the dense attention prefill (`GatedAttention._attend`: full attention, and
+                                      # QSA below the sparse switch) through torch's scaled_dot_product_attention
+                                      # with the causal / selection mask (its memory-efficient kernel: no
+                                      # [heads, queries, context] scores in HBM, written, read, copied to fp32 and
+                                      # softmaxed: at a 20k context ~6 GB of traffic a 512-query slice); CUDA only.
+                                      # Not in "all" until the H200 has timed it (tests/test_sdpa_prefill.py -m gpu);
+                                      # off: the eager scores and fp32 softmax
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

@@ -346,9 +346,11 @@ class GatedAttention(nn.Module):
             pooled = pooled.view(B, nb, pooled.shape[-1])
             if not self.qsa_dense:
                 visible = visible & self.indexer.select(rg.pad(iq), pooled, pos, L)
-        out, probs = self._attend(q, k, v, visible, with_probs=True)
         if self.aux is not None and pooled is not None:
+            out, probs = self._attend(q, k, v, visible, with_probs=True)
             self.aux.append(("indexer_kl", self.indexer.distill_loss(rg.pad(iq), pooled, pos, probs)))
+        else:
+            out = self._attend(q, k, v, visible)
         return rg.unpad(out)
 
     def _update_pooled(self, cache: AttentionCache, rows: torch.Tensor, old_ctx: int, ctx: int,
@@ -458,7 +460,10 @@ class GatedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                 with_probs: bool = False):
         """q [..., q_len, H, d], k/v [..., ctx, kv_heads, d], visible [..., q_len, ctx] -> [..., q_len, H, d] (and
-        the probabilities [..., H, q_len, ctx]); leading dims: a batch of sequences."""
+        the probabilities [..., H, q_len, ctx]); leading dims: a batch of sequences. With the kernel flag
+        `sdpa_prefill` on a GPU (and no probabilities wanted) `_attend_sdpa`."""
+        if not with_probs and self.kernels.sdpa_prefill and q.is_cuda:
+            return self._attend_sdpa(q, k, v, visible)
         rep = self.n_heads // self.kv_heads
         k = k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)   # [..., H, ctx, d]
         v = v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)
@@ -467,3 +472,15 @@ class GatedAttention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v).transpose(-3, -2)
         return (out, probs) if with_probs else out
+
+    def _attend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`_attend` through `F.scaled_dot_product_attention` with `visible` as its boolean mask (True: attend; every
+        query sees at least itself), K/V repeated per head as there. The softmax stays inside the kernel in fp32 and
+        the probabilities are not rounded to the activations' dtype before the value sum, so the output differs from
+        `_attend`'s by that rounding only."""
+        rep = self.n_heads // self.kv_heads
+        k = k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)   # [..., H, ctx, d]
+        v = v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k, v, attn_mask=visible.unsqueeze(-3),
+                                             scale=self.scale)
+        return out.transpose(-3, -2)
