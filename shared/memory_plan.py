@@ -63,6 +63,8 @@ class StageNeeds:
     row_cache: int = 0       # VRAM of the K/V row cache over host K/V (kv_row_cache; not in `state`)
     reserve_context: int = 0  # of `reserve`: what the worst prefill chunk up to max_model_len adds over a short one
     offload_helps: bool = False  # QSA layers with K/V in VRAM: --qsa-kv-offload would make that part flat
+    spare_bytes: int = 0     # VRAM moves on read's spare slots would add once experts of the MoE layers that have
+    #                          none in host RAM yet go there (expert_move_async; not in `weights` until then)
 
     @property
     def fixed(self) -> int:
@@ -349,7 +351,8 @@ def _too_big(mine: list[StageNeeds], name: str, budget: int, fixed: int, limits:
             + f"Spread the layers over more GPUs (--stages, one GPU each: about "
             f"{need} devices of this size for these layers), raise {_budget_flag(limits)}, "
             + _chunk_hint(limits) + f"or keep at least "
-            f"{over / GIB / len(mine):.1f} GiB more of experts per stage in host RAM (--cold-experts FILE, written "
+            f"{(over / len(mine) + max(s.spare_bytes for s in mine)) / GIB:.1f} GiB more of experts per stage in "
+            f"host RAM (--cold-experts FILE, written "
             f"by `moepipe cold-set --gib-per-stage N`)")
 
 

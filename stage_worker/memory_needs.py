@@ -118,10 +118,13 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())
         weights -= host                            # cold experts live in pinned host RAM, not on the device
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
-        if cluster.expert_move_async and cluster.expert_moves and cluster.cold_experts:
+        spare = 0                                  # the spares of MoE layers with no cold expert yet
+        if cluster.expert_move_async and cluster.expert_moves:
             # the spare device slots of every table (`--cold-experts auto`, not chosen yet: every MoE layer)
             weights += SPARES * sum(size for layer, size in sizes.items()
-                                    if cold.get(layer) or cluster.cold_experts == AUTO)
+                                    if cluster.cold_experts and (cold.get(layer) or cluster.cold_experts == AUTO))
+            spare = SPARES * sum(size for layer, size in sizes.items()
+                                 if not (cold.get(layer) or cluster.cold_experts == AUTO))
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
@@ -150,7 +153,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                               reserve=reserve, reserve_context=context, host_experts=host, routed_experts=routed,
                               expert_bytes=min(sizes.values(), default=0),
                               host_block=host_block_bytes(cfg, spec.start, spec.end, bs, dtype, offload),
-                              offload_helps=qsa and not offload))
+                              offload_helps=qsa and not offload, spare_bytes=spare))
     return out
 
 

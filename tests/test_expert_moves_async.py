@@ -198,6 +198,12 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
                          expert_move_async=False)
     off = stage_needs(cfg, base)[0]
     on = stage_needs(cfg, dataclasses.replace(base, expert_move_async=True))[0]
+    # without a cold set the spares are not in the weights yet, but the refusal's advice counts them
+    none = stage_needs(cfg, dataclasses.replace(base, expert_move_async=True, cold_experts=""))[0]
+    moe = [layer for layer in range(n) if cfg.is_sparse_moe(layer)]
+    assert none.spare_bytes == 2 * len(moe) * cold_set.expert_bytes(cfg, "float32") and off.spare_bytes == 0
+    assert on.spare_bytes == 2 * len([layer for layer in moe if not cold.get(layer)]) * \
+        cold_set.expert_bytes(cfg, "float32")
     model = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True),
                        cfg)
     spare = 2 * len(model.experts.tables) * cold_set.expert_bytes(cfg, "float32")

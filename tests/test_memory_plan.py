@@ -56,6 +56,12 @@ def test_weights_that_do_not_fit_are_refused_with_the_numbers_and_the_flag():
     msg = str(err.value)
     assert "24.00 GiB" in msg and "--vram-limit 24" in msg and "61.50 GiB" in msg and "--stages" in msg
     assert "--max-num-batched-tokens" not in msg
+    assert "39.5 GiB more of experts per stage" in msg
+    # moves on read (the default) give every table that gets cold experts two spare device slots: the advice
+    # counts them, so following it is enough
+    spared = dataclasses.replace(_stage(0, "cuda:0", 60), spare_bytes=GIB // 2)
+    with pytest.raises(MemoryPlanError, match="40.0 GiB more of experts per stage"):
+        plan([spared], {"cuda:0": H200}, limits)
     # a GPU serve's 2048-token prefill chunk: the refusals also name the smaller chunk's smaller reserve
     for stage, gpu in ((_stage(0, "cuda:0", 60), limits),
                        (_stage(0, "cuda:0", 60, block=1 << 22), dataclasses.replace(LIMITS, vram_limit=64 * GIB,

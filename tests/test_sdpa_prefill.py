@@ -41,7 +41,7 @@ def test_sdpa_attends_as_the_eager_scores_under_any_mask(tiny_checkpoint, lead):
     selected = causal & (chosen | (torch.arange(ctx)[None, :] == pos[:, None]))
     for visible in (causal.expand(*lead, q_len, ctx), selected):
         want = att._attend(q, k, v, visible)
-        got = att._attend_sdpa(q, k, v, visible)
+        got = att._attend_sdpa(q, *att._per_head(k, v, q.dtype), visible)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -281,17 +281,17 @@ class GatedAttention(nn.Module):
                         and ctx > SPARSE_PREFILL_FACTOR * self.indexer.keys):
                     out[s:e] = self._attend_selected(q[s:e], iq[s:e], pooled, pos, rows, cache)
                     continue
-            keys, values = read_rows(cache.k, rows), read_rows(cache.v, rows)
+            keys, values = self._per_head(read_rows(cache.k, rows), read_rows(cache.v, rows), q.dtype)
             if self.aux is not None and pooled is not None:      # training: the whole chunk's probabilities
                 visible = self._visible(iq[s:e], pooled, pos, ctx)
-                o, probs = self._attend(q[s:e], keys, values, visible, with_probs=True)
+                o, probs = self._attend_heads(q[s:e], keys, values, visible, with_probs=True)
                 self.aux.append(("indexer_kl", self.indexer.distill_loss(iq[s:e], pooled, pos, probs)))
                 out[s:e] = o
                 continue
             for a in range(s, e, DENSE_PREFILL_QUERIES):         # each query's row alone: slices change nothing
                 b = min(a + DENSE_PREFILL_QUERIES, e)
                 visible = self._visible(None if iq is None else iq[a:b], pooled, batch.positions[a:b], ctx)
-                out[a:b] = self._attend(q[a:b], keys, values, visible)
+                out[a:b] = self._attend_heads(q[a:b], keys, values, visible)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
 
@@ -457,16 +457,25 @@ class GatedAttention(nn.Module):
             out[a:b] = torch.einsum("lgrk,lkgd->lgrd", probs, v).reshape(b - a, self.n_heads, self.head_dim)
         return out
 
+    def _per_head(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v [..., ctx, kv_heads, d] -> [..., H, ctx, d] in `dtype`, each K/V head repeated for its query heads
+        (once a chunk: the dense path's query slices share them)."""
+        rep = self.n_heads // self.kv_heads
+        return (k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(dtype),
+                v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(dtype))
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                 with_probs: bool = False):
         """q [..., q_len, H, d], k/v [..., ctx, kv_heads, d], visible [..., q_len, ctx] -> [..., q_len, H, d] (and
-        the probabilities [..., H, q_len, ctx]); leading dims: a batch of sequences. With the kernel flag
-        `sdpa_prefill` on a GPU (and no probabilities wanted) `_attend_sdpa`."""
+        the probabilities [..., H, q_len, ctx]); leading dims: a batch of sequences."""
+        return self._attend_heads(q, *self._per_head(k, v, q.dtype), visible, with_probs)
+
+    def _attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                      with_probs: bool = False):
+        """`_attend` over K/V already per head (`_per_head`). With the kernel flag `sdpa_prefill` on a GPU (and no
+        probabilities wanted) `_attend_sdpa`."""
         if not with_probs and self.kernels.sdpa_prefill and q.is_cuda:
             return self._attend_sdpa(q, k, v, visible)
-        rep = self.n_heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)   # [..., H, ctx, d]
-        v = v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)
         scores = torch.matmul(q.transpose(-3, -2), k.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -474,13 +483,16 @@ class GatedAttention(nn.Module):
         return (out, probs) if with_probs else out
 
     def _attend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """`_attend` through `F.scaled_dot_product_attention` with `visible` as its boolean mask (True: attend; every
-        query sees at least itself), K/V repeated per head as there. The softmax stays inside the kernel in fp32 and
-        the probabilities are not rounded to the activations' dtype before the value sum, so the output differs from
-        `_attend`'s by that rounding only."""
-        rep = self.n_heads // self.kv_heads
-        k = k.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)   # [..., H, ctx, d]
-        v = v.repeat_interleave(rep, dim=-2).transpose(-3, -2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k, v, attn_mask=visible.unsqueeze(-3),
-                                             scale=self.scale)
-        return out.transpose(-3, -2)
+        """`_attend_heads` through `F.scaled_dot_product_attention` with `visible` as its boolean mask (True:
+        attend; every query sees at least itself). Inputs are made 4-D ([batch, H, len, d]): PyTorch's fused
+        kernels (memory-efficient, flash, cuDNN) take only 4-D tensors and a 3-D call falls back to the math kernel,
+        which builds the scores (in fp32) after all. The softmax stays inside the kernel in fp32 and the
+        probabilities are not rounded to the activations' dtype before the value sum, so the output differs from
+        the eager path's by that rounding only."""
+        q = q.transpose(-3, -2)
+        mask = visible.unsqueeze(-3)
+        flat = q.dim() == 3
+        if flat:                                 # one sequence: a batch of one
+            q, k, v, mask = q[None], k[None], v[None], mask[None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return (out[0] if flat else out).transpose(-3, -2)
