@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cluster_config import (GPU_MAX_NUM_BATCHED_TOKENS, ClusterConfig, ClusterConfigError, StageSpec,
-                                  dump_toml, env_overrides, split_layers, unknown_keys)
+                                  child_environment, dump_toml, env_overrides, split_layers, unknown_keys)
 from shared.cold_set import AUTO
 from shared.quant_scheme import refusal as quant_refusal
 from shared.memory_plan import (AUTO_OFFLOAD_LEN, GIB, DeviceMemory, MemoryPlan, MemoryPlanError, PlanLimits,
@@ -91,7 +91,7 @@ def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNe
     """The GPU stages' needs and the devices' free memory, from a child process (`stage_worker.memory_needs`):
     asking CUDA creates a context this process would keep; and the limits the flags set."""
     r = subprocess.run([sys.executable, "-m", "stage_worker.memory_needs", "--config", str(config_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=child_environment(dict(os.environ)))
     if r.returncode != 0:
         raise RuntimeError(f"memory plan: {r.stderr.strip() or 'stage_worker.memory_needs failed'}")
     data = json.loads(r.stdout)
@@ -252,7 +252,8 @@ class Cluster:
             self._spawn(name)
 
     def _spawn(self, name: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", RESTARTS_ENV: str(self.restarts.get(name, 0))}
+        env = {**child_environment(dict(os.environ)), "PYTHONUNBUFFERED": "1",
+               RESTARTS_ENV: str(self.restarts.get(name, 0))}
         # A new session per child: Ctrl-C in the terminal reaches only us, and we stop them in order.
         self.procs[name] = subprocess.Popen(self.commands[name], env=env, start_new_session=True)
         self.started_at[name] = time.time()

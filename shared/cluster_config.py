@@ -505,6 +505,15 @@ def _apply_env(raw: dict[str, Any]) -> None:
     raw.update(env_overrides())
 
 
+def child_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment for a process the launcher starts on a cluster file it wrote: without the MOEPIPE_*
+    switches, whose values the file already carries as the launcher resolved them (its flags over the
+    environment). Else the child's `load_cluster_config` would apply them again over the file, and a flag given
+    beside its variable (`--max-num-batched-tokens 2048` with MOEPIPE_MAX_NUM_BATCHED_TOKENS=512) would be the
+    launcher's value and not the processes'. A component started alone on a file still takes them."""
+    return {k: v for k, v in environ.items() if k not in _ENV}
+
+
 def load_cluster_config(path: str | Path) -> ClusterConfig:
     path = Path(path)
     try:

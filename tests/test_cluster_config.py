@@ -326,3 +326,22 @@ def test_a_gpu_serve_prefills_in_larger_chunks_unless_told(tiny, tmp_path, monke
     assert build_cluster_config(told, tmp_path).max_num_batched_tokens == 256
     monkeypatch.setenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS", "1024")
     assert build_cluster_config(ServeOptions(model=tiny, device="cuda"), tmp_path).max_num_batched_tokens == 1024
+
+
+def test_the_processes_take_the_launcher_s_values_not_the_environment_again(tiny, tmp_path, monkeypatch):
+    """A flag given beside its variable: the launcher resolves the flag, writes the file, and starts its children
+    without the MOEPIPE_* switches (`child_environment`), so they read the file's value rather than applying the
+    variable over it again; other variables pass through."""
+    from shared.cluster_config import child_environment
+
+    monkeypatch.setenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS", "512")
+    monkeypatch.setenv("MOEPIPE_PROFILE", "/tmp/p")              # not a config switch: the children still see it
+    cfg = build_cluster_config(ServeOptions(model=tiny, extra={"max_num_batched_tokens": 2048}), tmp_path)
+    assert cfg.max_num_batched_tokens == 2048
+    path = tmp_path / "cluster.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_cluster_config(path).max_num_batched_tokens == 512         # what a child with the variable read
+    child = child_environment(dict(__import__("os").environ))
+    assert "MOEPIPE_MAX_NUM_BATCHED_TOKENS" not in child and child["MOEPIPE_PROFILE"] == "/tmp/p"
+    monkeypatch.delenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS")
+    assert load_cluster_config(path).max_num_batched_tokens == 2048        # ... and what the launcher's child reads
