@@ -804,7 +804,8 @@ class StageRunner:
             if e.prompt_logprobs:
                 targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
                 lp = torch.log_softmax(rows[: len(targets)], dim=-1)
-                prompt_lps = [float(lp[i, t]) for i, t in enumerate(targets)]
+                picked = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=lp.device)[:, None])
+                prompt_lps = picked[:, 0].float().tolist()        # one read-back, not one a token
             if not e.sample:
                 outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
                 continue
