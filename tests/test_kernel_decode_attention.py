@@ -114,10 +114,10 @@ def test_reference_and_kernel_match_gated_attention(monkeypatch, block_size, ctx
     x = torch.randn(sum(ctxs), cfg.hidden_size, generator=g)
 
     seen: dict[str, list] = {"attend": [], "select": []}
-    attend, select = GatedAttention._attend, QSAIndexer.select
+    attend, select = GatedAttention._attend_heads, QSAIndexer.select
 
-    def spy_attend(self, q, k, v, visible, **kw):     # (the prefill's batched path asks for probabilities too)
-        out = attend(self, q, k, v, visible, **kw)
+    def spy_attend(self, q, k, v, visible, *args, **kw):  # (the prefill's batched path asks for probabilities too)
+        out = attend(self, q, k, v, visible, *args, **kw)
         seen["attend"].append((q, out))
         return out
 
@@ -126,7 +126,7 @@ def test_reference_and_kernel_match_gated_attention(monkeypatch, block_size, ctx
         seen["select"].append((q, mask))
         return mask
 
-    monkeypatch.setattr(GatedAttention, "_attend", spy_attend)
+    monkeypatch.setattr(GatedAttention, "_attend_heads", spy_attend)
     monkeypatch.setattr(QSAIndexer, "select", spy_select)
     starts = [sum(ctxs[:i]) for i in range(len(ctxs))]
     with torch.no_grad():

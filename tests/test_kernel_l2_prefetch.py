@@ -25,7 +25,7 @@ def test_flag_parse(monkeypatch):
     assert "l2_prefetch" in NAMES
     assert not KernelFlags.parse("all").l2_prefetch and not KernelFlags.parse("all,pdl").l2_prefetch
     both = KernelFlags.parse("all,pdl,l2_prefetch")
-    assert both.pdl and both.l2_prefetch and both == KernelFlags(**dict.fromkeys(NAMES, True))
+    assert both.pdl and both.l2_prefetch and both == KernelFlags(**{n: n != "sdpa_prefill" for n in NAMES})
     assert not KernelFlags.parse("all,pdl,l2_prefetch,-l2_prefetch").l2_prefetch
     assert KernelFlags.parse("l2_prefetch").describe() == "l2_prefetch"
     monkeypatch.setenv("MOEPIPE_KERNELS", "all")

@@ -21,10 +21,11 @@ triton = pytest.importorskip("triton")
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
     assert KernelFlags.parse("all").pdl and KernelFlags.parse("pdl").pdl             # in "all" since h200-19
-    # every item but l2_prefetch, the other named-only one (tests/test_kernel_l2_prefetch.py)
-    assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n != "l2_prefetch" for n in NAMES})
+    # every item but the named-only ones (l2_prefetch: tests/test_kernel_l2_prefetch.py; sdpa_prefill)
+    assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n not in ("l2_prefetch", "sdpa_prefill") for n in NAMES})
     assert not KernelFlags.parse("-pdl").pdl
-    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n not in ("pdl", "l2_prefetch") for n in NAMES})
+    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n not in ("pdl", "l2_prefetch", "sdpa_prefill")
+                                                       for n in NAMES})
     assert not KernelFlags.parse("none").pdl and KernelFlags.parse("pdl").describe() == "pdl"
     monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
     assert not KernelFlags.from_env().pdl
