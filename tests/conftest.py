@@ -208,9 +208,26 @@ def AsyncOpenAI(**kw):
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now (servers under test bind it a moment later)."""
+    """A TCP port nothing listens on now (servers under test bind it a moment later), chosen below the kernel's
+    ephemeral range: a port the kernel hands out for `bind(0)` is one it also gives outgoing connections, and the
+    cluster's own components connect to each other while the slower ones start (a test's PLE service found its
+    port taken by such a connection: test_links, 2026-12-05)."""
+    import random
     import socket
 
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.Random()                       # its own state: tests seed the module's
+    for _ in range(200):
+        port = pick.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
