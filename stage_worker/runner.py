@@ -805,13 +805,15 @@ class StageRunner:
             prompt_lps = None
             if e.prompt_logprobs:
                 targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
-                idx = torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None]
-                # a slice of rows at a time: the log-softmax of a whole 2048-token chunk would be another
-                # [tokens, vocab] fp32 tensor beside the logits (1.2 GB at the full shape), which the plan's
-                # reserve does not hold; rows are independent, so the values are the same
-                picked = torch.cat([torch.log_softmax(rows[a: a + ECHO_ROWS], dim=-1).gather(1, idx[a: a + ECHO_ROWS])
-                                    for a in range(0, len(targets), ECHO_ROWS)]) if targets else idx.float()
-                prompt_lps = picked[:, 0].float().tolist()        # one read-back, not one a token
+                prompt_lps = []
+                if targets:
+                    idx = torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None]
+                    # a slice of rows at a time: the log-softmax of a whole 2048-token chunk would be another
+                    # [tokens, vocab] fp32 tensor beside the logits (1.2 GB at the full shape), which the plan's
+                    # reserve does not hold; rows are independent, so the values are the same
+                    picked = torch.cat([torch.log_softmax(rows[a: a + ECHO_ROWS], dim=-1)
+                                        .gather(1, idx[a: a + ECHO_ROWS]) for a in range(0, len(targets), ECHO_ROWS)])
+                    prompt_lps = picked[:, 0].tolist()            # one read-back, not one a token
             if not e.sample:
                 outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
                 continue
