@@ -120,11 +120,11 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         spare = 0                                  # the spares of MoE layers with no cold expert yet
         if cluster.expert_move_async and cluster.expert_moves:
-            # the spare device slots of every table (`--cold-experts auto`, not chosen yet: every MoE layer)
-            weights += SPARES * sum(size for layer, size in sizes.items()
-                                    if cluster.cold_experts and (cold.get(layer) or cluster.cold_experts == AUTO))
-            spare = SPARES * sum(size for layer, size in sizes.items()
-                                 if not (cold.get(layer) or cluster.cold_experts == AUTO))
+            # the spare device slots of every table with cold experts (`--cold-experts auto`, not chosen yet: every
+            # MoE layer) are in the weights; the other layers' would be once theirs go to host RAM
+            tabled = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
+            weights += SPARES * tabled
+            spare = SPARES * (sum(sizes.values()) - tabled)
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
