@@ -141,9 +141,9 @@ class ClusterExecutor:
         component failing a plan sent before it started (it lacks those requests' state), which can arrive before
         its first heartbeat. Counted as the restart, not as a failure of the step's requests."""
         st = self.state.get(msg.component)
-        if not msg.pid or st is None or not st.pid or msg.pid == st.pid or msg.pid in st.retired:
+        if not msg.pid or st is None or not st.pid or msg.pid == st.pid:
             return False
-        return self._saw_pid(msg.component, msg.pid)
+        return self._saw_pid(msg.component, msg.pid)          # (False for a retired pid)
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         if not self._saw_pid(msg.component, msg.pid):
