@@ -381,6 +381,48 @@ def test_replays_with_other_context_lengths(monkeypatch):
         assert torch.equal(got.cpu(), want), lens
 
 
+@pytest.mark.parametrize("short", [0, 12], ids=["tiled", "hybrid"])
+def test_last_pass_ranks_each_long_row_once(short, monkeypatch):
+    """The last radix pass's ticket: the last of a long row's tile programs to count itself in ranks the K-th key
+    once for the emit (`_rank_tiles`). Tiles of 8 keys, k = 6, the K-th key in a tie group spread over every tile
+    of the row (1000 everywhere, a few larger keys in some tiles), rows that end mid-tile and on a tile edge, beside
+    short rows (hybrid: up to 12 blocks, one program), rows of <= k blocks, and an empty one, in one batch; the same
+    histogram, ticket and `ge` buffers (as a CUDA graph's pool: the memset zeroes the histograms and tickets, the
+    rest keeps what the last call left) through calls with other context lengths, each row switching between
+    long, short and empty. Every call equals the oracle, each long row's ticket counts exactly its tiles (the
+    programs past its context take none) and holds the K-th key and how many keys equal to it are taken."""
+    monkeypatch.setattr(qsa_kernels, "SELECT_TILE", 8)
+    monkeypatch.setattr(qsa_kernels, "SHORT_BLOCKS", short)
+    monkeypatch.setattr(qsa_kernels, "SHORT_TILE", 8)
+    replayed = ReplayedBuffers()
+    monkeypatch.setattr(qsa_kernels, "torch", replayed)
+    budget, n, k = 24, 100, 6
+    g = torch.Generator().manual_seed(11)
+    keys = torch.full((5, n), 1000, dtype=torch.int32)
+    keys[0, [3, 40, 77, 98]] = 2000                     # 4 above: 2 of the ties taken, from tiles 0 and 1
+    keys[1, [12, 13]] = 3000
+    keys[2] = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32) * 1000     # 2000s, then 1000s
+    keys[3, 90:] = 5000                                 # the larger keys in the last tiles
+    keys[4, ::9] = 1001
+    npass = qsa_kernels.radix_passes(8)
+    for completes in ([100, 13, 6, 96, 0], [5, 100, 97, 0, 64], [96, 0, 12, 100, 16], [100, 99, 98, 97, 96]):
+        ctx = torch.tensor([c * RATIO + i % RATIO for i, c in enumerate(completes)], dtype=torch.int32)
+        hist = qsa_kernels.new_histograms(len(completes), DEVICE)          # pass 0, as the score kernel adds it
+        for i, c in enumerate(completes):
+            hist[i, 0] = torch.bincount((keys[i, :c] >> 24).long(), minlength=256).to(torch.int32)
+        got = select_from_keys(keys.to(DEVICE), ctx.to(DEVICE), RATIO, budget, hist=hist).cpu()
+        replayed.replay()
+        assert torch.equal(got, keys_oracle(keys, ctx, RATIO, budget)), completes
+        for i, c in enumerate(completes):
+            ranked = hist[i, npass].tolist()[:3]
+            if c <= max(k, short):
+                assert ranked == [0, 0, 0], (completes, i)
+                continue
+            order = torch.sort(keys[i, :c], descending=True, stable=True).values
+            thr = int(order[k - 1])
+            assert ranked == [-(-c // 8), thr, int((order[:k] == thr).sum())], (completes, i)
+
+
 def test_kernels_compile_for_sm90():
     """The interpreter runs none of the GPU compiler: compile the score (with the fused histogram), radix pass (the
     first one launched with the short rows' one-program select, HIST0 for pass 1 and not for pass 0) and emit kernels

@@ -15,7 +15,8 @@ iterations in series.
 Keys: the score's float bits as int32 (the score is >= +0, so integer order == float order; -0.0 is written as +0.0).
 The choice: the k = budget // ratio largest keys, equal keys to the lower block (as `stable_topk_mask`); all
 `complete` blocks if complete <= k. Launches (shapes from tensor sizes only; `qsa_select`):
-0. a memset of the radix histograms [B, passes, 2^bits] (they are summed with atomics).
+0. a memset of the radix histograms [B, passes + 1, 2^bits] (they are summed with atomics; the last row holds the
+   last pass's ticket, so the memset zeroes it too).
 1. `_score_kernel`, persistent grid (B, S), S from the SM count and the batch (`score_programs`): program `p` walks
    the tiles `p, p + S, ...` of SCORE_BLOCK complete blocks: pooled keys gathered through the block table, one `tl.dot`
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
@@ -26,12 +27,17 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    each program recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th
    largest key found so far, and adds the histogram of the next digit among its keys that share them. The last pass
    also stores, per tile and per value d of the last digit, how many of its keys are >= the prefix with digit d
-   (`ge`): the counts of keys above and equal to the k-th key that the emit needs, before that key is known.
-3. `_emit_kernel`, grid (B, tiles): the k-th largest key T and how many keys equal to it to take come from the
-   histograms; a tile's first slot is the number of blocks chosen in the tiles before it (read from `ge`), then a
-   `tl.cumsum` over the tile gives each chosen block its slot, in ascending block order (no sort): key > T, or key ==
-   T among the first `take_eq` by block index. Tile 0 writes -1 over the unused block slots and the tail positions
-   (the layout of `qsa_ref`).
+   (`ge`), then takes a ticket (an acq_rel atomic on the row's counter); the program that draws the row's last
+   ticket (one per tile inside the context: programs past it take none) sees every tile's histogram and `ge` and
+   ranks the row once (`_rank_tiles`): the k-th largest key T, how many keys equal to it to take, and for every
+   tile the keys equal to T and the blocks chosen in the tiles before it.
+3. `_emit_kernel`, grid (B, tiles): a program loads those 4 ints, then a `tl.cumsum` over its tile gives each chosen
+   block its slot, in ascending block order (no sort): key > T, or key == T among the first `take_eq` by block
+   index. Tile 0 writes -1 over the unused block slots and the tail positions (the layout of `qsa_ref`).
+   Why the ticket: every emit program used to recompute T from the four histograms (four serial 256-bin scans) and
+   sum the counts of all earlier tiles (2 x 128 loads at 262k): the emit grew from 4 to 38 us over 5 layers from 4k
+   to 262k on the H200. The last pass's programs already hold the first three digits; one of them adds the last
+   scan and one prefix sum over the tiles.
 Each launch reads the keys (L2-resident, 4 bytes a block) at most once; a grid-wide barrier inside one persistent
 kernel would save the launches but can deadlock when not every program is resident, so the passes are launches.
 
@@ -167,6 +173,7 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, 
         NB: tl.constexpr = 1 << BITS
         NPASS: tl.constexpr = (32 + BITS - 1) // BITS
         SHIFT: tl.constexpr = BITS * (NPASS - 1 - PASS)
+        GE_W: tl.constexpr = NB + 3                                             # a tile's ge counts, then 2 ranks
         hist = hist_ptr + b.to(tl.int64) * s_hb
         bins = tl.arange(0, NB)
         c = tile * TILE + tl.arange(0, TILE)
@@ -174,8 +181,9 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, 
         key = tl.load(key_ptr + b.to(tl.int64) * s_kb + c, mask=inside, other=0)
         ok = inside
         prefix = tl.zeros((), tl.int32)
+        need = tl.zeros((), tl.int32) + K
         if PASS > 0:
-            prefix, _ = _radix_prefix(hist, K, PASS, BITS)
+            prefix, need = _radix_prefix(hist, K, PASS, BITS)
             ok = ok & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
         h = tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=ok)
         tl.atomic_add(hist + PASS * NB + bins, h, mask=h > 0)
@@ -183,9 +191,48 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, 
             # ge[d] = keys of this tile >= prefix | d, ge[NB] = keys above every such value: with the last digit d
             # of the K-th key, ge[d + 1] are the tile's keys above it and ge[d] - ge[d + 1] those equal to it.
             above = tl.sum((inside & ((key >> BITS) > (prefix >> BITS))).to(tl.int32), axis=0)
-            ge = ge_ptr + b.to(tl.int64) * s_gb + tile * (NB + 1)
-            tl.store(ge + bins, above + tl.cumsum(h, axis=0, reverse=True))
-            tl.store(ge + NB, above)
+            ge_row = ge_ptr + b.to(tl.int64) * s_gb
+            tl.store(ge_row + tile * GE_W + bins, above + tl.cumsum(h, axis=0, reverse=True))
+            tl.store(ge_row + tile * GE_W + NB, above)
+            # The row's last tile program to count itself in (the barrier orders every thread's stores and
+            # histogram atomics before the one thread's acq_rel ticket) ranks the K-th key for the emit.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(hist + NPASS * NB, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.cdiv(complete, TILE) - 1:
+                _rank_tiles(hist, ge_row, prefix, need, tl.cdiv(complete, TILE), PASS, BITS, TILE)
+
+
+@triton.jit
+def _rank_tiles(hist, ge_row, prefix, need, tiles, PASS: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Once every tile of the row has counted its last pass (histogram and `ge`, read past the L1: other programs
+    wrote them): the K-th largest key `thr` and how many keys equal to it to take, after the ticket in the
+    histograms' last row, and for each tile the keys equal to `thr` and the blocks chosen in the tiles before it,
+    after the tile's `ge` counts. The emit loads these 4 ints instead of recomputing them in every program."""
+    NB: tl.constexpr = 1 << BITS
+    GE_W: tl.constexpr = NB + 3
+    bins = tl.arange(0, NB)
+    h = tl.load(hist + PASS * NB + bins, cache_modifier=".cg")
+    at_least = tl.cumsum(h, axis=0, reverse=True)                               # keys with digit >= bin
+    digit = tl.max(tl.where(at_least >= need, bins, -1), axis=0)                # last digit of the K-th key
+    take_eq = need - tl.sum(tl.where(bins > digit, h, 0), axis=0)
+    thr = prefix | digit
+    tl.store(hist + (PASS + 1) * NB + 1, thr)
+    tl.store(hist + (PASS + 1) * NB + 2, take_eq)
+    n_ge = tl.zeros((), tl.int32)
+    n_gt = tl.zeros((), tl.int32)
+    for t0 in range(0, tiles, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        ge = ge_row + t * GE_W + digit
+        g_ge = tl.load(ge, mask=t < tiles, other=0, cache_modifier=".cg")       # keys >= thr in tile t
+        g_gt = tl.load(ge + 1, mask=t < tiles, other=0, cache_modifier=".cg")   # keys > thr in tile t
+        ge_before = n_ge + tl.cumsum(g_ge, axis=0) - g_ge
+        gt_before = n_gt + tl.cumsum(g_gt, axis=0) - g_gt
+        eq_before = ge_before - gt_before
+        rank = ge_row + t * GE_W + NB + 1
+        tl.store(rank, eq_before, mask=t < tiles)
+        tl.store(rank + 1, gt_before + tl.minimum(eq_before, take_eq), mask=t < tiles)     # the tile's first slot
+        n_ge += tl.sum(g_ge, axis=0)
+        n_gt += tl.sum(g_gt, axis=0)
 
 
 @triton.jit
@@ -193,6 +240,8 @@ def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, 
                  K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
                  BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr, SHORT: tl.constexpr,
                  PDL: tl.constexpr = False):
+    # TILES_P is unused since the last pass ranks the tiles (`_rank_tiles`); kept for the signature that
+    # tests/test_kernel_pdl.py compiles.
     pdl_wait(PDL)                 # first: the last pass's histograms and counts
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -200,13 +249,13 @@ def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, 
     complete = ctx // RATIO
     if complete > SHORT:                                                        # else the pass launch wrote it
         _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, tile, ctx, complete,
-                   K, BUDGET, RATIO, RATIO_P, BITS, TILE, TILES_P)
+                   K, BUDGET, RATIO, RATIO_P, BITS, TILE)
 
 
 @triton.jit
 def _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, tile, ctx, complete,
                K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
-               BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr):
+               BITS: tl.constexpr, TILE: tl.constexpr):
     out = out_ptr + b.to(tl.int64) * s_ob
     t = tl.arange(0, RATIO_P)
     if tile == 0:                      # -1 over the unused block slots, then the tail (incomplete block) positions
@@ -224,17 +273,16 @@ def _emit_tile(key_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob, b, ti
         else:
             NB: tl.constexpr = 1 << BITS
             NPASS: tl.constexpr = (32 + BITS - 1) // BITS
-            thr, take_eq = _radix_prefix(hist_ptr + b.to(tl.int64) * s_hb, K, NPASS, BITS)
-            tiles = tl.arange(0, TILES_P)
-            ge = ge_ptr + b.to(tl.int64) * s_gb + tiles * (NB + 1) + (thr & (NB - 1))
-            before = tiles < tile
-            n_ge = tl.sum(tl.load(ge, mask=before, other=0), axis=0)            # keys >= thr in earlier tiles
-            n_gt = tl.sum(tl.load(ge + 1, mask=before, other=0), axis=0)        # keys > thr in earlier tiles
+            GE_W: tl.constexpr = NB + 3
+            ranked = hist_ptr + b.to(tl.int64) * s_hb + NPASS * NB                  # from `_rank_tiles`
+            thr = tl.load(ranked + 1)
+            take_eq = tl.load(ranked + 2)
+            rank = ge_ptr + b.to(tl.int64) * s_gb + tile * GE_W + NB + 1
             key = tl.load(key_ptr + b.to(tl.int64) * s_kb + c, mask=ok, other=-1)
             eq = ok & (key == thr)
-            eq_rank = n_ge - n_gt + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            eq_rank = tl.load(rank) + tl.cumsum(eq.to(tl.int32), axis=0) - 1
             sel = ok & ((key > thr) | (eq & (eq_rank < take_eq)))
-            slot = n_gt + tl.minimum(n_ge - n_gt, take_eq) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            slot = tl.load(rank + 1) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(out + slot[:, None] * RATIO + t[None, :], (c[:, None] * RATIO + t[None, :]).to(tl.int32),
                  mask=(sel & (slot < K))[:, None] & (t[None, :] < RATIO))      # never past the row
 
@@ -362,8 +410,10 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
 
 
 def new_histograms(batch: int, device: torch.device) -> torch.Tensor:
-    """Zeroed radix histograms [B, passes, 2^RADIX_BITS] int32 for `qsa_scores_keys` and `select_from_keys`."""
-    return torch.zeros((batch, radix_passes(RADIX_BITS), 1 << RADIX_BITS), dtype=torch.int32, device=device)
+    """Zeroed radix histograms [B, passes + 1, 2^RADIX_BITS] int32 for `qsa_scores_keys` and `select_from_keys`:
+    a row's last-pass ticket and the K-th key's rank (`_rank_tiles`) follow its histograms, so the one memset zeroes
+    the ticket as well, each call and each graph replay."""
+    return torch.zeros((batch, radix_passes(RADIX_BITS) + 1, 1 << RADIX_BITS), dtype=torch.int32, device=device)
 
 
 def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int,
@@ -394,8 +444,8 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
     tiles = triton.cdiv(n_blocks, tile)
     first = 0 if hist is None else 1
     hist = new_histograms(B, keys.device) if hist is None else hist
-    assert hist.shape == (B, radix_passes(bits), 1 << bits) and hist.dtype == torch.int32
-    ge = torch.empty((B, tiles, (1 << bits) + 1), dtype=torch.int32, device=keys.device)
+    assert hist.shape == (B, radix_passes(bits) + 1, 1 << bits) and hist.dtype == torch.int32
+    ge = torch.empty((B, tiles, (1 << bits) + 3), dtype=torch.int32, device=keys.device)     # counts, 2 ranks
     for p in range(first, radix_passes(bits)):
         _radix_pass_kernel[(B, tiles)](
             keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
@@ -404,7 +454,7 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
     _emit_kernel[(B, tiles)](
         keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
         K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BITS=bits, TILE=tile,
-        TILES_P=triton.next_power_of_2(tiles), SHORT=short, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        TILES_P=1, SHORT=short, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 
