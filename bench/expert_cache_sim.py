@@ -125,17 +125,23 @@ def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy
 
 
 def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0,
-                  spares: int = 2) -> dict:
+                  spares: int = 2, predicted: np.ndarray | None = None) -> dict:
     """The server's moves on read (`expert_move_async`, `expert_moves.claim_round`, `spares` spare device slots a
     layer): a step claims, per layer with a free spare and a finite threshold, the first selected host expert whose
     count (after the step's adds) passes the threshold (it is read from host this step and stored as it is read);
     every `every` tokens the round makes last round's victim a host expert (its write-back done) and its slot a free
     spare, decays the counts, commits the claim (resident from then on), picks the least-used other resident expert
     as the next victim (ties: the lowest id), and sets the threshold (least resident count + margin while a spare
-    is free, else none)."""
+    is free, else none).
+    `predicted` ([T, L, m] expert ids, -1: none): experts a prefetch would have copied from host RAM into VRAM before
+    layer l of token t ran (a prediction made one layer ahead, `bench/expert_prefetch_sim.py`); a selected host
+    expert that was predicted is then not read on the step's critical path. Adds `critical_reads_per_token` (host
+    selections neither resident nor prefetched, all layers), `prefetches_per_token` (predicted experts that were not
+    resident: PCIe copies beside the step) and `prefetches_used_per_token`; without it the first equals the misses."""
     T, L, k = ids.shape
     rows = np.arange(L)
     counts = np.zeros((L, num_experts))
+    critical = fetched = used = 0
     resident = resident.copy()
     free = np.full(L, spares)
     victim = np.full(L, -1)
@@ -146,8 +152,19 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
     for t in range(T):
         sel = ids[t]
         on = resident[rows[:, None], sel]
+        covered = on
+        if predicted is not None:
+            ahead = np.zeros((L, num_experts + 1), dtype=bool)          # column num_experts catches the -1s
+            ahead[rows[:, None], predicted[t]] = True
+            ahead = ahead[:, :num_experts] & ~resident
+            got_ahead = ahead[rows[:, None], sel]
+            covered = on | got_ahead
+            if t >= skip:
+                fetched += int(ahead.sum())
+                used += int(got_ahead.sum())
         if t >= skip:
             hits += int(on.sum())
+            critical += int((~covered).sum())
         np.add.at(counts, (np.repeat(rows, sel.shape[1]), sel.ravel()), 1.0)
         over = ~on & (counts[rows[:, None], sel] > thr[:, None]) & (claim < 0)[:, None]
         first = over.argmax(1)
@@ -169,8 +186,9 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
             claim[:] = -1
             low = np.where(resident, counts, np.inf).min(1)
             thr = np.where((free > 0) & (resident.sum(1) > 0) & ~resident.all(1), low + policy.margin, np.inf)
-    n = T - min(skip, T)
-    return {"hit_rate": hits / max(1, n * L * k), "moves_per_token": moves / max(1, n) / L}
+    n = max(1, T - min(skip, T))
+    return {"hit_rate": hits / (n * L * k), "moves_per_token": moves / n / L, "critical_reads_per_token": critical / n,
+            "prefetches_per_token": fetched / n, "prefetches_used_per_token": used / n}
 
 
 def workloads(ids: dict[str, np.ndarray], chunk: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -171,3 +172,28 @@ def test_the_claim_replay_is_the_servers_moves_on_read():
         assert int(reads.sum()) == round((1 - want["hit_rate"]) * T * L * k), (every, half_life, margin)
         assert int(moves.sum()) == round(want["moves_per_token"] * T * L), (every, half_life, margin)
         assert int(moves.sum()) > 0
+
+
+def test_prefetched_experts_leave_the_critical_path():
+    """`_replay_claim(predicted=)` (bench/expert_prefetch_sim.py): no prediction leaves every miss on the critical
+    path; predicting the actual selections leaves none and prefetches exactly the misses; predicting one of each
+    token's selections per layer leaves the others. Moves and residency hits never depend on the prediction."""
+    L, E, k, T = 3, 16, 2, 400
+    ids, _, resident = _skewed_trace(5, L, E, k, T)
+    for margin in (1e9, 0.5):                                  # no moves; the server's moves
+        policy = sim.Policy("c", "swap", half_life=16.0, every=1, margin=margin)
+        base = sim._replay_claim(ids, E, resident, policy, skip=50)
+        misses = (1 - base["hit_rate"]) * L * k
+        assert base["critical_reads_per_token"] == pytest.approx(misses) and misses > 0
+        assert base["prefetches_per_token"] == 0
+        none = sim._replay_claim(ids, E, resident, policy, skip=50, predicted=np.full((T, L, 3), -1))
+        assert none == base
+        oracle = sim._replay_claim(ids, E, resident, policy, skip=50, predicted=ids)
+        assert oracle["critical_reads_per_token"] == 0
+        assert oracle["prefetches_per_token"] == pytest.approx(oracle["prefetches_used_per_token"])
+        assert oracle["prefetches_used_per_token"] == pytest.approx(misses)
+        first = sim._replay_claim(ids, E, resident, policy, skip=50, predicted=ids[:, :, :1])
+        assert 0 < first["critical_reads_per_token"] < misses
+        assert first["critical_reads_per_token"] + first["prefetches_used_per_token"] == pytest.approx(misses)
+        for r in (none, oracle, first):
+            assert (r["hit_rate"], r["moves_per_token"]) == (base["hit_rate"], base["moves_per_token"])
