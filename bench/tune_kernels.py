@@ -92,8 +92,8 @@ def moe_case(t: int, h: int = 2560, i: int = 640, e: int = 512, k: int = 10):
 
 def tune_qsa(batches: list[int], reps: int, results: list) -> None:
     """`qsa_select` at the full indexer shape (32 heads of 128, budget 2048, ratio 4) in a table padded to 262,144
-    tokens: (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS) at contexts 262,144 and 4,096. Bytes: the
-    pooled keys the scores read."""
+    tokens: (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SCORE_PREFETCH, SELECT_TILE, RADIX_BITS) at contexts 262,144 and
+    4,096. Bytes: the pooled keys the scores read."""
     from stage_worker.kernels import qsa as QSA
     from stage_worker.kernels.qsa_ref import qsa_select_ref
 
@@ -109,7 +109,7 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
             want = qsa_select_ref(q_idx, pooled, tables, ctx, bs, 4, budget)
 
             def set_cfg(cfg):
-                QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS = cfg
+                QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SCORE_PREFETCH, QSA.SELECT_TILE, QSA.RADIX_BITS = cfg
                 try:
                     same = torch.equal(QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget), want)
                 except Exception:          # the sweep reports it when it times this configuration
@@ -117,7 +117,7 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
                 if not same:
                     print(f"  MISMATCH against qsa_select_ref: {cfg}", flush=True)
 
-            cfgs = list(itertools.product((64, 128), (2, 3, 4), (512, 1024, 2048), (8, 11)))
+            cfgs = list(itertools.product((64, 128), (2, 3, 4, 5), (True, False), (256, 512, 1024, 2048), (8, 11)))
             sweep(f"qsa@{ctx_len // 1024}k", cfgs, set_cfg,
                   lambda: QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget),
                   b * ctx_len // 4 * 128 * 2, b, reps, results,

@@ -21,7 +21,9 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    the tiles `p, p + S, ...` of SCORE_BLOCK complete blocks: pooled keys gathered through the block table, one `tl.dot`
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
    complete block, and adds the histogram of its keys' top radix digit into the sequence's pass-0 histogram (the
-   first radix pass, fused: it saves a launch and a read of the keys).
+   first radix pass, fused: it saves a launch and a read of the keys). At 262k a program walks ~2.6 tiles, each a
+   gather of two dependent round trips (block table, then 64 key rows of 256 bytes); the loop is pipelined by hand
+   (SCORE_PREFETCH, see `_score_kernel`) so the next tile's gather is in flight while this one is scored.
 2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program
    (rows of at most SHORT_BLOCKS complete blocks: the hybrid below):
    each program recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th
@@ -58,8 +60,8 @@ latency), so it should land between the first version and the tiled path at 4k, 
 `test_262k_context_on_gpu` prints the three).
 `one_program=True` keeps the first version (16 score programs, `_select_kernel`: `_select_row` for every row, one
 program per sequence): the `-qsa_tiles` path and the baseline the GPU test times against.
-Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS, SHORT_TILE) are module
-globals (`bench/tune_kernels.py --only qsa` sweeps the first four).
+Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SCORE_PREFETCH, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS,
+SHORT_TILE) are module globals (`bench/tune_kernels.py --only qsa` sweeps the first five).
 With the kernel flag `pdl` (`common.pdl_usable`) the four kernels launch as programmatic dependents and each waits
 (`common.pdl_wait`) first thing, before its context length, every program (those that return at once included):
 each reads the previous launch's keys / histograms / counts, so the launch chain keeps its order (a kernel's wait
@@ -83,8 +85,9 @@ if _INTERPRET:
     fix_interpreter_loop_bounds()      # the loops below are bounded by loaded context lengths
 
 SCORE_BLOCK = 64            # pooled keys per tile of the score kernel
-SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch: 140 registers a thread (ptxas, sm_90),
-                            # so 3 programs of 4 warps are resident per SM
+SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch (sm_90, as the JIT specializes it: 91
+                            # registers a thread and 24 KB of shared memory, so up to 5 of 4 warps are resident)
+SCORE_PREFETCH = True       # the score loop pipelined by hand (`_score_kernel`); False: `_score_plain_kernel`
 SELECT_TILE = 512           # keys per program of the radix passes and the emit (65,536 blocks: 128 programs)
 RADIX_BITS = 8              # bits resolved per radix pass: 4 passes cover a 32-bit key
 SHORT_BLOCKS = 2048         # rows of at most this many complete blocks (8k tokens at ratio 4) are selected whole by
@@ -105,35 +108,102 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqr
     first = tl.program_id(1) * BLOCK_C
     complete = tl.load(ctx_ptr + b) // RATIO
     if first < complete:                                                        # else: past the context, no work
-        NB: tl.constexpr = 1 << BITS
-        TOP: tl.constexpr = BITS * ((32 + BITS - 1) // BITS - 1)                # shift of the first radix digit
-        offs_h = tl.arange(0, BLOCK_H)
+        STEP: tl.constexpr = PROGRAMS * BLOCK_C
+        offs_c = tl.arange(0, BLOCK_C)
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D_IDX
-        q = tl.load(q_ptr + b.to(tl.int64) * s_qb + offs_h[:, None] * s_qh + offs_d[None, :],
-                    mask=(offs_h[:, None] < N_IDX) & d_ok[None, :], other=0.0)
+        q = _indexer_heads(q_ptr + b.to(tl.int64) * s_qb, s_qh, offs_d, N_IDX, D_IDX, BLOCK_H)
         table = tables_ptr + b.to(tl.int64) * s_tb
         keys_out = key_ptr + b.to(tl.int64) * s_kb
-        hist = tl.zeros([NB], tl.int32)
-        for c0 in range(first, complete, PROGRAMS * BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            ok = c < complete
-            start = tl.where(ok, c * RATIO, 0)
-            page = tl.load(table + start // PAGE, mask=ok, other=0)
-            row = page.to(tl.int64) * (PAGE // RATIO) + (start % PAGE) // RATIO
-            keys = tl.load(pooled_ptr + row[:, None] * s_pr + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                           other=0.0)
-            # bf16 operands on the tensor cores with fp32 accumulation: exact products, fp32 sums (an fp32 "ieee"
-            # dot of these tiles ran ~36 us per layer on the H200: FMA emulation and register spills).
-            s = _dot(keys, tl.trans(q), DOT_F32)                                 # [BLOCK_C, BLOCK_H]; pad heads: 0
-            score = tl.sum(tl.maximum(s, 0.0), axis=1) / sqrt_d
-            score = tl.where(score == 0.0, 0.0, score)                          # -0.0 ties +0.0, as in the sort
-            key = score.to(tl.int32, bitcast=True)                              # >= 0: int order == float order
-            tl.store(keys_out + c, key, mask=ok)
-            if HIST:
-                hist += tl.histogram(key >> TOP, NB, mask=ok)
+        hist = tl.zeros([1 << BITS], tl.int32)
+        # Software-pipelined by hand (SCORE_PREFETCH): the block-table entries two tiles ahead and the pooled key
+        # rows one tile ahead are loaded into registers before this tile is scored, so the next gather is in flight
+        # during the dot, the key stores and the histogram. Triton's own pipelining of the plain loop
+        # (`_score_plain_kernel`) issues the next tile's loads only after the histogram and waits for all of them
+        # at the top of the next iteration (sm_90 SASS): the gather's two dependent round trips were never hidden.
+        page = _table_entries(table, first + offs_c, complete, PAGE, RATIO)
+        page_next = _table_entries(table, first + STEP + offs_c, complete, PAGE, RATIO)
+        keys = _pooled_rows(pooled_ptr, page, first + offs_c, complete, s_pr, offs_d, D_IDX, PAGE, RATIO)
+        for c0 in tl.range(first, complete, STEP, num_stages=1):
+            keys_next = _pooled_rows(pooled_ptr, page_next, c0 + STEP + offs_c, complete, s_pr, offs_d, D_IDX,
+                                     PAGE, RATIO)
+            page_next = _table_entries(table, c0 + 2 * STEP + offs_c, complete, PAGE, RATIO)
+            hist = _score_tile(keys, q, c0 + offs_c, complete, keys_out, hist, sqrt_d, DOT_F32, HIST, BITS)
+            keys = keys_next
         if HIST:                                                                # radix pass 0 of the select
-            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, NB), hist, mask=hist > 0)
+            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0)
+
+
+@triton.jit
+def _score_plain_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqrt_d,
+                        s_qb, s_qh, s_pr, s_tb, s_kb, s_hb,
+                        N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
+                        DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False):
+    """`_score_kernel` with the loop left to Triton's pipelining (SCORE_PREFETCH = False, for the sweep)."""
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_C
+    complete = tl.load(ctx_ptr + b) // RATIO
+    if first < complete:
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _indexer_heads(q_ptr + b.to(tl.int64) * s_qb, s_qh, offs_d, N_IDX, D_IDX, BLOCK_H)
+        table = tables_ptr + b.to(tl.int64) * s_tb
+        keys_out = key_ptr + b.to(tl.int64) * s_kb
+        hist = tl.zeros([1 << BITS], tl.int32)
+        for c0 in range(first, complete, PROGRAMS * BLOCK_C):
+            page = _table_entries(table, c0 + offs_c, complete, PAGE, RATIO)
+            keys = _pooled_rows(pooled_ptr, page, c0 + offs_c, complete, s_pr, offs_d, D_IDX, PAGE, RATIO)
+            hist = _score_tile(keys, q, c0 + offs_c, complete, keys_out, hist, sqrt_d, DOT_F32, HIST, BITS)
+        if HIST:
+            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0)
+
+
+@triton.jit
+def _indexer_heads(q_row, s_qh, offs_d, N_IDX: tl.constexpr, D_IDX: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A sequence's indexer query [BLOCK_H, BLOCK_D], zero past N_IDX heads and D_IDX dims."""
+    offs_h = tl.arange(0, BLOCK_H)
+    return tl.load(q_row + offs_h[:, None] * s_qh + offs_d[None, :],
+                   mask=(offs_h[:, None] < N_IDX) & (offs_d[None, :] < D_IDX), other=0.0)
+
+
+@triton.jit
+def _table_entries(table, c, complete, PAGE: tl.constexpr, RATIO: tl.constexpr):
+    """The KV page of each compression block c (0 past the context: no load). c is >= 0: unsigned, the division
+    and the remainder below are a shift and a mask (signed, ~14 instructions a row in the gather's address)."""
+    BPP: tl.constexpr = PAGE // RATIO                                           # compression blocks a page
+    return tl.load(table + c.to(tl.uint32) // BPP, mask=c < complete, other=0)
+
+
+@triton.jit
+def _pooled_rows(pooled_ptr, page, c, complete, s_pr, offs_d, D_IDX: tl.constexpr, PAGE: tl.constexpr,
+                 RATIO: tl.constexpr):
+    """The pooled key rows [BLOCK_C, BLOCK_D] of blocks c, in the pages the block table gave (zeros past the
+    context: no load). Block c is token c * RATIO: row page * (PAGE // RATIO) + c % (PAGE // RATIO)."""
+    BPP: tl.constexpr = PAGE // RATIO
+    ok = c < complete
+    row = page.to(tl.int64) * BPP + (c.to(tl.uint32) % BPP).to(tl.int64)
+    return tl.load(pooled_ptr + row[:, None] * s_pr + offs_d[None, :], mask=ok[:, None] & (offs_d < D_IDX)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _score_tile(keys, q, c, complete, keys_out, hist, sqrt_d, DOT_F32: tl.constexpr, HIST: tl.constexpr,
+                BITS: tl.constexpr):
+    """Score one tile's pooled keys against the indexer heads, store their keys, add their top digits to hist."""
+    NB: tl.constexpr = 1 << BITS
+    TOP: tl.constexpr = BITS * ((32 + BITS - 1) // BITS - 1)                    # shift of the first radix digit
+    ok = c < complete
+    # bf16 operands on the tensor cores with fp32 accumulation: exact products, fp32 sums (an fp32 "ieee" dot of
+    # these tiles ran ~36 us per layer on the H200: FMA emulation and register spills).
+    s = _dot(keys, tl.trans(q), DOT_F32)                                        # [BLOCK_C, BLOCK_H]; pad heads: 0
+    score = tl.sum(tl.maximum(s, 0.0), axis=1) / sqrt_d
+    score = tl.where(score == 0.0, 0.0, score)                                  # -0.0 ties +0.0, as in the sort
+    key = score.to(tl.int32, bitcast=True)                                      # >= 0: int order == float order
+    tl.store(keys_out + c, key, mask=ok)
+    if HIST:
+        hist += tl.histogram(key >> TOP, NB, mask=ok)
+    return hist
 
 
 @triton.jit
@@ -397,7 +467,8 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
     block_c = block_c or SCORE_BLOCK
     programs = programs or score_programs(n_blocks, block_c, B, q_idx.device)
     pdl = pdl_usable(q_idx)
-    _score_kernel[(B, programs)](
+    kernel = _score_kernel if SCORE_PREFETCH else _score_plain_kernel
+    kernel[(B, programs)](
         q_idx, pooled, block_tables, context_lens, keys, keys if hist is None else hist, math.sqrt(d_idx),
         q_idx.stride(0), q_idx.stride(1), pooled.stride(0), block_tables.stride(0), keys.stride(0),
         0 if hist is None else hist.stride(0),
