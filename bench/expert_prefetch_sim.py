@@ -43,33 +43,20 @@ DEFAULT_TEXT = ("docs/*.md", "shared/*.py")        # held-out text: the demo mod
 
 
 def record(model, windows: list[list[int]], batch: int = 4) -> tuple[list[torch.Tensor], np.ndarray]:
-    """Prefill `windows` as fresh sequences; returns (per MoE layer the float32 inputs [tokens, H], in window order,
-    and the selected expert ids [tokens, layers, k] that the layers reported)."""
-    from stage_worker.local_engine import LocalEngine
-    from stage_worker.route_stats import moe_layers, read_ids
+    """Prefill `windows` as fresh sequences (`route_stats.trace_windows`); returns (per MoE layer the float32
+    inputs [tokens, H], in window order, and the selected expert ids [tokens, layers, k] that the layers reported)."""
+    from stage_worker.route_stats import moe_layers, trace_windows
 
     moes = moe_layers(model)
     seen: dict[int, list[torch.Tensor]] = {i: [] for i, _ in moes}
     hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: seen[i].append(
         args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())) for i, m in moes]
-    chosen = []
     try:
-        with torch.inference_mode():
-            engine = LocalEngine([model], max_seqs=batch, max_tokens=max(len(w) for w in windows))
-            for s in range(0, len(windows), batch):
-                group = windows[s:s + batch]
-                for i in range(len(group)):
-                    engine.add(i)
-                try:
-                    engine.step([(i, w) for i, w in enumerate(group)])
-                finally:
-                    for i in range(len(group)):
-                        engine.release(i)
-                chosen.append(read_ids(moes, sum(len(w) for w in group)).cpu())
+        chosen = trace_windows(model, windows, batch)
     finally:
         for h in hooks:
             h.remove()
-    return [torch.cat(seen[i]) for i, _ in moes], torch.cat(chosen).numpy().astype(np.int64)
+    return [torch.cat(seen[i]) for i, _ in moes], chosen
 
 
 def predictions(model, inputs: list[torch.Tensor], chosen: np.ndarray) -> dict[str, np.ndarray]:
