@@ -130,7 +130,8 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqr
             hist = _score_tile(keys, q, c0 + offs_c, complete, keys_out, hist, sqrt_d, DOT_F32, HIST, BITS)
             keys = keys_next
         if HIST:                                                                # radix pass 0 of the select
-            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0)
+            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0,
+                          sem="relaxed")
 
 
 @triton.jit
@@ -156,7 +157,8 @@ def _score_plain_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_pt
             keys = _pooled_rows(pooled_ptr, page, c0 + offs_c, complete, s_pr, offs_d, D_IDX, PAGE, RATIO)
             hist = _score_tile(keys, q, c0 + offs_c, complete, keys_out, hist, sqrt_d, DOT_F32, HIST, BITS)
         if HIST:
-            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0)
+            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0,
+                          sem="relaxed")
 
 
 @triton.jit
@@ -256,7 +258,8 @@ def _radix_pass_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, 
             prefix, need = _radix_prefix(hist, K, PASS, BITS)
             ok = ok & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
         h = tl.histogram((key >> SHIFT) & (NB - 1), NB, mask=ok)
-        tl.atomic_add(hist + PASS * NB + bins, h, mask=h > 0)
+        # relaxed: read by the next launch, or by the last pass's ranking program after the ticket's release
+        tl.atomic_add(hist + PASS * NB + bins, h, mask=h > 0, sem="relaxed")
         if PASS == NPASS - 1:
             # ge[d] = keys of this tile >= prefix | d, ge[NB] = keys above every such value: with the last digit d
             # of the K-th key, ge[d + 1] are the tile's keys above it and ge[d] - ge[d + 1] those equal to it.
