@@ -21,6 +21,12 @@ from pathlib import Path
 BUNDLED_MODEL = Path(__file__).resolve().parent / "demo_model"    # the trained demo checkpoint (issue 6)
 
 
+def _bundled_files() -> list[Path]:
+    """The demo checkpoint's own files: not an expanded PLE table that loading the package directory in place wrote
+    beside them (derived data, git-ignored), which would change the copy's name and be copied along."""
+    return sorted(p for p in BUNDLED_MODEL.iterdir() if p.is_file() and not p.name.startswith("ple_table."))
+
+
 def builtin_model_dir() -> Path:
     """Where the built-in model is served from: a copy of the bundled demo checkpoint under MOEPIPE_HOME, named
     by the hash of every bundled file (a changed config or tokenizer, not only new weights, must not reuse an old
@@ -32,7 +38,7 @@ def builtin_model_dir() -> Path:
     import hashlib
 
     digest = hashlib.sha256()
-    for f in sorted(p for p in BUNDLED_MODEL.iterdir() if p.is_file()):
+    for f in _bundled_files():
         digest.update(f"{f.name}\0{f.stat().st_size}\0".encode() + f.read_bytes())
     return base / "models" / f"demo-{digest.hexdigest()[:12]}"
 
@@ -47,9 +53,8 @@ def ensure_builtin_model() -> Path:
         import tempfile
 
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".copy-"))
-        for f in BUNDLED_MODEL.iterdir():
-            if f.is_file():
-                shutil.copyfile(f, tmp / f.name)
+        for f in _bundled_files():
+            shutil.copyfile(f, tmp / f.name)
         try:
             tmp.rename(path)              # atomic: a concurrent first start sees a whole checkpoint or none
         except OSError:

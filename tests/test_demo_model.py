@@ -104,3 +104,24 @@ def test_openai_agents_sdk_round_trip_with_its_defaults(default_server, stream):
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "items: ['ToolCallItem', 'ToolCallOutputItem'" in out.stdout and "round trip complete" in out.stdout
+
+
+def test_a_ple_expansion_beside_the_bundled_files_changes_neither_the_copy_nor_its_name(tmp_path, monkeypatch):
+    """Loading the package directory in place writes an expanded PLE table beside the demo checkpoint (derived data,
+    git-ignored): the built-in copy's name hashes the checkpoint's own files and the copy leaves the table out."""
+    import shared.cli as cli
+
+    bundled = tmp_path / "demo_model"
+    bundled.mkdir()
+    for name, data in (("config.json", b"{}"), ("model.safetensors", b"weights"), ("tokenizer.json", b"tok")):
+        (bundled / name).write_bytes(data)
+    monkeypatch.setattr(cli, "BUNDLED_MODEL", bundled)
+    monkeypatch.setenv("MOEPIPE_HOME", str(tmp_path / "home"))
+    before = cli.builtin_model_dir()
+    (bundled / "ple_table.layer1.abc.bin").write_bytes(b"x" * 64)
+    assert cli.builtin_model_dir() == before
+    copy = cli.ensure_builtin_model()
+    assert copy == before and sorted(p.name for p in copy.iterdir()) == ["config.json", "model.safetensors",
+                                                                           "tokenizer.json"]
+    (bundled / "tokenizer.json").write_bytes(b"other")                  # a changed shipped file: a new copy
+    assert cli.builtin_model_dir() != before
