@@ -52,12 +52,12 @@ emit return at once for it (they read the context length: one captured graph ser
 rows, no host branch). Long rows take the tiled passes as above. Why this and not fewer launches for everyone:
 the launch count is fixed by the long rows (a pass needs the previous pass's histogram over every tile, and the
 emit needs the final one: each is a grid-wide dependency); 11-bit digits would drop one pass launch but make the
-fused pass-0 histogram 2048 bins wide inside the score kernel, the register-bound one that decides 262k; the
-hybrid leaves the long path untouched and only turns the short rows' later launches into early returns (and is
-sweepable: SHORT_BLOCKS = 0 is the plain tiled path, `qsa_select(short_blocks=0)`). What it cannot save: the memset
-and the launches after the first pass launch still run for a short row (an early return costs about a launch's
-latency), so it should land between the first version and the tiled path at 4k, not at 14 us (GPU-unverified:
-`test_262k_context_on_gpu` prints the three).
+fused pass-0 histogram 2048 bins wide inside the score kernel, the one that decides 262k (128 registers a thread
+against 91 at 8 bits, sm_90); the hybrid leaves the long path untouched and only turns the short rows' later
+launches into early returns (and is sweepable: SHORT_BLOCKS = 0 is the plain tiled path,
+`qsa_select(short_blocks=0)`). What it cannot save: the memset and the launches after the first pass launch still
+run for a short row (an early return costs about a launch's latency), so it should land between the first version
+and the tiled path at 4k, not at 14 us (GPU-unverified: `test_262k_context_on_gpu` prints the three).
 `one_program=True` keeps the first version (16 score programs, `_select_kernel`: `_select_row` for every row, one
 program per sequence): the `-qsa_tiles` path and the baseline the GPU test times against.
 Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SCORE_PREFETCH, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS,
