@@ -269,8 +269,10 @@ class _Server:
     """The state behind the routes: engine, tokenizer, defaults."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, generation_config: dict[str, Any],
-                 metrics: Metrics, max_body_bytes: int, vocab_size: int | None = None) -> None:
+                 metrics: Metrics, max_body_bytes: int, vocab_size: int | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.model_names = tuple(dict.fromkeys((model_name, *aliases)))   # what `model` may say; the first answers
         self.model_vocab = vocab_size          # the embedding's rows (None: trust the tokenizer's ids)
         self.version = _package_version()
         self.gen_cfg, self.metrics, self.max_body_bytes = dict(generation_config), metrics, max_body_bytes
@@ -289,7 +291,7 @@ class _Server:
         errors.require_json(request)
         raw = await errors.read_body(request, self.max_body_bytes)
         req = errors.validate(model, errors.parse_json_body(raw))
-        if req.model is not None and req.model != self.model_name:
+        if req.model is not None and req.model not in self.model_names:
             raise errors.model_not_found(req.model)
         return req
 
@@ -482,24 +484,27 @@ def _usage(gens: list[_Generation]) -> Usage:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under `model_name`; omitted sampling fields take generation_config's values.
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
+               aliases: list[str] | tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name` (and `aliases`, which requests may name too and
+    /v1/models lists; responses carry `model_name`); omitted sampling fields take generation_config's values.
     `vocab_size`: the model's embedding rows, when the tokenizer may know more ids than it."""
     app = FastAPI(title="moepipe", docs_url=None, redoc_url=None)
     errors.install_error_handlers(app)
-    srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes, vocab_size)
+    srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes, vocab_size,
+                  tuple(aliases))
     app.state.server = srv
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        card = ModelCard(id=model_name, created=srv.created, max_model_len=engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=n, created=srv.created, max_model_len=engine.max_model_len) for n in srv.model_names]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict:
-        if name != model_name:
+        if name not in srv.model_names:
             raise errors.model_not_found(name)
-        return ModelCard(id=model_name, created=srv.created, max_model_len=engine.max_model_len).model_dump()
+        return ModelCard(id=name, created=srv.created, max_model_len=engine.max_model_len).model_dump()
 
     @app.get("/health")
     async def health() -> JSONResponse:

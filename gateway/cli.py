@@ -47,6 +47,8 @@ def serve_options(args: argparse.Namespace):
     extra = {}
     if args.served_model_name:
         extra["served_model_name"] = args.served_model_name[0]
+        if len(args.served_model_name) > 1:                 # vLLM answers to every name given
+            extra["served_model_aliases"] = list(dict.fromkeys(args.served_model_name[1:]))
     if args.dtype and args.dtype != "auto":
         extra["dtype"] = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     if args.enforce_eager:
@@ -102,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="1",
                    help="accepted as 1 only: moepipe splits a model by layers (--pipeline-parallel-size)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model name the API answers to and lists (default: moepipe)")
+                   help="the model name(s) the API answers to and lists; responses carry the first "
+                        "(default: moepipe)")
     s.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
                    help="compute dtype (default auto: the checkpoint's; float32 on a CPU for bf16/fp16 checkpoints)")
     s.add_argument("--chat-template", default=None, metavar="FILE",

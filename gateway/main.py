@@ -47,7 +47,8 @@ async def serve(config_path: str) -> int:
     metrics.set_restarts("gateway", restart_count())      # the launcher restarted the whole cluster this often
     core.attach_metrics(metrics)
     tokenizer = Tokenizer.from_dir(cluster.model, cluster.chat_template or None)
-    app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name, vocab_size=cfg.vocab_size,
+    app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
+                     aliases=cluster.served_model_aliases, vocab_size=cfg.vocab_size,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)
     app = AccessControl(app, api_key=cluster.api_key,
                         allowed_hosts=cluster.allowed_hosts or default_allowed_hosts(cluster.host))

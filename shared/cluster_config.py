@@ -56,6 +56,8 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "moepipe"
+    served_model_aliases: list[str] = field(default_factory=list)   # more names the API answers to and lists
+    #                                           (vLLM's --served-model-name after the first); responses carry the first
     chat_template: str = ""                     # a Jinja file instead of the checkpoint's templates ("" = theirs)
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"

@@ -22,7 +22,8 @@ def server(tiny_checkpoint):
     # no PLE service process (the stage gathers its PLE rows): access control is the gateway's, each process a
     # torch import
     opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
-                        extra={"api_key": KEY, "allowed_origins": [ORIGIN], "ple_service": False})
+                        extra={"api_key": KEY, "allowed_origins": [ORIGIN], "ple_service": False,
+                               "served_model_aliases": ["qwen-alias"]})
     with Cluster(opts) as c:
         yield c
 
@@ -87,3 +88,16 @@ def test_hosts_and_keys_from_config_and_environment(monkeypatch):
     monkeypatch.delenv("MOEPIPE_ALLOWED_HOSTS")
     with pytest.raises(ClusterConfigError, match="allowed_hosts"):
         cluster_from_dict({**base, "allowed_hosts": "a.lan"})
+
+
+def test_every_served_name_is_listed_and_answered(server):
+    """`--served-model-name moepipe qwen-alias` (vLLM's several names): both listed, both answered; a response carries
+    the first, as OpenAI answers an alias with the model it resolves to."""
+    client = _client(server.url, KEY)
+    assert [m.id for m in client.models.list().data] == ["moepipe", "qwen-alias"]
+    assert client.models.retrieve("qwen-alias").id == "qwen-alias"
+    r = client.chat.completions.create(model="qwen-alias", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0)
+    assert r.model == "moepipe" and r.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="qwen", prompt="hi", max_tokens=2)

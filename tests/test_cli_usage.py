@@ -35,7 +35,8 @@ def test_a_vllm_command_line_serves_as_it_would_there(tmp_path, capsys):
                    "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                    "--reasoning-parser", "qwen3", "--trust-remote-code", "--disable-log-requests", "-tp", "1")
     assert opts.model == tmp_path and opts.stages == 2
-    assert opts.extra == {"served_model_name": "qwen", "dtype": "float16", "cuda_graphs": False}
+    assert opts.extra == {"served_model_name": "qwen", "served_model_aliases": ["alias"], "dtype": "float16",
+                          "cuda_graphs": False}
     err = capsys.readouterr().err
     assert "--tool-call-parser hermes is not needed" in err and "--reasoning-parser qwen3 is not needed" in err
     assert options("--model", str(tmp_path), "--stages", "3").stages == 3
