@@ -7,7 +7,6 @@ layer takes its PyTorch reference path whatever the flags say.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
@@ -108,7 +107,11 @@ class KernelFlags:
 
     @classmethod
     def from_env(cls, default: str = "all") -> "KernelFlags":
-        return cls.parse(os.environ.get("MOEPIPE_KERNELS", default))
+        """MOEPIPE_KERNELS as the config module reads every switch (`cluster_config.env_overrides`), else
+        `default`: for the tools that run a model outside a cluster (route-stats)."""
+        from shared.cluster_config import env_overrides
+
+        return cls.parse(env_overrides().get("kernels", default))
 
     def describe(self) -> str:
         on = [f.name for f in fields(self) if getattr(self, f.name)]
