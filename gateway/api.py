@@ -538,14 +538,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             ids = await srv.encode(text, "messages")
         else:
             ids = await srv.encode(req.prompt, "prompt", req.add_special_tokens)
-        strs = [srv.tok.decode([i], skip_special_tokens=False) for i in ids] if req.return_token_strs else None
+        strs = await run_in_threadpool(srv.tok.token_strings, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req = await srv.parse(request, DetokenizeRequest)
         srv.check_ids(req.tokens, "tokens")
-        return {"prompt": srv.tok.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await run_in_threadpool(srv.tok.decode, req.tokens, False)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

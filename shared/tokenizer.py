@@ -33,6 +33,10 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 # Names a message's reasoning arrives under; templates read the first (transformers aliases them the same way).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Above this many characters (ids) the Rust tokenizer runs through its batch entry points, which release the GIL:
+# `encode` of a 1.6M-character prompt held it for its whole 2.8 s, so a gateway thread tokenizing it stopped the event
+# loop and the engine-core thread with it (every stream paused, /health missed heartbeats). Same ids, same text.
+LONG_INPUT = 4096
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -286,10 +290,19 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token strings in `text` (as in a rendered chat template) become their single ids."""
+        if len(text) > LONG_INPUT:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > LONG_INPUT:
+            return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone (with special tokens), the GIL released for long lists (`/tokenize`'s strings)."""
+        return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
         """The bytes one token contributes to the decoded text (byte-level tokenizers only).

@@ -343,3 +343,36 @@ def test_chat_template_jinja_file_wins_and_tojson(written, tmp_path):
     rendered = tok.apply_chat_template([message])
     assert rendered == '"東京 <b>"|' + json.dumps(message, ensure_ascii=False, indent=1)
     assert tok.eos_token_ids == [written[1].im_end]  # no generation_config.json here: the tokenizer's eos_token
+
+
+def test_a_long_prompt_is_tokenized_with_the_gil_released(tok):
+    """The gateway tokenizes in a worker thread; the Rust tokenizer must not hold the GIL meanwhile, or one long
+    prompt stops the event loop and the engine-core thread (every other request stalls for its whole duration).
+    Long inputs give the same ids and text as the short path's entry points, and a thread keeps running."""
+    import threading
+    import time
+
+    text = "def f(x):\n    return x * 2  # a comment, über 中文\n" * 12000
+    ids = tok.encode(text)
+    assert ids == tok._backend.encode(text).ids and len(ids) > 100_000
+    assert tok.decode(ids, skip_special_tokens=False) == tok._backend.decode(ids, skip_special_tokens=False)
+    assert tok.token_strings(ids[:50]) == [tok.decode([i], skip_special_tokens=False) for i in ids[:50]]
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    tok.encode(text * 2)
+    took = time.perf_counter() - t0
+    done.set()
+    ticker.join()
+    assert max(gaps) < 0.5 * took, (max(gaps), took)     # holding the GIL: one gap as long as the whole encode
