@@ -636,7 +636,7 @@ out += [gdc("qsa_pass", Q._radix_pass_kernel, ptrs,
             dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, PASS=1, BITS=8, TILE=512, SHORT=2048,
                  SHORT_TILE=Q.SHORT_TILE, SELECT_SHORT=True)),
         gdc("qsa_emit", Q._emit_kernel, ptrs,
-            dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=8, TILE=512, TILES_P=128, SHORT=2048)),
+            dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=8, TILE=512, SHORT=2048)),
         gdc("qsa_select", Q._select_kernel,
             dict(key_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", s_kb="i32", s_ob="i32"),
             dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BLOCK=2048, BITS=8), num_warps=8)]

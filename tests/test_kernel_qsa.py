@@ -473,7 +473,7 @@ for bits, tile in ((8, 512), (11, 1024)):
                            SHORT_TILE=Q.SHORT_TILE, SELECT_SHORT=select_short))
             info[f"pass{p}{'+short' if select_short else ''}/{bits}"] = ptxas_info(k.asm["ptx"])
     k = build(Q._emit_kernel, dict(ptrs, **strides),
-              dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=bits, TILE=tile, TILES_P=1, SHORT=2048))
+              dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BITS=bits, TILE=tile, SHORT=2048))
     info[f"emit/{bits}"] = ptxas_info(k.asm["ptx"])
 build(Q._select_kernel, dict(key_ptr="*i32", ctx_ptr="*i32", out_ptr="*i32", s_kb="i32", s_ob="i32"),
       dict(K=512, BUDGET=2048, RATIO=4, RATIO_P=4, BLOCK=2048, BITS=8), warps=8)

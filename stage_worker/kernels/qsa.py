@@ -311,10 +311,8 @@ def _rank_tiles(hist, ge_row, prefix, need, tiles, PASS: tl.constexpr, BITS: tl.
 @triton.jit
 def _emit_kernel(key_ptr, ctx_ptr, hist_ptr, ge_ptr, out_ptr, s_kb, s_hb, s_gb, s_ob,
                  K: tl.constexpr, BUDGET: tl.constexpr, RATIO: tl.constexpr, RATIO_P: tl.constexpr,
-                 BITS: tl.constexpr, TILE: tl.constexpr, TILES_P: tl.constexpr, SHORT: tl.constexpr,
+                 BITS: tl.constexpr, TILE: tl.constexpr, SHORT: tl.constexpr,
                  PDL: tl.constexpr = False):
-    # TILES_P is unused since the last pass ranks the tiles (`_rank_tiles`); kept for the signature that
-    # tests/test_kernel_pdl.py compiles.
     pdl_wait(PDL)                 # first: the last pass's histograms and counts
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -528,7 +526,7 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
     _emit_kernel[(B, tiles)](
         keys, context_lens, hist, ge, out, keys.stride(0), hist.stride(0), ge.stride(0), out.stride(0),
         K=k, BUDGET=budget, RATIO=ratio, RATIO_P=ratio_p, BITS=bits, TILE=tile,
-        TILES_P=1, SHORT=short, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        SHORT=short, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 
