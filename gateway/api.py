@@ -696,12 +696,12 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
         finish = gen.finish_reason
         message = ChatResponseMessage(content=text)
         if _parses(plan):
-            parsed = parse_complete(text, plan.reasoning, plan.tool_names)
+            parsed = parse_complete(text, plan.reasoning, plan.tool_names, max_calls=plan.max_calls)
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in parsed.tool_calls]
             message = ChatResponseMessage(content=parsed.content or (None if calls else ""),
                                           reasoning_content=parsed.reasoning_content)
-            if plan.legacy and calls:           # a legacy request gets its (first) call as function_call
+            if plan.legacy and calls:           # a legacy request gets its (one) call as function_call
                 message.function_call = calls[0].function
             else:
                 message.tool_calls = calls or None
@@ -759,16 +759,14 @@ async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str],
         yield done
 
 
-def _delta_message(d: Delta, legacy: bool) -> DeltaMessage | None:
-    """A parser delta as an OpenAI delta; a legacy request streams its first call as function_call (later calls
-    are dropped: a legacy reply holds one)."""
+def _delta_message(d: Delta, legacy: bool) -> DeltaMessage:
+    """A parser delta as an OpenAI delta; a legacy request streams its call as function_call (its parser keeps
+    one call: `ChatPlan.max_calls`)."""
     if d.reasoning is not None:
         return DeltaMessage(reasoning_content=d.reasoning)
     if d.content is not None:
         return DeltaMessage(content=d.content)
     if legacy:
-        if d.tool_index != 0:
-            return None
         return DeltaMessage(function_call=DeltaFunction(name=d.name, arguments=d.arguments))
     return DeltaMessage(tool_calls=[DeltaToolCall(index=d.tool_index, id=d.tool_id,
                                                   type="function" if d.tool_id else None,
@@ -788,7 +786,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                                                              finish_reason=finish)])
             return _sse(c.model_dump_json(exclude=exclude))
 
-        parser = OutputParser(plan.reasoning, plan.tool_names) if _parses(plan) else None
+        parser = OutputParser(plan.reasoning, plan.tool_names, max_calls=plan.max_calls) if _parses(plan) else None
         yield chunk(DeltaMessage(role="assistant", content=""))
         called = False
         async for text, tokens, finish in _coalesce(gen):
@@ -798,7 +796,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
             else:
                 deltas = parser.feed(text) + (parser.finish() if finish is not None else [])
                 called = called or any(d.tool_index is not None for d in deltas)
-                messages = [m for m in (_delta_message(d, plan.legacy) for d in deltas) if m is not None]
+                messages = [_delta_message(d, plan.legacy) for d in deltas]
                 for i, m in enumerate(messages):            # logprobs ride on the piece's first chunk
                     yield chunk(m, tokens if i == 0 else None)
                 if not messages and tokens and gen.want_logprobs:

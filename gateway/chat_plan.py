@@ -40,6 +40,7 @@ class ChatPlan:
     grammar: Any = None                                 # a compiled grammar spec (gateway.grammar) or None
     compiler: Any = None                                # the GrammarCompiler that compiled it (new_matcher)
     legacy: bool = False                                # a `functions` request: answer with message.function_call
+    max_calls: int | None = None                        # 1: parallel_tool_calls false or legacy (OutputParser)
 
 
 @dataclass
@@ -205,7 +206,7 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
     return ChatPlan(tools=tools if callable_tools else None, template_kwargs=kwargs,
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
                     tool_names=set(choice.allowed or names) if callable_tools else None,
-                    grammar=grammar, compiler=compiler, legacy=legacy)
+                    grammar=grammar, compiler=compiler, legacy=legacy, max_calls=None if parallel else 1)
 
 
 def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],

@@ -17,7 +17,9 @@ Formats (see CHAT_TEMPLATE in stage_worker/checkpoint/tokenizer_files.py):
   (its first delta was streamed): if the block then ends before the arguments object closes (``</tool_call>``
   outside a JSON string, or the end of generation) the call is kept with the arguments text seen so far. After the
   arguments close, ``}`` and whitespace up to ``</tool_call>`` are consumed; any other text ends the call and is
-  read as content.
+  read as content. A header that generation ends inside while it could still become a valid one (``max_tokens``
+  cut it) is dropped: a truncated call, not text (the finish reason says "length"), so no markup reaches content.
+  ``max_calls``: calls past that many are parsed and dropped (``parallel_tool_calls: false``, a legacy reply).
 * Content: text outside those blocks. Whitespace right before an accepted call is dropped, and so is
   whitespace-only text between or after calls (as vLLM does); text after a call keeps its leading whitespace as a
   separator only if content was emitted before.
@@ -118,11 +120,13 @@ class OutputParser:
         tool_names: Iterable[str] | None = None,
         *,
         id_factory: Callable[[], str] | None = None,
+        max_calls: int | None = None,
     ) -> None:
         if reasoning not in _MODES:
             raise ValueError(f"reasoning must be one of {_MODES}, got {reasoning!r}")
         self.tool_names: frozenset[str] | None = None if tool_names is None else frozenset(tool_names)
         self._new_id = id_factory or random_call_id
+        self._max_calls = max_calls     # later calls are parsed and dropped (parallel_tool_calls false, legacy)
         self._state = {"off": _CONTENT, "auto": _START, "inside": _REASONING}[reasoning]
         self._buf = ""                  # text received but not yet decided
         self._out: list[Delta] = []
@@ -158,9 +162,10 @@ class OutputParser:
         tool_names: Iterable[str] | None = None,
         *,
         id_factory: Callable[[], str] | None = None,
+        max_calls: int | None = None,
     ) -> ParsedOutput:
         """Non-streaming parse: feed the whole text, then finish."""
-        parser = cls(reasoning, tool_names, id_factory=id_factory)
+        parser = cls(reasoning, tool_names, id_factory=id_factory, max_calls=max_calls)
         return assemble(parser.feed(text) + parser.finish())
 
     # ---- driver -----------------------------------------------------------------------------------------------
@@ -181,6 +186,8 @@ class OutputParser:
         return out
 
     def _emit(self, delta: Delta) -> None:
+        if delta.tool_index is not None and self._max_calls is not None and delta.tool_index >= self._max_calls:
+            return
         self._out.append(delta)
 
     def _content(self, text: str) -> None:
@@ -258,8 +265,12 @@ class OutputParser:
         buf = self._buf
         end = buf.find(CALL_END)
         status, name, pos = _scan_header(buf if end < 0 else buf[:end], self.tool_names or frozenset())
-        if status == _MORE and end < 0 and not final:
-            return False                    # header not complete yet: keep buffering, emit nothing
+        if status == _MORE and end < 0:
+            if not final:
+                return False                # header not complete yet: keep buffering, emit nothing
+            # generation ended inside a header that was still a call's (max_tokens): a truncated call, not text
+            self._buf, self._state, self._ws = "", _CONTENT, ""
+            return True
         if status == _MATCH:
             self._ws = ""                   # whitespace before a call is dropped
             self._emit(Delta(tool_index=self._calls, tool_id=self._new_id(), name=name, arguments=""))

@@ -498,7 +498,7 @@ def _usage(gen: _Gen, reasoning_tokens: int) -> dict[str, Any]:
 async def _events(gen: _Gen, builder: ResponseBuilder, plan: ChatPlan) -> AsyncIterator[list[dict[str, Any]]]:
     """The events of each generated piece, the parser splitting reasoning, content and calls as on the chat route.
     Reasoning tokens are the tokens up to the one that completes `</think>` (all of them if it never closes)."""
-    parser = OutputParser(plan.reasoning, plan.tool_names)
+    parser = OutputParser(plan.reasoning, plan.tool_names, max_calls=plan.max_calls)
     tail, thought = "", None                  # the last len(THINK_END) - 1 characters: a tag may span two pieces
     async for piece in gen.pieces():
         if plan.reasoning != "off" and thought is None:

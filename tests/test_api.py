@@ -645,7 +645,9 @@ def test_defaults_come_from_generation_config(stub_app, model_dir):
     assert (params.temperature, params.top_p, params.top_k) == (gen_cfg["temperature"], gen_cfg["top_p"],
                                                                  gen_cfg["top_k"])
     assert params.seed == 7
-    assert params.max_tokens == StubEngine.max_model_len - len(engine.last.prompt_ids)
+    assert params.max_tokens == 16              # the legacy endpoint's default length (OpenAI's, vLLM's)
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": None})
+    assert engine.last.params.max_tokens == StubEngine.max_model_len - len(engine.last.prompt_ids)   # explicit null
     assert engine.last.stop_token_ids == set(gen_cfg["eos_token_id"])
     client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "ignore_eos": True, "top_k": -1,
                                          "temperature": 0.5, "max_tokens": 5})

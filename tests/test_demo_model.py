@@ -5,6 +5,7 @@ chat answer is made of words."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -104,6 +105,30 @@ def test_openai_agents_sdk_round_trip_with_its_defaults(default_server, stream):
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "items: ['ToolCallItem', 'ToolCallOutputItem'" in out.stdout and "round trip complete" in out.stdout
+
+
+def test_parallel_tool_calls_false_keeps_one_call_streamed_or_not(default_server):
+    """The trained model asked for two directories writes one call each (three, with EOS banned) in auto mode:
+    `parallel_tool_calls: false` must return one, streamed or not (auto mode has no grammar to stop the others)."""
+    import httpx
+
+    url = default_server[0]
+    tools = [{"type": "function", "function": {"name": "list_directory", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    body = {"model": "moepipe", "messages": [{"role": "user", "content": "list / and /tmp"}], "tools": tools,
+            "tool_choice": "auto", "max_tokens": 80, "temperature": 0, "logit_bias": {"4072": -100}}
+    for parallel, many in ((None, True), (False, False)):
+        req = body if parallel is None else {**body, "parallel_tool_calls": parallel}
+        full = httpx.post(url + "/v1/chat/completions", json=req, timeout=120).json()["choices"][0]["message"]
+        indexes = set()
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**req, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        indexes |= {c["index"] for c in choice["delta"].get("tool_calls") or []}
+        calls = full.get("tool_calls") or []
+        assert (len(calls) > 1, len(indexes) > 1) == (many, many), (parallel, calls, indexes)
+        assert calls and full["content"] is None and indexes >= {0}
 
 
 def test_a_ple_expansion_beside_the_bundled_files_changes_neither_the_copy_nor_its_name(tmp_path, monkeypatch):

@@ -63,8 +63,9 @@ CASES = [
     ("args_not_object", call("search", '"q"'), "off", TOOLS, ParsedOutput(None, call("search", '"q"'), [])),
     ("args_first", '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>', "off", TOOLS,
      ParsedOutput(None, '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>', [])),
-    ("unterminated_header", 'Ok.\n<tool_call>\n{"name": "get_wea', "off", TOOLS,
-     ParsedOutput(None, 'Ok.\n<tool_call>\n{"name": "get_wea', [])),
+    # generation ended inside a header that could still be a call's (max_tokens): a truncated call, no markup
+    ("unterminated_header", 'Ok.\n<tool_call>\n{"name": "get_wea', "off", TOOLS, ParsedOutput(None, "Ok.", [])),
+    ("unterminated_header_alone", '<tool_call>\n{"name"', "off", TOOLS, ParsedOutput(None, None, [])),
     ("malformed_unclosed", '<tool_call>\n{"nom": 1} <tool_call> x\n', "off", TOOLS,
      ParsedOutput(None, '<tool_call>\n{"nom": 1} <tool_call> x\n', [])),
     # documented: once the header is accepted the call is committed, even if its arguments never close
@@ -183,3 +184,16 @@ def test_fuzz_chunking_invariance(reasoning):
         for name, pieces in chunkings(text)[1:4]:
             deltas = [d for batch in stream(text, reasoning, TOOLS, pieces) for d in batch]
             assert assemble(deltas) == complete, (text, name)
+
+
+def test_max_calls_keeps_the_first_calls_streamed_or_not():
+    """parallel_tool_calls false (and a legacy functions reply): one call, whatever the model writes after it."""
+    text = "Sure.\n" + CALL_W + "\n" + CALL_S + "\n" + call("get_weather", '{"city": "Rome"}')
+    complete = parse_complete(text, "off", TOOLS, id_factory=ids(), max_calls=1)
+    assert complete == ParsedOutput(None, "Sure.", [W])
+    for name, pieces in chunkings(text):
+        parser = OutputParser("off", TOOLS, id_factory=ids(), max_calls=1)
+        deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+        assert assemble(deltas) == complete, name
+        assert all(d.tool_index in (None, 0) for d in deltas), name
+    assert len(parse_complete(text, "off", TOOLS, id_factory=ids()).tool_calls) == 3
