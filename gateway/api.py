@@ -32,7 +32,7 @@ from gateway.engine import Engine
 from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
 from gateway.openapi_doc import install_openapi
-from gateway.chat_plan import ChatPlan, plan_chat, template_messages
+from gateway.chat_plan import ChatPlan, completion_grammar, plan_chat, template_messages
 from gateway.output_parser import Delta, OutputParser, parse_complete
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
@@ -323,7 +323,8 @@ class _Server:
             raise invalid_request(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param=param)
 
     def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """Tokens to generate: what the client asked for, clamped to what fits (vLLM's rule); default all of it."""
+        """Tokens to generate: what the client asked for, clamped to what fits (llama.cpp's rule; OpenAI and vLLM
+        answer 400, docs/agents.md); default the rest of the context (or generation_config's max_new_tokens)."""
         limit = self.engine.max_model_len
         if prompt_len == 0:
             raise invalid_request(f"The {param} must contain at least one token.", param=param)
@@ -584,6 +585,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             raise invalid_request(f"best_of={req.best_of} > n={n} is not supported: moepipe returns every choice it "
                                   "generates (ask for n choices instead).", param="best_of")
         fim = srv.fim_ids() if req.suffix else None
+        grammar, compiler = await run_in_threadpool(completion_grammar, req, lambda: srv.grammar_compiler)
         suffix_ids = await srv.encode(req.suffix, "suffix") if req.suffix else []
         bias = srv.logit_bias(req.logit_bias)
         rid, want = _new_id("cmpl"), req.logprobs is not None
@@ -603,6 +605,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 index = i * n + j
                 gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
                                                  choice=j, prompt_logprobs=bool(req.echo) and want, logit_bias=bias)
+                if grammar is not None:
+                    gen_req.grammar = compiler.new_matcher(grammar)
                 gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
                                         echo=prompt_text if req.echo else None, first_of_prompt=j == 0))

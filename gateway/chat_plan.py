@@ -7,7 +7,8 @@ those fields (a 400 naming the field for anything we cannot honour, never a sile
 * what the chat template sees: the messages (`template_messages`: developer messages as system, refusal parts and
   legacy function turns as text and tool turns), the tools (not with tool_choice "none") and `chat_template_kwargs`
   such as `enable_thinking`;
-* which grammar, if any, constrains sampling: `response_format` json_object / json_schema, a forced tool call
+* which grammar, if any, constrains sampling: `response_format` json_object / json_schema (or one of vLLM's
+  extras: guided_json / guided_regex / guided_choice / guided_grammar / structured_outputs), a forced tool call
   (tool_choice "required", a named function, allowed_tools "required") whose arguments follow the tool's parameter
   schema, a call restricted to allowed_tools, or "a call or the schema's JSON" (response_format with callable tools);
 * how the reply is split: reasoning (the `<think>` block) into `reasoning_content`, tool-call blocks into
@@ -20,13 +21,14 @@ free reasoning through first): a constrained request renders with `enable_thinki
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid_request
-from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's rule for function names
 
@@ -137,9 +139,62 @@ def _allowed_tools(spec: Any, names: set[str], param: str) -> _Choice:
     return _Choice(spec["mode"], None if set(allowed) == names else allowed)
 
 
-def _response_format(req: ChatCompletionRequest) -> tuple[str, dict | None, bool]:
-    """('text' | 'json_object' | 'json_schema', schema, strict)."""
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def guided_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool] | None:
+    """vLLM's structured-output extras as (kind, value, strict): guided_json (a schema, or its JSON text) ->
+    json_schema, guided_regex -> regex, guided_choice -> choice, guided_grammar (a Lark grammar, llguidance's
+    dialect) -> grammar, or the same under `structured_outputs` (json / regex / choice / grammar / json_object).
+    None when none is given; more than one is a 400. vLLM clients send these through extra_body: ignoring them
+    would answer 200 with unconstrained text."""
+    found = [(name, getattr(req, name)) for name in _GUIDED if getattr(req, name) is not None]
+    so = req.structured_outputs
+    if so is not None:
+        unknown = sorted(set(so) - set(_STRUCTURED) - {"disable_any_whitespace", "disable_additional_properties",
+                                                       "whitespace_pattern", "backend"})
+        if unknown:
+            raise invalid_request(f"structured_outputs.{unknown[0]} is not supported (one of "
+                                  f"{', '.join(_STRUCTURED)}).", param=f"structured_outputs.{unknown[0]}")
+        found += [(f"structured_outputs.{k}", so[k]) for k in _STRUCTURED if so.get(k) not in (None, False)]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise invalid_request(f"Give one structured-output constraint, not {found[0][0]} and {found[1][0]}.",
+                              param=found[1][0])
+    param, value = found[0]
+    kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid_request(f"{param} is not valid JSON.", param=param) from None
+        if not isinstance(value, dict):
+            raise invalid_request(f"{param} must be a JSON Schema object.", param=param)
+        return "json_schema", value, False
+    if kind == "json_object":
+        return "json_object", None, False
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise invalid_request(f"{param} must be a non-empty list of non-empty strings.", param=param)
+        return "choice", value, False
+    if not isinstance(value, str) or not value:
+        raise invalid_request(f"{param} must be a non-empty string.", param=param)
+    return kind, value, False
+
+
+def _response_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool]:
+    """('text' | 'json_object' | 'json_schema' | 'regex' | 'choice' | 'grammar', schema or pattern, strict):
+    response_format, or one of vLLM's extras (`guided_format`), not both."""
     rf = req.response_format
+    guided = guided_format(req)
+    if guided is not None:
+        if rf is not None and rf.get("type", "text") != "text":
+            raise invalid_request("response_format and a guided_* / structured_outputs constraint cannot both be "
+                                  "given.", param="response_format")
+        return guided
     if rf is None:
         return "text", None, False
     kind = rf.get("type", "text")
@@ -218,6 +273,11 @@ def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Cho
     call to an allowed tool. Tools not callable: the JSON grammar alone."""
     from gateway.grammar import GrammarError
 
+    if fmt in ("regex", "choice", "grammar"):
+        if choice.mode != "none":
+            raise invalid_request(f"A guided {fmt} cannot be combined with callable tools; send tool_choice \"none\" "
+                                  "or no tools.", param="tool_choice")
+        return text_grammar(compiler, fmt, schema)
     try:                                # the answer schema alone first, so its errors name response_format
         answer_only = compiler.json_schema(schema, strict) if fmt == "json_schema" else None
     except GrammarError as e:
@@ -236,6 +296,31 @@ def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Cho
                                    answer=answer if fmt != "text" else None, answer_strict=strict)
     except GrammarError as e:
         raise invalid_request(f"Cannot enforce this schema: {e}", param=tools_param) from None
+
+
+def text_grammar(compiler, fmt: str, value: Any) -> str:
+    """The grammar spec of a regex / choice / Lark constraint; what llguidance refuses is a 400 naming it."""
+    from gateway.grammar import GrammarError
+
+    make = {"regex": compiler.regex, "choice": compiler.choice, "grammar": compiler.lark}[fmt]
+    try:
+        return make(value)
+    except (GrammarError, ValueError, TypeError) as e:
+        raise invalid_request(f"Cannot enforce this {fmt}: {e}", param=f"guided_{fmt}") from None
+
+
+def completion_grammar(req: CompletionRequest, get_compiler: Callable[[], Any]) -> tuple[Any, Any]:
+    """(grammar spec, compiler) for /v1/completions' response_format or vLLM extras, (None, None) for plain text."""
+    fmt, schema, strict = _response_format(req)
+    if fmt == "text":
+        return None, None
+    compiler = get_compiler()
+    if compiler is None:
+        raise invalid_request("This server has no grammar engine: structured output is unavailable.",
+                              param="response_format")
+    if fmt in ("regex", "choice", "grammar"):
+        return text_grammar(compiler, fmt, schema), compiler
+    return _compile(compiler, fmt, schema, strict, _Choice("none"), [], False, "prompt"), compiler
 
 
 # ---- messages -------------------------------------------------------------------------------------------------

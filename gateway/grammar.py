@@ -254,6 +254,19 @@ class GrammarCompiler:
                                "reference to itself?)")
         return spec
 
+    def regex(self, pattern: str) -> str:
+        """Text matching `pattern` in full (vLLM's `guided_regex`)."""
+        return self._compile(LLMatcher.grammar_from_regex(pattern), what="regular expression")
+
+    def choice(self, options: Sequence[str]) -> str:
+        """Exactly one of `options` (vLLM's `guided_choice`)."""
+        return self._compile(LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_literal(o) for o in options)),
+                             what="choice")
+
+    def lark(self, grammar: str) -> str:
+        """Text of a Lark grammar, llguidance's dialect (vLLM's `guided_grammar`)."""
+        return self._compile(LLMatcher.grammar_from_lark(grammar), what="Lark grammar")
+
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool, *,
                    allowed: Iterable[str] | None = None, answer: Mapping[str, Any] | None = None,
                    answer_strict: bool = False) -> str:

@@ -95,6 +95,13 @@ class _Sampling(_Request):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's structured-output extras (sent through extra_body): one of them, or `structured_outputs` (its newer
+    # object: json / regex / choice / grammar / json_object); gateway/chat_plan.guided_format reads them.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Bounds (docs/agents.md, "Sampling parameters"): finite; top_p and repetition_penalty no smaller than what
     # float32 sampling still tells from 0 (1e-30 would underflow to a division by zero on the device).
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -211,6 +218,7 @@ class CompletionRequest(_Sampling):
     # tokenizer's FIM form, `FIM_TOKENS`; a model without those tokens refuses it rather than ignore it.
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)      # only = n (or 1) is servable: every choice is returned
+    response_format: dict[str, Any] | None = None        # as on the chat route (vLLM takes it here too)
 
     @field_validator("prompt")
     @classmethod

@@ -152,3 +152,49 @@ def test_tokenize_detokenize_and_version_as_vllm_serves_them(server, tiny_checkp
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     from importlib.metadata import version
     assert httpx.get(server.url + "/version").json() == {"version": version("moepipe")}
+
+
+# ---- vLLM's structured-output extras ---------------------------------------------------------------------------
+
+def test_vllm_guided_fields_constrain_chat_and_completions(server, client):
+    """vLLM clients send guided_choice / guided_regex / guided_json / guided_grammar (or `structured_outputs`)
+    through extra_body; they were ignored (200 with free text). Each now constrains the reply; /v1/completions
+    takes them and response_format too."""
+    import re
+
+    msgs = [{"role": "user", "content": "Pick one."}]
+
+    def reply(**extra):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                           extra_body=extra)
+        return r.choices[0].message.content
+
+    assert reply(guided_choice=["alpha", "beta gamma"]) in ("alpha", "beta gamma")
+    assert reply(structured_outputs={"choice": ["left", "right"]}) in ("left", "right")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", reply(guided_regex=r"[0-9]{3}-[a-z]{2}"))
+    assert reply(guided_grammar='start: "x" ("y" | "yy") "z"') in ("xyz", "xyyz")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for extra in ({"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}}):
+        jsonschema.validate(json.loads(reply(**extra)), schema)
+    r = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=12, temperature=0,
+                                  extra_body={"guided_choice": [" yes", " no"]})
+    assert r.choices[0].text in (" yes", " no")
+    r = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=16, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "s", "schema": schema}}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_vllm_guided_fields_that_cannot_be_honoured_are_a_400(server, extra, param):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                              **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
