@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 16384        # a stop string's matcher is built per request on the event loop (gateway/stop.py)
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16                  # choices per prompt; each is its own engine request
 MAX_CHOICES = 64            # prompts x n in one completions request
@@ -129,6 +130,8 @@ class _Sampling(_Request):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in items if isinstance(s, str)):
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters")
         return v
 
     @property

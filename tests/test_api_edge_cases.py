@@ -193,6 +193,7 @@ def test_vllm_guided_fields_constrain_chat_and_completions(server, client):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"stop": ["ok", "x" * 16385]}, "stop"),                 # MAX_STOP_CHARS: its matcher is built per request
 ])
 def test_vllm_guided_fields_that_cannot_be_honoured_are_a_400(server, extra, param):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,

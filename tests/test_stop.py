@@ -101,3 +101,35 @@ def test_random_splits_match_reference(seed):
             held = seen[len(emitted):]
             assert len(held) < max(len(s) for s in stops)
             assert held == "" or any(s.startswith(held) for s in stops)
+
+
+def _held_reference(text: str, stops: list[str]) -> int:
+    """The longest suffix of text that is a proper prefix of some stop string, by trying every length."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_held_text_is_the_longest_partial_match_on_self_overlapping_stops(seed):
+    """The KMP states (one per stop string, advanced over each delta only) hold back exactly the longest suffix that
+    may still grow into a stop string, on the stop strings where a naive restart goes wrong (aab in aaab, abab in
+    ababab...)."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 7))) for _ in range(rng.randint(1, 4))]
+    m = StopMatcher(stops)
+    seen = ""
+    for _ in range(60):
+        delta = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+        out = m.feed(delta)
+        if m.stopped:
+            break
+        seen += delta
+        assert m.held == seen[len(seen) - _held_reference(seen, stops):] if _held_reference(seen, stops) else \
+            m.held == "", (stops, seen, m.held)
+
+
+def test_a_long_stop_string_is_matched_without_rescanning_the_held_text():
+    stop = "x" * 20000 + "!"
+    m = StopMatcher([stop])
+    out = "".join(m.feed("x") for _ in range(20000))          # all held: each may start the stop string
+    assert out == "" and len(m.held) == 20000
+    assert m.feed("y") == "x" * 20000 + "y" and m.held == ""
