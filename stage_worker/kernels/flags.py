@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "hc_fold_norm")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
-NOT_IN_ALL = ("l2_prefetch", "sdpa_prefill")
+NOT_IN_ALL = ("l2_prefetch", "sdpa_prefill", "hc_fold_norm")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,14 @@ class KernelFlags:
                                       # softmaxed: at a 20k context ~6 GB of traffic a 512-query slice); CUDA only.
                                       # Not in "all" until the H200 has timed it (tests/test_sdpa_prefill.py -m gpu);
                                       # off: the eager scores and fp32 softmax
+    hc_fold_norm: bool = False        # with `hyper_connection`: a decode mix (T <= DECODE_ROWS) in two launches,
+                                      # not three: the stream norm folded into the down GEMV by linearity (per-
+                                      # stream dots and sums of squares from the same loads of the streams, each
+                                      # rstd applied after the loop; rstd [T, hc] to the up GEMV, which normalises
+                                      # its own H tile and stores the injected streams). The down output rounds once
+                                      # after the dot instead of after each bf16 normed value (tests: within bf16
+                                      # noise of the reference). Not in "all" until tests/test_kernel_hyper_
+                                      # connection.py -m gpu has timed it; off: the three kernels as before
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
