@@ -31,7 +31,7 @@ class KernelFlags:
                                       # (deltanet_decode.py); prefill: flash-linear-attention's chunked kernel
     moe_int4_fused: bool = False      # INT4 experts + bf16 shared expert decode in six launches (SparseMoE
                                       # ._packed_decode: router and shared gate one GEMV, shared output added in
-                                      # the INT4 down launch) instead of twelve; with `moe`
+                                      # the INT4 down launch) instead of twelve to fifteen; with `moe`
     quant_gemv_fma: bool = False      # packed dense GEMVs (quant_gemv.py) at 2-16 tokens: FMAs per token over each
                                       # decoded period; off: the same kernel with one tl.dot a value position (the
                                       # 8-16-token A/B)
@@ -41,10 +41,10 @@ class KernelFlags:
     section_attention: bool = False   # QSA prefill over host K/V (`qsa_kv_offload`): one fused launch a staged
                                       # context section, the next one gathered on a side stream meanwhile
                                       # (section_attention.py); off: the PyTorch section loop
-    quant_gemv_wide: bool = False     # packed dense GEMVs at 4-16 tokens: one program over all the tokens, each
-                                      # tile decoded once and fed to one tl.dot (quant_gemv(wide=); h200-16: 1.2-6x
-                                      # faster than the FMA kernel at 4-16); off: the FMA kernel's token groups /
-                                      # the tl.dot variant, as quant_gemv_fma says
+    quant_gemv_wide: bool = False     # packed dense GEMVs at 4 to WIDE_MAX_T (128) tokens: a program a group of
+                                      # 16 tokens, each tile decoded once and fed to one tl.dot (quant_gemv(wide=);
+                                      # h200-16: 1.2-6x faster than the FMA kernel at 4-16); off: the FMA kernel's
+                                      # token groups / the tl.dot variant up to 16, dequant_matmul past it
     section_union: bool = False       # with `section_attention`: stage only the union of the chunk's selected
                                       # compression blocks, compacted (section_attention.union_plan), so PCIe bytes
                                       # and the kernel's work scale with the union; off: the whole context staged
