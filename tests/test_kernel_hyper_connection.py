@@ -452,7 +452,7 @@ for T in (1, 4):
               stride_y="i32"), dict(H=H, R=R, HC=HC, BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=bj, Q8=True, PDL=True), wu),
         build(f"A_fold T={T}", K._hc_down_fold_kernel, dict(x_ptr=B, o_ptr=B, gin_ptr=B, nw_ptr=B, down_ptr="*u8",
               ds_ptr=B, inj_ptr=B, a_ptr=B, g_ptr=B, rstd_ptr="*fp32", T="i32", stride_x="i32", stride_o="i32",
-              eps="fp32"), dict(H=H, R=R, HC=HC, INJECT=True, BLOCK_T=bt, BLOCK_R=fr, BLOCK_K=K._fold_chunk(H, fk),
+              eps="fp32"), dict(H=H, R=R, HC=HC, INJECT=True, BLOCK_T=bt, BLOCK_R=fr, BLOCK_K=fk,
               Q8=True, PDL=True), fd),
         build(f"B_fold T={T}", K._hc_up_mix_fold_kernel, dict(x_ptr=B, o_ptr=B, gin_ptr=B, nw_ptr=B,
               rstd_ptr="*fp32", a_ptr=B, up_ptr="*u8", us_ptr=B, y_ptr=B, ns_ptr=B, T="i32", stride_x="i32",

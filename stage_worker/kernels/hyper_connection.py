@@ -18,7 +18,7 @@ re-normalised the whole row before its first weight load, a chain of dependent l
 With the kernel flag `hc_fold_norm` (named only; T <= DECODE_ROWS) the mix is two launches again, without that
 chain, by linearity: row r of down(normed) is sum_s rstd_s * sum_{k in s} D[r, k] * x_k * (1 + w_k), x the stream
 (with the injection, recomputed as P rounds it), w the norm weight. `_hc_down_fold_kernel` (A') reads x where A
-reads normed rows, stream by stream in chunks of a stream (`_fold_chunk`): it accumulates the products and the
+reads normed rows, stream by stream in chunks of a stream (FOLD_DOWN_CFG): it accumulates the products and the
 squares of x elementwise from the same loads, and a stream's rstd only scales its products once that stream's
 chunks are in. No load waits on a statistic (the old fold's chain), the first weight tile still loads before
 `pdl_wait`, and the weight bytes are A's; what A' adds is x (and out, g, the norm weight) from the L2 in place of
@@ -79,13 +79,16 @@ UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
 # rows 16.41 against 17.36 (bench/results/h200-20/call5/). 16 rows: unswept, the bf16 entry.
 DOWN_CFG_Q8 = {1: (2, 4096, 4), 4: (2, 8192, 8), 16: (2, 4096, 4)}
 UP_CFG_Q8 = {1: (8, 512, 4), 4: (8, 512, 4), 16: (16, 256, 4)}
-# A under `hc_fold_norm` (`_hc_down_fold_kernel`, T <= DECODE_ROWS), float / INT8 weights: not timed yet (no GPU),
-# chosen from offline sm_90 compiles at the full shape (H 2560, hc 4, R 320, the injection on; ptxas -v): at 1 row
-# A's entries (60 / 130 registers, no spill). At 4 rows A's entries keep it at 1 block an SM (178 / 255 registers x
-# 256 threads, the unrolled loop's hoisted stream and `out` loads), 324 / 162 programs: 2-3 waves on 132 SMs; 4 rows
-# a program (81 programs, one wave) instead: 255 registers, no spill / 36 bytes. The K chunk is `_fold_chunk`'s.
-FOLD_DOWN_CFG = {1: (1, 4096, 8), 4: (4, 4096, 8)}
-FOLD_DOWN_CFG_Q8 = {1: (2, 4096, 4), 4: (4, 4096, 8)}
+# A' under `hc_fold_norm` (`_hc_down_fold_kernel`, T <= DECODE_ROWS; rows a program / K chunk of a stream, at most
+# the stream rounded up to a power of two / warps), float / INT8 weights: not timed yet (no GPU), chosen from offline
+# sm_90 compiles at the full shape (H 2560, hc 4, R 320, the injection on; ptxas -v). 1 row: A's rows and warps; a
+# chunk of 2048 (a stream is 2048 + 512 of a masked 2048) so the tile before the PDL wait is 4 KB, half A's (512,
+# five whole chunks: 1 KB, 60 / 130 registers; 2048: 76 / 168, no spill, 3 blocks an SM). 4 rows: A's entries keep
+# it at 1 block an SM (178 / 255 registers x 256 threads, the unrolled loop's hoisted stream and `out` loads), 324 /
+# 162 programs: 2-3 waves on 132 SMs; 4 rows a program (81 programs, one wave) and 512 chunks instead: 255 registers,
+# no spill / 36 bytes. For `bench/tune_kernels.py` to sweep on the H200.
+FOLD_DOWN_CFG = {1: (1, 2048, 8), 4: (4, 512, 8)}
+FOLD_DOWN_CFG_Q8 = {1: (2, 2048, 4), 4: (4, 512, 8)}
 
 
 def _bucket(t: int) -> int:
@@ -504,15 +507,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     return new_streams, mixed, inject
 
 
-def _fold_chunk(hidden: int, bk: int) -> int:
-    """`_rows_dot_fold`'s chunk of a stream: `bk` (the launch table's K chunk) or the stream, if shorter, halved
-    while it leaves more than an eighth of the stream's last chunk masked (H 2560: 512, five whole chunks)."""
-    c = min(bk, triton.next_power_of_2(hidden))
-    while c > 256 and -hidden % c > hidden // 8:
-        c //= 2
-    return c
-
-
 def _mix_fold(x, o, g, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, new_streams, a, mixed, inject, hc: int,
               eps: float, pdl: bool, l2pf: bool) -> None:
     """`_mix`'s two launches under `hc_fold_norm` (o, g: the injection, or None): no normed rows, rstd [T, hc] fp32
@@ -529,7 +523,7 @@ def _mix_fold(x, o, g, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, new_stre
         x, o, g, hc_norm_w, down_w, down_s if down_s is not None else a,
         inject_w.contiguous() if inject_w is not None else a, a, inject if inject is not None else a, rstd, t,
         x.stride(0), o.stride(0), eps, H=hidden, R=rank, HC=hc, INJECT=inj, BLOCK_T=bt, BLOCK_R=br,
-        BLOCK_K=_fold_chunk(hidden, bk), Q8=down_s is not None,
+        BLOCK_K=min(triton.next_power_of_2(hidden), bk), Q8=down_s is not None,
         num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
