@@ -18,12 +18,12 @@ re-normalised the whole row before its first weight load, a chain of dependent l
 With the kernel flag `hc_fold_norm` (named only; T <= DECODE_ROWS) the mix is two launches again, without that
 chain, by linearity: row r of down(normed) is sum_s rstd_s * sum_{k in s} D[r, k] * x_k * (1 + w_k), x the stream
 (with the injection, recomputed as P rounds it), w the norm weight. `_hc_down_fold_kernel` (A') reads x where A
-reads normed rows, stream by stream in chunks of a stream (FOLD_DOWN_CFG): it accumulates the products and the
-squares of x elementwise from the same loads, and a stream's rstd only scales its products once that stream's
-chunks are in. No load waits on a statistic (the old fold's chain), the first weight tile still loads before
-`pdl_wait`, and the weight bytes are A's; what A' adds is x (and out, g, the norm weight) from the L2 in place of
-normed rows, and hc + 1 reductions a program. Every program computes the same rstd (same loads, same order); its
-pid_r == 0 programs store it, [T, hc] fp32; `_hc_up_mix_fold_kernel` (B') recomputes normed for its H tile
+reads normed rows, each step the same positions of every stream (a weight tile [rows, hc, positions]): it
+accumulates the products and the squares of x elementwise from the same loads, and only after the loop reduces
+them, the squares into each stream's rstd, which then scales that stream's dot. No load waits on a statistic (the
+old fold's chain), the first weight tile still loads before `pdl_wait`, and the weight bytes are A's; what A' adds
+is x (and out once a step, g, the norm weight) from the L2 in place of normed rows, and a second reduction. Every
+program computes the same rstd (same loads, same order); its pid_r == 0 programs store it, [T, hc] fp32; `_hc_up_mix_fold_kernel` (B') recomputes normed for its H tile
 from x, rstd and w exactly as P rounds it, and stores the injected streams of that tile (P's other output). The
 one rounding that moves: A' rounds the down / block_inject outputs once after the dot, where the reference rounds
 each normed value to bf16 first; the difference, at most 2^-8 * sum_k |D[r, k] normed_k| and typically a fraction
@@ -79,16 +79,16 @@ UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
 # rows 16.41 against 17.36 (bench/results/h200-20/call5/). 16 rows: unswept, the bf16 entry.
 DOWN_CFG_Q8 = {1: (2, 4096, 4), 4: (2, 8192, 8), 16: (2, 4096, 4)}
 UP_CFG_Q8 = {1: (8, 512, 4), 4: (8, 512, 4), 16: (16, 256, 4)}
-# A' under `hc_fold_norm` (`_hc_down_fold_kernel`, T <= DECODE_ROWS; rows a program / K chunk of a stream, at most
-# the stream rounded up to a power of two / warps), float / INT8 weights: not timed yet (no GPU), chosen from offline
-# sm_90 compiles at the full shape (H 2560, hc 4, R 320, the injection on; ptxas -v). 1 row: A's rows and warps; a
-# chunk of 2048 (a stream is 2048 + 512 of a masked 2048) so the tile before the PDL wait is 4 KB, half A's (512,
-# five whole chunks: 1 KB, 60 / 130 registers; 2048: 76 / 168, no spill, 3 blocks an SM). 4 rows: A's entries keep
-# it at 1 block an SM (178 / 255 registers x 256 threads, the unrolled loop's hoisted stream and `out` loads), 324 /
-# 162 programs: 2-3 waves on 132 SMs; 4 rows a program (81 programs, one wave) and 512 chunks instead: 255 registers,
-# no spill / 36 bytes. For `bench/tune_kernels.py` to sweep on the H200.
-FOLD_DOWN_CFG = {1: (1, 2048, 8), 4: (4, 512, 8)}
-FOLD_DOWN_CFG_Q8 = {1: (2, 2048, 4), 4: (4, 512, 8)}
+# A' under `hc_fold_norm` (`_hc_down_fold_kernel`, T <= DECODE_ROWS): rows a program / positions of each stream a
+# step (the weight tile is rows x hc x that) / warps, float / INT8 weights. Not timed yet (no GPU): chosen from
+# offline sm_90 compiles at the full shape (H 2560, hc 4, R 320, the injection on; ptxas -v and the SASS) for no
+# spill, every program in one wave on 132 SMs and the fewest instructions: INT8 at 1 row 60 registers, 2864
+# instructions a thread with 256 threads (A: 96, 2368 with 128), at 4 rows 174 registers, 128 threads, 2 blocks an
+# SM; wider steps or 8 warps at 4 rows hoist more loads (255 registers, spills, or 1 block an SM: 2 waves) or
+# convert layouts through shared memory (~260 barriers). The tile before the PDL wait is 2 KB (A's: 8 KB). For
+# `bench/tune_kernels.py` to sweep on the H200.
+FOLD_DOWN_CFG = {1: (1, 256, 8), 4: (1, 128, 4)}
+FOLD_DOWN_CFG_Q8 = {1: (2, 256, 8), 4: (2, 128, 4)}
 
 
 def _bucket(t: int) -> int:
@@ -249,48 +249,58 @@ def _stream_values(x_ptr, o_ptr, g_ptr, rows, mt, s, hs, mh, stride_x, stride_o,
 
 @triton.jit
 def _rows_dot_fold(x_ptr, o_ptr, g_ptr, nw_ptr, w_ptr, rstd_ptr, outs, mo, row0, T, stride_x, stride_o, eps,
-                   STORE_RSTD, H: tl.constexpr, HC: tl.constexpr, INJECT: tl.constexpr, OFFSET: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """[BLOCK_T, BLOCK_R]: `_rows_dot` of the normed rows, from the streams themselves. Stream by stream, in chunks
-    of BLOCK_K of its H (the last one masked where BLOCK_K does not divide H), products with x * (1 + norm weight)
-    and squares of x accumulate elementwise, from the same loads of x; at the stream's end one reduction of the
-    squares gives its rstd (stored where STORE_RSTD), which scales the stream's products into the running total;
-    one reduction of that at the end. HC + 1 reductions whatever T, no dependent load before the first weight
-    tile's (it loads before `pdl_wait`)."""
+                   STORE_RSTD, H: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, INJECT: tl.constexpr,
+                   OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """[BLOCK_T, BLOCK_R]: `_rows_dot` of the normed rows, from the streams themselves. Each step takes the same
+    BLOCK_K positions h of every stream (the stream axis padded to HCP, a power of two; the last step masked where
+    BLOCK_K does not divide H): one weight tile [BLOCK_R, HCP, BLOCK_K], the streams' values there ([BLOCK_T, HCP,
+    BLOCK_K]; with INJECT `out` loaded once for all streams) and the norm weight; products with x * (1 + w) and
+    squares of x accumulate elementwise, from the same loads of x. After the loop one reduction of the squares gives
+    each stream's rstd (stored where STORE_RSTD), one of the products each stream's dot, scaled by its rstd and
+    summed over streams: two reductions whatever T and hc, no load waiting on a statistic, the first weight tile
+    loaded before `pdl_wait`."""
     K: tl.constexpr = HC * H
     dt: tl.constexpr = x_ptr.dtype.element_ty
     rows = row0 + tl.arange(0, BLOCK_T)
     mt = rows < T
     rows = rows.to(tl.int64)
-    w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
-    total = tl.zeros([BLOCK_T, BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for s in tl.static_range(HC):
-        acc = tl.zeros([BLOCK_T, BLOCK_R, BLOCK_K], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        for h0 in tl.static_range(0, H, BLOCK_K):
-            hs = h0 + tl.arange(0, BLOCK_K)
-            mh = hs < H
-            ks = s * H + hs
-            # One weight tile for every row of the block, as `_rows_dot`.
-            w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mh[None, :], other=OFFSET).to(tl.float32) - OFFSET
-            if PDL:
-                if s == 0 and h0 == 0:
-                    pdl_wait(PDL)
-            scale = 1.0 + tl.load(nw_ptr + ks, mask=mh, other=0.0).to(tl.float32)
-            x = _stream_values(x_ptr, o_ptr, g_ptr, rows[:, None], mt[:, None], s, hs[None, :], mh[None, :],
-                               stride_x, stride_o, H, HC, INJECT, dt)
-            acc += w[None, :, :] * (x * scale[None, :])[:, None, :]
-            sq += x * x
-        rstd = tl.math.rsqrt(tl.sum(sq, axis=1) / H + eps)          # as `_hc_prep_kernel`
-        tl.store(rstd_ptr + rows * HC + s, rstd, mask=mt & STORE_RSTD)
-        total += acc * rstd[:, None, None]
-    return tl.sum(total, axis=2)
+    ss = tl.arange(0, HCP)
+    ms = ss < HC
+    w_rows = w_ptr + outs.to(tl.int64)[:, None, None] * K + (ss * H)[None, :, None]
+    x_rows = x_ptr + rows[:, None, None] * stride_x + (ss * H)[None, :, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_R, HCP, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T, HCP, BLOCK_K], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, BLOCK_K):
+        hs = h0 + tl.arange(0, BLOCK_K)
+        mh = hs < H
+        msh = ms[:, None] & mh[None, :]
+        # One weight tile for every row of the block, as `_rows_dot`: BLOCK_K positions of each stream.
+        w = tl.load(w_rows + hs[None, None, :], mask=mo[:, None, None] & msh[None, :, :],
+                    other=OFFSET).to(tl.float32) - OFFSET
+        if PDL:
+            if h0 == 0:
+                pdl_wait(PDL)
+        scale = 1.0 + tl.load(nw_ptr + (ss * H)[:, None] + hs[None, :], mask=msh, other=0.0).to(tl.float32)
+        m = mt[:, None, None] & msh[None, :, :]
+        x = tl.load(x_rows + hs[None, None, :], mask=m, other=0.0).to(tl.float32)
+        if INJECT:                                          # as `_hc_prep_kernel` rounds it; `out` once a step
+            o = tl.load(o_ptr + rows[:, None] * stride_o + hs[None, :], mask=mt[:, None] & mh[None, :],
+                        other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + rows[:, None] * HC + ss[None, :], mask=mt[:, None] & ms[None, :],
+                        other=0.0).to(tl.float32)
+            x = round_to(x + round_to(o[:, None, :] * g[:, :, None], dt), dt)
+        acc += w[None, :, :, :] * (x * scale[None, :, :])[:, None, :, :]
+        sq += x * x
+    rstd = tl.math.rsqrt(tl.sum(sq, axis=2) / H + eps)          # [BLOCK_T, HCP], as `_hc_prep_kernel`
+    tl.store(rstd_ptr + rows[:, None] * HC + ss[None, :], rstd, mask=mt[:, None] & ms[None, :] & STORE_RSTD)
+    return tl.sum(tl.sum(acc, axis=3) * rstd[:, None, :], axis=2)
 
 
 @triton.jit
 def _hc_down_fold_kernel(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, rstd_ptr, T,
                          stride_x, stride_o, eps, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                         INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                         HCP: tl.constexpr, INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
                          L2PF: tl.constexpr = False):
     """`_hc_down_kernel` with P folded in by linearity (kernel flag `hc_fold_norm`): row r of down(normed) is
@@ -316,16 +326,16 @@ def _hc_down_fold_kernel(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, ds_ptr, inj_pt
         mo = outs < R
         if Q8:
             acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, rstd_ptr, outs, mo, row0, T, stride_x,
-                                 stride_o, eps, pid_r == 0, H, HC, INJECT, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+                                 stride_o, eps, pid_r == 0, H, HC, HCP, INJECT, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
             acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
         else:
             acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, rstd_ptr, outs, mo, row0, T, stride_x,
-                                 stride_o, eps, pid_r == 0, H, HC, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+                                 stride_o, eps, pid_r == 0, H, HC, HCP, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
     else:
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
         acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, inj_ptr, rstd_ptr, outs, mo, row0, T, stride_x, stride_o,
-                             eps, False, H, HC, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+                             eps, False, H, HC, HCP, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
     dt: tl.constexpr = a_ptr.dtype.element_ty
     v = round_to(round_to(acc, dt) / HC, dt)
     mask = mt[:, None] & mo[None, :]
@@ -522,7 +532,8 @@ def _mix_fold(x, o, g, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, new_stre
     _hc_down_fold_kernel[(n_tiles, triton.cdiv(t, bt))](
         x, o, g, hc_norm_w, down_w, down_s if down_s is not None else a,
         inject_w.contiguous() if inject_w is not None else a, a, inject if inject is not None else a, rstd, t,
-        x.stride(0), o.stride(0), eps, H=hidden, R=rank, HC=hc, INJECT=inj, BLOCK_T=bt, BLOCK_R=br,
+        x.stride(0), o.stride(0), eps, H=hidden, R=rank, HC=hc, HCP=triton.next_power_of_2(hc), INJECT=inj,
+        BLOCK_T=bt, BLOCK_R=br,
         BLOCK_K=min(triton.next_power_of_2(hidden), bk), Q8=down_s is not None,
         num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
