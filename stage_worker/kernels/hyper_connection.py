@@ -23,12 +23,13 @@ accumulates the products and the squares of x elementwise from the same loads, a
 them, the squares into each stream's rstd, which then scales that stream's dot. No load waits on a statistic (the
 old fold's chain), the first weight tile still loads before `pdl_wait`, and the weight bytes are A's; what A' adds
 is x (and out once a step, g, the norm weight) from the L2 in place of normed rows, and a second reduction. Every
-program computes the same rstd (same loads, same order); its pid_r == 0 programs store it, [T, hc] fp32; `_hc_up_mix_fold_kernel` (B') recomputes normed for its H tile
-from x, rstd and w exactly as P rounds it, and stores the injected streams of that tile (P's other output). The
-one rounding that moves: A' rounds the down / block_inject outputs once after the dot, where the reference rounds
-each normed value to bf16 first; the difference, at most 2^-8 * sum_k |D[r, k] normed_k| and typically a fraction
-of one bf16 ulp of the output, is bounded in the tests (`assert_fold_close`); fp32 agrees to fp32 reassociation.
-Above DECODE_ROWS the flag keeps the three kernels (a 16-row block of A' spills ~20 KB at the full shape).
+program computes the same rstd (same loads, same order); its pid_r == 0 programs store it, [T, hc] fp32.
+`_hc_up_mix_fold_kernel` (B') recomputes normed for its H tile from x, rstd and w exactly as P rounds it, and
+stores the injected streams of that tile (P's other output). The one rounding that moves: A' rounds the down /
+block_inject outputs once after the dot, where the reference rounds each normed value to bf16 first; the
+difference, at most 2^-8 * sum_k |D[r, k] normed_k| and typically a fraction of one bf16 ulp of the output, is
+bounded in the tests (`assert_fold_close`); fp32 agrees to fp32 reassociation.
+Above DECODE_ROWS the flag keeps the three kernels (a 16-row block of A' spills 5-15 KB at the full shape).
 
 All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (the injection, normed, each Linear
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
@@ -477,7 +478,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         raise ValueError(f"block_inject weight {tuple(inject_w.shape)} is not {(hc, width)}")
     x = _rows_contiguous(streams)
     dev, dt = x.device, x.dtype
-    fold = fold and t <= DECODE_ROWS      # above: the three kernels (in the fold a BLOCK_T of 16 spills ~20 KB)
+    fold = fold and t <= DECODE_ROWS      # above: the three kernels (in the fold a BLOCK_T of 16 spills)
     hc_norm_w = hc_norm_w.contiguous()
     new_streams = x
     normed = None if fold else torch.empty((t, width), dtype=dt, device=dev)
@@ -520,7 +521,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
 def _mix_fold(x, o, g, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, new_streams, a, mixed, inject, hc: int,
               eps: float, pdl: bool, l2pf: bool) -> None:
     """`_mix`'s two launches under `hc_fold_norm` (o, g: the injection, or None): no normed rows, rstd [T, hc] fp32
-    from A to B. The launch tables are the three-kernel path's (not swept for these kernels)."""
+    from A' to B'. A' takes FOLD_DOWN_CFG(_Q8), B' B's UP_CFG(_Q8) (neither swept for these kernels yet)."""
     t, width = x.shape
     hidden, rank = width // hc, down_w.shape[0]
     rstd = torch.empty((t, hc), dtype=torch.float32, device=x.device)
