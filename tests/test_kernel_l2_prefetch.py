@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stage_worker.kernels import common
-from stage_worker.kernels.flags import NAMES, KernelFlags
+from stage_worker.kernels.flags import NAMES, NOT_IN_ALL, KernelFlags
 
 CUDA = torch.cuda.is_available()
 triton = pytest.importorskip("triton")
@@ -25,7 +25,8 @@ def test_flag_parse(monkeypatch):
     assert "l2_prefetch" in NAMES
     assert not KernelFlags.parse("all").l2_prefetch and not KernelFlags.parse("all,pdl").l2_prefetch
     both = KernelFlags.parse("all,pdl,l2_prefetch")
-    assert both.pdl and both.l2_prefetch and both == KernelFlags(**{n: n != "sdpa_prefill" for n in NAMES})
+    assert both.pdl and both.l2_prefetch and both == KernelFlags(**{n: n == "l2_prefetch" or n not in NOT_IN_ALL
+                                                                    for n in NAMES})
     assert not KernelFlags.parse("all,pdl,l2_prefetch,-l2_prefetch").l2_prefetch
     assert KernelFlags.parse("l2_prefetch").describe() == "l2_prefetch"
     monkeypatch.setenv("MOEPIPE_KERNELS", "all")

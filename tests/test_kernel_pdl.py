@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stage_worker.kernels import common
-from stage_worker.kernels.flags import NAMES, KernelFlags
+from stage_worker.kernels.flags import NAMES, NOT_IN_ALL, KernelFlags
 
 CUDA = torch.cuda.is_available()
 triton = pytest.importorskip("triton")
@@ -21,11 +21,11 @@ triton = pytest.importorskip("triton")
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
     assert KernelFlags.parse("all").pdl and KernelFlags.parse("pdl").pdl             # in "all" since h200-19
-    # every item but the named-only ones (l2_prefetch: tests/test_kernel_l2_prefetch.py; sdpa_prefill)
-    assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n not in ("l2_prefetch", "sdpa_prefill") for n in NAMES})
+    # every item but the named-only ones (flags.NOT_IN_ALL: l2_prefetch, sdpa_prefill, hc_fold_norm)
+    assert "pdl" not in NOT_IN_ALL and "l2_prefetch" in NOT_IN_ALL
+    assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n not in NOT_IN_ALL for n in NAMES})
     assert not KernelFlags.parse("-pdl").pdl
-    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n not in ("pdl", "l2_prefetch", "sdpa_prefill")
-                                                       for n in NAMES})
+    assert KernelFlags.parse("-pdl") == KernelFlags(**{n: n != "pdl" and n not in NOT_IN_ALL for n in NAMES})
     assert not KernelFlags.parse("none").pdl and KernelFlags.parse("pdl").describe() == "pdl"
     monkeypatch.setenv("MOEPIPE_KERNELS", "-pdl")
     assert not KernelFlags.from_env().pdl
