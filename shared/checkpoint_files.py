@@ -22,8 +22,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     else every `*.safetensors` in the directory."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / f for f in weight_map.values()})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (a JSON object whose weight_map maps tensor "
+                                  f"names to files): {type(exc).__name__}: {exc}") from None
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} lists {missing[0].name}, which is not in {model_dir}")

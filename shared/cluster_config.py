@@ -351,6 +351,12 @@ class ClusterConfig:
                 load(self.cold_experts, cfg)
             except ColdSetError as exc:
                 raise ClusterConfigError(f"cluster config: cold_experts: {exc}") from None
+        if self.max_model_len > cfg.longest_context:
+            raise ClusterConfigError(
+                f"max_model_len {self.max_model_len} is longer than this model serves: {cfg.longest_context} "
+                f"(max_position_embeddings {cfg.max_position_embeddings}"
+                f"{', ' + cfg.rope_scaling['rope_type'] + ' RoPE scaling' if cfg.rope_scaling else ''}); lower "
+                f"--max-model-len")
         try:
             block_size = resolve_block_size(cfg, self.block_size)
             costs = [stage_block_cost(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype),
@@ -359,10 +365,21 @@ class ClusterConfig:
             budget = self.kv_cache_memory or default_kv_budget(
                 costs, block_size, max_len, any(s.device.startswith("cuda") for s in self.stages))
             num_blocks = self.num_blocks or auto_num_blocks(costs, block_size, max_len, self.max_num_seqs, budget)
+            fitted = {}
+            if self.num_blocks and self.num_blocks * block_size < max_len:
+                # a request the pool can never hold would wait at the head of the queue forever (and every request
+                # behind it): a set max_model_len is refused, as vLLM refuses a KV cache shorter than it; an unset
+                # one becomes what the pool holds (as the GPU memory plan fits it)
+                if self.max_model_len:
+                    raise KvLayoutError(
+                        f"num_blocks {self.num_blocks} x block_size {block_size} = {self.num_blocks * block_size} "
+                        f"KV tokens cannot hold one sequence of max_model_len {max_len}: raise --num-blocks to at "
+                        f"least {-(-max_len // block_size)} or lower --max-model-len")
+                fitted = {"max_model_len": self.num_blocks * block_size}
         except KvLayoutError as exc:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
-                                   ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2)
+                                   ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2, **fitted)
 
     def keeps_fp8_experts(self) -> bool:
         """Whether a block-FP8 checkpoint's experts stay float8: the switch, and with cold experts also

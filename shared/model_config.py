@@ -142,6 +142,20 @@ class HybridMoeConfig:
         need(self.mtp_num_hidden_layers in (0, 1), "mtp_num_hidden_layers", "0 or 1 MTP layers are supported")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
 
+    @property
+    def longest_context(self) -> int:
+        """The longest sequence this config serves as transformers computes it (vLLM's derived max_model_len):
+        max_position_embeddings, times the factor for linear scaling, original_max_position_embeddings times the
+        factor for YaRN (both are position-independent, so exact at any length). Not past max_position_embeddings
+        for dynamic NTK: transformers rescales there by the sequence length, which moepipe does not compute."""
+        kind = self.rope_scaling.get("rope_type")
+        if kind == "linear":
+            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+        if kind == "yarn":
+            return max(self.max_position_embeddings,
+                       int(self.rope_scaling["original_max_position_embeddings"] * self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
     # ---- construction --------------------------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> set[str]:

@@ -87,7 +87,10 @@ def _weight_quant(group: str, scheme: dict, fmt: str) -> WeightQuant:
     if not isinstance(w, dict):
         raise QuantSchemeError(f"quantization_config.config_groups.{group}: no `weights` scheme (activation-only "
                                f"quantization is not supported)")
-    kind, bits = w.get("type", "int"), int(w.get("num_bits", 0))
+    kind, bits = w.get("type", "int"), w.get("num_bits", 0)
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}.weights.num_bits: expected an integer, got "
+                               f"{bits!r}")
     strategy = w.get("strategy") or "tensor"
     if scheme.get("input_activations") not in (None, {}):
         raise QuantSchemeError(f"quantization_config.config_groups.{group}: activation quantization "
@@ -115,12 +118,15 @@ def parse(config: dict) -> QuantPlan | None:
     q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not q:
         return None
+    if not isinstance(q, dict):
+        raise QuantSchemeError(f"quantization_config must be an object, got {q!r}")
     method = q.get("quant_method")
     if method == "fp8":
         block = q.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2):
-            raise QuantSchemeError(f"quantization_config: fp8 without weight_block_size [rows, columns] "
-                                   f"(per-tensor fp8 is not supported): {q}")
+        if not (isinstance(block, list) and len(block) == 2 and
+                all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise QuantSchemeError(f"quantization_config: fp8 needs weight_block_size [rows, columns] of positive "
+                                   f"integers (per-tensor fp8 is not supported): {q}")
         wq = WeightQuant(bits=8, kind="float", strategy="block", block=tuple(block), format="float-quantized")
         return QuantPlan("fp8", {"Linear": ("fp8", wq)}, list(q.get("modules_to_not_convert") or []))
     if method != "compressed-tensors":
@@ -129,6 +135,9 @@ def parse(config: dict) -> QuantPlan | None:
     groups = q.get("config_groups") or {}
     if not groups:
         raise QuantSchemeError("quantization_config (compressed-tensors) has no config_groups")
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise QuantSchemeError("quantization_config.config_groups must map group names to schemes (objects), got "
+                               f"{type(groups).__name__}")
     default_fmt = q.get("format") or "pack-quantized"
     targets: dict[str, tuple[str, WeightQuant]] = {}
     shadowed: dict[str, list[str]] = {}
@@ -192,6 +201,8 @@ def _shape_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]], method: s
         if tuple(s) != want:
             return f"fp8 block {wq.block}: weight_scale_inv is {list(s)}, expected {list(want)}"
         return None
+    if wq.kind == "float" or wq.format != "pack-quantized":
+        return _unpacked_problem(wq, parts)
     packed, scale = parts.get("weight_packed"), parts.get("weight_scale")
     if packed is None or scale is None:
         return f"{wq.describe()}: weight_packed or weight_scale missing"
@@ -205,6 +216,24 @@ def _shape_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]], method: s
                     f"(another bit width or group size?)")
     elif wq.strategy == "channel" and scale[0] != rows:
         return f"{wq.describe()}: weight_scale has {scale[0]} rows, the weight {rows}"
+    if not wq.symmetric and "weight_zero_point" not in parts:
+        return f"{wq.describe()}: asymmetric, but no weight_zero_point"
+    return None
+
+
+def _unpacked_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]]) -> str | None:
+    """The compressed-tensors formats that store one value an element (`float-quantized`: float8; `int-quantized`,
+    `naive-quantized`: int8): `weight` [rows, in] and `weight_scale` by the strategy."""
+    w, scale = parts.get("weight"), parts.get("weight_scale")
+    if w is None or scale is None or len(w) != 2:
+        return f"{wq.describe()}: weight or weight_scale missing"
+    rows, cols = w
+    if wq.strategy == "channel" and scale[0] != rows:
+        return f"{wq.describe()}: weight_scale has {scale[0]} rows, the weight {rows}"
+    if wq.strategy == "group" and scale[-1] != -(-cols // wq.group_size):
+        return f"{wq.describe()}: {scale[-1]} scale columns for {cols} inputs"
+    if wq.strategy == "block" and tuple(scale) != (-(-rows // wq.block[0]), -(-cols // wq.block[1])):
+        return f"{wq.describe()}: weight_scale is {list(scale)} for a {rows} x {cols} weight"
     if not wq.symmetric and "weight_zero_point" not in parts:
         return f"{wq.describe()}: asymmetric, but no weight_zero_point"
     return None

@@ -54,7 +54,12 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     eos = cfg.get("eos_token_id")
     if isinstance(eos, int):
         cfg["eos_token_id"] = [eos]

@@ -356,3 +356,33 @@ def test_flat_vision_config_is_logged(ref, caplog):
     assert cfg == config_from_dict(config)                      # accepted either way
     assert len(caplog.records) == 1
     assert "vision_config" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("index,why", [("{not json", "is not a safetensors index"),
+                                       ('{"metadata": {}}', "is not a safetensors index"),
+                                       ('{"weight_map": [1, 2]}', "is not a safetensors index")])
+def test_a_broken_index_is_named(ref, tmp_path, index, why):
+    """A malformed model.safetensors.index.json is a CheckpointError naming the file (was a JSONDecodeError or a
+    KeyError traceback from `moepipe serve`)."""
+    path, tensors, config = ref
+    d = _write(tmp_path / "ck", tensors, config)
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=f"model.safetensors.index.json {why}"):
+        _load(d)
+
+
+@pytest.mark.parametrize("qc,field", [
+    ("fp8", "quantization_config must be an object"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "config_groups": [{"targets": ["Linear"]}]}, "config_groups must map"),
+    ({"quant_method": "compressed-tensors",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": "four", "type": "int"}}}},
+     "config_groups.g.weights.num_bits"),
+])
+def test_malformed_quantization_metadata_is_named(ref, tmp_path, qc, field):
+    """Quantization metadata of the wrong shape names the field (were AttributeError / ZeroDivisionError /
+    int() tracebacks)."""
+    from shared.quant_scheme import QuantSchemeError, parse
+
+    with pytest.raises(QuantSchemeError, match=field):
+        parse({"quantization_config": qc})

@@ -174,6 +174,7 @@ def test_default_kv_budget_fits_one_full_sequence_on_a_gpu(tiny, tmp_path):
     cpu = build_cluster_config(ServeOptions(model=tiny, stages=2), tmp_path)
     worst = max(block_bytes(cfg, s.start, s.end, 16, "float32") for s in cpu.stages)
     long_len = int(5 * GIB / worst) * 16                                # one sequence: ~5 GiB, over the 4 GiB default
+    cfg = dataclasses.replace(cfg, max_position_embeddings=long_len)     # a model that serves that length
     base = dataclasses.replace(cpu, num_blocks=0, block_size=0, max_model_len=long_len, max_num_seqs=4,
                                dtype="float32")
     with pytest.raises(ClusterConfigError, match=f"max_model_len {long_len} needs"):
@@ -345,3 +346,52 @@ def test_the_processes_take_the_launcher_s_values_not_the_environment_again(tiny
     assert "MOEPIPE_MAX_NUM_BATCHED_TOKENS" not in child and child["MOEPIPE_PROFILE"] == "/tmp/p"
     monkeypatch.delenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS")
     assert load_cluster_config(path).max_num_batched_tokens == 2048        # ... and what the launcher's child reads
+
+
+def test_a_kv_pool_or_a_length_the_model_cannot_serve_is_refused_at_start(tiny, tmp_path):
+    """An explicit --num-blocks smaller than one max_model_len sequence (a request that cannot fit waited at the head
+    of the queue forever, and every request behind it, /health still 200): refused with a set --max-model-len (as
+    vLLM does), an unset one fitted to the pool; a --max-model-len past what the model serves is refused; linear and
+    YaRN scaling extend that limit by their factor, dynamic NTK does not."""
+    import dataclasses
+
+    from shared.model_config import load_config
+
+    cfg = load_config(tiny)
+    limit = cfg.max_position_embeddings
+    with pytest.raises(ClusterConfigError, match=r"num_blocks 1 x block_size 16 = 16 KV tokens cannot hold one "
+                                                 r"sequence of max_model_len 64: raise --num-blocks to at least 4"):
+        build_cluster_config(ServeOptions(model=tiny, extra={"num_blocks": 1, "block_size": 16,
+                                                             "max_model_len": 64}), tmp_path)
+    fitted = build_cluster_config(ServeOptions(model=tiny, extra={"num_blocks": 2, "block_size": 16}), tmp_path)
+    assert (fitted.num_blocks, fitted.max_model_len) == (2, 32)        # unset: what the pool holds
+    assert load_cluster_config(_written(fitted, tmp_path)).for_model(cfg) == fitted
+    with pytest.raises(ClusterConfigError, match=f"max_model_len {limit + 1} is longer than this model serves: "
+                                                 f"{limit}"):
+        build_cluster_config(ServeOptions(model=tiny, extra={"max_model_len": limit + 1}), tmp_path)
+    for kind, factor, serves in (("linear", 2.0, 2 * limit), ("dynamic", 2.0, limit),
+                                 ("yarn", 4.0, 4 * limit)):
+        scaled = dataclasses.replace(cfg, rope_scaling={"rope_type": kind, "factor": factor,
+                                                        "original_max_position_embeddings": limit})
+        assert scaled.longest_context == serves, kind
+
+
+def test_tokenizer_and_generation_config_problems_stop_serve_before_any_stage_starts(tiny, tmp_path):
+    """The gateway reads them at its start, after every stage has loaded its weights (minutes on a large model), and
+    a problem there was a traceback: the launcher (`Cluster`, before it starts any process) names it instead."""
+    import shutil
+
+    from gateway.launcher import Cluster
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny, ck)
+    (ck / "generation_config.json").write_text("{bad")
+    with pytest.raises(ValueError, match="cannot read .*generation_config.json"):
+        Cluster(ServeOptions(model=ck, run_dir=tmp_path / "r1"))
+    (ck / "generation_config.json").unlink()
+    (ck / "tokenizer.json").write_text("garbage")
+    with pytest.raises(ValueError, match="cannot load .*tokenizer.json"):
+        Cluster(ServeOptions(model=ck, run_dir=tmp_path / "r2"))
+    (ck / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        Cluster(ServeOptions(model=ck, run_dir=tmp_path / "r3"))

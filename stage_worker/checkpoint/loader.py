@@ -321,8 +321,8 @@ class _Dequantizer:
         split = _quant_part(name)
         if split is None or f"{split[0]}.weight" not in self.pieces:
             return False
-        if split[1] == "weight":         # a plain weight, unless float8 (then its scale follows)
-            return f.get_slice(raw_name).get_dtype() in ("F8_E4M3", "F8_E5M2")
+        if split[1] == "weight":         # a plain weight, unless float8 or int8 values (then a scale follows)
+            return f.get_slice(raw_name).get_dtype() in ("F8_E4M3", "F8_E5M2", "I8")
         return True
 
     def add(self, name: str, tensor: torch.Tensor, raw_name: str, path: Path):

@@ -101,7 +101,11 @@ def _modules(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every 2-D `.weight` tensor's module -> shape, fused 3-D experts as their per-expert modules."""
     out: dict[str, tuple[int, ...]] = {}
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt") as f:
+        try:
+            f = safe_open(path, framework="pt")
+        except Exception as exc:        # safetensors raises its own error type for a truncated or empty file
+            raise QuantizeError(f"cannot read {path}: {exc}") from None
+        with f:
             for name in f.keys():
                 shape = tuple(f.get_slice(name).get_shape())
                 if name.endswith(".weight") and len(shape) == 2:
@@ -185,7 +189,12 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str) -> dict:
     src, dst = Path(src), Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise QuantizeError(f"{dst} exists and is not empty")
-    config = json.loads((src / "config.json").read_text())
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise QuantizeError(f"cannot read {src / 'config.json'}: {exc}") from None
+    if not isinstance(config, dict):
+        raise QuantizeError(f"{src / 'config.json'} is not a JSON object")
     if config.get("quantization_config"):
         raise QuantizeError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     chosen, groups = plan(src, scheme)

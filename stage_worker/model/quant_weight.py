@@ -1,12 +1,14 @@
 """Quantized Linear weights as checkpoints store them, and their dequantization (issue 17).
 
-Two on-disk forms, both read here without the compressed-tensors library (a serving machine needs only this):
+Three on-disk forms, all read here without the compressed-tensors library (a serving machine needs only this):
 * compressed-tensors `pack-quantized` (INT1-8): `weight_packed` int32 [rows, words], `weight_scale` [rows, groups]
   (one column per channel, one value per tensor), `weight_shape` [rows, in], and for asymmetric schemes
   `weight_zero_point` packed along its rows. Values are stored as `q + 2^(bits-1)`. The library has packed densely
   since 0.20 (value i of a row at bit i*bits of the row's word stream, crossing words); older releases put
   32 // bits values in each word. The two agree for 1, 2, 4 and 8 bits; for other widths the word count says which
   (dense, where both fit).
+* compressed-tensors `int-quantized` / `naive-quantized`: `weight` int8 [rows, in] holding the values themselves,
+  `weight_scale` (and `weight_zero_point`) as above, unpacked.
 * float8 (`float-quantized` in compressed-tensors, or transformers' `fp8` with `weight_block_size`): a float8 weight
   and a float32 scale per block of rows x columns (`weight_scale`, or `weight_scale_inv` for `fp8`), edge blocks
   cut where the weight's rows or columns are not a multiple of the block.
@@ -80,19 +82,25 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
 
 
 def dequantize_int(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight [rows, in] of one pack-quantized module's tensors (`weight_packed`, `weight_scale`,
-    `weight_shape`, `weight_zero_point` when asymmetric), computed in the scale's dtype as the library does."""
-    rows, n = (int(v) for v in parts["weight_shape"].tolist())
-    q = unpack(parts["weight_packed"], wq.bits, n)
-    if q.shape[0] != rows:
-        raise QuantSchemeError(f"weight_packed has {q.shape[0]} rows, weight_shape says {rows}")
+    """The float weight [rows, in] of one module's tensors, computed in the scale's dtype as the library does:
+    pack-quantized (`weight_packed`, `weight_shape`) or one integer an element (`int-quantized` /
+    `naive-quantized`: `weight` int8 [rows, in], the values themselves), `weight_scale`, and `weight_zero_point`
+    when asymmetric (packed along its rows in the packed format)."""
+    if wq.format == "pack-quantized":
+        rows, n = (int(v) for v in parts["weight_shape"].tolist())
+        q = unpack(parts["weight_packed"], wq.bits, n)
+        if q.shape[0] != rows:
+            raise QuantSchemeError(f"weight_packed has {q.shape[0]} rows, weight_shape says {rows}")
+    else:
+        q = parts["weight"]
+        rows, n = q.shape
     scale = parts["weight_scale"]
     zp = None
     if not wq.symmetric:
         if "weight_zero_point" not in parts:
             raise QuantSchemeError(f"{wq.describe()}: asymmetric, but no weight_zero_point")
         zp = parts["weight_zero_point"]
-        if zp.dtype == torch.int32 and wq.strategy in ("group", "channel"):
+        if zp.dtype == torch.int32 and wq.strategy in ("group", "channel") and wq.format == "pack-quantized":
             zp = unpack_rows(zp, wq.bits, rows)
     if wq.strategy == "tensor":
         scale = scale.reshape(1, 1)
@@ -145,5 +153,6 @@ def needed(wq: WeightQuant, method: str) -> set[str]:
     """The on-disk tensors of one module that `dequantize` waits for."""
     if wq.kind == "float":
         return {"weight", "weight_scale_inv" if method == "fp8" else "weight_scale"}
-    out = {"weight_packed", "weight_scale", "weight_shape"}
+    out = {"weight_packed", "weight_scale", "weight_shape"} if wq.format == "pack-quantized" else \
+        {"weight", "weight_scale"}
     return out if wq.symmetric else out | {"weight_zero_point"}
