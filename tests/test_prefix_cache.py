@@ -161,7 +161,7 @@ def test_evictions_and_preemptions_keep_the_tokens(tiny_checkpoint):
         for i, ids in enumerate(prompts)]
     results = []
     for keys in (dict(enable_prefix_caching=False), dict(prefix_cache_states=1)):
-        core = local_engine_core(tiny_checkpoint, stages=2, max_model_len=256, block_size=16, max_num_seqs=4,
+        core = local_engine_core(tiny_checkpoint, stages=2, max_model_len=224, block_size=16, max_num_seqs=4,
                                  max_num_batched_tokens=24, num_blocks=14, **keys)
         try:
             out = collect_events(core, requests()) + collect_events(core, requests())
