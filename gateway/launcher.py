@@ -156,7 +156,14 @@ def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) 
         raise RuntimeError(f"the model does not fit: {exc}") from None
     stages = [(s.start, s.end) for s in cluster.stages]
     usage_file = Path(cluster.model) / "route_usage.json"
-    scores = cold_set.kind_normalised(json.loads(usage_file.read_text())["usage"]) if usage_file.is_file() else None
+    scores = None
+    if usage_file.is_file():        # `moepipe route-stats` output beside the checkpoint: this model's, or named
+        try:
+            scores = cold_set.kind_normalised(json.loads(usage_file.read_text())["usage"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise cold_set.ColdSetError(f"{usage_file}: not a route_usage.json ({type(exc).__name__}: {exc}); "
+                                        f"rerun `moepipe route-stats` or remove it") from None
+        cold_set.check_scores(scores, cfg, f"{usage_file} (rerun `moepipe route-stats` or remove it)")
     # one expert as each stage holds it: an INT4 checkpoint's experts kept packed at their packed size (the needs
     # say), else the compute dtype's
     sizes = {n.stage: n.expert_bytes for n in inputs[0] if n.expert_bytes}

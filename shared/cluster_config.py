@@ -7,6 +7,7 @@ be measured against its absence.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -283,8 +284,9 @@ class ClusterConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ClusterConfigError(f"cluster config: gpu_memory_utilization must be in (0, 1], got "
                                      f"{self.gpu_memory_utilization}")
-        if self.vram_limit < 0 or self.kv_cache_memory_bytes < 0:
-            raise ClusterConfigError("cluster config: vram_limit and kv_cache_memory_bytes must be >= 0 (0 = none)")
+        if not (0 <= self.vram_limit < math.inf and 0 <= self.kv_cache_memory_bytes < math.inf):
+            raise ClusterConfigError("cluster config: vram_limit and kv_cache_memory_bytes must be finite and >= 0 "
+                                     f"(0 = none), got {self.vram_limit} and {self.kv_cache_memory_bytes}")
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or self.expert_move_margin < 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
@@ -309,10 +311,11 @@ class ClusterConfig:
             raise ClusterConfigError("cluster config: ple_decode_in_stage_max_seqs must be >= 1, or 0 for every decode "
                                      "step (a PLE stage gathers its own rows for decode steps of up to this many "
                                      "sequences; to never, set ple_decode_in_stage = false)")
-        for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit"):
+        for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit", "max_model_len"):
             if getattr(self, name) < 0:
-                raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model)")
-        if not self.kv_cache_memory >= 0:
+                raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model), got "
+                                         f"{getattr(self, name)}")
+        if not 0 <= self.kv_cache_memory < math.inf:
             raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB (or 0 for the default), "
                                      f"got {self.kv_cache_memory}")
         if not (isinstance(self.recovery_timeout, (int, float)) and 0 <= self.recovery_timeout < float("inf")):

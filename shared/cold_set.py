@@ -70,20 +70,37 @@ def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[fl
     return scores
 
 
+def check_scores(scores: dict[int, list[float]], cfg: HybridMoeConfig, source: str) -> None:
+    """Routing counts from `source` must be of this model: every counted layer one of its MoE layers, with its
+    number of experts (counts of another checkpoint would place experts on a dense layer, or index past a row)."""
+    bad = [layer for layer in sorted(scores) if not (0 <= layer < cfg.num_hidden_layers and cfg.is_sparse_moe(layer))
+           or len(scores[layer]) != cfg.num_experts]
+    if bad:
+        raise ColdSetError(f"{source}: the counts of layers {bad} do not match this model ({cfg.num_hidden_layers} "
+                           f"layers, {cfg.num_experts} experts, MoE layers "
+                           f"{[x for x in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(x)]})")
+
+
 def choose(scores: dict[int, list[float]], stages: list[tuple[int, int]], per_expert: int | list[int],
            budget_bytes: int) -> dict[int, list[int]]:
     """Per stage (layer range), the least used experts of its layers, lowest score first (ties: lower layer, lower
-    id), as many as fit in `budget_bytes`; layer -> sorted expert ids. `per_expert`: one expert's bytes as the
-    stages hold it (a list: per stage, e.g. INT4 experts at their packed size)."""
+    id), as many as fit in `budget_bytes` but never every expert of a layer (one stays in VRAM, as the server
+    requires); layer -> sorted expert ids. `per_expert`: one expert's bytes as the stages hold it (a list: per
+    stage, e.g. INT4 experts at their packed size)."""
     cold: dict[int, list[int]] = {}
     sizes = per_expert if isinstance(per_expert, list) else [per_expert] * len(stages)
     for (start, end), size in zip(stages, sizes):
         fit = budget_bytes // size if size > 0 else 0
         ranked = sorted((score, layer, e) for layer in range(start, end) if layer in scores
                         for e, score in enumerate(scores[layer]))
-        for _, layer, e in ranked[:fit]:
-            cold.setdefault(layer, []).append(e)
-    return {layer: sorted(ids) for layer, ids in sorted(cold.items())}
+        for _, layer, e in ranked:
+            if fit <= 0:
+                break
+            ids = cold.setdefault(layer, [])
+            if len(ids) < len(scores[layer]) - 1:
+                ids.append(e)
+                fit -= 1
+    return {layer: sorted(ids) for layer, ids in sorted(cold.items()) if ids}
 
 
 def spread(cfg: HybridMoeConfig, stages: list[tuple[int, int]], host_bytes: list[int], per_expert: int | list[int],
@@ -149,9 +166,17 @@ def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
         raise ColdSetError(f"{path}: not a readable cold-set file ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ColdSetError(f"{path}: format is not {FORMAT!r} (write one with `moepipe cold-set`)")
+    if data.get("num_experts", cfg.num_experts) != cfg.num_experts:
+        raise ColdSetError(f"{path}: written for a model of {data['num_experts']} experts a layer (its model: "
+                           f"{data.get('model')}); this one has {cfg.num_experts}")
+    layers = data.get("layers") or {}
+    if not isinstance(layers, dict):
+        raise ColdSetError(f"{path}: \"layers\" must map layer numbers to expert ids")
     out: dict[int, list[int]] = {}
-    for layer, ids in (data.get("layers") or {}).items():
-        if not (str(layer).isdigit() and int(layer) < cfg.num_hidden_layers and cfg.is_sparse_moe(int(layer))):
+    for layer, ids in layers.items():
+        layer = str(layer)
+        if not (layer.isascii() and layer.isdigit() and int(layer) < cfg.num_hidden_layers
+                and cfg.is_sparse_moe(int(layer))):
             raise ColdSetError(f"{path}: layer {layer} is not a MoE layer of this model "
                                f"({cfg.num_hidden_layers} layers)")
         if not (isinstance(ids, list) and all(isinstance(e, int) and 0 <= e < cfg.num_experts for e in ids)

@@ -112,11 +112,7 @@ def _cold_set(args: argparse.Namespace) -> int:
     budget = int(args.gib_per_stage * (1 << 30))
     try:
         scores = cold_set.kind_normalised(usage)
-        bad = [layer for layer in scores if not (0 <= layer < cfg.num_hidden_layers)
-               or len(scores[layer]) != cfg.num_experts]
-        if bad:
-            raise cold_set.ColdSetError(f"the counts of layers {bad} do not match this model "
-                                        f"({cfg.num_hidden_layers} layers, {cfg.num_experts} experts)")
+        cold_set.check_scores(scores, cfg, str(args.usage))
         cold = cold_set.choose(scores, stages, per_expert, budget)
     except cold_set.ColdSetError as exc:
         print(f"moepipe cold-set: {exc}", file=sys.stderr)

@@ -395,3 +395,14 @@ def test_tokenizer_and_generation_config_problems_stop_serve_before_any_stage_st
     (ck / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         Cluster(ServeOptions(model=ck, run_dir=tmp_path / "r3"))
+
+
+@pytest.mark.parametrize("extra,match", [({"max_model_len": -1}, "max_model_len must be >= 1, or 0"),
+                                         ({"kv_cache_memory": float("inf")}, "kv_cache_memory must be"),
+                                         ({"kv_cache_memory": float("nan")}, "kv_cache_memory must be"),
+                                         ({"vram_limit": float("inf")}, "must be finite")])
+def test_lengths_and_sizes_that_cannot_be_served_are_named(tiny, tmp_path, extra, match):
+    """(QA, 2026-12-05) --max-model-len -1 started a server whose every request was a 400; --kv-cache-memory inf was
+    an OverflowError traceback."""
+    with pytest.raises(ClusterConfigError, match=match):
+        build_cluster_config(ServeOptions(model=tiny, extra=extra), tmp_path)

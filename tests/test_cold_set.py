@@ -61,10 +61,14 @@ def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
         assert 0 < n * data["expert_bytes"] == stage["cold_bytes"] <= stage["budget_bytes"]
     bad = tmp_path / "bad.json"
     for layers, match in [({"99": [1]}, "not a MoE layer"), ({"0": [1, 1]}, "distinct"),
-                          ({"0": list(range(cfg.num_experts))}, "all")]:
+                          ({"0": list(range(cfg.num_experts))}, "all"), ([[0, 1]], "must map layer numbers"),
+                          ({"\u00b2": [1]}, "not a MoE layer")]:          # "²".isdigit(), but not a number
         bad.write_text(json.dumps({**data, "layers": layers}))
         with pytest.raises(cold_set.ColdSetError, match=match):
             cold_set.load(bad, cfg)
+    bad.write_text(json.dumps({**data, "num_experts": cfg.num_experts + 1}))       # another checkpoint's file
+    with pytest.raises(cold_set.ColdSetError, match=f"written for a model of {cfg.num_experts + 1} experts"):
+        cold_set.load(bad, cfg)
     bad.write_text("{}")
     with pytest.raises(cold_set.ColdSetError, match="format"):
         cold_set.load(bad, cfg)
@@ -104,8 +108,9 @@ def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_the
     model = fp8_dirs["qwen3_next"]
     cfg = load_config(model)
     usage = tmp_path / "route_usage.json"
-    usage.write_text(json.dumps({"usage": {"code": _usage(cfg.num_hidden_layers, cfg.num_experts, range(2), 50)},
-                                 "meta": {"tokens_per_kind": {"code": 50}}}))
+    counts = {layer: row for layer, row in _usage(cfg.num_hidden_layers, cfg.num_experts, range(2), 50).items()
+              if cfg.is_sparse_moe(int(layer))}                  # route-stats counts the MoE layers only
+    usage.write_text(json.dumps({"usage": {"code": counts}, "meta": {"tokens_per_kind": {"code": 50}}}))
     sizes = {}
     for tables in ("0", "1"):
         out = tmp_path / f"cold{tables}.json"
@@ -115,3 +120,26 @@ def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_the
         sizes[tables] = json.loads(out.read_text())["expert_bytes"]
     assert sizes == {"0": cold_set.expert_bytes(cfg), "1": cold_set.fp8_expert_bytes(cfg, (128, 128))}
     assert sizes["1"] < sizes["0"]
+
+
+def test_counts_of_another_model_are_refused_and_no_layer_goes_all_to_host(tmp_path):
+    """(QA, 2026-12-05) A budget that holds every expert wrote a file the server then refused (`choose` did not keep
+    one expert a layer in VRAM); counts of another checkpoint (a dense layer counted as MoE, another expert count)
+    were accepted by cold-set, and beside a checkpoint `--cold-experts auto` indexed past them (IndexError)."""
+    from shared.cli import ensure_builtin_model
+
+    cfg = load_config(ensure_builtin_model())
+    E, L = cfg.num_experts, cfg.num_hidden_layers
+    scores = {layer: [1.0 / (e + 1) for e in range(E)] for layer in range(L)}
+    cold = cold_set.choose(scores, [(0, L)], 1, budget_bytes=10 ** 9)        # room for every expert
+    assert all(len(ids) == E - 1 for ids in cold.values()) and len(cold) == L
+    assert cold_set.choose(scores, [(0, L)], 1, budget_bytes=L)   # a small budget: the least used first
+    cold_set.check_scores(scores, cfg, "ok")
+    with pytest.raises(cold_set.ColdSetError, match=r"x: the counts of layers \[0\]"):
+        cold_set.check_scores({**scores, 0: [1.0] * (E + 1)}, cfg, "x")
+    from shared.model_config import Qwen3NextConfig
+
+    dense = Qwen3NextConfig(num_hidden_layers=L, num_experts=E, mlp_only_layers=[0],
+                            layer_types=["linear_attention"] * (L - 1) + ["full_attention"])
+    with pytest.raises(cold_set.ColdSetError, match=r"the counts of layers \[0\] do not match"):
+        cold_set.check_scores(scores, dense, "y")
