@@ -36,6 +36,9 @@ PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (
 # attention path takes the chunk's queries 512 at a time (model/attention.py DENSE_PREFILL_QUERIES), so the plan's
 # reserve grows by the other layers' activations only. vLLM's own default on large GPUs is 2048-8192.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# Sequences at once, at most: each is a state slot in every stage and a block-table row in the engine core
+# (vLLM's defaults are 256-1024).
+MAX_NUM_SEQS = 16384
 
 
 @dataclass
@@ -278,6 +281,9 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.max_num_seqs > MAX_NUM_SEQS:    # per-slot state in every process: 10^9 was an OOM kill at start-up
+            raise ClusterConfigError(f"cluster config: max_num_seqs {self.max_num_seqs} is more than "
+                                     f"{MAX_NUM_SEQS} sequences at once")
         if self.prefix_cache_states < 0:
             raise ClusterConfigError(f"cluster config: prefix_cache_states must be >= 0 (0 = no prefix cache), got "
                                      f"{self.prefix_cache_states}")

@@ -78,8 +78,9 @@ def _cold_set(args: argparse.Namespace) -> int:
         print(f"moepipe cold-set: {args.usage}: not a route_usage.json from tools/route_trace.py ({exc})",
               file=sys.stderr)
         return 2
-    if args.gib_per_stage <= 0:
-        print("moepipe cold-set: --gib-per-stage must be > 0", file=sys.stderr)
+    if not 0 < args.gib_per_stage < float("inf"):          # NaN too
+        print(f"moepipe cold-set: --gib-per-stage must be a positive number, got {args.gib_per_stage}",
+              file=sys.stderr)
         return 2
     from shared.quant_scheme import plan_of
     from stage_worker.checkpoint.packed_experts import fp8_layers, packed_layers

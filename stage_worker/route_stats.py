@@ -126,6 +126,8 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
                     break
                 ids.extend(tok.encode(f.read_text(encoding="utf-8", errors="replace")))
                 ids.append(eos)
+            if len(ids) <= len(files):          # end-of-sequence ids only: no counts to choose a cold set from
+                raise ValueError(f"--text {kind}=...: {', '.join(map(str, files))} hold no text")
             stream = np.asarray(ids[:tokens_per_kind], dtype=np.int64)
             sel = trace_windows(model, windows(stream, chunk), batch, engine)
             usage[kind] = usage_counts(sel, num_experts)

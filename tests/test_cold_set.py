@@ -100,6 +100,12 @@ def test_route_stats_counts_every_token_of_every_kind_and_feeds_cold_set(tmp_pat
     assert cold_set.load(out, load_config(ensure_builtin_model()))
     r = moepipe("route-stats", "--text", "nokind", "--out", str(usage))
     assert r.returncode == 2 and "KIND=PATH" in r.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")                         # counted as one end-of-sequence token before (QA, 2026-12-05)
+    r = moepipe("route-stats", "--text", f"code={empty}", "--out", str(usage))
+    assert r.returncode == 2 and "hold no text" in r.stderr, r.stderr
+    r = moepipe("cold-set", "--usage", str(TRACE), "--gib-per-stage", "inf", "--out", str(tmp_path / "c.json"))
+    assert r.returncode == 2 and "--gib-per-stage must be a positive number" in r.stderr, r.stderr
 
 
 def test_cold_set_sizes_a_block_fp8_checkpoint_s_experts_as_the_server_keeps_them(fp8_dirs, tmp_path):
