@@ -293,7 +293,7 @@ class ClusterConfig:
         if not (0 <= self.vram_limit < math.inf and 0 <= self.kv_cache_memory_bytes < math.inf):
             raise ClusterConfigError("cluster config: vram_limit and kv_cache_memory_bytes must be finite and >= 0 "
                                      f"(0 = none), got {self.vram_limit} and {self.kv_cache_memory_bytes}")
-        if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or self.expert_move_margin < 0:
+        if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or not self.expert_move_margin >= 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
         if not 0 <= self.gil_switch_interval_ms <= 1000:

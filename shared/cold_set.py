@@ -146,12 +146,20 @@ def write(path: str | Path, cfg: HybridMoeConfig, model: str, cold: dict[int, li
             | ({"expert_bytes": size} if isinstance(per_expert, list) else {})
             for (s, e), size in zip(stages, sizes)]
     path.write_text(json.dumps({"format": FORMAT, "model": model, "num_experts": cfg.num_experts,
+                                "shape": shape(cfg),
                                 "expert_bytes": sizes[0] if sizes else per_expert, "stages": rows, "kinds": kinds,
                                 "layers": {str(k): v for k, v in cold.items()}}, indent=1) + "\n")
     return path
 
 
 AUTO = "auto"     # `--cold-experts auto`: the launcher writes a file from the memory plan (gateway/launcher.py)
+
+
+def shape(cfg: HybridMoeConfig) -> dict:
+    """What a cold-set file was chosen for, beyond the expert count: another checkpoint's file is refused."""
+    return {"num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "moe_layers": [x for x in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(x)]}
 
 
 def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
@@ -169,6 +177,13 @@ def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
     if data.get("num_experts", cfg.num_experts) != cfg.num_experts:
         raise ColdSetError(f"{path}: written for a model of {data['num_experts']} experts a layer (its model: "
                            f"{data.get('model')}); this one has {cfg.num_experts}")
+    mine = shape(cfg)
+    theirs = data.get("shape")                  # files written before 2026-12-05 carry none
+    if isinstance(theirs, dict) and any(theirs.get(k, v) != v for k, v in mine.items()):
+        diff = next(k for k, v in mine.items() if theirs.get(k, v) != v)
+        raise ColdSetError(f"{path}: written for another model (its {diff} {theirs[diff]}, this one's "
+                           f"{mine[diff]}; its model: {data.get('model')}): write one for this checkpoint with "
+                           f"`moepipe cold-set`")
     layers = data.get("layers") or {}
     if not isinstance(layers, dict):
         raise ColdSetError(f"{path}: \"layers\" must map layer numbers to expert ids")
@@ -179,7 +194,8 @@ def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
                 and cfg.is_sparse_moe(int(layer))):
             raise ColdSetError(f"{path}: layer {layer} is not a MoE layer of this model "
                                f"({cfg.num_hidden_layers} layers)")
-        if not (isinstance(ids, list) and all(isinstance(e, int) and 0 <= e < cfg.num_experts for e in ids)
+        if not (isinstance(ids, list) and all(isinstance(e, int) and not isinstance(e, bool)
+                                              and 0 <= e < cfg.num_experts for e in ids)
                 and len(set(ids)) == len(ids)):
             raise ColdSetError(f"{path}: layer {layer}: expert ids must be distinct integers in "
                                f"[0, {cfg.num_experts})")

@@ -69,6 +69,17 @@ def test_moepipe_cold_set_writes_a_file_the_checks_accept(tmp_path):
     bad.write_text(json.dumps({**data, "num_experts": cfg.num_experts + 1}))       # another checkpoint's file
     with pytest.raises(cold_set.ColdSetError, match=f"written for a model of {cfg.num_experts + 1} experts"):
         cold_set.load(bad, cfg)
+    assert data["shape"] == cold_set.shape(cfg)          # the same expert count, another model: named too
+    bad.write_text(json.dumps({**data, "shape": {**data["shape"], "hidden_size": cfg.hidden_size * 2}}))
+    with pytest.raises(cold_set.ColdSetError, match="written for another model .its hidden_size"):
+        cold_set.load(bad, cfg)
+    bad.write_text(json.dumps({**data, "layers": {"0": [True]}}))                   # JSON true is not expert 1
+    with pytest.raises(cold_set.ColdSetError, match="distinct integers"):
+        cold_set.load(bad, cfg)
+    no_shape = dict(data)
+    del no_shape["shape"]
+    bad.write_text(json.dumps(no_shape))                 # an older file: still taken
+    assert cold_set.load(bad, cfg) == cold
     bad.write_text("{}")
     with pytest.raises(cold_set.ColdSetError, match="format"):
         cold_set.load(bad, cfg)
