@@ -401,7 +401,8 @@ def test_tokenizer_and_generation_config_problems_stop_serve_before_any_stage_st
                                          ({"kv_cache_memory": float("inf")}, "kv_cache_memory must be"),
                                          ({"kv_cache_memory": float("nan")}, "kv_cache_memory must be"),
                                          ({"vram_limit": float("inf")}, "must be finite"),
-                                         ({"max_num_seqs": 10 ** 9}, "more than 16384 sequences")])
+                                         ({"max_num_seqs": 10 ** 9}, "more than 16384 sequences"),
+                                         ({"expert_move_margin": float("nan")}, "expert_move_interval must be")])
 def test_lengths_and_sizes_that_cannot_be_served_are_named(tiny, tmp_path, extra, match):
     """(QA, 2026-12-05) --max-model-len -1 started a server whose every request was a 400; --kv-cache-memory inf was
     an OverflowError traceback."""
