@@ -189,6 +189,31 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
 
 
 @triton.jit
+def _up_gate(up_ptr, us_ptr, a_ptr, s: tl.constexpr, hs, mh, row0, ts, T, H: tl.constexpr, R: tl.constexpr,
+             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, OFFSET: tl.constexpr,
+             Q8: tl.constexpr, PDL: tl.constexpr, dt: tl.constexpr):
+    """[BLOCK_T, BLOCK_H]: stream s's `up` GEMV over `a` for the H tile hs, row-scaled with Q8, then the sigmoid
+    gate, rounded as `GatedResidual.mix` rounds it (both up-mix kernels). PDL: the wait after the first weight tile
+    of stream 0, before the first `a`."""
+    u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j0 in tl.static_range(0, R, BLOCK_J):
+        js = j0 + tl.arange(0, BLOCK_J)
+        mj = js < R
+        w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
+                    mask=mh[:, None] & mj[None, :], other=OFFSET).to(tl.float32) - OFFSET
+        if PDL:
+            if s == 0 and j0 == 0:
+                pdl_wait(PDL)                             # after the first weight tile, before the first `a`
+        for t in tl.static_range(BLOCK_T):
+            a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
+            part = tl.sum(w * a[None, :], axis=1)
+            u += tl.where((ts == t)[:, None], part[None, :], 0.0)
+    if Q8:
+        u = u * tl.load(us_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)[None, :]
+    return round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
+
+
+@triton.jit
 def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr,
@@ -210,22 +235,8 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
             l2_prefetch_rows(up_ptr, s * H + h0, tl.minimum(H - h0, BLOCK_H), R, 0, R, BLOCK_H)
     mix = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
-        u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for j0 in tl.static_range(0, R, BLOCK_J):
-            js = j0 + tl.arange(0, BLOCK_J)
-            mj = js < R
-            w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
-                        mask=mh[:, None] & mj[None, :], other=OFFSET).to(tl.float32) - OFFSET
-            if PDL:
-                if s == 0 and j0 == 0:
-                    pdl_wait(PDL)                         # after the first weight tile, before the first `a`
-            for t in tl.static_range(BLOCK_T):
-                a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
-                part = tl.sum(w * a[None, :], axis=1)
-                u += tl.where((ts == t)[:, None], part[None, :], 0.0)
-        if Q8:
-            u = u * tl.load(us_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)[None, :]
-        gate = round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
+        gate = _up_gate(up_ptr, us_ptr, a_ptr, s, hs, mh, row0, ts, T, H, R, BLOCK_T, BLOCK_H, BLOCK_J, OFFSET, Q8,
+                        PDL, dt)
         nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
                      other=0.0).to(tl.float32)
         mix += round_to(gate * nx, dt)
@@ -372,22 +383,8 @@ def _hc_up_mix_fold_kernel(x_ptr, o_ptr, gin_ptr, nw_ptr, rstd_ptr, a_ptr, up_pt
             l2_prefetch_rows(up_ptr, s * H + h0, tl.minimum(H - h0, BLOCK_H), R, 0, R, BLOCK_H)
     mix = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
-        u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for j0 in tl.static_range(0, R, BLOCK_J):
-            js = j0 + tl.arange(0, BLOCK_J)
-            mj = js < R
-            w = tl.load(up_ptr + (s * H + hs).to(tl.int64)[:, None] * R + js[None, :],
-                        mask=mh[:, None] & mj[None, :], other=OFFSET).to(tl.float32) - OFFSET
-            if PDL:
-                if s == 0 and j0 == 0:
-                    pdl_wait(PDL)                         # after the first weight tile, before the first `a`
-            for t in tl.static_range(BLOCK_T):
-                a = tl.load(a_ptr + (row0 + t) * R + js, mask=mj & (row0 + t < T), other=0.0).to(tl.float32)
-                part = tl.sum(w * a[None, :], axis=1)
-                u += tl.where((ts == t)[:, None], part[None, :], 0.0)
-        if Q8:
-            u = u * tl.load(us_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)[None, :]
-        gate = round_to(1.0 / (1.0 + tl.exp(-round_to(u, dt))), dt)
+        gate = _up_gate(up_ptr, us_ptr, a_ptr, s, hs, mh, row0, ts, T, H, R, BLOCK_T, BLOCK_H, BLOCK_J, OFFSET, Q8,
+                        PDL, dt)
         cols = (s * H + hs)[None, :]
         x = _stream_values(x_ptr, o_ptr, gin_ptr, rows[:, None], mt[:, None], s, hs[None, :], mh[None, :], stride_x,
                            stride_o, H, HC, INJECT, dt)
