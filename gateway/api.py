@@ -675,7 +675,9 @@ async def _serve(request: Request, gens: list[_Generation], stream: bool,
 
 def _called_finish(plan: ChatPlan, finish: str) -> str:
     """The finish reason of a reply that called tools: the engine ends it with "stop", the client sees
-    "tool_calls" ("function_call" for a legacy request), and the access log is told."""
+    "tool_calls" ("function_call" for a legacy request), and the access log is told. Not for a reply cut inside a
+    call's arguments (a stop string, max_tokens): its finish reason stays the cut's, since "tool_calls" promises
+    arguments that parse."""
     if finish != "stop":
         return finish
     access_log.note_tool_calls()
@@ -709,7 +711,7 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
                 message.function_call = calls[0].function
             else:
                 message.tool_calls = calls or None
-            if calls:
+            if calls and not parsed.cut_call:
                 finish = _called_finish(plan, finish)
         return ChatChoice(index=gen.index, message=message, finish_reason=finish,
                           logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
@@ -806,6 +808,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                 if not messages and tokens and gen.want_logprobs:
                     yield chunk(DeltaMessage(content=""), tokens)
             if finish is not None:
+                called = called and not parser.cut_call
                 yield chunk(DeltaMessage(), None, _called_finish(plan, finish) if called else finish)
 
     async def chunks() -> AsyncIterator[str]:

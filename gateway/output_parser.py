@@ -19,6 +19,8 @@ Formats (see CHAT_TEMPLATE in stage_worker/checkpoint/tokenizer_files.py):
   arguments close, ``}`` and whitespace up to ``</tool_call>`` are consumed; any other text ends the call and is
   read as content. A header that generation ends inside while it could still become a valid one (``max_tokens``
   cut it) is dropped: a truncated call, not text (the finish reason says "length"), so no markup reaches content.
+  A call whose arguments generation ends inside is kept as streamed and flagged (``cut_call``): the reply's finish
+  reason is then the cut's ("length", or "stop" for a stop string), never "tool_calls", whose arguments must parse.
   ``max_calls``: calls past that many are parsed and dropped (``parallel_tool_calls: false``, a legacy reply).
 * Content: text outside those blocks. Whitespace right before an accepted call is dropped, and so is
   whitespace-only text between or after calls (as vLLM does); text after a call keeps its leading whitespace as a
@@ -38,7 +40,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["Delta", "OutputParser", "ParsedOutput", "ToolCall", "assemble", "parse_complete"]
 
@@ -85,6 +87,7 @@ class ParsedOutput:
     reasoning_content: str | None
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    cut_call: bool = False          # the last call's arguments never closed (OutputParser.cut_call)
 
 
 def random_call_id() -> str:
@@ -138,6 +141,7 @@ class OutputParser:
         self._calls = 0                 # index of the call being parsed / number of finished calls
         self._depth, self._in_str, self._esc = 0, False, False     # JSON scan state of the arguments
         self._done = False
+        self.cut_call = False           # generation ended inside a call's arguments: not a finished call
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -166,7 +170,8 @@ class OutputParser:
     ) -> ParsedOutput:
         """Non-streaming parse: feed the whole text, then finish."""
         parser = cls(reasoning, tool_names, id_factory=id_factory, max_calls=max_calls)
-        return assemble(parser.feed(text) + parser.finish())
+        parsed = assemble(parser.feed(text) + parser.finish())
+        return replace(parsed, cut_call=parser.cut_call)
 
     # ---- driver -----------------------------------------------------------------------------------------------
 
@@ -339,7 +344,8 @@ class OutputParser:
             self._buf = self._buf[len(CALL_END):]
             self._end_call()
             return True
-        if final:
+        if final:                           # generation ended inside the arguments (max_tokens, a stop string)
+            self.cut_call = self._max_calls is None or self._calls < self._max_calls     # a dropped call is no cut
             self._end_call()
             return True
         return False

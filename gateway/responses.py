@@ -372,13 +372,14 @@ class ResponseBuilder:
                                           output_index=item.index, delta=d.arguments))
         return events
 
-    def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        """Close the last item (incomplete if the budget ran out), give a completed reply without text or calls an
-        empty message (a cut one keeps what it has: OpenAI's output may then be reasoning only), and end with
-        response.completed or response.incomplete."""
+    def finish(self, finish_reason: str, usage: dict[str, Any], cut_call: bool = False) -> list[dict[str, Any]]:
+        """Close the last item (incomplete if the budget ran out, or if a stop string ended it inside a call's
+        arguments: `cut_call`), give a completed reply without text or calls an empty message (a cut one keeps what
+        it has: OpenAI's output may then be reasoning only), and end with response.completed or
+        response.incomplete."""
         events: list[dict[str, Any]] = []
         cut = finish_reason == "length"
-        self._close(events, "incomplete" if cut else "completed")
+        self._close(events, "incomplete" if cut or cut_call else "completed")
         if not cut and not any(i.kind in ("message", "function_call") for i in self.items):
             self._open("message", events)
             self._close(events, "completed")
@@ -512,7 +513,7 @@ async def _events(gen: _Gen, builder: ResponseBuilder, plan: ChatPlan) -> AsyncI
             continue
         events = builder.feed(deltas + parser.finish())
         reasoning = (thought or gen.completion_tokens) if builder.has_reasoning else 0
-        yield events + builder.finish(piece.finish_reason, _usage(gen, reasoning))
+        yield events + builder.finish(piece.finish_reason, _usage(gen, reasoning), cut_call=parser.cut_call)
 
 
 async def collect(gen: _Gen, builder: ResponseBuilder, plan: ChatPlan) -> dict[str, Any]:

@@ -514,3 +514,27 @@ def test_n_stream_disconnect_cancels_every_choice(server):
                                       or _gauge(server.url, "moepipe_kv_blocks_used")):
         time.sleep(0.05)
     assert _gauge(server.url, "moepipe_state_slots_used") == 0 == _gauge(server.url, "moepipe_kv_blocks_used")
+
+
+def test_a_stop_string_inside_call_arguments_is_no_finished_call(server, client):
+    """A stop string that cuts a forced call's arguments: the call is returned as far as it got, but the finish
+    reason is "stop", never "tool_calls" (which promises arguments that parse), streamed or not; on /v1/responses
+    the function_call item is "incomplete"."""
+    tool = {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {"cmd": {"enum": ["ls", "pwd"]}}, "required": ["cmd"],
+        "additionalProperties": False}}}
+    kw = dict(model="moepipe", messages=[{"role": "user", "content": "ls"}], tools=[tool], tool_choice="required",
+              max_tokens=60, temperature=0)
+    whole = client.chat.completions.create(**kw, stop=["cmd"])
+    calls = whole.choices[0].message.tool_calls or []
+    assert whole.choices[0].finish_reason == "stop" and len(calls) == 1 and "cmd" not in calls[0].function.arguments
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[0].function.arguments)
+    chunks = list(client.chat.completions.create(**kw, stop=["cmd"], stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    intact = client.chat.completions.create(**kw)     # without the stop string the same call's arguments close
+    assert json.loads(intact.choices[0].message.tool_calls[0].function.arguments)["cmd"] in ("ls", "pwd")
+    r = httpx.post(server.url + "/v1/responses", timeout=60, verify=False, json={
+        "model": "moepipe", "input": "ls", "tools": [{"type": "function", **tool["function"]}], "tool_choice": "required",
+        "max_output_tokens": 60, "temperature": 0, "stop": ["cmd"]}).json()
+    assert [(o["type"], o["status"]) for o in r["output"]] == [("function_call", "incomplete")]

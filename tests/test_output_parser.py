@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import dataclasses
 import json
 import random
 
@@ -70,7 +71,7 @@ CASES = [
      ParsedOutput(None, '<tool_call>\n{"nom": 1} <tool_call> x\n', [])),
     # documented: once the header is accepted the call is committed, even if its arguments never close
     ("unterminated_args", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "off", TOOLS,
-     ParsedOutput(None, None, [ToolCall("call_0", "get_weather", '{"city": "Par')])),
+     ParsedOutput(None, None, [ToolCall("call_0", "get_weather", '{"city": "Par')], cut_call=True)),
     ("args_broken_by_end_marker", '<tool_call>\n{"name": "search", "arguments": {"a": 1\n</tool_call>\nmore', "off",
      TOOLS, ParsedOutput(None, "more", [ToolCall("call_0", "search", '{"a": 1\n')])),
     ("no_end_marker", '<tool_call>\n{"name": "search", "arguments": {"a": 1}}\nThen text', "off", TOOLS,
@@ -93,10 +94,13 @@ def chunkings(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def stream(text: str, reasoning: str, tools: set[str] | None, pieces: list[str]) -> list[list[Delta]]:
+def stream(text: str, reasoning: str, tools: set[str] | None, pieces: list[str],
+           cut: list[bool] | None = None) -> list[list[Delta]]:
     parser = OutputParser(reasoning, tools, id_factory=ids())
     batches = [parser.feed(p) for p in pieces]
     batches.append(parser.finish())
+    if cut is not None:
+        cut.append(parser.cut_call)
     return batches
 
 
@@ -106,8 +110,9 @@ def test_stream_matches_complete(case_id, text, reasoning, tools, expected):
     assert complete == expected
     for name, pieces in chunkings(text):
         assert "".join(pieces) == text
-        deltas = [d for batch in stream(text, reasoning, tools, pieces) for d in batch]
-        assert assemble(deltas) == complete, name
+        cut: list[bool] = []
+        deltas = [d for batch in stream(text, reasoning, tools, pieces, cut) for d in batch]
+        assert dataclasses.replace(assemble(deltas), cut_call=cut[0]) == complete, name
         seen: set[int] = set()
         for d in deltas:
             if d.tool_index is None:
@@ -197,3 +202,14 @@ def test_max_calls_keeps_the_first_calls_streamed_or_not():
         assert assemble(deltas) == complete, name
         assert all(d.tool_index in (None, 0) for d in deltas), name
     assert len(parse_complete(text, "off", TOOLS, id_factory=ids()).tool_calls) == 3
+
+
+def test_cut_call_flag_only_for_a_kept_call():
+    """`cut_call` says the reply ended inside a kept call's arguments; a call dropped by max_calls is no cut, and a
+    closed call or a truncated header is none either."""
+    first = call("search", '{"q": 1}')
+    cut = '<tool_call>\n{"name": "search", "arguments": {"q": '
+    assert parse_complete(first + cut, "off", TOOLS).cut_call
+    assert not parse_complete(first + cut, "off", TOOLS, max_calls=1).cut_call
+    assert not parse_complete(first, "off", TOOLS).cut_call
+    assert not parse_complete('<tool_call>\n{"name": "sea', "off", TOOLS).cut_call
