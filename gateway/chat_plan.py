@@ -213,6 +213,16 @@ def _response_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[st
                           param="response_format")
 
 
+def apply_effort(kwargs: dict[str, Any], effort: str | None, param: str) -> None:
+    """OpenAI's reasoning effort "none" is the Qwen3 switch `enable_thinking: false` (in `kwargs`, the template's
+    arguments); other efforts keep the template's default (Qwen3 and the demo model have no effort levels)."""
+    if effort != "none":
+        return
+    if kwargs.get("enable_thinking") is True:
+        raise invalid_request(f"{param} 'none' contradicts chat_template_kwargs.enable_thinking true.", param=param)
+    kwargs["enable_thinking"] = False
+
+
 def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> ChatPlan:
     """Validate the agent-facing fields and decide rendering, constraint and parsing (see the module docstring).
     `get_compiler()` gives the gateway.grammar.GrammarCompiler (None when the server has no grammar engine); it is
@@ -243,6 +253,8 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
     if thinking is not None and not isinstance(thinking, bool):
         raise invalid_request("chat_template_kwargs.enable_thinking must be a boolean.",
                               param="chat_template_kwargs.enable_thinking")
+    apply_effort(kwargs, req.reasoning_effort, "reasoning_effort")
+    thinking = kwargs.get("enable_thinking")
     compiler = grammar = None
     if constrained:
         if thinking is True:

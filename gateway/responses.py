@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway import access_log
-from gateway.chat_plan import ChatPlan
+from gateway.chat_plan import ChatPlan, apply_effort
 from gateway.errors import APIError, invalid_request
 from gateway.output_parser import THINK_END, Delta, OutputParser
 from gateway.schemas import ChatCompletionRequest, ResponsesRequest
@@ -87,15 +87,9 @@ def _refuse_unservable(req: ResponsesRequest) -> None:
 
 
 def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
-    """`reasoning.effort: "none"` switches thinking off (the Qwen3 switch); other efforts leave the template's
-    default (the demo model and Qwen3 have no effort levels)."""
+    """`reasoning.effort` as chat's `reasoning_effort` (`chat_plan.apply_effort`), with this route's field name."""
     kwargs = dict(req.chat_template_kwargs or {})
-    effort = (req.reasoning or {}).get("effort")
-    if effort == "none":
-        if kwargs.get("enable_thinking") is True:
-            raise invalid_request("reasoning.effort 'none' contradicts chat_template_kwargs.enable_thinking true.",
-                                  param="reasoning.effort")
-        kwargs["enable_thinking"] = False
+    apply_effort(kwargs, (req.reasoning or {}).get("effort"), "reasoning.effort")
     return kwargs or None
 
 

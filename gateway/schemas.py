@@ -157,6 +157,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None                     # "none" switches thinking off (gateway.chat_plan)
     functions: list[dict[str, Any]] | None = None           # legacy: mapped to tools by gateway.chat_plan
     function_call: str | dict[str, Any] | None = None       # legacy: mapped to tool_choice
 

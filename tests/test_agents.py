@@ -538,3 +538,20 @@ def test_a_stop_string_inside_call_arguments_is_no_finished_call(server, client)
         "model": "moepipe", "input": "ls", "tools": [{"type": "function", **tool["function"]}], "tool_choice": "required",
         "max_output_tokens": 60, "temperature": 0, "stop": ["cmd"]}).json()
     assert [(o["type"], o["status"]) for o in r["output"]] == [("function_call", "incomplete")]
+
+
+def test_reasoning_effort_none_switches_thinking_off(thinking_server):
+    """Chat's `reasoning_effort: "none"` is the same switch as on /v1/responses: the prompt of enable_thinking
+    false, all content; another effort keeps the template's default (thinking on here); "none" with
+    enable_thinking true is a 400 naming reasoning_effort."""
+    off = _chat(thinking_server, max_tokens=8, seed=4, reasoning_effort="none")
+    plain = _chat(thinking_server, max_tokens=8, seed=4,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    default = _chat(thinking_server, max_tokens=8, seed=4, reasoning_effort="high")
+    assert off.usage.prompt_tokens == plain.usage.prompt_tokens != default.usage.prompt_tokens
+    assert off.choices[0].message.content == plain.choices[0].message.content
+    assert default.choices[0].message.reasoning_content and not default.choices[0].message.content
+    with pytest.raises(BadRequestError) as e:
+        _chat(thinking_server, max_tokens=8, reasoning_effort="none",
+              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert e.value.body["param"] == "reasoning_effort"
