@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 LINEAR = "linear_attention"
 FULL = "full_attention"
 INDEXED = "indexed_attention"
+# transformers' ACT2FN names without parameters of their own (prelu and xielu have weights no checkpoint carries for
+# hidden_act): what `hidden_act` and Qwen4-Exp's `output_gate_type` may be; stage_worker/model/activations.py
+ACTIVATIONS = frozenset({
+    "silu", "swish", "gelu", "gelu_python", "gelu_10", "gelu_new", "gelu_accurate", "gelu_pytorch_tanh",
+    "gelu_python_tanh", "gelu_fast", "quick_gelu", "laplace", "hardswish", "leaky_relu", "linear", "mish", "relu",
+    "relu2", "relu6", "sigmoid", "sqrtsoftplus", "tanh"})
 
 
 class ConfigError(ValueError):
@@ -137,9 +143,10 @@ class HybridMoeConfig:
         allowed = {LINEAR, self.attention_layer_type}
         bad = sorted(set(self.layer_types) - allowed)
         need(not bad, "layer_types", f"{self.family} supports only {sorted(allowed)}, not {bad}")
-        # "swish" is transformers' ACT2FN alias of the same function (experts, MLPs and the DeltaNet conv use it)
-        need(self.hidden_act in ("silu", "swish"), "hidden_act", "only silu (or its alias swish) is supported")
-        need(self.mtp_num_hidden_layers in (0, 1), "mtp_num_hidden_layers", "0 or 1 MTP layers are supported")
+        # experts, MLPs and the DeltaNet short conv use it (stage_worker/model/activations.py computes each name)
+        need(self.hidden_act in ACTIVATIONS, "hidden_act",
+             f"must be one of transformers' parameter-free activations {sorted(ACTIVATIONS)}")
+        need(self.mtp_num_hidden_layers >= 0, "mtp_num_hidden_layers", "must be >= 0")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
 
     @property
@@ -275,7 +282,7 @@ class Qwen4ExpConfig(HybridMoeConfig):
             fail("hc_count", "Qwen4-Exp needs more than one residual stream")
         if self.hc_lowrank <= 0:
             fail("hc_lowrank", "must be positive")
-        if self.gate_activation not in ("sigmoid", "silu"):
+        if self.gate_activation not in ("sigmoid", "silu"):     # transformers' Qwen4-Exp config refuses others
             fail("output_gate_type", "must be sigmoid or silu")
         qsa = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
         given = [n for n in qsa if getattr(self, n) is not None]

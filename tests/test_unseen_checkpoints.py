@@ -310,14 +310,14 @@ def test_stage_worker_refusing_a_checkpoint_prints_one_line(tmp_path, monkeypatc
     assert err.strip().splitlines() == [f"stage_worker: stage0: {weights}: not a readable safetensors file "
                                         "(Error while deserializing header: invalid header length)"]
     config = tmp_path / "config.json"
-    config.write_text(config.read_text().replace('"hidden_act": "silu"', '"hidden_act": "gelu"'))
+    config.write_text(config.read_text().replace('"hidden_act": "silu"', '"hidden_act": "prelu"'))
     assert worker.serve(cluster, 0) == 2
     assert "config field 'hidden_act'" in capsys.readouterr().err
 
     def broken(*_):
         raise RuntimeError("not a refusal")
 
-    config.write_text(config.read_text().replace('"hidden_act": "gelu"', '"hidden_act": "silu"'))
+    config.write_text(config.read_text().replace('"hidden_act": "prelu"', '"hidden_act": "silu"'))
     monkeypatch.setattr(worker, "load_stage", broken)
     with pytest.raises(RuntimeError, match="not a refusal"):
         worker.serve(cluster, 0)
@@ -404,3 +404,18 @@ def test_named_chat_templates_pick_tool_use_for_tools(where, tmp_path):
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         assert ours.apply_chat_template(messages, add_generation_prompt=True, **kw) == want
     assert ours.apply_chat_template(messages, tools=tools) == "TOOLS 1:hi"
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "relu2"])
+def test_other_hidden_acts_match_transformers(act, tmp_path):
+    """hidden_act is any of transformers' parameter-free activations (the MLPs, the experts, the DeltaNet short
+    conv): moepipe refused everything but silu."""
+    model = written(qwen3_next(hidden_act=act, mlp_only_layers=[1]), tmp_path)
+    assert_matches(model, tmp_path, stages=(1, 3))
+
+
+def test_several_mtp_layers_are_served_without_them(tmp_path):
+    """mtp_num_hidden_layers 2: transformers builds the model and ignores mtp.*; serving never runs the MTP head,
+    so moepipe serves it too (it refused any count but 0 or 1)."""
+    model = written(qwen3_5_moe(mtp_num_hidden_layers=2), tmp_path)
+    assert_matches(model, tmp_path, stages=(1,))

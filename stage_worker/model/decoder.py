@@ -21,8 +21,8 @@ from stage_worker.model.rope import Rotary
 def build_mlp(cfg: HybridMoeConfig, layer: int) -> nn.Module:
     if cfg.is_sparse_moe(layer):
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+                         cfg.shared_expert_intermediate_size, cfg.norm_topk_prob, act=cfg.hidden_act)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act)
 
 
 class DecoderLayer(nn.Module):
@@ -31,7 +31,7 @@ class DecoderLayer(nn.Module):
         self.layer = layer
         self.is_attention = force_full_attention or cfg.is_attention(layer)
         self.hyper = cfg.uses_hyper_connections and not force_full_attention
-        gate_act = cfg.gate_activation if isinstance(cfg, Qwen4ExpConfig) else "silu"
+        gate_act = cfg.gate_activation if isinstance(cfg, Qwen4ExpConfig) else "silu"     # Qwen3-Next/3.5: fixed
         if self.is_attention:
             use_qsa = isinstance(cfg, Qwen4ExpConfig) and cfg.has_qsa and not force_full_attention
             self.self_attn = GatedAttention(cfg, use_qsa, rotary)

@@ -9,6 +9,7 @@ from torch import nn
 from shared.model_config import HybridMoeConfig
 from stage_worker.host_copy import to_device
 from stage_worker.kernels.flags import NONE, KernelFlags
+from stage_worker.model.activations import activation
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.ragged import fresh_masked, ragged_causal_conv
 from stage_worker.model.cache import DeltaNetState
@@ -48,6 +49,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.gate_activation = gate_activation
+        self.conv_act = activation(cfg.hidden_act)      # the short conv's, as transformers' `config.hidden_act`
         self._fused_in_proj: torch.Tensor | PackedWeight | None = None   # a plain attribute: state_dict unchanged
 
     def forward(self, x: torch.Tensor, batch: StepBatch, state: DeltaNetState) -> torch.Tensor:
@@ -92,7 +94,7 @@ class GatedDeltaNet(nn.Module):
             conv_tail = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
             seq = torch.cat([conv_tail, mixed[s_:e_].T.to(conv_tail.dtype)], dim=-1)     # [C, k-1+n]
             state.conv[slot] = seq[:, -(self.kernel - 1):]
-            conv = F.silu(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
+            conv = self.conv_act(F.conv1d(seq[None].to(x.dtype), self.conv1d.weight, groups=self.conv_dim))[0].T
             # A copy, not a view: the state is overwritten below, and training (tools/train_demo.py's agent
             # examples continue a cached prefix) needs the value it read for the backward pass.
             init = torch.zeros_like(state.recurrent[slot]) if fresh else state.recurrent[slot].clone()
@@ -115,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         tails = fresh_masked(state.conv[slots], rg).transpose(1, 2)          # [B, k-1, C]
         conv, new_tails = ragged_causal_conv(mixed, tails, self.conv1d.weight, 1, rg)
         state.conv[slots] = new_tails.transpose(1, 2)
-        conv = F.silu(conv)
+        conv = self.conv_act(conv)
         # A copy (advanced indexing), not a view: the state is overwritten below, and training (tools/train_demo.py's
         # agent examples continue a cached prefix) needs the value it read for the backward pass.
         init = fresh_masked(state.recurrent[slots], rg)
@@ -219,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         seq = torch.cat([state.conv[slots], mixed[:, :, None].to(state.conv.dtype)], dim=-1)   # [B, C, k]
         state.conv[slots] = seq[:, :, 1:]
         w = self.conv1d.weight[:, 0, :]
-        return F.silu((seq.to(mixed.dtype) * w[None]).sum(-1))
+        return self.conv_act((seq.to(mixed.dtype) * w[None]).sum(-1))
 
     @staticmethod
     def _fla_rule(kind: str):

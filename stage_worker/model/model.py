@@ -7,11 +7,14 @@ wide for Qwen4-Exp (all residual streams travel) and `hidden_size` otherwise.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from shared.model_config import HybridMoeConfig
 from stage_worker.kernels.common import set_l2_prefetch, set_pdl
+from stage_worker.model.activations import is_silu
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import CacheSpec, ModelCache
 from stage_worker.model.decoder import DecoderLayer
@@ -20,6 +23,8 @@ from stage_worker.model.moe import SparseMoE
 from stage_worker.model.mtp import MTPHead
 from stage_worker.model.norms import ZeroCentredRMSNorm
 from stage_worker.model.rope import Rotary
+
+log = logging.getLogger("moepipe.model")
 
 
 class StageModel(nn.Module):
@@ -49,8 +54,13 @@ class StageModel(nn.Module):
 
     def set_kernels(self, flags) -> None:
         """Switch fast kernels on or off for every layer (see stage_worker/kernels/flags.py)."""
+        from stage_worker.kernels.flags import NONE
         from stage_worker.kernels.quant_gemv import set_dequant_kernel
 
+        act = self.cfg.hidden_act
+        if not is_silu(act) and flags != NONE:
+            log.warning("hidden_act %r: the fused kernels compute SiLU; this model runs its PyTorch path", act)
+            flags = NONE
         self.kernel_flags = flags
         set_pdl(getattr(flags, "pdl", False))     # the decode kernels' launch mode: one setting, kernels/common.py
         set_l2_prefetch(getattr(flags, "l2_prefetch", False))     # their L2 prefetch before the wait (with pdl)

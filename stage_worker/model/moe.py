@@ -6,22 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model_config import ConfigError
 from stage_worker.kernels.flags import NONE, KernelFlags
 from stage_worker.kernels.moe_ref import count_ref
+from stage_worker.model.activations import activation, is_silu
 from stage_worker.model.expert_table import ExpertTable
 from stage_worker.model.fused_rows import fuse_rows, still_fused
 from stage_worker.model.quant_linear import PackedLinear, fuse_packed, still_fused_packed
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    """The gated MLP: down(act(gate(x)) * up(x)), `act` the config's hidden_act (SiLU in every released model)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = activation(act)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,13 +65,14 @@ class SparseMoE(nn.Module):
     interpret_on_cpu: bool = False
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
-                 renormalise: bool) -> None:
+                 renormalise: bool, act: str = "silu") -> None:
         super().__init__()
         self.top_k, self.renormalise, self.num_experts = top_k, renormalise, num_experts
+        self.act_name, self.act = act, activation(act)     # quantized experts compute SiLU (use_packed, use_fp8)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.shared_expert = SwiGLU(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert = SwiGLU(hidden, shared_intermediate, act) if shared_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
         # routing trace hook: what the last call selected (slots when a table is set: `expert_ids` maps them)
         self.last_expert_ids: torch.Tensor | None = None
@@ -86,6 +92,7 @@ class SparseMoE(nn.Module):
         """Hold the routed experts as a checkpoint's INT4 words and scales (issue 17): q13 int32 [E, 2I, H/8],
         s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py);
         w13/w2 stop being parameters. Built on the meta device and filled by the loader."""
+        self._check_silu("INT4")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
         dtype, device = self.w13.dtype, self.w13.device
@@ -96,12 +103,18 @@ class SparseMoE(nn.Module):
         self.register_buffer("s2", torch.empty(E, H, -(-inter // group2), dtype=dtype, device=device))
         self.packed_group, self.packed_group2 = group, group2
 
+    def _check_silu(self, form: str) -> None:
+        if not is_silu(self.act_name):
+            raise ConfigError(f"config field 'hidden_act': {form} experts are computed with SiLU only (got "
+                              f"{self.act_name!r}); use the checkpoint unquantized")
+
     def use_fp8(self, block: tuple[int, int]) -> None:
         """Hold the routed experts as a block-FP8 checkpoint's float8 bytes and scales (issue 17,
         `packed_fp8_experts`): q13 uint8 [E, 2I, H], s13 float32 [E, 2, ceil(I/br), ceil(H/bc)] (gate's blocks,
         up's), q2 uint8 [E, H, I], s2 float32 [E, ceil(H/br), ceil(I/bc)] (`kernels.moe_ref.Fp8Experts`); the
         same buffers the INT4 form uses, in a third form. uint8 storage, so no model-wide `.to(dtype)` can cast
         them. Built on the meta device and filled by the loader."""
+        self._check_silu("float8")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
         br, bc = block
@@ -177,7 +190,7 @@ class SparseMoE(nn.Module):
                 (r.to(x.device, non_blocking=True) for r in t.slot_rows(slot_of[e]))
             gate_up = F.linear(x[tok], w13)
             g, u = gate_up.chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, w2) * weights[tok, slot, None]
+            y = F.linear(self.act(g) * u, w2) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return self._add_shared(x, out)
 
@@ -314,7 +327,7 @@ class SparseMoE(nn.Module):
         T = x.shape[0]
         combine = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter_add(1, ids, weights)   # [T, E]
         g, u = F.linear(x, self.w13.reshape(E * two_i, H)).view(T, E, two_i).chunk(2, dim=-1)
-        h = F.silu(g) * u * combine[..., None].to(x.dtype)                                          # [T, E, I]
+        h = self.act(g) * u * combine[..., None].to(x.dtype)                                          # [T, E, I]
         return F.linear(h.reshape(T, -1), self.w2.permute(1, 0, 2).reshape(H, -1))
 
     def prepare_kernels(self) -> None:

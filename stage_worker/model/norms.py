@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stage_worker.kernels.flags import NONE, KernelFlags
+from stage_worker.model.activations import activation as act_fn
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -55,7 +56,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.act = F.silu if activation == "silu" else torch.sigmoid
+        self.act = act_fn(activation)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
