@@ -88,13 +88,16 @@ class GrammarState:
     `is_finished()`. Not thread-safe; each request owns its state.
     """
 
-    __slots__ = ("_matcher", "vocab_size", "n_words", "_error")
+    __slots__ = ("_matcher", "vocab_size", "n_words", "_error", "_specials", "_ll_tokenizer")
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: LLMatcher, vocab_size: int, specials: np.ndarray | None = None,
+                 ll_tokenizer: LLTokenizer | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.n_words = mask_words(vocab_size)
         self._error: str | None = None
+        self._specials = specials if specials is not None else np.zeros(0, dtype=np.int64)
+        self._ll_tokenizer = ll_tokenizer
 
     @property
     def matcher(self) -> LLMatcher:
@@ -108,6 +111,25 @@ class GrammarState:
                 f"got {out.dtype} of shape {out.shape}"
             )
         self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self.n_words * 4)
+        ids = self._specials
+        if ids.size and ((out[ids >> 5] >> (ids & 31)) & 1).any() and not self._matcher.is_stopped():
+            self._spell_forced_specials(out)     # (a stopped matcher's mask is its EOS ids)
+
+    def _spell_forced_specials(self, out: np.ndarray) -> None:
+        """Where the grammar forces text that is also an added token's (a schema `const` of "</tool_call>" or
+        "<|im_end|>"), llguidance's mask allows only that added token, which its matcher then refuses as a special
+        token: the request would fail. Clear every allowed added token the matcher would not consume; if nothing is
+        left, allow the first token of the forced text spelled in ordinary tokens (which it does consume)."""
+        ids, bits = self._specials, out.view(np.uint32)
+        for tid in ids[((out[ids >> 5] >> (ids & 31)) & 1).astype(bool)].tolist():
+            if not self._matcher.validate_tokens([tid]):
+                bits[tid >> 5] &= np.uint32(~(1 << (tid & 31)) & 0xFFFFFFFF)
+        if bits.any() or self._ll_tokenizer is None:
+            return
+        forced = self._matcher.compute_ff_bytes().decode("utf-8", "ignore")
+        spelled = self._ll_tokenizer.greedy_tokenize(forced) if forced else []
+        if spelled and self._matcher.validate_tokens(spelled[:1]):
+            bits[spelled[0] >> 5] |= np.uint32(1 << (spelled[0] & 31))
 
     def mask(self) -> np.ndarray:
         """The allowed-token mask for the next step, as a new int32 array of n_words words."""
@@ -185,6 +207,10 @@ class GrammarCompiler:
         self.n_words = mask_words(self.vocab_size)
         self.eos_token_ids = eos
         self.ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        # added tokens llguidance treats as special, EOS included (GrammarState._spell_forced_specials)
+        added = backend.get_added_tokens_decoder() if hasattr(backend, "get_added_tokens_decoder") else {}
+        self._specials = np.array(sorted({i for i in added if i < self.vocab_size
+                                          and self.ll_tokenizer.is_special_token(i)} | set(eos)), dtype=np.int64)
         # Tool-call tags are single added tokens in Qwen-style tokenizers; require exactly those tokens when present.
         self._tag = {
             tag: (tag if backend.token_to_id(tag) is not None else _lark_literal(tag))
@@ -385,11 +411,11 @@ class GrammarCompiler:
             template = self._cache.get(spec)
             if template is not None:
                 self._cache.move_to_end(spec)
-                return GrammarState(template.deep_copy(), self.vocab_size)
+                return GrammarState(template.deep_copy(), self.vocab_size, self._specials, self.ll_tokenizer)
         self._compile(spec)
         with self._lock:
             template = self._cache[spec]
-            return GrammarState(template.deep_copy(), self.vocab_size)
+            return GrammarState(template.deep_copy(), self.vocab_size, self._specials, self.ll_tokenizer)
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")

@@ -479,3 +479,18 @@ def test_mask_to_bool_batch():
     assert np.flatnonzero(got[0]).tolist() == [0]
     assert got[1, :32].all() and not got[1, 32:].any()
     assert mask_to_bool(words, 64)[1, 63]
+
+
+@pytest.mark.parametrize("forced", ["</tool_call>", "<|im_end|>", "a</think>b<tool_call>x"])
+def test_forced_text_of_an_added_token_is_spelled(compiler, tok, weights, forced):
+    """A grammar that forces the text of an added token (a schema const, a regex): llguidance's mask allowed only
+    that token, which its matcher then refused as special, so the request failed (500). The text comes out spelled
+    in ordinary tokens, and the grammar still finishes."""
+    if any(tok.token_to_id(t) is None for t in ("</tool_call>", "<|im_end|>")):
+        pytest.skip("the tokenizer lacks the added tokens")
+    rng = np.random.default_rng(0)
+    spec = compiler.json_schema({"type": "object", "properties": {"s": {"const": forced}}, "required": ["s"]})
+    ids = drive(compiler, compiler.new_matcher(spec), tok, weights, rng)
+    assert json.loads(text_of(tok, ids)) == {"s": forced}
+    ids = drive(compiler, compiler.new_matcher(compiler.regex(re.escape(forced))), tok, weights, rng)
+    assert text_of(tok, ids) == forced
