@@ -43,7 +43,7 @@ async def serve(config_path: str) -> int:
     expect_ple = bool(cluster.ple_service and cluster.ple_endpoint and isinstance(cfg, Qwen4ExpConfig)
                       and cfg.ple_layer_ids)
     core = EngineCore(ClusterExecutor(cluster, expect_ple=expect_ple), SchedulerLimits.from_cluster(cluster, max_len))
-    metrics = Metrics()
+    metrics = Metrics(model_name=cluster.served_model_name)
     metrics.set_restarts("gateway", restart_count())      # the launcher restarted the whole cluster this often
     core.attach_metrics(metrics)
     tokenizer = Tokenizer.from_dir(cluster.model, cluster.chat_template or None)

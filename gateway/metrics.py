@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -147,11 +147,62 @@ class _ExpertCollector(Collector):
         yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc)
 
 
-class Metrics:
-    """All gateway series, registered in `self.registry`."""
+# moepipe series that vLLM exposes under its own name (vLLM v1's `vllm:*` families, with a `model_name` label):
+# Grafana dashboards and autoscalers written for vLLM read them unchanged. (moepipe name, vLLM name, label renames)
+VLLM_NAMES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("moepipe_time_to_first_token_seconds", "vllm:time_to_first_token_seconds", {}),
+    ("moepipe_inter_token_latency_seconds", "vllm:inter_token_latency_seconds", {}),
+    ("moepipe_inter_token_latency_seconds", "vllm:time_per_output_token_seconds", {}),   # its older name
+    ("moepipe_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds", {}),
+    ("moepipe_request_queue_time_seconds", "vllm:request_queue_time_seconds", {}),
+    ("moepipe_request_prefill_time_seconds", "vllm:request_prefill_time_seconds", {}),
+    ("moepipe_request_decode_time_seconds", "vllm:request_decode_time_seconds", {}),
+    ("moepipe_request_inference_time_seconds", "vllm:request_inference_time_seconds", {}),
+    ("moepipe_request_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds", {}),
+    ("moepipe_prompt_tokens", "vllm:prompt_tokens", {}),
+    ("moepipe_generation_tokens", "vllm:generation_tokens", {}),
+    ("moepipe_requests", "vllm:request_success", {"finish_reason": "finished_reason"}),
+    ("moepipe_requests_running", "vllm:num_requests_running", {}),
+    ("moepipe_requests_waiting", "vllm:num_requests_waiting", {}),
+)
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+
+class _VllmCollector(Collector):
+    """The `VLLM_NAMES` families of `source`, renamed, plus `vllm:kv_cache_usage_perc` (blocks used / total, 0-1),
+    read from the moepipe series at scrape time: one set of numbers, two names."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source, self.model_name = source, model_name
+        self.by_name: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        for ours, theirs, labels in VLLM_NAMES:
+            self.by_name.setdefault(ours, []).append((theirs, labels))
+
+    def collect(self) -> Iterator[Metric]:
+        kv: dict[str, float] = {}
+        for family in self.source.collect():
+            if family.name in ("moepipe_kv_blocks_used", "moepipe_kv_blocks_total"):
+                kv[family.name] = sum(s.value for s in family.samples)
+            for theirs, labels in self.by_name.get(family.name, ()):
+                out = Metric(theirs, family.documentation, family.type, family.unit)
+                for s in family.samples:
+                    named = {labels.get(k, k): v for k, v in s.labels.items()}
+                    out.add_sample(theirs + s.name[len(family.name):], {"model_name": self.model_name, **named},
+                                   s.value, s.timestamp, s.exemplar)
+                yield out
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage: 1 means 100 percent (blocks used / "
+                                  "blocks in the pool)", labels=["model_name"])
+        total = kv.get("moepipe_kv_blocks_total", 0.0)
+        usage.add_metric([self.model_name], kv.get("moepipe_kv_blocks_used", 0.0) / total if total else 0.0)
+        yield usage
+
+
+class Metrics:
+    """All gateway series, registered in `self.registry`; `render` adds their vLLM names (`VLLM_NAMES`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "moepipe") -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(_VllmCollector(r, model_name))
         self.ttft = Histogram("moepipe_time_to_first_token_seconds", "Request arrival to first token",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("moepipe_inter_token_latency_seconds", "Time between consecutive tokens of a request",
@@ -264,7 +315,7 @@ class Metrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series, for GET /metrics."""
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
     content_type = CONTENT_TYPE_LATEST
 

@@ -532,6 +532,22 @@ def test_metrics_count_requests(served):
     assert metric_value(served, "moepipe_generation_tokens_total") == gen_before + 2
     assert metric_value(served, "moepipe_time_to_first_token_seconds_count") >= 1
     assert metric_value(served, "moepipe_kv_blocks_total") > 0
+    # the same numbers under vLLM's names, which its dashboards and autoscalers read
+    text = httpx.get(f"{served.url}/metrics", verify=False).text
+    for theirs, ours in (('vllm:request_success_total{finished_reason="length",model_name="moepipe"}',
+                          'moepipe_requests_total{finish_reason="length"}'),
+                         ('vllm:generation_tokens_total{model_name="moepipe"}', "moepipe_generation_tokens_total"),
+                         ('vllm:prompt_tokens_total{model_name="moepipe"}', "moepipe_prompt_tokens_total"),
+                         ('vllm:time_to_first_token_seconds_count{model_name="moepipe"}',
+                          "moepipe_time_to_first_token_seconds_count"),
+                         ('vllm:num_requests_running{model_name="moepipe"}', "moepipe_requests_running")):
+        name, _, labels = theirs.partition("{")
+        ours_name, _, ours_labels = ours.partition("{")
+        assert metric_value(served, name, "{" + labels) == metric_value(
+            served, ours_name, "{" + ours_labels if ours_labels else ""), theirs
+    assert f'vllm:num_requests_waiting{{model_name="moepipe"}}' in text
+    usage = metric_value(served, "vllm:kv_cache_usage_perc", '{model_name="moepipe"}')
+    assert usage == metric_value(served, "moepipe_kv_blocks_used") / metric_value(served, "moepipe_kv_blocks_total")
 
 
 PHASES = ["request_queue_time", "request_prefill_time", "request_gateway_time", "time_to_first_token",
