@@ -507,6 +507,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             raise errors.model_not_found(name)
         return ModelCard(id=name, created=srv.created, max_model_len=engine.max_model_len).model_dump()
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str) -> dict:
+        """OpenAI's retrieve / delete of a stored response: nothing is stored here, so every id is unknown."""
+        raise errors.APIError(404, f"No response with id {response_id!r}: responses are not stored on this server "
+                              "(store is accepted but nothing is kept).", param="response_id", code="not_found")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         down = engine.health()

@@ -384,6 +384,10 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                 parts.append({"type": "text", "text": part.refusal})
             elif part.type == "text" and part.text is not None:
                 parts.append(part.model_dump(exclude_none=True))
+            elif part.type in ("text", "refusal") and (part.type == "text" or role == "assistant"):
+                field = "text" if part.type == "text" else "refusal"
+                raise invalid_request(f"A {part.type} content part needs a string {field!r}.",
+                                      param=f"messages[{index}].content[{j}].{field}")
             else:
                 allowed = "text or (assistant) refusal" if role == "assistant" else "text"
                 raise invalid_request(f"Content part type {part.type!r} is not supported: only {allowed}.",

@@ -41,6 +41,12 @@ _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalt
            "parallel_tool_calls")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+# what OpenAI's `include` may name: the hosted-tool outputs are moot here (no hosted tools), encrypted reasoning is
+# never produced, so each is accepted and adds nothing; logprobs are refused (_refuse_unservable)
+INCLUDABLE = frozenset({
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+    "web_search_call.action.sources", "web_search_call.results"})
 _NOT_STORED = ("Responses are not stored on this server (store is accepted but nothing is kept), so {what} cannot "
                "be resolved; send the whole conversation in input.")
 
@@ -76,6 +82,10 @@ def _refuse_unservable(req: ResponsesRequest) -> None:
                               param="background")
     if req.moderation is not None:
         raise invalid_request("Moderation is not available on this server.", param="moderation")
+    unknown = [v for v in req.include or [] if v not in INCLUDABLE]
+    if unknown:
+        raise invalid_request(f"include: {unknown[0]!r} is not a value the Responses API knows (one of "
+                              f"{sorted(INCLUDABLE)}).", param="include")
     if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
         raise invalid_request("Logprobs are not available on /v1/responses; use /v1/chat/completions.",
                               param="top_logprobs" if req.top_logprobs else "include")

@@ -8,9 +8,9 @@ honour. `logit_bias` is checked against the vocabulary by the API layer (it need
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions", "Usage",
@@ -121,6 +121,17 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = False
+
+    # OpenAI's and vLLM's rule on the chat and completions routes (the Responses API has other stream options,
+    # which the openai-agents SDK sends without streaming)
+    stream_options_need_stream: ClassVar[bool] = True
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and cls.stream_options_need_stream and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -253,6 +264,8 @@ class ResponsesRequest(_Sampling):
     tool_choice and text.format in depth and turns the request into a ChatCompletionRequest. The sampling extras
     of the chat route (top_k, min_p, seed, stop, logit_bias, ...) are accepted as they are there; `max_tokens` and
     `n` are chat fields with no meaning here and are refused by `gateway.responses` when given."""
+
+    stream_options_need_stream: ClassVar[bool] = False
 
     input: str | list[Any] | None = None
     instructions: str | None = None

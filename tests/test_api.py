@@ -391,6 +391,10 @@ GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
      "messages[1].function_call.name"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal"}]}]},
+     "messages[1].content[0].refusal"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),        # without stream: OpenAI's and vLLM's 400
 ])
 def test_chat_bad_requests_name_the_field(served, body, param):
     err = _assert_error(served.post("/v1/chat/completions", json={**GOOD_CHAT, **body}), 400, param)

@@ -237,6 +237,7 @@ def test_harmless_sdk_fields_are_accepted(server):
     ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
     ({"extra_body": {"n": 2}}, "n"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"include": ["reasoning.encrypted_content", "bogus.value"]}, "include"),
 ])
 def test_bad_inputs_are_400_naming_the_param(client, body, param):
     body.setdefault("input", "hi")
@@ -399,3 +400,13 @@ def test_engine_errors(tiny_checkpoint):
     assert "stage 2 died" in last.response.error.message and last.response.error.code == "server_error"
     assert [e["sequence_number"] for e in data] == list(range(len(data)))
     assert last.response.output and last.response.output[-1].status == "incomplete"
+
+
+def test_retrieving_a_response_is_a_404_saying_none_are_stored(server):
+    """GET / DELETE /v1/responses/{id} (the SDK's retrieve and delete): nothing is stored, so an OpenAI-style 404
+    that says so, not a bare "Not Found"."""
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, server.url + "/v1/responses/resp_123", timeout=30, verify=False)
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert "not stored" in err["message"] and err["param"] == "response_id"
