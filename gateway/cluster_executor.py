@@ -9,6 +9,8 @@ thread-safe), except `health`, which only reads the heartbeat times.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +34,31 @@ class ComponentState:
     pid: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)   # pids it had before: a stopping one may still heartbeat
+    killed: set[int] = field(default_factory=set)    # pids killed as hung (once each)
+
+
+# the module each component runs as (`python -m ...`): a pid is only killed if it is one of ours on this host
+_MODULES = {"ple": "ple_service"}
+
+
+def kill_hung(component: str, pid: int, silent_s: float) -> bool:
+    """SIGKILL `pid` if it is `component`'s process on this host (its command line runs the component's module: a
+    stage on another host, or a pid reused since, is left alone). True if killed."""
+    module = _MODULES.get(component, "stage_worker")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False                  # gone already, or not on this host
+    if module.encode() not in argv:
+        return False
+    log.error("gateway: %s (pid %d) sent no heartbeat for %.0f s (hang_timeout): killing it so the launcher "
+              "restarts it", component, pid, silent_s)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
 
 
 class ClusterExecutor:
@@ -100,19 +127,38 @@ class ClusterExecutor:
             except ProtocolError as exc:
                 log.warning("gateway: dropped a malformed message: %s", exc)
                 continue
-            if isinstance(msg, Heartbeat):
-                self._on_heartbeat(msg)
-            elif isinstance(msg, StageError) and self._from_new_process(msg):
-                continue        # a plan made before that process started: the core recomputes, as on its heartbeat
-            elif isinstance(msg, (StepResult, StageError)):
+            if self._keep(msg):
                 out.append(msg)
+
+    def _keep(self, msg: Message) -> bool:
+        """Whether the engine core gets `msg` (heartbeats are taken here). A step error from a restarted process,
+        before the core has taken up that restart (`restarted`), is the restart's: a plan made before the process
+        started, which the core recomputes anyway (else the error, in the same batch as the new process's first
+        heartbeat, failed the step's requests just before the restart would have recomputed them)."""
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg)
+            return False
+        if isinstance(msg, StageError) and (self._from_new_process(msg) or msg.component in self._restarted):
+            return False
+        return isinstance(msg, (StepResult, StageError))
 
     def health(self) -> list[str]:
         now = time.time()
         return [c for c in self.components if now - self.state[c].last_seen > self.cluster.heartbeat_timeout]
 
     def lost(self) -> list[str]:
-        return [c for c in self.health() if self.state[c].last_seen > 0]
+        """Components that heartbeated once and no longer do; those silent for `hang_timeout` are killed here (a
+        SIGSTOPped process, a stage whose step loop is stuck: it stops heartbeating after `stall_timeout`) so the
+        launcher's Supervisor restarts them, as it does a process that died."""
+        out = [c for c in self.health() if self.state[c].last_seen > 0]
+        if self.cluster.hang_timeout:
+            now = time.time()
+            for c in out:
+                st = self.state[c]
+                if now - st.last_seen > self.cluster.hang_timeout and st.pid not in st.killed:
+                    st.killed.add(st.pid)
+                    kill_hung(c, st.pid, now - st.last_seen)
+        return out
 
     def restarted(self) -> list[str]:
         """Components heard from with a new pid since the last call: whatever they held died with the old one."""

@@ -55,9 +55,23 @@ def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
 
 
 def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runner: StageRunner,
-                stop: threading.Event) -> None:
+                stop: threading.Event, turned: list[float]) -> None:
+    """Every `heartbeat_interval`, while the step loop turns: `turned[0]` is when it last did (time.monotonic). A
+    loop stuck for `stall_timeout` (a hung step, a deadlock) silences them, so the gateway sees this stage lost
+    and, after `hang_timeout`, kills it for the launcher to restart; a thread of its own would otherwise vouch for
+    a wedged process."""
     sock = connect_outbox(ctx, cluster.gateway_endpoint, keys, sndhwm=10)
+    silent = False
     while not stop.is_set():
+        stalled = time.monotonic() - turned[0]
+        if cluster.stall_timeout and stalled > cluster.stall_timeout:
+            if not silent:
+                log.error("%s: the step loop has not turned for %.0f s (stall_timeout %g s): no more heartbeats, "
+                          "so the gateway restarts this stage", name, stalled, cluster.stall_timeout)
+            silent = True
+            stop.wait(cluster.heartbeat_interval)
+            continue
+        silent = False
         try:
             stats = {**runner.stats(), "restarts": restart_count()}
             sock.send_multipart(encode(Heartbeat(component=name, pid=os.getpid(), stats=stats)),
@@ -141,7 +155,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, keys, name, runner, stop), daemon=True)
+    turned = [time.monotonic()]          # when the step loop last turned (the heartbeats' stall check)
+    hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, keys, name, runner, stop, turned), daemon=True)
     hb.start()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -165,6 +180,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     # for the gateway. Costs one busy core per GPU stage.
     spin = cluster.stage_spin_wait and runner.device.type == "cuda"
     while not stop.is_set():
+        turned[0] = time.monotonic()
         wait = 100 if not runner.launched else (0 if spin or runner.oldest_done() else 1)
         if not poller.poll(wait) and not runner.launched:
             continue

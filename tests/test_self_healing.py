@@ -211,3 +211,127 @@ def test_a_step_error_from_a_process_not_yet_heard_from_is_its_restart(tmp_path)
     ex._on_heartbeat(Heartbeat(component="stage0", pid=200))           # its first heartbeat: no second restart
     assert ex.restarted() == [] and not ex._from_new_process(StageError(component="stage0", step=5, message="x",
                                                                          pid=200))
+
+
+def test_a_step_error_in_the_batch_of_the_restart_is_the_restart(tmp_path):
+    """The new process's first heartbeat and its error for a plan sent before it started can come in one batch:
+    the heartbeat registers the pid first, and the error then looked like a real failure of the step's requests
+    (QA saw 2 of 4 streams fail after a fast PLE restart). Until the core has taken the restart up, such errors
+    are the restart's."""
+    from gateway.cluster_executor import ClusterExecutor
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from shared.protocol import Heartbeat, StageError
+
+    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
+                            gateway_endpoint=f"ipc://{tmp_path}/gw.sock")
+    ex = ClusterExecutor(cluster, expect_ple=False)
+    assert not ex._keep(Heartbeat(component="stage0", pid=100))
+    assert ex._keep(StageError(component="stage0", step=3, message="x", pid=100))
+    assert not ex._keep(Heartbeat(component="stage0", pid=200))                  # the restart, not yet taken up
+    assert not ex._keep(StageError(component="stage0", step=4, message="lost n-gram context", pid=200))
+    assert ex.restarted() == ["stage0"]
+    assert ex._keep(StageError(component="stage0", step=5, message="x", pid=200))  # after it: a real failure
+
+
+def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
+    """`lost` SIGKILLs a component silent for hang_timeout when its pid runs the component's module on this host
+    (so the launcher restarts it); a pid running something else is left alone, and each pid is tried once."""
+    from gateway.cluster_executor import ClusterExecutor, kill_hung
+    from shared.cluster_config import ClusterConfig, StageSpec
+
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "stage_worker"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "something_else"])
+    try:
+        assert not kill_hung("stage0", other.pid, 40.0) and other.poll() is None
+        cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
+                                gateway_endpoint=f"ipc://{tmp_path}/gw.sock", hang_timeout=5.0)
+        ex = ClusterExecutor(cluster, expect_ple=False)
+        ex.state["stage0"].pid, ex.state["stage0"].last_seen = ours.pid, time.time() - 3.0
+        assert ex.lost() == ["stage0"] and ours.poll() is None       # lost, not yet hung
+        ex.state["stage0"].last_seen = time.time() - 6.0
+        assert ex.lost() == ["stage0"]
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert ex.state["stage0"].killed == {ours.pid}
+    finally:
+        for p in (ours, other):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_stalled_step_loop_silences_the_heartbeats(tmp_path):
+    """The stage's heartbeat thread vouched for a process whose step loop was stuck (QA froze the main thread for
+    40 s: /health stayed 200, requests hung). Past stall_timeout it sends none, so the gateway sees the stage lost;
+    once the loop turns again they resume."""
+    import threading
+
+    import zmq
+
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from shared.links import bind_inbox, cluster_keys
+    from shared.protocol import Heartbeat, decode
+    from stage_worker.main import _heartbeats
+
+    class Runner:
+        def stats(self):
+            return {}
+
+    endpoint = f"ipc://{tmp_path}/gw.sock"
+    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
+                            gateway_endpoint=endpoint, heartbeat_interval=0.05, stall_timeout=1.0)
+    ctx = zmq.Context()
+    inbox = bind_inbox(ctx, endpoint, cluster_keys(""))
+    turned, stop = [time.monotonic() - 5.0], threading.Event()
+    t = threading.Thread(target=_heartbeats, args=(ctx, cluster, cluster_keys(""), "stage0", Runner(), stop, turned))
+    t.start()
+
+    def beats(seconds: float) -> int:
+        n, deadline = 0, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if inbox.poll(50):
+                n += isinstance(decode(inbox.recv_multipart()), Heartbeat)
+        return n
+
+    try:
+        assert beats(0.5) == 0
+        turned[0] = time.monotonic()
+        assert beats(0.5) >= 3
+    finally:
+        stop.set()
+        t.join()
+        inbox.close(linger=0)
+        ctx.term()
+
+
+def test_a_stopped_stage_is_killed_and_restarted(tiny_checkpoint):
+    """A hung stage (SIGSTOP: no heartbeats, no exit) was never restarted: /health stayed 503 until someone sent
+    SIGCONT. The gateway now kills it after hang_timeout (4 s here) and the launcher restarts it: serving resumes
+    with the same tokens."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--stages", "2", "--port", str(port), "--no-ple-service"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MOEPIPE_HANG_TIMEOUT": "4"})
+    victim = None
+    try:
+        wait_healthy(url, launcher)
+        before = _greedy(url)
+        victim = component_pids(launcher.pid)["stage1"]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.time()
+        while time.time() - t0 < HEAL_BOUND_S + 10:
+            pid = component_pids(launcher.pid).get("stage1")
+            try:
+                if pid not in (None, victim) and httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the stopped stage was not replaced")
+        assert not alive(victim)
+        assert _greedy(url) == before
+    finally:
+        if victim is not None and alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        stop_server(launcher)
