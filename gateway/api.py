@@ -99,6 +99,7 @@ class _Generation:
         self._events = engine.generate(request)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopMatcher(stops)
+        self._min_tokens = request.params.min_tokens     # no stop string is matched in the first min_tokens tokens
         self._chars = offset
         self._first: TokenEvent | None = None
         self.completion_tokens = 0
@@ -146,7 +147,7 @@ class _Generation:
                 piece.tokens.append(_Token(event.token_id, event.logprob, event.top_logprobs, self._chars))
             delta = self._detok.push(event.token_id)
             self._chars += len(delta)
-            piece.text = self._stop.feed(delta)
+            piece.text = delta if self.completion_tokens <= self._min_tokens else self._stop.feed(delta)
         if self._stop.stopped:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:
@@ -322,6 +323,13 @@ class _Server:
         if bad is not None:
             raise invalid_request(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param=param)
 
+    @staticmethod
+    def check_min_tokens(req: ChatCompletionRequest | CompletionRequest) -> None:
+        """vLLM's rule: min_tokens may not exceed the requested max_tokens."""
+        if req.min_tokens and req.budget is not None and req.min_tokens > req.budget:
+            raise invalid_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({req.budget}).",
+                                  param="min_tokens")
+
     def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         """Tokens to generate: what the client asked for, clamped to what fits (llama.cpp's rule; OpenAI and vLLM
         answer 400, docs/agents.md); default the rest of the context (or generation_config's max_new_tokens)."""
@@ -370,6 +378,7 @@ class _Server:
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             seed=None if req.seed is None else _choice_seed(req.seed, choice),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs, logit_bias=logit_bias,
+            min_tokens=min(req.min_tokens or 0, max_tokens),       # (max_tokens clamped to the context)
         ).with_defaults(self.gen_cfg)
         stop_ids = set(params.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         if self.model_vocab is not None and prompt_ids and max(prompt_ids) >= self.model_vocab:
@@ -606,6 +615,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
             if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained (echo: the prompt)
                 prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
+            srv.check_min_tokens(req)
             max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
             for j in range(n):
                 index = i * n + j
@@ -640,6 +650,7 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
     prompt_ids = await srv.encode(text, prompt_param)
+    srv.check_min_tokens(req)
     max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
     bias = srv.logit_bias(req.logit_bias)
     n = req.num_choices

@@ -36,7 +36,7 @@ from shared.sampling import SamplingParams
 __all__ = ["ResponseBuilder", "collect", "new_id", "renamed_params", "stream", "to_chat_request"]
 
 # Sampling fields a Responses request may carry (the OpenAI ones, plus the chat route's extras via extra body).
-_PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+_PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos", "user", "stream",
            "parallel_tool_calls")
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -121,6 +121,7 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = False
+    min_tokens: int | None = Field(default=None, ge=0)     # vLLM extension: no stop token / string before this many
 
     # OpenAI's and vLLM's rule on the chat and completions routes (the Responses API has other stream options,
     # which the openai-agents SDK sends without streaming)

@@ -91,6 +91,8 @@ class SamplingSpec:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)     # tokens generated before a preemption (penalties)
     logit_bias: dict[int, float] | None = None               # token id -> added to the raw logit, before penalties
+    min_tokens: int = 0                                      # min_tokens: `min_tokens_ban` is not sampled until
+    min_tokens_ban: list[int] = field(default_factory=list)  # this many tokens (the stop ids: EOS, stop_token_ids)
 
 
 @dataclass

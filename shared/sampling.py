@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None            # None: no logprobs; k >= 0: the sampled token's plus top-k
     logit_bias: dict[int, float] | None = None   # token id -> value added to its raw logit (OpenAI logit_bias)
+    min_tokens: int = 0                    # vLLM's: stop tokens are not sampled, stop strings not matched, before
 
     def with_defaults(self, generation_config: dict[str, Any]) -> "SamplingParams":
         values = {}

@@ -436,7 +436,8 @@ class Scheduler:
                             min_p=p.min_p, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                             seed=p.seed, logprobs=p.logprobs, prompt_ids=list(req.prompt_ids),
-                            output_ids=list(req.output_ids), logit_bias=p.logit_bias)
+                            output_ids=list(req.output_ids), logit_bias=p.logit_bias, min_tokens=p.min_tokens,
+                            min_tokens_ban=sorted(req.stop_token_ids) if p.min_tokens else [])
 
     # ---- results -----------------------------------------------------------------------------------------------
     def on_result(self, mb: int, tokens: list[TokenOut]) -> list[Request]:

@@ -47,6 +47,7 @@ class Row:
     prompt_ids: list[int] | None = None   # repetition penalty also counts the prompt (HF semantics)
     allowed: bytes | None = None          # packed grammar mask (shared/token_mask.py)
     slot: int | None = None               # the request's row in `TokenCounts` (None: count from `history`)
+    banned: list[int] | None = None       # ids not sampled at this position (min_tokens: the stop ids)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -159,6 +160,11 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts |
             out = torch.where(counts.seen[slots], torch.where(out > 0, out / rp, out * rp), out)
     else:
         out = _penalties_from_history(out, rows)
+    ban = [(b, int(t)) for b, r in enumerate(rows) for t in (r.banned or ()) if 0 <= int(t) < V]
+    if ban:
+        b_idx, t_idx = zip(*ban)
+        out = out.index_put((to_device(b_idx, torch.long, dev), to_device(t_idx, torch.long, dev)),
+                            torch.tensor(float("-inf"), device=dev))
     masked = [b for b, r in enumerate(rows) if r.allowed is not None]
     if masked:
         allowed = np.ones((B, V), dtype=bool)

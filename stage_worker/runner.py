@@ -28,7 +28,8 @@ from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
 from stage_worker.profiling import phase
 from stage_worker.stream_wait import StreamWait
 from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
-from stage_worker.sampler import apply_logit_bias, apply_penalties, position_generator, sample, token_logprobs
+from stage_worker.sampler import (apply_ban, apply_logit_bias, apply_penalties, position_generator, sample,
+                                  token_logprobs)
 
 
 log = logging.getLogger("moepipe.stage")
@@ -282,7 +283,8 @@ class StageRunner:
                                         min_p=spec.min_p, presence_penalty=spec.presence_penalty,
                                         frequency_penalty=spec.frequency_penalty,
                                         repetition_penalty=spec.repetition_penalty, seed=spec.seed,
-                                        logprobs=spec.logprobs, logit_bias=spec.logit_bias)
+                                        logprobs=spec.logprobs, logit_bias=spec.logit_bias,
+                                        min_tokens=spec.min_tokens)
                 self.requests[spec.req_id] = _ReqState(spec, params, list(spec.output_ids))
         if plan.entries:
             # Everything but the ids of decode tokens is known now: positions, KV rows, slots, logits rows. The ids
@@ -836,7 +838,8 @@ class StageRunner:
         self._settle_launched()                # the per-row path reads the histories: complete them first
         for i, e, state, raw in drawn:
             try:
-                token = self._sample_row(raw, state, e.allowed, outs[i].position)
+                token = self._sample_row(raw, state, e.allowed, outs[i].position,
+                                         _banned(state.spec, outs[i].position))
                 if state.params.logprobs is not None:
                     outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
                                                                                          state.params.logprobs)
@@ -863,7 +866,8 @@ class StageRunner:
                 self.counts.reset(e.slot, st.spec.prompt_ids, st.history)   # first sample here, or after preemption
                 st.counted_slot = e.slot
             specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
-                             e.allowed, slot=e.slot if self.counts is not None else None))
+                             e.allowed, slot=e.slot if self.counts is not None else None,
+                             banned=_banned(st.spec, outs[i].position)))
         sampled = sample_rows(raw, specs, self.counts,
                               race_kernel=getattr(getattr(self.model, "kernel_flags", None), "sample_race", False))
         copy = _HostCopy(device=sampled, tokens=to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
@@ -879,10 +883,13 @@ class StageRunner:
         return copy
 
     @staticmethod
-    def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int) -> int:
-        """The per-row path (`device_sampling` off): bias, penalties, mask, then a CPU generator's draw."""
+    def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int,
+                    banned: list[int] | None = None) -> int:
+        """The per-row path (`device_sampling` off): bias, penalties, min_tokens' ban, mask, then a CPU generator's
+        draw."""
         biased = apply_logit_bias(raw, state.params.logit_bias)     # the grammar mask still wins over a bias
-        adjusted = apply_mask(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids), allowed)
+        penalised = apply_ban(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids), banned)
+        adjusted = apply_mask(penalised, allowed)
         return sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
 
     def stats(self) -> dict[str, float]:
@@ -907,6 +914,14 @@ class StageRunner:
             if self.row_cache_reads.last is not None:
                 out["kv_row_cache_hits"], out["kv_row_cache_lookups"] = map(float, self.row_cache_reads.last)
         return out
+
+
+def _banned(spec: SamplingSpec, position: int) -> list[int] | None:
+    """The ids the token at `position` may not be: min_tokens' stop ids while fewer than min_tokens are generated
+    (the prompt is positions 0 .. len - 1; a preempted request keeps its positions)."""
+    if spec.min_tokens and position - len(spec.prompt_ids) < spec.min_tokens:
+        return spec.min_tokens_ban
+    return None
 
 
 def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:

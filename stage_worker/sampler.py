@@ -11,6 +11,17 @@ import torch
 from shared.sampling import SamplingParams
 
 
+def apply_ban(logits: torch.Tensor, ids: list[int] | None) -> torch.Tensor:
+    """`ids` (min_tokens: the stop ids before that many tokens) cannot be sampled: -inf. Ids past the row are
+    ignored."""
+    ids = [int(i) for i in ids or () if 0 <= int(i) < logits.shape[-1]]
+    if not ids:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(ids, dtype=torch.long, device=logits.device)] = float("-inf")
+    return logits
+
+
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
     """OpenAI logit_bias: each value is added to its token's raw logit (-100 all but bans it, +100 all but forces
     it). Ids past this row (a narrower head) are ignored; the gateway has already refused ids outside the vocabulary."""

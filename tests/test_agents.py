@@ -555,3 +555,24 @@ def test_reasoning_effort_none_switches_thinking_off(thinking_server):
         _chat(thinking_server, max_tokens=8, reasoning_effort="none",
               extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     assert e.value.body["param"] == "reasoning_effort"
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_min_tokens_holds_back_stop_tokens_and_strings(client, tok, sampled):
+    """vLLM's min_tokens: with +100 on EOS every reply would end at once; with min_tokens 3 the stop ids are not
+    sampled before the third token, so EOS comes fourth (usage counts it); a stop string is not matched in those
+    tokens either. min_tokens above max_tokens is a 400 naming it. (It was accepted and silently ignored.)"""
+    eos = str(tok.eos_token_ids[0])
+    kw = dict(model="moepipe", prompt="def add(a, b):", max_tokens=12, logit_bias={eos: 100},
+              **({"temperature": 0.9, "seed": 3} if sampled else {"temperature": 0}))
+    assert client.completions.create(**kw).usage.completion_tokens == 1
+    held = client.completions.create(**kw, extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    plain = dict(kw, logit_bias=None)
+    first = client.completions.create(**plain).choices[0].text[:1]        # a stop string the first token holds
+    assert first
+    assert client.completions.create(**plain, stop=[first]).usage.completion_tokens == 1
+    assert client.completions.create(**plain, stop=[first], extra_body={"min_tokens": 3}).usage.completion_tokens >= 4
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"min_tokens": 13})
+    assert e.value.body["param"] == "min_tokens"

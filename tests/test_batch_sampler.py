@@ -200,3 +200,23 @@ def test_the_race_kernel_draws_the_same_tokens(monkeypatch):
         assert torch.equal(counts[True].counts, counts[False].counts)
         for r in slotted:
             r.position += 1
+
+
+def test_banned_ids_are_never_sampled_on_either_path():
+    """min_tokens' ban (Row.banned, sampler.apply_ban): the best ids of every row are banned, greedy and sampled
+    rows take something else, on the batched and the per-row path alike."""
+    from shared.sampling import SamplingParams
+    from stage_worker.batch_sampler import Row, sample_rows
+    from stage_worker.sampler import apply_ban, position_generator, sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[:, 7] = logits[:, 9] = 30.0
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7,
+              top_k=5), SamplingParams(temperature=1.0, top_p=0.5)]
+    rows = [Row(p, 11, 20, [], banned=[7, 9]) for p in params]
+    for _ in range(20):
+        assert not set(sample_rows(logits, rows).tolist()) & {7, 9}
+    for p in params:
+        assert sample(apply_ban(logits[0], [7, 9]), p, position_generator(11, 20)) not in (7, 9)
+    assert set(sample_rows(logits, [Row(params[0], 11, 20, [])]).tolist()) <= {7, 9}    # not banned: taken
