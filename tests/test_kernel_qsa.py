@@ -647,9 +647,14 @@ def test_score_variants_at_262k_on_gpu(batch, monkeypatch):
             monkeypatch.setattr(qsa_kernels, "SCORE_PROGRAMS_PER_SM", per_sm)
             hist = qsa_kernels.new_histograms(batch, "cuda")
             keys = qsa_scores_keys(q_idx, pooled, tables, ctx, 16, RATIO, hist=hist)
+            # a key per complete block (the slots past a row's context are never written), and a copy of the
+            # histograms: the timing below adds into `hist` again (h200-26 compared against those sums and
+            # against the unwritten slots, and failed on both)
+            keys = [keys[b, : int(ctx[b]) // RATIO].clone() for b in range(batch)]
             if want is None:
-                want = keys, hist
-            assert torch.equal(keys, want[0]) and torch.equal(hist, want[1]), (prefetch, per_sm)
+                want = keys, hist.clone()
+            assert all(torch.equal(k, w) for k, w in zip(keys, want[0])), ("keys", prefetch, per_sm)
+            assert torch.equal(hist, want[1]), ("histograms", prefetch, per_sm)
             score = graph_us(lambda: qsa_scores_keys(q_idx, pooled, tables, ctx, 16, RATIO, hist=hist))
             select = graph_us(lambda: qsa_select(q_idx, pooled, tables, ctx, 16, RATIO, budget))
             short = ctx.clone().fill_(4096)
