@@ -57,7 +57,7 @@ class StageModel(nn.Module):
         from stage_worker.kernels.flags import NONE
         from stage_worker.kernels.quant_gemv import set_dequant_kernel
 
-        act = self.cfg.hidden_act
+        act = getattr(getattr(self, "cfg", None), "hidden_act", "silu")
         if not is_silu(act) and flags != NONE:
             log.warning("hidden_act %r: the fused kernels compute SiLU; this model runs its PyTorch path", act)
             flags = NONE
