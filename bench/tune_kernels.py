@@ -92,7 +92,7 @@ def moe_case(t: int, h: int = 2560, i: int = 640, e: int = 512, k: int = 10):
 
 def tune_qsa(batches: list[int], reps: int, results: list) -> None:
     """`qsa_select` at the full indexer shape (32 heads of 128, budget 2048, ratio 4) in a table padded to 262,144
-    tokens: (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SCORE_PREFETCH, SELECT_TILE, RADIX_BITS) at contexts 262,144 and
+    tokens: (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS) at contexts 262,144 and
     4,096, in two groups (the score kernel's knobs at the default select, the select's at the default score: they
     act on different launches, and the whole product took minutes of compiles). Bytes: the pooled keys the scores
     read."""
@@ -100,9 +100,9 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
     from stage_worker.kernels.qsa_ref import qsa_select_ref
 
     bs, width, budget = 16, 16384, 2048
-    default = (QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SCORE_PREFETCH, QSA.SELECT_TILE, QSA.RADIX_BITS)
-    score = itertools.product((64, 128), (2, 3, 4, 5), (True, False), default[3:4], default[4:])
-    select = itertools.product(default[0:1], default[1:2], default[2:3], (256, 512, 1024, 2048), (8, 11))
+    default = (QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS)
+    score = itertools.product((64, 128), (2, 3, 4, 5), default[2:3], default[3:])
+    select = itertools.product(default[0:1], default[1:2], (256, 512, 1024, 2048), (8, 11))
     cfgs = list(dict.fromkeys([*score, *select]))
     for b in batches:
         g = torch.Generator(device="cuda").manual_seed(b)
@@ -115,7 +115,7 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
             want = qsa_select_ref(q_idx, pooled, tables, ctx, bs, 4, budget)
 
             def set_cfg(cfg):
-                QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SCORE_PREFETCH, QSA.SELECT_TILE, QSA.RADIX_BITS = cfg
+                QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS = cfg
                 try:
                     same = torch.equal(QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget), want)
                 except Exception:          # the sweep reports it when it times this configuration
@@ -128,7 +128,7 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
                   b * ctx_len // 4 * 128 * 2, b, reps, results,
                   ref=lambda: QSA.qsa_select(q_idx, pooled, tables, ctx, bs, 4, budget, one_program=True),
                   ref_name="first version (one select program)")
-            QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SCORE_PREFETCH, QSA.SELECT_TILE, QSA.RADIX_BITS = default
+            QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS = default
 
 
 def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:

@@ -22,8 +22,7 @@ The choice: the k = budget // ratio largest keys, equal keys to the lower block 
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
    complete block, and adds the histogram of its keys' top radix digit into the sequence's pass-0 histogram (the
    first radix pass, fused: it saves a launch and a read of the keys). At 262k a program walks ~2.6 tiles, each a
-   gather of two dependent round trips (block table, then 64 key rows of 256 bytes); the loop is pipelined by hand
-   (SCORE_PREFETCH, see `_score_kernel`) so the next tile's gather is in flight while this one is scored.
+   gather of two dependent round trips (block table, then 64 key rows of 256 bytes).
 2. `_radix_pass_kernel` for passes 1..3 (8-bit digits), grid (B, tiles of SELECT_TILE keys), one tile a program
    (rows of at most SHORT_BLOCKS complete blocks: the hybrid below):
    each program recomputes from the histograms of the earlier passes (256 ints each, L2) the digits of the k-th
@@ -60,8 +59,8 @@ run for a short row (an early return costs about a launch's latency), so it shou
 and the tiled path at 4k, not at 14 us (GPU-unverified: `test_262k_context_on_gpu` prints the three).
 `one_program=True` keeps the first version (16 score programs, `_select_kernel`: `_select_row` for every row, one
 program per sequence): the `-qsa_tiles` path and the baseline the GPU test times against.
-Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SCORE_PREFETCH, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS,
-SHORT_TILE) are module globals (`bench/tune_kernels.py --only qsa` sweeps the first five).
+Launch parameters (SCORE_BLOCK, SCORE_PROGRAMS_PER_SM, SELECT_TILE, RADIX_BITS, SHORT_BLOCKS,
+SHORT_TILE) are module globals (`bench/tune_kernels.py --only qsa` sweeps the first four).
 With the kernel flag `pdl` (`common.pdl_usable`) the four kernels launch as programmatic dependents and each waits
 (`common.pdl_wait`) first thing, before its context length, every program (those that return at once included):
 each reads the previous launch's keys / histograms / counts, so the launch chain keeps its order (a kernel's wait
@@ -87,7 +86,6 @@ if _INTERPRET:
 SCORE_BLOCK = 64            # pooled keys per tile of the score kernel
 SCORE_PROGRAMS_PER_SM = 3   # score programs per SM, shared by the batch (sm_90, as the JIT specializes it: 91
                             # registers a thread and 24 KB of shared memory, so up to 5 of 4 warps are resident)
-SCORE_PREFETCH = True       # the score loop pipelined by hand (`_score_kernel`); False: `_score_plain_kernel`
 SELECT_TILE = 512           # keys per program of the radix passes and the emit (65,536 blocks: 128 programs)
 RADIX_BITS = 8              # bits resolved per radix pass: 4 passes cover a 32-bit key
 SHORT_BLOCKS = 2048         # rows of at most this many complete blocks (8k tokens at ratio 4) are selected whole by
@@ -103,44 +101,9 @@ def _score_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqr
                   N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
                   DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)                 # first: the context, q, the pooled keys, the histograms all wait
-    b = tl.program_id(0)
-    first = tl.program_id(1) * BLOCK_C
-    complete = tl.load(ctx_ptr + b) // RATIO
-    if first < complete:                                                        # else: past the context, no work
-        STEP: tl.constexpr = PROGRAMS * BLOCK_C
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_d = tl.arange(0, BLOCK_D)
-        q = _indexer_heads(q_ptr + b.to(tl.int64) * s_qb, s_qh, offs_d, N_IDX, D_IDX, BLOCK_H)
-        table = tables_ptr + b.to(tl.int64) * s_tb
-        keys_out = key_ptr + b.to(tl.int64) * s_kb
-        hist = tl.zeros([1 << BITS], tl.int32)
-        # Software-pipelined by hand (SCORE_PREFETCH): the block-table entries two tiles ahead and the pooled key
-        # rows one tile ahead are loaded into registers before this tile is scored, so the next gather is in flight
-        # during the dot, the key stores and the histogram. Triton's own pipelining of the plain loop
-        # (`_score_plain_kernel`) issues the next tile's loads only after the histogram and waits for all of them
-        # at the top of the next iteration (sm_90 SASS): the gather's two dependent round trips were never hidden.
-        page = _table_entries(table, first + offs_c, complete, PAGE, RATIO)
-        page_next = _table_entries(table, first + STEP + offs_c, complete, PAGE, RATIO)
-        keys = _pooled_rows(pooled_ptr, page, first + offs_c, complete, s_pr, offs_d, D_IDX, PAGE, RATIO)
-        for c0 in tl.range(first, complete, STEP, num_stages=1):
-            keys_next = _pooled_rows(pooled_ptr, page_next, c0 + STEP + offs_c, complete, s_pr, offs_d, D_IDX,
-                                     PAGE, RATIO)
-            page_next = _table_entries(table, c0 + 2 * STEP + offs_c, complete, PAGE, RATIO)
-            hist = _score_tile(keys, q, c0 + offs_c, complete, keys_out, hist, sqrt_d, DOT_F32, HIST, BITS)
-            keys = keys_next
-        if HIST:                                                                # radix pass 0 of the select
-            tl.atomic_add(hist_ptr + b.to(tl.int64) * s_hb + tl.arange(0, 1 << BITS), hist, mask=hist > 0,
-                          sem="relaxed")
-
-
-@triton.jit
-def _score_plain_kernel(q_ptr, pooled_ptr, tables_ptr, ctx_ptr, key_ptr, hist_ptr, sqrt_d,
-                        s_qb, s_qh, s_pr, s_tb, s_kb, s_hb,
-                        N_IDX: tl.constexpr, D_IDX: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
-                        DOT_F32: tl.constexpr, HIST: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False):
-    """`_score_kernel` with the loop left to Triton's pipelining (SCORE_PREFETCH = False, for the sweep)."""
+    """Module doc, step 1. The loop is left to Triton's pipelining: a version pipelined by hand (the next tile's
+    gather issued before this one is scored) measured the same on the H200 (h200-26: 23.75 against 23.79 us for
+    the whole 262k selection) and was deleted."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_C
@@ -468,8 +431,7 @@ def qsa_scores_keys(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: tor
     block_c = block_c or SCORE_BLOCK
     programs = programs or score_programs(n_blocks, block_c, B, q_idx.device)
     pdl = pdl_usable(q_idx)
-    kernel = _score_kernel if SCORE_PREFETCH else _score_plain_kernel
-    kernel[(B, programs)](
+    _score_kernel[(B, programs)](
         q_idx, pooled, block_tables, context_lens, keys, keys if hist is None else hist, math.sqrt(d_idx),
         q_idx.stride(0), q_idx.stride(1), pooled.stride(0), block_tables.stride(0), keys.stride(0),
         0 if hist is None else hist.stride(0),
