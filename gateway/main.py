@@ -64,8 +64,17 @@ async def serve(config_path: str) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=cluster.host, port=cluster.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2))
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        # streams in flight end with an error event and their [DONE] before uvicorn closes the connections
+        # (timeout_graceful_shutdown), not with a connection cut mid-chunk
+        ended = core.close_requests("the server is shutting down")
+        if ended:
+            log.warning("gateway: stopping; %d request(s) in flight ended with an error", ended)
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, stop)
     try:
         await server.serve()
     finally:

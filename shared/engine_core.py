@@ -154,6 +154,7 @@ class EngineCore:
         self._recent: list[tuple[int, int, float, float]] = []     # (step, stage, start, end), the last 64
         self._started = False
         self._lost_since: float | None = None    # a component stopped sending heartbeats: scheduling waits
+        self._closing: str | None = None         # why new requests are refused (`close_requests`)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -176,6 +177,8 @@ class EngineCore:
     # ---- the requests' side (any thread) ----------------------------------------------------------------------
     def add(self, request: GenerationRequest, sink: Sink) -> str:
         """Queue a request; its token events (then a finish reason, or an exception) go to `sink`."""
+        if self._closing is not None:
+            raise EngineUnavailable(self._closing)
         missing = self.health()
         if missing:
             raise EngineUnavailable(f"not serving: no heartbeat from {', '.join(missing)}")
@@ -221,6 +224,21 @@ class EngineCore:
         finally:
             if not done:
                 self.cancel(rid)
+
+    def close_requests(self, message: str) -> int:
+        """The server is stopping: refuse new requests (503 `message`) and end every running and waiting one with
+        an error carrying `message` (a stream's last event, before the connection closes), instead of cutting
+        their connections mid-stream. Returns how many were ended."""
+        self._closing = message
+        with self._lock:
+            failed = self.scheduler.fail_all("abort")
+            for req in failed:
+                sink = self._drop(req.req_id)
+                if sink is not None:
+                    sink(EngineFailed(message))
+            self._push_gauges()
+        self._wake()
+        return len(failed)
 
     def cancel(self, request_id: str) -> None:
         """Drop a request (client gone, stop string): its blocks and slot return as soon as no step uses them."""

@@ -335,3 +335,38 @@ def test_a_stopped_stage_is_killed_and_restarted(tiny_checkpoint):
         if victim is not None and alive(victim):
             os.kill(victim, signal.SIGKILL)
         stop_server(launcher)
+
+
+def test_sigterm_ends_streams_with_an_error_event(tiny_checkpoint):
+    """SIGTERM to `moepipe serve` while a stream runs: the stream ends with an error event naming the shutdown and
+    its [DONE], not a connection cut mid-chunk (QA: "incomplete chunked read" and a gateway traceback); every
+    process exits."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--port", str(port), "--no-ple-service"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    children: dict[str, int] = {}
+    try:
+        wait_healthy(url, launcher)
+        children = component_pids(launcher.pid)
+        lines = []
+        body = {"model": "moepipe", "prompt": "hello", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 5:
+                    launcher.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in lines[-2] and '"error"' in lines[-2], lines[-3:]
+        assert launcher.wait(timeout=30) == 0
+        deadline = time.time() + 15
+        while time.time() < deadline and [p for p in children.values() if alive(p)]:
+            time.sleep(0.2)
+        assert not [name for name, p in children.items() if alive(p)]
+    finally:
+        stop_server(launcher)
+        for p in children.values():
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
