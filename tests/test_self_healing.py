@@ -86,6 +86,21 @@ async def _load(url: str, kill: tuple[str, int] | None = None, max_tokens: int =
         return texts, healed
 
 
+def _survivors(children: dict[str, int], wait_s: float = 15.0) -> list[str]:
+    """The components of `children` still alive after up to `wait_s` seconds."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline and [p for p in children.values() if alive(p)]:
+        time.sleep(0.2)
+    return [name for name, p in children.items() if alive(p)]
+
+
+def _stop_all(launcher: subprocess.Popen, children: dict[str, int]) -> None:
+    stop_server(launcher)
+    for p in children.values():
+        if alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
 def _metric(url: str, series: str) -> float:
     for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
         if line.startswith(series + " "):
@@ -152,15 +167,9 @@ def test_each_component_is_restarted_and_serving_resumes(tiny_checkpoint):
         assert set(children) == {"ple", "stage0", "stage1", "gateway"}, children
         launcher.kill()
         launcher.wait(timeout=10)
-        deadline = time.time() + 15
-        while time.time() < deadline and [p for p in children.values() if alive(p)]:
-            time.sleep(0.2)
-        assert not [name for name, p in children.items() if alive(p)]
+        assert not _survivors(children)
     finally:
-        stop_server(launcher)
-        for p in children.values():
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+        _stop_all(launcher, children)
 
 
 def test_a_port_in_use_is_refused_by_name(tiny_checkpoint):
@@ -361,12 +370,6 @@ def test_sigterm_ends_streams_with_an_error_event(tiny_checkpoint):
         assert lines[-1] == "data: [DONE]"
         assert "shutting down" in lines[-2] and '"error"' in lines[-2], lines[-3:]
         assert launcher.wait(timeout=30) == 0
-        deadline = time.time() + 15
-        while time.time() < deadline and [p for p in children.values() if alive(p)]:
-            time.sleep(0.2)
-        assert not [name for name, p in children.items() if alive(p)]
+        assert not _survivors(children)
     finally:
-        stop_server(launcher)
-        for p in children.values():
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+        _stop_all(launcher, children)
