@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.cli import command_parser, ensure_builtin_model, run_command
+from shared.cli import command_parser, model_arg, run_command
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -28,7 +28,19 @@ def _keys(args: argparse.Namespace) -> int:
 def serve_options(args: argparse.Namespace):
     """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
     from gateway.launcher import ServeOptions
+    from shared.cluster_config import DTYPE_ALIASES, parse_names
 
+    names = args.served_model_name or []
+    if args.model_tag is None and args.model is None and names and _is_checkpoint(names[-1]):
+        # `vllm serve --served-model-name qwen /path/to/model`: nargs="+" took the positional MODEL as a name; vLLM's
+        # users mean the model (a checkpoint directory as a served name would serve the demo model under it)
+        if len(names) == 1:
+            raise ValueError(f"--served-model-name took {names[0]} (a checkpoint directory) as the name and no model "
+                             f"was given: put the model first (`moepipe serve {names[0]} --served-model-name NAME`) "
+                             f"or use --model")
+        args.model_tag = names.pop()
+    if not 1 <= args.port <= 65535:       # 0 would bind a random port the launcher cannot find
+        raise ValueError(f"--port {args.port}: must be between 1 and 65535")
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
         raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
     if args.stages is not None and args.pipeline_parallel_size is not None and \
@@ -42,15 +54,15 @@ def serve_options(args: argparse.Namespace):
         if value:       # vLLM needs them; here the chat template's format decides (docs/agents.md)
             print(f"moepipe: {flag} {value} is not needed: tool calls and reasoning are parsed in the format of "
                   f"the model's chat template (docs/agents.md)", file=sys.stderr)
-    model_dir = args.model_tag or args.model
-    model = Path(model_dir) if model_dir else ensure_builtin_model()
+    model_dir = args.model_tag if args.model_tag is not None else args.model
+    model = model_arg(model_dir, "--model" if args.model_tag is None else "MODEL")
     extra = {}
-    if args.served_model_name:
-        extra["served_model_name"] = args.served_model_name[0]
-        if len(args.served_model_name) > 1:                 # vLLM answers to every name given
-            extra["served_model_aliases"] = list(dict.fromkeys(args.served_model_name[1:]))
-    if args.dtype and args.dtype != "auto":
-        extra["dtype"] = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    if names:
+        extra["served_model_name"] = names[0]
+        if len(names) > 1:                 # vLLM answers to every name given
+            extra["served_model_aliases"] = list(dict.fromkeys(names[1:]))
+    if args.dtype:          # "auto" too: the checkpoint's, over MOEPIPE_DTYPE (flags win over the environment)
+        extra["dtype"] = DTYPE_ALIASES[args.dtype]
     if args.enforce_eager:
         extra["cuda_graphs"] = False
     if args.chat_template:
@@ -74,7 +86,7 @@ def serve_options(args: argparse.Namespace):
         extra["kv_row_cache_mib"] = args.kv_row_cache_mib
     for key in ("allowed_hosts", "allowed_origins"):
         if getattr(args, key) is not None:
-            extra[key] = [h.strip() for h in getattr(args, key).split(",") if h.strip()]
+            extra[key] = parse_names(getattr(args, key), "--" + key.replace("_", "-"))
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
                 "load_format", "kv_cache_memory", "api_key", "restart_limit", "gpu_memory_utilization",
                 "vram_limit", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_cache_states"):
@@ -83,6 +95,10 @@ def serve_options(args: argparse.Namespace):
     stages = next((n for n in (args.stages, args.pipeline_parallel_size) if n is not None), 1)
     return ServeOptions(model=model, stages=stages, device=args.device, host=args.host, port=args.port,
                         extra=extra, verbose=args.verbose)
+
+
+def _is_checkpoint(value: str) -> bool:
+    return bool(value) and (Path(value) / "config.json").is_file()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -154,13 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY, or as vLLM "
+                        "VLLM_API_KEY when neither is given)")
     s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                   help="comma-separated browser origins allowed to call the API (CORS; default none; also "
-                        "MOEPIPE_ALLOWED_ORIGINS)")
+                   help="browser origins allowed to call the API, comma-separated or a JSON list as vLLM takes "
+                        "it ('[\"*\"]'; CORS; default none; also MOEPIPE_ALLOWED_ORIGINS)")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
-                   help="comma-separated Host names to answer, '*' for any (default: loopback names when bound to "
-                        "a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")
+                   help="Host names to answer, comma-separated or a JSON list, '*' for any (default: loopback names "
+                        "when bound to a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")
     s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                    help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
     s.add_argument("--no-ple-service", action="store_true",
@@ -174,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="(the chat template's format is parsed)")
     vllm.add_argument("--reasoning-parser", default=None, metavar="NAME", help="(likewise <think> blocks)")
     vllm.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
-                      help="(no per-request or periodic stats logging to turn off)")
+                      help="(moepipe never logs prompts or sampling parameters, which vLLM's --disable-log-requests "
+                           "turns off, nor periodic stats (/metrics has them); the one access-log line per HTTP "
+                           "request stays: --no-access-log turns it off)")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "

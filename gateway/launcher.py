@@ -222,6 +222,11 @@ def check_port_free(host: str, port: int) -> None:
             raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets (`http://[::1]:8000`), as a URL must write it."""
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
+
+
 class Cluster:
     """The child processes of one `serve`; a context manager that always cleans up."""
 
@@ -256,7 +261,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cluster.host}:{self.cluster.port}"
+        return http_url(self.cluster.host, self.cluster.port)
 
     def start(self) -> None:
         check_port_free(self.cluster.host, self.cluster.port)

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -25,6 +26,7 @@ from shared.protocol import Heartbeat, Message, Plan, ProtocolError, Sampled, Sh
 log = logging.getLogger("ple_service")
 
 _POLL_MS = 50
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def ple_stages(cluster: ClusterConfig, cfg) -> list[int]:
@@ -130,12 +132,19 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ple_service", description="moepipe PLE gather service")
+    parser = argparse.ArgumentParser(prog="python -m ple_service", description="moepipe PLE gather service",
+                                     allow_abbrev=False)
     parser.add_argument("--config", required=True, help="cluster config (TOML)")
-    parser.add_argument("--log-level", default=os.environ.get("MOEPIPE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=None, metavar="LEVEL",
+                        help=f"{', '.join(LOG_LEVELS)} (default: MOEPIPE_LOG_LEVEL, else INFO)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) exits")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s ple %(levelname)s %(name)s: %(message)s")
+    level, source = (args.log_level, "--log-level") if args.log_level is not None else \
+        (os.environ.get("MOEPIPE_LOG_LEVEL") or "INFO", "MOEPIPE_LOG_LEVEL")
+    if level.strip().upper() not in LOG_LEVELS:
+        print(f"python -m ple_service: {source} {level!r}: expected one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.strip().upper(), format="%(asctime)s ple %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame) -> None:

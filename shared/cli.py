@@ -27,12 +27,16 @@ def _bundled_files() -> list[Path]:
     return sorted(p for p in BUNDLED_MODEL.iterdir() if p.is_file() and not p.name.startswith("ple_table."))
 
 
+def _home() -> Path:
+    return Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
+
+
 def builtin_model_dir() -> Path:
     """Where the built-in model is served from: a copy of the bundled demo checkpoint under MOEPIPE_HOME, named
     by the hash of every bundled file (a changed config or tokenizer, not only new weights, must not reuse an old
     copy). A copy because loading writes the expanded PLE table beside the checkpoint, and the installed package
     may be read-only (or a git checkout that should stay clean)."""
-    base = Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
+    base = _home()
     if not (BUNDLED_MODEL / "model.safetensors").is_file():
         return base / "models" / "tiny"
     import hashlib
@@ -44,6 +48,38 @@ def builtin_model_dir() -> Path:
 
 
 def ensure_builtin_model() -> Path:
+    """The built-in model's directory, copied there first if it is not yet; a MOEPIPE_HOME that cannot hold it
+    (a file, no permission) is a ValueError naming it."""
+    try:
+        return _ensure_builtin_model()
+    except OSError as exc:
+        where = f"MOEPIPE_HOME={os.environ['MOEPIPE_HOME']}" if "MOEPIPE_HOME" in os.environ else \
+            f"{_home()} (MOEPIPE_HOME unset)"
+        raise ValueError(f"cannot write the built-in model under {where}: "
+                         f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}; set MOEPIPE_HOME to a "
+                         f"writable directory or pass a model") from None
+
+
+def model_arg(value: str | None, flag: str = "--model") -> Path:
+    """A command's model directory: the built-in model when none was given; an empty path, or one that does not
+    exist (a Hugging Face id such as Qwen/Qwen3-Next-80B-A3B-Instruct: moepipe does not download), is a ValueError
+    naming it."""
+    if value is None:
+        return ensure_builtin_model()
+    if not value.strip():
+        raise ValueError(f"{flag}: empty model path (leave it out for the built-in model)")
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"{value}: no such directory; moepipe serves local checkpoint directories only (it does not "
+                         f"download models): download it first (e.g. `huggingface-cli download {value} --local-dir "
+                         f"DIR`) and pass DIR")
+    if not path.is_dir():
+        raise ValueError(f"{value}: not a directory; a model is a checkpoint directory (config.json, *.safetensors, "
+                         f"tokenizer.json)")
+    return path
+
+
+def _ensure_builtin_model() -> Path:
     path = builtin_model_dir()
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
@@ -88,9 +124,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with no abbreviations: not of long options (`--max-model 100` is not --max-model-len) and, unlike
+    `allow_abbrev=False` alone, not of multi-letter single-dash ones either (`-p 2` is not -pp, `-t 8` not -tp).
+    One-letter options keep their attached values (`-x3`). Subparsers are of this class too (argparse makes them
+    of their parent's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _get_option_tuples(self, option_string: str):
+        found = super()._get_option_tuples(option_string)
+        return found if self.allow_abbrev else [t for t in found if len(t[1]) == 2]
+
+
 def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The `moepipe` parser and its subcommand group, for a service's command module to add its subcommands to."""
-    p = argparse.ArgumentParser(prog="moepipe", description="Serve huge hybrid MoE models on small GPUs.")
+    p = ArgumentParser(prog="moepipe", description="Serve huge hybrid MoE models on small GPUs.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
     return p, sub
@@ -98,7 +149,8 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
 
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, set up logging and run the chosen subcommand's `func`, with the command's exit codes: its own, 2 for a
-    bad value or a missing file (named), 130 on Ctrl-C."""
+    bad value or a missing file (named), 1 for a file that cannot be written or read (named: no permission, a file
+    where a directory should be), 130 on Ctrl-C."""
     args, extra = parser.parse_known_args(argv)
     if extra:   # named by the subcommand's own parser: its usage line lists its flags, not the module's subcommands
         group = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -110,6 +162,10 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"moepipe {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:          # an output path that is a file, read-only, ...: one line naming it
+        names = " -> ".join(str(n) for n in (exc.filename, exc.filename2) if n)
+        print(f"moepipe {args.command}: {names + ': ' if names else ''}{exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

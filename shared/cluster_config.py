@@ -7,6 +7,7 @@ be measured against its absence.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -39,6 +40,52 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # Sequences at once, at most: each is a state slot in every stage and a block-table row in the engine core
 # (vLLM's defaults are 256-1024).
 MAX_NUM_SEQS = 16384
+# Tokens in one step, at most (`max_num_batched_tokens`): the PLE ring, the activation reserve and the step's
+# buffers are sized by it at start-up, so 10^11 was an ENOMEM inside the PLE service. vLLM's large-GPU defaults are
+# 2048-16384; for_model also refuses more than max_num_seqs x max_model_len (a step can never hold more).
+MAX_NUM_BATCHED_TOKENS = 1 << 20
+# The compute dtypes (`dtype`) and the names `moepipe serve --dtype` and MOEPIPE_DTYPE also take for them, as
+# vLLM's --dtype ("auto" and "": the checkpoint's).
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"auto": "", "": "", "half": "float16", "float": "float32", **{d: d for d in DTYPES}}
+# The kernel families `kernels` / MOEPIPE_KERNELS may name: stage_worker/kernels/flags.py NAMES, repeated here so the
+# launcher and every component refuse a misspelt one at load, naming the key, before a stage starts (shared imports
+# no service; tests/test_cli_migration.py checks the two lists agree).
+KERNEL_NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
+                "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
+                "section_union", "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill")
+
+
+def kernels_error(spec: str) -> str | None:
+    """Why a `kernels` value is not one KernelFlags.parse takes ("all", "none", or a comma list of names, each
+    optionally prefixed with '-'), or None."""
+    if not isinstance(spec, str):
+        return f"expected a string, got {spec!r}"
+    spec = spec.strip()
+    if spec in ("", "none", "0", "off"):
+        return None
+    for part in spec.split(","):
+        part = part.strip()
+        name = part[1:] if part.startswith("-") else part
+        if part not in ("", "all") and name not in KERNEL_NAMES:
+            return f"unknown kernel {name!r}: choose from {', '.join(KERNEL_NAMES)}, all, none"
+    return None
+
+
+def parse_names(value: str, what: str) -> list[str]:
+    """A list of names as a flag or variable gives it: comma-separated (`a,b`) or, as vLLM takes it, a JSON list
+    (`["*"]`); ClusterConfigError naming `what` for a JSON value that is not a list of strings."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError as exc:
+            raise ClusterConfigError(f"{what} {value!r}: not a JSON list ({exc}); give names separated by commas "
+                                     f"or a JSON list such as '[\"*\"]'") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ClusterConfigError(f"{what} {value!r}: a JSON list must hold strings")
+        return [n.strip() for n in names if n.strip()]
+    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 @dataclass
@@ -287,6 +334,18 @@ class ClusterConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1")
+        if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
+            raise ClusterConfigError(f"cluster config: max_num_batched_tokens (--max-num-batched-tokens) "
+                                     f"{self.max_num_batched_tokens} is more than {MAX_NUM_BATCHED_TOKENS} tokens "
+                                     f"a step (the start-up buffers are sized by it)")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
+            raise ClusterConfigError(f"cluster config: port (--port) must be between 1 and 65535, got {self.port!r}")
+        if self.microbatches < 0:
+            raise ClusterConfigError(f"cluster config: microbatches (MOEPIPE_MICROBATCHES) must be >= 1, or 0 (one "
+                                     f"per stage), got {self.microbatches}")
+        err = kernels_error(self.kernels)
+        if err:
+            raise ClusterConfigError(f"cluster config: kernels (MOEPIPE_KERNELS) {self.kernels!r}: {err}")
         if self.max_num_seqs > MAX_NUM_SEQS:    # per-slot state in every process: 10^9 was an OOM kill at start-up
             raise ClusterConfigError(f"cluster config: max_num_seqs {self.max_num_seqs} is more than "
                                      f"{MAX_NUM_SEQS} sequences at once")
@@ -323,10 +382,16 @@ class ClusterConfig:
             raise ClusterConfigError("cluster config: ple_decode_in_stage_max_seqs must be >= 1, or 0 for every decode "
                                      "step (a PLE stage gathers its own rows for decode steps of up to this many "
                                      "sequences; to never, set ple_decode_in_stage = false)")
-        for name in ("block_size", "num_blocks", "ple_ring_slots", "restart_limit", "max_model_len"):
+        for name in ("block_size", "num_blocks", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ClusterConfigError(f"cluster config: {name} must be >= 1, or 0 (derived from the model), got "
                                          f"{getattr(self, name)}")
+        if self.ple_ring_slots < 0:
+            raise ClusterConfigError(f"cluster config: ple_ring_slots must be >= 1, or 0 (the steps in flight + 2), "
+                                     f"got {self.ple_ring_slots}")
+        if self.restart_limit < 0:
+            raise ClusterConfigError(f"cluster config: restart_limit (--restart-limit) must be >= 0 restarts in a "
+                                     f"row (0: never restart a dead component), got {self.restart_limit}")
         if not 0 <= self.kv_cache_memory < math.inf:
             raise ClusterConfigError(f"cluster config: kv_cache_memory must be > 0 GiB (or 0 for the default), "
                                      f"got {self.kv_cache_memory}")
@@ -385,6 +450,12 @@ class ClusterConfig:
             costs = [stage_block_cost(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype),
                                       s.device, self.qsa_kv_offload) for s in self.stages]
             max_len = self.max_model_len or cfg.max_position_embeddings
+            most = max(GPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs * max_len)
+            if self.max_num_batched_tokens > most:
+                raise ClusterConfigError(
+                    f"cluster config: max_num_batched_tokens (--max-num-batched-tokens) "
+                    f"{self.max_num_batched_tokens} is more than one step can hold: max_num_seqs {self.max_num_seqs} "
+                    f"x max_model_len {max_len} = {self.max_num_seqs * max_len} tokens")
             budget = self.kv_cache_memory or default_kv_budget(
                 costs, block_size, max_len, any(s.device.startswith("cuda") for s in self.stages))
             num_blocks = self.num_blocks or auto_num_blocks(costs, block_size, max_len, self.max_num_seqs, budget)
@@ -505,15 +576,28 @@ def env_overrides() -> dict[str, Any]:
             out[key] = _int_env(env, val)
         elif key in _FLOAT_KEYS:
             out[key] = _float_env(env, val)
+        elif key == "dtype":
+            low = val.strip().lower()
+            if not low:
+                continue                # VAR= is not set, as for the other keys
+            if low not in DTYPE_ALIASES:
+                raise ClusterConfigError(f"{env}={val!r}: expected {', '.join(DTYPES)}, or as --dtype takes them "
+                                         f"auto (the checkpoint's), half, float")
+            out[key] = DTYPE_ALIASES[low]
         elif key in _STRING_KEYS:
             out[key] = val
         elif key in _CHOICE_KEYS:
             out[key] = val.strip().lower()
         elif key in _LIST_KEYS:
-            out[key] = [h.strip() for h in val.split(",") if h.strip()]
+            out[key] = parse_names(val, env)
         else:
             out[key] = _bool_env(env, val)
+    if "api_key" not in out and os.environ.get(VLLM_API_KEY):
+        out["api_key"] = os.environ[VLLM_API_KEY]     # as `vllm serve` reads it; MOEPIPE_API_KEY and --api-key win
     return out
+
+
+VLLM_API_KEY = "VLLM_API_KEY"
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -554,7 +638,7 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
     environment). Else the child's `load_cluster_config` would apply them again over the file, and a flag given
     beside its variable (`--max-num-batched-tokens 2048` with MOEPIPE_MAX_NUM_BATCHED_TOKENS=512) would be the
     launcher's value and not the processes'. A component started alone on a file still takes them."""
-    return {k: v for k, v in environ.items() if k not in _ENV}
+    return {k: v for k, v in environ.items() if k not in _ENV and k != VLLM_API_KEY}
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:
@@ -565,6 +649,10 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         raise ClusterConfigError(f"{path}: no such cluster config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ClusterConfigError(f"{path}: not valid TOML ({exc})") from exc
+    except UnicodeDecodeError:
+        raise ClusterConfigError(f"{path}: not a cluster config file (not UTF-8 text)") from None
+    except OSError as exc:          # a directory, no permission: one line, not a traceback
+        raise ClusterConfigError(f"{path}: cannot read the cluster config file ({exc.strerror or exc})") from None
     return cluster_from_dict(raw, source=str(path))
 
 

@@ -5,16 +5,48 @@ each subcommand imports its implementation lazily, so `--help` stays fast."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
-from shared.cli import command_parser, ensure_builtin_model, run_command
+from shared.cli import command_parser, model_arg, run_command
+
+# What make-model writes (and loading derives beside it: ple_table.*): a directory holding nothing else is an
+# earlier make-model checkpoint, rewritten whole; any other non-empty --out is refused, as quantize refuses one
+MAKE_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "model.safetensors")
+DERIVED_PREFIX = "ple_table."
+
+# `moepipe generate`'s sampling flags take what the API takes (gateway/schemas.py: MAX_TEMPERATURE, MIN_TOP_P and
+# the Field bounds; the service packages import only shared, so the numbers are repeated; tests/test_cli_migration.py
+# checks the API refuses the same values)
+SAMPLING_RANGES = {"temperature": (0.0, 100.0), "top_p": (1e-6, 1.0), "min_p": (0.0, 1.0)}
+
+
+def _make_model_out(value: str) -> Path:
+    """--out as make-model may write it: not empty, not a file, and either absent, empty or an earlier make-model
+    checkpoint (whose files are removed first, so none of the old one's is left beside the new one)."""
+    if not value.strip():
+        raise ValueError("--out: empty path")
+    out = Path(value)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {value}: exists and is not a directory")
+    if out.is_dir():
+        entries = sorted(out.iterdir())
+        others = [e.name for e in entries
+                  if not e.is_file() or not (e.name in MAKE_MODEL_FILES or e.name.startswith(DERIVED_PREFIX))]
+        if others:
+            raise ValueError(f"--out {value}: not empty ({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}"
+                             f" is not what make-model writes); give a new or empty directory")
+        for e in entries:
+            e.unlink()
+    return out
 
 
 def _make_model(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.make_model import make_model
 
-    out = make_model(args.preset, Path(args.out), seed=args.seed, layers=args.layers)
+    out = make_model(args.preset, _make_model_out(args.out), seed=args.seed, layers=args.layers)
     print(out)
     return 0
 
@@ -39,21 +71,48 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from stage_worker.generate import run_cli
+def _check_device(value: str) -> None:
+    """--device as a stage takes it: cpu, cuda or cuda:N of a visible GPU; else a ValueError naming it."""
+    kind, _, index = value.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ValueError(f"--device {value}: expected cpu, cuda or cuda:N")
+    if kind == "cuda":
+        import torch
 
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {value}: no CUDA device is visible")
+        if index and int(index) >= count:
+            raise ValueError(f"--device {value}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling flags within the API's bounds (gateway/schemas.py), each refused naming its flag."""
+    for key, (lo, hi) in SAMPLING_RANGES.items():
+        value = getattr(args, key)
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            raise ValueError(f"--{key.replace('_', '-')} {value}: must be between {lo:g} and {hi:g}")
+    if args.top_k is not None and args.top_k < -1:
+        raise ValueError(f"--top-k {args.top_k}: must be >= 1, or 0 / -1 (off)")
+
+
+def _generate(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         print("moepipe: --max-tokens must be at least 1", file=sys.stderr)
         return 2
-    if args.model is None:
-        args.model = str(ensure_builtin_model())
+    _check_sampling(args)
+    args.model = str(model_arg(args.model))
+    _check_device(args.device)
+    from stage_worker.generate import run_cli
+
     return run_cli(args)
 
 
 def _route_stats(args: argparse.Namespace) -> int:
     from stage_worker.route_stats import read_texts, route_stats
 
-    model = Path(args.model) if args.model else ensure_builtin_model()
+    model = model_arg(args.model)
+    _check_device(args.device)
     texts = read_texts(args.text)
     route_stats(model, texts, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk, batch=args.batch,
                 device=args.device)
@@ -68,7 +127,7 @@ def _cold_set(args: argparse.Namespace) -> int:
     from shared.cluster_config import ClusterConfig, ClusterConfigError, env_overrides, split_layers
     from shared.model_config import load_config
 
-    model = Path(args.model) if args.model else ensure_builtin_model()
+    model = model_arg(args.model)
     cfg = load_config(model)
     try:
         data = json.loads(Path(args.usage).read_text())

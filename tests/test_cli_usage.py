@@ -48,7 +48,7 @@ def test_a_vllm_command_line_serves_as_it_would_there(tmp_path, capsys):
         options(str(tmp_path), "--chat-template", str(template))
     with pytest.raises(ValueError, match="is not a file"):
         options(str(tmp_path), "--chat-template", str(tmp_path / "missing.jinja"))
-    assert options(str(tmp_path), "--dtype", "auto").extra == {}
+    assert options(str(tmp_path), "--dtype", "auto").extra == {"dtype": ""}     # the checkpoint's, over MOEPIPE_DTYPE
     for argv, words in ((["--stages", "2", "-pp", "3"], "--stages 2 and --pipeline-parallel-size 3 differ"),
                         (["-tp", "2"], "--tensor-parallel-size 2"),
                         (["--model", "/elsewhere"], "two models given")):

@@ -1,0 +1,164 @@
+"""A vLLM or llama.cpp user's command line and environment, as a QA pass pasted them: each was served wrong,
+hung, or ended in a traceback. Each now works as there or is one line naming the flag or variable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser, serve_options
+from shared.cluster_config import (ClusterConfig, ClusterConfigError, KERNEL_NAMES, StageSpec, env_overrides,
+                                   load_cluster_config, parse_names)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def options(*argv):
+    return serve_options(build_parser().parse_args(["serve", *argv]))
+
+
+def moepipe(*argv, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def one_line(r: subprocess.CompletedProcess, *words: str) -> None:
+    """A refusal: non-zero exit, one stderr line holding `words`, no traceback."""
+    assert r.returncode != 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+
+
+def test_the_model_after_served_model_name_is_the_model(tiny_checkpoint):
+    """`vllm serve --served-model-name qwen /path`: nargs="+" took the path as a second name and the demo model was
+    served under both."""
+    opts = options("--served-model-name", "qwen", str(tiny_checkpoint))
+    assert opts.model == tiny_checkpoint and opts.extra["served_model_name"] == "qwen"
+    assert "served_model_aliases" not in opts.extra
+    with pytest.raises(ValueError, match="put the model first"):
+        options("--served-model-name", str(tiny_checkpoint))
+
+
+def test_names_take_a_json_list_as_vllm_does(monkeypatch, tiny_checkpoint):
+    assert parse_names('["*"]', "--allowed-origins") == ["*"] and parse_names("a, b,", "x") == ["a", "b"]
+    with pytest.raises(ClusterConfigError, match="--allowed-origins"):
+        parse_names('["a", 3]', "--allowed-origins")
+    assert options(str(tiny_checkpoint), "--allowed-origins", '["*"]').extra["allowed_origins"] == ["*"]
+    monkeypatch.setenv("MOEPIPE_ALLOWED_ORIGINS", '["http://a.example", "http://b.example"]')
+    assert env_overrides()["allowed_origins"] == ["http://a.example", "http://b.example"]
+
+
+@pytest.mark.parametrize("argv", [["-t", "8"], ["-p", "2"], ["--max-model", "100"], ["--served", "x"]])
+def test_options_are_not_abbreviated(argv, capsys):
+    """llama-server's `-t 8` became -tp 8, `-p 2` -pp 2; `--max-model 100` was --max-model-len."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "70000"])
+def test_a_port_outside_1_to_65535_is_refused(port, tiny_checkpoint):
+    """--port 0 hung for 5 minutes (uvicorn bound a random port the launcher never found); -1, 70000 tracebacks."""
+    with pytest.raises(ValueError, match="--port"):
+        options(str(tiny_checkpoint), "--port", port)
+
+
+def test_bad_keys_are_refused_when_the_config_loads(tmp_path, monkeypatch):
+    """A negative micro-batch count served a cluster that never answered; an unknown kernel failed inside a stage
+    with a traceback; a huge max_num_batched_tokens failed in the PLE service (ENOMEM); restart_limit -1 said
+    "0 (derived from the model)"."""
+    base = dict(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s.sock")],
+                gateway_endpoint=f"ipc://{tmp_path}/g.sock")
+    for key, value, words in (("microbatches", -1, "microbatches"), ("kernels", "nonsense", "MOEPIPE_KERNELS"),
+                              ("max_num_batched_tokens", 99999999999, "--max-num-batched-tokens"),
+                              ("restart_limit", -1, "never restart"), ("port", 0, "--port")):
+        with pytest.raises(ClusterConfigError, match=words):
+            ClusterConfig(**base, **{key: value}).validate()
+    ClusterConfig(**base, kernels="all,-pdl,sdpa_prefill").validate()
+
+
+def test_vllm_api_key_is_honoured(monkeypatch):
+    """VLLM_API_KEY left the server open: it is the key when neither MOEPIPE_API_KEY nor --api-key is given."""
+    monkeypatch.delenv("MOEPIPE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert env_overrides()["api_key"] == "secret"
+    monkeypatch.setenv("MOEPIPE_API_KEY", "ours")
+    assert env_overrides()["api_key"] == "ours"
+
+
+def test_dtype_flag_wins_and_the_variable_takes_the_flag_s_names(monkeypatch, tiny_checkpoint):
+    monkeypatch.setenv("MOEPIPE_DTYPE", "half")
+    assert env_overrides()["dtype"] == "float16"
+    assert options(str(tiny_checkpoint), "--dtype", "auto").extra["dtype"] == ""      # the checkpoint's, not half
+    monkeypatch.setenv("MOEPIPE_DTYPE", "fp64")
+    with pytest.raises(ClusterConfigError, match="MOEPIPE_DTYPE"):
+        env_overrides()
+
+
+def test_models_that_are_not_local_directories(tmp_path):
+    """An empty path served the demo model; a Hugging Face id said "no config.json in the model directory"."""
+    with pytest.raises(ValueError, match="empty model path"):
+        options("--model", "")
+    with pytest.raises(ValueError, match="does not download"):
+        options("Qwen/Qwen3-Next-80B-A3B-Instruct")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        options(str(tmp_path / "f"))
+
+
+def test_a_cluster_config_that_is_a_directory(tmp_path):
+    with pytest.raises(ClusterConfigError, match="cannot read"):
+        load_cluster_config(tmp_path)
+
+
+def test_ipv6_urls_are_bracketed():
+    from gateway.launcher import http_url
+
+    assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+
+
+def test_outputs_that_cannot_be_written_are_one_line(tmp_path):
+    """make-model / keys into a file or under one: FileExistsError, NotADirectoryError tracebacks."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    one_line(moepipe("keys", "--out", str(f / "sub")), str(f))
+    one_line(moepipe("make-model", "--preset", "tiny", "--out", str(f)), "not a directory")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    one_line(moepipe("make-model", "--preset", "tiny", "--out", str(other)), "not empty", "notes.txt")
+    one_line(moepipe("make-model", "--preset", "tiny", "--out", ""), "empty")
+
+
+def test_make_model_rewrites_its_own_checkpoint_whole(tmp_path):
+    """Over an earlier make-model checkpoint nothing of the old one is left (its PLE table loaded a stale shape)."""
+    out = tmp_path / "m"
+    assert moepipe("make-model", "--preset", "tiny", "--out", str(out)).returncode == 0
+    (out / "ple_table.layer3.bin").write_bytes(b"stale")
+    r = moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "ple_table.layer3.bin").exists() and json.loads((out / "config.json").read_text())
+
+
+def test_generate_refuses_what_the_api_refuses(tmp_path):
+    """Values the API answers 400 to ran (several silently greedy); --device tpu and a missing CUDA were
+    tracebacks; an unwritable MOEPIPE_HOME too."""
+    for flag, value in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "2"), ("--min-p", "5"),
+                        ("--top-k", "-5")):
+        one_line(moepipe("generate", "--prompt", "hi", flag, value), flag)
+    one_line(moepipe("generate", "--prompt", "hi", "--device", "tpu"), "--device tpu")
+    home = tmp_path / "home"
+    home.write_text("a file")
+    one_line(moepipe("generate", "--prompt", "hi", env={"MOEPIPE_HOME": str(home)}), "MOEPIPE_HOME")
+
+
+def test_the_ple_service_names_a_bad_log_level(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ple_service", "--config", str(tmp_path / "c.toml"), "--log-level",
+                        "bogus"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    one_line(r, "--log-level", "bogus")
