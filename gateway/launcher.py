@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -227,6 +228,34 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
 
 
+RUN_DIR_PREFIX = "moepipe-"
+LAUNCHER_PID = "launcher.pid"
+
+
+def remove_stale_run_dirs() -> list[Path]:
+    """Remove the run directories of launchers that died without cleaning up (SIGKILL, OOM: the children go with
+    them, `shared/parent_watch.py`, but the directory stayed, its cluster.toml holding the API key): this user's
+    `moepipe-*` directories whose `launcher.pid` names no live process. Returns what was removed."""
+    removed = []
+    for d in Path(tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*"):
+        try:
+            if d.stat().st_uid != os.getuid() or not d.is_dir():
+                continue
+            pid = int((d / LAUNCHER_PID).read_text())
+        except (OSError, ValueError):
+            continue                  # not ours, or from before launcher.pid (left alone: no way to tell)
+        try:
+            os.kill(pid, 0)
+            continue                  # its launcher runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue                  # a live process of another user has that pid
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 class Cluster:
     """The child processes of one `serve`; a context manager that always cleans up."""
 
@@ -234,8 +263,10 @@ class Cluster:
         self.opts = opts
         self._tmp = None
         if opts.run_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="moepipe-")
+            remove_stale_run_dirs()
+            self._tmp = tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX)
             self.run_dir = Path(self._tmp.name)
+            (self.run_dir / LAUNCHER_PID).write_text(str(os.getpid()))
         else:
             self.run_dir = Path(opts.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -373,3 +373,25 @@ def test_sigterm_ends_streams_with_an_error_event(tiny_checkpoint):
         assert not _survivors(children)
     finally:
         _stop_all(launcher, children)
+
+
+def test_run_dirs_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    """A launcher killed outright left /tmp/moepipe-* behind, its cluster.toml holding the API key (QA counted 86):
+    the next launcher removes those whose launcher.pid names no live process, and nothing else."""
+    import tempfile
+
+    from gateway.launcher import LAUNCHER_PID, remove_stale_run_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dirs = {name: tmp_path / f"moepipe-{name}" for name in ("dead", "alive", "old", "bad")}
+    for d in dirs.values():
+        d.mkdir()
+        (d / "cluster.toml").write_text('api_key = "k"')
+    (dirs["dead"] / LAUNCHER_PID).write_text(str(dead.pid))
+    (dirs["alive"] / LAUNCHER_PID).write_text(str(os.getpid()))
+    (dirs["bad"] / LAUNCHER_PID).write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    assert remove_stale_run_dirs() == [dirs["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "moepipe-alive", "moepipe-bad", "moepipe-old"]
