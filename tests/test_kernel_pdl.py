@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 def test_flag_parse_all_and_off(monkeypatch):
     assert "pdl" in NAMES
     assert KernelFlags.parse("all").pdl and KernelFlags.parse("pdl").pdl             # in "all" since h200-19
-    # every item but the named-only ones (flags.NOT_IN_ALL: l2_prefetch, hc_fold_norm)
+    # every item but the named-only ones (flags.NOT_IN_ALL: l2_prefetch)
     assert "pdl" not in NOT_IN_ALL and "l2_prefetch" in NOT_IN_ALL
     assert KernelFlags.parse("all,pdl") == KernelFlags(**{n: n not in NOT_IN_ALL for n in NAMES})
     assert not KernelFlags.parse("-pdl").pdl

@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "hc_fold_norm")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
-NOT_IN_ALL = ("l2_prefetch", "hc_fold_norm")
+NOT_IN_ALL = ("l2_prefetch",)
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,6 @@ class KernelFlags:
                                       # scores in HBM); CUDA only. In "all" since h200-26: Qwen3-Next shape, 16
                                       # layers, 16k tokens in 2048 chunks: 0.46 / 0.44 s against 0.51 / 0.52 s;
                                       # off: the eager scores and fp32 softmax
-    hc_fold_norm: bool = False        # with `hyper_connection`: a decode mix (T <= DECODE_ROWS) in two launches,
-                                      # not three: the stream norm folded into the down GEMV by linearity (per-
-                                      # stream dots and sums of squares from the same loads of the streams, each
-                                      # rstd applied after the loop; rstd [T, hc] to the up GEMV, which normalises
-                                      # its own H tile and stores the injected streams). The down output rounds once
-                                      # after the dot instead of after each bf16 normed value (tests: within bf16
-                                      # noise of the reference). Not in "all" until tests/test_kernel_hyper_
-                                      # connection.py -m gpu has timed it; off: the three kernels as before
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

@@ -15,34 +15,17 @@ An earlier version fused the norm into A (two kernels instead of three): each of
 re-normalised the whole row before its first weight load, a chain of dependent loads that ran A at 12.9 µs for
 6.6 MB on the H200 (about 0.5 TB/s). With the norm in P the GEMVs are plain weight streams.
 
-With the kernel flag `hc_fold_norm` (named only; T <= DECODE_ROWS) the mix is two launches again, without that
-chain, by linearity: row r of down(normed) is sum_s rstd_s * sum_{k in s} D[r, k] * x_k * (1 + w_k), x the stream
-(with the injection, recomputed as P rounds it), w the norm weight. `_hc_down_fold_kernel` (A') reads x where A
-reads normed rows, each step the same positions of every stream (a weight tile [rows, hc, positions]): it
-accumulates the products and the squares of x elementwise from the same loads, and only after the loop reduces
-them, the squares into each stream's rstd, which then scales that stream's dot. No load waits on a statistic (the
-old fold's chain), the first weight tile still loads before `pdl_wait`, and the weight bytes are A's; what A' adds
-is x (and out once a step, g, the norm weight) from the L2 in place of normed rows, and a second reduction. Every
-program computes the same rstd (same loads, same order); its pid_r == 0 programs store it, [T, hc] fp32.
-`_hc_up_mix_fold_kernel` (B') recomputes normed for its H tile from x, rstd and w exactly as P rounds it, and
-stores the injected streams of that tile (P's other output). The one rounding that moves: A' rounds the down /
-block_inject outputs once after the dot, where the reference rounds each normed value to bf16 first; the
-difference, at most 2^-8 * sum_k |D[r, k] normed_k| and typically a fraction of one bf16 ulp of the output, is
-bounded in the tests (`assert_fold_close`); fp32 agrees to fp32 reassociation.
-Above DECODE_ROWS the flag keeps the three kernels (a 16-row block of A' spills 5-15 KB at the full shape).
-
 All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (the injection, normed, each Linear
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
 Sized for decode (T <= DECODE_ROWS; EAGER_ROWS outside graph capture): each row block re-reads the weights, so
 prefill-size batches take PyTorch.
 H, r and hc are compile-time constants (fixed per checkpoint): the loop over streams unrolls, loop bounds are known.
-With the kernel flag `pdl` (`common.pdl_usable`) the four kernels (and A', B') are launched as programmatic
-dependents: P loads its norm weight before `common.pdl_wait`, A, A', B and B' their first weight tile (B: the first
-stream's), the inject kernel nothing; everything the previous kernel writes (streams, normed rows, a, the block
-output) after it. With `l2_prefetch` too (`common.l2_prefetch_usable`, the constexpr L2PF) A and B (A', B') first ask
-the L2 for all the weight rows the program streams (`common.l2_prefetch_rows`: A its down or inject rows, B its H
-tile of each stream's up rows), so they come from HBM while the previous kernel runs; the norm weight (P) is too
-small to matter.
+With the kernel flag `pdl` (`common.pdl_usable`) the four kernels are launched as programmatic dependents: P loads
+its norm weight before `common.pdl_wait`, A and B their first weight tile (B: the first stream's), the inject
+kernel nothing; everything the previous kernel writes (streams, normed rows, a, the block output) after it. With
+`l2_prefetch` too (`common.l2_prefetch_usable`, the constexpr L2PF) A and B first ask the L2 for all the weight rows
+the program streams (`common.l2_prefetch_rows`: A its down or inject rows, B its H tile of each stream's up rows), so
+they come from HBM while the previous kernel runs; the norm weight (P) is too small to matter.
 """
 
 from __future__ import annotations
@@ -80,16 +63,6 @@ UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
 # rows 16.41 against 17.36 (bench/results/h200-20/call5/). 16 rows: unswept, the bf16 entry.
 DOWN_CFG_Q8 = {1: (2, 4096, 4), 4: (2, 8192, 8), 16: (2, 4096, 4)}
 UP_CFG_Q8 = {1: (8, 512, 4), 4: (8, 512, 4), 16: (16, 256, 4)}
-# A' under `hc_fold_norm` (`_hc_down_fold_kernel`, T <= DECODE_ROWS): rows a program / positions of each stream a
-# step (the weight tile is rows x hc x that) / warps, float / INT8 weights. Not timed yet (no GPU): chosen from
-# offline sm_90 compiles at the full shape (H 2560, hc 4, R 320, the injection on; ptxas -v and the SASS) for no
-# spill, every program in one wave on 132 SMs and the fewest instructions: INT8 at 1 row 60 registers, 2864
-# instructions a thread with 256 threads (A: 96, 2368 with 128), at 4 rows 174 registers, 128 threads, 2 blocks an
-# SM; wider steps or 8 warps at 4 rows hoist more loads (255 registers, spills, or 1 block an SM: 2 waves) or
-# convert layouts through shared memory (~260 barriers). The tile before the PDL wait is 2 KB (A's: 8 KB). For
-# `bench/tune_kernels.py` to sweep on the H200.
-FOLD_DOWN_CFG = {1: (1, 256, 8), 4: (1, 128, 4)}
-FOLD_DOWN_CFG_Q8 = {1: (2, 256, 8), 4: (2, 128, 4)}
 
 
 def _bucket(t: int) -> int:
@@ -193,8 +166,8 @@ def _up_gate(up_ptr, us_ptr, a_ptr, s: tl.constexpr, hs, mh, row0, ts, T, H: tl.
              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, OFFSET: tl.constexpr,
              Q8: tl.constexpr, PDL: tl.constexpr, dt: tl.constexpr):
     """[BLOCK_T, BLOCK_H]: stream s's `up` GEMV over `a` for the H tile hs, row-scaled with Q8, then the sigmoid
-    gate, rounded as `GatedResidual.mix` rounds it (both up-mix kernels). PDL: the wait after the first weight tile
-    of stream 0, before the first `a`."""
+    gate, rounded as `GatedResidual.mix` rounds it. PDL: the wait after the first weight tile of stream 0, before
+    the first `a`."""
     u = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j0 in tl.static_range(0, R, BLOCK_J):
         js = j0 + tl.arange(0, BLOCK_J)
@@ -245,160 +218,6 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
 
 
 @triton.jit
-def _stream_values(x_ptr, o_ptr, g_ptr, rows, mt, s, hs, mh, stride_x, stride_o, H: tl.constexpr,
-                   HC: tl.constexpr, INJECT: tl.constexpr, dt: tl.constexpr):
-    """fp32 [rows, hs] of stream s (rows [n, 1] int64 and their mask mt, hs [1, m] positions in the stream and
-    theirs mh): as stored, or with INJECT the previous block's injection round(x + round(out * g[s])), rounded as
-    `_hc_prep_kernel` rounds it."""
-    m = mt & mh
-    x = tl.load(x_ptr + rows * stride_x + s * H + hs, mask=m, other=0.0).to(tl.float32)
-    if INJECT:
-        o = tl.load(o_ptr + rows * stride_o + hs, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + rows * HC + s, mask=mt, other=0.0).to(tl.float32)
-        x = round_to(x + round_to(o * g, dt), dt)
-    return x
-
-
-@triton.jit
-def _rows_dot_fold(x_ptr, o_ptr, g_ptr, nw_ptr, w_ptr, rstd_ptr, outs, mo, row0, T, stride_x, stride_o, eps,
-                   STORE_RSTD, H: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, INJECT: tl.constexpr,
-                   OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    """[BLOCK_T, BLOCK_R]: `_rows_dot` of the normed rows, from the streams themselves. Each step takes the same
-    BLOCK_K positions h of every stream (the stream axis padded to HCP, a power of two; the last step masked where
-    BLOCK_K does not divide H): one weight tile [BLOCK_R, HCP, BLOCK_K], the streams' values there ([BLOCK_T, HCP,
-    BLOCK_K]; with INJECT `out` loaded once for all streams) and the norm weight; products with x * (1 + w) and
-    squares of x accumulate elementwise, from the same loads of x. After the loop one reduction of the squares gives
-    each stream's rstd (stored where STORE_RSTD), one of the products each stream's dot, scaled by its rstd and
-    summed over streams: two reductions whatever T and hc, no load waiting on a statistic, the first weight tile
-    loaded before `pdl_wait`."""
-    K: tl.constexpr = HC * H
-    dt: tl.constexpr = x_ptr.dtype.element_ty
-    rows = row0 + tl.arange(0, BLOCK_T)
-    mt = rows < T
-    rows = rows.to(tl.int64)
-    ss = tl.arange(0, HCP)
-    ms = ss < HC
-    w_rows = w_ptr + outs.to(tl.int64)[:, None, None] * K + (ss * H)[None, :, None]
-    x_rows = x_ptr + rows[:, None, None] * stride_x + (ss * H)[None, :, None]
-    acc = tl.zeros([BLOCK_T, BLOCK_R, HCP, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_T, HCP, BLOCK_K], dtype=tl.float32)
-    for h0 in tl.static_range(0, H, BLOCK_K):
-        hs = h0 + tl.arange(0, BLOCK_K)
-        mh = hs < H
-        msh = ms[:, None] & mh[None, :]
-        # One weight tile for every row of the block, as `_rows_dot`: BLOCK_K positions of each stream.
-        w = tl.load(w_rows + hs[None, None, :], mask=mo[:, None, None] & msh[None, :, :],
-                    other=OFFSET).to(tl.float32) - OFFSET
-        if PDL:
-            if h0 == 0:
-                pdl_wait(PDL)
-        scale = 1.0 + tl.load(nw_ptr + (ss * H)[:, None] + hs[None, :], mask=msh, other=0.0).to(tl.float32)
-        m = mt[:, None, None] & msh[None, :, :]
-        x = tl.load(x_rows + hs[None, None, :], mask=m, other=0.0).to(tl.float32)
-        if INJECT:                                          # as `_hc_prep_kernel` rounds it; `out` once a step
-            o = tl.load(o_ptr + rows[:, None] * stride_o + hs[None, :], mask=mt[:, None] & mh[None, :],
-                        other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + rows[:, None] * HC + ss[None, :], mask=mt[:, None] & ms[None, :],
-                        other=0.0).to(tl.float32)
-            x = round_to(x + round_to(o[:, None, :] * g[:, :, None], dt), dt)
-        acc += w[None, :, :, :] * (x * scale[None, :, :])[:, None, :, :]
-        sq += x * x
-    rstd = tl.math.rsqrt(tl.sum(sq, axis=2) / H + eps)          # [BLOCK_T, HCP], as `_hc_prep_kernel`
-    tl.store(rstd_ptr + rows[:, None] * HC + ss[None, :], rstd, mask=mt[:, None] & ms[None, :] & STORE_RSTD)
-    return tl.sum(tl.sum(acc, axis=3) * rstd[:, None, :], axis=2)
-
-
-@triton.jit
-def _hc_down_fold_kernel(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, rstd_ptr, T,
-                         stride_x, stride_o, eps, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                         HCP: tl.constexpr, INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
-                         L2PF: tl.constexpr = False):
-    """`_hc_down_kernel` with P folded in by linearity (kernel flag `hc_fold_norm`): row r of down(normed) is
-    sum_s rstd_s * sum_{k in s} D[r, k] * x_k * (1 + w_k), so the program reads the (injected, `_stream_values`)
-    streams in place of normed rows, keeps a dot and a sum of squares per stream from the same loads, and applies
-    each stream's rstd after the loop. Programs with pid_r == 0 store rstd [T, HC] (fp32) for
-    `_hc_up_mix_fold_kernel`; every program computes the same rstd (same loads, same order)."""
-    K: tl.constexpr = HC * H
-    pid_r = tl.program_id(0)
-    row0 = tl.program_id(1) * BLOCK_T
-    ts = tl.arange(0, BLOCK_T)
-    mt = row0 + ts < T
-    n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
-    is_down = pid_r < n_down
-    if L2PF:
-        if is_down:
-            l2_prefetch_rows(down_ptr, pid_r * BLOCK_R, tl.minimum(R - pid_r * BLOCK_R, BLOCK_R), K, 0, K, BLOCK_R)
-        else:
-            r0 = (pid_r - n_down) * BLOCK_R
-            l2_prefetch_rows(inj_ptr, r0, tl.minimum(HC - r0, BLOCK_R), K, 0, K, BLOCK_R)
-    if is_down:
-        outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < R
-        if Q8:
-            acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, rstd_ptr, outs, mo, row0, T, stride_x,
-                                 stride_o, eps, pid_r == 0, H, HC, HCP, INJECT, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
-            acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
-        else:
-            acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, down_ptr, rstd_ptr, outs, mo, row0, T, stride_x,
-                                 stride_o, eps, pid_r == 0, H, HC, HCP, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
-    else:
-        outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < HC
-        acc = _rows_dot_fold(x_ptr, o_ptr, gin_ptr, nw_ptr, inj_ptr, rstd_ptr, outs, mo, row0, T, stride_x, stride_o,
-                             eps, False, H, HC, HCP, INJECT, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    v = round_to(round_to(acc, dt) / HC, dt)
-    mask = mt[:, None] & mo[None, :]
-    if is_down:
-        silu = round_to(v / (1.0 + tl.exp(-v)), dt)
-        tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
-    else:
-        gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
-        tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
-
-
-@triton.jit
-def _hc_up_mix_fold_kernel(x_ptr, o_ptr, gin_ptr, nw_ptr, rstd_ptr, a_ptr, up_ptr, us_ptr, y_ptr, ns_ptr, T,
-                           stride_x, stride_o, stride_y, stride_ns, H: tl.constexpr, R: tl.constexpr,
-                           HC: tl.constexpr, INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_J: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
-                           L2PF: tl.constexpr = False):
-    """`_hc_up_mix_kernel` with the norm of its H tile done here (kernel flag `hc_fold_norm`): normed =
-    round((x * rstd) * (1 + w)) as `_hc_prep_kernel` rounds it, x the (injected, `_stream_values`) streams and rstd
-    what `_hc_down_fold_kernel` stored; with INJECT it also stores the new streams of its H tile, every stream."""
-    OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
-    hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mh = hs < H
-    row0 = tl.program_id(1) * BLOCK_T
-    ts = tl.arange(0, BLOCK_T)
-    mt = row0 + ts < T
-    mask = mt[:, None] & mh[None, :]
-    rows = (row0 + ts).to(tl.int64)
-    dt: tl.constexpr = y_ptr.dtype.element_ty
-    if L2PF:
-        h0 = tl.program_id(0) * BLOCK_H
-        for s in tl.static_range(HC):
-            l2_prefetch_rows(up_ptr, s * H + h0, tl.minimum(H - h0, BLOCK_H), R, 0, R, BLOCK_H)
-    mix = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for s in tl.static_range(HC):
-        gate = _up_gate(up_ptr, us_ptr, a_ptr, s, hs, mh, row0, ts, T, H, R, BLOCK_T, BLOCK_H, BLOCK_J, OFFSET, Q8,
-                        PDL, dt)
-        cols = (s * H + hs)[None, :]
-        x = _stream_values(x_ptr, o_ptr, gin_ptr, rows[:, None], mt[:, None], s, hs[None, :], mh[None, :], stride_x,
-                           stride_o, H, HC, INJECT, dt)
-        if INJECT:
-            tl.store(ns_ptr + rows[:, None] * stride_ns + cols, x.to(dt), mask=mask)
-        rstd = tl.load(rstd_ptr + rows * HC + s, mask=mt, other=0.0)
-        scale = 1.0 + tl.load(nw_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)
-        nx = round_to((x * rstd[:, None]) * scale[None, :], dt)
-        mix += round_to(gate * nx, dt)
-    y = round_to(mix / HC, dt).to(dt)
-    tl.store(y_ptr + rows[:, None] * stride_y + hs[None, :], y, mask=mask)
-
-
-@triton.jit
 def _hc_inject_kernel(x_ptr, o_ptr, g_ptr, y_ptr, stride_x, stride_o, stride_y,
                       H: tl.constexpr, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)                                          # no weights: everything it reads an earlier kernel wrote
@@ -418,22 +237,19 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-           inject_w: torch.Tensor | None, hc: int, eps: float,
-           fold: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+           inject_w: torch.Tensor | None, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer);
-    `hyper_connection_ref.hc_mix` in three kernels, or with `fold` (kernel flag `hc_fold_norm`) two, the norm
-    folded into the GEMVs. Weights in the streams' dtype."""
-    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps, fold)
+    `hyper_connection_ref.hc_mix` in three kernels. Weights in the streams' dtype."""
+    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps)
     return mixed, inject
 
 
 def hc_inject_mix(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, hc_norm_w: torch.Tensor,
                   down_w: torch.Tensor, up_w: torch.Tensor, inject_w: torch.Tensor | None, hc: int,
-                  eps: float, fold: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`hc_inject` of the previous block's output, then `hc_mix` of the result, with the injection inside the mix's
-    first kernel (with `fold`: recomputed in both, the new streams stored by the second): -> (new streams, block
-    input, injection weights)."""
-    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps, fold)
+    first kernel: -> (new streams, block input, injection weights)."""
+    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps)
 
 
 def int8_rows(w) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -463,7 +279,7 @@ def _in_place(w) -> bool:
     return w.is_contiguous()
 
 
-def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float, fold: bool = False):
+def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
     in_place = all(_in_place(w) for w in (hc_norm_w, down_w, up_w, inject_w))
     (down_w, down_s), (up_w, up_s) = int8_rows(down_w), int8_rows(up_w)
     t, width = streams.shape
@@ -475,10 +291,9 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         raise ValueError(f"block_inject weight {tuple(inject_w.shape)} is not {(hc, width)}")
     x = _rows_contiguous(streams)
     dev, dt = x.device, x.dtype
-    fold = fold and t <= DECODE_ROWS      # above: the three kernels (in the fold a BLOCK_T of 16 spills)
     hc_norm_w = hc_norm_w.contiguous()
     new_streams = x
-    normed = None if fold else torch.empty((t, width), dtype=dt, device=dev)
+    normed = torch.empty((t, width), dtype=dt, device=dev)
     a = torch.empty((t, rank), dtype=dt, device=dev)
     mixed = torch.empty((t, hidden), dtype=dt, device=dev)
     inject = torch.empty((t, hc), dtype=dt, device=dev) if inject_w is not None else None
@@ -489,10 +304,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         return new_streams, mixed, inject
     pdl = pdl_usable(x) and in_place
     l2pf = pdl and l2_prefetch_usable(x)
-    if fold:
-        _mix_fold(x, o if out is not None else None, g if out is not None else None, hc_norm_w, down_w, down_s,
-                  up_w, up_s, inject_w, new_streams, a, mixed, inject, hc, eps, pdl, l2pf)
-        return new_streams, mixed, inject
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
@@ -513,34 +324,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
         num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     return new_streams, mixed, inject
-
-
-def _mix_fold(x, o, g, hc_norm_w, down_w, down_s, up_w, up_s, inject_w, new_streams, a, mixed, inject, hc: int,
-              eps: float, pdl: bool, l2pf: bool) -> None:
-    """`_mix`'s two launches under `hc_fold_norm` (o, g: the injection, or None): no normed rows, rstd [T, hc] fp32
-    from A' to B'. A' takes FOLD_DOWN_CFG(_Q8), B' B's UP_CFG(_Q8) (neither swept for these kernels yet)."""
-    t, width = x.shape
-    hidden, rank = width // hc, down_w.shape[0]
-    rstd = torch.empty((t, hc), dtype=torch.float32, device=x.device)
-    inj = o is not None
-    o, g = (o, g) if inj else (x, x)
-    bt = min(triton.next_power_of_2(t), 16)
-    br, bk, warps = (FOLD_DOWN_CFG_Q8 if down_s is not None else FOLD_DOWN_CFG)[_bucket(t)]
-    n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
-    _hc_down_fold_kernel[(n_tiles, triton.cdiv(t, bt))](
-        x, o, g, hc_norm_w, down_w, down_s if down_s is not None else a,
-        inject_w.contiguous() if inject_w is not None else a, a, inject if inject is not None else a, rstd, t,
-        x.stride(0), o.stride(0), eps, H=hidden, R=rank, HC=hc, HCP=triton.next_power_of_2(hc), INJECT=inj,
-        BLOCK_T=bt, BLOCK_R=br,
-        BLOCK_K=min(triton.next_power_of_2(hidden), bk), Q8=down_s is not None,
-        num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
-    bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
-    bh = min(triton.next_power_of_2(hidden), bh)
-    _hc_up_mix_fold_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
-        x, o, g, hc_norm_w, rstd, a, up_w, up_s if up_s is not None else a, mixed, new_streams, t, x.stride(0),
-        o.stride(0), mixed.stride(0), new_streams.stride(0), H=hidden, R=rank, HC=hc, INJECT=inj, BLOCK_T=bt,
-        BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None, num_warps=warps, PDL=pdl,
-        L2PF=l2pf, launch_pdl=pdl)
 
 
 def hc_inject(streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
@@ -572,9 +355,9 @@ def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.T
     PyTorch reference above them or for packed weights the kernels do not read (not `module.mix`, which calls this
     function when its kernel flag is on)."""
     w = _module_weights(module)
-    if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_mix(streams, *w, module.hc, module.hc_norm.eps, fold=module.kernels.hc_fold_norm)
-    return hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps)
+    mix = hc_mix if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]) else \
+        hyper_connection_ref.hc_mix
+    return mix(streams, *w, module.hc, module.hc_norm.eps)
 
 
 def _module_weights(module: GatedResidual) -> tuple:
@@ -591,7 +374,6 @@ def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torc
     packed weights the kernels do not read)."""
     w = _module_weights(module)
     if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps,
-                             fold=module.kernels.hc_fold_norm)
+        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps)
     streams = hyper_connection_ref.hc_inject(streams, out, weights)
     return (streams, *hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps))
