@@ -83,6 +83,14 @@ def test_bad_keys_are_refused_when_the_config_loads(tmp_path, monkeypatch):
     ClusterConfig(**base, kernels="all,-pdl,sdpa_prefill").validate()
 
 
+def test_kernel_names_are_the_kernels_own():
+    """shared/ repeats stage_worker.kernels.flags.NAMES (it imports no service) so a misspelt MOEPIPE_KERNELS is
+    refused before a stage starts: the lists must agree."""
+    from stage_worker.kernels.flags import NAMES
+
+    assert tuple(KERNEL_NAMES) == tuple(NAMES)
+
+
 def test_vllm_api_key_is_honoured(monkeypatch):
     """VLLM_API_KEY left the server open: it is the key when neither MOEPIPE_API_KEY nor --api-key is given."""
     monkeypatch.delenv("MOEPIPE_API_KEY", raising=False)
