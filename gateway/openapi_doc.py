@@ -68,6 +68,9 @@ def install_openapi(app: FastAPI, bodies: dict[str, tuple[type[BaseModel], type[
             op.setdefault("responses", {})["200"] = {
                 "description": "OK", "content": {"application/json": {"schema": _add(components, model)}}}
             _errors(op, components)
+        for op in doc["paths"].get("/v1/responses/{response_id}", {}).values():
+            op["responses"] = {}              # retrieve / delete: nothing is stored, every id is a 404
+            _errors(op, components)
         if "/metrics" in doc["paths"]:
             doc["paths"]["/metrics"]["get"]["responses"] = {"200": {
                 "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}

@@ -319,10 +319,10 @@ def test_a_row_that_failed_sampling_reaches_stage_0_and_the_service_as_token_0(t
     svc = PleService(tiny_checkpoint, load_config(tiny_checkpoint), cluster)
     real = StageRunner._sample_row
 
-    def sample_row(raw, state, allowed, position):
+    def sample_row(raw, state, allowed, position, banned=None):
         if state.spec.req_id == "b":
             raise ValueError("bad parameters")
-        return real(raw, state, allowed, position)
+        return real(raw, state, allowed, position, banned)
 
     monkeypatch.setattr(StageRunner, "_sample_row", staticmethod(sample_row))
     try:
