@@ -149,7 +149,7 @@ def _cold_set(args: argparse.Namespace) -> int:
     # experts (`ClusterConfig.keeps_fp8_experts`: the defaults and MOEPIPE_* switches): a stage holds them, and a
     # host read moves them, at that size
     plan = plan_of(model)
-    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers)
+    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers, model)
     try:
         switches = {f.name: f.default for f in dataclasses.fields(ClusterConfig)
                     if f.name in ("packed_fp8_experts", "fp8_expert_tables")} | env_overrides()
@@ -157,7 +157,7 @@ def _cold_set(args: argparse.Namespace) -> int:
         print(f"moepipe cold-set: {exc}", file=sys.stderr)
         return 2
     keep_fp8 = switches["packed_fp8_experts"] and switches["fp8_expert_tables"]
-    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers) if keep_fp8 else {}
+    fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers, model) if keep_fp8 else {}
 
     def stage_expert_bytes(s: int, e: int) -> int:
         layer = next((x for x in range(s, e) if x in packed), None)

@@ -139,3 +139,31 @@ def test_metadata_that_disagrees_with_the_files_stops_serve_and_the_loader_by_na
     r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(bad), "--port", "1"],
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2 and "int8 sym group 8" in r.stderr and "linear_attn.in_proj_qkv" in r.stderr, r.stderr
+
+
+def test_experts_a_linear_target_left_in_float_load_with_packed_experts_on(written):
+    """compressed-tensors' usual W4A16 recipe (a `Linear` target) leaves transformers' 3-D experts in float on disk;
+    the loader kept them packed because the plan named INT4 groups, and stopped on missing `weight_packed` tensors
+    (QA). What the files hold decides: the same logits as with packed_experts off, at one and two stages."""
+    import torch
+
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from stage_worker.checkpoint.packed_experts import packed_layers
+    from stage_worker.local_engine import LocalEngine
+    from shared.model_config import load_config
+    from shared.quant_scheme import plan_of
+
+    cfg = load_config(written)
+    assert packed_layers(plan_of(written), cfg, 0, cfg.num_hidden_layers) != {}        # the plan alone says INT4
+    assert packed_layers(plan_of(written), cfg, 0, cfg.num_hidden_layers, written) == {}
+
+    def logits(packed: bool, stages: list[tuple[int, int]]) -> torch.Tensor:
+        parts = [load_model(written, LoadOptions(start=s, end=e, dtype=torch.float32, packed_experts=packed))
+                 for s, e in stages]
+        engine = LocalEngine(parts, max_seqs=1, max_tokens=32)
+        engine.add(0)
+        return engine.step([(0, [5, 17, 3, 40, 8])], all_logits=True)
+
+    want = logits(False, [(0, cfg.num_hidden_layers)])
+    assert torch.equal(logits(True, [(0, cfg.num_hidden_layers)]), want)
+    assert torch.allclose(logits(True, [(0, 1), (1, cfg.num_hidden_layers)]), want, atol=1e-5)

@@ -124,12 +124,12 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     packed = {}
     end = cfg.num_hidden_layers if opts.end is None else opts.end
     if opts.load_format == "safetensors" and opts.packed_experts:
-        packed = packed_layers(plan_of(model_dir), cfg, opts.start, end)
+        packed = packed_layers(plan_of(model_dir), cfg, opts.start, end, model_dir)
     elif opts.load_format == "dummy" and opts.dummy_int4:
         packed = {layer: tuple(opts.dummy_int4) for layer in range(opts.start, end) if cfg.is_sparse_moe(layer)}
     fp8 = {}
     if opts.load_format == "safetensors" and opts.packed_fp8_experts:
-        fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end)
+        fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end, model_dir)
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
         dense = lambda m: packed_dense_specs(m, cfg, model_dir, opts.packed_qkv)       # noqa: E731

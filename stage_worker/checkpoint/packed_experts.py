@@ -16,6 +16,7 @@ float8 bytes and scales themselves, never a bf16 copy). Switch: cluster key `pac
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -39,9 +40,37 @@ def _expert_schemes(plan: QuantPlan, cfg: HybridMoeConfig, start: int, end: int)
                           for part in ("gate", "up", "down")]
 
 
-def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
-                  end: int) -> dict[int, tuple[int, int]]:
-    """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4."""
+_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(weight_packed|weight)$")
+
+
+@functools.lru_cache(maxsize=8)
+def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[int]]:
+    """(layers whose experts are INT4-packed on disk: `weight_packed`, layers whose expert weights are float8 on
+    disk), from the safetensors headers. The quantization config alone does not say: a compressed-tensors group
+    targeting `Linear` (what the library writes for a transformers model) leaves 3-D expert modules in bf16, and a
+    transformers fp8 config may not list experts it left unconverted."""
+    from safetensors import safe_open
+
+    from shared.checkpoint_files import checkpoint_files
+
+    packed, fp8 = set(), set()
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
+                if m is None:
+                    continue
+                if m.group(2) == "weight_packed":
+                    packed.add(int(m.group(1)))
+                elif f.get_slice(name).get_dtype().startswith("F8"):
+                    fp8.add(int(m.group(1)))
+    return frozenset(packed), frozenset(fp8)
+
+
+def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,
+                  model_dir: Path | str | None = None) -> dict[int, tuple[int, int]]:
+    """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4: the
+    plan says INT4 groups and (given `model_dir`) the files hold them packed."""
     if plan is None or plan.method != "compressed-tensors":
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
@@ -54,13 +83,17 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int,
         if all((w.kind, w.bits, w.symmetric, w.strategy, w.format) == ("int", 4, True, "group", "pack-quantized")
                and w.group_size % 8 == 0 for w in schemes):
             out[layer] = (schemes[0].group_size, schemes[2].group_size)
+    if model_dir is not None and out:
+        on_disk = _quantized_expert_layers(str(model_dir))[0]
+        out = {layer: groups for layer, groups in out.items() if layer in on_disk}
     return out
 
 
-def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int) -> dict[int, tuple[int, int]]:
+def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,
+               model_dir: Path | str | None = None) -> dict[int, tuple[int, int]]:
     """Decoder layer -> (rows, columns) of a scale block, for this stage's MoE layers whose experts stay float8
     (`packed_fp8_experts`): a transformers `fp8` checkpoint whose gate, up and down of the experts are all
-    quantized (none in `modules_to_not_convert`)."""
+    quantized (none in `modules_to_not_convert`) and (given `model_dir`) float8 in the files."""
     if plan is None or plan.method != "fp8":
         return {}
     out = {}
@@ -68,6 +101,9 @@ def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: in
         if all(w is not None and (w.kind, w.bits, w.strategy) == ("float", 8, "block") and w.block == schemes[0].block
                for w in schemes):
             out[layer] = tuple(schemes[0].block)
+    if model_dir is not None and out:
+        on_disk = _quantized_expert_layers(str(model_dir))[1]
+        out = {layer: block for layer, block in out.items() if layer in on_disk}
     return out
 
 
