@@ -91,9 +91,12 @@ class _Generation:
 
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
                  timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None,
-                 first_of_prompt: bool = True) -> None:
+                 first_of_prompt: bool = True, echo_only: bool = False) -> None:
         self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
         self.index, self.echo = index, echo              # choice index; completions echo text (offsets start after)
+        # completions' max_tokens 0 with echo: the engine samples one token (prompt logprobs come with the first),
+        # which is not returned, counted or timed as output; finish "length"
+        self.echo_only = echo_only
         self.first_of_prompt = first_of_prompt           # counts the prompt's tokens (once per prompt, as usage)
         offset = len(echo or "")
         self._events = engine.generate(request)
@@ -138,6 +141,9 @@ class _Generation:
             raise EngineFailed("the engine ended the request without a finish reason") from None
 
     def _consume(self, event: TokenEvent) -> _Piece:
+        if self.echo_only:
+            self.finish_reason = "length"
+            return _Piece("", finish_reason="length")
         self.completion_tokens += 1
         self.timer.token(event=event)
         piece = _Piece("")
@@ -616,7 +622,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained (echo: the prompt)
                 prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
             srv.check_min_tokens(req)
-            max_tokens = srv.budget(len(prompt_ids), req.budget, "prompt")
+            echo_only = req.max_tokens == 0
+            if echo_only and not req.echo:
+                raise invalid_request("max_tokens 0 asks for no output: it is only valid with echo (the prompt and "
+                                      "its logprobs).", param="max_tokens")
+            max_tokens = srv.budget(len(prompt_ids), 1 if echo_only else req.budget, "prompt")
             for j in range(n):
                 index = i * n + j
                 gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
@@ -625,7 +635,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                     gen_req.grammar = compiler.new_matcher(grammar)
                 gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
-                                        echo=prompt_text if req.echo else None, first_of_prompt=j == 0))
+                                        echo=prompt_text if req.echo else None, first_of_prompt=j == 0,
+                                        echo_only=echo_only))
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
                             lambda: _completion_full(srv, gens, rid))
 

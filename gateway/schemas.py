@@ -227,7 +227,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     # The legacy endpoint's default (OpenAI's and vLLM's): a completion request that names no length gets 16
     # tokens, not the rest of the context (an explicit null still means "to the end of the context").
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo (vLLM's, what lm-eval's loglikelihood requests send): the prompt and its logprobs, nothing
+    # generated
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     # Fill-in-the-middle (editor autocompletion sends the text after the cursor here): the prompt becomes the

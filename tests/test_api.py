@@ -276,6 +276,24 @@ def test_completion_echo_with_logprobs(served, model_dir):
     assert texts[0] == TEXT_PROMPT and "".join(texts) == TEXT_PROMPT + ref.text
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(served):
+    """lm-eval's loglikelihood request (vLLM takes it): echo, logprobs, max_tokens 0 gives the prompt and its
+    logprobs, nothing generated (completion_tokens 0, finish "length"), the same prompt logprobs as with a token
+    generated; streamed alike. max_tokens 0 without echo is a 400 naming it."""
+    kw = dict(model=MODEL, prompt=TEXT_PROMPT, temperature=0.0, echo=True, logprobs=2)
+    zero = served.client.completions.create(max_tokens=0, **kw)
+    one = served.client.completions.create(max_tokens=1, **kw)
+    p = len(served.tok.encode(TEXT_PROMPT))
+    c = zero.choices[0]
+    assert c.text == TEXT_PROMPT and c.finish_reason == "length" and zero.usage.completion_tokens == 0
+    assert zero.usage.prompt_tokens == p and len(c.logprobs.tokens) == p
+    assert c.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:p]
+    chunks = [ch for ch in served.client.completions.create(max_tokens=0, stream=True, **kw) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == TEXT_PROMPT and chunks[-1].choices[0].finish_reason == "length"
+    r = served.post("/v1/completions", json={"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_seeded_sampling_reproduces_generate(served, model_dir):
     params = dict(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=1234)
     a = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, extra_body={"top_k": 0},
