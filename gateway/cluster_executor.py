@@ -41,9 +41,23 @@ class ComponentState:
 _MODULES = {"ple": "ple_service"}
 
 
-def kill_hung(component: str, pid: int, silent_s: float) -> bool:
-    """SIGKILL `pid` if it is `component`'s process on this host (its command line runs the component's module: a
-    stage on another host, or a pid reused since, is left alone). True if killed."""
+def _start_time(pid: int) -> float | None:
+    """When process `pid` started (time.time() scale), from /proc; None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def kill_hung(component: str, pid: int, silent_s: float, heard_at: float | None = None) -> bool:
+    """SIGKILL `pid` if it is `component`'s process on this host: its command line runs the component's module (a
+    stage on another host is left alone) and, given `heard_at` (its last heartbeat), it started before then (a pid
+    the system has since given to a new process, say the component's restarted successor, is left alone). True if
+    killed."""
     module = _MODULES.get(component, "stage_worker")
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -51,6 +65,9 @@ def kill_hung(component: str, pid: int, silent_s: float) -> bool:
     except OSError:
         return False                  # gone already, or not on this host
     if module.encode() not in argv:
+        return False
+    started = _start_time(pid)
+    if heard_at is not None and (started is None or started > heard_at + 1.0):
         return False
     log.error("gateway: %s (pid %d) sent no heartbeat for %.0f s (hang_timeout): killing it so the launcher "
               "restarts it", component, pid, silent_s)
@@ -157,7 +174,7 @@ class ClusterExecutor:
                 st = self.state[c]
                 if now - st.last_seen > self.cluster.hang_timeout and st.pid not in st.killed:
                     st.killed.add(st.pid)
-                    kill_hung(c, st.pid, now - st.last_seen)
+                    kill_hung(c, st.pid, now - st.last_seen, st.last_seen)
         return out
 
     def restarted(self) -> list[str]:

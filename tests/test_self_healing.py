@@ -248,16 +248,21 @@ def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
     from gateway.cluster_executor import ClusterExecutor, kill_hung
     from shared.cluster_config import ClusterConfig, StageSpec
 
+    started = time.time()
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "stage_worker"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "something_else"])
     try:
         assert not kill_hung("stage0", other.pid, 40.0) and other.poll() is None
+        # a pid heard from before the process now holding it started: a reused pid, left alone
+        assert not kill_hung("stage0", ours.pid, 40.0, heard_at=time.time() - 3600) and ours.poll() is None
         cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
-                                gateway_endpoint=f"ipc://{tmp_path}/gw.sock", hang_timeout=5.0)
+                                gateway_endpoint=f"ipc://{tmp_path}/gw.sock", heartbeat_timeout=0.2,
+                                hang_timeout=1.0)
         ex = ClusterExecutor(cluster, expect_ple=False)
-        ex.state["stage0"].pid, ex.state["stage0"].last_seen = ours.pid, time.time() - 3.0
+        ex.state["stage0"].pid, ex.state["stage0"].last_seen = ours.pid, time.time() - 0.5
         assert ex.lost() == ["stage0"] and ours.poll() is None       # lost, not yet hung
-        ex.state["stage0"].last_seen = time.time() - 6.0
+        time.sleep(max(0.0, started + 1.5 - time.time()))
+        ex.state["stage0"].last_seen = started + 0.2                  # heard from once it ran, then silent
         assert ex.lost() == ["stage0"]
         assert ours.wait(timeout=10) == -signal.SIGKILL
         assert ex.state["stage0"].killed == {ours.pid}
