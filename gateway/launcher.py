@@ -230,6 +230,8 @@ def http_url(host: str, port: int) -> str:
 
 
 RUN_DIR_PREFIX = "moepipe-"
+# the launcher tells the gateway that a dead component will not be restarted (gateway/main.py: EngineCore.give_up)
+GIVEN_UP_SIGNAL = signal.SIGUSR1
 LAUNCHER_PID = "launcher.pid"
 
 
@@ -450,6 +452,9 @@ class Supervisor:
                     print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
                           f"({tries} restarts, restart_limit {self.limit}); {then}", file=sys.stderr)
                     self.given_up.add(name)
+                    gateway = c.procs.get("gateway")
+                    if name != "gateway" and gateway is not None and gateway.poll() is None:
+                        gateway.send_signal(GIVEN_UP_SIGNAL)     # its requests fail now, not after recovery_timeout
                     continue
                 delay = min(MAX_BACKOFF, 2.0 ** tries)
                 print(f"moepipe: {name} exited with {p.returncode}; restarting it in {delay:.0f} s", file=sys.stderr)

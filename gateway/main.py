@@ -75,6 +75,7 @@ async def serve(config_path: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    loop.add_signal_handler(signal.SIGUSR1, core.give_up)     # the launcher's GIVEN_UP_SIGNAL
     try:
         await server.serve()
     finally:

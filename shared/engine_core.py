@@ -155,6 +155,7 @@ class EngineCore:
         self._started = False
         self._lost_since: float | None = None    # a component stopped sending heartbeats: scheduling waits
         self._closing: str | None = None         # why new requests are refused (`close_requests`)
+        self._given_up = False                   # the launcher will not restart a lost component (`give_up`)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,6 +240,12 @@ class EngineCore:
             self._push_gauges()
         self._wake()
         return len(failed)
+
+    def give_up(self) -> None:
+        """The launcher will not restart a dead component (its restarts are used up): the requests waiting for it
+        fail at the next watchdog pass instead of after `recovery_timeout`. Any thread (a signal handler)."""
+        self._given_up = True
+        self._wake()
 
     def cancel(self, request_id: str) -> None:
         """Drop a request (client gone, stop string): its blocks and slot return as soon as no step uses them."""
@@ -403,7 +410,7 @@ class EngineCore:
             log.warning("engine core: no heartbeat from %s; scheduling waits for it", ", ".join(lost))
             if self.limits.recovery_timeout > 0:
                 return self._recover(lost)
-        if now - self._lost_since < self.limits.recovery_timeout:
+        if now - self._lost_since < self.limits.recovery_timeout and not self._given_up:
             return []
         return self._fail_all(lost)
 

@@ -400,3 +400,40 @@ def test_run_dirs_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     (tmp_path / "elsewhere").mkdir()
     assert remove_stale_run_dirs() == [dirs["dead"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "moepipe-alive", "moepipe-bad", "moepipe-old"]
+
+
+def test_streams_fail_at_once_when_the_launcher_gives_up(tiny_checkpoint):
+    """--restart-limit 1 and a stage killed twice: the launcher does not restart it again, and the streams that
+    waited for it failed only after recovery_timeout (60 s; QA). The launcher now tells the gateway (SIGUSR1), and
+    the running stream ends with an error event within seconds."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                 "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit", "1"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: dict[str, int] = {}
+    try:
+        wait_healthy(url, launcher)
+        first = component_pids(launcher.pid)["stage1"]
+        os.kill(first, signal.SIGKILL)
+        deadline = time.time() + HEAL_BOUND_S
+        while component_pids(launcher.pid).get("stage1") in (None, first) or \
+                httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.time() < deadline, "stage1 was not restarted"
+            time.sleep(0.2)
+        children = component_pids(launcher.pid)
+        lines, killed = [], None
+        body = {"model": "moepipe", "prompt": "hello", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=90) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(children["stage1"], signal.SIGKILL)
+                    killed = time.time()
+        assert time.time() - killed < 20, "the stream waited for a stage that will not come back"
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+        assert launcher.poll() is None                          # serve stays up, /health naming the stage
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+    finally:
+        _stop_all(launcher, children)
