@@ -254,6 +254,8 @@ def remove_stale_run_dirs() -> list[Path]:
             pass
         except PermissionError:
             continue                  # a live process of another user has that pid
+        if (d / "mps-pipe").is_dir():       # cuda_mps: its control daemon outlived the launcher
+            MpsDaemon(d / "mps-pipe", d / "mps-log").stop()
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed

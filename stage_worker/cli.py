@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from shared.cli import command_parser, model_arg, run_command
 # What make-model writes (and loading derives beside it: ple_table.*): a directory holding nothing else is an
 # earlier make-model checkpoint, rewritten whole; any other non-empty --out is refused, as quantize refuses one
 MAKE_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                    "model.safetensors")
+                    "model.safetensors", "model.safetensors.index.json")
+MAKE_MODEL_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")       # over 2 GiB (make_model.SHARD_BYTES)
 DERIVED_PREFIX = "ple_table."
 
 # `moepipe generate`'s sampling flags take what the API takes (gateway/schemas.py: MAX_TEMPERATURE, MIN_TOP_P and
@@ -33,8 +35,8 @@ def _make_model_out(value: str) -> Path:
         raise ValueError(f"--out {value}: exists and is not a directory")
     if out.is_dir():
         entries = sorted(out.iterdir())
-        others = [e.name for e in entries
-                  if not e.is_file() or not (e.name in MAKE_MODEL_FILES or e.name.startswith(DERIVED_PREFIX))]
+        others = [e.name for e in entries if not e.is_file() or not (
+            e.name in MAKE_MODEL_FILES or MAKE_MODEL_SHARD.fullmatch(e.name) or e.name.startswith(DERIVED_PREFIX))]
         if others:
             raise ValueError(f"--out {value}: not empty ({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}"
                              f" is not what make-model writes); give a new or empty directory")

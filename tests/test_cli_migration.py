@@ -149,9 +149,11 @@ def test_make_model_rewrites_its_own_checkpoint_whole(tmp_path):
     out = tmp_path / "m"
     assert moepipe("make-model", "--preset", "tiny", "--out", str(out)).returncode == 0
     (out / "ple_table.layer3.bin").write_bytes(b"stale")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")     # a sharded (> 2 GiB) earlier output
     r = moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert not (out / "ple_table.layer3.bin").exists() and json.loads((out / "config.json").read_text())
+    assert not (out / "model-00001-of-00002.safetensors").exists()
 
 
 def test_generate_refuses_what_the_api_refuses(tmp_path):

@@ -5,6 +5,7 @@ nothing shared, the stages run as before. The daemon is a stand-in script here (
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +71,23 @@ def test_the_launcher_hands_its_children_the_pipe_directory(tmp_path):
     c._spawn("stage0")
     assert c.procs["stage0"].wait(timeout=30) == 0
     assert out.read_text() == str(tmp_path / "pipe")
+
+
+def test_a_dead_launcher_s_daemon_is_told_to_quit(tmp_path, monkeypatch):
+    """A launcher killed outright leaves its self-daemonising MPS control behind: the next launcher, removing the
+    stale run directory, tells it to quit first."""
+    import tempfile
+
+    from gateway.launcher import LAUNCHER_PID, remove_stale_run_dirs
+
+    log = _fake_control(tmp_path, monkeypatch)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = runs / "moepipe-x"
+    (stale / "mps-pipe").mkdir(parents=True)
+    (stale / LAUNCHER_PID).write_text(str(dead.pid))
+    assert remove_stale_run_dirs() == [stale]
+    assert log.read_text().splitlines() == [f"|quit|{stale / 'mps-pipe'}"]
