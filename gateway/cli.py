@@ -123,16 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name(s) the API answers to and lists; responses carry the first "
                         "(default: moepipe)")
     s.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
-                   help="compute dtype (default auto: the checkpoint's; float32 on a CPU for bf16/fp16 checkpoints)")
+                   help="compute dtype (default: MOEPIPE_DTYPE, else the checkpoint's; auto = the checkpoint's, over "
+                        "MOEPIPE_DTYPE; float32 on a CPU for bf16/fp16 checkpoints)")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template used instead of the checkpoint's")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="1-65535 (default 8000)")
     s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="tokens per step (default 512, 2048 with --device cuda; at most 1,048,576; also "
+                        "MOEPIPE_MAX_NUM_BATCHED_TOKENS)")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within "
                         "--kv-cache-memory)")

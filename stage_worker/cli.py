@@ -216,12 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="[0, 100] (0: greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="[1e-6, 1]")
+    g.add_argument("--top-k", type=int, default=None, help="-1 or 0 (off), or >= 1")
+    g.add_argument("--min-p", type=float, default=None, help="[0, 1]")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.set_defaults(func=_generate)
 
     r = sub.add_parser("route-stats", help="count each MoE layer's expert selections over sample text of several "
