@@ -533,7 +533,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         down = engine.health()
         if down:
             return APIError(503, f"Unhealthy: {', '.join(down)} missed the heartbeat deadline.",
-                            type="service_unavailable_error", param=None, code="unhealthy").response()
+                            type="service_unavailable_error", param=None, code="unhealthy",
+                            retry_after=errors.RETRY_UNAVAILABLE_S).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

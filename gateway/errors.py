@@ -35,15 +35,17 @@ class APIError(Exception):
     """An error the client should see as-is."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after          # seconds: the Retry-After header (429, 503)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -145,14 +147,21 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
 
+# Retry-After on the answers a client should retry: the openai SDKs wait that long before their automatic retries
+# (429 and 5xx) instead of their own backoff. The queue drains in about a second; a dead component is back in a few
+# (a restart: 2.5-4 s measured, docs/architecture.md "self-healing").
+RETRY_OVERLOADED_S = 1
+RETRY_UNAVAILABLE_S = 5
+
+
 def engine_error(exc: Exception) -> APIError:
     """APIError for EngineOverloaded (429), EngineUnavailable (503) or EngineFailed (500)."""
     if isinstance(exc, EngineOverloaded):
         return APIError(429, f"The server is overloaded, try again later ({exc}).", type="rate_limit_error",
-                        code="overloaded")
+                        code="overloaded", retry_after=RETRY_OVERLOADED_S)
     if isinstance(exc, EngineUnavailable):
         return APIError(503, f"A serving component is unavailable: {exc}", type="service_unavailable_error",
-                        code="component_unavailable")
+                        code="component_unavailable", retry_after=RETRY_UNAVAILABLE_S)
     return APIError(500, f"The request failed while generating: {exc}", type="server_error", code="engine_failed")
 
 

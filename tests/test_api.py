@@ -650,9 +650,12 @@ def stub_app(model_dir):
 
 def test_engine_errors_map_to_status(stub_app):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
-    _assert_error(stub_app(StubEngine(EngineOverloaded("queue full"))).post("/v1/completions", json=body), 429)
-    err = _assert_error(stub_app(StubEngine(EngineUnavailable("stage-1"))).post("/v1/completions", json=body), 503)
-    assert "stage-1" in err["message"]
+    r = stub_app(StubEngine(EngineOverloaded("queue full"))).post("/v1/completions", json=body)
+    _assert_error(r, 429)
+    assert r.headers["retry-after"] == "1"          # the openai SDKs wait that long before retrying
+    r = stub_app(StubEngine(EngineUnavailable("stage-1"))).post("/v1/completions", json=body)
+    err = _assert_error(r, 503)
+    assert "stage-1" in err["message"] and int(r.headers["retry-after"]) > 0
     err = _assert_error(stub_app(StubEngine(RuntimeError("secret detail"))).post("/v1/completions", json=body), 500)
     assert "secret" not in err["message"]
     err = _assert_error(stub_app(StubEngine(EngineFailed("stage 2 died"), after=1)).post("/v1/completions",
