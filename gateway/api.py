@@ -330,11 +330,15 @@ class _Server:
             raise invalid_request(f"Token id {bad} is out of vocabulary (0..{vocab - 1}).", param=param)
 
     @staticmethod
-    def check_min_tokens(req: ChatCompletionRequest | CompletionRequest) -> None:
-        """vLLM's rule: min_tokens may not exceed the requested max_tokens."""
+    def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, room: int | None = None) -> None:
+        """vLLM's rule: min_tokens may not exceed max_tokens, the requested one or (`room`) what the context leaves
+        after the prompt."""
         if req.min_tokens and req.budget is not None and req.min_tokens > req.budget:
             raise invalid_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({req.budget}).",
                                   param="min_tokens")
+        if req.min_tokens and room is not None and req.min_tokens > room:
+            raise invalid_request(f"min_tokens ({req.min_tokens}) is more than the {room} tokens the context leaves "
+                                  f"after the prompt.", param="min_tokens")
 
     def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         """Tokens to generate: what the client asked for, clamped to what fits (llama.cpp's rule; OpenAI and vLLM
@@ -628,6 +632,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 raise invalid_request("max_tokens 0 asks for no output: it is only valid with echo (the prompt and "
                                       "its logprobs).", param="max_tokens")
             max_tokens = srv.budget(len(prompt_ids), 1 if echo_only else req.budget, "prompt")
+            srv.check_min_tokens(req, engine.max_model_len - len(prompt_ids))
             for j in range(n):
                 index = i * n + j
                 gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
@@ -664,6 +669,7 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     prompt_ids = await srv.encode(text, prompt_param)
     srv.check_min_tokens(req)
     max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
+    srv.check_min_tokens(req, srv.engine.max_model_len - len(prompt_ids))
     bias = srv.logit_bias(req.logit_bias)
     n = req.num_choices
     gens = []

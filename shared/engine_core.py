@@ -235,8 +235,8 @@ class EngineCore:
             failed = self.scheduler.fail_all("abort")
             for req in failed:
                 sink = self._drop(req.req_id)
-                if sink is not None:
-                    sink(EngineFailed(message))
+                if sink is not None:       # one without a token yet is answered 503 (+ Retry-After), not a 500
+                    sink(EngineFailed(message) if req.output_ids else EngineUnavailable(message))
             self._push_gauges()
         self._wake()
         return len(failed)

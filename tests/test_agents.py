@@ -576,3 +576,7 @@ def test_min_tokens_holds_back_stop_tokens_and_strings(client, tok, sampled):
     with pytest.raises(BadRequestError) as e:
         client.completions.create(**kw, extra_body={"min_tokens": 13})
     assert e.value.body["param"] == "min_tokens"
+    with pytest.raises(BadRequestError) as e:       # more than the context leaves (no max_tokens: it was lowered)
+        client.chat.completions.create(model="moepipe", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"min_tokens": 10**6})
+    assert e.value.body["param"] == "min_tokens"
