@@ -101,6 +101,20 @@ def _stop_all(launcher: subprocess.Popen, children: dict[str, int]) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+def _stream_lines(url: str, after: int, then, timeout: float) -> list[str]:
+    """The SSE lines of a long streamed completion; `then()` runs once, when `after` lines have arrived."""
+    lines: list[str] = []
+    body = {"model": "moepipe", "prompt": "hello", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            if len(lines) == after:
+                then()
+    return lines
+
+
 def _metric(url: str, series: str) -> float:
     for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
         if line.startswith(series + " "):
@@ -364,14 +378,7 @@ def test_sigterm_ends_streams_with_an_error_event(tiny_checkpoint):
     try:
         wait_healthy(url, launcher)
         children = component_pids(launcher.pid)
-        lines = []
-        body = {"model": "moepipe", "prompt": "hello", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 5:
-                    launcher.send_signal(signal.SIGTERM)
+        lines = _stream_lines(url, 5, lambda: launcher.send_signal(signal.SIGTERM), timeout=60)
         assert lines[-1] == "data: [DONE]"
         assert "shutting down" in lines[-2] and '"error"' in lines[-2], lines[-3:]
         assert launcher.wait(timeout=30) == 0
@@ -422,16 +429,10 @@ def test_streams_fail_at_once_when_the_launcher_gives_up(tiny_checkpoint):
             assert time.time() < deadline, "stage1 was not restarted"
             time.sleep(0.2)
         children = component_pids(launcher.pid)
-        lines, killed = [], None
-        body = {"model": "moepipe", "prompt": "hello", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=90) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    os.kill(children["stage1"], signal.SIGKILL)
-                    killed = time.time()
-        assert time.time() - killed < 20, "the stream waited for a stage that will not come back"
+        killed: list[float] = []
+        lines = _stream_lines(url, 3, lambda: (os.kill(children["stage1"], signal.SIGKILL), killed.append(time.time())),
+                              timeout=90)
+        assert time.time() - killed[0] < 20, "the stream waited for a stage that will not come back"
         assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
         assert launcher.poll() is None                          # serve stays up, /health naming the stage
         assert httpx.get(url + "/health", timeout=5).status_code == 503
