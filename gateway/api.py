@@ -388,7 +388,7 @@ class _Server:
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             seed=None if req.seed is None else _choice_seed(req.seed, choice),
             stop_token_ids=list(req.stop_token_ids or []), logprobs=req.top_k_logprobs, logit_bias=logit_bias,
-            min_tokens=min(req.min_tokens or 0, max_tokens),       # (max_tokens clamped to the context)
+            min_tokens=req.min_tokens or 0,       # at most max_tokens and the context's room (check_min_tokens)
         ).with_defaults(self.gen_cfg)
         stop_ids = set(params.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         if self.model_vocab is not None and prompt_ids and max(prompt_ids) >= self.model_vocab:
@@ -626,7 +626,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
             if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained (echo: the prompt)
                 prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
-            srv.check_min_tokens(req)
             echo_only = req.max_tokens == 0
             if echo_only and not req.echo:
                 raise invalid_request("max_tokens 0 asks for no output: it is only valid with echo (the prompt and "
@@ -667,7 +666,6 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
     prompt_ids = await srv.encode(text, prompt_param)
-    srv.check_min_tokens(req)
     max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
     srv.check_min_tokens(req, srv.engine.max_model_len - len(prompt_ids))
     bias = srv.logit_bias(req.logit_bias)

@@ -112,16 +112,19 @@ class GrammarState:
             )
         self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self.n_words * 4)
         ids = self._specials
-        if ids.size and ((out[ids >> 5] >> (ids & 31)) & 1).any() and not self._matcher.is_stopped():
-            self._spell_forced_specials(out)     # (a stopped matcher's mask is its EOS ids)
+        if not ids.size:
+            return
+        allowed = ((out[ids >> 5] >> (ids & 31)) & 1).astype(bool)
+        if allowed.any() and not self._matcher.is_stopped():     # (a stopped matcher's mask is its EOS ids)
+            self._spell_forced_specials(out, ids[allowed])
 
-    def _spell_forced_specials(self, out: np.ndarray) -> None:
+    def _spell_forced_specials(self, out: np.ndarray, allowed: np.ndarray) -> None:
         """Where the grammar forces text that is also an added token's (a schema `const` of "</tool_call>" or
         "<|im_end|>"), llguidance's mask allows only that added token, which its matcher then refuses as a special
         token: the request would fail. Clear every allowed added token the matcher would not consume; if nothing is
         left, allow the first token of the forced text spelled in ordinary tokens (which it does consume)."""
-        ids, bits = self._specials, out.view(np.uint32)
-        for tid in ids[((out[ids >> 5] >> (ids & 31)) & 1).astype(bool)].tolist():
+        bits = out.view(np.uint32)
+        for tid in allowed.tolist():
             if not self._matcher.validate_tokens([tid]):
                 bits[tid >> 5] &= np.uint32(~(1 << (tid & 31)) & 0xFFFFFFFF)
         if bits.any() or self._ll_tokenizer is None:

@@ -233,13 +233,18 @@ class EngineCore:
         self._closing = message
         with self._lock:
             failed = self.scheduler.fail_all("abort")
-            for req in failed:
-                sink = self._drop(req.req_id)
-                if sink is not None:       # one without a token yet is answered 503 (+ Retry-After), not a 500
-                    sink(EngineFailed(message) if req.output_ids else EngineUnavailable(message))
+            # one without a token yet is answered 503 (+ Retry-After), not a 500
+            self._fail(failed, lambda req: EngineFailed(message) if req.output_ids else EngineUnavailable(message))
             self._push_gauges()
         self._wake()
         return len(failed)
+
+    def _fail(self, reqs: list[Request], error: Exception | Callable[[Request], Exception]) -> None:
+        """Drop each of `reqs` and hand its sink `error` (or `error(req)`) as the request's end."""
+        for req in reqs:
+            sink = self._drop(req.req_id)
+            if sink is not None:
+                sink(error if isinstance(error, Exception) else error(req))
 
     def give_up(self) -> None:
         """The launcher will not restart a dead component (its restarts are used up): the requests waiting for it
@@ -312,10 +317,7 @@ class EngineCore:
         except Exception:                   # a bug, not a bad request: health() now names the core
             log.exception("engine core stopped")
             with self._lock:
-                for req in self.scheduler.fail_all("error"):
-                    sink = self._drop(req.req_id)
-                    if sink is not None:
-                        sink(EngineFailed("the engine core stopped"))
+                self._fail(self.scheduler.fail_all("error"), EngineFailed("the engine core stopped"))
 
     def _send(self, plan: Plan) -> None:
         """Hand a plan to the executor. One that cannot go out (a value the protocol cannot encode: the fuzzer found
@@ -391,10 +393,7 @@ class EngineCore:
             return []
         if failed:      # the client sees which component failed; the log has what happened, and for which requests
             log.error("engine core: step %d failed requests %s", msg.step, ", ".join(r.req_id for r in failed))
-        for req in failed:
-            sink = self._drop(req.req_id)
-            if sink is not None:
-                sink(EngineFailed(f"{msg.component} failed a step of this request"))
+        self._fail(failed, EngineFailed(f"{msg.component} failed a step of this request"))
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:
@@ -433,10 +432,7 @@ class EngineCore:
         err = EngineFailed(f"{', '.join(components)} stopped responding")
         steps = self.scheduler.in_flight_steps()
         failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
-        for req in failed:
-            sink = self._drop(req.req_id)
-            if sink is not None:
-                sink(err)
+        self._fail(failed, err)
         # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=[r.req_id for r in failed])]
 
