@@ -39,10 +39,12 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, C
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
                              DetokenizeRequest, DetokenizeResponse, MAX_CHOICES, ModelCard, ModelList,
-                             PromptTokensDetails, ResponsesRequest, SEED_MAX, TokenizeRequest, TokenizeResponse,
+                             PromptLogprob, PromptLogprobsList, PromptTokensDetails, ResponsesRequest, SEED_MAX,
+                             TokenizeRequest, TokenizeResponse,
                              ToolCall, TopLogprob, Usage, VersionResponse)
 from gateway.stop import StopMatcher
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
+from shared.protocol import PromptLogprobs
 from shared.sampling import SamplingParams
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -91,13 +93,16 @@ class _Generation:
 
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
                  timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None,
-                 first_of_prompt: bool = True, echo_only: bool = False) -> None:
+                 first_of_prompt: bool = True, echo_only: bool = False,
+                 shares: _Generation | None = None) -> None:
         self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
         self.index, self.echo = index, echo              # choice index; completions echo text (offsets start after)
         # completions' max_tokens 0 with echo: the engine samples one token (prompt logprobs come with the first),
         # which is not returned, counted or timed as output; finish "length"
         self.echo_only = echo_only
         self.first_of_prompt = first_of_prompt           # counts the prompt's tokens (once per prompt, as usage)
+        # the prompt's first choice, which computes the prompt logprobs every choice of the prompt shows (n > 1)
+        self.shares = shares
         offset = len(echo or "")
         self._events = engine.generate(request)
         self._detok = IncrementalDetokenizer(tokenizer)
@@ -107,7 +112,7 @@ class _Generation:
         self._first: TokenEvent | None = None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None   # from the engine, when this choice asked for them
         self.cached_tokens = 0                           # prompt tokens the prefix cache served (usage)
 
     async def start(self) -> None:
@@ -116,6 +121,11 @@ class _Generation:
         self.prompt_logprobs = self._first.prompt_logprobs
         self.cached_tokens = self._first.cached_tokens or 0
         self.timer.started(len(self.request.prompt_ids) if self.first_of_prompt else 0)
+
+    @property
+    def prompt_lps(self) -> PromptLogprobs | None:
+        """The prompt's logprobs (the same for every choice of a prompt: its first choice alone computes them)."""
+        return (self.shares or self).prompt_logprobs
 
     async def pieces(self) -> AsyncIterator[_Piece]:
         """One piece per token event; the last one carries finish_reason (and any text held back until then)."""
@@ -375,10 +385,11 @@ class _Server:
         return out
 
     def generation_request(self, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                           max_tokens: int, request_id: str, *, choice: int = 0, prompt_logprobs: bool = False,
+                           max_tokens: int, request_id: str, *, choice: int = 0, prompt_logprobs: int | None = None,
                            logit_bias: dict[int, float] | None = None) -> GenerationRequest:
         """Choice j of a seeded request samples with seed + j (vLLM's rule): choice 0 is the n=1 answer, the others
-        are reproducible and differ from it; each prompt of a list starts again at j = 0."""
+        are reproducible and differ from it; each prompt of a list starts again at j = 0. `prompt_logprobs`: None, or
+        the alternatives a prompt position reports (the prompt's logprobs are asked of its first choice only)."""
         params = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             # -1 and a k of at least the vocabulary filter nothing: both are 0, "off" (a k past any int64 would
@@ -453,18 +464,55 @@ class _Server:
             out.text_offset.append(t.offset)
         return out
 
-    def prompt_logprobs(self, prompt_ids: list[int], lps: list[float | None] | None) -> CompletionLogprobs:
-        """Echoed prompt tokens; the engine reports no alternatives for them, so their top_logprobs are null."""
+    def echo_logprobs(self, prompt_ids: list[int], lps: PromptLogprobs | None, top: int) -> CompletionLogprobs:
+        """Echoed prompt tokens as OpenAI's legacy completions gave them: the first token's logprob and
+        top_logprobs null; every later one's logprob given its prefix, and its `top` most likely tokens there plus
+        itself (as for generated tokens)."""
         out = CompletionLogprobs()
         detok, offset = IncrementalDetokenizer(self.tok, skip_special_tokens=False), 0
-        lps = lps or [None] * len(prompt_ids)
-        for tid, lp in zip(prompt_ids, lps):
-            out.tokens.append(self.token_text(tid)[0])
-            out.token_logprobs.append(None if lp is None else _lp(lp))
-            out.top_logprobs.append(None)
+        rows = _rows(lps, len(prompt_ids))
+        for pos, tid in enumerate(prompt_ids):
+            text = self.token_text(tid)[0]
+            out.tokens.append(text)
+            row = rows[pos]
+            if row is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                lp, _, ids, vals = row
+                alternatives = {self.token_text(i)[0]: _lp(v) for i, v in zip(ids[:top], vals[:top])}
+                alternatives.setdefault(text, _lp(lp))
+                out.token_logprobs.append(_lp(lp))
+                out.top_logprobs.append(alternatives)
             out.text_offset.append(offset)
             offset += len(detok.push(tid))
         return out
+
+    def vllm_prompt_logprobs(self, prompt_ids: list[int], lps: PromptLogprobs | None,
+                             top: int) -> PromptLogprobsList:
+        """vLLM's `prompt_logprobs`: None for the first token, then per position {token id: logprob, rank,
+        decoded_token} of the prompt token and the `top` most likely tokens (ranks 1..top), the prompt token first
+        (an alternative that is the prompt token keeps its place in the ranking, as vLLM's dict does)."""
+        out: PromptLogprobsList = []
+        for pos, (tid, row) in enumerate(zip(prompt_ids, _rows(lps, len(prompt_ids)))):
+            if row is None:
+                out.append(None)
+                continue
+            lp, rank, ids, vals = row
+            entry = {str(tid): PromptLogprob(logprob=_lp(lp), rank=int(rank), decoded_token=self.token_text(tid)[0])}
+            for r, (i, v) in enumerate(zip(ids[:top], vals[:top]), start=1):
+                entry[str(i)] = PromptLogprob(logprob=_lp(v), rank=r, decoded_token=self.token_text(int(i))[0])
+            out.append(entry)
+        return out
+
+
+def _rows(lps: PromptLogprobs | None, n: int) -> list[tuple[float, int, list[int], list[float]] | None]:
+    """Per prompt position: (logprob, rank, top ids, top logprobs) given the tokens before it; None for the first
+    (and for every position if the engine sent none)."""
+    if lps is None or len(lps) != n - 1:
+        return [None] * n
+    lp, ranks, ids, vals = lps.arrays()
+    return [None] + list(zip(lp.tolist(), ranks.tolist(), ids.tolist(), vals.tolist()))
 
 
 def _lp(value: float | None) -> float:
@@ -581,7 +629,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         rid = _new_id("chatcmpl")
         plan, gens = await _start_chat(srv, req, arrival, rid, "messages")
         return await _serve(request, gens, bool(req.stream), lambda: _chat_stream(srv, req, gens, rid, plan),
-                            lambda: _chat_full(srv, gens, rid, plan))
+                            lambda: _chat_full(srv, req, gens, rid, plan))
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
@@ -615,6 +663,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         suffix_ids = await srv.encode(req.suffix, "suffix") if req.suffix else []
         bias = srv.logit_bias(req.logit_bias)
         rid, want = _new_id("cmpl"), req.logprobs is not None
+        # The prompt's logprobs, when echo + logprobs or prompt_logprobs ask for them: alternatives for both uses
+        asks = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        prompt_top = max(asks) if asks else None
         gens = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -632,18 +683,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                                       "its logprobs).", param="max_tokens")
             max_tokens = srv.budget(len(prompt_ids), 1 if echo_only else req.budget, "prompt")
             srv.check_min_tokens(req, engine.max_model_len - len(prompt_ids))
+            first = len(gens)
             for j in range(n):
                 index = i * n + j
                 gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, index, len(prompts) * n),
-                                                 choice=j, prompt_logprobs=bool(req.echo) and want, logit_bias=bias)
+                                                 choice=j, prompt_logprobs=prompt_top if j == 0 else None,
+                                                 logit_bias=bias)
                 if grammar is not None:
                     gen_req.grammar = compiler.new_matcher(grammar)
                 gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
                                         echo=prompt_text if req.echo else None, first_of_prompt=j == 0,
-                                        echo_only=echo_only))
+                                        echo_only=echo_only, shares=gens[first] if j else None))
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
-                            lambda: _completion_full(srv, gens, rid))
+                            lambda: _completion_full(srv, req, gens, rid))
 
     install_openapi(app, {"/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
                           "/v1/completions": (CompletionRequest, CompletionResponse),
@@ -673,12 +726,12 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     gens = []
     for j in range(n):
         gen_req = srv.generation_request(req, prompt_ids, max_tokens, _engine_id(rid, j, n), choice=j,
-                                         logit_bias=bias)
+                                         logit_bias=bias, prompt_logprobs=req.prompt_logprobs if j == 0 else None)
         if plan.grammar is not None:
             gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
         gens.append(_Generation(srv.engine, gen_req, srv.tok, req.stop_strings,
                                 srv.metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
-                                first_of_prompt=j == 0))
+                                first_of_prompt=j == 0, shares=gens[0] if j else None))
     return plan, gens
 
 
@@ -729,7 +782,16 @@ async def _collect(gen: _Generation) -> tuple[str, list[_Token]]:
     return "".join(texts), tokens
 
 
-async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: ChatPlan) -> dict:
+def _vllm_prompt_logprobs(srv: _Server, req: ChatCompletionRequest | CompletionRequest,
+                          gen: _Generation) -> PromptLogprobsList | None:
+    """The `prompt_logprobs` field of `gen`'s answer: None unless the request asked for it."""
+    if req.prompt_logprobs is None:
+        return None
+    return srv.vllm_prompt_logprobs(gen.request.prompt_ids, gen.prompt_lps, req.prompt_logprobs)
+
+
+async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Generation], rid: str,
+                     plan: ChatPlan) -> dict:
     async def one(gen: _Generation) -> ChatChoice:
         text, tokens = await _collect(gen)
         finish = gen.finish_reason
@@ -751,22 +813,28 @@ async def _chat_full(srv: _Server, gens: list[_Generation], rid: str, plan: Chat
 
     choices = await _all([one(g) for g in gens])
     return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
-                                  usage=_usage(gens)).model_dump()
+                                  usage=_usage(gens),
+                                  prompt_logprobs=_vllm_prompt_logprobs(srv, req, gens[0])).model_dump()
 
 
-async def _completion_full(srv: _Server, gens: list[_Generation], rid: str) -> dict:
+async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Generation], rid: str) -> dict:
     async def one(gen: _Generation) -> CompletionChoice:
         text, tokens = await _collect(gen)
         logprobs = None
         if gen.want_logprobs:
             logprobs = srv.completion_logprobs(tokens)
             if gen.echo is not None:
-                logprobs = _join(srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs), logprobs)
-        return CompletionChoice(index=gen.index, text=text, logprobs=logprobs, finish_reason=gen.finish_reason)
+                logprobs = _join(_echo_logprobs(srv, req, gen), logprobs)
+        return CompletionChoice(index=gen.index, text=text, logprobs=logprobs, finish_reason=gen.finish_reason,
+                                prompt_logprobs=_vllm_prompt_logprobs(srv, req, gen))
 
     choices = await _all([one(g) for g in gens])
     return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
                               usage=_usage(gens)).model_dump()
+
+
+def _echo_logprobs(srv: _Server, req: CompletionRequest, gen: _Generation) -> CompletionLogprobs:
+    return srv.echo_logprobs(gen.request.prompt_ids, gen.prompt_lps, req.logprobs or 0)
 
 
 def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -818,15 +886,18 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
     exclude = None if req.include_usage else {"usage"}
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
-        def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None) -> str:
+        def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None,
+                  prompt_lps: PromptLogprobsList | None = None) -> str:
             logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
             c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
                                     choices=[ChatChunkChoice(index=gen.index, delta=delta, logprobs=logprobs,
-                                                             finish_reason=finish)])
+                                                             finish_reason=finish)], prompt_logprobs=prompt_lps)
             return _sse(c.model_dump_json(exclude=exclude))
 
         parser = OutputParser(plan.reasoning, plan.tool_names, max_calls=plan.max_calls) if _parses(plan) else None
-        yield chunk(DeltaMessage(role="assistant", content=""))
+        # the prompt's logprobs (vLLM's prompt_logprobs) ride on the first choice's first chunk
+        yield chunk(DeltaMessage(role="assistant", content=""),
+                    prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None)
         called = False
         async for text, tokens, finish in _coalesce(gen):
             if parser is None:
@@ -860,15 +931,18 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
     exclude = None if req.include_usage else {"usage"}
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
-        def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None) -> str:
+        def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
+                  prompt_lps: PromptLogprobsList | None = None) -> str:
             c = CompletionChunk(id=rid, created=created, model=srv.model_name,
                                 choices=[CompletionChoice(index=gen.index, text=text, logprobs=logprobs,
-                                                          finish_reason=finish)])
+                                                          finish_reason=finish, prompt_logprobs=prompt_lps)])
             return _sse(c.model_dump_json(exclude=exclude))
 
+        prompt_lps = _vllm_prompt_logprobs(srv, req, gen)
         if gen.echo is not None:
-            lps = srv.prompt_logprobs(gen.request.prompt_ids, gen.prompt_logprobs) if gen.want_logprobs else None
-            yield chunk(gen.echo, lps)
+            yield chunk(gen.echo, _echo_logprobs(srv, req, gen) if gen.want_logprobs else None, prompt_lps=prompt_lps)
+        elif prompt_lps is not None:
+            yield chunk("", prompt_lps=prompt_lps)
         async for text, tokens, finish in _coalesce(gen):
             if text or tokens:
                 yield chunk(text, srv.completion_logprobs(tokens) if gen.want_logprobs else None)

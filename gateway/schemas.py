@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "ChatMessage", "StreamOptions", "Usage",
-    "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs",
+    "TopLogprob", "ChatTokenLogprob", "ChatLogprobs", "CompletionLogprobs", "PromptLogprob", "PromptLogprobsList",
     "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall",
     "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
     "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
@@ -159,7 +159,34 @@ class _Sampling(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+def check_prompt_logprobs(v: int | None) -> int | None:
+    """vLLM's `prompt_logprobs`: null (none), or k >= 0 (each prompt token's logprob and rank, plus the k most likely
+    tokens at its position), at most MAX_TOP_LOGPROBS as top_logprobs / logprobs are. vLLM's -1 (the whole
+    vocabulary) is refused by name."""
+    if v is None:
+        return v
+    if v == -1:
+        raise ValueError(f"-1 (the whole vocabulary at every prompt position) is not supported; ask for at most "
+                         f"{MAX_TOP_LOGPROBS} alternatives")
+    if v < 0:
+        raise ValueError("must be >= 0 (or null)")
+    if v > MAX_TOP_LOGPROBS:
+        raise ValueError(f"must be <= {MAX_TOP_LOGPROBS}")
+    return v
+
+
+class _PromptLogprobs(BaseModel):
+    """The vLLM extra both the chat and the completions route take (sent through extra_body)."""
+
+    prompt_logprobs: StrictInt | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, v: int | None) -> int | None:
+        return check_prompt_logprobs(v)
+
+
+class ChatCompletionRequest(_Sampling, _PromptLogprobs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
@@ -223,7 +250,7 @@ class VersionResponse(BaseModel):
     version: str
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _PromptLogprobs):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     # The legacy endpoint's default (OpenAI's and vLLM's): a completion request that names no length gets 16
     # tokens, not the rest of the context (an explicit null still means "to the end of the context").
@@ -319,6 +346,19 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position in vLLM's `prompt_logprobs` (keyed by its id, as a string)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` answer: null for the first prompt token, then per position the prompt token itself and
+# the k most likely tokens there
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -370,6 +410,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)   # when asked (vLLM's)
 
 
 class DeltaFunction(BaseModel):
@@ -410,6 +451,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)   # on the first chunk
 
 
 class CompletionChoice(BaseModel):
@@ -417,6 +459,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # when asked (vLLM's); streamed, on the choice's first chunk
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):

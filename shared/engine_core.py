@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
-from shared.protocol import Message, Plan, StageError, StepResult
+from shared.protocol import Message, Plan, PromptLogprobs, StageError, StepResult
 from shared.sampling import SamplingParams, random_seed
 from shared.scheduler import Request, Scheduler
 
@@ -48,7 +48,10 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams                 # defaults applied; params.max_tokens is the generation budget
     stop_token_ids: set[int] = field(default_factory=set)
-    prompt_logprobs: bool = False          # echo: logprob of every prompt token given its prefix
+    # the prompt's logprobs (completions' echo, vLLM's prompt_logprobs): None (or False) for none, k >= 0 for every
+    # prompt token's logprob and rank given its prefix plus the k most likely tokens there (True: k = 0). Such a
+    # request computes its whole prompt: the prefix cache does not serve it.
+    prompt_logprobs: int | bool | None = None
     ignore_eos: bool = False
     grammar: Any = None                    # structured output: gateway.grammar.GrammarState, advanced per token
 
@@ -61,7 +64,8 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None       # (token id, logprob), best first
     finish_reason: str | None = None       # "stop" (EOS / stop token) or "length" on the last event
-    prompt_logprobs: list[float | None] | None = None         # only on the first event, when asked
+    # only on the first event, when asked: rows for prompt positions 1 .. len - 1 (the first token has none)
+    prompt_logprobs: PromptLogprobs | None = None
     token_ts: float | None = None          # the step result carrying this token reached the core (the last: finished)
     queued_ts: float | None = None         # first event only: the request entered the core's waiting queue
     scheduled_ts: float | None = None      # first event only: its first plan; preemptions and requeues keep it
@@ -189,9 +193,10 @@ class EngineCore:
         params = request.params
         if params.seed is None:     # drawn here, once: a preempted request recomputes with the same draws
             params.seed = random_seed()
+        top = prompt_top(request.prompt_logprobs)
         req = Request(req_id=rid, prompt_ids=list(request.prompt_ids), params=params,
                       stop_token_ids=set(request.stop_token_ids),     # the API already left EOS out for ignore_eos
-                      max_tokens=params.max_tokens, want_prompt_logprobs=request.prompt_logprobs,
+                      max_tokens=params.max_tokens, want_prompt_logprobs=top is not None, prompt_top=top or 0,
                       grammar=request.grammar)
         with self._lock:
             if rid in self._sinks:
@@ -376,7 +381,7 @@ class EngineCore:
                                    finish_reason=req.finished if last else None, token_ts=now)
                 if len(req.output_ids) - len(events) + i == 0:      # the request's first token
                     if req.want_prompt_logprobs:
-                        event.prompt_logprobs = [None] + list(req.prompt_logprobs)
+                        event.prompt_logprobs = PromptLogprobs.join(req.prompt_logprobs, req.prompt_top)
                     event.cached_tokens = req.cached_tokens
                     ph = self._phases.pop(req.req_id, None)
                     if ph is not None:
@@ -518,6 +523,17 @@ class _PrefixCacheCollector:
         yield GaugeMetricFamily("moepipe_prefix_cache_blocks", "KV blocks the prefix cache holds; those no "
                                 "running request shares are not counted in moepipe_kv_blocks_used (evicted before any "
                                 "request is preempted)", value=c.cached_blocks)
+
+
+def prompt_top(value: int | bool | None) -> int | None:
+    """`GenerationRequest.prompt_logprobs` as alternatives per prompt position: None for no prompt logprobs."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 0
+    if value < 0:
+        raise ValueError(f"prompt_logprobs must be >= 0, got {value}")
+    return int(value)
 
 
 def wait_readable(fd: int, timeout: float) -> None:

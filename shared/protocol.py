@@ -26,7 +26,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-VERSION = 2
+VERSION = 3          # 3: TokenOut.prompt_logprobs is a PromptLogprobs (ranks, alternatives)
 _DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 
 
@@ -63,7 +63,7 @@ class SeqEntry:
                                      # table when context_len is 0): a plan never resends what stages hold
     tokens: list[int] | None = None  # prefill tokens; None for decode: the token comes from the last stage
     sample: bool = True              # last chunk of a prefill or a decode: the last stage samples a token
-    prompt_logprobs: bool = False    # return logprobs of the fed tokens (echo)
+    prompt_logprobs: bool = False    # return the fed tokens' prompt logprobs (`PromptLogprobs`; echo, prompt_logprobs)
     next_token: int | None = None    # with prompt_logprobs: the prompt token after this chunk
     allowed: bytes | None = None     # structured output: packed mask of the ids the sampled token may take
                                      # (shared/token_mask.py), from the gateway's grammar state after the last token
@@ -93,6 +93,7 @@ class SamplingSpec:
     logit_bias: dict[int, float] | None = None               # token id -> added to the raw logit, before penalties
     min_tokens: int = 0                                      # min_tokens: `min_tokens_ban` is not sampled until
     min_tokens_ban: list[int] = field(default_factory=list)  # this many tokens (the stop ids: EOS, stop_token_ids)
+    prompt_logprobs: int = 0         # entries with `prompt_logprobs`: alternatives (top-k) per prompt position
 
 
 @dataclass
@@ -128,6 +129,46 @@ class Activations(Message):
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs of consecutive prompt positions (one entry's, or a whole prompt's joined): row i scores the
+    prompt token that follows the i-th position given everything before it, from the raw logits' fp32 log_softmax.
+    Raw little-endian arrays, not msgpack lists: a 2048-token chunk with 20 alternatives is ~350 KB."""
+
+    top: int = 0                     # alternatives per row
+    logprobs: bytes = b""            # float32 [rows]: the next prompt token's logprob
+    ranks: bytes = b""               # int32 [rows]: its rank (1 + how many tokens are at least as likely, as vLLM)
+    top_ids: bytes = b""             # int32 [rows, top]: the most likely tokens, best first
+    top_logprobs: bytes = b""        # float32 [rows, top]
+
+    @classmethod
+    def build(cls, logprobs, ranks, top_ids, top_logprobs) -> PromptLogprobs:
+        """From arrays (numpy, or anything numpy takes): [rows], [rows], [rows, top], [rows, top]."""
+        ids = np.asarray(top_ids, dtype="<i4")
+        return cls(top=int(ids.shape[1]) if ids.ndim == 2 else 0,
+                   logprobs=np.asarray(logprobs, dtype="<f4").tobytes(), ranks=np.asarray(ranks, dtype="<i4").tobytes(),
+                   top_ids=ids.tobytes(), top_logprobs=np.asarray(top_logprobs, dtype="<f4").tobytes())
+
+    @classmethod
+    def join(cls, parts: list[PromptLogprobs], top: int = 0) -> PromptLogprobs:
+        """Consecutive parts as one (an empty list: no rows, `top` alternatives)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(top=parts[0].top if parts else top, logprobs=b"".join(p.logprobs for p in parts),
+                   ranks=b"".join(p.ranks for p in parts), top_ids=b"".join(p.top_ids for p in parts),
+                   top_logprobs=b"".join(p.top_logprobs for p in parts))
+
+    def __len__(self) -> int:
+        return len(self.logprobs) // 4
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(logprobs [rows], ranks [rows], top ids [rows, top], top logprobs [rows, top]), read-only views."""
+        n = len(self)
+        return (np.frombuffer(self.logprobs, dtype="<f4"), np.frombuffer(self.ranks, dtype="<i4"),
+                np.frombuffer(self.top_ids, dtype="<i4").reshape(n, self.top),
+                np.frombuffer(self.top_logprobs, dtype="<f4").reshape(n, self.top))
+
+
+@dataclass
 class TokenOut:
     req_id: str
     position: int                    # position the sampled token will occupy
@@ -135,8 +176,14 @@ class TokenOut:
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
-    prompt_logprobs: list[float] | None = None   # logprob of each fed token after the first, given its prefix
+    # an entry with `prompt_logprobs`: one row per fed token whose next prompt token is known (all of a middle chunk;
+    # the last chunk's last token is followed by the sampled one, which `logprob` scores)
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None         # this request failed inside the step (token -1): the others of the step go on
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_logprobs, dict):          # decoded from a message header
+            self.prompt_logprobs = PromptLogprobs(**self.prompt_logprobs)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 from shared.block_manager import BlockManager
 from shared.prefix_cache import CachedPrefix, PrefixCache, agreeing_blocks
-from shared.protocol import HISTORY, Plan, SamplingSpec, SeqEntry, TokenOut
+from shared.protocol import HISTORY, Plan, PromptLogprobs, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
 
 
@@ -39,7 +39,8 @@ class Request:
     params: SamplingParams
     stop_token_ids: set[int]
     max_tokens: int
-    want_prompt_logprobs: bool = False
+    want_prompt_logprobs: bool = False  # return the prompt's logprobs (never served from the prefix cache)
+    prompt_top: int = 0                # ... with this many alternatives a position
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     computed: int = 0                  # tokens whose K/V and state are in the caches
@@ -52,7 +53,7 @@ class Request:
     fresh_sample: bool = False         # the newest output was sampled by the stages since the last admission
     preemptions: int = 0
     events: list[TokenOut] = field(default_factory=list)   # results not yet consumed by the API layer
-    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # per prefill chunk, in order
     grammar: Any = None                # structured output: a gateway.grammar.GrammarState (mask, accept, finished)
     error: str | None = None           # why the request failed (grammar violation, a stage's per-request error)
     ahead_fed: int = 0                 # tokens fed by plans in flight (computed once their results are back)
@@ -437,7 +438,8 @@ class Scheduler:
                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                             seed=p.seed, logprobs=p.logprobs, prompt_ids=list(req.prompt_ids),
                             output_ids=list(req.output_ids), logit_bias=p.logit_bias, min_tokens=p.min_tokens,
-                            min_tokens_ban=sorted(req.stop_token_ids) if p.min_tokens else [])
+                            min_tokens_ban=sorted(req.stop_token_ids) if p.min_tokens else [],
+                            prompt_logprobs=req.prompt_top if req.want_prompt_logprobs else 0)
 
     # ---- results -----------------------------------------------------------------------------------------------
     def on_result(self, mb: int, tokens: list[TokenOut]) -> list[Request]:
@@ -466,7 +468,7 @@ class Scheduler:
                 self.release(req, "error")
                 continue
             if out.prompt_logprobs:
-                req.prompt_logprobs.extend(out.prompt_logprobs)
+                req.prompt_logprobs.append(out.prompt_logprobs)
             if out.token < 0:
                 continue
             req.output_ids.append(out.token)

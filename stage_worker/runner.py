@@ -7,15 +7,17 @@ still computing (002 §3.2 measured that stall at 3 ms a step when preparation w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shared.cluster_config import ClusterConfig
-from shared.protocol import (Activations, IpcActivations, Message, Plan, PleReady, Sampled, SamplingSpec, StepResult,
-                             TokenOut)
+from shared.protocol import (Activations, IpcActivations, Message, Plan, PleReady, PromptLogprobs, Sampled,
+                             SamplingSpec, StepResult, TokenOut)
 from shared.sampling import SamplingParams
 from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
@@ -734,8 +736,10 @@ class StageRunner:
         out: list[Outgoing] = []
         # A row that failed (its request ends) goes out as token 0: a step planned ahead feeds that token, and stage
         # 0 and the PLE service would wait for it forever (the step's output for the ended request is dropped).
+        # Stage 0 and the PLE service read the tokens only: prompt logprobs go to the gateway alone.
         sampled = Sampled(step=plan.step, microbatch=plan.microbatch,
-                          tokens=[t if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
+                          tokens=[(t if t.prompt_logprobs is None else dataclasses.replace(t, prompt_logprobs=None))
+                                  if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
                                   if t.token >= 0 or t.error])
         self._rows_from(tokens)
         if self.is_first:
@@ -807,15 +811,8 @@ class StageRunner:
             prompt_lps = None
             if e.prompt_logprobs:
                 targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
-                prompt_lps = []
-                if targets:
-                    idx = torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None]
-                    # a slice of rows at a time: the log-softmax of a whole 2048-token chunk would be another
-                    # [tokens, vocab] fp32 tensor beside the logits (1.2 GB at the full shape), which the plan's
-                    # reserve does not hold; rows are independent, so the values are the same
-                    picked = torch.cat([torch.log_softmax(rows[a: a + ECHO_ROWS], dim=-1)
-                                        .gather(1, idx[a: a + ECHO_ROWS]) for a in range(0, len(targets), ECHO_ROWS)])
-                    prompt_lps = picked[:, 0].tolist()            # one read-back, not one a token
+                st = self.requests.get(e.req_id)
+                prompt_lps = prompt_logprobs(rows, targets, st.spec.prompt_logprobs if st is not None else 0)
             if not e.sample:
                 outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
                 continue
@@ -922,6 +919,37 @@ def _banned(spec: SamplingSpec, position: int) -> list[int] | None:
     if spec.min_tokens and position - len(spec.prompt_ids) < spec.min_tokens:
         return spec.min_tokens_ban
     return None
+
+
+def prompt_logprobs(rows: torch.Tensor, targets: list[int], top: int) -> PromptLogprobs:
+    """Row i of `rows` (raw logits, one per fed token) scores `targets[i]`, the prompt token after it: its logprob
+    and rank under the fp32 log_softmax, and the `top` most likely tokens (rows past the targets are not read)."""
+    n = len(targets)
+    k = min(max(top, 0), rows.shape[-1])
+    if n == 0:
+        return PromptLogprobs(top=k)
+    idx = torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None]
+    picked, ranks, vals, ids = [], [], [], []
+    # a slice of rows at a time: the log-softmax of a whole 2048-token chunk would be another [tokens, vocab] fp32
+    # tensor beside the logits (1.2 GB at the full shape), which the plan's reserve does not hold; rows are
+    # independent, so the values are the same
+    for a in range(0, n, ECHO_ROWS):
+        b = min(n, a + ECHO_ROWS)
+        lp = torch.log_softmax(rows[a:b].float(), dim=-1)
+        p = lp.gather(1, idx[a:b])
+        picked.append(p[:, 0])
+        ranks.append((lp >= p).sum(dim=-1, dtype=torch.int32))   # vLLM's rank: ties count against the token
+        if k:
+            v, i = torch.topk(lp, k, dim=-1)
+            vals.append(v)
+            ids.append(i.to(torch.int32))
+    out = [torch.cat(picked), torch.cat(ranks)]
+    if k:
+        out += [torch.cat(vals), torch.cat(ids)]
+    host = [t.cpu().numpy() for t in out]          # one read-back of each, not one a token
+    if not k:
+        host += [np.zeros((n, 0)), np.zeros((n, 0))]
+    return PromptLogprobs.build(host[0], host[1], host[3], host[2])
 
 
 def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:

@@ -37,7 +37,8 @@ SLOWEST_FILES = ["test_agents.py", "test_self_healing.py", "test_cluster.py", "t
 # tiny checkpoint's 2-stage cluster (small_cluster_options) and its thinking-template 1-stage cluster, ~8 and ~5 s
 # of CPU to start (without a PLE service process); "corpus": the small training corpus (tools/build_corpus.py, ~8 s).
 SHARED_GROUPS = {"test_agents.py": "api", "test_responses_api.py": "api", "test_device_sampling_cluster.py": "api",
-                 "test_agent_clients.py": "api", "test_train_demo.py": "corpus", "test_route_trace.py": "corpus"}
+                 "test_agent_clients.py": "api", "test_prompt_logprobs.py": "api", "test_train_demo.py": "corpus",
+                 "test_route_trace.py": "corpus"}
 
 
 def _group(path) -> str:

@@ -125,7 +125,7 @@ def _assert_same(a: list[list], b: list[list]) -> None:
         pa, pb = ea[0].prompt_logprobs, eb[0].prompt_logprobs
         assert (pa is None) == (pb is None)
         if pa is not None:
-            assert pa[0] is None and pb[0] is None and pa[1:] == pytest.approx(pb[1:], abs=1e-4)
+            assert list(pa.arrays()[0]) == pytest.approx(list(pb.arrays()[0]), abs=1e-4)
 
 
 @pytest.mark.parametrize("plan_ahead", [True, False])
@@ -154,7 +154,7 @@ def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, re
     _assert_same(reference, out)
     assert preempted
     _assert_phase_stamps(out, preempted, [r.request_id for r in requests])
-    assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1])
+    assert reference[0][0].prompt_logprobs is None and len(reference[2][0].prompt_logprobs) == len(PROMPTS[1]) - 1
 
 
 def test_one_stage_launching_ahead_gives_the_same_tokens(tiny_checkpoint, reference):
