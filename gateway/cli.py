@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --qsa-kv-offload: cache the K/V rows decode reads from host RAM in MIB of VRAM per "
                         "stage (default 256; 0: off; also MOEPIPE_KV_ROW_CACHE=0/1, MOEPIPE_KV_ROW_CACHE_MIB)")
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
-                   help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never)")
+                   help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never); once "
+                        "a component's restarts are used up, serve exits with status 1")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY, or as vLLM "
                         "VLLM_API_KEY when neither is given)")

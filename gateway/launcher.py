@@ -49,7 +49,7 @@ class ServeOptions:
     port: int = 8000
     run_dir: Path | None = None
     extra: dict | None = None            # any other ClusterConfig field
-    startup_timeout: float = 300.0
+    startup_timeout: float | None = None  # None: the cluster's start_timeout (MOEPIPE_START_TIMEOUT, 300 s)
     verbose: bool = False
 
 
@@ -333,8 +333,28 @@ class Cluster:
             self._spawn(other)
         return also
 
+    def down_components(self) -> list[str] | None:
+        """What the gateway's `/health` names as missing its heartbeat deadline: [] when it answers 200, None when
+        it does not answer (not up yet, or gone). `/health` needs no key and no Host check (gateway/access.py)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return [] if r.status == 200 else None
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                return None
+            try:
+                message = json.loads(exc.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError, OSError):
+                return None
+            # "Unhealthy: stage1, ple missed the heartbeat deadline." (gateway/api.py)
+            names = message.split(":", 1)[-1].rsplit(" missed ", 1)[0]
+            return [n.strip() for n in names.split(",") if n.strip()]
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
     def wait_healthy(self, should_stop=lambda: False) -> None:
-        deadline = time.time() + self.opts.startup_timeout
+        timeout = self.opts.startup_timeout if self.opts.startup_timeout is not None else self.cluster.start_timeout
+        deadline = time.time() + timeout if timeout else float("inf")
         while time.time() < deadline:
             if should_stop():
                 raise RuntimeError("stopped during start-up")
@@ -350,7 +370,11 @@ class Cluster:
             if dead:
                 raise RuntimeError(f"{', '.join(f'{n} exited with {c}' for n, c in dead.items())} during start-up")
             time.sleep(0.2)
-        raise RuntimeError(f"cluster not healthy after {self.opts.startup_timeout:.0f} s")
+        down = self.down_components()
+        missing = (f"{', '.join(down)} sent no heartbeat" if down else
+                   "the gateway does not answer /health" if down is None else "")
+        raise RuntimeError(f"cluster not healthy after {timeout:.0f} s (start_timeout, MOEPIPE_START_TIMEOUT)"
+                           + (f": {missing}" if missing else ""))
 
     def _terminate(self, names: list[str], timeout: float = 10.0) -> None:
         """SIGTERM to each of `names` (in that order, without pausing), then up to `timeout` s in all for them to
@@ -414,8 +438,8 @@ def run_serve(opts: ServeOptions) -> int:
         while not stop["flag"]:
             time.sleep(0.2)
             watch.check()
-            if "gateway" in watch.given_up:
-                return 1
+            if watch.given_up:
+                return watch.exit_given_up(lambda: stop["flag"])
         return 0
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)
@@ -429,31 +453,44 @@ class Supervisor:
     backoff (1, 2, 4 ... 30 s); a component that stayed up STABLE_SECONDS starts its count again. The engine core
     recomputes the requests that were running on a dead stage or PLE service (their streams pause); `/health` is
     503 naming it until it heartbeats again. A dead gateway takes the engine core and every connection with it: the
-    whole cluster is restarted (`Cluster.restart`), and `serve` ends once the gateway's restarts are used up."""
+    whole cluster is restarted (`Cluster.restart`).
 
-    def __init__(self, cluster: Cluster) -> None:
+    A restarted process must be heard from within `start_timeout` (the gateway's `/health` stops naming it), else it
+    is killed, which counts as a failed restart: one hung while loading was never killed before, since the gateway's
+    hang check needs a heartbeat from the process (its pid) first. Once a component's restarts are used up, `serve`
+    exits with status 1 (`exit_given_up`), as vLLM's server exits when its engine dies: a service manager (systemd,
+    Docker, Kubernetes) can then restart the whole server, where before it kept answering `/health` 503 forever."""
+
+    def __init__(self, cluster: Cluster, probe=None) -> None:
         self.cluster = cluster
         self.limit = cluster.cluster.restart_limit
         self.due: dict[str, float] = {}            # component -> when to restart it
-        self.given_up: set[str] = set()
+        self.given_up: dict[str, str] = {}         # component -> why (the exit line names it)
+        self.starting: dict[str, object] = {}      # restarted components not yet heard from -> their process
+        self.start_killed: set = set()              # ... and those of them killed for it (once each)
+        self.probe = probe if probe is not None else cluster.down_components     # /health's missing components
 
     def check(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
         c = self.cluster
+        self._check_starting(now)
         for name, p in list(c.procs.items()):
             if p.poll() is None or name in self.given_up or c.procs.get(name) is not p:
                 continue               # (or a restart earlier in this pass replaced it: the PLE service's stages)
             if name != "gateway" and name not in self.due and c.procs["gateway"].poll() is not None:
                 continue               # the gateway's restart brings everything back
             if name not in self.due:
-                if now - c.started_at.get(name, now) >= STABLE_SECONDS:
+                # never heard from, it was not up: its count goes on (a restart hung past STABLE_SECONDS included)
+                came_up = self.starting.pop(name, None) is not p
+                if came_up and now - c.started_at.get(name, now) >= STABLE_SECONDS:
                     c.restarts[name] = 0
                 tries = c.restarts.get(name, 0)
                 if tries >= self.limit:
-                    then = "stopping" if name == "gateway" else "/health reports it"
                     print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
-                          f"({tries} restarts, restart_limit {self.limit}); {then}", file=sys.stderr)
-                    self.given_up.add(name)
+                          f"({tries} restarts, restart_limit {self.limit}); stopping", file=sys.stderr)
+                    self.given_up[name] = (f"{name} exited with {p.returncode} and its restarts are used up "
+                                           f"({tries} restart{'' if tries == 1 else 's'} in a row, restart_limit "
+                                           f"{self.limit}{': restarts off' if not self.limit else ''})")
                     gateway = c.procs.get("gateway")
                     if name != "gateway" and gateway is not None and gateway.poll() is None:
                         gateway.send_signal(GIVEN_UP_SIGNAL)     # its requests fail now, not after recovery_timeout
@@ -466,5 +503,49 @@ class Supervisor:
                 also = c.restart(name)
                 for other in also:
                     self.due.pop(other, None)
+                for started in (name, *also):
+                    self.starting[started] = c.procs[started]
                 print(f"moepipe: restarted {name}{' with ' + ', '.join(also) if also else ''}", file=sys.stderr)
+
+    def _check_starting(self, now: float) -> None:
+        """Restarted components heard from (the gateway's `/health` does not name them, asked once their
+        predecessor's last heartbeats are past `heartbeat_timeout`, so only the new process can account for it)
+        are up; one not heard from within `start_timeout` of its start is SIGKILLed (the death is then handled as
+        any: restarted with backoff, or given up, its restart counted)."""
+        c = self.cluster
+        timeout, fresh = c.cluster.start_timeout, c.cluster.heartbeat_timeout
+        waiting = {n: p for n, p in self.starting.items() if c.procs.get(n) is p and p.poll() is None
+                   and p not in self.start_killed}
+        if not waiting:
+            return
+        down = None
+        if any(now - c.started_at.get(n, now) > fresh for n in waiting):
+            down = self.probe()
+        for name, p in waiting.items():
+            age = now - c.started_at.get(name, now)
+            if down is not None and name not in down and age > fresh:
+                del self.starting[name]          # heard from: up (a later hang is the gateway's hang_timeout)
+            elif timeout and age > timeout:
+                print(f"moepipe: {name} (pid {p.pid}) sent no heartbeat within {timeout:g} s of its restart "
+                      f"(start_timeout, MOEPIPE_START_TIMEOUT): killing it, a failed restart", file=sys.stderr)
+                self.start_killed.add(p)
+                p.kill()
+
+    def exit_given_up(self, should_stop=lambda: False) -> int:
+        """`serve`'s end once a component's restarts are used up: the gateway was told (GIVEN_UP_SIGNAL) and ends
+        the running streams with an error event naming the component once it misses its heartbeat deadline
+        (`heartbeat_timeout`, then a watchdog pass or two); that long is waited for, so the streams end with that
+        error and not the shutdown's, then one line names the component and its restarts, and the caller stops
+        the cluster and exits 1."""
+        c = self.cluster
+        if "gateway" not in self.given_up:
+            grace = c.cluster.heartbeat_timeout + 4 * c.cluster.heartbeat_interval + 1.0
+            deadline = time.time() + grace
+            gateway = c.procs.get("gateway")
+            while time.time() < deadline and not should_stop() and gateway is not None and gateway.poll() is None:
+                time.sleep(0.1)
+        print(f"moepipe serve: exiting with status 1: {'; '.join(self.given_up.values())}. The server no longer "
+              f"serves; a service manager (systemd Restart=on-failure, Docker, Kubernetes) may start it again",
+              file=sys.stderr, flush=True)
+        return 1
 

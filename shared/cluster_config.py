@@ -20,6 +20,10 @@ from shared.kv_layout import (KvLayoutError, auto_num_blocks, compute_dtype, def
 from shared.model_config import HybridMoeConfig
 
 
+# the least non-zero stall_timeout (see the field): a healthy stage can go this long without a layer finishing
+MIN_STALL_TIMEOUT = 30.0
+
+
 class ClusterConfigError(ValueError):
     """A cluster config the processes cannot run with; the message names the key."""
 
@@ -269,12 +273,20 @@ class ClusterConfig:
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
-    # A stuck component (gateway/cluster_executor.py): a stage whose step loop has not turned for `stall_timeout` s
-    # stops heartbeating (its heartbeat thread would otherwise report a wedged process alive), and the gateway kills
-    # a local component that sent no heartbeat for `hang_timeout` s, so the launcher restarts it (vLLM's
-    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300). 0 = off.
+    # A stuck component (gateway/cluster_executor.py): a stage that made no progress for `stall_timeout` s stops
+    # heartbeating (its heartbeat thread would otherwise report a wedged process alive), and the gateway kills a
+    # local component that sent no heartbeat for `hang_timeout` s, so the launcher restarts it (vLLM's
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300). 0 = off. Progress, not step length: the step loop turning or a
+    # layer of a step finishing resets the stall clock, so only a stretch with neither counts (stage_worker/main.py);
+    # below MIN_STALL_TIMEOUT it is refused: a step longer than the timeout killed the restarted stage again on the
+    # same recomputed request, restart after restart.
     stall_timeout: float = 300.0
     hang_timeout: float = 30.0
+    # launcher: seconds a start may take until its first heartbeat. The first start: until /health is 200 (else
+    # `serve` fails naming what is missing); a restarted component: until the gateway hears from it, else it is
+    # killed and that counts as a failed restart (a restart hung while loading was never killed: the hang check
+    # above needs a heartbeat from the process first). 0 = wait forever.
+    start_timeout: float = 300.0
     api_key: str = ""                           # "" = none; else /v1 routes need "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
                                                 # loopback, any otherwise (gateway/access.py); ["*"] = any
@@ -401,11 +413,18 @@ class ClusterConfig:
         if not (isinstance(self.recovery_timeout, (int, float)) and 0 <= self.recovery_timeout < float("inf")):
             raise ClusterConfigError(f"cluster config: recovery_timeout must be a number of seconds >= 0 (0 = fail "
                                      f"a dead component's requests at once), got {self.recovery_timeout!r}")
-        for name in ("stall_timeout", "hang_timeout"):
+        for name in ("stall_timeout", "hang_timeout", "start_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
                 raise ClusterConfigError(f"cluster config: {name} must be a number of seconds >= 0 (0 = off), "
                                          f"got {value!r}")
+        if 0 < self.stall_timeout < MIN_STALL_TIMEOUT:
+            raise ClusterConfigError(
+                f"cluster config: stall_timeout (MOEPIPE_STALL_TIMEOUT) {self.stall_timeout:g} s is below the "
+                f"minimum of {MIN_STALL_TIMEOUT:g} s: a stage whose step makes no progress (no layer finishing) for "
+                f"that long is killed and restarted, and a healthy stretch that long (a large layer on a CPU, a "
+                f"Triton compile for a new shape) would kill the restarted stage again on the same request, restart "
+                f"after restart; use {MIN_STALL_TIMEOUT:g} or more, or 0 (off)")
         if 0 < self.hang_timeout <= self.heartbeat_timeout:
             raise ClusterConfigError(f"cluster config: hang_timeout ({self.hang_timeout} s) must exceed "
                                      f"heartbeat_timeout ({self.heartbeat_timeout} s), or be 0 (off)")
@@ -541,6 +560,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
         "MOEPIPE_STALL_TIMEOUT": "stall_timeout", "MOEPIPE_HANG_TIMEOUT": "hang_timeout",
+        "MOEPIPE_START_TIMEOUT": "start_timeout",
         "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads",
         "MOEPIPE_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "MOEPIPE_VRAM_LIMIT": "vram_limit",
         "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes", "MOEPIPE_MEASURE_RESERVE": "measure_reserve",
@@ -560,7 +580,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
              "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens", "max_num_batched_tokens")
-_FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
+_FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "start_timeout",
+               "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
 _CHOICE_KEYS = ("ple_prefetch_method",)     # a word (stripped, lower case; VAR= is not set), checked by validate

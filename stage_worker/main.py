@@ -54,20 +54,42 @@ def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
     return ring
 
 
+def mark_progress(model, turned: list[float]) -> None:
+    """Each decoder layer of `model` sets `turned[0]` (time.monotonic) as it starts and ends, as the step loop does
+    each time it turns: the stall clock then measures a stretch without progress, not a step's length. A step
+    longer than `stall_timeout` (a large prefill chunk on a CPU) silenced the heartbeats although every layer was
+    finishing, so the stage was killed, and its restart killed again on the same recomputed request until the
+    restarts ran out. Now only a layer (or what lies between the loop's turns) stuck for that long counts; a GPU
+    stage's layers only launch, so its wait for the device is one stretch, as a hung kernel should be. Two clock
+    reads a layer; decode graphs replay without them."""
+    for layer in getattr(model, "layers", {}).values():
+        inner = layer.forward_deferred
+
+        def forward_deferred(*args, _inner=inner, **kwargs):
+            turned[0] = time.monotonic()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                turned[0] = time.monotonic()
+
+        layer.forward_deferred = forward_deferred
+
+
 def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runner: StageRunner,
                 stop: threading.Event, turned: list[float]) -> None:
-    """Every `heartbeat_interval`, while the step loop turns: `turned[0]` is when it last did (time.monotonic). A
-    loop stuck for `stall_timeout` (a hung step, a deadlock) silences them, so the gateway sees this stage lost
-    and, after `hang_timeout`, kills it for the launcher to restart; a thread of its own would otherwise vouch for
-    a wedged process."""
+    """Every `heartbeat_interval`, while the stage makes progress: `turned[0]` is when the step loop last turned or
+    a layer last started or ended (time.monotonic; `mark_progress`). No progress for `stall_timeout` (a hung step,
+    a deadlock) silences them, so the gateway sees this stage lost and, after `hang_timeout`, kills it for the
+    launcher to restart; a thread of its own would otherwise vouch for a wedged process."""
     sock = connect_outbox(ctx, cluster.gateway_endpoint, keys, sndhwm=10)
     silent = False
     while not stop.is_set():
         stalled = time.monotonic() - turned[0]
         if cluster.stall_timeout and stalled > cluster.stall_timeout:
             if not silent:
-                log.error("%s: the step loop has not turned for %.0f s (stall_timeout %g s): no more heartbeats, "
-                          "so the gateway restarts this stage", name, stalled, cluster.stall_timeout)
+                log.error("%s: no progress for %.0f s (neither the step loop nor a layer moved; stall_timeout %g s): "
+                          "no more heartbeats, so the gateway restarts this stage. If one layer of a step really "
+                          "takes this long here, raise MOEPIPE_STALL_TIMEOUT", name, stalled, cluster.stall_timeout)
             silent = True
             stop.wait(cluster.heartbeat_interval)
             continue
@@ -155,7 +177,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    turned = [time.monotonic()]          # when the step loop last turned (the heartbeats' stall check)
+    turned = [time.monotonic()]          # when the step loop last turned or a layer moved (the stall check)
+    mark_progress(model, turned)
     hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, keys, name, runner, stop, turned), daemon=True)
     hb.start()
     poller = zmq.Poller()

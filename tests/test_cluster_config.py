@@ -250,7 +250,8 @@ def test_the_supervisor_restarts_the_ple_service_s_stages_once():
         return ["stage0"]
 
     cluster = SimpleNamespace(procs={"gateway": Proc(), "ple": Proc(-9), "stage0": Proc(), "stage1": Proc()},
-                              started_at={}, restarts={}, cluster=SimpleNamespace(restart_limit=5), restart=restart)
+                              started_at={}, restarts={}, restart=restart, down_components=lambda: None,
+                              cluster=SimpleNamespace(restart_limit=5, start_timeout=300.0, heartbeat_timeout=2.5))
     sup = Supervisor(cluster)
     sup.check(now=100.0)                              # the PLE service is due in 1 s
     sup.check(now=102.0)                              # restarted, with stage 0

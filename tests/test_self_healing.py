@@ -409,32 +409,219 @@ def test_run_dirs_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "moepipe-alive", "moepipe-bad", "moepipe-old"]
 
 
-def test_streams_fail_at_once_when_the_launcher_gives_up(tiny_checkpoint):
-    """--restart-limit 1 and a stage killed twice: the launcher does not restart it again, and the streams that
-    waited for it failed only after recovery_timeout (60 s; QA). The launcher now tells the gateway (SIGUSR1), and
-    the running stream ends with an error event within seconds."""
+def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny_checkpoint, tmp_path):
+    """--restart-limit 1, a stage killed while a stream runs, and its restart hung before its first heartbeat
+    (SIGSTOP while it loads). Before: nothing killed the hung restart (the gateway's hang check needs a heartbeat
+    from the new pid), so the stream waited recovery_timeout (60 s) and `serve` answered /health 503 forever. Now
+    the launcher kills it after start_timeout (15 s here; the first start must fit it too) as a failed restart; the restarts are used up, so the
+    gateway is told (SIGUSR1), the stream ends at once with an error event naming the stage, and `serve` exits 1
+    with a line naming the stage and its restarts, leaving no process."""
+    import threading
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                                 "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit", "1"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                     "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit",
+                                     "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, "MOEPIPE_START_TIMEOUT": "15"})
     children: dict[str, int] = {}
+    hung: list[int] = []
     try:
         wait_healthy(url, launcher)
-        first = component_pids(launcher.pid)["stage1"]
-        os.kill(first, signal.SIGKILL)
-        deadline = time.time() + HEAL_BOUND_S
-        while component_pids(launcher.pid).get("stage1") in (None, first) or \
-                httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.time() < deadline, "stage1 was not restarted"
-            time.sleep(0.2)
         children = component_pids(launcher.pid)
+        first = children["stage1"]
+
+        def hang_the_restart() -> None:
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                pid = component_pids(launcher.pid).get("stage1")
+                if pid not in (None, first):
+                    os.kill(pid, signal.SIGSTOP)      # torch is still importing: no heartbeat yet
+                    hung.append(pid)
+                    return
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=hang_the_restart)
         killed: list[float] = []
-        lines = _stream_lines(url, 3, lambda: (os.kill(children["stage1"], signal.SIGKILL), killed.append(time.time())),
-                              timeout=90)
-        assert time.time() - killed[0] < 20, "the stream waited for a stage that will not come back"
-        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
-        assert launcher.poll() is None                          # serve stays up, /health naming the stage
-        assert httpx.get(url + "/health", timeout=5).status_code == 503
+
+        def kill_stage1() -> None:
+            os.kill(first, signal.SIGKILL)
+            killed.append(time.time())
+            watcher.start()
+
+        lines = _stream_lines(url, 3, kill_stage1, timeout=90)
+        ended = time.time() - killed[0]
+        watcher.join()
+        assert hung, "stage1 was not restarted"
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "stage1" in lines[-2], lines[-3:]
+        # 1 s backoff + 15 s start_timeout, then a watchdog pass (not recovery_timeout's 60 s)
+        assert 15 < ended < 28, ended
+        assert launcher.wait(timeout=30) == 1
+        text = log.read_text()
+        assert f"stage1 (pid {hung[0]}) sent no heartbeat within 15 s of its restart" in text, text[-3000:]
+        assert ("exiting with status 1: stage1 exited with -9 and its restarts are used up (1 restart in a row, "
+                "restart_limit 1)") in text, text[-3000:]
+        assert not _survivors({**children, "stage1": hung[0]})
     finally:
+        for pid in hung:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
         _stop_all(launcher, children)
+
+
+def test_the_supervisor_kills_a_restart_it_does_not_hear_from_within_start_timeout(capsys):
+    """The launcher's side of the start deadline, on a fake cluster: a restarted stage /health still names after
+    start_timeout is SIGKILLed, and that counts as a failed restart (the next waits longer, and is the last). /health
+    not naming it is believed only once the dead predecessor's heartbeats are stale (heartbeat_timeout), so a
+    restart is not taken as up on its predecessor's last heartbeats. A restart heard from is left alone however
+    long it runs; when the restarts are used up, the exit line names the component and its restarts."""
+    from types import SimpleNamespace
+
+    from gateway.launcher import Supervisor
+
+    class Proc:
+        def __init__(self, pid):
+            self.pid, self.code, self.signals = pid, None, []
+
+        def poll(self):
+            return self.code
+
+        @property
+        def returncode(self):
+            return self.code
+
+        def kill(self):
+            self.code = -9
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+    clock = {"now": 0.0}
+    pids = iter(range(200, 300))
+
+    def restart(name):
+        cluster.restarts[name] = cluster.restarts.get(name, 0) + 1
+        cluster.procs[name], cluster.started_at[name] = Proc(next(pids)), clock["now"]
+        return []
+
+    down: dict = {"names": None}
+    cluster = SimpleNamespace(procs={"gateway": Proc(1), "stage0": Proc(2), "stage1": Proc(3)}, started_at={},
+                              restarts={}, restart=restart, down_components=lambda: down["names"],
+                              cluster=SimpleNamespace(restart_limit=2, start_timeout=10.0, heartbeat_timeout=2.5,
+                                                      heartbeat_interval=0.5))
+    sup = Supervisor(cluster)
+
+    def at(t, names=None):
+        clock["now"], down["names"] = t, names
+        sup.check(now=t)
+
+    cluster.procs["stage1"].code = -9
+    at(100.0)                                         # dead: due in 1 s
+    at(101.5)
+    hung = cluster.procs["stage1"]
+    assert hung.pid == 200 and cluster.restarts["stage1"] == 1
+    at(103.0, [])                                     # its predecessor's heartbeats may still count: not yet up
+    at(108.0, ["stage1"])
+    assert hung.poll() is None
+    at(112.0, ["stage1"])                             # 10.5 s without a heartbeat: killed, a failed restart
+    assert hung.poll() == -9 and sup.due == {"stage1": 114.0}      # 2nd restart in a row: 2 s backoff
+    at(114.5)
+    up = cluster.procs["stage1"]
+    assert up.pid == 201 and cluster.restarts["stage1"] == 2
+    at(117.5, ["ple"])                                # heard from (another component is down): up
+    at(200.0, ["stage1"])                             # a later silence is the gateway's hang_timeout, not ours
+    assert up.poll() is None and "stage1" not in sup.starting
+    up.code = 1
+    at(300.0)                                         # restarts used up
+    assert "stage1" in sup.given_up and cluster.procs["gateway"].signals    # the gateway was told
+    assert sup.exit_given_up(should_stop=lambda: True) == 1
+    err = capsys.readouterr().err
+    assert "stage1 (pid 200) sent no heartbeat within 10 s of its restart" in err
+    assert "exiting with status 1: stage1 exited with 1 and its restarts are used up (2 restarts in a row, " \
+           "restart_limit 2)" in err
+
+
+def test_a_long_step_whose_layers_finish_is_not_a_stall(tmp_path):
+    """stall_timeout measured the step loop's turns, so a step longer than it (a large prefill chunk on a CPU)
+    silenced the heartbeats although the stage was computing: the stage was killed, and its restart killed again
+    on the same recomputed request until the restarts ran out. Each layer now marks progress (`mark_progress`):
+    a 1.2 s step of 0.2 s layers keeps heartbeating under a 0.6 s stall_timeout; a layer stuck past it still
+    silences them. (The real floor is MIN_STALL_TIMEOUT; the clock's rule is the same.)"""
+    import threading
+
+    import zmq
+
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from shared.links import bind_inbox, cluster_keys
+    from shared.protocol import Heartbeat, decode
+    from stage_worker.main import _heartbeats, mark_progress
+
+    class Layer:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def forward_deferred(self, h, pending, *rest):
+            time.sleep(self.seconds)
+            return h + 1, pending
+
+    class Model:
+        layers = {str(i): Layer(0.2) for i in range(6)}
+
+    class Runner:
+        def stats(self):
+            return {}
+
+    endpoint = f"ipc://{tmp_path}/gw.sock"
+    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 6, f"ipc://{tmp_path}/s0.sock")],
+                            gateway_endpoint=endpoint, heartbeat_interval=0.05, stall_timeout=0.6)
+    ctx = zmq.Context()
+    inbox = bind_inbox(ctx, endpoint, cluster_keys(""))
+    model = Model()
+    turned, stop = [time.monotonic()], threading.Event()
+    mark_progress(model, turned)
+    t = threading.Thread(target=_heartbeats, args=(ctx, cluster, cluster_keys(""), "stage0", Runner(), stop, turned))
+    t.start()
+
+    def step() -> None:                               # the model's forward: its layers, one after the other
+        h, pending = 0, None
+        for layer in model.layers.values():
+            h, pending = layer.forward_deferred(h, pending, None, None, None)
+        assert h == len(model.layers)
+
+    def beats_during(work) -> list[float]:
+        """When heartbeats arrived while `work` ran (seconds from its start)."""
+        runner = threading.Thread(target=work)
+        t0 = time.monotonic()
+        runner.start()
+        out = []
+        while runner.is_alive():
+            if inbox.poll(20):
+                if isinstance(decode(inbox.recv_multipart()), Heartbeat):
+                    out.append(time.monotonic() - t0)
+        runner.join()
+        return out
+
+    try:
+        seen = beats_during(step)
+        assert seen and seen[-1] > 1.0, seen                  # still heartbeating at the end of the 1.2 s step
+        assert max(b - a for a, b in zip([0.0] + seen, seen)) < 0.5, seen
+        model.layers["3"].seconds = 1.5                       # one layer stuck past stall_timeout: silence
+        seen = beats_during(step)
+        assert any(b - a > 0.7 for a, b in zip(seen, seen[1:])), seen
+    finally:
+        stop.set()
+        t.join()
+        inbox.close(linger=0)
+        ctx.term()
+
+
+def test_a_stall_timeout_below_the_floor_is_refused_by_name(tiny_checkpoint):
+    """A stall_timeout shorter than a healthy stretch of a step kill-looped the stage; one below MIN_STALL_TIMEOUT
+    (30 s) is refused at start, naming the key, the variable and the floor."""
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint), "--port",
+                        str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "MOEPIPE_STALL_TIMEOUT": "5"})
+    assert r.returncode == 2, r.stderr
+    assert "stall_timeout (MOEPIPE_STALL_TIMEOUT) 5 s is below the minimum of 30 s" in r.stderr, r.stderr
