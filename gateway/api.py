@@ -88,7 +88,9 @@ class _Generation:
     """One engine request turned into text pieces: detokenized, stop-string checked, timed.
 
     Stop token ids (EOS unless ignore_eos) end generation with "stop"; their text is never emitted and they get no
-    logprobs entry, but they count as completion tokens (the engine computed them; vLLM counts them too).
+    logprobs entry, but they count as completion tokens (the engine computed them; vLLM counts them too). With echo
+    they keep their logprobs entry (at the end of the text), as vLLM's: the logprobs then cover the prompt and every
+    generated token, which lm-eval's loglikelihood parser counts on (it drops the last entry as the generated one).
     """
 
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
@@ -172,6 +174,8 @@ class _Generation:
             piece.text += self._stop.feed(tail)
             piece.text += self._stop.flush()
             self.finish_reason = "stop" if self._stop.stopped else event.finish_reason
+        if is_stop_token and self.want_logprobs and self.echo is not None:
+            piece.tokens.append(_Token(event.token_id, event.logprob, event.top_logprobs, self._chars))
         piece.finish_reason = self.finish_reason
         return piece
 

@@ -200,6 +200,44 @@ def test_completions_echo_logprobs_max_tokens_0_is_lm_evals_loglikelihood(served
     assert [set(t) for t in first.top_logprobs[1:]] == [set(t) for t in lp.top_logprobs[1:]]
 
 
+def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-evaluation-harness' LocalCompletionsAPI.parse_logprobs for one choice: the entries after the context but
+    the last (the generated token) are the continuation's."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+def test_lm_eval_local_completions_loglikelihood_payload(served, reference):
+    """What lm-eval's `local-completions` sends for loglikelihood: token-id prompts (a batch), max_tokens 1,
+    logprobs 1, echo. Its parser's sum equals the full forward's continuation logprob, and its greedy flag the
+    argmax test, also when the generated token is a stop token (`stop_token_ids` here; EOS alike): with echo it
+    keeps its logprobs entry, which the parser drops as the generated one."""
+    url, tok, _ = served
+    ctx = tok.encode(TEXT)
+    prompts = [ctx + tok.encode(" and sleeps"), ctx + tok.encode(" of the")]
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60, verify=False)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for ids, choice in zip(prompts, choices):
+        rows = reference.rows(ids)
+        cont = range(len(ctx), len(ids))
+        want = sum(float(rows[p - 1, ids[p]]) for p in cont)
+        greedy = all(int(rows[p - 1].argmax()) == ids[p] for p in cont)
+        got, got_greedy = _lm_eval_parse(choice, len(ctx))
+        assert got == pytest.approx(want, abs=1e-3) and got_greedy == greedy
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + 1
+        # the same request ending on a stop token: the entry is still there
+        nxt = int(rows[-1].argmax())
+        stopped = httpx.post(url + "/v1/completions", json={**body, "prompt": ids, "stop_token_ids": [nxt]},
+                             timeout=60, verify=False).json()["choices"][0]
+        assert stopped["finish_reason"] == "stop" and stopped["text"] == tok.decode(ids, False)
+        assert len(stopped["logprobs"]["tokens"]) == len(ids) + 1
+        assert _lm_eval_parse(stopped, len(ctx)) == pytest.approx((got, got_greedy), abs=1e-4)
+
+
 def test_vllm_prompt_logprobs_on_completions_and_chat(served, reference):
     url, tok, added = served
     client = _client(url)
