@@ -38,6 +38,7 @@ from shared.parent_watch import RESTARTS_ENV
 
 STABLE_SECONDS = 600.0      # a component up this long has its restart count reset
 MAX_BACKOFF = 30.0
+PLAN_SEND_TIMEOUT = 2.0     # gateway/cluster_executor.py: the engine core's send to a gone component gives up then
 
 
 @dataclass
@@ -534,15 +535,21 @@ class Supervisor:
     def exit_given_up(self, should_stop=lambda: False) -> int:
         """`serve`'s end once a component's restarts are used up: the gateway was told (GIVEN_UP_SIGNAL) and ends
         the running streams with an error event naming the component once it misses its heartbeat deadline
-        (`heartbeat_timeout`, then a watchdog pass or two); that long is waited for, so the streams end with that
-        error and not the shutdown's, then one line names the component and its restarts, and the caller stops
-        the cluster and exits 1."""
+        (`/health` names it) and its watchdog has passed twice (the first pass may requeue the running requests
+        and send the dead component a plan, which waits PLAN_SEND_TIMEOUT; the next fails them); that long is
+        waited for, so the streams end with that error and not the shutdown's. Then one line names the component
+        and its restarts, and the caller stops the cluster and exits 1."""
         c = self.cluster
         if "gateway" not in self.given_up:
-            grace = c.cluster.heartbeat_timeout + 4 * c.cluster.heartbeat_interval + 1.0
-            deadline = time.time() + grace
+            beat = c.cluster.heartbeat_interval
+            after_named = 2 * beat + PLAN_SEND_TIMEOUT + 0.5
+            deadline = time.time() + c.cluster.heartbeat_timeout + beat + after_named
+            named = False
             gateway = c.procs.get("gateway")
             while time.time() < deadline and not should_stop() and gateway is not None and gateway.poll() is None:
+                if not named and set(self.probe() or ()) & set(self.given_up):
+                    named = True
+                    deadline = min(deadline, time.time() + after_named)
                 time.sleep(0.1)
         print(f"moepipe serve: exiting with status 1: {'; '.join(self.given_up.values())}. The server no longer "
               f"serves; a service manager (systemd Restart=on-failure, Docker, Kubernetes) may start it again",

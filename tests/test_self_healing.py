@@ -330,17 +330,23 @@ def test_a_stalled_step_loop_silences_the_heartbeats(tmp_path):
         ctx.term()
 
 
-def test_a_stopped_stage_is_killed_and_restarted(tiny_checkpoint):
+def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, tmp_path):
     """A hung stage (SIGSTOP: no heartbeats, no exit) was never restarted: /health stayed 503 until someone sent
     SIGCONT. The gateway now kills it after hang_timeout (4 s here) and the launcher restarts it: serving resumes
-    with the same tokens."""
+    with the same tokens. That was its one restart (--restart-limit 1): its successor killed while a stream runs
+    is given up. The stream waited recovery_timeout (60 s) for it (QA); the gateway is told (SIGUSR1) and the
+    stream ends within seconds with an error event naming the stage (not the shutdown's), then `serve` exits 1
+    naming it, where it used to stay up answering /health 503 forever."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                                 "--stages", "2", "--port", str(port), "--no-ple-service"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "MOEPIPE_HANG_TIMEOUT": "4"})
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
+                                     "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit",
+                                     "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, "MOEPIPE_HANG_TIMEOUT": "4"})
     victim = None
+    children: dict[str, int] = {}
     try:
         wait_healthy(url, launcher)
         before = _greedy(url)
@@ -359,10 +365,20 @@ def test_a_stopped_stage_is_killed_and_restarted(tiny_checkpoint):
             raise AssertionError("the stopped stage was not replaced")
         assert not alive(victim)
         assert _greedy(url) == before
+        children = component_pids(launcher.pid)
+        killed: list[float] = []
+        lines = _stream_lines(url, 3, lambda: (os.kill(children["stage1"], signal.SIGKILL), killed.append(time.time())),
+                              timeout=90)
+        assert time.time() - killed[0] < 20, "the stream waited for a stage that will not come back"
+        assert lines[-1] == "data: [DONE]" and "stage1 stopped responding" in lines[-2], lines[-3:]
+        assert launcher.wait(timeout=30) == 1
+        assert ("exiting with status 1: stage1 exited with -9 and its restarts are used up (1 restart in a row, "
+                "restart_limit 1)") in log.read_text()
+        assert not _survivors(children)
     finally:
         if victim is not None and alive(victim):
             os.kill(victim, signal.SIGKILL)
-        stop_server(launcher)
+        _stop_all(launcher, children)
 
 
 def test_sigterm_ends_streams_with_an_error_event(tiny_checkpoint):
@@ -455,7 +471,7 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
         ended = time.time() - killed[0]
         watcher.join()
         assert hung, "stage1 was not restarted"
-        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "stage1" in lines[-2], lines[-3:]
+        assert lines[-1] == "data: [DONE]" and "stage1 stopped responding" in lines[-2], lines[-3:]
         # 1 s backoff + 15 s start_timeout, then a watchdog pass (not recovery_timeout's 60 s)
         assert 15 < ended < 28, ended
         assert launcher.wait(timeout=30) == 1
