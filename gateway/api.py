@@ -588,9 +588,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
     async def health() -> JSONResponse:
         down = engine.health()
         if down:
-            return APIError(503, f"Unhealthy: {', '.join(down)} missed the heartbeat deadline.",
-                            type="service_unavailable_error", param=None, code="unhealthy",
-                            retry_after=errors.RETRY_UNAVAILABLE_S).response()
+            err = APIError(503, f"Unhealthy: {', '.join(down)} missed the heartbeat deadline.",
+                           type="service_unavailable_error", param=None, code="unhealthy",
+                           retry_after=errors.RETRY_UNAVAILABLE_S)
+            # `down` beside the error: the launcher reads which components to watch from it, not from the prose
+            return JSONResponse({**err.body(), "down": list(down)}, status_code=503,
+                                headers={"Retry-After": str(err.retry_after)})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

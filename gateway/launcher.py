@@ -344,12 +344,10 @@ class Cluster:
             if exc.code != 503:
                 return None
             try:
-                message = json.loads(exc.read())["error"]["message"]
+                down = json.loads(exc.read())["down"]       # gateway/api.py's /health: the components it misses
             except (ValueError, KeyError, TypeError, OSError):
                 return None
-            # "Unhealthy: stage1, ple missed the heartbeat deadline." (gateway/api.py)
-            names = message.split(":", 1)[-1].rsplit(" missed ", 1)[0]
-            return [n.strip() for n in names.split(",") if n.strip()]
+            return [str(n) for n in down] if isinstance(down, list) else None
         except (urllib.error.URLError, OSError, ValueError):
             return None
 

@@ -669,6 +669,7 @@ def test_health_names_missing_components(stub_app):
     r = stub_app(StubEngine(down=["stage-0", "ple"])).get("/health")
     err = _assert_error(r, 503)
     assert "stage-0" in err["message"] and "ple" in err["message"]
+    assert r.json()["down"] == ["stage-0", "ple"] and r.headers["retry-after"]     # what the launcher reads
 
 
 def test_body_size_limit(stub_app):
