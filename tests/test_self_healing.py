@@ -9,6 +9,7 @@ it. Also: a port already in use is refused at start with a message naming it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -290,13 +291,32 @@ def test_a_stalled_step_loop_silences_the_heartbeats(tmp_path):
     """The stage's heartbeat thread vouched for a process whose step loop was stuck (QA froze the main thread for
     40 s: /health stayed 200, requests hung). Past stall_timeout it sends none, so the gateway sees the stage lost;
     once the loop turns again they resume."""
+    from shared.protocol import Heartbeat, decode
+
+    turned = [time.monotonic() - 5.0]
+    with _heartbeat_thread(tmp_path, turned, stall_timeout=1.0) as inbox:
+        def beats(seconds: float) -> int:
+            n, deadline = 0, time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if inbox.poll(50):
+                    n += isinstance(decode(inbox.recv_multipart()), Heartbeat)
+            return n
+
+        assert beats(0.5) == 0
+        turned[0] = time.monotonic()
+        assert beats(0.5) >= 3
+
+
+@contextlib.contextmanager
+def _heartbeat_thread(tmp_path, turned: list[float], stall_timeout: float):
+    """A stage's heartbeat thread (`stage_worker.main._heartbeats`) with `turned` as its progress clock, sending to
+    a gateway inbox this yields; stopped and closed on exit."""
     import threading
 
     import zmq
 
     from shared.cluster_config import ClusterConfig, StageSpec
     from shared.links import bind_inbox, cluster_keys
-    from shared.protocol import Heartbeat, decode
     from stage_worker.main import _heartbeats
 
     class Runner:
@@ -305,24 +325,14 @@ def test_a_stalled_step_loop_silences_the_heartbeats(tmp_path):
 
     endpoint = f"ipc://{tmp_path}/gw.sock"
     cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
-                            gateway_endpoint=endpoint, heartbeat_interval=0.05, stall_timeout=1.0)
+                            gateway_endpoint=endpoint, heartbeat_interval=0.05, stall_timeout=stall_timeout)
     ctx = zmq.Context()
     inbox = bind_inbox(ctx, endpoint, cluster_keys(""))
-    turned, stop = [time.monotonic() - 5.0], threading.Event()
+    stop = threading.Event()
     t = threading.Thread(target=_heartbeats, args=(ctx, cluster, cluster_keys(""), "stage0", Runner(), stop, turned))
     t.start()
-
-    def beats(seconds: float) -> int:
-        n, deadline = 0, time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if inbox.poll(50):
-                n += isinstance(decode(inbox.recv_multipart()), Heartbeat)
-        return n
-
     try:
-        assert beats(0.5) == 0
-        turned[0] = time.monotonic()
-        assert beats(0.5) >= 3
+        yield inbox
     finally:
         stop.set()
         t.join()
@@ -429,9 +439,9 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
     """--restart-limit 1, a stage killed while a stream runs, and its restart hung before its first heartbeat
     (SIGSTOP while it loads). Before: nothing killed the hung restart (the gateway's hang check needs a heartbeat
     from the new pid), so the stream waited recovery_timeout (60 s) and `serve` answered /health 503 forever. Now
-    the launcher kills it after start_timeout (15 s here; the first start must fit it too) as a failed restart; the restarts are used up, so the
-    gateway is told (SIGUSR1), the stream ends at once with an error event naming the stage, and `serve` exits 1
-    with a line naming the stage and its restarts, leaving no process."""
+    the launcher kills it after start_timeout (15 s here; the first start must fit it too) as a failed restart;
+    the restarts are used up, so the gateway is told (SIGUSR1), the stream ends at once with an error event naming
+    the stage, and `serve` exits 1 with a line naming the stage and its restarts, leaving no process."""
     import threading
 
     port = free_port()
@@ -567,12 +577,8 @@ def test_a_long_step_whose_layers_finish_is_not_a_stall(tmp_path):
     silences them. (The real floor is MIN_STALL_TIMEOUT; the clock's rule is the same.)"""
     import threading
 
-    import zmq
-
-    from shared.cluster_config import ClusterConfig, StageSpec
-    from shared.links import bind_inbox, cluster_keys
     from shared.protocol import Heartbeat, decode
-    from stage_worker.main import _heartbeats, mark_progress
+    from stage_worker.main import mark_progress
 
     class Layer:
         def __init__(self, seconds):
@@ -585,20 +591,9 @@ def test_a_long_step_whose_layers_finish_is_not_a_stall(tmp_path):
     class Model:
         layers = {str(i): Layer(0.2) for i in range(6)}
 
-    class Runner:
-        def stats(self):
-            return {}
-
-    endpoint = f"ipc://{tmp_path}/gw.sock"
-    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 6, f"ipc://{tmp_path}/s0.sock")],
-                            gateway_endpoint=endpoint, heartbeat_interval=0.05, stall_timeout=0.6)
-    ctx = zmq.Context()
-    inbox = bind_inbox(ctx, endpoint, cluster_keys(""))
     model = Model()
-    turned, stop = [time.monotonic()], threading.Event()
+    turned = [time.monotonic()]
     mark_progress(model, turned)
-    t = threading.Thread(target=_heartbeats, args=(ctx, cluster, cluster_keys(""), "stage0", Runner(), stop, turned))
-    t.start()
 
     def step() -> None:                               # the model's forward: its layers, one after the other
         h, pending = 0, None
@@ -606,31 +601,26 @@ def test_a_long_step_whose_layers_finish_is_not_a_stall(tmp_path):
             h, pending = layer.forward_deferred(h, pending, None, None, None)
         assert h == len(model.layers)
 
-    def beats_during(work) -> list[float]:
-        """When heartbeats arrived while `work` ran (seconds from its start)."""
-        runner = threading.Thread(target=work)
-        t0 = time.monotonic()
-        runner.start()
-        out = []
-        while runner.is_alive():
-            if inbox.poll(20):
-                if isinstance(decode(inbox.recv_multipart()), Heartbeat):
-                    out.append(time.monotonic() - t0)
-        runner.join()
-        return out
+    with _heartbeat_thread(tmp_path, turned, stall_timeout=0.6) as inbox:
+        def beats_during(work) -> list[float]:
+            """When heartbeats arrived while `work` ran (seconds from its start)."""
+            runner = threading.Thread(target=work)
+            t0 = time.monotonic()
+            runner.start()
+            out = []
+            while runner.is_alive():
+                if inbox.poll(20):
+                    if isinstance(decode(inbox.recv_multipart()), Heartbeat):
+                        out.append(time.monotonic() - t0)
+            runner.join()
+            return out
 
-    try:
         seen = beats_during(step)
         assert seen and seen[-1] > 1.0, seen                  # still heartbeating at the end of the 1.2 s step
         assert max(b - a for a, b in zip([0.0] + seen, seen)) < 0.5, seen
         model.layers["3"].seconds = 1.5                       # one layer stuck past stall_timeout: silence
         seen = beats_during(step)
         assert any(b - a > 0.7 for a, b in zip(seen, seen[1:])), seen
-    finally:
-        stop.set()
-        t.join()
-        inbox.close(linger=0)
-        ctx.term()
 
 
 def test_a_stall_timeout_below_the_floor_is_refused_by_name(tiny_checkpoint):
