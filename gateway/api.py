@@ -665,6 +665,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         if req.best_of is not None and req.best_of > n:
             raise invalid_request(f"best_of={req.best_of} > n={n} is not supported: moepipe returns every choice it "
                                   "generates (ask for n choices instead).", param="best_of")
+        if req.suffix and req.echo:
+            raise invalid_request("echo with suffix is not supported: the model's prompt is the fill-in-the-middle "
+                                  "form (prefix, suffix, middle tokens), so neither the prompt text nor its "
+                                  "logprobs would describe what was echoed.", param="echo")
         fim = srv.fim_ids() if req.suffix else None
         grammar, compiler = await run_in_threadpool(completion_grammar, req, lambda: srv.grammar_compiler)
         suffix_ids = await srv.encode(req.suffix, "suffix") if req.suffix else []
@@ -682,7 +686,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 prompt_ids, prompt_text = list(prompt), None
             if req.echo and prompt_text is None:
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
-            if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained (echo: the prompt)
+            if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained
                 prompt_ids = [fim[0], *prompt_ids, fim[1], *suffix_ids, fim[2]]
             echo_only = req.max_tokens == 0
             if echo_only and not req.echo:

@@ -372,7 +372,7 @@ class Cluster:
         down = self.down_components()
         missing = (f"{', '.join(down)} sent no heartbeat" if down else
                    "the gateway does not answer /health" if down is None else "")
-        raise RuntimeError(f"cluster not healthy after {timeout:.0f} s (start_timeout, MOEPIPE_START_TIMEOUT)"
+        raise RuntimeError(f"cluster not healthy after {timeout:g} s (start_timeout, MOEPIPE_START_TIMEOUT)"
                            + (f": {missing}" if missing else ""))
 
     def _terminate(self, names: list[str], timeout: float = 10.0) -> None:
@@ -486,7 +486,7 @@ class Supervisor:
                 tries = c.restarts.get(name, 0)
                 if tries >= self.limit:
                     print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
-                          f"({tries} restarts, restart_limit {self.limit}); stopping", file=sys.stderr)
+                          f"({tries} restart{'' if tries == 1 else 's'}, restart_limit {self.limit}); stopping", file=sys.stderr)
                     self.given_up[name] = (f"{name} exited with {p.returncode} and its restarts are used up "
                                            f"({tries} restart{'' if tries == 1 else 's'} in a row, restart_limit "
                                            f"{self.limit}{': restarts off' if not self.limit else ''})")

@@ -434,10 +434,11 @@ class EngineCore:
         if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting)):
             self.scheduler.forget_cached_states()   # nothing to fail, but a component back empty lost its snapshots
             return []
-        err = EngineFailed(f"{', '.join(components)} stopped responding")
+        message = f"{', '.join(components)} stopped responding"
         steps = self.scheduler.in_flight_steps()
         failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
-        self._fail(failed, err)
+        # as when the server stops: one without a token yet is answered 503 (+ Retry-After), not a 500
+        self._fail(failed, lambda req: EngineFailed(message) if req.output_ids else EngineUnavailable(message))
         # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=[r.req_id for r in failed])]
 

@@ -247,6 +247,9 @@ def test_a_suffix_makes_the_fill_in_the_middle_prompt(served, monkeypatch):
     err = _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "suffix": suffix,
                                                              "max_tokens": 1}), 400, "suffix")
     assert "<|no_such_suffix|>" in err["message"]
+    # echo would show the prompt text beside logprobs of the FIM-wrapped ids (QA): refused by name
+    _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "suffix": suffix,
+                                                       "echo": True, "logprobs": 1, "max_tokens": 1}), 400, "echo")
 
 
 def test_completion_echo_with_logprobs(served, model_dir):

@@ -192,6 +192,43 @@ def test_stream_and_cancel(tiny_checkpoint):
         core.stop()
 
 
+def test_a_lost_component_fails_a_request_without_a_token_as_unavailable(tiny_checkpoint):
+    """A component lost for good (recovery_timeout 0) failed every running request with EngineFailed: a client
+    whose request had no token yet (still in prefill) got a 500, where the server stopping gives it a 503 with
+    Retry-After (QA: kill -9 of a stage during two long prefills). Now a request with tokens fails
+    (EngineFailed: its stream ends with an error event) and one without is EngineUnavailable (503)."""
+    import threading
+
+    from shared.engine_core import EngineFailed, EngineUnavailable
+
+    core = local_engine_core(tiny_checkpoint, stages=2, max_model_len=512, max_num_seqs=4, recovery_timeout=0,
+                             max_num_batched_tokens=16)
+    events: dict[str, list] = {"a": [], "b": []}
+    done = threading.Semaphore(0)
+    lost = []
+
+    def sink_for(rid):
+        def sink(ev):
+            events[rid].append(ev)
+            if rid == "a" and not lost:     # a's first token: b (300 prompt tokens, 16 a step) is mid-prefill
+                lost.append(True)
+                core.executor.restarted = lambda: ["stage1"] if lost.pop() else []
+            if isinstance(ev, Exception) or ev.finish_reason is not None:
+                done.release()
+        return sink
+
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0.0)
+        core.add(GenerationRequest("a", PROMPTS[0][:4], params), sink_for("a"))
+        core.add(GenerationRequest("b", [(7 * i) % 1000 + 10 for i in range(300)], params), sink_for("b"))
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        core.stop()
+    assert isinstance(events["a"][-1], EngineFailed) and "stage1 stopped responding" in str(events["a"][-1])
+    assert len(events["b"]) == 1 and isinstance(events["b"][0], EngineUnavailable), events["b"]
+    assert not isinstance(events["b"][0], EngineFailed)
+
+
 def test_a_plan_that_cannot_go_out_fails_its_step_and_the_core_goes_on(tiny_checkpoint):
     """A plan the executor cannot send (as a value msgpack cannot encode once made the cluster's encode raise and
     the core stop: every later request got 503) fails the requests of its step with an error; the core keeps
