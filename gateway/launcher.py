@@ -485,8 +485,8 @@ class Supervisor:
                     c.restarts[name] = 0
                 tries = c.restarts.get(name, 0)
                 if tries >= self.limit:
-                    print(f"moepipe: {name} exited with {p.returncode}; not restarting it "
-                          f"({tries} restart{'' if tries == 1 else 's'}, restart_limit {self.limit}); stopping", file=sys.stderr)
+                    print(f"moepipe: {name} exited with {p.returncode}; not restarting it ({tries} "
+                          f"restart{'' if tries == 1 else 's'}, restart_limit {self.limit}); stopping", file=sys.stderr)
                     self.given_up[name] = (f"{name} exited with {p.returncode} and its restarts are used up "
                                            f"({tries} restart{'' if tries == 1 else 's'} in a row, restart_limit "
                                            f"{self.limit}{': restarts off' if not self.limit else ''})")
@@ -525,6 +525,8 @@ class Supervisor:
             if down is not None and name not in down and age > fresh:
                 del self.starting[name]          # heard from: up (a later hang is the gateway's hang_timeout)
             elif timeout and age > timeout:
+                if name != "gateway" and "gateway" in waiting:
+                    continue                     # heard through the gateway: its restart brings them all back
                 print(f"moepipe: {name} (pid {p.pid}) sent no heartbeat within {timeout:g} s of its restart "
                       f"(start_timeout, MOEPIPE_START_TIMEOUT): killing it, a failed restart", file=sys.stderr)
                 self.start_killed.add(p)

@@ -497,44 +497,47 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
         _stop_all(launcher, children)
 
 
-def test_the_supervisor_kills_a_restart_it_does_not_hear_from_within_start_timeout(capsys):
-    """The launcher's side of the start deadline, on a fake cluster: a restarted stage /health still names after
-    start_timeout is SIGKILLed, and that counts as a failed restart (the next waits longer, and is the last). /health
-    not naming it is believed only once the dead predecessor's heartbeats are stale (heartbeat_timeout), so a
-    restart is not taken as up on its predecessor's last heartbeats. A restart heard from is left alone however
-    long it runs; when the restarts are used up, the exit line names the component and its restarts."""
+class _FakeProc:
+    """What the Supervisor reads of a Popen."""
+
+    def __init__(self, pid):
+        self.pid, self.code, self.signals = pid, None, []
+
+    def poll(self):
+        return self.code
+
+    @property
+    def returncode(self):
+        return self.code
+
+    def kill(self):
+        self.code = -9
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
+def _fake_supervisor():
+    """A Supervisor over a fake cluster (gateway, stage0, stage1; restart_limit 2, start_timeout 10 s) and
+    `at(t, down)`: one supervision pass at time t with /health naming `down` (None: the gateway does not answer).
+    A gateway restart brings the stages back with it, as `Cluster.restart` does."""
     from types import SimpleNamespace
 
     from gateway.launcher import Supervisor
-
-    class Proc:
-        def __init__(self, pid):
-            self.pid, self.code, self.signals = pid, None, []
-
-        def poll(self):
-            return self.code
-
-        @property
-        def returncode(self):
-            return self.code
-
-        def kill(self):
-            self.code = -9
-
-        def send_signal(self, sig):
-            self.signals.append(sig)
 
     clock = {"now": 0.0}
     pids = iter(range(200, 300))
 
     def restart(name):
+        also = ["stage0", "stage1"] if name == "gateway" else []
+        for n in (name, *also):
+            cluster.procs[n], cluster.started_at[n] = _FakeProc(next(pids)), clock["now"]
         cluster.restarts[name] = cluster.restarts.get(name, 0) + 1
-        cluster.procs[name], cluster.started_at[name] = Proc(next(pids)), clock["now"]
-        return []
+        return also
 
     down: dict = {"names": None}
-    cluster = SimpleNamespace(procs={"gateway": Proc(1), "stage0": Proc(2), "stage1": Proc(3)}, started_at={},
-                              restarts={}, restart=restart, down_components=lambda: down["names"],
+    cluster = SimpleNamespace(procs={"gateway": _FakeProc(1), "stage0": _FakeProc(2), "stage1": _FakeProc(3)},
+                              started_at={}, restarts={}, restart=restart, down_components=lambda: down["names"],
                               cluster=SimpleNamespace(restart_limit=2, start_timeout=10.0, heartbeat_timeout=2.5,
                                                       heartbeat_interval=0.5))
     sup = Supervisor(cluster)
@@ -542,6 +545,17 @@ def test_the_supervisor_kills_a_restart_it_does_not_hear_from_within_start_timeo
     def at(t, names=None):
         clock["now"], down["names"] = t, names
         sup.check(now=t)
+
+    return sup, cluster, at
+
+
+def test_the_supervisor_kills_a_restart_it_does_not_hear_from_within_start_timeout(capsys):
+    """The launcher's side of the start deadline, on a fake cluster: a restarted stage /health still names after
+    start_timeout is SIGKILLed, and that counts as a failed restart (the next waits longer, and is the last). /health
+    not naming it is believed only once the dead predecessor's heartbeats are stale (heartbeat_timeout), so a
+    restart is not taken as up on its predecessor's last heartbeats. A restart heard from is left alone however
+    long it runs; when the restarts are used up, the exit line names the component and its restarts."""
+    sup, cluster, at = _fake_supervisor()
 
     cluster.procs["stage1"].code = -9
     at(100.0)                                         # dead: due in 1 s
@@ -567,6 +581,22 @@ def test_the_supervisor_kills_a_restart_it_does_not_hear_from_within_start_timeo
     assert "stage1 (pid 200) sent no heartbeat within 10 s of its restart" in err
     assert "exiting with status 1: stage1 exited with 1 and its restarts are used up (2 restarts in a row, " \
            "restart_limit 2)" in err
+
+
+def test_a_hung_gateway_restart_is_killed_alone(capsys):
+    """The stages restarted with a gateway are heard from through it: when the gateway's restart hangs (no /health
+    at all), only it is killed at start_timeout; the log named every component as silent, and killed them all."""
+    sup, cluster, at = _fake_supervisor()
+    cluster.procs["gateway"].code = -9
+    at(100.0)
+    at(101.5)
+    procs = dict(cluster.procs)
+    assert sorted(sup.starting) == ["gateway", "stage0", "stage1"]
+    at(112.0, None)                                   # 10.5 s, the gateway does not answer
+    assert procs["gateway"].poll() == -9
+    assert procs["stage0"].poll() is None and procs["stage1"].poll() is None
+    err = capsys.readouterr().err
+    assert "gateway (pid" in err and "stage0 (pid" not in err and "stage1 (pid" not in err
 
 
 def test_a_long_step_whose_layers_finish_is_not_a_stall(tmp_path):
