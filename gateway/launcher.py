@@ -24,7 +24,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.cuda_mps import MpsDaemon, start_mps
 from shared.cluster_config import (GPU_MAX_NUM_BATCHED_TOKENS, ClusterConfig, ClusterConfigError, StageSpec,
                                   child_environment, dump_toml, env_overrides, split_layers, unknown_keys)
 from shared.cold_set import AUTO
@@ -255,8 +254,6 @@ def remove_stale_run_dirs() -> list[Path]:
             pass
         except PermissionError:
             continue                  # a live process of another user has that pid
-        if (d / "mps-pipe").is_dir():       # cuda_mps: its control daemon outlived the launcher
-            MpsDaemon(d / "mps-pipe", d / "mps-log").stop()
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
@@ -292,7 +289,6 @@ class Cluster:
             self.cluster = dataclasses.replace(self.cluster, num_blocks=self.plan.num_blocks, **fitted)
             self.config_path.write_text(dump_toml(self.cluster))
         self.procs: dict[str, subprocess.Popen] = {}
-        self.mps: MpsDaemon | None = None        # cuda_mps: the daemon of stages sharing a GPU
         self.commands = dict(commands(self.cluster, self.config_path, opts.verbose))
         self.started_at: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
@@ -303,13 +299,12 @@ class Cluster:
 
     def start(self) -> None:
         check_port_free(self.cluster.host, self.cluster.port)
-        self.mps = start_mps(self.cluster, self.run_dir)
         for name in self.commands:
             self._spawn(name)
 
     def _spawn(self, name: str) -> None:
         env = {**child_environment(dict(os.environ)), "PYTHONUNBUFFERED": "1",
-               RESTARTS_ENV: str(self.restarts.get(name, 0)), **(self.mps.env if self.mps else {})}
+               RESTARTS_ENV: str(self.restarts.get(name, 0))}
         # A new session per child: Ctrl-C in the terminal reaches only us, and we stop them in order.
         self.procs[name] = subprocess.Popen(self.commands[name], env=env, start_new_session=True)
         self.started_at[name] = time.time()
@@ -392,9 +387,6 @@ class Cluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._terminate(["gateway"] + [n for n in self.procs if n.startswith("stage")] + ["ple"], timeout)
-        if self.mps is not None:
-            self.mps.stop()
-            self.mps = None
         if self.cluster.ple_ring:
             Path(self.cluster.ple_ring).unlink(missing_ok=True)
         if self._tmp is not None:

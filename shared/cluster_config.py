@@ -169,9 +169,6 @@ class ClusterConfig:
     # (stage_worker/ipc_activations.py; issue 14: ~1.48 ms a step between two stages of one H200). On since its GPU
     # tests passed on the H200 (h200-17/18); two stages on one GPU, 4 streams: 583.8 against 476.6 tok/s (h200-17).
     cuda_ipc_activations: bool = True
-    # Stage processes sharing a GPU run under a CUDA MPS daemon private to the `serve` (gateway/cuda_mps.py): their
-    # kernels run concurrently instead of time-sliced. Off until the H200 has timed it (plan h200-27).
-    cuda_mps: bool = False
     batched_prefill: bool = True                # a prefill step's sequences run as one padded batch (StepBatch.ragged)
     # Prefix caching (shared/prefix_cache.py): a prompt that starts with an earlier prompt's tokens restores the
     # state saved there and computes only the rest (vLLM's --enable-prefix-caching). Each saved state is one
@@ -549,7 +546,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES": "ple_launch_ahead_across_stages",
         "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
-        "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations", "MOEPIPE_CUDA_MPS": "cuda_mps",
+        "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",
         "MOEPIPE_BATCHED_PREFILL": "batched_prefill", "MOEPIPE_PREFIX_CACHING": "enable_prefix_caching",
         "MOEPIPE_PREFIX_CACHE_STATES": "prefix_cache_states",
         "MOEPIPE_PREFIX_CACHE_SPLIT_TOKENS": "prefix_cache_split_tokens", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",

@@ -44,15 +44,15 @@ declare -A AB_ENV=([base]="" [nosampling]="MOEPIPE_DEVICE_SAMPLING=0" [sampling]
                    [noipc]="MOEPIPE_CUDA_IPC_ACTIVATIONS=0" [gil5]="MOEPIPE_GIL_SWITCH_INTERVAL_MS=0"
                    [nopdl]="MOEPIPE_KERNELS=all,-pdl" [noqkv]="MOEPIPE_PACKED_QKV=0"
                    [pla]="MOEPIPE_PLE_LAUNCH_AHEAD=1" [noragged]="MOEPIPE_BATCHED_PREFILL=0"
-                   [inplace]="MOEPIPE_EXPERT_MOVE_ASYNC=0" [pla2]="MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES=1" [mps]="MOEPIPE_CUDA_MPS=1"
-                   [mps2]="MOEPIPE_CUDA_MPS=1 MOEPIPE_MICROBATCHES=2"
+                   [inplace]="MOEPIPE_EXPERT_MOVE_ASYNC=0" [pla2]="MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES=1"
+                   [mb2]="MOEPIPE_MICROBATCHES=2"
                    [chunk512]="MOEPIPE_MAX_NUM_BATCHED_TOKENS=512")
 # pla: a PLE stage launches decode steps ahead, its graph waiting on the device for the rows (ple_launch_ahead);
 # noragged: prefill steps loop over their sequences in DeltaNet, attention and PLE (batched_prefill off)
 # pla2: with several stages, stage 0 launches decode steps ahead too, its graph waiting on the device for the ids
 # and rows the last stage's Sampled brings (ple_launch_ahead_across_stages; e.g. STEPS=two TWO_AB="base pla2")
-# mps: stage processes sharing the GPU under a private CUDA MPS daemon (cuda_mps; STEPS=two TWO_AB="base mps");
-# mps2: the same with two micro-batches (stages sharing a GPU count once by default: time-sliced, two lost)
+# mb2: two micro-batches (stages sharing a GPU count once by default: time-sliced, two lost; under CUDA MPS, removed
+# after h200-27, 584.4 against one micro-batch's 507.1 and no MPS 586.3)
 # inplace: expert moves in place instead of on read (expert_move_async off; e.g. VRAM_AB="base inplace")
 # chunk512: 512-token prefill chunks instead of a GPU's default 2048 (GPU_MAX_NUM_BATCHED_TOKENS)
 # svcrows2: decode steps of more than 2 sequences take the PLE service's rows (the default before issue 14's
