@@ -165,7 +165,11 @@ class _Generation:
                 piece.tokens.append(_Token(event.token_id, event.logprob, event.top_logprobs, self._chars))
             delta = self._detok.push(event.token_id)
             self._chars += len(delta)
-            piece.text = delta if self.completion_tokens <= self._min_tokens else self._stop.feed(delta)
+            if self.completion_tokens <= self._min_tokens:
+                self._stop.observe(delta)            # (a stop string may start here and end after min_tokens)
+                piece.text = delta
+            else:
+                piece.text = self._stop.feed(delta)
         if self._stop.stopped:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:

@@ -25,6 +25,8 @@ class StopMatcher:
         self._fail = [_prefix_function(s) for s in self.stops]
         self._state = [0] * len(self.stops)    # per stop: the longest prefix of it that the text seen ends with
         self._held = ""
+        self._tail = ""                     # the end of the text already emitted: where a stop string may start
+        self._keep = max((len(x) for x in self.stops), default=1) - 1
         self.stopped = False
         self.matched: str | None = None     # the stop string that ended generation
 
@@ -39,9 +41,21 @@ class StopMatcher:
         if which is not None:
             self.stopped, self.matched, self._held = True, which, ""
             return text[:cut]
-        keep = self._advance(delta)
+        keep = min(self._advance(delta), len(text))
         self._held = text[len(text) - keep:] if keep else ""
+        self._emitted(text[: len(text) - keep])
         return text[: len(text) - keep]
+
+    def observe(self, delta: str) -> None:
+        """Text emitted without being checked (the tokens before `min_tokens`): no stop string may end inside it,
+        but one may start in it and end in text fed later (vLLM's check looks back that far too)."""
+        if self.stopped or not delta or not self.stops:
+            return
+        self._advance(delta)
+        self._emitted(delta)
+
+    def _emitted(self, text: str) -> None:
+        self._tail = (self._tail + text)[max(0, len(self._tail) + len(text) - self._keep):] if self._keep else ""
 
     def flush(self) -> str:
         """No more text is coming: held-back text can no longer grow into a stop string, so release it."""
@@ -53,13 +67,15 @@ class StopMatcher:
         return self._held
 
     def _first_match(self, text: str) -> tuple[int, str | None]:
-        """Earliest start of any stop string in text (the held part cannot hold a whole one, only start one)."""
-        best, which = len(text) + 1, None
+        """Earliest start of any stop string that ends in `text` (the held part cannot hold a whole one, only start
+        one); one that starts in the emitted tail cuts at 0."""
+        full, tail = self._tail + text, len(self._tail)
+        best, which = len(full) + 1, None
         for s in self.stops:
-            i = text.find(s)
+            i = full.find(s, max(0, tail - len(s) + 1))      # it must end past the tail
             if i != -1 and i < best:
                 best, which = i, s
-        return best, which
+        return max(0, best - tail), which
 
     def _advance(self, delta: str) -> int:
         """Advance every stop string's KMP state over `delta`; the longest suffix of the text seen that is a proper

@@ -133,3 +133,48 @@ def test_a_long_stop_string_is_matched_without_rescanning_the_held_text():
     out = "".join(m.feed("x") for _ in range(20000))          # all held: each may start the stop string
     assert out == "" and len(m.held) == 20000
     assert m.feed("y") == "x" * 20000 + "y" and m.held == ""
+
+
+def _reference_after(stops: list[str], text: str, start: int) -> tuple[str, bool]:
+    """vLLM's min_tokens rule: text[:start] is emitted unchecked; the earliest stop string that ends past `start`
+    ends the output there (cut no earlier than `start`: what was emitted stays)."""
+    hits = []
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1:
+            hits.append(i)
+    return (text[: max(start, min(hits))], True) if hits else (text, False)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_text_observed_before_min_tokens_can_start_a_stop_string(seed):
+    """Deltas before min_tokens are emitted unchecked (`observe`): a stop string wholly inside them does not stop,
+    but one that starts there and ends in a later delta does (it went unmatched: the matcher never saw its start),
+    and everything emitted before the boundary stays emitted."""
+    rng = random.Random(seed)
+    alphabet = "ab c"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    cuts = sorted(rng.sample(range(1, len(text) + 1), k=min(len(text), rng.randint(1, 10))))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+    unchecked = rng.randint(0, len(deltas))
+    m = StopMatcher(stops)
+    out = []
+    for i, d in enumerate(deltas):
+        if i < unchecked:
+            m.observe(d)
+            out.append(d)
+        else:
+            out.append(m.feed(d))
+            if m.stopped:
+                break
+    if not m.stopped:
+        out.append(m.flush())
+    start = sum(len(d) for d in deltas[:unchecked])
+    assert ("".join(out), m.stopped) == _reference_after(stops, text, start)
+
+
+def test_a_stop_string_straddling_the_min_tokens_boundary_stops():
+    m = StopMatcher(["END"])
+    m.observe("the E")
+    assert m.feed("ND and more") == "" and m.stopped and m.matched == "END"
