@@ -224,6 +224,14 @@ class StageRunner:
         # polling only delayed the token (full shape on the H200: 517 vs 598 tok/s at 4 streams,
         # bench/results/served-speed-9). Off: each step is completed before the next is queued.
         ahead = cluster.launch_ahead and (self.ring is None or self.ple_mailbox is not None)
+        # Across stages, the last stage's step t+1 waits on the device (CUDA IPC) for stage 0's graph, which waits
+        # for the Sampled of step t that only this stage's `finish(t)` sends: launched before that finish, any host
+        # wait for the device in its launch (a kernel's first load, an allocator sync) waits on that cycle until
+        # PUBLISH_DEADLINE_S (h200-27: a 4-stream run's step 256 failed after 60 s). Its GPU work cannot start
+        # before that Sampled anyway, so the last stage finishes each step before launching the next: no cycle, and
+        # the Sampled goes out without waiting behind a launch.
+        if self.is_last and not self.is_first and cluster.ple_launch_ahead_across_stages:
+            ahead = False
         self.launch_depth = 2 if ahead else 1
         self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
         if graphed:

@@ -377,3 +377,17 @@ def test_a_step_on_the_host_path_is_finished_on_its_own_event(tiny_checkpoint, t
     finally:
         svc.close()
 
+
+
+@pytest.mark.parametrize("across", [True, False])
+def test_the_last_stage_finishes_each_step_before_launching_the_next_across_stages(tiny_checkpoint, tmp_path, across):
+    """`ple_launch_ahead_across_stages`: the last stage's step t+1 waits on the device for stage 0's graph, which
+    waits for the Sampled that the last stage's `finish(t)` sends; launched before that finish, a host wait in its
+    launch closed the cycle until PUBLISH_DEADLINE_S (h200-27). The last stage launches one step at a time then;
+    without the flag it still queues two."""
+    from stage_worker.stage_loader import load_stage
+
+    cluster = _two_stages(tiny_checkpoint, tmp_path, ple_launch_ahead_across_stages=across, launch_ahead=True)
+    runner = StageRunner(load_stage(cluster, 1, load_config(tiny_checkpoint)), cluster, 1)
+    assert runner.is_last and not runner.is_first
+    assert runner.launch_depth == (1 if across else 2)
