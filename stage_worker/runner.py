@@ -104,6 +104,8 @@ class _PendingRows:
     tokens: list
     contexts: object | None
     since: float = field(default_factory=time.perf_counter)
+    taken: dict = field(default_factory=dict)   # its step's `_Prepared.taken`: a token it consumes is noted there
+    dropped: bool = False                       # its step was dropped: its rows still go out, its tokens stay
 
 
 # Across stages a launched step's tokens come once the steps before it have run on every stage (seconds at most: a
@@ -269,6 +271,9 @@ class StageRunner:
         for launched in self.launched:
             if launched.plan.step in plan.dropped:
                 self._give_back(launched.taken)
+                for pending in self._pending_rows:      # its graph still waits: rows yes, tokens for the replan
+                    if launched.ple_wait is not None and pending.seq == launched.ple_wait[0]:
+                        pending.dropped = True
         for step in plan.dropped:
             if not self.is_first and step not in self.acts and step > self._max_launched_step:
                 self._dropped_steps.add(step)    # its activations may still be on their way
@@ -601,7 +606,8 @@ class StageRunner:
                       for t in prepared.entry_tokens]
         else:                                  # every token came with the plan
             tokens = [e.tokens[-1] for e in plan.entries]
-        self._pending_rows.append(_PendingRows(box.seq, list(prepared.batch.slots), tokens, self._contexts_copied))
+        self._pending_rows.append(_PendingRows(box.seq, list(prepared.batch.slots), tokens, self._contexts_copied,
+                                               taken=prepared.taken))
         self._publish_rows()                  # known already (the step before is done): the graph need not wait
         if self._pending_rows and self._pending_rows[-1].seq == box.seq:
             self.ple_rows_after_launch += 1
@@ -622,12 +628,15 @@ class StageRunner:
         behind it is not held up), then every step whose rows are now known is published."""
         if not self._pending_rows:
             return
-        needed = {k for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
+        needed = {k: p for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
         for t in tokens:
             key = (t.req_id, t.position)
             if key in needed:
                 self._host_tokens[key] = max(t.token, 0)
-                self.next_tokens.pop(key, None)
+                if not needed[key].dropped:
+                    self.next_tokens.pop(key, None)
+                    # noted as taken by that step: dropped, it gives the token back for the step replanning it
+                    needed[key].taken[key] = ("host", self._host_tokens[key])
         self._publish_rows()
 
     def _publish_rows(self) -> None:

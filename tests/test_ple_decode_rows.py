@@ -391,3 +391,38 @@ def test_the_last_stage_finishes_each_step_before_launching_the_next_across_stag
     runner = StageRunner(load_stage(cluster, 1, load_config(tiny_checkpoint)), cluster, 1)
     assert runner.is_last and not runner.is_first
     assert runner.launch_depth == (1 if across else 2)
+
+
+@pytest.mark.parametrize("drop_first", [False, True])
+def test_a_token_a_waiting_step_consumed_is_given_back_when_that_step_is_dropped(tiny_checkpoint, tmp_path,
+                                                                                  drop_first):
+    """`ple_launch_ahead_across_stages`: Sampled's tokens go to the waiting step's rows (out of `next_tokens`). If
+    that step is dropped, the step that replans its requests needs the same tokens: they were lost (noted
+    nowhere), so it would wait PUBLISH_DEADLINE_S and fail. Now the waiting step notes them as taken and the drop
+    gives them back; dropped before they came, its rows are still published (its graph waits) and the tokens stay
+    for the replan."""
+    from types import SimpleNamespace
+
+    from shared.protocol import Sampled, TokenOut
+
+    runner, svc = _across(tiny_checkpoint, tmp_path)
+    try:
+        plan = _decode_plan(1)
+        runner.on_message(plan)
+        assert runner.ready() is plan
+        prepared = runner.plans.pop(1)
+        seq = runner._expect_rows(plan, prepared)
+        runner.launched.append(SimpleNamespace(plan=plan, taken=prepared.taken, ple_wait=(seq, None)))
+        keys = {r: (r, len(PROMPTS[r])) for r in PROMPTS}
+        sampled = Sampled(step=0, microbatch=0, tokens=[TokenOut(r, keys[r][1], t) for r, t in (("a", 300), ("b", 7))])
+        drop = Plan(step=3, microbatch=0, entries=[], dropped=[1])
+        for msg in ([drop, sampled] if drop_first else [sampled, drop]):
+            runner.on_message(msg)
+        runner.launched.clear()
+        assert int(runner.ple_mailbox.flag[0]) == seq                               # the waiting graph got its rows
+        assert runner.next_tokens == {keys["a"]: 300, keys["b"]: 7}
+        again = Plan(step=2, microbatch=0, entries=_decode_plan(1).entries)        # the step replanning them
+        runner.on_message(again)
+        assert runner.ready() is again and runner.plans[2].host_ids == [300, 7]
+    finally:
+        svc.close()
