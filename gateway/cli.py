@@ -5,6 +5,7 @@ fast."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -31,6 +32,13 @@ def serve_options(args: argparse.Namespace):
     from shared.cluster_config import DTYPE_ALIASES, parse_names
 
     names = args.served_model_name or []
+    if args.model_tag is None and args.model is None and names and not _is_checkpoint(names[-1]) and \
+            ("/" in names[-1] or Path(names[-1]).exists()):
+        # `vllm serve --served-model-name qwen Qwen/Qwen3-Next-80B-A3B-Instruct`: the Hub id was taken as a name and
+        # the built-in demo model would have been served under it
+        raise ValueError(f"--served-model-name took {names[-1]} as a name and no model was given; a model is a "
+                         f"local checkpoint directory (moepipe does not download: `huggingface-cli download "
+                         f"{names[-1]} --local-dir DIR`, then `moepipe serve DIR --served-model-name NAME`)")
     if args.model_tag is None and args.model is None and names and _is_checkpoint(names[-1]):
         # `vllm serve --served-model-name qwen /path/to/model`: nargs="+" took the positional MODEL as a name; vLLM's
         # users mean the model (a checkpoint directory as a served name would serve the demo model under it)
@@ -50,12 +58,31 @@ def serve_options(args: argparse.Namespace):
     if args.tensor_parallel_size not in (None, 1):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: moepipe splits a model into pipeline "
                          f"stages, one GPU each; use --pipeline-parallel-size (--stages) {args.tensor_parallel_size}")
+    if args.tool_call_parser and args.tool_call_parser not in JSON_TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser}: moepipe parses tool calls in the hermes JSON "
+                         f"form (<tool_call>{{\"name\": ..., \"arguments\": ...}}</tool_call>) only; a model that "
+                         f"writes another form (qwen3_coder's <function=...> XML) would have its calls returned as "
+                         f"text. Leave the flag out for a JSON-calling model")
     for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
         if value:       # vLLM needs them; here the chat template's format decides (docs/agents.md)
             print(f"moepipe: {flag} {value} is not needed: tool calls and reasoning are parsed in the format of "
                   f"the model's chat template (docs/agents.md)", file=sys.stderr)
+    if args.device is None:
+        args.device = "cpu"
+        if _has_nvidia_gpu():
+            print("moepipe: serving on the CPU (--device cpu, the default); add --device cuda to serve on the "
+                  "GPU(s)", file=sys.stderr)
+    if args.device == "cpu":
+        gpu_only = [f for f, v in (("--gpu-memory-utilization", args.gpu_memory_utilization),
+                                   ("--vram-limit", args.vram_limit),
+                                   ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                                   ("--enforce-eager", args.enforce_eager or None)) if v is not None]
+        if gpu_only:
+            print(f"moepipe: {', '.join(gpu_only)} {'applies' if len(gpu_only) == 1 else 'apply'} only on a GPU; "
+                  f"the cluster runs on the CPU (add --device cuda)", file=sys.stderr)
     model_dir = args.model_tag if args.model_tag is not None else args.model
     model = model_arg(model_dir, "--model" if args.model_tag is None else "MODEL")
+    _vllm_only_flags(args, model)
     extra = {}
     if names:
         extra["served_model_name"] = names[0]
@@ -97,6 +124,77 @@ def serve_options(args: argparse.Namespace):
                         extra=extra, verbose=args.verbose)
 
 
+# vLLM's hermes-style parsers: the JSON form moepipe's output parser reads (gateway/output_parser.py)
+JSON_TOOL_PARSERS = ("hermes", "qwen", "qwen25", "qwen3", "json")
+
+# vLLM flags with nothing to set here: (flag, takes a value, what happens: "ok" accepted silently, "note" accepted
+# with the message, "refuse" a one-line error with the message; a value listed after "|" is accepted silently)
+VLLM_ONLY_FLAGS = (
+    ("--enable-chunked-prefill", False, "ok", "prefill is always chunked (--max-num-batched-tokens)"),
+    ("--no-enable-chunked-prefill", False, "note", "prefill is always chunked here (--max-num-batched-tokens sets "
+                                                   "the chunk)"),
+    ("--enable-log-requests", False, "ok", "moepipe never logs prompts"),
+    ("--max-log-len", True, "ok", "moepipe never logs prompts"),
+    ("--language-model-only", False, "ok", "moepipe serves text only"),
+    ("--limit-mm-per-prompt", True, "note", "moepipe serves text only (image and audio parts are refused)"),
+    ("--speculative-config", True, "note", "no speculative decoding (MTP drafts) yet: tokens are the same, one a "
+                                           "step"),
+    ("--seed", True, "note", "sampling seeds are per request (the `seed` field; a request without one draws its "
+                             "own)"),
+    ("--swap-space", True, "note", "preempted requests are recomputed, not swapped"),
+    ("--uvicorn-log-level", True, "note", "use -v for debug logs and --no-access-log for fewer lines"),
+    ("--kv-cache-dtype", True, "refuse|auto", "the KV cache is kept in the compute dtype (--dtype); fp8 KV is not "
+                                              "supported"),
+    ("--quantization", True, "refuse", "a quantized checkpoint's scheme is read from its config.json; to quantize "
+                                       "a bf16 one: moepipe quantize --scheme fp8-block|int4-experts|reports-mixed "
+                                       "IN OUT"),
+    ("--generation-config", True, "refuse|auto", "sampling defaults come from the checkpoint's "
+                                                 "generation_config.json (vLLM's auto)"),
+    ("--cpu-offload-gb", True, "refuse", "weights beyond the GPU go to host RAM as cold experts: --cold-experts "
+                                         "auto with --vram-limit GIB or --gpu-memory-utilization"),
+    ("--download-dir", True, "refuse", "moepipe does not download: huggingface-cli download ID --local-dir DIR, "
+                                       "then moepipe serve DIR"),
+    ("--revision", True, "refuse", "moepipe does not download: huggingface-cli download ID --revision REV "
+                                   "--local-dir DIR, then moepipe serve DIR"),
+    ("--tokenizer", True, "refuse", "the tokenizer is the checkpoint's own (tokenizer.json in the model "
+                                    "directory)"),
+)
+
+
+def _vllm_only_flags(args: argparse.Namespace, model) -> None:
+    """Each vLLM-only flag given: accepted, accepted with a note, or refused naming it and what to do instead."""
+    for flag, _, rule, why in VLLM_ONLY_FLAGS:
+        value = getattr(args, "vllm_" + flag[2:].replace("-", "_"), None)
+        if value is None or value is False:
+            continue
+        kind, _, fine = rule.partition("|")
+        if flag == "--quantization" and value == _quant_method(model):
+            continue                              # what the checkpoint holds: vLLM's redundant hint
+        if flag == "--tokenizer" and Path(value).resolve() == Path(model).resolve():
+            continue                              # the model directory again
+        shown = flag if value is True else f"{flag} {value}"
+        if kind == "ok" or (fine and value in fine.split(",")):
+            continue
+        if kind == "refuse":
+            raise ValueError(f"{shown}: {why}")
+        print(f"moepipe: {shown} ignored: {why}", file=sys.stderr)
+
+
+def _quant_method(model) -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (config.json), if any."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return q.get("quant_method") if isinstance(q, dict) else None
+
+
+def _has_nvidia_gpu() -> bool:
+    """An NVIDIA driver's device node (no CUDA context, no torch import for a hint)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def _is_checkpoint(value: str) -> bool:
     return bool(value) and (Path(value) / "config.json").is_file()
 
@@ -129,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template used instead of the checkpoint's")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default cpu")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="1-65535 (default 8000)")
     s.add_argument("--max-num-seqs", type=int, default=None)
@@ -198,6 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="(moepipe never logs prompts or sampling parameters, which vLLM's --disable-log-requests "
                            "turns off, nor periodic stats (/metrics has them); the one access-log line per HTTP "
                            "request stays: --no-access-log turns it off)")
+    for flag, takes_value, rule, why in VLLM_ONLY_FLAGS:
+        dest = "vllm_" + flag[2:].replace("-", "_")
+        kind, _, fine = rule.partition("|")
+        what = {"refuse": "refused", "note": "ignored", "ok": "accepted"}[kind] + (f" unless {fine}" if fine else "")
+        if takes_value:
+            vllm.add_argument(flag, dest=dest, default=None, metavar="X", help=f"({what}: {why})")
+        else:
+            vllm.add_argument(flag, dest=dest, action="store_true", help=f"({what}: {why})")
     s.set_defaults(func=_serve)
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "

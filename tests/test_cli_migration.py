@@ -172,3 +172,59 @@ def test_the_ple_service_names_a_bad_log_level(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ple_service", "--config", str(tmp_path / "c.toml"), "--log-level",
                         "bogus"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     one_line(r, "--log-level", "bogus")
+
+
+def test_vllm_only_flags_are_accepted_noted_or_refused_by_name(tiny_checkpoint, capsys):
+    """A pasted Qwen3-Next / Qwen3.5 `vllm serve` line (QA, helper-77): flags with nothing to set here were a bare
+    'unrecognized arguments'. Each is now accepted, accepted with a note naming it, or refused with what to do."""
+    model = str(tiny_checkpoint)
+    for argv in (["--enable-chunked-prefill"], ["--kv-cache-dtype", "auto"], ["--generation-config", "auto"],
+                 ["--max-log-len", "100"], ["--enable-log-requests"], ["--tokenizer", model]):
+        capsys.readouterr()
+        options(model, *argv)
+        assert capsys.readouterr().err == "", argv
+    for argv in (["--speculative-config", '{"method":"qwen3_next_mtp","num_speculative_tokens":2}'],
+                 ["--seed", "0"], ["--swap-space", "4"], ["--no-enable-chunked-prefill"]):
+        capsys.readouterr()
+        options(model, *argv)
+        err = capsys.readouterr().err
+        assert f"moepipe: {argv[0]}" in err and "ignored:" in err, err
+    for argv, word in ((["--kv-cache-dtype", "fp8"], "compute dtype"), (["--quantization", "fp8"], "moepipe quantize"),
+                       (["--cpu-offload-gb", "8"], "--cold-experts"), (["--download-dir", "/x"], "does not download"),
+                       (["--tokenizer", "/elsewhere"], "tokenizer"), (["--generation-config", "vllm"], "generation")):
+        with pytest.raises(ValueError, match=word) as err:
+            options(model, *argv)
+        assert argv[0] in str(err.value)
+
+
+def test_a_quantization_flag_matching_the_checkpoint_is_accepted(tmp_path, tiny_checkpoint):
+    import shutil
+
+    quant = tmp_path / "q"
+    shutil.copytree(tiny_checkpoint, quant)
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    options(str(quant), "--quantization", "compressed-tensors")
+    with pytest.raises(ValueError, match="--quantization fp8"):
+        options(str(quant), "--quantization", "fp8")
+
+
+def test_tool_parsers_for_other_call_forms_are_refused(tiny_checkpoint):
+    """`--tool-call-parser qwen3_coder` was 'not needed' while its XML calls would come back as text."""
+    options(str(tiny_checkpoint), "--tool-call-parser", "hermes")
+    with pytest.raises(ValueError, match="qwen3_coder.*hermes JSON"):
+        options(str(tiny_checkpoint), "--tool-call-parser", "qwen3_coder")
+
+
+def test_a_hub_id_after_served_model_name_is_not_served_as_the_demo_model():
+    """`--served-model-name qwen Qwen/Qwen3-Next-80B-A3B-Instruct` with no model served the demo model under both."""
+    with pytest.raises(ValueError, match="does not download"):
+        options("--served-model-name", "qwen", "Qwen/Qwen3-Next-80B-A3B-Instruct")
+
+
+def test_gpu_only_flags_on_the_cpu_are_named(tiny_checkpoint, capsys):
+    opts = options(str(tiny_checkpoint), "--gpu-memory-utilization", "0.8", "--enforce-eager")
+    assert opts.device == "cpu"
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization, --enforce-eager apply only on a GPU" in err
