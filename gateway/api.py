@@ -33,7 +33,7 @@ from gateway.errors import APIError, invalid_request
 from gateway.metrics import Metrics, RequestTimer
 from gateway.openapi_doc import install_openapi
 from gateway.chat_plan import ChatPlan, completion_grammar, plan_chat, template_messages
-from gateway.output_parser import Delta, OutputParser, parse_complete
+from gateway.output_parser import Delta
 from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
@@ -733,6 +733,7 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     text = await run_in_threadpool(srv.render_chat, req, plan)
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
+    plan.call_form = srv.tok.tool_call_form     # hermes JSON or Qwen3-Coder XML calls, as the template writes them
     prompt_ids = await srv.encode(text, prompt_param)
     max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
     srv.check_min_tokens(req, srv.engine.max_model_len - len(prompt_ids))
@@ -812,7 +813,7 @@ async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Gener
         finish = gen.finish_reason
         message = ChatResponseMessage(content=text)
         if _parses(plan):
-            parsed = parse_complete(text, plan.reasoning, plan.tool_names, max_calls=plan.max_calls)
+            parsed = plan.parse_complete(text)
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in parsed.tool_calls]
             message = ChatResponseMessage(content=parsed.content or (None if calls else ""),
@@ -909,7 +910,7 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                                                              finish_reason=finish)], prompt_logprobs=prompt_lps)
             return _sse(c.model_dump_json(exclude=exclude))
 
-        parser = OutputParser(plan.reasoning, plan.tool_names, max_calls=plan.max_calls) if _parses(plan) else None
+        parser = plan.output_parser() if _parses(plan) else None
         # the prompt's logprobs (vLLM's prompt_logprobs) ride on the first choice's first chunk
         yield chunk(DeltaMessage(role="assistant", content=""),
                     prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None)

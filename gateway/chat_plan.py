@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid_request
+from gateway.output_parser import OutputParser, ParsedOutput, parse_complete
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")   # OpenAI's rule for function names
@@ -43,6 +44,18 @@ class ChatPlan:
     compiler: Any = None                                # the GrammarCompiler that compiled it (new_matcher)
     legacy: bool = False                                # a `functions` request: answer with message.function_call
     max_calls: int | None = None                        # 1: parallel_tool_calls false or legacy (OutputParser)
+    call_form: str = "hermes"                           # tool-call form of the template (Tokenizer.tool_call_form)
+    tool_params: dict[str, Any] = field(default_factory=dict)   # name -> parameters schema (XML values' types)
+
+    def output_parser(self, **kwargs: Any) -> OutputParser:
+        """The parser of this request's replies."""
+        return OutputParser(self.reasoning, self.tool_names, max_calls=self.max_calls, call_form=self.call_form,
+                            tool_params=self.tool_params, **kwargs)
+
+    def parse_complete(self, text: str) -> ParsedOutput:
+        """A whole reply parsed (the non-streamed answer)."""
+        return parse_complete(text, self.reasoning, self.tool_names, max_calls=self.max_calls,
+                              call_form=self.call_form, tool_params=self.tool_params)
 
 
 @dataclass
@@ -273,7 +286,8 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
     return ChatPlan(tools=tools if callable_tools else None, template_kwargs=kwargs,
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
                     tool_names=set(choice.allowed or names) if callable_tools else None,
-                    grammar=grammar, compiler=compiler, legacy=legacy, max_calls=None if parallel else 1)
+                    grammar=grammar, compiler=compiler, legacy=legacy, max_calls=None if parallel else 1,
+                    tool_params={t["function"]["name"]: t["function"].get("parameters") for t in tools})
 
 
 def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],

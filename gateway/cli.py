@@ -58,11 +58,11 @@ def serve_options(args: argparse.Namespace):
     if args.tensor_parallel_size not in (None, 1):
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: moepipe splits a model into pipeline "
                          f"stages, one GPU each; use --pipeline-parallel-size (--stages) {args.tensor_parallel_size}")
-    if args.tool_call_parser and args.tool_call_parser not in JSON_TOOL_PARSERS:
+    if args.tool_call_parser and args.tool_call_parser not in JSON_TOOL_PARSERS + XML_TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser {args.tool_call_parser}: moepipe parses tool calls in the hermes JSON "
-                         f"form (<tool_call>{{\"name\": ..., \"arguments\": ...}}</tool_call>) only; a model that "
-                         f"writes another form (qwen3_coder's <function=...> XML) would have its calls returned as "
-                         f"text. Leave the flag out for a JSON-calling model")
+                         f"form (<tool_call>{{\"name\": ..., \"arguments\": ...}}</tool_call>) and in "
+                         f"qwen3_coder's <function=...> XML form only; a model that writes another form would have "
+                         f"its calls returned as text. Leave the flag out: the chat template's form is parsed")
     for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
         if value:       # vLLM needs them; here the chat template's format decides (docs/agents.md)
             print(f"moepipe: {flag} {value} is not needed: tool calls and reasoning are parsed in the format of "
@@ -126,6 +126,9 @@ def serve_options(args: argparse.Namespace):
 
 # vLLM's hermes-style parsers: the JSON form moepipe's output parser reads (gateway/output_parser.py)
 JSON_TOOL_PARSERS = ("hermes", "qwen", "qwen25", "qwen3", "json")
+# vLLM's parsers of the Qwen3-Coder / Qwen3.5 XML form (<function=NAME><parameter=KEY>...), parsed too; which form a
+# reply is read in follows the chat template (Tokenizer.tool_call_form), not the flag
+XML_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")
 
 # vLLM flags with nothing to set here: (flag, takes a value, what happens: "ok" accepted silently, "note" accepted
 # with the message, "refuse" a one-line error with the message; a value listed after "|" is accepted silently)

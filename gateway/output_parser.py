@@ -22,6 +22,28 @@ Formats (see CHAT_TEMPLATE in stage_worker/checkpoint/tokenizer_files.py):
   A call whose arguments generation ends inside is kept as streamed and flagged (``cut_call``): the reply's finish
   reason is then the cut's ("length", or "stop" for a stop string), never "tool_calls", whose arguments must parse.
   ``max_calls``: calls past that many are parsed and dropped (``parallel_tool_calls: false``, a legacy reply).
+* Tool calls in the XML form (``call_form="xml"``: Qwen3-Coder and Qwen3.5 templates, whose text has ``<function=``;
+  vLLM's ``qwen3_coder`` parser)::
+
+      <tool_call>
+      <function=NAME>
+      <parameter=KEY>
+      VALUE
+      </parameter>
+      </function>
+      </tool_call>
+
+  The block's start (after whitespace) must be ``<function=NAME>`` with NAME in ``tool_names``; a block that cannot
+  be (another name, no ``<function=``) is malformed, as above. A block whose first non-whitespace character is
+  ``{`` is read in the hermes form (a grammar-constrained call is written so). An accepted block is buffered until
+  its ``</tool_call>`` (or the end of generation) and emitted whole: the call's first delta, then its arguments,
+  a JSON object of the parameters (a ``<parameter=`` ends at ``</parameter>``, the next ``<parameter=`` or
+  ``</function>``; text outside parameters is ignored; a repeated key keeps the last value). Each value loses one
+  leading and one trailing newline and is typed by ``tool_params`` (tool name -> its parameters JSON schema): a
+  ``"string"`` property stays text; another declared type is ``json.loads``-ed, falling back to the text if that
+  fails; an undeclared one is ``json.loads``-ed when that gives a non-string, else text. A header cut by the end
+  of generation is dropped, like the hermes form's; a block cut after its header is kept with the parameters that
+  closed (``</parameter>``) and flagged ``cut_call``.
 * Content: text outside those blocks. Whitespace right before an accepted call is dropped, and so is
   whitespace-only text between or after calls (as vLLM does); text after a call keeps its leading whitespace as a
   separator only if content was emitted before.
@@ -31,15 +53,16 @@ releases only text whose meaning can no longer change. It holds back the longest
 the marker that could come next (``</think>`` in reasoning, ``<tool_call>`` in content, ``</tool_call>`` in a
 malformed block or outside strings in arguments), plus trailing whitespace that a following marker would drop.
 A tool call's header is buffered until it is accepted or rejected; after that the arguments text streams as it
-arrives. All decisions depend only on the text, never on how it was split, so `parse_complete` (feed everything,
+arrives (in the XML form the whole block is buffered). All decisions depend only on the text, never on how it was split, so `parse_complete` (feed everything,
 then `finish`) gives exactly what the assembled stream gives.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 __all__ = ["Delta", "OutputParser", "ParsedOutput", "ToolCall", "assemble", "parse_complete"]
@@ -48,8 +71,10 @@ THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _JSON_WS = " \t\r\n"
 _MODES = ("off", "auto", "inside")
+CALL_FORMS = ("hermes", "xml")
+FUNCTION_START = "<function="
 # parser states
-_START, _REASONING, _CONTENT, _HEADER, _ARGS, _TRAILER, _MALFORMED = range(7)
+_START, _REASONING, _CONTENT, _HEADER, _ARGS, _TRAILER, _MALFORMED, _XML_OPEN, _XML_BODY = range(9)
 # header scan results
 _MORE, _MATCH, _FAIL = range(3)
 
@@ -124,9 +149,16 @@ class OutputParser:
         *,
         id_factory: Callable[[], str] | None = None,
         max_calls: int | None = None,
+        call_form: str = "hermes",
+        tool_params: Mapping[str, Mapping] | None = None,
     ) -> None:
         if reasoning not in _MODES:
             raise ValueError(f"reasoning must be one of {_MODES}, got {reasoning!r}")
+        if call_form not in CALL_FORMS:
+            raise ValueError(f"call_form must be one of {CALL_FORMS}, got {call_form!r}")
+        self._xml = call_form == "xml"
+        self._tool_params = tool_params or {}      # tool name -> parameters JSON schema (XML values' types)
+        self._xml_name = ""                         # the accepted XML call's function name
         self.tool_names: frozenset[str] | None = None if tool_names is None else frozenset(tool_names)
         self._new_id = id_factory or random_call_id
         self._max_calls = max_calls     # later calls are parsed and dropped (parallel_tool_calls false, legacy)
@@ -167,9 +199,12 @@ class OutputParser:
         *,
         id_factory: Callable[[], str] | None = None,
         max_calls: int | None = None,
+        call_form: str = "hermes",
+        tool_params: Mapping[str, Mapping] | None = None,
     ) -> ParsedOutput:
         """Non-streaming parse: feed the whole text, then finish."""
-        parser = cls(reasoning, tool_names, id_factory=id_factory, max_calls=max_calls)
+        parser = cls(reasoning, tool_names, id_factory=id_factory, max_calls=max_calls, call_form=call_form,
+                     tool_params=tool_params)
         parsed = assemble(parser.feed(text) + parser.finish())
         return replace(parsed, cut_call=parser.cut_call)
 
@@ -179,7 +214,7 @@ class OutputParser:
         steps = {
             _START: self._on_start, _REASONING: self._on_reasoning, _CONTENT: self._on_content,
             _HEADER: self._on_header, _ARGS: self._on_args, _TRAILER: self._on_trailer,
-            _MALFORMED: self._on_malformed,
+            _MALFORMED: self._on_malformed, _XML_OPEN: self._on_xml_open, _XML_BODY: self._on_xml_body,
         }
         while steps[self._state](final):    # each step returns True when it changed state and more may follow
             pass
@@ -258,7 +293,7 @@ class OutputParser:
             i = buf.find(CALL_START)
             if i >= 0:
                 self._content(buf[:i])
-                self._buf, self._state = buf[i + len(CALL_START):], _HEADER
+                self._buf, self._state = buf[i + len(CALL_START):], _XML_OPEN if self._xml else _HEADER
                 return True
             if not final:
                 hold = _partial_suffix(buf, CALL_START)
@@ -286,9 +321,55 @@ class OutputParser:
         if end >= 0:
             cut = end + len(CALL_END)
             block, self._buf, self._state = buf[:cut], buf[cut:], _CONTENT
-        else:
-            block, self._buf, self._state = buf, "", _MALFORMED
-        self._content(CALL_START + block)
+            self._content(CALL_START + block)
+        else:                               # the rest (a partial </tool_call> held back) as a malformed block's
+            self._content(CALL_START)
+            self._state = _MALFORMED
+        return True
+
+    def _on_xml_open(self, final: bool) -> bool:
+        """XML form: match `<function=NAME>` at the block's start (a `{` there: the hermes form)."""
+        buf = self._buf
+        s = buf.lstrip(_JSON_WS)
+        if not s or s.startswith("{"):
+            if not s and not final:
+                return False
+            self._state = _HEADER
+            return True
+        end = buf.find(CALL_END)
+        status, name, pos = _scan_xml_header(buf if end < 0 else buf[:end], self.tool_names or frozenset())
+        if status == _MORE and end < 0:
+            if not final:
+                return False
+            self._buf, self._state, self._ws = "", _CONTENT, ""     # a truncated header: dropped (as hermes)
+            return True
+        if status == _MATCH:
+            self._xml_name, self._buf, self._state = name, buf[pos:], _XML_BODY
+            return True
+        if end >= 0:
+            cut = end + len(CALL_END)
+            block, self._buf, self._state = buf[:cut], buf[cut:], _CONTENT
+            self._content(CALL_START + block)
+        else:                               # the rest (a partial </tool_call> held back) as a malformed block's
+            self._content(CALL_START)
+            self._state = _MALFORMED
+        return True
+
+    def _on_xml_body(self, final: bool) -> bool:
+        """XML form: buffer the accepted block to its `</tool_call>` (or the end), then emit the whole call."""
+        buf = self._buf
+        end = buf.find(CALL_END)
+        if end < 0 and not final:
+            return False
+        body = buf if end < 0 else buf[:end]
+        self._buf = "" if end < 0 else buf[end + len(CALL_END):]
+        args = _xml_arguments(body, self._tool_params.get(self._xml_name), closed=end >= 0)
+        self._ws = ""                   # whitespace before a call is dropped
+        self._emit(Delta(tool_index=self._calls, tool_id=self._new_id(), name=self._xml_name, arguments=""))
+        self._emit(Delta(tool_index=self._calls, arguments=args))
+        if end < 0:                     # generation ended inside the block (max_tokens, a stop string)
+            self.cut_call = self._max_calls is None or self._calls < self._max_calls
+        self._end_call()
         return True
 
     def _on_malformed(self, final: bool) -> bool:
@@ -415,6 +496,64 @@ def _scan_header(s: str, names: frozenset[str]) -> tuple[int, str, int]:
             return (_MORE, "", 0) if len(part) < len(token) and token.startswith(part) else (_FAIL, "", 0)
         i += len(token)
     raise AssertionError("unreachable")
+
+
+def _scan_xml_header(s: str, names: frozenset[str]) -> tuple[int, str, int]:
+    """Match whitespace, `<function=NAME>` at the start of s, NAME in names: (_MATCH, name, index past `>`),
+    (_MORE, "", 0) while s could still become one, or (_FAIL, "", 0). Monotone, like `_scan_header`."""
+    i = len(s) - len(s.lstrip(_JSON_WS))
+    rest = s[i:]
+    if len(rest) <= len(FUNCTION_START):
+        return (_MORE, "", 0) if FUNCTION_START.startswith(rest) else (_FAIL, "", 0)
+    if not rest.startswith(FUNCTION_START):
+        return _FAIL, "", 0
+    tail = rest[len(FUNCTION_START):]
+    close = tail.find(">")
+    if close < 0:
+        return (_MORE, "", 0) if any(n.startswith(tail) for n in names) else (_FAIL, "", 0)
+    name = tail[:close]
+    if name not in names:
+        return _FAIL, "", 0
+    return _MATCH, name, i + len(FUNCTION_START) + close + 1
+
+
+_XML_PARAM = re.compile(r"<parameter=([^>]*)>(.*?)(</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
+
+
+def _xml_arguments(body: str, schema: Mapping | None, closed: bool) -> str:
+    """The JSON arguments of an XML call's body (the text after `<function=NAME>`). `closed` False: the block was
+    cut, so a parameter that did not close with `</parameter>` is left out."""
+    if "</function>" in body:
+        body, closed = body.split("</function>", 1)[0], True
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    props = props if isinstance(props, Mapping) else {}
+    args: dict[str, object] = {}
+    for m in _XML_PARAM.finditer(body):
+        key, value, ender = m.group(1).strip(), m.group(2), m.group(3)
+        if not closed and not ender and m.end() == len(body):
+            continue                    # cut inside this parameter's value
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        spec = props.get(key)
+        args[key] = _xml_value(value, spec.get("type") if isinstance(spec, Mapping) else None)
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _xml_value(text: str, declared: object) -> object:
+    """A parameter's value by its schema type: "string" stays text; another declared type is parsed as JSON (the
+    text if that fails); undeclared, JSON when that gives a non-string, else the text."""
+    types = declared if isinstance(declared, list) else [declared] if isinstance(declared, str) else []
+    if types and all(t == "string" for t in types):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, str) and not (types and "string" not in types):
+        return text
+    return value
 
 
 def _merge(deltas: list[Delta]) -> list[Delta]:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from gateway import access_log
 from gateway.chat_plan import ChatPlan, apply_effort
 from gateway.errors import APIError, invalid_request
-from gateway.output_parser import THINK_END, Delta, OutputParser
+from gateway.output_parser import THINK_END, Delta
 from gateway.schemas import ChatCompletionRequest, ResponsesRequest
 from shared.sampling import SamplingParams
 
@@ -503,7 +503,7 @@ def _usage(gen: _Gen, reasoning_tokens: int) -> dict[str, Any]:
 async def _events(gen: _Gen, builder: ResponseBuilder, plan: ChatPlan) -> AsyncIterator[list[dict[str, Any]]]:
     """The events of each generated piece, the parser splitting reasoning, content and calls as on the chat route.
     Reasoning tokens are the tokens up to the one that completes `</think>` (all of them if it never closes)."""
-    parser = OutputParser(plan.reasoning, plan.tool_names, max_calls=plan.max_calls)
+    parser = plan.output_parser()
     tail, thought = "", None                  # the last len(THINK_END) - 1 characters: a tag may span two pieces
     async for piece in gen.pieces():
         if plan.reasoning != "off" and thought is None:

@@ -333,6 +333,16 @@ class Tokenizer:
         return self._named_template(None)
 
     @cached_property
+    def tool_call_form(self) -> str:
+        """How replies write tool calls, read off the template used with tools: "xml" when its text has
+        `<function=` (Qwen3-Coder and Qwen3.5: `<tool_call><function=NAME><parameter=KEY>...`, vLLM's qwen3_coder
+        parser), else "hermes" (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the default)."""
+        source = self._template_source
+        if isinstance(source, Mapping):
+            source = source.get("tool_use" if "tool_use" in source else "default")
+        return "xml" if isinstance(source, str) and "<function=" in source else "hermes"
+
+    @cached_property
     def _tool_template(self) -> jinja2.Template:
         return self._named_template("tool_use")
 

@@ -771,3 +771,63 @@ def test_openapi_describes_every_body(served):
                 yield from refs(v)
 
     assert {r.rsplit("/", 1)[1] for r in refs(doc)} <= set(schemas)
+
+
+# ---- tool calls in the Qwen3-Coder / Qwen3.5 XML form, chosen by the chat template ----------------------------
+
+XML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call a tool as:\n<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+XML_REPLY = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+             "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+             "<parameter=city>\n12\n</parameter>\n</function>\n</tool_call>")
+
+
+class ScriptedEngine(StubEngine):
+    """Replies with the given token ids, then stops."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__()
+        self.ids = ids
+
+    async def generate(self, request: GenerationRequest):
+        self.last = request
+        for i, t in enumerate(self.ids):
+            yield TokenEvent(token_id=t, finish_reason="stop" if i + 1 == len(self.ids) else None)
+
+
+def test_xml_tool_calls_parsed_when_the_template_writes_them(model_dir, tmp_path):
+    template = tmp_path / "xml.jinja"
+    template.write_text(XML_TEMPLATE)
+    tok = Tokenizer.from_dir(model_dir, template)
+    assert tok.tool_call_form == "xml" and Tokenizer.from_dir(model_dir).tool_call_form == "hermes"
+    app = create_app(ScriptedEngine(tok.encode(XML_REPLY)), tok, model_name=MODEL,
+                     generation_config=read_generation_config(model_dir), metrics=Metrics())
+    client = TestClient(app, raise_server_exceptions=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [tool],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "12"})]
+    # streamed: each call arrives whole when its block closes
+    lines = [ln.removeprefix("data: ") for ln in client.post("/v1/chat/completions", json={**body, "stream": True})
+             .text.splitlines() if ln.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in map(json.loads, lines) if c["choices"]]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    args: dict[int, str] = {}
+    for tc in streamed:
+        args[tc["index"]] = args.get(tc["index"], "") + (tc["function"].get("arguments") or "")
+    assert [json.loads(args[i]) for i in sorted(args)] == [c[1] for c in calls]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    # without tools in the request the XML is plain text
+    r = client.post("/v1/chat/completions", json={k: v for k, v in body.items() if k != "tools"})
+    assert r.json()["choices"][0]["message"]["content"] == XML_REPLY

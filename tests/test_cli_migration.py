@@ -211,10 +211,12 @@ def test_a_quantization_flag_matching_the_checkpoint_is_accepted(tmp_path, tiny_
 
 
 def test_tool_parsers_for_other_call_forms_are_refused(tiny_checkpoint):
-    """`--tool-call-parser qwen3_coder` was 'not needed' while its XML calls would come back as text."""
-    options(str(tiny_checkpoint), "--tool-call-parser", "hermes")
-    with pytest.raises(ValueError, match="qwen3_coder.*hermes JSON"):
-        options(str(tiny_checkpoint), "--tool-call-parser", "qwen3_coder")
+    """The hermes JSON and qwen3_coder XML parsers are accepted (the chat template's form is parsed); a parser of a
+    form moepipe does not read is refused, since its calls would come back as text."""
+    for name in ("hermes", "qwen3_coder", "qwen3_xml"):
+        options(str(tiny_checkpoint), "--tool-call-parser", name)
+    with pytest.raises(ValueError, match="mistral.*hermes JSON.*XML"):
+        options(str(tiny_checkpoint), "--tool-call-parser", "mistral")
 
 
 def test_a_hub_id_after_served_model_name_is_not_served_as_the_demo_model():

@@ -213,3 +213,135 @@ def test_cut_call_flag_only_for_a_kept_call():
     assert not parse_complete(first + cut, "off", TOOLS, max_calls=1).cut_call
     assert not parse_complete(first, "off", TOOLS).cut_call
     assert not parse_complete('<tool_call>\n{"name": "sea', "off", TOOLS).cut_call
+
+
+# ---- the XML form (Qwen3-Coder / Qwen3.5 templates: call_form="xml") -------------------------------------------
+
+def xcall(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XCALL_W = xcall("get_weather", city="Paris", days="3")
+XW = ToolCall("call_0", "get_weather", '{"city": "Paris", "days": 3}')
+XS1 = ToolCall("call_1", "search", '{"query": "a < b"}')
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    "search": {"type": "object", "properties": {
+        "query": {"type": "string"}, "top_k": {"type": "integer"}, "exact": {"type": "boolean"},
+        "filters": {"type": "object"}, "tags": {"type": "array"}, "note": {"type": ["string", "null"]},
+        "limit": {"type": "number"}}},
+}
+
+XML_CASES = [
+    ("x_one_call", XCALL_W, "off", ParsedOutput(None, None, [XW])),
+    ("x_content_then_call", "Let me check.\n\n" + XCALL_W + "\n", "off", ParsedOutput(None, "Let me check.", [XW])),
+    ("x_parallel", XCALL_W + "\n" + xcall("search", query="a < b") + "\n", "off",
+     ParsedOutput(None, None, [XW, XS1])),
+    ("x_think_then_call", "<think>\nmaybe " + XCALL_W + "\n</think>\n\n" + XCALL_W, "auto",
+     ParsedOutput("maybe " + XCALL_W, None, [XW])),
+    ("x_content_after", XCALL_W + "\n\nDone.", "off", ParsedOutput(None, "Done.", [XW])),
+    ("x_no_params", "<tool_call>\n<function=search>\n</function>\n</tool_call>", "off",
+     ParsedOutput(None, None, [ToolCall("call_0", "search", "{}")])),
+    ("x_multiline_value", xcall("search", query="line 1\n\nline 3\n"), "off",
+     ParsedOutput(None, None, [ToolCall("call_0", "search", json.dumps({"query": "line 1\n\nline 3\n"}))])),
+    ("x_unclosed_parameters", "<tool_call>\n<function=search>\n<parameter=query>\nx\n<parameter=top_k>\n2\n"
+     "</function>\n</tool_call>", "off", ParsedOutput(None, None, [ToolCall("call_0", "search",
+                                                                            '{"query": "x", "top_k": 2}')])),
+    ("x_hermes_inside_xml_form", CALL_W, "off", ParsedOutput(None, None, [W])),
+    ("x_unknown_name", "A " + xcall("delete_all", path="/") + " B", "off",
+     ParsedOutput(None, "A " + xcall("delete_all", path="/") + " B", [])),
+    ("x_no_function", "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>\n" + XCALL_W, "off",
+     ParsedOutput(None, "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", [XW])),
+    ("x_malformed_unclosed", "<tool_call>\nhello <tool_call> x", "off",
+     ParsedOutput(None, "<tool_call>\nhello <tool_call> x", [])),
+    # cut by max_tokens: no function name yet -> dropped; after the name -> kept with the closed parameters, flagged
+    ("x_cut_before_name", "Ok.\n<tool_call>\n<function=get_wea", "off", ParsedOutput(None, "Ok.", [])),
+    ("x_cut_after_tag", "<tool_call>\n", "off", ParsedOutput(None, None, [])),
+    ("x_cut_in_value", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n3", "off", ParsedOutput(None, None, [ToolCall("call_0", "get_weather", '{"city": "Paris"}')],
+                                                 cut_call=True)),
+    ("x_cut_before_close", XCALL_W[:-len("</tool_call>")], "off", ParsedOutput(None, None, [XW], cut_call=True)),
+]
+
+
+@pytest.mark.parametrize("case_id,text,reasoning,expected", XML_CASES, ids=[c[0] for c in XML_CASES])
+def test_xml_form_stream_matches_complete(case_id, text, reasoning, expected):
+    complete = parse_complete(text, reasoning, TOOLS, id_factory=ids(), call_form="xml")
+    assert complete == expected
+    for name, pieces in chunkings(text):
+        parser = OutputParser(reasoning, TOOLS, id_factory=ids(), call_form="xml")
+        batches = [parser.feed(p) for p in pieces] + [parser.finish()]
+        deltas = [d for b in batches for d in b]
+        assert dataclasses.replace(assemble(deltas), cut_call=parser.cut_call) == complete, name
+        for d in deltas:     # XML calls: one first delta, then the whole arguments, in the same batch
+            if d.tool_id is not None and case_id != "x_hermes_inside_xml_form":
+                batch = next(b for b in batches if d in b)
+                assert [x.arguments for x in batch if x.tool_index == d.tool_index][1:] == \
+                    [json.dumps(json.loads(complete.tool_calls[d.tool_index].arguments))], name
+
+
+def test_xml_values_typed_by_schema():
+    text = xcall("search", query="42", top_k="3", exact="true", filters='{"lang": "en"}', tags='["a", "b"]',
+                 note="null", limit="2.5", extra='{"k": 1}', other="hello", quoted='"x"')
+    args = json.loads(parse_complete(text, "off", TOOLS, call_form="xml", tool_params=SCHEMAS).tool_calls[0].arguments)
+    assert args == {"query": "42", "top_k": 3, "exact": True, "filters": {"lang": "en"}, "tags": ["a", "b"],
+                    "note": None, "limit": 2.5, "extra": {"k": 1}, "other": "hello", "quoted": '"x"'}
+    # a declared non-string type that does not parse stays text; without schemas, JSON values parse
+    bad = xcall("search", top_k="three", exact="yes")
+    assert json.loads(parse_complete(bad, "off", TOOLS, call_form="xml", tool_params=SCHEMAS).tool_calls[0]
+                      .arguments) == {"top_k": "three", "exact": "yes"}
+    plain = xcall("get_weather", city="Paris", days="3")
+    assert json.loads(parse_complete(plain, "off", TOOLS, call_form="xml").tool_calls[0].arguments) == \
+        {"city": "Paris", "days": 3}
+    # one newline each side is stripped, no more
+    spaced = "<tool_call>\n<function=search>\n<parameter=query>\n\n  q  \n\n</parameter>\n</function>\n</tool_call>"
+    assert json.loads(parse_complete(spaced, "off", TOOLS, call_form="xml", tool_params=SCHEMAS).tool_calls[0]
+                      .arguments) == {"query": "\n  q  \n"}
+
+
+def test_xml_form_hermes_default_leaves_xml_as_text():
+    assert parse_complete(XCALL_W, "off", TOOLS) == ParsedOutput(None, XCALL_W, [])
+    with pytest.raises(ValueError):
+        OutputParser("off", TOOLS, call_form="mistral")
+
+
+def test_xml_max_calls_and_cut_flag():
+    text = XCALL_W + "\n" + xcall("search", query="q") + "\n<tool_call>\n<function=search>\n<parameter=query>\nz"
+    assert parse_complete(text, "off", TOOLS, id_factory=ids(), call_form="xml", max_calls=1) == \
+        ParsedOutput(None, None, [XW])
+    assert not parse_complete(text, "off", TOOLS, call_form="xml", max_calls=1).cut_call
+    full = parse_complete(text, "off", TOOLS, call_form="xml")
+    assert full.cut_call and [c.arguments for c in full.tool_calls][2] == "{}"
+
+
+XML_FRAGMENTS = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "x", "<", ">", "3", '"', "{",
+    "<function=search>", "<function=nope>", "<function=", "<parameter=query>", "<parameter=top_k>", "</parameter>",
+    "</function>", "<param", "</tool_", '{"name": "search", "arguments": ', "}",
+]
+
+
+@pytest.mark.parametrize("reasoning", ["off", "auto", "inside"])
+def test_xml_fuzz_chunking_invariance(reasoning):
+    rng = random.Random(4321)
+    for _ in range(200):
+        text = "".join(rng.choice(XML_FRAGMENTS) for _ in range(rng.randint(0, 16)))
+        complete = parse_complete(text, reasoning, TOOLS, id_factory=ids(), call_form="xml", tool_params=SCHEMAS)
+        for name, pieces in chunkings(text)[1:5]:
+            parser = OutputParser(reasoning, TOOLS, id_factory=ids(), call_form="xml", tool_params=SCHEMAS)
+            deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish()
+            assert dataclasses.replace(assemble(deltas), cut_call=parser.cut_call) == complete, (text, name)
+            for c in complete.tool_calls:
+                assert isinstance(json.loads(c.arguments), dict), text
+
+
+def test_malformed_block_split_inside_its_end_marker():
+    """A block rejected while a piece ends inside its `</tool_call>` still ends there (both forms)."""
+    text = "<tool_call>x</tool_call><tool_call>"
+    for form in ("hermes", "xml"):
+        complete = parse_complete(text, "off", TOOLS, call_form=form)
+        assert complete == ParsedOutput(None, "<tool_call>x</tool_call>", [])
+        parser = OutputParser("off", TOOLS, call_form=form)
+        deltas = parser.feed("<tool_call>x</tool_c") + parser.feed("all>") + parser.feed("<tool_call>")
+        assert assemble(deltas + parser.finish()) == complete, form
