@@ -267,7 +267,8 @@ class Cluster:
         self._tmp = None
         if opts.run_dir is None:
             remove_stale_run_dirs()
-            self._tmp = tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX)
+            # (a file a stopping child removes meanwhile must not turn a clean stop into an OSError: exit 1)
+            self._tmp = tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX, ignore_cleanup_errors=True)
             self.run_dir = Path(self._tmp.name)
             (self.run_dir / LAUNCHER_PID).write_text(str(os.getpid()))
         else:

@@ -53,8 +53,8 @@ releases only text whose meaning can no longer change. It holds back the longest
 the marker that could come next (``</think>`` in reasoning, ``<tool_call>`` in content, ``</tool_call>`` in a
 malformed block or outside strings in arguments), plus trailing whitespace that a following marker would drop.
 A tool call's header is buffered until it is accepted or rejected; after that the arguments text streams as it
-arrives (in the XML form the whole block is buffered). All decisions depend only on the text, never on how it was split, so `parse_complete` (feed everything,
-then `finish`) gives exactly what the assembled stream gives.
+arrives (in the XML form the whole block is buffered). All decisions depend only on the text, never on how it was
+split, so `parse_complete` (feed everything, then `finish`) gives exactly what the assembled stream gives.
 """
 
 from __future__ import annotations
