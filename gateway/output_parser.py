@@ -318,14 +318,19 @@ class OutputParser:
             self._depth, self._in_str, self._esc = 0, False, False
             return True
         # malformed: the block's text is content, up to and including its </tool_call>
+        self._reject_block(buf, end)
+        return True
+
+    def _reject_block(self, buf: str, end: int) -> None:
+        """A malformed block: its text is content, up to and including its `</tool_call>` at `end` (-1: not yet
+        seen: the rest, a partial `</tool_call>` held back, is read as a malformed block's)."""
         if end >= 0:
             cut = end + len(CALL_END)
             block, self._buf, self._state = buf[:cut], buf[cut:], _CONTENT
             self._content(CALL_START + block)
-        else:                               # the rest (a partial </tool_call> held back) as a malformed block's
+        else:
             self._content(CALL_START)
             self._state = _MALFORMED
-        return True
 
     def _on_xml_open(self, final: bool) -> bool:
         """XML form: match `<function=NAME>` at the block's start (a `{` there: the hermes form)."""
@@ -346,13 +351,7 @@ class OutputParser:
         if status == _MATCH:
             self._xml_name, self._buf, self._state = name, buf[pos:], _XML_BODY
             return True
-        if end >= 0:
-            cut = end + len(CALL_END)
-            block, self._buf, self._state = buf[:cut], buf[cut:], _CONTENT
-            self._content(CALL_START + block)
-        else:                               # the rest (a partial </tool_call> held back) as a malformed block's
-            self._content(CALL_START)
-            self._state = _MALFORMED
+        self._reject_block(buf, end)
         return True
 
     def _on_xml_body(self, final: bool) -> bool:
