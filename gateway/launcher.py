@@ -435,7 +435,9 @@ def run_serve(opts: ServeOptions) -> int:
         return 0
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)
-        return 1
+        # a stop asked for during start-up (SIGTERM, Ctrl-C) is a clean stop, not a failure: the launcher can
+        # still be in its own /health wait when clients already see 200
+        return 0 if stop["flag"] else 1
     finally:
         cluster.stop()
 
