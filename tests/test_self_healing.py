@@ -340,6 +340,19 @@ def _heartbeat_thread(tmp_path, turned: list[float], stall_timeout: float):
         ctx.term()
 
 
+def _serve_restarting_once(checkpoint, tmp_path, **env: str) -> tuple[subprocess.Popen, str, Path]:
+    """`moepipe serve` of two stages, one restart allowed (--restart-limit 1), `env` set, stderr to a log file:
+    (launcher, URL, log)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(checkpoint),
+                                     "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit",
+                                     "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, **env})
+    return launcher, f"http://127.0.0.1:{port}", log
+
+
 def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, tmp_path):
     """A hung stage (SIGSTOP: no heartbeats, no exit) was never restarted: /health stayed 503 until someone sent
     SIGCONT. The gateway now kills it after hang_timeout (4 s here) and the launcher restarts it: serving resumes
@@ -347,14 +360,7 @@ def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, 
     is given up. The stream waited recovery_timeout (60 s) for it (QA); the gateway is told (SIGUSR1) and the
     stream ends within seconds with an error event naming the stage (not the shutdown's), then `serve` exits 1
     naming it, where it used to stay up answering /health 503 forever."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                                     "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit",
-                                     "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, "MOEPIPE_HANG_TIMEOUT": "4"})
+    launcher, url, log = _serve_restarting_once(tiny_checkpoint, tmp_path, MOEPIPE_HANG_TIMEOUT="4")
     victim = None
     children: dict[str, int] = {}
     try:
@@ -445,14 +451,7 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
     the stage, and `serve` exits 1 with a line naming the stage and its restarts, leaving no process."""
     import threading
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--model", str(tiny_checkpoint),
-                                     "--stages", "2", "--port", str(port), "--no-ple-service", "--restart-limit",
-                                     "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, "MOEPIPE_START_TIMEOUT": "15"})
+    launcher, url, log = _serve_restarting_once(tiny_checkpoint, tmp_path, MOEPIPE_START_TIMEOUT="15")
     children: dict[str, int] = {}
     hung: list[int] = []
     try:
