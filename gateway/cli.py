@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 from shared.cli import command_parser, model_arg, run_command
@@ -24,6 +26,43 @@ def _keys(args: argparse.Namespace) -> int:
     print(f"copy {Path(args.out)} to every host of the cluster and set in cluster.toml:")
     print(f'link_keys = "{secret.resolve()}"')
     return 0
+
+
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def human_int(value: str) -> int:
+    """A count as vLLM's flags take it, so a pasted `--max-model-len 32k` works: 32k = 32,000 and 1.5m = 1,500,000
+    (lower case: powers of 1000, fractions allowed), 32K = 32,768 (upper case: powers of 1024, whole numbers only);
+    plain numbers as int() reads them."""
+    text = value.strip()
+    m = _SUFFIXED.fullmatch(text)
+    try:
+        if not m:
+            return int(text)
+        number, suffix = m.groups()
+        power = "kmgt".index(suffix.lower()) + 1
+        if suffix.islower():
+            return int(Decimal(number) * 1000 ** power)     # exact: float made 4.35k 4,349
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{value!r}: upper-case {suffix} is 1024^{power}, whole numbers only "
+                                             f"(lower case {number}{suffix.lower()} is 1000^{power})")
+        return int(number) * 1024 ** power
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number, optionally with k/m/g/t (powers "
+                                         f"of 1000) or K/M/G/T (powers of 1024), e.g. 32k or 32K") from None
+
+
+def max_model_len_arg(value: str) -> int | None:
+    """--max-model-len as vLLM takes it: a human_int, or auto / -1 = None (the flag left out: the model's own
+    length, fitted to the memory on a GPU, as vLLM's auto fits it)."""
+    if value.strip() == "-1" or value.strip().lower() == "auto":
+        return None
+    n = human_int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of tokens (32768, 32k, 32K), 0 or auto/-1 for the "
+                                         f"model's own length")
+    return n
 
 
 def serve_options(args: argparse.Namespace):
@@ -234,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="1-65535 (default 8000)")
     s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="tokens per step (default 512, 2048 with --device cuda; at most 1,048,576; also "
-                        "MOEPIPE_MAX_NUM_BATCHED_TOKENS)")
+    s.add_argument("--max-num-batched-tokens", type=human_int, default=None, metavar="N",
+                   help="tokens per step (default 512, 2048 with --device cuda; at most 1,048,576; 8k, 8K as "
+                        "--max-model-len; also MOEPIPE_MAX_NUM_BATCHED_TOKENS)")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per stage (default: max-num-seqs sequences of max-model-len within "
                         "--kv-cache-memory)")
@@ -245,13 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="GiB of KV blocks per stage when --num-blocks is not given (default 4; on a GPU at "
                         "least one --max-model-len sequence)")
-    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-model-len", type=max_model_len_arg, default=None, metavar="N",
+                   help="longest prompt + output in tokens: 32768, 32k (32,000), 32K (32,768); auto or -1: the "
+                        "model's own (the default; on a GPU the longest that fits the memory)")
     s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="GPU stages: the share of each device's memory the server may use (default 0.9)")
     s.add_argument("--vram-limit", type=float, default=None, metavar="GIB",
                    help="GPU stages: use at most this many GiB of each device, as a smaller card would have")
-    s.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
-                   help="GPU stages: KV bytes per stage (default: what the memory plan leaves)")
+    s.add_argument("--kv-cache-memory-bytes", type=human_int, default=None, metavar="BYTES",
+                   help="GPU stages: KV bytes per stage, 8G = 8 GiB (default: what the memory plan leaves)")
     s.add_argument("--cold-experts", default=None, metavar="FILE",
                    help="keep these routed experts in host RAM (a file from `moepipe cold-set`, or 'auto': as "
                         "few as the memory plan needs, the least used by the checkpoint's route_usage.json if it "

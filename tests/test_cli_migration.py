@@ -230,3 +230,23 @@ def test_gpu_only_flags_on_the_cpu_are_named(tiny_checkpoint, capsys):
     assert opts.device == "cpu"
     err = capsys.readouterr().err
     assert "--gpu-memory-utilization, --enforce-eager apply only on a GPU" in err
+
+
+def test_counts_take_vllm_s_human_readable_forms_and_auto(tiny_checkpoint, capsys):
+    """`--max-model-len 32k` / `auto` / `-1` from a vLLM command line were 'invalid int value'. As vLLM: k m g t are
+    powers of 1000 (fractions allowed), K M G T powers of 1024 (whole numbers); auto and -1 are the model's own
+    length (the flag left out); --max-num-batched-tokens and --kv-cache-memory-bytes take the suffixes too."""
+    model = str(tiny_checkpoint)
+    for value, want in (("32k", 32000), ("32K", 32768), ("1m", 1_000_000), ("1M", 1 << 20), ("25.6k", 25600),
+                        ("4.35k", 4350), ("4096", 4096), (" 2K ", 2048)):
+        assert options(model, "--max-model-len", value).extra["max_model_len"] == want, value
+    for value in ("auto", "AUTO", "-1"):
+        assert "max_model_len" not in options(model, "--max-model-len", value).extra, value
+    opts = options(model, "--max-num-batched-tokens", "8k", "--kv-cache-memory-bytes", "2G")
+    assert opts.extra["max_num_batched_tokens"] == 8000 and opts.extra["kv_cache_memory_bytes"] == 2 << 30
+    for value, words in (("1.5K", "whole numbers only"), ("-2", "auto/-1"), ("32kb", "32k or 32K"), ("x", "32K")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-model-len", value])
+        err = capsys.readouterr().err
+        assert "argument --max-model-len" in err and words in err, err
