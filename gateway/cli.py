@@ -86,6 +86,13 @@ def serve_options(args: argparse.Namespace):
                              f"was given: put the model first (`moepipe serve {names[0]} --served-model-name NAME`) "
                              f"or use --model")
         args.model_tag = names.pop()
+    keys = args.api_key or []
+    if args.model_tag is None and args.model is None and keys and _is_checkpoint(keys[-1]):
+        # `vllm serve --api-key KEY /path/to/model`: nargs="+" took the model as a key too (as for the names above)
+        if len(keys) == 1:
+            raise ValueError(f"--api-key took {keys[0]} (a checkpoint directory) as the key and no model was given: "
+                             f"put the model first (`moepipe serve {keys[0]} --api-key KEY`) or use --model")
+        args.model_tag = keys.pop()
     if not 1 <= args.port <= 65535:       # 0 would bind a random port the launcher cannot find
         raise ValueError(f"--port {args.port}: must be between 1 and 65535")
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
@@ -315,9 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restart-limit", type=int, default=None, metavar="N",
                    help="restart a dead stage or PLE service up to N times in a row (default 5; 0: never); once "
                         "a component's restarts are used up, serve exits with status 1")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also MOEPIPE_API_KEY, or as vLLM "
-                        "VLLM_API_KEY when neither is given)")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, any of the keys given as vLLM takes "
+                        "several (also MOEPIPE_API_KEY, or as vLLM VLLM_API_KEY when neither is given: one key)")
     s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="browser origins allowed to call the API, comma-separated or a JSON list as vLLM takes "
                         "it ('[\"*\"]'; CORS; default none; also MOEPIPE_ALLOWED_ORIGINS)")

@@ -284,7 +284,8 @@ class ClusterConfig:
     # killed and that counts as a failed restart (a restart hung while loading was never killed: the hang check
     # above needs a heartbeat from the process first). 0 = wait forever.
     start_timeout: float = 300.0
-    api_key: str = ""                           # "" = none; else /v1 routes need "Authorization: Bearer <key>"
+    # "" = none; else /v1 routes need "Authorization: Bearer <key>"; a list: any of its keys (vLLM's --api-key A B)
+    api_key: str | list[str] = ""
     allowed_hosts: list[str] = field(default_factory=list)   # Host names answered; [] = loopback names when bound to
                                                 # loopback, any otherwise (gateway/access.py); ["*"] = any
     allowed_origins: list[str] = field(default_factory=list)  # CORS: browser origins allowed to call; [] = none
@@ -426,8 +427,10 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster config: hang_timeout ({self.hang_timeout} s) must exceed "
                                      f"heartbeat_timeout ({self.heartbeat_timeout} s), or be 0 (off)")
         self._validate_links()
-        if not isinstance(self.api_key, str):
-            raise ClusterConfigError("cluster config: api_key must be a string")
+        if not isinstance(self.api_key, str) and not (isinstance(self.api_key, list) and
+                                                      all(isinstance(k, str) for k in self.api_key)):
+            raise ClusterConfigError("cluster config: api_key must be a string or a list of strings (any of the "
+                                     "keys authenticates)")
         for key in ("allowed_hosts", "allowed_origins"):
             names = getattr(self, key)
             if not isinstance(names, list) or not all(isinstance(h, str) and h for h in names):

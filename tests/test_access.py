@@ -14,6 +14,7 @@ from gateway.launcher import Cluster, ServeOptions
 from shared.cluster_config import ClusterConfigError, env_overrides
 
 KEY = "s3cret-key"
+KEY2 = "second-key"           # served with both (--api-key KEY KEY2): either authenticates, through cluster.toml
 ORIGIN = "http://app.example"
 
 
@@ -22,7 +23,7 @@ def server(tiny_checkpoint):
     # no PLE service process (the stage gathers its PLE rows): access control is the gateway's, each process a
     # torch import
     opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
-                        extra={"api_key": KEY, "allowed_origins": [ORIGIN], "ple_service": False,
+                        extra={"api_key": [KEY, KEY2], "allowed_origins": [ORIGIN], "ple_service": False,
                                "served_model_aliases": ["qwen-alias"]})
     with Cluster(opts) as c:
         yield c
@@ -41,8 +42,9 @@ def test_the_key_is_required_on_v1_routes(server):
     for headers in ({}, {"authorization": "Basic " + KEY}, {"authorization": "Bearer " + KEY + "x"}):
         r = httpx.get(server.url + "/v1/models", headers=headers, verify=False)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models", headers={"authorization": "bearer " + KEY},
-                     verify=False).status_code == 200
+    for key in (KEY, KEY2):
+        assert httpx.get(server.url + "/v1/models", headers={"authorization": "bearer " + key},
+                         verify=False).status_code == 200
     assert httpx.get(server.url + "/health", verify=False).status_code == 200
     assert httpx.get(server.url + "/metrics", verify=False).status_code == 200
 
@@ -101,3 +103,34 @@ def test_every_served_name_is_listed_and_answered(server):
     assert r.model == "moepipe" and r.choices[0].message.content is not None
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="qwen", prompt="hi", max_tokens=2)
+
+
+def test_any_of_several_keys_authenticates(tiny_checkpoint):
+    """`vllm serve --api-key A B` takes several keys, any of which authenticates; here --api-key took one (`B` was an
+    unrecognized argument). The flag, the cluster config (a list, through cluster.toml) and the middleware take
+    several; the variables hold one key, as VLLM_API_KEY does."""
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from gateway.access import AccessControl
+    from gateway.cli import build_parser, serve_options
+    from shared.cluster_config import cluster_from_dict, dump_toml
+
+    def options(*argv):
+        return serve_options(build_parser().parse_args(["serve", *argv]))
+
+    model = str(tiny_checkpoint)
+    assert options(model, "--api-key", "a", "b").extra["api_key"] == ["a", "b"]
+    opts = options("--api-key", "a", model)          # vLLM's order: the model after the keys is the model
+    assert opts.model == tiny_checkpoint and opts.extra["api_key"] == ["a"]
+    with pytest.raises(ValueError, match="put the model first"):
+        options("--api-key", model)
+    base = {"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc://x"}], "gateway_endpoint": "ipc://g"}
+    cfg = cluster_from_dict({**base, "api_key": ["a", "b"]})
+    assert 'api_key = ["a", "b"]' in dump_toml(cfg).splitlines()
+    with pytest.raises(ClusterConfigError, match="api_key"):
+        cluster_from_dict({**base, "api_key": ["a", 3]})
+    client = TestClient(AccessControl(PlainTextResponse("ok"), api_key=cfg.api_key))
+    for key, status in (("a", 200), ("b", 200), ("c", 401), ("", 401)):
+        assert client.get("/v1/models", headers={"authorization": f"Bearer {key}"}).status_code == status, key
+    assert TestClient(AccessControl(PlainTextResponse("ok"), api_key=["", ""])).get("/v1/models").status_code == 200
