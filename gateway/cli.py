@@ -250,8 +250,30 @@ def _is_checkpoint(value: str) -> bool:
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.launcher import run_serve
+    from shared.cluster_config import ClusterConfigError
 
-    return run_serve(serve_options(args))
+    opts = serve_options(args)
+    try:
+        return run_serve(opts)
+    except ClusterConfigError as exc:     # the cluster config names its keys; the user typed flags
+        flags = {key: flag for key, flag in args.config_flags.items() if key in (opts.extra or {})}
+        raise ValueError(name_flags(str(exc), flags)) from None
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """A cluster config error with each key a flag set named as that flag (`gpu_memory_utilization must be ...` ->
+    `--gpu-memory-utilization must be ...`, once where it read `key (--flag)`), without its `cluster config:`
+    prefix then: the user gave a flag, not a file. Keys set otherwise (a variable, a default) keep their names."""
+    named = message
+    for key, flag in flags.items():
+        named = re.sub(rf"\b{re.escape(key)}\b(?: \({re.escape(flag)}\))?", flag, named)
+    return named.removeprefix("cluster config: ") if named != message else message
+
+
+def _flags_by_dest(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> the long flag that sets it, read off the parser (no table to keep in step with it); a dest that is a
+    cluster config key (`--max-model-len` -> max_model_len) names that key's flag."""
+    return {a.dest: longs[0] for a in parser._actions if (longs := [o for o in a.option_strings if o[:2] == "--"])}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
             vllm.add_argument(flag, dest=dest, default=None, metavar="X", help=f"({what}: {why})")
         else:
             vllm.add_argument(flag, dest=dest, action="store_true", help=f"({what}: {why})")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, config_flags=_flags_by_dest(s))
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "
                                     "links between hosts (cluster config: link_keys)")

@@ -250,3 +250,28 @@ def test_counts_take_vllm_s_human_readable_forms_and_auto(tiny_checkpoint, capsy
             build_parser().parse_args(["serve", "--max-model-len", value])
         err = capsys.readouterr().err
         assert "argument --max-model-len" in err and words in err, err
+
+
+def test_config_errors_name_the_flag_given(tiny_checkpoint, monkeypatch, capsys):
+    """`--gpu-memory-utilization 1.5` was refused as 'cluster config: gpu_memory_utilization must be in (0, 1]': a
+    key the user never typed. A value from a flag is named by its flag (read off the parser); one from a variable
+    keeps its key."""
+    import signal
+
+    from gateway.cli import main
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)       # run_serve's handlers: not in the test process
+    model = str(tiny_checkpoint)
+    for argv, words in ((["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+                        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+                        (["--restart-limit", "-1"], "--restart-limit must be >= 0"),
+                        (["--max-num-batched-tokens", "2m"], "--max-num-batched-tokens 2000000 is more than"),
+                        (["--max-model-len", "10m"], "--max-model-len 10000000 is longer than this model serves")):
+        capsys.readouterr()
+        assert main(["serve", model, *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"moepipe serve: {words}"), err
+        assert "cluster config" not in err and argv[0][2:].replace("-", "_") not in err, err
+    monkeypatch.setenv("MOEPIPE_GPU_MEMORY_UTILIZATION", "1.5")
+    assert main(["serve", model]) == 2
+    assert "cluster config: gpu_memory_utilization must be" in capsys.readouterr().err
