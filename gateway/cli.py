@@ -65,6 +65,44 @@ def max_model_len_arg(value: str) -> int | None:
     return n
 
 
+JINJA_CHARS = "{}\n"      # vLLM's test for a --chat-template that is the template, not a path
+
+
+def chat_template_file(value: str) -> Path:
+    """--chat-template as vLLM takes it: a file, or the template itself when no such file opens and the value holds
+    `{`, `}` or a line break (without them it is a path, and a missing one is an error, not a one-line template).
+    Inline text is kept in a file named by its hash under MOEPIPE_HOME, since every process (a restarted gateway too)
+    reads the cluster config's chat_template as a file. Either is checked to compile here, named."""
+    import hashlib
+    import os
+
+    from shared.cli import _home
+    from shared.tokenizer import read_chat_template
+
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):         # a template longer than a path may be, or with a NUL
+        is_file = False
+    if is_file or not any(c in value for c in JINJA_CHARS):
+        if not is_file:
+            raise ValueError(f"--chat-template {value} is not a file (nor an inline template, which holds '{{', "
+                             f"'}}' or a line break)")
+        read_chat_template(value)                  # one that does not compile stops here, named
+        return Path(value).resolve()
+    path = _home() / "chat_templates" / f"{hashlib.sha256(value.encode()).hexdigest()[:16]}.jinja"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(value, encoding="utf-8")
+        try:
+            read_chat_template(tmp)
+        except ValueError as exc:
+            tmp.unlink()
+            raise ValueError(f"--chat-template (inline): {exc.__cause__ or exc}") from None
+        tmp.replace(path)                          # whole or absent: a concurrent start reads either
+    return path
+
+
 def serve_options(args: argparse.Namespace):
     """`moepipe serve` flags as the launcher's ServeOptions (flags left unset keep the config defaults)."""
     from gateway.launcher import ServeOptions
@@ -139,10 +177,7 @@ def serve_options(args: argparse.Namespace):
     if args.enforce_eager:
         extra["cuda_graphs"] = False
     if args.chat_template:
-        from shared.tokenizer import read_chat_template
-
-        read_chat_template(args.chat_template)          # a bad file stops here, named
-        extra["chat_template"] = str(Path(args.chat_template).resolve())
+        extra["chat_template"] = str(chat_template_file(args.chat_template))
     if args.no_ple_service:
         extra["ple_service"] = False
     if args.no_access_log:
@@ -294,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
                    help="compute dtype (default: MOEPIPE_DTYPE, else the checkpoint's; auto = the checkpoint's, over "
                         "MOEPIPE_DTYPE; float32 on a CPU for bf16/fp16 checkpoints)")
-    s.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template used instead of the checkpoint's")
+    s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template used instead of the checkpoint's: a file, or the template itself as "
+                        "vLLM takes it (a value with '{', '}' or a line break that is no file)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default cpu")

@@ -77,3 +77,30 @@ def test_a_served_chat_renders_with_the_chat_template_given(tiny_checkpoint, tmp
             "model": "moepipe", "max_tokens": 1, "messages": [{"role": "user", "content": "hello there"}]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == want
+
+
+def test_an_inline_chat_template_is_taken_as_vllm_takes_it(tiny_checkpoint, tmp_path, monkeypatch):
+    """`vllm serve --chat-template '{% for m in messages %}...'` (the template itself, not a file) was refused as 'is
+    not a file'. As vLLM: a value that is no file and holds '{', '}' or a line break is the template (kept in a file
+    every process reads); one without them is a path, and a missing one is named."""
+    from pathlib import Path
+
+    from gateway.cli import build_parser, serve_options
+    from shared.tokenizer import Tokenizer
+
+    def options(*argv):
+        return serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), *argv]))
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MOEPIPE_HOME", str(home))
+    text = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    path = Path(options("--chat-template", text).extra["chat_template"])
+    assert path.read_text() == text and path.is_relative_to(home)
+    assert Path(options("--chat-template", text).extra["chat_template"]) == path       # the same file again
+    tok = Tokenizer.from_dir(tiny_checkpoint, path)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    with pytest.raises(ValueError, match=r"--chat-template \(inline\): "):
+        options("--chat-template", "{% for m in messages %}")
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]                 # nothing half-made left
+    with pytest.raises(ValueError, match="--chat-template templates/none.jinja is not a file"):
+        options("--chat-template", "templates/none.jinja")
