@@ -229,7 +229,10 @@ def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> N
             return HC.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6)
 
         bucket = HC._bucket(t)
-        cfgs = list(itertools.product((1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8)))
+        # (rows a program, K chunk, warps, K slices): whole rows (1 slice) as shipped, or the inputs cut over 2-8
+        # programs a tile (`_hc_down_kernel` SPLITS) so a token's 3.3 MB have more programs in flight
+        cfgs = [(r, bk, w, sp) for sp in (1, 2, 4, 5, 8) for r in (1, 2, 4) for w in (4, 8)
+                for bk in ((2048, 4096) if sp == 1 else (1024, 2048))]
         sweep("hc_q8(A)", cfgs, lambda c: HC.DOWN_CFG_Q8.__setitem__(bucket, c), run, nbytes, t, reps, results)
         HC.DOWN_CFG_Q8[bucket] = tuple(min((r for r in results if r.get("kernel") == "hc_q8(A)" and r["rows"] == t
                                          and "config" in r), key=lambda r: r["us"])["config"])

@@ -98,6 +98,28 @@ def test_mix_kernels_match_reference(dtype, rows, hidden, hc, rank, inject):
             assert_bf16_close(got, want)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("splits,rows", [(2, 1), (3, 3), (5, 17)])
+def test_down_split_over_inputs_matches_reference(monkeypatch, splits, rows, int8):
+    """The down GEMV with its inputs cut over several programs a tile (the last adds the partial sums): the
+    reference's values, the injection rows too, and the same result on a second call (the counters are left at 0).
+    3 slices of 4 x 40 inputs do not divide evenly; 5 leave a slice with nothing to read."""
+    hidden, hc, rank = 40, 4, 12
+    cfg = K.DOWN_CFG_Q8 if int8 else K.DOWN_CFG
+    for bucket in (1, 4, 16):
+        monkeypatch.setitem(cfg, bucket, (2, 32, 4, splits))
+    streams = _streams(rows, hc * hidden, torch.bfloat16, seed=60 + rows)
+    weights = _weights(hidden, hc, rank, True, torch.bfloat16, seed=61)
+    if int8:
+        weights = _int8(weights)
+    mixed, w = K.hc_mix(streams, *weights, hc, EPS)
+    want_mixed, want_w = ref.hc_mix(streams, *weights, hc, EPS)
+    for got, want in ((mixed, want_mixed), (w, want_w)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+    again = K.hc_mix(streams, *weights, hc, EPS)
+    assert torch.equal(again[0], mixed) and torch.equal(again[1], w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden,hc,rank", [(1, 32, 4, 8), (5, 40, 3, 6)])
 def test_inject_then_mix_in_one_call_matches_reference(dtype, rows, hidden, hc, rank):

@@ -40,6 +40,7 @@ from stage_worker.kernels import hyper_connection_ref
 from stage_worker.kernels.common import l2_prefetch_rows, l2_prefetch_usable, pdl_usable, pdl_wait
 from stage_worker.kernels.quant_gemv_ref import PackedWeight
 from stage_worker.kernels.rmsnorm import round_to
+from stage_worker.kernels.split_reduce import LOCKS, last_of, split_locks
 
 if TYPE_CHECKING:   # the model will import this module behind its kernel flag: no import cycle at run time
     from stage_worker.model.hyper_connection import GatedResidual
@@ -53,8 +54,9 @@ DECODE_ROWS = 4
 # full shape 20 layers, four prompts of 11 tokens in one ragged step: 0.093 s with 4, 0.088 with 16, 0.078 with 64).
 EAGER_ROWS = 64
 
-# Launch tunables per row-count bucket (1, <=4, <=16): rows per program / K chunk / warps for A, H tile / R chunk /
-# warps for B. Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
+# Launch tunables per row-count bucket (1, <=4, <=16): rows per program / K chunk / warps[ / K slices] for A, H
+# tile / R chunk / warps for B. K slices (default 1): A's inputs cut over that many programs a tile, their partial
+# sums added by the last (`split_reduce.last_of`; deterministic, not bit-equal to one slice). Winners of `bench/tune_kernels.py` (same run) for 1 and 4 rows.
 DOWN_CFG = {1: (1, 4096, 8), 4: (1, 4096, 8), 16: (2, 4096, 4)}
 UP_CFG = {1: (4, 512, 8), 4: (8, 512, 4), 16: (16, 256, 4)}
 # The same for INT8 per-channel down / up weights read in place (reports-mixed): `bench/tune_kernels.py --only hc_q8
@@ -94,16 +96,16 @@ def _hc_prep_kernel(x_ptr, o_ptr, g_ptr, y_ptr, nw_ptr, n_ptr, stride_x, stride_
 
 
 @triton.jit
-def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """[BLOCK_T, BLOCK_R]: the normed rows times weight rows `outs` (stored values less OFFSET: 128 for INT8
-    bytes, whose per-row scale the caller applies; 0 for float weights). PDL: the wait after the first weight
-    tile's load, before the first normed row's."""
+def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, k_lo, K: tl.constexpr, SPAN: tl.constexpr, OFFSET: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """[BLOCK_T, BLOCK_R]: the normed rows times weight rows `outs` over inputs k_lo .. k_lo + SPAN (stored values
+    less OFFSET: 128 for INT8 bytes, whose per-row scale the caller applies; 0 for float weights). PDL: the wait
+    after the first weight tile's load, before the first normed row's."""
     ts = tl.arange(0, BLOCK_T)
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for k0 in tl.static_range(0, SPAN, BLOCK_K):
+        ks = k_lo + k0 + tl.arange(0, BLOCK_K)
         mk = ks < K
         # One weight tile for every row of the block: the weights are the bytes that count (001 §2).
         w = tl.load(w_rows + ks[None, :], mask=mo[:, None] & mk[None, :], other=OFFSET).to(tl.float32) - OFFSET
@@ -118,45 +120,72 @@ def _rows_dot(n_ptr, w_ptr, outs, mo, row0, T, K: tl.constexpr, OFFSET: tl.const
 
 
 @triton.jit
-def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, T,
+def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, part_ptr, lock_ptr, T,
                     H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
-                    L2PF: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SPAN: tl.constexpr,
+                    Q8: tl.constexpr, PDL: tl.constexpr = False, L2PF: tl.constexpr = False):
     """`down` (and `block_inject`) rows over the normed streams; with Q8 the down weight is INT8 bytes (stored
-    value + 128) with one scale a row (ds), applied to the row's sum. L2PF (with PDL): the program's weight rows
-    (whole rows, contiguous: one prefetch) into L2 before anything else."""
+    value + 128) with one scale a row (ds), applied to the row's sum. With SPLITS > 1 the inputs are cut into
+    SPLITS slices (grid axis 2), each program stores its fp32 partial sums (part [SPLITS, T, R + HC]) and the last
+    of a tile's programs adds them in a fixed order and finishes the tile (`split_reduce.last_of`): at one token
+    the 160 whole-row programs keep too few bytes in flight for the HBM. SPAN: the inputs a slice covers (K with
+    one slice; else a multiple of BLOCK_K). L2PF (with PDL): the program's weight rows (its slice of each) into L2
+    before anything else."""
     K: tl.constexpr = HC * H
     pid_r = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_T
+    k_lo = tl.program_id(2) * SPAN
     ts = tl.arange(0, BLOCK_T)
     mt = row0 + ts < T
     n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     is_down = pid_r < n_down
     if L2PF:
         if is_down:
-            l2_prefetch_rows(down_ptr, pid_r * BLOCK_R, tl.minimum(R - pid_r * BLOCK_R, BLOCK_R), K, 0, K, BLOCK_R)
+            l2_prefetch_rows(down_ptr, pid_r * BLOCK_R, tl.minimum(R - pid_r * BLOCK_R, BLOCK_R), K, k_lo,
+                             tl.minimum(K - k_lo, SPAN), BLOCK_R)
         else:
             r0 = (pid_r - n_down) * BLOCK_R
-            l2_prefetch_rows(inj_ptr, r0, tl.minimum(HC - r0, BLOCK_R), K, 0, K, BLOCK_R)
+            l2_prefetch_rows(inj_ptr, r0, tl.minimum(HC - r0, BLOCK_R), K, k_lo, tl.minimum(K - k_lo, SPAN), BLOCK_R)
     if is_down:
         outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < R
         if Q8:
-            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
-            acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, k_lo, K, SPAN, 128.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
         else:
-            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+            acc = _rows_dot(n_ptr, down_ptr, outs, mo, row0, T, k_lo, K, SPAN, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+        col = outs
     else:
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
-        acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, K, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    v = round_to(round_to(acc, dt) / HC, dt)
+        acc = _rows_dot(n_ptr, inj_ptr, outs, mo, row0, T, k_lo, K, SPAN, 0.0, BLOCK_T, BLOCK_R, BLOCK_K, PDL)
+        col = R + outs
     mask = mt[:, None] & mo[None, :]
+    if SPLITS > 1:
+        at = (row0 + ts).to(tl.int64)[:, None] * (R + HC) + col[None, :]
+        tl.store(part_ptr + tl.program_id(2) * T * (R + HC) + at, acc, mask=mask)
+        if last_of(lock_ptr + pid_r * tl.num_programs(1) + tl.program_id(1), SPLITS):
+            acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+            for p in tl.static_range(1, SPLITS):
+                acc += tl.load(part_ptr + p * T * (R + HC) + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _down_finish(acc, ds_ptr, a_ptr, g_ptr, outs, mo, row0, ts, mask, is_down, R, HC, Q8)
+    else:
+        _down_finish(acc, ds_ptr, a_ptr, g_ptr, outs, mo, row0, ts, mask, is_down, R, HC, Q8)
+
+
+@triton.jit
+def _down_finish(acc, ds_ptr, a_ptr, g_ptr, outs, mo, row0, ts, mask, is_down, R: tl.constexpr, HC: tl.constexpr,
+                 Q8: tl.constexpr):
+    """A tile's whole sums -> `a` (row-scaled with Q8, /hc, SiLU) or the injection weights (2 * sigmoid), rounded
+    as `GatedResidual.mix` rounds them."""
+    dt: tl.constexpr = a_ptr.dtype.element_ty
     if is_down:
+        if Q8:
+            acc = acc * tl.load(ds_ptr + outs, mask=mo, other=0.0).to(tl.float32)[None, :]
+        v = round_to(round_to(acc, dt) / HC, dt)
         silu = round_to(v / (1.0 + tl.exp(-v)), dt)
         tl.store(a_ptr + (row0 + ts)[:, None] * R + outs[None, :], silu.to(dt), mask=mask)
     else:
+        v = round_to(round_to(acc, dt) / HC, dt)
         gate = round_to(1.0 / (1.0 + tl.exp(-v)), dt)
         tl.store(g_ptr + (row0 + ts)[:, None] * HC + outs[None, :], (2.0 * gate).to(dt), mask=mask)
 
@@ -310,13 +339,20 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         H=hidden, HC=hc, INJECT=out is not None, BLOCK=triton.next_power_of_2(hidden),
         num_warps=8 if hidden >= 2048 else 4, PDL=pdl, launch_pdl=pdl)
     bt = min(triton.next_power_of_2(t), 16)
-    br, bk, warps = (DOWN_CFG_Q8 if down_s is not None else DOWN_CFG)[_bucket(t)]
+    br, bk, warps, *rest = (DOWN_CFG_Q8 if down_s is not None else DOWN_CFG)[_bucket(t)]
+    splits = rest[0] if rest else 1
+    bk = min(triton.next_power_of_2(triton.cdiv(width, splits)), bk)
+    span = width if splits == 1 else triton.cdiv(triton.cdiv(width, splits), bk) * bk
     n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
-    _hc_down_kernel[(n_tiles, triton.cdiv(t, bt))](
+    n_rows = triton.cdiv(t, bt)
+    if splits > 1 and n_tiles * n_rows > LOCKS:
+        raise ValueError(f"{n_tiles * n_rows} output tiles: more than the split counters ({LOCKS})")
+    part = torch.empty((splits, t, rank + hc), dtype=torch.float32, device=dev) if splits > 1 else a
+    _hc_down_kernel[(n_tiles, n_rows, splits)](
         normed, down_w, down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a,
-        a, inject if inject is not None else a, t, H=hidden, R=rank, HC=hc, BLOCK_T=bt,
-        BLOCK_R=br, BLOCK_K=min(triton.next_power_of_2(width), bk), Q8=down_s is not None, num_warps=warps,
-        PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
+        a, inject if inject is not None else a, part, split_locks(dev) if splits > 1 else a, t, H=hidden, R=rank,
+        HC=hc, BLOCK_T=bt, BLOCK_R=br, BLOCK_K=bk, SPLITS=splits, SPAN=span, Q8=down_s is not None,
+        num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
     bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
     bh = min(triton.next_power_of_2(hidden), bh)
     _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
