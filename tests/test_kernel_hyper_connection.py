@@ -218,17 +218,25 @@ def fp32_matmul_reduction():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 5], ids=["shipped", "5slices"])
 @pytest.mark.parametrize("rows", [1, 4, 64])
-def test_real_shapes_int8(rows):
+def test_real_shapes_int8(rows, splits, monkeypatch):
     """Qwen4-Exp at decode with the reports' INT8 per-channel down / up: the kernels against the reference on the
-    same packed weights."""
+    same packed weights (the shipped launch configs, and the down GEMV's inputs in 5 slices, whose last-program
+    sum only shows its races on a GPU: ten calls give the same bits)."""
     hidden, hc, rank = 2560, 4, 320
+    if splits:
+        for bucket in (1, 4, 16):
+            monkeypatch.setitem(K.DOWN_CFG_Q8, bucket, (2, 2048, 4, splits))
     streams = _streams(rows, hc * hidden, torch.bfloat16, seed=rows)
     weights = _int8(_weights(hidden, hc, rank, True, torch.bfloat16, seed=rows))
     mixed, weights_out = K.hc_mix(streams, *weights, hc, EPS)
     want_mixed, want_weights = ref.hc_mix(streams, *weights, hc, EPS)
     torch.testing.assert_close(mixed.float(), want_mixed.float(), rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(weights_out.float(), want_weights.float(), rtol=2e-2, atol=1e-2)
+    for _ in range(10):
+        again = K.hc_mix(streams, *weights, hc, EPS)
+        assert torch.equal(again[0], mixed) and torch.equal(again[1], weights_out)
 
 
 @pytest.mark.gpu
