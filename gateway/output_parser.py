@@ -40,10 +40,11 @@ Formats (see CHAT_TEMPLATE in stage_worker/checkpoint/tokenizer_files.py):
   a JSON object of the parameters (a ``<parameter=`` ends at ``</parameter>``, the next ``<parameter=`` or
   ``</function>``; text outside parameters is ignored; a repeated key keeps the last value). Each value loses one
   leading and one trailing newline and is typed by ``tool_params`` (tool name -> its parameters JSON schema): a
-  ``"string"`` property stays text; another declared type is ``json.loads``-ed, falling back to the text if that
-  fails; an undeclared one is ``json.loads``-ed when that gives a non-string, else text. A header cut by the end
-  of generation is dropped, like the hermes form's; a block cut after its header is kept with the parameters that
-  closed (``</parameter>``) and flagged ``cut_call``.
+  ``"string"`` property stays text; another declared type is ``json.loads``-ed, else read as a Python literal
+  (``True``, ``None``, ``{'k': 'v'}``: the real templates write a history call's non-string values with Jinja's
+  ``| string``, and models imitate them), falling back to the text; an undeclared one is ``json.loads``-ed when
+  that gives a non-string, else text. A header cut by the end of generation is dropped, like the hermes form's; a
+  block cut after its header is kept with the parameters that closed (``</parameter>``) and flagged ``cut_call``.
 * Content: text outside those blocks. Whitespace right before an accepted call is dropped, and so is
   whitespace-only text between or after calls (as vLLM does); text after a call keeps its leading whitespace as a
   separator only if content was emitted before.
@@ -59,7 +60,9 @@ split, so `parse_complete` (feed everything, then `finish`) gives exactly what t
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -541,18 +544,67 @@ def _xml_arguments(body: str, schema: Mapping | None, closed: bool) -> str:
 
 
 def _xml_value(text: str, declared: object) -> object:
-    """A parameter's value by its schema type: "string" stays text; another declared type is parsed as JSON (the
-    text if that fails); undeclared, JSON when that gives a non-string, else the text."""
+    """A parameter's value by its schema type: "string" stays text; another declared type is parsed as JSON, else
+    as a Python literal (the Qwen3-Coder and Qwen3.5 templates write a history call's non-string values with Jinja's
+    `| string`: `True`, `False`, `None`, and in the first Qwen3-Coder template `{'k': 'v'}` for objects, so models
+    write them so too; `TRUE` / `False` in any case for a boolean, as vLLM's qwen3_coder parser reads them), else
+    the text; undeclared, JSON when that gives a non-string, else the text. Non-finite numbers stay text (they are
+    no JSON)."""
     types = declared if isinstance(declared, list) else [declared] if isinstance(declared, str) else []
     if types and all(t == "string" for t in types):
         return text
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError:
-        return text
+        if not types:
+            return text
+        value = _python_literal(text.strip())
+        if value is _NO_VALUE:
+            low = text.strip().lower()
+            return low == "true" if "boolean" in types and low in ("true", "false") else text
     if isinstance(value, str) and not (types and "string" not in types):
         return text
     return value
+
+
+_NO_VALUE = object()
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is no JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _python_literal(text: str) -> object:
+    """`ast.literal_eval` of text when it gives a JSON value (None, bools, numbers, strings, lists, tuples, dicts
+    with string keys, nested), else _NO_VALUE."""
+    if not text or len(text) > 1_000_000:
+        return _NO_VALUE
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NO_VALUE
+    return value if _is_json_value(value) else _NO_VALUE
+
+
+def _is_json_value(value: object, depth: int = 0) -> bool:
+    if depth > 200:
+        return False
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_is_json_value(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json_value(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _merge(deltas: list[Delta]) -> list[Delta]:

@@ -300,6 +300,48 @@ def test_xml_values_typed_by_schema():
                       .arguments) == {"query": "\n  q  \n"}
 
 
+def test_xml_values_as_the_real_templates_write_them():
+    """The Qwen3-Coder and Qwen3.5 templates write a history call's non-string values with Jinja's `| string`
+    (`True`, `None`; the first Qwen3-Coder template objects too: `{'k': 'v'}`), and models imitate them: a declared
+    non-string type reads them as Python literals; a string property, or an undeclared one, keeps the words."""
+    def args(**params: str) -> dict:
+        text = xcall("search", **params)
+        return json.loads(parse_complete(text, "off", TOOLS, call_form="xml", tool_params=SCHEMAS).tool_calls[0]
+                          .arguments)
+
+    assert args(exact="True", note="None", top_k="None", filters="{'lang': 'en', 'strict': False}",
+                tags="['a', ('b', 1)]") == \
+        {"exact": True, "note": None, "top_k": None, "filters": {"lang": "en", "strict": False}, "tags": ["a", ["b", 1]]}
+    assert args(exact="FALSE", query="None", other="True") == {"exact": False, "query": "None", "other": "True"}
+    # no JSON value: a set, a non-string key, non-finite numbers, code
+    assert args(tags="{1, 2}", filters="{1: 'x'}", limit="1e999", top_k="NaN", extra="__import__('os')") == \
+        {"tags": "{1, 2}", "filters": "{1: 'x'}", "limit": "1e999", "top_k": "NaN", "extra": "__import__('os')"}
+
+
+# The call format the Qwen3-Coder and Qwen3.5 templates instruct (their tools section, verbatim)
+INSTRUCTED = ("<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+              "</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can "
+              "span\nmultiple lines\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_xml_instructed_format_split_at_every_character():
+    text = "Sure.\n\n" + INSTRUCTED + "\n" + INSTRUCTED.replace("value_1", "2")
+    tools = {"example_function_name"}
+    schema = {"example_function_name": {"type": "object", "properties": {
+        "example_parameter_1": {"type": "integer"}, "example_parameter_2": {"type": "string"}}}}
+    second = "This is the value for the second parameter\nthat can span\nmultiple lines"
+    expected = ParsedOutput(None, "Sure.", [
+        ToolCall("call_0", "example_function_name", json.dumps({"example_parameter_1": "value_1",
+                                                                  "example_parameter_2": second})),
+        ToolCall("call_1", "example_function_name", json.dumps({"example_parameter_1": 2,
+                                                                  "example_parameter_2": second}))])
+    assert parse_complete(text, "off", tools, id_factory=ids(), call_form="xml", tool_params=schema) == expected
+    splits = [list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for pieces in splits:
+        parser = OutputParser("off", tools, id_factory=ids(), call_form="xml", tool_params=schema)
+        assert assemble([d for p in pieces for d in parser.feed(p)] + parser.finish()) == expected, pieces
+
+
 def test_xml_form_hermes_default_leaves_xml_as_text():
     assert parse_complete(XCALL_W, "off", TOOLS) == ParsedOutput(None, XCALL_W, [])
     with pytest.raises(ValueError):
