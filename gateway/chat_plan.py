@@ -359,8 +359,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     order (templates take only the first message as the system prompt, and the tools section joins it); an
     assistant's `refusal` content part (or `refusal` field with no content) is its text; the legacy
     `{"role": "function", "name", "content"}` result is a tool turn and an assistant's legacy `function_call` a tool
-    call."""
+    call. A call's `arguments`, JSON text as OpenAI sends it, reach the template as the object it holds (as vLLM
+    passes them, and transformers documents): templates in the Qwen3-Coder / Qwen3.5 form iterate them
+    (`tool_call.arguments|items`) and cannot read a string; hermes templates write an object with `tojson`. Text
+    that is not a JSON object stays text, and empty text is `{}`."""
     out = [_template_message(i, m) for i, m in enumerate(messages)]
+    for m in out:
+        for call in m.get("tool_calls") or [] if m["role"] == "assistant" else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                fn["arguments"] = _arguments_object(fn["arguments"])
     call_id = None                      # a legacy function result answers the latest legacy call
     for m, original in zip(out, messages):
         if original.role == "assistant" and m.get("tool_calls"):
@@ -374,6 +382,17 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         merged = {**out[0], "content": "\n\n".join(_text(m["content"]) for m in out[:lead])}
         out = [merged] + out[lead:]
     return out
+
+
+def _arguments_object(text: str) -> Any:
+    """A history call's arguments text as the object it holds; other JSON (or none) stays the text."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _text(content: Any) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
@@ -105,13 +106,53 @@ def read_chat_template(path: str | Path) -> str:
     return source
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile in an environment that matches transformers', so Hub templates render identically."""
+def _environment() -> ImmutableSandboxedEnvironment:
+    """An environment that matches transformers', so Hub templates render identically."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def _loops_over_content(source: str) -> bool:
+    """Whether a template reads a message's content as a list of parts: a `for` over something named content
+    (`message.content`, `message['content']`, a macro's `content` argument: Qwen3.5's, the demo model's). Templates
+    that never do (Qwen3, Qwen3-Coder) concatenate content as a string. vLLM decides its "string" / "openai" content
+    format the same way, from the template's syntax tree."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateError:
+        return True
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:     # `for part in content | list`
+            it = it.node
+        if (isinstance(it, nodes.Name) and "content" in it.name
+                or isinstance(it, nodes.Getattr) and it.attr == "content"
+                or isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content"):
+            return True
+    return False
+
+
+def _content_as_text(message: dict) -> dict:
+    """A message for a template that reads content as a string: no content (null) is "", a list of text parts is
+    their texts joined by newlines (vLLM's "string" content format); other lists are left to the template."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list):
+        texts = [p if isinstance(p, str) else p.get("text") if isinstance(p, Mapping) and p.get("type") == "text"
+                 else None for p in content]
+        if all(isinstance(t, str) for t in texts):
+            return {**message, "content": "\n".join(texts)}
+    return message
 
 
 def _read_json(path: Path) -> dict:
@@ -223,6 +264,7 @@ class Tokenizer:
         # A byte-level decoder maps each token to bytes independently, which is what lets streaming be exact.
         self.is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._bytes_cache: dict[int, bytes] = {}
+        self._content_lists: dict[str, bool] = {}    # template source -> whether it reads content as a part list
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
@@ -346,7 +388,7 @@ class Tokenizer:
     def _tool_template(self) -> jinja2.Template:
         return self._named_template("tool_use")
 
-    def _named_template(self, preferred: str | None) -> jinja2.Template:
+    def _named_source(self, preferred: str | None) -> str:
         """transformers' get_chat_template: of named templates, `tool_use` when tools are given and it exists,
         else `default`."""
         source = self._template_source
@@ -357,7 +399,17 @@ class Tokenizer:
             source = source[name]
         if source is None:
             raise ValueError("this checkpoint's tokenizer has no chat template")
-        return _compile_template(source)
+        return source
+
+    def _named_template(self, preferred: str | None) -> jinja2.Template:
+        return _compile_template(self._named_source(preferred))
+
+    def _reads_content_lists(self, preferred: str | None) -> bool:
+        source = self._named_source(preferred)
+        known = self._content_lists.get(source)
+        if known is None:
+            known = self._content_lists[source] = _loops_over_content(source)
+        return known
 
     def apply_chat_template(
         self,
@@ -369,21 +421,31 @@ class Tokenizer:
     ) -> str:
         """Render a conversation to prompt text. Extra kwargs (e.g. `enable_thinking=False`) go to the template.
 
-        A template's `raise_exception` (bad roles, unsupported content) and other template errors surface as
-        ValueError, so the API layer can answer 400.
+        A template that never loops over a message's content (Qwen3's, Qwen3-Coder's: `'\\n' + message.content`)
+        gets content as a string: null as "", text parts joined by newlines, as vLLM gives such templates (a list
+        would render as its Python repr, null would fail).
+
+        A template's `raise_exception` (bad roles, unsupported content) and other template errors, and Python errors
+        raised while it renders (`'</think>' in None`, `|items` of a string), surface as ValueError, so the API
+        layer can answer 400.
         """
+        named = isinstance(self._template_source, Mapping) and tools is not None
+        turns = [_alias_reasoning(m) for m in _plain(list(messages))]
+        if not self._reads_content_lists("tool_use" if named else None):
+            turns = [_content_as_text(m) for m in turns]
         context = {
             **self._special_tokens,
             **_plain(template_kwargs),
-            "messages": [_alias_reasoning(m) for m in _plain(list(messages))],
+            "messages": turns,
             "tools": _plain(tools) if tools is not None else None,
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            named = isinstance(self._template_source, Mapping) and tools is not None
             return (self._tool_template if named else self._template).render(**context)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template rejected the conversation: {e}") from e
+        except (TypeError, AttributeError, KeyError, IndexError) as e:
+            raise ValueError(f"chat template failed on the conversation: {type(e).__name__}: {e}") from e
 
 
 class IncrementalDetokenizer:
