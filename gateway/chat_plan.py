@@ -11,6 +11,7 @@ those fields (a 400 naming the field for anything we cannot honour, never a sile
   extras: guided_json / guided_regex / guided_choice / guided_grammar / structured_outputs), a forced tool call
   (tool_choice "required", a named function, allowed_tools "required") whose arguments follow the tool's parameter
   schema, a call restricted to allowed_tools, or "a call or the schema's JSON" (response_format with callable tools);
+  calls in the chat template's form (the compiler's `call_form`: hermes JSON, or Qwen3-Coder / Qwen3.5 XML);
 * how the reply is split: reasoning (the `<think>` block) into `reasoning_content`, tool-call blocks into
   `tool_calls` (or, for a legacy `functions` request, the first call into `function_call`), the rest into `content`.
 
@@ -287,7 +288,15 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
                     tool_names=set(choice.allowed or names) if callable_tools else None,
                     grammar=grammar, compiler=compiler, legacy=legacy, max_calls=None if parallel else 1,
+                    call_form=_grammar_form(compiler),
                     tool_params={t["function"]["name"]: t["function"].get("parameters") for t in tools})
+
+
+def _grammar_form(compiler) -> str:
+    """The tool-call form a compiler's grammars write (GrammarCompiler.call_form), the one replies are read in;
+    "hermes" without one (api.py sets the template's form on the plan too)."""
+    form = getattr(compiler, "call_form", None)
+    return form if form in ("hermes", "xml") else "hermes"
 
 
 def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],

@@ -13,7 +13,9 @@ Why llguidance (rather than xgrammar): it builds its token trie from a `tokenize
 computes masks lazily per step in ~tens of microseconds with no per-grammar precompilation pass (so a fresh JSON schema
 per request costs little at request time), covers more of JSON Schema (and says which keywords it does not implement,
 instead of silently ignoring them), and its Lark grammars can inline JSON schemas (`%json {...}`) and name special
-tokens (`<tool_call>`), which is exactly what the tool-call format needs.
+tokens (`<tool_call>`), which is exactly what the tool-call format needs. Forced tool calls are written in the chat
+template's form (`GrammarCompiler.call_form`): hermes JSON, or Qwen3-Coder / Qwen3.5's XML (`_XmlCall`), whose
+parameters, in any order, are kept to the schema's set by llguidance's parametric rules.
 
 JSON whitespace: by default generated JSON is in `json.dumps` form, ", " between items and ": " after keys, with no
 other whitespace. That is what chat templates render tool calls in and what models imitate; it also stops a weak or
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, regex_to_lark
 from tokenizers import Tokenizer as _Backend
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
@@ -50,6 +52,12 @@ log = logging.getLogger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+CALL_FORMS = ("hermes", "xml")
+# Text an XML-form parameter value never holds: gateway.output_parser ends a value at `</parameter>` (or the next
+# `<parameter=`, or `</function>`) and the block at `</tool_call>`, so a value holding one would be read cut.
+_XML_MARKERS = ("</parameter>", "<parameter=", "</function>", TOOL_CALL_CLOSE)
+_XML_VALUE_END = "\n</parameter>\n"
+_PERMUTATION_BITS = 64             # llguidance's parametric rules carry a 64-bit set: the declared parameters seen
 _MAX_ERROR_CHARS = 600
 
 
@@ -183,7 +191,9 @@ class GrammarCompiler:
 
     `tokenizer`: a tokenizer.json path (or the checkpoint directory holding it), or a `tokenizers.Tokenizer`.
     `eos_token_ids`: every id that ends generation (gateway Tokenizer.eos_token_ids); allowed only where the grammar
-    may end. `vocab_size`: the model's vocabulary (embedding rows); masks cover this many ids.
+    may end. `vocab_size`: the model's vocabulary (embedding rows); masks cover this many ids. `call_form`: how the
+    chat template writes tool calls ("hermes" JSON or Qwen3-Coder / Qwen3.5 "xml", shared.tokenizer's
+    `tool_call_form`), the form `tool_calls` grammars make the model write.
 
     Spec methods (`json_object`, `json_schema`, `tool_calls`) return a grammar spec (llguidance's JSON grammar text),
     compiled eagerly so an invalid request fails with GrammarError before it is scheduled; compiled grammars are kept
@@ -198,7 +208,11 @@ class GrammarCompiler:
         *,
         cache_size: int = 64,
         flexible_whitespace: bool = False,
+        call_form: str = "hermes",
     ) -> None:
+        if call_form not in CALL_FORMS:
+            raise ValueError(f"call_form must be one of {CALL_FORMS}, got {call_form!r}")
+        self.call_form = call_form
         backend = self._load_backend(tokenizer)
         tokenizer_vocab = backend.get_vocab_size(with_added_tokens=True)
         if vocab_size < tokenizer_vocab:
@@ -237,13 +251,14 @@ class GrammarCompiler:
         vocab_size: int | None = None,
         **kwargs: Any,
     ) -> GrammarCompiler:
-        """From `shared.tokenizer.Tokenizer` (its tokenizers backend, EOS ids and vocabulary by
+        """From `shared.tokenizer.Tokenizer` (its tokenizers backend, EOS ids, vocabulary and tool-call form by
         default). Pass the model's vocab_size when its embedding is wider than the tokenizer."""
         backend = tok if isinstance(tok, _Backend) else getattr(tok, "_backend", None)
         if not isinstance(backend, _Backend):
             raise TypeError(f"cannot get a tokenizers.Tokenizer from {type(tok).__name__}")
         eos = (getattr(tok, "eos_token_ids", None) or []) if eos_ids is None else eos_ids
         size = vocab_size if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
+        kwargs.setdefault("call_form", getattr(tok, "tool_call_form", "hermes"))
         return cls(backend, eos, size, **kwargs)
 
     @staticmethod
@@ -298,16 +313,28 @@ class GrammarCompiler:
 
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool, *,
                    allowed: Iterable[str] | None = None, answer: Mapping[str, Any] | None = None,
-                   answer_strict: bool = False) -> str:
-        """Calls are one (or, if `parallel`, one or more "\\n"-separated) blocks of exactly
-        `<tool_call>\\n{"name": "<name>", "arguments": <JSON>}\\n</tool_call>`, the arguments matching that tool's
-        parameters schema. `allowed`: the names that may be called (default: every tool; tool_choice allowed_tools).
+                   answer_strict: bool = False, form: str | None = None) -> str:
+        """Calls are one (or, if `parallel`, one or more "\\n"-separated) blocks in the tool-call `form` (default: the
+        compiler's `call_form`) whose arguments follow that tool's parameters schema. `allowed`: the names that may
+        be called (default: every tool; tool_choice allowed_tools).
+
+        "hermes": exactly `<tool_call>\\n{"name": "<name>", "arguments": <JSON>}\\n</tool_call>`, the arguments
+        matching the schema. "xml" (Qwen3-Coder, Qwen3.5), exactly as their templates instruct::
+
+            <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
+
+        with the schema's properties as parameters, each at most once, in any order, every required one present,
+        others (a name the schema does not declare) only where `additionalProperties` allows them; see
+        `_XmlCall` for the values.
 
         `choice` "required": the reply is calls to `allowed` tools; {"type": "function", "function": {"name": X}}:
         calls to X only; "auto": calls to `allowed` tools, or else JSON matching `answer` (a schema: response_format
         with tools, the openai-agents SDK's typed final answer), or else (no `answer`) free text that never contains
         the call tag, optionally followed by calls. "auto" with every tool allowed and no answer needs no grammar.
         """
+        form = self.call_form if form is None else form
+        if form not in CALL_FORMS:
+            raise ValueError(f"form must be one of {CALL_FORMS}, got {form!r}")
         functions = self._functions(tools)
         allowed_names = list(functions) if allowed is None else list(dict.fromkeys(allowed))
         unknown = [n for n in allowed_names if n not in functions]
@@ -340,20 +367,22 @@ class GrammarCompiler:
             raise GrammarError(f"tool_choice {choice!r} needs no grammar: only \"required\", \"auto\" with allowed "
                                "tools or an answer schema, or a named function does")
 
+        fns = " | ".join(f"fn_{i}" for i in range(len(chosen)))
         rules = []
-        for i, name in enumerate(chosen):
-            params, strict = functions[name]
-            params = {**params, "x-guidance": {**self._json_options, "lenient": not strict}}
-            prefix = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-            rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
-        lark = "\n".join(
-            [
-                *top,
-                f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({" | ".join(f"fn_{i}" for i in range(len(chosen)))}) '
-                f'"\\n" {self._tag[TOOL_CALL_CLOSE]}',
-                *rules,
-            ]
-        )
+        if form == "hermes":
+            for i, name in enumerate(chosen):
+                params, strict = functions[name]
+                params = {**params, "x-guidance": {**self._json_options, "lenient": not strict}}
+                prefix = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+                rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
+            call = f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({fns}) "\\n" {self._tag[TOOL_CALL_CLOSE]}'
+        else:
+            for i, name in enumerate(chosen):
+                params, strict = functions[name]
+                rules += _XmlCall(f"fn_{i}", name, params, strict, self._json_options).rules()
+            rules += _XmlCall.shared_rules()
+            call = f"call: {self._tag[TOOL_CALL_OPEN]} \"\\n\" ({fns}) {self._tag[TOOL_CALL_CLOSE]}"
+        lark = "\n".join([*top, call, *rules])
         return self._compile(LLMatcher.grammar_from_lark(lark), what="tool parameters schema")
 
     def _functions(self, tools: Sequence[Mapping[str, Any]]) -> dict[str, tuple[dict, bool]]:
@@ -419,6 +448,254 @@ class GrammarCompiler:
         with self._lock:
             template = self._cache[spec]
             return GrammarState(template.deep_copy(), self.vocab_size, self._specials, self.ll_tokenizer)
+
+
+class _XmlCall:
+    """The Lark rules of one function's call in the XML form (Qwen3-Coder, Qwen3.5), as their templates instruct:
+    `<function=NAME>\n`, then per parameter `<parameter=KEY>\nVALUE\n</parameter>\n`, then `</function>\n`.
+
+    Parameters: the schema's `properties` (with those of `allOf` members), each at most once and in any order
+    (llguidance's parametric rules keep the set written; a schema of more than 64 properties takes them in its
+    order), every `required` one present; names the schema does not declare only where `additionalProperties` (true
+    or a schema) or `patternProperties` allow them (any number, values per `additionalProperties`; the name patterns
+    are not checked). A property whose name the form cannot carry (`>`, `<`, a line break, surrounding spaces) is
+    left out, or refused when required.
+
+    Values, as gateway.output_parser types them by the property's schema:
+
+    * a property that admits only strings (`"type": "string"`, an `enum` / `const` of strings, also through `$ref`):
+      its text as it is, any text but `</parameter>`, `<parameter=`, `</function>` and `</tool_call>` (the parser
+      would end the value or the call there); `enum` / `const`, `minLength` / `maxLength` and `pattern` are enforced
+      on the text (`format` is not);
+    * one that admits no string (integer, number, boolean, null, object, array, or unions of them through `type`
+      lists, `anyOf`, `oneOf`, `enum`, `$ref`): JSON matching the schema (llguidance's `%json`, compact as all
+      enforced JSON, `$defs` / `definitions` of the root beside it, strict per the tool's `strict`);
+    * one that admits strings beside other types (`["string", "null"]`), or does not say what it admits (`{}`): free
+      text as for a string (the parser reads JSON there where it is not a string, else keeps the text).
+    """
+
+    def __init__(self, rule: str, name: str, params: dict, strict: bool, json_options: Mapping[str, Any]) -> None:
+        self.rule, self.name, self.strict = rule, name, strict
+        self.json_options = {**json_options, "lenient": not strict}
+        self.defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+        self.props, self.required, self.extra = self._shape(params)
+        self.lines: list[str] = []
+
+    # ---- the object's shape ---------------------------------------------------------------------------------
+
+    def _shape(self, params: dict) -> tuple[dict[str, Any], list[str], Any]:
+        """(properties in schema order, required names, schema of undeclared parameters or None where none may
+        be written)."""
+        root = self._resolve(params)
+        members = [root] + [self._resolve(m) for m in root.get("allOf") or [] if isinstance(m, dict)]
+        props: dict[str, list[Any]] = {}
+        required: list[str] = []
+        for m in members:
+            for key, schema in (m.get("properties") or {}).items() if isinstance(m.get("properties"), dict) else ():
+                props.setdefault(key, []).append(schema)
+            required += [r for r in m.get("required") or [] if isinstance(r, str)]
+        # a property in several members must match each; the {} an allOf's closing (_closed_objects) puts on the
+        # root for a member's property adds nothing
+        merged = {k: [s for s in v if s != {}] or [{}] for k, v in props.items()}
+        out = {k: v[0] if len(v) == 1 else {"allOf": v} for k, v in merged.items()}
+        extra = root.get("additionalProperties", True)
+        if extra is True:
+            extra = {}
+        elif not isinstance(extra, dict):
+            extra = {} if isinstance(root.get("patternProperties"), dict) and root["patternProperties"] else None
+        for key in dict.fromkeys(required):
+            if key not in out:                          # required but not declared: as its undeclared values go
+                out[key] = extra if extra is not None else {}
+        required = list(dict.fromkeys(required))
+        for key in list(out):
+            if not key or key != key.strip() or any(c in key for c in "<>\n\r"):
+                if key in required:
+                    raise GrammarError(f"function {self.name!r}: required parameter {key!r} cannot be written in the "
+                                       "XML tool-call form (<parameter=NAME>)")
+                del out[key]
+            elif out[key] is False:
+                del out[key]
+        return out, [r for r in required if r in out], extra
+
+    def _resolve(self, schema: Any, depth: int = 0) -> Any:
+        """A local `$ref` (#/$defs/X, #/definitions/X) followed; other schemas as they are."""
+        while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
+            target = self._ref_target(schema["$ref"])
+            if target is None:
+                return schema
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            schema = {**target, **rest} if isinstance(target, dict) else target
+            depth += 1
+        return schema
+
+    def _ref_target(self, ref: str) -> Any:
+        for key in ("$defs", "definitions"):
+            prefix = f"#/{key}/"
+            if ref.startswith(prefix) and ref[len(prefix):] in self.defs.get(key, {}):
+                return self.defs[key][ref[len(prefix):]]
+        return None
+
+    def _kinds(self, schema: Any, depth: int = 0) -> set[str] | None:
+        """The JSON types a schema admits, None when it does not say."""
+        schema = self._resolve(schema)
+        if not isinstance(schema, dict) or depth > 32:
+            return None
+        if "type" in schema:
+            t = schema["type"]
+            kinds = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+            return {k for k in kinds if isinstance(k, str)} if kinds is not None else None
+        if "const" in schema:
+            return {_json_type(schema["const"])}
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return {_json_type(v) for v in schema["enum"]}
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                found = [self._kinds(m, depth + 1) for m in schema[key]]
+                return None if any(k is None for k in found) else set().union(*found)
+        if isinstance(schema.get("allOf"), list):
+            found = [k for k in (self._kinds(m, depth + 1) for m in schema["allOf"]) if k is not None]
+            return set.intersection(*found) if found else None
+        return None
+
+    def _refs_resolvable(self, node: Any, depth: int = 0) -> bool:
+        """Every `$ref` in node points into the root's `$defs` / `definitions` (which travel with the value)."""
+        if depth > 64:
+            return False
+        if isinstance(node, list):
+            return all(self._refs_resolvable(x, depth + 1) for x in node)
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and self._ref_target(ref) is None:
+            return False
+        return all(self._refs_resolvable(v, depth + 1) for k, v in node.items() if k not in ("const", "enum"))
+
+    # ---- values -----------------------------------------------------------------------------------------------
+
+    def _value(self, tag: str, schema: Any) -> str:
+        """The Lark expression of a value and the `\n</parameter>\n` after it (terminals it needs are added)."""
+        kinds = self._kinds(schema)
+        if kinds is not None and kinds and "string" not in kinds and self._refs_resolvable(schema):
+            value = {**self.defs, **schema} if isinstance(schema, dict) else schema
+            value = {**value, "x-guidance": self.json_options} if isinstance(value, dict) else value
+            python = " | ".join(_lark_literal(w) for w in self._python_spellings(schema))
+            json_value = f"%json {json.dumps(value)}"
+            return f"({json_value} | {python}) XML_END" if python else f"{json_value} XML_END"
+        if kinds == {"string"}:
+            text = self._text_constraint(tag, self._resolve(schema))
+            if text:
+                self.lines.append(f"{tag}: ({text} & XML_TEXT) XML_END")
+                return tag
+        return "XML_VALUE"
+
+    @staticmethod
+    def _python_spellings(schema: Any) -> list[str]:
+        """`True` / `False` / `None` where the property's own `type` admits booleans / null: the templates write an
+        earlier call's such values with Jinja's `| string`, so models write them so too, and the parser reads them
+        where the type is declared (not through `anyOf` or `$ref`, where it reads JSON only)."""
+        if not isinstance(schema, dict):
+            return []
+        t = schema.get("type")
+        types = {t} if isinstance(t, str) else set(x for x in t if isinstance(x, str)) if isinstance(t, list) else set()
+        listed = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema.get("enum"), list) \
+            else None
+        values = [v for v in (True, False) if "boolean" in types] + ([None] if "null" in types else [])
+        if listed is not None:
+            values = [v for v in values if any(v is x for x in listed)]
+        return [repr(v) for v in values]
+
+    def _text_constraint(self, tag: str, schema: Any) -> str | None:
+        """A Lark terminal expression for a string schema's text: enum / const, length bounds, pattern."""
+        if not isinstance(schema, dict):
+            return None
+        if isinstance(schema.get("const"), str):
+            return _lark_literal(schema["const"])
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            options = [v for v in schema["enum"] if isinstance(v, str)]
+            return "(" + " | ".join(_lark_literal(v) for v in options) + ")" if options else None
+        parts = []
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and lo > 0 else 0
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and hi >= lo else None
+        if lo or hi is not None:
+            parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}})/")
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str):
+            term = _pattern_terminal(pattern)
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(f"start: X\nX: {term}"))
+            if not error:
+                parts.append(term)
+            elif self.strict:
+                raise GrammarError(f"function {self.name!r}: pattern {pattern!r} cannot be enforced: {_short(error)}")
+            else:
+                log.warning("grammar warning: function %r: pattern %r not enforced: %s", self.name, pattern,
+                            _short(error))
+        return " & ".join(parts) or None
+
+    # ---- rules ------------------------------------------------------------------------------------------------
+
+    def rules(self) -> list[str]:
+        r = self.rule
+        names = list(self.props)
+        params = []
+        for k, key in enumerate(names):
+            value = self._value(f"XML_{r.upper()}_{k}", self.props[key])
+            self.lines.append(f"{r}_p{k}: {_lark_literal(f'<parameter={key}>' + chr(10))} {value}")
+            params.append(f"{r}_p{k}")
+        extra = None
+        if self.extra is not None:
+            taken = " | ".join(_lark_literal(n) for n in names)
+            name = "/[^<>\\s]+/" + (f" & ~({taken})" if taken else "")
+            self.lines.append(f'XML_{r.upper()}_OPEN: "<parameter=" ({name}) ">\\n"')
+            self.lines.append(f"{r}_x: XML_{r.upper()}_OPEN {self._value(f'XML_{r.upper()}_X', self.extra)}")
+            extra = f"{r}_x"
+        head = f"{r}: {_lark_literal(f'<function={self.name}>' + chr(10))}"
+        tail = _lark_literal("</function>\n")
+        if 0 < len(names) <= _PERMUTATION_BITS:
+            # the required ones take the low bits, so "all required written" is one range test
+            order = sorted(range(len(names)), key=lambda k: names[k] not in self.required)
+            bit = {k: b for b, k in enumerate(order)}
+            n_req = len(self.required)
+            alts = ['""' + (f" %if is_ones([0:{n_req}])" if n_req else "")]
+            alts += [f"{params[k]} {r}_args::set_bit({bit[k]}) %if bit_clear({bit[k]})" for k in range(len(names))]
+            if extra:
+                alts.append(f"{extra} {r}_args::_")
+            self.lines.append(f"{r}_args::_: " + "\n    | ".join(alts))
+            self.lines.append(f"{head} {r}_args::0x0 {tail}")
+        else:
+            seq = [p if names[k] in self.required else f"{p}?" for k, p in enumerate(params)]
+            self.lines.append(" ".join([head, *seq, *([extra + "*"] if extra else []), tail]))
+        return self.lines
+
+    @staticmethod
+    def shared_rules() -> list[str]:
+        markers = "|".join(re.escape(m).replace("/", "\\/") for m in _XML_MARKERS)
+        return [f"XML_TEXT: /(?s:.*)/ & ~/(?s:.*)({markers})(?s:.*)/",
+                f"XML_END: {_lark_literal(_XML_VALUE_END)}",
+                "XML_VALUE: XML_TEXT XML_END"]
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
+def _pattern_terminal(pattern: str) -> str:
+    """A JSON Schema `pattern` (unanchored, ECMAScript classes) as a Lark terminal matching whole texts."""
+    core = pattern
+    head = "" if core.startswith("^") else "(?s:.*)"
+    core = core[1:] if core.startswith("^") else core
+    tail = "(?s:.*)"
+    if core.endswith("$") and (len(core) - 1 - len(core[:-1].rstrip("\\"))) % 2 == 0:    # not an escaped `\$`
+        core, tail = core[:-1], ""
+    return f"/{head}(?:{regex_to_lark(core, 'dw')}){tail}/"
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")

@@ -1,0 +1,383 @@
+"""Forced tool calls in the XML form (Qwen3-Coder, Qwen3.5): with a chat template whose calls are
+`<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`, the grammar of
+tool_choice "required" / a named function (and of allowed_tools, and "a call or the JSON answer") makes the model
+write calls in that form, the one the template teaches, not the hermes JSON form (`{"name": ..., "arguments": ...}`)
+such models never saw. Names come from the tools, parameter names from the schema's properties, values by the
+schema (text for strings, JSON for the rest); the reply comes back as typed `tool_calls`.
+
+The grammar is checked on exact texts (the template's own instruction example, a hand-written equivalent, typed
+calls, and the texts it must refuse), by random walks whose every text must parse into arguments valid under the
+tool's schema, and end to end: the tiny model's in-process engine sampling under the mask through the gateway, with
+a hand-written XML template and, where the fixtures are present, the real Qwen3-Coder / Qwen3.5 templates
+(tests/fixtures/chat_templates/README.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from gateway.api import create_app  # noqa: E402
+from gateway.engine import AsyncEngine  # noqa: E402
+from gateway.grammar import GrammarCompiler, GrammarError, mask_to_bool  # noqa: E402
+from gateway.metrics import Metrics  # noqa: E402
+from gateway.output_parser import parse_complete  # noqa: E402
+from shared.sampling import read_generation_config  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from test_real_chat_templates import DEMO, TEMPLATES, instructed_example, template_file, xml_call  # noqa: E402
+
+# What Qwen3-Coder's and Qwen3.5's templates show the model ("If you choose to call a function ONLY reply in the
+# following format with NO suffix:"), byte for byte
+INSTRUCTED = ("<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+              "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple "
+              "lines\n</parameter>\n</function>\n</tool_call>")
+
+# A template of the same kind, written here: the tools, the instruction with its example, the calls of the history
+XML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n<function><name>{{ tool.function.name }}</name></function>{%- endfor %}\n</tools>"
+    "\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n" + INSTRUCTED
+    + "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}\n<|im_start|>{{ m.role }}\n{{ m.content if m.content is string else '' }}"
+    "{%- for tc in m.tool_calls or [] %}\n<tool_call>\n<function={{ tc.function.name }}>\n"
+    "{%- for k, v in tc.function.arguments|items %}<parameter={{ k }}>\n"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}\n</parameter>\n"
+    "{%- endfor %}</function>\n</tool_call>{%- endfor %}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
+)
+
+S = {"type": "string"}
+EXAMPLE = {"type": "function", "function": {"name": "example_function_name", "parameters": {
+    "type": "object", "properties": {"example_parameter_1": S, "example_parameter_2": S},
+    "required": ["example_parameter_1", "example_parameter_2"]}}}
+EDIT = {"type": "function", "function": {"name": "edit_file", "description": "Edit a file.", "parameters": {
+    "type": "object", "required": ["path", "line"], "properties": {
+        "path": S, "line": {"type": "integer", "minimum": 1, "maximum": 9999}, "ratio": {"type": "number"},
+        "dry_run": {"type": "boolean"}, "mode": {"type": "string", "enum": ["append", "replace"]},
+        "tags": {"type": "array", "items": S, "maxItems": 3},
+        "options": {"type": "object", "properties": {"overwrite": {"type": "boolean"}}},
+        "note": {"type": ["string", "null"]}, "limit": {"type": ["integer", "null"]}}}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [EXAMPLE, EDIT, PING]
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS}
+NAMED = {"type": "function", "function": {"name": "edit_file"}}
+
+EDIT_CALL = xml_call("edit_file", {
+    "line": "12", "path": "src/a.py", "dry_run": "true", "ratio": "0.5", "mode": "append", "tags": '["a", "b c"]',
+    "options": '{"overwrite": false}', "note": "two\nlines, <b>and</b> </param", "limit": "null"})
+EDIT_ARGS = {"line": 12, "path": "src/a.py", "dry_run": True, "ratio": 0.5, "mode": "append", "tags": ["a", "b c"],
+             "options": {"overwrite": False}, "note": "two\nlines, <b>and</b> </param", "limit": None}
+PING_CALL = xml_call("ping", {})
+
+
+@pytest.fixture(scope="module")
+def xml_template(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("xml_template") / "xml_calls.jinja"
+    path.write_text(XML_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(xml_template) -> Tokenizer:
+    return Tokenizer.from_dir(DEMO, xml_template)
+
+
+@pytest.fixture(scope="module")
+def compiler(tok) -> GrammarCompiler:
+    return GrammarCompiler.for_tokenizer(tok)
+
+
+def accepts(compiler: GrammarCompiler, spec: str, tok: Tokenizer, text: str) -> bool:
+    """The whole text is accepted and the grammar may end there."""
+    state = compiler.new_matcher(spec)
+    return all(state.accept(i) for i in tok.encode(text)) and state.is_accepting()
+
+
+def typed(text: str, names=None) -> list[tuple[str, dict]]:
+    parsed = parse_complete(text, "off", names or set(SCHEMAS), call_form="xml", tool_params=SCHEMAS)
+    assert parsed.content is None and not parsed.cut_call, parsed
+    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+
+
+# ---- the form and the exact texts -------------------------------------------------------------------------------
+
+def test_the_compiler_writes_the_template_form(tok, compiler):
+    assert tok.tool_call_form == "xml" and compiler.call_form == "xml"
+    hermes = GrammarCompiler.for_tokenizer(Tokenizer.from_dir(DEMO))
+    assert hermes.call_form == "hermes"
+    # the hermes grammar is the one it was: the same spec whichever compiler makes it
+    for choice, parallel in (("required", True), (NAMED, False)):
+        assert compiler.tool_calls(TOOLS, choice, parallel, form="hermes") == hermes.tool_calls(TOOLS, choice, parallel)
+    with pytest.raises(ValueError, match="call_form"):
+        GrammarCompiler.for_tokenizer(tok, call_form="pythonic")
+
+
+def test_the_instructed_example_is_accepted(tok, compiler):
+    """The example block the template shows the model, read off the rendered prompt, is exactly a call the grammar
+    accepts (its parameters declared as strings): the format taught is the format enforced."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[EXAMPLE], add_generation_prompt=True)
+    example = instructed_example(prompt, "xml")
+    assert example == INSTRUCTED == xml_call("example_function_name", {
+        "example_parameter_1": "value_1",
+        "example_parameter_2": "This is the value for the second parameter\nthat can span\nmultiple lines"})
+    for choice in ("required", {"type": "function", "function": {"name": "example_function_name"}}):
+        assert accepts(compiler, compiler.tool_calls(TOOLS, choice, parallel=False), tok, example), choice
+    assert typed(example) == [("example_function_name", {
+        "example_parameter_1": "value_1",
+        "example_parameter_2": "This is the value for the second parameter\nthat can span\nmultiple lines"})]
+
+
+@pytest.mark.parametrize("name", [n for n, (form, _) in TEMPLATES.items() if form == "xml"])
+def test_the_real_templates_example_is_accepted(name):
+    tok = Tokenizer.from_dir(DEMO, template_file(name))
+    compiler = GrammarCompiler.for_tokenizer(tok)
+    assert compiler.call_form == "xml"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=TOOLS, add_generation_prompt=True,
+                                     enable_thinking=False)
+    example = instructed_example(prompt, "xml")
+    assert example == INSTRUCTED
+    spec = compiler.tool_calls(TOOLS, "required", parallel=True)
+    assert accepts(compiler, spec, tok, example)
+    assert accepts(compiler, spec, tok, EDIT_CALL + "\n" + example)
+    assert not accepts(compiler, spec, tok, '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+
+
+def test_typed_values_any_order(tok, compiler):
+    spec = compiler.tool_calls(TOOLS, NAMED, parallel=False)
+    assert accepts(compiler, spec, tok, EDIT_CALL) and typed(EDIT_CALL) == [("edit_file", EDIT_ARGS)]
+    jsonschema.validate(EDIT_ARGS, SCHEMAS["edit_file"])
+    # required only, in either order; an empty string; booleans and null as the templates write history values
+    for params, args in (({"path": "a", "line": "1"}, {"path": "a", "line": 1}),
+                         ({"line": "7", "path": ""}, {"line": 7, "path": ""}),
+                         ({"path": "b", "line": "2", "dry_run": "False", "limit": "None", "note": "None"},
+                          {"path": "b", "line": 2, "dry_run": False, "limit": None, "note": None})):
+        text = xml_call("edit_file", params)
+        assert accepts(compiler, spec, tok, text), text
+        assert typed(text) == [("edit_file", args)]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "edit_file", "arguments": {"path": "a", "line": 1}}\n</tool_call>',   # hermes JSON form
+    "<tool_call>\n" + '{"name": "ping", "arguments": {}}' + "\n</tool_call>",
+    xml_call("delete_file", {"path": "a", "line": "1"}),                                           # unknown function
+    xml_call("ping", {"path": "a"}),                                                                # ping has none
+    xml_call("edit_file", {"path": "a", "line": "1", "colour": "red"}),                             # unknown parameter
+    xml_call("edit_file", {"path": "a", "line": "1", "Path": "b"}),
+    xml_call("edit_file", {"path": "a"}),                                                           # required missing
+    xml_call("edit_file", {"path": "a", "line": "1", "path ": "b"}),
+    xml_call("edit_file", {"path": "a", "line": "twelve"}),                                        # not an integer
+    xml_call("edit_file", {"path": "a", "line": "0"}),                                             # below minimum
+    xml_call("edit_file", {"path": "a", "line": '"1"'}),
+    xml_call("edit_file", {"path": "a", "line": "1", "mode": "insert"}),                           # not in the enum
+    xml_call("edit_file", {"path": "a", "line": "1", "dry_run": "yes"}),
+    xml_call("edit_file", {"path": "a", "line": "1", "options": '{"force": true}'}),              # closed object
+    xml_call("edit_file", {"path": "a", "line": "1", "tags": '["a", "b", "c", "d"]'}),             # maxItems
+    xml_call("edit_file", {"path": "a</parameter>b", "line": "1"}),                                # a value's end
+    xml_call("edit_file", {"path": "a", "line": "1"}).replace("<parameter=line>\n1\n</parameter>\n",
+                                                                 "<parameter=line>\n1\n</parameter>\n" * 2),
+    xml_call("edit_file", {"path": "a", "line": "1"}).replace("\n</function>", "</function>"),     # layout
+    xml_call("edit_file", {"path": "a", "line": "1"}).replace("<function=edit_file>\n", "<function=edit_file>"),
+    "Sure. " + PING_CALL,                                                                           # text first
+])
+def test_refused(tok, compiler, text):
+    for choice in ("required", NAMED if "ping" not in text else {"type": "function", "function": {"name": "ping"}}):
+        assert not accepts(compiler, compiler.tool_calls(TOOLS, choice, parallel=True), tok, text), (choice, text)
+
+
+def test_required_named_parallel_and_allowed(tok, compiler):
+    required = compiler.tool_calls(TOOLS, "required", parallel=True)
+    assert accepts(compiler, required, tok, EDIT_CALL + "\n" + PING_CALL + "\n" + INSTRUCTED)
+    assert [n for n, _ in typed(EDIT_CALL + "\n" + PING_CALL)] == ["edit_file", "ping"]
+    single = compiler.tool_calls(TOOLS, "required", parallel=False)
+    state = compiler.new_matcher(single)
+    ids = tok.encode(EDIT_CALL + "\n" + PING_CALL)
+    first = ids.index(tok.token_to_id("</tool_call>")) + 1
+    assert all(state.accept(i) for i in ids[:first]) and state.is_finished()       # one call, then nothing
+    named = compiler.tool_calls(TOOLS, NAMED, parallel=True)
+    assert accepts(compiler, named, tok, EDIT_CALL + "\n" + EDIT_CALL)
+    assert not accepts(compiler, named, tok, PING_CALL)
+    assert not accepts(compiler, named, tok, EDIT_CALL + "\n" + PING_CALL)
+    allowed = compiler.tool_calls(TOOLS, "required", parallel=False, allowed=["ping"])
+    assert accepts(compiler, allowed, tok, PING_CALL) and not accepts(compiler, allowed, tok, EDIT_CALL)
+    auto = compiler.tool_calls(TOOLS, "auto", parallel=False, allowed=["ping"])
+    assert accepts(compiler, auto, tok, "Pinging. " + PING_CALL) and accepts(compiler, auto, tok, "no call")
+    assert not accepts(compiler, auto, tok, 'Pinging. <tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+    answer = compiler.tool_calls(TOOLS, "auto", parallel=True, answer={
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    assert accepts(compiler, answer, tok, '{"ok": true}') and accepts(compiler, answer, tok, PING_CALL)
+    assert not accepts(compiler, answer, tok, '{"ok": true}' + PING_CALL)
+
+
+def test_undeclared_parameters_follow_additional_properties(tok, compiler):
+    def tool(params):
+        return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    closed = compiler.tool_calls(tool(base), "required", parallel=False)
+    assert accepts(compiler, closed, tok, xml_call("f", {"a": "1"}))
+    assert not accepts(compiler, closed, tok, xml_call("f", {"a": "1", "b": "x"}))
+    open_ = compiler.tool_calls(tool({**base, "additionalProperties": True}), "required", parallel=False)
+    assert accepts(compiler, open_, tok, xml_call("f", {"b": "x y", "a": "1", "c": "[1]"}))
+    assert not accepts(compiler, open_, tok, xml_call("f", {"b": "x"}))                 # a is still required
+    typed_extra = compiler.tool_calls(tool({**base, "additionalProperties": {"type": "integer"}}), "required", False)
+    assert accepts(compiler, typed_extra, tok, xml_call("f", {"a": "1", "b": "2"}))
+    assert not accepts(compiler, typed_extra, tok, xml_call("f", {"a": "1", "b": "two"}))
+
+
+def test_string_constraints_refs_and_names(tok, compiler):
+    def spec(params, strict=False):
+        return compiler.tool_calls([{"type": "function", "function": {"name": "f", "parameters": params,
+                                                                      "strict": strict}}], "required", False)
+
+    short = spec({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3, "pattern": "^[a-z]+$"}},
+                  "required": ["s"]})
+    assert accepts(compiler, short, tok, xml_call("f", {"s": "abc"}))
+    for bad in ("abcd", "ab1", ""):
+        assert not accepts(compiler, short, tok, xml_call("f", {"s": bad})), bad
+    refs = spec({"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                   "required": ["x"]}, "C": {"enum": ["red", "blue"]}},
+                 "properties": {"p": {"$ref": "#/$defs/P"}, "c": {"$ref": "#/$defs/C"}}, "required": ["p", "c"]})
+    assert accepts(compiler, refs, tok, xml_call("f", {"c": "red", "p": '{"x": 1}'}))
+    assert not accepts(compiler, refs, tok, xml_call("f", {"c": "green", "p": '{"x": 1}'}))
+    assert not accepts(compiler, refs, tok, xml_call("f", {"c": "red", "p": '{"y": 1}'}))
+    # a pattern llguidance cannot enforce: dropped (with a warning), or refused under strict
+    lookahead = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?=a)a"}}, "required": ["s"]}
+    assert accepts(compiler, spec(lookahead), tok, xml_call("f", {"s": "zz"}))
+    with pytest.raises(GrammarError, match="pattern"):
+        spec(lookahead, strict=True)
+    # a name <parameter=NAME> cannot carry: left out when optional, refused when required
+    odd = {"type": "object", "properties": {"a>b": S, "c": S}}
+    assert accepts(compiler, spec(odd), tok, xml_call("f", {"c": "1"}))
+    with pytest.raises(GrammarError, match="a>b"):
+        spec({**odd, "required": ["a>b"]})
+
+
+# ---- random walks: every text the grammar allows parses into valid arguments --------------------------------------
+
+WALK_TOOLS = [
+    {"type": "function", "function": {"name": "edit_file", "parameters": {
+        "type": "object", "required": ["path", "line"], "properties": {
+            "path": {"type": "string", "maxLength": 8}, "line": {"type": "integer", "minimum": 1, "maximum": 999},
+            "dry_run": {"type": "boolean"}, "mode": {"enum": ["append", "replace"]},
+            "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+            "limit": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+            "options": {"type": "object", "properties": {"overwrite": {"type": "boolean"}},
+                        "required": ["overwrite"]}}}}},
+    PING,
+]
+WALK_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in WALK_TOOLS}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_walks_parse_into_valid_calls(tok, compiler, seed):
+    rng = np.random.default_rng(seed)
+    spec = compiler.tool_calls(WALK_TOOLS, "required", parallel=seed % 2 == 1)
+    state = compiler.new_matcher(spec)
+    ids: list[int] = []
+    for _ in range(600):
+        if state.is_finished():
+            break
+        allowed = np.flatnonzero(mask_to_bool(state.mask(), compiler.vocab_size))
+        assert allowed.size, "empty mask"
+        eos = np.isin(allowed, tok.eos_token_ids)
+        w = np.where(eos, 50.0 if len(ids) > 40 else 0.0, 1.0)
+        token = int(rng.choice(allowed, p=w / w.sum()) if w.sum() else rng.choice(allowed))
+        assert state.accept(token), state.error
+        ids.append(token)
+    assert state.is_finished() and state.error is None
+    text = tok.decode([i for i in ids if i not in tok.eos_token_ids], skip_special_tokens=False)
+    assert text.startswith("<tool_call>\n<function=") and '{"name"' not in text, text
+    parsed = parse_complete(text, "off", set(WALK_SCHEMAS), call_form="xml", tool_params=WALK_SCHEMAS)
+    assert parsed.content is None and parsed.tool_calls and not parsed.cut_call, (text, parsed)
+    for call in parsed.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), WALK_SCHEMAS[call.name])
+
+
+# ---- end to end: the tiny model's engine samples under the mask, the gateway returns the calls ----------------------
+
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick one.", "parameters": {
+    "type": "object", "required": ["color", "count", "label"], "properties": {
+        "color": {"type": "string", "enum": ["red", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "label": {"type": "string", "maxLength": 6}, "exact": {"type": "boolean"},
+        "sizes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2}}}}}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "required": ["text"], "properties": {"text": {"type": "string", "maxLength": 5}}}}}
+
+
+@pytest.fixture(scope="module")
+def engine_core(tiny_checkpoint):
+    from stage_worker.inprocess_executor import local_engine_core
+
+    core = local_engine_core(tiny_checkpoint, max_model_len=2048, max_num_seqs=2)
+    yield core
+    core.stop()
+
+
+def _client(core, model_dir: Path, tok: Tokenizer) -> TestClient:
+    app = create_app(AsyncEngine(core), tok, model_name="m", generation_config=read_generation_config(model_dir),
+                     metrics=Metrics())
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _forced(client: TestClient, tool_choice, **extra) -> tuple[dict, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Pick a colour."}], "tools": [PICK, NOTE],
+            "tool_choice": tool_choice, "max_tokens": 400, "temperature": 0, "logprobs": True, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice, "".join(t["token"] for t in choice["logprobs"]["content"])
+
+
+def _check_forced(client: TestClient, tool_choice) -> None:
+    choice, raw = _forced(client, tool_choice, parallel_tool_calls=False)
+    assert raw.startswith("<tool_call>\n<function=") and "</function>\n</tool_call>" in raw, raw   # the XML form
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (call,) = choice["message"]["tool_calls"]
+    name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+    if isinstance(tool_choice, dict):
+        assert name == tool_choice["function"]["name"]
+    schema = {"pick": PICK, "note": NOTE}[name]["function"]["parameters"]
+    jsonschema.validate(args, schema)                  # typed: count an integer, exact a boolean, sizes a list
+    if name == "pick":
+        assert isinstance(args["count"], int) and args["color"] in ("red", "blue")
+    # streamed: the same call
+    body = {"model": "m", "messages": [{"role": "user", "content": "Pick a colour."}], "tools": [PICK, NOTE],
+            "tool_choice": tool_choice, "max_tokens": 400, "temperature": 0, "parallel_tool_calls": False,
+            "stream": True}
+    lines = [ln.removeprefix("data: ") for ln in client.post("/v1/chat/completions", json=body).text.splitlines()
+             if ln.startswith("data: {")]
+    chunks = [c["choices"][0] for c in map(json.loads, lines) if c["choices"]]
+    streamed = {"name": None, "arguments": ""}
+    for c in chunks:
+        for tc in c["delta"].get("tool_calls") or []:
+            streamed["name"] = streamed["name"] or tc["function"].get("name")
+            streamed["arguments"] += tc["function"].get("arguments") or ""
+    assert (streamed["name"], json.loads(streamed["arguments"])) == (name, args)
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == ["tool_calls"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_forced_call_end_to_end_in_the_xml_form(engine_core, tiny_checkpoint, xml_template, tool_choice):
+    tok = Tokenizer.from_dir(tiny_checkpoint, xml_template)
+    assert tok.tool_call_form == "xml"
+    _check_forced(_client(engine_core, tiny_checkpoint, tok), tool_choice)
+
+
+@pytest.mark.parametrize("name", [n for n, (form, _) in TEMPLATES.items() if form == "xml"])
+def test_forced_call_end_to_end_with_the_real_templates(engine_core, tiny_checkpoint, name):
+    tok = Tokenizer.from_dir(tiny_checkpoint, template_file(name))
+    _check_forced(_client(engine_core, tiny_checkpoint, tok), {"type": "function", "function": {"name": "pick"}})
+
+
+def test_forced_calls_of_a_hermes_template_stay_hermes(engine_core, tiny_checkpoint):
+    tok = Tokenizer.from_dir(tiny_checkpoint)            # the tiny model's own template: the hermes JSON form
+    assert tok.tool_call_form == "hermes"
+    choice, raw = _forced(_client(engine_core, tiny_checkpoint, tok), "required", parallel_tool_calls=False)
+    assert re.match(r'<tool_call>\n\{"name": "(pick|note)", "arguments": \{', raw), raw
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
