@@ -232,13 +232,15 @@ def test_hyper_connection_compiles_with_l2_prefetch_for_the_h200():
 from stage_worker.kernels import hyper_connection as K
 
 H, HC, R = 512, 4, 64
-down = dict(n_ptr="*bf16", down_ptr="*u8", ds_ptr="*bf16", inj_ptr="*bf16", a_ptr="*bf16", g_ptr="*bf16", T="i32")
+down = dict(n_ptr="*bf16", down_ptr="*u8", ds_ptr="*bf16", inj_ptr="*bf16", a_ptr="*bf16", g_ptr="*bf16",
+            part_ptr="*fp32", lock_ptr="*i32", T="i32")
 up = dict(n_ptr="*bf16", a_ptr="*bf16", up_ptr="*u8", us_ptr="*bf16", y_ptr="*bf16", T="i32", stride_y="i32")
 out = []
 for q8 in (True, False):
     ty = "*u8" if q8 else "*bf16"
     out += [dict(probe(f"hc_down q8={q8}", K._hc_down_kernel, dict(down, down_ptr=ty),
-                       dict(H=H, R=R, HC=HC, BLOCK_T=1, BLOCK_R=1, BLOCK_K=1024, Q8=q8), num_warps=8), prefetches=2),
+                       dict(H=H, R=R, HC=HC, BLOCK_T=1, BLOCK_R=1, BLOCK_K=1024, SPLITS=1, SPAN=H * HC, Q8=q8),
+                       num_warps=8), prefetches=2),
             dict(probe(f"hc_up_mix q8={q8}", K._hc_up_mix_kernel, dict(up, up_ptr=ty),
                        dict(H=H, R=R, HC=HC, BLOCK_T=4, BLOCK_H=8, BLOCK_J=64, Q8=q8), num_warps=4),
                  prefetches=HC)]
