@@ -254,3 +254,42 @@ def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoi
         for got in (fast, twelve):
             err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
             assert err < 2e-2, (t, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_shared_expert_on_the_side_stream_gives_the_same_bits(tiny_checkpoint):
+    """Kernel flag `side_stream`: a packed (INT6) shared expert's two GEMVs on a second stream beside the router
+    and the INT4 up launch (`SparseMoE._packed_decode_side`) give the one-stream result bit for bit, eagerly and
+    replayed from a CUDA graph captured with the fork and join (a parallel branch), at 1 and 4 tokens."""
+    from stage_worker.checkpoint.loader import LoadOptions, build_empty
+    from stage_worker.checkpoint.packed_experts import dummy_groups
+    from stage_worker.checkpoint.random_init import fill_random
+    from stage_worker.kernels.flags import KernelFlags
+    from stage_worker.model.quant_linear import dummy_specs
+    from shared.model_config import load_config
+
+    cfg = load_config(tiny_checkpoint)
+    opts = LoadOptions(device="cuda", load_format="dummy", dtype=torch.bfloat16, dummy_int4=dummy_groups(cfg))
+    model = build_empty(cfg, opts, {i: dummy_groups(cfg) for i in range(cfg.num_hidden_layers)
+                                    if cfg.is_sparse_moe(i)}, lambda m: dummy_specs(m, torch.bfloat16))
+    fill_random(model, seed=0)
+    moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
+    for t in (1, 4):
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            model.set_kernels(KernelFlags.parse("all"))
+            one = moe(x)
+            model.set_kernels(KernelFlags.parse("all,side_stream"))
+            side = moe(x)
+            assert torch.equal(side, one), t
+            moe(x)                                    # warm-up on this stream before the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = moe(x)
+            for _ in range(3):
+                replayed.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(replayed, one), t

@@ -143,6 +143,21 @@ if triton is not None:
             l2_prefetch_bytes(lo, tl.where(take, hi, lo))
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One second stream per CUDA device, for decode launches that can run beside the main chain (kernel flag
+    `side_stream`): a small launch that cannot fill the GPU alone runs while another does. Every use forks from the
+    current stream first (`side.wait_stream(main)`) and the main stream joins it before reading its output; inside
+    a CUDA-graph capture that makes a parallel branch of the graph."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())

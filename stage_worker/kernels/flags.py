@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream")
 # Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
-NOT_IN_ALL = ("l2_prefetch",)
+NOT_IN_ALL = ("l2_prefetch", "side_stream")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,10 @@ class KernelFlags:
                                       # scores in HBM); CUDA only. In "all" since h200-26: Qwen3-Next shape, 16
                                       # layers, 16k tokens in 2048 chunks: 0.46 / 0.44 s against 0.51 / 0.52 s;
                                       # off: the eager scores and fp32 softmax
+    side_stream: bool = False         # INT4 experts with a packed (INT6) shared expert at decode: the shared
+                                      # expert's two GEMVs on a second stream beside the router and the INT4 up
+                                      # launch (a parallel branch of the decode graph; kernels.common.side_stream).
+                                      # Named only until the H200 has timed it; same results on or off
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

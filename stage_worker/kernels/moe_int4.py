@@ -22,6 +22,7 @@ claimed slot into a free device slot: the expert moves to the device with no cop
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -287,14 +288,17 @@ def quad_words(words: int, group: int) -> int:
 def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
                    host: PackedExperts | None = None, first_host: int | None = None,
                    add: torch.Tensor | None = None,
-                   claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   claim: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   before_down: Callable[[], None] | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots; SKIP skipped) -> [T, H] in x.dtype; = fused_moe_int4_ref (+ add).
     ids and weights may be column slices of wider tensors (the router's k + 1 slots: read in place); fp32 weights
     are rounded to x.dtype in the kernel (no cast launch). `host`: the
     slots from `first_host` on, packed the same way in (pinned) host memory. `add` [T, H]: added to the result inside the
     down launch (the shared expert's output: no separate add). `claim` = (slot int32 [1], spare int64 [1]) on the
     device, as `moe.fused_moe`'s: a selected claimed slot's q13, s13, q2 and s2 also end up in device slot spare
-    (stored by the kernels as they read them; copied first where the kernels do not run)."""
+    (stored by the kernels as they read them; copied first where the kernels do not run). `before_down`: called
+    between the two launches, where the down launch starts to read `add` (a stream join when another stream writes
+    it: the shared expert beside the up launch, kernel flag `side_stream`)."""
     T, H = x.shape
     E, H_, I = experts.shape
     k = ids.shape[1]
@@ -309,9 +313,13 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         if host is not None:
             raise ValueError("host rows of INT4 experts need the kernel path")
         out = grouped_moe_int4(x, ids, weights, experts)
+        if before_down is not None:
+            before_down()
         return out if add is None else out + add
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
+        if before_down is not None:
+            before_down()
         return out
     x = x.contiguous()
     ids = ids if ids.dtype == torch.int32 and ids.stride(1) == 1 else ids.to(torch.int32).contiguous()
@@ -334,6 +342,8 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         launch_pdl=pdl)
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
+    if before_down is not None:
+        before_down()
     _int4_down_kernel[(T, triton.cdiv(H, bh))](
         act, ids, experts.q2, experts.s2, h.q2, h.s2, out, out if add is None else add, ids.stride(0),
         experts.q2.stride(0), experts.q2.stride(1), experts.s2.stride(0), experts.s2.stride(1), out.stride(0),

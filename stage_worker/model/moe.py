@@ -262,6 +262,8 @@ class SparseMoE(nn.Module):
         router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
         if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
+        if shared is None and self.kernels.side_stream and x2.is_cuda and not self.fp8_block:
+            return self._packed_decode_side(x2, counts, router, packed)
         k = self.top_k
         weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
                              valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
@@ -279,11 +281,38 @@ class SparseMoE(nn.Module):
         self.last_expert_ids = ids[:, :k]
         return out
 
+    def _packed_decode_side(self, x2: torch.Tensor, counts, router: torch.Tensor, packed: tuple) -> torch.Tensor:
+        """`_packed_decode` for a shared expert kept packed, with its two GEMVs on the side stream (kernel flag
+        `side_stream`): gate+up beside the router GEMV and the router kernel, down (which needs the router's shared
+        weight) beside the INT4 up launch; the INT4 down launch, which adds the shared output, waits for it. Each
+        of these launches reads a few MB, too little to fill the GPU alone. Same launches, same results."""
+        from stage_worker.kernels.common import side_stream
+        from stage_worker.kernels.moe import route
+        from stage_worker.kernels.quant_gemv import quant_gemv
+
+        k, fma, wide = self.top_k, self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
+        main, side = torch.cuda.current_stream(x2.device), side_stream(x2.device)
+        # Buffers made on the side stream are read there and (shared_out) by main after its join; the next side
+        # use forks from main again, so no block is reused while main still reads it.
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
+        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
+                             valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared_out = quant_gemv(gate_up, packed[1], swiglu=weights[:, k], fma=fma, wide=wide)
+        out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out,
+                                  before_down=lambda: main.wait_stream(side))
+        self.last_expert_ids = ids[:, :k]
+        return out
+
     def _routed_decode(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       add: torch.Tensor | None = None) -> torch.Tensor:
+                       add: torch.Tensor | None = None, before_down=None) -> torch.Tensor:
         """The routed experts' decode launches: the INT4 pair, or the bf16 pair in FP8 mode
         (`kernels.moe.fused_moe_fp8`) for float8 experts; with a table (cold experts) the same launches read host
-        slots (`host`, `first_host`); `add` summed into the output."""
+        slots (`host`, `first_host`); `add` summed into the output; `before_down` (INT4 only) called between the
+        pair's launches (`fused_moe_int4`)."""
         t = self.table
         if self.fp8_block:
             from stage_worker.kernels.moe import fused_moe_fp8
@@ -295,9 +324,10 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.moe_int4 import fused_moe_int4
 
         if t is None:
-            return fused_moe_int4(x2, ids, weights, self.packed(), add=add)
+            return fused_moe_int4(x2, ids, weights, self.packed(), add=add, before_down=before_down)
         dev, host = t.packed_experts()
-        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add, claim=t.claimed())
+        return fused_moe_int4(x2, ids, weights, dev, host=host, first_host=t.hot, add=add, claim=t.claimed(),
+                              before_down=before_down)
 
     def _packed_prefill(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         kernel: bool) -> torch.Tensor:
