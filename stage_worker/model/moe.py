@@ -293,7 +293,9 @@ class SparseMoE(nn.Module):
         k, fma, wide = self.top_k, self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
         main, side = torch.cuda.current_stream(x2.device), side_stream(x2.device)
         # Buffers made on the side stream are read there and (shared_out) by main after its join; the next side
-        # use forks from main again, so no block is reused while main still reads it.
+        # use forks from main again, so no block is reused while main still reads it. The side GEMVs may split K
+        # (`split_reduce` counters): what overlaps them on main (cuBLAS, the router kernel, the INT4 up launch)
+        # takes no counters.
         side.wait_stream(main)
         with torch.cuda.stream(side):
             gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
