@@ -6,7 +6,8 @@
 # (the grouped MoE prefill kernels' GPU test: agreement and timings at the full shape), greedy
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
-# 32 layers, no PLE), two (full-shape on two stage processes sharing the GPU, 4 streams, once per setting in $TWO_AB:
+# 32 layers, no PLE), one / two (full-shape on one stage process / two sharing the GPU, 4 streams, $TWO_LAYERS layers
+# (20; 12 fit an H100), two once per setting in $TWO_AB:
 # TWO_AB="base noipc" compares the CUDA IPC handoff (on by default) with the activations through the host), offload and vram24
 # (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
 # 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
@@ -251,7 +252,9 @@ fi
 want fs && model fs full-shape 20 1,4,16 "${STREAMS:-1,4,16}"
 want q3n && model q3n qwen3-next-shape 32 1,4,16 "${STREAMS:-1,4,16}"
 # two stage processes sharing the one GPU at 4 streams (issue 14: at least the one-stage throughput)
-want two && STAGES=2 NO_DECODE=1 ab="${TWO_AB:-base}" model fs_2stages full-shape 20 4 4
+# one: the same model on one stage process, the bar of `two` in the same call. TWO_LAYERS (20): 12 fits an H100.
+want one && NO_DECODE=1 ab=base model fs_1stage full-shape "${TWO_LAYERS:-20}" 4 4
+want two && STAGES=2 NO_DECODE=1 ab="${TWO_AB:-base}" model fs_2stages full-shape "${TWO_LAYERS:-20}" 4 4
 (cd "$out" && tar czf /tmp/results.tgz --exclude results.tgz . && rm -rf -- ./* && mv /tmp/results.tgz .)
 ls -l "$out"
 true
