@@ -5,6 +5,7 @@
     python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
     python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
     python bench/tune_kernels.py --only hc_q8 --rows 1,4      # the mix with INT8 down / up (reports-mixed), HBM-cold
+    python bench/tune_kernels.py --only route --rows 1,4      # the router kernel's warps a program
     python bench/tune_kernels.py --only quant_dequant --reps 5  # prefill's dequantize of packed dense weights
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
@@ -198,6 +199,36 @@ def tune_quant_dequant(reps: int, results: list) -> None:
         sweep(f"dequant {name}", cfgs, set_cfg, run, pw.nbytes() + n * k * 2, 1, reps, results)
 
 
+def tune_route(rows: list[int], reps: int, results: list, copies: int = 48) -> None:
+    """The router kernel (`moe.route`: softmax statistics and top-10 of 512 by ten block-wide max reductions, the
+    shared expert's gate in slot 10) over its warps a program (`moe.NUM_WARPS`), as the INT4 decode runs it: each
+    captured call on the next of `copies` logit rows (a layer each). Bytes: the logits read and the slots written.
+    A reduction over fewer warps needs no shared-memory round trip (one warp: shuffles only). Every config is checked
+    bit for bit against the shipped one first."""
+    from stage_worker.kernels import moe as M
+
+    shipped = M.NUM_WARPS
+    for t in rows:
+        g = torch.Generator(device="cuda").manual_seed(300 + t)
+        logits = [torch.randn(t, 513, device="cuda", generator=g).bfloat16() for _ in range(copies)]
+        want = [M.route(lg, 10, True, shared=True) for lg in logits[:2]]
+        turn = {"i": 0}
+
+        def set_cfg(cfg):
+            M.NUM_WARPS = cfg[0]
+            for lg, (w, i) in zip(logits, want):
+                got = M.route(lg, 10, True, shared=True)
+                if not (torch.equal(got[0], w) and torch.equal(got[1], i)):
+                    print(f"  MISMATCH against {shipped} warps: {cfg}", flush=True)
+
+        def run():
+            M.route(logits[turn["i"] % copies], 10, True, shared=True)
+            turn["i"] += 1
+
+        sweep("route", [(1,), (2,), (4,), (8,)], set_cfg, run, t * (513 * 2 + 11 * 8), t, reps, results)
+        M.NUM_WARPS = shipped
+
+
 def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> None:
     """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
     channel (PackedWeight, read in place), PDL as `--no-pdl` says, and each captured call on the next of
@@ -265,9 +296,11 @@ def main() -> int:
         tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results)
     if "hc_q8" in only:
         tune_hc_q8([int(r) for r in args.rows.split(",")], args.reps, results)
+    if "route" in only:
+        tune_route([int(r) for r in args.rows.split(",")], args.reps, results)
     if "quant_dequant" in only:
         tune_quant_dequant(args.reps, results)
-    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8", "quant_dequant"} else ():
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8", "quant_dequant", "route"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:
