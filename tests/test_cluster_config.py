@@ -115,7 +115,7 @@ def test_the_cli_names_a_bad_block_size_and_too_many_stages(tiny, tmp_path, caps
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         assert main(["serve", "--model", str(model), "--block-size", "16"]) == 2
-        assert "block_size 16 must be a multiple of indexer_compress_ratio 3" in capsys.readouterr().err
+        assert "--block-size 16 must be a multiple of indexer_compress_ratio 3" in capsys.readouterr().err
         assert main(["serve", "--model", str(tiny), "--stages", "7"]) == 2
         assert "--stages 7: must be between 1 and the model's 6 layers" in capsys.readouterr().err
     finally:
