@@ -141,6 +141,15 @@ def step_bytes(model, cfg: HybridMoeConfig, batch: int, context: int) -> dict[st
             "total": dense + experts + state + kv}
 
 
+def split_configs(spec: str) -> list[str]:
+    """--configs: "KERNELS:GRAPHS" entries, separated by ';' (or by ',' when every part has its ':'), so "all,-pdl:1"
+    is one entry (h100-28 lost a call to it splitting on the comma) and a trailing ';' is nothing."""
+    if ";" in spec:
+        return [c for c in spec.split(";") if c.strip()]
+    parts = spec.split(",")
+    return parts if all(":" in p for p in parts) else [spec]
+
+
 def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict], float]:
     """CUDA kernels one step launches (graph replays included: CUPTI sees the nodes), the `top` kernels by GPU
     time, so the next fusion can be picked from measurement, and all kernels' GPU time summed (us)."""
@@ -159,12 +168,12 @@ def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict], float]:
                                                    else e.cuda_time_total)
     rows = sorted(({"name": k, "count": len(v), "total_us": sum(v)} for k, v in by_name.items()),
                   key=lambda r: -r["total_us"])
-    return count, rows[:top], sum(r["total_us"] for r in rows)
+    return count, rows[:top] if top > 0 else rows, sum(r["total_us"] for r in rows)
 
 
 def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, graphs: bool,
-              max_model_len: int = 0, fill: str = "prefill", kv_offload: bool = False, row_cache_mib: int = 0
-              ) -> dict:
+              max_model_len: int = 0, fill: str = "prefill", kv_offload: bool = False, row_cache_mib: int = 0,
+              profile_top: int = 45) -> dict:
     # max_model_len sizes the block tables (and the graphs' static ones) as a server sized for that length does
     engine = LocalEngine([model], max_seqs=batch,
                          max_tokens=max(max_model_len, context + warmup + 2 * steps + 8), cuda_graphs=graphs,
@@ -213,7 +222,7 @@ def run_batch(model, cfg, batch: int, context: int, steps: int, warmup: int, gra
     pipelined = s.elapsed_time(e) / 1e3 / steps
     counts = engine.caches[0].row_cache_counts
     hits = counts.tolist() if counts is not None else None
-    kernels, top, busy_us = kernels_per_step(step)
+    kernels, top, busy_us = kernels_per_step(step, profile_top)
     by = step_bytes(model, cfg, batch, context + warmup + steps)
     med = statistics.median(times)
     return {"batch": batch, "context": context, "fill": fill, "median_step_s": med, "tokens_per_s": batch / med,
@@ -247,6 +256,8 @@ def main() -> int:
                          "-rmsnorm:1'; with '=' when the value starts with '-')")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
+    ap.add_argument("--profile-top", type=int, default=45,
+                    help="how many kernels --profile prints (and the JSON keeps), by GPU time; 0: all")
     ap.add_argument("--quant", default="", choices=["", "int4-experts", "reports-mixed"],
                     help="int4-experts: the routed experts packed in INT4 (group 128, or the largest power of two "
                          "dividing the widths), as an INT4 checkpoint loads with packed_experts on; reports-mixed: "
@@ -288,7 +299,7 @@ def main() -> int:
     from stage_worker.kernels.flags import KernelFlags
 
     with torch.inference_mode():
-        for conf in args.configs.split(";" if ";" in args.configs else ","):
+        for conf in split_configs(args.configs):
             kernels, graphs = conf.rsplit(":", 1)
             model.set_kernels(KernelFlags.parse(kernels))
             for context, b in ((int(c), int(x)) for c in args.context.split(",") for x in args.batch.split(",")):
@@ -296,7 +307,8 @@ def main() -> int:
                 t_run = time.perf_counter()
                 try:
                     r = run_batch(model, cfg, b, context, args.steps, args.warmup, graphs == "1",
-                                  args.max_model_len, fill, args.qsa_kv_offload, args.row_cache_mib)
+                                  args.max_model_len, fill, args.qsa_kv_offload, args.row_cache_mib,
+                                  args.profile_top)
                 except Exception as exc:  # report a failing configuration and go on with the others
                     print(f"kernels={kernels} graphs={graphs} context={context} batch={b}: FAILED "
                           f"{type(exc).__name__}: {exc}")
