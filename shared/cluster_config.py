@@ -726,8 +726,24 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(v)
     raise TypeError(f"cannot write {v!r} as TOML")
+
+
+# TOML basic strings: `"` and `\` escaped, and every control character (U+0000-U+001F and DEL; tab too, for a
+# readable file), which TOML does not allow raw; other characters as they are (the file is UTF-8). Not json.dumps:
+# its \ud83d\ude00 surrogate pairs are no TOML escape (tomllib refuses them), and with ensure_ascii=False it
+# leaves DEL raw.
+_TOML_ESCAPES = {**{c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F)},
+                 **{ord(c): e for c, e in (("\b", "\\b"), ("\t", "\\t"), ("\n", "\\n"), ("\f", "\\f"),
+                                           ("\r", "\\r"), ('"', '\\"'), ("\\", "\\\\"))}}
+
+
+def _toml_string(v: str) -> str:
+    if any("\ud800" <= c <= "\udfff" for c in v):
+        raise ClusterConfigError(f"cannot write {v!r} as TOML: it holds a lone surrogate (an undecodable byte), "
+                                 f"which no UTF-8 file can hold")
+    return '"' + v.translate(_TOML_ESCAPES) + '"'
 
 
 def stage_name(index: int) -> str:

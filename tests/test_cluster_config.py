@@ -411,3 +411,28 @@ def test_lengths_and_sizes_that_cannot_be_served_are_named(tiny, tmp_path, extra
     an OverflowError traceback."""
     with pytest.raises(ClusterConfigError, match=match):
         build_cluster_config(ServeOptions(model=tiny, extra=extra), tmp_path)
+
+
+def test_strings_round_trip_through_toml_whatever_characters_they_hold(tmp_path):
+    """dump_toml wrote a string's control characters raw: `api_key = ["e\\nf"]` came back as a file tomllib refused
+    ("Illegal character"). Every control character is escaped (DEL too), other characters are written as they are
+    (json.dumps is no TOML writer: its \\ud83d\\ude00 surrogate pairs are refused, and with ensure_ascii=False
+    DEL stays raw)."""
+    import tomllib
+
+    from shared.cluster_config import _toml_value
+
+    odd = ["e\nf", "tab\there", 'a "quoted" word', "back\\slash", "C:\\new\\table", "ünïcødé 😀 \u2028 \u00a0",
+           "\x00\x01\x1b\x1f\x7f\x80\x9f", "\r\n\b\f", "\\u0041 is not A", "'single'", "#not a comment", ""]
+    for s in odd:
+        text = f"v = {_toml_value(s)}\n"
+        assert tomllib.loads(text) == {"v": s}, (s, text)
+        assert "\n" not in text[:-1] and "\x7f" not in text, text
+    raw = {"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc://x"}], "gateway_endpoint": "ipc://g",
+           "api_key": odd, "served_model_name": "na\tme\n", "served_model_aliases": odd[:3]}
+    cfg = cluster_from_dict(raw)
+    path = tmp_path / "cluster.toml"
+    path.write_text(dump_toml(cfg), encoding="utf-8")
+    assert load_cluster_config(path) == cfg
+    with pytest.raises(ValueError, match="surrogate"):          # no UTF-8 file can hold one
+        _toml_value("bad \udcff byte")
