@@ -191,6 +191,105 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
             "prefetches_per_token": fetched / n, "prefetches_used_per_token": used / n}
 
 
+def batch_steps(trace: dict[str, np.ndarray], streams: int, steps: int) -> np.ndarray:
+    """{kind: [N, L, k]} -> [steps, L, streams * k]: decode step s of `streams` concurrent sequences as
+    `bench/expert_offload.py` builds its batch (`run`, `simulate`): stream i replays kind sorted(kinds)[i % kinds]
+    from row s + 997 * (i // kinds) (mod the kind's length), and a step's selections are the streams' tokens one
+    after the other, each token's best first (the router kernel's flat order, which the claim follows)."""
+    kinds = sorted(trace)
+    rows = np.arange(steps)
+    return np.concatenate([trace[kinds[i % len(kinds)]][(rows + 997 * (i // len(kinds))) %
+                                                        len(trace[kinds[i % len(kinds)]])]
+                           for i in range(streams)], axis=2)
+
+
+def _replay_claims(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0,
+                   spares: int = 2, claims: int = 1, streams: int = 1) -> dict:
+    """`_replay_claim` (moves on read) generalised to `claims` claims a layer a step and `spares` spare device slots
+    a layer, for steps of `streams` tokens (ids [T, L, streams * k], `batch_steps`); claims=1, spares=2, streams=1
+    is `_replay_claim` exactly (tests/test_expert_cache_sim.py). What the server would do with C claims (not built;
+    docs/performance.md, "Moves at batch 4, a CPU study"):
+    * the router claims, per layer, up to min(C, free spares) - (claims already held) distinct selected host
+      experts whose count after the step's adds passes the threshold, first come first (flat order);
+    * every `every` steps the round frees every pending victim's slot (its write-back done), decays, commits every
+      claim (one spare each: resident from then on, a move each), picks as many victims, the least-used other
+      resident experts (ties: the lowest id; they stay resident until the next round, their rows going back to host
+      RAM meanwhile), and sets the threshold (least resident count + margin while a spare is free).
+    So C claims a step in steady state need S >= 2C spares (C being written back, C receiving).
+    Host reads are counted as the router kernel's `host_reads` counts them (and the fused decode kernels read: a
+    program per (token, slot)): once per selection, so a host expert that two tokens of a step select is two reads.
+    Also returned: `distinct_reads_per_token` (distinct host experts a layer a step, summed; what a kernel that read
+    each present expert once would move over PCIe), `unclaimed_per_step` (distinct host experts that passed the
+    threshold but found no claim left, all layers: > 0 where C or the spares bind) and per-token / per-step reads
+    and moves over all layers."""
+    T, L, n = ids.shape
+    if n % streams:
+        raise ValueError(f"{n} selections a step is not a multiple of {streams} streams")
+    if claims < 1 or spares < 1:
+        raise ValueError("claims and spares must be >= 1")
+    rows = np.arange(L)
+    counts = np.zeros((L, num_experts))
+    resident = resident.copy()
+    free = np.full(L, spares)
+    victims = np.full((L, max(spares, claims)), -1)
+    held = np.full((L, claims), -1)                    # claimed experts, -1: none
+    claimed = np.zeros((L, num_experts), dtype=bool)   # the same as a mask
+    thr = np.full(L, np.inf)
+    hits = moves = distinct = unclaimed = 0
+    decay = 0.5 ** (policy.every / policy.half_life)
+    for t in range(T):
+        sel = ids[t]
+        on = resident[rows[:, None], sel]
+        if t >= skip:
+            hits += int(on.sum())
+            host = np.sort(np.where(on, -1, sel), axis=1)
+            distinct += int(((host[:, 1:] != host[:, :-1]) & (host[:, 1:] >= 0)).sum() + (host[:, 0] >= 0).sum())
+        np.add.at(counts, (np.repeat(rows, n), sel.ravel()), 1.0)
+        over = ~on & (counts[rows[:, None], sel] > thr[:, None])
+        cap = np.minimum(claims, free) - (held >= 0).sum(1)        # claims this layer may still make
+        for _ in range(claims):
+            over &= ~claimed[rows[:, None], sel]
+            first = over.argmax(1)
+            got = over[rows, first] & (cap > 0)
+            if not got.any():
+                break
+            e = sel[rows[got], first[got]]
+            held[rows[got], (held[got] >= 0).sum(1)] = e
+            claimed[rows[got], e] = True
+            cap -= got
+        if t >= skip:
+            left = np.sort(np.where(over & ~claimed[rows[:, None], sel], sel, -1), axis=1)
+            unclaimed += int(((left[:, 1:] != left[:, :-1]) & (left[:, 1:] >= 0)).sum() + (left[:, 0] >= 0).sum())
+        if (t + 1) % policy.every == 0:
+            fin = victims >= 0
+            r, c = np.nonzero(fin)
+            resident[r, victims[r, c]] = False
+            free += fin.sum(1)
+            victims[:] = -1
+            counts *= decay
+            n_go = np.minimum((held >= 0).sum(1), free)             # held claims fit the free spares (cap above)
+            go = (held >= 0) & (np.arange(claims)[None, :] < n_go[:, None])
+            r, c = np.nonzero(go)
+            resident[r, held[r, c]] = True
+            moves += int(go.sum()) if t >= skip else 0
+            if go.any():
+                others = np.where(resident & ~claimed, counts, np.inf)
+                order = np.argsort(others, axis=1, kind="stable")[:, :claims]    # ties: the lowest id
+                pick = np.arange(claims)[None, :] < n_go[:, None]
+                victims[:, :claims] = np.where(pick, order, -1)
+            free -= n_go
+            held[:] = -1
+            claimed[:] = False
+            low = np.where(resident, counts, np.inf).min(1)
+            thr = np.where((free > 0) & (resident.sum(1) > 0) & ~resident.all(1), low + policy.margin, np.inf)
+    m = max(1, T - min(skip, T))
+    reads = m * L * n - hits
+    return {"hit_rate": hits / (m * L * n), "moves_per_token": moves / m / L,
+            "reads_per_token": reads / (m * streams), "moves_per_token_all_layers": moves / (m * streams),
+            "reads_per_step": reads / m, "moves_per_step": moves / m,
+            "distinct_reads_per_token": distinct / (m * streams), "unclaimed_per_step": unclaimed / m}
+
+
 def workloads(ids: dict[str, np.ndarray], chunk: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(fit halves per kind, replay workloads)."""
     fit, test = {}, {}

@@ -197,3 +197,53 @@ def test_prefetched_experts_leave_the_critical_path():
         assert first["critical_reads_per_token"] + first["prefetches_used_per_token"] == pytest.approx(misses)
         for r in (none, oracle, first):
             assert (r["hit_rate"], r["moves_per_token"]) == (base["hit_rate"], base["moves_per_token"])
+
+
+def test_the_claims_replay_with_one_claim_and_two_spares_is_the_claim_replay():
+    """`_replay_claims` (bench/expert_moves_batch.py: C claims a layer a step, S spares, B streams) at C 1, S 2 gives
+    exactly `_replay_claim`'s hits and moves, one token a step and two streams' tokens a step alike."""
+    L, E, k, T = 3, 16, 2, 600
+    for seed in (6, 7):
+        ids, _, resident = _skewed_trace(seed, L, E, k, T)
+        two = ids.reshape(T // 2, 2, L, k).transpose(0, 2, 1, 3).reshape(T // 2, L, 2 * k)   # [steps, L, B * k]
+        for every, half_life, margin in ((1, 16.0, 0.5), (4, 64.0, 1.0), (2, 8.0, 0.0), (1, 128.0, 1e30)):
+            policy = sim.Policy("c", "swap", half_life=half_life, every=every, margin=margin)
+            for trace, streams, skip in ((ids, 1, 0), (ids, 1, 50), (two, 2, 25)):
+                old = sim._replay_claim(trace, E, resident, policy, skip=skip)
+                new = sim._replay_claims(trace, E, resident, policy, skip=skip, streams=streams)
+                assert (new["hit_rate"], new["moves_per_token"]) == (old["hit_rate"], old["moves_per_token"])
+                assert new["reads_per_token"] * streams == pytest.approx((1 - old["hit_rate"]) * L * trace.shape[2])
+
+
+def test_more_claims_take_a_new_working_set_in_one_round_given_the_spares():
+    """Three host experts appear at once: one claim a step moves them over three rounds (reads 3 + 2 + 1), four
+    claims with eight spares in one (3), four claims with two spares two at a time, the third waiting for a spare
+    (3 + 1 + 1: the round after a double move has no free spare, so no threshold)."""
+    E, T = 12, 20
+    ids = np.array([[[0, 1, 2]]] * 10 + [[[9, 10, 11]]] * (T - 10))        # [T, 1, 3]; host: 9-11
+    resident = np.zeros((1, E), dtype=bool)
+    resident[0, :9] = True                                              # 3-8 never selected: the victims
+    policy = sim.Policy("c", "swap", half_life=4.0, every=1, margin=0.5)
+    for claims, spares, reads in ((1, 2, 6), (4, 8, 3), (4, 2, 5), (2, 4, 4)):
+        r = sim._replay_claims(ids, E, resident, policy, spares=spares, claims=claims)
+        assert r["reads_per_step"] * T == pytest.approx(reads), (claims, spares)
+        assert r["moves_per_step"] * T == pytest.approx(3), (claims, spares)
+    # two tokens of a step selecting one host expert: two reads (as the kernels count), one distinct expert
+    both = np.array([[[9, 0, 9, 1]]])                                    # one step, two streams of k = 2
+    r = sim._replay_claims(both, E, resident, policy, streams=2)
+    assert (r["reads_per_step"], r["distinct_reads_per_token"] * 2) == (2, 1)
+
+
+def test_batch_steps_takes_the_benchmarks_streams():
+    """Stream i of a step replays kind i mod 4 (sorted) from row s + 997 * (i // 4), as bench/expert_offload.py
+    builds its batch; a step's selections are its streams' tokens one after the other."""
+    rng = np.random.default_rng(0)
+    trace = {kind: rng.integers(0, 64, (1500 + 10 * n, 2, 3)) for n, kind in enumerate("dcab")}
+    kinds = sorted(trace)
+    steps = sim.batch_steps(trace, 6, 40)
+    assert steps.shape == (40, 2, 18)
+    for s in (0, 17, 39):
+        for i in range(6):
+            a = trace[kinds[i % 4]]
+            assert (steps[s, :, 3 * i:3 * i + 3] == a[(s + 997 * (i // 4)) % len(a)]).all()
+    assert (sim.batch_steps(trace, 1, 40) == trace["a"][:40]).all()
