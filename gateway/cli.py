@@ -109,28 +109,11 @@ def serve_options(args: argparse.Namespace):
     from shared.cluster_config import DTYPE_ALIASES, parse_names
 
     names = args.served_model_name or []
-    if args.model_tag is None and args.model is None and names and not _is_checkpoint(names[-1]) and \
-            ("/" in names[-1] or Path(names[-1]).exists()):
-        # `vllm serve --served-model-name qwen Qwen/Qwen3-Next-80B-A3B-Instruct`: the Hub id was taken as a name and
-        # the built-in demo model would have been served under it
-        raise ValueError(f"--served-model-name took {names[-1]} as a name and no model was given; a model is a "
-                         f"local checkpoint directory (moepipe does not download: `huggingface-cli download "
-                         f"{names[-1]} --local-dir DIR`, then `moepipe serve DIR --served-model-name NAME`)")
-    if args.model_tag is None and args.model is None and names and _is_checkpoint(names[-1]):
-        # `vllm serve --served-model-name qwen /path/to/model`: nargs="+" took the positional MODEL as a name; vLLM's
-        # users mean the model (a checkpoint directory as a served name would serve the demo model under it)
-        if len(names) == 1:
-            raise ValueError(f"--served-model-name took {names[0]} (a checkpoint directory) as the name and no model "
-                             f"was given: put the model first (`moepipe serve {names[0]} --served-model-name NAME`) "
-                             f"or use --model")
-        args.model_tag = names.pop()
+    _model_taken_by(args, names, "--served-model-name", "name", lambda v: "/" in v or _exists(v))
     keys = args.api_key or []
-    if args.model_tag is None and args.model is None and keys and _is_checkpoint(keys[-1]):
-        # `vllm serve --api-key KEY /path/to/model`: nargs="+" took the model as a key too (as for the names above)
-        if len(keys) == 1:
-            raise ValueError(f"--api-key took {keys[0]} (a checkpoint directory) as the key and no model was given: "
-                             f"put the model first (`moepipe serve {keys[0]} --api-key KEY`) or use --model")
-        args.model_tag = keys.pop()
+    # a key may hold '/' (base64): only a Hub id's shape or a path's counts as a model
+    _model_taken_by(args, keys, "--api-key", "key", lambda v: bool(_HUB_ID.fullmatch(v) or _PATH.fullmatch(v)) or
+                    _exists(v))
     if not 1 <= args.port <= 65535:       # 0 would bind a random port the launcher cannot find
         raise ValueError(f"--port {args.port}: must be between 1 and 65535")
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
@@ -280,7 +263,49 @@ def _has_nvidia_gpu() -> bool:
 
 
 def _is_checkpoint(value: str) -> bool:
-    return bool(value) and (Path(value) / "config.json").is_file()
+    try:
+        return bool(value) and (Path(value) / "config.json").is_file()
+    except OSError:             # a value longer than a path may be (a key): ENAMETOOLONG
+        return False
+
+
+def _exists(value: str) -> bool:
+    try:
+        return bool(value) and Path(value).exists()
+    except OSError:
+        return False
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")                       # Qwen/Qwen3-Next-80B-A3B-Instruct
+_PATH = re.compile(r"(?:~|\.{1,2})?/[\w.-]+(?:/[\w.-]*)*")     # /models/qwen, ./qwen, ~/models/qwen
+
+
+def _model_taken_by(args: argparse.Namespace, values: list[str], flag: str, what: str, looks_like_model) -> None:
+    """vLLM's --served-model-name and --api-key take several values (nargs="+"), so argparse hands them the MODEL
+    written after them (`vllm serve --api-key KEY Qwen/Qwen3-Next-80B-A3B-Instruct`), and with no model left the
+    built-in demo model would be served, under the model's name or with it as a key. When no model was given
+    otherwise, the last value, if a checkpoint directory, is the model (taken out of `values`); one that
+    `looks_like_model` (a Hub id, a path) but is no checkpoint here is refused as a model would be (moepipe does
+    not download). vLLM's own order, `vllm serve MODEL --api-key K1 K2`, never comes here."""
+    if args.model_tag is not None or args.model is not None or not values:
+        return
+    last = values[-1]
+    if _is_checkpoint(last):
+        if len(values) == 1:
+            raise ValueError(f"{flag} took {last} (a checkpoint directory) as the {what} and no model was given: put "
+                             f"the model first (`moepipe serve {last} {flag} {what.upper()}`) or use --model")
+        args.model_tag = values.pop()
+    elif looks_like_model(last):
+        # the demo model would be served under it or with it as a key; as the model it is no local checkpoint
+        if _exists(last):
+            why = "is not a checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+        elif _HUB_ID.fullmatch(last):
+            why = (f"is no local directory (moepipe does not download: `huggingface-cli download {last} --local-dir "
+                   f"DIR`)")
+        else:
+            why = "is no such directory (moepipe does not download)"
+        raise ValueError(f"{flag} took {last} as a {what} and no model was given; a model is a local checkpoint "
+                         f"directory and {last} {why}: `moepipe serve DIR {flag} {what.upper()}`")
 
 
 def _serve(args: argparse.Namespace) -> int:

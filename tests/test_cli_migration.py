@@ -275,3 +275,41 @@ def test_config_errors_name_the_flag_given(tiny_checkpoint, monkeypatch, capsys)
     monkeypatch.setenv("MOEPIPE_GPU_MEMORY_UTILIZATION", "1.5")
     assert main(["serve", model]) == 2
     assert "cluster config: gpu_memory_utilization must be" in capsys.readouterr().err
+
+
+def test_a_model_after_api_key_is_not_a_key_in_either_order(tmp_path, tiny_checkpoint, monkeypatch):
+    """`--api-key` takes several keys (vLLM's nargs="+"), so `moepipe serve --api-key sk-1 Qwen/Qwen3-Next-...` took
+    the Hub id as a second key: the demo model was served and the Hub id was a bearer token. With no model given
+    otherwise, the last key is treated as the --served-model-name rescue treats the last name: a checkpoint is the
+    model, a Hub id or a path that is none here is refused as a model would be (before the keys took nargs, it was
+    the model: "no such directory ... download"). vLLM's own order, the model first, is unchanged, and a key holding
+    '/' (base64) is a key."""
+    monkeypatch.setattr("shared.cli.ensure_builtin_model", lambda: Path("/demo-model"))
+    hub = "Qwen/Qwen3-Next-80B-A3B-Instruct"
+    with pytest.raises(ValueError, match=r"--api-key took Qwen/Qwen3-Next-80B-A3B-Instruct as a key.*does not "
+                                         r"download"):
+        options("--api-key", "sk-1", hub)
+    with pytest.raises(ValueError, match="no model was given.*no such directory"):
+        options("--api-key", "sk-1", str(tmp_path / "not-downloaded-yet"))
+    with pytest.raises(ValueError, match="--api-key took ./models/later as a key"):
+        options("--api-key", "sk-1", "./models/later")
+    with pytest.raises(ValueError, match="does not download"):          # a single "key" that is a Hub id: no key left
+        options("--api-key", hub)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        options("--api-key", "sk-1", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="does not download"):          # the model first: as before
+        options(hub, "--api-key", "sk-1")
+    opts = options("--api-key", "sk-1", "sk-2", str(tiny_checkpoint))    # a checkpoint after the keys is the model
+    assert opts.model == tiny_checkpoint and opts.extra["api_key"] == ["sk-1", "sk-2"]
+    opts = options(str(tiny_checkpoint), "--api-key", "sk-1", "Qwen/not-a-model")   # the model given: keys are keys
+    assert opts.model == tiny_checkpoint and opts.extra["api_key"] == ["sk-1", "Qwen/not-a-model"]
+    opts = options("--model", str(tiny_checkpoint), "--api-key", hub)
+    assert opts.model == tiny_checkpoint and opts.extra["api_key"] == [hub]
+    b64 = "q3+/Zk9e/Pw0sT1xM2Jd8A=="                                   # base64 keys hold '/': still keys
+    opts = options("--api-key", "sk-1", b64)
+    assert opts.model == Path("/demo-model") and opts.extra["api_key"] == ["sk-1", b64]
+    long_key = "k" * 5000                                               # longer than a path may be: a key, no OSError
+    assert options("--api-key", long_key).extra["api_key"] == [long_key]
+    assert options("--served-model-name", long_key).extra["served_model_name"] == long_key
+
