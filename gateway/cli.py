@@ -161,6 +161,8 @@ def serve_options(args: argparse.Namespace):
         extra["cuda_graphs"] = False
     if args.chat_template:
         extra["chat_template"] = str(chat_template_file(args.chat_template))
+    if args.chat_template_content_format:
+        extra["chat_template_content_format"] = args.chat_template_content_format
     if args.no_ple_service:
         extra["ple_service"] = False
     if args.no_access_log:
@@ -357,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template used instead of the checkpoint's: a file, or the template itself as "
                         "vLLM takes it (a value with '{', '}' or a line break that is no file)")
+    # the choices are cluster_config.CHAT_TEMPLATE_CONTENT_FORMATS, written out so --help imports no config module
+    s.add_argument("--chat-template-content-format", default=None, choices=("auto", "string", "openai"),
+                   help="how message content reaches the chat template, as vLLM's: auto (default) = as the "
+                        "template reads it (a loop over content: a list of parts; else a string), string = text "
+                        "parts joined, openai = a list of parts (also MOEPIPE_CHAT_TEMPLATE_CONTENT_FORMAT)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU stages: no CUDA graphs (also MOEPIPE_CUDA_GRAPHS=0)")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default cpu")

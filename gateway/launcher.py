@@ -32,7 +32,6 @@ from shared.memory_plan import (AUTO_OFFLOAD_LEN, GIB, DeviceMemory, MemoryPlan,
                                  StageNeeds, fit_max_model_len, host_bytes_to_fit, host_kv_room)
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.sampling import read_generation_config
-from shared.tokenizer import Tokenizer
 from shared.parent_watch import RESTARTS_ENV
 
 STABLE_SECONDS = 600.0      # a component up this long has its restart count reset
@@ -276,7 +275,7 @@ class Cluster:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cluster = build_cluster_config(opts, self.run_dir)
         # what the gateway reads at its start, checked before any stage spends minutes loading weights
-        Tokenizer.from_dir(self.cluster.model, self.cluster.chat_template or None)
+        self.cluster.load_tokenizer()
         read_generation_config(self.cluster.model)
         self.config_path = self.run_dir / "cluster.toml"
         self.config_path.write_text(dump_toml(self.cluster))

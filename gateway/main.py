@@ -21,7 +21,6 @@ from shared.engine_core import EngineCore, SchedulerLimits
 from shared.model_config import Qwen4ExpConfig, load_config
 from shared.parent_watch import die_with_parent, restart_count
 from shared.sampling import read_generation_config
-from shared.tokenizer import Tokenizer
 
 log = logging.getLogger("moepipe.gateway")
 
@@ -46,7 +45,7 @@ async def serve(config_path: str) -> int:
     metrics = Metrics(model_name=cluster.served_model_name)
     metrics.set_restarts("gateway", restart_count())      # the launcher restarted the whole cluster this often
     core.attach_metrics(metrics)
-    tokenizer = Tokenizer.from_dir(cluster.model, cluster.chat_template or None)
+    tokenizer = cluster.load_tokenizer()
     app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
                      aliases=cluster.served_model_aliases, vocab_size=cfg.vocab_size,
                      generation_config=read_generation_config(cluster.model), metrics=metrics)

@@ -32,6 +32,10 @@ class ClusterConfigError(ValueError):
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
 PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py METHODS)
+# `chat_template_content_format` (vLLM's --chat-template-content-format): how a message's content reaches the chat
+# template. "auto": as the template reads it (shared/tokenizer.py detects a loop over content); "string": text parts
+# joined by newlines, null as ""; "openai": a list of parts (a string one text part, null none)
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 
 # The prefill chunk `moepipe serve --device cuda` takes when --max-num-batched-tokens is not given (the CPU keeps
 # the field's 512). A GPU chunk of 512 tokens is launch- and weight-read-bound: every chunk reads nearly all of a
@@ -114,6 +118,7 @@ class ClusterConfig:
     served_model_aliases: list[str] = field(default_factory=list)   # more names the API answers to and lists
     #                                           (vLLM's --served-model-name after the first); responses carry the first
     chat_template: str = ""                     # a Jinja file instead of the checkpoint's templates ("" = theirs)
+    chat_template_content_format: str = "auto"  # CHAT_TEMPLATE_CONTENT_FORMATS: "auto" = read off the template
     dtype: str = ""                             # "" = the checkpoint's (float32 for bf16/fp16 on a CPU)
     load_format: str = "safetensors"
     dummy_quant: str = ""                       # "dummy" format: "int4-experts" = routed experts packed INT4;
@@ -435,6 +440,10 @@ class ClusterConfig:
             names = getattr(self, key)
             if not isinstance(names, list) or not all(isinstance(h, str) and h for h in names):
                 raise ClusterConfigError(f"cluster config: {key} must be a list of names (or [\"*\"])")
+        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ClusterConfigError(f"cluster config: chat_template_content_format "
+                                     f"(MOEPIPE_CHAT_TEMPLATE_CONTENT_FORMAT) {self.chat_template_content_format!r} "
+                                     f"must be one of {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}")
         if self.dummy_quant not in DUMMY_QUANTS:
             raise ClusterConfigError(f"cluster config: dummy_quant {self.dummy_quant!r} must be one of "
                                      f"{', '.join(q for q in DUMMY_QUANTS if q)} or empty")
@@ -496,6 +505,15 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2, **fitted)
+
+    def load_tokenizer(self):
+        """The tokenizer the gateway renders chats with: the model's, with `chat_template` instead of its templates
+        when set and message content passed as `chat_template_content_format` says (a ValueError naming what is
+        wrong). The gateway and the launcher's check before any stage starts both load it here."""
+        from shared.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(self.model, self.chat_template or None,
+                                  content_format=self.chat_template_content_format)
 
     def keeps_fp8_experts(self) -> bool:
         """Whether a block-FP8 checkpoint's experts stay float8: the switch, and with cold experts also
@@ -574,7 +592,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_PACKED_QKV": "packed_qkv",
         "MOEPIPE_PACKED_FP8_EXPERTS": "packed_fp8_experts", "MOEPIPE_FP8_EXPERT_TABLES": "fp8_expert_tables", "MOEPIPE_PACKED_FP8_DENSE": "packed_fp8_dense",
         "MOEPIPE_QSA_KV_OFFLOAD": "qsa_kv_offload", "MOEPIPE_KV_ROW_CACHE": "kv_row_cache",
-        "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib", "MOEPIPE_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens"}
+        "MOEPIPE_KV_ROW_CACHE_MIB": "kv_row_cache_mib", "MOEPIPE_MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+        "MOEPIPE_CHAT_TEMPLATE_CONTENT_FORMAT": "chat_template_content_format"}
 
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
@@ -584,7 +603,8 @@ _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_tim
                "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
-_CHOICE_KEYS = ("ple_prefetch_method",)     # a word (stripped, lower case; VAR= is not set), checked by validate
+# a word (stripped, lower case; VAR= is not set), checked by validate
+_CHOICE_KEYS = ("ple_prefetch_method", "chat_template_content_format")
 _LIST_KEYS = ("allowed_hosts", "allowed_origins")
 
 

@@ -24,6 +24,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders
 
+from shared.cluster_config import CHAT_TEMPLATE_CONTENT_FORMATS
+
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -155,6 +157,21 @@ def _content_as_text(message: dict) -> dict:
     return message
 
 
+def _content_as_parts(message: dict) -> dict:
+    """A message as vLLM's "openai" content format gives it: content a list of parts, a string as one text part,
+    null as none (--chat-template-content-format openai, for a template the detection reads wrong)."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": []}
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}]}
+    if isinstance(content, list):
+        return {**message, "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in content]}
+    return message
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -253,9 +270,14 @@ class Tokenizer:
         special_tokens: Mapping[str, str | None],
         eos_token_ids: Iterable[int],
         model_max_length: int | None = None,
+        content_format: str = "auto",
     ) -> None:
+        if content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(f"chat template content format {content_format!r}: choose from "
+                             f"{', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}")
         self._backend = backend
         self._template_source = chat_template
+        self.content_format = content_format        # "auto": read off the template (_loops_over_content)
         self._special_tokens = dict(special_tokens)  # bos_token/eos_token/... strings, passed to the template
         self._eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.model_max_length = model_max_length
@@ -267,9 +289,11 @@ class Tokenizer:
         self._content_lists: dict[str, bool] = {}    # template source -> whether it reads content as a part list
 
     @classmethod
-    def from_dir(cls, path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
+    def from_dir(cls, path: str | Path, chat_template: str | Path | None = None,
+                 content_format: str = "auto") -> Tokenizer:
         """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`).
         `chat_template`: a Jinja file used instead of the checkpoint's templates (vLLM's --chat-template).
+        `content_format`: vLLM's --chat-template-content-format (see apply_chat_template).
         Without `tokenizer_config.json` (transformers loads `tokenizer.json` alone too): no named special tokens
         beyond what tokenizer.json marks special, the end-of-sequence ids from generation_config.json or
         config.json, a chat template only from its own file."""
@@ -307,6 +331,7 @@ class Tokenizer:
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids],
             model_max_length=int(max_len) if isinstance(max_len, (int, float)) else None,
+            content_format=content_format,
         )
 
     # ---- ids and text -------------------------------------------------------------------------------------------
@@ -405,6 +430,8 @@ class Tokenizer:
         return _compile_template(self._named_source(preferred))
 
     def _reads_content_lists(self, preferred: str | None) -> bool:
+        if self.content_format != "auto":
+            return self.content_format == "openai"
         source = self._named_source(preferred)
         known = self._content_lists.get(source)
         if known is None:
@@ -423,7 +450,9 @@ class Tokenizer:
 
         A template that never loops over a message's content (Qwen3's, Qwen3-Coder's: `'\\n' + message.content`)
         gets content as a string: null as "", text parts joined by newlines, as vLLM gives such templates (a list
-        would render as its Python repr, null would fail).
+        would render as its Python repr, null would fail). `content_format` (vLLM's --chat-template-content-format)
+        overrides that reading of the template: "string" always so, "openai" always a list of parts (a string one
+        text part, null none, as vLLM's "openai" format).
 
         A template's `raise_exception` (bad roles, unsupported content) and other template errors, and Python errors
         raised while it renders (`'</think>' in None`, `|items` of a string), surface as ValueError, so the API
@@ -433,6 +462,8 @@ class Tokenizer:
         turns = [_alias_reasoning(m) for m in _plain(list(messages))]
         if not self._reads_content_lists("tool_use" if named else None):
             turns = [_content_as_text(m) for m in turns]
+        elif self.content_format == "openai":
+            turns = [_content_as_parts(m) for m in turns]
         context = {
             **self._special_tokens,
             **_plain(template_kwargs),
