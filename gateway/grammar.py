@@ -46,6 +46,8 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer, regex_to_lark
 from tokenizers import Tokenizer as _Backend
 
+from gateway.json_schema_types import ParamSchemas
+
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
 
 log = logging.getLogger(__name__)
@@ -461,52 +463,38 @@ class _XmlCall:
     are not checked). A property whose name the form cannot carry (`>`, `<`, a line break, surrounding spaces) is
     left out, or refused when required.
 
-    Values, as gateway.output_parser types them by the property's schema:
+    Values, as gateway.output_parser types them: both read the property's admitted JSON types off the schema with
+    gateway.json_schema_types (`ParamSchemas.kinds`: `type`, `enum` / `const`, local `$ref`, `anyOf` / `oneOf`,
+    `allOf`, the root's `allOf` members and a root `$ref`), so what the grammar lets through is read as it meant:
 
-    * a property that admits only strings (`"type": "string"`, an `enum` / `const` of strings, also through `$ref`):
-      its text as it is, any text but `</parameter>`, `<parameter=`, `</function>` and `</tool_call>` (the parser
-      would end the value or the call there); `enum` / `const`, `minLength` / `maxLength` and `pattern` are enforced
-      on the text (`format` is not);
-    * one that admits no string (integer, number, boolean, null, object, array, or unions of them through `type`
-      lists, `anyOf`, `oneOf`, `enum`, `$ref`): JSON matching the schema (llguidance's `%json`, compact as all
-      enforced JSON, `$defs` / `definitions` of the root beside it, strict per the tool's `strict`);
-    * one that admits strings beside other types (`["string", "null"]`), or does not say what it admits (`{}`): free
-      text as for a string (the parser reads JSON there where it is not a string, else keeps the text).
+    * a property that admits only strings (`"type": "string"`, an `enum` / `const` of strings, also through `$ref`
+      or `allOf`): its text as it is, any text but `</parameter>`, `<parameter=`, `</function>` and `</tool_call>`
+      (the parser would end the value or the call there); `enum` / `const`, `minLength` / `maxLength` and `pattern`
+      are enforced on the text (`format` is not);
+    * one that admits no string (integer, number, boolean, null, object, array, or unions of them): JSON matching
+      the schema (llguidance's `%json`, compact as all enforced JSON, `$defs` / `definitions` of the root beside it,
+      strict per the tool's `strict`), and also `True` / `False` / `None` where it admits those, as the
+      templates write an earlier call's values (`_python_spellings`);
+    * one that admits strings beside other types (`["string", "null"]`, `anyOf` string or null), or does not say
+      what it admits (`{}`): free text as for a string; the parser keeps a JSON or Python-literal reading of it
+      only where that reading's type is admitted (`None` / `null` as null, `42` as 42 where integers are), else
+      the text.
     """
 
     def __init__(self, rule: str, name: str, params: dict, strict: bool, json_options: Mapping[str, Any]) -> None:
         self.rule, self.name, self.strict = rule, name, strict
         self.json_options = {**json_options, "lenient": not strict}
-        self.defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
-        self.props, self.required, self.extra = self._shape(params)
+        self.types = ParamSchemas(params)           # the reading gateway.output_parser types the values by
+        self.defs = self.types.defs
+        self.props, self.required, self.extra = self._shape()
         self.lines: list[str] = []
 
     # ---- the object's shape ---------------------------------------------------------------------------------
 
-    def _shape(self, params: dict) -> tuple[dict[str, Any], list[str], Any]:
+    def _shape(self) -> tuple[dict[str, Any], list[str], Any]:
         """(properties in schema order, required names, schema of undeclared parameters or None where none may
-        be written)."""
-        root = self._resolve(params)
-        members = [root] + [self._resolve(m) for m in root.get("allOf") or [] if isinstance(m, dict)]
-        props: dict[str, list[Any]] = {}
-        required: list[str] = []
-        for m in members:
-            for key, schema in (m.get("properties") or {}).items() if isinstance(m.get("properties"), dict) else ():
-                props.setdefault(key, []).append(schema)
-            required += [r for r in m.get("required") or [] if isinstance(r, str)]
-        # a property in several members must match each; the {} an allOf's closing (_closed_objects) puts on the
-        # root for a member's property adds nothing
-        merged = {k: [s for s in v if s != {}] or [{}] for k, v in props.items()}
-        out = {k: v[0] if len(v) == 1 else {"allOf": v} for k, v in merged.items()}
-        extra = root.get("additionalProperties", True)
-        if extra is True:
-            extra = {}
-        elif not isinstance(extra, dict):
-            extra = {} if isinstance(root.get("patternProperties"), dict) and root["patternProperties"] else None
-        for key in dict.fromkeys(required):
-            if key not in out:                          # required but not declared: as its undeclared values go
-                out[key] = extra if extra is not None else {}
-        required = list(dict.fromkeys(required))
+        be written): `ParamSchemas.shape`, less the names the form cannot carry."""
+        out, required, extra = self.types.shape()
         for key in list(out):
             if not key or key != key.strip() or any(c in key for c in "<>\n\r"):
                 if key in required:
@@ -517,46 +505,6 @@ class _XmlCall:
                 del out[key]
         return out, [r for r in required if r in out], extra
 
-    def _resolve(self, schema: Any, depth: int = 0) -> Any:
-        """A local `$ref` (#/$defs/X, #/definitions/X) followed; other schemas as they are."""
-        while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
-            target = self._ref_target(schema["$ref"])
-            if target is None:
-                return schema
-            rest = {k: v for k, v in schema.items() if k != "$ref"}
-            schema = {**target, **rest} if isinstance(target, dict) else target
-            depth += 1
-        return schema
-
-    def _ref_target(self, ref: str) -> Any:
-        for key in ("$defs", "definitions"):
-            prefix = f"#/{key}/"
-            if ref.startswith(prefix) and ref[len(prefix):] in self.defs.get(key, {}):
-                return self.defs[key][ref[len(prefix):]]
-        return None
-
-    def _kinds(self, schema: Any, depth: int = 0) -> set[str] | None:
-        """The JSON types a schema admits, None when it does not say."""
-        schema = self._resolve(schema)
-        if not isinstance(schema, dict) or depth > 32:
-            return None
-        if "type" in schema:
-            t = schema["type"]
-            kinds = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
-            return {k for k in kinds if isinstance(k, str)} if kinds is not None else None
-        if "const" in schema:
-            return {_json_type(schema["const"])}
-        if isinstance(schema.get("enum"), list) and schema["enum"]:
-            return {_json_type(v) for v in schema["enum"]}
-        for key in ("anyOf", "oneOf"):
-            if isinstance(schema.get(key), list) and schema[key]:
-                found = [self._kinds(m, depth + 1) for m in schema[key]]
-                return None if any(k is None for k in found) else set().union(*found)
-        if isinstance(schema.get("allOf"), list):
-            found = [k for k in (self._kinds(m, depth + 1) for m in schema["allOf"]) if k is not None]
-            return set.intersection(*found) if found else None
-        return None
-
     def _refs_resolvable(self, node: Any, depth: int = 0) -> bool:
         """Every `$ref` in node points into the root's `$defs` / `definitions` (which travel with the value)."""
         if depth > 64:
@@ -566,7 +514,7 @@ class _XmlCall:
         if not isinstance(node, dict):
             return True
         ref = node.get("$ref")
-        if isinstance(ref, str) and self._ref_target(ref) is None:
+        if isinstance(ref, str) and self.types.ref_target(ref) is None:
             return False
         return all(self._refs_resolvable(v, depth + 1) for k, v in node.items() if k not in ("const", "enum"))
 
@@ -574,35 +522,29 @@ class _XmlCall:
 
     def _value(self, tag: str, schema: Any) -> str:
         """The Lark expression of a value and the `\n</parameter>\n` after it (terminals it needs are added)."""
-        kinds = self._kinds(schema)
-        if kinds is not None and kinds and "string" not in kinds and self._refs_resolvable(schema):
+        kinds = self.types.kinds(schema)
+        if kinds and "string" not in kinds and self._refs_resolvable(schema):
             value = {**self.defs, **schema} if isinstance(schema, dict) else schema
             value = {**value, "x-guidance": self.json_options} if isinstance(value, dict) else value
-            python = " | ".join(_lark_literal(w) for w in self._python_spellings(schema))
+            python = " | ".join(_lark_literal(w) for w in self._python_spellings(schema, kinds))
             json_value = f"%json {json.dumps(value)}"
             return f"({json_value} | {python}) XML_END" if python else f"{json_value} XML_END"
         if kinds == {"string"}:
-            text = self._text_constraint(tag, self._resolve(schema))
+            text = self._text_constraint(tag, self.types.resolve(schema))
             if text:
                 self.lines.append(f"{tag}: ({text} & XML_TEXT) XML_END")
                 return tag
         return "XML_VALUE"
 
-    @staticmethod
-    def _python_spellings(schema: Any) -> list[str]:
-        """`True` / `False` / `None` where the property's own `type` admits booleans / null: the templates write an
-        earlier call's such values with Jinja's `| string`, so models write them so too, and the parser reads them
-        where the type is declared (not through `anyOf` or `$ref`, where it reads JSON only)."""
-        if not isinstance(schema, dict):
-            return []
-        t = schema.get("type")
-        types = {t} if isinstance(t, str) else set(x for x in t if isinstance(x, str)) if isinstance(t, list) else set()
-        listed = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema.get("enum"), list) \
-            else None
-        values = [v for v in (True, False) if "boolean" in types] + ([None] if "null" in types else [])
-        if listed is not None:
-            values = [v for v in values if any(v is x for x in listed)]
-        return [repr(v) for v in values]
+    def _python_spellings(self, schema: Any, kinds: frozenset[str]) -> list[str]:
+        """`True` / `False` / `None` where the schema admits them (`ParamSchemas.admits`; not where it cannot tell):
+        the templates write an earlier call's booleans and null with Jinja's `| string`, so models write them so
+        too, and gateway.output_parser reads them wherever their type is admitted."""
+        words = []
+        for kind, values in (("boolean", (True, False)), ("null", (None,))):
+            if kind in kinds:
+                words += [repr(v) for v in values if self.types.admits(schema, v) is True]
+        return words
 
     def _text_constraint(self, tag: str, schema: Any) -> str | None:
         """A Lark terminal expression for a string schema's text: enum / const, length bounds, pattern."""
@@ -673,18 +615,6 @@ class _XmlCall:
         return [f"XML_TEXT: /(?s:.*)/ & ~/(?s:.*)({markers})(?s:.*)/",
                 f"XML_END: {_lark_literal(_XML_VALUE_END)}",
                 "XML_VALUE: XML_TEXT XML_END"]
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
 
 
 def _pattern_terminal(pattern: str) -> str:

@@ -68,6 +68,8 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from gateway.json_schema_types import ParamSchemas, admitted
+
 __all__ = ["Delta", "OutputParser", "ParsedOutput", "ToolCall", "assemble", "parse_complete"]
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -527,8 +529,8 @@ def _xml_arguments(body: str, schema: Mapping | None, closed: bool) -> str:
     cut, so a parameter that did not close with `</parameter>` is left out."""
     if "</function>" in body:
         body, closed = body.split("</function>", 1)[0], True
-    props = schema.get("properties") if isinstance(schema, Mapping) else None
-    props = props if isinstance(props, Mapping) else {}
+    types = ParamSchemas(schema)
+    props, _, extra = types.shape()
     args: dict[str, object] = {}
     for m in _XML_PARAM.finditer(body):
         key, value, ender = m.group(1).strip(), m.group(2), m.group(3)
@@ -538,33 +540,36 @@ def _xml_arguments(body: str, schema: Mapping | None, closed: bool) -> str:
             value = value[1:]
         if value.endswith("\n"):
             value = value[:-1]
-        spec = props.get(key)
-        args[key] = _xml_value(value, spec.get("type") if isinstance(spec, Mapping) else None)
+        args[key] = _xml_value(value, types.kinds(props.get(key, extra)))
     return json.dumps(args, ensure_ascii=False)
 
 
-def _xml_value(text: str, declared: object) -> object:
-    """A parameter's value by its schema type: "string" stays text; another declared type is parsed as JSON, else
-    as a Python literal (the Qwen3-Coder and Qwen3.5 templates write a history call's non-string values with Jinja's
+def _xml_value(text: str, kinds: frozenset[str] | None) -> object:
+    """A parameter's value by the JSON types its schema admits (`kinds`, gateway.json_schema_types: the reading the
+    grammar writes values by): strings only, the text; other types, the value of the text as JSON, else as a
+    Python literal (the Qwen3-Coder and Qwen3.5 templates write a history call's non-string values with Jinja's
     `| string`: `True`, `False`, `None`, and in the first Qwen3-Coder template `{'k': 'v'}` for objects, so models
-    write them so too; `TRUE` / `False` in any case for a boolean, as vLLM's qwen3_coder parser reads them), else
-    the text; undeclared, JSON when that gives a non-string, else the text. Non-finite numbers stay text (they are
-    no JSON)."""
-    types = declared if isinstance(declared, list) else [declared] if isinstance(declared, str) else []
-    if types and all(t == "string" for t in types):
+    write them so too; `TRUE` / `False` in any case for a boolean, as vLLM's qwen3_coder parser reads them), kept
+    only where its type is admitted (`3.10` stays text where a string or null is, `None` is null wherever null is),
+    else the text. Unknown types (`{}`, no schema): JSON when that gives a non-string, else the text. Non-finite
+    numbers stay text (they are no JSON)."""
+    if kinds is not None and kinds <= {"string"}:
         return text
     try:
         value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError:
-        if not types:
-            return text
-        value = _python_literal(text.strip())
-        if value is _NO_VALUE:
-            low = text.strip().lower()
-            return low == "true" if "boolean" in types and low in ("true", "false") else text
-    if isinstance(value, str) and not (types and "string" not in types):
-        return text
-    return value
+        value = _NO_VALUE
+    if kinds is None:
+        return text if value is _NO_VALUE or isinstance(value, str) else value
+    if value is not _NO_VALUE and not isinstance(value, str) and admitted(value, kinds):
+        return value
+    value = _python_literal(text.strip())
+    if value is not _NO_VALUE and not isinstance(value, str) and admitted(value, kinds):
+        return value
+    low = text.strip().lower()
+    if "boolean" in kinds and low in ("true", "false"):
+        return low == "true"
+    return text
 
 
 _NO_VALUE = object()

@@ -270,19 +270,42 @@ WALK_TOOLS = [
             "options": {"type": "object", "properties": {"overwrite": {"type": "boolean"}},
                         "required": ["overwrite"]}}}}},
     PING,
+    # types said without a direct `type`: through $ref, anyOf (pydantic's Optional[...]), enum, allOf, a root $ref
+    {"type": "function", "function": {"name": "configure", "parameters": {
+        "$ref": "#/$defs/Config", "$defs": {
+            "Config": {"type": "object", "required": ["version", "mode"], "properties": {
+                "version": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "mode": {"$ref": "#/$defs/Mode"}, "level": {"$ref": "#/$defs/Level"},
+                "flag": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                "answer": {"enum": ["1", "2.5", "true", "null"]}, "code": {"$ref": "#/$defs/Code"},
+                "scale": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": [None, 0.5]}]},
+                "seen": {"type": "array", "items": {"$ref": "#/$defs/Mode"}, "maxItems": 2}},
+                "allOf": [{"properties": {"tag": {"type": "string", "enum": ["007", "None"]}}}]},
+            "Mode": {"enum": ["42", "fast", "False"]}, "Level": {"type": "integer", "minimum": 0, "maximum": 3},
+            "Code": {"type": "string", "maxLength": 3}}}}},
 ]
 WALK_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in WALK_TOOLS}
+VALUE_END = "\n</parameter>\n"
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_random_walks_parse_into_valid_calls(tok, compiler, seed):
+    """Random texts the grammar allows (a token drawn uniformly from the mask; now and then a free-text value is
+    ended, else it would run on) parse into arguments valid under the tool's schema, whichever way the schema says
+    a parameter's type."""
     rng = np.random.default_rng(seed)
-    spec = compiler.tool_calls(WALK_TOOLS, "required", parallel=seed % 2 == 1)
+    spec = compiler.tool_calls(WALK_TOOLS, "required" if seed % 3 else {"type": "function", "function": {
+        "name": "configure"}}, parallel=seed % 2 == 1)
     state = compiler.new_matcher(spec)
     ids: list[int] = []
-    for _ in range(600):
+    end = tok.encode(VALUE_END)
+    for _ in range(800):
         if state.is_finished():
             break
+        if len(ids) > 8 and rng.random() < 0.15 and state.matcher.validate_tokens(end) == len(end):
+            assert all(state.accept(t) for t in end), state.error
+            ids += end
+            continue
         allowed = np.flatnonzero(mask_to_bool(state.mask(), compiler.vocab_size))
         assert allowed.size, "empty mask"
         eos = np.isin(allowed, tok.eos_token_ids)
@@ -297,6 +320,67 @@ def test_random_walks_parse_into_valid_calls(tok, compiler, seed):
     assert parsed.content is None and parsed.tool_calls and not parsed.cut_call, (text, parsed)
     for call in parsed.tool_calls:
         jsonschema.validate(json.loads(call.arguments), WALK_SCHEMAS[call.name])
+
+
+# ---- the grammar and the parser read a parameter's type alike ----------------------------------------------------
+
+def _tool(params: dict, strict: bool = False) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": params, "strict": strict}}]
+
+
+def _obj(**props) -> dict:
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+STR_OR_NULL = {"anyOf": [{"type": "string"}, {"type": "null"}]}        # pydantic's Optional[str] (openai-agents)
+
+
+@pytest.mark.parametrize("params,text,value", [
+    (_obj(v=STR_OR_NULL), "3.10", "3.10"), (_obj(v=STR_OR_NULL), "None", None), (_obj(v=STR_OR_NULL), "x y", "x y"),
+    ({"type": "object", "$defs": {"S": {"type": "string"}}, "properties": {"v": {"$ref": "#/$defs/S"}},
+      "required": ["v"]}, "42", "42"),
+    (_obj(v={"enum": ["1", "2"]}), "1", "1"),
+    ({"type": "object", "allOf": [{"properties": {"v": {"type": "string"}}}], "required": ["v"]}, "true", "true"),
+    (_obj(v={"type": ["string", "null"]}), "007", "007"), (_obj(v={"type": ["string", "null"]}), "3.10", "3.10"),
+    (_obj(v={"type": ["string", "null"]}), "True", "True"), (_obj(v={"type": ["string", "null"]}), "None", None),
+    ({"$ref": "#/$defs/P", "$defs": {"P": {"type": "object", "properties": {"v": {"type": "integer"}},
+                                           "required": ["v"]}}}, "5", 5),
+    ({"type": "object", "$defs": {"B": {"type": "boolean"}}, "properties": {"v": {"$ref": "#/$defs/B"}},
+      "required": ["v"]}, "False", False),
+    (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "None", None),
+    (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "7", 7),
+    (_obj(v={"enum": [1, None]}), "1", 1),
+])
+def test_the_grammar_and_the_parser_agree_on_types(tok, compiler, params, text, value):
+    """A text the grammar accepts for a parameter parses into a value valid under the schema: the grammar and the
+    parser read the parameter's admitted types alike (they did not: the grammar followed $ref / anyOf / enum / allOf,
+    the parser only a direct `type`, so a `$ref` to a string gave 42 for "42", Optional[str] 3.1 for "3.10")."""
+    spec = compiler.tool_calls(_tool(params, strict=True), {"type": "function", "function": {"name": "f"}}, False)
+    call = xml_call("f", {"v": text})
+    assert accepts(compiler, spec, tok, call)
+    parsed = parse_complete(call, "off", {"f"}, call_form="xml", tool_params={"f": params})
+    args = json.loads(parsed.tool_calls[0].arguments)
+    assert args == {"v": value} and type(args["v"]) is type(value), args
+    jsonschema.validate(args, params)
+
+
+def test_optional_str_end_to_end(tok):
+    """The openai-agents SDK's strict schema for `set_version(version: str | None)`: a forced call's "3.10" comes
+    back the string "3.10" (it came back 3.1, which the schema refuses)."""
+    from test_real_chat_templates import MODEL, client_for
+
+    params = {"type": "object", "properties": {"version": {**STR_OR_NULL, "title": "Version"}},
+              "required": ["version"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "set_version", "parameters": params, "strict": True}}
+    for text, value in (("3.10", "3.10"), ("None", None)):
+        client, engine = client_for(tok, xml_call("set_version", {"version": text}))
+        r = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "pin python 3.10"}], "tools": [tool],
+            "tool_choice": "required"})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and engine.last.grammar is not None
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"version": value}
 
 
 # ---- end to end: the tiny model's engine samples under the mask, the gateway returns the calls ----------------------

@@ -309,13 +309,75 @@ def test_xml_values_as_the_real_templates_write_them():
         return json.loads(parse_complete(text, "off", TOOLS, call_form="xml", tool_params=SCHEMAS).tool_calls[0]
                           .arguments)
 
-    assert args(exact="True", note="None", top_k="None", filters="{'lang': 'en', 'strict': False}",
-                tags="['a', ('b', 1)]") == \
-        {"exact": True, "note": None, "top_k": None, "filters": {"lang": "en", "strict": False}, "tags": ["a", ["b", 1]]}
+    assert args(exact="True", note="None", filters="{'lang': 'en', 'strict': False}", tags="['a', ('b', 1)]") == \
+        {"exact": True, "note": None, "filters": {"lang": "en", "strict": False}, "tags": ["a", ["b", 1]]}
+    # a reading whose type the schema does not admit stays text: None for an integer, True for a number
+    assert args(top_k="None", limit="True") == {"top_k": "None", "limit": "True"}
     assert args(exact="FALSE", query="None", other="True") == {"exact": False, "query": "None", "other": "True"}
     # no JSON value: a set, a non-string key, non-finite numbers, code
     assert args(tags="{1, 2}", filters="{1: 'x'}", limit="1e999", top_k="NaN", extra="__import__('os')") == \
         {"tags": "{1, 2}", "filters": "{1: 'x'}", "limit": "1e999", "top_k": "NaN", "extra": "__import__('os')"}
+
+
+def _typed(schema: dict, **params: str) -> dict:
+    text = xcall("f", **params)
+    return json.loads(parse_complete(text, "off", {"f"}, call_form="xml", tool_params={"f": schema}).tool_calls[0]
+                      .arguments)
+
+
+def _obj(**props) -> dict:
+    return {"type": "object", "properties": props}
+
+
+STR_OR_NULL = {"anyOf": [{"type": "string"}, {"type": "null"}]}        # pydantic's Optional[str] (openai-agents)
+
+
+@pytest.mark.parametrize("schema,text,value", [
+    # a property that admits only strings, said without a direct `type`: the text, whatever JSON it looks like
+    ({"type": "object", "$defs": {"S": {"type": "string"}}, "properties": {"v": {"$ref": "#/$defs/S"}}}, "42", "42"),
+    ({"type": "object", "definitions": {"S": {"type": "string"}}, "properties": {"v": {"$ref": "#/definitions/S"}}},
+     "true", "true"),
+    (_obj(v={"enum": ["1", "2"]}), "1", "1"),
+    (_obj(v={"const": "null"}), "null", "null"),
+    (_obj(v={"allOf": [{"type": "string"}, {"maxLength": 9}]}), "[1, 2]", "[1, 2]"),
+    ({"type": "object", "allOf": [{"properties": {"v": {"type": "string"}}}]}, "true", "true"),
+    ({"$ref": "#/$defs/P", "$defs": {"P": {"type": "object", "properties": {"v": {"type": "string"}}}}}, "7", "7"),
+    ({"type": "object", "additionalProperties": {"type": "string"}}, "7", "7"),
+    # strings or null: null for None / null, else the text; other readings are not admitted
+    (_obj(v=STR_OR_NULL), "3.10", "3.10"), (_obj(v=STR_OR_NULL), "None", None), (_obj(v=STR_OR_NULL), "null", None),
+    (_obj(v=STR_OR_NULL), "true", "true"), (_obj(v=STR_OR_NULL), "'quoted'", "'quoted'"),
+    (_obj(v={"type": ["string", "null"]}), "True", "True"), (_obj(v={"type": ["string", "null"]}), "[1, 2]", "[1, 2]"),
+    (_obj(v={"type": ["string", "null"]}), "{'a': 1}", "{'a': 1}"), (_obj(v={"type": ["string", "null"]}), "3.10",
+                                                                      "3.10"),
+    (_obj(v={"type": ["string", "null"]}), "None", None), (_obj(v={"type": ["string", "null"]}), "007", "007"),
+    # other types through $ref / anyOf / enum / allOf are read as they are admitted
+    ({"type": "object", "$defs": {"N": {"type": "integer"}}, "properties": {"v": {"$ref": "#/$defs/N"}}}, "42", 42),
+    (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "None", None),
+    (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "7", 7),
+    (_obj(v={"anyOf": [{"type": "boolean"}, {"type": "array"}]}), "True", True),
+    (_obj(v={"anyOf": [{"type": "boolean"}, {"type": "array"}]}), "['a']", ["a"]),
+    (_obj(v={"enum": [1, 2.5, None]}), "2.5", 2.5), (_obj(v={"enum": [1, 2.5, None]}), "None", None),
+    (_obj(v={"enum": [1, "a"]}), "1", 1), (_obj(v={"enum": [1, "a"]}), "a", "a"),
+    (_obj(v={"allOf": [{"type": ["integer", "string"]}, {"type": ["integer", "null"]}]}), "None", "None"),
+    (_obj(v={"type": "number"}), "3", 3), (_obj(v={"type": "integer"}), "3.0", 3.0),
+    (_obj(v={"type": "integer"}), "True", "True"), (_obj(v={"type": "integer"}), "1.5", "1.5"),
+    (_obj(v={"type": "integer"}), "'5'", "'5'"), (_obj(v={"type": "integer"}), "(1, 2)", "(1, 2)"),
+    (_obj(v={"type": "array"}), "(1, 2)", [1, 2]),
+    # nothing said: JSON when it gives a non-string, else the text (no Python literals)
+    (_obj(v={}), "42", 42), (_obj(v={}), "None", "None"), (_obj(v={"$ref": "#/$defs/missing"}), "42", 42),
+    # malformed schemas (the parser reads what no grammar checked): they say nothing, nothing raises
+    ({"type": "object", "properties": [1, 2]}, "42", 42), ({"type": "object", "required": "v"}, "1", 1),
+    ({"type": "object", "allOf": {"a": 1}, "properties": {"v": {"type": 7}}}, "1", 1),
+    ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "1", 1),
+])
+def test_xml_values_keep_only_admitted_readings(schema, text, value):
+    """The parser reads a property's admitted JSON types as the XML grammar does (gateway.json_schema_types): `$ref`,
+    `anyOf` / `oneOf`, `enum` / `const`, `allOf`, a root `$ref`, undeclared parameters by `additionalProperties`. A
+    JSON or Python-literal reading is kept only where its type is admitted, else the text; `None` is null wherever
+    null is admitted. (It read `properties[key]["type"]` only: a `$ref` to a string turned "42" into 42, Optional[str]
+    "3.10" into 3.1.)"""
+    args = _typed(schema, v=text)
+    assert args == {"v": value} and type(args["v"]) is type(value), args
 
 
 # The call format the Qwen3-Coder and Qwen3.5 templates instruct (their tools section, verbatim)
