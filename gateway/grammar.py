@@ -241,6 +241,7 @@ class GrammarCompiler:
             else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         )
         self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._validated: OrderedDict[str, GrammarError | None] = OrderedDict()   # _validate's answers
         self._cache_size = max(1, int(cache_size))
         self._lock = threading.Lock()
 
@@ -371,19 +372,25 @@ class GrammarCompiler:
 
         fns = " | ".join(f"fn_{i}" for i in range(len(chosen)))
         rules = []
+        for i, name in enumerate(chosen):
+            params, strict = functions[name]
+            params = {**params, "x-guidance": {**self._json_options, "lenient": not strict}}
+            prefix = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+            rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
+        call = f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({fns}) "\\n" {self._tag[TOOL_CALL_CLOSE]}'
+        hermes = LLMatcher.grammar_from_lark("\n".join([*top, call, *rules]))
         if form == "hermes":
-            for i, name in enumerate(chosen):
-                params, strict = functions[name]
-                params = {**params, "x-guidance": {**self._json_options, "lenient": not strict}}
-                prefix = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-                rules.append(f"fn_{i}: {_lark_literal(prefix)} %json {json.dumps(params)} \"}}\"")
-            call = f'call: {self._tag[TOOL_CALL_OPEN]} "\\n" ({fns}) "\\n" {self._tag[TOOL_CALL_CLOSE]}'
-        else:
-            for i, name in enumerate(chosen):
-                params, strict = functions[name]
-                rules += _XmlCall(f"fn_{i}", name, params, strict, self._json_options).rules()
-            rules += _XmlCall.shared_rules()
-            call = f"call: {self._tag[TOOL_CALL_OPEN]} \"\\n\" ({fns}) {self._tag[TOOL_CALL_CLOSE]}"
+            return self._compile(hermes, what="tool parameters schema")
+        # The XML grammar holds the schemas piecemeal (a property's JSON, a string's constraints), so it would pass
+        # what llguidance's JSON compiler refuses whole (`"required": "city"`, `properties` a list, an external
+        # `$ref`): the schemas are checked as the hermes grammar of the same tools, refused with its 400
+        self._validate(hermes, what="tool parameters schema")
+        rules = []
+        for i, name in enumerate(chosen):
+            params, strict = functions[name]
+            rules += _XmlCall(f"fn_{i}", name, params, strict, self._json_options).rules()
+        rules += _XmlCall.shared_rules()
+        call = f"call: {self._tag[TOOL_CALL_OPEN]} \"\\n\" ({fns}) {self._tag[TOOL_CALL_CLOSE]}"
         lark = "\n".join([*top, call, *rules])
         return self._compile(LLMatcher.grammar_from_lark(lark), what="tool parameters schema")
 
@@ -428,9 +435,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"invalid or unsupported {what}: {_short(matcher.get_error())}")
         for warning in matcher.get_grammar_warnings():
-            if "oneOf" in warning:          # lenient llguidance would enforce a looser anyOf in its place
-                raise GrammarError(f"oneOf whose alternatives may overlap cannot be enforced exactly ({warning}); "
-                                   "use anyOf if a value may match several alternatives")
+            _check_warning(warning)
             log.warning("grammar warning: %s", warning)
         with self._lock:
             self._cache[spec] = matcher
@@ -438,6 +443,31 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return spec
+
+    def _validate(self, spec: str, what: str) -> None:
+        """Raise the GrammarError `_compile(spec, what)` would, without building a matcher to keep (the answers are
+        kept, as many as compiled grammars)."""
+        with self._lock:
+            known = spec in self._validated
+            if known:
+                self._validated.move_to_end(spec)
+                error = self._validated[spec]
+        if not known:
+            error = None
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(spec, self.ll_tokenizer)
+            try:
+                if is_error:
+                    raise GrammarError(f"invalid or unsupported {what}: {_short(messages[0] if messages else '')}")
+                for warning in messages:
+                    _check_warning(warning)
+            except GrammarError as e:
+                error = e
+            with self._lock:
+                self._validated[spec] = error
+                while len(self._validated) > self._cache_size:
+                    self._validated.popitem(last=False)
+        if error is not None:
+            raise GrammarError(str(error))
 
     def new_matcher(self, spec: str) -> GrammarState:
         """A fresh state at the start of `spec` (compiled now if it fell out of the cache)."""
@@ -450,6 +480,14 @@ class GrammarCompiler:
         with self._lock:
             template = self._cache[spec]
             return GrammarState(template.deep_copy(), self.vocab_size, self._specials, self.ll_tokenizer)
+
+
+def _check_warning(warning: str) -> None:
+    """A compile warning that must refuse the grammar: llguidance, lenient, would enforce a looser anyOf for a oneOf
+    whose alternatives it cannot prove disjoint."""
+    if "oneOf" in warning:
+        raise GrammarError(f"oneOf whose alternatives may overlap cannot be enforced exactly ({warning}); "
+                           "use anyOf if a value may match several alternatives")
 
 
 class _XmlCall:
@@ -479,6 +517,9 @@ class _XmlCall:
       what it admits (`{}`): free text as for a string; the parser keeps a JSON or Python-literal reading of it
       only where that reading's type is admitted (`None` / `null` as null, `42` as 42 where integers are), else
       the text.
+
+    The schema itself is checked as the hermes form checks it (`GrammarCompiler.tool_calls`), so a schema one form
+    refuses the other does too, with the same 400.
     """
 
     def __init__(self, rule: str, name: str, params: dict, strict: bool, json_options: Mapping[str, Any]) -> None:
@@ -494,6 +535,12 @@ class _XmlCall:
     def _shape(self) -> tuple[dict[str, Any], list[str], Any]:
         """(properties in schema order, required names, schema of undeclared parameters or None where none may
         be written): `ParamSchemas.shape`, less the names the form cannot carry."""
+        root = self.types.resolve(self.types.root)
+        members = [root] if isinstance(root, Mapping) else []
+        if members and isinstance(root.get("allOf"), list):
+            members += [self.types.resolve(m) for m in root["allOf"]]
+        if any(isinstance(m, Mapping) and "required" in m and not isinstance(m["required"], list) for m in members):
+            raise GrammarError(f"function {self.name!r}: `required` must be a list of names")
         out, required, extra = self.types.shape()
         for key in list(out):
             if not key or key != key.strip() or any(c in key for c in "<>\n\r"):

@@ -246,16 +246,71 @@ def test_string_constraints_refs_and_names(tok, compiler):
     assert accepts(compiler, refs, tok, xml_call("f", {"c": "red", "p": '{"x": 1}'}))
     assert not accepts(compiler, refs, tok, xml_call("f", {"c": "green", "p": '{"x": 1}'}))
     assert not accepts(compiler, refs, tok, xml_call("f", {"c": "red", "p": '{"y": 1}'}))
-    # a pattern llguidance cannot enforce: dropped (with a warning), or refused under strict
+    # a pattern llguidance cannot enforce: refused, as in the hermes form (test_malformed_schemas_refused_alike)
     lookahead = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?=a)a"}}, "required": ["s"]}
-    assert accepts(compiler, spec(lookahead), tok, xml_call("f", {"s": "zz"}))
-    with pytest.raises(GrammarError, match="pattern"):
-        spec(lookahead, strict=True)
+    for strict in (False, True):
+        with pytest.raises(GrammarError, match="look-around"):
+            spec(lookahead, strict=strict)
     # a name <parameter=NAME> cannot carry: left out when optional, refused when required
     odd = {"type": "object", "properties": {"a>b": S, "c": S}}
     assert accepts(compiler, spec(odd), tok, xml_call("f", {"c": "1"}))
     with pytest.raises(GrammarError, match="a>b"):
         spec({**odd, "required": ["a>b"]})
+
+
+# ---- a schema is checked alike in both forms --------------------------------------------------------------------
+
+def _string_param(**kw) -> dict:
+    return {"type": "object", "properties": {"v": {"type": "string", **kw}}, "required": ["v"]}
+
+
+MALFORMED = {
+    "required a string": {"type": "object", "properties": {"city": {"type": "string"}}, "required": "city"},
+    "properties a list": {"type": "object", "properties": [1, 2]},
+    "allOf an object": {"type": "object", "allOf": {"a": 1}},
+    "type a number": {"type": "object", "properties": {"v": {"type": 7}}},
+    "type a list of numbers": {"type": "object", "properties": {"v": {"type": [1, 2]}}},
+    "external $ref": {"type": "object", "properties": {"v": {"$ref": "http://x/y.json"}}},
+    "minLength a fraction": _string_param(minLength=1.5),
+    "pattern unbalanced": _string_param(pattern="("),
+    "pattern lookbehind": _string_param(pattern="(?<=a)b"),
+    "pattern anchor inside": _string_param(pattern="a^b"),
+    "oneOf overlapping": {"type": "object", "properties": {"v": {"oneOf": [{"type": "string"},
+                                                                             {"type": "string", "maxLength": 3}]}}},
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+@pytest.mark.parametrize("strict", [False, True])
+def test_malformed_schemas_refused_alike(tok, compiler, name, strict):
+    """A tool schema the hermes form refuses (llguidance's JSON compiler) the XML form refuses too, with the same
+    message: the XML grammar holds the schema piecemeal and passed `"required": "city"` (read a character at a time:
+    c, i, t, y required), `properties` a list, an external `$ref`, ..."""
+    hermes = GrammarCompiler.for_tokenizer(Tokenizer.from_dir(DEMO))
+    tools = _tool(MALFORMED[name], strict)
+    errors = []
+    for c in (hermes, compiler):
+        with pytest.raises(GrammarError) as e:
+            c.tool_calls(tools, "required", False)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1], errors
+    with pytest.raises(GrammarError) as again:          # the check's answer is kept: refused again, the same way
+        compiler.tool_calls(tools, "required", False)
+    assert str(again.value) == errors[0]
+
+
+def test_malformed_schema_is_the_same_400_in_both_forms(tok):
+    from test_real_chat_templates import MODEL, client_for
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "tools": _tool(MALFORMED["required a string"]), "tool_choice": "required"}
+    answers = []
+    for t in (tok, Tokenizer.from_dir(DEMO)):
+        client, _ = client_for(t, "unused")
+        r = client.post("/v1/chat/completions", json=body)
+        answers.append((r.status_code, r.json()))
+    assert answers[0] == answers[1] and answers[0][0] == 400, answers
+    assert answers[0][1]["error"]["param"] == "tools" and "required" in answers[0][1]["error"]["message"]
 
 
 # ---- random walks: every text the grammar allows parses into valid arguments --------------------------------------
