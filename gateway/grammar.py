@@ -508,7 +508,7 @@ class _XmlCall:
     * a property that admits only strings (`"type": "string"`, an `enum` / `const` of strings, also through `$ref`
       or `allOf`): its text as it is, any text but `</parameter>`, `<parameter=`, `</function>` and `</tool_call>`
       (the parser would end the value or the call there); `enum` / `const`, `minLength` / `maxLength` and `pattern`
-      are enforced on the text (`format` is not);
+      (a JSON Schema pattern: unanchored, `_pattern_terminal`) are enforced on the text (`format` is not);
     * one that admits no string (integer, number, boolean, null, object, array, or unions of them): JSON matching
       the schema (llguidance's `%json`, compact as all enforced JSON, `$defs` / `definitions` of the root beside it,
       strict per the tool's `strict`), and also `True` / `False` / `None` where it admits those, as the
@@ -665,14 +665,127 @@ class _XmlCall:
 
 
 def _pattern_terminal(pattern: str) -> str:
-    """A JSON Schema `pattern` (unanchored, ECMAScript classes) as a Lark terminal matching whole texts."""
-    core = pattern
-    head = "" if core.startswith("^") else "(?s:.*)"
-    core = core[1:] if core.startswith("^") else core
-    tail = "(?s:.*)"
-    if core.endswith("$") and (len(core) - 1 - len(core[:-1].rstrip("\\"))) % 2 == 0:    # not an escaped `\$`
-        core, tail = core[:-1], ""
-    return f"/{head}(?:{regex_to_lark(core, 'dw')}){tail}/"
+    """A JSON Schema `pattern` as a Lark terminal matching whole texts.
+
+    JSON Schema tests a pattern as an unanchored ECMAScript search: a text matches when some part of it does, `^`
+    tying that part to the text's start and `$` to its end. llguidance's regexes match whole texts and take `^` /
+    `$` only at their very edges, so the pattern is written as alternatives searched for one by one (`_searches`):
+    `(?s:.*)` before one unless it starts with `^`, after it unless it ends with `$` (`^ab|cd$`: texts that start
+    with ab, or end with cd; `(^a|b)c`: texts that start with ac, or hold bc), exactly the texts llguidance's JSON
+    compiler (the hermes form) admits. A pattern whose anchors cannot be brought to the edges (`a^b`, `(^a)*`) is
+    left as written, which llguidance refuses, as its JSON compiler does: `tool_calls` refuses the schema."""
+    searches = _searches(pattern)
+    if searches is None:
+        return f"/(?s:.*)(?:{regex_to_lark(pattern, 'dw')})(?s:.*)/"
+    parts = [("" if start else "(?s:.*)") + f"(?:{regex_to_lark(body, 'dw')})" + ("" if end else "(?s:.*)")
+             for start, body, end in searches]
+    return f"/{parts[0]}/" if len(parts) == 1 else "/" + "|".join(f"(?:{p})" for p in parts) + "/"
+
+
+_MAX_SEARCHES = 64
+
+
+def _searches(pattern: str) -> list[tuple[bool, str, bool]] | None:
+    """(anchored at the start, body, anchored at the end) alternatives whose searches together are `pattern`'s:
+    its top-level alternatives, with a group holding an anchor spliced into its alternatives (`(^a|b)c` is `^ac` or
+    `bc`); None where an anchor would stay inside (quantified or lookaround groups, text before `^` or after `$`)."""
+    seqs, i = _parse_alternation(pattern, 0)
+    if i != len(pattern):
+        return None
+    out = []
+    for seq in seqs:
+        flat = _splice(seq)
+        if flat is None or len(out) + len(flat) > _MAX_SEARCHES:
+            return None
+        for items in flat:
+            lead = 0
+            while lead < len(items) and items[lead] == "^":
+                lead += 1
+            trail = len(items)
+            while trail > lead and items[trail - 1] == "$":
+                trail -= 1
+            middle = items[lead:trail]
+            if any(x in ("^", "$") for x in middle):
+                return None
+            out.append((lead > 0, "".join(_text(x) for x in middle), trail < len(items)))
+    return out
+
+
+def _parse_alternation(p: str, i: int) -> tuple[list[list], int]:
+    """Parse alternatives from p[i] to an unmatched `)` or the end: a list of sequences of items, an item being
+    "^", "$", opaque text (an atom with its quantifier) or a group (opening text, alternatives, closing text with its
+    quantifier). ECMAScript syntax, as far as grouping goes: escapes, classes (`]` ends one), groups."""
+    seqs: list[list] = [[]]
+    while i < len(p):
+        c = p[i]
+        if c == ")":
+            break
+        if c == "|":
+            seqs.append([])
+            i += 1
+            continue
+        if c in "^$":
+            seqs[-1].append(c)
+            i += 1
+            continue
+        if c == "(":
+            m = re.match(r"\((\?(:|=|!|<=|<!|<[A-Za-z_$][\w$]*>))?", p[i:])
+            inner, j = _parse_alternation(p, i + len(m.group(0)))
+            if j >= len(p):
+                return seqs, len(p) + 1                      # unbalanced: no match of the whole pattern
+            k = _quantifier_end(p, j + 1)
+            seqs[-1].append((m.group(0), inner, p[j:k]))
+            i = k
+            continue
+        j = i + 2 if c == "\\" else i + 1
+        if c == "[":
+            while j < len(p) and p[j] != "]":
+                j += 2 if p[j] == "\\" else 1
+            j += 1
+        k = _quantifier_end(p, min(j, len(p)))
+        seqs[-1].append(p[i:k])
+        i = k
+    return seqs, i
+
+
+def _quantifier_end(p: str, i: int) -> int:
+    m = re.match(r"(?:[*+?]|\{\d+(?:,\d*)?\})\??", p[i:])
+    return i + len(m.group(0)) if m else i
+
+
+def _has_anchor(items: list) -> bool:
+    return any(x in ("^", "$") or (isinstance(x, tuple) and any(_has_anchor(s) for s in x[1])) for x in items)
+
+
+def _splice(items: list) -> list[list] | None:
+    """The sequences `items` stands for once every group holding an anchor is replaced by each of its alternatives
+    in turn; None where such a group is quantified or a lookaround, or they are too many."""
+    out: list[list] = [[]]
+    for x in items:
+        if isinstance(x, tuple) and _has_anchor([x]):
+            opening, alternatives, closing = x
+            lookaround = opening in ("(?=", "(?!", "(?<=", "(?<!")
+            if closing != ")" or lookaround:          # (^a)* or (?=^a): the anchor stays inside
+                return None
+            expanded = []
+            for alt in alternatives:
+                flat = _splice(alt)
+                if flat is None:
+                    return None
+                expanded += flat
+            out = [a + b for a in out for b in expanded]
+        else:
+            out = [a + [x] for a in out]
+        if len(out) > _MAX_SEARCHES:
+            return None
+    return out
+
+
+def _text(x: Any) -> str:
+    if isinstance(x, tuple):
+        opening, alternatives, closing = x
+        return opening + "|".join("".join(_text(y) for y in s) for s in alternatives) + closing
+    return x
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")

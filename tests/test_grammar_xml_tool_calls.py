@@ -313,6 +313,30 @@ def test_malformed_schema_is_the_same_400_in_both_forms(tok):
     assert answers[0][1]["error"]["param"] == "tools" and "required" in answers[0][1]["error"]["message"]
 
 
+# ---- a pattern is an unanchored search ---------------------------------------------------------------------------
+
+PATTERNS = ["^ab|cd$", "ab|cd", "x|^y", "^(ab|cd)$", "(^a|b)c", "(a|(^b|c))d", "((^a))", "^a$|^b$", "(?:a$|b)",
+            "a\\$", "[|^]x|y", "a|", "^$", "^(a|b)+$", "(?<n>^a|b)$", "b($|a)"]
+TEXTS = ["", "a", "b", "ab", "abxx", "xxab", "cd", "xxcd", "cdxx", "ac", "xac", "bc", "xbcx", "y", "zy", "x", "zxz",
+         "a$", "bd", "xbd", "xad", "xb", "ba", "aab", "|x"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_pattern_is_an_unanchored_search(tok, compiler, pattern):
+    """JSON Schema's `pattern` is an unanchored (ECMAScript) search, `^` / `$` anchoring to the text's start / end:
+    a text is accepted exactly when `re.search` finds the pattern in it, as in the hermes form. (`^ab|cd$` had its
+    anchors stripped as if they covered the whole alternation: "abxx" and "xxcd" were refused.)"""
+    hermes = GrammarCompiler.for_tokenizer(Tokenizer.from_dir(DEMO))
+    tools = _tool(_string_param(pattern=pattern), strict=True)
+    spec, hermes_spec = compiler.tool_calls(tools, "required", False), hermes.tool_calls(tools, "required", False)
+    python = re.compile(pattern.replace("(?<n>", "(?P<n>"))
+    for text in TEXTS:
+        want = python.search(text) is not None
+        assert accepts(compiler, spec, tok, xml_call("f", {"v": text})) == want, (pattern, text)
+        hermes_text = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' % json.dumps({"v": text})
+        assert accepts(hermes, hermes_spec, tok, hermes_text) == want, (pattern, text)
+
+
 # ---- random walks: every text the grammar allows parses into valid arguments --------------------------------------
 
 WALK_TOOLS = [
