@@ -511,8 +511,8 @@ class _XmlCall:
       (a JSON Schema pattern: unanchored, `_pattern_terminal`) are enforced on the text (`format` is not);
     * one that admits no string (integer, number, boolean, null, object, array, or unions of them): JSON matching
       the schema (llguidance's `%json`, compact as all enforced JSON, `$defs` / `definitions` of the root beside it,
-      strict per the tool's `strict`), and also `True` / `False` / `None` where it admits those, as the
-      templates write an earlier call's values (`_python_spellings`);
+      strict per the tool's `strict`), except that top-level booleans and null are written `True` / `False` /
+      `None`, the templates' spelling of them (`_python_spellings`);
     * one that admits strings beside other types (`["string", "null"]`, `anyOf` string or null), or does not say
       what it admits (`{}`): free text as for a string; the parser keeps a JSON or Python-literal reading of it
       only where that reading's type is admitted (`None` / `null` as null, `42` as 42 where integers are), else
@@ -571,11 +571,16 @@ class _XmlCall:
         """The Lark expression of a value and the `\n</parameter>\n` after it (terminals it needs are added)."""
         kinds = self.types.kinds(schema)
         if kinds and "string" not in kinds and self._refs_resolvable(schema):
-            value = {**self.defs, **schema} if isinstance(schema, dict) else schema
-            value = {**value, "x-guidance": self.json_options} if isinstance(value, dict) else value
-            python = " | ".join(_lark_literal(w) for w in self._python_spellings(schema, kinds))
-            json_value = f"%json {json.dumps(value)}"
-            return f"({json_value} | {python}) XML_END" if python else f"{json_value} XML_END"
+            python, json_kinds = self._python_spellings(schema, kinds)
+            alts = [_lark_literal(w) for w in python]
+            if json_kinds or not alts:
+                # booleans and null only in the templates' spelling: the JSON part admits the other types
+                value = schema if json_kinds == kinds or not json_kinds else \
+                    {"allOf": [schema, {"type": sorted(json_kinds)}]}
+                value = {**self.defs, **value} if isinstance(value, dict) else value
+                value = {**value, "x-guidance": self.json_options} if isinstance(value, dict) else value
+                alts.insert(0, f"%json {json.dumps(value)}")
+            return f"({' | '.join(alts)}) XML_END" if len(alts) > 1 else f"{alts[0]} XML_END"
         if kinds == {"string"}:
             text = self._text_constraint(tag, self.types.resolve(schema))
             if text:
@@ -583,15 +588,24 @@ class _XmlCall:
                 return tag
         return "XML_VALUE"
 
-    def _python_spellings(self, schema: Any, kinds: frozenset[str]) -> list[str]:
-        """`True` / `False` / `None` where the schema admits them (`ParamSchemas.admits`; not where it cannot tell):
-        the templates write an earlier call's booleans and null with Jinja's `| string`, so models write them so
-        too, and gateway.output_parser reads them wherever their type is admitted."""
-        words = []
+    def _python_spellings(self, schema: Any, kinds: frozenset[str]) -> tuple[list[str], frozenset[str]]:
+        """(the words `True` / `False` / `None` of the booleans / null the schema admits, the types left to JSON).
+
+        The XML templates write an earlier call's top-level booleans and null with Jinja's `| string` (`True`,
+        `False`, `None`), so a value generated so is the text the next turn's prompt re-renders (the prefix cache
+        keeps it) and the spelling the model sees in its history; gateway.output_parser reads both spellings. Where
+        `ParamSchemas.admits` cannot tell whether a value is admitted (`not`, `if`), that type stays JSON."""
+        words: list[str] = []
+        json_kinds = set(kinds)
         for kind, values in (("boolean", (True, False)), ("null", (None,))):
-            if kind in kinds:
-                words += [repr(v) for v in values if self.types.admits(schema, v) is True]
-        return words
+            if kind not in kinds:
+                continue
+            verdicts = [self.types.admits(schema, v) for v in values]
+            if any(v is None for v in verdicts):
+                continue
+            words += [repr(v) for v, ok in zip(values, verdicts) if ok]
+            json_kinds.discard(kind)
+        return words, frozenset(json_kinds)
 
     def _text_constraint(self, tag: str, schema: Any) -> str | None:
         """A Lark terminal expression for a string schema's text: enum / const, length bounds, pattern."""

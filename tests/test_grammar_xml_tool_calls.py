@@ -69,8 +69,8 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") for t in TOOLS
 NAMED = {"type": "function", "function": {"name": "edit_file"}}
 
 EDIT_CALL = xml_call("edit_file", {
-    "line": "12", "path": "src/a.py", "dry_run": "true", "ratio": "0.5", "mode": "append", "tags": '["a", "b c"]',
-    "options": '{"overwrite": false}', "note": "two\nlines, <b>and</b> </param", "limit": "null"})
+    "line": "12", "path": "src/a.py", "dry_run": "True", "ratio": "0.5", "mode": "append", "tags": '["a", "b c"]',
+    "options": '{"overwrite": false}', "note": "two\nlines, <b>and</b> </param", "limit": "None"})
 EDIT_ARGS = {"line": 12, "path": "src/a.py", "dry_run": True, "ratio": 0.5, "mode": "append", "tags": ["a", "b c"],
              "options": {"overwrite": False}, "note": "two\nlines, <b>and</b> </param", "limit": None}
 PING_CALL = xml_call("ping", {})
@@ -256,6 +256,56 @@ def test_string_constraints_refs_and_names(tok, compiler):
     assert accepts(compiler, spec(odd), tok, xml_call("f", {"c": "1"}))
     with pytest.raises(GrammarError, match="a>b"):
         spec({**odd, "required": ["a>b"]})
+
+
+# ---- booleans and null as the templates write them ------------------------------------------------------------
+
+SPELLED = {"type": "object", "$defs": {"B": {"type": "boolean"}}, "properties": {
+    "flag": {"type": "boolean"}, "ref": {"$ref": "#/$defs/B"}, "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+    "on": {"enum": [True, None]}, "off": {"const": False},
+    "opts": {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}},
+    "both": {"anyOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "boolean"}}]},
+    "unsure": {"type": ["boolean", "null"], "not": {"const": None}}}}
+
+
+@pytest.mark.parametrize("name,text,ok", [
+    ("flag", "True", True), ("flag", "False", True), ("flag", "true", False), ("flag", "false", False),
+    ("ref", "False", True), ("ref", "false", False), ("n", "None", True), ("n", "null", False), ("n", "3", True),
+    ("on", "True", True), ("on", "None", True), ("on", "False", False), ("on", "true", False),
+    ("off", "False", True), ("off", "True", False), ("off", "false", False),
+    ("opts", '{"a": true, "b": null}', True), ("opts", "{'a': True}", False),         # nested: JSON, as tojson
+    ("both", "True", True), ("both", "[true]", True), ("both", "true", False), ("both", "[True]", False),
+    ("unsure", "true", True), ("unsure", "False", False),   # `not`: cannot tell which ones, JSON as before
+])
+def test_top_level_booleans_and_null_in_the_templates_spelling(tok, compiler, name, text, ok):
+    """The XML templates write an earlier call's top-level booleans and null with Jinja's `| string`: `True`,
+    `False`, `None`. A forced call writes them so (not `true` / `null`), so the next turn's prompt, which re-renders
+    the call, holds the tokens generated (the prefix cache keeps them) and the model sees its own spelling; the
+    parser reads both spellings."""
+    spec = compiler.tool_calls(_tool(SPELLED), "required", False)
+    call = xml_call("f", {name: text})
+    assert accepts(compiler, spec, tok, call) == ok
+    if ok:
+        jsonschema.validate(json.loads(parse_complete(call, "off", {"f"}, call_form="xml", tool_params={
+            "f": SPELLED}).tool_calls[0].arguments), SPELLED)
+
+
+@pytest.mark.parametrize("name", [n for n, (form, _) in TEMPLATES.items() if form == "xml"])
+def test_a_forced_call_is_re_rendered_as_generated(name):
+    """With the real templates, a call the grammar accepts, parsed and sent back as history, renders to exactly the
+    text generated (booleans and null included)."""
+    t = Tokenizer.from_dir(DEMO, template_file(name))
+    c = GrammarCompiler.for_tokenizer(t)
+    call = xml_call("edit_file", {"path": "src/a.py", "line": "12", "dry_run": "False", "limit": "None",
+                                  "note": "None", "ratio": "0.5", "mode": "append"})
+    assert accepts(c, c.tool_calls(TOOLS, NAMED, False), t, call)
+    args = json.loads(parse_complete(call, "off", set(SCHEMAS), call_form="xml", tool_params=SCHEMAS)
+                      .tool_calls[0].arguments)
+    assert args == {"path": "src/a.py", "line": 12, "dry_run": False, "limit": None, "note": None, "ratio": 0.5,
+                    "mode": "append"}
+    history = [{"role": "user", "content": "edit"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "edit_file", "arguments": args}}]}]
+    assert call in t.apply_chat_template(history, tools=TOOLS, add_generation_prompt=False)
 
 
 # ---- a schema is checked alike in both forms --------------------------------------------------------------------
