@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
          "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream")
-# Named only: "all" leaves these off until the H200 has run their GPU tests and timed them faster ("all,l2_prefetch"
-# turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster).
+# Named only: "all" leaves these off until a GPU has run their GPU tests and timed them faster ("all,l2_prefetch"
+# turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
+# joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster), the H200's timing is plan h200-29 call K.
 NOT_IN_ALL = ("l2_prefetch",)
 
 
