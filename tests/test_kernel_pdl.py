@@ -737,3 +737,67 @@ def test_fp8_gemv_pdl_in_a_graph_bit_for_bit(T):
     off, on, us_off, us_on = _graph_pair(fn)
     print(f"\nfp8_gemv chain T={T}: {us_off:.1f} us off, {us_on:.1f} us on (3 launches)")
     _same(off, on)
+
+
+# ------------------------------------------------------------------------------------------------ kv_row_cache
+
+def _row_cache_inputs(dev: str, B: int = 2, S: int = 300, slots: int = 64, seed: int = 0):
+    """A small region, B sequences' selections over a 4-block paged table, the step's written rows."""
+    from stage_worker.kernels import kv_row_cache as RC
+
+    g = torch.Generator().manual_seed(seed)
+    page, blocks = 16, 40
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(B)]).int().to(dev)
+    lens = torch.full((B,), 8 * page, dtype=torch.int32, device=dev)
+    sel = torch.randint(-1, 8 * page, (B, S), generator=g).int().to(dev)
+    written = torch.randint(0, blocks * page, (B,), generator=g).to(dev)
+    template = RC.RowCache.new(slots, 1, 8, torch.bfloat16, dev)
+    template.tag.copy_(torch.randint(-1, blocks * page, (slots,), generator=g).to(dev))
+    return RC, template, sel, tables, lens, written, page
+
+
+@pytest.mark.parametrize("flags,hopper,want", [("all", True, True), ("-pdl", True, False), ("all", False, False)])
+def test_flag_reaches_kv_row_cache_launches(monkeypatch, flags, hopper, want):
+    """The row cache's invalidate and plan (the decode chain of a QSA layer over host K/V) launch as programmatic
+    dependents with the flag: a plain launch in the chain kept the next kernel from launching early."""
+    from stage_worker.kernels import kv_row_cache as RC
+
+    _, c, sel, tables, lens, written, page = _row_cache_inputs("cpu")
+    calls = _launches(monkeypatch, flags, hopper, RC, ["_invalidate_kernel", "_plan_kernel"],
+                      lambda: (RC.invalidate(c, written), RC.plan(c, sel, tables, lens, page)))
+    assert calls == [(want, want)] * 2
+
+
+def test_kv_row_cache_compiles_with_pdl_for_the_h200():
+    """invalidate and plan wait first thing (everything they read an earlier kernel wrote)."""
+    got = _compile(r"""
+from stage_worker.kernels import kv_row_cache as RC
+
+out = [gdc("rc_invalidate", RC._invalidate_kernel,
+           dict(rows_ptr="*i64", n="i32", tag_ptr="*i64", epoch_ptr="*i64", n_slots="i32"), dict(BLOCK=128)),
+       gdc("rc_plan", RC._plan_kernel,
+           dict(sel_ptr="*i32", tables_ptr="*i32", ctx_ptr="*i32", tag_ptr="*i64", hitmark_ptr="*i64",
+                claim_ptr="*i64", epoch_ptr="*i64", counts_ptr="*i64", n_sel="i32", n_slots="i32", s_sb="i32",
+                s_tb="i32"), dict(PAGE=16, BLOCK=128))]
+print(json.dumps(out))
+""")
+    _check(got)
+    assert all(g["on"]["loads_before"] == 0 for g in got), got
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_kv_row_cache_pdl_in_a_graph_bit_for_bit():
+    """invalidate then plan on a copy of one region state, captured with PDL off and on: the same tags, hitmarks,
+    claims, epoch and counters."""
+    RC, template, sel, tables, lens, written, page = _row_cache_inputs("cuda")
+
+    def fn():
+        c = RC.RowCache(**{n: getattr(template, n).clone() for n in
+                           ("k", "v", "tag", "hitmark", "claim", "epoch", "counts")})
+        RC.invalidate(c, written)
+        RC.plan(c, sel, tables, lens, page)
+        return c.tag, c.hitmark, c.claim, c.epoch, c.counts
+    off, on, us_off, us_on = _graph_pair(fn)
+    print(f"\nrow cache invalidate + plan: {us_off:.1f} us off, {us_on:.1f} us on")
+    _same(off, on)
