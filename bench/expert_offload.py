@@ -53,7 +53,7 @@ from shared.model_config import config_from_dict  # noqa: E402
 from shared.cluster_config import ClusterConfig, env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
-from stage_worker.expert_offload import gates  # noqa: E402
+from stage_worker.expert_offload import gates, round_decay  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows  # noqa: E402
@@ -251,11 +251,13 @@ def _round_cols(r: dict) -> str:
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
-        freeze: bool = False, on_read: bool = False) -> list[dict]:
+        freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps") -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
-    moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place."""
+    moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place.
+    `half_life_unit` (`expert_move_half_life_unit`): the policy's half-life in steps or in tokens (a round's decay
+    then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
@@ -280,6 +282,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     kinds = sorted(trace)
     for batch in batches:
         replay = Replay(model, batch, cfg.num_experts_per_tok)
+        decay = round_decay(half_life_unit, half_life, interval, interval * batch) if moves else 0.0
         K.route = replay.route
         try:
             engine = LocalEngine([model], max_seqs=batch, max_tokens=warmup + 2 * steps + 80, cuda_graphs=True)
@@ -309,7 +312,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     r0, r1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t_host = time.perf_counter()
                     r0.record()
-                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused, graph=graphed)
+                    x.move_round(gates(model), decay, margin, fused=fused, graph=graphed)
                     r1.record()
                     if s >= warmup:
                         round_host.append(time.perf_counter() - t_host)
@@ -333,7 +336,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             for n, s in enumerate(b2b):
                 replay.buf[:, :batch].copy_(staged[n])
                 if moves and x is not None and s % interval == interval - 1 and not freeze:
-                    x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused, graph=graphed)
+                    x.move_round(gates(model), decay, margin, fused=fused, graph=graphed)
                 engine.step([(i, [100 + i]) for i in range(batch)])
             b1.record()
             torch.cuda.synchronize()
@@ -347,7 +350,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                             ids = trace[kinds[i % len(kinds)]]
                             replay.buf[:, i].copy_(torch.from_numpy(ids[(s + 997 * (i // len(kinds))) % len(ids)]))
                         if moves and x is not None and s % interval == interval - 1 and not freeze:
-                            x.move_round(gates(model), 0.5 ** (interval / half_life), margin, fused=fused,
+                            x.move_round(gates(model), decay, margin, fused=fused,
                                          graph=graphed)
                         engine.step([(i, [100 + i]) for i in range(batch)])
 
@@ -372,7 +375,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "back_to_back_step_ms": back_to_back * 1e3,
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
-                    "expert_move_async": spares,
+                    "expert_move_async": spares, "half_life_unit": half_life_unit, "round_decay": decay,
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:
@@ -444,6 +447,9 @@ def main() -> int:
     ap.add_argument("--move-modes", default="", metavar="inplace,onread",
                     help="each policy's rows with moves in place and / or on read (expert_move_async), one process "
                          "(default: the server's switch, MOEPIPE_EXPERT_MOVE_ASYNC)")
+    ap.add_argument("--half-life-unit", choices=("steps", "tokens"), default="steps",
+                    help="the --policies half-lives in steps (default, today's server) or in tokens "
+                         "(expert_move_half_life_unit: a round decays by 0.5 ** (interval * batch / half-life))")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -492,7 +498,8 @@ def main() -> int:
             name += "_onread" if on_read else ""
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
-                         freeze=args.freeze_moves and moves, on_read=on_read):
+                         freeze=args.freeze_moves and moves, on_read=on_read,
+                         half_life_unit=args.half_life_unit):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                     base_b2b[r["batch"]] = r["back_to_back_step_ms"]

@@ -31,7 +31,8 @@ class ClusterConfigError(ValueError):
 # `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
-PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py METHODS)
+PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")
+EXPERT_MOVE_HALF_LIFE_UNITS = ("steps", "tokens")         # expert_move_half_life_unit   # ple_prefetch_method (ple_service/prefetch.py METHODS)
 # `chat_template_content_format` (vLLM's --chat-template-content-format): how a message's content reaches the chat
 # template. "auto": as the template reads it (shared/tokenizer.py detects a loop over content); "string": text parts
 # joined by newlines, null as ""; "openai": a list of parts (a string one text part, null none)
@@ -212,6 +213,11 @@ class ClusterConfig:
     expert_move_interval: int = 1
     expert_move_half_life: float = 128.0
     expert_move_margin: float = 0.5
+    # ... the half-life counted in "steps" (a round's decay 0.5 ** (interval / half_life)) or in "tokens" (0.5 **
+    # (decode tokens counted since the last round / half_life): a step of B tokens adds B selections a layer, so at
+    # batch 4 a half-life in steps keeps every count ~4x larger and a host expert rarely passes the threshold;
+    # docs/performance.md "Moves at batch 4, a CPU study"). "steps" until a GPU measures "tokens".
+    expert_move_half_life_unit: str = "steps"
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
     # bit. On since h200-18 (full shape, INT4 experts, 10% in host RAM, a round every step): a round's GPU span 0.28
@@ -379,6 +385,10 @@ class ClusterConfig:
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or not self.expert_move_margin >= 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
+        if self.expert_move_half_life_unit not in EXPERT_MOVE_HALF_LIFE_UNITS:
+            raise ClusterConfigError(f"cluster config: expert_move_half_life_unit (MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT) "
+                                     f"{self.expert_move_half_life_unit!r} must be one of "
+                                     f"{', '.join(EXPERT_MOVE_HALF_LIFE_UNITS)}")
         if not 0 <= self.gil_switch_interval_ms <= 1000:
             raise ClusterConfigError(f"cluster config: gil_switch_interval_ms must be in [0, 1000] ms (0 = Python's "
                                      f"default 5 ms), got {self.gil_switch_interval_ms}")
@@ -584,7 +594,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes", "MOEPIPE_MEASURE_RESERVE": "measure_reserve",
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
-        "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
+        "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life",
+        "MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT": "expert_move_half_life_unit", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused", "MOEPIPE_EXPERT_MOVE_GRAPH": "expert_move_graph",
         "MOEPIPE_EXPERT_MOVE_ASYNC": "expert_move_async",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
@@ -604,7 +615,7 @@ _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_tim
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
 # a word (stripped, lower case; VAR= is not set), checked by validate
-_CHOICE_KEYS = ("ple_prefetch_method", "chat_template_content_format")
+_CHOICE_KEYS = ("ple_prefetch_method", "chat_template_content_format", "expert_move_half_life_unit")
 _LIST_KEYS = ("allowed_hosts", "allowed_origins")
 
 

@@ -52,6 +52,9 @@ class StageExperts:
     _side: object | None = None    # the side stream the write-backs run on (CUDA)
     _plans: tuple | None = None   # (router data_ptrs, [(SwapPlan, layer indices)]) of the last move round
     _graph: tuple | None = None   # (key, CUDAGraph, its decisions tensor) of the captured round (`expert_move_graph`)
+    # every captured round by key (the decay is baked into a graph: a half-life in tokens gives a decay per batch
+    # size), at most GRAPH_CACHE of them, the oldest dropped first
+    _graph_cache: dict = field(default_factory=dict)
     _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
     _last: tuple[list[int], list[int]] | None = None   # host reads and moves per layer, as last read back
 
@@ -139,7 +142,7 @@ class StageExperts:
             if not graph:
                 return self._fused_round(gates, decay, margin)
             key = (tuple(g.data_ptr() for g in gates), float(decay), float(margin))
-            if self._graph is not None and self._graph[0] == key:
+            if self._cached_graph(key):
                 self._graph[1].replay()
                 return self._graph[2]
             dec = self._fused_round(gates, decay, margin)     # compiles the kernels and builds the plans
@@ -182,7 +185,7 @@ class StageExperts:
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
         key = ("claims", tuple(g.data_ptr() for g in gates), float(decay), float(margin))
-        captured = graph and self._graph is not None and self._graph[0] == key
+        captured = graph and self._cached_graph(key)
         if captured:
             self._graph[1].replay()
         else:
@@ -203,8 +206,23 @@ class StageExperts:
                 claim_round(*args)
             with torch.cuda.graph(side, capture_error_mode="thread_local"):
                 self._write_backs(gates)
-            self._graph = (key, main, side)
+            self._keep_graph((key, main, side))
         return self.state
+
+    def _cached_graph(self, key: tuple) -> bool:
+        """Whether a round with `key` was captured; if so it is `_graph` now."""
+        if self._graph is not None and self._graph[0] == key:
+            return True
+        hit = self._graph_cache.get(key)
+        if hit is not None:
+            self._graph = hit
+        return hit is not None
+
+    def _keep_graph(self, entry: tuple) -> None:
+        self._graph = entry
+        self._graph_cache[entry[0]] = entry
+        while len(self._graph_cache) > GRAPH_CACHE:
+            self._graph_cache.pop(next(iter(self._graph_cache)))
 
     def _write_backs(self, gates: list[torch.Tensor]) -> None:
         """The round's side-stream part: `write_back` of the pending victims for every kind of row (the router
@@ -236,7 +254,7 @@ class StageExperts:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             dec = self._fused_round(gates, decay, margin)
-        self._graph = (key, g, dec)
+        self._keep_graph((key, g, dec))
 
     def _swap_plans(self, gates: list[torch.Tensor]) -> list:
         """[(SwapPlan, layer indices tensor or None)] of `row_sets`, built once (rows never move in memory)."""
@@ -250,11 +268,26 @@ class StageExperts:
         return self._plans[1]
 
 
+def round_decay(unit: str, half_life: float, interval: int, tokens: int) -> float:
+    """A move round's decay of the selection counts: 0.5 ** (interval / half_life) with `expert_move_half_life_unit`
+    "steps", 0.5 ** (tokens / half_life) with "tokens" (the decode tokens counted since the last round,
+    `expert_table.counted_tokens`: at batch B a round every step decays by 0.5 ** (B / half_life), so a count
+    means the same number of tokens at every batch size)."""
+    if unit == "tokens":
+        return 0.5 ** (tokens / half_life)
+    if unit != "steps":
+        raise ValueError(f"half-life unit {unit!r}: steps or tokens")
+    return 0.5 ** (interval / half_life)
+
+
 # Spare device slots a table gets with `expert_move_async`: the claim state's spare and reserve (`claim_round`), so
 # two by layout. With one, a layer that moved could not claim again until its victim's write-back was committed a
 # round later (simulated on the benchmark's trace: 2.12 host reads a token at batch 1 against 1.74 with two; more,
 # with one claim a step, changed nothing).
 SPARES = 2
+# Captured rounds kept (`StageExperts._graph_cache`): one per decay and margin, so a half-life counted in tokens keeps
+# one per batch size seen (a round every step) instead of capturing again whenever the batch size changes.
+GRAPH_CACHE = 64
 HOST_ALIGN = 256      # bytes: each part of each layer starts on this boundary of the host allocation (kernel loads)
 # The CUDA VMM allocation granularity of current GPUs (H100/H200: 2 MiB; `vmm_range` asks the driver): a range's
 # device part is the hot rows' bytes rounded up to it, its host part the rest's. Used for the estimates made before

@@ -23,7 +23,8 @@ from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
 from shared.token_mask import apply_mask
-from stage_worker.expert_offload import gates
+from stage_worker.expert_offload import gates, round_decay
+from stage_worker.model.expert_table import counted_tokens
 from stage_worker.readback import CounterReadback
 from stage_worker.host_copy import to_device, to_host
 from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
@@ -181,6 +182,10 @@ class StageRunner:
         self.expert_moves = model.experts is not None and cluster.expert_moves
         self._move_gates = gates(model) if self.expert_moves else []
         self._move_decay = 0.5 ** (cluster.expert_move_interval / cluster.expert_move_half_life)
+        # `expert_move_half_life_unit` "tokens": the round decays by the decode tokens counted since the last one
+        # (`move_decay`); "steps": by the interval (`_move_decay`)
+        self._move_tokens = 0
+        self._move_top_k = next(iter(model.moe_layers().values())).top_k if self.expert_moves else 0
         self.launches = 0
         self.graphs = None
         kernels = getattr(model, "kernel_flags", None)
@@ -247,6 +252,15 @@ class StageRunner:
                                        mailbox=self.ple_mailbox)
 
     # ---- inputs ------------------------------------------------------------------------------------------------
+
+    def move_decay(self) -> float:
+        """The move round's decay: 0.5 ** (interval / half-life) with `expert_move_half_life_unit` "steps", else 0.5
+        ** (decode tokens the router counted since the last round / half-life), those tokens then restarting."""
+        c = self.cluster
+        if c.expert_move_half_life_unit != "tokens":
+            return self._move_decay
+        tokens, self._move_tokens = self._move_tokens, 0
+        return round_decay(c.expert_move_half_life_unit, c.expert_move_half_life, c.expert_move_interval, tokens)
     def on_message(self, msg: Message) -> None:
         if isinstance(msg, Plan):
             self._on_plan(msg)
@@ -546,9 +560,11 @@ class StageRunner:
                         batch.ple_rows[layer] = rows[:, li]
         self._max_launched_step = max(self._max_launched_step, plan.step)
         self.launches += 1
+        if self.expert_moves:
+            self._move_tokens += counted_tokens(batch.token_ids.shape[0], self._move_top_k)
         if self.expert_moves and self.launches % self.cluster.expert_move_interval == 0:
             with phase("stage.expert_moves"):
-                self.experts.move_round(self._move_gates, self._move_decay, self.cluster.expert_move_margin,
+                self.experts.move_round(self._move_gates, self.move_decay(), self.cluster.expert_move_margin,
                                         fused=self.cluster.expert_move_fused,
                                         graph=self.cluster.expert_move_graph and self.graphs is not None)
         if self.experts is not None and self.launches % 16 == 0:

@@ -336,3 +336,27 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     cold = random_cold(cfg, 0.5, seed=1)
     slots = sum(len(ids) for ids in cold.values())     # the spare of moves on read is a device slot
     assert host == slots * cold_set.expert_bytes(cfg, "float32")
+
+
+def test_the_half_life_counted_in_tokens_decays_by_the_tokens_since_the_last_round(monkeypatch):
+    """`expert_move_half_life_unit`: "steps" (the default) decays a round by 0.5 ** (interval / half-life) whatever
+    the batch, "tokens" by 0.5 ** (decode tokens counted since the last round / half-life), so at batch 4 and a
+    round every step a half-life of 128 tokens is 32 steps; a prefill-sized step counts no token (the router does
+    not count it). The config key and its variable, and an unknown unit refused."""
+    from shared.cluster_config import ClusterConfig, ClusterConfigError, cluster_from_dict, env_overrides  # noqa: E501
+    from stage_worker.expert_offload import round_decay
+    from stage_worker.model.expert_table import COUNT_MAX_TK, counted_tokens
+
+    assert ClusterConfig.__dataclass_fields__["expert_move_half_life_unit"].default == "steps"
+    assert round_decay("steps", 128.0, 1, 4) == 0.5 ** (1 / 128) == round_decay("steps", 128.0, 1, 1)
+    assert round_decay("tokens", 128.0, 1, 4) == 0.5 ** (4 / 128) == round_decay("steps", 32.0, 1, 1)
+    assert round_decay("tokens", 128.0, 2, 0) == 1.0
+    assert counted_tokens(4, 10) == 4 and counted_tokens(COUNT_MAX_TK // 10 + 1, 10) == 0
+    with pytest.raises(ValueError):
+        round_decay("seconds", 128.0, 1, 4)
+    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT", " Tokens ")
+    assert env_overrides()["expert_move_half_life_unit"] == "tokens"
+    monkeypatch.delenv("MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT")
+    with pytest.raises(ClusterConfigError, match="expert_move_half_life_unit"):
+        cluster_from_dict({"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
+                           "gateway_endpoint": "ipc:///tmp/g", "expert_move_half_life_unit": "seconds"})

@@ -36,6 +36,12 @@ from stage_worker.kernels.moe_ref import HostRows, RouteCounts
 # swamp a conversation's decode counts. So /metrics' host reads are decode's.
 COUNT_MAX_TK = 256
 
+
+def counted_tokens(tokens: int, top_k: int) -> int:
+    """The tokens of a step of `tokens` the router counts (`route_counts`): all of a decode-sized step, none of a
+    prefill-sized one. What a half-life counted in tokens decays by (`expert_move_half_life_unit`)."""
+    return tokens if tokens * top_k <= COUNT_MAX_TK else 0
+
 PARTS = ("w13", "w2")                          # a table of experts in the compute dtype
 PACKED_PARTS = ("q13", "s13", "q2", "s2")      # INT4 experts: words and group scales of w13, then of w2
 FP8_PARTS = PACKED_PARTS                       # float8 experts: bytes and block scales (SparseMoE's buffer names)
