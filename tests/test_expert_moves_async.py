@@ -101,6 +101,81 @@ def test_claim_round_kernel_matches_the_reference_over_many_rounds():
     assert float(ref["threshold"][1]) == float("inf")
 
 
+def _stage_c(E: int, hots_live: list[int], C: int):
+    """`_stage` with C claims a layer a step: 2C spares after the live device experts, state [L, 4C]."""
+    L = len(hots_live)
+    orders = [list(range(h)) + [-1] * (2 * C) + list(range(h, E)) for h in hots_live]
+    eos = torch.tensor(orders, dtype=torch.int32)
+    smap = torch.tensor([[s for s, e in enumerate(o) if e >= 0] for o in orders], dtype=torch.int32)
+    return dict(counts=torch.zeros(L, E + 2 * C), expert_of_slot=eos, slot_map=smap,
+                hot=torch.tensor([h + 2 * C for h in hots_live], dtype=torch.int64),
+                moves=torch.zeros(L, dtype=torch.int64),
+                state=torch.tensor([[h + s for s in range(2 * C)] + [-1] * (2 * C) for h in hots_live],
+                                   dtype=torch.int64),
+                claim=torch.full((L, C), -1, dtype=torch.int32), threshold=torch.full((L,), float("inf")))
+
+
+@pytest.mark.parametrize("C", [2, 4])
+def test_claim_round_kernel_with_c_claims_matches_the_reference(C):
+    """`claim_round` with C claims a layer a step (state [L, 4C]) against `claim_round_ref` over 60 rounds of random
+    counts and up to C distinct claims a layer (only where a free slot backs the entry, as the router claims): the
+    same tables bit for bit; up to C moves a layer a round, C at once seen; C distinct victims, each with its own
+    host slot; the free list compact; the slot map a bijection onto the live slots throughout (a layer with two live
+    device experts commits at most two claims a round: a victim for each)."""
+    g = torch.Generator().manual_seed(11)
+    E, live = 12, [5, 0, 7, 2]
+    ref = _stage_c(E, live, C)
+    ker = {k: v.clone().to(DEV) for k, v in ref.items()}
+    order = ["counts", "expert_of_slot", "slot_map", "hot", "moves", "state", "claim", "threshold"]
+    most = 0
+    for r in range(60):
+        inc = torch.randint(0, 3, ref["counts"].shape, generator=g).float()
+        ref["counts"] += inc
+        ker["counts"] += inc.to(DEV)
+        for layer in range(len(live)):
+            if ref["threshold"][layer] < float("inf"):
+                host = [s for s in range(int(ref["hot"][layer]), E + 2 * C)
+                        if ref["expert_of_slot"][layer, s] >= 0]
+                pick = torch.randperm(len(host), generator=g)[:C].tolist()
+                for j in range(C):
+                    if j < len(pick) and ref["state"][layer, j] >= 0 and torch.rand((), generator=g) < 0.7:
+                        ref["claim"][layer, j] = host[pick[j]]
+        ker["claim"].copy_(ref["claim"].to(DEV))
+        before = ref["moves"].clone()
+        claim_round_ref(*(ref[k] for k in order), 0.75, 0.5)
+        M.claim_round(*(ker[k] for k in order), 0.75, 0.5)
+        for k in order:
+            assert torch.equal(ker[k].cpu(), ref[k]), (r, k)
+        most = max(most, int((ref["moves"] - before).max()))
+        assert int((ref["moves"] - before).max()) <= C
+        for layer in range(len(live)):
+            eos, smap = ref["expert_of_slot"][layer].tolist(), ref["slot_map"][layer].tolist()
+            assert sorted(e for e in eos if e >= 0) == list(range(E))
+            assert [eos[s] for s in smap] == list(range(E))
+            free, victims, dests = (ref["state"][layer, a * C:b * C].tolist() for a, b in ((0, 2), (2, 3), (3, 4)))
+            n = sum(f >= 0 for f in free)
+            assert all(f >= 0 for f in free[:n]) and all(f < 0 for f in free[n:])
+            pend = [v for v in victims if v >= 0]
+            assert len(set(pend)) == len(pend) == sum(d >= 0 for d in dests) and n + len(pend) == 2 * C
+    assert most == C and int(ref["moves"][1]) == 0 and int(ref["moves"].sum()) >= 30
+
+
+def test_write_back_kernel_copies_every_pending_victim():
+    """`write_back` with C = 2 (state [L, 8]): each pending victim's row into its own host slot."""
+    g = torch.Generator().manual_seed(2)
+    S, hots = 12, [6, 8]
+    state = torch.tensor([[-1, -1, 4, -1, 1, 3, 9, 7], [5, -1, -1, -1, 2, -1, 10, -1]], dtype=torch.int64)
+    rows = _rows(g, hots, S)
+    want = RowSet([t.clone() for t in rows.dev], [t.clone() for t in rows.host], rows.split)
+    write_back_ref(want, state)
+    assert torch.equal(want.host[0][3], rows.dev[0][1].cpu()) and torch.equal(want.host[0][1], rows.dev[0][3].cpu())
+    assert torch.equal(want.host[1][2], rows.dev[1][2].cpu())
+    plan = M.SwapPlan.build(rows, torch.device(DEV))
+    M.write_back(plan, state.to(DEV), block=4, programs=2)
+    for a, b in zip(rows.dev + rows.host, want.dev + want.host):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 def test_the_router_claims_a_host_slot_past_the_threshold():
     """The router kernel's claim: the best-ranked selected host slot whose count passes the threshold, once (a
     claim already made stays), none at an infinite threshold; the reference path claims the same at one token."""

@@ -91,31 +91,35 @@ if triton is not None:
 
     @triton.jit
     def _write_back_kernel(anchor_ptr, dev_off_ptr, host_off_ptr, split_ptr, state_ptr, layers_ptr, N,
-                           BLOCK: tl.constexpr, HAS_LAYERS: tl.constexpr):
-        """`expert_move_async`'s write-back: layer program_id(0), if it has a pending victim (state row (spare,
-        reserve, victim, host slot), victim >= 0), copies the victim's row into the host slot, program_id(1)
+                           BLOCK: tl.constexpr, HAS_LAYERS: tl.constexpr, NC: tl.constexpr = 1):
+        """`expert_move_async`'s write-back: layer program_id(0) copies each pending victim's row (state row of 4 NC:
+        free slots [2 NC], victims [NC], their host slots [NC]; a victim >= 0) into its host slot, program_id(1)
         taking every num_programs(1)-th BLOCK of it. Reads a live row and writes a slot nothing routes to: steps
         run beside it. Addressing as `_swap_kernel`."""
         layer, row = _decision_row(layers_ptr, HAS_LAYERS)
-        victim = tl.load(state_ptr + row * 4 + 2)
-        if victim >= 0:
-            a = _slot_offset(victim, layer, split_ptr, dev_off_ptr, host_off_ptr, N)
-            b = _slot_offset(tl.load(state_ptr + row * 4 + 3), layer, split_ptr, dev_off_ptr, host_off_ptr, N)
-            for start in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < N
-                tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
+        for i in tl.static_range(NC):
+            victim = tl.load(state_ptr + row * (4 * NC) + 2 * NC + i)
+            if victim >= 0:
+                a = _slot_offset(victim, layer, split_ptr, dev_off_ptr, host_off_ptr, N)
+                b = _slot_offset(tl.load(state_ptr + row * (4 * NC) + 3 * NC + i), layer, split_ptr, dev_off_ptr,
+                                 host_off_ptr, N)
+                for start in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < N
+                    tl.store(anchor_ptr + b + offs, tl.load(anchor_ptr + a + offs, mask=mask), mask=mask)
 
     @triton.jit
     def _claim_round_kernel(counts_ptr, eos_ptr, slot_map_ptr, hot_ptr, moves_ptr, state_ptr, claim_ptr, thr_ptr,
-                            S, E, decay, margin, BLOCK_S: tl.constexpr):
-        """Layer program_id(0)'s round with moves on read, as `expert_moves_ref.claim_round_ref` on its row (state:
-        spare, reserve spare, victim, its host slot): (1) a pending victim (its row now in host slot h) is routed
-        there and its device slot becomes a free spare (the spare, or the reserve if the spare is free); (2) the
-        counts decay; (3) a claimed host slot c (its rows stored into the spare during the step) is routed to the
-        spare, c's count and expert go with it, the move counted, the least-used other live device slot (ties: the
-        lowest expert) becomes the pending victim, to be written back into c, and the reserve becomes the spare;
-        (4) the next step's threshold: the least live device count + margin while a spare is free, else +inf."""
+                            S, E, decay, margin, BLOCK_S: tl.constexpr, NC: tl.constexpr, BLOCK_F: tl.constexpr):
+        """Layer program_id(0)'s round with moves on read, as `expert_moves_ref.claim_round_ref` on its row (state
+        [4 NC]: free slots [2 NC], kept compact, victims [NC], their host slots [NC]; NC = 1: spare, reserve spare,
+        victim, its host slot): (1) each pending victim (its row now in its host slot h) is routed there and its
+        device slot goes into the first free entry; (2) the counts decay; (3) claim j (a host slot whose rows the step
+        stored into free slot j) is routed to that slot, its count and expert going with it, the move counted, while
+        a victim is left for it (no more claims than live device slots); then as many of the least-used other live
+        device slots (ties: the lowest expert) become the pending victims, the i-th to be written back into the
+        i-th committed claim's host slot, and the free list loses the filled slots; (4) the next step's threshold:
+        the least live device count + margin while a slot is free, else +inf."""
         layer = tl.program_id(0)
         base = layer.to(tl.int64) * S
         offs = tl.arange(0, BLOCK_S)
@@ -123,51 +127,77 @@ if triton is not None:
         c = tl.load(counts_ptr + base + offs, mask=valid, other=0.0)
         eos = tl.load(eos_ptr + base + offs, mask=valid, other=-1)
         hot = tl.load(hot_ptr + layer)
-        spare = tl.load(state_ptr + layer * 4)
-        reserve = tl.load(state_ptr + layer * 4 + 1)
-        victim = tl.load(state_ptr + layer * 4 + 2)
-        dest = tl.load(state_ptr + layer * 4 + 3)
-        # (1) the victim's write-back is done (the forward's stream waited for it)
-        fin = victim >= 0
-        x = tl.sum(tl.where(offs == victim, eos, 0), axis=0)
-        cv = tl.sum(tl.where(offs == victim, c, 0.0), axis=0)
-        tl.store(slot_map_ptr + layer * E + x, dest.to(tl.int32), mask=fin)
-        eos = tl.where(fin & (offs == dest), x, tl.where(fin & (offs == victim), -1, eos))
-        c = tl.where(fin & (offs == dest), cv, tl.where(fin & (offs == victim), 0.0, c))
-        reserve = tl.where(fin & (spare >= 0), victim, reserve)
-        spare = tl.where(fin & (spare < 0), victim, spare)
+        srow = state_ptr + layer * (4 * NC)
+        fo = tl.arange(0, BLOCK_F)
+        fmask = fo < 2 * NC
+        free = tl.load(srow + fo, mask=fmask, other=-1)
+        vo = tl.arange(0, BLOCK_F)
+        vmask = vo < NC
+        # (1) the victims' write-backs are done (the forward's stream waited for them)
+        for i in tl.static_range(NC):
+            victim = tl.load(srow + 2 * NC + i)
+            dest = tl.load(srow + 3 * NC + i)
+            fin = victim >= 0
+            x = tl.sum(tl.where(offs == victim, eos, 0), axis=0)
+            cv = tl.sum(tl.where(offs == victim, c, 0.0), axis=0)
+            tl.store(slot_map_ptr + layer * E + x, dest.to(tl.int32), mask=fin)
+            eos = tl.where(fin & (offs == dest), x, tl.where(fin & (offs == victim), -1, eos))
+            c = tl.where(fin & (offs == dest), cv, tl.where(fin & (offs == victim), 0.0, c))
+            first = tl.min(tl.where(fmask & (free < 0), fo, BLOCK_F), axis=0)
+            free = tl.where(fin & (fo == first), victim, free)
         # (2)
         c = c * decay
         # (3)
-        cl = tl.load(claim_ptr + layer).to(tl.int64)
-        got = (cl >= 0) & (spare >= 0)
-        x = tl.sum(tl.where(offs == cl, eos, 0), axis=0)
-        cc = tl.sum(tl.where(offs == cl, c, 0.0), axis=0)
-        tl.store(slot_map_ptr + layer * E + x, spare.to(tl.int32), mask=got)
-        eos = tl.where(got & (offs == spare), x, tl.where(got & (offs == cl), -1, eos))
-        c = tl.where(got & (offs == spare), cc, tl.where(got & (offs == cl), 0.0, c))
+        n_live = tl.sum(tl.where(valid & (offs < hot) & (eos >= 0), 1, 0), axis=0)
+        n_go = n_live * 0
+        used = tl.zeros([BLOCK_F], tl.int32)
+        filled = tl.zeros([BLOCK_S], tl.int32)
+        dests = tl.full([BLOCK_F], -1, tl.int64)
+        for j in tl.static_range(NC):
+            cl = tl.load(claim_ptr + layer * NC + j).to(tl.int64)
+            spare = tl.sum(tl.where(fo == j, free, 0), axis=0)
+            got = (cl >= 0) & (spare >= 0) & (n_go < n_live)
+            x = tl.sum(tl.where(offs == cl, eos, 0), axis=0)
+            cc = tl.sum(tl.where(offs == cl, c, 0.0), axis=0)
+            tl.store(slot_map_ptr + layer * E + x, spare.to(tl.int32), mask=got)
+            eos = tl.where(got & (offs == spare), x, tl.where(got & (offs == cl), -1, eos))
+            c = tl.where(got & (offs == spare), cc, tl.where(got & (offs == cl), 0.0, c))
+            filled = tl.where(got & (offs == spare), 1, filled)
+            used = tl.where(got & (fo == j), 1, used)
+            dests = tl.where(got & (vo == n_go), cl, dests)
+            n_go += got.to(tl.int32)
+            tl.store(claim_ptr + layer * NC + j, -1)
         live_dev = valid & (offs < hot) & (eos >= 0)
-        dc = tl.where(live_dev & (offs != spare), c, float("inf"))
-        cmin = tl.min(dc, axis=0)
-        # ties: the lowest expert id (what `expert_cache_sim._replay_claim` picks, so the two agree exactly)
-        low_e = tl.min(tl.where(live_dev & (offs != spare) & (dc == cmin), eos, 2 ** 30), axis=0)
-        low = tl.min(tl.where(live_dev & (eos == low_e), offs, BLOCK_S), axis=0).to(tl.int64)
-        victim = tl.where(got, low, -1)
-        dest = tl.where(got, cl, -1)
-        tl.store(moves_ptr + layer, tl.load(moves_ptr + layer) + got.to(tl.int64))
-        tl.store(claim_ptr + layer, -1)
-        spare = tl.where(got, reserve, spare)
-        reserve = tl.where(got, -1, reserve)
+        cand = live_dev & (filled == 0)
+        victims = tl.full([BLOCK_F], -1, tl.int64)
+        for i in tl.static_range(NC):
+            dc = tl.where(cand, c, float("inf"))
+            cmin = tl.min(dc, axis=0)
+            # ties: the lowest expert id (what `expert_cache_sim._replay_claims` picks, so the two agree exactly)
+            low_e = tl.min(tl.where(cand & (dc == cmin), eos, 2 ** 30), axis=0)
+            low = tl.min(tl.where(live_dev & (eos == low_e), offs, BLOCK_S), axis=0).to(tl.int64)
+            pick = i < n_go
+            victims = tl.where(pick & (vo == i), low, victims)
+            cand = cand & ((offs != low) | (i >= n_go))
+        tl.store(moves_ptr + layer, tl.load(moves_ptr + layer) + n_go.to(tl.int64))
+        # the free list without the filled slots, compacted (entry k: the kept one with k kept before it)
+        keep = fmask & (free >= 0) & (used == 0)
+        rank = tl.sum(tl.where(keep[None, :] & (fo[None, :] < fo[:, None]), 1, 0), axis=1)
+        nxt = tl.full([BLOCK_F], -1, tl.int64)
+        for k in tl.static_range(2 * NC):
+            at = keep & (rank == k)
+            has = tl.sum(tl.where(at, 1, 0), axis=0) > 0
+            nxt = tl.where((fo == k) & has, tl.sum(tl.where(at, free, 0), axis=0), nxt)
         # (4)
         tmin = tl.min(tl.where(live_dev, c, float("inf")), axis=0)
-        thr = tl.where((spare >= 0) & (hot < S), tmin + margin, float("inf"))
+        spare0 = tl.sum(tl.where(fo == 0, nxt, 0), axis=0)
+        thr = tl.where((spare0 >= 0) & (hot < S), tmin + margin, float("inf"))
         tl.store(thr_ptr + layer, thr)
         tl.store(counts_ptr + base + offs, c, mask=valid)
         tl.store(eos_ptr + base + offs, eos, mask=valid)
-        tl.store(state_ptr + layer * 4, spare)
-        tl.store(state_ptr + layer * 4 + 1, reserve)
-        tl.store(state_ptr + layer * 4 + 2, victim)
-        tl.store(state_ptr + layer * 4 + 3, dest)
+        tl.store(srow + fo, nxt, mask=fmask)
+        tl.store(srow + 2 * NC + vo, victims, mask=vmask)
+        tl.store(srow + 3 * NC + vo, dests, mask=vmask)
 
     @triton.jit
     def _decide_settle_kernel(counts_ptr, slot_map_ptr, hot_ptr, moves_ptr, dec_ptr, E, decay, margin,
@@ -256,17 +286,27 @@ def claim_round(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map: to
                 margin: float) -> None:
     """`expert_move_async`'s round for every layer in one launch (`_claim_round_kernel`): counts fp32 [L, S],
     expert_of_slot int32 [L, S], slot_map int32 [L, E], hot int64 [L] (device slots, the spare among them), moves
-    int64 [L], state int64 [L, 4] (spare, reserve spare, victim, its host slot: -1 where none), claim int32 [L],
-    threshold fp32 [L];
+    int64 [L], state int64 [L, 4C] (free slots [2C] kept compact, victims [C], their host slots [C]: -1 where none;
+    C = 1: spare, reserve spare, victim, its host slot), claim int32 [L, C] (C = 1: [L] too), threshold fp32 [L];
     all in place, contiguous, on one device; nothing read back."""
     L, S = counts.shape
     for t in (counts, expert_of_slot, slot_map, hot, moves, state, claim, threshold):
         if not t.is_contiguous():
             raise ValueError("claim_round takes contiguous tensors")
+    nc = claims_of(state)
+    if claim.numel() != L * nc:
+        raise ValueError(f"claim {tuple(claim.shape)} for state {tuple(state.shape)}: [L, C] (C = 1: [L] too)")
     block = triton.next_power_of_2(S)
     _claim_round_kernel[(L,)](counts, expert_of_slot, slot_map, hot, moves, state, claim, threshold, S,
-                              slot_map.shape[1], float(decay), float(margin), BLOCK_S=block,
-                              num_warps=4 if block <= 1024 else 8)
+                              slot_map.shape[1], float(decay), float(margin), BLOCK_S=block, NC=nc,
+                              BLOCK_F=triton.next_power_of_2(2 * nc), num_warps=4 if block <= 1024 else 8)
+
+
+def claims_of(state: torch.Tensor) -> int:
+    """C, the claims a layer a step, of a claim state [L, 4C] (`expert_move_claims`)."""
+    if state.dim() != 2 or state.shape[1] % 4 or not state.shape[1]:
+        raise ValueError(f"a claim state is [L, 4C], not {tuple(state.shape)}")
+    return state.shape[1] // 4
 
 
 # Programs a written-back row gets (`write_back`): the copy runs beside the forward's kernels, and a handful of
@@ -277,13 +317,13 @@ WRITE_BACK_PROGRAMS = 4
 
 def write_back(plan: SwapPlan, state: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None,
                programs: int = WRITE_BACK_PROGRAMS) -> None:
-    """`expert_move_async`: for every layer l with a pending victim (state [L, 4], `claim_round`), the victim
-    slot's row into the host slot state[l, 3], in one launch (`_write_back_kernel`); `layers` as `swap_rows`."""
+    """`expert_move_async`: for every layer l and each of its pending victims (state [L, 4C], `claim_round`), the
+    victim slot's row into its host slot, in one launch (`_write_back_kernel`); `layers` as `swap_rows`."""
     n = plan.row_elems
     block = min(block, triton.next_power_of_2(n))
     _write_back_kernel[(plan.dev_off.numel(), max(1, min(programs, triton.cdiv(n, block))))](
         plan.anchor, plan.dev_off, plan.host_off, plan.split, state, state if layers is None else layers, n,
-        BLOCK=block, HAS_LAYERS=layers is not None)
+        BLOCK=block, HAS_LAYERS=layers is not None, NC=claims_of(state))
 
 
 def swap_rows(plan: SwapPlan, dec: torch.Tensor, block: int = 4096, layers: torch.Tensor | None = None) -> None:

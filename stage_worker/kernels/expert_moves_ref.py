@@ -50,41 +50,54 @@ def claim_round_ref(counts: torch.Tensor, expert_of_slot: torch.Tensor, slot_map
                     moves: torch.Tensor, state: torch.Tensor, claim: torch.Tensor, threshold: torch.Tensor,
                     decay: float, margin: float) -> None:
     """`expert_moves.claim_round` (`expert_move_async`'s round), layer by layer on the host: the oracle of
-    `_claim_round_kernel` and a CPU cluster's round. Arguments as there; a victim's ties: the lowest expert id."""
-    S = counts.shape[1]
-    for layer in range(counts.shape[0]):
+    `_claim_round_kernel` and a CPU cluster's round. Arguments as there (state [L, 4C]: free slots [2C], victims [C],
+    their host slots [C]; claim [L, C], or [L] with C = 1); a victim's ties: the lowest expert id."""
+    L, S = counts.shape
+    C = state.shape[1] // 4
+    claims = claim.view(L, C)
+    for layer in range(L):
         c, eos, smap = counts[layer], expert_of_slot[layer], slot_map[layer]
-        spare, reserve, victim, dest = state[layer].tolist()
-        if victim >= 0:                        # its write-back is done: route it to its host slot
-            x = int(eos[victim])
-            smap[x], eos[dest], c[dest] = dest, x, c[victim]
-            eos[victim], c[victim] = -1, 0.0
-            if spare < 0:
-                spare = victim
-            else:
-                reserve = victim
-            victim, dest = -1, -1
+        row = state[layer].tolist()
+        free, victims, dests = row[:2 * C], row[2 * C:3 * C], row[3 * C:]
+        for victim, dest in zip(victims, dests):
+            if victim >= 0:                    # its write-back is done: route it to its host slot
+                x = int(eos[victim])
+                smap[x], eos[dest], c[dest] = dest, x, c[victim]
+                eos[victim], c[victim] = -1, 0.0
+                free[free.index(-1)] = victim  # the first free entry (the list is kept compact)
         c.mul_(decay)
         n_hot = int(hot[layer])
-        cl = int(claim[layer])
-        if cl >= 0 and spare >= 0:             # the step stored slot cl's rows into the spare
-            x = int(eos[cl])
-            smap[x], eos[spare], c[spare] = spare, x, c[cl]
-            eos[cl], c[cl] = -1, 0.0
-            moves[layer] += 1
-            live = [s for s in range(n_hot) if eos[s] >= 0 and s != spare]
-            victim = min(live, key=lambda s: (float(c[s]), int(eos[s])))
-            dest, spare, reserve = cl, reserve, -1
-        claim[layer] = -1
+        n_live = sum(1 for s in range(n_hot) if eos[s] >= 0)
+        used, filled, dests = [], [], []
+        for j in range(C):                     # claim j: the step stored slot cl's rows into free[j]
+            cl = int(claims[layer, j])
+            if cl >= 0 and free[j] >= 0 and len(used) < n_live:       # a victim for each
+                spare = free[j]
+                x = int(eos[cl])
+                smap[x], eos[spare], c[spare] = spare, x, c[cl]
+                eos[cl], c[cl] = -1, 0.0
+                used.append(j)
+                filled.append(spare)
+                dests.append(cl)
+        moves[layer] += len(used)
+        live = [s for s in range(n_hot) if eos[s] >= 0 and s not in filled]
+        victims = sorted(live, key=lambda s: (float(c[s]), int(eos[s])))[:len(used)]
+        claims[layer] = -1
+        free = [f for k, f in enumerate(free) if f >= 0 and k not in used]
+        free += [-1] * (2 * C - len(free))
         live = [float(c[s]) for s in range(n_hot) if eos[s] >= 0]
-        threshold[layer] = min(live) + margin if spare >= 0 and live and n_hot < S else float("inf")
-        state[layer] = torch.tensor([spare, reserve, victim, dest], dtype=state.dtype)
+        threshold[layer] = min(live) + margin if free[0] >= 0 and live and n_hot < S else float("inf")
+        victims += [-1] * (C - len(victims))
+        dests += [-1] * (C - len(dests))
+        state[layer] = torch.tensor(free + victims + dests, dtype=state.dtype)
 
 
 @torch.no_grad()
 def write_back_ref(rows: RowSet, state: torch.Tensor) -> None:
-    """`expert_moves.write_back`: state [L, 4] (spare, reserve, victim, host slot); where a victim is pending, its
-    row into the host slot."""
-    for layer, (_, _, victim, dest) in enumerate(state.tolist()):
-        if victim >= 0:
-            _row(rows, layer, dest).copy_(_row(rows, layer, victim))
+    """`expert_moves.write_back`: state [L, 4C] (free slots [2C], victims [C], their host slots [C]; C = 1: spare,
+    reserve, victim, host slot); where a victim is pending, its row into its host slot."""
+    C = state.shape[1] // 4
+    for layer, row in enumerate(state.tolist()):
+        for victim, dest in zip(row[2 * C:3 * C], row[3 * C:]):
+            if victim >= 0:
+                _row(rows, layer, dest).copy_(_row(rows, layer, victim))
