@@ -204,6 +204,49 @@ def test_the_router_claims_a_host_slot_past_the_threshold():
         assert got == [want, want], (thr, held, got, host_ranked)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_four_tokens_claim_up_to_four_distinct_host_slots(held):
+    """C = 4 claims (`expert_move_claims`): a step of 4 tokens claims up to 4 distinct selected host slots past the
+    threshold, one an entry whose spare is a slot (an entry without one, spare -1, stays empty), a slot already
+    claimed never twice; the reference (`claims_ref`) takes them first come first, token by token, best first, and
+    the kernel under the interpreter (programs in order) the same; on a GPU the tokens race: the same number, all
+    distinct, all qualifying."""
+    g = torch.Generator().manual_seed(8)
+    E, first, k, C = 24, 8, 4, 4
+    logits = torch.randn(4, E, generator=g)
+    from stage_worker.kernels.moe_ref import route_ref
+
+    _, ids = route_ref(logits, k, True)
+    flat = ids.reshape(-1).tolist()
+    host = list(dict.fromkeys(s for s in flat if s >= first))
+    assert len(host) >= 4
+    spare = torch.tensor([20, -1, 21, 22] if held else [20, 21, -1, 23], dtype=torch.int64)
+    start = torch.tensor([host[2], -1, -1, -1] if held else [-1] * C, dtype=torch.int32)
+    open_ = [j for j in range(C) if spare[j] >= 0 and start[j] < 0]
+    want = start.clone()
+    left = [s for s in host if s not in start.tolist()]
+    for j, s in zip(open_, left):
+        want[j] = s
+    got = []
+    for on_device in (True, False):
+        counts = RouteCounts(torch.zeros(E), torch.zeros(1, dtype=torch.int64), first, start.clone(),
+                             torch.tensor([0.5]), spare.clone())
+        if on_device:
+            dc = RouteCounts(*(t.to(DEV) if isinstance(t, torch.Tensor) else t for t in (
+                counts.counts, counts.host_reads, counts.first, counts.claim, counts.threshold, counts.spare)))
+            route(logits.to(DEV), k, True, counts=dc)
+            got.append(dc.claim.cpu())
+        else:
+            count_ref(ids, counts)
+            got.append(counts.claim)
+    assert torch.equal(got[1], want), (got[1], want, host)
+    if not CUDA:
+        assert torch.equal(got[0], want)
+    c = [x for x in got[0].tolist() if x >= 0]
+    assert len(c) == len(set(c)) == int((want >= 0).sum()) and set(c) <= set(host)
+    assert int(got[0][1 if held else 2]) == -1           # the entry without a spare
+
+
 @pytest.fixture(scope="module")
 def demo():
     from shared.cli import ensure_builtin_model

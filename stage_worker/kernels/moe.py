@@ -107,7 +107,7 @@ if triton is not None:
                       FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                       SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False, claim_ptr=None, thr_ptr=None,
-                      CLAIM: tl.constexpr = False):
+                      CLAIM: tl.constexpr = False, spare_ptr=None, NC: tl.constexpr = 1):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
@@ -117,7 +117,11 @@ if triton is not None:
         each selected router index i becomes the slot map_ptr[i] before it is stored and counted (an expert
         table's slot map: router index -> the slot holding that expert now). CLAIM (with COUNT, `expert_move_async`):
         this token's best-ranked selected host slot whose count, after its own add, exceeds thr_ptr[0] is written
-        to claim_ptr[0] if that still holds -1 (one compare-and-swap: the first token wins). PDL (kernel
+        to claim_ptr[0] if that still holds -1 (one compare-and-swap: the first token wins). NC > 1 claims
+        (`expert_move_claims`): each of the token's selected host slots past the threshold, best first, is tried
+        against entries j = 0..NC-1 whose spare spare_ptr[j] is a slot (>= 0) with a compare-and-swap, stopping at
+        the entry it takes or finds already holding it: entries are never cleared within a step, so the step's
+        claims are distinct, up to NC of them. PDL (kernel
         flag `pdl`): launched as a programmatic dependent, it waits first thing (`common.pdl_wait`: it reads only
         what earlier kernels wrote)."""
         pdl_wait(PDL)
@@ -168,9 +172,20 @@ if triton is not None:
             tl.atomic_add(reads_ptr, host.to(tl.int64))
             if CLAIM:
                 over = on_host & (before + 1.0 > tl.load(thr_ptr))
-                first = tl.min(tl.where(over, kk, BLOCK_K), axis=0)
-                if first < BLOCK_K:
-                    tl.atomic_cas(claim_ptr, -1, tl.sum(tl.where(kk == first, top_id, 0), axis=0))
+                if NC == 1:
+                    first = tl.min(tl.where(over, kk, BLOCK_K), axis=0)
+                    if first < BLOCK_K:
+                        tl.atomic_cas(claim_ptr, -1, tl.sum(tl.where(kk == first, top_id, 0), axis=0))
+                else:
+                    for r in tl.static_range(TOP_K):
+                        if tl.sum(tl.where((kk == r) & over, 1, 0), axis=0) > 0:
+                            cand = tl.sum(tl.where(kk == r, top_id, 0), axis=0)
+                            placed = cand < 0                       # false: a host slot
+                            for j in tl.static_range(NC):
+                                go = (placed == 0) & (tl.load(spare_ptr + j) >= 0)
+                                # an entry not tried compares with -3, which no entry holds: the swap is a no-op
+                                old = tl.atomic_cas(claim_ptr + j, tl.where(go, -1, -3), cand)
+                                placed = placed | (go & ((old == -1) | (old == cand)))
         if SHARED:
             sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
@@ -358,13 +373,16 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
+        nc = 1 if c.claim is None else c.claim.numel()
+        if nc > 1 and (c.spare is None or c.spare.numel() != nc):
+            raise ValueError(f"{nc} claims need as many spares (RouteCounts.spare)")
         pdl = pdl_usable(logits)
         _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid,
                             ids if slot_map is None else slot_map, E, logits.stride(0), c.first, TOP_K=top_k,
                             SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k),
                             COUNT=counts is not None, VALID=valid is not None, SLOT_MAP=slot_map is not None,
                             num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl, claim_ptr=c.claim, thr_ptr=c.threshold,
-                            CLAIM=c.claim is not None)
+                            CLAIM=c.claim is not None, NC=nc, spare_ptr=c.spare if nc > 1 else None)
     return weights, ids
 
 

@@ -35,6 +35,9 @@ class RouteCounts:
     first: int
     claim: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
+    # C claims a step (`expert_move_claims` > 1): claim int32 [C], and spare int64 [C] the free slot entry j's rows go
+    # into (-1: entry j takes no claim this step)
+    spare: torch.Tensor | None = None
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +103,29 @@ def claim_ref(flat: torch.Tensor, counts) -> None:
     if n == 0:
         return
     ok = (flat >= counts.first) & (counts.counts[flat.clamp_min(0)] > counts.threshold)
+    if counts.claim.numel() > 1:
+        claims_ref(flat, ok, counts)
+        return
     pos = torch.where(ok, torch.arange(n, device=flat.device), n).min()
     pick = flat.index_select(0, pos.clamp(max=n - 1).reshape(1)).squeeze(0).to(counts.claim.dtype)  # no .item()
     counts.claim.copy_(torch.where((counts.claim < 0) & (pos < n), pick, counts.claim))
+
+
+def claims_ref(flat: torch.Tensor, ok: torch.Tensor, counts) -> None:
+    """`claim_ref` with C > 1 claims (claim [C], spare [C]): entry by entry, an empty entry (-1) whose spare is a
+    slot takes the first qualifying selection (ok [n], token by token, best first) that no entry holds yet: up to C
+    distinct host slots a step, first come first (`expert_cache_sim._replay_claims`). Device ops, no host sync. (The
+    kernel's tokens race, as at one claim.)"""
+    n = flat.numel()
+    idx = torch.arange(n, device=flat.device)
+    claim = counts.claim.reshape(-1)
+    spare = counts.spare.reshape(-1) if counts.spare is not None else torch.zeros_like(claim)
+    for j in range(claim.numel()):
+        free = (claim[j] < 0) & (spare[j] >= 0)
+        mine = ok & ~(flat[:, None] == claim[None, :].to(flat.dtype)).any(1)
+        pos = torch.where(mine, idx, n).min()
+        pick = flat.index_select(0, pos.clamp(max=n - 1).reshape(1)).squeeze(0).to(claim.dtype)
+        claim[j:j + 1].copy_(torch.where(free & (pos < n), pick, claim[j]).reshape(1))
 
 
 @dataclass
