@@ -249,3 +249,66 @@ def test_int4_pytorch_path_copies_the_claim_then_refuses_host_rows(monkeypatch):
     assert torch.equal(_bits(out), _bits(want))
     for n in names:
         assert torch.equal(_bits(getattr(dev, n)[SPARE]), _bits(getattr(dev, n)[1])), n
+
+
+IDS_C = {1: [[6, 0, 5]], 3: [[6, 0, 5], [4, 6, 1], [5, 1, 7]]}     # host slots 4..7; device 2, 3 never selected
+
+
+def _claims4() -> tuple[torch.Tensor, torch.Tensor]:
+    """C = 4 claims (`expert_move_claims`): slot 5 into spare 2, slot 6 with no spare (-1: not stored), slot 7 into
+    spare 3, entry 3 empty."""
+    return (torch.tensor([5, 6, 7, -1], dtype=torch.int32, device=DEV),
+            torch.tensor([2, -1, 3, 3], dtype=torch.int64, device=DEV))
+
+
+def _check_four(parts: dict, before: dict, t: int) -> None:
+    """Spare 2 holds host slot 5, spare 3 host slot 7 where a token selects it (else its old bytes); nothing else
+    changed, the guard rows included."""
+    for name, (dev, host) in parts.items():
+        base = dev._base
+        assert torch.equal(_bits(dev[2]), _bits(host[5 - HOT].to(dev.device))), name
+        want3 = host[7 - HOT].to(dev.device) if t == 3 else before[name][1 + 3]
+        assert torch.equal(_bits(dev[3]), _bits(want3)), name
+        others = [r for r in range(base.shape[0]) if r not in (1 + 2, 1 + 3)]
+        assert torch.equal(_bits(base[others]), _bits(before[name][others])), name
+
+
+@pytest.mark.parametrize("t,small,pytorch", [(1, False, False), (3, False, False), (3, True, False),
+                                             (3, False, True)])
+def test_bf16_kernels_store_each_of_four_claims_into_its_spare(monkeypatch, t, small, pytorch):
+    """C = 4: the decode kernels compare each selected slot with the four claims and store it into the matching
+    entry's spare; the output keeps its bits; the PyTorch path copies the same."""
+    if small:
+        monkeypatch.setattr(K, "UP_CFG", {b: (8, 16, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})
+    if pytorch:
+        monkeypatch.setattr(K, "DECODE_MAX_TK", 0)
+    x, _, w, dev13, dev2, host = _bf16_case(t, torch.bfloat16, 40, 20, seed=80 + t)
+    ids = torch.tensor(IDS_C[t], dtype=torch.int32, device=DEV)
+    before = {"w13": dev13._base.clone(), "w2": dev2._base.clone()}
+    want = K.fused_moe(x, ids, w, dev13, dev2, host=host, prefill_kernel=False)
+    out = K.fused_moe(x, ids, w, dev13, dev2, host=host, prefill_kernel=False, claim=_claims4())
+    assert torch.equal(_bits(out), _bits(want))
+    _check_four({"w13": (dev13, host.w13), "w2": (dev2, host.w2)}, before, t)
+
+
+@pytest.mark.parametrize("t,small", [(1, False), (3, True)])
+def test_fp8_and_int4_kernels_store_each_of_four_claims_into_its_spare(monkeypatch, t, small):
+    """C = 4 with float8 experts (bytes and block scales) and INT4 experts (words and group scales; the down
+    kernel's blocks span experts, each column stored into its own slot's spare)."""
+    if small:
+        monkeypatch.setattr(K, "UP_CFG", {b: (8, 16, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K4, "UP_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K4, "DOWN_CFG", {b: (64, 8, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K4, "PREFETCH", {b: 1 for b in (1, 4, 16)})
+    ids = torch.tensor(IDS_C[t], dtype=torch.int32, device=DEV)
+    x, _, w, dev, host = _fp8_case(t, (16, 16), seed=90 + t)
+    x4, _, w4, dev4, host4, names4 = _int4_case(t, torch.float32, seed=95 + t)
+    for moe, xx, ww, d, h, names in ((K.fused_moe_fp8, x, w, dev, host, FP8_NAMES),
+                                     (K4.fused_moe_int4, x4, w4, dev4, host4, names4)):
+        before = {n: getattr(d, n)._base.clone() for n in names}
+        want = moe(xx, ids, ww, d, host=h, first_host=HOT)
+        out = moe(xx, ids, ww, d, host=h, first_host=HOT, claim=_claims4())
+        assert torch.equal(_bits(out), _bits(want))
+        _check_four({n: (getattr(d, n), getattr(h, n)) for n in names}, before, t)

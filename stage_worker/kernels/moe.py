@@ -91,6 +91,18 @@ if triton is not None:
     SKIP_ID = tl.constexpr(SKIP)
 
     @triton.jit
+    def claim_spare(e, claim_ptr, spare_ptr, NC: tl.constexpr):
+        """Moves on read with NC claims a step: the spare slot the rows of slot(s) e go into, spare_ptr[j] where
+        claim_ptr[j] == e (claims are distinct: one j at most; an entry -1 or with spare -1 matches nothing), else
+        -1. e a scalar or a vector (the INT4 down kernel's columns)."""
+        sp = e.to(tl.int64) * 0 - 1
+        for j in tl.static_range(NC):
+            cj = tl.load(claim_ptr + j).to(tl.int64)
+            sj = tl.load(spare_ptr + j)
+            sp = tl.where((e == cj) & (cj >= 0) & (sj >= 0), sj, sp)
+        return sp
+
+    @triton.jit
     def expert_rows(e, w_ptr, shared_ptr, host_ptr, stride_we, FIRST_HOST):
         """Where slot e's rows start: the host table's from FIRST_HOST on (`HostRows`), the shared expert's for
         id -1, else the device table's. The MoE decode and prefill kernels all take their expert this way."""
@@ -198,7 +210,7 @@ if triton is not None:
                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, scale_ptr=None, hscale_ptr=None,
                        NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
                        FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, claim_ptr=None,
-                       spare_ptr=None, CLAIM: tl.constexpr = False):
+                       spare_ptr=None, CLAIM: tl.constexpr = False, NC: tl.constexpr = 1):
         """act[t, j, i-block] = silu(Wg_e x_t) * (Wu_e x_t): reads BLOCK_I gate and up rows of expert ids[t, j]
         (id -1: the shared expert's rows; ids >= FIRST_HOST: the host table's rows). TOP_K counts every slot, the
         shared one included. FP8: the rows are float8_e4m3fn bytes (uint8), each weight converted and times its
@@ -208,7 +220,8 @@ if triton is not None:
         claimed slot claim_ptr[0] (>= 0), the rows loaded are also stored, as loaded, at the same places of device
         slot spare_ptr[0]: the grid's programs together copy the whole w13 row block. FP8: the raw bytes, and the
         scales loaded into scale_ptr's row spare (every block of gate and up is loaded by some program, with
-        ROW_SCALE too: the h loop meets every column block)."""
+        ROW_SCALE too: the h loop meets every column block). NC > 1 claims: e's spare is the one of the claim
+        entry holding e (`claim_spare`)."""
         tj = tl.program_id(0)
         t = tj // TOP_K
         e = tl.load(ids_ptr + tj).to(tl.int64)
@@ -220,9 +233,13 @@ if triton is not None:
         gate_rows = base + offs_i[:, None].to(tl.int64) * stride_wr
         up_rows = gate_rows + I * stride_wr
         if CLAIM:
-            c = tl.load(claim_ptr)
-            spare = tl.load(spare_ptr)
-            hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim (also the shared expert's id), no spare
+            if NC == 1:
+                c = tl.load(claim_ptr)
+                spare = tl.load(spare_ptr)
+                hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim (also the shared expert's id), no spare
+            else:
+                spare = claim_spare(e, claim_ptr, spare_ptr, NC)
+                hit = spare >= 0
             spare_gate = w13_ptr + spare * stride_we + offs_i[:, None].to(tl.int64) * stride_wr
             if FP8:
                 spare_sb = scale_ptr + spare * (2 * NB_R * NB_C)
@@ -277,18 +294,20 @@ if triton is not None:
                          BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, scale_ptr=None, hscale_ptr=None,
                          NB_R: tl.constexpr = 1, NB_C: tl.constexpr = 1, BR: tl.constexpr = 1, BC: tl.constexpr = 1,
                          FP8: tl.constexpr = False, ROW_SCALE: tl.constexpr = False, add_ptr=None,
-                         ADD: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
+                         ADD: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
+                         NC: tl.constexpr = 1):
         """out[t, h-block] = sum_j w[t, j] * W2_e[h-block] act[t, j]: k experts summed in order, in fp32. FP8: as
         in `_moe_up_kernel`, scales float32 [E, NB_R, NB_C] (a host slot's at hscale_ptr; ROW_SCALE: BC a multiple of BLOCK_I), and the router
         weights rounded to the output's dtype first (as the CPU path uses them). ADD: + add_ptr's row (the shared
         expert's output, rows of stride_ot) before the one rounding to the output dtype. CLAIM: as in
         `_moe_up_kernel`, the claimed slot's rows h-block (all I columns) also stored into device slot
         spare_ptr[0] (FP8: the raw bytes and the scales loaded, into scale_ptr's row spare): the programs of a
-        token together copy the whole w2 and all its scale blocks."""
+        token together copy the whole w2 and all its scale blocks. NC > 1 claims: each selected slot's spare is
+        looked up among the entries (`claim_spare`), its spare rows addressed per slot."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
-        if CLAIM:
+        if CLAIM and NC == 1:
             c = tl.load(claim_ptr)
             spare = tl.load(spare_ptr)
             claimed = (c >= 0) & (spare >= 0)           # -1: no claim (also the shared expert's id), no spare
@@ -306,7 +325,14 @@ if triton is not None:
                 base = expert_rows(e, w2_ptr, sw2_ptr, hw2_ptr, stride_we, FIRST_HOST)
                 rows = base + offs_h[:, None].to(tl.int64) * stride_wh
                 if CLAIM:
-                    hit = (e == c) & claimed
+                    if NC == 1:
+                        hit = (e == c) & claimed
+                    else:
+                        spare = claim_spare(e, claim_ptr, spare_ptr, NC)
+                        hit = spare >= 0
+                        spare_rows = w2_ptr + spare * stride_we + offs_h[:, None].to(tl.int64) * stride_wh
+                        if FP8:
+                            spare_sb = scale_ptr + spare * (NB_R * NB_C)
                 if FP8:
                     sb = expert_rows(e, scale_ptr, scale_ptr, hscale_ptr, NB_R * NB_C, FIRST_HOST)
                 for i0 in range(0, I, BLOCK_I):
@@ -481,23 +507,28 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     hw13, hw2, first = (w13, w2, E) if host is None else (host.w13, host.w2, host.first)
     claim_ptr, spare_ptr = (None, None) if claim is None else claim
+    nc = 1 if claim is None else claim[0].numel()
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, w13, sw13, hw13, act, x.stride(0), w13.stride(0),
                                                w13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
                                                claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
+                                               NC=nc,
                                                num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, w2, sw2, hw2, out, w2.stride(0), w2.stride(1),
                                              out.stride(0), first, H=H, I=I, TOP_K=k, BLOCK_H=bh, BLOCK_I=bi,
                                              claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
+                                             NC=nc,
                                              num_warps=down_warps)
     return out
 
 
 def check_claim(claim: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> None:
-    """The decode launches' `claim`: one claimed slot and one spare, both on the table's device."""
-    if claim is not None and any(c.numel() != 1 or c.device != device for c in claim):
-        raise ValueError("a claim is one slot and one spare on the table's device")
+    """The decode launches' `claim`: C claimed slots and C spares (C >= 1, `expert_move_claims`; entry j's rows go
+    into spare j), contiguous, on the table's device."""
+    if claim is not None and (claim[0].numel() != claim[1].numel() or not claim[0].numel() or any(
+            c.device != device or not c.is_contiguous() for c in claim)):
+        raise ValueError("a claim is C slots and C spares, contiguous, on the table's device")
 
 
 def part_pairs(experts, host) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -511,11 +542,11 @@ def copy_claimed(claim: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, fi
     """A claim (see `fused_moe`) where the decode kernels do not run, so every path leaves the same tables: if
     claim[0] >= 0 is among ids, its row of each (device table, host table from slot `first`) pair is copied into
     the device table's row spare[0] (-1: no spare, nothing). Reads the claim on the host: these paths sync anyway."""
-    slot, spare = (int(c.reshape(-1)[0]) for c in claim)
-    if slot < 0 or spare < 0 or not bool((ids == slot).any()):
-        return
-    for dev, hst in tables:
-        dev[spare].copy_(dev[slot] if slot < first else hst[slot - first])
+    for slot, spare in zip(*(c.reshape(-1).tolist() for c in claim)):     # C entries (C claims a step)
+        if slot < 0 or spare < 0 or not bool((ids == slot).any()):
+            continue
+        for dev, hst in tables:
+            dev[spare].copy_(dev[slot] if slot < first else hst[slot - first])
 
 
 def decode_operands(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -629,13 +660,15 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         raise ValueError(f"add {tuple(add.shape)} / {add.stride()} must be [T, H] like the output")
     x, ids, weights, act = decode_operands(x, ids, weights, I)
     claim_ptr, spare_ptr = (None, None) if claim is None else claim
+    nc = 1 if claim is None else claim[0].numel()
     bi, bh, up_warps = UP_CFG[_bucket(T)]
     bi, bh = min(bi, _pow2(I)), min(bh, _pow2(H))
     _moe_up_kernel[(T * k, triton.cdiv(I, bi))](x, ids, q13, q13, h.q13, act, x.stride(0), q13.stride(0),
                                                q13.stride(1), first, H=H, I=I, TOP_K=k, BLOCK_I=bi, BLOCK_H=bh,
                                                scale_ptr=s13, hscale_ptr=hs13, NB_R=s13.shape[2], NB_C=s13.shape[3], BR=br, BC=bc,
                                                FP8=True, ROW_SCALE=bc % bh == 0, claim_ptr=claim_ptr,
-                                               spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=up_warps)
+                                               spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc,
+                                               num_warps=up_warps)
     bh, bi, down_warps = DOWN_CFG[_bucket(T)]
     bh, bi = min(bh, _pow2(H)), min(bi, _pow2(I))
     _moe_down_kernel[(T, triton.cdiv(H, bh))](act, ids, weights, q2, q2, h.q2, out, q2.stride(0), q2.stride(1),
@@ -643,5 +676,6 @@ def fused_moe_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
                                              scale_ptr=s2, hscale_ptr=hs2, NB_R=s2.shape[1], NB_C=s2.shape[2], BR=br, BC=bc,
                                              FP8=True, ROW_SCALE=bc % bi == 0, add_ptr=add, ADD=add is not None,
                                              claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None,
+                                             NC=nc,
                                              num_warps=down_warps)
     return out

@@ -28,7 +28,8 @@ import torch
 
 from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.common import pdl_usable, triton_usable
-from stage_worker.kernels.moe import SKIP, _bucket, check_claim, copy_claimed, expert_rows, part_pairs, triton
+from stage_worker.kernels.moe import (SKIP, _bucket, check_claim, claim_spare, copy_claimed, expert_rows, part_pairs,
+                                     triton)
 from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
 
 if triton is not None:
@@ -63,11 +64,13 @@ if triton is not None:
                         stride_qe, stride_qr, stride_se, stride_sr, FIRST_HOST, ONE, H: tl.constexpr,
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
-                        PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
+                        PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
+                        NC: tl.constexpr = 1):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads. CLAIM: if e is the
         claimed slot claim_ptr[0] (>= 0), the words and scales of the block being computed are also stored, as
         loaded, into device slot spare_ptr[0] (`moe.fused_moe`'s claim): the grid together copies q13 and s13.
+        NC > 1 claims: the spare of the entry holding e (`moe.claim_spare`).
 
         An iteration takes [BLOCK_I, BLOCK_W] words of the gate rows and of the up rows (16-byte loads; a thread
         holds several rows, so the x values it gathers serve all of them); the words of the next PREFETCH (0, 1
@@ -91,9 +94,13 @@ if triton is not None:
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
         if CLAIM:
-            c = tl.load(claim_ptr)
-            spare = tl.load(spare_ptr)
-            hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim, no spare
+            if NC == 1:
+                c = tl.load(claim_ptr)
+                spare = tl.load(spare_ptr)
+                hit = (e == c) & (c >= 0) & (spare >= 0)     # -1: no claim, no spare
+            else:
+                spare = claim_spare(e, claim_ptr, spare_ptr, NC)
+                hit = spare >= 0
             qspare = q_ptr + spare * stride_qe
             sspare = s_ptr + spare * stride_se
         if PREFETCH >= 1:
@@ -173,7 +180,8 @@ if triton is not None:
                           stride_qh, stride_se, stride_sh, stride_ot, stride_at, FIRST_HOST, ONE, H: tl.constexpr,
                           I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
-                          PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False):
+                          PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
+                          NC: tl.constexpr = 1):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
@@ -181,7 +189,9 @@ if triton is not None:
         in flight); the act_p loads are contiguous. Columns of a SKIP slot are masked: neither their words nor
         their activations (never written) are read. With ADD, add[t] (the shared expert's output) is added before
         the store. CLAIM: as in `_int4_up_kernel`, the words and scales of the columns whose slot is the claimed
-        one also stored into device slot spare_ptr[0] (masked stores, no branch: a block spans experts)."""
+        one also stored into device slot spare_ptr[0] (masked stores, no branch: a block spans experts). NC > 1
+        claims: each column's spare looked up among the entries (`moe.claim_spare`), the stores addressed per
+        column."""
         pdl_wait(PDL)                 # first: the ids, act and the expert tables all wait
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -191,7 +201,7 @@ if triton is not None:
         NQ: tl.constexpr = BLOCK_W // QW                        # scale quads a block
         offs_w = tl.arange(0, BLOCK_W)
         offs_q = tl.arange(0, NQ) * QW
-        if CLAIM:
+        if CLAIM and NC == 1:
             c = tl.load(claim_ptr)
             spare = tl.load(spare_ptr)
             c = tl.where((c >= 0) & (spare >= 0), c, SKIP_ID - 1)     # no claim or no spare: an id no column has
@@ -216,10 +226,17 @@ if triton is not None:
             sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
             sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
                          mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0)
-            if CLAIM:                   # this block's words q, as `_down_words` masks them, of the claimed slot
+            if CLAIM and NC == 1:       # this block's words q, as `_down_words` masks them, of the claimed slot
                 tl.store(qspare + rows * stride_qh + w[None, :], q, mask=mask_h[:, None] & (e == c)[None, :])
                 tl.store(sspare + rows * stride_sh + ((wq * 8) // GROUP)[None, :], sc,
                          mask=mask_h[:, None] & (eq == c)[None, :])
+            if CLAIM and NC > 1:        # each column to the spare of the entry holding its slot, if one does
+                sp = claim_spare(e, claim_ptr, spare_ptr, NC)
+                tl.store(q_ptr + sp[None, :] * stride_qe + rows * stride_qh + w[None, :], q,
+                         mask=mask_h[:, None] & (sp >= 0)[None, :])
+                spq = claim_spare(eq, claim_ptr, spare_ptr, NC)
+                tl.store(s_ptr + spq[None, :] * stride_se + rows * stride_sh + ((wq * 8) // GROUP)[None, :], sc,
+                         mask=mask_h[:, None] & (spq >= 0)[None, :])
             sc = sc.to(tl.float32)
             ab = act_ptr + (t * TOP_K + j) * I + w             # act_p[t, j, 0, w]
             mc = e != SKIP_ID
@@ -331,6 +348,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
     first = E if host is None else first_host
     pdl = pdl_usable(x)
     claim_ptr, spare_ptr = (None, None) if claim is None else claim
+    nc = 1 if claim is None else claim[0].numel()
     b = _bucket(T)
     bi, bw, warps = UP_CFG[b]
     bi, bw = min(bi, _pow2(I)), min(bw, _pow2(H // 8))
@@ -338,7 +356,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         x, ids, weights, experts.q13, experts.s13, h.q13, h.s13, act, ids.stride(0), weights.stride(0),
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
         H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
-        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=warps, PDL=pdl,
+        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
         launch_pdl=pdl)
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
@@ -349,7 +367,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         experts.q2.stride(0), experts.q2.stride(1), experts.s2.stride(0), experts.s2.stride(1), out.stride(0),
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
         QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
-        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, num_warps=warps, PDL=pdl,
+        claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
         launch_pdl=pdl)
     return out
 
