@@ -53,6 +53,7 @@ from shared.model_config import config_from_dict  # noqa: E402
 from shared.cluster_config import ClusterConfig, env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
+from stage_worker import expert_offload  # noqa: E402
 from stage_worker.expert_offload import gates, round_decay  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
@@ -251,21 +252,26 @@ def _round_cols(r: dict) -> str:
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
-        freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps") -> list[dict]:
+        freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps", claims: int = 1) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
     moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place.
     `half_life_unit` (`expert_move_half_life_unit`): the policy's half-life in steps or in tokens (a round's decay
-    then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`)."""
+    then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`). `claims` (`expert_move_claims`, with
+    `on_read`): C claims a layer a step, 2C spares a table (`expert_offload.DEFAULT_CLAIMS` while the model loads)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
     fused, graphed = _switch("expert_move_fused"), _switch("expert_move_graph")
     spares = policy is not None and on_read
-    model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
-                                       cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
-                                       expert_vmm_table=vmm, expert_move_async=spares), cfg)
+    expert_offload.DEFAULT_CLAIMS = claims if spares else 1      # the loader carries no count (attach_tables)
+    try:
+        model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
+                                           cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
+                                           expert_vmm_table=vmm, expert_move_async=spares), cfg)
+    finally:
+        expert_offload.DEFAULT_CLAIMS = 1
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     model.set_kernels(KernelFlags.parse("all"))
@@ -376,6 +382,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
                     "expert_move_async": spares, "half_life_unit": half_life_unit, "round_decay": decay,
+                    "claims": claims if spares else None,
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:
@@ -450,6 +457,9 @@ def main() -> int:
     ap.add_argument("--half-life-unit", choices=("steps", "tokens"), default="steps",
                     help="the --policies half-lives in steps (default, today's server) or in tokens "
                          "(expert_move_half_life_unit: a round decays by 0.5 ** (interval * batch / half-life))")
+    ap.add_argument("--claims", type=int, default=1,
+                    help="moves on read: C host slots a layer may claim a step, 2C spares a table "
+                         "(expert_move_claims; default 1, today's server)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -499,7 +509,7 @@ def main() -> int:
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
                          freeze=args.freeze_moves and moves, on_read=on_read,
-                         half_life_unit=args.half_life_unit):
+                         half_life_unit=args.half_life_unit, claims=args.claims):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                     base_b2b[r["batch"]] = r["back_to_back_step_ms"]
@@ -508,7 +518,9 @@ def main() -> int:
                                                     if r["batch"] in base_b2b else None)
                 results.append(r)
                 pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") + \
-                    ("a" if r["expert_move_async"] else "") if moves else "off"      # frozen / async suffixes
+                    ("a" if r["expert_move_async"] else "") + (f"c{args.claims}" if r.get("claims") not in (None, 1)
+                                                               else "") + \
+                    ("t" if args.half_life_unit == "tokens" else "") if moves else "off"  # frozen/async/C/tokens
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} {pol:>9} "
                       f"{r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "

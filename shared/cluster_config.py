@@ -218,6 +218,10 @@ class ClusterConfig:
     # batch 4 a half-life in steps keeps every count ~4x larger and a host expert rarely passes the threshold;
     # docs/performance.md "Moves at batch 4, a CPU study"). "steps" until a GPU measures "tokens".
     expert_move_half_life_unit: str = "steps"
+    # ... with moves on read, C host slots a layer may claim a step, 2C spare device slots a table (the kernels and the
+    # round take C: `expert_moves.claim_round`); 1 = today's layout. The loader and the memory plan do not carry it
+    # yet: values above 1 are refused here and measured through bench/expert_offload.py --claims (h200-29 call M).
+    expert_move_claims: int = 1
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
     # bit. On since h200-18 (full shape, INT4 experts, 10% in host RAM, a round every step): a round's GPU span 0.28
@@ -385,6 +389,10 @@ class ClusterConfig:
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or not self.expert_move_margin >= 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
+        if self.expert_move_claims != 1:
+            raise ClusterConfigError(f"cluster config: expert_move_claims (MOEPIPE_EXPERT_MOVE_CLAIMS) "
+                                     f"{self.expert_move_claims}: only 1 is served yet (the loader and the memory plan "
+                                     f"do not take more; bench/expert_offload.py --claims measures C > 1)")
         if self.expert_move_half_life_unit not in EXPERT_MOVE_HALF_LIFE_UNITS:
             raise ClusterConfigError(f"cluster config: expert_move_half_life_unit (MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT) "
                                      f"{self.expert_move_half_life_unit!r} must be one of "
@@ -595,7 +603,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_COLD_EXPERTS": "cold_experts",
         "MOEPIPE_EXPERT_MOVES": "expert_moves", "MOEPIPE_EXPERT_MOVE_INTERVAL": "expert_move_interval",
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE": "expert_move_half_life",
-        "MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT": "expert_move_half_life_unit", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
+        "MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT": "expert_move_half_life_unit",
+        "MOEPIPE_EXPERT_MOVE_CLAIMS": "expert_move_claims", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused", "MOEPIPE_EXPERT_MOVE_GRAPH": "expert_move_graph",
         "MOEPIPE_EXPERT_MOVE_ASYNC": "expert_move_async",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
@@ -609,7 +618,8 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
-             "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens", "max_num_batched_tokens")
+             "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens", "max_num_batched_tokens",
+             "expert_move_claims")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "start_timeout",
                "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")

@@ -45,8 +45,10 @@ class StageExperts:
     # with `expert_move_async` (moves on read): each layer has S = E + SPARES slots, the spares among its `hot` device
     # slots; the router reaches its E live slots through `slot_map` (`expert_moves.claim_round`)
     slot_map: torch.Tensor | None = None        # int32 [L, E] router index -> slot (the tables' `slot_map` views)
-    state: torch.Tensor | None = None           # int64 [L, 4] (spare, reserve, victim, its host slot), -1: none
-    claim: torch.Tensor | None = None           # int32 [L] the host slot a step claimed, -1 none
+    # int64 [L, 4C] (free slots [2C], victims [C], their host slots [C]; C = 1: spare, reserve, victim, its host
+    # slot), -1: none
+    state: torch.Tensor | None = None
+    claim: torch.Tensor | None = None           # int32 [L, C] ([L] at C = 1) the host slots a step claimed, -1 none
     threshold: torch.Tensor | None = None       # fp32 [L] the count a host slot must pass to be claimed
     _done: object | None = None    # the event after the last round's write-backs (CUDA)
     _side: object | None = None    # the side stream the write-backs run on (CUDA)
@@ -285,6 +287,11 @@ def round_decay(unit: str, half_life: float, interval: int, tokens: int) -> floa
 # round later (simulated on the benchmark's trace: 2.12 host reads a token at batch 1 against 1.74 with two; more,
 # with one claim a step, changed nothing).
 SPARES = 2
+# Claims a layer a step with moves on read (`expert_move_claims`, `claim_round`): a table then gets 2C spares (C being
+# written back, C receiving). `attach_tables` takes this when its caller names no count: the loader does not carry
+# one yet, so bench/expert_offload.py --claims sets it (the server: 1, today's layout, until the loader and the memory
+# plan take the key).
+DEFAULT_CLAIMS = 1
 # Captured rounds kept (`StageExperts._graph_cache`): one per decay and margin, so a half-life counted in tokens keeps
 # one per batch size seen (a round every step) instead of capturing again whenever the batch size changes.
 GRAPH_CACHE = 64
@@ -349,20 +356,25 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
 
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  vmm: bool = False, spares: bool = False) -> StageExperts | None:
+                  vmm: bool = False, spares: bool = False, claims: int | None = None) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
     tables. `spares` (`expert_move_async`): SPARES more slots at the end of the device tier, the router reaching the
-    live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on read."""
+    live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on read. `claims` (C,
+    default DEFAULT_CLAIMS): claims a layer a step, 2C spares a table (C = 1: SPARES), state [L, 4C], claim [L, C]
+    ([L] at C = 1)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
-    spare = SPARES if spares else 0
+    C = DEFAULT_CLAIMS if claims is None else int(claims)
+    if C < 1:
+        raise ValueError(f"claims a layer a step must be >= 1, not {C}")
+    spare = 2 * C if spares else 0
     S = E + spare
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
@@ -403,9 +415,9 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         slot_map = torch.tensor([sorted(range(S), key=lambda s: (o[s] < 0, o[s]))[:E] for o in orders],
                                 dtype=torch.int32, device=device)
         # (spare, reserve, victim, its host slot): the two slots after the live device ones
-        state = torch.tensor([[E - len(ids) + s for s in range(SPARES)] + [-1, -1] for ids in mine.values()],
+        state = torch.tensor([[E - len(ids) + s for s in range(spare)] + [-1] * (2 * C) for ids in mine.values()],
                              dtype=torch.int64, device=device)
-        claim = torch.full((n,), -1, dtype=torch.int32, device=device)
+        claim = torch.full((n,) if C == 1 else (n, C), -1, dtype=torch.int32, device=device)
         threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
@@ -415,9 +427,9 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
             fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
-            claim=None if claim is None else claim[i:i + 1],
+            claim=None if claim is None else claim[i:i + 1] if C == 1 else claim[i],
             threshold=None if threshold is None else threshold[i:i + 1],
-            spare=None if state is None else state[i, :1])
+            spare=None if state is None else state[i, :C])
         moe.use_table(table)
         tables[layer] = table
     hot = torch.tensor([E - len(ids) + spare for ids in mine.values()], dtype=torch.int64, device=device)

@@ -44,7 +44,15 @@ def random_move_rounds(model, rounds: int, seed: int = 9) -> int:
         if x.claim is not None:          # moves on read: claim as the router would, store as the kernels would
             for t in x.tables.values():
                 host = [s for s in range(t.hot, t.num_slots) if int(t.expert_of_slot[s]) >= 0]
-                if t.claim is not None and float(t.threshold) < float("inf") and \
+                if t.claim is not None and t.claim.numel() > 1:     # C claims a step: distinct, where a spare is
+                    t.claim.fill_(-1)
+                    if float(t.threshold) < float("inf"):
+                        picks = torch.randperm(len(host), generator=g).tolist()
+                        for j in range(min(t.claim.numel(), len(picks))):
+                            if int(t.spare[j]) >= 0 and torch.rand((), generator=g) < 0.5:
+                                t.claim[j] = host[picks[j]]
+                        t.copy_claimed(t.claim.view(1, -1))
+                elif t.claim is not None and float(t.threshold) < float("inf") and \
                         torch.rand((), generator=g) < 0.5:
                     t.claim.fill_(host[int(torch.randint(len(host), (), generator=g))])
                     t.copy_claimed(t.claim.view(1, 1))          # as a step that selected it

@@ -277,6 +277,51 @@ def test_thousands_of_rounds_off_the_forward_keep_every_row_its_own_expert(demo)
     fingerprints_hold(model, plain)
 
 
+def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no_token(demo, monkeypatch):
+    """C = 4 claims a layer a step (`expert_move_claims`, 8 spares a table): four streams decoding together (a CPU
+    cluster's path: `claims_ref`, `copy_claimed`, `claim_round_ref`, `write_back_ref`) with a round after every
+    step serve each stream's all-in-VRAM greedy tokens; some layer moves more than one expert in a round, none
+    more than four; then thousands of random rounds leave every slot holding its own expert."""
+    from stage_worker import expert_offload
+    from stage_worker.expert_offload import gates
+    from stage_worker.local_engine import LocalEngine
+
+    d, cfg = demo
+    plain = load_model(d, LoadOptions(), cfg)
+    monkeypatch.setattr(expert_offload, "DEFAULT_CLAIMS", 4)
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2), expert_move_async=True), cfg)
+    x = model.experts
+    assert x.state.shape[1] == 16 and x.claim.shape[1] == 4
+    assert all(t.num_slots == cfg.num_experts + 8 and t.claim.shape == (4,) for t in x.tables.values())
+    prompts = [PROMPT, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6], [200, 30, 4, 77, 5]]
+
+    def run(m, rounds: bool) -> tuple[list[list[int]], list[int]]:
+        eng = LocalEngine([m], max_seqs=4)
+        last = []
+        for i, p in enumerate(prompts):
+            eng.add(i)
+            last.append(eng.step([(i, p)])[-1])
+        toks, most = [[] for _ in prompts], []
+        for _ in range(10):
+            for i in range(4):
+                toks[i].append(int(last[i].argmax()))
+            before = m.experts.moves.clone() if rounds else None
+            if rounds:
+                m.experts.move_round(gates(m), decay=0.9, margin=0.0)
+                most.append(int((m.experts.moves - before).max()))
+            out = eng.step([(i, [toks[i][-1]]) for i in range(4)])
+            last = [out[i] for i in range(4)]
+        return toks, most
+
+    want, _ = run(plain, False)
+    got, most = run(model, True)
+    assert got == want
+    assert max(most) > 1 and max(most) <= 4, most
+    fingerprints_hold(model, plain)
+    assert random_move_rounds(model, 1000) >= 1000
+    fingerprints_hold(model, plain)
+
+
 def test_int4_experts_with_moves_off_the_forward(tiny_checkpoint, tmp_path):
     """INT4 tables (words and scales, four kinds of row) with spares: the all-in-VRAM greedy tokens with a round
     after every token, rows their experts' after many rounds."""

@@ -360,3 +360,12 @@ def test_the_half_life_counted_in_tokens_decays_by_the_tokens_since_the_last_rou
     with pytest.raises(ClusterConfigError, match="expert_move_half_life_unit"):
         cluster_from_dict({"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
                            "gateway_endpoint": "ipc:///tmp/g", "expert_move_half_life_unit": "seconds"})
+    # expert_move_claims: 1 by default; more is refused by the server's config until the loader and the memory plan
+    # take it (bench/expert_offload.py --claims measures it)
+    assert ClusterConfig.__dataclass_fields__["expert_move_claims"].default == 1
+    monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_CLAIMS", "4")
+    assert env_overrides()["expert_move_claims"] == 4
+    monkeypatch.delenv("MOEPIPE_EXPERT_MOVE_CLAIMS")
+    with pytest.raises(ClusterConfigError, match="expert_move_claims"):
+        cluster_from_dict({"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
+                           "gateway_endpoint": "ipc:///tmp/g", "expert_move_claims": 4})

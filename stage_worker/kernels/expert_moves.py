@@ -28,10 +28,28 @@ row, on a side stream) copies the victim's row into the host slot the claimed ex
 takes the next claim, and the next round makes the victim's slot a spare again. Reference: `claim_round_ref`,
 `write_back_ref`.
 
+C claims a layer a step (`expert_move_claims`, issue 16 at batch >= 4; C = 1 is the layout above, bit for bit): a
+table gets 2C spares (C being written back, C receiving); `ExpertTable.claim` is int32 [C] and `spare` the first C
+entries of the layer's free list. The route kernel (`moe._route_kernel`, NC > 1; reference `moe_ref.claims_ref`)
+tries each of a token's selected host slots past the threshold, best first, against entries 0..C-1 whose spare is a
+slot, one compare-and-swap each, stopping where it takes the entry or finds the slot already there: entries are never
+cleared within a step, so a step claims at most C distinct host slots (first come first, as
+`bench/expert_cache_sim._replay_claims`; on a GPU the tokens race for the order, as at C = 1). The decode kernels
+(`moe.claim_spare`) compare each selected slot with the C claims and store its rows into the matching entry's spare
+(the INT4 down kernel per column). The round (state [L, 4C]: free slots [2C] kept compact, victims [C], their host
+slots [C]) routes every pending victim to its host slot and frees its slot into the first free entry, decays,
+commits claim j into free slot j while a victim is left for it (no more claims than live device slots), picks as
+many distinct least-used other live device slots as victims (C masked min-reductions, ties: the lowest expert), the
+i-th written back into the i-th committed claim's host slot, compacts the free list and sets the threshold while a
+slot is free; `write_back` copies every pending victim of a layer. The counts' half-life may be counted in tokens
+(`expert_move_half_life_unit`, `expert_offload.round_decay`): the decay is a float baked into a captured round, and
+`StageExperts` keeps a captured round per decay (one per batch size).
+
 Reference: `expert_moves_ref.swap_rows_ref` and `settle_ref` (with `decide`, the whole round); tests:
 tests/test_expert_table.py, tests/test_expert_moves_fused.py, tests/test_expert_moves_async.py (CPU under
 TRITON_INTERPRET=1). Switches: cluster keys `expert_moves` (MOEPIPE_EXPERT_MOVES=0), `expert_move_fused`,
-`expert_move_graph` and `expert_move_async` (MOEPIPE_EXPERT_MOVE_FUSED / _GRAPH / _ASYNC).
+`expert_move_graph`, `expert_move_async`, `expert_move_claims` and `expert_move_half_life_unit`
+(MOEPIPE_EXPERT_MOVE_FUSED / _GRAPH / _ASYNC / _CLAIMS / _HALF_LIFE_UNIT).
 """
 
 from __future__ import annotations

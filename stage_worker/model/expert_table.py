@@ -63,8 +63,9 @@ class ExpertTable:
     # int32 [E] on the device: router index -> the slot that holds its expert, applied by the router (`route`'s
     # slot_map). None: the identity, router index == slot, which moves that swap rows and gate rows keep true.
     slot_map: torch.Tensor | None = None
-    # `expert_move_async` (moves on read): int32 [1] the host slot a step claimed (-1: none), fp32 [1] the count a
-    # selected host slot must pass to be claimed, int64 [1] the free device slot its rows are stored into (-1: none)
+    # `expert_move_async` (moves on read): int32 [C] the host slots a step claimed (-1: none; C claims a step,
+    # `expert_move_claims`), fp32 [1] the count a selected host slot must pass to be claimed, int64 [C] the free
+    # device slot each claim's rows are stored into (-1: none)
     claim: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     spare: torch.Tensor | None = None
@@ -155,7 +156,7 @@ class ExpertTable:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
         if tokens * top_k > COUNT_MAX_TK:
             return None
-        return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold)
+        return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold, self.spare)
 
     def claimed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(claim, spare) for the decode kernels that store a claimed host slot's rows as they read them."""
