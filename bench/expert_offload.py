@@ -395,14 +395,17 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
 
 def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shares: list[float],
              batches: list[int], policies: list[tuple], steps: int, warmup: int, read_us: float, move_us: float,
-             round_us: float, base_ms: dict[int, float], on_read: bool = False) -> list[dict]:
+             round_us: float, base_ms: dict[int, float], on_read: bool = False, claims: int = 1,
+             half_life_unit: str = "steps") -> list[dict]:
     """`--simulate`: no GPU. The same cold sets, trace rows and streams as `run`, replayed by
     `expert_cache_sim._replay_swap` (the server's swap policy; it reproduces the benchmark's reads and moves a token
     exactly), and a step's time estimated with the serial model that fits the measured rows (h200-22 call 6): the
     all-in-VRAM step plus each host read (read_us) plus each move (move_us: two PCIe copies of an expert) plus each
     round's fixed GPU time (round_us). `on_read` (`--async-moves`): the moves on read of `expert_move_async`
-    (`expert_cache_sim._replay_claim`) instead of swaps."""
-    from expert_cache_sim import Policy, _replay_claim, _replay_swap
+    (`expert_cache_sim._replay_claim`) instead of swaps; with `claims` C > 1 (`--claims`) `_replay_claims` with C
+    claims and 2C spares a layer a step. `half_life_unit` "tokens": each policy's half-life counted in tokens (a
+    step of B tokens: half-life / B steps)."""
+    from expert_cache_sim import Policy, _replay_claim, _replay_claims, _replay_swap
 
     kinds = sorted(trace)
     out = []
@@ -418,9 +421,15 @@ def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shar
                                   for i in range(batch)], axis=2)                  # [steps, layers, batch * top_k]
             for policy in [None] + (policies if cold else []):
                 every, half_life, margin = policy or (1, 1e30, 1e30)
-                replay = _replay_claim if on_read and policy else _replay_swap
-                r = replay(ids, cfg.num_experts, resident,
-                           Policy("swap", "swap", half_life=half_life, every=every, margin=margin), warmup)
+                if policy and half_life_unit == "tokens":
+                    half_life = half_life / batch
+                pol = Policy("swap", "swap", half_life=half_life, every=every, margin=margin)
+                if on_read and policy and claims > 1:
+                    r = _replay_claims(ids, cfg.num_experts, resident, pol, warmup, spares=2 * claims,
+                                       claims=claims, streams=batch)
+                else:
+                    replay = _replay_claim if on_read and policy else _replay_swap
+                    r = replay(ids, cfg.num_experts, resident, pol, warmup)
                 reads = (1 - r["hit_rate"]) * ids.shape[1] * ids.shape[2] / batch        # a token
                 moves = r["moves_per_token"] * ids.shape[1]                                # a step
                 extra_ms = (reads * batch * read_us + moves * move_us + (round_us / every if policy else 0)) / 1e3
@@ -571,7 +580,8 @@ def _simulate_main(args) -> int:
     base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}
     rows = simulate(cfg, trace, fit, [float(x) for x in args.shares.split(",")],
                     [int(b) for b in args.batch.split(",")], _policies(args.policies), args.steps, args.warmup,
-                    args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base, args.async_moves)
+                    args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base, args.async_moves,
+                    claims=args.claims, half_life_unit=args.half_life_unit)
     print(f"simulated (read {args.read_us:g} us, move {0 if args.async_moves else args.move_us:g} us, round "
           f"{args.round_us:g} us{', moves off the forward' if args.async_moves else ''}; "
           f"{args.warmup} warm-up + {args.steps} steps)")

@@ -247,3 +247,35 @@ def test_batch_steps_takes_the_benchmarks_streams():
             a = trace[kinds[i % 4]]
             assert (steps[s, :, 3 * i:3 * i + 3] == a[(s + 997 * (i // 4)) % len(a)]).all()
     assert (sim.batch_steps(trace, 1, 40) == trace["a"][:40]).all()
+
+
+def test_the_benchmarks_simulation_takes_claims_and_a_half_life_in_tokens():
+    """`bench/expert_offload.py --simulate --async-moves --claims C --half-life-unit tokens`: C > 1 replays
+    `_replay_claims` with C claims and 2C spares a layer a step, a half-life in tokens is half-life / batch steps;
+    C 1 in steps is today's `_replay_claim` row unchanged. (The study's 5.61 -> 3.31 reads a token at batch 4, 10%
+    host, 16 full-shape layers, is the same call at --warmup 1024 --steps 256.)"""
+    import expert_offload as bench
+
+    raw = bench.preset("full-shape")
+    raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
+    raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= 4]
+    cfg = bench.config_from_dict(raw)
+    trace = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 64 + 32 + 1000)
+    fit = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 4000, start=100000)
+    args = (cfg, trace, fit, [0.25], [4], [(1, 128.0, 0.0)], 32, 64, 49.0, 0.0, 100.0, {4: 4.0})
+    rows = {(c, u): bench.simulate(*args, on_read=True, claims=c, half_life_unit=u)[-1]
+            for c, u in ((1, "steps"), (4, "steps"), (4, "tokens"))}
+    cold = bench.cold_sets(cfg, 0.25, fit)
+    resident = np.ones((4, cfg.num_experts), dtype=bool)
+    for layer, ids in cold.items():
+        resident[layer, ids] = False
+    kinds = sorted(trace)
+    r = np.arange(96)
+    ids = np.concatenate([trace[kinds[i % 4]][(r + 997 * (i // 4)) % len(trace[kinds[i % 4]])] for i in range(4)], 2)
+    k = ids.shape[1] * ids.shape[2] / 4
+    one = sim._replay_claim(ids, cfg.num_experts, resident, sim.Policy("swap", "swap", 128.0, 1, 0.0), 64)
+    four = sim._replay_claims(ids, cfg.num_experts, resident, sim.Policy("swap", "swap", 32.0, 1, 0.0), 64,
+                              spares=8, claims=4, streams=4)
+    assert rows[(1, "steps")]["host_reads_per_token"] == pytest.approx((1 - one["hit_rate"]) * k)
+    assert rows[(4, "tokens")]["host_reads_per_token"] == pytest.approx((1 - four["hit_rate"]) * k)
+    assert rows[(4, "tokens")]["host_reads_per_token"] < rows[(4, "steps")]["host_reads_per_token"]
