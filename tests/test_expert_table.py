@@ -360,6 +360,17 @@ def test_the_half_life_counted_in_tokens_decays_by_the_tokens_since_the_last_rou
     with pytest.raises(ClusterConfigError, match="expert_move_half_life_unit"):
         cluster_from_dict({"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
                            "gateway_endpoint": "ipc:///tmp/g", "expert_move_half_life_unit": "seconds"})
+    # the runner's round: the tokens counted since the last round, then none (a stand-in for its state)
+    from types import SimpleNamespace
+
+    from stage_worker.runner import StageRunner
+
+    for unit, want in (("steps", 0.5 ** (1 / 128)), ("tokens", 0.5 ** (8 / 128))):
+        r = SimpleNamespace(cluster=SimpleNamespace(expert_move_half_life_unit=unit, expert_move_half_life=128.0,
+                                                    expert_move_interval=1),
+                            _move_decay=0.5 ** (1 / 128), _move_tokens=8)
+        assert StageRunner.move_decay(r) == want
+        assert r._move_tokens == (8 if unit == "steps" else 0)
     # expert_move_claims: 1 by default; more is refused by the server's config until the loader and the memory plan
     # take it (bench/expert_offload.py --claims measures it)
     assert ClusterConfig.__dataclass_fields__["expert_move_claims"].default == 1
