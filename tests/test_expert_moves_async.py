@@ -247,6 +247,66 @@ def test_four_tokens_claim_up_to_four_distinct_host_slots(held):
     assert int(got[0][1 if held else 2]) == -1           # the entry without a spare
 
 
+def test_kernels_end_to_end_with_four_claims_at_four_tokens():
+    """The GPU path of C = 4 claims with its kernels only (under the interpreter without CUDA): a layer of 16
+    experts, 6 on the device, 8 spares, 10 in host memory; 4 tokens a step routed by the route kernel through the
+    slot map (claiming), the bf16 decode kernels (storing the claims), then `claim_round` and `write_back`, 40
+    steps. Every step's output equals the kernels' on the plain table (router indices as experts); some round moves
+    more than one expert, none more than four; every live slot holds its expert's rows throughout."""
+    from stage_worker.kernels.moe import fused_moe
+    from stage_worker.kernels.moe_ref import HostRows
+
+    g = torch.Generator().manual_seed(21)
+    E, H, I, k, T, C, live = 16, 32, 16, 2, 4, 4, 6
+    hot = live + 2 * C
+    S = E + 2 * C
+    w13 = torch.randn(E, 2 * I, H, generator=g).to(DEV)
+    w2 = torch.randn(E, H, I, generator=g).to(DEV)
+    dev13 = torch.zeros(hot, 2 * I, H, device=DEV)
+    dev2 = torch.zeros(hot, H, I, device=DEV)
+    dev13[:live], dev2[:live] = w13[:live], w2[:live]
+    host = HostRows(_host_copy(w13[live:]), _host_copy(w2[live:]), hot)
+    smap = torch.tensor([e if e < live else hot + e - live for e in range(E)], dtype=torch.int32, device=DEV)
+    eos = torch.tensor(list(range(live)) + [-1] * (2 * C) + list(range(live, E)), dtype=torch.int32, device=DEV)
+    counts = torch.zeros(1, S, device=DEV)
+    state = torch.tensor([list(range(live, hot)) + [-1] * (2 * C)], dtype=torch.int64, device=DEV)
+    claim = torch.full((1, C), -1, dtype=torch.int32, device=DEV)
+    thr = torch.full((1,), float("inf"), device=DEV)
+    moves = torch.zeros(1, dtype=torch.int64, device=DEV)
+    reads = torch.zeros(1, dtype=torch.int64, device=DEV)
+    hot_t = torch.tensor([hot], dtype=torch.int64, device=DEV)
+    plans = [M.SwapPlan.build(RowSet([d], [h], [hot]), torch.device(DEV)) for d, h in ((dev13, host.w13),
+                                                                                      (dev2, host.w2))]
+    most = 0
+    for step in range(40):
+        logits = torch.randn(T, E, generator=g).to(DEV)
+        logits[:, live:] += 1.0                            # the host experts chosen often: claims pass
+        rc = RouteCounts(counts[0], reads, hot, claim[0], thr, state[0, :C])
+        w, ids = route(logits, k, True, counts=rc, slot_map=smap)
+        x = torch.randn(T, H, generator=g).to(DEV)
+        out = fused_moe(x, ids, w, dev13, dev2, host=host, claim=(claim[0], state[0, :C]))
+        _, rids = route(logits, k, True)
+        assert torch.equal(eos[ids.long()], rids)          # the slots hold the router's experts
+        want = fused_moe(x, rids, w, w13, w2)
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-5), step
+        before = int(moves)
+        M.claim_round(counts, eos.view(1, S), smap.view(1, E), hot_t, moves, state, claim, thr, 0.8, 0.0)
+        for plan in plans:
+            M.write_back(plan, state, block=64)
+        most = max(most, int(moves) - before)
+        for s_, e in enumerate(eos.tolist()):
+            if e >= 0:
+                assert int(smap[e]) == s_
+                r13 = dev13[s_] if s_ < hot else host.w13[s_ - hot]
+                r2 = dev2[s_] if s_ < hot else host.w2[s_ - hot]
+                assert torch.equal(r13.cpu(), w13[e].cpu()) and torch.equal(r2.cpu(), w2[e].cpu()), (step, s_, e)
+    assert 1 < most <= C, most
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().pin_memory() if CUDA else t.clone()
+
+
 @pytest.fixture(scope="module")
 def demo():
     from shared.cli import ensure_builtin_model
