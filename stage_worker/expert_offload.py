@@ -168,7 +168,8 @@ class StageExperts:
         first waits for last round's write-backs, the host does not), then write this round's victims back into
         the host slots their claimed experts left, on a side stream so the steps run meanwhile. A CPU cluster
         runs the references at once. With `graph` both parts replay CUDA graphs captured after the first eager
-        round with these arguments. Returns `state` [L, 4] (spare, reserve, victim, its host slot). Gate rows
+        round with these arguments. Returns `state` [L, 4C] (free slots, victims, their host slots; C = 1: spare,
+        reserve, victim, its host slot). Gate rows
         never move."""
         from stage_worker.kernels.expert_moves import swap_usable
         from stage_worker.kernels.expert_moves_ref import claim_round_ref, write_back_ref
@@ -335,7 +336,7 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
     """Every layer's part as one VRAM + host range, under the host lock after checking MemAvailable for their host
     parts (the cold rows' bytes plus a granule each, an upper bound; a host-NUMA allocation is pinned, so taken
     before the lock is released); None, after one warning, where the driver refuses (the caller builds two tables).
-    `spare` (0 or SPARES): spare slots at the end of the device tier."""
+    `spare` (0, or 2C: SPARES at one claim a step): spare slots at the end of the device tier."""
     S = E + spare
     specs = [(layer, name, tuple(t.shape[1:]), t.dtype, E - len(ids) + spare)
              for layer, ids in mine.items() for name, t in _parts(layers[layer]).items()]
@@ -361,10 +362,9 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
-    tables. `spares` (`expert_move_async`): SPARES more slots at the end of the device tier, the router reaching the
-    live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on read. `claims` (C,
-    default DEFAULT_CLAIMS): claims a layer a step, 2C spares a table (C = 1: SPARES), state [L, 4C], claim [L, C]
-    ([L] at C = 1)."""
+    tables. `spares` (`expert_move_async`): 2C more slots (SPARES at C = 1) at the end of the device tier, the
+    router reaching the live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on
+    read. `claims` (C, default DEFAULT_CLAIMS): claims a layer a step, state [L, 4C], claim [L, C] ([L] at C = 1)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
