@@ -192,12 +192,12 @@ if triton is not None:
                     for r in tl.static_range(TOP_K):
                         if tl.sum(tl.where((kk == r) & over, 1, 0), axis=0) > 0:
                             cand = tl.sum(tl.where(kk == r, top_id, 0), axis=0)
-                            placed = cand < 0                       # false: a host slot
+                            placed = cand * 0                       # 1 once taken or found
                             for j in tl.static_range(NC):
                                 go = (placed == 0) & (tl.load(spare_ptr + j) >= 0)
                                 # an entry not tried compares with -3, which no entry holds: the swap is a no-op
                                 old = tl.atomic_cas(claim_ptr + j, tl.where(go, -1, -3), cand)
-                                placed = placed | (go & ((old == -1) | (old == cand)))
+                                placed = tl.where(go & ((old == -1) | (old == cand)), 1, placed)
         if SHARED:
             sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
