@@ -31,8 +31,9 @@ class ClusterConfigError(ValueError):
 # `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
-PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")
-EXPERT_MOVE_HALF_LIFE_UNITS = ("steps", "tokens")         # expert_move_half_life_unit   # ple_prefetch_method (ple_service/prefetch.py METHODS)
+PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py METHODS)
+EXPERT_MOVE_HALF_LIFE_UNITS = ("steps", "tokens")        # expert_move_half_life_unit
+MAX_EXPERT_MOVE_CLAIMS = 16        # claims a layer a step (expert_move_claims): 2C spare slots a table
 # `chat_template_content_format` (vLLM's --chat-template-content-format): how a message's content reaches the chat
 # template. "auto": as the template reads it (shared/tokenizer.py detects a loop over content); "string": text parts
 # joined by newlines, null as ""; "openai": a list of parts (a string one text part, null none)
@@ -389,10 +390,10 @@ class ClusterConfig:
         if self.expert_move_interval < 1 or not self.expert_move_half_life > 0 or not self.expert_move_margin >= 0:
             raise ClusterConfigError("cluster config: expert_move_interval must be >= 1 step, expert_move_half_life "
                                      "> 0 steps and expert_move_margin >= 0")
-        if self.expert_move_claims != 1:
+        if not 1 <= self.expert_move_claims <= MAX_EXPERT_MOVE_CLAIMS:
             raise ClusterConfigError(f"cluster config: expert_move_claims (MOEPIPE_EXPERT_MOVE_CLAIMS) "
-                                     f"{self.expert_move_claims}: only 1 is served yet (the loader and the memory plan "
-                                     f"do not take more; bench/expert_offload.py --claims measures C > 1)")
+                                     f"{self.expert_move_claims} must be 1 to {MAX_EXPERT_MOVE_CLAIMS} (claims a layer "
+                                     f"a step; each takes two spare expert slots a layer in VRAM)")
         if self.expert_move_half_life_unit not in EXPERT_MOVE_HALF_LIFE_UNITS:
             raise ClusterConfigError(f"cluster config: expert_move_half_life_unit (MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT) "
                                      f"{self.expert_move_half_life_unit!r} must be one of "

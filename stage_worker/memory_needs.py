@@ -119,17 +119,18 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
         weights -= host                            # cold experts live in pinned host RAM, not on the device
         routed = sum(cfg.num_experts * size for size in sizes.values()) - host
         spare = 0                                  # the spares of MoE layers with no cold expert yet
+        spares = SPARES * cluster.expert_move_claims   # 2C spare slots a table: C claims a step (expert_move_claims)
         if cluster.expert_move_async and cluster.expert_moves:
             # the spare device slots of every table with cold experts (`--cold-experts auto`, not chosen yet: every
             # MoE layer) are in the weights; the other layers' would be once theirs go to host RAM
             tabled = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
-            weights += SPARES * tabled
-            spare = SPARES * (sum(sizes.values()) - tabled)
+            weights += spares * tabled
+            spare = spares * (sum(sizes.values()) - tabled)
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
             weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold,
-                                    spare=SPARES if cluster.expert_move_async and cluster.expert_moves else 0)
+                                    spare=spares if cluster.expert_move_async and cluster.expert_moves else 0)
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0

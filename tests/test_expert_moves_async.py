@@ -433,6 +433,12 @@ def test_the_plan_counts_the_spare_slots(tiny_checkpoint, tmp_path):
     assert on.host_experts == off.host_experts == model.experts.host_bytes()
     assert on.weights == off.weights + spare and on.routed_experts == off.routed_experts
     assert model.experts.device_bytes() == off.routed_experts + spare
+    # C claims a step (expert_move_claims): 2C spares a table, counted by the plan as the loader allocates them
+    three = stage_needs(cfg, dataclasses.replace(base, expert_move_async=True, expert_move_claims=3))[0]
+    model3 = load_model(tiny_checkpoint, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True,
+                                                     expert_move_claims=3), cfg)
+    assert three.weights == off.weights + 3 * spare and three.spare_bytes == 3 * on.spare_bytes
+    assert model3.experts.device_bytes() == off.routed_experts + 3 * spare
 
 
 @pytest.mark.gpu

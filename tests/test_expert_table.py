@@ -371,12 +371,14 @@ def test_the_half_life_counted_in_tokens_decays_by_the_tokens_since_the_last_rou
                             _move_decay=0.5 ** (1 / 128), _move_tokens=8)
         assert StageRunner.move_decay(r) == want
         assert r._move_tokens == (8 if unit == "steps" else 0)
-    # expert_move_claims: 1 by default; more is refused by the server's config until the loader and the memory plan
-    # take it (bench/expert_offload.py --claims measures it)
+    # expert_move_claims: 1 by default, 1..16 served (2C spares a table), others refused by name
     assert ClusterConfig.__dataclass_fields__["expert_move_claims"].default == 1
     monkeypatch.setenv("MOEPIPE_EXPERT_MOVE_CLAIMS", "4")
     assert env_overrides()["expert_move_claims"] == 4
     monkeypatch.delenv("MOEPIPE_EXPERT_MOVE_CLAIMS")
-    with pytest.raises(ClusterConfigError, match="expert_move_claims"):
-        cluster_from_dict({"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
-                           "gateway_endpoint": "ipc:///tmp/g", "expert_move_claims": 4})
+    base = {"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
+            "gateway_endpoint": "ipc:///tmp/g"}
+    assert cluster_from_dict({**base, "expert_move_claims": 4}).expert_move_claims == 4
+    for bad in (0, 17):
+        with pytest.raises(ClusterConfigError, match="expert_move_claims"):
+            cluster_from_dict({**base, "expert_move_claims": bad})
