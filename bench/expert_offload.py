@@ -53,7 +53,6 @@ from shared.model_config import config_from_dict  # noqa: E402
 from shared.cluster_config import ClusterConfig, env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
-from stage_worker import expert_offload  # noqa: E402
 from stage_worker.expert_offload import gates, round_decay  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
@@ -259,19 +258,16 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place.
     `half_life_unit` (`expert_move_half_life_unit`): the policy's half-life in steps or in tokens (a round's decay
     then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`). `claims` (`expert_move_claims`, with
-    `on_read`): C claims a layer a step, 2C spares a table (`expert_offload.DEFAULT_CLAIMS` while the model loads)."""
+    `on_read`): C claims a layer a step, 2C spares a table (`LoadOptions.expert_move_claims`)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
     fused, graphed = _switch("expert_move_fused"), _switch("expert_move_graph")
     spares = policy is not None and on_read
-    expert_offload.DEFAULT_CLAIMS = claims if spares else 1      # the loader carries no count (attach_tables)
-    try:
-        model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
-                                           cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
-                                           expert_vmm_table=vmm, expert_move_async=spares), cfg)
-    finally:
-        expert_offload.DEFAULT_CLAIMS = 1
+    model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
+                                       cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
+                                       expert_vmm_table=vmm, expert_move_async=spares,
+                                       expert_move_claims=claims if spares else 1), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     model.set_kernels(KernelFlags.parse("all"))

@@ -288,11 +288,6 @@ def round_decay(unit: str, half_life: float, interval: int, tokens: int) -> floa
 # round later (simulated on the benchmark's trace: 2.12 host reads a token at batch 1 against 1.74 with two; more,
 # with one claim a step, changed nothing).
 SPARES = 2
-# Claims a layer a step with moves on read (`expert_move_claims`, `claim_round`): a table then gets 2C spares (C being
-# written back, C receiving). `attach_tables` takes this when its caller names no count: the loader does not carry
-# one yet, so bench/expert_offload.py --claims sets it (the server: 1, today's layout, until the loader and the memory
-# plan take the key).
-DEFAULT_CLAIMS = 1
 # Captured rounds kept (`StageExperts._graph_cache`): one per decay and margin, so a half-life counted in tokens keeps
 # one per batch size seen (a round every step) instead of capturing again whenever the batch size changes.
 GRAPH_CACHE = 64
@@ -357,21 +352,22 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
 
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  vmm: bool = False, spares: bool = False, claims: int | None = None) -> StageExperts | None:
+                  vmm: bool = False, spares: bool = False, claims: int = 1) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
     (`vmm_range.tiered_rows`), the table's device and host rows views of it; where the driver refuses, the two
     tables. `spares` (`expert_move_async`): 2C more slots (SPARES at C = 1) at the end of the device tier, the
     router reaching the live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on
-    read. `claims` (C, default DEFAULT_CLAIMS): claims a layer a step, state [L, 4C], claim [L, C] ([L] at C = 1)."""
+    read. `claims` (C, `expert_move_claims`): claims a layer a step with moves on read, 2C spares a table (C being
+    written back, C receiving), state [L, 4C], claim [L, C] ([L] at C = 1)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
         return None
     device = torch.device(device)
     E = next(iter(layers.values())).num_experts
-    C = DEFAULT_CLAIMS if claims is None else int(claims)
+    C = int(claims)
     if C < 1:
         raise ValueError(f"claims a layer a step must be >= 1, not {C}")
     spare = 2 * C if spares else 0

@@ -337,19 +337,18 @@ def test_thousands_of_rounds_off_the_forward_keep_every_row_its_own_expert(demo)
     fingerprints_hold(model, plain)
 
 
-def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no_token(demo, monkeypatch):
+def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no_token(demo):
     """C = 4 claims a layer a step (`expert_move_claims`, 8 spares a table): four streams decoding together (a CPU
     cluster's path: `claims_ref`, `copy_claimed`, `claim_round_ref`, `write_back_ref`) with a round after every
     step serve each stream's all-in-VRAM greedy tokens; some layer moves more than one expert in a round, none
     more than four; then thousands of random rounds leave every slot holding its own expert."""
-    from stage_worker import expert_offload
     from stage_worker.expert_offload import gates
     from stage_worker.local_engine import LocalEngine
 
     d, cfg = demo
     plain = load_model(d, LoadOptions(), cfg)
-    monkeypatch.setattr(expert_offload, "DEFAULT_CLAIMS", 4)
-    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2), expert_move_async=True), cfg)
+    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2), expert_move_async=True,
+                                      expert_move_claims=4), cfg)
     x = model.experts
     assert x.state.shape[1] == 16 and x.claim.shape[1] == 4
     assert all(t.num_slots == cfg.num_experts + 8 and t.claim.shape == (4,) for t in x.tables.values())
