@@ -379,6 +379,10 @@ class SparseMoE(nn.Module):
             if se is not None and type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear \
                     and self._packed_router() is None:
                 self._packed_gates = fuse_rows([self.gate, self.shared_expert_gate])
+            if self.kernels.side_stream and self.gate.weight.is_cuda and self._packed_shared_int() is not None:
+                from stage_worker.kernels.common import side_stream
+
+                side_stream(self.gate.weight.device)     # made now, never first inside a graph capture
             return
         two_i = (self.w13 if self.table is None else self.table.w13).shape[1]
         if se is None or se.gate_proj.weight.shape[0] != two_i // 2 or self._fused_shared() is not None:
