@@ -296,12 +296,14 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
 
 # ---- served --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spares", [False, True], ids=["in_place", "async"])
-def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path, spares):
+@pytest.mark.parametrize("spares,claims", [(False, 1), (True, 1), (True, 3)],
+                         ids=["in_place", "async", "async_3_claims_tokens"])
+def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path, spares, claims):
     """The real 2-stage cluster with half of every layer's experts in host RAM and a move round every 2 steps
     serves the greedy tokens and logprobs of the all-in-VRAM model (in process here), and /metrics says how many
     host reads and moves it made; moves in place, or into spare slots committed a round later
-    (`expert_move_async`)."""
+    (`expert_move_async`), one claim a step or three with the half-life counted in tokens (`expert_move_claims`,
+    `expert_move_half_life_unit`: the config reaches the stages' loader and round)."""
     from conftest import small_cluster_options
     from gateway.launcher import Cluster
 
@@ -312,7 +314,8 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
     want = [greedy(plain, p, 16) for p in prompts]
     opts = small_cluster_options(tiny_checkpoint)
-    extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2, expert_move_async=spares)
+    extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2, expert_move_async=spares,
+                 expert_move_claims=claims, expert_move_half_life_unit="tokens" if claims > 1 else "steps")
     with Cluster(dataclasses.replace(opts, extra=extra)) as c:
         outs = [httpx.post(c.url + "/v1/completions", timeout=120, json={
             "model": "moepipe", "prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1,
