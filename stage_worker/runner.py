@@ -261,6 +261,7 @@ class StageRunner:
             return self._move_decay
         tokens, self._move_tokens = self._move_tokens, 0
         return round_decay(c.expert_move_half_life_unit, c.expert_move_half_life, c.expert_move_interval, tokens)
+
     def on_message(self, msg: Message) -> None:
         if isinstance(msg, Plan):
             self._on_plan(msg)
