@@ -147,7 +147,12 @@ def split_configs(spec: str) -> list[str]:
     if ";" in spec:
         return [c for c in spec.split(";") if c.strip()]
     parts = spec.split(",")
-    return parts if all(":" in p for p in parts) else [spec]
+    if all(":" in p for p in parts):
+        return parts
+    if spec.count(":") > 1:
+        raise SystemExit(f"--configs {spec!r}: separate entries with ';' when a kernel list holds a comma "
+                         f"(\"all,-pdl:1;all:1\")")
+    return [spec]
 
 
 def kernels_per_step(fn, top: int = 45) -> tuple[int, list[dict], float]:

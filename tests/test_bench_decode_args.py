@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
@@ -16,3 +18,5 @@ def test_configs_split_on_semicolons_and_keep_kernel_lists_whole():
     assert split_configs("all,-pdl:1") == ["all,-pdl:1"]
     assert split_configs("all,-pdl:1;all:1") == ["all,-pdl:1", "all:1"]
     assert split_configs("all,-pdl:1;") == ["all,-pdl:1"]
+    with pytest.raises(SystemExit, match="separate entries with ';'"):
+        split_configs("all,-pdl:1,all:1")               # two entries, one holding a comma: ambiguous
