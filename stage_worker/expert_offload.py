@@ -370,7 +370,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     C = int(claims)
     if C < 1:
         raise ValueError(f"claims a layer a step must be >= 1, not {C}")
-    spare = 2 * C if spares else 0
+    spare = SPARES * C if spares else 0
     S = E + spare
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}

@@ -260,7 +260,7 @@ def test_a_packed_layer_s_shared_expert_runs_the_bf16_fused_kernel(tiny_checkpoi
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_shared_expert_on_the_side_stream_gives_the_same_bits(tiny_checkpoint):
     """Kernel flag `side_stream`: a packed (INT6) shared expert's two GEMVs on a second stream beside the router
-    and the INT4 up launch (`SparseMoE._packed_decode_side`) give the one-stream result bit for bit, eagerly and
+    and the INT4 up launch (`SparseMoE._packed_decode`) give the one-stream result bit for bit, eagerly and
     replayed from a CUDA graph captured with the fork and join (a parallel branch), at 1 and 4 tokens."""
     from stage_worker.checkpoint.loader import LoadOptions, build_empty
     from stage_worker.checkpoint.packed_experts import dummy_groups

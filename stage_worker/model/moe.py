@@ -258,54 +258,44 @@ class SparseMoE(nn.Module):
         sigmoid, ids filled, SiLU and products, the add, the weights' cast): ~1.4 us of launch gap each in a
         graph. None when the weights are not laid out so."""
         from stage_worker.kernels.moe import fused_moe, route, triton_usable
+        from stage_worker.kernels.quant_gemv import quant_gemv
 
         router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
         if router is None or (shared is None and packed is None) or not triton_usable(x2):
             return None
-        if shared is None and self.kernels.side_stream and x2.is_cuda and not self.fp8_block:
-            return self._packed_decode_side(x2, counts, router, packed)
         k = self.top_k
+        fma, wide = self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
+        # kernel flag `side_stream`: a packed shared expert's two GEMVs on a second stream, gate+up beside the router
+        # GEMV and the router kernel, down (it needs the router's shared weight) beside the INT4 up launch; the INT4
+        # down launch, which adds the shared output, waits for it. Each reads a few MB, too little to fill the GPU
+        # alone; same launches, same results. Buffers made on the side stream are read there and (shared_out) by
+        # main after its join; every side use forks from main first, so no block is reused while main still reads
+        # it. The side GEMVs may split K (`split_reduce` counters): what overlaps them on main (cuBLAS, the router
+        # kernel, the INT4 up launch) takes no counters.
+        side = None
+        if shared is None and self.kernels.side_stream and x2.is_cuda and not self.fp8_block:
+            from stage_worker.kernels.common import side_stream
+
+            main, side = torch.cuda.current_stream(x2.device), side_stream(x2.device)
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
         weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
                              valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
         if shared is not None:
             shared_out = fused_moe(x2, ids[:, k:], weights[:, k:], *shared)
-        else:
-            from stage_worker.kernels.quant_gemv import quant_gemv
-
-            fma, wide = self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
+        elif side is None:
             shared_out = quant_gemv(quant_gemv(x2, packed[0], fma=fma, wide=wide), packed[1], swiglu=weights[:, k],
                                     fma=fma, wide=wide)
-        out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out)
-        self.last_expert_ids = ids[:, :k]
-        return out
-
-    def _packed_decode_side(self, x2: torch.Tensor, counts, router: torch.Tensor, packed: tuple) -> torch.Tensor:
-        """`_packed_decode` for a shared expert kept packed, with its two GEMVs on the side stream (kernel flag
-        `side_stream`): gate+up beside the router GEMV and the router kernel, down (which needs the router's shared
-        weight) beside the INT4 up launch; the INT4 down launch, which adds the shared output, waits for it. Each
-        of these launches reads a few MB, too little to fill the GPU alone. Same launches, same results."""
-        from stage_worker.kernels.common import side_stream
-        from stage_worker.kernels.moe import route
-        from stage_worker.kernels.quant_gemv import quant_gemv
-
-        k, fma, wide = self.top_k, self.kernels.quant_gemv_fma, self.kernels.quant_gemv_wide
-        main, side = torch.cuda.current_stream(x2.device), side_stream(x2.device)
-        # Buffers made on the side stream are read there and (shared_out) by main after its join; the next side
-        # use forks from main again, so no block is reused while main still reads it. The side GEMVs may split K
-        # (`split_reduce` counters): what overlaps them on main (cuBLAS, the router kernel, the INT4 up launch)
-        # takes no counters.
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
-        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
-                             valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared_out = quant_gemv(gate_up, packed[1], swiglu=weights[:, k], fma=fma, wide=wide)
+        else:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared_out = quant_gemv(gate_up, packed[1], swiglu=weights[:, k], fma=fma, wide=wide)
         out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out,
-                                  before_down=lambda: main.wait_stream(side))
+                                  before_down=None if side is None else lambda: main.wait_stream(side))
         self.last_expert_ids = ids[:, :k]
         return out
 
