@@ -288,15 +288,7 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
                     tool_names=set(choice.allowed or names) if callable_tools else None,
                     grammar=grammar, compiler=compiler, legacy=legacy, max_calls=None if parallel else 1,
-                    call_form=_grammar_form(compiler),
                     tool_params={t["function"]["name"]: t["function"].get("parameters") for t in tools})
-
-
-def _grammar_form(compiler) -> str:
-    """The tool-call form a compiler's grammars write (GrammarCompiler.call_form), the one replies are read in;
-    "hermes" without one (api.py sets the template's form on the plan too)."""
-    form = getattr(compiler, "call_form", None)
-    return form if form in ("hermes", "xml") else "hermes"
 
 
 def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],

@@ -126,12 +126,6 @@ class ParamSchemas:
                 out[key] = extra if extra is not None else {}
         return out, required, extra
 
-    def param(self, name: str) -> Any:
-        """The schema of parameter `name` (that of undeclared ones where it is not declared; None where none may be
-        written)."""
-        props, _, extra = self.shape()
-        return props.get(name, extra)
-
     # ---- types ------------------------------------------------------------------------------------------------
 
     def kinds(self, schema: Any, depth: int = 0) -> frozenset[str] | None:

@@ -10,6 +10,7 @@ of a multi-byte UTF-8 character, so text is emitted only once its bytes are comp
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -121,6 +122,7 @@ def _compile_template(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
+@functools.lru_cache(maxsize=8)
 def _loops_over_content(source: str) -> bool:
     """Whether a template reads a message's content as a list of parts: a `for` over something named content
     (`message.content`, `message['content']`, a macro's `content` argument: Qwen3.5's, the demo model's). Templates
@@ -286,7 +288,6 @@ class Tokenizer:
         # A byte-level decoder maps each token to bytes independently, which is what lets streaming be exact.
         self.is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._bytes_cache: dict[int, bytes] = {}
-        self._content_lists: dict[str, bool] = {}    # template source -> whether it reads content as a part list
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | Path | None = None,
@@ -432,11 +433,7 @@ class Tokenizer:
     def _reads_content_lists(self, preferred: str | None) -> bool:
         if self.content_format != "auto":
             return self.content_format == "openai"
-        source = self._named_source(preferred)
-        known = self._content_lists.get(source)
-        if known is None:
-            known = self._content_lists[source] = _loops_over_content(source)
-        return known
+        return _loops_over_content(self._named_source(preferred))
 
     def apply_chat_template(
         self,
