@@ -33,6 +33,7 @@ the schema as written. A tool's `function.strict` is handled the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -624,8 +625,7 @@ class _XmlCall:
             parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}})/")
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            term = _pattern_terminal(pattern)
-            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(f"start: X\nX: {term}"))
+            term, error = _checked_pattern_terminal(pattern)
             if not error:
                 parts.append(term)
             elif self.strict:
@@ -676,6 +676,14 @@ class _XmlCall:
         return [f"XML_TEXT: /(?s:.*)/ & ~/(?s:.*)({markers})(?s:.*)/",
                 f"XML_END: {_lark_literal(_XML_VALUE_END)}",
                 "XML_VALUE: XML_TEXT XML_END"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_pattern_terminal(pattern: str) -> tuple[str, str]:
+    """`_pattern_terminal(pattern)` and llguidance's error for it ("" when it compiles): kept per pattern, so a tool
+    list sent with every request of a conversation compiles each of its patterns once, not once a request."""
+    term = _pattern_terminal(pattern)
+    return term, LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(f"start: X\nX: {term}"))
 
 
 def _pattern_terminal(pattern: str) -> str:
