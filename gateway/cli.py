@@ -8,7 +8,6 @@ import argparse
 import json
 import re
 import sys
-from decimal import Decimal
 from pathlib import Path
 
 from shared.cli import command_parser, model_arg, run_command
@@ -28,29 +27,13 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
-
-
 def human_int(value: str) -> int:
-    """A count as vLLM's flags take it, so a pasted `--max-model-len 32k` works: 32k = 32,000 and 1.5m = 1,500,000
-    (lower case: powers of 1000, fractions allowed), 32K = 32,768 (upper case: powers of 1024, whole numbers only);
-    plain numbers as int() reads them."""
-    text = value.strip()
-    m = _SUFFIXED.fullmatch(text)
+    """An argparse type for counts as vLLM's flags take them (`shared.cluster_config.parse_human_int`)."""
+    from shared.cluster_config import parse_human_int
     try:
-        if not m:
-            return int(text)
-        number, suffix = m.groups()
-        power = "kmgt".index(suffix.lower()) + 1
-        if suffix.islower():
-            return int(Decimal(number) * 1000 ** power)     # exact: float made 4.35k 4,349
-        if "." in number:
-            raise argparse.ArgumentTypeError(f"{value!r}: upper-case {suffix} is 1024^{power}, whole numbers only "
-                                             f"(lower case {number}{suffix.lower()} is 1000^{power})")
-        return int(number) * 1024 ** power
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number, optionally with k/m/g/t (powers "
-                                         f"of 1000) or K/M/G/T (powers of 1024), e.g. 32k or 32K") from None
+        return parse_human_int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def max_model_len_arg(value: str) -> int | None:

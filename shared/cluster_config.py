@@ -10,8 +10,10 @@ import dataclasses
 import json
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -621,6 +623,8 @@ _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads"
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
              "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens", "max_num_batched_tokens",
              "expert_move_claims")
+# counts whose flags take vLLM's suffixes (--max-num-batched-tokens 8k): their variables take them too
+_HUMAN_INT_KEYS = ("max_num_batched_tokens", "kv_cache_memory_bytes")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "start_timeout",
                "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
@@ -680,11 +684,38 @@ def _bool_env(name: str, val: str) -> bool:
     raise ClusterConfigError(f"{name}={val!r}: expected one of 1/true/yes/on or 0/false/no/off")
 
 
-def _int_env(name: str, val: str) -> int:
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def parse_human_int(value: str) -> int:
+    """A count as vLLM's flags take it, so a pasted `--max-model-len 32k` works: 32k = 32,000 and 1.5m = 1,500,000
+    (lower case: powers of 1000, fractions allowed), 32K = 32,768 (upper case: powers of 1024, whole numbers only);
+    plain numbers as int() reads them. ValueError with a message naming the rule otherwise."""
+    text = value.strip()
+    m = _SUFFIXED.fullmatch(text)
+    if m:
+        number, suffix = m.groups()
+        power = "kmgt".index(suffix.lower()) + 1
+        if suffix.islower():
+            return int(Decimal(number) * 1000 ** power)     # exact: float made 4.35k 4,349
+        if "." not in number:
+            return int(number) * 1024 ** power
+        raise ValueError(f"{value!r}: upper-case {suffix} is 1024^{power}, whole numbers only (lower case "
+                         f"{number}{suffix.lower()} is 1000^{power})")
     try:
-        return int(val)
+        return int(text)
     except ValueError:
-        raise ClusterConfigError(f"{name}={val!r}: expected a whole number") from None
+        raise ValueError(f"{value!r}: expected a whole number, optionally with k/m/g/t (powers of 1000) or K/M/G/T "
+                         f"(powers of 1024), e.g. 32k or 32K") from None
+
+
+def _int_env(name: str, val: str) -> int:
+    """A whole number; the keys that take vLLM's suffixed counts on the command line take them here too."""
+    try:
+        return parse_human_int(val) if _ENV.get(name) in _HUMAN_INT_KEYS else int(val)
+    except ValueError:
+        raise ClusterConfigError(f"{name}={val!r}: expected a whole number"
+                                 + (" (32k, 32K allowed)" if _ENV.get(name) in _HUMAN_INT_KEYS else "")) from None
 
 
 def _float_env(name: str, val: str) -> float:

@@ -293,6 +293,26 @@ def test_env_overrides_parse_each_key_by_its_type_and_name_bad_values(monkeypatc
     assert cc.env_overrides() == {"cuda_graphs": True}
 
 
+def test_count_variables_take_the_suffixes_their_flags_take(monkeypatch):
+    """--max-num-batched-tokens 8k worked and MOEPIPE_MAX_NUM_BATCHED_TOKENS=8k was "expected a whole number": the
+    two count variables whose flags take vLLM's suffixes take them too; the other counts stay plain numbers."""
+    from shared import cluster_config as cc
+
+    for env in cc._ENV:
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS", "8k")
+    monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY_BYTES", "2G")
+    assert cc.env_overrides() == {"max_num_batched_tokens": 8000, "kv_cache_memory_bytes": 2 << 30}
+    monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY_BYTES", "1.5G")
+    with pytest.raises(ClusterConfigError, match="MOEPIPE_KV_CACHE_MEMORY_BYTES='1.5G': expected a whole number"):
+        cc.env_overrides()
+    monkeypatch.delenv("MOEPIPE_KV_CACHE_MEMORY_BYTES")
+    monkeypatch.delenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS")
+    monkeypatch.setenv("MOEPIPE_MICROBATCHES", "2k")
+    with pytest.raises(ClusterConfigError, match="MOEPIPE_MICROBATCHES='2k': expected a whole number$"):
+        cc.env_overrides()
+
+
 def test_gil_switch_interval_is_validated_and_applied(monkeypatch):
     """gil_switch_interval_ms (MOEPIPE_GIL_SWITCH_INTERVAL_MS): a bad value is named; the gateway sets the
     interpreter's switch interval from it, and 0 leaves Python's default alone."""
