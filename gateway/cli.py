@@ -60,7 +60,7 @@ def chat_template_file(value: str) -> Path:
     import os
 
     from shared.cli import _home
-    from shared.tokenizer import read_chat_template
+    from shared.tokenizer import check_chat_template, read_chat_template
 
     try:
         is_file = Path(value).is_file()
@@ -72,16 +72,12 @@ def chat_template_file(value: str) -> Path:
                              f"'}}' or a line break)")
         read_chat_template(value)                  # one that does not compile stops here, named
         return Path(value).resolve()
+    check_chat_template(value, "--chat-template (inline)")
     path = _home() / "chat_templates" / f"{hashlib.sha256(value.encode()).hexdigest()[:16]}.jinja"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(value, encoding="utf-8")
-        try:
-            read_chat_template(tmp)
-        except ValueError as exc:
-            tmp.unlink()
-            raise ValueError(f"--chat-template (inline): {exc.__cause__ or exc}") from None
         tmp.replace(path)                          # whole or absent: a concurrent start reads either
     return path
 

@@ -101,11 +101,15 @@ def read_chat_template(path: str | Path) -> str:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"chat template {path} is not a file")
-    source = path.read_text(encoding="utf-8")
+    return check_chat_template(path.read_text(encoding="utf-8"), f"chat template {path}")
+
+
+def check_chat_template(source: str, where: str) -> str:
+    """`source`, checked to compile (a ValueError starting with `where` and naming the error)."""
     try:
         _compile_template(source)
     except jinja2.TemplateError as e:
-        raise ValueError(f"chat template {path}: {e}") from e
+        raise ValueError(f"{where}: {e}") from e
     return source
 
 
