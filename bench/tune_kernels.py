@@ -132,7 +132,7 @@ def tune_qsa(batches: list[int], reps: int, results: list) -> None:
             QSA.SCORE_BLOCK, QSA.SCORE_PROGRAMS_PER_SM, QSA.SELECT_TILE, QSA.RADIX_BITS = default
 
 
-def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
+def tune_quant_gemv(rows: list[int], reps: int, results: list, shapes_filter: list[str] | None = None) -> None:
     """`quant_gemv` (FMA path) over (BLOCK_N, BLOCK_K inputs, warps) at the full shape's kept-packed sizes: o_proj
     INT6 group 128, the shared expert's gate+up INT6, out_proj INT4 group 128, lm_head INT8 per channel. Each call
     cycles through copies of the weight that together exceed L2, so the bytes come from HBM; the winners go to
@@ -141,8 +141,14 @@ def tune_quant_gemv(rows: list[int], reps: int, results: list) -> None:
     from stage_worker.kernels.quant_gemv_ref import PackedWeight, quantize_rtn
 
     shapes = [("o_proj int6", 2560, 6144, 6, 128), ("shared gate+up int6", 1280, 2560, 6, 128),
-              ("out_proj int4", 2560, 4096, 4, 128), ("lm_head int8", 248320, 2560, 8, None)]
+              ("out_proj int4", 2560, 4096, 4, 128), ("lm_head int8", 248320, 2560, 8, None),
+              # the fused in-projections reports-mixed keeps packed: DeltaNet's q/k/v/z/b/a (the step's largest
+              # GEMVs: 33 of 44 layers) and attention's q/k/v
+              ("deltanet in_proj int6", 12352, 2560, 6, 128), ("out_proj int6", 2560, 4096, 6, 128),
+              ("attention qkv int6", 13312, 2560, 6, 128)]
     for name, n, k, bits, group in shapes:
+        if shapes_filter and not any(f in name for f in shapes_filter):
+            continue
         pw = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5, bits, group, scale_dtype=torch.bfloat16)
         copies = [pw] + [PackedWeight(pw.words.clone(), pw.scales.clone(), bits, k, pw.group)
                          for _ in range(max(0, min(15, (256 << 20) // pw.nbytes() - 1)))]
@@ -280,6 +286,8 @@ def main() -> int:
     ap.add_argument("--only", default="moe_up,moe_down,hc_down,hc_up")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="", help="quant_gemv: only the shapes whose names hold one of these "
+                    "comma-separated words (e.g. 'in_proj,qkv')")
     ap.add_argument("--out", default="bench/results/tune_kernels.json")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the kernels without programmatic dependent launch (on by default, as the model "
@@ -296,7 +304,8 @@ def main() -> int:
     if "qsa" in only:
         tune_qsa([int(r) for r in args.rows.split(",")], args.reps, results)
     if "quant_gemv" in only:
-        tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results)
+        tune_quant_gemv([int(r) for r in args.rows.split(",")], args.reps, results,
+                        [f for f in args.shapes.split(",") if f] if args.shapes else None)
     if "hc_q8" in only:
         tune_hc_q8([int(r) for r in args.rows.split(",")], args.reps, results)
     if "route" in only:
