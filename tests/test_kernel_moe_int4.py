@@ -153,10 +153,12 @@ def test_a_layer_s_int4_decode_in_six_launches(tiny_checkpoint):
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_a_layer_s_int4_decode_with_a_packed_shared_expert(tiny_checkpoint):
+@pytest.mark.parametrize("kernels", ["all", "all,fused_router"])
+def test_a_layer_s_int4_decode_with_a_packed_shared_expert(tiny_checkpoint, kernels):
     """The same six launches with the shared expert kept packed (a reports-mixed checkpoint's INT6: gate and up
     one packed GEMV, the down GEMV computing the activation and the gate weight as it loads) give the PyTorch
-    path's output (packed layers dequantized a block of rows at a time), on the CPU under the interpreter."""
+    path's output (packed layers dequantized a block of rows at a time), on the CPU under the interpreter; with
+    `fused_router` the router GEMV and top-k are one launch (`moe.router_route`)."""
     from shared.model_config import load_config
     from stage_worker.checkpoint.loader import LoadOptions, build_empty
     from stage_worker.checkpoint.packed_experts import dummy_groups
@@ -172,14 +174,16 @@ def test_a_layer_s_int4_decode_with_a_packed_shared_expert(tiny_checkpoint):
                         {i: groups for i in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(i)},
                         lambda m: dummy_specs(m, torch.float32))
     fill_random(model, seed=1)
-    model.set_kernels(KernelFlags.parse("all"))
+    model.set_kernels(KernelFlags.parse(kernels))
     moe = next(m for m in model.moe_layers().values() if m.shared_expert is not None)
     assert isinstance(moe.shared_expert.down_proj, PackedLinear) and moe._packed_shared() is None
     assert moe._packed_shared_int() is not None and moe._packed_router() is not None
     x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         fast = moe._packed_decode(x, None)
+        ids = moe.last_expert_ids.clone()
         ref = moe(x)                                    # CPU: the PyTorch path
+    assert torch.equal(ids.long(), moe.last_expert_ids.long())
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 
 NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
          "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream")
+         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream", "fused_router")
 # Named only: "all" leaves these off until a GPU has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster), the H200's timing is plan h200-29 call K.
-NOT_IN_ALL = ("l2_prefetch",)
+NOT_IN_ALL = ("l2_prefetch", "fused_router")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,11 @@ class KernelFlags:
                                       # launch (a parallel branch of the decode graph; kernels.common.side_stream).
                                       # Same bits on or off; in "all" since h100-28 (44-layer reports-mixed, back
                                       # to back: 4.76 against 4.86-4.97 ms at batch 1, 7.61 against 8.17 at 4)
+    fused_router: bool = False        # the MoE router's GEMV and its top-k in one launch up to 4 tokens
+                                      # (moe.router_route: a program a few router rows, the last to finish
+                                      # routes), not a cuBLAS GEMV (no PDL dependent: a gap in the chain) and the
+                                      # router kernel. Logits summed in fp32 in another order than cuBLAS's, so
+                                      # near-ties may pick differently. Not in "all" until timed on a GPU
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

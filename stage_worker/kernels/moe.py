@@ -86,6 +86,7 @@ SKIP = -2                # a routed slot of a padding row: no expert (see `route
 
 if triton is not None:
     from stage_worker.kernels.common import pdl_wait
+    from stage_worker.kernels.split_reduce import last_of
 
     _KEY_MIN = tl.constexpr(-(2 ** 63))
     SKIP_ID = tl.constexpr(SKIP)
@@ -120,6 +121,19 @@ if triton is not None:
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                       SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False, claim_ptr=None, thr_ptr=None,
                       CLAIM: tl.constexpr = False, spare_ptr=None, NC: tl.constexpr = 1):
+        """A program a token row (`_route_row`). PDL (kernel flag `pdl`): launched as a programmatic dependent, it
+        waits first thing (`common.pdl_wait`: it reads only what earlier kernels wrote)."""
+        pdl_wait(PDL)
+        _route_row(tl.program_id(0).to(tl.int64), logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
+                   valid_ptr, map_ptr, E, stride_t, FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT,
+                   VALID, SLOT_MAP, claim_ptr, thr_ptr, CLAIM, spare_ptr, NC, False)
+
+    @triton.jit
+    def _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, stride_t,
+                   FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
+                   SLOT_MAP: tl.constexpr, claim_ptr, thr_ptr, CLAIM: tl.constexpr, spare_ptr, NC: tl.constexpr,
+                   CG: tl.constexpr):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
@@ -133,14 +147,15 @@ if triton is not None:
         (`expert_move_claims`): each of the token's selected host slots past the threshold, best first, is tried
         against entries j = 0..NC-1 whose spare spare_ptr[j] is a slot (>= 0) with a compare-and-swap, stopping at
         the entry it takes or finds already holding it: entries are never cleared within a step, so the step's
-        claims are distinct, up to NC of them. PDL (kernel
-        flag `pdl`): launched as a programmatic dependent, it waits first thing (`common.pdl_wait`: it reads only
-        what earlier kernels wrote)."""
-        pdl_wait(PDL)
-        t = tl.program_id(0).to(tl.int64)
+        claims are distinct, up to NC of them.
+        CG: the logits are loaded past the SM's L1 (other programs of the launch wrote them)."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        logit = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        if CG:      # written by the other programs of this launch (`_router_route_kernel`): past the SM's L1
+            logit = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        else:
+            logit = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf"))
+        logit = logit.to(tl.float32)
         logit = tl.where(logit == 0.0, 0.0, logit)              # -0.0 == +0.0 must give equal keys
         bits = logit.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
@@ -199,10 +214,52 @@ if triton is not None:
                                 old = tl.atomic_cas(claim_ptr + j, tl.where(go, -1, -3), cand)
                                 placed = tl.where(go & ((old == -1) | (old == cand)), 1, placed)
         if SHARED:
-            sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
+            if CG:
+                sl = tl.load(logits_ptr + t * stride_t + E, cache_modifier=".cg").to(tl.float32)
+            else:
+                sl = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
             sg = round_to(1.0 / (1.0 + tl.exp(-sl)), logits_ptr.dtype.element_ty)
             tl.store(weights_ptr + t * (TOP_K + SHARED) + TOP_K, sg)
             tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, -1)
+
+    @triton.jit
+    def _router_route_kernel(x_ptr, w_ptr, logits_ptr, lock_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
+                             valid_ptr, map_ptr, E, stride_xt, stride_wr, FIRST_HOST, H: tl.constexpr,
+                             T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                             TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
+                             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
+                             VALID: tl.constexpr, SLOT_MAP: tl.constexpr, NPROG: tl.constexpr,
+                             PDL: tl.constexpr = False,
+                             claim_ptr=None, thr_ptr=None, CLAIM: tl.constexpr = False, spare_ptr=None,
+                             NC: tl.constexpr = 1):
+        """The router GEMV and `_route_row` in one launch (kernel flag `fused_router`): program p computes the
+        logits of router rows p*BLOCK_R .. +BLOCK_R (E routed rows, then the shared gate's with SHARED) for all T
+        tokens (fp32 sums, stored rounded to x's dtype as F.linear would give them), and the last program to finish
+        (`split_reduce.last_of`) routes the T rows from them. Saves the cuBLAS GEMV's launch and the gap it leaves
+        in a PDL chain (it is no programmatic dependent)."""
+        pdl_wait(PDL)
+        R = E + SHARED
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = rows < R
+        offs_t = tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        offs_h = tl.arange(0, BLOCK_H)
+        acc = tl.zeros([BLOCK_R, BLOCK_T, BLOCK_H], tl.float32)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            mask_h = h0 + offs_h < H
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + h0 + offs_h[None, :],
+                        mask=mask_r[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + h0 + offs_h[None, :],
+                        mask=mask_t[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+            acc += w[:, None, :] * x[None, :, :]
+        logit = tl.sum(acc, axis=2)                                 # [BLOCK_R, BLOCK_T]
+        tl.store(logits_ptr + offs_t[None, :] * R + rows[:, None], logit.to(logits_ptr.dtype.element_ty),
+                 mask=mask_r[:, None] & mask_t[None, :])
+        if last_of(lock_ptr, NPROG):
+            for t in tl.static_range(T):
+                _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, R,
+                           FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT, VALID, SLOT_MAP, claim_ptr,
+                           thr_ptr, CLAIM, spare_ptr, NC, True)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
@@ -412,6 +469,62 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     return weights, ids
 
 
+# `router_route`'s fused launch: up to this many tokens (its last program routes them one after another), router
+# rows a program (~129 programs for 512 experts and the shared gate), hidden columns a load.
+FUSED_ROUTER_MAX_T = 4
+FUSED_ROUTER_CFG = (4, 512, 4)                                     # BLOCK_R, BLOCK_H, warps
+_router_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def router_lock(device: torch.device) -> torch.Tensor:
+    """The counter the fused router launch counts its programs in (one per device; each launch leaves it at 0). Its
+    own, not `split_reduce.split_locks`: the side stream's split GEMVs may run beside it. Make it before a graph
+    capture (SparseMoE.prepare_kernels)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _router_locks:
+        _router_locks[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _router_locks[device]
+
+
+def router_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
+                 counts: RouteCounts | None = None, valid: torch.Tensor | None = None,
+                 slot_map: torch.Tensor | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route(F.linear(x, router), ...)`. With `fused` (kernel flag `fused_router`), on CUDA at up to
+    FUSED_ROUTER_MAX_T tokens, one launch (`_router_route_kernel`) computes the logits (fp32 sums rounded to x's
+    dtype: the same values up to cuBLAS's order of summation) and routes them."""
+    T, H = x.shape
+    R = router.shape[0]
+    E = R - int(shared)
+    if not (fused and triton_usable(x) and 0 < T <= FUSED_ROUTER_MAX_T and E <= MAX_EXPERTS and 0 < top_k <= E
+            and router.dtype == x.dtype and router.stride(-1) == 1 and x.stride(-1) == 1):
+        return route(F.linear(x, router), top_k, renormalise, shared=shared, counts=counts, valid=valid,
+                     slot_map=slot_map)
+    if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
+        raise ValueError(f"slot_map {tuple(slot_map.shape)} {slot_map.dtype} for {E} router rows: int32 [E]")
+    slots = top_k + int(shared)
+    logits = torch.empty(T, R, dtype=x.dtype, device=x.device)
+    weights = torch.empty(T, slots, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, slots, dtype=torch.int32, device=x.device)
+    c = counts or RouteCounts(weights, ids, E)                  # unused pointers when not counting
+    nc = 1 if c.claim is None else c.claim.numel()
+    if nc > 1 and (c.spare is None or c.spare.numel() != nc):
+        raise ValueError(f"{nc} claims need as many spares (RouteCounts.spare)")
+    br, bh, warps = FUSED_ROUTER_CFG
+    bh = min(bh, _pow2(H))
+    nprog = -(-R // br)
+    pdl = pdl_usable(x)
+    _router_route_kernel[(nprog,)](
+        x, router, logits, router_lock(x.device), weights, ids, c.counts, c.host_reads,
+        ids if valid is None else valid, ids if slot_map is None else slot_map, E, x.stride(0), router.stride(0),
+        c.first, H=H, T=T, BLOCK_T=_pow2(T), BLOCK_R=br, BLOCK_H=bh, TOP_K=top_k, SHARED=int(shared),
+        RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
+        VALID=valid is not None, SLOT_MAP=slot_map is not None, NPROG=nprog, PDL=pdl, launch_pdl=pdl,
+        claim_ptr=c.claim, thr_ptr=c.threshold, CLAIM=c.claim is not None, NC=nc,
+        spare_ptr=c.spare if nc > 1 else None, num_warps=warps)
+    return weights, ids
+
+
 def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, shared: SharedExpert | None = None, kernel: bool = False,
                 host: HostRows | None = None) -> torch.Tensor:
@@ -561,17 +674,20 @@ def moe_forward(x: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w
                 renormalise: bool, shared: SharedExpert | None = None, prefill_kernel: bool = True,
                 host: HostRows | None = None, counts: RouteCounts | None = None,
                 valid: torch.Tensor | None = None, slot_map: torch.Tensor | None = None,
-                claim: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                claim: tuple[torch.Tensor, torch.Tensor] | None = None,
+                fused_router: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer: x [..., H] -> (out [..., H], routed ids [..., k] int32). Without `shared` only the routed
     experts (the shared expert is the caller's); with it `gate_weight` is [E + 1, H], its last row the shared
     expert's gate. Router weights are cast to x.dtype before the combine, as SparseMoE does. No
     `.item()`/`.tolist()` on the decode path (Triton usable and T*k <= DECODE_MAX_TK). `host`: slots in host RAM;
     `counts`: where the router counts its selections; `valid`: a CUDA graph's real rows; `slot_map`: router index
-    -> slot; `claim`: (claim, spare) of moves on read (see `fused_moe`, `route`).
+    -> slot; `claim`: (claim, spare) of moves on read (see `fused_moe`, `route`); `fused_router`: the router
+    GEMV and top-k in one launch (`router_route`).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    weights, ids = route(F.linear(x2, gate_weight), top_k, renormalise, shared=shared is not None, counts=counts,
-                         valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None, slot_map=slot_map)
+    weights, ids = router_route(x2, gate_weight, top_k, renormalise, shared=shared is not None, counts=counts,
+                                valid=valid if x2.shape[0] * top_k <= DECODE_MAX_TK else None, slot_map=slot_map,
+                                fused=fused_router)
     out = fused_moe(x2, ids, weights.to(x.dtype), w13, w2, shared, prefill_kernel, host, claim=claim)
     return out.view(x.shape), ids[:, :top_k].reshape(*x.shape[:-1], top_k)
 

@@ -158,11 +158,12 @@ class SparseMoE(nn.Module):
             if fused is not None:
                 router, shared = fused
                 out, self.last_expert_ids = moe_forward(x, router, w13, w2, self.top_k, self.renormalise,
-                                                        shared, prefill_kernel=self.kernels.moe_prefill, **extra)
+                                                        shared, prefill_kernel=self.kernels.moe_prefill,
+                                                        fused_router=self.kernels.fused_router, **extra)
                 return out
             out, self.last_expert_ids = moe_forward(x, self.gate.weight, w13, w2, self.top_k,
                                                     self.renormalise, prefill_kernel=self.kernels.moe_prefill,
-                                                    **extra)
+                                                    fused_router=self.kernels.fused_router, **extra)
             return self._add_shared(x, out)
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, self.renormalise)
@@ -257,7 +258,7 @@ class SparseMoE(nn.Module):
         The separate path took twelve to fifteen launches (the shared gate as a cuBLAS dot and reduction,
         sigmoid, ids filled, SiLU and products, the add, the weights' cast): ~1.4 us of launch gap each in a
         graph. None when the weights are not laid out so."""
-        from stage_worker.kernels.moe import fused_moe, route, triton_usable
+        from stage_worker.kernels.moe import fused_moe, router_route, triton_usable
         from stage_worker.kernels.quant_gemv import quant_gemv
 
         router, shared, packed = self._packed_router(), self._packed_shared(), self._packed_shared_int()
@@ -281,8 +282,9 @@ class SparseMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
-        weights, ids = route(F.linear(x2, router), k, self.renormalise, shared=True, counts=counts,
-                             valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map)
+        weights, ids = router_route(x2, router, k, self.renormalise, shared=True, counts=counts,
+                                    valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map,
+                                    fused=self.kernels.fused_router)
         # fp32 router weights go in as they are (the INT4 kernels round them to x's dtype, the shared slot's is
         # already rounded by the router kernel): no cast launch
         if shared is not None:
@@ -357,6 +359,10 @@ class SparseMoE(nn.Module):
         weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
+        if self.kernels.fused_router and self.gate.weight.is_cuda:
+            from stage_worker.kernels.moe import router_lock
+
+            router_lock(self.gate.weight.device)                # made now, never first inside a graph capture
         if self.packed_group or self.fp8_block:
             # the INT4 (and FP8) kernels take no shared-expert slot; a bf16 shared expert gets the bf16 kernel's w13 layout
             if se is not None and all(type(m) is nn.Linear for m in (se.gate_proj, se.up_proj, se.down_proj)) \
