@@ -182,6 +182,21 @@ def test_kernel_matches_reference(dtype, mode, block_size, splits):
     close(got.cpu(), want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_gate_product_in_the_store_is_the_product_after_it(dtype, splits):
+    """`gate=` (gated attention's output gate, fused into the attention store so the step has no product launch):
+    the same bits as the kernel's output times the gate afterwards, with one split (the split kernel stores) and
+    several (the reduce kernel stores)."""
+    ctxs = [7, 40, 1]
+    q, k, v, tables, ctx, g = random_cache(ctxs, 8, dtype, seed=5 + splits)
+    gate = torch.sigmoid(torch.randn(len(ctxs), H * D, generator=g)).to(DEVICE, dtype)
+    dev = to_device(q, k, v, tables, ctx)
+    plain = paged_decode_attention(*dev, D ** -0.5, 8, num_splits=splits, block_n=16)
+    gated = paged_decode_attention(*dev, D ** -0.5, 8, num_splits=splits, block_n=16, gate=gate)
+    assert torch.equal(gated, (plain.reshape(len(ctxs), -1) * gate).view_as(plain))
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_selecting_every_position_is_dense(splits):
     ctxs = [33, 2, 17]

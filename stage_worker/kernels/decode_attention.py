@@ -26,6 +26,7 @@ import triton.language as tl
 
 from stage_worker.kernels.common import INTERPRET as _INTERPRET
 from stage_worker.kernels.common import fix_interpreter_loop_bounds, pdl_usable, pdl_wait, sm_count
+from stage_worker.kernels.rmsnorm import round_to
 
 
 if _INTERPRET:
@@ -51,7 +52,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_SEL: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, CACHED: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, gate_ptr=None, s_gb=0, GATE: tl.constexpr = False):
     pdl_wait(PDL)                 # first: every load here reads what an earlier kernel wrote
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,8 +123,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT:
-        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        res = o.to(out_ptr.dtype.element_ty)
+        if GATE:
+            res = _gated(res, gate_ptr + b.to(tl.int64) * s_gb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                         out_mask)
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :], res, mask=out_mask)
     else:
         base = b.to(tl.int64) * s_pb + split * s_ps
         tl.store(part_ptr + base + heads[:, None] * s_ph + offs_d[None, :], o, mask=out_mask)
@@ -132,9 +136,18 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, sel_ptr, part_ptr, l
 
 
 @triton.jit
+def _gated(res, gate_at, mask):
+    """res (the output's dtype) times the gate at `gate_at`, rounded once as PyTorch's product of the two rounds it
+    (fp32 math, one rounding to nearest even): the same bits as `out * gate` after the kernel."""
+    g = tl.load(gate_at, mask=mask, other=0.0)
+    return round_to(res.to(tl.float32) * g.to(tl.float32), res.dtype).to(res.dtype)
+
+
+@triton.jit
 def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, gate_ptr=None, s_gb=0,
+                   GATE: tl.constexpr = False):
     pdl_wait(PDL)                 # first: the split kernel's partials and log-sum-exps
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -148,7 +161,10 @@ def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_pb, s_ph, s_ps, s_lb, s_lh, s_o
                    mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, axis=0)
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    res = o.to(out_ptr.dtype.element_ty)
+    if GATE:
+        res = _gated(res, gate_ptr + b * s_gb + h * HEAD_DIM + offs_d, offs_d < HEAD_DIM)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, res, mask=offs_d < HEAD_DIM)
 
 
 def choose_num_splits(programs: int, length: int, device: torch.device, min_per_split: int = 64) -> int:
@@ -161,14 +177,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            selected: torch.Tensor | None = None, *, max_context_len: int | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
-                           row_cache=None) -> torch.Tensor:
+                           row_cache=None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [rows, kv_heads, D]; block_tables [B, max_blocks] int32; context_lens [B] int32 (the
     new token's K/V already written); selected [B, S] int32 positions, -1 = padding. Returns [B, Hq, D] like q.
 
     `max_context_len` (a host-side bound the scheduler knows) only sizes the split; without it the table width is
     used. `num_splits` / `block_n` override the heuristics (tests). `row_cache` (`kv_row_cache.RowCache`, with
     `selected`): hits read its region, misses host memory and fill it; `invalidate` and `plan` of this step must
-    have run (`kv_row_cache.py`). Same output bits either way."""
+    have run (`kv_row_cache.py`). Same output bits either way. `gate` ([B, Hq * D] or [B, Hq, D], rows
+    contiguous, q's dtype: gated attention's sigmoid gate): the result is out * gate, the same bits as that product
+    after the call, with no launch of its own."""
     B, Hq, D = q.shape
     kv_heads = k_cache.shape[1]
     assert Hq % kv_heads == 0 and k_cache.shape[2] == D and v_cache.shape == k_cache.shape
@@ -193,6 +211,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = row_cache
     assert rc is None or (selected is not None and rc.k.dtype == k_cache.dtype and rc.k.shape[1:] == k_cache.shape[1:]
                           and rc.k.is_contiguous() and rc.v.is_contiguous())
+    if gate is not None:
+        assert gate.dtype == q.dtype and gate.shape[0] == B and gate[0].numel() == Hq * D and gate.is_contiguous()
+    gated = {"gate_ptr": gate, "s_gb": Hq * D, "GATE": True} if gate is not None else {}
     block_d = max(16, triton.next_power_of_2(D))
     pdl = pdl_usable(q)
     _split_kernel[(B, kv_heads, splits)](
@@ -208,11 +229,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_SEL=selected is not None, DIRECT=splits == 1,
         DOT_F32=q.dtype == torch.float32 or _INTERPRET, CACHED=rc is not None, num_warps=4, PDL=pdl,
-        launch_pdl=pdl)
+        launch_pdl=pdl, **(gated if splits == 1 else {}))
     if splits > 1:
         _reduce_kernel[(B, Hq)](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
-            PDL=pdl, launch_pdl=pdl)
+            PDL=pdl, launch_pdl=pdl, **gated)
     return out

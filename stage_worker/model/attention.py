@@ -380,12 +380,13 @@ class GatedAttention(nn.Module):
             cache.k, cache.v, self.q_norm.eps, idx.q_layernorm.weight if idx else None,
             cache.index_keys if idx else None)
         _invalidate_written(cache, batch)
-        out = self._decode_kernels(q, iq, batch, cache, x.dtype)
-        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+        out = self._decode_kernels(q, iq, batch, cache, x.dtype, gate=gate)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _decode_kernels(self, q: torch.Tensor, iq: torch.Tensor | None, batch: StepBatch, cache: AttentionCache,
-                        dtype: torch.dtype) -> torch.Tensor:
-        """One token per sequence, no host synchronisation: paged split-K attention over the selected rows."""
+                        dtype: torch.dtype, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence, no host synchronisation: paged split-K attention over the selected rows; times
+        `gate` (the output gate, already through its sigmoid) in the attention kernel's store."""
         from stage_worker.kernels.decode_attention import paged_decode_attention
 
         tables, lens = batch.device_tables()
@@ -408,7 +409,7 @@ class GatedAttention(nn.Module):
 
                 plan(cache.row_cache, selected, tables, lens, bs)
         return paged_decode_attention(q, cache.k, cache.v, tables, lens, self.scale, bs, selected,
-                                      row_cache=cache.row_cache if selected is not None else None)
+                                      row_cache=cache.row_cache if selected is not None else None, gate=gate)
 
     def _attend_host_sections(self, q: torch.Tensor, iq: torch.Tensor, pooled: torch.Tensor, pos: torch.Tensor,
                               rows: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
