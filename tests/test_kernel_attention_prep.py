@@ -100,9 +100,16 @@ def test_fused_decode_path_matches_pytorch_path(use_qsa, odd, bs):
         for name in ("k", "v", "index_keys", "pooled_keys"):
             if getattr(cache, name) is not None:
                 getattr(twin, name).copy_(getattr(cache, name))
+        twin2 = AttentionCache(cfg, spec)
+        for name in ("k", "v", "index_keys", "pooled_keys"):
+            if getattr(cache, name) is not None:
+                getattr(twin2, name).copy_(getattr(cache, name))
         want = attn(xd, dec, cache, rope)                    # kernel flags off: the PyTorch path
         got = attn._decode_fused(xd, dec, twin, rope)
+        attn.kernels = dataclasses.replace(attn.kernels, qsa_tiles=True)   # tiled selection, histograms zeroed
+        tiled = attn._decode_fused(xd, dec, twin2, rope)                   # by the pool kernel
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tiled, want, rtol=1e-4, atol=1e-4)
     for name in ("k", "v", "index_keys"):
         if getattr(cache, name) is not None:
             torch.testing.assert_close(getattr(twin, name), getattr(cache, name), rtol=1e-6, atol=1e-6)
@@ -122,8 +129,10 @@ def test_pool_update_kernel_matches_reference(dtype):
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, rd, 2).float() / rd))
     got = torch.zeros(12 * bs // ratio, d, dtype=dtype, device=DEVICE)
     want = got.clone()
-    qsa_pool_update(index_keys, got, tables, lens, w, inv_freq.to(DEVICE), 1e-6, bs, ratio, rd)
+    hist = torch.full((3, 5, 256), 7, dtype=torch.int32, device=DEVICE)    # zero= : the selection's histograms
+    qsa_pool_update(index_keys, got, tables, lens, w, inv_freq.to(DEVICE), 1e-6, bs, ratio, rd, zero=hist)
     qsa_pool_update_ref(index_keys, want, tables, lens, w, inv_freq.to(DEVICE), 1e-6, bs, ratio, rd)
+    assert (hist == 0).all()
     assert (got != 0).any(dim=1).sum().item() == 3            # one pooled row per sequence, nothing else
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -137,9 +137,14 @@ def attention_decode_prep(proj: torch.Tensor, layout: PrepLayout, cos: torch.Ten
 @triton.jit
 def _pool_kernel(ik_ptr, pooled_ptr, tables_ptr, lens_ptr, w_ptr, inv_freq_ptr, eps, s_tb, n_table,
                  D: tl.constexpr, RATIO: tl.constexpr, PAGE: tl.constexpr, RD: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, zero_ptr=None,
+                 ZERO_N: tl.constexpr = 0, ZERO_BLOCK: tl.constexpr = 1):
     pdl_wait(PDL)                 # first: the lengths, the tables and the index-key cache all wait
     b = tl.program_id(0).to(tl.int64)
+    if ZERO_N > 0:                # row b of the selection's histograms (`qsa_pool_update(zero=)`), after the wait
+        zo = tl.arange(0, ZERO_BLOCK)
+        for z0 in tl.static_range(0, ZERO_N, ZERO_BLOCK):
+            tl.store(zero_ptr + b * ZERO_N + z0 + zo, tl.zeros([ZERO_BLOCK], tl.int32), mask=z0 + zo < ZERO_N)
     first = (tl.load(lens_ptr + b).to(tl.int64) - 1) // RATIO * RATIO
     i = tl.arange(0, BLOCK_R)
     pos = first + i
@@ -170,15 +175,21 @@ def _pool_kernel(ik_ptr, pooled_ptr, tables_ptr, lens_ptr, w_ptr, inv_freq_ptr, 
 
 def qsa_pool_update(index_keys: torch.Tensor, pooled_keys: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                     k_norm_w: torch.Tensor, inv_freq: torch.Tensor, eps: float, block_size: int, ratio: int,
-                    rotary_dim: int) -> None:
+                    rotary_dim: int, zero: torch.Tensor | None = None) -> None:
     """Re-pool the compression block holding each sequence's newest token (mean of its raw index keys, norm,
     RoPE at the block's first position) into `pooled_keys`; one program per sequence, no host sync.
-    Equals `attention_prep_ref.qsa_pool_update_ref`."""
+    Equals `attention_prep_ref.qsa_pool_update_ref`. `zero` (int32, contiguous, B rows: the QSA selection's radix
+    histograms, `qsa.empty_histograms`) is zeroed too, so the step needs no memset launch of its own."""
     B, D = lens.shape[0], index_keys.shape[1]
     if B == 0:
         return
+    extra = {}
+    if zero is not None:
+        assert zero.dtype == torch.int32 and zero.is_contiguous() and zero.shape[0] == B
+        n = zero[0].numel()
+        extra = {"zero_ptr": zero, "ZERO_N": n, "ZERO_BLOCK": min(triton.next_power_of_2(n), 2048)}
     pdl = pdl_usable(index_keys)
     _pool_kernel[(B,)](index_keys, pooled_keys, tables, lens, k_norm_w, inv_freq.float().contiguous(), eps,
                        tables.stride(0), tables.shape[1], D=D, RATIO=ratio, PAGE=block_size,
                        RD=min(rotary_dim, D), BLOCK_R=triton.next_power_of_2(ratio),
-                       BLOCK=triton.next_power_of_2(D), num_warps=2, PDL=pdl, launch_pdl=pdl)
+                       BLOCK=triton.next_power_of_2(D), num_warps=2, PDL=pdl, launch_pdl=pdl, **extra)

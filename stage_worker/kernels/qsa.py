@@ -447,7 +447,12 @@ def new_histograms(batch: int, device: torch.device) -> torch.Tensor:
     """Zeroed radix histograms [B, passes + 1, 2^RADIX_BITS] int32 for `qsa_scores_keys` and `select_from_keys`:
     a row's last-pass ticket and the K-th key's rank (`_rank_tiles`) follow its histograms, so the one memset zeroes
     the ticket as well, each call and each graph replay."""
-    return torch.zeros((batch, radix_passes(RADIX_BITS) + 1, 1 << RADIX_BITS), dtype=torch.int32, device=device)
+    return empty_histograms(batch, device).zero_()
+
+
+def empty_histograms(batch: int, device: torch.device) -> torch.Tensor:
+    """`new_histograms` not yet zeroed: for a kernel earlier in the step to zero (`qsa_pool_update(zero=)`)."""
+    return torch.empty((batch, radix_passes(RADIX_BITS) + 1, 1 << RADIX_BITS), dtype=torch.int32, device=device)
 
 
 def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int, budget: int,
@@ -494,12 +499,14 @@ def select_from_keys(keys: torch.Tensor, context_lens: torch.Tensor, ratio: int,
 
 def qsa_select(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                block_size: int, ratio: int, budget: int, *, block_c: int | None = None,
-               one_program: bool = False, short_blocks: int | None = None) -> torch.Tensor:
+               one_program: bool = False, short_blocks: int | None = None,
+               hist: torch.Tensor | None = None) -> torch.Tensor:
     """q_idx [B, n_idx, d_idx] of each sequence's new token; pooled [rows // ratio, d_idx] (already holding the block
     the new token completed); block_tables [B, max_blocks] int32; context_lens [B] int32 with the new token.
     Returns selected [B, budget + ratio - 1] int32: chosen blocks' tokens (ascending block order), then the tail;
     -1 pad. Equals `qsa_select_ref`. `one_program`: the first version, for timing (module docstring);
-    `short_blocks`: see `select_from_keys` (0: the tiled passes for every row, for timing)."""
+    `short_blocks`: see `select_from_keys` (0: the tiled passes for every row, for timing); `hist`: zeroed
+    histograms (`new_histograms`, or `empty_histograms` an earlier kernel of the step zeroed), else made here."""
     assert budget % ratio == 0
     if one_program:
         n_blocks = block_tables.shape[1] * block_size // ratio
@@ -507,6 +514,6 @@ def qsa_select(q_idx: torch.Tensor, pooled: torch.Tensor, block_tables: torch.Te
         keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c,
                                programs=programs)
         return select_from_keys(keys, context_lens, ratio, budget, one_program=True)
-    hist = new_histograms(q_idx.shape[0], q_idx.device)
+    hist = new_histograms(q_idx.shape[0], q_idx.device) if hist is None else hist
     keys = qsa_scores_keys(q_idx, pooled, block_tables, context_lens, block_size, ratio, block_c, hist=hist)
     return select_from_keys(keys, context_lens, ratio, budget, hist=hist, short_blocks=short_blocks)

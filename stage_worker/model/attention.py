@@ -393,17 +393,19 @@ class GatedAttention(nn.Module):
         bs = batch.block_size
         selected = None
         if self.indexer is not None:
-            from stage_worker.kernels.qsa import qsa_select
-
             from stage_worker.kernels.attention_prep import qsa_pool_update
+            from stage_worker.kernels.qsa import empty_histograms, qsa_select
 
             r = self.indexer.ratio
+            # the tiled selection's histograms, zeroed by the pool kernel (no memset launch in the step)
+            hist = empty_histograms(lens.shape[0], q.device) if self.kernels.qsa_tiles else None
             # Re-pool the compression block holding the new token. Until the block is complete the value is unused
             # (selection reads complete blocks only); once complete it is exact. Writing every step avoids a sync.
             qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self.indexer.k_layernorm.weight,
-                            self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim)
+                            self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim,
+                            zero=hist)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r,
-                                  one_program=not self.kernels.qsa_tiles)
+                                  one_program=not self.kernels.qsa_tiles, hist=hist)
             if cache.row_cache is not None:
                 from stage_worker.kernels.kv_row_cache import plan
 
