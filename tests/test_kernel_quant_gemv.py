@@ -197,6 +197,25 @@ def test_row_blocks_and_k_slices(monkeypatch, prefetch):
             assert torch.equal(Q.quant_gemv(x, pw, cfg=(8, 32, 4), wide=wide), out)
 
 
+def test_out_writes_columns_of_a_wider_tensor(monkeypatch):
+    """`out=`: the kernels store into a column slice of a wider tensor (attention's q/k/v beside the indexer's
+    columns: no cat launch), with K slices too; the dequantize path (past the kernels' tokens) copies into it; the
+    columns beside are untouched; a wrong shape or dtype is refused."""
+    monkeypatch.setattr(Q, "MIN_SPLIT_K", 64)
+    N, K, bits = 24, 256, 8
+    g = torch.Generator().manual_seed(4)
+    pw = quantize_rtn(torch.randn(N, K, generator=g), bits, 64)
+    pw = PackedWeight(pw.words.to(DEV), pw.scales.to(DEV), bits, K, 64)
+    for t in (1, 3, Q.DECODE_MAX_T + 1):
+        x = torch.randn(t, K, generator=g).to(DEV)
+        wide = torch.full((t, N + 5), 9.0, device=DEV)
+        got = Q.quant_gemv(x, pw, cfg=(8, 32, 4), out=wide[:, :N])
+        assert got.data_ptr() == wide.data_ptr()
+        assert torch.equal(wide[:, :N], Q.quant_gemv(x, pw, cfg=(8, 32, 4))) and (wide[:, N:] == 9.0).all()
+    with pytest.raises(ValueError, match="out"):
+        Q.quant_gemv(x, pw, out=torch.empty(t, N, dtype=torch.float64, device=DEV))
+
+
 @pytest.mark.parametrize("t,fma", [(1, True), (3, True), (4, False), (13, True)])
 def test_the_swiglu_input_is_computed_as_it_loads(t, fma):
     """`swiglu=w`: x holds a shared expert's gate and up outputs [T, 2K] and the kernel's input is

@@ -474,7 +474,8 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
 
 
 def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = None,
-               swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = False) -> torch.Tensor:
+               swiglu: torch.Tensor | None = None, fma: bool = True, wide: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T [T, N] in x.dtype, W the packed weight; = quant_gemv_ref. On a device Triton runs
     (CUDA, or the interpreter on CPU tensors) T <= DECODE_MAX_T takes a GEMV kernel, and with `wide` so does T up to
     WIDE_MAX_T (the wide kernel, a program a group of 16 tokens); anything else `dequant_matmul`. `swiglu` [T]
@@ -484,20 +485,25 @@ def quant_gemv(x: torch.Tensor, pw: PackedWeight, cfg: tuple[int, ...] | None = 
     tokens as the small inner dimension of the FMA tiles; off, one tl.dot per value position of a period (the A/B
     until the H200 says which wins at 8-16 tokens). `wide` (kernel flag `quant_gemv_wide`): WIDE_MIN_T to
     WIDE_MAX_T tokens take the wide kernel (each tile decoded once for up to 16 tokens, one tl.dot a tile) whatever
-    `fma` says; off, the above."""
+    `fma` says; off, the above. `out` ([T, N] in x.dtype, rows contiguous, any row stride: e.g. columns of a wider
+    tensor): written and returned (the kernels store into it directly; the other paths copy)."""
     limit = WIDE_MAX_T if wide else DECODE_MAX_T
+    T, N = x.shape[0], pw.out_features
+    if out is not None and (out.shape != (T, N) or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} (stride {out.stride()}): [{T}, {N}] {x.dtype} "
+                         f"with contiguous rows")
+    placed = (lambda y: y) if out is None else out.copy_
     if swiglu is not None:
         if x.shape[1] != 2 * pw.in_features or swiglu.shape != (x.shape[0],):
             raise ValueError(f"swiglu: x {tuple(x.shape)} must be [T, 2 x {pw.in_features}], weights [T]")
         if x.shape[0] > limit or not triton_usable(x) or pw.bits > 8:
-            return dequant_matmul(swiglu_input(x, swiglu), pw)
-    T, K = x.shape[0], x.shape[1] // (2 if swiglu is not None else 1)
-    N = pw.out_features
+            return placed(dequant_matmul(swiglu_input(x, swiglu), pw))
+    K = x.shape[1] // (2 if swiglu is not None else 1)
     if K != pw.in_features:
         raise ValueError(f"x has {K} inputs, the packed weight {pw.in_features}")
     if T > limit or not triton_usable(x) or pw.bits > 8:
-        return dequant_matmul(x, pw)
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        return placed(dequant_matmul(x, pw))
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device) if out is None else out
     if T == 0 or N == 0:
         return out
     x = x.contiguous()

@@ -231,10 +231,14 @@ class GatedAttention(nn.Module):
         if not isinstance(weight, PackedWeight):
             return F.linear(x, weight)
         flags = self.q_proj.kernels
-        y = packed_matmul(x, weight, flags.quant_gemv_fma, flags.quant_gemv_wide)
         if self.indexer is None:
-            return y
-        return torch.cat([y, F.linear(x, self.indexer.index_qk_proj.weight)], dim=-1)
+            return packed_matmul(x, weight, flags.quant_gemv_fma, flags.quant_gemv_wide)
+        # the packed q/k/v and the indexer's bf16 projection write their columns of one tensor (no cat launch)
+        idx_w = self.indexer.index_qk_proj.weight
+        y = torch.empty(x.shape[0], weight.out_features + idx_w.shape[0], dtype=x.dtype, device=x.device)
+        packed_matmul(x, weight, flags.quant_gemv_fma, flags.quant_gemv_wide, out=y[:, :weight.out_features])
+        torch.mm(x, idx_w.t(), out=y[:, weight.out_features:])
+        return y
 
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -195,13 +195,18 @@ def still_fused_packed(fused: PackedWeight | None, mods: Sequence[nn.Module]) ->
     return row == fused.out_features
 
 
-def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: bool = False) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, pw: PackedWeight, fma: bool = True, wide: bool = False,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T for a packed weight, as PackedLinear.forward runs it (the GEMV kernel on a GPU or under the
-    interpreter where tests opt in, else a block of rows dequantized at a time; `fma`, `wide`: quant_gemv's)."""
+    interpreter where tests opt in, else a block of rows dequantized at a time; `fma`, `wide`, `out` (x 2-D):
+    quant_gemv's)."""
     from stage_worker.kernels.quant_gemv import dequant_matmul, quant_gemv
 
     x2 = x.reshape(-1, pw.in_features)
-    y = quant_gemv(x2, pw, fma=fma, wide=wide) if x.is_cuda or PackedLinear.interpret_on_cpu else dequant_matmul(x2, pw)
+    if x.is_cuda or PackedLinear.interpret_on_cpu:
+        y = quant_gemv(x2, pw, fma=fma, wide=wide, out=out)
+    else:
+        y = dequant_matmul(x2, pw) if out is None else out.copy_(dequant_matmul(x2, pw))
     return y.view(*x.shape[:-1], pw.out_features)
 
 
