@@ -6,6 +6,7 @@
     python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
     python bench/tune_kernels.py --only hc_q8 --rows 1,4      # the mix with INT8 down / up (reports-mixed), HBM-cold
     python bench/tune_kernels.py --only route --rows 1,4      # the router kernel's warps a program
+    python bench/tune_kernels.py --only fused_router --rows 1,4  # router GEMV + top-k in one launch
     python bench/tune_kernels.py --only quant_dequant --reps 5  # prefill's dequantize of packed dense weights
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
@@ -238,6 +239,31 @@ def tune_route(rows: list[int], reps: int, results: list, copies: int = 48) -> N
         M.NUM_WARPS = shipped
 
 
+def tune_fused_router(rows: list[int], reps: int, results: list, copies: int = 48) -> None:
+    """The fused router launch (`moe.router_route(fused=True)`, kernel flag `fused_router`: the router GEMV of 512
+    experts + the shared gate over 2560 columns and the top-10 in one launch) over FUSED_ROUTER_CFG (router rows a
+    program, columns a load, warps), each captured call on the next of `copies` router weights (126 MB: from HBM as
+    in the model); the two launches it replaces (cuBLAS GEMV + router kernel) as the yardstick. h100-29: the shipped
+    (4, 512, 4) was even with them at batch 1 and 0.27 ms a step slower at 4 (48 layers)."""
+    from stage_worker.kernels import moe as M
+
+    shipped = M.FUSED_ROUTER_CFG
+    g = torch.Generator(device="cuda").manual_seed(400)
+    routers = [torch.randn(513, 2560, device="cuda", generator=g).bfloat16() / 50 for _ in range(copies)]
+    for t in rows:
+        x = torch.randn(t, 2560, device="cuda", generator=g).bfloat16()
+        turn = {"i": 0}
+
+        def run(fused=True):
+            M.router_route(x, routers[turn["i"] % copies], 10, True, shared=True, fused=fused)
+            turn["i"] += 1
+
+        cfgs = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (1, 2, 4)))
+        sweep("fused_router", cfgs, lambda c: setattr(M, "FUSED_ROUTER_CFG", c), run, 513 * 2560 * 2, t, reps,
+              results, ref=lambda: run(False), ref_name="cuBLAS GEMV + router kernel")
+        M.FUSED_ROUTER_CFG = shipped
+
+
 def tune_hc_q8(rows: list[int], reps: int, results: list, copies: int = 16) -> None:
     """The hyper-connection mix (`hc_mix`, three kernels) as a reports-mixed checkpoint runs it: down and up INT8 per
     channel (PackedWeight, read in place), PDL as `--no-pdl` says, and each captured call on the next of
@@ -310,9 +336,11 @@ def main() -> int:
         tune_hc_q8([int(r) for r in args.rows.split(",")], args.reps, results)
     if "route" in only:
         tune_route([int(r) for r in args.rows.split(",")], args.reps, results)
+    if "fused_router" in only:
+        tune_fused_router([int(r) for r in args.rows.split(",")], args.reps, results)
     if "quant_dequant" in only:
         tune_quant_dequant(args.reps, results)
-    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8", "quant_dequant", "route"} else ():
+    for t in (int(r) for r in args.rows.split(",")) if only - {"qsa", "quant_gemv", "hc_q8", "quant_dequant", "route", "fused_router"} else ():
         x, ids, w, w13, w2, shared, distinct = moe_case(t)
         i, h = w2.shape[2], w2.shape[1]
         if "moe_up" in only:

@@ -14,7 +14,8 @@ NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm"
          "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream", "fused_router")
 # Named only: "all" leaves these off until a GPU has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
-# joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster), the H200's timing is plan h200-29 call K.
+# joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
+# batch 1, 7.55 against 8.09-8.13 at 4), not yet on an H200.
 NOT_IN_ALL = ("l2_prefetch", "fused_router")
 
 
@@ -94,7 +95,10 @@ class KernelFlags:
                                       # (moe.router_route: a program a few router rows, the last to finish
                                       # routes), not a cuBLAS GEMV (no PDL dependent: a gap in the chain) and the
                                       # router kernel. Logits summed in fp32 in another order than cuBLAS's, so
-                                      # near-ties may pick differently. Not in "all" until timed on a GPU
+                                      # near-ties may pick differently. Not in "all": h100-29 (44-layer reports-
+                                      # mixed, back to back) 4.62 / 4.63 against 4.61 / 4.71 ms at batch 1, 7.81 /
+                                      # 7.83 against 7.55 / 7.56 at 4; its launch config is untuned
+                                      # (bench/tune_kernels.py --only fused_router)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
