@@ -34,7 +34,7 @@ from gateway.metrics import Metrics, RequestTimer
 from gateway.openapi_doc import install_openapi
 from gateway.chat_plan import ChatPlan, completion_grammar, plan_chat, template_messages
 from gateway.output_parser import Delta
-from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatMessage, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
@@ -96,7 +96,8 @@ class _Generation:
     def __init__(self, engine: Engine, request: GenerationRequest, tokenizer: Tokenizer, stops: list[str],
                  timer: RequestTimer, *, want_logprobs: bool, index: int = 0, echo: str | None = None,
                  first_of_prompt: bool = True, echo_only: bool = False,
-                 shares: _Generation | None = None) -> None:
+                 shares: _Generation | None = None, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.request, self.timer, self.want_logprobs = request, timer, want_logprobs
         self.index, self.echo = index, echo              # choice index; completions echo text (offsets start after)
         # completions' max_tokens 0 with echo: the engine samples one token (prompt logprobs come with the first),
@@ -107,8 +108,8 @@ class _Generation:
         self.shares = shares
         offset = len(echo or "")
         self._events = engine.generate(request)
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stop = StopMatcher(stops)
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._stop = StopMatcher(stops, include=include_stop)
         self._min_tokens = request.params.min_tokens     # no stop string is matched in the first min_tokens tokens
         self._chars = offset
         self._first: TokenEvent | None = None
@@ -123,6 +124,12 @@ class _Generation:
         self.prompt_logprobs = self._first.prompt_logprobs
         self.cached_tokens = self._first.cached_tokens or 0
         self.timer.started(len(self.request.prompt_ids) if self.first_of_prompt else 0)
+
+    def usage_so_far(self) -> Usage:
+        """vLLM's continuous usage stats: this choice's prompt and the tokens it generated so far."""
+        prompt = len(self.request.prompt_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt + self.completion_tokens)
 
     @property
     def prompt_lps(self) -> PromptLogprobs | None:
@@ -417,20 +424,25 @@ class _Server:
         return GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, params=params, stop_token_ids=stop_ids,
                                  prompt_logprobs=prompt_logprobs, ignore_eos=bool(req.ignore_eos))
 
-    def render_chat(self, req: ChatCompletionRequest, plan: ChatPlan, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, req: ChatCompletionRequest, plan: ChatPlan, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> str:
+        """The prompt text of a chat; `continue_final` (vLLM's continue_final_message): cut where the final
+        message's text ends, so the reply continues it (transformers' rule, as vLLM applies it)."""
         kwargs = dict(plan.template_kwargs)
         reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
         if reserved:
             raise invalid_request(f"chat_template_kwargs may not set {reserved[0]!r}.", param="chat_template_kwargs")
         messages = template_messages(req.messages)
         try:
-            return self.tok.apply_chat_template(messages, tools=plan.tools, add_generation_prompt=add_generation_prompt,
+            text = self.tok.apply_chat_template(messages, tools=plan.tools,
+                                                add_generation_prompt=add_generation_prompt and not continue_final,
                                                 **kwargs)
         except ValueError as e:
             raise invalid_request(str(e), param="messages") from None
         except RecursionError:          # tools or extra fields nested hundreds deep: converting them recursed too far
             raise invalid_request("The messages, tools or chat_template_kwargs are nested too deeply to render.") \
                 from None
+        return _continued(text, req.messages[-1]) if continue_final else text
 
     @cached_property
     def grammar_compiler(self):
@@ -512,6 +524,32 @@ class _Server:
                 entry[str(i)] = PromptLogprob(logprob=_lp(v), rank=r, decoded_token=self.token_text(int(i))[0])
             out.append(entry)
         return out
+
+
+def _message_text(message: ChatMessage) -> str:
+    """A message's text: its content string, or its text parts joined by newlines (vLLM's reading)."""
+    content = message.content
+    if isinstance(content, list):
+        return "\n".join(p.text for p in content if p.type == "text" and p.text is not None)
+    return content or ""
+
+
+def _continued(prompt: str, final: ChatMessage) -> str:
+    """`prompt` cut right after the final message's text (transformers' continue_final_message: the template may
+    strip the text's surrounding whitespace; a leading one is never kept)."""
+    content = final.content
+    if isinstance(content, list):
+        texts = [p.text for p in content if p.type == "text" and p.text is not None]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise invalid_request("continue_final_message needs a final message with text to continue.",
+                              param="continue_final_message")
+    at = prompt.rfind(content.strip())
+    if at == -1:
+        raise invalid_request("continue_final_message: the chat template does not render the final message's text "
+                              "as it is, so there is no place to continue it.", param="continue_final_message")
+    kept = content.lstrip()
+    return prompt[:at + (len(kept) if prompt[at:at + len(kept)] == kept else len(content.strip()))]
 
 
 def _rows(lps: PromptLogprobs | None, n: int) -> list[tuple[float, int, list[int], list[float]] | None]:
@@ -709,7 +747,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 gens.append(_Generation(engine, gen_req, tokenizer, req.stop_strings,
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
                                         echo=prompt_text if req.echo else None, first_of_prompt=j == 0,
-                                        echo_only=echo_only, shares=gens[first] if j else None))
+                                        echo_only=echo_only, shares=gens[first] if j else None,
+                                        include_stop=bool(req.include_stop_str_in_output),
+                                        skip_special_tokens=req.skip_special_tokens is not False))
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
                             lambda: _completion_full(srv, req, gens, rid))
 
@@ -729,8 +769,12 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     unsupported = req.unsupported_field()
     if unsupported:
         raise invalid_request(unsupported[1], param=unsupported[0])
+    continue_final = bool(req.continue_final_message)
+    if continue_final and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise invalid_request("Cannot set both continue_final_message and add_generation_prompt to true.",
+                              param="continue_final_message")
     plan = await run_in_threadpool(plan_chat, req, lambda: srv.grammar_compiler)
-    text = await run_in_threadpool(srv.render_chat, req, plan)
+    text = await run_in_threadpool(srv.render_chat, req, plan, req.add_generation_prompt is not False, continue_final)
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
     plan.call_form = srv.tok.tool_call_form     # hermes JSON or Qwen3-Coder XML calls, as the template writes them
@@ -747,7 +791,9 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
             gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
         gens.append(_Generation(srv.engine, gen_req, srv.tok, req.stop_strings,
                                 srv.metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
-                                first_of_prompt=j == 0, shares=gens[0] if j else None))
+                                first_of_prompt=j == 0, shares=gens[0] if j else None,
+                                include_stop=bool(req.include_stop_str_in_output),
+                                skip_special_tokens=req.skip_special_tokens is not False))
     return plan, gens
 
 
@@ -808,6 +854,8 @@ def _vllm_prompt_logprobs(srv: _Server, req: ChatCompletionRequest | CompletionR
 
 async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Generation], rid: str,
                      plan: ChatPlan) -> dict:
+    echo = _chat_echo(req)
+
     async def one(gen: _Generation) -> ChatChoice:
         text, tokens = await _collect(gen)
         finish = gen.finish_reason
@@ -824,6 +872,8 @@ async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Gener
                 message.tool_calls = calls or None
             if calls and not parsed.cut_call:
                 finish = _called_finish(plan, finish)
+        if echo:
+            message.content = echo + (message.content or "")
         return ChatChoice(index=gen.index, message=message, finish_reason=finish,
                           logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
 
@@ -896,10 +946,17 @@ def _delta_message(d: Delta, legacy: bool) -> DeltaMessage:
                                                   function=DeltaFunction(name=d.name, arguments=d.arguments))])
 
 
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: a reply to a final assistant message (a prefill) starts with that message's text."""
+    last = req.messages[-1]
+    return _message_text(last) if req.echo and last.role == "assistant" else ""
+
+
 def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generation], rid: str,
                  plan: ChatPlan) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
+    echo = _chat_echo(req)
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
         def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None,
@@ -907,13 +964,16 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
             logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
             c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
                                     choices=[ChatChunkChoice(index=gen.index, delta=delta, logprobs=logprobs,
-                                                             finish_reason=finish)], prompt_logprobs=prompt_lps)
+                                                             finish_reason=finish)], prompt_logprobs=prompt_lps,
+                                    usage=gen.usage_so_far() if req.continuous_usage else None)
             return _sse(c.model_dump_json(exclude=exclude))
 
         parser = plan.output_parser() if _parses(plan) else None
         # the prompt's logprobs (vLLM's prompt_logprobs) ride on the first choice's first chunk
         yield chunk(DeltaMessage(role="assistant", content=""),
                     prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None)
+        if echo:
+            yield chunk(DeltaMessage(content=echo))
         called = False
         async for text, tokens, finish in _coalesce(gen):
             if parser is None:
@@ -951,7 +1011,8 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
                   prompt_lps: PromptLogprobsList | None = None) -> str:
             c = CompletionChunk(id=rid, created=created, model=srv.model_name,
                                 choices=[CompletionChoice(index=gen.index, text=text, logprobs=logprobs,
-                                                          finish_reason=finish, prompt_logprobs=prompt_lps)])
+                                                          finish_reason=finish, prompt_logprobs=prompt_lps)],
+                                usage=gen.usage_so_far() if req.continuous_usage else None)
             return _sse(c.model_dump_json(exclude=exclude))
 
         prompt_lps = _vllm_prompt_logprobs(srv, req, gen)

@@ -39,6 +39,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far (its choice's completion tokens)
+    continuous_usage_stats: bool | None = False
 
 
 class ContentPart(BaseModel):
@@ -158,6 +160,20 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage on every chunk."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+class _VllmOutput(BaseModel):
+    """vLLM's output extras of the chat and completions routes (sent through extra_body)."""
+
+    # the matched stop string stays at the end of the text (it is still where the text ends)
+    include_stop_str_in_output: bool | None = False
+    # false: special tokens the model writes (other than the stop tokens) are part of the text
+    skip_special_tokens: bool | None = True
+
 
 def check_prompt_logprobs(v: int | None) -> int | None:
     """vLLM's `prompt_logprobs`: null (none), or k >= 0 (each prompt token's logprob and rank, plus the k most likely
@@ -186,8 +202,13 @@ class _PromptLogprobs(BaseModel):
         return check_prompt_logprobs(v)
 
 
-class ChatCompletionRequest(_Sampling, _PromptLogprobs):
+class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's chat extras: render without the assistant header, or continue the final (assistant) message where its
+    # text ends (a prefilled reply); echo: a reply to a final assistant message starts with that message's text
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    echo: bool | None = False
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -250,7 +271,7 @@ class VersionResponse(BaseModel):
     version: str
 
 
-class CompletionRequest(_Sampling, _PromptLogprobs):
+class CompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     # The legacy endpoint's default (OpenAI's and vLLM's): a completion request that names no length gets 16
     # tokens, not the rest of the context (an explicit null still means "to the end of the context").

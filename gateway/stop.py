@@ -3,7 +3,9 @@
 Text arrives in arbitrary deltas (one token's worth, or less), so a stop string can be split across many of them.
 `StopMatcher.feed` returns only text that can no longer become part of a match: it holds back the longest suffix of
 what it has seen that is still a prefix of some stop string. When a stop string completes, everything before its
-first occurrence is released and the rest (the stop string and whatever followed it) is dropped.
+first occurrence is released and the rest (the stop string and whatever followed it) is dropped. With `include`
+(vLLM's `include_stop_str_in_output`) the stop string itself is released too, and nothing is held back: the text
+may end with a stop string's beginning, since a completed one would be emitted anyway.
 
 The held-back suffix is tracked with one Knuth-Morris-Pratt state per stop string, advanced over each delta's
 characters only: checking every suffix length against every stop string on each delta (the first version) cost
@@ -20,8 +22,9 @@ __all__ = ["StopMatcher"]
 class StopMatcher:
     """Feed text deltas; get back text safe to emit. After a match, `stopped` is True and nothing more comes out."""
 
-    def __init__(self, stops: Iterable[str] = ()) -> None:
+    def __init__(self, stops: Iterable[str] = (), include: bool = False) -> None:
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.include = include
         self._fail = [_prefix_function(s) for s in self.stops]
         self._state = [0] * len(self.stops)    # per stop: the longest prefix of it that the text seen ends with
         self._held = ""
@@ -37,11 +40,11 @@ class StopMatcher:
         if not self.stops:
             return delta
         text = self._held + delta
-        cut, which = self._first_match(text)
+        start, which = self._first_match(text)
         if which is not None:
             self.stopped, self.matched, self._held = True, which, ""
-            return text[:cut]
-        keep = min(self._advance(delta), len(text))
+            return text[:start + len(which)] if self.include else text[:max(0, start)]
+        keep = 0 if self.include else min(self._advance(delta), len(text))
         self._held = text[len(text) - keep:] if keep else ""
         self._emitted(text[: len(text) - keep])
         return text[: len(text) - keep]
@@ -68,14 +71,14 @@ class StopMatcher:
 
     def _first_match(self, text: str) -> tuple[int, str | None]:
         """Earliest start of any stop string that ends in `text` (the held part cannot hold a whole one, only start
-        one); one that starts in the emitted tail cuts at 0."""
+        one), as an index into `text`: negative when it starts in the emitted tail (the cut is then at 0)."""
         full, tail = self._tail + text, len(self._tail)
         best, which = len(full) + 1, None
         for s in self.stops:
             i = full.find(s, max(0, tail - len(s) + 1))      # it must end past the tail
             if i != -1 and i < best:
                 best, which = i, s
-        return max(0, best - tail), which
+        return best - tail, which
 
     def _advance(self, delta: str) -> int:
         """Advance every stop string's KMP state over `delta`; the longest suffix of the text seen that is a proper

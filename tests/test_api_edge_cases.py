@@ -199,3 +199,107 @@ def test_vllm_guided_fields_that_cannot_be_honoured_are_a_400(server, extra, par
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                                               **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- vLLM's output extras ----------------------------------------------------------------------------------------
+
+def _stream_text(server, path: str, body: dict) -> tuple[str, list[dict]]:
+    """The text a stream carried (choice 0) and its chunks."""
+    chunks = []
+    with httpx.stream("POST", server.url + path, json={"model": MODEL, **body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                   for c in chunks if c["choices"])
+    return text, chunks
+
+
+def test_continue_final_message_and_add_generation_prompt_shape_the_prompt(server, client):
+    """vLLM's chat extras `add_generation_prompt: false` and `continue_final_message: true` (a prefilled assistant
+    reply) were ignored: the prompt always closed the last message and opened a new assistant turn. Now the prompt
+    ends where the final message's text ends (the same tokens as that text sent to /v1/completions), and `echo`
+    starts the reply with the prefill."""
+    prefill = "Sure, here"
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": prefill}]
+    rendered = "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n" + prefill
+    want = client.completions.create(model=MODEL, prompt=rendered, max_tokens=4, temperature=0)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, extra_body=extra)
+        assert r.usage.prompt_tokens == want.usage.prompt_tokens, extra
+        assert r.choices[0].message.content == want.choices[0].text, extra
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "echo": True})
+    assert r.choices[0].message.content == prefill + want.choices[0].text
+    text, _ = _stream_text(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "temperature": 0,
+                                                            "continue_final_message": True, "echo": True})
+    assert text == prefill + want.choices[0].text
+    # without the generation prompt the template closes the assistant turn and opens none
+    closed = client.completions.create(model=MODEL, prompt=rendered + "<|im_end|>\n", max_tokens=1, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0,
+                                       extra_body={"add_generation_prompt": False})
+    assert r.usage.prompt_tokens == closed.usage.prompt_tokens
+    r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "continue_final_message": True,
+                                              "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_include_stop_str_in_output(server, client):
+    """vLLM's `include_stop_str_in_output` was ignored: the stop string was cut off. Now the text ends with it,
+    streamed or not, on both routes."""
+    msgs = [{"role": "user", "content": "Hello there"}]
+    base = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    full = base.choices[0].message.content
+    stop = full[3:6]                 # ends inside the text, after a few tokens
+    assert len(stop) == 3 and full.find(stop) == 3
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0, "stop": [stop], "include_stop_str_in_output": True}
+    r = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    assert (r["message"]["content"], r["finish_reason"]) == (full[:6], "stop")
+    assert _stream_text(server, "/v1/chat/completions", body)[0] == full[:6]
+    comp = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0).choices[0].text
+    stop = comp[2:5]
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "stop": stop,
+            "include_stop_str_in_output": True}
+    cut = comp[:comp.find(stop) + 3]
+    assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == cut
+    assert _stream_text(server, "/v1/completions", body)[0] == cut
+
+
+def test_skip_special_tokens_false_keeps_special_tokens(server, tiny_checkpoint):
+    """vLLM's `skip_special_tokens: false` was ignored: a special token the model wrote (here <|im_start|>, pushed
+    by logit_bias) vanished from the text. It is now in it; the stop token (EOS) still ends the text unwritten."""
+    from shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    start, eos = tok.token_to_id("<|im_start|>"), tok.eos_token_ids[0]
+    for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/completions", {"prompt": "hi"})):
+        body = {**extra, "max_tokens": 2, "temperature": 0, "logit_bias": {str(start): 100}}
+        texts = []
+        for skip in (True, False):
+            choice = post(server, path, {**body, "skip_special_tokens": skip}).json()["choices"][0]
+            texts.append(choice.get("text", (choice.get("message") or {}).get("content")))
+        assert texts == ["", "<|im_start|><|im_start|>"], (path, texts)
+        choice = post(server, path, {**body, "logit_bias": {str(eos): 100}, "skip_special_tokens": False}).json()
+        assert choice["choices"][0]["finish_reason"] == "stop" and choice["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                        ("/v1/completions", {"prompt": "hi"})])
+def test_continuous_usage_stats(server, path, extra):
+    """vLLM's `stream_options.continuous_usage_stats` was ignored (usage null on every chunk but the last): now each
+    chunk carries its choice's prompt tokens and the tokens generated so far, and the last chunk the sums."""
+    _, chunks = _stream_text(server, path, {**extra, "max_tokens": 3, "n": 2, "temperature": 1, "seed": 1,
+                                            "stream_options": {"include_usage": True,
+                                                               "continuous_usage_stats": True}})
+    *per_choice, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    prompt = last["usage"]["prompt_tokens"]
+    seen = {0: [], 1: []}
+    for c in per_choice:
+        u = c["usage"]
+        assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"], c
+        seen[c["choices"][0]["index"]].append(u["completion_tokens"])
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] == 3, seen
