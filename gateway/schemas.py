@@ -234,7 +234,7 @@ class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     def unsupported_field(self) -> tuple[str, str] | None:
         """(param, message) of the first field we cannot honour; None if the request is servable (the agent fields
         are checked by gateway.chat_plan)."""
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:        # 0 asks for nothing (vLLM lets it pass)
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         return None
 

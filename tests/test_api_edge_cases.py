@@ -303,3 +303,13 @@ def test_continuous_usage_stats(server, path, extra):
         seen[c["choices"][0]["index"]].append(u["completion_tokens"])
     for counts in seen.values():
         assert counts == sorted(counts) and counts[-1] == 3, seen
+
+
+def test_top_logprobs_zero_without_logprobs_is_served(server):
+    """`top_logprobs: 0` asks for no alternatives: vLLM serves it without `logprobs` (only a count > 0 needs the
+    flag); it was a 400. A count > 0 without the flag stays a 400."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = post(server, "/v1/chat/completions", {**body, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = post(server, "/v1/chat/completions", {**body, "top_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
