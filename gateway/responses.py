@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from gateway import access_log
 from gateway.chat_plan import ChatPlan, apply_effort
-from gateway.errors import APIError, invalid_request
+from gateway.errors import APIError, invalid_request, validate
 from gateway.output_parser import THINK_END, Delta
 from gateway.schemas import ChatCompletionRequest, ResponsesRequest
 from shared.sampling import SamplingParams
@@ -65,7 +65,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body.update(messages=input_messages(req.input, req.instructions), tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice), response_format=_text_format(req.text),
                 chat_template_kwargs=_template_kwargs(req), max_completion_tokens=req.max_output_tokens)
-    return ChatCompletionRequest.model_validate(body)
+    with renamed_params():          # (a 400 names the Responses field, never a chat one the client did not send)
+        return validate(ChatCompletionRequest, body)
 
 
 def _refuse_unservable(req: ResponsesRequest) -> None:
@@ -220,7 +221,8 @@ class _History:
             self._message(where, item)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+                    "function": {"name": _string(item, "name", where, nonempty=True),
+                                 "arguments": _string(item, "arguments", where)}}
             self._assistant("tool_calls").setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             self._close({"role": "tool", "tool_call_id": _string(item, "call_id", where),
@@ -260,10 +262,11 @@ class _History:
         self.messages.append(message)
 
 
-def _string(item: dict[str, Any], key: str, where: str) -> str:
+def _string(item: dict[str, Any], key: str, where: str, nonempty: bool = False) -> str:
     value = item.get(key)
-    if not isinstance(value, str):
-        raise invalid_request(f"{where}.{key} must be a string.", param=f"{where}.{key}")
+    if not isinstance(value, str) or (nonempty and not value):
+        raise invalid_request(f"{where}.{key} must be a{' non-empty' if nonempty else ''} string.",
+                              param=f"{where}.{key}")
     return value
 
 

@@ -238,6 +238,9 @@ def test_harmless_sdk_fields_are_accepted(server):
     ({"extra_body": {"n": 2}}, "n"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"include": ["reasoning.encrypted_content", "bogus.value"]}, "include"),
+    # a chat field the client never sent was named (messages[1].tool_calls[0].function.name)
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "",
+                                                      "arguments": "{}"}]}, "input[1].name"),
 ])
 def test_bad_inputs_are_400_naming_the_param(client, body, param):
     body.setdefault("input", "hi")
