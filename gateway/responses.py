@@ -47,6 +47,14 @@ INCLUDABLE = frozenset({
     "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
     "web_search_call.action.sources", "web_search_call.results"})
+# the values OpenAI's API (and the `openai` client's Response model, which echoes them) allows for these settings;
+# anything else is a 400 naming the field, not a response the client cannot parse
+_SETTINGS = {"reasoning": {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+                           "summary": ("auto", "concise", "detailed"),
+                           "generate_summary": ("auto", "concise", "detailed"),
+                           "context": ("auto", "current_turn", "all_turns")},
+             "text": {"verbosity": ("low", "medium", "high")}}
+_SCHEMA_NAME = "response"       # text.format json_schema's name when the request gives none
 _NOT_STORED = ("Responses are not stored on this server (store is accepted but nothing is kept), so {what} cannot "
                "be resolved; send the whole conversation in input.")
 
@@ -61,12 +69,24 @@ def new_id(prefix: str) -> str:
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that serves `req`; a 400 naming the Responses field for anything it cannot honour."""
     _refuse_unservable(req)
+    _check_settings(req)
     body: dict[str, Any] = {k: getattr(req, k) for k in _PASSED}
     body.update(messages=input_messages(req.input, req.instructions), tools=_tools(req.tools),
                 tool_choice=_tool_choice(req.tool_choice), response_format=_text_format(req.text),
                 chat_template_kwargs=_template_kwargs(req), max_completion_tokens=req.max_output_tokens)
     with renamed_params():          # (a 400 names the Responses field, never a chat one the client did not send)
         return validate(ChatCompletionRequest, body)
+
+
+def _check_settings(req: ResponsesRequest) -> None:
+    """reasoning.* and text.verbosity take OpenAI's values only (the response echoes them)."""
+    for field, allowed in _SETTINGS.items():
+        given = getattr(req, field) or {}
+        for key, values in allowed.items():
+            value = given.get(key)
+            if value is not None and value not in values:
+                raise invalid_request(f"{field}.{key} must be one of {', '.join(values)} (got {value!r}).",
+                                      param=f"{field}.{key}")
 
 
 def _refuse_unservable(req: ResponsesRequest) -> None:
@@ -117,6 +137,9 @@ def _tools(raw: list[Any] | None) -> list[dict[str, Any]] | None:
             raise invalid_request(f"Tool type {kind!r} is not supported: this server offers function tools only "
                                   "(the client runs them); hosted tools such as web_search, file_search, computer, "
                                   "code_interpreter or mcp are not available.", param=f"tools[{i}].type")
+        for key, typ, what in (("description", str, "a string"), ("strict", bool, "a boolean")):
+            if tool.get(key) is not None and not isinstance(tool[key], typ):
+                raise invalid_request(f"tools[{i}].{key} must be {what}.", param=f"tools[{i}].{key}")
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
@@ -152,7 +175,8 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         if not isinstance(fmt.get("schema"), dict):
             raise invalid_request("text.format json_schema needs schema (a JSON Schema object).",
                                   param="text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"],
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or _SCHEMA_NAME,
+                                                       "schema": fmt["schema"],
                                                        "strict": bool(fmt.get("strict", False))}}
     raise invalid_request(f"text.format type {kind!r} is not supported (text, json_object, json_schema).",
                           param="text.format.type")
@@ -457,6 +481,9 @@ class ResponseBuilder:
         req = self.req
         text = dict(req.text or {})
         text.setdefault("format", {"type": "text"})
+        fmt = text["format"]
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and not fmt.get("name"):
+            text["format"] = {**fmt, "name": _SCHEMA_NAME}      # the name it was served under (_text_format)
         done = self.status in ("completed", "incomplete")
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,

@@ -241,12 +241,28 @@ def test_harmless_sdk_fields_are_accepted(server):
     # a chat field the client never sent was named (messages[1].tool_calls[0].function.name)
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "",
                                                       "arguments": "{}"}]}, "input[1].name"),
+    # values the response echoes, which the client's Response model then could not validate
+    ({"reasoning": {"effort": "ultra"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "low", "summary": "verbose"}}, "reasoning.summary"),
+    ({"text": {"format": {"type": "text"}, "verbosity": "loud"}}, "text.verbosity"),
+    ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools[0].description"),
+    ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
 ])
 def test_bad_inputs_are_400_naming_the_param(client, body, param):
     body.setdefault("input", "hi")
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model="moepipe", **body)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_json_schema_without_name_echoes_a_valid_format(server):
+    """text.format json_schema without a name is served under "response"; the echo says so, so the body validates
+    as the client's Response (whose json_schema format requires a name)."""
+    body = raw(server, input="Fill it in.", text={"format": {"type": "json_schema", "schema": SCHEMA}},
+               max_output_tokens=40, seed=3).json()
+    r = Response.model_validate(body)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "response"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
 
 
 def test_unknown_model_is_404(server):
