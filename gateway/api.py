@@ -365,6 +365,18 @@ class _Server:
             raise invalid_request(f"min_tokens ({req.min_tokens}) is more than the {room} tokens the context leaves "
                                   f"after the prompt.", param="min_tokens")
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context length); more than the
+        context length is a 400, as there."""
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep > limit:
+            raise invalid_request(f"truncate_prompt_tokens ({keep}) is more than the context length ({limit}).",
+                                  param="truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        return ids[len(ids) - keep:] if len(ids) > keep else ids
+
     def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
         """Tokens to generate: what the client asked for, clamped to what fits (llama.cpp's rule; OpenAI and vLLM
         answer 400, docs/agents.md); default the rest of the context (or generation_config's max_new_tokens)."""
@@ -702,6 +714,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         arrival = time.monotonic()
         req = await srv.parse(request, CompletionRequest)
         prompts, n = req.prompts(), req.num_choices
+        unsupported = req.vllm_unsupported()
+        if unsupported:
+            raise invalid_request(unsupported[1], param=unsupported[0])
         if len(prompts) * n > MAX_CHOICES:
             raise invalid_request(f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices.", param="n")
         if req.best_of is not None and req.best_of > n:
@@ -726,6 +741,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             else:
                 srv.check_ids(prompt, "prompt")
                 prompt_ids, prompt_text = list(prompt), None
+            if req.truncate_prompt_tokens is not None:
+                kept = srv.truncate(prompt_ids, req.truncate_prompt_tokens)
+                if len(kept) < len(prompt_ids):
+                    prompt_ids, prompt_text = kept, None      # an echo shows what the model was given
             if req.echo and prompt_text is None:
                 prompt_text = await run_in_threadpool(tokenizer.decode, prompt_ids, False)
             if fim is not None:         # prefix-suffix-middle, as the Qwen coder models were trained
@@ -778,7 +797,7 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
     plan.call_form = srv.tok.tool_call_form     # hermes JSON or Qwen3-Coder XML calls, as the template writes them
-    prompt_ids = await srv.encode(text, prompt_param)
+    prompt_ids = srv.truncate(await srv.encode(text, prompt_param), req.truncate_prompt_tokens)
     max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
     srv.check_min_tokens(req, srv.engine.max_model_len - len(prompt_ids))
     bias = srv.logit_bias(req.logit_bias)

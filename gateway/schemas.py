@@ -167,12 +167,30 @@ class _Sampling(_Request):
 
 
 class _VllmOutput(BaseModel):
-    """vLLM's output extras of the chat and completions routes (sent through extra_body)."""
+    """vLLM's extras of the chat and completions routes (sent through extra_body) beside the sampling ones."""
 
     # the matched stop string stays at the end of the text (it is still where the text ends)
     include_stop_str_in_output: bool | None = False
     # false: special tokens the model writes (other than the stop tokens) are part of the text
     skip_special_tokens: bool | None = True
+    # keep only the prompt's last k tokens (-1: the context length); the API layer cuts the tokenized prompt
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's that change what is generated and that moepipe cannot do: refused when set (`vllm_unsupported`), never
+    # silently ignored
+    use_beam_search: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def vllm_unsupported(self) -> tuple[str, str] | None:
+        """(param, message) of the first vLLM extra given that cannot be honoured; None if there is none."""
+        if self.use_beam_search:
+            return "use_beam_search", "Beam search is not supported; sample n choices instead."
+        if self.bad_words:
+            return "bad_words", "bad_words is not supported; use logit_bias to ban single tokens."
+        if self.allowed_token_ids:
+            return "allowed_token_ids", ("allowed_token_ids is not supported; use guided_choice / guided_regex or "
+                                         "logit_bias to constrain the tokens.")
+        return None
 
 
 def check_prompt_logprobs(v: int | None) -> int | None:
@@ -236,7 +254,7 @@ class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
         are checked by gateway.chat_plan)."""
         if self.top_logprobs and not self.logprobs:        # 0 asks for nothing (vLLM lets it pass)
             return "top_logprobs", "top_logprobs requires logprobs to be true"
-        return None
+        return self.vllm_unsupported()
 
 
 class TokenizeRequest(_Request):

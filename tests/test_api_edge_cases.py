@@ -313,3 +313,30 @@ def test_top_logprobs_zero_without_logprobs_is_served(server):
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
     r = post(server, "/v1/chat/completions", {**body, "top_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server, client):
+    """vLLM's `truncate_prompt_tokens` was ignored (the whole prompt was computed): the prompt is now its last k
+    tokens (left truncation, as vLLM's), -1 the context length, more than the context length a 400."""
+    ids = [40, 41, 42, 43, 44, 45]
+    want = client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=3, temperature=0, echo=True)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert (r.choices[0].text, r.usage.prompt_tokens) == (want.choices[0].text, 3)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 4})
+    assert r.usage.prompt_tokens == 4
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == len(ids)
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 10 ** 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"bad_words": ["x"]}, {"allowed_token_ids": [5]}])
+def test_vllm_extras_that_cannot_be_honoured_are_a_400(server, path, extra):
+    """vLLM's beam search, bad_words and allowed_token_ids change what is generated; they were ignored (200 with
+    unconstrained text): now a 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    r = post(server, path, {**body, "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
