@@ -255,6 +255,15 @@ def test_bad_inputs_are_400_naming_the_param(client, body, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
 
 
+def test_chat_path_errors_name_the_responses_budget(client):
+    """min_tokens beyond the budget: the message names max_output_tokens (max_tokens is refused on this route)."""
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model="moepipe", input="hi", max_output_tokens=3, extra_body={"min_tokens": 5})
+    err = e.value.body
+    assert err["param"] == "min_tokens" and "max_output_tokens (3)" in err["message"], err
+    assert "max_tokens" not in err["message"].replace("max_output_tokens", ""), err
+
+
 def test_json_schema_without_name_echoes_a_valid_format(server):
     """text.format json_schema without a name is served under "response"; the echo says so, so the body validates
     as the client's Response (whose json_schema format requires a name)."""
