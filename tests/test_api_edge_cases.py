@@ -266,6 +266,17 @@ def test_include_stop_str_in_output(server, client):
     assert _stream_text(server, "/v1/completions", body)[0] == cut
 
 
+def test_more_stop_strings_than_openai_takes_are_served_as_vllm_serves_them(server, client):
+    """A code-evaluation harness's eight stop strings (HumanEval's) were a 400 (OpenAI's limit of 4); vLLM takes any
+    number, so up to 64 are served, and the one that occurs stops the text."""
+    msgs = [{"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    text = full.choices[0].message.content
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```", "<|none|>", text[3:6]]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stop=stops)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (text[:text.find(text[3:6])], "stop")
+
+
 def test_skip_special_tokens_false_keeps_special_tokens(server, tiny_checkpoint):
     """vLLM's `skip_special_tokens: false` was ignored: a special token the model wrote (here <|im_start|>, pushed
     by logit_bias) vanished from the text. It is now in it; the stop token (EOS) still ends the text unwritten."""
