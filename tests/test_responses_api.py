@@ -264,6 +264,23 @@ def test_chat_path_errors_name_the_responses_budget(client):
     assert "max_tokens" not in err["message"].replace("max_output_tokens", ""), err
 
 
+def test_vllm_structured_output_extras_are_enforced(client):
+    """vLLM's guided_* / structured_outputs (extra body) constrain the reply as on chat; they were ignored here
+    (a 200 with free text). Beside a text.format other than text they are a 400 naming text.format."""
+    for extra, allowed in (({"guided_choice": ["yes", "no"]}, {"yes", "no"}),
+                           ({"structured_outputs": {"choice": ["left", "right"]}}, {"left", "right"})):
+        r = client.responses.create(model="moepipe", input="Pick one.", max_output_tokens=20,
+                                    extra_body={"seed": 5, **extra})
+        assert r.status == "completed" and r.output_text in allowed, (extra, r.output_text)
+    r = client.responses.create(model="moepipe", input="Fill it in.", max_output_tokens=80,
+                                extra_body={"seed": 3, "guided_json": SCHEMA})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model="moepipe", input="hi", text={"format": {"type": "json_object"}},
+                                extra_body={"guided_regex": "[0-9]+"})
+    assert e.value.body["param"] == "text.format", e.value.body
+
+
 def test_json_schema_without_name_echoes_a_valid_format(server):
     """text.format json_schema without a name is served under "response"; the echo says so, so the body validates
     as the client's Response (whose json_schema format requires a name)."""
