@@ -177,6 +177,10 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         if not isinstance(fmt.get("schema"), dict):
             raise invalid_request("text.format json_schema needs schema (a JSON Schema object).",
                                   param="text.format.schema")
+        for key, typ, what in (("name", str, "a string"), ("description", str, "a string"),
+                               ("strict", bool, "a boolean")):
+            if fmt.get(key) is not None and not isinstance(fmt[key], typ):
+                raise invalid_request(f"text.format.{key} must be {what}.", param=f"text.format.{key}")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or _SCHEMA_NAME,
                                                        "schema": fmt["schema"],
                                                        "strict": bool(fmt.get("strict", False))}}

@@ -247,6 +247,11 @@ def test_harmless_sdk_fields_are_accepted(server):
     ({"text": {"format": {"type": "text"}, "verbosity": "loud"}}, "text.verbosity"),
     ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools[0].description"),
     ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
+    ({"text": {"format": {"type": "json_schema", "name": 5, "schema": SCHEMA}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "description": 5, "schema": SCHEMA}}},
+     "text.format.description"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "strict": "maybe", "schema": SCHEMA}}},
+     "text.format.strict"),
 ])
 def test_bad_inputs_are_400_naming_the_param(client, body, param):
     body.setdefault("input", "hi")
