@@ -81,7 +81,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _check_settings(req: ResponsesRequest) -> None:
-    """reasoning.* and text.verbosity take OpenAI's values only (the response echoes them)."""
+    """reasoning.* and text.verbosity take OpenAI's values (types) only (the response echoes them)."""
     for field, allowed in _SETTINGS.items():
         given = getattr(req, field) or {}
         for key, values in allowed.items():
@@ -89,6 +89,9 @@ def _check_settings(req: ResponsesRequest) -> None:
             if value is not None and value not in values:
                 raise invalid_request(f"{field}.{key} must be one of {', '.join(values)} (got {value!r}).",
                                       param=f"{field}.{key}")
+    mode = (req.reasoning or {}).get("mode")         # free text in OpenAI's API ("standard", "pro", ...)
+    if mode is not None and not isinstance(mode, str):
+        raise invalid_request("reasoning.mode must be a string.", param="reasoning.mode")
 
 
 def _refuse_unservable(req: ResponsesRequest) -> None:

@@ -244,6 +244,7 @@ def test_harmless_sdk_fields_are_accepted(server):
     # values the response echoes, which the client's Response model then could not validate
     ({"reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     ({"reasoning": {"effort": "low", "summary": "verbose"}}, "reasoning.summary"),
+    ({"reasoning": {"mode": 5}}, "reasoning.mode"),
     ({"text": {"format": {"type": "text"}, "verbosity": "loud"}}, "text.verbosity"),
     ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools[0].description"),
     ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
