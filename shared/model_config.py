@@ -370,9 +370,20 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
             log.info("config.json: ignoring top-level keys outside text_config: %s", ", ".join(ignored_outer))
 
     # RoPE: transformers 5 nests it in rope_parameters; older configs keep rope_theta / partial_rotary_factor flat.
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    # A non-empty legacy rope_scaling replaces rope_parameters whole, as transformers' convert_rope_params_to_dict
+    # does (`rope_scaling or rope_parameters`): rope_theta and partial_rotary_factor then come from the flat keys or
+    # the family's defaults. Qwen's model cards say to add rope_scaling for YaRN, also to configs saved by
+    # transformers 5, which carry rope_parameters: reading rope_parameters first served plain RoPE there.
+    rope_key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    rope = text.get(rope_key) or {}
     if not isinstance(rope, dict):
-        raise ConfigError(f"config field 'rope_parameters': expected an object, got {rope!r}")
+        raise ConfigError(f"config field {rope_key!r}: expected an object, got {rope!r}")
+    if rope_key == "rope_scaling" and text.get("rope_parameters"):
+        log.warning("config.json: rope_scaling %s replaces rope_parameters %s (as transformers reads it): "
+                    "rope_theta %s, partial_rotary_factor %s", rope, text["rope_parameters"],
+                    rope.get("rope_theta", text.get("rope_theta", f"default {cls.rope_theta}")),
+                    rope.get("partial_rotary_factor",
+                             text.get("partial_rotary_factor", f"default {cls.partial_rotary_factor}")))
     rope = dict(rope)
     values["rope_scaling"] = _rope_scaling(rope, text, values.get("max_position_embeddings",
                                                                  cls.max_position_embeddings))
