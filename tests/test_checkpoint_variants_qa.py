@@ -98,3 +98,33 @@ def test_rope_scaling_added_to_a_transformers_5_config(flat, tmp_path):
     assert cfg.rope_theta == ref.config.rope_parameters["rope_theta"]
     assert cfg.partial_rotary_factor == ref.config.rope_parameters["partial_rotary_factor"]
     assert_matches(ref, tmp_path)
+
+
+def _rewrite_weights(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("lm_head", ["same", "different", "only"])
+def test_tied_config_with_an_lm_head_in_the_files(lm_head, tmp_path):
+    """tie_word_embeddings true and an `lm_head.weight` in the files (exporters that write both; a fine-tune that
+    untied them but kept the flag): transformers loads it into lm_head (and, with other values than the embedding,
+    does not tie them); with only lm_head in the files it ties the embedding to it. moepipe refused the tensor as
+    unexpected (and, without the embedding, as missing)."""
+    written(qwen3_5_moe(tie_word_embeddings=True), tmp_path)
+
+    def edit(t):
+        embed = t["model.embed_tokens.weight"]
+        t["lm_head.weight"] = embed.clone() if lm_head == "same" else torch.randn_like(embed)
+        if lm_head == "only":
+            del t["model.embed_tokens.weight"]
+
+    _rewrite_weights(tmp_path, edit)
+    ref = reread(tmp_path)
+    assert load_config(tmp_path).tie_word_embeddings
+    assert torch.equal(ref.model.embed_tokens.weight, ref.lm_head.weight) == (lm_head != "different")
+    assert_matches(ref, tmp_path, stages=(1, 3))

@@ -169,6 +169,8 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         full = StageModel(cfg, with_mtp=True)
     known = set(pieces_for(cfg, {n: p.shape for n, p in full.named_parameters()}))
     del full
+    if cfg.tie_word_embeddings:
+        _untie_lm_head(pieces, known, model_dir)
     seen: dict[str, Path] = {}
     ple_shards: dict[int, Shards] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
@@ -239,6 +241,27 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
         ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts.ple_dir)
+
+
+def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], model_dir: Path) -> None:
+    """tie_word_embeddings with an `lm_head` weight in the files (exporters that write both, an untied fine-tune
+    whose config kept the flag): transformers loads that tensor into lm_head (with other values than the embedding
+    it does not tie them, with a warning), so lm_head takes it instead of `model.embed_tokens.weight`; with no
+    embedding in the files, the tie fills the embedding from it too."""
+    on_disk = set()
+    for path in checkpoint_files(model_dir):
+        with _open_safetensors(path) as f:
+            on_disk |= {"lm_head" if n.startswith("lm_head.") else n for n in map(normalise, f.keys())
+                        if n.startswith("lm_head.") or n == "model.embed_tokens.weight"}
+    if "lm_head" not in on_disk:
+        return
+    known.add("lm_head.weight")
+    embed = pieces.pop("model.embed_tokens.weight", [])
+    mine = [p for p in embed if p.local == "lm_head.weight" or "model.embed_tokens.weight" not in on_disk]
+    if mine:
+        pieces["lm_head.weight"] = mine
+    if len(mine) < len(embed):
+        pieces["model.embed_tokens.weight"] = [p for p in embed if p not in mine]
 
 
 def _open_safetensors(path: Path):
