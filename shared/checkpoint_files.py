@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CheckpointError", "checkpoint_files", "normalise"]
+__all__ = ["CheckpointError", "checkpoint_files", "normalise", "open_safetensors"]
 
 
 class CheckpointError(ValueError):
@@ -45,3 +45,15 @@ def normalise(name: str) -> str:
     if name.startswith("language_model."):
         return "model." + name[len("language_model."):]
     return name
+
+
+def open_safetensors(path: Path):
+    """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it.
+    Every reader of a checkpoint's files opens them through this (the loader, the quantization check, the PLE
+    shard scan), so a broken file is one line naming it in whichever process reads it first, not a traceback."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:       # safetensors' SafetensorError, or an OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc

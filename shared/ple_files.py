@@ -13,9 +13,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise
+from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors
 from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import FlatTable, ensure_table, shard_row_counts
@@ -40,7 +39,7 @@ def find_ple_shards(model_dir: Path, layers: set[int]) -> dict[int, Shards]:
     tables without loading a stage (the loader collects the same while it streams)."""
     found: dict[int, Shards] = {}
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for raw in f.keys():
                 shard = ple_shard(normalise(raw))
                 if shard and shard[0] in layers:
@@ -57,10 +56,10 @@ def open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards:
 
     def read(k: int) -> torch.Tensor:
         path, name, _ = order[k]
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             return f.get_tensor(name)
 
-    with safe_open(order[0][0], framework="pt", device="cpu") as f:
+    with open_safetensors(order[0][0]) as f:
         dtype = f.get_slice(order[0][1]).get_dtype()
     dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
     out = _expansion_path(Path(ple_dir) if ple_dir else model_dir, layer, order)

@@ -266,7 +266,7 @@ def refusal(model_dir) -> str | None:
     moepipe does not run, or metadata that disagrees with the files (each finding names the tensors it hits)."""
     from pathlib import Path
 
-    from safetensors import safe_open
+    from shared.checkpoint_files import open_safetensors
 
     model_dir = Path(model_dir)
     try:
@@ -277,7 +277,7 @@ def refusal(model_dir) -> str | None:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:       # an unreadable file: a CheckpointError naming it
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     findings = check(plan, shapes)

@@ -128,3 +128,46 @@ def test_tied_config_with_an_lm_head_in_the_files(lm_head, tmp_path):
     assert load_config(tmp_path).tie_word_embeddings
     assert torch.equal(ref.model.embed_tokens.weight, ref.lm_head.weight) == (lm_head != "different")
     assert_matches(ref, tmp_path, stages=(1, 3))
+
+
+def _truncate(path: Path) -> Path:
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])            # a download cut off half way
+    return weights
+
+
+def test_truncated_file_of_a_quantized_checkpoint_is_named(tmp_path):
+    """A compressed-tensors checkpoint with a cut-off weight file: the quantization check (`moepipe serve` runs it
+    before starting anything) and the loader's scan for packed experts raised safetensors' bare SafetensorError (a
+    traceback, no file named); now the loader's CheckpointError naming the file, as for a plain checkpoint."""
+    from shared.checkpoint_files import CheckpointError
+    from shared.quant_scheme import refusal
+
+    written(qwen3_5_moe(hidden_size=32, moe_intermediate_size=16), tmp_path)
+    scheme = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16,
+                                                 "symmetric": True}}
+    edit_config(tmp_path, lambda c: c.update(quantization_config={
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": scheme}}))
+    weights = _truncate(tmp_path)
+    want = rf"{weights}: not a readable safetensors file"
+    with pytest.raises(CheckpointError, match=want):
+        refusal(tmp_path)
+    with pytest.raises(CheckpointError, match=want):
+        load_model(tmp_path, LoadOptions(dtype=torch.float32))
+
+
+def test_truncated_file_is_named_by_the_ple_service(tmp_path):
+    """Qwen4-Exp: the PLE service scans the files for PLE shards before any stage loads; a cut-off file was a
+    SafetensorError traceback from that process (`moepipe serve` showed it), now a CheckpointError naming the file
+    (the service prints it as one line and exits 2)."""
+    from hf_oracle import save_reference
+    from ple_service.tables import open_tables
+    from shared.checkpoint_files import CheckpointError
+
+    _require_transformers()
+    save_reference("qwen4_exp", tmp_path)
+    cfg = load_config(tmp_path)
+    weights = _truncate(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"{weights}: not a readable safetensors file"):
+        open_tables(tmp_path, cfg)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise
+from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors
 from shared.kv_layout import compute_dtype
 from shared.model_config import HybridMoeConfig, load_config
 from shared.ngram_hash import NgramHashSpec
@@ -182,7 +181,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     dense = PackedDensePlacer(model, CheckpointError)
     fp8_dense = Fp8DensePlacer(model, CheckpointError)
     for path in checkpoint_files(model_dir):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             for raw_name in f.keys():
                 name = normalise(raw_name)
                 if placer.takes(name):
@@ -250,7 +249,7 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], model_dir: P
     embedding in the files, the tie fills the embedding from it too."""
     on_disk = set()
     for path in checkpoint_files(model_dir):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             on_disk |= {"lm_head" if n.startswith("lm_head.") else n for n in map(normalise, f.keys())
                         if n.startswith("lm_head.") or n == "model.embed_tokens.weight"}
     if "lm_head" not in on_disk:
@@ -262,14 +261,6 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], model_dir: P
         pieces["lm_head.weight"] = mine
     if len(mine) < len(embed):
         pieces["model.embed_tokens.weight"] = [p for p in embed if p not in mine]
-
-
-def _open_safetensors(path: Path):
-    """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it."""
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as exc:       # safetensors' SafetensorError, or an OSError
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -320,7 +311,7 @@ def _disk_headers(model_dir: Path, suffixes: tuple[str, ...]) -> dict[str, tuple
     """Normalised on-disk name -> (shape, safetensors dtype) of the tensors ending in `suffixes`, from the headers."""
     disk = {}
     for path in checkpoint_files(model_dir):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             for raw in f.keys():
                 if raw.endswith(suffixes):
                     sl = f.get_slice(raw)

@@ -49,13 +49,11 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
     disk), from the safetensors headers. The quantization config alone does not say: a compressed-tensors group
     targeting `Linear` (what the library writes for a transformers model) leaves 3-D expert modules in bf16, and a
     transformers fp8 config may not list experts it left unconverted."""
-    from safetensors import safe_open
-
-    from shared.checkpoint_files import checkpoint_files
+    from shared.checkpoint_files import checkpoint_files, open_safetensors
 
     packed, fp8 = set(), set()
     for path in checkpoint_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
                 if m is None:
