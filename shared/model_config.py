@@ -386,7 +386,7 @@ def config_from_dict(raw: dict[str, Any]) -> HybridMoeConfig:
                              text.get("partial_rotary_factor", f"default {cls.partial_rotary_factor}")))
     rope = dict(rope)
     values["rope_scaling"] = _rope_scaling(rope, text, values.get("max_position_embeddings",
-                                                                 cls.max_position_embeddings))
+                                                                 cls.max_position_embeddings), rope_key)
     values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", cls.rope_theta)))
     values["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
                                                      text.get("partial_rotary_factor", cls.partial_rotary_factor)))
@@ -440,14 +440,15 @@ _ROPE_KEYS = {"factor", "original_max_position_embeddings", "low_freq_factor", "
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
-def _rope_scaling(rope: dict[str, Any], text: dict[str, Any], max_positions: int) -> dict[str, Any]:
+def _rope_scaling(rope: dict[str, Any], text: dict[str, Any], max_positions: int,
+                  key: str = "rope_parameters") -> dict[str, Any]:
     """The normalised scaling part of `rope_parameters` ({} for plain RoPE), as transformers' standardize_rope_params
     fills it in; an unsupported type or a missing parameter is a ConfigError naming it."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", "mrope"):
         return {}
     if kind not in _ROPE_SCALINGS:
-        raise ConfigError(f"config field 'rope_parameters.rope_type': {kind!r} is not supported "
+        raise ConfigError(f"config field '{key}.rope_type': {kind!r} is not supported "
                           f"(moepipe computes default, mrope, {', '.join(sorted(_ROPE_SCALINGS))})")
     out = {"rope_type": kind, **{k: v for k, v in rope.items() if k in _ROPE_KEYS}}
     if kind in ("yarn", "llama3"):
@@ -456,10 +457,10 @@ def _rope_scaling(rope: dict[str, Any], text: dict[str, Any], max_positions: int
         out.setdefault("original_max_position_embeddings", max_positions)
     if kind == "yarn" and out.get("factor") is None:
         out["factor"] = max_positions / out["original_max_position_embeddings"]
-    for key in _ROPE_SCALINGS[kind]:
-        val = out.get(key)
+    for name in _ROPE_SCALINGS[kind]:
+        val = out.get(name)
         if isinstance(val, bool) or not isinstance(val, (int, float)) or val <= 0:
-            raise ConfigError(f"config field 'rope_parameters.{key}': rope_type {kind!r} needs a positive number "
+            raise ConfigError(f"config field '{key}.{name}': rope_type {kind!r} needs a positive number "
                               f"(got {val!r})")
     return out
 

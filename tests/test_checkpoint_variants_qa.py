@@ -100,6 +100,22 @@ def test_rope_scaling_added_to_a_transformers_5_config(flat, tmp_path):
     assert_matches(ref, tmp_path)
 
 
+
+def test_a_bad_rope_scaling_is_named_as_rope_scaling():
+    """rope_scaling is what transformers reads when both keys are there, so a problem in it names rope_scaling, not
+    the rope_parameters the user did not edit."""
+    from shared.model_config import ConfigError, config_from_dict
+
+    raw = {**qwen3_next().to_dict(), "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(ConfigError, match=r"config field 'rope_scaling\.rope_type': 'longrope'"):
+        config_from_dict(raw)
+    raw["rope_scaling"] = {"rope_type": "linear"}
+    with pytest.raises(ConfigError, match=r"config field 'rope_scaling\.factor'"):
+        config_from_dict(raw)
+    raw["rope_scaling"] = "yarn"
+    with pytest.raises(ConfigError, match=r"config field 'rope_scaling': expected an object"):
+        config_from_dict(raw)
+
 def _rewrite_weights(path: Path, edit) -> None:
     from safetensors.torch import load_file, save_file
 
