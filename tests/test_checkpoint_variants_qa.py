@@ -146,6 +146,23 @@ def test_tied_config_with_an_lm_head_in_the_files(lm_head, tmp_path):
     assert_matches(ref, tmp_path, stages=(1, 3))
 
 
+def test_an_old_exporter_s_rotary_buffers_are_ignored(tmp_path):
+    """Checkpoints from older exporters carry each attention layer's `rotary_emb.inv_freq` (and cos/sin caches) as
+    tensors; transformers and vLLM ignore them, moepipe refused them as unexpected. Loaded now, the same logits."""
+    written(qwen3_5_moe(), tmp_path)
+    attn = [i for i, t in enumerate(load_config(tmp_path).layer_types) if t == "full_attention"]
+    assert attn
+
+    def edit(t):
+        for i in attn:
+            t[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+            t[f"model.layers.{i}.self_attn.rotary_emb.cos_cached"] = torch.rand(4, 8)
+        t["model.rotary_emb.inv_freq"] = torch.rand(8)
+
+    _rewrite_weights(tmp_path, edit)
+    assert_matches(reread(tmp_path), tmp_path)
+
+
 def _truncate(path: Path) -> Path:
     weights = path / "model.safetensors"
     data = weights.read_bytes()

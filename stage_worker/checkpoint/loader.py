@@ -66,6 +66,11 @@ class LoadOptions:
     dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
 
 
+# RoPE tables some exporters wrote as tensors (older transformers saved `rotary_emb.inv_freq` buffers): computed from
+# the config here, and ignored by transformers and vLLM alike, so not an unexpected tensor
+_ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
 def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dtype:
     """The checkpoint's dtype, except that a CPU computes half-precision checkpoints in float32 (the rule lives in
     `shared.kv_layout.compute_dtype`: the KV budget is sized in it). `dtype` in the cluster config (MOEPIPE_DTYPE)
@@ -226,6 +231,8 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                     continue                       # another stage's tensor
                 if cfg.shared_expert_intermediate_size == 0 and _NO_SHARED_EXPERT.match(name):
                     continue                       # transformers' zero-width shared expert (and its gate): adds 0
+                if name.endswith(_ROTARY_BUFFERS):
+                    continue                       # an old exporter's RoPE tables: recomputed, as transformers does
                 if name.startswith(("model.visual.", "visual.")) or (name.startswith("mtp.") and model.mtp is None):
                     skipped_extra.add(name.split(".")[0] + "." + name.split(".")[1])
                     continue
