@@ -229,13 +229,17 @@ def _vllm_only_flags(args: argparse.Namespace, model) -> None:
 
 
 def _quant_method(model) -> str | None:
-    """The checkpoint's `quantization_config.quant_method` (config.json), if any."""
+    """The checkpoint's `quantization_config.quant_method` (config.json, or its `text_config` in a multimodal
+    wrapper's), if any."""
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError, TypeError):
         return None
-    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    return q.get("quant_method") if isinstance(q, dict) else None
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        q = c.get("quantization_config") if isinstance(c, dict) else None
+        if isinstance(q, dict):
+            return q.get("quant_method")
+    return None
 
 
 def _has_nvidia_gpu() -> bool:

@@ -208,6 +208,18 @@ def test_a_quantization_flag_matching_the_checkpoint_is_accepted(tmp_path, tiny_
     options(str(quant), "--quantization", "compressed-tensors")
     with pytest.raises(ValueError, match="--quantization fp8"):
         options(str(quant), "--quantization", "fp8")
+    # a multimodal wrapper's config keeps it in text_config
+    cfg = {"model_type": "wrapper", "text_config": {**cfg, "quantization_config": cfg.pop("quantization_config")}}
+    assert _quant_method_of(cfg, tmp_path) == "compressed-tensors"
+
+
+def _quant_method_of(cfg: dict, tmp_path) -> str | None:
+    from gateway.cli import _quant_method
+
+    d = tmp_path / "wrapped"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return _quant_method(d)
 
 
 def test_tool_parsers_for_other_call_forms_are_refused(tiny_checkpoint):
