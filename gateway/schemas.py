@@ -183,6 +183,13 @@ class _VllmOutput(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, v: int | None) -> int | None:
+        if v == 0:          # vLLM's rule too: 0 would leave no prompt (a 400 naming the prompt, not this field)
+            raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for the context length")
+        return v
+
     def vllm_unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first vLLM extra given that cannot be honoured; None if there is none."""
         if self.use_beam_search:

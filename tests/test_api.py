@@ -416,6 +416,7 @@ GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "m
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal"}]}]},
      "messages[1].content[0].refusal"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),        # without stream: OpenAI's and vLLM's 400
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),     # no prompt left (vLLM: >= 1 or -1)
 ])
 def test_chat_bad_requests_name_the_field(served, body, param):
     err = _assert_error(served.post("/v1/chat/completions", json={**GOOD_CHAT, **body}), 400, param)
@@ -435,6 +436,7 @@ def test_chat_bad_requests_name_the_field(served, body, param):
     ({"n": 17}, "n"),
     ({"best_of": 2}, "best_of"),               # more than n: only n choices would come back
     ({"best_of": 0}, "best_of"),
+    ({"prompt": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_completion_bad_requests_name_the_field(served, body, param):
     _assert_error(served.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **body}),
