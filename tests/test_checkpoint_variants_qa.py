@@ -10,41 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_oracle import _require_transformers, build_from_config, reference_logits
-from shared.cluster_config import split_layers
+from hf_oracle import ROPE, _require_transformers
 from shared.model_config import load_config
 from stage_worker.checkpoint.loader import LoadOptions, load_model
-from stage_worker.local_engine import LocalEngine
+from test_unseen_checkpoints import assert_matches, qwen3_5_moe, qwen3_next, written  # noqa: E402
 
-LIN, FULL = "linear_attention", "full_attention"
-SMALL = dict(vocab_size=150, hidden_size=24, num_attention_heads=6, num_key_value_heads=3, head_dim=12,
-             linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=3, linear_num_value_heads=6,
-             moe_intermediate_size=10, shared_expert_intermediate_size=14, num_experts=6, num_experts_per_tok=3,
-             eos_token_id=5, rms_norm_eps=1e-6, max_position_embeddings=256,
-             rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
-PROMPT = [40, 7, 100, 13, 5, 99, 101, 3, 17, 88, 61, 120, 45, 46, 47, 9, 2, 77]
-NEW = 3
-TOL = 1e-4
-
-
-def qwen3_next(**kw):
-    from transformers import Qwen3NextConfig
-
-    return Qwen3NextConfig(**{**SMALL, "num_hidden_layers": 3, "intermediate_size": 20,
-                              "layer_types": [LIN, FULL, LIN], **kw})
-
-
-def qwen3_5_moe(**kw):
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(**{**SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, FULL], **kw})
-
-
-def written(cfg, path: Path, seed: int = 0):
-    _require_transformers()
-    model = build_from_config(cfg, seed)
-    model.save_pretrained(path)
-    return model
+# rope_parameters' theta other than transformers' default (10000), so a rope_scaling that replaces them is seen
+THETA_5000 = {**ROPE, "rope_theta": 5000.0}
 
 
 def edit_config(path: Path, edit) -> None:
@@ -62,33 +34,13 @@ def reread(path: Path):
                                                 experts_implementation="eager").float().eval()
 
 
-def assert_matches(model, path: Path, stages=(1,)) -> None:
-    """moepipe's log-probabilities over the prompt and greedy continuation equal `model`'s, per stage count."""
-    ids = list(PROMPT)
-    for _ in range(NEW):
-        ids.append(int(reference_logits(model, ids)[-1].argmax()))
-    want = torch.log_softmax(reference_logits(model, ids), -1)
-    cfg = load_config(path)
-    for n in stages:
-        parts = [load_model(path, LoadOptions(start=s, end=e, dtype=torch.float32))
-                 for s, e in split_layers(cfg.num_hidden_layers, n)]
-        engine = LocalEngine(parts, max_seqs=1, max_tokens=64)
-        engine.add(0)
-        got = [torch.log_softmax(engine.step([(0, PROMPT)], all_logits=True), -1)]
-        for tok in ids[len(PROMPT):-1]:
-            got.append(torch.log_softmax(engine.step([(0, [tok])], all_logits=True), -1))
-        got = torch.cat(got)
-        err = (got - want[:-1]).abs().max().item()
-        assert err < TOL, f"{n} stage(s): max log-prob difference {err}"
-
-
 @pytest.mark.parametrize("flat", [{}, {"rope_theta": 20000.0, "partial_rotary_factor": 1.0}], ids=["defaults", "flat"])
 def test_rope_scaling_added_to_a_transformers_5_config(flat, tmp_path):
     """Qwen's model cards enable YaRN by adding `rope_scaling` to config.json; a config saved by transformers 5
     already carries `rope_parameters`. transformers lets a non-empty rope_scaling replace rope_parameters whole
     (rope_theta and partial_rotary_factor then from the flat keys, else the defaults); moepipe read rope_parameters
     and ignored rope_scaling: plain RoPE at rope_parameters' theta."""
-    written(qwen3_next(), tmp_path)
+    written(qwen3_next(rope_parameters=THETA_5000), tmp_path)
     edit_config(tmp_path, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16}, **flat))
     ref = reread(tmp_path)
@@ -97,7 +49,7 @@ def test_rope_scaling_added_to_a_transformers_5_config(flat, tmp_path):
     assert cfg.rope_scaling["rope_type"] == "yarn"
     assert cfg.rope_theta == ref.config.rope_parameters["rope_theta"]
     assert cfg.partial_rotary_factor == ref.config.rope_parameters["partial_rotary_factor"]
-    assert_matches(ref, tmp_path)
+    assert_matches(ref, tmp_path, stages=(1,))
 
 
 
@@ -160,7 +112,7 @@ def test_an_old_exporter_s_rotary_buffers_are_ignored(tmp_path):
         t["model.rotary_emb.inv_freq"] = torch.rand(8)
 
     _rewrite_weights(tmp_path, edit)
-    assert_matches(reread(tmp_path), tmp_path)
+    assert_matches(reread(tmp_path), tmp_path, stages=(1,))
 
 
 def _truncate(path: Path) -> Path:
