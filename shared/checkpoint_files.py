@@ -49,8 +49,9 @@ def normalise(name: str) -> str:
 
 def open_safetensors(path: Path):
     """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it.
-    Every reader of a checkpoint's files opens them through this (the loader, the quantization check, the PLE
-    shard scan), so a broken file is one line naming it in whichever process reads it first, not a traceback."""
+    The loader, the quantization check, the packed-expert scan and the PLE shard scan open them through this, so a
+    broken file is one line naming it in whichever process reads it first, not a traceback (`moepipe quantize`
+    reads its source with its own QuantizeError)."""
     from safetensors import safe_open
 
     try:

@@ -16,7 +16,8 @@ Keys: the score's float bits as int32 (the score is >= +0, so integer order == f
 The choice: the k = budget // ratio largest keys, equal keys to the lower block (as `stable_topk_mask`); all
 `complete` blocks if complete <= k. Launches (shapes from tensor sizes only; `qsa_select`):
 0. a memset of the radix histograms [B, passes + 1, 2^bits] (they are summed with atomics; the last row holds the
-   last pass's ticket, so the memset zeroes it too).
+   last pass's ticket, so the memset zeroes it too). The model's decode step has no such launch: it passes
+   `qsa_select(hist=)` histograms that the pooled-key update kernel before it zeroed (`qsa_pool_update(zero=)`).
 1. `_score_kernel`, persistent grid (B, S), S from the SM count and the batch (`score_programs`): program `p` walks
    the tiles `p, p + S, ...` of SCORE_BLOCK complete blocks: pooled keys gathered through the block table, one `tl.dot`
    (fp32 accumulation) against the indexer heads (heads padded to 16), `sum_h relu(.) / sqrt(d)`; it writes one key per
@@ -65,7 +66,7 @@ With the kernel flag `pdl` (`common.pdl_usable`) the four kernels launch as prog
 (`common.pdl_wait`) first thing, before its context length, every program (those that return at once included):
 each reads the previous launch's keys / histograms / counts, so the launch chain keeps its order (a kernel's wait
 returns once the kernel before it has finished, which had itself waited for the one before). The histograms'
-memset before the score kernel is a plain launch.
+memset before the score kernel, where `qsa_select` makes them itself, is a plain launch.
 """
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ class GatedAttention(nn.Module):
     def _decode_fused(self, x: torch.Tensor, batch: StepBatch, cache: AttentionCache,
                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Decode with the kernels: one projection GEMV, one prologue launch (norms, RoPE, cache writes, gate),
-        QSA selection and paged attention, the gate product and o_proj."""
+        QSA selection, paged attention (the gate product in its store) and o_proj."""
         from stage_worker.kernels.attention_prep import attention_decode_prep
 
         weight, layout = self._fused_proj()
