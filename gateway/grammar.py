@@ -625,7 +625,10 @@ class _XmlCall:
             parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}})/")
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            term, error = _checked_pattern_terminal(pattern)
+            # kept per pattern up to a size (a request may send any text: 1,024 huge patterns must not pin the memory)
+            checked = _checked_pattern_terminal if len(pattern) <= _CACHED_PATTERN_CHARS else \
+                _checked_pattern_terminal.__wrapped__
+            term, error = checked(pattern)
             if not error:
                 parts.append(term)
             elif self.strict:
@@ -676,6 +679,9 @@ class _XmlCall:
         return [f"XML_TEXT: /(?s:.*)/ & ~/(?s:.*)({markers})(?s:.*)/",
                 f"XML_END: {_lark_literal(_XML_VALUE_END)}",
                 "XML_VALUE: XML_TEXT XML_END"]
+
+
+_CACHED_PATTERN_CHARS = 4096
 
 
 @functools.lru_cache(maxsize=1024)

@@ -97,7 +97,12 @@ def test_fused_router_random_inputs_within_rounding():
     torch.testing.assert_close(w[:, k], torch.sigmoid(logits[:, e]).float(), atol=1e-2, rtol=0)
 
 
-def test_more_tokens_than_the_fused_launch_takes_use_the_two_launch_path():
+def test_more_tokens_than_the_fused_launch_takes_use_the_two_launch_path(monkeypatch):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused launch ran past FUSED_ROUTER_MAX_T tokens")
+
+    monkeypatch.setattr(K, "_router_route_kernel", NoLaunch())
     t = K.FUSED_ROUTER_MAX_T + 1
     x = _integers((t, 32), seed=1, dtype=torch.float32)
     router = _integers((9, 32), seed=2, dtype=torch.float32)
