@@ -245,6 +245,20 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt(serve
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_continue_final_message_cuts_where_transformers_cuts():
+    """transformers' rule for a final message with surrounding whitespace: the rendered text is kept up to the end
+    of the left-trimmed message only if the template kept it untrimmed; a leading space fails that test, so the
+    trailing space is cut too (`_continued` compared the trimmed text and kept it)."""
+    from gateway.api import _continued
+    from gateway.schemas import ChatMessage
+
+    for content, cut in (("Hello  ", "Hello  "), ("  Hello  ", "Hello"), ("Hello", "Hello")):
+        prompt = f"<|im_start|>assistant\n{content}<|im_end|>\n"
+        msg = ChatMessage(role="assistant", content=content)
+        start = prompt.index("Hello")
+        assert _continued(prompt, msg) == prompt[:start + len(cut)], content
+
+
 def test_include_stop_str_in_output(server, client):
     """vLLM's `include_stop_str_in_output` was ignored: the stop string was cut off. Now the text ends with it,
     streamed or not, on both routes."""
