@@ -36,11 +36,12 @@ from shared.sampling import SamplingParams
 __all__ = ["ResponseBuilder", "collect", "new_id", "renamed_params", "stream", "to_chat_request"]
 
 # Sampling fields a Responses request may carry (the OpenAI ones, plus the chat route's extras via extra body:
-# vLLM's structured-output ones too, which the chat plan enforces as there)
+# vLLM's structured-output and output ones too, which the chat path enforces or refuses as there)
 _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "ignore_eos", "user", "stream",
            "parallel_tool_calls", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-           "structured_outputs")
+           "structured_outputs", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+           "use_beam_search", "bad_words", "allowed_token_ids")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 # what OpenAI's `include` may name: the hosted-tool outputs are moot here (no hosted tools), encrypted reasoning is

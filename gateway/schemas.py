@@ -337,10 +337,12 @@ class CompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
         return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
 
-class ResponsesRequest(_Sampling):
+class ResponsesRequest(_Sampling, _VllmOutput):
     """`POST /v1/responses` (the OpenAI Responses API). Shapes only: `gateway.responses` checks the items, tools,
     tool_choice and text.format in depth and turns the request into a ChatCompletionRequest. The sampling extras
-    of the chat route (top_k, min_p, seed, stop, logit_bias, ...) are accepted as they are there; `max_tokens` and
+    of the chat route (top_k, min_p, seed, stop, logit_bias, ...) and vLLM's output extras (include_stop_str_in_output,
+    skip_special_tokens, truncate_prompt_tokens; beam search, bad_words and allowed_token_ids refused by name) are
+    taken as they are there; `max_tokens` and
     `n` are chat fields with no meaning here and are refused by `gateway.responses` when given."""
 
     stream_options_need_stream: ClassVar[bool] = False

@@ -287,6 +287,23 @@ def test_vllm_structured_output_extras_are_enforced(client):
     assert e.value.body["param"] == "text.format", e.value.body
 
 
+def test_vllm_output_extras_as_on_chat(client):
+    """vLLM's output extras were silently dropped here while chat honours or refuses them: include_stop_str_in_output
+    keeps the stop string at the end of the text; beam search, bad_words and allowed_token_ids are a 400 naming
+    the field."""
+    full = client.responses.create(model="moepipe", input="Hello there", max_output_tokens=8, temperature=0)
+    text = full.output_text
+    stop = text[3:6]
+    assert len(stop) == 3
+    cut = client.responses.create(model="moepipe", input="Hello there", max_output_tokens=8, temperature=0,
+                                  extra_body={"stop": [stop], "include_stop_str_in_output": True})
+    assert cut.output_text == text[:text.find(stop) + 3]
+    for extra in ({"use_beam_search": True}, {"bad_words": ["x"]}, {"allowed_token_ids": [1, 2]}):
+        with pytest.raises(BadRequestError) as e:
+            client.responses.create(model="moepipe", input="hi", max_output_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra)), e.value.body
+
+
 def test_json_schema_without_name_echoes_a_valid_format(server):
     """text.format json_schema without a name is served under "response"; the echo says so, so the body validates
     as the client's Response (whose json_schema format requires a name)."""
