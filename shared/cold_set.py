@@ -53,9 +53,28 @@ def fp8_expert_bytes(cfg: HybridMoeConfig, block: tuple[int, int]) -> int:
     return 3 * inter * H + 4 * scales
 
 
+def check_usage(usage: object) -> None:
+    """`usage` as route_usage.json holds it: {kind: {layer number: [selections per expert]}}, at least one kind,
+    counts non-negative integers; else a ColdSetError naming what is wrong (not a traceback from the arithmetic)."""
+    if not isinstance(usage, dict) or not usage:
+        raise ColdSetError("\"usage\" must map each kind of text to its per-layer counts "
+                           "({kind: {layer: [selections per expert]}}), with at least one kind")
+    for kind, layers in usage.items():
+        if not isinstance(layers, dict) or not layers:
+            raise ColdSetError(f"usage of kind {kind!r} must map layer numbers to counts per expert")
+        for layer, row in layers.items():
+            if not (isinstance(layer, str) and layer.isascii() and layer.isdigit()):
+                raise ColdSetError(f"usage of kind {kind!r}: layer {layer!r} is not a layer number")
+            if not (isinstance(row, list) and row and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in row)):
+                raise ColdSetError(f"usage of kind {kind!r}, layer {layer}: expected a list of selection counts "
+                                   f"(non-negative integers) per expert")
+
+
 def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[float]]:
     """Per MoE layer, per expert: the sum over kinds of each kind's selections divided by all of that kind's
     selections (in every layer), so every kind weighs the same however many tokens it was traced with."""
+    check_usage(usage)
     scores: dict[int, list[float]] = {}
     for kind, layers in usage.items():
         total = sum(sum(row) for row in layers.values())

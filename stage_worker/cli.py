@@ -45,6 +45,20 @@ def _make_model_out(value: str) -> Path:
     return out
 
 
+def out_file(value: str, flag: str = "--out") -> Path:
+    """An output file checked before the work that fills it (route-stats may run for hours): not empty, not a
+    directory, in a directory that exists; a ValueError naming it. An existing file is replaced (--help says so)."""
+    if not value.strip():
+        raise ValueError(f"{flag}: empty path")
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{flag} {value}: is a directory; give the file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {value}: {parent} is not an existing directory")
+    return path
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.make_model import make_model
 
@@ -114,6 +128,7 @@ def _route_stats(args: argparse.Namespace) -> int:
     from stage_worker.route_stats import read_texts, route_stats
 
     model = model_arg(args.model)
+    out_file(args.out)
     _check_device(args.device)
     texts = read_texts(args.text)
     route_stats(model, texts, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk, batch=args.batch,
@@ -130,15 +145,22 @@ def _cold_set(args: argparse.Namespace) -> int:
     from shared.model_config import load_config
 
     model = model_arg(args.model)
+    out_file(args.out)
     cfg = load_config(model)
     try:
         data = json.loads(Path(args.usage).read_text())
+        if not isinstance(data, dict) or "usage" not in data:
+            raise ValueError("no \"usage\" object")
         usage = data["usage"]
-        tokens = data.get("meta", {}).get("tokens_per_kind", {})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"moepipe cold-set: {args.usage}: not a route_usage.json from tools/route_trace.py ({exc})",
-              file=sys.stderr)
+        cold_set.check_usage(usage)
+    except (OSError, ValueError) as exc:
+        print(f"moepipe cold-set: {args.usage}: not a route_usage.json from `moepipe route-stats` or "
+              f"tools/route_trace.py ({exc})", file=sys.stderr)
         return 2
+    meta = data.get("meta")
+    tokens = meta.get("tokens_per_kind") if isinstance(meta, dict) else None
+    if not isinstance(tokens, dict) or not all(isinstance(n, (int, float)) for n in tokens.values()):
+        tokens = {}
     if not 0 < args.gib_per_stage < float("inf"):          # NaN too
         print(f"moepipe cold-set: --gib-per-stage must be a positive number, got {args.gib_per_stage}",
               file=sys.stderr)
@@ -234,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--chunk", type=int, default=512, help="tokens per prefilled window")
     r.add_argument("--batch", type=int, default=8, help="windows per step")
     r.add_argument("--device", default="cpu")
-    r.add_argument("--out", required=True, help="route_usage.json to write")
+    r.add_argument("--out", required=True, help="route_usage.json to write (an existing file is replaced)")
     r.set_defaults(func=_route_stats)
 
     c = sub.add_parser("cold-set", help="choose the experts each stage keeps in host RAM from routing counts "
@@ -246,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gib-per-stage", type=float, required=True, help="host RAM for experts per stage, GiB")
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the experts' dtype in memory (default: the checkpoint's)")
-    c.add_argument("--out", required=True, help="the cold-set file to write (JSON)")
+    c.add_argument("--out", required=True, help="the cold-set file to write (JSON; an existing file is replaced)")
     c.set_defaults(func=_cold_set)
 
     return p

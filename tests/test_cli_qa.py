@@ -1,0 +1,76 @@
+"""A QA pass over the command-line tools as a new user (from vLLM or llama.cpp) meets them on a CPU with tiny
+checkpoints: each case here ended in a traceback, did hours of work before refusing, or misled; each is now one
+line naming the problem (exit 2 for a usage error) or works as --help says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stage_worker import cli as sw_cli
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = sw_cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused(code: int, err: str, *words: str) -> None:
+    """Exit 2, one stderr line holding `words`, no traceback."""
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), err
+
+
+@pytest.mark.parametrize("usage,words", [
+    ({"usage": []}, ['"usage" must map each kind']),
+    ({"usage": {}}, ["at least one kind"]),
+    ({"usage": {"code": []}}, ["kind 'code' must map layer numbers"]),
+    ({"usage": {"code": {"x": [1]}}}, ["layer 'x' is not a layer number"]),
+    ({"usage": {"code": {"1": "abc"}}}, ["kind 'code', layer 1: expected a list of selection counts"]),
+    ({"usage": {"code": {"1": [1, -2]}}}, ["non-negative integers"]),
+    ([], ['no "usage" object']),
+])
+def test_cold_set_names_a_malformed_usage_file(tmp_path, capsys, tiny_checkpoint, usage, words):
+    """`moepipe cold-set --usage F` with F JSON but not route_usage.json's shape: was an AttributeError or TypeError
+    traceback (or, for no kinds at all, an empty cold set written as if chosen)."""
+    f = tmp_path / "usage.json"
+    f.write_text(json.dumps(usage))
+    code, _, err = run(capsys, "cold-set", "--model", str(tiny_checkpoint), "--usage", str(f), "--gib-per-stage",
+                       "1", "--out", str(tmp_path / "cold.json"))
+    refused(code, err, f"{f}: not a route_usage.json", *words)
+    assert not (tmp_path / "cold.json").exists()
+
+
+def test_cold_set_takes_meta_of_another_shape(tmp_path, capsys, tiny_checkpoint):
+    """A `meta` that is not an object (tokens per kind are only for the printed read rate): was a traceback."""
+    f = tmp_path / "usage.json"
+    f.write_text(json.dumps({"usage": {"code": {str(i): [1] * 16 for i in range(6)}}, "meta": []}))
+    code, out, err = run(capsys, "cold-set", "--model", str(tiny_checkpoint), "--usage", str(f), "--gib-per-stage",
+                         "0.001", "--out", str(tmp_path / "cold.json"))
+    assert code == 0, err
+    assert (tmp_path / "cold.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["route-stats", "cold-set"])
+@pytest.mark.parametrize("where", ["missing/out.json", "a_directory"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, tiny_checkpoint,
+                                                                       command, where):
+    """route-stats traced all its text (hours on a real model) and only then failed to write --out in a directory
+    that does not exist, or that is a directory, as a bare `[Errno 2] No such file or directory`."""
+    import stage_worker.route_stats as rs
+
+    def never(*a, **k):
+        raise AssertionError("the work ran before --out was checked")
+
+    monkeypatch.setattr(rs, "route_stats", never)
+    (tmp_path / "a_directory").mkdir()
+    (tmp_path / "text.txt").write_text("some text " * 20)
+    (tmp_path / "usage.json").write_text(json.dumps({"usage": {"code": {str(i): [1] * 16 for i in range(6)}}}))
+    out = tmp_path / where
+    args = ["--text", f"code={tmp_path / 'text.txt'}"] if command == "route-stats" else \
+        ["--usage", str(tmp_path / "usage.json"), "--gib-per-stage", "1"]
+    code, _, err = run(capsys, command, "--model", str(tiny_checkpoint), *args, "--out", str(out))
+    refused(code, err, f"--out {out}:")
