@@ -190,7 +190,7 @@ VLLM_ONLY_FLAGS = (
     ("--seed", True, "note", "sampling seeds are per request (the `seed` field; a request without one draws its "
                              "own)"),
     ("--swap-space", True, "note", "preempted requests are recomputed, not swapped"),
-    ("--uvicorn-log-level", True, "note", "use -v for debug logs and --no-access-log for fewer lines"),
+    ("--uvicorn-log-level", True, "note", "use -v for INFO logs and --no-access-log for fewer lines"),
     ("--kv-cache-dtype", True, "refuse|auto", "the KV cache is kept in the compute dtype (--dtype); fp8 KV is not "
                                               "supported"),
     ("--quantization", True, "refuse", "a quantized checkpoint's scheme is read from its config.json; to quantize "

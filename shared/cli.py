@@ -144,6 +144,18 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     p = ArgumentParser(prog="moepipe", description="Serve huge hybrid MoE models on small GPUs.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def add_subcommand(name: str, **kwargs) -> argparse.ArgumentParser:
+        """Each subcommand takes -v too, after its name (`moepipe serve MODEL -v`, as vLLM users type it and as
+        serve's --help suggests): it sets the same `verbose` (SUPPRESS: left out, `moepipe -v serve` still counts)."""
+        parser = add_parser(name, **kwargs)
+        if kwargs.get("add_help", True):    # (the dispatcher's stand-ins parse no flags)
+            parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                help="log at INFO level (as `moepipe -v %s`)" % name)
+        return parser
+
+    sub.add_parser = add_subcommand
     return p, sub
 
 

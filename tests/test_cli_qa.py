@@ -74,3 +74,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, c
         ["--usage", str(tmp_path / "usage.json"), "--gib-per-stage", "1"]
     code, _, err = run(capsys, command, "--model", str(tiny_checkpoint), *args, "--out", str(out))
     refused(code, err, f"--out {out}:")
+
+
+@pytest.mark.parametrize("module,argv", [("gateway.cli", ["serve", "MODEL"]),
+                                         ("stage_worker.cli", ["generate", "--prompt", "hi"]),
+                                         ("stage_worker.cli", ["make-model", "--out", "x"])])
+def test_verbose_is_taken_after_the_subcommand(module, argv):
+    """`moepipe serve MODEL -v` (serve's --help: "use -v for INFO logs"): was `unrecognized arguments: -v`, -v being
+    only the top-level flag (`moepipe -v serve`)."""
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    assert parser.parse_args([*argv, "-v"]).verbose is True
+    assert parser.parse_args(["-v", *argv]).verbose is True
+    assert parser.parse_args(argv).verbose is False
