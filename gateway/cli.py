@@ -93,6 +93,13 @@ def serve_options(args: argparse.Namespace):
     # a key may hold '/' (base64): only a Hub id's shape or a path's counts as a model
     _model_taken_by(args, keys, "--api-key", "key", lambda v: bool(_HUB_ID.fullmatch(v) or _PATH.fullmatch(v)) or
                     _exists(v))
+    # an empty value (`--api-key "$KEY"` with KEY unset) served with no key at all, or under the name ""
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key: an empty key (an unset variable?); the server would require no key: give the "
+                         "key, or leave --api-key out to serve without one")
+    if any(not n.strip() for n in names):
+        raise ValueError("--served-model-name: an empty name; give the name(s) the API answers to, or leave the "
+                         "flag out (moepipe)")
     if not 1 <= args.port <= 65535:       # 0 would bind a random port the launcher cannot find
         raise ValueError(f"--port {args.port}: must be between 1 and 65535")
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):

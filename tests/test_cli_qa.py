@@ -88,3 +88,17 @@ def test_verbose_is_taken_after_the_subcommand(module, argv):
     assert parser.parse_args([*argv, "-v"]).verbose is True
     assert parser.parse_args(["-v", *argv]).verbose is True
     assert parser.parse_args(argv).verbose is False
+
+
+@pytest.mark.parametrize("argv,words", [(["--api-key", ""], "--api-key: an empty key"),
+                                        (["--api-key", "k1", " "], "--api-key: an empty key"),
+                                        (["--served-model-name", ""], "--served-model-name: an empty name")])
+def test_serve_refuses_empty_keys_and_names(tiny_checkpoint, argv, words):
+    """`moepipe serve MODEL --api-key "$KEY"` with KEY unset served with no authentication at all, silently (empty
+    keys are dropped); `--served-model-name ""` served under the name ""."""
+    from gateway.cli import build_parser, serve_options
+
+    with pytest.raises(ValueError, match=words):
+        serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), *argv]))
+    assert serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), "--api-key", "k1"])
+                         ).extra["api_key"] == ["k1"]
