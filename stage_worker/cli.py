@@ -5,6 +5,7 @@ each subcommand imports its implementation lazily, so `--help` stays fast."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -40,9 +41,33 @@ def _make_model_out(value: str) -> Path:
         if others:
             raise ValueError(f"--out {value}: not empty ({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}"
                              f" is not what make-model writes); give a new or empty directory")
+        _not_another_checkpoint(out, value)
+        if entries:
+            print(f"moepipe make-model: replacing the make-model checkpoint in {value}", file=sys.stderr)
         for e in entries:
             e.unlink()
     return out
+
+
+def _not_another_checkpoint(out: Path, value: str) -> None:
+    """A directory of make-model's file names that is not make-model's output: the built-in model (the bundled
+    trained demo checkpoint, or its copy under MOEPIPE_HOME) or a quantized checkpoint (`moepipe quantize` writes
+    the same names). Rewriting it with random weights lost it, silently."""
+    from shared.cli import BUNDLED_MODEL, _home
+
+    where = out.resolve()
+    if where == BUNDLED_MODEL.resolve() or (where.parent == (_home() / "models").resolve()
+                                            and where.name.startswith("demo-")):     # (not "tiny": make-model's)
+        raise ValueError(f"--out {value}: is the built-in demo model; give a new or empty directory")
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant:
+        how = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(f"--out {value}: holds a quantized checkpoint ({how}), not make-model's output; give a new "
+                         f"or empty directory")
 
 
 def out_file(value: str, flag: str = "--out") -> Path:
@@ -218,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a random-weight Qwen4-Exp checkpoint")
     mk.add_argument("--preset", choices=["tiny", "small", "demo", "full-shape", "qwen3-next-shape"], default="tiny")
-    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--out", required=True, help="output directory: new, empty, or an earlier make-model "
+                                                 "checkpoint (replaced)")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")
     mk.set_defaults(func=_make_model)

@@ -102,3 +102,29 @@ def test_serve_refuses_empty_keys_and_names(tiny_checkpoint, argv, words):
         serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), *argv]))
     assert serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), "--api-key", "k1"])
                          ).extra["api_key"] == ["k1"]
+
+
+def test_make_model_does_not_overwrite_a_quantized_or_the_built_in_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                              tiny_checkpoint):
+    """make-model rewrote any directory holding only its file names: a `moepipe quantize` output (the same names)
+    or the built-in demo model's copy became random weights, silently. Its own earlier output is still replaced,
+    now said on stderr."""
+    import shutil
+
+    quantized = tmp_path / "q"
+    shutil.copytree(tiny_checkpoint, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    monkeypatch.setenv("MOEPIPE_HOME", str(tmp_path / "home"))
+    demo = tmp_path / "home" / "models" / "demo-0123456789ab"
+    shutil.copytree(tiny_checkpoint, demo)
+    for out, words in ((quantized, "holds a quantized checkpoint (fp8)"), (demo, "is the built-in demo model")):
+        before = (out / "model.safetensors").read_bytes()
+        code, _, err = run(capsys, "make-model", "--out", str(out))
+        refused(code, err, f"--out {out}: {words}")
+        assert (out / "model.safetensors").read_bytes() == before
+    own = tmp_path / "own"
+    shutil.copytree(tiny_checkpoint, own)
+    code, out, err = run(capsys, "make-model", "--out", str(own), "--layers", "3")
+    assert code == 0 and f"replacing the make-model checkpoint in {own}" in err
+    assert json.loads((own / "config.json").read_text())["num_hidden_layers"] == 3
