@@ -128,3 +128,30 @@ def test_make_model_does_not_overwrite_a_quantized_or_the_built_in_checkpoint(tm
     code, out, err = run(capsys, "make-model", "--out", str(own), "--layers", "3")
     assert code == 0 and f"replacing the make-model checkpoint in {own}" in err
     assert json.loads((own / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_an_interrupted_quantize_leaves_no_half_written_output(tmp_path, capsys, monkeypatch, tiny_checkpoint,
+                                                               existed):
+    """Ctrl-C (or a full disk) after a shard was written left it in OUT, and the next `moepipe quantize` refused OUT
+    as not empty; an OUT that existed (empty) before stays, emptied."""
+    pytest.importorskip("compressed_tensors")
+    from stage_worker.checkpoint import quantize
+
+    real = quantize.save_file
+
+    def interrupted(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        raise KeyboardInterrupt
+
+    out = tmp_path / "q"
+    if existed:
+        out.mkdir()
+    monkeypatch.setattr(quantize, "save_file", interrupted)
+    code, _, _ = run(capsys, "quantize", "--scheme", "int4-experts", str(tiny_checkpoint), str(out))
+    assert code == 130
+    assert (list(out.iterdir()) == []) if existed else not out.exists()
+    monkeypatch.setattr(quantize, "save_file", real)
+    code, _, err = run(capsys, "quantize", "--scheme", "int4-experts", str(tiny_checkpoint), str(out))
+    assert code == 0, err
+    assert (out / "config.json").is_file()

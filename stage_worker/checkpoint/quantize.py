@@ -200,7 +200,24 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str) -> dict:
     chosen, groups = plan(src, scheme)
     if not chosen:
         raise QuantizeError(f"scheme {scheme!r} names no module of {src}")
+    created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(src, dst, scheme, config, chosen, groups, lib)
+    except BaseException:
+        # Ctrl-C, a full disk, an unreadable shard: no half-written output left that the next run refuses as "not
+        # empty" (or that loads with files missing); a directory that was there stays, emptied
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        else:
+            for f in dst.iterdir():
+                if f.is_file():
+                    f.unlink(missing_ok=True)
+        raise
+
+
+def _write(src: Path, dst: Path, scheme: str, config: dict, chosen: dict[str, dict], groups: dict[str, dict],
+           lib) -> dict:
     fp8 = SCHEMES[scheme][0].kind == "float"
     bytes_in = bytes_out = 0
     weight_map: dict[str, str] = {}
