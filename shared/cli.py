@@ -162,7 +162,7 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, set up logging and run the chosen subcommand's `func`, with the command's exit codes: its own, 2 for a
     bad value or a missing file (named), 1 for a file that cannot be written or read (named: no permission, a file
-    where a directory should be), 130 on Ctrl-C."""
+    where a directory should be), 130 on Ctrl-C (saying so)."""
     args, extra = parser.parse_known_args(argv)
     if extra:   # named by the subcommand's own parser: its usage line lists its flags, not the module's subcommands
         group = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -178,7 +178,9 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         names = " -> ".join(str(n) for n in (exc.filename, exc.filename2) if n)
         print(f"moepipe {args.command}: {names + ': ' if names else ''}{exc.strerror or exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:       # one line, as the errors above: not a silent exit mid-output
+        sys.stdout.flush()
+        print(f"\nmoepipe {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -155,3 +155,17 @@ def test_an_interrupted_quantize_leaves_no_half_written_output(tmp_path, capsys,
     code, _, err = run(capsys, "quantize", "--scheme", "int4-experts", str(tiny_checkpoint), str(out))
     assert code == 0, err
     assert (out / "config.json").is_file()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch, tiny_checkpoint):
+    """Ctrl-C mid-run exited 130 silently, the streamed text cut off with no line end or word of why."""
+    import stage_worker.generate as gen
+
+    def interrupted(args):
+        print("partial text", end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "run_cli", interrupted)
+    code, out, err = run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "hi")
+    assert code == 130 and out == "partial text"
+    assert [line for line in err.splitlines() if line.strip()] == ["moepipe generate: interrupted"]
