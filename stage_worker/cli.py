@@ -95,7 +95,9 @@ def _make_model(args: argparse.Namespace) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.quantize import QuantizeError, quantize_checkpoint
 
-    src = Path(args.input)
+    if not args.input.strip():
+        raise ValueError("input: empty path; give the checkpoint directory to quantize")
+    src = model_arg(args.input, "input")       # a Hub id: moepipe does not download, it says so
     if not (src / "config.json").is_file():
         print(f"moepipe quantize: {src} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
@@ -139,8 +141,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
-        print("moepipe: --max-tokens must be at least 1", file=sys.stderr)
-        return 2
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be at least 1")
     _check_sampling(args)
     args.model = str(model_arg(args.model))
     _check_device(args.device)

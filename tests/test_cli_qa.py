@@ -169,3 +169,19 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch, tiny_checkpoint):
     code, out, err = run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "hi")
     assert code == 130 and out == "partial text"
     assert [line for line in err.splitlines() if line.strip()] == ["moepipe generate: interrupted"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "moepipe generate: --max-tokens 0: must be at least 1"),
+    (["quantize", "--scheme", "fp8-block", "Qwen/Qwen3-Next-80B-A3B-Instruct", "OUT"],
+     "moepipe quantize: Qwen/Qwen3-Next-80B-A3B-Instruct: no such directory; moepipe serves local checkpoint "
+     "directories only (it does not download models)"),
+    (["quantize", "--scheme", "fp8-block", "", "OUT"], "moepipe quantize: input: empty path"),
+])
+def test_usage_errors_name_the_command_and_what_to_do(tmp_path, capsys, monkeypatch, argv, words):
+    """`--max-tokens 0` was `moepipe: ...` (no command named, as every other refusal names it); a Hub id given to
+    quantize was `... is not a checkpoint directory (no config.json)`, not that moepipe does not download."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv)
+    refused(code, err, words)
+    assert not (tmp_path / "OUT").exists()
