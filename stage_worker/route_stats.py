@@ -113,6 +113,9 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
         model.set_kernels(KernelFlags.from_env("all"))
     cfg = model.cfg
     chunk = min(chunk, cfg.max_position_embeddings)
+    # no more sequences than a kind has windows: the engine's buffers are sized by it (`--batch 100000` asked for
+    # 13 GB on the tiny model before the first step)
+    batch = min(batch, -(-tokens_per_kind // chunk))
     eos = tok.eos_token_ids[0]
     moes = moe_layers(model)
     num_experts = moes[0][1].num_experts

@@ -185,3 +185,26 @@ def test_usage_errors_name_the_command_and_what_to_do(tmp_path, capsys, monkeypa
     code, _, err = run(capsys, *argv)
     refused(code, err, words)
     assert not (tmp_path / "OUT").exists()
+
+
+def test_route_stats_sizes_its_engine_by_the_windows_it_has(tmp_path, capsys, monkeypatch, tiny_checkpoint):
+    """`moepipe route-stats --batch 100000` on the tiny model sized the engine for 100,000 sequences: 13 GB asked
+    for before the first step (a traceback, or a host swapping), for text of one window."""
+    import stage_worker.route_stats as rs
+
+    real, seen = rs.LocalEngine, []
+
+    def engine(models, max_seqs, max_tokens):
+        seen.append(max_seqs)
+        assert max_seqs <= 4, max_seqs
+        return real(models, max_seqs=max_seqs, max_tokens=max_tokens)
+
+    monkeypatch.setattr(rs, "LocalEngine", engine)
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x * 2\n" * 40)
+    code, out, err = run(capsys, "route-stats", "--model", str(tiny_checkpoint), "--text",
+                         f"code={tmp_path / 'text.txt'}", "--tokens-per-kind", "300", "--chunk", "128", "--batch",
+                         "100000", "--out", str(tmp_path / "usage.json"))
+    assert code == 0, err
+    assert seen == [3]
+    usage = json.loads((tmp_path / "usage.json").read_text())
+    assert usage["meta"]["tokens_per_kind"] == {"code": 300}
