@@ -17,8 +17,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from shared.kv_layout import (KvLayoutError, auto_num_blocks, compute_dtype, default_kv_budget, resolve_block_size,
-                              stage_block_cost)
+from shared.kv_layout import (GIB, KvLayoutError, auto_num_blocks, compute_dtype, default_kv_budget,
+                              resolve_block_size, stage_block_cost)
 from shared.model_config import HybridMoeConfig
 
 
@@ -523,10 +523,29 @@ class ClusterConfig:
                         f"KV tokens cannot hold one sequence of max_model_len {max_len}: raise --num-blocks to at "
                         f"least {-(-max_len // block_size)} or lower --max-model-len")
                 fitted = {"max_model_len": self.num_blocks * block_size}
+            self._check_host_blocks(num_blocks, costs)
         except KvLayoutError as exc:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2, **fitted)
+
+    def _check_host_blocks(self, num_blocks: int, costs: list[int]) -> None:
+        """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming
+        --num-blocks now, not an allocation traceback from a stage process (409 GB asked for by a typo)."""
+        if not self.num_blocks:
+            return                      # auto: sized within kv_cache_memory
+        local = [c for s, c in zip(self.stages, costs) if s.device == "cpu" and
+                 s.endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost"))]
+        need = sum(local) * (num_blocks + 1)
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):        # not a POSIX host
+            return
+        if local and need > ram:
+            raise KvLayoutError(
+                f"num_blocks (--num-blocks) {num_blocks} needs {need / GIB:.1f} GiB of KV blocks on this host's CPU "
+                f"stages ({sum(local)} bytes a block), more than its {ram / GIB:.1f} GiB of RAM: lower --num-blocks, "
+                f"or leave it out (the pool is then sized within --kv-cache-memory)")
 
     def load_tokenizer(self):
         """The tokenizer the gateway renders chats with: the model's, with `chat_template` instead of its templates

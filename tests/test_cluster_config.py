@@ -136,6 +136,30 @@ def test_block_bytes_is_what_a_stage_allocates_per_block(tiny):
     assert block_bytes(cfg, 0, cfg.num_hidden_layers, 16, "float32") > 0
 
 
+def test_an_explicit_num_blocks_beyond_the_host_s_ram_is_named(tiny, tmp_path, monkeypatch):
+    """`--num-blocks 100000000` on a CPU: the stage process asked for 409 GB and died with an allocation traceback
+    ("stage0 exited with 1 during start-up"); now the config names --num-blocks and the RAM it would need. A
+    stage on another host is not checked against this one's RAM."""
+    import dataclasses
+    import os
+
+    real = os.sysconf
+
+    def small_host(name):
+        return 1 << 20 if name == "SC_PHYS_PAGES" else real(name)      # pages: 4 GiB with 4 KiB pages
+
+    monkeypatch.setattr(os, "sysconf", small_host)
+    ok = build_cluster_config(ServeOptions(model=tiny, extra={"num_blocks": 64}), tmp_path)
+    with pytest.raises(ClusterConfigError, match=r"num_blocks \(--num-blocks\) 100000000 needs [\d.]+ GiB of KV "
+                                                 r"blocks on this host's CPU stages .* more than its [\d.]+ GiB of RAM"):
+        build_cluster_config(ServeOptions(model=tiny, extra={"num_blocks": 100_000_000}), tmp_path)
+    from shared.model_config import load_config
+
+    far = dataclasses.replace(ok, num_blocks=100_000_000, stages=[
+        dataclasses.replace(st, endpoint="tcp://10.0.0.9:5555") for st in ok.stages], insecure_links=True)
+    assert far.for_model(load_config(tiny)).num_blocks == 100_000_000
+
+
 def test_num_blocks_auto_fits_the_budget_and_an_explicit_one_is_honoured(tiny, tmp_path, monkeypatch):
     import dataclasses
 
