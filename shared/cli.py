@@ -70,6 +70,8 @@ def model_arg(value: str | None, flag: str = "--model") -> Path:
         raise ValueError(f"{flag}: empty model path (leave it out for the built-in model)")
     path = Path(value)
     if not path.exists():
+        if value.startswith(("/", ".", "~")) or value.count("/") != 1:      # a path, not a Hub id (owner/name)
+            raise ValueError(f"{value}: no such directory")
         raise ValueError(f"{value}: no such directory; moepipe serves local checkpoint directories only (it does not "
                          f"download models): download it first (e.g. `huggingface-cli download {value} --local-dir "
                          f"DIR`) and pass DIR")
