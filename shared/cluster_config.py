@@ -523,17 +523,17 @@ class ClusterConfig:
                         f"KV tokens cannot hold one sequence of max_model_len {max_len}: raise --num-blocks to at "
                         f"least {-(-max_len // block_size)} or lower --max-model-len")
                 fitted = {"max_model_len": self.num_blocks * block_size}
-            self._check_host_blocks(num_blocks, costs)
+            if self.num_blocks:         # auto is sized within kv_cache_memory
+                self._check_host_blocks(costs)
         except KvLayoutError as exc:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2, **fitted)
 
-    def _check_host_blocks(self, num_blocks: int, costs: list[int]) -> None:
+    def _check_host_blocks(self, costs: list[int]) -> None:
         """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming
         --num-blocks now, not an allocation traceback from a stage process (409 GB asked for by a typo)."""
-        if not self.num_blocks:
-            return                      # auto: sized within kv_cache_memory
+        num_blocks = self.num_blocks
         local = [c for s, c in zip(self.stages, costs) if s.device == "cpu" and
                  s.endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost"))]
         need = sum(local) * (num_blocks + 1)
