@@ -423,6 +423,21 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
+def _check_slot_map(slot_map: torch.Tensor | None, E: int) -> None:
+    if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
+        raise ValueError(f"slot_map {tuple(slot_map.shape)} {slot_map.dtype} for {E} router rows: int32 [E]")
+
+
+def _kernel_counts(counts: RouteCounts | None, weights: torch.Tensor, ids: torch.Tensor,
+                   E: int) -> tuple[RouteCounts, int]:
+    """The RouteCounts the router kernels take (stand-in pointers when not counting) and its claims a step."""
+    c = counts or RouteCounts(weights, ids, E)
+    nc = 1 if c.claim is None else c.claim.numel()
+    if nc > 1 and (c.spare is None or c.spare.numel() != nc):
+        raise ValueError(f"{nc} claims need as many spares (RouteCounts.spare)")
+    return c, nc
+
+
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
           counts: RouteCounts | None = None, valid: torch.Tensor | None = None,
           slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,8 +451,7 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     (`RouteCounts.claim`) also claims a host slot for a move on read (`expert_move_async`)."""
     T, E = logits.shape
     E -= int(shared)
-    if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
-        raise ValueError(f"slot_map {tuple(slot_map.shape)} {slot_map.dtype} for {E} router rows: int32 [E]")
+    _check_slot_map(slot_map, E)
     if not triton_usable(logits) or E > MAX_EXPERTS:
         w, ids = route_ref(logits[:, :E], top_k, renormalise)
         if slot_map is not None:
@@ -455,10 +469,7 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
     ids = torch.empty(T, slots, dtype=torch.int32, device=logits.device)
     if T:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        c = counts or RouteCounts(weights, ids, E)              # unused pointers when not counting
-        nc = 1 if c.claim is None else c.claim.numel()
-        if nc > 1 and (c.spare is None or c.spare.numel() != nc):
-            raise ValueError(f"{nc} claims need as many spares (RouteCounts.spare)")
+        c, nc = _kernel_counts(counts, weights, ids, E)
         pdl = pdl_usable(logits)
         _route_kernel[(T,)](logits, weights, ids, c.counts, c.host_reads, ids if valid is None else valid,
                             ids if slot_map is None else slot_map, E, logits.stride(0), c.first, TOP_K=top_k,
@@ -500,16 +511,12 @@ def router_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise:
             and router.dtype == x.dtype and router.stride(-1) == 1 and x.stride(-1) == 1):
         return route(F.linear(x, router), top_k, renormalise, shared=shared, counts=counts, valid=valid,
                      slot_map=slot_map)
-    if slot_map is not None and (slot_map.shape != (E,) or slot_map.dtype != torch.int32):
-        raise ValueError(f"slot_map {tuple(slot_map.shape)} {slot_map.dtype} for {E} router rows: int32 [E]")
+    _check_slot_map(slot_map, E)
     slots = top_k + int(shared)
     logits = torch.empty(T, R, dtype=x.dtype, device=x.device)
     weights = torch.empty(T, slots, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, slots, dtype=torch.int32, device=x.device)
-    c = counts or RouteCounts(weights, ids, E)                  # unused pointers when not counting
-    nc = 1 if c.claim is None else c.claim.numel()
-    if nc > 1 and (c.spare is None or c.spare.numel() != nc):
-        raise ValueError(f"{nc} claims need as many spares (RouteCounts.spare)")
+    c, nc = _kernel_counts(counts, weights, ids, E)
     br, bh, warps = FUSED_ROUTER_CFG
     bh = min(bh, _pow2(H))
     nprog = -(-R // br)
