@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CheckpointError", "checkpoint_files", "normalise", "open_safetensors"]
+__all__ = ["CheckpointError", "checkpoint_files", "normalise", "open_safetensors", "tensor_headers"]
 
 
 class CheckpointError(ValueError):
@@ -49,12 +49,26 @@ def normalise(name: str) -> str:
 
 def open_safetensors(path: Path):
     """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it.
-    The loader, the quantization check, the packed-expert scan and the PLE shard scan open them through this, so a
-    broken file is one line naming it in whichever process reads it first, not a traceback (`moepipe quantize`
-    reads its source with its own QuantizeError)."""
+    The loader, `tensor_headers` and the PLE shard scan open them through this, so a broken file is one line naming
+    it in whichever process reads it first, not a traceback (`moepipe quantize` reads its source with its own
+    QuantizeError)."""
     from safetensors import safe_open
 
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as exc:       # safetensors' SafetensorError, or an OSError
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def tensor_headers(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """On-disk name (as written, not `normalise`d) -> (shape, safetensors dtype) of every tensor in the weight files
+    (`checkpoint_files`), from their headers alone. A stage's load reads them once and hands them to what checks
+    the files before streaming them (the quantization check, the packed and float8 layer specs, a tied lm_head);
+    the quantization check `moepipe serve` runs and the packed-expert scan read them through this too."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in checkpoint_files(Path(model_dir)):
+        with open_safetensors(path) as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out

@@ -261,12 +261,14 @@ def plan_of(model_dir) -> QuantPlan | None:
     return parse(config)
 
 
-def refusal(model_dir) -> str | None:
+def refusal(model_dir, headers: dict[str, tuple[tuple[int, ...], str]] | None = None) -> str | None:
     """Why a quantized checkpoint directory cannot be served (None: it can, or it is not quantized): a scheme
-    moepipe does not run, or metadata that disagrees with the files (each finding names the tensors it hits)."""
+    moepipe does not run, or metadata that disagrees with the files (each finding names the tensors it hits).
+    The files are those the loader reads (`checkpoint_files`: the index's, not every *.safetensors beside them);
+    `headers`: their `tensor_headers`, when the caller has read them already."""
     from pathlib import Path
 
-    from shared.checkpoint_files import open_safetensors
+    from shared.checkpoint_files import tensor_headers
 
     model_dir = Path(model_dir)
     try:
@@ -275,12 +277,9 @@ def refusal(model_dir) -> str | None:
         return f"{model_dir}: {exc}"
     if plan is None:
         return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with open_safetensors(path) as f:       # an unreadable file: a CheckpointError naming it
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    findings = check(plan, shapes)
+    if headers is None:
+        headers = tensor_headers(model_dir)     # an unreadable file: a CheckpointError naming it
+    findings = check(plan, {name: shape for name, (shape, _) in headers.items()})
     if not findings:
         return None
     schemes = sorted({wq.describe() for _, wq in plan.targets.values()})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors
+from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors, tensor_headers
 from shared.kv_layout import compute_dtype
 from shared.model_config import HybridMoeConfig, load_config
 from shared.ngram_hash import NgramHashSpec
@@ -128,6 +128,9 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     cfg = cfg or load_config(model_dir)
     packed = {}
     end = cfg.num_hidden_layers if opts.end is None else opts.end
+    # every tensor's shape and dtype, read once for the checks before the tensors stream (the quantization check,
+    # the packed and float8 layer specs, a tied lm_head)
+    headers = tensor_headers(model_dir) if opts.load_format == "safetensors" else {}
     if opts.load_format == "safetensors" and opts.packed_experts:
         packed = packed_layers(plan_of(model_dir), cfg, opts.start, end, model_dir)
     elif opts.load_format == "dummy" and opts.dummy_int4:
@@ -137,12 +140,12 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         fp8 = fp8_layers(plan_of(model_dir), cfg, opts.start, end, model_dir)
     dense = None
     if opts.load_format == "safetensors" and opts.packed_dense:
-        dense = lambda m: packed_dense_specs(m, cfg, model_dir, opts.packed_qkv)       # noqa: E731
+        dense = lambda m: packed_dense_specs(m, cfg, model_dir, opts.packed_qkv, headers)      # noqa: E731
     elif opts.load_format == "dummy" and opts.dummy_dense:
         dense = lambda m: dummy_specs(m, opts.dtype or default_dtype(cfg, opts.device), opts.packed_qkv)  # noqa: E731
     fp8_dense = None
     if opts.load_format == "safetensors" and opts.packed_fp8_dense:
-        fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir)      # noqa: E731
+        fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir, headers)      # noqa: E731
     model = build_empty(cfg, opts, packed, dense, fp8, fp8_dense)
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
@@ -150,7 +153,7 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         for layer, ple in _ple_modules(model):
             ple.table = dummy_layer_table(cfg, layer, ple.spec, opts.dtype, opts.seed, dummy_ple_dir(model_dir, opts))
     elif opts.load_format == "safetensors":
-        _load_tensors(model, cfg, model_dir, opts)
+        _load_tensors(model, cfg, model_dir, opts, headers)
     else:
         raise ValueError(f"load format {opts.load_format!r}: expected 'safetensors' or 'dummy'")
     order_gates(model)
@@ -163,8 +166,9 @@ def _ple_modules(model: StageModel):
             yield int(idx), layer.ple
 
 
-def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts: LoadOptions) -> None:
-    why = quant_refusal(model_dir)
+def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts: LoadOptions,
+                  headers: dict[str, tuple[tuple, str]]) -> None:
+    why = quant_refusal(model_dir, headers)
     if why:
         raise CheckpointError(why)
     params = dict(model.named_parameters()) | loader_targets(model)
@@ -174,7 +178,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     known = set(pieces_for(cfg, {n: p.shape for n, p in full.named_parameters()}))
     del full
     if cfg.tie_word_embeddings:
-        _untie_lm_head(pieces, known, model_dir)
+        _untie_lm_head(pieces, known, headers)
     seen: dict[str, Path] = {}
     ple_shards: dict[int, Shards] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
@@ -249,17 +253,13 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
         ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts.ple_dir)
 
 
-def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], model_dir: Path) -> None:
+def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dict[str, tuple[tuple, str]]) -> None:
     """tie_word_embeddings with an `lm_head` weight in the files (exporters that write both, an untied fine-tune
     whose config kept the flag): transformers loads that tensor into lm_head (with other values than the embedding
     it does not tie them, with a warning), so lm_head takes it instead of `model.embed_tokens.weight`; with no
-    embedding in the files, the tie fills the embedding from it too."""
-    on_disk = set()
-    for path in checkpoint_files(model_dir):
-        with open_safetensors(path) as f:
-            on_disk |= {"lm_head" if n.startswith("lm_head.") else n for n in map(normalise, f.keys())
-                        if n.startswith("lm_head.") or n == "model.embed_tokens.weight"}
-    if "lm_head" not in on_disk:
+    embedding in the files, the tie fills the embedding from it too. `headers`: the files' `tensor_headers`."""
+    on_disk = {normalise(n) for n in headers}
+    if not any(n.startswith("lm_head.") for n in on_disk):
         return
     known.add("lm_head.weight")
     embed = pieces.pop("model.embed_tokens.weight", [])
@@ -276,30 +276,33 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 _NO_SHARED_EXPERT = re.compile(r"^(model\.|mtp\.)(.*\.)?layers\.\d+\.mlp\.shared_expert(_gate)?\.")
 
 
-def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,
-                       qkv: bool = True) -> dict[str, PackedSpec]:
+def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, qkv: bool = True,
+                       headers: dict[str, tuple[tuple, str]] | None = None) -> dict[str, PackedSpec]:
     """The plain-linear modules of `model` (built on meta, after `SparseMoE.use_packed`) that the checkpoint stores
     packed in a scheme PackedLinear runs, each filled by exactly one on-disk module (not a tied lm_head, not a
-    regrouped projection), from the files' headers. `use_packed_dense(model, packed_dense_specs(...))` on a meta
-    model gives what a stage holds (the memory plan can count its `weight_packed` / `weight_scale` buffers)."""
+    regrouped projection), from the files' headers (`headers`: their `tensor_headers`, if read already).
+    `use_packed_dense(model, packed_dense_specs(...))` on a meta model gives what a stage holds (the memory plan can
+    count its `weight_packed` / `weight_scale` buffers)."""
     sites = _whole_sites(model, cfg, plain_linear_sites(model, qkv=qkv))
     plan = plan_of(model_dir)
     if not sites or plan is None:
         return {}
-    disk = _disk_headers(model_dir, (".weight_packed", ".weight_scale", ".weight_zero_point"))
+    disk = _disk_headers(model_dir, headers, (".weight_packed", ".weight_scale", ".weight_zero_point"))
     return packed_specs(plan, sites, disk, _SAFETENSORS_DTYPES)
 
 
-def fp8_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path) -> dict[str, tuple[int, int]]:
+def fp8_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,
+                    headers: dict[str, tuple[tuple, str]] | None = None) -> dict[str, tuple[int, int]]:
     """The plain-linear modules of `model` (built on meta) that a block-FP8 checkpoint stores as float8 with a
     `weight_scale_inv` (not in `modules_to_not_convert`), each filled by one on-disk module, -> their scale block,
-    from the files' headers (`fp8_linear.fp8_specs`). `use_fp8_dense(model, fp8_dense_specs(...))` on a meta model
-    gives what a stage holds with `packed_fp8_dense` on (the memory plan counts its buffers)."""
+    from the files' headers (`fp8_linear.fp8_specs`; `headers` as `packed_dense_specs` takes them).
+    `use_fp8_dense(model, fp8_dense_specs(...))` on a meta model gives what a stage holds with `packed_fp8_dense`
+    on (the memory plan counts its buffers)."""
     sites = _whole_sites(model, cfg, fp8_sites(model))
     plan = plan_of(model_dir)
     if not sites or plan is None or plan.method != "fp8":
         return {}
-    return fp8_specs(plan, sites, _disk_headers(model_dir, (".weight", ".weight_scale_inv")))
+    return fp8_specs(plan, sites, _disk_headers(model_dir, headers, (".weight", ".weight_scale_inv")))
 
 
 def _whole_sites(model: StageModel, cfg: HybridMoeConfig, names: list[str]) -> dict[str, tuple[int, int]]:
@@ -314,16 +317,13 @@ def _whole_sites(model: StageModel, cfg: HybridMoeConfig, names: list[str]) -> d
     return sites
 
 
-def _disk_headers(model_dir: Path, suffixes: tuple[str, ...]) -> dict[str, tuple[tuple, str]]:
-    """Normalised on-disk name -> (shape, safetensors dtype) of the tensors ending in `suffixes`, from the headers."""
-    disk = {}
-    for path in checkpoint_files(model_dir):
-        with open_safetensors(path) as f:
-            for raw in f.keys():
-                if raw.endswith(suffixes):
-                    sl = f.get_slice(raw)
-                    disk[normalise(raw)] = (tuple(sl.get_shape()), sl.get_dtype())
-    return disk
+def _disk_headers(model_dir: Path, headers: dict[str, tuple[tuple, str]] | None,
+                  suffixes: tuple[str, ...]) -> dict[str, tuple[tuple, str]]:
+    """Normalised on-disk name -> (shape, safetensors dtype) of the tensors ending in `suffixes`, from `headers`
+    (the files' `tensor_headers`; read now when None)."""
+    if headers is None:
+        headers = tensor_headers(model_dir)
+    return {normalise(raw): h for raw, h in headers.items() if raw.endswith(suffixes)}
 
 
 class _Dequantizer:

@@ -49,19 +49,17 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
     disk), from the safetensors headers. The quantization config alone does not say: a compressed-tensors group
     targeting `Linear` (what the library writes for a transformers model) leaves 3-D expert modules in bf16, and a
     transformers fp8 config may not list experts it left unconverted."""
-    from shared.checkpoint_files import checkpoint_files, open_safetensors
+    from shared.checkpoint_files import tensor_headers
 
     packed, fp8 = set(), set()
-    for path in checkpoint_files(Path(model_dir)):
-        with open_safetensors(path) as f:
-            for name in f.keys():
-                m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
-                if m is None:
-                    continue
-                if m.group(2) == "weight_packed":
-                    packed.add(int(m.group(1)))
-                elif f.get_slice(name).get_dtype().startswith("F8"):
-                    fp8.add(int(m.group(1)))
+    for name, (_, dtype) in tensor_headers(Path(model_dir)).items():
+        m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
+        if m is None:
+            continue
+        if m.group(2) == "weight_packed":
+            packed.add(int(m.group(1)))
+        elif dtype.startswith("F8"):
+            fp8.add(int(m.group(1)))
     return frozenset(packed), frozenset(fp8)
 
 
