@@ -50,8 +50,8 @@ def normalise(name: str) -> str:
 def open_safetensors(path: Path):
     """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it.
     The loader, `tensor_headers` and the PLE shard scan open them through this, so a broken file is one line naming
-    it in whichever process reads it first, not a traceback (`moepipe quantize` reads its source with its own
-    QuantizeError)."""
+    it in whichever process reads it first, not a traceback (`moepipe quantize` reads its source's headers through
+    `tensor_headers` before it writes anything)."""
     from safetensors import safe_open
 
     try:
@@ -64,7 +64,8 @@ def tensor_headers(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """On-disk name (as written, not `normalise`d) -> (shape, safetensors dtype) of every tensor in the weight files
     (`checkpoint_files`), from their headers alone. A stage's load reads them once and hands them to what checks
     the files before streaming them (the quantization check, the packed and float8 layer specs, a tied lm_head);
-    the quantization check `moepipe serve` runs and the packed-expert scan read them through this too."""
+    the quantization check `moepipe serve` runs, the packed-expert scan and `moepipe quantize`'s plan read them
+    through this too."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in checkpoint_files(Path(model_dir)):
         with open_safetensors(path) as f:

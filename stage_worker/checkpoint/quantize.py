@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.checkpoint_files import checkpoint_files
+from shared.checkpoint_files import CheckpointError, checkpoint_files, tensor_headers
 
 EXPERTS = (r"mlp\.experts\.\d+\.(gate|up)_proj", r"mlp\.experts\.\d+\.down_proj")
 DENSE = (r"self_attn\.(q|k|v|o)_proj", r"self_attn\.indexer\.index_qk_proj", r"linear_attn\.in_proj_\w+",
@@ -99,25 +99,22 @@ def _group_for(role: Role, inputs: set[int]) -> tuple[str, int | None]:
 
 def _modules(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every 2-D `.weight` tensor's module -> shape, fused 3-D experts as their per-expert modules."""
+    try:
+        headers = tensor_headers(model_dir)
+    except CheckpointError as exc:      # a truncated or foreign file, a broken index: named
+        raise QuantizeError(f"cannot read the checkpoint: {exc}") from None
     out: dict[str, tuple[int, ...]] = {}
-    for path in checkpoint_files(model_dir):
-        try:
-            f = safe_open(path, framework="pt")
-        except Exception as exc:        # safetensors raises its own error type for a truncated or empty file
-            raise QuantizeError(f"cannot read {path}: {exc}") from None
-        with f:
-            for name in f.keys():
-                shape = tuple(f.get_slice(name).get_shape())
-                if name.endswith(".weight") and len(shape) == 2:
-                    out[name[: -len(".weight")]] = shape
-                elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(shape) == 3:
-                    base, kind = name.rsplit(".", 1)
-                    for e in range(shape[0]):
-                        if kind == "gate_up_proj":
-                            for p in ("gate_proj", "up_proj"):
-                                out[f"{base}.{e}.{p}"] = (shape[1] // 2, shape[2])
-                        else:
-                            out[f"{base}.{e}.down_proj"] = shape[1:]
+    for name, (shape, _) in headers.items():
+        if name.endswith(".weight") and len(shape) == 2:
+            out[name[: -len(".weight")]] = shape
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(shape) == 3:
+            base, kind = name.rsplit(".", 1)
+            for e in range(shape[0]):
+                if kind == "gate_up_proj":
+                    for p in ("gate_proj", "up_proj"):
+                        out[f"{base}.{e}.{p}"] = (shape[1] // 2, shape[2])
+                else:
+                    out[f"{base}.{e}.down_proj"] = shape[1:]
     return out
 
 
