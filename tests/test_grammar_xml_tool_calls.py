@@ -230,6 +230,34 @@ def test_undeclared_parameters_follow_additional_properties(tok, compiler):
     assert not accepts(compiler, typed_extra, tok, xml_call("f", {"a": "1", "b": "two"}))
 
 
+def test_a_pattern_compiles_once_and_a_huge_one_is_not_kept(tok, compiler, monkeypatch):
+    """A tool list resent with every turn compiles each string pattern once (`_checked_pattern_terminal`, kept per
+    pattern); one past `_CACHED_PATTERN_CHARS` is compiled each time and never kept (a client's huge unique
+    patterns must not pin gateway memory), with the same grammar either way."""
+    import gateway.grammar as G
+
+    compiled: list[str] = []
+    real = G._pattern_terminal
+    monkeypatch.setattr(G, "_pattern_terminal", lambda p: compiled.append(p) or real(p))
+    G._checked_pattern_terminal.cache_clear()
+
+    def spec(pattern):
+        return compiler.tool_calls([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}}}],
+            "required", False)
+
+    small, huge = "^[a-z]+$", "^" + "ab" * (G._CACHED_PATTERN_CHARS // 2) + "$"
+    for _ in range(3):
+        grammar = spec(small)
+    assert compiled == [small]
+    assert accepts(compiler, grammar, tok, xml_call("f", {"s": "abc"}))
+    assert not accepts(compiler, grammar, tok, xml_call("f", {"s": "ab1"}))
+    for _ in range(2):
+        grammar = spec(huge)
+    assert compiled == [small, huge, huge] and G._checked_pattern_terminal.cache_info().currsize == 1
+    assert accepts(compiler, grammar, tok, xml_call("f", {"s": "ab" * (G._CACHED_PATTERN_CHARS // 2)}))
+    assert not accepts(compiler, grammar, tok, xml_call("f", {"s": "ab"}))
+
 def test_string_constraints_refs_and_names(tok, compiler):
     def spec(params, strict=False):
         return compiler.tool_calls([{"type": "function", "function": {"name": "f", "parameters": params,
