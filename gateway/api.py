@@ -365,21 +365,29 @@ class _Server:
             raise invalid_request(f"min_tokens ({req.min_tokens}) is more than the {room} tokens the context leaves "
                                   f"after the prompt.", param="min_tokens")
 
-    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context length); more than the
-        context length is a 400, as there."""
+    def truncate(self, ids: list[int], keep: int | None, output: int | None = None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1 keeps what the context leaves after
+        `output` (the max_tokens asked for; at least one token). A `keep` past that room is a 400, as there."""
         if keep is None:
             return ids
         limit = self.engine.max_model_len
-        if keep > limit:
-            raise invalid_request(f"truncate_prompt_tokens ({keep}) is more than the context length ({limit}).",
+        room = limit - (output or 0)
+        if keep > room:
+            after = f" less {output} for the output" if output else ""
+            raise invalid_request(f"truncate_prompt_tokens ({keep}) is more than the context length ({limit}){after}.",
                                   param="truncate_prompt_tokens")
-        keep = limit if keep == -1 else keep
+        if keep == -1:
+            keep = limit - max(output or 0, 1)
+            if keep < 1:            # max_tokens takes the whole context: refused naming it (budget)
+                return ids
         return ids[len(ids) - keep:] if len(ids) > keep else ids
 
-    def budget(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """Tokens to generate: what the client asked for, clamped to what fits (llama.cpp's rule; OpenAI and vLLM
-        answer 400, docs/agents.md); default the rest of the context (or generation_config's max_new_tokens)."""
+    def budget(self, prompt_len: int, requested: int | None, param: str, cap_param: str | None = None) -> int:
+        """Tokens to generate. `requested`: the length to generate, `cap_param` the field it came from when the
+        client asked for it: more than the context leaves after the prompt is then a 400 naming both numbers
+        (vLLM's and OpenAI's answer; docs/agents.md says why not llama.cpp's clamp); a default length
+        (completions' 16) is cut to what fits. None: the rest of the context (or generation_config's
+        max_new_tokens)."""
         limit = self.engine.max_model_len
         if prompt_len == 0:
             raise invalid_request(f"The {param} must contain at least one token.", param=param)
@@ -389,6 +397,8 @@ class _Server:
         default = self.gen_cfg.get("max_new_tokens")
         if requested is None:
             return min(room, default) if isinstance(default, int) and default > 0 else room
+        if requested > room and cap_param is not None:
+            raise errors.output_exceeds_context(cap_param, requested, prompt_len, limit, param)
         return min(requested, room)
 
     def logit_bias(self, raw: dict[str, Any] | None) -> dict[int, float] | None:
@@ -743,7 +753,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                 srv.check_ids(prompt, "prompt")
                 prompt_ids, prompt_text = list(prompt), None
             if req.truncate_prompt_tokens is not None:
-                kept = srv.truncate(prompt_ids, req.truncate_prompt_tokens)
+                kept = srv.truncate(prompt_ids, req.truncate_prompt_tokens, req.explicit_budget)
                 if len(kept) < len(prompt_ids):
                     prompt_ids, prompt_text = kept, None      # an echo shows what the model was given
             if req.echo and prompt_text is None:
@@ -754,7 +764,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             if echo_only and not req.echo:
                 raise invalid_request("max_tokens 0 asks for no output: it is only valid with echo (the prompt and "
                                       "its logprobs).", param="max_tokens")
-            max_tokens = srv.budget(len(prompt_ids), 1 if echo_only else req.budget, "prompt")
+            max_tokens = srv.budget(len(prompt_ids), 1 if echo_only else req.budget, "prompt",
+                                    None if echo_only or req.explicit_budget is None else req.budget_param)
             srv.check_min_tokens(req, engine.max_model_len - len(prompt_ids))
             first = len(gens)
             for j in range(n):
@@ -798,8 +809,8 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
     if plan.reasoning == "auto" and text.rstrip(" \n").endswith("<think>"):
         plan.reasoning = "inside"          # the template opened the think block: the reply starts inside it
     plan.call_form = srv.tok.tool_call_form     # hermes JSON or Qwen3-Coder XML calls, as the template writes them
-    prompt_ids = srv.truncate(await srv.encode(text, prompt_param), req.truncate_prompt_tokens)
-    max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param)
+    prompt_ids = srv.truncate(await srv.encode(text, prompt_param), req.truncate_prompt_tokens, req.explicit_budget)
+    max_tokens = srv.budget(len(prompt_ids), req.budget, prompt_param, req.budget_param)
     srv.check_min_tokens(req, srv.engine.max_model_len - len(prompt_ids))
     bias = srv.logit_bias(req.logit_bias)
     n = req.num_choices

@@ -21,9 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable
 
 __all__ = [
-    "APIError", "error_body", "invalid_request", "context_length_exceeded", "model_not_found", "from_validation",
-    "parse_json_body", "read_body", "require_json", "engine_error", "internal_error", "install_error_handlers",
-    "validate",
+    "APIError", "error_body", "invalid_request", "context_length_exceeded", "output_exceeds_context", "model_not_found",
+    "from_validation", "parse_json_body", "read_body", "require_json", "engine_error", "internal_error",
+    "install_error_handlers", "validate",
 ]
 
 log = logging.getLogger("moepipe.gateway")
@@ -60,6 +60,17 @@ def context_length_exceeded(max_model_len: int, prompt_tokens: int | None, param
     got = f"{prompt_tokens} tokens" if prompt_tokens is not None else "more tokens than that"
     return APIError(400, f"This model's maximum context length is {max_model_len} tokens, and at least one token "
                          f"must be generated. However, your {param} resulted in {got}.",
+                    param=param, code="context_length_exceeded")
+
+
+def output_exceeds_context(param: str, requested: int, prompt_tokens: int, max_model_len: int,
+                           prompt_param: str) -> APIError:
+    """`param` (max_tokens, max_completion_tokens, max_output_tokens) asks for more tokens than the context leaves
+    after the prompt: vLLM's and OpenAI's 400, with both numbers and the most that fits."""
+    return APIError(400, f"{param} is too large: {requested} tokens were asked for, but this model's maximum context "
+                         f"length is {max_model_len} tokens and {prompt_tokens} of them hold the {prompt_param} "
+                         f"({prompt_tokens} + {requested} > {max_model_len}). Ask for at most "
+                         f"{max_model_len - prompt_tokens} tokens, or shorten the {prompt_param}.",
                     param=param, code="context_length_exceeded")
 
 

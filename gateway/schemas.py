@@ -254,6 +254,16 @@ class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def budget_param(self) -> str:
+        """The field `budget` came from, as errors name it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def explicit_budget(self) -> int | None:
+        """The length the client asked for (None: not asked, the rest of the context)."""
+        return self.budget
+
+    @property
     def top_k_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None for no logprobs, else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -326,6 +336,14 @@ class CompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     @property
     def budget(self) -> int | None:
         return self.max_tokens
+
+    budget_param: ClassVar[str] = "max_tokens"
+
+    @property
+    def explicit_budget(self) -> int | None:
+        """The length the client asked for: the legacy default of 16, not sent, is no request (it is cut to what
+        the context leaves rather than refused), nor is an explicit null (the rest of the context)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
     @property
     def top_k_logprobs(self) -> int | None:

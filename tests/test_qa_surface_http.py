@@ -1,0 +1,97 @@
+"""The HTTP surface as a vLLM user meets it, probed against a real served cluster (`moepipe serve`'s launcher: the
+gateway and one stage worker, each its own process, on the tiny checkpoint with a 128-token context) through the
+`openai` client and raw httpx. Each test is a bug found that way and fails without its fix."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import OpenAI, free_port
+
+MODEL = "moepipe"
+MAX_LEN = 128
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    from gateway.launcher import Cluster, ServeOptions
+
+    opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
+                        extra={"max_model_len": MAX_LEN, "access_log": False, "ple_service": False})
+    with Cluster(opts) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def post(server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120, **kw)
+
+
+def error(r: httpx.Response, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    return err
+
+
+def chat_prompt_tokens(server, messages) -> int:
+    r = post(server, "/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+# ---- prompt + max_tokens past the context: vLLM's (and OpenAI's) 400, not a silent clamp ------------------------
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_output_past_the_context_is_a_400_naming_both_numbers(server, client, field):
+    """prompt + max_tokens > max_model_len was served with max_tokens lowered to what fit (llama.cpp's rule); vLLM
+    answers 400 naming the field, the prompt's tokens and the context length. What fits exactly is served."""
+    prompt = chat_prompt_tokens(server, HI)
+    room = MAX_LEN - prompt
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, **{field: room + 1})
+    err = e.value.body
+    assert err["param"] == field and err["code"] == "context_length_exceeded", err
+    for number in (room + 1, prompt, MAX_LEN, room):
+        assert str(number) in err["message"], err
+    r = post(server, "/v1/chat/completions", {"messages": HI, field: room, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == room
+
+
+def test_completions_explicit_max_tokens_past_the_context_is_a_400_its_default_is_cut(server):
+    ids = [100] * (MAX_LEN - 4)
+    err = error(post(server, "/v1/completions", {"prompt": ids, "max_tokens": 5}), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded" and str(MAX_LEN - 4) in err["message"]
+    # the legacy default of 16 tokens was not asked for: cut to the 4 that fit, as before
+    r = post(server, "/v1/completions", {"prompt": ids, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, "ignore_eos": True})   # null: the rest
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_responses_max_output_tokens_past_the_context_names_max_output_tokens(server):
+    err = error(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": MAX_LEN}), 400,
+                "max_output_tokens")
+    assert "max_completion_tokens" not in err["message"] and "max_output_tokens" in err["message"], err
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(server):
+    """vLLM's -1 keeps what the context leaves after max_tokens; it kept the whole context length, so any
+    max_tokens then failed. A k that leaves no room for max_tokens is a 400 naming truncate_prompt_tokens."""
+    ids = [100] * (2 * MAX_LEN)
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 10, "truncate_prompt_tokens": -1,
+                                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (MAX_LEN - 10, 10), usage
+    error(post(server, "/v1/completions", {"prompt": ids, "max_tokens": 10, "truncate_prompt_tokens": MAX_LEN - 5}),
+          400, "truncate_prompt_tokens")
