@@ -52,7 +52,6 @@ def test_rope_scaling_added_to_a_transformers_5_config(flat, tmp_path):
     assert_matches(ref, tmp_path, stages=(1,))
 
 
-
 def test_a_bad_rope_scaling_is_named_as_rope_scaling():
     """rope_scaling is what transformers reads when both keys are there, so a problem in it names rope_scaling, not
     the rope_parameters the user did not edit."""
@@ -67,6 +66,7 @@ def test_a_bad_rope_scaling_is_named_as_rope_scaling():
     raw["rope_scaling"] = "yarn"
     with pytest.raises(ConfigError, match=r"config field 'rope_scaling': expected an object"):
         config_from_dict(raw)
+
 
 def _rewrite_weights(path: Path, edit) -> None:
     from safetensors.torch import load_file, save_file
