@@ -38,7 +38,8 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatMessage, ChatCompl
                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
-                             DetokenizeRequest, DetokenizeResponse, MAX_CHOICES, ModelCard, ModelList,
+                             DetokenizeRequest, DetokenizeResponse, InputTokensResponse, MAX_CHOICES, ModelCard,
+                             ModelList,
                              PromptLogprob, PromptLogprobsList, PromptTokensDetails, ResponsesRequest, SEED_MAX,
                              TokenizeRequest, TokenizeResponse,
                              ToolCall, TopLogprob, Usage, VersionResponse)
@@ -602,6 +603,11 @@ def _package_version() -> str:
         return "unknown"
 
 
+def _not_stored(response_id: str) -> APIError:
+    return APIError(404, f"No response with id {response_id!r}: responses are not stored on this server (store is "
+                    "accepted but nothing is kept).", param="response_id", code="not_found")
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -622,32 +628,62 @@ def _usage(gens: list[_Generation]) -> Usage:
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
-               aliases: list[str] | tuple[str, ...] = ()) -> FastAPI:
+               aliases: list[str] | tuple[str, ...] = (), root: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (and `aliases`, which requests may name too and
     /v1/models lists; responses carry `model_name`); omitted sampling fields take generation_config's values.
-    `vocab_size`: the model's embedding rows, when the tokenizer may know more ids than it."""
+    `vocab_size`: the model's embedding rows, when the tokenizer may know more ids than it. `root`: what
+    /v1/models calls the model served (vLLM: its path; default `model_name`)."""
     app = FastAPI(title="moepipe", docs_url=None, redoc_url=None)
     errors.install_error_handlers(app)
     srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes, vocab_size,
                   tuple(aliases))
     app.state.server = srv
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=srv.created, root=root or model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        cards = [ModelCard(id=n, created=srv.created, max_model_len=engine.max_model_len) for n in srv.model_names]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[card(n) for n in srv.model_names]).model_dump()
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict:
         if name not in srv.model_names:
             raise errors.model_not_found(name)
-        return ModelCard(id=name, created=srv.created, max_model_len=engine.max_model_len).model_dump()
+        return card(name).model_dump()
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(request: Request) -> dict:
+        """OpenAI's input token count: the prompt the request would be served with (rendered and tokenized as
+        /v1/responses renders it, tools and instructions included), counted; nothing is generated."""
+        req = await srv.parse(request, ResponsesRequest)
+        chat_req = responses.to_chat_request(req)
+        with responses.renamed_params():
+            plan = await run_in_threadpool(plan_chat, chat_req, lambda: srv.grammar_compiler)
+            text = await run_in_threadpool(srv.render_chat, chat_req, plan)
+            ids = srv.truncate(await srv.encode(text, "input"), chat_req.truncate_prompt_tokens,
+                               chat_req.explicit_budget)
+        return InputTokensResponse(input_tokens=len(ids)).model_dump()
+
+    @app.post("/v1/responses/compact")
+    async def compact_response() -> dict:
+        raise errors.APIError(404, "Compaction (POST /v1/responses/compact) is not available on this server: it "
+                              "keeps no responses and has no compaction model. Send the conversation in input as "
+                              "it is, or shorten it on the client.", code="not_found")
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> dict:
         """OpenAI's retrieve / delete of a stored response: nothing is stored here, so every id is unknown."""
-        raise errors.APIError(404, f"No response with id {response_id!r}: responses are not stored on this server "
-                              "(store is accepted but nothing is kept).", param="response_id", code="not_found")
+        raise _not_stored(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        """OpenAI's cancel of a background response: background responses are refused, so no id is known."""
+        raise _not_stored(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str) -> dict:
+        raise _not_stored(response_id)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -660,6 +696,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
             return JSONResponse({**err.body(), "down": list(down)}, status_code=503,
                                 headers={"Retry-After": str(err.retry_after)})
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")
+    async def ping() -> JSONResponse:
+        """vLLM's liveness probe for SageMaker (GET and POST): /health's answer."""
+        return await health()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -787,6 +829,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
     install_openapi(app, {"/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
                           "/v1/completions": (CompletionRequest, CompletionResponse),
                           "/v1/responses": (ResponsesRequest, None),
+                          "/v1/responses/input_tokens": (ResponsesRequest, InputTokensResponse),
                           "/tokenize": (TokenizeRequest, TokenizeResponse),
                           "/detokenize": (DetokenizeRequest, DetokenizeResponse)},
                     {"/v1/models": ModelList, "/v1/models/{name}": ModelCard, "/version": VersionResponse})

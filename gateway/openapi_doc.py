@@ -68,15 +68,17 @@ def install_openapi(app: FastAPI, bodies: dict[str, tuple[type[BaseModel], type[
             op.setdefault("responses", {})["200"] = {
                 "description": "OK", "content": {"application/json": {"schema": _add(components, model)}}}
             _errors(op, components)
-        for op in doc["paths"].get("/v1/responses/{response_id}", {}).values():
-            op["responses"] = {}              # retrieve / delete: nothing is stored, every id is a 404
-            _errors(op, components)
+        for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+                     "/v1/responses/{response_id}/input_items", "/v1/responses/compact"):
+            for op in doc["paths"].get(path, {}).values():
+                op["responses"] = {}          # nothing is stored (and nothing compacts): every call is a 404
+                _errors(op, components)
         if "/metrics" in doc["paths"]:
             doc["paths"]["/metrics"]["get"]["responses"] = {"200": {
                 "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}
-        if "/health" in doc["paths"]:
+        for op in [*doc["paths"].get("/health", {}).values(), *doc["paths"].get("/ping", {}).values()]:
             components.setdefault("ErrorResponse", ERROR)
-            doc["paths"]["/health"]["get"]["responses"] = {
+            op["responses"] = {
                 "200": {"description": "every component heartbeats", "content": {"application/json": {"schema": {
                     "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}},
                 "503": {"description": "a component missed its heartbeat deadline (the message names it)",

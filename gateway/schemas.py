@@ -8,6 +8,8 @@ honour. `logit_bias` is checked against the vocabulary by the API layer (it need
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
@@ -18,7 +20,7 @@ __all__ = [
     "ChatResponseMessage", "ChatChoice", "FunctionCall", "ToolCall", "DeltaFunction", "DeltaToolCall",
     "ChatCompletionResponse", "DeltaMessage", "ChatChunkChoice",
     "ChatCompletionChunk", "CompletionChoice", "CompletionResponse", "CompletionChunk", "ModelCard", "ModelList",
-    "ResponsesRequest",
+    "ModelPermission", "ResponsesRequest", "InputTokensResponse",
 ]
 
 # OpenAI takes 4 stop strings, vLLM any number; code-evaluation harnesses send 8 or more (HumanEval's), so a vLLM
@@ -308,6 +310,13 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class InputTokensResponse(BaseModel):
+    """OpenAI's `POST /v1/responses/input_tokens`: the tokens the request's input would take as a prompt."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class CompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]    # a boolean is not a token id
     # The legacy endpoint's default (OpenAI's and vLLM's): a completion request that names no length gets 16
@@ -549,12 +558,35 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (the early OpenAI API's) permission entry on a model card; clients that read `permission[0]` find it."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """A model as vLLM's /v1/models lists it: `root` the model served (vLLM: its path), `parent` null (no LoRA
+    adapters here), `max_model_len` the context length."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "moepipe"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

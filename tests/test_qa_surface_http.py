@@ -95,3 +95,53 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(server):
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (MAX_LEN - 10, 10), usage
     error(post(server, "/v1/completions", {"prompt": ids, "max_tokens": 10, "truncate_prompt_tokens": MAX_LEN - 5}),
           400, "truncate_prompt_tokens")
+
+
+# ---- routes a vLLM or OpenAI client calls ----------------------------------------------------------------------
+
+def test_ping_answers_as_health_on_get_and_post(server):
+    """vLLM serves /ping (GET and POST, SageMaker's probe) as /health; it was a 404."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.url + "/ping", timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, (method, r.text)
+
+
+def test_model_cards_carry_vllm_s_fields(server, client):
+    """vLLM's model card has root, parent and permission beside max_model_len; they were missing."""
+    for card in (httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0],
+                 httpx.get(server.url + f"/v1/models/{MODEL}", timeout=30).json()):
+        assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] == MAX_LEN, card
+        perm = card["permission"]
+        assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["allow_sampling"] is True
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_responses_input_tokens_counts_the_prompt_the_response_would_get(server, client):
+    """OpenAI's POST /v1/responses/input_tokens was a 405 (the retrieve route's path matched it): it counts the
+    prompt /v1/responses renders (instructions and tools included), which the response's usage confirms."""
+    body = {"model": MODEL, "input": "hi", "instructions": "Be brief."}
+    counted = client.responses.input_tokens.count(**body)
+    assert counted.object == "response.input_tokens" and counted.input_tokens > 0
+    served = client.responses.create(**body, max_output_tokens=1)
+    assert served.usage.input_tokens == counted.input_tokens
+    plain = client.responses.input_tokens.count(model=MODEL, input="hi")
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    with_tools = client.responses.input_tokens.count(**body, tools=tools)      # (past this 128-token context)
+    assert plain.input_tokens < counted.input_tokens < with_tools.input_tokens
+    error(post(server, "/v1/responses/input_tokens", {"input": "hi", "previous_response_id": "resp_1"}), 400,
+          "previous_response_id")
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/responses/resp_1/cancel"),
+                                          ("GET", "/v1/responses/resp_1/input_items"),
+                                          ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1")])
+def test_stored_response_routes_are_a_404_saying_nothing_is_stored(server, method, path):
+    """cancel and input_items were a bare 'Not Found' (no route): they name the id and why, as retrieve does."""
+    err = error(httpx.request(method, server.url + path, timeout=30), 404, "response_id")
+    assert "resp_1" in err["message"] and "not stored" in err["message"] and err["code"] == "not_found"
+
+
+def test_responses_compact_is_a_clear_404(server):
+    """POST /v1/responses/compact was a 405 'Method Not Allowed' (as if GET would work)."""
+    err = error(post(server, "/v1/responses/compact", {"input": "hi"}), 404, None)
+    assert "compact" in err["message"] and err["code"] == "not_found"
