@@ -62,13 +62,22 @@ def test_prep_kernel_matches_reference(dtype, shape):
     assert got[2] is None if not ni else got[2].shape == (T, ni, di)
 
 
+def _copy_of(cache: AttentionCache, cfg, spec: CacheSpec) -> AttentionCache:
+    """A second cache holding the same rows, for a second decode step from identical state."""
+    twin = AttentionCache(cfg, spec)
+    for name in ("k", "v", "index_keys", "pooled_keys"):
+        if getattr(cache, name) is not None:
+            getattr(twin, name).copy_(getattr(cache, name))
+    return twin
+
+
 ODD = dict(num_attention_heads=6, num_key_value_heads=2, indexer_n_heads=3, indexer_compress_ratio=3,
            indexer_budget=9)      # GQA group 3, ratio 3: nothing a power of two
 
 
 @pytest.mark.parametrize("use_qsa,odd,bs", [(False, False, 8), (True, False, 8), (True, True, 48), (True, True, 18)],
                          ids=["dense", "qsa", "ratio3_page48", "ratio3_page18"])
-def test_fused_decode_path_matches_pytorch_path(use_qsa, odd, bs):
+def test_fused_decode_path_matches_pytorch_path(use_qsa, odd, bs, monkeypatch):
     """Prefill three sequences through the PyTorch path, then one decode step twice from identical caches: the
     fused path (one GEMV over views of the same weights, the prologue kernel, QSA and paged attention kernels)
     equals the PyTorch path, and both leave the same K/V rows behind; also with a QSA ratio of 3 and pages of 48
@@ -96,18 +105,15 @@ def test_fused_decode_path_matches_pytorch_path(use_qsa, odd, bs):
         dec = StepBatch.build([([7], c - 1, i, tables[i]) for i, c in enumerate(ctxs)], bs, device=DEVICE)
         xd = torch.randn(3, cfg.hidden_size, generator=g).to(DEVICE)
         rope = rotary.cos_sin(dec.positions, x.dtype)
-        twin = AttentionCache(cfg, spec)
-        for name in ("k", "v", "index_keys", "pooled_keys"):
-            if getattr(cache, name) is not None:
-                getattr(twin, name).copy_(getattr(cache, name))
-        twin2 = AttentionCache(cfg, spec)
-        for name in ("k", "v", "index_keys", "pooled_keys"):
-            if getattr(cache, name) is not None:
-                getattr(twin2, name).copy_(getattr(cache, name))
+        twin, twin2 = _copy_of(cache, cfg, spec), _copy_of(cache, cfg, spec)
         want = attn(xd, dec, cache, rope)                    # kernel flags off: the PyTorch path
         got = attn._decode_fused(xd, dec, twin, rope)
         attn.kernels = dataclasses.replace(attn.kernels, qsa_tiles=True)   # tiled selection, histograms zeroed
-        tiled = attn._decode_fused(xd, dec, twin2, rope)                   # by the pool kernel
+        # by the pool kernel: handed garbage, so a pool kernel that stopped zeroing them fails here
+        from stage_worker.kernels import qsa
+        monkeypatch.setattr(qsa, "empty_histograms", lambda b, d: torch.full(
+            (b, qsa.radix_passes(qsa.RADIX_BITS) + 1, 1 << qsa.RADIX_BITS), 7, dtype=torch.int32, device=d))
+        tiled = attn._decode_fused(xd, dec, twin2, rope)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(tiled, want, rtol=1e-4, atol=1e-4)
     for name in ("k", "v", "index_keys"):

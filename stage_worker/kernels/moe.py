@@ -489,8 +489,10 @@ _router_locks: dict[torch.device, torch.Tensor] = {}
 
 def router_lock(device: torch.device) -> torch.Tensor:
     """The counter the fused router launch counts its programs in (one per device; each launch leaves it at 0). Its
-    own, not `split_reduce.split_locks`: the side stream's split GEMVs may run beside it. Make it before a graph
-    capture (SparseMoE.prepare_kernels)."""
+    own, not `split_reduce.split_locks`: the side stream's split GEMVs may run beside it. One counter serves every
+    layer because fused router launches on a device never overlap: each runs on the forward's stream, in layer
+    order (a second stream routing at the same time would need its own). Make it before a graph capture
+    (SparseMoE.prepare_kernels)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _router_locks:
