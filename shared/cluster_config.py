@@ -731,11 +731,15 @@ def parse_human_int(value: str) -> int:
 
 def _int_env(name: str, val: str) -> int:
     """A whole number; the keys that take vLLM's suffixed counts on the command line take them here too."""
+    if _ENV.get(name) in _HUMAN_INT_KEYS:
+        try:
+            return parse_human_int(val)
+        except ValueError as e:
+            raise ClusterConfigError(f"{name}={e}") from None      # parse_human_int's message names the rule
     try:
-        return parse_human_int(val) if _ENV.get(name) in _HUMAN_INT_KEYS else int(val)
+        return int(val)
     except ValueError:
-        raise ClusterConfigError(f"{name}={val!r}: expected a whole number"
-                                 + (" (32k, 32K allowed)" if _ENV.get(name) in _HUMAN_INT_KEYS else "")) from None
+        raise ClusterConfigError(f"{name}={val!r}: expected a whole number") from None
 
 
 def _float_env(name: str, val: str) -> float:

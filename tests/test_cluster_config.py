@@ -328,7 +328,7 @@ def test_count_variables_take_the_suffixes_their_flags_take(monkeypatch):
     monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY_BYTES", "2G")
     assert cc.env_overrides() == {"max_num_batched_tokens": 8000, "kv_cache_memory_bytes": 2 << 30}
     monkeypatch.setenv("MOEPIPE_KV_CACHE_MEMORY_BYTES", "1.5G")
-    with pytest.raises(ClusterConfigError, match="MOEPIPE_KV_CACHE_MEMORY_BYTES='1.5G': expected a whole number"):
+    with pytest.raises(ClusterConfigError, match="MOEPIPE_KV_CACHE_MEMORY_BYTES='1.5G': upper-case G is 1024\\^3, whole numbers only"):
         cc.env_overrides()
     monkeypatch.delenv("MOEPIPE_KV_CACHE_MEMORY_BYTES")
     monkeypatch.delenv("MOEPIPE_MAX_NUM_BATCHED_TOKENS")
