@@ -157,8 +157,8 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def guided_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool] | None:
-    """vLLM's structured-output extras as (kind, value, strict): guided_json (a schema, or its JSON text) ->
+def guided_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool, str] | None:
+    """vLLM's structured-output extras as (kind, value, strict, the field it came from): guided_json (a schema, or its JSON text) ->
     json_schema, guided_regex -> regex, guided_choice -> choice, guided_grammar (a Lark grammar, llguidance's
     dialect) -> grammar, or the same under `structured_outputs` (json / regex / choice / grammar / json_object).
     None when none is given; more than one is a 400. vLLM clients send these through extra_body: ignoring them
@@ -187,21 +187,25 @@ def guided_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, 
                 raise invalid_request(f"{param} is not valid JSON.", param=param) from None
         if not isinstance(value, dict):
             raise invalid_request(f"{param} must be a JSON Schema object.", param=param)
-        return "json_schema", value, False
+        return "json_schema", value, False, param
     if kind == "json_object":
-        return "json_object", None, False
+        return "json_object", None, False, param
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
             raise invalid_request(f"{param} must be a non-empty list of non-empty strings.", param=param)
-        return "choice", value, False
+        return "choice", value, False, param
     if not isinstance(value, str) or not value:
         raise invalid_request(f"{param} must be a non-empty string.", param=param)
-    return kind, value, False
+    return kind, value, False, param
 
 
-def _response_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool]:
-    """('text' | 'json_object' | 'json_schema' | 'regex' | 'choice' | 'grammar', schema or pattern, strict):
-    response_format, or one of vLLM's extras (`guided_format`), not both."""
+_SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def _response_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool, str]:
+    """('text' | 'json_object' | 'json_schema' | 'regex' | 'choice' | 'grammar', schema or pattern, strict, the
+    field it came from, which errors about it name): response_format, or one of vLLM's extras (`guided_format`),
+    not both."""
     rf = req.response_format
     guided = guided_format(req)
     if guided is not None:
@@ -210,19 +214,19 @@ def _response_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[st
                                   "given.", param="response_format")
         return guided
     if rf is None:
-        return "text", None, False
+        return "text", None, False, "response_format"
     kind = rf.get("type", "text")
     if kind == "text":
-        return "text", None, False
+        return "text", None, False, "response_format"
     if kind == "json_object":
-        return "json_object", None, False
+        return "json_object", None, False, "response_format"
     if kind == "json_schema":
         spec = rf.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise invalid_request("response_format json_schema needs json_schema.schema (a JSON Schema object).",
-                                  param="response_format.json_schema.schema")
-        return "json_schema", schema, bool(spec.get("strict", False))
+                                  param=_SCHEMA_PARAM)
+        return "json_schema", schema, bool(spec.get("strict", False)), _SCHEMA_PARAM
     raise invalid_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema).",
                           param="response_format")
 
@@ -256,7 +260,7 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
         tools = _tools(req.tools, "tools")
         names = {t["function"]["name"] for t in tools}
         choice = _tool_choice(req.tool_choice, names, "tool_choice")
-    fmt, schema, strict = _response_format(req)
+    fmt, schema, strict, fmt_param = _response_format(req)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.parallel_tool_calls is not None and not isinstance(req.parallel_tool_calls, bool):
         raise invalid_request("parallel_tool_calls must be a boolean.", param="parallel_tool_calls")
@@ -279,10 +283,10 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
         compiler = get_compiler()
         if compiler is None:
             raise invalid_request("This server has no grammar engine: structured output and forced tool calls are "
-                                  "unavailable.", param="response_format" if fmt != "text"
+                                  "unavailable.", param=fmt_param if fmt != "text"
                                   else "function_call" if legacy else "tool_choice")
         grammar = _compile(compiler, fmt, schema, strict, choice, tools, parallel,
-                           "functions" if legacy else "tools")
+                           "functions" if legacy else "tools", fmt_param)
     callable_tools = choice.mode != "none" and bool(tools)
     return ChatPlan(tools=tools if callable_tools else None, template_kwargs=kwargs,
                     reasoning="off" if kwargs.get("enable_thinking") is False else "auto",
@@ -292,8 +296,9 @@ def plan_chat(req: ChatCompletionRequest, get_compiler: Callable[[], Any]) -> Ch
 
 
 def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Choice, tools: list[dict],
-             parallel: bool, tools_param: str):
-    """The grammar spec of a constrained request; a schema the engine cannot enforce is a 400 naming it.
+             parallel: bool, tools_param: str, fmt_param: str = _SCHEMA_PARAM):
+    """The grammar spec of a constrained request; a schema the engine cannot enforce is a 400 naming it (the field
+    the client sent it in, `fmt_param`: response_format's schema, guided_json, structured_outputs.json).
 
     Tools callable: "required" / named force calls (response_format does not apply: the reply is a call);
     "auto" with response_format json allows a call or the JSON answer; "auto" with allowed_tools allows text or a
@@ -304,11 +309,11 @@ def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Cho
         if choice.mode != "none":
             raise invalid_request(f"A guided {fmt} cannot be combined with callable tools; send tool_choice \"none\" "
                                   "or no tools.", param="tool_choice")
-        return text_grammar(compiler, fmt, schema)
-    try:                                # the answer schema alone first, so its errors name response_format
+        return text_grammar(compiler, fmt, schema, fmt_param)
+    try:                                # the answer schema alone first, so its errors name where it was sent
         answer_only = compiler.json_schema(schema, strict) if fmt == "json_schema" else None
     except GrammarError as e:
-        raise invalid_request(f"Cannot enforce this schema: {e}", param="response_format.json_schema.schema") from None
+        raise invalid_request(f"Cannot enforce this schema: {e}", param=fmt_param) from None
     if choice.mode == "none":
         return answer_only if fmt == "json_schema" else compiler.json_object()
     # json_object is any object, as without tools (an open object: a bare {"type": "object"} would be closed to {})
@@ -325,29 +330,30 @@ def _compile(compiler, fmt: str, schema: dict | None, strict: bool, choice: _Cho
         raise invalid_request(f"Cannot enforce this schema: {e}", param=tools_param) from None
 
 
-def text_grammar(compiler, fmt: str, value: Any) -> str:
-    """The grammar spec of a regex / choice / Lark constraint; what llguidance refuses is a 400 naming it."""
+def text_grammar(compiler, fmt: str, value: Any, param: str) -> str:
+    """The grammar spec of a regex / choice / Lark constraint; what llguidance refuses is a 400 naming `param`, the
+    field it was sent in (guided_regex, structured_outputs.regex, ...)."""
     from gateway.grammar import GrammarError
 
     make = {"regex": compiler.regex, "choice": compiler.choice, "grammar": compiler.lark}[fmt]
     try:
         return make(value)
     except (GrammarError, ValueError, TypeError) as e:
-        raise invalid_request(f"Cannot enforce this {fmt}: {e}", param=f"guided_{fmt}") from None
+        raise invalid_request(f"Cannot enforce this {fmt}: {e}", param=param) from None
 
 
 def completion_grammar(req: CompletionRequest, get_compiler: Callable[[], Any]) -> tuple[Any, Any]:
     """(grammar spec, compiler) for /v1/completions' response_format or vLLM extras, (None, None) for plain text."""
-    fmt, schema, strict = _response_format(req)
+    fmt, schema, strict, fmt_param = _response_format(req)
     if fmt == "text":
         return None, None
     compiler = get_compiler()
     if compiler is None:
         raise invalid_request("This server has no grammar engine: structured output is unavailable.",
-                              param="response_format")
+                              param=fmt_param)
     if fmt in ("regex", "choice", "grammar"):
-        return text_grammar(compiler, fmt, schema), compiler
-    return _compile(compiler, fmt, schema, strict, _Choice("none"), [], False, "prompt"), compiler
+        return text_grammar(compiler, fmt, schema, fmt_param), compiler
+    return _compile(compiler, fmt, schema, strict, _Choice("none"), [], False, "prompt", fmt_param), compiler
 
 
 # ---- messages -------------------------------------------------------------------------------------------------

@@ -145,3 +145,33 @@ def test_responses_compact_is_a_clear_404(server):
     """POST /v1/responses/compact was a 405 'Method Not Allowed' (as if GET would work)."""
     err = error(post(server, "/v1/responses/compact", {"input": "hi"}), 404, None)
     assert "compact" in err["message"] and err["code"] == "not_found"
+
+
+# ---- structured-output errors name the field the client sent -----------------------------------------------------
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_json": BAD_SCHEMA}, "guided_json"),
+    ({"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_constraint_the_grammar_engine_refuses_names_the_field_sent(server, path, extra, param):
+    """A guided_json schema llguidance refuses was a 400 naming response_format.json_schema.schema on chat (and
+    text.format.schema on /v1/responses), fields the client never sent; a structured_outputs regex was named
+    guided_regex."""
+    prompt = {"/v1/chat/completions": {"messages": HI}, "/v1/completions": {"prompt": "hi"},
+              "/v1/responses": {"input": "hi"}}[path]
+    err = error(post(server, path, {**prompt, **extra}), 400, param)
+    assert "Cannot enforce" in err["message"], err
+
+
+def test_a_bad_text_format_schema_still_names_text_format_schema(server):
+    error(post(server, "/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "s",
+                                                                            "schema": BAD_SCHEMA}}}),
+          400, "text.format.schema")
+    error(post(server, "/v1/chat/completions", {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": BAD_SCHEMA}}}), 400,
+        "response_format.json_schema.schema")
