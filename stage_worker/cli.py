@@ -62,12 +62,25 @@ def _not_another_checkpoint(out: Path, value: str) -> None:
     try:
         config = json.loads((out / "config.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        return
+        config = None
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if quant:
         how = quant.get("quant_method") if isinstance(quant, dict) else None
         raise ValueError(f"--out {value}: holds a quantized checkpoint ({how}), not make-model's output; give a new "
                          f"or empty directory")
+    from safetensors import safe_open
+
+    from stage_worker.checkpoint.make_model import WRITTEN_BY
+
+    for f in sorted(out.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as opened:
+                meta = opened.metadata() or {}
+        except Exception:               # not a readable safetensors file (an interrupted write): nobody's weights
+            continue
+        if any(meta.get(k) != v for k, v in WRITTEN_BY.items()):
+            raise ValueError(f"--out {value}: holds a checkpoint make-model did not write ({f.name}); give a new or "
+                             f"empty directory")
 
 
 def out_file(value: str, flag: str = "--out") -> Path:

@@ -106,9 +106,9 @@ def test_serve_refuses_empty_keys_and_names(tiny_checkpoint, argv, words):
 
 def test_make_model_does_not_overwrite_a_quantized_or_the_built_in_checkpoint(tmp_path, capsys, monkeypatch,
                                                                               tiny_checkpoint):
-    """make-model rewrote any directory holding only its file names: a `moepipe quantize` output (the same names)
-    or the built-in demo model's copy became random weights, silently. Its own earlier output is still replaced,
-    now said on stderr."""
+    """make-model rewrote any directory holding only its file names: a `moepipe quantize` output (the same names),
+    the built-in demo model's copy or a plain `save_pretrained` checkpoint became random weights, silently. Its own
+    earlier output (its weight files' metadata say make-model wrote them) is still replaced, said on stderr."""
     import shutil
 
     quantized = tmp_path / "q"
@@ -123,6 +123,15 @@ def test_make_model_does_not_overwrite_a_quantized_or_the_built_in_checkpoint(tm
         code, _, err = run(capsys, "make-model", "--out", str(out))
         refused(code, err, f"--out {out}: {words}")
         assert (out / "model.safetensors").read_bytes() == before
+    plain = tmp_path / "plain"              # a save_pretrained folder: make-model's file names, not its output
+    shutil.copytree(tiny_checkpoint, plain)
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(plain / "model.safetensors"), plain / "model.safetensors", metadata={"format": "pt"})
+    before = (plain / "model.safetensors").read_bytes()
+    code, _, err = run(capsys, "make-model", "--out", str(plain))
+    refused(code, err, f"--out {plain}: holds a checkpoint make-model did not write (model.safetensors)")
+    assert (plain / "model.safetensors").read_bytes() == before
     own = tmp_path / "own"
     shutil.copytree(tiny_checkpoint, own)
     code, out, err = run(capsys, "make-model", "--out", str(own), "--layers", "3")

@@ -27,6 +27,9 @@ from stage_worker.model.model import StageModel
 
 log = logging.getLogger(__name__)
 
+# In every weight file's safetensors metadata: `make-model --out` replaces a directory only if its weight files
+# carry it (a `save_pretrained` folder holds the same file names, and rewriting it with random weights lost it)
+WRITTEN_BY = {"written_by": "moepipe make-model"}
 SHARD_BYTES = 2 << 30
 
 PRESETS: dict[str, dict] = {
@@ -225,7 +228,7 @@ def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int, source=None) -> No
             tensors[name] = _produce(name, shape, dtype, producer, seed, cache) if source is None else \
                 _from_source(name, shape, dtype, producer, source)
             weight_map[name] = fname
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        save_file(tensors, str(out / fname), metadata={"format": "pt", **WRITTEN_BY})
         del tensors
     if len(files) > 1:
         total = sum(item[2].itemsize * int(torch.tensor(item[1]).prod().item()) for item in plan)
