@@ -603,6 +603,12 @@ def _package_version() -> str:
         return "unknown"
 
 
+def _output_options(req: ChatCompletionRequest | CompletionRequest) -> dict[str, bool]:
+    """vLLM's output extras as `_Generation` takes them, on every route."""
+    return {"include_stop": bool(req.include_stop_str_in_output),
+            "skip_special_tokens": req.skip_special_tokens is not False}
+
+
 def _not_stored(response_id: str) -> APIError:
     return APIError(404, f"No response with id {response_id!r}: responses are not stored on this server (store is "
                     "accepted but nothing is kept).", param="response_id", code="not_found")
@@ -821,8 +827,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                                         metrics.request_started(arrival, rid), want_logprobs=want, index=index,
                                         echo=prompt_text if req.echo else None, first_of_prompt=j == 0,
                                         echo_only=echo_only, shares=gens[first] if j else None,
-                                        include_stop=bool(req.include_stop_str_in_output),
-                                        skip_special_tokens=req.skip_special_tokens is not False))
+                                        **_output_options(req)))
         return await _serve(request, gens, bool(req.stream), lambda: _completion_stream(srv, req, gens, rid),
                             lambda: _completion_full(srv, req, gens, rid))
 
@@ -865,9 +870,7 @@ async def _start_chat(srv: _Server, req: ChatCompletionRequest, arrival: float, 
             gen_req.grammar = plan.compiler.new_matcher(plan.grammar)
         gens.append(_Generation(srv.engine, gen_req, srv.tok, req.stop_strings,
                                 srv.metrics.request_started(arrival, rid), want_logprobs=bool(req.logprobs), index=j,
-                                first_of_prompt=j == 0, shares=gens[0] if j else None,
-                                include_stop=bool(req.include_stop_str_in_output),
-                                skip_special_tokens=req.skip_special_tokens is not False))
+                                first_of_prompt=j == 0, shares=gens[0] if j else None, **_output_options(req)))
     return plan, gens
 
 

@@ -430,8 +430,8 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                                       param=f"messages[{index}].content[{j}].{field}")
             else:
                 allowed = "text or (assistant) refusal" if role == "assistant" else "text"
-                raise invalid_request(f"Content part type {part.type!r} is not supported: only {allowed}.",
-                                      param=f"messages[{index}].content[{j}]")
+                raise invalid_request(f"Content part type {part.type!r} is not supported: this model reads text "
+                                      f"only (content parts: {allowed}).", param=f"messages[{index}].content[{j}]")
         content = parts
     if role == "assistant" and not content and isinstance(extra.get("refusal"), str):
         content = extra["refusal"]

@@ -249,6 +249,9 @@ class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
     reasoning_effort: str | None = None                     # "none" switches thinking off (gateway.chat_plan)
     functions: list[dict[str, Any]] | None = None           # legacy: mapped to tools by gateway.chat_plan
     function_call: str | dict[str, Any] | None = None       # legacy: mapped to tool_choice
+    # OpenAI's output modalities: the models served write text, so audio output is refused, not silently dropped
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
     @property
     def budget(self) -> int | None:
@@ -275,6 +278,11 @@ class ChatCompletionRequest(_Sampling, _PromptLogprobs, _VllmOutput):
         are checked by gateway.chat_plan)."""
         if self.top_logprobs and not self.logprobs:        # 0 asks for nothing (vLLM lets it pass)
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        other = [m for m in self.modalities or [] if m != "text"]
+        if other:
+            return "modalities", f"This model writes text only: modalities may hold \"text\", not {other[0]!r}."
+        if self.audio is not None:
+            return "audio", "This model writes text only: audio output is not available."
         return self.vllm_unsupported()
 
 

@@ -175,3 +175,45 @@ def test_a_bad_text_format_schema_still_names_text_format_schema(server):
     error(post(server, "/v1/chat/completions", {"messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": BAD_SCHEMA}}}), 400,
         "response_format.json_schema.schema")
+
+
+# ---- chat request shapes ----------------------------------------------------------------------------------------
+
+def test_audio_output_is_refused_not_silently_dropped(server):
+    """modalities ["text", "audio"] (with `audio`) was answered 200 with text alone; the model writes text only."""
+    err = error(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1,
+                                                      "modalities": ["text", "audio"],
+                                                      "audio": {"voice": "alloy", "format": "wav"}}), 400,
+                "modalities")
+    assert "'audio'" in err["message"] and "text only" in err["message"]
+    error(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1, "audio": {"voice": "alloy"}}), 400,
+          "audio")
+    r = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "file-1"}}])
+def test_media_parts_are_a_400_naming_the_part_and_saying_text_only(server, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    err = error(post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}), 400,
+                "messages[0].content[1]")
+    assert repr(part["type"]) in err["message"] and "text only" in err["message"], err
+
+
+def test_openai_request_shapes_are_served(client):
+    """What OpenAI's API accepts and a text model can honour: text parts, developer and named messages, an assistant
+    turn of tool calls with null content and its tool result (no tools offered: a tools section would pass this
+    128-token context), and the fields that need nothing of the server."""
+    messages = [{"role": "developer", "content": "Be brief.", "name": "ops"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}],
+                 "name": "bob"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "ok"}]}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=2, reasoning_effort="low",
+        metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=False,
+        prediction={"type": "content", "content": "x"}, modalities=["text"], user="u", seed=1)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
