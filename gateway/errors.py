@@ -195,11 +195,18 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_engine(_: Request, exc: Exception) -> JSONResponse:
         return engine_error(exc).response()
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        message = str(exc.detail)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and message == "Not Found":       # no such route (OpenAI: "Invalid URL")
+            message = f"Invalid URL ({where}): this server has no such route."
+        elif exc.status_code == 405:                                 # the route exists for other methods
+            allowed = (headers or {}).get("allow") or (headers or {}).get("Allow")
+            message = f"Method not allowed ({where})" + (f": use {allowed}." if allowed else ".")
+        return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code, headers=headers)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

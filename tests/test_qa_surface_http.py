@@ -217,3 +217,15 @@ def test_openai_request_shapes_are_served(client):
         metadata={"k": "v"}, store=False, service_tier="auto", parallel_tool_calls=False,
         prediction={"type": "content", "content": "x"}, modalities=["text"], user="u", seed=1)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_unknown_routes_and_wrong_methods_say_which(server):
+    """A typo'd path or a GET on a POST route was answered "Not Found" / "Method Not Allowed" alone: the message
+    names the method and path (OpenAI's "Invalid URL (...)") and, for a wrong method, the ones the route takes."""
+    err = error(httpx.get(server.url + "/v1/chat/completion", timeout=30), 404, None)
+    assert "GET /v1/chat/completion" in err["message"], err
+    r = httpx.get(server.url + "/v1/chat/completions", timeout=30)
+    err = error(r, 405, None)
+    assert "GET /v1/chat/completions" in err["message"] and "POST" in err["message"] and r.headers["allow"] == "POST"
+    err = error(httpx.get(server.url + "/v1/models/nope", timeout=30), 404, "model")     # a route's own 404 stays
+    assert "nope" in err["message"]
