@@ -360,7 +360,7 @@ class _Server:
         """vLLM's rule: min_tokens may not exceed max_tokens, the requested one or (`room`) what the context leaves
         after the prompt."""
         if req.min_tokens and req.budget is not None and req.min_tokens > req.budget:
-            raise invalid_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({req.budget}).",
+            raise invalid_request(f"min_tokens ({req.min_tokens}) must be <= {req.budget_param} ({req.budget}).",
                                   param="min_tokens")
         if req.min_tokens and room is not None and req.min_tokens > room:
             raise invalid_request(f"min_tokens ({req.min_tokens}) is more than the {room} tokens the context leaves "

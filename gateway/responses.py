@@ -219,7 +219,7 @@ def renamed_params() -> Iterator[None]:
             new = responses_param(e.param)
             e.message, e.param = e.message.replace(e.param, new), new
         # the chat path's budget is max_output_tokens here (a request's max_tokens is refused before it)
-        e.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", e.message)
+        e.message = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", e.message)
         raise
 
 

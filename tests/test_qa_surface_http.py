@@ -229,3 +229,12 @@ def test_unknown_routes_and_wrong_methods_say_which(server):
     assert "GET /v1/chat/completions" in err["message"] and "POST" in err["message"] and r.headers["allow"] == "POST"
     err = error(httpx.get(server.url + "/v1/models/nope", timeout=30), 404, "model")     # a route's own 404 stays
     assert "nope" in err["message"]
+
+
+def test_min_tokens_past_max_completion_tokens_names_the_field_sent(server):
+    err = error(post(server, "/v1/chat/completions", {"messages": HI, "max_completion_tokens": 2, "min_tokens": 3}),
+                400, "min_tokens")
+    assert "max_completion_tokens (2)" in err["message"], err
+    err = error(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "min_tokens": 3}), 400,
+                "min_tokens")
+    assert "max_output_tokens (2)" in err["message"] and "max_completion_tokens" not in err["message"], err
