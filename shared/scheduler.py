@@ -413,9 +413,14 @@ class Scheduler:
         return True
 
     def _victim(self, mb: int, exclude: Request) -> Request | None:
-        """The most recently admitted request not in a computing micro-batch (it loses the least work)."""
+        """The most recently admitted request not in a computing micro-batch (it loses the least work), and only
+        one that arrived after `exclude`: a request never preempts an older one. It waits instead (its plans drain,
+        and the older one takes its blocks). Two requests that the pool cannot hold together, each preempting the
+        other whenever the other's micro-batch was not computing, threw each other's prefill away for minutes (two
+        prompts of 160 tokens in 12 blocks: 80 s and 641 preemptions, against 1.3 s one after the other)."""
         cands = [r for r in self.running.values()
-                 if r is not exclude and r.inflight == 0 and r.blocks and r.req_id not in self._planned]
+                 if r is not exclude and r.arrival > exclude.arrival and r.inflight == 0 and r.blocks
+                 and r.req_id not in self._planned]
         return max(cands, key=lambda r: r.arrival) if cands else None
 
     def _preempt(self, req: Request) -> None:
