@@ -677,7 +677,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
                               "keeps no responses and has no compaction model. Send the conversation in input as "
                               "it is, or shorten it on the client.", code="not_found")
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.get("/v1/responses/{response_id}", operation_id="retrieve_response")
+    @app.delete("/v1/responses/{response_id}", operation_id="delete_response")
     async def stored_response(response_id: str) -> dict:
         """OpenAI's retrieve / delete of a stored response: nothing is stored here, so every id is unknown."""
         raise _not_stored(response_id)
