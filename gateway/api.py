@@ -39,8 +39,8 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatMessage, ChatCompl
                              CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, DeltaFunction, DeltaMessage, DeltaToolCall, FunctionCall,
                              DetokenizeRequest, DetokenizeResponse, InputTokensResponse, MAX_CHOICES, ModelCard,
-                             ModelList, PromptLogprob, PromptLogprobsList, PromptTokensDetails, ResponsesRequest, SEED_MAX,
-                             TokenizeRequest, TokenizeResponse,
+                             ModelList, PromptLogprob, PromptLogprobsList, PromptTokensDetails, ResponsesRequest,
+                             SEED_MAX, TokenizeRequest, TokenizeResponse,
                              ToolCall, TopLogprob, Usage, VersionResponse)
 from gateway.stop import StopMatcher
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
