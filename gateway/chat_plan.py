@@ -159,8 +159,9 @@ _STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
 
 def guided_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, Any, bool, str] | None:
     """vLLM's structured-output extras as (kind, value, strict, the field it came from): guided_json (a schema, or
-    its JSON text) -> json_schema, guided_regex -> regex, guided_choice -> choice, guided_grammar (a Lark grammar, llguidance's
-    dialect) -> grammar, or the same under `structured_outputs` (json / regex / choice / grammar / json_object).
+    its JSON text) -> json_schema, guided_regex -> regex, guided_choice -> choice, guided_grammar (a Lark grammar,
+    llguidance's dialect) -> grammar, or the same under `structured_outputs` (json / regex / choice / grammar /
+    json_object).
     None when none is given; more than one is a 400. vLLM clients send these through extra_body: ignoring them
     would answer 200 with unconstrained text."""
     found = [(name, getattr(req, name)) for name in _GUIDED if getattr(req, name) is not None]
