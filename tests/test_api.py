@@ -309,8 +309,13 @@ def test_seeded_sampling_reproduces_generate(served, model_dir):
 
 
 def test_context_length_clamp_and_refusal(served):
+    """An asked-for max_tokens past the context is a 400 naming it (as vLLM and OpenAI answer; docs/agents.md);
+    a length the client did not ask for (the completions default) is cut to the one token that fits."""
     ids = [100] * (MAX_LEN - 1)
     r = served.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 50, "temperature": 0})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens" and r.json()["error"]["code"] == "context_length_exceeded"
+    r = served.post("/v1/completions", json={"model": MODEL, "prompt": ids, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
