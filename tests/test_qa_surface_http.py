@@ -107,10 +107,11 @@ def test_ping_answers_as_health_on_get_and_post(server):
 
 
 def test_model_cards_carry_vllm_s_fields(server, client):
-    """vLLM's model card has root, parent and permission beside max_model_len; they were missing."""
+    """vLLM's model card has root (the checkpoint's path), parent and permission beside max_model_len; they were
+    missing."""
     for card in (httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0],
                  httpx.get(server.url + f"/v1/models/{MODEL}", timeout=30).json()):
-        assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] == MAX_LEN, card
+        assert card["root"] == str(server.cluster.model) and card["parent"] is None and card["max_model_len"] == MAX_LEN, card
         perm = card["permission"]
         assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["allow_sampling"] is True
     assert client.models.list().data[0].id == MODEL

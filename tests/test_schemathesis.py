@@ -26,7 +26,7 @@ EXAMPLES = int(os.environ.get("MOEPIPE_SCHEMATHESIS_EXAMPLES", "15"))
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    # A 32-token context keeps every generated request short: max_tokens is clamped to what fits, and an accepted
+    # A 32-token context keeps every generated request short: a max_tokens past it is a 400, and an accepted
     # request without one generates all that is left (at 64 a handful of them took a third of the requests' time).
     # 1 stage and no PLE service process (`moepipe serve --no-ple-service`: the stage gathers its PLE rows itself): the
     # test is about the HTTP API, and each process is a torch import.
