@@ -27,6 +27,15 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_dir(value: str) -> str:
+    """keys --out: a directory path (an empty one wrote the secret into the working directory, unasked)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty path; give the directory to write the keys into")
+    if Path(value).exists() and not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: exists and is not a directory")
+    return value
+
+
 def human_int(value: str) -> int:
     """An argparse type for counts as vLLM's flags take them (`shared.cluster_config.parse_human_int`)."""
     from shared.cluster_config import parse_human_int
@@ -439,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keys", help="write the CurveZMQ certificate that authenticates and encrypts the cluster's "
                                     "links between hosts (cluster config: link_keys)")
-    k.add_argument("--out", required=True, help="directory for cluster.key and cluster.key_secret")
+    k.add_argument("--out", required=True, type=_keys_dir, help="directory for cluster.key and cluster.key_secret")
     k.set_defaults(func=_keys)
     return p
 

@@ -5,6 +5,8 @@ line naming the problem (exit 2 for a usage error) or works as --help says."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -217,3 +219,17 @@ def test_route_stats_sizes_its_engine_by_the_windows_it_has(tmp_path, capsys, mo
     assert seen == [3]
     usage = json.loads((tmp_path / "usage.json").read_text())
     assert usage["meta"]["tokens_per_kind"] == {"code": 300}
+
+
+def test_keys_refuses_an_empty_or_file_out(tmp_path, monkeypatch):
+    """`moepipe keys --out ""` wrote the cluster secret into the working directory; a file as --out: a traceback
+    or a half-written pair. Both are a usage error naming --out, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for out, words in (("", "empty path"), (str(a_file), "exists and is not a directory")):
+        r = subprocess.run([sys.executable, "-m", "shared.cli", "keys", "--out", out], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "argument --out" in r.stderr and words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
