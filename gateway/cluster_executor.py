@@ -88,6 +88,10 @@ class ClusterExecutor:
         self._restarted: set[str] = set()     # components heard from with a new pid: their steps in flight are lost
         self._unreachable: set[str] = set()   # components a plan could not reach: sends to them do not wait
         self._ctx: zmq.Context | None = None
+        # Heartbeat silence counts only while this process looks (`_looked`): when it looked last, and since when
+        # it has looked without a gap (time.time(), as last_seen)
+        self._last_look = 0.0
+        self._watching_since = 0.0
 
     def start(self) -> None:
         self._ctx = zmq.Context()
@@ -132,7 +136,9 @@ class ClusterExecutor:
             self._poller.register(wake_fd, zmq.POLLIN)
             self._wake_fd = wake_fd
         out: list[Message] = []
-        if not self._poller.poll(timeout * 1000):
+        ready = self._poller.poll(timeout * 1000)
+        self._looked()
+        if not ready:
             return out
         while True:
             try:
@@ -159,9 +165,29 @@ class ClusterExecutor:
             return False
         return isinstance(msg, (StepResult, StageError))
 
+    def _looked(self) -> None:
+        """The engine core is reading the inbox now. If it had not for longer than `heartbeat_timeout` (this process
+        was stopped or starved: the container paused, the host suspended, SIGSTOP, a clock step), nobody was
+        listening for heartbeats meanwhile: every component's silence counts from now, not from its last heartbeat
+        before the gap. Counted from the last heartbeat, a cluster frozen for longer than `hang_timeout` as a whole
+        (`docker pause`, a suspended VM or laptop) had every healthy component SIGKILLed by this process the moment
+        it resumed, before their next heartbeats could arrive (and restarted, their models loaded again, every
+        running request recomputed); frozen for more than `heartbeat_timeout`, every running request was
+        recomputed. A component that really died meanwhile is found `heartbeat_timeout` later."""
+        now = time.time()
+        if self._last_look and not 0 <= now - self._last_look <= self.cluster.heartbeat_timeout:
+            log.warning("gateway: no heartbeat was read for %.1f s (this process was stopped or starved, or the clock "
+                        "stepped): the components' heartbeat deadlines count from now", now - self._last_look)
+            self._watching_since = now
+        self._last_look = now
+
+    def _silent(self, component: str, now: float) -> float:
+        """How long `component` has been silent while this process was listening."""
+        return now - max(self.state[component].last_seen, self._watching_since)
+
     def health(self) -> list[str]:
         now = time.time()
-        return [c for c in self.components if now - self.state[c].last_seen > self.cluster.heartbeat_timeout]
+        return [c for c in self.components if self._silent(c, now) > self.cluster.heartbeat_timeout]
 
     def lost(self) -> list[str]:
         """Components that heartbeated once and no longer do; those silent for `hang_timeout` are killed here (a
@@ -172,7 +198,7 @@ class ClusterExecutor:
             now = time.time()
             for c in out:
                 st = self.state[c]
-                if now - st.last_seen > self.cluster.hang_timeout and st.pid not in st.killed:
+                if self._silent(c, now) > self.cluster.hang_timeout and st.pid not in st.killed:
                     st.killed.add(st.pid)
                     kill_hung(c, st.pid, now - st.last_seen, st.last_seen)
         return out
