@@ -35,6 +35,7 @@ class ComponentState:
     stats: dict[str, float] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)   # pids it had before: a stopping one may still heartbeat
     killed: set[int] = field(default_factory=set)    # pids killed as hung (once each)
+    watched_from: float = 0.0     # its silence counts from here at the earliest (a gap in the gateway's looking)
 
 
 # the module each component runs as (`python -m ...`): a pid is only killed if it is one of ours on this host
@@ -88,10 +89,7 @@ class ClusterExecutor:
         self._restarted: set[str] = set()     # components heard from with a new pid: their steps in flight are lost
         self._unreachable: set[str] = set()   # components a plan could not reach: sends to them do not wait
         self._ctx: zmq.Context | None = None
-        # Heartbeat silence counts only while this process looks (`_looked`): when it looked last, and since when
-        # it has looked without a gap (time.time(), as last_seen)
-        self._last_look = 0.0
-        self._watching_since = 0.0
+        self._last_look = 0.0                 # when the engine core last read the inbox (time.time(), as last_seen)
 
     def start(self) -> None:
         self._ctx = zmq.Context()
@@ -173,17 +171,21 @@ class ClusterExecutor:
         (`docker pause`, a suspended VM or laptop) had every healthy component SIGKILLed by this process the moment
         it resumed, before their next heartbeats could arrive (and restarted, their models loaded again, every
         running request recomputed); frozen for more than `heartbeat_timeout`, every running request was
-        recomputed. A component that really died meanwhile is found `heartbeat_timeout` later."""
+        recomputed. A component that really died meanwhile is found `heartbeat_timeout` later; one already silent
+        past its deadline before the gap stays lost."""
         now = time.time()
         if self._last_look and not 0 <= now - self._last_look <= self.cluster.heartbeat_timeout:
             log.warning("gateway: no heartbeat was read for %.1f s (this process was stopped or starved, or the clock "
                         "stepped): the components' heartbeat deadlines count from now", now - self._last_look)
-            self._watching_since = now
+            for c in self.components:
+                if self._silent(c, self._last_look) <= self.cluster.heartbeat_timeout:
+                    self.state[c].watched_from = now
         self._last_look = now
 
     def _silent(self, component: str, now: float) -> float:
         """How long `component` has been silent while this process was listening."""
-        return now - max(self.state[component].last_seen, self._watching_since)
+        st = self.state[component]
+        return now - max(st.last_seen, st.watched_from)
 
     def health(self) -> list[str]:
         now = time.time()

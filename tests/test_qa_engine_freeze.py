@@ -52,3 +52,22 @@ def test_a_cluster_frozen_longer_than_hang_timeout_is_not_killed_when_it_resumes
     assert not dead, f"killed after the freeze: {dead}"
     assert httpx.get(url + "/health", timeout=5, verify=False).status_code == 200
     assert _complete(url) == before
+
+
+def test_a_component_lost_before_the_gap_stays_lost(tmp_path):
+    """The gap's grace is for components that were heartbeating when the gateway stopped looking: one already past
+    its deadline then stays lost (else its requests were requeued again once the grace ran out)."""
+    from gateway.cluster_executor import ClusterExecutor
+    from shared.cluster_config import ClusterConfig, StageSpec
+
+    cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock"),
+                                                    StageSpec(1, 2, f"ipc://{tmp_path}/s1.sock")],
+                            gateway_endpoint=f"ipc://{tmp_path}/gw.sock", heartbeat_timeout=2.5, hang_timeout=0)
+    ex = ClusterExecutor(cluster, expect_ple=False)
+    now = time.time()
+    ex._last_look = now - 10.0                        # the gateway was frozen for 10 s
+    ex.state["stage0"].last_seen = now - 30.0         # silent 20 s when it stopped looking: lost already
+    ex.state["stage1"].last_seen = now - 10.5         # heard from 0.5 s before the freeze
+    assert ex.health() == ["stage0", "stage1"]
+    ex._looked()
+    assert ex.health() == ["stage0"] and ex.lost() == ["stage0"]
