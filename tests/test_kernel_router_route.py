@@ -60,7 +60,8 @@ def test_fused_router_routes_as_the_gemv_and_the_router_kernel(t, e, h, shared, 
 
 def test_fused_router_padding_rows_slot_map_and_claims():
     """A graph's padding rows (`valid`) select nothing and count nothing; a slot map turns router indices into
-    slots; claims (one and several a step) are taken as the two-launch path takes them. A second launch after the
+    slots; claims (one and several a step) are taken as the two-launch path takes them (h100-30: on a GPU that
+    path's claim is a race between its token programs, so there the claims are checked for validity). A second launch after the
     first finds the counter back at 0 (else its last program would never route)."""
     t, e, h, k = 4, 16, 96, 3
     x = _integers((t, h), seed=7, dtype=torch.bfloat16)
@@ -76,7 +77,16 @@ def test_fused_router_padding_rows_slot_map_and_claims():
         assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
         assert (ids[3:, :k] == K.SKIP).all() and (w[3:, :k] == 0).all()
         assert torch.equal(got.counts, want.counts) and got.counts.sum().item() == 3 * k
-        assert torch.equal(got.claim, want.claim) and (got.claim >= 0).any()
+        # The two-launch path routes each token in its own program, so on a GPU which token's compare-and-swap
+        # claims first is a race (any winner is a valid claim); the fused launch routes them in order, as the
+        # interpreter runs the two-launch path's programs. Equal there; on a GPU both must be valid claims.
+        if CUDA:
+            for c in (got, want):
+                claimed = [s for s in c.claim.tolist() if s >= 0]
+                picked = set(ids[:3, :k].flatten().tolist())
+                assert claimed and len(set(claimed)) == len(claimed) and all(s >= 8 and s in picked for s in claimed)
+        else:
+            assert torch.equal(got.claim, want.claim) and (got.claim >= 0).any()
     again = K.router_route(x, router, k, False, shared=True, valid=valid, slot_map=slot_map, fused=True)
     assert torch.equal(again[1], ids_ref)
 
