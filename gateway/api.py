@@ -693,6 +693,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if engine.closing is not None:    # requests get 503 now: a load balancer must stop sending them here
+            err = APIError(503, f"Unavailable: {engine.closing}.", type="service_unavailable_error", param=None,
+                           code="shutting_down", retry_after=errors.RETRY_UNAVAILABLE_S)
+            return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(err.retry_after)})
         down = engine.health()
         if down:
             err = APIError(503, f"Unhealthy: {', '.join(down)} missed the heartbeat deadline.",

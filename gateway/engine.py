@@ -29,6 +29,11 @@ class Engine(Protocol):
         """Names of components that missed their heartbeat deadline (empty: healthy)."""
         ...
 
+    @property
+    def closing(self) -> str | None:
+        """Why new requests are refused while the server stops (then /health is 503 too), else None."""
+        ...
+
 
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
@@ -63,3 +68,7 @@ class AsyncEngine:
 
     def health(self) -> list[str]:
         return self.core.health()
+
+    @property
+    def closing(self) -> str | None:
+        return self.core.closing

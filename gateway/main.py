@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
@@ -30,6 +31,9 @@ def apply_switch_interval(ms: float) -> None:
     most one switch interval (Python's default 5 ms is about a whole decode step). 0 keeps Python's default."""
     if ms > 0:
         sys.setswitchinterval(ms / 1e3)
+
+
+CORE_WATCH_S = 1.0          # how often the gateway checks that its engine core's thread still runs
 
 
 async def serve(config_path: str) -> int:
@@ -76,11 +80,27 @@ async def serve(config_path: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     loop.add_signal_handler(signal.SIGUSR1, core.give_up)     # the launcher's GIVEN_UP_SIGNAL
+    watcher = asyncio.create_task(watch_core(core, stop, lambda: server.should_exit))
     try:
         await server.serve()
     finally:
+        watcher.cancel()
         core.stop()
-    return 0
+    return 1 if watcher.done() and not watcher.cancelled() and watcher.result() else 0
+
+
+async def watch_core(core, stop: Callable[[], None], stopping: Callable[[], bool],
+                     interval: float = CORE_WATCH_S) -> bool:
+    """A core thread stopped by a bug leaves nothing to serve requests while the process, alive, would answer 503
+    for ever: stop the server instead (serve then exits 1, and the launcher restarts the cluster). True if so."""
+    while not stopping():
+        await asyncio.sleep(interval)
+        if core.dead:
+            log.error("gateway: the engine core stopped (its traceback is above); exiting so the launcher restarts "
+                      "the server")
+            stop()
+            return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,9 +268,19 @@ class EngineCore:
 
     def health(self) -> list[str]:
         down = list(self.executor.health())
-        if self._started and not self._thread.is_alive() and not self._stopping:
+        if self.dead:
             down.append(self.COMPONENT)
         return down
+
+    @property
+    def dead(self) -> bool:
+        """The core's thread stopped on a bug (not by `stop`): nothing will run again in this process."""
+        return self._started and not self._thread.is_alive() and not self._stopping
+
+    @property
+    def closing(self) -> str | None:
+        """Why new requests are refused once the server is stopping (`close_requests`), else None."""
+        return self._closing
 
     @property
     def num_running(self) -> int:

@@ -642,6 +642,8 @@ class StubEngine:
             done = i + 1 == request.params.max_tokens
             yield TokenEvent(token_id=100 + i, finish_reason="length" if done else None)
 
+    closing = None                       # the Engine protocol's: not stopping
+
     def health(self) -> list[str]:
         return self.down
 
@@ -680,6 +682,19 @@ def test_health_names_missing_components(stub_app):
     err = _assert_error(r, 503)
     assert "stage-0" in err["message"] and "ple" in err["message"]
     assert r.json()["down"] == ["stage-0", "ple"] and r.headers["retry-after"]     # what the launcher reads
+
+
+def test_health_is_503_while_the_server_stops(stub_app):
+    """Requests get 503 'the server is shutting down' during the gateway's graceful stop, but /health answered
+    200, so a load balancer kept sending them here."""
+    engine = StubEngine()
+    client = stub_app(engine)
+    assert client.get("/health").status_code == 200
+    engine.closing = "the server is shutting down"
+    r = client.get("/health")
+    err = _assert_error(r, 503, code="shutting_down")
+    assert "shutting down" in err["message"] and r.headers["retry-after"] and "down" not in r.json()
+    assert client.get("/ping").status_code == 503
 
 
 def test_body_size_limit(stub_app):

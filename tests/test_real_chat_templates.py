@@ -105,6 +105,8 @@ class Scripted:
         for i, t in enumerate(self.ids):
             yield TokenEvent(token_id=t, finish_reason="stop" if i + 1 == len(self.ids) else None)
 
+    closing = None                       # the Engine protocol's: not stopping
+
     def health(self) -> list[str]:
         return []
 

@@ -433,6 +433,8 @@ class _FailingEngine:
                 raise self.fail
             yield TokenEvent(token_id=100 + i, finish_reason=None)
 
+    closing = None                       # the Engine protocol's: not stopping
+
     def health(self) -> list[str]:
         return []
 
