@@ -341,6 +341,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--no-ple-service", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="the components log at INFO (load, warm-up, graph capture: where a slow start spends it)")
     ap.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
                     help="dummy: seeded random weights (config-only checkpoints: make-model --preset full-shape)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -383,7 +385,7 @@ def main() -> int:
 
         try:
             cluster = Cluster(ServeOptions(model=model, stages=args.stages, device=args.device, port=args.port,
-                                           extra=extra)).__enter__()
+                                           extra=extra, verbose=args.verbose)).__enter__()
         except ClusterConfigError as exc:             # an unknown --set key, a value the config refuses
             ap.error(f"--set: {exc}")
         url = cluster.url

@@ -7,7 +7,7 @@
 # (greedy tokens and logprobs of the small preset served on one stage with ple_graph on and off, compared),
 # sampler (bench/sampler.py on the GPU), fs (full-shape cut to 20 layers, PLE on stage 0), q3n (qwen3-next-shape,
 # 32 layers, no PLE), one / two (full-shape on one stage process / two sharing the GPU, 4 streams, $TWO_LAYERS layers
-# (20; 12 fit an H100), two once per setting in $TWO_AB:
+# (20; 12 fit an H100), two once per setting in $TWO_AB (SERVE_VERBOSE=1: the components log at INFO, for a slow start):
 # TWO_AB="base noipc" compares the CUDA IPC handoff (on by default) with the activations through the host), offload and vram24
 # (issue 16: bench/expert_offload.py; --vram-limit 24 serving full-shape cut to 8 layers), vram_int4 (the whole
 # 48-layer full shape with INT4 experts served under --vram-limit 24 and 32, --cold-experts auto), offload_int4 (issues
@@ -72,7 +72,7 @@ model() {  # tag, preset, layers, decode batches, stream counts
     local prof=""
     [[ $name == profile ]] && prof="MOEPIPE_PROFILE=$out/profile_$tag"
     env ${AB_ENV[$name]} $prof timeout "${SERVE_TIMEOUT:-200}" python3 bench/serve.py --model "/tmp/$tag" \
-      ${AB_ARGS[$name]:-} --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" \
+      ${AB_ARGS[$name]:-} ${SERVE_VERBOSE:+--verbose} --load-format dummy --device cuda --stages "${STAGES:-1}" --streams "$streams" \
       --max-tokens "${SERVE_MAX_TOKENS:-256}" --runs "${SERVE_RUNS:-3}" \
       --out "$out/serve_${tag}_$name.json" > "$out/serve_${tag}_$name.log" 2>&1
     echo "== served $tag $name (${AB_ENV[$name]:-defaults})"; tail -6 "$out/serve_${tag}_$name.log"
