@@ -302,8 +302,9 @@ class _Server:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, generation_config: dict[str, Any],
                  metrics: Metrics, max_body_bytes: int, vocab_size: int | None = None,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), clamp_max_tokens: bool = False) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.clamp_max_tokens = clamp_max_tokens
         self.model_names = tuple(dict.fromkeys((model_name, *aliases)))   # what `model` may say; the first answers
         self.model_vocab = vocab_size          # the embedding's rows (None: trust the tokenizer's ids)
         self.version = _package_version()
@@ -385,8 +386,8 @@ class _Server:
     def budget(self, prompt_len: int, requested: int | None, param: str, cap_param: str | None = None) -> int:
         """Tokens to generate. `requested`: the length to generate, `cap_param` the field it came from when the
         client asked for it: more than the context leaves after the prompt is then a 400 naming both numbers
-        (vLLM's and OpenAI's answer; docs/agents.md says why not llama.cpp's clamp); a default length
-        (completions' 16) is cut to what fits. None: the rest of the context (or generation_config's
+        (vLLM's and OpenAI's answer; docs/agents.md), or cut to fit with `clamp_max_tokens` (llama.cpp's); a
+        default length (completions' 16) is cut to what fits. None: the rest of the context (or generation_config's
         max_new_tokens)."""
         limit = self.engine.max_model_len
         if prompt_len == 0:
@@ -397,7 +398,7 @@ class _Server:
         default = self.gen_cfg.get("max_new_tokens")
         if requested is None:
             return min(room, default) if isinstance(default, int) and default > 0 else room
-        if requested > room and cap_param is not None:
+        if requested > room and cap_param is not None and not self.clamp_max_tokens:
             raise errors.output_exceeds_context(cap_param, requested, prompt_len, limit, param)
         return min(requested, room)
 
@@ -633,15 +634,17 @@ def _usage(gens: list[_Generation]) -> Usage:
 
 def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generation_config: dict, metrics: Metrics,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int | None = None,
-               aliases: list[str] | tuple[str, ...] = (), root: str | None = None) -> FastAPI:
+               aliases: list[str] | tuple[str, ...] = (), root: str | None = None,
+               clamp_max_tokens: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (and `aliases`, which requests may name too and
     /v1/models lists; responses carry `model_name`); omitted sampling fields take generation_config's values.
     `vocab_size`: the model's embedding rows, when the tokenizer may know more ids than it. `root`: what
-    /v1/models calls the model served (vLLM: its path; default `model_name`)."""
+    /v1/models calls the model served (vLLM: its path; default `model_name`). `clamp_max_tokens`: a max_tokens
+    past the context is cut to fit instead of a 400 (the cluster key of that name)."""
     app = FastAPI(title="moepipe", docs_url=None, redoc_url=None)
     errors.install_error_handlers(app)
     srv = _Server(engine, tokenizer, model_name, generation_config, metrics, max_body_bytes, vocab_size,
-                  tuple(aliases))
+                  tuple(aliases), clamp_max_tokens)
     app.state.server = srv
 
     def card(name: str) -> ModelCard:

@@ -162,6 +162,8 @@ def serve_options(args: argparse.Namespace):
         extra["ple_service"] = False
     if args.no_access_log:
         extra["access_log"] = False
+    if args.clamp_max_tokens:
+        extra["clamp_max_tokens"] = True
     if args.cold_experts is not None:
         extra["cold_experts"] = args.cold_experts if args.cold_experts == "auto" else \
             str(Path(args.cold_experts).resolve())
@@ -426,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
                    help="no access log line per HTTP request (vLLM's name is the alias)")
+    s.add_argument("--clamp-max-tokens", action="store_true",
+                   help="cut a max_tokens past what the context leaves after the prompt to fit (llama.cpp's rule) "
+                        "instead of answering 400 as vLLM and OpenAI do: for agents that send a fixed cap larger "
+                        "than the context (also MOEPIPE_CLAMP_MAX_TOKENS=1)")
     vllm = s.add_argument_group("accepted for vLLM command lines; nothing to set here")
     vllm.add_argument("--trust-remote-code", action="store_true", help="(the model code is moepipe's own)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true", help="(tool calls are always parsed)")

@@ -53,7 +53,7 @@ async def serve(config_path: str) -> int:
     app = create_app(AsyncEngine(core), tokenizer, model_name=cluster.served_model_name,
                      aliases=cluster.served_model_aliases, vocab_size=cfg.vocab_size,
                      generation_config=read_generation_config(cluster.model), metrics=metrics,
-                     root=str(cluster.model))
+                     root=str(cluster.model), clamp_max_tokens=cluster.clamp_max_tokens)
     app = AccessControl(app, api_key=cluster.api_key,
                         allowed_hosts=cluster.allowed_hosts or default_allowed_hosts(cluster.host))
     if cluster.allowed_origins:  # CORS only when asked; outside the key check, which preflights do not carry

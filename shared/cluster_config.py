@@ -287,6 +287,10 @@ class ClusterConfig:
     kv_row_cache: bool = True
     kv_row_cache_mib: int = 256
     access_log: bool = True                     # the gateway writes one line per HTTP request (gateway/access_log.py)
+    # A max_tokens asked for past what the context leaves after the prompt: a 400 naming it (false, vLLM's and
+    # OpenAI's answer) or cut to fit (true, llama.cpp's): agents that send a fixed cap (Zed 65,535, qwen-code 8,000)
+    # against a small context, which the memory plan may choose on a small GPU, fail every request otherwise.
+    clamp_max_tokens: bool = False
     restart_limit: int = 5                      # launcher: restarts of a dead stage / PLE service in a row (0 = none)
     recovery_timeout: float = 60.0              # s running requests wait (recomputed) for a dead component; 0 = fail
     # A stuck component (gateway/cluster_executor.py): a stage that made no progress for `stall_timeout` s stops
@@ -613,6 +617,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_PREFIX_CACHE_STATES": "prefix_cache_states",
         "MOEPIPE_PREFIX_CACHE_SPLIT_TOKENS": "prefix_cache_split_tokens", "MOEPIPE_GIL_SWITCH_INTERVAL_MS": "gil_switch_interval_ms",
         "MOEPIPE_QSA_SPARSE_PREFILL": "qsa_sparse_prefill", "MOEPIPE_ACCESS_LOG": "access_log",
+        "MOEPIPE_CLAMP_MAX_TOKENS": "clamp_max_tokens",
         "MOEPIPE_DEVICE_SAMPLING": "device_sampling",
         "MOEPIPE_THREADS": "threads_per_stage", "MOEPIPE_DTYPE": "dtype",
         "MOEPIPE_KV_CACHE_MEMORY": "kv_cache_memory", "MOEPIPE_API_KEY": "api_key",

@@ -697,6 +697,19 @@ def test_health_is_503_while_the_server_stops(stub_app):
     assert client.get("/ping").status_code == 503
 
 
+def test_clamp_max_tokens_cuts_an_asked_for_length_to_fit(stub_app):
+    """Agents that send a fixed cap larger than a small context (Zed 65,535) failed every request with the 400;
+    `clamp_max_tokens` (--clamp-max-tokens) cuts it to what the context leaves, as llama.cpp does."""
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 5000}
+    _assert_error(stub_app(StubEngine()).post("/v1/completions", json=body), 400, param="max_tokens",
+                  code="context_length_exceeded")
+    engine = StubEngine()
+    r = stub_app(engine, clamp_max_tokens=True).post("/v1/completions", json={**body, "max_tokens": 5000})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert engine.last.params.max_tokens == StubEngine.max_model_len - prompt
+
+
 def test_body_size_limit(stub_app):
     client = stub_app(StubEngine(), max_body_bytes=1024)
     _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 2000}), 413)

@@ -233,3 +233,15 @@ def test_keys_refuses_an_empty_or_file_out(tmp_path, monkeypatch):
         assert r.returncode == 2 and "argument --out" in r.stderr and words in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_clamp_max_tokens_flag_and_environment(tiny_checkpoint, monkeypatch):
+    """--clamp-max-tokens and MOEPIPE_CLAMP_MAX_TOKENS reach the cluster key the gateway reads; off by default."""
+    from gateway.cli import build_parser, serve_options
+    from shared.cluster_config import env_overrides
+
+    opts = serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint), "--clamp-max-tokens"]))
+    assert opts.extra["clamp_max_tokens"] is True
+    assert "clamp_max_tokens" not in serve_options(build_parser().parse_args(["serve", str(tiny_checkpoint)])).extra
+    monkeypatch.setenv("MOEPIPE_CLAMP_MAX_TOKENS", "1")
+    assert env_overrides()["clamp_max_tokens"] is True
