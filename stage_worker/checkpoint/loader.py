@@ -183,7 +183,8 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     ple_shards: dict[int, Shards] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
-    quant = _Dequantizer(plan_of(model_dir), pieces)
+    quant = _Dequantizer(plan_of(model_dir), pieces, {normalise(n)[: -len(".weight_g_idx")] for n in headers
+                                                      if n.endswith(".weight_g_idx")})
     placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items()
                            if moe.packed_group or moe.fp8_block},
                           CheckpointError)
@@ -287,7 +288,8 @@ def packed_dense_specs(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,
     plan = plan_of(model_dir)
     if not sites or plan is None:
         return {}
-    disk = _disk_headers(model_dir, headers, (".weight_packed", ".weight_scale", ".weight_zero_point"))
+    disk = _disk_headers(model_dir, headers, (".weight_packed", ".weight_scale", ".weight_zero_point",
+                                              ".weight_g_idx"))
     return packed_specs(plan, sites, disk, _SAFETENSORS_DTYPES)
 
 
@@ -332,8 +334,9 @@ class _Dequantizer:
     parts are in memory and never the whole model at once (issue 17; the weights are held in the compute dtype
     until the quantized kernels take the packed form)."""
 
-    def __init__(self, plan: QuantPlan | None, pieces: dict) -> None:
+    def __init__(self, plan: QuantPlan | None, pieces: dict, g_idx: set[str] = frozenset()) -> None:
         self.plan, self.pieces = plan, pieces
+        self.g_idx = g_idx             # modules whose files hold a `weight_g_idx` (activation-ordered groups)
         self.parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
 
     def takes(self, name: str, f, raw_name: str) -> bool:
@@ -355,7 +358,7 @@ class _Dequantizer:
                                   f"applies to {module} (ignored or unmatched)")
         have = self.parts[module]
         have[part] = tensor
-        if not needed(wq, self.plan.method) <= set(have):
+        if not needed(wq, self.plan.method, module in self.g_idx) <= set(have):
             return None
         del self.parts[module]
         try:     # computed in the scale's dtype, as the library does; float32 holds it exactly, `_place` casts

@@ -40,27 +40,30 @@ def _expert_schemes(plan: QuantPlan, cfg: HybridMoeConfig, start: int, end: int)
                           for part in ("gate", "up", "down")]
 
 
-_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(weight_packed|weight)$")
+_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(weight_packed|weight|"
+                            r"weight_g_idx)$")
 
 
 @functools.lru_cache(maxsize=8)
 def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[int]]:
-    """(layers whose experts are INT4-packed on disk: `weight_packed`, layers whose expert weights are float8 on
-    disk), from the safetensors headers. The quantization config alone does not say: a compressed-tensors group
-    targeting `Linear` (what the library writes for a transformers model) leaves 3-D expert modules in bf16, and a
-    transformers fp8 config may not list experts it left unconverted."""
+    """(layers whose experts are INT4-packed on disk: `weight_packed`, and no `weight_g_idx`; layers whose expert
+    weights are float8 on disk), from the safetensors headers. The quantization config alone does not say: a
+    compressed-tensors group targeting `Linear` (what the library writes for a transformers model) leaves 3-D expert
+    modules in bf16, and a transformers fp8 config may not list experts it left unconverted."""
     from shared.checkpoint_files import tensor_headers
 
-    packed, fp8 = set(), set()
+    packed, fp8, g_idx = set(), set(), set()
     for name, (_, dtype) in tensor_headers(Path(model_dir)).items():
         m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
         if m is None:
             continue
         if m.group(2) == "weight_packed":
             packed.add(int(m.group(1)))
+        elif m.group(2) == "weight_g_idx":      # activation-ordered groups (GPTQ actorder): dequantized at load
+            g_idx.add(int(m.group(1)))
         elif dtype.startswith("F8"):
             fp8.add(int(m.group(1)))
-    return frozenset(packed), frozenset(fp8)
+    return frozenset(packed - g_idx), frozenset(fp8)
 
 
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,

@@ -140,7 +140,8 @@ def packed_specs(plan: QuantPlan | None, sites: dict[str, tuple[int, int]], disk
         if not keeps_packed(wq):
             continue
         packed, scale = disk.get(f"{module}.weight_packed"), disk.get(f"{module}.weight_scale")
-        if packed is None or scale is None or f"{module}.weight_zero_point" in disk:
+        if packed is None or scale is None or f"{module}.weight_zero_point" in disk or \
+                f"{module}.weight_g_idx" in disk:      # activation-ordered groups: dequantized at load
             continue
         (rows, words), sshape = packed[0], scale[0]
         if rows != N or words not in (dense_words(K, wq.bits), legacy_words(K, wq.bits)):

@@ -7,6 +7,8 @@ Three on-disk forms, all read here without the compressed-tensors library (a ser
   since 0.20 (value i of a row at bit i*bits of the row's word stream, crossing words); older releases put
   32 // bits values in each word. The two agree for 1, 2, 4 and 8 bits; for other widths the word count says which
   (dense, where both fit).
+  GPTQ with `actorder: group` (llm-compressor before compressed-tensors dropped it) adds `weight_g_idx` int32 [in]:
+  the scale (and zero point) column of each input, so groups are sets of inputs, not runs (a -1 in it: runs).
 * compressed-tensors `int-quantized` / `naive-quantized`: `weight` int8 [rows, in] holding the values themselves,
   `weight_scale` (and `weight_zero_point`) as above, unpacked.
 * float8 (`float-quantized` in compressed-tensors, or transformers' `fp8` with `weight_block_size`): a float8 weight
@@ -24,7 +26,8 @@ import torch
 from shared.quant_scheme import QuantSchemeError, WeightQuant
 
 # a quantized module's on-disk tensors: `<module>.<part>`
-QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv", "weight")
+QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv", "weight",
+               "weight_g_idx")
 CHUNK = 1 << 22                       # elements unpacked at a time: a 152k x 4096 lm_head never in int64 at once
 
 
@@ -102,6 +105,9 @@ def dequantize_int(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch
         zp = parts["weight_zero_point"]
         if zp.dtype == torch.int32 and wq.strategy in ("group", "channel") and wq.format == "pack-quantized":
             zp = unpack_rows(zp, wq.bits, rows)
+    g_idx = parts.get("weight_g_idx")
+    if g_idx is not None and wq.strategy == "group" and not bool((g_idx == -1).any()):      # -1: column order
+        return _dequantize_g_idx(q, scale, zp, g_idx, wq, dtype)
     if wq.strategy == "tensor":
         scale = scale.reshape(1, 1)
         zp = None if zp is None else zp.reshape(1, 1)
@@ -119,6 +125,21 @@ def dequantize_int(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch
         x = x - zp.to(scale.dtype)[..., None]
     x = x * scale[..., None]
     return x.reshape(rows, -1)[:, :n].to(dtype)
+
+
+def _dequantize_g_idx(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, g_idx: torch.Tensor,
+                      wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
+    """Activation-ordered groups: input j takes scale column g_idx[j] (and its zero point), as GPTQ wrote it and
+    vLLM and the library before 0.20 read it."""
+    rows, n = q.shape
+    g = g_idx.reshape(-1).to(torch.int64)
+    if g.numel() != n or int(g.min()) < 0 or int(g.max()) >= scale.shape[-1]:
+        raise QuantSchemeError(f"{wq.describe()}: weight_g_idx has {g.numel()} entries in "
+                               f"[{int(g.min())}, {int(g.max())}] for {n} inputs and {scale.shape[-1]} scale columns")
+    x = q.to(scale.dtype)
+    if zp is not None:
+        x = x - zp.reshape(rows, -1).to(scale.dtype)[:, g]
+    return (x * scale.reshape(rows, -1)[:, g]).to(dtype)
 
 
 def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
@@ -149,10 +170,11 @@ def dequantize(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dty
     return dequantize_float(parts["weight"], scale, wq, dtype)
 
 
-def needed(wq: WeightQuant, method: str) -> set[str]:
-    """The on-disk tensors of one module that `dequantize` waits for."""
+def needed(wq: WeightQuant, method: str, g_idx: bool = False) -> set[str]:
+    """The on-disk tensors of one module that `dequantize` waits for (`g_idx`: the files hold its `weight_g_idx`)."""
     if wq.kind == "float":
         return {"weight", "weight_scale_inv" if method == "fp8" else "weight_scale"}
     out = {"weight_packed", "weight_scale", "weight_shape"} if wq.format == "pack-quantized" else \
         {"weight", "weight_scale"}
+    out = out | {"weight_g_idx"} if g_idx else out
     return out if wq.symmetric else out | {"weight_zero_point"}

@@ -1,0 +1,81 @@
+"""Quantized checkpoint variants from tools other than `moepipe quantize` (QA, 2026-12-06): each loads and gives
+transformers' logits on the weights the compressed-tensors library decompresses, or stops naming the scheme."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("compressed_tensors")
+
+from hf_oracle import reference_logits  # noqa: E402
+from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.checkpoint.quantize import quantize_checkpoint  # noqa: E402
+from stage_worker.local_engine import LocalEngine  # noqa: E402
+from test_quantized_checkpoint import (PROMPT, TOL, _decompress_with_the_library, _reference,  # noqa: E402,F401
+                                       originals)
+
+
+def _logprobs(qdir: Path, **kw) -> torch.Tensor:
+    engine = LocalEngine([load_model(qdir, LoadOptions(dtype=torch.float32, **kw))], max_seqs=1, max_tokens=64)
+    engine.add(0)
+    return torch.log_softmax(engine.step([(0, PROMPT)], all_logits=True), -1)
+
+
+def test_activation_ordered_groups_with_g_idx_load(originals, tmp_path):
+    """GPTQ with `actorder: group` (llm-compressor's recipe before compressed-tensors 0.20 dropped it) writes a
+    `weight_g_idx` per module: input j takes scale column g_idx[j]. The loader refused the tensor as unexpected
+    ("no part of a qwen3_next model takes it"); now every such module (INT4 experts, INT6 dense layers) is
+    dequantized with it, never kept packed, and the logits equal transformers' on the library's decompression with
+    each input's scale column spelled out."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    qdir, gdir, dense = tmp_path / "q", tmp_path / "g", tmp_path / "dense"
+    quantize_checkpoint(originals["qwen3_next"], qdir, "reports-mixed")
+    _decompress_with_the_library(qdir, dense)
+    config = json.loads((qdir / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        if group["weights"]["strategy"] == "group":
+            group["weights"]["actorder"] = "group"
+    tensors, ref = load_file(qdir / "model.safetensors"), load_file(dense / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+    for name in [k for k in tensors if k.endswith(".weight_scale")]:
+        module = name[: -len(".weight_scale")]
+        scale = tensors[name]
+        if f"{module}.weight_packed" not in tensors or not any(
+                module.endswith(p) for p in ("_proj", "fc", "lm_head")):
+            continue
+        if not any(re.match(t[3:], module) for g in config["quantization_config"]["config_groups"].values()
+                   if g["weights"]["strategy"] == "group" for t in g["targets"]):
+            continue                                   # per channel: no groups to order
+        rows, k = (int(v) for v in tensors[f"{module}.weight_shape"])
+        g = torch.randint(0, scale.shape[1], (k,), generator=gen, dtype=torch.int32)
+        tensors[f"{module}.weight_g_idx"] = g
+        bits = 4 if ".experts." in module else 6
+        per_input = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+            num_bits=bits, type="int", symmetric=True, strategy="group", group_size=1))
+        ref[f"{module}.weight"] = PackedQuantizationCompressor.decompress(
+            {"weight_packed": tensors[f"{module}.weight_packed"], "weight_scale": scale[:, g.long()],
+             "weight_shape": tensors[f"{module}.weight_shape"]}, per_input)["weight"].float().contiguous()
+        n += 1
+    assert n > 20 and any(".experts." in k for k in tensors if k.endswith("g_idx"))
+    shutil.copytree(qdir, gdir)
+    save_file(tensors, gdir / "model.safetensors", metadata={"format": "pt"})
+    (gdir / "config.json").write_text(json.dumps(config))
+    save_file(ref, dense / "model.safetensors", metadata={"format": "pt"})
+    want = torch.log_softmax(reference_logits(_reference(dense), PROMPT), -1)
+    for kw in ({}, {"packed_experts": False, "packed_dense": False}):
+        assert (_logprobs(gdir, **kw) - want).abs().max() < TOL, kw
+    model = load_model(gdir, LoadOptions(dtype=torch.float32, end=1))
+    assert not any(m.packed_group for m in model.moe_layers().values())
+    # and the order matters: without g_idx these are other weights
+    assert (_logprobs(qdir) - want).abs().max() > 1e-3
+
