@@ -79,3 +79,63 @@ def test_activation_ordered_groups_with_g_idx_load(originals, tmp_path):
     # and the order matters: without g_idx these are other weights
     assert (_logprobs(qdir) - want).abs().max() > 1e-3
 
+
+def _library_written(family: str, qconfig: dict, out: Path) -> torch.Tensor:
+    """A tiny transformers model quantized by compressed-tensors itself (apply the config, min-max scales per
+    tensor / channel / group, compress, save, write the config), as llm-compressor's one-shot recipes save it; returns
+    the logits of PROMPT the library's quantized forward computes before compression (weights quantized and
+    dequantized in place: the oracle)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from hf_oracle import build_reference
+
+    model = build_reference(family)
+    apply_quantization_config(model, QuantizationConfig.model_validate(qconfig), show_progress=False)
+    for _, m in model.named_modules():
+        s = getattr(m, "quantization_scheme", None)
+        if s is None or s.weights is None:
+            continue
+        w = m.weight.data.float()
+        if s.weights.strategy == "group":
+            parts = w.split(s.weights.group_size, dim=1)
+            lo, hi = torch.stack([p.amin(-1) for p in parts], -1), torch.stack([p.amax(-1) for p in parts], -1)
+        elif s.weights.strategy == "channel":
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        scale, zp = calculate_qparams(lo, hi, s.weights)
+        m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype))
+        if getattr(m, "weight_zero_point", None) is not None:
+            m.weight_zero_point.data.copy_(zp.reshape(m.weight_zero_point.shape).to(m.weight_zero_point.dtype))
+    want = reference_logits(model, PROMPT)
+    comp = ModelCompressor.from_pretrained_model(model, quantization_format=qconfig.get("format"))
+    comp.compress_model(model)
+    model.save_pretrained(out)
+    comp.update_config(out)
+    return torch.log_softmax(want, -1)
+
+
+def _weights(bits: int, strategy: str, targets: list[str], group: int | None = None, **kw) -> dict:
+    return {"targets": targets, "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": strategy,
+                                            **({"group_size": group} if group else {}), **kw}}
+
+
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
+
+
+def test_a_regex_over_mlp_projections_leaves_transformers_experts_in_float(tmp_path):
+    """A recipe targeting `re:.*mlp.*proj$` (the dense MLP and the shared expert) beside a regex for attention: the
+    library quantizes the Linear modules it reaches and writes transformers' 3-D routed experts in float under their
+    per-expert names, which the regex matches too. moepipe refused the checkpoint it wrote ("plain weight on disk,
+    but the config says int8 sym channel: ...experts.0.down_proj"); it loads now, with the library's logits."""
+    qconfig = {"config_groups": {"attn": _weights(4, "group", ["re:.*self_attn.*", "re:.*linear_attn.*"], 8),
+                                 "mlp": _weights(8, "channel", ["re:.*mlp.*proj$"])},
+               "ignore": IGNORE, "format": "pack-quantized"}
+    want = _library_written("qwen3_5_moe", qconfig, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.shared_expert.down_proj.weight_packed" in tensors
+    assert tensors["model.layers.0.mlp.experts.0.down_proj.weight"].dtype == torch.float32
+    for kw in ({}, {"packed_experts": False, "packed_dense": False}):
+        assert (_logprobs(tmp_path, **kw) - want).abs().max() < TOL, kw
