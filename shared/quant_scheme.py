@@ -49,6 +49,7 @@ class QuantPlan:
     targets: dict[str, tuple[str, WeightQuant]]      # target -> (group name, scheme), in the library's order
     ignore: list[str] = field(default_factory=list)
     shadowed: dict[str, list[str]] = field(default_factory=dict)   # target -> groups whose scheme it lost
+    kv_cache: dict | None = None        # compressed-tensors' kv_cache_scheme (the loader skips its k/v scales)
 
     def for_module(self, name: str, cls: str = "Linear") -> WeightQuant | None:
         """The scheme of module `name` (class `cls`), or None (ignored or no target matches)."""
@@ -147,7 +148,10 @@ def parse(config: dict) -> QuantPlan | None:
             if t in targets and targets[t][1] != wq:
                 shadowed.setdefault(t, []).append(targets[t][0])
             targets[t] = (name, wq)                       # the library keeps the last group's scheme
-    return QuantPlan("compressed-tensors", targets, list(q.get("ignore") or []), shadowed)
+    kv = q.get("kv_cache_scheme")
+    if kv is not None and not isinstance(kv, dict):
+        raise QuantSchemeError(f"quantization_config.kv_cache_scheme must be an object, got {kv!r}")
+    return QuantPlan("compressed-tensors", targets, list(q.get("ignore") or []), shadowed, kv or None)
 
 
 def check(plan: QuantPlan, tensors: dict[str, tuple[int, ...]]) -> list[str]:

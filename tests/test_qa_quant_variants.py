@@ -139,3 +139,34 @@ def test_a_regex_over_mlp_projections_leaves_transformers_experts_in_float(tmp_p
     assert tensors["model.layers.0.mlp.experts.0.down_proj.weight"].dtype == torch.float32
     for kw in ({}, {"packed_experts": False, "packed_dense": False}):
         assert (_logprobs(tmp_path, **kw) - want).abs().max() < TOL, kw
+
+
+def test_kv_cache_scheme_scales_are_left_unused_as_vllm_does(tmp_path, caplog):
+    """llm-compressor's FP8 KV-cache recipes add `kv_cache_scheme` and each attention layer's `self_attn.k_scale` /
+    `v_scale`. The loader refused the first scale as an unexpected tensor ("no part of a qwen3_5_moe model takes
+    it", no scheme named). vLLM reads them only for an FP8 KV cache and with --kv-cache-dtype auto leaves them unused;
+    moepipe does the same now, with a warning naming the scheme (the weights' logits are the library's). Without a
+    kv_cache_scheme such a tensor is still unexpected."""
+    from shared.checkpoint_files import CheckpointError
+
+    qconfig = {"config_groups": {"g": _weights(4, "group", ["Linear"], 8)}, "ignore": IGNORE,
+               "format": "pack-quantized"}
+    want = _library_written("qwen3_5_moe", qconfig, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "model.safetensors")
+    attn = sorted({k.rsplit(".self_attn.", 1)[0] for k in tensors if ".self_attn.o_proj." in k})
+    assert attn
+    for layer in attn:
+        tensors[f"{layer}.self_attn.k_scale"] = torch.tensor([0.02])
+        tensors[f"{layer}.self_attn.v_scale"] = torch.tensor([0.03])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        assert (_logprobs(tmp_path) - want).abs().max() < TOL
+    assert "kv_cache_scheme (float8 tensor) ignored" in caplog.text
+    del config["quantization_config"]["kv_cache_scheme"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor '.*self_attn\.k_scale'"):
+        load_model(tmp_path, LoadOptions(dtype=torch.float32))

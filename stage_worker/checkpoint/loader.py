@@ -183,6 +183,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     ple_shards: dict[int, Shards] = defaultdict(dict)
     ple_layers = {layer: ple for layer, ple in _ple_modules(model)}
     skipped_extra: set[str] = set()
+    kv_scales = 0
     quant = _Dequantizer(plan_of(model_dir), pieces, {normalise(n)[: -len(".weight_g_idx")] for n in headers
                                                       if n.endswith(".weight_g_idx")})
     placer = PackedPlacer({layer: moe for layer, moe in model.moe_layers().items()
@@ -236,6 +237,9 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                     continue                       # another stage's tensor
                 if cfg.shared_expert_intermediate_size == 0 and _NO_SHARED_EXPERT.match(name):
                     continue                       # transformers' zero-width shared expert (and its gate): adds 0
+                if quant.plan is not None and quant.plan.kv_cache and _KV_SCALE.search(name):
+                    kv_scales += 1                 # kv_cache_scheme's scales: the KV cache stays in the compute dtype
+                    continue
                 if name.endswith(_ROTARY_BUFFERS):
                     continue                       # an old exporter's RoPE tables: recomputed, as transformers does
                 if name.startswith(("model.visual.", "visual.")) or (name.startswith("mtp.") and model.mtp is None):
@@ -243,6 +247,11 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
                     continue
                 raise CheckpointError(f"unexpected tensor {raw_name!r} in {path}: no part of a "
                                       f"{cfg.family} model with this config.json takes it")
+    if kv_scales:
+        kv = quant.plan.kv_cache
+        log.warning("checkpoint: kv_cache_scheme (%s%s %s) ignored: the KV cache stays in the compute dtype and the "
+                    "%d k/v scales in the files are unused, as vLLM's --kv-cache-dtype auto does",
+                    kv.get("type", "int"), kv.get("num_bits", "?"), kv.get("strategy") or "tensor", kv_scales)
     if skipped_extra:
         log.info("checkpoint: skipped tensors under %s (not served by this stage)", ", ".join(sorted(skipped_extra)))
     quant.finish(model_dir)
@@ -272,6 +281,10 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dic
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# compressed-tensors' kv_cache_scheme (llm-compressor's FP8 KV cache recipes): each attention layer's static K and V
+# scales. vLLM reads them only for an FP8 KV cache (--kv-cache-dtype fp8, which moepipe refuses); with auto it keeps
+# the cache in the model's dtype and leaves them unused, and so does moepipe (a warning says so).
+_KV_SCALE = re.compile(r"\.self_attn\.(k|v)_scale$")
 # With shared_expert_intermediate_size 0 transformers still builds (and save_pretrained writes) a shared expert of
 # zero width, [0, H] / [H, 0] weights, and its [1, H] gate: the gated output is sigmoid(g) * 0. Ours has none.
 _NO_SHARED_EXPERT = re.compile(r"^(model\.|mtp\.)(.*\.)?layers\.\d+\.mlp\.shared_expert(_gate)?\.")
