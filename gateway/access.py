@@ -3,8 +3,8 @@
 As vLLM's `--api-key`: every `/v1/...` request must carry `Authorization: Bearer <key>` with one of the keys given
 (each compared in constant time), while `/health` and `/metrics` stay open for probes and scrapers. The Host check
 defeats DNS rebinding: a web page on evil.example that re-points its name at 127.0.0.1 can reach a local server, but
-its requests still say `Host: evil.example`. `/health` is exempt from both checks (the launcher and load balancers
-probe it). By default a server bound to a loopback address answers only loopback names; bound to anything else it
+its requests still say `Host: evil.example`. `/health` (and `/ping`, vLLM's probe) is exempt from both checks (the
+launcher and load balancers probe it). By default a server bound to a loopback address answers only loopback names; bound to anything else it
 takes any Host (say which with `allowed_hosts`). Written here rather than with Starlette's TrustedHostMiddleware so
 that refusals have the OpenAI error body every client parses.
 """
@@ -51,7 +51,7 @@ class AccessControl:
         self.hosts = {h.lower().strip("[]") for h in (allowed_hosts or ["*"])}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/health":     # probes (the launcher's too)
+        if scope["type"] != "http" or scope.get("path") in ("/health", "/ping"):   # probes (the launcher's too)
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}

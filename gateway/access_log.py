@@ -11,7 +11,7 @@ routes need no logging code of their own. A line looks like
 (one line; `-` for what a request never had, e.g. tokens of a 400). `request_id` is the client's `X-Request-Id`
 header when it sent one, else the response's `id`; the response carries it back in `X-Request-Id` (the `openai`
 client shows that header as `_request_id`). Status 499 means the client went away before the response was complete
-(nginx's convention), also for a stream whose 200 had already been sent. `/health` and `/metrics` are not logged:
+(nginx's convention), also for a stream whose 200 had already been sent. `/health`, `/ping` and `/metrics` are not logged:
 probes, scrapers and the launcher's start-up polling would drown the requests (`/health` says what is down).
 """
 
@@ -29,7 +29,7 @@ __all__ = ["AccessRecord", "AccessLogMiddleware", "current", "configure_logger",
 
 LOGGER_NAME = "moepipe.access"
 CLIENT_GONE = 499
-_QUIET_PATHS = ("/health", "/metrics")
+_QUIET_PATHS = ("/health", "/ping", "/metrics")       # /ping: vLLM's probe, /health's answer
 _MAX_CLIENT_ID = 128               # a client's X-Request-Id is echoed and logged; bound what it can make us write
 
 _current: ContextVar[AccessRecord | None] = ContextVar("moepipe_access_record", default=None)

@@ -204,7 +204,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":       # no such route (OpenAI: "Invalid URL")
             message = f"Invalid URL ({where}): this server has no such route."
         elif exc.status_code == 405:                                 # the route exists for other methods
-            allowed = (headers or {}).get("allow") or (headers or {}).get("Allow")
+            allowed = _allowed_methods(request)
+            if allowed:      # every route of this path, not only the one that matched (/ping GET and POST)
+                headers = {**{k: v for k, v in (headers or {}).items() if k.lower() != "allow"}, "Allow": allowed}
+            else:
+                allowed = (headers or {}).get("allow") or (headers or {}).get("Allow")
             message = f"Method not allowed ({where})" + (f": use {allowed}." if allowed else ".")
         return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code, headers=headers)
 
@@ -215,6 +219,18 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(cls, on_engine)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_middleware(CatchAllMiddleware)
+
+
+def _allowed_methods(request: Request) -> str:
+    """The methods some route of the app takes at this request's path, as an Allow header: Starlette's 405 names
+    only the methods of the one route whose path matched first, and a path served by two routes (GET and DELETE
+    of /v1/responses/{id}, each its own operation) then told clients a method was missing."""
+    matched = [route for route in getattr(request.app, "routes", ())
+               if getattr(route, "methods", None) and getattr(route, "path_regex", None) is not None
+               and route.path_regex.match(request.url.path)]
+    # a literal path (/v1/responses/input_tokens) is its own resource, not an id of /v1/responses/{response_id}
+    literal = [route for route in matched if not getattr(route, "param_convertors", None)]
+    return ", ".join(sorted({m for route in (literal or matched) for m in route.methods}))
 
 
 class CatchAllMiddleware:

@@ -223,8 +223,8 @@ class ClusterConfig:
     # docs/performance.md "Moves at batch 4, a CPU study"). "steps" until a GPU measures "tokens".
     expert_move_half_life_unit: str = "steps"
     # ... with moves on read, C host slots a layer may claim a step, 2C spare device slots a table (the kernels and the
-    # round take C: `expert_moves.claim_round`); 1 = today's layout. The loader and the memory plan do not carry it
-    # yet: values above 1 are refused here and measured through bench/expert_offload.py --claims (h200-29 call M).
+    # round take C: `expert_moves.claim_round`); 1 = the default layout, 1 to MAX_EXPERT_MOVE_CLAIMS served (the
+    # loader and the memory plan carry it). h100-29: 4 with half-life in tokens and margin 0 is the batch-4 setting.
     expert_move_claims: int = 1
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for

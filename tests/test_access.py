@@ -57,6 +57,7 @@ def test_a_forged_host_is_refused(server):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
         assert httpx.get(server.url + "/v1/models", headers={**auth, "host": host}, verify=False).status_code == 200
     assert httpx.get(server.url + "/health", headers={"host": "evil.example"}, verify=False).status_code == 200
+    assert httpx.get(server.url + "/ping", headers={"host": "evil.example"}, verify=False).status_code == 200
 
 
 def test_cors_only_for_the_allowed_origins(server):
