@@ -51,15 +51,17 @@ class QuantPlan:
     shadowed: dict[str, list[str]] = field(default_factory=dict)   # target -> groups whose scheme it lost
     kv_cache: dict | None = None        # compressed-tensors' kv_cache_scheme (the loader skips its k/v scales)
 
-    def for_module(self, name: str, cls: str = "Linear") -> WeightQuant | None:
-        """The scheme of module `name` (class `cls`), or None (ignored or no target matches)."""
+    def for_module(self, name: str, cls: str | None = None) -> WeightQuant | None:
+        """The scheme of module `name` (class `cls`, default `module_class(name)`), or None (ignored or no target
+        matches)."""
         group = self.group_of(name, cls)
         return None if group is None else self.targets[group][1]
 
-    def group_of(self, name: str, cls: str = "Linear") -> str | None:
+    def group_of(self, name: str, cls: str | None = None) -> str | None:
         """The target that decides module `name`'s scheme (exact name, then regex, then class), or None. A name in
         the plain causal-LM layout (`model.layers...`, as the loader normalises) also matches targets written for
         a released multimodal checkpoint's names (`model.language_model.layers...`, `language_model.layers...`)."""
+        cls = cls or module_class(name)
         names = _released_names(name)
         if any(_match_name(n, t) or t == cls for t in self.ignore for n in names):
             return None
@@ -68,6 +70,13 @@ class QuantPlan:
             if any(_match_name(n, t) for n in names):
                 return t
         return cls if cls in self.targets else None
+
+
+def module_class(name: str) -> str:
+    """The class transformers' model holds module `name` as, for class targets: the token embedding is an
+    `Embedding` (a recipe may give it a group of its own, `targets: [Embedding]`), every other quantizable weight a
+    `Linear`."""
+    return "Embedding" if name.rsplit(".", 1)[-1] == "embed_tokens" else "Linear"
 
 
 def _released_names(name: str) -> list[str]:

@@ -170,3 +170,16 @@ def test_kv_cache_scheme_scales_are_left_unused_as_vllm_does(tmp_path, caplog):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"unexpected tensor '.*self_attn\.k_scale'"):
         load_model(tmp_path, LoadOptions(dtype=torch.float32))
+
+
+def test_an_embedding_class_target_gets_its_own_scheme(tmp_path):
+    """A recipe with a group for `Linear` and another for `Embedding` (INT8 per channel for the token embedding):
+    the library quantizes the embedding with the second. moepipe resolved every module as a `Linear`, read the
+    embedding with the first group's scheme and refused the library's checkpoint ("1 scale columns mean 1-8
+    inputs, but ... packed int32 columns hold ...: model.embed_tokens"); the embedding is an Embedding now."""
+    qconfig = {"config_groups": {"linear": _weights(4, "group", ["Linear"], 8),
+                                 "embedding": _weights(8, "channel", ["Embedding"])},
+               "ignore": IGNORE, "format": "pack-quantized"}
+    want = _library_written("qwen3_5_moe", qconfig, tmp_path)
+    assert "model.embed_tokens.weight_packed" in load_file(tmp_path / "model.safetensors")
+    assert (_logprobs(tmp_path) - want).abs().max() < TOL
