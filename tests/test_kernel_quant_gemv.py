@@ -134,6 +134,21 @@ def test_periods_and_scale_modes():
     assert tiny["BLOCK_N"] == 16 and tiny["NPER"] * tiny["PP"] == 16
 
 
+def test_a_shape_entry_overrides_the_token_count_entry_only_where_it_applies():
+    """CFG_SHAPE (out_proj INT6 at one token, from the H200 and H100 sweeps) is taken for its shape, bits and token
+    counts only; other shapes, bits and larger token counts keep CFG; an explicit cfg beats both."""
+    dev = torch.device("cpu")
+    (n, k, bits), table = next(iter(Q.CFG_SHAPE.items()))
+
+    def bn(t: int, n: int = n, k: int = k, bits: int = bits, cfg: tuple | None = None) -> int:
+        return Q.launch_config(t, n, k, 128, dev, cfg, bits=bits)["BLOCK_N"]
+
+    assert bn(1) == table[1][0] != Q.CFG[1][0]
+    assert bn(1, k=k + 2048) == bn(1, bits=4) == Q.CFG[1][0]           # o_proj's K, another width: CFG
+    assert bn(4) == Q.CFG[4][0] and bn(64) == Q.CFG[16][0]                # past the shape's keys: CFG
+    assert bn(1, cfg=(8, 256, 4)) == 8
+
+
 @pytest.mark.parametrize("bits,dense,group", [(6, True, 16), (6, False, 40), (4, True, 8), (8, True, 4)])
 def test_row_blocks_not_dividing_n_and_odd_widths(bits, dense, group):
     """Row blocks of 16 over 21 rows (the last holds 5), K = 84 (not a multiple of the tile or, for the stream, of

@@ -97,6 +97,12 @@ GPU_CHUNK = 1 << 26
 # flight with the prefetch, until the H200 sweep (tests/test_kernel_quant_gemv.py::test_sweep_launch_configs_on_the_gpu,
 # bench/tune_kernels.py --only quant_gemv) has run.
 CFG = {1: (32, 512, 4), 4: (32, 256, 4), 16: (16, 256, 4)}
+# ... and where one shape's winner beats that entry on both cards: (N, K, bits) -> {token count: config}, the same
+# smallest-key-above rule, falling back to CFG past the largest key. DeltaNet's out_proj INT6 (2,560 x 4,096, split
+# over K) at one token, (64, 512, 8) against (32, 512, 4): 1,359 against 1,155 GB/s on the H200 (h200-30), 1,354
+# against 1,104 on the H100 (h100-29; `bench/tune_kernels.py --only quant_gemv --rows 1 --shapes "out_proj int6"`).
+# o_proj (2,560 x 6,144) keeps CFG: 1,731 against 1,720 on the H200, 1,558 against 1,645 on the H100 at that config.
+CFG_SHAPE: dict[tuple[int, int, int], dict[int, tuple[int, ...]]] = {(2560, 4096, 6): {1: (64, 512, 8)}}
 # Words of the next tile loading while one is computed. The INT4 MoE kernel gained 24% at one token from the same
 # (bench/results/moe-int4-4).
 PREFETCH = True
@@ -444,6 +450,16 @@ def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _token_entry(table: dict[int, tuple[int, ...]] | None, T: int) -> tuple[int, ...] | None:
+    """The entry of the smallest key >= T; CFG (the last resort) its largest key's past them, a shape's table none."""
+    if not table:
+        return None
+    key = min((k for k in table if k >= T), default=None)
+    if key is None:
+        return table[max(table)] if table is CFG else None
+    return table[key]
+
+
 def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg: tuple[int, ...] | None = None,
                   fma: bool = True, bits: int = 6, dense: bool = True, wide: bool = False) -> dict:
     """Tile sizes, scale mode and K slices for a call (`cfg` overrides the CFG entry; `fma` False: 2-16 tokens take
@@ -451,7 +467,8 @@ def launch_config(T: int, N: int, K: int, group: int, device: torch.device, cfg:
     tokens in one program (TP 16), at least 16 rows and 16 tile positions (NPER * PP, PP the period padded to a
     power of two))."""
     dot = T > 1 and not fma and not wide
-    bn, bk, warps, *rest = cfg or (CFG_WIDE if wide else CFG[min((k for k in CFG if k >= T), default=max(CFG))])
+    bn, bk, warps, *rest = cfg or (CFG_WIDE if wide else _token_entry(CFG_SHAPE.get((N, K, bits)), T)
+                                   or _token_entry(CFG, T))
     p, wp = period(bits, dense)
     pp = triton.next_power_of_2(p)
     if wide:
