@@ -142,6 +142,7 @@ def parse(config: dict) -> QuantPlan | None:
     if method != "compressed-tensors":
         raise QuantSchemeError(f"quantization_config.quant_method {method!r} is not supported (compressed-tensors "
                                f"or fp8 with weight_block_size)")
+    _refuse_sparsity_and_online_transforms(q)
     groups = q.get("config_groups") or {}
     if not groups:
         raise QuantSchemeError("quantization_config (compressed-tensors) has no config_groups")
@@ -161,6 +162,36 @@ def parse(config: dict) -> QuantPlan | None:
     if kv is not None and not isinstance(kv, dict):
         raise QuantSchemeError(f"quantization_config.kv_cache_scheme must be an object, got {kv!r}")
     return QuantPlan("compressed-tensors", targets, list(q.get("ignore") or []), shadowed, kv or None)
+
+
+_OFFLINE = ("weight_input", "weight_output")      # transforms fused into the stored weights
+
+
+def _refuse_sparsity_and_online_transforms(q: dict) -> None:
+    """compressed-tensors sections beside `config_groups` that change what the tensors mean or what a forward must
+    compute: a `sparsity_config` in a compressed format (2:4 bitmask, marlin-24: the values are not in
+    `weight_packed` / `weight` alone) and a `transform_config` applied online (a Hadamard rotation of activations,
+    K or Q at run time, which moepipe does not compute; rotations fused into the weights, `weight_input` /
+    `weight_output`, need nothing)."""
+    sparsity = q.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict):
+        raise QuantSchemeError(f"quantization_config.sparsity_config must be an object, got {sparsity!r}")
+    if sparsity.get("format") not in (None, "dense"):
+        raise QuantSchemeError(f"quantization_config.sparsity_config: format {sparsity.get('format')!r} "
+                               f"({sparsity.get('sparsity_structure', '?')} sparsity) is not supported; moepipe "
+                               f"reads dense weights (sparsity format 'dense')")
+    transforms = q.get("transform_config") or {}
+    groups = transforms.get("config_groups") if isinstance(transforms, dict) else None
+    for name, t in (groups if isinstance(groups, dict) else {}).items():
+        applies = t.get("apply") if isinstance(t, dict) else None
+        for apply in applies if isinstance(applies, list) else []:
+            where = apply.get("location") if isinstance(apply, dict) else None
+            if where not in _OFFLINE:
+                raise QuantSchemeError(f"quantization_config.transform_config.config_groups.{name}: a "
+                                       f"{t.get('type', '?')} transform at location {where!r} (targets "
+                                       f"{apply.get('targets') if isinstance(apply, dict) else '?'}) is applied at "
+                                       f"run time, which moepipe does not compute (only transforms fused into the "
+                                       f"weights, {' / '.join(_OFFLINE)}, load)")
 
 
 def check(plan: QuantPlan, tensors: dict[str, tuple[int, ...]]) -> list[str]:

@@ -183,3 +183,32 @@ def test_an_embedding_class_target_gets_its_own_scheme(tmp_path):
     want = _library_written("qwen3_5_moe", qconfig, tmp_path)
     assert "model.embed_tokens.weight_packed" in load_file(tmp_path / "model.safetensors")
     assert (_logprobs(tmp_path) - want).abs().max() < TOL
+
+
+def _ct(**extra) -> dict:
+    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                    "config_groups": {"g": _weights(4, "group", ["Linear"], 32)}, **extra}}
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
+     r"sparsity_config: format 'sparse-24-bitmask' \(2:4 sparsity\) is not supported"),
+    ({"transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": [
+        {"targets": ["re:.*down_proj$"], "location": "weight_input"},
+        {"targets": ["re:.*down_proj$"], "location": "input", "inverse": True}]}}}},
+     r"transform_config\.config_groups\.u: a hadamard transform at location 'input'"),
+])
+def test_sparse_and_online_transform_checkpoints_stop_naming_the_scheme(extra, match):
+    """A 2:4-sparse compressed checkpoint (its values in bitmask tensors) and an online Hadamard transform (QuIP /
+    SpinQuant R4: activations rotated at run time) were accepted by the metadata check, so the first failed later
+    on an 'unexpected tensor' and the second would load and compute without the rotation: wrong logits, silently.
+    Both stop now, naming the section and the scheme; a dense sparsity config and transforms fused into the
+    weights still load."""
+    from shared.quant_scheme import QuantSchemeError, parse
+
+    with pytest.raises(QuantSchemeError, match=match):
+        parse(_ct(**extra))
+    fused = {"config_groups": {"v": {"type": "hadamard", "apply": [
+        {"targets": ["re:.*v_proj$"], "location": "weight_output"},
+        {"targets": ["re:.*o_proj$"], "location": "weight_input", "inverse": True}]}}}
+    assert parse(_ct(sparsity_config={"format": "dense"}, transform_config=fused)).method == "compressed-tensors"
