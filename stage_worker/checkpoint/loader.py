@@ -80,8 +80,10 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
                 packed: dict[int, tuple[int, int]] | None = None, dense=None,
-                fp8: dict[int, tuple[int, int]] | None = None, fp8_dense=None) -> StageModel:
-    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed;
+                fp8: dict[int, tuple[int, int]] | None = None, fp8_dense=None,
+                scale_dtypes: dict[int, torch.dtype] | None = None) -> StageModel:
+    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed
+    (`scale_dtypes`: layer -> the checkpoint's dtype of their scales, default the compute dtype);
     `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec; `fp8`: MoE layer -> scale
     block of experts kept float8; `fp8_dense(model)`: the Linear modules kept float8 (Fp8Linear) -> their block."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)
@@ -90,7 +92,7 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     model = model.to(dtype)
     for layer, moe in model.moe_layers().items():
         if layer in (packed or {}):
-            moe.use_packed(*packed[layer])
+            moe.use_packed(*packed[layer], (scale_dtypes or {}).get(layer))
         elif layer in (fp8 or {}):
             moe.use_fp8(fp8[layer])
     if dense is not None:
@@ -146,7 +148,7 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
     fp8_dense = None
     if opts.load_format == "safetensors" and opts.packed_fp8_dense:
         fp8_dense = lambda m: fp8_dense_specs(m, cfg, model_dir, headers)      # noqa: E731
-    model = build_empty(cfg, opts, packed, dense, fp8, fp8_dense)
+    model = build_empty(cfg, opts, packed, dense, fp8, fp8_dense, _expert_scale_dtypes(headers, packed))
     if opts.load_format == "dummy":
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
@@ -281,6 +283,17 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dic
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_EXPERT_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight_scale$")
+
+
+def _expert_scale_dtypes(headers: dict, packed: dict[int, tuple[int, int]]) -> dict[int, torch.dtype]:
+    """Packed MoE layer -> the dtype of its experts' scales in the files (the first found; a float dtype)."""
+    out: dict[int, torch.dtype] = {}
+    for name, (_, dtype) in headers.items():
+        m = _EXPERT_SCALE.search(name)
+        if m and not name.startswith("mtp.") and int(m.group(1)) in packed and dtype in _SAFETENSORS_DTYPES:
+            out.setdefault(int(m.group(1)), _SAFETENSORS_DTYPES[dtype])
+    return out
 # compressed-tensors' kv_cache_scheme (llm-compressor's FP8 KV cache recipes): each attention layer's static K and V
 # scales. vLLM reads them only for an FP8 KV cache (--kv-cache-dtype fp8, which moepipe refuses); with auto it keeps
 # the cache in the model's dtype and leaves them unused, and so does moepipe (a warning says so).

@@ -88,14 +88,18 @@ class SparseMoE(nn.Module):
             delattr(self, name)
         self.table = table
 
-    def use_packed(self, group: int, group2: int) -> None:
+    def use_packed(self, group: int, group2: int, scale_dtype: torch.dtype | None = None) -> None:
         """Hold the routed experts as a checkpoint's INT4 words and scales (issue 17): q13 int32 [E, 2I, H/8],
         s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py);
-        w13/w2 stop being parameters. Built on the meta device and filled by the loader."""
+        w13/w2 stop being parameters. Built on the meta device and filled by the loader. `scale_dtype`: the
+        checkpoint's (default the compute dtype): the references dequantize as the library does, q times the scale
+        in the scale's dtype, so a bf16 checkpoint computed in float32 on a CPU rounds its weights as there (in
+        float32 scales they differed from the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its
+        scale dtype the same way)."""
         self._check_silu("INT4")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
-        dtype, device = self.w13.dtype, self.w13.device
+        dtype, device = scale_dtype or self.w13.dtype, self.w13.device
         del self.w13, self.w2
         self.register_buffer("q13", torch.empty(E, two_i, H // 8, dtype=torch.int32, device=device))
         self.register_buffer("s13", torch.empty(E, two_i, -(-H // group), dtype=dtype, device=device))
