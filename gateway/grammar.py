@@ -822,7 +822,7 @@ _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", 
 _COMPOSED = ("$ref", "allOf", "anyOf", "oneOf", "additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def _closed_objects(node: Any, close: bool = True) -> Any:
+def _closed_objects(node: Any, close: bool = True, root: Any = None) -> Any:
     """Objects that do not say otherwise get `additionalProperties: false` (recursively), as xgrammar's strict mode
     and OpenAI's strict structured outputs do. JSON Schema's default (any extra key) lets a model write keys forever
     and never helps a client: it asked for the properties it listed. An explicit `additionalProperties` is kept.
@@ -832,24 +832,35 @@ def _closed_objects(node: Any, close: bool = True) -> Any:
     their top level and the intersection is closed once, on the node holding it, over the union of the members'
     properties (which is exactly what zod's `unevaluatedProperties: false` on an intersection says, so that
     keyword, which llguidance does not implement, is dropped there). Members that are references or compositions
-    themselves, or say how extra keys go, leave the intersection open: their keys are not known here."""
+    themselves, or say how extra keys go, leave the intersection open: their keys are not known here. A member that
+    is only a local reference to a `$defs` / `definitions` entry (`allOf: [{"$ref": "#/$defs/Base"}, {...}]`, a
+    model extending another) is that entry written in place, open at its top level as other members are: the entry
+    itself is closed to its own keys, so through the reference it would forbid the other members' keys (no object
+    at all: a 400 "unsatisfiable").
+
+    Names that `required` lists but `properties` does not declare (`{"type": "object", "required": ["x"]}`: any
+    object with an `x`) are declared with the empty schema where the object is closed here: closing it to its
+    `properties` alone would make the schema unsatisfiable (a 400 for a valid schema). An explicit
+    `additionalProperties: false` is the client's and left as it is."""
+    root = node if root is None else root
     if isinstance(node, list):
-        return [_closed_objects(x) for x in node]
+        return [_closed_objects(x, root=root) for x in node]
     if not isinstance(node, dict):
         return node
     out = dict(node)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed_objects(x) for x in out[key]]
+            out[key] = [_closed_objects(x, root=root) for x in out[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _closed_objects(v) for k, v in out[key].items()}
+            out[key] = {k: _closed_objects(v, root=root) for k, v in out[key].items()}
     for key in _SUBSCHEMA_ONE:
         if isinstance(out.get(key), dict):
-            out[key] = _closed_objects(out[key])
+            out[key] = _closed_objects(out[key], root=root)
     members = out.get("allOf")
     if isinstance(members, list):
-        out["allOf"] = [_closed_objects(x, close=False) for x in members]
+        members = [_inline_ref(m, root) for m in members]
+        out["allOf"] = [_closed_objects(x, close=False, root=root) for x in members]
         if not close:
             return out
         objects = [m for m in members if isinstance(m, dict) and _is_object(m)]
@@ -857,13 +868,40 @@ def _closed_objects(node: Any, close: bool = True) -> Any:
         if (objects or _is_object(out)) and known and "additionalProperties" not in out and "patternProperties" not in out \
                 and out.get("unevaluatedProperties", False) is False:
             names = {k: {} for m in objects for k in (m.get("properties") or {})}
+            names.update({k: {} for m in [out, *objects] for k in _required_names(m)})
             out["properties"] = {**names, **(out.get("properties") or {})}
             out["additionalProperties"] = False
             out.pop("unevaluatedProperties", None)
         return out
     if close and _is_object(out) and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
+        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+        missing = [k for k in _required_names(out) if k not in props]
+        if missing and (isinstance(out.get("properties"), dict) or "properties" not in out):
+            out["properties"] = {**props, **{k: {} for k in missing}}
     return out
+
+
+def _required_names(node: dict) -> list[str]:
+    required = node.get("required")
+    return [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+
+
+def _inline_ref(member: Any, root: Any) -> Any:
+    """An allOf member that is only a local reference (`{"$ref": "#/$defs/X"}`, with annotations beside it) as the
+    object schema it names, when that schema is a plain one (no reference or composition of its own); else the
+    member as it is."""
+    if not isinstance(member, dict) or not isinstance(member.get("$ref"), str) or not isinstance(root, dict):
+        return member
+    if any(k not in ("$ref", "description", "title", "$comment", "examples", "default") for k in member):
+        return member
+    m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", member["$ref"])
+    defs = root.get(m.group(1)) if m else None
+    name = m.group(2).replace("~1", "/").replace("~0", "~") if m else None
+    target = defs.get(name) if isinstance(defs, dict) else None
+    if not isinstance(target, dict) or not _is_object(target) or any(k in target for k in _COMPOSED):
+        return member
+    return {**target, **{k: v for k, v in member.items() if k != "$ref"}}
 
 
 def _is_object(node: dict) -> bool:
