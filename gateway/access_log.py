@@ -9,7 +9,8 @@ routes need no logging code of their own. A line looks like
     total=0.187 finish_reason=stop client=127.0.0.1:50412
 
 (one line; `-` for what a request never had, e.g. tokens of a 400). `request_id` is the client's `X-Request-Id`
-header when it sent one, else the response's `id`; the response carries it back in `X-Request-Id` (the `openai`
+header when it sent one, else the response's `id` (else, for a reply that has none, an error before generation, a
+generated `req-<hex>`); the response carries it back in `X-Request-Id` (the `openai`
 client shows that header as `_request_id`). Status 499 means the client went away before the response was complete
 (nginx's convention), also for a stream whose 200 had already been sent. `/health`, `/ping` and `/metrics` are not logged:
 probes, scrapers and the launcher's start-up polling would drown the requests (`/health` says what is down).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -132,6 +134,8 @@ class AccessLogMiddleware:
         async def logging_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 rec.status = message["status"]
+                if rec.request_id is None and rec.path not in _QUIET_PATHS:
+                    rec.response_id = f"req-{uuid.uuid4().hex}"     # an error before any id: still one to quote
                 if rec.request_id is not None:
                     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                     message = {**message, "headers": [*headers, (b"x-request-id", rec.request_id.encode("latin-1"))]}

@@ -134,15 +134,20 @@ def test_tool_calls_finish_reason_is_the_clients(server):
 def test_errors_get_a_line_with_their_status(server):
     url, log = server
     before = len(_lines(log))
-    assert httpx.post(url + "/v1/chat/completions", content=b"{not json", verify=False).status_code == 400
-    assert httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": [
-        {"role": "user", "content": "hi"}]}, verify=False).status_code == 404
-    assert httpx.get(url + "/v1/nothing-here", verify=False).status_code == 404
+    replies = [httpx.post(url + "/v1/chat/completions", content=b"{not json", verify=False),
+               httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": [
+                   {"role": "user", "content": "hi"}]}, verify=False),
+               httpx.get(url + "/v1/nothing-here", verify=False)]
+    assert [r.status_code for r in replies] == [400, 404, 404]
     lines = _wait_line(log, before + 3)[before:]
     assert [(ln["method"], ln["path"], ln["status"]) for ln in lines] == [
         ("POST", "/v1/chat/completions", "400"), ("POST", "/v1/chat/completions", "404"),
         ("GET", "/v1/nothing-here", "404")]
-    assert all(ln["request_id"] == ln["prompt_tokens"] == ln["ttft"] == ln["finish_reason"] == "-" for ln in lines)
+    assert all(ln["prompt_tokens"] == ln["ttft"] == ln["finish_reason"] == "-" for ln in lines)
+    # an error has no response id: a generated one, in the header and the line, so a report can quote it
+    ids = [r.headers["x-request-id"] for r in replies]
+    assert all(i.startswith("req-") for i in ids) and len(set(ids)) == 3
+    assert [ln["request_id"] for ln in lines] == ids
 
 
 def test_client_gone_mid_stream_is_499_abort(server):
