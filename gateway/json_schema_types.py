@@ -19,6 +19,8 @@ checked): what cannot be read says nothing (None)."""
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,12 +66,69 @@ def _meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] 
     return frozenset(both)
 
 
+_DEF_REF = re.compile(r"#/(\$defs|definitions)/[^/]+")
+_VALUE_KEYS = ("const", "enum", "default", "examples")      # JSON values, not schemas: never rewritten
+
+
+def pointer_refs_as_defs(root: Mapping) -> dict:
+    """`root` with every local `$ref` that is no `#/$defs/X` / `#/definitions/X` (zod-to-json-schema's
+    `#/properties/a`, `#` for the root itself, a pointer into a definition) pointed at a `$defs` entry holding its
+    target instead (rewritten the same way, so a recursive one ends at its own entry). Why: the XML form's values
+    are compiled one parameter at a time with the root's `$defs` beside them, where a pointer into the root
+    resolves against the value; and `ref_target` follows only `$defs` / `definitions`, so such a parameter was
+    untyped free text (the hermes form hands llguidance the whole root, which follows any pointer). A pointer
+    that names nothing stays as it is. The client's schema is not changed."""
+    names: dict[str, str] = {}
+    added: dict[str, Any] = {}
+    taken = set(root.get("$defs") or ()) if isinstance(root.get("$defs"), Mapping) else set()
+
+    def target(pointer: str) -> Any:
+        """What `pointer` ("#" or "#/a/b") names in the client's root, None if nothing."""
+        node: Any = root
+        for part in [] if pointer == "#" else pointer[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, Mapping) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def rewrite(node: Any, depth: int) -> Any:
+        if depth > 64:
+            return node
+        if isinstance(node, list):
+            return [rewrite(x, depth + 1) for x in node]
+        if not isinstance(node, Mapping):
+            return node
+        out = {k: v if k in _VALUE_KEYS else rewrite(v, depth + 1) for k, v in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _DEF_REF.fullmatch(ref):
+            if ref not in names:
+                found = target(ref)
+                if not isinstance(found, (Mapping, bool)):
+                    return out
+                name = next(n for n in (f"ref_{i}" for i in itertools.count(len(names))) if n not in taken)
+                taken.add(name)
+                names[ref] = name
+                added[name] = rewrite(found, depth + 1)
+            out["$ref"] = f"#/$defs/{names[ref]}"
+        return out
+
+    new = rewrite(root, 0)
+    if added and isinstance(new, dict):
+        defs = new.get("$defs")
+        new["$defs"] = {**(defs if isinstance(defs, Mapping) else {}), **added}
+    return new if isinstance(new, dict) else {}
+
+
 class ParamSchemas:
     """A tool's parameters schema (the root), read for its parameters' types. `root` may be anything: what is no
     JSON object reads as a schema that says nothing."""
 
     def __init__(self, root: Any) -> None:
-        self.root = root if isinstance(root, Mapping) else {}
+        self.root = pointer_refs_as_defs(root) if isinstance(root, Mapping) else {}
         self.defs = {k: self.root[k] for k in ("$defs", "definitions") if isinstance(self.root.get(k), Mapping)}
 
     # ---- references ---------------------------------------------------------------------------------------------

@@ -507,6 +507,11 @@ STR_OR_NULL = {"anyOf": [{"type": "string"}, {"type": "null"}]}        # pydanti
     (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "None", None),
     (_obj(v={"anyOf": [{"type": "integer"}, {"type": "null"}]}), "7", 7),
     (_obj(v={"enum": [1, None]}), "1", 1),
+    # pointers that are no $defs entry (zod-to-json-schema's default): followed, as the hermes form follows them
+    ({"type": "object", "properties": {"n": {"type": "integer"}, "v": {"$ref": "#/properties/n"}},
+      "required": ["v"]}, "12", 12),
+    ({"type": "object", "$defs": {"P": {"type": "object", "properties": {"b": {"type": "boolean"}}}},
+      "properties": {"v": {"$ref": "#/$defs/P/properties/b"}}, "required": ["v"]}, "True", True),
 ])
 def test_the_grammar_and_the_parser_agree_on_types(tok, compiler, params, text, value):
     """A text the grammar accepts for a parameter parses into a value valid under the schema: the grammar and the
@@ -519,6 +524,27 @@ def test_the_grammar_and_the_parser_agree_on_types(tok, compiler, params, text, 
     args = json.loads(parsed.tool_calls[0].arguments)
     assert args == {"v": value} and type(args["v"]) is type(value), args
     jsonschema.validate(args, params)
+
+
+def test_a_pointer_ref_constrains_the_value(tok, compiler):
+    """`{"$ref": "#/properties/n"}` (zod's way to reuse a property) was not followed in the XML form: the parameter
+    was free text, so a call whose value is not the integer the schema names was allowed. Now refused; and a
+    recursive pointer (`#`, the root) compiles."""
+    params = {"type": "object", "properties": {"n": {"type": "integer"}, "v": {"$ref": "#/properties/n"}},
+              "required": ["v"]}
+    spec = compiler.tool_calls(_tool(params, strict=True), {"type": "function", "function": {"name": "f"}}, False)
+    assert accepts(compiler, spec, tok, xml_call("f", {"v": "12"}))
+    assert not accepts(compiler, spec, tok, xml_call("f", {"v": "twelve"}))
+    tree = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["name"], "additionalProperties": False}
+    spec = compiler.tool_calls(_tool(tree, strict=True), {"type": "function", "function": {"name": "f"}}, False)
+    call = xml_call("f", {"name": "root", "children": '[{"name": "a", "children": []}]'})
+    assert accepts(compiler, spec, tok, call)
+    args = json.loads(parse_complete(call, "off", {"f"}, call_form="xml", tool_params={"f": tree})
+                      .tool_calls[0].arguments)
+    jsonschema.validate(args, tree)
+    assert args["children"] == [{"name": "a", "children": []}]
 
 
 def test_optional_str_end_to_end(tok):
