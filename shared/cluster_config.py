@@ -538,8 +538,7 @@ class ClusterConfig:
         """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming
         --num-blocks now, not an allocation traceback from a stage process (409 GB asked for by a typo)."""
         num_blocks = self.num_blocks
-        local = [c for s, c in zip(self.stages, costs) if s.device == "cpu" and
-                 s.endpoint.startswith(("ipc://", "inproc://", "tcp://127.", "tcp://localhost"))]
+        local = [c for s, c in zip(self.stages, costs) if s.device == "cpu" and on_this_host(s.endpoint)]
         need = sum(local) * (num_blocks + 1)
         try:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -850,3 +849,21 @@ def _toml_string(v: str) -> str:
 
 def stage_name(index: int) -> str:
     return f"stage{index}"
+
+
+LOOPBACK_HOSTS = frozenset(("127.0.0.1", "localhost", "::1", "[::1]"))
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a `tcp://host:port` endpoint; None for `ipc://` / `inproc://` (reachable only from its own
+    host)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0]
+
+
+def on_this_host(endpoint: str) -> bool:
+    """Whether a stage listening on `endpoint` runs on the host that reads the config: an `ipc://` / `inproc://`
+    inbox, or a loopback address (any 127.x)."""
+    host = endpoint_host(endpoint)
+    return host is None or host in LOOPBACK_HOSTS or host.startswith("127.")

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.cluster_config import ClusterConfig, stage_name
+from shared.cluster_config import LOOPBACK_HOSTS, ClusterConfig, endpoint_host, stage_name
 from shared.protocol import IpcAccept, IpcActivations, IpcOffer, IpcRequest, Message
 from stage_worker.runner import Outgoing
 
@@ -61,23 +61,15 @@ log = logging.getLogger("moepipe.stage")
 
 SETUP_MESSAGES = (IpcOffer, IpcRequest, IpcAccept)
 _ALIGN = 512                       # slot and region alignment (bytes): every dtype's view of a slot is aligned
-_LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 # ---- whether to try at all (config) ----------------------------------------------------------------------------
-def endpoint_host(endpoint: str) -> str | None:
-    """The host of a `tcp://host:port` endpoint; None for `ipc://` (reachable only from its own host)."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    return endpoint[len("tcp://"):].rsplit(":", 1)[0]
-
-
 def same_host(a: str, b: str) -> bool:
     """Whether two stages whose inboxes are `a` and `b` run on one host. The receiver's inbox is connected to by the
     sender and (for the setup) the sender's by the receiver, so an `ipc://` or loopback inbox on either side means
     one host; two tcp endpoints count as one host only under the same name (the offer's host id checks it again)."""
     ha, hb = endpoint_host(a), endpoint_host(b)
-    if ha is None or hb is None or ha in _LOOPBACK or hb in _LOOPBACK:
+    if ha is None or hb is None or ha in LOOPBACK_HOSTS or hb in LOOPBACK_HOSTS:
         return True
     return ha == hb
 
