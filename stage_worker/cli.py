@@ -68,15 +68,14 @@ def _not_another_checkpoint(out: Path, value: str) -> None:
         how = quant.get("quant_method") if isinstance(quant, dict) else None
         raise ValueError(f"--out {value}: holds a quantized checkpoint ({how}), not make-model's output; give a new "
                          f"or empty directory")
-    from safetensors import safe_open
-
+    from shared.checkpoint_files import CheckpointError, open_safetensors
     from stage_worker.checkpoint.make_model import WRITTEN_BY
 
     for f in sorted(out.glob("*.safetensors")):
         try:
-            with safe_open(str(f), "pt") as opened:
+            with open_safetensors(f) as opened:
                 meta = opened.metadata() or {}
-        except Exception:               # not a readable safetensors file (an interrupted write): nobody's weights
+        except CheckpointError:         # not a readable safetensors file (an interrupted write): nobody's weights
             continue
         if any(meta.get(k) != v for k, v in WRITTEN_BY.items()):
             raise ValueError(f"--out {value}: holds a checkpoint make-model did not write ({f.name}); give a new or "
