@@ -47,7 +47,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer, regex_to_lark
 from tokenizers import Tokenizer as _Backend
 
-from gateway.json_schema_types import ParamSchemas
+from gateway.json_schema_types import ParamSchemas, def_ref
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
 
@@ -895,10 +895,9 @@ def _inline_ref(member: Any, root: Any) -> Any:
         return member
     if any(k not in ("$ref", "description", "title", "$comment", "examples", "default") for k in member):
         return member
-    m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", member["$ref"])
-    defs = root.get(m.group(1)) if m else None
-    name = m.group(2).replace("~1", "/").replace("~0", "~") if m else None
-    target = defs.get(name) if isinstance(defs, dict) else None
+    found = def_ref(member["$ref"])
+    defs = root.get(found[0]) if found else None
+    target = defs.get(found[1]) if isinstance(defs, dict) else None
     if not isinstance(target, dict) or not _is_object(target) or any(k in target for k in _COMPOSED):
         return member
     return {**target, **{k: v for k, v in member.items() if k != "$ref"}}

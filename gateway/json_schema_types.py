@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["JSON_TYPES", "ParamSchemas", "admitted", "json_type"]
+__all__ = ["JSON_TYPES", "ParamSchemas", "admitted", "def_ref", "json_type", "pointer_refs_as_defs"]
 
 JSON_TYPES = frozenset(("null", "boolean", "integer", "number", "string", "array", "object"))
 _MAX_DEPTH = 32
@@ -66,8 +66,15 @@ def _meet(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] 
     return frozenset(both)
 
 
-_DEF_REF = re.compile(r"#/(\$defs|definitions)/[^/]+")
+_DEF_REF = re.compile(r"#/(\$defs|definitions)/([^/]+)")
 _VALUE_KEYS = ("const", "enum", "default", "examples")      # JSON values, not schemas: never rewritten
+
+
+def def_ref(ref: str) -> tuple[str, str] | None:
+    """(`$defs` or `definitions`, the entry's name with JSON pointer escapes undone) of a local reference to a
+    definition (`#/$defs/X`, `#/definitions/X`); None for any other reference."""
+    m = _DEF_REF.fullmatch(ref)
+    return (m.group(1), m.group(2).replace("~1", "/").replace("~0", "~")) if m else None
 
 
 def pointer_refs_as_defs(root: Mapping) -> dict:
@@ -104,7 +111,7 @@ def pointer_refs_as_defs(root: Mapping) -> dict:
             return node
         out = {k: v if k in _VALUE_KEYS else rewrite(v, depth + 1) for k, v in node.items()}
         ref = out.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _DEF_REF.fullmatch(ref):
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and def_ref(ref) is None:
             if ref not in names:
                 found = target(ref)
                 if not isinstance(found, (Mapping, bool)):
@@ -135,11 +142,8 @@ class ParamSchemas:
 
     def ref_target(self, ref: str) -> Any:
         """The schema a local `$ref` (#/$defs/X, #/definitions/X) names, None for any other."""
-        for key in ("$defs", "definitions"):
-            prefix = f"#/{key}/"
-            if ref.startswith(prefix) and ref[len(prefix):] in self.defs.get(key, {}):
-                return self.defs[key][ref[len(prefix):]]
-        return None
+        found = def_ref(ref)
+        return None if found is None else self.defs.get(found[0], {}).get(found[1])
 
     def resolve(self, schema: Any) -> Any:
         """A local `$ref` followed (its sibling keywords kept over the target's: the types this admits are a superset
