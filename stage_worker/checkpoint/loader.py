@@ -23,7 +23,7 @@ from shared.ple_files import Shards, dummy_layer_table, open_ple_table, ple_shar
 from shared.quant_scheme import QuantPlan, QuantSchemeError, plan_of
 from shared.quant_scheme import refusal as quant_refusal
 from stage_worker.checkpoint.names import PLE_BUFFER, Piece, hf_name, pieces_for
-from stage_worker.checkpoint.packed_experts import PackedPlacer, fp8_layers, packed_layers
+from stage_worker.checkpoint.packed_experts import PackedPlacer, expert_tensors, fp8_layers, packed_layers
 from stage_worker.checkpoint.random_init import fill_random
 from stage_worker.expert_offload import attach_tables, fill_random_tables, loader_targets, order_gates
 from stage_worker.checkpoint.dense_placers import Fp8DensePlacer, PackedDensePlacer
@@ -283,16 +283,12 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dic
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_EXPERT_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight_scale$")
-
-
 def _expert_scale_dtypes(headers: dict, packed: dict[int, tuple[int, int]]) -> dict[int, torch.dtype]:
     """Packed MoE layer -> the dtype of its experts' scales in the files (the first found; a float dtype)."""
     out: dict[int, torch.dtype] = {}
-    for name, (_, dtype) in headers.items():
-        m = _EXPERT_SCALE.search(name)
-        if m and not name.startswith("mtp.") and int(m.group(1)) in packed and dtype in _SAFETENSORS_DTYPES:
-            out.setdefault(int(m.group(1)), _SAFETENSORS_DTYPES[dtype])
+    for layer, part, dtype in expert_tensors(headers):
+        if part == "weight_scale" and layer in packed and dtype in _SAFETENSORS_DTYPES:
+            out.setdefault(layer, _SAFETENSORS_DTYPES[dtype])
     return out
 # compressed-tensors' kv_cache_scheme (llm-compressor's FP8 KV cache recipes): each attention layer's static K and V
 # scales. vLLM reads them only for an FP8 KV cache (--kv-cache-dtype fp8, which moepipe refuses); with auto it keeps

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,8 +41,16 @@ def _expert_schemes(plan: QuantPlan, cfg: HybridMoeConfig, start: int, end: int)
                           for part in ("gate", "up", "down")]
 
 
-_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(weight_packed|weight|"
-                            r"weight_g_idx)$")
+_EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(\w+)$")
+
+
+def expert_tensors(headers: dict[str, tuple[tuple, str]]) -> Iterator[tuple[int, str, str]]:
+    """(decoder layer, part: `weight`, `weight_packed`, `weight_scale`, ..., safetensors dtype) of every routed
+    expert tensor in `headers` (`shared.checkpoint_files.tensor_headers`; the MTP layer's left out)."""
+    for name, (_, dtype) in headers.items():
+        m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
+        if m is not None:
+            yield int(m.group(1)), m.group(2), dtype
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,16 +62,13 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
     from shared.checkpoint_files import tensor_headers
 
     packed, fp8, g_idx = set(), set(), set()
-    for name, (_, dtype) in tensor_headers(Path(model_dir)).items():
-        m = None if name.startswith("mtp.") else _EXPERT_TENSOR.search(name)
-        if m is None:
-            continue
-        if m.group(2) == "weight_packed":
-            packed.add(int(m.group(1)))
-        elif m.group(2) == "weight_g_idx":      # activation-ordered groups (GPTQ actorder): dequantized at load
-            g_idx.add(int(m.group(1)))
-        elif dtype.startswith("F8"):
-            fp8.add(int(m.group(1)))
+    for layer, part, dtype in expert_tensors(tensor_headers(Path(model_dir))):
+        if part == "weight_packed":
+            packed.add(layer)
+        elif part == "weight_g_idx":            # activation-ordered groups (GPTQ actorder): dequantized at load
+            g_idx.add(layer)
+        elif part == "weight" and dtype.startswith("F8"):
+            fp8.add(layer)
     return frozenset(packed - g_idx), frozenset(fp8)
 
 
