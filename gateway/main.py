@@ -85,8 +85,9 @@ async def serve(config_path: str) -> int:
         await server.serve()
     finally:
         watcher.cancel()
+        died = core.dead                  # (read before stop: a stopped core is not dead)
         core.stop()
-    return 1 if watcher.done() and not watcher.cancelled() and watcher.result() else 0
+    return 1 if died else 0
 
 
 async def watch_core(core, stop: Callable[[], None], stopping: Callable[[], bool],
