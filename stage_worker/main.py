@@ -8,6 +8,7 @@ serving. SIGTERM ends it cleanly.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, help="exit when this process (the launcher) exits")
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
+    # `kill -USR2 <pid>` prints every thread's Python stack to the stage's stderr: where a stage that never reports
+    # ready is stuck (a start that hangs on one GPU model and not on another), without py-spy on the machine
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
