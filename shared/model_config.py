@@ -135,7 +135,8 @@ class HybridMoeConfig:
         need(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
              "must divide linear_num_value_heads")
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
-        need(0.0 < self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in (0, 1]")
+        # 0 (or a factor with int(head_dim * factor) = 0) rotates nothing, as in transformers: no RoPE at all
+        need(0.0 <= self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in [0, 1]")
         need(self.rotary_dim <= self.head_dim, "partial_rotary_factor",
              f"head_dim * factor rounded up to even ({self.rotary_dim}) must fit head_dim={self.head_dim}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
@@ -298,10 +299,6 @@ class Qwen4ExpConfig(HybridMoeConfig):
                 fail("indexer_budget", "must be divisible by indexer_compress_ratio")
             if self.rotary_dim > self.indexer_head_dim:
                 fail("indexer_head_dim", f"must hold the RoPE dimensions ({self.rotary_dim})")
-            if self.rope_scaling.get("rope_type") == "yarn":
-                # YaRN scales cos and sin; the GPU decode kernel that pools indexer keys rotates by inv_freq alone.
-                raise ConfigError("config field 'rope_parameters.rope_type': 'yarn' is not supported together with "
-                                  "the QSA indexer (indexer_* fields)")
         if self.ple_layer_ids:
             dim = self.ple_embed_dim
             if self.ple_heads <= 0 or dim is None or dim <= 0 or dim % self.ple_heads:

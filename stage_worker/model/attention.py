@@ -387,6 +387,21 @@ class GatedAttention(nn.Module):
         out = self._decode_kernels(q, iq, batch, cache, x.dtype, gate=gate)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
+    def _pool_norm_weight(self) -> torch.Tensor:
+        """The indexer key norm's weight as the pooling kernel (`kernels.attention_prep.qsa_pool_update`) takes it.
+
+        With YaRN, transformers (and `QSAIndexer.pool`) rotate pooled keys by cos and sin times the attention factor
+        c; the kernel rotates by `inv_freq` alone. Rotating a pair of features both scaled by c gives c times the
+        rotation, so c goes into the norm's (1 + w) over the rotated features instead (float32; a few elementwise
+        ops a step, graph-safe, YaRN models only). c does not cancel in the block scores: with partial RoPE the
+        unrotated features keep their scale."""
+        w = self.indexer.k_layernorm.weight
+        c = self.rotary.attention_scaling
+        if c == 1.0:
+            return w
+        rd = min(self.rotary.rotary_dim, w.shape[0])
+        return torch.cat([(1.0 + w[:rd].float()) * c - 1.0, w[rd:].float()])
+
     def _decode_kernels(self, q: torch.Tensor, iq: torch.Tensor | None, batch: StepBatch, cache: AttentionCache,
                         dtype: torch.dtype, gate: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence, no host synchronisation: paged split-K attention over the selected rows; times
@@ -405,7 +420,7 @@ class GatedAttention(nn.Module):
             hist = empty_histograms(lens.shape[0], q.device) if self.kernels.qsa_tiles else None
             # Re-pool the compression block holding the new token. Until the block is complete the value is unused
             # (selection reads complete blocks only); once complete it is exact. Writing every step avoids a sync.
-            qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self.indexer.k_layernorm.weight,
+            qsa_pool_update(cache.index_keys, cache.pooled_keys, tables, lens, self._pool_norm_weight(),
                             self.rotary.inv_freq, self.indexer.k_layernorm.eps, bs, r, self.rotary.rotary_dim,
                             zero=hist)
             selected = qsa_select(iq, cache.pooled_keys, tables, lens, bs, r, self.indexer.block_topk * r,
