@@ -34,6 +34,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        pickled = sorted(f.name for f in model_dir.glob("*.bin") if f.name.startswith("pytorch_model"))
+        if pickled or (model_dir / "pytorch_model.bin.index.json").is_file():
+            # transformers still reads these (torch.load); moepipe maps safetensors files and never unpickles
+            raise CheckpointError(f"{model_dir}: the weights are PyTorch pickles ({', '.join(pickled) or 'an index'}"
+                                  f"), which moepipe does not read: it loads *.safetensors only. Convert them once "
+                                  f"(transformers: from_pretrained, then save_pretrained writes safetensors)")
         raise CheckpointError(f"{model_dir}: no *.safetensors files (and no model.safetensors.index.json)")
     return files
 
