@@ -199,7 +199,8 @@ class EngineCore:
                       max_tokens=params.max_tokens, want_prompt_logprobs=top is not None, prompt_top=top or 0,
                       grammar=request.grammar)
         with self._lock:
-            if rid in self._sinks:
+            # (one that ended still has steps in flight until they come back: the stages skip those by its id)
+            if rid in self._sinks or rid in self.scheduler.draining:
                 raise ValueError(f"request id {rid} is already running")
             try:
                 self.scheduler.add(req)
@@ -363,6 +364,14 @@ class EngineCore:
                             ph.scheduled = time.monotonic()
                 if not any(p.entries for p in new):
                     break
+            cancelled = self.scheduler.take_cancelled()
+            if cancelled:
+                # At once, on the first plan going out or on one of its own: a stage that has not started a step of
+                # these requests alone skips it, so a cancelled prefill's chunks in flight do not hold the pipeline.
+                if plans:
+                    plans[0].cancelled.extend(cancelled)
+                else:
+                    plans.append(Plan(step=-1, microbatch=0, entries=[], cancelled=cancelled))
             if plans and self.metrics is not None:
                 self._push_gauges()
         return plans

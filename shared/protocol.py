@@ -117,6 +117,10 @@ class Plan(Message):
     # prefix cache: (slot, snapshot slot) pairs; before running the entries (after any restore) each stage copies
     # its per-sequence state (DeltaNet, PLE) of `slot` into the snapshot slot: the state the entry starts from
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended (cancelled, or finished by a token) while plans in flight still hold them: a stage skips a
+    # step all of whose entries are theirs instead of computing it (nobody reads its output), and remembers them
+    # until they come in `finished`. Sent at once, on a plan with no entries (step -1) if no step is planned.
+    cancelled: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +130,9 @@ class Activations(Message):
     hidden: torch.Tensor
     token_ids: torch.Tensor                                   # stages with PLE layers need the ids
     timing: list[list[float]] = field(default_factory=list)   # [stage, start, end] wall clock, per stage so far
+    # the sender skipped the step (every entry's request was `cancelled`): `hidden` is empty, and the receiver skips
+    # it too, whether or not the cancellation has reached it yet
+    skipped: bool = False
 
 
 @dataclass

@@ -119,6 +119,9 @@ class Scheduler:
         # Requests whose per-request state stages must drop. Flushed into the next plan of any micro-batch, so a
         # preempted request's "finished" always reaches the stages before its re-admission's sampling spec.
         self.pending_finished: list[str] = []
+        # Requests that ended while a plan in flight still holds them: the stages skip a step of theirs alone
+        # instead of computing it (`Plan.cancelled`). Taken by the engine core (`take_cancelled`) and sent at once.
+        self.pending_cancelled: list[str] = []
         self.num_preemptions = 0
         self.num_requeued = 0                                 # running requests recomputed after a component died
         self._step = itertools.count()
@@ -320,10 +323,12 @@ class Scheduler:
         self._snapping = []
 
     def _keep_snapshots(self, step: int, tokens: list[TokenOut]) -> None:
-        """A step whose snapshots are done on every stage: into the cache (before its requests may be freed)."""
+        """A step whose snapshots are done on every stage: into the cache (before its requests may be freed). Not
+        those of a request that ended before the step came back: the stages may have skipped its steps since
+        (`Plan.cancelled`), so the state copied may never have been computed."""
         failed = {t.req_id for t in tokens if t.error}
         for req, length, state in self._snapshots.pop(step, []):
-            if req.req_id in failed:
+            if req.req_id in failed or req.finished is not None:
                 self.prefix.unreserve(state)
             else:
                 self.prefix.add(req.ids(0, length), req.blocks[: length // self.block_size], state)
@@ -562,6 +567,7 @@ class Scheduler:
         if not keep_waiting:
             self.waiting.clear()
         self.draining.clear()
+        self.pending_cancelled = []
         self._reset_prefix_cache()
         self.in_flight = {m: [] for m in range(self.num_microbatches)}
         return failed
@@ -602,6 +608,8 @@ class Scheduler:
         req.finished = req.finished or reason
         self.running.pop(req.req_id, None)
         if req.inflight > 0:
+            if req.req_id not in self.draining:
+                self.pending_cancelled.append(req.req_id)
             self.draining[req.req_id] = req
             return
         self.draining.pop(req.req_id, None)
@@ -611,6 +619,14 @@ class Scheduler:
     def take_finished(self) -> list[str]:
         """The requests whose state the stages must drop, for a plan that carries no entries (a dropped step)."""
         out, self.pending_finished = self.pending_finished, []
+        return out
+
+    def take_cancelled(self) -> list[str]:
+        """Requests that ended while plans in flight hold them, not yet told to the stages (`Plan.cancelled`): their
+        steps in flight compute nothing anyone reads, so a stage that has not started one skips it. Those already
+        freed again (their last plan came back meanwhile) are left out: `finished` reaches the stages first."""
+        out = [rid for rid in self.pending_cancelled if rid in self.draining]
+        self.pending_cancelled = []
         return out
 
     def _free(self, req: Request) -> None:
