@@ -10,6 +10,7 @@ rows itself (the fallback path). Steps run on the engine core's thread: `send` q
 from __future__ import annotations
 
 import logging
+import select
 import time
 from pathlib import Path
 
@@ -57,10 +58,15 @@ class InProcessExecutor:
         return sum(runner.launch_ready(lambda step, exc, i=i: self._failed(i, step, exc))
                    for i, runner in enumerate(self.runners)) > 0
 
-    def _drain(self) -> None:
-        """Complete every launched step and whatever its results unblock, in pipeline order, until none is left."""
+    def _drain(self, wake_fd: int | None = None) -> None:
+        """Complete every launched step and whatever its results unblock, in pipeline order, until none is left;
+        or, once a step is done, until `wake_fd` is readable: the core has new work (a cancellation, whose steps
+        not yet run are then skipped: `Plan.cancelled`), and the next `poll` goes on from here."""
         progressed = True
+        finished = False
         while progressed:
+            if finished and wake_fd is not None and _readable(wake_fd):
+                return
             progressed = self._launch_ready()
             for i, runner in enumerate(self.runners):
                 if not runner.launched:
@@ -71,7 +77,7 @@ class InProcessExecutor:
                 except Exception as exc:
                     self._failed(i, step, exc)
                     continue
-                progressed = True
+                progressed = finished = True
                 for o in outgoing:
                     if o.to == "next":
                         self.runners[i + 1].on_message(o.message)
@@ -86,7 +92,7 @@ class InProcessExecutor:
 
     def poll(self, timeout: float, wake_fd: int) -> list[Message]:
         self._report_busy()
-        self._drain()
+        self._drain(wake_fd)
         if not self._results:
             wait_readable(wake_fd, timeout)
         out, self._results = self._results, []
@@ -115,6 +121,10 @@ class InProcessExecutor:
         for i, runner in enumerate(self.runners):
             self.metrics.set_stage_stats(i, runner.stats())
         self._busy_mark = (now, current)
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def inprocess_cluster(model_dir: str | Path, cfg: HybridMoeConfig | None = None, *, stages: int = 1,

@@ -203,16 +203,18 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     # the step's end is seen within microseconds, and the next step is queued before this one's tokens are encoded
     # for the gateway. Costs one busy core per GPU stage.
     spin = cluster.stage_spin_wait and runner.device.type == "cuda"
-    while not stop.is_set():
-        turned[0] = time.monotonic()
-        wait = 100 if not runner.launched else (0 if spin or runner.oldest_done() else 1)
-        if not poller.poll(wait) and not runner.launched:
-            continue
+    # A CPU stage computes a step inside `launch`: one step at a time, the inbox read between them, so a plan's
+    # `cancelled` that came during a step is seen before the next one starts (and the next stage gets this step's
+    # activations before the next is computed).
+    one_at_a_time = runner.computes_in_launch
+
+    def read_inbox() -> None:
+        """Hand every message waiting in the inbox to the runner (a Shutdown stops the loop)."""
         while True:
             try:
                 frames = inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                return
             try:
                 msg = decode(frames)
             except ProtocolError as exc:
@@ -220,7 +222,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 continue
             if isinstance(msg, Shutdown):
                 stop.set()
-                break
+                return
             try:
                 if handoff is not None and isinstance(msg, ipc_activations.SETUP_MESSAGES):
                     for o in handoff.on_setup(msg):
@@ -231,10 +233,17 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 log.warning("%s: ignored a %s message: %s", name, type(msg).__name__, exc)
             except Exception:  # a message the runner cannot use must not take the worker down
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
+
+    while not stop.is_set():
+        turned[0] = time.monotonic()
+        wait = 100 if not runner.launched else (0 if spin or runner.oldest_done() else 1)
+        if not poller.poll(wait) and not runner.launched:
+            continue
+        read_inbox()
         # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the
         # next step while this process sends the previous one's results.
         while True:
-            runner.launch_ready(failed)
+            runner.launch_ready(failed, limit=1 if one_at_a_time else None)
             if not runner.launched:
                 break
             if (spin or runner.can_launch()) and not runner.oldest_done():
@@ -258,6 +267,10 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                         peers[o.to].send_multipart(encode(o.message), copy=False)
             if runner.ready() is None:
                 break                 # look for new messages (the next plan, activations, PLE rows)
+            if one_at_a_time:
+                read_inbox()
+                if stop.is_set():
+                    break
     stop.set()
     hb.join(timeout=2)
     for s in peers.values():

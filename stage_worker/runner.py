@@ -93,6 +93,7 @@ class _Launched:
     ple_wait: tuple[int, torch.Tensor] | None = None   # `ple_launch_ahead`: (its number in the mailbox, a host copy
     #                                         of the mailbox's `timed_out` queued behind its graph)
     taken: dict = field(default_factory=dict)          # stage 0: `_Prepared.taken`
+    skipped: bool = False                   # every entry's request was cancelled: nothing computed (`_skip`)
 
 
 @dataclass
@@ -149,6 +150,11 @@ class StageRunner:
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
         self.requests: dict[str, _ReqState] = {}
+        # Requests that ended while plans in flight held them (`Plan.cancelled`), until they come in `finished`: a
+        # step of theirs alone is skipped, not computed (a cancelled 21k-token prompt's chunks in flight held the
+        # pipeline 6.6 s after its client left).
+        self.cancelled: set[str] = set()
+        self.skipped_steps = 0
         self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
@@ -300,7 +306,9 @@ class StageRunner:
                 self.handoff.drop(act)               # its ring slot is free again
             self.arrived.pop(step, None)
             self.ple.pop(step, None)
+        self.cancelled.update(plan.cancelled)      # (before `finished`: a plan may carry an id in both)
         for rid in plan.finished:
+            self.cancelled.discard(rid)            # no plan of it is left on any stage
             self.requests.pop(rid, None)
             self.tables.pop(rid, None)
             for key in [k for k in self.next_tokens if k[0] == rid]:
@@ -368,6 +376,8 @@ class StageRunner:
         prepared = self.plans[step]
         if not self.is_first and step not in self.acts:
             return None
+        if self._skips(prepared.plan):
+            return prepared.plan                # needs neither its tokens nor its PLE rows: `launch` skips it
         if not prepared.complete:
             if self.is_first:
                 keys = [(e.req_id, e.context_len) for e in prepared.plan.entries if e.tokens is None]
@@ -468,14 +478,68 @@ class StageRunner:
             out[to_device(dst, torch.long, self.device)] = tokens[to_device(src, torch.long, self.device)]
         return out, (None if from_device else ids), last
 
+    def _skips(self, plan: Plan) -> bool:
+        """Whether the step computes nothing anyone reads: every entry's request was cancelled, or the previous
+        stage skipped it (so there are no activations to run, whether or not the cancellation has come here)."""
+        act = self.acts.get(plan.step)
+        if isinstance(act, Activations) and act.skipped:
+            return True
+        return bool(plan.entries) and all(e.req_id in self.cancelled for e in plan.entries)
+
+    def _skip(self, plan: Plan, prepared: _Prepared) -> None:
+        """Queue a skipped step: its inputs are let go (an IPC slot freed, PLE rows no longer waited for) and
+        `finish` sends what the next components wait for, without computing it."""
+        act = self.acts.pop(plan.step, None)
+        if isinstance(act, IpcActivations) and self.handoff is not None:
+            self.handoff.drop(act)             # its ring slot is free again
+        arrived = self.arrived.pop(plan.step, None)
+        self.ple.pop(plan.step, None)
+        self._ple_wait_start.pop(plan.step, None)
+        self._max_launched_step = max(self._max_launched_step, plan.step)   # its rows, if they come, are dropped
+        self.skipped_steps += 1
+        self.launched.append(_Launched(plan, prepared.batch, list(act.timing) if act is not None else [], time.time(),
+                                       time.perf_counter(), arrived, skipped=True))
+
+    def _finish_skipped(self, launched: _Launched) -> list[Outgoing]:
+        """A skipped step's messages: empty activations marked skipped to the next stage; on the last stage token 0
+        for each sampling entry to stage 0 and the PLE service (a step planned ahead of it waits for that token, as
+        for a failed row) and a result without tokens or timing to the gateway (their requests ended: it drops
+        them; the stage step and transfer metrics count computed steps only)."""
+        plan = launched.plan
+        if not self.is_last:
+            return [Outgoing("next", Activations(step=plan.step, hidden=torch.empty(0),
+                                                 token_ids=torch.empty(0, dtype=torch.long), timing=launched.timing,
+                                                 skipped=True))]
+        tokens = [TokenOut(e.req_id, e.context_len + e.num_tokens, 0) for e in plan.entries if e.sample]
+        self._rows_from(tokens)
+        out: list[Outgoing] = []
+        if self.is_first:
+            for t in tokens:
+                key = (t.req_id, t.position)
+                self.device_next.pop(key, None)
+                self.device_fed.discard(key)
+                if t.req_id in self.requests:
+                    self.next_tokens[key] = t.token
+        else:
+            out.append(Outgoing("first", Sampled(step=plan.step, microbatch=plan.microbatch, tokens=tokens)))
+        out.append(Outgoing("ple", Sampled(step=plan.step, microbatch=plan.microbatch, tokens=tokens)))
+        out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=[])))
+        return out
+
     # ---- the step ----------------------------------------------------------------------------------------------
     def can_launch(self) -> bool:
         return len(self.launched) < self.launch_depth
 
-    def launch_ready(self, failed) -> int:
-        """Launch every step whose inputs are here, oldest first, up to the launch depth; returns how many were
-        launched. A step that raises is dropped and handed to `failed(step, exc)` (the caller reports it): the
-        worker keeps serving."""
+    @property
+    def computes_in_launch(self) -> bool:
+        """A CPU stage's step is computed inside `launch`: launching the next one at once gains nothing, and would
+        compute it before the inbox is read again (a cancellation that came meanwhile, the next stage's wait)."""
+        return self.device.type != "cuda"
+
+    def launch_ready(self, failed, limit: int | None = None) -> int:
+        """Launch every step whose inputs are here, oldest first, up to the launch depth (and `limit`); returns how
+        many were launched. A step that raises is dropped and handed to `failed(step, exc)` (the caller reports
+        it): the worker keeps serving."""
         if self._pending_rows:                # whatever became publishable since (a contexts copy that completed)
             waiting = self._pending_rows[0].seq
             try:
@@ -484,7 +548,7 @@ class StageRunner:
                 failed(next((x.plan.step for x in self.launched
                              if x.ple_wait is not None and x.ple_wait[0] == waiting), -1), exc)
         launched = 0
-        while self.can_launch():
+        while self.can_launch() and (limit is None or launched < limit):
             plan = None
             try:
                 plan = self.ready()
@@ -517,6 +581,9 @@ class StageRunner:
         """Queue the step's work on the device (inputs, forward or graph replay, sampling, copies of the results to
         the host); `finish` completes it. Nothing here waits for the GPU, except the per-row sampler and echo."""
         prepared = self.plans.pop(plan.step)
+        if self._skips(plan):
+            self._skip(plan, prepared)
+            return
         batch = prepared.batch
         for e in plan.entries:
             if e.restore is not None and e.restore not in self.saved_states:
@@ -734,6 +801,8 @@ class StageRunner:
         """Wait for the oldest launched step; its tokens to the gateway (and to stage 0 and the PLE service), or its
         activations to the next stage."""
         launched = self.launched.pop(0)
+        if launched.skipped:
+            return self._finish_skipped(launched)
         plan, batch = launched.plan, launched.batch
         with phase("stage.sync"):
             if launched.copy is not None:
@@ -925,6 +994,7 @@ class StageRunner:
 
     def stats(self) -> dict[str, float]:
         out = {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
+               "skipped_steps": float(self.skipped_steps),
                "ids_from_device": float(self.ids_from_device),
                "last_step_seconds": self.last_step_seconds, "ple_wait_seconds": self.ple_wait_seconds,
                "ple_decode_wait_seconds": self.ple_decode_wait_seconds,
