@@ -38,6 +38,7 @@ import math
 import platform
 import random
 import statistics
+import signal
 import sys
 import time
 from pathlib import Path
@@ -363,6 +364,10 @@ def main() -> int:
                          "standard library's sources, a disjoint block per run and seed)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
+    # `timeout` (every device script wraps us in one) sends SIGTERM: leave through the `finally` below, which stops
+    # the served cluster and waits for its processes, so the next server in the same call finds the GPU free (h100-31
+    # call 2: one killed mid-run still held 65 GB when the next one planned its memory, and was refused)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.cold and int(args.prompt_chars.split(",")[0]) <= 0:
         ap.error("--cold needs --prompt-chars N (the unseen prompt's length in characters)")
 

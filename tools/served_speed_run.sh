@@ -22,13 +22,16 @@
 # kernels + graphs, batch 1/4/16) and, in the same call, the served TPOT and tokens/s from the client
 # (bench/serve.py, one stage, 1/4/16 streams, $SERVE_MAX_TOKENS (256) tokens out, $SERVE_RUNS (3) runs: long enough that
 # the streams' prompt prefill is a small share of the decode) once per A/B setting in $AB (default: "base" and every switch off).
-# Everything lands in $OUT as one archive, results.tgz (the device returns at most 8 files: one run's JSON and logs
+# Everything lands in $OUT as one archive, results.tgz (an earlier run's archive in the same call inside it as earlier_*.tgz; the device returns at most 8 files: one run's JSON and logs
 # are more); unpack with `tar xzf results.tgz`. Each step has its own timeout so a hang costs only that step.
 set -uo pipefail
 steps=" ${STEPS:-${*:-sampler fs}} "
 want() { [[ $steps == *" $1 "* ]]; }
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
+# a second run in the same device call keeps the first one's archive (its last step empties $out): h100-31 call 2
+# lost its first half's logs this way
+[[ -f $out/results.tgz ]] && mv "$out/results.tgz" "$out/earlier_$(date +%H%M%S).tgz"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 # the host's NUMA layout and the GPU's affinity: pinned host memory on the far node makes every host read slower
 # (issue 16's run-to-run spread of the 10% row, h200-21)
