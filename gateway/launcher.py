@@ -283,6 +283,8 @@ class Cluster:
             self.cluster = auto_cold_experts(self.cluster, self.config_path, self.run_dir)
             self.config_path.write_text(dump_toml(self.cluster))
         if any(s.device.startswith("cuda") for s in self.cluster.stages) and not (opts.extra or {}).get("num_blocks"):
+            # a minute on a GPU's first start (the child compiles and runs a prefill chunk to measure its peak)
+            print("moepipe: measuring the stages' memory needs for the memory plan", file=sys.stderr, flush=True)
             self.plan = memory_plan(self.cluster, self.config_path)
             # a fitted length (--max-model-len unset) reaches the gateway, engine core and stages as a set one would
             fitted = {"max_model_len": self.plan.max_model_len} if self.plan.fitted else {}

@@ -35,6 +35,9 @@ from stage_worker.stage_loader import load_stage
 from stage_worker.warmup import warm_up
 
 log = logging.getLogger("moepipe.stage")
+# start-up steps of a GPU stage: shown at INFO whatever the level (`serve`)
+startup_log = logging.getLogger("moepipe.startup")
+startup_log.setLevel(logging.INFO)
 
 # What loading a checkpoint refuses with a message naming the problem (config field, file, tensor, cold set, quant
 # scheme): the worker prints that message as one line and exits 2. Anything else keeps its traceback.
@@ -124,15 +127,25 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     if profiler is not None:
         launch = runner.launch
         runner.launch = lambda p: profiler(launch, p)
+    # A GPU stage's start takes minutes on a machine's first start (Triton compiling the kernels, flash-linear-
+    # attention timing its autotuned configs): its steps are said at INFO whatever the log level, as vLLM does, so
+    # a start that is working does not look hung (h100-30 took a slow two-stage start for one).
+    progress = startup_log if runner.device.type == "cuda" else log
+    progress.info("%s: layers [%d, %d) built on %s in %.1f s", name, spec.start, spec.end, runner.device,
+                  time.time() - t0)
     if runner.graphs is not None:
         # Capture before the first heartbeat: /health turns 200 only once decode steps can replay, so the first
         # request does not pay for Triton compiles and capture.
+        progress.info("%s: capturing decode graphs for batch sizes %s (compiling the decode kernels on a "
+                      "machine's first start)", name, runner.graphs.sizes)
         t1 = time.time()
         runner.graphs.capture()
-        log.info("%s: captured decode graphs for batch sizes %s in %.1f s", name, runner.graphs.sizes,
-                 time.time() - t1)
+        progress.info("%s: captured decode graphs for batch sizes %s in %.1f s", name, runner.graphs.sizes,
+                      time.time() - t1)
     if cluster.startup_warmup and runner.device.type == "cuda":
         # ... and the prefill path and the sampler compiled: the first request's TTFT is then a request's
+        progress.info("%s: running the prefill path and the sampler once (compiling their kernels on a machine's "
+                      "first start)", name)
         try:
             seconds = warm_up(model, runner.cache, block_size=cluster.block_size,
                               scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
@@ -143,11 +156,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 # request at 1.06 s against 0.08 s for the next, 0.44 s of it this gather's first call (a dummy
                 # table building its rows, first calls of its CPU ops)
                 runner.own_decode_rows([cluster.max_num_seqs], [0])
-            log.info("%s: ran the prefill path and the sampler once in %.1f s", name, seconds)
+            progress.info("%s: ran the prefill path and the sampler once in %.1f s", name, seconds)
         except Exception:   # an optimisation: a stage that cannot warm up still serves (the first request compiles)
             log.warning("%s: the start-up warm-up failed; serving without it", name, exc_info=True)
-    log.info("%s: layers [%d, %d) loaded in %.1f s%s", name, spec.start, spec.end, time.time() - t0,
-             " (PLE rows from the PLE service)" if ring is not None else "")
+    progress.info("%s: layers [%d, %d) ready in %.1f s%s", name, spec.start, spec.end, time.time() - t0,
+                  " (PLE rows from the PLE service)" if ring is not None else "")
 
     ctx = zmq.Context()
     keys = cluster_keys(cluster.link_keys)
