@@ -612,8 +612,6 @@ class PromptPrefetcher:
         self._busy = 0                  # batches being advised right now
         self._running: dict[int, tuple[str, threading.Event]] = {}    # worker ident -> its batch's request, flag
         self._stop = False
-        self.batches_done = 0
-        self.batches_cancelled = 0
         self.batches_interrupted = 0    # batches in flight when their request was cancelled
         self._threads = [threading.Thread(target=self._run, name=f"ple-prefetch-{i}", daemon=True)
                          for i in range(threads)]
@@ -666,7 +664,6 @@ class PromptPrefetcher:
             keep = deque(job for job in self._queue if job[0] != req_id)
             dropped = len(self._queue) - len(keep)
             self._queue = keep
-            self.batches_cancelled += dropped
             for rid, flag in self._running.values():
                 if rid == req_id and not flag.is_set():
                     flag.set()
@@ -692,7 +689,6 @@ class PromptPrefetcher:
     def stop(self) -> None:
         with self._cv:
             self._stop = True
-            self.batches_cancelled += len(self._queue)
             self._queue.clear()
             for _, flag in self._running.values():         # batches in flight end at their next system call
                 flag.set()
@@ -726,5 +722,4 @@ class PromptPrefetcher:
                 with self._cv:
                     self._running.pop(threading.get_ident(), None)
                     self._busy -= 1
-                    self.batches_done += 1
                     self._cv.notify_all()
