@@ -569,12 +569,11 @@ class PreadReader(_FileMethod):
 
 
 
-def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32,
-                  force_fallback: bool = False) -> tuple[list, ReadPool | None]:
+def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32) -> tuple[list, ReadPool | None]:
     """One advisor per `FlatTable` for prefetch method `method` (`METHODS`), and the read pool the pread readers
     share (None for the others; the caller closes it after the readers)."""
     if method == "madvise":
-        return [Advisor.for_table(t, force_fallback=force_fallback) for t in tables], None
+        return [Advisor.for_table(t) for t in tables], None
     if method == "fadvise":
         return [FadviseAdvisor.for_table(t) for t in tables], None
     if method == "pread":

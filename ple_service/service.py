@@ -64,18 +64,16 @@ class _Request:
 class PleService:
     """Owns the PLE tables and the gather ring; turns Plans (+ Sampled tokens) into filled ring slots."""
 
-    def __init__(self, model_dir: str | Path, cfg: Qwen4ExpConfig, cluster: ClusterConfig, *,
-                 ring_path: str | Path | None = None, tables: dict | None = None,
-                 force_madvise_fallback: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, cfg: Qwen4ExpConfig, cluster: ClusterConfig) -> None:
         if not getattr(cfg, "ple_layer_ids", None):
             raise PleServiceError(f"{model_dir}: the model has no PLE layers; run without a PLE service "
                                   "(ple_service = false)")
         self.cfg, self.cluster = cfg, cluster
         self.specs = list(ple_specs(cfg).items())                 # [(0-based layer, spec)] in ring layer order
         self.layers = [layer for layer, _ in self.specs]
-        self.tables = tables if tables is not None else open_tables(
-            model_dir, cfg, load_format=cluster.load_format, seed=cluster.seed,
-            dtype=getattr(torch, cluster.dtype) if cluster.dtype else None, dummy_file=cluster.dummy_ple_file)
+        self.tables = open_tables(model_dir, cfg, load_format=cluster.load_format, seed=cluster.seed,
+                                  dtype=getattr(torch, cluster.dtype) if cluster.dtype else None,
+                                  dummy_file=cluster.dummy_ple_file)
         for layer in self.layers:
             # one row each now, not in the first prompt's time to first token: a dummy table builds its rows on the
             # first gather (h200-21: ~0.4 s of a first request's 1.06 s), a mapped one reads one page
@@ -84,13 +82,12 @@ class PleService:
         if len(dtypes) != 1:
             raise PleServiceError(f"PLE tables of layers {self.layers} have different dtypes "
                                   f"{sorted(map(str, dtypes))}")
-        path = ring_path or cluster.ple_ring
-        if not path:
+        if not cluster.ple_ring:
             raise PleServiceError("cluster config: ple_ring must name the shared-memory file of the gather ring "
                                   "(e.g. /dev/shm/moepipe-ple.ring)")
-        self.ring = GatherRing.create(path, slots=cluster.ple_ring_slots, max_tokens=cluster.max_num_batched_tokens,
-                                      layers=len(self.layers), heads=cfg.ple_heads, head_dim=cfg.ple_head_dim,
-                                      dtype=dtypes.pop())
+        self.ring = GatherRing.create(cluster.ple_ring, slots=cluster.ple_ring_slots,
+                                      max_tokens=cluster.max_num_batched_tokens, layers=len(self.layers),
+                                      heads=cfg.ple_heads, head_dim=cfg.ple_head_dim, dtype=dtypes.pop())
         self.advisors: list[Advisor | FadviseAdvisor | PreadReader] = []
         self.read_pool: ReadPool | None = None          # the pread method's reading threads
         self.prefetcher: PromptPrefetcher | None = None
@@ -98,8 +95,7 @@ class PleService:
             flat = [self.tables[layer] for layer in self.layers]
             if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
                 self.advisors, self.read_pool = make_advisors(
-                    flat, cluster.ple_prefetch_method, depth=cluster.ple_prefetch_depth,
-                    force_fallback=force_madvise_fallback)
+                    flat, cluster.ple_prefetch_method, depth=cluster.ple_prefetch_depth)
                 self.prefetcher = PromptPrefetcher(self.advisors, threads=cluster.ple_prefetch_threads)
         self._requests: dict[str, _Request] = {}
         self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
