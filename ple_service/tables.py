@@ -23,9 +23,8 @@ def ple_specs(cfg: Qwen4ExpConfig) -> dict[int, NgramHashSpec]:
             for layer, idx in sorted(ple_layer_indices(cfg.ple_layer_ids).items(), key=lambda kv: kv[1])}
 
 
-def open_tables(model_dir: str | Path, cfg: Qwen4ExpConfig, *, ple_dir: Path | None = None,
-                load_format: str = "safetensors", dtype: torch.dtype | None = None, seed: int = 0,
-                dummy_file: bool = False) -> dict:
+def open_tables(model_dir: str | Path, cfg: Qwen4ExpConfig, *, load_format: str = "safetensors",
+                dtype: torch.dtype | None = None, seed: int = 0, dummy_file: bool = False) -> dict:
     """0-based layer -> table: a `FlatTable`, or for the `dummy` format a `ProceduralTable` seeded as the loader
     seeds it, so the service and the in-process fallback gather the same values (with `dummy_file`, the same rows
     from the same file as the loader's `dummy_ple_file`). Raises the loader's CheckpointError (a ValueError naming
@@ -33,8 +32,8 @@ def open_tables(model_dir: str | Path, cfg: Qwen4ExpConfig, *, ple_dir: Path | N
     model_dir = Path(model_dir)
     specs = ple_specs(cfg)
     if load_format == "dummy":
-        where = (ple_dir or model_dir) if dummy_file else None
+        where = model_dir if dummy_file else None
         return {layer: dummy_layer_table(cfg, layer, spec, dtype, seed, where) for layer, spec in specs.items()}
     shards = find_ple_shards(model_dir, set(specs))
-    return {layer: open_ple_table(cfg, layer, spec, shards.get(layer, {}), model_dir, ple_dir)
+    return {layer: open_ple_table(cfg, layer, spec, shards.get(layer, {}), model_dir)
             for layer, spec in specs.items()}

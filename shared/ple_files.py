@@ -47,10 +47,9 @@ def find_ple_shards(model_dir: Path, layers: set[int]) -> dict[int, Shards]:
     return found
 
 
-def open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards: Shards, model_dir: Path,
-                   ple_dir: Path | None = None) -> FlatTable:
-    """Layer `layer`'s table, expanded on first use into a flat file in `ple_dir` (default: beside the checkpoint)
-    and mapped. Raises CheckpointError naming the tensor and file for missing, surplus or misshapen shards."""
+def open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards: Shards, model_dir: Path) -> FlatTable:
+    """Layer `layer`'s table, expanded on first use into a flat file beside the checkpoint and mapped. Raises
+    CheckpointError naming the tensor and file for missing, surplus or misshapen shards."""
     order = _shard_order(cfg, layer, shards, model_dir)
     _check_shapes(cfg, spec, order)
 
@@ -62,7 +61,7 @@ def open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards:
     with open_safetensors(order[0][0]) as f:
         dtype = f.get_slice(order[0][1]).get_dtype()
     dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
-    out = _expansion_path(Path(ple_dir) if ple_dir else model_dir, layer, order)
+    out = _expansion_path(model_dir, layer, order)
     try:
         return ensure_table(read, len(order), out, rows=spec.padded_rows, dim=cfg.ple_head_dim, dtype=dtype,
                             desc=f"expanding PLE table of layer {layer}")

@@ -48,7 +48,6 @@ class LoadOptions:
     dtype: torch.dtype | None = None          # default: `default_dtype` (the config's; float32 for half on a CPU)
     load_format: str = "safetensors"          # or "dummy": seeded random weights, no file reads
     with_mtp: bool = False
-    ple_dir: Path | None = None               # where expanded PLE tables live; default beside the checkpoint
     seed: int = 0
     cold_experts: dict[int, list[int]] | None = None   # MoE layer -> experts kept in host RAM (issue 16)
     expert_vmm_table: bool = False            # ... each table part one VRAM + host range (expert_offload.py)
@@ -63,7 +62,7 @@ class LoadOptions:
     #                                            (gate/up, down), random words as fill_random makes them (benchmarks)
     dummy_dense: bool = False                 # "dummy" format: plain-linear layers packed as the reports' release
     #                                            (quant_linear.dummy_specs), random words (benchmarks)
-    dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files in ple_dir and mapped
+    dummy_ple_file: bool = False              # "dummy" format: PLE tables written to files beside the model, mapped
 
 
 # RoPE tables some exporters wrote as tensors (older transformers saved `rotary_emb.inv_freq` buffers): computed from
@@ -153,7 +152,9 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
         fill_random(model, opts.seed)
         fill_random_tables(model, opts.seed)      # the tables get what the parameters or buffers would have
         for layer, ple in _ple_modules(model):
-            ple.table = dummy_layer_table(cfg, layer, ple.spec, opts.dtype, opts.seed, dummy_ple_dir(model_dir, opts))
+            # with `dummy_ple_file` the rows go to a file beside the model, else procedural
+            ple.table = dummy_layer_table(cfg, layer, ple.spec, opts.dtype, opts.seed,
+                                          Path(model_dir) if opts.dummy_ple_file else None)
     elif opts.load_format == "safetensors":
         _load_tensors(model, cfg, model_dir, opts, headers)
     else:
@@ -262,7 +263,7 @@ def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts
     fp8_dense.finish(model_dir)
     _check_complete(params, pieces, set(seen), model_dir)
     for layer, ple in ple_layers.items():
-        ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir, opts.ple_dir)
+        ple.table = open_ple_table(cfg, layer, ple.spec, ple_shards.get(layer, {}), model_dir)
 
 
 def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dict[str, tuple[tuple, str]]) -> None:
@@ -450,10 +451,3 @@ def _check_hash_buffer(spec: NgramHashSpec, kind: str, tensor: torch.Tensor, nam
     if [int(x) for x in tensor.tolist()] != [int(x) for x in expected]:
         raise CheckpointError(f"tensor {name!r} in {path} disagrees with the n-gram hash derived from config.json "
                               f"(seed, vocab_size, ngram_vocab_size_base): {tensor.tolist()} != {list(expected)}")
-
-
-def dummy_ple_dir(model_dir: Path, opts: LoadOptions) -> Path | None:
-    """Where the `dummy` format writes its PLE tables (`dummy_ple_file`), None for procedural tables."""
-    if not opts.dummy_ple_file:
-        return None
-    return Path(opts.ple_dir) if opts.ple_dir else Path(model_dir)
