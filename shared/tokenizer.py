@@ -275,7 +275,6 @@ class Tokenizer:
         chat_template: str | Mapping[str, str] | None,
         special_tokens: Mapping[str, str | None],
         eos_token_ids: Iterable[int],
-        model_max_length: int | None = None,
         content_format: str = "auto",
     ) -> None:
         if content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
@@ -286,7 +285,6 @@ class Tokenizer:
         self.content_format = content_format        # "auto": read off the template (_loops_over_content)
         self._special_tokens = dict(special_tokens)  # bos_token/eos_token/... strings, passed to the template
         self._eos_token_ids = list(dict.fromkeys(eos_token_ids))
-        self.model_max_length = model_max_length
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
         # A byte-level decoder maps each token to bytes independently, which is what lets streaming be exact.
@@ -328,14 +326,12 @@ class Tokenizer:
         eos_text = special_tokens["eos_token"]
         if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
             eos_ids.append(eos_id)
-        max_len = config.get("model_max_length")
         return cls(
             backend,
             chat_template=_pick_template(config, directory) if chat_template is None else
             read_chat_template(chat_template),
             special_tokens=special_tokens,
             eos_token_ids=[int(i) for i in eos_ids],
-            model_max_length=int(max_len) if isinstance(max_len, (int, float)) else None,
             content_format=content_format,
         )
 

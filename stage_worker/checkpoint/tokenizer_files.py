@@ -139,11 +139,6 @@ class SpecialTokens:
         return self.endoftext
 
     @property
-    def bos_id(self) -> int:
-        """Qwen configs name <|endoftext|> as `bos_token_id` although the tokenizer never prepends a BOS."""
-        return self.endoftext
-
-    @property
     def ids_by_text(self) -> dict[str, int]:
         return {
             self.ENDOFTEXT: self.endoftext,
