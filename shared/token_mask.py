@@ -12,11 +12,6 @@ import numpy as np
 import torch
 
 
-def pack_mask(allowed: np.ndarray) -> bytes:
-    """bool [vocab] -> packed bytes (for tests and for callers without a grammar engine's bitmask)."""
-    return np.packbits(np.asarray(allowed, dtype=bool), bitorder="little").tobytes()
-
-
 def unpack_mask(data: bytes, vocab: int) -> np.ndarray:
     """Packed bytes -> bool [vocab]."""
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little").astype(bool)

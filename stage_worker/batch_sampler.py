@@ -238,12 +238,6 @@ def candidates(adjusted: torch.Tensor, rows: list[Row],
     return probs / probs.sum(dim=-1, keepdim=True), ids
 
 
-def filtered_probs(adjusted: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """The candidates' probabilities over the whole vocabulary [B, V] (zero elsewhere)."""
-    probs, ids = candidates(adjusted, rows)
-    return probs if ids is None else torch.zeros_like(adjusted).scatter_(1, ids, probs)
-
-
 def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None, *,
                 race_kernel: bool = False) -> torch.Tensor:
     """One token per row, [B] int64 on the logits' device: greedy rows take the first maximal adjusted logit, the

@@ -4,15 +4,27 @@ filtered distribution, and a defined token when a row has nothing left to sample
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from shared.sampling import SamplingParams
-from shared.token_mask import apply_mask, pack_mask
+from shared.token_mask import apply_mask
 from stage_worker import batch_sampler as bs
 from stage_worker import sampler
 
 V = 64
+
+
+def pack_mask(allowed: np.ndarray) -> bytes:
+    """bool [vocab] -> the packed mask the gateway sends (shared/token_mask.py's wire form)."""
+    return np.packbits(np.asarray(allowed, dtype=bool), bitorder="little").tobytes()
+
+
+def filtered_probs(adjusted: torch.Tensor, rows: list[bs.Row]) -> torch.Tensor:
+    """The batch's candidates' probabilities over the whole vocabulary [B, V] (zero elsewhere)."""
+    probs, ids = bs.candidates(adjusted, rows)
+    return probs if ids is None else torch.zeros_like(adjusted).scatter_(1, ids, probs)
 
 
 def _rows(n: int, seed: int = 0) -> list[bs.Row]:
@@ -44,7 +56,7 @@ def test_adjusted_logits_and_filtered_probabilities_match_the_per_row_sampler():
     rows = _rows(48)
     logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(1)) * 3
     adjusted = bs.adjusted_logits(logits, rows)
-    probs = bs.filtered_probs(adjusted, rows)
+    probs = filtered_probs(adjusted, rows)
     for b, r in enumerate(rows):
         ref = _reference_adjusted(logits[b], r)
         assert torch.allclose(adjusted[b], ref, atol=1e-5), b
@@ -148,7 +160,7 @@ def test_each_candidate_path_gives_the_per_row_distribution_and_the_same_draws()
     for params in (plain, topk, plain + [SamplingParams(temperature=0.8, top_p=0.6)]):
         rows = [bs.Row(p, seed=50 + i, position=7, history=[]) for i, p in enumerate(params)]
         x = logits[: len(rows)]
-        probs = bs.filtered_probs(bs.adjusted_logits(x, rows), rows)
+        probs = filtered_probs(bs.adjusted_logits(x, rows), rows)
         for b, r in enumerate(rows):
             assert torch.allclose(probs[b], sampler.filtered_probs(x[b], r.params), atol=1e-6), (b, r.params)
         together = bs.sample_rows(x, rows).tolist()
