@@ -40,14 +40,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from shared.cluster_config import PLE_PREFETCH_METHODS
 from shared.ngram_hash import NgramHashSpec, ngram_rows_numpy
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Advisor", "FadviseAdvisor", "PreadReader", "ReadPool", "PromptPrefetcher", "page_ranges", "coalesce_ranges", "IOV_MAX",
-           "MADV_WILLNEED", "METHODS", "make_advisors"]
-
-METHODS = ("madvise", "fadvise", "pread")      # ple_prefetch_method
+           "MADV_WILLNEED", "make_advisors"]
 
 MADV_WILLNEED = 3
 IOV_MAX = 1024                      # the kernel's UIO_MAXIOV: most iovecs one process_madvise call accepts
@@ -570,7 +569,7 @@ class PreadReader(_FileMethod):
 
 
 def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32) -> tuple[list, ReadPool | None]:
-    """One advisor per `FlatTable` for prefetch method `method` (`METHODS`), and the read pool the pread readers
+    """One advisor per `FlatTable` for prefetch method `method` (`ple_prefetch_method`), and the read pool the pread readers
     share (None for the others; the caller closes it after the readers)."""
     if method == "madvise":
         return [Advisor.for_table(t) for t in tables], None
@@ -583,7 +582,7 @@ def make_advisors(tables: Sequence, method: str = "madvise", *, depth: int = 32)
         except OSError:
             pool.close()
             raise
-    raise ValueError(f"PLE prefetch method {method!r}: expected one of {', '.join(METHODS)}")
+    raise ValueError(f"PLE prefetch method {method!r}: expected one of {', '.join(PLE_PREFETCH_METHODS)}")
 
 
 class PromptPrefetcher:

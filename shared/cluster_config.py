@@ -33,7 +33,7 @@ class ClusterConfigError(ValueError):
 # `dummy_quant` values: "" (the compute dtype), routed experts as random INT4 words, and those plus the reports'
 # release for the plain-linear layers (INT6 groups of 128, lm_head and the mix INT8: quant_linear.dummy_specs).
 DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
-PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py METHODS)
+PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py make_advisors)
 EXPERT_MOVE_HALF_LIFE_UNITS = ("steps", "tokens")        # expert_move_half_life_unit
 MAX_EXPERT_MOVE_CLAIMS = 16        # claims a layer a step (expert_move_claims): 2C spare slots a table
 # `chat_template_content_format` (vLLM's --chat-template-content-format): how a message's content reaches the chat
