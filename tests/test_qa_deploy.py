@@ -1,0 +1,209 @@
+"""The environments `moepipe serve` is started in: a small or full /dev/shm (Docker's 64 MiB), a server killed
+outright, two servers on one host, a read-only model directory or MOEPIPE_HOME, an unusable TMPDIR or HOME, and the
+deploy/ files. Each failure must be one line naming the problem and what to do: never a traceback, a SIGBUS or a
+hang. Real processes; what this machine cannot simulate (no root, no mount namespaces) is skipped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, stop_server, wait_healthy
+from shared.ple_ring import GatherRing, RingError, remove_stale_rings, ring_bytes
+
+RING = dict(slots=4, max_tokens=64, layers=1, heads=8, head_dim=8, dtype=torch.float32)   # 32 KiB + header
+MIB = 1 << 20
+
+
+def _root() -> bool:
+    return os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` for the block (root only; skipped where mounting is refused)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not _root() or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _can_unshare() -> bool:
+    return _root() and shutil.which("unshare") is not None and \
+        subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEPIPE_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _serve(args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*(prefix or []), sys.executable, "-m", "shared.cli", "serve", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _refusal(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The stderr of a serve that must refuse to start: it exits non-zero within `timeout` s, without a traceback."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"serve did not refuse within {timeout:.0f} s (a hang)")
+    assert proc.returncode not in (0, None), err
+    assert "Traceback" not in err and "Bus error" not in err, err
+    return err
+
+
+def _complete(port: int, prompt: str = "Hello", max_tokens: int = 4) -> str:
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, verify=False,
+                   json={"model": "moepipe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+# ---- the ring on a small tmpfs -----------------------------------------------------------------------------------
+def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming_the_room(tmp_path):
+    """A sparse ring on a 1 MiB tmpfs mapped fine and SIGBUSed the PLE service at its first long prompt (-7, five
+    restarts, serve gone after a minute): now creating it fails, naming the sizes and Docker's --shm-size."""
+    with small_tmpfs(tmp_path / "shm", "1m") as shm:
+        with pytest.raises(RingError, match=r"needs 2\.0 MiB of shared memory and .* has 1\.0 MiB free .*--shm-size"
+                                             r".*--max-num-batched-tokens.*--no-ple-service"):
+            GatherRing.create(shm / "r.ring", **{**RING, "max_tokens": 2048})
+        assert list(shm.iterdir()) == []               # no temporary file left taking the room
+
+
+def test_a_ring_on_a_tmpfs_filled_after_it_was_made_is_written_whole_without_sigbus(tmp_path):
+    """Every page of the ring is allocated at creation: a tmpfs filled up afterwards (another server, a leak) cannot
+    SIGBUS the service when it first writes a slot's later pages. In a child process: a SIGBUS there fails the test,
+    not the run."""
+    with small_tmpfs(tmp_path / "shm", "1m") as shm:
+        code = f"""
+import torch
+from shared.ple_ring import GatherRing
+ring = GatherRing.create({str(shm / 'r.ring')!r}, slots=4, max_tokens=256, layers=1, heads=8, head_dim=8,
+                         dtype=torch.float32)
+with open({str(shm / 'filler')!r}, 'wb', buffering=0) as f:
+    try:
+        while True:
+            f.write(b'x' * 65536)
+    except OSError:
+        pass
+for i in range(ring.slots):
+    ring.slot(i).fill_(float(i + 1))
+assert float(ring.slot(3).sum()) == 4 * 256 * 64
+print('ok')
+"""
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+# ---- stale rings, reuse, two services on one path ---------------------------------------------------------------
+def test_rings_left_by_killed_launchers_are_removed_and_live_ones_kept(tmp_path):
+    live = GatherRing.create(tmp_path / "moepipe-ple-1-8000.ring", **RING)     # its service lives: kept
+    dead = GatherRing.create(tmp_path / "moepipe-ple-2-8001.ring", **RING)
+    dead.close()                                                               # its service died: stale
+    old_tmp = tmp_path / "moepipe-ple-3-8002.ring.tmp77"
+    old_tmp.write_bytes(b"x")
+    os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
+    young_tmp = tmp_path / "moepipe-ple-4-8003.ring.tmp78"                    # a service making it now
+    young_tmp.write_bytes(b"x")
+    other = tmp_path / "moepipe-ple.ring"                                       # a config's own name: not ours
+    other.write_bytes(b"x")
+    try:
+        assert sorted(p.name for p in remove_stale_rings(tmp_path)) == [dead.path.name, old_tmp.name]
+        assert live.path.exists() and young_tmp.exists() and other.exists()
+        # and a new service removes them itself before it takes its room
+        dead2 = GatherRing.create(tmp_path / "moepipe-ple-5-8004.ring", **RING)
+        dead2.close()
+        fresh = GatherRing.create(tmp_path / "moepipe-ple-6-8005.ring", **RING)
+        assert not dead2.path.exists() and live.path.exists()
+        fresh.close()
+    finally:
+        live.close()
+
+
+def test_a_restarted_service_reuses_its_stale_ring_so_a_stage_still_mapping_it_reads_the_new_rows(tmp_path):
+    """systemd restarts the PLE service alone (or a stage first): the stage's mapping of the old ring must see what
+    the new service writes. Another shape replaces the file; a ring a live service holds is refused."""
+    path = tmp_path / "moepipe-ple.ring"
+    first = GatherRing.create(path, **RING)
+    stage = GatherRing.open(path)
+    first.close()                                          # the service died; the stage keeps its mapping
+    second = GatherRing.create(path, **RING)
+    try:
+        second.slot(1).fill_(7.0)
+        assert torch.all(stage.slot(1) == 7.0)             # same inode: the stage reads the new service's rows
+        with pytest.raises(RingError, match="another live PLE service holds this ring"):
+            GatherRing.create(path, **RING)
+        with pytest.raises(RingError, match="another live PLE service holds this ring"):
+            GatherRing.create(path, **{**RING, "slots": 6})
+    finally:
+        second.close()
+        stage.close()
+    other = GatherRing.create(path, **{**RING, "slots": 6})
+    assert other.slots == 6 and GatherRing.open(path).slots == 6
+    other.close()
+
+
+def test_a_stage_waits_for_a_live_service_instead_of_mapping_a_stale_ring(tmp_path):
+    path = tmp_path / "r.ring"
+    GatherRing.create(path, **RING).close()                 # stale: its service is gone
+    t0 = time.monotonic()
+    with pytest.raises(RingError, match="no live PLE service holds this ring"):
+        GatherRing.open(path, wait=0.3)
+    assert time.monotonic() - t0 < 5
+    made = []
+    timer = threading.Timer(0.3, lambda: made.append(GatherRing.create(path, **{**RING, "slots": 5})))
+    timer.start()
+    try:
+        ring = GatherRing.open(path, wait=10)
+        assert ring.slots == 5                               # the live service's ring, not the stale one
+        ring.close()
+    finally:
+        timer.join()
+        for r in made:
+            r.close()
+
+
+def _in_small_shm(size: str) -> list[str]:
+    """A command prefix running the rest in a private mount namespace whose /dev/shm is a tmpfs of `size`."""
+    if not _can_unshare():
+        pytest.skip("needs root and mount namespaces (unshare -m) to give the server a small /dev/shm")
+    return ["unshare", "-m", "sh", "-c",
+            f'mount --make-rprivate / && mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def test_serve_with_a_docker_sized_dev_shm_too_small_for_the_ring_refuses_in_one_line(tiny_checkpoint):
+    """As vLLM tells Docker users to pass --shm-size: the ring (2 MiB here: 4 slots x 2048 tokens of the tiny
+    model's PLE rows) does not fit a 1 MiB /dev/shm, and serve says so at start instead of serving until the first
+    long prompt SIGBUSes the PLE service."""
+    proc = _serve([str(tiny_checkpoint), "--port", str(free_port()), "--max-num-batched-tokens", "2048"], _env(),
+                  prefix=_in_small_shm("1m"))
+    err = _refusal(proc)
+    assert re.search(r"the PLE gather ring needs \d+\.\d MiB of shared memory and /dev/shm has 1\.0 MiB free.*"
+                     r"--shm-size", err), err
