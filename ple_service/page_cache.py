@@ -18,19 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ple_service.prefetch import _SYS_PIDFD_OPEN, _SYS_PROCESS_MADVISE, _IoVec
+
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-
-
-MADV_PAGEOUT = 21
-_SYS_PIDFD_OPEN = 434               # generic syscall numbers, the same on x86_64 and aarch64
-_SYS_PROCESS_MADVISE = 440
 _libc.syscall.restype = ctypes.c_long
 
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+MADV_PAGEOUT = 21
 
 
 def mapped_ranges(path: str | Path, pid: int) -> list[tuple[int, int]]:
