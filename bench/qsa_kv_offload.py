@@ -47,7 +47,7 @@ from stage_worker.model.attention import GatedAttention  # noqa: E402
 from stage_worker.model.batch import StepBatch  # noqa: E402
 from stage_worker.model.cache import CacheSpec, ModelCache  # noqa: E402
 from stage_worker.model.rope import Rotary  # noqa: E402
-from bench.row_cache_steps import row_cache_tier  # noqa: E402
+from bench.row_cache_steps import graphed, row_cache_tier  # noqa: E402
 
 BLOCK = 16
 HOST_READ_GBS = 50.0      # a GPU kernel reading pinned host memory on the H200 (DESIGN §6)
@@ -126,14 +126,7 @@ def decode_step(cfg, attn: GatedAttention, cache, tables: list[list[int]], devic
         sel = qsa_select(q_idx, cache.pooled_keys, table, lens, BLOCK, idx.ratio, idx.block_topk * idx.ratio)
         return paged_decode_attention(q, cache.k, cache.v, table, lens, attn.scale, BLOCK, sel)
 
-    if device != "cuda":
-        return timed(step, reps, device)
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return timed(graph.replay, reps, device)
+    return timed(graphed(step, device), reps, device)
 
 
 def selection(cfg, attn: GatedAttention, cache, tables: list[list[int]], device: str, reps: int,
@@ -152,14 +145,7 @@ def selection(cfg, attn: GatedAttention, cache, tables: list[list[int]], device:
         qsa_select(q_idx, cache.pooled_keys, table, lens, BLOCK, idx.ratio, idx.block_topk * idx.ratio,
                    one_program=one_program)
 
-    if device != "cuda":
-        return timed(run, reps, device)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return timed(graph.replay, reps, device)
+    return timed(graphed(run, device), reps, device)
 
 
 def prefill_chunk(cfg, attn: GatedAttention, cache, table: list[int], ctx: int, device: str) -> tuple[float, int]:

@@ -17,7 +17,7 @@ import torch
 from stage_worker.kernels import kv_row_cache as rc
 
 
-def _graphed(step, device: str):
+def graphed(step, device: str):
     """The step captured in a CUDA graph (its replay), or itself on the CPU."""
     if device != "cuda":
         return step
@@ -77,7 +77,7 @@ def row_cache_tier(cfg, attn, cache, tables: list[list[int]], block: int, device
             if prev is not None:
                 overlaps.append(sum(len(a & b) / max(len(a), 1) for a, b in zip(cur, prev)) / B)
             prev = cur
-        replay = _graphed(step, device)
+        replay = graphed(step, device)
         before = region.counts.tolist()
         out[name] = timed(replay, reps, device)
         if rows_cache is not None:
