@@ -267,6 +267,16 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled series `name` on the server's /metrics (an AssertionError if it has none)."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def small_cluster_options(model: Path):
     """The 2-stage cluster the API test modules share on the tiny checkpoint: small steps and a fixed KV pool, so
     every test's prompt fits and prefill chunks are exercised. No PLE service process (the stages gather their PLE

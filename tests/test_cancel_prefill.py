@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, metric
 from gateway.launcher import Cluster, ServeOptions
 from shared.protocol import Activations, Plan, Sampled, StepResult, TokenOut
 from shared.sampling import SamplingParams
@@ -38,13 +38,6 @@ def cluster(tiny_checkpoint):
 def _prompt(seed: int, n: int) -> list[int]:
     """Token ids no other prompt of the module starts with (the prefix cache would serve a shared start)."""
     return [3 + (seed * 131 + i * 7) % 2000 for i in range(n)]
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, stream: bool) -> str:
@@ -99,12 +92,12 @@ def test_a_cancelled_prefill_stops_holding_the_pipeline(cluster, stream):
                                f"(uncancelled prompt: {full:.2f} s)"
     # The cancelled request's blocks and slot come back once its steps in flight are (skipped and) back.
     deadline = time.time() + 10
-    while time.time() < deadline and (_metric(url, "moepipe_kv_blocks_used") > 0
-                                      or _metric(url, "moepipe_state_slots_used") > 0):
+    while time.time() < deadline and (metric(url, "moepipe_kv_blocks_used") > 0
+                                      or metric(url, "moepipe_state_slots_used") > 0):
         time.sleep(0.05)
-    assert _metric(url, "moepipe_kv_blocks_used") == 0
-    assert _metric(url, "moepipe_state_slots_used") == 0
-    assert _metric(url, "moepipe_requests_running") == 0
+    assert metric(url, "moepipe_kv_blocks_used") == 0
+    assert metric(url, "moepipe_state_slots_used") == 0
+    assert metric(url, "moepipe_requests_running") == 0
 
 
 # ---- the rule, without processes ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, metric
 
 DEVICE = "cuda"             # the module's device (a CPU run of the same storm: set it to "cpu" by hand)
 LONG = 3000                 # tokens of a victim's long prompt: 12 chunks of CHUNK
@@ -29,13 +29,6 @@ CHUNK = 256
 
 def _prompt(seed: int, n: int) -> list[int]:
     return [3 + (seed * 131 + i * 7) % 2000 for i in range(n)]
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
@@ -106,12 +99,12 @@ def test_clients_leaving_at_random_keep_the_others_and_the_state_intact(stages, 
                 assert at == bt
                 assert max(abs(x - y) for x, y in zip(al, bl) if x is not None and y is not None) < 1e-3
             end = time.time() + 10
-            while time.time() < end and (_metric(url, "moepipe_kv_blocks_used") > 0
-                                         or _metric(url, "moepipe_state_slots_used") > 0):
+            while time.time() < end and (metric(url, "moepipe_kv_blocks_used") > 0
+                                         or metric(url, "moepipe_state_slots_used") > 0):
                 time.sleep(0.05)
-            assert _metric(url, "moepipe_kv_blocks_used") == 0
-            assert _metric(url, "moepipe_state_slots_used") == 0
-            assert _metric(url, "moepipe_requests_running") == 0
+            assert metric(url, "moepipe_kv_blocks_used") == 0
+            assert metric(url, "moepipe_state_slots_used") == 0
+            assert metric(url, "moepipe_requests_running") == 0
     except Exception:
         err = capfd.readouterr().err
         with capfd.disabled():

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
-from conftest import OpenAI, free_port
+from conftest import OpenAI, free_port, metric
 from gateway.launcher import Cluster, ServeOptions
 from ple_service.service import PleService
 from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec
@@ -111,13 +110,6 @@ def test_the_cap_still_switches_larger_steps_to_the_service(tiny_checkpoint, tmp
         _cluster(tiny_checkpoint, tmp_path, ple_decode_in_stage_max_seqs=-1)
 
 
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"/metrics has no {name}")
-
-
 @pytest.mark.parametrize("cap", [0, 2])
 def test_served_streams_decode_without_waiting_for_the_service(tiny_checkpoint, cap):
     """The real processes (gateway, one stage worker, the PLE service; ipc sockets, the shared-memory ring): four
@@ -138,15 +130,15 @@ def test_served_streams_decode_without_waiting_for_the_service(tiny_checkpoint, 
         # The stage's totals arrive with its heartbeats (every 0.5 s): wait for the one after the last step.
         deadline = time.time() + 10
         while time.time() < deadline:
-            gathers = _metric(c.url, "moepipe_ple_stage_gathers_total")
-            waited = _metric(c.url, "moepipe_ple_stage_decode_wait_seconds_total")
+            gathers = metric(c.url, "moepipe_ple_stage_gathers_total")
+            waited = metric(c.url, "moepipe_ple_stage_decode_wait_seconds_total")
             if (gathers >= max_tokens - 1) if cap == 0 else waited > 0:
                 break
             time.sleep(0.2)
         time.sleep(1.0)                                   # one more heartbeat: the counters are final
-        gathers = _metric(c.url, "moepipe_ple_stage_gathers_total")
-        waited = _metric(c.url, "moepipe_ple_stage_decode_wait_seconds_total")
-        total_wait = _metric(c.url, "moepipe_ple_stage_wait_seconds_total")
+        gathers = metric(c.url, "moepipe_ple_stage_gathers_total")
+        waited = metric(c.url, "moepipe_ple_stage_decode_wait_seconds_total")
+        total_wait = metric(c.url, "moepipe_ple_stage_wait_seconds_total")
     if cap == 0:
         assert gathers >= max_tokens - 1                  # every decode step of the longest stream, at least
         assert waited == 0.0                              # no decode step waited for the service

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, metric
 from gateway.launcher import Cluster, ServeOptions
 
 BLOCK = 16
@@ -22,13 +22,6 @@ def cluster(tiny_checkpoint):
                                "max_num_seqs": 8, "ple_service": False})
     with Cluster(opts) as c:
         yield c
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", verify=False).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 async def _complete(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> str:
@@ -53,9 +46,9 @@ def test_requests_the_pool_holds_one_at_a_time_do_not_thrash(cluster):
             out = []
             for prompts in rounds:
                 solo = [await _complete(client, url, p, 16) for p in prompts]
-                before = _metric(url, "moepipe_preemptions")
+                before = metric(url, "moepipe_preemptions")
                 together = await asyncio.gather(*[_complete(client, url, p, 16) for p in prompts])
-                out.append((solo, together, _metric(url, "moepipe_preemptions") - before))
+                out.append((solo, together, metric(url, "moepipe_preemptions") - before))
             return out
 
     results = asyncio.run(run())
@@ -63,7 +56,7 @@ def test_requests_the_pool_holds_one_at_a_time_do_not_thrash(cluster):
         assert together == solo
     preemptions = [n for _, _, n in results]
     assert sum(preemptions) <= 4 * len(rounds), f"preemptions per pair: {preemptions}"
-    assert _metric(url, "moepipe_kv_blocks_used") == 0
+    assert metric(url, "moepipe_kv_blocks_used") == 0
 
 
 def test_a_request_never_preempts_an_older_one():
