@@ -61,6 +61,12 @@ def open_safetensors(path: Path):
     from safetensors import safe_open
 
     try:
+        open(path, "rb").close()      # safetensors words a permission error "No such file or directory"
+    except OSError as exc:
+        hint = "; make the checkpoint readable by this user (e.g. chmod a+r: safetensors writes its files mode " \
+            "600)" if isinstance(exc, PermissionError) else ""
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror or exc}){hint}") from None
+    try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as exc:       # safetensors' SafetensorError, or an OSError
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc

@@ -4,12 +4,20 @@ Both must map the very same file: the service gathers rows for the stage, and th
 service is off. A second expansion would cost another 95 GiB of disk and split the page cache between two copies, so
 finding a table's shards, checking them, naming the expansion and the `dummy` format's tables are written once, here;
 `ensure_table`'s lock lets whichever process comes first expand the file while the other waits and maps it.
+
+The expansion goes beside the checkpoint, unless that directory is not writable (a read-only volume, a model
+directory of another user) and holds no current expansion: then under `MOEPIPE_HOME/ple_tables/` (`table_dir`),
+which both processes derive alike from the model's path. A table that cannot be written anywhere is a
+CheckpointError naming the directory, the size and what to do, not a PermissionError traceback.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,10 +25,12 @@ import torch
 from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors
 from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import NgramHashSpec
-from shared.ple_table import FlatTable, ensure_table, shard_row_counts
+from shared.ple_table import FlatTable, ensure_table, shard_row_counts, table_is_current
 
 __all__ = ["ProceduralTable", "Shards", "dummy_layer_table", "dummy_ple_table", "find_ple_shards", "open_ple_table",
-           "ple_shard"]
+           "ple_shard", "table_dir"]
+
+log = logging.getLogger(__name__)
 
 PLE_SHARD = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 
@@ -61,12 +71,46 @@ def open_ple_table(cfg: Qwen4ExpConfig, layer: int, spec: NgramHashSpec, shards:
     with open_safetensors(order[0][0]) as f:
         dtype = f.get_slice(order[0][1]).get_dtype()
     dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}[dtype]
-    out = _expansion_path(model_dir, layer, order)
+    rows, dim = spec.padded_rows, cfg.ple_head_dim
+    name = _expansion_name(layer, order)
+    out_dir = table_dir(model_dir, name, lambda p: table_is_current(p, rows, dim, dtype), layer)
+    out = _expansion_path(out_dir, layer, name)
     try:
-        return ensure_table(read, len(order), out, rows=spec.padded_rows, dim=cfg.ple_head_dim, dtype=dtype,
+        return ensure_table(read, len(order), out, rows=rows, dim=dim, dtype=dtype,
                             desc=f"expanding PLE table of layer {layer}")
     except ValueError as exc:
         raise CheckpointError(f"PLE table of layer {layer} in {model_dir}: {exc}") from exc
+    except OSError as exc:
+        raise _unwritable(exc, layer, rows * dim * dtype.itemsize, out_dir, Path(model_dir)) from None
+
+
+def table_dir(model_dir: str | Path, name: str, is_current: Callable[[Path], bool], layer: int) -> Path:
+    """The directory of the table file `name`: the checkpoint's if a current copy is there or it is writable, else
+    `MOEPIPE_HOME/ple_tables/<checkpoint dir name>-<hash of its path>` (the stage and the PLE service choose alike)."""
+    model_dir = Path(model_dir)
+    if is_current(model_dir / name) or os.access(model_dir, os.W_OK):
+        return model_dir
+    from shared.cli import _home
+
+    key = hashlib.blake2b(str(model_dir.resolve()).encode(), digest_size=6).hexdigest()
+    fallback = _home() / "ple_tables" / f"{model_dir.name}-{key}"
+    if not is_current(fallback / name):
+        log.warning("%s is not writable: the PLE table of layer %d is expanded under %s instead", model_dir, layer,
+                    fallback)
+    return fallback
+
+
+def _unwritable(exc: OSError, layer: int, nbytes: int, out_dir: Path, model_dir: Path) -> CheckpointError:
+    """A table that could not be written (no permission, a read-only or full filesystem): one line with the way out."""
+    what = f"cannot write the expanded PLE table of layer {layer} ({nbytes / 2**20:.1f} MiB) to {out_dir}"
+    detail = f"{exc.strerror} ({exc.filename})" if exc.strerror else str(exc)
+    if out_dir == model_dir:
+        return CheckpointError(f"{what}: {detail}; free that much room there")
+    home = f"MOEPIPE_HOME={os.environ['MOEPIPE_HOME']}" if os.environ.get("MOEPIPE_HOME") else \
+        "MOEPIPE_HOME (unset: ~/.cache/moepipe)"
+    return CheckpointError(f"{what}: {detail}; the checkpoint directory {model_dir} is not writable, so the table "
+                           f"goes under {home}: set MOEPIPE_HOME to a writable directory with that much room, or make "
+                           f"{model_dir} writable")
 
 
 def _shard_order(cfg: Qwen4ExpConfig, layer: int, shards: Shards, model_dir: Path) -> list[tuple[Path, str, tuple]]:
@@ -99,13 +143,21 @@ def _check_shapes(cfg: Qwen4ExpConfig, spec: NgramHashSpec, order: list[tuple[Pa
             raise CheckpointError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(want)}")
 
 
-def _expansion_path(out_dir: Path, layer: int, order: list[tuple[Path, str, tuple]]) -> Path:
-    """Where the expansion lives, named by a fingerprint of its source shards, so a checkpoint rewritten in place is
-    expanded again rather than served from a stale table; older expansions of the layer are deleted."""
-    out = out_dir / f"ple_table.layer{layer}.{_fingerprint(order)}.bin"
+def _expansion_name(layer: int, order: list[tuple[Path, str, tuple]]) -> str:
+    """The expansion's file name, with a fingerprint of its source shards, so a checkpoint rewritten in place is
+    expanded again rather than served from a stale table."""
+    return f"ple_table.layer{layer}.{_fingerprint(order)}.bin"
+
+
+def _expansion_path(out_dir: Path, layer: int, name: str) -> Path:
+    """`out_dir / name`; older expansions of the layer there are deleted (where the directory lets us)."""
+    out = out_dir / name
     for stale in out_dir.glob(f"ple_table.layer{layer}.*.bin*"):
         if not stale.name.startswith(out.name):
-            stale.unlink(missing_ok=True)
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError:
+                pass
     return out
 
 
@@ -178,8 +230,9 @@ def dummy_ple_table(rows: int, dim: int, dtype: torch.dtype, seed: int, layer: i
     table = ProceduralTable(rows, dim, dtype, seed)
     if file_dir is None:
         return table
-    name = str(dtype).removeprefix("torch.")
-    path = Path(file_dir) / f"ple_table.layer{layer}.dummy-seed{seed}-{rows}x{dim}.{name}.bin"
+    name = f"ple_table.layer{layer}.dummy-seed{seed}-{rows}x{dim}.{str(dtype).removeprefix('torch.')}.bin"
+    out_dir = table_dir(file_dir, name, lambda p: table_is_current(p, rows, dim, dtype), layer)
+    path = out_dir / name
     shards = max(1, -(-rows * dim * dtype.itemsize // _FILE_SHARD_BYTES))
     starts = [0]
     for count in shard_row_counts(rows, shards):
@@ -196,5 +249,8 @@ def dummy_ple_table(rows: int, dim: int, dtype: torch.dtype, seed: int, layer: i
             row += n
         return torch.cat(parts)
 
-    return ensure_table(read, shards, path, rows=rows, dim=dim, dtype=dtype,
-                        desc=f"writing the dummy PLE table of layer {layer}")
+    try:
+        return ensure_table(read, shards, path, rows=rows, dim=dim, dtype=dtype,
+                            desc=f"writing the dummy PLE table of layer {layer}")
+    except OSError as exc:
+        raise _unwritable(exc, layer, rows * dim * dtype.itemsize, out_dir, Path(file_dir)) from None

@@ -289,8 +289,12 @@ def ensure_table(
     """Open `out_path`, expanding it from the checkpoint shards first unless a current expansion is already there.
 
     An exclusive lock beside the table serialises processes that start together (the PLE stage and the PLE
-    service both open the table at start-up): one expands, the other waits and then only reopens."""
+    service both open the table at start-up): one expands, the other waits and then only reopens. A current table
+    is opened without the lock: a read-only directory's (a volume, another user's model) has no room for one."""
     out_path = Path(out_path)
+    if table_is_current(out_path, rows, dim, dtype):
+        return open_table(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out_path.with_name(out_path.name + ".lock")
     with open(lock_path, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -207,3 +207,126 @@ def test_serve_with_a_docker_sized_dev_shm_too_small_for_the_ring_refuses_in_one
     err = _refusal(proc)
     assert re.search(r"the PLE gather ring needs \d+\.\d MiB of shared memory and /dev/shm has 1\.0 MiB free.*"
                      r"--shm-size", err), err
+
+
+# ---- a read-only model directory, MOEPIPE_HOME -------------------------------------------------------------------
+@contextlib.contextmanager
+def read_only(path: Path):
+    """`path` read-only for this user's processes: mode 555 as a user, a read-only bind mount as root (skipped where
+    mounting is refused)."""
+    if not _root():
+        mode = path.stat().st_mode
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(mode)
+        return
+    for cmd in (["mount", "--bind", str(path), str(path)], ["mount", "-o", "remount,bind,ro", str(path)]):
+        r = subprocess.run(cmd, capture_output=True)
+        if r.returncode != 0:
+            subprocess.run(["umount", str(path)], capture_output=True)
+            pytest.skip(f"cannot make a read-only bind mount here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("ple_table.*"))
+    return dst
+
+
+def test_a_read_only_model_directory_serves_with_its_ple_table_expanded_under_moepipe_home(tiny_checkpoint,
+                                                                                               tmp_path):
+    """A model on a read-only volume (or another user's): the PLE service's lock file beside the table was a
+    PermissionError traceback in the service and the stage. Now the expansion goes under MOEPIPE_HOME."""
+    model, home = _copy(tiny_checkpoint, tmp_path / "model"), tmp_path / "home"
+    port = free_port()
+    with read_only(model):
+        proc = _serve([str(model), "--port", str(port)], _env(MOEPIPE_HOME=str(home)))
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=90)
+            assert _complete(port)
+        finally:
+            stop_server(proc)
+        assert not list(model.glob("ple_table.*"))
+    [table] = (home / "ple_tables").glob("model-*/ple_table.layer*.bin")
+    assert (table.parent / (table.name + ".json")).is_file()
+
+
+def test_a_read_only_model_directory_and_moepipe_home_refuse_in_one_line(tiny_checkpoint, tmp_path):
+    model = _copy(tiny_checkpoint, tmp_path / "model")
+    with read_only(model):
+        proc = _serve([str(model), "--port", str(free_port())], _env(MOEPIPE_HOME=str(model / "home")))
+        err = _refusal(proc)
+    assert re.search(r"cannot write the expanded PLE table of layer \d+ \(\d+\.\d MiB\) to .*set MOEPIPE_HOME to a "
+                     r"writable directory", err), err
+
+
+def test_a_read_only_model_directory_with_its_table_expanded_maps_it_in_place(tiny_checkpoint, tmp_path):
+    """An image that ships the model with its expanded table on a read-only layer: opened where it is, without
+    the lock file (that cannot be created there) and without a second copy under MOEPIPE_HOME."""
+    from ple_service.tables import open_tables
+    from shared.model_config import load_config
+
+    model, home = _copy(tiny_checkpoint, tmp_path / "model"), tmp_path / "home"
+    cfg = load_config(model)
+    first = open_tables(model, cfg)
+    rows = {layer: t.gather(torch.arange(5)) for layer, t in first.items()}
+    for t in first.values():
+        t.close()
+    for lock in model.glob("ple_table.*.lock"):
+        lock.unlink()
+    with read_only(model):
+        os.environ["MOEPIPE_HOME"], saved = str(home), os.environ.get("MOEPIPE_HOME")
+        try:
+            again = open_tables(model, cfg)
+        finally:
+            if saved is None:
+                del os.environ["MOEPIPE_HOME"]
+            else:
+                os.environ["MOEPIPE_HOME"] = saved
+        try:
+            assert all(t.path.parent == model and torch.equal(t.gather(torch.arange(5)), rows[layer])
+                       for layer, t in again.items())
+        finally:
+            for t in again.values():
+                t.close()
+    assert not home.exists()
+
+
+def test_an_unreadable_weight_file_is_named_with_the_fix_not_called_missing(tiny_checkpoint, tmp_path):
+    """safetensors writes its files mode 600 and words EACCES "No such file or directory": a model made by root and
+    served by a service user read as missing. (As root: checked in a forked child that drops to nobody.)"""
+    from shared.checkpoint_files import CheckpointError, open_safetensors
+
+    model = _copy(tiny_checkpoint, tmp_path / "model")
+    (model / "model.safetensors").chmod(0o600)
+    if not _root():
+        (model / "model.safetensors").chmod(0)
+        with pytest.raises(CheckpointError, match=r"cannot read it \(Permission denied\); make the checkpoint "
+                                                  r"readable"):
+            open_safetensors(model / "model.safetensors")
+        return
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the child: never back into pytest
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                open_safetensors(model / "model.safetensors")
+                msg = "opened"
+            except CheckpointError as exc:
+                msg = str(exc)
+            os.write(write, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert re.search(r"cannot read it \(Permission denied\); make the checkpoint readable", msg), msg
