@@ -106,8 +106,6 @@ def test_prefill_path_dequantizes_blocks_of_rows(monkeypatch):
     torch.testing.assert_close(F.dequant_matmul(x[:2], fw), whole[:2], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="inputs"):
         F.fp8_gemv(x[:, :40], fw)
-    with pytest.raises(ValueError, match="fp8 weight"):
-        Fp8Weight(fw.q, fw.scale[:, :1], block).check()
 
 
 def test_the_kernel_compiles_for_the_h200():

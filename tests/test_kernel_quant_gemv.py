@@ -296,7 +296,6 @@ def test_dequant_kernel_is_the_reference_bit_for_bit(bits, dense):
     for group, sd, od, cfg in cases:
         scales = (torch.rand(N, -(-K // group), generator=g) * 0.02 + 1e-3).to(sd)
         pw = PackedWeight(words.to(DEV), scales.to(DEV), bits, K, group)
-        pw.check()
         buf = torch.full((33, K + 3), float("nan"), dtype=od, device=DEV)
         out = dequantize_into(pw, buf[:, :K], 5, cfg)
         want = dequantize_packed(pw, od, 5, 38)
@@ -415,10 +414,6 @@ def test_shapes_the_kernel_cannot_take_are_refused():
     pw = quantize_rtn(torch.randn(8, 32), 8, None)
     with pytest.raises(ValueError, match="inputs"):
         Q.quant_gemv(torch.zeros(1, 30), pw)
-    from shared.quant_scheme import QuantSchemeError
-
-    with pytest.raises(QuantSchemeError, match="cannot hold"):
-        PackedWeight(pw.words[:, :5], pw.scales, 8, 32, 32).check()
 
 
 def test_the_kernel_compiles_for_the_h200():

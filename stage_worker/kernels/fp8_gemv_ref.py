@@ -33,17 +33,6 @@ class Fp8Weight:
     def in_features(self) -> int:
         return self.q.shape[1]
 
-    def check(self) -> None:
-        """The bytes and scales fit each other and the block (raises ValueError)."""
-        N, K = self.q.shape
-        br, bc = self.block
-        want = (-(-N // br), -(-K // bc))
-        if self.q.dtype != torch.uint8 or self.q.dim() != 2 or tuple(self.scale.shape) != want or \
-                self.scale.dtype != torch.float32:
-            raise ValueError(f"fp8 weight: q {self.q.dtype} {list(self.q.shape)}, scale {self.scale.dtype} "
-                             f"{list(self.scale.shape)}, expected uint8 and float32 {list(want)} for blocks "
-                             f"{self.block}")
-
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
 

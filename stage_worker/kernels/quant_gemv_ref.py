@@ -42,16 +42,6 @@ class PackedWeight:
     def groups(self) -> int:
         return self.scales.shape[1]
 
-    def check(self) -> None:
-        """The words and scales fit `in_features`, `bits` and `group` (raises QuantSchemeError or ValueError)."""
-        N, K = self.out_features, self.in_features
-        qw.is_dense(self.words.shape[1], self.bits, K)
-        if self.words.dtype != torch.int32 or self.scales.dim() != 2 or self.scales.shape[0] != N:
-            raise ValueError(f"packed weight: words {self.words.dtype} {list(self.words.shape)}, scales "
-                             f"{list(self.scales.shape)}")
-        if self.groups != -(-K // self.group):
-            raise ValueError(f"packed weight: {self.groups} scale columns for {K} inputs in groups of {self.group}")
-
     def nbytes(self) -> int:
         return self.words.numel() * 4 + self.scales.numel() * self.scales.element_size()
 
