@@ -20,6 +20,7 @@ pytest.importorskip("compressed_tensors")
 from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec, env_overrides  # noqa: E402
 from shared.model_config import load_config  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
+from stage_worker.kernels.fp8_gemv_ref import dequantize_rows  # noqa: E402
 from stage_worker.model.fp8_linear import Fp8Linear, fp8_specs  # noqa: E402
 from test_fp8_experts import _logits  # noqa: E402  (the fixture `fp8_dirs` is conftest's)
 
@@ -41,7 +42,7 @@ def test_fp8_dense_layers_stay_float8_and_give_the_dequantized_models_logits(fam
     for name, m in held.items():          # the same weights the key-off load holds, in half the bytes
         assert m.weight_fp8.dtype == torch.uint8 and m.weight_scale_inv.dtype == torch.float32
         assert m.block == (128, 128)
-        assert torch.equal(m.dequantized(torch.float32), off.get_submodule(name).weight), name
+        assert torch.equal(dequantize_rows(m.fp8(), torch.float32), off.get_submodule(name).weight), name
     # fused bf16 kernels read q/k/v and the shared expert: they stay dequantized
     assert all(type(m) is nn.Linear for n, m in on.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj")))
     ref = _logits([off])

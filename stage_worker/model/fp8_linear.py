@@ -59,12 +59,6 @@ class Fp8Linear(nn.Module):
 
             split_locks(self.weight_fp8.device)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight [N, K] (what packed_fp8_dense off holds)."""
-        from stage_worker.kernels.fp8_gemv_ref import dequantize_rows
-
-        return dequantize_rows(self.fp8(), dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float8 blocks {self.block}"
 

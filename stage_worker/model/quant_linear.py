@@ -84,12 +84,6 @@ class PackedLinear(nn.Module):
 
             split_locks(self.weight_packed.device)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weight [N, K] (what packed_dense off holds)."""
-        from stage_worker.kernels.quant_gemv_ref import dequantize_packed
-
-        return dequantize_packed(self.packed(), dtype)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} "
                 f"{'channel' if self.group >= self.in_features else f'group {self.group}'}")
