@@ -46,7 +46,7 @@ from shared.ngram_hash import NgramHashSpec, ngram_rows_numpy
 log = logging.getLogger(__name__)
 
 __all__ = ["Advisor", "FadviseAdvisor", "PreadReader", "ReadPool", "PromptPrefetcher", "page_ranges", "coalesce_ranges", "IOV_MAX",
-           "MADV_WILLNEED", "make_advisors"]
+           "MADV_WILLNEED", "STATS", "make_advisors"]
 
 MADV_WILLNEED = 3
 IOV_MAX = 1024                      # the kernel's UIO_MAXIOV: most iovecs one process_madvise call accepts
@@ -133,7 +133,33 @@ def coalesce_ranges(ranges: Sequence[tuple[int, int]], page_size: int, limit: in
     return out
 
 
-class Advisor:
+STATS = ("calls", "pages", "ranges", "seconds", "io_seconds", "errors", "fallback", "cancelled_pages")
+
+
+class _Counters:
+    """The counters every prefetch method keeps for the PLE service's heartbeat, and `stats`, their snapshot (keys
+    `STATS`). `fallback`: madvise in use where process_madvise was meant (`Advisor`'s; never for the others)."""
+
+    fallback = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls = 0              # system calls made (process_madvise, madvise, fadvise; pread: reads)
+        self.pages = 0              # pages advised or read
+        self.ranges = 0             # ranges advised
+        self.seconds = 0.0          # time the callers spent inside advise()
+        self.io_seconds = 0.0       # of it, inside the system calls (pread: summed over the pool's threads)
+        self.errors = 0             # ranges the kernel failed on (other than a refusal)
+        self.cancelled_pages = 0    # pages left unadvised because their request finished meanwhile
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
+                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
+                    "fallback": float(self.fallback), "cancelled_pages": float(self.cancelled_pages)}
+
+
+class Advisor(_Counters):
     """`MADV_WILLNEED` for ranges of one memory mapping (an expanded PLE table), with counters for heartbeats.
 
     `address`/`length` describe the mapping (address page aligned); ranges passed to `advise` are byte offsets into
@@ -146,21 +172,14 @@ class Advisor:
                  force_fallback: bool = False) -> None:
         if address % page_size:
             raise ValueError(f"mapping address {address:#x} is not page aligned ({page_size})")
+        super().__init__()                       # its lock also guards the log-once flag
         self.address, self.length, self.row_bytes, self.page_size = address, length, row_bytes, page_size
         self.force_fallback = force_fallback
         self._pidfd: int | None = None
         self._pid = -1
         self._refused: str | None = "forced by the caller" if force_fallback else None
         self._logged = False
-        self._lock = threading.Lock()            # counters and the log-once flag
         self._fd_lock = threading.Lock()         # the pidfd (opened lazily, closed on refusal)
-        self.calls = 0          # system calls made (process_madvise or madvise)
-        self.pages = 0          # pages advised
-        self.ranges = 0         # ranges advised
-        self.seconds = 0.0      # time spent inside advise()
-        self.io_seconds = 0.0   # of it, inside the system calls
-        self.errors = 0         # ranges the kernel failed on (other than a refusal)
-        self.cancelled_pages = 0    # pages left unadvised because their request finished meanwhile
 
     @classmethod
     def for_table(cls, table, *, force_fallback: bool = False) -> Advisor:
@@ -220,12 +239,6 @@ class Advisor:
             self.cancelled_pages += total - pages
             self.seconds += time.perf_counter() - t0
         return pages
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
-                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
-                    "fallback": float(self.fallback), "cancelled_pages": float(self.cancelled_pages)}
 
     def close(self) -> None:
         with self._fd_lock:
@@ -311,11 +324,10 @@ class Advisor:
                 "per page range", self._refused)
 
 
-class _FileMethod:
+class _FileMethod(_Counters):
     """What the file-descriptor prefetch methods share (`FadviseAdvisor`, `PreadReader`): the table file opened on
-    its own descriptor, the counters and `stats` in `Advisor`'s form, `advise_rows`, `close`."""
+    its own descriptor, `advise_rows`, `close`."""
 
-    fallback = False
     refusal = None
 
     def __init__(self, path: str | os.PathLike, length: int, *, row_bytes: int, page_size: int,
@@ -330,10 +342,7 @@ class _FileMethod:
         except OSError:
             os.close(self.fd)
             raise
-        self._lock = threading.Lock()
-        self.calls = self.pages = self.ranges = self.errors = self.cancelled_pages = 0
-        self.seconds = 0.0          # time the callers spent inside advise()
-        self.io_seconds = 0.0       # time inside the system calls (pread: summed over the pool's threads)
+        super().__init__()
 
     def advise_rows(self, rows: np.ndarray, *, wait: bool = True) -> int:
         """Every page of `rows` (table row ids, any shape); returns the pages (queued, with wait=False)."""
@@ -341,12 +350,6 @@ class _FileMethod:
 
     def advise(self, ranges: Sequence[tuple[int, int]], *, wait: bool = True) -> int:
         raise NotImplementedError
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {"calls": float(self.calls), "pages": float(self.pages), "ranges": float(self.ranges),
-                    "seconds": self.seconds, "io_seconds": self.io_seconds, "errors": float(self.errors),
-                    "fallback": 0.0, "cancelled_pages": float(self.cancelled_pages)}
 
     def close(self) -> None:
         with self._lock:

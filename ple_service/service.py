@@ -32,7 +32,8 @@ from shared.ngram_hash import context_after, initial_context, ngram_rows_numpy, 
 from shared.ple_ring import GatherRing
 from shared.ple_table import FlatTable
 from shared.protocol import Plan, PleReady, Sampled, SamplingSpec, StageError
-from ple_service.prefetch import Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool, make_advisors
+from ple_service.prefetch import (STATS, Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool,
+                                  make_advisors)
 from ple_service.tables import open_tables, ple_specs
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,7 @@ class PleService:
         out = {"gathers": float(self.gathers), "gather_tokens": float(self.gather_tokens),
                "gather_seconds": self.gather_seconds, "waiting_plans": float(len(self._waiting)),
                "requests": float(len(self._requests)), "prefetch_enabled": float(self.prefetcher is not None)}
-        totals = {"calls": 0.0, "pages": 0.0, "ranges": 0.0, "seconds": 0.0, "io_seconds": 0.0, "errors": 0.0,
-                  "fallback": 0.0, "cancelled_pages": 0.0}
+        totals = dict.fromkeys(STATS, 0.0)
         for a in self.advisors:
             for k, v in a.stats().items():
                 totals[k] = max(totals[k], v) if k == "fallback" else totals[k] + v
