@@ -50,8 +50,7 @@ def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
     return torch.stack(rows, dim=1)
 
 
-def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None,
-                  on_step=None) -> np.ndarray:
+def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None) -> np.ndarray:
     """Prefill every window as a fresh sequence, `batch` windows per step; returns int64 [sum(len), layers, k] in
     window order."""
     moes = moe_layers(model)
@@ -69,8 +68,6 @@ def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEng
                 for i in range(len(group)):
                     engine.release(i)
             out.append(read_ids(moes, sum(len(w) for w in group)).cpu())
-            if on_step is not None:
-                on_step(s + len(group), len(wins))
     k = moes[0][1].top_k
     return torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
 
@@ -97,7 +94,7 @@ def read_texts(specs: list[str]) -> dict[str, list[Path]]:
 
 
 def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | Path, *, tokens_per_kind: int,
-                chunk: int = 512, batch: int = 8, device: str = "cpu", log=print) -> dict:
+                chunk: int = 512, batch: int = 8, device: str = "cpu") -> dict:
     """Count each MoE layer's selections over every kind's text (files joined by EOS, at most `tokens_per_kind`
     tokens a kind); writes and returns route_usage.json."""
     from shared.tokenizer import Tokenizer
@@ -135,7 +132,7 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
             sel = trace_windows(model, windows(stream, chunk), batch, engine)
             usage[kind] = usage_counts(sel, num_experts)
             counted[kind] = int(len(stream))
-            log(f"route-stats: {kind}: {len(stream)} tokens")
+            print(f"route-stats: {kind}: {len(stream)} tokens")
     layer_ids = [i for i, _ in moes]
     result = {"meta": {"format": FORMAT, "model": str(model_dir.resolve()),
                        "config": {"num_hidden_layers": cfg.num_hidden_layers, "moe_layers": layer_ids,
@@ -144,5 +141,5 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
               "usage": {k: {str(i): [int(c) for c in u[l]] for l, i in enumerate(layer_ids)}
                         for k, u in usage.items()}}
     Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    log(f"route-stats: wrote {out}")
+    print(f"route-stats: wrote {out}")
     return result
