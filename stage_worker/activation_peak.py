@@ -209,15 +209,14 @@ def chunk_peak(model, cfg: HybridMoeConfig, cache, shape: tuple[int, int], block
 
 
 @torch.inference_mode()
-def prefill_peak(cluster: ClusterConfig, cfg: HybridMoeConfig, index: int, dtype: str,
-                 max_model_len: int | None = None) -> tuple[int, int]:
+def prefill_peak(cluster: ClusterConfig, cfg: HybridMoeConfig, index: int, dtype: str) -> tuple[int, int]:
     """(bytes the worst prefill chunk allocates on stage `index`'s device beyond its weights and caches, the part
     of it that long context adds): the largest over the stage's kinds of layer and, for attention layers, over
-    `chunk_shapes` up to `max_model_len` (default: the cluster's, else the model's)."""
+    `chunk_shapes` up to the cluster's `max_model_len`, else the model's."""
     spec = cluster.stages[index]
     device = torch.device(spec.device)
     tokens = cluster.max_num_batched_tokens
-    length = max_model_len or cluster.max_model_len or cfg.max_position_embeddings
+    length = cluster.max_model_len or cfg.max_position_embeddings
     block = cluster.block_size or 16
     offload = cluster.qsa_kv_offload
     short_peak = long_peak = 0
