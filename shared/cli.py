@@ -174,6 +174,8 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
+        if isinstance(exc, FileNotFoundError) and "No usable temporary directory" in str(exc):   # tempfile's words
+            exc = f"{exc.strerror or exc}: set TMPDIR to a writable directory"
         print(f"moepipe {args.command}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:          # an output path that is a file, read-only, ...: one line naming it

@@ -762,8 +762,41 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
     switches, whose values the file already carries as the launcher resolved them (its flags over the
     environment). Else the child's `load_cluster_config` would apply them again over the file, and a flag given
     beside its variable (`--max-num-batched-tokens 2048` with MOEPIPE_MAX_NUM_BATCHED_TOKENS=512) would be the
-    launcher's value and not the processes'. A component started alone on a file still takes them."""
-    return {k: v for k, v in environ.items() if k not in _ENV and k != VLLM_API_KEY}
+    launcher's value and not the processes'. A component started alone on a file still takes them.
+
+    Also: where HOME cannot hold Triton's kernel cache (`~/.triton`: `docker run --user N` with HOME=/, a read-only
+    home) and neither TRITON_CACHE_DIR nor TRITON_HOME is set, the cache goes to a directory of this user's under
+    the temporary directory: a GPU stage's first kernel compile raised PermissionError there and the stage died."""
+    env = {k: v for k, v in environ.items() if k not in _ENV and k != VLLM_API_KEY}
+    if "TRITON_CACHE_DIR" not in env and "TRITON_HOME" not in env:
+        cache = triton_cache_fallback(env.get("HOME") or os.path.expanduser("~"))
+        if cache is not None:
+            env["TRITON_CACHE_DIR"] = cache
+    return env
+
+
+def triton_cache_fallback(home: str) -> str | None:
+    """None when `home`/.triton is (or can be made) writable; else a private directory for Triton's cache:
+    `<tmp>/moepipe-triton-<uid>` if this user owns it with mode 700 (kept across starts), else a new one. A shared
+    name is never taken on trust: another user's files there would be kernels this process loads."""
+    import tempfile
+
+    triton = Path(home) / ".triton"
+    if os.access(triton if triton.exists() else Path(home), os.W_OK):
+        return None
+    try:
+        base = Path(tempfile.gettempdir())
+        mine = base / f"moepipe-triton-{os.getuid()}"
+        try:
+            mine.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = mine.lstat()
+        if mine.is_dir() and not mine.is_symlink() and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return str(mine)
+        return tempfile.mkdtemp(prefix="moepipe-triton-")
+    except OSError:
+        return None               # no temporary directory either: the launcher says so itself
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

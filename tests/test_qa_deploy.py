@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -330,3 +331,152 @@ def test_an_unreadable_weight_file_is_named_with_the_fix_not_called_missing(tiny
         msg = f.read()
     os.waitpid(pid, 0)
     assert re.search(r"cannot read it \(Permission denied\); make the checkpoint readable", msg), msg
+
+
+# ---- two servers on one host; one killed outright ---------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [pid, *(int(p) for p in out)]
+
+
+def _gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for p in pids:
+            try:
+                os.kill(p, 0)
+                status = Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0]
+                if status != "Z":
+                    alive.append(p)
+            except (ProcessLookupError, OSError):
+                pass
+        if not alive:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes {alive} outlived their killed launcher")
+
+
+def test_two_servers_on_one_host_and_one_killed_outright_leave_the_other_serving_and_the_next_start_clean(
+        tiny_checkpoint, tmp_path):
+    """Two `moepipe serve` at once (one checkpoint, one MOEPIPE_HOME): own rings, run directories and sockets, a
+    shared expanded table. One SIGKILLed with its children leaves its ring in /dev/shm and its run directory; the
+    next start removes both and the other server serves throughout."""
+    if shutil.which("pgrep") is None:
+        pytest.skip("needs pgrep")
+    env = _env(MOEPIPE_HOME=str(tmp_path / "home"))
+    ports = [free_port(), free_port()]
+    while ports[1] == ports[0]:
+        ports[1] = free_port()
+    procs = [_serve([str(tiny_checkpoint), "--port", str(p)], env) for p in ports]
+    late = None
+    try:
+        for proc, port in zip(procs, ports):
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=90)
+        rings = [Path(f"/dev/shm/moepipe-ple-{proc.pid}-{port}.ring") for proc, port in zip(procs, ports)]
+        if not all(r.exists() for r in rings):
+            pytest.skip("the rings are not in /dev/shm here")
+        runs = [d for d in Path(tempfile.gettempdir()).glob("moepipe-*") if (d / "launcher.pid").is_file()
+                and (d / "launcher.pid").read_text() == str(procs[0].pid)]
+        assert len(runs) == 1
+        assert [_complete(p) for p in ports]
+
+        killed = _tree(procs[0].pid)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        procs[0].wait()
+        _gone(killed)
+        assert rings[0].exists() and runs[0].exists()          # nothing cleaned up: SIGKILL
+
+        late = _serve([str(tiny_checkpoint), "--port", str(ports[0])], env)
+        wait_healthy(f"http://127.0.0.1:{ports[0]}", late, timeout=90)
+        assert not rings[0].exists() and not runs[0].exists()
+        assert rings[1].exists()                               # the live one's ring is kept
+        assert _complete(ports[1]) and _complete(ports[0])
+    finally:
+        for proc in (*procs, late):
+            if proc is not None and proc.poll() is None:
+                stop_server(proc)
+
+
+# ---- TMPDIR, HOME ------------------------------------------------------------------------------------------------
+def test_no_writable_temporary_directory_is_refused_naming_tmpdir():
+    """`docker run --read-only` without a tmpfs: tempfile's bare "No usable temporary directory" now says to set
+    TMPDIR."""
+    model = ROOT / "shared" / "demo_model"
+    if not _can_unshare():
+        pytest.skip("needs root and mount namespaces (unshare -m) to make every temporary directory read-only")
+    if not (model / "model.safetensors").is_file():
+        pytest.skip("no bundled demo model")
+    prefix = ["unshare", "-m", "sh", "-c", "mount --make-rprivate / && for d in /tmp /var/tmp; do mount -t tmpfs -o ro "
+              'tmpfs $d; done && cd /tmp && exec "$@"', "sh"]
+    err = _refusal(_serve([str(model), "--port", str(free_port())], _env(TMPDIR="/proc"), prefix=prefix))
+    assert "No usable temporary directory" in err and "set TMPDIR to a writable directory" in err, err
+
+
+def test_a_home_without_room_for_triton_s_cache_gets_a_private_one(tmp_path):
+    """A GPU stage's first kernel compile writes ~/.triton/cache: with HOME=/ (docker run --user N) or a read-only
+    home Triton raised PermissionError and the stage died. The launcher's children get TRITON_CACHE_DIR then, a
+    directory only this user can write; a writable home, or TRITON_CACHE_DIR/TRITON_HOME set, are left alone."""
+    from shared.cluster_config import child_environment
+
+    home = tmp_path / "home"
+    home.mkdir()
+    assert "TRITON_CACHE_DIR" not in child_environment({"HOME": str(home)})
+    with read_only(home):
+        cache = child_environment({"HOME": str(home)})["TRITON_CACHE_DIR"]
+        st = os.stat(cache)
+        assert st.st_uid == os.getuid() and not st.st_mode & 0o077 and os.access(cache, os.W_OK)
+        assert child_environment({"HOME": str(home), "TRITON_CACHE_DIR": "/x"})["TRITON_CACHE_DIR"] == "/x"
+        assert "TRITON_CACHE_DIR" not in child_environment({"HOME": str(home), "TRITON_HOME": "/y"})
+
+
+# ---- deploy/ -----------------------------------------------------------------------------------------------------
+UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+
+
+def test_the_systemd_units_run_components_with_flags_they_accept(capsys):
+    """Every ExecStart is `python -m <component> ...` with flags that component's parser lists."""
+    import importlib
+
+    assert len(UNITS) == 3
+    for unit in UNITS:
+        [line] = [x for x in unit.read_text().splitlines() if x.startswith("ExecStart=")]
+        argv = line.removeprefix("ExecStart=").split()
+        assert argv[1] == "-m", line
+        main = importlib.import_module(f"{argv[2]}.main").main
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        usage = capsys.readouterr().out
+        flags = [a for a in argv[3:] if a.startswith("--")]
+        assert flags and all(re.search(rf"(?<![\w-]){re.escape(f)}\b", usage) for f in flags), (unit.name, flags)
+        assert "--config /etc/moepipe/cluster.toml" in line
+
+
+def test_the_systemd_units_pass_systemd_analyze_verify(tmp_path):
+    """`systemd-analyze verify` on the units, the venv's python replaced by this one: nothing but the two keys
+    systemd < 254 does not know (their comment says it ignores them)."""
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("no systemd-analyze")
+    for unit in UNITS:
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/opt/moepipe/.venv/bin/python", sys.executable))
+    for unit in UNITS:
+        r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / unit.name)], capture_output=True, text=True,
+                           timeout=60)
+        noise = [x for x in (r.stdout + r.stderr).splitlines()
+                 if x.strip() and not re.search(r"Unknown key '(RestartSteps|RestartMaxDelaySec)'", x)]
+        if any("Failed to" in x and ("bus" in x.lower() or "manager" in x.lower()) for x in noise):
+            pytest.skip(f"systemd-analyze cannot run here: {noise[0]}")
+        assert not noise, (unit.name, noise)
+
+
+def test_the_two_host_example_uses_only_known_cluster_keys():
+    import tomllib
+
+    from shared.cluster_config import StageSpec, unknown_keys
+
+    raw = tomllib.loads((ROOT / "deploy" / "two-host.toml").read_text())
+    stages = raw.pop("stages")
+    assert unknown_keys(raw) == []
+    fields = {f.name for f in __import__("dataclasses").fields(StageSpec)}
+    assert all(set(s) <= fields for s in stages)
