@@ -781,8 +781,9 @@ def triton_cache_fallback(home: str) -> str | None:
     name is never taken on trust: another user's files there would be kernels this process loads."""
     import tempfile
 
-    triton = Path(home) / ".triton"
-    if os.access(triton if triton.exists() else Path(home), os.W_OK):
+    first = next(d for d in (Path(home) / ".triton" / "cache", Path(home) / ".triton", Path(home), Path("/"))
+                 if d.exists())          # the directory Triton writes, or the one it would make it in
+    if os.access(first, os.W_OK):
         return None
     try:
         base = Path(tempfile.gettempdir())
