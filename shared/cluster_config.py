@@ -60,9 +60,9 @@ MAX_NUM_BATCHED_TOKENS = 1 << 20
 # vLLM's --dtype ("auto" and "": the checkpoint's).
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"auto": "", "": "", "half": "float16", "float": "float32", **{d: d for d in DTYPES}}
-# The kernel families `kernels` / MOEPIPE_KERNELS may name: stage_worker/kernels/flags.py NAMES, repeated here so the
-# launcher and every component refuse a misspelt one at load, naming the key, before a stage starts (shared imports
-# no service; tests/test_cli_migration.py checks the two lists agree).
+# The kernel families `kernels` / MOEPIPE_KERNELS may name, one `stage_worker.kernels.flags.KernelFlags` field each
+# (flags.py takes the list from here, as `NAMES`): the launcher and every component refuse a misspelt one at load,
+# naming the key, before a stage starts.
 KERNEL_NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
                 "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
                 "section_union", "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream",

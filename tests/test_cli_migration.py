@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser, serve_options
-from shared.cluster_config import (ClusterConfig, ClusterConfigError, KERNEL_NAMES, StageSpec, env_overrides,
-                                   load_cluster_config, parse_names)
+from shared.cluster_config import (ClusterConfig, ClusterConfigError, StageSpec, env_overrides, load_cluster_config,
+                                   parse_names)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,14 +81,6 @@ def test_bad_keys_are_refused_when_the_config_loads(tmp_path, monkeypatch):
         with pytest.raises(ClusterConfigError, match=words):
             ClusterConfig(**base, **{key: value}).validate()
     ClusterConfig(**base, kernels="all,-pdl,sdpa_prefill").validate()
-
-
-def test_kernel_names_are_the_kernels_own():
-    """shared/ repeats stage_worker.kernels.flags.NAMES (it imports no service) so a misspelt MOEPIPE_KERNELS is
-    refused before a stage starts: the lists must agree."""
-    from stage_worker.kernels.flags import NAMES
-
-    assert tuple(KERNEL_NAMES) == tuple(NAMES)
 
 
 def test_vllm_api_key_is_honoured(monkeypatch):

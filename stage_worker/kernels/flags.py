@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
-         "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide", "section_union",
-         "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream", "fused_router")
+# The kernel families, one KernelFlags field each: the config module holds the list (and `kernels_error`, the
+# check of a spec), so the launcher and every component refuse a misspelt `kernels` before a stage starts.
+from shared.cluster_config import KERNEL_NAMES as NAMES
+from shared.cluster_config import kernels_error
+
 # Named only: "all" leaves these off until a GPU has run their GPU tests and timed them faster ("all,l2_prefetch"
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
@@ -107,6 +109,9 @@ class KernelFlags:
         spec = spec.strip()
         if spec in ("", "none", "0", "off"):
             return cls()
+        err = kernels_error(spec)
+        if err:
+            raise ValueError(err)
         base = spec.startswith("all") or spec.startswith("-")
         on = {name: base and name not in NOT_IN_ALL for name in NAMES}
         for part in spec.split(","):
@@ -114,8 +119,6 @@ class KernelFlags:
             if part in ("", "all"):
                 continue
             name, value = (part[1:], False) if part.startswith("-") else (part, True)
-            if name not in NAMES:
-                raise ValueError(f"unknown kernel {name!r}: choose from {', '.join(NAMES)}, all, none")
             on[name] = value
         return cls(**on)
 
