@@ -473,7 +473,7 @@ class ClusterConfig:
         if self.dummy_quant not in DUMMY_QUANTS:
             raise ClusterConfigError(f"cluster config: dummy_quant {self.dummy_quant!r} must be one of "
                                      f"{', '.join(q for q in DUMMY_QUANTS if q)} or empty")
-        if self.dtype not in ("", "float32", "bfloat16", "float16"):
+        if self.dtype not in ("", *DTYPES):
             raise ClusterConfigError(f"cluster config: dtype {self.dtype!r} must be float32, bfloat16, float16 or "
                                      f"empty (the checkpoint's)")
         in_flight = self.steps_in_flight
