@@ -96,7 +96,7 @@ class _ExpertCollector(Collector):
         self._by_stage: dict[str, dict[str, float]] = {}
 
     def set(self, stage: str, stats: dict[str, float]) -> None:
-        keep = {k: v for k, v in stats.items() if k.startswith(("expert_", "kv_", "ipc_"))}
+        keep = {k: v for k, v in stats.items() if k.startswith(("expert_", "kv_", "ipc_")) or k == "skipped_steps"}
         with self._lock:
             self._by_stage[stage] = keep
 
@@ -125,9 +125,16 @@ class _ExpertCollector(Collector):
                                   "next by CUDA IPC (handoff), sent the host way because they were larger than a "
                                   "slot (too_large) or the ring was full (ring_full), and received from the ring "
                                   "(taken), per stage (cuda_ipc_activations)", labels=["stage", "outcome"])
+        # (the stage step histogram counts computed steps only: without this a skip could not be told from a lost step)
+        skipped = CounterMetricFamily("moepipe_stage_skipped_steps", "Steps a stage skipped instead of computing "
+                                      "them: every request in them had ended (cancelled, or finished by a token) "
+                                      "while they were in flight (Plan.cancelled), per stage", labels=["stage"])
         for stage, st in sorted(stages.items()):
             for key, value in st.items():
                 name, _, layer = key.partition(":")
+                if name == "skipped_steps":
+                    skipped.add_metric([stage], value)
+                    continue
                 if name.startswith("ipc_"):
                     ipc.add_metric([stage, name.removeprefix("ipc_").removesuffix("s")], value)
                     continue
@@ -144,7 +151,7 @@ class _ExpertCollector(Collector):
                 elif name in ("kv_row_cache_hits", "kv_row_cache_lookups", "kv_row_cache_bytes"):
                     {"hits": rc_hits, "lookups": rc_lookups, "bytes": rc_bytes}[name.rsplit("_", 1)[1]].add_metric(
                         [stage], value)
-        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc)
+        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc, skipped)
 
 
 # moepipe series that vLLM exposes under its own name (vLLM v1's `vllm:*` families, with a `model_name` label):
