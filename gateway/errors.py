@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable
@@ -237,6 +238,9 @@ class CatchAllMiddleware:
     """Last line of defence: log an unexpected exception and answer 500 (if no response has started yet).
 
     Starlette's own handler for `Exception` re-raises after answering, which servers report as a crashed request.
+    A client gone before its body was read (`ClientDisconnect` out of the read: cancelled while uploading a prompt)
+    is no error: nobody is left to answer, and the access log shows it as 499 (it was logged as an unhandled error
+    with its traceback, and answered 500).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -256,6 +260,8 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            log.debug("client gone while sending %s %s", scope.get("method"), scope.get("path"))
         except Exception:
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
