@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -364,7 +363,8 @@ def test_two_servers_on_one_host_and_one_killed_outright_leave_the_other_serving
     next start removes both and the other server serves throughout."""
     if shutil.which("pgrep") is None:
         pytest.skip("needs pgrep")
-    env = _env(MOEPIPE_HOME=str(tmp_path / "home"))
+    (tmp_path / "tmp").mkdir()             # run directories of their own: no other test's server removes them
+    env = _env(MOEPIPE_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"))
     ports = [free_port(), free_port()]
     while ports[1] == ports[0]:
         ports[1] = free_port()
@@ -376,7 +376,7 @@ def test_two_servers_on_one_host_and_one_killed_outright_leave_the_other_serving
         rings = [Path(f"/dev/shm/moepipe-ple-{proc.pid}-{port}.ring") for proc, port in zip(procs, ports)]
         if not all(r.exists() for r in rings):
             pytest.skip("the rings are not in /dev/shm here")
-        runs = [d for d in Path(tempfile.gettempdir()).glob("moepipe-*") if (d / "launcher.pid").is_file()
+        runs = [d for d in (tmp_path / "tmp").glob("moepipe-*") if (d / "launcher.pid").is_file()
                 and (d / "launcher.pid").read_text() == str(procs[0].pid)]
         assert len(runs) == 1
         assert [_complete(p) for p in ports]
@@ -386,7 +386,8 @@ def test_two_servers_on_one_host_and_one_killed_outright_leave_the_other_serving
             os.kill(pid, signal.SIGKILL)
         procs[0].wait()
         _gone(killed)
-        assert rings[0].exists() and runs[0].exists()          # nothing cleaned up: SIGKILL
+        # nothing cleaned up: SIGKILL (the ring is in the host's /dev/shm: another server starting now may remove it)
+        assert runs[0].exists()
 
         late = _serve([str(tiny_checkpoint), "--port", str(ports[0])], env)
         wait_healthy(f"http://127.0.0.1:{ports[0]}", late, timeout=90)
@@ -483,3 +484,75 @@ def test_the_two_host_example_uses_only_known_cluster_keys():
     assert unknown_keys(raw) == []
     fields = {f.name for f in __import__("dataclasses").fields(StageSpec)}
     assert all(set(s) <= fields for s in stages)
+
+
+# ---- the systemd way: components started alone, the PLE service restarted alone --------------------------------
+def test_a_ple_service_restarted_alone_keeps_its_stage_reading_the_right_rows(tiny_checkpoint, tmp_path):
+    """deploy/systemd: each component is a unit reading one cluster.toml with a fixed ple_ring, and
+    Restart=on-failure restarts a crashed PLE service alone. The new service wrote a new ring file while the stage
+    kept mapping the old one, nobody's any more: prompts after the restart were computed from stale PLE rows
+    (different greedy text, silently). Now it reuses the ring in place: the texts are in-process generation's."""
+    from dataclasses import replace
+
+    from gateway.launcher import ServeOptions, build_cluster_config
+    from shared.cluster_config import dump_toml
+    from shared.sampling import SamplingParams
+    from stage_worker.generate import generate
+
+    prompts = ["def add(a, b):", "Once upon a time", "The capital of"]
+    port = free_port()
+    cluster = replace(build_cluster_config(ServeOptions(model=tiny_checkpoint, stages=1, port=port), tmp_path),
+                      ple_ring=str(tmp_path / "moepipe-ple.ring"))
+    config = tmp_path / "cluster.toml"
+    config.write_text(dump_toml(cluster))
+    env = _env()
+
+    def start(*module: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", *module, "--config", str(config)], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    procs = {"ple": start("ple_service"), "stage": start("stage_worker", "--stage", "0"), "gateway": start("gateway")}
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", procs["gateway"], timeout=90)
+        assert _complete(port, prompts[0], 10)
+        procs["ple"].kill()
+        procs["ple"].wait()
+        procs["ple"] = start("ple_service")
+        deadline = time.time() + 60
+        while time.time() < deadline and not ple_holds(cluster.ple_ring):
+            assert procs["ple"].poll() is None, procs["ple"].stderr.read()[-2000:]
+            time.sleep(0.1)
+        time.sleep(3)              # past heartbeat_timeout: the engine core has seen the new service
+        wait_healthy(f"http://127.0.0.1:{port}", procs["gateway"], timeout=60)
+        served = [_complete(port, p, 10) for p in prompts[1:]]
+        assert procs["stage"].poll() is None                       # the stage outlived the service
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert served == [generate(tiny_checkpoint, p, SamplingParams(max_tokens=10, temperature=0.0)).text
+                      for p in prompts[1:]]
+
+
+def ple_holds(path: str) -> bool:
+    """Whether a live PLE service holds the ring at `path` (its flock)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
