@@ -40,7 +40,7 @@ import torch
 
 from shared.ple_table import unmap
 
-__all__ = ["GatherRing", "RingError", "HEADER_BYTES", "ring_bytes", "remove_stale_rings"]
+__all__ = ["GatherRing", "RingError", "HEADER_BYTES", "check_room", "ring_bytes", "remove_stale_rings"]
 
 MAGIC = b"MOEPIPE-PLE-RING"
 VERSION = 1
@@ -234,6 +234,22 @@ def _room_hint(path: Path, size: int) -> str:
     return (f"the PLE gather ring needs {size / 2**20:.1f} MiB of shared memory and {room}: give it more "
             f"(docker run --shm-size=1g or --ipc=host; a larger tmpfs for ple_ring), lower --max-num-batched-tokens "
             f"(max_num_batched_tokens), or run without the PLE service (--no-ple-service)")
+
+
+def check_room(path: str | Path, size: int) -> None:
+    """RingError (the message `create` would give) when the directory of `path` has less than `size` bytes free:
+    for a launcher to refuse before any process loads weights. Without the ring file's old pages in the count."""
+    path = Path(path)
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return
+    try:
+        old = os.stat(path).st_blocks * 512           # a stale ring there is replaced or reused
+    except OSError:
+        old = 0
+    if st.f_bavail * st.f_frsize + old < size:
+        raise RingError(f"{path}: {_room_hint(path, size)}")
 
 
 def _allocate(fd: int, path: Path, size: int) -> None:
