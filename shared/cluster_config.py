@@ -765,28 +765,48 @@ def child_environment(environ: dict[str, str]) -> dict[str, str]:
     launcher's value and not the processes'. A component started alone on a file still takes them.
 
     Also: where HOME cannot hold Triton's kernel cache (`~/.triton`: `docker run --user N` with HOME=/, a read-only
-    home) and neither TRITON_CACHE_DIR nor TRITON_HOME is set, the cache goes to a directory of this user's under
-    the temporary directory: a GPU stage's first kernel compile raised PermissionError there and the stage died."""
+    home) and neither TRITON_CACHE_DIR nor TRITON_HOME is set, the cache goes to MOEPIPE_HOME/triton or a directory
+    of this user's under the temporary directory: a GPU stage's first kernel compile raised PermissionError there
+    and the stage died."""
     env = {k: v for k, v in environ.items() if k not in _ENV and k != VLLM_API_KEY}
     if "TRITON_CACHE_DIR" not in env and "TRITON_HOME" not in env:
-        cache = triton_cache_fallback(env.get("HOME") or os.path.expanduser("~"))
+        cache = triton_cache_fallback(env.get("HOME") or os.path.expanduser("~"), env)
         if cache is not None:
             env["TRITON_CACHE_DIR"] = cache
     return env
 
 
-def triton_cache_fallback(home: str) -> str | None:
-    """None when `home`/.triton is (or can be made) writable; else a private directory for Triton's cache:
-    `<tmp>/moepipe-triton-<uid>` if this user owns it with mode 700 (kept across starts), else a new one. A shared
-    name is never taken on trust: another user's files there would be kernels this process loads."""
+def triton_cache_fallback(home: str, environ: dict[str, str] | None = None) -> str | None:
+    """None when `home`/.triton is (or can be made) writable; else a private directory for Triton's cache (it
+    loads compiled kernels from there, so not on a noexec filesystem): `MOEPIPE_HOME/triton` where MOEPIPE_HOME is
+    set, else `<tmp>/moepipe-triton-<uid>` if this user owns it with mode 700 (kept across starts), else a new one.
+    A shared name is never taken on trust: another user's files there would be kernels this process loads."""
     import tempfile
 
     first = next(d for d in (Path(home) / ".triton" / "cache", Path(home) / ".triton", Path(home), Path("/"))
                  if d.exists())          # the directory Triton writes, or the one it would make it in
     if os.access(first, os.W_OK):
         return None
+
+    def usable(d: Path) -> bool:
+        try:
+            return not os.statvfs(d).f_flag & getattr(os, "ST_NOEXEC", 0)
+        except OSError:
+            return False
+
+    moepipe_home = (environ or {}).get("MOEPIPE_HOME")
+    if moepipe_home:
+        cache = Path(moepipe_home) / "triton"
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            if os.access(cache, os.W_OK) and usable(cache):
+                return str(cache)
+        except OSError:
+            pass
     try:
         base = Path(tempfile.gettempdir())
+        if not usable(base):
+            return None
         mine = base / f"moepipe-triton-{os.getuid()}"
         try:
             mine.mkdir(mode=0o700)

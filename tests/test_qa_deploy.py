@@ -435,6 +435,8 @@ def test_a_home_without_room_for_triton_s_cache_gets_a_private_one(tmp_path):
         assert st.st_uid == os.getuid() and not st.st_mode & 0o077 and os.access(cache, os.W_OK)
         assert child_environment({"HOME": str(home), "TRITON_CACHE_DIR": "/x"})["TRITON_CACHE_DIR"] == "/x"
         assert "TRITON_CACHE_DIR" not in child_environment({"HOME": str(home), "TRITON_HOME": "/y"})
+        assert child_environment({"HOME": str(home), "MOEPIPE_HOME": str(tmp_path / "mh")})["TRITON_CACHE_DIR"] \
+            == str(tmp_path / "mh" / "triton")
     (home / ".triton" / "cache").mkdir(parents=True)            # an earlier run's cache this user cannot write
     with read_only(home / ".triton" / "cache"):
         assert "TRITON_CACHE_DIR" in child_environment({"HOME": str(home)})
