@@ -191,7 +191,9 @@ class GatherRing:
         flags = 0 if self.writable else _CUDA_HOST_REGISTER_READ_ONLY
         err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, flags)
         if int(err) != 0:
-            raise RuntimeError(f"{self.path}: cudaHostRegister failed with CUDA error {int(err)}"
+            raise RuntimeError(f"{self.path}: cudaHostRegister of the PLE ring ({self.nbytes / 2**20:.1f} MiB) "
+                               f"failed with CUDA error {int(err)} (a memlock limit? `ulimit -l unlimited`, "
+                               f"LimitMEMLOCK=infinity, docker run --ulimit memlock=-1)"
                                + ("" if self.writable else "; open the ring writable=True on GPUs without "
                                   "read-only host registration"))
         self._pinned = True
