@@ -230,7 +230,8 @@ def ring_bytes(slots: int, max_tokens: int, layers: int, heads: int, head_dim: i
 def _room_hint(path: Path, size: int) -> str:
     try:
         st = os.statvfs(path.parent)
-        room = f"{path.parent} has {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB"
+        free, total = st.f_bavail * st.f_frsize / 2**20, st.f_blocks * st.f_frsize / 2**20
+        room = f"{path.parent} has {free:.1f} MiB free of {total:.1f} MiB"
     except OSError:
         room = f"{path.parent} has less free"
     return (f"the PLE gather ring needs {size / 2**20:.1f} MiB of shared memory and {room}: give it more "
