@@ -13,9 +13,12 @@ request that leaves less than `headroom` free is refused with the numbers, not l
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import mmap
 import os
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -23,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("moepipe.stage")
 
 GIB = 1 << 30
 DEFAULT_LOCK = Path("/dev/shm/moepipe-host-memory.lock") if Path("/dev/shm").is_dir() else \
@@ -74,6 +79,39 @@ def _unregister(ptr: int, pinned: bool) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor (`flock` needs no write access): an existing file is opened read-only, so another
+    user's lock serves too (created mode 644 by a root server, it refused every other user: PermissionError); a new
+    one is made readable by all. Where the shared file cannot be had at all (a read-only /dev/shm, a directory this
+    user may not write), one per-user lock instead, with a warning: this user's processes still take turns."""
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            break
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue                          # another process made it meanwhile: open that one
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            break
+        try:
+            os.fchmod(fd, 0o644)              # whatever the umask: every user opens it read-only
+        except OSError:
+            pass
+        return fd
+    own = Path(tempfile.gettempdir()) / f"moepipe-host-memory-{os.getuid()}.lock"
+    log.warning("host-memory lock %s cannot be opened or created by this user; using %s (processes of other users "
+                "allocate pinned memory without waiting for this one's)", path, own)
+    return os.open(own, os.O_RDONLY | os.O_CREAT, 0o600)
+
+
 class host_lock:
     """An exclusive `flock` on `path` shared by every process of the host; HostMemoryError after `timeout` s."""
 
@@ -82,7 +120,7 @@ class host_lock:
         self._fd: int | None = None
 
     def __enter__(self) -> "host_lock":
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._fd = _open_lock(self.path)
         deadline = time.monotonic() + self.timeout
         while True:
             try:

@@ -125,3 +125,40 @@ def test_pinned_buffers_dropped_and_made_again_register_each_time(tmp_path):
         assert float(buf.view(torch.float32, (1 << 20,)).sum()) == float(1 << 20)
         del buf, dev
         gc.collect()
+
+
+def test_the_host_lock_serves_other_users_and_falls_back_where_it_cannot_be_had(tmp_path, monkeypatch, caplog):
+    """The shared lock file is made readable by every user whatever the umask and opened read-only (flock needs no
+    write access): a root server's file created 644 refused every other user with a PermissionError. Where the file
+    cannot be opened or made at all (a read-only /dev/shm, a directory this user may not write), a per-user lock
+    with a warning instead of a traceback."""
+    import errno
+    import logging
+    import os
+
+    from stage_worker import host_memory
+
+    shared = tmp_path / "shared.lock"
+    old = os.umask(0o077)
+    try:
+        with host_memory.host_lock(shared, 1):
+            pass
+    finally:
+        os.umask(old)
+    assert shared.stat().st_mode & 0o777 == 0o644
+    shared.chmod(0o444)                                  # another user's file: readable, not writable
+    with host_memory.host_lock(shared, 1):
+        pass
+
+    real_open = os.open
+
+    def refusing(path, flags, *mode):
+        if str(path) == str(shared):
+            raise OSError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(host_memory.os, "open", refusing)
+    monkeypatch.setattr(host_memory.tempfile, "gettempdir", lambda: str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="moepipe.stage"), host_memory.host_lock(shared, 1):
+        assert (tmp_path / f"moepipe-host-memory-{os.getuid()}.lock").exists()
+    assert "cannot be opened or created" in caplog.text
