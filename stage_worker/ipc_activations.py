@@ -116,8 +116,13 @@ def release_array(path: str | Path, slots: int, create: bool) -> np.ndarray:
     if create:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # its pages allocated now: a sparse file on a full /dev/shm would SIGBUS at the first write; this way a
+            # full one is an OSError here, and the handoff keeps the host path (`Receiver.on_offer`)
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         arr = np.frombuffer(mm, dtype=np.int64)
