@@ -8,13 +8,24 @@ the same files, read the same names and raise the same `CheckpointError` (caller
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-__all__ = ["CheckpointError", "checkpoint_files", "normalise", "open_safetensors", "tensor_headers"]
+__all__ = ["CheckpointError", "checkpoint_files", "normalise", "open_safetensors", "readable_as_umask_allows",
+           "tensor_headers"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config; the message names the tensor and its file."""
+
+
+def readable_as_umask_allows(path: str | Path) -> None:
+    """Give a file moepipe wrote the mode the umask allows (644 under the usual 022): safetensors writes its files
+    600, so a checkpoint made by root (`make-model`, `quantize`) could not be read by the service user that serves
+    it, and the loader said "No such file or directory"."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

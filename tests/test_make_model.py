@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ def test_tiny_checkpoint_is_complete(tiny):
     assert "model.layers.0.mlp.experts.15.down_proj.weight" in keys
     assert "mtp.fc.weight" in keys and "mtp.layers.0.mlp.experts.0.gate_proj.weight" in keys
     assert "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight" in keys
+    # every file as the umask allows (safetensors writes 600: a checkpoint made by root could not be served by
+    # another user, and the loader said "No such file or directory")
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny.iterdir()}
+    assert modes == {name: 0o666 & ~mask for name in modes}
 
 
 def test_transformers_reads_our_checkpoint_as_the_same_model(tiny):

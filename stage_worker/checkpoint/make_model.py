@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shared.checkpoint_files import readable_as_umask_allows
 from shared.model_config import Qwen4ExpConfig, config_from_dict
 from shared.ngram_hash import NgramHashSpec
 from shared.ple_table import shard_row_counts
@@ -229,6 +230,7 @@ def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int, source=None) -> No
                 _from_source(name, shape, dtype, producer, source)
             weight_map[name] = fname
         save_file(tensors, str(out / fname), metadata={"format": "pt", **WRITTEN_BY})
+        readable_as_umask_allows(out / fname)
         del tensors
     if len(files) > 1:
         total = sum(item[2].itemsize * int(torch.tensor(item[1]).prod().item()) for item in plan)

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.checkpoint_files import CheckpointError, checkpoint_files, tensor_headers
+from shared.checkpoint_files import CheckpointError, checkpoint_files, readable_as_umask_allows, tensor_headers
 
 EXPERTS = (r"mlp\.experts\.\d+\.(gate|up)_proj", r"mlp\.experts\.\d+\.down_proj")
 DENSE = (r"self_attn\.(q|k|v|o)_proj", r"self_attn\.indexer\.index_qk_proj", r"linear_attn\.in_proj_\w+",
@@ -237,6 +237,7 @@ def _write(src: Path, dst: Path, scheme: str, config: dict, chosen: dict[str, di
                     for part, v in parts.items():
                         out[f"{module}.{part}"] = v.contiguous()
         save_file(out, dst / path.name, metadata={"format": "pt"})
+        readable_as_umask_allows(dst / path.name)
         for k, v in out.items():
             bytes_out += v.numel() * v.element_size()
             weight_map[k] = path.name
