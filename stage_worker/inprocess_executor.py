@@ -52,7 +52,7 @@ class InProcessExecutor:
         process. A CPU stage computes a step inside its launch, so it launches in `poll` only, where the core's new
         work is looked for between steps: launched here, a plan-ahead prefill chunk was computed as soon as it was
         planned, and one stage never skipped a chunk of a cancelled prompt (a short request waited 1.1-1.4 s after
-        a cancelled 8000-token prompt, of 2.1 s left; 0.4-0.55 s now)."""
+        a cancelled 8000-token prompt, of 2.1 s left; 0.55 s now)."""
         for runner in self.runners:
             runner.on_message(plan)
         self._launch_ready(queue_only=True)
