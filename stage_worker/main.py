@@ -27,6 +27,7 @@ from shared.links import bind_inbox, cluster_keys, connect_outbox, stop_authenti
 from shared.model_config import ConfigError, load_config
 from shared.quant_scheme import QuantSchemeError
 from shared.parent_watch import die_with_parent, restart_count
+from shared.ple_ring import RingError
 from shared.protocol import Heartbeat, ProtocolError, Shutdown, StageError, decode, encode
 from stage_worker import ipc_activations
 from stage_worker.profiling import StepProfiler
@@ -121,7 +122,13 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         return 2
     ple_layers = [i - 1 for i in getattr(cfg, "ple_layer_ids", [])]
     has_ple = any(spec.start <= layer < spec.end for layer in ple_layers)
-    ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
+    try:
+        ring = _open_ring(cluster) if (has_ple and cluster.ple_service and cluster.ple_endpoint) else None
+    except (RingError, RuntimeError) as exc:
+        # no live service holds the ring, it never appeared, or it cannot be page-locked (the memlock limit): one
+        # line naming the ring and what to do, as for a checkpoint refused, not a traceback (helper-104's QA)
+        print(f"stage_worker: {name}: {exc}", file=sys.stderr)
+        return 2
     runner = StageRunner(model, cluster, index, ring)
     profiler = StepProfiler.from_env(name, runner.device)
     if profiler is not None:
