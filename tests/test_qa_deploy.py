@@ -414,8 +414,10 @@ def test_no_writable_temporary_directory_is_refused_naming_tmpdir():
         pytest.skip("needs root and mount namespaces (unshare -m) to make every temporary directory read-only")
     if not (model / "model.safetensors").is_file():
         pytest.skip("no bundled demo model")
-    prefix = ["unshare", "-m", "sh", "-c", "mount --make-rprivate / && for d in /tmp /var/tmp; do mount -t tmpfs -o ro "
-              'tmpfs $d; done && cd /tmp && exec "$@"', "sh"]
+    # each temporary directory bound onto itself read-only (not an empty tmpfs over it: a checkout under /tmp, as
+    # CI's clean clone is, must stay importable)
+    prefix = ["unshare", "-m", "sh", "-c", "mount --make-rprivate / && for d in /tmp /var/tmp; do mount --bind $d $d "
+              '&& mount -o remount,bind,ro $d; done && cd /tmp && exec "$@"', "sh"]
     err = _refusal(_serve([str(model), "--port", str(free_port())], _env(TMPDIR="/proc"), prefix=prefix))
     assert "No usable temporary directory" in err and "set TMPDIR to a writable directory" in err, err
 
