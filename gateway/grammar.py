@@ -48,14 +48,15 @@ from llguidance import LLMatcher, LLTokenizer, regex_to_lark
 from tokenizers import Tokenizer as _Backend
 
 from gateway.json_schema_types import ParamSchemas, def_ref
+from gateway.output_parser import CALL_END, CALL_FORMS, CALL_START
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "mask_to_bool", "mask_words"]
 
 log = logging.getLogger(__name__)
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-CALL_FORMS = ("hermes", "xml")
+# the call syntax is the output parser's (gateway/output_parser.py): what the grammar lets the model write is what it
+# reads back
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = CALL_START, CALL_END
 # Text an XML-form parameter value never holds: gateway.output_parser ends a value at `</parameter>` (or the next
 # `<parameter=`, or `</function>`) and the block at `</tool_call>`, so a value holding one would be read cut.
 _XML_MARKERS = ("</parameter>", "<parameter=", "</function>", TOOL_CALL_CLOSE)
