@@ -40,7 +40,7 @@ import torch
 
 from shared.ple_table import unmap
 
-__all__ = ["GatherRing", "RingError", "HEADER_BYTES", "check_room", "ring_bytes", "remove_stale_rings"]
+__all__ = ["GatherRing", "RingError", "HEADER_BYTES", "ring_bytes", "remove_stale_rings"]
 
 MAGIC = b"MOEPIPE-PLE-RING"
 VERSION = 1
@@ -118,8 +118,7 @@ class GatherRing:
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
             if _held_by_live_service(path):
                 mm.close()
-                raise RingError(f"{path}: another live PLE service holds this ring (two clusters given one "
-                                f"ple_ring?): give each cluster its own ple_ring, or stop the other one")
+                raise _held_elsewhere(path)
             try:
                 os.replace(tmp, path)
             except OSError as exc:
@@ -154,8 +153,8 @@ class GatherRing:
             try:
                 size = os.fstat(fd).st_size
                 meta = _parse_header(path, os.pread(fd, HEADER_BYTES, 0))
-                want = HEADER_BYTES + meta["slots"] * meta["max_tokens"] * meta["layers"] * meta["heads"] * \
-                    meta["head_dim"] * _DTYPES[meta["dtype"]].itemsize
+                want = ring_bytes(meta["slots"], meta["max_tokens"], meta["layers"], meta["heads"], meta["head_dim"],
+                                  _DTYPES[meta["dtype"]])
                 if size != want:
                     raise RingError(f"{path}: {size} bytes, the header describes {want}")
                 live = _is_locked(fd) is not False
@@ -239,22 +238,6 @@ def _room_hint(path: Path, size: int) -> str:
             f"(max_num_batched_tokens), or run without the PLE service (--no-ple-service)")
 
 
-def check_room(path: str | Path, size: int) -> None:
-    """RingError (the message `create` would give) when the directory of `path` has less than `size` bytes free:
-    for a launcher to refuse before any process loads weights. Without the ring file's old pages in the count."""
-    path = Path(path)
-    try:
-        st = os.statvfs(path.parent)
-    except OSError:
-        return
-    try:
-        old = os.stat(path).st_blocks * 512           # a stale ring there is replaced or reused
-    except OSError:
-        old = 0
-    if st.f_bavail * st.f_frsize + old < size:
-        raise RingError(f"{path}: {_room_hint(path, size)}")
-
-
 def _allocate(fd: int, path: Path, size: int) -> None:
     """Give the file `size` bytes of real pages (tmpfs, disk), or a RingError naming the room there: a sparse ring
     would SIGBUS the writer at the first page past a full tmpfs."""
@@ -297,6 +280,11 @@ def _lock(fd: int, wait: float = 0.0) -> bool:
             return True
 
 
+def _held_elsewhere(path: Path) -> RingError:
+    return RingError(f"{path}: another live PLE service holds this ring (two clusters given one ple_ring?): give "
+                     f"each cluster its own ple_ring, or stop the other one")
+
+
 def _held_by_live_service(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -325,8 +313,7 @@ def _reuse(path: Path, meta: dict, size: int) -> GatherRing | None:
             os.close(fd)
             return None
         if not _lock(fd, wait=1.0):          # (a stage's check of the lock holds it shared for a moment)
-            raise RingError(f"{path}: another live PLE service holds this ring (two clusters given one "
-                            f"ple_ring?): give each cluster its own ple_ring, or stop the other one")
+            raise _held_elsewhere(path)
         _allocate(fd, path, size)              # a ring made before rings were allocated up front
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
     except BaseException:

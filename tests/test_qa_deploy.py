@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, stop_server, wait_healthy
-from shared.ple_ring import GatherRing, RingError, check_room, remove_stale_rings, ring_bytes
+from shared.ple_ring import GatherRing, RingError, remove_stale_rings, ring_bytes
 
 RING = dict(slots=4, max_tokens=64, layers=1, heads=8, head_dim=8, dtype=torch.float32)   # 32 KiB + header
 MIB = 1 << 20
@@ -94,11 +94,7 @@ def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming
                                              r".*--max-num-batched-tokens.*--no-ple-service"):
             GatherRing.create(shm / "r.ring", **{**RING, "max_tokens": 2048})
         assert list(shm.iterdir()) == []               # no temporary file left taking the room
-        size = ring_bytes(**{**RING, "max_tokens": 2048})
-        assert size == 4096 + 4 * 2048 * 8 * 8 * 4
-        with pytest.raises(RingError, match="--shm-size"):    # what a launcher can ask before starting anything
-            check_room(shm / "r.ring", size)
-        check_room(shm / "r.ring", 512 << 10)
+        assert ring_bytes(**{**RING, "max_tokens": 2048}) == 4096 + 4 * 2048 * 8 * 8 * 4
 
 
 def test_a_ring_on_a_tmpfs_filled_after_it_was_made_is_written_whole_without_sigbus(tmp_path):
