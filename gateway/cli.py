@@ -68,7 +68,7 @@ def chat_template_file(value: str) -> Path:
     import hashlib
     import os
 
-    from shared.cli import _home
+    from shared.cli import moepipe_home
     from shared.tokenizer import check_chat_template, read_chat_template
 
     try:
@@ -82,7 +82,7 @@ def chat_template_file(value: str) -> Path:
         read_chat_template(value)                  # one that does not compile stops here, named
         return Path(value).resolve()
     check_chat_template(value, "--chat-template (inline)")
-    path = _home() / "chat_templates" / f"{hashlib.sha256(value.encode()).hexdigest()[:16]}.jinja"
+    path = moepipe_home() / "chat_templates" / f"{hashlib.sha256(value.encode()).hexdigest()[:16]}.jinja"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")

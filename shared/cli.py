@@ -27,8 +27,16 @@ def _bundled_files() -> list[Path]:
     return sorted(p for p in BUNDLED_MODEL.iterdir() if p.is_file() and not p.name.startswith("ple_table."))
 
 
-def _home() -> Path:
+def moepipe_home() -> Path:
+    """moepipe's own directory (MOEPIPE_HOME, default ~/.cache/moepipe): the built-in model's copy, chat templates
+    given inline, PLE tables of read-only checkpoints."""
     return Path(os.environ.get("MOEPIPE_HOME", Path.home() / ".cache" / "moepipe"))
+
+
+def moepipe_home_in_words() -> str:
+    """`moepipe_home()` as an error message names it: the variable's value, or the default and that it is unset."""
+    return f"MOEPIPE_HOME={os.environ['MOEPIPE_HOME']}" if "MOEPIPE_HOME" in os.environ else \
+        f"{moepipe_home()} (MOEPIPE_HOME unset)"
 
 
 def builtin_model_dir() -> Path:
@@ -36,7 +44,7 @@ def builtin_model_dir() -> Path:
     by the hash of every bundled file (a changed config or tokenizer, not only new weights, must not reuse an old
     copy). A copy because loading writes the expanded PLE table beside the checkpoint, and the installed package
     may be read-only (or a git checkout that should stay clean)."""
-    base = _home()
+    base = moepipe_home()
     if not (BUNDLED_MODEL / "model.safetensors").is_file():
         return base / "models" / "tiny"
     import hashlib
@@ -53,9 +61,7 @@ def ensure_builtin_model() -> Path:
     try:
         return _ensure_builtin_model()
     except OSError as exc:
-        where = f"MOEPIPE_HOME={os.environ['MOEPIPE_HOME']}" if "MOEPIPE_HOME" in os.environ else \
-            f"{_home()} (MOEPIPE_HOME unset)"
-        raise ValueError(f"cannot write the built-in model under {where}: "
+        raise ValueError(f"cannot write the built-in model under {moepipe_home_in_words()}: "
                          f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}; set MOEPIPE_HOME to a "
                          f"writable directory or pass a model") from None
 

@@ -90,10 +90,10 @@ def table_dir(model_dir: str | Path, name: str, is_current: Callable[[Path], boo
     model_dir = Path(model_dir)
     if is_current(model_dir / name) or os.access(model_dir, os.W_OK):
         return model_dir
-    from shared.cli import _home
+    from shared.cli import moepipe_home
 
     key = hashlib.blake2b(str(model_dir.resolve()).encode(), digest_size=6).hexdigest()
-    fallback = _home() / "ple_tables" / f"{model_dir.name}-{key}"
+    fallback = moepipe_home() / "ple_tables" / f"{model_dir.name}-{key}"
     if not is_current(fallback / name):
         log.warning("%s is not writable: the PLE table of layer %d is expanded under %s instead", model_dir, layer,
                     fallback)
@@ -106,8 +106,9 @@ def _unwritable(exc: OSError, layer: int, nbytes: int, out_dir: Path, model_dir:
     detail = f"{exc.strerror} ({exc.filename})" if exc.strerror else str(exc)
     if out_dir == model_dir:
         return CheckpointError(f"{what}: {detail}; free that much room there")
-    home = f"MOEPIPE_HOME={os.environ['MOEPIPE_HOME']}" if os.environ.get("MOEPIPE_HOME") else \
-        "MOEPIPE_HOME (unset: ~/.cache/moepipe)"
+    from shared.cli import moepipe_home_in_words
+
+    home = moepipe_home_in_words()
     return CheckpointError(f"{what}: {detail}; the checkpoint directory {model_dir} is not writable, so the table "
                            f"goes under {home}: set MOEPIPE_HOME to a writable directory with that much room, or make "
                            f"{model_dir} writable")

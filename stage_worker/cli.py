@@ -53,10 +53,10 @@ def _not_another_checkpoint(out: Path, value: str) -> None:
     """A directory of make-model's file names that is not make-model's output: the built-in model (the bundled
     trained demo checkpoint, or its copy under MOEPIPE_HOME) or a quantized checkpoint (`moepipe quantize` writes
     the same names). Rewriting it with random weights lost it, silently."""
-    from shared.cli import BUNDLED_MODEL, _home
+    from shared.cli import BUNDLED_MODEL, moepipe_home
 
     where = out.resolve()
-    if where == BUNDLED_MODEL.resolve() or (where.parent == (_home() / "models").resolve()
+    if where == BUNDLED_MODEL.resolve() or (where.parent == (moepipe_home() / "models").resolve()
                                             and where.name.startswith("demo-")):     # (not "tiny": make-model's)
         raise ValueError(f"--out {value}: is the built-in demo model; give a new or empty directory")
     try:
