@@ -117,6 +117,7 @@ class SchedulerLimits:
     max_queue: int = 256
     watchdog_interval: float = 0.5         # how often lost components are looked for
     plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
+    skip_cancelled: bool = True            # requests that end under plans in flight go out as `Plan.cancelled`
     recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
     prefix_cache_states: int = 0           # snapshot slots of the prefix cache (0: off; shared/prefix_cache.py)
     prefix_split_tokens: int = 0           # ... tokens a snapshot must save to cut a prefill chunk for it
@@ -127,7 +128,8 @@ class SchedulerLimits:
                    max_num_batched_tokens=cluster.max_num_batched_tokens,
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
                    max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
-                   plan_ahead=cluster.async_scheduling, prefix_cache_states=cluster.prefix_states,
+                   plan_ahead=cluster.async_scheduling, skip_cancelled=cluster.skip_cancelled_steps,
+                   prefix_cache_states=cluster.prefix_states,
                    prefix_split_tokens=cluster.prefix_split_tokens,
                    # nothing comes back without the launcher's restarts: then a dead component fails its requests
                    recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0)
@@ -144,6 +146,7 @@ class EngineCore:
                                    max_num_batched_tokens=limits.max_num_batched_tokens,
                                    num_microbatches=limits.num_microbatches, max_model_len=limits.max_model_len,
                                    max_queue=limits.max_queue, plan_ahead=limits.plan_ahead,
+                                   skip_cancelled=limits.skip_cancelled,
                                    prefix_cache_states=limits.prefix_cache_states,
                                    prefix_split_tokens=limits.prefix_split_tokens)
         self._lock = threading.Lock()

@@ -94,7 +94,7 @@ class Request:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  num_microbatches: int, max_model_len: int, max_queue: int = 256, plan_ahead: bool = False,
-                 prefix_cache_states: int = 0, prefix_split_tokens: int = 0) -> None:
+                 prefix_cache_states: int = 0, prefix_split_tokens: int = 0, skip_cancelled: bool = True) -> None:
         self.blocks = BlockManager(num_blocks, max_num_seqs)
         # Snapshot slots follow the running requests' slots and the stages' scratch slot (shared/prefix_cache.py).
         self.prefix = PrefixCache(self.blocks, block_size, list(range(max_num_seqs + 1,
@@ -122,6 +122,7 @@ class Scheduler:
         # Requests that ended while a plan in flight still holds them: the stages skip a step of theirs alone
         # instead of computing it (`Plan.cancelled`). Taken by the engine core (`take_cancelled`) and sent at once.
         self.pending_cancelled: list[str] = []
+        self.skip_cancelled = skip_cancelled                 # off (`skip_cancelled_steps`): nothing goes there
         self.num_preemptions = 0
         self.num_requeued = 0                                 # running requests recomputed after a component died
         self._step = itertools.count()
@@ -608,7 +609,7 @@ class Scheduler:
         req.finished = req.finished or reason
         self.running.pop(req.req_id, None)
         if req.inflight > 0:
-            if req.req_id not in self.draining:
+            if self.skip_cancelled and req.req_id not in self.draining:
                 self.pending_cancelled.append(req.req_id)
             self.draining[req.req_id] = req
             return

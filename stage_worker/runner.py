@@ -533,8 +533,9 @@ class StageRunner:
     @property
     def computes_in_launch(self) -> bool:
         """A CPU stage's step is computed inside `launch`: launching the next one at once gains nothing, and would
-        compute it before the inbox is read again (a cancellation that came meanwhile, the next stage's wait)."""
-        return self.device.type != "cuda"
+        compute it before the inbox is read again (a cancellation that came meanwhile, the next stage's wait).
+        With `skip_cancelled_steps` off, a CPU stage launches up to the launch depth as a GPU stage does."""
+        return self.device.type != "cuda" and self.cluster.skip_cancelled_steps
 
     def launch_ready(self, failed, limit: int | None = None) -> int:
         """Launch every step whose inputs are here, oldest first, up to the launch depth (and `limit`); returns how

@@ -129,6 +129,41 @@ def test_the_scheduler_plans_nothing_more_of_a_cancelled_request_and_frees_it_la
     assert nxt.entries == [] and nxt.finished == ["x"]
 
 
+def test_with_skip_cancelled_steps_off_nothing_is_sent_early_and_blocks_are_still_freed_late():
+    """`skip_cancelled_steps` off (the A/B switch): the stages hear of the cancel only through `finished`, once the
+    plans in flight came back, and compute those steps as before."""
+    sched = Scheduler(num_blocks=32, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, num_microbatches=1,
+                      max_model_len=256, plan_ahead=True, skip_cancelled=False)
+    sched.add(_request("x", 128))
+    sched.schedule(0), sched.schedule(0)
+    sched.cancel("x")
+    assert sched.take_cancelled() == [] and "x" in sched.draining
+    assert sched.blocks.used_blocks == 4
+    sched.on_result(0, [])
+    sched.on_result(0, [])
+    assert sched.blocks.used_blocks == 0 and not sched.draining
+    nxt = sched.schedule(0)
+    assert nxt.entries == [] and nxt.finished == ["x"] and nxt.cancelled == []
+
+
+def test_the_switch_reaches_the_scheduler_and_the_cpu_stage_loop(tiny_checkpoint, monkeypatch):
+    """MOEPIPE_SKIP_CANCELLED_STEPS=0 turns both halves off: the scheduler sends no `Plan.cancelled` and a CPU stage
+    launches up to its depth instead of computing one step at a time."""
+    from shared.cluster_config import env_overrides
+    from stage_worker.inprocess_executor import local_engine_core
+
+    monkeypatch.setenv("MOEPIPE_SKIP_CANCELLED_STEPS", "0")
+    keys = env_overrides()
+    assert keys["skip_cancelled_steps"] is False
+    for skip in (True, False):
+        core = local_engine_core(tiny_checkpoint, stages=2, start=False, skip_cancelled_steps=skip)
+        try:
+            assert core.scheduler.skip_cancelled is skip
+            assert [r.computes_in_launch for r in core.executor.runners] == [skip, skip]
+        finally:
+            core.stop()
+
+
 def test_a_request_cancelled_while_its_step_is_in_flight_leaves_no_snapshot():
     """Stages may have skipped its steps since the cancel: the state a later step of it copied was maybe never
     computed, so the prefix cache must not keep it (a request finished by a token keeps its snapshots)."""
