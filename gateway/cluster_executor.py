@@ -8,6 +8,7 @@ thread-safe), except `health`, which only reads the heartbeat times.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -54,11 +55,10 @@ def _start_time(pid: int) -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def kill_hung(component: str, pid: int, silent_s: float, heard_at: float | None = None) -> bool:
-    """SIGKILL `pid` if it is `component`'s process on this host: its command line runs the component's module (a
-    stage on another host is left alone) and, given `heard_at` (its last heartbeat), it started before then (a pid
-    the system has since given to a new process, say the component's restarted successor, is left alone). True if
-    killed."""
+def ours(component: str, pid: int, heard_at: float | None = None) -> bool:
+    """Whether `pid` is `component`'s process on this host: its command line runs the component's module (a stage
+    on another host is left alone) and, given `heard_at` (its last heartbeat), it started before then (a pid the
+    system has since given to a new process, say the component's restarted successor, is left alone)."""
     module = _MODULES.get(component, "stage_worker")
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -68,7 +68,12 @@ def kill_hung(component: str, pid: int, silent_s: float, heard_at: float | None 
     if module.encode() not in argv:
         return False
     started = _start_time(pid)
-    if heard_at is not None and (started is None or started > heard_at + 1.0):
+    return heard_at is None or (started is not None and started <= heard_at + 1.0)
+
+
+def kill_hung(component: str, pid: int, silent_s: float, heard_at: float | None = None) -> bool:
+    """SIGKILL `pid` if it is `component`'s process on this host (`ours`). True if killed."""
+    if not ours(component, pid, heard_at):
         return False
     log.error("gateway: %s (pid %d) sent no heartbeat for %.0f s (hang_timeout): killing it so the launcher "
               "restarts it", component, pid, silent_s)
@@ -204,6 +209,21 @@ class ClusterExecutor:
                     st.killed.add(st.pid)
                     kill_hung(c, st.pid, now - st.last_seen, st.last_seen)
         return out
+
+    def dump_stacks(self) -> list[str]:
+        """Every thread's Python stack into the logs: this process's here, and each component of this host asked
+        with SIGUSR2 (their faulthandler writes to their stderr, the serve log). Returns the components asked."""
+        faulthandler.dump_traceback(all_threads=True)
+        asked = []
+        for c in self.components:
+            st = self.state[c]
+            if st.pid and ours(c, st.pid, st.last_seen or None):
+                try:
+                    os.kill(st.pid, signal.SIGUSR2)
+                    asked.append(c)
+                except OSError:
+                    pass
+        return asked
 
     def restarted(self) -> list[str]:
         """Components heard from with a new pid since the last call: whatever they held died with the old one."""

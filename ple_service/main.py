@@ -8,6 +8,7 @@ SIGTERM/SIGINT always ends it promptly, with the shared-memory ring unlinked.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR2 <pid>` (the engine core's stall report sends it) prints every thread's stack to stderr
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     die_with_parent(args.parent_pid)           # after the handlers: the launcher's death stops us cleanly
     try:
         cluster = load_cluster_config(args.config)

@@ -300,12 +300,17 @@ class ClusterConfig:
     # A stuck component (gateway/cluster_executor.py): a stage that made no progress for `stall_timeout` s stops
     # heartbeating (its heartbeat thread would otherwise report a wedged process alive), and the gateway kills a
     # local component that sent no heartbeat for `hang_timeout` s, so the launcher restarts it (vLLM's
-    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300). 0 = off. Progress, not step length: the step loop turning or a
-    # layer of a step finishing resets the stall clock, so only a stretch with neither counts (stage_worker/main.py);
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is 300). 0 = off. Progress, not step length: a step launched or finished,
+    # none launched, or a layer of a step starting or ending resets the stall clock (stage_worker/main.py);
     # below MIN_STALL_TIMEOUT it is refused: a step longer than the timeout killed the restarted stage again on the
     # same recomputed request, restart after restart.
     stall_timeout: float = 300.0
     hang_timeout: float = 30.0
+    # A step in flight this long (s) is reported once by the engine core: its plan, then every thread's stack of
+    # the gateway and (SIGUSR2) of each component on this host, in the serve log: where a pipeline that stopped
+    # without an error waits (h100-32: a one-stage server's four streams stopped at token 253-255 of 256 for
+    # 113 s, nothing logged; not reproduced). Reports only. 0 = off.
+    stall_report_timeout: float = 60.0
     # launcher: seconds a start may take until its first heartbeat. The first start: until /health is 200 (else
     # `serve` fails naming what is missing); a restarted component: until the gateway hears from it, else it is
     # killed and that counts as a failed restart (a restart hung while loading was never killed: the hang check
@@ -446,7 +451,7 @@ class ClusterConfig:
         if not (isinstance(self.recovery_timeout, (int, float)) and 0 <= self.recovery_timeout < float("inf")):
             raise ClusterConfigError(f"cluster config: recovery_timeout must be a number of seconds >= 0 (0 = fail "
                                      f"a dead component's requests at once), got {self.recovery_timeout!r}")
-        for name in ("stall_timeout", "hang_timeout", "start_timeout"):
+        for name in ("stall_timeout", "hang_timeout", "start_timeout", "stall_report_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
                 raise ClusterConfigError(f"cluster config: {name} must be a number of seconds >= 0 (0 = off), "
@@ -628,6 +633,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_ALLOWED_HOSTS": "allowed_hosts", "MOEPIPE_RESTART_LIMIT": "restart_limit",
         "MOEPIPE_ALLOWED_ORIGINS": "allowed_origins", "MOEPIPE_RECOVERY_TIMEOUT": "recovery_timeout",
         "MOEPIPE_STALL_TIMEOUT": "stall_timeout", "MOEPIPE_HANG_TIMEOUT": "hang_timeout",
+        "MOEPIPE_STALL_REPORT_TIMEOUT": "stall_report_timeout",
         "MOEPIPE_START_TIMEOUT": "start_timeout",
         "MOEPIPE_LINK_KEYS": "link_keys", "MOEPIPE_PLE_THREADS": "ple_threads",
         "MOEPIPE_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "MOEPIPE_VRAM_LIMIT": "vram_limit",
@@ -655,7 +661,7 @@ _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads"
 # counts whose flags take vLLM's suffixes (--max-num-batched-tokens 8k): their variables take them too
 _HUMAN_INT_KEYS = ("max_num_batched_tokens", "kv_cache_memory_bytes")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "start_timeout",
-               "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
+               "stall_report_timeout", "gpu_memory_utilization", "vram_limit", "expert_move_half_life",
                "expert_move_margin", "gil_switch_interval_ms")
 _STRING_KEYS = ("kernels", "dtype", "api_key", "link_keys", "cold_experts")
 # a word (stripped, lower case; VAR= is not set), checked by validate

@@ -103,6 +103,10 @@ class Executor(Protocol):
     def restarted(self) -> list[str]:
         """Components that came back as a new process since the last call (state lost, serving again)."""
 
+    def dump_stacks(self) -> list[str]:
+        """Every thread's stack of every component of this host into the logs (a step stalls); returns the
+        components asked."""
+
     def stop(self) -> None: ...
 
 
@@ -118,6 +122,7 @@ class SchedulerLimits:
     watchdog_interval: float = 0.5         # how often lost components are looked for
     plan_ahead: bool = True                # a micro-batch's next plan goes out before its step's result is back
     skip_cancelled: bool = True            # requests that end under plans in flight go out as `Plan.cancelled`
+    stall_report: float = 0.0              # a step in flight this long (s) is reported with every stack (0: never)
     recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
     prefix_cache_states: int = 0           # snapshot slots of the prefix cache (0: off; shared/prefix_cache.py)
     prefix_split_tokens: int = 0           # ... tokens a snapshot must save to cut a prefill chunk for it
@@ -129,6 +134,7 @@ class SchedulerLimits:
                    num_microbatches=cluster.num_microbatches, max_model_len=max_model_len,
                    max_queue=cluster.max_queue, watchdog_interval=cluster.heartbeat_interval,
                    plan_ahead=cluster.async_scheduling, skip_cancelled=cluster.skip_cancelled_steps,
+                   stall_report=cluster.stall_report_timeout,
                    prefix_cache_states=cluster.prefix_states,
                    prefix_split_tokens=cluster.prefix_split_tokens,
                    # nothing comes back without the launcher's restarts: then a dead component fails its requests
@@ -163,6 +169,8 @@ class EngineCore:
         self._lost_since: float | None = None    # a component stopped sending heartbeats: scheduling waits
         self._closing: str | None = None         # why new requests are refused (`close_requests`)
         self._given_up = False                   # the launcher will not restart a lost component (`give_up`)
+        self._sent_at: dict[int, float] = {}     # step -> when its plan went out (the stall report)
+        self._reported: set[int] = set()         # steps reported as stalled (once each)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -331,6 +339,7 @@ class EngineCore:
                     if time.monotonic() >= next_watch:
                         next_watch = time.monotonic() + self.limits.watchdog_interval
                         drops.extend(self._watchdog())
+                        self._report_stall()
                 for plan in drops:
                     self._send(plan)
         except Exception:                   # a bug, not a bad request: health() now names the core
@@ -342,6 +351,8 @@ class EngineCore:
         """Hand a plan to the executor. One that cannot go out (a value the protocol cannot encode: the fuzzer found
         a top_k of 10^30 that once stopped the core) fails the requests of its step, as a stage's failure would,
         and the core goes on; a plan that only drops steps failing to go out is a bug (the loop's handler)."""
+        if plan.step >= 0 and self.limits.stall_report > 0:
+            self._sent_at[plan.step] = time.monotonic()
         try:
             self.executor.send(plan)
         except Exception as exc:
@@ -439,6 +450,33 @@ class EngineCore:
         if now - self._lost_since < self.limits.recovery_timeout and not self._given_up:
             return []
         return self._fail_all(lost)
+
+    def _report_stall(self) -> None:
+        """A step in flight for `stall_report` s while its components heartbeat (a lost one is the watchdog's):
+        its plan is logged once, then every stack of this host's components (`Executor.dump_stacks`). Nothing is
+        failed: a stage stuck for `stall_timeout` stops heartbeating and is restarted; this only says where the
+        pipeline waits (h100-32: four streams stopped at token 253-255 of 256 for 113 s with nothing logged)."""
+        limit = self.limits.stall_report
+        if limit <= 0:
+            return
+        plans = {p.step: p for queue in self.scheduler.in_flight.values() for p in queue}
+        for step in [s for s in self._sent_at if s not in plans]:
+            del self._sent_at[step]
+        self._reported &= plans.keys()
+        now = time.monotonic()
+        stalled = sorted(s for s, t in self._sent_at.items() if now - t > limit and s not in self._reported)
+        if not stalled or self._lost_since is not None:
+            return
+        self._reported.update(stalled)
+        p = plans[stalled[0]]
+        log.error("engine core: step %d (micro-batch %d: %d entries, requests %s; %d step(s) in flight) has not come "
+                  "back after %.1f s though every component heartbeats (stall_report_timeout, "
+                  "MOEPIPE_STALL_REPORT_TIMEOUT). Every thread's stack follows: this process's, then those of the "
+                  "components asked", p.step, p.microbatch, len(p.entries),
+                  ", ".join(sorted({e.req_id for e in p.entries})) or "none", len(plans), now - self._sent_at[p.step])
+        asked = self.executor.dump_stacks()
+        log.error("engine core: asked %s for their stacks (SIGUSR2; in their logs)",
+                  ", ".join(asked) or "no process (the stages are threads of this one)")
 
     def _recover(self, components: list[str]) -> list[Plan]:
         """Components died or came back empty: whatever was in flight is lost, and so are the running requests'

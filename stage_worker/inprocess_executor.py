@@ -9,6 +9,7 @@ rows itself (the fallback path). Steps run on the engine core's thread: `send` q
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import select
 import time
@@ -119,6 +120,10 @@ class InProcessExecutor:
         return []
 
     def restarted(self) -> list[str]:
+        return []
+
+    def dump_stacks(self) -> list[str]:
+        faulthandler.dump_traceback(all_threads=True)     # the stages are threads of this process
         return []
 
     def attach_metrics(self, metrics) -> None:

@@ -61,12 +61,12 @@ def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
 
 def mark_progress(model, turned: list[float]) -> None:
     """Each decoder layer of `model` sets `turned[0]` (time.monotonic) as it starts and ends, as the step loop does
-    each time it turns: the stall clock then measures a stretch without progress, not a step's length. A step
-    longer than `stall_timeout` (a large prefill chunk on a CPU) silenced the heartbeats although every layer was
-    finishing, so the stage was killed, and its restart killed again on the same recomputed request until the
-    restarts ran out. Now only a layer (or what lies between the loop's turns) stuck for that long counts; a GPU
-    stage's layers only launch, so its wait for the device is one stretch, as a hung kernel should be. Two clock
-    reads a layer; decode graphs replay without them."""
+    when it launches or finishes a step or has none launched: the stall clock then measures a stretch without
+    progress, not a step's length. A step longer than `stall_timeout` (a large prefill chunk on a CPU) silenced the
+    heartbeats although every layer was finishing, so the stage was killed, and its restart killed again on the
+    same recomputed request until the restarts ran out. Now only a layer stuck for that long counts, or a launched
+    step that never completes: a GPU stage's layers only launch, so its wait for the device is one stretch, as a
+    hung kernel should be. Two clock reads a layer; decode graphs replay without them."""
     for layer in getattr(model, "layers", {}).values():
         inner = layer.forward_deferred
 
@@ -82,8 +82,8 @@ def mark_progress(model, turned: list[float]) -> None:
 
 def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runner: StageRunner,
                 stop: threading.Event, turned: list[float]) -> None:
-    """Every `heartbeat_interval`, while the stage makes progress: `turned[0]` is when the step loop last turned or
-    a layer last started or ended (time.monotonic; `mark_progress`). No progress for `stall_timeout` (a hung step,
+    """Every `heartbeat_interval`, while the stage makes progress: `turned[0]` is when the step loop last launched or
+    finished a step or had none launched, or a layer last started or ended (time.monotonic; `mark_progress`). No progress for `stall_timeout` (a hung step,
     a deadlock) silences them, so the gateway sees this stage lost and, after `hang_timeout`, kills it for the
     launcher to restart; a thread of its own would otherwise vouch for a wedged process."""
     sock = connect_outbox(ctx, cluster.gateway_endpoint, keys, sndhwm=10)
@@ -92,9 +92,11 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runne
         stalled = time.monotonic() - turned[0]
         if cluster.stall_timeout and stalled > cluster.stall_timeout:
             if not silent:
-                log.error("%s: no progress for %.0f s (neither the step loop nor a layer moved; stall_timeout %g s): "
-                          "no more heartbeats, so the gateway restarts this stage. If one layer of a step really "
-                          "takes this long here, raise MOEPIPE_STALL_TIMEOUT", name, stalled, cluster.stall_timeout)
+                log.error("%s: no progress for %.0f s (no step launched or finished and no layer moved, with %d "
+                          "step(s) launched; stall_timeout %g s): no more heartbeats, so the gateway restarts this "
+                          "stage. If one layer of a step really takes this long here, raise MOEPIPE_STALL_TIMEOUT. "
+                          "Where each thread is:", name, stalled, len(runner.launched), cluster.stall_timeout)
+                faulthandler.dump_traceback(all_threads=True)
             silent = True
             stop.wait(cluster.heartbeat_interval)
             continue
@@ -198,7 +200,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    turned = [time.monotonic()]          # when the step loop last turned or a layer moved (the stall check)
+    turned = [time.monotonic()]          # when the stage last made progress (the stall check; see the loop)
     mark_progress(model, turned)
     hb = threading.Thread(target=_heartbeats, args=(ctx, cluster, keys, name, runner, stop, turned), daemon=True)
     hb.start()
@@ -255,7 +257,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
 
     while not stop.is_set():
-        turned[0] = time.monotonic()
+        # Progress for the stall check: idle (nothing launched: waiting for work is no stall), a step launched or
+        # finished, a layer moving. Not the loop turning: a spinning stage turns it every few microseconds while it
+        # polls a step the GPU never completes, and refreshed here that hid a hung step from the stall check.
+        if not runner.launched:
+            turned[0] = time.monotonic()
         wait = 100 if not runner.launched else (0 if spin or runner.oldest_done() else 1)
         if not poller.poll(wait) and not runner.launched:
             continue
@@ -263,7 +269,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         # Queue every step that is ready (up to the launch depth), then complete the oldest: the GPU runs the
         # next step while this process sends the previous one's results.
         while True:
-            runner.launch_ready(failed, limit=1 if one_at_a_time else None)
+            if runner.launch_ready(failed, limit=1 if one_at_a_time else None):
+                turned[0] = time.monotonic()
             if not runner.launched:
                 break
             if (spin or runner.can_launch()) and not runner.oldest_done():
@@ -274,6 +281,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             except Exception as exc:
                 failed(step, exc)
                 continue
+            finally:
+                turned[0] = time.monotonic()
             # What other components wait for goes first (activations, tokens for stage 0 and the PLE service);
             # spinning, the next ready step is queued before the tokens are encoded for the gateway.
             later = [o for o in outgoing if o.to == "gateway"] if spin else []
@@ -281,7 +290,8 @@ def serve(cluster: ClusterConfig, index: int) -> int:
                 if o.to in peers and not any(o is x for x in later):
                     peers[o.to].send_multipart(encode(o.message), copy=False)
             if later:
-                runner.launch_ready(failed)
+                if runner.launch_ready(failed):
+                    turned[0] = time.monotonic()
                 for o in later:
                     if o.to in peers:
                         peers[o.to].send_multipart(encode(o.message), copy=False)

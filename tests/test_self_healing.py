@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -320,6 +321,8 @@ def _heartbeat_thread(tmp_path, turned: list[float], stall_timeout: float):
     from stage_worker.main import _heartbeats
 
     class Runner:
+        launched: list = []
+
         def stats(self):
             return {}
 
@@ -661,3 +664,47 @@ def test_a_stall_timeout_below_the_floor_is_refused_by_name(tiny_checkpoint):
                        env={**os.environ, "MOEPIPE_STALL_TIMEOUT": "5"})
     assert r.returncode == 2, r.stderr
     assert "stall_timeout (MOEPIPE_STALL_TIMEOUT) 5 s is below the minimum of 30 s" in r.stderr, r.stderr
+
+
+def test_a_step_that_does_not_come_back_is_reported_with_every_stack(tiny_checkpoint, tmp_path):
+    """A pipeline that stops without an error (h100-32: a one-stage server's four streams stopped at token 253-255
+    of 256 for 113 s and nothing was logged) now says where it waits: a step in flight for stall_report_timeout
+    while every component still heartbeats is logged once with its plan, then the gateway's threads' stacks and,
+    by SIGUSR2, each stage's. Here stage 1 is stopped for less than the heartbeat deadline: the report comes (the
+    stopped stage prints its stacks when it resumes), and the stream ends with all its tokens: nothing failed."""
+    launcher, url, log = _serve_restarting_once(tiny_checkpoint, tmp_path, MOEPIPE_STALL_REPORT_TIMEOUT="0.3")
+    children: dict[str, int] = {}
+    try:
+        wait_healthy(url, launcher)
+        children = component_pids(launcher.pid)
+        victim = children["stage1"]
+
+        def pause() -> None:
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(1.5)                   # under heartbeat_timeout (2.5 s): not lost, only slow
+            os.kill(victim, signal.SIGCONT)
+
+        body = {"model": "moepipe", "prompt": "hello", "max_tokens": 60, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        chunks, usage, finish = 0, None, None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    finish = next((c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")), finish)
+                    chunks += 1
+                    if chunks == 10:
+                        pause()
+        assert usage["completion_tokens"] == 60 and finish == "length", (usage, finish)
+        deadline = time.time() + 10
+        while time.time() < deadline and log.read_text().count("Thread 0x") < 3:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "has not come back after" in text and "stall_report_timeout" in text, text[-3000:]
+        assert "asked stage0, stage1 for their stacks" in text, text[-3000:]
+        # faulthandler's dumps: the gateway's own, stage 0's at once, stage 1's when it resumed
+        assert text.count("Thread 0x") >= 3 and "stage_worker/main.py" in text, text[-3000:]
+        assert text.count("has not come back after") == 1          # once per step, not every watchdog turn
+    finally:
+        _stop_all(launcher, children)
