@@ -490,17 +490,22 @@ class EngineCore:
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _fail_all(self, components: list[str], keep_waiting: bool = False) -> list[Plan]:
-        """Fail the running requests (and, unless `keep_waiting`, the queued ones): the components are gone."""
-        if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting)):
+        """Fail the running requests (and, unless `keep_waiting`, the queued ones): the components are gone. Steps
+        in flight are dropped even when no request is left to fail: finished requests still held by them (draining)
+        would otherwise keep their micro-batch busy for good, its plans never coming back."""
+        steps = self.scheduler.in_flight_steps()
+        if not (self.scheduler.num_running or (self.scheduler.num_waiting and not keep_waiting) or steps):
             self.scheduler.forget_cached_states()   # nothing to fail, but a component back empty lost its snapshots
             return []
         message = f"{', '.join(components)} stopped responding"
-        steps = self.scheduler.in_flight_steps()
+        drained = list(self.scheduler.draining)
         failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
         # as when the server stops: one without a token yet is answered 503 (+ Retry-After), not a 500
         self._fail(failed, lambda req: EngineFailed(message) if req.output_ids else EngineUnavailable(message))
-        # Survivors forget the lost steps and requests, so a restarted component finds a clean pipeline.
-        return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=[r.req_id for r in failed])]
+        # Survivors forget the lost steps and requests (the draining ones too: their state would stay on the
+        # stages), so a restarted component finds a clean pipeline.
+        return [Plan(step=-1, microbatch=0, entries=[], dropped=steps,
+                     finished=[r.req_id for r in failed] + drained)]
 
     def _drop(self, rid: str) -> Sink | None:
         """Forget a request that ended (its sink, and its phase stamps if it had no token yet); returns its sink."""

@@ -229,6 +229,30 @@ def test_a_lost_component_fails_a_request_without_a_token_as_unavailable(tiny_ch
     assert not isinstance(events["b"][0], EngineFailed)
 
 
+def test_a_lost_component_with_only_finished_requests_in_flight_frees_their_microbatch(tiny_checkpoint):
+    """A component lost for good (recovery_timeout 0) while the only requests in flight had just finished (their
+    plans still out): the core failed nothing and returned no plan, so those plans, which never come back, kept
+    their micro-batch busy and the restarted pipeline never planned on it again; and requests' state on surviving
+    stages was never dropped. Now their steps are dropped and the requests told finished."""
+    from shared.scheduler import Request
+
+    core = local_engine_core(tiny_checkpoint, stages=2, start=False, recovery_timeout=0, max_model_len=512,
+                             max_num_batched_tokens=16)
+    try:
+        sched = core.scheduler
+        sched.add(Request(req_id="x", prompt_ids=list(range(3, 67)), params=SamplingParams(temperature=0.0),
+                          stop_token_ids=set(), max_tokens=4))
+        mb = sched.idle_microbatches()[0]
+        steps = [sched.schedule(mb).step, sched.schedule(mb).step]     # two chunks in flight (plan-ahead)
+        sched.cancel("x")
+        assert "x" in sched.draining and mb not in sched.idle_microbatches()
+        [plan] = core._fail_all(["stage1"], keep_waiting=True)
+        assert plan.dropped == steps and plan.finished == ["x"]
+        assert mb in sched.idle_microbatches() and not sched.draining and sched.blocks.used_blocks == 0
+    finally:
+        core.stop()
+
+
 def test_a_plan_that_cannot_go_out_fails_its_step_and_the_core_goes_on(tiny_checkpoint):
     """A plan the executor cannot send (as a value msgpack cannot encode once made the cluster's encode raise and
     the core stop: every later request got 503) fails the requests of its step with an error; the core keeps
