@@ -75,8 +75,8 @@ class AccessRecord:
         if reason not in self.finish_reasons:
             self.finish_reasons.append(reason)
 
-    def line(self, now: float | None = None) -> str:
-        now = time.monotonic() if now is None else now
+    def line(self) -> str:
+        now = time.monotonic()
         status = CLIENT_GONE if self.client_gone else (self.status or 500)
         ttft = None if self.first_token is None else f"{self.first_token - self.start:.3f}"
         reasons = list(self.finish_reasons)

@@ -53,8 +53,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
 
 
 def context_length_exceeded(max_model_len: int, prompt_tokens: int | None, param: str) -> APIError:

@@ -456,14 +456,14 @@ class Supervisor:
     exits with status 1 (`exit_given_up`), as vLLM's server exits when its engine dies: a service manager (systemd,
     Docker, Kubernetes) can then restart the whole server, where before it kept answering `/health` 503 forever."""
 
-    def __init__(self, cluster: Cluster, probe=None) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.limit = cluster.cluster.restart_limit
         self.due: dict[str, float] = {}            # component -> when to restart it
         self.given_up: dict[str, str] = {}         # component -> why (the exit line names it)
         self.starting: dict[str, object] = {}      # restarted components not yet heard from -> their process
         self.start_killed: set = set()              # ... and those of them killed for it (once each)
-        self.probe = probe if probe is not None else cluster.down_components     # /health's missing components
+        self.probe = cluster.down_components       # /health's missing components
 
     def check(self, now: float | None = None) -> None:
         now = time.time() if now is None else now

@@ -45,9 +45,13 @@ startup_log.setLevel(logging.INFO)
 LOAD_REFUSALS = (CheckpointError, ConfigError, ClusterConfigError, ColdSetError, QuantSchemeError)
 
 
-def _open_ring(cluster: ClusterConfig, timeout: float = 120.0):
+RING_WAIT_S = 120.0    # how long a stage waits for the PLE service to create its ring
+
+
+def _open_ring(cluster: ClusterConfig):
     from shared.ple_ring import GatherRing
 
+    timeout = RING_WAIT_S
     deadline = time.time() + timeout
     while not Path(cluster.ple_ring).exists():
         if time.time() > deadline:
