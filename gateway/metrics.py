@@ -87,9 +87,9 @@ class _PleCollector(Collector):
             yield family
 
 
-class _ExpertCollector(Collector):
-    """Per stage, the cumulative expert counters and the memory tiers its heartbeats report (issue 16): set, not
-    incremented, as the PLE totals are."""
+class _StageStatsCollector(Collector):
+    """Per stage, the cumulative counters its heartbeats report (experts and memory tiers, issue 16; K/V rows;
+    CUDA IPC hand-offs; skipped steps): set, not incremented, as the PLE totals are."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -267,8 +267,8 @@ class Metrics:
             ["link", "step_kind"], buckets=TRANSFER_BUCKETS, registry=r)
         self._ple = _PleCollector()
         r.register(self._ple)
-        self._experts = _ExpertCollector()
-        r.register(self._experts)
+        self._stage_stats = _StageStatsCollector()
+        r.register(self._stage_stats)
         for reason in ("stop", "length"):
             self.requests.labels(finish_reason=reason)      # expose zeros before the first request
 
@@ -318,7 +318,7 @@ class Metrics:
     def set_stage_stats(self, stage: str | int, stats: dict[str, float]) -> None:
         """A stage's heartbeat totals: expert host reads and moves per layer, expert bytes by tier, KV pool bytes,
         the K/V row cache's hits, lookups and bytes."""
-        self._experts.set(str(stage), stats)
+        self._stage_stats.set(str(stage), stats)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series, for GET /metrics."""

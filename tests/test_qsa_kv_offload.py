@@ -563,7 +563,7 @@ def test_served_stages_with_offload_give_the_same_tokens(tiny_checkpoint):
     """The engine core over two in-process stage runners (the server's path) with `qsa_kv_offload`: two 150-token
     prompts prefilled in 32-token chunks (the tiny preset reads 64 + 3 keys a query: the budget binds) decode the
     same greedy tokens as without; each runner reports its K/V bytes by tier, and /metrics shows them."""
-    from gateway.metrics import _ExpertCollector
+    from gateway.metrics import _StageStatsCollector
     from shared.engine_core import GenerationRequest
     from shared.sampling import SamplingParams
     from stage_worker.inprocess_executor import local_engine_core
@@ -588,7 +588,7 @@ def test_served_stages_with_offload_give_the_same_tokens(tiny_checkpoint):
     for on, off in zip(stats[True], stats[False]):
         assert on["kv_pool_bytes"] == off["kv_pool_bytes"] == off["kv_bytes_vram"] and off["kv_bytes_host"] == 0
         assert on["kv_bytes_host"] > 0 and on["kv_bytes_vram"] + on["kv_bytes_host"] == on["kv_pool_bytes"]
-    collector = _ExpertCollector()
+    collector = _StageStatsCollector()
     collector.set("0", stats[True][0])
     samples = {(s.name, s.labels.get("tier")): s.value for fam in collector.collect() for s in fam.samples}
     assert samples[("moepipe_kv_cache_tier_bytes", "host")] == stats[True][0]["kv_bytes_host"]
