@@ -1001,6 +1001,12 @@ async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str],
     try:
         async for chunk in chunks:
             yield chunk
+            # One chunk per event-loop turn. A backlog (the first choices' tokens, queued while a later choice
+            # waited for a slot) never empties the queues and a send that does not block never yields, so the
+            # whole backlog went out in one turn: a client gone meanwhile was not seen (the transport's
+            # connection-lost callback waits for the loop) and asyncio logged every write into the dead socket
+            # (tests/test_qa_soak_disconnect_burst.py). Yielding lets the disconnect cancel the stream here.
+            await asyncio.sleep(0)
     except Exception as exc:
         reason = "error"
         if isinstance(exc, EngineFailed):
