@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     T, L, k = actual.shape
     E = int(model.cfg.num_experts)
     half = T // 2
+    if args.warmup >= T - half:
+        ap.error(f"--warmup {args.warmup}: the replay has only {T - half} tokens (half of the {T} read: --tokens "
+                 f"{args.tokens}), so every result would be 0; use a warm-up below that, or more --tokens")
     fit, run = actual[:half], actual[half:]
     policy = Policy("onread-1:128:0.5", "swap", half_life=128, every=1, margin=0.5)
     recalls = {name: recall(run, p[half:]) for name, p in preds.items()}

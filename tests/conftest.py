@@ -61,6 +61,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)        # `pytest -p no:xdist` has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile with the files of a SHARED_GROUPS group as one unit of work (one worker runs them all)."""
     if config.getvalue("dist") != "loadfile":

@@ -3,6 +3,7 @@ long prefill and decode steps take. Run on the GPU machine: python tools/gpu_smo
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -37,7 +38,9 @@ def run(model_dir: str, device: str, dtype: torch.dtype, ids: list[int], steps: 
 
 
 def main() -> int:
-    model_dir = sys.argv[1]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir", help="a checkpoint directory (e.g. `moepipe make-model --preset tiny --out DIR`)")
+    model_dir = ap.parse_args().model_dir
     ids = list(range(10, 90))
     ref, _, fed = run(model_dir, "cpu", torch.float32, ids, 16)
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 0.15)):
