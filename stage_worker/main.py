@@ -51,11 +51,10 @@ RING_WAIT_S = 120.0    # how long a stage waits for the PLE service to create it
 def _open_ring(cluster: ClusterConfig):
     from shared.ple_ring import GatherRing
 
-    timeout = RING_WAIT_S
-    deadline = time.time() + timeout
+    deadline = time.time() + RING_WAIT_S
     while not Path(cluster.ple_ring).exists():
         if time.time() > deadline:
-            raise RuntimeError(f"PLE ring {cluster.ple_ring} did not appear within {timeout:.0f} s")
+            raise RuntimeError(f"PLE ring {cluster.ple_ring} did not appear within {RING_WAIT_S:.0f} s")
         time.sleep(0.05)
     ring = GatherRing.open(cluster.ple_ring)
     if torch.cuda.is_available():
@@ -87,9 +86,10 @@ def mark_progress(model, turned: list[float]) -> None:
 def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runner: StageRunner,
                 stop: threading.Event, turned: list[float]) -> None:
     """Every `heartbeat_interval`, while the stage makes progress: `turned[0]` is when the step loop last launched or
-    finished a step or had none launched, or a layer last started or ended (time.monotonic; `mark_progress`). No progress for `stall_timeout` (a hung step,
-    a deadlock) silences them, so the gateway sees this stage lost and, after `hang_timeout`, kills it for the
-    launcher to restart; a thread of its own would otherwise vouch for a wedged process."""
+    finished a step or had none launched, or a layer last started or ended (time.monotonic; `mark_progress`). No
+    progress for `stall_timeout` (a hung step, a deadlock) silences them, so the gateway sees this stage lost and,
+    after `hang_timeout`, kills it for the launcher to restart; a thread of its own would otherwise vouch for a
+    wedged process."""
     sock = connect_outbox(ctx, cluster.gateway_endpoint, keys, sndhwm=10)
     silent = False
     while not stop.is_set():
