@@ -236,10 +236,18 @@ async def _all(works: list[Awaitable[T]]) -> list[T]:
 
 async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
     """Chunks of several choices' streams in the order they are produced (each chunk carries its choice index);
-    the first failure ends the merge and cancels the others."""
+    the first failure ends the merge and cancels the others.
+
+    One chunk per event-loop turn (the `sleep(0)` after each): a backlog (the first choices' tokens, queued while a
+    later choice waited for a slot) never empties the queues and a send that does not block never yields, so the
+    whole backlog went out in one turn: a client gone meanwhile was not seen (the transport's connection-lost
+    callback waits for the loop) and asyncio logged every write into the dead socket
+    (tests/test_qa_soak_disconnect_burst.py). Yielding here, inside the merge, lets the disconnect cancel the stream
+    where its cleanup (the pump tasks first, then the engine iterators) already runs."""
     if len(streams) == 1:
         async for item in streams[0]:
             yield item
+            await asyncio.sleep(0)
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -263,6 +271,7 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
                 raise item
             else:
                 yield item
+                await asyncio.sleep(0)
     finally:
         for t in tasks:
             t.cancel()
@@ -1001,12 +1010,6 @@ async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str],
     try:
         async for chunk in chunks:
             yield chunk
-            # One chunk per event-loop turn. A backlog (the first choices' tokens, queued while a later choice
-            # waited for a slot) never empties the queues and a send that does not block never yields, so the
-            # whole backlog went out in one turn: a client gone meanwhile was not seen (the transport's
-            # connection-lost callback waits for the loop) and asyncio logged every write into the dead socket
-            # (tests/test_qa_soak_disconnect_burst.py). Yielding lets the disconnect cancel the stream here.
-            await asyncio.sleep(0)
     except Exception as exc:
         reason = "error"
         if isinstance(exc, EngineFailed):
