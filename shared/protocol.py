@@ -129,7 +129,7 @@ class Activations(Message):
     step: int
     hidden: torch.Tensor
     token_ids: torch.Tensor                                   # stages with PLE layers need the ids
-    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end] wall clock, per stage so far
+    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end, arrival], each stage so far
     # the sender skipped the step (every entry's request was `cancelled`): `hidden` is empty, and the receiver skips
     # it too, whether or not the cancellation has reached it yet
     skipped: bool = False
@@ -211,7 +211,7 @@ class StepResult(Message):
     step: int
     microbatch: int
     tokens: list[TokenOut]
-    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end] wall clock, every stage
+    timing: list[list[float]] = field(default_factory=list)   # [stage, start, end, arrival] wall clock, every stage
 
 
 @dataclass
