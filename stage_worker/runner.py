@@ -850,16 +850,23 @@ class StageRunner:
             for t in sampled.tokens:
                 key = (t.req_id, t.position)
                 self.device_next.pop(key, None)
-                if key in self.device_fed:       # a launched step already took it on the device
-                    self.device_fed.discard(key)
-                elif t.req_id in self.requests:  # (a request finished meanwhile needs none)
-                    self.next_tokens[key] = t.token
+                fed = key in self.device_fed     # a step already took it on the device
+                self.device_fed.discard(key)
+                # ... but one only prepared (the worker loop asks `ready()` with the launch depth full: two
+                # micro-batches on one stage) still needs it on the host for its mailbox rows, which `_rows_from`
+                # gives launched steps only: left here, `_expect_rows` takes it (else its graph waited for good)
+                if t.req_id in self.requests and (not fed or self._prepared_took(key)):   # (a request finished
+                    self.next_tokens[key] = t.token                                       # meanwhile needs none)
         else:
             out.append(Outgoing("first", sampled))
         out.append(Outgoing("ple", sampled))
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,
                                                   timing=timing)))
         return out
+
+    def _prepared_took(self, key: tuple[str, int]) -> bool:
+        """A mailbox stage's step prepared by `ready()` but not launched took this sampled token off the device."""
+        return self.ple_mailbox is not None and any(key in p.taken for p in self.plans.values())
 
     def _settle(self, launched: _Launched) -> None:
         """The step's tokens are on the host: fill its TokenOuts and the requests' histories (once)."""
