@@ -16,10 +16,13 @@ only by `host_wait.MAX_SPINS` polls, whose length in seconds was never measured.
     python tools/host_wait_probe.py                 # A and B, ~1-2 minutes
     python tools/host_wait_probe.py --full          # A also runs MAX_SPINS polls once (may take minutes)
 
-Read the B table: `blocked` marks a call that waited for the device. The probes run in one process, in order; the
+Read the B tables: `blocked` marks a call that waited for the device. The probes run in one process, in order; the
 sampler's are the server's (`batch_sampler.sample_rows`, temperature 0.7, the full shape's 248,320-token vocabulary)
-at 4 rows first (as the start-up warm-up does, with no kernel spinning), then at 1, 2 and 3 rows behind a spinning
-kernel (a batch that shrinks at the end of requests).
+at 4 rows first (as the start-up warm-up does, nothing waiting), then at 1, 2 and 3 rows behind a spinning kernel (a
+batch that shrinks at the end of requests). A second round (new sizes and ops) puts the same calls behind a stream
+wait (`stream_wait.py`, `cuStreamWaitValue64`: stage 0 of several with `ple_launch_ahead_across_stages`, where a
+blocked call waits for `PUBLISH_DEADLINE_S`; h200-27's step 256 failed after 60 s at the end of 4 x 256-token
+requests).
 """
 
 from __future__ import annotations
@@ -93,10 +96,11 @@ def poll_time(flag: Flag, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def behind_a_spin(flag: Flag, what: str, fn, release: float, seq: list[int]) -> tuple[str, float, float, bool]:
+def behind_a_spin(flag: Flag, what: str, fn, release: float, seq: list[int], waiter=None) -> tuple[str, float,
+                                                                                                  float, bool]:
     """Launch a wait kernel that spins until the flag reaches the next number (a child process writes it after
-    `release` s), then time `fn()` on this thread; returns (what, seconds fn took, seconds until the device was
-    done, whether fn waited for the release)."""
+    `release` s), or with `waiter` (a `StreamWait`) a stream wait for it, then time `fn()` on this thread; returns
+    (what, seconds fn took, seconds until the device was done, whether fn waited for the release)."""
     dev = torch.device("cuda")
     src = torch.zeros(2560, dtype=torch.bfloat16).pin_memory()
     dst = torch.empty(2560, dtype=torch.bfloat16, device=dev)
@@ -106,16 +110,23 @@ def behind_a_spin(flag: Flag, what: str, fn, release: float, seq: list[int]) -> 
     torch.cuda.synchronize()
     child = flag.release_later(release, seq[0])
     t0 = time.perf_counter()
-    wait_and_copy(flag.tensor, expected, src, dst, timed_out)
+    if waiter is None:
+        wait_and_copy(flag.tensor, expected, src, dst, timed_out)
+    else:
+        waiter.wait(seq[0])
     t1 = time.perf_counter()
-    fn()
+    try:
+        fn()
+        err = ""
+    except Exception as exc:              # a probe that fails says so and the others still run
+        err = f" (raised {type(exc).__name__}: {exc})"
     t2 = time.perf_counter()
     torch.cuda.synchronize()
     t3 = time.perf_counter()
     child.wait()
     gave_up = int(timed_out[0]) == seq[0]
     took = t2 - t1
-    return what + (" (the wait kernel gave up)" if gave_up else ""), took, t3 - t0, took > 0.5 * release
+    return what + err + (" (the wait kernel gave up)" if gave_up else ""), took, t3 - t0, took > 0.5 * release
 
 
 def main() -> int:
@@ -165,36 +176,47 @@ def main() -> int:
                                                                                      dev)]
             return run
 
-        salt = random.randrange(1, 1 << 30)    # a constexpr never compiled before: a compile and a module load
         fresh = torch.zeros(1, dtype=torch.int64, device=dev)
         warm = torch.ones(8, device=dev)
         sampler(4)()                      # as the start-up warm-up: 4 rows, nothing spinning
         gather(4)()
         torch.cuda.synchronize()
         seq = [0]
-        probes = [
-            ("an op used before (add)", lambda: warm.add_(1)),
-            ("event create + record", lambda: torch.cuda.Event().record()),
-            ("batch sampler at 4 rows (warmed)", sampler(4)),
-            ("batch sampler at 1 row (first time)", sampler(1)),
-            ("batch sampler at 1 row (again)", sampler(1)),
-            ("batch sampler at 2 rows (first time)", sampler(2)),
-            ("batch sampler at 3 rows (first time)", sampler(3)),
-            ("input-id gather at 1 row (first time)", gather(1)),
-            ("pinned buffer of a new size", lambda: torch.empty(3 * 2**20 + 123, dtype=torch.uint8,
-                                                                pin_memory=True)),
-            ("device buffer of a new size (caching allocator may cudaMalloc)",
-             lambda: torch.empty(2**30 + 4096, dtype=torch.uint8, device=dev)),
-            ("an op never used before (torch.special.i1e, float64)",
-             lambda: torch.special.i1e(torch.ones(8, dtype=torch.float64, device=dev))),
-            ("a new stream", lambda: torch.cuda.Stream()),
-            ("a Triton kernel compiled and loaded now", lambda: _fresh[(1,)](fresh, SALT=salt)),
-        ]
-        print(f"\nB. calls made while a wait kernel spins (the flag is written after {args.release:.1f} s)")
-        print(f"  {'call':<64} {'call s':>8} {'device s':>9}  blocked")
-        for what, fn in probes:
-            name, took, done, blocked = behind_a_spin(flag, what, fn, args.release, seq)
-            print(f"  {name:<64} {took:8.3f} {done:9.3f}  {'BLOCKED' if blocked else '-'}")
+
+        def probes(rows: list[int], new_op, pinned: int):
+            salt = random.randrange(1, 1 << 30)   # a constexpr never compiled before: a compile and a module load
+            return [
+                ("an op used before (add)", lambda: warm.add_(1)),
+                ("event create + record", lambda: torch.cuda.Event().record()),
+                ("batch sampler at 4 rows (warmed)", sampler(4)),
+                *[(f"batch sampler at {n} row(s) (first time)", sampler(n)) for n in rows],
+                (f"batch sampler at {rows[0]} row(s) (again)", sampler(rows[0])),
+                (f"input-id gather at {rows[0]} row(s) (first time)", gather(rows[0])),
+                ("pinned buffer of a new size", lambda: torch.empty(pinned, dtype=torch.uint8, pin_memory=True)),
+                ("device buffer of a new size (caching allocator may cudaMalloc)",
+                 lambda: torch.empty(2**30 + pinned, dtype=torch.uint8, device=dev)),
+                (f"an op never used before ({new_op.__name__}, float64)",
+                 lambda: new_op(torch.ones(8, dtype=torch.float64, device=dev))),
+                ("a new stream", lambda: torch.cuda.Stream()),
+                ("a Triton kernel compiled and loaded now", lambda: _fresh[(1,)](fresh, SALT=salt)),
+            ]
+
+        from stage_worker.stream_wait import StreamWait
+
+        waiter = StreamWait.open(flag.tensor, dev)
+        rounds = [("a wait kernel spins (one stage's host_wait)", None, probes([1, 2, 3], torch.special.i1e,
+                                                                                3 * 2**20 + 123))]
+        if waiter is not None:                # new sizes and ops: what round one loaded is loaded
+            rounds.append(("a stream waits (across stages' cuStreamWaitValue64)", waiter,
+                           probes([5, 6, 7], torch.special.i0e, 5 * 2**20 + 321)))
+        else:
+            print("\n(no stream waits on this driver: the second round is skipped)")
+        for title, how, calls in rounds:
+            print(f"\nB. calls made while {title}; the flag is written after {args.release:.1f} s")
+            print(f"  {'call':<64} {'call s':>8} {'device s':>9}  blocked")
+            for what, fn in calls:
+                name, took, done, blocked = behind_a_spin(flag, what, fn, args.release, seq, how)
+                print(f"  {name:<64} {took:8.3f} {done:9.3f}  {'BLOCKED' if blocked else '-'}")
     finally:
         flag.close()
     return 0
