@@ -22,15 +22,16 @@ import torch
 
 from shared.sampling import SamplingParams
 from stage_worker.batch_sampler import Row, TokenCounts, sample_rows
+from stage_worker.host_copy import to_host
 from stage_worker.model.batch import StepBatch
 
 
 @torch.inference_mode()
 def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: int, race_kernel: bool,
-            batched_prefill: bool = True) -> float:
-    """Run the prefill path (and on a stage with the head, the sampler) once per warm-up length on the scratch
-    slot and block, then (`batched_prefill`) two-prompt steps; returns the seconds it took. Every length fits the
-    one scratch block."""
+            batched_prefill: bool = True, decode_rows: tuple[int, ...] = (1, 4)) -> float:
+    """Run the prefill path (and on a stage with the head, the sampler at each of `decode_rows` rows) once per
+    warm-up length on the scratch slot and block, then (`batched_prefill`) two-prompt steps; returns the seconds it
+    took. Every length fits the one scratch block."""
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -50,19 +51,28 @@ def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: 
             hidden = torch.zeros(n, model.stream_width, dtype=dtype, device=dev)
         out = model(batch, cache, hidden)
         if model.has_head and len(lens) == 1:
-            _warm_sampler(model.logits(out, batch).float(), scratch_slot, race_kernel)
+            logits = model.logits(out, batch).float()
+            for n in decode_rows:
+                _warm_sampler(logits, scratch_slot, race_kernel, n)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0
 
 
-def _warm_sampler(logits: torch.Tensor, slot: int, race_kernel: bool) -> None:
-    """The batched sampler's paths a first request may take: plain temperature (the race), top-k / top-p (the
-    candidates and the probability race), penalties from device counts, greedy."""
-    row = logits[-1:].expand(4, -1).contiguous()
-    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
-              SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1, seed=1),
-              SamplingParams(temperature=0.0)]
+def _warm_sampler(logits: torch.Tensor, slot: int, race_kernel: bool, n: int) -> None:
+    """The batched sampler's paths a first request may take, at `n` rows: plain temperature (the race), top-k /
+    top-p (the candidates and the probability race), penalties from device counts, greedy; mixed, then each alone,
+    and the tokens' queued copy to the host. Run at every decode graph's batch size: a decode step launched ahead
+    behind a graph that waits for the host (`ple_launch_ahead`) must not meet a first call there (a Triton kernel
+    specialised for one row, a new pinned block) that waits for the device: the host and the graph then wait on
+    each other until the graph gives up (h100-32 call 5: a one-stage server's streams stopped for 113 s when its
+    last request decoded alone, the first step of one row; h200-27 showed the same shape; the cause is unconfirmed,
+    this removes the first calls either way)."""
+    mixed = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+             SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1, seed=1),
+             SamplingParams(temperature=0.0)]
+    row = logits[-1:].expand(n, -1).contiguous()
     counts = TokenCounts(slot + 1, logits.shape[-1], logits.device)
-    rows = [Row(p, 1, 0, [], [], slot=slot) for p in params]
-    sample_rows(row, rows, counts, race_kernel=race_kernel)
+    for params in [[mixed[i % len(mixed)] for i in range(n)]] + [[p] * n for p in mixed]:
+        rows = [Row(p, 1, 0, [], [], slot=slot) for p in params]
+        to_host(sample_rows(row, rows, counts, race_kernel=race_kernel))

@@ -52,7 +52,9 @@ def test_a_warm_up_leaves_every_request_state_alone(tiny_checkpoint, split, monk
     want = _run(models, False, calls)
     got = _run(models, True, calls)
     assert len(calls) == len(models) and all(s > 0 for s in calls)
-    assert sampled == [4, 4]                      # the last stage sampled after each of its two prefill lengths
+    # the last stage sampled after each of its two prefill lengths, at each decode batch size (default 1 and 4;
+    # the server passes its graphs' sizes): the four kinds of row mixed, then each kind alone
+    assert sampled == ([1] * 5 + [4] * 5) * 2
     assert torch.equal(got, want)
 
 
