@@ -42,6 +42,8 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from soak import alive, component_pids  # noqa: E402  (the launcher's children by name, as the chaos soak finds them)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -75,26 +77,6 @@ def now() -> float:
 
 # ---- processes ---------------------------------------------------------------------------------------------------
 
-def children(ppid: int) -> dict[str, int]:
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != ppid:
-                continue
-            cmd = (d / "cmdline").read_text().split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if "stage_worker" in cmd:
-            out[f"stage{cmd[cmd.index('--stage') + 1]}"] = int(d.name)
-        elif "ple_service" in cmd:
-            out["ple"] = int(d.name)
-        elif "gateway" in cmd:
-            out["gateway"] = int(d.name)
-    return out
-
-
 def proc_info(pid: int) -> dict | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -114,19 +96,6 @@ def shm_files() -> dict[str, int]:
         except OSError:
             pass
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---- the soak ----------------------------------------------------------------------------------------------------
@@ -592,7 +561,7 @@ class Soak:
     def components(self) -> dict[str, int]:
         if self.launcher is None:
             return {}
-        out = children(self.launcher.pid)
+        out = component_pids(self.launcher.pid)
         out["launcher"] = self.launcher.pid
         self.pids_seen.update(out.values())
         return out
