@@ -436,7 +436,10 @@ def main() -> int:
                   f"gateway {r['server_gateway_s']:.3f} s (server TTFT {r['server_ttft_s']:.3f} s)")
         p = r.get("pools", {})
         if p:
-            tiers = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(p.get("kv_tier_bytes", {}).items()))
+            # the stages report their device's pool as tier "vram" whatever the device: RAM on a CPU stage
+            dev = "ram" if args.device == "cpu" else "vram"
+            tiers = ", ".join(f"{k.replace('vram', dev)} {v / 2**30:.2f} GiB"
+                              for k, v in sorted(p.get("kv_tier_bytes", {}).items()))
             print(f"    at once: {p.get('max_running', 0):.0f} requests running, {p.get('max_kv_blocks_used', 0):.0f} "
                   f"of {p.get('kv_blocks_total', 0):.0f} KV blocks used; KV pool {tiers or '-'}")
     out = Path(args.out)
