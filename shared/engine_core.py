@@ -474,7 +474,11 @@ class EngineCore:
                   "MOEPIPE_STALL_REPORT_TIMEOUT). Every thread's stack follows: this process's, then those of the "
                   "components asked", p.step, p.microbatch, len(p.entries),
                   ", ".join(sorted({e.req_id for e in p.entries})) or "none", len(plans), now - self._sent_at[p.step])
-        asked = self.executor.dump_stacks()
+        try:
+            asked = self.executor.dump_stacks()
+        except Exception:       # a report only: a stderr without a file descriptor must not stop the core
+            log.exception("engine core: could not dump the stacks")
+            return
         log.error("engine core: asked %s for their stacks (SIGUSR2; in their logs)",
                   ", ".join(asked) or "no process (the stages are threads of this one)")
 

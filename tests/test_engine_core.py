@@ -253,6 +253,33 @@ def test_a_lost_component_with_only_finished_requests_in_flight_frees_their_micr
         core.stop()
 
 
+def test_a_stall_report_whose_stack_dump_fails_leaves_the_core_running():
+    """The stall report only reports: an executor whose `dump_stacks` raises (faulthandler with a stderr that has no
+    file descriptor, or none) must not stop the core's loop, which would fail every request."""
+    import io
+
+    from shared.engine_core import SchedulerLimits
+    from shared.scheduler import Request
+
+    class Executor:
+        def send(self, plan) -> None: ...
+
+        def dump_stacks(self) -> list[str]:
+            raise io.UnsupportedOperation("fileno")
+
+    core = EngineCore(Executor(), SchedulerLimits(num_blocks=8, block_size=16, max_num_seqs=2,
+                                                  max_num_batched_tokens=64, num_microbatches=1, max_model_len=128,
+                                                  stall_report=0.01))
+    core.scheduler.add(Request(req_id="x", prompt_ids=[3, 4, 5], params=SamplingParams(temperature=0.0),
+                               stop_token_ids=set(), max_tokens=4))
+    plan = core.scheduler.schedule(0)
+    core._send(plan)
+    time.sleep(0.05)
+    core._report_stall()                   # raised: the core's loop stopped on it
+    assert core._reported == {plan.step}   # and once only
+    core._report_stall()
+
+
 def test_a_plan_that_cannot_go_out_fails_its_step_and_the_core_goes_on(tiny_checkpoint):
     """A plan the executor cannot send (as a value msgpack cannot encode once made the cluster's encode raise and
     the core stop: every later request got 503) fails the requests of its step with an error; the core keeps
