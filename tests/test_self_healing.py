@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -705,6 +706,9 @@ def test_a_step_that_does_not_come_back_is_reported_with_every_stack(tiny_checkp
         assert "asked stage0, stage1 for their stacks" in text, text[-3000:]
         # faulthandler's dumps: the gateway's own, stage 0's at once, stage 1's when it resumed
         assert text.count("Thread 0x") >= 3 and "stage_worker/main.py" in text, text[-3000:]
-        assert text.count("has not come back after") == 1          # once per step, not every watchdog turn
+        # once per step, not every watchdog turn (another step may be reported too: a first prefill, or any step
+        # of a loaded CI machine that took longer than the 0.3 s here)
+        reported = re.findall(r"engine core: step (\d+) \(micro-batch .* has not come back after", text)
+        assert reported and len(reported) == len(set(reported)), reported
     finally:
         _stop_all(launcher, children)
