@@ -115,6 +115,19 @@ class _PendingRows:
 # place and its step fails, so no stream waits forever (`stream_wait.py` has no timeout on the device). Not for one
 # stage: its tokens come from its own steps, and its polling kernel times out on its own.
 PUBLISH_DEADLINE_S = 60.0
+
+
+def across_stages(cluster: ClusterConfig, ple_layers: list[int]) -> bool:
+    """Whether `ple_launch_ahead_across_stages` can take effect: stage 0 of several holds a PLE layer, gathers its
+    own decode rows from the service's ring, and every switch its waiting graphs need is on. Only then may a step
+    of another stage wait on the device for stage 0's graph: elsewhere (no PLE layer on stage 0, `ple_service` off,
+    the CPU test clusters) the last stage keeps its launch depth and the host path its plain finish."""
+    c, first = cluster, cluster.stages[0]
+    return (c.ple_launch_ahead_across_stages and c.num_stages > 1 and c.ple_service and bool(c.ple_endpoint)
+            and c.ple_decode_in_stage and c.ple_launch_ahead and c.launch_ahead and c.ple_graph and c.cuda_graphs
+            and c.stage_spin_wait and c.device_sampling and any(first.start <= i < first.end for i in ple_layers))
+
+
 # Prompt logprobs (echo) take the log-softmax of this many rows at a time (`_sample_step`).
 ECHO_ROWS = 256
 
@@ -208,8 +221,7 @@ class StageRunner:
         # on the host for the step's logits, in the launch of a step whose activations wait (CUDA IPC) for this
         # graph, before the `finish` of the step before sends the Sampled this graph waits for.
         self.ple_mailbox: PleMailbox | None = None
-        across = not self.is_last and cluster.ple_launch_ahead_across_stages and cluster.stage_spin_wait \
-            and cluster.device_sampling
+        across = not self.is_last and across_stages(cluster, self.all_ple_layers)
         if cluster.ple_launch_ahead and graphed and self.own_decode_rows is not None and self.is_first and \
                 (self.is_last and cluster.device_sampling or across) and cluster.launch_ahead and cluster.ple_graph:
             self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device,
@@ -223,7 +235,7 @@ class StageRunner:
         self._forced_rows: set[int] = set()     # mailbox steps published past PUBLISH_DEADLINE_S (they fail)
         # ... and behind a step of any stage but the last, a step may wait on the device for stage 0's such graph
         # (through the CUDA IPC hand-off's events): a step handed on by the host path is finished on its own event
-        self._host_path_events = not self.is_last and cluster.ple_launch_ahead_across_stages
+        self._host_path_events = not self.is_last and across_stages(cluster, self.all_ple_layers)
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
         self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
@@ -243,7 +255,7 @@ class StageRunner:
         # PUBLISH_DEADLINE_S (h200-27: a 4-stream run's step 256 failed after 60 s). Its GPU work cannot start
         # before that Sampled anyway, so the last stage finishes each step before launching the next: no cycle, and
         # the Sampled goes out without waiting behind a launch.
-        if self.is_last and not self.is_first and cluster.ple_launch_ahead_across_stages:
+        if self.is_last and not self.is_first and across_stages(cluster, self.all_ple_layers):
             ahead = False
         self.launch_depth = 2 if ahead else 1
         self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling

@@ -379,18 +379,25 @@ def test_a_step_on_the_host_path_is_finished_on_its_own_event(tiny_checkpoint, t
 
 
 
-@pytest.mark.parametrize("across", [True, False])
-def test_the_last_stage_finishes_each_step_before_launching_the_next_across_stages(tiny_checkpoint, tmp_path, across):
+@pytest.mark.parametrize("across,service", [(True, True), (False, True), (True, False)])
+def test_the_last_stage_finishes_each_step_before_launching_the_next_across_stages(tiny_checkpoint, tmp_path, across,
+                                                                                   service):
     """`ple_launch_ahead_across_stages`: the last stage's step t+1 waits on the device for stage 0's graph, which
     waits for the Sampled that the last stage's `finish(t)` sends; launched before that finish, a host wait in its
     launch closed the cycle until PUBLISH_DEADLINE_S (h200-27). The last stage launches one step at a time then;
-    without the flag it still queues two."""
+    without the flag it still queues two, and so it does where stage 0 cannot wait across stages (here no PLE
+    service: stage 0 has no rows of its own, as with a model without PLE layers): the flag, on by default, took
+    every multi-stage pipeline's last stage down to one step; nor does a stage before the last then copy its
+    activations out on an event of its own."""
     from stage_worker.stage_loader import load_stage
 
-    cluster = _two_stages(tiny_checkpoint, tmp_path, ple_launch_ahead_across_stages=across, launch_ahead=True)
+    cluster = _two_stages(tiny_checkpoint, tmp_path, ple_launch_ahead_across_stages=across, launch_ahead=True,
+                          ple_service=service)
     runner = StageRunner(load_stage(cluster, 1, load_config(tiny_checkpoint)), cluster, 1)
     assert runner.is_last and not runner.is_first
-    assert runner.launch_depth == (1 if across else 2)
+    assert runner.launch_depth == (1 if across and service else 2)
+    first = StageRunner(load_stage(cluster, 0, load_config(tiny_checkpoint)), cluster, 0)
+    assert first._host_path_events == (across and service)
 
 
 @pytest.mark.parametrize("drop_first", [False, True])
