@@ -13,6 +13,7 @@ iterator is closed in a `finally`, which cancels it there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -1020,6 +1021,12 @@ async def _stream_body(gens: list[_Generation], chunks: AsyncIterator[str],
         yield error_event(err) if error_event is not None else _sse(json.dumps(err.body()))
     finally:
         _finish_timers(gens, reason)             # before any await: a cancelled task may not get past one
+        # The chunks first: closed at a yield (the cancellation of a client gone landed in the response's `send`,
+        # which waits when the socket is full), `_merged`'s pump tasks still drove the engine iterators, whose
+        # aclose() then raised "asynchronous generator is already running".
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
         await _close_all(gens)
     if done is not None:
         yield done
@@ -1085,8 +1092,9 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
                 yield chunk(DeltaMessage(), None, _called_finish(plan, finish) if called else finish)
 
     async def chunks() -> AsyncIterator[str]:
-        async for c in _merged([one(g) for g in gens]):
-            yield c
+        async with contextlib.aclosing(_merged([one(g) for g in gens])) as merged:    # (see `_stream_body`)
+            async for c in merged:
+                yield c
         if req.include_usage:
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
                                            usage=_usage(gens)).model_dump_json())
@@ -1120,8 +1128,9 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
                 yield chunk("", None, finish)
 
     async def chunks() -> AsyncIterator[str]:
-        async for c in _merged([one(g) for g in gens]):
-            yield c
+        async with contextlib.aclosing(_merged([one(g) for g in gens])) as merged:    # (see `_stream_body`)
+            async for c in merged:
+                yield c
         if req.include_usage:
             yield _sse(CompletionChunk(id=rid, created=created, model=srv.model_name, choices=[],
                                        usage=_usage(gens)).model_dump_json())

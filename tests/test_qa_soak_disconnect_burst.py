@@ -15,9 +15,11 @@ already running" and the gateway logged an unhandled error: the second assertion
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -85,3 +87,46 @@ def test_client_gone_during_a_backlog_burst_is_seen_at_once(server, route):
     assert "Traceback" not in written and " ERROR " not in written, written[-3000:]
     assert metric(server.url, "moepipe_kv_blocks_used") == 0
     assert metric(server.url, "moepipe_state_slots_used") == 0
+
+
+class _Choice:
+    """A choice's `_Generation` as the stream uses it: pieces from an engine iterator that never ends here."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.echo, self.want_logprobs, self.finish_reason = index, None, False, None
+        self.timer = SimpleNamespace(finish=lambda reason: None)
+        self.closed = False
+
+        async def events():
+            while True:
+                await asyncio.sleep(0.001)
+                yield SimpleNamespace(text="x", tokens=[], finish_reason=None)
+
+        self._events = events()
+
+    async def pieces(self):
+        async for piece in self._events:
+            yield piece
+
+    async def aclose(self) -> None:
+        await self._events.aclose()         # raises if a pump task is still inside it
+        self.closed = True
+
+
+def test_a_stream_closed_at_a_chunk_stops_its_pumps_before_closing_the_engine_iterators():
+    """The client's disconnect may cancel the response in its `send` (the socket full: a client gone under a
+    backlog), outside the body: the body is then closed at the yield of a chunk, with an n>1 merge's pump tasks
+    still inside the engine iterators. Closing those raised 'aclose(): asynchronous generator is already running'
+    (asyncio logs it as an unhandled error when it finalises the body)."""
+    from gateway import api
+
+    async def run() -> list[_Choice]:
+        choices = [_Choice(0), _Choice(1)]
+        req = SimpleNamespace(include_usage=False, continuous_usage=False, prompt_logprobs=None)
+        body = api._completion_stream(SimpleNamespace(model_name="m"), req, choices, "cmpl-1")
+        assert (await body.__anext__()).startswith("data: ")
+        await asyncio.sleep(0.01)            # the pumps run on meanwhile
+        await body.aclose()
+        return choices
+
+    assert all(c.closed for c in asyncio.run(run()))
