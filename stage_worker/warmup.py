@@ -52,8 +52,8 @@ def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: 
         out = model(batch, cache, hidden)
         if model.has_head and len(lens) == 1:
             logits = model.logits(out, batch).float()
-            for n in decode_rows:
-                _warm_sampler(logits, scratch_slot, race_kernel, n)
+            for rows in decode_rows:
+                _warm_sampler(logits, scratch_slot, race_kernel, rows)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0
