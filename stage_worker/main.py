@@ -100,7 +100,10 @@ def _heartbeats(ctx: zmq.Context, cluster: ClusterConfig, keys, name: str, runne
                           "step(s) launched; stall_timeout %g s): no more heartbeats, so the gateway restarts this "
                           "stage. If one layer of a step really takes this long here, raise MOEPIPE_STALL_TIMEOUT. "
                           "Where each thread is:", name, stalled, len(runner.launched), cluster.stall_timeout)
-                faulthandler.dump_traceback(all_threads=True)
+                try:
+                    faulthandler.dump_traceback(all_threads=True)
+                except (OSError, ValueError, RuntimeError):   # a stderr without a file: the silence matters more
+                    log.warning("%s: could not print the threads' stacks", name)
             silent = True
             stop.wait(cluster.heartbeat_interval)
             continue
