@@ -491,19 +491,22 @@ def test_random_cancellations_never_cache_an_uncomputed_state():
     assert skipped > 1000 and preempted > 20, (skipped, preempted)
 
 
-def test_the_in_process_executor_skips_a_cancelled_prefill_chunk_on_one_stage(tiny_checkpoint):
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_in_process_executor_skips_a_cancelled_prefill_chunk_on_one_stage(tiny_checkpoint, skip):
     """The in-process executor (tests, `moepipe generate`, benchmarks) launched ready steps in `send`: on the CPU a
     launch computes, so the plan-ahead chunk of a prefill was computed as soon as it was planned, and one stage never
     skipped a chunk of a cancelled prompt (a short request waited 1.1-1.4 s after an 8000-token prompt cancelled
     10% in, of 2.1 s left, against 0.55 s now: the rest of the chunk being computed). Now a CPU stage computes in
-    `poll` only, one step at a time, and the cancel comes between."""
+    `poll` only, one step at a time, and the cancel comes between. With `skip_cancelled_steps` off (the A/B
+    switch) nothing is skipped and the next request's tokens are the same."""
     from shared.engine_core import GenerationRequest
     from stage_worker.inprocess_executor import local_engine_core
 
     from conftest import collect_events
 
     core = local_engine_core(tiny_checkpoint, stages=1, max_model_len=4096, max_num_seqs=4, block_size=BLOCK,
-                             num_blocks=300, max_num_batched_tokens=1024, enable_prefix_caching=False)
+                             num_blocks=300, max_num_batched_tokens=1024, enable_prefix_caching=False,
+                             skip_cancelled_steps=skip)
 
     def request(rid: str, ids: list[int], n: int) -> GenerationRequest:
         return GenerationRequest(rid, ids, SamplingParams(max_tokens=n, temperature=0.0), ignore_eos=True)
@@ -523,7 +526,10 @@ def test_the_in_process_executor_skips_a_cancelled_prefill_chunk_on_one_stage(ti
         core.cancel("left")
         [after] = collect_events(core, [request("after", _prompt(1, 8), 4)])
         assert [e.token_id for e in after] == [e.token_id for e in alone]
-        assert core.executor.runners[0].skipped_steps >= 1, "the cancelled prompt's planned chunk was computed"
+        if skip:
+            assert core.executor.runners[0].skipped_steps >= 1, "the cancelled prompt's planned chunk was computed"
+        else:
+            assert core.executor.runners[0].skipped_steps == 0 and not core.executor.runners[0].computes_in_launch
         assert core.scheduler.blocks.used_blocks == 0 and core.scheduler.blocks.used_slots == 0
     finally:
         core.stop()
