@@ -25,6 +25,7 @@ import pytest
 
 from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
+from logged_cluster import LoggedCluster
 from shared.protocol import Plan, TokenOut
 from shared.sampling import SamplingParams
 
@@ -40,28 +41,6 @@ if os.environ.get("QA_SEED"):                       # other storms, to explore: 
     CONFIGS = {k: (a, b, c + int(os.environ["QA_SEED"])) for k, (a, b, c) in CONFIGS.items()}
 
 
-class _LoggedCluster(Cluster):
-    """A cluster whose processes write their stderr (every log line) to `log`, for the tests to read."""
-
-    def __init__(self, opts: ServeOptions, log: Path) -> None:
-        super().__init__(opts)
-        self.log = log
-        self._log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def _spawn(self, name: str) -> None:
-        saved = os.dup(2)
-        try:
-            os.dup2(self._log_fd, 2)          # the child inherits it
-            super()._spawn(name)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        super().stop(timeout)
-        os.close(self._log_fd)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def server(request, tiny_checkpoint, tmp_path_factory):
     stages, ple, _ = CONFIGS[request.param]
@@ -69,7 +48,7 @@ def server(request, tiny_checkpoint, tmp_path_factory):
     opts = ServeOptions(model=tiny_checkpoint, stages=stages, port=free_port(),
                         extra={"max_num_batched_tokens": CHUNK, "block_size": BLOCK, "num_blocks": NUM_BLOCKS,
                                "max_num_seqs": 6, "ple_service": ple})
-    with _LoggedCluster(opts, log) as c:
+    with LoggedCluster(opts, log) as c:
         c.name = request.param
         yield c
 

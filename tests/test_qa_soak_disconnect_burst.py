@@ -16,7 +16,6 @@ already running" and the gateway logged an unhandled error: the second assertion
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,29 +24,8 @@ import httpx
 import pytest
 
 from conftest import free_port, metric
-from gateway.launcher import Cluster, ServeOptions
-
-
-class _LoggedCluster(Cluster):
-    """A cluster whose processes write their stderr to `log` (as tests/test_qa_cancel_storm.py's)."""
-
-    def __init__(self, opts: ServeOptions, log: Path) -> None:
-        super().__init__(opts)
-        self.log = log
-        self._log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def _spawn(self, name: str) -> None:
-        saved = os.dup(2)
-        try:
-            os.dup2(self._log_fd, 2)
-            super()._spawn(name)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        super().stop(timeout)
-        os.close(self._log_fd)
+from gateway.launcher import ServeOptions
+from logged_cluster import LoggedCluster
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +33,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("burst") / "cluster.log"
     opts = ServeOptions(model=tiny_checkpoint, stages=1, port=free_port(),
                         extra={"max_num_seqs": 1, "max_model_len": 1024, "ple_service": False})
-    with _LoggedCluster(opts, log) as c:
+    with LoggedCluster(opts, log) as c:
         yield c
 
 
