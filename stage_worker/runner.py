@@ -221,7 +221,8 @@ class StageRunner:
         # on the host for the step's logits, in the launch of a step whose activations wait (CUDA IPC) for this
         # graph, before the `finish` of the step before sends the Sampled this graph waits for.
         self.ple_mailbox: PleMailbox | None = None
-        across = not self.is_last and across_stages(cluster, self.all_ple_layers)
+        waits_across = across_stages(cluster, self.all_ple_layers)     # stage 0's graphs may wait across stages
+        across = not self.is_last and waits_across
         if cluster.ple_launch_ahead and graphed and self.own_decode_rows is not None and self.is_first and \
                 (self.is_last and cluster.device_sampling or across) and cluster.launch_ahead and cluster.ple_graph:
             self.ple_mailbox = PleMailbox.create(self.own_decode_rows, cluster.max_num_seqs, p.dtype, p.device,
@@ -235,7 +236,7 @@ class StageRunner:
         self._forced_rows: set[int] = set()     # mailbox steps published past PUBLISH_DEADLINE_S (they fail)
         # ... and behind a step of any stage but the last, a step may wait on the device for stage 0's such graph
         # (through the CUDA IPC hand-off's events): a step handed on by the host path is finished on its own event
-        self._host_path_events = not self.is_last and across_stages(cluster, self.all_ple_layers)
+        self._host_path_events = not self.is_last and waits_across
         self.ple_rows_after_launch = 0          # mailbox steps whose graph was queued before their rows existed
         self.ple_wait_timeouts = 0              # ... and whose graph gave up waiting (their requests failed)
         self._pending_rows: list[_PendingRows] = []             # launched steps whose rows are not yet written
@@ -255,7 +256,7 @@ class StageRunner:
         # PUBLISH_DEADLINE_S (h200-27: a 4-stream run's step 256 failed after 60 s). Its GPU work cannot start
         # before that Sampled anyway, so the last stage finishes each step before launching the next: no cycle, and
         # the Sampled goes out without waiting behind a launch.
-        if self.is_last and not self.is_first and across_stages(cluster, self.all_ple_layers):
+        if self.is_last and not self.is_first and waits_across:
             ahead = False
         self.launch_depth = 2 if ahead else 1
         self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
