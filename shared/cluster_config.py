@@ -173,6 +173,10 @@ class ClusterConfig:
     ple_launch_ahead_across_stages: bool = True   # ... also when stage 0 is not the last stage: the graph also waits
                                                 # for the ids the last stage's Sampled brings (h100-32, two stages
                                                 # on one H100: 980.4 against 854.0 tok/s without it)
+    ple_sample_after_rows: bool = True          # ... a launched-ahead step's sampler is queued only once its graph
+                                                # has its rows: a CUDA call that waits for the device (a kernel's
+                                                # first load) made while the graph spins waited out host_wait's
+                                                # timeout (h100-33: 3.3 s of 3.3 behind a spinning kernel)
     stage_spin_wait: bool = True                # a GPU stage with a step in flight polls without blocking, so the
                                                 # step's end is seen at once (off: 1 ms polls, ~0.5 ms a step late)
     startup_warmup: bool = True                 # a GPU stage runs its prefill path and the sampler once before its
@@ -619,6 +623,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_SKIP_CANCELLED_STEPS": "skip_cancelled_steps",
         "MOEPIPE_LAUNCH_AHEAD": "launch_ahead", "MOEPIPE_PLE_LAUNCH_AHEAD": "ple_launch_ahead",
         "MOEPIPE_PLE_LAUNCH_AHEAD_ACROSS_STAGES": "ple_launch_ahead_across_stages",
+        "MOEPIPE_PLE_SAMPLE_AFTER_ROWS": "ple_sample_after_rows",
         "MOEPIPE_STAGE_SPIN_WAIT": "stage_spin_wait",
         "MOEPIPE_STARTUP_WARMUP": "startup_warmup",
         "MOEPIPE_CUDA_IPC_ACTIVATIONS": "cuda_ipc_activations",

@@ -297,6 +297,7 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             for o in outgoing:
                 if o.to in peers and not any(o is x for x in later):
                     peers[o.to].send_multipart(encode(o.message), copy=False)
+            runner.queue_samplers()   # a launched step's sampler, waiting for the rows this finish's tokens gave
             if later:
                 if runner.launch_ready(failed):
                     turned[0] = time.monotonic()

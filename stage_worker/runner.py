@@ -8,6 +8,7 @@ still computing (002 §3.2 measured that stall at 3 ms a step when preparation w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class _Launched:
     #                                         of the mailbox's `timed_out` queued behind its graph)
     taken: dict = field(default_factory=dict)          # stage 0: `_Prepared.taken`
     skipped: bool = False                   # every entry's request was cancelled: nothing computed (`_skip`)
+    rows_seq: int | None = None             # `ple_launch_ahead`: the mailbox number of the rows its graph waits for
+    tail: object | None = None              # last stage: its sampler, queued once those rows are out (`queue_samplers`)
+    tail_error: Exception | None = None     # ... which raised: `finish` fails the step with it
 
 
 @dataclass
@@ -541,7 +545,10 @@ class StageRunner:
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def can_launch(self) -> bool:
-        return len(self.launched) < self.launch_depth
+        """Below the launch depth, and no launched step's sampler still waiting for its rows (`queue_samplers`): a
+        step queued before it would run ahead of it on the stream (a replay of the same graph rewrites the logits
+        it reads)."""
+        return len(self.launched) < self.launch_depth and all(x.tail is None for x in self.launched)
 
     @property
     def computes_in_launch(self) -> bool:
@@ -561,6 +568,7 @@ class StageRunner:
             except Exception as exc:          # the step whose rows failed: its requests fail, the worker goes on
                 failed(next((x.plan.step for x in self.launched
                              if x.ple_wait is not None and x.ple_wait[0] == waiting), -1), exc)
+        self.queue_samplers()
         launched = 0
         while self.can_launch() and (limit is None or launched < limit):
             plan = None
@@ -578,6 +586,8 @@ class StageRunner:
 
     def oldest_done(self) -> bool:
         """The oldest launched step's results are on the host (`finish` will not wait). On the CPU always."""
+        if self.launched and self.launched[0].tail is not None:
+            return False                      # its sampler waits for its rows (`launch_ready` publishes them)
         if self.launched and self.launched[0].sent is not None:
             return self.launched[0].sent.query()
         if self.launched and self.launched[0].copied is not None:
@@ -653,7 +663,8 @@ class StageRunner:
             self.experts.snapshot()           # counters for /metrics, read back without waiting
         if self.row_cache_reads is not None and self.launches % 16 == 0:
             self.row_cache_reads.snapshot()
-        launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived, taken=prepared.taken)
+        launched = _Launched(plan, batch, timing, time.time(), time.perf_counter(), arrived, taken=prepared.taken,
+                             rows_seq=wait_seq)
         graphed = self.graphs is not None and self._graph_ready(batch)
         if graphed:
             with phase("stage.graph_replay"):
@@ -663,8 +674,8 @@ class StageRunner:
             if wait_seq is not None:          # read back with the step's tokens (their event comes later)
                 launched.ple_wait = (wait_seq, to_host(self.ple_mailbox.timed_out))
             self._copy_contexts()
-            if self.is_last:
-                launched.outs, launched.copy = self._sample(plan, batch, result)
+            if self.is_last:                  # (the graph's output buffer: no replay comes before the tail runs)
+                launched.tail = functools.partial(self._sample_launched, launched, result)
             else:
                 launched.hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
         else:
@@ -673,19 +684,53 @@ class StageRunner:
                 self._copy_contexts()
                 logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
-                launched.outs, launched.copy = self._sample(plan, batch, logits)
+                launched.tail = functools.partial(self._sample_launched, launched, logits)
             else:
                 launched.hidden = hidden
         self._publish_rows()
-        if self.feed_from_device and launched.copy is not None:
-            for row, (i, _) in enumerate(launched.copy.rows):
-                out = launched.outs[i]
-                self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
         if self.handoff is not None and not self.is_last:
             self._hand_off(launched, prepared.host_ids)
         if self._host_path_events and launched.sent is None:
             self._copy_out(launched)
         self.launched.append(launched)
+        self.queue_samplers()
+
+    def _sample_launched(self, launched: _Launched, logits: torch.Tensor) -> None:
+        """The last stage's tail of a launched step: its sampler queued behind the forward, and (one stage) its tokens
+        noted as the next step's device feed."""
+        launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits)
+        if self.feed_from_device and launched.copy is not None:
+            for row, (i, _) in enumerate(launched.copy.rows):
+                out = launched.outs[i]
+                self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
+
+    def _rows_out(self, launched: _Launched) -> bool:
+        """Whether the rows the step's graph waits for are published (or it waits for none)."""
+        return launched.rows_seq is None or all(p.seq != launched.rows_seq for p in self._pending_rows)
+
+    def queue_samplers(self) -> None:
+        """Queue the samplers of launched steps, oldest first, each once its graph has its PLE rows
+        (`ple_sample_after_rows`). Why wait: while a graph spins in `host_wait` for rows only this thread publishes,
+        a CUDA call that waits for the device (the first load of a kernel's module: a sampler path, a batch size or
+        a logprobs request met for the first time) waits for the spinning kernel, which waits for the host, until
+        its timeout fails the step (h100-33, tools/host_wait_probe.py: a never-used op, a new stream and a Triton
+        kernel's load each blocked for the whole spin; h100-32: four streams stopped for 113 s at a batch's first
+        shrink to one row). The device loses nothing: the graph's own work follows the rows, and the sampler is
+        queued while it runs. The worker loop calls this once a `finish` has sent its messages (that finish's tokens
+        published the rows), so the tokens do not wait for the sampler's queueing (h100-33 call 5 ran it inside
+        `finish`: 1.8 ms from a step's end to the engine core against 0.7). A tail that raises fails its step in
+        `finish`."""
+        after_rows = self.cluster.ple_sample_after_rows
+        for launched in self.launched:
+            if launched.tail is None:
+                continue
+            if after_rows and not self._rows_out(launched):
+                return                        # later tails wait too: tokens are sampled in step order
+            tail, launched.tail = launched.tail, None
+            try:
+                tail()
+            except Exception as exc:          # (raised here from another step's finish: its own finish fails it)
+                launched.tail_error = exc
 
     # ---- PLE rows for a launched-ahead graph (`ple_launch_ahead`) ----------------------------------------------
     def _expect_rows(self, plan: Plan, prepared: _Prepared) -> int:
@@ -775,12 +820,12 @@ class StageRunner:
         seq, timed_out = launched.ple_wait
         if int(timed_out[0]) != seq:
             return
-        from stage_worker.kernels.host_wait import MAX_SPINS
+        from stage_worker.kernels.host_wait import WAIT_TIMEOUT_S
 
         self.ple_wait_timeouts += 1
-        log.error("stage %d: step %d's decode graph gave up waiting for its PLE rows after %d polls "
+        log.error("stage %d: step %d's decode graph gave up waiting for its PLE rows after %.0f s "
                   "(ple_launch_ahead): its %d requests fail (%d such steps so far; MOEPIPE_PLE_LAUNCH_AHEAD=0 turns "
-                  "the launch-ahead off)", self.index, launched.plan.step, MAX_SPINS, len(launched.outs),
+                  "the launch-ahead off)", self.index, launched.plan.step, WAIT_TIMEOUT_S, len(launched.outs),
                   self.ple_wait_timeouts)
         for out in launched.outs:
             out.token = -1
@@ -814,9 +859,14 @@ class StageRunner:
     def finish(self) -> list[Outgoing]:
         """Wait for the oldest launched step; its tokens to the gateway (and to stage 0 and the PLE service), or its
         activations to the next stage."""
+        if self.launched[0].tail is not None:
+            self._rows_for_oldest()
         launched = self.launched.pop(0)
         if launched.skipped:
             return self._finish_skipped(launched)
+        if launched.tail is not None or launched.tail_error is not None:
+            raise launched.tail_error or RuntimeError(
+                f"step {launched.plan.step}'s PLE rows were never published, so it was never sampled")
         plan, batch = launched.plan, launched.batch
         with phase("stage.sync"):
             if launched.copy is not None:
@@ -876,6 +926,17 @@ class StageRunner:
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,
                                                   timing=timing)))
         return out
+
+    def _rows_for_oldest(self) -> None:
+        """`finish` of a step whose sampler waits for its rows: those rows out first. Its tokens are on the host (the
+        step before is finished), so only the contexts' copy behind that step can hold them: waited for here."""
+        for pending in self._pending_rows:
+            if pending.contexts is not None:
+                pending.contexts.synchronize()
+            if pending.seq == self.launched[0].rows_seq:
+                break
+        self._publish_rows()
+        self.queue_samplers()
 
     def _prepared_took(self, key: tuple[str, int]) -> bool:
         """A mailbox stage's step prepared by `ready()` but not launched took this sampled token off the device."""

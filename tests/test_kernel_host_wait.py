@@ -102,6 +102,27 @@ def test_the_kernel_waits_for_the_host_inside_a_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_wait_gives_up_after_its_timeout_on_the_gpu_clock():
+    """On the GPU the wait ends after `timeout_s` of the global timer, not after a count of polls (12.1 us each on
+    an H100, h100-33: the old bound of 2^24 polls alone was 204 s of a stopped server)."""
+    src = torch.arange(300, dtype=torch.float32).pin_memory()
+    flag = torch.tensor([3], dtype=torch.int64).pin_memory()
+    expected = torch.tensor([4], dtype=torch.int64, device="cuda")
+    dst = torch.zeros(300, device="cuda")
+    timed_out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    K.wait_and_copy(flag.fill_(4), expected, src, dst, timed_out, timeout_s=0.3)    # compile, nothing to wait for
+    torch.cuda.synchronize()
+    flag.fill_(3)
+    t0 = time.perf_counter()
+    K.wait_and_copy(flag, expected, src, dst, timed_out, max_spins=1 << 40, timeout_s=0.3)
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    assert int(timed_out) == 4 and torch.equal(dst.cpu(), src)
+    assert 0.25 < took < 3.0, took
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_a_stream_wait_holds_the_graph_until_the_host_writes():
     """`stream_wait.StreamWait` (`ple_launch_ahead_across_stages`): the stream waits in the front end for the
     host's word, then the graph's polling kernel finds it set and copies what the host wrote before it (int64:

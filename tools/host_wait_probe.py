@@ -91,7 +91,7 @@ def poll_time(flag: Flag, n: int) -> float:
     flag.set(0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    wait_and_copy(flag.tensor, expected, src, dst, timed_out, max_spins=n)
+    wait_and_copy(flag.tensor, expected, src, dst, timed_out, max_spins=n, timeout_s=1e4)   # (polls only)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -168,7 +168,7 @@ def main() -> int:
             return run
 
         def gather(rows: int):
-            tokens = torch.arange(4, device=dev)
+            tokens = torch.arange(max(rows, 8), device=dev)
 
             def run():
                 out = to_device([0] * rows, torch.long, dev)
@@ -180,6 +180,7 @@ def main() -> int:
         warm = torch.ones(8, device=dev)
         sampler(4)()                      # as the start-up warm-up: 4 rows, nothing spinning
         gather(4)()
+        warm.add_(1)                      # (h100-33's first run had not: its "used before" row was a first use)
         torch.cuda.synchronize()
         seq = [0]
 
