@@ -481,9 +481,12 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
 
 
 # `router_route`'s fused launch: up to this many tokens (its last program routes them one after another), router
-# rows a program (~129 programs for 512 experts and the shared gate), hidden columns a load.
+# rows a program, hidden columns a load. h100-33 (`bench/tune_kernels.py --only fused_router --rows 1,4`, the full
+# shape's 513 x 2560 rows from HBM): one row a program (513 programs), 1024 columns a load, 4 warps: 7.36 us at one
+# token (the best, (1, 1024, 1), 7.25) and the best at four, 17.12 us; the previous (4, 512, 4) took 8.48 / 19.5 us.
+# cuBLAS's GEMV plus the router kernel, which the flag replaces: 8.08 / 14.42 us.
 FUSED_ROUTER_MAX_T = 4
-FUSED_ROUTER_CFG = (4, 512, 4)                                     # BLOCK_R, BLOCK_H, warps
+FUSED_ROUTER_CFG = (1, 1024, 4)                                    # BLOCK_R, BLOCK_H, warps
 _router_locks: dict[torch.device, torch.Tensor] = {}
 
 
