@@ -175,6 +175,7 @@ class StageRunner:
         self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
+        self._launch_states: dict[str, _ReqState | None] | None = None   # while a tail samples (`_states`)
         # `cuda_ipc_activations` (stage_worker/ipc_activations.py): the stage worker sets both; `send_now` sends an
         # Outgoing at once, from `launch`.
         self.handoff = None
@@ -675,7 +676,7 @@ class StageRunner:
                 launched.ple_wait = (wait_seq, to_host(self.ple_mailbox.timed_out))
             self._copy_contexts()
             if self.is_last:                  # (the graph's output buffer: no replay comes before the tail runs)
-                launched.tail = functools.partial(self._sample_launched, launched, result)
+                launched.tail = functools.partial(self._sample_launched, launched, result, self._states(plan))
             else:
                 launched.hidden = result.clone()      # the graph's output buffer: the next replay overwrites it
         else:
@@ -684,7 +685,7 @@ class StageRunner:
                 self._copy_contexts()
                 logits = self.model.logits(hidden, batch) if self.is_last else None
             if self.is_last:
-                launched.tail = functools.partial(self._sample_launched, launched, logits)
+                launched.tail = functools.partial(self._sample_launched, launched, logits, self._states(plan))
             else:
                 launched.hidden = hidden
         self._publish_rows()
@@ -695,10 +696,23 @@ class StageRunner:
         self.launched.append(launched)
         self.queue_samplers()
 
-    def _sample_launched(self, launched: _Launched, logits: torch.Tensor) -> None:
+    def _states(self, plan: Plan) -> dict[str, _ReqState | None]:
+        """The sampling state of each of the step's requests as its launch sees it, for its tail. The tail may run
+        after later messages (`ple_sample_after_rows`): a plan that drops the step and ends its requests
+        (`finished`: the tail failed "no sampling parameters", a second StageError for a step the core had already
+        forgotten), or that plans them again (`new_requests` after `requeue_running`: the dropped step's token went
+        into the fresh state's history and penalty counts). Sampled with these, as when the sampler ran in `launch`."""
+        return {e.req_id: self.requests.get(e.req_id) for e in plan.entries}
+
+    def _sample_launched(self, launched: _Launched, logits: torch.Tensor,
+                         states: dict[str, _ReqState | None] | None = None) -> None:
         """The last stage's tail of a launched step: its sampler queued behind the forward, and (one stage) its tokens
-        noted as the next step's device feed."""
-        launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits)
+        noted as the next step's device feed. `states`: its requests' sampling state at its launch (`_states`)."""
+        self._launch_states = states
+        try:
+            launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits)
+        finally:
+            self._launch_states = None
         if self.feed_from_device and launched.copy is not None:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
@@ -982,6 +996,8 @@ class StageRunner:
 
     def _sample_step(self, plan: Plan, batch: StepBatch,
                      logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
+        # a launched step's tail: its requests' state as its launch saw it (`_states`, `_sample_launched`)
+        requests = self.requests if self._launch_states is None else self._launch_states
         logits = logits.float()
         outs: list[TokenOut] = []
         drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
@@ -996,12 +1012,12 @@ class StageRunner:
             prompt_lps = None
             if e.prompt_logprobs:
                 targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
-                st = self.requests.get(e.req_id)
+                st = requests.get(e.req_id)
                 prompt_lps = prompt_logprobs(rows, targets, st.spec.prompt_logprobs if st is not None else 0)
             if not e.sample:
                 outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
                 continue
-            state = self.requests.get(e.req_id)
+            state = requests.get(e.req_id)
             if state is None:
                 raise RuntimeError(f"no sampling parameters for request {e.req_id}")
             drawn.append((len(outs), e, state, rows[-1]))

@@ -1,0 +1,77 @@
+"""`ple_sample_after_rows` on the CPU (the one-stage GPU path faked as tests/test_qa_end_of_stream_stall.py does):
+a launched-ahead decode step's sampler (its "tail") is queued only once its PLE rows are published, which can be
+after messages that came since its launch. Before the switch the sampler ran inside `launch`, with the requests'
+sampling state as the launch saw it; a later plan may end or replace that state before the tail runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.protocol import Plan, PleReady, SamplingSpec, SeqEntry
+from tests.test_qa_end_of_stream_stall import _stage
+
+PROMPT = [5, 17, 30, 2, 2, 9, 100]
+
+
+def _spec(rid: str, output_ids: list[int] | None = None) -> SamplingSpec:
+    # a presence penalty: the batched sampler keeps per-slot token counts (`TokenCounts`) for it
+    return SamplingSpec(rid, 0.7, 1.0, 0, 0.0, 0.5, 0.0, 1.0, 3, None, prompt_ids=list(PROMPT),
+                        output_ids=list(output_ids or []))
+
+
+def _fail(step, exc):
+    pytest.fail(f"step {step}: {exc!r}")
+
+
+def _two_launched(tiny_checkpoint, tmp_path):
+    """Step 0 (a's prompt) launched and sampled; step 1 (a's first decode, its input read on the device from step
+    0's token) launched behind it, its graph waiting for rows that need step 0's token on the host: its sampler
+    waits (`tail`)."""
+    runner = _stage(tiny_checkpoint, tmp_path, random.Random(0))
+    n = len(PROMPT)
+    runner.on_message(Plan(step=0, microbatch=0, new_requests=[_spec("a")],
+                           entries=[SeqEntry("a", 0, 0, n, [0], tokens=list(PROMPT), sample=True)]))
+    runner.on_message(PleReady(step=0, ring_slot=0, num_tokens=n))
+    assert runner.launch_ready(_fail) == 1
+    runner.on_message(Plan(step=1, microbatch=0, entries=[SeqEntry("a", 0, n, 1, [])]))
+    assert runner.launch_ready(_fail) == 1
+    assert [x.plan.step for x in runner.launched] == [0, 1]
+    assert runner.launched[0].tail is None and runner.launched[1].tail is not None
+    return runner
+
+
+def test_a_dropped_step_whose_requests_ended_before_its_sampler_ran_does_not_fail(tiny_checkpoint, tmp_path):
+    """The engine core drops every step in flight and ends their requests (`_fail_all`, or `drop_from` after a
+    failed step: `Plan.dropped` with `finished`) while step 1's sampler waits for its rows. Its rows still go out
+    once step 0's token is in, and its tail then ran with `requests` already without "a": "no sampling parameters",
+    a second failed step (traceback, `StageError`) for a step the core had already forgotten."""
+    runner = _two_launched(tiny_checkpoint, tmp_path)
+    runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[0, 1], finished=["a"]))
+    runner.finish()                                   # step 0: its token publishes step 1's rows
+    runner.queue_samplers()                           # (the worker loop, once step 0's messages are out)
+    runner.finish()                                   # step 1: its result is ignored by the core, but no failure
+    assert not runner.launched and not runner._pending_rows
+
+
+def test_a_dropped_step_sampled_after_its_request_was_replanned_leaves_the_new_state_alone(tiny_checkpoint,
+                                                                                          tmp_path):
+    """The core requeues its running requests (`requeue_running`: a component was lost and came back): steps 0 and
+    1 dropped, "a" ended on the stages and planned again from its prompt and outputs (`new_requests`: a fresh
+    `_ReqState`). If that replan arrives while step 1's sampler waits for its rows, the tail sampled with the new
+    state: the dropped step's token went into the replanned request's history and its penalty counts."""
+    runner = _two_launched(tiny_checkpoint, tmp_path)
+    n = len(PROMPT)
+    runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[0, 1], finished=["a"]))
+    outputs = [41]                                    # what the core kept of "a" (step 0's token, say)
+    runner.on_message(Plan(step=2, microbatch=0, new_requests=[_spec("a", outputs)],
+                           entries=[SeqEntry("a", 0, 0, n + 1, [1], tokens=PROMPT + outputs, sample=True)]))
+    state = runner.requests["a"]
+    assert state.history == outputs
+    runner.finish()
+    runner.queue_samplers()
+    runner.finish()                                   # step 1, dropped
+    assert runner.requests["a"] is state
+    assert state.history == outputs, f"a dropped step's token reached the replanned request: {state.history}"
+    assert state.counted_slot is None                 # its counts are rebuilt from its history at its first sample
