@@ -722,6 +722,9 @@ class StageRunner:
         """Whether the rows the step's graph waits for are published (or it waits for none)."""
         return launched.rows_seq is None or all(p.seq != launched.rows_seq for p in self._pending_rows)
 
+    @torch.inference_mode()   # (called by the worker loop and `launch_ready`, outside it: a tail sampled there
+    #                           updated the penalties' counts, inference tensors made in a launch, in place, which
+    #                           raised, and every deferred step fell back to the row-by-row sampler)
     def queue_samplers(self) -> None:
         """Queue the samplers of launched steps, oldest first, each once its graph has its PLE rows
         (`ple_sample_after_rows`). Why wait: while a graph spins in `host_wait` for rows only this thread publishes,

@@ -75,3 +75,18 @@ def test_a_dropped_step_sampled_after_its_request_was_replanned_leaves_the_new_s
     assert runner.requests["a"] is state
     assert state.history == outputs, f"a dropped step's token reached the replanned request: {state.history}"
     assert state.counted_slot is None                 # its counts are rebuilt from its history at its first sample
+
+
+def test_a_deferred_sampler_keeps_the_batched_path(tiny_checkpoint, tmp_path, caplog):
+    """The worker loop queues a deferred tail from `queue_samplers` after `finish` (and `launch_ready` at its
+    start), outside the `torch.inference_mode()` that `launch` and `finish` run in. The penalties' `TokenCounts`,
+    made inside a launch, are inference tensors: their in-place update there raised, so every deferred step of a
+    request with penalties fell back to the row-by-row sampler (host waits for the device, a warning a step)."""
+    runner = _two_launched(tiny_checkpoint, tmp_path)
+    assert runner.counts is not None                  # step 0's sampler, in its launch, made them
+    runner.finish()
+    with caplog.at_level("WARNING", logger="moepipe.stage"):
+        runner.queue_samplers()                       # as stage_worker/main.py, outside inference mode
+    assert not [r for r in caplog.records if "batched sampling failed" in r.getMessage()], caplog.text
+    assert runner.requests["a"].counted_slot == 0     # (the fallback forgets it: counts rebuilt every step)
+    runner.finish()
