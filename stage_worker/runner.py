@@ -719,8 +719,19 @@ class StageRunner:
                 self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
 
     def _rows_out(self, launched: _Launched) -> bool:
-        """Whether the rows the step's graph waits for are published (or it waits for none)."""
-        return launched.rows_seq is None or all(p.seq != launched.rows_seq for p in self._pending_rows)
+        """Whether the rows the step's graph waits for are published (or it waits for none), or its graph has given
+        up on them: past `host_wait.WAIT_TIMEOUT_S` nothing spins behind its sampler any more (or only until the
+        kernel's own bound), and without it a step whose rows never come (a lost token) was never finished: the
+        loop spun on `oldest_done` until the stall check restarted the stage, where the timeout is meant to fail
+        that step's requests alone (`_fail_if_rows_missed`)."""
+        if launched.rows_seq is None:
+            return True
+        pending = next((p for p in self._pending_rows if p.seq == launched.rows_seq), None)
+        if pending is None:
+            return True
+        from stage_worker.kernels.host_wait import WAIT_TIMEOUT_S
+
+        return time.perf_counter() - pending.since > WAIT_TIMEOUT_S
 
     @torch.inference_mode()   # (called by the worker loop and `launch_ready`, outside it: a tail sampled there
     #                           updated the penalties' counts, inference tensors made in a launch, in place, which

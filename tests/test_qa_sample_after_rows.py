@@ -90,3 +90,34 @@ def test_a_deferred_sampler_keeps_the_batched_path(tiny_checkpoint, tmp_path, ca
     assert not [r for r in caplog.records if "batched sampling failed" in r.getMessage()], caplog.text
     assert runner.requests["a"].counted_slot == 0     # (the fallback forgets it: counts rebuilt every step)
     runner.finish()
+
+
+def test_a_step_whose_rows_never_come_still_fails_after_the_wait_timeout(tiny_checkpoint, tmp_path):
+    """`host_wait` gives up after `WAIT_TIMEOUT_S` so that a host that never publishes a step's rows (a token lost
+    by some bug: h100-32's stall, the two micro-batch one of test_qa_end_of_stream_stall.py) costs that step's
+    requests, not the server. With the sampler waiting for the rows, such a step was never sampled: `oldest_done`
+    stayed False and the worker loop spun on it until the stall check restarted the stage. Past the timeout the
+    graph has given up, so nothing spins behind the sampler: it is queued, and `finish` fails the step's requests
+    from the mailbox's `timed_out` (`_fail_if_rows_missed`), as before the switch."""
+    import torch
+
+    from shared.protocol import StepResult
+    from stage_worker.kernels.host_wait import WAIT_TIMEOUT_S
+
+    runner = _two_launched(tiny_checkpoint, tmp_path)
+    real_rows_from = runner._rows_from
+    runner._rows_from = lambda tokens: None           # step 0's token never reaches step 1's rows (a lost token)
+    runner.finish()
+    runner._rows_from = real_rows_from
+    runner.launch_ready(_fail)
+    step1 = runner.launched[0]
+    assert step1.tail is not None and not runner.oldest_done()
+    pending = runner._pending_rows[0]
+    assert pending.seq == step1.rows_seq
+    pending.since -= WAIT_TIMEOUT_S + 1               # the graph gave up: its copy of `timed_out` names it
+    step1.ple_wait = (pending.seq, torch.tensor([pending.seq], dtype=torch.int64))
+    runner.launch_ready(_fail)
+    assert step1.tail is None and runner.oldest_done()
+    result = next(o.message for o in runner.finish() if o.to == "gateway")
+    assert isinstance(result, StepResult)
+    assert [t.token for t in result.tokens] == [-1] and "in time" in result.tokens[0].error
