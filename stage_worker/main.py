@@ -297,7 +297,16 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             for o in outgoing:
                 if o.to in peers and not any(o is x for x in later):
                     peers[o.to].send_multipart(encode(o.message), copy=False)
-            runner.queue_samplers()   # a launched step's sampler, waiting for the rows this finish's tokens gave
+            if later and runner.sampler_waits():
+                # A launched step's sampler waits for the rows this finish's tokens gave (`ple_sample_after_rows`):
+                # its graph runs from now (~ms), so the gateway's tokens go first; the sampler is queued next and
+                # the step after it launched at the loop's top (h100-33 call 5: queued before the messages, it held
+                # the tokens back 1.1 ms a step)
+                for o in later:
+                    if o.to in peers:
+                        peers[o.to].send_multipart(encode(o.message), copy=False)
+                later = []
+            runner.queue_samplers()
             if later:
                 if runner.launch_ready(failed):
                     turned[0] = time.monotonic()

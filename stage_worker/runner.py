@@ -549,7 +549,11 @@ class StageRunner:
         """Below the launch depth, and no launched step's sampler still waiting for its rows (`queue_samplers`): a
         step queued before it would run ahead of it on the stream (a replay of the same graph rewrites the logits
         it reads)."""
-        return len(self.launched) < self.launch_depth and all(x.tail is None for x in self.launched)
+        return len(self.launched) < self.launch_depth and not self.sampler_waits()
+
+    def sampler_waits(self) -> bool:
+        """A launched step's sampler is not queued yet: it waits for the step's PLE rows (`queue_samplers`)."""
+        return any(x.tail is not None for x in self.launched)
 
     @property
     def computes_in_launch(self) -> bool:
