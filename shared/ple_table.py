@@ -44,6 +44,8 @@ FORMAT_VERSION = 1
 
 # numpy has no bfloat16, so the mapping is viewed as an unsigned int of the same width and reinterpreted by torch.
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# (torch's signed ints of each width: views any tensor allows; numpy then reinterprets them as its unsigned ones)
+_TORCH_UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def sidecar_path(out_path: Path) -> Path:
@@ -224,6 +226,19 @@ class FlatTable:
     dtype: torch.dtype
     tensor: torch.Tensor
     _mmap: mmap.mmap | None = field(default=None, repr=False)
+    # the same rows as numpy's unsigned int of the dtype's width (numpy has no bfloat16): `gather_into`'s source
+    array: np.ndarray | None = field(default=None, repr=False)
+
+    def gather_into(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `rows` (an int64 array, any shape) -> (*rows.shape, dim) as the unsigned int of the dtype's width,
+        written into `out` when given (any strides: a slice of a pinned mailbox). One numpy call, no torch: a decode
+        step's gather on a stage's critical path (`stage_worker/ple_decode_rows.py`), where each torch op's dispatch
+        cost ~10x its warm time once the step's other work had left the CPU caches cold
+        (bench/ple_decode_gather.py --thrash-mib)."""
+        if self.array is None:
+            self.array = self.tensor.view(_TORCH_UINT_OF_SIZE[self.dtype.itemsize]).numpy().view(
+                _UINT_OF_SIZE[self.dtype.itemsize])
+        return np.take(self.array, rows, axis=0, out=out)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `rows` (any shape, any device) of the table -> CPU tensor of shape (*rows.shape, dim).
@@ -239,6 +254,7 @@ class FlatTable:
         """Drop the tensor and unmap. If views of the tensor are still referenced elsewhere the mapping stays until
         they are garbage collected (unmapping under them would crash)."""
         self.tensor = torch.empty(0, self.dim, dtype=self.dtype)
+        self.array = None
         mm, self._mmap = self._mmap, None
         unmap(mm)
 
@@ -273,7 +289,7 @@ def open_table(out_path: Path) -> FlatTable:
         # torch warns that the array is not writable; that is the point of a read-only mapping.
         warnings.filterwarnings("ignore", message=".*not writable.*")
         tensor = torch.from_numpy(flat).view(dtype).view(rows, dim)
-    return FlatTable(out_path, rows, dim, dtype, tensor, mm)
+    return FlatTable(out_path, rows, dim, dtype, tensor, mm, flat.reshape(rows, dim))
 
 
 def ensure_table(
