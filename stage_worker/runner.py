@@ -98,6 +98,7 @@ class _Launched:
     rows_seq: int | None = None             # `ple_launch_ahead`: the mailbox number of the rows its graph waits for
     tail: object | None = None              # last stage: its sampler, queued once those rows are out (`queue_samplers`)
     tail_error: Exception | None = None     # ... which raised: `finish` fails the step with it
+    dropped: bool = False                   # stage 0: the engine core dropped it (`Plan.dropped`) before its finish
 
 
 @dataclass
@@ -309,6 +310,7 @@ class StageRunner:
     def _on_plan(self, plan: Plan) -> None:
         for launched in self.launched:
             if launched.plan.step in plan.dropped:
+                launched.dropped = True         # its draws feed nothing (`_forget_redrawn`)
                 self._give_back(launched.taken)
                 for pending in self._pending_rows:      # its graph still waits: rows yes, tokens for the replan
                     if launched.ple_wait is not None and pending.seq == launched.ple_wait[0]:
@@ -531,7 +533,7 @@ class StageRunner:
         tokens = [TokenOut(e.req_id, e.context_len + e.num_tokens, 0) for e in plan.entries if e.sample]
         self._rows_from(tokens)
         out: list[Outgoing] = []
-        if self.is_first:
+        if self.is_first and not launched.dropped:      # (dropped: see `finish`)
             for t in tokens:
                 key = (t.req_id, t.position)
                 self.device_next.pop(key, None)
@@ -610,6 +612,8 @@ class StageRunner:
         """Queue the step's work on the device (inputs, forward or graph replay, sampling, copies of the results to
         the host); `finish` completes it. Nothing here waits for the GPU, except the per-row sampler and echo."""
         prepared = self.plans.pop(plan.step)
+        if self.is_first:
+            self._forget_redrawn(plan)
         if self._skips(plan):
             self._skip(plan, prepared)
             return
@@ -700,6 +704,22 @@ class StageRunner:
         self.launched.append(launched)
         self.queue_samplers()
 
+    def _forget_redrawn(self, plan: Plan) -> None:
+        """Stage 0, launching `plan`: the tokens it will draw are not known to anyone yet, so a token already held
+        for one of those (request, position) keys was drawn by a step the engine core dropped since (`drop_from`
+        replans the requests of the later dropped steps from before them, so the same positions are drawn again;
+        `requeue_running` as well). Such a step finished before its drop reached this stage, or its sampler ran
+        before it, or a dropped step that read it gave it back (`_give_back`). Forgotten here: the step after this
+        one, launched before this one's finish, would read the old token on the host first (`_input_ids`), feeding
+        the model a token the client never got (unseeded draws differ). No step reads these keys before this one is
+        launched: steps are prepared in plan order."""
+        for e in plan.entries:
+            if e.sample:
+                key = (e.req_id, e.context_len + e.num_tokens)
+                self.next_tokens.pop(key, None)
+                self.device_next.pop(key, None)
+                self.device_fed.discard(key)
+
     def _states(self, plan: Plan) -> dict[str, _ReqState | None]:
         """The sampling state of each of the step's requests as its launch sees it, for its tail. The tail may run
         after later messages (`ple_sample_after_rows`): a plan that drops the step and ends its requests
@@ -717,7 +737,7 @@ class StageRunner:
             launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits)
         finally:
             self._launch_states = None
-        if self.feed_from_device and launched.copy is not None:
+        if self.feed_from_device and launched.copy is not None and not launched.dropped:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
                 self.device_next[(out.req_id, out.position)] = (launched.copy.device, row)
@@ -941,7 +961,12 @@ class StageRunner:
                                   if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
                                   if t.token >= 0 or t.error])
         self._rows_from(tokens)
-        if self.is_first:
+        # A dropped step's draws feed nothing: the core plans its surviving requests again from before it, and that
+        # replan draws the same (request, position) anew. Left in `next_tokens` (or popping `device_next`, which
+        # may hold the replan's draw by now) the replan's next step was fed this step's token while the client got
+        # the replan's (`_forget_redrawn` clears what this step published before the drop came;
+        # tests/test_qa_stale_token_after_drop.py).
+        if self.is_first and not launched.dropped:
             for t in sampled.tokens:
                 key = (t.req_id, t.position)
                 self.device_next.pop(key, None)

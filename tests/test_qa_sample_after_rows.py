@@ -121,3 +121,42 @@ def test_a_step_whose_rows_never_come_still_fails_after_the_wait_timeout(tiny_ch
     result = next(o.message for o in runner.finish() if o.to == "gateway")
     assert isinstance(result, StepResult)
     assert [t.token for t in result.tokens] == [-1] and "in time" in result.tokens[0].error
+
+
+def test_a_dropped_step_s_token_does_not_feed_the_replanned_request(tiny_checkpoint, tmp_path):
+    """As above (`requeue_running`: steps 0 and 1 dropped, "a" planned again from its prompt and outputs while step
+    1's sampler waits), then the replan runs: step 2 recomputes "a" and draws position n + 1 again, the position the
+    dropped step 1 drew, and step 3 decodes that token, launched behind step 2 before its finish. Step 1's finish
+    had left its own draw under ("a", n + 1) on the host, where step 3 read it first: the model was fed a token the
+    client never got (the replan's draw differs unless seeded). tests/test_qa_stale_token_after_drop.py has the
+    same through the engine core's `drop_from`."""
+    runner = _two_launched(tiny_checkpoint, tmp_path)
+    n = len(PROMPT)
+    fed = {}
+    model_call = type(runner.model).__call__
+
+    def record(model, batch, cache, hidden):
+        fed[len(fed)] = batch.token_ids.tolist()
+        return model_call(model, batch, cache, hidden)
+    type(runner.model).__call__ = record
+    try:
+        runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[0, 1], finished=["a"]))
+        outputs = [41]
+        runner.on_message(Plan(step=2, microbatch=0, new_requests=[_spec("a", outputs)],
+                               entries=[SeqEntry("a", 0, 0, n + 1, [1], tokens=PROMPT + outputs, sample=True)]))
+        runner.on_message(PleReady(step=2, ring_slot=0, num_tokens=n + 1))
+        runner.finish()                               # step 0 (dropped): its token publishes step 1's rows
+        runner.queue_samplers()
+        assert runner.launch_ready(_fail) == 1        # step 2 (the replan) behind step 1
+        runner.finish()                               # step 1, dropped: it drew ("a", n + 1) too
+        runner.on_message(Plan(step=3, microbatch=0, entries=[SeqEntry("a", 0, n + 1, 1, [])]))
+        assert runner.launch_ready(_fail) == 1        # step 3, its input read before step 2's finish
+        assert [x.plan.step for x in runner.launched] == [2, 3]
+        step2 = next(o.message for o in runner.finish() if o.to == "gateway")
+        runner.queue_samplers()
+        runner.finish()
+    finally:
+        type(runner.model).__call__ = model_call
+    (drawn,) = [t.token for t in step2.tokens if t.position == n + 1]
+    assert fed[len(fed) - 1] == [drawn], f"step 3 was fed {fed[len(fed) - 1]}, the client got {drawn}"
+    assert ("a", n + 1) not in runner.next_tokens and ("a", n + 1) not in runner.device_next   # (taken by step 3)
