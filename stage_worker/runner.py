@@ -164,6 +164,8 @@ class StageRunner:
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
         self._dropped_steps: set[int] = set()   # dropped before their activations came (one entry a failure)
+        # stage 0 of several: (request, position) -> the step launched last to draw it, until its Sampled comes
+        self._drawn_by: dict[tuple[str, int], int] = {}
         self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
@@ -299,10 +301,26 @@ class StageRunner:
             self.acts[msg.step] = msg
             self.arrived[msg.step] = time.time()
         elif isinstance(msg, Sampled):
+            # A step the core dropped, which the last stage ran before the drop reached it, draws positions the
+            # replan draws again. Its Sampled travels on its own socket and may come after the replan's step that
+            # draws them was launched here (`_forget_redrawn` then had nothing to forget): kept, the replan's next
+            # step was fed that draw while the client got the replan's (tests/test_qa_dropped_step_two_stages.py).
+            # A token is taken only from the step launched last to draw its (request, position); a stale one goes
+            # to dropped graphs still waiting for their rows alone (their output is thrown away, but they must not
+            # wait for tokens that never come).
+            fresh, stale = [], []
             for t in msg.tokens:
+                key = (t.req_id, t.position)
+                if self._drawn_by.get(key, msg.step) > msg.step:
+                    stale.append(t)
+                    continue
+                self._drawn_by.pop(key, None)
+                fresh.append(t)
                 if t.token >= 0 and t.req_id in self.tables:    # (a request finished meanwhile needs none: a
-                    self.next_tokens[(t.req_id, t.position)] = t.token   # failed step's later one, say)
-            self._rows_from(msg.tokens)        # a launched graph may wait for some of these (across stages)
+                    self.next_tokens[key] = t.token             # failed step's later one, say)
+            self._rows_from(fresh)             # a launched graph may wait for some of these (across stages)
+            if stale:
+                self._rows_from(stale, dropped_only=True)
         elif isinstance(msg, PleReady) and msg.num_tokens > 0:
             if msg.step in self.plans or msg.step > self._max_launched_step:
                 self.ple[msg.step] = msg       # else: a step that ran on rows this stage gathered itself
@@ -335,6 +353,8 @@ class StageRunner:
                 del self.next_tokens[key]
             for key in [k for k in self.device_next if k[0] == rid]:
                 del self.device_next[key]
+            for key in [k for k in self._drawn_by if k[0] == rid]:
+                del self._drawn_by[key]
         if self.is_last:
             for spec in plan.new_requests:
                 params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
@@ -540,7 +560,7 @@ class StageRunner:
                 self.device_fed.discard(key)
                 if t.req_id in self.requests:
                     self.next_tokens[key] = t.token
-        else:
+        elif not self.is_first:                         # (stage 0 itself: see `finish`)
             out.append(Outgoing("first", Sampled(step=plan.step, microbatch=plan.microbatch, tokens=tokens)))
         out.append(Outgoing("ple", Sampled(step=plan.step, microbatch=plan.microbatch, tokens=tokens)))
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=[])))
@@ -719,6 +739,8 @@ class StageRunner:
                 self.next_tokens.pop(key, None)
                 self.device_next.pop(key, None)
                 self.device_fed.discard(key)
+                if not self.is_last:
+                    self._drawn_by[key] = plan.step     # an earlier step's Sampled for it is stale (`on_message`)
 
     def _states(self, plan: Plan) -> dict[str, _ReqState | None]:
         """The sampling state of each of the step's requests as its launch sees it, for its tail. The tail may run
@@ -817,13 +839,15 @@ class StageRunner:
         self._contexts_copied = torch.cuda.Event()
         self._contexts_copied.record()
 
-    def _rows_from(self, tokens: list[TokenOut]) -> None:
+    def _rows_from(self, tokens: list[TokenOut], dropped_only: bool = False) -> None:
         """Sampled tokens on the host (this stage's own, or the last stage's `Sampled`): those a launched step
         waits for go to `_host_tokens` (out of `next_tokens`: that step took them; a failed row as 0, so a step
-        behind it is not held up), then every step whose rows are now known is published."""
+        behind it is not held up), then every step whose rows are now known is published. `dropped_only`: the
+        tokens of a dropped step, for dropped steps' graphs alone (`on_message`)."""
         if not self._pending_rows:
             return
-        needed = {k: p for p in self._pending_rows for k in p.tokens if isinstance(k, tuple)}
+        needed = {k: p for p in self._pending_rows if p.dropped or not dropped_only
+                  for k in p.tokens if isinstance(k, tuple)}
         for t in tokens:
             key = (t.req_id, t.position)
             if key in needed:
@@ -977,7 +1001,9 @@ class StageRunner:
                 # gives launched steps only: left here, `_expect_rows` takes it (else its graph waited for good)
                 if t.req_id in self.requests and (not fed or self._prepared_took(key)):   # (a request finished
                     self.next_tokens[key] = t.token                                       # meanwhile needs none)
-        else:
+        elif not self.is_first:
+            # (not to stage 0 itself, dropped: `InProcessExecutor` hands "first" to stage 0's `on_message`, which
+            # kept the dropped draw for the replan's next step; test_qa_stale_token_after_drop.py, route_first)
             out.append(Outgoing("first", sampled))
         out.append(Outgoing("ple", sampled))
         out.append(Outgoing("gateway", StepResult(step=plan.step, microbatch=plan.microbatch, tokens=tokens,

@@ -60,8 +60,9 @@ class _DropRun(_Run):
     """The harness's run with unseeded requests added by hand, the model's fed ids recorded, the steps whose results
     the core kept noted, and a step failure injected where the test says."""
 
-    def __init__(self, runner, rng, fail_launch=(), fail_sample=()) -> None:
+    def __init__(self, runner, rng, fail_launch=(), fail_sample=(), route_first=False) -> None:
         super().__init__(runner, rng, [], [], [], 0.0)
+        self.route_first = route_first          # `finish`'s Sampled for stage 0 back to it, as InProcessExecutor
         self.model = runner.model = _DrawModel(runner.model.real, rng)
         self.kept: set[int] = set()
         real_launch, real_sample = runner.launch, runner._sample
@@ -97,6 +98,24 @@ class _DropRun(_Run):
         self.core.add(req, self._sink(rid))
         self.log.append(f"client sends {rid}")
 
+    def finish(self) -> None:
+        if not self.route_first:
+            return super().finish()
+        r = self.runner
+        step = r.launched[0].plan.step
+        try:
+            outgoing = r.finish()
+        except Exception as exc:
+            self._failed(step, exc)
+            return
+        for o in outgoing:
+            if o.to == "gateway":
+                self.ex.results.append(o.message)
+            elif o.to == "first":               # stage_worker/inprocess_executor.py routes it to stage 0
+                r.on_message(o.message)
+        r.queue_samplers()
+        self.log.append(f"stage finishes {step}")
+
     def launch(self) -> None:
         self.runner.launch_ready(self._failed)
         self.device()
@@ -126,17 +145,21 @@ def _explain(run: _DropRun) -> str:
     return "\n".join(run.log[-40:])
 
 
+@pytest.mark.parametrize("route_first", [False, True])
 @pytest.mark.parametrize("finish_before_drop", [True, False])
-def test_a_replanned_prefill_feeds_its_own_draw_not_the_dropped_one(tiny_checkpoint, tmp_path, finish_before_drop):
+def test_a_replanned_prefill_feeds_its_own_draw_not_the_dropped_one(tiny_checkpoint, tmp_path, finish_before_drop,
+                                                                    route_first):
     """Request a (its last token in step 2) and b, admitted in step 3 (its prefill alone, which needs nothing from
     step 2). Both plans reach the stage before either is launched (the core planned step 3 from step 1's result);
     step 2's launch fails and step 3 is launched right behind it, sampling b's first token. The core fails a, drops
     step 3 and plans b again: a prefill sampling the same position (step 4) and, ahead of its result, b's first
     decode (step 5). Step 3's finish came before the drop reached the stage (`finish_before_drop`) or after it, with
-    step 4 launched meanwhile; either way its token was left under (b, 11) on the host, and step 5 read it there."""
+    step 4 launched meanwhile; either way its token was left under (b, 11) on the host, and step 5 read it there.
+    `route_first`: the stage's messages for stage 0 go back to it, as `InProcessExecutor` routes them (a dropped
+    step's finish sent its Sampled there, and `on_message` kept its draw)."""
     rng = random.Random(0)
     runner = _stage(tiny_checkpoint, tmp_path, rng)
-    run = _DropRun(runner, rng, fail_launch={2})
+    run = _DropRun(runner, rng, fail_launch={2}, route_first=route_first)
     run.add("a", [3 + j for j in range(6)], 3)
     run._plans()                                           # steps 0 (a's prompt) and 1 (its first decode)
     run.read_inbox()
