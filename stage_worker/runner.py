@@ -164,6 +164,10 @@ class StageRunner:
         self.plans: dict[int, _Prepared] = {}
         self.acts: dict[int, Activations] = {}
         self._dropped_steps: set[int] = set()   # dropped before their activations came (one entry a failure)
+        # Stage 0: the sampled tokens each finished step took, while the core may still drop it (`_on_plan`), and
+        # per micro-batch its latest steps not dropped (the core's plans in flight are among the last two of them)
+        self._finished_taken: dict[int, dict] = {}
+        self._live_steps: dict[int, list[int]] = {}
         # stage 0 of several: (request, position) -> the step launched last to draw it, until its Sampled comes
         self._drawn_by: dict[tuple[str, int], int] = {}
         self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
@@ -333,6 +337,22 @@ class StageRunner:
                 for pending in self._pending_rows:      # its graph still waits: rows yes, tokens for the replan
                     if launched.ple_wait is not None and pending.seq == launched.ple_wait[0]:
                         pending.dropped = True
+        if self.is_first:
+            # A dropped step that finished before its drop came keeps the tokens it took from an earlier step's
+            # draw, which the replan of a request only in the dropped steps reads again (a grammar request, never
+            # planned ahead, decoding a kept step's token in the step after the failed one): without them back
+            # its replan was never ready and the request waited for good (tests/test_qa_dropped_step_two_stages.py).
+            for step in plan.dropped:
+                self._give_back(self._finished_taken.pop(step, {}))
+            for steps in self._live_steps.values():
+                steps[:] = [x for x in steps if x not in plan.dropped]
+            if plan.entries:
+                steps = self._live_steps.setdefault(plan.microbatch, [])
+                steps.append(plan.step)
+                del steps[:-2]                  # (plan-ahead is one step deep: older ones cannot be dropped now)
+                live = {x for steps in self._live_steps.values() for x in steps}
+                for step in [x for x in self._finished_taken if x not in live]:
+                    del self._finished_taken[step]
         for step in plan.dropped:
             if not self.is_first and step not in self.acts and step > self._max_launched_step:
                 self._dropped_steps.add(step)    # its activations may still be on their way
@@ -938,6 +958,8 @@ class StageRunner:
         if self.launched[0].tail is not None:
             self._rows_for_oldest()
         launched = self.launched.pop(0)
+        if self.is_first and launched.taken and not launched.dropped:
+            self._finished_taken[launched.plan.step] = launched.taken    # (its drop may still come: `_on_plan`)
         if launched.skipped:
             return self._finish_skipped(launched)
         if launched.tail is not None or launched.tail_error is not None:

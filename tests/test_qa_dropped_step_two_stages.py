@@ -137,7 +137,7 @@ class _Two:
         self.log: list[str] = []
 
     # ---- the core ----------------------------------------------------------------------------------------------
-    def add(self, rid: str, prompt: list[int], max_tokens: int, grammar=None) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, grammar=None, plan: bool = True) -> None:
         self.events[rid] = []
         self.prompts[rid] = len(prompt)
 
@@ -150,7 +150,8 @@ class _Two:
                 self.done[rid] = ev.finish_reason
         self.core.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7),
                                         ignore_eos=True, grammar=grammar), sink)
-        self.plans()
+        if plan:
+            self.plans()
 
     def plans(self) -> None:
         for plan in self.core._plans():
@@ -321,5 +322,33 @@ def test_a_dropped_step_s_sampled_before_the_drop_does_not_feed_the_replan(tiny_
     run.to_the_end()
     assert run.done.get("a", "").startswith("error") and run.done.get("b") == "length", \
         f"{run.done}\n{run.explain()}"
+    assert not run.mismatches(), "\n".join(run.mismatches()) + "\n" + run.explain()
+    assert not run.running()
+
+
+def test_a_token_a_finished_dropped_step_took_is_there_for_the_replan(tiny_checkpoint, tmp_path):
+    """c has a grammar, so it is never planned ahead. Step 0: the prompts of a (2 tokens to generate) and c; step 1,
+    planned ahead: a's last token (a is then at max_tokens, so not in step 2); step 2, planned on step 0's result: c
+    alone, decoding (c, 8), which step 0 (kept) sampled. Stage 0 runs steps 1 and 2 (step 2 takes (c, 8) off
+    `next_tokens`) and has finished both when stage 1 fails step 1: the core fails a, drops step 2 and plans c again
+    from (c, 8) (step 3). The drop found step 2 neither prepared nor launched on stage 0, so nothing gave (c, 8) back:
+    step 3 was never ready, and c waited for good."""
+    run = _Two(tiny_checkpoint, tmp_path, fail_sample1={1})
+    run.add("a", [3 + j for j in range(6)], 2, plan=False)
+    run.add("c", [40 + j for j in range(8)], 3, grammar=_AnyToken())
+    assert run.core.scheduler.in_flight_steps() == [0, 1], run.explain()
+    run.stage(0)                                       # step 0
+    run.stage(1)                                       # step 0: Sampled (a, 6), (c, 8)
+    run.stage(0)                                       # step 1 (a's last token)
+    run.core_turn()                                    # step 0's result: step 2 (c alone)
+    assert run.core.scheduler.in_flight_steps() == [1, 2], run.explain()
+    run.stage(0)                                       # step 2, finished: its activations are on their way
+    assert not run.stages[0].launched and not run.stages[0].plans
+    run.stage(1)                                       # step 1 fails (step 2 runs too: its Sampled is dropped)
+    assert (1, 1) in run.failed
+    run.to_the_end()
+    assert run.done.get("a", "").startswith("error") and run.done.get("c") == "length", \
+        f"{run.done}\n{run.explain()}"
+    assert len(run.events["c"]) == 3
     assert not run.mismatches(), "\n".join(run.mismatches()) + "\n" + run.explain()
     assert not run.running()
