@@ -45,6 +45,8 @@ def _is_tensor(value: Any) -> bool:
 
 
 HISTORY = 32        # tokens a restoring entry carries from before its position (`SeqEntry.history`)
+PLANS_IN_FLIGHT = 2  # plans of one micro-batch the core sends before the oldest's result (plan-ahead); stage 0
+#                      relies on it to know which finished steps a later drop can still name
 
 
 class ProtocolError(ValueError):

@@ -23,7 +23,7 @@ from typing import Any
 
 from shared.block_manager import BlockManager
 from shared.prefix_cache import CachedPrefix, PrefixCache, agreeing_blocks
-from shared.protocol import HISTORY, Plan, PromptLogprobs, SamplingSpec, SeqEntry, TokenOut
+from shared.protocol import HISTORY, PLANS_IN_FLIGHT, Plan, PromptLogprobs, SamplingSpec, SeqEntry, TokenOut
 from shared.sampling import SamplingParams
 
 
@@ -113,7 +113,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
-        self.depth = 2 if plan_ahead else 1                  # plans in flight per micro-batch
+        self.depth = PLANS_IN_FLIGHT if plan_ahead else 1    # plans in flight per micro-batch
         self.in_flight: dict[int, list[Plan]] = {m: [] for m in range(num_microbatches)}   # oldest first
         self.draining: dict[str, Request] = {}              # finished, but still held by a plan in flight
         # Requests whose per-request state stages must drop. Flushed into the next plan of any micro-batch, so a

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from shared.cluster_config import ClusterConfig
-from shared.protocol import (Activations, IpcActivations, Message, Plan, PleReady, PromptLogprobs, Sampled,
-                             SamplingSpec, StepResult, TokenOut)
+from shared.protocol import (PLANS_IN_FLIGHT, Activations, IpcActivations, Message, Plan, PleReady, PromptLogprobs,
+                             Sampled, SamplingSpec, StepResult, TokenOut)
 from shared.sampling import SamplingParams
 from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
@@ -165,7 +165,8 @@ class StageRunner:
         self.acts: dict[int, Activations] = {}
         self._dropped_steps: set[int] = set()   # dropped before their activations came (one entry a failure)
         # Stage 0: the sampled tokens each finished step took, while the core may still drop it (`_on_plan`), and
-        # per micro-batch its latest steps not dropped (the core's plans in flight are among the last two of them)
+        # per micro-batch its latest steps not dropped (the core's plans in flight are among the last
+        # PLANS_IN_FLIGHT of them)
         self._finished_taken: dict[int, dict] = {}
         self._live_steps: dict[int, list[int]] = {}
         # stage 0 of several: (request, position) -> the step launched last to draw it, until its Sampled comes
@@ -349,7 +350,7 @@ class StageRunner:
             if plan.entries:
                 steps = self._live_steps.setdefault(plan.microbatch, [])
                 steps.append(plan.step)
-                del steps[:-2]                  # (plan-ahead is one step deep: older ones cannot be dropped now)
+                del steps[:-PLANS_IN_FLIGHT]    # (the core's plans in flight: older ones cannot be dropped now)
                 live = {x for steps in self._live_steps.values() for x in steps}
                 for step in [x for x in self._finished_taken if x not in live]:
                     del self._finished_taken[step]
