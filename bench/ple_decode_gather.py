@@ -1,10 +1,12 @@
 """What a PLE stage's own decode-row gather costs on the host, per step, by table kind and page state.
 
 `stage_worker/ple_decode_rows.py` `DecodeRowGather.publish` (the `ple_launch_ahead` path a served one-stage GPU run
-takes) hashes a decode step's tokens against the n-gram contexts (`ngram_rows_numpy_batch`), gathers the rows
-(`branch.table.gather`) and copies them into the mailbox's rows (pinned with `--device cuda`). This times that real
-method step by step, with the hash and the gather timed by thin wrappers around them, so each step splits into
-hash / gather / the rest (the copy and Python). `--call` times `DecodeRowGather.__call__` instead (the path without
+takes) hashes a decode step's tokens against the n-gram contexts and gathers the rows into the mailbox's rows
+(pinned with `--device cuda`): in numpy alone where the table has `gather_into` (`_windows`,
+`ngram_hash.hash_windows_numpy`, `gather_into` straight into the mailbox), else, or with `--path torch`, through
+torch (`ngram_rows_numpy_batch`, `branch.table.gather`, a copy into the mailbox). This times that real method step
+by step, with the hash and the gather timed by thin wrappers around them, so each step splits into hash / gather /
+the rest (the copy and Python). `--call` times `DecodeRowGather.__call__` instead (the path without
 launch-ahead: the contexts read back, a `to_device` per layer).
 
 Tables (`--states`):
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     thrash = np.ones((args.thrash_mib << 20) // 8) if args.thrash_mib else None
     acc = {"hash": 0.0, "gather": 0.0}
-    pdr.ngram_rows_numpy_batch = _Timed(pdr.ngram_rows_numpy_batch, acc, "hash")
+    pdr.ngram_rows_numpy_batch = _Timed(pdr.ngram_rows_numpy_batch, acc, "hash")      # (the torch path's hash)
+    pdr.hash_windows_numpy = _Timed(pdr.hash_windows_numpy, acc, "hash")              # (the numpy path's)
     rows_out, results = [], []
     max_b = max(batches)
     for batch in batches:
@@ -229,9 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             gather = DecodeRowGather(model, cache, [layer], device)
             if args.path == "torch":
                 gather._fast = False
-            if getattr(gather, "_fast", False):     # the numpy path's hash: the windows and each layer's rows
+            if gather._fast:                        # the numpy path's hash: the windows and each layer's rows
                 gather._windows = _Timed(gather._windows, acc, "hash")
-                gather._rows = _Timed(gather._rows, acc, "hash")
             box = None if args.call else PleMailbox.create(gather, max_b, dtype, device)
             # first calls (lru caches, first allocations) off the record, on rows of another seed
             for contexts, tokens in _steps(branch_spec, batch, 3, args.seed + 7777):

@@ -32,9 +32,12 @@ __all__ = [
     "NgramHashSpec",
     "initial_context",
     "context_after",
+    "hash_windows_numpy",
+    "hide_behind_eos",
     "ngram_rows_numpy",
     "ngram_rows_torch",
     "ngram_rows_torch_flat",
+    "numpy_constants",
     "ple_layer_indices",
 ]
 
@@ -294,10 +297,11 @@ def ngram_rows_numpy_batch(spec: NgramHashSpec, contexts: np.ndarray,
 
 
 @functools.lru_cache(maxsize=64)
-def _numpy_constants(spec: NgramHashSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def numpy_constants(spec: NgramHashSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(multipliers (n,), primes (n-1, H), offsets (n-1, H)) as read-only int64 arrays, built once per spec: a
     decode step's hash on the host (a PLE stage's own rows, on its critical path) took 13.5 us with them built
-    every call, 11.8 us without (full shape, 4 sequences, the development VM)."""
+    every call, 11.8 us without (full shape, 4 sequences, the development VM). A caller that hashes every step
+    keeps them (`hash_windows_numpy`), which also spares the cache's lookup."""
     shape = (spec.ngram_size - 1, spec.heads_per_ngram)
     out = (np.array(spec.multipliers, dtype=np.int64), np.array(spec.primes, dtype=np.int64).reshape(shape),
            np.array(spec.offsets, dtype=np.int64).reshape(shape))
@@ -306,20 +310,30 @@ def _numpy_constants(spec: NgramHashSpec) -> tuple[np.ndarray, np.ndarray, np.nd
     return out
 
 
-def _hash_windows_numpy(spec: NgramHashSpec, windows: np.ndarray) -> np.ndarray:
-    eos = spec.eos_token_id
-    # A position s back is hidden (reads as EOS) if any of positions 1..s back is an EOS.
+def hide_behind_eos(windows: np.ndarray, eos: int) -> np.ndarray:
+    """`windows` (B, n), windows[:, s] = id s positions back, in place: a position is hidden (reads as EOS) if any of
+    positions 1..s back is an EOS, so no n-gram spans the end of a sequence. Returns `windows`."""
     hit = windows[:, 1:] == eos
-    hidden = np.logical_or.accumulate(hit, axis=1)
-    shifted = windows.copy()
-    shifted[:, 1:][hidden] = eos
-    mult, primes, offsets = _numpy_constants(spec)
-    with np.errstate(over="ignore"):
-        terms = shifted * mult
+    if hit.any():                              # (rare in a decode step: a context that holds an EOS)
+        windows[:, 1:][np.logical_or.accumulate(hit, axis=1)] = eos
+    return windows
+
+
+def hash_windows_numpy(windows: np.ndarray, constants: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """Row ids (B, num_heads) of windows (B, n) already passed through `hide_behind_eos`, with one spec's
+    `numpy_constants`. The int64 products wrap, as numpy's array arithmetic does without a warning. One spec's
+    windows serve every PLE layer of equal `ngram_size` and EOS (their specs differ in the constants alone), so a
+    decode step builds them once for all its layers (`stage_worker/ple_decode_rows.py`)."""
+    mult, primes, offsets = constants
     # mixed[:, k-1] is the XOR over positions 0..k of an order-(k+1) n-gram.
-    mixed = np.bitwise_xor.accumulate(terms, axis=1)[:, 1:]
-    rows = np.remainder(mixed[:, :, None], primes[None]) + offsets[None]
-    return rows.reshape(windows.shape[0], spec.num_heads)
+    mixed = np.bitwise_xor.accumulate(windows * mult, axis=1)[:, 1:]
+    rows = mixed[:, :, None] % primes
+    rows += offsets
+    return rows.reshape(windows.shape[0], primes.size)
+
+
+def _hash_windows_numpy(spec: NgramHashSpec, windows: np.ndarray) -> np.ndarray:
+    return hash_windows_numpy(hide_behind_eos(windows.copy(), spec.eos_token_id), numpy_constants(spec))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

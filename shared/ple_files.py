@@ -26,8 +26,7 @@ import torch
 from shared.checkpoint_files import CheckpointError, checkpoint_files, normalise, open_safetensors
 from shared.model_config import Qwen4ExpConfig
 from shared.ngram_hash import NgramHashSpec
-from shared.ple_table import (_TORCH_UINT_OF_SIZE, _UINT_OF_SIZE, FlatTable, ensure_table, shard_row_counts,
-                              table_is_current)
+from shared.ple_table import FlatTable, ensure_table, shard_row_counts, table_is_current, uint_view
 
 __all__ = ["ProceduralTable", "Shards", "dummy_layer_table", "dummy_ple_table", "find_ple_shards", "open_ple_table",
            "ple_shard", "table_dir"]
@@ -187,7 +186,7 @@ class ProceduralTable:
         self.rows, self.dim, self.dtype, self.seed = rows, dim, dtype, seed
         self.period = min(rows, self.PERIOD)
         self._blocks: dict[torch.device, torch.Tensor] = {}
-        self._host: np.ndarray | None = None        # the CPU block as numpy's uint16 (`gather_into`)
+        self._host: np.ndarray | None = None        # the CPU block as numpy's uint of its width (`gather_into`)
 
     def _block(self, device: torch.device) -> torch.Tensor:
         block = self._blocks.get(device)
@@ -205,9 +204,7 @@ class ProceduralTable:
         dtype's width, from the CPU block, into `out` when given. The block is built on the first call (1.3 s on the
         2-core VM: call it once before serving, as `DecodeRowGather` does)."""
         if self._host is None:
-            block = self._block(torch.device("cpu"))
-            self._host = block.view(_TORCH_UINT_OF_SIZE[block.element_size()]).numpy().view(
-                _UINT_OF_SIZE[block.element_size()])
+            self._host = uint_view(self._block(torch.device("cpu")))
         return np.take(self._host, rows % self.period, axis=0, out=out)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ __all__ = [
     "shard_row_counts",
     "sidecar_path",
     "table_is_current",
+    "uint_view",
 ]
 
 FORMAT = "moepipe-ple-flat"
@@ -45,7 +46,14 @@ FORMAT_VERSION = 1
 # numpy has no bfloat16, so the mapping is viewed as an unsigned int of the same width and reinterpreted by torch.
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # (torch's signed ints of each width: views any tensor allows; numpy then reinterprets them as its unsigned ones)
-_TORCH_UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TORCH_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def uint_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy's unsigned int of its element's width (numpy has no bfloat16), no copy: what
+    the tables' `gather_into` reads and writes, so a decode step's gather runs in numpy alone."""
+    size = t.element_size()
+    return t.view(_TORCH_INT_OF_SIZE[size]).numpy().view(_UINT_OF_SIZE[size])
 
 
 def sidecar_path(out_path: Path) -> Path:
@@ -236,8 +244,7 @@ class FlatTable:
         cost ~10x its warm time once the step's other work had left the CPU caches cold
         (bench/ple_decode_gather.py --thrash-mib)."""
         if self.array is None:
-            self.array = self.tensor.view(_TORCH_UINT_OF_SIZE[self.dtype.itemsize]).numpy().view(
-                _UINT_OF_SIZE[self.dtype.itemsize])
+            self.array = uint_view(self.tensor)
         return np.take(self.array, rows, axis=0, out=out)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

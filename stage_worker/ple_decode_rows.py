@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.ngram_hash import _numpy_constants, ngram_rows_numpy_batch
-from shared.ple_table import _TORCH_UINT_OF_SIZE, _UINT_OF_SIZE
+from shared.ngram_hash import hash_windows_numpy, hide_behind_eos, ngram_rows_numpy_batch, numpy_constants
+from shared.ple_table import uint_view
 from stage_worker.host_copy import to_device
 from stage_worker.profiling import phase
 
@@ -39,18 +39,19 @@ class DecodeRowGather:
         self.device = device
         self.steps = 0
         self.seconds = 0.0
-        # The host path in numpy alone (`_fast`): each table's `gather_into` and the hash constants of each layer.
-        # Why: h100-33 measured this gather at 0.22 ms a step (4 streams) in a served run where it takes ~40 us
-        # back to back on the 2-core VM; with the CPU caches emptied between steps, as a served step's other work
-        # leaves them, the torch path took 234 us there (hash 54, index_select 74, the rest and the pinned copy
-        # 104) and this one 80 (bench/ple_decode_gather.py --thrash-mib 64): a torch op's dispatch is a long walk
-        # through cold code. A table without `gather_into` keeps the torch path.
+        # The host path in numpy alone (`_fast`): one set of n-gram windows a step (`_windows`), each layer's hash
+        # constants and its table's `gather_into`. Why: h100-33 measured this gather at 0.22 ms a step (4 streams)
+        # in a served run where it takes ~34 us back to back on the 2-core VM; with the CPU caches emptied between
+        # steps, as a served step's other work leaves them, the torch path took 221 us there (hash 55, index_select
+        # 82, the rest and the pinned copy 82) and this one 95 (hash 60, gather 22, the rest 13;
+        # bench/ple_decode_gather.py --thrash-mib 64, bench/results/ple-decode-gather-1): a torch op's dispatch is a
+        # long walk through cold code. A table without `gather_into` keeps the torch path.
         first = next(iter(self.branches.values()))
         self._fast = all(hasattr(b.table, "gather_into") for b in self.branches.values()) and \
             all(b.spec.ngram_size == first.spec.ngram_size and b.spec.eos_token_id == first.spec.eos_token_id
                 for b in self.branches.values())
-        if self._fast:
-            self._consts = [(_numpy_constants(b.spec), b.table, b.spec.num_heads) for b in self.branches.values()]
+        if self._fast:                            # (layer order: each layer's hash constants and table)
+            self._consts = [(numpy_constants(b.spec), b.table) for b in self.branches.values()]
             for b in self.branches.values():      # a procedural table builds its host block now, not in a step
                 b.table.gather_into(np.zeros(1, dtype=np.int64))
 
@@ -66,9 +67,9 @@ class DecodeRowGather:
         out = {}
         if self._fast:
             windows = self._windows(contexts, slots, token_ids)
-            for layer, (consts, table, _) in zip(self.branches, self._consts):
+            for layer, (consts, table) in zip(self.branches, self._consts):
                 with phase("ple.gather"):
-                    emb = torch.from_numpy(table.gather_into(self._rows(windows, consts))).view(table.dtype)
+                    emb = torch.from_numpy(table.gather_into(hash_windows_numpy(windows, consts))).view(table.dtype)
                 with phase("ple.to_device"):
                     out[layer] = to_device(emb, emb.dtype, self.device)
         else:
@@ -81,27 +82,13 @@ class DecodeRowGather:
 
     def _windows(self, contexts: np.ndarray, slots: list[int], token_ids: list[int]) -> np.ndarray:
         """Each sequence's n-gram window [B, ngram_size], newest first (the token, then its context backwards),
-        positions behind an EOS read as EOS: what `ngram_hash._hash_windows_numpy` starts from, shared by every
-        PLE layer (their specs differ only in multipliers, primes and offsets)."""
+        passed through `ngram_hash.hide_behind_eos`: one for every PLE layer of the step (`_fast` checked that
+        their specs differ only in the hash constants), each hashed by `ngram_hash.hash_windows_numpy`."""
         spec = next(iter(self.branches.values())).spec
-        n, eos = spec.ngram_size, spec.eos_token_id
-        w = np.empty((len(slots), n), dtype=np.int64)
+        w = np.empty((len(slots), spec.ngram_size), dtype=np.int64)
         w[:, 0] = token_ids
         w[:, 1:] = contexts[slots, ::-1]
-        hit = w[:, 1:] == eos
-        if hit.any():                          # (rare: a context that holds an EOS)
-            w[:, 1:][np.logical_or.accumulate(hit, axis=1)] = eos
-        return w
-
-    @staticmethod
-    def _rows(windows: np.ndarray, consts) -> np.ndarray:
-        """One layer's row ids [B, num_heads] from `_windows` (`ngram_hash.ngram_rows_numpy_batch`'s arithmetic:
-        int64 products wrap, as numpy's array ops do without a warning)."""
-        mult, primes, offsets = consts
-        mixed = np.bitwise_xor.accumulate(windows * mult, axis=1)
-        rows = mixed[:, 1:, None] % primes
-        rows += offsets
-        return rows.reshape(len(windows), -1)
+        return hide_behind_eos(w, spec.eos_token_id)
 
     def _host_rows(self, contexts: np.ndarray, slots: list[int], token_ids: list[int]):
         """(layer, rows [B, heads, head_dim] on the host) of each PLE layer, hashed against `contexts` (every
@@ -123,15 +110,15 @@ class DecodeRowGather:
         t0 = time.perf_counter()
         if box.host is None:                  # numpy views of the mailbox's pinned memory, made once
             box.host = (box.contexts.numpy(),
-                        _uint_view(box.rows) if self._fast and box.rows.dtype == self._consts[0][1].dtype else None,
+                        uint_view(box.rows) if self._fast and box.rows.dtype == self._consts[0][1].dtype else None,
                         None if box.ids is None else box.ids.numpy(), box.flag.numpy())
         contexts, rows, ids, flag = box.host
         try:
             n = len(slots)
             if rows is not None:
                 windows = self._windows(contexts, slots, token_ids)
-                for li, (consts, table, _) in enumerate(self._consts):    # straight into the pinned rows
-                    table.gather_into(self._rows(windows, consts), rows[:n, li])
+                for li, (consts, table) in enumerate(self._consts):      # straight into the pinned rows
+                    table.gather_into(hash_windows_numpy(windows, consts), rows[:n, li])
             else:
                 for li, (_, emb) in enumerate(self._host_rows(contexts, slots, token_ids)):
                     box.rows[:n, li].copy_(emb)
@@ -142,12 +129,6 @@ class DecodeRowGather:
             flag[0] = seq                     # (a plain store, after the rows' stores: x86 keeps them in order)
             self.steps += 1
             self.seconds += time.perf_counter() - t0
-
-
-def _uint_view(t: torch.Tensor) -> np.ndarray:
-    """`t`'s memory as numpy's unsigned int of its element's width (numpy has no bfloat16)."""
-    size = t.element_size()
-    return t.view(_TORCH_UINT_OF_SIZE[size]).numpy().view(_UINT_OF_SIZE[size])
 
 
 @dataclass
@@ -166,7 +147,7 @@ class PleMailbox:
     contexts: torch.Tensor    # pinned copy of the contexts, taken behind every launched step
     ids: torch.Tensor | None = None   # pinned [max_seqs] int64: the step's input ids (None: not this way)
     seq: int = 0
-    host: tuple | None = None         # (contexts, rows, ids, flag) as numpy views of the same memory, made at the first publish
+    host: tuple | None = None         # (contexts, rows, ids, flag): numpy views of the same memory (first publish)
 
     @classmethod
     def create(cls, gather: DecodeRowGather, max_seqs: int, dtype: torch.dtype,

@@ -1,7 +1,8 @@
-"""A PLE stage's own decode rows through numpy alone (`DecodeRowGather`'s `_fast` path: `_windows`, `_rows` and the
-tables' `gather_into` writing straight into the mailbox's rows): the same rows, ids and flag as the torch path
-(`ngram_rows_numpy_batch`, `index_select`, `copy_`), for a file-backed table and a procedural one, several PLE
-layers, contexts holding EOS, and a mailbox of another dtype (which keeps the torch path)."""
+"""A PLE stage's own decode rows through numpy alone (`DecodeRowGather`'s `_fast` path: `_windows`,
+`ngram_hash.hash_windows_numpy` and the tables' `gather_into` writing straight into the mailbox's rows): the same
+rows, ids and flag as the torch path (`ngram_rows_numpy_batch`, `index_select`, `copy_`), for a file-backed table and
+a procedural one, several PLE layers, contexts holding EOS, and a mailbox of another dtype (which keeps the torch
+path)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.ngram_hash import NgramHashSpec, ngram_rows_numpy_batch
+from shared.ngram_hash import NgramHashSpec, hash_windows_numpy, ngram_rows_numpy_batch
 from shared.ple_files import ProceduralTable, dummy_ple_table
 from shared.ple_table import open_table
 from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
@@ -55,9 +56,9 @@ def test_hash_equals_ngram_rows_numpy_batch(tables):
     assert g._fast
     for ctx, slots, toks in _steps():
         windows = g._windows(ctx, slots, toks)
-        for b, consts in zip(g.branches.values(), (c for c, _, _ in g._consts)):
+        for b, (consts, _) in zip(g.branches.values(), g._consts):
             want, _ = ngram_rows_numpy_batch(b.spec, ctx[slots], np.asarray(toks))
-            np.testing.assert_array_equal(g._rows(windows, consts), want)
+            np.testing.assert_array_equal(hash_windows_numpy(windows, consts), want)
 
 
 def test_gather_into_equals_gather(tables):
@@ -107,7 +108,7 @@ def test_flag_set_even_when_the_gather_fails(tables, tmp_path):
     box = PleMailbox.create(g, 8, torch.bfloat16, torch.device("cpu"))
     small = open_table(tables[2].path)
     object.__setattr__(small, "array", small.array[:10])     # rows past 10 now out of range
-    g._consts[0] = (g._consts[0][0], small, g._consts[0][2])
+    g._consts[0] = (g._consts[0][0], small)
     with pytest.raises(IndexError):
         g.publish(box, [0, 1], [100, 200], 9)
     assert int(box.flag[0]) == 9
