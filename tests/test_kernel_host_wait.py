@@ -110,7 +110,9 @@ def test_the_wait_gives_up_after_its_timeout_on_the_gpu_clock():
     expected = torch.tensor([4], dtype=torch.int64, device="cuda")
     dst = torch.zeros(300, device="cuda")
     timed_out = torch.zeros(1, dtype=torch.int64, device="cuda")
-    K.wait_and_copy(flag.fill_(4), expected, src, dst, timed_out, timeout_s=0.3)    # compile, nothing to wait for
+    # compile, nothing to wait for (the same max_spins: 2^40 is an int64 argument, 2^24 an int32 one, and Triton
+    # compiles each kind apart, so the default here left the compile in the timed call)
+    K.wait_and_copy(flag.fill_(4), expected, src, dst, timed_out, max_spins=1 << 40, timeout_s=0.3)
     torch.cuda.synchronize()
     flag.fill_(3)
     t0 = time.perf_counter()

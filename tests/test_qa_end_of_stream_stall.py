@@ -327,7 +327,7 @@ def test_a_step_prepared_with_the_launch_depth_full_gets_its_rows(tiny_checkpoin
     `ready()` takes a decode step's tokens off the device feed (`device_fed`). With two micro-batches on one stage
     the step asked about may decode tokens of the launched step that finishes next: `finish` then saw them as taken
     by a launched step and kept no host copy, while `_rows_from` hands tokens only to launched steps, so once that
-    step was launched its graph waited for rows nobody would publish (on the GPU until host_wait's MAX_SPINS, then
+    step was launched its graph waited for rows nobody would publish (on the GPU until host_wait gave up, then
     its requests failed, and every graph queued behind it waited as long)."""
     from shared.protocol import SamplingSpec, SeqEntry
 

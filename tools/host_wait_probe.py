@@ -6,9 +6,12 @@ replays graph t, whose first kernel spins until the host publishes rows that onl
 then queues the eager device sampler (and copies, events, pinned buffers) behind it. Any CUDA call there that waits
 for the device to go idle (CUDA's lazy module loading of a kernel used for the first time, a Triton compile's module
 load, an allocation that synchronizes) waits for the spinning kernel, which waits for the host: a deadlock broken
-only by `host_wait.MAX_SPINS` polls, whose length in seconds was never measured. This script measures both:
+then only by `host_wait.MAX_SPINS` polls, whose length in seconds was never measured (h100-33 measured it with this
+script: 204 s; the kernel now also gives up after `host_wait.WAIT_TIMEOUT_S` on the GPU clock, which A's calls set
+out of reach so that they time polls alone, and `ple_sample_after_rows` keeps the sampler from being queued behind
+a spinning graph). This script measures both:
 
-  A. the time a poll takes and so how long `MAX_SPINS` polls last (the "gave up waiting" error's delay);
+  A. the time a poll takes and so how long `MAX_SPINS` polls last (the backstop behind the timeout);
   B. for each kind of CUDA call, whether it returns at once while a wait kernel spins, or only once the flag is
      written (by a child process after `--release` seconds: a thread of this process may need the GIL the blocked
      call holds). A call that takes ~`--release` s deadlocks behind a waiting graph.

@@ -18,8 +18,8 @@ TRITON_INTERPRET=1, which has no timer, `max_spins` polls bound it instead. Refe
 The bound was `MAX_SPINS` polls alone until h100-33 measured a poll: 12.1 us on an H100, so 2^24 polls were 204 s
 of a stopped server whenever the host could not answer (tools/host_wait_probe.py). The host answers within
 milliseconds of the step before (its tokens' copy, a hash and a gather) unless it is itself blocked behind the
-spinning kernel, which `StageRunner.queue_samplers` (`ple_sample_after_rows`) keeps from happening; `WAIT_TIMEOUT_S` only
-bounds what is left.
+spinning kernel, which `StageRunner.queue_samplers` (`ple_sample_after_rows`) keeps from happening;
+`WAIT_TIMEOUT_S` only bounds what is left.
 """
 
 from __future__ import annotations
