@@ -20,6 +20,8 @@ from shared.model_config import load_config
 from shared.protocol import Plan, StageError, StepResult
 from shared.sampling import SamplingParams
 from stage_worker.runner import StageRunner
+from tests.test_qa_end_of_stream_stall import _Executor as _OneStageExecutor
+from tests.test_qa_stale_token_after_drop import mismatches
 
 
 class _Forward:
@@ -54,32 +56,16 @@ class _Forward:
         return getattr(self.real, name)
 
 
-class _Executor:
-    def __init__(self) -> None:
-        self.plans: list[deque] = [deque(), deque()]   # core -> each stage
-        self.results: deque = deque()                  # stages -> core
+class _Executor(_OneStageExecutor):
+    """The core's executor for two stages: each plan to both stages (no PLE service), results back in order."""
 
-    def start(self) -> None:
-        pass
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: list[deque] = [deque(), deque()]   # core -> each stage
 
     def send(self, plan: Plan) -> None:
         for q in self.plans:
             q.append(plan)
-
-    def health(self) -> list[str]:
-        return []
-
-    def lost(self) -> list[str]:
-        return []
-
-    def restarted(self) -> list[str]:
-        return []
-
-    def dump_stacks(self) -> list[str]:
-        return []
-
-    def stop(self) -> None:
-        pass
 
 
 class _AnyToken:
@@ -155,7 +141,8 @@ class _Two:
 
     def plans(self) -> None:
         for plan in self.core._plans():
-            self.log.append(f"core plans {plan.step}: {[(e.req_id, e.context_len, e.num_tokens) for e in plan.entries]}")
+            entries = [(e.req_id, e.context_len, e.num_tokens) for e in plan.entries]
+            self.log.append(f"core plans {plan.step}: {entries}")
             self.core._send(plan)
 
     def core_turn(self) -> None:
@@ -247,18 +234,7 @@ class _Two:
         return bool(s.running or s.draining or s.waiting)
 
     def mismatches(self) -> list[str]:
-        fed: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        for step in sorted(self.kept):
-            for key, token in self.fwd[0].fed.get(step, {}).items():
-                fed.setdefault(key, []).append((step, token))
-        bad = []
-        for rid, tokens in self.events.items():
-            for k, token in enumerate(tokens):
-                pos = self.prompts[rid] + k
-                for step, was in fed.get((rid, pos), []):
-                    if was != token:
-                        bad.append(f"{rid} position {pos}: the client got {token}, stage 0 fed {was} in step {step}")
-        return bad
+        return mismatches(self.kept, self.fwd[0].fed, self.events, self.prompts)     # (stage 0's feed)
 
     def explain(self) -> str:
         return "\n".join(self.log[-60:])

@@ -235,10 +235,14 @@ class _Run:
             self._failed(step, exc)
             return
         for o in outgoing:
-            if o.to == "gateway":
-                self.ex.results.append(o.message)
+            self.route(o)
         r.queue_samplers()                    # as the worker loop, once the messages are out
         self.log.append(f"stage finishes {step}")
+
+    def route(self, o) -> None:
+        """One of a `finish`'s messages: the gateway's result to the core (one stage has no one else to tell)."""
+        if o.to == "gateway":
+            self.ex.results.append(o.message)
 
     # ---- the run -----------------------------------------------------------------------------------------------
     def moves(self) -> list:

@@ -98,23 +98,11 @@ class _DropRun(_Run):
         self.core.add(req, self._sink(rid))
         self.log.append(f"client sends {rid}")
 
-    def finish(self) -> None:
-        if not self.route_first:
-            return super().finish()
-        r = self.runner
-        step = r.launched[0].plan.step
-        try:
-            outgoing = r.finish()
-        except Exception as exc:
-            self._failed(step, exc)
-            return
-        for o in outgoing:
-            if o.to == "gateway":
-                self.ex.results.append(o.message)
-            elif o.to == "first":               # stage_worker/inprocess_executor.py routes it to stage 0
-                r.on_message(o.message)
-        r.queue_samplers()
-        self.log.append(f"stage finishes {step}")
+    def route(self, o) -> None:
+        if self.route_first and o.to == "first":    # stage_worker/inprocess_executor.py routes it to stage 0
+            self.runner.on_message(o.message)
+        else:
+            super().route(o)
 
     def launch(self) -> None:
         self.runner.launch_ready(self._failed)
@@ -125,20 +113,38 @@ class _DropRun(_Run):
             self.core_turn()
         self._plans()
 
+    def to_the_end(self, turns: int = 40) -> None:
+        """Finish what the device has done, the core's turns, the stage's inbox and launches, until nothing moves."""
+        runner = self.runner
+        for _ in range(turns):
+            if runner.launched and runner.launched[0].plan.step in self.device_done:
+                self.finish()
+            self.core_all()
+            self.read_inbox()
+            self.launch()
+            if not (runner.launched or self.ex.inbox or self.ex.results or self.stuck()):
+                break
+
     def mismatches(self) -> list[str]:
-        """Tokens a client got that the model was not fed at their position (by a step whose result was kept)."""
-        fed: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        for step in sorted(self.kept):
-            for key, token in self.model.fed.get(step, {}).items():
-                fed.setdefault(key, []).append((step, token))
-        bad = []
-        for rid, tokens in self.events.items():
-            for i, token in enumerate(tokens):
-                pos = self.prompts[rid] + i
-                for step, was in fed.get((rid, pos), []):
-                    if was != token:
-                        bad.append(f"{rid} position {pos}: the client got {token}, step {step} was fed {was}")
-        return bad
+        return mismatches(self.kept, self.model.fed, self.events, self.prompts)
+
+
+def mismatches(kept: set[int], fed_by_step: dict[int, dict[tuple[str, int], int]], events: dict[str, list[int]],
+               prompts: dict[str, int]) -> list[str]:
+    """Tokens a client got (`events`, from position `prompts[rid]` on) that the model was not fed at their position
+    by a step whose result the core kept (`fed_by_step`: step -> (request, position) -> id fed)."""
+    fed: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for step in sorted(kept):
+        for key, token in fed_by_step.get(step, {}).items():
+            fed.setdefault(key, []).append((step, token))
+    bad = []
+    for rid, tokens in events.items():
+        for i, token in enumerate(tokens):
+            pos = prompts[rid] + i
+            for step, was in fed.get((rid, pos), []):
+                if was != token:
+                    bad.append(f"{rid} position {pos}: the client got {token}, step {step} was fed {was}")
+    return bad
 
 
 def _explain(run: _DropRun) -> str:
@@ -183,14 +189,7 @@ def test_a_replanned_prefill_feeds_its_own_draw_not_the_dropped_one(tiny_checkpo
     if not finish_before_drop:
         run.finish()                                       # step 3, dropped
         run.launch()
-    for _ in range(40):                                    # to the end
-        if runner.launched and runner.launched[0].plan.step in run.device_done:
-            run.finish()
-        run.core_all()
-        run.read_inbox()
-        run.launch()
-        if not (runner.launched or run.ex.inbox or run.ex.results or run.stuck()):
-            break
+    run.to_the_end()
     assert run.done.get("a", "").startswith("error") and run.done.get("b") == "length", f"{run.done}\n{_explain(run)}"
     assert len(run.events["b"]) == 3
     assert 3 not in run.kept
@@ -219,13 +218,6 @@ def test_a_replanned_prefill_after_a_sampler_failure_feeds_its_own_draw(tiny_che
     run.finish()                                           # step 2 fails
     assert run.failed == [2]
     run.finish()                                           # step 3: b's token to the host
-    for _ in range(40):
-        if runner.launched and runner.launched[0].plan.step in run.device_done:
-            run.finish()
-        run.core_all()
-        run.read_inbox()
-        run.launch()
-        if not (runner.launched or run.ex.inbox or run.ex.results or run.stuck()):
-            break
+    run.to_the_end()
     assert run.done.get("a", "").startswith("error") and run.done.get("b") == "length", f"{run.done}\n{_explain(run)}"
     assert not run.mismatches(), "\n".join(run.mismatches()) + "\n" + _explain(run)
