@@ -264,6 +264,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             except Exception:  # a message the runner cannot use must not take the worker down
                 log.exception("%s: could not handle a %s message", name, type(msg).__name__)
 
+    def send(outgoing: list) -> None:
+        for o in outgoing:
+            if o.to in peers:
+                peers[o.to].send_multipart(encode(o.message), copy=False)
+
     while not stop.is_set():
         # Progress for the stall check: idle (nothing launched: waiting for work is no stall), a step launched or
         # finished, a layer moving. Not the loop turning: a spinning stage turns it every few microseconds while it
@@ -294,25 +299,19 @@ def serve(cluster: ClusterConfig, index: int) -> int:
             # What other components wait for goes first (activations, tokens for stage 0 and the PLE service);
             # spinning, the next ready step is queued before the tokens are encoded for the gateway.
             later = [o for o in outgoing if o.to == "gateway"] if spin else []
-            for o in outgoing:
-                if o.to in peers and not any(o is x for x in later):
-                    peers[o.to].send_multipart(encode(o.message), copy=False)
+            send([o for o in outgoing if not any(o is x for x in later)])
             if later and runner.sampler_waits():
                 # A launched step's sampler waits for the rows this finish's tokens gave (`ple_sample_after_rows`):
                 # its graph runs from now (~ms), so the gateway's tokens go first; the sampler is queued next and
                 # the step after it launched at the loop's top (h100-33 call 5: queued before the messages, it held
                 # the tokens back 1.1 ms a step)
-                for o in later:
-                    if o.to in peers:
-                        peers[o.to].send_multipart(encode(o.message), copy=False)
+                send(later)
                 later = []
             runner.queue_samplers()
             if later:
                 if runner.launch_ready(failed):
                     turned[0] = time.monotonic()
-                for o in later:
-                    if o.to in peers:
-                        peers[o.to].send_multipart(encode(o.message), copy=False)
+                send(later)
             if runner.ready() is None:
                 break                 # look for new messages (the next plan, activations, PLE rows)
             if one_at_a_time:

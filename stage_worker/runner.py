@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -96,9 +97,9 @@ class _Launched:
     taken: dict = field(default_factory=dict)          # stage 0: `_Prepared.taken`
     skipped: bool = False                   # every entry's request was cancelled: nothing computed (`_skip`)
     rows_seq: int | None = None             # `ple_launch_ahead`: the mailbox number of the rows its graph waits for
-    tail: object | None = None              # last stage: its sampler, queued once those rows are out (`queue_samplers`)
+    tail: Callable[[], None] | None = None  # last stage: its sampler, queued once those rows are out (`queue_samplers`)
     tail_error: Exception | None = None     # ... which raised: `finish` fails the step with it
-    dropped: bool = False                   # stage 0: the engine core dropped it (`Plan.dropped`) before its finish
+    dropped: bool = False                   # the engine core dropped it (`Plan.dropped`) before its finish
 
 
 @dataclass
@@ -333,7 +334,7 @@ class StageRunner:
     def _on_plan(self, plan: Plan) -> None:
         for launched in self.launched:
             if launched.plan.step in plan.dropped:
-                launched.dropped = True         # its draws feed nothing (`_forget_redrawn`)
+                launched.dropped = True         # its draws feed nothing (`finish`, `_sample_launched`)
                 self._give_back(launched.taken)
                 for pending in self._pending_rows:      # its graph still waits: rows yes, tokens for the replan
                     if launched.ple_wait is not None and pending.seq == launched.ple_wait[0]:
@@ -772,7 +773,7 @@ class StageRunner:
         return {e.req_id: self.requests.get(e.req_id) for e in plan.entries}
 
     def _sample_launched(self, launched: _Launched, logits: torch.Tensor,
-                         states: dict[str, _ReqState | None] | None = None) -> None:
+                         states: dict[str, _ReqState | None]) -> None:
         """The last stage's tail of a launched step: its sampler queued behind the forward, and (one stage) its tokens
         noted as the next step's device feed. `states`: its requests' sampling state at its launch (`_states`)."""
         self._launch_states = states
@@ -798,7 +799,9 @@ class StageRunner:
             return True
         from stage_worker.kernels.host_wait import WAIT_TIMEOUT_S
 
-        return time.perf_counter() - pending.since > WAIT_TIMEOUT_S
+        # (`since` is when the rows were expected, before the graph was queued; the kernel's clock starts once it
+        # runs, after the step before: a second's margin covers that step)
+        return time.perf_counter() - pending.since > WAIT_TIMEOUT_S + 1.0
 
     @torch.inference_mode()   # (called by the worker loop and `launch_ready`, outside it: a tail sampled there
     #                           updated the penalties' counts, inference tensors made in a launch, in place, which

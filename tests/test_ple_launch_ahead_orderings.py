@@ -75,7 +75,9 @@ class _Pipeline:
         def launch(plan):
             real_launch(plan)
             launched = runner.launched[-1]
-            self.waits[plan.step] = launched.ple_wait[0] if launched.ple_wait is not None else None
+            # (`rows_seq`: the CPU path never sets `ple_wait`, which a graph's launch does, so keyed on it the fake
+            # device held no step back; helper-114)
+            self.waits[plan.step] = launched.rows_seq
         runner.launch = launch
 
     # ---- the engine core -------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_a_step_whose_rows_never_come_still_fails_after_the_wait_timeout(tiny_ch
     assert step1.tail is not None and not runner.oldest_done()
     pending = runner._pending_rows[0]
     assert pending.seq == step1.rows_seq
-    pending.since -= WAIT_TIMEOUT_S + 1               # the graph gave up: its copy of `timed_out` names it
+    pending.since -= WAIT_TIMEOUT_S + 2               # the graph gave up: its copy of `timed_out` names it
     step1.ple_wait = (pending.seq, torch.tensor([pending.seq], dtype=torch.int64))
     runner.launch_ready(_fail)
     assert step1.tail is None and runner.oldest_done()
