@@ -337,7 +337,7 @@ class StageRunner:
                 launched.dropped = True         # its draws feed nothing (`finish`, `_sample_launched`)
                 self._give_back(launched.taken)
                 for pending in self._pending_rows:      # its graph still waits: rows yes, tokens for the replan
-                    if launched.ple_wait is not None and pending.seq == launched.ple_wait[0]:
+                    if pending.seq == launched.rows_seq:
                         pending.dropped = True
         if self.is_first:
             # A dropped step that finished before its drop came keeps the tokens it took from an earlier step's
@@ -573,7 +573,7 @@ class StageRunner:
                                                  token_ids=torch.empty(0, dtype=torch.long), timing=launched.timing,
                                                  skipped=True))]
         tokens = [TokenOut(e.req_id, e.context_len + e.num_tokens, 0) for e in plan.entries if e.sample]
-        self._rows_from(tokens)
+        self._rows_from(tokens, dropped_only=launched.dropped)
         out: list[Outgoing] = []
         if self.is_first and not launched.dropped:      # (dropped: see `finish`)
             for t in tokens:
@@ -616,7 +616,7 @@ class StageRunner:
                 self._publish_rows()
             except Exception as exc:          # the step whose rows failed: its requests fail, the worker goes on
                 failed(next((x.plan.step for x in self.launched
-                             if x.ple_wait is not None and x.ple_wait[0] == waiting), -1), exc)
+                             if x.rows_seq == waiting), -1), exc)
         self.queue_samplers()
         launched = 0
         while self.can_launch() and (limit is None or launched < limit):
@@ -1010,7 +1010,7 @@ class StageRunner:
                           tokens=[(t if t.prompt_logprobs is None else dataclasses.replace(t, prompt_logprobs=None))
                                   if t.token >= 0 else TokenOut(t.req_id, t.position, 0) for t in tokens
                                   if t.token >= 0 or t.error])
-        self._rows_from(tokens)
+        self._rows_from(tokens, dropped_only=launched.dropped)   # (dropped: its graphs' rows alone)
         # A dropped step's draws feed nothing: the core plans its surviving requests again from before it, and that
         # replan draws the same (request, position) anew. Left in `next_tokens` (or popping `device_next`, which
         # may hold the replan's draw by now) the replan's next step was fed this step's token while the client got

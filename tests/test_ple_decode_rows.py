@@ -419,7 +419,7 @@ def test_a_token_a_waiting_step_consumed_is_given_back_when_that_step_is_dropped
         assert runner.ready() is plan
         prepared = runner.plans.pop(1)
         seq = runner._expect_rows(plan, prepared)
-        runner.launched.append(SimpleNamespace(plan=plan, taken=prepared.taken, ple_wait=(seq, None)))
+        runner.launched.append(SimpleNamespace(plan=plan, taken=prepared.taken, ple_wait=(seq, None), rows_seq=seq))
         keys = {r: (r, len(PROMPTS[r])) for r in PROMPTS}
         sampled = Sampled(step=0, microbatch=0, tokens=[TokenOut(r, keys[r][1], t) for r, t in (("a", 300), ("b", 7))])
         drop = Plan(step=3, microbatch=0, entries=[], dropped=[1])

@@ -106,7 +106,7 @@ def test_a_step_whose_rows_never_come_still_fails_after_the_wait_timeout(tiny_ch
 
     runner = _two_launched(tiny_checkpoint, tmp_path)
     real_rows_from = runner._rows_from
-    runner._rows_from = lambda tokens: None           # step 0's token never reaches step 1's rows (a lost token)
+    runner._rows_from = lambda tokens, **_: None          # step 0's token never reaches step 1's rows (a lost token)
     runner.finish()
     runner._rows_from = real_rows_from
     runner.launch_ready(_fail)
