@@ -629,7 +629,9 @@ class StageRunner:
                 launched += 1
             except Exception as exc:
                 step = plan.step if plan is not None else min(self.plans, default=-1)
-                self.plans.pop(step, None)
+                dropped = self.plans.pop(step, None)
+                if dropped is not None:       # (`ready` or a caller's wrapper raised before `launch` took it)
+                    self._abandon(dropped)
                 failed(step, exc)
         return launched
 
@@ -654,6 +656,26 @@ class StageRunner:
         """Queue the step's work on the device (inputs, forward or graph replay, sampling, copies of the results to
         the host); `finish` completes it. Nothing here waits for the GPU, except the per-row sampler and echo."""
         prepared = self.plans.pop(plan.step)
+        try:
+            self._launch(plan, prepared)
+        except BaseException:
+            self._abandon(prepared)
+            raise
+
+    def _abandon(self, prepared: _Prepared) -> None:
+        """A step whose launch raised (`launch_ready` reports it): the sampled tokens its preparation took go back,
+        and rows it expected still go out (in mailbox order: later steps' graphs wait for higher numbers) without
+        taking any more. The core fails the step's own requests, but the step may also be a later step of an
+        earlier failure's drop (a second step failing in the same `launch_ready`, before that drop comes: its own
+        StageError is then ignored), whose requests are planned again alive from the tokens it took: kept nowhere,
+        that replan was never ready and the request waited for good (tests/test_qa_launch_failures.py). For a step
+        the core fails they sit in `next_tokens` / `device_next` until its `finished` removes them."""
+        for pending in self._pending_rows:
+            if pending.taken is prepared.taken:
+                pending.dropped = True        # (`_rows_from` takes no token for it: as for a dropped step's graph)
+        self._give_back(prepared.taken)
+
+    def _launch(self, plan: Plan, prepared: _Prepared) -> None:
         if self.is_first:
             self._forget_redrawn(plan)
         if self._skips(plan):

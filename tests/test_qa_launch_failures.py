@@ -1,0 +1,229 @@
+"""A step whose `launch` raises, and the sampled tokens its preparation took (one stage, first and last, on the CPU:
+the GPU path faked as tests/test_qa_end_of_stream_stall.py does, with the real `EngineCore`).
+
+Stage 0 takes a decode step's input token out of `next_tokens` / `device_next` when it prepares the step (`ready`:
+`_take_host`, `_input_ids`) or when it expects the step's PLE rows (`_expect_rows`, `_rows_from`), noting it in the
+step's `_Prepared.taken`, so that a dropped step gives it back for the step that replans its requests. A step whose
+launch raises is reported (`failed(step, exc)`) and the core drops it and every later plan of its micro-batch
+(`drop_from`), failing the failed step's requests and planning the others again. Its taken tokens then belong to
+requests that end, unless that step is itself a *later* step of an earlier failure's drop: a second step failing in
+the same `launch_ready` (the loop goes on to the next ready step before the core's drop comes), whose StageError the
+core ignores (the step is dropped already), while its requests are rolled back and replanned alive. A grammar
+request (never planned ahead) whose decode is in that second step needs the token it took: kept nowhere, its replan
+was never ready and the request waited for good.
+
+What is checked: every request ends (a finish reason or an error), nothing is left launched or waiting, and the
+tokens the clients got are the ones the model was fed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.engine_core import GenerationRequest
+from shared.sampling import SamplingParams
+from tests.test_qa_dropped_step_two_stages import _AnyToken
+from tests.test_qa_end_of_stream_stall import _stage
+from tests.test_qa_stale_token_after_drop import _DropRun, _explain
+
+
+class _LaunchFailRun(_DropRun):
+    """`_DropRun` with grammar requests, and a launch that raises at a chosen point: `before` (the wrapper, before
+    the runner's `launch`: the prepared step is still in `plans`), `rows` (inside `launch`, right after the real
+    `_expect_rows` numbered the step in the mailbox and noted its pending rows; prefill steps raise in the
+    forward) or `forward` (inside `launch`, in the model's forward)."""
+
+    def __init__(self, runner, rng, fail: set[int], where: str) -> None:
+        super().__init__(runner, rng, fail_launch=fail if where == "before" else ())
+        self.fail, self.where = fail, where
+        real_expect, model = runner._expect_rows, self.model
+
+        def expect_rows(plan, prepared):
+            seq = real_expect(plan, prepared)
+            if where == "rows" and plan.step in fail:
+                raise RuntimeError(f"step {plan.step}: injected failure after _expect_rows")
+            return seq
+        runner._expect_rows = expect_rows
+        real_call = type(model).__call__
+
+        def call(batch, cache, hidden):
+            if where in ("rows", "forward") and model.plan.step in fail:
+                raise RuntimeError(f"step {model.plan.step}: injected forward failure")
+            return real_call(model, batch, cache, hidden)
+        model.__call__ = call               # (instance attribute: `runner.model(...)` looks up the type's)
+        runner.model = _Callable(model, call)
+
+    def add_request(self, rid: str, prompt: list[int], max_tokens: int, grammar=None) -> None:
+        self.events[rid] = []
+        self.prompts = getattr(self, "prompts", {})
+        self.prompts[rid] = len(prompt)
+        self.core.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7),
+                                        ignore_eos=True, grammar=grammar), self._sink(rid))
+        self.log.append(f"client sends {rid}")
+
+
+class _Callable:
+    """The faked model with its forward replaced (a call goes through the type)."""
+
+    def __init__(self, model, call) -> None:
+        self._model, self._call = model, call
+
+    def __call__(self, batch, cache, hidden):
+        return self._call(batch, cache, hidden)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _run(tiny_checkpoint, tmp_path, fail: set[int], where: str, grammar: bool = True) -> _LaunchFailRun:
+    rng = random.Random(0)
+    runner = _stage(tiny_checkpoint, tmp_path, rng)
+    run = _LaunchFailRun(runner, rng, fail, where)
+    run.add_request("a", [3 + j for j in range(6)], 4)
+    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken() if grammar else None)
+    run.add_request("b", [50 + j for j in range(7)], 4)
+    run._plans()
+    run.to_the_end(turns=200)
+    return run
+
+
+def _check(run: _LaunchFailRun) -> None:
+    r = run.runner
+    assert set(run.done) == {"a", "g", "b"}, f"not ended: {sorted(set(run.events) - set(run.done))}\n{_explain(run)}"
+    assert not run.stuck(), _explain(run)
+    assert not r.launched and not r.plans, _explain(run)
+    assert not run.mismatches(), "\n".join(run.mismatches()) + "\n" + _explain(run)
+
+
+@pytest.mark.parametrize("where", ["before", "rows", "forward"])
+@pytest.mark.parametrize("first", range(0, 8))
+def test_two_launch_failures_in_a_row_end_every_request(tiny_checkpoint, tmp_path, first, where):
+    """Steps `first` and `first + 1` raise in `launch`; every request still ends."""
+    run = _run(tiny_checkpoint, tmp_path, {first, first + 1}, where)
+    _check(run)
+
+
+@pytest.mark.parametrize("where", ["before", "rows", "forward"])
+@pytest.mark.parametrize("first", range(0, 8))
+def test_one_launch_failure_ends_every_request(tiny_checkpoint, tmp_path, first, where):
+    """Only step `first` raises in `launch`: its taken tokens belong to its own requests, which the core fails, so
+    nothing waits for them; the rows it expected still go out (in mailbox order), so later graphs run."""
+    run = _run(tiny_checkpoint, tmp_path, {first}, where)
+    _check(run)
+
+
+
+@pytest.mark.parametrize("where", ["before", "rows", "forward"])
+def test_a_failed_later_step_gives_back_its_tokens(tiny_checkpoint, tmp_path, where):
+    """Step 3 ([a, b], planned ahead) and step 4 ([g], the grammar request's decode of step 2's draw, which needs
+    nothing from step 3) are both prepared when the stage launches: step 3 raises, the loop goes on to step 4
+    (ready), which takes g's token and raises too. The core drops 3 and 4 on step 3's error, fails a and b and plans
+    g again from the same token; step 4's error names a step it dropped already, so nothing more happens. The replan
+    needs the token step 4 took: without it back it was never ready and g waited for good."""
+    rng = random.Random(0)
+    runner = _stage(tiny_checkpoint, tmp_path, rng)
+    run = _LaunchFailRun(runner, rng, {3, 4}, where)
+    run.add_request("a", [3 + j for j in range(6)], 4)
+    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
+    run.add_request("b", [50 + j for j in range(7)], 4)
+    run._plans()                                  # step 0 (the three prompts), step 1 (a and b planned ahead)
+    run.read_inbox()
+    run.launch()
+    run.finish()                                  # step 0
+    run.core_turn()                               # step 2 (a, g, b)
+    run.read_inbox()
+    run.launch()
+    assert [x.plan.step for x in runner.launched] == [1, 2]
+    run.finish()                                  # step 1
+    run.core_turn()                               # step 3 (a and b planned ahead)
+    run.read_inbox()                              # prepared; the stage has not launched it yet
+    run.device()
+    run.finish()                                  # step 2: g's token (g, 6) to the host
+    run.core_turn()                               # step 4 (g)
+    run.read_inbox()
+    assert sorted(runner.plans) == [3, 4]
+    run.launch()                                  # both raise
+    assert run.failed == [3, 4], _explain(run)
+    run.to_the_end(turns=200)
+    assert run.done.get("a", "").startswith("error") and run.done.get("b", "").startswith("error"), run.done
+    assert run.done.get("g") == "length", f"{run.done}\n{_explain(run)}"
+    _check(run)
+
+
+class _FinishFailRun(_LaunchFailRun):
+    """A step of `fail_finish` raises inside `finish`, after its tokens are on the host (from `_rows_from`, before
+    they are published to `next_tokens`, the PLE rows or the core); steps of `fail` raise in `launch` (`where`)."""
+
+    def __init__(self, runner, rng, fail_finish: set[int], fail: set[int] = frozenset(), where: str = "before"):
+        super().__init__(runner, rng, set(fail), where)
+        self.finishing = None
+        real_rows_from = runner._rows_from
+
+        def rows_from(tokens, dropped_only=False):
+            if self.finishing in fail_finish:
+                raise RuntimeError(f"step {self.finishing}: injected finish failure")
+            real_rows_from(tokens, dropped_only)
+        runner._rows_from = rows_from
+
+    def finish(self) -> None:
+        self.finishing = self.runner.launched[0].plan.step
+        try:
+            super().finish()
+        finally:
+            self.finishing = None
+
+
+@pytest.mark.parametrize("then_launch", [False, True])
+@pytest.mark.parametrize("first", range(0, 8))
+def test_a_finish_failure_ends_every_request(tiny_checkpoint, tmp_path, first, then_launch):
+    """Step `first` raises in `finish` (and, `then_launch`, step `first + 1` in `launch`). What the failed finish
+    took is kept in `_finished_taken` (noted at the top of `finish`, before anything can raise) and given back when
+    the drop names it; the launched step behind it is dropped (`_on_plan` gives back its tokens, its rows go out
+    once the failed requests' `finished` makes their missing tokens 0)."""
+    rng = random.Random(0)
+    runner = _stage(tiny_checkpoint, tmp_path, rng)
+    run = _FinishFailRun(runner, rng, {first}, {first + 1} if then_launch else set())
+    run.add_request("a", [3 + j for j in range(6)], 4)
+    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
+    run.add_request("b", [50 + j for j in range(7)], 4)
+    run._plans()
+    run.to_the_end(turns=200)
+    _check(run)
+
+
+def test_a_finish_failure_then_a_launch_failure_gives_back_the_later_steps_tokens(tiny_checkpoint, tmp_path):
+    """Step 3 ([a, b]) launched, step 4 ([g], needing nothing from step 3) prepared behind it: step 3's finish raises
+    and the loop's next `launch_ready` launches step 4, which raises too, before the core's drop of 3 and 4 comes.
+    g is planned again from the token step 4 took (as `test_a_failed_later_step_gives_back_its_tokens`)."""
+    rng = random.Random(0)
+    runner = _stage(tiny_checkpoint, tmp_path, rng)
+    run = _FinishFailRun(runner, rng, {3}, {4})
+    run.add_request("a", [3 + j for j in range(6)], 4)
+    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
+    run.add_request("b", [50 + j for j in range(7)], 4)
+    run._plans()
+    run.read_inbox()
+    run.launch()
+    run.finish()                                  # step 0
+    run.core_turn()                               # step 2 (a, g, b)
+    run.read_inbox()
+    run.launch()
+    run.finish()                                  # step 1
+    run.core_turn()                               # step 3 (a and b)
+    run.read_inbox()
+    run.launch()                                  # step 3 (its inputs from step 2, on the device)
+    assert [x.plan.step for x in runner.launched] == [2, 3], _explain(run)
+    run.device()
+    run.finish()                                  # step 2: g's token (g, 6) to the host
+    run.core_turn()                               # step 4 (g)
+    run.read_inbox()
+    assert sorted(runner.plans) == [4]
+    run.device()
+    run.finish()                                  # step 3 raises
+    run.launch()                                  # step 4 raises
+    assert run.failed == [3, 4], _explain(run)
+    run.to_the_end(turns=200)
+    assert run.done.get("g") == "length", f"{run.done}\n{_explain(run)}"
+    _check(run)
