@@ -12,6 +12,15 @@ core ignores (the step is dropped already), while its requests are rolled back a
 request (never planned ahead) whose decode is in that second step needs the token it took: kept nowhere, its replan
 was never ready and the request waited for good.
 
+Across stages (stage 0 of two, `ple_launch_ahead_across_stages`) a launch that raises after `_expect_rows` leaves
+rows pending with no graph waiting for them: they still go out in mailbox order (their tokens come with the last
+stage's `Sampled`, or as 0 once the failed requests are `finished`), so `ready`'s guard and the mailbox's numbers
+hold nothing up; but without being marked dropped they took a token that came after the failure (`_rows_from`)
+from a request replanned alive, whose replan then waited PUBLISH_DEADLINE_S and failed.
+
+A step that raises in `finish` is not affected: `finish` notes its taken tokens in `_finished_taken` before anything
+in it can raise, and the drop that names the step gives them back.
+
 What is checked: every request ends (a finish reason or an error), nothing is left launched or waiting, and the
 tokens the clients got are the ones the model was fed.
 """
@@ -24,6 +33,8 @@ import pytest
 
 from shared.engine_core import GenerationRequest
 from shared.sampling import SamplingParams
+from tests.test_ple_launch_ahead_orderings import _stage0
+from tests.test_qa_dropped_across_stages import _Drops, _end_checks, no_deadline  # noqa: F401 (a fixture)
 from tests.test_qa_dropped_step_two_stages import _AnyToken
 from tests.test_qa_end_of_stream_stall import _stage
 from tests.test_qa_stale_token_after_drop import _DropRun, _explain
@@ -52,7 +63,6 @@ class _LaunchFailRun(_DropRun):
             if where in ("rows", "forward") and model.plan.step in fail:
                 raise RuntimeError(f"step {model.plan.step}: injected forward failure")
             return real_call(model, batch, cache, hidden)
-        model.__call__ = call               # (instance attribute: `runner.model(...)` looks up the type's)
         runner.model = _Callable(model, call)
 
     def add_request(self, rid: str, prompt: list[int], max_tokens: int, grammar=None) -> None:
@@ -227,3 +237,94 @@ def test_a_finish_failure_then_a_launch_failure_gives_back_the_later_steps_token
     run.to_the_end(turns=200)
     assert run.done.get("g") == "length", f"{run.done}\n{_explain(run)}"
     _check(run)
+
+
+# ---- stage 0 of two, `ple_launch_ahead_across_stages` (tests/test_qa_dropped_across_stages.py's harness) ----------
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_across_stages_a_launch_failing_after_its_rows_were_expected(tiny_checkpoint, tmp_path, no_deadline,
+                                                                      microbatches):
+    """Stage 0 of two with the mailbox's ids: a launch that raises right after `_expect_rows` numbered the step in
+    the mailbox and queued its pending rows (no graph will wait for them). `ready` launches nothing while rows are
+    pending, so those rows must still go out (their tokens come with the last stage's `Sampled`, or as 0 once the
+    failed requests are `finished`) and the mailbox's numbers stay in order for the graphs behind; a token they
+    wait for must not be taken from a request replanned alive (`_abandon` marks them dropped). PUBLISH_DEADLINE_S is
+    infinite: a wait it would end hangs the run. Random orderings, failures on both stages, grammar requests."""
+    raised = 0
+    for seed in range(40):
+        runner = _stage0(tiny_checkpoint, tmp_path)
+        rng = random.Random(5000 + seed)
+        prompts = [11, 11, 6, 18]
+        max_tokens = [rng.randint(2, 10) for _ in prompts]
+        late = [0, 0, rng.randint(0, 6), rng.randint(0, 8)]
+        grammar = {i for i in range(4) if rng.random() < 0.35}
+        pipe = _Drops(runner, rng, prompts, max_tokens, late, 0.05, microbatches=microbatches, grammar=grammar,
+                      launch_fail_rate=0.02)
+        real_expect = runner._expect_rows
+
+        def expect_rows(plan, prepared, pipe=pipe, real_expect=real_expect):
+            nonlocal raised
+            seq = real_expect(plan, prepared)
+            if pipe.rng.random() < 0.08:
+                pipe.seq_step[seq] = plan.step        # (the harness maps every pending number to its step)
+                raised += 1
+                raise RuntimeError(f"stage 0 fails step {plan.step} after _expect_rows (injected)")
+            return seq
+        runner._expect_rows = expect_rows
+        pipe.run()
+        _end_checks(runner, pipe, seed)
+        assert set(pipe.finished) == {f"r{i}" for i in range(4)}, f"seed {seed}: {pipe.finished}"
+        flag = int(runner.ple_mailbox.flag[0])
+        assert flag == runner.ple_mailbox.seq, f"seed {seed}: mailbox flag {flag}, numbered {runner.ple_mailbox.seq}"
+    assert raised, "no launch raised after _expect_rows"
+
+
+
+def test_across_stages_a_failed_launch_of_a_later_dropped_step_takes_no_token(tiny_checkpoint, tmp_path,
+                                                                              no_deadline):
+    """The last stage fails a step; before the core's drop reaches stage 0, stage 0 launches a later step of that
+    micro-batch, and the launch raises after `_expect_rows` queued rows that wait for the token of a request not in
+    the failed step (a kept step's draw whose `Sampled` has not come): the core drops both steps and replans that
+    request alive from that token. When the `Sampled` comes, the abandoned rows must not take it (`_rows_from` notes
+    a token a waiting step consumes in its `taken`, which `_abandon` has already given back): `_abandon` marks them
+    dropped, so the token stays in `next_tokens` for the replan."""
+    hits = 0
+    for seed in range(60):
+        runner = _stage0(tiny_checkpoint, tmp_path)
+        rng = random.Random(7000 + seed)
+        prompts = [11, 9, 7, 13]
+        max_tokens = [rng.randint(3, 10) for _ in prompts]
+        pipe = _Drops(runner, rng, prompts, max_tokens, [0, 0, rng.randint(0, 4), rng.randint(0, 6)], 0.08,
+                      grammar={i for i in range(4) if rng.random() < 0.5})
+        sent: dict[int, object] = {}
+        real_send = pipe._send
+
+        def send(plan, real_send=real_send, sent=sent):
+            sent[plan.step] = plan
+            real_send(plan)
+        pipe._send = send
+        real_expect = runner._expect_rows
+
+        def expect_rows(plan, prepared, pipe=pipe, real_expect=real_expect, sent=sent):
+            nonlocal hits
+            seq = real_expect(plan, prepared)
+            pending = runner._pending_rows[-1] if runner._pending_rows else None
+            failed1 = [int(x.split()[-1]) for x in pipe.log if x.startswith("stage 1 fails step")]
+            for f in failed1:
+                bad = sent.get(f)
+                if (bad is None or f in pipe.dropped0 or f >= plan.step or bad.microbatch != plan.microbatch
+                        or pending is None or pending.seq != seq):
+                    continue
+                gone = {e.req_id for e in bad.entries}
+                if any(isinstance(t, tuple) and t[0] not in gone for t in pending.tokens):
+                    pipe.seq_step[seq] = plan.step
+                    hits += 1
+                    raise RuntimeError(f"stage 0 fails step {plan.step} after _expect_rows (injected)")
+            return seq
+        runner._expect_rows = expect_rows
+        pipe.run()
+        _end_checks(runner, pipe, seed)
+        assert set(pipe.finished) == {f"r{i}" for i in range(4)}, f"seed {seed}: {pipe.finished}\n" + \
+            "\n".join(pipe.log[-40:])
+    assert hits, "no such launch failed: the test did not meet its shape"
