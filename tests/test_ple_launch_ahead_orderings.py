@@ -171,7 +171,12 @@ class _Pipeline:
             r.finish()
         except Exception as exc:
             self._failed(step, exc)
+            return True
+        self._finished0(step)
         return True
+
+    def _finished0(self, step: int) -> None:
+        """After stage 0's `finish` of `step` returned (a hook: nothing here)."""
 
     # ---- the run ---------------------------------------------------------------------------------------------
     def moves(self) -> list:

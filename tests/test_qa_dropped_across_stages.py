@@ -32,20 +32,7 @@ import stage_worker.runner as runner_mod
 from shared.protocol import Plan, Sampled, StepResult, TokenOut
 from shared.scheduler import Scheduler
 from tests.test_ple_launch_ahead_orderings import _Pipeline, _stage0
-
-
-class _AnyToken:
-    """A grammar that accepts every token: the request is never planned ahead (`Scheduler._can_run_ahead`), so it
-    can decode in the step after a failed one without being in the failed one (it is then replanned, alive)."""
-
-    def mask_bytes(self):
-        return None
-
-    def accept(self, token: int) -> bool:
-        return True
-
-    def is_finished(self) -> bool:
-        return False
+from tests.test_qa_dropped_step_two_stages import _AnyToken
 
 
 class _Drops(_Pipeline):
@@ -164,20 +151,10 @@ class _Drops(_Pipeline):
                               f"{sorted(self.ran1)}): its graph and every step behind it would wait "
                               f"PUBLISH_DEADLINE_S\n" + "\n".join(self.log[-40:]))
 
-    def finish0(self) -> bool:
-        r = self.runner
-        if not r.launched or r.launched[0].plan.step not in self.done0:
-            return False
-        step = r.launched[0].plan.step
-        try:
-            r.finish()
-        except Exception as exc:
-            self._failed(step, exc)
-            return True
+    def _finished0(self, step: int) -> None:
         if self.rng.random() < self.fail0_rate:       # a failure after the activations went on (CUDA IPC)
             self._failed(step, RuntimeError("injected"))
         self.check_waits()
-        return True
 
     def moves(self) -> list:
         m = super().moves()
@@ -201,6 +178,18 @@ def no_deadline(monkeypatch):
     """No PUBLISH_DEADLINE_S: a graph left waiting for a token that never comes hangs the run instead of being
     published with zeros after 60 s (which would hide the stall)."""
     monkeypatch.setattr(runner_mod, "PUBLISH_DEADLINE_S", float("inf"))
+
+
+def _random_drops(tiny_checkpoint, tmp_path, seed: int, fail_rate: float, **kw):
+    """Stage 0 and a `_Drops` of four requests (prompts 11, 11, 6 and 18 tokens) drawn from `seed`: random lengths,
+    the last two arriving late, about a third of them grammar requests; `kw` goes to `_Drops`."""
+    runner = _stage0(tiny_checkpoint, tmp_path)
+    rng = random.Random(seed)
+    prompts = [11, 11, 6, 18]
+    max_tokens = [rng.randint(2, 10) for _ in prompts]
+    late = [0, 0, rng.randint(0, 6), rng.randint(0, 8)]
+    grammar = {i for i in range(4) if rng.random() < 0.35}
+    return runner, _Drops(runner, rng, prompts, max_tokens, late, fail_rate, grammar=grammar, **kw)
 
 
 def _end_checks(runner, pipe, seed) -> None:
@@ -247,14 +236,8 @@ def test_no_graph_waits_for_a_dropped_steps_token_under_random_failures(tiny_che
     reading its drops late, grammar requests among plain ones, one or two micro-batches."""
     hits = 0
     for seed in range(50):
-        runner = _stage0(tiny_checkpoint, tmp_path)
-        rng = random.Random(1000 + seed)
-        prompts = [11, 11, 6, 18]
-        max_tokens = [rng.randint(2, 10) for _ in prompts]
-        late = [0, 0, rng.randint(0, 6), rng.randint(0, 8)]
-        grammar = {i for i in range(4) if rng.random() < 0.35}
-        pipe = _Drops(runner, rng, prompts, max_tokens, late, 0.1, microbatches=microbatches, grammar=grammar,
-                      fail0_rate=0.05, launch_fail_rate=0.03)
+        runner, pipe = _random_drops(tiny_checkpoint, tmp_path, 1000 + seed, 0.1, microbatches=microbatches,
+                                     fail0_rate=0.05, launch_fail_rate=0.03)
         pipe.run()
         _end_checks(runner, pipe, seed)
         hits += pipe.dropped_waits

@@ -21,10 +21,11 @@ from shared.protocol import Plan, StageError, StepResult
 from shared.sampling import SamplingParams
 from stage_worker.runner import StageRunner
 from tests.test_qa_end_of_stream_stall import _Executor as _OneStageExecutor
-from tests.test_qa_stale_token_after_drop import mismatches
+from tests.test_qa_end_of_stream_stall import _client_sink
+from tests.test_qa_stale_token_after_drop import _PeakedDraws, mismatches
 
 
-class _Forward:
+class _Forward(_PeakedDraws):
     """A stage's forward faked (zeros for the activations); the last stage's head peaked on a new token at every
     call. Stage 0's records the ids it is fed, by step and (request, position)."""
 
@@ -35,22 +36,8 @@ class _Forward:
         self.fed: dict[int, dict[tuple[str, int], int]] = {}
 
     def __call__(self, batch, cache, hidden):
-        plan = self.plan_of()
-        ids = batch.token_ids.tolist()
-        fed, i = self.fed.setdefault(plan.step, {}), 0
-        for e in plan.entries:
-            for k in range(e.num_tokens):
-                fed[(e.req_id, e.context_len + k)] = ids[i]
-                i += 1
+        self._note_fed(self.plan_of(), batch)
         return torch.zeros(batch.token_ids.numel(), 4)
-
-    def logits(self, hidden, batch):
-        n = batch.logits_indices.numel()
-        out = torch.full((n, self.vocab), -30.0)
-        for row in range(n):
-            self.calls += 1
-            out[row, 10 + (self.calls * 7) % (self.vocab - 10)] = 30.0
-        return out
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -69,7 +56,8 @@ class _Executor(_OneStageExecutor):
 
 
 class _AnyToken:
-    """A grammar that accepts every token: the request is never planned ahead (`Scheduler._can_run_ahead`)."""
+    """A grammar that accepts every token: the request is never planned ahead (`Scheduler._can_run_ahead`), so it
+    can decode in the step after a failed one without being in the failed one (it is then replanned, alive)."""
 
     def mask_bytes(self):
         return None
@@ -126,16 +114,8 @@ class _Two:
     def add(self, rid: str, prompt: list[int], max_tokens: int, grammar=None, plan: bool = True) -> None:
         self.events[rid] = []
         self.prompts[rid] = len(prompt)
-
-        def sink(ev):
-            if isinstance(ev, Exception):
-                self.done[rid] = f"error: {ev}"
-                return
-            self.events[rid].append(ev.token_id)
-            if ev.finish_reason is not None:
-                self.done[rid] = ev.finish_reason
         self.core.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7),
-                                        ignore_eos=True, grammar=grammar), sink)
+                                        ignore_eos=True, grammar=grammar), _client_sink(self, rid))
         if plan:
             self.plans()
 

@@ -115,6 +115,19 @@ class _Executor:
         pass
 
 
+def _client_sink(run, rid: str):
+    """A client's sink for request `rid`: its tokens to `run.events[rid]`, its finish reason (or error) to
+    `run.done[rid]`."""
+    def sink(ev):
+        if isinstance(ev, Exception):
+            run.done[rid] = f"error: {ev}"
+            return
+        run.events[rid].append(ev.token_id)
+        if ev.finish_reason is not None:
+            run.done[rid] = ev.finish_reason
+    return sink
+
+
 class _Run:
     def __init__(self, runner: StageRunner, rng: random.Random, prompts: list[int], max_tokens: list[int],
                  late: list[int], cancel_rate: float) -> None:
@@ -155,14 +168,7 @@ class _Run:
         runner.launch, runner._expect_rows = launch, expect_rows
 
     def _sink(self, rid: str):
-        def sink(ev):
-            if isinstance(ev, Exception):
-                self.done[rid] = f"error: {ev}"
-                return
-            self.events[rid].append(ev.token_id)
-            if ev.finish_reason is not None:
-                self.done[rid] = ev.finish_reason
-        return sink
+        return _client_sink(self, rid)
 
     # ---- the engine core ---------------------------------------------------------------------------------------
     def _plans(self) -> None:

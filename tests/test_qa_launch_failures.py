@@ -34,7 +34,8 @@ import pytest
 from shared.engine_core import GenerationRequest
 from shared.sampling import SamplingParams
 from tests.test_ple_launch_ahead_orderings import _stage0
-from tests.test_qa_dropped_across_stages import _Drops, _end_checks, no_deadline  # noqa: F401 (a fixture)
+from tests.test_qa_dropped_across_stages import no_deadline  # noqa: F401 (a fixture)
+from tests.test_qa_dropped_across_stages import _Drops, _end_checks, _random_drops
 from tests.test_qa_dropped_step_two_stages import _AnyToken
 from tests.test_qa_end_of_stream_stall import _stage
 from tests.test_qa_stale_token_after_drop import _DropRun, _explain
@@ -88,15 +89,31 @@ class _Callable:
 
 
 def _run(tiny_checkpoint, tmp_path, fail: set[int], where: str, grammar: bool = True) -> _LaunchFailRun:
+    run = _abg(tiny_checkpoint, tmp_path, _LaunchFailRun, fail, where, grammar=grammar)
+    run.to_the_end(turns=200)
+    return run
+
+
+def _abg(tiny_checkpoint, tmp_path, cls, *args, grammar: bool = True):
+    """A `cls` run (`cls(runner, rng, *args)`) of one stage with requests a, g (a grammar request unless not
+    `grammar`) and b added, and the core's first plans sent."""
     rng = random.Random(0)
-    runner = _stage(tiny_checkpoint, tmp_path, rng)
-    run = _LaunchFailRun(runner, rng, fail, where)
+    run = cls(_stage(tiny_checkpoint, tmp_path, rng), rng, *args)
     run.add_request("a", [3 + j for j in range(6)], 4)
     run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken() if grammar else None)
     run.add_request("b", [50 + j for j in range(7)], 4)
-    run._plans()
-    run.to_the_end(turns=200)
+    run._plans()                                  # step 0 (the three prompts), step 1 (a and b planned ahead)
     return run
+
+
+def _to_step_two(run) -> None:
+    """Steps 0 and 1 launched, step 0 finished, step 2 (a, g, b) planned and launched."""
+    run.read_inbox()
+    run.launch()
+    run.finish()                                  # step 0
+    run.core_turn()                               # step 2 (a, g, b)
+    run.read_inbox()
+    run.launch()
 
 
 def _check(run: _LaunchFailRun) -> None:
@@ -132,19 +149,9 @@ def test_a_failed_later_step_gives_back_its_tokens(tiny_checkpoint, tmp_path, wh
     (ready), which takes g's token and raises too. The core drops 3 and 4 on step 3's error, fails a and b and plans
     g again from the same token; step 4's error names a step it dropped already, so nothing more happens. The replan
     needs the token step 4 took: without it back it was never ready and g waited for good."""
-    rng = random.Random(0)
-    runner = _stage(tiny_checkpoint, tmp_path, rng)
-    run = _LaunchFailRun(runner, rng, {3, 4}, where)
-    run.add_request("a", [3 + j for j in range(6)], 4)
-    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
-    run.add_request("b", [50 + j for j in range(7)], 4)
-    run._plans()                                  # step 0 (the three prompts), step 1 (a and b planned ahead)
-    run.read_inbox()
-    run.launch()
-    run.finish()                                  # step 0
-    run.core_turn()                               # step 2 (a, g, b)
-    run.read_inbox()
-    run.launch()
+    run = _abg(tiny_checkpoint, tmp_path, _LaunchFailRun, {3, 4}, where)
+    runner = run.runner
+    _to_step_two(run)
     assert [x.plan.step for x in runner.launched] == [1, 2]
     run.finish()                                  # step 1
     run.core_turn()                               # step 3 (a and b planned ahead)
@@ -192,13 +199,7 @@ def test_a_finish_failure_ends_every_request(tiny_checkpoint, tmp_path, first, t
     took is kept in `_finished_taken` (noted at the top of `finish`, before anything can raise) and given back when
     the drop names it; the launched step behind it is dropped (`_on_plan` gives back its tokens, its rows go out
     once the failed requests' `finished` makes their missing tokens 0)."""
-    rng = random.Random(0)
-    runner = _stage(tiny_checkpoint, tmp_path, rng)
-    run = _FinishFailRun(runner, rng, {first}, {first + 1} if then_launch else set())
-    run.add_request("a", [3 + j for j in range(6)], 4)
-    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
-    run.add_request("b", [50 + j for j in range(7)], 4)
-    run._plans()
+    run = _abg(tiny_checkpoint, tmp_path, _FinishFailRun, {first}, {first + 1} if then_launch else set())
     run.to_the_end(turns=200)
     _check(run)
 
@@ -207,19 +208,9 @@ def test_a_finish_failure_then_a_launch_failure_gives_back_the_later_steps_token
     """Step 3 ([a, b]) launched, step 4 ([g], needing nothing from step 3) prepared behind it: step 3's finish raises
     and the loop's next `launch_ready` launches step 4, which raises too, before the core's drop of 3 and 4 comes.
     g is planned again from the token step 4 took (as `test_a_failed_later_step_gives_back_its_tokens`)."""
-    rng = random.Random(0)
-    runner = _stage(tiny_checkpoint, tmp_path, rng)
-    run = _FinishFailRun(runner, rng, {3}, {4})
-    run.add_request("a", [3 + j for j in range(6)], 4)
-    run.add_request("g", [30 + j for j in range(5)], 4, grammar=_AnyToken())
-    run.add_request("b", [50 + j for j in range(7)], 4)
-    run._plans()
-    run.read_inbox()
-    run.launch()
-    run.finish()                                  # step 0
-    run.core_turn()                               # step 2 (a, g, b)
-    run.read_inbox()
-    run.launch()
+    run = _abg(tiny_checkpoint, tmp_path, _FinishFailRun, {3}, {4})
+    runner = run.runner
+    _to_step_two(run)
     run.finish()                                  # step 1
     run.core_turn()                               # step 3 (a and b)
     run.read_inbox()
@@ -242,6 +233,23 @@ def test_a_finish_failure_then_a_launch_failure_gives_back_the_later_steps_token
 # ---- stage 0 of two, `ple_launch_ahead_across_stages` (tests/test_qa_dropped_across_stages.py's harness) ----------
 
 
+def _raise_after_expect_rows(runner, pipe, when) -> list[int]:
+    """Stage 0's launch raises right after the real `_expect_rows` numbered a step in the mailbox and queued its
+    pending rows, where `when(plan, seq)` says; returns the list of the steps it raised for (filled as it runs)."""
+    raised: list[int] = []
+    real_expect = runner._expect_rows
+
+    def expect_rows(plan, prepared):
+        seq = real_expect(plan, prepared)
+        if when(plan, seq):
+            pipe.seq_step[seq] = plan.step        # (the harness maps every pending number to its step)
+            raised.append(plan.step)
+            raise RuntimeError(f"stage 0 fails step {plan.step} after _expect_rows (injected)")
+        return seq
+    runner._expect_rows = expect_rows
+    return raised
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_across_stages_a_launch_failing_after_its_rows_were_expected(tiny_checkpoint, tmp_path, no_deadline,
                                                                       microbatches):
@@ -253,26 +261,11 @@ def test_across_stages_a_launch_failing_after_its_rows_were_expected(tiny_checkp
     infinite: a wait it would end hangs the run. Random orderings, failures on both stages, grammar requests."""
     raised = 0
     for seed in range(40):
-        runner = _stage0(tiny_checkpoint, tmp_path)
-        rng = random.Random(5000 + seed)
-        prompts = [11, 11, 6, 18]
-        max_tokens = [rng.randint(2, 10) for _ in prompts]
-        late = [0, 0, rng.randint(0, 6), rng.randint(0, 8)]
-        grammar = {i for i in range(4) if rng.random() < 0.35}
-        pipe = _Drops(runner, rng, prompts, max_tokens, late, 0.05, microbatches=microbatches, grammar=grammar,
-                      launch_fail_rate=0.02)
-        real_expect = runner._expect_rows
-
-        def expect_rows(plan, prepared, pipe=pipe, real_expect=real_expect):
-            nonlocal raised
-            seq = real_expect(plan, prepared)
-            if pipe.rng.random() < 0.08:
-                pipe.seq_step[seq] = plan.step        # (the harness maps every pending number to its step)
-                raised += 1
-                raise RuntimeError(f"stage 0 fails step {plan.step} after _expect_rows (injected)")
-            return seq
-        runner._expect_rows = expect_rows
+        runner, pipe = _random_drops(tiny_checkpoint, tmp_path, 5000 + seed, 0.05, microbatches=microbatches,
+                                     launch_fail_rate=0.02)
+        steps = _raise_after_expect_rows(runner, pipe, lambda plan, seq, pipe=pipe: pipe.rng.random() < 0.08)
         pipe.run()
+        raised += len(steps)
         _end_checks(runner, pipe, seed)
         assert set(pipe.finished) == {f"r{i}" for i in range(4)}, f"seed {seed}: {pipe.finished}"
         flag = int(runner.ple_mailbox.flag[0])
@@ -304,11 +297,8 @@ def test_across_stages_a_failed_launch_of_a_later_dropped_step_takes_no_token(ti
             sent[plan.step] = plan
             real_send(plan)
         pipe._send = send
-        real_expect = runner._expect_rows
 
-        def expect_rows(plan, prepared, pipe=pipe, real_expect=real_expect, sent=sent):
-            nonlocal hits
-            seq = real_expect(plan, prepared)
+        def waits_on_a_kept_token(plan, seq, pipe=pipe, runner=runner, sent=sent) -> bool:
             pending = runner._pending_rows[-1] if runner._pending_rows else None
             failed1 = [int(x.split()[-1]) for x in pipe.log if x.startswith("stage 1 fails step")]
             for f in failed1:
@@ -318,12 +308,11 @@ def test_across_stages_a_failed_launch_of_a_later_dropped_step_takes_no_token(ti
                     continue
                 gone = {e.req_id for e in bad.entries}
                 if any(isinstance(t, tuple) and t[0] not in gone for t in pending.tokens):
-                    pipe.seq_step[seq] = plan.step
-                    hits += 1
-                    raise RuntimeError(f"stage 0 fails step {plan.step} after _expect_rows (injected)")
-            return seq
-        runner._expect_rows = expect_rows
+                    return True
+            return False
+        steps = _raise_after_expect_rows(runner, pipe, waits_on_a_kept_token)
         pipe.run()
+        hits += len(steps)
         _end_checks(runner, pipe, seed)
         assert set(pipe.finished) == {f"r{i}" for i in range(4)}, f"seed {seed}: {pipe.finished}\n" + \
             "\n".join(pipe.log[-40:])

@@ -27,7 +27,28 @@ from shared.sampling import SamplingParams
 from tests.test_qa_end_of_stream_stall import _Model, _Run, _stage
 
 
-class _DrawModel(_Model):
+class _PeakedDraws:
+    """A faked forward's head peaked on a new token at every call (it needs `vocab` and `calls`), and the ids each
+    step is fed recorded in `fed`, by step and (request, position)."""
+
+    def _note_fed(self, plan, batch) -> None:
+        ids = batch.token_ids.tolist()
+        fed, i = self.fed.setdefault(plan.step, {}), 0
+        for e in plan.entries:
+            for k in range(e.num_tokens):
+                fed[(e.req_id, e.context_len + k)] = ids[i]
+                i += 1
+
+    def logits(self, hidden, batch):
+        n = batch.logits_indices.numel()
+        out = torch.full((n, self.vocab), -30.0)
+        for row in range(n):
+            self.calls += 1
+            out[row, 10 + (self.calls * 7) % (self.vocab - 10)] = 30.0
+        return out
+
+
+class _DrawModel(_PeakedDraws, _Model):
     """Logits peaked on a new token at every call: two computations of one position draw different tokens (an
     unseeded draw, or a non-deterministic forward), and each row's token is known; it also records the ids each
     step is fed, by (request, position)."""
@@ -39,21 +60,8 @@ class _DrawModel(_Model):
         self.fed: dict[int, dict[tuple[str, int], int]] = {}   # step -> (request, position) -> id fed
 
     def __call__(self, batch, cache, hidden):
-        ids = batch.token_ids.tolist()
-        fed, i = self.fed.setdefault(self.plan.step, {}), 0
-        for e in self.plan.entries:
-            for k in range(e.num_tokens):
-                fed[(e.req_id, e.context_len + k)] = ids[i]
-                i += 1
+        self._note_fed(self.plan, batch)
         return super().__call__(batch, cache, hidden)
-
-    def logits(self, hidden, batch):
-        n = batch.logits_indices.numel()
-        out = torch.full((n, self.vocab), -30.0)
-        for row in range(n):
-            self.calls += 1
-            out[row, 10 + (self.calls * 7) % (self.vocab - 10)] = 30.0
-        return out
 
 
 class _DropRun(_Run):
