@@ -32,7 +32,6 @@ import torch
 
 from shared.cluster_config import ClusterConfig
 from shared.engine_core import EngineCore, GenerationRequest, SchedulerLimits
-from shared.model_config import load_config
 from shared.protocol import Plan, PleReady, StepResult
 from shared.sampling import SamplingParams
 from stage_worker.ple_decode_rows import PleMailbox
