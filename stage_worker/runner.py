@@ -184,7 +184,6 @@ class StageRunner:
         self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
         self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
-        self._launch_states: dict[str, _ReqState | None] | None = None   # while a tail samples (`_states`)
         # `cuda_ipc_activations` (stage_worker/ipc_activations.py): the stage worker sets both; `send_now` sends an
         # Outgoing at once, from `launch`.
         self.handoff = None
@@ -798,11 +797,7 @@ class StageRunner:
                          states: dict[str, _ReqState | None]) -> None:
         """The last stage's tail of a launched step: its sampler queued behind the forward, and (one stage) its tokens
         noted as the next step's device feed. `states`: its requests' sampling state at its launch (`_states`)."""
-        self._launch_states = states
-        try:
-            launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits)
-        finally:
-            self._launch_states = None
+        launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits, states)
         if self.feed_from_device and launched.copy is not None and not launched.dropped:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
@@ -1105,16 +1100,15 @@ class StageRunner:
             self.graphs.capture()
         return self.graphs.fits(batch)
 
-    def _sample(self, plan: Plan, batch: StepBatch,
-                logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
-        """The step's TokenOuts, and the copy that completes them (None: complete already)."""
+    def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor,
+                requests: dict[str, _ReqState | None]) -> tuple[list[TokenOut], _HostCopy | None]:
+        """The step's TokenOuts, and the copy that completes them (None: complete already). `requests`: the
+        sampling state of the step's requests as its launch saw it (`_states`)."""
         with phase("stage.sample"):
-            return self._sample_step(plan, batch, logits)
+            return self._sample_step(plan, batch, logits, requests)
 
-    def _sample_step(self, plan: Plan, batch: StepBatch,
-                     logits: torch.Tensor) -> tuple[list[TokenOut], _HostCopy | None]:
-        # a launched step's tail: its requests' state as its launch saw it (`_states`, `_sample_launched`)
-        requests = self.requests if self._launch_states is None else self._launch_states
+    def _sample_step(self, plan: Plan, batch: StepBatch, logits: torch.Tensor,
+                     requests: dict[str, _ReqState | None]) -> tuple[list[TokenOut], _HostCopy | None]:
         logits = logits.float()
         outs: list[TokenOut] = []
         drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows

@@ -83,10 +83,10 @@ def test_engine_prompt_logprobs_equal_a_full_forward_over_chunks_and_a_warm_pref
     rows_seen: list[tuple[int, int]] = []          # (logits rows, rows the plan asked for) of every step
     sample_step = last._sample_step
 
-    def spy(plan, batch, logits):
+    def spy(plan, batch, logits, requests):
         rows_seen.append((logits.shape[0], sum(e.num_tokens if e.prompt_logprobs else int(e.sample)
                                                for e in plan.entries)))
-        return sample_step(plan, batch, logits)
+        return sample_step(plan, batch, logits, requests)
 
     last._sample_step = spy
     try:

@@ -94,10 +94,10 @@ class _Two:
             r.launch = launch
         real_sample = self.stages[1]._sample
 
-        def sample(plan, batch, logits):
+        def sample(plan, batch, logits, requests):
             if plan.step in fail_sample1:
                 raise RuntimeError(f"step {plan.step}: injected sampler failure")
-            return real_sample(plan, batch, logits)
+            return real_sample(plan, batch, logits, requests)
         self.stages[1]._sample = sample
         self.ex = _Executor()
         self.core = EngineCore(self.ex, SchedulerLimits.from_cluster(cluster, 4096))

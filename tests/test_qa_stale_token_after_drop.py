@@ -82,10 +82,10 @@ class _DropRun(_Run):
             real_launch(plan)
         runner.launch = launch
 
-        def sample(plan, batch, logits):
+        def sample(plan, batch, logits, requests):
             if plan.step in fail_sample:
                 raise RuntimeError(f"step {plan.step}: injected sampler failure")
-            return real_sample(plan, batch, logits)
+            return real_sample(plan, batch, logits, requests)
         runner._sample = sample
 
         real_on_result = self.core._on_result
