@@ -5,16 +5,27 @@ The launcher starts each child in a session of its own (so a terminal's Ctrl-C r
 stops them in order); without this, a launcher killed outright left its children behind, holding memory and
 CPU (seen on the CI machine: a killed test run's cluster kept two cores busy). Linux only (prctl); elsewhere a no-op.
 A component started alone (systemd, `--parent-pid` not given) is not affected.
+
+SIGTERM alone was not enough: on the H100 (h100-34) a GPU stage whose launcher had gone was still running 70 s
+later, holding 63 GiB of device memory, though it had the parent-death signal. So a watcher thread also sees the
+launcher go and arms faulthandler's exit timer: ORPHAN_GRACE_S later the process prints every thread's stack (what
+held it, into the stage's log) and ends with os._exit whatever its main thread is doing (the timer is a C thread
+that needs no GIL and no signal handler to run). The grace matches the launcher's own SIGTERM-then-SIGKILL wait.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
+import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 10.0        # a clean stop takes well under this; the launcher's own stop waits as long
+_POLL_S = 0.5
 
 
 def die_with_parent(parent_pid: int | None) -> None:
@@ -26,6 +37,17 @@ def die_with_parent(parent_pid: int | None) -> None:
         return                                   # no prctl: behave as before rather than fail to start
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, ORPHAN_GRACE_S), name="parent-watch",
+                     daemon=True).start()
+
+
+def _exit_when_orphaned(parent_pid: int, grace_s: float) -> None:
+    """Once the parent is gone, give the SIGTERM path `grace_s` to end the process, then dump stacks and exit."""
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_S)
+    print(f"{os.path.basename(sys.argv[0]) or 'moepipe'} (pid {os.getpid()}): launcher {parent_pid} is gone; "
+          f"exiting within {grace_s:.0f} s", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(grace_s, exit=True)
 
 
 RESTARTS_ENV = "MOEPIPE_RESTARTS"
