@@ -8,6 +8,11 @@
 # results go back as $OUT/triton_autotune.tgz (one of the 8 files a call returns). A fresh machine spent 60-90 s of
 # each server start "running the prefill path once" (h100-31).
 set -uo pipefail
+# A server an earlier call left running on this warm machine holds the GPU's memory (h100-34: a stage worker whose
+# launcher the call's end had killed still held 63 GiB, and the next call's benchmark ran out of memory): end every
+# moepipe process before the command and after it. The launcher runs as `python3 -m gateway.cli serve`.
+leftovers() { pkill -9 -f '[g]ateway.cli serve|[s]tage_worker --config|[p]le_service --config|[g]ateway --config' 2>/dev/null; sleep 1; }
+leftovers
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "$(ls -d .whl .whl-lean .whl-gpu 2>/dev/null | head -1)"/*.whl \
   || exit 1
@@ -19,6 +24,7 @@ cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 [[ -d .triton-autotune ]] && mkdir -p "$cache" && cp -r .triton-autotune/. "$cache/"
 eval "$1"
 rc=$?
+leftovers
 if [[ -n ${OUT:-} && -d $cache ]]; then
   (cd "$cache" && find . -name '*.autotune.json' | tar czf "$OUT/triton_autotune.tgz" -T - 2>/dev/null)
 fi
