@@ -44,7 +44,8 @@ from gateway.schemas import (ChatChoice, ChatChunkChoice, ChatMessage, ChatCompl
                              SEED_MAX, TokenizeRequest, TokenizeResponse,
                              ToolCall, TopLogprob, Usage, VersionResponse)
 from gateway.stop import StopMatcher
-from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
+from shared.engine_core import (EngineFailed, EngineInterrupted, EngineOverloaded, EngineUnavailable, GenerationRequest,
+                                TokenEvent)
 from shared.protocol import PromptLogprobs
 from shared.sampling import SamplingParams
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -900,7 +901,11 @@ async def _serve(request: Request, gens: list[_Generation], stream: bool,
         if stream:
             handed_over = True                # from here _SSEResponse owns closing
             return _SSEResponse(make_stream(), gens)
-        return JSONResponse(await _until_disconnected(request, make_full()))
+        try:
+            return JSONResponse(await _until_disconnected(request, make_full()))
+        except EngineInterrupted as exc:      # nothing was sent: to this client a refusal, worth sending again
+            _finish_timers(gens, "error")
+            raise EngineUnavailable(str(exc)) from exc
     except _ClientGone:
         return Response(status_code=499)      # nobody is listening; the status only shows in access logs
     except (EngineOverloaded, EngineUnavailable):

@@ -42,6 +42,12 @@ class EngineFailed(RuntimeError):
     """A request in flight could not finish (a stage died or errored): the stream ends with an error."""
 
 
+class EngineInterrupted(EngineFailed):
+    """A request with tokens ended by the server stopping or a component lost, not by the request itself: a stream
+    that sent them ends with an error (500, as any EngineFailed), but a non-streamed request, whose client has seen
+    nothing, is answered as one refused (503 + Retry-After): sent again it succeeds."""
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -251,7 +257,7 @@ class EngineCore:
         with self._lock:
             failed = self.scheduler.fail_all("abort")
             # one without a token yet is answered 503 (+ Retry-After), not a 500
-            self._fail(failed, lambda req: EngineFailed(message) if req.output_ids else EngineUnavailable(message))
+            self._fail(failed, lambda req: EngineInterrupted(message) if req.output_ids else EngineUnavailable(message))
             self._push_gauges()
         self._wake()
         return len(failed)
@@ -505,7 +511,7 @@ class EngineCore:
         drained = list(self.scheduler.draining)
         failed = self.scheduler.fail_all("error", keep_waiting=keep_waiting)
         # as when the server stops: one without a token yet is answered 503 (+ Retry-After), not a 500
-        self._fail(failed, lambda req: EngineFailed(message) if req.output_ids else EngineUnavailable(message))
+        self._fail(failed, lambda req: EngineInterrupted(message) if req.output_ids else EngineUnavailable(message))
         # Survivors forget the lost steps and requests (the draining ones too: their state would stay on the
         # stages), so a restarted component finds a clean pipeline.
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps,

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from conftest import InProcessServer, OpenAI
 from gateway.api import create_app
-from shared.engine_core import EngineFailed, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
+from shared.engine_core import EngineFailed, EngineInterrupted, EngineOverloaded, EngineUnavailable, GenerationRequest, TokenEvent
 from gateway.engine import AsyncEngine
 from gateway.metrics import Metrics
 from shared.tokenizer import Tokenizer
@@ -676,6 +676,26 @@ def test_engine_errors_map_to_status(stub_app):
     lines = [ln for ln in client.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if ln]
     assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2].removeprefix("data: "))
 
+
+
+def test_a_request_interrupted_by_the_server_stopping_is_a_503_unless_its_tokens_were_streamed(stub_app):
+    """The server stopping (or a component lost) ends requests that already have tokens with EngineInterrupted: a
+    stream that sent them ends with its error event, but a non-streamed request's client has seen nothing, so it
+    gets 503 + Retry-After (send it again) rather than a 500 (it used to be a 500)."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
+    stopping = EngineInterrupted("the server is shutting down")
+    for path, req in (("/v1/completions", body),
+                      ("/v1/chat/completions", {"model": MODEL, "max_tokens": 5,
+                                                "messages": [{"role": "user", "content": "hi"}]}),
+                      ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 5})):
+        r = stub_app(StubEngine(stopping, after=1)).post(path, json=req)
+        err = _assert_error(r, 503)
+        assert "shutting down" in err["message"] and int(r.headers["retry-after"]) > 0, path
+    lines = [ln for ln in stub_app(StubEngine(stopping, after=1)).post("/v1/completions",
+                                                                       json={**body, "stream": True}).text.splitlines()
+             if ln]
+    event = json.loads(lines[-2].removeprefix("data: "))
+    assert lines[-1] == "data: [DONE]" and "shutting down" in event["error"]["message"], lines[-3:]
 
 def test_health_names_missing_components(stub_app):
     r = stub_app(StubEngine(down=["stage-0", "ple"])).get("/health")
