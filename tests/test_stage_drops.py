@@ -75,6 +75,9 @@ def test_tokens_for_a_request_that_already_finished_are_not_kept(tiny_checkpoint
     try:
         runner.on_message(Plan(step=-1, microbatch=0, entries=[], dropped=[1], finished=["b"]))
         runner.on_message(Sampled(step=1, microbatch=0, tokens=[TokenOut(r, len(p), 9) for r, p in PROMPTS.items()]))
-        assert runner.next_tokens == {("a", len(PROMPTS["a"])): 9}
+        # (what it leaves for "a", still running, is a dropped step's token: `_forget_redrawn` removes it when the
+        # replanned step launches; tests/test_qa_stale_token_after_drop.py)
+        assert [key for key in runner.next_tokens if key[0] == "b"] == []
+        assert ("a", len(PROMPTS["a"])) in runner.next_tokens      # the Sampled was read, not ignored whole
     finally:
         svc.close()
