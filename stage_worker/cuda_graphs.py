@@ -26,7 +26,12 @@ from stage_worker.model.cache import ModelCache
 from stage_worker.model.model import StageModel
 from stage_worker.model.moe import SparseMoE
 
-DEFAULT_SIZES = (1, 2, 4, 8)
+CAPTURED_SIZES = (1, 2, 4, 8, 16)      # batch sizes with a decode graph (issue 14: the fused kernels go to 16 too)
+
+
+def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The captured batch sizes a server of `max_num_seqs` sequences can use (at least 1)."""
+    return tuple(s for s in CAPTURED_SIZES if s <= max_num_seqs) or (1,)
 
 
 @dataclass
@@ -45,7 +50,7 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: StageModel, cache: ModelCache, *, max_blocks_per_seq: int, scratch_slot: int,
-                 scratch_block: int, sizes: tuple[int, ...] = DEFAULT_SIZES, ple_graph: bool = True,
+                 scratch_block: int, sizes: tuple[int, ...], ple_graph: bool = True,
                  skip_padding: bool = True, mailbox=None) -> None:
         self.model, self.cache = model, cache
         self.block_size = cache.spec.block_size

@@ -3,8 +3,9 @@ the messages between them handed over as objects instead of ZeroMQ frames.
 
 Tests, `moepipe generate` and the benchmarks use it, so they run the real engine core (scheduler, block manager,
 finish rule) and the real last-stage sampler. Without a PLE service every stage holding a PLE layer gathers its
-rows itself (the fallback path). Steps run on the engine core's thread: `send` queues the ready ones
-(`StageRunner.launch`), `poll` completes them (`finish`) and whatever their results unblock.
+rows itself (the fallback path). Steps run on the engine core's thread: `send` queues the ready ones on a GPU
+stage (`StageRunner.launch`); `poll` launches a CPU stage's (which compute inside their launch), completes them
+(`finish`) and whatever their results unblock.
 """
 
 from __future__ import annotations

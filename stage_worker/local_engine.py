@@ -56,11 +56,11 @@ class LocalEngine:
         # Capture needs a step with no host synchronisation: the MoE and attention kernels must be on.
         if cuda_graphs and p.device.type == "cuda" and len(stages) == 1 and flags is not None and flags.moe \
                 and flags.attention:
-            from stage_worker.cuda_graphs import DecodeGraphs
+            from stage_worker.cuda_graphs import DecodeGraphs, graph_sizes
 
             self.graphs = DecodeGraphs(stages[0], self.caches[0], max_blocks_per_seq=max_blocks,
                                        scratch_slot=max_seqs, scratch_block=num_blocks,
-                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= max_seqs) or (1,))
+                                       sizes=graph_sizes(max_seqs))
 
     def add(self, seq_id: int) -> None:
         self.seqs[seq_id] = _Seq(slot=self.blocks.allocate_slot())

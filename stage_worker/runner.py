@@ -274,12 +274,12 @@ class StageRunner:
         self.launch_depth = 2 if ahead else 1
         self.feed_from_device = self.is_first and self.is_last and ahead and cluster.device_sampling
         if graphed:
-            from stage_worker.cuda_graphs import DecodeGraphs
+            from stage_worker.cuda_graphs import DecodeGraphs, graph_sizes
 
             max_len = cluster.max_model_len or model.cfg.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
                                        scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
-                                       sizes=tuple(s for s in (1, 2, 4, 8, 16) if s <= cluster.max_num_seqs),
+                                       sizes=graph_sizes(cluster.max_num_seqs),
                                        ple_graph=cluster.ple_graph, skip_padding=cluster.graph_skip_padding,
                                        mailbox=self.ple_mailbox)
 
