@@ -584,7 +584,7 @@ class _XmlCall:
                 alts.insert(0, f"%json {json.dumps(value)}")
             return f"({' | '.join(alts)}) XML_END" if len(alts) > 1 else f"{alts[0]} XML_END"
         if kinds == {"string"}:
-            text = self._text_constraint(tag, self.types.resolve(schema))
+            text = self._text_constraint(self.types.resolve(schema))
             if text:
                 self.lines.append(f"{tag}: ({text} & XML_TEXT) XML_END")
                 return tag
@@ -609,7 +609,7 @@ class _XmlCall:
             json_kinds.discard(kind)
         return words, frozenset(json_kinds)
 
-    def _text_constraint(self, tag: str, schema: Any) -> str | None:
+    def _text_constraint(self, schema: Any) -> str | None:
         """A Lark terminal expression for a string schema's text: enum / const, length bounds, pattern."""
         if not isinstance(schema, dict):
             return None
