@@ -176,7 +176,7 @@ class Scheduler:
                 break
             if req.req_id not in self.running:
                 continue                        # preempted by an earlier entry of this same plan
-            entry = self._entry(req, budget, mb)
+            entry = self._entry(req, budget)
             if entry is None:
                 continue
             entries.append(entry)
@@ -204,7 +204,7 @@ class Scheduler:
             req.slot = self.blocks.allocate_slot()
             req.microbatch = mb
             self.running[req.req_id] = req
-            entry = self._entry(req, budget, mb)
+            entry = self._entry(req, budget)
             if entry is None:
                 break
             entries.append(entry)
@@ -350,7 +350,7 @@ class Scheduler:
         total = req.next_pos + tokens
         return max(0, -(-total // self.block_size) - len(req.blocks))
 
-    def _entry(self, req: Request, budget: int, mb: int) -> SeqEntry | None:
+    def _entry(self, req: Request, budget: int) -> SeqEntry | None:
         num_ids = req.num_ids
         pos = req.next_pos
         snap = False
@@ -374,7 +374,7 @@ class Scheduler:
             if self.prefix is not None:
                 n, snap = self._prefix_chunk(req, pos, n, remaining, restoring)
             tokens = req.ids(pos, pos + n)
-        if not self._reserve(req, n, mb):
+        if not self._reserve(req, n):
             return None
         if snap:
             self._snapping.append((req, pos))
@@ -406,19 +406,19 @@ class Scheduler:
         produced = len(req.output_ids) + req.ahead_samples
         return produced < req.max_tokens and req.num_ids + req.ahead_samples < self.max_model_len
 
-    def _reserve(self, req: Request, n: int, mb: int) -> bool:
+    def _reserve(self, req: Request, n: int) -> bool:
         need = self._blocks_needed(req, n)
         while not self.blocks.can_allocate(need):
             if self.prefix is not None and self.prefix.evict_one(for_blocks=True):
                 continue                        # cached prefixes go before any running request
-            victim = self._victim(mb, exclude=req)
+            victim = self._victim(exclude=req)
             if victim is None:
                 return False
             self._preempt(victim)
         req.blocks.extend(self.blocks.allocate(need))
         return True
 
-    def _victim(self, mb: int, exclude: Request) -> Request | None:
+    def _victim(self, exclude: Request) -> Request | None:
         """The most recently admitted request not in a computing micro-batch (it loses the least work), and only
         one that arrived after `exclude`: a request never preempts an older one. It waits instead (its plans drain,
         and the older one takes its blocks). Two requests that the pool cannot hold together, each preempting the
