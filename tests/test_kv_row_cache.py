@@ -237,7 +237,7 @@ def test_layer_decode_through_the_cache_with_rows_rewritten():
             batch = feed([([5], n, i, tables[i]) for i, n in enumerate(lens)])
             q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, generator=g).to(DEVICE)
             iq = torch.randn(2, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=g).to(DEVICE)
-            outs = [attn._decode_kernels(q, iq, batch, c, q.dtype) for c in caches]
+            outs = [attn._decode_kernels(q, iq, batch, c) for c in caches]
             assert torch.equal(outs[0], outs[1]), step
             lens = [n + 1 for n in lens]
     hits, lookups = caches[0].row_cache.counts.tolist()

@@ -259,7 +259,7 @@ class GatedAttention(nn.Module):
             write_rows(cache.index_keys, batch.slot_mapping, raw_k)
 
         if self.kernels.attention and x.is_cuda and batch.is_decode:
-            out = self._decode_kernels(q, iq, batch, cache, x.dtype)
+            out = self._decode_kernels(q, iq, batch, cache)
             out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
             return self.o_proj(out)
         if self._batched_fresh(batch):
@@ -384,7 +384,7 @@ class GatedAttention(nn.Module):
             cache.k, cache.v, self.q_norm.eps, idx.q_layernorm.weight if idx else None,
             cache.index_keys if idx else None)
         _invalidate_written(cache, batch)
-        out = self._decode_kernels(q, iq, batch, cache, x.dtype, gate=gate)
+        out = self._decode_kernels(q, iq, batch, cache, gate=gate)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _pool_norm_weight(self) -> torch.Tensor:
@@ -403,7 +403,7 @@ class GatedAttention(nn.Module):
         return torch.cat([(1.0 + w[:rd].float()) * c - 1.0, w[rd:].float()])
 
     def _decode_kernels(self, q: torch.Tensor, iq: torch.Tensor | None, batch: StepBatch, cache: AttentionCache,
-                        dtype: torch.dtype, gate: torch.Tensor | None = None) -> torch.Tensor:
+                        gate: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence, no host synchronisation: paged split-K attention over the selected rows; times
         `gate` (the output gate, already through its sigmoid) in the attention kernel's store."""
         from stage_worker.kernels.decode_attention import paged_decode_attention
