@@ -156,7 +156,7 @@ def load_model(model_dir: str | Path, opts: LoadOptions | None = None,
             ple.table = dummy_layer_table(cfg, layer, ple.spec, opts.dtype, opts.seed,
                                           Path(model_dir) if opts.dummy_ple_file else None)
     elif opts.load_format == "safetensors":
-        _load_tensors(model, cfg, model_dir, opts, headers)
+        _load_tensors(model, cfg, model_dir, headers)
     else:
         raise ValueError(f"load format {opts.load_format!r}: expected 'safetensors' or 'dummy'")
     order_gates(model)
@@ -169,7 +169,7 @@ def _ple_modules(model: StageModel):
             yield int(idx), layer.ple
 
 
-def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path, opts: LoadOptions,
+def _load_tensors(model: StageModel, cfg: HybridMoeConfig, model_dir: Path,
                   headers: dict[str, tuple[tuple, str]]) -> None:
     why = quant_refusal(model_dir, headers)
     if why:

@@ -161,7 +161,7 @@ def _config_only_qwen3_next(out: Path, layers: int | None) -> Path:
     return out
 
 
-def _planned_tensors(cfg: Qwen4ExpConfig, seed: int) -> list[tuple[str, tuple[int, ...], torch.dtype, object]]:
+def _planned_tensors(cfg: Qwen4ExpConfig) -> list[tuple[str, tuple[int, ...], torch.dtype, object]]:
     """(on-disk name, shape, dtype, producer) for every tensor, in a stable order."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     with on_meta():
@@ -209,7 +209,7 @@ def export_checkpoint(cfg: Qwen4ExpConfig, out: Path, state: dict[str, torch.Ten
 
 
 def _write_weights(cfg: Qwen4ExpConfig, out: Path, seed: int, source=None) -> None:
-    plan = _planned_tensors(cfg, seed)
+    plan = _planned_tensors(cfg)
     files: list[list] = [[]]
     size = 0
     for item in plan:

@@ -73,13 +73,13 @@ def pieces_for(cfg: HybridMoeConfig, params: dict[str, torch.Size | tuple]) -> d
             add(f"{hf_name(prefix)}.experts.{fused}", Piece(local, shape))
             continue
         if isinstance(cfg, Qwen3NextConfig) and ".linear_attn.in_proj_" in local:
-            _add_grouped(cfg, local, shape, add)
+            _add_grouped(cfg, local, add)
             continue
         add(hf_name(local), Piece(local, shape))
     return out
 
 
-def _add_grouped(cfg: Qwen3NextConfig, local: str, shape: tuple, add) -> None:
+def _add_grouped(cfg: Qwen3NextConfig, local: str, add) -> None:
     """Qwen3-Next stores, per key head g: [q_g, k_g, v_g (r heads), z_g (r heads)] and [b_g (r), a_g (r)].
 
     Permuting those rows into [q; k; v], [z], [b], [a] changes no dot product, so one forward serves both layouts.
