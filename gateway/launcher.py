@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -420,6 +421,7 @@ def run_serve(opts: ServeOptions) -> int:
     except RuntimeError as exc:
         print(f"moepipe serve: {exc}", file=sys.stderr)
         return 1
+    gateway_watch = None
     try:
         cluster.start()
         print(f"moepipe: starting {cluster.cluster.num_stages} stage(s)"
@@ -428,8 +430,10 @@ def run_serve(opts: ServeOptions) -> int:
         print(f"moepipe: serving {cluster.cluster.served_model_name} at {cluster.url}/v1  (Ctrl-C stops)",
               flush=True)
         watch = Supervisor(cluster)
+        gateway_watch = GatewayWatch(cluster)        # (a hung gateway: the Supervisor sees only deaths)
         while not stop["flag"]:
             time.sleep(0.2)
+            gateway_watch.check()
             watch.check()
             if watch.given_up:
                 return watch.exit_given_up(lambda: stop["flag"])
@@ -440,6 +444,8 @@ def run_serve(opts: ServeOptions) -> int:
         # still be in its own /health wait when clients already see 200
         return 0 if stop["flag"] else 1
     finally:
+        if gateway_watch is not None:
+            gateway_watch.stop()
         cluster.stop()
 
 
@@ -552,3 +558,67 @@ class Supervisor:
               file=sys.stderr, flush=True)
         return 1
 
+
+class GatewayWatch:
+    """Kills a gateway that stopped answering: the gateway kills a stage or the PLE service that stops heartbeating
+    (`hang_timeout`), but nothing watched the gateway itself, so a stopped or deadlocked gateway left every stream
+    hanging on an open connection and `/health` unanswered for ever. A thread asks its `/health` every
+    PROBE_INTERVAL s (any HTTP answer, 200 or 503, is one); a gateway that answered once and then nothing for
+    `hang_timeout` s is SIGKILLed, and the `Supervisor` handles that death as any gateway death (the cluster
+    restarted, or given up). A gateway not yet heard from is the `Supervisor`'s start deadline's. A gap in the
+    thread's own turns (the launcher frozen with the rest: SIGSTOP of every process, a suspended VM) restarts the
+    count, as the engine core's heartbeat deadlines do."""
+
+    PROBE_INTERVAL = 1.0
+
+    def __init__(self, cluster: "Cluster") -> None:
+        self.cluster = cluster
+        self.timeout = cluster.cluster.hang_timeout
+        # the gateway process the time below is of: the one that has just answered the launcher's start-up wait
+        self.proc = cluster.procs.get("gateway")
+        self.answered: float | None = time.monotonic()     # its last answer (None: a restart not yet heard from)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        if self.timeout:
+            threading.Thread(target=self._probe, name="gateway-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.cluster.url + "/health", timeout=max(1.0, self.timeout / 2)):
+                return True
+        except urllib.error.HTTPError:
+            return True                  # 503: it answers (a component down is the Supervisor's)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _probe(self) -> None:
+        last_turn = time.monotonic()
+        while not self.done.wait(self.PROBE_INTERVAL):
+            proc = self.cluster.procs.get("gateway")
+            answered = proc is not None and proc.poll() is None and self._answers()
+            now = time.monotonic()
+            with self.lock:
+                if now - last_turn > self.PROBE_INTERVAL + max(1.0, self.timeout / 2) + 2.0:
+                    if self.answered is not None:
+                        self.answered = now      # we were frozen too: the silence is not the gateway's alone
+                if proc is not self.proc:
+                    self.proc, self.answered = proc, None
+                if answered:
+                    self.answered = now
+            last_turn = now
+
+    def check(self) -> bool:
+        """Kill the gateway if it answered once and then not for `hang_timeout` s; True if it was killed."""
+        with self.lock:
+            proc, answered = self.proc, self.answered
+            if (not self.timeout or proc is None or answered is None or proc is not self.cluster.procs.get("gateway")
+                    or proc.poll() is not None or time.monotonic() - answered <= self.timeout):
+                return False
+            self.answered = None
+        print(f"moepipe: gateway (pid {proc.pid}) has not answered /health for {self.timeout:g} s (hang_timeout, "
+              f"MOEPIPE_HANG_TIMEOUT): killing it; the cluster restarts", file=sys.stderr, flush=True)
+        proc.kill()
+        return True
