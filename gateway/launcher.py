@@ -416,6 +416,11 @@ def run_serve(opts: ServeOptions) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # the terminal or ssh session that ran us closed: stop as on SIGTERM. Its default killed us without cleanup (the
+    # children went with us, but the run directory stayed, its cluster.toml holding the API key). Left ignored under
+    # nohup, which asks for just that.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, on_signal)
     try:
         cluster = Cluster(opts)          # the memory plan's refusal is a RuntimeError with the numbers
     except RuntimeError as exc:
