@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             model = SimpleNamespace(layers={str(layer): SimpleNamespace(ple=branch)})
             cache = SimpleNamespace(ple={layer: SimpleNamespace(
                 context=torch.zeros(max_b, spec.ngram_size - 1, dtype=torch.long, device=device))})
-            gather = DecodeRowGather(model, cache, [layer], device)
-            if args.path == "torch":
-                gather._fast = False
+            gather = DecodeRowGather(model, cache, [layer], device, numpy=args.path == "fast")
             if gather._fast:                        # the numpy path's hash: the windows and each layer's rows
                 gather._windows = _Timed(gather._windows, acc, "hash")
             box = None if args.call else PleMailbox.create(gather, max_b, dtype, device)

@@ -161,6 +161,7 @@ class ClusterConfig:
     ple_decode_in_stage: bool = True            # with the service: a PLE stage gathers its decode steps' rows itself
     ple_decode_in_stage_max_seqs: int = 0       # ... for steps of at most this many sequences (larger: the service's;
                                                 # 0 = every decode step)
+    ple_gather_numpy: bool = True               # ... hashed and gathered in numpy (ple_decode_rows.py), not torch ops
     graph_skip_padding: bool = True             # a graph's padding rows route to no expert (read no expert rows)
     async_scheduling: bool = True               # plan-ahead: a micro-batch's next plan before its step's result
     skip_cancelled_steps: bool = True           # a request that ends while plans in flight hold it is sent to the
@@ -618,6 +619,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_MICROBATCHES": "microbatches", "MOEPIPE_KERNELS": "kernels", "MOEPIPE_CUDA_GRAPHS": "cuda_graphs",
         "MOEPIPE_PLE_GRAPH": "ple_graph", "MOEPIPE_PLE_DECODE_IN_STAGE": "ple_decode_in_stage",
         "MOEPIPE_PLE_DECODE_IN_STAGE_MAX_SEQS": "ple_decode_in_stage_max_seqs",
+        "MOEPIPE_PLE_GATHER_NUMPY": "ple_gather_numpy",
         "MOEPIPE_GRAPH_SKIP_PADDING": "graph_skip_padding",
         "MOEPIPE_ASYNC_SCHEDULING": "async_scheduling",
         "MOEPIPE_SKIP_CANCELLED_STEPS": "skip_cancelled_steps",

@@ -33,7 +33,7 @@ from stage_worker.profiling import phase
 class DecodeRowGather:
     """The rows of this stage's PLE layers for one decode step, computed in this process."""
 
-    def __init__(self, model, cache, layers: list[int], device: torch.device) -> None:
+    def __init__(self, model, cache, layers: list[int], device: torch.device, numpy: bool = True) -> None:
         self.branches = {layer: model.layers[str(layer)].ple for layer in layers}
         self.contexts = cache.ple[layers[0]].context      # every PLE layer's context holds the same token ids
         self.device = device
@@ -45,9 +45,10 @@ class DecodeRowGather:
         # steps, as a served step's other work leaves them, the torch path took 221 us there (hash 55, index_select
         # 82, the rest and the pinned copy 82) and this one 95 (hash 60, gather 22, the rest 13;
         # bench/ple_decode_gather.py --thrash-mib 64, bench/results/ple-decode-gather-1): a torch op's dispatch is a
-        # long walk through cold code. A table without `gather_into` keeps the torch path.
+        # long walk through cold code; h100-34, served: 0.09-0.11 ms a step. A table without `gather_into` keeps the
+        # torch path, as `numpy` False does (`ple_gather_numpy`, MOEPIPE_PLE_GATHER_NUMPY=0: the A/B).
         first = next(iter(self.branches.values()))
-        self._fast = all(hasattr(b.table, "gather_into") for b in self.branches.values()) and \
+        self._fast = numpy and all(hasattr(b.table, "gather_into") for b in self.branches.values()) and \
             all(b.spec.ngram_size == first.spec.ngram_size and b.spec.eos_token_id == first.spec.eos_token_id
                 for b in self.branches.values())
         if self._fast:                            # (layer order: each layer's hash constants and table)

@@ -194,7 +194,8 @@ class StageRunner:
         self.ring = ring if self.my_ple_layers else None
         # Decode rows gathered here rather than by the service (ple_decode_rows.py: the service's round trip was
         # the one-stream gap); prefill chunks still come from the service's ring.
-        self.own_decode_rows = DecodeRowGather(model, self.cache, self.my_ple_layers, p.device) \
+        self.own_decode_rows = DecodeRowGather(model, self.cache, self.my_ple_layers, p.device,
+                                               numpy=cluster.ple_gather_numpy) \
             if self.ring is not None and cluster.ple_decode_in_stage else None
         self._max_launched_step = -1
         self.device_next: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}   # (request, position) -> token

@@ -25,12 +25,12 @@ def _spec(index: int) -> NgramHashSpec:
                          make_divisible_by=128, seed=1234, eos_token_id=EOS, ple_layer_index=index)
 
 
-def _gather(tables: dict, slots: int = 8) -> DecodeRowGather:
+def _gather(tables: dict, slots: int = 8, numpy: bool = True) -> DecodeRowGather:
     layers = {str(layer): SimpleNamespace(ple=SimpleNamespace(spec=_spec(i), table=t, heads=8, head_dim=DIM))
               for i, (layer, t) in enumerate(tables.items())}
     first = next(iter(tables))
     cache = SimpleNamespace(ple={first: SimpleNamespace(context=torch.full((slots, 2), EOS, dtype=torch.long))})
-    return DecodeRowGather(SimpleNamespace(layers=layers), cache, list(tables), torch.device("cpu"))
+    return DecodeRowGather(SimpleNamespace(layers=layers), cache, list(tables), torch.device("cpu"), numpy=numpy)
 
 
 def _steps(n: int = 40, batch: int = 4, seed: int = 0):
@@ -79,8 +79,8 @@ def test_gather_into_equals_gather(tables):
 @pytest.mark.parametrize("box_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_publish_numpy_path_equals_torch_path(tables, box_dtype, with_ids):
-    fast, slow = _gather(tables), _gather(tables)
-    slow._fast = False
+    fast, slow = _gather(tables), _gather(tables, numpy=False)
+    assert fast._fast and not slow._fast
     boxes = [PleMailbox.create(g, 8, box_dtype, torch.device("cpu"), with_ids=with_ids) for g in (fast, slow)]
     for seq, (ctx, slots, toks) in enumerate(_steps(), start=1):
         for g, box in zip((fast, slow), boxes):
@@ -94,8 +94,8 @@ def test_publish_numpy_path_equals_torch_path(tables, box_dtype, with_ids):
 
 
 def test_call_numpy_path_equals_torch_path(tables):
-    fast, slow = _gather(tables), _gather(tables)
-    slow._fast = False
+    fast, slow = _gather(tables), _gather(tables, numpy=False)
+    assert fast._fast and not slow._fast
     for ctx, slots, toks in _steps(10):
         for g in (fast, slow):
             g.contexts.copy_(torch.from_numpy(ctx))
