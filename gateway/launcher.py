@@ -8,6 +8,7 @@ path and the systemd path cannot drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -380,6 +381,10 @@ class Cluster:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+                # then SIGCONT, as systemd does: a stopped child (kill -STOP, a debugger) keeps SIGTERM pending and
+                # was only SIGKILLed after the whole `timeout`; resumed, it ends cleanly at once
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
         deadline = time.time() + timeout
         for p in procs:
             try:

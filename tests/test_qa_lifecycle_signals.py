@@ -45,3 +45,24 @@ def test_sighup_stops_the_server_cleanly(tiny_checkpoint, tmp_path):
         assert not list(tmp.glob("moepipe-*")), "the run directory was left behind"
     finally:
         _stop_all(launcher, children)
+
+
+def test_a_stopped_stage_does_not_hold_up_the_stop(tiny_checkpoint, tmp_path):
+    """A stage SIGSTOPped (a debugger, `kill -STOP`, a job-control stop) when the server is stopped: SIGTERM stays
+    pending on a stopped process, so the launcher waited its whole 10 s and SIGKILLed it. It now sends SIGCONT after
+    SIGTERM, as systemd does: the stage ends cleanly at once and `serve` exits 0 within a few seconds."""
+    launcher, url, tmp = _serve(tiny_checkpoint, tmp_path)
+    children: dict[str, int] = {}
+    try:
+        wait_healthy(url, launcher)
+        children = component_pids(launcher.pid)
+        os.kill(children["stage1"], signal.SIGSTOP)
+        t0 = time.time()
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        took = time.time() - t0
+        assert took < 5, f"the stop took {took:.1f} s"
+        assert not _survivors(children)
+        assert not list(tmp.glob("moepipe-*"))
+    finally:
+        _stop_all(launcher, children)
