@@ -255,9 +255,39 @@ def remove_stale_run_dirs() -> list[Path]:
             pass
         except PermissionError:
             continue                  # a live process of another user has that pid
+        left = _left_by(pid, d / "cluster.toml")
+        for child in left:
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        if left:
+            print(f"moepipe: killed {len(left)} process(es) (pid {', '.join(map(str, left))}) that the dead launcher "
+                  f"{pid} left running (stopped when it died?)", file=sys.stderr)
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
+
+
+def _left_by(launcher_pid: int, config: Path) -> list[int]:
+    """This user's processes still running a component of a dead launcher's cluster: `--parent-pid` naming it and
+    its run directory's config on their command line. The parent-death signal ends them (`shared/parent_watch.py`),
+    except one that could not take it: stopped when the launcher died (SIGSTOP, a debugger), whose SIGTERM stays
+    pending and whose watch thread is frozen with it, for ever."""
+    found = []
+    want = [b"--parent-pid", str(launcher_pid).encode()]
+    try:
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return found                 # no /proc: nothing to find
+    for e in entries:
+        try:
+            if e.stat().st_uid != os.getuid():
+                continue
+            args = (e / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(config).encode() in args and any(args[i:i + 2] == want for i in range(len(args) - 1)):
+            found.append(int(e.name))
+    return found
 
 
 class Cluster:
