@@ -11,6 +11,9 @@ later, holding 63 GiB of device memory, though it had the parent-death signal. S
 launcher go and arms faulthandler's exit timer: ORPHAN_GRACE_S later the process prints every thread's stack (what
 held it, into the stage's log) and ends with os._exit whatever its main thread is doing (the timer is a C thread
 that needs no GIL and no signal handler to run). The grace matches the launcher's own SIGTERM-then-SIGKILL wait.
+faulthandler has one such timer a process: a component must not use `dump_traceback_later` itself (nothing does).
+A component stopped (SIGSTOP) when its launcher dies cannot run this thread either; the next `moepipe serve` kills
+it (`gateway/launcher.py`, `_left_by`).
 """
 
 from __future__ import annotations
