@@ -399,8 +399,10 @@ class EngineCore:
     def _on_result(self, msg: StepResult) -> None:
         oldest = self.scheduler.oldest_in_flight(msg.microbatch)
         if oldest is None or oldest.step != msg.step:
-            # A step forgotten when a component died: its plan reached a stage before the failure was seen.
-            log.warning("engine core: ignored the result of step %d (no longer in flight)", msg.step)
+            # A step forgotten when a component died: its plan reached a stage before the failure was seen. Or
+            # the server stopping (`close_requests` dropped the steps in flight): expected then, not worth a warning
+            (log.debug if self._closing else log.warning)(
+                "engine core: ignored the result of step %d (no longer in flight)", msg.step)
             return
         now = time.monotonic()
         self._account_timing(msg)
