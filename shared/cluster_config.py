@@ -314,7 +314,8 @@ class ClusterConfig:
     # A step in flight this long (s) is reported once by the engine core: its plan, then every thread's stack of
     # the gateway and (SIGUSR2) of each component on this host, in the serve log: where a pipeline that stopped
     # without an error waits (h100-32: a one-stage server's four streams stopped at token 253-255 of 256 for
-    # 113 s, nothing logged; not reproduced). Reports only. 0 = off.
+    # 113 s, nothing logged; not reproduced). A prefill chunk gets 5x as long (engine_core.PREFILL_STALL_FACTOR).
+    # Reports only. 0 = off.
     stall_report_timeout: float = 60.0
     # launcher: seconds a start may take until its first heartbeat. The first start: until /health is 200 (else
     # `serve` fails naming what is missing); a restarted component: until the gateway hears from it, else it is

@@ -472,7 +472,8 @@ class EngineCore:
             del self._sent_at[step]
         self._reported &= plans.keys()
         now = time.monotonic()
-        stalled = sorted(s for s, t in self._sent_at.items() if now - t > limit and s not in self._reported)
+        stalled = sorted(s for s, t in self._sent_at.items()
+                         if now - t > _stall_limit(plans[s], limit) and s not in self._reported)
         if not stalled or self._lost_since is not None:
             return
         self._reported.update(stalled)
@@ -617,3 +618,13 @@ def prompt_top(value: int | bool | None) -> int | None:
 def wait_readable(fd: int, timeout: float) -> None:
     """Block until `fd` is readable or `timeout` s pass (executors with nothing of their own to wait on)."""
     select.select([fd], [], [], timeout)
+
+
+PREFILL_STALL_FACTOR = 5    # a prefill chunk may take this many times `stall_report_timeout` before it is reported
+
+
+def _stall_limit(plan: Plan, limit: float) -> float:
+    """How long `plan` may be in flight before the stall report: a decode step takes milliseconds on a GPU and well
+    under a second on a CPU, so `limit` (60 s) means a stall; a prefill chunk of thousands of tokens can take
+    longer than that on a CPU (a large model's chunk) without anything being wrong. Reports only."""
+    return limit * PREFILL_STALL_FACTOR if any(e.num_tokens > 1 for e in plan.entries) else limit

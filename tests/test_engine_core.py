@@ -25,6 +25,7 @@ from gateway.launcher import Cluster, ServeOptions
 from gateway.metrics import Metrics
 from shared.block_manager import BlockManager, OutOfBlocks
 from shared.engine_core import EngineCore, GenerationRequest
+from shared.protocol import Plan
 from shared.sampling import SamplingParams, read_generation_config
 from shared.tokenizer import Tokenizer
 from stage_worker.inprocess_executor import local_engine_core
@@ -274,10 +275,43 @@ def test_a_stall_report_whose_stack_dump_fails_leaves_the_core_running():
                                stop_token_ids=set(), max_tokens=4))
     plan = core.scheduler.schedule(0)
     core._send(plan)
-    time.sleep(0.05)
+    time.sleep(0.1)                        # (a prefill chunk: PREFILL_STALL_FACTOR x 0.01 s)
     core._report_stall()                   # raised: the core's loop stopped on it
     assert core._reported == {plan.step}   # and once only
     core._report_stall()
+
+
+def test_a_prefill_chunk_gets_longer_before_the_stall_report_than_a_decode_step():
+    """A decode step in flight for stall_report_timeout is a stall (h100-32); a prefill chunk of a large model on a
+    CPU can take longer than that with nothing wrong, so it is reported only after PREFILL_STALL_FACTOR times it
+    (the report used to fire on every such chunk, with every thread's stack)."""
+    from shared.engine_core import PREFILL_STALL_FACTOR, SchedulerLimits
+    from shared.protocol import SeqEntry
+
+    asked: list[int] = []
+
+    class Executor:
+        def send(self, plan) -> None: ...
+
+        def dump_stacks(self) -> list[str]:
+            asked.append(1)
+            return []
+
+    limit = 0.05
+    core = EngineCore(Executor(), SchedulerLimits(num_blocks=8, block_size=16, max_num_seqs=2,
+                                                  max_num_batched_tokens=64, num_microbatches=2, max_model_len=128,
+                                                  stall_report=limit))
+    prefill = Plan(step=1, microbatch=0, entries=[SeqEntry("p", 0, 0, 40, [0, 1, 2], tokens=list(range(40)))])
+    decode = Plan(step=2, microbatch=1, entries=[SeqEntry("d", 1, 40, 1, [])])
+    for plan in (prefill, decode):
+        core.scheduler.in_flight[plan.microbatch].append(plan)
+        core._send(plan)
+    time.sleep(limit * 2)
+    core._report_stall()
+    assert core._reported == {2} and len(asked) == 1         # the decode step only
+    time.sleep(limit * PREFILL_STALL_FACTOR)
+    core._report_stall()
+    assert core._reported == {1, 2} and len(asked) == 2
 
 
 def test_a_plan_that_cannot_go_out_fails_its_step_and_the_core_goes_on(tiny_checkpoint):
