@@ -1,7 +1,7 @@
 """INT4 fused MoE decode against the bf16 kernels at the reports' shape (issue 17): time per MoE call, bytes of the
 selected experts read, and that as a share of the HBM bandwidth.
 
-    python bench/moe_int4.py [--tokens 1,4,16] [--sweep [--jobs 14]] [--out bench/results/moe_int4.json]
+    python bench/moe_int4.py [--tokens 1,4,16] [--sweep [--jobs 14]] [--claims] [--out bench/results/moe_int4.json]
 
 Each measurement is a CUDA graph of `--calls` calls, each with its own routing (top-k of random logits, so
 consecutive calls pick other experts and the L2 cannot serve them), replayed `--runs` times after a warm-up
@@ -167,6 +167,9 @@ def main() -> int:
                     help="only run the INT4 call a few times at the first --tokens count, no graphs (for ncu)")
     ap.add_argument("--jobs", type=int, default=0,
                     help="with --sweep: compile the candidate configs in this many processes first")
+    ap.add_argument("--claims", action="store_true",
+                    help="also time the INT4 kernels' claim variant (moves on read) claiming nothing, and claiming "
+                         "a selected slot (its rows stored into a spare as they are read)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -176,6 +179,7 @@ def main() -> int:
     w13 = (torch.randn(E, 2 * I, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
     ex = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g)
+    ex_claim = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g) if args.claims else None  # spares written
     torch.cuda.empty_cache()
     if args.profile_only:
         t = int(args.tokens.split(",")[0])
@@ -204,15 +208,30 @@ def main() -> int:
         got = fused_moe_int4(x, routes[0][1], routes[0][0], ex)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         outs = {}
-        for name, fn, per in (("bf16", lambda i: K.fused_moe(x, routes[i][1], routes[i][0], w13, w2), bf16_expert),
-                              ("int4", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex), int4_expert)):
+        # The claim variant (issue 16, moves on read): compiled in whenever experts can move, so every layer pays
+        # for it, the layers that read no host row too (h200-25: every layer's INT4 GEMVs grew with moves on).
+        # "claim-" claims no slot (-1: the variant's cost alone); "claim+" claims a slot each call selects, whose
+        # words the kernels also store into a spare slot (the stores' cost).
+        none = (torch.full((1,), -1, dtype=torch.int32, device="cuda"),
+                torch.full((1,), -1, dtype=torch.int64, device="cuda"))
+        hits = [(routes[i][1][0, :1].to(torch.int32).contiguous(),
+                 torch.full((1,), (int(routes[i][1][0, 0]) + E // 2) % E, dtype=torch.int64, device="cuda"))
+                for i in range(args.calls)]
+        kernels = [("bf16", lambda i: K.fused_moe(x, routes[i][1], routes[i][0], w13, w2), bf16_expert),
+                   ("int4", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex), int4_expert)]
+        if args.claims:
+            kernels += [("claim-", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex, claim=none),
+                         int4_expert),
+                        ("claim+", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex_claim, claim=hits[i]),
+                         int4_expert)]
+        for name, fn, per in kernels:
             s = timed(fn, args.calls, args.runs)
             read = distinct * per
             outs[name] = s
-            phases = phase_times(fn, args.calls, args.runs) if name == "int4" else {}
+            phases = phase_times(fn, args.calls, args.runs) if name != "bf16" else {}
             rows.append({"tokens": t, "kernel": name, "seconds_per_call": s, "bytes_read": read,
                          "tb_per_s": read / s / 1e12, "share_of_hbm": read / s / 1e12 / HBM_TBPS,
-                         "distinct_experts": distinct, "rel_error_vs_ref": err if name == "int4" else None,
+                         "distinct_experts": distinct, "rel_error_vs_ref": err if name != "bf16" else None,
                          **{f"seconds_{p}": v for p, v in phases.items()}})
             print(f"{t:>6} {name:>6} {s * 1e6:>8.1f} {read / 1e6:>8.1f} {read / s / 1e12:>6.2f} "
                   f"{100 * read / s / 1e12 / HBM_TBPS:>5.1f}%"
