@@ -743,11 +743,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str, generat
         if (req.prompt is None) == (req.messages is None):
             raise invalid_request("Give either prompt or messages.", param="prompt")
         if req.messages is not None:
+            continue_final = req.continue_final_message
+            if continue_final and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+                raise invalid_request("Cannot set both continue_final_message and add_generation_prompt to true.",
+                                      param="continue_final_message")
             chat = errors.validate(ChatCompletionRequest, {
                 "messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": req.tools,
                 "chat_template_kwargs": req.chat_template_kwargs})
             plan = await run_in_threadpool(plan_chat, chat, lambda: srv.grammar_compiler)
-            text = await run_in_threadpool(srv.render_chat, chat, plan, req.add_generation_prompt)
+            # (continue_final_message was ignored: the ids ended with a closed turn and a generation prompt, not
+            # the chat route's prompt, so /v1/completions on them answered something else)
+            text = await run_in_threadpool(srv.render_chat, chat, plan, req.add_generation_prompt, continue_final)
             ids = await srv.encode(text, "messages")
         else:
             ids = await srv.encode(req.prompt, "prompt", req.add_special_tokens)
@@ -1074,27 +1080,39 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
             return _sse(c.model_dump_json(exclude=exclude))
 
         parser = plan.output_parser() if _parses(plan) else None
+        # A reply that may be tool calls alone has content null (`_chat_full`), so its stream says nothing of
+        # content until there is some: a first chunk with content "" made a client's folded message "" where the
+        # non-streamed one is null. If it ends with neither text nor a call, its finish chunk says "".
+        calls_possible = parser is not None and plan.tool_names is not None
         # the prompt's logprobs (vLLM's prompt_logprobs) ride on the first choice's first chunk
-        yield chunk(DeltaMessage(role="assistant", content=""),
+        yield chunk(DeltaMessage(role="assistant", content=None if calls_possible else ""),
                     prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None)
         if echo:
             yield chunk(DeltaMessage(content=echo))
-        called = False
+        called, said = False, bool(echo)        # said: some chunk carried content
+        sent_logprobs = False
         async for text, tokens, finish in _coalesce(gen):
             if parser is None:
                 if text or tokens:
                     yield chunk(DeltaMessage(content=text), tokens)
+                    sent_logprobs = True
             else:
                 deltas = parser.feed(text) + (parser.finish() if finish is not None else [])
                 called = called or any(d.tool_index is not None for d in deltas)
+                said = said or any(d.content is not None for d in deltas)
                 messages = [_delta_message(d, plan.legacy) for d in deltas]
                 for i, m in enumerate(messages):            # logprobs ride on the piece's first chunk
                     yield chunk(m, tokens if i == 0 else None)
+                    sent_logprobs = sent_logprobs or (i == 0 and bool(tokens))
                 if not messages and tokens and gen.want_logprobs:
-                    yield chunk(DeltaMessage(content=""), tokens)
+                    yield chunk(DeltaMessage(), tokens)     # (no content "": the reply may be calls alone)
+                    sent_logprobs = True
             if finish is not None:
+                last = DeltaMessage(content="" if calls_possible and not said and not called else None)
                 called = called and not parser.cut_call
-                yield chunk(DeltaMessage(), None, _called_finish(plan, finish) if called else finish)
+                # a choice whose every token was a stop token still says it has logprobs (none), as `_chat_full`
+                yield chunk(last, [] if gen.want_logprobs and not sent_logprobs else None,
+                            _called_finish(plan, finish) if called else finish)
 
     async def chunks() -> AsyncIterator[str]:
         async with contextlib.aclosing(_merged([one(g) for g in gens])) as merged:    # (see `_stream_body`)
@@ -1126,11 +1144,14 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
             yield chunk(gen.echo, _echo_logprobs(srv, req, gen) if gen.want_logprobs else None, prompt_lps=prompt_lps)
         elif prompt_lps is not None:
             yield chunk("", prompt_lps=prompt_lps)
+        sent_logprobs = gen.echo is not None
         async for text, tokens, finish in _coalesce(gen):
             if text or tokens:
                 yield chunk(text, srv.completion_logprobs(tokens) if gen.want_logprobs else None)
+                sent_logprobs = True
             if finish is not None:
-                yield chunk("", None, finish)
+                # a choice whose every token was a stop token still says it has logprobs (none), as the full body
+                yield chunk("", CompletionLogprobs() if gen.want_logprobs and not sent_logprobs else None, finish)
 
     async def chunks() -> AsyncIterator[str]:
         async with contextlib.aclosing(_merged([one(g) for g in gens])) as merged:    # (see `_stream_body`)

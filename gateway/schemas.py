@@ -294,6 +294,7 @@ class TokenizeRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False    # vLLM's: as on /v1/chat/completions (the prompt ends in the final message)
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
