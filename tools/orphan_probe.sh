@@ -1,3 +1,6 @@
+# Everything also goes to $OUT/probe.log, so a call cut off by its timeout still brings the output back (h100-34:
+# the first try ran out of its 150 s after the first round, and its stdout was lost).
+exec > >(tee -a "$OUT/probe.log") 2>&1
 moepipe make-model --preset full-shape --layers 8 --out /tmp/fs2 >/dev/null
 (MOEPIPE_STARTUP_WARMUP=0 moepipe serve --model /tmp/fs2 --load-format dummy --device cuda --port 8011 > $OUT/serve.log 2>&1 &)
 timeout 200 sh -c "until curl -sf http://127.0.0.1:8011/health >/dev/null; do sleep 2; done"
