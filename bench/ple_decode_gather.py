@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -51,6 +48,7 @@ from shared.ngram_hash import NgramHashSpec  # noqa: E402
 from shared.ple_files import dummy_ple_table  # noqa: E402
 from shared.ple_table import open_table  # noqa: E402
 from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox  # noqa: E402
+from bench_io import machine, write_json  # noqa: E402  (bench/, this script's directory)
 
 STATES = ("procedural", "cold", "fresh", "touched")
 
@@ -258,14 +256,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['gather']['median_us']:10.1f} {s['gather']['p90_us']:7.1f} {s['rest']['median_us']:8.1f} "
               f"{s['gc']['mean_us']:7.2f}")
     if args.out:
-        result = {"host": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
-                  "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        result = {**machine(), "torch": torch.__version__,
                   "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                   "device": device.type, "method": "__call__" if args.call else "publish", "path": args.path,
                   "table_gib": args.table_gib, "steps": args.steps, "thrash_mib": args.thrash_mib, "results": results}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

@@ -36,7 +36,6 @@ import ctypes
 import json
 import mmap
 import os
-import platform
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ from ple_service import page_cache  # noqa: E402
 from ple_service.prefetch import (  # noqa: E402
     Advisor, FadviseAdvisor, PreadReader, PromptPrefetcher, ReadPool, page_ranges,
 )
+from bench_io import machine, write_json  # noqa: E402  (bench/, this script's directory)
 
 PAGE = mmap.PAGESIZE
 DEFAULT_METHODS = ("madvise:1 madvise:4 process_madvise:1 process_madvise:4 pread:1 pread:8 pread:32 pread:64 "
@@ -410,16 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if written is not None and not args.keep:
             written.unlink(missing_ok=True)
-    result = {"host": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
-              "python": platform.python_version(), "cpus": os.cpu_count(), "file": str(path), "size_bytes": size,
+    result = {**machine(), "file": str(path), "size_bytes": size,
               "device": dev, "tokens": args.tokens, "heads": args.heads, "row_bytes": args.row_bytes,
               "batch_tokens": args.batch_tokens, "workers": args.workers,
               "idle_probe_us_p50": round(_pct(idle, 50), 1), "idle_probe_us_p99": round(_pct(idle, 99), 1),
               "call_us_per_range_resident": costs, "runs": runs}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 
