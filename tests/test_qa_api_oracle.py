@@ -102,9 +102,10 @@ def _chat_full(body: dict) -> tuple[dict[int, dict], dict]:
         calls = [(t["function"]["name"], t["function"]["arguments"]) for t in m.get("tool_calls") or []]
         assert all(t["id"] and t["type"] == "function" for t in m.get("tool_calls") or [])
         fc = m.get("function_call")
+        lps = ch["logprobs"] if ch["logprobs"] is None else {"refusal": None, **ch["logprobs"]}   # (as folded)
         out[ch["index"]] = {"content": m.get("content"), "reasoning": m.get("reasoning_content"), "calls": calls,
                             "function_call": fc and (fc["name"], fc["arguments"]), "finish": ch["finish_reason"],
-                            "logprobs": ch["logprobs"]}
+                            "logprobs": lps}
     return out, body["usage"]
 
 
@@ -149,20 +150,24 @@ def _chat_streamed(events: list[str]) -> tuple[dict[int, dict], dict | None]:
     return out, usage
 
 
-def _chat_pair(url: str, body: dict) -> tuple[dict, dict]:
-    _warm(url, "/v1/chat/completions", body)
-    full, usage = _chat_full(_post(url, "/v1/chat/completions", body))
-    streamed, s_usage = _chat_streamed(_events(url, "/v1/chat/completions",
-                                               {**body, "stream_options": {"include_usage": True}}))
-    for ch in full.values():
-        if ch["logprobs"] is not None:
-            ch["logprobs"].setdefault("refusal", None)
-    assert sorted(streamed) == sorted(full) == list(range(body.get("n", 1)))
+def _pair(url: str, path: str, body: dict, fold_full, fold_streamed) -> tuple[dict, dict]:
+    """The same request non-streamed and streamed (after `_warm`), each folded per choice: equal but for logprobs,
+    which agree to `_close`, and usage (`_same_usage`). The non-streamed choices and usage."""
+    _warm(url, path, body)
+    full, usage = fold_full(_post(url, path, body))
+    streamed, s_usage = fold_streamed(_events(url, path, {**body, "stream_options": {"include_usage": True}}))
+    assert sorted(streamed) == sorted(full)
     for i in full:
         a, b = full[i], streamed[i]
         assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}, i
         assert _close(a["logprobs"], b["logprobs"]), (i, a["logprobs"], b["logprobs"])
     _same_usage(s_usage, usage)
+    return full, usage
+
+
+def _chat_pair(url: str, body: dict) -> tuple[dict, dict]:
+    full, usage = _pair(url, "/v1/chat/completions", body, _chat_full, _chat_streamed)
+    assert sorted(full) == list(range(body.get("n", 1)))
     return full, usage
 
 
@@ -246,16 +251,7 @@ def _completion_streamed(events: list[str]) -> tuple[dict[int, dict], dict | Non
 
 
 def _completion_pair(url: str, body: dict) -> tuple[dict, dict]:
-    _warm(url, "/v1/completions", body)
-    full, usage = _completion_full(_post(url, "/v1/completions", body))
-    streamed, s_usage = _completion_streamed(_events(url, "/v1/completions",
-                                                     {**body, "stream_options": {"include_usage": True}}))
-    assert sorted(streamed) == sorted(full)
-    for i in full:
-        assert {**full[i], "logprobs": None} == {**streamed[i], "logprobs": None}, i
-        assert _close(full[i]["logprobs"], streamed[i]["logprobs"]), (i, full[i]["logprobs"], streamed[i]["logprobs"])
-    _same_usage(s_usage, usage)
-    return full, usage
+    return _pair(url, "/v1/completions", body, _completion_full, _completion_streamed)
 
 
 PROSE = "Der Hund läuft über die Straße und"
