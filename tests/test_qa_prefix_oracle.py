@@ -173,12 +173,19 @@ def test_answers_do_not_depend_on_the_prefix_cache_concurrency_stages_or_preempt
     opts = ServeOptions(model=tiny_checkpoint, stages=2, port=free_port(),
                         extra={**base, "num_blocks": 128, "max_num_seqs": 6, "prefix_cache_states": 4})
     with LoggedCluster(opts, log) as c:
-        got, cached = asyncio.run(_run(c.url, jobs, left))
-        held = _settle(c.url)
+        # Whether the pool runs short depends on how the requests interleave: on a loaded CI machine one round
+        # preempted nothing (4-24 preemptions a round on an idle one). Up to three rounds, each checked whole.
+        cached: list[int] = []
+        for _ in range(3):
+            got, hits = asyncio.run(_run(c.url, jobs, left))
+            cached += hits
+            bad = _same(ref, got)
+            assert not bad, "\n".join(bad)
+            held = _settle(c.url)
+            assert held == dict.fromkeys(IDLE, 0.0), f"resources still held: {held}"
+            if _metrics(c.url)["moepipe_preemptions"] > 0:
+                break
         after = _metrics(c.url)
         _check_healthy(c)
-    bad = _same(ref, got)
-    assert not bad, "\n".join(bad)
-    assert held == dict.fromkeys(IDLE, 0.0), f"resources still held: {held}"
     assert after["moepipe_preemptions"] > 0, "nothing was preempted: the test no longer exercises preemption"
     assert sum(cached) > 1000 and after["moepipe_prefix_cache_hits_total"] >= sum(cached)
