@@ -196,6 +196,18 @@ class ClusterExecutor:
         now = time.time()
         return [c for c in self.components if self._silent(c, now) > self.cluster.heartbeat_timeout]
 
+    def down(self) -> list[str]:
+        """Components past their deadline whose process is not seen running on this host: exited (a zombie too),
+        never heard from, or on another host. One whose process still runs is only late (CI under load once starved
+        a healthy stage past the 2.5 s deadline and three requests got 503 at once): new requests queue behind it
+        until it heartbeats again, or `hang_timeout` kills it and its restart serves them."""
+        out = []
+        for c in self.health():
+            st = self.state[c]
+            if not (st.pid and ours(c, st.pid, st.last_seen or None)):
+                out.append(c)
+        return out
+
     def lost(self) -> list[str]:
         """Components that heartbeated once and no longer do; those silent for `hang_timeout` are killed here (a
         SIGSTOPped process, a stage whose step loop is stuck: it stops heartbeating after `stall_timeout`) so the

@@ -103,6 +103,10 @@ class Executor(Protocol):
     def health(self) -> list[str]:
         """Components past their heartbeat deadline (empty: healthy)."""
 
+    def down(self) -> list[str]:
+        """Of those, the ones not seen running: new requests are refused (503) while one is. One that is only slow
+        (its process runs: a starved CPU, a stopped process) makes new requests queue instead, as running ones wait."""
+
     def lost(self) -> list[str]:
         """Components that were up and stopped answering: the requests in flight cannot finish."""
 
@@ -201,7 +205,7 @@ class EngineCore:
         """Queue a request; its token events (then a finish reason, or an exception) go to `sink`."""
         if self._closing is not None:
             raise EngineUnavailable(self._closing)
-        missing = self.health()
+        missing = self.executor.down() + ([self.COMPONENT] if self.dead else [])
         if missing:
             raise EngineUnavailable(f"not serving: no heartbeat from {', '.join(missing)}")
         if not request.prompt_ids:

@@ -117,6 +117,9 @@ class InProcessExecutor:
     def health(self) -> list[str]:
         return []
 
+    def down(self) -> list[str]:
+        return []
+
     def lost(self) -> list[str]:
         return []
 

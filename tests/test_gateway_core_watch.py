@@ -20,6 +20,8 @@ class BrokenExecutor:
         raise RuntimeError("a bug in the core's loop")
     def health(self) -> list[str]:
         return []
+    def down(self) -> list[str]:
+        return []
     def lost(self) -> list[str]:
         return []
     def restarted(self) -> list[str]:

@@ -101,6 +101,9 @@ class _Executor:
     def health(self) -> list[str]:
         return []
 
+    def down(self) -> list[str]:
+        return []
+
     def lost(self) -> list[str]:
         return []
 

@@ -9,6 +9,7 @@ it. Also: a port already in use is refused at start with a message naming it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -261,7 +262,8 @@ def test_a_step_error_in_the_batch_of_the_restart_is_the_restart(tmp_path):
 
 def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
     """`lost` SIGKILLs a component silent for hang_timeout when its pid runs the component's module on this host
-    (so the launcher restarts it); a pid running something else is left alone, and each pid is tried once."""
+    (so the launcher restarts it); a pid running something else is left alone, and each pid is tried once. Until
+    then it is late, not `down`: only a component whose process is not seen running refuses new requests."""
     from gateway.cluster_executor import ClusterExecutor, kill_hung
     from shared.cluster_config import ClusterConfig, StageSpec
 
@@ -278,11 +280,15 @@ def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
         ex = ClusterExecutor(cluster, expect_ple=False)
         ex.state["stage0"].pid, ex.state["stage0"].last_seen = ours.pid, time.time() - 0.5
         assert ex.lost() == ["stage0"] and ours.poll() is None       # lost, not yet hung
+        assert ex.down() == []                    # late, its process runs: new requests queue behind it
         time.sleep(max(0.0, started + 1.5 - time.time()))
         ex.state["stage0"].last_seen = started + 0.2                  # heard from once it ran, then silent
         assert ex.lost() == ["stage0"]
         assert ours.wait(timeout=10) == -signal.SIGKILL
         assert ex.state["stage0"].killed == {ours.pid}
+        assert ex.down() == ["stage0"]            # gone: new requests get 503 until its restart heartbeats
+        ex.state["stage0"].pid = other.pid        # a pid running something else is not the component
+        assert ex.down() == ["stage0"]
     finally:
         for p in (ours, other):
             if p.poll() is None:
@@ -360,7 +366,7 @@ def _serve_restarting_once(checkpoint, tmp_path, **env: str) -> tuple[subprocess
 def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, tmp_path):
     """A hung stage (SIGSTOP: no heartbeats, no exit) was never restarted: /health stayed 503 until someone sent
     SIGCONT. The gateway now kills it after hang_timeout (4 s here) and the launcher restarts it: serving resumes
-    with the same tokens. That was its one restart (--restart-limit 1): its successor killed while a stream runs
+    with the same tokens, a request sent while it was stopped answered too. That was its one restart (--restart-limit 1): its successor killed while a stream runs
     is given up. The stream waited recovery_timeout (60 s) for it (QA); the gateway is told (SIGUSR1) and the
     stream ends within seconds with an error event naming the stage (not the shutdown's), then `serve` exits 1
     naming it, where it used to stay up answering /health 503 forever."""
@@ -373,6 +379,12 @@ def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, 
         victim = component_pids(launcher.pid)["stage1"]
         os.kill(victim, signal.SIGSTOP)
         t0 = time.time()
+        while httpx.get(url + "/health", timeout=2).status_code == 200:
+            assert time.time() - t0 < 10, "/health stayed 200 for a stopped stage"
+            time.sleep(0.1)
+        # late, not gone (its process is there): a request sent now waits for it, as running ones do, and its
+        # restart answers it (CI under load once starved a healthy stage past the deadline: three requests 503)
+        queued = concurrent.futures.ThreadPoolExecutor(1).submit(_greedy, url)
         while time.time() - t0 < HEAL_BOUND_S + 10:
             pid = component_pids(launcher.pid).get("stage1")
             try:
@@ -384,6 +396,7 @@ def test_a_stopped_stage_is_killed_and_restarted_then_given_up(tiny_checkpoint, 
         else:
             raise AssertionError("the stopped stage was not replaced")
         assert not alive(victim)
+        assert queued.result(timeout=60) == before
         assert _greedy(url) == before
         children = component_pids(launcher.pid)
         killed: list[float] = []
