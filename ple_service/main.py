@@ -57,7 +57,9 @@ def _send(sock: zmq.Socket, msg: Message, stop: threading.Event, wait: bool = Tr
             time.sleep(0.001)
 
 
-def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
+def serve(cluster: ClusterConfig, stop: threading.Event, serving: threading.Event | None = None) -> int:
+    """Load the table, then answer plans until `stop`; `serving` is set once loading is over (a stop before then
+    exits at once: see `main`)."""
     import torch
 
     from ple_service.service import PleService     # heavy imports (torch) after argument errors are out of the way
@@ -71,6 +73,8 @@ def serve(cluster: ClusterConfig, stop: threading.Event) -> int:
     cluster = cluster.for_model(cfg)
     consumers = ple_stages(cluster, cfg)
     service = PleService(cluster.model, cfg, cluster)
+    if serving is not None:
+        serving.set()                    # from here a stop goes through the loop and `finally` (the ring unlinked)
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     try:
@@ -146,9 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ple_service: {source} {level!r}: expected one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level.strip().upper(), format="%(asctime)s ple %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
+    stop, serving = threading.Event(), threading.Event()
 
     def on_signal(signum: int, _frame) -> None:
+        if not serving.is_set():
+            # still loading (a large table is written or read for minutes): nothing to stop cleanly yet, and the
+            # loop that reads `stop` has not started, so the launcher's stop waited its whole grace for a SIGKILL.
+            # The table is written to a temporary file renamed once complete: a later start reuses what it holds.
+            log.info("PLE service: %s received while loading, exiting", signal.Signals(signum).name)
+            raise SystemExit(0)
         log.info("PLE service: %s received, stopping", signal.Signals(signum).name)
         stop.set()
 
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cluster.ple_service:
             log.info("ple_service = false: stages gather PLE rows in-process; nothing to serve")
             return 0
-        return serve(cluster, stop)
+        return serve(cluster, stop, serving)
     except (ClusterConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2

@@ -89,15 +89,20 @@ class PleService:
         self.ring = GatherRing.create(cluster.ple_ring, slots=cluster.ple_ring_slots,
                                       max_tokens=cluster.max_num_batched_tokens, layers=len(self.layers),
                                       heads=cfg.ple_heads, head_dim=cfg.ple_head_dim, dtype=dtypes.pop())
-        self.advisors: list[Advisor | FadviseAdvisor | PreadReader] = []
-        self.read_pool: ReadPool | None = None          # the pread method's reading threads
-        self.prefetcher: PromptPrefetcher | None = None
-        if cluster.ple_prefetch:
-            flat = [self.tables[layer] for layer in self.layers]
-            if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
-                self.advisors, self.read_pool = make_advisors(
-                    flat, cluster.ple_prefetch_method, depth=cluster.ple_prefetch_depth)
-                self.prefetcher = PromptPrefetcher(self.advisors, threads=cluster.ple_prefetch_threads)
+        try:     # the ring is a file in shared memory: an error (or a stop while loading) must not leave it
+            self.advisors: list[Advisor | FadviseAdvisor | PreadReader] = []
+            self.read_pool: ReadPool | None = None          # the pread method's reading threads
+            self.prefetcher: PromptPrefetcher | None = None
+            if cluster.ple_prefetch:
+                flat = [self.tables[layer] for layer in self.layers]
+                if all(isinstance(t, FlatTable) and t.tensor.numel() for t in flat):   # procedural tables: nothing to read
+                    self.advisors, self.read_pool = make_advisors(
+                        flat, cluster.ple_prefetch_method, depth=cluster.ple_prefetch_depth)
+                    self.prefetcher = PromptPrefetcher(self.advisors, threads=cluster.ple_prefetch_threads)
+        except BaseException:
+            self.ring.close()
+            self.ring.unlink()
+            raise
         self._requests: dict[str, _Request] = {}
         self._sampled: dict[str, dict[int, int]] = {}            # req_id -> position -> sampled token
         self._waiting: deque[Plan] = deque()

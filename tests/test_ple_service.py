@@ -388,3 +388,40 @@ def test_process_end_to_end(tiny, tmp_path):
         for s in (gw, stage, push):
             s.close(linger=0)
         ctx.term()
+
+
+def test_a_stop_while_loading_exits_at_once(tiny, tmp_path):
+    """SIGTERM while the service loads its table (minutes for a large one written or read): its loop, the only
+    reader of the stop flag, had not started, so it ignored the signal and the launcher's stop waited its whole
+    grace for a SIGKILL. Now it exits 0 at once and leaves no ring file behind."""
+    path, _, _ = tiny
+    ring_path = Path(f"/dev/shm/moepipe-test-{uuid.uuid4().hex[:12]}.ring")
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(dump_toml(_cluster(path, tmp_path, ple_ring=str(ring_path))))
+    log = tmp_path / "ple.log"
+    # the table load made slow: the ring is created, then the advisors take "minutes" (the real load's stand-in)
+    code = ("import sys, time\nimport ple_service.service as s\n"
+            "s.make_advisors = lambda *a, **k: (print('loading', flush=True), time.sleep(120))\n"
+            "from ple_service.main import main\nsys.exit(main(['--config', sys.argv[1]]))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MOEPIPE_PLE_PREFETCH="1", MOEPIPE_PLE_PREFETCH_METHOD="madvise")
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(toml)], cwd=ROOT, env=env, stdout=logf,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "loading" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert ring_path.exists()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < 3
+        assert not ring_path.exists()
+        assert "SIGTERM received while loading, exiting" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ring_path.unlink(missing_ok=True)
