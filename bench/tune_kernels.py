@@ -5,8 +5,8 @@
     python bench/tune_kernels.py --only qsa --rows 1,4        # QSA decode selection at 262k and 4k, batch 1 and 4
     python bench/tune_kernels.py --only quant_gemv            # packed dense GEMVs (INT4/6/8) at the full shape
     python bench/tune_kernels.py --only hc_q8 --rows 1,4      # the mix with INT8 down / up (reports-mixed), HBM-cold
-    python bench/tune_kernels.py --only route --rows 1,4      # the router kernel's warps a program
-    python bench/tune_kernels.py --only fused_router --rows 1,4  # router GEMV + top-k in one launch
+    python bench/tune_kernels.py --only route --rows 1,4      # the router kernel's warps a program, int64/int32 keys
+    python bench/tune_kernels.py --only fused_router --rows 1,4 [--route-key32]  # router GEMV + top-k in one launch
     python bench/tune_kernels.py --only quant_dequant --reps 5  # prefill's dequantize of packed dense weights
 
 Each configuration is timed inside a CUDA graph of `--reps` back-to-back calls (decode replays graphs, so launch
@@ -208,13 +208,15 @@ def tune_quant_dequant(reps: int, results: list) -> None:
 
 def tune_route(rows: list[int], reps: int, results: list, copies: int = 48) -> None:
     """The router kernel (`moe.route`: softmax statistics and top-10 of 512 by ten block-wide max reductions, the
-    shared expert's gate in slot 10) over its warps a program (`moe.NUM_WARPS`), as the INT4 decode runs it: each
-    captured call on the next of `copies` logit rows (a layer each). Bytes: the logits read and the slots written.
-    A reduction over fewer warps needs no shared-memory round trip (one warp: shuffles only). Every config is checked
-    bit for bit against the shipped one first."""
+    shared expert's gate in slot 10) over its warps a program (`moe.NUM_WARPS`) and its keys (kernel flag
+    `route_key32`: int32 instead of int64), as the INT4 decode runs it: each captured call on the next of `copies`
+    logit rows (a layer each). Bytes: the logits read and the slots written. A reduction over fewer warps needs no
+    shared-memory round trip (one warp: shuffles only). Every config is checked bit for bit against the shipped one
+    (int64 keys) first."""
     from stage_worker.kernels import moe as M
 
-    shipped = M.NUM_WARPS
+    shipped, shipped_key32 = M.NUM_WARPS, M.route_key32_enabled()
+    M.set_route_key32(False)
     for t in rows:
         g = torch.Generator(device="cuda").manual_seed(300 + t)
         logits = [torch.randn(t, 513, device="cuda", generator=g).bfloat16() for _ in range(copies)]
@@ -223,6 +225,7 @@ def tune_route(rows: list[int], reps: int, results: list, copies: int = 48) -> N
 
         def set_cfg(cfg):
             M.NUM_WARPS = cfg[0]
+            M.set_route_key32(bool(cfg[1]))
             turn["bad"] = False
             for lg, (w, i) in zip(logits, want):
                 got = M.route(lg, 10, True, shared=True)
@@ -235,8 +238,10 @@ def tune_route(rows: list[int], reps: int, results: list, copies: int = 48) -> N
             M.route(logits[turn["i"] % copies], 10, True, shared=True)
             turn["i"] += 1
 
-        sweep("route", [(1,), (2,), (4,), (8,)], set_cfg, run, t * (513 * 2 + 11 * 8), t, reps, results)
+        sweep("route (warps, key32)", [(w, k) for k in (0, 1) for w in (1, 2, 4, 8)], set_cfg, run,
+              t * (513 * 2 + 11 * 8), t, reps, results)
         M.NUM_WARPS = shipped
+    M.set_route_key32(shipped_key32)
 
 
 def tune_fused_router(rows: list[int], reps: int, results: list, copies: int = 48) -> None:
@@ -319,12 +324,17 @@ def main() -> int:
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the kernels without programmatic dependent launch (on by default, as the model "
                          "runs them on Hopper: kernels item `pdl`)")
+    ap.add_argument("--route-key32", action="store_true",
+                    help="the router's top-k with int32 keys (kernels item `route_key32`) in the sweeps other than "
+                         "`route`, which times both")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/tune_kernels.py needs a CUDA device")
     from stage_worker.kernels import common
+    from stage_worker.kernels.moe import set_route_key32
 
     common.set_pdl(not args.no_pdl)
+    set_route_key32(args.route_key32)
     only = set(args.only.split(","))
     results: list[dict] = []
     t0 = time.time()

@@ -274,3 +274,38 @@ def test_graph_padding_rows_route_to_no_expert_and_read_none():
     out = K.fused_moe(x, ids, w, w13, w2)
     assert torch.isfinite(out).all()
     _check(out[:real], fused_moe_ref(x[:real], ids_ref, w_ref, w13, w2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_route_key32_ranks_as_the_int64_keys(dtype, monkeypatch):
+    """Kernel flag `route_key32`: bf16 logits ranked by int32 keys (the value's order in the high half, the id in
+    the low) pick the same ids in the same order with the same weights and counts as the int64 keys, through ties
+    (to the lower id), +0/-0, -inf, negatives, the shared slot, a slot map and padding rows. fp16 logits keep the
+    int64 keys (their fp32 has only 13 low bits zero: truncating to 16 changed the weights)."""
+    from stage_worker.kernels.moe_ref import RouteCounts
+
+    e = 20
+    logits = torch.randn(6, e + 1, generator=_gen(31)).mul(4)
+    logits[0, :e] = 0.0
+    logits[0, 1:e:3] = -0.0
+    logits[1, 5] = logits[1, 2] = logits[1, 17] = 50.0          # a three-way tie for first place
+    logits[2, :e] = -1.5
+    logits[2, 7] = float("-inf")
+    logits[3, :e] = -torch.arange(e, dtype=torch.float32)      # all negative, distinct
+    logits[4, 12] = 1e4
+    logits = logits.to(DEV, dtype)
+    slot_map = torch.randperm(e, generator=_gen(5)).to(DEV, torch.int32)
+    valid = torch.tensor([5], dtype=torch.int32, device=DEV)   # the last row is padding
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(K, "_ROUTE_KEY32", on)
+        assert K._key32(logits, e) is (on and dtype == torch.bfloat16)   # fp16: 13 low bits only, int64 keys
+        counts = RouteCounts(torch.zeros(e, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV), e - 6)
+        w, ids = K.route(logits, TOP_K, True, shared=True, counts=counts, valid=valid, slot_map=slot_map)
+        plain = K.route(logits[:, :e].contiguous(), TOP_K, False)
+        outs.append((w, ids, counts.counts.clone(), counts.host_reads.clone(), *plain))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    ids_ref = route_ref(logits[:, :e], TOP_K, False)[1]
+    assert torch.equal(outs[1][5], ids_ref)
+    assert outs[1][5][1, :3].tolist() == [2, 5, 17]

@@ -139,3 +139,18 @@ def test_fused_router_real_shape_from_a_graph(t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_fused_router_with_int32_keys_routes_as_with_int64(monkeypatch):
+    """Kernel flag `route_key32` in the fused launch's routing tail: the same ids, weights and counts as the int64
+    keys (bf16 logits; ties among the small-integer sums)."""
+    x = _integers((3, 96), seed=9, dtype=torch.bfloat16)
+    router = _integers((17, 96), seed=10, dtype=torch.bfloat16)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(K, "_ROUTE_KEY32", on)
+        counts = _counts(16, 11)
+        w, ids = K.router_route(x, router, 4, True, shared=True, counts=counts, fused=True)
+        outs.append((w, ids, counts.counts, counts.host_reads))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -18,7 +18,7 @@ from shared.cluster_config import kernels_error
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
 # batch 1, 7.55 against 8.09-8.13 at 4), not yet on an H200.
-NOT_IN_ALL = ("l2_prefetch", "fused_router")
+NOT_IN_ALL = ("l2_prefetch", "fused_router", "route_key32")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,12 @@ class KernelFlags:
                                       # mixed, back to back) 4.62 / 4.63 against 4.61 / 4.71 ms at batch 1, 7.81 /
                                       # 7.83 against 7.55 / 7.56 at 4; its launch config is untuned
                                       # (bench/tune_kernels.py --only fused_router)
+    route_key32: bool = False         # the router's top-k (moe._route_row, both router launches) ranks bf16
+                                      # logits by int32 keys (value order in the high half, id in the low) instead
+                                      # of int64: the same selection and weights, half the bits in each of its ten
+                                      # block-wide max reductions (the router kernel took longer than cuBLAS's GEMV
+                                      # of the router: 4.4 against 3.67 us, h100-33). Process-wide, as pdl. Not in
+                                      # "all" until timed (bench/tune_kernels.py --only route times both)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

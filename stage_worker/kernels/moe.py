@@ -64,6 +64,16 @@ MAX_EXPERTS = 1024       # route keeps a whole row of logits in one program
 UP_CFG = {1: (8, 128, 8), 4: (16, 128, 8), 16: (16, 128, 8)}       # BLOCK_I, BLOCK_H, warps
 DOWN_CFG = {1: (8, 128, 8), 4: (16, 256, 4), 16: (8, 128, 8)}      # BLOCK_H, BLOCK_I, warps
 NUM_WARPS = 4                                                      # the router kernel
+_ROUTE_KEY32 = False     # kernel flag `route_key32` (process-wide, as pdl: StageModel.set_kernels), `_key32`
+
+
+def set_route_key32(on: bool) -> None:
+    global _ROUTE_KEY32
+    _ROUTE_KEY32 = bool(on)
+
+
+def route_key32_enabled() -> bool:
+    return _ROUTE_KEY32
 
 
 def _bucket(t: int) -> int:
@@ -89,6 +99,7 @@ if triton is not None:
     from stage_worker.kernels.split_reduce import last_of
 
     _KEY_MIN = tl.constexpr(-(2 ** 63))
+    _KEY32_MIN = tl.constexpr(-(2 ** 31))
     SKIP_ID = tl.constexpr(SKIP)
 
     @triton.jit
@@ -120,20 +131,21 @@ if triton is not None:
                       FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                       SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False, claim_ptr=None, thr_ptr=None,
-                      CLAIM: tl.constexpr = False, spare_ptr=None, NC: tl.constexpr = 1):
+                      CLAIM: tl.constexpr = False, spare_ptr=None, NC: tl.constexpr = 1,
+                      KEY32: tl.constexpr = False):
         """A program a token row (`_route_row`). PDL (kernel flag `pdl`): launched as a programmatic dependent, it
         waits first thing (`common.pdl_wait`: it reads only what earlier kernels wrote)."""
         pdl_wait(PDL)
         _route_row(tl.program_id(0).to(tl.int64), logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
                    valid_ptr, map_ptr, E, stride_t, FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT,
-                   VALID, SLOT_MAP, claim_ptr, thr_ptr, CLAIM, spare_ptr, NC, False)
+                   VALID, SLOT_MAP, claim_ptr, thr_ptr, CLAIM, spare_ptr, NC, False, KEY32)
 
     @triton.jit
     def _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, stride_t,
                    FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                    SLOT_MAP: tl.constexpr, claim_ptr, thr_ptr, CLAIM: tl.constexpr, spare_ptr, NC: tl.constexpr,
-                   CG: tl.constexpr):
+                   CG: tl.constexpr, KEY32: tl.constexpr):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
@@ -148,7 +160,11 @@ if triton is not None:
         against entries j = 0..NC-1 whose spare spare_ptr[j] is a slot (>= 0) with a compare-and-swap, stopping at
         the entry it takes or finds already holding it: entries are never cleared within a step, so the step's
         claims are distinct, up to NC of them.
-        CG: the logits are loaded past the SM's L1 (other programs of the launch wrote them)."""
+        CG: the logits are loaded past the SM's L1 (other programs of the launch wrote them). KEY32 (bf16 logits,
+        E <= 65536: `_key32`): the keys are int32, the value's order in the high half and E-1-id in the low (the
+        fp32 of a bf16 has its low 16 bits zero): the same selection as the int64 keys, and each of the
+        ten block-wide max reductions moves half the bits (the router kernel cost more than cuBLAS's GEMV of
+        the router's 2.6 MB: 4.4 against 3.67 us on the H100, h100-33)."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
         if CG:      # written by the other programs of this launch (`_router_route_kernel`): past the SM's L1
@@ -159,20 +175,31 @@ if triton is not None:
         logit = tl.where(logit == 0.0, 0.0, logit)              # -0.0 == +0.0 must give equal keys
         bits = logit.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
-        key = (ordered.to(tl.int64) << 32) | (E - 1 - offs).to(tl.int64)
-        key = tl.where(valid, key, _KEY_MIN)
-
         kk = tl.arange(0, BLOCK_K)
         top_logit = tl.full([BLOCK_K], float("-inf"), tl.float32)
         top_id = tl.zeros([BLOCK_K], tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(key, axis=0)
-            idx = E - 1 - best.to(tl.int32)                   # truncation keeps the low word: E-1-id
-            hi = (best >> 32).to(tl.int32)
-            val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
-            top_logit = tl.where(kk == j, val, top_logit)
-            top_id = tl.where(kk == j, idx, top_id)
-            key = tl.where(offs == idx, _KEY_MIN, key)
+        if KEY32:
+            key32 = (ordered & -65536) | (E - 1 - offs)        # (a negative's low half is 0xFFFF: cleared)
+            key32 = tl.where(valid, key32, _KEY32_MIN)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(key32, axis=0)
+                idx = E - 1 - (best & 0xFFFF)
+                hi = best & -65536
+                val = tl.where(hi < 0, (hi ^ 0x7FFFFFFF) & -65536, hi).to(tl.float32, bitcast=True)
+                top_logit = tl.where(kk == j, val, top_logit)
+                top_id = tl.where(kk == j, idx, top_id)
+                key32 = tl.where(offs == idx, _KEY32_MIN, key32)
+        else:
+            key = (ordered.to(tl.int64) << 32) | (E - 1 - offs).to(tl.int64)
+            key = tl.where(valid, key, _KEY_MIN)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(key, axis=0)
+                idx = E - 1 - best.to(tl.int32)                   # truncation keeps the low word: E-1-id
+                hi = (best >> 32).to(tl.int32)
+                val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+                top_logit = tl.where(kk == j, val, top_logit)
+                top_id = tl.where(kk == j, idx, top_id)
+                key = tl.where(offs == idx, _KEY_MIN, key)
 
         row_max = tl.max(logit, axis=0)
         p = tl.exp(top_logit - row_max)                         # lanes >= TOP_K: exp(-inf) = 0
@@ -231,24 +258,31 @@ if triton is not None:
                              VALID: tl.constexpr, SLOT_MAP: tl.constexpr, NPROG: tl.constexpr,
                              PDL: tl.constexpr = False,
                              claim_ptr=None, thr_ptr=None, CLAIM: tl.constexpr = False, spare_ptr=None,
-                             NC: tl.constexpr = 1):
+                             NC: tl.constexpr = 1, KEY32: tl.constexpr = False):
         """The router GEMV and `_route_row` in one launch (kernel flag `fused_router`): program p computes the
         logits of router rows p*BLOCK_R .. +BLOCK_R (E routed rows, then the shared gate's with SHARED) for all T
         tokens (fp32 sums, stored rounded to x's dtype as F.linear would give them), and the last program to finish
         (`split_reduce.last_of`) routes the T rows from them. Saves the cuBLAS GEMV's launch and the gap it leaves
-        in a PDL chain (it is no programmatic dependent)."""
-        pdl_wait(PDL)
+        in a PDL chain (it is no programmatic dependent). The first BLOCK_H columns of the program's router rows
+        load before `pdl_wait` (weights: no earlier kernel writes them), so they stream in while that kernel ends;
+        with BLOCK_H >= H that is the whole row."""
         R = E + SHARED
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         mask_r = rows < R
+        offs_h = tl.arange(0, BLOCK_H)
+        w_first = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + offs_h[None, :],
+                          mask=mask_r[:, None] & (offs_h < H)[None, :], other=0.0)
+        pdl_wait(PDL)
         offs_t = tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
-        offs_h = tl.arange(0, BLOCK_H)
         acc = tl.zeros([BLOCK_R, BLOCK_T, BLOCK_H], tl.float32)
         for h0 in tl.static_range(0, H, BLOCK_H):
             mask_h = h0 + offs_h < H
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + h0 + offs_h[None, :],
-                        mask=mask_r[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+            if h0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + h0 + offs_h[None, :],
+                            mask=mask_r[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptr + offs_t[:, None] * stride_xt + h0 + offs_h[None, :],
                         mask=mask_t[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
             acc += w[:, None, :] * x[None, :, :]
@@ -259,7 +293,7 @@ if triton is not None:
             for t in tl.static_range(T):
                 _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, R,
                            FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT, VALID, SLOT_MAP, claim_ptr,
-                           thr_ptr, CLAIM, spare_ptr, NC, True)
+                           thr_ptr, CLAIM, spare_ptr, NC, True, KEY32)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
@@ -438,6 +472,12 @@ def _kernel_counts(counts: RouteCounts | None, weights: torch.Tensor, ids: torch
     return c, nc
 
 
+def _key32(logits: torch.Tensor, experts: int) -> bool:
+    """Whether `_route_row` ranks with int32 keys: kernel flag `route_key32`, bf16 logits (their fp32 has its low
+    16 bits zero; an fp16's has only 13), ids in 16 bits. Otherwise the int64 keys (the same selection either way)."""
+    return logits.dtype == torch.bfloat16 and experts <= 1 << 16 and route_key32_enabled()
+
+
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = False,
           counts: RouteCounts | None = None, valid: torch.Tensor | None = None,
           slot_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,7 +516,8 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
                             SHARED=int(shared), RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k),
                             COUNT=counts is not None, VALID=valid is not None, SLOT_MAP=slot_map is not None,
                             num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl, claim_ptr=c.claim, thr_ptr=c.threshold,
-                            CLAIM=c.claim is not None, NC=nc, spare_ptr=c.spare if nc > 1 else None)
+                            CLAIM=c.claim is not None, NC=nc, spare_ptr=c.spare if nc > 1 else None,
+                            KEY32=_key32(logits, E))
     return weights, ids
 
 
@@ -533,7 +574,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise:
         RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
         VALID=valid is not None, SLOT_MAP=slot_map is not None, NPROG=nprog, PDL=pdl, launch_pdl=pdl,
         claim_ptr=c.claim, thr_ptr=c.threshold, CLAIM=c.claim is not None, NC=nc,
-        spare_ptr=c.spare if nc > 1 else None, num_warps=warps)
+        spare_ptr=c.spare if nc > 1 else None, KEY32=_key32(logits, E), num_warps=warps)
     return weights, ids
 
 

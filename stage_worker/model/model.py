@@ -55,6 +55,7 @@ class StageModel(nn.Module):
     def set_kernels(self, flags) -> None:
         """Switch fast kernels on or off for every layer (see stage_worker/kernels/flags.py)."""
         from stage_worker.kernels.flags import NONE
+        from stage_worker.kernels.moe import set_route_key32
         from stage_worker.kernels.quant_gemv import set_dequant_kernel
 
         act = getattr(getattr(self, "cfg", None), "hidden_act", "silu")
@@ -65,6 +66,7 @@ class StageModel(nn.Module):
         set_pdl(getattr(flags, "pdl", False))     # the decode kernels' launch mode: one setting, kernels/common.py
         set_l2_prefetch(getattr(flags, "l2_prefetch", False))     # their L2 prefetch before the wait (with pdl)
         set_dequant_kernel(getattr(flags, "quant_dequant", False))     # packed weights' prefill dequantize
+        set_route_key32(getattr(flags, "route_key32", False))           # the router top-k's keys (kernels/moe.py)
         for m in self.modules():
             if hasattr(type(m), "kernels"):
                 m.kernels = flags
