@@ -177,6 +177,7 @@ class EngineCore:
         self._recent: list[tuple[int, int, float, float]] = []     # (step, stage, start, end), the last 64
         self._started = False
         self._lost_since: float | None = None    # a component stopped sending heartbeats: scheduling waits
+        self._recovered_for: set[str] = set()    # lost components found gone (their requests requeued) meanwhile
         self._closing: str | None = None         # why new requests are refused (`close_requests`)
         self._given_up = False                   # the launcher will not restart a lost component (`give_up`)
         self._sent_at: dict[int, float] = {}     # step -> when its plan went out (the stall report)
@@ -447,18 +448,29 @@ class EngineCore:
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:
-        """A component without heartbeats: its requests wait for it (the launcher restarts it) up to
-        `recovery_timeout`, then every request fails; with `recovery_timeout` 0 they fail at once."""
+        """A component without heartbeats: its requests wait for it up to `recovery_timeout` (a late one runs
+        again, a gone one is restarted by the launcher and they are recomputed), then every request fails; with
+        `recovery_timeout` 0 they fail at once."""
         lost = self.executor.lost()
         if not lost:
             self._lost_since = None
+            self._recovered_for.clear()
             return []
         now = time.monotonic()
         if self._lost_since is None:
             self._lost_since = now
             log.warning("engine core: no heartbeat from %s; scheduling waits for it", ", ".join(lost))
-            if self.limits.recovery_timeout > 0:
-                return self._recover(lost)
+        if self.limits.recovery_timeout > 0:
+            # Only a component whose process is gone has lost the steps in flight and the requests' state. One that
+            # is only late (its process runs: a starved CPU, a stopped process) still holds them, and its steps
+            # come back when it runs again: its requests just wait. Requeued at once, they recomputed their whole
+            # prompt and output (QA: SIGSTOP of a stage for 3 s added 2.4 s of recompute on the demo model; a
+            # loaded 2-core machine requeued every running request again at each late heartbeat). A late one
+            # killed at `hang_timeout` is gone from the next pass on, and its restart recomputes (`restarted`).
+            gone = [c for c in self.executor.down() if c in lost and c not in self._recovered_for]
+            if gone:
+                self._recovered_for.update(gone)
+                return self._recover(gone)
         if now - self._lost_since < self.limits.recovery_timeout and not self._given_up:
             return []
         return self._fail_all(lost)
