@@ -9,6 +9,7 @@ The default suite runs one stall on a 2-stage tiny cluster (~12 s). tools/qa_sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -213,7 +214,7 @@ def cluster(tiny_checkpoint):
 
 def test_a_stage_stopped_past_its_heartbeat_deadline_loses_no_work(cluster):
     """A stage stopped just past heartbeat_timeout while four requests run (greedy and seeded, n=2, logprobs,
-    streamed and not, one arriving during the stop). Its process ran all along, so it held every step in flight
+    streamed and not, one arriving during the stop; two streams left during it). Its process ran all along, so it held every step in flight
     and every request's state: the engine core used to requeue all running requests anyway and recompute their
     prompts and outputs (QA: 2.4 s more on the demo model after a 3 s stop; under CPU starvation, at every late
     heartbeat). Now they wait: the same answers as on the idle cluster, nothing requeued, /health 200 again and
@@ -223,7 +224,35 @@ def test_a_stage_stopped_past_its_heartbeat_deadline_loses_no_work(cluster):
     ref = asyncio.run(run_workload(cluster.url, work))
     assert all(r["status"] == 200 and not r.get("errors") for r in ref), ref
     before = metrics(cluster.url)["moepipe_requests_requeued"]
-    got = asyncio.run(run_workload(cluster.url, work, stop_for(cluster.procs["stage1"], HEARTBEAT_TIMEOUT + 0.8)))
+    stop = stop_for(cluster.procs["stage1"], HEARTBEAT_TIMEOUT + 0.8)
+
+    async def stall_and_leave():
+        """The stop, and two streams whose clients leave while it lasts: one that had a token before it, one sent
+        during it (their blocks and slots must come back once the stage runs again)."""
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async def leave(prompt: str, after_s: float, first: asyncio.Event | None = None):
+                body = {"model": "moepipe", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", cluster.url + "/v1/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    while first is not None and not (await anext(lines)).startswith("data: {"):
+                        pass
+                    if first is not None:
+                        first.set()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(_drain(lines), after_s)
+
+            async def _drain(lines):
+                async for _ in lines:
+                    pass
+
+            async def stop_when(first: asyncio.Event):
+                await first.wait()
+                await asyncio.gather(stop(), leave("left during the stop", 0.5))
+
+            first = asyncio.Event()
+            await asyncio.gather(stop_when(first), leave("left after a token", 1.0, first))
+
+    got = asyncio.run(run_workload(cluster.url, work, stall_and_leave))
     bad = [f"request {k}: {b}" for k, (r, g) in enumerate(zip(ref, got)) for b in check(r, g, tokens)]
     assert not bad, "\n".join(bad)
     assert healthy_within(cluster.url, 10)
