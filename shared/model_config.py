@@ -137,7 +137,10 @@ class HybridMoeConfig:
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
         # 0 (or a factor with int(head_dim * factor) = 0) rotates nothing, as in transformers: no RoPE at all
         need(0.0 <= self.partial_rotary_factor <= 1.0, "partial_rotary_factor", "must be in [0, 1]")
-        need(self.rotary_dim <= self.head_dim, "partial_rotary_factor",
+        # only attention rotates: a model of linear-attention layers alone runs whatever the factor (transformers
+        # builds and runs it; an odd head_dim at Qwen4-Exp's default 1.0 was refused)
+        need(self.rotary_dim <= self.head_dim or all(t == LINEAR for t in self.layer_types),
+             "partial_rotary_factor",
              f"head_dim * factor rounded up to even ({self.rotary_dim}) must fit head_dim={self.head_dim}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"must have num_hidden_layers={self.num_hidden_layers} entries")
