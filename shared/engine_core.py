@@ -134,6 +134,7 @@ class SchedulerLimits:
     skip_cancelled: bool = True            # requests that end under plans in flight go out as `Plan.cancelled`
     stall_report: float = 0.0              # a step in flight this long (s) is reported with every stack (0: never)
     recovery_timeout: float = 60.0         # running requests wait this long for a dead component to come back
+    late_timeout: float = 60.0             # ... and for a late one (its process runs) to heartbeat again
     prefix_cache_states: int = 0           # snapshot slots of the prefix cache (0: off; shared/prefix_cache.py)
     prefix_split_tokens: int = 0           # ... tokens a snapshot must save to cut a prefill chunk for it
 
@@ -148,7 +149,10 @@ class SchedulerLimits:
                    prefix_cache_states=cluster.prefix_states,
                    prefix_split_tokens=cluster.prefix_split_tokens,
                    # nothing comes back without the launcher's restarts: then a dead component fails its requests
-                   recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0)
+                   recovery_timeout=cluster.recovery_timeout if cluster.restart_limit > 0 else 0.0,
+                   # a late one comes back by itself, restarts or not (else, with --restart-limit 0, a stage
+                   # starved or stopped past heartbeat_timeout failed every running and queued request)
+                   late_timeout=cluster.recovery_timeout)
 
 
 class EngineCore:
@@ -448,9 +452,9 @@ class EngineCore:
         return [Plan(step=-1, microbatch=0, entries=[], dropped=steps, finished=self.scheduler.take_finished())]
 
     def _watchdog(self) -> list[Plan]:
-        """A component without heartbeats: its requests wait for it up to `recovery_timeout` (a late one runs
-        again, a gone one is restarted by the launcher and they are recomputed), then every request fails; with
-        `recovery_timeout` 0 they fail at once."""
+        """A component without heartbeats: its requests wait for it, then every request fails. One whose process is
+        gone is waited for up to `recovery_timeout` (the launcher restarts it, and they are recomputed; 0: they fail
+        at once), one that is only late up to `late_timeout` (it runs again, or `hang_timeout` kills it: gone)."""
         lost = self.executor.lost()
         if not lost:
             self._lost_since = None
@@ -460,18 +464,20 @@ class EngineCore:
         if self._lost_since is None:
             self._lost_since = now
             log.warning("engine core: no heartbeat from %s; scheduling waits for it", ", ".join(lost))
-        if self.limits.recovery_timeout > 0:
-            # Only a component whose process is gone has lost the steps in flight and the requests' state. One that
-            # is only late (its process runs: a starved CPU, a stopped process) still holds them, and its steps
-            # come back when it runs again: its requests just wait. Requeued at once, they recomputed their whole
-            # prompt and output (QA: SIGSTOP of a stage for 3 s added 2.4 s of recompute on the demo model; a
-            # loaded 2-core machine requeued every running request again at each late heartbeat). A late one
-            # killed at `hang_timeout` is gone from the next pass on, and its restart recomputes (`restarted`).
-            gone = [c for c in self.executor.down() if c in lost and c not in self._recovered_for]
-            if gone:
-                self._recovered_for.update(gone)
-                return self._recover(gone)
-        if now - self._lost_since < self.limits.recovery_timeout and not self._given_up:
+        # Only a component whose process is gone has lost the steps in flight and the requests' state. One that
+        # is only late (its process runs: a starved CPU, a stopped process) still holds them, and its steps come
+        # back when it runs again: its requests just wait. Requeued at once, they recomputed their whole prompt and
+        # output (QA: SIGSTOP of a stage for 3 s added 2.4 s of recompute on the demo model; a loaded 2-core machine
+        # requeued every running request again at each late heartbeat). A late one killed at `hang_timeout` is gone
+        # from the next pass on, and its restart recomputes (`restarted`). With restarts off (recovery_timeout 0) a
+        # late one failed every request at once; now only a gone one does.
+        gone = [c for c in self.executor.down() if c in lost]
+        fresh = [c for c in gone if c not in self._recovered_for]
+        if fresh and self.limits.recovery_timeout > 0:
+            self._recovered_for.update(fresh)
+            return self._recover(fresh)
+        limit = self.limits.recovery_timeout if gone else self.limits.late_timeout
+        if now - self._lost_since < limit and not self._given_up:
             return []
         return self._fail_all(lost)
 

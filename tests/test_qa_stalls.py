@@ -259,3 +259,43 @@ def test_a_stage_stopped_past_its_heartbeat_deadline_loses_no_work(cluster):
     assert settle(cluster.url) == dict.fromkeys(IDLE, 0.0)
     assert metrics(cluster.url)["moepipe_requests_requeued"] == before, "a late stage's requests were recomputed"
     assert not {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}
+
+
+def test_with_restarts_off_a_late_component_fails_no_request():
+    """With restarts off (`--restart-limit 0`: recovery_timeout 0 in the core) a component past its heartbeat
+    deadline failed every running and queued request at once, though its process still ran: QA stopped a stage of
+    `moepipe serve --restart-limit 0` for 3.5 s and four of four requests failed (a stream's error event, three
+    503s), as a loaded machine would make them. A late component is now waited for (`late_timeout`); only one
+    whose process is gone fails them at once."""
+    from shared.engine_core import EngineCore, EngineUnavailable, GenerationRequest, SchedulerLimits
+    from shared.sampling import SamplingParams
+
+    class Executor:
+        late, gone = ["stage1"], []
+
+        def lost(self) -> list[str]:
+            return self.late + self.gone
+
+        def down(self) -> list[str]:
+            return self.gone
+
+        def send(self, plan) -> None: ...
+
+        def stop(self) -> None: ...
+
+    ex = Executor()
+    core = EngineCore(ex, SchedulerLimits(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                                          num_microbatches=1, max_model_len=128, recovery_timeout=0.0))
+    events: dict[str, list] = {"running": [], "queued": []}
+    for rid in events:
+        core.add(GenerationRequest(rid, [3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0)),
+                 events[rid].append)
+        if rid == "running":
+            assert core.scheduler.schedule(0) is not None
+    assert core._watchdog() == [] and events == {"running": [], "queued": []}
+    assert (core.scheduler.num_running, core.scheduler.num_waiting) == (1, 1)
+    ex.late, ex.gone = [], ["stage1"]                 # its process is gone now: nothing will bring it back
+    [plan] = core._watchdog()
+    # (no token yet: both are answered 503, as the server stopping would)
+    assert plan.dropped and all(isinstance(e[-1], EngineUnavailable) for e in events.values())
+    core.stop()
