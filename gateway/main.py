@@ -42,7 +42,7 @@ async def serve(config_path: str) -> int:
     cluster = load_cluster_config(config_path)
     cfg = load_config(cluster.model)
     cluster = cluster.for_model(cfg)
-    max_len = cluster.max_model_len or cfg.max_position_embeddings
+    max_len = cluster.model_len(cfg)
     expect_ple = bool(cluster.ple_service and cluster.ple_endpoint and isinstance(cfg, Qwen4ExpConfig)
                       and cfg.ple_layer_ids)
     core = EngineCore(ClusterExecutor(cluster, expect_ple=expect_ple), SchedulerLimits.from_cluster(cluster, max_len))

@@ -499,6 +499,12 @@ class ClusterConfig:
                                      f"steps in flight ({in_flight}: {self.num_microbatches} micro-batches"
                                      f"{', two plans each with async_scheduling' if self.async_scheduling else ''})")
 
+    def model_len(self, cfg: HybridMoeConfig) -> int:
+        """The longest sequence served: `max_model_len`, or when 0 the model's max_position_embeddings (a RoPE
+        scaling's longer `longest_context` only when asked for with --max-model-len). The one rule every component
+        sizes by (the gateway's limit, KV blocks, graphs, the activation peak)."""
+        return self.max_model_len or cfg.max_position_embeddings
+
     def for_model(self, cfg: HybridMoeConfig) -> ClusterConfig:
         """Validated against the model, with the KV sizes derived from it filled in. Every process calls this on
         the same file, and the result depends only on the file (and environment), so the gateway that places
@@ -521,7 +527,7 @@ class ClusterConfig:
             block_size = resolve_block_size(cfg, self.block_size)
             costs = [stage_block_cost(cfg, s.start, s.end, block_size, compute_dtype(cfg, s.device, self.dtype),
                                       s.device, self.qsa_kv_offload) for s in self.stages]
-            max_len = self.max_model_len or cfg.max_position_embeddings
+            max_len = self.model_len(cfg)
             most = max(GPU_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs * max_len)
             if self.max_num_batched_tokens > most:
                 raise ClusterConfigError(

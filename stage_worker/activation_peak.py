@@ -216,7 +216,7 @@ def prefill_peak(cluster: ClusterConfig, cfg: HybridMoeConfig, index: int, dtype
     spec = cluster.stages[index]
     device = torch.device(spec.device)
     tokens = cluster.max_num_batched_tokens
-    length = cluster.max_model_len or cfg.max_position_embeddings
+    length = cluster.model_len(cfg)
     block = cluster.block_size or 16
     offload = cluster.qsa_kv_offload
     short_peak = long_peak = 0

@@ -172,7 +172,7 @@ def local_engine_core(model_dir: str | Path, *, stages: int = 1, device: str = "
         device = str(next(models[0].parameters()).device)
     cluster = inprocess_cluster(model_dir, cfg, stages=stages, device=device, **keys)
     core = EngineCore(InProcessExecutor.load(cluster, cfg, models),
-                      SchedulerLimits.from_cluster(cluster, cluster.max_model_len or cfg.max_position_embeddings))
+                      SchedulerLimits.from_cluster(cluster, cluster.model_len(cfg)))
     if start:
         core.start()
     return core

@@ -80,7 +80,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
     if measure is None and cluster.measure_reserve and torch.cuda.is_available():
         from stage_worker.activation_peak import prefill_peak as measure
     out = []
-    max_len = cluster.max_model_len or cfg.max_position_embeddings
+    max_len = cluster.model_len(cfg)
     qsa = any(has_indexer(cfg, layer) for layer in range(cfg.num_hidden_layers))
     cold = load_cold_set(cluster.cold_experts, cfg) if cluster.cold_experts not in ("", AUTO) else {}
     plan = plan_of(cluster.model) if cluster.load_format != "dummy" else None

@@ -277,7 +277,7 @@ class StageRunner:
         if graphed:
             from stage_worker.cuda_graphs import DecodeGraphs, graph_sizes
 
-            max_len = cluster.max_model_len or model.cfg.max_position_embeddings
+            max_len = cluster.model_len(model.cfg)
             self.graphs = DecodeGraphs(model, self.cache, max_blocks_per_seq=-(-max_len // cluster.block_size),
                                        scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
                                        sizes=graph_sizes(cluster.max_num_seqs),
