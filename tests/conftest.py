@@ -278,6 +278,18 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def all_metrics(url: str, timeout: float = 60) -> dict[str, float]:
+    """Every sample of the server's /metrics by its name with its labels (`name{label="x"}`)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=timeout, verify=False).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def small_cluster_options(model: Path):
     """The 2-stage cluster the API test modules share on the tiny checkpoint: small steps and a fixed KV pool, so
     every test's prompt fits and prefill chunks are exercised. No PLE service process (the stages gather their PLE

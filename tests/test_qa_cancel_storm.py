@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import all_metrics as _metrics
 from conftest import free_port
 from gateway.launcher import Cluster, ServeOptions
 from logged_cluster import LoggedCluster
@@ -58,16 +59,6 @@ def server(request, tiny_checkpoint, tmp_path_factory):
 def _prompt(seed: int, n: int) -> list[int]:
     """Token ids that no other seed's prompt starts with (the prefix cache would serve a shared start)."""
     return [3 + (seed * 131 + i * 7) % 2000 for i in range(n)]
-
-
-def _metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, by its name with its labels (`name{label="x"}`)."""
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _sum(metrics: dict[str, float], name: str) -> float:

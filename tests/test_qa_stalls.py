@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from conftest import all_metrics as metrics
 from conftest import free_port
 
 from gateway.launcher import Cluster, ServeOptions
@@ -156,16 +157,6 @@ async def run_workload(url: str, work, disturb=None) -> list[dict]:
 
         got = await asyncio.gather(*[one(k, *w) for k, w in enumerate(work)], trigger())
     return list(got[:-1])
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics by its name with its labels."""
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def settle(url: str, seconds: float = 15.0) -> dict[str, float]:
