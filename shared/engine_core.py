@@ -456,11 +456,16 @@ class EngineCore:
         gone is waited for up to `recovery_timeout` (the launcher restarts it, and they are recomputed; 0: they fail
         at once), one that is only late up to `late_timeout` (it runs again, or `hang_timeout` kills it: gone)."""
         lost = self.executor.lost()
+        now = time.monotonic()
         if not lost:
+            if self._lost_since is not None:
+                # The steps still in flight waited for a late component (they are no longer requeued): their stall
+                # clocks start again now, or the first pass found them "in flight though every component
+                # heartbeats" for the whole stop and asked every component for its stacks
+                self._sent_at = dict.fromkeys(self._sent_at, now)
             self._lost_since = None
             self._recovered_for.clear()
             return []
-        now = time.monotonic()
         if self._lost_since is None:
             self._lost_since = now
             log.warning("engine core: no heartbeat from %s; scheduling waits for it", ", ".join(lost))
