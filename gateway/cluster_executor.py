@@ -67,6 +67,12 @@ def ours(component: str, pid: int, heard_at: float | None = None) -> bool:
         return False                  # gone already, or not on this host
     if module.encode() not in argv:
         return False
+    if component.startswith("stage"):
+        # its own stage index too: a remote stage's pid can be a local process's (containers number pids from 1),
+        # and that local process may be another stage; it is not this component, to call late or to kill
+        index = component[len("stage"):].encode()
+        if not any(a == b"--stage" and b == index for a, b in zip(argv, argv[1:])):
+            return False
     started = _start_time(pid)
     return heard_at is None or (started is not None and started <= heard_at + 1.0)
 
@@ -122,8 +128,9 @@ class ClusterExecutor:
         self._ctx = None
 
     def send(self, plan: Plan) -> None:
-        """To every component; one that a plan could not reach in 2 s is skipped at once until it heartbeats again
-        (the engine core then recomputes what it lost), so a dead peer costs the core one wait, not one a plan."""
+        """To every component; one that a plan could not reach in 2 s is skipped at once until it heartbeats again,
+        so a dead peer costs the core one wait, not one a plan (gone, its requests are recomputed once it is back;
+        a peer only late is sent little meanwhile: scheduling waits while it is silent, far below the send queue)."""
         frames = encode(plan)
         for name, s in zip(self.components, self.outs):
             try:

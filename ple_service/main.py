@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if not serving.is_set():
             # still loading (a large table is written or read for minutes): nothing to stop cleanly yet, and the
             # loop that reads `stop` has not started, so the launcher's stop waited its whole grace for a SIGKILL.
-            # The table is written to a temporary file renamed once complete: a later start reuses what it holds.
+            # The table is written to a temporary file renamed once complete (an interrupted write removes it: the
+            # next start writes it again); the ring file is removed as construction fails.
             log.info("PLE service: %s received while loading, exiting", signal.Signals(signum).name)
             raise SystemExit(0)
         log.info("PLE service: %s received, stopping", signal.Signals(signum).name)

@@ -268,10 +268,13 @@ def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
     from shared.cluster_config import ClusterConfig, StageSpec
 
     started = time.time()
-    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "stage_worker"])
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "stage_worker", "--stage", "0"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "something_else"])
+    # another stage's process (a remote stage's pid can be a local process's: containers number pids from 1)
+    stage1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "stage_worker", "--stage", "1"])
     try:
         assert not kill_hung("stage0", other.pid, 40.0) and other.poll() is None
+        assert not kill_hung("stage0", stage1.pid, 40.0) and stage1.poll() is None
         # a pid heard from before the process now holding it started: a reused pid, left alone
         assert not kill_hung("stage0", ours.pid, 40.0, heard_at=time.time() - 3600) and ours.poll() is None
         cluster = ClusterConfig(model="unused", stages=[StageSpec(0, 1, f"ipc://{tmp_path}/s0.sock")],
@@ -289,8 +292,10 @@ def test_a_hung_component_is_killed_only_if_it_is_ours(tmp_path):
         assert ex.down() == ["stage0"]            # gone: new requests get 503 until its restart heartbeats
         ex.state["stage0"].pid = other.pid        # a pid running something else is not the component
         assert ex.down() == ["stage0"]
+        ex.state["stage0"].pid = stage1.pid       # nor is another stage's
+        assert ex.down() == ["stage0"]
     finally:
-        for p in (ours, other):
+        for p in (ours, other, stage1):
             if p.poll() is None:
                 p.kill()
 
