@@ -134,10 +134,25 @@ def serve_options(args: argparse.Namespace):
         if _has_nvidia_gpu():
             print("moepipe: serving on the CPU (--device cpu, the default); add --device cuda to serve on the "
                   "GPU(s)", file=sys.stderr)
+    # Each memory flag named alone: the config's joint check named both keys, the one not given too
+    # (`--kv-cache-memory-bytes -5` read "vram_limit and --kv-cache-memory-bytes must be ..., got 0.0 and -5").
+    for flag, value in (("--vram-limit", args.vram_limit), ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{flag} {value}: must be a finite number >= 0 (0 = no limit)")
+    if args.cold_experts is not None and not args.cold_experts.strip():
+        # an unset variable (`--cold-experts "$COLD"`) resolved to the working directory, refused as "not a
+        # readable cold-set file (Is a directory)"
+        raise ValueError("--cold-experts: an empty path (an unset variable?); give a file from `moepipe cold-set`, "
+                         "'auto', or leave the flag out (every expert in VRAM)")
+    if args.kv_row_cache_mib is not None and args.kv_row_cache_mib > 0 and not args.qsa_kv_offload:
+        print(f"moepipe: --kv-row-cache-mib {args.kv_row_cache_mib} applies only with --qsa-kv-offload (it caches "
+              f"the host K/V rows decode reads)", file=sys.stderr)
     if args.device == "cpu":
         gpu_only = [f for f, v in (("--gpu-memory-utilization", args.gpu_memory_utilization),
                                    ("--vram-limit", args.vram_limit),
                                    ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                                   ("--kv-row-cache-mib", args.kv_row_cache_mib if args.qsa_kv_offload and
+                                    args.kv_row_cache_mib else None),
                                    ("--enforce-eager", args.enforce_eager or None)) if v is not None]
         if gpu_only:
             print(f"moepipe: {', '.join(gpu_only)} {'applies' if len(gpu_only) == 1 else 'apply'} only on a GPU; "
@@ -238,12 +253,21 @@ def _vllm_only_flags(args: argparse.Namespace, model) -> None:
             continue                              # what the checkpoint holds: vLLM's redundant hint
         if flag == "--tokenizer" and Path(value).resolve() == Path(model).resolve():
             continue                              # the model directory again
+        if flag == "--cpu-offload-gb" and _is_zero(value):
+            continue                              # vLLM's default, no offload: nothing asked that moepipe lacks
         shown = flag if value is True else f"{flag} {value}"
         if kind == "ok" or (fine and value in fine.split(",")):
             continue
         if kind == "refuse":
             raise ValueError(f"{shown}: {why}")
         print(f"moepipe: {shown} ignored: {why}", file=sys.stderr)
+
+
+def _is_zero(value: str) -> bool:
+    try:
+        return float(value) == 0
+    except ValueError:
+        return False
 
 
 def _quant_method(model) -> str | None:

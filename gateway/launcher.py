@@ -88,7 +88,17 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
                             ple_ring=str(_shm_dir() / f"moepipe-ple-{os.getpid()}-{opts.port}.ring")
                             if use_service else "",
                             ple_service=use_service, **extra)
-    return cluster.for_model(cfg)          # cluster.toml carries the derived KV sizes: every process reads them
+    sized = cluster.for_model(cfg)         # cluster.toml carries the derived KV sizes: every process reads them
+    if sized.max_model_len and not cluster.max_model_len:
+        # an explicit --num-blocks shorter than the model's length shortens an unset max_model_len to what the pool
+        # holds (ClusterConfig.for_model); said here, as the GPU plan says its fitted length: `--num-blocks 1` served
+        # a 16-token context without a word, and every longer prompt got a 400
+        print(f"moepipe: --num-blocks {sized.num_blocks} x block size {sized.block_size} holds {sized.max_model_len} "
+              f"tokens, less than the model's {cfg.max_position_embeddings}: "
+              f"serving max_model_len {sized.max_model_len} (raise --num-blocks to "
+              f"{-(-cfg.max_position_embeddings // sized.block_size)} for the model's length, or set "
+              f"--max-model-len)", file=sys.stderr)
+    return sized
 
 
 def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNeeds], dict[str, DeviceMemory],
@@ -146,7 +156,10 @@ def auto_cold_experts(cluster: ClusterConfig, config_path: Path, run_dir: Path) 
 
     cfg = load_config(cluster.model)
     if not any(s.device.startswith("cuda") for s in cluster.stages):
-        return dataclasses.replace(cluster, cold_experts="")        # host RAM is all there is: nothing to move
+        # host RAM is all there is: nothing to move (said, as every other GPU-only flag on a CPU cluster is)
+        print("moepipe: --cold-experts auto: the cluster runs on the CPU, where every expert is in host RAM "
+              "already; none moved (add --device cuda)", file=sys.stderr)
+        return dataclasses.replace(cluster, cold_experts="")
     probe = cluster
     if not cluster.max_model_len:
         # unset: experts out for AUTO_OFFLOAD_LEN tokens, and memory_plan then fits the context to what is left

@@ -92,6 +92,10 @@ def kind_normalised(usage: dict[str, dict[str, list[int]]]) -> dict[int, list[fl
 def check_scores(scores: dict[int, list[float]], cfg: HybridMoeConfig, source: str) -> None:
     """Routing counts from `source` must be of this model: every counted layer one of its MoE layers, with its
     number of experts (counts of another checkpoint would place experts on a dense layer, or index past a row)."""
+    if not cfg.has_sparse_moe:
+        # (every counted layer listed as not matching, "MoE layers []", left the user to work out why)
+        raise ColdSetError(f"{source}: this model has no MoE layers (routed experts): there are no experts to keep "
+                           f"in host RAM")
     bad = [layer for layer in sorted(scores) if not (0 <= layer < cfg.num_hidden_layers and cfg.is_sparse_moe(layer))
            or len(scores[layer]) != cfg.num_experts]
     if bad:
@@ -194,7 +198,8 @@ def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ColdSetError(f"{path}: format is not {FORMAT!r} (write one with `moepipe cold-set`)")
     if data.get("num_experts", cfg.num_experts) != cfg.num_experts:
-        raise ColdSetError(f"{path}: written for a model of {data['num_experts']} experts a layer (its model: "
+        # !r: a hand-edited "16" read "written for a model of 16 experts ...; this one has 16"
+        raise ColdSetError(f"{path}: written for a model of {data['num_experts']!r} experts a layer (its model: "
                            f"{data.get('model')}); this one has {cfg.num_experts}")
     mine = shape(cfg)
     theirs = data.get("shape")                  # files written before 2026-12-05 carry none
@@ -220,5 +225,7 @@ def load(path: str | Path, cfg: HybridMoeConfig) -> dict[int, list[int]]:
                                f"[0, {cfg.num_experts})")
         if len(ids) >= cfg.num_experts:
             raise ColdSetError(f"{path}: layer {layer} puts all {cfg.num_experts} experts in host RAM")
+        if int(layer) in out:           # "3" and "03": the second list replaced the first without a word
+            raise ColdSetError(f"{path}: layer {int(layer)} is listed twice")
         out[int(layer)] = sorted(ids)
     return out

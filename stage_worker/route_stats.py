@@ -78,8 +78,18 @@ def usage_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
                      for l in range(ids.shape[1])])
 
 
+def is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB (git's test): an image, an archive, a git object; not text of any encoding
+    but UTF-16/32, which the tokenizer would read as noise too."""
+    with path.open("rb") as f:
+        return b"\0" in f.read(8192)
+
+
 def read_texts(specs: list[str]) -> dict[str, list[Path]]:
-    """`KIND=PATH` items (a file, or a directory whose files are read in name order) -> {kind: files}."""
+    """`KIND=PATH` items (a file, or a directory whose files are read in name order) -> {kind: files}. Binary files
+    are no sample text: decoded with replacement characters they counted the routing of noise as a kind's, and
+    silently (a code directory's .git objects, a gzipped corpus). A directory's are skipped, said on stderr; a
+    binary file named alone is refused."""
     out: dict[str, list[Path]] = {}
     for spec in specs:
         kind, sep, path = spec.partition("=")
@@ -89,6 +99,15 @@ def read_texts(specs: list[str]) -> dict[str, list[Path]]:
         files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
         if not files or not all(f.is_file() for f in files):
             raise ValueError(f"--text {spec!r}: {path} is not a file or a directory with files")
+        binary = [f for f in files if is_binary(f)]
+        if binary and not p.is_dir():
+            raise ValueError(f"--text {spec!r}: {path} is a binary file (a NUL byte in its first 8 KiB), not text")
+        if binary:
+            files = [f for f in files if f not in binary]
+            if not files:
+                raise ValueError(f"--text {spec!r}: {path} holds only binary files ({len(binary)}), no text")
+            print(f"route-stats: {kind}: skipped {len(binary)} binary file(s) of {path} (e.g. {binary[0]})",
+                  file=sys.stderr)
         out.setdefault(kind, []).extend(files)
     return out
 
@@ -101,9 +120,15 @@ def route_stats(model_dir: str | Path, texts: dict[str, list[Path]], out: str | 
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.kernels.flags import KernelFlags
 
+    from shared.model_config import load_config
+
     model_dir = Path(model_dir)
     if chunk < 1 or batch < 1 or tokens_per_kind < 1:
         raise ValueError("--chunk, --batch and --tokens-per-kind must be positive")
+    if not load_config(model_dir).has_sparse_moe:
+        # said before the weights load (minutes for a large checkpoint), not after, from moe_layers
+        raise ValueError(f"{model_dir}: the model has no MoE layers (routed experts) to count; --cold-experts does "
+                         f"not apply to it")
     tok = Tokenizer.from_dir(model_dir)
     model = load_model(model_dir, LoadOptions(device=device))
     if torch.device(device).type == "cuda":
