@@ -153,7 +153,14 @@ def parse(config: dict) -> QuantPlan | None:
     targets: dict[str, tuple[str, WeightQuant]] = {}
     shadowed: dict[str, list[str]] = {}
     for name, scheme in groups.items():
-        wq = _weight_quant(name, scheme, scheme.get("format") or default_fmt)
+        try:
+            wq = _weight_quant(name, scheme, scheme.get("format") or default_fmt)
+        except QuantSchemeError as exc:
+            # plan_of names the tensors this group reaches (it has the files; a config alone has not)
+            targets = scheme.get("targets")
+            exc.targets = list(targets) if isinstance(targets, list) else []
+            exc.ignore = list(q.get("ignore") or [])
+            raise
         for t in scheme.get("targets") or []:
             if t in targets and targets[t][1] != wq:
                 shadowed.setdefault(t, []).append(targets[t][0])
@@ -313,7 +320,40 @@ def plan_of(model_dir) -> QuantPlan | None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None                            # the config loader reports that
-    return parse(config)
+    try:
+        return parse(config)
+    except QuantSchemeError as exc:
+        if getattr(exc, "targets", None) is None:
+            raise
+        raise QuantSchemeError(f"{exc}; {_reached_tensors(Path(model_dir), exc.targets, exc.ignore)}") from None
+
+
+def _reached_tensors(model_dir, targets: list[str], ignore: list[str]) -> str:
+    """Which on-disk tensors a refused group's targets reach, for its message: the user learns which weights the
+    scheme they cannot run holds (a whole config group's refusal named no tensor, QA 2026-12-07)."""
+    from shared.checkpoint_files import CheckpointError, tensor_headers
+
+    try:
+        names = sorted(tensor_headers(model_dir))
+    except (CheckpointError, OSError, ValueError):
+        return "its tensors could not be read"
+    suffixes = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+                "weight_g_idx", "weight")
+    hit = []
+    for name in names:
+        module, _, part = name.rpartition(".")
+        if part not in suffixes:
+            continue
+        cls = module_class(module)
+        reaches = _released_names(module)
+        if any(_match_name(n, t) or t == cls for t in ignore for n in reaches):
+            continue
+        if any(_match_name(n, t) or t == cls for t in targets for n in reaches):
+            hit.append(name)
+    if not hit:
+        return f"its targets {targets} reach no tensor on disk"
+    more = f" and {len(hit) - 1} more" if len(hit) > 1 else ""
+    return f"it holds tensor '{hit[0]}'{more}"
 
 
 def refusal(model_dir, headers: dict[str, tuple[tuple[int, ...], str]] | None = None) -> str | None:
