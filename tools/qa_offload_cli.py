@@ -247,6 +247,9 @@ def qsa_cases(model: Path, tmp: Path) -> int:
 
     rng = random.Random(3)
     prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (150, 300)]
+    # two more sharing a 230-token prefix (past the tiny model's QSA budget of 64): prefix-cache hits over host K/V
+    prefix = [rng.randrange(10, 2000) for _ in range(230)]
+    prompts += [prefix + [rng.randrange(10, 2000) for _ in range(n)] for n in (5, 37)]
     fails = 0
     common = ["--no-ple-service", "--max-model-len", "512", "--max-num-batched-tokens", "64"]
     want = None
