@@ -450,9 +450,10 @@ UNSUPPORTED = {
 
 
 def check_refusals(work: Path) -> list[str]:
-    """Each UNSUPPORTED scheme over a moepipe-quantized checkpoint's experts: load_model and `moepipe generate`
-    stop with one message naming the scheme and a tensor, no traceback."""
+    """Each UNSUPPORTED scheme over a moepipe-quantized checkpoint's experts: load_model and `moepipe serve`'s
+    check (`quant_scheme.refusal`) stop with one message naming the scheme and a tensor, no traceback."""
     from hf_oracle import save_reference
+    from shared.quant_scheme import refusal
     from stage_worker.checkpoint.quantize import quantize_checkpoint
 
     src, base = work / "rsrc", work / "rbase"
@@ -475,6 +476,9 @@ def check_refusals(work: Path) -> list[str]:
             why = load_refusal(d)
         except Exception as exc:  # noqa: BLE001
             why = f"TRACEBACK {type(exc).__name__}: {exc}"
+        served = refusal(d)              # what `moepipe serve` checks before it starts a stage
+        if why and not why.startswith("TRACEBACK") and (served is None or why not in served):
+            why = f"serve's check differs: {served}"
         tensor = re.search(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+", why or "")
         print(f"  {label}: {why}")
         if why is None or why.startswith("TRACEBACK") or not tensor:
