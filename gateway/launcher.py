@@ -112,8 +112,8 @@ def plan_inputs(cluster: ClusterConfig, config_path: Path) -> tuple[list[StageNe
     data = json.loads(r.stdout)
     needs = [StageNeeds(**{**n, "layers": tuple(n["layers"])}) for n in data["stages"]]
     devices = {k: DeviceMemory(**v) for k, v in data["devices"].items()}
-    limits = PlanLimits(block_size=cluster.block_size, max_model_len=cluster.max_model_len
-                        or load_config(cluster.model).max_position_embeddings, max_num_seqs=cluster.max_num_seqs,
+    limits = PlanLimits(block_size=cluster.block_size, max_model_len=cluster.model_len(load_config(cluster.model)),
+                        max_num_seqs=cluster.max_num_seqs,
                         gpu_memory_utilization=cluster.gpu_memory_utilization,
                         vram_limit=int(cluster.vram_limit * GIB),
                         kv_cache_memory_bytes=cluster.kv_cache_memory_bytes or int(cluster.kv_cache_memory * GIB),

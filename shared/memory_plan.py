@@ -321,19 +321,21 @@ def host_bytes_to_fit(stages: list[StageNeeds], devices: dict[str, DeviceMemory]
                       limits: PlanLimits) -> dict[int, int]:
     """`--cold-experts auto`: per stage, the routed-expert bytes to keep in host RAM so that every device holds its
     stages' weights, state and reserve and one `max_model_len` sequence of KV (the least offload that starts; the
-    KV pool then takes whatever is left). Shared evenly by the stages of a device, each at most its routed experts
-    (the plan refuses what still does not fit)."""
+    KV pool then takes whatever is left). Shared evenly by the stages of a device, each at most its routed experts;
+    what a stage cannot take goes to the others (QA: an even split capped at a small stage's experts moved 5.56 of
+    the 7.13 GiB over, and the plan then refused a model that fits). The plan refuses what still does not fit."""
     per_seq = -(-limits.max_model_len // limits.block_size) + 1
     out = {s.stage: 0 for s in stages}
     for name in sorted({s.device for s in stages}):
-        mine = [s for s in stages if s.device == name]
+        mine = sorted((s for s in stages if s.device == name), key=lambda s: (s.routed_experts, s.stage))
         budget = device_budget(name, devices[name], limits)
         over = sum(s.fixed for s in mine) + per_seq * sum(s.block for s in mine) - budget
-        if over <= 0:
-            continue
-        share = -(-over // len(mine))
-        for s in mine:
-            out[s.stage] = min(share, s.routed_experts)
+        for i, s in enumerate(mine):           # the smallest first: each takes an even share of what is left
+            if over <= 0:
+                break
+            take = min(-(-over // (len(mine) - i)), s.routed_experts)
+            out[s.stage] = take
+            over -= take
     return out
 
 

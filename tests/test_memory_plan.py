@@ -160,13 +160,16 @@ def test_auto_cold_experts_moves_out_the_least_that_lets_the_plan_start(tiny_che
     from shared import cold_set
     from shared.memory_plan import host_bytes_to_fit
 
-    # the pure part: shared by the stages of one device, capped at their routed experts
+    # the pure part: shared by the stages of one device, capped at their routed experts, what one cannot take
+    # going to the other (an even split capped at b's 2 GiB moved only half of the rest: a model that fits refused)
     a = dataclasses.replace(_stage(0, "cuda:0", 20), routed_experts=18 * GIB)
     b = dataclasses.replace(_stage(1, "cuda:0", 20), routed_experts=2 * GIB)
     limits = dataclasses.replace(LIMITS, vram_limit=36 * GIB, max_model_len=1024)
     need = host_bytes_to_fit([a, b], {"cuda:0": H200}, limits)
     over = 2 * (21.5 * GIB) + (1024 // 16 + 1) * 2 * (1 << 20) - 36 * GIB
-    assert need[0] == -(-int(over) // 2) and need[1] == 2 * GIB
+    assert need[1] == 2 * GIB and need[0] == int(over) - 2 * GIB and need[0] > -(-int(over) // 2)
+    c = dataclasses.replace(_stage(1, "cuda:0", 20), routed_experts=18 * GIB)    # room in both: even shares
+    assert host_bytes_to_fit([a, c], {"cuda:0": H200}, limits) == {0: -(-int(over) // 2), 1: int(over) // 2}
     assert host_bytes_to_fit([_stage(0, "cuda:0", 10)], {"cuda:0": H200}, LIMITS) == {0: 0}
 
     model = tiny_checkpoint              # read only: the session's tiny preset (seed 0)
