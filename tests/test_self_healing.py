@@ -468,12 +468,13 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
     """--restart-limit 1, a stage killed while a stream runs, and its restart hung before its first heartbeat
     (SIGSTOP while it loads). Before: nothing killed the hung restart (the gateway's hang check needs a heartbeat
     from the new pid), so the stream waited recovery_timeout (60 s) and `serve` answered /health 503 forever. Now
-    the launcher kills it after start_timeout (15 s here; the first start must fit it too) as a failed restart;
-    the restarts are used up, so the gateway is told (SIGUSR1), the stream ends at once with an error event naming
-    the stage, and `serve` exits 1 with a line naming the stage and its restarts, leaving no process."""
+    the launcher kills it after start_timeout (12 s here, 15 s until 2026-12-06: the first start, ~5 s on an idle
+    2-core machine, must fit it too) as a failed restart; the restarts are used up, so the gateway is told
+    (SIGUSR1), the stream ends at once with an error event naming the stage, and `serve` exits 1 with a line naming
+    the stage and its restarts, leaving no process."""
     import threading
 
-    launcher, url, log = _serve_restarting_once(tiny_checkpoint, tmp_path, MOEPIPE_START_TIMEOUT="15")
+    launcher, url, log = _serve_restarting_once(tiny_checkpoint, tmp_path, MOEPIPE_START_TIMEOUT="12")
     children: dict[str, int] = {}
     hung: list[int] = []
     try:
@@ -504,11 +505,11 @@ def test_a_hung_restart_is_killed_and_serve_exits_once_restarts_are_used_up(tiny
         watcher.join()
         assert hung, "stage1 was not restarted"
         assert lines[-1] == "data: [DONE]" and "stage1 stopped responding" in lines[-2], lines[-3:]
-        # 1 s backoff + 15 s start_timeout, then a watchdog pass (not recovery_timeout's 60 s)
-        assert 15 < ended < 28, ended
+        # 1 s backoff + 12 s start_timeout, then a watchdog pass (not recovery_timeout's 60 s)
+        assert 12 < ended < 25, ended
         assert launcher.wait(timeout=30) == 1
         text = log.read_text()
-        assert f"stage1 (pid {hung[0]}) sent no heartbeat within 15 s of its restart" in text, text[-3000:]
+        assert f"stage1 (pid {hung[0]}) sent no heartbeat within 12 s of its restart" in text, text[-3000:]
         assert ("exiting with status 1: stage1 exited with -9 and its restarts are used up (1 restart in a row, "
                 "restart_limit 1)") in text, text[-3000:]
         assert not _survivors({**children, "stage1": hung[0]})
