@@ -299,6 +299,22 @@ def all_metrics(url: str, timeout: float = 60) -> dict[str, float]:
     return out
 
 
+# The gauges of what a request holds: all 0 once every request has ended and released its resources
+HELD = ("moepipe_kv_blocks_used", "moepipe_state_slots_used", "moepipe_requests_running", "moepipe_requests_waiting")
+
+
+def settle_held(url: str, seconds: float) -> dict[str, float]:
+    """The HELD gauges once they are all 0 (or after `seconds`, as they are then)."""
+    import time
+
+    deadline = time.time() + seconds
+    while True:
+        m = all_metrics(url)
+        if not any(m[k] for k in HELD) or time.time() > deadline:
+            return {k: m[k] for k in HELD}
+        time.sleep(0.05)
+
+
 def small_cluster_options(model: Path):
     """The 2-stage cluster the API test modules share on the tiny checkpoint: small steps and a fixed KV pool, so
     every test's prompt fits and prefill chunks are exercised. No PLE service process (the stages gather their PLE

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from conftest import all_metrics as _metrics
-from conftest import free_port
+from conftest import HELD, free_port, settle_held
 from gateway.launcher import Cluster, ServeOptions
 from logged_cluster import LoggedCluster
 from shared.protocol import Plan, TokenOut
@@ -63,19 +63,6 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _sum(metrics: dict[str, float], name: str) -> float:
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
-IDLE = ("moepipe_kv_blocks_used", "moepipe_state_slots_used", "moepipe_requests_running", "moepipe_requests_waiting")
-
-
-def _settle(url: str, seconds: float = 10.0) -> dict[str, float]:
-    """The gauges of held resources, once they are all 0 (or after `seconds`, as they are then)."""
-    deadline = time.time() + seconds
-    while True:
-        m = _metrics(url)
-        if not any(m[k] for k in IDLE) or time.time() > deadline:
-            return {k: m[k] for k in IDLE}
-        time.sleep(0.05)
 
 
 def _check_healthy(c: Cluster, since: int = 0) -> None:
@@ -195,7 +182,7 @@ def test_a_cancel_storm_leaves_survivors_exact_and_nothing_held(server):
     solo, got, before = asyncio.run(run())
     for i, ref in solo.items():
         assert got[i] == ref, f"{server.name}: request {i} {specs[i][:3]} gave {got[i]!r} in the storm, {ref!r} alone"
-    assert _settle(url) == dict.fromkeys(IDLE, 0.0), f"{server.name}: resources still held"
+    assert settle_held(url, 10.0) == dict.fromkeys(HELD, 0.0), f"{server.name}: resources still held"
     after = _metrics(url)
     skipped = _sum(after, "moepipe_stage_skipped_steps_total") - _sum(before, "moepipe_stage_skipped_steps_total")
     preempted = after["moepipe_preemptions"] - before["moepipe_preemptions"]
@@ -246,7 +233,7 @@ def test_a_prompt_sent_again_right_after_a_cancel_gets_its_uncached_tokens(serve
     for k, (got, ref, cached) in enumerate(results):
         assert got == ref, f"{server.name}: cancel {k}: {got} after the cancel, {ref} uncached (cached {cached})"
     assert any(c for _, _, cached in results for c in cached), f"{server.name}: nothing came from the prefix cache"
-    assert _settle(url) == dict.fromkeys(IDLE, 0.0), f"{server.name}: resources still held"
+    assert settle_held(url, 10.0) == dict.fromkeys(HELD, 0.0), f"{server.name}: resources still held"
     # left mid-prefill with its next chunk planned: the stages skip that chunk instead of computing it (the count
     # comes with the stages' heartbeats, every 0.5 s)
     deadline = time.time() + 2

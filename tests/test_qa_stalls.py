@@ -17,12 +17,11 @@ import time
 import httpx
 import pytest
 from conftest import all_metrics as metrics
-from conftest import free_port
+from conftest import HELD, free_port, settle_held
 
 from gateway.launcher import Cluster, ServeOptions
 
 TIMEOUT = 120
-IDLE = ("moepipe_kv_blocks_used", "moepipe_state_slots_used", "moepipe_requests_running", "moepipe_requests_waiting")
 HEARTBEAT_TIMEOUT = 1.5     # a stall just past it makes a component late, at less test time than the default 2.5 s
 
 
@@ -159,16 +158,6 @@ async def run_workload(url: str, work, disturb=None) -> list[dict]:
     return list(got[:-1])
 
 
-def settle(url: str, seconds: float = 15.0) -> dict[str, float]:
-    """The gauges of held resources once they are all 0 (or after `seconds`, as they are then)."""
-    deadline = time.time() + seconds
-    while True:
-        m = metrics(url)
-        if not any(m[k] for k in IDLE) or time.time() > deadline:
-            return {k: m[k] for k in IDLE}
-        time.sleep(0.05)
-
-
 def healthy_within(url: str, seconds: float) -> bool:
     deadline = time.time() + seconds
     while time.time() < deadline:
@@ -247,7 +236,7 @@ def test_a_stage_stopped_past_its_heartbeat_deadline_loses_no_work(cluster):
     bad = [f"request {k}: {b}" for k, (r, g) in enumerate(zip(ref, got)) for b in check(r, g, tokens)]
     assert not bad, "\n".join(bad)
     assert healthy_within(cluster.url, 10)
-    assert settle(cluster.url) == dict.fromkeys(IDLE, 0.0)
+    assert settle_held(cluster.url, 15.0) == dict.fromkeys(HELD, 0.0)
     assert metrics(cluster.url)["moepipe_requests_requeued"] == before, "a late stage's requests were recomputed"
     assert not {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}
 
