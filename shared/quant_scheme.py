@@ -28,6 +28,15 @@ class QuantSchemeError(ValueError):
     """A quantization config moepipe cannot load; the message names the scheme (and the tensor, when one)."""
 
 
+class RefusedGroup(QuantSchemeError):
+    """A config group whose scheme moepipe cannot run, with what it targets and the config's ignore list, so that
+    `plan_of` (which has the files; a config alone has not) can name a tensor it reaches."""
+
+    def __init__(self, message: str, targets: list[str], ignore: list[str]) -> None:
+        super().__init__(message)
+        self.targets, self.ignore = targets, ignore
+
+
 @dataclass(frozen=True)
 class WeightQuant:
     bits: int
@@ -58,18 +67,23 @@ class QuantPlan:
         return None if group is None else self.targets[group][1]
 
     def group_of(self, name: str, cls: str | None = None) -> str | None:
-        """The target that decides module `name`'s scheme (exact name, then regex, then class), or None. A name in
-        the plain causal-LM layout (`model.layers...`, as the loader normalises) also matches targets written for
-        a released multimodal checkpoint's names (`model.language_model.layers...`, `language_model.layers...`)."""
-        cls = cls or module_class(name)
-        names = _released_names(name)
-        if any(_match_name(n, t) or t == cls for t in self.ignore for n in names):
-            return None
-        ordered = sorted(self.targets, key=lambda t: (t.startswith("re:"), t))
-        for t in ordered:
-            if any(_match_name(n, t) for n in names):
-                return t
-        return cls if cls in self.targets else None
+        """The target that decides module `name`'s scheme (`deciding_target`), or None."""
+        return deciding_target(name, self.targets, self.ignore, cls)
+
+
+def deciding_target(name: str, targets, ignore: list[str], cls: str | None = None) -> str | None:
+    """Of `targets`, the one that decides module `name`'s scheme (exact name, then regex, then class), or None
+    (ignored, or no target matches). A name in the plain causal-LM layout (`model.layers...`, as the loader
+    normalises) also matches targets written for a released multimodal checkpoint's names
+    (`model.language_model.layers...`, `language_model.layers...`)."""
+    cls = cls or module_class(name)
+    names = _released_names(name)
+    if any(_match_name(n, t) or t == cls for t in ignore for n in names):
+        return None
+    for t in sorted(targets, key=lambda t: (t.startswith("re:"), t)):
+        if any(_match_name(n, t) for n in names):
+            return t
+    return cls if cls in targets else None
 
 
 def module_class(name: str) -> str:
@@ -156,11 +170,9 @@ def parse(config: dict) -> QuantPlan | None:
         try:
             wq = _weight_quant(name, scheme, scheme.get("format") or default_fmt)
         except QuantSchemeError as exc:
-            # plan_of names the tensors this group reaches (it has the files; a config alone has not)
-            targets = scheme.get("targets")
-            exc.targets = list(targets) if isinstance(targets, list) else []
-            exc.ignore = list(q.get("ignore") or [])
-            raise
+            reach = scheme.get("targets")
+            raise RefusedGroup(str(exc), list(reach) if isinstance(reach, list) else [],
+                               list(q.get("ignore") or [])) from None
         for t in scheme.get("targets") or []:
             if t in targets and targets[t][1] != wq:
                 shadowed.setdefault(t, []).append(targets[t][0])
@@ -322,9 +334,7 @@ def plan_of(model_dir) -> QuantPlan | None:
         return None                            # the config loader reports that
     try:
         return parse(config)
-    except QuantSchemeError as exc:
-        if getattr(exc, "targets", None) is None:
-            raise
+    except RefusedGroup as exc:
         raise QuantSchemeError(f"{exc}; {_reached_tensors(Path(model_dir), exc.targets, exc.ignore)}") from None
 
 
@@ -339,17 +349,8 @@ def _reached_tensors(model_dir, targets: list[str], ignore: list[str]) -> str:
         return "its tensors could not be read"
     suffixes = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
                 "weight_g_idx", "weight")
-    hit = []
-    for name in names:
-        module, _, part = name.rpartition(".")
-        if part not in suffixes:
-            continue
-        cls = module_class(module)
-        reaches = _released_names(module)
-        if any(_match_name(n, t) or t == cls for t in ignore for n in reaches):
-            continue
-        if any(_match_name(n, t) or t == cls for t in targets for n in reaches):
-            hit.append(name)
+    hit = [name for name in names if name.rpartition(".")[2] in suffixes
+           and deciding_target(name.rpartition(".")[0], targets, ignore) is not None]
     if not hit:
         return f"its targets {targets} reach no tensor on disk"
     more = f" and {len(hit) - 1} more" if len(hit) > 1 else ""
