@@ -93,10 +93,11 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
         # an explicit --num-blocks shorter than the model's length shortens an unset max_model_len to what the pool
         # holds (ClusterConfig.for_model); said here, as the GPU plan says its fitted length: `--num-blocks 1` served
         # a 16-token context without a word, and every longer prompt got a 400
+        full = cluster.model_len(cfg)
         print(f"moepipe: --num-blocks {sized.num_blocks} x block size {sized.block_size} holds {sized.max_model_len} "
-              f"tokens, less than the model's {cfg.max_position_embeddings}: "
+              f"tokens, less than the model's {full}: "
               f"serving max_model_len {sized.max_model_len} (raise --num-blocks to "
-              f"{-(-cfg.max_position_embeddings // sized.block_size)} for the model's length, or set "
+              f"{-(-full // sized.block_size)} for the model's length, or set "
               f"--max-model-len)", file=sys.stderr)
     return sized
 
