@@ -20,10 +20,11 @@ import random
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import HELD, free_port, settle_held
+from conftest import all_metrics as _metrics
 from gateway.launcher import Cluster, ServeOptions
 from logged_cluster import LoggedCluster
-from test_qa_cancel_storm import IDLE, _check_healthy, _metrics, _prompt, _settle
+from test_qa_cancel_storm import _check_healthy, _prompt
 
 BLOCK = 16
 TIMEOUT = 120
@@ -181,8 +182,8 @@ def test_answers_do_not_depend_on_the_prefix_cache_concurrency_stages_or_preempt
             cached += hits
             bad = _same(ref, got)
             assert not bad, "\n".join(bad)
-            held = _settle(c.url)
-            assert held == dict.fromkeys(IDLE, 0.0), f"resources still held: {held}"
+            held = settle_held(c.url, 10.0)
+            assert held == dict.fromkeys(HELD, 0.0), f"resources still held: {held}"
             if _metrics(c.url)["moepipe_preemptions"] > 0:
                 break
         after = _metrics(c.url)
