@@ -18,27 +18,18 @@ if not __import__("torch").cuda.is_available():
 
 
 # The slowest units of work on the 2-core CI machine (a file, or a SHARED_GROUPS group listed by one of its files),
-# longest first (seconds of --durations, a full run at d8f750a on 2026-12-06: 94 for test_self_healing, then 49,
-# 42, 41 for the "api" group, 36, 33, 32, 31, 29, 26, ...). With --dist loadfile a unit runs whole on one worker;
-# handing the longest out first keeps the two workers' ends close. xdist's own order (by number of tests;
+# longest first (seconds of --durations, a full run at e89cccd on 2026-12-03: 123 for the "api" group, then 73, 58,
+# 50 for "corpus", 49, 47, 46, 31, 31, 29, ...). With --dist loadfile a unit runs whole on one worker; handing the
+# longest out first keeps the two workers' ends close. xdist's own order (by number of tests;
 # `--no-loadscope-reorder` in pyproject.toml turns it off) handed the then 190-s training file out late, when the
-# other worker had run out of work; files missing here (test_expert_moves_async, 49 s; test_qa_cancel_storm, 42 s;
-# test_unseen_checkpoints_2, 18 s, ...) went out in name order, the last of them after the others had ended.
-SLOWEST_FILES = ["test_self_healing.py", "test_expert_moves_async.py", "test_qa_cancel_storm.py", "test_agents.py",
-                 "test_qa_deploy.py", "test_qa_api_oracle.py", "test_prefix_cache.py", "test_demo_model.py",
-                 "test_schemathesis.py", "test_cluster.py", "test_kernel_qsa.py", "test_kernel_hyper_connection.py",
-                 "test_kernel_moe_claim.py", "test_kernel_moe_int4.py", "test_qa_prefix_oracle.py",
-                 "test_quantized_checkpoint.py", "test_unseen_checkpoints_2.py", "test_expert_table.py",
-                 "test_train_demo.py", "test_qa_end_of_stream_stall.py", "test_kernel_quant_gemv.py",
-                 "test_any_checkpoint.py", "test_cli_migration.py", "test_ple_decode_wait.py",
-                 "test_qa_lifecycle_hung_gateway.py", "test_qa_engine_freeze.py", "test_qa_launch_failures.py",
-                 "test_qa_soak_disconnect_burst.py", "test_links.py", "test_kernel_deltanet_decode.py",
-                 "test_engine_core.py", "test_qa_lifecycle_orphans.py", "test_packed_cold_experts.py",
-                 "test_kernel_moe_int4_prefill.py", "test_greedy_transcript.py", "test_qa_stalls.py",
-                 "test_qa_lifecycle_signals.py", "test_kernel_section_attention.py", "test_cancel_prefill.py",
-                 "test_api_edge_cases.py", "test_access_log.py", "test_prefix_cache_edges.py", "test_api.py",
-                 "test_build_corpus.py", "test_long_context_plan.py", "test_qa_engine_overload.py",
-                 "test_grammar_xml_tool_calls.py", "test_kernel_moe_fp8.py"]
+# other worker had run out of work.
+SLOWEST_FILES = ["test_agents.py", "test_self_healing.py", "test_cluster.py", "test_train_demo.py",
+                 "test_demo_model.py", "test_schemathesis.py", "test_quantized_checkpoint.py", "test_kernel_qsa.py",
+                 "test_kernel_quant_gemv.py", "test_kernel_moe_int4.py", "test_any_checkpoint.py",
+                 "test_kernel_moe_int4_prefill.py", "test_kernel_deltanet_decode.py",
+                 "test_kernel_hyper_connection.py", "test_engine_core.py", "test_kernel_section_attention.py",
+                 "test_expert_table.py", "test_packed_cold_experts.py", "test_ple_decode_wait.py", "test_links.py",
+                 "test_greedy_transcript.py", "test_api.py", "test_kernel_moe_fp8.py", "test_access_log.py"]
 
 
 # Test files that share session resources (`shared`): each group runs on one xdist worker, its files one after the
