@@ -18,7 +18,7 @@ from shared.cluster_config import kernels_error
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
 # batch 1, 7.55 against 8.09-8.13 at 4), not yet on an H200.
-NOT_IN_ALL = ("l2_prefetch", "fused_router", "route_key32")
+NOT_IN_ALL = ("l2_prefetch",)
 
 
 @dataclass(frozen=True)
@@ -97,16 +97,15 @@ class KernelFlags:
                                       # (moe.router_route: a program a few router rows, the last to finish
                                       # routes), not a cuBLAS GEMV (no PDL dependent: a gap in the chain) and the
                                       # router kernel. Logits summed in fp32 in another order than cuBLAS's, so
-                                      # near-ties may pick differently. Not in "all": h100-29 (44-layer reports-
-                                      # mixed, back to back) 4.62 / 4.63 against 4.61 / 4.71 ms at batch 1, 7.81 /
-                                      # 7.83 against 7.55 / 7.56 at 4; its launch config is untuned
-                                      # (bench/tune_kernels.py --only fused_router)
+                                      # near-ties may pick differently. In "all" since h200-35 with route_key32
+                                      # (48-layer reports-mixed, back to back, two A/Bs: 4.66-4.70 against
+                                      # 4.79-4.93 ms at batch 1, 8.02-8.06 against 8.23-8.25 at 4; alone it won
+                                      # only at batch 1, 8.29 at 4)
     route_key32: bool = False         # the router's top-k (moe._route_row, both router launches) ranks bf16
                                       # logits by int32 keys (value order in the high half, id in the low) instead
                                       # of int64: the same selection and weights, half the bits in each of its ten
-                                      # block-wide max reductions (the router kernel took longer than cuBLAS's GEMV
-                                      # of the router: 4.4 against 3.67 us, h100-33). Process-wide, as pdl. Not in
-                                      # "all" until timed (bench/tune_kernels.py --only route times both)
+                                      # block-wide max reductions. Process-wide, as pdl. Alone neutral (h200-35:
+                                      # 4.86-4.88 against 4.80-4.93 ms at batch 1), with fused_router the pair above
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":
