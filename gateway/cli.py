@@ -109,6 +109,15 @@ def serve_options(args: argparse.Namespace):
     if any(not n.strip() for n in names):
         raise ValueError("--served-model-name: an empty name; give the name(s) the API answers to, or leave the "
                          "flag out (moepipe)")
+    if not args.host.strip():
+        # `--host "$HOST"` with HOST unset: the gateway bound every interface while the launcher polled
+        # http://:PORT/health, which never answers, and hung start_timeout (300 s) before failing
+        raise ValueError("--host: an empty address (an unset variable?); give the address to listen on (0.0.0.0 "
+                         "for every interface), or leave --host out (127.0.0.1)")
+    if args.chat_template is not None and not args.chat_template.strip():
+        # `--chat-template "$TEMPLATE"` with TEMPLATE unset served the checkpoint's template without a word
+        raise ValueError("--chat-template: an empty value (an unset variable?); give a template file or the "
+                         "template itself, or leave the flag out (the checkpoint's template)")
     if not 1 <= args.port <= 65535:       # 0 would bind a random port the launcher cannot find
         raise ValueError(f"--port {args.port}: must be between 1 and 65535")
     if args.model_tag and args.model and Path(args.model_tag) != Path(args.model):
@@ -192,6 +201,8 @@ def serve_options(args: argparse.Namespace):
     for key in ("allowed_hosts", "allowed_origins"):
         if getattr(args, key) is not None:
             extra[key] = parse_names(getattr(args, key), "--" + key.replace("_", "-"))
+    if args.load_format == "auto":         # vLLM's default: a checkpoint's safetensors (moepipe's only format)
+        args.load_format = None
     for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size", "max_model_len",
                 "load_format", "kv_cache_memory", "api_key", "restart_limit", "gpu_memory_utilization",
                 "vram_limit", "kv_cache_memory_bytes", "enable_prefix_caching", "prefix_cache_states"):
@@ -229,6 +240,7 @@ VLLM_ONLY_FLAGS = (
     ("--quantization", True, "refuse", "a quantized checkpoint's scheme is read from its config.json; to quantize "
                                        "a bf16 one: moepipe quantize --scheme fp8-block|int4-experts|reports-mixed "
                                        "IN OUT"),
+    ("--response-role", True, "refuse|assistant", "a reply's message role is always assistant (vLLM's default)"),
     ("--generation-config", True, "refuse|auto", "sampling defaults come from the checkpoint's "
                                                  "generation_config.json (vLLM's auto)"),
     ("--cpu-offload-gb", True, "refuse", "weights beyond the GPU go to host RAM as cold experts: --cold-experts "
@@ -446,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host names to answer, comma-separated or a JSON list, '*' for any (default: loopback names "
                         "when bound to a loopback address, else any; also MOEPIPE_ALLOWED_HOSTS)")
-    s.add_argument("--load-format", choices=["safetensors", "dummy"], default=None,
-                   help="dummy: seeded random weights, no file reads (a config-only checkpoint such as full-shape)")
+    s.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=None,
+                   help="auto (vLLM's default) = safetensors, the checkpoint's weights; dummy: seeded random "
+                        "weights, no file reads (a config-only checkpoint such as full-shape)")
     s.add_argument("--no-ple-service", action="store_true",
                    help="gather PLE rows inside the stage instead of the PLE service (A/B fallback)")
     s.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",

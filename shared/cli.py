@@ -171,10 +171,11 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, set up logging and run the chosen subcommand's `func`, with the command's exit codes: its own, 2 for a
     bad value or a missing file (named), 1 for a file that cannot be written or read (named: no permission, a file
     where a directory should be), 130 on Ctrl-C (saying so)."""
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(vllm_spelling(sys.argv[1:] if argv is None else list(argv)))
     if extra:   # named by the subcommand's own parser: its usage line lists its flags, not the module's subcommands
         group = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        group.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        sub = group.choices[args.command]
+        sub.error(f"unrecognized arguments: {' '.join(_close_flags(sub, extra))}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -192,6 +193,36 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         sys.stdout.flush()
         print(f"\nmoepipe {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _close_flags(parser: argparse.ArgumentParser, extra: list[str]) -> list[str]:
+    """`extra` with `(did you mean --max-model-len?)` after each unknown long option close to one `parser` takes (a
+    vLLM user's `--max-model-length`, `--served-model`, a typo). Options are never abbreviated (ArgumentParser), so
+    a near miss was only "unrecognized", after a usage text of 60 flags."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    out = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75) if name.startswith("--") else []
+        out.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    return out
+
+
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """Long options as vLLM's FlexibleArgumentParser takes them: `--max_model_len 4096` and `--max_model_len=4096`
+    are `--max-model-len` (underscores in the name, never in a value); after a bare `--` nothing is changed. A vLLM
+    command line written with underscores was refused as unrecognized arguments."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
 
 
 def _dispatch_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,105 @@
+"""`moepipe serve` with the flags a vLLM user types (a QA pass with tools/qa_serve_flags.py, which drives every case
+through the real CLI). Each test is a bug found that way and fails without its fix: refusals are checked without
+starting anything (in-process, or one quick subprocess where the bug was a hang); one real server, started through
+the CLI, checks that the flags accepted now take effect."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, OpenAI, free_port, moepipe, stop_server, wait_healthy
+
+
+def last_line(result) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_an_empty_host_is_refused_at_once_not_after_the_start_timeout(tiny_checkpoint):
+    """`--host "$HOST"` with HOST unset: the gateway bound every interface while the launcher polled
+    http://:PORT/health, which never answers, so serve hung start_timeout (300 s) and then failed. Now one line
+    naming --host, before anything starts."""
+    cmd = [sys.executable, "-m", "shared.cli", "serve", str(tiny_checkpoint), "--host", "", "--port",
+           str(free_port()), "--no-ple-service"]
+    t = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_server(proc)
+        pytest.fail("serve --host '' did not exit: it waits for a /health at http://:PORT")
+    assert proc.returncode == 2 and time.time() - t < 30 and "serving" not in out, (proc.returncode, out, err)
+    assert err.strip().splitlines()[-1].startswith("moepipe serve: --host: an empty address") and \
+        "Traceback" not in err, err
+
+
+def test_an_empty_chat_template_is_refused_not_replaced_by_the_checkpoint_s(tiny_checkpoint):
+    """`--chat-template "$TEMPLATE"` with TEMPLATE unset served the checkpoint's own template without a word (an
+    empty --api-key, --served-model-name or --cold-experts is refused the same way)."""
+    # (--port 0 is refused after the template is checked: without the check this fails at once instead of serving)
+    r = moepipe("serve", str(tiny_checkpoint), "--chat-template", "", "--port", "0")
+    assert r.returncode == 2 and last_line(r).startswith("moepipe serve: --chat-template: an empty value"), r.stderr
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-model-length", "4096"], "--max-model-length (did you mean --max-model-len?)"),
+    (["--served-model", "x"], "--served-model (did you mean --served-model-name?)"),
+    (["--gpu-memory-utilisation=0.9"], "--gpu-memory-utilisation=0.9 (did you mean --gpu-memory-utilization?)"),
+    (["--enable-prefix-cache"], "--enable-prefix-cache (did you mean --enable-prefix-caching?)"),
+])
+def test_an_unknown_flag_names_the_close_one(argv, words):
+    """Options are never abbreviated, so a near miss of a vLLM flag was only "unrecognized arguments" after 60
+    lines of usage; the close flag is now named."""
+    r = moepipe("serve", *argv)
+    assert r.returncode == 2 and last_line(r) == f"moepipe serve: error: unrecognized arguments: {words}", r.stderr
+    r = moepipe("serve", "--enable-expert-parallel")        # nothing close: only the flag
+    assert last_line(r) == "moepipe serve: error: unrecognized arguments: --enable-expert-parallel", r.stderr
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max_model_len", "100k"], "--max-model-len 100000 is longer than this model serves"),
+    (["--tensor_parallel_size=2"], "--tensor-parallel-size 2: moepipe splits a model"),
+    (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype fp8:"),
+])
+def test_flags_written_with_underscores_are_vllm_s_flags(tiny_checkpoint, argv, words):
+    """vLLM's FlexibleArgumentParser takes `--max_model_len` as `--max-model-len`; such a command line was refused
+    as unrecognized arguments. Values keep their underscores (`--api-key=a_b`)."""
+    from shared.cli import vllm_spelling
+
+    r = moepipe("serve", str(tiny_checkpoint), *argv)
+    assert r.returncode == 2 and words in last_line(r) and "unrecognized" not in r.stderr, r.stderr
+    assert vllm_spelling(["--api_key=a_b", "--served_model_name", "my_model", "--", "--x_y"]) == \
+        ["--api-key=a_b", "--served-model-name", "my_model", "--", "--x_y"]
+
+
+def test_response_role_other_than_assistant_is_refused_by_name(tiny_checkpoint):
+    """`--response-role` was an unrecognized argument; vLLM's default (assistant) is what moepipe answers with,
+    another role is refused naming the flag."""
+    r = moepipe("serve", str(tiny_checkpoint), "--response-role", "bot")
+    assert r.returncode == 2 and last_line(r).startswith("moepipe serve: --response-role bot: "), r.stderr
+
+
+def test_vllm_defaults_written_out_serve_through_the_cli(tiny_checkpoint):
+    """`--load-format auto` (vLLM's default) was an invalid choice and `--response-role assistant` an unrecognized
+    argument; a command line with underscores was refused. Served through the real CLI: the flags take effect."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "shared.cli", "serve", str(tiny_checkpoint), f"--port={port}", "--no-ple-service",
+           "--load-format", "auto", "--response-role", "assistant", "--max_model_len=1K",
+           "--served_model_name", "alpha", "beta", "--api_key", "k_1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        client = OpenAI(base_url=url + "/v1", api_key="k_1", max_retries=0, timeout=60)
+        cards = client.models.list().data
+        assert [(m.id, m.max_model_len) for m in cards] == [("alpha", 1024), ("beta", 1024)], cards
+        reply = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0
