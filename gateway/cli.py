@@ -79,7 +79,11 @@ def chat_template_file(value: str) -> Path:
         if not is_file:
             raise ValueError(f"--chat-template {value} is not a file (nor an inline template, which holds '{{', "
                              f"'}}' or a line break)")
-        read_chat_template(value)                  # one that does not compile stops here, named
+        try:
+            read_chat_template(value)              # one that does not compile stops here, named
+        except UnicodeDecodeError as exc:          # it named neither the flag nor the file
+            raise ValueError(f"--chat-template {value}: not UTF-8 text ({exc.reason} at byte {exc.start}); a "
+                             f"chat template is a Jinja text file") from None
         return Path(value).resolve()
     check_chat_template(value, "--chat-template (inline)")
     path = moepipe_home() / "chat_templates" / f"{hashlib.sha256(value.encode()).hexdigest()[:16]}.jinja"

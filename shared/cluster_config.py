@@ -510,6 +510,7 @@ class ClusterConfig:
         the same file, and the result depends only on the file (and environment), so the gateway that places
         blocks and every stage that allocates them agree."""
         self.validate(cfg.num_hidden_layers)
+        self._check_api_keys()
         if self.cold_experts and self.cold_experts != "auto":
             from shared.cold_set import ColdSetError, load
 
@@ -554,6 +555,19 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster config: {exc}") from None
         return dataclasses.replace(self, block_size=block_size, num_blocks=num_blocks,
                                    ple_ring_slots=self.ple_ring_slots or self.steps_in_flight + 2, **fitted)
+
+    def _check_api_keys(self) -> None:
+        """Keys a client can send (checked when serving, not when a config with any string is read or written).
+        A key no client can send as written served a cluster that answered every /v1 request 401: HTTP headers
+        carry Latin-1 (httpx, the openai client, refuse anything but ASCII; curl's UTF-8 bytes arrive as other
+        characters), and the gateway strips the token it is sent. The key itself is not echoed."""
+        if any(k and not (k.isascii() and k.isprintable() and k == k.strip())
+               for k in ([self.api_key] if isinstance(self.api_key, str) else self.api_key)):
+            raise ClusterConfigError("cluster config: api_key (--api-key): a key with non-ASCII or control "
+                                     "characters or leading or trailing spaces cannot be sent in an "
+                                     "'Authorization: Bearer' header as it is (every request would be refused "
+                                     "401); use printable ASCII (whether given as a flag, MOEPIPE_API_KEY or "
+                                     "VLLM_API_KEY)")
 
     def _check_host_blocks(self, costs: list[int]) -> None:
         """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming

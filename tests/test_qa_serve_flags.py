@@ -103,3 +103,28 @@ def test_vllm_defaults_written_out_serve_through_the_cli(tiny_checkpoint):
     finally:
         stop_server(proc)
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("key", ["ключ7", "s3cr3t ", "s3\tcr3t"])
+def test_a_key_no_client_can_send_is_refused_at_start(tiny_checkpoint, monkeypatch, key):
+    """`--api-key ключ` (or a key with a trailing space) served a cluster that answered every /v1 request 401: the
+    openai client cannot put it in a header, curl's UTF-8 bytes arrive as other characters, and the gateway strips
+    the token. Refused before anything starts, given as the flag or as VLLM_API_KEY, without echoing the key."""
+    monkeypatch.delenv("MOEPIPE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    # (--max-model-len 100k is refused after the keys are checked: without the check this fails at once, unserved)
+    r = moepipe("serve", str(tiny_checkpoint), "--max-model-len", "100k", "--api-key", "fine", key)
+    assert r.returncode == 2 and last_line(r).startswith("moepipe serve: --api-key: a key with non-ASCII"), r.stderr
+    r = moepipe("serve", str(tiny_checkpoint), "--max-model-len", "100k", env={"VLLM_API_KEY": key})
+    assert r.returncode == 2 and "api_key (--api-key): a key with non-ASCII" in last_line(r), r.stderr
+    assert key.strip() not in r.stderr and "cr3t" not in r.stderr
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_named(tiny_checkpoint, tmp_path):
+    """A template file in another encoding was refused as "'utf-8' codec can't decode byte 0xff in position 0",
+    naming neither the flag nor the file."""
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes("{{ 'é' }}".encode("latin-1"))
+    r = moepipe("serve", str(tiny_checkpoint), "--chat-template", str(path))
+    assert r.returncode == 2 and last_line(r).startswith(f"moepipe serve: --chat-template {path}: not UTF-8"), \
+        r.stderr

@@ -97,6 +97,8 @@ def refusal_cases(model: str, tmp: Path) -> list[tuple[list[str], str]]:
     """(serve arguments, a word the error must hold)"""
     bad_template = tmp / "bad.jinja"
     bad_template.write_text("{% for m in messages %}{{ m.content }")
+    latin1 = tmp / "latin1.jinja"
+    latin1.write_bytes("{{ 'é' }}".encode("latin-1"))
     return [
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
         (["-tp", "4"], "--tensor-parallel-size 4"),
@@ -129,6 +131,9 @@ def refusal_cases(model: str, tmp: Path) -> list[tuple[list[str], str]]:
         (["--chat-template", str(bad_template)], "bad.jinja"),
         (["--chat-template", "{% if %}"], "--chat-template (inline)"),
         (["--chat-template", ""], "--chat-template"),
+        (["--chat-template", str(latin1)], "not UTF-8"),
+        (["--api-key", "ключ"], "--api-key: a key with non-ASCII"),
+        (["--api-key", "key "], "--api-key: a key with non-ASCII"),
         (["--host", ""], "--host"),
         (["--port", "0"], "--port 0"),
         (["--port", "70000"], "--port 70000"),
