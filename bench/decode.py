@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import sys
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_io import write_json, write_on_sigterm  # noqa: E402
 from shared.cluster_config import env_overrides  # noqa: E402
 from shared.model_config import HybridMoeConfig, Qwen4ExpConfig, config_from_dict  # noqa: E402
 from shared.ple_files import ProceduralTable  # noqa: E402
@@ -323,7 +323,20 @@ def main() -> int:
     print(f"{args.preset}{' ' + args.quant if args.quant else ''}: {n} layers, {weights / 1e9:.1f} GB of weights, "
           f"built in {time.time() - t0:.0f} s; "
           f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
-    rows = []
+    rows, hf_rows = [], []
+    path = Path(args.out or f"bench/results/decode_{args.preset}.json")
+
+    def save() -> None:
+        write_json(path, {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "quant": args.quant,
+                                   "layers": n, "weights_bytes": weights,
+                                   "hbm_copy_bandwidth_bytes_per_s": bandwidth, "gpu": torch.cuda.get_device_name(),
+                                   "torch": torch.__version__, "python": platform.python_version(),
+                                   "note": "roofline = batch * bandwidth / bytes per step; bandwidth counts read + "
+                                           "write of a copy",
+                                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                          "results": rows, "transformers": hf_rows})
+
+    write_on_sigterm(save)        # a run cut by the device call's `timeout` keeps the rows it finished
     from stage_worker.kernels.flags import KernelFlags
 
     with torch.inference_mode():
@@ -368,7 +381,6 @@ def main() -> int:
                   f"({busy / 1e3:.2f} ms of {1e3 * r['median_step_s']:.2f} ms step)")
             for k in r["top_kernels"]:
                 print(f"  {k['total_us']:>9.1f} us {k['count']:>5}x  {k['name']}")
-    hf_rows = []
     if args.preset == "qwen3-next-shape" and not args.no_transformers:
         # transformers' own Qwen3-Next on the same weights (experts shared, not copied), same prompts and batches.
         from hf_reference import hf_model_from_ours, time_decode
@@ -389,17 +401,7 @@ def main() -> int:
             print(f"transformers Qwen3NextForCausalLM batch {b}: {1e3 * step:.1f} ms/step, {b / step:.1f} tok/s; "
                   f"moepipe's best {best:.1f} tok/s = {best / (b / step):.1f}x")
         del hf
-    out = {"meta": {"command": " ".join(sys.argv), "preset": args.preset, "quant": args.quant, "layers": n,
-                    "weights_bytes": weights,
-                    "hbm_copy_bandwidth_bytes_per_s": bandwidth, "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "note": "roofline = batch * bandwidth / bytes per step; bandwidth counts read + write of a copy",
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "results": rows, "transformers": hf_rows}
-    path = Path(args.out or f"bench/results/decode_{args.preset}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    save()
     return 0
 
 

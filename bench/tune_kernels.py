@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_io import write_json, write_on_sigterm  # noqa: E402
 from graph_timing import graph_us  # noqa: E402
 from stage_worker.kernels import hyper_connection as HC  # noqa: E402
 from stage_worker.kernels import hyper_connection_ref as HC_REF  # noqa: E402
@@ -338,6 +338,12 @@ def main() -> int:
     only = set(args.only.split(","))
     results: list[dict] = []
     t0 = time.time()
+
+    def save() -> None:
+        write_json(Path(args.out), {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+                                    "results": results})
+
+    write_on_sigterm(save)
     if "qsa" in only:
         tune_qsa([int(r) for r in args.rows.split(",")], args.reps, results)
     if "quant_gemv" in only:
@@ -411,10 +417,7 @@ def main() -> int:
                   lambda: HC.hc_mix(streams, norm_w, down, up, inj, hc, 1e-6),
                   (rank + hc) * hc * hidden * 2 + hc * hidden * rank * 2, t, args.reps, results, ref)
         print(f"[{time.time() - t0:.0f} s]", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-                                          "results": results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save()
     return 0
 
 
