@@ -511,6 +511,7 @@ class ClusterConfig:
         blocks and every stage that allocates them agree."""
         self.validate(cfg.num_hidden_layers)
         self._check_api_keys()
+        self._check_host_states(cfg)
         if self.cold_experts and self.cold_experts != "auto":
             from shared.cold_set import ColdSetError, load
 
@@ -568,6 +569,30 @@ class ClusterConfig:
                                      "'Authorization: Bearer' header as it is (every request would be refused "
                                      "401); use printable ASCII (whether given as a flag, MOEPIPE_API_KEY or "
                                      "VLLM_API_KEY)")
+
+    def _check_host_states(self, cfg: HybridMoeConfig) -> None:
+        """Recurrent states (max_num_seqs + 1 running slots and prefix_cache_states saved ones) whose fp32 DeltaNet
+        state alone is more than this host's RAM on its CPU stages: a line naming the flags now. `--prefix-cache-states
+        100000` on the demo model had a CPU stage allocate and fill ~25 GB, growing until the machine ran out of
+        memory, with the launcher still waiting for its first heartbeat. (A lower bound: conv and PLE tails are
+        not counted.)"""
+        heads, k, v = (getattr(cfg, n, 0) or 0 for n in ("linear_num_value_heads", "linear_key_head_dim",
+                                                           "linear_value_head_dim"))
+        per_layer = heads * k * v * 4
+        local = [sum(per_layer for layer in range(s.start, s.end) if not cfg.is_attention(layer))
+                 for s in self.stages if s.device == "cpu" and on_this_host(s.endpoint)]
+        slots = self.max_num_seqs + 1 + self.prefix_states
+        need = sum(local) * slots
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):        # not a POSIX host
+            return
+        if need > ram:
+            raise ClusterConfigError(
+                f"cluster config: prefix_cache_states (--prefix-cache-states) {self.prefix_states} and max_num_seqs "
+                f"(--max-num-seqs) {self.max_num_seqs}: {slots} recurrent states of at least {sum(local)} bytes "
+                f"each on this host's CPU stages need {need / GIB:.1f} GiB, more than its {ram / GIB:.1f} GiB of "
+                f"RAM: lower them")
 
     def _check_host_blocks(self, costs: list[int]) -> None:
         """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming

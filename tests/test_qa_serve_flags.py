@@ -128,3 +128,17 @@ def test_a_chat_template_file_that_is_not_utf8_is_named(tiny_checkpoint, tmp_pat
     r = moepipe("serve", str(tiny_checkpoint), "--chat-template", str(path))
     assert r.returncode == 2 and last_line(r).startswith(f"moepipe serve: --chat-template {path}: not UTF-8"), \
         r.stderr
+
+
+def test_prefix_cache_states_beyond_the_host_s_ram_are_refused_at_start(tiny_checkpoint):
+    """`--prefix-cache-states 100000` on the demo model had the CPU stage allocate and fill ~25 GB (its RSS grew
+    past 17 GB in 85 s on a 24 GB machine) while the launcher waited for its first heartbeat. States whose fp32
+    recurrent part alone is more than the host's RAM are refused naming the flag, before anything starts."""
+    # (--max-model-len 100k is refused after the states are checked: without the check this fails at once)
+    r = moepipe("serve", str(tiny_checkpoint), "--prefix-cache-states", "1000000000", "--max-model-len", "100k")
+    assert r.returncode == 2 and last_line(r).startswith("moepipe serve: --prefix-cache-states 1000000000 and "), \
+        r.stderr
+    assert "more than its" in last_line(r) and "GiB of RAM" in last_line(r)
+    r = moepipe("serve", str(tiny_checkpoint), "--prefix-cache-states", "1000000000", "--no-enable-prefix-caching",
+                "--max-model-len", "100k")       # off: no saved states, nothing to refuse
+    assert r.returncode == 2 and "--max-model-len 100000" in last_line(r), r.stderr

@@ -113,6 +113,7 @@ def refusal_cases(model: str, tmp: Path) -> list[tuple[list[str], str]]:
         (["--max-model-len", "-5"], "--max-model-len"),
         (["--max-model-len", "100", "--max-num-batched-tokens", "8k"], "--max-num-batched-tokens 8000"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--prefix-cache-states", "1000000"], "GiB of RAM"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
         (["--max-num-batched-tokens", "2G"], "--max-num-batched-tokens"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
