@@ -232,6 +232,8 @@ class Server:
             self.proc.wait()
             return None, alive(self.kids)
         time.sleep(0.5)
+        self.err_file.close()
+        Path(self.err_path).unlink(missing_ok=True)
         return self.proc.returncode, alive(self.kids)
 
 
