@@ -142,3 +142,28 @@ def test_prefix_cache_states_beyond_the_host_s_ram_are_refused_at_start(tiny_che
     r = moepipe("serve", str(tiny_checkpoint), "--prefix-cache-states", "1000000000", "--no-enable-prefix-caching",
                 "--max-model-len", "100k")       # off: no saved states, nothing to refuse
     assert r.returncode == 2 and "--max-model-len 100000" in last_line(r), r.stderr
+
+
+def test_a_cpu_stage_checks_free_ram_before_its_prefix_cache_states(tiny_checkpoint, monkeypatch):
+    """The start-up check above is a lower bound against the host's total RAM (every process must reach the same
+    result from the config); a CPU stage's own allocation of the saved states (`cache._snapshot_store`) also
+    checks MemAvailable first, as the GPU's pinned buffer does (`host_memory.allocate`), so states that fit the
+    total but not what is free are refused naming the flag instead of filling the RAM."""
+    from pathlib import Path
+
+    from shared.model_config import load_config
+    from stage_worker import host_memory
+    from stage_worker.model.cache import CacheSpec, ModelCache
+
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("MemAvailable is read from /proc/meminfo (Linux)")
+    cfg = load_config(tiny_checkpoint)
+    spec = CacheSpec(num_blocks=4, block_size=16, num_slots=2, snapshot_slots=3)
+    one = ModelCache(cfg, spec)
+    need = sum(host.numel() * host.element_size() for _, host in one.snapshots if host is not None)
+    assert need > 0 and all(host.shape[0] == 3 for _, host in one.snapshots if host is not None)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need - 1)
+    with pytest.raises(host_memory.HostMemoryError, match=r"3 prefix-cache states \(--prefix-cache-states\)"):
+        ModelCache(cfg, spec)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need)
+    ModelCache(cfg, spec)                    # exactly enough: no headroom is asked of a CPU stage

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -192,16 +193,21 @@ def _snapshot_store(spec: CacheSpec, tensors: list[torch.Tensor]) -> list[tuple[
     if spec.snapshot_slots <= 0 or device.type == "meta" or not tensors:
         return [(t, None) for t in tensors]
     shapes = [(spec.snapshot_slots, *t.shape[1:]) for t in tensors]
-    if device.type != "cuda":                           # a CPU stage: its own memory is host RAM
-        return [(t, torch.zeros(shape, dtype=t.dtype)) for t, shape in zip(tensors, shapes)]
     sizes = [math.prod(shape) * t.element_size() for shape, t in zip(shapes, tensors)]
+    what = f"{spec.snapshot_slots} prefix-cache states (--prefix-cache-states)"
+    from stage_worker.host_memory import allocate, check_free   # numpy, mmap: only where snapshots are kept
+
+    if device.type != "cuda":
+        # A CPU stage: its own memory is host RAM. Checked first, as the GPU's pinned buffer is: torch.zeros writes
+        # every page, and an oversized --prefix-cache-states had the stage fill the host's RAM (~25 GB) while the
+        # launcher waited for it. No headroom asked: only states that cannot fit at all are refused.
+        if Path("/proc/meminfo").exists():             # Linux (MemAvailable); elsewhere as before
+            check_free(sum(sizes), what, headroom=0)
+        return [(t, torch.zeros(shape, dtype=t.dtype)) for t, shape in zip(tensors, shapes)]
     offsets = [0]
     for size in sizes:
         offsets.append(-(-(offsets[-1] + size) // HOST_ALIGN) * HOST_ALIGN)
-    from stage_worker.host_memory import allocate       # numpy, mmap: only where snapshots are kept
-
-    buf = allocate(offsets[-1], what=f"{spec.snapshot_slots} prefix-cache states (--prefix-cache-states)",
-                   pin=device.type == "cuda")
+    buf = allocate(offsets[-1], what=what, pin=True)
     out = []
     for t, shape, off, size in zip(tensors, shapes, offsets, sizes):
         out.append((t, buf.tensor[off:off + size].view(t.dtype).view(shape)))
