@@ -69,6 +69,15 @@ KERNEL_NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "r
                 "fused_router", "route_key32")
 
 
+def host_ram() -> int | None:
+    """This host's physical RAM in bytes (None off POSIX): the bound an explicit size on its CPU stages is checked
+    against."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def kernels_error(spec: str) -> str | None:
     """Why a `kernels` value is not one KernelFlags.parse takes ("all", "none", or a comma list of names, each
     optionally prefixed with '-'), or None."""
@@ -579,15 +588,12 @@ class ClusterConfig:
         heads, k, v = (getattr(cfg, n, 0) or 0 for n in ("linear_num_value_heads", "linear_key_head_dim",
                                                            "linear_value_head_dim"))
         per_layer = heads * k * v * 4
-        local = [sum(per_layer for layer in range(s.start, s.end) if not cfg.is_attention(layer))
-                 for s in self.stages if s.device == "cpu" and on_this_host(s.endpoint)]
+        local = self._here_on_cpu([sum(per_layer for layer in range(s.start, s.end) if not cfg.is_attention(layer))
+                                   for s in self.stages])
         slots = self.max_num_seqs + 1 + self.prefix_states
         need = sum(local) * slots
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):        # not a POSIX host
-            return
-        if need > ram:
+        ram = host_ram()
+        if ram is not None and need > ram:
             raise ClusterConfigError(
                 f"cluster config: prefix_cache_states (--prefix-cache-states) {self.prefix_states} and max_num_seqs "
                 f"(--max-num-seqs) {self.max_num_seqs}: {slots} recurrent states of at least {sum(local)} bytes "
@@ -598,17 +604,18 @@ class ClusterConfig:
         """An explicit num_blocks whose KV blocks on this host's CPU stages need more than its RAM: a line naming
         --num-blocks now, not an allocation traceback from a stage process (409 GB asked for by a typo)."""
         num_blocks = self.num_blocks
-        local = [c for s, c in zip(self.stages, costs) if s.device == "cpu" and on_this_host(s.endpoint)]
+        local = self._here_on_cpu(costs)
         need = sum(local) * (num_blocks + 1)
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):        # not a POSIX host
-            return
-        if local and need > ram:
+        ram = host_ram()
+        if local and ram is not None and need > ram:
             raise KvLayoutError(
                 f"num_blocks (--num-blocks) {num_blocks} needs {need / GIB:.1f} GiB of KV blocks on this host's CPU "
                 f"stages ({sum(local)} bytes a block), more than its {ram / GIB:.1f} GiB of RAM: lower --num-blocks, "
                 f"or leave it out (the pool is then sized within --kv-cache-memory)")
+
+    def _here_on_cpu(self, per_stage: list[int]) -> list[int]:
+        """The entries of `per_stage` (one a stage) of the CPU stages on this host: what its RAM must hold."""
+        return [c for s, c in zip(self.stages, per_stage) if s.device == "cpu" and on_this_host(s.endpoint)]
 
     def load_tokenizer(self):
         """The tokenizer the gateway renders chats with: the model's, with `chat_template` instead of its templates
