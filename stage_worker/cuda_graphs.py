@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stage_worker.graph_inputs import InputLayout, Padding, StagedInputs
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import ModelCache
 from stage_worker.model.model import StageModel
@@ -46,6 +47,7 @@ class _Graph:
     slots: torch.Tensor
     ple_rows: dict[int, torch.Tensor]   # layer -> [size, heads, head_dim]: the rows the graph's PLE branches read
     expert_ids: list        # each MoE layer's routing output inside this graph (for routing statistics)
+    inputs: torch.Tensor | None = None  # `staged_inputs`: the buffer the positions ... slots above are views of
 
 
 class DecodeGraphs:
@@ -69,6 +71,11 @@ class DecodeGraphs:
         # Padding rows route to no expert (`SparseMoE.valid_rows`): a batch of 9 replayed as 16 would otherwise
         # read the experts of 7 rows nobody wants (expert bytes are most of a decode step's). Off: `graph_skip_padding`.
         self.valid = torch.zeros(1, dtype=torch.int32, device=self.device) if skip_padding else None
+        # Kernel flag `staged_inputs` (graph_inputs.py): the integer inputs in one buffer a graph, one copy a step.
+        self.staged = None
+        if getattr(getattr(model, "kernel_flags", None), "staged_inputs", False):
+            pad = Padding(scratch_slot, scratch_block, self.block_size)
+            self.staged = StagedInputs(InputLayout(self.sizes[-1], self.max_blocks).nbytes, pad)
 
     def capture(self) -> None:
         moes = self.moes
@@ -87,9 +94,15 @@ class DecodeGraphs:
         dev = self.device
         seqs = [([0], 1, self.scratch_slot, [self.scratch_block]) for _ in range(size)]
         batch = StepBatch.build(seqs, self.block_size, dev)
-        tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
-        lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
-        slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)
+        if self.staged is not None:                 # views of one buffer, filled as an empty batch pads it
+            layout = InputLayout(size, self.max_blocks)
+            batch._inputs = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+            self.staged.copy(layout, batch._inputs, [], [], [])
+            batch.positions, batch.slot_mapping, slots, lens, tables = layout.views(batch._inputs)
+        else:
+            tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
+            lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
+            slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)
         batch._tables = (tables, lens)
         batch._slots = slots
         batch.logits_indices = torch.arange(size, device=dev)
@@ -132,7 +145,8 @@ class DecodeGraphs:
             out = self._run(batch, hidden_in)
         self.pool = graph.pool()
         ids = [m.last_expert_ids for m in self.moes]
-        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, batch.ple_rows, ids)
+        return _Graph(size, graph, batch, hidden_in, out, tables, lens, slots, batch.ple_rows, ids,
+                      getattr(batch, "_inputs", None))
 
     def fits(self, batch: StepBatch) -> bool:
         """`ple_graph` off (`MOEPIPE_PLE_GRAPH=0`): a stage with PLE layers runs its decode steps eagerly."""
@@ -149,21 +163,24 @@ class DecodeGraphs:
         ids_in_graph = self.mailbox is not None and self.mailbox.ids is not None
         if not ids_in_graph:
             sb.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
-        sb.positions[:n].copy_(batch.positions, non_blocking=True)
-        sb.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        tables, lens = batch.device_tables()
-        g.tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
-        g.lens[:n].copy_(lens, non_blocking=True)
-        g.slots[:n].copy_(batch.device_slots(), non_blocking=True)
-        if n < g.size:                                  # padding entries: scratch slot, scratch block
-            pad_row = self.scratch_block * self.block_size + 1
-            if not ids_in_graph:
+            if n < g.size:
                 sb.token_ids[n:].zero_()
-            sb.positions[n:].fill_(1)
-            sb.slot_mapping[n:].fill_(pad_row)
-            g.tables[n:].fill_(self.scratch_block)
-            g.lens[n:].fill_(2)
-            g.slots[n:].fill_(self.scratch_slot)
+        if g.inputs is not None:                        # padding included: scratch slot, scratch block
+            self.staged.copy(InputLayout(g.size, self.max_blocks), g.inputs, batch.context_lens, batch.block_tables,
+                             batch.slots)
+        else:
+            sb.positions[:n].copy_(batch.positions, non_blocking=True)
+            sb.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+            tables, lens = batch.device_tables()
+            g.tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+            g.lens[:n].copy_(lens, non_blocking=True)
+            g.slots[:n].copy_(batch.device_slots(), non_blocking=True)
+            if n < g.size:                              # padding entries: scratch slot, scratch block
+                sb.positions[n:].fill_(1)
+                sb.slot_mapping[n:].fill_(self.scratch_block * self.block_size + 1)
+                g.tables[n:].fill_(self.scratch_block)
+                g.lens[n:].fill_(2)
+                g.slots[n:].fill_(self.scratch_slot)
         if self.mailbox is not None:                    # the graph copies the rows once the host has them
             self.mailbox.expected.fill_(wait_seq)
         else:

@@ -91,6 +91,38 @@ def test_fast_kernels_agree_with_the_pytorch_path(preset, kernels):
     assert fast_top1 >= ref_top1 - 0.05, (fast_top1, ref_top1)
 
 
+def _decode_leaving(model, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced graph steps while the sequences leave one by one (graph sizes 4, 2, 1; padding rows)."""
+    engine = LocalEngine([model], max_seqs=4, max_tokens=512, cuda_graphs=True)
+    for i in range(len(prompts)):
+        engine.add(i)
+    engine.step([(i, p) for i, p in enumerate(prompts)])
+    out, live = [], list(range(len(prompts)))
+    for t in range(len(forced[0])):
+        if t and t % 16 == 0 and len(live) > 1:
+            engine.release(live.pop(0))
+        out.append(engine.step([(i, [forced[i][t]]) for i in live]).clone())
+    assert engine.replays == len(forced[0])
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-next-small"])
+def test_staged_inputs_replay_the_same_logits(preset):
+    """Kernel flag `staged_inputs`: the graphs read their inputs from one packed buffer; the logits are the
+    copies' bit for bit, across block boundaries and as the batch shrinks (padding rows)."""
+    model, cfg = _model(preset)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 90, 5)]
+    forced = [torch.randint(10, cfg.vocab_size, (48,), generator=g).tolist() for _ in prompts]
+    with torch.inference_mode():
+        model.set_kernels(KernelFlags.parse("all"))
+        copies = _decode_leaving(model, prompts, forced)
+        model.set_kernels(KernelFlags.parse("all,staged_inputs"))
+        staged = _decode_leaving(model, prompts, forced)
+    for t, (a, b) in enumerate(zip(copies, staged)):
+        assert torch.equal(a, b), t
+
+
 def test_a_ple_stage_replays_graphs_with_its_host_table(tiny_checkpoint):
     """The tiny checkpoint's real, memory-mapped PLE table (not the procedural one): decode steps replay graphs
     that read the rows the stage gathered before the replay, and give the eager step's logits. (Its first run

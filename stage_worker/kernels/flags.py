@@ -18,7 +18,7 @@ from shared.cluster_config import kernels_error
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
 # batch 1, 7.55 against 8.09-8.13 at 4), not yet on an H200.
-NOT_IN_ALL = ("l2_prefetch",)
+NOT_IN_ALL = ("l2_prefetch", "staged_inputs")
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,10 @@ class KernelFlags:
                                       # of int64: the same selection and weights, half the bits in each of its ten
                                       # block-wide max reductions. Process-wide, as pdl. Alone neutral (h200-35:
                                       # 4.86-4.88 against 4.80-4.93 ms at batch 1), with fused_router the pair above
+    staged_inputs: bool = False       # not a kernel: a decode graph's integer inputs (positions, KV rows, slots,
+                                      # block tables, lengths, padding) packed on the host into pinned memory and
+                                      # moved by one copy into one device buffer the graph reads views of
+                                      # (stage_worker/graph_inputs.py), not ~15 small copies and fills a step
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

@@ -1,0 +1,108 @@
+"""A decode graph's integer inputs in one device buffer, written by one queued copy from pinned host memory.
+
+Why: h200-36 split the synced decode step's host share (1.0-1.3 ms a step on the 48-layer model): the graph's launch
+was 0.02-0.29 ms of it, the rest the inputs: a pinned allocation and a queued copy for each of the block tables,
+their lengths and the state slots, then a device copy into each of the graph's static buffers and six padding
+fills, about fifteen operations a step before the replay. Here the host writes positions, KV rows, slots, block
+tables and lengths, padding included, into pinned memory with numpy, one copy moves them, and the graph reads views
+of the device buffer (kernel flag `staged_inputs`; off: the copies above).
+
+A decode step's inputs all follow from three host lists: each sequence's context length (its position; its length
+after the step is one more), its block table (its KV row: the block holding the position) and its state slot.
+The pinned buffers form a ring, each reused only after the copy that last read it has run (an event): the host
+can prepare step t+1 while step t's copy is still queued behind the GPU's work (launch-ahead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+RING = 4          # pinned buffers: more than the steps a stage queues ahead (launch_depth 2)
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """Where each input of a graph of `size` rows lies in its buffer: positions, KV rows and slots as int64
+    [size], lengths int32 [size], block tables int32 [size, max_blocks] (8-byte aligned sections)."""
+    size: int
+    max_blocks: int
+
+    @property
+    def lens_at(self) -> int:
+        return 24 * self.size
+
+    @property
+    def tables_at(self) -> int:
+        return -(-(self.lens_at + 4 * self.size) // 8) * 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.tables_at + 4 * self.size * self.max_blocks
+
+    def views(self, buf):
+        """(positions, rows, slots, lens, tables) of a uint8 buffer of `nbytes`: numpy arrays for a numpy buffer,
+        tensors for a tensor (the graph's static inputs)."""
+        n, w = self.size, self.max_blocks
+        if isinstance(buf, np.ndarray):
+            i64, i32 = (lambda a, b: buf[a:b].view(np.int64)), (lambda a, b: buf[a:b].view(np.int32))
+        else:
+            i64, i32 = (lambda a, b: buf[a:b].view(torch.int64)), (lambda a, b: buf[a:b].view(torch.int32))
+        return (i64(0, 8 * n), i64(8 * n, 16 * n), i64(16 * n, 24 * n), i32(self.lens_at, self.lens_at + 4 * n),
+                i32(self.tables_at, self.nbytes).reshape(n, w))
+
+
+@dataclass(frozen=True)
+class Padding:
+    """What a graph's rows past the batch hold: they write only the scratch slot and the scratch KV block."""
+    scratch_slot: int
+    scratch_block: int
+    block_size: int
+
+
+def pack(buf: np.ndarray, layout: InputLayout, pad: Padding, context_lens: Sequence[int],
+         block_tables: Sequence[np.ndarray], slots: Sequence[int]) -> None:
+    """Write a decode step's inputs (one token a sequence at position context_len) into `buf`, rows past the batch
+    as padding; the values the eager path's StepBatch tensors hold, table entries past a sequence's blocks 0."""
+    positions, rows, slot_ids, lens, tables = layout.views(buf)
+    n, bs = len(context_lens), pad.block_size
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    tables[:n] = 0
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = t
+    tables[n:] = pad.scratch_block
+    positions[:n] = ctx
+    positions[n:] = 1
+    rows[:n] = tables[np.arange(n), ctx // bs].astype(np.int64) * bs + ctx % bs
+    rows[n:] = pad.scratch_block * bs + 1
+    slot_ids[:n] = slots
+    slot_ids[n:] = pad.scratch_slot
+    lens[:n] = ctx + 1
+    lens[n:] = 2
+
+
+class StagedInputs:
+    """The ring of pinned buffers, sized for the largest graph, and the copy into a graph's device buffer."""
+
+    def __init__(self, nbytes: int, pad: Padding) -> None:
+        self.pad = pad
+        self.ring = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(RING)]
+        self.arrays = [b.numpy() for b in self.ring]
+        self.done = [torch.cuda.Event() for _ in range(RING)]
+        self.used = [False] * RING
+        self.next = 0
+
+    def copy(self, layout: InputLayout, dst: torch.Tensor, context_lens: Sequence[int],
+             block_tables: Sequence[np.ndarray], slots: Sequence[int]) -> None:
+        """Pack into the next pinned buffer (once its last copy has run) and queue one copy into `dst`."""
+        k = self.next
+        self.next = (k + 1) % RING
+        if self.used[k]:
+            self.done[k].synchronize()
+        pack(self.arrays[k][: layout.nbytes], layout, self.pad, context_lens, block_tables, slots)
+        dst.copy_(self.ring[k][: layout.nbytes], non_blocking=True)
+        self.done[k].record()
+        self.used[k] = True
