@@ -99,7 +99,8 @@ class DecodeGraphs:
             batch._inputs = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
             self.staged.copy(layout, batch._inputs, [], [], [])
             batch.positions, batch.slot_mapping, slots, lens, tables = layout.views(batch._inputs)
-        else:
+        else:                                       # made now: a lazy copy must not happen inside the capture
+            batch.positions, batch.slot_mapping = batch.positions, batch.slot_mapping
             tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
             lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
             slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)

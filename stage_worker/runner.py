@@ -408,7 +408,7 @@ class StageRunner:
                 elif e.sample:
                     idx.append(start + e.num_tokens - 1)
                 start += e.num_tokens
-            batch.logits_indices = to_device(idx, torch.long, self.device)
+            batch.select_logits(idx)
         return batch
 
     def _table(self, e) -> BlockTable:

@@ -66,18 +66,18 @@ def _ids(table: BlockTable | Sequence[int]) -> np.ndarray:
 
 @dataclass
 class StepBatch:
+    """`positions`, `slot_mapping` and `logits_indices` are device tensors made on first use from host arrays: a
+    decode step replayed from a CUDA graph with `staged_inputs` never uses them (its graph reads the packed copy,
+    graph_inputs.py), so it no longer pays a pinned allocation and a queued copy for each."""
     token_ids: torch.Tensor          # [T] int64, the tokens being fed (every stage gets them: PLE needs them)
-    positions: torch.Tensor          # [T] int64, absolute position of each token in its sequence
+    host_positions: np.ndarray       # [T] int64, absolute position of each token in its sequence (`positions`)
     seq_lens: list[int]              # tokens each sequence feeds this step
     context_lens: list[int]          # tokens each sequence already has in the caches before this step
     slots: list[int]                 # per-sequence state slot (Gated DeltaNet, PLE conv and n-gram context)
     block_tables: list[np.ndarray]   # per-sequence KV block ids (int32), covering context_len + seq_len tokens
     block_size: int
-    slot_mapping: torch.Tensor = field(init=False)   # [T] flat KV row of each token
     # Rows already gathered by the PLE service, keyed by global layer index: [T, heads, head_dim].
     ple_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Which token rows the last stage turns into logits: default the last token of each sequence.
-    logits_indices: torch.Tensor | None = None
     # A prefill step's sequences run as one padded [B, Lmax] batch in each layer (`ragged`); off: the per-sequence
     # loop (A/B, cluster key `batched_prefill`).
     batched_prefill: bool = True
@@ -87,15 +87,55 @@ class StepBatch:
 
     def __post_init__(self) -> None:
         self.block_tables = [_ids(t) for t in self.block_tables]
-        parts = []
-        for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
-            pos = np.arange(ctx, ctx + n, dtype=np.int64)
-            parts.append(table[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size)
-        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        self.slot_mapping = to_device(torch.from_numpy(rows), torch.long, self.token_ids.device)
-        if self.logits_indices is None:
-            ends = torch.tensor(self.seq_lens, dtype=torch.long).cumsum(0) - 1
-            self.logits_indices = to_device(ends, torch.long, self.token_ids.device)
+        self._positions = self._slot_mapping = self._logits_indices = self._logits_rows = None
+        self._device = self.token_ids.device     # the lazy tensors' (token_ids may later be a host copy)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] int64 on the device: absolute position of each token in its sequence."""
+        if self._positions is None:
+            self._positions = to_device(torch.from_numpy(self.host_positions), torch.long, self._device)
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._positions = value
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] int64 on the device: each token's flat KV row (its block's id * block_size + its offset there)."""
+        if self._slot_mapping is None:
+            parts = []
+            for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
+                pos = np.arange(ctx, ctx + n, dtype=np.int64)
+                parts.append(table[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size)
+            rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            self._slot_mapping = to_device(torch.from_numpy(rows), torch.long, self._device)
+        return self._slot_mapping
+
+    @slot_mapping.setter
+    def slot_mapping(self, value: torch.Tensor) -> None:
+        self._slot_mapping = value
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Which token rows the last stage turns into logits: by default the last token of each sequence."""
+        if self._logits_indices is None:
+            rows = self._logits_rows
+            if rows is None:
+                rows = np.cumsum(np.asarray(self.seq_lens, dtype=np.int64)) - 1
+            self._logits_indices = to_device(torch.from_numpy(rows), torch.long, self._device)
+        return self._logits_indices
+
+    @logits_indices.setter
+    def logits_indices(self, value: torch.Tensor) -> None:
+        self._logits_indices = value
+
+    def select_logits(self, rows: Sequence[int]) -> None:
+        """The token rows the last stage turns into logits (prompt logprobs: every row of an entry), copied to the
+        device when first used: a graphed step reads its graph's own rows."""
+        self._logits_rows = np.asarray(rows, dtype=np.int64)
+        self._logits_indices = None
 
     @property
     def is_decode(self) -> bool:
@@ -162,11 +202,11 @@ class StepBatch:
         for tokens, ctx, _, _ in seqs:
             ids.extend(tokens)
             pos.extend(range(ctx, ctx + len(tokens)))
-        n = len(ids)
-        return cls(
-            token_ids=to_device(ids, torch.long, device),
-            positions=to_device(pos, torch.long, device),
+        batch = cls(
+            token_ids=to_device(ids, torch.long, device), host_positions=np.asarray(pos, dtype=np.int64),
             seq_lens=[len(s[0]) for s in seqs], context_lens=[s[1] for s in seqs],
             slots=[s[2] for s in seqs], block_tables=[_ids(s[3]) for s in seqs], block_size=block_size,
-            logits_indices=torch.arange(n, device=device) if all_logits else None,
         )
+        if all_logits:
+            batch.logits_indices = torch.arange(len(ids), device=device)
+        return batch
