@@ -151,13 +151,14 @@ def adjusted_logits(logits: torch.Tensor, rows: list[Row], counts: TokenCounts |
     if on_device and any(uses_penalties(r.params) for r in rows):
         params = params or _Params.of(rows, V, dev)
         slots = to_device([r.slot for r in rows], torch.long, dev)
-        # Rows without a penalty get zero weights below, whatever their slot holds.
-        if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
-            c = counts.counts[slots].float()
-            out = out - params.frequency * c - params.presence * (c > 0)
+        # Rows without a penalty get neutral weights below, whatever their slot holds. Repetition first (vLLM's order,
+        # `sampler.apply_penalties`).
         if any(r.params.repetition_penalty and r.params.repetition_penalty != 1.0 for r in rows):
             rp = params.repetition
             out = torch.where(counts.seen[slots], torch.where(out > 0, out / rp, out * rp), out)
+        if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+            c = counts.counts[slots].float()
+            out = out - params.frequency * c - params.presence * (c > 0)
     else:
         out = _penalties_from_history(out, rows)
     ban = [(b, int(t)) for b, r in enumerate(rows) for t in (r.banned or ()) if 0 <= int(t) < V]
@@ -186,16 +187,16 @@ def _penalties_from_history(out: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     if not counted and not repeated:
         return out
     params = _Params.of(rows, V, dev)
-    if counted:
-        counts = torch.zeros(B, V, device=dev)
-        where = _pairs(rows, counted, lambda r: r.history, dev)
-        counts.index_put_(where, torch.ones(len(where[0]), device=dev), accumulate=True)
-        out = out - params.frequency * counts - params.presence * (counts > 0)
     if repeated:
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
         seen[_pairs(rows, repeated, lambda r: r.history + list(r.prompt_ids or []), dev)] = True
         rp = params.repetition
         out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if counted:
+        counts = torch.zeros(B, V, device=dev)
+        where = _pairs(rows, counted, lambda r: r.history, dev)
+        counts.index_put_(where, torch.ones(len(where[0]), device=dev), accumulate=True)
+        out = out - params.frequency * counts - params.presence * (counts > 0)
     return out
 
 

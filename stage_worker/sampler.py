@@ -39,14 +39,8 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> tor
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
                     prompt_ids: list[int] | None = None) -> torch.Tensor:
-    """OpenAI semantics for presence/frequency (over generated tokens); repetition as in HF (prompt + output)."""
-    if params.presence_penalty or params.frequency_penalty:
-        counts = Counter(output_ids)
-        if counts:
-            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-            freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
-            logits = logits.clone()
-            logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    """Repetition as in HF (prompt + output), then OpenAI's presence/frequency (over generated tokens): vLLM's order.
+    The two do not commute (a logit 1.0 seen once, frequency 2, repetition 1.5: -1.33 this way, -1.5 the other)."""
     if params.repetition_penalty and params.repetition_penalty != 1.0:
         seen = set(output_ids) | set(prompt_ids or [])
         if seen:
@@ -54,6 +48,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: li
             vals = logits[ids]
             logits = logits.clone()
             logits[ids] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = Counter(output_ids)
+        if counts:
+            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+            freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+            logits = logits.clone()
+            logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
     return logits
 
 
