@@ -200,43 +200,47 @@ def _penalties_from_history(out: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return out
 
 
-def candidates(adjusted: torch.Tensor, rows: list[Row],
-               params: _Params | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(probabilities [B, K], token ids [B, K] or None for 'column j is token j') after temperature, top-k, top-p
-    and min-p, as `sampler.filtered_probs` defines them. Only top-p needs the distribution in order:
-    - every row has a top-k: its best K logits, in order, K the batch's largest top-k (no vocabulary sort);
-    - some row without a top-k has a top-p: the whole vocabulary sorted;
-    - otherwise the whole vocabulary as it is, each top-k row cut at its k-th value (no sort at all: plain
-      temperature sampling, the OpenAI default, is one softmax).
-    (Logits tied with a row's k-th value beyond K are dropped where the per-row path keeps them.)"""
-    B, V = adjusted.shape
-    params = params or _Params.of(rows, V, adjusted.device)
-    ks = [_top_k(r.params, V) for r in rows]
+def candidates(adjusted: torch.Tensor, rows: list[Row], params: _Params | None = None) -> torch.Tensor:
+    """[B, V] probabilities after temperature, top-k, top-p and min-p, as `sampler.filtered_probs` defines them: the
+    scaled logits below each row's `_floor` dropped, the rest renormalised."""
+    params = params or _Params.of(rows, adjusted.shape[1], adjusted.device)
     scaled = adjusted / params.temperature
-    top_p = any(r.params.top_p is not None and r.params.top_p < 1.0 for r in rows)
-    if max(ks) < V:
-        vals, ids = torch.topk(scaled, max(ks), dim=-1)
-        kth = vals.gather(1, params.top_k.long() - 1)
-    elif top_p:
-        vals, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        kth = vals.gather(1, params.top_k.long() - 1)
-    else:
-        vals, ids = scaled, None
-        cut = [k for k in ks if k < V]
-        kth = None
-        if cut:                       # rows without a top-k keep everything: their 'k-th' value is -inf
-            best = torch.topk(scaled, max(cut), dim=-1).values
-            kth = best.gather(1, params.top_k.long().clamp_max(max(cut)) - 1)
-            kth = kth.masked_fill(params.top_k >= V, float("-inf"))
-    if kth is not None:
-        vals = vals.masked_fill(vals < kth, float("-inf"))
-    probs = torch.softmax(vals, dim=-1)
-    if top_p and ids is not None:     # sorted: drop what lies beyond each row's top-p mass
-        p = params.top_p
-        probs = probs.masked_fill(~((probs.cumsum(1) - probs < p) | (p >= 1.0)), 0.0)
-    if any(r.params.min_p for r in rows):
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), ids
+    return torch.softmax(scaled.masked_fill(scaled < _floor(scaled, rows, params), float("-inf")), dim=-1)
+
+
+def _floor(scaled: torch.Tensor, rows: list[Row], params: _Params) -> torch.Tensor:
+    """[B, 1]: each row's lowest kept scaled logit. Every filter keeps a token with all tokens tied with it (top-k:
+    everything at least the k-th value, vLLM's rule; top-p: a token whose strictly more likely tokens hold less than
+    top_p, so the token crossing top_p stays and so does its whole tie), which makes each a bound on the value: a row's
+    candidates never depend on the order a sort or `topk` leaves ties in, so not on the rest of the batch. (The
+    candidates were K columns of the batch's top-k, dropping a row's ties with its k-th value past them, and top-p cut
+    inside a tie by sort order: with bf16 logits a row drew other tokens beside a row without a top-k.)
+    Only top-p needs the distribution in order: the top-k's columns when every row has one (a tie of the k-th value
+    past them belongs to a group that starts inside them), else the sorted vocabulary."""
+    B, V = scaled.shape
+    ninf = float("-inf")
+    floor = scaled.new_full((B, 1), ninf)
+    cut = [k for k in (_top_k(r.params, V) for r in rows) if k < V]
+    best = None
+    if cut:                           # rows without a top-k: their 'k-th' value is -inf
+        best = torch.topk(scaled, max(cut), dim=-1).values
+        kth = best.gather(1, params.top_k.long().clamp_max(max(cut)) - 1)
+        floor = kth.masked_fill(params.top_k >= V, ninf)
+    if any(r.params.top_p is not None and r.params.top_p < 1.0 for r in rows):
+        vals = best if len(cut) == B else torch.sort(scaled, dim=-1, descending=True).values
+        top = scaled.amax(dim=-1, keepdim=True)
+        mass = torch.exp(scaled - top).masked_fill(scaled < floor, 0.0).sum(dim=-1, keepdim=True)
+        probs = torch.exp(vals - top).masked_fill(vals < floor, 0.0) / mass
+        above = probs.cumsum(dim=-1) - probs
+        cols = torch.arange(vals.shape[1], device=vals.device).expand_as(vals)
+        first = torch.cat([torch.ones_like(vals[:, :1], dtype=torch.bool), vals[:, 1:] != vals[:, :-1]], dim=1)
+        group = torch.where(first, cols, 0).cummax(dim=-1).values      # each column's tie group's first column
+        keep = above.gather(1, group) < params.top_p
+        lowest = torch.where(keep, vals, float("inf")).amin(dim=-1, keepdim=True)
+        floor = torch.maximum(floor, lowest.masked_fill(params.top_p >= 1.0, ninf))
+    if any(r.params.min_p for r in rows):   # p < min_p x max p: below max + log(min_p) (log 0: -inf, no bound)
+        floor = torch.maximum(floor, scaled.amax(dim=-1, keepdim=True) + params.min_p.log())
+    return floor
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None = None, *,
@@ -304,5 +308,4 @@ def _draw(logits: torch.Tensor, rows: list[Row], counts: TokenCounts | None,
         return race(tokens, adjusted, params.table[:, 7], temperature=params.table[:, 0], rows=idx, gather=True)
     if idx is not None:
         params, adjusted = params.select(idx), adjusted[idx]
-    probs, ids = candidates(adjusted, sub, params)
-    return race(tokens, probs, params.keys, ids, rows=idx)
+    return race(tokens, candidates(adjusted, sub, params), params.keys, rows=idx)

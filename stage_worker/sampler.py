@@ -59,17 +59,23 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: li
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (for one row of logits)."""
+    """Probabilities after temperature, top-k, top-p and min-p (for one row of logits). A filter keeps every token
+    tied with one it keeps: top-k everything at least the k-th value (vLLM's rule), top-p a token when the tokens
+    strictly more likely than it hold less than top_p (the token crossing top_p stays, with its whole tie), so the
+    candidates never depend on how a sort orders ties (`batch_sampler._floor`)."""
     logits = logits.float() / max(params.temperature, 1e-5)
     if params.top_k and params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p is not None and params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True, stable=True)
-        keep = sorted_p.cumsum(0) - sorted_p < params.top_p       # always keeps the most likely token
-        mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, keep)
-        probs = probs.masked_fill(~mask, 0.0)
+        vals, order = torch.sort(logits, descending=True)
+        p = probs[order]
+        above = p.cumsum(0) - p
+        first = torch.cat([torch.ones_like(vals[:1], dtype=torch.bool), vals[1:] != vals[:-1]])
+        group = torch.where(first, torch.arange(vals.numel(), device=vals.device), 0).cummax(0).values
+        keep = above[group] < params.top_p
+        probs = probs.masked_fill(logits < (vals[keep].min() if bool(keep.any()) else float("inf")), 0.0)
     if params.min_p and params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
