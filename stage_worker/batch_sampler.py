@@ -201,7 +201,7 @@ def _penalties_from_history(out: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 
 
 def candidates(adjusted: torch.Tensor, rows: list[Row], params: _Params | None = None) -> torch.Tensor:
-    """[B, V] probabilities after temperature, top-k, top-p and min-p, as `sampler.filtered_probs` defines them: the
+    """[B, V] probabilities after temperature, min-p, top-k and top-p, as `sampler.filtered_probs` defines them: the
     scaled logits below each row's `_floor` dropped, the rest renormalised."""
     params = params or _Params.of(rows, adjusted.shape[1], adjusted.device)
     scaled = adjusted / params.temperature
@@ -209,7 +209,9 @@ def candidates(adjusted: torch.Tensor, rows: list[Row], params: _Params | None =
 
 
 def _floor(scaled: torch.Tensor, rows: list[Row], params: _Params) -> torch.Tensor:
-    """[B, 1]: each row's lowest kept scaled logit. Every filter keeps a token with all tokens tied with it (top-k:
+    """[B, 1]: each row's lowest kept scaled logit after min-p, top-k, then top-p over what those left (vLLM's order:
+    min-p first changes top-p's mass; it ran last, so top_p 0.6 over 0.5/0.3/0.2 with min_p 0.5 kept two tokens
+    where vLLM keeps one). Every filter keeps a token with all tokens tied with it (top-k:
     everything at least the k-th value, vLLM's rule; top-p: a token whose strictly more likely tokens hold less than
     top_p, so the token crossing top_p stays and so does its whole tie), which makes each a bound on the value: a row's
     candidates never depend on the order a sort or `topk` leaves ties in, so not on the rest of the batch. (The
@@ -220,12 +222,14 @@ def _floor(scaled: torch.Tensor, rows: list[Row], params: _Params) -> torch.Tens
     B, V = scaled.shape
     ninf = float("-inf")
     floor = scaled.new_full((B, 1), ninf)
+    if any(r.params.min_p for r in rows):   # p < min_p x max p: below max + log(min_p) (log 0: -inf, no bound)
+        floor = scaled.amax(dim=-1, keepdim=True) + params.min_p.log()
     cut = [k for k in (_top_k(r.params, V) for r in rows) if k < V]
     best = None
     if cut:                           # rows without a top-k: their 'k-th' value is -inf
         best = torch.topk(scaled, max(cut), dim=-1).values
         kth = best.gather(1, params.top_k.long().clamp_max(max(cut)) - 1)
-        floor = kth.masked_fill(params.top_k >= V, ninf)
+        floor = torch.maximum(floor, kth.masked_fill(params.top_k >= V, ninf))
     if any(r.params.top_p is not None and r.params.top_p < 1.0 for r in rows):
         vals = best if len(cut) == B else torch.sort(scaled, dim=-1, descending=True).values
         top = scaled.amax(dim=-1, keepdim=True)
@@ -238,8 +242,6 @@ def _floor(scaled: torch.Tensor, rows: list[Row], params: _Params) -> torch.Tens
         keep = above.gather(1, group) < params.top_p
         lowest = torch.where(keep, vals, float("inf")).amin(dim=-1, keepdim=True)
         floor = torch.maximum(floor, lowest.masked_fill(params.top_p >= 1.0, ninf))
-    if any(r.params.min_p for r in rows):   # p < min_p x max p: below max + log(min_p) (log 0: -inf, no bound)
-        floor = torch.maximum(floor, scaled.amax(dim=-1, keepdim=True) + params.min_p.log())
     return floor
 
 

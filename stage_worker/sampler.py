@@ -59,11 +59,15 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: li
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (for one row of logits). A filter keeps every token
-    tied with one it keeps: top-k everything at least the k-th value (vLLM's rule), top-p a token when the tokens
-    strictly more likely than it hold less than top_p (the token crossing top_p stays, with its whole tie), so the
-    candidates never depend on how a sort orders ties (`batch_sampler._floor`)."""
+    """Probabilities after temperature, min-p, top-k and top-p, each over what the previous left (vLLM's order), for
+    one row of logits. A filter keeps every token tied with one it keeps: top-k everything at least the k-th value
+    (vLLM's rule), top-p a token when the tokens strictly more likely than it hold less than top_p (the token crossing
+    top_p stays, with its whole tie), so the candidates never depend on how a sort orders ties
+    (`batch_sampler._floor`)."""
     logits = logits.float() / max(params.temperature, 1e-5)
+    if params.min_p and params.min_p > 0.0:     # p < min_p x max p, in logits (as the batched sampler computes it)
+        bound = logits.max() + torch.tensor(params.min_p, dtype=torch.float32, device=logits.device).log()
+        logits = logits.masked_fill(logits < bound, float("-inf"))
     if params.top_k and params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -76,8 +80,6 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         group = torch.where(first, torch.arange(vals.numel(), device=vals.device), 0).cummax(0).values
         keep = above[group] < params.top_p
         probs = probs.masked_fill(logits < (vals[keep].min() if bool(keep.any()) else float("inf")), 0.0)
-    if params.min_p and params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
 
 

@@ -68,3 +68,15 @@ def test_top_p_keeps_the_whole_tie_that_crosses_it():
         assert torch.allclose(sampler.filtered_probs(logits[0], p), want)
     row = bs.Row(params, seed=5, position=0, history=[])
     assert _draws(logits, [row], 200) == _draws(logits, [row, beside], 200)
+
+
+def test_min_p_filters_before_top_p():
+    """vLLM's order: min-p, then top-p over what it left. Probabilities 0.5 / 0.3 / 0.2, min_p 0.5 drops 0.2 (below
+    0.25), leaving 0.625 / 0.375, and top_p 0.6 then keeps the first token alone; min-p last kept two."""
+    params = SamplingParams(temperature=1.0, top_p=0.6, min_p=0.5)
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()[None]
+    want = torch.tensor([1.0, 0.0, 0.0])
+    for p in (params, SamplingParams(temperature=1.0, top_p=0.6, min_p=0.5, top_k=3)):
+        rows = [bs.Row(p, seed=1, position=1, history=[])]
+        assert torch.allclose(bs.candidates(logits, rows)[0], want), p
+        assert torch.allclose(sampler.filtered_probs(logits[0], p), want), p
