@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+SAMPLING_EPS = 1e-5      # vLLM's: a temperature below it is greedy (sampling there only picks among tied logits)
 FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -48,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return (self.temperature or 0.0) <= 0.0 or self.top_k == 1
+        return (self.temperature or 0.0) < SAMPLING_EPS or self.top_k == 1
 
 
 def read_generation_config(model_dir: str | Path) -> dict[str, Any]:

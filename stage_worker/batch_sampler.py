@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_EPS, SamplingParams
 from shared.token_mask import unpack_mask
 from stage_worker.host_copy import to_device
 from stage_worker.kernels import sample_race_ref
@@ -97,7 +97,7 @@ class _Params:
 
     @classmethod
     def of(cls, rows: list[Row], vocab: int, device) -> "_Params":
-        table = [[max(p.temperature or 0.0, 1e-5), _top_k(p, vocab), p.top_p if p.top_p is not None else 1.0,
+        table = [[max(p.temperature or 0.0, SAMPLING_EPS), _top_k(p, vocab), p.top_p if p.top_p is not None else 1.0,
                   p.min_p or 0.0, p.frequency_penalty or 0.0, p.presence_penalty or 0.0, p.repetition_penalty or 1.0,
                   float(row_key(r.seed, r.position))] for r in rows for p in (r.params,)]
         return cls(to_device(table, torch.float64, device))       # float64 holds every 32-bit key exactly

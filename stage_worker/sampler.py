@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from shared.sampling import SamplingParams
+from shared.sampling import SAMPLING_EPS, SamplingParams
 
 
 def apply_ban(logits: torch.Tensor, ids: list[int] | None) -> torch.Tensor:
@@ -64,7 +64,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     (vLLM's rule), top-p a token when the tokens strictly more likely than it hold less than top_p (the token crossing
     top_p stays, with its whole tie), so the candidates never depend on how a sort orders ties
     (`batch_sampler._floor`)."""
-    logits = logits.float() / max(params.temperature, 1e-5)
+    logits = logits.float() / max(params.temperature, SAMPLING_EPS)
     if params.min_p and params.min_p > 0.0:     # p < min_p x max p, in logits (as the batched sampler computes it)
         bound = logits.max() + torch.tensor(params.min_p, dtype=torch.float32, device=logits.device).log()
         logits = logits.masked_fill(logits < bound, float("-inf"))

@@ -80,3 +80,13 @@ def test_min_p_filters_before_top_p():
         rows = [bs.Row(p, seed=1, position=1, history=[])]
         assert torch.allclose(bs.candidates(logits, rows)[0], want), p
         assert torch.allclose(sampler.filtered_probs(logits[0], p), want), p
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    """vLLM's rule (its _SAMPLING_EPS): temperature 1e-6 over two tied best logits takes the first, every time, on both
+    paths. It sampled at 1e-5 instead: half the draws took the other tied token."""
+    params = SamplingParams(temperature=1e-6)
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    assert set(_draws(logits, [bs.Row(params, seed=3, position=0, history=[])], 100)) == {1}
+    assert {sampler.sample(logits[0], params, sampler.position_generator(3, pos)) for pos in range(100)} == {1}
