@@ -379,14 +379,18 @@ class Scheduler:
         if snap:
             self._snapping.append((req, pos))
         self._planned.add(req.req_id)
-        if pos == 0:
-            req.sent_blocks = 0            # a first entry (admission, or again after a preemption) sends all
+        restores = req.restore is not None and pos == req.restore.length
+        if pos == 0 or restores:
+            # Stages start the block table afresh at such an entry, so it sends every block: a first entry
+            # (admission, again after a preemption) and a restoring one planned again after `drop_from` rolled back
+            # the plan that carried it (which had sent the blocks already).
+            req.sent_blocks = 0
         done_prefill = pos + n >= num_ids
         entry = SeqEntry(req_id=req.req_id, slot=req.slot, context_len=pos, num_tokens=n,
                          new_blocks=req.blocks[req.sent_blocks:], tokens=tokens,
                          sample=done_prefill or tokens is None,
                          prompt_logprobs=req.want_prompt_logprobs and tokens is not None and not req.output_ids)
-        if req.restore is not None and pos == req.restore.length:
+        if restores:
             entry.restore = req.restore.state
             entry.history = req.ids(max(0, pos - HISTORY), pos)
         req.sent_blocks = len(req.blocks)
