@@ -215,6 +215,10 @@ class EngineCore:
             raise EngineUnavailable(f"not serving: no heartbeat from {', '.join(missing)}")
         if not request.prompt_ids:
             raise ValueError("the prompt has no tokens")
+        if len(request.prompt_ids) > self.max_model_len:
+            # Past the context the KV pool (sized for max_model_len) may never hold it: it waited at the head of
+            # the queue for blocks forever, and every request behind it too. (The API refuses it before.)
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; the context is {self.max_model_len}")
         rid = request.request_id or uuid.uuid4().hex
         params = request.params
         if params.seed is None:     # drawn here, once: a preempted request recomputes with the same draws

@@ -5,8 +5,9 @@ and cancellations land at exactly the steps a test chooses."""
 
 from __future__ import annotations
 
-import os
 import random
+
+import pytest
 
 from shared.engine_core import EngineCore, GenerationRequest, TokenEvent
 from shared.protocol import StageError, StepResult, TokenOut
@@ -115,5 +116,26 @@ def test_a_request_restoring_a_prefix_behind_a_failed_step_gets_its_tokens(tiny_
         assert _tokens(events["r"]) == want
         assert core.scheduler.blocks.used_blocks == core.scheduler.prefix.cached_blocks
         assert core.scheduler.blocks.used_slots == 0
+    finally:
+        core.stop()
+
+
+# ---- a prompt the context cannot hold ------------------------------------------------------------------------------
+
+def test_a_prompt_past_the_context_is_refused_not_left_waiting_for_blocks(tiny_checkpoint):
+    """`EngineCore.add` took a prompt longer than max_model_len (the API refuses it; direct callers did not): with a
+    pool sized for max_model_len it waited for blocks forever, holding its slot and the blocks of its first chunk.
+    A prompt of exactly max_model_len still gets its one token ("length")."""
+    core = local_engine_core(tiny_checkpoint, start=False, max_model_len=32, block_size=16, num_blocks=2,
+                             max_num_batched_tokens=16, enable_prefix_caching=False)
+    try:
+        with pytest.raises(ValueError, match="33 tokens; the context is 32"):
+            core.add(GenerationRequest("long", list(range(10, 43)), _greedy(3)), lambda ev: None)
+        assert not core._sinks and not core.scheduler.waiting
+        events: list = []
+        core.add(GenerationRequest("full", list(range(10, 42)), _greedy(3)), events.append)
+        _until_done(core, turns=50)
+        assert len(_tokens(events)) == 1 and events[0].finish_reason == "length"
+        assert core.scheduler.blocks.used_blocks == 0 and core.scheduler.blocks.used_slots == 0
     finally:
         core.stop()
