@@ -47,7 +47,7 @@ class _Graph:
     slots: torch.Tensor
     ple_rows: dict[int, torch.Tensor]   # layer -> [size, heads, head_dim]: the rows the graph's PLE branches read
     expert_ids: list        # each MoE layer's routing output inside this graph (for routing statistics)
-    inputs: torch.Tensor | None = None  # `staged_inputs`: the buffer the positions ... slots above are views of
+    inputs: torch.Tensor | None = None  # `staged_inputs`: the buffer lens, slots, positions, KV rows view
 
 
 class DecodeGraphs:
@@ -75,7 +75,7 @@ class DecodeGraphs:
         self.staged = None
         if getattr(getattr(model, "kernel_flags", None), "staged_inputs", False):
             pad = Padding(scratch_slot, scratch_block, self.block_size)
-            self.staged = StagedInputs(InputLayout(self.sizes[-1], self.max_blocks).nbytes, pad)
+            self.staged = StagedInputs(InputLayout(self.sizes[-1], self.max_blocks).nbytes(), pad)
 
     def capture(self) -> None:
         moes = self.moes
@@ -94,14 +94,14 @@ class DecodeGraphs:
         dev = self.device
         seqs = [([0], 1, self.scratch_slot, [self.scratch_block]) for _ in range(size)]
         batch = StepBatch.build(seqs, self.block_size, dev)
+        tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
         if self.staged is not None:                 # views of one buffer, filled as an empty batch pads it
             layout = InputLayout(size, self.max_blocks)
-            batch._inputs = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
-            self.staged.copy(layout, batch._inputs, [], [], [])
-            batch.positions, batch.slot_mapping, slots, lens, tables = layout.views(batch._inputs)
+            batch._inputs = torch.empty(layout.nbytes(), dtype=torch.uint8, device=dev)
+            self.staged.copy(layout, batch._inputs, tables, [], [], [])
+            batch.positions, batch.slot_mapping, slots, lens, _ = layout.views(batch._inputs)
         else:                                       # made now: a lazy copy must not happen inside the capture
             batch.positions, batch.slot_mapping = batch.positions, batch.slot_mapping
-            tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
             lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
             slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)
         batch._tables = (tables, lens)
@@ -167,8 +167,8 @@ class DecodeGraphs:
             if n < g.size:
                 sb.token_ids[n:].zero_()
         if g.inputs is not None:                        # padding included: scratch slot, scratch block
-            self.staged.copy(InputLayout(g.size, self.max_blocks), g.inputs, batch.context_lens, batch.block_tables,
-                             batch.slots)
+            self.staged.copy(InputLayout(g.size, self.max_blocks), g.inputs, g.tables, batch.context_lens,
+                             batch.block_tables, batch.slots)
         else:
             sb.positions[:n].copy_(batch.positions, non_blocking=True)
             sb.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)

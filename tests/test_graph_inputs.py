@@ -30,9 +30,10 @@ def test_packed_inputs_equal_the_step_batch_s_and_the_padding(seed):
     n = int(rng.integers(0, size + 1))
     batch = _decode_batch(rng, n, block_size, max_blocks)
     layout, pad = InputLayout(size, max_blocks), Padding(scratch_slot=99, scratch_block=12_345, block_size=block_size)
-    buf = np.full(layout.nbytes, 0xA5, dtype=np.uint8)               # stale bytes of an earlier step
-    pack(buf, layout, pad, batch.context_lens, batch.block_tables, batch.slots)
-    positions, rows, slots, lens, tables = layout.views(buf)
+    buf = np.full(layout.nbytes(), 0xA5, dtype=np.uint8)             # stale bytes of an earlier step
+    width = pack(buf, layout, pad, batch.context_lens, batch.block_tables, batch.slots)
+    assert width == max([len(t) for t in batch.block_tables] + [1])
+    positions, rows, slots, lens, tables = layout.views(buf, width)
     assert batch.is_decode or n == 0
     assert positions[:n].tolist() == batch.positions.tolist()
     assert rows[:n].tolist() == batch.slot_mapping.tolist()
@@ -40,9 +41,7 @@ def test_packed_inputs_equal_the_step_batch_s_and_the_padding(seed):
     if n:
         want_tables, want_lens = batch.device_tables()
         assert lens[:n].tolist() == want_lens.tolist()
-        width = want_tables.shape[1]
-        assert tables[:n, :width].tolist() == want_tables.tolist()
-        assert not tables[:n, width:].any()                            # no stale ids past a sequence's blocks
+        assert tables[:n].tolist() == want_tables.tolist()             # as wide, padded with 0 as it pads
     # padding rows: position 1 in the scratch block, the scratch slot, a length of 2
     assert set(positions[n:].tolist()) <= {1} and set(lens[n:].tolist()) <= {2}
     assert set(rows[n:].tolist()) <= {12_345 * block_size + 1} and set(slots[n:].tolist()) <= {99}
@@ -51,13 +50,16 @@ def test_packed_inputs_equal_the_step_batch_s_and_the_padding(seed):
 
 def test_the_views_of_a_tensor_are_the_numpy_views():
     layout = InputLayout(4, 7)
-    host = np.zeros(layout.nbytes, dtype=np.uint8)
-    pack(host, layout, Padding(5, 6, 16), [17, 40], [np.array([3, 9], np.int32), np.array([1, 2, 8], np.int32)], [0, 3])
+    host = np.zeros(layout.nbytes(), dtype=np.uint8)
+    width = pack(host, layout, Padding(5, 6, 16), [17, 40], [np.array([3, 9], np.int32),
+                                                             np.array([1, 2, 8], np.int32)], [0, 3])
+    assert width == 3
     dev = torch.from_numpy(host.copy())
-    for a, t in zip(layout.views(host), layout.views(dev)):
+    for a, t in zip(layout.views(host, width), layout.views(dev, width)):
         assert t.dtype == {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}[a.dtype]
         assert t.tolist() == a.tolist()
-    assert layout.tables_at % 8 == 0 and layout.nbytes == layout.tables_at + 4 * 4 * 7
+    assert layout.tables_at % 8 == 0 and layout.nbytes() == layout.tables_at + 4 * 4 * 7
+    assert layout.nbytes(width) == layout.tables_at + 4 * 4 * 3      # what a step copies: not 7-wide rows
 
 
 def test_staged_inputs_is_named_only():
