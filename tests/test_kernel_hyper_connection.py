@@ -227,6 +227,27 @@ def fp32_matmul_reduction():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_real_shapes_fused_norm(rows):
+    """`hc_fused_norm` at Qwen4-Exp's decode shape, INT8 down / up and the injection: the reference's values
+    (within its rounding of the normed row), the injected streams bit for bit, the same bits on ten calls."""
+    hidden, hc, rank = 2560, 4, 320
+    streams = _streams(rows, hc * hidden, torch.bfloat16, seed=rows)
+    out = _streams(rows, hidden, torch.bfloat16, seed=rows + 1)
+    inj = (2 * torch.rand(rows, hc, generator=torch.Generator().manual_seed(rows))).to(DEV, torch.bfloat16)
+    weights = _int8(_weights(hidden, hc, rank, True, torch.bfloat16, seed=rows))
+    got = K.hc_inject_mix(streams, out, inj, *weights, hc, EPS, fused_norm=True)
+    want_new = ref.hc_inject(streams, out, inj)
+    want_mixed, want_w = ref.hc_mix(want_new, *weights, hc, EPS)
+    assert torch.equal(got[0], want_new)
+    assert_bf16_close(got[1], want_mixed, FUSED_MISMATCH)
+    assert_bf16_close(got[2], want_w, FUSED_MISMATCH)
+    for _ in range(10):
+        again = K.hc_inject_mix(streams, out, inj, *weights, hc, EPS, fused_norm=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, got))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [0, 5], ids=["shipped", "5slices"])
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_real_shapes_int8(rows, splits, monkeypatch):
