@@ -64,11 +64,35 @@ def _ids(table: BlockTable | Sequence[int]) -> np.ndarray:
     return table.view() if isinstance(table, BlockTable) else np.asarray(table, dtype=np.int32).reshape(-1)
 
 
+class _OnDevice:
+    """A StepBatch tensor copied to the device on first use from the host array `host(batch)` gives (int64): a decode
+    step replayed from a CUDA graph with `staged_inputs` never uses it, so it pays no pinned allocation and queued
+    copy for it. Assigning a tensor sets it (a graph's static buffer), None drops it (made again when next used)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, batch, owner=None):
+        if batch is None:
+            return self
+        value = batch.__dict__.get(self.key)
+        if value is None:
+            value = batch.__dict__[self.key] = to_device(torch.from_numpy(self.host(batch)), torch.long,
+                                                         batch._device)
+        return value
+
+    def __set__(self, batch, value: torch.Tensor | None) -> None:
+        batch.__dict__[self.key] = value
+
+
 @dataclass
 class StepBatch:
-    """`positions`, `slot_mapping` and `logits_indices` are device tensors made on first use from host arrays: a
-    decode step replayed from a CUDA graph with `staged_inputs` never uses them (its graph reads the packed copy,
-    graph_inputs.py), so it no longer pays a pinned allocation and a queued copy for each."""
+    """`positions`, `slot_mapping` and `logits_indices` are device tensors made on first use from host arrays
+    (`_OnDevice`): a decode step replayed from a CUDA graph with `staged_inputs` reads the packed copy instead
+    (graph_inputs.py)."""
     token_ids: torch.Tensor          # [T] int64, the tokens being fed (every stage gets them: PLE needs them)
     host_positions: np.ndarray       # [T] int64, absolute position of each token in its sequence (`positions`)
     seq_lens: list[int]              # tokens each sequence feeds this step
@@ -87,55 +111,33 @@ class StepBatch:
 
     def __post_init__(self) -> None:
         self.block_tables = [_ids(t) for t in self.block_tables]
-        self._positions = self._slot_mapping = self._logits_indices = self._logits_rows = None
+        self._logits_rows = None
         self._device = self.token_ids.device     # the lazy tensors' (token_ids may later be a host copy)
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """[T] int64 on the device: absolute position of each token in its sequence."""
-        if self._positions is None:
-            self._positions = to_device(torch.from_numpy(self.host_positions), torch.long, self._device)
-        return self._positions
+    def _kv_rows(self) -> np.ndarray:
+        """Each token's flat KV row: its block's id * block_size + its offset there."""
+        parts = []
+        for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
+            pos = np.arange(ctx, ctx + n, dtype=np.int64)
+            parts.append(table[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    @positions.setter
-    def positions(self, value: torch.Tensor) -> None:
-        self._positions = value
+    def _last_rows(self) -> np.ndarray:
+        """The rows `select_logits` chose, else each sequence's last token."""
+        if self._logits_rows is not None:
+            return self._logits_rows
+        return np.cumsum(np.asarray(self.seq_lens, dtype=np.int64)) - 1
 
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        """[T] int64 on the device: each token's flat KV row (its block's id * block_size + its offset there)."""
-        if self._slot_mapping is None:
-            parts = []
-            for table, ctx, n in zip(self.block_tables, self.context_lens, self.seq_lens):
-                pos = np.arange(ctx, ctx + n, dtype=np.int64)
-                parts.append(table[pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size)
-            rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            self._slot_mapping = to_device(torch.from_numpy(rows), torch.long, self._device)
-        return self._slot_mapping
-
-    @slot_mapping.setter
-    def slot_mapping(self, value: torch.Tensor) -> None:
-        self._slot_mapping = value
-
-    @property
-    def logits_indices(self) -> torch.Tensor:
-        """Which token rows the last stage turns into logits: by default the last token of each sequence."""
-        if self._logits_indices is None:
-            rows = self._logits_rows
-            if rows is None:
-                rows = np.cumsum(np.asarray(self.seq_lens, dtype=np.int64)) - 1
-            self._logits_indices = to_device(torch.from_numpy(rows), torch.long, self._device)
-        return self._logits_indices
-
-    @logits_indices.setter
-    def logits_indices(self, value: torch.Tensor) -> None:
-        self._logits_indices = value
+    # [T] int64 on the device, made on first use; each may be set to a tensor (a graph's static buffers)
+    positions = _OnDevice(lambda b: b.host_positions)            # absolute position of each token in its sequence
+    slot_mapping = _OnDevice(_kv_rows)                           # each token's flat KV row
+    logits_indices = _OnDevice(_last_rows)                       # the token rows the last stage turns into logits
 
     def select_logits(self, rows: Sequence[int]) -> None:
         """The token rows the last stage turns into logits (prompt logprobs: every row of an entry), copied to the
         device when first used: a graphed step reads its graph's own rows."""
         self._logits_rows = np.asarray(rows, dtype=np.int64)
-        self._logits_indices = None
+        self.logits_indices = None
 
     @property
     def is_decode(self) -> bool:
