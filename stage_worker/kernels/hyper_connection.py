@@ -11,7 +11,9 @@ A `_hc_down_kernel`, grid (down/inject row tiles, row blocks): the `down` GEMV (
 B `_hc_up_mix_kernel`, grid (H tiles, row blocks): the `up` GEMV for each stream's H tile, sigmoid, and the mean
   over streams of gate * normed, in registers.
 
-An earlier version fused the norm into A (two kernels instead of three): each of its ~160 programs then
+With the kernel flag `hc_fused_norm` P goes into A (`_hc_down_norm_kernel`: the norm taken on the way, the GEMV
+being linear, each stream's rstd stored for B, which norms its own tiles): two launches, no normed copy.
+An earlier version fused the norm into A differently (two kernels instead of three): each of its ~160 programs then
 re-normalised the whole row before its first weight load, a chain of dependent loads that ran A at 12.9 µs for
 6.6 MB on the H200 (about 0.5 TB/s). With the norm in P the GEMVs are plain weight streams.
 
@@ -235,17 +237,13 @@ def _hc_down_norm_kernel(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_pt
     n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     is_down = pid_r < n_down
     store = pid_r == 0
+    DOWN_OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
     if is_down:
         outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < R
-        if Q8:
-            acc = _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_ptr, outs, mo, row0, T,
-                                   stride_x, stride_o, stride_y, eps, store, H, HC, INJECT, 128.0, BLOCK_T, BLOCK_R,
-                                   BLOCK_K, PDL, dt)
-        else:
-            acc = _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_ptr, outs, mo, row0, T,
-                                   stride_x, stride_o, stride_y, eps, store, H, HC, INJECT, 0.0, BLOCK_T, BLOCK_R,
-                                   BLOCK_K, PDL, dt)
+        acc = _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_ptr, outs, mo, row0, T,
+                               stride_x, stride_o, stride_y, eps, store, H, HC, INJECT, DOWN_OFFSET, BLOCK_T,
+                               BLOCK_R, BLOCK_K, PDL, dt)
     else:
         outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
         mo = outs < HC
@@ -417,7 +415,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     dev, dt = x.device, x.dtype
     hc_norm_w = hc_norm_w.contiguous()
     new_streams = x
-    normed = torch.empty((t, width), dtype=dt, device=dev)
     a = torch.empty((t, rank), dtype=dt, device=dev)
     mixed = torch.empty((t, hidden), dtype=dt, device=dev)
     inject = torch.empty((t, hc), dtype=dt, device=dev) if inject_w is not None else None
@@ -433,6 +430,7 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         return _fused_norm_mix(x, o if out is not None else None, g if out is not None else None, new_streams,
                                hc_norm_w, (down_w, down_s), (up_w, up_s), inject_w, a, mixed, inject, hc, eps,
                                (br, bk, warps), pdl)
+    normed = torch.empty((t, width), dtype=dt, device=dev)
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
         x.stride(0), o.stride(0) if out is not None else 0, new_streams.stride(0), eps,
@@ -519,12 +517,8 @@ def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.T
     function when its kernel flag is on)."""
     w = _module_weights(module)
     if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_mix(streams, *w, module.hc, module.hc_norm.eps, _fused_norm(module))
+        return hc_mix(streams, *w, module.hc, module.hc_norm.eps, module.kernels.hc_fused_norm)
     return hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps)
-
-
-def _fused_norm(module: GatedResidual) -> bool:
-    return bool(getattr(module.kernels, "hc_fused_norm", False))
 
 
 def _module_weights(module: GatedResidual) -> tuple:
@@ -541,6 +535,6 @@ def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torc
     packed weights the kernels do not read)."""
     w = _module_weights(module)
     if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps, _fused_norm(module))
+        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps, module.kernels.hc_fused_norm)
     streams = hyper_connection_ref.hc_inject(streams, out, weights)
     return (streams, *hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps))
