@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_worker.graph_inputs import InputLayout, Padding, StagedInputs
+from stage_worker.graph_inputs import PAD_LENGTH, PAD_POSITION, InputLayout, Padding, StagedInputs
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import ModelCache
 from stage_worker.model.model import StageModel
@@ -71,11 +71,11 @@ class DecodeGraphs:
         # Padding rows route to no expert (`SparseMoE.valid_rows`): a batch of 9 replayed as 16 would otherwise
         # read the experts of 7 rows nobody wants (expert bytes are most of a decode step's). Off: `graph_skip_padding`.
         self.valid = torch.zeros(1, dtype=torch.int32, device=self.device) if skip_padding else None
+        self.pad = Padding(scratch_slot, scratch_block, self.block_size)
         # Kernel flag `staged_inputs` (graph_inputs.py): the integer inputs in one buffer a graph, one copy a step.
         self.staged = None
         if getattr(getattr(model, "kernel_flags", None), "staged_inputs", False):
-            pad = Padding(scratch_slot, scratch_block, self.block_size)
-            self.staged = StagedInputs(InputLayout(self.sizes[-1], self.max_blocks).nbytes(), pad)
+            self.staged = StagedInputs(InputLayout(self.sizes[-1], self.max_blocks).nbytes(), self.pad)
 
     def capture(self) -> None:
         moes = self.moes
@@ -92,7 +92,7 @@ class DecodeGraphs:
 
     def _static_batch(self, size: int) -> tuple[StepBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device
-        seqs = [([0], 1, self.scratch_slot, [self.scratch_block]) for _ in range(size)]
+        seqs = [([0], PAD_POSITION, self.scratch_slot, [self.scratch_block]) for _ in range(size)]
         batch = StepBatch.build(seqs, self.block_size, dev)
         tables = torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
         if self.staged is not None:                 # views of one buffer, filled as an empty batch pads it
@@ -102,7 +102,7 @@ class DecodeGraphs:
             batch.positions, batch.slot_mapping, slots, lens, _ = layout.views(batch._inputs)
         else:                                       # made now: a lazy copy must not happen inside the capture
             batch.positions, batch.slot_mapping = batch.positions, batch.slot_mapping
-            lens = torch.full((size,), 2, dtype=torch.int32, device=dev)
+            lens = torch.full((size,), PAD_LENGTH, dtype=torch.int32, device=dev)
             slots = torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev)
         batch._tables = (tables, lens)
         batch._slots = slots
@@ -177,10 +177,10 @@ class DecodeGraphs:
             g.lens[:n].copy_(lens, non_blocking=True)
             g.slots[:n].copy_(batch.device_slots(), non_blocking=True)
             if n < g.size:                              # padding entries: scratch slot, scratch block
-                sb.positions[n:].fill_(1)
-                sb.slot_mapping[n:].fill_(self.scratch_block * self.block_size + 1)
+                sb.positions[n:].fill_(PAD_POSITION)
+                sb.slot_mapping[n:].fill_(self.pad.kv_row)
                 g.tables[n:].fill_(self.scratch_block)
-                g.lens[n:].fill_(2)
+                g.lens[n:].fill_(PAD_LENGTH)
                 g.slots[n:].fill_(self.scratch_slot)
         if self.mailbox is not None:                    # the graph copies the rows once the host has them
             self.mailbox.expected.fill_(wait_seq)

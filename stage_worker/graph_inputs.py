@@ -56,7 +56,17 @@ class InputLayout:
         else:
             i64, i32 = (lambda a, b: buf[a:b].view(torch.int64)), (lambda a, b: buf[a:b].view(torch.int32))
         return (i64(0, 8 * n), i64(8 * n, 16 * n), i64(16 * n, 24 * n), i32(self.lens_at, self.lens_at + 4 * n),
-                i32(self.tables_at, self.nbytes(w)).reshape(n, w))
+                self.tables(buf, w))
+
+    def tables(self, buf, width: int):
+        """The block tables [size, width] of a uint8 buffer (numpy or tensor, as `views`)."""
+        part = buf[self.tables_at:self.nbytes(width)]
+        return (part.view(np.int32) if isinstance(buf, np.ndarray) else part.view(torch.int32)).reshape(self.size,
+                                                                                                         width)
+
+
+PAD_POSITION = 1    # a padding row's token: position 1 of the scratch block (context 1: the decode kernels apply)
+PAD_LENGTH = 2      # ... so its context is 2 tokens long after the step
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,10 @@ class Padding:
     scratch_slot: int
     scratch_block: int
     block_size: int
+
+    @property
+    def kv_row(self) -> int:
+        return self.scratch_block * self.block_size + PAD_POSITION
 
 
 def table_width(block_tables: Sequence[np.ndarray]) -> int:
@@ -86,13 +100,13 @@ def pack(buf: np.ndarray, layout: InputLayout, pad: Padding, context_lens: Seque
         tables[i, : len(t)] = t
     tables[n:] = pad.scratch_block
     positions[:n] = ctx
-    positions[n:] = 1
+    positions[n:] = PAD_POSITION
     rows[:n] = tables[np.arange(n), ctx // bs].astype(np.int64) * bs + ctx % bs
-    rows[n:] = pad.scratch_block * bs + 1
+    rows[n:] = pad.kv_row
     slot_ids[:n] = slots
     slot_ids[n:] = pad.scratch_slot
     lens[:n] = ctx + 1
-    lens[n:] = 2
+    lens[n:] = PAD_LENGTH
     return width
 
 
@@ -103,8 +117,7 @@ class StagedInputs:
         self.pad = pad
         self.ring = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(RING)]
         self.arrays = [b.numpy() for b in self.ring]
-        self.done = [torch.cuda.Event() for _ in range(RING)]
-        self.used = [False] * RING
+        self.done = [torch.cuda.Event() for _ in range(RING)]      # (waiting on one never recorded returns)
         self.next = 0
 
     def copy(self, layout: InputLayout, dst: torch.Tensor, tables: torch.Tensor, context_lens: Sequence[int],
@@ -114,11 +127,9 @@ class StagedInputs:
         (past the width: what earlier steps left, read by no one: each row's length bounds its reads)."""
         k = self.next
         self.next = (k + 1) % RING
-        if self.used[k]:
-            self.done[k].synchronize()
+        self.done[k].synchronize()
         width = pack(self.arrays[k], layout, self.pad, context_lens, block_tables, slots)
         nbytes = layout.nbytes(width)
         dst[:nbytes].copy_(self.ring[k][:nbytes], non_blocking=True)
         self.done[k].record()
-        self.used[k] = True
-        tables[:, :width].copy_(layout.views(dst, width)[4])
+        tables[:, :width].copy_(layout.tables(dst, width))
