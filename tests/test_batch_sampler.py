@@ -171,6 +171,34 @@ def test_each_candidate_path_gives_the_per_row_distribution_and_the_same_draws()
     assert bs.sample_rows(logits[: len(sorted_batch)], sorted_batch).tolist()[: len(plain)] == unsorted
 
 
+def test_the_cpu_races_only_the_kept_columns_and_draws_what_the_whole_vocabulary_race_draws(monkeypatch):
+    """On the CPU every row with a top-k races its best W columns (W: the most candidates a row keeps, ties of the
+    k-th value included) with their token ids: the same tokens as racing each row's whole filtered vocabulary, over
+    bf16-rounded logits full of ties, with top-p and min-p on top and a row whose logits are all masked."""
+    from stage_worker.kernels import sample_race_ref
+
+    widths = []
+    compact = bs._compact_candidates
+    monkeypatch.setattr(bs, "_compact_candidates", lambda *a: widths.append(compact(*a)[1].shape[1]) or compact(*a))
+    g = torch.Generator().manual_seed(21)
+    vocab = 600
+    for trial in range(40):
+        n = 1 + trial % 7
+        params = [SamplingParams(temperature=0.4 + 0.3 * (i % 4), top_k=[2, 3, 20, 50][(trial + i) % 4],
+                                 top_p=[1.0, 0.8, 0.3][i % 3], min_p=[0.0, 0.1][(trial + i) % 2]) for i in range(n)]
+        rows = [bs.Row(p, seed=trial * 10 + i, position=trial, history=[]) for i, p in enumerate(params)]
+        logits = (torch.randn(n, vocab, generator=g) * 2).to(torch.bfloat16).float()   # many ties
+        logits[:, :40] = logits[:, :1]                                                 # a tie at the top
+        if trial % 5 == 0:
+            logits[n - 1] = float("-inf")                                              # nothing left: argmax
+        got = bs.sample_rows(logits, rows)
+        adjusted = bs.adjusted_logits(logits, rows)
+        whole = sample_race_ref.sample_race(adjusted.argmax(dim=-1), bs.candidates(adjusted, rows),
+                                            bs._Params.of(rows, vocab, "cpu").keys)
+        assert torch.equal(got, whole), (trial, params)
+    assert len(widths) == 40 and min(widths) >= 1 and max(widths) < vocab, widths
+
+
 def test_the_race_kernel_draws_the_same_tokens(monkeypatch):
     """Kernel flag `sample_race` on (the Triton kernel, here on CPU tensors under the interpreter) or off: the same
     tokens over mixed rows (greedy, temperature, top-k, top-p, min-p, penalties, bias, masks), over plain temperature
