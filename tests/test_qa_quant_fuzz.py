@@ -55,3 +55,41 @@ def test_an_unsupported_scheme_is_refused_naming_a_tensor_it_holds(label, weight
     why = refusal(d)                           # what `moepipe serve` prints before it starts a stage
     assert why is not None and "is not supported" in why
     assert "it holds tensor 'model.layers." in why
+
+
+def test_a_tied_model_s_quantized_embedding_is_not_replaced_by_the_float_lm_head(tmp_path):
+    """llm-compressor quantizing the embedding (an `Embedding` target) of a tied model with lm_head ignored writes
+    the embedding as its parts (`weight_packed`, `weight_scale`) beside a float `lm_head.weight` (seed 3602, case
+    6). Seeing no `model.embed_tokens.weight` in the files, the loader filled the embedding from that lm_head too
+    (the original float values, 3e-3 off transformers' log-probabilities on the decompressed weights); transformers
+    unties them and embeds with the decompressed embedding, and so does moepipe now, on one stage and on two."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    from test_unseen_checkpoints import qwen3_5_moe, written
+
+    written(qwen3_5_moe(hidden_size=32, moe_intermediate_size=16, tie_word_embeddings=True), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    embed = tensors.pop("model.embed_tokens.weight")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Embedding"], weights=args)
+    scale, _ = calculate_qparams(embed.amin(-1, keepdim=True), embed.amax(-1, keepdim=True), args)
+    parts = PackedQuantizationCompressor.compress({"weight": embed, "weight_scale": scale}, scheme)
+    tensors |= {f"model.embed_tokens.{k}": v.contiguous() for k, v in parts.items()}
+    tensors["lm_head.weight"] = embed.clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Embedding"], "weights": args.model_dump(mode="json")}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"].float()
+    assert (want - embed).abs().max() > 1e-3                   # the quantization changed it
+    whole = load_model(tmp_path, LoadOptions(dtype=torch.float32))
+    assert torch.equal(whole.embed_tokens.weight, want)
+    assert torch.equal(whole.lm_head.weight, embed)
+    first, last = (load_model(tmp_path, LoadOptions(start=s, end=e, dtype=torch.float32)) for s, e in ((0, 1), (1, 3)))
+    assert torch.equal(first.embed_tokens.weight, want)
+    assert torch.equal(last.lm_head.weight, embed)

@@ -270,13 +270,16 @@ def _untie_lm_head(pieces: dict[str, list[Piece]], known: set[str], headers: dic
     """tie_word_embeddings with an `lm_head` weight in the files (exporters that write both, an untied fine-tune
     whose config kept the flag): transformers loads that tensor into lm_head (with other values than the embedding
     it does not tie them, with a warning), so lm_head takes it instead of `model.embed_tokens.weight`; with no
-    embedding in the files, the tie fills the embedding from it too. `headers`: the files' `tensor_headers`."""
+    embedding in the files, the tie fills the embedding from it too. A quantized embedding is in the files as its
+    parts (`weight_packed`, `weight_scale`, ...: llm-compressor's Embedding target beside a float lm_head), not
+    `.weight`. `headers`: the files' `tensor_headers`."""
     on_disk = {normalise(n) for n in headers}
     if not any(n.startswith("lm_head.") for n in on_disk):
         return
     known.add("lm_head.weight")
     embed = pieces.pop("model.embed_tokens.weight", [])
-    mine = [p for p in embed if p.local == "lm_head.weight" or "model.embed_tokens.weight" not in on_disk]
+    has_embed = any((_quant_part(n) or ("",))[0] == "model.embed_tokens" for n in on_disk)
+    mine = [p for p in embed if p.local == "lm_head.weight" or not has_embed]
     if mine:
         pieces["lm_head.weight"] = mine
     if len(mine) < len(embed):
