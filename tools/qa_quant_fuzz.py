@@ -360,6 +360,12 @@ def load_refusal(qdir: Path) -> str | None:
     return None
 
 
+def _has_experts(model) -> bool:
+    """The transformers model has routed experts (Qwen3-Next draws none with num_experts 0, mlp_only_layers every
+    layer or decoder_sparse_step past the layers): `--scheme int4-experts` has something to quantize."""
+    return any(".mlp.experts" in name for name, _ in model.named_parameters())
+
+
 def run_case(case: Case, way: str, rng: random.Random, work: Path, serve: bool) -> tuple[str, str, float]:
     """(status, detail, worst error): ok, refused, skipped (transformers / the library cannot make it), tie,
     mismatch, crash."""
@@ -379,6 +385,8 @@ def run_case(case: Case, way: str, rng: random.Random, work: Path, serve: bool) 
             how = library_written(rng, model, qdir, case.family)
     except Exception as exc:  # noqa: BLE001
         detail = "".join(traceback.format_exception_only(exc)).strip()[-500:]
+        if way == "cli" and "names no module" in detail and not _has_experts(model):
+            return "refused", "quantize: " + detail, 0.0      # int4-experts of a model with no routed experts
         # the library refusing its own input (a group size against a width) is not moepipe's to serve
         return ("crash" if way == "cli" else "skipped"), "quantize: " + detail, 0.0
     case.notes.append(how)
