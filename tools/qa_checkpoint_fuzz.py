@@ -162,7 +162,7 @@ def _qwen4(rng: random.Random, kw: dict) -> None:
         kw["output_gate_type"] = "sigmoid"        # transformers' config refuses another gate activation
     layer_types = kw.get("layer_types") or [
         LIN if (i + 1) % kw["full_attention_interval"] else IDX for i in range(kw["num_hidden_layers"])]
-    if IDX in layer_types and rng.random() < 0.8:
+    if IDX in layer_types:         # transformers' indexer fields default to None: it cannot build one without them
         ratio = rng.randint(1, 4)
         factor = kw["rope_parameters"].get("partial_rotary_factor", 1.0)
         rot = int(kw["head_dim"] * factor)
