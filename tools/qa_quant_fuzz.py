@@ -258,6 +258,10 @@ def library_written(rng: random.Random, model, qdir: Path, family: str) -> str:
         (["re:.*hyper_connection.*", "re:.*ple.*"] if family == "qwen4_exp" else [])
     ignore += [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
                and m.weight.numel() == 0]
+    if not any(any(True for _ in match_named_modules(model, g["targets"], ignore)) for g in groups.values()):
+        # groups of modules the model lacks (attention of an all-DeltaNet model, a zero-width shared expert): the
+        # library would write no quantization_config at all and the case would test nothing
+        groups["all_linear"] = {"targets": ["Linear"], "weights": _weights(rng, fmt)}
     for g in groups.values():           # the library's compressor needs whole groups: a size dividing every input
         reached = [m.weight.shape[1] for _, m in match_named_modules(model, g["targets"], ignore)]
         if g["weights"]["strategy"] == "group":
