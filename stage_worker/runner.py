@@ -14,17 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from shared.cluster_config import ClusterConfig
-from shared.protocol import (PLANS_IN_FLIGHT, Activations, IpcActivations, Message, Plan, PleReady, PromptLogprobs,
-                             Sampled, SamplingSpec, StepResult, TokenOut)
-from shared.sampling import SamplingParams
+from shared.protocol import (PLANS_IN_FLIGHT, Activations, IpcActivations, Message, Plan, PleReady, Sampled,
+                             StepResult, TokenOut)
 from stage_worker.model.batch import BlockTable, StepBatch
 from stage_worker.model.cache import CacheSpec
 from stage_worker.model.model import StageModel
-from shared.token_mask import apply_mask
 from stage_worker.expert_offload import gates, round_decay
 from stage_worker.model.expert_table import counted_tokens
 from stage_worker.readback import CounterReadback
@@ -32,10 +29,7 @@ from stage_worker.host_copy import to_device, to_host
 from stage_worker.ple_decode_rows import DecodeRowGather, PleMailbox
 from stage_worker.profiling import phase
 from stage_worker.stream_wait import StreamWait
-from stage_worker.batch_sampler import Row, TokenCounts, row_logprobs, sample_rows, uses_penalties
-from stage_worker.sampler import (apply_ban, apply_logit_bias, apply_penalties, position_generator, sample,
-                                  token_logprobs)
-
+from stage_worker.step_sampling import HostCopy, ReqState, StepSampler
 
 log = logging.getLogger("moepipe.stage")
 
@@ -66,19 +60,6 @@ class _Prepared:
 
 
 @dataclass
-class _HostCopy:
-    """A step's sampled tokens (and asked-for logprobs) on their way to the host: queued copies into pinned memory,
-    done when `event` is. `device` keeps the tokens on the device, where the next step of a single-stage pipeline
-    reads its input ids (launch-ahead)."""
-    device: torch.Tensor                    # [R] int64, one row per sampled entry
-    tokens: torch.Tensor                    # host [R]
-    rows: list[tuple[int, "_ReqState"]]     # (index in the step's TokenOuts, request) of each row
-    logprobs: tuple | None = None           # host (picked [W], values [W, top], ids [W, top]) of the `want` rows
-    want: list[int] = field(default_factory=list)
-    event: object | None = None             # torch.cuda.Event on a GPU; None on the CPU (already there)
-
-
-@dataclass
 class _Launched:
     """A step whose work is queued on the device; `StageRunner.finish` waits for it and says what goes where."""
     plan: Plan
@@ -88,7 +69,7 @@ class _Launched:
     start: float
     arrived: float | None = None            # when the activations arrived (other stages' transfer metric)
     outs: list[TokenOut] | None = None      # last stage: the step's tokens, complete once `copy` is on the host
-    copy: _HostCopy | None = None
+    copy: HostCopy | None = None
     hidden: torch.Tensor | None = None      # other stages: the activations for the next one
     sent: object | None = None              # ... handed over at launch by CUDA IPC: the event after the slot's write
     copied: object | None = None            # ... else, across stages: the event after their copies to the host
@@ -134,18 +115,6 @@ def across_stages(cluster: ClusterConfig, ple_layers: list[int]) -> bool:
             and c.stage_spin_wait and c.device_sampling and any(first.start <= i < first.end for i in ple_layers))
 
 
-# Prompt logprobs (echo) take the log-softmax of this many rows at a time (`_sample_step`).
-ECHO_ROWS = 256
-
-
-@dataclass
-class _ReqState:
-    spec: SamplingSpec
-    params: SamplingParams
-    history: list[int] = field(default_factory=list)
-    counted_slot: int | None = None     # the TokenCounts row holding this request's counts, once set up
-
-
 class StageRunner:
     def __init__(self, model: StageModel, cluster: ClusterConfig, index: int, ring=None) -> None:
         self.model, self.cluster, self.index = model, cluster, index
@@ -175,14 +144,15 @@ class StageRunner:
         self.arrived: dict[int, float] = {}      # wall clock each step's activations arrived (transfer metric)
         self.ple: dict[int, PleReady] = {}
         self.next_tokens: dict[tuple[str, int], int] = {}
-        self.requests: dict[str, _ReqState] = {}
+        self.requests: dict[str, ReqState] = {}
         # Requests that ended while plans in flight held them (`Plan.cancelled`), until they come in `finished`: a
         # step of theirs alone is skipped, not computed (a cancelled 21k-token prompt's chunks in flight held the
         # pipeline 6.6 s after its client left).
         self.cancelled: set[str] = set()
         self.skipped_steps = 0
         self.tables: dict[str, BlockTable] = {}   # each request's KV block table, grown by its entries' new_blocks
-        self.counts: TokenCounts | None = None    # penalties' token counts per slot (device sampling), on first use
+        # the last stage's sampler of a step's logits (step_sampling.py); it holds the penalties' token counts
+        self.sampler = StepSampler(cluster, index, self._race_kernel, self._settle_launched) if self.is_last else None
         self.launched: list[_Launched] = []       # steps queued on the device, oldest first
         # `cuda_ipc_activations` (stage_worker/ipc_activations.py): the stage worker sets both; `send_now` sends an
         # Outgoing at once, from `launch`.
@@ -379,13 +349,7 @@ class StageRunner:
                 del self._drawn_by[key]
         if self.is_last:
             for spec in plan.new_requests:
-                params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                        min_p=spec.min_p, presence_penalty=spec.presence_penalty,
-                                        frequency_penalty=spec.frequency_penalty,
-                                        repetition_penalty=spec.repetition_penalty, seed=spec.seed,
-                                        logprobs=spec.logprobs, logit_bias=spec.logit_bias,
-                                        min_tokens=spec.min_tokens)
-                self.requests[spec.req_id] = _ReqState(spec, params, list(spec.output_ids))
+                self.requests[spec.req_id] = ReqState.of(spec)
         if plan.entries:
             # Everything but the ids of decode tokens is known now: positions, KV rows, slots, logits rows. The ids
             # (from the previous stage's activations, or on stage 0 the last stage's Sampled) are filled in later.
@@ -786,7 +750,7 @@ class StageRunner:
                 if not self.is_last:
                     self._drawn_by[key] = plan.step     # an earlier step's Sampled for it is stale (`on_message`)
 
-    def _states(self, plan: Plan) -> dict[str, _ReqState | None]:
+    def _states(self, plan: Plan) -> dict[str, ReqState | None]:
         """The sampling state of each of the step's requests as its launch sees it, for its tail. The tail may run
         after later messages (`ple_sample_after_rows`): a plan that drops the step and ends its requests
         (`finished`: the tail failed "no sampling parameters", a second StageError for a step the core had already
@@ -795,10 +759,10 @@ class StageRunner:
         return {e.req_id: self.requests.get(e.req_id) for e in plan.entries}
 
     def _sample_launched(self, launched: _Launched, logits: torch.Tensor,
-                         states: dict[str, _ReqState | None]) -> None:
+                         states: dict[str, ReqState | None]) -> None:
         """The last stage's tail of a launched step: its sampler queued behind the forward, and (one stage) its tokens
         noted as the next step's device feed. `states`: its requests' sampling state at its launch (`_states`)."""
-        launched.outs, launched.copy = self._sample(launched.plan, launched.batch, logits, states)
+        launched.outs, launched.copy = self.sampler.sample(launched.plan, launched.batch, logits, states)
         if self.feed_from_device and launched.copy is not None and not launched.dropped:
             for row, (i, _) in enumerate(launched.copy.rows):
                 out = launched.outs[i]
@@ -1071,21 +1035,12 @@ class StageRunner:
 
     def _settle(self, launched: _Launched) -> None:
         """The step's tokens are on the host: fill its TokenOuts and the requests' histories (once)."""
-        copy = launched.copy
-        if copy.event is not None:
-            copy.event.synchronize()
-        launched.copy = None
-        tokens = copy.tokens.tolist()
-        outs = launched.outs
-        for (i, state), token in zip(copy.rows, tokens):
-            state.history.append(token)
-            outs[i].token = token
-        if copy.logprobs is not None:
-            lp, vals, ids = (t.tolist() for t in copy.logprobs)
-            for j, b in enumerate(copy.want):
-                i, state = copy.rows[b]
-                k = state.params.logprobs
-                outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = lp[j], ids[j][:k], vals[j][:k]
+        copy, launched.copy = launched.copy, None
+        copy.settle(launched.outs)
+
+    def _race_kernel(self) -> bool:
+        """Kernel flag `sample_race` of the stage's model, for the device sampler's draw."""
+        return getattr(getattr(self.model, "kernel_flags", None), "sample_race", False)
 
     def _settle_launched(self) -> None:
         """Wait for every launched step's tokens (a path about to read the requests' histories needs them all)."""
@@ -1100,107 +1055,6 @@ class StageRunner:
         if not self.graphs.graphs:
             self.graphs.capture()
         return self.graphs.fits(batch)
-
-    def _sample(self, plan: Plan, batch: StepBatch, logits: torch.Tensor,
-                requests: dict[str, _ReqState | None]) -> tuple[list[TokenOut], _HostCopy | None]:
-        """The step's TokenOuts, and the copy that completes them (None: complete already). `requests`: the
-        sampling state of the step's requests as its launch saw it (`_states`)."""
-        with phase("stage.sample"):
-            return self._sample_step(plan, batch, logits, requests)
-
-    def _sample_step(self, plan: Plan, batch: StepBatch, logits: torch.Tensor,
-                     requests: dict[str, _ReqState | None]) -> tuple[list[TokenOut], _HostCopy | None]:
-        logits = logits.float()
-        outs: list[TokenOut] = []
-        drawn = []                      # (index in outs, entry, request state, raw logits row) of sampled rows
-        row = 0
-        echo = any(e.prompt_logprobs for e in plan.entries)     # only then are the fed ids needed on the host
-        fed = _split(batch.token_ids.tolist(), [x.num_tokens for x in plan.entries]) if echo \
-            else [None] * len(plan.entries)
-        for e, toks in zip(plan.entries, fed):
-            n_rows = e.num_tokens if e.prompt_logprobs else (1 if e.sample else 0)
-            rows = logits[row: row + n_rows]
-            row += n_rows
-            prompt_lps = None
-            if e.prompt_logprobs:
-                targets = toks[1:] + ([e.next_token] if e.next_token is not None else [])
-                st = requests.get(e.req_id)
-                prompt_lps = prompt_logprobs(rows, targets, st.spec.prompt_logprobs if st is not None else 0)
-            if not e.sample:
-                outs.append(TokenOut(req_id=e.req_id, position=-1, token=-1, prompt_logprobs=prompt_lps))
-                continue
-            state = requests.get(e.req_id)
-            if state is None:
-                raise RuntimeError(f"no sampling parameters for request {e.req_id}")
-            drawn.append((len(outs), e, state, rows[-1]))
-            outs.append(TokenOut(req_id=e.req_id, position=e.context_len + e.num_tokens, token=-1,
-                                 prompt_logprobs=prompt_lps))
-        if not drawn:
-            return outs, None
-        if self.cluster.device_sampling:
-            try:
-                return outs, self._sample_batched(drawn, outs, None if echo else logits)
-            except Exception as exc:   # sample row by row instead: a failure then fails its own request only
-                log.warning("stage %d: batched sampling failed (%s: %s); sampling this step row by row",
-                            self.index, type(exc).__name__, exc)
-                for _, _, state, _ in drawn:
-                    state.counted_slot = None  # its device counts may have taken the abandoned draw: rebuild
-        self._settle_launched()                # the per-row path reads the histories: complete them first
-        for i, e, state, raw in drawn:
-            try:
-                token = self._sample_row(raw, state, e.allowed, outs[i].position,
-                                         _banned(state.spec, outs[i].position))
-                if state.params.logprobs is not None:
-                    outs[i].logprob, outs[i].top_ids, outs[i].top_logprobs = token_logprobs(raw, token,
-                                                                                         state.params.logprobs)
-            except Exception as exc:   # one request's parameters must not fail the step's other requests
-                log.warning("stage %d: request %s failed sampling: %s: %s", self.index, e.req_id,
-                            type(exc).__name__, exc)
-                outs[i].error = "sampling failed for this request's parameters"   # (the detail: logged above)
-                continue
-            state.history.append(token)
-            outs[i].token = token
-        return outs, None
-
-    def _sample_batched(self, drawn: list, outs: list[TokenOut], logits: torch.Tensor | None) -> _HostCopy:
-        """All of a step's rows on the device: penalties from per-slot token counts; the tokens (and the logprobs,
-        when asked) leave for the host by queued copies, which `finish` waits for."""
-        # `logits` (no entry echoes its prompt): one row per sampling entry, in order, so no stack to copy them.
-        raw = logits if logits is not None else torch.stack([r for *_, r in drawn])
-        if self.counts is None and any(uses_penalties(st.params) for _, _, st, _ in drawn):
-            self.counts = TokenCounts(self.cluster.max_num_seqs + 1, raw.shape[-1], raw.device)
-        specs = []
-        for i, e, st, _ in drawn:
-            if self.counts is not None and uses_penalties(st.params) and st.counted_slot != e.slot:
-                self._settle_launched()             # the counts start from the whole history: complete it first
-                self.counts.reset(e.slot, st.spec.prompt_ids, st.history)   # first sample here, or after preemption
-                st.counted_slot = e.slot
-            specs.append(Row(st.params, st.params.seed or 0, outs[i].position, st.history, st.spec.prompt_ids,
-                             e.allowed, slot=e.slot if self.counts is not None else None,
-                             banned=_banned(st.spec, outs[i].position)))
-        sampled = sample_rows(raw, specs, self.counts,
-                              race_kernel=getattr(getattr(self.model, "kernel_flags", None), "sample_race", False))
-        copy = _HostCopy(device=sampled, tokens=to_host(sampled), rows=[(i, st) for i, _, st, _ in drawn])
-        want = [b for b, (_, _, st, _) in enumerate(drawn) if st.params.logprobs is not None]
-        if want:
-            top = max(drawn[b][2].params.logprobs for b in want)
-            idx = to_device(want, torch.long, raw.device)
-            copy.logprobs = tuple(to_host(t) for t in row_logprobs(raw[idx], sampled[idx], top))
-            copy.want = want
-        if raw.is_cuda:
-            copy.event = torch.cuda.Event()
-            copy.event.record()
-        return copy
-
-    @staticmethod
-    def _sample_row(raw: torch.Tensor, state, allowed: bytes | None, position: int,
-                    banned: list[int] | None = None) -> int:
-        """The per-row path (`device_sampling` off): bias, penalties, min_tokens' ban, mask, then a CPU generator's
-        draw."""
-        biased = apply_logit_bias(raw, state.params.logit_bias)     # the grammar mask still wins over a bias
-        penalised = apply_ban(apply_penalties(biased, state.params, state.history, state.spec.prompt_ids), banned)
-        adjusted = apply_mask(penalised, allowed)
-        return sample(adjusted, state.params, position_generator(state.params.seed or 0, position))
 
     def stats(self) -> dict[str, float]:
         out = {"busy_seconds": self.busy_seconds, "steps": float(self.steps),
@@ -1226,49 +1080,3 @@ class StageRunner:
                 out["kv_row_cache_hits"], out["kv_row_cache_lookups"] = map(float, self.row_cache_reads.last)
         return out
 
-
-def _banned(spec: SamplingSpec, position: int) -> list[int] | None:
-    """The ids the token at `position` may not be: min_tokens' stop ids while fewer than min_tokens are generated
-    (the prompt is positions 0 .. len - 1; a preempted request keeps its positions)."""
-    if spec.min_tokens and position - len(spec.prompt_ids) < spec.min_tokens:
-        return spec.min_tokens_ban
-    return None
-
-
-def prompt_logprobs(rows: torch.Tensor, targets: list[int], top: int) -> PromptLogprobs:
-    """Row i of `rows` (raw logits, one per fed token) scores `targets[i]`, the prompt token after it: its logprob
-    and rank under the fp32 log_softmax, and the `top` most likely tokens (rows past the targets are not read)."""
-    n = len(targets)
-    k = min(max(top, 0), rows.shape[-1])
-    if n == 0:
-        return PromptLogprobs(top=k)
-    idx = torch.tensor(targets, dtype=torch.long, device=rows.device)[:, None]
-    picked, ranks, vals, ids = [], [], [], []
-    # a slice of rows at a time: the log-softmax of a whole 2048-token chunk would be another [tokens, vocab] fp32
-    # tensor beside the logits (1.2 GB at the full shape), which the plan's reserve does not hold; rows are
-    # independent, so the values are the same
-    for a in range(0, n, ECHO_ROWS):
-        b = min(n, a + ECHO_ROWS)
-        lp = torch.log_softmax(rows[a:b].float(), dim=-1)
-        p = lp.gather(1, idx[a:b])
-        picked.append(p[:, 0])
-        ranks.append((lp >= p).sum(dim=-1, dtype=torch.int32))   # vLLM's rank: ties count against the token
-        if k:
-            v, i = torch.topk(lp, k, dim=-1)
-            vals.append(v)
-            ids.append(i.to(torch.int32))
-    out = [torch.cat(picked), torch.cat(ranks)]
-    if k:
-        out += [torch.cat(vals), torch.cat(ids)]
-    host = [t.cpu().numpy() for t in out]          # one read-back of each, not one a token
-    if not k:
-        host += [np.zeros((n, 0)), np.zeros((n, 0))]
-    return PromptLogprobs.build(host[0], host[1], host[3], host[2])
-
-
-def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:
-    out, start = [], 0
-    for n in sizes:
-        out.append(ids[start:start + n])
-        start += n
-    return out

@@ -135,10 +135,10 @@ def test_tokens_do_not_depend_on_stages_chunks_or_preemption(tiny_checkpoint, re
     # that need up to 4 blocks each: the scheduler must chunk prompts and preempt requests to finish them all.
     # With plan-ahead off too (its switch serves the same tokens). Without the prefix cache, which would spare blocks
     # on the prompts' common prefixes (tests/test_prefix_cache.py preempts with it). Prompt logprobs in slices of
-    # 3 rows (`runner.ECHO_ROWS`): the same values as the reference's.
-    from stage_worker import runner
+    # 3 rows (`step_sampling.ECHO_ROWS`): the same values as the reference's.
+    from stage_worker import step_sampling
 
-    monkeypatch.setattr(runner, "ECHO_ROWS", 3)
+    monkeypatch.setattr(step_sampling, "ECHO_ROWS", 3)
     core = local_engine_core(tiny_checkpoint, stages=3, max_model_len=128, max_num_seqs=8,
                              max_num_batched_tokens=8, num_blocks=8, block_size=16, async_scheduling=plan_ahead,
                              enable_prefix_caching=False)

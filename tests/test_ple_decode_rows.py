@@ -13,6 +13,7 @@ from shared.cluster_config import ClusterConfig, StageSpec
 from shared.model_config import load_config
 from shared.protocol import Plan, PleReady, SamplingSpec, SeqEntry
 from stage_worker.checkpoint.loader import load_model
+from stage_worker import step_sampling
 from stage_worker.ple_decode_rows import PleMailbox
 from stage_worker.runner import StageRunner
 
@@ -317,14 +318,14 @@ def test_a_row_that_failed_sampling_reaches_stage_0_and_the_service_as_token_0(t
     error."""
     cluster = _cluster(tiny_checkpoint, tmp_path, device_sampling=False)
     svc = PleService(tiny_checkpoint, load_config(tiny_checkpoint), cluster)
-    real = StageRunner._sample_row
+    real = step_sampling.sample_row
 
     def sample_row(raw, state, allowed, position, banned=None):
         if state.spec.req_id == "b":
             raise ValueError("bad parameters")
         return real(raw, state, allowed, position, banned)
 
-    monkeypatch.setattr(StageRunner, "_sample_row", staticmethod(sample_row))
+    monkeypatch.setattr(step_sampling, "sample_row", sample_row)
     try:
         runner = StageRunner(load_model(tiny_checkpoint), cluster, 0, svc.ring)
         out = {o.to: o.message for o in _prefill(runner, svc)}

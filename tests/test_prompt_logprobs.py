@@ -81,14 +81,14 @@ def test_engine_prompt_logprobs_equal_a_full_forward_over_chunks_and_a_warm_pref
                              block_size=16, prefix_cache_states=4)
     last = core.executor.runners[-1]
     rows_seen: list[tuple[int, int]] = []          # (logits rows, rows the plan asked for) of every step
-    sample_step = last._sample_step
+    sample_step = last.sampler.sample
 
     def spy(plan, batch, logits, requests):
         rows_seen.append((logits.shape[0], sum(e.num_tokens if e.prompt_logprobs else int(e.sample)
                                                for e in plan.entries)))
         return sample_step(plan, batch, logits, requests)
 
-    last._sample_step = spy
+    last.sampler.sample = spy
     try:
         def params(**kw):
             return SamplingParams(max_tokens=2, temperature=0.0, **kw).with_defaults(gen)

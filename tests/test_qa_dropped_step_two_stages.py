@@ -92,13 +92,13 @@ class _Two:
                 real_launch(plan)
                 self.log.append(f"stage {i} launches {plan.step}")
             r.launch = launch
-        real_sample = self.stages[1]._sample
+        real_sample = self.stages[1].sampler.sample
 
         def sample(plan, batch, logits, requests):
             if plan.step in fail_sample1:
                 raise RuntimeError(f"step {plan.step}: injected sampler failure")
             return real_sample(plan, batch, logits, requests)
-        self.stages[1]._sample = sample
+        self.stages[1].sampler.sample = sample
         self.ex = _Executor()
         self.core = EngineCore(self.ex, SchedulerLimits.from_cluster(cluster, 4096))
         self.acts: deque = deque()          # stage 0 -> stage 1

@@ -149,14 +149,14 @@ class _Run:
         self.failed: list[int] = []
         self.log: list[str] = []
         self.sampled_early: list[tuple[int, int, int]] = []   # (step, rows it waits for, flag) sampled before them
-        real_launch, real_expect, real_sample = runner.launch, runner._expect_rows, runner._sample
+        real_launch, real_expect, real_sample = runner.launch, runner._expect_rows, runner.sampler.sample
 
         def sample(plan, batch, logits, requests):      # on the GPU: a sampler queued behind a graph still spinning
             seq, flag = self.waits.get(plan.step), int(runner.ple_mailbox.flag[0])
             if seq is not None and flag < seq:
                 self.sampled_early.append((plan.step, seq, flag))
             return real_sample(plan, batch, logits, requests)
-        runner._sample = sample
+        runner.sampler.sample = sample
 
         def expect_rows(plan, prepared):      # (the CPU path computes in `launch`: no `ple_wait` is noted there)
             self.waits[plan.step] = seq = real_expect(plan, prepared)

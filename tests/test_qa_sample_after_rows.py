@@ -59,7 +59,7 @@ def test_a_dropped_step_sampled_after_its_request_was_replanned_leaves_the_new_s
                                                                                           tmp_path):
     """The core requeues its running requests (`requeue_running`: a component was lost and came back): steps 0 and
     1 dropped, "a" ended on the stages and planned again from its prompt and outputs (`new_requests`: a fresh
-    `_ReqState`). If that replan arrives while step 1's sampler waits for its rows, the tail sampled with the new
+    `ReqState`). If that replan arrives while step 1's sampler waits for its rows, the tail sampled with the new
     state: the dropped step's token went into the replanned request's history and its penalty counts."""
     runner = _two_launched(tiny_checkpoint, tmp_path)
     n = len(PROMPT)
@@ -83,7 +83,7 @@ def test_a_deferred_sampler_keeps_the_batched_path(tiny_checkpoint, tmp_path, ca
     made inside a launch, are inference tensors: their in-place update there raised, so every deferred step of a
     request with penalties fell back to the row-by-row sampler (host waits for the device, a warning a step)."""
     runner = _two_launched(tiny_checkpoint, tmp_path)
-    assert runner.counts is not None                  # step 0's sampler, in its launch, made them
+    assert runner.sampler.counts is not None          # step 0's sampler, in its launch, made them
     runner.finish()
     with caplog.at_level("WARNING", logger="moepipe.stage"):
         runner.queue_samplers()                       # as stage_worker/main.py, outside inference mode

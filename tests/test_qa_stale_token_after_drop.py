@@ -73,7 +73,7 @@ class _DropRun(_Run):
         self.route_first = route_first          # `finish`'s Sampled for stage 0 back to it, as InProcessExecutor
         self.model = runner.model = _DrawModel(runner.model.real, rng)
         self.kept: set[int] = set()
-        real_launch, real_sample = runner.launch, runner._sample
+        real_launch, real_sample = runner.launch, runner.sampler.sample
 
         def launch(plan):
             if plan.step in fail_launch:
@@ -86,7 +86,7 @@ class _DropRun(_Run):
             if plan.step in fail_sample:
                 raise RuntimeError(f"step {plan.step}: injected sampler failure")
             return real_sample(plan, batch, logits, requests)
-        runner._sample = sample
+        runner.sampler.sample = sample
 
         real_on_result = self.core._on_result
 
