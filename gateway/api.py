@@ -84,6 +84,8 @@ class _Piece:
     text: str
     tokens: list[_Token] = field(default_factory=list)
     finish_reason: str | None = None
+    # every id this piece generated (vLLM's `return_token_ids`): a stop token's and those of a stop string too
+    ids: list[int] = field(default_factory=list)
 
 
 class _Generation:
@@ -167,7 +169,7 @@ class _Generation:
             return _Piece("", finish_reason="length")
         self.completion_tokens += 1
         self.timer.token(event=event)
-        piece = _Piece("")
+        piece = _Piece("", ids=[event.token_id])
         is_stop_token = event.finish_reason == "stop" and event.token_id in self.request.stop_token_ids
         if not is_stop_token:
             if self.want_logprobs:
@@ -497,20 +499,32 @@ class _Server:
             cached = self._token_text[token_id] = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
         return cached
 
-    def chat_logprobs(self, tokens: list[_Token]) -> ChatLogprobs:
+    def logprob_token(self, token_id: int, as_id: bool) -> str:
+        """A token's name in logprobs: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:{id}"."""
+        return f"token_id:{int(token_id)}" if as_id else self.token_text(token_id)[0]
+
+    def chat_logprobs(self, tokens: list[_Token], as_ids: bool = False) -> ChatLogprobs:
+        """`as_ids` (vLLM's `return_tokens_as_token_ids`): every `token` is "token_id:{id}"; the sampled token's
+        `bytes` stay its own bytes, an alternative's are those of its "token_id:{id}" string (vLLM's choice)."""
         content = []
         for t in tokens:
             text, raw = self.token_text(t.token_id)
-            top = [TopLogprob(token=self.token_text(i)[0], logprob=_lp(lp), bytes=self.token_text(i)[1])
-                   for i, lp in (t.top or [])]
-            content.append(ChatTokenLogprob(token=text, logprob=_lp(t.logprob), bytes=raw, top_logprobs=top))
+            top = []
+            for i, lp in t.top or []:
+                name = self.logprob_token(i, as_ids)
+                top.append(TopLogprob(token=name, logprob=_lp(lp),
+                                      bytes=list(name.encode()) if as_ids else self.token_text(i)[1]))
+            content.append(ChatTokenLogprob(token=self.logprob_token(t.token_id, as_ids), logprob=_lp(t.logprob),
+                                            bytes=raw, top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def completion_logprobs(self, tokens: list[_Token]) -> CompletionLogprobs:
+    def completion_logprobs(self, tokens: list[_Token], as_ids: bool = False) -> CompletionLogprobs:
+        """`as_ids`: tokens and the top_logprobs keys are "token_id:{id}"; `text_offset` stays the offset in the
+        text (vLLM's counts the "token_id:{id}" strings' lengths, which point nowhere in it)."""
         out = CompletionLogprobs()
         for t in tokens:
-            text = self.token_text(t.token_id)[0]
-            top = {self.token_text(i)[0]: _lp(lp) for i, lp in (t.top or [])}
+            text = self.logprob_token(t.token_id, as_ids)
+            top = {self.logprob_token(i, as_ids): _lp(lp) for i, lp in (t.top or [])}
             top.setdefault(text, _lp(t.logprob))        # OpenAI: the sampled token is always among them
             out.tokens.append(text)
             out.token_logprobs.append(_lp(t.logprob))
@@ -518,7 +532,8 @@ class _Server:
             out.text_offset.append(t.offset)
         return out
 
-    def echo_logprobs(self, prompt_ids: list[int], lps: PromptLogprobs | None, top: int) -> CompletionLogprobs:
+    def echo_logprobs(self, prompt_ids: list[int], lps: PromptLogprobs | None, top: int,
+                      as_ids: bool = False) -> CompletionLogprobs:
         """Echoed prompt tokens as OpenAI's legacy completions gave them: the first token's logprob and
         top_logprobs null; every later one's logprob given its prefix, and its `top` most likely tokens there plus
         itself (as for generated tokens)."""
@@ -526,7 +541,7 @@ class _Server:
         detok, offset = IncrementalDetokenizer(self.tok, skip_special_tokens=False), 0
         rows = _rows(lps, len(prompt_ids))
         for pos, tid in enumerate(prompt_ids):
-            text = self.token_text(tid)[0]
+            text = self.logprob_token(tid, as_ids)
             out.tokens.append(text)
             row = rows[pos]
             if row is None:
@@ -534,7 +549,7 @@ class _Server:
                 out.top_logprobs.append(None)
             else:
                 lp, _, ids, vals = row
-                alternatives = {self.token_text(i)[0]: _lp(v) for i, v in zip(ids[:top], vals[:top])}
+                alternatives = {self.logprob_token(i, as_ids): _lp(v) for i, v in zip(ids[:top], vals[:top])}
                 alternatives.setdefault(text, _lp(lp))
                 out.token_logprobs.append(_lp(lp))
                 out.top_logprobs.append(alternatives)
@@ -941,12 +956,14 @@ def _parses(plan: ChatPlan) -> bool:
     return plan.reasoning != "off" or plan.tool_names is not None
 
 
-async def _collect(gen: _Generation) -> tuple[str, list[_Token]]:
-    texts, tokens = [gen.echo or ""], []
+async def _collect(gen: _Generation) -> tuple[str, list[_Token], list[int]]:
+    """The choice's text, its logprobs tokens and every id it generated."""
+    texts, tokens, ids = [gen.echo or ""], [], []
     async for piece in gen.pieces():
         texts.append(piece.text)
         tokens.extend(piece.tokens)
-    return "".join(texts), tokens
+        ids.extend(piece.ids)
+    return "".join(texts), tokens, ids
 
 
 def _vllm_prompt_logprobs(srv: _Server, req: ChatCompletionRequest | CompletionRequest,
@@ -962,7 +979,7 @@ async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Gener
     echo = _chat_echo(req)
 
     async def one(gen: _Generation) -> ChatChoice:
-        text, tokens = await _collect(gen)
+        text, tokens, ids = await _collect(gen)
         finish = gen.finish_reason
         message = ChatResponseMessage(content=text)
         if _parses(plan):
@@ -980,24 +997,27 @@ async def _chat_full(srv: _Server, req: ChatCompletionRequest, gens: list[_Gener
         if echo:
             message.content = echo + (message.content or "")
         return ChatChoice(index=gen.index, message=message, finish_reason=finish,
-                          logprobs=srv.chat_logprobs(tokens) if gen.want_logprobs else None)
+                          logprobs=srv.chat_logprobs(tokens, _as_ids(req)) if gen.want_logprobs else None,
+                          token_ids=ids if req.return_token_ids else None)
 
     choices = await _all([one(g) for g in gens])
     return ChatCompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
-                                  usage=_usage(gens),
-                                  prompt_logprobs=_vllm_prompt_logprobs(srv, req, gens[0])).model_dump()
+                                  usage=_usage(gens), prompt_logprobs=_vllm_prompt_logprobs(srv, req, gens[0]),
+                                  prompt_token_ids=_prompt_ids(req, gens[0])).model_dump()
 
 
 async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Generation], rid: str) -> dict:
     async def one(gen: _Generation) -> CompletionChoice:
-        text, tokens = await _collect(gen)
+        text, tokens, ids = await _collect(gen)
         logprobs = None
         if gen.want_logprobs:
-            logprobs = srv.completion_logprobs(tokens)
+            logprobs = srv.completion_logprobs(tokens, _as_ids(req))
             if gen.echo is not None:
                 logprobs = _join(_echo_logprobs(srv, req, gen), logprobs)
         return CompletionChoice(index=gen.index, text=text, logprobs=logprobs, finish_reason=gen.finish_reason,
-                                prompt_logprobs=_vllm_prompt_logprobs(srv, req, gen))
+                                prompt_logprobs=_vllm_prompt_logprobs(srv, req, gen),
+                                prompt_token_ids=_prompt_ids(req, gen),
+                                token_ids=ids if req.return_token_ids else None)
 
     choices = await _all([one(g) for g in gens])
     return CompletionResponse(id=rid, created=int(time.time()), model=srv.model_name, choices=choices,
@@ -1005,7 +1025,18 @@ async def _completion_full(srv: _Server, req: CompletionRequest, gens: list[_Gen
 
 
 def _echo_logprobs(srv: _Server, req: CompletionRequest, gen: _Generation) -> CompletionLogprobs:
-    return srv.echo_logprobs(gen.request.prompt_ids, gen.prompt_lps, req.logprobs or 0)
+    return srv.echo_logprobs(gen.request.prompt_ids, gen.prompt_lps, req.logprobs or 0, _as_ids(req))
+
+
+def _as_ids(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """vLLM's `return_tokens_as_token_ids`: logprobs name tokens "token_id:{id}"."""
+    return bool(req.return_tokens_as_token_ids)
+
+
+def _prompt_ids(req: ChatCompletionRequest | CompletionRequest, gen: _Generation) -> list[int] | None:
+    """vLLM's `prompt_token_ids` (with `return_token_ids`): the ids the model was given (after truncation, in the
+    fill-in-the-middle form for a completion with a suffix); None (left out) otherwise."""
+    return list(gen.request.prompt_ids) if req.return_token_ids else None
 
 
 def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -1070,12 +1101,23 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
     echo = _chat_echo(req)
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
+        # vLLM's return_token_ids: each chunk of the reply carries the ids generated since the previous one (ids
+        # whose text is held back, by a stop string or the output parser, ride with the next chunk: the chunks are
+        # the ones sent without the flag; the finish chunk carries what is left)
+        pending: list[int] = []
+
         def chunk(delta: DeltaMessage, tokens: list[_Token] | None = None, finish: str | None = None,
-                  prompt_lps: PromptLogprobsList | None = None) -> str:
-            logprobs = srv.chat_logprobs(tokens) if gen.want_logprobs and tokens is not None else None
+                  prompt_lps: PromptLogprobsList | None = None, reply: bool = True,
+                  prompt_ids: list[int] | None = None) -> str:
+            logprobs = srv.chat_logprobs(tokens, _as_ids(req)) if gen.want_logprobs and tokens is not None else None
+            ids = None
+            if req.return_token_ids and reply:
+                ids = list(pending)
+                pending.clear()
             c = ChatCompletionChunk(id=rid, created=created, model=srv.model_name,
                                     choices=[ChatChunkChoice(index=gen.index, delta=delta, logprobs=logprobs,
-                                                             finish_reason=finish)], prompt_logprobs=prompt_lps,
+                                                             finish_reason=finish, token_ids=ids)],
+                                    prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
                                     usage=gen.usage_so_far() if req.continuous_usage else None)
             return _sse(c.model_dump_json(exclude=exclude))
 
@@ -1085,13 +1127,17 @@ def _chat_stream(srv: _Server, req: ChatCompletionRequest, gens: list[_Generatio
         # non-streamed one is null. If it ends with neither text nor a call, its finish chunk says "".
         calls_possible = parser is not None and plan.tool_names is not None
         # the prompt's logprobs (vLLM's prompt_logprobs) ride on the first choice's first chunk
+        # (and vLLM's prompt_token_ids on every choice's first chunk, as vLLM sends them)
         yield chunk(DeltaMessage(role="assistant", content=None if calls_possible else ""),
-                    prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None)
+                    prompt_lps=_vllm_prompt_logprobs(srv, req, gen) if gen is gens[0] else None, reply=False,
+                    prompt_ids=_prompt_ids(req, gen))
         if echo:
-            yield chunk(DeltaMessage(content=echo))
+            yield chunk(DeltaMessage(content=echo), reply=False)
         called, said = False, bool(echo)        # said: some chunk carried content
         sent_logprobs = False
-        async for text, tokens, finish in _coalesce(gen):
+        async for text, tokens, ids, finish in _coalesce(gen):
+            if req.return_token_ids:
+                pending.extend(ids)
             if parser is None:
                 if text or tokens:
                     yield chunk(DeltaMessage(content=text), tokens)
@@ -1131,11 +1177,22 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
     exclude = None if req.include_usage else {"usage"}
 
     async def one(gen: _Generation) -> AsyncIterator[str]:
+        # vLLM's return_token_ids: the prompt's ids on the choice's first chunk, and on each chunk the ids generated
+        # since the previous one (held-back text's ids ride with the chunk that shows it, the rest with the finish)
+        pending: list[int] = []
+        first = [True]
+
         def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
                   prompt_lps: PromptLogprobsList | None = None) -> str:
+            ids = prompt_ids = None
+            if req.return_token_ids:
+                ids, prompt_ids = list(pending), _prompt_ids(req, gen) if first[0] else None
+                pending.clear()
+            first[0] = False
             c = CompletionChunk(id=rid, created=created, model=srv.model_name,
                                 choices=[CompletionChoice(index=gen.index, text=text, logprobs=logprobs,
-                                                          finish_reason=finish, prompt_logprobs=prompt_lps)],
+                                                          finish_reason=finish, prompt_logprobs=prompt_lps,
+                                                          prompt_token_ids=prompt_ids, token_ids=ids)],
                                 usage=gen.usage_so_far() if req.continuous_usage else None)
             return _sse(c.model_dump_json(exclude=exclude))
 
@@ -1145,9 +1202,11 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
         elif prompt_lps is not None:
             yield chunk("", prompt_lps=prompt_lps)
         sent_logprobs = gen.echo is not None
-        async for text, tokens, finish in _coalesce(gen):
+        async for text, tokens, ids, finish in _coalesce(gen):
+            if req.return_token_ids:
+                pending.extend(ids)
             if text or tokens:
-                yield chunk(text, srv.completion_logprobs(tokens) if gen.want_logprobs else None)
+                yield chunk(text, srv.completion_logprobs(tokens, _as_ids(req)) if gen.want_logprobs else None)
                 sent_logprobs = True
             if finish is not None:
                 # a choice whose every token was a stop token still says it has logprobs (none), as the full body
@@ -1164,11 +1223,14 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
     return _stream_body(gens, chunks())
 
 
-async def _coalesce(gen: _Generation) -> AsyncIterator[tuple[str, list[_Token], str | None]]:
-    """Pieces grouped so each chunk carries text: tokens whose text is still held back ride with the next text."""
+async def _coalesce(gen: _Generation) -> AsyncIterator[tuple[str, list[_Token], list[int], str | None]]:
+    """Pieces grouped so each chunk carries text: tokens whose text is still held back ride with the next text
+    (their logprobs entries, and their ids)."""
     pending: list[_Token] = []
+    ids: list[int] = []
     async for piece in gen.pieces():
         pending.extend(piece.tokens)
+        ids.extend(piece.ids)
         if piece.text or piece.finish_reason is not None:
-            yield piece.text, pending, piece.finish_reason
-            pending = []
+            yield piece.text, pending, ids, piece.finish_reason
+            pending, ids = [], []

@@ -121,6 +121,13 @@ def _refuse_unservable(req: ResponsesRequest) -> None:
                               param="max_tokens")
     if req.num_choices > 1:
         raise invalid_request("A response has one output; n is not supported on /v1/responses.", param="n")
+    # vLLM's token-id extra of the chat and completions routes, which vLLM's Responses API does not take (it
+    # ignores it): refused rather than ignored. (return_tokens_as_token_ids only renames logprobs tokens, and
+    # logprobs are refused above, so it is accepted and changes nothing.)
+    if req.return_token_ids:
+        raise invalid_request("return_token_ids is not available on /v1/responses; use /v1/chat/completions "
+                              "(prompt_token_ids and each choice's token_ids) or /v1/completions.",
+                              param="return_token_ids")
 
 
 def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:

@@ -184,6 +184,11 @@ class _VllmOutput(BaseModel):
     use_beam_search: bool | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's token-id extras (what RL trainers send: verl, SkyRL, agent-lightning). With logprobs, every token string
+    # in them is "token_id:{id}" (a token that is no whole UTF-8 text is still known exactly); the choices carry the
+    # generated ids (`token_ids`) and the prompt's (`prompt_token_ids`). Absent or false: the bodies are unchanged.
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -487,6 +492,8 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's `return_token_ids`: every generated id (a stop token and the tokens of a stop string included)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -497,6 +504,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)   # when asked (vLLM's)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)   # vLLM's `return_token_ids`
 
 
 class DeltaFunction(BaseModel):
@@ -528,6 +536,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)    # the ids of this chunk's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -538,6 +547,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)   # on the first chunk
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)   # on each choice's first chunk
 
 
 class CompletionChoice(BaseModel):
@@ -547,6 +557,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # when asked (vLLM's); streamed, on the choice's first chunk
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=_omit_none)
+    # vLLM's `return_token_ids`: the prompt's ids (streamed: on the choice's first chunk) and the generated ones
+    # (streamed: those of each chunk)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):
