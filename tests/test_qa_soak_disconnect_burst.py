@@ -78,7 +78,7 @@ class _Choice:
         async def events():
             while True:
                 await asyncio.sleep(0.001)
-                yield SimpleNamespace(text="x", tokens=[], finish_reason=None)
+                yield SimpleNamespace(text="x", tokens=[], ids=[7], finish_reason=None)
 
         self._events = events()
 
@@ -100,7 +100,8 @@ def test_a_stream_closed_at_a_chunk_stops_its_pumps_before_closing_the_engine_it
 
     async def run() -> list[_Choice]:
         choices = [_Choice(0), _Choice(1)]
-        req = SimpleNamespace(include_usage=False, continuous_usage=False, prompt_logprobs=None)
+        req = SimpleNamespace(include_usage=False, continuous_usage=False, prompt_logprobs=None,
+                              return_token_ids=False, return_tokens_as_token_ids=False)
         body = api._completion_stream(SimpleNamespace(model_name="m"), req, choices, "cmpl-1")
         assert (await body.__anext__()).startswith("data: ")
         await asyncio.sleep(0.01)            # the pumps run on meanwhile
