@@ -70,6 +70,12 @@ def build_cluster_config(opts: ServeOptions, run_dir: Path) -> ClusterConfig:
             raise RuntimeError("--device cuda: no CUDA device is visible")
         # One GPU per stage when there are enough; otherwise stages share GPUs round-robin.
         devices = [f"cuda:{i % count}" for i in range(opts.stages)]
+        if opts.stages > count:
+            # Stages on one GPU add no memory and take turns on it: said once, since nobody would choose it knowingly
+            print(f"moepipe: --stages {opts.stages} on {count} visible GPU(s): stages sharing a GPU take turns on it "
+                  f"and hand activations between processes, so they serve fewer tokens a second than one stage "
+                  f"there (H200, two stages of one GPU: 78% of one stage's tokens a second, docs/performance.md); "
+                  f"use --stages {count} unless you are measuring the pipeline", file=sys.stderr)
     stages = [StageSpec(start=s, end=e, endpoint=ipc(f"stage{i}"), device=devices[i])
               for i, (s, e) in enumerate(split_layers(cfg.num_hidden_layers, opts.stages))]
     extra = {**env_overrides(), **(opts.extra or {})}        # command-line flags win over the environment

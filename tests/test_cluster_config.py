@@ -52,6 +52,22 @@ def test_environment_switches_reach_the_launcher_and_the_processes(tiny, tmp_pat
         build_cluster_config(ServeOptions(model=tiny, stages=2, extra={"num_blockz": 64}), tmp_path)
 
 
+def test_more_stages_than_gpus_share_them_round_robin_and_say_so(tiny, tmp_path, monkeypatch, capsys):
+    """--device cuda with more stages than visible GPUs: the stages take the GPUs in turn, and the launcher says
+    that stages sharing a GPU serve less than one stage would (one line; none when every stage has its own)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = build_cluster_config(ServeOptions(model=tiny, stages=2, device="cuda"), tmp_path)
+    assert [s.device for s in cfg.stages] == ["cuda:0", "cuda:0"]
+    err = capsys.readouterr().err
+    assert "--stages 2 on 1 visible GPU(s)" in err and "use --stages 1" in err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = build_cluster_config(ServeOptions(model=tiny, stages=2, device="cuda"), tmp_path)
+    assert [s.device for s in cfg.stages] == ["cuda:0", "cuda:1"]
+    assert "visible GPU" not in capsys.readouterr().err
+
+
 def test_dtype_default_switch_and_validation(tiny, tmp_path, monkeypatch):
     import torch
 
