@@ -8,7 +8,7 @@ Formats (see CHAT_TEMPLATE in stage_worker/checkpoint/tokenizer_files.py):
   ended with ``<think>\\n``, so the reply starts inside the block and only ``</think>`` appears). Reasoning text is
   stripped of surrounding whitespace (as the template does with ``reasoning.strip('\\n')``), goes to
   ``reasoning_content`` only and is never parsed for tool calls. Whitespace right after ``</think>`` is dropped.
-  A block that never closes is reasoning to the end.
+  A block that never closes is reasoning to the end, trailing whitespace included (as generated).
 * Tool calls (only when ``tool_names`` is given): ``<tool_call>\\n{"name": "<fn>", "arguments": {...}}\\n</tool_call>``,
   any JSON whitespace allowed, ``name`` first. The arguments value must be a JSON object; its raw text (exactly from
   its ``{`` to its matching ``}``) is the call's ``arguments`` string. A block whose header (everything up to the
