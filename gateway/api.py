@@ -1180,15 +1180,16 @@ def _completion_stream(srv: _Server, req: CompletionRequest, gens: list[_Generat
         # vLLM's return_token_ids: the prompt's ids on the choice's first chunk, and on each chunk the ids generated
         # since the previous one (held-back text's ids ride with the chunk that shows it, the rest with the finish)
         pending: list[int] = []
-        first = [True]
+        first = True
 
         def chunk(text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
                   prompt_lps: PromptLogprobsList | None = None) -> str:
+            nonlocal first
             ids = prompt_ids = None
             if req.return_token_ids:
-                ids, prompt_ids = list(pending), _prompt_ids(req, gen) if first[0] else None
+                ids, prompt_ids = list(pending), _prompt_ids(req, gen) if first else None
                 pending.clear()
-            first[0] = False
+            first = False
             c = CompletionChunk(id=rid, created=created, model=srv.model_name,
                                 choices=[CompletionChoice(index=gen.index, text=text, logprobs=logprobs,
                                                           finish_reason=finish, prompt_logprobs=prompt_lps,
