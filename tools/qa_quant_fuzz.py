@@ -52,7 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
 import torch  # noqa: E402
 
-from qa_checkpoint_fuzz import (FAMILIES, NEW, SERVE_VOCAB, TIE_GAP, Case, check_served, hf_config,  # noqa: E402
+from qa_checkpoint_fuzz import (FAMILIES, NEW, TIE_GAP, Case, check_served, hf_config,  # noqa: E402
                                 is_tie, random_case, reference, write_checkpoint)
 
 TOL = 1e-4                    # the quantized tests' tolerance (tests/test_quantized_checkpoint.py)
