@@ -243,7 +243,7 @@ def test_handshake_then_every_step_arrives_as_sent_with_a_slow_consumer(tmp_path
     accept = _connect(sender, receiver)
     assert accept.ok and sender.active and not os.path.exists(accept.release_file)          # mapped, then unlinked
     rng = random.Random(0)
-    pending, host_path, got = [], 0, {}
+    pending, got = [], {}
     sent = {}
     for step in range(400):
         n = rng.choice([1, 2, 3, 4, 4, 6])                          # 6 tokens do not fit a 4-token slot
@@ -253,7 +253,6 @@ def test_handshake_then_every_step_arrives_as_sent_with_a_slow_consumer(tmp_path
         out = sender.put(hidden, ids, ids.tolist(), step, [[0, 1.0, 2.0, 1.0]])
         hidden.fill_(-1)                      # the caller's tensor is reused at once: the slot holds its own copy
         if out is None:
-            host_path += 1
             got[step] = sent[step]
         else:
             pending.append(_wire(out[0]))

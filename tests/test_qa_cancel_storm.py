@@ -18,7 +18,6 @@ import os
 import random
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest

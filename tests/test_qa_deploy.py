@@ -23,7 +23,6 @@ from conftest import ROOT, free_port, stop_server, wait_healthy
 from shared.ple_ring import GatherRing, RingError, remove_stale_rings, ring_bytes
 
 RING = dict(slots=4, max_tokens=64, layers=1, heads=8, head_dim=8, dtype=torch.float32)   # 32 KiB + header
-MIB = 1 << 20
 
 
 def _root() -> bool:

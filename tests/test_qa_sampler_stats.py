@@ -3,7 +3,6 @@ deterministic cases: each failed before its fix."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from shared.sampling import SamplingParams

@@ -139,7 +139,7 @@ def test_held_text_is_the_longest_partial_match_on_self_overlapping_stops(seed):
     seen = ""
     for _ in range(60):
         delta = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
-        out = m.feed(delta)
+        m.feed(delta)
         if m.stopped:
             break
         seen += delta
