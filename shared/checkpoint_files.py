@@ -68,7 +68,8 @@ def open_safetensors(path: Path):
     """`safe_open` on the CPU; a file it cannot read (truncated, not safetensors) is a CheckpointError naming it.
     The loader, `tensor_headers` and the PLE shard scan open them through this, so a broken file is one line naming
     it in whichever process reads it first, not a traceback (`moepipe quantize` reads its source's headers through
-    `tensor_headers` before it writes anything)."""
+    `tensor_headers` before it writes anything); a GPTQ checkpoint's files read as compressed-tensors'
+    (`shared/gptq_files.py`)."""
     from safetensors import safe_open
 
     try:
@@ -78,9 +79,13 @@ def open_safetensors(path: Path):
             "600)" if isinstance(exc, PermissionError) else ""
         raise CheckpointError(f"{path}: cannot read it ({exc.strerror or exc}){hint}") from None
     try:
-        return safe_open(path, framework="pt", device="cpu")
+        f = safe_open(path, framework="pt", device="cpu")
     except Exception as exc:       # safetensors' SafetensorError, or an OSError
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    from shared.gptq_files import GptqView, plan_for
+
+    plan = plan_for(Path(path).parent)        # a GPTQ checkpoint: its parts shown as compressed-tensors'
+    return f if plan is None else GptqView(f, plan, Path(path))
 
 
 def tensor_headers(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -1,7 +1,7 @@
 """Which quantization each on-disk weight of a quantized checkpoint carries, and whether the files agree (issue 17,
 item 1: the part of loading that reads metadata; stage_worker/model/quant_weight.py reads the tensors).
 
-Two formats people publish for this model family:
+The formats people publish for this model family:
 * compressed-tensors (`quantization_config.quant_method == "compressed-tensors"`): `config_groups`, each a scheme
   (weights: num_bits, type int/float, symmetric, strategy tensor/channel/group/block, group_size / block_structure)
   and its `targets` (a module name, `re:` + a regex on the name, or a class name such as `Linear`), plus `ignore`.
@@ -10,6 +10,12 @@ Two formats people publish for this model family:
   a module takes the scheme of its most specific matching target (exact name, then regex, then class).
 * block FP8 (`quant_method == "fp8"` with `weight_block_size`, transformers' fine-grained FP8): every Linear weight
   outside `modules_to_not_convert` is float8 with a `weight_scale_inv` per block.
+* GPTQ (`quant_method == "gptq"`: GPTQModel, AutoGPTQ) and AutoRound's GPTQ packings (`quant_method ==
+  "auto-round"`, `packing_format` auto_round:auto_gptq / auto_round / auto_round:gptqmodel): one int scheme
+  (`bits`, `group_size`, `sym`, `desc_act`) with per-module overrides (GPTQModel's `dynamic` regexes, `-:` to skip;
+  AutoRound's `extra_config`, 16 bits to skip). Their tensors (`qweight`, `scales`, `qzeros`, `g_idx`) are the
+  same bit streams as compressed-tensors' `pack-quantized` parts, transposed; `shared/gptq_files.py` shows the
+  files under those names, so everything after this plan reads one layout (`QuantPlan.layout`).
 
 The metadata is checked against the tensors actually on disk (`check`): the reports met a release whose groups all
 targeted `Linear`, so all but the last group reached nothing, and a loader that trusted the config would have read
@@ -59,6 +65,11 @@ class QuantPlan:
     ignore: list[str] = field(default_factory=list)
     shadowed: dict[str, list[str]] = field(default_factory=dict)   # target -> groups whose scheme it lost
     kv_cache: dict | None = None        # compressed-tensors' kv_cache_scheme (the loader skips its k/v scales)
+    # "gptq": the files hold GPTQ's tensors (qweight, scales, qzeros, g_idx), shown under compressed-tensors'
+    # names by shared/gptq_files.py; "" for the formats that need no translation
+    layout: str = ""
+    zero_offset: int = 0                # GPTQ's v1 checkpoints store each zero point minus one
+    act_order: dict[str, bool] = field(default_factory=dict)   # target -> desc_act (GPTQ: g_idx is meaningful)
 
     def for_module(self, name: str, cls: str | None = None) -> WeightQuant | None:
         """The scheme of module `name` (class `cls`, default `module_class(name)`), or None (ignored or no target
@@ -69,6 +80,16 @@ class QuantPlan:
     def group_of(self, name: str, cls: str | None = None) -> str | None:
         """The target that decides module `name`'s scheme (`deciding_target`), or None."""
         return deciding_target(name, self.targets, self.ignore, cls)
+
+    @property
+    def packs_ints(self) -> bool:
+        """The files hold int weights as compressed-tensors' packed parts (or GPTQ's, shown as them)."""
+        return self.method in ("compressed-tensors", "gptq")
+
+    def acts_in_order(self, name: str) -> bool:
+        """GPTQ's desc_act for module `name`: its `g_idx` orders the groups (else the groups are runs of inputs)."""
+        group = self.group_of(name)
+        return group is not None and self.act_order.get(group, False)
 
 
 def deciding_target(name: str, targets, ignore: list[str], cls: str | None = None) -> str | None:
@@ -153,9 +174,11 @@ def parse(config: dict) -> QuantPlan | None:
                                    f"integers (per-tensor fp8 is not supported): {q}")
         wq = WeightQuant(bits=8, kind="float", strategy="block", block=tuple(block), format="float-quantized")
         return QuantPlan("fp8", {"Linear": ("fp8", wq)}, list(q.get("modules_to_not_convert") or []))
+    if method in ("gptq", "auto-round", "auto_round", "intel/auto-round"):     # the last: AutoRound before 0.4
+        return _gptq_plan(q, method)
     if method != "compressed-tensors":
-        raise QuantSchemeError(f"quantization_config.quant_method {method!r} is not supported (compressed-tensors "
-                               f"or fp8 with weight_block_size)")
+        raise QuantSchemeError(f"quantization_config.quant_method {method!r} is not supported (compressed-tensors, "
+                               f"fp8 with weight_block_size, gptq, or auto-round in a GPTQ packing)")
     _refuse_sparsity_and_online_transforms(q)
     groups = q.get("config_groups") or {}
     if not groups:
@@ -181,6 +204,76 @@ def parse(config: dict) -> QuantPlan | None:
     if kv is not None and not isinstance(kv, dict):
         raise QuantSchemeError(f"quantization_config.kv_cache_scheme must be an object, got {kv!r}")
     return QuantPlan("compressed-tensors", targets, list(q.get("ignore") or []), shadowed, kv or None)
+
+
+# GPTQ's checkpoint formats -> the zero-point offset of their files: v1 ("gptq", what GPTQModel and AutoGPTQ save
+# and publish) stores z - 1, v2 z itself. AutoRound names its packings; "auto_round:auto_gptq" is v1.
+_GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
+_AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": 1, "auto_round:gptq": 1, "auto": 1, "auto_round": 0,
+                        "auto_round:gptqmodel": 0}
+
+
+def _gptq_plan(q: dict, method: str) -> QuantPlan:
+    """GPTQ's and AutoRound's configs: one scheme for every quantized Linear, overrides by module."""
+    where = f"quantization_config ({method})"
+    if method == "gptq":
+        fmt = q.get("checkpoint_format") or q.get("format") or "gptq"
+        if fmt not in _GPTQ_FORMATS:
+            raise QuantSchemeError(f"{where}: checkpoint_format {fmt!r} is not supported ({', '.join(_GPTQ_FORMATS)})")
+        offset = _GPTQ_FORMATS[fmt]
+    else:
+        fmt = q.get("packing_format") or "auto_round:auto_gptq"      # as AutoRound reads a config without it
+        if fmt not in _AUTO_ROUND_PACKINGS:
+            raise QuantSchemeError(f"{where}: packing_format {fmt!r} is not supported "
+                                   f"({', '.join(_AUTO_ROUND_PACKINGS)}; auto_round:llm_compressor checkpoints say "
+                                   f"compressed-tensors and load as such)")
+        offset = _AUTO_ROUND_PACKINGS[fmt]
+    if q.get("pack_dtype", "int32") != "int32":
+        raise QuantSchemeError(f"{where}: pack_dtype {q.get('pack_dtype')!r} is not supported (int32)")
+    base = _gptq_scheme(q, where, {})
+    targets = {"Linear": ("default", base[0])}
+    act_order = {"Linear": base[1]}
+    ignore: list[str] = list(q.get("modules_to_not_convert") or [])
+    overrides = q.get("dynamic") if method == "gptq" else q.get("extra_config")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise QuantSchemeError(f"{where}: {'dynamic' if method == 'gptq' else 'extra_config'} must be an object, "
+                               f"got {type(overrides).__name__}")
+    for key, over in (overrides or {}).items():
+        if not isinstance(over, dict):
+            raise QuantSchemeError(f"{where}: the override for {key!r} must be an object, got {over!r}")
+        if method == "gptq":          # GPTQModel: a regex matched from the name's start; "-:" skips the module
+            skip, pattern = key.startswith("-:"), key[2:] if key[:2] in ("-:", "+:") else key
+            target = "re:" + pattern
+        else:                         # AutoRound: a module name (or a regex); 16 bits or a float type: not quantized
+            target = key if re.fullmatch(r"[\w.]+", key) else "re:" + key
+            skip = int(over.get("bits", base[0].bits) or 16) >= 16 or \
+                str(over.get("data_type", "int")).lower() not in ("int", "int_sym", "int_asym")
+        if skip:
+            ignore.append(target)
+            continue
+        targets[target] = (key, (scheme := _gptq_scheme({**q, **over}, f"{where} override {key!r}", over))[0])
+        act_order[target] = scheme[1]
+    return QuantPlan("gptq", targets, ignore, layout="gptq", zero_offset=offset, act_order=act_order)
+
+
+def _gptq_scheme(q: dict, where: str, over: dict) -> tuple[WeightQuant, bool]:
+    """(scheme, desc_act) of a GPTQ / AutoRound config (merged with an override)."""
+    bits, group = q.get("bits"), q.get("group_size", 128)
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise QuantSchemeError(f"{where}: bits {bits!r} is not supported (integers 2-8)")
+    if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
+        raise QuantSchemeError(f"{where}: group_size {group!r} is not supported (a positive size, or -1 for one "
+                               f"scale a row)")
+    data_type = str(q.get("data_type", "int")).lower()
+    if data_type not in ("int", "int_sym", "int_asym"):
+        raise QuantSchemeError(f"{where}: data_type {data_type!r} is not supported (int)")
+    act_bits = q.get("act_bits", 16)
+    if isinstance(act_bits, int) and act_bits < 16:
+        raise QuantSchemeError(f"{where}: act_bits {act_bits} (activation quantization) is not supported; moepipe "
+                               f"runs weight-only schemes")
+    wq = WeightQuant(bits=bits, kind="int", symmetric=bool(q.get("sym", True)),
+                     strategy="group" if group > 0 else "channel", group_size=group if group > 0 else None)
+    return wq, bool(q.get("desc_act", False))
 
 
 _OFFLINE = ("weight_input", "weight_output")      # transforms fused into the stored weights

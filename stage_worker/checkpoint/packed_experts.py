@@ -76,7 +76,7 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end:
                   model_dir: Path | str | None = None) -> dict[int, tuple[int, int]]:
     """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4: the
     plan says INT4 groups and (given `model_dir`) the files hold them packed."""
-    if plan is None or plan.method != "compressed-tensors":
+    if plan is None or not plan.packs_ints:
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
     if H % 8 or inter % 8:

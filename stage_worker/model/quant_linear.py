@@ -125,7 +125,7 @@ def packed_specs(plan: QuantPlan | None, sites: dict[str, tuple[int, int]], disk
     word count says which packing, the scale's dtype is kept)."""
     from stage_worker.model.quant_weight import dense_words, legacy_words
 
-    if plan is None or plan.method != "compressed-tensors":
+    if plan is None or not plan.packs_ints:
         return {}
     out = {}
     for local, (N, K) in sites.items():

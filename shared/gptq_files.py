@@ -1,0 +1,220 @@
+"""GPTQ checkpoints (GPTQModel, AutoGPTQ, AutoRound's GPTQ packings) read as compressed-tensors `pack-quantized` ones.
+
+Both formats store a module's b-bit values as a little-endian bit stream in int32 words (value i at bit i*b, a value
+crossing into the next word where 32 is no multiple of b), unsigned with a zero point, one scale per group of inputs:
+
+| GPTQ (per module)                            | compressed-tensors                                                 |
+|----------------------------------------------|--------------------------------------------------------------------|
+| `qweight` int32 [in*b/32, out]: along inputs | `weight_packed` int32 [out, in*b/32]: the same stream, transposed  |
+| `scales` [groups, out]                       | `weight_scale` [out, groups]                                       |
+| `qzeros` int32 [groups, out*b/32]            | `weight_zero_point` int32 [out*b/32, groups] (asymmetric only)     |
+| `g_idx` int32 [in]: each input's group       | `weight_g_idx` (activation order only; else the groups are runs)   |
+| (the shape)                                  | `weight_shape` [out, in]                                           |
+
+compressed-tensors stores a symmetric value v as v + 2^(b-1) and reads zero points the same way, so GPTQ's unsigned
+q and z are the very bits it expects: w = s * (q - z) either way. A symmetric GPTQ module's zero points are all
+2^(b-1) and are not shown (checked when its weight is read). GPTQ's v1 files (what GPTQModel and AutoGPTQ save and
+publish, AutoRound's auto_round:auto_gptq) store z - 1: shown here as z, each field + 1 on its own (the libraries add
+0x11111111 to a whole 4-bit word, carrying a field that overflowed into its neighbour; a v1 zero of 0 is stored as
+-1 and overflows: read back here as 0, what the quantizer computed).
+
+`open_safetensors` (shared/checkpoint_files.py) hands every reader of a GPTQ checkpoint this view, so the loader,
+the metadata check, the packed-expert scan and the memory plan all see one layout. The view costs transposes at
+load; nothing is dequantized that compressed-tensors' form would keep packed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, parse
+
+# GPTQ part -> the compressed-tensors part it is shown as
+PARTS = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point", "g_idx": "weight_g_idx"}
+SHOWN = {v: k for k, v in PARTS.items()}
+
+
+def plan_for(model_dir: Path) -> QuantPlan | None:
+    """The GPTQ plan of the checkpoint in `model_dir`, None for any other checkpoint (or no readable config)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _plan(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(path: str, stamp: int) -> QuantPlan | None:
+    try:
+        config = json.loads(Path(path).read_text())
+        plan = parse(config) if isinstance(config, dict) else None
+    except (OSError, ValueError):          # unreadable or refused: the config loader and the quant check say why
+        return None
+    return plan if plan is not None and plan.layout == "gptq" else None
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """What readers ask of a shown tensor's slice without reading it: its shape and safetensors dtype."""
+    shape: tuple[int, ...]
+    dtype: str
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+
+class GptqView:
+    """A safetensors file of a GPTQ checkpoint with its modules' parts under compressed-tensors' names (see the
+    module docstring); every other tensor as it is. Opened by `open_safetensors`; a context manager as safe_open."""
+
+    def __init__(self, f, plan: QuantPlan, path: Path) -> None:
+        self.f, self.plan, self.path = f, plan, path
+        raw = list(f.keys())
+        have = self._raw = set(raw)
+        self._names: dict[str, str | None] = {}     # shown name -> file name (None: made up, weight_shape)
+        for name in raw:
+            module, _, part = name.rpartition(".")
+            if part not in PARTS or f"{module}.qweight" not in have:
+                self._names[name] = name
+                continue
+            if part == "qzeros" and self._symmetric(module):
+                continue                         # symmetric: the zeros are 2^(b-1), checked with the weight
+            if part == "g_idx" and not self.plan.acts_in_order(_norm(module)):
+                continue                         # runs of inputs: g_idx says nothing more (checked with the weight)
+            self._names[f"{module}.{PARTS[part]}"] = name
+            if part == "qweight":
+                self._names[f"{module}.weight_shape"] = None
+
+    def __enter__(self) -> "GptqView":
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def metadata(self):
+        return self.f.metadata()
+
+    def get_slice(self, name: str):
+        raw = self._names[name]
+        if raw == name:
+            return self.f.get_slice(name)
+        module, _, part = name.rpartition(".")
+        if part == "weight_shape":
+            return _Slice((2,), "I64")
+        sl = self.f.get_slice(raw)
+        shape = tuple(sl.get_shape())
+        return _Slice(shape[::-1] if len(shape) == 2 else shape, sl.get_dtype())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        raw = self._names[name]
+        if raw == name:
+            return self.f.get_tensor(name)
+        module, _, part = name.rpartition(".")
+        if part == "weight_shape":
+            return torch.tensor(self._shape(module), dtype=torch.int64)
+        t = self.f.get_tensor(raw)
+        if part == "weight_packed":
+            try:
+                self._check_implied(module)
+            except QuantSchemeError as exc:
+                from shared.checkpoint_files import CheckpointError
+
+                raise CheckpointError(f"{self.path}: {exc}") from None
+            return t.t().contiguous()
+        if part == "weight_scale":
+            return t.t().contiguous()
+        if part == "weight_zero_point":
+            wq = self._scheme(module)
+            if self.plan.zero_offset:
+                t = _add_per_field(t, wq.bits, self.plan.zero_offset)
+            return t.t().contiguous()
+        return t                                           # weight_g_idx
+
+    def _scheme(self, module: str) -> WeightQuant:
+        """The module's scheme; a module no override or default reaches is read with the default's bits (the
+        metadata check then names it as quantized on disk with no scheme)."""
+        return self.plan.for_module(_norm(module)) or self.plan.targets["Linear"][1]
+
+    def _symmetric(self, module: str) -> bool:
+        return self._scheme(module).symmetric
+
+    def _shape(self, module: str) -> list[int]:
+        """[out, in] of a module: out from its scales, in from g_idx where stored, else the packed words."""
+        wq = self._scheme(module)
+        words, out = self.f.get_slice(f"{module}.qweight").get_shape()
+        g_idx = f"{module}.g_idx"
+        if g_idx in self._raw:
+            return [out, int(self.f.get_slice(g_idx).get_shape()[0])]
+        return [out, words * 32 // wq.bits]
+
+    def _check_implied(self, module: str) -> None:
+        """What the view leaves out must say nothing: a symmetric module's zero points are 2^(b-1) and, without
+        activation order, its g_idx makes runs of group_size inputs (a file that disagrees is refused by name)."""
+        wq = self._scheme(module)
+        raw = self._raw
+        if self._symmetric(module) and f"{module}.qzeros" in raw:
+            z = unpack_fields(self.f.get_tensor(f"{module}.qzeros"), wq.bits) + self.plan.zero_offset
+            z = z & ((1 << wq.bits) - 1)
+            if bool((z != (1 << (wq.bits - 1))).any()):
+                raise QuantSchemeError(f"{module}.qzeros: the config says sym (zero point {1 << (wq.bits - 1)}), "
+                                       f"but the file holds others ({sorted(set(z.unique().tolist()))[:4]}); set "
+                                       f"sym: false in quantization_config if the module is asymmetric")
+        if f"{module}.g_idx" in raw and not self.plan.acts_in_order(_norm(module)):
+            g = self.f.get_tensor(f"{module}.g_idx").to(torch.int64)
+            size = wq.group_size or g.numel()
+            if not torch.equal(g, torch.arange(g.numel()) // size):
+                raise QuantSchemeError(f"{module}.g_idx orders its groups (activation order), but the config says "
+                                       f"desc_act: false; set desc_act: true in quantization_config")
+
+
+def _norm(module: str) -> str:
+    from shared.checkpoint_files import normalise
+
+    return normalise(module)
+
+
+def unpack_fields(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The unsigned `bits`-bit fields of int32 `words` [rows, w] as a bit stream along each row: int64 [rows,
+    w * 32 // bits]."""
+    rows, w = words.shape
+    n = w * 32 // bits
+    bit = torch.arange(n, dtype=torch.int64) * bits
+    word, off = bit // 32, bit % 32
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    v = u[:, word] >> off
+    v = v | (u[:, torch.clamp(word + 1, max=w - 1)] << (32 - off))     # a field continuing in the next word
+    return v & ((1 << bits) - 1)
+
+
+def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `unpack_fields`: unsigned values int [rows, n] (n * bits a multiple of 32) -> int32 words."""
+    rows, n = values.shape
+    if n * bits % 32:
+        raise QuantSchemeError(f"{n} {bits}-bit values do not fill whole int32 words")
+    w = n * bits // 32
+    bit = torch.arange(n, dtype=torch.int64) * bits
+    word, off = bit // 32, bit % 32
+    v = values.to(torch.int64) & ((1 << bits) - 1)
+    out = torch.zeros(rows, w + 1, dtype=torch.int64)
+    out.index_add_(1, word, (v << off) & 0xFFFFFFFF)
+    out.index_add_(1, word + 1, v >> (32 - off))            # the high bits of a field crossing a word (0 if none)
+    out = out[:, :w]
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def _add_per_field(words: torch.Tensor, bits: int, add: int) -> torch.Tensor:
+    """Each `bits`-bit field of int32 words + `add`, wrapped within the field (see the module docstring)."""
+    return pack_fields(unpack_fields(words, bits) + add, bits)
