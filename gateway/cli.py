@@ -265,7 +265,7 @@ def _vllm_only_flags(args: argparse.Namespace, model) -> None:
         if value is None or value is False:
             continue
         kind, _, fine = rule.partition("|")
-        if flag == "--quantization" and value == _quant_method(model):
+        if flag == "--quantization" and value in _VLLM_METHODS.get(_quant_method(model), ()):
             continue                              # what the checkpoint holds: vLLM's redundant hint
         if flag == "--tokenizer" and Path(value).resolve() == Path(model).resolve():
             continue                              # the model directory again
@@ -277,6 +277,20 @@ def _vllm_only_flags(args: argparse.Namespace, model) -> None:
         if kind == "refuse":
             raise ValueError(f"{shown}: {why}")
         print(f"moepipe: {shown} ignored: {why}", file=sys.stderr)
+
+
+# A checkpoint's quant_method -> the --quantization values vLLM takes for it (its kernel choices included), each of
+# which only repeats what config.json says: GPTQ's Marlin / BitBLAS / MoE kernels, AutoRound's `inc` (its name in
+# vLLM since 2025) and the GPTQ kernels AutoRound's GPTQ packings run on.
+_GPTQ_KERNELS = ("gptq", "gptq_marlin", "gptq_bitblas", "moe_wna16")
+_VLLM_METHODS = {
+    "compressed-tensors": ("compressed-tensors",),
+    "fp8": ("fp8",),
+    "gptq": _GPTQ_KERNELS,
+    "auto-round": ("auto-round", "auto_round", "inc") + _GPTQ_KERNELS,
+    "auto_round": ("auto-round", "auto_round", "inc") + _GPTQ_KERNELS,
+    "intel/auto-round": ("auto-round", "auto_round", "inc", "intel/auto-round") + _GPTQ_KERNELS,
+}
 
 
 def _is_zero(value: str) -> bool:

@@ -200,9 +200,17 @@ def test_a_quantization_flag_matching_the_checkpoint_is_accepted(tmp_path, tiny_
     options(str(quant), "--quantization", "compressed-tensors")
     with pytest.raises(ValueError, match="--quantization fp8"):
         options(str(quant), "--quantization", "fp8")
+    # what vLLM users pass for GPTQ and AutoRound checkpoints: its kernel names and AutoRound's `inc`
+    for method, flags in (("gptq", ("gptq", "gptq_marlin", "moe_wna16")), ("auto-round", ("inc", "gptq_marlin"))):
+        cfg["quantization_config"] = {"quant_method": method}
+        (quant / "config.json").write_text(json.dumps(cfg))
+        for flag in flags:
+            options(str(quant), "--quantization", flag)
+        with pytest.raises(ValueError, match="--quantization awq_marlin"):
+            options(str(quant), "--quantization", "awq_marlin")
     # a multimodal wrapper's config keeps it in text_config
     cfg = {"model_type": "wrapper", "text_config": {**cfg, "quantization_config": cfg.pop("quantization_config")}}
-    assert _quant_method_of(cfg, tmp_path) == "compressed-tensors"
+    assert _quant_method_of(cfg, tmp_path) == "auto-round"
 
 
 def _quant_method_of(cfg: dict, tmp_path) -> str | None:
