@@ -302,10 +302,12 @@ def _is_zero(value: str) -> bool:
 
 def _quant_method(model) -> str | None:
     """The checkpoint's `quantization_config.quant_method` (config.json, or its `text_config` in a multimodal
-    wrapper's), if any."""
+    wrapper's, or AutoGPTQ's quantize_config.json), if any."""
+    from shared.quant_scheme import config_with_quantization
+
     try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
+        cfg = config_with_quantization(model)
+    except TypeError:
         return None
     for c in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
         q = c.get("quantization_config") if isinstance(c, dict) else None

@@ -26,13 +26,12 @@ load; nothing is dequantized that compressed-tensors' form would keep packed.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, parse
+from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, config_with_quantization, parse
 
 # GPTQ part -> the compressed-tensors part it is shown as
 PARTS = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point", "g_idx": "weight_g_idx"}
@@ -51,10 +50,10 @@ def plan_for(model_dir: Path) -> QuantPlan | None:
 
 @functools.lru_cache(maxsize=16)
 def _plan(path: str, stamp: int) -> QuantPlan | None:
+    config = config_with_quantization(Path(path).parent)
     try:
-        config = json.loads(Path(path).read_text())
         plan = parse(config) if isinstance(config, dict) else None
-    except (OSError, ValueError):          # unreadable or refused: the config loader and the quant check say why
+    except ValueError:                     # refused: the config loader and the quant check say why
         return None
     return plan if plan is not None and plan.layout == "gptq" else None
 

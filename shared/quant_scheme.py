@@ -228,6 +228,9 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
                                    f"({', '.join(_AUTO_ROUND_PACKINGS)}; auto_round:llm_compressor checkpoints say "
                                    f"compressed-tensors and load as such)")
         offset = _AUTO_ROUND_PACKINGS[fmt]
+    if q.get("is_marlin_format"):
+        raise QuantSchemeError(f"{where}: is_marlin_format (AutoGPTQ's Marlin repacking) is not supported (gptq, "
+                               f"gptq_v2 files)")
     if q.get("pack_dtype", "int32") != "int32":
         raise QuantSchemeError(f"{where}: pack_dtype {q.get('pack_dtype')!r} is not supported (int32)")
     base = _gptq_scheme(q, where, {})
@@ -258,7 +261,7 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
 
 def _gptq_scheme(q: dict, where: str, over: dict) -> tuple[WeightQuant, bool]:
     """(scheme, desc_act) of a GPTQ / AutoRound config (merged with an override)."""
-    bits, group = q.get("bits"), q.get("group_size", 128)
+    bits, group = q.get("bits"), q.get("group_size", q.get("groupsize", 128))     # AutoGPTQ wrote groupsize
     if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
         raise QuantSchemeError(f"{where}: bits {bits!r} is not supported (integers 2-8)")
     if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
@@ -416,8 +419,9 @@ def _packed_inputs(cols: int, bits: int) -> list[tuple[int, int]]:
     return [dense] if dense == sparse else [dense, sparse]
 
 
-def plan_of(model_dir) -> QuantPlan | None:
-    """The plan of a checkpoint directory's config.json (None: not quantized, or no readable config)."""
+def config_with_quantization(model_dir) -> dict | None:
+    """A checkpoint directory's config.json, with AutoGPTQ's `quantize_config.json` as its quantization_config when
+    config.json has none (the older GPTQ releases keep it there, as vLLM reads it); None: no readable config."""
     import json
     from pathlib import Path
 
@@ -425,6 +429,25 @@ def plan_of(model_dir) -> QuantPlan | None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None                            # the config loader reports that
+    if not isinstance(config, dict) or config.get("quantization_config") or \
+            (config.get("text_config") or {}).get("quantization_config"):
+        return config
+    try:
+        side = json.loads((Path(model_dir) / "quantize_config.json").read_text())
+    except (OSError, ValueError):
+        return config
+    if isinstance(side, dict) and "bits" in side:
+        config = {**config, "quantization_config": {"quant_method": "gptq", **side}}
+    return config
+
+
+def plan_of(model_dir) -> QuantPlan | None:
+    """The plan of a checkpoint directory's config.json (None: not quantized, or no readable config)."""
+    from pathlib import Path
+
+    config = config_with_quantization(model_dir)
+    if config is None:
+        return None
     try:
         return parse(config)
     except RefusedGroup as exc:

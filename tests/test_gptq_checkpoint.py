@@ -256,6 +256,22 @@ def test_asymmetric_activation_ordered_and_overridden_modules_load(originals, tm
     assert not any(m.packed_group for m in stages[0].moe_layers().values())     # asymmetric: dequantized at load
 
 
+def test_an_autogptq_quantize_config_json_is_read(originals, tmp_path):
+    """Older GPTQ releases keep their scheme in quantize_config.json (no quant_method; `groupsize`), not in
+    config.json: read as vLLM reads it, and `--quantization gptq` is then the checkpoint's own scheme."""
+    from gateway.cli import _quant_method
+
+    qdir = write_gptq(originals["qwen3_next"], tmp_path / "q", _gptq_config(), lambda m: 4, sym=True,
+                      act_order=False, group=16)
+    cfg = json.loads((qdir / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    (qdir / "quantize_config.json").write_text(json.dumps({"bits": 4, "groupsize": 16, "sym": True,
+                                                           "desc_act": False}))
+    assert q["quant_method"] == _quant_method(qdir) == "gptq"
+    _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+
+
 def test_auto_round_packings_load(originals, tmp_path):
     """AutoRound's config: `packing_format` auto_round (zero points as they are: v2), `extra_config` leaving a
     module in float (16 bits); Qwen3.5-MoE."""
@@ -277,6 +293,7 @@ def test_auto_round_packings_load(originals, tmp_path):
     ({"quant_method": "auto-round", "data_type": "mx_fp"}, "data_type 'mx_fp' is not supported"),
     ({"quant_method": "auto-round", "act_bits": 8}, "act_bits 8"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16' is not supported"),
+    ({"is_marlin_format": True}, "is_marlin_format"),
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
 ])
 def test_schemes_moepipe_cannot_run_are_refused_by_name(change, words):
