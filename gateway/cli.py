@@ -280,15 +280,16 @@ def _vllm_only_flags(args: argparse.Namespace, model) -> None:
 
 
 # A checkpoint's quant_method -> the --quantization values vLLM takes for it (its kernel choices included), each of
-# which only repeats what config.json says: GPTQ's Marlin / BitBLAS / MoE kernels, AutoRound's `inc` (its name in
-# vLLM since 2025) and the GPTQ kernels AutoRound's GPTQ packings run on.
+# which only repeats what config.json says: GPTQ's and AWQ's Marlin / BitBLAS / MoE kernels, AutoRound's `inc` (its
+# name in vLLM since 2025) and the kernels its GPTQ and AWQ packings run on.
 _GPTQ_KERNELS = ("gptq", "gptq_marlin", "gptq_bitblas", "moe_wna16")
 _VLLM_METHODS = {
     "compressed-tensors": ("compressed-tensors",),
     "fp8": ("fp8",),
     "gptq": _GPTQ_KERNELS,
-    "auto-round": ("auto-round", "auto_round", "inc") + _GPTQ_KERNELS,
-    "auto_round": ("auto-round", "auto_round", "inc") + _GPTQ_KERNELS,
+    "awq": ("awq", "awq_marlin", "moe_wna16"),
+    "auto-round": ("auto-round", "auto_round", "inc", "awq", "awq_marlin") + _GPTQ_KERNELS,
+    "auto_round": ("auto-round", "auto_round", "inc", "awq", "awq_marlin") + _GPTQ_KERNELS,
     "intel/auto-round": ("auto-round", "auto_round", "inc", "intel/auto-round") + _GPTQ_KERNELS,
 }
 

@@ -1,4 +1,5 @@
-"""GPTQ checkpoints (GPTQModel, AutoGPTQ, AutoRound's GPTQ packings) read as compressed-tensors `pack-quantized` ones.
+"""GPTQ checkpoints (GPTQModel, AutoGPTQ, AutoRound's GPTQ packings) read as compressed-tensors `pack-quantized` ones;
+AutoAWQ's GEMM layout too.
 
 Both formats store a module's b-bit values as a little-endian bit stream in int32 words (value i at bit i*b, a value
 crossing into the next word where 32 is no multiple of b), unsigned with a zero point, one scale per group of inputs:
@@ -17,6 +18,11 @@ q and z are the very bits it expects: w = s * (q - z) either way. A symmetric GP
 publish, AutoRound's auto_round:auto_gptq) store z - 1: shown here as z, each field + 1 on its own (the libraries add
 0x11111111 to a whole 4-bit word, carrying a field that overflowed into its neighbour; a v1 zero of 0 is stored as
 -1 and overflows: read back here as 0, what the quantizer computed).
+
+AutoAWQ (`quant_method: awq`, version gemm; AutoRound's auto_round:auto_awq) packs 4-bit values along the outputs
+instead, `qweight` [in, out/8] and `qzeros` [groups, out/8], each word's 8 columns in the order AWQ_ORDER, zero points
+stored as they are (always asymmetric): its words are unpacked and packed again along the inputs (a pass over the
+module at load, not a transpose), its zero points along the outputs as compressed-tensors wants them.
 
 `open_safetensors` (shared/checkpoint_files.py) hands every reader of a GPTQ checkpoint this view, so the loader,
 the metadata check, the packed-expert scan and the memory plan all see one layout. The view costs transposes at
@@ -55,7 +61,7 @@ def _plan(path: str, stamp: int) -> QuantPlan | None:
         plan = parse(config) if isinstance(config, dict) else None
     except ValueError:                     # refused: the config loader and the quant check say why
         return None
-    return plan if plan is not None and plan.layout == "gptq" else None
+    return plan if plan is not None and plan.layout in ("gptq", "awq") else None
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,9 @@ class GptqView:
             return _Slice((2,), "I64")
         sl = self.f.get_slice(raw)
         shape = tuple(sl.get_shape())
+        if self.plan.layout == "awq" and part == "weight_packed":       # repacked along the inputs
+            bits = self._scheme(module).bits
+            return _Slice((shape[1] * 32 // bits, shape[0] * bits // 32), sl.get_dtype())
         return _Slice(shape[::-1] if len(shape) == 2 else shape, sl.get_dtype())
 
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -132,11 +141,15 @@ class GptqView:
                 from shared.checkpoint_files import CheckpointError
 
                 raise CheckpointError(f"{self.path}: {exc}") from None
+            if self.plan.layout == "awq":           # [in, out/8] interleaved -> the stream along the inputs
+                return pack_fields(awq_values(t).t(), self._scheme(module).bits)
             return t.t().contiguous()
         if part == "weight_scale":
             return t.t().contiguous()
         if part == "weight_zero_point":
             wq = self._scheme(module)
+            if self.plan.layout == "awq":
+                return pack_fields(awq_values(t), wq.bits).t().contiguous()
             if self.plan.zero_offset:
                 t = _add_per_field(t, wq.bits, self.plan.zero_offset)
             return t.t().contiguous()
@@ -154,6 +167,8 @@ class GptqView:
         """[out, in] of a module: out from its scales, in from g_idx where stored, else the packed words."""
         wq = self._scheme(module)
         words, out = self.f.get_slice(f"{module}.qweight").get_shape()
+        if self.plan.layout == "awq":                      # [in, out*b/32]
+            return [out * 32 // wq.bits, words]
         g_idx = f"{module}.g_idx"
         if g_idx in self._raw:
             return [out, int(self.f.get_slice(g_idx).get_shape()[0])]
@@ -212,6 +227,19 @@ def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
     out.index_add_(1, word + 1, v >> (32 - off))            # the high bits of a field crossing a word (0 if none)
     out = out[:, :w]
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+# AutoAWQ stores the 8 columns of a word in this order (value p of a word is column AWQ_ORDER[p] of its 8)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_values(words: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's 4-bit words [rows, cols/8] -> the unsigned values [rows, cols] in column order."""
+    v = unpack_fields(words, 4)
+    rows, cols = v.shape
+    out = torch.empty_like(v)
+    out.view(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)] = v.view(rows, cols // 8, 8)
+    return out
 
 
 def _add_per_field(words: torch.Tensor, bits: int, add: int) -> torch.Tensor:

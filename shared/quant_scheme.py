@@ -10,11 +10,13 @@ The formats people publish for this model family:
   a module takes the scheme of its most specific matching target (exact name, then regex, then class).
 * block FP8 (`quant_method == "fp8"` with `weight_block_size`, transformers' fine-grained FP8): every Linear weight
   outside `modules_to_not_convert` is float8 with a `weight_scale_inv` per block.
-* GPTQ (`quant_method == "gptq"`: GPTQModel, AutoGPTQ) and AutoRound's GPTQ packings (`quant_method ==
-  "auto-round"`, `packing_format` auto_round:auto_gptq / auto_round / auto_round:gptqmodel): one int scheme
+* GPTQ (`quant_method == "gptq"`: GPTQModel, AutoGPTQ), AutoAWQ's GEMM layout (`quant_method == "awq"`) and
+  AutoRound's packings of either (`quant_method == "auto-round"`, `packing_format` auto_round:auto_gptq /
+  auto_round / auto_round:gptqmodel / auto_round:auto_awq): one int scheme
   (`bits`, `group_size`, `sym`, `desc_act`) with per-module overrides (GPTQModel's `dynamic` regexes, `-:` to skip;
   AutoRound's `extra_config`, 16 bits to skip). Their tensors (`qweight`, `scales`, `qzeros`, `g_idx`) are the
-  same bit streams as compressed-tensors' `pack-quantized` parts, transposed; `shared/gptq_files.py` shows the
+  same bit streams as compressed-tensors' `pack-quantized` parts, transposed (AWQ's repacked);
+  `shared/gptq_files.py` shows the
   files under those names, so everything after this plan reads one layout (`QuantPlan.layout`).
 
 The metadata is checked against the tensors actually on disk (`check`): the reports met a release whose groups all
@@ -65,8 +67,8 @@ class QuantPlan:
     ignore: list[str] = field(default_factory=list)
     shadowed: dict[str, list[str]] = field(default_factory=dict)   # target -> groups whose scheme it lost
     kv_cache: dict | None = None        # compressed-tensors' kv_cache_scheme (the loader skips its k/v scales)
-    # "gptq": the files hold GPTQ's tensors (qweight, scales, qzeros, g_idx), shown under compressed-tensors'
-    # names by shared/gptq_files.py; "" for the formats that need no translation
+    # "gptq" / "awq": the files hold GPTQ's or AutoAWQ's tensors (qweight, scales, qzeros, g_idx), shown under
+    # compressed-tensors' names by shared/gptq_files.py; "" for the formats that need no translation
     layout: str = ""
     zero_offset: int = 0                # GPTQ's v1 checkpoints store each zero point minus one
     act_order: dict[str, bool] = field(default_factory=dict)   # target -> desc_act (GPTQ: g_idx is meaningful)
@@ -174,11 +176,12 @@ def parse(config: dict) -> QuantPlan | None:
                                    f"integers (per-tensor fp8 is not supported): {q}")
         wq = WeightQuant(bits=8, kind="float", strategy="block", block=tuple(block), format="float-quantized")
         return QuantPlan("fp8", {"Linear": ("fp8", wq)}, list(q.get("modules_to_not_convert") or []))
-    if method in ("gptq", "auto-round", "auto_round", "intel/auto-round"):     # the last: AutoRound before 0.4
+    if method in ("gptq", "awq", "auto-round", "auto_round", "intel/auto-round"):   # the last: AutoRound < 0.4
         return _gptq_plan(q, method)
     if method != "compressed-tensors":
         raise QuantSchemeError(f"quantization_config.quant_method {method!r} is not supported (compressed-tensors, "
-                               f"fp8 with weight_block_size, gptq, or auto-round in a GPTQ packing)")
+                               f"fp8 with weight_block_size, gptq, awq (gemm), or auto-round in a GPTQ or AWQ "
+                               f"packing)")
     _refuse_sparsity_and_online_transforms(q)
     groups = q.get("config_groups") or {}
     if not groups:
@@ -210,13 +213,24 @@ def parse(config: dict) -> QuantPlan | None:
 # and publish) stores z - 1, v2 z itself. AutoRound names its packings; "auto_round:auto_gptq" is v1.
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
 _AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": 1, "auto_round:gptq": 1, "auto": 1, "auto_round": 0,
-                        "auto_round:gptqmodel": 0}
+                        "auto_round:gptqmodel": 0, "auto_round:auto_awq": "awq", "auto_round:awq": "awq"}
 
 
 def _gptq_plan(q: dict, method: str) -> QuantPlan:
-    """GPTQ's and AutoRound's configs: one scheme for every quantized Linear, overrides by module."""
+    """GPTQ's, AutoAWQ's and AutoRound's configs: one scheme for every quantized Linear, overrides by module."""
     where = f"quantization_config ({method})"
-    if method == "gptq":
+    layout = "gptq"
+    if method == "awq":               # AutoAWQ's GEMM layout: 4-bit, a zero point a group, interleaved columns
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantSchemeError(f"{where}: version {q.get('version')!r} is not supported (gemm)")
+        if not q.get("zero_point", True):
+            raise QuantSchemeError(f"{where}: zero_point false is not supported (AutoAWQ's GEMM layout with zero "
+                                   f"points)")
+        q = {**q, "bits": q.get("bits", q.get("w_bit")), "group_size": q.get("group_size", q.get("q_group_size")),
+             "sym": False}
+        layout, offset = "awq", 0
+    elif method == "gptq":
         fmt = q.get("checkpoint_format") or q.get("format") or "gptq"
         if fmt not in _GPTQ_FORMATS:
             raise QuantSchemeError(f"{where}: checkpoint_format {fmt!r} is not supported ({', '.join(_GPTQ_FORMATS)})")
@@ -228,6 +242,10 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
                                    f"({', '.join(_AUTO_ROUND_PACKINGS)}; auto_round:llm_compressor checkpoints say "
                                    f"compressed-tensors and load as such)")
         offset = _AUTO_ROUND_PACKINGS[fmt]
+        if offset == "awq":
+            q, layout, offset = {**q, "sym": False}, "awq", 0
+    if layout == "awq" and q.get("bits") != 4:
+        raise QuantSchemeError(f"{where}: bits {q.get('bits')!r} in AWQ's layout is not supported (4)")
     if q.get("is_marlin_format"):
         raise QuantSchemeError(f"{where}: is_marlin_format (AutoGPTQ's Marlin repacking) is not supported (gptq, "
                                f"gptq_v2 files)")
@@ -256,7 +274,7 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
             continue
         targets[target] = (key, (scheme := _gptq_scheme({**q, **over}, f"{where} override {key!r}", over))[0])
         act_order[target] = scheme[1]
-    return QuantPlan("gptq", targets, ignore, layout="gptq", zero_offset=offset, act_order=act_order)
+    return QuantPlan("gptq", targets, ignore, layout=layout, zero_offset=offset, act_order=act_order)
 
 
 def _gptq_scheme(q: dict, where: str, over: dict) -> tuple[WeightQuant, bool]:

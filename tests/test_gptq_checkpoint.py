@@ -105,8 +105,19 @@ def _per_module(tensors: dict[str, torch.Tensor]):
             yield name[: -len(".weight")], t
 
 
+def _pack_awq_rows(q: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM layout: each row's 4-bit values, every 8 columns stored in the order 0 2 4 6 1 3 5 7, as one
+    bit stream: [rows, cols] -> int32 [rows, cols/8]."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    rows = []
+    for row in q.tolist():
+        stored = [row[b + order[p]] for b in range(0, len(row), 8) for p in range(8)]
+        rows.append(_stream_words(stored, 4))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 def write_gptq(src: Path, dst: Path, qconfig: dict, bits_of, sym: bool, act_order: bool, group: int,
-               v1: bool = True, seed: int = 0) -> Path:
+               v1: bool = True, seed: int = 0, awq: bool = False) -> Path:
     """A GPTQ checkpoint of the transformers checkpoint `src` in `dst`, and its float reference (the dequantized
     weights in transformers' own layout) in `dst`.ref: the modules QUANTIZED selects whose `bits_of(module)` is
     not None, at that width."""
@@ -124,12 +135,15 @@ def write_gptq(src: Path, dst: Path, qconfig: dict, bits_of, sym: bool, act_orde
             out[f"{module}.weight"] = w.contiguous()     # float (also what the quantizers skip: no whole words)
             continue
         q, z, s, g_idx, w_hat = _quantize(w, bits, group, sym, act_order, g)
+        hat[module] = w_hat
+        out[f"{module}.scales"] = s
+        if awq:                              # AutoAWQ: along the outputs, interleaved; zero points as they are
+            out[f"{module}.qweight"], out[f"{module}.qzeros"] = _pack_awq_rows(q), _pack_awq_rows(z)
+            continue
         stored_z = (z - 1) & ((1 << bits) - 1) if v1 else z
         out[f"{module}.qweight"] = _pack_columns(q, bits)
         out[f"{module}.qzeros"] = _pack_columns(stored_z.t(), bits).t().contiguous()
-        out[f"{module}.scales"] = s
         out[f"{module}.g_idx"] = g_idx
-        hat[module] = w_hat
     for name in list(ref):
         base = name.rsplit(".", 1)[0]
         if name.endswith(".experts.gate_up_proj"):
@@ -285,16 +299,34 @@ def test_auto_round_packings_load(originals, tmp_path):
     assert all(m.packed_group == 16 for m in stages[0].moe_layers().values())
 
 
+@pytest.mark.parametrize("how", ["awq", "auto-round"])
+def test_autoawq_gemm_files_load(how, originals, tmp_path):
+    """AutoAWQ's GEMM layout (`quant_method: awq`, or AutoRound's auto_round:auto_awq packing): 4-bit values along
+    the outputs in its interleaved column order, zero points as stored, repacked at load."""
+    cfg = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm",
+           "modules_to_not_convert": ["mlp.gate"]} if how == "awq" else \
+        {"quant_method": "auto-round", "bits": 4, "group_size": 16, "sym": False, "packing_format": "auto_round:auto_awq"}
+    qdir = write_gptq(originals["qwen3_next"], tmp_path / "q", cfg, lambda m: 4, sym=False, act_order=False,
+                      group=16, awq=True)
+    headers = tensor_headers(qdir)
+    name = "model.layers.0.mlp.experts.0.down_proj"
+    assert headers[f"{name}.weight_packed"][0] == (32, 2) and headers[f"{name}.weight_zero_point"][0] == (4, 1)
+    _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+
+
 @pytest.mark.parametrize("change,words", [
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
     ({"bits": 16}, "bits 16 is not supported"),
     ({"group_size": 0}, "group_size 0 is not supported"),
-    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}, "packing_format 'auto_round:auto_awq'"),
+    ({"quant_method": "auto-round", "packing_format": "auto_round:mlx"}, "packing_format 'auto_round:mlx'"),
     ({"quant_method": "auto-round", "data_type": "mx_fp"}, "data_type 'mx_fp' is not supported"),
     ({"quant_method": "auto-round", "act_bits": 8}, "act_bits 8"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16' is not supported"),
     ({"is_marlin_format": True}, "is_marlin_format"),
-    ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "awq", "version": "gemv"}, "version 'gemv' is not supported"),
+    ({"quant_method": "awq", "zero_point": False}, "zero_point false"),
+    ({"quant_method": "awq", "bits": 8}, "bits 8 in AWQ's layout"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq' is not supported"),
 ])
 def test_schemes_moepipe_cannot_run_are_refused_by_name(change, words):
     with pytest.raises(QuantSchemeError, match=re.escape(words)):

@@ -94,7 +94,7 @@ def test_the_most_specific_target_decides_and_ignore_wins():
 
 
 @pytest.mark.parametrize("q,match", [
-    ({"quant_method": "awq", "bits": 4}, "'awq' is not supported"),
+    ({"quant_method": "hqq", "bits": 4}, "'hqq' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {**_scheme(8), "input_activations": {
         "num_bits": 8, "type": "float"}}}}, "activation quantization"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": _scheme(4, strategy="block")}},
