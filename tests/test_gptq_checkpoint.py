@@ -299,6 +299,39 @@ def test_auto_round_packings_load(originals, tmp_path):
     assert all(m.packed_group == 16 for m in stages[0].moe_layers().values())
 
 
+def test_released_multimodal_names_and_their_overrides_load(originals, tmp_path):
+    """Released Qwen3.5 checkpoints name their tensors `model.language_model.layers...`, and AutoRound's
+    `extra_config` / GPTQModel's `dynamic` name modules so: an override written with the released name (8 bits for
+    one module) takes effect for the files' plain and released names alike, with transformers' logits."""
+    from safetensors.torch import load_file
+
+    one = "model.layers.0.linear_attn.out_proj"
+    released = one.replace("model.", "model.language_model.", 1)
+    bits_of = lambda m: 8 if m.endswith(one) else 4          # noqa: E731
+    for i, (how, extra) in enumerate((("extra_config", {released: {"bits": 8}}),
+                                      ("dynamic", {"+:" + re.escape(released): {"bits": 8}}))):
+        cfg = {**_gptq_config(), how: extra}
+        if how == "extra_config":
+            cfg.update(quant_method="auto-round", packing_format="auto_round:auto_gptq")
+        qdir = write_gptq(originals["qwen3_5_moe"], tmp_path / f"q{i}", cfg, bits_of, sym=True, act_order=False,
+                          group=16)
+        moved = tmp_path / f"moved{i}"
+        moved.mkdir()
+        tensors = load_file(qdir / "model.safetensors")
+        assert tensors[f"{one}.qweight"].shape[0] == 8              # 32 inputs at 8 bits: 8 words (4 at 4 bits)
+        save_file({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+                   for k, v in tensors.items()}, moved / "model.safetensors")
+        shutil.copy(qdir / "config.json", moved / "config.json")
+        assert refusal(moved) is None
+        stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+        outs = []
+        for model in (stages[0], load_model(moved, LoadOptions(dtype=torch.float32))):
+            engine = LocalEngine([model], max_seqs=1, max_tokens=64)
+            engine.add(0)
+            outs.append(engine.step([(0, PROMPT)], all_logits=True))
+        assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("how", ["awq", "auto-round"])
 def test_autoawq_gemm_files_load(how, originals, tmp_path):
     """AutoAWQ's GEMM layout (`quant_method: awq`, or AutoRound's auto_round:auto_awq packing): 4-bit values along
