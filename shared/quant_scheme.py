@@ -72,6 +72,9 @@ class QuantPlan:
     layout: str = ""
     zero_offset: int = 0                # GPTQ's v1 checkpoints store each zero point minus one
     act_order: dict[str, bool] = field(default_factory=dict)   # target -> desc_act (GPTQ: g_idx is meaningful)
+    # module -> its deciding target, as looked up: a GPTQ release has ~74k expert modules, each looked up by every
+    # pass over the files (~47 us a lookup with a few regex targets)
+    _decided: dict[tuple[str, str | None], str | None] = field(default_factory=dict, repr=False, compare=False)
 
     def for_module(self, name: str, cls: str | None = None) -> WeightQuant | None:
         """The scheme of module `name` (class `cls`, default `module_class(name)`), or None (ignored or no target
@@ -81,7 +84,10 @@ class QuantPlan:
 
     def group_of(self, name: str, cls: str | None = None) -> str | None:
         """The target that decides module `name`'s scheme (`deciding_target`), or None."""
-        return deciding_target(name, self.targets, self.ignore, cls)
+        key = (name, cls)
+        if key not in self._decided:
+            self._decided[key] = deciding_target(name, self.targets, self.ignore, cls)
+        return self._decided[key]
 
     @property
     def packs_ints(self) -> bool:
