@@ -180,9 +180,12 @@ class GptqView:
         wq = self._scheme(module)
         raw = self._raw
         if self._symmetric(module) and f"{module}.qzeros" in raw:
-            z = unpack_fields(self.f.get_tensor(f"{module}.qzeros"), wq.bits) + self.plan.zero_offset
-            z = z & ((1 << wq.bits) - 1)
-            if bool((z != (1 << (wq.bits - 1))).any()):
+            words = self.f.get_tensor(f"{module}.qzeros")
+            want = _symmetric_words(wq.bits, self.plan.zero_offset, words.shape[-1])
+            # one compare a module (a release has ~74k); the fields themselves only to name what differs
+            z = None if torch.equal(words, want.expand_as(words)) else \
+                (unpack_fields(words, wq.bits) + self.plan.zero_offset) & ((1 << wq.bits) - 1)
+            if z is not None and bool((z != (1 << (wq.bits - 1))).any()):
                 raise QuantSchemeError(f"{module}.qzeros: the config says sym (zero point {1 << (wq.bits - 1)}), "
                                        f"but the file holds others ({sorted(set(z.unique().tolist()))[:4]}); set "
                                        f"sym: false in quantization_config if the module is asymmetric")
@@ -192,6 +195,15 @@ class GptqView:
             if not torch.equal(g, torch.arange(g.numel()) // size):
                 raise QuantSchemeError(f"{module}.g_idx orders its groups (activation order), but the config says "
                                        f"desc_act: false; set desc_act: true in quantization_config")
+
+
+@functools.lru_cache(maxsize=64)
+def _symmetric_words(bits: int, offset: int, words: int) -> torch.Tensor:
+    """The int32 words a row of a symmetric module's zero points holds as stored (2^(b-1) - offset each field)."""
+    n = -(-words * 32 // bits)
+    n += -n % 32                                            # whole words of whole fields, then cut to `words`
+    fields = torch.full((1, n), (1 << (bits - 1)) - offset, dtype=torch.int64)
+    return pack_fields(fields, bits)[:, :words]
 
 
 def _norm(module: str) -> str:
