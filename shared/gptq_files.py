@@ -32,6 +32,7 @@ load; nothing is dequantized that compressed-tensors' form would keep packed.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,11 +85,11 @@ class GptqView:
     def __init__(self, f, plan: QuantPlan, path: Path) -> None:
         self.f, self.plan, self.path = f, plan, path
         raw = list(f.keys())
-        have = self._raw = set(raw)
+        self._raw = set(raw)
         self._names: dict[str, str | None] = {}     # shown name -> file name (None: made up, weight_shape)
-        for name in raw:
+        for name in raw:         # by suffix alone: a module's parts may sit in two files of a sharded checkpoint
             module, _, part = name.rpartition(".")
-            if part not in PARTS or f"{module}.qweight" not in have:
+            if part not in PARTS:
                 self._names[name] = name
                 continue
             if part == "qzeros" and self._symmetric(module):
@@ -174,13 +175,28 @@ class GptqView:
             return [out, int(self.f.get_slice(g_idx).get_shape()[0])]
         return [out, words * 32 // wq.bits]
 
+    def _part(self, name: str) -> torch.Tensor | None:
+        """A file tensor of this module that the view hides, from this file or, where a sharded checkpoint's index
+        puts it in another, from that one (None: in no file)."""
+        if name in self._raw:
+            return self.f.get_tensor(name)
+        index = self.path.parent / "model.safetensors.index.json"
+        try:
+            other = json.loads(index.read_text())["weight_map"].get(name)
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+        if other is None:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(self.path.parent / other, framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
     def _check_implied(self, module: str) -> None:
         """What the view leaves out must say nothing: a symmetric module's zero points are 2^(b-1) and, without
         activation order, its g_idx makes runs of group_size inputs (a file that disagrees is refused by name)."""
         wq = self._scheme(module)
-        raw = self._raw
-        if self._symmetric(module) and f"{module}.qzeros" in raw:
-            words = self.f.get_tensor(f"{module}.qzeros")
+        if self._symmetric(module) and (words := self._part(f"{module}.qzeros")) is not None:
             want = _symmetric_words(wq.bits, self.plan.zero_offset, words.shape[-1])
             # one compare a module (a release has ~74k); the fields themselves only to name what differs
             z = None if torch.equal(words, want.expand_as(words)) else \
@@ -189,8 +205,8 @@ class GptqView:
                 raise QuantSchemeError(f"{module}.qzeros: the config says sym (zero point {1 << (wq.bits - 1)}), "
                                        f"but the file holds others ({sorted(set(z.unique().tolist()))[:4]}); set "
                                        f"sym: false in quantization_config if the module is asymmetric")
-        if f"{module}.g_idx" in raw and not self.plan.acts_in_order(_norm(module)):
-            g = self.f.get_tensor(f"{module}.g_idx").to(torch.int64)
+        if not self.plan.acts_in_order(_norm(module)) and (g := self._part(f"{module}.g_idx")) is not None:
+            g = g.to(torch.int64)
             size = wq.group_size or g.numel()
             if not torch.equal(g, torch.arange(g.numel()) // size):
                 raise QuantSchemeError(f"{module}.g_idx orders its groups (activation order), but the config says "

@@ -270,6 +270,38 @@ def test_asymmetric_activation_ordered_and_overridden_modules_load(originals, tm
     assert not any(m.packed_group for m in stages[0].moe_layers().values())     # asymmetric: dequantized at load
 
 
+def _shard(qdir: Path, second: set[str]) -> None:
+    """Rewrite `qdir` as two files with an index, the tensors in `second` in the second one."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(qdir / "model.safetensors")
+    (qdir / "model.safetensors").unlink()
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k not in second},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k in second}}
+    for name, part in files.items():
+        save_file(part, qdir / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: n for n, part in files.items() for k in part}}
+    (qdir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_module_split_across_two_files_of_a_sharded_checkpoint_loads(originals, tmp_path):
+    """A sharded checkpoint may cut between one module's tensors (qweight in one file, qzeros, scales and g_idx in
+    the next): the module is read whole, and its hidden zero points are checked from the other file."""
+    from safetensors.torch import load_file
+
+    one = "model.layers.0.mlp.experts.2.up_proj"
+    qdir = write_gptq(originals["qwen3_next"], tmp_path / "q", _gptq_config(), lambda m: 4, sym=True,
+                      act_order=False, group=16)
+    _shard(qdir, {f"{one}.qzeros", f"{one}.scales", f"{one}.g_idx", "model.norm.weight"})
+    _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    second = qdir / "model-00002-of-00002.safetensors"
+    tensors = load_file(second)
+    tensors[f"{one}.qzeros"] = torch.full_like(tensors[f"{one}.qzeros"], 0x55555555)     # zero points 6, not 8
+    save_file(tensors, second, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{one}.qzeros: the config says sym")):
+        load_model(qdir, LoadOptions(dtype=torch.float32))
+
+
 def test_an_autogptq_quantize_config_json_is_read(originals, tmp_path):
     """Older GPTQ releases keep their scheme in quantize_config.json (no quant_method; `groupsize`), not in
     config.json: read as vLLM reads it, and `--quantization gptq` is then the checkpoint's own scheme."""
