@@ -42,7 +42,6 @@ from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, config
 
 # GPTQ part -> the compressed-tensors part it is shown as
 PARTS = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point", "g_idx": "weight_g_idx"}
-SHOWN = {v: k for k, v in PARTS.items()}
 
 
 def plan_for(model_dir: Path) -> QuantPlan | None:
