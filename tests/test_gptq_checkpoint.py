@@ -439,19 +439,19 @@ def test_moepipe_serve_answers_from_a_gptq_checkpoint(tiny_checkpoint, tmp_path)
 
 @pytest.mark.gpu
 def test_gpu_kernels_serve_a_gptq_checkpoint_as_the_cpu_path(tiny_checkpoint, tmp_path):
-    """On a GPU: a symmetric INT4 GPTQ checkpoint (float16 scales, groups of 32) through every fast kernel and the
-    decode graphs, teacher-forced over 32 steps, stays as close to the float32 CPU path on the same files as the
+    """On a GPU: a symmetric INT4 GPTQ checkpoint (float16 scales, groups of 32) through every fast kernel (a
+    600-token prompt: the INT4 experts' grouped prefill kernel) and the decode graphs, teacher-forced over 32 steps, stays as close to the float32 CPU path on the same files as the
     bf16 PyTorch path does (the INT4 expert kernels and the packed dense GEMVs read GPTQ's scales)."""
     from stage_worker.kernels.flags import NONE, KernelFlags
 
     qdir = write_gptq(tiny_checkpoint, tmp_path / "q", _gptq_config(group=32), lambda m: 4, sym=True,
                       act_order=False, group=32)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(10, 300, (40,), generator=g).tolist()
+    prompt = torch.randint(10, 300, (600,), generator=g).tolist()     # past DECODE_MAX_TK: the grouped prefill
     forced = torch.randint(10, 300, (32,), generator=g).tolist()
 
     def run(model, graphs: bool) -> torch.Tensor:
-        engine = LocalEngine([model], max_seqs=1, max_tokens=256, cuda_graphs=graphs)
+        engine = LocalEngine([model], max_seqs=1, max_tokens=1024, cuda_graphs=graphs)
         engine.add(0)
         out = [engine.step([(0, prompt)])[-1:]]
         out += [engine.step([(0, [t])]) for t in forced]
