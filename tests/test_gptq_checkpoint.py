@@ -29,6 +29,7 @@ from shared.checkpoint_files import CheckpointError, tensor_headers
 from shared.gptq_files import pack_fields, unpack_fields
 from shared.quant_scheme import QuantSchemeError, parse, refusal
 from stage_worker.checkpoint.loader import LoadOptions, load_model
+from stage_worker.checkpoint.quantize import _split_fused
 from stage_worker.local_engine import LocalEngine
 from stage_worker.model.quant_linear import PackedLinear
 
@@ -90,19 +91,12 @@ def _quantize(w: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool
 
 
 def _per_module(tensors: dict[str, torch.Tensor]):
-    """(module, 2-D weight) pairs, transformers' fused 3-D experts as per-expert modules."""
+    """(module, 2-D weight) pairs, transformers' fused 3-D experts as per-expert modules (`moepipe quantize`'s
+    split)."""
     for name, t in tensors.items():
-        if t.dim() == 3 and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            base, kind = name.rsplit(".", 1)
-            for e in range(t.shape[0]):
-                if kind == "gate_up_proj":
-                    gate, up = t[e].chunk(2, dim=0)
-                    yield f"{base}.{e}.gate_proj", gate
-                    yield f"{base}.{e}.up_proj", up
-                else:
-                    yield f"{base}.{e}.down_proj", t[e]
-        elif name.endswith(".weight") and t.dim() == 2:
-            yield name[: -len(".weight")], t
+        if (name.endswith(".weight") and t.dim() == 2) or \
+                (t.dim() == 3 and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))):
+            yield from _split_fused(name, t)
 
 
 def _pack_awq_rows(q: torch.Tensor) -> torch.Tensor:
