@@ -105,6 +105,19 @@ def _rope(rng: random.Random, head_dim: int, family: str, max_pos: int) -> dict:
     return rope
 
 
+def rotary_dim(head_dim: int, rope: dict, family: str) -> int:
+    """The features transformers rotates: int(head_dim * factor) rounded up to even (one frequency per pair, an odd
+    last feature's included), as moepipe's config check counts them."""
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0 if family == "qwen4_exp" else 0.25))
+    return dim + dim % 2
+
+
+def _layer_types(kw: dict, attn: str) -> list[str]:
+    """The layer types the config class derives from full_attention_interval when none are given."""
+    return kw.get("layer_types") or [
+        LIN if (i + 1) % kw["full_attention_interval"] else attn for i in range(kw["num_hidden_layers"])]
+
+
 def random_case(rng: random.Random, family: str, *, servable: bool = False) -> Case:
     layers = rng.randint(1, 6)
     heads = rng.randint(1, 6)
@@ -136,6 +149,11 @@ def random_case(rng: random.Random, family: str, *, servable: bool = False) -> C
         kw["full_attention_interval"] = rng.randint(1, 4)      # layer_types derived by the config class
     else:
         kw["layer_types"] = [rng.choice([LIN, attn]) for _ in range(layers)]
+    if attn in _layer_types(kw, attn) and rotary_dim(head_dim, kw["rope_parameters"], family) > head_dim:
+        # an odd head_dim rotated whole (factor 1.0) rotates one feature more than the head has: transformers cannot
+        # run the attention layers and moepipe refuses naming partial_rotary_factor; with linear layers alone it is
+        # valid and kept (tests/test_qa_checkpoint_fuzz.py). Rotate head_dim - 1 features instead (even: YaRN too)
+        kw["rope_parameters"]["partial_rotary_factor"] = (head_dim - 0.5) / head_dim
     if family == "qwen3_next":
         kw["intermediate_size"] = rng.randint(1, 40)
         if rng.random() < 0.15:
@@ -160,12 +178,11 @@ def _qwen4(rng: random.Random, kw: dict) -> None:
         kw["seed"] = rng.randint(0, 5000)          # the n-gram hash's seed
     if kw.get("hidden_act", "silu") not in ("silu", "swish") and kw["output_gate_type"] is None:
         kw["output_gate_type"] = "sigmoid"        # transformers' config refuses another gate activation
-    layer_types = kw.get("layer_types") or [
-        LIN if (i + 1) % kw["full_attention_interval"] else IDX for i in range(kw["num_hidden_layers"])]
+    layer_types = _layer_types(kw, IDX)
     if IDX in layer_types:         # transformers' indexer fields default to None: it cannot build one without them
         ratio = rng.randint(1, 4)
-        factor = kw["rope_parameters"].get("partial_rotary_factor", 1.0)
-        rot = int(kw["head_dim"] * factor)
+        # the indexer's keys hold the rotated features: rounded up to even (head_dim 11 at 0.5 rotates 6, not 5)
+        rot = rotary_dim(kw["head_dim"], kw["rope_parameters"], "qwen4_exp")
         # 8+ indexer heads of 4+ features: with fewer, blocks often all score exactly 0 (every head's ReLU), a tie
         # transformers' topk and moepipe's lower-index rule break differently (tests/test_unseen_checkpoints_2.py)
         kw.update(indexer_n_heads=rng.choice([8, 12]), indexer_kv_heads=1,
