@@ -5,6 +5,7 @@ transformers on the library's decompression."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -93,3 +94,42 @@ def test_a_tied_model_s_quantized_embedding_is_not_replaced_by_the_float_lm_head
     first, last = (load_model(tmp_path, LoadOptions(start=s, end=e, dtype=torch.float32)) for s, e in ((0, 1), (1, 3)))
     assert torch.equal(first.embed_tokens.weight, want)
     assert torch.equal(last.lm_head.weight, embed)
+
+
+def test_int4_experts_of_a_non_silu_model_are_refused_naming_the_switch_that_runs_them(tmp_path):
+    """`moepipe quantize --scheme int4-experts` of a gelu model (seed 3715, case 6: Qwen3-Next, gelu_pytorch_tanh)
+    writes experts the packed kernels cannot run (they compute SiLU); the load refused with 'use the checkpoint
+    unquantized', yet with `packed_experts` off the loader dequantizes them and moepipe matches transformers on the
+    library's decompression. The refusal names that switch now; this checks the switch does what it says."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    from shared.model_config import ConfigError
+    from stage_worker.checkpoint.quantize import quantize_checkpoint
+    from test_unseen_checkpoints import assert_matches, qwen3_5_moe, written
+
+    model = written(qwen3_5_moe(hidden_size=32, moe_intermediate_size=16, hidden_act="gelu_pytorch_tanh"),
+                    tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", "int4-experts")
+    with pytest.raises(ConfigError, match=r"'hidden_act'.*turn cluster key packed_experts off "
+                                          r"\(MOEPIPE_PACKED_EXPERTS=0\)"):
+        load_model(tmp_path / "q", LoadOptions(dtype=torch.float32))
+    # transformers on the library's decompression of every expert, loaded as moepipe with packed_experts off
+    groups = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["config_groups"]
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+
+    def expert(layer: int, e: int, part: str) -> torch.Tensor:
+        module = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj"
+        w = next(g["weights"] for g in groups.values() if re.fullmatch(g["targets"][0].removeprefix("re:"), module))
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**w))
+        parts = {k[len(module) + 1:]: v for k, v in tensors.items() if k.startswith(module + ".")}
+        return PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+
+    with torch.no_grad():
+        for layer, block in enumerate(model.model.layers):
+            experts = block.mlp.experts
+            for e in range(experts.gate_up_proj.shape[0]):
+                experts.gate_up_proj[e] = torch.cat([expert(layer, e, "gate"), expert(layer, e, "up")])
+                experts.down_proj[e] = expert(layer, e, "down")
+    assert_matches(model, tmp_path / "q", stages=(1, 2), packed_experts=False)

@@ -38,15 +38,16 @@ def qwen3_5_moe(**kw):
     return Qwen3_5MoeTextConfig(**{**SMALL, "num_hidden_layers": 3, "layer_types": [LIN, LIN, FULL], **kw})
 
 
-def assert_matches(model, path: Path, stages=(1, 3)) -> None:
-    """moepipe's log-probabilities over the prompt and greedy continuation equal `model`'s, per stage count."""
+def assert_matches(model, path: Path, stages=(1, 3), **opts) -> None:
+    """moepipe's log-probabilities over the prompt and greedy continuation equal `model`'s, per stage count;
+    `opts`: more LoadOptions (the loader's switches)."""
     ids = list(PROMPT)
     for _ in range(NEW):
         ids.append(int(reference_logits(model, ids)[-1].argmax()))
     want = torch.log_softmax(reference_logits(model, ids), -1)
     cfg = load_config(path)
     for n in stages:
-        parts = [load_model(path, LoadOptions(start=s, end=e, dtype=torch.float32))
+        parts = [load_model(path, LoadOptions(start=s, end=e, dtype=torch.float32, **opts))
                  for s, e in split_layers(cfg.num_hidden_layers, n)]
         engine = LocalEngine(parts, max_seqs=1, max_tokens=64)
         engine.add(0)

@@ -96,7 +96,7 @@ class SparseMoE(nn.Module):
         in the scale's dtype, so a bf16 checkpoint computed in float32 on a CPU rounds its weights as there (in
         float32 scales they differed from the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its
         scale dtype the same way)."""
-        self._check_silu("INT4")
+        self._check_silu("INT4", "packed_experts")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
         dtype, device = scale_dtype or self.w13.dtype, self.w13.device
@@ -107,10 +107,13 @@ class SparseMoE(nn.Module):
         self.register_buffer("s2", torch.empty(E, H, -(-inter // group2), dtype=dtype, device=device))
         self.packed_group, self.packed_group2 = group, group2
 
-    def _check_silu(self, form: str) -> None:
+    def _check_silu(self, form: str, switch: str) -> None:
+        """Kept-quantized experts compute SiLU only; with `switch` off the loader dequantizes them and they run
+        any activation, which the message says (not only "use the checkpoint unquantized")."""
         if not is_silu(self.act_name):
             raise ConfigError(f"config field 'hidden_act': {form} experts are computed with SiLU only (got "
-                              f"{self.act_name!r}); use the checkpoint unquantized")
+                              f"{self.act_name!r}); turn cluster key {switch} off (MOEPIPE_{switch.upper()}=0) to "
+                              f"run them dequantized at load, or use the checkpoint unquantized")
 
     def use_fp8(self, block: tuple[int, int]) -> None:
         """Hold the routed experts as a block-FP8 checkpoint's float8 bytes and scales (issue 17,
@@ -118,7 +121,7 @@ class SparseMoE(nn.Module):
         up's), q2 uint8 [E, H, I], s2 float32 [E, ceil(H/br), ceil(I/bc)] (`kernels.moe_ref.Fp8Experts`); the
         same buffers the INT4 form uses, in a third form. uint8 storage, so no model-wide `.to(dtype)` can cast
         them. Built on the meta device and filled by the loader."""
-        self._check_silu("float8")
+        self._check_silu("float8", "packed_fp8_experts")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
         br, bc = block
