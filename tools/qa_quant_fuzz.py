@@ -349,16 +349,16 @@ def check_moepipe(qdir: Path, prompt: list[int], want_ids: list[int], want: torc
     return err, ""
 
 
-def load_refusal(qdir: Path) -> str | None:
-    """None when moepipe loads the directory; the message of its refusal (CheckpointError / QuantSchemeError /
-    ConfigError), else raises."""
+def load_refusal(qdir: Path, **opts) -> str | None:
+    """None when moepipe loads the directory (with LoadOptions `opts`); the message of its refusal
+    (CheckpointError / QuantSchemeError / ConfigError), else raises."""
     from shared.checkpoint_files import CheckpointError
     from shared.model_config import ConfigError
     from shared.quant_scheme import QuantSchemeError
     from stage_worker.checkpoint.loader import LoadOptions, load_model
 
     try:
-        load_model(qdir, LoadOptions(dtype=torch.float32))
+        load_model(qdir, LoadOptions(dtype=torch.float32, **opts))
     except (CheckpointError, QuantSchemeError, ConfigError) as exc:
         return str(exc)
     return None
@@ -421,14 +421,17 @@ def run_case(case: Case, way: str, rng: random.Random, work: Path, serve: bool) 
             case.notes.append(f"transformers direct vs oracle {d:.1e}")
         except Exception as exc:  # noqa: BLE001
             case.notes.append(f"transformers cannot load it directly: {type(exc).__name__}: {str(exc)[:120]}")
+    # packed on: LoadOptions keeps float8 experts and dense layers float8 only when asked (a served stage keeps the
+    # experts so by default, cluster key packed_fp8_experts); off: everything dequantized at load
+    on = {"packed_fp8_experts": True, "packed_fp8_dense": True}
     try:
-        why = load_refusal(qdir)
+        why = load_refusal(qdir, **on)
         if why is not None:
             return "refused", why[:500], 0.0
         worst = 0.0
         layers = ref.config.num_hidden_layers
-        for opts in ({}, {"packed_experts": False, "packed_dense": False, "packed_fp8_experts": False},
-                     {"split": True}):
+        for opts in (on, {"packed_experts": False, "packed_dense": False, "packed_fp8_experts": False},
+                     {"split": True, **on}):
             err, msg = check_moepipe(qdir, prompt, want_ids, want, layers, **opts)
             worst = max(worst, err)
             if msg or err > TOL:
