@@ -72,6 +72,9 @@ class QuantPlan:
     layout: str = ""
     zero_offset: int = 0                # GPTQ's v1 checkpoints store each zero point minus one
     act_order: dict[str, bool] = field(default_factory=dict)   # target -> desc_act (GPTQ: g_idx is meaningful)
+    # GPTQModel's `dynamic`: its regex targets in the config's order, each with whether it skips (`-:`): the first
+    # that matches a module decides it, as GPTQModel's dynamic_get (and vLLM) read them, not the most specific one
+    ordered: list[tuple[str, bool]] = field(default_factory=list)
     # module -> its deciding target, as looked up: a GPTQ release has ~74k expert modules, each looked up by every
     # pass over the files (~47 us a lookup with a few regex targets)
     _decided: dict[tuple[str, str | None], str | None] = field(default_factory=dict, repr=False, compare=False)
@@ -86,8 +89,21 @@ class QuantPlan:
         """The target that decides module `name`'s scheme (`deciding_target`), or None."""
         key = (name, cls)
         if key not in self._decided:
-            self._decided[key] = deciding_target(name, self.targets, self.ignore, cls)
+            self._decided[key] = self._first_rule(name, cls) if self.ordered else \
+                deciding_target(name, self.targets, self.ignore, cls)
         return self._decided[key]
+
+    def _first_rule(self, name: str, cls: str | None) -> str | None:
+        """GPTQModel's `dynamic`: modules_to_not_convert, then the first pattern (in the config's order) matching the
+        name (a `-:` one: None), then the default."""
+        names = _released_names(name)
+        if any(_match_name(n, t) for t in self.ignore for n in names):
+            return None
+        for target, skip in self.ordered:
+            if any(_match_name(n, target) for n in names):
+                return None if skip else target
+        rest = {t: v for t, v in self.targets.items() if t not in dict(self.ordered)}
+        return deciding_target(name, rest, self.ignore, cls)
 
     @property
     def packs_ints(self) -> bool:
@@ -123,7 +139,13 @@ def module_class(name: str) -> str:
 
 
 def _released_names(name: str) -> list[str]:
-    if name.startswith("model.") and not name.startswith("model.language_model."):
+    """`name` and its other spellings: a plain causal-LM name's released ones, a released name's plain one and the
+    other released one (the metadata check reads on-disk names, the loader normalised ones: both decide alike)."""
+    for prefix in ("model.language_model.", "language_model."):
+        if name.startswith(prefix):
+            name = "model." + name[len(prefix):]
+            break
+    if name.startswith("model."):
         rest = name[len("model."):]
         return [name, "model.language_model." + rest, "language_model." + rest]
     return [name]
@@ -265,6 +287,7 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
     if overrides is not None and not isinstance(overrides, dict):
         raise QuantSchemeError(f"{where}: {'dynamic' if method == 'gptq' else 'extra_config'} must be an object, "
                                f"got {type(overrides).__name__}")
+    ordered: list[tuple[str, bool]] = []
     for key, over in (overrides or {}).items():
         if not isinstance(over, dict):
             raise QuantSchemeError(f"{where}: the override for {key!r} must be an object, got {over!r}")
@@ -275,12 +298,18 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
             target = key if re.fullmatch(r"[\w.]+", key) else "re:" + key
             skip = int(over.get("bits", base[0].bits) or 16) >= 16 or \
                 str(over.get("data_type", "int")).lower() not in ("int", "int_sym", "int_asym")
+        if method == "gptq":          # the first pattern in order decides (a later spelling of it: never reached)
+            if target in dict(ordered):
+                continue
+            ordered.append((target, skip))
         if skip:
-            ignore.append(target)
+            if method != "gptq":
+                ignore.append(target)
             continue
         targets[target] = (key, (scheme := _gptq_scheme({**q, **over}, f"{where} override {key!r}", over))[0])
         act_order[target] = scheme[1]
-    return QuantPlan("gptq", targets, ignore, layout=layout, zero_offset=offset, act_order=act_order)
+    return QuantPlan("gptq", targets, ignore, layout=layout, zero_offset=offset, act_order=act_order,
+                     ordered=ordered)
 
 
 def _gptq_scheme(q: dict, where: str, over: dict) -> tuple[WeightQuant, bool]:
@@ -370,6 +399,12 @@ def check(plan: QuantPlan, tensors: dict[str, tuple[int, ...]]) -> list[str]:
             target = plan.group_of(module)
             named = target is not None and (target.startswith("re:") or target == module)
             if named and target.startswith("re:") and target in reaching and _ROUTED_EXPERT.search(module):
+                named = False
+            # GPTQ's and AWQ's overrides (`dynamic` regexes, `extra_config` names) only set how a module the library
+            # quantizes is quantized: it quantizes the modules its model definition lists, and leaves in float those
+            # whose shape fills no whole words or groups, whatever the overrides reach (`.*gate.*` reaches the
+            # router and shared_expert_gate too); a float weight there is what it wrote.
+            if plan.layout:
                 named = False
             if "weight" in parts and len(parts["weight"]) == 2 and named:
                 bad.setdefault(f"plain weight on disk, but the config says {wq.describe()}", []).append(module)
