@@ -358,6 +358,51 @@ def test_released_multimodal_names_and_their_overrides_load(originals, tmp_path)
         assert torch.equal(outs[0], outs[1])
 
 
+def test_dynamic_overrides_decide_in_order_and_may_reach_float_modules(originals, tmp_path):
+    """GPTQModel's `dynamic`: the first pattern in the config's order that matches a module decides it (its
+    dynamic_get; a `-:` after a matching `+:` does not skip), and a regex such as `.*gate.*` reaches the router and
+    shared_expert_gate, which GPTQModel leaves in float. `.*\\.1\\..*` reaches `experts.1.` of every layer, so a
+    layer's experts hold two widths (dequantized at load). Found by tools/qa_gptq_fuzz.py (seeds 3901-3906): the
+    plan put skips first and took regexes alphabetically, the metadata check refused the float router, and the
+    packed-expert path read every expert with expert 0's scheme."""
+    dynamic = {r"+:.*\.1\..*": {"bits": 8}, r"-:.*shared_expert\..*": {}, r".*gate.*": {"bits": 4}}
+
+    def bits_of(m):
+        if re.match(r".*\.1\..*", m):
+            return 8
+        return None if re.match(r".*shared_expert\..*", m) else 4
+
+    qdir = write_gptq(originals["qwen4_exp"], tmp_path / "q", _gptq_config(dynamic=dynamic), bits_of, sym=True,
+                      act_order=False, group=16)
+    headers = tensor_headers(qdir)
+    assert "model.layers.1.mlp.shared_expert.up_proj.weight_packed" in headers
+    assert "model.layers.0.mlp.shared_expert.up_proj.weight" in headers and "model.layers.0.mlp.gate.weight" in headers
+    assert refusal(qdir) is None
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    assert not any(m.packed_group for m in stages[0].moe_layers().values())     # experts.1: 8 bits, the rest 4
+
+
+def test_released_files_with_overrides_written_on_plain_names_load(originals, tmp_path):
+    """Files named `model.language_model.layers...` and AutoRound's `extra_config` keyed by the plain names (a module
+    at 8 bits, one routed expert left in float beside its packed neighbours): the metadata check decides each
+    module as the loader does, and the layer with the float expert is dequantized, not read as all packed. Found
+    by tools/qa_gptq_fuzz.py (seeds 3902, 3905)."""
+    from safetensors.torch import load_file
+
+    one, expert = "model.layers.0.linear_attn.out_proj", "model.layers.2.mlp.experts.2.up_proj"
+    cfg = {"quant_method": "auto-round", "bits": 4, "group_size": 16, "sym": True, "data_type": "int",
+           "packing_format": "auto_round", "extra_config": {one: {"bits": 8}, expert: {"bits": 16}}}
+    bits_of = lambda m: None if m == expert else 8 if m == one else 4        # noqa: E731
+    qdir = write_gptq(originals["qwen3_5_moe"], tmp_path / "q", cfg, bits_of, sym=True, act_order=False, group=16,
+                      v1=False)
+    tensors = load_file(qdir / "model.safetensors")
+    save_file({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}, qdir / "model.safetensors", metadata={"format": "pt"})
+    assert refusal(qdir) is None
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    assert not stages[0].moe_layers()[2].packed_group and stages[0].moe_layers()[0].packed_group == 16
+
+
 @pytest.mark.parametrize("how", ["awq", "auto-round"])
 def test_autoawq_gemm_files_load(how, originals, tmp_path):
     """AutoAWQ's GEMM layout (`quant_method: awq`, or AutoRound's auto_round:auto_awq packing): 4-bit values along

@@ -33,12 +33,18 @@ FP8_PARTS = ("weight", "weight_scale_inv")
 
 
 def _expert_schemes(plan: QuantPlan, cfg: HybridMoeConfig, start: int, end: int):
-    """(layer, [scheme of gate, up, down] of expert 0) for this stage's MoE layers: what decides whether a layer's
-    experts can stay in their checkpoint's form."""
+    """(layer, [scheme of gate, up, down] of its experts) for this stage's MoE layers: what decides whether a layer's
+    experts can stay in their checkpoint's form. A part whose experts do not all share one scheme is None (one
+    buffer a layer holds one form: GPTQModel's `dynamic` regexes such as `.*\\.1\\..*` reach `experts.1.` of every
+    layer, AutoRound's `extra_config` names single experts; QA 2026-12-07): those layers are dequantized at load."""
     for layer in range(start, end):
         if cfg.is_sparse_moe(layer):
-            yield layer, [plan.for_module(f"model.layers.{layer}.mlp.experts.0.{part}_proj")
-                          for part in ("gate", "up", "down")]
+            schemes = []
+            for part in ("gate", "up", "down"):
+                each = {plan.for_module(f"model.layers.{layer}.mlp.experts.{e}.{part}_proj")
+                        for e in range(cfg.num_experts)}
+                schemes.append(each.pop() if len(each) == 1 else None)
+            yield layer, schemes
 
 
 _EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.(\w+)$")
@@ -61,7 +67,7 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
     modules in bf16, and a transformers fp8 config may not list experts it left unconverted."""
     from shared.checkpoint_files import tensor_headers
 
-    packed, fp8, g_idx = set(), set(), set()
+    packed, fp8, g_idx, plain = set(), set(), set(), set()
     for layer, part, dtype in expert_tensors(tensor_headers(Path(model_dir))):
         if part == "weight_packed":
             packed.add(layer)
@@ -69,7 +75,9 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
             g_idx.add(layer)
         elif part == "weight" and dtype.startswith("F8"):
             fp8.add(layer)
-    return frozenset(packed - g_idx), frozenset(fp8)
+        elif part == "weight":                  # an expert the quantizer left in float beside packed ones
+            plain.add(layer)
+    return frozenset(packed - g_idx - plain), frozenset(fp8 - plain)
 
 
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,
