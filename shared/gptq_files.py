@@ -15,9 +15,11 @@ crossing into the next word where 32 is no multiple of b), unsigned with a zero 
 compressed-tensors stores a symmetric value v as v + 2^(b-1) and reads zero points the same way, so GPTQ's unsigned
 q and z are the very bits it expects: w = s * (q - z) either way. A symmetric GPTQ module's zero points are all
 2^(b-1) and are not shown (checked when its weight is read). GPTQ's v1 files (what GPTQModel and AutoGPTQ save and
-publish, AutoRound's auto_round:auto_gptq) store z - 1: shown here as z, each field + 1 on its own (the libraries add
-0x11111111 to a whole 4-bit word, carrying a field that overflowed into its neighbour; a v1 zero of 0 is stored as
--1 and overflows: read back here as 0, what the quantizer computed).
+publish, AutoRound's auto_round:auto_gptq) store z - 1. GPTQModel (`quant_method: gptq`, 2, 4 or 8 bits) saves them
+as its v2 words minus 0x11111111 (4 bits; 0x55555555, 0x01010101), whole words whose borrows cross fields, and reads
+them back adding the same to whole words: shown here so (a v1 zero of 0 borrows from its neighbour, which reads one
+too low field by field; QA 2026-12-07). Other v1 files (3, 5-7 bits, AutoRound's packing) are read each field + 1
+on its own (a stored -1 read back as 0, what the quantizer computed).
 
 AutoAWQ (`quant_method: awq`, version gemm; AutoRound's auto_round:auto_awq) packs 4-bit values along the outputs
 instead, `qweight` [in, out/8] and `qzeros` [groups, out/8], each word's 8 columns in the order AWQ_ORDER, zero points
@@ -150,7 +152,9 @@ class GptqView:
             wq = self._scheme(module)
             if self.plan.layout == "awq":
                 return pack_fields(awq_values(t), wq.bits).t().contiguous()
-            if self.plan.zero_offset:
+            if self.plan.zero_offset and self.plan.zero_words and 32 % wq.bits == 0:
+                t = _add_per_word(t, wq.bits, self.plan.zero_offset)
+            elif self.plan.zero_offset:
                 t = _add_per_field(t, wq.bits, self.plan.zero_offset)
             return t.t().contiguous()
         return t                                           # weight_g_idx
@@ -267,6 +271,14 @@ def awq_values(words: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(v)
     out.view(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)] = v.view(rows, cols // 8, 8)
     return out
+
+
+def _add_per_word(words: torch.Tensor, bits: int, add: int) -> torch.Tensor:
+    """int32 words + `add` in every `bits`-bit field, as one 32-bit addition a word (a field's carry goes into the
+    next field): GPTQModel's v1 -> v2 conversion, the inverse of its v2 -> v1 save (whole words minus the same)."""
+    const = sum(add << (i * bits) for i in range(32 // bits))
+    w = (words.to(torch.int64) + const) & 0xFFFFFFFF
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
 
 
 def _add_per_field(words: torch.Tensor, bits: int, add: int) -> torch.Tensor:

@@ -71,6 +71,9 @@ class QuantPlan:
     # compressed-tensors' names by shared/gptq_files.py; "" for the formats that need no translation
     layout: str = ""
     zero_offset: int = 0                # GPTQ's v1 checkpoints store each zero point minus one
+    # GPTQModel's v1 files (quant_method gptq): 2-, 4- and 8-bit zero points saved as v2 words minus 0x11111111 (4
+    # bits), whole words with borrows, and read back by adding it to whole words (shared/gptq_files.py)
+    zero_words: bool = False
     act_order: dict[str, bool] = field(default_factory=dict)   # target -> desc_act (GPTQ: g_idx is meaningful)
     # GPTQModel's `dynamic`: its regex targets in the config's order, each with whether it skips (`-:`): the first
     # that matches a module decides it, as GPTQModel's dynamic_get (and vLLM) read them, not the most specific one
@@ -309,7 +312,7 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
         targets[target] = (key, (scheme := _gptq_scheme({**q, **over}, f"{where} override {key!r}", over))[0])
         act_order[target] = scheme[1]
     return QuantPlan("gptq", targets, ignore, layout=layout, zero_offset=offset, act_order=act_order,
-                     ordered=ordered)
+                     ordered=ordered, zero_words=method == "gptq" and offset == 1)
 
 
 def _gptq_scheme(q: dict, where: str, over: dict) -> tuple[WeightQuant, bool]:

@@ -3,7 +3,7 @@ load as the files say (shared/gptq_files.py shows their tensors under compressed
 
 The files here are written by this test's own GPTQ writer, as those libraries lay them out: per module `qweight`
 int32 [in*b/32, out] (each column's values a little-endian bit stream along the inputs), `qzeros` int32
-[groups, out*b/32] (the same along the outputs; v1 files store z - 1), `scales` float16 [groups, out], `g_idx`
+[groups, out*b/32] (the same along the outputs; v1 files store z - 1, GPTQModel's by whole words with borrows), `scales` float16 [groups, out], `g_idx`
 int32 [in], routed experts as per-expert modules (as every published GPTQ release of this family has them). The
 writer builds each column's bit stream as one Python integer, independently of the loader's vectorised reader; the
 reader's packing agrees bit for bit with AutoRound's own `pack_bitstream` for 2-8 bits (checked once by hand,
@@ -134,9 +134,17 @@ def write_gptq(src: Path, dst: Path, qconfig: dict, bits_of, sym: bool, act_orde
         if awq:                              # AutoAWQ: along the outputs, interleaved; zero points as they are
             out[f"{module}.qweight"], out[f"{module}.qzeros"] = _pack_awq_rows(q), _pack_awq_rows(z)
             continue
-        stored_z = (z - 1) & ((1 << bits) - 1) if v1 else z
         out[f"{module}.qweight"] = _pack_columns(q, bits)
-        out[f"{module}.qzeros"] = _pack_columns(stored_z.t(), bits).t().contiguous()
+        if v1 and qconfig.get("quant_method") == "gptq" and 32 % bits == 0:
+            # GPTQModel saves v1 as its v2 words minus 0x11111111 (4 bits), whole words: a zero of 0 borrows
+            const = sum(1 << (i * bits) for i in range(32 // bits))
+            words = [[((w & 0xFFFFFFFF) - const) & 0xFFFFFFFF for w in row]
+                     for row in _pack_columns(z.t(), bits).t().tolist()]
+            out[f"{module}.qzeros"] = torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row]
+                                                    for row in words], dtype=torch.int32)
+        else:                           # v1 field by field (AutoRound's packing, 3 and 5-7 bits), or v2
+            stored_z = (z - 1) & ((1 << bits) - 1) if v1 else z
+            out[f"{module}.qzeros"] = _pack_columns(stored_z.t(), bits).t().contiguous()
         out[f"{module}.g_idx"] = g_idx
     for name in list(ref):
         base = name.rsplit(".", 1)[0]
@@ -249,7 +257,10 @@ def test_a_symmetric_int4_release_loads_with_its_experts_packed(family, original
 
 def test_asymmetric_activation_ordered_and_overridden_modules_load(originals, tmp_path):
     """sym off, desc_act on (g_idx a permutation's groups), GPTQModel `dynamic` overrides: down projections at
-    8 bits, the shared expert skipped (float on disk); v1 zero points, some of them 0 (stored as -1)."""
+    8 bits, the shared expert skipped (float on disk); v1 zero points, some of them 0 (stored as -1), saved as
+    GPTQModel saves them, whole words minus 0x11111111: the neighbour of a zero of 0 borrows, and is read back with
+    the carry (field by field it read one too low: tools/qa_gptq_fuzz.py's oracle missed it, the writer packed
+    field by field; found reading GPTQModel's convert_gptq_v2_to_v1_format_module)."""
     dynamic = {r"+:.*down_proj$": {"bits": 8}, r"-:.*shared_expert\..*": {}}
     cfg = _gptq_config(sym=False, desc_act=True, dynamic=dynamic)
     bits_of = lambda m: None if "shared_expert." in m else 8 if m.endswith("down_proj") else 4  # noqa: E731
