@@ -96,25 +96,23 @@ def test_a_tied_model_s_quantized_embedding_is_not_replaced_by_the_float_lm_head
     assert torch.equal(last.lm_head.weight, embed)
 
 
-def test_int4_experts_of_a_non_silu_model_are_refused_naming_the_switch_that_runs_them(tmp_path):
+def test_int4_experts_of_a_non_silu_model_are_dequantized_at_load(tmp_path):
     """`moepipe quantize --scheme int4-experts` of a gelu model (seed 3715, case 6: Qwen3-Next, gelu_pytorch_tanh)
     writes experts the packed kernels cannot run (they compute SiLU); the load refused with 'use the checkpoint
-    unquantized', yet with `packed_experts` off the loader dequantizes them and moepipe matches transformers on the
-    library's decompression. The refusal names that switch now; this checks the switch does what it says."""
+    unquantized', yet dequantized at load (what `packed_experts` off does) moepipe matches transformers on the
+    library's decompression. The loader now does that by itself, on 1 and 2 stages."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file
 
-    from shared.model_config import ConfigError
     from stage_worker.checkpoint.quantize import quantize_checkpoint
     from test_unseen_checkpoints import assert_matches, qwen3_5_moe, written
 
     model = written(qwen3_5_moe(hidden_size=32, moe_intermediate_size=16, hidden_act="gelu_pytorch_tanh"),
                     tmp_path / "src")
     quantize_checkpoint(tmp_path / "src", tmp_path / "q", "int4-experts")
-    with pytest.raises(ConfigError, match=r"'hidden_act'.*turn cluster key packed_experts off "
-                                          r"\(MOEPIPE_PACKED_EXPERTS=0\)"):
-        load_model(tmp_path / "q", LoadOptions(dtype=torch.float32))
+    loaded = load_model(tmp_path / "q", LoadOptions(dtype=torch.float32))        # dequantized at load by itself
+    assert not any(m.packed_group for m in loaded.moe_layers().values())
     # transformers on the library's decompression of every expert, loaded as moepipe with packed_experts off
     groups = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["config_groups"]
     tensors = load_file(tmp_path / "q" / "model.safetensors")
@@ -132,4 +130,4 @@ def test_int4_experts_of_a_non_silu_model_are_refused_naming_the_switch_that_run
             for e in range(experts.gate_up_proj.shape[0]):
                 experts.gate_up_proj[e] = torch.cat([expert(layer, e, "gate"), expert(layer, e, "up")])
                 experts.down_proj[e] = expert(layer, e, "down")
-    assert_matches(model, tmp_path / "q", stages=(1, 2), packed_experts=False)
+    assert_matches(model, tmp_path / "q", stages=(1, 2))

@@ -17,6 +17,7 @@ float8 bytes and scales themselves, never a bf16 copy). Switch: cluster key `pac
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ import torch
 
 from shared.model_config import HybridMoeConfig
 from shared.quant_scheme import QuantPlan
+
+log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale|"
                   r"weight_shape)$")
@@ -84,7 +87,7 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end:
                   model_dir: Path | str | None = None) -> dict[int, tuple[int, int]]:
     """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4: the
     plan says INT4 groups and (given `model_dir`) the files hold them packed."""
-    if plan is None or not plan.packs_ints:
+    if plan is None or not plan.packs_ints or not _silu_experts(cfg):
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
     if H % 8 or inter % 8:
@@ -107,7 +110,7 @@ def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: in
     """Decoder layer -> (rows, columns) of a scale block, for this stage's MoE layers whose experts stay float8
     (`packed_fp8_experts`): a transformers `fp8` checkpoint whose gate, up and down of the experts are all
     quantized (none in `modules_to_not_convert`) and (given `model_dir`) float8 in the files."""
-    if plan is None or plan.method != "fp8":
+    if plan is None or plan.method != "fp8" or not _silu_experts(cfg):
         return {}
     out = {}
     for layer, schemes in _expert_schemes(plan, cfg, start, end):
@@ -118,6 +121,18 @@ def fp8_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: in
         on_disk = _quantized_expert_layers(str(model_dir))[1]
         out = {layer: block for layer, block in out.items() if layer in on_disk}
     return out
+
+
+def _silu_experts(cfg: HybridMoeConfig) -> bool:
+    """The packed expert kernels compute SiLU: a model with another `hidden_act` has its quantized experts
+    dequantized at load instead (as `packed_experts` / `packed_fp8_experts` off would), which any activation runs."""
+    from stage_worker.model.activations import is_silu
+
+    if is_silu(cfg.hidden_act):
+        return True
+    log.info("checkpoint: hidden_act %r: quantized routed experts are dequantized at load (the packed expert "
+             "kernels compute SiLU)", cfg.hidden_act)
+    return False
 
 
 def dummy_groups(cfg: HybridMoeConfig) -> tuple[int, int]:
