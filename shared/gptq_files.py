@@ -40,28 +40,19 @@ from pathlib import Path
 
 import torch
 
-from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, config_with_quantization, parse
+from shared.checkpoint_files import CheckpointError, normalise
+from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, cached_plan
 
 # GPTQ part -> the compressed-tensors part it is shown as
 PARTS = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point", "g_idx": "weight_g_idx"}
 
 
 def plan_for(model_dir: Path) -> QuantPlan | None:
-    """The GPTQ plan of the checkpoint in `model_dir`, None for any other checkpoint (or no readable config)."""
-    path = Path(model_dir) / "config.json"
+    """The GPTQ / AWQ plan of the checkpoint in `model_dir` (the one `plan_of` gives), None for any other checkpoint,
+    no readable config, or a refused one (the config loader and the quantization check say why)."""
     try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return None
-    return _plan(str(path), stamp)
-
-
-@functools.lru_cache(maxsize=16)
-def _plan(path: str, stamp: int) -> QuantPlan | None:
-    config = config_with_quantization(Path(path).parent)
-    try:
-        plan = parse(config) if isinstance(config, dict) else None
-    except ValueError:                     # refused: the config loader and the quant check say why
+        plan = cached_plan(model_dir)
+    except ValueError:
         return None
     return plan if plan is not None and plan.layout in ("gptq", "awq") else None
 
@@ -95,7 +86,7 @@ class GptqView:
                 continue
             if part == "qzeros" and self._symmetric(module):
                 continue                         # symmetric: the zeros are 2^(b-1), checked with the weight
-            if part == "g_idx" and not self.plan.acts_in_order(_norm(module)):
+            if part == "g_idx" and not self.plan.acts_in_order(normalise(module)):
                 continue                         # runs of inputs: g_idx says nothing more (checked with the weight)
             self._names[f"{module}.{PARTS[part]}"] = name
             if part == "qweight":
@@ -140,8 +131,6 @@ class GptqView:
             try:
                 self._check_implied(module)
             except QuantSchemeError as exc:
-                from shared.checkpoint_files import CheckpointError
-
                 raise CheckpointError(f"{self.path}: {exc}") from None
             if self.plan.layout == "awq":           # [in, out/8] interleaved -> the stream along the inputs
                 return pack_fields(awq_values(t).t(), self._scheme(module).bits)
@@ -162,7 +151,7 @@ class GptqView:
     def _scheme(self, module: str) -> WeightQuant:
         """The module's scheme; a module no override or default reaches is read with the default's bits (the
         metadata check then names it as quantized on disk with no scheme)."""
-        return self.plan.for_module(_norm(module)) or self.plan.targets["Linear"][1]
+        return self.plan.for_module(normalise(module)) or self.plan.targets["Linear"][1]
 
     def _symmetric(self, module: str) -> bool:
         return self._scheme(module).symmetric
@@ -208,7 +197,7 @@ class GptqView:
                 raise QuantSchemeError(f"{module}.qzeros: the config says sym (zero point {1 << (wq.bits - 1)}), "
                                        f"but the file holds others ({sorted(set(z.unique().tolist()))[:4]}); set "
                                        f"sym: false in quantization_config if the module is asymmetric")
-        if not self.plan.acts_in_order(_norm(module)) and (g := self._part(f"{module}.g_idx")) is not None:
+        if not self.plan.acts_in_order(normalise(module)) and (g := self._part(f"{module}.g_idx")) is not None:
             g = g.to(torch.int64)
             size = wq.group_size or g.numel()
             if not torch.equal(g, torch.arange(g.numel()) // size):
@@ -223,12 +212,6 @@ def _symmetric_words(bits: int, offset: int, words: int) -> torch.Tensor:
     n += -n % 32                                            # whole words of whole fields, then cut to `words`
     fields = torch.full((1, n), (1 << (bits - 1)) - offset, dtype=torch.int64)
     return pack_fields(fields, bits)[:, :words]
-
-
-def _norm(module: str) -> str:
-    from shared.checkpoint_files import normalise
-
-    return normalise(module)
 
 
 def unpack_fields(words: torch.Tensor, bits: int) -> torch.Tensor:

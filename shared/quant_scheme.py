@@ -26,6 +26,7 @@ INT6 planes as INT4. Each finding names the tensors it hits. Anything else stops
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -294,20 +295,19 @@ def _gptq_plan(q: dict, method: str) -> QuantPlan:
     for key, over in (overrides or {}).items():
         if not isinstance(over, dict):
             raise QuantSchemeError(f"{where}: the override for {key!r} must be an object, got {over!r}")
-        if method == "gptq":          # GPTQModel: a regex matched from the name's start; "-:" skips the module
+        if method == "gptq":          # GPTQModel: a regex matched from the name's start; "-:" skips the module;
             skip, pattern = key.startswith("-:"), key[2:] if key[:2] in ("-:", "+:") else key
             target = "re:" + pattern
+            if target in dict(ordered):   # the first pattern in order decides (a later spelling: never reached)
+                continue
+            ordered.append((target, skip))
         else:                         # AutoRound: a module name (or a regex); 16 bits or a float type: not quantized
             target = key if re.fullmatch(r"[\w.]+", key) else "re:" + key
             skip = int(over.get("bits", base[0].bits) or 16) >= 16 or \
                 str(over.get("data_type", "int")).lower() not in ("int", "int_sym", "int_asym")
-        if method == "gptq":          # the first pattern in order decides (a later spelling of it: never reached)
-            if target in dict(ordered):
-                continue
-            ordered.append((target, skip))
-        if skip:
-            if method != "gptq":
+            if skip:
                 ignore.append(target)
+        if skip:
             continue
         targets[target] = (key, (scheme := _gptq_scheme({**q, **over}, f"{where} override {key!r}", over))[0])
         act_order[target] = scheme[1]
@@ -481,37 +481,65 @@ def _packed_inputs(cols: int, bits: int) -> list[tuple[int, int]]:
     return [dense] if dense == sparse else [dense, sparse]
 
 
-def config_with_quantization(model_dir) -> dict | None:
-    """A checkpoint directory's config.json, with AutoGPTQ's `quantize_config.json` as its quantization_config when
-    config.json has none (the older GPTQ releases keep it there, as vLLM reads it); None: no readable config."""
-    import json
+def _config_texts(model_dir) -> tuple[str | None, str | None]:
+    """The texts of a checkpoint directory's config.json and AutoGPTQ's quantize_config.json (None: unreadable)."""
     from pathlib import Path
 
+    def text(name: str) -> str | None:
+        try:
+            return (Path(model_dir) / name).read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    return text("config.json"), text("quantize_config.json")
+
+
+def _merged(config_text: str | None, side_text: str | None) -> dict | None:
+    """config.json, with quantize_config.json as its quantization_config when it has none (see
+    `config_with_quantization`)."""
+    import json
+
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = json.loads(config_text) if config_text is not None else None
+    except ValueError:
         return None                            # the config loader reports that
     if not isinstance(config, dict) or config.get("quantization_config") or \
-            (config.get("text_config") or {}).get("quantization_config"):
+            (config.get("text_config") or {}).get("quantization_config") or side_text is None:
         return config
     try:
-        side = json.loads((Path(model_dir) / "quantize_config.json").read_text())
-    except (OSError, ValueError):
+        side = json.loads(side_text)
+    except ValueError:
         return config
     if isinstance(side, dict) and "bits" in side:
         config = {**config, "quantization_config": {"quant_method": "gptq", **side}}
     return config
 
 
+def config_with_quantization(model_dir) -> dict | None:
+    """A checkpoint directory's config.json, with AutoGPTQ's `quantize_config.json` as its quantization_config when
+    config.json has none (the older GPTQ releases keep it there, as vLLM reads it); None: no readable config."""
+    return _merged(*_config_texts(model_dir))
+
+
+def cached_plan(model_dir) -> QuantPlan | None:
+    """The plan of a checkpoint directory's configs, one instance per config text (its memo of module lookups then
+    serves every pass of a load: the check, the packed-expert scan, the loader, the GPTQ view). Raises the parser's
+    QuantSchemeError as it is (`plan_of` names the tensors a refused group reaches)."""
+    return _plan_of_texts(*_config_texts(model_dir))
+
+
+@functools.lru_cache(maxsize=16)
+def _plan_of_texts(config_text: str | None, side_text: str | None) -> QuantPlan | None:
+    config = _merged(config_text, side_text)
+    return None if config is None else parse(config)
+
+
 def plan_of(model_dir) -> QuantPlan | None:
     """The plan of a checkpoint directory's config.json (None: not quantized, or no readable config)."""
     from pathlib import Path
 
-    config = config_with_quantization(model_dir)
-    if config is None:
-        return None
     try:
-        return parse(config)
+        return cached_plan(model_dir)
     except RefusedGroup as exc:
         raise QuantSchemeError(f"{exc}; {_reached_tensors(Path(model_dir), exc.targets, exc.ignore)}") from None
 
