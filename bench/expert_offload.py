@@ -157,7 +157,7 @@ def _read_setup(cfg, quant: str, hot: int):
         dev = PackedExperts(*(p[:hot] for p in parts), g13, g2)
         host = PackedExperts(*(p[hot:].cpu().pin_memory() for p in parts), g13, g2)
         return (lambda ids: fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)), \
-            packed_expert_bytes(cfg, g13, g2, "bfloat16")
+            packed_expert_bytes(cfg, g13, g2, dtype="bfloat16")
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
     rows = HostRows(w13[hot:].cpu().pin_memory(), w2[hot:].cpu().pin_memory(), hot)
@@ -276,7 +276,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     moves = policy is not None
     interval, half_life, margin = policy or (0, 0.0, 0.0)
     check = greedy_check(model, moves)
-    per_expert = packed_expert_bytes(cfg, *dummy_groups(cfg), "bfloat16") if quant else expert_bytes(cfg, "bfloat16")
+    per_expert = packed_expert_bytes(cfg, *dummy_groups(cfg), dtype="bfloat16") if quant else \
+        expert_bytes(cfg, "bfloat16")
     total_experts = sum(m.num_experts for m in model.moe_layers().values()) * per_expert
     if x is not None:
         assert x.host_bytes() + x.device_bytes() >= len(x.tables) * cfg.num_experts * per_expert   # VMM: granules

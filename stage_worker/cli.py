@@ -224,7 +224,7 @@ def _cold_set(args: argparse.Namespace) -> int:
     def stage_expert_bytes(s: int, e: int) -> int:
         layer = next((x for x in range(s, e) if x in packed), None)
         if layer is not None:
-            return cold_set.packed_expert_bytes(cfg, *packed[layer], args.dtype)
+            return cold_set.packed_expert_bytes(cfg, *packed[layer], dtype=args.dtype)
         layer = next((x for x in range(s, e) if x in fp8), None)
         if layer is not None:
             return cold_set.fp8_expert_bytes(cfg, fp8[layer])
@@ -264,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (compressed-tensors INT4/6/8 or "
                                         "block FP8), with the compressed-tensors library")
-    q.add_argument("--scheme", required=True, choices=["reports-mixed", "int4-experts", "fp8-block"],
+    q.add_argument("--scheme", required=True,
+                   choices=["reports-mixed", "int4-experts", "int4-experts-asym", "fp8-block"],
                    help="reports-mixed: experts INT4 g128, attention/DeltaNet/shared expert INT6 g128, "
                         "hyper-connections and embeddings INT8 per channel; int4-experts: only the routed experts; "
+                        "int4-experts-asym: the same with zero points (W4A16_ASYM); "
                         "fp8-block: float8 with 128x128 block scales (quant_method fp8)")
     q.add_argument("input", help="checkpoint directory (float weights)")
     q.add_argument("output", help="directory to write (must not exist or be empty)")

@@ -112,7 +112,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
                       if ".ple.ple_embedding" not in n and "ngram_embedding" not in n)
         weights += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                        if n.endswith(_PACKED) or n.endswith(_PACKED_DENSE) or n.endswith(_FP8_DENSE))
-        sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype) if layer in packed else
+        sizes = {layer: packed_expert_bytes(cfg, *packed[layer], dtype=dtype) if layer in packed else
                  fp8_expert_bytes(cfg, fp8[layer]) if layer in fp8 else
                  expert_bytes(cfg, dtype) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
         host = sum(len(cold.get(layer, ())) * size for layer, size in sizes.items())

@@ -223,6 +223,22 @@ def test_the_reader_unpacks_the_writers_bit_streams(bits):
     assert torch.equal(pack_fields(v.t(), bits), words.t())
 
 
+def _packed_kernels_match_their_reference(moe) -> None:
+    """The INT4 decode kernels (the interpreter on the CPU) and the grouped prefill kernels on a loaded layer's
+    experts, against the dequantize-then-matmul reference."""
+    from stage_worker.kernels.moe_int4 import fused_moe_int4
+    from stage_worker.kernels.moe_int4_prefill import grouped_moe_int4_triton
+    from stage_worker.kernels.moe_int4_ref import fused_moe_int4_ref
+
+    ex = moe.packed()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, ex.shape[1], generator=g)
+    ids, w = torch.tensor([[0, 3, 5], [1, 2, 7]], dtype=torch.int32), torch.rand(2, 3, generator=g)
+    ref = fused_moe_int4_ref(x, ids, w, ex)
+    assert torch.allclose(fused_moe_int4(x, ids, w, ex), ref, atol=1e-4)
+    assert torch.allclose(grouped_moe_int4_triton(x, ids, w, ex), ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen4_exp"])
 def test_a_symmetric_int4_release_loads_with_its_experts_packed(family, originals, tmp_path):
     """The published shape (GPTQModel v1 files, INT4 symmetric, groups of 16 here, desc_act off): the routed
@@ -241,16 +257,9 @@ def test_a_symmetric_int4_release_loads_with_its_experts_packed(family, original
     assert moes and all(m.packed_group == 16 and m.q13.dtype == torch.int32 for m in moes.values())
     kept = [n for n, m in stages[0].named_modules() if isinstance(m, PackedLinear)]
     assert any(n.endswith("o_proj") for n in kept) and any("shared_expert" in n for n in kept), kept
-    if family == "qwen4_exp":      # the INT4 decode kernels (interpreter on the CPU) read the float16 scales
-        from stage_worker.kernels.moe_int4 import fused_moe_int4
-        from stage_worker.kernels.moe_int4_ref import fused_moe_int4_ref
-
-        ex = next(iter(moes.values())).packed()
-        assert ex.s13.dtype == torch.float16
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(2, ex.shape[1], generator=g)
-        ids, w = torch.tensor([[0, 3, 5], [1, 2, 7]], dtype=torch.int32), torch.rand(2, 3, generator=g)
-        assert torch.allclose(fused_moe_int4(x, ids, w, ex), fused_moe_int4_ref(x, ids, w, ex), atol=1e-4)
+    if family == "qwen4_exp":      # the INT4 kernels (interpreter on the CPU) read the float16 scales
+        assert next(iter(moes.values())).packed().s13.dtype == torch.float16
+        _packed_kernels_match_their_reference(next(iter(moes.values())))
     _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32, start=s, end=e))
                                               for s, e in ((0, n // 2), (n // 2, n))])
 
@@ -272,7 +281,25 @@ def test_asymmetric_activation_ordered_and_overridden_modules_load(originals, tm
     assert "model.layers.0.mlp.experts.1.up_proj.weight_g_idx" in headers
     assert "model.layers.0.mlp.shared_expert.up_proj.weight" in headers
     stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
-    assert not any(m.packed_group for m in stages[0].moe_layers().values())     # asymmetric: dequantized at load
+    assert not any(m.packed_group for m in stages[0].moe_layers().values())     # activation order: dequantized
+
+
+def test_asymmetric_int4_experts_stay_packed_with_their_zero_points(originals, tmp_path):
+    """sym off, desc_act off (GPTQModel v1 files, zero points of 0 among them, stored as -1): the routed experts stay
+    in their words, with the zero points beside the scales (a quarter of the bytes dequantizing at load took), and
+    the logits are transformers' on the dequantized weights; on two stages too; the kernels read the zero points."""
+    qdir = write_gptq(originals["qwen4_exp"], tmp_path / "q", _gptq_config(sym=False), lambda m: 4, sym=False,
+                      act_order=False, group=16)
+    n = json.loads((qdir / "config.json").read_text())["num_hidden_layers"]
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    moes = stages[0].moe_layers()
+    assert moes and all(m.packed_group == 16 and m.packed().asym for m in moes.values())
+    ex = next(iter(moes.values())).packed()
+    zeros = torch.cat([ex.s13[..., ex.s13.shape[-1] // 2:].flatten(), ex.s2[..., ex.s2.shape[-1] // 2:].flatten()])
+    assert zeros.min() >= -8 and zeros.max() <= 7 and len(zeros.unique()) > 4 and torch.equal(zeros, zeros.round())
+    _packed_kernels_match_their_reference(next(iter(moes.values())))
+    _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32, start=s, end=e))
+                                              for s, e in ((0, n // 2), (n // 2, n))])
 
 
 def _shard(qdir: Path, second: set[str]) -> None:
@@ -426,7 +453,8 @@ def test_autoawq_gemm_files_load(how, originals, tmp_path):
     headers = tensor_headers(qdir)
     name = "model.layers.0.mlp.experts.0.down_proj"
     assert headers[f"{name}.weight_packed"][0] == (32, 2) and headers[f"{name}.weight_zero_point"][0] == (4, 1)
-    _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    assert all(m.packed_group == 16 and m.packed().asym for m in stages[0].moe_layers().values())   # kept packed
 
 
 @pytest.mark.parametrize("change,words", [
@@ -488,13 +516,15 @@ def test_moepipe_serve_answers_from_a_gptq_checkpoint(tiny_checkpoint, tmp_path)
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_serve_a_gptq_checkpoint_as_the_cpu_path(tiny_checkpoint, tmp_path):
-    """On a GPU: a symmetric INT4 GPTQ checkpoint (float16 scales, groups of 32) through every fast kernel (a
-    600-token prompt: the INT4 experts' grouped prefill kernel) and the decode graphs, teacher-forced over 32 steps, stays as close to the float32 CPU path on the same files as the
-    bf16 PyTorch path does (the INT4 expert kernels and the packed dense GEMVs read GPTQ's scales)."""
+@pytest.mark.parametrize("sym", [True, False])
+def test_gpu_kernels_serve_a_gptq_checkpoint_as_the_cpu_path(tiny_checkpoint, tmp_path, sym):
+    """On a GPU: an INT4 GPTQ checkpoint (float16 scales, groups of 32; symmetric, and asymmetric: zero points in
+    the INT4 expert kernels) through every fast kernel (a 600-token prompt: the INT4 experts' grouped prefill
+    kernel) and the decode graphs, teacher-forced over 32 steps, stays as close to the float32 CPU path on the same
+    files as the bf16 PyTorch path does (the INT4 expert kernels and the packed dense GEMVs read GPTQ's scales)."""
     from stage_worker.kernels.flags import NONE, KernelFlags
 
-    qdir = write_gptq(tiny_checkpoint, tmp_path / "q", _gptq_config(group=32), lambda m: 4, sym=True,
+    qdir = write_gptq(tiny_checkpoint, tmp_path / "q", _gptq_config(group=32, sym=sym), lambda m: 4, sym=sym,
                       act_order=False, group=32)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 300, (600,), generator=g).tolist()     # past DECODE_MAX_TK: the grouped prefill
@@ -510,7 +540,7 @@ def test_gpu_kernels_serve_a_gptq_checkpoint_as_the_cpu_path(tiny_checkpoint, tm
     with torch.inference_mode():
         truth = run(load_model(qdir, LoadOptions(dtype=torch.float32)), False)
         gpu = load_model(qdir, LoadOptions(device="cuda", dtype=torch.bfloat16))
-        assert all(m.packed_group == 32 for m in gpu.moe_layers().values())
+        assert all(m.packed_group == 32 and m.packed().asym != sym for m in gpu.moe_layers().values())
         gpu.set_kernels(NONE)
         plain = run(gpu, False)
         gpu.set_kernels(KernelFlags.parse("all"))

@@ -21,12 +21,14 @@ from stage_worker.model import quant_weight as qw  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 
 
-def _experts(E: int, H: int, I: int, group: int, seed: int, dtype=torch.float32) -> PackedExperts:
+def _experts(E: int, H: int, I: int, group: int, seed: int, dtype=torch.float32, asym=False) -> PackedExperts:
     g = torch.Generator(device=DEV).manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=g, device=DEV) / I ** 0.5).to(dtype)
-    q13, s13 = pack_int4(w13, group)
-    q2, s2 = pack_int4(w2, group)
+    if asym:                                         # skewed weights: zero points far from the middle
+        w13, w2 = w13 + w13.abs().mean(), w2 - w2.abs().mean()
+    q13, s13 = pack_int4(w13, group, asym)
+    q2, s2 = pack_int4(w2, group, asym)
     return PackedExperts(q13, s13, q2, s2, group)
 
 
@@ -47,14 +49,38 @@ def test_the_packing_is_compressed_tensors_own():
     assert (ours - w).abs().max() <= s.max() / 2 + 1e-6         # round to nearest
 
 
-@pytest.mark.parametrize("t,group,hot", [(1, 8, None), (2, 16, 5), (1, 16, 12),
-                                         (20, 16, 5)])   # past the largest config bucket (16): a short prompt
-def test_kernel_matches_the_reference(t, group, hot):
+def test_asymmetric_packing_is_the_library_s_too():
+    """Asymmetric groups: compressed-tensors' decompressor, given the scales and the zero points (packed along the
+    rows, as the library stores them) of pack_int4's scale rows, gives dequantize_int4's weight."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor as P
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(2)) + 0.7
+    q, sz = pack_int4(w, 16, asym=True)
+    s, z = sz[:, :4], sz[:, 4:]
+    assert PackedExperts(q[None], sz[None], q[None, :64, :3], sz[None, :64, :2], 16, 16).asym
+    assert int(z.min()) < -1                                     # skewed: zero points off the middle
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    zp = pack_to_int32(z.to(torch.int8), 4, packed_dim=0)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    parts = {"weight_packed": q, "weight_scale": s, "weight_zero_point": zp, "weight_shape": torch.tensor([24, 64])}
+    lib = P.decompress(parts, QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+    ours = dequantize_int4(q, sz, 16)
+    assert torch.equal(ours, lib)
+    assert (ours - w).abs().max() <= s.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("t,group,hot,asym", [(1, 8, None, False), (2, 16, 5, False), (1, 16, 12, False),
+                                              (20, 16, 5, False),  # past the largest config bucket (16)
+                                              (2, 16, 5, True), (1, 32, None, True)])     # zero points
+def test_kernel_matches_the_reference(t, group, hot, asym):
     """Decode shapes, with some slots in a second (host) table from `hot` on and a skipped slot (CUDA-graph
     padding). At 2 tokens the skipped last token is in the split launch itself (the first token still reads the
-    host row every top-k holds), not in a second launch over one table that repeated the first token's work."""
+    host row every top-k holds), not in a second launch over one table that repeated the first token's work.
+    Asymmetric experts (zero points in the scale rows) likewise."""
     E, H, I, k = 16, 64, 32, 4
-    ex = _experts(E, H, I, group, seed=t + group)
+    ex = _experts(E, H, I, group, seed=t + group, asym=asym)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(t, H, generator=g).to(DEV)
     logits = torch.randn(t, E, generator=g)
@@ -196,11 +222,12 @@ def test_shapes_the_kernel_cannot_take_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_full_shape_on_the_gpu():
-    """The reports' shape (H 2560, I 640, 512 experts, top-10, group 128) in bf16: agreement with the reference;
-    bench/moe_int4.py times it against the bf16 kernels."""
+@pytest.mark.parametrize("asym", [False, True])
+def test_full_shape_on_the_gpu(asym):
+    """The reports' shape (H 2560, I 640, 512 experts, top-10, group 128) in bf16, symmetric and with zero points:
+    agreement with the reference; bench/moe_int4.py times it against the bf16 kernels."""
     E, H, I, k = 512, 2560, 640, 10
-    ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16)
+    ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16, asym=asym)
     for t in (1, 4, 16, 100):          # the three launch-config buckets, and a short prompt (DECODE_MAX_TK)
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)

@@ -18,11 +18,14 @@ from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref,
 DEV = "cuda" if CUDA else "cpu"
 
 
-def _experts(E: int, H: int, I: int, g: int, g2: int, seed: int, dtype=torch.float32) -> PackedExperts:
+def _experts(E: int, H: int, I: int, g: int, g2: int, seed: int, dtype=torch.float32,
+             asym: bool = False) -> PackedExperts:
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=gen, device=DEV) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=gen, device=DEV) / I ** 0.5).to(dtype)
-    return PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g2), g, g2)
+    if asym:                                         # skewed weights: zero points far from the middle
+        w13, w2 = w13 + w13.abs().mean(), w2 - w2.abs().mean()
+    return PackedExperts(*pack_int4(w13, g, asym), *pack_int4(w2, g2, asym), g, g2)
 
 
 def _split(ex: PackedExperts, hot: int) -> tuple[PackedExperts, PackedExperts]:
@@ -50,22 +53,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("g,g2,block_k,modes", [
-    (64, 16, 128, (1, 1)),       # groups divide BLOCK_K: scale tiles; H 96 = 64 + a partial group of 32
-    (32, 16, 16, (0, 0)),        # BLOCK_K divides the groups: one scale a row a step, after the dot
-    (24, 24, 32, (2, 2)),        # neither: a scale per element (steps of 32 across groups of 24: half the steps of
-                                 # 16, the same gathers); I 40 = 24 + a partial group of 16
+@pytest.mark.parametrize("g,g2,block_k,modes,asym", [
+    (64, 16, 128, (1, 1), False),   # groups divide BLOCK_K: scale tiles; H 96 = 64 + a partial group of 32
+    (32, 16, 16, (0, 0), False),    # BLOCK_K divides the groups: one scale a row a step, after the dot
+    (24, 24, 32, (2, 2), False),    # neither: a scale per element (steps of 32 across groups of 24: half the steps
+                                    # of 16, the same gathers); I 40 = 24 + a partial group of 16
+    (64, 16, 128, (1, 1), True),    # each mode again with zero points
+    (32, 16, 16, (0, 0), True),
+    (24, 24, 32, (2, 2), True),
 ])
-def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypatch, g, g2, block_k, modes):
+def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypatch, g, g2, block_k, modes, asym):
     """21 tokens (not a multiple of any block), top-3 of 12 experts, slots 7.. in host memory, a few pairs of no
-    expert (negative ids: SKIP and -1); every scale mode, groups that do not divide H or I; once also without
-    host slots."""
+    expert (negative ids: SKIP and -1); every scale mode, groups that do not divide H or I, symmetric and
+    asymmetric; once also without host slots."""
     E, H, I, k, T, hot = 12, 96, 40, 3, 21, 7
     monkeypatch.setattr(P, "CFG", {key: (32, block_k, 4, 2) for key in P.CFG})
     bk_up, bk_down = (min(P.CFG[kind][1], max(16, 1 << (n - 1).bit_length()))
                       for kind, n in ((("dev", "up"), H), (("dev", "down"), I)))
     assert (P.scale_mode(g, bk_up), P.scale_mode(g2, bk_down)) == modes
-    ex = _experts(E, H, I, g, g2, seed=g + g2)
+    ex = _experts(E, H, I, g, g2, seed=g + g2, asym=asym)
     ids, w = _routing(T, E, k, seed=g)
     ids[3, 1] = -2
     ids[10, :] = -1
@@ -81,19 +87,22 @@ def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypa
         torch.testing.assert_close(P.grouped_moe_int4_triton(x, ids, w, ex), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,g,g2,mode,hots", [
-    (torch.bfloat16, 64, 32, 0, (0, 3)),   # one scale a step: the tile built from the bits of 128.0 (no int-to-float)
-    (torch.float16, 64, 32, 0, (3,)),      # the same from 1024.0
-    (torch.bfloat16, 32, 16, 1, (3, 8)),   # scale tiles
+@pytest.mark.parametrize("dtype,g,g2,mode,hots,asym", [
+    (torch.bfloat16, 64, 32, 0, (0, 3), False),  # one scale a step: the tile built from the bits of 128.0 (no
+                                                 # int-to-float)
+    (torch.float16, 64, 32, 0, (3,), False),     # the same from 1024.0
+    (torch.bfloat16, 32, 16, 1, (3, 8), False),  # scale tiles
+    (torch.bfloat16, 64, 32, 0, (3,), True),     # zero points taken off with the row sums
+    (torch.float16, 32, 16, 1, (3,), True),      # zero points in the tile
 ])
-def test_half_precision_and_all_slots_in_host_memory(dtype, g, g2, mode, hots):
+def test_half_precision_and_all_slots_in_host_memory(dtype, g, g2, mode, hots, asym):
     """bf16 / fp16 activations and scales (the serving dtypes) within their rounding of the reference and of the
     per-expert loop (2e-2 on the CPU: the interpreter rounds fp32 to bf16 by truncation, twice the GPU's error);
     a split table (both launch kinds) in every case, a table whose slots are all in host memory (no device slot)
-    and one with no host slot once each (which launches run does not depend on the dtype)."""
+    and one with no host slot once each (which launches run does not depend on the dtype); asymmetric too."""
     E, H, I, k, T = 8, 64, 32, 2, 20
     assert P.scale_mode(g, min(P.CFG["dev", "up"][1], H)) == P.scale_mode(g2, min(P.CFG["dev", "down"][1], I)) == mode
-    ex = _experts(E, H, I, g, g2, seed=4, dtype=dtype)
+    ex = _experts(E, H, I, g, g2, seed=4, dtype=dtype, asym=asym)
     ids, w = _routing(T, E, k, seed=2, dtype=dtype)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     ref = _reference(x, ids, w, ex)
@@ -174,7 +183,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from stage_worker.kernels import moe_int4_prefill as P
 
-def build(dt, K, N, gated, group, bm, cfg):
+def build(dt, K, N, gated, group, bm, cfg, zcol=0):
     bn, bk, warps, stages = cfg
     mode = P.scale_mode(group, bk)
     magic, offset = P.MAGIC.get(dt, (0, 0.0)) if mode == 0 else (0, 0.0)
@@ -183,7 +192,7 @@ def build(dt, K, N, gated, group, bm, cfg):
                out_ptr="*" + name, stride_a="i32", stride_qe="i32", stride_qr="i32", stride_se="i32",
                stride_sr="i32", TK="i32")
     const = dict(K=K, N=N, ROW_DIV=10 if gated else 1, GATED=gated, GROUP=group, MODE=mode, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, MAGIC=magic, OFFSET=offset, INTERPRET=False, IEEE=dt == torch.float32)
+                 BLOCK_K=bk, MAGIC=magic, OFFSET=offset, INTERPRET=False, IEEE=dt == torch.float32, ZCOL=zcol)
     sig.update(dict.fromkeys(const, "constexpr"))
     k = triton.compile(ASTSource(P._int4_gemm_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
@@ -194,12 +203,13 @@ H, I = 2560, 640
 print(json.dumps(dict(
     dev=build(torch.bfloat16, H, I, True, 128, 64, P.CFG["dev", "up"]),
     host=build(torch.bfloat16, I, H, False, 128, 128, P.CFG["host", "down"]),
+    asym=build(torch.bfloat16, H, I, True, 128, 64, P.CFG["dev", "up"], zcol=H // 128),
     others=[build(dt, 96, 40, True, g, 16, (32, 64, 4, 2)) for dt, g in
             ((torch.float16, 128), (torch.float32, 32), (torch.bfloat16, 24))])))
 """
     got = run_compile_script(script, timeout=300)
-    assert got["dev"]["spill"] == 0
-    assert all(c["shared"] <= 227 * 1024 for c in [got["dev"], got["host"], *got["others"]])
+    assert got["dev"]["spill"] == got["asym"]["spill"] == 0
+    assert all(c["shared"] <= 227 * 1024 for c in [got["dev"], got["host"], got["asym"], *got["others"]])
 
 
 # ---- the switch in the model ---------------------------------------------------------------------------------
@@ -250,7 +260,7 @@ def test_chunked_prefill_of_packed_cold_experts_equals_the_loop(tiny_checkpoint,
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T,share", [(44, 0.78), (512, 0.0), (512, 0.78)])
-def test_full_shape_against_the_reference_and_the_loop(T, share):
+def test_full_shape_against_the_reference_and_the_loop(T, share, asym=False):
     """The reports' shape (H 2560, I 640, 512 experts top-10, group 128, bf16) at prefill sizes (44 tokens: the
     4-stream TTFT prompts; a 512-token chunk), with `share` of the slots in pinned host memory: agreement with the
     reference and with the per-expert loop (`ExpertTable.moe_int4`, what the switch turns off), timed beside it.
@@ -264,7 +274,7 @@ def test_full_shape_against_the_reference_and_the_loop(T, share):
 
     E, H, I, k = 512, 2560, 640, 10
     hot = E - round(E * share)
-    ex = _experts(E, H, I, 128, 128, seed=3, dtype=torch.bfloat16)
+    ex = _experts(E, H, I, 128, 128, seed=3, dtype=torch.bfloat16, asym=asym)
     t = table(ex, hot)
     dev, host = t.packed_experts()
     host = host if hot < E else None
@@ -284,6 +294,13 @@ def test_full_shape_against_the_reference_and_the_loop(T, share):
     print(f"\nT={T}, {share:.0%} of slots in host memory: grouped INT4 kernels {kernel_us:.0f} us, per-expert loop "
           f"{loop_us:.0f} us ({loop_us / kernel_us:.1f}x); {n_host} host experts, {mb:.0f} MB"
           + (f" = {mb / kernel_us * 1e3:.1f} GB/s over the kernels' time" if n_host else ""))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_full_shape_with_zero_points():
+    """The same with asymmetric experts (zero points in the scale rows), a 512-token chunk, 78% in host memory."""
+    test_full_shape_against_the_reference_and_the_loop(512, 0.78, asym=True)
 
 
 @pytest.mark.gpu

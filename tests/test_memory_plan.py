@@ -310,7 +310,7 @@ def test_dummy_int4_experts_are_loaded_and_planned_packed(tiny_checkpoint):
     plain = stage_needs(cfg, base)[0]
     packed = stage_needs(cfg, dataclasses.replace(base, dummy_quant="int4-experts"))[0]
     dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
-    assert packed.expert_bytes == packed_expert_bytes(cfg, *dummy_groups(cfg), dtype) < plain.expert_bytes
+    assert packed.expert_bytes == packed_expert_bytes(cfg, *dummy_groups(cfg), dtype=dtype) < plain.expert_bytes
     assert plain.weights - packed.weights == packed.routed_experts // packed.expert_bytes * (
         plain.expert_bytes - packed.expert_bytes)
     cpu = dataclasses.replace(base, dummy_quant="int4-experts", stages=[StageSpec(0, cfg.num_hidden_layers, "", "cpu")])

@@ -38,15 +38,19 @@ PROMPT = [1, 5, 9, 33, 70, 100, 7, 400]
 GROUPS = (64, 32)        # the tiny preset's INT4 groups (128 does not divide H 64 / I 32: the largest power of two)
 
 
-@pytest.fixture(scope="module")
-def int4(tiny_checkpoint, tmp_path_factory):
-    """The tiny model quantized by `moepipe quantize --scheme int4-experts`."""
+def _quantized(tiny_checkpoint, tmp_path_factory, scheme: str):
     pytest.importorskip("compressed_tensors")
     from stage_worker.checkpoint.quantize import quantize_checkpoint
 
-    out = tmp_path_factory.mktemp("int4") / "q"
-    quantize_checkpoint(tiny_checkpoint, out, "int4-experts")
+    out = tmp_path_factory.mktemp(scheme) / "q"
+    quantize_checkpoint(tiny_checkpoint, out, scheme)
     return out, load_config(out)
+
+
+@pytest.fixture(scope="module")
+def int4(tiny_checkpoint, tmp_path_factory):
+    """The tiny model quantized by `moepipe quantize --scheme int4-experts`."""
+    return _quantized(tiny_checkpoint, tmp_path_factory, "int4-experts")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def test_packed_experts_in_host_ram_serve_the_all_in_vram_greedy_tokens(int4, al
     model = load_model(q, LoadOptions(cold_experts=cold), cfg)
     x = model.experts
     assert x is not None and sorted(x.tables) == sorted(cold)
-    per_expert = cold_set.packed_expert_bytes(cfg, *GROUPS, "float32")
+    per_expert = cold_set.packed_expert_bytes(cfg, *GROUPS, dtype="float32")
     for layer, moe in model.moe_layers().items():
         t = moe.table
         assert t.packed and t.parts == PACKED_PARTS and t.groups == GROUPS
@@ -86,6 +90,33 @@ def test_packed_experts_in_host_ram_serve_the_all_in_vram_greedy_tokens(int4, al
     assert (lp - want_lp).abs().max().item() < 1e-4
     assert x.host_reads.sum().item() > 0 and x.counts.sum().item() > 0
     assert (x.moves.sum().item() > 0) == bool(move_every)
+    assert fingerprints_hold(model, plain) == len(cold)
+
+
+@pytest.fixture(scope="module")
+def int4_asym(tiny_checkpoint, tmp_path_factory):
+    """The tiny model quantized by `moepipe quantize --scheme int4-experts-asym` (zero points)."""
+    return _quantized(tiny_checkpoint, tmp_path_factory, "int4-experts-asym")
+
+
+def test_asymmetric_packed_experts_in_host_ram_with_moves_serve_the_all_in_vram_greedy_tokens(int4_asym):
+    """Asymmetric INT4 experts: the zero points ride in the scale rows, so a slot's rows (device or host), the
+    moves and the fingerprints carry them with no part of their own; 50% of the experts in host RAM, a move after
+    every step: the greedy tokens of all-in-VRAM, logprobs within 1e-4; each slot at the packed size with zero
+    points (as the memory plan counts it)."""
+    q, cfg = int4_asym
+    plain = load_model(q, LoadOptions(), cfg)
+    assert all(m.packed_group and m.packed().asym for m in plain.moe_layers().values())
+    want, want_lp = greedy(plain, PROMPT, 12)
+    cold = random_cold(cfg, 0.5, seed=11)
+    model = load_model(q, LoadOptions(cold_experts=cold), cfg)
+    per_expert = cold_set.packed_expert_bytes(cfg, *GROUPS, True, dtype="float32")
+    assert per_expert > cold_set.packed_expert_bytes(cfg, *GROUPS, dtype="float32")
+    for moe in model.moe_layers().values():
+        assert moe.table.packed_experts()[1].asym and sum(r.nbytes for r in moe.table.slot_rows(0)) == per_expert
+    got, lp = greedy(model, PROMPT, 12, 1)
+    assert got == want and (lp - want_lp).abs().max().item() < 1e-4
+    assert model.experts.moves.sum().item() > 0 and model.experts.host_reads.sum().item() > 0
     assert fingerprints_hold(model, plain) == len(cold)
 
 
@@ -204,7 +235,7 @@ def test_the_plan_counts_packed_cold_experts_at_their_packed_size(int4, tmp_path
     model = load_model(q, LoadOptions(dtype=torch.float32, cold_experts=cold, expert_move_async=True), cfg)
     per_slot = sum(r.nbytes for r in model.moe_layers()[0].table.slot_rows(0))
     spares = 2 * len(model.experts.tables) * per_slot
-    assert need.expert_bytes == per_slot == cold_set.packed_expert_bytes(cfg, *GROUPS, "float32")
+    assert need.expert_bytes == per_slot == cold_set.packed_expert_bytes(cfg, *GROUPS, dtype="float32")
     assert need.host_experts == model.experts.host_bytes() > 0
     assert need.weights == base.weights - need.host_experts + spares
     assert need.routed_experts == base.routed_experts - need.host_experts == model.experts.device_bytes() - spares
@@ -221,7 +252,7 @@ def test_auto_cold_experts_moves_out_packed_experts_by_their_packed_size(int4, t
     q, cfg = int4
     base = stage_needs(cfg, _cluster(q, cfg))[0]
     packed = base.expert_bytes
-    assert packed == cold_set.packed_expert_bytes(cfg, *GROUPS, "float32")
+    assert packed == cold_set.packed_expert_bytes(cfg, *GROUPS, dtype="float32")
     all_in = base.weights + base.state + base.reserve + (256 // 16 + 1) * base.block
     size = all_in - 10 * packed                     # ten packed experts too many for the device
     now = [_cluster(q, cfg, "auto")]
@@ -288,7 +319,7 @@ def test_served_packed_host_experts_equal_all_in_vram_with_moves_and_metrics(int
 
     assert total("moepipe_expert_host_reads_total{") > 0 and total("moepipe_expert_moves_total{") > 0
     host = total('moepipe_expert_bytes{stage="0",tier="host"}') + total('moepipe_expert_bytes{stage="1",tier="host"}')
-    assert host == sum(len(v) for v in cold.values()) * cold_set.packed_expert_bytes(cfg, *GROUPS, "float32")
+    assert host == sum(len(v) for v in cold.values()) * cold_set.packed_expert_bytes(cfg, *GROUPS, dtype="float32")
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------------------------

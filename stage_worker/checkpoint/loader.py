@@ -91,7 +91,7 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     model = model.to(dtype)
     for layer, moe in model.moe_layers().items():
         if layer in (packed or {}):
-            moe.use_packed(*packed[layer], (scale_dtypes or {}).get(layer))
+            moe.use_packed(*packed[layer], scale_dtype=(scale_dtypes or {}).get(layer))
         elif layer in (fp8 or {}):
             moe.use_fp8(fp8[layer])
     if dense is not None:

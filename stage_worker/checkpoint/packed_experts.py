@@ -2,9 +2,11 @@
 words and scales into the layers' buffers (`SparseMoE.use_packed`) as the loader streams the files, or, for a layer
 with cold experts (issue 16), into each expert's slot of its table (device rows or pinned host rows).
 
-A layer's experts stay packed when the checkpoint's scheme for them is compressed-tensors INT4, symmetric, by
-groups that are multiples of 8 (whole int32 words per group; gate and up alike, down may differ), and the hidden
-and expert widths are multiples of 8: the reports' release. Anything else is dequantized at load (`quant_weight`).
+A layer's experts stay packed when the checkpoint's scheme for them is compressed-tensors INT4 by groups that are
+multiples of 8 (whole int32 words per group; gate and up alike, down may differ), symmetric (the reports' release)
+or asymmetric in all three (AutoAWQ, GPTQ `sym: false`, W4A16_ASYM: the zero points go into the scale rows after the
+scales, `kernels/moe_int4_ref.py`), and the hidden and expert widths are multiples of 8. Anything else is
+dequantized at load (`quant_weight`).
 The MTP head's experts are always dequantized. Switch: cluster key `packed_experts` (MOEPIPE_PACKED_EXPERTS=0).
 
 The third form: a block-FP8 checkpoint's (transformers' `fp8`) routed experts kept as their float8 bytes (uint8
@@ -26,11 +28,13 @@ import torch
 
 from shared.model_config import HybridMoeConfig
 from shared.quant_scheme import QuantPlan
+from stage_worker.kernels.moe_int4_ref import scale_columns
+from stage_worker.model.quant_weight import unpack_rows
 
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale|"
-                  r"weight_shape)$")
+                  r"weight_zero_point|weight_shape)$")
 FP8_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 FP8_PARTS = ("weight", "weight_scale_inv")
 
@@ -84,9 +88,10 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
 
 
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,
-                  model_dir: Path | str | None = None) -> dict[int, tuple[int, int]]:
-    """Decoder layer -> (group of gate/up, group of down), for this stage's MoE layers whose experts stay INT4: the
-    plan says INT4 groups and (given `model_dir`) the files hold them packed."""
+                  model_dir: Path | str | None = None) -> dict[int, tuple[int, int, bool]]:
+    """Decoder layer -> (group of gate/up, group of down, asymmetric), for this stage's MoE layers whose experts
+    stay INT4 (`SparseMoE.use_packed`'s arguments): the plan says INT4 groups, symmetric in all three projections or
+    asymmetric in all three, and (given `model_dir`) the files hold them packed."""
     if plan is None or not plan.packs_ints or not _silu_experts(cfg):
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
@@ -96,9 +101,10 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end:
     for layer, schemes in _expert_schemes(plan, cfg, start, end):
         if any(w is None for w in schemes) or schemes[0] != schemes[1]:
             continue
-        if all((w.kind, w.bits, w.symmetric, w.strategy, w.format) == ("int", 4, True, "group", "pack-quantized")
-               and w.group_size % 8 == 0 for w in schemes):
-            out[layer] = (schemes[0].group_size, schemes[2].group_size)
+        if all((w.kind, w.bits, w.strategy, w.format, w.symmetric) ==
+               ("int", 4, "group", "pack-quantized", schemes[0].symmetric) and w.group_size % 8 == 0
+               for w in schemes):
+            out[layer] = (schemes[0].group_size, schemes[2].group_size, not schemes[0].symmetric)
     if model_dir is not None and out:
         on_disk = _quantized_expert_layers(str(model_dir))[0]
         out = {layer: groups for layer, groups in out.items() if layer in on_disk}
@@ -149,8 +155,9 @@ def dummy_groups(cfg: HybridMoeConfig) -> tuple[int, int]:
 
 
 class PackedPlacer:
-    """Copies each `...experts.E.{gate,up,down}_proj.{weight_packed,weight_scale}` into its layer's buffers and
-    checks `weight_shape`; `finish` names what never came."""
+    """Copies each `...experts.E.{gate,up,down}_proj.{weight_packed,weight_scale}` (and, asymmetric,
+    `weight_zero_point`: into the scale rows after the scales) into its layer's buffers and checks `weight_shape`;
+    `finish` names what never came."""
 
     def __init__(self, moes: dict, error: type[Exception]) -> None:
         self.moes, self.error = moes, error
@@ -180,6 +187,14 @@ class PackedPlacer:
             kind = ("q" if part == "weight_packed" else "s") + ("2" if proj == "down" else "13")
             rows = {"gate": slice(0, inter), "up": slice(inter, two_i), "down": slice(None)}[proj]
             target = _expert_row(moe, kind, e)[rows]      # straight into its slot when the layer has a table
+            if kind[0] == "s" and _asym(moe):             # scales, then zero points, in one row
+                half = target.shape[1] // 2
+                target = target[:, half:] if part == "weight_zero_point" else target[:, :half]
+                if part == "weight_zero_point" and tensor.dtype == torch.int32:      # packed along the rows
+                    tensor = unpack_rows(tensor, 4, target.shape[0])
+            elif part == "weight_zero_point":
+                raise self.error(f"tensor {raw_name!r} in {path}: a zero point, but the layer's experts were read as "
+                                 f"symmetric (INT4, groups {moe.packed_group} / {moe.packed_group2})")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
                                  f"{list(target.shape)} (INT4, groups {moe.packed_group} / {moe.packed_group2})")
@@ -213,14 +228,21 @@ class PackedPlacer:
         self.seen.add((layer, e, proj, part))
 
     def finish(self, model_dir: Path) -> None:
+        int4 = ("weight_packed", "weight_scale", "weight_shape")
         missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.num_experts)
                    for proj in ("gate", "up", "down")
-                   for part in (FP8_PARTS if moe.fp8_block else ("weight_packed", "weight_scale", "weight_shape"))
+                   for part in (FP8_PARTS if moe.fp8_block else int4 + ("weight_zero_point",) if _asym(moe) else int4)
                    if (layer, e, proj, part) not in self.seen]
         if missing:
             shown = ", ".join(f"model.layers.{lay}.mlp.experts.{e}.{p}_proj.{part}" for lay, e, p, part in missing[:3])
             raise self.error(f"missing tensor(s) in {model_dir}: {shown}"
                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+
+
+def _asym(moe) -> bool:
+    """INT4 experts with zero points (`SparseMoE.use_packed(..., asym=True)`): scale rows twice the groups."""
+    _, _, words = _shape(moe, "q13")
+    return _shape(moe, "s13")[-1] == scale_columns(words * 8, moe.packed_group, asym=True)
 
 
 def _shape(moe, kind: str) -> tuple[int, ...]:

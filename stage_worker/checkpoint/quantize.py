@@ -8,6 +8,8 @@ Schemes (each role: a set of module-name patterns and one weight scheme; what no
   (its up projection has 320 inputs, 2.5 groups of 128); embedding and lm_head INT8 per channel; the router,
   gates, norms, the hyper-connections' block inject and the PLE table as they were.
 * `int4-experts`: only the routed experts, INT4 group 128.
+* `int4-experts-asym`: the same with a zero point per group (llm-compressor's W4A16_ASYM on the experts; AutoAWQ
+  and GPTQ `sym: false` releases are of this kind): what the asymmetric INT4 expert kernels run.
 * `fp8-block`: transformers' block-FP8 form (`quant_method: fp8`, 128 x 128 scales, `weight_scale_inv`) over the
   experts and the dense projections, as the model makers publish it; the rest is listed in
   `modules_to_not_convert`.
@@ -47,6 +49,7 @@ class Role:
     strategy: str = "group"
     group_size: int | None = 128
     block: tuple[int, int] | None = None
+    symmetric: bool = True
 
 
 SCHEMES: dict[str, tuple[Role, ...]] = {
@@ -54,6 +57,7 @@ SCHEMES: dict[str, tuple[Role, ...]] = {
                       Role("hyper_connection_int8", HYPER, 8, strategy="channel", group_size=None),
                       Role("embeddings_int8", EMBED, 8, strategy="channel", group_size=None)),
     "int4-experts": (Role("experts_int4", EXPERTS, 4),),
+    "int4-experts-asym": (Role("experts_int4_asym", EXPERTS, 4, symmetric=False),),
     "fp8-block": (Role("fp8", EXPERTS + DENSE, 8, kind="float", strategy="block", group_size=None,
                        block=(128, 128)),),
 }
@@ -135,7 +139,7 @@ def plan(model_dir: Path, scheme: str) -> tuple[dict[str, dict], dict[str, dict]
     for (rname, pat), names in by_pattern.items():
         role = role_of[rname]
         strategy, gs = _group_for(role, {modules[m][1] for m in names})
-        args = {"num_bits": role.bits, "type": role.kind, "symmetric": True, "strategy": strategy}
+        args = {"num_bits": role.bits, "type": role.kind, "symmetric": role.symmetric, "strategy": strategy}
         if gs:
             args["group_size"] = gs
         if role.block:

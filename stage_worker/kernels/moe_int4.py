@@ -30,7 +30,7 @@ from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.common import pdl_usable, triton_usable
 from stage_worker.kernels.moe import (SKIP, _bucket, check_claim, claim_spare, copy_claimed, expert_rows, part_pairs,
                                      triton)
-from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4
+from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4, zcol
 
 if triton is not None:
     import triton.language as tl
@@ -65,7 +65,7 @@ if triton is not None:
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
                         PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
-                        NC: tl.constexpr = 1):
+                        NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads. CLAIM: if e is the
         claimed slot claim_ptr[0] (>= 0), the words and scales of the block being computed are also stored, as
@@ -76,7 +76,8 @@ if triton is not None:
         holds several rows, so the x values it gathers serve all of them); the words of the next PREFETCH (0, 1
         or 2) blocks are already loading while one is computed. Per word: d = sum_n (1 + q_n/16) x_n (the
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
-        applied once to their sum; the 16 at the end."""
+        applied once to their sum; the 16 at the end. ZCOL > 0 (asymmetric experts): the zero point z of a row's
+        group sits ZCOL columns after its scale, and sum_n (q_n - 8 - z) x_n = 16 (d - (1.5 + z/16) sum_n x_n)."""
         pdl_wait(PDL)                 # first: the ids, x and the expert tables (swapped between steps) all wait
         tj = tl.program_id(0)
         t = tj // TOP_K
@@ -119,6 +120,9 @@ if triton is not None:
             sg = sg_raw.to(tl.float32)
             su_raw = tl.load(sbase + ru * stride_sr + grp, mask=mq, other=0.0)
             su = su_raw.to(tl.float32)
+            if ZCOL:
+                zg_raw = tl.load(sbase + rg * stride_sr + ZCOL + grp, mask=mq, other=0.0)
+                zu_raw = tl.load(sbase + ru * stride_sr + ZCOL + grp, mask=mq, other=0.0)
             if PREFETCH == 0:
                 qg, qu = _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W)
             else:
@@ -130,6 +134,9 @@ if triton is not None:
                     tl.store(qspare + ru * stride_qr + ow[None, :], qu, mask=m)
                     tl.store(sspare + rg * stride_sr + grp, sg_raw, mask=mq)
                     tl.store(sspare + ru * stride_sr + grp, su_raw, mask=mq)
+                    if ZCOL:
+                        tl.store(sspare + rg * stride_sr + ZCOL + grp, zg_raw, mask=mq)
+                        tl.store(sspare + ru * stride_sr + ZCOL + grp, zu_raw, mask=mq)
             xs = tl.zeros([BLOCK_W], tl.float32)
             dg = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
@@ -138,9 +145,15 @@ if triton is not None:
                 xs += xn
                 dg += _nibble(qg, ONE, n) * xn[None, :]
                 du += _nibble(qu, ONE, n) * xn[None, :]
-            off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
-            acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off) * sg
-            acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off) * su
+            xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
+            if ZCOL:
+                off_g = -(1.5 + zg_raw.to(tl.float32) * 0.0625) * xq
+                off_u = -(1.5 + zu_raw.to(tl.float32) * 0.0625) * xq
+            else:
+                off_g = -1.5 * xq
+                off_u = off_g
+            acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off_g) * sg
+            acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off_u) * su
             if PREFETCH == 1:
                 qg = qg_n
                 qu = qu_n
@@ -181,7 +194,7 @@ if triton is not None:
                           I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
                           PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
-                          NC: tl.constexpr = 1):
+                          NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
@@ -191,7 +204,7 @@ if triton is not None:
         the store. CLAIM: as in `_int4_up_kernel`, the words and scales of the columns whose slot is the claimed
         one also stored into device slot spare_ptr[0] (masked stores, no branch: a block spans experts). NC > 1
         claims: each column's spare looked up among the entries (`moe.claim_spare`), the stores addressed per
-        column."""
+        column. ZCOL > 0: zero points ZCOL columns after the scales, as in `_int4_up_kernel`."""
         pdl_wait(PDL)                 # first: the ids, act and the expert tables all wait
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -226,6 +239,9 @@ if triton is not None:
             sb = tl.where(eq >= FIRST_HOST, hs_ptr + (eq - FIRST_HOST) * stride_se, s_ptr + eq * stride_se)
             sc = tl.load(sb[None, :] + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
                          mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0)
+            if ZCOL:
+                zc = tl.load(sb[None, :] + rows * stride_sh + ZCOL + ((wq * 8) // GROUP)[None, :],
+                             mask=mask_h[:, None] & (eq != SKIP_ID)[None, :], other=0.0)
             # The stores sit behind a test of the whole block (does any column hold a claimed slot?): masked stores
             # with every lane off still cost the down kernel 5.6 us a layer at four tokens (h100-35, claim- 30.9
             # against 25.3 us), and nearly every block of nearly every step claims nothing.
@@ -235,6 +251,9 @@ if triton is not None:
                 if tl.max((eq == c).to(tl.int32), axis=0) > 0:
                     tl.store(sspare + rows * stride_sh + ((wq * 8) // GROUP)[None, :], sc,
                              mask=mask_h[:, None] & (eq == c)[None, :])
+                    if ZCOL:
+                        tl.store(sspare + rows * stride_sh + ZCOL + ((wq * 8) // GROUP)[None, :], zc,
+                                 mask=mask_h[:, None] & (eq == c)[None, :])
             if CLAIM and NC > 1:        # each column to the spare of the entry holding its slot, if one does
                 sp = claim_spare(e, claim_ptr, spare_ptr, NC)
                 if tl.max(sp, axis=0) >= 0:
@@ -244,6 +263,9 @@ if triton is not None:
                 if tl.max(spq, axis=0) >= 0:
                     tl.store(s_ptr + spq[None, :] * stride_se + rows * stride_sh + ((wq * 8) // GROUP)[None, :],
                              sc, mask=mask_h[:, None] & (spq >= 0)[None, :])
+                    if ZCOL:
+                        tl.store(s_ptr + spq[None, :] * stride_se + rows * stride_sh + ZCOL +
+                                 ((wq * 8) // GROUP)[None, :], zc, mask=mask_h[:, None] & (spq >= 0)[None, :])
             sc = sc.to(tl.float32)
             ab = act_ptr + (t * TOP_K + j) * I + w             # act_p[t, j, 0, w]
             mc = e != SKIP_ID
@@ -253,7 +275,11 @@ if triton is not None:
                 a = tl.load(ab + n * WPE, mask=mc, other=0.0)
                 xs += a
                 d += _nibble(q, ONE, n) * a[None, :]
-            off = (-1.5 * tl.sum(tl.reshape(xs, [NQ, QW]), axis=1))[None, :]
+            xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
+            if ZCOL:
+                off = -(1.5 + zc.to(tl.float32) * 0.0625) * xq
+            else:
+                off = -1.5 * xq
             acc += (tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) + off) * sc
             if PREFETCH == 1:
                 j = j_n
@@ -364,7 +390,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
         H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
         claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl)
+        launch_pdl=pdl, ZCOL=zcol(H, g, experts))
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     if before_down is not None:
@@ -375,7 +401,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
         QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
         claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl)
+        launch_pdl=pdl, ZCOL=zcol(I, g2, experts))
     return out
 
 

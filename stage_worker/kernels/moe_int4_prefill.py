@@ -25,7 +25,9 @@ launch's PCIe bandwidth beside the H200's 55 GB/s copy-engine figure.
 Scales: when BLOCK_K divides the group, a step's inputs share one scale a row, applied to the dot's result in fp32
 (mode 0); when the group divides BLOCK_K, the step's scales are loaded as a [groups, BLOCK_N] tile and broadcast
 (mode 1); otherwise (groups of 24, 40, ...) each element's scale is gathered (mode 2). A last group shorter than the
-group size has its own scale column, as the checkpoints store it.
+group size has its own scale column, as the checkpoints store it. Asymmetric experts (ZCOL > 0: zero points after
+the scales in the scale rows, `moe_int4_ref`) subtract each row's zero point with the 8: in the tile (modes 1 and 2,
+and mode 0 without MAGIC), or, mode 0 with MAGIC, in the row-sum term taken off the dot (now per output column).
 
 Reference: `moe_int4_ref.fused_moe_int4_ref` (dequantize, then `fused_moe_ref`); the path it replaces:
 `ExpertTable.moe_int4`. Tests: tests/test_kernel_moe_int4_prefill.py. Switch: kernel flag `moe_int4_prefill`.
@@ -38,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stage_worker.kernels.moe_int4_ref import PackedExperts
+from stage_worker.kernels.moe_int4_ref import PackedExperts, zcol
 from stage_worker.kernels.moe_prefill import block_m
 
 # (BLOCK_N, BLOCK_K, warps, stages) per launch kind and phase: not timed yet (bench/moe_int4_prefill.py --sweep on
@@ -55,14 +57,15 @@ HOST_MAX_BLOCK_M = 128
 @triton.jit
 def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr, GROUP: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-          MAGIC: tl.constexpr):
-    """W^T for `rows` and inputs k0..k0+BLOCK_K as a [BLOCK_K, BLOCK_N] tile in DT, and the [BLOCK_N] scales the
-    dot's result takes (mode 0; ones otherwise, the scales being in the tile). Words are loaded once, [BLOCK_K / 8,
+          MAGIC: tl.constexpr, ZCOL: tl.constexpr):
+    """W^T for `rows` and inputs k0..k0+BLOCK_K as a [BLOCK_K, BLOCK_N] tile in DT, the [BLOCK_N] scales the
+    dot's result takes (mode 0; ones otherwise, the scales being in the tile) and the [BLOCK_N] zero points the
+    caller still has to take off (mode 0 with MAGIC and ZCOL; zeros otherwise). Words are loaded once, [BLOCK_K / 8,
     BLOCK_N], and split into their 8 nibbles in registers (input 8w + n is nibble n of word w, stored as q + 8).
 
     Mode 0 with MAGIC (bf16 / fp16 activations): the tile holds MAGIC's value + nibble, built by OR-ing the nibble
     into the mantissa of 128.0 (bf16) or 1024.0 (fp16), exactly, with no int-to-float conversion (a quarter-rate
-    instruction); the caller subtracts (that value + 8) x the row sums of x from the dot."""
+    instruction); the caller subtracts (that value + 8 + the row's zero point) x the row sums of x from the dot."""
     WK: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP        # groups a step (mode 1)
     kw = k0 // 8 + tl.arange(0, WK)
@@ -70,26 +73,40 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
     q = tl.load(q_base + rows[None, :] * stride_qr + kw[:, None], mask=m, other=0)          # [WK, BLOCK_N]
     v = (q[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF                      # [WK, 8, BLOCK_N]
     v = tl.reshape(v, [BLOCK_K, BLOCK_N])
+    z = tl.zeros([BLOCK_N], tl.float32)
     if MODE == 0:
         s = tl.load(s_base + rows * stride_sr + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
+        if ZCOL:
+            z = tl.load(s_base + rows * stride_sr + ZCOL + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
         if MAGIC:
             w = (v | MAGIC).to(tl.int16).to(DT, bitcast=True)
         else:
-            w = (v - 8).to(tl.float32).to(DT)
+            w = ((v - 8).to(tl.float32) - z[None, :]).to(DT)
+            z = tl.zeros([BLOCK_N], tl.float32)
     else:
         if MODE == 1:
             gi = k0 // GROUP + tl.arange(0, NG)
             sm = (gi < (K + GROUP - 1) // GROUP)[:, None] & rmask[None, :]
             st = tl.load(s_base + rows[None, :] * stride_sr + gi[:, None], mask=sm, other=0.0).to(tl.float32)
             sc = tl.reshape(tl.broadcast_to(st[:, None, :], [NG, GROUP, BLOCK_N]), [BLOCK_K, BLOCK_N])
+            if ZCOL:
+                zt = tl.load(s_base + rows[None, :] * stride_sr + ZCOL + gi[:, None], mask=sm,
+                             other=0.0).to(tl.float32)
+                zc = tl.reshape(tl.broadcast_to(zt[:, None, :], [NG, GROUP, BLOCK_N]), [BLOCK_K, BLOCK_N])
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
             sm = (ks < K)[:, None] & rmask[None, :]
             sc = tl.load(s_base + rows[None, :] * stride_sr + (ks // GROUP)[:, None], mask=sm,
                          other=0.0).to(tl.float32)
-        w = ((v - 8).to(tl.float32) * sc).to(DT)
+            if ZCOL:
+                zc = tl.load(s_base + rows[None, :] * stride_sr + ZCOL + (ks // GROUP)[:, None], mask=sm,
+                             other=0.0).to(tl.float32)
+        if ZCOL:
+            w = (((v - 8).to(tl.float32) - zc) * sc).to(DT)
+        else:
+            w = ((v - 8).to(tl.float32) * sc).to(DT)
         s = tl.full([BLOCK_N], 1.0, tl.float32)
-    return w, s
+    return w, s, z
 
 
 @triton.jit
@@ -104,15 +121,26 @@ def _dot(a, w, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _step(d, off, xsum, s, z, MAGIC: tl.constexpr, ZCOL: tl.constexpr):
+    """A step's dot d with the tile's offsets taken off (MAGIC + 8 times the row sums; with MAGIC and zero points,
+    the zero point times them too), times the scales."""
+    if MAGIC:
+        d = d - off
+        if ZCOL:
+            d = d - xsum * z[None, :]
+    return d * s[None, :]
+
+
+@triton.jit
 def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr, stride_a, stride_qe, stride_qr,
                       stride_se, stride_sr, TK, K: tl.constexpr, N: tl.constexpr, ROW_DIV: tl.constexpr,
                       GATED: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-                      INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+                      INTERPRET: tl.constexpr, IEEE: tl.constexpr, ZCOL: tl.constexpr = 0):
     """One BLOCK_M block of pairs (one expert) x BLOCK_N output columns: out[pair, n] = sum_k a[pair // ROW_DIV, k]
     W_e[n, k], W in INT4 words and group scales. GATED (the up phase): W's rows n are the gate rows and n + N the
     up rows, and out = silu(gate) * up. Rows of the block past its expert's pairs are masked in every load and
-    store. block_expert < 0: a block past the used length, which exits at once."""
+    store. block_expert < 0: a block past the used length, which exits at once. ZCOL > 0: asymmetric (`_tile`)."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     if e < 0:
@@ -132,16 +160,18 @@ def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr
         a = tl.load(a_ptr + arow[:, None] * stride_a + ks[None, :], mask=valid[:, None] & (ks < K)[None, :],
                     other=0.0)
         if MAGIC:
-            off = OFFSET * tl.sum(a.to(tl.float32), axis=1)[:, None]     # the tile's MAGIC + 8, times x
+            xsum = tl.sum(a.to(tl.float32), axis=1)[:, None]
+            off = OFFSET * xsum                                            # the tile's MAGIC + 8, times x
         else:
+            xsum = 0.0
             off = 0.0
-        w, s = _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K, MODE, DT,
-                     MAGIC)
-        acc += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
+        w, s, z = _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K, MODE,
+                        DT, MAGIC, ZCOL)
+        acc += _step(_dot(a, w, INTERPRET, IEEE), off, xsum, s, z, MAGIC, ZCOL)
         if GATED:
-            w, s = _tile(q_base, s_base, rows + N, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K,
-                         MODE, DT, MAGIC)
-            acc_u += (_dot(a, w, INTERPRET, IEEE) - off) * s[None, :]
+            w, s, z = _tile(q_base, s_base, rows + N, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K,
+                            MODE, DT, MAGIC, ZCOL)
+            acc_u += _step(_dot(a, w, INTERPRET, IEEE), off, xsum, s, z, MAGIC, ZCOL)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
     dst = out_ptr + pair[:, None].to(tl.int64) * N + rows[None, :]
@@ -194,7 +224,7 @@ def scale_mode(group: int, block_k: int) -> int:
 
 def _gemm(a: torch.Tensor, sorted_ids: torch.Tensor, block_slot: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
           out: torch.Tensor, tk: int, K: int, N: int, row_div: int, gated: bool, group: int, bm: int,
-          cfg: tuple[int, int, int, int]) -> None:
+          cfg: tuple[int, int, int, int], zcol: int = 0) -> None:
     """One launch over one table: out[pair] = (a[pair // row_div] W_e^T) for the blocks of `block_slot`."""
     bn, bk, warps, stages = cfg
     bn = min(bn, max(16, triton.next_power_of_2(N)))
@@ -205,7 +235,7 @@ def _gemm(a: torch.Tensor, sorted_ids: torch.Tensor, block_slot: torch.Tensor, q
     _int4_gemm_kernel[(block_slot.numel(), triton.cdiv(N, bn))](
         a, sorted_ids, block_slot, q, s, out, a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), tk,
         K=K, N=N, ROW_DIV=row_div, GATED=gated, GROUP=group, MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        MAGIC=magic, OFFSET=offset, INTERPRET=interpret, IEEE=a.dtype == torch.float32, num_warps=warps,
+        MAGIC=magic, OFFSET=offset, INTERPRET=interpret, IEEE=a.dtype == torch.float32, ZCOL=zcol, num_warps=warps,
         num_stages=stages)
 
 
@@ -241,6 +271,8 @@ def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         if hi == lo:
             continue
         sorted_ids, block_slot = align_range(ids, lo, hi, bm)
-        _gemm(x, sorted_ids, block_slot, table.q13, table.s13, act, tk, H, I, k, True, g, bm, CFG[kind, "up"])
-        _gemm(act, sorted_ids, block_slot, table.q2, table.s2, out, tk, I, H, 1, False, g2, bm, CFG[kind, "down"])
+        _gemm(x, sorted_ids, block_slot, table.q13, table.s13, act, tk, H, I, k, True, g, bm, CFG[kind, "up"],
+              zcol(H, g, experts))
+        _gemm(act, sorted_ids, block_slot, table.q2, table.s2, out, tk, I, H, 1, False, g2, bm, CFG[kind, "down"],
+              zcol(I, g2, experts))
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), out.view(T, k, H)).squeeze(1)

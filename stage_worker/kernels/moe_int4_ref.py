@@ -4,6 +4,13 @@ pack-quantized, symmetric, one scale per `group` inputs), dequantized, then `fus
 Layout (`PackedExperts`): q13 int32 [E, 2I, H/8] (gate rows then up rows), s13 [E, 2I, ceil(H/g)]; q2 int32
 [E, H, I/8], s2 [E, H, ceil(I/g)]. Input column c of a row is the 4 bits at 4*(c % 8) of word c // 8, stored as
 q + 8 (so 0..15 means -8..7), the library's packing for 4 bits (`stage_worker/model/quant_weight.py`).
+
+Asymmetric experts (AutoAWQ, GPTQ `sym: false`, compressed-tensors W4A16_ASYM) carry a zero point z per row and
+group (signed, -8..7, the library's value: the weight is (q - z) * s): it rides in the scale rows, after the scales,
+in the scales' dtype (s13 [E, 2I, 2 ceil(H/g)], s2 [E, H, 2 ceil(I/g2)]; integers of this size are exact in bf16 and
+fp16). So every copy of an expert's rows (the tables' tiers, run-time moves, claims) carries them with no part of
+their own; `PackedExperts.asym` reads the form from the widths. Kept packed they cost a quarter of bf16's bytes, as
+symmetric experts do, where dequantizing at load cost four times that.
 """
 
 from __future__ import annotations
@@ -34,6 +41,18 @@ class PackedExperts:
         E, two_i, words = self.q13.shape
         return E, words * 8, two_i // 2
 
+    @property
+    def asym(self) -> bool:
+        """Zero points after the scales in the scale rows (see the module docstring); scale rows of any other width
+        than the groups' (or twice that, in both parts alike) are refused."""
+        _, H, inter = self.shape
+        cols = (self.s13.shape[-1], self.s2.shape[-1])
+        for asym in (False, True):
+            if cols == (scale_columns(H, self.group, asym), scale_columns(inter, self.down_group, asym)):
+                return asym
+        raise ValueError(f"scale rows of {cols[0]} / {cols[1]} columns do not fit (E, H, I) {self.shape} in groups "
+                         f"of {self.group} / {self.down_group}")
+
     def nbytes_per_expert(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.q13, self.s13, self.q2, self.s2))
 
@@ -44,27 +63,50 @@ def unpack_int4(q: torch.Tensor) -> torch.Tensor:
     return (((q[..., None] >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
 
 
+def scale_columns(inputs: int, group: int, asym: bool = False) -> int:
+    """Columns of a packed part's scale rows: one a group, twice that with zero points (asymmetric)."""
+    return (2 if asym else 1) * -(-inputs // group)
+
+
+def zcol(inputs: int, group: int, experts: PackedExperts) -> int:
+    """The kernels' ZCOL: columns from a scale to its zero point in the scale rows (asymmetric), else 0."""
+    return scale_columns(inputs, group) if experts.asym else 0
+
+
 def dequantize_int4(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
-    """[..., R, W] words and [..., R, G] scales -> [..., R, 8W] in the scales' dtype (computed as the library does:
-    q in the scale dtype times the scale)."""
+    """[..., R, W] words and [..., R, G] scales (or [..., R, 2G]: scales, then zero points) -> [..., R, 8W] in the
+    scales' dtype, computed as the library does: (q - z) in the scale dtype times the scale."""
     v = unpack_int4(q)
     n = v.shape[-1]
-    scale = s.repeat_interleave(group, dim=-1)[..., :n]
-    return v.to(s.dtype) * scale
+    G = -(-n // group)
+    x = v.to(s.dtype)
+    if s.shape[-1] == 2 * G:
+        x = x - s[..., G:].repeat_interleave(group, dim=-1)[..., :n]
+    elif s.shape[-1] != G:
+        raise ValueError(f"{s.shape[-1]} scale columns for {n} inputs in groups of {group}")
+    return x * s[..., :G].repeat_interleave(group, dim=-1)[..., :n]
 
 
-def pack_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(w: torch.Tensor, group: int, asym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [..., R, C] (C a multiple of 8) -> (words, scales): symmetric round to nearest with scale =
-    max|w| / 7.5 per group (tests and benchmarks make their weights so; checkpoints come from the library)."""
+    max|w| / 7.5 per group (tests and benchmarks make their weights so; checkpoints come from the library). `asym`:
+    scale = (max - min) / 15 and a zero point per group (min to -8), the scales followed by the zero points."""
     *lead, R, C = w.shape
     G = -(-C // group)
     wf = torch.nn.functional.pad(w.float(), (0, G * group - C)).view(*lead, R, G, group)
-    scale = (wf.abs().amax(-1) / 7.5).clamp_min(1e-8)
-    q = torch.clamp(torch.round(wf / scale[..., None]), -8, 7).view(*lead, R, G * group)[..., :C].to(torch.int32)
+    if asym:
+        lo, hi = wf.amin(-1).clamp_max(0), wf.amax(-1).clamp_min(0)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        zero = torch.clamp(torch.round(-lo / scale) - 8, -8, 7)
+    else:
+        scale = (wf.abs().amax(-1) / 7.5).clamp_min(1e-8)
+        zero = torch.zeros_like(scale)
+    q = torch.clamp(torch.round(wf / scale[..., None]) + zero[..., None], -8, 7)
+    q = q.view(*lead, R, G * group)[..., :C].to(torch.int32)
     u = (q + 8).view(*lead, R, C // 8, 8)
     words = (u << torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)).sum(-1, dtype=torch.int64)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words, scale.to(w.dtype)
+    return words, (torch.cat([scale, zero], -1) if asym else scale).to(w.dtype)
 
 
 def fused_moe_int4_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -8,6 +8,7 @@ from torch import nn
 
 from shared.model_config import ConfigError
 from stage_worker.kernels.flags import NONE, KernelFlags
+from stage_worker.kernels.moe_int4_ref import scale_columns
 from stage_worker.kernels.moe_ref import count_ref
 from stage_worker.model.activations import activation, is_silu
 from stage_worker.model.expert_table import ExpertTable
@@ -88,23 +89,23 @@ class SparseMoE(nn.Module):
             delattr(self, name)
         self.table = table
 
-    def use_packed(self, group: int, group2: int, scale_dtype: torch.dtype | None = None) -> None:
+    def use_packed(self, group: int, group2: int, asym: bool = False, scale_dtype: torch.dtype | None = None) -> None:
         """Hold the routed experts as a checkpoint's INT4 words and scales (issue 17): q13 int32 [E, 2I, H/8],
-        s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py);
-        w13/w2 stop being parameters. Built on the meta device and filled by the loader. `scale_dtype`: the
-        checkpoint's (default the compute dtype): the references dequantize as the library does, q times the scale
-        in the scale's dtype, so a bf16 checkpoint computed in float32 on a CPU rounds its weights as there (in
-        float32 scales they differed from the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its
-        scale dtype the same way)."""
+        s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py;
+        `asym`: each scale row twice as wide, the zero points after the scales); w13/w2 stop being parameters. Built
+        on the meta device and filled by the loader. `scale_dtype`: the checkpoint's (default the compute dtype):
+        the references dequantize as the library does, (q - z) times the scale in the scale's dtype, so a bf16
+        checkpoint computed in float32 on a CPU rounds its weights as there (in float32 scales they differed from
+        the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its scale dtype the same way)."""
         self._check_silu("INT4", "packed_experts")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
         dtype, device = scale_dtype or self.w13.dtype, self.w13.device
         del self.w13, self.w2
         self.register_buffer("q13", torch.empty(E, two_i, H // 8, dtype=torch.int32, device=device))
-        self.register_buffer("s13", torch.empty(E, two_i, -(-H // group), dtype=dtype, device=device))
+        self.register_buffer("s13", torch.empty(E, two_i, scale_columns(H, group, asym), dtype=dtype, device=device))
         self.register_buffer("q2", torch.empty(E, H, inter // 8, dtype=torch.int32, device=device))
-        self.register_buffer("s2", torch.empty(E, H, -(-inter // group2), dtype=dtype, device=device))
+        self.register_buffer("s2", torch.empty(E, H, scale_columns(inter, group2, asym), dtype=dtype, device=device))
         self.packed_group, self.packed_group2 = group, group2
 
     def _check_silu(self, form: str, switch: str) -> None:
