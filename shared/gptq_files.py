@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from shared.bit_fields import pack_fields, unpack_fields
 from shared.checkpoint_files import CheckpointError, normalise
 from shared.quant_scheme import QuantPlan, QuantSchemeError, WeightQuant, cached_plan
 
@@ -212,35 +213,6 @@ def _symmetric_words(bits: int, offset: int, words: int) -> torch.Tensor:
     n += -n % 32                                            # whole words of whole fields, then cut to `words`
     fields = torch.full((1, n), (1 << (bits - 1)) - offset, dtype=torch.int64)
     return pack_fields(fields, bits)[:, :words]
-
-
-def unpack_fields(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """The unsigned `bits`-bit fields of int32 `words` [rows, w] as a bit stream along each row: int64 [rows,
-    w * 32 // bits]."""
-    rows, w = words.shape
-    n = w * 32 // bits
-    bit = torch.arange(n, dtype=torch.int64) * bits
-    word, off = bit // 32, bit % 32
-    u = words.to(torch.int64) & 0xFFFFFFFF
-    v = u[:, word] >> off
-    v = v | (u[:, torch.clamp(word + 1, max=w - 1)] << (32 - off))     # a field continuing in the next word
-    return v & ((1 << bits) - 1)
-
-
-def pack_fields(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `unpack_fields`: unsigned values int [rows, n] (n * bits a multiple of 32) -> int32 words."""
-    rows, n = values.shape
-    if n * bits % 32:
-        raise QuantSchemeError(f"{n} {bits}-bit values do not fill whole int32 words")
-    w = n * bits // 32
-    bit = torch.arange(n, dtype=torch.int64) * bits
-    word, off = bit // 32, bit % 32
-    v = values.to(torch.int64) & ((1 << bits) - 1)
-    out = torch.zeros(rows, w + 1, dtype=torch.int64)
-    out.index_add_(1, word, (v << off) & 0xFFFFFFFF)
-    out.index_add_(1, word + 1, v >> (32 - off))            # the high bits of a field crossing a word (0 if none)
-    out = out[:, :w]
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
 
 
 # AutoAWQ stores the 8 columns of a word in this order (value p of a word is column AWQ_ORDER[p] of its 8)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.bit_fields import unpack_fields
 from shared.quant_scheme import QuantSchemeError, WeightQuant
 
 # a quantized module's on-disk tensors: `<module>.<part>`
@@ -60,22 +61,17 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=torch.int8, device=packed.device)
     if rows == 0 or n == 0:
         return out
+    per = 32 // bits
     idx = torch.arange(n, dtype=torch.int64, device=packed.device)
-    if dense:
-        bit = idx * bits
-        word, off = bit // 32, bit % 32
-        nxt = torch.clamp(word + 1, max=words - 1)
-    else:
-        per = 32 // bits
-        word, off = idx // per, (idx % per) * bits
+    word, off = idx // per, (idx % per) * bits                  # the older layout: no field crosses a word
     mask, offset = (1 << bits) - 1, 1 << (bits - 1)
     step = max(1, CHUNK // n)
     for r0 in range(0, rows, step):
-        w = packed[r0:r0 + step].to(torch.int64) & 0xFFFFFFFF
-        v = w[:, word] >> off
         if dense:
-            v = v | (w[:, nxt] << (32 - off))        # the bits that continue in the next word (masked off if none)
-        out[r0:r0 + step] = ((v & mask) - offset).to(torch.int8)
+            v = unpack_fields(packed[r0:r0 + step], bits, n)
+        else:
+            v = ((packed[r0:r0 + step].to(torch.int64) & 0xFFFFFFFF)[:, word] >> off) & mask
+        out[r0:r0 + step] = (v - offset).to(torch.int8)
     return out
 
 
