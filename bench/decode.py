@@ -286,11 +286,12 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="print the kernels taking the most GPU time per step")
     ap.add_argument("--profile-top", type=int, default=45,
                     help="how many kernels --profile prints (and the JSON keeps), by GPU time; 0: all")
-    ap.add_argument("--quant", default="", choices=["", "int4-experts", "reports-mixed"],
+    ap.add_argument("--quant", default="", choices=["", "int4-experts", "int4-experts-asym", "reports-mixed"],
                     help="int4-experts: the routed experts packed in INT4 (group 128, or the largest power of two "
                          "dividing the widths), as an INT4 checkpoint loads with packed_experts on; reports-mixed: "
                          "also the plain-linear dense layers packed as the reports' release has them (INT6 group "
-                         "128, lm_head INT8 per channel; quant_linear.dummy_specs), as packed_dense keeps them")
+                         "128, lm_head INT8 per channel; quant_linear.dummy_specs), as packed_dense keeps them; "
+                         "int4-experts-asym: int4-experts with zero points (AutoAWQ, GPTQ sym false)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -308,7 +309,7 @@ def main() -> int:
     packed = {}
     if args.quant:
         g13, g2 = dummy_groups(cfg)
-        packed = {layer: (g13, g2) for layer in range(n) if cfg.is_sparse_moe(layer)}
+        packed = {layer: (g13, g2, args.quant.endswith("-asym")) for layer in range(n) if cfg.is_sparse_moe(layer)}
     # MOEPIPE_PACKED_QKV=0: q/k/v dequantized (bf16), as the cluster key packed_qkv off loads them
     qkv = env_overrides().get("packed_qkv", True)
     dense = (lambda m: dummy_specs(m, torch.bfloat16, qkv)) if args.quant == "reports-mixed" else None   # noqa: E731

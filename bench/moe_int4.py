@@ -170,6 +170,8 @@ def main() -> int:
     ap.add_argument("--claims", action="store_true",
                     help="also time the INT4 kernels' claim variant (moves on read) claiming nothing, and claiming "
                          "a selected slot (its rows stored into a spare as they are read)")
+    ap.add_argument("--asym", action="store_true",
+                    help="also time asymmetric experts (zero points in the scale rows: AutoAWQ, GPTQ sym false)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -180,6 +182,7 @@ def main() -> int:
     w2 = (torch.randn(E, H, I, generator=gen, device="cuda") / I ** 0.5).to(torch.bfloat16)
     ex = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g)
     ex_claim = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g) if args.claims else None  # spares written
+    ex_asym = PackedExperts(*pack_int4(w13, g, True), *pack_int4(w2, g, True), g) if args.asym else None
     torch.cuda.empty_cache()
     if args.profile_only:
         t = int(args.tokens.split(",")[0])
@@ -224,6 +227,9 @@ def main() -> int:
                          int4_expert),
                         ("claim+", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex_claim, claim=hits[i]),
                          int4_expert)]
+        if args.asym:
+            kernels += [("asym", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex_asym),
+                         ex_asym.nbytes_per_expert())]
         for name, fn, per in kernels:
             s = timed(fn, args.calls, args.runs)
             read = distinct * per
