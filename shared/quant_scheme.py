@@ -18,6 +18,9 @@ The formats people publish for this model family:
   same bit streams as compressed-tensors' `pack-quantized` parts, transposed (AWQ's repacked);
   `shared/gptq_files.py` shows the
   files under those names, so everything after this plan reads one layout (`QuantPlan.layout`).
+* compressed-tensors FP4 (llm-compressor's NVFP4A16 and MXFP4A16): float 4-bit weights in format
+  `nvfp4-pack-quantized` (strategy tensor_group: FP8 group scales over a per-module global scale) or
+  `mxfp4-pack-quantized` (strategy group: power-of-two E8M0 group scales); dequantized at load.
 
 The metadata is checked against the tensors actually on disk (`check`): the reports met a release whose groups all
 targeted `Linear`, so all but the last group reached nothing, and a loader that trusted the config would have read
@@ -27,10 +30,13 @@ INT6 planes as INT4. Each finding names the tensors it hits. Anything else stops
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 
 FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
+# FP4 formats -> the group strategy each stores (NVFP4's group scales sit over a global scale: `tensor_group`)
+FP4_FORMATS = {"nvfp4-pack-quantized": "tensor_group", "mxfp4-pack-quantized": "group"}
 
 
 class QuantSchemeError(ValueError):
@@ -51,14 +57,20 @@ class WeightQuant:
     bits: int
     kind: str                           # "int" or "float"
     symmetric: bool = True
-    strategy: str = "group"             # "tensor", "channel", "group" or "block"
-    group_size: int | None = None       # strategy "group"
+    strategy: str = "group"             # "tensor", "channel", "group", "tensor_group" (NVFP4) or "block"
+    group_size: int | None = None       # strategies "group" and "tensor_group"
     block: tuple[int, int] | None = None  # strategy "block": (rows, columns) per scale
     format: str = "pack-quantized"
 
     def describe(self) -> str:
-        how = {"group": f"group {self.group_size}", "block": f"block {self.block}"}.get(self.strategy, self.strategy)
+        how = {"group": f"group {self.group_size}", "tensor_group": f"tensor_group {self.group_size}",
+               "block": f"block {self.block}"}.get(self.strategy, self.strategy)
         return f"{self.kind}{self.bits} {'sym' if self.symmetric else 'asym'} {how} ({self.format})"
+
+    @property
+    def fp4(self) -> bool:
+        """FP4 E2M1 values two a byte (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`)."""
+        return self.format in FP4_FORMATS
 
 
 @dataclass
@@ -111,7 +123,8 @@ class QuantPlan:
 
     @property
     def packs_ints(self) -> bool:
-        """The files hold int weights as compressed-tensors' packed parts (or GPTQ's, shown as them)."""
+        """The files may hold int weights as compressed-tensors' packed parts (or GPTQ's, shown as them); which
+        modules do is each module's scheme (an NVFP4 / MXFP4 module's `weight_packed` is FP4: never kept packed)."""
         return self.method in ("compressed-tensors", "gptq")
 
     def acts_in_order(self, name: str) -> bool:
@@ -174,22 +187,26 @@ def _weight_quant(group: str, scheme: dict, fmt: str) -> WeightQuant:
     if scheme.get("input_activations") not in (None, {}):
         raise QuantSchemeError(f"quantization_config.config_groups.{group}: activation quantization "
                                f"({scheme['input_activations']}) is not supported; moepipe runs weight-only schemes")
-    ok = (kind == "int" and 2 <= bits <= 8 and strategy in ("channel", "group", "tensor")) or \
-        (kind == "float" and bits == 8 and strategy in ("block", "channel", "tensor"))
-    if not ok or (fmt not in FORMATS):
-        raise QuantSchemeError(f"quantization_config.config_groups.{group}: {kind}{bits} strategy {strategy!r} in "
-                               f"format {fmt!r} is not supported (int 2-8 bit tensor/channel/group in "
-                               f"{', '.join(FORMATS)}, or float8 block/channel/tensor)")
+    ok = (kind == "int" and 2 <= bits <= 8 and strategy in ("channel", "group", "tensor") and fmt in FORMATS) or \
+        (kind == "float" and bits == 8 and strategy in ("block", "channel", "tensor") and fmt in FORMATS) or \
+        (kind == "float" and bits == 4 and FP4_FORMATS.get(fmt) == strategy and w.get("symmetric", True))
+    if not ok:
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: {kind}{bits} "
+                               f"{'sym' if w.get('symmetric', True) else 'asym'} strategy {strategy!r} in format "
+                               f"{fmt!r} is not supported (int 2-8 bit tensor/channel/group in {', '.join(FORMATS)}, "
+                               f"float8 block/channel/tensor, or symmetric float4: tensor_group in "
+                               f"nvfp4-pack-quantized, group in mxfp4-pack-quantized)")
     group_size = w.get("group_size")
-    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
-        raise QuantSchemeError(f"quantization_config.config_groups.{group}: strategy group needs a group_size > 0, "
-                               f"got {group_size!r}")
+    if strategy in ("group", "tensor_group") and not (isinstance(group_size, int) and group_size > 0):
+        raise QuantSchemeError(f"quantization_config.config_groups.{group}: strategy {strategy} needs a "
+                               f"group_size > 0, got {group_size!r}")
     block = tuple(w["block_structure"]) if strategy == "block" and w.get("block_structure") else None
     if strategy == "block" and (block is None or len(block) != 2):
         raise QuantSchemeError(f"quantization_config.config_groups.{group}: strategy block needs "
                                f"block_structure [rows, columns], got {w.get('block_structure')!r}")
     return WeightQuant(bits=bits, kind=kind, symmetric=bool(w.get("symmetric", True)), strategy=strategy,
-                       group_size=group_size if strategy == "group" else None, block=block, format=fmt)
+                       group_size=group_size if strategy in ("group", "tensor_group") else None, block=block,
+                       format=fmt)
 
 
 def parse(config: dict) -> QuantPlan | None:
@@ -375,7 +392,7 @@ def check(plan: QuantPlan, tensors: dict[str, tuple[int, ...]]) -> list[str]:
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, shape in tensors.items():
         for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv",
-                       "weight"):
+                       "weight_global_scale", "weight"):
             if name.endswith("." + suffix):
                 modules.setdefault(name[: -len(suffix) - 1], {})[suffix] = tuple(shape)
                 break
@@ -433,6 +450,8 @@ def _shape_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]], method: s
         if tuple(s) != want:
             return f"fp8 block {wq.block}: weight_scale_inv is {list(s)}, expected {list(want)}"
         return None
+    if wq.fp4:
+        return _fp4_problem(wq, parts)
     if wq.kind == "float" or wq.format != "pack-quantized":
         return _unpacked_problem(wq, parts)
     packed, scale = parts.get("weight_packed"), parts.get("weight_scale")
@@ -468,6 +487,25 @@ def _unpacked_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]]) -> str
         return f"{wq.describe()}: weight_scale is {list(scale)} for a {rows} x {cols} weight"
     if not wq.symmetric and "weight_zero_point" not in parts:
         return f"{wq.describe()}: asymmetric, but no weight_zero_point"
+    return None
+
+
+def _fp4_problem(wq: WeightQuant, parts: dict[str, tuple[int, ...]]) -> str | None:
+    """FP4 (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`): `weight_packed` [rows, in / 2] (two values a byte),
+    `weight_scale` [rows, in / group], and for NVFP4 a one-element `weight_global_scale`."""
+    packed, scale = parts.get("weight_packed"), parts.get("weight_scale")
+    if packed is None or scale is None or len(packed) != 2:
+        return f"{wq.describe()}: weight_packed or weight_scale missing"
+    rows, inputs = packed[0], 2 * packed[1]
+    if tuple(scale) != (rows, -(-inputs // wq.group_size)):
+        return (f"{wq.describe()}: weight_scale is {list(scale)}, expected {[rows, -(-inputs // wq.group_size)]} "
+                f"for weight_packed {list(packed)} ({inputs} inputs)")
+    if wq.strategy == "tensor_group":
+        glob = parts.get("weight_global_scale")
+        if glob is None:
+            return f"{wq.describe()}: no weight_global_scale"
+        if math.prod(glob) != 1:
+            return f"{wq.describe()}: weight_global_scale is {list(glob)}, expected one value"
     return None
 
 
@@ -554,7 +592,7 @@ def _reached_tensors(model_dir, targets: list[str], ignore: list[str]) -> str:
     except (CheckpointError, OSError, ValueError):
         return "its tensors could not be read"
     suffixes = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
-                "weight_g_idx", "weight")
+                "weight_g_idx", "weight_global_scale", "weight")
     hit = [name for name in names if name.rpartition(".")[2] in suffixes
            and deciding_target(name.rpartition(".")[0], targets, ignore) is not None]
     if not hit:

@@ -93,6 +93,11 @@ def test_the_most_specific_target_decides_and_ignore_wins():
     assert plan.for_module("model.layers.0.mlp.router") is None
 
 
+def _fp4(strategy: str, group: int = 16, symmetric: bool = True) -> dict:
+    return {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": strategy,
+                                               "group_size": group, "symmetric": symmetric}}
+
+
 @pytest.mark.parametrize("q,match", [
     ({"quant_method": "hqq", "bits": 4}, "'hqq' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {**_scheme(8), "input_activations": {
@@ -101,10 +106,40 @@ def test_the_most_specific_target_decides_and_ignore_wins():
      "strategy 'block'"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": _scheme(4, group=0)}}, "group_size"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _fp4("tensor_group")}},
+     "float4 sym strategy 'tensor_group' in format 'pack-quantized'"),        # FP4 only in its own format
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+      "config_groups": {"g": _fp4("tensor_group")}}, "strategy 'tensor_group' in format 'mxfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": _fp4("tensor_group", symmetric=False)}}, "float4 asym"),
 ])
 def test_unsupported_schemes_stop_with_the_scheme_named(q, match):
     with pytest.raises(QuantSchemeError, match=match):
         parse({"quantization_config": q})
+
+
+@pytest.mark.parametrize("fmt,strategy,group", [("nvfp4-pack-quantized", "tensor_group", 16),
+                                                ("mxfp4-pack-quantized", "group", 32)])
+def test_fp4_parts_are_checked_against_the_scheme(fmt, strategy, group):
+    """NVFP4 / MXFP4 modules: `weight_packed` [rows, in / 2], `weight_scale` [rows, in / group] and (NVFP4) a
+    one-value `weight_global_scale` agree with the scheme; a wrong scale shape or a missing global scale is named
+    with the module (the loader would read garbage or stop half way)."""
+    plan = parse({"quantization_config": {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                          "config_groups": {"g": _fp4(strategy, group)}}})
+    wq = plan.for_module("model.layers.0.mlp.experts.3.down_proj")
+    assert (wq.kind, wq.bits, wq.strategy, wq.group_size, wq.fp4) == ("float", 4, strategy, group, True)
+    m = "model.layers.0.mlp.experts.3.down_proj"
+    ok = {f"{m}.weight_packed": (7, 2 * group), f"{m}.weight_scale": (7, 4), "lm_head.weight": (320, 64)}
+    if strategy == "tensor_group":
+        ok[f"{m}.weight_global_scale"] = (1,)
+    assert check(plan, ok) == []
+    found = check(plan, dict(ok, **{f"{m}.weight_scale": (7, 2)}))
+    assert len(found) == 1 and "weight_scale is [7, 2], expected [7, 4]" in found[0] and m in found[0]
+    if strategy == "tensor_group":
+        found = check(plan, {k: v for k, v in ok.items() if not k.endswith("global_scale")})
+        assert len(found) == 1 and "no weight_global_scale" in found[0] and m in found[0]
+        found = check(plan, dict(ok, **{f"{m}.weight_global_scale": (2,)}))
+        assert len(found) == 1 and "expected one value" in found[0]
 
 
 def test_block_fp8_scales_are_checked_against_the_weight_shape():

@@ -75,6 +75,14 @@ def _decompress_with_the_library(qdir: Path, out: Path) -> None:
         if q["quant_method"] == "fp8":
             args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(wq.block))
             w = dequantize(parts["weight"], parts["weight_scale_inv"], None, args, dtype=torch.float32)
+        elif wq.fp4:                                 # NVFP4 / MXFP4: the format's own compressor
+            from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+            from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+            compressor = NVFP4PackedCompressor if wq.strategy == "tensor_group" else MXFP4PackedCompressor
+            weights = next(g["weights"] for g in q["config_groups"].values() if _reached(module, g))
+            scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+            w = compressor.decompress({k: v for k, v in parts.items() if k != "bias"}, scheme)["weight"]
         elif wq.format != "pack-quantized":          # one value an element: the format's own compressor
             from compressed_tensors.compressors import FloatQuantizationCompressor, IntQuantizationCompressor
 
@@ -185,6 +193,44 @@ def test_asymmetric_groups_and_partial_groups_dequantize_as_the_library_would():
     parts = {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale, "weight_shape": torch.tensor([3, 40])}
     got = qw.dequantize(parts, WeightQuant(bits=4, kind="int", group_size=16), torch.float32)
     assert torch.equal(got, q.float() * scale.repeat_interleave(16, 1)[:, :40])
+
+
+FP4_SCHEMES = {"nvfp4": ("tensor_group", 16, "F8_E4M3"), "mxfp4": ("group", 32, "U8")}
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_fp4_dequantization_equals_the_librarys_bit_for_bit(scheme):
+    """Every byte (so every code in both nibbles, negative zero among them), odd row counts and every scale the
+    format stores (all 256 float8 bit patterns, NaN and subnormals included; all 256 E8M0 exponents, 255 read as
+    inf): moepipe's FP4 dequantization gives the library decompressor's bfloat16 bits, and float32 is those
+    values."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    strategy, group, _ = FP4_SCHEMES[scheme]
+    compressor = NVFP4PackedCompressor if scheme == "nvfp4" else MXFP4PackedCompressor
+    args = QuantizationArgs(num_bits=4, type="float", strategy=strategy, group_size=group, symmetric=True)
+    wq = WeightQuant(bits=4, kind="float", strategy=strategy, group_size=group, format=f"{scheme}-pack-quantized")
+    g = torch.Generator().manual_seed(0)
+    every = torch.arange(256, dtype=torch.uint8)
+    for rows, n in ((1, group), (7, 3 * group), (33, 4 * group)):
+        packed = every[torch.randint(0, 256, (rows, n // 2), generator=g)]
+        packed.view(-1)[:256] = every[: packed.numel()] if packed.numel() < 256 else every
+        codes = every[torch.randint(0, 256, (rows, n // group), generator=g)]
+        codes.view(-1)[: min(256, codes.numel())] = every[: min(256, codes.numel())]
+        parts = {"weight_packed": packed}
+        if scheme == "nvfp4":
+            parts |= {"weight_scale": codes.view(torch.float8_e4m3fn),
+                      "weight_global_scale": torch.rand(1, generator=g) * 1000 + 1}
+        else:
+            parts["weight_scale"] = codes
+        want = compressor.decompress(dict(parts), QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+        got = qw.dequantize(parts, wq, torch.bfloat16)
+        assert want.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), (rows, n)
+        assert torch.equal(qw.dequantize(parts, wq, torch.float32).view(torch.int32), want.float().view(torch.int32))
+    assert torch.equal(qw.unpack_fp4(torch.tensor([[0x80, 0x7F]], dtype=torch.uint8)).view(torch.int32),
+                       torch.tensor([[0.0, -0.0, -6.0, 6.0]]).view(torch.int32))   # low nibble first, -0 kept
 
 
 def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path):

@@ -453,8 +453,10 @@ UNSUPPORTED = {
                                                  "strategy": "group", "group_size": 16},
                                      "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
                                                            "strategy": "token", "dynamic": True}},
-    "nvfp4": {"weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-                          "group_size": 16}, "format": "nvfp4-pack-quantized"},
+    "nvfp4a4 (activations quantized)": {
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16},
+        "input_activations": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                              "group_size": 16, "dynamic": "local"}, "format": "nvfp4-pack-quantized"},
     "int4 block": {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "block",
                                "block_structure": [8, 8]}},
     "float8 group": {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",

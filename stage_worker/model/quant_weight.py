@@ -14,6 +14,10 @@ Three on-disk forms, all read here without the compressed-tensors library (a ser
 * float8 (`float-quantized` in compressed-tensors, or transformers' `fp8` with `weight_block_size`): a float8 weight
   and a float32 scale per block of rows x columns (`weight_scale`, or `weight_scale_inv` for `fp8`), edge blocks
   cut where the weight's rows or columns are not a multiple of the block.
+* compressed-tensors FP4 (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`): `weight_packed` uint8 [rows, in / 2],
+  two E2M1 codes a byte, low nibble first (bit 3 the sign, bits 0-2 an index into 0, 0.5, 1, 1.5, 2, 3, 4, 6);
+  `weight_scale` [rows, in / group]: float8_e4m3 for NVFP4 (over a float32 `weight_global_scale` [1]), E8M0
+  exponents (uint8, 2^(e - 127)) for MXFP4. Dequantized at load: no FP4 expert or GEMV kernel takes them packed.
 
 `dequantize` gives the weight the model's layers hold today; it is also the reference the quantized kernels are
 tested against (dequantize, then matmul).
@@ -28,7 +32,7 @@ from shared.quant_scheme import QuantSchemeError, WeightQuant
 
 # a quantized module's on-disk tensors: `<module>.<part>`
 QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_scale_inv", "weight",
-               "weight_g_idx")
+               "weight_g_idx", "weight_global_scale")
 CHUNK = 1 << 22                       # elements unpacked at a time: a 152k x 4096 lm_head never in int64 at once
 
 
@@ -156,8 +160,56 @@ def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, wq: WeightQuant,
     return (weight.float() * s).to(dtype)
 
 
+# the E2M1 value of each 4-bit code: codes 8-15 are 0-7 negated (8: negative zero, as the library unpacks it)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_VALUES = torch.cat([_E2M1, -_E2M1])
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, 2 * bytes] of `packed` uint8 [rows, bytes]: two E2M1 codes a byte, the low nibble first."""
+    if packed.dtype != torch.uint8:
+        raise QuantSchemeError(f"FP4 weight_packed must be uint8, got {packed.dtype}")
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return E2M1_VALUES.to(packed.device)[codes.long()]
+
+
+def fp4_scale(scale: torch.Tensor, wq: WeightQuant) -> torch.Tensor:
+    """The group scales in bfloat16, the library's FP4 compute dtype: NVFP4's float8 values as they are, MXFP4's
+    E8M0 exponents as 2^(e - 127) (255 reads as inf, as the library reads it)."""
+    if wq.format == "mxfp4-pack-quantized":
+        return torch.exp2(scale.to(torch.int32).float() - 127).to(torch.bfloat16)
+    return scale.to(torch.bfloat16)
+
+
+def dequantize_fp4(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
+    """An FP4 module's weight, computed as the library's decompressor does, so bit for bit equal to it: values and
+    scales in bfloat16, NVFP4's scale divided by its float32 global scale (promoting to float32), the product cast
+    to bfloat16, then `dtype`. A block of rows at a time, so a wide module is never in float32 at once."""
+    packed, scale = parts["weight_packed"], fp4_scale(parts["weight_scale"], wq)
+    rows, n = packed.shape[0], 2 * packed.shape[-1]
+    g = wq.group_size
+    if packed.dim() != 2 or tuple(scale.shape) != (rows, -(-n // g)):
+        raise QuantSchemeError(f"{wq.describe()}: weight_scale is {list(scale.shape)} for weight_packed "
+                               f"{list(packed.shape)}: expected {[rows, -(-n // g)]}")
+    if wq.strategy == "tensor_group":
+        glob = parts.get("weight_global_scale")
+        if glob is None or glob.numel() != 1:
+            raise QuantSchemeError(f"{wq.describe()}: weight_global_scale must be one value, got "
+                                   f"{None if glob is None else list(glob.shape)}")
+        scale = scale / glob.reshape(1)
+    out = torch.empty(rows, n, dtype=dtype)
+    step = max(1, CHUNK // max(n, 1))
+    for r0 in range(0, rows, step):
+        x = unpack_fp4(packed[r0:r0 + step]).to(torch.bfloat16).to(scale.dtype)
+        s = scale[r0:r0 + step].repeat_interleave(g, dim=1)[:, :n]
+        out[r0:r0 + step] = (x * s).to(torch.bfloat16).to(dtype)
+    return out
+
+
 def dequantize(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
     """One module's on-disk tensors (names without the module prefix) -> its float weight."""
+    if wq.fp4:
+        return dequantize_fp4(parts, wq, dtype)
     if wq.kind == "int":
         return dequantize_int(parts, wq, dtype)
     scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
@@ -168,6 +220,8 @@ def dequantize(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dty
 
 def needed(wq: WeightQuant, method: str, g_idx: bool = False) -> set[str]:
     """The on-disk tensors of one module that `dequantize` waits for (`g_idx`: the files hold its `weight_g_idx`)."""
+    if wq.fp4:
+        return {"weight_packed", "weight_scale"} | ({"weight_global_scale"} if wq.strategy == "tensor_group" else set())
     if wq.kind == "float":
         return {"weight", "weight_scale_inv" if method == "fp8" else "weight_scale"}
     out = {"weight_packed", "weight_scale", "weight_shape"} if wq.format == "pack-quantized" else \
