@@ -119,7 +119,7 @@ def _quantize(args: argparse.Namespace) -> int:
         print(f"moepipe quantize: {exc}", file=sys.stderr)
         return 2
     for name, w in summary["groups"].items():
-        how = f"group {w['group_size']}" if w.get("group_size") else w.get("block_structure") or w["strategy"]
+        how = f"{w['strategy']} {w['group_size']}" if w.get("group_size") else w.get("block_structure") or w["strategy"]
         print(f"  {name}: {w['type']}{w['num_bits']} {how}")
     print(f"{args.output}: {summary['modules']} modules quantized ({args.scheme}), "
           f"{summary['bytes_in'] / 2**20:.1f} MiB -> {summary['bytes_out'] / 2**20:.1f} MiB")
@@ -262,13 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--layers", type=int, default=None, help="keep the preset's first N decoder layers")
     mk.set_defaults(func=_make_model)
 
-    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (compressed-tensors INT4/6/8 or "
-                                        "block FP8), with the compressed-tensors library")
+    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (compressed-tensors INT4/6/8, "
+                                        "NVFP4/MXFP4 or block FP8), with the compressed-tensors library")
     q.add_argument("--scheme", required=True,
-                   choices=["reports-mixed", "int4-experts", "int4-experts-asym", "fp8-block"],
+                   choices=["reports-mixed", "int4-experts", "int4-experts-asym", "nvfp4", "mxfp4", "fp8-block"],
                    help="reports-mixed: experts INT4 g128, attention/DeltaNet/shared expert INT6 g128, "
                         "hyper-connections and embeddings INT8 per channel; int4-experts: only the routed experts; "
                         "int4-experts-asym: the same with zero points (W4A16_ASYM); "
+                        "nvfp4 / mxfp4: experts and dense projections FP4 (NVFP4A16 / MXFP4A16, dequantized at load); "
                         "fp8-block: float8 with 128x128 block scales (quant_method fp8)")
     q.add_argument("input", help="checkpoint directory (float weights)")
     q.add_argument("output", help="directory to write (must not exist or be empty)")

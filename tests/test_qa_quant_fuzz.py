@@ -69,6 +69,36 @@ def test_an_unsupported_scheme_is_refused_naming_a_tensor_it_holds(label, weight
     assert "it holds tensor 'model.layers." in why
 
 
+def test_an_nvfp4_checkpoint_loads_and_int4_files_under_an_nvfp4_config_are_named(source, int4_experts, tmp_path):
+    """NVFP4A16 was the refusal above (`float4 strategy 'tensor_group' in format 'nvfp4-pack-quantized' is not
+    supported`); it now loads, dequantized at load, with transformers' log-probs on the library's decompression
+    (Qwen3.5-MoE here; tests/test_quantized_checkpoint.py has Qwen3-Next and Qwen4-Exp, decode and two stages).
+    INT4 files under an NVFP4 config are metadata that disagrees with the files, named with the tensors."""
+    from hf_oracle import reference_logits
+    from stage_worker.checkpoint.quantize import quantize_checkpoint
+    from test_quantized_checkpoint import PROMPT, TOL, _decompress_with_the_library, _logits_of, _reference
+
+    qdir = tmp_path / "nvfp4"
+    quantize_checkpoint(source, qdir, "nvfp4")
+    assert refusal(qdir) is None
+    _decompress_with_the_library(qdir, tmp_path / "dense")
+    want = torch.log_softmax(reference_logits(_reference(tmp_path / "dense"), PROMPT), -1)
+    got, _ = _logits_of([load_model(qdir, LoadOptions(dtype=torch.float32))], 0)
+    assert (torch.log_softmax(got, -1) - want).abs().max() < TOL
+
+    d = tmp_path / "int4-as-nvfp4"
+    shutil.copytree(int4_experts, d)
+    config = json.loads((d / "config.json").read_text())
+    next(iter(config["quantization_config"]["config_groups"].values())).update(weights=NVFP4,
+                                                                               format="nvfp4-pack-quantized")
+    (d / "config.json").write_text(json.dumps(config))
+    why = refusal(d)
+    assert why is not None and "disagrees with its files" in why and "float4 sym tensor_group 16" in why
+    assert re.search(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj", why)
+    with pytest.raises(Exception, match="disagrees with its files"):
+        load_model(d, LoadOptions(dtype=torch.float32))
+
+
 def test_a_tied_model_s_quantized_embedding_is_not_replaced_by_the_float_lm_head(tmp_path):
     """llm-compressor quantizing the embedding (an `Embedding` target) of a tied model with lm_head ignored writes
     the embedding as its parts (`weight_packed`, `weight_scale`) beside a float `lm_head.weight` (seed 3602, case

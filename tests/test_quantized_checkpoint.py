@@ -198,6 +198,51 @@ def test_asymmetric_groups_and_partial_groups_dequantize_as_the_library_would():
 FP4_SCHEMES = {"nvfp4": ("tensor_group", 16, "F8_E4M3"), "mxfp4": ("group", 32, "U8")}
 
 
+@pytest.mark.parametrize("family,scheme", [("qwen4_exp", "nvfp4"), ("qwen3_next", "nvfp4"), ("qwen3_next", "mxfp4")])
+def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals, tmp_path):
+    """NVFP4A16 / MXFP4A16 (llm-compressor's releases of this family: experts, attention, DeltaNet and shared-expert
+    projections in FP4, the router and norms in float), written by the library's own FP4 compressor: moepipe
+    dequantizes them at load (no expert or dense kernel keeps FP4 packed) and its prefill log-probs and greedy
+    decode equal transformers' on the library's decompression, on one stage and on two."""
+    from stage_worker.model.quant_linear import PackedLinear
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(originals[family], qdir, scheme)
+    q = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    strategy, group, scale_dtype = FP4_SCHEMES[scheme]
+    assert q["format"] == f"{scheme}-pack-quantized"
+    assert [(g["weights"]["strategy"], g["weights"]["group_size"]) for g in q["config_groups"].values()] == \
+        [(strategy, group)]
+    with safe_open(qdir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        expert = "model.layers.0.mlp.experts.0.gate_proj"
+        assert f.get_slice(f"{expert}.weight_packed").get_dtype() == "U8"
+        assert f.get_slice(f"{expert}.weight_scale").get_dtype() == scale_dtype
+    assert (f"{expert}.weight_global_scale" in names) == (scheme == "nvfp4")
+    assert "model.layers.0.mlp.shared_expert.gate_proj.weight_packed" in names
+    assert any(".self_attn.q_proj.weight_packed" in n for n in names)
+    assert any(".linear_attn.out_proj.weight_packed" in n for n in names)
+    assert {"model.layers.0.mlp.gate.weight", "lm_head.weight", "model.layers.0.linear_attn.norm.weight"} <= names
+    _decompress_with_the_library(qdir, tmp_path / "dense")
+    ref = _reference(tmp_path / "dense")
+    ids = list(PROMPT)
+    for _ in range(NEW):
+        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
+    want = torch.log_softmax(reference_logits(ref, ids), -1)
+
+    whole = load_model(qdir, LoadOptions(dtype=torch.float32))
+    assert not any(m.packed_group or m.fp8_block for m in whole.moe_layers().values())
+    assert not any(isinstance(m, PackedLinear) for m in whole.modules())
+    n = whole.cfg.num_hidden_layers
+    halves = [load_model(qdir, LoadOptions(dtype=torch.float32, start=s, end=e)) for s, e in ((0, n // 2), (n // 2, n))]
+    for stages in ([whole], halves):
+        got, tokens = _logits_of(stages, NEW)
+        assert tokens == ids[len(PROMPT):]
+        assert (torch.log_softmax(got, -1) - want).abs().max() < TOL
+    orig = reference_logits(_reference(originals[family]), PROMPT)
+    assert (torch.log_softmax(orig, -1) - want[: len(PROMPT)]).abs().max() > 1e-3      # the quantization is real
+
+
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_fp4_dequantization_equals_the_librarys_bit_for_bit(scheme):
     """Every byte (so every code in both nibbles, negative zero among them), odd row counts and every scale the
@@ -241,6 +286,8 @@ def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path
     r = run("--scheme", "int4-experts", str(originals["qwen3_next"]), str(done))
     assert r.returncode == 0, r.stderr
     assert "experts_int4_g16: int4 group 16" in r.stdout and "modules quantized (int4-experts)" in r.stdout
+    r = run("--scheme", "nvfp4", str(originals["qwen3_next"]), str(tmp_path / "fp4"))
+    assert r.returncode == 0 and "nvfp4: float4 tensor_group 16" in r.stdout, r.stderr
     r = run("--scheme", "reports-mixed", str(tmp_path / "nowhere"), str(tmp_path / "o"))
     assert r.returncode == 2 and "nowhere: no such directory" in r.stderr and "download" not in r.stderr
     with pytest.raises(QuantizeError, match="already quantized"):
@@ -317,6 +364,29 @@ def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path
     unpacked = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False, packed_dense=False))[0].weights
     assert planned <= dense_only < unpacked * (0.7 if scheme == "reports-mixed" else 0.8)
     assert (planned < dense_only) == (scheme == "reports-mixed")
+
+
+def test_the_memory_plan_counts_fp4_weights_dequantized(originals, tmp_path):
+    """An NVFP4 checkpoint's modules are dequantized at load (no FP4 kernel keeps them packed), so a GPU stage is
+    planned at the compute dtype, what the loader holds, whatever the packed switches say: planning them at their
+    packed size would start a stage that runs out of memory while loading (4x the packed bytes)."""
+    from shared.cluster_config import ClusterConfig, StageSpec
+    from stage_worker.memory_needs import stage_needs
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(originals["qwen4_exp"], qdir, "nvfp4")
+    cfg = load_config(qdir)
+    cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
+                            stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")], packed_dense=True,
+                            packed_fp8_dense=True)
+    planned = stage_needs(cfg, cluster)[0].weights
+    model = load_model(qdir, LoadOptions(dtype=torch.float32))
+    held = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "ngram_embedding" not in name
+               and ".ple.ple_embedding" not in name)
+    assert not any(name.endswith((".weight_packed", ".q13")) for name, _ in model.named_buffers())
+    assert planned == held
+    off = dataclasses.replace(cluster, packed_experts=False, packed_dense=False, packed_fp8_dense=False)
+    assert stage_needs(cfg, off)[0].weights == planned
 
 
 def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint, tmp_path):

@@ -10,6 +10,9 @@ Schemes (each role: a set of module-name patterns and one weight scheme; what no
 * `int4-experts`: only the routed experts, INT4 group 128.
 * `int4-experts-asym`: the same with a zero point per group (llm-compressor's W4A16_ASYM on the experts; AutoAWQ
   and GPTQ `sym: false` releases are of this kind): what the asymmetric INT4 expert kernels run.
+* `nvfp4`, `mxfp4`: llm-compressor's NVFP4A16 and MXFP4A16 over the experts and the dense projections (FP4 E2M1
+  values in groups of 16 with float8 scales under a global scale per module, or groups of 32 with power-of-two
+  scales); a pattern whose modules' inputs the group does not divide stays as it was (FP4 has one group size).
 * `fp8-block`: transformers' block-FP8 form (`quant_method: fp8`, 128 x 128 scales, `weight_scale_inv`) over the
   experts and the dense projections, as the model makers publish it; the rest is listed in
   `modules_to_not_convert`.
@@ -58,9 +61,14 @@ SCHEMES: dict[str, tuple[Role, ...]] = {
                       Role("embeddings_int8", EMBED, 8, strategy="channel", group_size=None)),
     "int4-experts": (Role("experts_int4", EXPERTS, 4),),
     "int4-experts-asym": (Role("experts_int4_asym", EXPERTS, 4, symmetric=False),),
+    "nvfp4": (Role("nvfp4", EXPERTS + DENSE, 4, kind="float", strategy="tensor_group", group_size=16),),
+    "mxfp4": (Role("mxfp4", EXPERTS + DENSE, 4, kind="float", strategy="group", group_size=32),),
     "fp8-block": (Role("fp8", EXPERTS + DENSE, 8, kind="float", strategy="block", group_size=None,
                        block=(128, 128)),),
 }
+# an FP4 role's strategy -> its compressed-tensors format and the dtype its group scales are stored in
+FP4 = {"tensor_group": ("nvfp4-pack-quantized", "torch.float8_e4m3fn"),
+       "group": ("mxfp4-pack-quantized", "torch.uint8")}
 
 
 class QuantizeError(ValueError):
@@ -88,9 +96,15 @@ def _pattern_of(module: str, roles: tuple[Role, ...]) -> tuple[Role, str] | None
     return None
 
 
-def _group_for(role: Role, inputs: set[int]) -> tuple[str, int | None]:
+def _fp4(role: Role) -> bool:
+    return role.kind == "float" and role.bits == 4
+
+
+def _group_for(role: Role, inputs: set[int]) -> tuple[str, int | None] | None:
     """(strategy, group size) for one pattern's modules: the role's group if it divides every module's inputs,
-    else the largest power of two (>= 8) that does, else per channel."""
+    else the largest power of two (>= 8) that does, else per channel; FP4: its group or None (left as it was)."""
+    if _fp4(role):
+        return (role.strategy, role.group_size) if all(n % role.group_size == 0 for n in inputs) else None
     if role.strategy != "group":
         return role.strategy, None
     g = role.group_size
@@ -138,10 +152,15 @@ def plan(model_dir: Path, scheme: str) -> tuple[dict[str, dict], dict[str, dict]
     groups: dict[str, dict] = {}
     for (rname, pat), names in by_pattern.items():
         role = role_of[rname]
-        strategy, gs = _group_for(role, {modules[m][1] for m in names})
+        chosen_group = _group_for(role, {modules[m][1] for m in names})
+        if chosen_group is None:
+            continue
+        strategy, gs = chosen_group
         args = {"num_bits": role.bits, "type": role.kind, "symmetric": role.symmetric, "strategy": strategy}
         if gs:
             args["group_size"] = gs
+        if _fp4(role):
+            args["scale_dtype"] = FP4[strategy][1]
         if role.block:
             args["block_structure"] = list(role.block)
         gname = rname if (strategy, gs) == (role.strategy, role.group_size) else \
@@ -169,6 +188,27 @@ def _int_weight(weight: torch.Tensor, args: dict, lib) -> dict[str, torch.Tensor
     if not qa.symmetric:
         state["weight_zero_point"] = zp
     return P.compress(state, QuantizationScheme(targets=["Linear"], weights=qa))
+
+
+def _fp4_weight(weight: torch.Tensor, args: dict, lib) -> dict[str, torch.Tensor]:
+    """`weight_packed`, `weight_scale` (and NVFP4's `weight_global_scale`) from the library's FP4 compressor, with
+    the scales its observers would give a weight: a global scale over the whole module, then per group."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    _, QuantizationArgs, _, QuantizationScheme, _, calculate_qparams = lib
+    qa = QuantizationArgs(**args)
+    rows, n = weight.shape
+    w = weight.float()
+    v = w.view(rows, n // qa.group_size, qa.group_size)
+    state = {"weight": weight}
+    if qa.strategy == "tensor_group":
+        state["weight_global_scale"] = generate_gparam(w.amin(), w.amax())
+    state["weight_scale"], _ = calculate_qparams(v.amin(-1), v.amax(-1), qa,
+                                                 global_scale=state.get("weight_global_scale"))
+    compressor = NVFP4PackedCompressor if qa.strategy == "tensor_group" else MXFP4PackedCompressor
+    return compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=qa))
 
 
 def _fp8_weight(weight: torch.Tensor, block: tuple[int, int], lib) -> dict[str, torch.Tensor]:
@@ -219,7 +259,8 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str) -> dict:
 
 def _write(src: Path, dst: Path, scheme: str, config: dict, chosen: dict[str, dict], groups: dict[str, dict],
            lib) -> dict:
-    fp8 = SCHEMES[scheme][0].kind == "float"
+    role = SCHEMES[scheme][0]
+    fp8, fp4 = role.kind == "float" and role.bits == 8, _fp4(role)
     bytes_in = bytes_out = 0
     weight_map: dict[str, str] = {}
     untouched: set[str] = set()
@@ -237,7 +278,7 @@ def _write(src: Path, dst: Path, scheme: str, config: dict, chosen: dict[str, di
                             untouched.add(module)
                         continue
                     parts = _fp8_weight(weight, tuple(args["block_structure"]), lib) if fp8 else \
-                        _int_weight(weight, args, lib)
+                        _fp4_weight(weight, args, lib) if fp4 else _int_weight(weight, args, lib)
                     for part, v in parts.items():
                         out[f"{module}.{part}"] = v.contiguous()
         save_file(out, dst / path.name, metadata={"format": "pt"})
@@ -261,8 +302,8 @@ def _write(src: Path, dst: Path, scheme: str, config: dict, chosen: dict[str, di
     else:
         import compressed_tensors
 
-        qc = lib[2].model_validate({"config_groups": groups, "format": "pack-quantized",
-                                    "quantization_status": "compressed"})
+        fmt = FP4[role.strategy][0] if fp4 else "pack-quantized"
+        qc = lib[2].model_validate({"config_groups": groups, "format": fmt, "quantization_status": "compressed"})
         config["quantization_config"] = {**qc.model_dump(mode="json"), "quant_method": "compressed-tensors",
                                          "version": compressed_tensors.__version__}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
