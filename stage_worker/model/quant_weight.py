@@ -1,6 +1,6 @@
 """Quantized Linear weights as checkpoints store them, and their dequantization (issue 17).
 
-Three on-disk forms, all read here without the compressed-tensors library (a serving machine needs only this):
+Four on-disk forms, all read here without the compressed-tensors library (a serving machine needs only this):
 * compressed-tensors `pack-quantized` (INT1-8): `weight_packed` int32 [rows, words], `weight_scale` [rows, groups]
   (one column per channel, one value per tensor), `weight_shape` [rows, in], and for asymmetric schemes
   `weight_zero_point` packed along its rows. Values are stored as `q + 2^(bits-1)`. The library has packed densely
