@@ -270,7 +270,10 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                                        expert_move_claims=claims if spares else 1), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
-    model.set_kernels(KernelFlags.parse("all"))
+    # fused_router off: the replay forces the trace's experts through the router's logits (`Replay.route`), which the
+    # fused router (GEMV and top-k in one launch, in `all` since h200-35) never materialises; h100-31 timed the two
+    # routers even at one token, so the offload's cost is measured on the same step
+    model.set_kernels(KernelFlags.parse("all,-fused_router"))
     load_s = time.time() - t0
     x = model.experts
     moves = policy is not None
