@@ -66,7 +66,7 @@ DTYPE_ALIASES = {"auto": "", "": "", "half": "float16", "float": "float32", **{d
 KERNEL_NAMES = ("moe", "moe_prefill", "moe_int4_prefill", "hyper_connection", "rmsnorm", "attention", "deltanet",
                 "moe_int4_fused", "quant_gemv_fma", "qsa_tiles", "section_attention", "quant_gemv_wide",
                 "section_union", "sample_race", "pdl", "l2_prefetch", "quant_dequant", "sdpa_prefill", "side_stream",
-                "fused_router", "route_key32", "staged_inputs", "hc_fused_norm")
+                "fused_router", "route_key32", "staged_inputs")
 
 
 def host_ram() -> int | None:

@@ -18,7 +18,7 @@ from shared.cluster_config import kernels_error
 # turns one on). pdl left this list after h200-19 (bit for bit, the 48-layer step 4-5% faster); side_stream never
 # joined it: timed on an H100 (h100-28, bit for bit, 2-7% faster; h100-29 again: 4.61-4.71 against 4.90 ms at
 # batch 1, 7.55 against 8.09-8.13 at 4), not yet on an H200.
-NOT_IN_ALL = ("l2_prefetch", "staged_inputs", "hc_fused_norm")
+NOT_IN_ALL = ("l2_prefetch", "staged_inputs")
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,6 @@ class KernelFlags:
                                       # block tables, lengths, padding) packed on the host into pinned memory and
                                       # moved by one copy into one device buffer the graph reads views of
                                       # (stage_worker/graph_inputs.py), not ~15 small copies and fills a step
-    hc_fused_norm: bool = False       # with `hyper_connection`: the mix in two launches, not three: the streams'
-                                      # injection and RMSNorm taken inside the down GEMV (linear: rstd applied
-                                      # per stream to the sums), the up-mix norming its tiles from the streams
-                                      # and the stored rstd; no normed copy (the normed row is not rounded to
-                                      # bf16 before the GEMV: within bf16 noise of the PyTorch path)
 
     @classmethod
     def parse(cls, spec: str) -> "KernelFlags":

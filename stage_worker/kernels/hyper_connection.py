@@ -11,11 +11,12 @@ A `_hc_down_kernel`, grid (down/inject row tiles, row blocks): the `down` GEMV (
 B `_hc_up_mix_kernel`, grid (H tiles, row blocks): the `up` GEMV for each stream's H tile, sigmoid, and the mean
   over streams of gate * normed, in registers.
 
-With the kernel flag `hc_fused_norm` P goes into A (`_hc_down_norm_kernel`: the norm taken on the way, the GEMV
-being linear, each stream's rstd stored for B, which norms its own tiles): two launches, no normed copy.
-An earlier version fused the norm into A differently (two kernels instead of three): each of its ~160 programs then
-re-normalised the whole row before its first weight load, a chain of dependent loads that ran A at 12.9 µs for
-6.6 MB on the H200 (about 0.5 TB/s). With the norm in P the GEMVs are plain weight streams.
+Folding P into A was tried twice and is gone: each of A's ~160 programs then normalises the whole row itself. First
+before its first weight load (a chain of dependent loads: A at 12.9 µs for 6.6 MB on the H200, about 0.5 TB/s);
+then on the way, the GEMV being linear (rstd applied per stream to the sums, B norming its tiles from the streams
+and the stored rstd: kernel flag `hc_fused_norm`, two launches, no normed copy), which h100-38 timed at 5.58 / 5.61
+ms a 44-layer reports-mixed step back to back at batch 1 against 4.39-4.51 with P, and 13.2 against 7.4 ms at batch 4
+(bench/results/h100-38). With the norm in P the GEMVs are plain weight streams.
 
 All three round to the input dtype wherever `GatedResidual.mix` / `inject` do (the injection, normed, each Linear
 output, /hc, silu, sigmoid, gate * normed, the mean), so they agree with the PyTorch path to within bf16 noise.
@@ -175,85 +176,6 @@ def _hc_down_kernel(n_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr, part_ptr, lo
 
 
 @triton.jit
-def _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, w_ptr, outs, mo, row0, T, stride_x, stride_o,
-                     stride_y, eps, store, H: tl.constexpr, HC: tl.constexpr, INJECT: tl.constexpr,
-                     OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, dt: tl.constexpr):
-    """[BLOCK_T, BLOCK_R]: weight rows `outs` times the normed streams, the norm taken on the way (kernel flag
-    `hc_fused_norm`): the GEMV is linear, so sum_k w_k (x_k * rstd_s * scale_k) = rstd_s * sum_k w_k x_k scale_k
-    per stream s, and every program reads all of a row's inputs anyway, so it sums their squares too. (The
-    normed row is not rounded to bf16 first as the PyTorch path and `_hc_prep_kernel` round it: within bf16
-    noise.) With INJECT the previous block's injection first (x + out * g, rounded as `GatedResidual.inject`).
-    `store` (one program a row block): the injected streams into y and each stream's rstd into rstd [T, HC] fp32,
-    which `_hc_up_mix_kernel` (NORM_IN_B) reads instead of a normed copy."""
-    ts = tl.arange(0, BLOCK_T)
-    mt = row0 + ts < T
-    w_rows = w_ptr + outs.to(tl.int64)[:, None] * (HC * H)
-    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-    for s in tl.static_range(HC):
-        acc_s = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for h0 in tl.static_range(0, H, BLOCK_K):
-            hs = h0 + tl.arange(0, BLOCK_K)
-            mh = hs < H
-            w = tl.load(w_rows + (s * H + hs)[None, :], mask=mo[:, None] & mh[None, :], other=OFFSET).to(tl.float32)
-            w = w - OFFSET
-            if PDL:
-                if s == 0 and h0 == 0:
-                    pdl_wait(PDL)                        # after the first weight tile, before the first stream
-            scale = 1.0 + tl.load(nw_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)
-            for t in tl.static_range(BLOCK_T):
-                r = (row0 + t).to(tl.int64)
-                m = mh & (row0 + t < T)
-                x = tl.load(x_ptr + r * stride_x + s * H + hs, mask=m, other=0.0).to(tl.float32)
-                if INJECT:
-                    o = tl.load(o_ptr + r * stride_o + hs, mask=m, other=0.0).to(tl.float32)
-                    g = tl.load(gin_ptr + r * HC + s, mask=row0 + t < T, other=0.0).to(tl.float32)
-                    x = round_to(x + round_to(o * g, dt), dt)
-                    if store:
-                        tl.store(y_ptr + r * stride_y + s * H + hs, x.to(dt), mask=m)
-                part = tl.sum(w * (x * scale)[None, :], axis=1)
-                acc_s += tl.where((ts == t)[:, None], part[None, :], 0.0)
-                ss += tl.where(ts == t, tl.sum(x * x, axis=0), 0.0)
-        rstd = tl.math.rsqrt(ss / H + eps)
-        if store:
-            tl.store(rstd_ptr + (row0 + ts) * HC + s, rstd, mask=mt)
-        acc += acc_s * rstd[:, None]
-    return acc
-
-
-@triton.jit
-def _hc_down_norm_kernel(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_ptr, ds_ptr, inj_ptr, a_ptr, g_ptr,
-                         T, stride_x, stride_o, stride_y, eps, H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
-                         INJECT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False):
-    """`_hc_prep_kernel` and `_hc_down_kernel` in one launch (kernel flag `hc_fused_norm`, one K slice): the
-    `down` (and `block_inject`) rows over the streams, normed on the way (`_normed_rows_dot`)."""
-    pid_r = tl.program_id(0)
-    row0 = tl.program_id(1) * BLOCK_T
-    ts = tl.arange(0, BLOCK_T)
-    mt = row0 + ts < T
-    dt: tl.constexpr = a_ptr.dtype.element_ty
-    n_down: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
-    is_down = pid_r < n_down
-    store = pid_r == 0
-    DOWN_OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
-    if is_down:
-        outs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < R
-        acc = _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, down_ptr, outs, mo, row0, T,
-                               stride_x, stride_o, stride_y, eps, store, H, HC, INJECT, DOWN_OFFSET, BLOCK_T,
-                               BLOCK_R, BLOCK_K, PDL, dt)
-    else:
-        outs = (pid_r - n_down) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mo = outs < HC
-        acc = _normed_rows_dot(x_ptr, o_ptr, gin_ptr, y_ptr, nw_ptr, rstd_ptr, inj_ptr, outs, mo, row0, T,
-                               stride_x, stride_o, stride_y, eps, store, H, HC, INJECT, 0.0, BLOCK_T, BLOCK_R,
-                               BLOCK_K, PDL, dt)
-    _down_finish(acc, ds_ptr, a_ptr, g_ptr, outs, mo, row0, ts, mt[:, None] & mo[None, :], is_down, R, HC, Q8)
-
-
-@triton.jit
 def _down_finish(acc, ds_ptr, a_ptr, g_ptr, outs, mo, row0, ts, mask, is_down, R: tl.constexpr, HC: tl.constexpr,
                  Q8: tl.constexpr):
     """A tile's whole sums -> `a` (row-scaled with Q8, /hc, SiLU) or the injection weights (2 * sigmoid), rounded
@@ -300,13 +222,10 @@ def _up_gate(up_ptr, us_ptr, a_ptr, s: tl.constexpr, hs, mh, row0, ts, T, H: tl.
 def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
                       H: tl.constexpr, R: tl.constexpr, HC: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, Q8: tl.constexpr,
-                      PDL: tl.constexpr = False, L2PF: tl.constexpr = False, NORM_IN_B: tl.constexpr = False,
-                      rstd_ptr=None, nw_ptr=None, stride_n=0):
+                      PDL: tl.constexpr = False, L2PF: tl.constexpr = False):
     """The `up` GEMV per stream, sigmoid, and the mean of gate * normed; with Q8 the up weight is INT8 bytes
     (stored value + 128) with one scale a row (us), applied to each row's sum. L2PF (with PDL): first the program's
-    weight rows into L2, each stream's H tile (whole rows, contiguous) one prefetch. NORM_IN_B (`hc_fused_norm`):
-    n_ptr holds the streams themselves (row stride stride_n) and each H tile is normed here from
-    `_hc_down_norm_kernel`'s rstd, rounded as `_hc_prep_kernel` rounds it."""
+    weight rows into L2, each stream's H tile (whole rows, contiguous) one prefetch."""
     OFFSET: tl.constexpr = 128.0 if Q8 else 0.0
     hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = hs < H
@@ -323,15 +242,8 @@ def _hc_up_mix_kernel(n_ptr, a_ptr, up_ptr, us_ptr, y_ptr, T, stride_y,
     for s in tl.static_range(HC):
         gate = _up_gate(up_ptr, us_ptr, a_ptr, s, hs, mh, row0, ts, T, H, R, BLOCK_T, BLOCK_H, BLOCK_J, OFFSET, Q8,
                         PDL, dt)
-        if NORM_IN_B:
-            xs = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_n + (s * H + hs)[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            rs = tl.load(rstd_ptr + (row0 + ts) * HC + s, mask=mt, other=0.0)
-            sc = 1.0 + tl.load(nw_ptr + s * H + hs, mask=mh, other=0.0).to(tl.float32)
-            nx = round_to((xs * rs[:, None]) * sc[None, :], dt)
-        else:
-            nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
+        nx = tl.load(n_ptr + (row0 + ts).to(tl.int64)[:, None] * (HC * H) + (s * H + hs)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
         mix += round_to(gate * nx, dt)
     y = round_to(mix / HC, dt).to(dt)
     tl.store(y_ptr + (row0 + ts).to(tl.int64)[:, None] * stride_y + hs[None, :], y, mask=mask)
@@ -357,21 +269,19 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def hc_mix(streams: torch.Tensor, hc_norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-           inject_w: torch.Tensor | None, hc: int, eps: float,
-           fused_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+           inject_w: torch.Tensor | None, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, hc*H] -> (block input [T, H], injection weights [T, hc], or None for the final mixer);
-    `hyper_connection_ref.hc_mix` in three kernels (two with `fused_norm`, kernel flag `hc_fused_norm`). Weights in
-    the streams' dtype."""
-    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps, fused_norm)
+    `hyper_connection_ref.hc_mix` in three kernels. Weights in the streams' dtype."""
+    _, mixed, inject = _mix(streams, None, None, hc_norm_w, down_w, up_w, inject_w, hc, eps)
     return mixed, inject
 
 
 def hc_inject_mix(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, hc_norm_w: torch.Tensor,
                   down_w: torch.Tensor, up_w: torch.Tensor, inject_w: torch.Tensor | None, hc: int,
-                  eps: float, fused_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`hc_inject` of the previous block's output, then `hc_mix` of the result, with the injection inside the mix's
     first kernel: -> (new streams, block input, injection weights)."""
-    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps, fused_norm)
+    return _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc, eps)
 
 
 def int8_rows(w) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -401,7 +311,7 @@ def _in_place(w) -> bool:
     return w.is_contiguous()
 
 
-def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float, fused_norm: bool = False):
+def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps: float):
     in_place = all(_in_place(w) for w in (hc_norm_w, down_w, up_w, inject_w))
     (down_w, down_s), (up_w, up_s) = int8_rows(down_w), int8_rows(up_w)
     t, width = streams.shape
@@ -426,10 +336,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
     pdl = pdl_usable(x) and in_place
     l2pf = pdl and l2_prefetch_usable(x)
     br, bk, warps, *rest = (DOWN_CFG_Q8 if down_s is not None else DOWN_CFG)[_bucket(t)]
-    if fused_norm and (not rest or rest[0] == 1):        # one K slice: every program sees a whole row
-        return _fused_norm_mix(x, o if out is not None else None, g if out is not None else None, new_streams,
-                               hc_norm_w, (down_w, down_s), (up_w, up_s), inject_w, a, mixed, inject, hc, eps,
-                               (br, bk, warps), pdl)
     normed = torch.empty((t, width), dtype=dt, device=dev)
     _hc_prep_kernel[(t, hc)](
         x, o if out is not None else x, g if out is not None else x, new_streams, hc_norm_w, normed,
@@ -456,34 +362,6 @@ def _mix(streams, out, weights, hc_norm_w, down_w, up_w, inject_w, hc: int, eps:
         normed, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
         num_warps=warps, PDL=pdl, L2PF=l2pf, launch_pdl=pdl)
-    return new_streams, mixed, inject
-
-
-def _fused_norm_mix(x, o, g, new_streams, hc_norm_w, down, up, inject_w, a, mixed, inject, hc: int, eps: float,
-                    down_cfg: tuple[int, int, int], pdl: bool):
-    """`hc_fused_norm`: `_hc_down_norm_kernel` (the prep's injection and norm inside the down GEMV), then
-    `_hc_up_mix_kernel` norming its tiles from the streams and their rstd: two launches, no normed copy."""
-    (down_w, down_s), (up_w, up_s) = down, up
-    t, width = x.shape
-    hidden, rank = width // hc, down_w.shape[0]
-    rstd = torch.empty((t, hc), dtype=torch.float32, device=x.device)
-    bt = min(triton.next_power_of_2(t), 16)
-    br, bk, warps = down_cfg
-    n_tiles = triton.cdiv(rank, br) + (triton.cdiv(hc, br) if inject_w is not None else 0)
-    _hc_down_norm_kernel[(n_tiles, triton.cdiv(t, bt))](
-        x, o if o is not None else x, g if g is not None else x, new_streams, hc_norm_w, rstd, down_w,
-        down_s if down_s is not None else a, inject_w.contiguous() if inject_w is not None else a, a,
-        inject if inject is not None else a, t, x.stride(0), o.stride(0) if o is not None else 0,
-        new_streams.stride(0), eps, H=hidden, R=rank, HC=hc, INJECT=o is not None, BLOCK_T=bt, BLOCK_R=br,
-        BLOCK_K=min(triton.next_power_of_2(hidden), bk), Q8=down_s is not None, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl)
-    bh, bj, warps = (UP_CFG_Q8 if up_s is not None else UP_CFG)[_bucket(t)]
-    bh = min(triton.next_power_of_2(hidden), bh)
-    _hc_up_mix_kernel[(triton.cdiv(hidden, bh), triton.cdiv(t, bt))](
-        new_streams, a, up_w, up_s if up_s is not None else a, mixed, t, mixed.stride(0), H=hidden, R=rank, HC=hc,
-        BLOCK_T=bt, BLOCK_H=bh, BLOCK_J=min(triton.next_power_of_2(rank), bj), Q8=up_s is not None,
-        num_warps=warps, PDL=pdl, L2PF=False, launch_pdl=pdl, NORM_IN_B=True, rstd_ptr=rstd, nw_ptr=hc_norm_w,
-        stride_n=new_streams.stride(0))
     return new_streams, mixed, inject
 
 
@@ -517,7 +395,7 @@ def hc_mix_module(module: GatedResidual, streams: torch.Tensor) -> tuple[torch.T
     function when its kernel flag is on)."""
     w = _module_weights(module)
     if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_mix(streams, *w, module.hc, module.hc_norm.eps, module.kernels.hc_fused_norm)
+        return hc_mix(streams, *w, module.hc, module.hc_norm.eps)
     return hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps)
 
 
@@ -535,6 +413,6 @@ def hc_inject_mix_module(module: GatedResidual, streams: torch.Tensor, out: torc
     packed weights the kernels do not read)."""
     w = _module_weights(module)
     if _kernel_rows(streams) and kernel_form(w[1]) and kernel_form(w[2]):
-        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps, module.kernels.hc_fused_norm)
+        return hc_inject_mix(streams, out, weights, *w, module.hc, module.hc_norm.eps)
     streams = hyper_connection_ref.hc_inject(streams, out, weights)
     return (streams, *hyper_connection_ref.hc_mix(streams, *w, module.hc, module.hc_norm.eps))
