@@ -56,7 +56,7 @@ from qa_checkpoint_fuzz import (FAMILIES, NEW, TIE_GAP, Case, check_served, hf_c
                                 is_tie, random_case, reference, write_checkpoint)
 
 TOL = 1e-4                    # the quantized tests' tolerance (tests/test_quantized_checkpoint.py)
-SCHEMES = ("reports-mixed", "int4-experts", "fp8-block")
+SCHEMES = ("reports-mixed", "int4-experts", "fp8-block", "int4-experts-asym")
 # widths off the packers' multiples (8, 32, 128) beside a few on them
 HIDDEN = (20, 36, 44, 60, 72, 100, 136, 200, 24, 32, 64, 128)
 EXPERT = (1, 2, 3, 5, 12, 20, 40, 72, 136, 8, 16, 64, 128)
