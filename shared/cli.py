@@ -119,8 +119,8 @@ def _ensure_builtin_model() -> Path:
 # subcommand -> (the module that runs it, its one-line help); the order is `moepipe --help`'s
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("stage_worker.cli", "write a random-weight Qwen4-Exp checkpoint"),
-    "quantize": ("stage_worker.cli", "write a quantized copy of a checkpoint (compressed-tensors INT4/6/8 or "
-                                     "block FP8), with the compressed-tensors library"),
+    "quantize": ("stage_worker.cli", "write a quantized copy of a checkpoint (compressed-tensors INT4/6/8, "
+                                     "NVFP4/MXFP4 or block FP8), with the compressed-tensors library"),
     "generate": ("stage_worker.cli", "generate from a prompt in this process"),
     "serve": ("gateway.cli", "start the whole cluster and serve the OpenAI API"),
     "route-stats": ("stage_worker.cli", "count each MoE layer's expert selections over sample text of several "
