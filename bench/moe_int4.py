@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_int4 as M  # noqa: E402
 from stage_worker.kernels.moe_int4 import fused_moe_int4  # noqa: E402
-from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_int4  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_fp4, pack_int4  # noqa: E402
 from stage_worker.kernels.moe_ref import route_ref  # noqa: E402
 from tune_kernels import graph_time  # noqa: E402
 
@@ -172,6 +172,8 @@ def main() -> int:
                          "a selected slot (its rows stored into a spare as they are read)")
     ap.add_argument("--asym", action="store_true",
                     help="also time asymmetric experts (zero points in the scale rows: AutoAWQ, GPTQ sym false)")
+    ap.add_argument("--fp4", action="store_true",
+                    help="also time FP4 experts (E2M1 codes, float32 scales in NVFP4's groups of 16: NVFP4A16)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -183,6 +185,7 @@ def main() -> int:
     ex = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g)
     ex_claim = PackedExperts(*pack_int4(w13, g), *pack_int4(w2, g), g) if args.claims else None  # spares written
     ex_asym = PackedExperts(*pack_int4(w13, g, True), *pack_int4(w2, g, True), g) if args.asym else None
+    ex_fp4 = PackedExperts(*pack_fp4(w13, 16), *pack_fp4(w2, 16), 16, fp4=True) if args.fp4 else None
     torch.cuda.empty_cache()
     if args.profile_only:
         t = int(args.tokens.split(",")[0])
@@ -230,6 +233,9 @@ def main() -> int:
         if args.asym:
             kernels += [("asym", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex_asym),
                          ex_asym.nbytes_per_expert())]
+        if args.fp4:
+            kernels += [("fp4", lambda i: fused_moe_int4(x, routes[i][1], routes[i][0], ex_fp4),
+                         ex_fp4.nbytes_per_expert())]
         for name, fn, per in kernels:
             s = timed(fn, args.calls, args.runs)
             read = distinct * per

@@ -74,7 +74,7 @@ def table(ex: PackedExperts, hot: int) -> ExpertTable:
                        host={p: t[hot:].cpu().pin_memory() for p, t in parts.items()},
                        expert_of_slot=torch.arange(n, dtype=torch.int32, device="cuda"),
                        counts=torch.zeros(n, device="cuda"), host_reads=zero, moves=zero.clone(),
-                       initial=tuple(range(n)), groups=(ex.group, ex.down_group))
+                       initial=tuple(range(n)), groups=(ex.group, ex.down_group), fp4=ex.fp4)
 
 
 def case(ex: PackedExperts, tokens: int, share: float, reps: int) -> dict:

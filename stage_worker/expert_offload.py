@@ -422,7 +422,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
             initial=orders[i], groups=(moe.packed_group, moe.packed_group2) if moe.packed_group else None,
-            fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
+            fp4=moe.packed_fp4, fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
             claim=None if claim is None else claim[i:i + 1] if C == 1 else claim[i],
             threshold=None if threshold is None else threshold[i:i + 1],
             spare=None if state is None else state[i, :C])

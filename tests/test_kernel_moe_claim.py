@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels import moe_int4 as K4  # noqa: E402
-from stage_worker.kernels.moe_int4_ref import PackedExperts, pack_int4  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import PackedExperts, pack_fp4, pack_int4  # noqa: E402
 from stage_worker.kernels.moe_ref import Fp8Experts, HostRows  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -201,18 +201,22 @@ def test_fp8_claims_the_kernels_could_not_store_in_place_are_refused():
         K.fused_moe_fp8(x, ids, w, dev, host=host, first_host=HOT, claim=two)
 
 
-def _int4_case(t: int, scale_dtype: torch.dtype, seed: int, asym: bool = False):
+def _int4_case(t: int, scale_dtype: torch.dtype, seed: int, asym: bool = False, fp4: bool = False):
     """H 96 (12 words a row), I 40 (5 words: down blocks span experts), groups 32 / 16 (a partial last group);
-    `asym`: zero points after the scales in the scale rows (the kernels store them with the scales)."""
+    `asym`: zero points after the scales in the scale rows (the kernels store them with the scales); `fp4`: E2M1
+    codes and float32 scales."""
     H, I = 96, 40
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(DEV, scale_dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(DEV, scale_dtype)
-    ex = PackedExperts(*pack_int4(w13, 32, asym), *pack_int4(w2, 16, asym), 32, 16)
+    if fp4:
+        ex = PackedExperts(*pack_fp4(w13, 32), *pack_fp4(w2, 16), 32, 16, fp4=True)
+    else:
+        ex = PackedExperts(*pack_int4(w13, 32, asym), *pack_int4(w2, 16, asym), 32, 16)
     assert ex.asym == asym
     names = ("q13", "s13", "q2", "s2")
-    dev = PackedExperts(*(_guarded(getattr(ex, n)[:HOT], seed + 2 * i) for i, n in enumerate(names)), 32, 16)
-    host = PackedExperts(*(_host(getattr(ex, n)[HOT:]) for n in names), 32, 16)
+    dev = PackedExperts(*(_guarded(getattr(ex, n)[:HOT], seed + 2 * i) for i, n in enumerate(names)), 32, 16, fp4)
+    host = PackedExperts(*(_host(getattr(ex, n)[HOT:]) for n in names), 32, 16, fp4)
     x = torch.randn(t, H, generator=g).to(DEV)
     ids = torch.tensor(IDS[t], dtype=torch.int32, device=DEV)
     w = torch.rand(t, ids.shape[1], generator=g).to(DEV)
@@ -233,6 +237,18 @@ def test_int4_kernels_store_the_claimed_slot(monkeypatch, t, kind, small, prefet
         monkeypatch.setattr(K4, "DOWN_CFG", {b: (64, 8, 1) for b in (1, 4, 16)})    # 96 rows: 64, 32
         monkeypatch.setattr(K4, "PREFETCH", {b: prefetch for b in (1, 4, 16)})
     x, ids, w, dev, host, names = _int4_case(t, scale_dtype, seed=20 + t + 10 * small, asym=asym)
+    _claim_keeps_output_and_copies(K4.fused_moe_int4, x, ids, w, dev, host, names, kind)
+
+
+@pytest.mark.parametrize("t,kind,small", [(1, "selected", False), (3, "selected", True), (1, "unselected", True)])
+def test_fp4_experts_claims_store_words_and_float32_scales(monkeypatch, t, kind, small):
+    """FP4 experts through the same kernels: the claimed slot's words and float32 scale rows stored as read."""
+    if small:
+        monkeypatch.setattr(K4, "UP_CFG", {b: (32, 8, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K4, "DOWN_CFG", {b: (64, 8, 1) for b in (1, 4, 16)})
+        monkeypatch.setattr(K4, "PREFETCH", {b: 1 for b in (1, 4, 16)})
+    x, ids, w, dev, host, names = _int4_case(t, torch.float32, seed=60 + t, fp4=True)
+    assert dev.s13.dtype == torch.float32
     _claim_keeps_output_and_copies(K4.fused_moe_int4, x, ids, w, dev, host, names, kind)
 
 
@@ -299,7 +315,7 @@ def test_bf16_kernels_store_each_of_four_claims_into_its_spare(monkeypatch, t, s
 def test_fp8_and_int4_kernels_store_each_of_four_claims_into_its_spare(monkeypatch, t, small):
     """C = 4 with float8 experts (bytes and block scales) and INT4 experts (words and group scales; the down
     kernel's blocks span experts, each column stored into its own slot's spare; asymmetric at 3 tokens, the zero
-    points stored with the scales)."""
+    points stored with the scales; FP4 codes at 1)."""
     if small:
         monkeypatch.setattr(K, "UP_CFG", {b: (8, 16, 1) for b in (1, 4, 16)})
         monkeypatch.setattr(K, "DOWN_CFG", {b: (16, 8, 1) for b in (1, 4, 16)})
@@ -308,7 +324,7 @@ def test_fp8_and_int4_kernels_store_each_of_four_claims_into_its_spare(monkeypat
         monkeypatch.setattr(K4, "PREFETCH", {b: 1 for b in (1, 4, 16)})
     ids = torch.tensor(IDS_C[t], dtype=torch.int32, device=DEV)
     x, _, w, dev, host = _fp8_case(t, (16, 16), seed=90 + t)
-    x4, _, w4, dev4, host4, names4 = _int4_case(t, torch.float32, seed=95 + t, asym=t == 3)
+    x4, _, w4, dev4, host4, names4 = _int4_case(t, torch.float32, seed=95 + t, asym=t == 3, fp4=t == 1)
     for moe, xx, ww, d, h, names in ((K.fused_moe_fp8, x, w, dev, host, FP8_NAMES),
                                      (K4.fused_moe_int4, x4, w4, dev4, host4, names4)):
         before = {n: getattr(d, n)._base.clone() for n in names}

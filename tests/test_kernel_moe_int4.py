@@ -13,8 +13,8 @@ pytest.importorskip("triton")
 from shared.quant_scheme import WeightQuant  # noqa: E402
 from stage_worker.kernels import moe_int4 as K  # noqa: E402
 from stage_worker.kernels.moe import SKIP  # noqa: E402
-from stage_worker.kernels.moe_int4_ref import (PackedExperts, dequantize_int4, fused_moe_int4_ref,  # noqa: E402
-                                               pack_int4)
+from stage_worker.kernels.moe_int4_ref import (PackedExperts, dequantize_int4, dequantize_packed,  # noqa: E402
+                                               fused_moe_int4_ref, pack_fp4, pack_int4)
 from stage_worker.kernels.moe_ref import route_ref  # noqa: E402
 from stage_worker.model import quant_weight as qw  # noqa: E402
 
@@ -30,6 +30,13 @@ def _experts(E: int, H: int, I: int, group: int, seed: int, dtype=torch.float32,
     q13, s13 = pack_int4(w13, group, asym)
     q2, s2 = pack_int4(w2, group, asym)
     return PackedExperts(q13, s13, q2, s2, group)
+
+
+def _fp4_experts(E: int, H: int, I: int, group: int, seed: int, group2: int | None = None) -> PackedExperts:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=DEV) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g, device=DEV) / I ** 0.5
+    return PackedExperts(*pack_fp4(w13, group), *pack_fp4(w2, group2 or group), group, group2, fp4=True)
 
 
 def test_the_packing_is_compressed_tensors_own():
@@ -69,6 +76,91 @@ def test_asymmetric_packing_is_the_library_s_too():
     ours = dequantize_int4(q, sz, 16)
     assert torch.equal(ours, lib)
     assert (ours - w).abs().max() <= s.max() / 2 + 1e-6
+
+
+def test_fp4_words_are_the_library_s_bytes():
+    """NVFP4 `weight_packed` bytes read as int32 words are the kernels' words: every code and sign, through
+    dequantize_packed, gives compressed-tensors' decompressed weight bit for bit (its bf16(code * bf16(scale) /
+    global)), with s = bf16(scale) / global in float32 in the scale rows."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (24, 32), dtype=torch.uint8, generator=g)
+    packed[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) + torch.arange(8, dtype=torch.uint8)  # all codes
+    scale = (torch.rand(24, 4, generator=g) * 4 + 0.01).to(torch.float8_e4m3fn)
+    glob = torch.tensor([37.0])
+    lib = (unpack_fp4_from_uint8(packed, 24, 64, dtype=torch.bfloat16).float() *
+           (scale.to(torch.bfloat16) / glob).repeat_interleave(16, 1)).to(torch.bfloat16)
+    s = scale.to(torch.bfloat16).float() / glob
+    ours = dequantize_packed(packed.view(torch.int32), s, 16, True, torch.bfloat16)
+    assert torch.equal(ours, lib)
+    wq = WeightQuant(bits=4, kind="float", strategy="tensor_group", group_size=16, format="nvfp4-pack-quantized")
+    parts = {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": glob}
+    assert torch.equal(qw.dequantize(parts, wq, torch.bfloat16), ours)
+    assert torch.equal(dequantize_int4(packed.view(torch.int32), s, 16, True).to(torch.bfloat16), ours)
+
+
+def test_the_fp4_decode_builds_every_code():
+    """The kernels' table-free E2M1 decode (an fp16 built from the code's bits) gives all 16 codes' values: one
+    expert whose rows each hold one code, scales 1, one-hot inputs."""
+    H, I = 64, 16
+    codes = torch.arange(16, dtype=torch.int32).repeat_interleave(2)[:, None]      # row r: code r // 2
+    word = (codes << torch.arange(0, 32, 4, dtype=torch.int32)).sum(-1, dtype=torch.int64)
+    word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    q13 = word[:, None].expand(2 * I, H // 8).contiguous()[None].to(DEV)
+    s13 = torch.ones(1, 2 * I, H // 16, device=DEV)
+    q2 = torch.full((1, H, I // 8), 0x22222222, dtype=torch.int32, device=DEV)     # all 1.0
+    ex = PackedExperts(q13, s13, q2, torch.ones(1, H, I // 16, device=DEV), 16, fp4=True)
+    w = dequantize_int4(ex.q13[0], ex.s13[0], 16, True)
+    assert torch.equal(w[::2, 0], qw.E2M1_VALUES.to(DEV))
+    x = torch.zeros(1, H, device=DEV)
+    x[0, 5] = 1.0
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    out = K.fused_moe_int4(x, ids, torch.ones(1, 1, device=DEV), ex)
+    torch.testing.assert_close(out, fused_moe_int4_ref(x, ids, torch.ones(1, 1, device=DEV), ex), rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("t,group,group2,hot", [(1, 16, 16, None), (2, 16, 32, 5), (1, 32, 16, 12), (20, 16, 16, 5)])
+def test_fp4_kernel_matches_the_reference(t, group, group2, hot):
+    """FP4 experts (E2M1 codes, float32 scales; NVFP4's group 16, MXFP4's 32) through the INT4 decode kernels:
+    host slots from `hot` on, a skipped token, the widths' last groups partial (I 40 in groups of 16 or 32)."""
+    E, H, I, k = 16, 64, 40, 4
+    ex = _fp4_experts(E, H, I, group, seed=t + group, group2=group2)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(t, H, generator=gen).to(DEV)
+    logits = torch.randn(t, E, generator=gen)
+    logits[:, E - 1] += 10
+    w, ids = route_ref(logits.to(DEV), k, True)
+    ref = fused_moe_int4_ref(x, ids, w, ex)
+    parts = (ex.q13, ex.s13, ex.q2, ex.s2)
+    if hot is None:
+        out = K.fused_moe_int4(x, ids, w, ex)
+    else:
+        pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
+        dev = PackedExperts(*(a[:hot].contiguous() for a in parts), group, group2, fp4=True)
+        host = PackedExperts(*(pin(a[hot:]) for a in parts), group, group2, fp4=True)
+        out = K.fused_moe_int4(x, ids, w, dev, host=host, first_host=hot)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    skipped = ids.clone()
+    skipped[-1, :] = SKIP
+    out = K.fused_moe_int4(x, skipped, w, ex)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    if t > 1:
+        torch.testing.assert_close(out[:-1], ref[:-1], rtol=1e-4, atol=1e-5)
+
+
+def test_fp4_in_bf16_is_within_bf16_rounding_of_the_library_loop():
+    """bf16 activations: the kernels (fp32 code * scale) and the CPU loop (the library's bf16 weights) agree
+    within bf16 rounding."""
+    E, H, I, k = 8, 64, 32, 3
+    ex = _fp4_experts(E, H, I, 16, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, H, generator=gen).to(DEV, torch.bfloat16)
+    w, ids = route_ref(torch.randn(3, E, generator=gen).to(DEV), k, True)
+    out = K.fused_moe_int4(x, ids, w, ex).float()
+    loop = K.grouped_moe_int4(x, ids, w, ex).float()
+    assert ((out - loop).norm() / loop.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("t,group,hot,asym", [(1, 8, None, False), (2, 16, 5, False), (1, 16, 12, False),
@@ -244,6 +336,29 @@ def test_full_shape_on_the_gpu(asym):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, out), t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_fp4_full_shape_on_the_gpu():
+    """FP4 experts at the reports' shape (512 experts, H 2560, I 640, top-10) in NVFP4's groups of 16, bf16:
+    agreement with the reference and CUDA-graph replays bit for bit; bench/moe_int4.py --fp4 times it."""
+    E, H, I, k = 512, 2560, 640, 10
+    ex = _fp4_experts(E, H, I, 16, seed=3)
+    for t in (1, 4, 16, 100):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
+        w, ids = route_ref(torch.randn(t, E, generator=g).to(DEV), k, True)
+        out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
+        ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out), t
 
 
 @pytest.mark.gpu

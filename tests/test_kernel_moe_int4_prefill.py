@@ -13,16 +13,18 @@ pytest.importorskip("triton")
 
 from stage_worker.kernels import moe_int4_prefill as P  # noqa: E402
 from stage_worker.kernels.moe_int4 import grouped_moe_int4  # noqa: E402
-from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_int4  # noqa: E402
+from stage_worker.kernels.moe_int4_ref import PackedExperts, fused_moe_int4_ref, pack_fp4, pack_int4  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
 
 def _experts(E: int, H: int, I: int, g: int, g2: int, seed: int, dtype=torch.float32,
-             asym: bool = False) -> PackedExperts:
+             asym: bool = False, fp4: bool = False) -> PackedExperts:
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=gen, device=DEV) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=gen, device=DEV) / I ** 0.5).to(dtype)
+    if fp4:                                          # E2M1 codes, float32 scales
+        return PackedExperts(*pack_fp4(w13, g), *pack_fp4(w2, g2), g, g2, fp4=True)
     if asym:                                         # skewed weights: zero points far from the middle
         w13, w2 = w13 + w13.abs().mean(), w2 - w2.abs().mean()
     return PackedExperts(*pack_int4(w13, g, asym), *pack_int4(w2, g2, asym), g, g2)
@@ -32,8 +34,8 @@ def _split(ex: PackedExperts, hot: int) -> tuple[PackedExperts, PackedExperts]:
     """Slots [0, hot) on the device, the rest in (pinned, on a GPU) host memory, as an expert table holds them."""
     pin = (lambda a: a.cpu().pin_memory()) if CUDA else (lambda a: a.clone())
     parts = (ex.q13, ex.s13, ex.q2, ex.s2)
-    return (PackedExperts(*(a[:hot].contiguous() for a in parts), ex.group, ex.group2),
-            PackedExperts(*(pin(a[hot:]) for a in parts), ex.group, ex.group2))
+    return (PackedExperts(*(a[:hot].contiguous() for a in parts), ex.group, ex.group2, ex.fp4),
+            PackedExperts(*(pin(a[hot:]) for a in parts), ex.group, ex.group2, ex.fp4))
 
 
 def _routing(T: int, E: int, k: int, seed: int, dtype=torch.float32):
@@ -87,6 +89,30 @@ def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypa
         torch.testing.assert_close(P.grouped_moe_int4_triton(x, ids, w, ex), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("g,g2,block_k,modes", [
+    (16, 16, 64, (1, 1)),           # NVFP4's groups in scale tiles; I 40 = 2 groups + a partial one of 8
+    (32, 16, 16, (0, 0)),           # MXFP4's / NVFP4's, one scale a row a step
+    (24, 24, 32, (2, 2)),           # not an FP4 format's group, but the per-element gather takes it
+])
+def test_fp4_kernel_matches_the_reference(monkeypatch, g, g2, block_k, modes):
+    """FP4 experts (E2M1 codes, float32 scales) through the same kernels: each scale mode, host slots, dropped
+    pairs, float32."""
+    E, H, I, k, T, hot = 12, 96, 40, 3, 21, 7
+    monkeypatch.setattr(P, "CFG", {key: (32, block_k, 4, 2) for key in P.CFG})
+    ex = _experts(E, H, I, g, g2, seed=g + g2 + 1, fp4=True)
+    ids, w = _routing(T, E, k, seed=g)
+    ids[3, 1] = -2
+    ids[10, :] = -1
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref = _reference(x, ids, w, ex)
+    dev, host = _split(ex, hot)
+    out = P.grouped_moe_int4_triton(x, ids, w, dev, host, hot)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[10], torch.zeros_like(out[10]))
+    if modes == (1, 1):
+        torch.testing.assert_close(P.grouped_moe_int4_triton(x, ids, w, ex), ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,g,g2,mode,hots,asym", [
     (torch.bfloat16, 64, 32, 0, (0, 3), False),  # one scale a step: the tile built from the bits of 128.0 (no
                                                  # int-to-float)
@@ -94,6 +120,8 @@ def test_kernel_matches_the_reference_with_host_slots_and_dropped_pairs(monkeypa
     (torch.bfloat16, 32, 16, 1, (3, 8), False),  # scale tiles
     (torch.bfloat16, 64, 32, 0, (3,), True),     # zero points taken off with the row sums
     (torch.float16, 32, 16, 1, (3,), True),      # zero points in the tile
+    (torch.bfloat16, 64, 32, 0, (3,), "fp4"),    # FP4: no MAGIC tile, the codes' values then the scale
+    (torch.float16, 16, 16, 1, (3,), "fp4"),     # FP4 in scale tiles
 ])
 def test_half_precision_and_all_slots_in_host_memory(dtype, g, g2, mode, hots, asym):
     """bf16 / fp16 activations and scales (the serving dtypes) within their rounding of the reference and of the
@@ -102,7 +130,7 @@ def test_half_precision_and_all_slots_in_host_memory(dtype, g, g2, mode, hots, a
     and one with no host slot once each (which launches run does not depend on the dtype); asymmetric too."""
     E, H, I, k, T = 8, 64, 32, 2, 20
     assert P.scale_mode(g, min(P.CFG["dev", "up"][1], H)) == P.scale_mode(g2, min(P.CFG["dev", "down"][1], I)) == mode
-    ex = _experts(E, H, I, g, g2, seed=4, dtype=dtype, asym=asym)
+    ex = _experts(E, H, I, g, g2, seed=4, dtype=dtype, asym=asym is True, fp4=asym == "fp4")
     ids, w = _routing(T, E, k, seed=2, dtype=dtype)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     ref = _reference(x, ids, w, ex)
@@ -183,16 +211,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from stage_worker.kernels import moe_int4_prefill as P
 
-def build(dt, K, N, gated, group, bm, cfg, zcol=0):
+def build(dt, K, N, gated, group, bm, cfg, zcol=0, fp4=False):
     bn, bk, warps, stages = cfg
     mode = P.scale_mode(group, bk)
-    magic, offset = P.MAGIC.get(dt, (0, 0.0)) if mode == 0 else (0, 0.0)
+    magic, offset = P.MAGIC.get(dt, (0, 0.0)) if mode == 0 and not fp4 else (0, 0.0)
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
-    sig = dict(a_ptr="*" + name, sorted_ptr="*i32", block_expert_ptr="*i32", q_ptr="*i32", s_ptr="*" + name,
+    sig = dict(a_ptr="*" + name, sorted_ptr="*i32", block_expert_ptr="*i32", q_ptr="*i32",
+               s_ptr="*fp32" if fp4 else "*" + name,
                out_ptr="*" + name, stride_a="i32", stride_qe="i32", stride_qr="i32", stride_se="i32",
                stride_sr="i32", TK="i32")
     const = dict(K=K, N=N, ROW_DIV=10 if gated else 1, GATED=gated, GROUP=group, MODE=mode, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, MAGIC=magic, OFFSET=offset, INTERPRET=False, IEEE=dt == torch.float32, ZCOL=zcol)
+                 BLOCK_K=bk, MAGIC=magic, OFFSET=offset, INTERPRET=False, IEEE=dt == torch.float32, ZCOL=zcol,
+                 FP4=fp4)
     sig.update(dict.fromkeys(const, "constexpr"))
     k = triton.compile(ASTSource(P._int4_gemm_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
@@ -204,12 +234,15 @@ print(json.dumps(dict(
     dev=build(torch.bfloat16, H, I, True, 128, 64, P.CFG["dev", "up"]),
     host=build(torch.bfloat16, I, H, False, 128, 128, P.CFG["host", "down"]),
     asym=build(torch.bfloat16, H, I, True, 128, 64, P.CFG["dev", "up"], zcol=H // 128),
+    fp4=build(torch.bfloat16, H, I, True, 16, 64, P.CFG["dev", "up"], fp4=True),
+    fp4_host=build(torch.bfloat16, I, H, False, 32, 128, P.CFG["host", "down"], fp4=True),
     others=[build(dt, 96, 40, True, g, 16, (32, 64, 4, 2)) for dt, g in
             ((torch.float16, 128), (torch.float32, 32), (torch.bfloat16, 24))])))
 """
     got = run_compile_script(script, timeout=300)
-    assert got["dev"]["spill"] == got["asym"]["spill"] == 0
-    assert all(c["shared"] <= 227 * 1024 for c in [got["dev"], got["host"], got["asym"], *got["others"]])
+    assert got["dev"]["spill"] == got["asym"]["spill"] == got["fp4"]["spill"] == 0
+    assert all(c["shared"] <= 227 * 1024 for c in [got["dev"], got["host"], got["asym"], got["fp4"], got["fp4_host"],
+                                                   *got["others"]])
 
 
 # ---- the switch in the model ---------------------------------------------------------------------------------
@@ -260,7 +293,7 @@ def test_chunked_prefill_of_packed_cold_experts_equals_the_loop(tiny_checkpoint,
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T,share", [(44, 0.78), (512, 0.0), (512, 0.78)])
-def test_full_shape_against_the_reference_and_the_loop(T, share, asym=False):
+def test_full_shape_against_the_reference_and_the_loop(T, share, asym=False, fp4=False):
     """The reports' shape (H 2560, I 640, 512 experts top-10, group 128, bf16) at prefill sizes (44 tokens: the
     4-stream TTFT prompts; a 512-token chunk), with `share` of the slots in pinned host memory: agreement with the
     reference and with the per-expert loop (`ExpertTable.moe_int4`, what the switch turns off), timed beside it.
@@ -274,7 +307,8 @@ def test_full_shape_against_the_reference_and_the_loop(T, share, asym=False):
 
     E, H, I, k = 512, 2560, 640, 10
     hot = E - round(E * share)
-    ex = _experts(E, H, I, 128, 128, seed=3, dtype=torch.bfloat16, asym=asym)
+    g13 = 16 if fp4 else 128
+    ex = _experts(E, H, I, g13, g13, seed=3, dtype=torch.bfloat16, asym=asym, fp4=fp4)
     t = table(ex, hot)
     dev, host = t.packed_experts()
     host = host if hot < E else None
@@ -301,6 +335,15 @@ def test_full_shape_against_the_reference_and_the_loop(T, share, asym=False):
 def test_full_shape_with_zero_points():
     """The same with asymmetric experts (zero points in the scale rows), a 512-token chunk, 78% in host memory."""
     test_full_shape_against_the_reference_and_the_loop(512, 0.78, asym=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("T,share", [(44, 0.0), (512, 0.78)])
+def test_fp4_full_shape(T, share):
+    """The same with FP4 experts in NVFP4's groups of 16 (E2M1 codes, float32 scales), with and without host
+    slots."""
+    test_full_shape_against_the_reference_and_the_loop(T, share, fp4=True)
 
 
 @pytest.mark.gpu

@@ -335,8 +335,8 @@ def test_flag_reaches_moe_launches(monkeypatch, flags, hopper, want):
 
 
 def test_moe_compiles_with_pdl_for_the_h200():
-    """The INT4 up and down kernels (with zero points too) and the router: each waits first thing (no load before
-    the wait)."""
+    """The INT4 up and down kernels (with zero points too, and FP4 codes) and the router: each waits first thing (no
+    load before the wait)."""
     got = _compile(r"""
 from stage_worker.kernels import moe as M
 from stage_worker.kernels import moe_int4 as K
@@ -366,12 +366,25 @@ down_z = gdc("int4_down_zero_points", K._int4_down_kernel,
                   stride_se="i64", stride_sh="i32", stride_ot="i32", stride_at="i32", FIRST_HOST="i32", ONE="i32"),
              dict(H=H, I=I, TOP_K=TOPK, GROUP=G, QW=K.quad_words(I // 8, G), BLOCK_H=4, BLOCK_W=128, PREFETCH=1,
                   ADD=True, ZCOL=I // G), num_warps=2)
+up_fp4 = gdc("int4_up_fp4", K._int4_up_kernel,
+             dict(x_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32", q_ptr="*i32", s_ptr="*fp32", hq_ptr="*i32",
+                  hs_ptr="*fp32", act_ptr="*fp32", stride_it="i32", stride_wt="i32", stride_qe="i64",
+                  stride_qr="i32", stride_se="i64", stride_sr="i32", FIRST_HOST="i32", ONE="i32"),
+             dict(H=H, I=I, TOP_K=TOPK, GROUP=16, QW=K.quad_words(H // 8, 16), BLOCK_I=8, BLOCK_W=32, PREFETCH=1,
+                  FP4=True), num_warps=1)
+down_fp4 = gdc("int4_down_fp4", K._int4_down_kernel,
+               dict(act_ptr="*fp32", ids_ptr="*i32", q_ptr="*i32", s_ptr="*fp32", hq_ptr="*i32", hs_ptr="*fp32",
+                    out_ptr="*bf16", add_ptr="*bf16", stride_it="i32", stride_qe="i64", stride_qh="i32",
+                    stride_se="i64", stride_sh="i32", stride_ot="i32", stride_at="i32", FIRST_HOST="i32",
+                    ONE="i32"),
+               dict(H=H, I=I, TOP_K=TOPK, GROUP=16, QW=K.quad_words(I // 8, 16), BLOCK_H=4, BLOCK_W=128,
+                    PREFETCH=1, ADD=True, FP4=True), num_warps=2)
 route = gdc("route", M._route_kernel,
             dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", counts_ptr="*fp32", reads_ptr="*i64",
                  valid_ptr="*i32", E="i32", stride_t="i32", FIRST_HOST="i32"),
             dict(TOP_K=TOPK, SHARED=1, RENORM=True, BLOCK_E=256, BLOCK_K=8, COUNT=True, VALID=True),
             num_warps=M.NUM_WARPS)
-print(json.dumps([up, down, up_z, down_z, route]))
+print(json.dumps([up, down, up_z, down_z, up_fp4, down_fp4, route]))
 """)
     _check(got)
     assert all(g["on"]["loads_before"] == 0 for g in got), got

@@ -17,6 +17,8 @@ rewritten between steps by the expert-move swap kernels, so nothing may be read 
 here is the launch and ramp-up, not a weight prologue).
 With CLAIM (`fused_moe_int4`'s `claim`, issue 16) the kernels also store the words and scales they read of one
 claimed slot into a free device slot: the expert moves to the device with no copy of its own (as `moe.fused_moe`).
+FP4 experts (NVFP4 / MXFP4, `moe_int4_ref`) take the same kernels with FP4 on: each nibble an E2M1 code turned into
+its value by `_e2m1` (no table, no int-to-float), float32 scales, no offset; claims copy them alike.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.common import pdl_usable, triton_usable
 from stage_worker.kernels.moe import (SKIP, _bucket, check_claim, claim_spare, copy_claimed, expert_rows, part_pairs,
                                      triton)
-from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_int4, zcol
+from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_packed, zcol
 
 if triton is not None:
     import triton.language as tl
@@ -53,6 +55,23 @@ if triton is not None:
         return ((v & 0x00780000) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _e2m1(q, N: tl.constexpr):
+        """The E2M1 value of code N of the words q (FP4 experts), times 2^-14, in fp32, exactly and with no table:
+        the magnitude index's three bits become an fp16's two low exponent bits and top mantissa bit (exponent 0
+        is subnormal, so index 0 and 1 give 0 and 0.5 * 2^-14) and the code's sign bit the fp16's; the 2^14 is
+        applied once, after the sums."""
+        if N < 3:
+            mag = q << (9 - 4 * N)
+        else:
+            mag = q >> (4 * N - 9)
+        if N < 4:
+            sgn = q << (12 - 4 * N)
+        else:
+            sgn = q >> (4 * N - 12)
+        bits = (mag & 0x0E00) | (sgn & 0x8000)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W: tl.constexpr):
         """The gate and up rows' words ow (masked off past the row's end)."""
         m = mask_i[:, None] & (ow < W)[None, :]
@@ -65,7 +84,7 @@ if triton is not None:
                         I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr,
                         PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
-                        NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0):
+                        NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0, FP4: tl.constexpr = False):
         """act[t, j, i-block] = w[t, j] * silu(Wg_e x_t) * (Wu_e x_t), W in INT4 words and group scales, stored
         nibble-major (act_p[t, j, i % 8, i // 8]) for the down kernel's contiguous loads. CLAIM: if e is the
         claimed slot claim_ptr[0] (>= 0), the words and scales of the block being computed are also stored, as
@@ -77,7 +96,9 @@ if triton is not None:
         or 2) blocks are already loading while one is computed. Per word: d = sum_n (1 + q_n/16) x_n (the
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
         applied once to their sum; the 16 at the end. ZCOL > 0 (asymmetric experts): the zero point z of a row's
-        group sits ZCOL columns after its scale, and sum_n (q_n - 8 - z) x_n = 16 (d - (1.5 + z/16) sum_n x_n)."""
+        group sits ZCOL columns after its scale, and sum_n (q_n - 8 - z) x_n = 16 (d - (1.5 + z/16) sum_n x_n).
+        FP4: the words hold E2M1 codes (`_e2m1`) and the scales are float32; d = sum_n 2^-14 v_n x_n, no offset, and
+        2^14 at the end."""
         pdl_wait(PDL)                 # first: the ids, x and the expert tables (swapped between steps) all wait
         tj = tl.program_id(0)
         t = tj // TOP_K
@@ -142,18 +163,26 @@ if triton is not None:
             du = tl.zeros([BLOCK_I, BLOCK_W], tl.float32)
             for n in tl.static_range(8):
                 xn = tl.load(x_ptr + t * H + ow * 8 + n, mask=mw, other=0.0).to(tl.float32)
-                xs += xn
-                dg += _nibble(qg, ONE, n) * xn[None, :]
-                du += _nibble(qu, ONE, n) * xn[None, :]
-            xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
-            if ZCOL:
-                off_g = -(1.5 + zg_raw.to(tl.float32) * 0.0625) * xq
-                off_u = -(1.5 + zu_raw.to(tl.float32) * 0.0625) * xq
+                if FP4:
+                    dg += _e2m1(qg, n) * xn[None, :]
+                    du += _e2m1(qu, n) * xn[None, :]
+                else:
+                    xs += xn
+                    dg += _nibble(qg, ONE, n) * xn[None, :]
+                    du += _nibble(qu, ONE, n) * xn[None, :]
+            if FP4:
+                acc_g += tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) * sg
+                acc_u += tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) * su
             else:
-                off_g = -1.5 * xq
-                off_u = off_g
-            acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off_g) * sg
-            acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off_u) * su
+                xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
+                if ZCOL:
+                    off_g = -(1.5 + zg_raw.to(tl.float32) * 0.0625) * xq
+                    off_u = -(1.5 + zu_raw.to(tl.float32) * 0.0625) * xq
+                else:
+                    off_g = -1.5 * xq
+                    off_u = off_g
+                acc_g += (tl.sum(tl.reshape(dg, [BLOCK_I, NQ, QW]), axis=2) + off_g) * sg
+                acc_u += (tl.sum(tl.reshape(du, [BLOCK_I, NQ, QW]), axis=2) + off_u) * su
             if PREFETCH == 1:
                 qg = qg_n
                 qu = qu_n
@@ -162,8 +191,12 @@ if triton is not None:
                 qu = qu1
                 qg1 = qg_n
                 qu1 = qu_n
-        g = tl.sum(acc_g, axis=1) * 16.0
-        u = tl.sum(acc_u, axis=1) * 16.0
+        if FP4:
+            g = tl.sum(acc_g, axis=1) * 16384.0
+            u = tl.sum(acc_u, axis=1) * 16384.0
+        else:
+            g = tl.sum(acc_g, axis=1) * 16.0
+            u = tl.sum(acc_u, axis=1) * 16.0
         # rounded to x's dtype first: fp32 router weights give what a cast before the launch gives
         wt = tl.load(wts_ptr + t * stride_wt + tj % TOP_K).to(x_ptr.dtype.element_ty).to(tl.float32)
         act = g * tl.sigmoid(g) * u * wt
@@ -194,7 +227,7 @@ if triton is not None:
                           I: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, QW: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
                           PDL: tl.constexpr = False, claim_ptr=None, spare_ptr=None, CLAIM: tl.constexpr = False,
-                          NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0):
+                          NC: tl.constexpr = 1, ZCOL: tl.constexpr = 0, FP4: tl.constexpr = False):
         """out[t, h-block] = sum_j W2_e[h-block] act_p[t, j] (the router weight is in act), in fp32.
 
         A token's k experts' rows are one long row of k * I/8 words, BLOCK_W of them an iteration: a block spans
@@ -204,7 +237,7 @@ if triton is not None:
         the store. CLAIM: as in `_int4_up_kernel`, the words and scales of the columns whose slot is the claimed
         one also stored into device slot spare_ptr[0] (masked stores, no branch: a block spans experts). NC > 1
         claims: each column's spare looked up among the entries (`moe.claim_spare`), the stores addressed per
-        column. ZCOL > 0: zero points ZCOL columns after the scales, as in `_int4_up_kernel`."""
+        column. ZCOL > 0: zero points ZCOL columns after the scales, and FP4 (E2M1 codes), as in `_int4_up_kernel`."""
         pdl_wait(PDL)                 # first: the ids, act and the expert tables all wait
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -273,14 +306,20 @@ if triton is not None:
             d = tl.zeros([BLOCK_H, BLOCK_W], tl.float32)
             for n in tl.static_range(8):
                 a = tl.load(ab + n * WPE, mask=mc, other=0.0)
-                xs += a
-                d += _nibble(q, ONE, n) * a[None, :]
-            xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
-            if ZCOL:
-                off = -(1.5 + zc.to(tl.float32) * 0.0625) * xq
+                if FP4:
+                    d += _e2m1(q, n) * a[None, :]
+                else:
+                    xs += a
+                    d += _nibble(q, ONE, n) * a[None, :]
+            if FP4:
+                acc += tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) * sc
             else:
-                off = -1.5 * xq
-            acc += (tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) + off) * sc
+                xq = tl.sum(tl.reshape(xs, [NQ, QW]), axis=1)[None, :]
+                if ZCOL:
+                    off = -(1.5 + zc.to(tl.float32) * 0.0625) * xq
+                else:
+                    off = -1.5 * xq
+                acc += (tl.sum(tl.reshape(d, [BLOCK_H, NQ, QW]), axis=2) + off) * sc
             if PREFETCH == 1:
                 j = j_n
                 w = w_n
@@ -295,7 +334,11 @@ if triton is not None:
                 w1 = w_n
                 e1 = e_n
                 q1 = q_n
-        _store_out(tl.sum(acc, axis=1) * 16.0, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD)
+        if FP4:
+            out = tl.sum(acc, axis=1) * 16384.0
+        else:
+            out = tl.sum(acc, axis=1) * 16.0
+        _store_out(out, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD)
 
     @triton.jit
     def _store_out(out, out_ptr, add_ptr, t, offs_h, mask_h, stride_ot, stride_at, ADD: tl.constexpr):
@@ -390,7 +433,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         experts.q13.stride(0), experts.q13.stride(1), experts.s13.stride(0), experts.s13.stride(1), first, ONE_F32,
         H=H, I=I, TOP_K=k, GROUP=g, QW=quad_words(H // 8, g), BLOCK_I=bi, BLOCK_W=bw, PREFETCH=PREFETCH[b],
         claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl, ZCOL=zcol(H, g, experts))
+        launch_pdl=pdl, ZCOL=zcol(H, g, experts), FP4=experts.fp4)
     bh, bw, warps = DOWN_CFG[b]
     bh, bw = min(bh, _pow2(H)), min(bw, _pow2(k * I // 8))
     if before_down is not None:
@@ -401,7 +444,7 @@ def fused_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         out.stride(0) if add is None else add.stride(0), first, ONE_F32, H=H, I=I, TOP_K=k, GROUP=g2,
         QW=quad_words(I // 8, g2), BLOCK_H=bh, BLOCK_W=bw, PREFETCH=PREFETCH[b], ADD=add is not None,
         claim_ptr=claim_ptr, spare_ptr=spare_ptr, CLAIM=claim is not None, NC=nc, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl, ZCOL=zcol(I, g2, experts))
+        launch_pdl=pdl, ZCOL=zcol(I, g2, experts), FP4=experts.fp4)
     return out
 
 
@@ -414,8 +457,8 @@ def grouped_moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     flat = ids.long()
     for e in torch.unique(flat[flat >= 0]).tolist():
         tok, slot = torch.where(flat == e)
-        w13 = dequantize_int4(experts.q13[e], experts.s13[e], experts.group).to(x.dtype)
-        w2 = dequantize_int4(experts.q2[e], experts.s2[e], experts.down_group).to(x.dtype)
+        w13 = dequantize_packed(experts.q13[e], experts.s13[e], experts.group, experts.fp4, x.dtype)
+        w2 = dequantize_packed(experts.q2[e], experts.s2[e], experts.down_group, experts.fp4, x.dtype)
         g, u = torch.nn.functional.linear(x[tok], w13).chunk(2, dim=-1)
         y = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w2) * weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y)

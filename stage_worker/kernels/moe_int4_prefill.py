@@ -28,6 +28,8 @@ Scales: when BLOCK_K divides the group, a step's inputs share one scale a row, a
 group size has its own scale column, as the checkpoints store it. Asymmetric experts (ZCOL > 0: zero points after
 the scales in the scale rows, `moe_int4_ref`) subtract each row's zero point with the 8: in the tile (modes 1 and 2,
 and mode 0 without MAGIC), or, mode 0 with MAGIC, in the row-sum term taken off the dot (now per output column).
+FP4 experts (FP4: E2M1 codes in the words, float32 scales, `moe_int4_ref`) build each code's value in the tile
+(`_e2m1`) and take no MAGIC path and no offset.
 
 Reference: `moe_int4_ref.fused_moe_int4_ref` (dequantize, then `fused_moe_ref`); the path it replaces:
 `ExpertTable.moe_int4`. Tests: tests/test_kernel_moe_int4_prefill.py. Switch: kernel flag `moe_int4_prefill`.
@@ -55,9 +57,18 @@ HOST_MAX_BLOCK_M = 128
 
 
 @triton.jit
+def _e2m1(c):
+    """E2M1 codes (0..15) -> their values in fp32, exactly and with no table: the magnitude index's bits as an fp16's
+    two low exponent bits and top mantissa bit (exponent 0 subnormal: 0 and 0.5 * 2^-14), the sign as its sign, times
+    2^14."""
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
 def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr, GROUP: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
-          MAGIC: tl.constexpr, ZCOL: tl.constexpr):
+          MAGIC: tl.constexpr, ZCOL: tl.constexpr, FP4: tl.constexpr = False):
     """W^T for `rows` and inputs k0..k0+BLOCK_K as a [BLOCK_K, BLOCK_N] tile in DT, the [BLOCK_N] scales the
     dot's result takes (mode 0; ones otherwise, the scales being in the tile) and the [BLOCK_N] zero points the
     caller still has to take off (mode 0 with MAGIC and ZCOL; zeros otherwise). Words are loaded once, [BLOCK_K / 8,
@@ -65,7 +76,8 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
 
     Mode 0 with MAGIC (bf16 / fp16 activations): the tile holds MAGIC's value + nibble, built by OR-ing the nibble
     into the mantissa of 128.0 (bf16) or 1024.0 (fp16), exactly, with no int-to-float conversion (a quarter-rate
-    instruction); the caller subtracts (that value + 8 + the row's zero point) x the row sums of x from the dot."""
+    instruction); the caller subtracts (that value + 8 + the row's zero point) x the row sums of x from the dot.
+    FP4: the nibbles are E2M1 codes (`_e2m1`); never MAGIC or ZCOL."""
     WK: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP        # groups a step (mode 1)
     kw = k0 // 8 + tl.arange(0, WK)
@@ -78,7 +90,9 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
         s = tl.load(s_base + rows * stride_sr + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
         if ZCOL:
             z = tl.load(s_base + rows * stride_sr + ZCOL + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
-        if MAGIC:
+        if FP4:
+            w = _e2m1(v).to(DT)
+        elif MAGIC:
             w = (v | MAGIC).to(tl.int16).to(DT, bitcast=True)
         else:
             w = ((v - 8).to(tl.float32) - z[None, :]).to(DT)
@@ -101,7 +115,9 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
             if ZCOL:
                 zc = tl.load(s_base + rows[None, :] * stride_sr + ZCOL + (ks // GROUP)[:, None], mask=sm,
                              other=0.0).to(tl.float32)
-        if ZCOL:
+        if FP4:
+            w = (_e2m1(v) * sc).to(DT)
+        elif ZCOL:
             w = (((v - 8).to(tl.float32) - zc) * sc).to(DT)
         else:
             w = ((v - 8).to(tl.float32) * sc).to(DT)
@@ -136,11 +152,13 @@ def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr
                       stride_se, stride_sr, TK, K: tl.constexpr, N: tl.constexpr, ROW_DIV: tl.constexpr,
                       GATED: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-                      INTERPRET: tl.constexpr, IEEE: tl.constexpr, ZCOL: tl.constexpr = 0):
+                      INTERPRET: tl.constexpr, IEEE: tl.constexpr, ZCOL: tl.constexpr = 0,
+                      FP4: tl.constexpr = False):
     """One BLOCK_M block of pairs (one expert) x BLOCK_N output columns: out[pair, n] = sum_k a[pair // ROW_DIV, k]
     W_e[n, k], W in INT4 words and group scales. GATED (the up phase): W's rows n are the gate rows and n + N the
     up rows, and out = silu(gate) * up. Rows of the block past its expert's pairs are masked in every load and
-    store. block_expert < 0: a block past the used length, which exits at once. ZCOL > 0: asymmetric (`_tile`)."""
+    store. block_expert < 0: a block past the used length, which exits at once. ZCOL > 0: asymmetric, FP4: E2M1
+    codes (`_tile`)."""
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)
     if e < 0:
@@ -166,11 +184,11 @@ def _int4_gemm_kernel(a_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, out_ptr
             xsum = 0.0
             off = 0.0
         w, s, z = _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K, MODE,
-                        DT, MAGIC, ZCOL)
+                        DT, MAGIC, ZCOL, FP4)
         acc += _step(_dot(a, w, INTERPRET, IEEE), off, xsum, s, z, MAGIC, ZCOL)
         if GATED:
             w, s, z = _tile(q_base, s_base, rows + N, rmask, k0, stride_qr, stride_sr, K, GROUP, BLOCK_N, BLOCK_K,
-                            MODE, DT, MAGIC, ZCOL)
+                            MODE, DT, MAGIC, ZCOL, FP4)
             acc_u += _step(_dot(a, w, INTERPRET, IEEE), off, xsum, s, z, MAGIC, ZCOL)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
@@ -224,19 +242,19 @@ def scale_mode(group: int, block_k: int) -> int:
 
 def _gemm(a: torch.Tensor, sorted_ids: torch.Tensor, block_slot: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
           out: torch.Tensor, tk: int, K: int, N: int, row_div: int, gated: bool, group: int, bm: int,
-          cfg: tuple[int, int, int, int], zcol: int = 0) -> None:
+          cfg: tuple[int, int, int, int], zcol: int = 0, fp4: bool = False) -> None:
     """One launch over one table: out[pair] = (a[pair // row_div] W_e^T) for the blocks of `block_slot`."""
     bn, bk, warps, stages = cfg
     bn = min(bn, max(16, triton.next_power_of_2(N)))
     bk = min(bk, max(16, triton.next_power_of_2(K)))
     interpret = bool(triton.knobs.runtime.interpret)
     mode = scale_mode(group, bk)
-    magic, offset = MAGIC.get(a.dtype, (0, 0.0)) if mode == 0 else (0, 0.0)
+    magic, offset = MAGIC.get(a.dtype, (0, 0.0)) if mode == 0 and not fp4 else (0, 0.0)
     _int4_gemm_kernel[(block_slot.numel(), triton.cdiv(N, bn))](
         a, sorted_ids, block_slot, q, s, out, a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1), tk,
         K=K, N=N, ROW_DIV=row_div, GATED=gated, GROUP=group, MODE=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         MAGIC=magic, OFFSET=offset, INTERPRET=interpret, IEEE=a.dtype == torch.float32, ZCOL=zcol, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, FP4=fp4)
 
 
 def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts,
@@ -253,7 +271,7 @@ def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         raise ValueError(f"shapes: x {tuple(x.shape)} ids {tuple(ids.shape)} experts (E, H, I) {(E, H_, I)} "
                          f"groups {g}/{g2} (H, I and the groups must be multiples of 8)")
     if host is not None and (first_host != E or host.shape[1:] != experts.shape[1:] or
-                             (host.group, host.down_group) != (g, g2)):
+                             (host.group, host.down_group, host.fp4) != (g, g2, experts.fp4)):
         raise ValueError(f"host slots {host.shape} from {first_host} do not continue the device table {experts.shape}")
     if any(t.stride(-1) != 1 for p in (experts, host) if p is not None for t in (p.q13, p.s13, p.q2, p.s2)):
         raise ValueError("the packed parts need a contiguous last dimension")   # never copy the expert tables
@@ -272,7 +290,7 @@ def grouped_moe_int4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
             continue
         sorted_ids, block_slot = align_range(ids, lo, hi, bm)
         _gemm(x, sorted_ids, block_slot, table.q13, table.s13, act, tk, H, I, k, True, g, bm, CFG[kind, "up"],
-              zcol(H, g, experts))
+              zcol(H, g, experts), experts.fp4)
         _gemm(act, sorted_ids, block_slot, table.q2, table.s2, out, tk, I, H, 1, False, g2, bm, CFG[kind, "down"],
-              zcol(I, g2, experts))
+              zcol(I, g2, experts), experts.fp4)
     return torch.bmm(weights.to(x.dtype).unsqueeze(1), out.view(T, k, H)).squeeze(1)

@@ -11,6 +11,13 @@ in the scales' dtype (s13 [E, 2I, 2 ceil(H/g)], s2 [E, H, 2 ceil(I/g2)]; integer
 fp16). So every copy of an expert's rows (the tables' tiers, run-time moves, claims) carries them with no part of
 their own; `PackedExperts.asym` reads the form from the widths. Kept packed they cost a quarter of bf16's bytes, as
 symmetric experts do, where dequantizing at load cost four times that.
+
+FP4 experts (`fp4`: compressed-tensors NVFP4A16 / MXFP4A16) use the same words: nibble n of word w is the E2M1 code
+of input 8w + n (bit 3 the sign, bits 0-2 an index into 0, 0.5, 1, 1.5, 2, 3, 4, 6), which is the checkpoint's
+`weight_packed` bytes (two codes a byte, low nibble first) read as little-endian int32. Their scale rows are
+float32, one column a group of 16 (NVFP4) or 32 (MXFP4), holding the effective scale s = bf16(scale) / global
+(MXFP4: 2^(e - 127)), which is exact in float32, so `dequantize_packed` gives the library's bf16(code * s) bit for
+bit, while the kernels compute code * s in fp32 without rounding each weight.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_worker.kernels.moe_ref import fused_moe_ref
+from stage_worker.model.quant_weight import E2M1_VALUES
 
 
 @dataclass
@@ -30,6 +38,7 @@ class PackedExperts:
     s2: torch.Tensor
     group: int                    # inputs per scale of w13 (the hidden size's groups)
     group2: int | None = None     # of w2 (the expert width's); None: the same
+    fp4: bool = False             # E2M1 codes and float32 scales (NVFP4 / MXFP4), not INT4
 
     @property
     def down_group(self) -> int:
@@ -44,10 +53,10 @@ class PackedExperts:
     @property
     def asym(self) -> bool:
         """Zero points after the scales in the scale rows (see the module docstring); scale rows of any other width
-        than the groups' (or twice that, in both parts alike) are refused."""
+        than the groups' (or twice that, in both parts alike; FP4: only the groups') are refused."""
         _, H, inter = self.shape
         cols = (self.s13.shape[-1], self.s2.shape[-1])
-        for asym in (False, True):
+        for asym in (False,) if self.fp4 else (False, True):
             if cols == (scale_columns(H, self.group, asym), scale_columns(inter, self.down_group, asym)):
                 return asym
         raise ValueError(f"scale rows of {cols[0]} / {cols[1]} columns do not fit (E, H, I) {self.shape} in groups "
@@ -63,6 +72,13 @@ def unpack_int4(q: torch.Tensor) -> torch.Tensor:
     return (((q[..., None] >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
 
 
+def unpack_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] of E2M1 codes -> float32 [..., 8W], their values."""
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+    codes = ((q[..., None] >> shifts) & 0xF).flatten(-2)
+    return E2M1_VALUES.to(q.device)[codes.long()]
+
+
 def scale_columns(inputs: int, group: int, asym: bool = False) -> int:
     """Columns of a packed part's scale rows: one a group, twice that with zero points (asymmetric)."""
     return (2 if asym else 1) * -(-inputs // group)
@@ -73,18 +89,27 @@ def zcol(inputs: int, group: int, experts: PackedExperts) -> int:
     return scale_columns(inputs, group) if experts.asym else 0
 
 
-def dequantize_int4(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+def dequantize_int4(q: torch.Tensor, s: torch.Tensor, group: int, fp4: bool = False) -> torch.Tensor:
     """[..., R, W] words and [..., R, G] scales (or [..., R, 2G]: scales, then zero points) -> [..., R, 8W] in the
-    scales' dtype, computed as the library does: (q - z) in the scale dtype times the scale."""
-    v = unpack_int4(q)
+    scales' dtype, computed as the library does: (q - z) in the scale dtype times the scale. `fp4`: E2M1 codes
+    times their float32 scales, in float32 (what the kernels compute; `dequantize_packed` rounds as the library)."""
+    v = unpack_e2m1(q) if fp4 else unpack_int4(q)
     n = v.shape[-1]
     G = -(-n // group)
     x = v.to(s.dtype)
-    if s.shape[-1] == 2 * G:
+    if s.shape[-1] == 2 * G and not fp4:
         x = x - s[..., G:].repeat_interleave(group, dim=-1)[..., :n]
     elif s.shape[-1] != G:
         raise ValueError(f"{s.shape[-1]} scale columns for {n} inputs in groups of {group}")
     return x * s[..., :G].repeat_interleave(group, dim=-1)[..., :n]
+
+
+def dequantize_packed(q: torch.Tensor, s: torch.Tensor, group: int, fp4: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Words and scale rows -> the weight in `dtype` as the checkpoint's library gives it, for the per-expert CPU
+    loops: FP4 rounded to bfloat16 first (compressed-tensors' bf16(code * s)), so packed and dequantized-at-load
+    experts compute the same model bit for bit."""
+    w = dequantize_int4(q, s, group, fp4)
+    return (w.to(torch.bfloat16) if fp4 else w).to(dtype)
 
 
 def pack_int4(w: torch.Tensor, group: int, asym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +134,21 @@ def pack_int4(w: torch.Tensor, group: int, asym: bool = False) -> tuple[torch.Te
     return words, (torch.cat([scale, zero], -1) if asym else scale).to(w.dtype)
 
 
+def pack_fp4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., R, C] (C a multiple of 8) -> (words of E2M1 codes, float32 scales): scale = max|w| / 6
+    per group and the nearest E2M1 value (tests and benchmarks; checkpoints come from the library)."""
+    *lead, R, C = w.shape
+    G = -(-C // group)
+    wf = torch.nn.functional.pad(w.float(), (0, G * group - C)).view(*lead, R, G, group)
+    scale = (wf.abs().amax(-1) / 6).clamp_min(1e-8)
+    y = (wf / scale[..., None]).view(*lead, R, G * group)[..., :C]
+    mag = (y.abs()[..., None] - E2M1_VALUES[:8].to(w.device)).abs().argmin(-1).to(torch.int32)
+    codes = (mag | torch.where(y < 0, 8, 0).to(torch.int32)).view(*lead, R, C // 8, 8)
+    words = (codes << torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)).sum(-1, dtype=torch.int64)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words, scale
+
+
 def fused_moe_int4_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        experts: PackedExperts) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] (routed slots only) -> [T, H] in x.dtype."""
@@ -118,6 +158,6 @@ def fused_moe_int4_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                       device=x.device)
     w2 = torch.zeros(experts.q2.shape[0], experts.q2.shape[1], experts.shape[2], dtype=torch.float32,
                      device=x.device)
-    w13[used] = dequantize_int4(experts.q13[used], experts.s13[used], experts.group).float()
-    w2[used] = dequantize_int4(experts.q2[used], experts.s2[used], experts.down_group).float()
+    w13[used] = dequantize_int4(experts.q13[used], experts.s13[used], experts.group, experts.fp4).float()
+    w2[used] = dequantize_int4(experts.q2[used], experts.s2[used], experts.down_group, experts.fp4).float()
     return fused_moe_ref(x, ids, weights, w13, w2)

@@ -59,6 +59,7 @@ class ExpertTable:
     initial: tuple[int, ...]        # expert of each slot at load time (hot experts, then cold, each ascending;
     #                                 -1: a spare slot, with `expert_move_async`)
     groups: tuple[int, int] | None = None   # INT4 experts: inputs per scale of w13 / of w2
+    fp4: bool = False                          # with `groups`: E2M1 codes and float32 scales (NVFP4 / MXFP4)
     fp8_block: tuple[int, int] | None = None   # float8 experts: (rows, columns) of a scale block
     # int32 [E] on the device: router index -> the slot that holds its expert, applied by the router (`route`'s
     # slot_map). None: the identity, router index == slot, which moves that swap rows and gate rows keep true.
@@ -133,8 +134,8 @@ class ExpertTable:
         from stage_worker.kernels.moe_int4_ref import PackedExperts
 
         g13, g2 = self.groups
-        return (PackedExperts(*(self.dev[p] for p in PACKED_PARTS), g13, g2),
-                PackedExperts(*(self.host[p] for p in PACKED_PARTS), g13, g2))
+        return (PackedExperts(*(self.dev[p] for p in PACKED_PARTS), g13, g2, self.fp4),
+                PackedExperts(*(self.host[p] for p in PACKED_PARTS), g13, g2, self.fp4))
 
     def fp8_experts(self):
         """(device slots, host slots) as the FP8 kernels take them (`moe.fused_moe_fp8(..., host, first_host=hot)`)."""
@@ -210,7 +211,7 @@ class ExpertTable:
         expert's words and scales read once (a host slot's copied to x's device once per call), dequantized to
         x.dtype, two GEMMs over its tokens. Experts in id order, as without a table, so the sums are the same.
         One host sync (the present experts). ids [T, k] are slots (negative: none)."""
-        from stage_worker.kernels.moe_int4_ref import dequantize_int4
+        from stage_worker.kernels.moe_int4_ref import dequantize_packed
 
         g13, g2 = self.groups
         out = torch.zeros_like(x)
@@ -221,8 +222,8 @@ class ExpertTable:
         for e in torch.unique(by_expert[present]).tolist():
             tok, j = torch.where(by_expert == e)
             q13, s13, q2, s2 = (r.to(x.device, non_blocking=True) for r in self.slot_rows(slot_of[e]))
-            w13 = dequantize_int4(q13, s13, g13).to(x.dtype)
-            w2 = dequantize_int4(q2, s2, g2).to(x.dtype)
+            w13 = dequantize_packed(q13, s13, g13, self.fp4, x.dtype)
+            w2 = dequantize_packed(q2, s2, g2, self.fp4, x.dtype)
             g, u = F.linear(x[tok], w13).chunk(2, dim=-1)
             y = F.linear(F.silu(g) * u, w2) * weights[tok, j, None].to(x.dtype)
             out.index_add_(0, tok, y)

@@ -79,6 +79,7 @@ class SparseMoE(nn.Module):
         self.last_expert_ids: torch.Tensor | None = None
         self.table: ExpertTable | None = None
         self.packed_group = self.packed_group2 = 0   # > 0: INT4 experts, inputs per scale of w13 / w2 (use_packed)
+        self.packed_fp4 = False                      # their words hold E2M1 codes (NVFP4 / MXFP4), not INT4
         self.fp8_block: tuple[int, int] | None = None  # float8 experts: (rows, columns) per scale (use_fp8)
 
     def use_table(self, table: ExpertTable) -> None:
@@ -89,24 +90,26 @@ class SparseMoE(nn.Module):
             delattr(self, name)
         self.table = table
 
-    def use_packed(self, group: int, group2: int, asym: bool = False, scale_dtype: torch.dtype | None = None) -> None:
+    def use_packed(self, group: int, group2: int, asym: bool = False, fp4: bool = False,
+                   scale_dtype: torch.dtype | None = None) -> None:
         """Hold the routed experts as a checkpoint's INT4 words and scales (issue 17): q13 int32 [E, 2I, H/8],
         s13 [E, 2I, ceil(H/group)], q2 [E, H, I/8], s2 [E, H, ceil(I/group2)] (stage_worker/kernels/moe_int4_ref.py;
         `asym`: each scale row twice as wide, the zero points after the scales); w13/w2 stop being parameters. Built
         on the meta device and filled by the loader. `scale_dtype`: the checkpoint's (default the compute dtype):
         the references dequantize as the library does, (q - z) times the scale in the scale's dtype, so a bf16
         checkpoint computed in float32 on a CPU rounds its weights as there (in float32 scales they differed from
-        the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its scale dtype the same way)."""
-        self._check_silu("INT4", "packed_experts")
+        the library's by up to 6e-4 in log-probabilities; PackedLinear keeps its scale dtype the same way). `fp4`:
+        the words hold E2M1 codes and the scales are float32 (NVFP4 / MXFP4 checkpoints, `moe_int4_ref`)."""
+        self._check_silu("FP4" if fp4 else "INT4", "packed_experts")
         E, two_i, H = self.w13.shape
         inter = two_i // 2
-        dtype, device = scale_dtype or self.w13.dtype, self.w13.device
+        dtype, device = torch.float32 if fp4 else scale_dtype or self.w13.dtype, self.w13.device
         del self.w13, self.w2
         self.register_buffer("q13", torch.empty(E, two_i, H // 8, dtype=torch.int32, device=device))
         self.register_buffer("s13", torch.empty(E, two_i, scale_columns(H, group, asym), dtype=dtype, device=device))
         self.register_buffer("q2", torch.empty(E, H, inter // 8, dtype=torch.int32, device=device))
         self.register_buffer("s2", torch.empty(E, H, scale_columns(inter, group2, asym), dtype=dtype, device=device))
-        self.packed_group, self.packed_group2 = group, group2
+        self.packed_group, self.packed_group2, self.packed_fp4 = group, group2, fp4
 
     def _check_silu(self, form: str, switch: str) -> None:
         """Kept-quantized experts compute SiLU only; with `switch` off the loader dequantizes them and they run
@@ -144,7 +147,8 @@ class SparseMoE(nn.Module):
             return Fp8Experts(self.q13, self.s13, self.q2, self.s2, self.fp8_block)
         from stage_worker.kernels.moe_int4_ref import PackedExperts
 
-        return PackedExperts(self.q13, self.s13, self.q2, self.s2, self.packed_group, self.packed_group2)
+        return PackedExperts(self.q13, self.s13, self.q2, self.s2, self.packed_group, self.packed_group2,
+                             self.packed_fp4)
 
     def expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """`last_expert_ids` (slots) as expert ids."""
