@@ -264,8 +264,8 @@ class ClusterConfig:
     # two tables. Off until the H200 runs tests/test_expert_vmm_table.py -m gpu (a first run passed: the tiny model,
     # not yet timed against the two tables).
     expert_vmm_table: bool = False
-    # INT4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the INT4 kernels
-    # (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
+    # INT4 and NVFP4 / MXFP4 checkpoints (issue 17): routed experts stay in their packed words + scales and run the
+    # INT4 kernels (stage_worker/checkpoint/packed_experts.py); off: dequantized to the compute dtype at load.
     packed_experts: bool = True
     # ... and dense Linear weights in INT4/6/8 called as a plain linear (o_proj, out_proj, lm_head, the shared expert
     # beside packed experts) stay packed and run the W4/W6/W8A16 GEMVs (stage_worker/model/quant_linear.py); off:

@@ -124,7 +124,8 @@ class QuantPlan:
     @property
     def packs_ints(self) -> bool:
         """The files may hold int weights as compressed-tensors' packed parts (or GPTQ's, shown as them); which
-        modules do is each module's scheme (an NVFP4 / MXFP4 module's `weight_packed` is FP4: never kept packed)."""
+        modules do is each module's scheme (an NVFP4 / MXFP4 module's `weight_packed` is FP4: only routed experts
+        keep it packed, `checkpoint/packed_experts.py`)."""
         return self.method in ("compressed-tensors", "gptq")
 
     def acts_in_order(self, name: str) -> bool:

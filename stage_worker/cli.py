@@ -207,7 +207,7 @@ def _cold_set(args: argparse.Namespace) -> int:
     from stage_worker.checkpoint.packed_experts import fp8_layers, packed_layers
 
     stages = split_layers(cfg.num_hidden_layers, args.stages)
-    # INT4 experts stay packed (issue 17) and block-FP8 experts float8 where the server keeps them so with cold
+    # INT4 / FP4 experts stay packed (issue 17) and block-FP8 experts float8 where the server keeps them so with cold
     # experts (`ClusterConfig.keeps_fp8_experts`: the defaults and MOEPIPE_* switches): a stage holds them, and a
     # host read moves them, at that size
     plan = plan_of(model)

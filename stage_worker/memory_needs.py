@@ -94,7 +94,7 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             if cluster.load_format == "dummy" and cluster.dummy_quant in ("int4-experts", "reports-mixed"):
                 packed = {layer: dummy_groups(cfg) for layer in range(spec.start, spec.end) if cfg.is_sparse_moe(layer)}
             for layer, groups in packed.items():
-                model.moe_layers()[layer].use_packed(*groups)      # INT4 experts at their packed size
+                model.moe_layers()[layer].use_packed(*groups)      # INT4 / FP4 experts at their packed size
             fp8 = fp8_layers(plan, cfg, spec.start, spec.end, cluster.model) if cluster.keeps_fp8_experts() else {}
             for layer, fp8_block in fp8.items():
                 model.moe_layers()[layer].use_fp8(fp8_block)       # float8 experts: bytes and block scales

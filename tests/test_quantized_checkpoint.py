@@ -198,16 +198,32 @@ def test_asymmetric_groups_and_partial_groups_dequantize_as_the_library_would():
 FP4_SCHEMES = {"nvfp4": ("tensor_group", 16, "F8_E4M3"), "mxfp4": ("group", 32, "U8")}
 
 
-@pytest.mark.parametrize("family,scheme", [("qwen4_exp", "nvfp4"), ("qwen3_next", "nvfp4"), ("qwen3_next", "mxfp4")])
+def _wide_experts(tmp_path: Path) -> Path:
+    """Qwen3-Next with experts 32 wide, so MXFP4's groups of 32 reach their down projections too (the tiny
+    families' 16 leave them in float, and such a layer is dequantized at load)."""
+    from hf_oracle import build_from_config, qwen3_next_config
+
+    cfg = qwen3_next_config()
+    cfg.moe_intermediate_size = 32
+    out = tmp_path / "wide"
+    build_from_config(cfg, seed=3).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family,scheme", [("qwen4_exp", "nvfp4"), ("qwen3_next", "nvfp4"), ("qwen3_next", "mxfp4"),
+                                           ("wide", "mxfp4")])
 def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals, tmp_path):
     """NVFP4A16 / MXFP4A16 (llm-compressor's releases of this family: experts, attention, DeltaNet and shared-expert
-    projections in FP4, the router and norms in float), written by the library's own FP4 compressor: moepipe
-    dequantizes them at load (no expert or dense kernel keeps FP4 packed) and its prefill log-probs and greedy
-    decode equal transformers' on the library's decompression, on one stage and on two."""
+    projections in FP4, the router and norms in float), written by the library's own FP4 compressor: moepipe keeps
+    the routed experts packed (E2M1 words, float32 scales: the INT4 expert kernels' FP4 form) and dequantizes the
+    rest at load, and its prefill log-probs and greedy decode equal transformers' on the library's decompression, on
+    one stage and on two; and equal (1e-5) those of the same checkpoint with every module dequantized at load
+    (packed_experts off)."""
     from stage_worker.model.quant_linear import PackedLinear
 
     qdir = tmp_path / "q"
-    quantize_checkpoint(originals[family], qdir, scheme)
+    original = _wide_experts(tmp_path) if family == "wide" else originals[family]
+    quantize_checkpoint(original, qdir, scheme)
     q = json.loads((qdir / "config.json").read_text())["quantization_config"]
     strategy, group, scale_dtype = FP4_SCHEMES[scheme]
     assert q["format"] == f"{scheme}-pack-quantized"
@@ -231,15 +247,26 @@ def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(famil
     want = torch.log_softmax(reference_logits(ref, ids), -1)
 
     whole = load_model(qdir, LoadOptions(dtype=torch.float32))
-    assert not any(m.packed_group or m.fp8_block for m in whole.moe_layers().values())
+    moes = whole.moe_layers().values()
+    if f"{expert[:-len('gate_proj')]}down_proj.weight_packed" in names:      # all three projections FP4: packed
+        assert moes and all(m.packed_group == m.packed_group2 == group and m.packed().fp4 for m in moes)
+        assert all(not hasattr(m, "w13") and m.q13.dtype == torch.int32 and m.s13.dtype == torch.float32
+                   for m in moes)
+    else:                                        # MXFP4 left the 16-wide down projections float: dequantized
+        assert (family, scheme) == ("qwen3_next", "mxfp4") and not any(m.packed_group for m in moes)
     assert not any(isinstance(m, PackedLinear) for m in whole.modules())
+    plain = load_model(qdir, LoadOptions(dtype=torch.float32, packed_experts=False))
+    assert not any(m.packed_group or m.fp8_block for m in plain.moe_layers().values())
     n = whole.cfg.num_hidden_layers
     halves = [load_model(qdir, LoadOptions(dtype=torch.float32, start=s, end=e)) for s, e in ((0, n // 2), (n // 2, n))]
-    for stages in ([whole], halves):
+    outs = []
+    for stages in ([whole], halves, [plain]):
         got, tokens = _logits_of(stages, NEW)
         assert tokens == ids[len(PROMPT):]
         assert (torch.log_softmax(got, -1) - want).abs().max() < TOL
-    orig = reference_logits(_reference(originals[family]), PROMPT)
+        outs.append(got)
+    assert (outs[0] - outs[2]).abs().max() < 1e-5 and (outs[1] - outs[2]).abs().max() < 1e-5
+    orig = reference_logits(_reference(original), PROMPT)
     assert (torch.log_softmax(orig, -1) - want[: len(PROMPT)]).abs().max() > 1e-3      # the quantization is real
 
 
@@ -366,10 +393,11 @@ def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path
     assert (planned < dense_only) == (scheme == "reports-mixed")
 
 
-def test_the_memory_plan_counts_fp4_weights_dequantized(originals, tmp_path):
-    """An NVFP4 checkpoint's modules are dequantized at load (no FP4 kernel keeps them packed), so a GPU stage is
-    planned at the compute dtype, what the loader holds, whatever the packed switches say: planning them at their
-    packed size would start a stage that runs out of memory while loading (4x the packed bytes)."""
+def test_the_memory_plan_counts_fp4_weights_as_loaded(originals, tmp_path):
+    """An NVFP4 checkpoint's routed experts stay packed (E2M1 words and float32 scales) and its other modules are
+    dequantized at load (no dense FP4 kernel), so a GPU stage is planned at what the loader holds: the experts at
+    their packed size, the rest in the compute dtype whatever the dense switches say (planning those at their packed
+    size would start a stage that runs out of memory while loading); with packed_experts off, all dequantized."""
     from shared.cluster_config import ClusterConfig, StageSpec
     from stage_worker.memory_needs import stage_needs
 
@@ -383,10 +411,17 @@ def test_the_memory_plan_counts_fp4_weights_dequantized(originals, tmp_path):
     model = load_model(qdir, LoadOptions(dtype=torch.float32))
     held = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "ngram_embedding" not in name
                and ".ple.ple_embedding" not in name)
-    assert not any(name.endswith((".weight_packed", ".q13")) for name, _ in model.named_buffers())
-    assert planned == held
-    off = dataclasses.replace(cluster, packed_experts=False, packed_dense=False, packed_fp8_dense=False)
-    assert stage_needs(cfg, off)[0].weights == planned
+    assert not any(name.endswith(".weight_packed") for name, _ in model.named_buffers())
+    experts = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if ".mlp.q" in name or
+                  ".mlp.s" in name)
+    assert experts > 0 and all(m.packed().fp4 for m in model.moe_layers().values())
+    assert planned == held + experts
+    off = stage_needs(cfg, dataclasses.replace(cluster, packed_experts=False, packed_dense=False,
+                                               packed_fp8_dense=False))[0].weights
+    plain = load_model(qdir, LoadOptions(dtype=torch.float32, packed_experts=False))
+    assert off == sum(p.numel() * p.element_size() for name, p in plain.named_parameters()
+                      if "ngram_embedding" not in name and ".ple.ple_embedding" not in name)
+    assert planned < off
 
 
 def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint, tmp_path):

@@ -53,7 +53,7 @@ class LoadOptions:
     expert_vmm_table: bool = False            # ... each table part one VRAM + host range (expert_offload.py)
     expert_move_async: bool = False           # ... a spare slot per tier and a slot map: moves off the forward
     expert_move_claims: int = 1               # ... C claims a layer a step: 2C spare slots (expert_move_claims)
-    packed_experts: bool = True               # INT4 checkpoints' routed experts stay packed (packed_experts.py)
+    packed_experts: bool = True               # INT4 / FP4 checkpoints' routed experts stay packed (packed_experts.py)
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
     packed_qkv: bool = True                   # ... attention's q/k/v among them (else dequantized at load)
     packed_fp8_experts: bool = False          # block-FP8 checkpoints' routed experts stay float8 (packed_experts.py)
@@ -78,11 +78,12 @@ def default_dtype(cfg: HybridMoeConfig, device: str | torch.device) -> torch.dty
 
 
 def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
-                packed: dict[int, tuple[int, int]] | None = None, dense=None,
+                packed: dict[int, tuple] | None = None, dense=None,
                 fp8: dict[int, tuple[int, int]] | None = None, fp8_dense=None,
                 scale_dtypes: dict[int, torch.dtype] | None = None) -> StageModel:
-    """The stage's model with uninitialised storage; `packed`: MoE layer -> INT4 groups of experts kept packed
-    (`scale_dtypes`: layer -> the checkpoint's dtype of their scales, default the compute dtype);
+    """The stage's model with uninitialised storage; `packed`: MoE layer -> `SparseMoE.use_packed`'s groups (and
+    asym, fp4) of experts kept packed (`scale_dtypes`: layer -> the checkpoint's dtype of their scales, default the
+    compute dtype);
     `dense(model)`: the Linear modules kept packed (PackedLinear) -> their PackedSpec; `fp8`: MoE layer -> scale
     block of experts kept float8; `fp8_dense(model)`: the Linear modules kept float8 (Fp8Linear) -> their block."""
     dtype = opts.dtype or default_dtype(cfg, opts.device)

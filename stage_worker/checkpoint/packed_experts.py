@@ -7,6 +7,11 @@ multiples of 8 (whole int32 words per group; gate and up alike, down may differ)
 or asymmetric in all three (AutoAWQ, GPTQ `sym: false`, W4A16_ASYM: the zero points go into the scale rows after the
 scales, `kernels/moe_int4_ref.py`), and the hidden and expert widths are multiples of 8. Anything else is
 dequantized at load (`quant_weight`).
+FP4 experts (compressed-tensors NVFP4A16 / MXFP4A16: `nvfp4-pack-quantized` groups of 16 over a global scale,
+`mxfp4-pack-quantized` groups of 32 of E8M0 exponents, the same format in all three projections) stay packed too, in
+the same words (the `weight_packed` bytes read as int32) with float32 scale rows s = bf16(scale) / global
+(`quant_weight.fp4_group_scales`), and run in the INT4 kernels with their FP4 switch (`kernels/moe_int4_ref.py`);
+NVFP4's global scale may come before or after a module's scales: whichever comes first is held until both are in.
 The MTP head's experts are always dequantized. Switch: cluster key `packed_experts` (MOEPIPE_PACKED_EXPERTS=0).
 
 The third form: a block-FP8 checkpoint's (transformers' `fp8`) routed experts kept as their float8 bytes (uint8
@@ -27,14 +32,14 @@ from pathlib import Path
 import torch
 
 from shared.model_config import HybridMoeConfig
-from shared.quant_scheme import QuantPlan
+from shared.quant_scheme import QuantPlan, QuantSchemeError
 from stage_worker.kernels.moe_int4_ref import scale_columns
-from stage_worker.model.quant_weight import unpack_rows
+from stage_worker.model.quant_weight import fp4_group_scales, unpack_rows
 
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight_packed|weight_scale|"
-                  r"weight_zero_point|weight_shape)$")
+                  r"weight_zero_point|weight_shape|weight_global_scale)$")
 FP8_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 FP8_PARTS = ("weight", "weight_scale_inv")
 
@@ -88,10 +93,11 @@ def _quantized_expert_layers(model_dir: str) -> tuple[frozenset[int], frozenset[
 
 
 def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end: int,
-                  model_dir: Path | str | None = None) -> dict[int, tuple[int, int, bool]]:
-    """Decoder layer -> (group of gate/up, group of down, asymmetric), for this stage's MoE layers whose experts
-    stay INT4 (`SparseMoE.use_packed`'s arguments): the plan says INT4 groups, symmetric in all three projections or
-    asymmetric in all three, and (given `model_dir`) the files hold them packed."""
+                  model_dir: Path | str | None = None) -> dict[int, tuple[int, int, bool, bool]]:
+    """Decoder layer -> (group of gate/up, group of down, asymmetric, FP4), for this stage's MoE layers whose
+    experts stay packed (`SparseMoE.use_packed`'s arguments): the plan says INT4 groups, symmetric in all three
+    projections or asymmetric in all three, or one FP4 format in all three, and (given `model_dir`) the files hold
+    them packed."""
     if plan is None or not plan.packs_ints or not _silu_experts(cfg):
         return {}
     H, inter = cfg.hidden_size, cfg.moe_intermediate_size
@@ -104,7 +110,9 @@ def packed_layers(plan: QuantPlan | None, cfg: HybridMoeConfig, start: int, end:
         if all((w.kind, w.bits, w.strategy, w.format, w.symmetric) ==
                ("int", 4, "group", "pack-quantized", schemes[0].symmetric) and w.group_size % 8 == 0
                for w in schemes):
-            out[layer] = (schemes[0].group_size, schemes[2].group_size, not schemes[0].symmetric)
+            out[layer] = (schemes[0].group_size, schemes[2].group_size, not schemes[0].symmetric, False)
+        elif all(w.fp4 and w.format == schemes[0].format and w.group_size % 8 == 0 for w in schemes):
+            out[layer] = (schemes[0].group_size, schemes[2].group_size, False, True)
     if model_dir is not None and out:
         on_disk = _quantized_expert_layers(str(model_dir))[0]
         out = {layer: groups for layer, groups in out.items() if layer in on_disk}
@@ -157,11 +165,13 @@ def dummy_groups(cfg: HybridMoeConfig) -> tuple[int, int]:
 class PackedPlacer:
     """Copies each `...experts.E.{gate,up,down}_proj.{weight_packed,weight_scale}` (and, asymmetric,
     `weight_zero_point`: into the scale rows after the scales) into its layer's buffers and checks `weight_shape`;
+    FP4: the codes' bytes as words, and the effective scales once a module's scales and global scale are both in;
     `finish` names what never came."""
 
     def __init__(self, moes: dict, error: type[Exception]) -> None:
         self.moes, self.error = moes, error
         self.seen: set[tuple[int, int, str, str]] = set()
+        self.fp4_held: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}   # scales or global, awaiting the other
 
     def takes(self, name: str) -> bool:
         m = NAME.match(name) or FP8_NAME.match(name)
@@ -179,15 +189,24 @@ class PackedPlacer:
         inter, H = two_i // 2, words * 8
         if e >= E:
             raise self.error(f"tensor {raw_name!r} in {path}: expert {e}, but the layer has {E}")
+        fp4_part = part == "weight_global_scale" or \
+            part in ("weight_packed", "weight_scale") and tensor.dtype in (torch.uint8, torch.float8_e4m3fn)
+        if part != "weight_shape" and fp4_part != moe.packed_fp4:
+            raise self.error(f"tensor {raw_name!r} in {path} ({tensor.dtype}) does not fit the layer's experts, read "
+                             f"as {'FP4' if moe.packed_fp4 else 'INT4'} (groups {moe.packed_group} / "
+                             f"{moe.packed_group2})")
         want = (inter, H) if proj in ("gate", "up") else (H, inter)
-        if part == "weight_shape":
+        if fp4_part and part != "weight_packed":
+            self._hold_fp4_scale(moe, (layer, e, proj), part, tensor, raw_name, path)
+        elif part == "weight_shape":
             if tuple(int(v) for v in tensor.tolist()) != want:
                 raise self.error(f"tensor {raw_name!r} in {path} says {tensor.tolist()}, expected {list(want)}")
         else:
             kind = ("q" if part == "weight_packed" else "s") + ("2" if proj == "down" else "13")
-            rows = {"gate": slice(0, inter), "up": slice(inter, two_i), "down": slice(None)}[proj]
-            target = _expert_row(moe, kind, e)[rows]      # straight into its slot when the layer has a table
-            if kind[0] == "s" and _asym(moe):             # scales, then zero points, in one row
+            target = _proj_rows(moe, kind, e, proj)       # straight into its slot when the layer has a table
+            if moe.packed_fp4 and tensor.shape[-1] % 4 == 0:   # two E2M1 codes a byte, low nibble first: the
+                tensor = tensor.contiguous().view(torch.int32)   # little-endian int32 words are the kernels'
+            elif kind[0] == "s" and _asym(moe):           # scales, then zero points, in one row
                 half = target.shape[1] // 2
                 target = target[:, half:] if part == "weight_zero_point" else target[:, :half]
                 if part == "weight_zero_point" and tensor.dtype == torch.int32:      # packed along the rows
@@ -197,7 +216,8 @@ class PackedPlacer:
                                  f"symmetric (INT4, groups {moe.packed_group} / {moe.packed_group2})")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise self.error(f"tensor {raw_name!r} in {path} has shape {list(tensor.shape)}, expected "
-                                 f"{list(target.shape)} (INT4, groups {moe.packed_group} / {moe.packed_group2})")
+                                 f"{list(target.shape)} ({'FP4' if moe.packed_fp4 else 'INT4'}, groups "
+                                 f"{moe.packed_group} / {moe.packed_group2})")
             target.copy_(tensor.to(target.dtype))
         self.seen.add((layer, e, proj, part))
 
@@ -227,16 +247,49 @@ class PackedPlacer:
         target.copy_(tensor.to(target.dtype))
         self.seen.add((layer, e, proj, part))
 
+    def _hold_fp4_scale(self, moe, key: tuple[int, int, str], part: str, tensor: torch.Tensor, raw_name: str,
+                        path: Path) -> None:
+        """An FP4 module's `weight_scale` or `weight_global_scale`: held until its scale rows can be written, s =
+        bf16(scale) / global (NVFP4; MXFP4's exponents need no global), so a module is never in the rows half done."""
+        held = self.fp4_held.setdefault(key, {})
+        held[part] = tensor
+        self.seen.add((*key, part))
+        scale = held.get("weight_scale")
+        if scale is None or scale.dtype != torch.uint8 and "weight_global_scale" not in held:
+            return
+        del self.fp4_held[key]
+        try:
+            s = fp4_group_scales(scale, held.get("weight_global_scale"))
+        except QuantSchemeError as exc:
+            raise self.error(f"tensor {raw_name!r} in {path}: {exc}") from None
+        layer, e, proj = key
+        target = _proj_rows(moe, "s2" if proj == "down" else "s13", e, proj)
+        if tuple(s.shape) != tuple(target.shape):
+            raise self.error(f"tensor {raw_name!r} in {path}: FP4 scales of shape {list(s.shape)}, expected "
+                             f"{list(target.shape)} (groups {moe.packed_group} / {moe.packed_group2})")
+        target.copy_(s)
+
     def finish(self, model_dir: Path) -> None:
         int4 = ("weight_packed", "weight_scale", "weight_shape")
+        fp4 = ("weight_packed", "weight_scale")          # NVFP4's global: a scale still held names it below
         missing = [(layer, e, proj, part) for layer, moe in self.moes.items() for e in range(moe.num_experts)
                    for proj in ("gate", "up", "down")
-                   for part in (FP8_PARTS if moe.fp8_block else int4 + ("weight_zero_point",) if _asym(moe) else int4)
+                   for part in (FP8_PARTS if moe.fp8_block else fp4 if moe.packed_fp4 else
+                                int4 + ("weight_zero_point",) if _asym(moe) else int4)
                    if (layer, e, proj, part) not in self.seen]
+        missing += [(layer, e, proj, "weight_global_scale") for (layer, e, proj), held in self.fp4_held.items()
+                    if "weight_scale" in held]
         if missing:
             shown = ", ".join(f"model.layers.{lay}.mlp.experts.{e}.{p}_proj.{part}" for lay, e, p, part in missing[:3])
             raise self.error(f"missing tensor(s) in {model_dir}: {shown}"
                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+
+
+def _proj_rows(moe, kind: str, e: int, proj: str) -> torch.Tensor:
+    """Expert e's rows of projection `proj` in part `kind` (gate: the first I rows of q13/s13, up: the next I)."""
+    row = _expert_row(moe, kind, e)
+    inter = row.shape[0] // 2
+    return row if proj == "down" else row[:inter] if proj == "gate" else row[inter:]
 
 
 def _asym(moe) -> bool:

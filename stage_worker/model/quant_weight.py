@@ -17,7 +17,8 @@ Four on-disk forms, all read here without the compressed-tensors library (a serv
 * compressed-tensors FP4 (`nvfp4-pack-quantized`, `mxfp4-pack-quantized`): `weight_packed` uint8 [rows, in / 2],
   two E2M1 codes a byte, low nibble first (bit 3 the sign, bits 0-2 an index into 0, 0.5, 1, 1.5, 2, 3, 4, 6);
   `weight_scale` [rows, in / group]: float8_e4m3 for NVFP4 (over a float32 `weight_global_scale` [1]), E8M0
-  exponents (uint8, 2^(e - 127)) for MXFP4. Dequantized at load: no FP4 expert or GEMV kernel takes them packed.
+  exponents (uint8, 2^(e - 127)) for MXFP4. Dequantized at load, except routed experts, which the INT4 expert
+  kernels take packed (`checkpoint/packed_experts.py`, scale rows from `fp4_group_scales`).
 
 `dequantize` gives the weight the model's layers hold today; it is also the reference the quantized kernels are
 tested against (dequantize, then matmul).
@@ -175,10 +176,25 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def fp4_scale(scale: torch.Tensor, wq: WeightQuant) -> torch.Tensor:
     """The group scales in bfloat16, the library's FP4 compute dtype: NVFP4's float8 values as they are, MXFP4's
-    E8M0 exponents as 2^(e - 127) (255 reads as inf, as the library reads it)."""
-    if wq.format == "mxfp4-pack-quantized":
-        return torch.exp2(scale.to(torch.int32).float() - 127).to(torch.bfloat16)
-    return scale.to(torch.bfloat16)
+    E8M0 exponents as powers of two (`e8m0_scale`)."""
+    return e8m0_scale(scale) if wq.format == "mxfp4-pack-quantized" else scale.to(torch.bfloat16)
+
+
+def e8m0_scale(scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4's uint8 exponents as 2^(e - 127) in bfloat16 (255 reads as inf, as the library reads it)."""
+    return torch.exp2(scale.to(torch.int32).float() - 127).to(torch.bfloat16)
+
+
+def fp4_group_scales(scale: torch.Tensor, glob: torch.Tensor | None) -> torch.Tensor:
+    """The effective float32 group scales s of an FP4 module, with which the library's weight is bf16(code * s):
+    bf16(scale) / global for NVFP4 (float8 scales, a float32 global), bf16(2^(e - 127)) for MXFP4 (uint8
+    exponents, `glob` None). Exact in float32, so packed FP4 experts keep them in their scale rows."""
+    if scale.dtype == torch.uint8:
+        return e8m0_scale(scale).float()
+    if glob is None or glob.numel() != 1:
+        raise QuantSchemeError(f"NVFP4 scales need one weight_global_scale, got "
+                               f"{None if glob is None else list(glob.shape)}")
+    return scale.to(torch.bfloat16) / glob.reshape(1)
 
 
 def dequantize_fp4(parts: dict[str, torch.Tensor], wq: WeightQuant, dtype: torch.dtype) -> torch.Tensor:
