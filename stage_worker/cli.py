@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reports-mixed: experts INT4 g128, attention/DeltaNet/shared expert INT6 g128, "
                         "hyper-connections and embeddings INT8 per channel; int4-experts: only the routed experts; "
                         "int4-experts-asym: the same with zero points (W4A16_ASYM); "
-                        "nvfp4 / mxfp4: experts and dense projections FP4 (NVFP4A16 / MXFP4A16, dequantized at load); "
+                        "nvfp4 / mxfp4: experts and dense projections FP4 (NVFP4A16 / MXFP4A16: experts kept packed, the "
+                        "rest dequantized at load); "
                         "fp8-block: float8 with 128x128 block scales (quant_method fp8)")
     q.add_argument("input", help="checkpoint directory (float weights)")
     q.add_argument("output", help="directory to write (must not exist or be empty)")

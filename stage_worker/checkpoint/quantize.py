@@ -13,6 +13,8 @@ Schemes (each role: a set of module-name patterns and one weight scheme; what no
 * `nvfp4`, `mxfp4`: llm-compressor's NVFP4A16 and MXFP4A16 over the experts and the dense projections (FP4 E2M1
   values in groups of 16 with float8 scales under a global scale per module, or groups of 32 with power-of-two
   scales); a pattern whose modules' inputs the group does not divide stays as it was (FP4 has one group size).
+  The routed experts are what the INT4 expert kernels run with their FP4 switch (where all three projections are
+  FP4); the dense projections are dequantized at load.
 * `fp8-block`: transformers' block-FP8 form (`quant_method: fp8`, 128 x 128 scales, `weight_scale_inv`) over the
   experts and the dense projections, as the model makers publish it; the rest is listed in
   `modules_to_not_convert`.
