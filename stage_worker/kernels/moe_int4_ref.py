@@ -142,7 +142,9 @@ def pack_fp4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     wf = torch.nn.functional.pad(w.float(), (0, G * group - C)).view(*lead, R, G, group)
     scale = (wf.abs().amax(-1) / 6).clamp_min(1e-8)
     y = (wf / scale[..., None]).view(*lead, R, G * group)[..., :C]
-    mag = (y.abs()[..., None] - E2M1_VALUES[:8].to(w.device)).abs().argmin(-1).to(torch.int32)
+    mag = torch.zeros(y.shape, dtype=torch.int32, device=w.device)      # the nearest value's index (ties: lower),
+    for mid in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):                  # by the midpoints: no [..., 8] temporary
+        mag += y.abs() > mid
     codes = (mag | torch.where(y < 0, 8, 0).to(torch.int32)).view(*lead, R, C // 8, 8)
     words = (codes << torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)).sum(-1, dtype=torch.int64)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
