@@ -314,12 +314,14 @@ def test_shapes_the_kernel_cannot_take_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("asym", [False, True])
-def test_full_shape_on_the_gpu(asym):
-    """The reports' shape (H 2560, I 640, 512 experts, top-10, group 128) in bf16, symmetric and with zero points:
-    agreement with the reference; bench/moe_int4.py times it against the bf16 kernels."""
+@pytest.mark.parametrize("form", ["sym", "asym", "fp4"])
+def test_full_shape_on_the_gpu(form):
+    """The reports' shape (H 2560, I 640, 512 experts, top-10, group 128) in bf16, symmetric, with zero points, and
+    FP4 in NVFP4's groups of 16: agreement with the reference, CUDA-graph replays bit for bit; bench/moe_int4.py
+    times it against the bf16 kernels (`--asym`, `--fp4`)."""
     E, H, I, k = 512, 2560, 640, 10
-    ex = _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16, asym=asym)
+    ex = _fp4_experts(E, H, I, 16, seed=3) if form == "fp4" else \
+        _experts(E, H, I, 128, seed=3, dtype=torch.bfloat16, asym=form == "asym")
     for t in (1, 4, 16, 100):          # the three launch-config buckets, and a short prompt (DECODE_MAX_TK)
         g = torch.Generator().manual_seed(t)
         x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
@@ -336,29 +338,6 @@ def test_full_shape_on_the_gpu(asym):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, out), t
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_fp4_full_shape_on_the_gpu():
-    """FP4 experts at the reports' shape (512 experts, H 2560, I 640, top-10) in NVFP4's groups of 16, bf16:
-    agreement with the reference and CUDA-graph replays bit for bit; bench/moe_int4.py --fp4 times it."""
-    E, H, I, k = 512, 2560, 640, 10
-    ex = _fp4_experts(E, H, I, 16, seed=3)
-    for t in (1, 4, 16, 100):
-        g = torch.Generator().manual_seed(t)
-        x = torch.randn(t, H, generator=g).to(DEV, torch.bfloat16)
-        w, ids = route_ref(torch.randn(t, E, generator=g).to(DEV), k, True)
-        out = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
-        ref = fused_moe_int4_ref(x, ids, w.to(torch.bfloat16), ex)
-        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = K.fused_moe_int4(x, ids, w.to(torch.bfloat16), ex)
-        replayed.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out), t
 
 
 @pytest.mark.gpu
