@@ -522,30 +522,12 @@ def test_gpu_kernels_serve_a_gptq_checkpoint_as_the_cpu_path(tiny_checkpoint, tm
     the INT4 expert kernels) through every fast kernel (a 600-token prompt: the INT4 experts' grouped prefill
     kernel) and the decode graphs, teacher-forced over 32 steps, stays as close to the float32 CPU path on the same
     files as the bf16 PyTorch path does (the INT4 expert kernels and the packed dense GEMVs read GPTQ's scales)."""
-    from stage_worker.kernels.flags import NONE, KernelFlags
+    from gpu_paths import assert_gpu_kernels_track_the_cpu
 
     qdir = write_gptq(tiny_checkpoint, tmp_path / "q", _gptq_config(group=32, sym=sym), lambda m: 4, sym=sym,
                       act_order=False, group=32)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(10, 300, (600,), generator=g).tolist()     # past DECODE_MAX_TK: the grouped prefill
-    forced = torch.randint(10, 300, (32,), generator=g).tolist()
 
-    def run(model, graphs: bool) -> torch.Tensor:
-        engine = LocalEngine([model], max_seqs=1, max_tokens=1024, cuda_graphs=graphs)
-        engine.add(0)
-        out = [engine.step([(0, prompt)])[-1:]]
-        out += [engine.step([(0, [t])]) for t in forced]
-        return torch.cat([o.reshape(-1, o.shape[-1]).float().cpu() for o in out])
-
-    with torch.inference_mode():
-        truth = run(load_model(qdir, LoadOptions(dtype=torch.float32)), False)
-        gpu = load_model(qdir, LoadOptions(device="cuda", dtype=torch.bfloat16))
+    def packed(gpu) -> None:
         assert all(m.packed_group == 32 and m.packed().asym != sym for m in gpu.moe_layers().values())
-        gpu.set_kernels(NONE)
-        plain = run(gpu, False)
-        gpu.set_kernels(KernelFlags.parse("all"))
-        fast = run(gpu, True)
-    spread = truth.std()
-    plain_err, fast_err = ((x - truth).abs().mean() / spread for x in (plain, fast))
-    agree = (fast.argmax(-1) == truth.argmax(-1)).float().mean()
-    assert fast_err <= 1.25 * plain_err + 0.005 and agree >= 0.9, (float(fast_err), float(plain_err), float(agree))
+
+    assert_gpu_kernels_track_the_cpu(qdir, packed)

@@ -558,6 +558,24 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     assert (got - want_logits[: got.shape[0]]).abs().max() < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["nvfp4", "int4-experts-asym"])
+def test_gpu_kernels_serve_fp4_and_asymmetric_experts_as_the_cpu_path(tiny_checkpoint, tmp_path, scheme):
+    """On a GPU: the tiny model quantized by `moepipe quantize --scheme nvfp4` (FP4 experts kept packed, the dense
+    FP4 modules dequantized at load) or `int4-experts-asym` through every fast kernel and the decode graphs stays
+    as close to the float32 CPU path on the same files as the bf16 PyTorch path does (`gpu_paths`)."""
+    from gpu_paths import assert_gpu_kernels_track_the_cpu
+
+    qdir = tmp_path / "q"
+    quantize_checkpoint(tiny_checkpoint, qdir, scheme)
+
+    def packed(gpu) -> None:
+        moes = gpu.moe_layers().values()
+        assert moes and all(m.packed_group and m.packed_fp4 == (scheme == "nvfp4") for m in moes)
+
+    assert_gpu_kernels_track_the_cpu(qdir, packed)
+
+
 def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoint):
     """`bench/decode.py --quant reports-mixed` without files: `quant_linear.dummy_specs` keeps every plain-linear
     site packed as the reports' release has it (lm_head and the hyper-connection mix weights INT8 per channel, the
