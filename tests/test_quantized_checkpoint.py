@@ -109,6 +109,17 @@ def _reference(path: Path):
                                                 dtype=torch.float32).eval()
 
 
+def _library_greedy(qdir: Path, dense: Path) -> tuple[list[int], torch.Tensor]:
+    """transformers on `qdir` decompressed by the library: PROMPT and NEW greedy tokens, and the log-probabilities
+    after each of them (the oracle of the end-to-end tests)."""
+    _decompress_with_the_library(qdir, dense)
+    ref = _reference(dense)
+    ids = list(PROMPT)
+    for _ in range(NEW):
+        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
+    return ids, torch.log_softmax(reference_logits(ref, ids), -1)
+
+
 @pytest.mark.parametrize("family,scheme", CASES)
 def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals,
                                                                                   tmp_path):
@@ -125,12 +136,7 @@ def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression
         bits = {g: v["weights"]["num_bits"] for g, v in config["quantization_config"]["config_groups"].items()}
         assert {4, 6, 8} <= set(bits.values()), bits
         assert "model.layers.0.mlp.gate.weight" in names                       # the router stays float
-    _decompress_with_the_library(qdir, tmp_path / "dense")
-    ref = _reference(tmp_path / "dense")
-    ids = list(PROMPT)
-    for _ in range(NEW):
-        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
-    want_lp = torch.log_softmax(reference_logits(ref, ids), -1)
+    ids, want_lp = _library_greedy(qdir, tmp_path / "dense")
 
     model = load_model(qdir, LoadOptions(dtype=torch.float32))
     engine = LocalEngine([model], max_seqs=1, max_tokens=64)
@@ -239,12 +245,7 @@ def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(famil
     assert any(".self_attn.q_proj.weight_packed" in n for n in names)
     assert any(".linear_attn.out_proj.weight_packed" in n for n in names)
     assert {"model.layers.0.mlp.gate.weight", "lm_head.weight", "model.layers.0.linear_attn.norm.weight"} <= names
-    _decompress_with_the_library(qdir, tmp_path / "dense")
-    ref = _reference(tmp_path / "dense")
-    ids = list(PROMPT)
-    for _ in range(NEW):
-        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
-    want = torch.log_softmax(reference_logits(ref, ids), -1)
+    ids, want = _library_greedy(qdir, tmp_path / "dense")
 
     whole = load_model(qdir, LoadOptions(dtype=torch.float32))
     moes = whole.moe_layers().values()
