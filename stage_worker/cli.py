@@ -211,13 +211,14 @@ def _cold_set(args: argparse.Namespace) -> int:
     # experts (`ClusterConfig.keeps_fp8_experts`: the defaults and MOEPIPE_* switches): a stage holds them, and a
     # host read moves them, at that size
     plan = plan_of(model)
-    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers, model)
     try:
         switches = {f.name: f.default for f in dataclasses.fields(ClusterConfig)
-                    if f.name in ("packed_fp8_experts", "fp8_expert_tables")} | env_overrides()
+                    if f.name in ("packed_experts", "packed_fp8_experts", "fp8_expert_tables")} | env_overrides()
     except ClusterConfigError as exc:
         print(f"moepipe cold-set: {exc}", file=sys.stderr)
         return 2
+    # MOEPIPE_PACKED_EXPERTS=0: the stages dequantize INT4 / FP4 experts at load, so they are sized as such
+    packed = packed_layers(plan, cfg, 0, cfg.num_hidden_layers, model) if switches["packed_experts"] else {}
     keep_fp8 = switches["packed_fp8_experts"] and switches["fp8_expert_tables"]
     fp8 = fp8_layers(plan, cfg, 0, cfg.num_hidden_layers, model) if keep_fp8 else {}
 

@@ -455,3 +455,28 @@ def test_cold_set_fills_its_budget_with_packed_experts(int4, tmp_path):
     assert data["expert_bytes"] == packed
     assert sum(len(ids) for ids in data["layers"].values()) == 5
     assert cold_set.load(out, cfg)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_cold_set_sizes_experts_as_the_packed_experts_switch_keeps_them(nvfp4, tmp_path, monkeypatch, switch):
+    """(QA 2026-12-07) `moepipe cold-set` sized an FP4 / INT4 checkpoint's experts packed even with
+    MOEPIPE_PACKED_EXPERTS=0, where the stages dequantize them at load (the memory plan honoured the switch): the
+    file's budget then held ~2.7x (FP4) to ~4x (INT4) the bytes it was given."""
+    from shared import cold_set
+    from shared.quant_scheme import plan_of
+    from stage_worker.checkpoint.packed_experts import packed_layers
+    from stage_worker.cli import main
+
+    q, cfg = nvfp4
+    monkeypatch.setenv("MOEPIPE_PACKED_EXPERTS", switch)
+    layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_sparse_moe(layer)]
+    usage = tmp_path / "usage.json"
+    usage.write_text(json.dumps({"usage": {"code": {str(layer): list(range(cfg.num_experts, 0, -1))
+                                                    for layer in layers}}, "meta": {"tokens_per_kind": {"code": 9}}}))
+    out = tmp_path / "cold.json"
+    assert main(["cold-set", "--model", str(q), "--usage", str(usage), "--gib-per-stage", "0.0001",
+                 "--out", str(out)]) == 0
+    packed = packed_layers(plan_of(q), cfg, 0, cfg.num_hidden_layers, q)[layers[0]]
+    want = cold_set.packed_expert_bytes(cfg, *packed) if switch == "1" else cold_set.expert_bytes(cfg)
+    assert json.loads(out.read_text())["expert_bytes"] == want
+    assert cold_set.expert_bytes(cfg) > cold_set.packed_expert_bytes(cfg, *packed)
