@@ -142,6 +142,23 @@ if triton is not None:
             take = (lane < n_rows) & ((lane == 0) | (whole == 0))
             l2_prefetch_bytes(lo, tl.where(take, hi, lo))
 
+    @triton.jit
+    def e2m1_scaled(q, N: tl.constexpr):
+        """The E2M1 value of code N of the words q (FP4 experts; N 0 for codes already on their own), times 2^-14,
+        in fp32, exactly and with no table: the magnitude index's three bits become an fp16's two low exponent bits
+        and top mantissa bit (exponent 0 is subnormal, so index 0 and 1 give 0 and 0.5 * 2^-14) and the code's sign
+        bit the fp16's; the caller applies the 2^14 (the decode kernels once, after the sums)."""
+        if N < 3:
+            mag = q << (9 - 4 * N)
+        else:
+            mag = q >> (4 * N - 9)
+        if N < 4:
+            sgn = q << (12 - 4 * N)
+        else:
+            sgn = q >> (4 * N - 12)
+        bits = (mag & 0x0E00) | (sgn & 0x8000)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 

@@ -18,7 +18,7 @@ here is the launch and ramp-up, not a weight prologue).
 With CLAIM (`fused_moe_int4`'s `claim`, issue 16) the kernels also store the words and scales they read of one
 claimed slot into a free device slot: the expert moves to the device with no copy of its own (as `moe.fused_moe`).
 FP4 experts (NVFP4 / MXFP4, `moe_int4_ref`) take the same kernels with FP4 on: each nibble an E2M1 code turned into
-its value by `_e2m1` (no table, no int-to-float), float32 scales, no offset; claims copy them alike.
+its value by `common.e2m1_scaled` (no table, no int-to-float), float32 scales, no offset; claims copy them alike.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from stage_worker.kernels.moe_int4_ref import PackedExperts, dequantize_packed, 
 if triton is not None:
     import triton.language as tl
 
-    from stage_worker.kernels.common import pdl_wait
+    from stage_worker.kernels.common import e2m1_scaled, pdl_wait
 
     SKIP_ID = tl.constexpr(SKIP)
 
@@ -53,23 +53,6 @@ if triton is not None:
         else:
             v = q >> (4 * N - 19)
         return ((v & 0x00780000) | one).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _e2m1(q, N: tl.constexpr):
-        """The E2M1 value of code N of the words q (FP4 experts), times 2^-14, in fp32, exactly and with no table:
-        the magnitude index's three bits become an fp16's two low exponent bits and top mantissa bit (exponent 0
-        is subnormal, so index 0 and 1 give 0 and 0.5 * 2^-14) and the code's sign bit the fp16's; the 2^14 is
-        applied once, after the sums."""
-        if N < 3:
-            mag = q << (9 - 4 * N)
-        else:
-            mag = q >> (4 * N - 9)
-        if N < 4:
-            sgn = q << (12 - 4 * N)
-        else:
-            sgn = q >> (4 * N - 12)
-        bits = (mag & 0x0E00) | (sgn & 0x8000)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _up_words(qbase, rg, ru, stride_qr, ow, mask_i, W: tl.constexpr):
@@ -97,8 +80,8 @@ if triton is not None:
         `_nibble` floats) and sum_n (q_n - 8) x_n = 16 (d - 1.5 sum_n x_n); a thread's QW words share a scale,
         applied once to their sum; the 16 at the end. ZCOL > 0 (asymmetric experts): the zero point z of a row's
         group sits ZCOL columns after its scale, and sum_n (q_n - 8 - z) x_n = 16 (d - (1.5 + z/16) sum_n x_n).
-        FP4: the words hold E2M1 codes (`_e2m1`) and the scales are float32; d = sum_n 2^-14 v_n x_n, no offset, and
-        2^14 at the end."""
+        FP4: the words hold E2M1 codes (`common.e2m1_scaled`) and the scales are float32; d = sum_n 2^-14 v_n x_n,
+        no offset, and 2^14 at the end."""
         pdl_wait(PDL)                 # first: the ids, x and the expert tables (swapped between steps) all wait
         tj = tl.program_id(0)
         t = tj // TOP_K
@@ -164,8 +147,8 @@ if triton is not None:
             for n in tl.static_range(8):
                 xn = tl.load(x_ptr + t * H + ow * 8 + n, mask=mw, other=0.0).to(tl.float32)
                 if FP4:
-                    dg += _e2m1(qg, n) * xn[None, :]
-                    du += _e2m1(qu, n) * xn[None, :]
+                    dg += e2m1_scaled(qg, n) * xn[None, :]
+                    du += e2m1_scaled(qu, n) * xn[None, :]
                 else:
                     xs += xn
                     dg += _nibble(qg, ONE, n) * xn[None, :]
@@ -307,7 +290,7 @@ if triton is not None:
             for n in tl.static_range(8):
                 a = tl.load(ab + n * WPE, mask=mc, other=0.0)
                 if FP4:
-                    d += _e2m1(q, n) * a[None, :]
+                    d += e2m1_scaled(q, n) * a[None, :]
                 else:
                     xs += a
                     d += _nibble(q, ONE, n) * a[None, :]

@@ -29,7 +29,7 @@ group size has its own scale column, as the checkpoints store it. Asymmetric exp
 the scales in the scale rows, `moe_int4_ref`) subtract each row's zero point with the 8: in the tile (modes 1 and 2,
 and mode 0 without MAGIC), or, mode 0 with MAGIC, in the row-sum term taken off the dot (now per output column).
 FP4 experts (FP4: E2M1 codes in the words, float32 scales, `moe_int4_ref`) build each code's value in the tile
-(`_e2m1`) and take no MAGIC path and no offset.
+(`common.e2m1_scaled`) and take no MAGIC path and no offset.
 
 Reference: `moe_int4_ref.fused_moe_int4_ref` (dequantize, then `fused_moe_ref`); the path it replaces:
 `ExpertTable.moe_int4`. Tests: tests/test_kernel_moe_int4_prefill.py. Switch: kernel flag `moe_int4_prefill`.
@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from stage_worker.kernels.common import e2m1_scaled
 from stage_worker.kernels.moe_int4_ref import PackedExperts, zcol
 from stage_worker.kernels.moe_prefill import block_m
 
@@ -57,15 +58,6 @@ HOST_MAX_BLOCK_M = 128
 
 
 @triton.jit
-def _e2m1(c):
-    """E2M1 codes (0..15) -> their values in fp32, exactly and with no table: the magnitude index's bits as an fp16's
-    two low exponent bits and top mantissa bit (exponent 0 subnormal: 0 and 0.5 * 2^-14), the sign as its sign, times
-    2^14."""
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-
-
-@triton.jit
 def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr, GROUP: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr,
           MAGIC: tl.constexpr, ZCOL: tl.constexpr, FP4: tl.constexpr = False):
@@ -77,7 +69,7 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
     Mode 0 with MAGIC (bf16 / fp16 activations): the tile holds MAGIC's value + nibble, built by OR-ing the nibble
     into the mantissa of 128.0 (bf16) or 1024.0 (fp16), exactly, with no int-to-float conversion (a quarter-rate
     instruction); the caller subtracts (that value + 8 + the row's zero point) x the row sums of x from the dot.
-    FP4: the nibbles are E2M1 codes (`_e2m1`); never MAGIC or ZCOL."""
+    FP4: the nibbles are E2M1 codes (`common.e2m1_scaled`); never MAGIC or ZCOL."""
     WK: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP        # groups a step (mode 1)
     kw = k0 // 8 + tl.arange(0, WK)
@@ -91,7 +83,7 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
         if ZCOL:
             z = tl.load(s_base + rows * stride_sr + ZCOL + k0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
         if FP4:
-            w = _e2m1(v).to(DT)
+            w = (e2m1_scaled(v, 0) * 16384.0).to(DT)
         elif MAGIC:
             w = (v | MAGIC).to(tl.int16).to(DT, bitcast=True)
         else:
@@ -116,7 +108,7 @@ def _tile(q_base, s_base, rows, rmask, k0, stride_qr, stride_sr, K: tl.constexpr
                 zc = tl.load(s_base + rows[None, :] * stride_sr + ZCOL + (ks // GROUP)[:, None], mask=sm,
                              other=0.0).to(tl.float32)
         if FP4:
-            w = (_e2m1(v) * sc).to(DT)
+            w = (e2m1_scaled(v, 0) * 16384.0 * sc).to(DT)
         elif ZCOL:
             w = (((v - 8).to(tl.float32) - zc) * sc).to(DT)
         else:
