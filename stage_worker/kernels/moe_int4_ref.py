@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_worker.kernels.moe_ref import fused_moe_ref
-from stage_worker.model.quant_weight import E2M1_VALUES
+from stage_worker.model.quant_weight import unpack_fp4
 
 
 @dataclass
@@ -73,10 +73,9 @@ def unpack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_e2m1(q: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] of E2M1 codes -> float32 [..., 8W], their values."""
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
-    codes = ((q[..., None] >> shifts) & 0xF).flatten(-2)
-    return E2M1_VALUES.to(q.device)[codes.long()]
+    """int32 [..., W] of E2M1 codes -> float32 [..., 8W], their values: the words are the checkpoint's bytes read
+    little-endian, so this is `quant_weight.unpack_fp4` of them."""
+    return unpack_fp4(q.contiguous().view(torch.uint8))
 
 
 def scale_columns(inputs: int, group: int, asym: bool = False) -> int:

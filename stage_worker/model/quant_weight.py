@@ -167,10 +167,10 @@ E2M1_VALUES = torch.cat([_E2M1, -_E2M1])
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """float32 [rows, 2 * bytes] of `packed` uint8 [rows, bytes]: two E2M1 codes a byte, the low nibble first."""
+    """float32 [..., 2 * bytes] of `packed` uint8 [..., bytes]: two E2M1 codes a byte, the low nibble first."""
     if packed.dtype != torch.uint8:
         raise QuantSchemeError(f"FP4 weight_packed must be uint8, got {packed.dtype}")
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
     return E2M1_VALUES.to(packed.device)[codes.long()]
 
 
