@@ -107,6 +107,11 @@ class _StageStatsCollector(Collector):
                                     "(over PCIe), per stage and MoE layer", labels=["stage", "layer"])
         moves = CounterMetricFamily("moepipe_expert_moves", "Run-time swaps of a host expert with a device "
                                     "expert, per stage and MoE layer", labels=["stage", "layer"])
+        prefetches = CounterMetricFamily("moepipe_expert_prefetches", "Host experts named for a layer-ahead copy into "
+                                         "VRAM (expert_prefetch), per stage and MoE layer", labels=["stage", "layer"])
+        prefetch_hits = CounterMetricFamily("moepipe_expert_prefetch_hits", "Routed-expert selections read from a "
+                                            "prefetch slot instead of host RAM (expert_prefetch), per stage and MoE "
+                                            "layer", labels=["stage", "layer"])
         tiers = GaugeMetricFamily("moepipe_expert_bytes", "Routed-expert weight bytes by tier (vram, host) of the "
                                   "layers that keep experts in host RAM", labels=["stage", "tier"])
         kv = GaugeMetricFamily("moepipe_kv_cache_bytes", "Bytes of a stage's paged KV pool", labels=["stage"])
@@ -142,6 +147,10 @@ class _StageStatsCollector(Collector):
                     reads.add_metric([stage, layer], value)
                 elif name == "expert_moves":
                     moves.add_metric([stage, layer], value)
+                elif name == "expert_prefetches":
+                    prefetches.add_metric([stage, layer], value)
+                elif name == "expert_prefetch_hits":
+                    prefetch_hits.add_metric([stage, layer], value)
                 elif name in ("expert_bytes_vram", "expert_bytes_host"):
                     tiers.add_metric([stage, name.rsplit("_", 1)[1]], value)
                 elif name == "kv_pool_bytes":
@@ -151,7 +160,7 @@ class _StageStatsCollector(Collector):
                 elif name in ("kv_row_cache_hits", "kv_row_cache_lookups", "kv_row_cache_bytes"):
                     {"hits": rc_hits, "lookups": rc_lookups, "bytes": rc_bytes}[name.rsplit("_", 1)[1]].add_metric(
                         [stage], value)
-        yield from (reads, moves, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc, skipped)
+        yield from (reads, moves, prefetches, prefetch_hits, tiers, kv, kv_tiers, rc_hits, rc_lookups, rc_bytes, ipc, skipped)
 
 
 # moepipe series that vLLM exposes under its own name (vLLM v1's `vllm:*` families, with a `model_name` label):

@@ -36,6 +36,7 @@ DUMMY_QUANTS = ("", "int4-experts", "reports-mixed")
 PLE_PREFETCH_METHODS = ("madvise", "fadvise", "pread")   # ple_prefetch_method (ple_service/prefetch.py make_advisors)
 EXPERT_MOVE_HALF_LIFE_UNITS = ("steps", "tokens")        # expert_move_half_life_unit
 MAX_EXPERT_MOVE_CLAIMS = 16        # claims a layer a step (expert_move_claims): 2C spare slots a table
+MAX_EXPERT_PREFETCH = 16           # prefetch slots a table (expert_prefetch)
 # `chat_template_content_format` (vLLM's --chat-template-content-format): how a message's content reaches the chat
 # template. "auto": as the template reads it (shared/tokenizer.py detects a loop over content); "string": text parts
 # joined by newlines, null as ""; "openai": a list of parts (a string one text part, null none)
@@ -244,6 +245,12 @@ class ClusterConfig:
     # round take C: `expert_moves.claim_round`); 1 = the default layout, 1 to MAX_EXPERT_MOVE_CLAIMS served (the
     # loader and the memory plan carry it). h100-29: 4 with half-life in tokens and margin 0 is the batch-4 setting.
     expert_move_claims: int = 1
+    # ... layer-ahead prefetch (issue 16): this many more device slots a table; at decode each MoE layer's router
+    # input also goes through the NEXT layer's router (on a side stream), and the host experts it names, up to this
+    # many, are copied into those slots beside the step, so the next layer reads them from VRAM when the guess was
+    # right and in time (stage_worker/kernels/expert_prefetch.py). 0 = off. INT4 / FP4 / float8 experts on a GPU;
+    # with moves on read or no moves (moves in place would swap the empty prefetch slots in).
+    expert_prefetch: int = 0
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
     # bit. On since h200-18 (full shape, INT4 experts, 10% in host RAM, a round every step): a round's GPU span 0.28
@@ -425,6 +432,13 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster config: expert_move_claims (MOEPIPE_EXPERT_MOVE_CLAIMS) "
                                      f"{self.expert_move_claims} must be 1 to {MAX_EXPERT_MOVE_CLAIMS} (claims a layer "
                                      f"a step; each takes two spare expert slots a layer in VRAM)")
+        if not 0 <= self.expert_prefetch <= MAX_EXPERT_PREFETCH:
+            raise ClusterConfigError(f"cluster config: expert_prefetch (MOEPIPE_EXPERT_PREFETCH) {self.expert_prefetch} "
+                                     f"must be 0 (off) to {MAX_EXPERT_PREFETCH} prefetch slots a layer")
+        if self.expert_prefetch and self.expert_moves and not self.expert_move_async:
+            raise ClusterConfigError("cluster config: expert_prefetch needs moves on read (expert_move_async) or no "
+                                     "moves (expert_moves off): moves in place would swap experts into the empty "
+                                     "prefetch slots")
         if self.expert_move_half_life_unit not in EXPERT_MOVE_HALF_LIFE_UNITS:
             raise ClusterConfigError(f"cluster config: expert_move_half_life_unit (MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT) "
                                      f"{self.expert_move_half_life_unit!r} must be one of "
@@ -704,7 +718,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
         "MOEPIPE_EXPERT_MOVE_HALF_LIFE_UNIT": "expert_move_half_life_unit",
         "MOEPIPE_EXPERT_MOVE_CLAIMS": "expert_move_claims", "MOEPIPE_EXPERT_MOVE_MARGIN": "expert_move_margin",
         "MOEPIPE_EXPERT_MOVE_FUSED": "expert_move_fused", "MOEPIPE_EXPERT_MOVE_GRAPH": "expert_move_graph",
-        "MOEPIPE_EXPERT_MOVE_ASYNC": "expert_move_async",
+        "MOEPIPE_EXPERT_MOVE_ASYNC": "expert_move_async", "MOEPIPE_EXPERT_PREFETCH": "expert_prefetch",
         "MOEPIPE_EXPERT_VMM_TABLE": "expert_vmm_table",
         "MOEPIPE_PACKED_EXPERTS": "packed_experts", "MOEPIPE_PACKED_DENSE": "packed_dense",
         "MOEPIPE_PACKED_QKV": "packed_qkv",
@@ -717,7 +731,7 @@ _ENV = {"MOEPIPE_PLE_SERVICE": "ple_service", "MOEPIPE_PLE_PREFETCH": "ple_prefe
 _INT_KEYS = ("microbatches", "threads_per_stage", "restart_limit", "ple_threads", "kv_cache_memory_bytes",
              "expert_move_interval", "ple_decode_in_stage_max_seqs", "kv_row_cache_mib", "ple_prefetch_threads",
              "ple_prefetch_depth", "prefix_cache_states", "prefix_cache_split_tokens", "max_num_batched_tokens",
-             "expert_move_claims")
+             "expert_move_claims", "expert_prefetch")
 # counts whose flags take vLLM's suffixes (--max-num-batched-tokens 8k): their variables take them too
 _HUMAN_INT_KEYS = ("max_num_batched_tokens", "kv_cache_memory_bytes")
 _FLOAT_KEYS = ("kv_cache_memory", "recovery_timeout", "stall_timeout", "hang_timeout", "start_timeout",

@@ -23,6 +23,7 @@ import torch
 from stage_worker.host_memory import HostBuffer, allocate, check_free, host_lock
 from stage_worker.vmm_range import TieredRange, VmmUnavailable, tiered_rows
 from stage_worker.kernels.expert_moves_ref import RowSet, settle_ref, swap_rows_ref
+from stage_worker.kernels.expert_prefetch_ref import PREFETCH_MAX_T, Prefetch
 from stage_worker.model.expert_table import FP8_PARTS, PACKED_PARTS, PARTS, ExpertRows, ExpertTable
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,12 @@ class StageExperts:
     # every captured round by key (the decay is baked into a graph: a half-life in tokens gives a decay per batch
     # size), at most GRAPH_CACHE of them, the oldest dropped first
     _graph_cache: dict = field(default_factory=dict)
-    _copy: tuple | None = None    # (pinned [2, L] host tensor, event) of the counters' last read-back
-    _last: tuple[list[int], list[int]] | None = None   # host reads and moves per layer, as last read back
+    # with `expert_prefetch`: int64 [L] host slots named for a layer-ahead copy and selections read from a
+    # prefetch slot, per layer (the tables' `Prefetch.issued` / `.hits` views; 0 where a layer has none)
+    prefetch_issued: torch.Tensor | None = None
+    prefetch_hits: torch.Tensor | None = None
+    _copy: tuple | None = None    # (pinned [4, L] host tensor, event) of the counters' last read-back
+    _last: tuple[list[int], ...] | None = None   # host reads, moves, prefetches, their hits per layer, last read back
 
     @property
     def layers(self) -> list[int]:
@@ -77,21 +82,29 @@ class StageExperts:
             return sum(rng.device_bytes for _, rng in self.ranges)
         return sum(t.device_bytes() for t in self.tables.values())
 
+    def _counters(self) -> list[torch.Tensor]:
+        out = [self.host_reads, self.moves]
+        if self.prefetch_issued is not None:
+            out += [self.prefetch_issued, self.prefetch_hits]
+        return out
+
     def snapshot(self) -> None:
-        """Queue a copy of the host-read and move counters to the host, and keep the previous copy's values once it
-        has landed; called from the runner's thread between steps (nothing waits, nothing runs during a capture)."""
+        """Queue a copy of the host-read, move and prefetch counters to the host, and keep the previous copy's
+        values once it has landed; called from the runner's thread between steps (nothing waits, nothing runs
+        during a capture)."""
+        counters = self._counters()
         if self.counts.device.type != "cuda":
-            self._last = (self.host_reads.tolist(), self.moves.tolist())
+            self._last = tuple(c.tolist() for c in counters)
             return
         if self._copy is None:
-            self._copy = (torch.empty(2, len(self.tables), dtype=torch.int64, pin_memory=True), None)
+            self._copy = (torch.empty(len(counters), len(self.tables), dtype=torch.int64, pin_memory=True), None)
         buf, event = self._copy
         if event is not None:
             if not event.query():
                 return                                   # the previous copy is still on its way
-            self._last = (buf[0].tolist(), buf[1].tolist())
-        buf[0].copy_(self.host_reads, non_blocking=True)
-        buf[1].copy_(self.moves, non_blocking=True)
+            self._last = tuple(row.tolist() for row in buf)
+        for row, c in zip(buf, counters):
+            row.copy_(c, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copy = (buf, event)
@@ -100,9 +113,10 @@ class StageExperts:
         """For the heartbeat (/metrics): bytes by tier, and per layer the host reads and moves last read back."""
         out = {"expert_bytes_vram": float(self.device_bytes()), "expert_bytes_host": float(self.host_bytes())}
         if self._last is not None:
-            for layer, reads, moves in zip(self.tables, *self._last):
-                out[f"expert_host_reads:{layer}"] = float(reads)
-                out[f"expert_moves:{layer}"] = float(moves)
+            names = ("expert_host_reads", "expert_moves", "expert_prefetches", "expert_prefetch_hits")
+            for name, values in zip(names, self._last):
+                for layer, v in zip(self.tables, values):
+                    out[f"{name}:{layer}"] = float(v)
         return out
 
     def row_sets(self, gates: list[torch.Tensor], with_gates: bool = True) -> list[tuple[RowSet, list[int] | None]]:
@@ -351,8 +365,19 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
     return built
 
 
+def prefetch_slots(model, slots: int, device: torch.device | str) -> int:
+    """The prefetch slots every table of the stage gets (`expert_prefetch`): `slots` on a CUDA stage whose experts
+    are kept packed (INT4 / FP4) or float8 (the decode path that predicts and copies, `SparseMoE._packed_decode`),
+    else 0. Every table the same number (the stage-wide counts and slot maps have one width), the stage's first
+    MoE layer's unused (nothing before it predicts it)."""
+    if slots <= 0 or torch.device(device).type != "cuda":
+        return 0
+    return slots if any(m.packed_group or m.fp8_block for m in model.moe_layers().values()) else 0
+
+
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
-                  vmm: bool = False, spares: bool = False, claims: int = 1) -> StageExperts | None:
+                  vmm: bool = False, spares: bool = False, claims: int = 1,
+                  prefetch: int = 0) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
@@ -360,7 +385,9 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     tables. `spares` (`expert_move_async`): 2C more slots (SPARES at C = 1) at the end of the device tier, the
     router reaching the live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on
     read. `claims` (C, `expert_move_claims`): claims a layer a step with moves on read, 2C spares a table (C being
-    written back, C receiving), state [L, 4C], claim [L, C] ([L] at C = 1)."""
+    written back, C receiving), state [L, 4C], claim [L, C] ([L] at C = 1). `prefetch` (P, `expert_prefetch`): P
+    more device slots at the end of the device tier of the `prefetch_layers`, each table's `Prefetch` state, and
+    the layer before each such table set to predict and copy for it (`SparseMoE.prefetch_next`)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
@@ -370,16 +397,17 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     C = int(claims)
     if C < 1:
         raise ValueError(f"claims a layer a step must be >= 1, not {C}")
+    P = prefetch_slots(model, prefetch, device)
     spare = SPARES * C if spares else 0
-    S = E + spare
+    S = E + spare + P
     what = f"cold experts of layers {min(mine)}-{max(mine)}"
     dev_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
     host_parts: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in mine}
-    tiered = _tiered_parts(mine, layers, E, device, what, spare) if vmm else None
+    tiered = _tiered_parts(mine, layers, E, device, what, spare + P) if vmm else None
     host = None
     if tiered is not None:
         for layer, name, rows, _ in tiered:
-            hot = E - len(mine[layer]) + spare
+            hot = E - len(mine[layer]) + spare + P
             dev_parts[layer][name], host_parts[layer][name] = rows[:hot], rows[hot:]
     else:
         # the host layout first: one exact-size allocation for every layer's cold rows of every part
@@ -396,28 +424,40 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
             host_parts[layer][name] = host.tensor[off:off + n].view(dt).view(shape)
         for layer, ids in mine.items():
-            dev_parts[layer] = {name: torch.empty(E - len(ids) + spare, *t.shape[1:], dtype=t.dtype, device=device)
+            dev_parts[layer] = {name: torch.empty(E - len(ids) + spare + P, *t.shape[1:], dtype=t.dtype,
+                                                  device=device)
                                 for name, t in _parts(layers[layer]).items()}
     n = len(mine)
     counts = torch.zeros(n, S, dtype=torch.float32, device=device)
     reads = torch.zeros(n, dtype=torch.int64, device=device)
     moves = torch.zeros(n, dtype=torch.int64, device=device)
-    # slot -> expert at load: the hot experts, then the cold ones, each ascending (with spares: -1 after the hot)
-    orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * spare + sorted(ids)) for ids in mine.values()]
+    # slot -> expert at load: the hot experts, then the cold ones, each ascending (with spares and prefetch slots:
+    # -1 after the hot, spares first)
+    orders = [tuple([e for e in range(E) if e not in set(ids)] + [-1] * (spare + P) + sorted(ids))
+              for ids in mine.values()]
     expert_of_slot = torch.tensor(orders, dtype=torch.int32, device=device)
     slot_map = state = claim = threshold = None
-    if spares:
+    if spares or P:
         # router index (== expert id: the router rows stay in expert order) -> slot
         slot_map = torch.tensor([sorted(range(S), key=lambda s: (o[s] < 0, o[s]))[:E] for o in orders],
                                 dtype=torch.int32, device=device)
+    if spares:
         # (spare, reserve, victim, its host slot): the two slots after the live device ones
         state = torch.tensor([[E - len(ids) + s for s in range(spare)] + [-1] * (2 * C) for ids in mine.values()],
                              dtype=torch.int64, device=device)
         claim = torch.full((n,) if C == 1 else (n, C), -1, dtype=torch.int32, device=device)
         threshold = torch.full((n,), float("inf"), dtype=torch.float32, device=device)   # the first round sets it
+    pf_issued = pf_hits = None
+    if P:
+        pf_issued = torch.zeros(n, dtype=torch.int64, device=device)
+        pf_hits = torch.zeros(n, dtype=torch.int64, device=device)
     tables: dict[int, ExpertTable] = {}
     for i, (layer, ids) in enumerate(mine.items()):
         moe = layers[layer]
+        pf = None
+        if P:
+            pf = Prefetch.allocate(P, E - len(ids) + spare, E, moe.top_k, PREFETCH_MAX_T, moe.gate.weight.dtype,
+                                   device, issued=pf_issued[i:i + 1], hits=pf_hits[i:i + 1])
         table = ExpertTable(
             dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],
@@ -425,13 +465,19 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
             fp4=moe.packed_fp4, fp8_block=moe.fp8_block, slot_map=None if slot_map is None else slot_map[i],
             claim=None if claim is None else claim[i:i + 1] if C == 1 else claim[i],
             threshold=None if threshold is None else threshold[i:i + 1],
-            spare=None if state is None else state[i, :C])
+            spare=None if state is None else state[i, :C], prefetch=pf)
         moe.use_table(table)
         tables[layer] = table
-    hot = torch.tensor([E - len(ids) + spare for ids in mine.values()], dtype=torch.int64, device=device)
+    hot = torch.tensor([E - len(ids) + spare + P for ids in mine.values()], dtype=torch.int64, device=device)
+    if P:
+        # each MoE layer predicts and copies for the next one of the stage that has a table (`_packed_decode`)
+        order = sorted(layers)
+        for a, b in zip(order, order[1:]):
+            layers[a].set_prefetch_next(layers[b] if b in tables else None)
     return StageExperts(tables=tables, counts=counts, expert_of_slot=expert_of_slot, hot=hot, host_reads=reads,
                         moves=moves, host=host, ranges=[(rows, rng) for _, _, rows, rng in tiered or ()],
-                        slot_map=slot_map, state=state, claim=claim, threshold=threshold)
+                        slot_map=slot_map, state=state, claim=claim, threshold=threshold,
+                        prefetch_issued=pf_issued, prefetch_hits=pf_hits)
 
 
 def gates(model) -> list[torch.Tensor]:

@@ -126,11 +126,17 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             tabled = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
             weights += spares * tabled
             spare = spares * (sum(sizes.values()) - tabled)
+        # the prefetch slots of every table (`expert_prefetch`: packed or float8 experts on a GPU, `prefetch_slots`)
+        prefetch = cluster.expert_prefetch if spec.device.startswith("cuda") and (packed or fp8) else 0
+        if prefetch:
+            weights += prefetch * sum(size for layer, size in sizes.items()
+                                      if cold.get(layer) or cluster.cold_experts == AUTO)
         if cluster.expert_vmm_table:
             # each table part one VRAM + host range whose device part ends on the 2 MiB granularity: the hot rows'
             # bytes rounded up, up to 2 MiB more a layer and part (`--cold-experts auto`: a granule each)
             weights += vmm_round_up(model, None if cluster.cold_experts == AUTO else cold,
-                                    spare=spares if cluster.expert_move_async and cluster.expert_moves else 0)
+                                    spare=prefetch + (spares if cluster.expert_move_async and cluster.expert_moves
+                                                      else 0))
         tokens = cluster.max_num_batched_tokens
         width = cfg.hidden_size * max(getattr(cfg, "hc_count", 1) or 1, 1)
         logits = tokens * cfg.vocab_size * 4 if model.has_head else 0

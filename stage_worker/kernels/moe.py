@@ -132,20 +132,23 @@ if triton is not None:
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                       SLOT_MAP: tl.constexpr = False, PDL: tl.constexpr = False, claim_ptr=None, thr_ptr=None,
                       CLAIM: tl.constexpr = False, spare_ptr=None, NC: tl.constexpr = 1,
-                      KEY32: tl.constexpr = False):
+                      KEY32: tl.constexpr = False, pf_slot_ptr=None, pf_ready_ptr=None, pf_hits_ptr=None,
+                      PF_FIRST=0, PF: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1):
         """A program a token row (`_route_row`). PDL (kernel flag `pdl`): launched as a programmatic dependent, it
         waits first thing (`common.pdl_wait`: it reads only what earlier kernels wrote)."""
         pdl_wait(PDL)
         _route_row(tl.program_id(0).to(tl.int64), logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
                    valid_ptr, map_ptr, E, stride_t, FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT,
-                   VALID, SLOT_MAP, claim_ptr, thr_ptr, CLAIM, spare_ptr, NC, False, KEY32)
+                   VALID, SLOT_MAP, claim_ptr, thr_ptr, CLAIM, spare_ptr, NC, False, KEY32, pf_slot_ptr,
+                   pf_ready_ptr, pf_hits_ptr, PF_FIRST, PF, BLOCK_P)
 
     @triton.jit
     def _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, stride_t,
                    FIRST_HOST, TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr, VALID: tl.constexpr,
                    SLOT_MAP: tl.constexpr, claim_ptr, thr_ptr, CLAIM: tl.constexpr, spare_ptr, NC: tl.constexpr,
-                   CG: tl.constexpr, KEY32: tl.constexpr):
+                   CG: tl.constexpr, KEY32: tl.constexpr, pf_slot_ptr=None, pf_ready_ptr=None, pf_hits_ptr=None,
+                   PF_FIRST=0, PF: tl.constexpr = 0, BLOCK_P: tl.constexpr = 1):
         """One token row: fp32 softmax statistics and top-k by repeated max over (logit bits, E-1-id) keys; with
         SHARED, column E is the shared expert's gate logit: slot TOP_K gets sigmoid of it (rounded to the logits'
         dtype, as `torch.sigmoid` on them would) and id -1. With COUNT, +1 to each selected slot's count and the
@@ -164,7 +167,16 @@ if triton is not None:
         E <= 65536: `_key32`): the keys are int32, the value's order in the high half and E-1-id in the low (the
         fp32 of a bf16 has its low 16 bits zero): the same selection as the int64 keys, and each of the
         ten block-wide max reductions moves half the bits (the router kernel cost more than cuBLAS's GEMV of
-        the router's 2.6 MB: 4.4 against 3.67 us on the H100, h100-33)."""
+        the router's 2.6 MB: 4.4 against 3.67 us on the H100, h100-33).
+        PF > 0 (`expert_prefetch`, `kernels/expert_prefetch.py`): the PF prefetch slots of this layer's table, slot
+        PF_FIRST + p holding host slot pf_slot_ptr[p] once pf_ready_ptr[p] != 0 (read with acquire: the copy
+        kernel on another stream released it after its rows); a selected host slot found there is stored as that
+        device slot, so the expert kernels read it from VRAM. It is still counted as its own slot (the moves'
+        statistics), but neither as a host read nor as a claim (its rows are not read over PCIe); pf_hits_ptr
+        counts the redirections."""
+        if PF > 0:      # first: the flags' load overlaps the top-k below
+            pp = tl.arange(0, BLOCK_P)
+            pf_ok = tl.atomic_add(pf_ready_ptr + pp, tl.zeros([BLOCK_P], tl.int32), mask=pp < PF, sem="acquire")
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
         if CG:      # written by the other programs of this launch (`_router_route_kernel`): past the SM's L1
@@ -218,10 +230,20 @@ if triton is not None:
             w = tl.where(real, w, 0.0)
             picked = picked & real
         tl.store(weights_ptr + out, w, mask=kk < TOP_K)
-        tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+        if PF > 0:
+            pf_s = tl.load(pf_slot_ptr + pp, mask=pp < PF, other=-1)
+            pf_s = tl.where((pf_ok != 0) & (pp < PF), pf_s, -1)
+            match = (top_id[:, None] == pf_s[None, :]) & (pf_s[None, :] >= FIRST_HOST)
+            which = tl.min(tl.where(match, pp[None, :], BLOCK_P), axis=1)
+            pf_hit = picked & (which < BLOCK_P)
+            tl.store(ids_ptr + out, tl.where(pf_hit, PF_FIRST + which, top_id), mask=kk < TOP_K)
+            tl.atomic_add(pf_hits_ptr, tl.sum(tl.where(pf_hit, 1, 0), axis=0).to(tl.int64))
+        else:
+            pf_hit = kk < 0
+            tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
         if COUNT:
             before = tl.atomic_add(counts_ptr + top_id, tl.full([BLOCK_K], 1.0, tl.float32), mask=picked)
-            on_host = picked & (top_id >= FIRST_HOST)
+            on_host = picked & (top_id >= FIRST_HOST) & ~pf_hit
             host = tl.sum(tl.where(on_host, 1, 0), axis=0)
             tl.atomic_add(reads_ptr, host.to(tl.int64))
             if CLAIM:
@@ -250,29 +272,12 @@ if triton is not None:
             tl.store(ids_ptr + t * (TOP_K + SHARED) + TOP_K, -1)
 
     @triton.jit
-    def _router_route_kernel(x_ptr, w_ptr, logits_ptr, lock_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
-                             valid_ptr, map_ptr, E, stride_xt, stride_wr, FIRST_HOST, H: tl.constexpr,
-                             T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                             TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
-                             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
-                             VALID: tl.constexpr, SLOT_MAP: tl.constexpr, NPROG: tl.constexpr,
-                             PDL: tl.constexpr = False,
-                             claim_ptr=None, thr_ptr=None, CLAIM: tl.constexpr = False, spare_ptr=None,
-                             NC: tl.constexpr = 1, KEY32: tl.constexpr = False):
-        """The router GEMV and `_route_row` in one launch (kernel flag `fused_router`): program p computes the
-        logits of router rows p*BLOCK_R .. +BLOCK_R (E routed rows, then the shared gate's with SHARED) for all T
-        tokens (fp32 sums, stored rounded to x's dtype as F.linear would give them), and the last program to finish
-        (`split_reduce.last_of`) routes the T rows from them. Saves the cuBLAS GEMV's launch and the gap it leaves
-        in a PDL chain (it is no programmatic dependent). The first BLOCK_H columns of the program's router rows
-        load before `pdl_wait` (weights: no earlier kernel writes them), so they stream in while that kernel ends;
-        with BLOCK_H >= H that is the whole row."""
-        R = E + SHARED
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask_r = rows < R
+    def router_logits(x_ptr, w_ptr, logits_ptr, rows, mask_r, w_first, R, stride_xt, stride_wr, H: tl.constexpr,
+                      T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """logits[t, rows] = x_t . W[rows] for all T tokens (fp32 sums, stored in the logits' dtype, rows R
+        apart), the rows' first BLOCK_H columns already loaded (`w_first`). The router GEMV of the fused router
+        launch and of the prefetch's prediction (`expert_prefetch._predict_kernel`)."""
         offs_h = tl.arange(0, BLOCK_H)
-        w_first = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + offs_h[None, :],
-                          mask=mask_r[:, None] & (offs_h < H)[None, :], other=0.0)
-        pdl_wait(PDL)
         offs_t = tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         acc = tl.zeros([BLOCK_R, BLOCK_T, BLOCK_H], tl.float32)
@@ -289,11 +294,41 @@ if triton is not None:
         logit = tl.sum(acc, axis=2)                                 # [BLOCK_R, BLOCK_T]
         tl.store(logits_ptr + offs_t[None, :] * R + rows[:, None], logit.to(logits_ptr.dtype.element_ty),
                  mask=mask_r[:, None] & mask_t[None, :])
+
+    @triton.jit
+    def _router_route_kernel(x_ptr, w_ptr, logits_ptr, lock_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr,
+                             valid_ptr, map_ptr, E, stride_xt, stride_wr, FIRST_HOST, H: tl.constexpr,
+                             T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                             TOP_K: tl.constexpr, SHARED: tl.constexpr, RENORM: tl.constexpr,
+                             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
+                             VALID: tl.constexpr, SLOT_MAP: tl.constexpr, NPROG: tl.constexpr,
+                             PDL: tl.constexpr = False,
+                             claim_ptr=None, thr_ptr=None, CLAIM: tl.constexpr = False, spare_ptr=None,
+                             NC: tl.constexpr = 1, KEY32: tl.constexpr = False, pf_slot_ptr=None,
+                             pf_ready_ptr=None, pf_hits_ptr=None, PF_FIRST=0, PF: tl.constexpr = 0,
+                             BLOCK_P: tl.constexpr = 1):
+        """The router GEMV and `_route_row` in one launch (kernel flag `fused_router`): program p computes the
+        logits of router rows p*BLOCK_R .. +BLOCK_R (E routed rows, then the shared gate's with SHARED) for all T
+        tokens (fp32 sums, stored rounded to x's dtype as F.linear would give them), and the last program to finish
+        (`split_reduce.last_of`) routes the T rows from them. Saves the cuBLAS GEMV's launch and the gap it leaves
+        in a PDL chain (it is no programmatic dependent). The first BLOCK_H columns of the program's router rows
+        load before `pdl_wait` (weights: no earlier kernel writes them), so they stream in while that kernel ends;
+        with BLOCK_H >= H that is the whole row."""
+        R = E + SHARED
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = rows < R
+        offs_h = tl.arange(0, BLOCK_H)
+        w_first = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wr + offs_h[None, :],
+                          mask=mask_r[:, None] & (offs_h < H)[None, :], other=0.0)
+        pdl_wait(PDL)
+        router_logits(x_ptr, w_ptr, logits_ptr, rows, mask_r, w_first, R, stride_xt, stride_wr, H, T, BLOCK_T,
+                      BLOCK_R, BLOCK_H)
         if last_of(lock_ptr, NPROG):
             for t in tl.static_range(T):
                 _route_row(t, logits_ptr, weights_ptr, ids_ptr, counts_ptr, reads_ptr, valid_ptr, map_ptr, E, R,
                            FIRST_HOST, TOP_K, SHARED, RENORM, BLOCK_E, BLOCK_K, COUNT, VALID, SLOT_MAP, claim_ptr,
-                           thr_ptr, CLAIM, spare_ptr, NC, True, KEY32)
+                           thr_ptr, CLAIM, spare_ptr, NC, True, KEY32, pf_slot_ptr, pf_ready_ptr, pf_hits_ptr,
+                           PF_FIRST, PF, BLOCK_P)
 
     @triton.jit
     def _moe_up_kernel(x_ptr, ids_ptr, w13_ptr, sw13_ptr, hw13_ptr, act_ptr, stride_xt, stride_we, stride_wr,
@@ -472,6 +507,17 @@ def _kernel_counts(counts: RouteCounts | None, weights: torch.Tensor, ids: torch
     return c, nc
 
 
+def _prefetch_args(c: RouteCounts) -> dict:
+    """The router kernels' prefetch arguments (`_route_row`'s PF): none, or this layer's prefetch slots
+    (`RouteCounts.prefetch`, `kernels/expert_prefetch_ref.Prefetch`)."""
+    pf = c.prefetch
+    if pf is None:
+        return {}
+    n = pf.slot.numel()
+    return dict(pf_slot_ptr=pf.slot, pf_ready_ptr=pf.ready, pf_hits_ptr=pf.hits, PF_FIRST=pf.first, PF=n,
+                BLOCK_P=_pow2(n))
+
+
 def _key32(logits: torch.Tensor, experts: int) -> bool:
     """Whether `_route_row` ranks with int32 keys: kernel flag `route_key32`, bf16 logits (their fp32 has its low
     16 bits zero; an fp16's has only 13), ids in 16 bits. Otherwise the int64 keys (the same selection either way)."""
@@ -517,7 +563,7 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, shared: bool = Fa
                             COUNT=counts is not None, VALID=valid is not None, SLOT_MAP=slot_map is not None,
                             num_warps=NUM_WARPS, PDL=pdl, launch_pdl=pdl, claim_ptr=c.claim, thr_ptr=c.threshold,
                             CLAIM=c.claim is not None, NC=nc, spare_ptr=c.spare if nc > 1 else None,
-                            KEY32=_key32(logits, E))
+                            KEY32=_key32(logits, E), **_prefetch_args(c))
     return weights, ids
 
 
@@ -574,7 +620,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise:
         RENORM=bool(renormalise), BLOCK_E=_pow2(E), BLOCK_K=_pow2(top_k), COUNT=counts is not None,
         VALID=valid is not None, SLOT_MAP=slot_map is not None, NPROG=nprog, PDL=pdl, launch_pdl=pdl,
         claim_ptr=c.claim, thr_ptr=c.threshold, CLAIM=c.claim is not None, NC=nc,
-        spare_ptr=c.spare if nc > 1 else None, KEY32=_key32(logits, E), num_warps=warps)
+        spare_ptr=c.spare if nc > 1 else None, KEY32=_key32(logits, E), num_warps=warps, **_prefetch_args(c))
     return weights, ids
 
 

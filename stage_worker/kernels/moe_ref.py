@@ -38,6 +38,9 @@ class RouteCounts:
     # C claims a step (`expert_move_claims` > 1): claim int32 [C], and spare int64 [C] the free slot entry j's rows go
     # into (-1: entry j takes no claim this step)
     spare: torch.Tensor | None = None
+    # `expert_prefetch`: this layer's prefetch slots, filled this step by the previous MoE layer's launches
+    # (`kernels/expert_prefetch_ref.Prefetch`); a selected host slot found ready there is read from VRAM
+    prefetch: object | None = None
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:

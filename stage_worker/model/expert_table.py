@@ -70,6 +70,9 @@ class ExpertTable:
     claim: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     spare: torch.Tensor | None = None
+    # `expert_prefetch`: the last P device slots receive host rows the previous MoE layer predicted for this step
+    # (`kernels/expert_prefetch_ref.Prefetch`)
+    prefetch: object | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -157,7 +160,12 @@ class ExpertTable:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
         if tokens * top_k > COUNT_MAX_TK:
             return None
-        return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold, self.spare)
+        pf = self.prefetch
+        if pf is not None:
+            # this forward's prediction for this layer, used once (`Prefetch.armed`): a later forward that did not
+            # predict must not read what an earlier one copied
+            pf, pf.armed = (pf if pf.armed else None), False
+        return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold, self.spare, pf)
 
     def claimed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(claim, spare) for the decode kernels that store a claimed host slot's rows as they read them."""

@@ -97,7 +97,12 @@ class StageModel(nn.Module):
         pending = None
         for layer in self.layers.values():
             hidden, pending = layer.forward_deferred(hidden, pending, batch, cache, rope)
-        return layer.finish(hidden, pending)
+        hidden = layer.finish(hidden, pending)
+        if self.experts is not None and self.experts.prefetch_hits is not None:
+            from stage_worker.kernels.expert_prefetch import join_prefetch
+
+            join_prefetch(hidden.device)      # the layer-ahead expert copies (`expert_prefetch`) end with the step
+        return hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Collapse the streams (or apply the final norm): the state lm_head and the MTP head read."""

@@ -64,6 +64,9 @@ class SparseMoE(nn.Module):
     valid_rows: torch.Tensor | None = None
     # Tests: run the INT4 prefill kernels on CPU tensors under TRITON_INTERPRET=1 (moe_int4_prefill.py).
     interpret_on_cpu: bool = False
+    # `expert_prefetch`: (the next MoE layer of the stage,) whose table this layer's decode predicts and copies
+    # for (`set_prefetch_next`)
+    _prefetch_to: tuple | None = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
                  renormalise: bool, act: str = "silu") -> None:
@@ -81,6 +84,12 @@ class SparseMoE(nn.Module):
         self.packed_group = self.packed_group2 = 0   # > 0: INT4 experts, inputs per scale of w13 / w2 (use_packed)
         self.packed_fp4 = False                      # their words hold E2M1 codes (NVFP4 / MXFP4), not INT4
         self.fp8_block: tuple[int, int] | None = None  # float8 experts: (rows, columns) per scale (use_fp8)
+
+    def set_prefetch_next(self, nxt: "SparseMoE | None") -> None:
+        """`expert_prefetch`: at decode, predict the next MoE layer's host experts from this layer's input and copy
+        them into its table's prefetch slots (`_prefetch_next`; `kernels/expert_prefetch.py`). Held in a tuple: a
+        module attribute would make it a submodule (its weights twice in the state dict)."""
+        self._prefetch_to = None if nxt is None else (nxt,)
 
     def use_table(self, table: ExpertTable) -> None:
         """Serve the routed experts from `table` (some in host RAM); w13/w2 (or, INT4 or float8 experts, the
@@ -294,6 +303,7 @@ class SparseMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
+        predicted = self._prefetch_next(x2, side)
         weights, ids = router_route(x2, router, k, self.renormalise, shared=True, counts=counts,
                                     valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map,
                                     fused=self.kernels.fused_router)
@@ -308,10 +318,43 @@ class SparseMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared_out = quant_gemv(gate_up, packed[1], swiglu=weights[:, k], fma=fma, wide=wide)
+        join = side or predicted
         out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out,
-                                  before_down=None if side is None else lambda: main.wait_stream(side))
+                                  before_down=None if join is None else
+                                  lambda: torch.cuda.current_stream(x2.device).wait_stream(join))
         self.last_expert_ids = ids[:, :k]
         return out
+
+    def _prefetch_next(self, x2: torch.Tensor, side) -> torch.cuda.Stream | None:
+        """`expert_prefetch`: on a side stream (`side`, the shared expert's, else the device's side stream forked
+        here), the next MoE layer's router on this layer's input names its likely host experts
+        (`expert_prefetch.predict`); on a second one (joined at the end of the forward, `join_prefetch`) their rows
+        are copied into its table's prefetch slots. The caller joins the returned stream before this layer's down
+        launch (the prediction clears the next layer's `ready` flags before its router reads them); None when
+        nothing was launched. The next layer's router redirects only within this forward (`Prefetch.armed`)."""
+        nxt = None if self._prefetch_to is None else self._prefetch_to[0]
+        t = None if nxt is None else nxt.table
+        pf = None if t is None else t.prefetch
+        if pf is None or not x2.is_cuda or x2.shape[0] > pf.max_tokens:
+            return None
+        from stage_worker.kernels.common import side_stream
+        from stage_worker.kernels.expert_prefetch import copy, note_pending, predict
+
+        main = torch.cuda.current_stream(x2.device)
+        stream = side
+        if stream is None:
+            stream = side_stream(x2.device)
+            stream.wait_stream(main)
+        copier = side_stream(x2.device, "prefetch")
+        with torch.cuda.stream(stream):
+            predict(x2, nxt.gate.weight[:nxt.num_experts], nxt.top_k, pf, t.hot, slot_map=t.slot_map,
+                    valid=self.valid_rows)
+        copier.wait_stream(stream)
+        with torch.cuda.stream(copier):
+            copy(pf, [t.dev[p] for p in t.parts], [t.host[p] for p in t.parts], t.hot)
+        note_pending(x2.device)
+        pf.armed = True
+        return stream
 
     def _routed_decode(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        add: torch.Tensor | None = None, before_down=None) -> torch.Tensor:
@@ -371,6 +414,11 @@ class SparseMoE(nn.Module):
         weights become row views of one [E + 1, H] tensor (one GEMV gives both), gate_proj and up_proj row views of
         one [2I, H] tensor (the routed experts' w13 layout). State-dict names and values do not change."""
         se = self.shared_expert
+        if self._prefetch_to is not None and self.gate.weight.is_cuda:
+            from stage_worker.kernels.common import side_stream
+
+            for name in ("side", "prefetch"):           # made now, never first inside a graph capture
+                side_stream(self.gate.weight.device, name)
         if self.kernels.fused_router and self.gate.weight.is_cuda:
             from stage_worker.kernels.moe import router_lock
 
