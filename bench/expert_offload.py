@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,6 +55,7 @@ from shared.cluster_config import ClusterConfig, env_overrides  # noqa: E402
 from stage_worker.checkpoint.loader import LoadOptions, load_model  # noqa: E402
 from stage_worker.checkpoint.packed_experts import dummy_groups  # noqa: E402
 from stage_worker.expert_offload import gates, round_decay  # noqa: E402
+from stage_worker.kernels import expert_prefetch as PF  # noqa: E402
 from stage_worker.kernels import moe as K  # noqa: E402
 from stage_worker.kernels.flags import KernelFlags  # noqa: E402
 from stage_worker.kernels.moe_ref import HostRows  # noqa: E402
@@ -107,8 +109,11 @@ class Replay:
         self.decode_calls = 0                     # calls with at most `batch` rows: decode (eager or captured)
         dev = next(model.parameters()).device
         self.buf = torch.zeros(len(self.moes), 16, top_k, dtype=torch.int64, device=dev)   # expert ids
+        self.pred = torch.zeros_like(self.buf)   # the layer-ahead prediction of each layer's ids (`predict`)
         self.rank = torch.arange(top_k, 0, -1, dtype=torch.float32, device=dev).expand(16, top_k).contiguous()
         self.real_route = K.route
+        self.real_predict = PF.predict
+        self.predict_calls = 0
 
     def route(self, logits, top_k, renormalise, shared=False, counts=None, valid=None, slot_map=None):
         T = logits.shape[0]
@@ -132,6 +137,19 @@ class Replay:
         forced.scatter_(1, experts, self.rank[:T].to(logits.dtype))
         return self.real_route(forced, top_k, renormalise, shared=shared, counts=counts, valid=valid,
                                slot_map=slot_map)
+
+    def predict(self, x, gate, top_k, pf, first_host, slot_map=None, valid=None, logits=None):
+        """`expert_prefetch`'s prediction (called by layer L for layer L + 1, before L routes): the GEMV still runs
+        (its bytes are paid, as the router's are), then the trace's prediction for the next layer (its router on
+        this layer's input, mapped as the ids are: `full_shape_trace`) is ranked from forced logits (router column
+        = expert: prefetch runs with a slot map)."""
+        T = x.shape[0]
+        nxt = (self.layer + 1) % len(self.moes)
+        self.predict_calls += 1
+        F.linear(x, gate)
+        forced = torch.full((T, gate.shape[0]), -1e4, dtype=pf.logits.dtype, device=x.device)
+        forced.scatter_(1, self.pred[nxt, :T], self.rank[:T].to(forced.dtype))
+        return self.real_predict(x, gate, top_k, pf, first_host, slot_map=slot_map, valid=valid, logits=forced)
 
 
 def _read_setup(cfg, quant: str, hot: int):
@@ -251,14 +269,17 @@ def _round_cols(r: dict) -> str:
 
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
-        freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps", claims: int = 1) -> list[dict]:
+        freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps", claims: int = 1,
+        pred: dict[str, np.ndarray] | None = None, prefetch: int = 0) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
     moves' launches took the difference). `on_read`: moves on read (`expert_move_async`) instead of in place.
     `half_life_unit` (`expert_move_half_life_unit`): the policy's half-life in steps or in tokens (a round's decay
     then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`). `claims` (`expert_move_claims`, with
-    `on_read`): C claims a layer a step, 2C spares a table (`LoadOptions.expert_move_claims`)."""
+    `on_read`): C claims a layer a step, 2C spares a table (`LoadOptions.expert_move_claims`). `prefetch` (P,
+    `expert_prefetch`): P prefetch slots a table, each layer predicting the next one's host experts from `pred`
+    (the trace's layer-ahead predictions, keyed and indexed as `trace`; `Replay.predict`)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
@@ -267,7 +288,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     model = load_model("", LoadOptions(device="cuda", dtype=torch.bfloat16, load_format="dummy",
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm, expert_move_async=spares,
-                                       expert_move_claims=claims if spares else 1), cfg)
+                                       expert_move_claims=claims if spares else 1,
+                                       expert_prefetch=prefetch), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     # fused_router off: the replay forces the trace's experts through the router's logits (`Replay.route`), which the
@@ -276,6 +298,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     model.set_kernels(KernelFlags.parse("all,-fused_router"))
     load_s = time.time() - t0
     x = model.experts
+    if prefetch and x is not None and x.prefetch_hits is None:
+        raise SystemExit("expert_offload: --prefetch needs --quant int4-experts (the packed decode path predicts)")
     moves = policy is not None
     interval, half_life, margin = policy or (0, 0.0, 0.0)
     check = greedy_check(model, moves)
@@ -286,10 +310,24 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         assert x.host_bytes() + x.device_bytes() >= len(x.tables) * cfg.num_experts * per_expert   # VMM: granules
     out = []
     kinds = sorted(trace)
+
+    def row_of(src: dict[str, np.ndarray], s: int, i: int) -> np.ndarray:
+        """Stream i's trace row at step s (streams of one kind 997 tokens apart)."""
+        ids = src[kinds[i % len(kinds)]]
+        return ids[(s + 997 * (i // len(kinds))) % len(ids)]
+
+    def stage_rows(replay: Replay, s: int, batch: int) -> None:
+        for i in range(batch):
+            replay.buf[:, i].copy_(torch.from_numpy(row_of(trace, s, i)), non_blocking=True)
+            if pred is not None:
+                replay.pred[:, i].copy_(torch.from_numpy(row_of(pred, s, i)), non_blocking=True)
+
+    pf0 = (0, 0)                              # prefetches issued and hit before the measured steps
     for batch in batches:
         replay = Replay(model, batch, cfg.num_experts_per_tok)
         decay = round_decay(half_life_unit, half_life, interval, interval * batch) if moves else 0.0
         K.route = replay.route
+        PF.predict = replay.predict
         try:
             engine = LocalEngine([model], max_seqs=batch, max_tokens=warmup + 2 * steps + 80, cuda_graphs=True)
             for i in range(batch):
@@ -300,14 +338,13 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             round_host: list[float] = []          # host seconds to launch a move round (inside the timed step)
             round_events: list[tuple] = []        # its GPU span (events around it), read after the run
             for s in range(warmup + steps):
-                for i in range(batch):
-                    ids = trace[kinds[i % len(kinds)]]
-                    row = ids[(s + 997 * (i // len(kinds))) % len(ids)]
-                    replay.buf[:, i].copy_(torch.from_numpy(row), non_blocking=True)
+                stage_rows(replay, s, batch)
                 if s == warmup:
                     torch.cuda.synchronize()
                     if x is not None:
                         reads0, moves0 = int(x.host_reads.sum()), int(x.moves.sum())
+                        if x.prefetch_hits is not None:
+                            pf0 = (int(x.prefetch_issued.sum()), int(x.prefetch_hits.sum()))
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 # The timed span holds the move round before the step (the server runs one between steps and pays
                 # its GPU time and launch gaps). Until h200-22 it started after the round: a round whose GPU work
@@ -330,17 +367,21 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     times.append(start.elapsed_time(end) / 1e3)
             reads = (int(x.host_reads.sum()) - reads0) if x is not None else 0
             moved = (int(x.moves.sum()) - moves0) if x is not None else 0
+            issued, hits = (int(x.prefetch_issued.sum()) - pf0[0], int(x.prefetch_hits.sum()) - pf0[1]) \
+                if x is not None and x.prefetch_hits is not None else (0, 0)
             # The same steps back to back, one sync at the end, as a server that launches ahead runs them: each
             # step's host work (the round's launches too) overlaps the previous step's kernels. The trace rows are
             # staged on the device first so that nothing in the loop waits for the host.
             b2b = range(warmup + steps, warmup + 2 * steps)
-            staged = torch.stack([torch.stack([torch.from_numpy(trace[kinds[i % len(kinds)]][
-                (s + 997 * (i // len(kinds))) % len(trace[kinds[i % len(kinds)]])]) for i in range(batch)], 1)
-                for s in b2b]).to(replay.buf.device)                 # [steps, layers, batch, top_k]
+            staged = [torch.stack([torch.stack([torch.from_numpy(row_of(src, s, i)) for i in range(batch)], 1)
+                                   for s in b2b]).to(replay.buf.device)          # [steps, layers, batch, top_k]
+                      for src in ([trace] if pred is None else [trace, pred])]
             b0, b1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             b0.record()
             for n, s in enumerate(b2b):
-                replay.buf[:, :batch].copy_(staged[n])
+                replay.buf[:, :batch].copy_(staged[0][n])
+                if pred is not None:
+                    replay.pred[:, :batch].copy_(staged[1][n])
                 if moves and x is not None and s % interval == interval - 1 and not freeze:
                     x.move_round(gates(model), decay, margin, fused=fused, graph=graphed)
                 engine.step([(i, [100 + i]) for i in range(batch)])
@@ -352,9 +393,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
 
                 def more(replay=replay, x=x, model=model, engine=engine) -> None:   # the replay, further along
                     for s in range(warmup + 2 * steps, warmup + 2 * steps + 16):
-                        for i in range(batch):
-                            ids = trace[kinds[i % len(kinds)]]
-                            replay.buf[:, i].copy_(torch.from_numpy(ids[(s + 997 * (i // len(kinds))) % len(ids)]))
+                        stage_rows(replay, s, batch)
                         if moves and x is not None and s % interval == interval - 1 and not freeze:
                             x.move_round(gates(model), decay, margin, fused=fused,
                                          graph=graphed)
@@ -363,6 +402,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                 profile_run(more, Path(f"{profile}_b{batch}.txt"), top=12)
         finally:
             K.route = replay.real_route
+            PF.predict = replay.real_predict
         # The decode layers must have taken the replay's routing (called eagerly or captured into the graphs, so
         # at least once a layer): a model that reaches the router another way (h200-18 call 3: a module that had
         # imported `route` by name) decodes with the dummy router's near-uniform choices, and the rows mean nothing
@@ -371,6 +411,9 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             raise SystemExit(f"expert_offload: the routing replay ran in {replay.decode_calls} decode calls for "
                              f"{len(replay.moes)} MoE layers: the model's decode does not route through "
                              "stage_worker.kernels.moe.route (K.route)")
+        if prefetch and replay.predict_calls == 0:
+            raise SystemExit("expert_offload: --prefetch: no layer predicted (the decode path never called "
+                             "stage_worker.kernels.expert_prefetch.predict)")
         del engine
         med = statistics.median(times)
         round_gpu = [a.elapsed_time(b) / 1e3 for a, b in round_events]
@@ -382,7 +425,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
                     "expert_move_async": spares, "half_life_unit": half_life_unit, "round_decay": decay,
-                    "claims": claims if spares else None,
+                    "claims": claims if spares else None, "prefetch_slots": prefetch,
+                    "prefetches_per_token": issued / (steps * batch), "prefetch_hits_per_token": hits / (steps * batch),
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
     if x is not None and x.host is not None:
@@ -469,6 +513,10 @@ def main() -> int:
     ap.add_argument("--claims", type=int, default=1,
                     help="moves on read: C host slots a layer may claim a step, 2C spares a table "
                          "(expert_move_claims; default 1, today's server)")
+    ap.add_argument("--prefetch", default="0",
+                    help="prefetch slots a table to run each moving row with, comma-separated (expert_prefetch; "
+                         "0 = off, the server's default): each layer predicts the next one's host experts from the "
+                         "trace's layer-ahead predictions (needs --quant int4-experts)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -493,7 +541,9 @@ def main() -> int:
     raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= args.layers]
     cfg = config_from_dict(raw)
     tokens = args.warmup + args.steps + 1000
-    trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens)
+    trace, pred = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens,
+                                   predicted=True)
+    prefetches = [int(p) for p in args.prefetch.split(",")]
     # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
     cost = host_read_cost(cfg, args.quant)
@@ -505,20 +555,21 @@ def main() -> int:
     # in place (False) and / or on read (True): both in one process share its all-in-VRAM rows and its GPU state
     modes = [m == "onread" for m in wanted] or [_switch("expert_move_async")]
     print(f"{'batch':>5} {'host %':>7} {'GiB':>6} {'moves':>9} {'step ms':>8} {'tok/s':>8} {'vs VRAM':>8} "
-          f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17} {'b2b ms':>7} {'b2b %':>6}")
+          f"{'reads/tok':>9} {'moves/tok':>9} {'round host/gpu ms':>17} {'b2b ms':>7} {'b2b %':>6} "
+          f"{'pf/tok':>6} {'hits/tok':>8}")
     base: dict[int, float] = {}
     base_b2b: dict[int, float] = {}
     for row, share in enumerate(float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
-        for policy, on_read in ([(None, False)] + [(p, m) for p in policies for m in modes] if cold else
-                                [(None, False)]):
+        for policy, on_read, pf in ([(None, False, 0)] + [(p, m, f) for p in policies for m in modes
+                                                           for f in prefetches] if cold else [(None, False, 0)]):
             moves = policy is not None
             name = f"row{row}_share{share:g}_{'moves' + ':'.join(f'{v:g}' for v in policy) if moves else 'nomoves'}"
-            name += "_onread" if on_read else ""
+            name += ("_onread" if on_read else "") + (f"_prefetch{pf}" if pf else "")
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
                          freeze=args.freeze_moves and moves, on_read=on_read,
-                         half_life_unit=args.half_life_unit, claims=args.claims):
+                         half_life_unit=args.half_life_unit, claims=args.claims, pred=pred, prefetch=pf):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                     base_b2b[r["batch"]] = r["back_to_back_step_ms"]
@@ -529,12 +580,14 @@ def main() -> int:
                 pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") + \
                     ("a" if r["expert_move_async"] else "") + (f"c{args.claims}" if r.get("claims") not in (None, 1)
                                                                else "") + \
-                    ("t" if args.half_life_unit == "tokens" else "") if moves else "off"  # frozen/async/C/tokens
+                    ("t" if args.half_life_unit == "tokens" else "") + (f"p{pf}" if pf else "") \
+                    if moves else "off"  # frozen/async/C/tokens/prefetch
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} {pol:>9} "
                       f"{r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "
                       f"{100 * (r['vs_all_in_vram'] or 0):>7.1f}% {r['host_reads_per_token']:>9.2f} "
                       f"{r['moves_per_token']:>9.3f} {_round_cols(r):>17} {r['back_to_back_step_ms']:>7.2f} "
-                      f"{100 * (r['back_to_back_vs_all_in_vram'] or 0):>5.1f}%", flush=True)
+                      f"{100 * (r['back_to_back_vs_all_in_vram'] or 0):>5.1f}% {r['prefetches_per_token']:>6.2f} "
+                      f"{r['prefetch_hits_per_token']:>8.2f}", flush=True)
     ref = results[0]["greedy"]
     for r in results:
         g = r["greedy"]

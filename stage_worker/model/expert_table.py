@@ -164,7 +164,8 @@ class ExpertTable:
         if pf is not None:
             # this forward's prediction for this layer, used once (`Prefetch.armed`): a later forward that did not
             # predict must not read what an earlier one copied
-            pf, pf.armed = (pf if pf.armed else None), False
+            armed, pf.armed = pf.armed, False
+            pf = pf if armed else None
         return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold, self.spare, pf)
 
     def claimed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
