@@ -173,7 +173,8 @@ def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tin
         model.set_kernels(KernelFlags.parse("all"))
         if graphs:
             return (model, *graphed_greedy(model, prompt, 24, moves, move_graph=True))
-        return (model, *greedy(model, prompt, 24, move_every=int(moves)))
+        tokens, lps = greedy(model, prompt, 24, move_every=int(moves))
+        return model, tokens, lps.float().max(-1).values.tolist()     # each step's greedy log-probability
 
     for graphs in (False, True):
         plain, want, want_lp = run(0, None, False, graphs)
