@@ -248,8 +248,8 @@ class ClusterConfig:
     # ... layer-ahead prefetch (issue 16): this many more device slots a table; at decode each MoE layer's router
     # input also goes through the NEXT layer's router (on a side stream), and the host experts it names, up to this
     # many, are copied into those slots beside the step, so the next layer reads them from VRAM when the guess was
-    # right and in time (stage_worker/kernels/expert_prefetch.py). 0 = off. INT4 / FP4 / float8 experts on a GPU;
-    # with moves on read or no moves (moves in place would swap the empty prefetch slots in).
+    # right and in time (stage_worker/kernels/expert_prefetch.py). 0 = off. GPU stages, experts of any form; with
+    # moves on read or no moves (moves in place would swap experts into the empty prefetch slots).
     expert_prefetch: int = 0
     # ... a move round's decision and its counts / slot-map / move-counter bookkeeping in one Triton launch
     # (stage_worker/kernels/expert_moves.py `decide_settle`) instead of ~25 eager ops; the same results bit for
@@ -433,8 +433,9 @@ class ClusterConfig:
                                      f"{self.expert_move_claims} must be 1 to {MAX_EXPERT_MOVE_CLAIMS} (claims a layer "
                                      f"a step; each takes two spare expert slots a layer in VRAM)")
         if not 0 <= self.expert_prefetch <= MAX_EXPERT_PREFETCH:
-            raise ClusterConfigError(f"cluster config: expert_prefetch (MOEPIPE_EXPERT_PREFETCH) {self.expert_prefetch} "
-                                     f"must be 0 (off) to {MAX_EXPERT_PREFETCH} prefetch slots a layer")
+            raise ClusterConfigError(f"cluster config: expert_prefetch (MOEPIPE_EXPERT_PREFETCH) "
+                                     f"{self.expert_prefetch} must be 0 (off) to {MAX_EXPERT_PREFETCH} prefetch "
+                                     "slots a layer")
         if self.expert_prefetch and self.expert_moves and not self.expert_move_async:
             raise ClusterConfigError("cluster config: expert_prefetch needs moves on read (expert_move_async) or no "
                                      "moves (expert_moves off): moves in place would swap experts into the empty "

@@ -366,13 +366,10 @@ def _tiered_parts(mine: dict[int, list[int]], layers, E: int, device: torch.devi
 
 
 def prefetch_slots(model, slots: int, device: torch.device | str) -> int:
-    """The prefetch slots every table of the stage gets (`expert_prefetch`): `slots` on a CUDA stage whose experts
-    are kept packed (INT4 / FP4) or float8 (the decode path that predicts and copies, `SparseMoE._packed_decode`),
-    else 0. Every table the same number (the stage-wide counts and slot maps have one width), the stage's first
-    MoE layer's unused (nothing before it predicts it)."""
-    if slots <= 0 or torch.device(device).type != "cuda":
-        return 0
-    return slots if any(m.packed_group or m.fp8_block for m in model.moe_layers().values()) else 0
+    """The prefetch slots every table of the stage gets (`expert_prefetch`): `slots` on a CUDA stage (its decode
+    paths predict and copy: `SparseMoE._prefetch_next`), 0 on the CPU. Every table the same number (the stage-wide
+    counts and slot maps have one width); the stage's first MoE layer's go unused (nothing before it predicts it)."""
+    return slots if slots > 0 and torch.device(device).type == "cuda" else 0
 
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,

@@ -126,8 +126,8 @@ def stage_needs(cfg: HybridMoeConfig, cluster: ClusterConfig, measure=None) -> l
             tabled = sum(size for layer, size in sizes.items() if cold.get(layer) or cluster.cold_experts == AUTO)
             weights += spares * tabled
             spare = spares * (sum(sizes.values()) - tabled)
-        # the prefetch slots of every table (`expert_prefetch`: packed or float8 experts on a GPU, `prefetch_slots`)
-        prefetch = cluster.expert_prefetch if spec.device.startswith("cuda") and (packed or fp8) else 0
+        # the prefetch slots of every table (`expert_prefetch`, GPU stages: `expert_offload.prefetch_slots`)
+        prefetch = cluster.expert_prefetch if spec.device.startswith("cuda") else 0
         if prefetch:
             weights += prefetch * sum(size for layer, size in sizes.items()
                                       if cold.get(layer) or cluster.cold_experts == AUTO)

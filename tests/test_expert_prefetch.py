@@ -124,21 +124,17 @@ def test_router_reads_ready_prefetched_slots_from_vram(fused):
     assert claimed != a and (claimed == -1 or claimed in host_sel)
 
 
-def test_prefetch_slots_only_on_a_gpu_stage_of_packed_experts(tiny_checkpoint):
-    """A CPU stage, or a stage of compute-dtype experts, gets no prefetch slots (nothing would predict or copy);
-    a config asking for prefetch with moves in place is refused, naming the fix."""
+def test_prefetch_slots_only_on_a_gpu_stage(tiny_checkpoint):
+    """A CPU stage gets no prefetch slots (its decode path neither predicts nor copies); a config asking for
+    prefetch with moves in place is refused, naming the fix."""
     from shared.cluster_config import ClusterConfig, ClusterConfigError, StageSpec
     from shared.model_config import load_config
     from stage_worker.checkpoint.loader import LoadOptions, build_empty
     from stage_worker.expert_offload import prefetch_slots
 
-    cfg = load_config(tiny_checkpoint)
-    meta = build_empty(cfg, LoadOptions(device="meta"))
-    assert prefetch_slots(meta, 4, "cpu") == 0
-    assert prefetch_slots(meta, 4, "cuda") == 0                      # bf16 experts: their path does not predict
-    for m in meta.moe_layers().values():
-        m.use_packed(64, 32)
-    assert prefetch_slots(meta, 4, "cuda") == 4 and prefetch_slots(meta, 0, "cuda") == 0
+    meta = build_empty(load_config(tiny_checkpoint), LoadOptions(device="meta"))
+    assert prefetch_slots(meta, 4, "cpu") == 0 and prefetch_slots(meta, 0, "cuda") == 0
+    assert prefetch_slots(meta, 4, "cuda") == 4
     base = dict(model="unused", stages=[StageSpec(0, 1, "ipc:///tmp/s.sock")], gateway_endpoint="ipc:///tmp/g.sock")
     with pytest.raises(ClusterConfigError, match="expert_move_async"):
         ClusterConfig(**base, expert_prefetch=4, expert_move_async=False).validate()
@@ -152,11 +148,11 @@ def test_prefetch_slots_only_on_a_gpu_stage_of_packed_experts(tiny_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tiny_checkpoint):
-    """INT4 experts, half of every layer's in host RAM, the INT4 decode path with every kernel, eager and from CUDA
-    graphs, moves on read off and on: with four prefetch slots a layer the greedy tokens and log-probabilities are
-    the all-in-VRAM model's, every slot still holds its expert, some selections were read from prefetch slots,
-    and without moves each of those is one host read fewer than the same run without the prefetch (the same
-    selections: hits + reads equal the reads without it)."""
+    """INT4 experts (the packed decode path) and bf16 experts (the fused MoE path), half of every layer's in host RAM,
+    every kernel, eager and from CUDA graphs, moves on read off and on: with four prefetch slots a layer the greedy
+    tokens and log-probabilities are the all-in-VRAM model's, every slot still holds its expert, some selections
+    were read from prefetch slots, and without moves each of those is one host read fewer than the same run without
+    the prefetch (the same selections: hits + reads equal the reads without it)."""
     from shared.model_config import load_config
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.kernels.flags import KernelFlags
@@ -167,7 +163,7 @@ def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tin
     cold = random_cold(cfg, 0.5, seed=3)
 
     def run(prefetch, cold, moves, graphs):
-        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=(64, 32),
+        model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=int4,
                                                         cold_experts=cold, expert_move_async=cold is not None,
                                                         expert_prefetch=prefetch), cfg)
         model.set_kernels(KernelFlags.parse("all"))
@@ -176,7 +172,7 @@ def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tin
         tokens, lps = greedy(model, prompt, 24, move_every=int(moves))
         return model, tokens, lps.float().max(-1).values.tolist()     # each step's greedy log-probability
 
-    for graphs in (False, True):
+    for int4, graphs in ((64, 32), False), ((64, 32), True), (None, True):
         plain, want, want_lp = run(0, None, False, graphs)
         base = run(0, cold, False, graphs)[0].experts
         for moves in (False, True):

@@ -175,17 +175,22 @@ class SparseMoE(nn.Module):
             extra = {} if t is None else {"host": t.host_rows(), "counts": t.route_counts(tokens, self.top_k),
                                           "slot_map": t.slot_map, "claim": t.claimed()}
             extra["valid"] = self.valid_rows
+            # `expert_prefetch`: the prediction for the next layer beside this one's launches, joined after them
+            predicted = self._prefetch_next(x.reshape(-1, x.shape[-1]), None)
             fused = self._fused_shared()
             if fused is not None:
                 router, shared = fused
                 out, self.last_expert_ids = moe_forward(x, router, w13, w2, self.top_k, self.renormalise,
                                                         shared, prefill_kernel=self.kernels.moe_prefill,
                                                         fused_router=self.kernels.fused_router, **extra)
-                return out
-            out, self.last_expert_ids = moe_forward(x, self.gate.weight, w13, w2, self.top_k,
-                                                    self.renormalise, prefill_kernel=self.kernels.moe_prefill,
-                                                    fused_router=self.kernels.fused_router, **extra)
-            return self._add_shared(x, out)
+            else:
+                out, self.last_expert_ids = moe_forward(x, self.gate.weight, w13, w2, self.top_k,
+                                                        self.renormalise, prefill_kernel=self.kernels.moe_prefill,
+                                                        fused_router=self.kernels.fused_router, **extra)
+                out = self._add_shared(x, out)
+            if predicted is not None:
+                torch.cuda.current_stream(x.device).wait_stream(predicted)
+            return out
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, self.renormalise)
         self.last_expert_ids = ids
