@@ -542,7 +542,7 @@ def main() -> int:
     cfg = config_from_dict(raw)
     tokens = args.warmup + args.steps + 1000
     trace, pred = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens,
-                                   predicted=True)
+                                   predictions=True)
     prefetches = [int(p) for p in args.prefetch.split(",")]
     # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
