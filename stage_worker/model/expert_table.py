@@ -158,14 +158,14 @@ class ExpertTable:
 
     def route_counts(self, tokens: int, top_k: int) -> RouteCounts | None:
         """Where a step of `tokens` counts its selections; None for prefill-sized steps (see COUNT_MAX_TK)."""
-        if tokens * top_k > COUNT_MAX_TK:
-            return None
         pf = self.prefetch
         if pf is not None:
-            # this forward's prediction for this layer, used once (`Prefetch.armed`): a later forward that did not
-            # predict must not read what an earlier one copied
+            # this forward's prediction for this layer, used once (`Prefetch.armed`), and consumed by every call: a
+            # later forward that did not predict must not read what an earlier one copied
             armed, pf.armed = pf.armed, False
             pf = pf if armed else None
+        if tokens * top_k > COUNT_MAX_TK:
+            return None
         return RouteCounts(self.counts, self.host_reads, self.hot, self.claim, self.threshold, self.spare, pf)
 
     def claimed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
