@@ -7,12 +7,22 @@ chosen at a position depend only on the tokens up to it, so prefill selects what
 `SparseMoE`'s `last_expert_ids` is read, in layer order. `tools/route_trace.py` builds the demo model's traces on
 the same functions.
 
+Predictions one layer ahead (`trace_windows(..., predict=m)`, `Predictions`; issue 16's layer-ahead prefetch): in
+the same prefill pass, for MoE layer l the top-m of layer l's router applied to MoE layer l-1's INPUT (the residual
+stream changes little from one layer to the next, so it names most of layer l's experts while layer l-1 runs), in
+the router's order (best first, ties to the lower id: `route_ref`). The FIRST MoE layer has no previous MoE layer:
+its prediction is its own router on the hidden state ENTERING its decoder layer (before the token mixer), normed as
+the MoE input is normed (the layer's `post_attention_layernorm`; with hyper-connections its MLP hyper-connection's
+`mix`): the best a prediction can do without a previous layer (what a prefetch launched as the layer starts could
+know).
+
 Output (`route_usage.json`): `meta` (model, config summary, kinds, tokens per kind, chunk, command) and
 `usage[kind][layer]`, selections per expert.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -50,13 +60,74 @@ def read_ids(moes: list[tuple[int, SparseMoE]], n_tokens: int) -> torch.Tensor:
     return torch.stack(rows, dim=1)
 
 
-def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None) -> np.ndarray:
+def router_top(moe: SparseMoE, x: torch.Tensor, m: int) -> torch.Tensor:
+    """Expert ids [T, m] that `moe`'s router picks for inputs x [..., H], best first (ties to the lower id, as the
+    route kernel and `route_ref` order them); router indices are mapped to expert ids when a table is set."""
+    from stage_worker.kernels.moe_ref import route_ref
+
+    _, ids = route_ref(moe.gate(x.reshape(-1, x.shape[-1])), m, False)
+    t = moe.table
+    return ids.long() if t is None else t.experts_of(t.slots_of(ids)).long()
+
+
+class Predictions:
+    """Records, while installed (`with Predictions(model, m) as p:`), each MoE layer's prediction one layer ahead
+    (the module docstring): a forward pre-hook on MoE layer l-1 applies layer l's router to its input, and the first
+    MoE layer's decoder layer has its `forward_deferred` wrapped (an instance attribute, removed on exit) to apply
+    its router to its normed input. `read(n_tokens)` after a step: int64 [n_tokens, layers, m], rows in the step's
+    token order (as `read_ids`)."""
+
+    def __init__(self, model, m: int | None = None) -> None:
+        self.moes = moe_layers(model)
+        self.m = m or self.moes[0][1].top_k
+        first = self.moes[0][0]
+        self.layer = model.layers[str(first)]       # the first MoE layer's decoder layer
+        self.rows: list[list[torch.Tensor]] = [[] for _ in self.moes]
+        self.hooks: list = []
+
+    def _first(self, h: torch.Tensor, pending, *args, **kwargs):
+        layer = self.layer
+        streams = h if pending is None else layer.finish(h, pending)     # the hidden state entering the layer
+        x = layer.mlp_hyper_connection.mix(streams)[0] if layer.hyper else layer.post_attention_layernorm(streams)
+        self.rows[0].append(router_top(self.moes[0][1], x, self.m))
+        return type(layer).forward_deferred(layer, h, pending, *args, **kwargs)
+
+    def __enter__(self) -> "Predictions":
+        for l in range(1, len(self.moes)):
+            nxt = self.moes[l][1]
+            self.hooks.append(self.moes[l - 1][1].register_forward_pre_hook(
+                lambda mod, args, l=l, nxt=nxt: self.rows[l].append(router_top(nxt, args[0], self.m))))
+        self.layer.forward_deferred = self._first
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        del self.layer.forward_deferred
+
+    def read(self, n_tokens: int) -> torch.Tensor:
+        out = []
+        for (i, _), rows in zip(self.moes, self.rows):
+            got = torch.cat(rows) if rows else None
+            if got is None or got.shape[0] != n_tokens:
+                raise RuntimeError(f"layer {i}: predictions for {None if got is None else got.shape[0]} rows, the "
+                                   f"step fed {n_tokens} tokens")
+            out.append(got)
+            rows.clear()
+        return torch.stack(out, dim=1)
+
+
+def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEngine | None = None,
+                  predict: int = 0) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Prefill every window as a fresh sequence, `batch` windows per step; returns int64 [sum(len), layers, k] in
-    window order."""
+    window order. `predict` m > 0: also the predictions one layer ahead (the module docstring), int64
+    [sum(len), layers, m]: returns (ids, predictions)."""
     moes = moe_layers(model)
+    k = moes[0][1].top_k
     chunk = max((len(w) for w in wins), default=1)
-    out = []
-    with torch.inference_mode():
+    out, pred = [], []
+    with torch.inference_mode(), (Predictions(model, predict) if predict else contextlib.nullcontext()) as p:
         engine = engine or LocalEngine([model], max_seqs=batch, max_tokens=chunk)
         for s in range(0, len(wins), batch):
             group = wins[s:s + batch]
@@ -67,9 +138,14 @@ def trace_windows(model, wins: list[list[int]], batch: int = 8, engine: LocalEng
             finally:
                 for i in range(len(group)):
                     engine.release(i)
-            out.append(read_ids(moes, sum(len(w) for w in group)).cpu())
-    k = moes[0][1].top_k
-    return torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
+            n = sum(len(w) for w in group)
+            out.append(read_ids(moes, n).cpu())
+            if p is not None:
+                pred.append(p.read(n).cpu())
+    ids = torch.cat(out).numpy().astype(np.int64) if out else np.zeros((0, len(moes), k), np.int64)
+    if not predict:
+        return ids
+    return ids, (torch.cat(pred).numpy() if pred else np.zeros((0, len(moes), predict), np.int64))
 
 
 def usage_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
