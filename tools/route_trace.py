@@ -2,6 +2,8 @@
 
     python tools/route_trace.py --corpus .corpus --out runs/routes                      # built-in model, CPU
     python tools/route_trace.py --model shared/demo_model --device cuda --out runs/routes --tokens-per-kind 300000
+    python tools/route_trace.py ... --predict                   # also the predictions one layer ahead (pred:{kind})
+    python tools/route_trace.py --add-predictions bench/traces/demo-model --model DIR     # add them to a trace
 
 Text of each corpus kind (documents joined by the EOS token, as tools/train_demo.py joins them) is cut into windows
 of `--chunk` tokens; each window is PREFILLED as a fresh sequence (context 0), `--batch` windows per step. The
@@ -15,8 +17,19 @@ Output, in `--out DIR`:
   - `ids:{kind}`: uint8 [tokens, moe_layers, k] (uint16 if num_experts > 256): the expert ids token t selected in
     the l-th MoE layer (layer indices in meta's `moe_layers`), in the router's order (highest probability first);
   - `tokens:{kind}`: int32 [tokens]: the token ids, in the same order; window w is rows [w * chunk, (w+1) * chunk);
+  - `pred:{kind}` (with `--predict`, or added later by `--add-predictions`): the same dtype and shape as `ids:{kind}`,
+    what a prediction one layer ahead names (`stage_worker/route_stats.py`): for the l-th MoE layer the top-k of its
+    router applied to the (l-1)-th MoE layer's input, best first; for the first MoE layer its router on the hidden
+    state entering its decoder layer, normed as its MoE input is (no previous layer to predict from);
   - `meta`: a JSON string: format, model path, config summary (layers, moe_layers, num_experts, top_k, dtype),
-    kinds, tokens per kind, chunk, split, EOS id, corpus recipe sha256 (`raw_sha256` of corpus.json), command.
+    kinds, tokens per kind, chunk, split, EOS id, corpus recipe sha256 (`raw_sha256` of corpus.json), command;
+    with predictions also `predictions`: how they were made (model, dtype, command; `--add-predictions`: the share
+    of rows whose recomputed ids equal the stored ones, per kind).
+
+`--add-predictions TRACE --model DIR` re-prefills a trace's stored tokens in its windows (meta's `chunk`, `--batch`
+windows a step) on DIR, prints how often the recomputed ids equal the stored ones (a different checkpoint, dtype or
+machine routes differently: the predictions are then of a slightly different model), and writes the trace back
+with `pred:` keys added; every other array is kept as it was.
 * `route_usage.json`: `meta` (as above), `usage[kind][layer]` = selections per expert (list of num_experts ints,
   equal to the bincount of `ids:{kind}[:, l, :]`), and `summary`:
   - `layers[layer]`, over all kinds together: `least10_share` / `most10_share`, the share of all selections taken by
@@ -179,10 +192,15 @@ def _recipe_sha(corpus: Path) -> str | None:
         return None
 
 
+PREDICTION = ("layer l's router on MoE layer l-1's input, top-k, best first; the first MoE layer: its router on the "
+              "hidden state entering its decoder layer, normed as its MoE input (stage_worker/route_stats.py)")
+
+
 def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_per_kind: int = 300_000,
         chunk: int = 512, batch: int = 8, device: str = "cpu", split: str = "all", kernels: str | None = None,
-        command: list[str] | None = None, log=print) -> dict:
-    """Trace every kind, write DIR/route_trace.npz and DIR/route_usage.json; returns the route_usage.json dict."""
+        command: list[str] | None = None, log=print, predict: bool = False) -> dict:
+    """Trace every kind, write DIR/route_trace.npz and DIR/route_usage.json; returns the route_usage.json dict.
+    `predict`: also the predictions one layer ahead (`pred:{kind}`)."""
     from shared.tokenizer import Tokenizer
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.kernels.flags import KernelFlags
@@ -217,7 +235,10 @@ def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_pe
         engine = LocalEngine([model], max_seqs=batch, max_tokens=chunk)
         for kind, stream in streams.items():
             t1 = time.time()
-            ids = trace_windows(model, windows(stream, chunk), batch, engine)
+            ids = trace_windows(model, windows(stream, chunk), batch, engine, predict=top_k if predict else 0)
+            if predict:
+                ids, pred = ids
+                arrays[f"pred:{kind}"] = pred.astype(id_dtype)
             assert ids.shape == (len(stream), len(layer_ids), top_k), ids.shape
             arrays[f"ids:{kind}"] = ids.astype(id_dtype)
             arrays[f"tokens:{kind}"] = stream
@@ -239,6 +260,9 @@ def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_pe
         "corpus": str(corpus.resolve()), "corpus_raw_sha256": _recipe_sha(corpus),
         "command": command if command is not None else sys.argv,
     }
+    if predict:
+        meta["predictions"] = {"definition": PREDICTION, "model": meta["model"],
+                               "dtype": str(next(model.parameters()).dtype), "made_with_ids": True}
     out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out / TRACE_FILE, meta=np.array(json.dumps(meta)), **arrays)
     summary = summarise(usage, layer_ids)
@@ -253,8 +277,9 @@ def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_pe
     return result
 
 
-def load_trace(path: str | Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(meta, {kind: ids}, {kind: tokens}) from a route_trace.npz (or its directory)."""
+def load_trace(path: str | Path, predictions: bool = False):
+    """(meta, {kind: ids}, {kind: tokens}) from a route_trace.npz (or its directory); with `predictions`,
+    (meta, ids, tokens, {kind: pred}), the last empty when the trace has no `pred:` keys."""
     path = Path(path)
     if path.is_dir():
         path = path / TRACE_FILE
@@ -262,7 +287,59 @@ def load_trace(path: str | Path) -> tuple[dict, dict[str, np.ndarray], dict[str,
         meta = json.loads(str(data["meta"]))
         ids = {k: data[f"ids:{k}"] for k in meta["kinds"]}
         toks = {k: data[f"tokens:{k}"] for k in meta["kinds"]}
-    return meta, ids, toks
+        pred = {k: data[f"pred:{k}"] for k in meta["kinds"] if f"pred:{k}" in data.files}
+    return (meta, ids, toks, pred) if predictions else (meta, ids, toks)
+
+
+def add_predictions(trace: str | Path, model_dir: str | Path, *, batch: int = 8, device: str = "cpu",
+                    dtype: str | None = None, command: list[str] | None = None, log=print) -> dict:
+    """Re-prefill a trace's stored tokens in its windows on `model_dir`, check the recomputed ids against the stored
+    ones and write the trace back with `pred:{kind}` added (other arrays unchanged). Returns the agreement per kind:
+    `rows`, the share of (token, layer) rows equal in order; `sets`, equal as sets; `tokens`, of tokens equal in
+    every layer."""
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+
+    path = Path(trace)
+    if path.is_dir():
+        path = path / TRACE_FILE
+    with np.load(path) as data:
+        arrays = {key: data[key] for key in data.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    model = load_model(model_dir, LoadOptions(device=device, dtype=getattr(torch, dtype) if dtype else None))
+    moes = moe_layers(model)
+    cfg = meta["config"]
+    have = ([i for i, _ in moes], moes[0][1].num_experts, moes[0][1].top_k)
+    if have != (cfg["moe_layers"], cfg["num_experts"], cfg["top_k"]):
+        raise ValueError(f"{model_dir}: MoE layers / experts / top-k {have} are not the trace's "
+                         f"{(cfg['moe_layers'], cfg['num_experts'], cfg['top_k'])}")
+    chunk, k = meta["chunk"], cfg["top_k"]
+    agreement = {}
+    with torch.inference_mode():
+        engine = LocalEngine([model], max_seqs=batch, max_tokens=chunk)
+        for kind in meta["kinds"]:
+            t1 = time.time()
+            stored = arrays[f"ids:{kind}"]
+            ids, pred = trace_windows(model, windows(arrays[f"tokens:{kind}"], chunk), batch, engine, predict=k)
+            if ids.shape != stored.shape:
+                raise RuntimeError(f"{kind}: recomputed ids {ids.shape}, stored {stored.shape}")
+            same = ids == stored
+            agreement[kind] = {"rows": float(same.all(-1).mean()), "tokens": float(same.all((-1, -2)).mean()),
+                               "sets": float((np.sort(ids, -1) == np.sort(stored, -1)).all(-1).mean()),
+                               "rows_per_layer": [round(float(x), 4) for x in same.all(-1).mean(0)]}
+            arrays[f"pred:{kind}"] = pred.astype(stored.dtype)
+            dt = time.time() - t1
+            a = agreement[kind]
+            log(f"route_trace: {kind}: {len(stored)} tokens in {dt:.1f}s; recomputed ids equal the stored ones in "
+                f"{100 * a['rows']:.2f}% of rows (as sets {100 * a['sets']:.2f}%; per layer "
+                f"{' '.join(f'{100 * x:.1f}' for x in a['rows_per_layer'])}%)")
+    meta["predictions"] = {"definition": PREDICTION, "model": str(Path(model_dir).resolve()),
+                           "dtype": str(next(model.parameters()).dtype), "device": device, "batch": batch,
+                           "made_with_ids": False, "ids_agreement": agreement,
+                           "command": command if command is not None else sys.argv}
+    np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
+    log(f"route_trace: wrote {path} ({path.stat().st_size / 1e6:.2f} MB) with pred: keys for "
+        f"{', '.join(meta['kinds'])}")
+    return agreement
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +347,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     ap.add_argument("--corpus", default=".corpus", help="corpus directory from tools/build_corpus.py")
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--out", default=None, help="output directory (required unless --add-predictions)")
+    ap.add_argument("--predict", action="store_true",
+                    help="also record the predictions one layer ahead (pred:{kind})")
+    ap.add_argument("--add-predictions", default=None, metavar="TRACE",
+                    help="add pred:{kind} to an existing route_trace.npz (or its directory) from its stored tokens, "
+                         "prefilled on --model; prints how often the recomputed ids equal the stored ones")
+    ap.add_argument("--dtype", default=None,
+                    help="--add-predictions: compute dtype (e.g. bfloat16; default the loader's)")
     ap.add_argument("--tokens-per-kind", type=int, default=300_000)
     ap.add_argument("--chunk", type=int, default=512, help="prefill window: each a fresh sequence (default 512)")
     ap.add_argument("--batch", type=int, default=8, help="windows per prefill step (default 8)")
@@ -287,9 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         from shared.cli import ensure_builtin_model
 
         args.model = str(ensure_builtin_model())
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    if args.add_predictions:
+        add_predictions(args.add_predictions, args.model, batch=args.batch, device=args.device, dtype=args.dtype,
+                        command=command)
+        return 0
+    if not args.out:
+        ap.error("--out is required (unless --add-predictions)")
     run(args.model, args.corpus, args.out, tokens_per_kind=args.tokens_per_kind, chunk=args.chunk,
-        batch=args.batch, device=args.device, split=args.split, kernels=args.kernels,
-        command=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+        batch=args.batch, device=args.device, split=args.split, kernels=args.kernels, command=command,
+        predict=args.predict)
     return 0
 
 
