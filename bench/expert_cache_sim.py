@@ -125,7 +125,7 @@ def _replay_swap(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy
 
 
 def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, policy: Policy, skip: int = 0,
-                  spares: int = 2, predicted: np.ndarray | None = None) -> dict:
+                  spares: int = 2, predicted: np.ndarray | None = None, prefetch_slots: int | None = None) -> dict:
     """The server's moves on read (`expert_move_async`, `expert_moves.claim_round`, `spares` spare device slots a
     layer): a step claims, per layer with a free spare and a finite threshold, the first selected host expert whose
     count (after the step's adds) passes the threshold (it is read from host this step and stored as it is read);
@@ -137,7 +137,11 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
     layer l of token t ran (a prediction made one layer ahead, `bench/expert_prefetch_sim.py`); a selected host
     expert that was predicted is then not read on the step's critical path. Adds `critical_reads_per_token` (host
     selections neither resident nor prefetched, all layers), `prefetches_per_token` (predicted experts that were not
-    resident: PCIe copies beside the step) and `prefetches_used_per_token`; without it the first equals the misses."""
+    resident: PCIe copies beside the step) and `prefetches_used_per_token`; without it the first equals the misses.
+    `prefetch_slots` P (with `predicted`; None: no cap): at most P prefetches a layer a step, the first P distinct
+    predicted experts that are host-resident at the step, in `predicted`'s column order (steps of several tokens:
+    give the columns rank-major, every token's best prediction first, as `bench/expert_offload.py` does). P 0 is no
+    prefetch."""
     T, L, k = ids.shape
     rows = np.arange(L)
     counts = np.zeros((L, num_experts))
@@ -155,7 +159,15 @@ def _replay_claim(ids: np.ndarray, num_experts: int, resident: np.ndarray, polic
         covered = on
         if predicted is not None:
             ahead = np.zeros((L, num_experts + 1), dtype=bool)          # column num_experts catches the -1s
-            ahead[rows[:, None], predicted[t]] = True
+            if prefetch_slots is None:
+                ahead[rows[:, None], predicted[t]] = True
+            else:
+                host = np.concatenate([~resident, np.zeros((L, 1), dtype=bool)], axis=1)   # -1: no prediction
+                n = np.zeros(L, dtype=np.int64)
+                for e in predicted[t].T:                              # column order: rank-major
+                    ok = host[rows, e] & ~ahead[rows, e] & (n < prefetch_slots)
+                    ahead[rows[ok], e[ok]] = True
+                    n += ok
             ahead = ahead[:, :num_experts] & ~resident
             got_ahead = ahead[rows[:, None], sel]
             covered = on | got_ahead
