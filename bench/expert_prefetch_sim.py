@@ -9,11 +9,11 @@ each ~50 us of PCIe on the critical path, because a layer's experts are known on
 router applied to the PREVIOUS MoE layer's input (the residual stream changes little from one layer to the next)
 names most of them a layer early, when a copy engine could fetch them beside the step. This measures how often.
 
-What it does: prefills windows of held-out text (text the demo model never trained on) and, with a forward
-pre-hook on every `SparseMoE`, records each layer's input. Per token and MoE layer l: the actual top-k (from l's
-router on l's input, checked against what the layer selected), and the predictions from l's router on layer l-1's
-input (its top-k and top-2k; the first MoE layer has none), and, as a predictor that costs no GEMV, the experts
-layer l chose for the previous token. Then per share of experts in host RAM (cold set: the least used experts of
+What it does: prefills windows of held-out text (text the demo model never trained on) once, recording what each
+MoE layer selected and its prediction one layer ahead (`stage_worker/route_stats.py`, as `tools/route_trace.py
+--predict` records it): per token and MoE layer l, l's router on layer l-1's input, its top-k and top-2k (the first
+MoE layer: its router on the normed hidden state entering its decoder layer; until 2026-12-07 it had no prediction),
+and, as a predictor that costs no GEMV, the experts layer l chose for the previous token. Then per share of experts in host RAM (cold set: the least used experts of
 the first half of the text, replay on the second half) the server's moves on read (`expert_cache_sim._replay_claim`,
 the default policy: a round every token, half-life 128, margin 0.5, two spares) with each predictor's experts
 prefetched: host reads left on the critical path a token, prefetches a token (PCIe beside the step) and how many
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,43 +41,18 @@ from expert_cache_sim import Policy, _replay_claim, top_c, usage  # noqa: E402
 DEFAULT_TEXT = ("docs/*.md", "shared/*.py")        # held-out text: the demo model trained on its own corpus
 
 
-def record(model, windows: list[list[int]], batch: int = 4) -> tuple[list[torch.Tensor], np.ndarray]:
-    """Prefill `windows` as fresh sequences (`route_stats.trace_windows`); returns (per MoE layer the float32
-    inputs [tokens, H], in window order, and the selected expert ids [tokens, layers, k] that the layers reported)."""
+def predictions(model, windows: list[list[int]], batch: int = 4) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Prefill `windows` as fresh sequences once (`route_stats.trace_windows` with its predictions one layer ahead,
+    2k wide): (the selected expert ids [tokens, layers, k] that the layers reported, {"top-k", "top-2k",
+    "previous token"}: [tokens, layers, m] expert ids, -1: no prediction). top-k is the first k of top-2k (the
+    router's order, best first)."""
     from stage_worker.route_stats import moe_layers, trace_windows
 
-    moes = moe_layers(model)
-    seen: dict[int, list[torch.Tensor]] = {i: [] for i, _ in moes}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: seen[i].append(
-        args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())) for i, m in moes]
-    try:
-        chosen = trace_windows(model, windows, batch)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [torch.cat(seen[i]) for i, _ in moes], chosen
-
-
-def predictions(model, inputs: list[torch.Tensor], chosen: np.ndarray) -> dict[str, np.ndarray]:
-    """{"actual", "top-k", "top-2k", "previous token"}: [tokens, layers, m] expert ids (-1: no prediction)."""
-    from stage_worker.route_stats import moe_layers
-
-    moes = moe_layers(model)
-    k = moes[0][1].top_k
-    gates = [m.gate.weight.detach().float().cpu() for _, m in moes]
-    actual = np.stack([torch.topk(x @ g.T, k, dim=-1).indices.numpy() for x, g in zip(inputs, gates)], axis=1)
-    if not (np.sort(actual, -1) == np.sort(chosen, -1)).all():
-        raise RuntimeError("the routers' top-k over the recorded inputs differ from what the layers selected")
-    out = {"actual": actual}
-    for name, m in (("top-k", k), ("top-2k", 2 * k)):
-        pred = np.full((actual.shape[0], actual.shape[1], m), -1, dtype=np.int64)
-        for l in range(1, len(gates)):
-            pred[:, l] = torch.topk(inputs[l - 1] @ gates[l].T, m, dim=-1).indices.numpy()
-        out[name] = pred
+    k = moe_layers(model)[0][1].top_k
+    actual, wide = trace_windows(model, windows, batch, predict=2 * k)
     prev = np.full_like(actual, -1)
     prev[1:] = actual[:-1]
-    out["previous token"] = prev
-    return out
+    return actual, {"top-k": wide[..., :k], "top-2k": wide, "previous token": prev}
 
 
 def recall(actual: np.ndarray, pred: np.ndarray) -> list[float]:
@@ -111,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = tok.encode("\n".join(Path(f).read_text(errors="replace") for f in files))[: args.tokens]
     windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window)]
     model = load_model(model_dir, LoadOptions(device="cpu"))
-    inputs, chosen = record(model, windows)
-    preds = predictions(model, inputs, chosen)
-    actual = preds.pop("actual")
+    actual, preds = predictions(model, windows)
     T, L, k = actual.shape
     E = int(model.cfg.num_experts)
     half = T // 2
