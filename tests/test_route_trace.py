@@ -152,3 +152,105 @@ def test_statistics_on_known_distributions():
     assert rt.jsd_bits(a, b) == pytest.approx(1.0)
     assert rt.jsd_bits(a, 3 * a) == pytest.approx(0.0)
     assert 0 < rt.jsd_bits(np.array([3, 1]), np.array([1, 3])) < 1
+
+
+# ---- predictions one layer ahead (stage_worker/route_stats.py, --predict, --add-predictions) -------------------
+
+def _direct_predictions(model, wins: list[list[int]], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, predictions) computed directly from inputs captured by hooks of this test's own: every SparseMoE's
+    input, and the hidden state entering the first MoE layer's decoder layer (the input of its first norm: the
+    attention hyper-connection's or the input layernorm, no pending update before layer 0)."""
+    moes = rt.moe_layers(model)
+    first = model.layers[str(moes[0][0])]
+    assert moes[0][0] == 0 and getattr(first, "ple", None) is None      # the hidden state is the norm's input
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i, _ in moes}
+    entering: list[torch.Tensor] = []
+    norm = first.attn_hyper_connection.hc_norm if first.hyper else first.input_layernorm
+    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: seen[i].append(args[0].detach().clone()))
+             for i, m in moes]
+    hooks.append(norm.register_forward_pre_hook(lambda mod, args: entering.append(args[0].detach().clone())))
+    try:
+        ids = rt.trace_windows(model, wins, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    k = moes[0][1].top_k
+
+    def top(moe, x):
+        return torch.sort(moe.gate(x).float(), dim=-1, descending=True, stable=True).indices[:, :k].numpy()
+
+    with torch.inference_mode():
+        h = torch.cat(entering)
+        x0 = first.mlp_hyper_connection.mix(h)[0] if first.hyper else first.post_attention_layernorm(h)
+        pred = [top(moes[0][1], x0)] + [top(moes[l][1], torch.cat(seen[moes[l - 1][0]])) for l in range(1, len(moes))]
+        actual = np.stack([top(m, torch.cat(seen[i])) for i, m in moes], axis=1)
+    assert (actual == ids).all()              # the captured inputs are the ones the layers routed
+    return ids, np.stack(pred, axis=1)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory):
+    """A plain pre-norm residual MoE (no hyper-connections): transformers' tiny Qwen3-Next, random weights."""
+    pytest.importorskip("transformers")
+    from hf_oracle import save_reference
+
+    out = tmp_path_factory.mktemp("q3n")
+    save_reference("qwen3_next", out, seed=0)
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen3_next"])
+def test_predictions_are_the_next_routers_top_k_on_the_previous_input(which, traced, tiny_checkpoint, request):
+    """`trace_windows(predict=k)`: layer l's prediction is layer l's router on MoE layer l-1's input (captured
+    independently), the first layer's its router on the normed hidden state entering its decoder layer, top-k best
+    first; the selected ids are those of a trace without predictions. Hyper-connection streams (the tiny preset) and
+    a plain residual (Qwen3-Next), several windows a step."""
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+
+    path = tiny_checkpoint if which == "tiny" else request.getfixturevalue("qwen3_next_dir")
+    model = load_model(path, LoadOptions(device="cpu", dtype=torch.float32))
+    _, _, toks = rt.load_trace(traced[0])
+    vocab = model.cfg.vocab_size
+    wins = [[t % vocab for t in toks[kind][:n].tolist()] for kind, n in (("code", 50), ("prose", 37), ("docs", 50))]
+    k = rt.moe_layers(model)[0][1].top_k
+    ids, pred = rt.trace_windows(model, wins, 2, predict=k)
+    want_ids, want_pred = _direct_predictions(model, wins, 2)
+    assert pred.shape == ids.shape == (137, len(rt.moe_layers(model)), k)
+    assert (ids == want_ids).all()
+    assert (pred == want_pred).all()
+    wide = rt.trace_windows(model, wins, 2, predict=2 * k)[1]
+    assert (wide[..., :k] == pred).all()                # router order: top-k is top-2k's first k
+    # a real predictor, not a copy: later layers' predictions differ from their selections somewhere
+    assert (pred != ids).any()
+
+
+def test_add_predictions_round_trips(traced, corpus, tiny_checkpoint, tmp_path):
+    """--add-predictions on a trace made without them: every stored array kept byte for byte, the recomputed ids
+    equal the stored ones (same model and dtype: 100%), and the predictions equal a --predict trace's."""
+    out, _ = traced
+    trace = tmp_path / rt.TRACE_FILE
+    trace.write_bytes((out / rt.TRACE_FILE).read_bytes())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert rt.main(["--add-predictions", str(tmp_path), "--model", str(tiny_checkpoint), "--batch", "3",
+                        "--threads", "1"]) == 0
+    assert "100.00% of rows" in printed.getvalue()
+    meta0, ids0, toks0 = rt.load_trace(out)
+    assert rt.load_trace(out, predictions=True)[3] == {}
+    meta, ids, toks, pred = rt.load_trace(trace, predictions=True)
+    note = meta.pop("predictions")
+    assert meta == meta0
+    assert note["ids_agreement"]["code"]["rows"] == 1.0 and note["made_with_ids"] is False
+    with np.load(out / rt.TRACE_FILE) as a, np.load(trace) as b:
+        assert sorted(b.files) == sorted(a.files + [f"pred:{k}" for k in meta["kinds"]])
+        for key in a.files:
+            if key != "meta":
+                assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), key
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert rt.main(["--corpus", str(corpus), "--model", str(tiny_checkpoint), "--out", str(tmp_path / "p"),
+                        "--tokens-per-kind", str(TOKENS), "--chunk", str(CHUNK), "--batch", str(BATCH),
+                        "--threads", "1", "--predict"]) == 0
+    _, ids2, _, pred2 = rt.load_trace(tmp_path / "p", predictions=True)
+    for kind in meta["kinds"]:
+        assert pred[kind].dtype == ids[kind].dtype and pred[kind].shape == ids[kind].shape
+        assert (ids2[kind] == ids[kind]).all() and (pred2[kind] == pred[kind]).all()
