@@ -64,35 +64,49 @@ from stage_worker.local_engine import LocalEngine  # noqa: E402
 TRACE = ROOT / "bench" / "traces" / "demo-model" / "route_trace.npz"
 
 
-def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int,
-                     start: int = 0) -> dict[str, np.ndarray]:
+def full_shape_map(demo: np.ndarray, layers: int, num_experts: int, top_k: int, tokens: int) -> np.ndarray:
+    """Demo-model expert ids [>= tokens + 3, demo layers, demo k] (selections or predictions) -> full-shape ids
+    [tokens, layers, top_k] int64, by the mapping in the module docstring (collisions too)."""
+    demo = demo.astype(np.int64)
+    n_demo, k_demo = demo.shape[1], demo.shape[2]
+    sub = num_experts // 32
+    ids = np.empty((tokens, layers, top_k), dtype=np.int64)
+    for L in range(layers):
+        a, b = L % n_demo, (L + 1) % n_demo
+        for j in range(top_k):
+            src = np.arange(tokens) + j // k_demo
+            s = j % k_demo
+            ids[:, L, j] = sub * demo[src, a, s] + demo[src, b, s] % sub
+        srt = np.sort(ids[:, L], axis=-1)
+        for t in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(-1))[0]:   # a collision moves to the next free id
+            row = ids[t, L]
+            seen = set()
+            for j in range(top_k):
+                while row[j] in seen:
+                    row[j] = (row[j] + 1) % num_experts
+                seen.add(int(row[j]))
+    return ids
+
+
+def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int, start: int = 0,
+                     predictions: bool = False, path: Path = TRACE):
     """{kind: [tokens, layers, top_k] int64 expert ids} by the mapping in the module docstring, from demo token
-    `start` on."""
-    z = np.load(TRACE)
-    out = {}
+    `start` on. `predictions`: ({kind: ids}, {kind: predictions}), the trace's `pred:` keys (what a prediction one
+    layer ahead names, `tools/route_trace.py`) through the same mapping: full-shape slot j's prediction is built
+    from the two demo layers' rank-(j mod 4) predictions as its selection is from their selections."""
+    z = np.load(path)
+    ids, pred = {}, {}
     for key in z.files:
         if not key.startswith("ids:"):
             continue
-        demo = z[key].astype(np.int64)[start: start + tokens + 3]     # [T, 8, 4]
-        n_demo, k_demo = demo.shape[1], demo.shape[2]
-        sub = num_experts // 32
-        ids = np.empty((tokens, layers, top_k), dtype=np.int64)
-        for L in range(layers):
-            a, b = L % n_demo, (L + 1) % n_demo
-            for j in range(top_k):
-                src = np.arange(tokens) + j // k_demo
-                s = j % k_demo
-                ids[:, L, j] = sub * demo[src, a, s] + demo[src, b, s] % sub
-            srt = np.sort(ids[:, L], axis=-1)
-            for t in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(-1))[0]:   # a collision moves to the next free id
-                row = ids[t, L]
-                seen = set()
-                for j in range(top_k):
-                    while row[j] in seen:
-                        row[j] = (row[j] + 1) % num_experts
-                    seen.add(int(row[j]))
-        out[key[4:]] = ids
-    return out
+        kind = key[4:]
+        ids[kind] = full_shape_map(z[key][start: start + tokens + 3], layers, num_experts, top_k, tokens)
+        if predictions:
+            if f"pred:{kind}" not in z.files:
+                raise SystemExit(f"{path}: no pred:{kind} (add them: tools/route_trace.py --add-predictions)")
+            pred[kind] = full_shape_map(z[f"pred:{kind}"][start: start + tokens + 3], layers, num_experts, top_k,
+                                        tokens)
+    return (ids, pred) if predictions else ids
 
 
 class Replay:
@@ -440,7 +454,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
 def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shares: list[float],
              batches: list[int], policies: list[tuple], steps: int, warmup: int, read_us: float, move_us: float,
              round_us: float, base_ms: dict[int, float], on_read: bool = False, claims: int = 1,
-             half_life_unit: str = "steps") -> list[dict]:
+             half_life_unit: str = "steps", pred: dict[str, np.ndarray] | None = None,
+             prefetch_slots: int = 0) -> list[dict]:
     """`--simulate`: no GPU. The same cold sets, trace rows and streams as `run`, replayed by
     `expert_cache_sim._replay_swap` (the server's swap policy; it reproduces the benchmark's reads and moves a token
     exactly), and a step's time estimated with the serial model that fits the measured rows (h200-22 call 6): the
@@ -448,7 +463,15 @@ def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shar
     round's fixed GPU time (round_us). `on_read` (`--async-moves`): the moves on read of `expert_move_async`
     (`expert_cache_sim._replay_claim`) instead of swaps; with `claims` C > 1 (`--claims`) `_replay_claims` with C
     claims and 2C spares a layer a step. `half_life_unit` "tokens": each policy's half-life counted in tokens (a
-    step of B tokens: half-life / B steps)."""
+    step of B tokens: half-life / B steps).
+    `prefetch_slots` P > 0 (`--prefetch-slots`, with `pred`, the trace's predictions one layer ahead through the same
+    mapping, `full_shape_trace(predictions=True)`; moves off or on read with one claim): each row also replays the
+    moves on read with the predicted host experts prefetched (`_replay_claim(predicted=, prefetch_slots=P)`), at
+    most P a layer a step, in rank order (every token's rank-0 prediction of the step first, then rank 1, ...), only
+    experts host-resident at the step counting. Adds `critical_reads_per_token` (host reads left on the critical
+    path; `host_reads_per_token` is the same without prefetch), `prefetches_per_token` and
+    `prefetches_used_per_token`, and `extra_ms_prefetch` / `est_prefetch`: the estimate with only the critical
+    reads paid (the prefetches' copies assumed hidden beside the step)."""
     from expert_cache_sim import Policy, _replay_claim, _replay_claims, _replay_swap
 
     kinds = sorted(trace)
@@ -460,9 +483,15 @@ def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shar
             resident[layer, ids] = False
         for batch in batches:
             rows = np.arange(warmup + steps)
-            ids = np.concatenate([trace[kinds[i % len(kinds)]][(rows + 997 * (i // len(kinds))) %
-                                                               len(trace[kinds[i % len(kinds)]])]
-                                  for i in range(batch)], axis=2)                  # [steps, layers, batch * top_k]
+
+            def streams(src: dict[str, np.ndarray]) -> np.ndarray:      # [steps, layers, batch, top_k]
+                return np.stack([src[kinds[i % len(kinds)]][(rows + 997 * (i // len(kinds))) %
+                                                            len(src[kinds[i % len(kinds)]])]
+                                 for i in range(batch)], axis=2)
+
+            ids = streams(trace).reshape(len(rows), cfg.num_hidden_layers, -1)    # [steps, layers, batch * top_k]
+            # predictions rank-major (rank 0 of every token first): the order a capped prefetch takes them in
+            ahead = streams(pred).transpose(0, 1, 3, 2).reshape(ids.shape) if prefetch_slots else None
             for policy in [None] + (policies if cold else []):
                 every, half_life, margin = policy or (1, 1e30, 1e30)
                 if policy and half_life_unit == "tokens":
@@ -481,6 +510,18 @@ def simulate(cfg, trace: dict[str, np.ndarray], fit: dict[str, np.ndarray], shar
                 out.append({"share": share, "batch": batch, "policy": policy, "host_reads_per_token": reads,
                             "moves_per_step": moves, "extra_ms": extra_ms,
                             "est_vs_all_in_vram": base / (base + extra_ms) if base else None})
+                if prefetch_slots:
+                    if policy and not (on_read and claims == 1):
+                        raise ValueError("prefetch replays moves on read with one claim (--async-moves, --claims 1)")
+                    pf = _replay_claim(ids, cfg.num_experts, resident, pol, warmup, predicted=ahead,
+                                       prefetch_slots=prefetch_slots)
+                    critical = pf["critical_reads_per_token"] / batch
+                    extra_pf = extra_ms - (reads - critical) * batch * read_us / 1e3
+                    out[-1].update({"prefetch_slots": prefetch_slots, "critical_reads_per_token": critical,
+                                    "prefetches_per_token": pf["prefetches_per_token"] / batch,
+                                    "prefetches_used_per_token": pf["prefetches_used_per_token"] / batch,
+                                    "extra_ms_prefetch": extra_pf,
+                                    "est_prefetch": base / (base + extra_pf) if base else None})
     return out
 
 
@@ -526,6 +567,10 @@ def main() -> int:
                     help="--simulate: moves on read (expert_move_async): claims replayed as the server makes "
                          "them, a move costs the step nothing (its write-back runs on a side stream), a round its "
                          "one launch (--round-us applies, set it to the round's time)")
+    ap.add_argument("--prefetch-slots", type=int, default=0, metavar="P",
+                    help="--simulate: also replay a prefetch one layer ahead (the trace's pred: keys), at most P "
+                         "predicted host experts a layer a step, rank 0 of every token first (default 0: off; "
+                         "moves on read: with --policies add --async-moves)")
     ap.add_argument("--base-ms", default="1:3.59,4:4.76",
                     help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
@@ -627,26 +672,41 @@ def _simulate_main(args) -> int:
     raw.update(num_hidden_layers=args.layers, layer_types=raw["layer_types"][: args.layers])
     raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= args.layers]
     cfg = config_from_dict(raw)
+    if args.prefetch_slots < 0 or (args.prefetch_slots and (args.claims != 1 or (args.policies and
+                                                                              not args.async_moves))):
+        raise SystemExit("--prefetch-slots P >= 0; a prefetch is replayed with moves on read and one claim: add "
+                         "--async-moves (or --policies ''), --claims 1")
     trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok,
-                             args.warmup + args.steps + 1000)
+                             args.warmup + args.steps + 1000, predictions=args.prefetch_slots > 0)
+    trace, pred = trace if args.prefetch_slots else (trace, None)
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
     base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}
     rows = simulate(cfg, trace, fit, [float(x) for x in args.shares.split(",")],
                     [int(b) for b in args.batch.split(",")], _policies(args.policies), args.steps, args.warmup,
                     args.read_us, 0.0 if args.async_moves else args.move_us, args.round_us, base, args.async_moves,
-                    claims=args.claims, half_life_unit=args.half_life_unit)
+                    claims=args.claims, half_life_unit=args.half_life_unit, pred=pred,
+                    prefetch_slots=args.prefetch_slots)
     print(f"simulated (read {args.read_us:g} us, move {0 if args.async_moves else args.move_us:g} us, round "
           f"{args.round_us:g} us{', moves off the forward' if args.async_moves else ''}; "
           f"{args.warmup} warm-up + {args.steps} steps)")
-    print(f"{'host %':>7} {'batch':>5} {'moves':>11} {'reads/tok':>9} {'moves/step':>10} {'extra ms':>8} {'est %':>6}")
+    pf = args.prefetch_slots > 0
+    print(f"{'host %':>7} {'batch':>5} {'moves':>11} {'reads/tok':>9} {'moves/step':>10} {'extra ms':>8} {'est %':>6}"
+          + (f" | prefetch <= {args.prefetch_slots} a layer a step: {'critical/tok':>12} {'pf/tok':>7} "
+             f"{'used':>6} {'est %':>6}" if pf else ""))
     for r in rows:
         pol = ":".join(f"{v:g}" for v in r["policy"]) if r["policy"] else "off"
         est = f"{100 * r['est_vs_all_in_vram']:.1f}" if r["est_vs_all_in_vram"] else "-"
-        print(f"{100 * r['share']:>6.1f}% {r['batch']:>5} {pol:>11} {r['host_reads_per_token']:>9.2f} "
-              f"{r['moves_per_step']:>10.3f} {r['extra_ms']:>8.3f} {est:>6}")
+        line = (f"{100 * r['share']:>6.1f}% {r['batch']:>5} {pol:>11} {r['host_reads_per_token']:>9.2f} "
+                f"{r['moves_per_step']:>10.3f} {r['extra_ms']:>8.3f} {est:>6}")
+        if pf:
+            est = f"{100 * r['est_prefetch']:.1f}" if r["est_prefetch"] else "-"
+            line += (f" | {'':>29} {r['critical_reads_per_token']:>12.2f} {r['prefetches_per_token']:>7.2f} "
+                     f"{r['prefetches_used_per_token']:>6.2f} {est:>6}")
+        print(line)
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "simulated": True,
-                                                       "async_moves": args.async_moves},
+                                                       "async_moves": args.async_moves,
+                                                       "prefetch_slots": args.prefetch_slots},
                                               "results": rows}, indent=1))
     return 0
 

@@ -279,3 +279,83 @@ def test_the_benchmarks_simulation_takes_claims_and_a_half_life_in_tokens():
     assert rows[(1, "steps")]["host_reads_per_token"] == pytest.approx((1 - one["hit_rate"]) * k)
     assert rows[(4, "tokens")]["host_reads_per_token"] == pytest.approx((1 - four["hit_rate"]) * k)
     assert rows[(4, "tokens")]["host_reads_per_token"] < rows[(4, "steps")]["host_reads_per_token"]
+
+
+def test_a_capped_prefetch_takes_the_first_host_predictions_and_p_0_is_none():
+    """`_replay_claim(prefetch_slots=P)`: P 0 is no prefetch, a P no step reaches is the uncapped replay; in between
+    at most P prefetches a layer a step, the first host experts in the columns' order (resident or repeated
+    predictions do not take a slot), and moves never depend on it."""
+    L, E, k, T = 3, 16, 2, 400
+    ids, _, resident = _skewed_trace(8, L, E, k, T)
+    rng = np.random.default_rng(3)
+    pred = np.where(rng.random((T, L, 6)) < 0.6, np.concatenate([ids, ids, ids], 2), rng.integers(-1, E, (T, L, 6)))
+    for margin in (1e9, 0.5):
+        policy = sim.Policy("c", "swap", half_life=16.0, every=1, margin=margin)
+        base = sim._replay_claim(ids, E, resident, policy, skip=50)
+        assert sim._replay_claim(ids, E, resident, policy, skip=50, predicted=pred, prefetch_slots=0) == base
+        free = sim._replay_claim(ids, E, resident, policy, skip=50, predicted=pred)
+        assert free["prefetches_per_token"] > 1
+        assert sim._replay_claim(ids, E, resident, policy, skip=50, predicted=pred, prefetch_slots=6) == free
+        one = sim._replay_claim(ids, E, resident, policy, skip=50, predicted=pred, prefetch_slots=1)
+        assert one["prefetches_per_token"] <= L and one["prefetches_per_token"] < free["prefetches_per_token"]
+        assert free["critical_reads_per_token"] < one["critical_reads_per_token"] < base["critical_reads_per_token"]
+        assert (one["hit_rate"], one["moves_per_token"]) == (base["hit_rate"], base["moves_per_token"])
+    # order: one slot, host experts 9 and 10 predicted behind a resident 0 and a repeated 9: 9 is fetched, 10 is not
+    resident = np.zeros((1, 12), dtype=bool)
+    resident[0, :9] = True
+    step = np.array([[[9, 10]]])
+    policy = sim.Policy("c", "swap", half_life=4.0, every=1, margin=1e9)
+    for order, critical in (([0, 9, 9, 10], 1), ([0, 10, 9, -1], 1), ([-1, 0, 3], 2)):
+        r = sim._replay_claim(step, 12, resident, policy, predicted=np.array([[order]]), prefetch_slots=1)
+        assert r["critical_reads_per_token"] == critical and r["prefetches_per_token"] == (critical < 2), order
+
+
+def test_full_shape_predictions_take_the_ids_mapping(tmp_path):
+    """`full_shape_trace(predictions=True)` maps a trace's `pred:` keys exactly as it maps `ids:` (collisions too):
+    the predictions of a trace equal the ids of a trace whose ids are those predictions."""
+    import expert_offload as bench
+
+    rng = np.random.default_rng(4)
+    ids = {k: rng.integers(0, 32, (300, 8, 4)).astype(np.uint8) for k in ("a", "b")}
+    pred = {k: rng.integers(0, 32, (300, 8, 4)).astype(np.uint8) for k in ("a", "b")}
+    pred["a"][:, :, 1] = pred["a"][:, :, 0]          # collisions within a token's ten
+    np.savez_compressed(tmp_path / "x.npz", **{f"ids:{k}": v for k, v in ids.items()},
+                        **{f"pred:{k}": v for k, v in pred.items()})
+    np.savez_compressed(tmp_path / "y.npz", **{f"ids:{k}": v for k, v in pred.items()})
+    got_ids, got_pred = bench.full_shape_trace(16, 512, 10, 200, start=50, predictions=True, path=tmp_path / "x.npz")
+    want = bench.full_shape_trace(16, 512, 10, 200, start=50, path=tmp_path / "y.npz")
+    assert got_ids.keys() == got_pred.keys() == {"a", "b"}
+    for k in ("a", "b"):
+        assert (got_pred[k] == want[k]).all()
+        assert (got_ids[k] == bench.full_shape_map(ids[k][50:253], 16, 512, 10, 200)).all()
+        assert (np.diff(np.sort(got_pred[k], -1), axis=-1) > 0).all()      # ten distinct a token and layer
+    with pytest.raises(SystemExit):
+        bench.full_shape_trace(4, 512, 10, 10, predictions=True, path=tmp_path / "y.npz")
+
+
+def test_the_benchmarks_simulation_prefetches_the_predicted_host_experts():
+    """`bench/expert_offload.py --simulate --prefetch-slots P`: predictions equal to the selections leave no host
+    read on the critical path when P never binds (every read then a used prefetch), and some at P 1; moves on read
+    and the rows' other numbers are those without prefetch."""
+    import expert_offload as bench
+
+    raw = bench.preset("full-shape")
+    raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
+    raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= 4]
+    cfg = bench.config_from_dict(raw)
+    trace = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 64 + 32 + 1000)
+    fit = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 4000, start=100000)
+    args = (cfg, trace, fit, [0.25], [1, 4], [(1, 128.0, 0.5)], 32, 64, 49.0, 0.0, 100.0, {1: 3.6, 4: 4.8})
+    plain = bench.simulate(*args, on_read=True)
+    full = bench.simulate(*args, on_read=True, pred=trace, prefetch_slots=1000)
+    one = bench.simulate(*args, on_read=True, pred=trace, prefetch_slots=1)
+    assert len(plain) == len(full) == 4
+    for p, f, o in zip(plain, full, one):
+        assert {key: f[key] for key in p} == p
+        assert f["critical_reads_per_token"] == 0
+        assert f["prefetches_used_per_token"] == pytest.approx(p["host_reads_per_token"])
+        assert p["host_reads_per_token"] > 0
+        assert 0 < o["critical_reads_per_token"] < p["host_reads_per_token"]
+        assert o["prefetches_per_token"] <= 4 / p["batch"] + 1e-9
+    with pytest.raises(ValueError):
+        bench.simulate(*args, pred=trace, prefetch_slots=1)            # in-place moves: not replayed
