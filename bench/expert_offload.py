@@ -88,12 +88,35 @@ def full_shape_map(demo: np.ndarray, layers: int, num_experts: int, top_k: int, 
     return ids
 
 
+def member_predictions(demo_ids: np.ndarray, demo_pred: np.ndarray, ids: np.ndarray, pred: np.ndarray,
+                       num_experts: int) -> np.ndarray:
+    """`--pred-mapping member`: full-shape slot j names its selected expert (ids) when each of the two demo
+    selections it is built from is among its demo layer's predicted experts at that token (any rank), else the
+    rank mapping's guess (pred). Why: the rank mapping counts a prediction only when both demo layers name the
+    same experts at the same rank (recall 0.27 a slot against the demo layers' 0.71 each, 2026-12-07), far below
+    what a layer-ahead router recalls on a trained model (0.49-0.80 on the demo model, docs/performance.md); with
+    membership a slot's recall is the product of its two layers' (~0.5)."""
+    tokens, layers, top_k = ids.shape
+    n_demo, k_demo = demo_ids.shape[1], demo_ids.shape[2]
+    out = pred.copy()
+    for L in range(layers):
+        a, b = L % n_demo, (L + 1) % n_demo
+        for j in range(top_k):
+            src = np.arange(tokens) + j // k_demo
+            s = j % k_demo
+            hit = ((demo_pred[src, a] == demo_ids[src, a, s][:, None]).any(-1) &
+                   (demo_pred[src, b] == demo_ids[src, b, s][:, None]).any(-1))
+            out[:, L, j] = np.where(hit, ids[:, L, j], pred[:, L, j])
+    return out
+
+
 def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int, start: int = 0,
-                     predictions: bool = False, path: Path = TRACE):
+                     predictions: bool = False, path: Path = TRACE, mapping: str = "rank"):
     """{kind: [tokens, layers, top_k] int64 expert ids} by the mapping in the module docstring, from demo token
     `start` on. `predictions`: ({kind: ids}, {kind: predictions}), the trace's `pred:` keys (what a prediction one
     layer ahead names, `tools/route_trace.py`) through the same mapping: full-shape slot j's prediction is built
-    from the two demo layers' rank-(j mod 4) predictions as its selection is from their selections."""
+    from the two demo layers' rank-(j mod 4) predictions as its selection is from their selections (`mapping`
+    "rank"; "member": `member_predictions`)."""
     z = np.load(path)
     ids, pred = {}, {}
     for key in z.files:
@@ -104,8 +127,13 @@ def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int, sta
         if predictions:
             if f"pred:{kind}" not in z.files:
                 raise SystemExit(f"{path}: no pred:{kind} (add them: tools/route_trace.py --add-predictions)")
-            pred[kind] = full_shape_map(z[f"pred:{kind}"][start: start + tokens + 3], layers, num_experts, top_k,
-                                        tokens)
+            demo_pred = z[f"pred:{kind}"][start: start + tokens + 3].astype(np.int64)
+            pred[kind] = full_shape_map(demo_pred, layers, num_experts, top_k, tokens)
+            if mapping == "member":
+                pred[kind] = member_predictions(z[key][start: start + tokens + 3].astype(np.int64), demo_pred,
+                                                ids[kind], pred[kind], num_experts)
+            elif mapping != "rank":
+                raise SystemExit(f"prediction mapping {mapping!r}: rank or member")
     return (ids, pred) if predictions else ids
 
 
@@ -557,7 +585,14 @@ def main() -> int:
     ap.add_argument("--prefetch", default="0",
                     help="prefetch slots a table to run each moving row with, comma-separated (expert_prefetch; "
                          "0 = off, the server's default): each layer predicts the next one's host experts from the "
-                         "trace's layer-ahead predictions (needs --quant int4-experts)")
+                         "trace's layer-ahead predictions (GPU: needs --quant int4-experts). --simulate: the "
+                         "largest value, at most P predicted host experts a layer a step, rank 0 of every token "
+                         "first (moves on read: with --policies add --async-moves)")
+    ap.add_argument("--pred-mapping", choices=("rank", "member"), default="rank",
+                    help="how the demo trace's predictions map onto the full shape: rank (slot j's guess from the "
+                         "two demo layers' same-rank predictions: recall ~0.27, a floor) or member (a slot is "
+                         "predicted when both its demo selections are among their layers' predictions: ~0.5, "
+                         "near a trained router's 0.49-0.80; `member_predictions`)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: replay the policies on the trace and estimate each row from the costs below")
     ap.add_argument("--read-us", type=float, default=49.0, help="--simulate: one host read (h200-22 call 6)")
@@ -567,13 +602,10 @@ def main() -> int:
                     help="--simulate: moves on read (expert_move_async): claims replayed as the server makes "
                          "them, a move costs the step nothing (its write-back runs on a side stream), a round its "
                          "one launch (--round-us applies, set it to the round's time)")
-    ap.add_argument("--prefetch-slots", type=int, default=0, metavar="P",
-                    help="--simulate: also replay a prefetch one layer ahead (the trace's pred: keys), at most P "
-                         "predicted host experts a layer a step, rank 0 of every token first (default 0: off; "
-                         "moves on read: with --policies add --async-moves)")
     ap.add_argument("--base-ms", default="1:3.59,4:4.76",
                     help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
+    args.prefetch_slots = max(int(p) for p in args.prefetch.split(","))
     if args.simulate:
         return _simulate_main(args)
     wanted = [m for m in args.move_modes.split(",") if m]
@@ -587,7 +619,7 @@ def main() -> int:
     cfg = config_from_dict(raw)
     tokens = args.warmup + args.steps + 1000
     trace, pred = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens,
-                                   predictions=True)
+                                   predictions=True, mapping=args.pred_mapping)
     prefetches = [int(p) for p in args.prefetch.split(",")]
     # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
@@ -677,7 +709,8 @@ def _simulate_main(args) -> int:
         raise SystemExit("--prefetch-slots P >= 0; a prefetch is replayed with moves on read and one claim: add "
                          "--async-moves (or --policies ''), --claims 1")
     trace = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok,
-                             args.warmup + args.steps + 1000, predictions=args.prefetch_slots > 0)
+                             args.warmup + args.steps + 1000, predictions=args.prefetch_slots > 0,
+                             mapping=args.pred_mapping)
     trace, pred = trace if args.prefetch_slots else (trace, None)
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
     base = {int(b): float(ms) for b, ms in (x.split(":") for x in args.base_ms.split(",") if x)}

@@ -333,8 +333,38 @@ def test_full_shape_predictions_take_the_ids_mapping(tmp_path):
         bench.full_shape_trace(4, 512, 10, 10, predictions=True, path=tmp_path / "y.npz")
 
 
+def test_member_predictions_name_a_slot_when_both_its_demo_selections_are_predicted(tmp_path):
+    """`--pred-mapping member`: a full-shape slot's guess is its selection exactly where both demo selections it is
+    built from are among their layers' predictions (any rank), else the rank mapping's guess: predictions that are
+    the selections reordered give the selections everywhere; with one demo layer's predictions disjoint from its
+    selections, every slot built from that layer keeps the rank guess."""
+    import expert_offload as bench
+
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.permutation(32)[:4] for _ in range(300 * 8)]).reshape(300, 8, 4).astype(np.uint8)
+    shuffled = ids[:, :, ::-1].copy()                       # the same sets, other ranks
+    disjoint = shuffled.copy()
+    for t in range(300):                                    # layer 3's never contain one of its selections
+        disjoint[t, 3] = [e for e in range(32) if e not in ids[t, 3]][:4]
+    for name, pred in (("same", shuffled), ("off", disjoint)):
+        np.savez_compressed(tmp_path / f"{name}.npz", **{"ids:a": ids, "pred:a": pred})
+    full, rank = bench.full_shape_trace(16, 512, 10, 200, predictions=True, path=tmp_path / "same.npz")
+    _, member = bench.full_shape_trace(16, 512, 10, 200, predictions=True, path=tmp_path / "same.npz",
+                                       mapping="member")
+    assert (member["a"] == full["a"]).all() and not (rank["a"] == full["a"]).all()
+    _, rank_off = bench.full_shape_trace(16, 512, 10, 200, predictions=True, path=tmp_path / "off.npz")
+    _, member_off = bench.full_shape_trace(16, 512, 10, 200, predictions=True, path=tmp_path / "off.npz",
+                                           mapping="member")
+    for L in range(16):
+        a, b = L % 8, (L + 1) % 8
+        if 3 in (a, b):
+            assert (member_off["a"][:, L] == rank_off["a"][:, L]).all()
+        else:
+            assert (member_off["a"][:, L] == full["a"][:, L]).all()
+
+
 def test_the_benchmarks_simulation_prefetches_the_predicted_host_experts():
-    """`bench/expert_offload.py --simulate --prefetch-slots P`: predictions equal to the selections leave no host
+    """`bench/expert_offload.py --simulate --prefetch P`: predictions equal to the selections leave no host
     read on the critical path when P never binds (every read then a used prefetch), and some at P 1; moves on read
     and the rows' other numbers are those without prefetch."""
     import expert_offload as bench
