@@ -128,6 +128,9 @@ def full_shape_trace(layers: int, num_experts: int, top_k: int, tokens: int, sta
             if f"pred:{kind}" not in z.files:
                 raise SystemExit(f"{path}: no pred:{kind} (add them: tools/route_trace.py --add-predictions)")
             demo_pred = z[f"pred:{kind}"][start: start + tokens + 3].astype(np.int64)
+            if len(demo_pred) < tokens + 3:
+                raise SystemExit(f"{path}: pred:{kind} holds {len(z[f'pred:{kind}'])} tokens, {start + tokens + 3} "
+                                 "wanted (fewer steps, or tools/route_trace.py --add-predictions for every token)")
             pred[kind] = full_shape_map(demo_pred, layers, num_experts, top_k, tokens)
             if mapping == "member":
                 pred[kind] = member_predictions(z[key][start: start + tokens + 3].astype(np.int64), demo_pred,
