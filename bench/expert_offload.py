@@ -315,7 +315,7 @@ def _round_cols(r: dict) -> str:
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
         freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps", claims: int = 1,
-        pred: dict[str, np.ndarray] | None = None, prefetch: int = 0) -> list[dict]:
+        pred: dict[str, np.ndarray] | None = None, prefetch: int = 0, prefetch_top: int = 0) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
@@ -334,7 +334,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm, expert_move_async=spares,
                                        expert_move_claims=claims if spares else 1,
-                                       expert_prefetch=prefetch), cfg)
+                                       expert_prefetch=prefetch, expert_prefetch_top=prefetch_top), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     # fused_router off: the replay forces the trace's experts through the router's logits (`Replay.route`), which the
@@ -470,7 +470,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "load_s": load_s, "quant": quant, "greedy": check, "expert_move_fused": fused,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
                     "expert_move_async": spares, "half_life_unit": half_life_unit, "round_decay": decay,
-                    "claims": claims if spares else None, "prefetch_slots": prefetch,
+                    "claims": claims if spares else None, "prefetch_slots": prefetch, "prefetch_top": prefetch_top,
                     "prefetches_per_token": issued / (steps * batch), "prefetch_hits_per_token": hits / (steps * batch),
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
@@ -608,7 +608,7 @@ def main() -> int:
     ap.add_argument("--base-ms", default="1:3.59,4:4.76",
                     help="--simulate: all-in-VRAM step ms per batch (batch:ms,...; h200-22 call 6)")
     args = ap.parse_args()
-    args.prefetch_slots = max(int(p) for p in args.prefetch.split(","))
+    args.prefetch_slots = max(int(p.split(":")[0]) for p in args.prefetch.split(","))
     if args.simulate:
         return _simulate_main(args)
     wanted = [m for m in args.move_modes.split(",") if m]
@@ -623,7 +623,7 @@ def main() -> int:
     tokens = args.warmup + args.steps + 1000
     trace, pred = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, tokens,
                                    predictions=True, mapping=args.pred_mapping)
-    prefetches = [int(p) for p in args.prefetch.split(",")]
+    prefetches = [tuple(int(v) for v in (p + ":0").split(":")[:2]) for p in args.prefetch.split(",")]
     # the cold sets come from other text of the same kinds (demo tokens 100k on), as a server's would
     fit = full_shape_trace(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, 20000, start=100000)
     cost = host_read_cost(cfg, args.quant)
@@ -641,15 +641,17 @@ def main() -> int:
     base_b2b: dict[int, float] = {}
     for row, share in enumerate(float(s) for s in args.shares.split(",")):
         cold = cold_sets(cfg, share, fit)
-        for policy, on_read, pf in ([(None, False, 0)] + [(p, m, f) for p in policies for m in modes
-                                                           for f in prefetches] if cold else [(None, False, 0)]):
+        for policy, on_read, pf in ([(None, False, (0, 0))] + [(p, m, f) for p in policies for m in modes
+                                                                for f in prefetches] if cold else
+                                    [(None, False, (0, 0))]):
             moves = policy is not None
             name = f"row{row}_share{share:g}_{'moves' + ':'.join(f'{v:g}' for v in policy) if moves else 'nomoves'}"
-            name += ("_onread" if on_read else "") + (f"_prefetch{pf}" if pf else "")
+            name += ("_onread" if on_read else "") + (f"_prefetch{pf[0]}-{pf[1]}" if pf[0] else "")
             prof = Path(args.profile) / name.replace(":", "-") if args.profile else None
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
                          freeze=args.freeze_moves and moves, on_read=on_read,
-                         half_life_unit=args.half_life_unit, claims=args.claims, pred=pred, prefetch=pf):
+                         half_life_unit=args.half_life_unit, claims=args.claims, pred=pred, prefetch=pf[0],
+                         prefetch_top=pf[1]):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                     base_b2b[r["batch"]] = r["back_to_back_step_ms"]
@@ -660,7 +662,8 @@ def main() -> int:
                 pol = ":".join(f"{v:g}" for v in policy) + ("f" if r["frozen_after_warmup"] else "") + \
                     ("a" if r["expert_move_async"] else "") + (f"c{args.claims}" if r.get("claims") not in (None, 1)
                                                                else "") + \
-                    ("t" if args.half_life_unit == "tokens" else "") + (f"p{pf}" if pf else "") \
+                    ("t" if args.half_life_unit == "tokens" else "") + (f"p{pf[0]}" if pf[0] else "") + \
+                    (f"r{pf[1]}" if pf[0] and pf[1] else "") \
                     if moves else "off"  # frozen/async/C/tokens/prefetch
                 print(f"{r['batch']:>5} {100 * r['host_share']:>6.1f}% {r['host_gib']:>6.1f} {pol:>9} "
                       f"{r['median_step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} "

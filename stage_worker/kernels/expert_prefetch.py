@@ -7,7 +7,8 @@ each token's top-k (`moe._route_row`, through the next layer's slot map; a graph
 writes the first P distinct host slots, rank-major, to the next layer's `Prefetch.slot`, clearing `ready`. With
 `logits` given (the benchmark's routing replay) one program does only the second part.
 
-`copy` (one launch on a second side stream, joined at the end of the forward): program (p, j) copies its share of
+`copy` (one launch on a second side stream, forked from the forward's stream after layer L's expert launches so
+that it does not slow their own host reads, and joined at the end of the forward): program (p, j) copies its share of
 every part of host slot `slot[p]`'s rows into prefetch slot `first + p`; the last of entry p's programs to finish sets
 `ready[p]` with release semantics, which the router kernel reads with acquire. A copy that is not done when the
 next layer routes is simply not used: that layer reads the host slot over PCIe as without the prefetch. So a wrong
@@ -15,8 +16,8 @@ guess costs PCIe bandwidth beside the step, never a wait.
 
 Ordering, per step: the predict launch forks from the forward's stream and that stream joins it before layer L's
 down launch, so the next layer's router never sees a `ready` of an earlier step; the copy stream forks after the
-predict launch and is joined by the forward's stream at the end of the stage's forward (`StageModel.forward`), so no
-copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU under TRITON_INTERPRET=1).
+predict launch's join (after layer L's experts) and is joined by the forward's stream at the end of the stage's
+forward (`StageModel.forward`), so no copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def predict(x: torch.Tensor, gate: torch.Tensor, top_k: int, pf: Prefetch, first
     current stream."""
     T, H = x.shape
     E = gate.shape[0]
-    if not 0 < T <= pf.max_tokens or pf.logits.shape[1] != E or pf.ids.shape[1] != top_k:
+    if not 0 < T <= pf.max_tokens or pf.logits.shape[1] != E or not 0 < top_k <= pf.ids.shape[1]:
         raise ValueError(f"prefetch of {T} tokens, {E} experts, top-{top_k}: the state holds "
                          f"{tuple(pf.logits.shape)} logits and top-{pf.ids.shape[1]}")
     given = logits is not None
