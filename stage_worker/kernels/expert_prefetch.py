@@ -17,7 +17,8 @@ guess costs PCIe bandwidth beside the step, never a wait.
 Ordering, per step: the predict launch forks from the forward's stream and that stream joins it before layer L's
 down launch, so the next layer's router never sees a `ready` of an earlier step; the copy stream forks after the
 predict launch's join (after layer L's experts) and is joined by the forward's stream at the end of the stage's
-forward (`StageModel.forward`), so no copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU under TRITON_INTERPRET=1).
+forward (`StageModel.forward`), so no copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU
+under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
