@@ -249,11 +249,9 @@ def test_batch_steps_takes_the_benchmarks_streams():
     assert (sim.batch_steps(trace, 1, 40) == trace["a"][:40]).all()
 
 
-def test_the_benchmarks_simulation_takes_claims_and_a_half_life_in_tokens():
-    """`bench/expert_offload.py --simulate --async-moves --claims C --half-life-unit tokens`: C > 1 replays
-    `_replay_claims` with C claims and 2C spares a layer a step, a half-life in tokens is half-life / batch steps;
-    C 1 in steps is today's `_replay_claim` row unchanged. (The study's 5.61 -> 3.31 reads a token at batch 4, 10%
-    host, 16 full-shape layers, is the same call at --warmup 1024 --steps 256.)"""
+def _four_full_shape_layers():
+    """(the bench module, the full-shape config cut to 4 layers, its replayed trace of 64 + 32 + 1000 tokens, the
+    cold-set fit trace from demo token 100,000) for the simulation tests."""
     import expert_offload as bench
 
     raw = bench.preset("full-shape")
@@ -262,6 +260,15 @@ def test_the_benchmarks_simulation_takes_claims_and_a_half_life_in_tokens():
     cfg = bench.config_from_dict(raw)
     trace = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 64 + 32 + 1000)
     fit = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 4000, start=100000)
+    return bench, cfg, trace, fit
+
+
+def test_the_benchmarks_simulation_takes_claims_and_a_half_life_in_tokens():
+    """`bench/expert_offload.py --simulate --async-moves --claims C --half-life-unit tokens`: C > 1 replays
+    `_replay_claims` with C claims and 2C spares a layer a step, a half-life in tokens is half-life / batch steps;
+    C 1 in steps is today's `_replay_claim` row unchanged. (The study's 5.61 -> 3.31 reads a token at batch 4, 10%
+    host, 16 full-shape layers, is the same call at --warmup 1024 --steps 256.)"""
+    bench, cfg, trace, fit = _four_full_shape_layers()
     args = (cfg, trace, fit, [0.25], [4], [(1, 128.0, 0.0)], 32, 64, 49.0, 0.0, 100.0, {4: 4.0})
     rows = {(c, u): bench.simulate(*args, on_read=True, claims=c, half_life_unit=u)[-1]
             for c, u in ((1, "steps"), (4, "steps"), (4, "tokens"))}
@@ -367,14 +374,7 @@ def test_the_benchmarks_simulation_prefetches_the_predicted_host_experts():
     """`bench/expert_offload.py --simulate --prefetch P`: predictions equal to the selections leave no host
     read on the critical path when P never binds (every read then a used prefetch), and some at P 1; moves on read
     and the rows' other numbers are those without prefetch."""
-    import expert_offload as bench
-
-    raw = bench.preset("full-shape")
-    raw.update(num_hidden_layers=4, layer_types=raw["layer_types"][:4])
-    raw["ple_layer_ids"] = [i for i in raw.get("ple_layer_ids", []) if i <= 4]
-    cfg = bench.config_from_dict(raw)
-    trace = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 64 + 32 + 1000)
-    fit = bench.full_shape_trace(4, cfg.num_experts, cfg.num_experts_per_tok, 4000, start=100000)
+    bench, cfg, trace, fit = _four_full_shape_layers()
     args = (cfg, trace, fit, [0.25], [1, 4], [(1, 128.0, 0.5)], 32, 64, 49.0, 0.0, 100.0, {1: 3.6, 4: 4.8})
     plain = bench.simulate(*args, on_read=True)
     full = bench.simulate(*args, on_read=True, pred=trace, prefetch_slots=1000)
