@@ -3,7 +3,8 @@ router kernel (`moe._route_row`'s PF). What and why: `expert_prefetch_ref.py` (t
 
 `predict` (one launch on a side stream, beside layer L's router): the next MoE layer's router GEMV on L's input
 (`moe.router_logits`, programs of PREDICT_CFG rows), and the last program to finish (`split_reduce.last_of`) ranks
-each token's top-k (`moe._route_row`, through the next layer's slot map; a graph's padding rows select nothing) and
+each token's best `Prefetch.top` (`moe._route_row`, through the next layer's slot map; a graph's padding rows select
+nothing; `expert_prefetch_top`, by default the layer's top-k) and
 writes the first P distinct host slots, rank-major, to the next layer's `Prefetch.slot`, clearing `ready`. With
 `logits` given (the benchmark's routing replay) one program does only the second part.
 
@@ -15,7 +16,7 @@ next layer routes is simply not used: that layer reads the host slot over PCIe a
 guess costs PCIe bandwidth beside the step, never a wait.
 
 Ordering, per step: the predict launch forks from the forward's stream and that stream joins it before layer L's
-down launch, so the next layer's router never sees a `ready` of an earlier step; the copy stream forks after the
+down launch (bf16 experts: after L's expert launches), so the next layer's router never sees a `ready` of an earlier step; the copy stream forks after the
 predict launch's join (after layer L's experts) and is joined by the forward's stream at the end of the stage's
 forward (`StageModel.forward`), so no copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU
 under TRITON_INTERPRET=1).
