@@ -49,6 +49,10 @@ def test_predict_names_the_first_distinct_host_slots_rank_major(t, e, h, k, slot
     pf2 = _state(slots, first_host - slots, e, k)
     PF.predict(x, gate, k, pf2, first_host, slot_map=slot_map, valid=v, logits=(x @ gate.T).contiguous())
     assert torch.equal(pf2.slot.cpu(), want)
+    # each token's best two only (`expert_prefetch_top`): the state keeps its top-k scratch
+    pf3 = _state(slots, first_host - slots, e, k)
+    PF.predict(x, gate, 2, pf3, first_host, slot_map=slot_map, valid=v)
+    assert torch.equal(pf3.slot.cpu(), predict_ref(x @ gate.T, 2, first_host, slots, slot_map, valid))
 
 
 @pytest.mark.parametrize("parts", [2, 4])
