@@ -5,6 +5,12 @@ expert bytes in pinned host memory, run-time moves on and off, at the full shape
     python bench/expert_offload.py --quant int4-experts --shares 0,0.1,0.25 --policies 1:128:0.5 --out ...
     python bench/expert_offload.py --simulate --shares 0,0.1 --policies 1:128:0.5,16:1024:2 --warmup 2048   # no GPU
     python bench/expert_offload.py ... --freeze-moves     # moves in the warm-up only: the reads' cost alone
+    python bench/expert_offload.py --quant int4-experts --shares 0,0.1 --move-modes onread --prefetch 4,0 \
+        --pred-mapping member            # the layer-ahead prefetch (expert_prefetch) against none, one process
+
+`--prefetch P[:R],...`: each moving row also with `expert_prefetch` P slots a table (R: `expert_prefetch_top`); the
+prediction's GEMV runs as served, then the replay ranks the trace's layer-ahead predictions (`pred:` keys, mapped
+by `--pred-mapping`) instead of its logits (`Replay.predict`).
 
 `--quant int4-experts`: the routed experts as an INT4 checkpoint's are kept (issue 17: words and group-128 scales,
 dummy values as the loader's dummy format makes them), the tables hold them at their packed size (2.53 MB an
