@@ -174,7 +174,7 @@ if triton is not None:
         device slot, so the expert kernels read it from VRAM. It is still counted as its own slot (the moves'
         statistics), but neither as a host read nor as a claim (its rows are not read over PCIe); pf_hits_ptr
         counts the redirections."""
-        if PF > 0:      # first: the flags' load overlaps the top-k below
+        if PF:          # first: the flags' load overlaps the top-k below
             pp = tl.arange(0, BLOCK_P)
             pf_ok = tl.atomic_add(pf_ready_ptr + pp, tl.zeros([BLOCK_P], tl.int32), mask=pp < PF, sem="acquire")
         offs = tl.arange(0, BLOCK_E)
@@ -230,7 +230,7 @@ if triton is not None:
             w = tl.where(real, w, 0.0)
             picked = picked & real
         tl.store(weights_ptr + out, w, mask=kk < TOP_K)
-        if PF > 0:
+        if PF:
             pf_s = tl.load(pf_slot_ptr + pp, mask=pp < PF, other=-1)
             pf_s = tl.where((pf_ok != 0) & (pp < PF), pf_s, -1)
             match = (top_id[:, None] == pf_s[None, :]) & (pf_s[None, :] >= FIRST_HOST)
