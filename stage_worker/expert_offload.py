@@ -383,7 +383,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     router reaching the live slots through a slot map (`StageExperts.slot_map`), and the claim state of moves on
     read. `claims` (C, `expert_move_claims`): claims a layer a step with moves on read, 2C spares a table (C being
     written back, C receiving), state [L, 4C], claim [L, C] ([L] at C = 1). `prefetch` (P, `expert_prefetch`): P
-    more device slots at the end of the device tier of the `prefetch_layers`, each table's `Prefetch` state, and
+    more device slots at the end of every table's device tier on a GPU (`prefetch_slots`), its `Prefetch` state, and
     the layer before each such table set to predict and copy for it (`SparseMoE.set_prefetch_next`), from each
     token's best `prefetch_top` predicted experts (`expert_prefetch_top`; 0: the layer's top-k)."""
     layers = model.moe_layers()
@@ -468,7 +468,7 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         tables[layer] = table
     hot = torch.tensor([E - len(ids) + spare + P for ids in mine.values()], dtype=torch.int64, device=device)
     if P:
-        # each MoE layer predicts and copies for the next one of the stage that has a table (`_packed_decode`)
+        # each MoE layer predicts and copies for the next one of the stage that has a table (`_prefetch_next`)
         order = sorted(layers)
         for a, b in zip(order, order[1:]):
             layers[a].set_prefetch_next(layers[b] if b in tables else None)
