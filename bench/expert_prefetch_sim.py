@@ -43,16 +43,18 @@ DEFAULT_TEXT = ("docs/*.md", "shared/*.py")        # held-out text: the demo mod
 
 def predictions(model, windows: list[list[int]], batch: int = 4) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Prefill `windows` as fresh sequences once (`route_stats.trace_windows` with its predictions one layer ahead,
-    2k wide): (the selected expert ids [tokens, layers, k] that the layers reported, {"top-k", "top-2k",
-    "previous token"}: [tokens, layers, m] expert ids, -1: no prediction). top-k is the first k of top-2k (the
-    router's order, best first)."""
+    2k wide): (the selected expert ids [tokens, layers, k] that the layers reported, {"top-1" .. "top-(k-1)",
+    "top-k", "top-2k", "previous token"}: [tokens, layers, m] expert ids, -1: no prediction). top-r is the first r
+    of top-2k (the router's order, best first)."""
     from stage_worker.route_stats import moe_layers, trace_windows
 
     k = moe_layers(model)[0][1].top_k
     actual, wide = trace_windows(model, windows, batch, predict=2 * k)
     prev = np.full_like(actual, -1)
     prev[1:] = actual[:-1]
-    return actual, {"top-k": wide[..., :k], "top-2k": wide, "previous token": prev}
+    # each token's best r < k only (`expert_prefetch_top`): fewer copies, of the likelier experts
+    fewer = {f"top-{r}": wide[..., :r] for r in range(1, k)}
+    return actual, {**fewer, "top-k": wide[..., :k], "top-2k": wide, "previous token": prev}
 
 
 def recall(actual: np.ndarray, pred: np.ndarray) -> list[float]:
