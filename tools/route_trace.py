@@ -13,7 +13,7 @@ same text would (tests/test_route_trace.py checks this against token-by-token de
 
 Output, in `--out DIR`:
 
-* `route_trace.npz` (numpy.savez_compressed):
+* `route_trace.npz` (an .npz that `numpy.load` reads, its members LZMA-compressed: `save_npz`):
   - `ids:{kind}`: uint8 [tokens, moe_layers, k] (uint16 if num_experts > 256): the expert ids token t selected in
     the l-th MoE layer (layer indices in meta's `moe_layers`), in the router's order (highest probability first);
   - `tokens:{kind}`: int32 [tokens]: the token ids, in the same order; window w is rows [w * chunk, (w+1) * chunk);
@@ -53,6 +53,7 @@ import json
 import math
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,16 @@ def kind_streams(corpus: str | Path, tok, eos: int, tokens_per_kind: int, split:
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
+
+def save_npz(path: str | Path, **arrays: np.ndarray) -> None:
+    """`numpy.savez_compressed` with LZMA instead of deflate (`numpy.load` reads either: both are zip members
+    holding .npy files): the bundled demo trace is 11.1 MB instead of 15.8, and the checked-in tree must travel to
+    the GPU machines within 64 MiB (tests/test_tree_size.py)."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_LZMA) as z:
+        for name, a in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+
 
 def lorenz_share(counts: np.ndarray, frac: float) -> float:
     """Share of all selections taken by the least-used `frac` of experts (the Lorenz curve at frac, linear between
@@ -264,7 +275,7 @@ def run(model_dir: str | Path, corpus: str | Path, out: str | Path, *, tokens_pe
         meta["predictions"] = {"definition": PREDICTION, "model": meta["model"],
                                "dtype": str(next(model.parameters()).dtype), "made_with_ids": True}
     out.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out / TRACE_FILE, meta=np.array(json.dumps(meta)), **arrays)
+    save_npz(out / TRACE_FILE, meta=np.array(json.dumps(meta)), **arrays)
     summary = summarise(usage, layer_ids)
     result = {"meta": meta,
               "usage": {k: {str(i): [int(c) for c in u[l]] for l, i in enumerate(layer_ids)} for k, u in usage.items()},
@@ -336,7 +347,7 @@ def add_predictions(trace: str | Path, model_dir: str | Path, *, batch: int = 8,
                            "dtype": str(next(model.parameters()).dtype), "device": device, "batch": batch,
                            "made_with_ids": False, "ids_agreement": agreement,
                            "command": command if command is not None else sys.argv}
-    np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
+    save_npz(path, meta=np.array(json.dumps(meta)), **arrays)
     log(f"route_trace: wrote {path} ({path.stat().st_size / 1e6:.2f} MB) with pred: keys for "
         f"{', '.join(meta['kinds'])}")
     return agreement
