@@ -161,6 +161,10 @@ class Replay:
         dev = next(model.parameters()).device
         self.buf = torch.zeros(len(self.moes), 16, top_k, dtype=torch.int64, device=dev)   # expert ids
         self.pred = torch.zeros_like(self.buf)   # the layer-ahead prediction of each layer's ids (`predict`)
+        # ... as forced logits, made by `stage_pred` before each step (not inside the graph: the served prediction
+        # is one launch, the replay's is the GEMV it pays for and the ranking)
+        self.pred_logits = torch.full((len(self.moes), 16, model.cfg.num_experts), -1e4, dtype=torch.bfloat16,
+                                      device=dev)
         self.rank = torch.arange(top_k, 0, -1, dtype=torch.float32, device=dev).expand(16, top_k).contiguous()
         self.real_route = K.route
         self.real_predict = PF.predict
@@ -189,6 +193,12 @@ class Replay:
         return self.real_route(forced, top_k, renormalise, shared=shared, counts=counts, valid=valid,
                                slot_map=slot_map)
 
+    def stage_pred(self) -> None:
+        """`pred` (just written) as the forced logits `predict` ranks: the trace's experts at k, k-1, ..., 1."""
+        self.pred_logits.fill_(-1e4)
+        self.pred_logits.scatter_(2, self.pred, self.rank.to(self.pred_logits.dtype).expand(
+            self.pred.shape[0], -1, -1))
+
     def predict(self, x, gate, top_k, pf, first_host, slot_map=None, valid=None, logits=None):
         """`expert_prefetch`'s prediction (called by layer L for layer L + 1, before L routes): the GEMV still runs
         (its bytes are paid, as the router's are), then the trace's prediction for the next layer (its router on
@@ -198,9 +208,8 @@ class Replay:
         nxt = (self.layer + 1) % len(self.moes)
         self.predict_calls += 1
         F.linear(x, gate)
-        forced = torch.full((T, gate.shape[0]), -1e4, dtype=pf.logits.dtype, device=x.device)
-        forced.scatter_(1, self.pred[nxt, :T], self.rank[:T].to(forced.dtype))
-        return self.real_predict(x, gate, top_k, pf, first_host, slot_map=slot_map, valid=valid, logits=forced)
+        return self.real_predict(x, gate, top_k, pf, first_host, slot_map=slot_map, valid=valid,
+                                 logits=self.pred_logits[nxt, :T])
 
 
 def _read_setup(cfg, quant: str, hot: int):
@@ -372,6 +381,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             replay.buf[:, i].copy_(torch.from_numpy(row_of(trace, s, i)), non_blocking=True)
             if pred is not None:
                 replay.pred[:, i].copy_(torch.from_numpy(row_of(pred, s, i)), non_blocking=True)
+        if pred is not None:
+            replay.stage_pred()
 
     pf0 = (0, 0)                              # prefetches issued and hit before the measured steps
     for batch in batches:
@@ -433,6 +444,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                 replay.buf[:, :batch].copy_(staged[0][n])
                 if pred is not None:
                     replay.pred[:, :batch].copy_(staged[1][n])
+                    replay.stage_pred()
                 if moves and x is not None and s % interval == interval - 1 and not freeze:
                     x.move_round(gates(model), decay, margin, fused=fused, graph=graphed)
                 engine.step([(i, [100 + i]) for i in range(batch)])

@@ -210,3 +210,34 @@ def test_prefetch_counters_reach_metrics():
     text = generate_latest(reg).decode()
     assert 'moepipe_expert_prefetches_total{layer="3",stage="0"} 7.0' in text
     assert 'moepipe_expert_prefetch_hits_total{layer="3",stage="0"} 5.0' in text
+
+
+def test_the_benchmarks_replay_ranks_the_traces_prediction_for_the_next_layer(tiny_checkpoint):
+    """`bench/expert_offload.py`'s `Replay.predict` (called by layer L before it routes) ranks the trace's
+    prediction for layer L + 1 (staged as forced logits before the step) through the real predict launch: the
+    first distinct host slots, rank-major, as `predict_ref` on those predictions."""
+    import sys
+    from pathlib import Path
+
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import expert_offload as bench
+
+    model = load_model(tiny_checkpoint, LoadOptions())
+    E, k, H = model.cfg.num_experts, model.cfg.num_experts_per_tok, model.cfg.hidden_size
+    replay = bench.Replay(model, 2, k)
+    g = torch.Generator().manual_seed(3)
+    layers = len(replay.moes)
+    replay.pred[:, :2] = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(layers * 2)]).view(
+        layers, 2, k)
+    replay.stage_pred()
+    for layer in range(layers):
+        replay.layer = layer
+        pf = Prefetch.allocate(3, 5, E, k, 16, torch.float32, torch.device("cpu"))
+        replay.predict(torch.randn(2, H, generator=g), torch.randn(E, H, generator=g), k, pf, 8)
+        nxt = replay.pred[(layer + 1) % layers, :2]
+        want = [s for s in nxt.t().reshape(-1).tolist() if s >= 8]
+        want = list(dict.fromkeys(want))[:3]
+        assert pf.slot.tolist() == want + [-1] * (3 - len(want))
+    assert replay.predict_calls == layers
