@@ -163,14 +163,19 @@ if triton is not None:
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device, name: str = "side") -> torch.cuda.Stream:
+def cuda_index(device: torch.device | str | int) -> int:
+    """The CUDA device number of `device` (`cuda` alone: the current device)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    return torch.cuda.current_device() if index is None else index
+
+
+def side_stream(device: torch.device | int, name: str = "side") -> torch.cuda.Stream:
     """A second stream per CUDA device (and `name`), for decode launches that can run beside the main chain (kernel
     flag `side_stream`): a small launch that cannot fill the GPU alone runs while another does. Every use forks from
     the current stream first (`side.wait_stream(main)`) and the main stream joins it before reading its output;
     inside a CUDA-graph capture that makes a parallel branch of the graph. `name` "prefetch": the layer-ahead expert
     copies (`expert_prefetch`), joined only at the end of a forward, so the side stream's joins never wait for them."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    index = cuda_index(device)
     if (index, name) not in _side_streams:
         _side_streams[index, name] = torch.cuda.Stream(device=index)
     return _side_streams[index, name]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_worker.kernels.common import INTERPRET, fix_interpreter_loop_bounds
+from stage_worker.kernels.common import INTERPRET, cuda_index, fix_interpreter_loop_bounds
 from stage_worker.kernels.common import pow2 as _pow2
 from stage_worker.kernels.expert_prefetch_ref import Prefetch
 from stage_worker.kernels.moe import triton
@@ -139,8 +139,7 @@ _pending: set[int] = set()       # devices whose prefetch stream has copies the 
 
 def note_pending(device: torch.device) -> None:
     """A copy was queued on `device`'s prefetch stream (`join_prefetch` joins it)."""
-    index = torch.device(device).index
-    _pending.add(torch.cuda.current_device() if index is None else index)
+    _pending.add(cuda_index(device))
 
 
 def join_prefetch(device: torch.device) -> None:
@@ -151,11 +150,10 @@ def join_prefetch(device: torch.device) -> None:
         return
     from stage_worker.kernels.common import side_stream
 
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    index = cuda_index(device)
     if index in _pending:
         _pending.discard(index)
-        torch.cuda.current_stream(index).wait_stream(side_stream(torch.device("cuda", index), "prefetch"))
+        torch.cuda.current_stream(index).wait_stream(side_stream(index, "prefetch"))
 
 
 def predict(x: torch.Tensor, gate: torch.Tensor, top_k: int, pf: Prefetch, first_host: int,

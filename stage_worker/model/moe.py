@@ -353,7 +353,7 @@ class SparseMoE(nn.Module):
             stream = side_stream(x2.device)
             stream.wait_stream(torch.cuda.current_stream(x2.device))
         with torch.cuda.stream(stream):
-            predict(x2, nxt.gate.weight[:nxt.num_experts], pf.top, pf, t.hot, slot_map=t.slot_map,
+            predict(x2, nxt.gate.weight, pf.top, pf, t.hot, slot_map=t.slot_map,
                     valid=self.valid_rows)
         pf.armed = True
         return stream
