@@ -224,7 +224,7 @@ def test_the_benchmarks_replay_ranks_the_traces_prediction_for_the_next_layer(ti
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import expert_offload as bench
 
-    model = load_model(tiny_checkpoint, LoadOptions())
+    model = load_model(tiny_checkpoint, LoadOptions(device=DEV))   # on a GPU: the compiled launch on CUDA tensors
     E, k, H = model.cfg.num_experts, model.cfg.num_experts_per_tok, model.cfg.hidden_size
     replay = bench.Replay(model, 2, k)
     g = torch.Generator().manual_seed(3)
@@ -234,8 +234,8 @@ def test_the_benchmarks_replay_ranks_the_traces_prediction_for_the_next_layer(ti
     replay.stage_pred()
     for layer in range(layers):
         replay.layer = layer
-        pf = Prefetch.allocate(3, 5, E, k, 16, torch.float32, torch.device("cpu"))
-        replay.predict(torch.randn(2, H, generator=g), torch.randn(E, H, generator=g), k, pf, 8)
+        pf = Prefetch.allocate(3, 5, E, k, 16, torch.float32, torch.device(DEV))
+        replay.predict(torch.randn(2, H, generator=g).to(DEV), torch.randn(E, H, generator=g).to(DEV), k, pf, 8)
         nxt = replay.pred[(layer + 1) % layers, :2]
         want = [s for s in nxt.t().reshape(-1).tolist() if s >= 8]
         want = list(dict.fromkeys(want))[:3]
