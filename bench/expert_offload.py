@@ -330,7 +330,8 @@ def _round_cols(r: dict) -> str:
 def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
         policy: tuple[int, float, float] | None, quant: str = "", profile: Path | None = None,
         freeze: bool = False, on_read: bool = False, half_life_unit: str = "steps", claims: int = 1,
-        pred: dict[str, np.ndarray] | None = None, prefetch: int = 0, prefetch_top: int = 0) -> list[dict]:
+        pred: dict[str, np.ndarray] | None = None, prefetch: int = 0, prefetch_top: int = 0,
+        prefetch_min_batch: int = 1) -> list[dict]:
     """One model (fresh weights, this cold set), decode at each batch size in turn. `profile` (a path prefix): 16
     more steps a batch size under torch.profiler, their kernels by GPU time to `<prefix>_b<batch>.txt` (two runs of
     one configuration that differ in speed then show whether the MoE kernels, the host reads inside them, or the
@@ -339,7 +340,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
     then 0.5 ** (interval * batch / half-life), `expert_offload.round_decay`). `claims` (`expert_move_claims`, with
     `on_read`): C claims a layer a step, 2C spares a table (`LoadOptions.expert_move_claims`). `prefetch` (P,
     `expert_prefetch`): P prefetch slots a table, each layer predicting the next one's host experts from `pred`
-    (the trace's layer-ahead predictions, keyed and indexed as `trace`; `Replay.predict`)."""
+    (the trace's layer-ahead predictions, keyed and indexed as `trace`; `Replay.predict`) at batches of at least
+    `prefetch_min_batch` (`expert_prefetch_min_batch`)."""
     t0 = time.time()
     # MOEPIPE_EXPERT_VMM_TABLE=1: each table part one VRAM + host range, as the server builds it with the switch on
     vmm = _switch("expert_vmm_table")
@@ -349,7 +351,8 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                                        cold_experts=cold or None, dummy_int4=dummy_groups(cfg) if quant else None,
                                        expert_vmm_table=vmm, expert_move_async=spares,
                                        expert_move_claims=claims if spares else 1,
-                                       expert_prefetch=prefetch, expert_prefetch_top=prefetch_top), cfg)
+                                       expert_prefetch=prefetch, expert_prefetch_top=prefetch_top,
+                                       expert_prefetch_min_batch=prefetch_min_batch), cfg)
     if quant:
         assert all(m.packed_group for m in model.moe_layers().values())
     # fused_router off: the replay forces the trace's experts through the router's logits (`Replay.route`), which the
@@ -474,7 +477,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
             raise SystemExit(f"expert_offload: the routing replay ran in {replay.decode_calls} decode calls for "
                              f"{len(replay.moes)} MoE layers: the model's decode does not route through "
                              "stage_worker.kernels.moe.route (K.route)")
-        if prefetch and replay.predict_calls == 0:
+        if prefetch and batch >= prefetch_min_batch and replay.predict_calls == 0:
             raise SystemExit("expert_offload: --prefetch: no layer predicted (the decode path never called "
                              "stage_worker.kernels.expert_prefetch.predict)")
         del engine
@@ -489,6 +492,7 @@ def run(cfg, cold, trace, batches: list[int], steps: int, warmup: int,
                     "expert_move_graph": graphed, "step_includes_round": True, "frozen_after_warmup": freeze,
                     "expert_move_async": spares, "half_life_unit": half_life_unit, "round_decay": decay,
                     "claims": claims if spares else None, "prefetch_slots": prefetch, "prefetch_top": prefetch_top,
+                    "prefetch_min_batch": prefetch_min_batch,
                     "prefetches_per_token": issued / (steps * batch), "prefetch_hits_per_token": hits / (steps * batch),
                     "round_host_ms": statistics.median(round_host) * 1e3 if round_host else None,
                     "round_gpu_ms": statistics.median(round_gpu) * 1e3 if round_gpu else None})
@@ -609,6 +613,9 @@ def main() -> int:
                          "trace's layer-ahead predictions (GPU: needs --quant int4-experts). --simulate: the "
                          "largest value, at most P predicted host experts a layer a step, rank 0 of every token "
                          "first (moves on read: with --policies add --async-moves)")
+    ap.add_argument("--prefetch-min-batch", type=int, default=ClusterConfig.expert_prefetch_min_batch,
+                    help="GPU rows: decode batches of fewer tokens do not predict or copy "
+                         "(expert_prefetch_min_batch; default the server's)")
     ap.add_argument("--pred-mapping", choices=("rank", "member"), default="rank",
                     help="how the demo trace's predictions map onto the full shape: rank (slot j's guess from the "
                          "two demo layers' same-rank predictions: recall ~0.27, a floor) or member (a slot is "
@@ -669,7 +676,7 @@ def main() -> int:
             for r in run(cfg, cold, trace, batches, args.steps, args.warmup, policy, args.quant, prof,
                          freeze=args.freeze_moves and moves, on_read=on_read,
                          half_life_unit=args.half_life_unit, claims=args.claims, pred=pred, prefetch=pf[0],
-                         prefetch_top=pf[1]):
+                         prefetch_top=pf[1], prefetch_min_batch=args.prefetch_min_batch):
                 if not cold:
                     base[r["batch"]] = r["tokens_per_s"]
                     base_b2b[r["batch"]] = r["back_to_back_step_ms"]

@@ -374,7 +374,7 @@ def prefetch_slots(model, slots: int, device: torch.device | str) -> int:
 
 def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
                   vmm: bool = False, spares: bool = False, claims: int = 1,
-                  prefetch: int = 0, prefetch_top: int = 0) -> StageExperts | None:
+                  prefetch: int = 0, prefetch_top: int = 0, prefetch_min_batch: int = 1) -> StageExperts | None:
     """Tables for this stage's layers that have cold experts; None when none of them has. Each layer's table holds
     the parts its experts have at build time (compute dtype, INT4 words and scales, or float8 bytes and block
     scales), at their own dtypes and sizes. `vmm` (`expert_vmm_table`): each part one VRAM + host range
@@ -385,7 +385,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
     written back, C receiving), state [L, 4C], claim [L, C] ([L] at C = 1). `prefetch` (P, `expert_prefetch`): P
     more device slots at the end of every table's device tier on a GPU (`prefetch_slots`), its `Prefetch` state, and
     the layer before each such table set to predict and copy for it (`SparseMoE.set_prefetch_next`), from each
-    token's best `prefetch_top` predicted experts (`expert_prefetch_top`; 0: the layer's top-k)."""
+    token's best `prefetch_top` predicted experts (`expert_prefetch_top`; 0: the layer's top-k), at decode steps of
+    at least `prefetch_min_batch` tokens (`expert_prefetch_min_batch`)."""
     layers = model.moe_layers()
     mine = {layer: ids for layer, ids in sorted(cold.items()) if layer in layers and ids}
     if not mine:
@@ -455,7 +456,8 @@ def attach_tables(model, cold: dict[int, list[int]], device: torch.device | str,
         pf = None
         if P:
             pf = Prefetch.allocate(P, E - len(ids) + spare, E, moe.top_k, PREFETCH_MAX_T, moe.gate.weight.dtype,
-                                   device, issued=pf_issued[i:i + 1], hits=pf_hits[i:i + 1], top=prefetch_top)
+                                   device, issued=pf_issued[i:i + 1], hits=pf_hits[i:i + 1], top=prefetch_top,
+                                   min_tokens=prefetch_min_batch)
         table = ExpertTable(
             dev=dev_parts[layer], host=host_parts[layer],
             expert_of_slot=expert_of_slot[i], counts=counts[i], host_reads=reads[i:i + 1], moves=moves[i:i + 1],

@@ -21,6 +21,7 @@ def load_stage(cluster: ClusterConfig, index: int, cfg: HybridMoeConfig) -> Stag
                        expert_move_async=cluster.expert_move_async and cluster.expert_moves,
                        expert_move_claims=cluster.expert_move_claims, expert_prefetch=cluster.expert_prefetch,
                        expert_prefetch_top=cluster.expert_prefetch_top,
+                       expert_prefetch_min_batch=cluster.expert_prefetch_min_batch,
                        packed_experts=cluster.packed_experts, dummy_ple_file=cluster.dummy_ple_file,
                        packed_fp8_experts=cluster.keeps_fp8_experts(),
                        # a CPU stage dequantizes dense layers at load: unpacking at every call costs more there

@@ -166,10 +166,11 @@ def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tin
     prompt = [(7 * i + 3) % 2000 + 10 for i in range(20)]
     cold = random_cold(cfg, 0.5, seed=3)
 
-    def run(prefetch, cold, moves, graphs):
+    def run(prefetch, cold, moves, graphs, min_batch=1):
         model = load_model(tiny_checkpoint, LoadOptions(device="cuda", load_format="dummy", dummy_int4=int4,
                                                         cold_experts=cold, expert_move_async=cold is not None,
-                                                        expert_prefetch=prefetch), cfg)
+                                                        expert_prefetch=prefetch,
+                                                        expert_prefetch_min_batch=min_batch), cfg)
         model.set_kernels(KernelFlags.parse("all"))
         if graphs:
             return (model, *graphed_greedy(model, prompt, 24, moves, move_graph=True))
@@ -195,6 +196,29 @@ def test_gpu_prefetch_serves_the_same_greedy_tokens_and_takes_reads_off_pcie(tin
             x.snapshot()                                   # the first copy has landed: its values are kept
             stats = x.stats()
             assert sum(v for k, v in stats.items() if k.startswith("expert_prefetch_hits:")) == hits
+        # `expert_prefetch_min_batch` 2: this one-token decode never predicts, and reads what it read without slots
+        model, got, _ = run(4, cold, False, graphs, min_batch=2)
+        assert got == want and int(model.experts.prefetch_issued.sum()) == 0
+        assert int(model.experts.host_reads.sum()) == int(base.host_reads.sum())
+
+
+def test_prefetch_min_batch_is_a_config_key_with_its_variable(monkeypatch):
+    """`expert_prefetch_min_batch`: 2 by default (h100-40: at one token the launches cost more than the reads they
+    save), `MOEPIPE_EXPERT_PREFETCH_MIN_BATCH` sets it, below 1 is refused by name; the loader's value reaches each
+    table's prefetch state (`Prefetch.min_tokens`, which `SparseMoE._prefetch_next` compares with the step's rows)."""
+    from shared.cluster_config import ClusterConfig, ClusterConfigError, cluster_from_dict, env_overrides
+
+    assert ClusterConfig.__dataclass_fields__["expert_prefetch_min_batch"].default == 2
+    monkeypatch.setenv("MOEPIPE_EXPERT_PREFETCH_MIN_BATCH", "4")
+    assert env_overrides()["expert_prefetch_min_batch"] == 4
+    monkeypatch.delenv("MOEPIPE_EXPERT_PREFETCH_MIN_BATCH")
+    base = {"model": "m", "stages": [{"start": 0, "end": 1, "endpoint": "ipc:///tmp/s0"}],
+            "gateway_endpoint": "ipc:///tmp/g"}
+    assert cluster_from_dict({**base, "expert_prefetch_min_batch": 1}).expert_prefetch_min_batch == 1
+    with pytest.raises(ClusterConfigError, match="expert_prefetch_min_batch"):
+        cluster_from_dict({**base, "expert_prefetch_min_batch": 0})
+    assert Prefetch.allocate(2, 4, 8, 2, 16, torch.float32, torch.device("cpu"), min_tokens=3).min_tokens == 3
+    assert Prefetch.allocate(2, 4, 8, 2, 16, torch.float32, torch.device("cpu")).min_tokens == 1
 
 
 def test_prefetch_counters_reach_metrics():

@@ -55,6 +55,7 @@ class LoadOptions:
     expert_move_claims: int = 1               # ... C claims a layer a step: 2C spare slots (expert_move_claims)
     expert_prefetch: int = 0                  # ... P prefetch slots a table, a layer ahead (expert_prefetch)
     expert_prefetch_top: int = 0              # ... from each token's best this many predictions (0: top-k)
+    expert_prefetch_min_batch: int = 1        # ... at decode steps of at least this many tokens
     packed_experts: bool = True               # INT4 / FP4 checkpoints' routed experts stay packed (packed_experts.py)
     packed_dense: bool = True                 # INT4/6/8 plain-linear weights stay packed (model/quant_linear.py)
     packed_qkv: bool = True                   # ... attention's q/k/v among them (else dequantized at load)
@@ -105,7 +106,8 @@ def build_empty(cfg: HybridMoeConfig, opts: LoadOptions,
     # (INT4 experts kept packed: their words and scales, at the packed size; float8 experts: bytes and block scales)
     model.experts = attach_tables(model, opts.cold_experts, opts.device, vmm=opts.expert_vmm_table,
                                   spares=opts.expert_move_async, claims=opts.expert_move_claims,
-                                  prefetch=opts.expert_prefetch, prefetch_top=opts.expert_prefetch_top) \
+                                  prefetch=opts.expert_prefetch, prefetch_top=opts.expert_prefetch_top,
+                                  prefetch_min_batch=opts.expert_prefetch_min_batch) \
         if opts.cold_experts else None
     model = _to_empty(model, opts.device)
     for m in model.modules():      # non-persistent buffers come back uninitialised from to_empty

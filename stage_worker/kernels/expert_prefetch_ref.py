@@ -53,11 +53,14 @@ class Prefetch:
     armed: bool = field(default=False)
     # each token's best `top` predicted experts are candidates (`expert_prefetch_top`; the layer's top-k by default)
     top: int = 0
+    # decode steps of fewer tokens do not predict (`expert_prefetch_min_batch`: at one token the launches cost more
+    # than the reads they save)
+    min_tokens: int = 1
 
     @classmethod
     def allocate(cls, slots: int, first: int, experts: int, top_k: int, max_tokens: int, dtype: torch.dtype,
                  device: torch.device, issued: torch.Tensor | None = None,
-                 hits: torch.Tensor | None = None, top: int = 0) -> "Prefetch":
+                 hits: torch.Tensor | None = None, top: int = 0, min_tokens: int = 1) -> "Prefetch":
         """Zeroed state on `device`; `issued` / `hits` int64 [1] (views of a stage's per-layer counters) or new."""
         def z(*shape, dt=torch.int32):
             return torch.zeros(*shape, dtype=dt, device=device)
@@ -66,7 +69,8 @@ class Prefetch:
                    first=first, hits=z(1, dt=torch.int64) if hits is None else hits,
                    issued=z(1, dt=torch.int64) if issued is None else issued, lock=z(1),
                    logits=z(max_tokens, experts, dt=dtype), weights=z(max_tokens, top_k, dt=torch.float32),
-                   ids=z(max_tokens, top_k), top=min(top, top_k) if top > 0 else top_k)
+                   ids=z(max_tokens, top_k), top=min(top, top_k) if top > 0 else top_k,
+                   min_tokens=max(1, min_tokens))
 
     @property
     def slots(self) -> int:

@@ -343,7 +343,7 @@ class SparseMoE(nn.Module):
         nxt = None if self._prefetch_to is None else self._prefetch_to[0]
         t = None if nxt is None else nxt.table
         pf = None if t is None else t.prefetch
-        if pf is None or not x2.is_cuda or x2.shape[0] > pf.max_tokens:
+        if pf is None or not x2.is_cuda or not pf.min_tokens <= x2.shape[0] <= pf.max_tokens:
             return None
         from stage_worker.kernels.common import side_stream
         from stage_worker.kernels.expert_prefetch import predict
