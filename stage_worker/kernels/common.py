@@ -173,8 +173,9 @@ def side_stream(device: torch.device | int, name: str = "side") -> torch.cuda.St
     """A second stream per CUDA device (and `name`), for decode launches that can run beside the main chain (kernel
     flag `side_stream`): a small launch that cannot fill the GPU alone runs while another does. Every use forks from
     the current stream first (`side.wait_stream(main)`) and the main stream joins it before reading its output;
-    inside a CUDA-graph capture that makes a parallel branch of the graph. `name` "prefetch": the layer-ahead expert
-    copies (`expert_prefetch`), joined only at the end of a forward, so the side stream's joins never wait for them."""
+    inside a CUDA-graph capture that makes a parallel branch of the graph. `name` "predict": the layer-ahead
+    prediction (`expert_prefetch`), joined after the layer's expert launches; "prefetch": its expert copies, joined
+    only at the end of a forward, so no other join waits for them."""
     index = cuda_index(device)
     if (index, name) not in _side_streams:
         _side_streams[index, name] = torch.cuda.Stream(device=index)

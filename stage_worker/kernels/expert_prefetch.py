@@ -1,7 +1,7 @@
 """Layer-ahead expert prefetch (issue 16, `expert_prefetch`): the predict and copy launches; the redirect is in the
 router kernel (`moe._route_row`'s PF). What and why: `expert_prefetch_ref.py` (the references and the state).
 
-`predict` (one launch on a side stream, beside layer L's router): the next MoE layer's router GEMV on L's input
+`predict` (one launch on the device's "predict" stream, beside layer L's router and experts): the next MoE layer's router GEMV on L's input
 (`moe.router_logits`, programs of PREDICT_CFG rows), and the last program to finish (`split_reduce.last_of`) ranks
 each token's best `Prefetch.top` (`moe._route_row`, through the next layer's slot map; a graph's padding rows select
 nothing; `expert_prefetch_top`, by default the layer's top-k) and
@@ -15,9 +15,9 @@ every part of host slot `slot[p]`'s rows into prefetch slot `first + p`; the las
 next layer routes is simply not used: that layer reads the host slot over PCIe as without the prefetch. So a wrong
 guess costs PCIe bandwidth beside the step, never a wait.
 
-Ordering, per step: the predict launch forks from the forward's stream and that stream joins it before layer L's
-down launch (bf16 experts: after L's expert launches), so the next layer's router never sees a `ready` of an earlier step; the copy stream forks after the
-predict launch's join (after layer L's experts) and is joined by the forward's stream at the end of the stage's
+Ordering, per step: the predict launch forks from the forward's stream and that stream joins it after layer L's
+expert launches, so the next layer's router never sees a `ready` of an earlier step (and L's down launch waits for
+nothing of the prefetch's); the copy stream forks after that join and is joined by the forward's stream at the end of the stage's
 forward (`StageModel.forward`), so no copy of step t runs into step t + 1. Tests: tests/test_expert_prefetch.py (CPU
 under TRITON_INTERPRET=1).
 """

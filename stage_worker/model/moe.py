@@ -176,7 +176,7 @@ class SparseMoE(nn.Module):
                                           "slot_map": t.slot_map, "claim": t.claimed()}
             extra["valid"] = self.valid_rows
             # `expert_prefetch`: the prediction for the next layer beside this one's launches, joined after them
-            predicted = self._prefetch_next(x.reshape(-1, x.shape[-1]), None)
+            predicted = self._prefetch_next(x.reshape(-1, x.shape[-1]))
             fused = self._fused_shared()
             if fused is not None:
                 router, shared = fused
@@ -309,7 +309,7 @@ class SparseMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 gate_up = quant_gemv(x2, packed[0], fma=fma, wide=wide)
-        predicted = self._prefetch_next(x2, side)
+        predicted = self._prefetch_next(x2)
         weights, ids = router_route(x2, router, k, self.renormalise, shared=True, counts=counts,
                                     valid=self.valid_rows, slot_map=None if self.table is None else self.table.slot_map,
                                     fused=self.kernels.fused_router)
@@ -324,22 +324,24 @@ class SparseMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared_out = quant_gemv(gate_up, packed[1], swiglu=weights[:, k], fma=fma, wide=wide)
-        join = side or predicted
         out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out,
-                                  before_down=None if join is None else
-                                  lambda: torch.cuda.current_stream(x2.device).wait_stream(join))
+                                  before_down=None if side is None else
+                                  lambda: torch.cuda.current_stream(x2.device).wait_stream(side))
         if predicted is not None:
+            # joined after the down launch, not before it: the down waits for the shared expert only
+            torch.cuda.current_stream(x2.device).wait_stream(predicted)
             self._prefetch_copy()
         self.last_expert_ids = ids[:, :k]
         return out
 
-    def _prefetch_next(self, x2: torch.Tensor, side) -> torch.cuda.Stream | None:
-        """`expert_prefetch`: on a side stream (`side`, the shared expert's, else the device's side stream forked
-        here), the next MoE layer's router on this layer's input names its likely host experts
-        (`expert_prefetch.predict`). The caller joins the returned stream before this layer's down launch (the
-        prediction clears the next layer's `ready` flags before its router reads them) and calls `_prefetch_copy`
-        after its expert launches; None when nothing was launched. The next layer's router redirects only within
-        this forward (`Prefetch.armed`)."""
+    def _prefetch_next(self, x2: torch.Tensor) -> torch.cuda.Stream | None:
+        """`expert_prefetch`: on the device's "predict" stream, forked here, the next MoE layer's router on this
+        layer's input names its likely host experts (`expert_prefetch.predict`). The caller joins the returned
+        stream after this layer's expert launches (the prediction clears the next layer's `ready` flags before its
+        router reads them; x2 stays alive until then), then calls `_prefetch_copy`; None when nothing was launched.
+        Its own stream, not the shared expert's: queued there (as in h100-39/40) it ran before the shared expert's
+        down GEMV, which this layer's down launch waits for (a suspect for the prefetch's cost at batch 1, not timed
+        apart). The next layer's router redirects only within this forward (`Prefetch.armed`)."""
         nxt = None if self._prefetch_to is None else self._prefetch_to[0]
         t = None if nxt is None else nxt.table
         pf = None if t is None else t.prefetch
@@ -348,10 +350,8 @@ class SparseMoE(nn.Module):
         from stage_worker.kernels.common import side_stream
         from stage_worker.kernels.expert_prefetch import predict
 
-        stream = side
-        if stream is None:
-            stream = side_stream(x2.device)
-            stream.wait_stream(torch.cuda.current_stream(x2.device))
+        stream = side_stream(x2.device, "predict")
+        stream.wait_stream(torch.cuda.current_stream(x2.device))
         with torch.cuda.stream(stream):
             predict(x2, nxt.gate.weight, pf.top, pf, t.hot, slot_map=t.slot_map,
                     valid=self.valid_rows)
@@ -438,7 +438,7 @@ class SparseMoE(nn.Module):
         if self._prefetch_to is not None and self.gate.weight.is_cuda:
             from stage_worker.kernels.common import side_stream
 
-            for name in ("side", "prefetch"):           # made now, never first inside a graph capture
+            for name in ("side", "predict", "prefetch"):   # made now, never first inside a graph capture
                 side_stream(self.gate.weight.device, name)
         if self.kernels.fused_router and self.gate.weight.is_cuda:
             from stage_worker.kernels.moe import router_lock
