@@ -117,7 +117,7 @@ def _stage_c(E: int, hots_live: list[int], C: int):
 
 @pytest.mark.parametrize("C", [2, 4])
 def test_claim_round_kernel_with_c_claims_matches_the_reference(C):
-    """`claim_round` with C claims a layer a step (state [L, 4C]) against `claim_round_ref` over 36 rounds of random
+    """`claim_round` with C claims a layer a step (state [L, 4C]) against `claim_round_ref` over 12 rounds of random
     counts and up to C distinct claims a layer (only where a free slot backs the entry, as the router claims): the
     same tables bit for bit; up to C moves a layer a round, C at once seen; C distinct victims, each with its own
     host slot; the free list compact; the slot map a bijection onto the live slots throughout (a layer with two live
@@ -128,7 +128,7 @@ def test_claim_round_kernel_with_c_claims_matches_the_reference(C):
     ker = {k: v.clone().to(DEV) for k, v in ref.items()}
     order = ["counts", "expert_of_slot", "slot_map", "hot", "moves", "state", "claim", "threshold"]
     most = 0
-    for r in range(36):
+    for r in range(12):         # C moves in one round by the third, 50+ moves in all (each round a launch to interpret)
         inc = torch.randint(0, 3, ref["counts"].shape, generator=g).float()
         ref["counts"] += inc
         ker["counts"] += inc.to(DEV)
@@ -250,7 +250,7 @@ def test_four_tokens_claim_up_to_four_distinct_host_slots(held):
 def test_kernels_end_to_end_with_four_claims_at_four_tokens():
     """The GPU path of C = 4 claims with its kernels only (under the interpreter without CUDA): a layer of 16
     experts, 6 on the device, 8 spares, 10 in host memory; 4 tokens a step routed by the route kernel through the
-    slot map (claiming), the bf16 decode kernels (storing the claims), then `claim_round` and `write_back`, 24
+    slot map (claiming), the bf16 decode kernels (storing the claims), then `claim_round` and `write_back`, 12
     steps. Every step's output equals the kernels' on the plain table (router indices as experts); some round moves
     more than one expert, none more than four; every live slot holds its expert's rows throughout."""
     from stage_worker.kernels.moe import fused_moe
@@ -278,7 +278,7 @@ def test_kernels_end_to_end_with_four_claims_at_four_tokens():
     plans = [M.SwapPlan.build(RowSet([d], [h], [hot]), torch.device(DEV)) for d, h in ((dev13, host.w13),
                                                                                       (dev2, host.w2))]
     most = 0
-    for step in range(24):
+    for step in range(12):        # some 20 moves, several rounds of more than one (each step seven launches to interpret)
         logits = torch.randn(T, E, generator=g).to(DEV)
         logits[:, live:] += 1.0                            # the host experts chosen often: claims pass
         rc = RouteCounts(counts[0], reads, hot, claim[0], thr, state[0, :C])
@@ -329,10 +329,13 @@ def test_demo_model_with_moves_off_the_forward_serves_the_same_greedy_tokens(dem
     fingerprints_hold(model, plain)
 
 
-def test_thousands_of_rounds_off_the_forward_keep_every_row_its_own_expert(demo):
-    d, cfg = demo
-    plain = load_model(d, LoadOptions(), cfg)
-    model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4), expert_move_async=True), cfg)
+def test_thousands_of_rounds_off_the_forward_keep_every_row_its_own_expert(tiny_checkpoint):
+    """2000 rounds of the reference path over random counts and claims, every slot its own expert after them: on
+    the tiny checkpoint (6 tables of 16 experts), whose rounds cost under half the demo model's (8 of 32)."""
+    cfg = load_config(tiny_checkpoint)
+    plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
+    model = load_model(tiny_checkpoint, LoadOptions(cold_experts=random_cold(cfg, 0.25, seed=4),
+                                                    expert_move_async=True), cfg)
     assert random_move_rounds(model, 2000) >= 1000
     fingerprints_hold(model, plain)
 
