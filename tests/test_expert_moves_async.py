@@ -340,15 +340,16 @@ def test_thousands_of_rounds_off_the_forward_keep_every_row_its_own_expert(tiny_
     fingerprints_hold(model, plain)
 
 
-def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no_token(demo):
+def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no_token(tiny_checkpoint):
     """C = 4 claims a layer a step (`expert_move_claims`, 8 spares a table): four streams decoding together (a CPU
     cluster's path: `claims_ref`, `copy_claimed`, `claim_round_ref`, `write_back_ref`) with a round after every
     step serve each stream's all-in-VRAM greedy tokens; some layer moves more than one expert in a round, none
-    more than four; then thousands of random rounds leave every slot holding its own expert."""
+    more than four; then a thousand random rounds leave every slot holding its own expert. On the tiny checkpoint
+    (6 tables of 16 experts: rounds under half the demo model's cost)."""
     from stage_worker.expert_offload import gates
     from stage_worker.local_engine import LocalEngine
 
-    d, cfg = demo
+    d, cfg = tiny_checkpoint, load_config(tiny_checkpoint)
     plain = load_model(d, LoadOptions(), cfg)
     model = load_model(d, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=2), expert_move_async=True,
                                       expert_move_claims=4), cfg)
