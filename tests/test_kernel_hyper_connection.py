@@ -98,18 +98,19 @@ def test_mix_kernels_match_reference(dtype, rows, hidden, hc, rank, inject):
             assert_bf16_close(got, want, 0.02)
 
 
-@pytest.mark.parametrize("splits,rows,int8", [
-    (2, 1, False), (2, 1, True), (3, 3, False), (3, 3, True),
-    (6, 5, False),      # the largest config bucket (16: more than 4 rows), one partial row block
-    (5, 17, True),      # two row blocks (the second holds one row): a counter a tile and row block
+@pytest.mark.parametrize("splits,rows,int8,rank", [
+    (2, 1, False, 12), (2, 1, True, 12), (3, 3, False, 12), (3, 3, True, 12),
+    (6, 5, False, 12),      # the largest config bucket (16: more than 4 rows), one partial row block
+    (5, 17, True, 4),       # two row blocks (the second holds one row): a counter a tile and row block
 ], ids=["2-1-bf16", "2-1-int8", "3-3-bf16", "3-3-int8", "6-5-bf16", "5-17-int8"])
-def test_down_split_over_inputs_matches_reference(monkeypatch, splits, rows, int8):
+def test_down_split_over_inputs_matches_reference(monkeypatch, splits, rows, int8, rank):
     """The down GEMV with its inputs cut over several programs a tile (the last adds the partial sums): the
     reference's values, the injection rows too, and the same result on a second call (the counters are left at 0).
     3 slices of 4 x 40 inputs do not divide evenly; 6 (of 32 each) leave the last with nothing to read. bf16 and
     INT8 weights share the split's sums and counters: two row blocks (17 rows, the costliest case under the
-    interpreter) are checked on INT8 alone."""
-    hidden, hc, rank = 40, 4, 12
+    interpreter) are checked on INT8 alone, at rank 4 (two down tiles and two injection tiles, each with a counter
+    per row block: half rank 12's programs)."""
+    hidden, hc = 40, 4
     cfg = K.DOWN_CFG_Q8 if int8 else K.DOWN_CFG
     for bucket in (1, 4, 16):
         monkeypatch.setitem(cfg, bucket, (2, 32, 4, splits))
