@@ -278,7 +278,7 @@ def test_kernels_end_to_end_with_four_claims_at_four_tokens():
     plans = [M.SwapPlan.build(RowSet([d], [h], [hot]), torch.device(DEV)) for d, h in ((dev13, host.w13),
                                                                                       (dev2, host.w2))]
     most = 0
-    for step in range(12):        # some 20 moves, several rounds of more than one (each step seven launches to interpret)
+    for step in range(12):        # some 20 moves, several rounds of more than one (a step: seven interpreted launches)
         logits = torch.randn(T, E, generator=g).to(DEV)
         logits[:, live:] += 1.0                            # the host experts chosen often: claims pass
         rc = RouteCounts(counts[0], reads, hot, claim[0], thr, state[0, :C])
@@ -345,7 +345,7 @@ def test_four_claims_at_batch_four_move_up_to_four_experts_a_round_and_change_no
     cluster's path: `claims_ref`, `copy_claimed`, `claim_round_ref`, `write_back_ref`) with a round after every
     step serve each stream's all-in-VRAM greedy tokens; some layer moves more than one expert in a round, none
     more than four; then a thousand random rounds leave every slot holding its own expert. On the tiny checkpoint
-    (6 tables of 16 experts: rounds under half the demo model's cost)."""
+    (6 tables of 16 experts against the demo model's 8 of 32: half the CPU time)."""
     from stage_worker.expert_offload import gates
     from stage_worker.local_engine import LocalEngine
 
