@@ -403,7 +403,7 @@ def test_last_pass_ranks_each_long_row_once(short, monkeypatch):
     budget, n, k = 24, 100, 6
     g = torch.Generator().manual_seed(11)
     keys = torch.full((5, n), 1000, dtype=torch.int32)
-    keys[0, [3, 40, 77, 98]] = 2000                     # 4 above: 2 of the ties taken, from tiles 0 and 1
+    keys[0, [3, 40, 77, 98]] = 2000                     # 4 above: 2 of the ties taken (blocks 0 and 1: tile 0)
     keys[1, [12, 13]] = 3000
     keys[2] = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32) * 1000     # 2000s, then 1000s
     keys[3, 90:] = 5000                                 # the larger keys in the last tiles
