@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import moepipe as moepipe_here
 from gateway.cli import build_parser, serve_options
 from shared.cluster_config import (ClusterConfig, ClusterConfigError, StageSpec, env_overrides, load_cluster_config,
                                    parse_names)
@@ -124,25 +125,28 @@ def test_ipv6_urls_are_bracketed():
 
 
 def test_outputs_that_cannot_be_written_are_one_line(tmp_path):
-    """make-model / keys into a file or under one: FileExistsError, NotADirectoryError tracebacks."""
+    """make-model / keys into a file or under one: FileExistsError, NotADirectoryError tracebacks. Run in this
+    process by the subcommand's own command module (conftest's `moepipe`: its error handling, not a fresh Python
+    and torch import a call); a traceback there is an exception out of its `main`, which fails the test."""
     f = tmp_path / "file"
     f.write_text("x")
-    one_line(moepipe("keys", "--out", str(f / "sub")), str(f))
-    one_line(moepipe("make-model", "--preset", "tiny", "--out", str(f)), "not a directory")
+    one_line(moepipe_here("keys", "--out", str(f / "sub")), str(f))
+    one_line(moepipe_here("make-model", "--preset", "tiny", "--out", str(f)), "not a directory")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    one_line(moepipe("make-model", "--preset", "tiny", "--out", str(other)), "not empty", "notes.txt")
-    one_line(moepipe("make-model", "--preset", "tiny", "--out", ""), "empty")
+    one_line(moepipe_here("make-model", "--preset", "tiny", "--out", str(other)), "not empty", "notes.txt")
+    one_line(moepipe_here("make-model", "--preset", "tiny", "--out", ""), "empty")
 
 
 def test_make_model_rewrites_its_own_checkpoint_whole(tmp_path):
-    """Over an earlier make-model checkpoint nothing of the old one is left (its PLE table loaded a stale shape)."""
+    """Over an earlier make-model checkpoint nothing of the old one is left (its PLE table loaded a stale shape).
+    (make-model in this process, by its command module: conftest's `moepipe`.)"""
     out = tmp_path / "m"
-    assert moepipe("make-model", "--preset", "tiny", "--out", str(out)).returncode == 0
+    assert moepipe_here("make-model", "--preset", "tiny", "--out", str(out)).returncode == 0
     (out / "ple_table.layer3.bin").write_bytes(b"stale")
     (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")     # a sharded (> 2 GiB) earlier output
-    r = moepipe("make-model", "--preset", "tiny", "--out", str(out), "--seed", "1")
+    r = moepipe_here("make-model", "--preset", "tiny", "--out", str(out), "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert not (out / "ple_table.layer3.bin").exists() and json.loads((out / "config.json").read_text())
     assert not (out / "model-00001-of-00002.safetensors").exists()
