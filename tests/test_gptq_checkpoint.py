@@ -182,13 +182,19 @@ def _reference(path: Path):
                                                 dtype=torch.float32).eval()
 
 
-def _check_against_reference(qdir: Path, stages_of) -> list:
-    """moepipe's log-probabilities of PROMPT and STEPS greedy tokens against transformers on `qdir`.ref."""
+def _oracle(qdir: Path) -> tuple[list[int], torch.Tensor]:
+    """transformers on `qdir`.ref: PROMPT and STEPS greedy tokens, and the log-probabilities after each."""
     ref = _reference(Path(f"{qdir}.ref"))
     ids = list(PROMPT)
     for _ in range(STEPS):
         ids.append(int(reference_logits(ref, ids)[-1].argmax()))
-    want = torch.log_softmax(reference_logits(ref, ids), -1)
+    return ids, torch.log_softmax(reference_logits(ref, ids), -1)
+
+
+def _check_against_reference(qdir: Path, stages_of, oracle: tuple[list[int], torch.Tensor] | None = None) -> list:
+    """moepipe's log-probabilities of PROMPT and STEPS greedy tokens against transformers on `qdir`.ref (`oracle`:
+    `_oracle(qdir)` already computed, for a second layout of the same files)."""
+    ids, want = oracle or _oracle(qdir)
     stages = stages_of(qdir)
     engine = LocalEngine(stages, max_seqs=1, max_tokens=64)
     engine.add(0)
@@ -252,7 +258,8 @@ def test_a_symmetric_int4_release_loads_with_its_experts_packed(family, original
     assert headers[f"{name}.weight_packed"][0] == (32, 2) and f"{name}.weight_zero_point" not in headers
     assert f"{name}.qweight" not in headers and f"{name}.weight_g_idx" not in headers
     n = json.loads((qdir / "config.json").read_text())["num_hidden_layers"]
-    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    oracle = _oracle(qdir)                      # one transformers run for the whole model and the two stages
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))], oracle)
     moes = stages[0].moe_layers()
     assert moes and all(m.packed_group == 16 and m.q13.dtype == torch.int32 for m in moes.values())
     kept = [n for n, m in stages[0].named_modules() if isinstance(m, PackedLinear)]
@@ -261,7 +268,7 @@ def test_a_symmetric_int4_release_loads_with_its_experts_packed(family, original
         assert next(iter(moes.values())).packed().s13.dtype == torch.float16
         _packed_kernels_match_their_reference(next(iter(moes.values())))
     _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32, start=s, end=e))
-                                              for s, e in ((0, n // 2), (n // 2, n))])
+                                              for s, e in ((0, n // 2), (n // 2, n))], oracle)
 
 
 def test_asymmetric_activation_ordered_and_overridden_modules_load(originals, tmp_path):
@@ -291,7 +298,8 @@ def test_asymmetric_int4_experts_stay_packed_with_their_zero_points(originals, t
     qdir = write_gptq(originals["qwen4_exp"], tmp_path / "q", _gptq_config(sym=False), lambda m: 4, sym=False,
                       act_order=False, group=16)
     n = json.loads((qdir / "config.json").read_text())["num_hidden_layers"]
-    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))])
+    oracle = _oracle(qdir)                      # one transformers run for the whole model and the two stages
+    stages = _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32))], oracle)
     moes = stages[0].moe_layers()
     assert moes and all(m.packed_group == 16 and m.packed().asym for m in moes.values())
     ex = next(iter(moes.values())).packed()
@@ -299,7 +307,7 @@ def test_asymmetric_int4_experts_stay_packed_with_their_zero_points(originals, t
     assert zeros.min() >= -8 and zeros.max() <= 7 and len(zeros.unique()) > 4 and torch.equal(zeros, zeros.round())
     _packed_kernels_match_their_reference(next(iter(moes.values())))
     _check_against_reference(qdir, lambda d: [load_model(d, LoadOptions(dtype=torch.float32, start=s, end=e))
-                                              for s, e in ((0, n // 2), (n // 2, n))])
+                                              for s, e in ((0, n // 2), (n // 2, n))], oracle)
 
 
 def _shard(qdir: Path, second: set[str]) -> None:
