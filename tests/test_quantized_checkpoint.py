@@ -49,6 +49,33 @@ def originals(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def quantized(originals, tmp_path_factory):
+    """(family, scheme) -> (directory, summary): `quantize_checkpoint(originals[family], directory, scheme)`, written
+    once for the module (several tests read the same checkpoint; none writes into it)."""
+    made: dict[tuple[str, str], tuple[Path, dict]] = {}
+
+    def get(family: str, scheme: str) -> tuple[Path, dict]:
+        if (family, scheme) not in made:
+            qdir = tmp_path_factory.mktemp(f"{family}_{scheme}") / "q"
+            made[family, scheme] = qdir, quantize_checkpoint(originals[family], qdir, scheme)
+        return made[family, scheme]
+    return get
+
+
+@pytest.fixture(scope="module")
+def original_logits(originals):
+    """family -> transformers' logits of PROMPT on the float original (the "quantization is real" checks), computed
+    once for the module."""
+    made: dict[str, torch.Tensor] = {}
+
+    def get(family: str) -> torch.Tensor:
+        if family not in made:
+            made[family] = reference_logits(_reference(originals[family]), PROMPT)
+        return made[family]
+    return get
+
+
 def _decompress_with_the_library(qdir: Path, out: Path) -> None:
     """The oracle's weights: every quantized module as the compressed-tensors library decompresses it."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
@@ -121,10 +148,9 @@ def _library_greedy(qdir: Path, dense: Path) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.mark.parametrize("family,scheme", CASES)
-def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals,
-                                                                                  tmp_path):
-    qdir = tmp_path / "q"
-    summary = quantize_checkpoint(originals[family], qdir, scheme)
+def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, quantized,
+                                                                                  original_logits, tmp_path):
+    qdir, summary = quantized(family, scheme)
     assert summary["bytes_out"] < summary["bytes_in"]
     config = json.loads((qdir / "config.json").read_text())
     with safe_open(qdir / "model.safetensors", "pt") as f:
@@ -151,7 +177,7 @@ def test_quantized_checkpoint_matches_transformers_on_the_librarys_decompression
             assert (torch.log_softmax(logits[-1], -1) - want_lp[len(PROMPT) + i]).abs().max() < TOL
     assert got == ids[len(PROMPT):]
     # and the quantization is real: the original float model's logits are elsewhere
-    orig = reference_logits(_reference(originals[family]), PROMPT)
+    orig = original_logits(family)
     assert (torch.log_softmax(orig, -1) - want_lp[: len(PROMPT)]).abs().max() > 1e-3
 
 
@@ -218,7 +244,8 @@ def _wide_experts(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("family,scheme", [("qwen4_exp", "nvfp4"), ("qwen3_next", "nvfp4"), ("qwen3_next", "mxfp4"),
                                            ("wide", "mxfp4")])
-def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, originals, tmp_path):
+def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(family, scheme, quantized,
+                                                                          original_logits, tmp_path):
     """NVFP4A16 / MXFP4A16 (llm-compressor's releases of this family: experts, attention, DeltaNet and shared-expert
     projections in FP4, the router and norms in float), written by the library's own FP4 compressor: moepipe keeps
     the routed experts packed (E2M1 words, float32 scales: the INT4 expert kernels' FP4 form) and dequantizes the
@@ -227,9 +254,11 @@ def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(famil
     (packed_experts off)."""
     from stage_worker.model.quant_linear import PackedLinear
 
-    qdir = tmp_path / "q"
-    original = _wide_experts(tmp_path) if family == "wide" else originals[family]
-    quantize_checkpoint(original, qdir, scheme)
+    if family == "wide":
+        qdir, original = tmp_path / "q", _wide_experts(tmp_path)
+        quantize_checkpoint(original, qdir, scheme)
+    else:
+        qdir = quantized(family, scheme)[0]
     q = json.loads((qdir / "config.json").read_text())["quantization_config"]
     strategy, group, scale_dtype = FP4_SCHEMES[scheme]
     assert q["format"] == f"{scheme}-pack-quantized"
@@ -267,7 +296,7 @@ def test_fp4_checkpoint_matches_transformers_on_the_librarys_decompression(famil
         assert (torch.log_softmax(got, -1) - want).abs().max() < TOL
         outs.append(got)
     assert (outs[0] - outs[2]).abs().max() < 1e-5 and (outs[1] - outs[2]).abs().max() < 1e-5
-    orig = reference_logits(_reference(original), PROMPT)
+    orig = reference_logits(_reference(original), PROMPT) if family == "wide" else original_logits(family)
     assert (torch.log_softmax(orig, -1) - want[: len(PROMPT)]).abs().max() > 1e-3      # the quantization is real
 
 
@@ -337,13 +366,12 @@ def test_quantize_command_writes_and_names_what_it_cannot_do(originals, tmp_path
 
 @pytest.mark.parametrize("family,scheme", [("qwen4_exp", "reports-mixed"), ("qwen3_next", "int4-experts"),
                                            ("qwen3_next", "int4-experts-asym")])
-def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family, scheme, originals, tmp_path):
+def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family, scheme, quantized):
     """The routed experts of an INT4 checkpoint stay in their words and scales (a quarter of the bf16 bytes; with
     zero points, W4A16_ASYM, beside the scales) and the model's logits equal those of the same checkpoint
     dequantized at load (packed_experts off); split into two stages too (each stage skips the other's packed
     tensors)."""
-    qdir = tmp_path / "q"
-    quantize_checkpoint(originals[family], qdir, scheme)
+    qdir = quantized(family, scheme)[0]
     packed = load_model(qdir, LoadOptions(dtype=torch.float32))
     moes = packed.moe_layers()
     assert moes and all(m.packed_group and m.packed().asym == scheme.endswith("asym") for m in moes.values())
@@ -366,15 +394,14 @@ def test_int4_experts_stay_packed_and_give_the_dequantized_models_logits(family,
 
 
 @pytest.mark.parametrize("scheme", ["reports-mixed", "int4-experts-asym"])
-def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path, scheme):
+def test_the_memory_plan_counts_packed_weights_at_their_size(quantized, scheme):
     """A GPU stage of a reports-mixed checkpoint is planned at what the loader keeps: its packed INT4 experts' and
     packed dense layers' words and scales (a model that fits only quantized must not be refused for its bf16
     size), the rest in the compute dtype; asymmetric INT4 experts with their zero points."""
     from shared.cluster_config import ClusterConfig, StageSpec
     from stage_worker.memory_needs import stage_needs
 
-    qdir = tmp_path / "q"
-    quantize_checkpoint(originals["qwen4_exp"], qdir, scheme)
+    qdir = quantized("qwen4_exp", scheme)[0]
     cfg = load_config(qdir)
     n = cfg.num_hidden_layers
     cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
@@ -394,7 +421,7 @@ def test_the_memory_plan_counts_packed_weights_at_their_size(originals, tmp_path
     assert (planned < dense_only) == (scheme == "reports-mixed")
 
 
-def test_the_memory_plan_counts_fp4_weights_as_loaded(originals, tmp_path):
+def test_the_memory_plan_counts_fp4_weights_as_loaded(quantized):
     """An NVFP4 checkpoint's routed experts stay packed (E2M1 words and float32 scales) and its other modules are
     dequantized at load (no dense FP4 kernel), so a GPU stage is planned at what the loader holds: the experts at
     their packed size, the rest in the compute dtype whatever the dense switches say (planning those at their packed
@@ -402,8 +429,7 @@ def test_the_memory_plan_counts_fp4_weights_as_loaded(originals, tmp_path):
     from shared.cluster_config import ClusterConfig, StageSpec
     from stage_worker.memory_needs import stage_needs
 
-    qdir = tmp_path / "q"
-    quantize_checkpoint(originals["qwen4_exp"], qdir, "nvfp4")
+    qdir = quantized("qwen4_exp", "nvfp4")[0]
     cfg = load_config(qdir)
     cluster = ClusterConfig(model=str(qdir), gateway_endpoint="", max_num_seqs=2, block_size=16, dtype="float32",
                             stages=[StageSpec(0, cfg.num_hidden_layers, "", "cuda:0")], packed_dense=True,
@@ -445,14 +471,13 @@ def test_moepipe_serve_runs_a_quantized_checkpoint_on_two_stages(tiny_checkpoint
     assert res.choices[0].text == solo.text and res.usage.completion_tokens == 10
 
 
-def test_a_released_multimodal_layout_with_exact_name_targets_loads(originals, tmp_path):
+def test_a_released_multimodal_layout_with_exact_name_targets_loads(quantized, tmp_path):
     """Released Qwen3.5 checkpoints name their tensors `model.language_model.layers...`, and a quantizer that
     targets modules by exact name writes those names into the config; the loader (which maps the prefix away)
     still finds each module's scheme, packed INT4 experts included."""
     from safetensors.torch import load_file
 
-    qdir, moved = tmp_path / "q", tmp_path / "moved"
-    quantize_checkpoint(originals["qwen3_next"], qdir, "int4-experts")
+    qdir, moved = quantized("qwen3_next", "int4-experts")[0], tmp_path / "moved"
     moved.mkdir()
     tensors = load_file(qdir / "model.safetensors")
     save_file({k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
@@ -495,7 +520,7 @@ def _logits_of(stages, steps: int) -> tuple[torch.Tensor, list[int]]:
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp", "qwen3_next"])
-def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, originals, tmp_path, monkeypatch):
+def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family, quantized, monkeypatch):
     """A reports-mixed checkpoint keeps its plain-linear INT6/INT8 layers packed (q/k/v, o_proj, out_proj, the
     shared expert beside INT4 experts, a dense MLP, lm_head, and Qwen4-Exp's DeltaNet in-projections, which decode
     reads as one packed weight, and its INT8 hyper-connection down / up; Qwen3-Next's grouped in-projections
@@ -506,8 +531,7 @@ def test_dense_layers_stay_packed_and_give_the_dequantized_models_logits(family,
     from stage_worker.kernels.quant_gemv_ref import PackedWeight
     from stage_worker.model.quant_linear import PackedLinear
 
-    qdir = tmp_path / "q"
-    quantize_checkpoint(originals[family], qdir, "reports-mixed")
+    qdir = quantized(family, "reports-mixed")[0]
     packed = load_model(qdir, LoadOptions(dtype=torch.float32))
     kept = {n: m for n, m in packed.named_modules() if isinstance(m, PackedLinear)}
     cfg = packed.cfg
@@ -632,7 +656,8 @@ def test_a_dummy_reports_mixed_model_packs_the_plain_linear_sites(tiny_checkpoin
 
 
 @pytest.mark.parametrize("fmt,kind", [("float-quantized", "float"), ("int-quantized", "int")])
-def test_one_value_an_element_formats_load_as_the_library_decompresses(fmt, kind, originals, tmp_path):
+def test_one_value_an_element_formats_load_as_the_library_decompresses(fmt, kind, originals, original_logits,
+                                                                       tmp_path):
     """compressed-tensors' unpacked formats, written by the library's own compressors: FP8 weight-only per channel
     (`float-quantized`: `weight` float8 + `weight_scale`) and INT8 per channel (`int-quantized`: `weight` int8 +
     `weight_scale`). Both were refused as "weight_packed or weight_scale missing" (QA, 2026-12-05); the logits now
@@ -677,5 +702,5 @@ def test_one_value_an_element_formats_load_as_the_library_decompresses(fmt, kind
     engine.add(0)
     got = torch.log_softmax(engine.step([(0, PROMPT)], all_logits=True), -1)
     assert (got - want).abs().max() < TOL
-    orig = reference_logits(_reference(src), PROMPT)
+    orig = original_logits("qwen3_next")
     assert (torch.log_softmax(orig, -1) - want).abs().max() > 1e-4         # the quantization is real
