@@ -296,9 +296,23 @@ def test_gpu_stage_with_host_experts_graphs_and_moves_serves_the_same_greedy_tok
 
 # ---- served --------------------------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def host_experts_case(tiny_checkpoint, tmp_path_factory):
+    """What the three served cases share: the tiny checkpoint's config, its cold-set file (half of every layer's
+    experts in host RAM; the stages only read it), the prompts, and the all-in-VRAM model's greedy tokens and
+    log-probabilities for them (in process), made once for the module."""
+    cfg = load_config(tiny_checkpoint)
+    f = cold_set.write(tmp_path_factory.mktemp("cold") / "cold.json", cfg, str(tiny_checkpoint),
+                       random_cold(cfg, 0.5, seed=1), [(0, 3), (3, 6)], cold_set.expert_bytes(cfg), 1 << 30, ["test"])
+    prompts = [[5, 17, 101, 250, 9, 33], [40, 41, 42, 7]]
+    plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
+    return cfg, f, prompts, [greedy(plain, p, 16) for p in prompts]
+
+
 @pytest.mark.parametrize("spares,claims", [(False, 1), (True, 1), (True, 3)],
                          ids=["in_place", "async", "async_3_claims_tokens"])
-def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, tmp_path, spares, claims):
+def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_checkpoint, host_experts_case, spares,
+                                                                         claims):
     """The real 2-stage cluster with half of every layer's experts in host RAM and a move round every 2 steps
     serves the greedy tokens and logprobs of the all-in-VRAM model (in process here), and /metrics says how many
     host reads and moves it made; moves in place, or into spare slots committed a round later
@@ -307,12 +321,7 @@ def test_served_with_host_experts_equals_all_in_vram_and_reports_metrics(tiny_ch
     from conftest import small_cluster_options
     from gateway.launcher import Cluster
 
-    cfg = load_config(tiny_checkpoint)
-    f = cold_set.write(tmp_path / "cold.json", cfg, str(tiny_checkpoint), random_cold(cfg, 0.5, seed=1), [(0, 3), (3, 6)],
-                       cold_set.expert_bytes(cfg), 1 << 30, ["test"])
-    prompts = [[5, 17, 101, 250, 9, 33], [40, 41, 42, 7]]
-    plain = load_model(tiny_checkpoint, LoadOptions(), cfg)
-    want = [greedy(plain, p, 16) for p in prompts]
+    cfg, f, prompts, want = host_experts_case
     opts = small_cluster_options(tiny_checkpoint)
     extra = dict(opts.extra, cold_experts=str(f), expert_move_interval=2, expert_move_async=spares,
                  expert_move_claims=claims, expert_move_half_life_unit="tokens" if claims > 1 else "steps")
