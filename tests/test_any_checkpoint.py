@@ -86,6 +86,19 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return ids[len(prompt):], torch.log_softmax(reference_logits(model, ids), dim=-1)
 
 
+@pytest.fixture(scope="module")
+def oracles(checkpoints):
+    """name -> `_greedy(transformers model, PROMPT, NEW)`, computed once for the module (the in-process and the
+    served tests of a checkpoint compare with the same continuation)."""
+    made: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+    def get(name: str) -> tuple[list[int], torch.Tensor]:
+        if name not in made:
+            made[name] = _greedy(checkpoints[name][1], PROMPT, NEW)
+        return made[name]
+    return get
+
+
 def test_block_size_is_derived_from_the_qsa_ratio(checkpoints):
     cfg = load_config(checkpoints["qwen4_exp_ratio3"][0])
     assert cfg.indexer_compress_ratio == 3 and derived_block_size(cfg) == 48
@@ -93,12 +106,12 @@ def test_block_size_is_derived_from_the_qsa_ratio(checkpoints):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_in_process_whole_and_split_match_transformers(name, checkpoints):
+def test_in_process_whole_and_split_match_transformers(name, checkpoints, oracles):
     """Prefill logits and greedy decode equal transformers', with the whole model and with it split into three
     slices (the stages of `moepipe serve --stages 3`, each PLE slice gathering its own rows)."""
-    path, ref = checkpoints[name]
+    path = checkpoints[name][0]
     cfg = load_config(path)
-    want_ids, want_lp = _greedy(ref, PROMPT, NEW)
+    want_ids, want_lp = oracles(name)
     whole = [load_model(path, LoadOptions(dtype=torch.float32))]
     split = [load_model(path, LoadOptions(start=s, end=e, dtype=torch.float32))
              for s, e in split_layers(cfg.num_hidden_layers, 3)]
@@ -122,13 +135,13 @@ SERVED = [("qwen4_exp_ratio3", 3, True), ("qwen4_exp_ratio3", 2, False), ("qwen3
 
 
 @pytest.mark.parametrize("name,stages,ple_service", SERVED)
-def test_served_cluster_matches_transformers(name, stages, ple_service, checkpoints):
+def test_served_cluster_matches_transformers(name, stages, ple_service, checkpoints, oracles):
     """`moepipe serve --stages N` with no KV size given: greedy tokens, their logprobs and top-3, and the echoed
     prompt's logprobs equal transformers'."""
     from conftest import OpenAI         # openai imported here, not at the top: the GPU image has no openai client
 
-    path, ref = checkpoints[name]
-    want_ids, want_lp = _greedy(ref, PROMPT, NEW)
+    path = checkpoints[name][0]
+    want_ids, want_lp = oracles(name)
     extra = {"max_num_batched_tokens": 32} if ple_service else {"max_num_batched_tokens": 32, "ple_service": False}
     with Cluster(ServeOptions(model=path, stages=stages, port=free_port(), extra=extra)) as c:
         assert c.cluster.block_size == derived_block_size(load_config(path))
