@@ -189,8 +189,7 @@ class SparseMoE(nn.Module):
                                                         fused_router=self.kernels.fused_router, **extra)
                 out = self._add_shared(x, out)
             if predicted is not None:
-                torch.cuda.current_stream(x.device).wait_stream(predicted)
-                self._prefetch_copy()
+                self._prefetch_copy(predicted)
             return out
         logits = self.gate(x)
         weights, ids = route(logits, self.top_k, self.renormalise)
@@ -327,18 +326,16 @@ class SparseMoE(nn.Module):
         out = self._routed_decode(x2, ids[:, :k], weights[:, :k], add=shared_out,
                                   before_down=None if side is None else
                                   lambda: torch.cuda.current_stream(x2.device).wait_stream(side))
-        if predicted is not None:
-            # joined after the down launch, not before it: the down waits for the shared expert only
-            torch.cuda.current_stream(x2.device).wait_stream(predicted)
-            self._prefetch_copy()
+        if predicted is not None:    # after the down launch, not before it: the down waits for the shared expert only
+            self._prefetch_copy(predicted)
         self.last_expert_ids = ids[:, :k]
         return out
 
     def _prefetch_next(self, x2: torch.Tensor) -> torch.cuda.Stream | None:
         """`expert_prefetch`: on the device's "predict" stream, forked here, the next MoE layer's router on this
         layer's input names its likely host experts (`expert_prefetch.predict`). The caller joins the returned
-        stream after this layer's expert launches (the prediction clears the next layer's `ready` flags before its
-        router reads them; x2 stays alive until then), then calls `_prefetch_copy`; None when nothing was launched.
+        stream after this layer's expert launches (`_prefetch_copy`: the prediction clears the next layer's `ready`
+        flags before its router reads them; x2 stays alive until then); None when nothing was launched.
         Its own stream, not the shared expert's: queued there (as in h100-39/40) it ran before the shared expert's
         down GEMV, which this layer's down launch waits for (a suspect for the prefetch's cost at batch 1, not timed
         apart). The next layer's router redirects only within this forward (`Prefetch.armed`)."""
@@ -358,21 +355,23 @@ class SparseMoE(nn.Module):
         pf.armed = True
         return stream
 
-    def _prefetch_copy(self) -> None:
-        """`expert_prefetch`'s copy of the predicted host rows into the next layer's prefetch slots, on the device's
+    def _prefetch_copy(self, predicted: torch.cuda.Stream) -> None:
+        """After this layer's expert launches: the forward's stream joins the prediction (`_prefetch_next`), then
+        `expert_prefetch`'s copy of the predicted host rows into the next layer's prefetch slots runs on the device's
         "prefetch" stream (joined at the end of the forward, `join_prefetch`), forked from the forward's stream
-        after this layer's expert launches (which joined the prediction): so the copy's PCIe reads start once this
-        layer's own host reads are done and run beside the next layer's token mixer. Started beside this layer's
-        experts instead (h100-39), the copies slowed their host reads: batch 1 90.7% of all in VRAM against 94.2%
-        without the prefetch."""
+        there: so the copy's PCIe reads start once this layer's own host reads are done and run beside the next
+        layer's token mixer. Started beside this layer's experts instead (h100-39), the copies slowed their host
+        reads: batch 1 90.7% of all in VRAM against 94.2% without the prefetch."""
         nxt = self._prefetch_to[0]
         t = nxt.table
         from stage_worker.kernels.common import side_stream
         from stage_worker.kernels.expert_prefetch import copy, note_pending
 
         device = t.prefetch.slot.device
+        main = torch.cuda.current_stream(device)
+        main.wait_stream(predicted)
         copier = side_stream(device, "prefetch")
-        copier.wait_stream(torch.cuda.current_stream(device))
+        copier.wait_stream(main)
         with torch.cuda.stream(copier):
             copy(t.prefetch, [t.dev[p] for p in t.parts], [t.host[p] for p in t.parts], t.hot)
         note_pending(device)
@@ -438,7 +437,7 @@ class SparseMoE(nn.Module):
         if self._prefetch_to is not None and self.gate.weight.is_cuda:
             from stage_worker.kernels.common import side_stream
 
-            for name in ("side", "predict", "prefetch"):   # made now, never first inside a graph capture
+            for name in ("predict", "prefetch"):        # made now, never first inside a graph capture
                 side_stream(self.gate.weight.device, name)
         if self.kernels.fused_router and self.gate.weight.is_cuda:
             from stage_worker.kernels.moe import router_lock
