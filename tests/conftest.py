@@ -20,21 +20,23 @@ if not __import__("torch").cuda.is_available():
 
 
 # The slowest units of work on the 2-core CI machine (a file, or a SHARED_GROUPS group listed by one of its files),
-# longest first (seconds of --durations=0 summed by file, a full run at 2026-12-07's interpreter speed-up
-# (tests/interpreter_speedup.py): 101 for test_self_healing, the "api" group 59, then 50, 48, 47, 45, 42, 40, 39,
-# the "corpus" group 37, ...). With --dist loadfile a unit runs whole on one worker; handing the longest out first
-# keeps the two workers' ends close. xdist's own order (by number of tests; `--no-loadscope-reorder` in
-# pyproject.toml turns it off) handed the then 190-s training file out late, when the other worker had run out of
-# work. Refresh it from such a run as files grow or shrink (the interpreter speed-up halved the kernel files).
-SLOWEST_FILES = ["test_self_healing.py", "test_agents.py", "test_qa_cancel_storm.py", "test_prefix_cache.py",
-                 "test_demo_model.py", "test_qa_api_oracle.py", "test_qa_deploy.py", "test_schemathesis.py",
-                 "test_cluster.py", "test_train_demo.py", "test_quantized_checkpoint.py", "test_kernel_moe_claim.py",
-                 "test_unseen_checkpoints_2.py", "test_kernel_moe_int4.py", "test_qa_prefix_oracle.py",
-                 "test_kernel_hyper_connection.py", "test_expert_table.py", "test_kernel_moe_int4_prefill.py",
-                 "test_expert_moves_async.py", "test_kernel_qsa.py", "test_qa_end_of_stream_stall.py",
-                 "test_any_checkpoint.py", "test_gptq_checkpoint.py", "test_qa_lifecycle_hung_gateway.py",
-                 "test_kernel_quant_gemv.py", "test_token_id_extras.py", "test_engine_core.py",
-                 "test_kernel_deltanet_decode.py", "test_qa_engine_freeze.py", "test_qa_lifecycle_signals.py"]
+# longest first as of a full run at 242c609 (seconds of --durations=0 summed by file: 155 for test_expert_moves_async,
+# then 129, 114, 96, 79, 63, 62, 62, 60, 55, ... the "api" group 53, "corpus" 24). With --dist loadfile a unit runs
+# whole on one worker; handing the longest out first keeps the two workers' ends close. xdist's own order (by number
+# of tests; `--no-loadscope-reorder` in pyproject.toml turns it off) handed the then 190-s training file out late,
+# when the other worker had run out of work. Not refreshed after the interpreter speed-up (tests/interpreter_speedup.py)
+# halved the kernel files: the list re-sorted by the new durations (server files first) ran 723 s against this one's
+# 682 s back to back (2026-12-07): with both workers starting on server tests, their processes contend for the two
+# cores; this order mixes kernel files (in-process) with server files.
+SLOWEST_FILES = ["test_expert_moves_async.py", "test_kernel_moe_int4.py", "test_self_healing.py",
+                 "test_kernel_hyper_connection.py", "test_kernel_moe_claim.py", "test_kernel_qsa.py",
+                 "test_qa_cancel_storm.py", "test_prefix_cache.py", "test_kernel_moe_int4_prefill.py",
+                 "test_schemathesis.py", "test_quantized_checkpoint.py", "test_demo_model.py", "test_agents.py",
+                 "test_qa_deploy.py", "test_gptq_checkpoint.py", "test_qa_api_oracle.py", "test_expert_table.py",
+                 "test_kernel_quant_gemv.py", "test_cluster.py", "test_kernel_deltanet_decode.py",
+                 "test_cli_migration.py", "test_kernel_section_attention.py", "test_unseen_checkpoints_2.py",
+                 "test_qa_prefix_oracle.py", "test_any_checkpoint.py", "test_train_demo.py", "test_engine_core.py",
+                 "test_grammar_xml_tool_calls.py", "test_kernel_moe_fp8.py", "test_qa_end_of_stream_stall.py"]
 
 
 # Test files that share session resources (`shared`): each group runs on one xdist worker, its files one after the
