@@ -1,19 +1,19 @@
-"""Triton's CPU interpreter without its per-call re-patching (the kernel tests' largest cost after the kernels).
+"""Triton's CPU interpreter without three of its per-operation costs (the kernel tests ran about twice as long).
 
-Triton 3.6's interpreter patches `triton.language` (every builtin, found with `inspect.getmembers`) when a launch
-starts and restores it when the launch ends (`GridExecutor.__call__`), but it also patches again on *every call of a
-@triton.jit helper from inside a kernel* (`InterpretedFunction.__call__`): once per program and per loop iteration
-for helpers such as `moe_int4._nibble` or `qsa._radix_prefix`. Inside a launch that second patch changes nothing (the
-builtins are already replaced; the replacements are not builtins, so the scan skips them), yet the scan took 30% of
-`tests/test_kernel_qsa.py` (py-spy, 2026-12-07). `install()` skips it for helpers whose `triton.language` modules
-the running launch has patched already: the kernel's own (`tl`), and those a first call of a helper from another
-module patched (`tl.core` for triton.language.standard's `zeros`, `cumsum`, ...: Triton never undoes a device call's
-patch). Everything else goes through Triton's own code. And `_get_np_dtype`,
-which rebuilt its 19-entry table of numpy dtypes for every operation (6% of the MoE kernel tests), answers from a
-table filled by Triton's own function; and a `block_type` (made for every operation's result) copies the
-attributes of the first one made with its element type and shape instead of building its shape as a Triton tuple
-again (8.3 -> 0.9 us a type). Tests only: the served
-model never runs the interpreter.
+1. Triton 3.6 patches `triton.language` (every builtin, found with `inspect.getmembers`) when a launch starts and
+   restores it when the launch ends (`GridExecutor.__call__`), but also again on *every call of a @triton.jit helper
+   inside a kernel* (`InterpretedFunction.__call__`): once per program and loop iteration for helpers such as
+   `moe_int4._nibble` or `qsa._radix_prefix`. Inside a launch that patch changes nothing (the builtins are already
+   replaced, and the replacements are not builtins, so the scan skips them), yet it took 30% of
+   `tests/test_kernel_qsa.py` (py-spy, 2026-12-07). Skipped for helpers whose language modules the running launch
+   has patched: the kernel's own (`tl`), and those a first call of a helper from another module patched (`tl.core`
+   for triton.language.standard's `zeros`, `cumsum`, ...: Triton never undoes a device call's patch).
+2. `_get_np_dtype` built its 19-entry table of numpy dtypes for every operation: answered from a table that
+   Triton's own function fills.
+3. A `block_type`, made for every operation's result, built its shape as a Triton tuple (typing each element) and
+   its name from it: it copies the first one of its element type and shape instead (8.3 -> 0.9-2.9 us a type).
+
+Everything else goes through Triton's own code. Tests only: the served model never runs the interpreter.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _lang_modules_of(fn, _n_globals: int) -> frozenset[int]:
 
 
 def install() -> None:
+    """Replace the three (once a process; `conftest.py` calls it when TRITON_INTERPRET=1)."""
     from triton.runtime import interpreter as interp
 
     if getattr(interp.InterpretedFunction, "_moepipe_fast_calls", False):
