@@ -48,6 +48,21 @@ SHARED_GROUPS = {"test_agents.py": "api", "test_responses_api.py": "api", "test_
                  "test_route_trace.py": "corpus"}
 
 
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """`-n auto` on a machine without a GPU: one worker more than its cores. Much of a server test is waiting (a hang
+    or start timeout run out, a restart, a stream paused while a component comes back), and the extra worker's
+    tests use the cores meanwhile. On the 2-core CI-sized VM (2026-12-07, four full runs in a row; its speed drifts):
+    3 workers 607 s (18m33 of user CPU), 2 workers 753 s (21m00), 4 workers 741 s (22m51), 3 again 685 s (21m10):
+    wall / CPU 0.54-0.55 with 3 or 4 against 0.60 with 2, and a fourth worker's contention costs more CPU than it
+    hides. With a GPU, xdist's own count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores + 1
+
+
 def _group(path) -> str:
     name = Path(str(path)).name
     return SHARED_GROUPS.get(name, name)
