@@ -17,6 +17,7 @@ instead: it is replayed before its rows exist and copies them from pinned memory
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -81,14 +82,19 @@ class DecodeGraphs:
         moes = self.moes
         for m in moes:
             m.valid_rows = self.valid
+        experts = getattr(self.model, "experts", None)
         try:
-            for size in reversed(self.sizes):             # largest first: smaller graphs reuse its memory pool
-                if self.valid is not None:
-                    self.valid.fill_(size)                # the warm-up runs take every row
-                self.graphs[size] = self._capture(size)
+            with contextlib.nullcontext() if experts is None else experts.uncounted():
+                self._capture_all()
         finally:
             for m in moes:
                 m.valid_rows = None                       # eager steps (prefill, steps that do not fit) take all rows
+
+    def _capture_all(self) -> None:
+        for size in reversed(self.sizes):                 # largest first: smaller graphs reuse its memory pool
+            if self.valid is not None:
+                self.valid.fill_(size)                    # the warm-up runs take every row
+            self.graphs[size] = self._capture(size)
 
     def _static_batch(self, size: int) -> tuple[StepBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device

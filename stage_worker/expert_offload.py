@@ -14,6 +14,7 @@ two-table layout above for the whole stage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -87,6 +88,19 @@ class StageExperts:
         if self.prefetch_issued is not None:
             out += [self.prefetch_issued, self.prefetch_hits]
         return out
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Steps run inside (a graph capture's warm-up runs, the start-up warm-up: scratch rows, no request's) leave
+        the host-read, move and prefetch counters as they were, so /metrics counts requests' traffic only. Found by
+        h100-42: a one-token stage with `expert_prefetch_min_batch` 2 reported 28 prefetches, all from the warm-up
+        of its batch-2 graph."""
+        saved = [c.clone() for c in self._counters()]
+        try:
+            yield
+        finally:
+            for c, s in zip(self._counters(), saved):
+                c.copy_(s)
 
     def snapshot(self) -> None:
         """Queue a copy of the host-read, move and prefetch counters to the host, and keep the previous copy's

@@ -147,6 +147,31 @@ def test_prefetch_slots_only_on_a_gpu_stage(tiny_checkpoint):
     ClusterConfig(**base, expert_prefetch=4, expert_move_async=False, expert_moves=False).validate()   # no moves
 
 
+def test_warm_up_steps_leave_the_expert_counters_as_they_were(tiny_checkpoint):
+    """Steps inside `StageExperts.uncounted` (graph captures' and the start-up's warm-up runs over scratch rows) count
+    no host reads in /metrics; the same steps outside it do (h100-42: a one-token stage with min batch 2 reported 28
+    prefetches, all from its batch-2 graph's warm-up)."""
+    from shared.model_config import load_config
+    from stage_worker.checkpoint.loader import LoadOptions, load_model
+    from expert_tables import greedy, random_cold
+
+    cfg = load_config(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, LoadOptions(cold_experts=random_cold(cfg, 0.5, seed=3)), cfg)
+    x = model.experts
+    prompt = [(5 * i + 1) % 2000 + 10 for i in range(12)]
+    with x.uncounted():
+        greedy(model, prompt, 3)
+    assert int(x.host_reads.sum()) == 0 and int(x.moves.sum()) == 0
+    greedy(model, prompt, 3)
+    counted = int(x.host_reads.sum())
+    assert counted > 0
+    with x.uncounted():
+        greedy(model, prompt, 3)
+    assert int(x.host_reads.sum()) == counted
+    x.snapshot()
+    assert sum(v for k, v in x.stats().items() if k.startswith("expert_host_reads:")) == counted
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
