@@ -255,6 +255,24 @@ VLLM_ONLY_FLAGS = (
                                    "--local-dir DIR, then moepipe serve DIR"),
     ("--tokenizer", True, "refuse", "the tokenizer is the checkpoint's own (tokenizer.json in the model "
                                     "directory)"),
+    # more of what Qwen3-Next / Qwen3.5 `vllm serve` lines carry (2026-12-07)
+    ("--async-scheduling", False, "ok", "plan-ahead scheduling is on by default (MOEPIPE_ASYNC_SCHEDULING=0 turns it "
+                                        "off)"),
+    ("--no-async-scheduling", False, "refuse", "plan-ahead scheduling is turned off by MOEPIPE_ASYNC_SCHEDULING=0 "
+                                               "(the cluster key async_scheduling)"),
+    ("--enable-expert-parallel", False, "note", "a pipeline stage keeps its layers' experts on its own GPU; experts "
+                                                "beyond its memory go to host RAM (--cold-experts auto)"),
+    ("--compilation-config", True, "note", "decode replays CUDA graphs moepipe captures itself (--enforce-eager "
+                                           "turns them off); nothing goes through torch.compile"),
+    ("--max-seq-len-to-capture", True, "ok", "decode graphs serve every context length"),
+    ("--max-logprobs", True, "note|20", "logprobs and top_logprobs go up to 20, the OpenAI API's limit"),
+    ("--enable-request-id-headers", False, "ok", "every reply carries X-Request-Id (the client's, or one made)"),
+    ("--disable-fastapi-docs", False, "ok", "moepipe serves no /docs or /redoc pages (/openapi.json stays)"),
+    ("--distributed-executor-backend", True, "note|mp", "stages are processes linked over ZeroMQ (--stages)"),
+    ("--return-tokens-as-token-ids", False, "refuse", "set return_tokens_as_token_ids in each request (the "
+                                                      "server-wide default is not supported)"),
+    ("--hf-overrides", True, "refuse", "the model's settings are its config.json: edit a copy of the checkpoint's "
+                                       "config.json instead"),
 )
 
 

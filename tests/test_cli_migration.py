@@ -175,19 +175,26 @@ def test_vllm_only_flags_are_accepted_noted_or_refused_by_name(tiny_checkpoint, 
     'unrecognized arguments'. Each is now accepted, accepted with a note naming it, or refused with what to do."""
     model = str(tiny_checkpoint)
     for argv in (["--enable-chunked-prefill"], ["--kv-cache-dtype", "auto"], ["--generation-config", "auto"],
-                 ["--max-log-len", "100"], ["--enable-log-requests"], ["--tokenizer", model]):
+                 ["--max-log-len", "100"], ["--enable-log-requests"], ["--tokenizer", model],
+                 ["--async-scheduling"], ["--max-seq-len-to-capture", "8192"], ["--max-logprobs", "20"],
+                 ["--enable-request-id-headers"], ["--disable-fastapi-docs"],
+                 ["--distributed-executor-backend", "mp"]):
         capsys.readouterr()
         options(model, *argv)
         assert capsys.readouterr().err == "", argv
     for argv in (["--speculative-config", '{"method":"qwen3_next_mtp","num_speculative_tokens":2}'],
-                 ["--seed", "0"], ["--swap-space", "4"], ["--no-enable-chunked-prefill"]):
+                 ["--seed", "0"], ["--swap-space", "4"], ["--no-enable-chunked-prefill"],
+                 ["--enable-expert-parallel"], ["--compilation-config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}'],
+                 ["--max-logprobs", "50"], ["--distributed-executor-backend", "ray"]):
         capsys.readouterr()
         options(model, *argv)
         err = capsys.readouterr().err
         assert f"moepipe: {argv[0]}" in err and "ignored:" in err, err
     for argv, word in ((["--kv-cache-dtype", "fp8"], "compute dtype"), (["--quantization", "fp8"], "moepipe quantize"),
                        (["--cpu-offload-gb", "8"], "--cold-experts"), (["--download-dir", "/x"], "does not download"),
-                       (["--tokenizer", "/elsewhere"], "tokenizer"), (["--generation-config", "vllm"], "generation")):
+                       (["--tokenizer", "/elsewhere"], "tokenizer"), (["--generation-config", "vllm"], "generation"),
+                       (["--no-async-scheduling"], "MOEPIPE_ASYNC_SCHEDULING=0"),
+                       (["--return-tokens-as-token-ids"], "each request"), (["--hf-overrides", "{}"], "config.json")):
         with pytest.raises(ValueError, match=word) as err:
             options(model, *argv)
         assert argv[0] in str(err.value)

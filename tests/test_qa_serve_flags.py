@@ -56,8 +56,8 @@ def test_an_unknown_flag_names_the_close_one(argv, words):
     lines of usage; the close flag is now named."""
     r = moepipe("serve", *argv)
     assert r.returncode == 2 and last_line(r) == f"moepipe serve: error: unrecognized arguments: {words}", r.stderr
-    r = moepipe("serve", "--enable-expert-parallel")        # nothing close: only the flag
-    assert last_line(r) == "moepipe serve: error: unrecognized arguments: --enable-expert-parallel", r.stderr
+    r = moepipe("serve", "--enable-eplb")        # nothing close: only the flag
+    assert last_line(r) == "moepipe serve: error: unrecognized arguments: --enable-eplb", r.stderr
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -146,7 +146,7 @@ def refusal_cases(model: str, tmp: Path) -> list[tuple[list[str], str]]:
         (["--max-model-length", "4096"], "did you mean --max-model-len"),
         (["--served-model", "x"], "did you mean --served-model-name"),
         (["--gpu-memory-utilisation", "0.9"], "did you mean --gpu-memory-utilization"),
-        (["--enable-expert-parallel"], "--enable-expert-parallel"),
+        (["--enable-eplb"], "--enable-eplb"),
         (["--max_model_len", "100k"], "--max-model-len 100000"),
         (["--tensor_parallel_size=2"], "--tensor-parallel-size 2"),
     ]
