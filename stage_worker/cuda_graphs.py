@@ -17,11 +17,11 @@ instead: it is replayed before its rows exist and copies them from pinned memory
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from stage_worker.expert_offload import uncounted
 from stage_worker.graph_inputs import PAD_LENGTH, PAD_POSITION, InputLayout, Padding, StagedInputs
 from stage_worker.model.batch import StepBatch
 from stage_worker.model.cache import ModelCache
@@ -82,19 +82,15 @@ class DecodeGraphs:
         moes = self.moes
         for m in moes:
             m.valid_rows = self.valid
-        experts = getattr(self.model, "experts", None)
         try:
-            with contextlib.nullcontext() if experts is None else experts.uncounted():
-                self._capture_all()
+            with uncounted(self.model):                   # the warm-up runs are no request's traffic
+                for size in reversed(self.sizes):         # largest first: smaller graphs reuse its memory pool
+                    if self.valid is not None:
+                        self.valid.fill_(size)            # the warm-up runs take every row
+                    self.graphs[size] = self._capture(size)
         finally:
             for m in moes:
                 m.valid_rows = None                       # eager steps (prefill, steps that do not fit) take all rows
-
-    def _capture_all(self) -> None:
-        for size in reversed(self.sizes):                 # largest first: smaller graphs reuse its memory pool
-            if self.valid is not None:
-                self.valid.fill_(size)                    # the warm-up runs take every row
-            self.graphs[size] = self._capture(size)
 
     def _static_batch(self, size: int) -> tuple[StepBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device

@@ -30,6 +30,13 @@ from stage_worker.model.expert_table import FP8_PARTS, PACKED_PARTS, PARTS, Expe
 log = logging.getLogger(__name__)
 
 
+def uncounted(model) -> contextlib.AbstractContextManager:
+    """`StageExperts.uncounted` of the model's expert tables (warm-up steps: a graph capture's, the start-up's);
+    nothing to do for a model without them."""
+    experts = getattr(model, "experts", None)
+    return contextlib.nullcontext() if experts is None else experts.uncounted()
+
+
 @dataclass
 class StageExperts:
     """The stage's tables by layer, and the state every table holds a view of: one tensor each for all layers, so

@@ -8,7 +8,6 @@ serving. SIGTERM ends it cleanly.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import logging
 import os
@@ -164,12 +163,11 @@ def serve(cluster: ClusterConfig, index: int) -> int:
         progress.info("%s: running the prefill path and the sampler once (compiling their kernels on a machine's "
                       "first start)", name)
         try:
-            with contextlib.nullcontext() if model.experts is None else model.experts.uncounted():
-                seconds = warm_up(model, runner.cache, block_size=cluster.block_size,
-                                  scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
-                                  race_kernel=getattr(getattr(model, "kernel_flags", None), "sample_race", False),
-                                  batched_prefill=cluster.batched_prefill,
-                                  decode_rows=runner.graphs.sizes if runner.graphs is not None else (1, 4))
+            seconds = warm_up(model, runner.cache, block_size=cluster.block_size,
+                              scratch_slot=cluster.max_num_seqs, scratch_block=cluster.num_blocks,
+                              race_kernel=getattr(getattr(model, "kernel_flags", None), "sample_race", False),
+                              batched_prefill=cluster.batched_prefill,
+                              decode_rows=runner.graphs.sizes if runner.graphs is not None else (1, 4))
             if runner.own_decode_rows is not None:
                 # the stage's own decode-row gather once (the scratch slot's context): h200-21 measured the first
                 # request at 1.06 s against 0.08 s for the next, 0.44 s of it this gather's first call (a dummy

@@ -21,6 +21,7 @@ import time
 import torch
 
 from shared.sampling import SamplingParams
+from stage_worker.expert_offload import uncounted
 from stage_worker.batch_sampler import Row, TokenCounts, sample_rows
 from stage_worker.host_copy import to_host
 from stage_worker.model.batch import StepBatch
@@ -40,20 +41,21 @@ def warm_up(model, cache, *, block_size: int, scratch_slot: int, scratch_block: 
     steps = [[n] for n in lengths]
     if batched_prefill:
         steps += [[lengths[-1], max(1, block_size - 5)], [lengths[0], lengths[0]]]
-    for lens in steps:
-        n = sum(lens)
-        seqs = [(list(range(10, 10 + k)), 0, scratch_slot, [scratch_block]) for k in lens]
-        batch = StepBatch.build(seqs, block_size, dev)
-        batch.batched_prefill = batched_prefill
-        batch.ple_rows = {i: torch.zeros(n, p.heads, p.head_dim, dtype=dtype, device=dev) for i, p in ple.items()}
-        hidden = None
-        if not model.has_embedding:
-            hidden = torch.zeros(n, model.stream_width, dtype=dtype, device=dev)
-        out = model(batch, cache, hidden)
-        if model.has_head and len(lens) == 1:
-            logits = model.logits(out, batch).float()
-            for rows in decode_rows:
-                _warm_sampler(logits, scratch_slot, race_kernel, rows)
+    with uncounted(model):                  # scratch steps: no request's host reads or prefetches in /metrics
+        for lens in steps:
+            n = sum(lens)
+            seqs = [(list(range(10, 10 + k)), 0, scratch_slot, [scratch_block]) for k in lens]
+            batch = StepBatch.build(seqs, block_size, dev)
+            batch.batched_prefill = batched_prefill
+            batch.ple_rows = {i: torch.zeros(n, p.heads, p.head_dim, dtype=dtype, device=dev) for i, p in ple.items()}
+            hidden = None
+            if not model.has_embedding:
+                hidden = torch.zeros(n, model.stream_width, dtype=dtype, device=dev)
+            out = model(batch, cache, hidden)
+            if model.has_head and len(lens) == 1:
+                logits = model.logits(out, batch).float()
+                for rows in decode_rows:
+                    _warm_sampler(logits, scratch_slot, race_kernel, rows)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0
