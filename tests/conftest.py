@@ -192,13 +192,23 @@ def moepipe(*args: str, env: dict[str, str] | None = None):
 
     from shared.cli import COMMANDS
 
+    import signal
+    from unittest import mock
+
     command = next(a for a in args if not a.startswith("-"))
     main = importlib.import_module(COMMANDS[command][0]).main
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    # `serve` here is for its refusals: one that gets as far as starting a child would serve in this process until
+    # killed (a flag a test expects refused that has become accepted hung a worker for 14 minutes). Spawning fails
+    # instead (run_serve prints it and returns 1), and the handlers run_serve installs leave with the call.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    no_children = mock.patch("gateway.launcher.Cluster._spawn", side_effect=RuntimeError(
+        "tests' moepipe() helper: serve got as far as starting a server (expected a refusal)")) \
+        if command == "serve" else contextlib.nullcontext()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with no_children, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(list(args))
             except SystemExit as exc:            # argparse: a bad flag or value (2), --help (0)
@@ -209,6 +219,8 @@ def moepipe(*args: str, env: dict[str, str] | None = None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return subprocess.CompletedProcess(["moepipe", *args], code, out.getvalue(), err.getvalue())
 
 

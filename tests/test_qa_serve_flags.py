@@ -167,3 +167,10 @@ def test_a_cpu_stage_checks_free_ram_before_its_prefix_cache_states(tiny_checkpo
         ModelCache(cfg, spec)
     monkeypatch.setattr(host_memory, "available_bytes", lambda: need)
     ModelCache(cfg, spec)                    # exactly enough: no headroom is asked of a CPU stage
+
+
+def test_the_in_process_helper_fails_a_serve_that_would_start_instead_of_hanging(tiny_checkpoint):
+    # the guard that keeps a refusal test from serving forever in its worker when the flag it names became accepted
+    r = moepipe("serve", str(tiny_checkpoint), "--port", str(free_port()), "--stages", "1")
+    assert r.returncode == 1, r
+    assert "got as far as starting a server" in r.stderr, r.stderr
