@@ -211,10 +211,23 @@ class SparseMoE(nn.Module):
             by_expert = t.experts_of(ids)        # experts in id order, as without a table: the same sums
             slot_of = t.slot_of_expert()
         out = torch.zeros_like(x)
+
+        def expert_rows(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (self.w13[e], self.w2[e]) if t is None else \
+                tuple(r.to(x.device, non_blocking=True) for r in t.slot_rows(slot_of[e]))
+
+        if x.dim() == 2 and x.shape[0] == 1:
+            # One token (a CPU decode step): its k experts in id order, as the loop below visits them, without the
+            # loop's unique / where / gathers / index_add (~15 us of ~40 an expert on the CPU): the same sums.
+            chosen = by_expert[0].tolist()
+            for j in sorted(range(len(chosen)), key=chosen.__getitem__):
+                w13, w2 = expert_rows(chosen[j])
+                g, u = F.linear(x, w13).chunk(2, dim=-1)
+                out += (F.linear(self.act(g) * u, w2) * weights[0, j]).to(out.dtype)
+            return self._add_shared(x, out)
         for e in torch.unique(by_expert).tolist():
             tok, slot = torch.where(by_expert == e)
-            w13, w2 = (self.w13[e], self.w2[e]) if t is None else \
-                (r.to(x.device, non_blocking=True) for r in t.slot_rows(slot_of[e]))
+            w13, w2 = expert_rows(e)
             gate_up = F.linear(x[tok], w13)
             g, u = gate_up.chunk(2, dim=-1)
             y = F.linear(self.act(g) * u, w2) * weights[tok, slot, None]
