@@ -190,10 +190,10 @@ def moepipe(*args: str, env: dict[str, str] | None = None):
     import io
     import subprocess
 
-    from shared.cli import COMMANDS
-
     import signal
     from unittest import mock
+
+    from shared.cli import COMMANDS
 
     command = next(a for a in args if not a.startswith("-"))
     main = importlib.import_module(COMMANDS[command][0]).main

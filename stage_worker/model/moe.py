@@ -217,7 +217,7 @@ class SparseMoE(nn.Module):
                 tuple(r.to(x.device, non_blocking=True) for r in t.slot_rows(slot_of[e]))
 
         if x.dim() == 2 and x.shape[0] == 1:
-            # One token (a CPU decode step): its k experts in id order, as the loop below visits them, without the
+            # One token (a decode step of one sequence): its k experts in id order, as the loop below visits them, without the
             # loop's unique / where / gathers / index_add (~15 us of ~40 an expert on the CPU): the same sums.
             chosen = by_expert[0].tolist()
             for j in sorted(range(len(chosen)), key=chosen.__getitem__):
