@@ -188,9 +188,8 @@ def moepipe(*args: str, env: dict[str, str] | None = None):
     import contextlib
     import importlib
     import io
-    import subprocess
-
     import signal
+    import subprocess
     from unittest import mock
 
     from shared.cli import COMMANDS
