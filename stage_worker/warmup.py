@@ -21,8 +21,8 @@ import time
 import torch
 
 from shared.sampling import SamplingParams
-from stage_worker.expert_offload import uncounted
 from stage_worker.batch_sampler import Row, TokenCounts, sample_rows
+from stage_worker.expert_offload import uncounted
 from stage_worker.host_copy import to_host
 from stage_worker.model.batch import StepBatch
 
