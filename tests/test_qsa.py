@@ -280,6 +280,46 @@ def test_sparse_prefill_equals_dense_masked_prefill(qwen4_cfg, device):
     assert torch.equal(caches[True].pooled_keys, caches[False].pooled_keys)
 
 
+def test_sdpa_prefill_on_the_cpu_attends_as_the_eager_paths(qwen4_cfg, monkeypatch):
+    """Kernel flag `sdpa_prefill` on the CPU: both QSA prefill paths (the dense masked scores and each query's
+    gathered keys) go through F.scaled_dot_product_attention and give the eager paths' output within float32
+    rounding (a 300-token prompt in chunks of 64, budget 8, so the late chunks gather)."""
+    import torch.nn.functional as F
+
+    from stage_worker.kernels.flags import KernelFlags
+
+    cfg8 = dataclasses.replace(qwen4_cfg, indexer_budget=8)
+    torch.manual_seed(0)
+    rotary = Rotary(cfg8.rotary_dim, cfg8.rope_theta)
+    attn = GatedAttention(cfg8, True, rotary).eval()
+    x = torch.randn(300, cfg8.hidden_size)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+
+    def prefill(flags: str, sparse: bool) -> torch.Tensor:
+        attn.kernels = KernelFlags.parse(flags)
+        cache = AttentionCache(cfg8, CacheSpec(num_blocks=25, block_size=16, num_slots=1, device="cpu"))
+        chunks = []
+        with torch.no_grad():
+            for start in range(0, 300, 64):
+                tokens = list(range(start, min(start + 64, 300)))
+                batch = StepBatch.build([(tokens, start, 0, list(range(24, 4, -1)))], 16, "cpu")
+                batch.sparse_prefill = sparse
+                chunks.append(attn(x[start:start + len(tokens)], batch, cache,
+                                   rotary.cos_sin(batch.positions, x.dtype)))
+        return torch.cat(chunks)
+
+    want = prefill("none", False)
+    assert not calls
+    for sparse in (False, True):
+        got = prefill("sdpa_prefill", sparse)
+        assert calls, "the SDPA path was not taken"
+        calls.clear()
+        assert (got - want).abs().max().item() < 1e-5, sparse
+    assert 300 > SPARSE_PREFILL_FACTOR * attn.indexer.keys            # the late chunks do take the gathered path
+
+
 # ---- (c) a budget covering the context is dense attention -------------------------------------------------------
 
 def _logits(model, prompt, decode):

@@ -1,8 +1,8 @@
 """The dense attention prefill through torch's scaled_dot_product_attention (kernel flag `sdpa_prefill`, named
 only): the same attention as the eager scores and fp32 softmax of `GatedAttention._attend`, for full attention and
 for QSA's selection masks, with grouped K/V heads and a batch of padded sequences. On the CPU `_attend_sdpa` is
-called directly (the flag itself takes CUDA tensors only); on a GPU (`-m gpu`) the whole prefill with the flag on
-against off, and a long dense chunk timed both ways."""
+called directly (the whole QSA prefill with the flag: tests/test_qsa.py); on a GPU (`-m gpu`) the whole prefill with
+the flag on against off, and a long dense chunk timed both ways."""
 
 from __future__ import annotations
 

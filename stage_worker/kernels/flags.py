@@ -83,11 +83,13 @@ class KernelFlags:
                                       # has run and it is timed; off (or without pdl): the kernels compiled
                                       # exactly as before (a constexpr L2PF)
     sdpa_prefill: bool = False        # the full-attention layers' prefill (`GatedAttention._attend_heads`, not QSA
-                                      # layers: slower there) through torch's scaled_dot_product_attention with the
-                                      # causal mask (its memory-efficient kernel: no [heads, queries, context]
-                                      # scores in HBM); CUDA only. In "all" since h200-26: Qwen3-Next shape, 16
-                                      # layers, 16k tokens in 2048 chunks: 0.46 / 0.44 s against 0.51 / 0.52 s;
-                                      # off: the eager scores and fp32 softmax
+                                      # layers on a GPU: slower there) through torch's scaled_dot_product_attention
+                                      # with the causal mask (its memory-efficient kernel: no [heads, queries,
+                                      # context] scores in HBM). In "all" since h200-26: Qwen3-Next shape, 16
+                                      # layers, 16k tokens in 2048 chunks: 0.46 / 0.44 s against 0.51 / 0.52 s.
+                                      # On the CPU also every QSA layer's prefill, masked and gathered
+                                      # (`_attend_selected`): 2.3-3x faster a call on one thread; off: the eager
+                                      # scores and fp32 softmax
     side_stream: bool = False         # INT4 experts with a packed (INT6) shared expert at decode: the shared
                                       # expert's two GEMVs on a second stream beside the router and the INT4 up
                                       # launch (a parallel branch of the decode graph; kernels.common.side_stream).
