@@ -2,7 +2,8 @@
 
 Read once (from the cluster config, a benchmark's flags, or MOEPIPE_KERNELS) and handed to the model with
 `StageModel.set_kernels`; layers never read the environment. Kernels only run on CUDA tensors; on the CPU every
-layer takes its PyTorch reference path whatever the flags say.
+layer takes its PyTorch reference path whatever the flags say, but for `sdpa_prefill`, which also picks PyTorch's
+fused attention for a CPU stage's prefill.
 """
 
 from __future__ import annotations
