@@ -30,7 +30,7 @@ def test_environment_default(monkeypatch):
 
 def test_set_kernels_reaches_every_layer_and_cpu_output_is_unchanged(reference_checkpoints, monkeypatch):
     """The Triton kernels run CUDA tensors only: on the CPU every flag but `sdpa_prefill` leaves the output bit for
-    bit; `sdpa_prefill` is a CPU path too (the attention prefill through PyTorch's fused kernel), within float32
+    bit; `sdpa_prefill` is a CPU path too (the attention through PyTorch's fused kernel), within float32
     rounding of the eager scores."""
     from stage_worker.checkpoint.loader import LoadOptions, load_model
     from stage_worker.local_engine import LocalEngine

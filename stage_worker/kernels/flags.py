@@ -3,7 +3,7 @@
 Read once (from the cluster config, a benchmark's flags, or MOEPIPE_KERNELS) and handed to the model with
 `StageModel.set_kernels`; layers never read the environment. Kernels only run on CUDA tensors; on the CPU every
 layer takes its PyTorch reference path whatever the flags say, but for `sdpa_prefill`, which also picks PyTorch's
-fused attention for a CPU stage's prefill.
+fused attention for a CPU stage's attention (prefill and decode).
 """
 
 from __future__ import annotations
@@ -88,9 +88,10 @@ class KernelFlags:
                                       # with the causal mask (its memory-efficient kernel: no [heads, queries,
                                       # context] scores in HBM). In "all" since h200-26: Qwen3-Next shape, 16
                                       # layers, 16k tokens in 2048 chunks: 0.46 / 0.44 s against 0.51 / 0.52 s.
-                                      # On the CPU also every QSA layer's prefill, masked and gathered
-                                      # (`_attend_selected`): 2.3-3x faster a call on one thread; off: the eager
-                                      # scores and fp32 softmax
+                                      # On the CPU every attention layer's masked scores (prefill, and a decode
+                                      # step's one query: neutral) and QSA's gathered keys (`_attend_selected`):
+                                      # 2.3-3x faster a prefill call on one thread; off: the eager scores and
+                                      # fp32 softmax
     side_stream: bool = False         # INT4 experts with a packed (INT6) shared expert at decode: the shared
                                       # expert's two GEMVs on a second stream beside the router and the INT4 up
                                       # launch (a parallel branch of the decode graph; kernels.common.side_stream).
